@@ -1,0 +1,165 @@
+"""Attention functions registered with transformers' `AttentionInterface` as `keydiff_<base>`.
+
+They do two jobs the stock functions cannot:
+1. Masks. Layers of an evicting cache hold `n` kept past entries plus the `q` new tokens, and every kept
+   entry is in the past, so the right mask is causal aligned to the bottom-right corner. It is derived
+   here from each layer's own key length (layers may differ, e.g. L2-norm's skip layers), so the model's
+   mask is not used. Batches are never padded.
+2. Attention statistics for attention-based policies (H2O, TOVA, SnapKV). In "fast" mode the output
+   comes from the fused kernel (SDPA or FlashAttention) and only the statistic the policy needs is
+   computed beside it: the last query row (TOVA), the last w rows (SnapKV) or the column sums of all
+   rows (H2O), in row chunks so memory stays O(chunk x keys). In "materialized" mode the eager path
+   computes the full weight matrix and the statistic is read from it, as in the paper's latency runs.
+
+The statistic is: for each key, the softmax attention it receives summed over the requested query rows
+and averaged over the query heads that share its KV head (paper §F.2), shape [batch, kv_heads, keys].
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+
+BASE_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
+STATISTIC_CHUNK_ELEMENTS = 1 << 26  # ~256 MB of float32 scores per chunk
+
+
+def causal_mask(
+    q_len: int, kv_len: int, device: torch.device, first_row: int = 0, stop_row: int | None = None
+) -> torch.Tensor:
+    """Bool [rows, kv_len] for query rows first_row..stop_row-1: row i sees key j iff j <= (kv_len - q_len) + i."""
+    stop_row = q_len if stop_row is None else stop_row
+    rows = torch.arange(first_row, stop_row, device=device)[:, None] + (kv_len - q_len)
+    return torch.arange(kv_len, device=device)[None, :] <= rows
+
+
+def attention_statistic(query: torch.Tensor, key: torch.Tensor, scaling: float, rows: int | None) -> torch.Tensor:
+    """Attention received by each key from the last `rows` query rows (None: all), group-averaged.
+
+    query [b, H, q, d], key [b, H_kv, kv, d] -> float32 [b, H_kv, kv]. Softmax in float32 over the
+    causal (bottom-right) visible keys, summed over rows, averaged over the H/H_kv heads of each group.
+    """
+    batch, heads, q_len, dim = query.shape
+    kv_heads, kv_len = key.shape[1], key.shape[2]
+    groups = heads // kv_heads
+    first = 0 if rows is None else max(q_len - rows, 0)
+    keys_t = key.float().transpose(-1, -2)  # [b, H_kv, d, kv]
+    grouped = query.float().view(batch, kv_heads, groups, q_len, dim)
+    chunk = max(1, STATISTIC_CHUNK_ELEMENTS // max(1, batch * heads * kv_len))
+    total = torch.zeros(batch, kv_heads, kv_len, dtype=torch.float32, device=query.device)
+    for start in range(first, q_len, chunk):
+        stop = min(start + chunk, q_len)
+        block = grouped[:, :, :, start:stop].reshape(batch, kv_heads, groups * (stop - start), dim)
+        logits = (block @ keys_t) * scaling  # [b, H_kv, g*c, kv]
+        visible = causal_mask(q_len, kv_len, query.device, start, stop)  # [c, kv]
+        logits = logits.view(batch, kv_heads, groups, stop - start, kv_len).masked_fill(~visible, float("-inf"))
+        total += torch.softmax(logits, dim=-1).sum(dim=(2, 3))
+    return total / groups
+
+
+def statistic_from_weights(weights: torch.Tensor, kv_heads: int, rows: int | None) -> torch.Tensor:
+    """The same statistic read from materialised attention weights [b, H, q, kv]."""
+    batch, heads, q_len, kv_len = weights.shape
+    first = 0 if rows is None else max(q_len - rows, 0)
+    summed = weights[:, :, first:, :].float().sum(dim=2)
+    return summed.view(batch, kv_heads, heads // kv_heads, kv_len).mean(dim=2)
+
+
+def eager_attention(
+    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain attention with materialised weights (float32 softmax cast back, like transformers' eager)."""
+    groups = query.shape[1] // key.shape[1]
+    keys, values = repeat_kv(key, groups), repeat_kv(value, groups)
+    weights = torch.matmul(query, keys.transpose(2, 3)) * scaling
+    q_len, kv_len = query.shape[2], key.shape[2]
+    if q_len > 1:
+        weights = weights.masked_fill(~causal_mask(q_len, kv_len, query.device), torch.finfo(weights.dtype).min)
+    weights = torch.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    output = torch.matmul(weights, values).transpose(1, 2).contiguous()
+    return output, weights
+
+
+def fused_attention(
+    base: str, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float
+) -> torch.Tensor:
+    """Attention output from SDPA or FlashAttention, with the bottom-right causal mask."""
+    q_len, kv_len = query.shape[2], key.shape[2]
+    if base == "flash_attention_2":
+        from transformers.integrations.flash_attention import flash_attention_forward
+
+        # flash-attn >= 2.1 aligns the causal mask to the bottom-right corner when q_len != kv_len.
+        return flash_attention_forward(module, query, key, value, None, dropout=0.0, scaling=scaling)[0]
+    if q_len == 1 or q_len == kv_len:
+        # No mask: SDPA's is_causal (top-left) equals bottom-right when q_len == kv_len; one query sees all.
+        return sdpa_attention_forward(module, query, key, value, None, dropout=0.0, scaling=scaling)[0]
+    mask = causal_mask(q_len, kv_len, query.device)[None, None]
+    return sdpa_attention_forward(module, query, key, value, mask, dropout=0.0, scaling=scaling)[0]
+
+
+def make_attention_function(base: str):
+    """The attention function registered as `keydiff_<base>`."""
+
+    def attention(
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        scaling: float | None = None,
+        dropout: float = 0.0,
+        evicting_cache: Any = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:
+        scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+        rows = 0 if evicting_cache is None else evicting_cache.attention_rows_needed(module.layer_idx)
+        materialize = base == "eager" or (rows != 0 and evicting_cache.statistics == "materialized")
+        if materialize:
+            output, weights = eager_attention(module, query, key, value, scaling)
+            if rows != 0:
+                start = evicting_cache._clock()
+                statistic = statistic_from_weights(weights, key.shape[1], rows)
+                evicting_cache.timings["statistics_s"] += evicting_cache._clock() - start
+                evicting_cache.record_attention(module.layer_idx, statistic)
+            return output, None
+        output = fused_attention(base, module, query, key, value, scaling)
+        if rows != 0:
+            start = evicting_cache._clock()
+            evicting_cache.record_attention(module.layer_idx, attention_statistic(query, key, scaling, rows))
+            evicting_cache.timings["statistics_s"] += evicting_cache._clock() - start
+        return output, None
+
+    attention.__name__ = f"keydiff_{base}_attention"
+    return attention
+
+
+for _base in BASE_IMPLEMENTATIONS:
+    AttentionInterface.register(f"keydiff_{_base}", make_attention_function(_base))
+
+
+def base_implementation(model: torch.nn.Module) -> str:
+    """The model's attention implementation without our `keydiff_` prefix."""
+    name = model.config._attn_implementation or "sdpa"
+    name = name.removeprefix("keydiff_")
+    if name not in BASE_IMPLEMENTATIONS:
+        raise ValueError(f"attention implementation {name!r} is not supported; valid: {', '.join(BASE_IMPLEMENTATIONS)}")
+    return name
+
+
+@contextmanager
+def keydiff_attention(model: torch.nn.Module) -> Iterator[None]:
+    """Run the model with the `keydiff_<base>` attention function, restoring its own afterwards."""
+    original = model.config._attn_implementation
+    target = f"keydiff_{base_implementation(model)}"
+    if original == target:
+        yield
+        return
+    model.set_attn_implementation(target)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(original)

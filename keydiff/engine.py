@@ -1,0 +1,207 @@
+"""Block prompt processing (paper §2.4, Eq. 6) and decoding with eviction after every token.
+
+    cache = {}
+    for each block X_i of B prompt tokens:
+        run the model on X_i against the cache   (the block sees <= N kept entries + itself)
+        cache <- policy_N(cache + X_i's keys/values)
+    then generate with B = 1, evicting after every token.
+
+Tokens enter with their absolute position in the sequence (position_ids), so RoPE rotates each key by
+where its token really is, never by its index in the shrunken cache. Block size None (or math.inf)
+processes the whole prompt at once and evicts afterwards (paper Table 10): the same loop with one block.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from keydiff.attention import keydiff_attention
+from keydiff.cache import EvictingCache
+from keydiff.policies import Policy, build_policy
+
+
+@dataclass
+class PrefillResult:
+    """State after block-wise prefill: next-token logits, the bounded cache, and what was kept."""
+
+    logits: torch.Tensor  # [batch, vocab] at the last prompt position, float32
+    cache: EvictingCache
+    prompt_length: int
+    budget: int | None
+    block_size: int | None
+    seconds: float  # wall time of the prefill (time to first token's logits)
+
+    @property
+    def kept_positions(self) -> list[torch.Tensor]:
+        """Per layer, LongTensor [batch, kv_heads, kept] of the absolute prompt positions kept."""
+        return self.cache.kept_positions()
+
+    @property
+    def max_cache_entries(self) -> int:
+        return self.cache.max_entries
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[list[int]]  # per batch row, generated ids (the stop token included if one was hit)
+    finish_reasons: list[str]  # per batch row: "stop" (a stop token) or "length"
+    seconds: float  # decode wall time (after the first token's logits)
+    max_cache_entries: int
+    # Largest layer size (entries per head) after each step's eviction, if `record_steps` was set.
+    step_entries: list[int] = field(default_factory=list)
+
+
+def resolve_block_size(block_size: int | float | str | None) -> int | None:
+    """None, math.inf or "inf" mean one block (whole prompt); otherwise a positive integer."""
+    if block_size is None or (isinstance(block_size, str) and block_size.lower() in ("inf", "infinity", "none")):
+        return None
+    if isinstance(block_size, float) and math.isinf(block_size):
+        return None
+    if isinstance(block_size, bool) or int(block_size) != block_size or int(block_size) < 1:
+        raise ValueError(f"block_size must be a positive integer or 'inf', got {block_size!r}")
+    return int(block_size)
+
+
+def check_budget(policy: Policy, budget: int | None) -> None:
+    if not policy.evicts:
+        return
+    if budget is None or isinstance(budget, bool) or int(budget) != budget or budget < 1:
+        raise ValueError(f"budget must be a positive integer number of tokens for policy {policy.name!r}, got {budget!r}")
+    policy.validate(int(budget))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _forward(model: torch.nn.Module, cache: EvictingCache, input_ids: torch.Tensor, start: int) -> torch.Tensor:
+    """One forward pass of `input_ids` at absolute positions start..start+q-1, then eviction."""
+    batch, q_len = input_ids.shape
+    positions = torch.arange(start, start + q_len, device=input_ids.device).expand(batch, q_len)
+    cache.set_positions(positions)
+    output = model(
+        input_ids=input_ids,
+        position_ids=positions,
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=1,
+        evicting_cache=cache,
+    )
+    cache.evict()
+    return output.logits[:, -1, :].float()
+
+
+@torch.inference_mode()
+def prefill(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    policy: Policy | str,
+    budget: int | None,
+    block_size: int | float | str | None = 128,
+    attention_statistics: str = "fast",
+    profile: bool = False,
+    on_block: Callable[[EvictingCache], None] | None = None,
+) -> PrefillResult:
+    """Process `input_ids` [batch, L] (no padding) block by block, keeping at most `budget` entries per head.
+
+    policy: a Policy or a policy name (built with default hyper-parameters). budget: tokens per layer and
+    KV head (ignored by `full`). attention_statistics: "fast" or "materialized" (see keydiff.attention).
+    on_block: called with the cache after each block's eviction (tests use it to check the bound).
+    """
+    policy = build_policy(policy) if isinstance(policy, str) else policy
+    check_budget(policy, budget)
+    block = resolve_block_size(block_size)
+    if input_ids.dim() == 1:
+        input_ids = input_ids[None]
+    device = next(model.parameters()).device
+    input_ids = input_ids.to(device)
+    length = input_ids.shape[1]
+    if length < 1:
+        raise ValueError("the prompt is empty")
+    step = length if block is None else block
+    cache = EvictingCache(
+        policy, budget, model.config.get_text_config().num_hidden_layers, statistics=attention_statistics, profile=profile
+    )
+    _sync(device)
+    start_time = time.perf_counter()
+    with keydiff_attention(model):
+        for start in range(0, length, step):
+            logits = _forward(model, cache, input_ids[:, start : start + step], start)
+            if on_block is not None:
+                on_block(cache)
+    _sync(device)
+    seconds = time.perf_counter() - start_time
+    return PrefillResult(logits, cache, length, budget if policy.evicts else None, block, seconds)
+
+
+def next_token(
+    logits: torch.Tensor, do_sample: bool, temperature: float, top_p: float, generator: torch.Generator | None
+) -> torch.Tensor:
+    """Greedy argmax, or sampling with temperature and nucleus (top-p) filtering. logits [batch, vocab]."""
+    if not do_sample:
+        return logits.argmax(dim=-1)
+    probs = torch.softmax(logits / max(temperature, 1e-6), dim=-1)
+    if top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        # Keep the smallest prefix whose mass reaches top_p (the token crossing the threshold included).
+        outside = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p
+        sorted_probs = sorted_probs.masked_fill(outside, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+    samples = torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1)
+    return samples.to(logits.device)
+
+
+@torch.inference_mode()
+def generate(
+    model: torch.nn.Module,
+    state: PrefillResult,
+    max_new_tokens: int,
+    eos_token_ids: Sequence[int] = (),
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    min_new_tokens: int = 0,
+    seed: int | None = None,
+    record_steps: bool = False,
+) -> GenerationResult:
+    """Decode up to `max_new_tokens` tokens from a prefilled state, evicting after every token (B = 1).
+
+    A row stops at the first id in `eos_token_ids` (allowed only after `min_new_tokens`). Sampling draws
+    from a CPU generator seeded with `seed`, so results do not depend on the device's RNG.
+    """
+    cache, logits = state.cache, state.logits
+    batch = logits.shape[0]
+    device = logits.device
+    stop_set = set(int(i) for i in eos_token_ids)
+    stop_ids = torch.tensor(sorted(stop_set), dtype=torch.long, device=device)
+    generator = torch.Generator().manual_seed(seed) if (do_sample and seed is not None) else None
+    tokens: list[list[int]] = [[] for _ in range(batch)]
+    finished = [False] * batch
+    reasons = ["length"] * batch
+    steps: list[int] = []
+    _sync(device)
+    start_time = time.perf_counter()
+    with keydiff_attention(model):
+        for step in range(max_new_tokens):
+            if step < min_new_tokens and len(stop_ids):
+                logits = logits.index_fill(-1, stop_ids, float("-inf"))
+            token = next_token(logits, do_sample, temperature, top_p, generator)
+            for row in range(batch):
+                if finished[row]:
+                    continue
+                tokens[row].append(int(token[row]))
+                if int(token[row]) in stop_set:
+                    finished[row], reasons[row] = True, "stop"
+            if all(finished) or step == max_new_tokens - 1:
+                break
+            logits = _forward(model, cache, token[:, None], state.prompt_length + step)
+            if record_steps:
+                steps.append(max(layer.get_seq_length() for layer in cache.layers))
+    _sync(device)
+    return GenerationResult(tokens, reasons, time.perf_counter() - start_time, cache.max_entries, steps)

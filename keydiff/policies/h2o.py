@@ -1,0 +1,40 @@
+"""H2O (Zhang et al. 2023), as the KeyDiff paper states it (§A.1): phi(A) = A_prev + A^T 1.
+
+Each forward pass adds the column sums of its attention (every query row of the block, averaged over
+the query heads of each KV group, paper §F.2) to the entry's accumulated score; survivors keep
+accumulating. A share of the budget always holds the most recent tokens (the original's recent_size;
+its examples give heavy and recent budgets equal shares, hence the 0.5 default).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from keydiff.policies.base import LayerView, Policy, check_fraction, most_recent, window_size
+
+
+@dataclass
+class H2O(Policy):
+    """Heavy hitters by accumulated attention plus `recent_fraction` of the budget for recent tokens."""
+
+    name: ClassVar[str] = "h2o"
+    attention_rows: ClassVar[int | None] = None
+    observes_every_step: ClassVar[bool] = True
+    recent_fraction: float = 0.5
+
+    def validate(self, budget: int) -> None:
+        check_fraction("h2o recent_fraction", self.recent_fraction)
+
+    def observe(self, layer: LayerView) -> None:
+        previous = layer.state.get("h2o", torch.zeros_like(layer.attention))
+        layer.state["h2o"] = previous + layer.attention
+
+    def score(self, layer: LayerView) -> torch.Tensor:
+        return layer.state["h2o"]
+
+    def protected(self, layer: LayerView, budget: int) -> torch.Tensor | None:
+        count = window_size(self.recent_fraction, budget)
+        return most_recent(layer, count) if count else None

@@ -1,0 +1,90 @@
+"""KeyDiff (paper §3.2): keep the keys least similar to the other keys of the cache.
+
+Eq. 8 scores each key by its negative cosine similarity to an anchor, the mean of the L2-normalised
+keys in the cache being evicted, and keeps the N highest. `KeyDiffPairwise` is the exact O(n²)
+objective of Eq. 7 (negative row sums of the pairwise cosine-similarity matrix); with the default
+anchor both rank keys identically, because sum_j cos(k_i, k_j) = n * cos(k_i, mean(k̂)) * ||mean(k̂)||.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from keydiff.policies.base import LayerView, Policy, check_fraction, most_recent, window_size
+
+ANCHORS = ("normalized_mean", "mean", "median")
+METRICS = ("cosine", "dot", "euclidean")
+
+
+def keydiff_anchor(keys: torch.Tensor, anchor: str) -> torch.Tensor:
+    """Anchor vector per head [batch, kv_heads, 1, head_dim] from keys [batch, kv_heads, n, head_dim].
+
+    normalized_mean: mean of the unit-normalised keys (Eq. 8, Table 15 "KeyDiff", the default).
+    mean: mean of the raw keys (the §3.2 remark that mu(K) works as well as mu(K-hat)).
+    median: element-wise median of the unit-normalised keys (Table 15 "Median").
+    """
+    if anchor == "normalized_mean":
+        return F.normalize(keys, dim=-1).mean(dim=2, keepdim=True)
+    if anchor == "mean":
+        return keys.mean(dim=2, keepdim=True)
+    if anchor == "median":
+        return F.normalize(keys, dim=-1).median(dim=2, keepdim=True).values
+    raise ValueError(f"unknown anchor {anchor!r}; valid: {', '.join(ANCHORS)}")
+
+
+@dataclass
+class KeyDiff(Policy):
+    """Keep the keys most dissimilar to the anchor; optionally reserve a share of the budget for recent tokens.
+
+    metric (Table 16): cosine (default) scores -cos(k, anchor); dot scores -k·anchor; euclidean scores
+    ||k - anchor||. window_fraction (Table 14, §E): that share of the budget always holds the most recent
+    tokens and KeyDiff chooses the rest; the anchor is still the mean over every key in the cache.
+    """
+
+    name: ClassVar[str] = "keydiff"
+    anchor: str = "normalized_mean"
+    metric: str = "cosine"
+    window_fraction: float = 0.0
+
+    def validate(self, budget: int) -> None:
+        if self.anchor not in ANCHORS:
+            raise ValueError(f"keydiff anchor {self.anchor!r} is not valid; valid: {', '.join(ANCHORS)}")
+        if self.metric not in METRICS:
+            raise ValueError(f"keydiff metric {self.metric!r} is not valid; valid: {', '.join(METRICS)}")
+        check_fraction("keydiff window_fraction", self.window_fraction)
+
+    def score(self, layer: LayerView) -> torch.Tensor:
+        keys = layer.keys.float()
+        anchor = keydiff_anchor(keys, self.anchor)
+        if self.metric == "cosine":
+            return -F.cosine_similarity(keys, anchor, dim=-1, eps=1e-8)
+        if self.metric == "dot":
+            return -(keys * anchor).sum(dim=-1)
+        return (keys - anchor).norm(dim=-1)
+
+    def protected(self, layer: LayerView, budget: int) -> torch.Tensor | None:
+        count = window_size(self.window_fraction, budget)
+        return most_recent(layer, count) if count else None
+
+
+@dataclass
+class KeyDiffPairwise(Policy):
+    """Eq. 7 verbatim: score_i = -sum_j cos(k_i, k_j). O(n²) time and memory; a reference for Eq. 8."""
+
+    name: ClassVar[str] = "keydiff_pairwise"
+    window_fraction: float = 0.0
+
+    def validate(self, budget: int) -> None:
+        check_fraction("keydiff_pairwise window_fraction", self.window_fraction)
+
+    def score(self, layer: LayerView) -> torch.Tensor:
+        unit = F.normalize(layer.keys.float(), dim=-1)
+        return -(unit @ unit.transpose(-1, -2)).sum(dim=-1)
+
+    def protected(self, layer: LayerView, budget: int) -> torch.Tensor | None:
+        count = window_size(self.window_fraction, budget)
+        return most_recent(layer, count) if count else None

@@ -1,0 +1,29 @@
+"""L2-norm eviction (Devoto et al., EMNLP 2024): keep the keys with the lowest L2 norm.
+
+The original and KVCache-Factory leave layers 0 and 1 uncompressed; `skip_layers` reproduces that, but
+those layers then grow with the prompt, so the hard N + B memory bound no longer holds for them.
+The default compresses every layer, as every other policy here does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+
+from keydiff.policies.base import LayerView, Policy
+
+
+@dataclass
+class KNorm(Policy):
+    """Score = -||k||_2 per entry and KV head (RoPE is a rotation, so pre/post-RoPE norms are equal)."""
+
+    name: ClassVar[str] = "knorm"
+    skip_layers: list[int] = field(default_factory=list)
+
+    def compresses_layer(self, layer_idx: int) -> bool:
+        return layer_idx not in self.skip_layers
+
+    def score(self, layer: LayerView) -> torch.Tensor:
+        return -layer.keys.float().norm(dim=-1)

@@ -1,0 +1,60 @@
+"""SnapKV (Li et al. 2024) applied block by block, as the KeyDiff paper runs it (§F.2).
+
+The last `window` queries of each block (fewer if the block is shorter, one while decoding) form the
+observation window. Each cached entry outside the window is scored by the attention those queries give
+it (summed over the window, averaged over the query heads of its KV group), smoothed along the cache
+with a pooling kernel (paper: average, kernel 7; SnapKV's LongBench configs: max); the `window` most
+recent entries are always kept, so the budget includes the window. The original compresses once, after
+the whole prompt; here it runs after every block and every generated token like every other policy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from keydiff.policies.base import LayerView, Policy, most_recent
+
+POOLINGS = ("avg", "max")
+
+
+@dataclass
+class SnapKV(Policy):
+    name: ClassVar[str] = "snapkv"
+    attention_rows: ClassVar[int | None] = 32
+    window: int = 32
+    kernel_size: int = 7
+    pooling: str = "avg"
+
+    def __post_init__(self) -> None:
+        # The observation window decides how many query rows the attention function must score.
+        self.attention_rows = self.window
+
+    def validate(self, budget: int) -> None:
+        if self.pooling not in POOLINGS:
+            raise ValueError(f"snapkv pooling {self.pooling!r} is not valid; valid: {', '.join(POOLINGS)}")
+        if self.kernel_size < 1 or self.kernel_size % 2 == 0:
+            raise ValueError(f"snapkv kernel_size must be a positive odd number, got {self.kernel_size}")
+        if not 1 <= self.window < budget:
+            raise ValueError(f"snapkv window ({self.window}) must be >= 1 and smaller than the budget ({budget})")
+
+    def score(self, layer: LayerView) -> torch.Tensor:
+        n = layer.attention.shape[-1]
+        prefix = max(n - self.window, 0)  # entries outside the always-kept window
+        scores = layer.attention.clone()
+        if prefix:
+            b, h, _ = scores.shape
+            flat = scores[..., :prefix].reshape(b * h, 1, prefix)
+            pad = self.kernel_size // 2
+            if self.pooling == "avg":
+                pooled = F.avg_pool1d(flat, self.kernel_size, stride=1, padding=pad)
+            else:
+                pooled = F.max_pool1d(flat, self.kernel_size, stride=1, padding=pad)
+            scores[..., :prefix] = pooled.reshape(b, h, prefix)
+        return scores
+
+    def protected(self, layer: LayerView, budget: int) -> torch.Tensor | None:
+        return most_recent(layer, self.window)

@@ -1,0 +1,34 @@
+"""TOVA (Oren et al. 2024): keep the entries the last query attends to most (phi(A) = A_{-1,:}).
+
+After each block only its last query row decides. `heads="group"` (default, paper §F.2) averages that
+row over the query heads of each KV group and selects per KV head; `heads="layer"` is the original
+implementation, which averages over all query heads and keeps one token set per layer. Like the
+original, the newest token itself may be evicted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from keydiff.policies.base import LayerView, Policy
+
+HEAD_MODES = ("group", "layer")
+
+
+@dataclass
+class TOVA(Policy):
+    name: ClassVar[str] = "tova"
+    attention_rows: ClassVar[int | None] = 1
+    heads: str = "group"
+
+    def validate(self, budget: int) -> None:
+        if self.heads not in HEAD_MODES:
+            raise ValueError(f"tova heads {self.heads!r} is not valid; valid: {', '.join(HEAD_MODES)}")
+
+    def score(self, layer: LayerView) -> torch.Tensor:
+        if self.heads == "layer":
+            return layer.attention.mean(dim=1, keepdim=True).expand_as(layer.attention)
+        return layer.attention

@@ -1,0 +1,189 @@
+"""Engine invariants on a tiny random Llama: exactness of block prefill, the N + B bound, positions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import keydiff
+from keydiff import available_policies, build_policy, generate, prefill
+from tests.conftest import tiny_llama
+
+EVICTING = [name for name in available_policies() if name != "full"]
+
+
+def reference_logits(model, prompt):
+    with torch.no_grad():
+        return model(prompt).logits[:, -1].float()
+
+
+@pytest.mark.parametrize("block_size", [1, 5, 64, 128, None])
+def test_full_block_prefill_equals_single_forward(model, prompt, block_size):
+    state = prefill(model, prompt, "full", None, block_size)
+    assert torch.allclose(state.logits, reference_logits(model, prompt), atol=1e-5)
+    assert state.max_cache_entries == prompt.shape[1]
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("block_size", [3, 100])
+def test_full_block_prefill_equals_single_forward_per_attention(attn, block_size, prompt):
+    model = tiny_llama(attn)
+    state = prefill(model, prompt, "full", None, block_size)
+    assert torch.allclose(state.logits, reference_logits(model, prompt), atol=1e-5)
+    assert model.config._attn_implementation == attn  # restored after the run
+
+
+@pytest.mark.parametrize("name", EVICTING)
+def test_budget_at_least_prompt_length_equals_full(model, prompt, name):
+    state = prefill(model, prompt, name, prompt.shape[1], 64)
+    assert torch.allclose(state.logits, reference_logits(model, prompt), atol=1e-5)
+    assert all(p.shape[-1] == prompt.shape[1] for p in state.kept_positions)
+
+
+@pytest.mark.parametrize("name", EVICTING)
+@pytest.mark.parametrize("budget, block_size", [(64, 32), (50, 128), (100, 1)])
+def test_bound_n_plus_b_holds_at_every_step(model, prompt, name, budget, block_size):
+    if name == "snapkv" and budget <= 32:
+        pytest.skip("snapkv's window must be smaller than the budget")  # covered by validation tests
+    seen = []
+
+    def check(cache):
+        sizes = [layer.get_seq_length() for layer in cache.layers]
+        assert all(size <= budget for size in sizes)  # after each block's eviction
+        seen.append(cache.max_entries)
+
+    state = prefill(model, prompt, name, budget, block_size, on_block=check)
+    assert max(seen) <= budget + block_size
+    assert state.max_cache_entries == min(prompt.shape[1], budget + block_size)
+    for positions in state.kept_positions:
+        assert positions.shape == (1, 2, budget)
+        assert torch.all(positions[..., 1:] > positions[..., :-1])  # unique, position-ordered
+        assert positions.min() >= 0 and positions.max() < prompt.shape[1]
+    out = generate(model, state, 12, record_steps=True)
+    assert len(out.token_ids[0]) == 12
+    assert all(size <= budget for size in out.step_entries)
+    assert out.max_cache_entries <= budget + block_size
+
+
+def test_whole_prompt_block_is_one_forward_then_eviction(model, prompt):
+    state = prefill(model, prompt, "keydiff", 100, None)
+    assert state.max_cache_entries == prompt.shape[1]
+    assert all(p.shape[-1] == 100 for p in state.kept_positions)
+    assert torch.allclose(state.logits, reference_logits(model, prompt), atol=1e-5)  # eviction after the forward
+
+
+def test_kept_keys_keep_their_absolute_rope_position(model, prompt):
+    """Layer-0 keys depend only on token and position, so kept keys must equal the full run's at those positions."""
+    full = prefill(model, prompt, "full", None, None)
+    state = prefill(model, prompt, "keydiff", 60, 16)
+    kept = state.kept_positions[0]
+    expected = full.cache.layers[0].keys.gather(2, kept[..., None].expand(-1, -1, -1, 16))
+    assert torch.allclose(state.cache.layers[0].keys, expected, atol=1e-5)
+
+
+def test_position_rules_of_sink_and_recent(model, prompt):
+    length, budget = prompt.shape[1], 40
+    recent = prefill(model, prompt, "recent", budget, 32).kept_positions
+    assert recent[1][0, 0].tolist() == list(range(length - budget, length))
+    sink = prefill(model, prompt, "sink", budget, 32).kept_positions
+    assert sink[2][0, 1].tolist() == [0, 1, 2, 3] + list(range(length - budget + 4, length))
+
+
+def test_decoding_positions_continue_after_the_prompt(model, prompt):
+    state = prefill(model, prompt, "recent", 20, 64)
+    generate(model, state, 5)
+    # 4 decode forwards happened (the 5th token is never fed back): positions L..L+3 are now newest.
+    L = prompt.shape[1]
+    assert state.cache.layers[0].positions[0, 0, -4:].tolist() == [L, L + 1, L + 2, L + 3]
+
+
+@pytest.mark.parametrize("name", ["h2o", "tova", "snapkv"])
+def test_fast_and_materialized_statistics_choose_the_same_tokens(model, prompt, name):
+    fast = prefill(model, prompt, name, 70, 40, attention_statistics="fast")
+    materialized = prefill(model, prompt, name, 70, 40, attention_statistics="materialized")
+    for a, b in zip(fast.kept_positions, materialized.kept_positions):
+        assert torch.equal(a, b)
+    assert torch.allclose(fast.logits, materialized.logits, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["keydiff", "h2o", "snapkv"])
+def test_eager_and_sdpa_models_agree(prompt, name):
+    a = prefill(tiny_llama("sdpa"), prompt, name, 80, 32)
+    b = prefill(tiny_llama("eager"), prompt, name, 80, 32)
+    assert torch.allclose(a.logits, b.logits, atol=1e-4)
+    assert all(torch.equal(x, y) for x, y in zip(a.kept_positions, b.kept_positions))
+
+
+def test_attention_policy_without_keydiff_attention_is_an_error(model, prompt):
+    cache = keydiff.EvictingCache(build_policy("tova"), 10, 3)
+    cache.set_positions(torch.arange(20)[None])
+    model(prompt[:, :20], past_key_values=cache, position_ids=torch.arange(20)[None])  # stock sdpa: no statistic
+    with pytest.raises(RuntimeError, match="needs attention statistics"):
+        cache.evict()
+
+
+def test_greedy_full_generation_equals_transformers_generate(model, prompt):
+    state = prefill(model, prompt, "full", None, 50)
+    out = generate(model, state, 15)
+    with torch.no_grad():
+        ref = model.generate(prompt, max_new_tokens=15, do_sample=False, min_new_tokens=15)
+    assert out.token_ids[0] == ref[0, prompt.shape[1] :].tolist()
+
+
+def test_stop_tokens_min_new_tokens_and_length(model, prompt):
+    state = prefill(model, prompt, "full", None, 128)
+    first = generate(model, prefill(model, prompt, "full", None, 128), 3).token_ids[0][0]
+    stopped = generate(model, state, 10, eos_token_ids=[first])
+    assert stopped.token_ids[0] == [first] and stopped.finish_reasons == ["stop"]
+    forced = generate(model, prefill(model, prompt, "full", None, 128), 4, eos_token_ids=[first], min_new_tokens=2)
+    assert forced.token_ids[0][0] != first and len(forced.token_ids[0]) >= 2
+
+
+def test_sampling_is_seeded(model, prompt):
+    def sample(seed):
+        state = prefill(model, prompt, "keydiff", 64, 64)
+        return generate(model, state, 8, do_sample=True, temperature=0.95, top_p=0.95, seed=seed).token_ids[0]
+
+    assert sample(1) == sample(1)
+    assert sample(1) != sample(2)
+
+
+def test_batch_rows_are_independent(model):
+    g = torch.Generator().manual_seed(4)
+    batch = torch.randint(0, 256, (2, 150), generator=g)
+    joint = prefill(model, batch, "keydiff", 40, 32)
+    for row in range(2):
+        single = prefill(model, batch[row : row + 1], "keydiff", 40, 32)
+        assert torch.allclose(joint.logits[row], single.logits[0], atol=1e-4)
+        assert torch.equal(joint.kept_positions[1][row], single.kept_positions[1][0])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_runs_within_bound(prompt, dtype):
+    model = tiny_llama("sdpa", dtype=dtype)
+    for name in ("keydiff", "snapkv", "h2o"):
+        state = prefill(model, prompt, name, 64, 32)
+        assert state.max_cache_entries <= 96 and torch.isfinite(state.logits).all()
+        assert state.cache.layers[0].keys.dtype == dtype
+
+
+def test_knorm_skip_layers_keep_everything_there(model, prompt):
+    state = prefill(model, prompt, build_policy("knorm", skip_layers=[0]), 50, 64)
+    assert state.kept_positions[0].shape[-1] == prompt.shape[1]
+    assert state.kept_positions[1].shape[-1] == 50
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"budget": 0}, "budget must be a positive integer"),
+        ({"budget": -5}, "budget must be a positive integer"),
+        ({"block_size": 0}, "block_size must be a positive integer"),
+        ({"block_size": 2.5}, "block_size must be a positive integer"),
+        ({"attention_statistics": "weights"}, "valid: fast, materialized"),
+    ],
+)
+def test_bad_engine_arguments(model, prompt, kwargs, message):
+    args = {"budget": 10, "block_size": 8, **kwargs}
+    with pytest.raises(ValueError, match=message):
+        prefill(model, prompt, "keydiff", **args)

@@ -1,0 +1,229 @@
+"""Policy maths against brute-force references written with plain loops."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from keydiff import build_policy
+from keydiff.attention import attention_statistic, eager_attention, statistic_from_weights
+from keydiff.policies import LayerView
+
+
+def make_view(keys, attention=None, positions=None, values=None):
+    b, h, n, _ = keys.shape
+    if positions is None:
+        positions = torch.arange(n).expand(b, h, n).clone()
+    return LayerView(keys, keys if values is None else values, positions, attention, {}, 0, n)
+
+
+def brute_topk(scores_per_entry, budget):
+    """Indices of the `budget` largest scores (python sort), ascending."""
+    order = sorted(range(len(scores_per_entry)), key=lambda i: -scores_per_entry[i])
+    return sorted(order[:budget])
+
+
+def cos(a, b):
+    return float(torch.dot(a, b) / (a.norm() * b.norm()))
+
+
+@pytest.fixture
+def keys():
+    return torch.randn(2, 3, 40, 8, generator=torch.Generator().manual_seed(0))
+
+
+def test_keydiff_eq8_matches_loop_reference(keys):
+    budget = 15
+    kept = build_policy("keydiff").keep_indices(make_view(keys), budget)
+    for b in range(2):
+        for h in range(3):
+            ks = keys[b, h]
+            anchor = sum(k / k.norm() for k in ks) / len(ks)
+            scores = [-cos(k, anchor) for k in ks]
+            assert kept[b, h].tolist() == brute_topk(scores, budget)
+
+
+def test_keydiff_eq8_selects_the_same_tokens_as_pairwise_eq7(keys):
+    for budget in (5, 20, 39):
+        eq8 = build_policy("keydiff").keep_indices(make_view(keys), budget)
+        eq7 = build_policy("keydiff_pairwise").keep_indices(make_view(keys), budget)
+        assert torch.equal(eq8, eq7)
+
+
+def test_pairwise_matches_loop_reference(keys):
+    ks = keys[0, 0]
+    scores = [-sum(cos(ki, kj) for kj in ks) for ki in ks]
+    got = build_policy("keydiff_pairwise").score(make_view(keys))[0, 0]
+    assert torch.allclose(got, torch.tensor(scores), atol=1e-4)
+
+
+@pytest.mark.parametrize("anchor", ["mean", "median", "normalized_mean"])
+@pytest.mark.parametrize("metric", ["cosine", "dot", "euclidean"])
+def test_anchor_and_metric_variants_match_loop_reference(keys, anchor, metric):
+    budget = 12
+    kept = build_policy("keydiff", anchor=anchor, metric=metric).keep_indices(make_view(keys), budget)
+    for b in range(2):
+        for h in range(3):
+            ks = keys[b, h]
+            units = torch.stack([k / k.norm() for k in ks])
+            if anchor == "mean":
+                a = torch.stack(list(ks)).mean(0)
+            elif anchor == "median":
+                a = torch.tensor([sorted(units[:, d].tolist())[(len(ks) - 1) // 2] for d in range(ks.shape[1])])
+            else:
+                a = units.mean(0)
+            if metric == "cosine":
+                scores = [-cos(k, a) for k in ks]
+            elif metric == "dot":
+                scores = [-float(torch.dot(k, a)) for k in ks]
+            else:
+                scores = [float((k - a).norm()) for k in ks]
+            assert kept[b, h].tolist() == brute_topk(scores, budget)
+
+
+@pytest.mark.parametrize("fraction", [0.1, 0.2, 0.5])
+def test_keydiff_sliding_window_keeps_recent_share_then_keydiff(keys, fraction):
+    budget = 20
+    window = int(fraction * budget)
+    kept = build_policy("keydiff", window_fraction=fraction).keep_indices(make_view(keys), budget)
+    n = keys.shape[2]
+    for b in range(2):
+        for h in range(3):
+            ks = keys[b, h]
+            anchor = sum(k / k.norm() for k in ks) / n  # anchor over every key in the cache
+            recent = list(range(n - window, n))
+            rest = [i for i in range(n - window)]
+            scores = {i: -cos(ks[i], anchor) for i in rest}
+            chosen = sorted(rest, key=lambda i: -scores[i])[: budget - window]
+            assert kept[b, h].tolist() == sorted(chosen + recent)
+
+
+def test_selection_is_per_kv_head():
+    # Head 0: token 3 is the odd one out; head 1: token 7 is. Budget 1 must keep different tokens per head.
+    keys = torch.ones(1, 2, 10, 4)
+    keys[0, 0, 3] = torch.tensor([-1.0, 1, -1, 1])
+    keys[0, 1, 7] = torch.tensor([1.0, -1, 1, -1])
+    kept = build_policy("keydiff").keep_indices(make_view(keys), 1)
+    assert kept[0, 0].tolist() == [3] and kept[0, 1].tolist() == [7]
+
+
+def test_sink_keeps_first_tokens_and_most_recent():
+    keys = torch.randn(1, 2, 50, 4)
+    positions = torch.arange(100, 150).expand(1, 2, 50).clone()
+    positions[..., :4] = torch.arange(4)  # first four prompt tokens survive from earlier evictions
+    kept = build_policy("sink").keep_indices(make_view(keys, positions=positions), 10)
+    assert kept[0, 0].tolist() == [0, 1, 2, 3, 44, 45, 46, 47, 48, 49]
+
+
+def test_recent_keeps_last_tokens():
+    kept = build_policy("recent").keep_indices(make_view(torch.randn(1, 1, 30, 4)), 5)
+    assert kept[0, 0].tolist() == [25, 26, 27, 28, 29]
+
+
+def test_knorm_keeps_lowest_norms():
+    keys = torch.zeros(1, 1, 6, 2)
+    keys[0, 0, :, 0] = torch.tensor([5.0, 1.0, 4.0, 2.0, 6.0, 3.0])
+    kept = build_policy("knorm").keep_indices(make_view(keys), 3)
+    assert kept[0, 0].tolist() == [1, 3, 5]
+
+
+def test_h2o_accumulates_and_keeps_recent_share():
+    policy = build_policy("h2o", recent_fraction=0.5)
+    keys = torch.randn(1, 1, 8, 4)
+    first = torch.tensor([[[0.5, 0.0, 0.1, 0.0, 0.3, 0.0, 0.0, 0.1]]])
+    second = torch.tensor([[[0.0, 0.4, 0.0, 0.0, 0.3, 0.1, 0.1, 0.1]]])
+    view = make_view(keys, attention=first)
+    policy.observe(view)
+    view.attention = second
+    policy.observe(view)
+    assert torch.allclose(view.state["h2o"], first + second)
+    # budget 4: recent 2 = entries 6, 7; heavy hitters among 0..5 by 0.5, 0.4, 0.1, 0, 0.6, 0.1 -> 4, 0
+    assert policy.keep_indices(view, 4)[0, 0].tolist() == [0, 4, 6, 7]
+
+
+def test_tova_layer_mode_shares_one_set_per_layer():
+    attention = torch.rand(1, 2, 12, generator=torch.Generator().manual_seed(3))
+    view = make_view(torch.randn(1, 2, 12, 4), attention=attention)
+    kept = build_policy("tova", heads="layer").keep_indices(view, 4)
+    assert torch.equal(kept[0, 0], kept[0, 1])
+    assert kept[0, 0].tolist() == brute_topk(attention[0].mean(0).tolist(), 4)
+    grouped = build_policy("tova").keep_indices(view, 4)
+    assert grouped[0, 1].tolist() == brute_topk(attention[0, 1].tolist(), 4)
+
+
+def test_snapkv_average_pools_prefix_and_keeps_window():
+    attention = torch.tensor([[[0.0, 0.0, 0.9, 0.0, 0.0, 0.0, 0.0, 0.3, 0.2, 0.1]]])
+    policy = build_policy("snapkv", window=2, kernel_size=3, pooling="avg")
+    view = make_view(torch.randn(1, 1, 10, 4), attention=attention)
+    # prefix = entries 0..7, zero-padded average over 3 neighbours:
+    # [0, .3, .3, .3, 0, 0, .1, .1]; window = entries 8, 9 always kept.
+    expected = torch.tensor([0.0, 0.3, 0.3, 0.3, 0.0, 0.0, 0.1, 0.1, 0.2, 0.1])
+    assert torch.allclose(policy.score(view)[0, 0], expected, atol=1e-6)
+    assert policy.keep_indices(view, 5)[0, 0].tolist() == [1, 2, 3, 8, 9]
+
+
+def test_random_is_seeded():
+    view = make_view(torch.randn(1, 2, 30, 4))
+    a = build_policy("random", seed=7).keep_indices(view, 10)
+    b = build_policy("random", seed=7).keep_indices(view, 10)
+    c = build_policy("random", seed=8).keep_indices(view, 10)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+@pytest.mark.parametrize("rows", [1, 4, None])
+@pytest.mark.parametrize("q_len", [1, 6, 20])
+def test_gqa_statistic_matches_per_head_loop(rows, q_len):
+    g = torch.Generator().manual_seed(5)
+    query = torch.randn(1, 4, q_len, 8, generator=g)
+    key = torch.randn(1, 2, 20, 8, generator=g)
+    got = attention_statistic(query, key, 8**-0.5, rows)
+    kv_len = 20
+    first = 0 if rows is None else max(q_len - rows, 0)
+    for kv_head in range(2):
+        for j in range(kv_len):
+            total = 0.0
+            for head in (2 * kv_head, 2 * kv_head + 1):  # the two query heads of this KV group
+                for i in range(first, q_len):
+                    visible = kv_len - q_len + i  # last key this row may see
+                    logits = [float(query[0, head, i] @ key[0, kv_head, t]) * 8**-0.5 for t in range(visible + 1)]
+                    m = max(logits)
+                    denom = sum(math.exp(x - m) for x in logits)
+                    total += math.exp(logits[j] - m) / denom if j <= visible else 0.0
+            assert abs(got[0, kv_head, j].item() - total / 2) < 1e-5
+
+
+@pytest.mark.parametrize("rows", [1, 32, None])
+def test_fast_statistic_equals_materialized_weights(rows):
+    g = torch.Generator().manual_seed(9)
+    query, key = torch.randn(2, 6, 40, 16, generator=g), torch.randn(2, 3, 90, 16, generator=g)
+    module = torch.nn.Module()
+    _, weights = eager_attention(module, query, key, key, 0.25)
+    assert torch.allclose(attention_statistic(query, key, 0.25, rows), statistic_from_weights(weights, 3, rows), atol=1e-5)
+
+
+def test_build_policy_errors_name_the_valid_choices():
+    with pytest.raises(ValueError, match="valid policies: full, h2o, keydiff"):
+        build_policy("keydif")
+    with pytest.raises(ValueError, match="valid: anchor, metric, window_fraction"):
+        build_policy("keydiff", windw=0.1)
+
+
+@pytest.mark.parametrize(
+    "name, params, budget, message",
+    [
+        ("keydiff", {"window_fraction": 1.0}, 100, r"window_fraction must be in \[0, 1\)"),
+        ("keydiff", {"window_fraction": -0.1}, 100, r"window_fraction must be in \[0, 1\)"),
+        ("keydiff", {"anchor": "mode"}, 100, "valid: normalized_mean, mean, median"),
+        ("keydiff", {"metric": "l1"}, 100, "valid: cosine, dot, euclidean"),
+        ("sink", {"sinks": 8}, 8, "must be smaller than the budget"),
+        ("snapkv", {"window": 64}, 64, "smaller than the budget"),
+        ("snapkv", {"kernel_size": 4}, 64, "positive odd"),
+        ("h2o", {"recent_fraction": 1.5}, 64, "recent_fraction"),
+        ("tova", {"heads": "all"}, 64, "valid: group, layer"),
+    ],
+)
+def test_invalid_hyper_parameters(name, params, budget, message):
+    with pytest.raises(ValueError, match=message):
+        build_policy(name, **params).validate(budget)
