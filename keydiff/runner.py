@@ -1,0 +1,244 @@
+"""One run: validate everything, load the model, prefill + decode every sample, write the results.
+
+Order matters: every configuration error (policy, budget, block size, task, model) is raised before the
+model is loaded, so a typo in a sweep fails in a second rather than after minutes of loading.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import resource
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+from tqdm.auto import tqdm
+
+from keydiff.engine import check_budget, generate, prefill, resolve_block_size
+from keydiff.models import ModelConfig, eos_token_ids, load_model, model_provenance
+from keydiff.policies import Policy, build_policy
+from keydiff.results import ResultStore, environment, git_state, package_versions
+from keydiff.tasks.base import Task
+
+log = logging.getLogger(__name__)
+STATISTICS_MODES = ("fast", "materialized")
+# Keys that do not change what a run computes, so changing them never blocks resuming a run directory.
+NON_RESULT_KEYS = ("overwrite", "logger", "results_root", "experiment_name", "run_subdir")
+
+
+@dataclass
+class RunPlan:
+    """Everything checked and built before the model is loaded."""
+
+    policy_name: str
+    policy_params: dict[str, Any]
+    budget: int | None
+    block_size: int | None
+    statistics: str
+    task: Task
+    model_cfg: ModelConfig
+
+    def new_policy(self) -> Policy:
+        """A fresh policy per sample, so stateful policies (random) do not depend on sample order."""
+        return build_policy(self.policy_name, **self.policy_params)
+
+
+def plan_run(cfg: DictConfig) -> RunPlan:
+    """Validate the whole configuration without loading the model. Raises ValueError with valid choices."""
+    raw = cfg.policy.get("params")
+    params = OmegaConf.to_container(raw, resolve=True) if raw is not None else {}
+    policy = build_policy(cfg.policy.name, **params)
+    budget = cfg.budget.tokens
+    check_budget(policy, budget)
+    block_size = resolve_block_size(cfg.block_size)
+    if cfg.attention_statistics not in STATISTICS_MODES:
+        raise ValueError(f"attention_statistics {cfg.attention_statistics!r} is not valid; valid: {', '.join(STATISTICS_MODES)}")
+    task = instantiate(cfg.task, _convert_="all")
+    task.validate()
+    model_cfg = ModelConfig.from_dict(OmegaConf.to_container(cfg.model, resolve=True))
+    model_cfg.validate()
+    return RunPlan(cfg.policy.name, params, int(budget) if policy.evicts else None, block_size,
+                   cfg.attention_statistics, task, model_cfg)
+
+
+def result_config(cfg: DictConfig) -> dict[str, Any]:
+    """The part of the config that determines the results (what a resumed run must match)."""
+    data = OmegaConf.to_container(cfg, resolve=True)
+    for key in NON_RESULT_KEYS:
+        data.pop(key, None)
+    data.get("task", {}).pop("limit", None)  # sample ids are stable: a larger limit extends a run
+    return data
+
+
+def derived_seed(run_seed: int, sample_id: str) -> int:
+    digest = hashlib.sha256(f"{run_seed}:{sample_id}".encode()).hexdigest()
+    return int(digest[:12], 16)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak GPU memory allocated during the sample on CUDA; the process's peak RSS on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss is KiB on Linux
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale)
+
+
+def kv_bytes_per_entry(model: torch.nn.Module) -> int:
+    """Bytes one cached token costs across all layers (keys + values, every KV head)."""
+    config = model.config.get_text_config()
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    itemsize = next(model.parameters()).element_size()
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * itemsize
+
+
+def run_sample(plan: RunPlan, model, tokenizer, stop_ids: list[int], sample, run_seed: int) -> dict[str, Any]:
+    prompt = plan.task.build_prompt(sample, tokenizer, plan.model_cfg.max_length)
+    settings = prompt.generation
+    device = next(model.parameters()).device
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    input_ids = torch.tensor([prompt.input_ids], dtype=torch.long)
+    state = prefill(model, input_ids, plan.new_policy(), plan.budget, plan.block_size, plan.statistics)
+    seed = settings.seed if settings.seed is not None else derived_seed(run_seed, sample.id)
+    out = generate(
+        model, state, settings.max_new_tokens, list(stop_ids) + list(settings.stop_token_ids),
+        do_sample=settings.do_sample, temperature=settings.temperature, top_p=settings.top_p,
+        min_new_tokens=settings.min_new_tokens, seed=seed,
+    )
+    tokens = out.token_ids[0]
+    prediction = tokenizer.decode(tokens, skip_special_tokens=True)
+    length = len(prompt.input_ids)
+    kept = int(state.kept_positions[0].shape[-1])
+    return {
+        "sample_id": sample.id,
+        "prediction": prediction,
+        "scores": plan.task.score(sample, prediction),
+        "info": prompt.info,
+        "prompt_tokens": length,
+        "budget": plan.budget,
+        "kept_tokens": kept,
+        "compression_ratio": 1.0 if plan.budget is None else min(plan.budget / length, 1.0),
+        "ttft_s": state.seconds,
+        "decode_s": out.seconds,
+        "new_tokens": len(tokens),
+        "finish_reason": out.finish_reasons[0],
+        "max_cache_entries": out.max_cache_entries,
+        "kv_cache_peak_bytes": out.max_cache_entries * kv_bytes_per_entry(model),
+        "peak_memory_bytes": peak_memory_bytes(device),
+        "seed": seed if settings.do_sample else None,
+    }
+
+
+def run_statistics(rows: list[dict[str, Any]], plan: RunPlan) -> dict[str, Any]:
+    if not rows:
+        return {"samples": 0}
+    n = len(rows)
+    bound = None if plan.budget is None or plan.block_size is None else plan.budget + plan.block_size
+    peak = max(row["max_cache_entries"] for row in rows)
+    return {
+        "samples": n,
+        "mean_prompt_tokens": sum(r["prompt_tokens"] for r in rows) / n,
+        "max_prompt_tokens": max(r["prompt_tokens"] for r in rows),
+        "mean_compression_ratio": sum(r["compression_ratio"] for r in rows) / n,  # paper Table 9
+        "mean_ttft_s": sum(r["ttft_s"] for r in rows) / n,
+        "mean_decode_s": sum(r["decode_s"] for r in rows) / n,
+        "mean_new_tokens": sum(r["new_tokens"] for r in rows) / n,
+        "max_cache_entries": peak,
+        "cache_bound": bound,  # N + B; None when unbounded (full policy or one whole-prompt block)
+        "cache_bound_held": None if bound is None else peak <= bound,
+        "max_kv_cache_peak_bytes": max(r["kv_cache_peak_bytes"] for r in rows),
+        "max_peak_memory_bytes": max(r["peak_memory_bytes"] for r in rows),
+    }
+
+
+def run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
+    """Execute (or resume) one run into `run_dir` and return its summary."""
+    plan = plan_run(cfg)
+    store = ResultStore(run_dir, result_config(cfg), overwrite=bool(cfg.overwrite))
+    samples = list(plan.task.samples())
+    todo = [s for s in samples if s.id not in store.done_ids]
+    log.info("run directory %s: %d samples, %d already done", store.dir, len(samples), len(samples) - len(todo))
+    wandb_run = start_wandb(cfg, store.dir)
+
+    if todo:
+        load_start = time.perf_counter()
+        model, tokenizer = load_model(plan.model_cfg)
+        log.info("model loaded in %.1f s", time.perf_counter() - load_start)
+        stop_ids = eos_token_ids(model, tokenizer)
+        provenance = model_provenance(plan.model_cfg, model)
+        for sample in tqdm(todo, desc=f"{plan.task.name}/{plan.policy_name}", unit="sample"):
+            store.append(run_sample(plan, model, tokenizer, stop_ids, sample, int(cfg.seed)))
+    else:
+        provenance = model_provenance(plan.model_cfg)
+
+    done = store.done_ids
+    rows = [row for row in store.rows if row["sample_id"] in {s.id for s in samples}]
+    summary = {
+        "run_dir": str(store.dir),
+        "complete": all(s.id in done for s in samples),
+        "metrics": plan.task.summarize(rows) if rows else {},
+        "statistics": run_statistics(rows, plan),
+        "policy": plan.new_policy().describe(),
+        "budget": plan.budget,
+        "block_size": plan.block_size,
+        "attention_statistics": plan.statistics,
+        "config": OmegaConf.to_container(cfg, resolve=True),
+        "code": git_state(),
+        "packages": package_versions(),
+        "environment": environment(),
+        "model": provenance,
+        "data": plan.task.data_sources(),
+        "written_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    store.write_summary(summary)
+    if wandb_run is not None:
+        finish_wandb(wandb_run, summary, rows)
+    return summary
+
+
+def start_wandb(cfg: DictConfig, run_dir: Path):
+    logger = cfg.get("logger", {}) or {}
+    if not logger.get("wandb", False):
+        return None
+    try:
+        import wandb
+    except ImportError as error:  # pragma: no cover - depends on the environment
+        raise RuntimeError("logger=wandb needs the wandb package: pip install wandb") from error
+    return wandb.init(
+        project=logger.get("project", "keydiff-bench"),
+        entity=logger.get("entity"),
+        mode=logger.get("mode", "online"),
+        group=cfg.experiment_name,
+        job_type=cfg.task.name,
+        name=cfg.run_subdir,
+        tags=[cfg.policy.label, cfg.budget.label, cfg.model.name, f"bs{cfg.block_size}"],
+        config=OmegaConf.to_container(cfg, resolve=True),
+        dir=str(run_dir),
+        reinit=True,
+    )
+
+
+def _scalars(prefix: str, data: Any, out: dict[str, float]) -> dict[str, float]:
+    if isinstance(data, dict):
+        for key, value in data.items():
+            _scalars(f"{prefix}/{key}" if prefix else str(key), value, out)
+    elif isinstance(data, (int, float)) and not isinstance(data, bool):
+        out[prefix] = data
+    return out
+
+
+def finish_wandb(wandb_run, summary: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+    import wandb
+
+    for key, value in _scalars("", {"metrics": summary["metrics"], "statistics": summary["statistics"]}, {}).items():
+        wandb_run.summary[key] = value
+    columns = ["sample_id", "prompt_tokens", "compression_ratio", "ttft_s", "new_tokens", "scores", "prediction"]
+    table = wandb.Table(columns=columns, data=[[str(row.get(c)) if c in ("scores",) else row.get(c) for c in columns] for row in rows])
+    wandb_run.log({"samples": table})
+    wandb_run.finish()

@@ -1,0 +1,114 @@
+"""run.py / keydiff.runner: validation before loading, result files, resume, and no silent overwrite."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from keydiff import runner
+from keydiff.results import ConfigMismatchError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def make_cfg(*overrides: str):
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        return compose("config", overrides=list(overrides))
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    def fail(*args, **kwargs):
+        raise AssertionError("the model must not be loaded")
+
+    monkeypatch.setattr(runner, "load_model", fail)
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [("policy=keydif", ["keydiff", "snapkv", "tova"]), ("budget=3k", ["2k", "8k"]),
+     ("task=longbenchh", ["niah", "phonebook"]), ("model=llama-9", ["smollm2-135m", "llama-3.1-8b-instruct"])],
+)
+def test_unknown_group_choice_lists_valid_names(override, expected):
+    result = subprocess.run([sys.executable, "run.py", override], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    for name in expected:
+        assert name in result.stderr + result.stdout
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["budget.tokens=0"], "budget must be a positive integer"),
+        (["block_size=0"], "block_size must be a positive integer"),
+        (["policy=keydiff_window20", "policy.params.window_fraction=1.0"], r"window_fraction must be in \[0, 1\)"),
+        (["policy=sink", "budget.tokens=4"], "sink count .4. must be smaller than the budget"),
+        (["policy=snapkv", "budget.tokens=16"], "smaller than the budget"),
+        (["+policy.params.bogus=1"], "valid: anchor, metric, window_fraction"),
+        (["attention_statistics=weights"], "valid: fast, materialized"),
+        (["model.dtype=float8"], "model.dtype"),
+        (["task.depths=[150]"], "depths"),
+    ],
+)
+def test_bad_values_fail_before_the_model_loads(tmp_path, no_model_load, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        runner.run(make_cfg(*overrides), tmp_path / "run")
+
+
+def test_block_size_inf_is_accepted(no_model_load):
+    assert runner.plan_run(make_cfg("block_size=inf")).block_size is None
+
+
+def niah_cfg(*extra: str):
+    return make_cfg("task=niah_small", "task.context_lengths=[700,900]", "task.depths=[50]", *extra)
+
+
+@pytest.mark.real_model
+def test_full_policy_retrieves_the_needle_end_to_end(tmp_path):
+    summary = runner.run(niah_cfg("policy=full", "task.limit=1"), tmp_path / "full")
+    rows = [json.loads(line) for line in (tmp_path / "full" / "predictions.jsonl").read_text().splitlines()]
+    assert len(rows) == 1 and rows[0]["scores"]["needle_recall"] == 1.0, rows[0]["prediction"]
+    assert summary["complete"] is True  # complete with respect to the configured limit
+    assert summary["statistics"]["mean_compression_ratio"] == 1.0
+    assert summary["code"]["commit"] and summary["packages"]["transformers"]
+    assert summary["model"] and summary["data"]  # provenance: model source/hash and haystack sha256
+
+
+@pytest.mark.real_model
+def test_eviction_run_resume_crash_recovery_and_no_overwrite(tmp_path, monkeypatch):
+    run_dir = tmp_path / "run"
+    overrides = ("policy=keydiff", "budget.tokens=256", "block_size=64")
+    first = runner.run(niah_cfg(*overrides, "task.limit=1"), run_dir)
+    stats = first["statistics"]
+    assert stats["max_cache_entries"] == 320 and stats["cache_bound"] == 320 and stats["cache_bound_held"]
+    row = json.loads((run_dir / "predictions.jsonl").read_text().splitlines()[0])
+    assert row["kept_tokens"] == 256 and row["compression_ratio"] == pytest.approx(256 / row["prompt_tokens"])
+    assert row["ttft_s"] > 0 and row["new_tokens"] > 0
+
+    # A crash mid-write leaves a partial line: it is dropped, the complete line is kept.
+    with open(run_dir / "predictions.jsonl", "a") as handle:
+        handle.write('{"sample_id": "L900/d50", "predic')
+    # Extending the limit resumes: only the missing sample runs.
+    second = runner.run(niah_cfg(*overrides), run_dir)
+    lines = (run_dir / "predictions.jsonl").read_text().splitlines()
+    assert [json.loads(line)["sample_id"] for line in lines] == ["L700/d50", "L900/d50"]
+    assert json.loads(lines[0]) == row and second["complete"] is True
+
+    # Nothing left to do: the model is not even loaded.
+    monkeypatch.setattr(runner, "load_model", lambda *a, **k: pytest.fail("loaded the model for a finished run"))
+    assert runner.run(niah_cfg(*overrides), run_dir)["statistics"]["samples"] == 2
+
+    # Same directory, different configuration: refused, with the difference named.
+    with pytest.raises(ConfigMismatchError, match="window_fraction: 0.0 -> 0.2"):
+        runner.run(niah_cfg(*overrides, "policy.params.window_fraction=0.2"), run_dir)
+
+    # overwrite=true moves the old results aside instead of deleting them.
+    monkeypatch.undo()
+    runner.run(niah_cfg(*overrides, "policy.params.window_fraction=0.2", "task.limit=1", "overwrite=true"), run_dir)
+    backups = list(tmp_path.glob("run.old-*"))
+    assert len(backups) == 1 and len((backups[0] / "predictions.jsonl").read_text().splitlines()) == 2
