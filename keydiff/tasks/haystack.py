@@ -1,0 +1,109 @@
+"""Offline haystack text for needle-in-a-haystack style tasks.
+
+No prose is stored in this repository. The default haystack is built at run time from the running
+interpreter's ``pydoc_data/topics.py`` (plain-text renderings of the Python Language Reference, PSF-2.0
+licensed), filtered down to prose paragraphs; its sha256 goes into the run's data sources because its
+content differs between interpreter builds. A user-supplied folder of ``.txt`` files (for example the
+Paul Graham essays used by gkamradt) can be used instead.
+
+Python Software Foundation License notice: the default haystack is derived at run time from
+pydoc_data/topics.py, Copyright (c) 2001 Python Software Foundation; All Rights Reserved.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import string
+from dataclasses import dataclass
+from pathlib import Path
+
+_PUNCT = string.punctuation + "“”‘’"
+# Markers of code, grammar productions, doctest sessions and reST section underlines.
+_CODE_MARKERS = ("::=", ">>>", "***", "===", "---", "~~~", "^^^")
+
+
+@dataclass(frozen=True)
+class Haystack:
+    """Haystack text plus the name -> sha256 of every file it was made from."""
+
+    text: str
+    sources: dict[str, str]
+    description: str
+
+
+def _sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def is_prose_paragraph(lines: list[str], min_words: int = 8, min_alpha_fraction: float = 0.8) -> bool:
+    """True for a paragraph of running prose (the filter of tasks.md §5).
+
+    Every line unindented and free of code/grammar markers, at least `min_words` words, ending with
+    "." or ":", and at least `min_alpha_fraction` of the words alphabetic once surrounding punctuation is
+    stripped.
+    """
+    if not lines or any(not line.strip() or line[0].isspace() for line in lines):
+        return False
+    if any(marker in line for line in lines for marker in _CODE_MARKERS):
+        return False
+    words = " ".join(line.strip() for line in lines).split()
+    if len(words) < min_words or not words[-1].endswith((".", ":")):
+        return False
+    alphabetic = sum(1 for word in words if word.strip(_PUNCT).isalpha())
+    return alphabetic >= min_alpha_fraction * len(words)
+
+
+def prose_paragraphs(text: str) -> list[str]:
+    """Prose paragraphs of a plain-text document, each re-flowed onto one line."""
+    paragraphs: list[str] = []
+    block: list[str] = []
+    for line in text.splitlines() + [""]:
+        if line.strip():
+            block.append(line.rstrip())
+            continue
+        if block and is_prose_paragraph(block):
+            paragraphs.append(" ".join(" ".join(part.split()) for part in block))
+        block = []
+    return paragraphs
+
+
+def pydoc_haystack() -> Haystack:
+    """Prose paragraphs of the running interpreter's pydoc_data/topics.py, topics in sorted order."""
+    module = importlib.import_module("pydoc_data.topics")
+    source = Path(module.__file__)
+    paragraphs: list[str] = []
+    for key in sorted(module.topics):
+        paragraphs.extend(prose_paragraphs(module.topics[key]))
+    if not paragraphs:
+        raise RuntimeError(f"no prose paragraphs found in {source}")
+    return Haystack(
+        text="\n\n".join(paragraphs) + "\n\n",
+        sources={"pydoc_data/topics.py": _sha256_bytes(source.read_bytes())},
+        description=f"prose of {source}",
+    )
+
+
+def directory_haystack(folder: str | Path) -> Haystack:
+    """All ``*.txt`` files of `folder` (not recursive), concatenated in sorted file-name order."""
+    root = Path(folder).expanduser()
+    if not root.is_dir():
+        raise ValueError(f"haystack_dir {str(folder)!r} is not a directory")
+    files = sorted(p for p in root.iterdir() if p.is_file() and p.suffix == ".txt")
+    if not files:
+        raise ValueError(f"haystack_dir {str(folder)!r} contains no .txt files")
+    parts: list[str] = []
+    sources: dict[str, str] = {}
+    for path in files:
+        data = path.read_bytes()
+        sources[f"haystack/{path.name}"] = _sha256_bytes(data)
+        text = data.decode("utf-8")
+        parts.append(text if text[-1:].isspace() else text + "\n")
+    text = "".join(parts)
+    if not text.strip():
+        raise ValueError(f"haystack_dir {str(folder)!r} holds only empty .txt files")
+    return Haystack(text=text, sources=sources, description=f"{len(files)} .txt files of {root}")
+
+
+def load_haystack(haystack_dir: str | None) -> Haystack:
+    return pydoc_haystack() if haystack_dir is None else directory_haystack(haystack_dir)

