@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: help install run test bench tables figures paper-assets sweep-local sweep-slurm clean
+.PHONY: help install run test bench collect smoke tables figures paper-assets sweep-local sweep-slurm clean
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -33,8 +33,17 @@ bench: $(STAMP)  ## prefill benchmark: TTFT per policy and the share spent scori
 sweep-local: $(STAMP)  ## a paper experiment on this machine: make sweep-local EXP=table1
 	$(PY) run.py experiment=$(EXP) $(ARGS)
 
-sweep-slurm: $(STAMP)  ## the same as one SLURM array: make sweep-slurm EXP=table1
-	$(PY) run.py experiment=$(EXP) hydra/launcher=slurm $(ARGS)
+sweep-slurm: $(STAMP)  ## the same as one SLURM array: make sweep-slurm EXP=table1 (needs .[slurm])
+	nohup $(PY) run.py experiment=$(EXP) hydra/launcher=slurm $(ARGS) > results/sweep-$(EXP).log 2>&1 &
+	@echo "submitted; the submitting process waits for the array: see results/sweep-$(EXP).log"
+
+smoke: $(STAMP)  ## a tiny CPU sweep (2 policies) then its table and figures
+	$(PY) run.py experiment=smoke $(ARGS)
+	$(PY) scripts/make_tables.py
+	$(PY) scripts/make_figures.py
+
+collect: $(STAMP)  ## results/runs/**/summary.json -> results/summary.csv
+	$(PY) scripts/collect_results.py
 
 tables: $(STAMP)  ## every paper table from results/runs into results/tables
 	$(PY) scripts/make_tables.py $(ARGS)

@@ -29,7 +29,7 @@ from keydiff.tasks.base import Task
 log = logging.getLogger(__name__)
 STATISTICS_MODES = ("fast", "materialized")
 # Keys that do not change what a run computes, so changing them never blocks resuming a run directory.
-NON_RESULT_KEYS = ("overwrite", "logger", "results_root", "experiment_name", "run_subdir")
+NON_RESULT_KEYS = ("overwrite", "logger", "results_root", "experiment_name", "run_subdir", "slurm")
 
 
 @dataclass

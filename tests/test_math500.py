@@ -264,8 +264,12 @@ def test_validate_and_data_sources(tmp_path):
     assert list(Math500(data_dir=str(FIXTURE)).data_sources().values()) == [digest]
 
 
-@pytest.mark.skipif(importlib.util.find_spec("datasets") is not None, reason="datasets is installed")
-def test_missing_datasets_message():
+def test_missing_datasets_message(monkeypatch):
+    import sys
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "datasets" else real_find_spec(name, *a))
+    monkeypatch.setitem(sys.modules, "datasets", None)  # `import datasets` raises ImportError
     with pytest.raises(ValueError, match="pip install datasets.*task.data_dir"):
         Math500().validate()
     with pytest.raises(RuntimeError, match="pip install datasets"):

@@ -1,0 +1,173 @@
+"""Collect every run under results/runs into one tidy file, results/summary.csv (one row per run).
+
+Why a single CSV: tables and figures read only this file, so `make tables figures` works from a
+committed summary.csv on a laptop without the run directories (only the prompt-length histograms
+need predictions.jsonl). Columns:
+
+  experiment task model policy policy_name budget budget_label block_size seed  - what ran
+  attention_statistics attn_implementation limit complete samples run_dir      - how, how much
+  mean_compression_ratio mean_ttft_s mean_prompt_tokens cache_bound_held       - run statistics
+  score                      the task's primary metric (LongBench average, NIAH needle_recall,
+                             Math-500 flex, Phonebook exact)
+  metrics/<path>             every numeric task metric, nested dicts flattened with "/"
+  lb/<dataset>               LongBench official per-dataset score (summary["metrics"]["datasets"])
+  cr/<dataset>               LongBench per-dataset mean compression ratio (Table 9, from predictions)
+  subset/*                   Math-500 only: metrics on the samples whose full-cache context exceeds
+                             this run's budget, for this run and for the full run (Tables 5 and 7)
+
+    python scripts/collect_results.py [--runs results/runs] [--out results/summary.csv]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import pandas as pd
+
+# The 21 LongBench v1 datasets in the paper's column order (Tables 11-14), with the paper's headers.
+LONGBENCH = {
+    "narrativeqa": "NarrativeQA", "qasper": "Qasper", "multifieldqa_en": "MF-en", "multifieldqa_zh": "MF-zh",
+    "hotpotqa": "HotpotQA", "2wikimqa": "2WikiMQA", "musique": "Musique", "dureader": "DuReader",
+    "gov_report": "GovReport", "qmsum": "QMSum", "multi_news": "MultiNews", "vcsum": "VCSum",
+    "trec": "TREC", "triviaqa": "TriviaQA", "samsum": "SAMSum", "lsht": "LSHT", "passage_count": "PCount",
+    "passage_retrieval_en": "PR-en", "passage_retrieval_zh": "PR-zh", "lcc": "Lcc", "repobench-p": "RB-P",
+}
+PRIMARY = {"longbench": ("average",), "niah": ("needle_recall",), "math500": ("flex",),
+           "phonebook": ("exact",)}
+ID_COLUMNS = ["experiment", "task", "model", "policy", "policy_name", "budget", "budget_label", "block_size", "seed",
+              "attention_statistics", "attn_implementation", "limit", "complete", "samples",
+              "mean_compression_ratio", "mean_ttft_s", "mean_prompt_tokens", "cache_bound_held", "score", "run_dir"]
+
+
+def task_family(task: str) -> str:
+    """math500_8k -> math500, niah_small -> niah: presets share their family's metrics."""
+    return next((family for family in PRIMARY if task.startswith(family)), task)
+
+
+def flatten(data, prefix: str = "") -> dict[str, float]:
+    """Numeric leaves of nested dicts as {"a/b/c": value} (bools and None are skipped)."""
+    out = {}
+    if isinstance(data, dict):
+        for key, value in data.items():
+            out.update(flatten(value, f"{prefix}/{key}" if prefix else str(key)))
+    elif isinstance(data, (int, float)) and not isinstance(data, bool):
+        out[prefix] = float(data)
+    return out
+
+
+def read_predictions(run_dir: Path) -> list[dict]:
+    """Complete lines of predictions.jsonl (a crash can leave a partial last line; the runner drops it too)."""
+    path = run_dir / "predictions.jsonl"
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines(keepends=True):
+        if not line.endswith("\n"):
+            break
+        rows.append(json.loads(line))
+    return rows
+
+
+def longbench_dataset(row: dict) -> str:
+    return (row.get("info") or {}).get("dataset") or row["sample_id"].split("/")[0]
+
+
+def longbench_scores(metrics: dict) -> dict[str, float]:
+    """dataset -> official score: keydiff.tasks.longbench puts them under "datasets" (older or foreign
+    summaries may have them at the top level)."""
+    scores = metrics.get("datasets") if isinstance(metrics.get("datasets"), dict) else metrics
+    return {d: float(scores[d]) for d in LONGBENCH if isinstance(scores.get(d), (int, float))}
+
+
+def block_label(block_size) -> str:
+    return "inf" if block_size is None or (isinstance(block_size, float) and math.isinf(block_size)) else str(int(block_size))
+
+
+def run_record(summary_path: Path, runs: Path) -> dict:
+    summary = json.loads(summary_path.read_text(encoding="utf-8"))
+    cfg, stats, metrics = summary.get("config", {}), summary.get("statistics", {}), summary.get("metrics", {}) or {}
+    run_dir = summary_path.parent
+    task = cfg.get("task", {}).get("name") or run_dir.relative_to(runs).parts[1]
+    family = task_family(task)
+    record = {
+        "experiment": cfg.get("experiment_name") or run_dir.relative_to(runs).parts[0],
+        "task": task,
+        "model": cfg.get("model", {}).get("name"),
+        "policy": cfg.get("policy", {}).get("label"),
+        "policy_name": cfg.get("policy", {}).get("name"),
+        "budget": summary.get("budget"),
+        "budget_label": cfg.get("budget", {}).get("label"),
+        "block_size": block_label(summary.get("block_size")),
+        "seed": cfg.get("seed"),
+        "attention_statistics": summary.get("attention_statistics"),
+        "attn_implementation": cfg.get("model", {}).get("attn_implementation"),
+        "limit": cfg.get("task", {}).get("limit"),
+        "complete": summary.get("complete"),
+        "samples": stats.get("samples"),
+        "mean_compression_ratio": stats.get("mean_compression_ratio"),
+        "mean_ttft_s": stats.get("mean_ttft_s"),
+        "mean_prompt_tokens": stats.get("mean_prompt_tokens"),
+        "cache_bound_held": stats.get("cache_bound_held"),
+        "score": next((metrics[k] for k in PRIMARY.get(family, ("score",)) if isinstance(metrics.get(k), (int, float))), None),
+        "run_dir": run_dir.relative_to(runs).as_posix(),
+    }
+    record.update({f"metrics/{k}": v for k, v in flatten(metrics).items()})
+    if family == "longbench":
+        record.update({f"lb/{k}": v for k, v in longbench_scores(metrics).items()})
+        ratios = {}
+        for row in read_predictions(run_dir):
+            ratios.setdefault(longbench_dataset(row), []).append(row["compression_ratio"])
+        record.update({f"cr/{k}": sum(v) / len(v) for k, v in ratios.items()})
+    return record
+
+
+def add_math500_subsets(records: list[dict], runs: Path) -> None:
+    """Tables 5/7: score each evicting Math-500 run, and its full-cache baseline, on the samples whose
+    full-cache context (prompt + generation) exceeds the run's budget. Needs the full run's predictions."""
+    math_runs = [r for r in records if task_family(r["task"]) == "math500"]
+    if not math_runs:
+        return
+    from keydiff.tasks.math500 import aggregate, ids_exceeding, subset_by_ids  # imports torch: only when needed
+
+    fulls = {}
+    for r in sorted(math_runs, key=lambda r: not r["complete"]):  # prefer complete full runs
+        if r["policy_name"] == "full":
+            fulls.setdefault((r["task"], r["model"], r["seed"]), r)
+    for r in math_runs:
+        full = fulls.get((r["task"], r["model"], r["seed"]))
+        if r["policy_name"] == "full" or full is None or r["budget"] is None:
+            continue
+        full_rows = read_predictions(runs / full["run_dir"])
+        ids = ids_exceeding(full_rows, int(r["budget"]))
+        mine = aggregate(subset_by_ids(read_predictions(runs / r["run_dir"]), ids))
+        base = aggregate(subset_by_ids(full_rows, ids))
+        r.update({"subset/n_problems": base["n_problems"], "subset/total_problems": aggregate(full_rows)["n_problems"],
+                  "subset/n_samples": base["n_samples"], "subset/flex": mine["flex"], "subset/exact": mine["exact"],
+                  "subset/full_flex": base["flex"], "subset/full_exact": base["exact"]})
+
+
+def collect(runs: Path, out: Path) -> pd.DataFrame:
+    runs = Path(runs)
+    records = [run_record(p, runs) for p in sorted(runs.glob("**/summary.json"))]
+    add_math500_subsets(records, runs)
+    frame = pd.DataFrame(records, columns=ID_COLUMNS) if not records else pd.DataFrame(records)
+    extra = sorted(c for c in frame.columns if c not in ID_COLUMNS)
+    frame = frame[ID_COLUMNS + extra]
+    frame = frame.sort_values(["experiment", "task", "model", "policy", "budget", "block_size", "seed"],
+                              na_position="first", kind="stable").reset_index(drop=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    frame.to_csv(out, index=False, float_format="%.10g", lineterminator="\n")
+    return frame
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--runs", type=Path, default=Path("results/runs"), help="root of the run directories")
+    parser.add_argument("--out", type=Path, default=Path("results/summary.csv"))
+    args = parser.parse_args()
+    frame = collect(args.runs, args.out)
+    incomplete = int((~frame["complete"].astype(bool)).sum()) if len(frame) else 0
+    print(f"{len(frame)} runs ({incomplete} incomplete) from {args.runs} -> {args.out}")

@@ -1,0 +1,152 @@
+"""Paper figures from results/summary.csv (prompt lengths: from the runs' predictions.jsonl) into results/figures/.
+
+  <niah task>_<exp>_<model>_<budget>_bs<B>   Figures 6 / 19: needle recall over context length x needle
+                                      depth, one panel per policy (the experiment's full runs first)
+  ttft_<exp>_<model>                  Figures 7 / 17: mean time to first token vs budget, one panel per
+                                      block size, one line per policy (experiments whose name has "ttft")
+  prompt_lengths_<model>              Figure 18: prompt-length histogram per LongBench dataset
+
+Every file is written as .png and .pdf, byte-reproducible (Agg backend, fixed style, metadata
+stripped): the same CSV gives the same sha256, so figures can be checked into a paper repository and
+diffed. Like the tables, only complete runs of the whole task count, except for the smoke experiment.
+
+    python scripts/make_figures.py [--summary results/summary.csv] [--out results/figures]
+                                   [--runs results/runs] [--collect]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from collect_results import LONGBENCH, longbench_dataset, read_predictions, task_family  # noqa: E402
+from make_tables import NA, NAMES, ensure_summary, load, pick  # noqa: E402
+
+STYLE = {"svg.hashsalt": "keydiff", "font.size": 8, "axes.titlesize": 9, "figure.dpi": 100, "savefig.dpi": 150}
+
+
+def save(fig, out: Path, name: str) -> list[Path]:
+    """PNG and PDF without the timestamps and version strings matplotlib would embed."""
+    paths = [out / f"{name}.png", out / f"{name}.pdf"]
+    fig.savefig(paths[0], metadata={"Software": None})
+    fig.savefig(paths[1], metadata={"Creator": None, "Producer": None, "CreationDate": None})
+    plt.close(fig)
+    return paths
+
+
+def usable(df, experiment):
+    return pick(df, [experiment], limited=experiment == "smoke")
+
+
+def niah_heatmaps(df, out: Path) -> list[Path]:
+    paths = []
+    for experiment in sorted(set(df.loc[df["task"].map(task_family) == "niah", "experiment"])):
+        runs = usable(df, experiment)
+        cells = [c for c in runs.columns if c.startswith("metrics/needle_recall_by_cell/")]
+        runs = runs[(runs["task"].map(task_family) == "niah") & runs.reindex(columns=cells).notna().any(axis=1)]
+        for (task, model), mine in runs.groupby(["task", "model"]):
+            full = mine[mine["budget_label"] == NA]
+            for (budget, block), group in mine[mine["budget_label"] != NA].groupby(["budget_label", "block_size"]):
+                panels = [*full.iterrows(), *group.iterrows()]
+                fig, axes = plt.subplots(1, len(panels), figsize=(2.6 * len(panels) + 0.8, 2.8), squeeze=False,
+                                         layout="constrained")
+                for ax, (_, run) in zip(axes[0], panels):
+                    cells = {tuple(c.split("/")[2:]): run[c] for c in run.index
+                             if c.startswith("metrics/needle_recall_by_cell/") and run[c] == run[c]}
+                    lengths = sorted({int(k[0]) for k in cells})
+                    depths = sorted({int(k[1]) for k in cells})
+                    grid = np.array([[cells.get((str(l), str(d)), np.nan) for l in lengths] for d in depths])
+                    image = ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto", interpolation="nearest")
+                    ax.set_xticks(range(len(lengths)), [f"{l / 1000:g}k" for l in lengths], rotation=90)
+                    ax.set_yticks(range(len(depths)), [str(d) for d in depths])
+                    ax.set_title(NAMES.get(run["policy"], run["policy"]))
+                    ax.set_xlabel("context length (tokens)")
+                axes[0][0].set_ylabel("needle depth (%)")
+                fig.colorbar(image, ax=list(axes[0]), label="needle recall")
+                fig.suptitle(f"{model}, budget {budget.upper()}, B = {block}")
+                paths += save(fig, out, f"{task}_{experiment}_{model}_{budget}_bs{block}")
+    return paths
+
+
+def ttft(df, out: Path) -> list[Path]:
+    paths = []
+    for experiment in sorted(e for e in set(df["experiment"]) if "ttft" in e):
+        runs = usable(df, experiment)
+        runs = runs[runs["budget_label"] != NA]
+        for model in sorted(set(runs["model"])):
+            mine = runs[runs["model"] == model]
+            blocks = sorted(set(mine["block_size"]), key=lambda b: float(b))
+            fig, axes = plt.subplots(1, len(blocks), figsize=(3 * len(blocks), 2.6), sharey=True, squeeze=False,
+                                     layout="constrained")
+            for ax, block in zip(axes[0], blocks):
+                for policy, line in mine[mine["block_size"] == block].groupby("policy"):
+                    line = line.sort_values("budget")
+                    ax.plot(line["budget"], line["mean_ttft_s"], marker="o", label=NAMES.get(policy, policy))
+                ax.set_title(f"B = {block}")
+                ax.set_xlabel("KV cache budget (tokens)")
+                ax.grid(alpha=0.3)
+            axes[0][0].set_ylabel("mean TTFT (s)")
+            axes[0][-1].legend()
+            fig.suptitle(f"{experiment}: {model}")
+            paths += save(fig, out, f"ttft_{experiment}_{model}")
+    return paths
+
+
+def prompt_lengths(df, runs_root: Path, out: Path) -> list[Path]:
+    """Prompt lengths do not depend on the policy: one run per model (a full run if there is one)."""
+    paths = []
+    runs = df[(df["task"].map(task_family) == "longbench") & df["complete"].astype(bool) & df["limit"].isna()]
+    for model in sorted(set(runs["model"])):
+        mine = runs[runs["model"] == model]
+        mine = mine.assign(evicts=mine["policy_name"] != "full").sort_values(["evicts", "run_dir"])
+        rows = next((r for r in (read_predictions(runs_root / d) for d in mine["run_dir"]) if r), [])
+        if not rows:
+            print(f"prompt lengths of {model}: no predictions.jsonl under {runs_root}; skipped")
+            continue
+        lengths = {}
+        for row in rows:
+            lengths.setdefault(longbench_dataset(row), []).append(row["prompt_tokens"])
+        datasets = [d for d in LONGBENCH if d in lengths] + sorted(set(lengths) - set(LONGBENCH))
+        cols = min(5, len(datasets))
+        nrows = -(-len(datasets) // cols)
+        fig, axes = plt.subplots(nrows, cols, figsize=(2.4 * cols, 1.9 * nrows), squeeze=False, layout="constrained")
+        for ax, dataset in zip(axes.flat, datasets):
+            ax.hist(lengths[dataset], bins=20, color="tab:blue")
+            ax.set_title(LONGBENCH.get(dataset, dataset))
+        for ax in list(axes.flat)[len(datasets):]:
+            ax.axis("off")
+        fig.supxlabel(f"prompt tokens ({model} tokenizer)")
+        paths += save(fig, out, f"prompt_lengths_{model}")
+    return paths
+
+
+def main(summary: Path, runs_root: Path, out: Path) -> list[Path]:
+    plt.rcdefaults()
+    plt.rcParams.update(STYLE)
+    df = load(summary)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [] if df.empty else niah_heatmaps(df, out) + ttft(df, out) + prompt_lengths(df, runs_root, out)
+    for path in paths:
+        print(path)
+    if not paths:
+        print("no figures yet (run: python run.py experiment=fig6_niah; experiment=fig7_ttft; experiment=table11)")
+    return paths
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--summary", type=Path, default=Path("results/summary.csv"))
+    parser.add_argument("--out", type=Path, default=Path("results/figures"))
+    parser.add_argument("--runs", "--results", type=Path, default=Path("results/runs"), help="run directories")
+    parser.add_argument("--collect", action="store_true", help="re-collect --runs into --summary first")
+    args = parser.parse_args()
+    ensure_summary(args.summary, args.runs, args.collect)
+    main(args.summary, args.runs, args.out)

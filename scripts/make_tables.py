@@ -1,0 +1,328 @@
+"""Every paper table that results/summary.csv can fill, as LaTeX (.tex) and Markdown (.md) in results/tables/.
+
+Why this shape: the CSV is the only input (see collect_results.py), every number in a table is a number
+from a run, and a table with no runs says so instead of printing anything. Only complete runs of the
+whole task (no task.limit) count, except in the smoke table. A table reads its own experiment first and
+then the experiments listed with it (Table 1 is a column subset of Table 11, the full rows come from
+the *_full experiments, ...); seeds of the same configuration are averaged. Best eviction method per
+column (within a model / budget group) is bold; the eviction-free rows are references, never bold.
+
+    python scripts/make_tables.py [--summary results/summary.csv] [--out results/tables]
+                                  [--runs results/runs] [--collect]
+The CSV is (re)collected from --runs first when --collect is given, when it is missing, or when a run
+finished after it was written. The .tex files need \\usepackage{booktabs,multirow}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from collect_results import LONGBENCH, collect  # noqa: E402
+
+SUITE = list(LONGBENCH)
+ENGLISH = [d for d in SUITE if d not in ("multifieldqa_zh", "dureader", "vcsum", "lsht", "passage_retrieval_zh")]
+LLAMAS = ["llama-3.1-8b-instruct", "llama-3.2-3b-instruct"]
+BASELINES = ["h2o", "tova", "sink", "snapkv", "keydiff"]
+BUDGETS = ["1k", "2k", "4k", "6k", "8k"]
+NAMES = {"full": "Full", "h2o": "H2O", "tova": "TOVA", "sink": "Sink", "snapkv": "SnapKV", "keydiff": "KeyDiff",
+         "knorm": "L2-norm", "keydiff_w10": "KeyDiff + 10%", "keydiff_w20": "KeyDiff + 20%",
+         "keydiff_pairwise": "Pairwise", "keydiff_median": "Median", "keydiff_dot": "DotProd",
+         "keydiff_euclidean": "Euclidean"}
+LONGBENCH_TASKS = ["longbench_full", "longbench"]  # not longbench_e: other samples
+GEN_LENGTH = {"math500": "4K", "math500_8k": "8K", "math500_32k": "32K"}
+NA = "--"
+
+
+# ----------------------------------------------------------------------------- selecting runs
+def load(summary: Path) -> pd.DataFrame:
+    return pd.read_csv(summary, dtype={"block_size": str, "budget_label": str, "policy": str, "model": str})
+
+
+def pick(df, experiments, tasks=None, models=None, policies=None, budgets=None, block_sizes=None,
+         by_task=True, limited=False):
+    """One row per (model, policy, budget, block size[, task]), seeds averaged, from the first listed
+    experiment (then the first listed task) that has it. `full` ignores budget and block size (it
+    evicts nothing). by_task=False merges tasks that are views of one benchmark (longbench = the English
+    columns of longbench_full)."""
+    runs = df[df["experiment"].isin(experiments)]
+    runs = runs if tasks is None else runs[runs["task"].isin(tasks)]
+    runs = runs if limited else runs[runs["complete"].astype(str).eq("True") & runs["limit"].isna()]
+    if models is not None:
+        runs = runs[runs["model"].isin(models)]
+    if policies is not None:
+        runs = runs[runs["policy"].isin(policies)]
+    full = runs["policy_name"] == "full"
+    if budgets is not None:
+        runs = runs[full | runs["budget_label"].isin(budgets)]
+    if block_sizes is not None:
+        runs = runs[full | runs["block_size"].isin(block_sizes)]
+    task_rank = runs["task"].map(list(tasks).index) if tasks is not None and not by_task else 0
+    runs = runs.assign(budget_label=runs["budget_label"].where(~full, NA), block_size=runs["block_size"].where(~full, NA),
+                       rank=runs["experiment"].map(experiments.index) * 100 + task_rank)
+    key = ["model", "policy", "budget_label", "block_size"] + (["task"] if by_task else [])
+    runs = runs[runs["rank"] == runs.groupby(key)["rank"].transform("min")]  # never mix experiments or tasks
+    return runs.groupby(key, sort=False).mean(numeric_only=True).reset_index()
+
+
+def budget_key(label: str) -> int:
+    return -1 if label == NA else BUDGETS.index(label)
+
+
+# ----------------------------------------------------------------------------- writing tables
+def best_mask(table: pd.DataFrame, groups: list[str] | None, columns, exclude_full=True) -> pd.DataFrame:
+    """True where a cell holds the maximum of its column within its group of rows (ties all bold)."""
+    mask = pd.DataFrame(False, index=table.index, columns=table.columns)
+    frame = table.reset_index()
+    eligible = ~frame["Method"].isin(["Full", "Dense"]) if exclude_full and "Method" in frame else frame.index >= 0
+    keys = [frame[g] for g in groups] if groups else [pd.Series(0, index=frame.index)]
+    for column in columns:
+        values = frame[column].where(eligible)
+        best = values.groupby(keys).transform("max")
+        mask[column] = ((values == best) & values.notna()).to_numpy()
+    return mask
+
+
+def fmt(value, precision: int) -> str:
+    return NA if pd.isna(value) else f"{value:.{precision}f}" if isinstance(value, (float, np.floating)) else str(value)
+
+
+def write_table(table: pd.DataFrame, mask: pd.DataFrame | None, out: Path, name: str, caption: str, precision=2):
+    """`name`.tex (booktabs, \\textbf on the mask) and `name`.md (**bold**), same numbers in both."""
+    mask = mask if mask is not None else pd.DataFrame(False, index=table.index, columns=table.columns)
+    css = pd.DataFrame(np.where(mask, "textbf:--rwrap;", ""), index=table.index, columns=table.columns)
+    styler = table.style.format(precision=precision, na_rep=NA, escape="latex").format_index(escape="latex", axis=0)
+    styler = styler.format_index(escape="latex", axis=1).apply(lambda _: css, axis=None)
+    tex = styler.to_latex(hrules=True, caption=caption, label=f"tab:{name}", position_float="centering",
+                          multirow_align="t")
+    (out / f"{name}.tex").write_text(tex, encoding="utf-8")
+    flat, flat_mask = table.reset_index(), mask.reset_index(drop=True)
+    lines = [f"**{name}**: {caption}", "", "| " + " | ".join(map(str, flat.columns)) + " |",
+             "|" + "---|" * len(flat.columns)]
+    for i, row in flat.iterrows():
+        cells = [fmt(row[c], precision) for c in flat.columns]
+        cells = [f"**{v}**" if c in flat_mask and flat_mask.at[i, c] else v for c, v in zip(flat.columns, cells)]
+        lines.append("| " + " | ".join(cells) + " |")
+    (out / f"{name}.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+# ----------------------------------------------------------------------------- the tables
+def longbench(df, out, name, caption, experiments, models, policies, datasets, block_sizes=("128",), needs=None,
+              tasks=("longbench_full", "longbench")):
+    """Rows (model, [B,] method, budget), one column per dataset + their average. Written only when a
+    run of a policy in `needs` (default: any policy but full) has scores for these datasets."""
+    runs = pick(df, experiments, tasks, models, ["full", *policies], BUDGETS, list(block_sizes), by_task=False)
+    lb = [f"lb/{d}" for d in datasets]
+    runs = runs.reindex(columns=list(runs.columns) + [c for c in lb if c not in runs.columns])
+    if runs[runs["policy"].isin(needs or policies)][lb].isna().all().all():
+        return False
+    by_block = len(block_sizes) > 1
+    rows = []
+    for model in models:
+        for block, policy in [(NA, "full")] + [(b, p) for b in block_sizes for p in policies]:
+            sel = runs[(runs["model"] == model) & (runs["policy"] == policy) & (runs["block_size"] == block)]
+            for _, run in sorted(sel.iterrows(), key=lambda r: budget_key(r[1]["budget_label"])):
+                scores = [run[c] for c in lb]
+                avg = float(np.mean(scores)) if not np.isnan(scores).any() else np.nan  # over all columns or none
+                index = (model, *((block,) if by_block else ()), NAMES.get(policy, policy), run["budget_label"].upper())
+                rows.append((index, scores + [avg]))
+    levels = ["Model", *(["B"] if by_block else []), "Method", "Budget"]
+    table = pd.DataFrame([v for _, v in rows], index=pd.MultiIndex.from_tuples([i for i, _ in rows], names=levels),
+                         columns=[LONGBENCH[d] for d in datasets] + ["Avg."])
+    groups = ["Model", *(["B"] if by_block else []), "Budget"]
+    write_table(table, best_mask(table, groups, table.columns), out, name, caption)
+    return True
+
+
+def ablation(df, out, name, caption, experiments, policies):
+    """Tables 15/16: full-suite LongBench average, policies x budgets, Llama-3.2-3B."""
+    runs = pick(df, experiments, LONGBENCH_TASKS, ["llama-3.2-3b-instruct"], policies, BUDGETS, ["128"], by_task=False)
+    lb = [f"lb/{d}" for d in SUITE]
+    if not set(policies[1:]) & set(runs["policy"]) or not set(lb) <= set(runs.columns):
+        return False  # the KeyDiff row alone (from table11) is not the ablation
+    runs = runs.assign(avg=runs[lb].mean(axis=1, skipna=False))
+    table = runs.pivot_table(index="policy", columns="budget_label", values="avg", dropna=False)
+    table = table.reindex(index=[p for p in policies if p in table.index],
+                          columns=[b for b in BUDGETS if b in table.columns])
+    table.index = pd.Index([NAMES.get(p, p) for p in table.index], name="Method")
+    table.columns = [c.upper() for c in table.columns]
+    write_table(table, best_mask(table, None, table.columns), out, name, caption)
+    return True
+
+
+def compression(df, out):
+    """Table 9: mean compression ratio per LongBench dataset and budget (prompt lengths of one model)."""
+    runs = pick(df, ["table11", "table1", "table12", "table13", "table14"], LONGBENCH_TASKS, budgets=BUDGETS[1:],
+                block_sizes=["128"], by_task=False)
+    runs = runs[runs["policy"] != "full"]
+    if runs.empty or not any(c.startswith("cr/") for c in runs.columns):
+        return False
+    model = next((m for m in LLAMAS if m in set(runs["model"])), runs["model"].iloc[0])
+    cr = [c for c in (f"cr/{d}" for d in SUITE) if c in runs.columns]
+    table = runs[runs["model"] == model].groupby("budget_label")[cr].mean().T.dropna(how="all")  # equal across policies
+    table = table[[b for b in BUDGETS if b in table.columns]]
+    table.index = pd.Index([LONGBENCH[c[3:]] for c in table.index], name="Dataset")
+    table.loc["Average"] = table.mean(axis=0, skipna=False)
+    table.columns = [c.upper() for c in table.columns]
+    write_table(table, None, out, "table9", f"Average compression ratio min(N / L, 1) per budget ({model} prompts).")
+    return True
+
+
+def math500(df, out, name, model, caption):
+    runs = pick(df, MATH, list(GEN_LENGTH), [model], ["full", "keydiff_w20", "snapkv"])
+    if not (runs["policy"] != "full").any():
+        return False
+    rows = []
+    for task, gen in GEN_LENGTH.items():
+        for policy in ["full", "keydiff_w20", "snapkv"]:
+            sel = runs[(runs["task"] == task) & (runs["policy"] == policy)]
+            for _, run in sorted(sel.iterrows(), key=lambda r: budget_key(r[1]["budget_label"])):
+                budget = NA if policy == "full" else str(int(run["budget"]))
+                rows.append(((gen, budget, NAMES[policy]), [run.get("metrics/flex"), run.get("metrics/exact"),
+                                                             run.get("metrics/avg_new_tokens")]))
+    index = pd.MultiIndex.from_tuples([i for i, _ in rows], names=["Max Gen. Length", "Budget", "Method"])
+    table = pd.DataFrame([v for _, v in rows], index=index, columns=["Flex Match", "Exact Match", "Avg. Gen. Length"])
+    table["Avg. Gen. Length"] = table["Avg. Gen. Length"].astype(float).round().astype("Int64")
+    write_table(table, best_mask(table, ["Max Gen. Length", "Budget"], ["Flex Match", "Exact Match"]), out, name, caption, 3)
+    return True
+
+
+def math500_subsets(df, out, name, model, caption):
+    runs = pick(df, MATH, list(GEN_LENGTH), [model], ["keydiff_w20", "snapkv"])
+    if runs.empty or "subset/flex" not in runs:
+        return False
+    rows = []
+    for task, gen in GEN_LENGTH.items():
+        sel = runs[(runs["task"] == task) & runs["subset/flex"].notna()]
+        for budget in sorted(sel["budget"].unique()):
+            at = sel[sel["budget"] == budget]
+            first = at.iloc[0]
+            subset = f"Num Tokens > {int(budget)} ({int(first['subset/n_problems'])}/{int(first['subset/total_problems'])})"
+            rows.append(((gen, subset, "Full"), [first["subset/full_flex"], first["subset/full_exact"]]))
+            for policy in ["keydiff_w20", "snapkv"]:
+                for _, run in at[at["policy"] == policy].iterrows():
+                    rows.append(((gen, subset, NAMES[policy]), [run["subset/flex"], run["subset/exact"]]))
+    if not rows:
+        return False
+    index = pd.MultiIndex.from_tuples([i for i, _ in rows], names=["Max Gen. Length", "Subset", "Method"])
+    table = pd.DataFrame([v for _, v in rows], index=index, columns=["Flex", "Exact"])
+    write_table(table, best_mask(table, ["Max Gen. Length", "Subset"], table.columns), out, name, caption, 3)
+    return True
+
+
+def phonebook(df, out):
+    runs = pick(df, ["table17"], ["phonebook"], ["llama-3.2-3b-instruct"], ["full", "keydiff", "tova"], ["6k"], ["128"])
+    sizes = sorted((c.split("/")[2] for c in runs.columns if c.startswith("metrics/by_size/") and c.endswith("/exact")), key=int)
+    if runs.empty or not sizes:
+        return False
+    table = runs.set_index("policy")[[f"metrics/by_size/{s}/exact" for s in sizes]]
+    table = table.reindex([p for p in ["full", "keydiff", "tova"] if p in table.index])
+    table.index = pd.Index(["Dense" if p == "full" else NAMES[p] for p in table.index], name="Method")
+    table.columns = sizes
+    write_table(table, best_mask(table, None, table.columns), out, "table17",
+                "Phonebook lookup accuracy by book size, Llama-3.2-3B-Instruct, 6K budget, B = 128.", 1)
+    return True
+
+
+def niah_difference(df, out):
+    runs = pick(df, ["fig6_niah"], ["niah"], ["llama-3.2-3b-instruct"], ["full", "keydiff"], ["6k"], ["128"])
+    cells = [c for c in runs.columns if c.startswith("metrics/needle_recall_by_cell/")]
+    if set(runs["policy"]) != {"full", "keydiff"} or not cells:
+        return False
+    diff = runs.set_index("policy").loc["keydiff", cells] - runs.set_index("policy").loc["full", cells]
+    parts = [c.split("/")[2:] for c in cells]
+    table = pd.Series(diff.to_numpy(dtype=float), index=pd.MultiIndex.from_tuples(parts)).unstack(0)
+    table = table.dropna(how="all").dropna(axis=1, how="all")  # cells of other NIAH grids in the CSV
+    table = table.loc[sorted(table.index, key=float), sorted(table.columns, key=float)]
+    table.index.name = "Depth"
+    write_table(table, None, out, "table18", "Needle recall difference (KeyDiff - Full), Llama-3.2-3B-Instruct, 6K, B = 128.")
+    return True
+
+
+def smoke(df, out):
+    runs = pick(df, ["smoke"], limited=True)
+    if runs.empty:
+        return False
+    cols = {"samples": "Samples", "score": "Score", "mean_compression_ratio": "Compression", "mean_ttft_s": "TTFT (s)"}
+    table = runs.set_index(["task", "model", "policy", "budget_label", "block_size"])[list(cols)].rename(columns=cols)
+    table.index.names = ["Task", "Model", "Method", "Budget", "B"]
+    table["Samples"] = table["Samples"].astype("Int64")
+    write_table(table, best_mask(table, None, ["Score"], exclude_full=False), out, "smoke",
+                "Smoke sweep (task.limit applies: not paper numbers).", 3)
+    return True
+
+
+MATH = ["table4_gen4k", "table4_gen8k", "table4_gen32k", "table4_full"]
+LLAMA_R1, QWEN_R1 = "deepseek-r1-distill-llama-8b", "deepseek-r1-distill-qwen-7b"
+SUBSET = "Math-500 on the samples whose full-cache context exceeds the budget"
+TABLES = {  # name -> (builder, the experiments to run for it)
+    "table1": (lambda df, out: longbench(df, out, "table1", "LongBench English subset, B = 128.",
+                                         ["table1", "table11", "table1_full", "table11_full"], LLAMAS, BASELINES, ENGLISH,
+                                         tasks=("longbench", "longbench_full")),
+               ["table1", "table1_full"]),
+    "table4": (lambda df, out: math500(df, out, "table4", LLAMA_R1, "Math-500, DeepSeek-R1-Distill-Llama-8B."), MATH),
+    "table5": (lambda df, out: math500_subsets(df, out, "table5", LLAMA_R1, f"{SUBSET}, DeepSeek-R1-Distill-Llama-8B."), MATH),
+    "table6": (lambda df, out: math500(df, out, "table6", QWEN_R1, "Math-500, DeepSeek-R1-Distill-Qwen-7B."), MATH),
+    "table7": (lambda df, out: math500_subsets(df, out, "table7", QWEN_R1, f"{SUBSET}, DeepSeek-R1-Distill-Qwen-7B."), MATH),
+    "table9": (compression, ["table11"]),
+    "table10": (lambda df, out: longbench(df, out, "table10", "LongBench with B = inf (no NarrativeQA).",
+                                          ["table10", "table11_full", "table1_full"], LLAMAS, BASELINES, SUITE[1:], ("inf",)),
+                ["table10", "table11_full"]),
+    "table11": (lambda df, out: longbench(df, out, "table11", "Full LongBench suite, B = 128.", ["table11", "table11_full"],
+                                          LLAMAS, BASELINES + ["knorm"], SUITE), ["table11", "table11_full"]),
+    "table12": (lambda df, out: longbench(df, out, "table12", "Full LongBench suite, Qwen-2.5, B = 128.",
+                                          ["table12", "table12_full"], ["qwen2.5-7b-instruct", "qwen2.5-3b-instruct"],
+                                          BASELINES, SUITE), ["table12", "table12_full"]),
+    "table13": (lambda df, out: longbench(df, out, "table13", "Llama-3.2-3B-Instruct, block sizes B = 64 and 256.",
+                                          ["table13", "table11_full"], ["llama-3.2-3b-instruct"], BASELINES, SUITE,
+                                          ("64", "256")), ["table13", "table11_full"]),
+    "table14": (lambda df, out: longbench(df, out, "table14", "KeyDiff + recent tokens, B = 128.",
+                                          ["table14", "table11", "table11_full"], LLAMAS,
+                                          ["sink", "snapkv", "keydiff_w10", "keydiff_w20", "keydiff"], SUITE,
+                                          needs=["keydiff_w10", "keydiff_w20"]),
+                ["table14", "table11", "table11_full"]),
+    "table15": (lambda df, out: ablation(df, out, "table15", "Anchor ablation: full LongBench average, Llama-3.2-3B-Instruct.",
+                                         ["table15", "table11"], ["keydiff", "keydiff_pairwise", "keydiff_median"]), ["table15"]),
+    "table16": (lambda df, out: ablation(df, out, "table16", "Similarity ablation: full LongBench average, Llama-3.2-3B-Instruct.",
+                                         ["table16", "table11"], ["keydiff", "keydiff_dot", "keydiff_euclidean"]), ["table16"]),
+    "table17": (phonebook, ["table17"]),
+    "table18": (niah_difference, ["fig6_niah"]),
+    "smoke": (smoke, ["smoke"]),
+}
+
+
+def ensure_summary(summary: Path, runs: Path, force: bool = False) -> None:
+    """(Re)collect when asked, when the CSV is missing, or when a run finished after it was written."""
+    newest = max((p.stat().st_mtime for p in runs.glob("**/summary.json")), default=0) if runs.is_dir() else 0
+    if force or not summary.exists() or newest > summary.stat().st_mtime:
+        frame = collect(runs, summary)
+        print(f"collected {len(frame)} runs from {runs} -> {summary}")
+
+
+def main(summary: Path, out: Path) -> list[str]:
+    df = load(summary)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, (build, experiments) in TABLES.items():
+        if not df.empty and build(df, out):
+            written.append(name)
+            print(f"{name}: {out / name}.tex, .md")
+        else:
+            print(f"no results for {name} (run: " + "; ".join(f"python run.py experiment={e}" for e in experiments) + ")")
+    return written
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--summary", type=Path, default=Path("results/summary.csv"))
+    parser.add_argument("--out", type=Path, default=Path("results/tables"))
+    parser.add_argument("--runs", "--results", type=Path, default=Path("results/runs"), help="run directories")
+    parser.add_argument("--collect", action="store_true", help="re-collect --runs into --summary first")
+    args = parser.parse_args()
+    ensure_summary(args.summary, args.runs, args.collect)
+    main(args.summary, args.out)

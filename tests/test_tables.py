@@ -1,0 +1,251 @@
+"""collect -> tables -> figures on a fake results tree, and every conf/experiment/*.yaml against conf/.
+
+The fake runs carry made-up numbers chosen so that each assertion checks one thing: the number reaches
+the CSV and the table unchanged, the best eviction method (never the full baseline) is bold, nothing
+appears for tables without runs, and two figure runs give identical bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+CONF = ROOT / "conf"
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import collect_results  # noqa: E402
+import make_figures  # noqa: E402
+import make_tables  # noqa: E402
+
+SUITE = list(collect_results.LONGBENCH)
+LLAMA3B = "llama-3.2-3b-instruct"
+R1 = "deepseek-r1-distill-llama-8b"
+
+
+def write_run(runs, experiment, task, model, label, budget_label, block, metrics, rows=(), name=None,
+              complete=True, limit=None, ttft=0.5, seed=0):
+    tokens = None if (name or label) == "full" else {"1k": 1024, "2k": 2048, "4k": 4096, "6k": 6144}[budget_label]
+    run_dir = runs / experiment / task / model / label / budget_label / f"bs{block}" / f"seed{seed}"
+    run_dir.mkdir(parents=True)
+    with open(run_dir / "predictions.jsonl", "w") as handle:
+        handle.writelines(json.dumps(row) + "\n" for row in rows)
+    summary = {
+        "complete": complete, "metrics": metrics, "budget": tokens, "block_size": None if block == "inf" else block,
+        "statistics": {"samples": max(len(rows), 1), "mean_compression_ratio": 0.5, "mean_ttft_s": ttft,
+                       "mean_prompt_tokens": 1000.0, "cache_bound_held": True},
+        "attention_statistics": "fast",
+        "config": {"experiment_name": experiment, "seed": seed, "block_size": block,
+                   "task": {"name": task, "limit": limit}, "model": {"name": model, "attn_implementation": "sdpa"},
+                   "policy": {"name": name or label, "label": label}, "budget": {"tokens": tokens, "label": budget_label}},
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary))
+
+
+def longbench_scores(base, **changes):
+    scores = {d: base + i for i, d in enumerate(SUITE)} | changes
+    return {"datasets": scores, "average": sum(scores.values()) / len(scores), "num_samples": {d: 1 for d in SUITE}}
+
+
+def math_rows(flex, new_tokens):
+    ids = ["p1#0", "p1#1", "p2#0", "p2#1"]
+    return [{"sample_id": i, "scores": {"flex": f, "exact": f}, "prompt_tokens": 100, "new_tokens": n,
+             "finish_reason": "stop", "compression_ratio": 1.0} for i, f, n in zip(ids, flex, new_tokens)]
+
+
+@pytest.fixture(scope="module")
+def fake_runs(tmp_path_factory):
+    runs = tmp_path_factory.mktemp("results") / "runs"
+    lb_rows = [{"sample_id": f"{d}/{k}", "info": {"dataset": d}, "prompt_tokens": t, "compression_ratio": c}
+               for d, k, t, c in [("narrativeqa", 0, 9000, 0.1), ("narrativeqa", 1, 3000, 0.3), ("qasper", 0, 2500, 0.5)]]
+    write_run(runs, "table11", "longbench_full", LLAMA3B, "keydiff", "2k", 128, longbench_scores(10.5), lb_rows)
+    write_run(runs, "table11", "longbench_full", LLAMA3B, "tova", "2k", 128, longbench_scores(10.0, qasper=99.0), lb_rows)
+    write_run(runs, "table11", "longbench_full", LLAMA3B, "keydiff", "4k", 128, longbench_scores(70.0), complete=False)
+    write_run(runs, "table11_full", "longbench_full", LLAMA3B, "full", "unbounded", 128, longbench_scores(50.0), lb_rows)
+    english = {d: 30.0 for d in ["narrativeqa", "qasper", "multifieldqa_en", "hotpotqa", "2wikimqa", "musique",
+                                 "gov_report", "qmsum", "multi_news", "trec", "triviaqa", "samsum", "passage_count",
+                                 "passage_retrieval_en", "lcc", "repobench-p"]}
+    write_run(runs, "table1", "longbench", LLAMA3B, "sink", "2k", 128, {"datasets": english, "average": 30.0})
+    write_run(runs, "table13", "longbench_full", LLAMA3B, "keydiff", "2k", 64, longbench_scores(5.0))
+    write_run(runs, "table15", "longbench_full", LLAMA3B, "keydiff_pairwise", "2k", 128, longbench_scores(11.0),
+              name="keydiff_pairwise")
+    cells_full = {"1000": {"0": 1.0, "50": 0.8}, "2000": {"0": 0.6, "50": 0.4}}
+    cells_kd = {"1000": {"0": 0.9, "50": 0.8}, "2000": {"0": 0.7, "50": 0.1}}
+    for label, cells in [("full", cells_full), ("keydiff", cells_kd)]:
+        write_run(runs, "fig6_niah", "niah", LLAMA3B, label, "6k", 128, {"needle_recall": 0.7, "needle_recall_by_cell": cells})
+    full_rows = math_rows([1, 0, 1, 1], [500, 1500, 800, 2000])  # contexts 600, 1600, 900, 2100
+    write_run(runs, "table4_full", "math500", R1, "full", "unbounded", 128,
+              {"flex": 0.75, "exact": 0.5, "avg_new_tokens": 1200.0}, full_rows)
+    write_run(runs, "table4_gen4k", "math500", R1, "keydiff_w20", "1k", 128,
+              {"flex": 0.5, "exact": 0.25, "avg_new_tokens": 1000.0}, math_rows([1, 1, 0, 0], [400, 1400, 700, 1900]),
+              name="keydiff")
+    write_run(runs, "table4_gen4k", "math500", R1, "snapkv", "1k", 128,
+              {"flex": 0.25, "exact": 0.25, "avg_new_tokens": 1100.0}, math_rows([0, 0, 0, 1], [400, 1400, 700, 1900]))
+    for label, size_478 in [("full", 0.8), ("keydiff", 0.4), ("tova", 0.6)]:
+        write_run(runs, "table17", "phonebook", LLAMA3B, label, "6k", 128,
+                  {"exact": 0.7, "by_size": {"100": {"exact": 1.0}, "478": {"exact": size_478}}})
+    for label in ["keydiff", "tova"]:
+        for budget in ["2k", "4k"]:
+            for block in [64, 128]:
+                ttft = {"keydiff": 1.0, "tova": 2.0}[label] * (1 + int(budget[0]) / 10) * block / 64
+                write_run(runs, "fig7_ttft", "niah", LLAMA3B, label, budget, block, {"needle_recall": 1.0}, ttft=ttft)
+    write_run(runs, "smoke", "niah_small", "smollm2-135m", "keydiff", "1k", 128,
+              {"needle_recall": 0.25, "needle_recall_by_cell": {"2000": {"0": 0.5, "100": 0.0}}}, limit=2)
+    return runs
+
+
+@pytest.fixture(scope="module")
+def produced(fake_runs, tmp_path_factory):
+    out = tmp_path_factory.mktemp("out")
+    frame = collect_results.collect(fake_runs, out / "summary.csv")
+    written = make_tables.main(out / "summary.csv", out / "tables")
+    return out, frame, written
+
+
+def md_rows(path):
+    """Markdown table -> list of cell lists (header first)."""
+    lines = [l for l in path.read_text().splitlines() if l.startswith("|") and not l.startswith("|---")]
+    return [[c.strip() for c in l.strip("|").split("|")] for l in lines]
+
+
+def md_cell(path, row_start, column):
+    rows = md_rows(path)
+    col = rows[0].index(column)
+    matches = [r for r in rows[1:] if r[: len(row_start)] == list(row_start)]
+    assert len(matches) == 1, (row_start, matches)
+    return matches[0][col]
+
+
+def test_summary_csv_holds_the_numbers(produced):
+    out, _, _ = produced
+    df = pd.read_csv(out / "summary.csv", dtype={"block_size": str})
+    kd = df[(df.experiment == "table11") & (df.policy == "keydiff") & (df.budget_label == "2k")].iloc[0]
+    assert kd["lb/qasper"] == 11.5 and kd["lb/repobench-p"] == 30.5 and kd["block_size"] == "128"
+    assert kd["cr/narrativeqa"] == pytest.approx(0.2) and kd["cr/qasper"] == 0.5
+    assert kd["score"] == pytest.approx(20.5) and kd["mean_ttft_s"] == 0.5 and bool(kd["cache_bound_held"])
+    assert not df[(df.experiment == "table11") & (df.budget_label == "4k")].iloc[0]["complete"]
+    assert len(df) == 7 + 2 + 3 + 3 + 8 + 1
+    niah = df[(df.experiment == "fig6_niah") & (df.policy == "keydiff")].iloc[0]
+    assert niah["metrics/needle_recall_by_cell/2000/50"] == 0.1
+    # Math-500 subset: the full run's contexts over 1024 are p1#1 and p2#1.
+    w20 = df[df.policy == "keydiff_w20"].iloc[0]
+    assert (w20["subset/n_samples"], w20["subset/n_problems"], w20["subset/total_problems"]) == (2, 2, 2)
+    assert (w20["subset/flex"], w20["subset/full_flex"]) == (0.5, 0.5)
+    assert df[df.policy == "snapkv"].iloc[0]["subset/flex"] == 0.5
+
+
+def test_longbench_tables_bold_the_best_eviction_method(produced):
+    out, _, written = produced
+    md = out / "tables" / "table11.md"
+    row = (LLAMA3B, "KeyDiff", "2K")
+    assert md_cell(md, row, "NarrativeQA") == "**10.50**"
+    assert md_cell(md, row, "Qasper") == "11.50"
+    assert md_cell(md, (LLAMA3B, "TOVA", "2K"), "Qasper") == "**99.00**"
+    assert md_cell(md, (LLAMA3B, "Full", "--"), "NarrativeQA") == "50.00"  # higher, but a reference
+    assert md_cell(md, row, "Avg.") == "20.50"
+    assert md_cell(md, (LLAMA3B, "TOVA", "2K"), "Avg.") == f"**{20 + (99 - 11) / 21:.2f}**"
+    assert not any(r[2] == "4K" for r in md_rows(md)[1:])  # the incomplete run is left out
+    tex = (out / "tables" / "table11.tex").read_text()
+    assert r"\textbf{99.00}" in tex and r"\textbf{50.00}" not in tex and r"\toprule" in tex
+    # Table 1 = English columns of the table11 runs; its average is over those 16 columns only.
+    english = [10.5 + i for i, d in enumerate(SUITE) if d in make_tables.ENGLISH]
+    assert md_cell(out / "tables" / "table1.md", row, "Avg.") == f"{sum(english) / 16:.2f}"
+    assert "MF-zh" not in md_rows(out / "tables" / "table1.md")[0]
+    assert md_cell(out / "tables" / "table1.md", (LLAMA3B, "Sink", "2K"), "Avg.") == "**30.00**"  # from table1 itself
+    assert not any(r[1] == "Sink" for r in md_rows(md))  # an English-only run cannot fill Table 11
+    # Table 13: block size is a row level; the full row (any B) appears once.
+    rows13 = md_rows(out / "tables" / "table13.md")
+    assert [r[:4] for r in rows13[1:]] == [[LLAMA3B, "--", "Full", "--"], [LLAMA3B, "64", "KeyDiff", "2K"]]
+    ablation = out / "tables" / "table15.md"
+    assert md_cell(ablation, ("KeyDiff",), "2K") == "20.50" and md_cell(ablation, ("Pairwise",), "2K") == "**21.00**"
+
+
+def test_other_tables(produced):
+    out, _, written = produced
+    tables = out / "tables"
+    assert md_cell(tables / "table17.md", ("TOVA",), "478") == "**0.6**"
+    assert md_cell(tables / "table17.md", ("KeyDiff",), "100") == "**1.0**"  # ties are all bold
+    assert md_cell(tables / "table17.md", ("Dense",), "478") == "0.8"
+    assert md_cell(tables / "table18.md", ("0",), "1000") == "-0.10"
+    assert md_cell(tables / "table18.md", ("50",), "2000") == "-0.30"
+    assert md_cell(tables / "table4.md", ("4K", "1024", "KeyDiff + 20%"), "Flex Match") == "**0.500**"
+    assert md_cell(tables / "table4.md", ("4K", "--", "Full"), "Avg. Gen. Length") == "1200"
+    assert md_cell(tables / "table5.md", ("4K", "Num Tokens > 1024 (2/2)", "Full"), "Flex") == "0.500"
+    assert md_cell(tables / "table9.md", ("NarrativeQA",), "2K") == "0.20"
+    assert "smoke" in written
+
+
+def test_tables_without_runs_say_so(produced, capsys):
+    out, _, written = produced
+    make_tables.main(out / "summary.csv", out / "tables2")
+    printed = capsys.readouterr().out
+    assert "no results for table10 (run: python run.py experiment=table10" in printed
+    assert not (out / "tables2" / "table10.md").exists() and "table10" not in written
+    assert not {"table6", "table12", "table14", "table16"} & set(written)
+
+
+def test_figures_are_byte_reproducible(produced, fake_runs):
+    out, _, _ = produced
+    first = make_figures.main(out / "summary.csv", fake_runs, out / "fig1")
+    second = make_figures.main(out / "summary.csv", fake_runs, out / "fig2")
+    names = sorted(p.name for p in first)
+    assert names == sorted(p.name for p in second)
+    assert f"niah_fig6_niah_{LLAMA3B}_6k_bs128.png" in names and f"ttft_fig7_ttft_{LLAMA3B}.pdf" in names
+    assert f"prompt_lengths_{LLAMA3B}.png" in names and "niah_small_smoke_smollm2-135m_1k_bs128.png" in names
+    for a, b in zip(sorted(first), sorted(second)):
+        assert hashlib.sha256(a.read_bytes()).digest() == hashlib.sha256(b.read_bytes()).digest(), a.name
+
+
+# ----------------------------------------------------------------------------- experiment configs
+EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
+GROUPS = ("model", "policy", "budget", "task")
+
+
+def compose(overrides):
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return hydra_compose("config", overrides=overrides, return_hydra_config=True)
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_experiment_composes_to_existing_options(name):
+    cfg = compose([f"experiment={name}"])
+    assert cfg.experiment_name == name and str(cfg.hydra.mode) == "RunMode.MULTIRUN"
+    params = {k: str(v).split(",") for k, v in cfg.hydra.sweeper.params.items()}
+    assert {"policy", "budget", "block_size"} <= set(params)
+    for group in GROUPS:
+        for option in params.get(group, [cfg.hydra.runtime.choices[group]]):
+            assert (CONF / group / f"{option}.yaml").is_file(), f"{name}: no conf/{group}/{option}.yaml"
+    # Keys an experiment sets under task/model must exist in that task/model config (no silent typos).
+    raw = yaml.safe_load((CONF / "experiment" / f"{name}.yaml").read_text())
+    for group in ("task", "model"):
+        plain = compose([f"{group}={params.get(group, [cfg.hydra.runtime.choices[group]])[0]}"])
+        assert set(raw.get(group) or {}) <= set(plain[group]), f"{name}: unknown {group} keys"
+    # The first and the last grid point compose and land in results/runs/<name>/...
+    for pick in (0, -1):
+        point = [f"experiment={name}"] + [f"{k}={v[pick]}" for k, v in params.items()]
+        job = compose(point)
+        assert job.hydra.sweep.dir == f"{job.results_root}/{name}"
+        assert job.run_subdir.startswith(f"{job.task.name}/{job.model.name}/{job.policy.label}/")
+
+
+def test_slurm_launcher_composes(monkeypatch):
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    from omegaconf import OmegaConf
+
+    monkeypatch.delenv("SBATCH_PARTITION", raising=False)
+    launcher = OmegaConf.to_container(compose(["experiment=smoke", "hydra/launcher=slurm"]).hydra.launcher, resolve=True)
+    assert launcher["gpus_per_node"] == 1 and launcher["partition"] is None and launcher["setup"] == []
+    assert launcher["submitit_folder"].startswith("results/runs/smoke/") and launcher["name"] == "kd-smoke"
+    monkeypatch.setenv("SBATCH_PARTITION", "gpu-env")
+    overrides = ["experiment=smoke", "hydra/launcher=slurm", "+slurm.account=lab", "+slurm.array_parallelism=4"]
+    launcher = OmegaConf.to_container(compose(overrides).hydra.launcher, resolve=True)
+    assert (launcher["partition"], launcher["account"], launcher["array_parallelism"]) == ("gpu-env", "lab", 4)
