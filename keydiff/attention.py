@@ -40,21 +40,23 @@ def causal_mask(
 def attention_statistic(query: torch.Tensor, key: torch.Tensor, scaling: float, rows: int | None) -> torch.Tensor:
     """Attention received by each key from the last `rows` query rows (None: all), group-averaged.
 
-    query [b, H, q, d], key [b, H_kv, kv, d] -> float32 [b, H_kv, kv]. Softmax in float32 over the
-    causal (bottom-right) visible keys, summed over rows, averaged over the H/H_kv heads of each group.
+    query [b, H, q, d], key [b, H_kv, kv, d] -> float32 [b, H_kv, kv]. Logits in the model's dtype, softmax
+    in float32 over the causal (bottom-right) visible keys, summed over rows, averaged over the H/H_kv
+    heads of each group. Grouped queries multiply their KV head directly (no repeat_kv copy).
     """
     batch, heads, q_len, dim = query.shape
     kv_heads, kv_len = key.shape[1], key.shape[2]
     groups = heads // kv_heads
     first = 0 if rows is None else max(q_len - rows, 0)
-    keys_t = key.float().transpose(-1, -2)  # [b, H_kv, d, kv]
-    grouped = query.float().view(batch, kv_heads, groups, q_len, dim)
+    keys_t = key.transpose(-1, -2)  # [b, H_kv, d, kv]
+    grouped = query.view(batch, kv_heads, groups, q_len, dim)
     chunk = max(1, STATISTIC_CHUNK_ELEMENTS // max(1, batch * heads * kv_len))
     total = torch.zeros(batch, kv_heads, kv_len, dtype=torch.float32, device=query.device)
     for start in range(first, q_len, chunk):
         stop = min(start + chunk, q_len)
         block = grouped[:, :, :, start:stop].reshape(batch, kv_heads, groups * (stop - start), dim)
-        logits = (block @ keys_t) * scaling  # [b, H_kv, g*c, kv]
+        # Logits in the model's dtype, softmax in float32: the numerics of transformers' eager attention.
+        logits = ((block @ keys_t) * scaling).float()  # [b, H_kv, g*c, kv]
         visible = causal_mask(q_len, kv_len, query.device, start, stop)  # [c, kv]
         logits = logits.view(batch, kv_heads, groups, stop - start, kv_len).masked_fill(~visible, float("-inf"))
         total += torch.softmax(logits, dim=-1).sum(dim=(2, 3))

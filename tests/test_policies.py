@@ -227,3 +227,12 @@ def test_build_policy_errors_name_the_valid_choices():
 def test_invalid_hyper_parameters(name, params, budget, message):
     with pytest.raises(ValueError, match=message):
         build_policy(name, **params).validate(budget)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fast_statistic_matches_materialized_in_low_precision(dtype):
+    g = torch.Generator().manual_seed(11)
+    query, key = torch.randn(1, 6, 32, 16, generator=g).to(dtype), torch.randn(1, 3, 70, 16, generator=g).to(dtype)
+    _, weights = eager_attention(torch.nn.Module(), query, key, key, 0.25)
+    fast = attention_statistic(query, key, 0.25, None)
+    assert torch.allclose(fast, statistic_from_weights(weights, 3, None), atol=2e-2, rtol=2e-2)
