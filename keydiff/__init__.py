@@ -9,10 +9,14 @@
 `state.kept_positions` the absolute prompt positions each layer and KV head kept.
 """
 
-from keydiff.attention import attention_statistic, keydiff_attention
-from keydiff.cache import EvictingCache, EvictingLayer
-from keydiff.engine import GenerationResult, PrefillResult, generate, prefill, resolve_block_size
-from keydiff.policies import POLICIES, Policy, available_policies, build_policy
+from keydiff.config import register_resolvers
+
+register_resolvers()
+
+from keydiff.attention import attention_statistic, keydiff_attention  # noqa: E402
+from keydiff.cache import EvictingCache, EvictingLayer  # noqa: E402
+from keydiff.engine import GenerationResult, PrefillResult, generate, prefill, resolve_block_size  # noqa: E402
+from keydiff.policies import POLICIES, Policy, available_policies, build_policy  # noqa: E402
 
 __version__ = "0.1.0"
 

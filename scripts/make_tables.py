@@ -41,7 +41,8 @@ NA = "--"
 
 # ----------------------------------------------------------------------------- selecting runs
 def load(summary: Path) -> pd.DataFrame:
-    return pd.read_csv(summary, dtype={"block_size": str, "budget_label": str, "policy": str, "model": str})
+    # .copy() de-fragments the wide frame (hundreds of metric columns) once, up front.
+    return pd.read_csv(summary, dtype={"block_size": str, "budget_label": str, "policy": str, "model": str}).copy()
 
 
 def pick(df, experiments, tasks=None, models=None, policies=None, budgets=None, block_sizes=None,

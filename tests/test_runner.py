@@ -113,3 +113,20 @@ def test_eviction_run_resume_crash_recovery_and_no_overwrite(tmp_path, monkeypat
     runner.run(niah_cfg(*overrides, "policy.params.window_fraction=0.2", "task.limit=1", "overwrite=true"), run_dir)
     backups = list(tmp_path.glob("run.old-*"))
     assert len(backups) == 1 and len((backups[0] / "predictions.jsonl").read_text().splitlines()) == 2
+
+
+@pytest.mark.real_model
+def test_wandb_offline_logging_keeps_files_as_the_source_of_truth(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = make_cfg("task=phonebook", "task.sizes=[20]", "task.books_per_size=1", "policy=knorm",
+                   "budget.tokens=128", "logger=wandb", "logger.mode=offline")
+    summary = runner.run(cfg, tmp_path / "wb")
+    assert (tmp_path / "wb" / "predictions.jsonl").exists() and summary["statistics"]["samples"] == 1
+    runs = list((tmp_path / "wb" / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and list(runs[0].glob("run-*.wandb"))
+
+
+def test_budget_label_follows_the_tokens():
+    assert make_cfg("budget=6k").budget.label == "6k"
+    cfg = make_cfg("budget=2k", "budget.tokens=3000")
+    assert cfg.budget.label == "3000" and "/3000/bs128/" in cfg.run_subdir

@@ -1,0 +1,21 @@
+"""OmegaConf resolvers the Hydra configs use (registered on `import keydiff`).
+
+`${budget_label:${.tokens}}` names a budget after its token count (2048 -> "2k", 6144 -> "6k",
+3000 -> "3000"), so `budget.tokens=3000` can never write into a directory labelled "2k".
+"""
+
+from __future__ import annotations
+
+from omegaconf import OmegaConf
+
+
+def budget_label(tokens: int | None) -> str:
+    if tokens is None:
+        return "none"
+    tokens = int(tokens)
+    return f"{tokens // 1024}k" if tokens > 0 and tokens % 1024 == 0 else str(tokens)
+
+
+def register_resolvers() -> None:
+    if not OmegaConf.has_resolver("budget_label"):
+        OmegaConf.register_new_resolver("budget_label", budget_label)
