@@ -80,7 +80,9 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _forward(model: torch.nn.Module, cache: EvictingCache, input_ids: torch.Tensor, start: int) -> torch.Tensor:
+def _forward(
+    model: torch.nn.Module, cache: EvictingCache, input_ids: torch.Tensor, start: int, evict: bool = True
+) -> torch.Tensor:
     """One forward pass of `input_ids` at absolute positions start..start+q-1, then eviction."""
     batch, q_len = input_ids.shape
     positions = torch.arange(start, start + q_len, device=input_ids.device).expand(batch, q_len)
@@ -93,7 +95,8 @@ def _forward(model: torch.nn.Module, cache: EvictingCache, input_ids: torch.Tens
         logits_to_keep=1,
         evicting_cache=cache,
     )
-    cache.evict()
+    if evict:
+        cache.evict()
     return output.logits[:, -1, :].float()
 
 
@@ -169,8 +172,12 @@ def generate(
     min_new_tokens: int = 0,
     seed: int | None = None,
     record_steps: bool = False,
+    evict: bool = True,
 ) -> GenerationResult:
     """Decode up to `max_new_tokens` tokens from a prefilled state, evicting after every token (B = 1).
+
+    evict=False keeps every generated token (the cache grows by up to max_new_tokens), which is what the
+    original SnapKV and KVCache-Factory do: they compress once, after the prompt.
 
     A row stops at the first id in `eos_token_ids` (allowed only after `min_new_tokens`). Sampling draws
     from a CPU generator seeded with `seed`, so results do not depend on the device's RNG.
@@ -200,7 +207,7 @@ def generate(
                     finished[row], reasons[row] = True, "stop"
             if all(finished) or step == max_new_tokens - 1:
                 break
-            logits = _forward(model, cache, token[:, None], state.prompt_length + step)
+            logits = _forward(model, cache, token[:, None], state.prompt_length + step, evict=evict)
             if record_steps:
                 steps.append(max(layer.get_seq_length() for layer in cache.layers))
     _sync(device)

@@ -41,6 +41,7 @@ class RunPlan:
     budget: int | None
     block_size: int | None
     statistics: str
+    decode_eviction: bool
     task: Task
     model_cfg: ModelConfig
 
@@ -64,8 +65,11 @@ def plan_run(cfg: DictConfig) -> RunPlan:
     model_cfg = ModelConfig.from_dict(OmegaConf.to_container(cfg.model, resolve=True))
     model_cfg.validate()
     task.check_model(model_cfg.max_length)
+    decode_eviction = cfg.get("decode_eviction", True)
+    if not isinstance(decode_eviction, bool):
+        raise ValueError(f"decode_eviction must be true or false, got {decode_eviction!r}")
     return RunPlan(cfg.policy.name, params, int(budget) if policy.evicts else None, block_size,
-                   cfg.attention_statistics, task, model_cfg)
+                   cfg.attention_statistics, decode_eviction, task, model_cfg)
 
 
 def result_config(cfg: DictConfig) -> dict[str, Any]:
@@ -110,7 +114,7 @@ def run_sample(plan: RunPlan, model, tokenizer, stop_ids: list[int], sample, run
     out = generate(
         model, state, settings.max_new_tokens, list(stop_ids) + list(settings.stop_token_ids),
         do_sample=settings.do_sample, temperature=settings.temperature, top_p=settings.top_p,
-        min_new_tokens=settings.min_new_tokens, seed=seed,
+        min_new_tokens=settings.min_new_tokens, seed=seed, evict=plan.decode_eviction,
     )
     tokens = out.token_ids[0]
     prediction = tokenizer.decode(tokens, skip_special_tokens=True)
@@ -140,7 +144,8 @@ def run_statistics(rows: list[dict[str, Any]], plan: RunPlan) -> dict[str, Any]:
     if not rows:
         return {"samples": 0}
     n = len(rows)
-    bound = None if plan.budget is None or plan.block_size is None else plan.budget + plan.block_size
+    bounded = plan.budget is not None and plan.block_size is not None and plan.decode_eviction
+    bound = plan.budget + plan.block_size if bounded else None
     peak = max(row["max_cache_entries"] for row in rows)
     return {
         "samples": n,
@@ -189,6 +194,7 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
         "budget": plan.budget,
         "block_size": plan.block_size,
         "attention_statistics": plan.statistics,
+        "decode_eviction": plan.decode_eviction,
         "config": OmegaConf.to_container(cfg, resolve=True),
         "code": git_state(),
         "packages": package_versions(),

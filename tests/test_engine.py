@@ -185,3 +185,9 @@ def test_bad_engine_arguments(model, prompt, kwargs, message):
     args = {"budget": 10, "block_size": 8, **kwargs}
     with pytest.raises(ValueError, match=message):
         prefill(model, prompt, "keydiff", **args)
+
+
+def test_decoding_without_eviction_grows_the_cache(model, prompt):
+    state = prefill(model, prompt, "snapkv", 64, 32)
+    out = generate(model, state, 10, evict=False, record_steps=True)
+    assert out.step_entries == list(range(65, 74))  # 9 tokens fed back, none evicted

@@ -130,3 +130,8 @@ def test_budget_label_follows_the_tokens():
     assert make_cfg("budget=6k").budget.label == "6k"
     cfg = make_cfg("budget=2k", "budget.tokens=3000")
     assert cfg.budget.label == "3000" and "/3000/bs128/" in cfg.run_subdir
+
+
+def test_decode_eviction_must_be_boolean(no_model_load, tmp_path):
+    with pytest.raises(ValueError, match="decode_eviction must be true or false"):
+        runner.run(make_cfg("decode_eviction=sometimes"), tmp_path)
