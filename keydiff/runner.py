@@ -102,7 +102,9 @@ def kv_bytes_per_entry(model: torch.nn.Module) -> int:
     return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * itemsize
 
 
-def run_sample(plan: RunPlan, model, tokenizer, stop_ids: list[int], sample, run_seed: int) -> dict[str, Any]:
+def run_sample(
+    plan: RunPlan, model, tokenizer, stop_ids: list[int], sample, run_seed: int, code: str | None = None
+) -> dict[str, Any]:
     prompt = plan.task.build_prompt(sample, tokenizer, plan.model_cfg.max_length)
     settings = prompt.generation
     device = next(model.parameters()).device
@@ -137,6 +139,7 @@ def run_sample(plan: RunPlan, model, tokenizer, stop_ids: list[int], sample, run
         "kv_cache_peak_bytes": out.max_cache_entries * kv_bytes_per_entry(model),
         "peak_memory_bytes": peak_memory_bytes(device),
         "seed": seed if settings.do_sample else None,
+        "code": code,  # commit (+ "-dirty") that produced this row: a resumed run may span commits
     }
 
 
@@ -171,6 +174,8 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
     todo = [s for s in samples if s.id not in store.done_ids]
     log.info("run directory %s: %d samples, %d already done", store.dir, len(samples), len(samples) - len(todo))
     wandb_run = start_wandb(cfg, store.dir)
+    code = git_state()
+    code_label = None if code["commit"] is None else code["commit"] + ("-dirty" if code["dirty"] else "")
 
     if todo:
         load_start = time.perf_counter()
@@ -179,7 +184,7 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
         stop_ids = eos_token_ids(model, tokenizer)
         provenance = model_provenance(plan.model_cfg, model)
         for sample in tqdm(todo, desc=f"{plan.task.name}/{plan.policy_name}", unit="sample"):
-            store.append(run_sample(plan, model, tokenizer, stop_ids, sample, int(cfg.seed)))
+            store.append(run_sample(plan, model, tokenizer, stop_ids, sample, int(cfg.seed), code_label))
     else:
         provenance = model_provenance(plan.model_cfg)
 
@@ -196,7 +201,7 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
         "attention_statistics": plan.statistics,
         "decode_eviction": plan.decode_eviction,
         "config": OmegaConf.to_container(cfg, resolve=True),
-        "code": git_state(),
+        "code": {**code, "row_commits": sorted({str(row.get("code")) for row in rows})},
         "packages": package_versions(),
         "environment": environment(),
         "model": provenance,

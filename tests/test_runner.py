@@ -77,6 +77,7 @@ def test_full_policy_retrieves_the_needle_end_to_end(tmp_path):
     assert summary["complete"] is True  # complete with respect to the configured limit
     assert summary["statistics"]["mean_compression_ratio"] == 1.0
     assert summary["code"]["commit"] and summary["packages"]["transformers"]
+    assert rows[0]["code"].startswith(summary["code"]["commit"]) and len(summary["code"]["row_commits"]) == 1
     assert summary["model"] and summary["data"]  # provenance: model source/hash and haystack sha256
 
 
