@@ -75,6 +75,18 @@ def check_budget(policy: Policy, budget: int | None) -> None:
     policy.validate(int(budget))
 
 
+def check_model_supported(model: torch.nn.Module) -> None:
+    """Only full-attention decoders: sliding-window or linear-attention layers need their own cache rules."""
+    config = model.config.get_text_config()
+    layer_types = getattr(config, "layer_types", None) or []
+    other = sorted({kind for kind in layer_types if kind != "full_attention"})
+    if other:
+        raise ValueError(
+            f"{type(model).__name__} has {', '.join(other)} layers; keydiff-bench evicts full-attention layers "
+            "only (every layer_types entry must be 'full_attention')"
+        )
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -119,6 +131,7 @@ def prefill(
     """
     policy = build_policy(policy) if isinstance(policy, str) else policy
     check_budget(policy, budget)
+    check_model_supported(model)
     block = resolve_block_size(block_size)
     if input_ids.dim() == 1:
         input_ids = input_ids[None]

@@ -191,3 +191,26 @@ def test_decoding_without_eviction_grows_the_cache(model, prompt):
     state = prefill(model, prompt, "snapkv", 64, 32)
     out = generate(model, state, 10, evict=False, record_steps=True)
     assert out.step_entries == list(range(65, 74))  # 9 tokens fed back, none evicted
+
+
+def test_sliding_window_models_are_refused(prompt):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True, sliding_window=64,
+                         max_window_layers=1)
+    model = Qwen2ForCausalLM(config).eval()
+    with pytest.raises(ValueError, match="sliding_attention layers"):
+        prefill(model, prompt, "keydiff", 64, 32)
+
+
+def test_qwen2_full_attention_block_prefill_is_exact(prompt):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)  # q/k/v biases, like Qwen2.5
+    model = Qwen2ForCausalLM(config).eval()
+    state = prefill(model, prompt, "full", None, 64)
+    assert torch.allclose(state.logits, reference_logits(model, prompt), atol=1e-5)
+    assert prefill(model, prompt, "tova", 50, 64).max_cache_entries == 114
