@@ -51,7 +51,7 @@ def pick(df, experiments, tasks=None, models=None, policies=None, budgets=None, 
     experiment (then the first listed task) that has it. `full` ignores budget and block size (it
     evicts nothing). by_task=False merges tasks that are views of one benchmark (longbench = the English
     columns of longbench_full)."""
-    runs = df[df["experiment"].isin(experiments)]
+    runs = df[df["experiment"].isin(experiments)].copy()  # a compact copy: the CSV has hundreds of columns
     runs = runs if tasks is None else runs[runs["task"].isin(tasks)]
     runs = runs if limited else runs[runs["complete"].astype(str).eq("True") & runs["limit"].isna()]
     if models is not None:
@@ -174,6 +174,36 @@ def compression(df, out):
     return True
 
 
+def prompt_lengths(df, out):
+    """Table 8: how many prompts of each LongBench dataset fall in each token-length bin (one model's tokenizer).
+
+    Prompt lengths do not depend on the policy or budget, so any complete LongBench run of the model counts;
+    the full-cache runs are preferred.
+    """
+    runs = pick(df, ["table11_full", "table11", "table1_full", "table1"], LONGBENCH_TASKS, by_task=False)
+    columns = [c for c in runs.columns if c.startswith("metrics/prompt_length_bins/")]
+    if runs.empty or not columns:
+        return False
+    runs = runs[runs[columns].notna().any(axis=1)]  # runs written before the bins existed have none
+    if runs.empty:
+        return False
+    model = next((m for m in LLAMAS if m in set(runs["model"])), runs["model"].iloc[0])
+    mine = runs[runs["model"] == model]
+    first = mine[mine["policy"] == "full"].iloc[0] if (mine["policy"] == "full").any() else mine.iloc[0]
+    bins = ["<=2K", "2K-4K", "4K-6K", "6K-8K", ">8K"]
+    rows = {}
+    for dataset in SUITE:
+        counts = [first.get(f"metrics/prompt_length_bins/{dataset}/{b}") for b in bins]
+        if all(pd.notna(c) for c in counts):
+            rows[LONGBENCH[dataset]] = [int(c) for c in counts] + [int(sum(counts))]
+    if not rows:
+        return False
+    table = pd.DataFrame.from_dict(rows, orient="index", columns=bins + ["Total"])
+    table.index.name = "Dataset"
+    write_table(table, None, out, "table8", f"LongBench prompt lengths in tokens ({model} tokenizer, K = 1024).")
+    return True
+
+
 def math500(df, out, name, model, caption):
     runs = pick(df, MATH, list(GEN_LENGTH), [model], ["full", "keydiff_w20", "snapkv"])
     if not (runs["policy"] != "full").any():
@@ -270,6 +300,7 @@ TABLES = {  # name -> (builder, the experiments to run for it)
     "table5": (lambda df, out: math500_subsets(df, out, "table5", LLAMA_R1, f"{SUBSET}, DeepSeek-R1-Distill-Llama-8B."), MATH),
     "table6": (lambda df, out: math500(df, out, "table6", QWEN_R1, "Math-500, DeepSeek-R1-Distill-Qwen-7B."), MATH),
     "table7": (lambda df, out: math500_subsets(df, out, "table7", QWEN_R1, f"{SUBSET}, DeepSeek-R1-Distill-Qwen-7B."), MATH),
+    "table8": (prompt_lengths, ["table11_full"]),
     "table9": (compression, ["table11"]),
     "table10": (lambda df, out: longbench(df, out, "table10", "LongBench with B = inf (no NarrativeQA).",
                                           ["table10", "table11_full", "table1_full"], LLAMAS, BASELINES, SUITE[1:], ("inf",)),

@@ -67,7 +67,10 @@ def fake_runs(tmp_path_factory):
     write_run(runs, "table11", "longbench_full", LLAMA3B, "keydiff", "2k", 128, longbench_scores(10.5), lb_rows)
     write_run(runs, "table11", "longbench_full", LLAMA3B, "tova", "2k", 128, longbench_scores(10.0, qasper=99.0), lb_rows)
     write_run(runs, "table11", "longbench_full", LLAMA3B, "keydiff", "4k", 128, longbench_scores(70.0), complete=False)
-    write_run(runs, "table11_full", "longbench_full", LLAMA3B, "full", "unbounded", 128, longbench_scores(50.0), lb_rows)
+    bins = {"narrativeqa": {"<=2K": 0, "2K-4K": 1, "4K-6K": 0, "6K-8K": 0, ">8K": 1},
+            "qasper": {"<=2K": 0, "2K-4K": 1, "4K-6K": 0, "6K-8K": 0, ">8K": 0}}
+    write_run(runs, "table11_full", "longbench_full", LLAMA3B, "full", "unbounded", 128,
+              {**longbench_scores(50.0), "prompt_length_bins": bins}, lb_rows)
     english = {d: 30.0 for d in ["narrativeqa", "qasper", "multifieldqa_en", "hotpotqa", "2wikimqa", "musique",
                                  "gov_report", "qmsum", "multi_news", "trec", "triviaqa", "samsum", "passage_count",
                                  "passage_retrieval_en", "lcc", "repobench-p"]}
@@ -178,6 +181,9 @@ def test_other_tables(produced):
     assert md_cell(tables / "table4.md", ("4K", "--", "Full"), "Avg. Gen. Length") == "1200"
     assert md_cell(tables / "table5.md", ("4K", "Num Tokens > 1024 (2/2)", "Full"), "Flex") == "0.500"
     assert md_cell(tables / "table9.md", ("NarrativeQA",), "2K") == "0.20"
+    assert md_cell(tables / "table8.md", ("NarrativeQA",), ">8K") == "1"
+    assert md_cell(tables / "table8.md", ("NarrativeQA",), "Total") == "2"
+    assert md_cell(tables / "table8.md", ("Qasper",), "2K-4K") == "1"
     assert "smoke" in written
 
 

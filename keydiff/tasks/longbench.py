@@ -467,6 +467,7 @@ class LongBench(Task):
             "datasets": scores,
             "num_samples": {dataset: len(per_dataset[dataset]) for dataset in order},
             "metric_environment": self.metric_info(),
+            **prompt_statistics(rows, order),
         }
         if self.longbench_e:
             summary["length_buckets"] = buckets
@@ -475,6 +476,37 @@ class LongBench(Task):
                 for name in LENGTH_BUCKETS
             }
         return summary
+
+
+# Table 8's length bins, in tokens with K = 1024 as for the budgets: (0, 2K], (2K, 4K], (4K, 6K], (6K, 8K], > 8K.
+PROMPT_LENGTH_BINS = (("<=2K", 2048), ("2K-4K", 4096), ("4K-6K", 6144), ("6K-8K", 8192), (">8K", math.inf))
+
+
+def prompt_statistics(rows: list[dict[str, Any]], order: list[str]) -> dict[str, Any]:
+    """Per dataset: prompt-token histogram (Table 8, Figure 18) and mean compression ratio (Table 9).
+
+    Uses the runner's row fields `prompt_tokens` and `compression_ratio` (= min(N / L, 1)); rows without
+    them (e.g. hand-made) are skipped. The ratio "average" is the mean over datasets, as Table 9's.
+    """
+    lengths: dict[str, list[int]] = {}
+    ratios: dict[str, list[float]] = {}
+    for row in rows:
+        dataset = row["info"]["dataset"]
+        if "prompt_tokens" in row:
+            lengths.setdefault(dataset, []).append(int(row["prompt_tokens"]))
+        if row.get("compression_ratio") is not None:
+            ratios.setdefault(dataset, []).append(float(row["compression_ratio"]))
+    bins = {}
+    for dataset in [d for d in order if d in lengths]:
+        counts = {name: 0 for name, _ in PROMPT_LENGTH_BINS}
+        for n in lengths[dataset]:
+            counts[next(name for name, upper in PROMPT_LENGTH_BINS if n <= upper)] += 1
+        bins[dataset] = counts
+    mean_ratio = {d: sum(ratios[d]) / len(ratios[d]) for d in order if d in ratios}
+    if mean_ratio:
+        mean_ratio["average"] = sum(mean_ratio.values()) / len(mean_ratio)
+    mean_tokens = {d: sum(lengths[d]) / len(lengths[d]) for d in order if d in lengths}
+    return {"prompt_length_bins": bins, "mean_prompt_tokens": mean_tokens, "compression_ratio": mean_ratio}
 
 
 def truncate_middle(prompt: str, tokenizer: Any, max_length: int | None) -> tuple[str, bool]:
