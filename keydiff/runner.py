@@ -102,6 +102,18 @@ def kv_bytes_per_entry(model: torch.nn.Module) -> int:
     return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * itemsize
 
 
+_LOADED: dict[str, Any] = {}  # the last loaded model, reused by the next run of a sweep in this process
+
+
+def load_model_once(model_cfg: ModelConfig):
+    """Load the model, reusing the previous run's if its configuration is identical (sequential sweeps)."""
+    key = repr(model_cfg)
+    if _LOADED.get("key") != key:
+        _LOADED.clear()  # drop the old model before loading the next one
+        _LOADED.update(key=key, value=load_model(model_cfg))
+    return _LOADED["value"]
+
+
 def run_sample(
     plan: RunPlan, model, tokenizer, stop_ids: list[int], sample, run_seed: int, code: str | None = None
 ) -> dict[str, Any]:
@@ -179,7 +191,7 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
 
     if todo:
         load_start = time.perf_counter()
-        model, tokenizer = load_model(plan.model_cfg)
+        model, tokenizer = load_model_once(plan.model_cfg)
         log.info("model loaded in %.1f s", time.perf_counter() - load_start)
         stop_ids = eos_token_ids(model, tokenizer)
         provenance = model_provenance(plan.model_cfg, model)

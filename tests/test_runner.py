@@ -136,3 +136,15 @@ def test_budget_label_follows_the_tokens():
 def test_decode_eviction_must_be_boolean(no_model_load, tmp_path):
     with pytest.raises(ValueError, match="decode_eviction must be true or false"):
         runner.run(make_cfg("decode_eviction=sometimes"), tmp_path)
+
+
+def test_sequential_runs_reuse_the_loaded_model(monkeypatch):
+    calls = []
+    monkeypatch.setattr(runner, "load_model", lambda cfg: calls.append(cfg) or ("model", "tokenizer"))
+    monkeypatch.setattr(runner, "_LOADED", {})
+    plan = runner.plan_run(make_cfg())
+    assert runner.load_model_once(plan.model_cfg) == ("model", "tokenizer")
+    runner.load_model_once(runner.plan_run(make_cfg("policy=tova")).model_cfg)
+    assert len(calls) == 1
+    runner.load_model_once(runner.plan_run(make_cfg("model.dtype=bfloat16")).model_cfg)
+    assert len(calls) == 2
