@@ -181,8 +181,8 @@ def run_statistics(rows: list[dict[str, Any]], plan: RunPlan) -> dict[str, Any]:
 def run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
     """Execute (or resume) one run into `run_dir` and return its summary."""
     plan = plan_run(cfg)
+    samples = list(plan.task.samples())  # data problems surface before a run directory is created
     store = ResultStore(run_dir, result_config(cfg), overwrite=bool(cfg.overwrite))
-    samples = list(plan.task.samples())
     todo = [s for s in samples if s.id not in store.done_ids]
     log.info("run directory %s: %d samples, %d already done", store.dir, len(samples), len(samples) - len(todo))
     wandb_run = start_wandb(cfg, store.dir)

@@ -433,3 +433,14 @@ def test_summarize_prompt_length_bins_and_compression_ratio():
     assert summary["compression_ratio"]["narrativeqa"] == pytest.approx(narrative)
     assert summary["compression_ratio"]["average"] == pytest.approx((narrative + trec) / 2)
     assert summary["mean_prompt_tokens"]["trec"] == pytest.approx((100 + 6144 + 8192) / 3)
+
+
+def test_failed_download_names_the_offline_alternative(tmp_path, monkeypatch):
+    import huggingface_hub
+
+    def offline(**kwargs):
+        raise OSError("no route to host")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", offline)
+    with pytest.raises(RuntimeError, match="point task.data_dir at it"):
+        list(lb.LongBench(datasets=["trec"], cache_dir=str(tmp_path / "cache")).samples())

@@ -272,7 +272,14 @@ def _download_data_zip(cache_dir: Path) -> None:
     from huggingface_hub import hf_hub_download
 
     logger.info("downloading %s/%s into %s", HF_REPO_ID, HF_FILENAME, cache_dir)
-    hf_hub_download(repo_id=HF_REPO_ID, filename=HF_FILENAME, repo_type="dataset", local_dir=str(cache_dir))
+    try:
+        hf_hub_download(repo_id=HF_REPO_ID, filename=HF_FILENAME, repo_type="dataset", local_dir=str(cache_dir))
+    except Exception as error:  # network, auth or hub errors all end the same way for the user
+        raise RuntimeError(
+            f"could not download {HF_FILENAME} of the dataset {HF_REPO_ID} ({type(error).__name__}: {error}). "
+            f"Without network access, fetch data.zip elsewhere and point task.data_dir at it "
+            f"(the zip, or the folder of extracted jsonl files)"
+        ) from error
 
 
 # --------------------------------------------------------------------------------------------- task
