@@ -1,4 +1,4 @@
-"""Attention functions registered with transformers' `AttentionInterface` as `keydiff_<base>`.
+"""Attention functions registered with transformers' `AttentionInterface` (keydiff_sdpa/_eager/_fa2).
 
 They do two jobs the stock functions cannot:
 1. Masks. Layers of an evicting cache hold `n` kept past entries plus the `q` new tokens, and every kept
@@ -25,6 +25,9 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
 BASE_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
+# Registered names. transformers treats any implementation whose name contains "flash" as a FlashAttention
+# kernel to load from the hub, so ours avoid the word.
+REGISTERED = {"sdpa": "keydiff_sdpa", "eager": "keydiff_eager", "flash_attention_2": "keydiff_fa2"}
 STATISTIC_CHUNK_ELEMENTS = 1 << 26  # ~256 MB of float32 scores per chunk
 
 
@@ -92,10 +95,13 @@ def fused_attention(
     """Attention output from SDPA or FlashAttention, with the bottom-right causal mask."""
     q_len, kv_len = query.shape[2], key.shape[2]
     if base == "flash_attention_2":
-        from transformers.integrations.flash_attention import flash_attention_forward
+        from flash_attn import flash_attn_func
 
-        # flash-attn >= 2.1 aligns the causal mask to the bottom-right corner when q_len != kv_len.
-        return flash_attention_forward(module, query, key, value, None, dropout=0.0, scaling=scaling)[0]
+        # flash-attn >= 2.1 aligns the causal mask to the bottom-right corner when q_len != kv_len, and takes
+        # fewer KV heads than query heads (GQA) as they are. Layout in and out: [batch, seq, heads, dim].
+        return flash_attn_func(
+            query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), softmax_scale=scaling, causal=True
+        )
     if q_len == 1 or q_len == kv_len:
         # No mask: SDPA's is_causal (top-left) equals bottom-right when q_len == kv_len; one query sees all.
         return sdpa_attention_forward(module, query, key, value, None, dropout=0.0, scaling=scaling)[0]
@@ -104,7 +110,7 @@ def fused_attention(
 
 
 def make_attention_function(base: str):
-    """The attention function registered as `keydiff_<base>`."""
+    """The attention function registered for `base` (see REGISTERED)."""
 
     def attention(
         module: torch.nn.Module,
@@ -117,6 +123,9 @@ def make_attention_function(base: str):
         evicting_cache: Any = None,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, None]:
+        unsupported = [name for name in ("sliding_window", "softcap", "s_aux") if kwargs.get(name) is not None]
+        if unsupported:
+            raise ValueError(f"keydiff attention does not implement {', '.join(unsupported)} (layer {module.layer_idx})")
         scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
         rows = 0 if evicting_cache is None else evicting_cache.attention_rows_needed(module.layer_idx)
         materialize = base == "eager" or (rows != 0 and evicting_cache.statistics == "materialized")
@@ -135,18 +144,18 @@ def make_attention_function(base: str):
             evicting_cache.timings["statistics_s"] += evicting_cache._clock() - start
         return output, None
 
-    attention.__name__ = f"keydiff_{base}_attention"
+    attention.__name__ = f"{REGISTERED[base]}_attention"
     return attention
 
 
-for _base in BASE_IMPLEMENTATIONS:
-    AttentionInterface.register(f"keydiff_{_base}", make_attention_function(_base))
+for _base, _name in REGISTERED.items():
+    AttentionInterface.register(_name, make_attention_function(_base))
 
 
 def base_implementation(model: torch.nn.Module) -> str:
-    """The model's attention implementation without our `keydiff_` prefix."""
+    """The model's own attention implementation (sdpa, eager or flash_attention_2)."""
     name = model.config._attn_implementation or "sdpa"
-    name = name.removeprefix("keydiff_")
+    name = {registered: base for base, registered in REGISTERED.items()}.get(name, name)
     if name not in BASE_IMPLEMENTATIONS:
         raise ValueError(f"attention implementation {name!r} is not supported; valid: {', '.join(BASE_IMPLEMENTATIONS)}")
     return name
@@ -154,9 +163,9 @@ def base_implementation(model: torch.nn.Module) -> str:
 
 @contextmanager
 def keydiff_attention(model: torch.nn.Module) -> Iterator[None]:
-    """Run the model with the `keydiff_<base>` attention function, restoring its own afterwards."""
+    """Run the model with its keydiff attention function, restoring its own implementation afterwards."""
     original = model.config._attn_implementation
-    target = f"keydiff_{base_implementation(model)}"
+    target = REGISTERED[base_implementation(model)]
     if original == target:
         yield
         return

@@ -72,6 +72,20 @@ class EvictingLayer(DynamicLayer):
         super().reset()
         self.positions, self.state, self.attention, self.num_new, self.max_entries = None, {}, None, 0, 0
 
+    # transformers' generate() / beam search would call these; they would leave positions and policy state
+    # out of step with the keys, so refuse rather than corrupt the cache.
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("EvictingLayer cannot be cropped; use keydiff.generate")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("EvictingLayer does not support beam search; use keydiff.generate")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError("EvictingLayer does not support batch expansion; use keydiff.generate")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise NotImplementedError("EvictingLayer does not support batch selection; use keydiff.generate")
+
 
 class EvictingCache(Cache):
     """KV cache bounded to `budget` entries per layer and KV head after every `evict()` call.
@@ -98,6 +112,7 @@ class EvictingCache(Cache):
         self.profile = profile
         self.timings = {"statistics_s": 0.0, "eviction_s": 0.0}
         self._incoming_positions: torch.Tensor | None = None
+        self.evicting = True  # False while decoding without eviction (decode_eviction=false)
 
     # --- the transformers Cache interface -------------------------------------------------------
     def update(
@@ -115,7 +130,7 @@ class EvictingCache(Cache):
     def attention_rows_needed(self, layer_idx: int) -> int | None:
         """How many last query rows of this pass the policy needs attention for: 0 = none, None = all."""
         rows = self.policy.attention_rows
-        if rows == 0 or self.budget is None or not self.policy.compresses_layer(layer_idx):
+        if rows == 0 or self.budget is None or not self.evicting or not self.policy.compresses_layer(layer_idx):
             return 0
         if not self.policy.observes_every_step and self.layers[layer_idx].get_seq_length() <= self.budget:
             return 0  # nothing will be evicted after this pass, so the statistic would be wasted
@@ -149,6 +164,11 @@ class EvictingCache(Cache):
     def kept_positions(self) -> list[torch.Tensor]:
         """Absolute positions kept, one LongTensor [batch, kv_heads, kept] per layer."""
         return [layer.positions for layer in self.layers]
+
+    @property
+    def entries_peak_sum(self) -> int:
+        """Sum over layers of each layer's peak entries per KV head (an upper bound of what was held at once)."""
+        return sum(layer.max_entries for layer in self.layers)
 
     @property
     def max_entries(self) -> int:

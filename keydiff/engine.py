@@ -30,20 +30,16 @@ class PrefillResult:
     """State after block-wise prefill: next-token logits, the bounded cache, and what was kept."""
 
     logits: torch.Tensor  # [batch, vocab] at the last prompt position, float32
-    cache: EvictingCache
+    cache: EvictingCache  # the live cache: `generate` keeps evicting into it
     prompt_length: int
     budget: int | None
     block_size: int | None
     seconds: float  # wall time of the prefill (time to first token's logits)
-
-    @property
-    def kept_positions(self) -> list[torch.Tensor]:
-        """Per layer, LongTensor [batch, kv_heads, kept] of the absolute prompt positions kept."""
-        return self.cache.kept_positions()
-
-    @property
-    def max_cache_entries(self) -> int:
-        return self.cache.max_entries
+    # Per layer, LongTensor [batch, kv_heads, kept] of the absolute prompt positions kept after prefill
+    # (a snapshot: decoding changes the cache, not this).
+    kept_positions: list[torch.Tensor] = field(default_factory=list)
+    max_cache_entries: int = 0  # peak entries per layer and KV head during prefill
+    decoded: bool = False  # set by `generate`: the logits and cache belong to one continuation only
 
 
 @dataclass
@@ -78,8 +74,11 @@ def check_budget(policy: Policy, budget: int | None) -> None:
 def check_model_supported(model: torch.nn.Module) -> None:
     """Only full-attention decoders: sliding-window or linear-attention layers need their own cache rules."""
     config = model.config.get_text_config()
-    layer_types = getattr(config, "layer_types", None) or []
-    other = sorted({kind for kind in layer_types if kind != "full_attention"})
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None and getattr(config, "sliding_window", None) is not None:
+        # Mistral-style configs: a sliding window on every layer, declared without layer_types.
+        layer_types = ["sliding_attention"]
+    other = sorted({kind for kind in layer_types or [] if kind != "full_attention"})
     if other:
         raise ValueError(
             f"{type(model).__name__} has {', '.join(other)} layers; keydiff-bench evicts full-attention layers "
@@ -99,6 +98,7 @@ def _forward(
     batch, q_len = input_ids.shape
     positions = torch.arange(start, start + q_len, device=input_ids.device).expand(batch, q_len)
     cache.set_positions(positions)
+    cache.evicting = evict  # no eviction after this pass: attention statistics would be wasted
     output = model(
         input_ids=input_ids,
         position_ids=positions,
@@ -153,7 +153,8 @@ def prefill(
                 on_block(cache)
     _sync(device)
     seconds = time.perf_counter() - start_time
-    return PrefillResult(logits, cache, length, budget if policy.evicts else None, block, seconds)
+    return PrefillResult(logits, cache, length, budget if policy.evicts else None, block, seconds,
+                         kept_positions=cache.kept_positions(), max_cache_entries=cache.max_entries)
 
 
 def next_token(
@@ -167,6 +168,7 @@ def next_token(
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         # Keep the smallest prefix whose mass reaches top_p (the token crossing the threshold included).
         outside = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p
+        outside[..., 0] = False  # always keep the most likely token (top_p = 0 means greedy-like)
         sorted_probs = sorted_probs.masked_fill(outside, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
     samples = torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1)
@@ -195,6 +197,9 @@ def generate(
     A row stops at the first id in `eos_token_ids` (allowed only after `min_new_tokens`). Sampling draws
     from a CPU generator seeded with `seed`, so results do not depend on the device's RNG.
     """
+    if state.decoded:
+        raise RuntimeError("this PrefillResult was already decoded (its cache moved on); run prefill again")
+    state.decoded = True
     cache, logits = state.cache, state.logits
     batch = logits.shape[0]
     device = logits.device

@@ -94,6 +94,10 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale)
 
 
+def num_layers(model: torch.nn.Module) -> int:
+    return model.config.get_text_config().num_hidden_layers
+
+
 def kv_bytes_per_entry(model: torch.nn.Module) -> int:
     """Bytes one cached token costs across all layers (keys + values, every KV head)."""
     config = model.config.get_text_config()
@@ -133,7 +137,7 @@ def run_sample(
     tokens = out.token_ids[0]
     prediction = tokenizer.decode(tokens, skip_special_tokens=True)
     length = len(prompt.input_ids)
-    kept = int(state.kept_positions[0].shape[-1])
+    kept = min(int(positions.shape[-1]) for positions in state.kept_positions)  # after prefill
     return {
         "sample_id": sample.id,
         "prediction": prediction,
@@ -148,7 +152,8 @@ def run_sample(
         "new_tokens": len(tokens),
         "finish_reason": out.finish_reasons[0],
         "max_cache_entries": out.max_cache_entries,
-        "kv_cache_peak_bytes": out.max_cache_entries * kv_bytes_per_entry(model),
+        # Upper bound of the KV memory held at once: every layer's own peak, summed.
+        "kv_cache_peak_bytes": state.cache.entries_peak_sum * kv_bytes_per_entry(model) // num_layers(model),
         "peak_memory_bytes": peak_memory_bytes(device),
         "seed": seed if settings.do_sample else None,
         "code": code,  # commit (+ "-dirty") that produced this row: a resumed run may span commits

@@ -214,3 +214,66 @@ def test_qwen2_full_attention_block_prefill_is_exact(prompt):
     state = prefill(model, prompt, "full", None, 64)
     assert torch.allclose(state.logits, reference_logits(model, prompt), atol=1e-5)
     assert prefill(model, prompt, "tova", 50, 64).max_cache_entries == 114
+
+
+def fake_flash_attn_func(q, k, v, softmax_scale, causal):
+    """Stand-in for flash_attn.flash_attn_func ([b, seq, heads, dim], GQA, bottom-right causal) on CPU."""
+    from keydiff.attention import eager_attention
+
+    module = torch.nn.Module()
+    out, _ = eager_attention(module, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale)
+    return out
+
+
+def test_flash_attention_2_path_runs_through_flash_attn_func(monkeypatch, prompt):
+    import sys
+    import types
+
+    monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(flash_attn_func=fake_flash_attn_func))
+    model = tiny_llama("sdpa")
+    reference = reference_logits(model, prompt)
+    model.config._attn_implementation = "flash_attention_2"  # as loaded with flash-attn installed
+    # Without flash-attn installed transformers cannot switch back to flash_attention_2; record the switch instead.
+    switched = []
+    monkeypatch.setattr(model, "set_attn_implementation",
+                        lambda name: switched.append(name) or setattr(model.config, "_attn_implementation", name))
+    state = prefill(model, prompt, "full", None, 64)
+    assert switched == ["keydiff_fa2", "flash_attention_2"]  # no "flash" in our name: transformers loads no kernel
+    assert torch.allclose(state.logits, reference, atol=1e-5)
+    evicted = prefill(model, prompt, "snapkv", 64, 32)
+    assert evicted.max_cache_entries == 96 and generate(model, evicted, 3).token_ids[0]
+
+
+def test_mistral_style_sliding_window_is_refused(prompt):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config = MistralConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, sliding_window=16)
+    with pytest.raises(ValueError, match="sliding_attention layers"):
+        prefill(MistralForCausalLM(config).eval(), prompt, "full", None, 32)
+
+
+def test_prefill_result_is_a_snapshot_and_decodes_once(model, prompt):
+    state = prefill(model, prompt[:, :50], "recent", 100, 16)
+    generate(model, state, 10)
+    assert [p.shape[-1] for p in state.kept_positions] == [50, 50, 50]  # after prefill, not after decoding
+    assert state.cache.layers[0].get_seq_length() == 59
+    with pytest.raises(RuntimeError, match="already decoded"):
+        generate(model, state, 3)
+
+
+def test_top_p_zero_keeps_the_most_likely_token():
+    from keydiff.engine import next_token
+
+    logits = torch.tensor([[0.1, 3.0, 0.2]])
+    draws = {int(next_token(logits, True, 1.0, 0.0, torch.Generator().manual_seed(s))) for s in range(20)}
+    assert draws == {1}
+
+
+def test_decoding_without_eviction_computes_no_statistics(model, prompt):
+    state = prefill(model, prompt, "tova", 64, 32)
+    before = state.cache.timings["statistics_s"]
+    state.cache.profile = True
+    generate(model, state, 5, evict=False)
+    assert state.cache.timings["statistics_s"] == before
+    assert all(layer.attention is None for layer in state.cache.layers)

@@ -236,3 +236,18 @@ def test_fast_statistic_matches_materialized_in_low_precision(dtype):
     _, weights = eager_attention(torch.nn.Module(), query, key, key, 0.25)
     fast = attention_statistic(query, key, 0.25, None)
     assert torch.allclose(fast, statistic_from_weights(weights, 3, None), atol=2e-2, rtol=2e-2)
+
+
+def test_window_size_floor_is_robust_to_float_noise(caplog):
+    from keydiff.policies.base import window_size
+
+    assert window_size(0.57, 100) == 57 and window_size(0.29, 100) == 29 and window_size(0.2, 2048) == 409
+    build_policy("keydiff", window_fraction=0.2).validate(4)  # 0.8 slots -> empty window, with a warning
+    assert "reserves no slot" in caplog.text
+
+
+def test_snapkv_rows_follow_the_window():
+    policy = build_policy("snapkv", window=16)
+    assert policy.attention_rows == 16
+    policy.window = 8
+    assert policy.attention_rows == 8

@@ -9,10 +9,14 @@ accumulated attention). The cache (`keydiff.cache`) calls `observe` after every 
 
 from __future__ import annotations
 
+import logging
+import math
 from dataclasses import dataclass, field, fields
 from typing import ClassVar
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -87,13 +91,18 @@ def most_recent(layer: LayerView, count: int) -> torch.Tensor:
 
 
 def window_size(fraction: float, budget: int) -> int:
-    """Number of budget slots a `fraction` of the budget reserves for the most recent tokens (floor)."""
-    return int(fraction * budget)
+    """Number of budget slots a `fraction` of the budget reserves for the most recent tokens (floor).
+
+    The epsilon keeps float noise from losing a slot: int(0.57 * 100) is 56, this gives 57.
+    """
+    return math.floor(fraction * budget + 1e-9)
 
 
-def check_fraction(name: str, value: float) -> None:
+def check_fraction(name: str, value: float, budget: int | None = None) -> None:
     if not 0.0 <= value < 1.0:
         raise ValueError(f"{name} must be in [0, 1), got {value}")
+    if budget is not None and value > 0 and window_size(value, budget) == 0:
+        logger.warning("%s=%s of a %d-token budget reserves no slot (floor); the window is empty", name, value, budget)
 
 
 __all__ = ["LayerView", "Policy", "most_recent", "window_size", "check_fraction", "field"]

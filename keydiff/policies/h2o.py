@@ -26,7 +26,7 @@ class H2O(Policy):
     recent_fraction: float = 0.5
 
     def validate(self, budget: int) -> None:
-        check_fraction("h2o recent_fraction", self.recent_fraction)
+        check_fraction("h2o recent_fraction", self.recent_fraction, budget)
 
     def observe(self, layer: LayerView) -> None:
         previous = layer.state.get("h2o", torch.zeros_like(layer.attention))

@@ -55,7 +55,7 @@ class KeyDiff(Policy):
             raise ValueError(f"keydiff anchor {self.anchor!r} is not valid; valid: {', '.join(ANCHORS)}")
         if self.metric not in METRICS:
             raise ValueError(f"keydiff metric {self.metric!r} is not valid; valid: {', '.join(METRICS)}")
-        check_fraction("keydiff window_fraction", self.window_fraction)
+        check_fraction("keydiff window_fraction", self.window_fraction, budget)
 
     def score(self, layer: LayerView) -> torch.Tensor:
         keys = layer.keys.float()
@@ -79,7 +79,7 @@ class KeyDiffPairwise(Policy):
     window_fraction: float = 0.0
 
     def validate(self, budget: int) -> None:
-        check_fraction("keydiff_pairwise window_fraction", self.window_fraction)
+        check_fraction("keydiff_pairwise window_fraction", self.window_fraction, budget)
 
     def score(self, layer: LayerView) -> torch.Tensor:
         unit = F.normalize(layer.keys.float(), dim=-1)

@@ -24,14 +24,14 @@ POOLINGS = ("avg", "max")
 @dataclass
 class SnapKV(Policy):
     name: ClassVar[str] = "snapkv"
-    attention_rows: ClassVar[int | None] = 32
     window: int = 32
     kernel_size: int = 7
     pooling: str = "avg"
 
-    def __post_init__(self) -> None:
-        # The observation window decides how many query rows the attention function must score.
-        self.attention_rows = self.window
+    @property
+    def attention_rows(self) -> int:  # type: ignore[override]
+        """The observation window decides how many query rows the attention function must score."""
+        return self.window
 
     def validate(self, budget: int) -> None:
         if self.pooling not in POOLINGS:
