@@ -131,17 +131,16 @@ def make_attention_function(base: str):
         materialize = base == "eager" or (rows != 0 and evicting_cache.statistics == "materialized")
         if materialize:
             output, weights = eager_attention(module, query, key, value, scaling)
-            if rows != 0:
-                start = evicting_cache._clock()
-                statistic = statistic_from_weights(weights, key.shape[1], rows)
-                evicting_cache.timings["statistics_s"] += evicting_cache._clock() - start
-                evicting_cache.record_attention(module.layer_idx, statistic)
-            return output, None
-        output = fused_attention(base, module, query, key, value, scaling)
+        else:
+            output = fused_attention(base, module, query, key, value, scaling)
         if rows != 0:
             start = evicting_cache._clock()
-            evicting_cache.record_attention(module.layer_idx, attention_statistic(query, key, scaling, rows))
+            if materialize:
+                statistic = statistic_from_weights(weights, key.shape[1], rows)
+            else:
+                statistic = attention_statistic(query, key, scaling, rows)
             evicting_cache.timings["statistics_s"] += evicting_cache._clock() - start
+            evicting_cache.record_attention(module.layer_idx, statistic)
         return output, None
 
     attention.__name__ = f"{REGISTERED[base]}_attention"

@@ -32,7 +32,6 @@ class EvictingLayer(DynamicLayer):
         self.positions: torch.Tensor | None = None  # [batch, kv_heads, n] long
         self.state: dict[str, torch.Tensor] = {}
         self.attention: torch.Tensor | None = None  # statistic recorded by the attention function
-        self.num_new = 0  # entries appended since the last eviction
         self.max_entries = 0  # peak entries per head ever held
 
     def append(
@@ -45,7 +44,6 @@ class EvictingLayer(DynamicLayer):
         self.positions = new_positions if self.positions is None else torch.cat([self.positions, new_positions], -1)
         for name, tensor in self.state.items():
             self.state[name] = torch.cat([tensor, tensor.new_zeros(batch, heads, q)], dim=-1)
-        self.num_new += q
         self.max_entries = max(self.max_entries, keys.shape[-2])
         return keys, values
 
@@ -65,12 +63,11 @@ class EvictingLayer(DynamicLayer):
             attention=self.attention,
             state=self.state,
             layer_idx=layer_idx,
-            num_new=self.num_new,
         )
 
     def reset(self) -> None:
         super().reset()
-        self.positions, self.state, self.attention, self.num_new, self.max_entries = None, {}, None, 0, 0
+        self.positions, self.state, self.attention, self.max_entries = None, {}, None, 0
 
     # transformers' generate() / beam search would call these; they would leave positions and policy state
     # out of step with the keys, so refuse rather than corrupt the cache.
@@ -158,7 +155,6 @@ class EvictingCache(Cache):
                     )
                 layer.keep(self.policy.keep_indices(view, self.budget))
             layer.attention = None
-            layer.num_new = 0
         self.timings["eviction_s"] += self._clock() - start
 
     def kept_positions(self) -> list[torch.Tensor]:

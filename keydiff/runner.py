@@ -20,6 +20,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
+from keydiff.cache import STATISTICS_MODES
 from keydiff.engine import check_budget, generate, prefill, resolve_block_size
 from keydiff.models import ModelConfig, eos_token_ids, load_model, model_provenance
 from keydiff.policies import Policy, build_policy
@@ -27,7 +28,6 @@ from keydiff.results import ResultStore, environment, git_state, package_version
 from keydiff.tasks.base import Task
 
 log = logging.getLogger(__name__)
-STATISTICS_MODES = ("fast", "materialized")
 # Keys that do not change what a run computes, so changing them never blocks resuming a run directory.
 NON_RESULT_KEYS = ("overwrite", "logger", "results_root", "experiment_name", "run_subdir", "slurm")
 
@@ -94,16 +94,12 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale)
 
 
-def num_layers(model: torch.nn.Module) -> int:
-    return model.config.get_text_config().num_hidden_layers
-
-
-def kv_bytes_per_entry(model: torch.nn.Module) -> int:
-    """Bytes one cached token costs across all layers (keys + values, every KV head)."""
+def kv_bytes_per_layer_entry(model: torch.nn.Module) -> int:
+    """Bytes one cached token costs in one layer (keys + values, every KV head)."""
     config = model.config.get_text_config()
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     itemsize = next(model.parameters()).element_size()
-    return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * itemsize
+    return 2 * config.num_key_value_heads * head_dim * itemsize
 
 
 _LOADED: dict[str, Any] = {}  # the last loaded model, reused by the next run of a sweep in this process
@@ -153,7 +149,7 @@ def run_sample(
         "finish_reason": out.finish_reasons[0],
         "max_cache_entries": out.max_cache_entries,
         # Upper bound of the KV memory held at once: every layer's own peak, summed.
-        "kv_cache_peak_bytes": state.cache.entries_peak_sum * kv_bytes_per_entry(model) // num_layers(model),
+        "kv_cache_peak_bytes": state.cache.entries_peak_sum * kv_bytes_per_layer_entry(model),
         "peak_memory_bytes": peak_memory_bytes(device),
         "seed": seed if settings.do_sample else None,
         "code": code,  # commit (+ "-dirty") that produced this row: a resumed run may span commits
@@ -188,7 +184,8 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
     plan = plan_run(cfg)
     samples = list(plan.task.samples())  # data problems surface before a run directory is created
     store = ResultStore(run_dir, result_config(cfg), overwrite=bool(cfg.overwrite))
-    todo = [s for s in samples if s.id not in store.done_ids]
+    done = store.done_ids
+    todo = [s for s in samples if s.id not in done]
     log.info("run directory %s: %d samples, %d already done", store.dir, len(samples), len(samples) - len(todo))
     wandb_run = start_wandb(cfg, store.dir)
     code = git_state()
@@ -205,11 +202,11 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
     else:
         provenance = model_provenance(plan.model_cfg)
 
-    done = store.done_ids
-    rows = [row for row in store.rows if row["sample_id"] in {s.id for s in samples}]
+    wanted = {s.id for s in samples}
+    rows = [row for row in store.rows if row["sample_id"] in wanted]
     summary = {
         "run_dir": str(store.dir),
-        "complete": all(s.id in done for s in samples),
+        "complete": wanted <= store.done_ids,
         "metrics": plan.task.summarize(rows) if rows else {},
         "statistics": run_statistics(rows, plan),
         "policy": plan.new_policy().describe(),

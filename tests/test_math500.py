@@ -29,27 +29,10 @@ from keydiff.tasks.math_answers import (
     normalize_answer,
     score_response,
 )
+from tests.conftest import char_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = ROOT / "tasks" / "fixtures" / "math500"
-
-
-def char_tokenizer(chat_template: str | None = None, special: tuple[str, ...] = ()):
-    """A one-character-per-token tokenizer with BOS `<s>`, built offline."""
-    from tokenizers import Regex, Tokenizer, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<unk>": 0, "<s>": 1}
-    for char in [chr(i) for i in range(32, 127)] + ["\n"]:
-        vocab[char] = len(vocab)
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>")
-    if special:
-        tokenizer.add_special_tokens({"additional_special_tokens": list(special)})
-    tokenizer.chat_template = chat_template
-    return tokenizer
 
 
 def text_of(tokenizer, ids: list[int]) -> str:

@@ -10,23 +10,10 @@ import numpy as np
 import pytest
 
 from keydiff.tasks.phonebook import DEFAULT_SIZES, Phonebook, book_seed, first_line, generate_book
+from tests.conftest import char_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 ENTRY = re.compile(r"^([^:\n]+): ([6-9]\d{9})$")
-
-
-def char_tokenizer():
-    """A one-character-per-token tokenizer with BOS `<s>` and no chat template, built offline."""
-    from tokenizers import Regex, Tokenizer, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<unk>": 0, "<s>": 1}
-    for char in [chr(i) for i in range(32, 127)] + ["\n"]:
-        vocab[char] = len(vocab)
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
-    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>")
 
 
 def small(**overrides) -> Phonebook:

@@ -16,7 +16,7 @@ def make_view(keys, attention=None, positions=None, values=None):
     b, h, n, _ = keys.shape
     if positions is None:
         positions = torch.arange(n).expand(b, h, n).clone()
-    return LayerView(keys, keys if values is None else values, positions, attention, {}, 0, n)
+    return LayerView(keys, keys if values is None else values, positions, attention, {}, 0)
 
 
 def brute_topk(scores_per_entry, budget):

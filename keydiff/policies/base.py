@@ -31,7 +31,6 @@ class LayerView:
     attention: torch.Tensor | None  # [batch, kv_heads, n] float32, or None if the policy asked for none
     state: dict[str, torch.Tensor]  # per-entry policy state [batch, kv_heads, n]; new entries start at 0
     layer_idx: int
-    num_new: int  # entries appended since the last eviction (the block just processed)
 
 
 @dataclass
