@@ -13,22 +13,37 @@ They do two jobs the stock functions cannot:
 
 The statistic is: for each key, the softmax attention it receives summed over the requested query rows
 and averaged over the query heads that share its KV head (paper §F.2), shape [batch, kv_heads, keys].
+
+Fast kernels stay fast: grouped-query attention goes to SDPA with `enable_gqa` (no repeat_kv copy of the
+keys and values), and a block that attends to kept entries uses SDPA's lower-right causal bias rather than
+an explicit boolean mask, so SDPA may still pick its flash kernel. FlashAttention needs flash-attn >= 2.1
+(2.0 aligned the causal mask top-left, which is wrong for q_len != kv_len); older versions are refused.
+
+Where the cache comes from: `keydiff_attention(model, cache)` switches the model to these functions and
+binds `cache` for the duration (a context variable, so nothing is stored on the model). The function asks
+the bound cache which statistic it wants only when the keys it was given are that cache's own buffer.
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any, Iterator
 
 import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+from transformers.integrations.sdpa_attention import repeat_kv
 
 BASE_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
 # Registered names. transformers treats any implementation whose name contains "flash" as a FlashAttention
 # kernel to load from the hub, so ours avoid the word.
 REGISTERED = {"sdpa": "keydiff_sdpa", "eager": "keydiff_eager", "flash_attention_2": "keydiff_fa2"}
 STATISTIC_CHUNK_ELEMENTS = 1 << 26  # ~256 MB of float32 scores per chunk
+MIN_FLASH_ATTN = (2, 1)  # bottom-right causal alignment for q_len != kv_len
+# The evicting cache the attention functions serve, bound by `keydiff_attention(model, cache)`.
+_BOUND_CACHE: ContextVar[Any] = ContextVar("keydiff_bound_cache", default=None)
 
 
 def causal_mask(
@@ -102,11 +117,14 @@ def fused_attention(
         return flash_attn_func(
             query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), softmax_scale=scaling, causal=True
         )
+    gqa = query.shape[1] != key.shape[1]
     if q_len == 1 or q_len == kv_len:
-        # No mask: SDPA's is_causal (top-left) equals bottom-right when q_len == kv_len; one query sees all.
-        return sdpa_attention_forward(module, query, key, value, None, dropout=0.0, scaling=scaling)[0]
-    mask = causal_mask(q_len, kv_len, query.device)[None, None]
-    return sdpa_attention_forward(module, query, key, value, mask, dropout=0.0, scaling=scaling)[0]
+        # SDPA's is_causal (top-left) equals bottom-right when q_len == kv_len; one query sees every key.
+        output = F.scaled_dot_product_attention(query, key, value, is_causal=q_len > 1, scale=scaling, enable_gqa=gqa)
+    else:
+        bias = causal_lower_right(q_len, kv_len)
+        output = F.scaled_dot_product_attention(query, key, value, attn_mask=bias, scale=scaling, enable_gqa=gqa)
+    return output.transpose(1, 2).contiguous()
 
 
 def make_attention_function(base: str):
@@ -120,13 +138,15 @@ def make_attention_function(base: str):
         attention_mask: torch.Tensor | None,
         scaling: float | None = None,
         dropout: float = 0.0,
-        evicting_cache: Any = None,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, None]:
         unsupported = [name for name in ("sliding_window", "softcap", "s_aux") if kwargs.get(name) is not None]
         if unsupported:
             raise ValueError(f"keydiff attention does not implement {', '.join(unsupported)} (layer {module.layer_idx})")
         scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+        evicting_cache = _BOUND_CACHE.get()
+        if evicting_cache is not None and not evicting_cache.owns(module.layer_idx, key):
+            evicting_cache = None  # the model runs with some other cache: plain attention
         rows = 0 if evicting_cache is None else evicting_cache.attention_rows_needed(module.layer_idx)
         materialize = base == "eager" or (rows != 0 and evicting_cache.statistics == "materialized")
         if materialize:
@@ -160,16 +180,42 @@ def base_implementation(model: torch.nn.Module) -> str:
     return name
 
 
+def check_flash_attn_version(version: str) -> None:
+    """flash-attn < 2.1 aligns the causal mask top-left when q_len != kv_len: silently wrong here, so refuse."""
+    parts = []
+    for piece in version.split(".")[:2]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits) if digits else 0)
+    if tuple(parts) < MIN_FLASH_ATTN:
+        raise RuntimeError(
+            f"flash-attn {version} is too old: keydiff-bench needs flash-attn >= 2.1 (bottom-right causal masks "
+            "for blocks attending to a kept cache); pip install -U flash-attn, or use attn_implementation=sdpa"
+        )
+
+
 @contextmanager
-def keydiff_attention(model: torch.nn.Module) -> Iterator[None]:
-    """Run the model with its keydiff attention function, restoring its own implementation afterwards."""
+def keydiff_attention(model: torch.nn.Module, cache: Any = None) -> Iterator[None]:
+    """Run the model with its keydiff attention function (and `cache` bound for statistics), then restore it.
+
+    Any loop over an `EvictingCache` whose policy needs attention (h2o, tova, snapkv) runs inside this:
+
+        with keydiff.keydiff_attention(model, cache):
+            out = model(input_ids=next_ids, past_key_values=cache, use_cache=True)
+    """
+    base = base_implementation(model)
+    if base == "flash_attention_2":
+        import flash_attn
+
+        check_flash_attn_version(getattr(flash_attn, "__version__", "0"))
     original = model.config._attn_implementation
-    target = REGISTERED[base_implementation(model)]
-    if original == target:
-        yield
-        return
-    model.set_attn_implementation(target)
+    target = REGISTERED[base]
+    token = _BOUND_CACHE.set(cache)
+    switched = original != target
+    if switched:
+        model.set_attn_implementation(target)
     try:
         yield
     finally:
-        model.set_attn_implementation(original)
+        if switched:
+            model.set_attn_implementation(original)
+        _BOUND_CACHE.reset(token)

@@ -1,14 +1,27 @@
-"""A transformers Cache whose layers shrink to a fixed token budget (paper Eq. 6).
+"""A transformers Cache whose layers stay within a fixed token budget (paper Eq. 6), in preallocated buffers.
 
 `EvictingCache` is an ordinary `transformers.Cache` made of `EvictingLayer`s, so any model that takes
-`past_key_values` can use it unchanged. Each layer stores, next to its keys and values, the absolute
-position of every entry and any per-entry state a policy keeps. After every forward pass the engine
-calls `EvictingCache.evict()`, which lets the policy observe the pass and shrinks every layer that
-holds more than `budget` entries per KV head back to `budget`. Between two evictions a layer gains at
-most one block, so it never holds more than budget + block entries; `max_entries` records the peak.
+`past_key_values` can use it unchanged, in any decoding loop:
 
-Each KV head keeps its own entries (indices are gathered per head), and since every head keeps exactly
-`budget` entries the tensors stay rectangular: no padding, no masked dummy slots, real memory saved.
+    out = model(input_ids=next_ids, past_key_values=cache, use_cache=True)   # position_ids optional
+
+Memory. Each layer allocates its buffers once per sequence: keys, values, absolute positions and the
+policy's per-entry state, with room for `budget + block_size` entries (a prefill block, or one token while
+decoding, on top of the kept entries). A forward pass writes its new entries into the free slots after the
+kept ones; eviction then chooses the entries to drop and moves the surviving new entries into the slots of
+the dropped old ones. Nothing proportional to the cache size is allocated or copied after the first block:
+only the new entries move. Entries therefore sit in the buffer in no particular order; each carries its
+absolute position, policies that care about recency or adjacency read positions, never buffer indices.
+
+Position. The cache counts the tokens it has seen, so `get_seq_length()` is the absolute position of the
+next token (what transformers uses for `position_ids` when none are given) while `num_entries` is what the
+layer holds. Masks for transformers' own attention functions are sized from it (`get_mask_sizes`), so
+attention-free policies work with stock sdpa/eager/FlashAttention too.
+
+Eviction. Each layer evicts itself at the start of its next `update` (before the new entries are written)
+and `evict()` does it for every layer at once (what the engine calls after every forward pass, so after a
+call each layer holds at most `budget` entries). Either way the policy sees the same entries and the same
+attention statistic, so a plain loop and `keydiff.generate` choose the same tokens.
 """
 
 from __future__ import annotations
@@ -17,79 +30,220 @@ import time
 from typing import Any
 
 import torch
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache, CacheLayerMixin
 
 from keydiff.policies.base import LayerView, Policy
 
 STATISTICS_MODES = ("fast", "materialized")
 
 
-class EvictingLayer(DynamicLayer):
-    """A DynamicLayer that also tracks entry positions and per-entry policy state, and can keep a subset."""
+class EvictingLayer(CacheLayerMixin):
+    """One layer's bounded cache: fixed buffers, a count of valid entries, and a count of tokens seen.
 
-    def __init__(self, **kwargs: Any):
-        super().__init__(**kwargs)
-        self.positions: torch.Tensor | None = None  # [batch, kv_heads, n] long
-        self.state: dict[str, torch.Tensor] = {}
-        self.attention: torch.Tensor | None = None  # statistic recorded by the attention function
+    budget=None: this layer never evicts (the `full` policy, or a layer a policy skips); its buffers grow
+    geometrically instead. capacity: entries the buffers are first allocated for.
+    """
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, budget: int | None, capacity: int | None, state_names: tuple[str, ...] = ()):
+        super().__init__()
+        self.budget = budget
+        self.capacity = capacity  # None: sized from the first update
+        self.state_names = state_names
+        self.positions: torch.Tensor | None = None  # [batch, kv_heads, capacity] long
+        self.state: dict[str, torch.Tensor] = {}  # name -> [batch, kv_heads, capacity] float32
+        self.attention: torch.Tensor | None = None  # statistic of the last pass, [batch, kv_heads, entries]
+        self.num_entries = 0  # valid entries per KV head (the same for every head)
+        self.seen = 0  # tokens this layer has been given: the absolute position of the next one
         self.max_entries = 0  # peak entries per head ever held
+        self.allocations = 0  # buffer (re)allocations this sequence: 1 when the capacity was right
 
-    def append(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, positions: torch.Tensor
+    # --- storage -------------------------------------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+
+    def _allocate(self, key_states: torch.Tensor, value_states: torch.Tensor, capacity: int) -> None:
+        """(Re)allocate every buffer for `capacity` entries, keeping the valid ones.
+
+        Allocated as ordinary tensors even under inference mode, so that a loop the user runs later under
+        plain `no_grad` can still write into them.
+        """
+        batch, heads = key_states.shape[:2]
+        n = self.num_entries
+        with torch.inference_mode(False):
+            keys = key_states.new_empty(batch, heads, capacity, key_states.shape[-1])
+            values = value_states.new_empty(batch, heads, capacity, value_states.shape[-1])
+            positions = torch.empty(batch, heads, capacity, dtype=torch.long, device=key_states.device)
+            state = {name: torch.zeros(batch, heads, capacity, dtype=torch.float32, device=key_states.device)
+                     for name in self.state_names}
+        if n:
+            keys[:, :, :n] = self.keys[:, :, :n]
+            values[:, :, :n] = self.values[:, :, :n]
+            positions[:, :, :n] = self.positions[:, :, :n]
+            for name in state:
+                state[name][:, :, :n] = self.state[name][:, :, :n]
+        self.keys, self.values, self.positions, self.state = keys, values, positions, state
+        self.capacity = capacity
+        self.allocations += 1
+
+    def _grown_capacity(self, needed: int) -> int:
+        """Capacity for `needed` entries: the planned one first; then room for decoding, or doubling if unbounded."""
+        if self.keys is None:
+            planned = self.capacity or needed
+            return max(needed, planned, 0 if self.budget is None else self.budget + 1)
+        return max(needed, 2 * self.capacity)
+
+    def reserve(self, entries: int) -> None:
+        """Make room for `entries` valid entries now (e.g. before decoding into an unbounded layer)."""
+        if self.keys is not None and entries > self.capacity:
+            self._allocate(self.keys, self.values, entries)
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Concatenate a block's keys/values and their absolute positions [batch, q] to the layer."""
-        keys, values = super().update(key_states, value_states)
-        batch, heads, q = key_states.shape[:3]
-        new_positions = positions.to(keys.device)[:, None, :].expand(batch, heads, q)
-        self.positions = new_positions if self.positions is None else torch.cat([self.positions, new_positions], -1)
-        for name, tensor in self.state.items():
-            self.state[name] = torch.cat([tensor, tensor.new_zeros(batch, heads, q)], dim=-1)
-        self.max_entries = max(self.max_entries, keys.shape[-2])
-        return keys, values
-
-    def keep(self, indices: torch.Tensor) -> None:
-        """Keep only the entries at `indices` [batch, kv_heads, k] (per head, ascending)."""
-        gather = indices[..., None].expand(-1, -1, -1, self.keys.shape[-1])
-        self.keys = self.keys.gather(2, gather)
-        self.values = self.values.gather(2, gather)
-        self.positions = self.positions.gather(2, indices)
-        self.state = {name: tensor.gather(2, indices) for name, tensor in self.state.items()}
+        """Write a pass's keys/values [batch, kv_heads, q, dim] after the kept entries; return the valid ones."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        q = key_states.shape[-2]
+        n = self.num_entries
+        if self.keys is not None and key_states.shape[0] != self.keys.shape[0]:
+            raise RuntimeError(
+                f"the batch changed from {self.keys.shape[0]} to {key_states.shape[0]} rows: an evicting cache supports "
+                "neither beam search nor num_return_sequences; use keydiff.generate (greedy or sampling)"
+            )
+        needed = n + q
+        if self.keys is None or needed > self.capacity:
+            self._allocate(key_states, value_states, self._grown_capacity(needed))
+        self.keys[:, :, n:needed] = key_states
+        self.values[:, :, n:needed] = value_states
+        self.positions[:, :, n:needed] = torch.arange(self.seen, self.seen + q, device=self.device)
+        for buffer in self.state.values():
+            buffer[:, :, n:needed] = 0.0
+        self.num_entries, self.seen = needed, self.seen + q
+        self.max_entries = max(self.max_entries, needed)
+        return self.keys[:, :, :needed], self.values[:, :, :needed]
 
     def view(self, layer_idx: int) -> LayerView:
+        """The valid entries as a policy sees them (views into the buffers, in buffer order)."""
+        n = self.num_entries
         return LayerView(
-            keys=self.keys,
-            values=self.values,
-            positions=self.positions,
+            keys=self.keys[:, :, :n],
+            values=self.values[:, :, :n],
+            positions=self.positions[:, :, :n],
             attention=self.attention,
-            state=self.state,
+            state={name: buffer[:, :, :n] for name, buffer in self.state.items()},
             layer_idx=layer_idx,
         )
 
-    def reset(self) -> None:
-        super().reset()
-        self.positions, self.state, self.attention, self.max_entries = None, {}, None, 0
+    # --- eviction ------------------------------------------------------------------------------
+    def evict(self, policy: Policy, layer_idx: int | None = None) -> None:
+        """Observe the last pass's statistic, then drop entries until at most `budget` remain, in place."""
+        if self.budget is None or not self.is_initialized:
+            self.attention = None
+            return
+        layer_idx = self.layer_idx if layer_idx is None else layer_idx
+        view = self.view(layer_idx)
+        if self.attention is not None:
+            policy.observe(view)
+        excess = self.num_entries - self.budget
+        if excess > 0:
+            if policy.attention_rows != 0 and self.attention is None:
+                raise RuntimeError(
+                    f"policy {policy.name!r} needs attention statistics but none were recorded in layer {layer_idx}: "
+                    "run the model inside `with keydiff.keydiff_attention(model, cache):` (keydiff.prefill and "
+                    "keydiff.generate do this for you)"
+                )
+            self._drop(policy.evict_indices(view, self.budget))
+        self.attention = None
 
-    # transformers' generate() / beam search would call these; they would leave positions and policy state
-    # out of step with the keys, so refuse rather than corrupt the cache.
+    def _drop(self, dropped: torch.Tensor) -> None:
+        """Remove the entries at `dropped` [batch, kv_heads, excess] by moving surviving tail entries into them.
+
+        With N = budget and n entries, the tail slots N..n-1 are exactly as many as the dropped entries, so
+        every dropped slot below N receives one surviving tail entry: pair the k-th dropped slot with the
+        k-th surviving tail slot (both ascending). Pairs past the survivors land in dropped tail slots.
+        """
+        budget, n = self.budget, self.num_entries
+        dropped = dropped.sort(dim=-1).values
+        tail = n - budget
+        # Mark the dropped tail slots; dropped slots below the budget all go to one spare column at the end.
+        column = torch.where(dropped >= budget, dropped - budget, tail)
+        tail_dropped = torch.zeros(*dropped.shape[:2], tail + 1, dtype=torch.uint8, device=dropped.device)
+        tail_dropped.scatter_(-1, column, 1)
+        # Surviving tail slots first (stable: ascending), then the dropped ones.
+        sources = budget + torch.argsort(tail_dropped[..., :tail], dim=-1, stable=True)
+        self._move(sources, dropped)
+        self.num_entries = budget
+
+    def _move(self, sources: torch.Tensor, targets: torch.Tensor) -> None:
+        """buffer[..., targets] = buffer[..., sources] for every buffer (indices [batch, kv_heads, k])."""
+        for buffer in (self.keys, self.values):
+            src = sources[..., None].expand(-1, -1, -1, buffer.shape[-1])
+            dst = targets[..., None].expand(-1, -1, -1, buffer.shape[-1])
+            buffer.scatter_(2, dst, buffer.gather(2, src))
+        for buffer in (self.positions, *self.state.values()):
+            buffer.scatter_(2, targets, buffer.gather(2, sources))
+
+    def kept_positions(self) -> torch.Tensor:
+        """Absolute positions held, [batch, kv_heads, entries], ascending (a copy)."""
+        return self.positions[:, :, : self.num_entries].sort(dim=-1).values
+
+    # --- the transformers layer interface -------------------------------------------------------
+    def get_seq_length(self) -> int:
+        """Tokens seen so far: the absolute position of the next token (not the number of entries held)."""
+        return self.seen
+
+    def entries_after_eviction(self) -> int:
+        return self.num_entries if self.budget is None else min(self.num_entries, self.budget)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """Keys the next pass attends to, and the offset that makes transformers' causal mask exact.
+
+        The next pass sees the entries left after eviction plus its own q tokens. Its queries sit at absolute
+        positions seen..seen+q-1; an offset of seen - entries maps key slot j to j + offset, so "key <= query"
+        means: every kept entry, and the new tokens causally (bottom-right).
+        """
+        kept = self.entries_after_eviction()
+        return kept + query_length, self.seen - kept
+
+    def get_max_length(self) -> int:
+        return -1 if self.budget is None else self.budget
+
+    def reset(self) -> None:
+        self.keys = self.values = self.positions = self.attention = None
+        self.state, self.num_entries, self.seen, self.max_entries = {}, 0, 0, 0
+        self.is_initialized = False
+
+    # transformers' generate() calls these for beam search, assisted decoding and num_return_sequences; they
+    # would need every buffer (positions, policy state) reordered with the keys, so refuse instead.
     def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("EvictingLayer cannot be cropped; use keydiff.generate")
+        raise NotImplementedError("an evicting cache cannot be cropped (no assisted decoding); use keydiff.generate")
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        raise NotImplementedError("EvictingLayer does not support beam search; use keydiff.generate")
+        raise NotImplementedError("an evicting cache does not support beam search; use keydiff.generate")
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        raise NotImplementedError("EvictingLayer does not support batch expansion; use keydiff.generate")
+        raise NotImplementedError("an evicting cache cannot be expanded (num_return_sequences); use keydiff.generate")
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        raise NotImplementedError("EvictingLayer does not support batch selection; use keydiff.generate")
+        raise NotImplementedError("an evicting cache does not support batch selection; use keydiff.generate")
 
 
 class EvictingCache(Cache):
-    """KV cache bounded to `budget` entries per layer and KV head after every `evict()` call.
+    """KV cache bounded to `budget` entries per layer and KV head, in buffers allocated once per sequence.
 
-    budget=None means no bound (the `full` policy). `statistics` chooses how attention-based policies get
-    their attention: "fast" computes only the rows they need next to the fused attention kernel,
-    "materialized" runs eager attention and reads its weights (the paper's latency setting).
+    budget=None means no bound (the `full` policy). block_size: the largest pass expected (the prefill
+    block); bounded layers hold budget + block_size entries. max_tokens: the tokens the sequence is expected
+    to reach (the prompt length), which sizes unbounded layers. Buffers grow (and say so in `allocations`)
+    only if a pass or a sequence outgrows them. `statistics`
+    chooses how attention-based policies get their attention: "fast" computes only the rows they need next
+    to the fused attention kernel, "materialized" runs eager attention and reads its weights (the paper's
+    latency setting). profile=True synchronises the GPU around every statistic and eviction so that
+    `timings` are the kernels' time; it slows the run down, so never time TTFT with it.
     """
 
     def __init__(
@@ -99,67 +253,93 @@ class EvictingCache(Cache):
         num_layers: int,
         statistics: str = "fast",
         profile: bool = False,
+        block_size: int | None = None,
+        max_tokens: int | None = None,
     ):
         if statistics not in STATISTICS_MODES:
             raise ValueError(f"unknown attention statistics mode {statistics!r}; valid: {', '.join(STATISTICS_MODES)}")
-        super().__init__(layers=[EvictingLayer() for _ in range(num_layers)])
         self.policy = policy
         self.budget = budget if policy.evicts else None
+        bounded_capacity = None
+        if self.budget is not None and (block_size or max_tokens):
+            # Before a pass a layer holds <= budget entries, so a pass needs budget + block; never more than
+            # the whole prompt; decoding needs budget + 1.
+            bounded_capacity = self.budget + (block_size or max_tokens)
+            if max_tokens is not None:
+                bounded_capacity = min(bounded_capacity, max_tokens)
+            bounded_capacity = max(bounded_capacity, self.budget + 1)
+        layers = []
+        for layer_idx in range(num_layers):
+            bounded = self.budget is not None and policy.compresses_layer(layer_idx)
+            capacity = bounded_capacity if bounded else max_tokens
+            layer = EvictingLayer(self.budget if bounded else None, capacity, policy.state_names)
+            layer.layer_idx = layer_idx
+            layers.append(layer)
+        super().__init__(layers=layers)
         self.statistics = statistics
         self.profile = profile
         self.timings = {"statistics_s": 0.0, "eviction_s": 0.0}
-        self._incoming_positions: torch.Tensor | None = None
         self.evicting = True  # False while decoding without eviction (decode_eviction=false)
+        # Set by keydiff.prefill: the prompt it consumed, to refuse it being fed a second time (see update).
+        self.prompt_length: int | None = None
 
     # --- the transformers Cache interface -------------------------------------------------------
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._incoming_positions is None:
-            raise RuntimeError("EvictingCache.set_positions() must be called before each forward pass")
-        return self.layers[layer_idx].append(key_states, value_states, self._incoming_positions)
+        layer = self.layers[layer_idx]
+        q = key_states.shape[-2]
+        if layer_idx == 0 and self.prompt_length is not None and layer.seen == self.prompt_length == q:
+            raise RuntimeError(
+                "this cache already holds the whole prompt, which is being fed again (what model.generate does when "
+                "past_key_values covers all of input_ids). Continue with keydiff.generate(model, state, ...), or "
+                "prefill all but the last prompt token: state = keydiff.prefill(model, prompt[:, :-1], ...), then "
+                "model.generate(prompt, past_key_values=state.cache, ...)"
+            )
+        # What the previous pass left to do (a plain loop never calls `evict()`): observe and evict now.
+        if self.evicting and layer.budget is not None and (layer.attention is not None or layer.num_entries > layer.budget):
+            start = self._clock()
+            layer.evict(self.policy, layer_idx)
+            self.timings["eviction_s"] += self._clock() - start
+        return layer.update(key_states, value_states)
 
     # --- what the engine and the attention function use ------------------------------------------
-    def set_positions(self, positions: torch.Tensor) -> None:
-        """Absolute positions [batch, q] of the tokens of the next forward pass (its position_ids)."""
-        self._incoming_positions = positions
-
     def attention_rows_needed(self, layer_idx: int) -> int | None:
         """How many last query rows of this pass the policy needs attention for: 0 = none, None = all."""
+        layer = self.layers[layer_idx]
         rows = self.policy.attention_rows
-        if rows == 0 or self.budget is None or not self.evicting or not self.policy.compresses_layer(layer_idx):
+        if rows == 0 or layer.budget is None or not self.evicting:
             return 0
-        if not self.policy.observes_every_step and self.layers[layer_idx].get_seq_length() <= self.budget:
+        if not self.policy.observes_every_step and layer.num_entries <= layer.budget:
             return 0  # nothing will be evicted after this pass, so the statistic would be wasted
         return rows
+
+    def owns(self, layer_idx: int, key: torch.Tensor) -> bool:
+        """Whether `key` is this cache's layer buffer (the attention function checks before recording)."""
+        keys = self.layers[layer_idx].keys
+        return keys is not None and key.untyped_storage().data_ptr() == keys.untyped_storage().data_ptr()
 
     def record_attention(self, layer_idx: int, statistic: torch.Tensor) -> None:
         self.layers[layer_idx].attention = statistic
 
     def evict(self) -> None:
         """Let the policy observe the pass just run, then shrink every over-budget layer to `budget`."""
-        if self.budget is None:
+        if self.budget is None or not self.evicting:
             return
         start = self._clock()
         for layer_idx, layer in enumerate(self.layers):
-            if not layer.is_initialized or not self.policy.compresses_layer(layer_idx):
-                continue
-            view = layer.view(layer_idx)
-            if self.policy.attention_rows != 0 and view.attention is not None:
-                self.policy.observe(view)
-            if layer.get_seq_length() > self.budget:
-                if self.policy.attention_rows != 0 and view.attention is None:
-                    raise RuntimeError(
-                        f"policy {self.policy.name!r} needs attention statistics but none were recorded in layer "
-                        f"{layer_idx}: the model must run with a keydiff_* attention implementation"
-                    )
-                layer.keep(self.policy.keep_indices(view, self.budget))
-            layer.attention = None
+            layer.evict(self.policy, layer_idx)
         self.timings["eviction_s"] += self._clock() - start
 
+    def reserve(self, new_tokens: int) -> None:
+        """Make room for `new_tokens` more tokens in every layer that will keep them (before decoding)."""
+        for layer in self.layers:
+            if layer.budget is None or not self.evicting:
+                layer.reserve(layer.entries_after_eviction() + new_tokens)
+
     def kept_positions(self) -> list[torch.Tensor]:
-        """Absolute positions kept, one LongTensor [batch, kv_heads, kept] per layer."""
-        return [layer.positions for layer in self.layers]
+        """Absolute positions held, one LongTensor [batch, kv_heads, entries] per layer, ascending (copies)."""
+        return [layer.kept_positions() for layer in self.layers]
 
     @property
     def entries_peak_sum(self) -> int:
@@ -170,6 +350,16 @@ class EvictingCache(Cache):
     def max_entries(self) -> int:
         """Peak number of entries any layer held for one KV head."""
         return max((layer.max_entries for layer in self.layers), default=0)
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes the key and value buffers hold (their allocated capacity, every layer): the real footprint."""
+        return sum(layer.keys.nbytes + layer.values.nbytes for layer in self.layers if layer.keys is not None)
+
+    @property
+    def allocations(self) -> int:
+        """Buffer allocations over all layers since the sequence started (one per layer when sized right)."""
+        return sum(layer.allocations for layer in self.layers)
 
     def _clock(self) -> float:
         """Wall time; synchronises the GPU first when profiling so the time is the kernels' time."""

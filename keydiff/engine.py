@@ -6,9 +6,14 @@
         cache <- policy_N(cache + X_i's keys/values)
     then generate with B = 1, evicting after every token.
 
-Tokens enter with their absolute position in the sequence (position_ids), so RoPE rotates each key by
-where its token really is, never by its index in the shrunken cache. Block size None (or math.inf)
-processes the whole prompt at once and evicts afterwards (paper Table 10): the same loop with one block.
+Tokens enter with their absolute position in the sequence: the cache counts the tokens it has seen and
+transformers derives position_ids from that, so RoPE rotates each key by where its token really is, never
+by its index in the shrunken cache. Block size None (or math.inf) processes the whole prompt at once and
+evicts afterwards (paper Table 10): the same loop with one block.
+
+Timing: `seconds` is wall time between two device synchronisations around the forward passes only; the
+attention-implementation switch and the cache's construction are outside it. Nothing here warms up: the
+caller (runner, benchmarks) runs an untimed warm-up first.
 """
 
 from __future__ import annotations
@@ -91,22 +96,10 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _forward(
-    model: torch.nn.Module, cache: EvictingCache, input_ids: torch.Tensor, start: int, evict: bool = True
-) -> torch.Tensor:
-    """One forward pass of `input_ids` at absolute positions start..start+q-1, then eviction."""
-    batch, q_len = input_ids.shape
-    positions = torch.arange(start, start + q_len, device=input_ids.device).expand(batch, q_len)
-    cache.set_positions(positions)
+def _forward(model: torch.nn.Module, cache: EvictingCache, input_ids: torch.Tensor, evict: bool = True) -> torch.Tensor:
+    """One forward pass of `input_ids` after what the cache has seen, then eviction. Next-token logits [b, vocab]."""
     cache.evicting = evict  # no eviction after this pass: attention statistics would be wasted
-    output = model(
-        input_ids=input_ids,
-        position_ids=positions,
-        past_key_values=cache,
-        use_cache=True,
-        logits_to_keep=1,
-        evicting_cache=cache,
-    )
+    output = model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
     if evict:
         cache.evict()
     return output.logits[:, -1, :].float()
@@ -142,17 +135,19 @@ def prefill(
         raise ValueError("the prompt is empty")
     step = length if block is None else block
     cache = EvictingCache(
-        policy, budget, model.config.get_text_config().num_hidden_layers, statistics=attention_statistics, profile=profile
+        policy, budget, model.config.get_text_config().num_hidden_layers, statistics=attention_statistics,
+        profile=profile, block_size=step, max_tokens=length,
     )
-    _sync(device)
-    start_time = time.perf_counter()
-    with keydiff_attention(model):
+    with keydiff_attention(model, cache):
+        _sync(device)
+        start_time = time.perf_counter()
         for start in range(0, length, step):
-            logits = _forward(model, cache, input_ids[:, start : start + step], start)
+            logits = _forward(model, cache, input_ids[:, start : start + step])
             if on_block is not None:
                 on_block(cache)
-    _sync(device)
-    seconds = time.perf_counter() - start_time
+        _sync(device)
+        seconds = time.perf_counter() - start_time
+    cache.prompt_length = length
     return PrefillResult(logits, cache, length, budget if policy.evicts else None, block, seconds,
                          kept_positions=cache.kept_positions(), max_cache_entries=cache.max_entries)
 
@@ -210,9 +205,11 @@ def generate(
     finished = [False] * batch
     reasons = ["length"] * batch
     steps: list[int] = []
-    _sync(device)
-    start_time = time.perf_counter()
-    with keydiff_attention(model):
+    cache.evicting = evict
+    cache.reserve(max_new_tokens)  # unbounded layers (full, skipped layers, evict=False) grow once, here
+    with keydiff_attention(model, cache):
+        _sync(device)
+        start_time = time.perf_counter()
         for step in range(max_new_tokens):
             if step < min_new_tokens and len(stop_ids):
                 logits = logits.index_fill(-1, stop_ids, float("-inf"))
@@ -225,8 +222,9 @@ def generate(
                     finished[row], reasons[row] = True, "stop"
             if all(finished) or step == max_new_tokens - 1:
                 break
-            logits = _forward(model, cache, token[:, None], state.prompt_length + step, evict=evict)
+            logits = _forward(model, cache, token[:, None], evict=evict)
             if record_steps:
-                steps.append(max(layer.get_seq_length() for layer in cache.layers))
-    _sync(device)
-    return GenerationResult(tokens, reasons, time.perf_counter() - start_time, cache.max_entries, steps)
+                steps.append(max(layer.num_entries for layer in cache.layers))
+        _sync(device)
+        seconds = time.perf_counter() - start_time
+    return GenerationResult(tokens, reasons, seconds, cache.max_entries, steps)

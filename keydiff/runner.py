@@ -114,6 +114,15 @@ def load_model_once(model_cfg: ModelConfig):
     return _LOADED["value"]
 
 
+def warm_up(plan: RunPlan, model, tokenizer, sample) -> None:
+    """One untimed prefill + decode on the start of the first prompt, so that no sample's TTFT carries the
+    device's start-up (CUDA context, cuBLAS handles, kernel selection, allocator growth)."""
+    ids = plan.task.build_prompt(sample, tokenizer, plan.model_cfg.max_length).input_ids
+    tokens = min(len(ids), 2 * (plan.block_size or 128))
+    state = prefill(model, torch.tensor([ids[:tokens]]), plan.new_policy(), plan.budget, plan.block_size, plan.statistics)
+    generate(model, state, 2, evict=plan.decode_eviction)
+
+
 def run_sample(
     plan: RunPlan, model, tokenizer, stop_ids: list[int], sample, run_seed: int, code: str | None = None
 ) -> dict[str, Any]:
@@ -148,7 +157,9 @@ def run_sample(
         "new_tokens": len(tokens),
         "finish_reason": out.finish_reasons[0],
         "max_cache_entries": out.max_cache_entries,
-        # Upper bound of the KV memory held at once: every layer's own peak, summed.
+        # What the cache's key/value buffers really hold (allocated once per sequence, N + B slots per layer).
+        "kv_cache_bytes": state.cache.kv_cache_bytes,
+        # Upper bound of the KV entries held at once: every layer's own peak, summed, in bytes.
         "kv_cache_peak_bytes": state.cache.entries_peak_sum * kv_bytes_per_layer_entry(model),
         "peak_memory_bytes": peak_memory_bytes(device),
         "seed": seed if settings.do_sample else None,
@@ -175,6 +186,7 @@ def run_statistics(rows: list[dict[str, Any]], plan: RunPlan) -> dict[str, Any]:
         "cache_bound": bound,  # N + B; None when unbounded (full policy or one whole-prompt block)
         "cache_bound_held": None if bound is None else peak <= bound,
         "max_kv_cache_peak_bytes": max(r["kv_cache_peak_bytes"] for r in rows),
+        "max_kv_cache_bytes": max(r.get("kv_cache_bytes", 0) for r in rows),
         "max_peak_memory_bytes": max(r["peak_memory_bytes"] for r in rows),
     }
 
@@ -197,6 +209,7 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
         log.info("model loaded in %.1f s", time.perf_counter() - load_start)
         stop_ids = eos_token_ids(model, tokenizer)
         provenance = model_provenance(plan.model_cfg, model)
+        warm_up(plan, model, tokenizer, todo[0])
         for sample in tqdm(todo, desc=f"{plan.task.name}/{plan.policy_name}", unit="sample"):
             store.append(run_sample(plan, model, tokenizer, stop_ids, sample, int(cfg.seed), code_label))
     else:

@@ -46,7 +46,7 @@ def test_bound_n_plus_b_holds_at_every_step(model, prompt, name, budget, block_s
     seen = []
 
     def check(cache):
-        sizes = [layer.get_seq_length() for layer in cache.layers]
+        sizes = [layer.num_entries for layer in cache.layers]
         assert all(size <= budget for size in sizes)  # after each block's eviction
         seen.append(cache.max_entries)
 
@@ -74,9 +74,9 @@ def test_kept_keys_keep_their_absolute_rope_position(model, prompt):
     """Layer-0 keys depend only on token and position, so kept keys must equal the full run's at those positions."""
     full = prefill(model, prompt, "full", None, None)
     state = prefill(model, prompt, "keydiff", 60, 16)
-    kept = state.kept_positions[0]
-    expected = full.cache.layers[0].keys.gather(2, kept[..., None].expand(-1, -1, -1, 16))
-    assert torch.allclose(state.cache.layers[0].keys, expected, atol=1e-5)
+    view = state.cache.layers[0].view(0)  # buffer order: each entry carries its position
+    expected = full.cache.layers[0].view(0).keys.gather(2, view.positions[..., None].expand(-1, -1, -1, 16))
+    assert torch.allclose(view.keys, expected, atol=1e-5)
 
 
 def test_position_rules_of_sink_and_recent(model, prompt):
@@ -92,7 +92,7 @@ def test_decoding_positions_continue_after_the_prompt(model, prompt):
     generate(model, state, 5)
     # 4 decode forwards happened (the 5th token is never fed back): positions L..L+3 are now newest.
     L = prompt.shape[1]
-    assert state.cache.layers[0].positions[0, 0, -4:].tolist() == [L, L + 1, L + 2, L + 3]
+    assert state.cache.kept_positions()[0][0, 0, -4:].tolist() == [L, L + 1, L + 2, L + 3]
 
 
 @pytest.mark.parametrize("name", ["h2o", "tova", "snapkv"])
@@ -114,8 +114,7 @@ def test_eager_and_sdpa_models_agree(prompt, name):
 
 def test_attention_policy_without_keydiff_attention_is_an_error(model, prompt):
     cache = keydiff.EvictingCache(build_policy("tova"), 10, 3)
-    cache.set_positions(torch.arange(20)[None])
-    model(prompt[:, :20], past_key_values=cache, position_ids=torch.arange(20)[None])  # stock sdpa: no statistic
+    model(prompt[:, :20], past_key_values=cache)  # stock sdpa: no statistic
     with pytest.raises(RuntimeError, match="needs attention statistics"):
         cache.evict()
 
@@ -162,7 +161,7 @@ def test_low_precision_runs_within_bound(prompt, dtype):
     for name in ("keydiff", "snapkv", "h2o"):
         state = prefill(model, prompt, name, 64, 32)
         assert state.max_cache_entries <= 96 and torch.isfinite(state.logits).all()
-        assert state.cache.layers[0].keys.dtype == dtype
+        assert state.cache.layers[0].view(0).keys.dtype == dtype
 
 
 def test_knorm_skip_layers_keep_everything_there(model, prompt):
@@ -229,7 +228,8 @@ def test_flash_attention_2_path_runs_through_flash_attn_func(monkeypatch, prompt
     import sys
     import types
 
-    monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(flash_attn_func=fake_flash_attn_func))
+    fake = types.SimpleNamespace(flash_attn_func=fake_flash_attn_func, __version__="2.6.3")
+    monkeypatch.setitem(sys.modules, "flash_attn", fake)
     model = tiny_llama("sdpa")
     reference = reference_logits(model, prompt)
     model.config._attn_implementation = "flash_attention_2"  # as loaded with flash-attn installed
@@ -257,7 +257,7 @@ def test_prefill_result_is_a_snapshot_and_decodes_once(model, prompt):
     state = prefill(model, prompt[:, :50], "recent", 100, 16)
     generate(model, state, 10)
     assert [p.shape[-1] for p in state.kept_positions] == [50, 50, 50]  # after prefill, not after decoding
-    assert state.cache.layers[0].get_seq_length() == 59
+    assert state.cache.layers[0].num_entries == 59 and state.cache.get_seq_length() == 59
     with pytest.raises(RuntimeError, match="already decoded"):
         generate(model, state, 3)
 

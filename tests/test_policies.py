@@ -16,7 +16,8 @@ def make_view(keys, attention=None, positions=None, values=None):
     b, h, n, _ = keys.shape
     if positions is None:
         positions = torch.arange(n).expand(b, h, n).clone()
-    return LayerView(keys, keys if values is None else values, positions, attention, {}, 0)
+    state = {"h2o": torch.zeros(b, h, n)}  # the cache allocates one zeroed buffer per name in state_names
+    return LayerView(keys, keys if values is None else values, positions, attention, state, 0)
 
 
 def brute_topk(scores_per_entry, budget):
@@ -251,3 +252,45 @@ def test_snapkv_rows_follow_the_window():
     assert policy.attention_rows == 16
     policy.window = 8
     assert policy.attention_rows == 8
+
+
+@pytest.mark.parametrize(
+    "name, params",
+    [("keydiff", {}), ("keydiff", {"window_fraction": 0.3}), ("keydiff", {"anchor": "median", "metric": "dot"}),
+     ("sink", {}), ("recent", {}), ("knorm", {}), ("tova", {}), ("snapkv", {"window": 4}),
+     ("snapkv", {"window": 4, "pooling": "max"}), ("h2o", {"recent_fraction": 0.25}), ("keydiff_pairwise", {})],
+)
+def test_kept_positions_do_not_depend_on_buffer_order(name, params):
+    """The cache stores entries in no particular order: a policy must choose by content and position only."""
+    g = torch.Generator().manual_seed(5)
+    n, budget = 30, 12
+    keys = torch.randn(1, 2, n, 8, generator=g)
+    attention = torch.rand(1, 2, n, generator=g)
+    ordered = make_view(keys, attention=attention)
+    ordered.state["h2o"] += torch.rand(1, 2, n, generator=g)
+    perm = torch.randperm(n, generator=g)
+    shuffled = LayerView(keys[:, :, perm], keys[:, :, perm], ordered.positions[:, :, perm], attention[:, :, perm],
+                         {"h2o": ordered.state["h2o"][:, :, perm]}, 0)
+    policy = build_policy(name, **params)
+    expected = ordered.positions.gather(-1, policy.keep_indices(ordered, budget)).sort(-1).values
+    got = shuffled.positions.gather(-1, policy.keep_indices(shuffled, budget)).sort(-1).values
+    assert torch.equal(expected, got)
+
+
+def test_most_recent_reads_positions_not_buffer_order():
+    from keydiff.policies.base import most_recent
+
+    positions = torch.tensor([[[7, 2, 9, 0, 5, 8]]])
+    view = LayerView(torch.zeros(1, 1, 6, 2), torch.zeros(1, 1, 6, 2), positions, None, {}, 0)
+    assert most_recent(view, 3)[0, 0].tolist() == [True, False, True, False, False, True]
+    assert not most_recent(view, 0).any() and most_recent(view, 6).all()
+
+
+def test_score_then_position_orders_by_score_then_position():
+    from keydiff.policies.base import score_then_position
+
+    scores = torch.tensor([-2.5, -0.0, 0.0, 1e-30, -1e-30, float("inf"), float("-inf"), 3.0, 3.0, -2.5])
+    positions = torch.tensor([0, 1, 2, 3, 4, 5, 6, 9, 8, 7])
+    order = score_then_position(scores, positions).argsort().tolist()
+    expected = sorted(range(10), key=lambda i: (float(scores[i]) + 0.0, int(positions[i])))
+    assert order == expected

@@ -1,10 +1,14 @@
 """What an eviction policy is: a scoring rule over the entries of one layer's cache.
 
-A policy sees one layer at a time (`LayerView`) and answers one question: which `budget` entries of each
-KV head to keep. Most policies only implement `score` (higher = keep); `protected` marks entries that
-are always kept (sinks, recent windows); `observe` lets a policy carry state across steps (H2O's
-accumulated attention). The cache (`keydiff.cache`) calls `observe` after every forward pass and
-`keep_indices` whenever a layer holds more than `budget` entries.
+A policy sees one layer at a time (`LayerView`) and answers one question: which entries of each KV head
+to drop so that `budget` remain. Most policies only implement `score` (higher = keep); `protected` marks
+entries that are always kept (sinks, recent windows); `observe` lets a policy carry per-entry state across
+steps (H2O's accumulated attention) in buffers the cache allocates for the names in `state_names`. The
+cache (`keydiff.cache`) calls `observe` after every forward pass that recorded attention and
+`evict_indices` whenever a layer holds more than `budget` entries.
+
+Entries are in no particular order (the cache moves new entries into the slots of evicted ones, so that it
+never copies the whole cache): a policy that needs recency or adjacency reads `positions`.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class LayerView:
-    """One layer's cache as a policy sees it. Entries are in ascending position order along dim 2."""
+    """One layer's cache as a policy sees it: views of the valid entries, in buffer order (not position order)."""
 
     keys: torch.Tensor  # [batch, kv_heads, n, head_dim], post-RoPE, as cached
     values: torch.Tensor  # [batch, kv_heads, n, head_dim]
@@ -29,7 +33,9 @@ class LayerView:
     # Attention statistic of the forward pass that just ran: for each entry, the attention it received,
     # summed over the query rows the policy asked for and averaged over the query heads of its KV group.
     attention: torch.Tensor | None  # [batch, kv_heads, n] float32, or None if the policy asked for none
-    state: dict[str, torch.Tensor]  # per-entry policy state [batch, kv_heads, n]; new entries start at 0
+    # Per-entry policy state [batch, kv_heads, n], one view per name in the policy's `state_names`; new
+    # entries start at 0. Update it in place (`state["h2o"].add_(...)`): it lives in the cache's buffers.
+    state: dict[str, torch.Tensor]
     layer_idx: int
 
 
@@ -48,6 +54,8 @@ class Policy:
     observes_every_step: ClassVar[bool] = False
     # False only for the no-eviction baseline.
     evicts: ClassVar[bool] = True
+    # Names of the per-entry state buffers `observe` updates (LayerView.state), allocated by the cache.
+    state_names: ClassVar[tuple[str, ...]] = ()
 
     def validate(self, budget: int) -> None:
         """Raise ValueError if the hyper-parameters cannot work with `budget` (called before model loading)."""
@@ -67,26 +75,53 @@ class Policy:
         """Bool [batch, kv_heads, n] of entries kept regardless of score, or None."""
         return None
 
-    def keep_indices(self, layer: LayerView, budget: int) -> torch.Tensor:
-        """Indices [batch, kv_heads, budget] of the entries to keep, ascending (so position order survives)."""
+    def evict_indices(self, layer: LayerView, budget: int) -> torch.Tensor:
+        """Indices [batch, kv_heads, n - budget] of the entries to drop: the lowest scores, never a protected one.
+
+        Ties are broken by position (the older entry goes first), so the choice never depends on where the
+        cache happens to store an entry, nor on the device's top-k.
+        """
         scores = self.score(layer).float()
         protect = self.protected(layer, budget)
         if protect is not None:
             scores = scores.masked_fill(protect, float("inf"))
-        return torch.topk(scores, budget, dim=-1, sorted=False).indices.sort(dim=-1).values
+        excess = scores.shape[-1] - budget
+        return torch.topk(score_then_position(scores, layer.positions), excess, dim=-1, largest=False, sorted=False).indices
+
+    def keep_indices(self, layer: LayerView, budget: int) -> torch.Tensor:
+        """Indices [batch, kv_heads, budget] of the entries kept (the complement of `evict_indices`), ascending."""
+        batch, heads, n = layer.positions.shape
+        if n <= budget:
+            return torch.arange(n, device=layer.positions.device).expand(batch, heads, n)
+        keep = torch.ones(batch, heads, n, dtype=torch.bool, device=layer.positions.device)
+        keep.scatter_(-1, self.evict_indices(layer, budget), False)
+        return torch.arange(n, device=keep.device).expand(batch, heads, n)[keep].view(batch, heads, budget)
 
     def describe(self) -> dict:
         """Name and hyper-parameters, for result files."""
         return {"name": self.name, **{f.name: getattr(self, f.name) for f in fields(self)}}
 
 
+def score_then_position(scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """One int64 key per entry ordered by float32 score, then by position: unique, so top-k has no ties.
+
+    The float's bits become an order-preserving int32 (negative floats have their magnitude bits flipped),
+    shifted above the position (positions < 2**31).
+    """
+    bits = (scores.float() + 0.0).view(torch.int32)  # + 0.0 turns -0.0 into 0.0
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    return (ordered.to(torch.int64) << 32) | positions
+
+
 def most_recent(layer: LayerView, count: int) -> torch.Tensor:
-    """Bool mask of the `count` most recent entries of every head (entries are kept in position order)."""
+    """Bool mask of the `count` most recent entries of every head (by position; positions are unique per head)."""
     n = layer.positions.shape[-1]
-    mask = torch.zeros_like(layer.positions, dtype=torch.bool)
-    if count > 0:
-        mask[..., max(n - count, 0) :] = True
-    return mask
+    if count <= 0:
+        return torch.zeros_like(layer.positions, dtype=torch.bool)
+    if count >= n:
+        return torch.ones_like(layer.positions, dtype=torch.bool)
+    threshold = torch.kthvalue(layer.positions, n - count + 1, dim=-1, keepdim=True).values
+    return layer.positions >= threshold
 
 
 def window_size(fraction: float, budget: int) -> int:

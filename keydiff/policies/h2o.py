@@ -2,8 +2,9 @@
 
 Each forward pass adds the column sums of its attention (every query row of the block, averaged over
 the query heads of each KV group, paper §F.2) to the entry's accumulated score; survivors keep
-accumulating. A share of the budget always holds the most recent tokens (the original's recent_size;
-its examples give heavy and recent budgets equal shares, hence the 0.5 default).
+accumulating, passes that evict nothing included. The paper gives a recent window to SnapKV only (§F.2),
+so by default no slot is reserved (recent_fraction 0). The original H2O splits the budget between heavy
+hitters and recent tokens in equal shares: `policy=h2o_recent` (recent_fraction 0.5).
 """
 
 from __future__ import annotations
@@ -18,19 +19,19 @@ from keydiff.policies.base import LayerView, Policy, check_fraction, most_recent
 
 @dataclass
 class H2O(Policy):
-    """Heavy hitters by accumulated attention plus `recent_fraction` of the budget for recent tokens."""
+    """Heavy hitters by accumulated attention, optionally plus `recent_fraction` of the budget for recent tokens."""
 
     name: ClassVar[str] = "h2o"
     attention_rows: ClassVar[int | None] = None
     observes_every_step: ClassVar[bool] = True
-    recent_fraction: float = 0.5
+    state_names: ClassVar[tuple[str, ...]] = ("h2o",)
+    recent_fraction: float = 0.0
 
     def validate(self, budget: int) -> None:
         check_fraction("h2o recent_fraction", self.recent_fraction, budget)
 
     def observe(self, layer: LayerView) -> None:
-        previous = layer.state.get("h2o", torch.zeros_like(layer.attention))
-        layer.state["h2o"] = previous + layer.attention
+        layer.state["h2o"].add_(layer.attention)  # in place: the state lives in the cache's buffer
 
     def score(self, layer: LayerView) -> torch.Tensor:
         return layer.state["h2o"]

@@ -36,6 +36,22 @@ def keydiff_anchor(keys: torch.Tensor, anchor: str) -> torch.Tensor:
     raise ValueError(f"unknown anchor {anchor!r}; valid: {', '.join(ANCHORS)}")
 
 
+def cosine_to_mean(keys: torch.Tensor, normalized: bool) -> torch.Tensor:
+    """cos(k_i, anchor) [batch, kv_heads, n] with the mean (of unit keys if `normalized`) as anchor.
+
+    The same numbers as F.cosine_similarity(keys, keydiff_anchor(keys, ...)), computed from the key norms
+    and two matrix-vector products, so nothing the size of the keys is allocated (the cache is scored at
+    every decoding step).
+    """
+    norms = torch.linalg.vector_norm(keys, dim=-1).clamp_min(1e-8)  # [b, h, n]
+    if normalized:
+        anchor = (norms.reciprocal()[:, :, None, :] @ keys) / keys.shape[2]  # [b, h, 1, d]
+    else:
+        anchor = keys.mean(dim=2, keepdim=True)
+    dots = (keys @ anchor.transpose(-1, -2)).squeeze(-1)  # [b, h, n]
+    return dots / (norms * torch.linalg.vector_norm(anchor, dim=-1).clamp_min(1e-8))
+
+
 @dataclass
 class KeyDiff(Policy):
     """Keep the keys most dissimilar to the anchor; optionally reserve a share of the budget for recent tokens.
@@ -58,7 +74,9 @@ class KeyDiff(Policy):
         check_fraction("keydiff window_fraction", self.window_fraction, budget)
 
     def score(self, layer: LayerView) -> torch.Tensor:
-        keys = layer.keys.float()
+        keys = layer.keys.float()  # a no-op for float32; half precision is scored in float32 (a transient copy)
+        if self.metric == "cosine" and self.anchor in ("normalized_mean", "mean"):
+            return -cosine_to_mean(keys, normalized=self.anchor == "normalized_mean")
         anchor = keydiff_anchor(keys, self.anchor)
         if self.metric == "cosine":
             return -F.cosine_similarity(keys, anchor, dim=-1, eps=1e-8)

@@ -44,17 +44,20 @@ class SnapKV(Policy):
     def score(self, layer: LayerView) -> torch.Tensor:
         n = layer.attention.shape[-1]
         prefix = max(n - self.window, 0)  # entries outside the always-kept window
-        scores = layer.attention.clone()
-        if prefix:
-            b, h, _ = scores.shape
-            flat = scores[..., :prefix].reshape(b * h, 1, prefix)
-            pad = self.kernel_size // 2
-            if self.pooling == "avg":
-                pooled = F.avg_pool1d(flat, self.kernel_size, stride=1, padding=pad)
-            else:
-                pooled = F.max_pool1d(flat, self.kernel_size, stride=1, padding=pad)
-            scores[..., :prefix] = pooled.reshape(b, h, prefix)
-        return scores
+        if not prefix:
+            return layer.attention
+        # Pool along the sequence: entries in position order (the cache stores them in no particular order).
+        order = layer.positions.argsort(dim=-1)
+        ordered = layer.attention.gather(-1, order)
+        b, h, _ = ordered.shape
+        flat = ordered[..., :prefix].reshape(b * h, 1, prefix)
+        pad = self.kernel_size // 2
+        if self.pooling == "avg":
+            pooled = F.avg_pool1d(flat, self.kernel_size, stride=1, padding=pad)
+        else:
+            pooled = F.max_pool1d(flat, self.kernel_size, stride=1, padding=pad)
+        ordered[..., :prefix] = pooled.reshape(b, h, prefix)
+        return torch.empty_like(ordered).scatter_(-1, order, ordered)
 
     def protected(self, layer: LayerView, budget: int) -> torch.Tensor | None:
         return most_recent(layer, self.window)

@@ -1,0 +1,163 @@
+"""The preallocated cache as a library object: plain decoding loops, model.generate, buffers allocated once."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+
+import keydiff
+from keydiff import generate, prefill
+from keydiff.attention import check_flash_attn_version
+from tests.conftest import tiny_llama
+
+ATTENTION_FREE = ["keydiff", "sink", "knorm", "recent", "random"]
+ATTENTION_BASED = ["tova", "snapkv", "h2o"]
+
+
+def plain_greedy_loop(model, state, steps, position_ids: bool):
+    """What a user writes: feed the argmax back through model(...) with the cache, nothing else."""
+    tokens, logits = [], state.logits
+    for step in range(steps):
+        token = logits.argmax(-1)
+        tokens.append(int(token))
+        if step == steps - 1:
+            break
+        kwargs = {"position_ids": torch.tensor([[state.prompt_length + step]])} if position_ids else {}
+        out = model(input_ids=token[:, None], past_key_values=state.cache, use_cache=True, **kwargs)
+        logits = out.logits[:, -1]
+    return tokens
+
+
+@pytest.mark.parametrize("position_ids", [False, True])
+@pytest.mark.parametrize("name", ATTENTION_FREE + ATTENTION_BASED + ["full"])
+def test_plain_model_loop_equals_keydiff_generate(model, prompt, name, position_ids):
+    expected = generate(model, prefill(model, prompt, name, 64, 32), 12).token_ids[0]
+    state = prefill(model, prompt, name, 64, 32)
+    with torch.no_grad(), keydiff.keydiff_attention(model, state.cache):
+        tokens = plain_greedy_loop(model, state, 12, position_ids)
+    assert tokens == expected
+    # Each layer evicts at the start of its next pass, so between calls it holds N + 1; evict() settles it.
+    assert max(layer.num_entries for layer in state.cache.layers) == (65 if name != "full" else 311)
+    state.cache.evict()
+    assert max(layer.num_entries for layer in state.cache.layers) == (64 if name != "full" else 311)
+
+
+@pytest.mark.parametrize("name", ATTENTION_FREE)
+def test_attention_free_policies_work_with_the_models_own_attention(prompt, name):
+    """No keydiff attention at all: transformers' sdpa/eager masks are sized from the cache."""
+    for attn in ("sdpa", "eager"):
+        model = tiny_llama(attn)
+        expected = generate(model, prefill(model, prompt, name, 64, 32), 8).token_ids[0]
+        state = prefill(model, prompt, name, 64, 32)
+        with torch.no_grad():
+            assert plain_greedy_loop(model, state, 8, position_ids=False) == expected
+        assert model.config._attn_implementation == attn
+
+
+def test_stock_attention_block_after_eviction_is_causal_bottom_right(prompt):
+    """A multi-token pass against an evicted cache: transformers' mask must equal our bottom-right one."""
+    model = tiny_llama("eager")
+    chunk = prompt[:, 200:215]
+    ours = prefill(model, prompt[:, :200], "keydiff", 50, 32)
+    with torch.no_grad(), keydiff.keydiff_attention(model, ours.cache):
+        expected = model(input_ids=chunk, past_key_values=ours.cache, use_cache=True).logits
+    stock = prefill(model, prompt[:, :200], "keydiff", 50, 32)
+    with torch.no_grad():
+        got = model(input_ids=chunk, past_key_values=stock.cache, use_cache=True).logits
+    assert torch.allclose(got, expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ATTENTION_BASED)
+def test_attention_policy_loop_without_keydiff_attention_says_what_to_do(model, prompt, name):
+    state = prefill(model, prompt, name, 64, 32)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="keydiff_attention"):
+        plain_greedy_loop(model, state, 4, position_ids=False)
+
+
+@pytest.mark.parametrize("name", ["keydiff", "tova", "full"])
+def test_transformers_generate_continues_a_cache_that_holds_all_but_the_last_token(model, prompt, name):
+    state = prefill(model, prompt[:, :-1], name, 64, 32)
+    with torch.no_grad(), keydiff.keydiff_attention(model, state.cache):
+        out = model.generate(prompt, past_key_values=state.cache, max_new_tokens=8, do_sample=False)
+    reference = prefill(model, prompt[:, :-1], name, 64, 32)
+    with torch.no_grad(), keydiff.keydiff_attention(model, reference.cache):
+        logits = model(input_ids=prompt[:, -1:], past_key_values=reference.cache, use_cache=True).logits[:, -1]
+        reference.cache.evict()
+    reference.logits, reference.prompt_length = logits, prompt.shape[1]
+    expected = generate(model, reference, 8).token_ids[0]
+    assert out[0, prompt.shape[1] :].tolist() == expected
+
+
+def test_transformers_generate_on_a_cache_holding_the_whole_prompt_is_refused(model, prompt):
+    state = prefill(model, prompt, "keydiff", 64, 32)
+    with torch.no_grad(), pytest.raises(RuntimeError, match=r"prompt\[:, :-1\]"):
+        model.generate(prompt, past_key_values=state.cache, max_new_tokens=3, do_sample=False)
+
+
+def test_beam_search_is_refused_with_a_clear_error(model, prompt):
+    state = prefill(model, prompt[:, :-1], "keydiff", 64, 32)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="beam search"):
+        model.generate(prompt, past_key_values=state.cache, max_new_tokens=3, num_beams=2, do_sample=False)
+
+
+@pytest.mark.parametrize("name", ["keydiff", "sink", "tova", "snapkv", "h2o"])
+def test_buffers_are_allocated_once_and_reused_through_prefill_and_decoding(model, prompt, name):
+    storages = []
+
+    def record(cache):
+        storages.append([(layer.keys.data_ptr(), layer.values.data_ptr(), layer.positions.data_ptr())
+                         for layer in cache.layers])
+
+    state = prefill(model, prompt, name, 64, 32, on_block=record)
+    generate(model, state, 10)
+    record(state.cache)
+    assert all(snapshot == storages[0] for snapshot in storages)  # same storage after every block and token
+    assert [layer.allocations for layer in state.cache.layers] == [1, 1, 1]
+    assert [layer.capacity for layer in state.cache.layers] == [64 + 32] * 3
+    # The real footprint: keys + values, 3 layers x 2 KV heads x (N + B) slots x head_dim 16 x 4 bytes.
+    assert state.cache.kv_cache_bytes == 2 * 3 * 2 * (64 + 32) * 16 * 4
+
+
+def test_capacity_is_only_what_the_sequence_can_need(model, prompt):
+    short = prefill(model, prompt[:, :40], "keydiff", 64, 32)  # never evicts in prefill; decoding reaches N + 1
+    assert [layer.capacity for layer in short.cache.layers] == [65] * 3
+    whole = prefill(model, prompt, "keydiff", 64, None)  # one block of L, then N + 1 while decoding
+    assert [layer.capacity for layer in whole.cache.layers] == [300] * 3
+    generate(model, whole, 5)
+    assert whole.cache.allocations == 3
+
+
+def test_full_policy_grows_once_before_decoding(model, prompt):
+    state = prefill(model, prompt, "full", None, 64)
+    assert state.cache.allocations == 3  # sized from the prompt length
+    generate(model, state, 6)
+    assert state.cache.allocations == 6 and state.cache.layers[0].capacity == 300 + 6
+
+
+def test_cache_counts_positions_itself(model, prompt):
+    state = prefill(model, prompt, "keydiff", 64, 32)
+    assert state.cache.get_seq_length() == 300 and state.cache.layers[2].num_entries == 64
+    generate(model, state, 4)  # 3 tokens fed back
+    assert state.cache.get_seq_length() == 303
+    assert sorted(state.cache.layers[1].view(1).positions[0, 0].tolist())[-3:] == [300, 301, 302]
+
+
+@pytest.mark.parametrize("version, ok", [("2.0.9", False), ("1.0.0", False), ("2.1.0", True), ("2.6.3", True),
+                                         ("2.7.4.post1", True), ("3.0.0b1", True)])
+def test_flash_attn_version_check(version, ok):
+    if ok:
+        check_flash_attn_version(version)
+    else:
+        with pytest.raises(RuntimeError, match=">= 2.1"):
+            check_flash_attn_version(version)
+
+
+def test_old_flash_attn_is_refused_before_running(monkeypatch, prompt):
+    monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(flash_attn_func=None, __version__="2.0.4"))
+    model = tiny_llama("sdpa")
+    model.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(RuntimeError, match="flash-attn 2.0.4 is too old"):
+        prefill(model, prompt, "keydiff", 64, 32)
