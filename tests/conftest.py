@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
+
+from keydiff.tasks.base import GenerationSettings, Prompt, Sample, Task
 
 
 def tiny_llama(attn_implementation: str = "sdpa", dtype: torch.dtype = torch.float32, seed: int = 0, **overrides):
@@ -51,3 +56,32 @@ def model():
 def prompt():
     generator = torch.Generator().manual_seed(1)
     return torch.randint(0, 256, (1, 300), generator=generator)
+
+
+@dataclass
+class LengthsTask(Task):
+    """A runner task with prompts of chosen token lengths (char tokenizer: BOS + one token per character).
+
+    Build it through Hydra with `_target_: tests.conftest.LengthsTask`. Every sample decodes exactly
+    `max_new_tokens` tokens (stop tokens are masked until then), so cache sizes can be computed by hand.
+    """
+
+    name: str = "guard_lengths"
+    lengths: list[int] = field(default_factory=lambda: [30, 100])
+    max_new_tokens: int = 4
+    limit: int | None = None
+
+    def samples(self) -> Iterator[Sample]:
+        for length in self.lengths[: self.limit]:
+            yield Sample(id=f"len{length}", fields={"length": int(length)})
+
+    def build_prompt(self, sample: Sample, tokenizer: Any, max_length: int | None) -> Prompt:
+        length = sample.fields["length"]
+        text = "".join(chr(33 + (7 * i + length) % 90) for i in range(length - 1))
+        ids = list(tokenizer(text)["input_ids"])
+        assert len(ids) == length, (len(ids), length)
+        settings = GenerationSettings(max_new_tokens=self.max_new_tokens, min_new_tokens=self.max_new_tokens)
+        return Prompt(ids, settings, {"length": length})
+
+    def score(self, sample: Sample, prediction: str) -> dict[str, float]:
+        return {"chars": float(len(prediction))}
