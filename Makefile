@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: help install run test bench collect smoke tables figures paper-assets sweep-local sweep-slurm clean
+.PHONY: help install run test bench bench-decode gpu-check collect smoke tables figures paper-assets sweep-local sweep-slurm clean
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -29,6 +29,12 @@ test: $(STAMP)  ## the whole offline CPU test suite
 
 bench: $(STAMP)  ## prefill benchmark: TTFT per policy and the share spent scoring/evicting
 	$(PY) scripts/bench_prefill.py $(ARGS)
+
+bench-decode: $(STAMP)  ## decode benchmark: per-token time and allocations at N vs full (--end-to-end, --memory-scaling)
+	$(PY) scripts/bench_decode.py $(ARGS)
+
+gpu-check: $(STAMP)  ## run first on a new (GPU) machine: engine exactness per attention kernel, then both benchmarks
+	$(PY) scripts/gpu_check.py $(ARGS)
 
 sweep-local: $(STAMP)  ## a paper experiment on this machine: make sweep-local EXP=table1
 	$(PY) run.py experiment=$(EXP) $(ARGS)

@@ -1,15 +1,20 @@
-"""Prefill benchmark: time to first token per policy at one (prompt length, budget N, block size B).
-
-Prints, for each policy, the median TTFT over repeats and the share of it spent computing attention
-statistics and scoring/evicting (timed with GPU synchronisation, so those shares are honest on CUDA).
-Runs on whatever device is available:
+"""Prefill benchmark: time to first token (TTFT) per policy at one (prompt length L, budget N, block size B).
 
     python scripts/bench_prefill.py                                   # CPU: the offline default model
     python scripts/bench_prefill.py --model random-llama-3.2-3b --dtype bfloat16 --length 8192 --budget 2048
     python scripts/bench_prefill.py --attn eager --statistics materialized   # the paper's eager setting
+    python scripts/bench_prefill.py --policies full --block-size 4096 --length 4096 --reference
 
-`random-llama-3.2-3b` builds Llama-3.2-3B's public architecture with random weights (no download):
-timings depend on shapes, not on weight values.
+How it measures, and why:
+* TTFT is the median of --repeats unprofiled runs (profile=False), each policy after one untimed warm-up
+  run of its own, so kernels, allocator pools and lazy initialisation are not in the timed runs.
+* The shares spent computing attention statistics and scoring/evicting come from one SEPARATE run with
+  profile=True (which synchronises the GPU around each statistic and eviction, and so slows the run);
+  they are shares of that profiled run's own time, never of the unprofiled TTFT.
+* --reference times a plain transformers forward of the same prompt, model(prompt, logits_to_keep=1),
+  with the model's own attention and its own DynamicCache: `full` with B = L should cost about the same,
+  so the ratio shows the engine's overhead.
+`random-*` models have public architectures with random weights (no download).
 """
 
 from __future__ import annotations
@@ -22,94 +27,100 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from keydiff import available_policies, build_policy, prefill  # noqa: E402
-
-# Llama-3.2-3B(-Instruct) architecture, from its public config.json.
-LLAMA_3_2_3B = dict(
-    vocab_size=128256, hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
-    num_key_value_heads=8, head_dim=128, max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
-    rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                  "original_max_position_embeddings": 8192},
-    tie_word_embeddings=True, bos_token_id=128000, eos_token_id=[128001, 128008, 128009],
-)
-TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=32768)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_common as common  # noqa: E402
+from keydiff import build_policy, prefill  # noqa: E402
 
 
-def build_model(name: str, dtype: torch.dtype, attn: str, device: str):
-    if name in ("random-llama-3.2-3b", "random-tiny"):
-        config = LlamaConfig(**(LLAMA_3_2_3B if name == "random-llama-3.2-3b" else TINY))
-        torch.manual_seed(0)
-        with torch.device(device):
-            model = LlamaForCausalLM._from_config(config, attn_implementation=attn, dtype=dtype)
-        return model.eval()
-    from keydiff.models import ModelConfig, load_model
+def measure_policy(model, prompt, name: str, args, device: str) -> dict:
+    """Warm-up, timed unprofiled repeats, then one profiled run for the statistics/eviction shares."""
+    def run(profile: bool):
+        return prefill(model, prompt, build_policy(name), args.budget, args.block_size,
+                       attention_statistics=args.statistics, profile=profile)
 
-    cfg = ModelConfig.from_dict({"name": name, "path": "builtin:smollm2-135m" if name == "smollm2-135m" else name,
-                                 "dtype": {v: k for k, v in DTYPES.items()}[dtype], "attn_implementation": attn,
-                                 "max_length": 1 << 20, "device": device})
-    cfg.validate()
-    return load_model(cfg)[0]
+    common.release_memory(device)
+    run(False)  # warm-up, untimed; its state is dropped at once
+    times = []
+    for _ in range(args.repeats):
+        state = run(False)
+        times.append(state.seconds)
+        peak, kept = state.max_cache_entries, max(p.shape[-1] for p in state.kept_positions)
+        kv_bytes = common.kv_cache_bytes(state.cache, model, kept)
+        del state
+    profiled = run(True)
+    timings = profiled.cache.timings
+    return {"policy": name, "ttft_median_s": statistics.median(times), "ttft_min_s": min(times),
+            "profiled_s": profiled.seconds, "statistics_share": timings["statistics_s"] / profiled.seconds,
+            "eviction_share": timings["eviction_s"] / profiled.seconds, "peak_entries": peak,
+            "kv_cache_bytes": kv_bytes}
 
 
-def main() -> None:
+@torch.inference_mode()
+def measure_reference(model, prompt, repeats: int, device: str) -> dict:
+    """A plain transformers prefill: one forward of the whole prompt, logits of the last position only."""
+    common.release_memory(device)
+    model(prompt, logits_to_keep=1)  # warm-up
+    times = []
+    for _ in range(repeats):
+        common.sync(device)
+        start = time.perf_counter()
+        model(prompt, logits_to_keep=1)
+        common.sync(device)
+        times.append(time.perf_counter() - start)
+    return {"policy": "reference", "ttft_median_s": statistics.median(times), "ttft_min_s": min(times)}
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="smollm2-135m", help="smollm2-135m | random-llama-3.2-3b | random-tiny | hub id/path")
-    parser.add_argument("--policies", default="full,keydiff,sink,knorm,tova,snapkv,h2o")
-    parser.add_argument("--length", type=int, default=4096, help="prompt tokens")
-    parser.add_argument("--budget", type=int, default=1024)
-    parser.add_argument("--block-size", type=int, default=128)
-    parser.add_argument("--dtype", default=None, choices=list(DTYPES), help="default: bfloat16 on CUDA, float32 on CPU")
-    parser.add_argument("--attn", default="sdpa", choices=["sdpa", "eager", "flash_attention_2"])
+    common.add_common_arguments(parser)
+    parser.add_argument("--policies", default=None, help=f"comma list (default {common.DEFAULT_POLICIES})")
+    parser.add_argument("--length", type=int, default=4096, help="prompt tokens L")
+    parser.add_argument("--budget", type=int, default=1024, help="entries kept per layer and KV head, N")
+    parser.add_argument("--block-size", type=int, default=128, help="prompt tokens per forward pass, B")
     parser.add_argument("--statistics", default="fast", choices=["fast", "materialized"])
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--json", default=None, help="also write the results to this JSON file")
-    args = parser.parse_args()
+    parser.add_argument("--reference", action="store_true", help="also time a plain transformers forward")
+    args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error("--repeats must be >= 1")
+    names = common.parse_policies(parser, args.policies, args.budget)
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = DTYPES[args.dtype or ("bfloat16" if device == "cuda" else "float32")]
-    names = [p.strip() for p in args.policies.split(",") if p.strip()]
-    unknown = [p for p in names if p not in available_policies()]
-    if unknown:
-        parser.error(f"unknown policies {unknown}; valid: {', '.join(available_policies())}")
+    device = common.device_name()
+    dtype = common.DTYPES[args.dtype] if args.dtype else common.default_dtype(device)
+    model_name = args.model or "smollm2-135m"
+    model = common.build_model(model_name, dtype, args.attn, device)
+    prompt = common.random_prompt(model, args.length).to(device)
+    setting = common.setting_line(device, dtype, model=model_name, attn=args.attn, statistics=args.statistics,
+                                  L=args.length, N=args.budget, B=args.block_size, repeats=args.repeats)
+    print(setting, flush=True)
+
+    rows = [measure_reference(model, prompt, args.repeats, device)] if args.reference else []
     for name in names:
-        build_policy(name).validate(args.budget)
+        print(f"  measuring {name} ...", file=sys.stderr, flush=True)
+        rows.append(measure_policy(model, prompt, name, args, device))
+    full = next((r["ttft_median_s"] for r in rows if r["policy"] == "full"), None)
+    reference = rows[0]["ttft_median_s"] if args.reference else None
+    for row in rows:
+        row["ratio_to_full"] = common.ratio(row["ttft_median_s"], full)
+        row["ratio_to_reference"] = common.ratio(row["ttft_median_s"], reference)
 
-    model = build_model(args.model, dtype, args.attn, device)
-    vocab = model.config.get_text_config().vocab_size
-    prompt = torch.randint(0, vocab, (1, args.length), generator=torch.Generator().manual_seed(0))
-    header = (f"device={torch.cuda.get_device_name() if device == 'cuda' else 'cpu'} threads={torch.get_num_threads()} "
-              f"model={args.model} dtype={str(dtype).removeprefix('torch.')} attn={args.attn} statistics={args.statistics} "
-              f"L={args.length} N={args.budget} B={args.block_size}")
-    print(header)
-    prefill(model, prompt[:, : min(256, args.length)], "full", None, args.block_size)  # warm-up
-
-    results = []
-    print(f"{'policy':<18}{'TTFT s (median)':>16}{'min':>9}{'stats %':>9}{'evict %':>9}{'peak entries':>14}")
-    for name in names:
-        times, stats_share, evict_share, peak = [], [], [], 0
-        for _ in range(args.repeats):
-            if device == "cuda":
-                torch.cuda.empty_cache()
-            state = prefill(model, prompt, build_policy(name), args.budget, args.block_size,
-                            attention_statistics=args.statistics, profile=True)
-            times.append(state.seconds)
-            stats_share.append(state.cache.timings["statistics_s"] / state.seconds)
-            evict_share.append(state.cache.timings["eviction_s"] / state.seconds)
-            peak = state.max_cache_entries
-        row = {"policy": name, "ttft_median_s": statistics.median(times), "ttft_min_s": min(times),
-               "statistics_share": statistics.median(stats_share), "eviction_share": statistics.median(evict_share),
-               "peak_entries": peak}
-        results.append(row)
-        print(f"{name:<18}{row['ttft_median_s']:>16.3f}{row['ttft_min_s']:>9.3f}"
-              f"{100 * row['statistics_share']:>8.1f}%{100 * row['eviction_share']:>8.1f}%{peak:>14}")
+    columns = [("policy", 12), ("TTFT s (median)", 0), ("min", 0), ("x full", 0), ("x ref", 0),
+               ("stats % (prof.)", 0), ("evict % (prof.)", 0), ("peak entries", 0), ("KV MiB", 0)]
+    table = []
+    for r in rows:
+        share = lambda key: None if key not in r else 100 * r[key]
+        kv = r.get("kv_cache_bytes")
+        table.append([r["policy"], f"{r['ttft_median_s']:.4f}", f"{r['ttft_min_s']:.4f}",
+                      common.fmt(r["ratio_to_full"], ".2f"), common.fmt(r["ratio_to_reference"], ".2f"),
+                      common.fmt(share("statistics_share"), ".1f", "%"), common.fmt(share("eviction_share"), ".1f", "%"),
+                      str(r.get("peak_entries", "-")), common.fmt(None if kv is None else kv / 2**20, ".1f")])
+    common.print_table(columns, table)
+    print("x full / x ref: median TTFT over full's / the plain forward's; stats/evict %: shares of a separate "
+          "profiled run (profile=True), not of the TTFT.")
     if args.json:
-        Path(args.json).write_text(json.dumps({"setting": header, "results": results,
+        Path(args.json).write_text(json.dumps({"setting": setting, "results": rows,
                                                "time": time.strftime("%Y-%m-%dT%H:%M:%S")}, indent=2))
 
 
