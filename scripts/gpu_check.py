@@ -105,7 +105,7 @@ def check_bound(model, prompt, sizes: Sizes, setting) -> Row:
         sizes_after = []
 
         def after_block(cache):
-            sizes_after.append(max(cache.get_seq_length(i) for i in range(len(cache.layers))))
+            sizes_after.append(max(layer.num_entries for layer in cache.layers))  # entries held, not tokens seen
 
         kwargs = {"on_block": after_block} if has_hook else {}
         state = prefill(model, prompt, name, budget, block, **kwargs)
