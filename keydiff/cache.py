@@ -27,7 +27,7 @@ attention statistic, so a plain loop and `keydiff.generate` choose the same toke
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -48,11 +48,18 @@ class EvictingLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = False
 
-    def __init__(self, budget: int | None, capacity: int | None, state_names: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        budget: int | None,
+        capacity: int | None,
+        state_names: tuple[str, ...] = (),
+        initial_state: Callable[[torch.Tensor], dict[str, torch.Tensor]] | None = None,
+    ):
         super().__init__()
         self.budget = budget
         self.capacity = capacity  # None: sized from the first update
         self.state_names = state_names
+        self.initial_state = initial_state  # the policy's `initial_state`: state of newly written entries
         self.positions: torch.Tensor | None = None  # [batch, kv_heads, capacity] long
         self.state: dict[str, torch.Tensor] = {}  # name -> [batch, kv_heads, capacity] float32
         self.attention: torch.Tensor | None = None  # statistic of the last pass, [batch, kv_heads, entries]
@@ -120,9 +127,14 @@ class EvictingLayer(CacheLayerMixin):
             self._allocate(key_states, value_states, self._grown_capacity(needed))
         self.keys[:, :, n:needed] = key_states
         self.values[:, :, n:needed] = value_states
-        self.positions[:, :, n:needed] = torch.arange(self.seen, self.seen + q, device=self.device)
-        for buffer in self.state.values():
-            buffer[:, :, n:needed] = 0.0
+        if q == 1:  # decoding: no arange to allocate
+            self.positions[:, :, n].fill_(self.seen)
+        else:
+            self.positions[:, :, n:needed] = torch.arange(self.seen, self.seen + q, device=self.device)
+        if self.state:
+            initial = self.initial_state(key_states) if self.initial_state is not None else {}
+            for name, buffer in self.state.items():
+                buffer[:, :, n:needed] = initial.get(name, 0.0)
         self.num_entries, self.seen = needed, self.seen + q
         self.max_entries = max(self.max_entries, needed)
         return self.keys[:, :, :needed], self.values[:, :, :needed]
@@ -168,8 +180,12 @@ class EvictingLayer(CacheLayerMixin):
         k-th surviving tail slot (both ascending). Pairs past the survivors land in dropped tail slots.
         """
         budget, n = self.budget, self.num_entries
-        dropped = dropped.sort(dim=-1).values
         tail = n - budget
+        if tail == 1:  # decoding: the one new entry moves into the dropped slot (onto itself if it was dropped)
+            self._move_from(budget, dropped)
+            self.num_entries = budget
+            return
+        dropped = dropped.sort(dim=-1).values
         # Mark the dropped tail slots; dropped slots below the budget all go to one spare column at the end.
         column = torch.where(dropped >= budget, dropped - budget, tail)
         tail_dropped = torch.zeros(*dropped.shape[:2], tail + 1, dtype=torch.uint8, device=dropped.device)
@@ -187,6 +203,13 @@ class EvictingLayer(CacheLayerMixin):
             buffer.scatter_(2, dst, buffer.gather(2, src))
         for buffer in (self.positions, *self.state.values()):
             buffer.scatter_(2, targets, buffer.gather(2, sources))
+
+    def _move_from(self, source: int, targets: torch.Tensor) -> None:
+        """buffer[..., targets] = buffer[..., source] for every buffer: one slot per head (targets [batch, kv_heads, 1])."""
+        for buffer in (self.keys, self.values):
+            buffer.scatter_(2, targets[..., None].expand(-1, -1, -1, buffer.shape[-1]), buffer[:, :, source : source + 1].clone())
+        for buffer in (self.positions, *self.state.values()):
+            buffer.scatter_(2, targets, buffer[:, :, source : source + 1].clone())
 
     def kept_positions(self) -> torch.Tensor:
         """Absolute positions held, [batch, kv_heads, entries], ascending (a copy)."""
@@ -272,7 +295,7 @@ class EvictingCache(Cache):
         for layer_idx in range(num_layers):
             bounded = self.budget is not None and policy.compresses_layer(layer_idx)
             capacity = bounded_capacity if bounded else max_tokens
-            layer = EvictingLayer(self.budget if bounded else None, capacity, policy.state_names)
+            layer = EvictingLayer(self.budget if bounded else None, capacity, policy.state_names, policy.initial_state)
             layer.layer_idx = layer_idx
             layers.append(layer)
         super().__init__(layers=layers)

@@ -11,6 +11,7 @@ import gc
 import resource
 import sys
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -127,6 +128,26 @@ def release_memory(device: str) -> None:
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
+
+
+def interleaved_rounds(cases: dict[str, Callable[[], Any]], repeats: int, device: str) -> dict[str, list[Any]]:
+    """Run every case once untimed (warm-up), then `repeats` rounds in which each case runs once, in turn.
+
+    Why rounds: on a shared or throttling machine the speed drifts over minutes. Measuring all repeats of
+    one policy and then all of the next puts that drift into the ratio between them; taking one sample
+    of each per round spreads it over every policy, and the median over rounds discards the outliers.
+    Each case returns its own measurement; memory is released between cases, never inside one.
+    """
+    for fn in cases.values():
+        release_memory(device)
+        fn()
+    results: dict[str, list[Any]] = {name: [] for name in cases}
+    for round_index in range(repeats):
+        for name, fn in cases.items():
+            print(f"  round {round_index + 1}/{repeats}: {name} ...", file=sys.stderr, flush=True)
+            release_memory(device)
+            results[name].append(fn())
+    return results
 
 
 def kv_cache_bytes(cache, model, entries: int, batch: int = 1) -> int:

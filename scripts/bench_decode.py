@@ -4,6 +4,9 @@
     python scripts/bench_decode.py --model random-llama-3.2-3b --end-to-end   # TTFT + decode, L = 4096
     python scripts/bench_decode.py --memory-scaling                        # peak RSS at L = 4096 vs 16384
 
+Every mode warms each policy up once, untimed, then times --repeats rounds in which each policy runs once
+in turn (bench_common.interleaved_rounds), so drift in the machine's speed does not bias the ratios.
+
 Default mode. Every evicting policy prefills L prompt tokens at budget N and then decodes, evicting
 after every token (B = 1). `full` prefills exactly N prompt tokens and decodes without eviction, so it
 attends to the same N-entry cache: the ratio is the price of evicting, not of a longer context. Per
@@ -73,39 +76,49 @@ def allocated_bytes(fn, device: str) -> dict[str, int]:
     return totals
 
 
-def measure(model, prompt, name: str, budget: int | None, args, device: str) -> dict:
-    """Warm-up, timed repeats (TTFT and decode), then an untimed profiled pass for allocations."""
-    common.release_memory(device)
-    run_once(model, prompt, name, budget, args.block_size, args.new_tokens)  # warm-up
-    ttfts, per_token = [], []
-    for _ in range(args.repeats):
-        state, result = run_once(model, prompt, name, budget, args.block_size, args.new_tokens)
-        ttfts.append(state.seconds)
-        per_token.append(result.seconds / (args.new_tokens - 1))
-        peak = result.max_cache_entries
-        del state, result
+def timed_run(model, prompt, name: str, budget: int | None, args) -> dict:
+    """One prefill + decode: its TTFT, its decode time per step and the peak entries."""
+    state, result = run_once(model, prompt, name, budget, args.block_size, args.new_tokens)
+    return {"ttft_s": state.seconds, "per_token_s": result.seconds / (args.new_tokens - 1),
+            "peak_entries": result.max_cache_entries}
+
+
+def allocation_pass(model, prompt, name: str, budget: int | None, args, device: str) -> dict:
+    """An untimed pass under the memory profiler: bytes allocated per decoded token, next to the KV bytes."""
     state = prefill(model, prompt, build_policy(name), budget, args.block_size)
     entries = max(p.shape[-1] for p in state.kept_positions)
     kv_bytes = common.kv_cache_bytes(state.cache, model, entries)
     steps = args.profile_tokens - 1
     allocated = allocated_bytes(lambda: generate(model, state, args.profile_tokens, eos_token_ids=()), device)
     per_step = {kind: total / steps for kind, total in allocated.items()}
-    return {"policy": name, "prompt_tokens": prompt.shape[1], "cache_entries": entries,
-            "ttft_median_s": statistics.median(ttfts), "decode_ms_per_token": 1000 * statistics.median(per_token),
-            "total_median_s": statistics.median(t + p * (args.new_tokens - 1) for t, p in zip(ttfts, per_token)),
-            "peak_entries": peak, "kv_cache_bytes": kv_bytes, "alloc_bytes_per_token": per_step[device],
+    return {"cache_entries": entries, "kv_cache_bytes": kv_bytes, "alloc_bytes_per_token": per_step[device],
             "alloc_bytes_per_token_by_device": per_step, "alloc_to_kv": per_step[device] / kv_bytes}
+
+
+def measure_all(model, cases: dict[str, tuple[torch.Tensor, int | None]], args, device: str) -> list[dict]:
+    """cases: policy -> (prompt, budget). Warm-up, timed rounds (interleaved), then the allocation passes."""
+    runs = common.interleaved_rounds(
+        {name: (lambda name=name, p=p, b=b: timed_run(model, p, name, b, args)) for name, (p, b) in cases.items()},
+        args.repeats, device)
+    rows = []
+    for name, (prompt, budget) in cases.items():
+        ttfts = [r["ttft_s"] for r in runs[name]]
+        per_token = [r["per_token_s"] for r in runs[name]]
+        row = {"policy": name, "prompt_tokens": prompt.shape[1], "ttft_median_s": statistics.median(ttfts),
+               "decode_ms_per_token": 1000 * statistics.median(per_token),
+               "decode_ms_per_token_all": [1000 * p for p in per_token],
+               "total_median_s": statistics.median(t + p * (args.new_tokens - 1) for t, p in zip(ttfts, per_token)),
+               "peak_entries": runs[name][-1]["peak_entries"]}
+        print(f"  allocation pass: {name} ...", file=sys.stderr, flush=True)
+        row.update(allocation_pass(model, prompt, name, budget, args, device))
+        rows.append(row)
+    return rows
 
 
 def decode_mode(model, prompt, names, args, device) -> list[dict]:
     """Policies at N after an L-token prompt; full decodes from an N-token prompt (the same cache size)."""
-    rows = []
-    for name in names:
-        print(f"  measuring {name} ...", file=sys.stderr, flush=True)
-        if name == "full":
-            rows.append(measure(model, prompt[:, : args.budget], name, None, args, device))
-        else:
-            rows.append(measure(model, prompt, name, args.budget, args, device))
+    cases = {name: (prompt[:, : args.budget], None) if name == "full" else (prompt, args.budget) for name in names}
+    rows = measure_all(model, cases, args, device)
     full = next((r for r in rows if r["policy"] == "full"), {})
     columns = [("policy", 10), ("prompt", 0), ("cache", 0), ("ms/token (median)", 0), ("x full@N", 0),
                ("TTFT s", 0), ("alloc MiB/token", 0), ("x KV", 0), ("KV MiB", 0)]
@@ -125,10 +138,7 @@ def decode_mode(model, prompt, names, args, device) -> list[dict]:
 
 def end_to_end_mode(model, prompt, names, args, device) -> list[dict]:
     """The same L-token prompt for every policy: full keeps all of it, the others N."""
-    rows = []
-    for name in names:
-        print(f"  measuring {name} ...", file=sys.stderr, flush=True)
-        rows.append(measure(model, prompt, name, None if name == "full" else args.budget, args, device))
+    rows = measure_all(model, {name: (prompt, None if name == "full" else args.budget) for name in names}, args, device)
     full = next((r for r in rows if r["policy"] == "full"), {})
     columns = [("policy", 10), ("cache", 0), ("TTFT s", 0), ("ms/token", 0), ("total s", 0), ("x full total", 0),
                ("x full TTFT", 0), ("x full ms/token", 0)]

@@ -6,8 +6,10 @@
     python scripts/bench_prefill.py --policies full --block-size 4096 --length 4096 --reference
 
 How it measures, and why:
-* TTFT is the median of --repeats unprofiled runs (profile=False), each policy after one untimed warm-up
-  run of its own, so kernels, allocator pools and lazy initialisation are not in the timed runs.
+* TTFT is the median of --repeats unprofiled runs (profile=False). Every policy first gets one untimed
+  warm-up run, so kernels, allocator pools and lazy initialisation are not in the timed runs; then the
+  repeats run in rounds, each policy once per round in turn (bench_common.interleaved_rounds), so that
+  drift in the machine's speed is shared by all policies instead of biasing their ratios.
 * The shares spent computing attention statistics and scoring/evicting come from one SEPARATE run with
   profile=True (which synchronises the GPU around each statistic and eviction, and so slows the run);
   they are shares of that profiled run's own time, never of the unprofiled TTFT.
@@ -33,42 +35,42 @@ import bench_common as common  # noqa: E402
 from keydiff import build_policy, prefill  # noqa: E402
 
 
-def measure_policy(model, prompt, name: str, args, device: str) -> dict:
-    """Warm-up, timed unprofiled repeats, then one profiled run for the statistics/eviction shares."""
-    def run(profile: bool):
-        return prefill(model, prompt, build_policy(name), args.budget, args.block_size,
-                       attention_statistics=args.statistics, profile=profile)
+def prefill_run(model, prompt, name: str, args, profile: bool):
+    return prefill(model, prompt, build_policy(name), args.budget, args.block_size,
+                   attention_statistics=args.statistics, profile=profile)
 
-    common.release_memory(device)
-    run(False)  # warm-up, untimed; its state is dropped at once
-    times = []
-    for _ in range(args.repeats):
-        state = run(False)
-        times.append(state.seconds)
-        peak, kept = state.max_cache_entries, max(p.shape[-1] for p in state.kept_positions)
-        kv_bytes = common.kv_cache_bytes(state.cache, model, kept)
-        del state
-    profiled = run(True)
-    timings = profiled.cache.timings
-    return {"policy": name, "ttft_median_s": statistics.median(times), "ttft_min_s": min(times),
-            "profiled_s": profiled.seconds, "statistics_share": timings["statistics_s"] / profiled.seconds,
-            "eviction_share": timings["eviction_s"] / profiled.seconds, "peak_entries": peak,
-            "kv_cache_bytes": kv_bytes}
+
+def timed_policy_run(model, prompt, name: str, args, device: str) -> dict:
+    """One unprofiled prefill: its TTFT and what its cache held."""
+    state = prefill_run(model, prompt, name, args, profile=False)
+    kept = max(p.shape[-1] for p in state.kept_positions)
+    return {"ttft_s": state.seconds, "peak_entries": state.max_cache_entries,
+            "kv_cache_bytes": common.kv_cache_bytes(state.cache, model, kept)}
 
 
 @torch.inference_mode()
-def measure_reference(model, prompt, repeats: int, device: str) -> dict:
+def timed_reference_run(model, prompt, device: str) -> dict:
     """A plain transformers prefill: one forward of the whole prompt, logits of the last position only."""
-    common.release_memory(device)
-    model(prompt, logits_to_keep=1)  # warm-up
-    times = []
-    for _ in range(repeats):
-        common.sync(device)
-        start = time.perf_counter()
-        model(prompt, logits_to_keep=1)
-        common.sync(device)
-        times.append(time.perf_counter() - start)
-    return {"policy": "reference", "ttft_median_s": statistics.median(times), "ttft_min_s": min(times)}
+    common.sync(device)
+    start = time.perf_counter()
+    model(prompt, logits_to_keep=1)
+    common.sync(device)
+    return {"ttft_s": time.perf_counter() - start}
+
+
+def summarize(name: str, runs: list[dict]) -> dict:
+    times = [r["ttft_s"] for r in runs]
+    row = {"policy": name, "ttft_median_s": statistics.median(times), "ttft_min_s": min(times), "ttft_all_s": times}
+    row.update({key: runs[-1][key] for key in ("peak_entries", "kv_cache_bytes") if key in runs[-1]})
+    return row
+
+
+def profiled_shares(model, prompt, name: str, args) -> dict:
+    """A SEPARATE profiled run (GPU synchronised around each statistic and eviction): the shares of its time."""
+    profiled = prefill_run(model, prompt, name, args, profile=True)
+    timings = profiled.cache.timings
+    return {"profiled_s": profiled.seconds, "statistics_share": timings["statistics_s"] / profiled.seconds,
+            "eviction_share": timings["eviction_s"] / profiled.seconds}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -96,10 +98,15 @@ def main(argv: list[str] | None = None) -> None:
                                   L=args.length, N=args.budget, B=args.block_size, repeats=args.repeats)
     print(setting, flush=True)
 
-    rows = [measure_reference(model, prompt, args.repeats, device)] if args.reference else []
+    cases = {"reference": lambda: timed_reference_run(model, prompt, device)} if args.reference else {}
     for name in names:
-        print(f"  measuring {name} ...", file=sys.stderr, flush=True)
-        rows.append(measure_policy(model, prompt, name, args, device))
+        cases[name] = lambda name=name: timed_policy_run(model, prompt, name, args, device)
+    runs = common.interleaved_rounds(cases, args.repeats, device)
+    rows = [summarize(name, runs[name]) for name in cases]
+    for row in rows:
+        if row["policy"] != "reference":
+            print(f"  profiled pass: {row['policy']} ...", file=sys.stderr, flush=True)
+            row.update(profiled_shares(model, prompt, row["policy"], args))
     full = next((r["ttft_median_s"] for r in rows if r["policy"] == "full"), None)
     reference = rows[0]["ttft_median_s"] if args.reference else None
     for row in rows:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import types
 
@@ -161,3 +162,48 @@ def test_old_flash_attn_is_refused_before_running(monkeypatch, prompt):
     model.config._attn_implementation = "flash_attention_2"
     with pytest.raises(RuntimeError, match="flash-attn 2.0.4 is too old"):
         prefill(model, prompt, "keydiff", 64, 32)
+
+
+def _layer_contents(layer) -> dict[int, tuple]:
+    """{position: (key row, value row, state values)} of head 0 of a layer: what it holds, whatever the order."""
+    n = layer.num_entries
+    return {int(layer.positions[0, 0, i]): (layer.keys[0, 0, i].clone(), layer.values[0, 0, i].clone(),
+                                             tuple(float(b[0, 0, i]) for b in layer.state.values()))
+            for i in range(n)}
+
+
+@pytest.mark.parametrize("name", ["keydiff", "h2o", "sink"])
+@pytest.mark.parametrize("excess", [1, 5])
+def test_in_place_eviction_keeps_exactly_the_policys_choice_with_its_rows(name, excess):
+    """The decoding fast path (one new entry) and the general path move keys, values, positions and state together."""
+    from keydiff.cache import EvictingLayer
+
+    torch.manual_seed(excess)
+    policy = keydiff.build_policy(name)
+    layer = EvictingLayer(20, 20 + excess, policy.state_names, policy.initial_state)
+    layer.layer_idx = 0
+    layer.update(torch.randn(1, 2, 20 + excess, 8), torch.randn(1, 2, 20 + excess, 8))
+    for _ in range(3):  # a few eviction rounds, so entries are out of order in the buffer
+        view = layer.view(0)
+        if policy.attention_rows != 0:  # observe now (what evict() would do first), so the choice is visible
+            policy.observe(dataclasses.replace(view, attention=torch.rand(1, 2, layer.num_entries)))
+            layer.attention = torch.zeros(1, 2, layer.num_entries)  # evict() observes again: adds nothing
+        before = _layer_contents(layer)
+        expected = {int(view.positions[0, 0, i]) for i in policy.keep_indices(view, 20)[0, 0]}
+        layer.evict(policy, 0)
+        after = _layer_contents(layer)
+        assert set(after) == expected
+        for position, (key, value, state) in after.items():
+            assert torch.equal(key, before[position][0]) and torch.equal(value, before[position][1])
+            assert state == before[position][2]
+        layer.update(torch.randn(1, 2, excess, 8), torch.randn(1, 2, excess, 8))
+
+
+def test_keydiff_caches_each_entrys_inverse_key_norm_when_it_is_written(model, prompt):
+    from keydiff.policies.keydiff import inverse_key_norms
+
+    state = prefill(model, prompt, "keydiff", 40, 16)
+    generate(model, state, 6)
+    for layer in state.cache.layers:
+        n = layer.num_entries
+        assert torch.allclose(layer.state["inv_norm"][:, :, :n], inverse_key_norms(layer.keys[:, :, :n]), rtol=1e-6)

@@ -3,7 +3,8 @@
 A policy sees one layer at a time (`LayerView`) and answers one question: which entries of each KV head
 to drop so that `budget` remain. Most policies only implement `score` (higher = keep); `protected` marks
 entries that are always kept (sinks, recent windows); `observe` lets a policy carry per-entry state across
-steps (H2O's accumulated attention) in buffers the cache allocates for the names in `state_names`. The
+steps (H2O's accumulated attention) in buffers the cache allocates for the names in `state_names`, each
+entry starting from `initial_state` (0 unless the policy says otherwise). The
 cache (`keydiff.cache`) calls `observe` after every forward pass that recorded attention and
 `evict_indices` whenever a layer holds more than `budget` entries.
 
@@ -64,6 +65,15 @@ class Policy:
         """Whether this layer is ever evicted (L2-norm's optional skip layers say no)."""
         return True
 
+    def initial_state(self, keys: torch.Tensor) -> dict[str, torch.Tensor]:
+        """State of newly written entries, {name: [batch, kv_heads, q]}, from their keys [batch, kv_heads, q, dim].
+
+        Called once per entry, when the cache writes it; names left out start at 0. A policy caches per-entry
+        quantities here (KeyDiff: the inverse key norm) so that scoring does not recompute them for the whole
+        cache at every step.
+        """
+        return {}
+
     def observe(self, layer: LayerView) -> None:
         """Update per-entry state in `layer.state` after a forward pass (default: stateless)."""
 
@@ -108,9 +118,9 @@ def score_then_position(scores: torch.Tensor, positions: torch.Tensor) -> torch.
     The float's bits become an order-preserving int32 (negative floats have their magnitude bits flipped),
     shifted above the position (positions < 2**31).
     """
-    bits = (scores.float() + 0.0).view(torch.int32)  # + 0.0 turns -0.0 into 0.0
-    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-    return (ordered.to(torch.int64) << 32) | positions
+    bits = (scores.float() + 0.0).view(torch.int32)  # + 0.0 turns -0.0 into 0.0 (and is a fresh tensor)
+    ordered = (bits >> 31).bitwise_and_(0x7FFFFFFF).bitwise_xor_(bits)
+    return ordered.to(torch.int64).bitwise_left_shift_(32).bitwise_or_(positions)
 
 
 def most_recent(layer: LayerView, count: int) -> torch.Tensor:

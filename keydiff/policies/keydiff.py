@@ -36,20 +36,27 @@ def keydiff_anchor(keys: torch.Tensor, anchor: str) -> torch.Tensor:
     raise ValueError(f"unknown anchor {anchor!r}; valid: {', '.join(ANCHORS)}")
 
 
-def cosine_to_mean(keys: torch.Tensor, normalized: bool) -> torch.Tensor:
+def inverse_key_norms(keys: torch.Tensor) -> torch.Tensor:
+    """1 / max(||k||, 1e-8) per entry [batch, kv_heads, n], in float32."""
+    return torch.linalg.vector_norm(keys.float(), dim=-1).clamp_min(1e-8).reciprocal()
+
+
+def cosine_to_mean(keys: torch.Tensor, normalized: bool, inv_norms: torch.Tensor | None = None) -> torch.Tensor:
     """cos(k_i, anchor) [batch, kv_heads, n] with the mean (of unit keys if `normalized`) as anchor.
 
-    The same numbers as F.cosine_similarity(keys, keydiff_anchor(keys, ...)), computed from the key norms
-    and two matrix-vector products, so nothing the size of the keys is allocated (the cache is scored at
-    every decoding step).
+    The same numbers as F.cosine_similarity(keys, keydiff_anchor(keys, ...)) up to rounding, computed from
+    the inverse key norms (`inv_norms`, cached per entry by the cache, or computed here) and two
+    matrix-vector products, so nothing the size of the keys is allocated and the keys are read twice (the
+    cache is scored at every decoding step).
     """
-    norms = torch.linalg.vector_norm(keys, dim=-1).clamp_min(1e-8)  # [b, h, n]
+    if inv_norms is None:
+        inv_norms = inverse_key_norms(keys)
     if normalized:
-        anchor = (norms.reciprocal()[:, :, None, :] @ keys) / keys.shape[2]  # [b, h, 1, d]
+        anchor = (inv_norms[:, :, None, :] @ keys) / keys.shape[2]  # [b, h, 1, d]
     else:
         anchor = keys.mean(dim=2, keepdim=True)
     dots = (keys @ anchor.transpose(-1, -2)).squeeze(-1)  # [b, h, n]
-    return dots / (norms * torch.linalg.vector_norm(anchor, dim=-1).clamp_min(1e-8))
+    return dots * inv_norms / torch.linalg.vector_norm(anchor, dim=-1).clamp_min(1e-8)
 
 
 @dataclass
@@ -62,6 +69,8 @@ class KeyDiff(Policy):
     """
 
     name: ClassVar[str] = "keydiff"
+    # 1/||k|| of every entry, computed once when the entry is written (initial_state), not at every step.
+    state_names: ClassVar[tuple[str, ...]] = ("inv_norm",)
     anchor: str = "normalized_mean"
     metric: str = "cosine"
     window_fraction: float = 0.0
@@ -73,10 +82,13 @@ class KeyDiff(Policy):
             raise ValueError(f"keydiff metric {self.metric!r} is not valid; valid: {', '.join(METRICS)}")
         check_fraction("keydiff window_fraction", self.window_fraction, budget)
 
+    def initial_state(self, keys: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"inv_norm": inverse_key_norms(keys)}
+
     def score(self, layer: LayerView) -> torch.Tensor:
         keys = layer.keys.float()  # a no-op for float32; half precision is scored in float32 (a transient copy)
         if self.metric == "cosine" and self.anchor in ("normalized_mean", "mean"):
-            return -cosine_to_mean(keys, normalized=self.anchor == "normalized_mean")
+            return -cosine_to_mean(keys, self.anchor == "normalized_mean", layer.state.get("inv_norm"))
         anchor = keydiff_anchor(keys, self.anchor)
         if self.metric == "cosine":
             return -F.cosine_similarity(keys, anchor, dim=-1, eps=1e-8)
