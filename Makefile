@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: help install run test bench bench-decode gpu-check collect smoke tables figures paper-assets sweep-local sweep-slurm clean
+.PHONY: help install run test bench bench-decode gpu-check collect smoke tables figures paper-assets report wandb-sync sweep-local sweep-slurm clean
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -58,6 +58,14 @@ figures: $(STAMP)  ## every paper figure from results/runs into results/figures
 	$(PY) scripts/make_figures.py $(ARGS)
 
 paper-assets: tables figures
+
+report: $(STAMP)  ## one W&B report per experiment, built offline; make report ARGS="table1 --publish --entity ME"
+	$(PY) scripts/make_report.py $(ARGS)
+
+wandb-sync: $(STAMP)  ## upload offline W&B runs (logger.mode=offline) under results/runs; needs wandb login
+	@runs=$$(find results/runs -type d -name 'offline-run-*' 2>/dev/null | sort); \
+	if [ -z "$$runs" ]; then echo "no offline W&B runs under results/runs"; \
+	else $(VENV)/bin/wandb sync $(ARGS) $$runs; fi
 
 clean:  ## remove caches (never results)
 	rm -rf .pytest_cache **/__pycache__

@@ -26,6 +26,7 @@ from keydiff.models import ModelConfig, eos_token_ids, load_model, model_provena
 from keydiff.policies import Policy, build_policy
 from keydiff.results import ResultStore, environment, git_state, package_versions
 from keydiff.tasks.base import Task
+from keydiff import tracking
 
 log = logging.getLogger(__name__)
 # Keys that do not change what a run computes, so changing them never blocks resuming a run directory.
@@ -194,12 +195,13 @@ def run_statistics(rows: list[dict[str, Any]], plan: RunPlan) -> dict[str, Any]:
 def run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
     """Execute (or resume) one run into `run_dir` and return its summary."""
     plan = plan_run(cfg)
+    tracking.check(cfg)  # W&B mode and credentials, before any work
     samples = list(plan.task.samples())  # data problems surface before a run directory is created
     store = ResultStore(run_dir, result_config(cfg), overwrite=bool(cfg.overwrite))
     done = store.done_ids
     todo = [s for s in samples if s.id not in done]
     log.info("run directory %s: %d samples, %d already done", store.dir, len(samples), len(samples) - len(todo))
-    wandb_run = start_wandb(cfg, store.dir)
+    tracker = tracking.start(cfg, store.dir, store.rows)
     code = git_state()
     code_label = None if code["commit"] is None else code["commit"] + ("-dirty" if code["dirty"] else "")
 
@@ -211,7 +213,9 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
         provenance = model_provenance(plan.model_cfg, model)
         warm_up(plan, model, tokenizer, todo[0])
         for sample in tqdm(todo, desc=f"{plan.task.name}/{plan.policy_name}", unit="sample"):
-            store.append(run_sample(plan, model, tokenizer, stop_ids, sample, int(cfg.seed), code_label))
+            row = run_sample(plan, model, tokenizer, stop_ids, sample, int(cfg.seed), code_label)
+            store.append(row)
+            tracker.log_row(row)
     else:
         provenance = model_provenance(plan.model_cfg)
 
@@ -236,48 +240,5 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
         "written_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     store.write_summary(summary)
-    if wandb_run is not None:
-        finish_wandb(wandb_run, summary, rows)
+    tracker.finish(summary)
     return summary
-
-
-def start_wandb(cfg: DictConfig, run_dir: Path):
-    logger = cfg.get("logger", {}) or {}
-    if not logger.get("wandb", False):
-        return None
-    try:
-        import wandb
-    except ImportError as error:  # pragma: no cover - depends on the environment
-        raise RuntimeError("logger=wandb needs the wandb package: pip install wandb") from error
-    return wandb.init(
-        project=logger.get("project", "keydiff-bench"),
-        entity=logger.get("entity"),
-        mode=logger.get("mode", "online"),
-        group=cfg.experiment_name,
-        job_type=cfg.task.name,
-        name=cfg.run_subdir,
-        tags=[cfg.policy.label, cfg.budget.label, cfg.model.name, f"bs{cfg.block_size}"],
-        config=OmegaConf.to_container(cfg, resolve=True),
-        dir=str(run_dir),
-        reinit=True,
-    )
-
-
-def _scalars(prefix: str, data: Any, out: dict[str, float]) -> dict[str, float]:
-    if isinstance(data, dict):
-        for key, value in data.items():
-            _scalars(f"{prefix}/{key}" if prefix else str(key), value, out)
-    elif isinstance(data, (int, float)) and not isinstance(data, bool):
-        out[prefix] = data
-    return out
-
-
-def finish_wandb(wandb_run, summary: dict[str, Any], rows: list[dict[str, Any]]) -> None:
-    import wandb
-
-    for key, value in _scalars("", {"metrics": summary["metrics"], "statistics": summary["statistics"]}, {}).items():
-        wandb_run.summary[key] = value
-    columns = ["sample_id", "prompt_tokens", "compression_ratio", "ttft_s", "new_tokens", "scores", "prediction"]
-    table = wandb.Table(columns=columns, data=[[str(row.get(c)) if c in ("scores",) else row.get(c) for c in columns] for row in rows])
-    wandb_run.log({"samples": table})
-    wandb_run.finish()

@@ -1,0 +1,79 @@
+"""The paper's published value for one grid point, read from results/paper/*.csv (written by the tables work).
+
+Why here: W&B panels can only draw what the runs carry, so each run's W&B summary gets `paper/<key>` beside
+our `<key>` (`paper/score` next to `score`, `paper/metrics/datasets/qasper` next to
+`metrics/datasets/qasper`), and the report draws them side by side. The CSV files are optional: without
+them, or for a grid point the paper does not report, there is simply no `paper/` key.
+
+CSV columns (one row per published cell): table, model, policy, budget, block_size, row, column, metric,
+value, note. `table` is the paper's table number, `model`/`policy`/`budget`/`block_size` use this project's
+names (model config name, policy label, budget label such as "2k", block size or "inf"); an empty field
+means the table does not vary it. `column` is a LongBench dataset, "avg" (the table's average) or a
+setting such as "4K"; an empty `value` is a cell the extracted text garbles.
+"""
+
+from __future__ import annotations
+
+import csv
+import re
+from pathlib import Path
+from typing import Any
+
+AVERAGE_COLUMNS = ("avg", "average")
+
+
+# Paper tables that hold the numbers of an experiment named after another one: the table4_* experiments
+# (Math-500) run both R1 distills, whose whole-set results are Table 4 (Llama) and Table 6 (Qwen).
+SHARED_TABLES = {"4": ("4", "6")}
+
+
+def table_numbers(experiment_name: str) -> tuple[str, ...]:
+    """table1 / table1_full / table4_gen8k -> ("1",) / ("1",) / ("4", "6"); figures and ad-hoc runs -> ()."""
+    match = re.match(r"table(\d+)", str(experiment_name))
+    return SHARED_TABLES.get(match.group(1), (match.group(1),)) if match else ()
+
+
+def read_tables(paper_dir: str | Path, tables: tuple[str, ...]) -> list[dict[str, str]]:
+    """Rows with a value of results/paper/table<N>.csv for each N ([] for files that do not exist)."""
+    rows = []
+    for table in tables:
+        path = Path(paper_dir) / f"table{table}.csv"
+        if path.exists():
+            with open(path, newline="", encoding="utf-8") as handle:
+                rows += [row for row in csv.DictReader(handle) if (row.get("value") or "").strip()]
+    return rows
+
+
+def _matches(field: str | None, *ours: Any) -> bool:
+    field = (field or "").strip().lower()
+    return field == "" or field in {str(value).lower() for value in ours if value is not None}
+
+
+def paper_values(rows: list[dict[str, str]], *, model: str, policy: str, budget_label: str | None,
+                 block_size: Any, experiment_name: str, primary: str, policy_name: str | None = None) -> dict[str, float]:
+    """Our summary key -> the paper's value, for the cells of `rows` that describe this grid point.
+
+    The policy is matched by its label (keydiff_w20), else by its name (keydiff: the paper's Table 4 calls
+    its windowed KeyDiff plain "KeyDiff"). `primary` is the task's headline metric name (LongBench
+    "average", Math-500 "flex", ...): the paper's "avg" column, or its `primary` metric, becomes `score`; a
+    LongBench dataset column becomes `metrics/datasets/<dataset>`. A table with settings as columns
+    (Table 4: 4K/8K/32K generation lengths) is matched through the experiment name (table4_gen8k -> "8K");
+    anything still ambiguous is left out.
+    """
+    block = "inf" if block_size in (None, "inf") else str(block_size)
+    cell = [row for row in rows if _matches(row.get("model"), model) and _matches(row.get("budget"), budget_label)
+            and _matches(row.get("block_size"), block)]
+    mine = [row for row in cell if (row.get("policy") or "").strip().lower() == policy.lower()]
+    if not mine and policy_name:
+        mine = [row for row in cell if (row.get("policy") or "").strip().lower() == policy_name.lower()]
+    out: dict[str, float] = {}
+    for row in mine:
+        column, metric = (row.get("column") or "").strip(), (row.get("metric") or "").strip()
+        value = float(row["value"])
+        if column.lower() in AVERAGE_COLUMNS:
+            out["score"] = value
+        elif metric == primary and column and column.lower() in experiment_name.lower():
+            out["score"] = value  # a setting column named in the experiment (4K in table4_gen4k)
+        elif metric == "score" and column:
+            out[f"metrics/datasets/{column}"] = value
+    return out

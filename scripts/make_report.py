@@ -1,0 +1,221 @@
+"""One W&B report per experiment (conf/experiment/*.yaml), built with wandb-workspaces from the same configs
+that define the sweeps, so a dashboard always shows the grid that was run.
+
+Each report holds, per model of the grid, one panel grid whose run sets are the experiment's policies
+(runs are found by their config: experiment_name, model.name, policy.label, as keydiff/tracking.py logs
+them) with:
+  score vs budget              summary `score` (the task's headline metric) against config budget.tokens
+  paper: score vs budget       the paper's value of the same cell (summary `paper/score`), where one exists
+  ours vs paper                one point per grid point; points on the diagonal reproduced the paper
+  score and paper, per budget  bars of `score` and `paper/score` grouped by budget label
+  TTFT vs block size           summary statistics/mean_ttft_s against config block_size
+  compression ratio vs budget  summary statistics/mean_compression_ratio
+  running score                history running/score per row (watch a run while it runs)
+plus, for LongBench, one score-vs-budget panel per dataset, and the paper's values as a Markdown table
+(results/paper/table<N>.csv; absent files are fine).
+
+Building the report objects needs no network and no account (tested in tests/test_report.py); `--publish`
+saves them to W&B and needs credentials (`wandb login` or WANDB_API_KEY).
+
+    python scripts/make_report.py                          # build every report, print its outline
+    python scripts/make_report.py table1 smoke             # only these experiments
+    python scripts/make_report.py table1 --publish --entity ME [--project keydiff-bench]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from keydiff.config import budget_label  # noqa: E402
+from keydiff.paper_reference import paper_values, read_tables, table_numbers  # noqa: E402
+from keydiff.tracking import headline  # noqa: E402
+
+CONF = ROOT / "conf"
+GRID_AXES = ("model", "policy", "budget", "block_size")
+
+
+@dataclass
+class Grid:
+    """What one experiment file sweeps (after Hydra composes it with the base config)."""
+
+    stem: str                 # conf/experiment/<stem>.yaml
+    experiment: str           # experiment_name: the W&B group
+    description: str          # the file's first comment line
+    task: str
+    models: list[str]
+    policies: list[str]       # policy labels, as logged in config policy.label
+    policy_names: list[str]   # the policies' names (keydiff for keydiff_w20)
+    budgets: list[str]        # budget labels (2k, 4k, ...)
+    block_sizes: list[str]
+    datasets: list[str] = field(default_factory=list)  # LongBench datasets of the task, [] otherwise
+
+    @property
+    def command(self) -> str:
+        return f"python run.py experiment={self.stem}"
+
+
+def load_grid(stem: str) -> Grid:
+    """Compose conf/experiment/<stem>.yaml (offline, nothing is run) and read its sweep axes."""
+    from hydra import compose, initialize_config_dir
+
+    import keydiff  # noqa: F401  registers the budget_label resolver
+
+    with initialize_config_dir(str(CONF), version_base="1.3"):
+        cfg = compose("config", overrides=[f"experiment={stem}"], return_hydra_config=True)
+    params = OmegaConf.to_container(cfg.hydra.sweeper.params) or {}
+    axes = {axis: [v.strip() for v in str(params[axis]).split(",")] if axis in params else None for axis in GRID_AXES}
+    policy_files = [OmegaConf.load(CONF / "policy" / f"{p}.yaml") for p in axes["policy"]] if axes["policy"] else [cfg.policy]
+    budgets = [budget_label(OmegaConf.load(CONF / "budget" / f"{b}.yaml").tokens) for b in axes["budget"]] if axes["budget"] else [str(cfg.budget.label)]
+    text = (CONF / "experiment" / f"{stem}.yaml").read_text(encoding="utf-8").splitlines()
+    comments = [line.lstrip("# ").strip() for line in text if line.startswith("#") and "@package" not in line]
+    task = str(cfg.task.name)
+    datasets = list(cfg.task.get("datasets") or []) if task.startswith("longbench") else []
+    return Grid(stem, str(cfg.experiment_name), comments[0] if comments else stem, task,
+                axes["model"] or [str(cfg.model.name)], [str(p.label) for p in policy_files],
+                [str(p.name) for p in policy_files], budgets,
+                axes["block_size"] or [str(cfg.block_size)], datasets)
+
+
+def experiment_stems() -> list[str]:
+    return sorted(path.stem for path in (CONF / "experiment").glob("*.yaml"))
+
+
+def paper_table(grid: Grid, model: str, paper_dir: Path) -> str | None:
+    """The paper's headline value per policy x budget (block size) as Markdown, or None without any."""
+    tables = table_numbers(grid.experiment)
+    rows = read_tables(paper_dir, tables)
+    if not rows:
+        return None
+    lines = []
+    for policy, name in zip(grid.policies, grid.policy_names):
+        for block in grid.block_sizes:
+            cells = [paper_values(rows, model=model, policy=policy, policy_name=name, budget_label=b, block_size=block,
+                                  experiment_name=grid.experiment, primary=headline(grid.task)[1]).get("score")
+                     for b in grid.budgets]
+            if any(cell is not None for cell in cells):
+                shown = " | ".join("–" if cell is None else f"{cell:g}" for cell in cells)
+                lines.append(f"| {policy} | {block} | {shown} |")
+    if not lines:
+        return None
+    header = f"| policy | block | {' | '.join(grid.budgets)} |\n|---|---|{'---|' * len(grid.budgets)}"
+    return (f"The paper's {headline(grid.task)[1]} (Table {'/'.join(tables)}; logged on each run as `paper/score`):"
+            "\n\n" + header + "\n" + "\n".join(lines))
+
+
+def runsets(grid: Grid, entity: str, project: str, model: str | None):
+    """One run set per policy, selected by the config keys keydiff/tracking.py logs."""
+    import wandb_workspaces.reports.v2 as wr
+    from wandb_workspaces import expr
+
+    sets = []
+    for policy in grid.policies:
+        filters = [expr.Config("experiment_name") == grid.experiment, expr.Config("policy.label") == policy]
+        if model is not None:
+            filters.insert(1, expr.Config("model.name") == model)
+        sets.append(wr.Runset(entity=entity, project=project, name=policy, filters=expr.And(*filters)))
+    return sets
+
+
+def main_panels(with_paper: bool) -> list:
+    import wandb_workspaces.reports.v2 as wr
+
+    budget, score, paper = wr.Config("budget.tokens"), wr.SummaryMetric("score"), wr.SummaryMetric("paper/score")
+    panels = [wr.ScatterPlot(title="score vs budget", x=budget, y=score)]
+    if with_paper:
+        panels += [
+            wr.ScatterPlot(title="paper: score vs budget", x=budget, y=paper),
+            wr.ScatterPlot(title="ours vs paper (diagonal = reproduced)", x=paper, y=score),
+            wr.BarPlot(title="score and paper score, per budget", metrics=[score, paper],
+                       groupby=wr.Config("budget.label")),
+        ]
+    panels += [
+        wr.ScatterPlot(title="TTFT vs block size", x=wr.Config("block_size"), y=wr.SummaryMetric("statistics/mean_ttft_s")),
+        wr.ScatterPlot(title="compression ratio vs budget", x=budget, y=wr.SummaryMetric("statistics/mean_compression_ratio")),
+        wr.LinePlot(title="running score (per written row)", x="Step", y=["running/score"]),
+    ]
+    return panels
+
+
+def build_report(grid: Grid, entity: str, project: str, paper_dir: Path):
+    """The wandb_workspaces Report of one experiment (nothing is sent anywhere)."""
+    import wandb_workspaces.reports.v2 as wr
+
+    intro = (f"{grid.description}\n\nReproduce: `{grid.command}` with `logger=wandb`. Task `{grid.task}`; "
+             f"models {', '.join(grid.models)}; policies {', '.join(grid.policies)}; budgets "
+             f"{', '.join(grid.budgets)}; block sizes {', '.join(grid.block_sizes)}. Each point is one run "
+             f"(W&B group `{grid.experiment}`); `score` is the task's {headline(grid.task)[1]}.")
+    blocks = [wr.TableOfContents(), wr.MarkdownBlock(text=intro)]
+    for model in grid.models:
+        reference = paper_table(grid, model, paper_dir)
+        blocks.append(wr.H1(text=model))
+        if reference:
+            blocks.append(wr.MarkdownBlock(text=reference))
+        blocks.append(wr.PanelGrid(runsets=runsets(grid, entity, project, model),
+                                   panels=main_panels(with_paper=reference is not None)))
+        if grid.datasets:
+            blocks.append(wr.H2(text=f"{model}: per dataset"))
+            blocks.append(wr.PanelGrid(runsets=runsets(grid, entity, project, model), panels=[
+                wr.ScatterPlot(title=f"{dataset}: score vs budget", x=wr.Config("budget.tokens"),
+                               y=wr.SummaryMetric(f"metrics/datasets/{dataset}"))
+                for dataset in grid.datasets]))
+    return wr.Report(entity=entity, project=project, title=f"keydiff-bench: {grid.experiment}"[:128],
+                     description=grid.description, blocks=blocks, width="fluid")
+
+
+def outline(report) -> list[str]:
+    """Readable summary of a report: its blocks and the panel titles of each grid."""
+    lines = [f"{report.title}"]
+    for block in report.blocks:
+        name = type(block).__name__
+        if hasattr(block, "panels"):
+            lines.append(f"  {name} [{', '.join(rs.name for rs in block.runsets)}]: "
+                         + "; ".join(panel.title for panel in block.panels))
+        elif getattr(block, "text", None):
+            lines.append(f"  {name}: {str(block.text).splitlines()[0][:90]}")
+        else:
+            lines.append(f"  {name}")
+    return lines
+
+
+def check_credentials() -> None:
+    import wandb
+
+    if not wandb.login(prompt=False, verify=False):
+        raise SystemExit("--publish needs W&B credentials: run `wandb login` or set WANDB_API_KEY "
+                         "(building without --publish needs none).")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("experiments", nargs="*", help="conf/experiment stems (default: all)")
+    parser.add_argument("--entity", default="", help="W&B entity (user or team) that owns the project")
+    parser.add_argument("--project", default="keydiff-bench")
+    parser.add_argument("--paper", type=Path, default=ROOT / "results" / "paper", help="the paper's numbers (CSV)")
+    parser.add_argument("--publish", action="store_true", help="save the reports to W&B (needs credentials)")
+    args = parser.parse_args(argv)
+    stems = args.experiments or experiment_stems()
+    unknown = sorted(set(stems) - set(experiment_stems()))
+    if unknown:
+        parser.error(f"unknown experiment(s) {', '.join(unknown)}; valid: {', '.join(experiment_stems())}")
+    if args.publish:
+        if not args.entity:
+            parser.error("--publish needs --entity (your W&B user or team name)")
+        check_credentials()
+    for stem in stems:
+        report = build_report(load_grid(stem), args.entity, args.project, args.paper)
+        print("\n".join(outline(report)))
+        if args.publish:
+            report.save()
+            print(f"  saved: {report.url}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""scripts/make_report.py: the W&B report objects of an experiment hold the expected panels, built offline
+(no account, no network); publishing without credentials is refused with the fix named."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("wandb_workspaces")
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # wandb_workspaces' own pydantic v1 validators
+from wandb_workspaces import expr  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+import make_report  # noqa: E402
+
+PAPER_CSV = ("table,model,policy,budget,block_size,row,column,metric,value,note\n"
+             "1,llama-3.1-8b-instruct,keydiff,2k,128,,avg,score,44.33,\n"
+             "1,llama-3.1-8b-instruct,keydiff,8k,128,,avg,score,49.03,\n"
+             "1,llama-3.1-8b-instruct,snapkv,2k,128,,avg,score,39.6,\n")
+
+
+def panel_titles(grid_block) -> list[str]:
+    return [panel.title for panel in grid_block.panels]
+
+
+def test_table1_report_holds_the_comparison_panels_and_the_paper_reference(tmp_path):
+    (tmp_path / "table1.csv").write_text(PAPER_CSV)
+    grid = make_report.load_grid("table1")
+    assert (grid.experiment, grid.task) == ("table1", "longbench")
+    assert grid.models == ["llama-3.1-8b-instruct", "llama-3.2-3b-instruct"]
+    assert grid.policies == ["keydiff", "tova", "snapkv", "sink", "h2o"] and grid.budgets == ["2k", "4k", "6k", "8k"]
+    report = make_report.build_report(grid, "someone", "keydiff-bench", tmp_path)
+    assert report.title == "keydiff-bench: table1" and report.entity == "someone"
+
+    grids = [block for block in report.blocks if hasattr(block, "panels")]
+    assert len(grids) == 4  # per model: the main grid and the per-dataset grid
+    main = grids[0]
+    assert [runset.name for runset in main.runsets] == grid.policies
+    filters = expr.expr_to_filters(main.runsets[0].filters).filters  # parses offline into config filters
+    assert {(f.key.name, f.value) for f in filters} == {("experiment_name", "table1"),
+                                                        ("model.name", "llama-3.1-8b-instruct"), ("policy.label", "keydiff")}
+    assert panel_titles(main) == ["score vs budget", "paper: score vs budget", "ours vs paper (diagonal = reproduced)",
+                                  "score and paper score, per budget", "TTFT vs block size",
+                                  "compression ratio vs budget", "running score (per written row)"]
+    axes = {panel.title: panel._to_model().config for panel in main.panels}
+    assert (axes["score vs budget"].x_axis, axes["score vs budget"].y_axis) == ("config:budget.value.tokens", "summary:score")
+    assert axes["TTFT vs block size"].y_axis == "summary:statistics/mean_ttft_s"
+    assert axes["compression ratio vs budget"].y_axis == "summary:statistics/mean_compression_ratio"
+    assert axes["score and paper score, per budget"].metrics == ["summary_metrics.score", "summary_metrics.paper/score"]
+    # The paper's values as a table in the report; the model the CSV does not cover gets no paper panels.
+    markdown = [block.text for block in report.blocks if type(block).__name__ == "MarkdownBlock"]
+    assert any("| keydiff | 128 | 44.33 | – | – | 49.03 |" in text for text in markdown)
+    assert "paper: score vs budget" not in panel_titles(grids[2])
+    per_dataset = panel_titles(grids[1])
+    assert len(per_dataset) == 16 and per_dataset[1] == "qasper: score vs budget"
+    assert grids[1].panels[1]._to_model().config.y_axis == "summary:metrics/datasets/qasper"
+
+
+# One experiment per task family and axis shape (table10: block_size=inf; fig7: block sizes swept);
+# `make report` builds them all.
+@pytest.mark.parametrize("stem", ["smoke", "table4_gen8k", "table10", "fig7_ttft"])
+def test_experiments_build_reports_without_paper_numbers(tmp_path, stem):
+    grid = make_report.load_grid(stem)
+    report = make_report.build_report(grid, "", "keydiff-bench", tmp_path / "absent")
+    grids = [block for block in report.blocks if hasattr(block, "panels")]
+    assert len(grids) == len(grid.models) * (2 if grid.datasets else 1)
+    main = grids[0]
+    assert panel_titles(main) == ["score vs budget", "TTFT vs block size", "compression ratio vs budget",
+                                  "running score (per written row)"]  # no paper panels without paper numbers
+    assert [runset.name for runset in main.runsets] == grid.policies
+
+
+def test_publish_needs_an_entity_and_credentials(tmp_path, monkeypatch, capsys):
+    with pytest.raises(SystemExit):
+        make_report.main(["smoke", "--publish"])
+    assert "--publish needs --entity" in capsys.readouterr().err
+    monkeypatch.setattr(make_report, "check_credentials", lambda: (_ for _ in ()).throw(SystemExit("no key")))
+    with pytest.raises(SystemExit, match="no key"):
+        make_report.main(["smoke", "--publish", "--entity", "someone"])
+    assert make_report.main(["smoke", "--paper", str(tmp_path)]) == 0
+    assert "keydiff-bench: smoke" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        make_report.main(["table99"])
+    assert "valid: fig17_ttft_eager" in capsys.readouterr().err
