@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+FIXED = {"Model", "B", "Policy", "Budget", "n", "failed", "limit", "seeds", "marks", "score", "compression", "TTFT (s)"}
 ID = ["experiment", "task", "model", "block_size", "policy", "budget_label"]
 LEGEND = ("§ subset run (task.limit); †k: k samples failed; ~ run not complete; n = samples scored; "
           "-- budget = full cache (no eviction).")
@@ -88,7 +89,8 @@ def run_rows(runs: pd.DataFrame) -> pd.DataFrame:
         "limit": runs["limit"].map(lambda v: "--" if pd.isna(v) else str(int(v))),
         "seeds": runs["seeds"].astype(int), "marks": runs.apply(marks, axis=1),
         "score": runs["score"].map(fmt),
-        **{c.split("/", 1)[1]: runs[c].map(fmt) for c in columns},
+        **{(c.split("/", 1)[1] if c.split("/", 1)[1] not in FIXED else f"{c.split('/', 1)[1]} (metric)"): runs[c].map(fmt)
+           for c in columns},
         "compression": runs["mean_compression_ratio"].map(fmt), "TTFT (s)": runs["mean_ttft_s"].map(fmt),
     })
     order = np.lexsort([runs["budget_label"].map(budget_order), runs["policy"], runs["block_size"].astype(str),

@@ -31,7 +31,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from collect_results import LONGBENCH, longbench_dataset, read_predictions, task_family  # noqa: E402
+from collect_results import LONGBENCH, PRIMARY, longbench_dataset, read_predictions, task_family  # noqa: E402
 from make_tables import NA, NAMES, ensure_summary, load, pick  # noqa: E402
 import generic_tables  # noqa: E402
 import results_index  # noqa: E402
@@ -145,15 +145,16 @@ def generic(df, out: Path) -> list[Path]:
         for policy, line in group[group["budget_label"] != "--"].groupby("policy"):
             line = line.assign(tokens=line["budget_label"].map(generic_tables.budget_order)).sort_values("tokens")
             subset = line["subset"].any() or line["incomplete"].any()
+            n = sorted({int(v) for v in line["samples"].fillna(0)})
             ax.plot(line["tokens"], line["score"], marker="o", markerfacecolor="none" if subset else None,
-                    label=f"{NAMES.get(policy, policy)}{' §' if subset else ''} (n={int(line['samples'].sum())})")
+                    label=f"{NAMES.get(policy, policy)}{' §' if subset else ''} (n={n[0]}{f'-{n[-1]}' if len(n) > 1 else ''} per budget)")
         for _, full in group[group["budget_label"] == "--"].iterrows():
             ax.axhline(full["score"], color="black", linestyle="--", linewidth=0.8,
                        label=f"{NAMES.get(full['policy'], full['policy'])} (n={int(full['samples'])})")
         budgets = sorted({b for b in group["budget_label"] if b != "--"}, key=generic_tables.budget_order)
         ax.set_xticks([generic_tables.budget_order(b) for b in budgets], budgets)
         ax.set_xlabel("KV cache budget (tokens)")
-        ax.set_ylabel("score (task's primary metric)")
+        ax.set_ylabel(PRIMARY.get(task_family(task), ("score",))[0])
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=6)

@@ -33,8 +33,17 @@ BUDGETS = ["2k", "4k", "6k", "8k"]
 AVG_TOLERANCE = 0.0101  # mean of 2-decimal values vs a 2-decimal printed average: at most 0.005 + 0.005 apart
 
 
+class Printed(float):
+    """A number that remembers how the paper printed it ("50.10", not 50.1), so the CSV keeps its precision."""
+
+    def __new__(cls, text: str):
+        number = super().__new__(cls, text)
+        number.text = text
+        return number
+
+
 def numbers(line: str) -> list[float]:
-    return [float(t) for t in line.split() if NUMBER.match(t)]
+    return [Printed(t) for t in line.split() if NUMBER.match(t)]
 
 
 def caption_line(lines: list[str], table: int) -> int:
@@ -49,7 +58,7 @@ def caption(lines, table) -> str:
 
 def record(table, model="", policy="", budget="", block="", row="", column="", metric="", value=None, note=""):
     return {"table": table, "model": model, "policy": policy, "budget": budget, "block_size": block, "row": row,
-            "column": column, "metric": metric, "value": "" if value is None else f"{value:g}", "note": note}
+            "column": column, "metric": metric, "value": "" if value is None else getattr(value, "text", f"{value:g}"), "note": note}
 
 
 # ----------------------------------------------------------------------------- LongBench rows
@@ -166,11 +175,11 @@ def table3(lines):
         elif cells and cells[0] == "ρ":
             for layer, value in zip(layers, cells[1:]):
                 if layer.startswith("Mean"):
-                    mean, std = (float(v) for v in value.split("\\pm"))
+                    mean, std = (Printed(v.strip()) for v in value.split("\\pm"))
                     rows += [record(3, L3, column="mean", metric="spearman_rho", value=mean),
                              record(3, L3, column="std", metric="spearman_rho", value=std)]
                 else:
-                    rows.append(record(3, L3, column=f"layer{int(layer)}", metric="spearman_rho", value=float(value)))
+                    rows.append(record(3, L3, column=f"layer{int(layer)}", metric="spearman_rho", value=Printed(value)))
     return rows
 
 
@@ -193,7 +202,7 @@ def math_table(lines, table, model):
         for i, budget in enumerate(budgets):
             label = "" if budget == "N/A" else f"{int(budget) // 1024}k"
             for metric, values in zip(["flex", "exact", "avg_gen_length"], columns):
-                rows.append(record(table, model, method, label, "", "", gen, metric, float(values[i]), note))
+                rows.append(record(table, model, method, label, "", "", gen, metric, Printed(values[i]), note))
     return rows
 
 
@@ -229,7 +238,7 @@ def math_subsets(lines, table, model):
             method = {"Full": "full", "KeyDiff": "keydiff", "SnapKV": "snapkv"}[part[0]]
             budget = "" if part[1] == "N/A" else f"{int(part[1]) // 1024}k"
             for metric, value in zip(["flex", "exact"], part[2:4]):
-                rows.append(record(table, model, method, budget, "", subsets[g], g, metric, float(value)))
+                rows.append(record(table, model, method, budget, "", subsets[g], g, metric, Printed(value)))
     return rows
 
 
@@ -250,7 +259,7 @@ def table8(lines):
         cells = [c.strip() for c in line.split("\t")]
         if cells[0] in T8_NAMES:
             for b, v in zip(bins, cells[1:]):
-                rows.append(record(8, "llama2-tokenizer", column=T8_NAMES[cells[0]], metric=b, value=float(v)))
+                rows.append(record(8, "llama2-tokenizer", column=T8_NAMES[cells[0]], metric=b, value=Printed(v)))
     return rows
 
 
@@ -260,7 +269,7 @@ def table9(lines):
     for line in lines[end - 24:end - 1]:
         cells = [c.strip() for c in line.split("\t")]
         if cells[0] in T8_NAMES:
-            values = [float(v) for v in cells[1:]]
+            values = [Printed(v) for v in cells[1:]]
             for i, (b, v) in enumerate(zip(BUDGETS, values)):
                 if i and v < values[i - 1]:  # min(N / L, 1) cannot fall as the budget N grows
                     rows.append(record(9, budget=b, column=T8_NAMES[cells[0]], metric="compression_ratio",
@@ -280,7 +289,7 @@ def grid(lines, table, cell):
         cells = [c.strip() for c in line.split("\t")]
         if not cells[0]:
             break
-        rows += [cell(cells[0], column, float(value)) for column, value in zip(header[1:], cells[1:])]
+        rows += [cell(cells[0], column, Printed(value)) for column, value in zip(header[1:], cells[1:])]
     return rows
 
 
