@@ -33,6 +33,7 @@ import numpy as np
 import pandas as pd
 
 from collect_results import LONGBENCH
+from generic_tables import budget_order
 
 PAPER_DIR = Path(__file__).resolve().parent.parent / "results" / "paper"
 KEY = ["model", "policy", "budget", "block_size", "row", "column", "metric"]
@@ -358,6 +359,20 @@ def summary_line(name, stats, experiments) -> str:
     return "; ".join(parts) + "."
 
 
+def side_by_side(merged: pd.DataFrame) -> pd.DataFrame | None:
+    """The paper's layout: one line per (model, policy, budget, ...), one column per paper column, each cell
+    "ours / paper". None when there is nothing to show."""
+    if merged.empty:
+        return None
+    rows = ["model", "policy", "budget", "block_size", "row", "metric"]
+    rows = [r for r in rows if merged[r].astype(str).ne("").any()]
+    merged = merged.assign(_full=merged["policy"] != "full", _budget=merged["budget"].replace("", "--").map(budget_order)).sort_values(["model", "_full", "policy", "_budget"])
+    cells = merged.assign(cell=[f"{num(o)}{marks(r)} / {num(p) if pd.notna(p) else '--'}"
+                                for o, p, (_, r) in zip(merged["value"], merged["paper"], merged.iterrows())])
+    wide = cells.pivot_table(index=rows, columns="column", values="cell", aggfunc="first", sort=False)
+    return wide.fillna("")
+
+
 def write_comparison(name: str, table: int, merged: pd.DataFrame, stats: dict, experiments, out: Path,
                      paper_dir: Path = PAPER_DIR) -> dict:
     caption = paper_caption(table, paper_dir)
@@ -382,6 +397,11 @@ def write_comparison(name: str, table: int, merged: pd.DataFrame, stats: dict, e
     else:
         lines += ["| " + " | ".join(frame.columns) + " |", "|" + "---|" * len(frame.columns)]
         lines += ["| " + " | ".join(map(str, r)) + " |" for r in frame.itertuples(index=False)]
+    wide = side_by_side(merged)
+    if wide is not None:
+        lines += ["", "Side by side (ours / paper, † § ~ as above):", "",
+                  "| " + " | ".join(wide.reset_index().columns) + " |", "|" + "---|" * len(wide.reset_index().columns)]
+        lines += ["| " + " | ".join(map(str, r)) + " |" for r in wide.reset_index().itertuples(index=False)]
     commands = sorted({command(name, experiments, r) for _, r in stats["missing"].iterrows()})
     if commands:
         lines += ["", f"To fill the {len(stats['missing'])} paper cells without a run of the same model:", ""]
@@ -396,13 +416,18 @@ def write_comparison(name: str, table: int, merged: pd.DataFrame, stats: dict, e
             "reference": stats["reference"], "experiments": sorted(set(experiments)), "summary": summary_line(name, stats, experiments)}
 
 
+def write_one(name: str, table: int, cells: list[dict], experiments: tuple[str, str], out: Path,
+              keys: list[str] = None, paper_dir: Path = PAPER_DIR) -> dict:
+    """One comparison from our cells in the paper's schema (dicts with the KEY fields, value, n, failed,
+    subset, incomplete; see `cell`). Other scripts (the analysis tables 3 and 19) call this too."""
+    paper = table11_paper(paper_dir) if table == 11 else load_paper(table, paper_dir)
+    keys = keys or [k for k in KEY if k != "block_size"]
+    merged, stats = compare(name, paper, pd.DataFrame(cells), keys)
+    return write_comparison(name, table, merged, stats, experiments, out, paper_dir)
+
+
 def write_all(df: pd.DataFrame, out: Path, paper_dir: Path = PAPER_DIR) -> list[dict]:
     """Every comparison, also when nothing has run (the file then lists the commands)."""
     out.mkdir(parents=True, exist_ok=True)
-    written = []
-    for name, (table, ours_of, experiments, keys) in comparisons().items():
-        paper = table11_paper(paper_dir) if table == 11 else load_paper(table, paper_dir)
-        ours = pd.DataFrame(ours_of(df)) if not df.empty else pd.DataFrame()
-        merged, stats = compare(name, paper, ours, keys)
-        written.append(write_comparison(name, table, merged, stats, experiments, out, paper_dir))
-    return written
+    return [write_one(name, table, ours_of(df) if not df.empty else [], experiments, out, keys, paper_dir)
+            for name, (table, ours_of, experiments, keys) in comparisons().items()]

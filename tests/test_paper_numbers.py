@@ -162,5 +162,6 @@ def test_csvs_are_what_the_transcriber_makes_from_the_text(tmp_path):
 
     tables, captions = transcribe_paper.build(TEXT)
     transcribe_paper.write(tables, captions, tmp_path)
-    for path in sorted(PAPER.glob("*.csv")):
+    (tmp_path / "README.md").write_text(transcribe_paper.README.format(listing=transcribe_paper.garbled_listing(tables)))
+    for path in sorted(PAPER.glob("*.csv")) + [PAPER / "README.md"]:
         assert (tmp_path / path.name).read_text() == path.read_text(), path.name
