@@ -105,7 +105,17 @@ def markdown(table: pd.DataFrame) -> list[str]:
     return lines
 
 
+TEX_SPECIAL = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_",
+               "{": r"\{", "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}"}
+
+
+def tex_escape(text: str) -> str:
+    """Plain text (captions) for LaTeX; table cells are escaped by pandas' Styler."""
+    return "".join(TEX_SPECIAL.get(ch, ch) for ch in str(text))
+
+
 def latex(table: pd.DataFrame, caption: str, label: str) -> str:
+    caption = tex_escape(caption)
     return table.style.format(escape="latex").format_index(escape="latex", axis=0).format_index(
         escape="latex", axis=1).to_latex(hrules=True, caption=caption, label=label, position_float="centering")
 

@@ -33,7 +33,7 @@ import numpy as np
 import pandas as pd
 
 from collect_results import LONGBENCH
-from generic_tables import budget_order
+from generic_tables import budget_order, tex_escape
 
 PAPER_DIR = Path(__file__).resolve().parent.parent / "results" / "paper"
 KEY = ["model", "policy", "budget", "block_size", "row", "column", "metric"]
@@ -410,7 +410,7 @@ def write_comparison(name: str, table: int, merged: pd.DataFrame, stats: dict, e
     tex_caption = f"Ours vs the paper's Table {table}. " + summary_line(name, stats, experiments)
     body = frame.rename(columns={"Δ": "diff"}) if not frame.empty else pd.DataFrame({"": ["no run yet"]})
     tex = body.style.hide(axis="index").format(escape="latex").format_index(escape="latex", axis=1).to_latex(
-        hrules=True, caption=tex_caption.replace("%", r"\%"), label=f"tab:{name}-vs-paper", position_float="centering")
+        hrules=True, caption=tex_escape(tex_caption), label=f"tab:{name}-vs-paper", position_float="centering")
     (out / f"{name}_vs_paper.tex").write_text(tex, encoding="utf-8")
     return {"name": f"{name}_vs_paper", "cells": stats["cells"], "paper_cells": stats["paper_cells"],
             "reference": stats["reference"], "experiments": sorted(set(experiments)), "summary": summary_line(name, stats, experiments)}
