@@ -228,6 +228,10 @@ def test_same_model_cells_show_ours_paper_and_difference(produced):
     assert kd and kd[0][6:9] == ["10.5", "18.29", "-7.79!"]
     assert "python run.py experiment=table1_full model=llama-3.1-8b-instruct" in t1.read_text()
     assert (out / "tables" / "table1_vs_paper.tex").read_text().count(r"\toprule") == 1
+    # A cell the extracted paper text garbles is shown as such, never compared.
+    t11 = out / "tables" / "table11_vs_paper.md"
+    assert md_cell(t11, (LLAMA3B, LLAMA3B, "full", "--", "dureader"), "Paper") == "garbled"
+    assert md_cell(t11, (LLAMA3B, LLAMA3B, "full", "--", "dureader"), "Δ") == ""
     # Table 9 names no model: any model's ratios are compared; its average is weighted by prompts.
     t9 = out / "tables" / "table9_vs_paper.md"
     assert md_cell(t9, (LLAMA3B, "(not named)", "", "2k", "narrativeqa"), "Paper") == "0.1"
@@ -261,7 +265,8 @@ def test_adhoc_subset_sweep_gets_a_generic_table_and_figure(adhoc):
     assert md_cell(md, ("smollm2-135m", "128", "sink", "2k"), "limit", table=1) == "2"
     assert md_cell(md, ("smollm2-135m", "128", "sink", "2k"), "needle_recall", table=1) == "0.375"
     assert "4 configurations, 8 samples scored, 4 subset runs (§)" in md.read_text()
-    assert r"\toprule" in (out / "tables" / "generic" / "adhoc__niah_small.tex").read_text()
+    tex = (out / "tables" / "generic" / "adhoc__niah_small.tex").read_text()
+    assert r"\toprule" in tex and r"\caption{adhoc / niah\_small" in tex and "0.750 (n=2)§" in tex
     names = {p.relative_to(out / "figures").as_posix() for p in figures}
     assert "generic/adhoc__niah_small__smollm2-135m__bs128.png" in names
     readme = (out / "README.md").read_text()
