@@ -307,12 +307,12 @@ def compare(name: str, paper: pd.DataFrame, ours: pd.DataFrame, keys: list[str])
     if not reference.empty:
         reference["diff"], reference["outside"] = np.nan, False
         merged = pd.concat([merged, reference], ignore_index=True)
-    # Paper cells with a number that no run of the same model fills.
-    have = merged[merged["diff"].notna()][keys].drop_duplicates()
+    # Only complete whole-task runs count in the statistics; subset (§) and unfinished (~) cells are shown
+    # with their difference but leave the paper cell "missing" (its command resumes the run to the end).
+    compared = merged[merged["diff"].notna() & ~merged["subset"].astype(bool) & ~merged["incomplete"].astype(bool)]
     wanted = paper[paper["value"].notna()]
-    missing = wanted.merge(have, on=keys, how="left", indicator=True)
+    missing = wanted.merge(compared[keys].drop_duplicates(), on=keys, how="left", indicator=True)
     missing = missing[missing["_merge"] == "left_only"]
-    compared = merged[merged["diff"].notna()]
     stats = {
         "cells": len(compared), "mean_abs_diff": compared.assign(a=compared["diff"].abs()).groupby("metric")["a"].mean().to_dict(),
         "outside": int(compared["outside"].sum()), "reference": int((merged["paper_model"] != merged["model"]).sum())
@@ -333,11 +333,15 @@ def marks(row) -> str:
 
 
 def num(value, digits=3) -> str:
-    return "--" if value is None or pd.isna(value) else f"{value:.{digits}f}".rstrip("0").rstrip(".") if abs(value) < 1e6 else f"{value:g}"
+    """Up to `digits` decimals, trailing zeros dropped (10 stays 10, 0.500 becomes 0.5)."""
+    if value is None or pd.isna(value):
+        return "--"
+    text = f"{value:.{digits}f}"
+    return text.rstrip("0").rstrip(".") if "." in text else text
 
 
 def summary_line(name, stats, experiments) -> str:
-    parts = [f"{stats['cells']} of {stats['paper_cells']} paper cells compared (same model)"]
+    parts = [f"{stats['cells']} of {stats['paper_cells']} paper cells compared (same model, complete whole-task runs)"]
     if stats["cells"]:
         parts.append("mean abs. difference " + ", ".join(f"{m} {v:.3g}" for m, v in stats["mean_abs_diff"].items()))
         parts.append(f"{stats['outside']} outside tolerance")
@@ -351,9 +355,9 @@ def summary_line(name, stats, experiments) -> str:
     if stats["failed_cells"]:
         parts.append(f"† {stats['failed_cells']} cells with failed samples (up to {int(stats['failed'])})")
     if stats["subset_cells"]:
-        parts.append(f"§ {stats['subset_cells']} cells from subset runs (task.limit): not comparable")
+        parts.append(f"§ {stats['subset_cells']} cells from subset runs (task.limit), shown but not counted")
     if stats["incomplete_cells"]:
-        parts.append(f"~ {stats['incomplete_cells']} cells from runs not complete")
+        parts.append(f"~ {stats['incomplete_cells']} cells from runs not complete, shown but not counted")
     if stats["garbled"]:
         parts.append(f"{stats['garbled']} paper cells garbled in the extracted text (results/paper/README.md)")
     return "; ".join(parts) + "."

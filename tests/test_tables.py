@@ -23,6 +23,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import collect_results  # noqa: E402
 import make_figures  # noqa: E402
 import make_tables  # noqa: E402
+import paper_compare  # noqa: E402
 
 SUITE = list(collect_results.LONGBENCH)
 LLAMA3B = "llama-3.2-3b-instruct"
@@ -220,14 +221,20 @@ def test_same_model_cells_show_ours_paper_and_difference(produced):
     assert md_cell(md, row + ("478",), "Δ") == "-0.4!"  # beyond the 0.2 tolerance (one book of five)
     assert md_cell(md, (LLAMA3B, LLAMA3B, "full", "6k", "478"), "Δ") == "-0.2"  # at the tolerance: inside
     text = md.read_text()
-    assert "6 of 30 paper cells compared (same model); mean abs. difference accuracy 0.2; 2 outside tolerance" in text
+    assert ("6 of 30 paper cells compared (same model, complete whole-task runs); mean abs. difference accuracy 0.2; "
+            "2 outside tolerance") in text
     assert "python run.py experiment=table17 model=llama-3.2-3b-instruct policy=tova budget=6k" in text
     t1 = out / "tables" / "table1_vs_paper.md"
     cells = md_rows(t1)
     kd = [r for r in cells if r[:5] == [LLAMA3B, LLAMA3B, "keydiff", "2k", "narrativeqa"]]
     assert kd and kd[0][6:9] == ["10.5", "18.29", "-7.79!"]
+    # The unfinished table11 run (~) is shown with its difference but not counted.
+    assert md_cell(t1, (LLAMA3B, LLAMA3B, "keydiff", "4k", "narrativeqa"), "Ours") == "70~"
+    assert "68 of 697 paper cells" in t1.read_text() and "~ 17 cells from runs not complete, shown but not counted" \
+        in t1.read_text()
     assert "python run.py experiment=table1_full model=llama-3.1-8b-instruct" in t1.read_text()
     assert (out / "tables" / "table1_vs_paper.tex").read_text().count(r"\toprule") == 1
+    assert [paper_compare.num(v, 0) for v in (10, 200.0, 3)] == ["10", "200", "3"]  # sample counts keep their zeros
     # A cell the extracted paper text garbles is shown as such, never compared.
     t11 = out / "tables" / "table11_vs_paper.md"
     assert md_cell(t11, (LLAMA3B, LLAMA3B, "full", "--", "dureader"), "Paper") == "garbled"
