@@ -58,7 +58,7 @@ def test_garbled_cells_are_empty_and_listed_in_the_readme():
         garbled = frame[frame["note"].str.startswith("garbled")]
         assert garbled["value"].isna().all() and frame.loc[frame["value"].isna(), "note"].str.startswith("garbled").all()
         for _, cell in garbled.drop_duplicates(["model", "policy", "budget"]).iterrows():
-            name = f"Table {n}" + (f" | {cell['model']} | {cell['policy']} | {cell['budget'] or '--'}" if cell["model"] else "")
+            name = f"Table {n}" + (f" / {cell['model']} / {cell['policy']} / {cell['budget'] or '--'}" if cell["model"] else "")
             assert name in readme, f"{name} garbled but not listed in results/paper/README.md"
 
 
@@ -162,6 +162,6 @@ def test_csvs_are_what_the_transcriber_makes_from_the_text(tmp_path):
 
     tables, captions = transcribe_paper.build(TEXT)
     transcribe_paper.write(tables, captions, tmp_path)
-    (tmp_path / "README.md").write_text(transcribe_paper.README.format(listing=transcribe_paper.garbled_listing(tables)))
+    (tmp_path / "README.md").write_text(transcribe_paper.readme(tables))
     for path in sorted(PAPER.glob("*.csv")) + [PAPER / "README.md"]:
         assert (tmp_path / path.name).read_text() == path.read_text(), path.name
