@@ -1,14 +1,18 @@
 """Every paper table that results/summary.csv can fill, as LaTeX (.tex) and Markdown (.md) in results/tables/.
 
 Why this shape: the CSV is the only input (see collect_results.py), every number in a table is a number
-from a run, and a table with no runs says so instead of printing anything. Only complete runs of the
-whole task (no task.limit) count, except in the smoke table. A table reads its own experiment first and
+from a run, and a table with no runs says so (its .md/.tex name the experiments to run) instead of
+printing anything. Only complete runs of the whole task (no task.limit) count, except in the smoke table. A table reads its own experiment first and
 then the experiments listed with it (Table 1 is a column subset of Table 11, the full rows come from
 the *_full experiments, ...); seeds of the same configuration are averaged. Best eviction method per
 column (within a model / budget group) is bold; the eviction-free rows are references, never bold.
 
+Beside them: <table>_vs_paper (ours next to results/paper/, scripts/paper_compare.py), generic/ (every
+experiment and task, whatever ran: scripts/generic_tables.py) and the index results/README.md
+(scripts/results_index.py).
+
     python scripts/make_tables.py [--summary results/summary.csv] [--out results/tables]
-                                  [--runs results/runs] [--collect]
+                                  [--runs results/runs] [--collect] [--paper results/paper]
 The CSV is (re)collected from --runs first when --collect is given, when it is missing, or when a run
 finished after it was written. The .tex files need \\usepackage{booktabs,multirow}.
 """

@@ -90,8 +90,9 @@ def budget_of(run) -> str:
     return "" if run["policy"] == "full" else str(run["budget_label"])
 
 
-def longbench_cells(df, experiments, datasets, blocks=("128",), block_key=False, avg=True):
-    runs = selected(df, experiments, ["longbench_full", "longbench"], block_sizes=list(blocks), by_task=False)
+def longbench_cells(df, experiments, datasets, blocks=("128",), block_key=False, avg=True, policies=None):
+    runs = selected(df, experiments, ["longbench_full", "longbench"], block_sizes=list(blocks), by_task=False,
+                    policies=None if policies is None else ["full", *policies])
     cells = []
     for _, run in runs.iterrows():
         block = str(run["block_size"]) if block_key and run["policy"] != "full" else ""
@@ -224,7 +225,8 @@ def table11_paper(paper_dir: Path = PAPER_DIR) -> pd.DataFrame:
 def comparisons():
     lb_block = [k for k in KEY if k != "block_size"]
     return {
-        "table1": (1, lambda df: longbench_cells(df, ["table1", "table11", "table1_full", "table11_full"], ENGLISH),
+        "table1": (1, lambda df: longbench_cells(df, ["table1", "table11", "table1_full", "table11_full"], ENGLISH,
+                                                 policies=["h2o", "tova", "sink", "snapkv", "keydiff"]),
                    ("table1", "table1_full"), lb_block),
         "table4": (4, lambda df: math_cells(df, ["table4_gen4k", "table4_gen8k", "table4_gen32k", "table4_full"]),
                    ("table4_gen", "table4_full"), lb_block),
@@ -244,7 +246,8 @@ def comparisons():
                     lb_block),
         "table13": (13, lambda df: longbench_cells(df, ["table13", "table11_full"], SUITE, ("64", "256"), block_key=True),
                     ("table13", "table11_full"), KEY),
-        "table14": (14, lambda df: longbench_cells(df, ["table14", "table11", "table11_full"], SUITE),
+        "table14": (14, lambda df: longbench_cells(df, ["table14", "table11", "table11_full"], SUITE,
+                                                   policies=["sink", "snapkv", "keydiff_w10", "keydiff_w20", "keydiff"]),
                     ("table14", "table11_full"), lb_block),
         "table15": (15, lambda df: ablation_cells(df, ["table15", "table11"], ["keydiff", "keydiff_pairwise", "keydiff_median"]),
                     ("table15", "table15"), lb_block),
