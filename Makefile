@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: help install run test bench bench-decode gpu-check collect smoke tables figures paper-assets report wandb-sync sweep-local sweep-slurm clean
+.PHONY: help install run test bench bench-decode gpu-check collect smoke tables figures paper-numbers paper-assets report wandb-sync sweep-local sweep-slurm clean
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -56,6 +56,9 @@ tables: $(STAMP)  ## every paper table from results/runs into results/tables
 
 figures: $(STAMP)  ## every paper figure from results/runs into results/figures
 	$(PY) scripts/make_figures.py $(ARGS)
+
+paper-numbers: $(STAMP)  ## re-transcribe results/paper/*.csv from the paper's text (TEXT=path/to/keydiff-paper.txt)
+	$(PY) scripts/transcribe_paper.py --text $(or $(TEXT),../shared/reference/keydiff-paper.txt)
 
 paper-assets: tables figures
 

@@ -6,6 +6,8 @@ need predictions.jsonl). Columns:
 
   experiment task model policy policy_name budget budget_label block_size seed  - what ran
   attention_statistics attn_implementation limit complete samples run_dir      - how, how much
+  num_failed failures/<reason>  samples that failed (out of memory, too long, ...): summary.json's
+                             num_failed / failures; runs written before these keys existed count 0
   mean_compression_ratio mean_ttft_s mean_prompt_tokens cache_bound_held       - run statistics
   score                      the task's primary metric (LongBench average, NIAH needle_recall,
                              Math-500 flex, Phonebook exact)
@@ -38,7 +40,7 @@ LONGBENCH = {
 PRIMARY = {"longbench": ("average",), "niah": ("needle_recall",), "math500": ("flex",),
            "phonebook": ("exact",)}
 ID_COLUMNS = ["experiment", "task", "model", "policy", "policy_name", "budget", "budget_label", "block_size", "seed",
-              "attention_statistics", "attn_implementation", "limit", "complete", "samples",
+              "attention_statistics", "attn_implementation", "limit", "complete", "samples", "num_failed",
               "mean_compression_ratio", "mean_ttft_s", "mean_prompt_tokens", "cache_bound_held", "score", "run_dir"]
 
 
@@ -104,9 +106,10 @@ def run_record(summary_path: Path, runs: Path) -> dict:
         "seed": cfg.get("seed"),
         "attention_statistics": summary.get("attention_statistics"),
         "attn_implementation": cfg.get("model", {}).get("attn_implementation"),
-        "limit": cfg.get("task", {}).get("limit"),
+        "limit": summary.get("limit", cfg.get("task", {}).get("limit")),
         "complete": summary.get("complete"),
-        "samples": stats.get("samples"),
+        "samples": summary.get("num_samples", stats.get("samples")),  # rows scored (failed ones excluded)
+        "num_failed": summary.get("num_failed") or 0,
         "mean_compression_ratio": stats.get("mean_compression_ratio"),
         "mean_ttft_s": stats.get("mean_ttft_s"),
         "mean_prompt_tokens": stats.get("mean_prompt_tokens"),
@@ -115,6 +118,7 @@ def run_record(summary_path: Path, runs: Path) -> dict:
         "run_dir": run_dir.relative_to(runs).as_posix(),
     }
     record.update({f"metrics/{k}": v for k, v in flatten(metrics).items()})
+    record.update({f"failures/{k}": v for k, v in flatten(summary.get("failures") or {}).items()})
     if family == "longbench":
         record.update({f"lb/{k}": v for k, v in longbench_scores(metrics).items()})
         ratios = {}

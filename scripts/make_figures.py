@@ -5,6 +5,9 @@
   ttft_<exp>_<model>                  Figures 7 / 17: mean time to first token vs budget, one panel per
                                       block size, one line per policy (experiments whose name has "ttft")
   prompt_lengths_<model>              Figure 18: prompt-length histogram per LongBench dataset
+  generic/<exp>__<task>__<model>__bs<B>  every experiment (adhoc included) and task: primary score vs
+                                      budget, one line per policy, the full cache as a dashed line;
+                                      hollow markers and "§" = subset run (task.limit), n in the legend
 
 Every file is written as .png and .pdf, byte-reproducible (Agg backend, fixed style, metadata
 stripped): the same CSV gives the same sha256, so figures can be checked into a paper repository and
@@ -25,10 +28,13 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from collect_results import LONGBENCH, longbench_dataset, read_predictions, task_family  # noqa: E402
+from collect_results import LONGBENCH, PRIMARY, longbench_dataset, read_predictions, task_family  # noqa: E402
 from make_tables import NA, NAMES, ensure_summary, load, pick  # noqa: E402
+import generic_tables  # noqa: E402
+import results_index  # noqa: E402
 
 STYLE = {"svg.hashsalt": "keydiff", "font.size": 8, "axes.titlesize": 9, "figure.dpi": 100, "savefig.dpi": 150}
 
@@ -128,16 +134,72 @@ def prompt_lengths(df, runs_root: Path, out: Path) -> list[Path]:
     return paths
 
 
+def generic(df, out: Path) -> list[Path]:
+    """Score vs budget per policy for whatever ran (subset and incomplete runs included, and marked)."""
+    paths = []
+    (out / "generic").mkdir(parents=True, exist_ok=True)
+    runs = generic_tables.runs_of(df)
+    for (experiment, task, model, block), group in runs.groupby(["experiment", "task", "model", "block_size"], sort=True):
+        fig, ax = plt.subplots(figsize=(4.2, 2.8))
+        fig.subplots_adjust(left=0.14, right=0.97, bottom=0.16, top=0.9)  # fixed: no layout engine, fast
+        for policy, line in group[group["budget_label"] != "--"].groupby("policy"):
+            line = line.assign(tokens=line["budget_label"].map(generic_tables.budget_order)).sort_values("tokens")
+            subset = line["subset"].any() or line["incomplete"].any()
+            n = sorted({int(v) for v in line["samples"].fillna(0)})
+            ax.plot(line["tokens"], line["score"], marker="o", markerfacecolor="none" if subset else None,
+                    label=f"{NAMES.get(policy, policy)}{' §' if subset else ''} (n={n[0]}{f'-{n[-1]}' if len(n) > 1 else ''} per budget)")
+        for _, full in group[group["budget_label"] == "--"].iterrows():
+            ax.axhline(full["score"], color="black", linestyle="--", linewidth=0.8,
+                       label=f"{NAMES.get(full['policy'], full['policy'])} (n={int(full['samples'])})")
+        budgets = sorted({b for b in group["budget_label"] if b != "--"}, key=generic_tables.budget_order)
+        ax.set_xticks([generic_tables.budget_order(b) for b in budgets], budgets)
+        ax.set_xlabel("KV cache budget (tokens)")
+        ax.set_ylabel(PRIMARY.get(task_family(task), ("score",))[0])
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=6)
+        mark = " (§ subset run: task.limit)" if group["subset"].any() else ""
+        ax.set_title(f"{experiment} / {task}: {model}, B = {block}{mark}", fontsize=7)
+        paths += save(fig, out / "generic", f"{experiment}__{task}__{model}__bs{block}")
+    return paths
+
+
+EXPECTED = [  # paper figures: name, file prefix, experiments that feed it
+    ("Figures 6 / 19: NIAH heatmaps", "niah", ["fig6_niah"]),
+    ("Figures 7 / 17: TTFT vs budget", "ttft_", ["fig7_ttft", "fig17_ttft_eager"]),
+    ("Figure 18: LongBench prompt lengths", "prompt_lengths_", ["table11_full"]),
+]
+
+
+def index_entries(paths: list[Path], out: Path) -> list[dict]:
+    names = sorted({p.relative_to(out).with_suffix("").as_posix() for p in paths})
+    entries = []
+    for title, prefix, experiments in EXPECTED:
+        mine = [n for n in names if n.startswith(prefix)]
+        files = [f"figures/{n}.png" for n in mine]
+        status = f"{len(mine)} figures: " + ", ".join(f"[{n}](figures/{n}.png)" for n in mine) if mine else \
+            "no data yet (run: " + "; ".join(f"python run.py experiment={e}" for e in experiments) + ")"
+        entries.append({"kind": "figure", "name": title, "path": files[0] if files else "figures/",
+                        "experiments": experiments, "status": status, "files": files + [f[:-4] + ".pdf" for f in files]})
+    for name in (n for n in names if n.startswith("generic/")):
+        experiment = name.split("/", 1)[1].split("__")[0]
+        entries.append({"kind": "generic_figure", "name": name, "path": f"figures/{name}.png", "experiments": [experiment],
+                        "status": "written", "files": [f"figures/{name}.pdf"]})
+    return entries
+
+
 def main(summary: Path, runs_root: Path, out: Path) -> list[Path]:
     plt.rcdefaults()
     plt.rcParams.update(STYLE)
-    df = load(summary)
+    df = load(summary) if summary.exists() else pd.DataFrame()
     out.mkdir(parents=True, exist_ok=True)
-    paths = [] if df.empty else niah_heatmaps(df, out) + ttft(df, out) + prompt_lengths(df, runs_root, out)
+    paths = [] if df.empty else niah_heatmaps(df, out) + ttft(df, out) + prompt_lengths(df, runs_root, out) + generic(df, out)
     for path in paths:
         print(path)
     if not paths:
         print("no figures yet (run: python run.py experiment=fig6_niah; experiment=fig7_ttft; experiment=table11)")
+    results_index.write_part(out.parent, "figures", index_entries(paths, out))
+    results_index.write(out.parent, summary)
     return paths
 
 

@@ -1,14 +1,18 @@
 """Every paper table that results/summary.csv can fill, as LaTeX (.tex) and Markdown (.md) in results/tables/.
 
 Why this shape: the CSV is the only input (see collect_results.py), every number in a table is a number
-from a run, and a table with no runs says so instead of printing anything. Only complete runs of the
-whole task (no task.limit) count, except in the smoke table. A table reads its own experiment first and
+from a run, and a table with no runs says so (its .md/.tex name the experiments to run) instead of
+printing anything. Only complete runs of the whole task (no task.limit) count, except in the smoke table. A table reads its own experiment first and
 then the experiments listed with it (Table 1 is a column subset of Table 11, the full rows come from
 the *_full experiments, ...); seeds of the same configuration are averaged. Best eviction method per
 column (within a model / budget group) is bold; the eviction-free rows are references, never bold.
 
+Beside them: <table>_vs_paper (ours next to results/paper/, scripts/paper_compare.py), generic/ (every
+experiment and task, whatever ran: scripts/generic_tables.py) and the index results/README.md
+(scripts/results_index.py).
+
     python scripts/make_tables.py [--summary results/summary.csv] [--out results/tables]
-                                  [--runs results/runs] [--collect]
+                                  [--runs results/runs] [--collect] [--paper results/paper]
 The CSV is (re)collected from --runs first when --collect is given, when it is missing, or when a run
 finished after it was written. The .tex files need \\usepackage{booktabs,multirow}.
 """
@@ -24,6 +28,10 @@ import pandas as pd
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from collect_results import LONGBENCH, collect  # noqa: E402
+import generic_tables  # noqa: E402
+import paper_compare  # noqa: E402
+import results_index  # noqa: E402
+from paper_compare import PAPER_DIR  # noqa: E402
 
 SUITE = list(LONGBENCH)
 ENGLISH = [d for d in SUITE if d not in ("multifieldqa_zh", "dureader", "vcsum", "lsht", "passage_retrieval_zh")]
@@ -336,16 +344,42 @@ def ensure_summary(summary: Path, runs: Path, force: bool = False) -> None:
         print(f"collected {len(frame)} runs from {runs} -> {summary}")
 
 
-def main(summary: Path, out: Path) -> list[str]:
+def placeholder(out: Path, name: str, experiments: list[str]) -> None:
+    """A table with no runs yet still gets its files, saying what to run (so every file always exists)."""
+    commands = [f"python run.py experiment={e}" for e in experiments]
+    (out / f"{name}.md").write_text(f"**{name}**: no results yet. Run:\n\n" + "".join(f"    {c}\n" for c in commands),
+                                    encoding="utf-8")
+    (out / f"{name}.tex").write_text(f"% {name}: no results yet. Run: " + "; ".join(commands) + "\n", encoding="utf-8")
+
+
+def main(summary: Path, out: Path, paper: Path = PAPER_DIR, index: Path | None = None) -> list[str]:
+    """Paper tables, ours-vs-paper comparisons and generic per-experiment tables; then results/README.md
+    (`index`, default: the README beside `out`) is regenerated. Returns the names of the tables with data."""
     df = load(summary)
     out.mkdir(parents=True, exist_ok=True)
-    written = []
+    written, entries = [], []
     for name, (build, experiments) in TABLES.items():
         if not df.empty and build(df, out):
             written.append(name)
             print(f"{name}: {out / name}.tex, .md")
         else:
+            placeholder(out, name, experiments)
             print(f"no results for {name} (run: " + "; ".join(f"python run.py experiment={e}" for e in experiments) + ")")
+        entries.append({"kind": "paper", "name": name, "path": f"tables/{name}.md", "experiments": experiments,
+                        "status": "written" if name in written else "no data yet"})
+    for item in paper_compare.write_all(df, out, paper):
+        entries.append({"kind": "vs_paper", "name": item["name"], "path": f"tables/{item['name']}.md",
+                        "experiments": item["experiments"], "status": item["summary"]})
+        print(f"{item['name']}: {item['cells']} of {item['paper_cells']} paper cells compared")
+    for item in generic_tables.write_generic(df, out / "generic"):
+        written.append(f"generic/{item['name']}")
+        entries.append({"kind": "generic", "name": item["name"], "path": f"tables/{item['path']}",
+                        "experiments": [item["experiment"]], "status": item["status"]})
+        print(f"generic/{item['name']}: {item['status']}")
+    if not any(e["kind"] == "generic" for e in entries):
+        print("no runs in the summary yet: no generic tables (run anything, e.g. python run.py, then make tables)")
+    results_index.write_part(out.parent if index is None else index.parent, "tables", entries)
+    results_index.write(out.parent if index is None else index.parent, summary)
     return written
 
 
@@ -355,6 +389,7 @@ if __name__ == "__main__":
     parser.add_argument("--out", type=Path, default=Path("results/tables"))
     parser.add_argument("--runs", "--results", type=Path, default=Path("results/runs"), help="run directories")
     parser.add_argument("--collect", action="store_true", help="re-collect --runs into --summary first")
+    parser.add_argument("--paper", type=Path, default=PAPER_DIR, help="the paper's numbers (results/paper)")
     args = parser.parse_args()
     ensure_summary(args.summary, args.runs, args.collect)
-    main(args.summary, args.out)
+    main(args.summary, args.out, args.paper)

@@ -23,6 +23,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import collect_results  # noqa: E402
 import make_figures  # noqa: E402
 import make_tables  # noqa: E402
+import paper_compare  # noqa: E402
 
 SUITE = list(collect_results.LONGBENCH)
 LLAMA3B = "llama-3.2-3b-instruct"
@@ -30,7 +31,7 @@ R1 = "deepseek-r1-distill-llama-8b"
 
 
 def write_run(runs, experiment, task, model, label, budget_label, block, metrics, rows=(), name=None,
-              complete=True, limit=None, ttft=0.5, seed=0):
+              complete=True, limit=None, ttft=0.5, seed=0, extra=None):
     tokens = None if (name or label) == "full" else {"1k": 1024, "2k": 2048, "4k": 4096, "6k": 6144}[budget_label]
     run_dir = runs / experiment / task / model / label / budget_label / f"bs{block}" / f"seed{seed}"
     run_dir.mkdir(parents=True)
@@ -45,7 +46,7 @@ def write_run(runs, experiment, task, model, label, budget_label, block, metrics
                    "task": {"name": task, "limit": limit}, "model": {"name": model, "attn_implementation": "sdpa"},
                    "policy": {"name": name or label, "label": label}, "budget": {"tokens": tokens, "label": budget_label}},
     }
-    (run_dir / "summary.json").write_text(json.dumps(summary))
+    (run_dir / "summary.json").write_text(json.dumps(summary | (extra or {})))
 
 
 def longbench_scores(base, **changes):
@@ -111,14 +112,15 @@ def produced(fake_runs, tmp_path_factory):
     return out, frame, written
 
 
-def md_rows(path):
-    """Markdown table -> list of cell lists (header first)."""
-    lines = [l for l in path.read_text().splitlines() if l.startswith("|") and not l.startswith("|---")]
+def md_rows(path, table=0):
+    """The table-th Markdown table of a file -> list of cell lists (header first)."""
+    blocks = [b for b in path.read_text().split("\n\n") if b.startswith("|")]
+    lines = [l for l in blocks[table].splitlines() if l.startswith("|") and not l.startswith("|---")]
     return [[c.strip() for c in l.strip("|").split("|")] for l in lines]
 
 
-def md_cell(path, row_start, column):
-    rows = md_rows(path)
+def md_cell(path, row_start, column, table=0):
+    rows = md_rows(path, table)
     col = rows[0].index(column)
     matches = [r for r in rows[1:] if r[: len(row_start)] == list(row_start)]
     assert len(matches) == 1, (row_start, matches)
@@ -192,8 +194,10 @@ def test_tables_without_runs_say_so(produced, capsys):
     make_tables.main(out / "summary.csv", out / "tables2")
     printed = capsys.readouterr().out
     assert "no results for table10 (run: python run.py experiment=table10" in printed
-    assert not (out / "tables2" / "table10.md").exists() and "table10" not in written
-    assert not {"table6", "table12", "table14", "table16"} & set(written)
+    assert "table10" not in written and not {"table6", "table12", "table14", "table16"} & set(written)
+    placeholder = (out / "tables2" / "table10.md").read_text()  # every file exists and says what to run
+    assert "no results yet" in placeholder and "python run.py experiment=table10" in placeholder
+    assert "no results yet" in (out / "tables2" / "table10.tex").read_text()
 
 
 def test_figures_are_byte_reproducible(produced, fake_runs):
@@ -206,6 +210,105 @@ def test_figures_are_byte_reproducible(produced, fake_runs):
     assert f"prompt_lengths_{LLAMA3B}.png" in names and "niah_small_smoke_smollm2-135m_1k_bs128.png" in names
     for a, b in zip(sorted(first), sorted(second)):
         assert hashlib.sha256(a.read_bytes()).digest() == hashlib.sha256(b.read_bytes()).digest(), a.name
+
+
+# ----------------------------------------------------------------------------- ours vs paper, generic tables
+def test_same_model_cells_show_ours_paper_and_difference(produced):
+    out, _, _ = produced
+    md = out / "tables" / "table17_vs_paper.md"
+    row = (LLAMA3B, LLAMA3B, "tova", "6k")
+    assert md_cell(md, row + ("478",), "Ours") == "0.6" and md_cell(md, row + ("478",), "Paper") == "1"
+    assert md_cell(md, row + ("478",), "Δ") == "-0.4!"  # beyond the 0.2 tolerance (one book of five)
+    assert md_cell(md, (LLAMA3B, LLAMA3B, "full", "6k", "478"), "Δ") == "-0.2"  # at the tolerance: inside
+    text = md.read_text()
+    assert ("6 of 30 paper cells compared (same model, complete whole-task runs); mean abs. difference accuracy 0.2; "
+            "2 outside tolerance") in text
+    assert "python run.py experiment=table17 model=llama-3.2-3b-instruct policy=tova budget=6k" in text
+    t1 = out / "tables" / "table1_vs_paper.md"
+    cells = md_rows(t1)
+    kd = [r for r in cells if r[:5] == [LLAMA3B, LLAMA3B, "keydiff", "2k", "narrativeqa"]]
+    assert kd and kd[0][6:9] == ["10.5", "18.29", "-7.79!"]
+    # The unfinished table11 run (~) is shown with its difference but not counted.
+    assert md_cell(t1, (LLAMA3B, LLAMA3B, "keydiff", "4k", "narrativeqa"), "Ours") == "70~"
+    assert "68 of 697 paper cells" in t1.read_text() and "~ 17 cells from runs not complete, shown but not counted" \
+        in t1.read_text()
+    assert "python run.py experiment=table1_full model=llama-3.1-8b-instruct" in t1.read_text()
+    assert (out / "tables" / "table1_vs_paper.tex").read_text().count(r"\toprule") == 1
+    assert [paper_compare.num(v, 0) for v in (10, 200.0, 3)] == ["10", "200", "3"]  # sample counts keep their zeros
+    # A cell the extracted paper text garbles is shown as such, never compared.
+    t11 = out / "tables" / "table11_vs_paper.md"
+    assert md_cell(t11, (LLAMA3B, LLAMA3B, "full", "--", "dureader"), "Paper") == "garbled"
+    assert md_cell(t11, (LLAMA3B, LLAMA3B, "full", "--", "dureader"), "Δ") == ""
+    # Table 9 names no model: any model's ratios are compared; its average is weighted by prompts.
+    t9 = out / "tables" / "table9_vs_paper.md"
+    assert md_cell(t9, (LLAMA3B, "(not named)", "", "2k", "narrativeqa"), "Paper") == "0.1"
+
+
+@pytest.fixture(scope="module")
+def adhoc(tmp_path_factory):
+    """What a new user does first: python run.py -m policy=keydiff,sink budget=1k,2k task.limit=2, plus a
+    Table 17 run on the default model in which one sample ran out of memory."""
+    runs = tmp_path_factory.mktemp("adhoc") / "runs"
+    for label, score in [("keydiff", 0.75), ("sink", 0.25)]:
+        for budget in ["1k", "2k"]:
+            write_run(runs, "adhoc", "niah_small", "smollm2-135m", label, budget, 128,
+                      {"needle_recall": score + (0.125 if budget == "2k" else 0)}, rows=[{}, {}], limit=2)
+    write_run(runs, "table17", "phonebook", "smollm2-135m", "keydiff", "6k", 128,
+              {"exact": 0.5, "by_size": {"100": {"exact": 0.6}}}, rows=[{}] * 4,
+              extra={"num_samples": 4, "num_failed": 1, "failures": {"out_of_memory": 1}})
+    out = runs.parent / "out"
+    collect_results.collect(runs, out / "summary.csv")
+    written = make_tables.main(out / "summary.csv", out / "tables")
+    figures = make_figures.main(out / "summary.csv", runs, out / "figures")
+    return out, written, figures
+
+
+def test_adhoc_subset_sweep_gets_a_generic_table_and_figure(adhoc):
+    out, written, figures = adhoc
+    assert "generic/adhoc__niah_small" in written
+    md = out / "tables" / "generic" / "adhoc__niah_small.md"
+    assert md_cell(md, ("smollm2-135m", "128", "keydiff"), "1k") == "0.750 (n=2)§"
+    assert md_cell(md, ("smollm2-135m", "128", "sink"), "2k") == "0.375 (n=2)§"
+    assert md_cell(md, ("smollm2-135m", "128", "sink", "2k"), "limit", table=1) == "2"
+    assert md_cell(md, ("smollm2-135m", "128", "sink", "2k"), "needle_recall", table=1) == "0.375"
+    assert "4 configurations, 8 samples scored, 4 subset runs (§)" in md.read_text()
+    tex = (out / "tables" / "generic" / "adhoc__niah_small.tex").read_text()
+    assert r"\toprule" in tex and r"\caption{adhoc / niah\_small" in tex and "0.750 (n=2)§" in tex
+    names = {p.relative_to(out / "figures").as_posix() for p in figures}
+    assert "generic/adhoc__niah_small__smollm2-135m__bs128.png" in names
+    readme = (out / "README.md").read_text()
+    assert "[adhoc__niah_small](tables/generic/adhoc__niah_small.md)" in readme
+    assert "5 runs in results/summary.csv (5 complete, 4 subset runs, 12 samples scored, 1 failed)" in readme
+    assert "generic/adhoc__niah_small__smollm2-135m__bs128.png" in readme
+    assert "| [table10](tables/table10.md) | `table10`, `table11_full` | no data yet |" in readme
+    assert "no data yet (run: python run.py experiment=fig6_niah)" in readme
+
+
+def test_failed_samples_and_other_models_are_marked(adhoc):
+    out, _, _ = adhoc
+    df = pd.read_csv(out / "summary.csv")
+    run = df[df.experiment == "table17"].iloc[0]
+    assert (run["samples"], run["num_failed"], run["failures/out_of_memory"]) == (4, 1, 1)
+    assert md_cell(out / "tables" / "generic" / "table17__phonebook.md", ("smollm2-135m", "128", "keydiff"), "6k") \
+        == "0.500 (n=4)†1"
+    md = out / "tables" / "table17_vs_paper.md"  # SmolLM2 is not the paper's model: reference only, no difference
+    assert md_cell(md, ("smollm2-135m", LLAMA3B, "keydiff", "6k", "100"), "Ours") == "0.6†1"
+    assert md_cell(md, ("smollm2-135m", LLAMA3B, "keydiff", "6k", "100"), "Δ") == ""
+    text = md.read_text()
+    assert "0 of 30 paper cells compared" in text and "for reference only" in text and "† 1 cells" in text
+
+
+def test_nothing_run_yet_still_writes_every_file(tmp_path):
+    frame = collect_results.collect(tmp_path / "runs", tmp_path / "summary.csv")
+    assert frame.empty
+    written = make_tables.main(tmp_path / "summary.csv", tmp_path / "tables")
+    assert written == []
+    for name in make_tables.TABLES:
+        assert "no results yet" in (tmp_path / "tables" / f"{name}.md").read_text()
+    assert "python run.py experiment=table1 model=llama-3.2-3b-instruct policy=keydiff budget=2k" in \
+        (tmp_path / "tables" / "table1_vs_paper.md").read_text()
+    assert make_figures.main(tmp_path / "summary.csv", tmp_path / "runs", tmp_path / "figures") == []
+    assert "holds no runs yet" in (tmp_path / "README.md").read_text()
 
 
 # ----------------------------------------------------------------------------- experiment configs
