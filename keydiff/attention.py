@@ -11,6 +11,9 @@ They do two jobs the stock functions cannot:
    rows (H2O), in row chunks so memory stays O(chunk x keys). In "materialized" mode the eager path
    computes the full weight matrix and the statistic is read from it, as in the paper's latency runs.
 
+Queries. For policies that predict future attention (Expected Attention), the function also hands each
+pass's queries to the cache, which keeps their running pre-RoPE mean and covariance (keydiff.queries).
+
 The statistic is: for each key, the softmax attention it receives summed over the requested query rows
 and averaged over the query heads that share its KV head (paper §F.2), shape [batch, kv_heads, keys].
 
@@ -148,6 +151,8 @@ def make_attention_function(base: str):
         if evicting_cache is not None and not evicting_cache.owns(module.layer_idx, key):
             evicting_cache = None  # the model runs with some other cache: plain attention
         rows = 0 if evicting_cache is None else evicting_cache.attention_rows_needed(module.layer_idx)
+        if evicting_cache is not None and evicting_cache.queries_needed(module.layer_idx):
+            evicting_cache.record_queries(module.layer_idx, query, module.config)
         materialize = base == "eager" or (rows != 0 and evicting_cache.statistics == "materialized")
         if materialize:
             output, weights = eager_attention(module, query, key, value, scaling)

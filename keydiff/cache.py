@@ -33,6 +33,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from keydiff.policies.base import LayerView, Policy
+from keydiff.queries import QueryStatistics, rope_frequencies
 
 STATISTICS_MODES = ("fast", "materialized")
 
@@ -63,6 +64,7 @@ class EvictingLayer(CacheLayerMixin):
         self.positions: torch.Tensor | None = None  # [batch, kv_heads, capacity] long
         self.state: dict[str, torch.Tensor] = {}  # name -> [batch, kv_heads, capacity] float32
         self.attention: torch.Tensor | None = None  # statistic of the last pass, [batch, kv_heads, entries]
+        self.queries: QueryStatistics | None = None  # running pre-RoPE query moments (policies with needs_queries)
         self.num_entries = 0  # valid entries per KV head (the same for every head)
         self.seen = 0  # tokens this layer has been given: the absolute position of the next one
         self.max_entries = 0  # peak entries per head ever held
@@ -149,6 +151,7 @@ class EvictingLayer(CacheLayerMixin):
             attention=self.attention,
             state={name: buffer[:, :, :n] for name, buffer in self.state.items()},
             layer_idx=layer_idx,
+            queries=self.queries,
         )
 
     # --- eviction ------------------------------------------------------------------------------
@@ -168,6 +171,11 @@ class EvictingLayer(CacheLayerMixin):
                     f"policy {policy.name!r} needs attention statistics but none were recorded in layer {layer_idx}: "
                     "run the model inside `with keydiff.keydiff_attention(model, cache):` (keydiff.prefill and "
                     "keydiff.generate do this for you)"
+                )
+            if policy.needs_queries and self.queries is None:
+                raise RuntimeError(
+                    f"policy {policy.name!r} needs query statistics but none were recorded in layer {layer_idx}: run the "
+                    "model inside `with keydiff.keydiff_attention(model, cache):` (keydiff.prefill and keydiff.generate do)"
                 )
             self._drop(policy.evict_indices(view, self.budget))
         self.attention = None
@@ -237,7 +245,7 @@ class EvictingLayer(CacheLayerMixin):
         return -1 if self.budget is None else self.budget
 
     def reset(self) -> None:
-        self.keys = self.values = self.positions = self.attention = None
+        self.keys = self.values = self.positions = self.attention = self.queries = None
         self.state, self.num_entries, self.seen, self.max_entries = {}, 0, 0, 0
         self.is_initialized = False
 
@@ -283,19 +291,12 @@ class EvictingCache(Cache):
             raise ValueError(f"unknown attention statistics mode {statistics!r}; valid: {', '.join(STATISTICS_MODES)}")
         self.policy = policy
         self.budget = budget if policy.evicts else None
-        bounded_capacity = None
-        if self.budget is not None and (block_size or max_tokens):
-            # Before a pass a layer holds <= budget entries, so a pass needs budget + block; never more than
-            # the whole prompt; decoding needs budget + 1.
-            bounded_capacity = self.budget + (block_size or max_tokens)
-            if max_tokens is not None:
-                bounded_capacity = min(bounded_capacity, max_tokens)
-            bounded_capacity = max(bounded_capacity, self.budget + 1)
+        # Each layer's own budget N_l (None: never evicted): the policy's layer schedule, uniform by default.
+        budgets = [None] * num_layers if self.budget is None else policy.budgets(self.budget, num_layers, max_tokens)
         layers = []
-        for layer_idx in range(num_layers):
-            bounded = self.budget is not None and policy.compresses_layer(layer_idx)
-            capacity = bounded_capacity if bounded else max_tokens
-            layer = EvictingLayer(self.budget if bounded else None, capacity, policy.state_names, policy.initial_state)
+        for layer_idx, layer_budget in enumerate(budgets):
+            capacity = max_tokens if layer_budget is None else self._bounded_capacity(layer_budget, block_size, max_tokens)
+            layer = EvictingLayer(layer_budget, capacity, policy.state_names, policy.initial_state)
             layer.layer_idx = layer_idx
             layers.append(layer)
         super().__init__(layers=layers)
@@ -305,6 +306,17 @@ class EvictingCache(Cache):
         self.evicting = True  # False while decoding without eviction (decode_eviction=false)
         # Set by keydiff.prefill: the prompt it consumed, to refuse it being fed a second time (see update).
         self.prompt_length: int | None = None
+
+    @staticmethod
+    def _bounded_capacity(budget: int, block_size: int | None, max_tokens: int | None) -> int | None:
+        """Slots for a layer bounded to `budget`: budget + block (never more than the whole prompt), at least
+        budget + 1 for decoding; None (sized from the first pass) if neither block nor length is known."""
+        if not (block_size or max_tokens):
+            return None
+        capacity = budget + (block_size or max_tokens)
+        if max_tokens is not None:
+            capacity = min(capacity, max_tokens)
+        return max(capacity, budget + 1)
 
     # --- the transformers Cache interface -------------------------------------------------------
     def update(
@@ -344,6 +356,29 @@ class EvictingCache(Cache):
 
     def record_attention(self, layer_idx: int, statistic: torch.Tensor) -> None:
         self.layers[layer_idx].attention = statistic
+
+    def queries_needed(self, layer_idx: int) -> bool:
+        """Whether the attention function must hand this layer's queries over (Expected Attention)."""
+        layer = self.layers[layer_idx]
+        return self.policy.needs_queries and layer.budget is not None and self.evicting
+
+    def record_queries(self, layer_idx: int, query: torch.Tensor, config) -> None:
+        """Add a pass's post-RoPE queries [batch, heads, q, d] (the newest q positions) to the layer's statistics."""
+        layer = self.layers[layer_idx]
+        if layer.queries is None:
+            inv_freq, scaling = rope_frequencies(config, query.shape[-1])
+            layer.queries = QueryStatistics(inv_freq.to(query.device), scaling, self.policy.first_query_position)
+        layer.queries.update(query, layer.seen - query.shape[2])
+
+    @property
+    def layer_budgets(self) -> list[int | None]:
+        """Each layer's budget N_l (None: unbounded)."""
+        return [layer.budget for layer in self.layers]
+
+    @property
+    def layer_max_entries(self) -> list[int]:
+        """Each layer's peak entries per KV head."""
+        return [layer.max_entries for layer in self.layers]
 
     def evict(self) -> None:
         """Let the policy observe the pass just run, then shrink every over-budget layer to `budget`."""

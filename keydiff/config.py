@@ -2,11 +2,17 @@
 
 `${budget_label:${.tokens}}` names a budget after its token count (2048 -> "2k", 6144 -> "6k",
 3000 -> "3000"), so `budget.tokens=3000` can never write into a directory labelled "2k".
+`${policy_label:${.target},${.params}}` names a policy of your own after its class and parameters
+(`my_lab.policies.MyPolicy` with alpha=0.3 -> "MyPolicy-alpha0.3"), so two settings never share a directory.
 """
 
 from __future__ import annotations
 
-from omegaconf import OmegaConf
+import json
+import re
+from typing import Any
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 
 def budget_label(tokens: int | None) -> str:
@@ -16,6 +22,23 @@ def budget_label(tokens: int | None) -> str:
     return f"{tokens // 1024}k" if tokens > 0 and tokens % 1024 == 0 else str(tokens)
 
 
+def policy_label(target: str | None, params: Any = None) -> str:
+    """Directory label for a policy class given by dotted path: the class name, then key+value per parameter."""
+    if not target:
+        return "custom"
+    if isinstance(params, (DictConfig, ListConfig)):
+        params = OmegaConf.to_container(params, resolve=True)
+    parts = [str(target).rpartition(".")[2]]
+    for key in sorted(params or {}):
+        value = params[key]
+        if isinstance(value, (dict, list)):
+            value = json.dumps(value, separators=(",", ":"), sort_keys=True)  # compact, deterministic
+        parts.append(f"{key}{value}")
+    return re.sub(r"[^A-Za-z0-9_.=+-]+", "_", "-".join(parts))
+
+
 def register_resolvers() -> None:
     if not OmegaConf.has_resolver("budget_label"):
         OmegaConf.register_new_resolver("budget_label", budget_label)
+    if not OmegaConf.has_resolver("policy_label"):
+        OmegaConf.register_new_resolver("policy_label", policy_label)

@@ -73,7 +73,7 @@ def check_budget(policy: Policy, budget: int | None) -> None:
         return
     if budget is None or isinstance(budget, bool) or int(budget) != budget or budget < 1:
         raise ValueError(f"budget must be a positive integer number of tokens for policy {policy.name!r}, got {budget!r}")
-    policy.validate(int(budget))
+    policy.check(int(budget))
 
 
 def check_model_supported(model: torch.nn.Module) -> None:

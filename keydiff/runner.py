@@ -55,7 +55,8 @@ def plan_run(cfg: DictConfig) -> RunPlan:
     """Validate the whole configuration without loading the model. Raises ValueError with valid choices."""
     raw = cfg.policy.get("params")
     params = OmegaConf.to_container(raw, resolve=True) if raw is not None else {}
-    policy = build_policy(cfg.policy.name, **params)
+    policy_name = policy_target(cfg.policy)
+    policy = build_policy(policy_name, **params)
     budget = cfg.budget.tokens
     check_budget(policy, budget)
     block_size = resolve_block_size(cfg.block_size)
@@ -69,8 +70,16 @@ def plan_run(cfg: DictConfig) -> RunPlan:
     decode_eviction = cfg.get("decode_eviction", True)
     if not isinstance(decode_eviction, bool):
         raise ValueError(f"decode_eviction must be true or false, got {decode_eviction!r}")
-    return RunPlan(cfg.policy.name, params, int(budget) if policy.evicts else None, block_size,
+    return RunPlan(policy_name, params, int(budget) if policy.evicts else None, block_size,
                    cfg.attention_statistics, decode_eviction, task, model_cfg)
+
+
+def policy_target(policy_cfg: DictConfig) -> str:
+    """What build_policy gets: the built-in name, or for `policy=custom` the class path in `policy.target`."""
+    target = policy_cfg.get("target")
+    if policy_cfg.name == "custom" and not target:
+        raise ValueError("policy=custom needs policy.target=<module>.<Class>, e.g. policy.target=my_lab.policies.MyPolicy")
+    return target or policy_cfg.name
 
 
 def result_config(cfg: DictConfig) -> dict[str, Any]:
@@ -158,6 +167,9 @@ def run_sample(
         "new_tokens": len(tokens),
         "finish_reason": out.finish_reasons[0],
         "max_cache_entries": out.max_cache_entries,
+        # Per layer: its budget N_l (a schedule such as PyramidKV makes them differ) and its peak entries per head.
+        "layer_budgets": state.cache.layer_budgets,
+        "layer_max_cache_entries": state.cache.layer_max_entries,
         # What the cache's key/value buffers really hold (allocated once per sequence, N + B slots per layer).
         "kv_cache_bytes": state.cache.kv_cache_bytes,
         # Upper bound of the KV entries held at once: every layer's own peak, summed, in bytes.
@@ -173,8 +185,18 @@ def run_statistics(rows: list[dict[str, Any]], plan: RunPlan) -> dict[str, Any]:
         return {"samples": 0}
     n = len(rows)
     bounded = plan.budget is not None and plan.block_size is not None and plan.decode_eviction
-    bound = plan.budget + plan.block_size if bounded else None
     peak = max(row["max_cache_entries"] for row in rows)
+    # The bound is per layer: N_l + B, with N_l the layer's own budget (uniform unless a schedule is set; a
+    # PyramidKV schedule capped by a short prompt may differ between samples, so each row is checked).
+    per_layer = [row for row in rows if row.get("layer_budgets")]  # rows of older runs have no per-layer record
+    budgets = [max((b for b in column if b is not None), default=None) for column in zip(*(r["layer_budgets"] for r in per_layer))]
+    layer_bounds = [None if not bounded or b is None else b + plan.block_size for b in budgets]
+    layer_peaks = [max(column) for column in zip(*(r["layer_max_cache_entries"] for r in per_layer))]
+    bound = (max((b for b in layer_bounds if b is not None), default=None) if per_layer else plan.budget + plan.block_size) if bounded else None
+    held = None if bound is None else (
+        all(b is None or p <= b + plan.block_size for r in per_layer for b, p in zip(r["layer_budgets"], r["layer_max_cache_entries"]))
+        if per_layer else peak <= bound
+    )
     return {
         "samples": n,
         "mean_prompt_tokens": sum(r["prompt_tokens"] for r in rows) / n,
@@ -184,8 +206,11 @@ def run_statistics(rows: list[dict[str, Any]], plan: RunPlan) -> dict[str, Any]:
         "mean_decode_s": sum(r["decode_s"] for r in rows) / n,
         "mean_new_tokens": sum(r["new_tokens"] for r in rows) / n,
         "max_cache_entries": peak,
-        "cache_bound": bound,  # N + B; None when unbounded (full policy or one whole-prompt block)
-        "cache_bound_held": None if bound is None else peak <= bound,
+        "cache_bound": bound,  # max over layers of N_l + B; None when unbounded (full policy or one whole-prompt block)
+        "cache_bound_held": held,  # every layer's peak <= its own N_l + B
+        "layer_budgets": budgets,
+        "layer_cache_bounds": layer_bounds,
+        "layer_max_cache_entries": layer_peaks,
         "max_kv_cache_peak_bytes": max(r["kv_cache_peak_bytes"] for r in rows),
         "max_kv_cache_bytes": max(r.get("kv_cache_bytes", 0) for r in rows),
         "max_peak_memory_bytes": max(r["peak_memory_bytes"] for r in rows),

@@ -14,16 +14,16 @@ from keydiff.tasks.base import GenerationSettings, Prompt, Sample, Task
 
 def tiny_llama(attn_implementation: str = "sdpa", dtype: torch.dtype = torch.float32, seed: int = 0, **overrides):
     """3 layers, 4 query heads sharing 2 KV heads (GQA group of 2), head_dim 16, random weights."""
-    config = LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
+    config = LlamaConfig(**{
+        "vocab_size": 256,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 4096,
         **overrides,
-    )
+    })
     torch.manual_seed(seed)
     model = LlamaForCausalLM._from_config(config, attn_implementation=attn_implementation, dtype=dtype)
     return model.eval()

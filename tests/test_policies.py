@@ -205,7 +205,7 @@ def test_fast_statistic_equals_materialized_weights(rows):
 
 
 def test_build_policy_errors_name_the_valid_choices():
-    with pytest.raises(ValueError, match="valid policies: full, h2o, keydiff"):
+    with pytest.raises(ValueError, match="valid policies: expected_attention, full, h2o, keydiff"):
         build_policy("keydif")
     with pytest.raises(ValueError, match="valid: anchor, metric, window_fraction"):
         build_policy("keydiff", windw=0.1)

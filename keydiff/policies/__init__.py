@@ -1,18 +1,23 @@
 """Eviction policies, built by name: `build_policy("keydiff", window_fraction=0.2)`.
 
 Each policy is one small dataclass in its own module; `POLICIES` maps the config name to the class.
+A dotted path names a policy written anywhere else (`build_policy("my_lab.policies.MyPolicy", alpha=0.3)`):
+the module is imported and the class must subclass `Policy` (what `policy=custom policy.target=...` runs).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from typing import Any
 
 from keydiff.policies.base import LayerView, Policy
+from keydiff.policies.expected_attention import ExpectedAttention
 from keydiff.policies.full import Full
 from keydiff.policies.h2o import H2O
 from keydiff.policies.keydiff import KeyDiff, KeyDiffPairwise
 from keydiff.policies.knorm import KNorm
+from keydiff.policies.lagkv import LagKV
 from keydiff.policies.random import Random
 from keydiff.policies.recent import Recent
 from keydiff.policies.sink import Sink
@@ -20,7 +25,8 @@ from keydiff.policies.snapkv import SnapKV
 from keydiff.policies.tova import TOVA
 
 POLICIES: dict[str, type[Policy]] = {
-    cls.name: cls for cls in (Full, KeyDiff, KeyDiffPairwise, Sink, H2O, TOVA, SnapKV, KNorm, Random, Recent)
+    cls.name: cls
+    for cls in (Full, KeyDiff, KeyDiffPairwise, Sink, H2O, TOVA, SnapKV, KNorm, Random, Recent, ExpectedAttention, LagKV)
 }
 
 
@@ -28,15 +34,43 @@ def available_policies() -> list[str]:
     return sorted(POLICIES)
 
 
+def policy_class(name: str) -> type[Policy]:
+    """The class for a built-in name, or for a dotted path `package.module.Class` (imported here).
+
+    Raises ValueError saying which part is wrong: unknown name, missing module, missing class, not a Policy.
+    """
+    if name in POLICIES:
+        return POLICIES[name]
+    if "." not in name:
+        raise ValueError(
+            f"unknown policy {name!r}; valid policies: {', '.join(available_policies())}, "
+            "or a class of your own as a dotted path (policy=custom policy.target=my_module.MyPolicy)"
+        )
+    module_name, _, class_name = name.rpartition(".")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        raise ValueError(
+            f"policy target {name!r}: cannot import module {module_name!r} ({error}); is its folder on PYTHONPATH?"
+        ) from error
+    cls = getattr(module, class_name, None)
+    if cls is None:
+        raise ValueError(f"policy target {name!r}: module {module_name!r} has no attribute {class_name!r}")
+    if not (isinstance(cls, type) and issubclass(cls, Policy)):
+        raise ValueError(f"policy target {name!r} is not a subclass of keydiff.policies.Policy (got {cls!r})")
+    if not dataclasses.is_dataclass(cls):
+        raise ValueError(f"policy target {name!r} must be a @dataclass (its fields are its parameters)")
+    return cls
+
+
 def build_policy(name: str, **params: Any) -> Policy:
-    """Instantiate the policy called `name` with hyper-parameters `params`.
+    """Instantiate the policy called `name` (built-in name or dotted path) with hyper-parameters `params`.
 
     Raises ValueError naming the valid policies or the valid parameters of this policy.
     """
-    if name not in POLICIES:
-        raise ValueError(f"unknown policy {name!r}; valid policies: {', '.join(available_policies())}")
-    cls = POLICIES[name]
-    valid = [f.name for f in dataclasses.fields(cls) if f.init]
+    cls = policy_class(name)
+    # The policy's own parameters first, then those every policy takes (keyword-only: layer_budgets).
+    valid = [f.name for f in sorted(dataclasses.fields(cls), key=lambda f: bool(f.kw_only)) if f.init]
     unknown = sorted(set(params) - set(valid))
     if unknown:
         raise ValueError(
@@ -45,4 +79,4 @@ def build_policy(name: str, **params: Any) -> Policy:
     return cls(**params)
 
 
-__all__ = ["POLICIES", "LayerView", "Policy", "available_policies", "build_policy"] + [c.__name__ for c in POLICIES.values()]
+__all__ = ["POLICIES", "LayerView", "Policy", "available_policies", "build_policy", "policy_class"] + [c.__name__ for c in POLICIES.values()]

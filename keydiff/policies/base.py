@@ -6,7 +6,13 @@ entries that are always kept (sinks, recent windows); `observe` lets a policy ca
 steps (H2O's accumulated attention) in buffers the cache allocates for the names in `state_names`, each
 entry starting from `initial_state` (0 unless the policy says otherwise). The
 cache (`keydiff.cache`) calls `observe` after every forward pass that recorded attention and
-`evict_indices` whenever a layer holds more than `budget` entries.
+`evict_indices` whenever a layer holds more than its budget.
+
+What a policy may ask the engine for (class attributes, see `Policy`): attention rows (`attention_rows`,
+computed beside the fused kernel), per-entry state (`state_names`), running statistics of the layer's
+queries (`needs_queries`, Expected Attention), and per-layer budgets (the `layer_budgets` parameter every
+policy takes, e.g. a PyramidKV schedule). The full contract, with an example policy written outside this
+package, is in the README ("Your own policy") and examples/my_policy.py.
 
 Entries are in no particular order (the cache moves new entries into the slots of evicted ones, so that it
 never copies the whole cache): a policy that needs recency or adjacency reads `positions`.
@@ -17,9 +23,12 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field, fields
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
+
+from keydiff.policies.layer_budgets import check_layer_budgets, smallest_layer_budget, split_budget
+from keydiff.queries import QueryStatistics
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +47,9 @@ class LayerView:
     # entries start at 0. Update it in place (`state["h2o"].add_(...)`): it lives in the cache's buffers.
     state: dict[str, torch.Tensor]
     layer_idx: int
+    # Running mean/covariance of this layer's pre-RoPE queries (every pass so far), for policies with
+    # `needs_queries`; None otherwise.
+    queries: QueryStatistics | None = None
 
 
 @dataclass
@@ -57,13 +69,33 @@ class Policy:
     evicts: ClassVar[bool] = True
     # Names of the per-entry state buffers `observe` updates (LayerView.state), allocated by the cache.
     state_names: ClassVar[tuple[str, ...]] = ()
+    # True if the policy reads `LayerView.queries` (running statistics of the layer's pre-RoPE queries).
+    needs_queries: ClassVar[bool] = False
+    # Queries at positions below this are left out of those statistics (Expected Attention: the sinks).
+    first_query_position: ClassVar[int] = 0
+    # How the budget is split across layers: None (uniform) or e.g. {schedule: pyramid, beta: 20}
+    # (keydiff.policies.layer_budgets). Keyword-only, so every policy takes it after its own parameters.
+    layer_budgets: dict[str, Any] | None = field(default=None, kw_only=True)
 
     def validate(self, budget: int) -> None:
         """Raise ValueError if the hyper-parameters cannot work with `budget` (called before model loading)."""
 
+    def check(self, budget: int) -> None:
+        """Validate the layer schedule, then the policy against the smallest budget any layer gets."""
+        check_layer_budgets(self.layer_budgets)
+        smallest = smallest_layer_budget(self.layer_budgets, budget)
+        if smallest < 1:
+            raise ValueError(f"layer_budgets gives the top layer {smallest} entries of a {budget}-token budget; raise the budget or lower beta")
+        self.validate(smallest)
+
     def compresses_layer(self, layer_idx: int) -> bool:
         """Whether this layer is ever evicted (L2-norm's optional skip layers say no)."""
         return True
+
+    def budgets(self, budget: int, num_layers: int, prompt_length: int | None = None) -> list[int | None]:
+        """Each layer's budget (None: never evicted): the `layer_budgets` schedule, same total as uniform."""
+        split = split_budget(self.layer_budgets, budget, num_layers, prompt_length)
+        return [split[i] if self.compresses_layer(i) else None for i in range(num_layers)]
 
     def initial_state(self, keys: torch.Tensor) -> dict[str, torch.Tensor]:
         """State of newly written entries, {name: [batch, kv_heads, q]}, from their keys [batch, kv_heads, q, dim].
@@ -108,8 +140,10 @@ class Policy:
         return torch.arange(n, device=keep.device).expand(batch, heads, n)[keep].view(batch, heads, budget)
 
     def describe(self) -> dict:
-        """Name and hyper-parameters, for result files."""
-        return {"name": self.name, **{f.name: getattr(self, f.name) for f in fields(self)}}
+        """Name and hyper-parameters (the constructor's), for result files."""
+        ordered = sorted(fields(self), key=lambda f: bool(f.kw_only))  # own parameters first, then layer_budgets
+        name = self.name if self.name != Policy.name else f"{type(self).__module__}.{type(self).__qualname__}"
+        return {"name": name, **{f.name: getattr(self, f.name) for f in ordered if f.init}}
 
 
 def score_then_position(scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

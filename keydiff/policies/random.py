@@ -23,6 +23,3 @@ class Random(Policy):
             self._generator = torch.Generator().manual_seed(self.seed)
         noise = torch.rand(layer.positions.shape, generator=self._generator)
         return noise.to(layer.positions.device)
-
-    def describe(self) -> dict:
-        return {"name": self.name, "seed": self.seed}

@@ -1,0 +1,29 @@
+"""A complete eviction policy written outside keydiff-bench (README "Your own policy").
+
+    PYTHONPATH=examples python run.py policy=custom policy.target=my_policy.MyPolicy +policy.params.alpha=0.3
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from keydiff.policies import LayerView, Policy
+
+
+@dataclass
+class MyPolicy(Policy):
+    """Keep the entries with the largest values, nudged towards recent ones; never evict the first `sinks`."""
+
+    alpha: float = 0.3  # weight of recency against the value norm
+    sinks: int = 4
+
+    def validate(self, budget: int) -> None:  # runs before the model is loaded
+        if not 0 <= self.sinks < budget:
+            raise ValueError(f"sinks ({self.sinks}) must be in [0, budget={budget})")
+
+    def score(self, layer: LayerView) -> torch.Tensor:  # [batch, kv_heads, n]; the highest budget are kept
+        recency = layer.positions.float() / (layer.positions.max() + 1)
+        return layer.values.float().norm(dim=-1) + self.alpha * recency
+
+    def protected(self, layer: LayerView, budget: int) -> torch.Tensor | None:  # always kept
+        return layer.positions < self.sinks

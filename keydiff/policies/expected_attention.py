@@ -1,0 +1,86 @@
+"""Expected Attention (Devoto, Jeblick, Jégou 2025, arXiv 2510.00636): the attention future queries will pay.
+
+Queries are modelled as Gaussian: the pre-RoPE queries seen so far in this layer (every query at a position
+>= n_sink, collected by the attention function, keydiff.queries) give a mean mu and covariance Sigma per
+query head. A query at future position t is R_t q, so over the next `n_future_positions` positions the
+method uses the averaged rotation R = mean_t R_t: mu' = R mu, Sigma' = R Sigma R^T. For a Gaussian query
+E[exp(q·k / sqrt(d))] = exp(mu'·k / sqrt(d) + k^T Sigma' k / (2d)); a softmax over the layer's entries turns
+it into expected attention per query head, averaged over the heads of each KV group, then scaled by the
+value norm, (score + epsilon) * ||v|| (the entry's expected contribution to the output); `score` returns
+its logarithm (same order, no float32 underflow). The first n_sink
+positions are never scored and always kept.
+
+Defaults are the paper's / its reference implementation's (kvpress ExpectedAttentionPress): n_future_positions
+512, n_sink 4, use_covariance and use_vnorm on, epsilon 0. Deviations, forced by true block-wise prefill:
+* the statistics cover every query seen so far (all previous blocks, then generated tokens), and the future
+  window starts at the next position; the one-shot original takes the whole prompt's hidden states once.
+  (Its decoding mode uses a buffer of recent hidden states instead; not implemented.)
+* the paper's headline runs combine the scores with head-adaptive (AdaKV-style) budgets; here every KV head
+  keeps N entries (the cache's dense per-head layout), i.e. kvpress's plain `expected_attention` setting.
+* the queries come from the attention function (post-RoPE, un-rotated here), not re-projected from hidden
+  states, so the same code serves every model with q_proj/qk-norm variants alike.
+Attention-free with respect to the kernel: no attention weights are needed, so fused SDPA/FlashAttention run.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from keydiff.policies.base import LayerView, Policy
+from keydiff.queries import mean_rotation
+
+
+@dataclass
+class ExpectedAttention(Policy):
+    name: ClassVar[str] = "expected_attention"
+    needs_queries: ClassVar[bool] = True
+    n_future_positions: int = 512
+    n_sink: int = 4
+    use_covariance: bool = True
+    use_vnorm: bool = True
+    epsilon: float = 0.0
+
+    @property
+    def first_query_position(self) -> int:  # type: ignore[override]
+        """Queries of the sink positions are outliers: left out of the statistics (as in the original)."""
+        return self.n_sink
+
+    def validate(self, budget: int) -> None:
+        if self.n_future_positions < 1:
+            raise ValueError(f"expected_attention n_future_positions must be >= 1, got {self.n_future_positions}")
+        if not 0 <= self.n_sink < budget:
+            raise ValueError(f"expected_attention n_sink ({self.n_sink}) must be >= 0 and smaller than the budget ({budget})")
+        if self.epsilon < 0:
+            raise ValueError(f"expected_attention epsilon must be >= 0, got {self.epsilon}")
+
+    def score(self, layer: LayerView) -> torch.Tensor:
+        stats = layer.queries
+        keys = layer.keys.float()  # [b, h_kv, n, d]; statistics and rotation in float64, the O(n d²) part in float32
+        batch, kv_heads, n, dim = keys.shape
+        if stats is None or stats.count == 0:  # only sink queries so far: nothing to estimate from, keep the newest
+            return layer.positions.float()
+        rotation = mean_rotation(stats.inv_freq.to(keys.device), stats.scaling, stats.next_position, self.n_future_positions)
+        mean = (stats.mean() @ rotation.T).float()  # [b, H, d]
+        heads = mean.shape[1]
+        groups = heads // kv_heads
+        grouped_keys = keys.repeat_interleave(groups, dim=1)  # [b, H, n, d]
+        logits = (grouped_keys @ mean[..., None]).squeeze(-1) / math.sqrt(dim)
+        if self.use_covariance:
+            cov = (rotation @ stats.covariance() @ rotation.T).float()  # [b, H, d, d]
+            logits = logits + ((grouped_keys @ cov) * grouped_keys).sum(dim=-1) / (2 * dim)
+        logits = logits.masked_fill(layer.positions.repeat_interleave(groups, dim=1) < self.n_sink, float("-inf"))
+        # In log space, so tiny expected attentions keep their order.
+        log_attention = torch.log_softmax(logits, dim=-1).view(batch, kv_heads, groups, n)
+        scores = torch.logsumexp(log_attention, dim=2) - math.log(groups)  # log of the group mean
+        if self.use_vnorm:
+            if self.epsilon:
+                scores = torch.logaddexp(scores, torch.full_like(scores, math.log(self.epsilon)))
+            scores = scores + layer.values.float().norm(dim=-1).clamp_min(1e-30).log()
+        return scores  # log of (expected attention + epsilon) * ||v||: the same order
+
+    def protected(self, layer: LayerView, budget: int) -> torch.Tensor | None:
+        return layer.positions < self.n_sink if self.n_sink else None

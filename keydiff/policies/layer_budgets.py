@@ -1,0 +1,84 @@
+"""How a budget N is split across layers: uniform (every layer N) or a PyramidKV schedule.
+
+PyramidKV (Cai et al. 2024, arXiv 2406.02069, §3.3) gives lower layers more entries and higher layers fewer,
+in an arithmetic sequence with the same total as the uniform budget: the top layer gets (N - w) / beta,
+the bottom layer 2(N - w) - (N - w) / beta, each layer also keeps `w` (KVCache-Factory's observation
+window, added to every layer). beta = 20 is the paper's and KVCache-Factory's default. When the bottom
+layer would exceed the prompt (L - w), KVCache-Factory caps it at L - w and lifts the top layer to keep the
+total; if the schedule is then not ordered it falls back to the uniform budget. Both are done here.
+
+Deviation (documented): KVCache-Factory floors the step between layers, so its total falls a few tokens
+short of m x N; here the budgets are rounded by largest remainders so the total is exactly m x N.
+
+Any scoring policy takes a schedule through its `layer_budgets` parameter (conf/policy/*_pyramid.yaml):
+`{schedule: pyramid, beta: 20, window: 0}`. Each layer is then bounded by its own budget: it holds at most
+N_l + B entries per KV head, and results record N_l per layer.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+SCHEDULES = ("uniform", "pyramid")
+PYRAMID_KEYS = ("schedule", "beta", "window")
+
+
+def check_layer_budgets(spec: dict[str, Any] | None) -> None:
+    """Raise ValueError naming the key and the valid choices if `spec` is not a valid schedule."""
+    if spec is None:
+        return
+    if not isinstance(spec, dict):
+        raise ValueError(f"layer_budgets must be a mapping like {{schedule: pyramid, beta: 20}}, got {spec!r}")
+    schedule = spec.get("schedule", "uniform")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"layer_budgets.schedule {schedule!r} is not valid; valid: {', '.join(SCHEDULES)}")
+    valid = PYRAMID_KEYS if schedule == "pyramid" else ("schedule",)
+    unknown = sorted(set(spec) - set(valid))
+    if unknown:
+        raise ValueError(f"layer_budgets has no key(s) {', '.join(unknown)} for schedule {schedule!r}; valid: {', '.join(valid)}")
+    if schedule == "pyramid":
+        if not spec.get("beta", 20) >= 1:
+            raise ValueError(f"layer_budgets.beta must be >= 1, got {spec.get('beta')}")
+        if not isinstance(spec.get("window", 0), int) or spec.get("window", 0) < 0:
+            raise ValueError(f"layer_budgets.window must be a non-negative integer, got {spec.get('window')}")
+
+
+def smallest_layer_budget(spec: dict[str, Any] | None, budget: int) -> int:
+    """The smallest budget any layer can get (what policies validate against before the model is loaded)."""
+    if spec is None or spec.get("schedule", "uniform") == "uniform":
+        return budget
+    window = spec.get("window", 0)
+    return window + math.floor((budget - window) / spec.get("beta", 20))
+
+
+def split_budget(spec: dict[str, Any] | None, budget: int, num_layers: int, prompt_length: int | None = None) -> list[int]:
+    """Per-layer budgets [num_layers] whose sum is num_layers x budget (uniform: every layer `budget`)."""
+    check_layer_budgets(spec)
+    if spec is None or spec.get("schedule", "uniform") == "uniform" or num_layers == 1:
+        return [budget] * num_layers
+    beta, window = spec.get("beta", 20), spec.get("window", 0)
+    if budget <= window:
+        raise ValueError(f"layer_budgets.window ({window}) must be smaller than the budget ({budget})")
+    share = budget - window
+    low = share / beta  # top layer
+    high = 2 * share - low  # bottom layer
+    if prompt_length is not None and high >= prompt_length - window:
+        high = prompt_length - window
+        low = 2 * share - high
+    if not (high >= low >= 0):
+        return [budget] * num_layers  # KVCache-Factory's fallback: the uniform budget
+    step = (high - low) / (num_layers - 1)
+    exact = [window + high - layer * step for layer in range(num_layers)]
+    return largest_remainder(exact, budget * num_layers)
+
+
+def largest_remainder(values: list[float], total: int) -> list[int]:
+    """Round `values` to integers summing to `total` (which must be their rounded sum): floors, then +1 to the
+    largest fractional parts (ties: lower layer first)."""
+    floors = [math.floor(v) for v in values]
+    missing = total - sum(floors)
+    order = sorted(range(len(values)), key=lambda i: (-(values[i] - floors[i]), i))
+    for i in order[:missing]:
+        floors[i] += 1
+    return floors

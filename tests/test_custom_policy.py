@@ -1,0 +1,97 @@
+"""Bring your own policy: examples/my_policy.py run through run.py from outside the package, and bad targets."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from keydiff import build_policy, prefill, runner
+from keydiff.config import policy_label
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+
+
+def make_cfg(*overrides: str):
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        return compose("config", overrides=list(overrides))
+
+
+@pytest.fixture
+def examples_on_path(monkeypatch):
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    monkeypatch.setattr(runner, "load_model", lambda *a, **k: pytest.fail("the model must not be loaded"))
+
+
+@pytest.mark.real_model
+def test_example_policy_runs_end_to_end_through_run_py_from_outside_the_package(tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(EXAMPLES)]), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, str(ROOT / "run.py"), "policy=custom", "policy.target=my_policy.MyPolicy",
+               "+policy.params.alpha=0.3", "task.context_lengths=[400]", "task.depths=[50]", "task.limit=1",
+               "budget.tokens=128", "block_size=64", f"results_root={tmp_path / 'runs'}"]
+    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    run_dir = tmp_path / "runs" / "adhoc" / "niah_small" / "smollm2-135m" / "MyPolicy-alpha0.3" / "128" / "bs64" / "seed0"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["policy"] == {"name": "my_policy.MyPolicy", "alpha": 0.3, "sinks": 4, "layer_budgets": None}
+    assert summary["statistics"]["samples"] == 1 and summary["statistics"]["cache_bound_held"] is True
+    row = json.loads((run_dir / "predictions.jsonl").read_text().splitlines()[0])
+    assert row["kept_tokens"] == 128 and row["prompt_tokens"] > 128  # it really evicted
+
+
+def test_example_policy_keeps_what_its_score_says(examples_on_path):
+    """One block, one eviction: the sinks plus the largest value norms of a plain forward's cache (brute force)."""
+    from my_policy import MyPolicy
+    from tests.conftest import tiny_llama
+
+    model, ids = tiny_llama(), torch.randint(0, 256, (1, 120), generator=torch.Generator().manual_seed(0))
+    policy = build_policy("my_policy.MyPolicy", alpha=0.0, sinks=2)
+    assert isinstance(policy, MyPolicy)
+    state = prefill(model, ids, policy, budget=40, block_size=None)
+    with torch.no_grad():
+        reference = model(ids, use_cache=True).past_key_values
+    for layer, kept in enumerate(state.kept_positions):
+        norms = reference.layers[layer].values[0].norm(dim=-1)  # [kv_heads, 120]
+        for head in range(norms.shape[0]):
+            ranked = sorted(range(2, 120), key=lambda i: -float(norms[head, i]))
+            assert kept[0, head].tolist() == sorted([0, 1] + ranked[:38])
+
+
+def test_label_is_derived_from_class_and_parameters():
+    cfg = make_cfg("policy=custom", "policy.target=my_lab.policies.MyPolicy", "+policy.params.alpha=0.3")
+    assert cfg.policy.label == "MyPolicy-alpha0.3" and "/MyPolicy-alpha0.3/2k/" in cfg.run_subdir
+    assert policy_label("a.B", {"beta": [1, 2], "alpha": 0.5}) == "B-alpha0.5-beta_1_2_"
+    assert policy_label("a.B", {}) != policy_label("a.B", {"alpha": 0.5})
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["policy.target=no_such_lab.policies.MyPolicy"], "cannot import module 'no_such_lab.policies'"),
+        (["policy.target=my_policy.NoSuchPolicy"], "module 'my_policy' has no attribute 'NoSuchPolicy'"),
+        (["policy.target=collections.OrderedDict"], "is not a subclass of keydiff.policies.Policy"),
+        (["policy.target=my_policy.MyPolicy", "+policy.params.beta=1"], r"no parameter\(s\) beta; valid: alpha, sinks, layer_budgets"),
+        (["policy.target=my_policy.MyPolicy", "+policy.params.sinks=4096"], r"sinks \(4096\) must be in"),
+        ([], "policy=custom needs policy.target"),
+    ],
+)
+def test_bad_targets_fail_before_the_model_loads(tmp_path, examples_on_path, no_model_load, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        runner.run(make_cfg("policy=custom", *overrides), tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
+def test_unknown_builtin_name_points_to_custom_targets():
+    with pytest.raises(ValueError, match="keydiff, keydiff_pairwise.*dotted path"):
+        build_policy("keydif")

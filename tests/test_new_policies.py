@@ -1,0 +1,289 @@
+"""Expected Attention, LagKV and PyramidKV layer budgets against brute-force references (loops, explicit matrices)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from keydiff import build_policy, generate, prefill
+from keydiff.policies import LayerView
+from keydiff.policies.layer_budgets import smallest_layer_budget, split_budget
+from keydiff.queries import QueryStatistics, mean_rotation, rope_frequencies
+from tests.conftest import tiny_llama
+
+HEAD_DIM = 16
+
+
+def rope_matrix(model, position: int) -> torch.Tensor:
+    """The model's own RoPE at `position` as an explicit [d, d] matrix (applied to the identity basis)."""
+    rotary = model.model.rotary_emb
+    basis = torch.eye(HEAD_DIM, dtype=torch.float32)[None, None]  # [1, 1, d, d]: rows are basis vectors
+    cos, sin = rotary(basis, torch.tensor([[position] * HEAD_DIM]))
+    rotated, _ = apply_rotary_pos_emb(basis, basis, cos, sin)
+    return rotated[0, 0].T.double()  # column j = R e_j
+
+
+def view(keys, values, positions, queries=None):
+    return LayerView(keys, values, positions, None, {}, 0, queries)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama()
+
+
+# --------------------------------------------------------------------------- query statistics and RoPE
+
+
+def test_query_statistics_undo_rope_and_match_brute_moments(model):
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 4, 40, HEAD_DIM, generator=generator, dtype=torch.float64) + 0.5  # pre-RoPE queries
+    post = torch.stack([(rope_matrix(model, p) @ x[0, :, p].T).T for p in range(40)], dim=1)[None]  # [1, 4, 40, d]
+    inv_freq, scaling = rope_frequencies(model.config, HEAD_DIM)
+    stats = QueryStatistics(inv_freq, scaling, first_position=3)
+    stats.update(post[:, :, :25].float(), 0)  # two passes, as two prefill blocks
+    stats.update(post[:, :, 25:].float(), 25)
+    kept = x[:, :, 3:]
+    assert stats.count == 37 and stats.next_position == 40
+    assert torch.allclose(stats.mean(), kept.mean(dim=2), atol=1e-5)
+    centred = kept - kept.mean(dim=2, keepdim=True)
+    brute_cov = torch.einsum("bhni,bhnj->bhij", centred, centred) / 37
+    assert torch.allclose(stats.covariance(), brute_cov, atol=1e-5)
+
+
+def test_mean_rotation_is_the_average_of_the_models_rope_matrices(model):
+    inv_freq, scaling = rope_frequencies(model.config, HEAD_DIM)
+    brute = sum(rope_matrix(model, t) for t in range(100, 130)) / 30
+    assert torch.allclose(mean_rotation(inv_freq, scaling, 100, 30), brute, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- Expected Attention
+
+
+def expected_attention_reference(model, keys, values, positions, x, next_position, future, n_sink, epsilon=0.0):
+    """Loop reference: Gaussian moments of the pre-RoPE queries x [b, H, m, d] (positions >= n_sink), averaged RoPE
+    matrix from the model's rotary embedding, exp(mu·k/sqrt(d) + k'Σk/2d) normalised over non-sink entries, group
+    mean, times (score + eps)·||v||. Returns per-entry scores [b, h_kv, n] (sinks: +inf)."""
+    b, kv_heads, n, d = keys.shape
+    heads = x.shape[1]
+    groups = heads // kv_heads
+    rotation = sum(rope_matrix(model, t) for t in range(next_position, next_position + future)) / future
+    out = torch.zeros(b, kv_heads, n, dtype=torch.float64)
+    for bi in range(b):
+        for h in range(kv_heads):
+            per_head = []
+            for g in range(groups):
+                q = x[bi, h * groups + g]
+                mu = q.mean(dim=0)
+                cov = sum(torch.outer(r - mu, r - mu) for r in q) / len(q)
+                mu, cov = rotation @ mu, rotation @ cov @ rotation.T
+                raw = []
+                for i in range(n):
+                    k = keys[bi, h, i].double()
+                    raw.append(math.exp(float(mu @ k) / math.sqrt(d) + float(k @ cov @ k) / (2 * d)))
+                total = sum(r for i, r in enumerate(raw) if positions[bi, h, i] >= n_sink)
+                per_head.append([r / total for r in raw])
+            for i in range(n):
+                if positions[bi, h, i] < n_sink:
+                    out[bi, h, i] = math.inf
+                else:
+                    attention = sum(p[i] for p in per_head) / groups
+                    out[bi, h, i] = (attention + epsilon) * float(values[bi, h, i].double().norm())
+    return out
+
+
+@pytest.mark.parametrize("epsilon", [0.0, 0.05])
+def test_expected_attention_matches_loop_reference(model, epsilon):
+    generator = torch.Generator().manual_seed(1)
+    n, budget, n_sink, future = 30, 12, 4, 64
+    keys = torch.randn(1, 2, n, HEAD_DIM, generator=generator) * 0.7
+    values = torch.randn(1, 2, n, HEAD_DIM, generator=generator)
+    positions = torch.randperm(n, generator=generator).expand(1, 2, n).clone()  # buffer order is arbitrary
+    x = torch.randn(1, 4, 50, HEAD_DIM, generator=generator, dtype=torch.float64) * 0.5 + 0.3
+    post = torch.stack([(rope_matrix(model, p) @ x[0, :, p].T).T for p in range(50)], dim=1)[None].float()
+    inv_freq, scaling = rope_frequencies(model.config, HEAD_DIM)
+    stats = QueryStatistics(inv_freq, scaling, first_position=n_sink)
+    stats.update(post, 0)
+    policy = build_policy("expected_attention", n_future_positions=future, n_sink=n_sink, epsilon=epsilon)
+    layer = view(keys, values, positions, stats)
+    reference = expected_attention_reference(model, keys, values, positions, x[:, :, n_sink:], 50, future, n_sink, epsilon)
+    finite = torch.isfinite(reference)
+    assert torch.allclose(policy.score(layer).double().exp()[finite], reference[finite], rtol=1e-4)
+    kept = policy.keep_indices(layer, budget)
+    for h in range(2):
+        order = sorted(range(n), key=lambda i: -float(reference[0, h, i]))
+        assert kept[0, h].tolist() == sorted(order[:budget])
+
+
+def test_expected_attention_statistics_in_a_real_prefill_are_the_pre_rope_queries(model):
+    """No eviction (budget >= L): the engine's per-layer statistics equal the q_proj outputs of one plain forward."""
+    ids = torch.randint(0, 256, (1, 90), generator=torch.Generator().manual_seed(2))
+    captured = {}
+    hooks = [layer.self_attn.q_proj.register_forward_hook(lambda m, i, o, idx=idx: captured.__setitem__(idx, o))
+             for idx, layer in enumerate(model.model.layers)]
+    try:
+        with torch.no_grad():
+            model(ids)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    state = prefill(model, ids, build_policy("expected_attention", n_sink=4), budget=200, block_size=32)
+    for idx, layer in enumerate(state.cache.layers):
+        x = captured[idx].view(1, 90, 4, HEAD_DIM).transpose(1, 2).double()[:, :, 4:]
+        assert layer.queries.count == 86 and layer.queries.next_position == 90
+        assert torch.allclose(layer.queries.mean(), x.mean(dim=2), atol=1e-4)
+
+
+def test_expected_attention_runs_block_wise_within_the_bound_and_keeps_sinks(model):
+    ids = torch.randint(0, 256, (1, 300), generator=torch.Generator().manual_seed(3))
+    peaks = []
+    state = prefill(model, ids, build_policy("expected_attention"), budget=64, block_size=32,
+                    on_block=lambda cache: peaks.append(max(layer.num_entries for layer in cache.layers)))
+    assert max(peaks) <= 64 and state.max_cache_entries <= 96
+    for kept in state.kept_positions:
+        assert kept.shape[-1] == 64 and bool((kept[..., :4] == torch.arange(4)).all())
+    out = generate(model, state, 4)
+    assert out.max_cache_entries <= 96
+
+
+def test_expected_attention_without_the_keydiff_attention_function_says_what_to_do(model):
+    from keydiff import EvictingCache
+
+    cache = EvictingCache(build_policy("expected_attention"), 16, 3, block_size=8)
+    ids = torch.randint(0, 256, (1, 24))
+    with torch.no_grad():
+        model(ids[:, :20], past_key_values=cache, use_cache=True)
+        with pytest.raises(RuntimeError, match="keydiff_attention"):
+            model(ids[:, 20:], past_key_values=cache, use_cache=True)
+
+
+# --------------------------------------------------------------------------- LagKV
+
+
+def lagkv_reference(keys, values, positions, n_sink, lag):
+    """Loop reference on entries in position order: per partition p (not the last full one, nor the remainder),
+    spread = std over channels of (x - min_ref)/(max_ref - min_ref) with ref = partition p+1, softmax over the
+    partition, keys and values averaged, rank / lag. Unscored entries: 1 + recency; sinks: +inf."""
+    b, h, n, d = keys.shape
+    out = torch.zeros(b, h, n)
+    for bi in range(b):
+        for hi in range(h):
+            order = sorted(range(n), key=lambda i: int(positions[bi, hi, i]))
+            sinks = [i for i in order if positions[bi, hi, i] < n_sink]
+            rest = [i for i in order if positions[bi, hi, i] >= n_sink]
+            chunks = len(rest) // lag
+            top = float(positions.max()) + 1
+            for i in rest:
+                out[bi, hi, i] = 1 + float(positions[bi, hi, i]) / top
+            for i in sinks:
+                out[bi, hi, i] = math.inf
+            for p in range(chunks - 1):
+                part, ref = rest[p * lag : (p + 1) * lag], rest[(p + 1) * lag : (p + 2) * lag]
+                combined = [0.0] * lag
+                for states in (keys, values):
+                    low = torch.stack([states[bi, hi, j] for j in ref]).min(dim=0).values
+                    high = torch.stack([states[bi, hi, j] for j in ref]).max(dim=0).values
+                    spread = torch.tensor([float(((states[bi, hi, j] - low) / (high - low)).std()) for j in part])
+                    for t, value in enumerate(torch.softmax(spread, dim=0)):
+                        combined[t] += float(value) / 2
+                ranks = sorted(range(lag), key=lambda t: combined[t])
+                for rank, t in enumerate(ranks):
+                    out[bi, hi, part[t]] = rank / lag
+    return out
+
+
+@pytest.mark.parametrize("n", [46, 40, 20])
+def test_lagkv_matches_loop_reference_in_any_buffer_order(n):
+    generator = torch.Generator().manual_seed(4)
+    keys = torch.randn(1, 2, n, 8, generator=generator)
+    values = torch.randn(1, 2, n, 8, generator=generator)
+    positions = torch.randperm(n, generator=generator).expand(1, 2, n).clone() * 3  # gaps: earlier evictions
+    policy = build_policy("lagkv", n_sink=2, lag_size=8)
+    reference = lagkv_reference(keys, values, positions, 2, 8)
+    score = policy.score(view(keys, values, positions))
+    assert torch.allclose(score[torch.isfinite(reference)], reference[torch.isfinite(reference)], atol=1e-6)
+    budget = 14
+    kept = policy.keep_indices(view(keys, values, positions), budget)
+    for h in range(2):
+        order = sorted(range(n), key=lambda i: (-float(reference[0, h, i]), -int(positions[0, h, i])))
+        assert kept[0, h].tolist() == sorted(order[:budget])
+
+
+def test_lagkv_block_wise_prefill_keeps_sinks_and_holds_the_bound(model):
+    ids = torch.randint(0, 256, (1, 300), generator=torch.Generator().manual_seed(5))
+    state = prefill(model, ids, build_policy("lagkv", lag_size=16), budget=64, block_size=32)
+    assert state.max_cache_entries <= 96
+    for kept in state.kept_positions:
+        assert kept.shape[-1] == 64 and bool((kept[..., :4] == torch.arange(4)).all())
+        assert int(kept[..., -1].min()) == 299  # the newest (unscored) partition survives
+
+
+# --------------------------------------------------------------------------- PyramidKV layer budgets
+
+
+@pytest.mark.parametrize("budget, layers, beta, window", [(2048, 30, 20, 0), (2048, 32, 20, 32), (100, 7, 5, 0), (64, 3, 20, 0)])
+def test_pyramid_total_equals_the_uniform_total_and_decreases(budget, layers, beta, window):
+    spec = {"schedule": "pyramid", "beta": beta, "window": window}
+    split = split_budget(spec, budget, layers)
+    assert sum(split) == budget * layers
+    assert all(a >= b for a, b in zip(split, split[1:])) and split[0] > budget > split[-1]
+    share = budget - window  # PyramidKV: top layer (N - w)/beta, bottom 2(N - w) - top, arithmetic in between
+    exact = [window + (2 * share - share / beta) - i * (2 * share - 2 * share / beta) / (layers - 1) for i in range(layers)]
+    assert all(abs(a - e) < 1 for a, e in zip(split, exact))
+    assert min(split) >= smallest_layer_budget(spec, budget)
+
+
+def test_pyramid_is_capped_by_a_short_prompt_and_keeps_the_total():
+    spec = {"schedule": "pyramid", "beta": 20}
+    split = split_budget(spec, 1000, 4, prompt_length=1500)  # uncapped bottom layer would be 1950
+    assert split[0] == 1500 and sum(split) == 4000 and split == sorted(split, reverse=True)
+    assert split_budget(None, 1000, 4) == [1000] * 4
+
+
+def test_layer_budget_errors_name_the_key_and_the_choices():
+    with pytest.raises(ValueError, match="valid: uniform, pyramid"):
+        build_policy("keydiff", layer_budgets={"schedule": "pyramidal"}).check(256)
+    with pytest.raises(ValueError, match="valid: schedule, beta, window"):
+        build_policy("keydiff", layer_budgets={"schedule": "pyramid", "alpha": 1}).check(256)
+    with pytest.raises(ValueError, match="smaller than the budget"):  # SnapKV's window vs the top layer's budget
+        build_policy("snapkv", layer_budgets={"schedule": "pyramid", "beta": 20}).check(256)
+
+
+@pytest.mark.parametrize("name", ["keydiff", "snapkv"])
+def test_pyramid_per_layer_bound_and_kept_counts_in_a_real_prefill(name):
+    model = tiny_llama(num_hidden_layers=5)
+    spec = {"schedule": "pyramid", "beta": 4, "window": 32 if name == "snapkv" else 0}
+    policy = build_policy(name, layer_budgets=spec)
+    budget, block = 60, 16
+    expected = split_budget(spec, budget, 5, prompt_length=300)
+    assert sum(expected) == 5 * budget and len(set(expected)) == 5
+
+    def check(cache):
+        for layer, layer_budget in zip(cache.layers, expected):
+            assert layer.budget == layer_budget and layer.num_entries <= layer_budget
+            assert layer.max_entries <= layer_budget + block
+
+    ids = torch.randint(0, 256, (1, 300), generator=torch.Generator().manual_seed(6))
+    state = prefill(model, ids, policy, budget=budget, block_size=block, on_block=check)
+    assert [kept.shape[-1] for kept in state.kept_positions] == expected
+    assert state.cache.layer_budgets == expected
+    assert state.cache.layer_max_entries == [b + block for b in expected]
+    generate(model, state, 3)
+    assert state.cache.layer_max_entries == [b + block for b in expected]  # decoding adds one at a time
+
+
+def test_run_statistics_check_each_layer_against_its_own_bound():
+    from keydiff.runner import RunPlan, run_statistics
+
+    plan = RunPlan("keydiff", {}, 100, 10, "fast", True, None, None)
+    row = {"prompt_tokens": 500, "compression_ratio": 0.2, "ttft_s": 1.0, "decode_s": 1.0, "new_tokens": 3,
+           "max_cache_entries": 160, "kv_cache_peak_bytes": 1, "kv_cache_bytes": 1, "peak_memory_bytes": 1,
+           "layer_budgets": [150, 100, 50], "layer_max_cache_entries": [160, 110, 60]}
+    stats = run_statistics([row], plan)
+    assert stats["cache_bound_held"] is True and stats["cache_bound"] == 160
+    assert stats["layer_cache_bounds"] == [160, 110, 60] and stats["layer_budgets"] == [150, 100, 50]
+    broken = {**row, "layer_max_cache_entries": [160, 110, 61]}  # the top layer over its own N_l + B
+    assert run_statistics([broken], plan)["cache_bound_held"] is False
