@@ -2,6 +2,7 @@
 
 `${budget_label:${.tokens}}` names a budget after its token count (2048 -> "2k", 6144 -> "6k",
 3000 -> "3000"), so `budget.tokens=3000` can never write into a directory labelled "2k".
+`${limit_suffix:${task.limit}}` appends "-limit<N>" to the run directory of a subset run.
 """
 
 from __future__ import annotations
@@ -16,6 +17,14 @@ def budget_label(tokens: int | None) -> str:
     return f"{tokens // 1024}k" if tokens > 0 and tokens % 1024 == 0 else str(tokens)
 
 
+def limit_suffix(limit: int | None) -> str:
+    """"" for a full run, "-limit<N>" for a subset run: a run directory's name says which it holds, so a
+    `task.limit=2` run never writes into (or is mistaken for) the full run of the same grid point."""
+    return "" if limit is None else f"-limit{limit}"
+
+
 def register_resolvers() -> None:
     if not OmegaConf.has_resolver("budget_label"):
         OmegaConf.register_new_resolver("budget_label", budget_label)
+    if not OmegaConf.has_resolver("limit_suffix"):
+        OmegaConf.register_new_resolver("limit_suffix", limit_suffix)
