@@ -27,7 +27,7 @@ import keydiff  # noqa: F401  (registers the config resolvers; torch is imported
 from keydiff.checks import ConfigError, check_run_config, exit_with_error
 from keydiff.preemption import Preempted
 from keydiff.results import ConfigMismatchError, ResultWriteError
-from keydiff.runlock import RunLockedError
+from keydiff.runlock import RunLock, RunLockedError
 from keydiff.sweep import run_dir_of
 
 log = logging.getLogger("keydiff")
@@ -50,15 +50,16 @@ def remove_if_empty(run_dir: Path, root: Path) -> None:
 def main(cfg: DictConfig) -> float | None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
-        check_run_config(cfg)
-        if cfg.dry_run:
+        check_run_config(cfg)  # already done before start (callback / sweeper); cheap, and covers direct calls
+        if cfg.dry_run:  # a sweep's dry run never launches jobs; kept for launchers that bypass the sweeper
             print(f"dry run: would write {run_dir_of(cfg)}; nothing is run")
             remove_if_empty(run_dir, Path(cfg.results_root))
             return None
-        from keydiff.runner import run  # imports torch
-
         try:
-            summary = run(cfg, run_dir)
+            with RunLock(run_dir, cfg.lock_wait):  # before torch: a second writer is refused in seconds
+                from keydiff.runner import run  # imports torch
+
+                summary = run(cfg, run_dir)
         except Preempted as stop:
             log.warning("%s after writing every finished row; re-run the same command to resume", stop)
             stop.deliver()

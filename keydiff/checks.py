@@ -113,3 +113,30 @@ def exit_with_error(message: str, code: int = 2) -> None:
 
     print(f"error: {message}", file=sys.stderr, flush=True)
     raise SystemExit(code)
+
+
+def _check_single_run(config: DictConfig) -> None:
+    """Hydra callback body for a single run: the checks (and dry_run) before Hydra creates the run directory."""
+    from keydiff.sweep import run_dir_of
+
+    try:
+        check_run_config(config)
+    except ValueError as error:
+        exit_with_error(describe_error(error))
+    if config.get("dry_run", False):
+        print(f"dry run: would write {run_dir_of(config)}; nothing is run")
+        raise SystemExit(0)
+
+
+try:
+    from hydra.experimental.callback import Callback
+except ImportError:  # pragma: no cover - hydra < 1.1
+    Callback = object
+
+
+class CheckBeforeStart(Callback):
+    """`hydra.callbacks.check`: runs the torch-free checks of a single run before its directory exists
+    (sweeps are checked point by point by the keydiff sweeper before any job starts)."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        _check_single_run(config)

@@ -5,7 +5,9 @@ one still runs) would interleave rows and both rewrite summary.json. The first c
 atomically (O_CREAT | O_EXCL) holding its host, pid and start time; a second one waits up to `lock_wait`
 seconds and then refuses with a message naming the holder. A lock whose pid no longer exists on this host
 is stale (a killed job) and is taken over. A lock held from another host cannot be checked from here: it
-is reported with its age, and the message says how to remove it if that job is known to be gone.
+is reported with its start time, and the message says how to remove it if that job is known to be gone.
+run.py takes the lock before importing torch, so a second process is refused within seconds; the
+lock is re-entrant within one process (runner.run takes it again for API callers).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class RunLock:
         self.path = Path(run_dir) / LOCK_NAME
         self.wait_s = float(wait_s)
         self.poll_s = poll_s
+        self.reentered = False
         self.record = {"host": socket.gethostname(), "pid": os.getpid(),
                        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
@@ -76,6 +79,9 @@ class RunLock:
             holder = self.holder()
             if holder is None:
                 continue  # released between our attempt and the read
+            if holder.get("host") == self.record["host"] and holder.get("pid") == self.record["pid"]:
+                self.reentered = True  # this process holds it already (run.py, then runner.run)
+                return
             if self._is_stale(holder):
                 stale = self.path.with_name(f"{LOCK_NAME}.stale-{os.getpid()}")
                 try:
@@ -98,7 +104,7 @@ class RunLock:
             time.sleep(self.poll_s)
 
     def release(self) -> None:
-        if self.holder() == self.record:
+        if not self.reentered and self.holder() == self.record:
             self.path.unlink(missing_ok=True)
 
     def __enter__(self) -> "RunLock":

@@ -93,6 +93,6 @@ def sample_ids(cfg: DictConfig) -> set[str] | None:
         try:
             task = instantiate(cfg.task, _convert_="all")
             _SAMPLE_IDS[key] = {sample.id for sample in task.samples()}
-        except (OSError, ValueError, ImportError):
+        except (OSError, ValueError, ImportError, RuntimeError):  # data not here (e.g. no network)
             _SAMPLE_IDS[key] = None
     return _SAMPLE_IDS[key]
