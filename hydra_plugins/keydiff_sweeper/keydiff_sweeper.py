@@ -14,6 +14,8 @@ launcher must have a partition, and nothing is created on disk until all of that
 from __future__ import annotations
 
 import logging
+import shlex
+import sys
 from pathlib import Path
 from typing import Any, List
 
@@ -32,20 +34,20 @@ def is_slurm(launcher_cfg: Any) -> bool:
 
 
 def slurm_job_script(launcher_params: dict[str, Any], array_size: int) -> str:
-    """The sbatch script the submitit launcher would submit for an array of `array_size` jobs."""
-    import submitit
-    from submitit.slurm.slurm import _make_sbatch_string
+    """The sbatch script the submitit launcher would submit for `array_size` grid points (built with
+    submitit's own script writer; no `srun` needed, so it works off the cluster too)."""
+    from submitit.slurm.slurm import _convert_mem, _make_sbatch_string
 
-    init_keys = {"submitit_folder", "max_num_timeout"}
-    executor = submitit.AutoExecutor(folder=launcher_params["submitit_folder"], cluster="slurm",
-                                     slurm_max_num_timeout=launcher_params.get("max_num_timeout", 0))
-    generic = {"timeout_min", "cpus_per_task", "gpus_per_node", "tasks_per_node", "mem_gb", "nodes", "name",
-               "stderr_to_stdout"}
-    executor.update_parameters(**{key if key in generic else f"slurm_{key}": value
-                                  for key, value in launcher_params.items() if key not in init_keys})
-    slurm = executor._executor
-    return _make_sbatch_string(command=slurm._submitit_command_str, folder=slurm.folder,
-                               **{**slurm.parameters, "map_count": array_size})
+    renamed = {"timeout_min": "time", "tasks_per_node": "ntasks_per_node", "name": "job_name"}
+    params = {renamed.get(key, key): value for key, value in launcher_params.items()
+              if key not in ("submitit_folder", "max_num_timeout", "mem_gb")}
+    if launcher_params.get("mem_gb") is not None:
+        params["mem"] = _convert_mem(launcher_params["mem_gb"])
+    folder = Path(launcher_params["submitit_folder"]).expanduser().absolute()
+    command = " ".join([shlex.quote(sys.executable), "-u -m submitit.core._submit", shlex.quote(str(folder))])
+    # submitit sends a single point as a plain job, several as one array
+    return _make_sbatch_string(command=command, folder=folder, map_count=array_size if array_size > 1 else None,
+                               **params)
 
 
 class KeydiffSweeper(BasicSweeper):
@@ -113,6 +115,7 @@ class KeydiffSweeper(BasicSweeper):
         if is_slurm(launcher) and points:
             params = OmegaConf.to_container(launcher, resolve=True)
             params.pop("_target_", None)
-            print(f"SLURM array size: {len(points)} (one array task per grid point)")
+            kind = "one array task per grid point" if len(points) > 1 else "a single point: a plain job, no --array"
+            print(f"SLURM array size: {len(points)} ({kind})")
             print("job script (sbatch):")
             print(slurm_job_script(params, len(points)))
