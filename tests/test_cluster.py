@@ -219,18 +219,22 @@ def dead_pid() -> int:
 
 
 def test_second_writer_is_refused_naming_the_holder_and_may_wait(tmp_path):
-    with RunLock(tmp_path / "run"):
-        with pytest.raises(RunLockedError, match=f"host {socket.gethostname()}, pid {os.getpid()}"):
-            RunLock(tmp_path / "run").acquire()
-        waiter = RunLock(tmp_path / "run", wait_s=30, poll_s=0.05)
-        holder = RunLock(tmp_path / "run")
-        holder.record = json.loads((tmp_path / "run" / ".lock").read_text())
-        threading.Timer(0.3, holder.release).start()
-        started = time.monotonic()
-        waiter.acquire()  # returns once the first holder is gone
-        assert 0.2 < time.monotonic() - started < 30
-        waiter.release()
-    assert not (tmp_path / "run" / ".lock").exists()
+    lock = tmp_path / "run" / ".lock"
+    lock.parent.mkdir()
+    live = {"host": socket.gethostname(), "pid": os.getppid(), "started": "now"}  # another live process
+    lock.write_text(json.dumps(live))
+    with pytest.raises(RunLockedError, match=f"host {socket.gethostname()}, pid {os.getppid()}, since now"):
+        RunLock(tmp_path / "run").acquire()
+    threading.Timer(0.3, lock.unlink).start()  # the holder finishes
+    waiter = RunLock(tmp_path / "run", wait_s=30, poll_s=0.05)
+    started = time.monotonic()
+    waiter.acquire()
+    assert 0.2 < time.monotonic() - started < 30 and json.loads(lock.read_text()) == waiter.record
+    with RunLock(tmp_path / "run"):  # re-entrant in the holding process (run.py, then runner.run)
+        pass
+    assert lock.exists()
+    waiter.release()
+    assert not lock.exists()
 
 
 def test_stale_lock_of_a_dead_process_is_taken_over(tmp_path):
