@@ -212,3 +212,40 @@ def test_status_lists_every_point_of_an_experiment(tmp_path):
     rows = experiment_status("smoke", [f"results_root={root}"])
     assert [status.describe() for _, _, status in rows] == ["partial (1 of 2)", "not started"]
     assert rows[0][2].needs_run() and rows[1][2].needs_run()
+
+
+def test_usr2_under_submitit_requeues_and_the_requeued_task_resumes(tmp_path, tiny_model_dir):
+    """SLURM's time-limit warning (USR2) to a running array task: the runner stops after its last whole row,
+    hands the signal to submitit, which checkpoints and calls `scontrol requeue`; the requeued task resumes."""
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="pip install -e '.[slurm]'")
+    state = tmp_path / "slurm"
+    env = child_env(PATH=f"{FAKE_SLURM}{os.pathsep}{os.environ['PATH']}", FAKE_SLURM_DIR=str(state),
+                    FAKE_SLURM_PYTHON=sys.executable)
+    root = tmp_path / "runs"
+    submitting = subprocess.Popen(
+        [sys.executable, "run.py", "-m", *model_args(tiny_model_dir), "task.context_lengths=[400,800]",
+         "task.depths=[0,25,50,75,100]", "experiment_name=pre", f"results_root={root}", "hydra/launcher=slurm",
+         "hydra.launcher.partition=fake", "hydra.launcher.cpus_per_task=1"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    run_dir = root / "pre/niah_small/custom/keydiff/2k/bs128/seed0"
+    try:
+        deadline = time.time() + 240
+        predictions = run_dir / "predictions.jsonl"
+        while (not predictions.exists() or not predictions.read_text().count("\n")) and time.time() < deadline:
+            time.sleep(0.1)
+        os.kill(int((state / "pid_1000").read_text()), signal.SIGUSR2)
+        stdout, stderr = submitting.communicate(timeout=400)
+    finally:
+        if submitting.poll() is None:
+            submitting.kill()
+    assert submitting.returncode == 0, stderr
+    calls = [json.loads(line) for line in (state / "calls.log").read_text().splitlines()]
+    assert ["scontrol", "requeue", "1000"] in calls
+    logs = "".join(path.read_text() for path in (root / "pre/.submitit/1000").glob("1000_0_log.*"))
+    assert "stopped by SIGUSR2 after writing every finished row" in logs and "Requeued job 1000" in logs
+    ids = [row["sample_id"] for row in read_rows(run_dir)]
+    assert len(ids) == len(set(ids)) == 10  # nothing lost, nothing twice
+    assert json.loads((run_dir / "summary.json").read_text())["complete"] is True
+    deadline = time.time() + 60
+    while not list(state.glob("done_1000_*requeue")) and time.time() < deadline:
+        time.sleep(0.2)

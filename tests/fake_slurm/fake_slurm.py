@@ -4,7 +4,8 @@
 "Submitted batch job <id>" like the real one, and starts a detached runner that executes the array tasks
 one after another on this machine with the SLURM_* variables a real node sets (array ids, CPUs per task),
 the batch output going to the script's --output/--error files. `sacct` reports the states the runner
-records, `srun` runs its command with --output/--error redirected, and the rest only log their calls.
+records, `srun` runs its command with --output/--error redirected (and notes its pid), `scontrol requeue`
+runs a task again as SLURM does after submitit's USR2 handler asks for it, and the rest only log calls.
 Used by tests/test_cluster_processes.py, which puts this folder first on PATH.
 """
 
@@ -76,30 +77,59 @@ def sbatch(args: list[str]) -> int:
     return 0
 
 
-def run_array(job_id: str, script_path: str, low: int, high: int, array: bool) -> int:
+def requeues(name: str) -> int:
+    path = STATE_DIR / f"requeues_{name}"
+    return int(path.read_text()) if path.exists() else 0
+
+
+def run_task(job_id: str, script_path: str, task: int | None, count: int) -> int:
+    """Run one (array) task of a submitted script as a compute node would, recording its state for sacct."""
     script = Path(script_path).read_text()
     params = directives(script)
     folder = re.search(r"-m submitit.core._submit (\S+)", script).group(1)
-    for task in range(low, high + 1) if array else [None]:
-        pickle = Path(fill(shlex.split(folder)[0], job_id, task)) / f"{task_id(job_id, task)}_submitted.pkl"
-        deadline = time.time() + 120
-        while not pickle.exists() and time.time() < deadline:  # submitit moves it in after sbatch returns
-            time.sleep(0.1)
-        env = dict(os.environ, SLURM_JOB_ID=job_id, SLURM_NTASKS="1", SLURM_JOB_NUM_NODES="1", SLURM_NODEID="0",
-                   SLURM_PROCID="0", SLURM_LOCALID="0", SLURM_JOB_NODELIST=socket.gethostname(),
-                   SLURM_CPUS_PER_TASK=params.get("cpus-per-task", "1"))
-        if array:
-            env.update(SLURM_JOB_ID=str(int(job_id) + 1 + task), SLURM_ARRAY_JOB_ID=job_id,
-                       SLURM_ARRAY_TASK_ID=str(task), SLURM_ARRAY_TASK_COUNT=str(high - low + 1))
-        state = STATE_DIR / f"state_{task_id(job_id, task)}"
-        state.write_text("RUNNING")
-        out = Path(fill(params["output"], job_id, task))
-        err = Path(fill(params.get("error", params["output"]), job_id, task))
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with open(out, "a") as stdout, open(err, "a") as stderr:
-            code = subprocess.call(["bash", script_path], env=env, stdout=stdout, stderr=stderr)
+    pickle = Path(fill(shlex.split(folder)[0], job_id, task)) / f"{task_id(job_id, task)}_submitted.pkl"
+    deadline = time.time() + 120
+    while not pickle.exists() and time.time() < deadline:  # submitit moves it in after sbatch returns
+        time.sleep(0.1)
+    env = dict(os.environ, SLURM_JOB_ID=job_id, SLURM_NTASKS="1", SLURM_JOB_NUM_NODES="1", SLURM_NODEID="0",
+               SLURM_PROCID="0", SLURM_LOCALID="0", SLURM_JOB_NODELIST=socket.gethostname(),
+               SLURM_CPUS_PER_TASK=params.get("cpus-per-task", "1"))
+    if task is not None:
+        env.update(SLURM_JOB_ID=str(int(job_id) + 1 + task), SLURM_ARRAY_JOB_ID=job_id,
+                   SLURM_ARRAY_TASK_ID=str(task), SLURM_ARRAY_TASK_COUNT=str(count))
+    name = task_id(job_id, task)
+    state = STATE_DIR / f"state_{name}"
+    attempt = requeues(name)
+    state.write_text("RUNNING")
+    out = Path(fill(params["output"], job_id, task))
+    err = Path(fill(params.get("error", params["output"]), job_id, task))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "a") as stdout, open(err, "a") as stderr:
+        code = subprocess.call(["bash", script_path], env=env, stdout=stdout, stderr=stderr)
+    if requeues(name) == attempt:  # else the task was requeued: it lives on in the process scontrol started
         state.write_text("COMPLETED" if code == 0 else "FAILED")
+    return code
+
+
+def run_array(job_id: str, script_path: str, low: int, high: int, array: bool) -> int:
+    for task in range(low, high + 1) if array else [None]:
+        run_task(job_id, script_path, task, high - low + 1)
     (STATE_DIR / f"done_{job_id}").write_text("done")
+    return 0
+
+
+def scontrol(args: list[str]) -> int:
+    """`scontrol requeue <id>` (what submitit calls after a USR2): run that task again, as SLURM would."""
+    if args[:1] != ["requeue"]:
+        return 0
+    job_id, _, task = args[1].partition("_")
+    name = args[1]
+    (STATE_DIR / f"requeues_{name}").write_text(str(requeues(name) + 1))
+    (STATE_DIR / f"state_{name}").write_text("PENDING")
+    count = len(list(STATE_DIR.glob(f"state_{job_id}_*"))) or 1
+    subprocess.Popen([sys.executable, __file__, "_run_task", job_id, str(STATE_DIR / f"job_{job_id}.sh"), task,
+                      str(count)], start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                     stderr=open(STATE_DIR / f"runner_{name}_requeue.err", "w"), cwd=os.getcwd())
     return 0
 
 
@@ -118,7 +148,10 @@ def srun(args: list[str]) -> int:
     out_path = fill(outputs.get("o", "/dev/stdout"), job_id, task)
     err_path = fill(outputs.get("e", outputs.get("o", "/dev/stderr")), job_id, task)
     with open(out_path, "a") as stdout, open(err_path, "a") as stderr:
-        return subprocess.call(args[i:], stdout=stdout, stderr=stderr)
+        child = subprocess.Popen(args[i:], stdout=stdout, stderr=stderr)
+        name = task_id(job_id, task)
+        (STATE_DIR / f"pid_{name}").write_text(str(child.pid))  # tests signal it like SLURM's --signal would
+        return child.wait()
 
 
 def sacct(args: list[str]) -> int:
@@ -135,9 +168,13 @@ def main() -> int:
     command, args = sys.argv[1], sys.argv[2:]
     if command == "_run_array":
         return run_array(args[0], args[1], int(args[2]), int(args[3]), args[4] == "True")
+    if command == "_run_task":
+        code = run_task(args[0], args[1], int(args[2]) if args[2] else None, int(args[3]))
+        (STATE_DIR / f"done_{args[0]}_{args[2]}_requeue").write_text("done")
+        return code
     log_call(command, args)
-    handlers = {"sbatch": sbatch, "srun": srun, "sacct": sacct}
-    return handlers[command](args) if command in handlers else 0  # squeue, scancel, scontrol: logged only
+    handlers = {"sbatch": sbatch, "srun": srun, "sacct": sacct, "scontrol": scontrol}
+    return handlers[command](args) if command in handlers else 0  # squeue, scancel: logged only
 
 
 if __name__ == "__main__":
