@@ -17,7 +17,6 @@ from __future__ import annotations
 import gc
 import hashlib
 import logging
-import os
 import resource
 import sys
 import time
