@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: help install run test bench bench-decode gpu-check collect smoke tables figures paper-numbers paper-assets report wandb-sync sweep-local sweep-slurm clean
+.PHONY: help install run test bench bench-decode gpu-check collect smoke tables figures paper-numbers paper-assets report wandb-sync sweep-local sweep-slurm status clean
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -36,12 +36,19 @@ bench-decode: $(STAMP)  ## decode benchmark: per-token time and allocations at N
 gpu-check: $(STAMP)  ## run first on a new (GPU) machine: engine exactness per attention kernel, then both benchmarks
 	$(PY) scripts/gpu_check.py $(ARGS)
 
-sweep-local: $(STAMP)  ## a paper experiment on this machine: make sweep-local EXP=table1
-	$(PY) run.py experiment=$(EXP) $(ARGS)
+# ONLY_MISSING=1: launch only the grid points that are not complete (see `make status`).
+SWEEP_ONLY_MISSING = $(if $(ONLY_MISSING),only_missing=true,)
 
-sweep-slurm: $(STAMP)  ## the same as one SLURM array: make sweep-slurm EXP=table1 (needs .[slurm])
-	nohup $(PY) run.py experiment=$(EXP) hydra/launcher=slurm $(ARGS) > results/sweep-$(EXP).log 2>&1 &
+sweep-local: $(STAMP)  ## a paper experiment on this machine: make sweep-local EXP=table1 [ONLY_MISSING=1]
+	$(PY) run.py experiment=$(EXP) $(SWEEP_ONLY_MISSING) $(ARGS)
+
+sweep-slurm: $(STAMP)  ## the same as one SLURM array: make sweep-slurm EXP=table1 [ONLY_MISSING=1] (needs .[slurm])
+	$(PY) run.py experiment=$(EXP) hydra/launcher=slurm $(SWEEP_ONLY_MISSING) dry_run=true $(ARGS) > /dev/null  # fails fast on a bad config
+	nohup $(PY) run.py experiment=$(EXP) hydra/launcher=slurm $(SWEEP_ONLY_MISSING) $(ARGS) > results/sweep-$(EXP).log 2>&1 &
 	@echo "submitted; the submitting process waits for the array: see results/sweep-$(EXP).log"
+
+status: $(STAMP)  ## every grid point of an experiment: complete / partial (n of m) / failed / not started: make status EXP=table1
+	$(PY) scripts/sweep_status.py $(EXP) $(ARGS)
 
 smoke: $(STAMP)  ## a tiny CPU sweep (2 policies) then its table and figures
 	$(PY) run.py experiment=smoke $(ARGS)

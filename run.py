@@ -4,27 +4,73 @@
     python run.py policy=keydiff budget=8k
     python run.py -m policy=keydiff,snapkv,tova budget=2k,4k block_size=64,128,256
     python run.py experiment=table1                  # a whole paper table (conf/experiment/)
+    python run.py experiment=table1 dry_run=true     # its grid points and run directories, nothing run
+
+The configuration is checked before torch is imported (keydiff.checks; sweeps: every grid point, by the
+sweeper in hydra_plugins/keydiff_sweeper). User errors print one line, `error: ...`, exit status 2, and
+leave no empty run directory behind. A stop signal (SIGTERM/SIGUSR1/SIGUSR2) ends the run after its last
+whole row and hands the signal on (keydiff.preemption): exit status 128 + signal, or submitit's requeue.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import shutil
+from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from keydiff.runner import run
+import keydiff  # noqa: F401  (registers the config resolvers; torch is imported later, on first use)
+from keydiff.checks import ConfigError, check_run_config, exit_with_error
+from keydiff.preemption import Preempted
+from keydiff.results import ConfigMismatchError, ResultWriteError
+from keydiff.runlock import RunLock, RunLockedError
+from keydiff.sweep import run_dir_of
 
 log = logging.getLogger("keydiff")
+HYDRA_ONLY = {".hydra", "run.log"}  # what Hydra writes into a job directory before our code runs
+
+
+def remove_if_empty(run_dir: Path, root: Path) -> None:
+    """Undo Hydra's job directory when the run wrote nothing into it, then any parent left empty."""
+    run_dir, root = run_dir.absolute(), root.absolute()
+    if not run_dir.is_dir() or not {p.name for p in run_dir.iterdir()} <= HYDRA_ONLY:
+        return
+    shutil.rmtree(run_dir)
+    for parent in run_dir.parents:
+        if parent == root or root not in parent.parents or any(parent.iterdir()):
+            break
+        parent.rmdir()
 
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> float | None:
-    summary = run(cfg, HydraConfig.get().runtime.output_dir)
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    try:
+        check_run_config(cfg)  # already done before start (callback / sweeper); cheap, and covers direct calls
+        if cfg.dry_run:  # a sweep's dry run never launches jobs; kept for launchers that bypass the sweeper
+            print(f"dry run: would write {run_dir_of(cfg)}; nothing is run")
+            remove_if_empty(run_dir, Path(cfg.results_root))
+            return None
+        try:
+            with RunLock(run_dir, cfg.lock_wait):  # before torch: a second writer is refused in seconds
+                from keydiff.runner import run  # imports torch
+
+                summary = run(cfg, run_dir)
+        except Preempted as stop:
+            log.warning("%s after writing every finished row; re-run the same command to resume", stop)
+            stop.deliver()
+    except (ConfigError, ValueError, ConfigMismatchError, RunLockedError, ResultWriteError) as error:
+        remove_if_empty(run_dir, Path(cfg.results_root))
+        exit_with_error(str(error).replace("\n", " | "))
     log.info("metrics: %s", json.dumps(summary["metrics"], default=str)[:2000])
     log.info("statistics: %s", json.dumps(summary["statistics"], default=str))
+    if summary["num_failed"]:
+        log.warning("%d sample(s) failed: %s (recorded; retry_failed=true re-runs them)",
+                    summary["num_failed"], summary["failures"])
     log.info("results: %s", summary["run_dir"])
     primary = summary["metrics"].get("score") if isinstance(summary["metrics"], dict) else None
     return primary if isinstance(primary, (int, float)) else None

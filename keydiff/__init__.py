@@ -7,31 +7,45 @@
 
 `state.logits` are the next-token logits after the prompt, `state.cache` the bounded transformers Cache,
 `state.kept_positions` the absolute prompt positions each layer and KV head kept.
+
+The public names are imported on first use (PEP 562), so that `import keydiff` (and run.py's config
+checks) do not pay for importing torch: a configuration error is reported in about a second.
 """
+
+from importlib import import_module
 
 from keydiff.config import register_resolvers
 
 register_resolvers()
 
-from keydiff.attention import attention_statistic, keydiff_attention  # noqa: E402
-from keydiff.cache import EvictingCache, EvictingLayer  # noqa: E402
-from keydiff.engine import GenerationResult, PrefillResult, generate, prefill, resolve_block_size  # noqa: E402
-from keydiff.policies import POLICIES, Policy, available_policies, build_policy  # noqa: E402
-
 __version__ = "0.1.0"
 
-__all__ = [
-    "EvictingCache",
-    "EvictingLayer",
-    "GenerationResult",
-    "POLICIES",
-    "Policy",
-    "PrefillResult",
-    "attention_statistic",
-    "available_policies",
-    "build_policy",
-    "generate",
-    "keydiff_attention",
-    "prefill",
-    "resolve_block_size",
-]
+_EXPORTS = {
+    "attention_statistic": "keydiff.attention",
+    "keydiff_attention": "keydiff.attention",
+    "EvictingCache": "keydiff.cache",
+    "EvictingLayer": "keydiff.cache",
+    "GenerationResult": "keydiff.engine",
+    "PrefillResult": "keydiff.engine",
+    "generate": "keydiff.engine",
+    "prefill": "keydiff.engine",
+    "resolve_block_size": "keydiff.engine",
+    "POLICIES": "keydiff.policies",
+    "Policy": "keydiff.policies",
+    "available_policies": "keydiff.policies",
+    "build_policy": "keydiff.policies",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'keydiff' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(list(globals()) + __all__)

@@ -4,6 +4,7 @@
 3000 -> "3000"), so `budget.tokens=3000` can never write into a directory labelled "2k".
 `${policy_label:${.target},${.params}}` names a policy of your own after its class and parameters
 (`my_lab.policies.MyPolicy` with alpha=0.3 -> "MyPolicy-alpha0.3"), so two settings never share a directory.
+`${limit_suffix:${task.limit}}` appends "-limit<N>" to the run directory of a subset run.
 """
 
 from __future__ import annotations
@@ -37,8 +38,16 @@ def policy_label(target: str | None, params: Any = None) -> str:
     return re.sub(r"[^A-Za-z0-9_.=+-]+", "_", "-".join(parts))
 
 
+def limit_suffix(limit: int | None) -> str:
+    """"" for a full run, "-limit<N>" for a subset run: a run directory's name says which it holds, so a
+    `task.limit=2` run never writes into (or is mistaken for) the full run of the same grid point."""
+    return "" if limit is None else f"-limit{limit}"
+
+
 def register_resolvers() -> None:
     if not OmegaConf.has_resolver("budget_label"):
         OmegaConf.register_new_resolver("budget_label", budget_label)
     if not OmegaConf.has_resolver("policy_label"):
         OmegaConf.register_new_resolver("policy_label", policy_label)
+    if not OmegaConf.has_resolver("limit_suffix"):
+        OmegaConf.register_new_resolver("limit_suffix", limit_suffix)

@@ -2,11 +2,14 @@
 
 A run directory holds:
   run_config.json    the resolved configuration that produced it (checked on every resume)
-  predictions.jsonl  one JSON object per finished sample, appended and fsynced one at a time
+  predictions.jsonl  one JSON object per finished sample, appended whole (one write) and fsynced one at a
+                     time; a sample that could not run is a row with "status": "failed" (see keydiff.runner)
   summary.json       metrics + provenance (config, git commit, package versions, data hashes),
                      rewritten atomically (temp file + rename) at the end of every invocation
+  .lock              the one process writing the directory (keydiff.runlock)
 A crash can at worst leave a partial last line in predictions.jsonl; `ResultStore` drops exactly that
-line on the next start and keeps every complete one.
+line on the next start and keeps every complete one. A failed write (full disk, quota) is undone at once:
+the file is cut back to its last complete line and `ResultWriteError` stops the run.
 """
 
 from __future__ import annotations
@@ -29,13 +32,23 @@ class ConfigMismatchError(RuntimeError):
     """The run directory holds results produced by a different configuration."""
 
 
+class ResultWriteError(OSError):
+    """Writing a result file failed (full disk, quota, permissions); what was written before is intact."""
+
+
 def atomic_write_json(path: Path, data: Any) -> None:
+    """Temp file + fsync + rename: the old file stays whole unless the new one was written completely."""
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as handle:
-        json.dump(data, handle, indent=2, ensure_ascii=False, default=str)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    text = json.dumps(data, indent=2, ensure_ascii=False, default=str)
+    try:
+        with open(tmp, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except OSError as error:
+        tmp.unlink(missing_ok=True)
+        raise ResultWriteError(error.errno, f"could not write {path} ({error.strerror}); the previous version is intact") from error
 
 
 def _diff(old: Any, new: Any, prefix: str = "") -> list[str]:
@@ -45,6 +58,11 @@ def _diff(old: Any, new: Any, prefix: str = "") -> list[str]:
             lines += _diff(old.get(key, "<missing>"), new.get(key, "<missing>"), f"{prefix}{key}.")
         return lines
     return [] if old == new else [f"{prefix.rstrip('.')}: {old!r} -> {new!r}"]
+
+
+def _without_limit(config: dict[str, Any]) -> dict[str, Any]:
+    task = {k: v for k, v in config.get("task", {}).items() if k != "limit"}
+    return {**config, "task": task} if "task" in config else config
 
 
 class ResultStore:
@@ -59,15 +77,32 @@ class ResultStore:
             self._move_aside()
         if self.config_path.exists():
             previous = json.loads(self.config_path.read_text(encoding="utf-8"))
-            differences = _diff(previous, run_config)
+            differences = _diff(_without_limit(previous), _without_limit(run_config))
             if differences:
                 raise ConfigMismatchError(
                     f"{self.dir} holds results of a different configuration:\n  " + "\n  ".join(differences)
                     + "\nUse another experiment_name / policy.label, or overwrite=true to move the old run aside."
                 )
+            self._check_limit(previous, run_config)
         else:
             atomic_write_json(self.config_path, run_config)
         self.rows = self._load_rows()
+
+    def _check_limit(self, previous: dict[str, Any], run_config: dict[str, Any]) -> None:
+        """task.limit may grow (the run is extended, its rows kept) but never shrink: a subset run would
+        rewrite the summary of a larger run. The recorded limit follows the largest run."""
+        old_task, new_task = previous.get("task", {}), run_config.get("task", {})
+        if "limit" not in new_task or old_task.get("limit") == new_task["limit"]:
+            return
+        old, new = old_task.get("limit", "unrecorded"), new_task["limit"]
+        if old == "unrecorded" or new is None or (old is not None and new > old):
+            atomic_write_json(self.config_path, run_config)
+            return
+        raise ConfigMismatchError(
+            f"{self.dir} holds a run with task.limit={old} ({'every sample' if old is None else f'first {old}'}); "
+            f"a run with task.limit={new} would replace its summary with a subset. Run.py gives each limit its "
+            "own directory; pass another directory here."
+        )
 
     def _move_aside(self) -> None:
         """overwrite=true never deletes: the old files move into a timestamped sibling folder."""
@@ -75,7 +110,7 @@ class ResultStore:
         backup = self.dir.with_name(f"{self.dir.name}.old-{stamp}")
         backup.mkdir(parents=True)
         for path in list(self.dir.iterdir()):
-            if path.name != ".hydra":
+            if path.name not in (".hydra", ".lock"):
                 path.rename(backup / path.name)
 
     def _load_rows(self) -> list[dict[str, Any]]:
@@ -98,14 +133,37 @@ class ResultStore:
 
     @property
     def done_ids(self) -> set[str]:
+        """Samples with a row, successful or failed."""
         return {row["sample_id"] for row in self.rows}
 
+    @property
+    def failed_ids(self) -> set[str]:
+        """Samples whose latest row records a failure (rows without "status" are old successful rows)."""
+        return {sid for sid, row in self.latest_rows().items() if row.get("status", "ok") == "failed"}
+
+    def latest_rows(self) -> dict[str, dict[str, Any]]:
+        """The last row of every sample: a retried failure is superseded, never deleted."""
+        return {row["sample_id"]: row for row in self.rows}
+
     def append(self, row: dict[str, Any]) -> None:
-        line = json.dumps(row, ensure_ascii=False, default=str) + "\n"
-        with open(self.predictions, "a", encoding="utf-8") as handle:
-            handle.write(line)
-            handle.flush()
-            os.fsync(handle.fileno())
+        """Append one whole line (a single write) and fsync it; undo a partial write and raise on failure."""
+        line = (json.dumps(row, ensure_ascii=False, default=str) + "\n").encode("utf-8")
+        fd = os.open(self.predictions, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            size = os.fstat(fd).st_size
+            try:
+                written = os.write(fd, line)
+                if written != len(line):
+                    raise OSError(28, "short write")
+                os.fsync(fd)
+            except OSError as error:
+                os.ftruncate(fd, size)  # cut back to the last complete line
+                raise ResultWriteError(
+                    error.errno, f"could not append to {self.predictions} ({error.strerror}); "
+                    f"the {len(self.rows)} rows written before are intact, sample {row.get('sample_id')!r} was not saved"
+                ) from error
+        finally:
+            os.close(fd)
         self.rows.append(row)
 
     def write_summary(self, summary: dict[str, Any]) -> Path:

@@ -2,15 +2,25 @@
 
 Order matters: every configuration error (policy, budget, block size, task, model) is raised before the
 model is loaded, so a typo in a sweep fails in a second rather than after minutes of loading.
+
+A run survives what a cluster does to it:
+  * a sample that runs out of memory (CUDA OOM, or a prompt over `max_prompt_tokens`) is written as a
+    failed row (status, failure_reason, prompt_tokens), memory is released and the run goes on; a re-run
+    skips recorded failures unless `retry_failed=true`. Any other error stops the run naming the sample.
+  * SIGTERM / SIGUSR1 / SIGUSR2 abandon the current sample and stop after writing the summary
+    (keydiff.preemption); the next start resumes.
+  * one process writes a run directory at a time (keydiff.runlock).
 """
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import logging
 import resource
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,16 +31,21 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from keydiff.cache import STATISTICS_MODES
+from keydiff.checks import check_run_config
 from keydiff.engine import check_budget, generate, prefill, resolve_block_size
 from keydiff.models import ModelConfig, eos_token_ids, load_model, model_provenance
 from keydiff.policies import Policy, build_policy
+from keydiff.preemption import Preempted, StopSignals
 from keydiff.results import ResultStore, environment, git_state, package_versions
-from keydiff.tasks.base import Task
 from keydiff import tracking
+from keydiff.runlock import RunLock
+from keydiff.tasks.base import Prompt, Task
 
 log = logging.getLogger(__name__)
 # Keys that do not change what a run computes, so changing them never blocks resuming a run directory.
-NON_RESULT_KEYS = ("overwrite", "logger", "results_root", "experiment_name", "run_subdir", "slurm")
+# (max_prompt_tokens only decides which samples are recorded as failed; failures are counted in the summary.)
+NON_RESULT_KEYS = ("overwrite", "logger", "results_root", "experiment_name", "run_subdir", "slurm", "threads",
+                   "max_prompt_tokens", "retry_failed", "lock_wait", "dry_run", "only_missing")
 
 
 @dataclass
@@ -83,12 +98,21 @@ def policy_target(policy_cfg: DictConfig) -> str:
 
 
 def result_config(cfg: DictConfig) -> dict[str, Any]:
-    """The part of the config that determines the results (what a resumed run must match)."""
+    """The part of the config that determines the results (what a resumed run must match).
+
+    task.limit stays in: ResultStore lets a larger limit extend a run and refuses a smaller one.
+    """
     data = OmegaConf.to_container(cfg, resolve=True)
     for key in NON_RESULT_KEYS:
         data.pop(key, None)
-    data.get("task", {}).pop("limit", None)  # sample ids are stable: a larger limit extends a run
     return data
+
+
+def set_threads(threads: int | None) -> int:
+    """torch's intra-op threads from the `threads` key (default: SLURM_CPUS_PER_TASK); returns the count used."""
+    if threads:
+        torch.set_num_threads(int(threads))
+    return torch.get_num_threads()
 
 
 def derived_seed(run_seed: int, sample_id: str) -> int:
@@ -110,6 +134,21 @@ def kv_bytes_per_layer_entry(model: torch.nn.Module) -> int:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     itemsize = next(model.parameters()).element_size()
     return 2 * config.num_key_value_heads * head_dim * itemsize
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """CUDA OOM, a Python MemoryError, or a RuntimeError of an allocator that ran out (CPU, MPS, HIP)."""
+    if isinstance(error, (torch.cuda.OutOfMemoryError, MemoryError)):
+        return True
+    text = str(error).lower()
+    return isinstance(error, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text)
+
+
+def release_memory() -> None:
+    """Free what an abandoned sample held (its cache, activations) before the next one starts."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 _LOADED: dict[str, Any] = {}  # the last loaded model, reused by the next run of a sweep in this process
@@ -134,9 +173,10 @@ def warm_up(plan: RunPlan, model, tokenizer, sample) -> None:
 
 
 def run_sample(
-    plan: RunPlan, model, tokenizer, stop_ids: list[int], sample, run_seed: int, code: str | None = None
+    plan: RunPlan, model, tokenizer, stop_ids: list[int], sample, run_seed: int, code: str | None = None,
+    prompt: Prompt | None = None,
 ) -> dict[str, Any]:
-    prompt = plan.task.build_prompt(sample, tokenizer, plan.model_cfg.max_length)
+    prompt = prompt or plan.task.build_prompt(sample, tokenizer, plan.model_cfg.max_length)
     settings = prompt.generation
     device = next(model.parameters()).device
     if device.type == "cuda":
@@ -155,6 +195,7 @@ def run_sample(
     kept = min(int(positions.shape[-1]) for positions in state.kept_positions)  # after prefill
     return {
         "sample_id": sample.id,
+        "status": "ok",
         "prediction": prediction,
         "scores": plan.task.score(sample, prediction),
         "info": prompt.info,
@@ -178,6 +219,32 @@ def run_sample(
         "seed": seed if settings.do_sample else None,
         "code": code,  # commit (+ "-dirty") that produced this row: a resumed run may span commits
     }
+
+
+def failed_row(plan: RunPlan, sample, prompt: Prompt, reason: str, message: str, code: str | None) -> dict[str, Any]:
+    """The row of a sample that could not run: why, and how long its prompt was (no scores)."""
+    return {"sample_id": sample.id, "status": "failed", "failure_reason": reason, "error": message[:500],
+            "info": prompt.info, "prompt_tokens": len(prompt.input_ids), "budget": plan.budget, "code": code}
+
+
+def process_sample(plan: RunPlan, model, tokenizer, stop_ids, sample, cfg: DictConfig, code, signals) -> dict[str, Any]:
+    """Run one sample; out-of-memory and the prompt cap give a failed row, any other error stops the run."""
+    cap = cfg.get("max_prompt_tokens")
+    out_of_memory = None
+    with signals.interruptible():
+        prompt = plan.task.build_prompt(sample, tokenizer, plan.model_cfg.max_length)
+        if cap is not None and len(prompt.input_ids) > cap:
+            return failed_row(plan, sample, prompt, "max_prompt_tokens",
+                              f"prompt has {len(prompt.input_ids)} tokens > max_prompt_tokens={cap}", code)
+        try:
+            return run_sample(plan, model, tokenizer, stop_ids, sample, int(cfg.seed), code, prompt=prompt)
+        except Exception as error:  # Preempted is a BaseException and passes through
+            if not is_out_of_memory(error):
+                raise RuntimeError(f"sample {sample.id!r} failed with {type(error).__name__}: {error}") from error
+            out_of_memory = f"{type(error).__name__}: {error}"
+    release_memory()  # outside the except block, once the traceback (and the tensors it pins) is gone
+    log.warning("sample %s ran out of memory (%d prompt tokens): recorded as failed", sample.id, len(prompt.input_ids))
+    return failed_row(plan, sample, prompt, "out_of_memory", out_of_memory, code)
 
 
 def run_statistics(rows: list[dict[str, Any]], plan: RunPlan) -> dict[str, Any]:
@@ -218,37 +285,63 @@ def run_statistics(rows: list[dict[str, Any]], plan: RunPlan) -> dict[str, Any]:
 
 
 def run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
-    """Execute (or resume) one run into `run_dir` and return its summary."""
+    """Execute (or resume) one run into `run_dir` and return its summary.
+
+    Raises Preempted (after writing the summary) when a stop signal arrived; run.py hands it on.
+    """
+    check_run_config(cfg)
     plan = plan_run(cfg)
     tracking.check(cfg)  # W&B mode and credentials, before any work
     samples = list(plan.task.samples())  # data problems surface before a run directory is created
-    store = ResultStore(run_dir, result_config(cfg), overwrite=bool(cfg.overwrite))
-    done = store.done_ids
-    todo = [s for s in samples if s.id not in done]
-    log.info("run directory %s: %d samples, %d already done", store.dir, len(samples), len(samples) - len(todo))
-    tracker = tracking.start(cfg, store.dir, store.rows)
-    code = git_state()
-    code_label = None if code["commit"] is None else code["commit"] + ("-dirty" if code["dirty"] else "")
+    with RunLock(run_dir, cfg.get("lock_wait", 0)), StopSignals() as signals:
+        store = ResultStore(run_dir, result_config(cfg), overwrite=bool(cfg.overwrite))
+        skip = store.done_ids - (store.failed_ids if cfg.get("retry_failed", False) else set())
+        todo = [s for s in samples if s.id not in skip]
+        log.info("run directory %s: %d samples, %d already done", store.dir, len(samples), len(samples) - len(todo))
+        threads = set_threads(cfg.get("threads"))
+        tracker = tracking.start(cfg, store.dir, store.rows)
+        code = git_state()
+        code_label = None if code["commit"] is None else code["commit"] + ("-dirty" if code["dirty"] else "")
+        provenance = None
+        try:
+            if todo:
+                with signals.interruptible():
+                    load_start = time.perf_counter()
+                    model, tokenizer = load_model_once(plan.model_cfg)
+                    log.info("model loaded in %.1f s", time.perf_counter() - load_start)
+                    stop_ids = eos_token_ids(model, tokenizer)
+                    provenance = model_provenance(plan.model_cfg, model)
+                    warm_up(plan, model, tokenizer, todo[0])
+                for sample in tqdm(todo, desc=f"{plan.task.name}/{plan.policy_name}", unit="sample"):
+                    row = {**process_sample(plan, model, tokenizer, stop_ids, sample, cfg, code_label, signals),
+                           "threads": threads}
+                    store.append(row)
+                    tracker.log_row(row)
+                    signals.check()  # a signal during the write stops here, after the row is whole
+        except Preempted as stop:
+            log.warning("%s: stopping after %d rows; the next start resumes", stop, len(store.rows))
+            write_summary(cfg, plan, samples, store, code, provenance, threads, stopped_by=str(stop))
+            raise
+        summary = write_summary(cfg, plan, samples, store, code, provenance, threads)
+        tracker.finish(summary)
+    return summary
 
-    if todo:
-        load_start = time.perf_counter()
-        model, tokenizer = load_model_once(plan.model_cfg)
-        log.info("model loaded in %.1f s", time.perf_counter() - load_start)
-        stop_ids = eos_token_ids(model, tokenizer)
-        provenance = model_provenance(plan.model_cfg, model)
-        warm_up(plan, model, tokenizer, todo[0])
-        for sample in tqdm(todo, desc=f"{plan.task.name}/{plan.policy_name}", unit="sample"):
-            row = run_sample(plan, model, tokenizer, stop_ids, sample, int(cfg.seed), code_label)
-            store.append(row)
-            tracker.log_row(row)
-    else:
-        provenance = model_provenance(plan.model_cfg)
 
+def write_summary(cfg, plan: RunPlan, samples, store: ResultStore, code, provenance, threads: int,
+                  stopped_by: str | None = None) -> dict[str, Any]:
+    """Metrics over the successful samples, plus how many failed and why, and everything needed to reproduce."""
     wanted = {s.id for s in samples}
-    rows = [row for row in store.rows if row["sample_id"] in wanted]
+    latest = [row for sid, row in store.latest_rows().items() if sid in wanted]
+    rows = [row for row in latest if row.get("status", "ok") == "ok"]
+    failures = Counter(row.get("failure_reason", "unknown") for row in latest if row.get("status") == "failed")
     summary = {
         "run_dir": str(store.dir),
         "complete": wanted <= store.done_ids,
+        "stopped_by": stopped_by,  # the signal that ended this invocation early, else None
+        "limit": cfg.task.get("limit"),  # task.limit of this run; None = every sample
+        "num_samples": len(rows),  # samples the metrics cover
+        "num_failed": sum(failures.values()),
+        "failures": dict(failures),  # failure_reason -> count
         "metrics": plan.task.summarize(rows) if rows else {},
         "statistics": run_statistics(rows, plan),
         "policy": plan.new_policy().describe(),
@@ -256,14 +349,15 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
         "block_size": plan.block_size,
         "attention_statistics": plan.statistics,
         "decode_eviction": plan.decode_eviction,
+        "threads": threads,
+        "max_prompt_tokens": cfg.get("max_prompt_tokens"),
         "config": OmegaConf.to_container(cfg, resolve=True),
         "code": {**code, "row_commits": sorted({str(row.get("code")) for row in rows})},
         "packages": package_versions(),
         "environment": environment(),
-        "model": provenance,
+        "model": provenance or model_provenance(plan.model_cfg),
         "data": plan.task.data_sources(),
         "written_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     store.write_summary(summary)
-    tracker.finish(summary)
     return summary

@@ -1,0 +1,121 @@
+"""KeydiffSweeper: Hydra's BasicSweeper with every grid point checked before anything is launched.
+
+Hydra discovers sweepers only under the `hydra_plugins` namespace, hence this package beside keydiff/
+(found when run.py runs from the repository root). conf/config.yaml selects it (`hydra/sweeper: keydiff`).
+
+Before the first job: each point is composed and checked without torch (keydiff.checks), the SLURM
+launcher must have a partition, and nothing is created on disk until all of that passed. Then
+  dry_run=true       prints every point, its run directory and status, and with the SLURM launcher the
+                     sbatch script and array size; nothing is run or submitted;
+  only_missing=true  drops points that are complete (or have only recorded failures), so a re-submitted
+                     sweep asks SLURM only for what is left.
+"""
+
+from __future__ import annotations
+
+import logging
+import shlex
+import sys
+from pathlib import Path
+from typing import Any, List
+
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+from hydra.errors import HydraException
+from omegaconf import OmegaConf
+
+from keydiff.checks import ConfigError, check_run_config, describe_error, exit_with_error
+from keydiff.sweep import grid_points, point_status, run_dir_of, sample_ids
+
+log = logging.getLogger(__name__)
+
+
+def is_slurm(launcher_cfg: Any) -> bool:
+    return str(launcher_cfg.get("_target_", "")).endswith("SlurmLauncher")
+
+
+def slurm_job_script(launcher_params: dict[str, Any], array_size: int) -> str:
+    """The sbatch script the submitit launcher would submit for `array_size` grid points (built with
+    submitit's own script writer; no `srun` needed, so it works off the cluster too)."""
+    from submitit.slurm.slurm import _convert_mem, _make_sbatch_string
+
+    renamed = {"timeout_min": "time", "tasks_per_node": "ntasks_per_node", "name": "job_name"}
+    params = {renamed.get(key, key): value for key, value in launcher_params.items()
+              if key not in ("submitit_folder", "max_num_timeout", "mem_gb")}
+    if launcher_params.get("mem_gb") is not None:
+        params["mem"] = _convert_mem(launcher_params["mem_gb"])
+    folder = Path(launcher_params["submitit_folder"]).expanduser().absolute()
+    command = " ".join([shlex.quote(sys.executable), "-u -m submitit.core._submit", shlex.quote(str(folder))])
+    # submitit sends a single point as a plain job, several as one array
+    return _make_sbatch_string(command=command, folder=folder, map_count=array_size if array_size > 1 else None,
+                               **params)
+
+
+class KeydiffSweeper(BasicSweeper):
+    def __init__(self, max_batch_size: int | None = None, params: dict[str, str] | None = None) -> None:
+        super().__init__(max_batch_size=max_batch_size, params=params)
+
+    def _compose(self, point: List[str]):
+        try:
+            cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(point))
+            check_run_config(cfg)
+        except (HydraException, ConfigError, ValueError) as error:
+            exit_with_error(f"grid point [{' '.join(point)}]: {describe_error(error)}")
+        return cfg
+
+    def _check_launcher(self) -> None:
+        launcher = self.config.hydra.launcher
+        if is_slurm(launcher) and not launcher.get("partition"):
+            exit_with_error(
+                "hydra/launcher=slurm needs a partition: set slurm.partition in conf/local/default.yaml "
+                "(see conf/local.example.yaml), export SBATCH_PARTITION, or pass hydra.launcher.partition=<name>"
+            )
+
+    def sweep(self, arguments: List[str]) -> Any:
+        assert self.config is not None and self.launcher is not None and self.hydra_context is not None
+        try:
+            points = grid_points(self.params, arguments, self.hydra_context.config_loader)
+        except HydraException as error:
+            exit_with_error(describe_error(error))
+        self._check_launcher()
+        configs = [self._compose(point) for point in points]
+        root = self.config
+        if root.get("only_missing", False):
+            retry = bool(root.get("retry_failed", False))
+            keep = [i for i, cfg in enumerate(configs)
+                    if point_status(run_dir_of(cfg), sample_ids(cfg)).needs_run(retry)]
+            log.info("only_missing: %d of %d grid points are not complete", len(keep), len(points))
+            points, configs = [points[i] for i in keep], [configs[i] for i in keep]
+        if root.get("dry_run", False):
+            self._print_dry_run(points, configs)
+            return []
+        if not points:
+            log.info("nothing to launch: every grid point is complete")
+            return []
+
+        sweep_dir = Path(self.config.hydra.sweep.dir)
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
+        batches = list(self.split_overrides_to_chunks(points, self.max_batch_size))
+        returns, first = [], 0
+        for batch in batches:
+            results = self.launcher.launch(batch, initial_job_idx=first)
+            for result in results:
+                _ = result.return_value  # re-raises a failed job's exception
+            first += len(batch)
+            returns.append(results)
+        return returns
+
+    def _print_dry_run(self, points, configs) -> None:
+        print(f"dry run: {len(points)} grid point(s); nothing is run or submitted")
+        for index, (point, cfg) in enumerate(zip(points, configs)):
+            run_dir = run_dir_of(cfg)
+            status = point_status(run_dir, sample_ids(cfg)).describe()
+            print(f"  #{index} {' '.join(point)}\n      {run_dir}  [{status}]")
+        launcher = self.config.hydra.launcher
+        if is_slurm(launcher) and points:
+            params = OmegaConf.to_container(launcher, resolve=True)
+            params.pop("_target_", None)
+            kind = "one array task per grid point" if len(points) > 1 else "a single point: a plain job, no --array"
+            print(f"SLURM array size: {len(points)} ({kind})")
+            print("job script (sbatch):")
+            print(slurm_job_script(params, len(points)))

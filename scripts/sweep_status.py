@@ -1,0 +1,68 @@
+"""Where every grid point of an experiment stands: complete / partial (n of m) / failed samples / not started.
+
+    python scripts/sweep_status.py table1                 # or: make status EXP=table1
+    python scripts/sweep_status.py smoke results_root=/scratch/me/runs policy=keydiff,tova
+
+The grid comes from the experiment's config exactly as run.py's sweeper expands it (conf/experiment/<EXP>.yaml
+axes plus any extra overrides); each point's expected samples come from its task (data listed, no model
+loaded), its progress from the rows in its run directory. `make sweep-slurm EXP=... ONLY_MISSING=1`
+submits the points that are not complete (or `make sweep-local ... ONLY_MISSING=1`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections import Counter
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from omegaconf import OmegaConf
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a status query never downloads data: unknown totals show as "?"
+
+import keydiff  # noqa: E402,F401  (config resolvers)
+from keydiff.sweep import grid_points, point_status, run_dir_of, sample_ids  # noqa: E402
+
+
+def experiment_status(experiment: str, overrides: list[str]) -> list[tuple[list[str], Path, object]]:
+    arguments = [f"experiment={experiment}", *overrides]
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        parsed = OverridesParser.create().parse_overrides(arguments)
+        fixed = [o.input_line for o in parsed if not o.is_sweep_override()]
+        master = compose("config", overrides=fixed, return_hydra_config=True)
+        params = OmegaConf.to_container(master.hydra.sweeper.params or {}, resolve=False)
+        loader = GlobalHydra.instance().config_loader()
+        result = []
+        for point in grid_points(params, arguments, loader):
+            cfg = compose("config", overrides=point)
+            run_dir = run_dir_of(cfg)
+            result.append((point, run_dir, point_status(run_dir, sample_ids(cfg))))
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("experiment", help="conf/experiment/<name>.yaml")
+    parser.add_argument("overrides", nargs="*", help="extra Hydra overrides, as given to run.py")
+    args = parser.parse_args(argv)
+    rows = experiment_status(args.experiment, args.overrides)
+    axes = [o.split("=", 1)[0] for o in rows[0][0]] if rows else []
+    varying = {key for i, key in enumerate(axes) if len({tuple(r[0])[i] for r in rows}) > 1}
+    width = max((len(" ".join(o for o in p if o.split("=", 1)[0] in varying)) for p, _, _ in rows), default=10)
+    print(f"experiment {args.experiment}: {len(rows)} grid point(s)")
+    for point, run_dir, status in rows:
+        label = " ".join(o for o in point if o.split("=", 1)[0] in varying) or " ".join(point)
+        print(f"  {label:<{width}}  {status.describe():<28}  {run_dir}")
+    counts = Counter(status.state for _, _, status in rows)
+    print("total: " + ", ".join(f"{n} {state}" for state, n in sorted(counts.items())))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

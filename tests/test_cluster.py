@@ -1,0 +1,283 @@
+"""Sweeps that survive a cluster, in process with a tiny random model (issue #8): run identity (task.limit),
+per-sample failure rows (out of memory, prompt cap, retry_failed), bugs still stop the run, threads,
+a full disk, the run-directory lock and the stop-signal guard."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf, open_dict
+
+from keydiff import runner
+from keydiff.preemption import Preempted, StopSignals
+from keydiff.results import ConfigMismatchError, ResultStore, ResultWriteError
+from keydiff.runlock import RunLock, RunLockedError
+from keydiff.sweep import run_dir_of
+from tests.conftest import char_tokenizer, tiny_llama
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def make_cfg(tmp_path, *overrides: str, task: dict | None = None):
+    """A run of tests.conftest.LengthsTask (prompts of 30 and 100 tokens) on the tiny model."""
+    model_dir = tmp_path / "tiny-model"
+    model_dir.mkdir(exist_ok=True)
+    (model_dir / "config.json").write_text("{}")  # model=custom checks for a checkpoint folder
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=["model=custom", f"model.path={model_dir}", "model.dtype=float32",
+                                           "model.device=cpu", "model.max_length=4096", "policy=keydiff",
+                                           "budget.tokens=48", "block_size=16", f"results_root={tmp_path / 'runs'}",
+                                           *overrides])
+    with open_dict(cfg):
+        cfg.task = OmegaConf.create({"_target_": "tests.conftest.LengthsTask", "name": "guard_lengths",
+                                     "lengths": [30, 100], "max_new_tokens": 4, "limit": None, **(task or {})})
+    return cfg
+
+
+@pytest.fixture
+def tiny(monkeypatch):
+    """runner.run on the tiny model; `calls` lists the sample ids run_sample was called with."""
+    model, tokenizer = tiny_llama("sdpa"), char_tokenizer()
+    monkeypatch.setattr(runner, "load_model", lambda cfg: (model, tokenizer))
+    monkeypatch.setattr(runner, "_LOADED", {})
+    calls: list[str] = []
+    real = runner.run_sample
+
+    def counting(plan, model, tokenizer, stop_ids, sample, *args, **kwargs):
+        calls.append(sample.id)
+        return real(plan, model, tokenizer, stop_ids, sample, *args, **kwargs)
+
+    monkeypatch.setattr(runner, "run_sample", counting)
+    return calls
+
+
+def rows_of(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "predictions.jsonl").read_text().splitlines()]
+
+
+def inject(monkeypatch, failures: dict[str, BaseException]):
+    """Make run_sample raise the given error once for the given sample id."""
+    real = runner.run_sample
+
+    def failing(plan, model, tokenizer, stop_ids, sample, *args, **kwargs):
+        if sample.id in failures:
+            raise failures.pop(sample.id)
+        return real(plan, model, tokenizer, stop_ids, sample, *args, **kwargs)
+
+    monkeypatch.setattr(runner, "run_sample", failing)
+
+
+# --------------------------------------------------------------------------- run identity
+
+
+def test_limited_and_full_runs_of_one_point_live_in_separate_directories(tmp_path, tiny):
+    full_cfg, limited_cfg = make_cfg(tmp_path), make_cfg(tmp_path, task={"limit": 1})
+    full_dir, limited_dir = run_dir_of(full_cfg), run_dir_of(limited_cfg)
+    assert full_dir.name == "seed0" and limited_dir.name == "seed0-limit1"
+
+    full = runner.run(full_cfg, full_dir)
+    full_rows = rows_of(full_dir)
+    limited = runner.run(limited_cfg, limited_dir)
+    assert full["limit"] is None and full["num_samples"] == 2 and full["complete"]
+    assert limited["limit"] == 1 and limited["num_samples"] == 1 and limited["complete"]
+    # The full run is untouched by the subset run: rows and summary as written.
+    assert rows_of(full_dir) == full_rows
+    assert json.loads((full_dir / "summary.json").read_text())["num_samples"] == 2
+    assert len(rows_of(limited_dir)) == 1
+
+    # Forcing a subset run into the full run's directory is refused (it would rewrite its summary) ...
+    with pytest.raises(ConfigMismatchError, match="task.limit=None"):
+        runner.run(limited_cfg, full_dir)
+    assert rows_of(full_dir) == full_rows
+    # ... while a larger limit extends a run: only the missing sample runs.
+    tiny.clear()
+    extended = runner.run(full_cfg, limited_dir)
+    assert tiny == ["len100"] and extended["num_samples"] == 2 and extended["limit"] is None
+
+
+# --------------------------------------------------------------------------- failure rows
+
+
+def test_out_of_memory_sample_is_recorded_skipped_on_rerun_and_retried_on_request(tmp_path, tiny, monkeypatch):
+    released = []
+    monkeypatch.setattr(runner, "release_memory", lambda: released.append(True))
+    inject(monkeypatch, {"len100": torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")})
+    run_dir = tmp_path / "run"
+    summary = runner.run(make_cfg(tmp_path), run_dir)
+    ok, failed = rows_of(run_dir)
+    assert ok["status"] == "ok" and ok["sample_id"] == "len30"
+    assert failed["status"] == "failed" and failed["failure_reason"] == "out_of_memory"
+    assert failed["prompt_tokens"] == 100 and "Tried to allocate" in failed["error"] and "scores" not in failed
+    assert released == [True]  # memory released before the next sample
+    assert summary["complete"] and summary["num_samples"] == 1 and summary["num_failed"] == 1
+    assert summary["failures"] == {"out_of_memory": 1} and summary["statistics"]["samples"] == 1
+
+    # A re-run does not retry the recorded failure (the model is not even needed).
+    tiny.clear()
+    monkeypatch.setattr(runner, "load_model", lambda cfg: pytest.fail("loaded the model with nothing to do"))
+    monkeypatch.setattr(runner, "_LOADED", {})
+    assert runner.run(make_cfg(tmp_path), run_dir)["num_failed"] == 1 and tiny == []
+    monkeypatch.undo()
+
+    # retry_failed=true runs it again; the failed row stays in the file as history, the summary uses the new row.
+    model, tokenizer = tiny_llama("sdpa"), char_tokenizer()
+    monkeypatch.setattr(runner, "load_model", lambda cfg: (model, tokenizer))
+    monkeypatch.setattr(runner, "_LOADED", {})
+    retried = runner.run(make_cfg(tmp_path, "retry_failed=true"), run_dir)
+    rows = rows_of(run_dir)
+    assert [r["sample_id"] for r in rows] == ["len30", "len100", "len100"] and rows[2]["status"] == "ok"
+    assert retried["num_samples"] == 2 and retried["num_failed"] == 0 and retried["failures"] == {}
+
+
+def test_prompt_cap_and_generic_out_of_memory_errors_become_failed_rows(tmp_path, tiny, monkeypatch):
+    summary = runner.run(make_cfg(tmp_path, "max_prompt_tokens=50"), tmp_path / "cap")
+    assert tiny == ["len30"]  # the capped sample never reaches the model
+    capped = rows_of(tmp_path / "cap")[1]
+    assert capped["failure_reason"] == "max_prompt_tokens" and capped["prompt_tokens"] == 100
+    assert summary["failures"] == {"max_prompt_tokens": 1} and summary["max_prompt_tokens"] == 50
+
+    inject(monkeypatch, {"len30": RuntimeError("CUDA error: out of memory")})
+    summary = runner.run(make_cfg(tmp_path), tmp_path / "generic")
+    assert summary["failures"] == {"out_of_memory": 1} and summary["num_samples"] == 1
+
+
+def test_any_other_error_stops_the_run_naming_the_sample(tmp_path, tiny, monkeypatch):
+    inject(monkeypatch, {"len100": IndexError("index 7 is out of bounds")})
+    with pytest.raises(RuntimeError, match="sample 'len100' failed with IndexError: index 7"):
+        runner.run(make_cfg(tmp_path), tmp_path / "run")
+    assert [r["sample_id"] for r in rows_of(tmp_path / "run")] == ["len30"]  # written rows are kept
+
+
+def test_threads_come_from_the_config_or_slurm_and_are_recorded(tmp_path, tiny, monkeypatch):
+    before = torch.get_num_threads()
+    try:
+        summary = runner.run(make_cfg(tmp_path, "threads=1", task={"limit": 1}), tmp_path / "run")
+        assert summary["threads"] == 1 and rows_of(tmp_path / "run")[0]["threads"] == 1
+    finally:
+        torch.set_num_threads(before)
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "6")
+    assert make_cfg(tmp_path).threads == 6
+    monkeypatch.delenv("SLURM_CPUS_PER_TASK")
+    assert make_cfg(tmp_path).threads is None
+
+
+# --------------------------------------------------------------------------- full disk
+
+
+def test_full_disk_stops_without_corrupting_what_was_written(tmp_path, tiny, monkeypatch):
+    import keydiff.results as results
+
+    real_write, writes = os.write, []
+
+    def disk_full_on_second_row(fd, data):
+        writes.append(len(data))
+        if len(writes) == 2:
+            real_write(fd, data[: len(data) // 2])  # half a line reaches the disk, then it is full
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(results.os, "write", disk_full_on_second_row)
+    run_dir = tmp_path / "run"
+    with pytest.raises(ResultWriteError, match="No space left on device.*1 rows written before are intact"):
+        runner.run(make_cfg(tmp_path), run_dir)
+    text = (run_dir / "predictions.jsonl").read_text()
+    assert text.endswith("\n") and [json.loads(line)["sample_id"] for line in text.splitlines()] == ["len30"]
+
+    monkeypatch.setattr(results.os, "write", real_write)
+    assert runner.run(make_cfg(tmp_path), run_dir)["num_samples"] == 2
+    summary_before = (run_dir / "summary.json").read_text()
+
+    def no_space(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(results.os, "fsync", no_space)
+    with pytest.raises(ResultWriteError, match="previous version is intact"):
+        ResultStore(run_dir, json.loads((run_dir / "run_config.json").read_text())).write_summary({"x": 1})
+    assert (run_dir / "summary.json").read_text() == summary_before
+    assert not list(run_dir.glob(".*.tmp"))
+
+
+# --------------------------------------------------------------------------- lock
+
+
+def dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_second_writer_is_refused_naming_the_holder_and_may_wait(tmp_path):
+    lock = tmp_path / "run" / ".lock"
+    lock.parent.mkdir()
+    live = {"host": socket.gethostname(), "pid": os.getppid(), "started": "now"}  # another live process
+    lock.write_text(json.dumps(live))
+    with pytest.raises(RunLockedError, match=f"host {socket.gethostname()}, pid {os.getppid()}, since now"):
+        RunLock(tmp_path / "run").acquire()
+    threading.Timer(0.3, lock.unlink).start()  # the holder finishes
+    waiter = RunLock(tmp_path / "run", wait_s=30, poll_s=0.05)
+    started = time.monotonic()
+    waiter.acquire()
+    assert 0.2 < time.monotonic() - started < 30 and json.loads(lock.read_text()) == waiter.record
+    with RunLock(tmp_path / "run"):  # re-entrant in the holding process (run.py, then runner.run)
+        pass
+    assert lock.exists()
+    waiter.release()
+    assert not lock.exists()
+
+
+def test_stale_lock_of_a_dead_process_is_taken_over(tmp_path):
+    lock = tmp_path / "run" / ".lock"
+    lock.parent.mkdir()
+    lock.write_text(json.dumps({"host": socket.gethostname(), "pid": dead_pid(), "started": "earlier"}))
+    with RunLock(tmp_path / "run") as taken:
+        assert json.loads(lock.read_text()) == taken.record
+    # A lock from another host cannot be checked from here: refused, not stolen.
+    lock.write_text(json.dumps({"host": "node-elsewhere", "pid": dead_pid(), "started": "earlier"}))
+    with pytest.raises(RunLockedError, match="host node-elsewhere"):
+        RunLock(tmp_path / "run").acquire()
+
+
+def test_run_refuses_a_directory_another_process_writes(tmp_path, tiny):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / ".lock").write_text(json.dumps({"host": "gpu-node-7", "pid": 4242, "started": "now"}))
+    with pytest.raises(RunLockedError, match="gpu-node-7, pid 4242"):
+        runner.run(make_cfg(tmp_path), tmp_path / "run")
+    assert tiny == [] and not (tmp_path / "run" / "predictions.jsonl").exists()
+
+
+# --------------------------------------------------------------------------- stop signals
+
+
+def test_a_signal_abandons_interruptible_work_and_waits_for_writes():
+    with StopSignals() as signals:
+        with pytest.raises(Preempted) as stopped:
+            with signals.interruptible():
+                os.kill(os.getpid(), signal.SIGUSR1)
+                time.sleep(5)  # interrupted at once
+        assert stopped.value.signum == signal.SIGUSR1
+    with StopSignals() as signals:
+        os.kill(os.getpid(), signal.SIGUSR2)  # e.g. while a row is written: only noted
+        assert signals.received == signal.SIGUSR2
+        with pytest.raises(Preempted):
+            signals.check()
+    assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL  # handlers restored
+
+
+def test_preempted_hands_the_signal_to_the_previous_handler():
+    seen = []
+    stop = Preempted(signal.SIGUSR2, lambda signum, frame: seen.append(signum))
+    with pytest.raises(SystemExit) as exited:
+        stop.deliver()
+    assert seen == [signal.SIGUSR2] and exited.value.code == 128 + signal.SIGUSR2

@@ -1,0 +1,251 @@
+"""run.py as real child processes (issue #8): one-line config errors that leave nothing behind, dry run,
+a second writer refused while a run holds its directory, SIGTERM then a resume that loses and duplicates
+nothing, a SLURM sweep through submitit against fake SLURM executables (tests/fake_slurm) that matches a
+local sweep, ONLY_MISSING, and `make status`. A tiny random Llama saved as a checkpoint folder stands in
+for the model, so each child spends its time importing torch, not computing."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import char_tokenizer, tiny_llama
+
+ROOT = Path(__file__).resolve().parents[1]
+FAKE_SLURM = ROOT / "tests" / "fake_slurm"
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("tiny-checkpoint")
+    tiny_llama("sdpa").save_pretrained(folder)
+    char_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def model_args(folder: Path) -> list[str]:
+    return ["model=custom", f"model.path={folder}", "model.dtype=float32", "model.device=cpu", "model.max_length=4096"]
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SBATCH_", "HYDRA_FULL_ERROR"))}
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONPATH=str(ROOT), **extra)
+    return env
+
+
+def run_py(*args: str, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "run.py", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env=env or child_env())
+
+
+def files_under(path: Path) -> list[Path]:
+    return [p for p in path.rglob("*") if p.is_file()] if path.exists() else []
+
+
+def read_rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "predictions.jsonl").read_text().splitlines()]
+
+
+# --------------------------------------------------------------------------- fast, clean failure
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["block_size=abc"], "error: block_size='abc' is not valid; block_size must be a positive integer"),
+        (["-m", "policy=keydiff,keydif"], "policy=keydif is not valid; valid: full, h2o"),
+        (["-m", "budget=2k", "block_size=64,0"], "block_size=0 is not valid"),
+        (["task.limit=0"], "task.limit=0 is not valid; valid: a positive integer or null"),
+        (["-m", "experiment=smoke", "hydra/launcher=slurm", "hydra.launcher.partition=null"],
+         "hydra/launcher=slurm needs a partition"),
+    ],
+)
+def test_config_errors_are_one_line_before_work_and_leave_no_directory(tmp_path, args, message):
+    result = run_py(*args, f"results_root={tmp_path / 'runs'}")
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert lines and lines[-1].startswith("error: ") and message in lines[-1], result.stderr
+    assert "Traceback" not in result.stderr
+    assert files_under(tmp_path / "runs") == []
+    assert not [p for p in (tmp_path / "runs").rglob("*") if p.is_dir()]  # no empty run directories either
+
+
+def test_unwritable_results_root_is_refused_before_work(tmp_path):
+    (tmp_path / "a-file").write_text("not a directory")
+    result = run_py(f"results_root={tmp_path / 'a-file' / 'runs'}")
+    assert result.returncode == 2 and "results_root=" in result.stderr and "not writable" in result.stderr
+
+
+def test_dry_run_prints_the_grid_and_the_slurm_job_script_without_submitting(tmp_path, tiny_model_dir):
+    env = child_env(PATH=f"{FAKE_SLURM}{os.pathsep}{os.environ['PATH']}", FAKE_SLURM_DIR=str(tmp_path / "slurm"),
+                    FAKE_SLURM_PYTHON=sys.executable)
+    result = run_py("experiment=smoke", *model_args(tiny_model_dir), "hydra/launcher=slurm",
+                    "hydra.launcher.partition=gpu", f"results_root={tmp_path / 'runs'}", "dry_run=true", env=env)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "dry run: 2 grid point(s)" in out and "SLURM array size: 2" in out
+    assert "#SBATCH --array=0-1%2" in out and "#SBATCH --partition=gpu" in out and "#SBATCH --cpus-per-task=8" in out
+    for policy in ("keydiff", "tova"):
+        assert f"{tmp_path / 'runs'}/smoke/niah_small/custom/{policy}/1k/bs128/seed0-limit2  [not started]" in out
+    assert not (tmp_path / "slurm" / "submissions.jsonl").exists() and files_under(tmp_path / "runs") == []
+
+
+# --------------------------------------------------------------------------- lock + SIGTERM + resume
+
+
+def test_second_writer_is_refused_and_sigterm_then_rerun_loses_and_duplicates_nothing(tmp_path, tiny_model_dir):
+    args = [*model_args(tiny_model_dir), "task.context_lengths=[400,800]", "task.depths=[0,25,50,75,100]",
+            f"results_root={tmp_path / 'runs'}", "experiment_name=sig"]
+    run_dir = tmp_path / "runs/sig/niah_small/custom/keydiff/2k/bs128/seed0"
+    first = subprocess.Popen([sys.executable, "run.py", *args], cwd=ROOT, env=child_env(),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 240
+        while not (run_dir / ".lock").exists() and time.time() < deadline and first.poll() is None:
+            time.sleep(0.2)
+        # Same grid point while the first one runs: refused at once, naming the holder.
+        second = run_py(*args)
+        assert second.returncode == 2, second.stderr
+        assert f"host {socket.gethostname()}, pid {first.pid}" in second.stderr.splitlines()[-1]
+
+        predictions = run_dir / "predictions.jsonl"
+        while (not predictions.exists() or not predictions.read_text().count("\n")) and time.time() < deadline:
+            time.sleep(0.1)
+        first.send_signal(signal.SIGTERM)
+        stdout, stderr = first.communicate(timeout=120)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert first.returncode == -signal.SIGTERM, stderr  # re-raised with the default action: "killed by SIGTERM"
+    assert "stopped by SIGTERM after writing every finished row" in stdout  # Hydra logs to stdout
+    written = read_rows(run_dir)  # every line parses: no partial row
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert 1 <= len(written) < 10 and summary["stopped_by"] == "stopped by SIGTERM" and not summary["complete"]
+    assert summary["num_samples"] == len(written) and not (run_dir / ".lock").exists()
+
+    resumed = run_py(*args)
+    assert resumed.returncode == 0, resumed.stderr
+    rows = read_rows(run_dir)
+    ids = [row["sample_id"] for row in rows]
+    assert rows[: len(written)] == written and len(ids) == len(set(ids)) == 10
+    assert json.loads((run_dir / "summary.json").read_text())["complete"] is True
+
+
+# --------------------------------------------------------------------------- SLURM through submitit, fake executables
+
+
+def sweep_points(root: Path) -> dict[str, list[dict]]:
+    return {p.parent.relative_to(root).as_posix(): read_rows(p.parent) for p in sorted(root.rglob("predictions.jsonl"))}
+
+
+SAME = ("sample_id", "status", "prediction", "scores", "prompt_tokens", "kept_tokens", "new_tokens", "max_cache_entries")
+
+
+def test_slurm_sweep_through_submitit_matches_a_local_sweep_and_resubmits_only_missing(tmp_path, tiny_model_dir):
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="pip install -e '.[slurm]'")
+    state = tmp_path / "slurm"
+    env = child_env(PATH=f"{FAKE_SLURM}{os.pathsep}{os.environ['PATH']}", FAKE_SLURM_DIR=str(state),
+                    FAKE_SLURM_PYTHON=sys.executable)
+    common = ["experiment=smoke", *model_args(tiny_model_dir), "task.context_lengths=[400]"]
+    local = run_py(*common, f"results_root={tmp_path / 'local'}")
+    assert local.returncode == 0, local.stderr
+    slurm_args = [*common, "hydra/launcher=slurm", "hydra.launcher.partition=fake", "hydra.launcher.cpus_per_task=1",
+                  f"results_root={tmp_path / 'slurm-runs'}"]
+    submitted = run_py(*slurm_args, env=env)
+    assert submitted.returncode == 0, submitted.stderr
+
+    submissions = [json.loads(line) for line in (state / "submissions.jsonl").read_text().splitlines()]
+    assert [(s["array_size"], s["partition"], s["cpus_per_task"]) for s in submissions] == [(2, "fake", "1")]
+    script = Path(submissions[0]["script"]).read_text()
+    assert "#SBATCH --array=0-1%2" in script and "submitit.core._submit" in script
+    local_rows, slurm_rows = sweep_points(tmp_path / "local"), sweep_points(tmp_path / "slurm-runs")
+    assert set(local_rows) == set(slurm_rows) and len(slurm_rows) == 2
+    for point, rows in slurm_rows.items():
+        assert [{k: r[k] for k in SAME} for r in rows] == [{k: r[k] for k in SAME} for r in local_rows[point]]
+        assert all(r["threads"] == 1 for r in rows)  # SLURM_CPUS_PER_TASK from --cpus-per-task
+    # Per-task logs where the README says: <results_root>/<experiment>/.submitit/<array>_<task>/
+    job = submissions[0]["job_id"]
+    for task in (0, 1):
+        log = tmp_path / f"slurm-runs/smoke/.submitit/{job}_{task}/{job}_{task}_0_log.out"
+        assert log.exists() and "results:" in log.read_text()
+
+    # Lose the last row of one point: only that point is resubmitted (submitit sends a single job as a plain job).
+    point = sorted(slurm_rows)[1]
+    predictions = tmp_path / "slurm-runs" / point / "predictions.jsonl"
+    predictions.write_text(predictions.read_text().splitlines(keepends=True)[0])
+    again = run_py(*slurm_args, "only_missing=true", env=env)
+    assert again.returncode == 0, again.stderr
+    submissions = [json.loads(line) for line in (state / "submissions.jsonl").read_text().splitlines()]
+    assert [s["array_size"] for s in submissions] == [2, 1]
+    assert [r["sample_id"] for r in read_rows(predictions.parent)] == [r["sample_id"] for r in slurm_rows[point]]
+    deadline = time.time() + 60
+    while len(list(state.glob("done_*"))) < 2 and time.time() < deadline:  # the fake runners have exited
+        time.sleep(0.2)
+
+
+# --------------------------------------------------------------------------- make status
+
+
+def test_status_lists_every_point_of_an_experiment(tmp_path):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from sweep_status import experiment_status
+
+    root = tmp_path / "runs"
+    keydiff_dir = root / "smoke/niah_small/smollm2-135m/keydiff/1k/bs128/seed0-limit2"
+    keydiff_dir.mkdir(parents=True)
+    keydiff_dir.joinpath("predictions.jsonl").write_text(
+        json.dumps({"sample_id": "L1500/d0", "status": "ok"}) + "\n"
+        + json.dumps({"sample_id": "L1500/d50", "status": "failed", "failure_reason": "out_of_memory"}) + "\n")
+    rows = experiment_status("smoke", [f"results_root={root}", "policy=keydiff,tova,sink"])
+    described = {point[0]: status.describe() for point, _, status in rows}
+    assert described == {"policy=keydiff": "failed samples (1 of 2)", "policy=tova": "not started",
+                         "policy=sink": "not started"}
+    keydiff_dir.joinpath("predictions.jsonl").write_text(json.dumps({"sample_id": "L1500/d0", "status": "ok"}) + "\n")
+    rows = experiment_status("smoke", [f"results_root={root}"])
+    assert [status.describe() for _, _, status in rows] == ["partial (1 of 2)", "not started"]
+    assert rows[0][2].needs_run() and rows[1][2].needs_run()
+
+
+def test_usr2_under_submitit_requeues_and_the_requeued_task_resumes(tmp_path, tiny_model_dir):
+    """SLURM's time-limit warning (USR2) to a running array task: the runner stops after its last whole row,
+    hands the signal to submitit, which checkpoints and calls `scontrol requeue`; the requeued task resumes."""
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="pip install -e '.[slurm]'")
+    state = tmp_path / "slurm"
+    env = child_env(PATH=f"{FAKE_SLURM}{os.pathsep}{os.environ['PATH']}", FAKE_SLURM_DIR=str(state),
+                    FAKE_SLURM_PYTHON=sys.executable)
+    root = tmp_path / "runs"
+    submitting = subprocess.Popen(
+        [sys.executable, "run.py", "-m", *model_args(tiny_model_dir), "task.context_lengths=[400,800]",
+         "task.depths=[0,25,50,75,100]", "experiment_name=pre", f"results_root={root}", "hydra/launcher=slurm",
+         "hydra.launcher.partition=fake", "hydra.launcher.cpus_per_task=1"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    run_dir = root / "pre/niah_small/custom/keydiff/2k/bs128/seed0"
+    try:
+        deadline = time.time() + 240
+        predictions = run_dir / "predictions.jsonl"
+        while (not predictions.exists() or not predictions.read_text().count("\n")) and time.time() < deadline:
+            time.sleep(0.1)
+        os.kill(int((state / "pid_1000").read_text()), signal.SIGUSR2)
+        stdout, stderr = submitting.communicate(timeout=400)
+    finally:
+        if submitting.poll() is None:
+            submitting.kill()
+    assert submitting.returncode == 0, stderr
+    calls = [json.loads(line) for line in (state / "calls.log").read_text().splitlines()]
+    assert ["scontrol", "requeue", "1000"] in calls
+    logs = "".join(path.read_text() for path in (root / "pre/.submitit/1000").glob("1000_0_log.*"))
+    assert "stopped by SIGUSR2 after writing every finished row" in logs and "Requeued job 1000" in logs
+    ids = [row["sample_id"] for row in read_rows(run_dir)]
+    assert len(ids) == len(set(ids)) == 10  # nothing lost, nothing twice
+    assert json.loads((run_dir / "summary.json").read_text())["complete"] is True
+    deadline = time.time() + 60
+    while not list(state.glob("done_1000_*requeue")) and time.time() < deadline:
+        time.sleep(0.2)
