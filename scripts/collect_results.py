@@ -61,7 +61,11 @@ def flatten(data, prefix: str = "") -> dict[str, float]:
 
 
 def read_predictions(run_dir: Path) -> list[dict]:
-    """Complete lines of predictions.jsonl (a crash can leave a partial last line; the runner drops it too)."""
+    """The latest successful row per sample from the complete lines of predictions.jsonl.
+
+    A crash can leave a partial last line (the runner drops it too); failed samples leave rows without
+    scores (status "failed"), and a retried sample has several rows, of which the last one counts.
+    """
     path = run_dir / "predictions.jsonl"
     if not path.exists():
         return []
@@ -70,7 +74,8 @@ def read_predictions(run_dir: Path) -> list[dict]:
         if not line.endswith("\n"):
             break
         rows.append(json.loads(line))
-    return rows
+    latest = {row["sample_id"]: row for row in rows}
+    return [row for row in latest.values() if row.get("status", "ok") == "ok"]
 
 
 def longbench_dataset(row: dict) -> str:

@@ -358,3 +358,15 @@ def test_slurm_launcher_composes(monkeypatch):
     overrides = ["experiment=smoke", "hydra/launcher=slurm", "+slurm.account=lab", "+slurm.array_parallelism=4"]
     launcher = OmegaConf.to_container(compose(overrides).hydra.launcher, resolve=True)
     assert (launcher["partition"], launcher["account"], launcher["array_parallelism"]) == ("gpu-env", "lab", 4)
+
+
+def test_predictions_count_the_latest_successful_row_per_sample(tmp_path):
+    """Failed rows carry no scores and a retried sample has several rows: only the last, if it succeeded, counts."""
+    rows = [{"sample_id": "a", "status": "ok", "compression_ratio": 0.5},
+            {"sample_id": "b", "status": "failed", "failure_reason": "out_of_memory"},
+            {"sample_id": "c", "status": "failed", "failure_reason": "out_of_memory"},
+            {"sample_id": "c", "status": "ok", "compression_ratio": 0.25},
+            {"sample_id": "d", "compression_ratio": 0.75}]  # a row written before statuses existed
+    (tmp_path / "predictions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"sample_id": "e"')
+    got = collect_results.read_predictions(tmp_path)
+    assert {r["sample_id"]: r["compression_ratio"] for r in got} == {"a": 0.5, "c": 0.25, "d": 0.75}
