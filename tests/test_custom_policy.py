@@ -42,7 +42,7 @@ def test_example_policy_runs_end_to_end_through_run_py_from_outside_the_package(
                "budget.tokens=128", "block_size=64", f"results_root={tmp_path / 'runs'}"]
     result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    run_dir = tmp_path / "runs" / "adhoc" / "niah_small" / "smollm2-135m" / "MyPolicy-alpha0.3" / "128" / "bs64" / "seed0"
+    run_dir = tmp_path / "runs" / "adhoc" / "niah_small" / "smollm2-135m" / "MyPolicy-alpha0.3" / "128" / "bs64" / "seed0-limit1"  # a subset run: its own directory
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["policy"] == {"name": "my_policy.MyPolicy", "alpha": 0.3, "sinks": 4, "layer_budgets": None}
     assert summary["statistics"]["samples"] == 1 and summary["statistics"]["cache_bound_held"] is True
