@@ -58,8 +58,9 @@ smoke: $(STAMP)  ## a tiny CPU sweep (2 policies) then its table and figures
 collect: $(STAMP)  ## results/runs/**/summary.json -> results/summary.csv
 	$(PY) scripts/collect_results.py
 
-tables: $(STAMP)  ## every paper table from results/runs into results/tables
+tables: $(STAMP)  ## every paper table from results/runs into results/tables (RULER: results/tables/ruler.md)
 	$(PY) scripts/make_tables.py $(ARGS)
+	$(PY) scripts/ruler_table.py
 
 figures: $(STAMP)  ## every paper figure from results/runs into results/figures
 	$(PY) scripts/make_figures.py $(ARGS)

@@ -1,0 +1,343 @@
+"""RULER (Hsieh et al. 2024, NVIDIA/RULER): the 13 tasks of the kvpress leaderboard, generated offline.
+
+Tasks (RULER ``scripts/synthetic.yaml``): niah_single_1/2/3, niah_multikey_1/2/3, niah_multivalue,
+niah_multiquery, vt, cwe, fwe, qa_1 (SQuAD), qa_2 (HotpotQA). Generators: ruler_generators.py and
+ruler_qa.py. Every sample depends only on (task.seed, task name, task.length, sample index): its gold
+answer is drawn first, without the tokenizer; the prompt then takes the largest haystack for which
+``prompt tokens + tokens to generate <= task.length`` (RULER's rule), found by binary search with the
+model's own tokenizer and chat template.
+
+Prompt: the task template (context, then the question) is one user turn of the model's chat template,
+and RULER's answer prefix follows the generation prompt (as kvpress builds it); ``chat_template: false``
+gives template + answer prefix as plain text. The runner prefills the whole prompt block-wise, so unlike
+kvpress's leaderboard the question goes through the bounded cache too. Greedy decoding with RULER's
+tokens to generate (niah 128, vt 30, cwe 120, fwe 50, qa 32).
+
+Scores (RULER ``scripts/eval/synthetic/constants.py``): the prediction is stripped and control characters
+become newlines; ``string_match_all`` = share of the gold strings contained in it (case-insensitive) for
+niah/vt/cwe/fwe, ``string_match_part`` = 1 if any gold string is contained, for qa. A task's score is
+``round(100 * mean, 2)``; the RULER score is the mean over the tasks run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import random
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from keydiff.tasks.base import GenerationSettings, Prompt, Sample, Task
+from keydiff.tasks.ruler_generators import (
+    QUESTION_MARKERS,
+    CommonWords,
+    FrequentWords,
+    Generator,
+    Niah,
+    VariableTracking,
+    essay_words,
+    sub_seed,
+    wonderwords_sources,
+)
+from keydiff.tasks.ruler_qa import QA, QAData, load_qa
+
+log = logging.getLogger(__name__)
+
+# Bump when a change in the generators changes the generated samples.
+GENERATOR_VERSION = 1
+
+# name -> (generator class, arguments): RULER's synthetic.yaml.
+SPECS: dict[str, tuple[type[Generator], dict[str, Any]]] = {
+    "niah_single_1": (Niah, dict(haystack="noise", type_k="words", type_v="numbers")),
+    "niah_single_2": (Niah, dict(haystack="essay", type_k="words", type_v="numbers")),
+    "niah_single_3": (Niah, dict(haystack="essay", type_k="words", type_v="uuids")),
+    "niah_multikey_1": (Niah, dict(haystack="essay", type_k="words", type_v="numbers", num_k=4)),
+    "niah_multikey_2": (Niah, dict(haystack="needle", type_k="words", type_v="numbers")),
+    "niah_multikey_3": (Niah, dict(haystack="needle", type_k="uuids", type_v="uuids")),
+    "niah_multivalue": (Niah, dict(haystack="essay", type_k="words", type_v="numbers", num_v=4)),
+    "niah_multiquery": (Niah, dict(haystack="essay", type_k="words", type_v="numbers", num_q=4)),
+    "vt": (VariableTracking, dict(num_chains=1, num_hops=4)),
+    "cwe": (CommonWords, dict(freq_cw=30, freq_ucw=3, num_cw=10)),
+    "fwe": (FrequentWords, dict(alpha=2.0)),
+    "qa_1": (QA, dict(dataset="squad")),
+    "qa_2": (QA, dict(dataset="hotpotqa")),
+}
+STANDARD_TASKS: tuple[str, ...] = tuple(SPECS)
+PRESETS: dict[str, tuple[str, ...]] = {
+    "all": STANDARD_TASKS,
+    "synthetic": tuple(t for t in STANDARD_TASKS if not t.startswith("qa_")),
+}
+_CONTROL = re.compile(r"[\x00-\x1f]")
+
+
+# ------------------------------------------------------------------------------------------ metrics
+def postprocess(prediction: str) -> str:
+    """RULER's evaluate.py: strip, control characters to newlines, strip again."""
+    return _CONTROL.sub("\n", prediction.strip()).strip()
+
+
+def string_match_all(prediction: str, references: list[str]) -> float:
+    """Share of the references contained in the prediction, case-insensitive."""
+    pred = prediction.lower()
+    return sum(1.0 for r in references if r.lower() in pred) / len(references)
+
+
+def string_match_part(prediction: str, references: list[str]) -> float:
+    """1 if any reference is contained in the prediction, case-insensitive."""
+    pred = prediction.lower()
+    return max(1.0 if r.lower() in pred else 0.0 for r in references)
+
+
+def metric_of(task: str) -> Callable[[str, list[str]], float]:
+    return string_match_part if task.startswith("qa_") else string_match_all
+
+
+# ------------------------------------------------------------------------------------------ fitting
+def fit_size(measure: Callable[[int], int], target: int, low: int, high: int | None) -> int:
+    """Largest size in [low, high] with measure(size) <= target: doubling, then bisection.
+
+    ``measure`` is close to monotone (more haystack, more tokens); the result always satisfies the bound.
+    """
+    if measure(low) > target:
+        raise ValueError(f"even the smallest haystack ({low}) needs {measure(low)} tokens, above {target}")
+    if high is not None and measure(high) <= target:
+        return high
+    good, bad = low, None
+    step = max(1, low)
+    while bad is None:
+        probe = good + step if high is None else min(good + step, high)
+        if measure(probe) <= target:
+            good, step = probe, step * 2
+        else:
+            bad = probe
+    while bad - good > 1:
+        mid = (good + bad) // 2
+        if measure(mid) <= target:
+            good = mid
+        else:
+            bad = mid
+    return good
+
+
+def _as_list(tasks: Any) -> list[str] | Any:
+    if isinstance(tasks, str):
+        return list(PRESETS.get(tasks, [tasks]))
+    return [str(t) for t in tasks] if isinstance(tasks, (list, tuple)) else tasks
+
+
+@dataclass
+class Ruler(Task):
+    """RULER at one target length (tokens, generation included), `num_samples` samples per task.
+
+    Samples run index-major (sample 0 of every task, then sample 1, ...), so a partial run covers every
+    task; `limit` keeps the first `limit` samples of each task.
+    """
+
+    name: str = "ruler_4k"
+    length: int = 4096
+    tasks: Any = "all"  # "all" (13), "synthetic" (11, no QA data needed) or a list of task names
+    num_samples: int = 500  # per task (kvpress's leaderboard data: 500)
+    limit: int | None = None
+    seed: int = 42  # RULER's default random_seed
+    haystack_dir: str | None = None  # essay haystack: folder of .txt files; None: pydoc prose (haystack.py)
+    data_dir: str | None = None  # folder with squad.json and hotpotqa.json, for qa_1 / qa_2
+    chat_template: bool = True
+    max_new_tokens: int | None = None  # None: RULER's per-task tokens to generate
+
+    _generators: dict[str, Generator] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _qa: dict[str, QAData] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _essay: tuple[str, ...] | None = field(default=None, init=False, repr=False, compare=False)
+    _essay_sources: dict[str, str] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _last: tuple[Any, Prompt] | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self.tasks = _as_list(self.tasks)
+
+    # ------------------------------------------------------------------ configuration
+    def validate(self) -> None:
+        if not isinstance(self.tasks, list) or not self.tasks:
+            raise ValueError(f"task.tasks must be a preset {list(PRESETS)} or a non-empty list of {list(STANDARD_TASKS)}")
+        unknown = [t for t in self.tasks if t not in SPECS]
+        if unknown:
+            raise ValueError(f"unknown RULER task(s) {unknown} in task.tasks; valid tasks: {', '.join(STANDARD_TASKS)} "
+                             f"(or a preset: {', '.join(PRESETS)})")
+        if len(set(self.tasks)) != len(self.tasks):
+            raise ValueError(f"task.tasks repeats a task: {self.tasks}")
+        for key in ("length", "num_samples"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"task.{key} must be a positive integer, got {value!r}")
+        if self.limit is not None and (isinstance(self.limit, bool) or not isinstance(self.limit, int) or self.limit < 1):
+            raise ValueError(f"task.limit must be null or a positive integer, got {self.limit!r}")
+        if self.max_new_tokens is not None and (not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1):
+            raise ValueError(f"task.max_new_tokens must be null (RULER's per-task values) or a positive integer, "
+                             f"got {self.max_new_tokens!r}")
+        if self.haystack_dir is not None:
+            folder = Path(self.haystack_dir).expanduser()
+            if not folder.is_dir() or not any(p.suffix == ".txt" for p in folder.iterdir()):
+                raise ValueError(f"task.haystack_dir={self.haystack_dir!r} is not a folder of .txt files")
+        qa = [t for t in self.tasks if t.startswith("qa_")]
+        if qa and self.data_dir is None:
+            raise ValueError(
+                f"RULER {', '.join(qa)} need task.data_dir: a folder with squad.json (SQuAD v2.0 dev) and "
+                f"hotpotqa.json (HotpotQA dev distractor), e.g. task.data_dir=tasks/fixtures/ruler for the "
+                f"project's small fixture; or run without them: task.tasks=synthetic"
+            )
+        for t in qa:
+            self._qa_data(SPECS[t][1]["dataset"])  # missing or malformed files fail here, before the model loads
+
+    def check_model(self, max_length: int | None) -> None:
+        if max_length is not None and self.length > max_length:
+            raise ValueError(
+                f"task.length={self.length} exceeds the model's max_length ({max_length}); use a shorter preset "
+                f"(ruler_4k, ruler_8k, ...) or a model with a longer context"
+            )
+
+    # ------------------------------------------------------------------ data
+    def _qa_data(self, dataset: str) -> QAData:
+        if dataset not in self._qa:
+            assert self.data_dir is not None
+            self._qa[dataset] = load_qa(self.data_dir, dataset)
+        return self._qa[dataset]
+
+    def _essay_words(self) -> tuple[str, ...]:
+        if self._essay is None:
+            from keydiff.tasks.haystack import load_haystack
+
+            haystack = load_haystack(self.haystack_dir)
+            self._essay = tuple(essay_words(haystack.text))
+            self._essay_sources = dict(haystack.sources)
+        return self._essay
+
+    def generator(self, task: str) -> Generator:
+        if task not in self._generators:
+            cls, kwargs = SPECS[task]
+            kwargs = dict(kwargs)
+            if cls is Niah and kwargs["haystack"] == "essay":
+                kwargs["essay"] = self._essay_words()
+            if cls is QA:
+                kwargs["data"] = self._qa_data(kwargs["dataset"])
+            self._generators[task] = cls(**kwargs)
+        return self._generators[task]
+
+    def plan(self, task: str, index: int) -> dict[str, Any]:
+        """Everything the answer of sample `index` of `task` depends on (no tokenizer involved)."""
+        rng = random.Random(sub_seed("ruler", self.seed, task, self.length, index))
+        gen = self.generator(task)
+        return gen.plan(rng, self.length, index) if isinstance(gen, QA) else gen.plan(rng, self.length)
+
+    def tokens_to_generate(self, task: str) -> int:
+        return self.max_new_tokens or self.generator(task).template()["tokens_to_generate"]
+
+    def samples(self) -> Iterator[Sample]:
+        count = self.num_samples if self.limit is None else min(self.num_samples, self.limit)
+        available = {t: len(self._qa_data(SPECS[t][1]["dataset"]).questions) for t in self.tasks if t.startswith("qa_")}
+        for t, n in available.items():
+            if n < count:
+                log.warning("RULER %s: only %d answerable questions in task.data_dir, fewer than %d samples", t, n, count)
+        for index in range(count):
+            for task in self.tasks:
+                if index >= available.get(task, count):
+                    continue
+                plan = self.plan(task, index)
+                yield Sample(id=f"{task}/{index}", fields={
+                    "task": task, "index": index, "length": self.length, "query": plan["query"] if "query" in plan else None,
+                    "answers": list(plan["answers"]),
+                })
+
+    # ------------------------------------------------------------------ prompt
+    def encode(self, tokenizer: Any, user_text: str, answer_prefix: str) -> tuple[list[int], str, bool]:
+        """(input ids, the rendered string, add_special_tokens) of one user turn followed by the answer prefix."""
+        if self.chat_template and getattr(tokenizer, "chat_template", None):
+            rendered = tokenizer.apply_chat_template(
+                [{"role": "user", "content": user_text}], tokenize=False, add_generation_prompt=True
+            ) + answer_prefix
+            return list(tokenizer(rendered, add_special_tokens=False)["input_ids"]), rendered, False
+        rendered = user_text + answer_prefix
+        return list(tokenizer(rendered)["input_ids"]), rendered, True
+
+    def build_prompt(self, sample: Sample, tokenizer: Any, max_length: int | None) -> Prompt:
+        key = (sample.id, id(tokenizer), max_length)
+        if self._last is not None and self._last[0] == key:
+            return self._last[1]
+        task, index = sample.fields["task"], int(sample.fields["index"])
+        gen = self.generator(task)
+        plan = self.plan(task, index)
+        to_generate = self.tokens_to_generate(task)
+        example, example_size = "", None
+        if gen.example_length is not None:  # vt's in-context example, fitted to its own length (RULER: 500)
+            example_size = fit_size(
+                lambda s: len(tokenizer(gen.example(plan, s), add_special_tokens=False)["input_ids"]) + to_generate,
+                gen.example_length, gen.example_min_size(plan), None,
+            )
+            example = gen.example(plan, example_size)
+
+        def measure(size: int) -> int:
+            return len(self.encode(tokenizer, *gen.render(plan, size, example))[0]) + to_generate
+
+        try:
+            size = fit_size(measure, self.length, gen.min_size(plan), gen.max_size(plan))
+        except ValueError as error:
+            raise ValueError(f"RULER {task} at task.length={self.length}: {error}; use a larger length") from None
+        user_text, answer_prefix = gen.render(plan, size, example)
+        input_ids, rendered, add_special = self.encode(tokenizer, user_text, answer_prefix)
+        if max_length is not None and len(input_ids) > max_length:
+            raise ValueError(f"RULER {task}: prompt of {len(input_ids)} tokens exceeds the model's max_length {max_length}")
+        marks = list(QUESTION_MARKERS[gen.kind].finditer(rendered))
+        question_index = (len(tokenizer(rendered[: marks[-1].start()], add_special_tokens=add_special)["input_ids"])
+                          if marks else None)
+        info = {
+            "task": task,
+            "index": index,
+            "length": self.length,
+            "haystack_size": size,
+            "haystack_capped": gen.max_size(plan) is not None and size == gen.max_size(plan),
+            "example_size": example_size,
+            "prompt_tokens": len(input_ids),
+            "question_token_index": question_index,
+            "answers": list(plan["answers"]),
+        }
+        prompt = Prompt(input_ids=input_ids, generation=GenerationSettings(max_new_tokens=to_generate), info=info)
+        self._last = (key, prompt)
+        return prompt
+
+    # ------------------------------------------------------------------ scoring
+    def score(self, sample: Sample, prediction: str) -> dict[str, float]:
+        task = sample.fields["task"]
+        return {"score": metric_of(task)(postprocess(prediction), list(sample.fields["answers"]))}
+
+    def summarize(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
+        """Per task ``round(100 * mean score, 2)`` (RULER's evaluate.py), their mean as ``average``, counts,
+        the metric of each task, and whether all 13 standard tasks are in."""
+        by_task: dict[str, list[float]] = {}
+        for row in rows:
+            by_task.setdefault(row["sample_id"].split("/")[0], []).append(float(row["scores"]["score"]))
+        order = [t for t in STANDARD_TASKS if t in by_task] + sorted(t for t in by_task if t not in SPECS)
+        scores = {t: round(100 * sum(by_task[t]) / len(by_task[t]), 2) for t in order}
+        return {
+            "average": round(sum(scores.values()) / len(scores), 2) if scores else None,
+            "tasks": scores,
+            "n": {t: len(by_task[t]) for t in order},
+            "metric": {t: metric_of(t).__name__ for t in order},
+            "length": self.length,
+            "all_standard_tasks": set(STANDARD_TASKS) <= set(scores),
+        }
+
+    def data_sources(self) -> dict[str, str]:
+        inputs = {"generator_version": GENERATOR_VERSION, "seed": self.seed, "length": self.length,
+                  "tasks": self.tasks, "num_samples": self.num_samples}
+        sources = {
+            f"ruler generator v{GENERATOR_VERSION} (seed {self.seed}, length {self.length})":
+                hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest(),
+            **wonderwords_sources(),
+        }
+        if any(SPECS[t][1].get("haystack") == "essay" for t in self.tasks):
+            self._essay_words()
+            sources.update({f"ruler/essay/{k}": v for k, v in self._essay_sources.items()})
+        for t in self.tasks:
+            if t.startswith("qa_"):
+                sources.update(self._qa_data(SPECS[t][1]["dataset"]).source)
+        return sources

@@ -1,0 +1,106 @@
+"""RULER results table: one row per run (model x policy x budget x block size x length), one column per
+task with its score (RULER's per-task string match, x100), and the average over the tasks, as in the
+kvpress leaderboard (which plots that average per compression ratio).
+
+Reads every ``summary.json`` under the runs folder whose task is RULER (keydiff.tasks.ruler) and writes
+``ruler.md`` and ``ruler.csv`` to the output folder. Marks: ``*`` a subset run (``task.limit`` set; the
+``n`` column gives samples per task), ``†k`` k failed samples (runner failure rows), and ``avg`` is
+followed by ``(k/13)`` when not all 13 standard tasks were run.
+
+    python scripts/ruler_table.py [--runs results/runs] [--out results/tables]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pandas as pd
+
+TASKS = ("niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2",
+         "niah_multikey_3", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe", "qa_1", "qa_2")
+
+
+def is_ruler(summary: dict) -> bool:
+    task = (summary.get("config") or {}).get("task") or {}
+    return str(task.get("_target_", "")).endswith("ruler.Ruler") and isinstance(summary.get("metrics", {}).get("tasks"), dict)
+
+
+def ruler_rows(runs: Path) -> pd.DataFrame:
+    """One row per RULER run: identity columns, per-task scores, average and marks."""
+    rows = []
+    for path in sorted(runs.rglob("summary.json")):
+        summary = json.loads(path.read_text(encoding="utf-8"))
+        if not is_ruler(summary):
+            continue
+        cfg, metrics = summary["config"], summary["metrics"]
+        scores = metrics["tasks"]
+        limit = cfg["task"].get("limit")
+        failed = int(summary.get("num_failed", 0) or 0)
+        counts = sorted(set((metrics.get("n") or {}).values()))
+        rows.append({
+            "experiment": cfg.get("experiment_name"),
+            "model": cfg["model"]["name"],
+            "policy": cfg["policy"]["label"],
+            "budget": cfg["budget"]["label"],
+            "block_size": summary.get("block_size"),
+            "length": cfg["task"]["length"],
+            "n": "/".join(map(str, counts)),
+            **{task: scores.get(task) for task in TASKS},
+            "avg": metrics.get("average"),
+            "tasks_run": len(scores),
+            "subset": limit is not None,
+            "failed": failed,
+            "run_dir": str(path.parent),
+        })
+    return pd.DataFrame(rows)
+
+
+def _budget_key(label: str) -> float:
+    text = str(label)
+    if text.endswith("k") and text[:-1].isdigit():
+        return float(text[:-1]) * 1024
+    return float(text) if text.isdigit() else float("inf")  # "unbounded" (full) last
+
+
+def to_markdown(df: pd.DataFrame) -> str:
+    if df.empty:
+        return "No RULER runs found (run e.g. `python run.py experiment=ruler task.data_dir=...`).\n"
+    df = df.assign(_b=df["budget"].map(_budget_key)).sort_values(["length", "model", "_b", "policy"])
+    columns = ["model", "policy", "budget", "length", "n", *TASKS, "avg"]
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for _, row in df.iterrows():
+        cells = []
+        for column in columns:
+            value = row[column]
+            if column in TASKS or column == "avg":
+                text = "–" if value is None or pd.isna(value) else f"{value:.2f}"
+                if column == "avg" and text != "–":
+                    text += ("*" if row["subset"] else "") + (f"†{row['failed']}" if row["failed"] else "")
+                    text += "" if row["tasks_run"] == len(TASKS) else f" ({row['tasks_run']}/13)"
+                cells.append(text)
+            else:
+                cells.append(str(value))
+        lines.append("| " + " | ".join(cells) + " |")
+    notes = ("\nScores: RULER string_match_all (qa: string_match_part) x100 per task; avg = mean over the tasks run. "
+             "* subset run (task.limit; n = samples per task), †k failed samples, (k/13) tasks run.\n")
+    return "\n".join(lines) + "\n" + notes
+
+
+def main(runs: Path, out: Path) -> pd.DataFrame:
+    df = ruler_rows(runs)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "ruler.md").write_text(to_markdown(df), encoding="utf-8")
+    df.to_csv(out / "ruler.csv", index=False)
+    return df
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    root = Path(__file__).resolve().parents[1]
+    parser.add_argument("--runs", type=Path, default=root / "results/runs")
+    parser.add_argument("--out", type=Path, default=root / "results/tables")
+    args = parser.parse_args()
+    table = main(args.runs, args.out)
+    print((args.out / "ruler.md").read_text(encoding="utf-8"))

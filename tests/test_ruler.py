@@ -1,0 +1,399 @@
+"""RULER: generators against brute-force checks, length fitting with the real tokenizer, metrics against a
+brute-force substring search, configuration errors, the results table, and one run.py end to end.
+
+The tokenizer is the real default model's (SmolLM2), read from the converted builtin folder.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from keydiff.tasks.ruler import (
+    PRESETS,
+    SPECS,
+    STANDARD_TASKS,
+    Ruler,
+    fit_size,
+    postprocess,
+    string_match_all,
+    string_match_part,
+)
+from keydiff.tasks.ruler_generators import DEPTHS, NEEDLE, NOISE, split_sentences, zeta
+from keydiff.tasks.ruler_qa import QA
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURE = ROOT / "tasks/fixtures/ruler"
+SYNTHETIC = PRESETS["synthetic"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    from keydiff.models import ensure_builtin_model
+
+    return AutoTokenizer.from_pretrained(str(ensure_builtin_model("smollm2-135m")), local_files_only=True)
+
+
+def make(**overrides) -> Ruler:
+    task = Ruler(**{"length": 2048, "num_samples": 2, "data_dir": str(FIXTURE), **overrides})
+    task.validate()
+    return task
+
+
+# ------------------------------------------------------------------------------------------ definitions
+def test_the_13_standard_tasks_and_presets():
+    assert STANDARD_TASKS == (
+        "niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2", "niah_multikey_3",
+        "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe", "qa_1", "qa_2",
+    )  # fmt: skip
+    assert PRESETS["all"] == STANDARD_TASKS and "qa_1" not in SYNTHETIC and len(SYNTHETIC) == 11
+    for k in (4, 8, 16, 32):
+        text = (ROOT / f"conf/task/ruler_{k}k.yaml").read_text()
+        assert f"length: {k * 1024}\n" in text and f"name: ruler_{k}k\n" in text
+
+
+def test_depths_and_zeta():
+    import numpy as np
+
+    assert DEPTHS == [int(x) for x in np.round(np.linspace(0, 100, num=40, endpoint=True)).astype(int)]
+    assert zeta(2.0) == pytest.approx(np.pi**2 / 6, rel=1e-14)
+    assert zeta(3.0) == pytest.approx(1.2020569031595942, rel=1e-14)
+    n = 100_000  # direct sum plus the integral tail and the half term: error O(n^-2.5)
+    assert zeta(1.5) == pytest.approx(sum(k**-1.5 for k in range(1, n)) + 2 / n**0.5 + 0.5 * n**-1.5, rel=1e-11)
+
+
+def test_sentence_split():
+    text = 'It works, e.g. here. Then "Quoted." Next one! Done? yes. Last'
+    assert split_sentences(text) == ["It works, e.g. here.", 'Then "Quoted."', "Next one!", "Done? yes.", "Last"]
+
+
+# ------------------------------------------------------------------------------------------ metrics
+def brute_contains(haystack: str, needle: str) -> bool:
+    """Substring test by explicit window comparison, lowercased (reference for the metrics)."""
+    h, n = haystack.lower(), needle.lower()
+    return any(all(h[i + j] == n[j] for j in range(len(n))) for i in range(len(h) - len(n) + 1)) or n == ""
+
+
+def test_metrics_match_brute_force():
+    rng = random.Random(0)
+    alphabet = "abAB1 -"
+    for _ in range(400):
+        pred = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 12)))
+        refs = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 3))) for _ in range(rng.randint(1, 4))]
+        hits = [brute_contains(pred, r) for r in refs]
+        assert string_match_all(pred, refs) == pytest.approx(sum(hits) / len(refs))
+        assert string_match_part(pred, refs) == float(any(hits))
+
+
+def test_postprocess_is_rulers():
+    assert postprocess("  7325913.\x00tail\t \n") == "7325913.\ntail"
+    assert postprocess("\x1fA\x7f") == "A\x7f"  # only \x00-\x1f
+
+
+# ------------------------------------------------------------------------------------------ generators
+def rendered(task: Ruler, name: str, index: int, size: int) -> tuple[dict, str, str]:
+    gen = task.generator(name)
+    plan = task.plan(name, index)
+    example = gen.example(plan, 3 * gen.example_min_size(plan)) if gen.example_length else ""
+    text, prefix = gen.render(plan, size, example)
+    return plan, text, prefix
+
+
+@pytest.mark.parametrize("name", [t for t in STANDARD_TASKS if t.startswith("niah")])
+def test_niah_needles_answer_the_question(name):
+    task = make(tasks=[name])
+    gen = task.generator(name)
+    for index in range(2):
+        plan, text, prefix = rendered(task, name, index, 60)
+        lines = re.findall(r"One of the special magic (\w+) for (.+?) is: (\S+)\.", text)
+        keys = [k.strip() for k in plan["query"].replace(", and ", ", ").split(", ")]
+        assert len(keys) == gen.num_q
+        found = [v for _, k, v in lines if k in keys]
+        assert sorted(found) == sorted(plan["answers"]) and len(found) == gen.num_q * gen.num_v
+        assert all(kind == gen.type_v for kind, _, _ in lines)
+        assert all(a in text for a in plan["answers"]) and plan["query"] in text and plan["query"] in prefix
+        if gen.haystack == "needle":
+            assert len(lines) == 60 + len(plan["needles"])  # every haystack line is a needle
+        elif gen.haystack == "noise":
+            assert text.count(NOISE) == 60
+        single = gen.num_q * gen.num_v == 1
+        assert text.startswith("A special magic" if single else "Some special magic")
+        assert prefix.endswith(" is" if single else " are")
+
+
+def test_vt_chain_resolves_to_the_answers():
+    task = make(tasks=["vt"])
+    for index in range(3):
+        plan, text, prefix = rendered(task, "vt", index, 40)
+        main = text.split("\n\n\n\n")[-1]  # the example comes first, then two blank lines (RULER)
+        assignments = dict(re.findall(r"VAR ([A-Z]+) = ((?:VAR )?[A-Z0-9]+)", main))
+        value, reached = plan["query"], set()
+        frontier = {v for v, rhs in assignments.items() if rhs == value}
+        while frontier:
+            reached |= frontier
+            frontier = {v for v, rhs in assignments.items() if rhs.startswith("VAR ") and rhs[4:] in frontier} - reached
+        assert reached == set(plan["answers"]) and len(reached) == 5
+        assert f"{len(plan['answers'])} variables are assigned the value {value}" in prefix
+
+
+@pytest.mark.parametrize("length", [2048, 4096])
+def test_cwe_answers_are_the_most_common_words(length):
+    task = make(tasks=["cwe"], length=length)
+    plan, text, _ = rendered(task, "cwe", 0, 50)
+    main = text.split("\nBelow is a numbered list")[-1].split("\nQuestion:")[0]
+    counts = Counter(re.findall(r"\d+\. (.+?)(?= \d+\. |$)", main))
+    top = {w for w, c in counts.items() if c == max(counts.values())}
+    assert top == set(plan["answers"]) and len(top) == 10
+    assert max(c for w, c in counts.items() if w not in top) < min(counts[w] for w in top)
+    assert counts[plan["answers"][0]] == (30 if length >= 4096 else 6)
+
+
+def test_fwe_answers_are_ranks_two_to_four():
+    task = make(tasks=["fwe"], length=4096)
+    gen = task.generator("fwe")
+    plan = task.plan("fwe", 0)
+    for size in (gen.min_size(plan), 500, 3000):
+        text, _ = gen.render(plan, size)
+        words = text.split("coded words. ")[1].split("\nQuestion:")[0].split()
+        counts = Counter(w for w in words if w != "...")
+        ranked = counts.most_common()
+        assert {w for w, _ in ranked[:3]} == set(plan["answers"])
+        assert ranked[2][1] > (ranked[3][1] if len(ranked) > 3 else 0)
+        assert Counter(words)["..."] > ranked[0][1]  # the dots are the most frequent "word"
+    assert len(plan["vocab"]) == 4096 // 50
+
+
+@pytest.mark.parametrize("name", ["qa_1", "qa_2"])
+def test_qa_gold_document_is_in_the_context(name):
+    task = make(tasks=[name])
+    gen = task.generator(name)
+    assert isinstance(gen, QA)
+    for index, sample in enumerate(task.samples()):
+        plan = task.plan(name, index)
+        for size in (gen.min_size(plan), gen.max_size(plan)):
+            text, prefix = gen.render(plan, size)
+            assert any(a in text for a in plan["answers"]) and plan["query"] in text and prefix == " Answer:"
+            assert text.count("Document ") == size
+    if name == "qa_1":  # the unanswerable fixture question is dropped, as RULER does
+        assert all("brass" not in task.plan(name, i)["query"] for i in range(len(gen.data.questions)))
+
+
+def test_fixture_is_what_the_script_writes(tmp_path):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import make_ruler_fixture
+    finally:
+        sys.path.pop(0)
+    make_ruler_fixture.main(tmp_path)
+    for name in ("squad.json", "hotpotqa.json"):
+        assert (tmp_path / name).read_bytes() == (FIXTURE / name).read_bytes()
+
+
+# ------------------------------------------------------------------------------------------ prompts
+def test_samples_are_index_major_and_limited():
+    task = make(tasks=["niah_single_1", "vt"], num_samples=3, limit=2)
+    assert [s.id for s in task.samples()] == ["niah_single_1/0", "vt/0", "niah_single_1/1", "vt/1"]
+
+
+def test_deterministic_per_seed_and_length(tokenizer):
+    tasks = ["niah_single_2", "niah_multikey_2", "vt", "cwe", "fwe", "qa_2"]
+    a, b = make(tasks=tasks, limit=1), make(tasks=tasks, limit=1)
+    ids_a = [a.build_prompt(s, tokenizer, None).input_ids for s in a.samples()]
+    ids_b = [b.build_prompt(s, tokenizer, None).input_ids for s in b.samples()]
+    assert ids_a == ids_b
+    other_seed = make(tasks=tasks, seed=7)
+    other_length = make(tasks=tasks, length=2100)
+    for other in (other_seed, other_length):
+        for mine, theirs in zip(a.samples(), other.samples()):
+            assert mine.id == theirs.id
+            if not mine.id.startswith("qa_"):  # qa sample i asks question i of the file, whatever the seed
+                assert mine.fields["answers"] != theirs.fields["answers"], mine.id
+    two = list(make(tasks=tasks).samples())
+    assert all(two[i].fields["answers"] != two[i + len(tasks)].fields["answers"]  # sample 0 vs 1 of a task
+               for i in range(len(tasks)) if not tasks[i].startswith("qa_"))
+
+
+@pytest.mark.parametrize("length", [4096])
+def test_length_fitting_is_tight(tokenizer, length):
+    task = make(tasks=list(SYNTHETIC), length=length, num_samples=1)
+    for sample in task.samples():
+        prompt = task.build_prompt(sample, tokenizer, None)
+        name, total = sample.fields["task"], len(prompt.input_ids) + prompt.generation.max_new_tokens
+        assert total <= length, name
+        gen, plan = task.generator(name), task.plan(name, 0)
+        example = gen.example(plan, prompt.info["example_size"]) if gen.example_length else ""
+        bigger = len(task.encode(tokenizer, *gen.render(plan, prompt.info["haystack_size"] + 1, example))[0])
+        assert bigger + prompt.generation.max_new_tokens > length, name  # one more unit would not fit
+        assert total >= 0.9 * length, name
+        assert prompt.generation.max_new_tokens == {"vt": 30, "cwe": 120, "fwe": 50}.get(name, 128)
+        text = tokenizer.decode(prompt.input_ids)
+        assert all(answer in text for answer in sample.fields["answers"]), name
+
+
+def test_prompt_layout_chat_and_plain(tokenizer):
+    task = make(tasks=["niah_single_1"], length=1024)
+    sample = next(iter(task.samples()))
+    prompt = task.build_prompt(sample, tokenizer, None)
+    text = tokenizer.decode(prompt.input_ids)
+    key = sample.fields["query"]
+    assert text.endswith(f"<|im_start|>assistant\n The special magic number for {key} mentioned in the provided text is")
+    question = tokenizer.decode(prompt.input_ids[prompt.info["question_token_index"]:])
+    assert question.startswith(f"What is the special magic number for {key}")
+    plain = make(tasks=["niah_single_1"], length=1024, chat_template=False)
+    plain_text = tokenizer.decode(plain.build_prompt(sample, tokenizer, None).input_ids)
+    assert plain_text.startswith("A special magic number is hidden") and "<|im_start|>" not in plain_text
+
+
+def test_vt_example_fits_its_500_tokens(tokenizer):
+    task = make(tasks=["vt"], length=4096)
+    sample = next(iter(task.samples()))
+    prompt = task.build_prompt(sample, tokenizer, None)
+    gen, plan = task.generator("vt"), task.plan("vt", 0)
+    example = gen.example(plan, prompt.info["example_size"])
+    assert len(tokenizer(example, add_special_tokens=False)["input_ids"]) + 30 <= 500
+    assert len(tokenizer(gen.example(plan, prompt.info["example_size"] + 1), add_special_tokens=False)["input_ids"]) + 30 > 500
+    assert all(v not in example for v in plan["answers"])
+
+
+def test_too_short_length_names_the_task(tokenizer):
+    task = make(tasks=["vt"], length=300)
+    with pytest.raises(ValueError, match=r"RULER vt at task.length=300"):
+        task.build_prompt(next(iter(task.samples())), tokenizer, None)
+
+
+def test_fit_size_reference():
+    for slope in (1, 3, 7):
+        for target in range(20, 200, 17):
+            measure = lambda s: 10 + slope * s  # noqa: E731
+            assert fit_size(measure, target, 1, None) == max(s for s in range(1, 500) if measure(s) <= target)
+            assert fit_size(measure, target, 1, 5) == min(5, (target - 10) // slope)
+    with pytest.raises(ValueError, match="smallest haystack"):
+        fit_size(lambda s: 100 + s, 50, 1, None)
+
+
+# ------------------------------------------------------------------------------------------ scoring
+@pytest.mark.parametrize("name", STANDARD_TASKS)
+def test_gold_scores_one_and_wrong_scores_zero(name):
+    task = make(tasks=[name])
+    sample = next(iter(task.samples()))
+    answers = sample.fields["answers"]
+    assert task.score(sample, " " + ", ".join(answers) + ".")["score"] == 1.0
+    assert task.score(sample, " " + ", ".join(a.upper() for a in answers))["score"] == 1.0  # case-insensitive
+    wrong = " ".join("zq" + a[::-1] + "zq" for a in answers)
+    assert task.score(sample, wrong)["score"] == 0.0
+    if len(answers) > 1:
+        expected = 1.0 if name.startswith("qa_") else 1 / len(answers)
+        assert task.score(sample, answers[0])["score"] == pytest.approx(expected)
+
+
+def test_summarize_rounds_per_task_then_averages():
+    rows = [{"sample_id": f"{t}/{i}", "scores": {"score": s}}
+            for t, scores in {"vt": [1, 0, 0], "cwe": [0.1, 0.2, 0.25], "qa_1": [1, 1, 1]}.items()
+            for i, s in enumerate(scores)]
+    summary = make(tasks=["vt", "cwe", "qa_1"]).summarize(rows)
+    assert summary["tasks"] == {"vt": 33.33, "cwe": 18.33, "qa_1": 100.0}
+    assert list(summary["tasks"]) == ["vt", "cwe", "qa_1"]
+    assert summary["average"] == round((33.33 + 18.33 + 100.0) / 3, 2)
+    assert summary["metric"]["qa_1"] == "string_match_part" and summary["metric"]["vt"] == "string_match_all"
+    assert summary["n"] == {"vt": 3, "cwe": 3, "qa_1": 3} and summary["all_standard_tasks"] is False
+
+
+# ------------------------------------------------------------------------------------------ configuration
+@pytest.mark.parametrize(
+    "overrides, message",
+    [({"tasks": ["niah_single_9"]}, "valid tasks: niah_single_1"),
+     ({"tasks": "everything"}, "or a preset: all, synthetic"),
+     ({"tasks": ["vt", "vt"]}, "repeats"),
+     ({"data_dir": None}, "need task.data_dir"),
+     ({"data_dir": "/nonexistent/qa"}, r"expected one of \['squad.json'"),
+     ({"length": 0}, "task.length must be a positive integer"),
+     ({"limit": 0}, "task.limit"),
+     ({"haystack_dir": "/nonexistent"}, "haystack_dir"),
+     ({"max_new_tokens": 0}, "max_new_tokens")],
+)
+def test_config_errors_name_valid_choices(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        Ruler(**{"data_dir": str(FIXTURE), **overrides}).validate()
+
+
+def test_synthetic_preset_needs_no_data():
+    Ruler(tasks="synthetic").validate()
+
+
+def test_errors_come_before_the_model_loads(monkeypatch):
+    from keydiff import runner
+    from tests.test_runner import make_cfg
+
+    monkeypatch.setattr(runner, "load_model", lambda *a, **k: pytest.fail("the model must not be loaded"))
+    with pytest.raises(ValueError, match="need task.data_dir"):
+        runner.plan_run(make_cfg("task=ruler_4k"))
+    with pytest.raises(ValueError, match="exceeds the model's max_length"):
+        runner.plan_run(make_cfg("task=ruler_16k", "task.tasks=synthetic"))
+    plan = runner.plan_run(make_cfg("task=ruler_8k", "task.tasks=synthetic"))
+    assert plan.task.length == 8192 and len(plan.task.tasks) == 11
+
+
+# ------------------------------------------------------------------------------------------ table
+def test_ruler_table(tmp_path):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import ruler_table
+    finally:
+        sys.path.pop(0)
+    for policy, budget, limit, scores in (("full", "unbounded", None, {t: 90.0 for t in STANDARD_TASKS}),
+                                          ("keydiff", "1k", 2, {"vt": 50.0, "cwe": 10.0})):
+        run_dir = tmp_path / "runs" / policy
+        run_dir.mkdir(parents=True)
+        summary = {
+            "config": {"experiment_name": "ruler", "model": {"name": "m"}, "policy": {"label": policy},
+                       "budget": {"label": budget}, "task": {"_target_": "keydiff.tasks.ruler.Ruler", "length": 4096,
+                                                             "limit": limit}},
+            "metrics": {"tasks": scores, "average": round(sum(scores.values()) / len(scores), 2),
+                        "n": {t: 2 for t in scores}},
+            "block_size": 128,
+        }
+        (run_dir / "summary.json").write_text(json.dumps(summary))
+    (tmp_path / "runs" / "other").mkdir()
+    (tmp_path / "runs" / "other" / "summary.json").write_text(json.dumps({"config": {"task": {}}, "metrics": {}}))
+    df = ruler_table.main(tmp_path / "runs", tmp_path / "tables")
+    assert len(df) == 2
+    text = (tmp_path / "tables" / "ruler.md").read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| m |")]
+    assert rows[0].split(" | ")[2] == "1k" and rows[0].rstrip(" |").endswith("30.00* (2/13)")
+    assert rows[1].rstrip(" |").endswith("| 90.00")
+    assert (tmp_path / "tables" / "ruler.csv").exists()
+
+
+# ------------------------------------------------------------------------------------------ end to end
+@pytest.mark.real_model
+def test_run_py_end_to_end(tmp_path):
+    """`run.py task=ruler_4k` on the real default model, shortened to 1000 tokens and 2 tasks."""
+    command = [
+        sys.executable, "run.py", "task=ruler_4k", "task.length=1000", "task.tasks=[niah_single_1,qa_2]",
+        "task.limit=1", f"task.data_dir={FIXTURE}", "task.max_new_tokens=12", "policy=keydiff", "budget.tokens=256",
+        f"results_root={tmp_path}",
+    ]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                            env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    (summary_path,) = tmp_path.rglob("summary.json")
+    summary = json.loads(summary_path.read_text())
+    rows = [json.loads(line) for line in (summary_path.parent / "predictions.jsonl").read_text().splitlines()]
+    assert [r["sample_id"] for r in rows] == ["niah_single_1/0", "qa_2/0"]
+    assert rows[0]["prompt_tokens"] + 12 <= 1000 and rows[0]["prompt_tokens"] > 256  # eviction happened
+    assert all(r["scores"]["score"] in (0.0, 1.0) for r in rows)
+    metrics = summary["metrics"]
+    assert set(metrics["tasks"]) == {"niah_single_1", "qa_2"}
+    assert metrics["average"] == round(sum(metrics["tasks"].values()) / 2, 2)
+    assert summary["statistics"]["cache_bound_held"] is True
+    assert any(key.startswith("wonderwords==") for key in summary["data"])
+    assert any(key.startswith("ruler/hotpotqa/") for key in summary["data"])
