@@ -29,6 +29,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from keydiff.tracking import HEADLINE
+
 # The 21 LongBench v1 datasets in the paper's column order (Tables 11-14), with the paper's headers.
 LONGBENCH = {
     "narrativeqa": "NarrativeQA", "qasper": "Qasper", "multifieldqa_en": "MF-en", "multifieldqa_zh": "MF-zh",
@@ -37,8 +39,7 @@ LONGBENCH = {
     "trec": "TREC", "triviaqa": "TriviaQA", "samsum": "SAMSum", "lsht": "LSHT", "passage_count": "PCount",
     "passage_retrieval_en": "PR-en", "passage_retrieval_zh": "PR-zh", "lcc": "Lcc", "repobench-p": "RB-P",
 }
-PRIMARY = {"longbench": ("average",), "niah": ("needle_recall",), "math500": ("flex",),
-           "phonebook": ("exact",)}
+PRIMARY = {family: (metric,) for family, (_, metric) in HEADLINE.items()}  # the `score` column per task family
 ID_COLUMNS = ["experiment", "task", "model", "policy", "policy_name", "budget", "budget_label", "block_size", "seed",
               "attention_statistics", "attn_implementation", "limit", "complete", "samples", "num_failed",
               "mean_compression_ratio", "mean_ttft_s", "mean_prompt_tokens", "cache_bound_held", "score", "run_dir"]
