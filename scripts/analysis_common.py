@@ -61,7 +61,8 @@ def check_config(cfg: DictConfig, eviction: bool) -> ModelConfig:
         positive("cache_budget")
         positive("block_size")
         if cfg.cache_budget >= cfg.length:
-            raise ValueError(f"cache_budget ({cfg.cache_budget}) must be smaller than length ({cfg.length}) or nothing is evicted")
+            raise ValueError(f"cache_budget ({cfg.cache_budget}) must be smaller than length ({cfg.length}), "
+                             "or nothing is evicted")
         for name in cfg.policies:
             build_policy(name).validate(cfg.cache_budget)  # unknown names list the valid policies
     model_cfg = ModelConfig.from_dict(OmegaConf.to_container(cfg.model, resolve=True))
@@ -84,7 +85,7 @@ def haystack_prompts(cfg: DictConfig, tokenizer) -> tuple[list[tuple[str, torch.
     return prompts, {"source": "haystack", "description": haystack.description, "sources": haystack.sources}
 
 
-def longbench_prompts(cfg: DictConfig, tokenizer, dataset: str) -> tuple[list[tuple[str, torch.Tensor]], dict[str, Any]]:
+def longbench_prompts(cfg: DictConfig, tokenizer, dataset: str):
     """The first `samples` prompts of a LongBench dataset, as the longbench task builds them."""
     from keydiff.tasks.longbench import LongBench
 

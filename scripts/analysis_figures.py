@@ -145,11 +145,15 @@ def figure_retained(capture, traces: dict, layer: int, head: int, budget: int):
 def figure12(logdets: dict[str, np.ndarray], label: str):
     fig, ax = plt.subplots(figsize=(4.6, 3.0), layout="constrained")
     finite = {p: v[np.isfinite(v)] for p, v in logdets.items()}
+    if not any(v.size for v in finite.values()):
+        ax.text(0.5, 0.5, "every retained cache is singular (-inf)", ha="center", transform=ax.transAxes)
+        return fig
     low = min(v.min() for v in finite.values() if v.size)
     high = max(v.max() for v in finite.values() if v.size)
     bins = np.linspace(low, high, 40)
     for index, (policy, values) in enumerate(finite.items()):
-        ax.hist(values, bins=bins, alpha=0.5, color=f"C{index + 2}", label=f"{name(policy)} (median {np.median(values):.1f})")
+        ax.hist(values, bins=bins, alpha=0.5, color=f"C{index + 2}",
+                label=f"{name(policy)} (median {np.median(values):.1f})")
     ax.set_xlabel(label)
     ax.set_ylabel("layers x KV heads x prompts")
     ax.legend(fontsize=7)
@@ -218,7 +222,7 @@ def main(argv: list[str]) -> None:
     prompt_list, data = prompts(cfg, tokenizer, default_dataset="narrativeqa")
     too_short = [sid for sid, ids in prompt_list if ids.numel() <= cfg.cache_budget]
     if too_short:
-        raise ValueError(f"prompts {too_short} are not longer than the budget {cfg.cache_budget}: nothing would be evicted")
+        raise ValueError(f"prompts {too_short} are not longer than cache_budget={cfg.cache_budget}: nothing is evicted")
     out = ROOT / cfg.figures_dir
     plt.rcParams.update(STYLE)
     paths: list[Path] = []

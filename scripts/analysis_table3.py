@@ -66,10 +66,11 @@ def markdown(cfg, per_layer, per_head, overall, data) -> str:
              f"{len(data['samples'])} prompt(s) of up to {cfg.length} tokens from {data['source']} ({source}); "
              f"anchor `{cfg.anchor}`, attention `{cfg.attention}`. Mean +- std over query heads and prompts.",
              "", "| layer | rho (ours) | n |", "|---:|---:|---:|"]
-    lines += [f"| {layer} | {row['mean']:.4f} +- {row['std']:.4f} | {int(row['n'])} |" for layer, row in per_layer.iterrows()]
+    row_line = lambda key, row: f"| {key} | {row['mean']:.4f} +- {row['std']:.4f} | {int(row['n'])} |"  # noqa: E731
+    lines += [row_line(layer, row) for layer, row in per_layer.iterrows()]
     lines += [f"| mean of layers | {overall[0]:.4f} +- {overall[1]:.4f} | {len(per_layer)} |", "",
               "Per query head (mean over layers and prompts):", "", "| head | rho | n |", "|---:|---:|---:|"]
-    lines += [f"| {head} | {row['mean']:.4f} +- {row['std']:.4f} | {int(row['n'])} |" for head, row in per_head.iterrows()]
+    lines += [row_line(head, row) for head, row in per_head.iterrows()]
     lines += ["", "Paper (Llama-3.2-3B-Instruct, MuSiQue; 24 columns labelled layer 1..24, although the model has "
               "28 layers and 24 query heads):", "", "| " + " | ".join(str(i) for i in range(1, 25)) + " | mean |",
               "|" + "---:|" * 25, "| " + " | ".join(f"{v:.4f}" for v in PAPER_TABLE3)

@@ -192,10 +192,12 @@ def table19(args, device, dtype, out: Path) -> list[Path]:
     info = setting(args, device, dtype)
     text = "\n".join([
         f"# Table 19: scoring latency relative to KeyDiff at N = {args.sizes[0]} ({tag})", "",
-        f"Ours: {info['setting']}, B = {args.block_size}. Median of {args.repeats} runs after {args.warmup} warm-up.", "",
+        f"Ours: {info['setting']}, B = {args.block_size}. Median of {args.repeats} runs after {args.warmup} "
+        "warm-up.", "",
         header, rule, *ours, "", "Absolute median (microseconds):", "", header, rule, *absolute, "",
         "Paper (Android smartphone, FP16, normalised by KeyDiff at 512 KVs):", "",
-        "| method | " + " | ".join(str(n) for n in PAPER_SIZES) + " |", "|---|" + "---:|" * len(PAPER_SIZES), *paper, ""])
+        "| method | " + " | ".join(str(n) for n in PAPER_SIZES) + " |", "|---|" + "---:|" * len(PAPER_SIZES),
+        *paper, ""])
     paths = [out / f"table19_scoring_latency_{tag}.{ext}" for ext in ("md", "csv", "json")]
     out.mkdir(parents=True, exist_ok=True)
     paths[0].write_text(text, encoding="utf-8")
@@ -254,7 +256,8 @@ def table2(args, device, dtype, out: Path, figures: Path) -> list[Path]:
                     ax.plot(x, stated * y[-1] / stated[-1], "--", color=f"C{index}", alpha=0.6)
                 cells.append((fitted_slope(x, y), fitted_slope(x, stated)))
         lines.append(f"| {policy} | {runtime_text} | {memory_text} | "
-                     + " | ".join(f"{m:.2f} ({s:.2f})" if m is not None and s is not None else "-" for m, s in cells) + " |")
+                     + " | ".join("-" if m is None or s is None else f"{m:.2f} ({s:.2f})" for m, s in cells)
+                     + " |")
     for row, label in enumerate(("scoring time (s)", "peak extra memory (bytes)")):
         for column, axis in enumerate(("N (budget)", "B (block size)")):
             ax = axes[row][column]
@@ -274,7 +277,8 @@ def table2(args, device, dtype, out: Path, figures: Path) -> list[Path]:
     text = "\n".join(lines) + "\n"
     paths[0].write_text(text, encoding="utf-8")
     df.to_csv(paths[1], index=False)
-    paths[2].write_text(json.dumps({**setting(args, device, dtype), "budget": args.budget, "block_size": args.block_size,
+    paths[2].write_text(json.dumps({**setting(args, device, dtype), "budget": args.budget,
+                                    "block_size": args.block_size,
                                     "results": df.to_dict("records")}, indent=2, default=str) + "\n")
     print(text)
     return paths
@@ -290,9 +294,11 @@ def int_list(text: str) -> list[int]:
 def main(argv: list[str] | None = None) -> list[Path]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("table", choices=["table19", "table2"])
-    parser.add_argument("--shape", default="smollm2-135m", choices=list(SHAPES), help="head shape (query/KV heads, dim)")
+    parser.add_argument("--shape", default="smollm2-135m", choices=list(SHAPES),
+                        help="head shape (query/KV heads, dim)")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    parser.add_argument("--dtype", default=None, choices=list(common.DTYPES), help="default: bfloat16 on CUDA, else float32")
+    parser.add_argument("--dtype", default=None, choices=list(common.DTYPES),
+                        help="default: bfloat16 on CUDA, else float32")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=31)

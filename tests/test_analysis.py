@@ -81,7 +81,8 @@ def test_trace_retains_what_the_engine_keeps(model, ids, captures, policy):
         assert torch.equal(every, torch.arange(120).expand(2, -1))  # disjoint and complete
     # Layer 0's keys do not depend on eviction: both sets are the full prompt's keys at their positions.
     first = traces[0]
-    for keys, positions in ((first.retained_keys, first.retained_positions), (first.evicted_keys, first.evicted_positions)):
+    for keys, positions in ((first.retained_keys, first.retained_positions),
+                            (first.evicted_keys, first.evicted_positions)):
         expected = captures[0].keys.gather(1, positions[..., None].expand(-1, -1, 16))
         torch.testing.assert_close(keys, expected, atol=1e-5, rtol=1e-5)
 
@@ -249,3 +250,18 @@ def test_analysis_config_errors_before_loading(load_script, override, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("[", r"\[")):
         common.check_config(cfg, eviction=True)
 
+
+
+def test_table3_on_longbench_prompts(load_script, tmp_path, tiny_checkpoint):
+    data = Path(__file__).resolve().parent.parent / "tasks" / "fixtures" / "longbench" / "data"
+    load_script("analysis_table3").main([
+        "model=custom", f"model.path={tiny_checkpoint}", "model.dtype=float32", "model.device=cpu",
+        "data.source=longbench", f"data.longbench_dir={data}", "length=80", "samples=2", "attention=last_row",
+        f"tables_dir={tmp_path}"])
+    table = json.loads((tmp_path / "table3_spearman.json").read_text())
+    assert table["data"]["dataset"] == "musique" and [s["id"] for s in table["data"]["samples"]] == [
+        "musique/0", "musique/1"]
+    assert any(key.endswith("musique.jsonl") for key in table["data"]["sources"])
+    # Middle-truncated by the task (the raw prompts hold > 2000 characters = tokens here; the char tokenizer's
+    # decode spaces tokens out, so the re-encoded prompt is longer than 80).
+    assert all(s["tokens"] < 400 for s in table["data"]["samples"])
