@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: help install run test bench bench-decode gpu-check collect smoke tables figures paper-numbers paper-assets report wandb-sync sweep-local sweep-slurm status clean
+.PHONY: help install run test bench bench-decode bench-scoring gpu-check collect smoke tables figures analysis paper-numbers paper-assets report wandb-sync sweep-local sweep-slurm status clean
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -32,6 +32,10 @@ bench: $(STAMP)  ## prefill benchmark: TTFT per policy and the share spent scori
 
 bench-decode: $(STAMP)  ## decode benchmark: per-token time and allocations at N vs full (--end-to-end, --memory-scaling)
 	$(PY) scripts/bench_decode.py $(ARGS)
+
+bench-scoring: $(STAMP)  ## Tables 19 and 2: scoring-step time/memory per policy vs N and B (quiet machine; ARGS="--shape llama-3.2-3b")
+	$(PY) scripts/scoring_latency.py table19 $(ARGS)
+	$(PY) scripts/scoring_latency.py table2 $(ARGS)
 
 gpu-check: $(STAMP)  ## run first on a new (GPU) machine: engine exactness per attention kernel, then both benchmarks
 	$(PY) scripts/gpu_check.py $(ARGS)
@@ -62,11 +66,15 @@ tables: $(STAMP)  ## every paper table from results/runs into results/tables (RU
 	$(PY) scripts/make_tables.py $(ARGS)
 	$(PY) scripts/ruler_table.py
 
-figures: $(STAMP)  ## every paper figure from results/runs into results/figures
+figures: $(STAMP) analysis  ## every paper figure from results/runs into results/figures (+ the analysis figures)
 	$(PY) scripts/make_figures.py $(ARGS)
 
 paper-numbers: $(STAMP)  ## re-transcribe results/paper/*.csv from the paper's text (TEXT=path/to/keydiff-paper.txt)
 	$(PY) scripts/transcribe_paper.py --text $(or $(TEXT),../shared/reference/keydiff-paper.txt)
+
+analysis: $(STAMP)  ## Figures 2, 4/5, 8-16 and Table 3 measured on the default model (ANALYSIS_ARGS="model=... length=4096")
+	$(PY) scripts/analysis_figures.py $(ANALYSIS_ARGS)
+	$(PY) scripts/analysis_table3.py $(ANALYSIS_ARGS)
 
 paper-assets: tables figures
 

@@ -1,0 +1,267 @@
+"""The analysis library (keydiff.capture, keydiff.analysis) and its scripts, on the tiny random Llama.
+
+Capture is checked against transformers' own eager attention weights and DynamicCache keys; eviction
+traces against what the engine keeps; each statistic against a brute-force reference.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+from keydiff import build_policy, prefill
+from keydiff.analysis import (
+    average_ranks, fit_pca, keydiff_attention_spearman, keydiff_score, log_volume, pairwise_cosine, project,
+    scaled_heads, spearman,
+)
+from keydiff.capture import capture_prompt, recording_policy, trace_eviction
+from tests.conftest import char_tokenizer, tiny_llama
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+POLICIES = ["sink", "tova", "keydiff", "h2o", "snapkv", "knorm"]
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return torch.randint(0, 256, (1, 120), generator=torch.Generator().manual_seed(3))
+
+
+@pytest.fixture(scope="module")
+def captures(model, ids):
+    return capture_prompt(model, ids, window=16)
+
+
+def test_capture_matches_eager_weights_and_cache_keys(model, ids, captures):
+    eager = tiny_llama("eager")
+    with torch.no_grad():
+        out = eager(ids, output_attentions=True, use_cache=True)
+    for layer, capture in enumerate(captures):
+        weights = out.attentions[layer][0]  # [H, L, L]
+        assert capture.keys.shape == (2, 120, 16) and capture.queries.shape == (4, 120, 16)
+        torch.testing.assert_close(capture.keys, out.past_key_values.layers[layer].keys[0])
+        torch.testing.assert_close(capture.received_sum, weights.sum(dim=1), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(capture.received_mean, weights.sum(dim=1) / torch.arange(120, 0, -1), atol=1e-6,
+                                   rtol=1e-5)
+        torch.testing.assert_close(capture.last_row, weights[:, -1], atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(capture.window_weights, weights[:, :16, :16], atol=1e-6, rtol=1e-5)
+        # Queries are the post-RoPE ones attention uses: they rebuild the weights with the keys.
+        keys = capture.keys.repeat_interleave(capture.group, dim=0)
+        logits = capture.queries @ keys.transpose(-1, -2) / 4.0
+        rebuilt = logits.masked_fill(~torch.ones(120, 120, dtype=torch.bool).tril(), -math.inf).softmax(-1)
+        torch.testing.assert_close(rebuilt, weights, atol=1e-5, rtol=1e-4)
+    # The model is left with its own attention implementation.
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_capture_selected_layers_and_bad_input(model, ids):
+    only = capture_prompt(model, ids, layers=[1])
+    assert only[0] is None and only[2] is None and only[1].keys.shape == (2, 120, 16)
+    with pytest.raises(ValueError, match="out of range"):
+        capture_prompt(model, ids, layers=[3])
+    with pytest.raises(ValueError, match="batch 1"):
+        capture_prompt(model, ids.expand(2, -1))
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_trace_retains_what_the_engine_keeps(model, ids, captures, policy):
+    budget, block = 40, 16
+    plain = prefill(model, ids, policy, budget, block)
+    traces = trace_eviction(model, ids, policy, budget, block)
+    for layer, trace in enumerate(traces):
+        assert torch.equal(trace.retained_positions, plain.kept_positions[layer][0])
+        assert trace.retained_keys.shape == (2, budget, 16) and trace.evicted_keys.shape == (2, 120 - budget, 16)
+        every = torch.cat([trace.retained_positions, trace.evicted_positions], dim=1).sort(dim=-1).values
+        assert torch.equal(every, torch.arange(120).expand(2, -1))  # disjoint and complete
+    # Layer 0's keys do not depend on eviction: both sets are the full prompt's keys at their positions.
+    first = traces[0]
+    for keys, positions in ((first.retained_keys, first.retained_positions),
+                            (first.evicted_keys, first.evicted_positions)):
+        expected = captures[0].keys.gather(1, positions[..., None].expand(-1, -1, 16))
+        torch.testing.assert_close(keys, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_recording_policy_keeps_class_and_parameters():
+    policy = build_policy("keydiff", window_fraction=0.2, anchor="mean")
+    recorder = recording_policy(policy)
+    assert isinstance(recorder, type(policy)) and recorder.describe() == policy.describe()
+    assert recording_policy(build_policy("snapkv", window=8)).attention_rows == 8
+
+
+def brute_ranks(values: list[float]) -> list[float]:
+    return [sum(v < x for v in values) + (sum(v == x for v in values) + 1) / 2 for x in values]
+
+
+def brute_spearman(x: list[float], y: list[float]) -> float:
+    rx, ry = brute_ranks(x), brute_ranks(y)
+    mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    return cov / math.sqrt(sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry))
+
+
+def test_spearman_against_brute_force():
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 6, (5, 30), generator=generator).float()  # many ties
+    y = x + torch.randn(5, 30, generator=generator)
+    rho = spearman(x, y)
+    for row in range(5):
+        assert rho[row].item() == pytest.approx(brute_spearman(x[row].tolist(), y[row].tolist()), abs=1e-12)
+        assert average_ranks(x[row]).tolist() == brute_ranks(x[row].tolist())
+    assert spearman(torch.arange(10.0), -torch.arange(10.0) ** 3).item() == pytest.approx(-1.0)
+    assert math.isnan(spearman(torch.ones(8), torch.arange(8.0)).item())
+    assert brute_ranks([2.0, 1.0, 2.0]) == [2.5, 1.0, 2.5]
+
+
+def test_table3_statistic_against_pairwise_cosine(captures):
+    """Table 3 per head = Spearman(-row sums of pairwise key cosine, attention), computed the slow way."""
+    capture = captures[1]
+    rho = keydiff_attention_spearman(capture.keys, capture.received_mean)
+    for head in range(4):
+        cos = pairwise_cosine(capture.keys[head // capture.group])
+        expected = brute_spearman((-cos.sum(dim=1)).tolist(), capture.received_mean[head].tolist())
+        assert rho[head].item() == pytest.approx(expected, abs=1e-6)
+
+
+def test_log_volume_is_the_pseudo_determinant_and_stable():
+    generator = torch.Generator().manual_seed(0)
+    for n, d in ((50, 8), (5, 8)):
+        keys = torch.randn(n, d, generator=generator, dtype=torch.float64)
+        eigenvalues = torch.linalg.eigvalsh(keys @ keys.T)
+        expected = eigenvalues[-min(n, d):].log().sum()  # the nonzero ones
+        assert log_volume(keys).item() == pytest.approx(expected.item(), rel=1e-9)
+        # Scaling K by s adds 2 min(n, d) log s, with no overflow at float32-hostile scales.
+        for scale in (1e-6, 1e6):
+            shifted = log_volume((keys * scale).float()).item()
+            assert shifted == pytest.approx(expected.item() + 2 * min(n, d) * math.log(scale), rel=1e-5)
+    keys = torch.randn(50, 8, generator=generator, dtype=torch.float64)
+    ridged = torch.linalg.slogdet(keys @ keys.T + 1e-3 * torch.eye(50, dtype=torch.float64)).logabsdet
+    assert log_volume(keys, ridge=1e-3).item() == pytest.approx(ridged.item(), rel=1e-9)
+    # Rank 2 of 3: the determinant is 0 up to rounding, far below the full-rank volume (or -inf).
+    full_rank = log_volume(keys[:3]).item()
+    assert log_volume(torch.stack([keys[0], keys[0], keys[1]])).item() < full_rank - 20
+    assert log_volume(torch.zeros(3, 8)).item() == -math.inf
+    assert log_volume(torch.randn(3, 4, 50, 8)).shape == (3, 4)
+
+
+def test_pca_and_keydiff_score():
+    generator = torch.Generator().manual_seed(0)
+    basis = torch.linalg.qr(torch.randn(16, 2, generator=generator)).Q.T  # a 2-D plane in 16-D
+    coords = torch.randn(200, 2, generator=generator) * torch.tensor([3.0, 1.0])
+    pca = fit_pca(coords @ basis + 5.0)
+    torch.testing.assert_close(pca.components @ pca.components.T, torch.eye(2), atol=1e-5, rtol=0)
+    assert pca.explained.sum().item() == pytest.approx(1.0, abs=1e-5)
+    projected = project(coords @ basis + 5.0, pca)
+    assert projected.var(dim=0)[0] > projected.var(dim=0)[1]
+    keys = torch.randn(2, 30, 8, generator=generator)
+    pairwise = -pairwise_cosine(keys).sum(dim=-1)
+    assert torch.equal(keydiff_score(keys).argsort(dim=-1), pairwise.argsort(dim=-1))
+
+
+def test_scaled_heads_follow_the_paper():
+    assert scaled_heads(28, 8) == {"fig05": (5, 3), "fig08": (27, 4), "fig09": (20, 0), "fig10": (8, 1)}
+    assert all(0 <= l < 3 and 0 <= h < 2 for l, h in scaled_heads(3, 2).values())
+
+
+# ------------------------------------------------------------------------------------------ scripts
+
+
+@pytest.fixture
+def load_script(monkeypatch):
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    threads = torch.get_num_threads()
+
+    def load(name: str):
+        spec = importlib.util.spec_from_file_location(f"script_{name}", SCRIPTS / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        monkeypatch.setitem(sys.modules, spec.name, module)
+        spec.loader.exec_module(module)
+        return module
+
+    yield load
+    torch.set_num_threads(threads)
+
+
+def test_scoring_latency_tables_at_tiny_sizes(load_script, tmp_path):
+    script = load_script("scoring_latency")
+    tiny = ["--shape", "tiny", "--repeats", "2", "--warmup", "1", "--block-size", "8", "--threads", "1",
+            "--out", str(tmp_path / "tables"), "--figures", str(tmp_path / "figures")]
+    paths = script.main(["table19", "--sizes", "48,96", *tiny])
+    rows = pd.read_csv(paths[1])
+    assert set(rows["policy"]) == {"snapkv", "tova", "keydiff", "h2o", "sink"} and set(rows["N"]) == {48, 96}
+    assert rows[(rows["policy"] == "keydiff") & (rows["N"] == 48)]["relative"].item() == pytest.approx(1.0)
+    assert (rows["median_s"] > 0).all() and (rows["peak_bytes"] > 0).all()
+    assert "11.42" in paths[0].read_text()  # the paper's Android numbers beside ours
+    paths = script.main(["table2", "--budgets", "48,96", "--blocks", "4,8", "--budget", "48",
+                         "--policies", "keydiff,h2o", *tiny])
+    assert all(p.exists() for p in paths) and paths[-1].suffix == ".png"
+    data = json.loads(paths[2].read_text())
+    assert len(data["results"]) == 2 * 2 * 2 and data["git"]["commit"]
+    with pytest.raises(SystemExit):
+        script.main(["table19", "--policies", "snapkv", "--sizes", "16", *tiny])  # window 32 >= budget 16
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny_llama")
+    tiny_llama().save_pretrained(folder)
+    char_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def test_analysis_scripts_end_to_end(load_script, tmp_path, tiny_checkpoint):
+    prose = tmp_path / "haystack"
+    prose.mkdir()
+    (prose / "a.txt").write_text("The keys of a head mostly point one way; a few point elsewhere. " * 8)
+    common = ["model=custom", f"model.path={tiny_checkpoint}", "model.dtype=float32", "model.device=cpu",
+              f"data.haystack_dir={prose}",
+              "length=96", "samples=2", "window=16", f"figures_dir={tmp_path / 'figures'}",
+              f"tables_dir={tmp_path / 'tables'}", "formats=[png]"]
+    load_script("analysis_table3").main(common)
+    table = json.loads((tmp_path / "tables" / "table3_spearman.json").read_text())
+    assert [row["layer"] for row in table["results"]["per_layer"]] == [1, 2, 3]
+    assert all(row["n"] == 4 * 2 for row in table["results"]["per_layer"])  # 4 query heads x 2 prompts
+    assert table["data"]["source"] == "haystack" and table["git"]["commit"] and table["model"]["source"] == "local"
+    load_script("analysis_figures").main(common + ["cache_budget=40", "block_size=16"])
+    out = tmp_path / "figures"
+    for name in ("fig02_key_cosine_attention", "fig04_pca_keys_queries", "fig11_pca_keys_queries", "fig12_logdet",
+                 "fig13_cosine_to_mean", "fig14_mean_key_query_cosine", "fig15_norms", "fig16_top_key_mean_query"):
+        assert (out / f"{name}.png").exists() and not (out / f"{name}.pdf").exists(), name
+    assert len(list(out.glob("fig*_pca_retained_*.png"))) == 4
+    summary = json.loads((out / "summary.json").read_text())
+    assert {p: v["count"] for p, v in summary["results"]["fig12_logdet"].items()} == {
+        "sink": 12, "tova": 12, "keydiff": 12}  # 3 layers x 2 KV heads x 2 prompts
+
+
+@pytest.mark.parametrize("override, message", [
+    ("data.source=web", "data.source 'web' is not valid; valid: haystack, longbench"),
+    ("cache_budget=4096", "must be smaller than length"),
+    ("policies=[sink,nope]", "unknown policy 'nope'"),
+    ("attention=max", "attention 'max' is not valid"),
+])
+def test_analysis_config_errors_before_loading(load_script, override, message):
+    common = load_script("analysis_common")
+    cfg = common.load_config([override])
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        common.check_config(cfg, eviction=True)
+
+
+
+def test_table3_on_longbench_prompts(load_script, tmp_path, tiny_checkpoint):
+    data = Path(__file__).resolve().parent.parent / "tasks" / "fixtures" / "longbench" / "data"
+    load_script("analysis_table3").main([
+        "model=custom", f"model.path={tiny_checkpoint}", "model.dtype=float32", "model.device=cpu",
+        "data.source=longbench", f"data.longbench_dir={data}", "length=80", "samples=2", "attention=last_row",
+        f"tables_dir={tmp_path}"])
+    table = json.loads((tmp_path / "table3_spearman.json").read_text())
+    assert table["data"]["dataset"] == "musique" and [s["id"] for s in table["data"]["samples"]] == [
+        "musique/0", "musique/1"]
+    assert any(key.endswith("musique.jsonl") for key in table["data"]["sources"])
+    # Middle-truncated by the task (the raw prompts hold > 2000 characters = tokens here; the char tokenizer's
+    # decode spaces tokens out, so the re-encoded prompt is longer than 80).
+    assert all(s["tokens"] < 400 for s in table["data"]["samples"])
