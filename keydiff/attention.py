@@ -130,6 +130,13 @@ def fused_attention(
     return output.transpose(1, 2).contiguous()
 
 
+def check_supported(who: str, module: torch.nn.Module, kwargs: dict[str, Any]) -> None:
+    """Refuse attention features this module's kernels do not implement, rather than silently ignore them."""
+    unsupported = [name for name in ("sliding_window", "softcap", "s_aux") if kwargs.get(name) is not None]
+    if unsupported:
+        raise ValueError(f"{who} does not implement {', '.join(unsupported)} (layer {module.layer_idx})")
+
+
 def make_attention_function(base: str):
     """The attention function registered for `base` (see REGISTERED)."""
 
@@ -143,9 +150,7 @@ def make_attention_function(base: str):
         dropout: float = 0.0,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, None]:
-        unsupported = [name for name in ("sliding_window", "softcap", "s_aux") if kwargs.get(name) is not None]
-        if unsupported:
-            raise ValueError(f"keydiff attention does not implement {', '.join(unsupported)} (layer {module.layer_idx})")
+        check_supported("keydiff attention", module, kwargs)
         scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
         evicting_cache = _BOUND_CACHE.get()
         if evicting_cache is not None and not evicting_cache.owns(module.layer_idx, key):

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import repeat_kv
 
-from keydiff.attention import attention_statistic, causal_mask
+from keydiff.attention import attention_statistic, causal_mask, check_supported
 from keydiff.engine import check_model_supported, prefill
 from keydiff.policies import Policy, build_policy
 
@@ -81,9 +81,7 @@ def _capture_attention(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """SDPA output (causal, whole prompt) plus, when a recorder is bound, this layer's keys/queries/attention."""
-    unsupported = [name for name in ("sliding_window", "softcap", "s_aux") if kwargs.get(name) is not None]
-    if unsupported:
-        raise ValueError(f"capture does not implement {', '.join(unsupported)} (layer {module.layer_idx})")
+    check_supported("capture", module, kwargs)
     if query.shape[2] != key.shape[2]:
         raise ValueError("capture runs a whole prompt in one pass, without a cache (query and key lengths differ)")
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
