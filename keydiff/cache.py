@@ -190,7 +190,7 @@ class EvictingLayer(CacheLayerMixin):
         budget, n = self.budget, self.num_entries
         tail = n - budget
         if tail == 1:  # decoding: the one new entry moves into the dropped slot (onto itself if it was dropped)
-            self._move_from(budget, dropped)
+            self._move(torch.full_like(dropped, budget), dropped)
             self.num_entries = budget
             return
         dropped = dropped.sort(dim=-1).values
@@ -211,13 +211,6 @@ class EvictingLayer(CacheLayerMixin):
             buffer.scatter_(2, dst, buffer.gather(2, src))
         for buffer in (self.positions, *self.state.values()):
             buffer.scatter_(2, targets, buffer.gather(2, sources))
-
-    def _move_from(self, source: int, targets: torch.Tensor) -> None:
-        """buffer[..., targets] = buffer[..., source] for every buffer: one slot per head (targets [batch, kv_heads, 1])."""
-        for buffer in (self.keys, self.values):
-            buffer.scatter_(2, targets[..., None].expand(-1, -1, -1, buffer.shape[-1]), buffer[:, :, source : source + 1].clone())
-        for buffer in (self.positions, *self.state.values()):
-            buffer.scatter_(2, targets, buffer[:, :, source : source + 1].clone())
 
     def kept_positions(self) -> torch.Tensor:
         """Absolute positions held, [batch, kv_heads, entries], ascending (a copy)."""
