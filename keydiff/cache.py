@@ -13,6 +13,12 @@ the dropped old ones. Nothing proportional to the cache size is allocated or cop
 only the new entries move. Entries therefore sit in the buffer in no particular order; each carries its
 absolute position, policies that care about recency or adjacency read positions, never buffer indices.
 
+Stack. When every layer has the same budget and the policy scores each batch row on its own
+(`Policy.layers_batchable`), the cache allocates all layers' buffers as one [layers, batch, ...] tensor and
+each layer adopts its slice. `evict()` then treats the stack as one layer whose batch rows are every layer's
+rows: one scoring call, one top-k and one move per buffer per step instead of one per layer, which is most
+of what eviction costs on a small model (the per-layer work is launch-bound, not bandwidth-bound).
+
 Position. The cache counts the tokens it has seen, so `get_seq_length()` is the absolute position of the
 next token (what transformers uses for `position_ids` when none are given) while `num_entries` is what the
 layer holds. Masks for transformers' own attention functions are sized from it (`get_mask_sizes`), so
@@ -69,6 +75,8 @@ class EvictingLayer(CacheLayerMixin):
         self.seen = 0  # tokens this layer has been given: the absolute position of the next one
         self.max_entries = 0  # peak entries per head ever held
         self.allocations = 0  # buffer (re)allocations this sequence: 1 when the capacity was right
+        self.stacked = False  # buffers are this layer's slices of the cache's stack (EvictingCache.stack)
+        self.fresh: int | None = None  # first slot whose policy state is not set yet (see _initialize_state)
 
     # --- storage -------------------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -98,6 +106,20 @@ class EvictingLayer(CacheLayerMixin):
         self.keys, self.values, self.positions, self.state = keys, values, positions, state
         self.capacity = capacity
         self.allocations += 1
+        self.stacked = False
+
+    def adopt(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, state: dict[str, torch.Tensor]) -> None:
+        """Use buffers allocated by someone else (the cache's stack) as this layer's own, before its first entry."""
+        self.keys, self.values, self.positions, self.state = keys, values, positions, state
+        self.capacity = keys.shape[2]
+        self.allocations += 1
+        self.stacked = True
+
+    def fits(self, key_states: torch.Tensor, value_states: torch.Tensor) -> bool:
+        """Whether the buffers can hold these states (heads, head dims, dtype and device all match)."""
+        return (self.keys.shape[1] == key_states.shape[1] and self.keys.shape[3] == key_states.shape[3]
+                and self.values.shape[3] == value_states.shape[3] and self.keys.dtype == key_states.dtype
+                and self.keys.device == key_states.device)
 
     def _grown_capacity(self, needed: int) -> int:
         """Capacity for `needed` entries: the planned one first; then room for decoding, or doubling if unbounded."""
@@ -125,6 +147,8 @@ class EvictingLayer(CacheLayerMixin):
                 "neither beam search nor num_return_sequences; use keydiff.generate (greedy or sampling)"
             )
         needed = n + q
+        if self.keys is not None and self.stacked and n == 0 and not self.fits(key_states, value_states):
+            self.keys = None  # a layer unlike the one the stack was shaped from: buffers of its own
         if self.keys is None or needed > self.capacity:
             self._allocate(key_states, value_states, self._grown_capacity(needed))
         self.keys[:, :, n:needed] = key_states
@@ -133,16 +157,28 @@ class EvictingLayer(CacheLayerMixin):
             self.positions[:, :, n].fill_(self.seen)
         else:
             self.positions[:, :, n:needed] = torch.arange(self.seen, self.seen + q, device=self.device)
-        if self.state:
-            initial = self.initial_state(key_states) if self.initial_state is not None else {}
-            for name, buffer in self.state.items():
-                buffer[:, :, n:needed] = initial.get(name, 0.0)
+        if self.state and self.fresh is None:
+            self.fresh = n  # their state is set when the layer is next viewed (once for all layers if stacked)
         self.num_entries, self.seen = needed, self.seen + q
         self.max_entries = max(self.max_entries, needed)
         return self.keys[:, :, :needed], self.values[:, :, :needed]
 
-    def view(self, layer_idx: int) -> LayerView:
+    def _initialize_state(self) -> None:
+        """Set the policy state of the entries written since the last view: `initial_state` of their keys, else 0.
+
+        Deferred from `update` to here so that a stacked cache does it for all layers in one call.
+        """
+        start, n = self.fresh, self.num_entries
+        self.fresh = None
+        if start is None or start >= n:
+            return
+        initial = self.initial_state(self.keys[:, :, start:n]) if self.initial_state is not None else {}
+        for name, buffer in self.state.items():
+            buffer[:, :, start:n] = initial.get(name, 0.0)
+
+    def view(self, layer_idx: int | None) -> LayerView:
         """The valid entries as a policy sees them (views into the buffers, in buffer order)."""
+        self._initialize_state()
         n = self.num_entries
         return LayerView(
             keys=self.keys[:, :, :n],
@@ -240,7 +276,8 @@ class EvictingLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.keys = self.values = self.positions = self.attention = self.queries = None
         self.state, self.num_entries, self.seen, self.max_entries = {}, 0, 0, 0
-        self.is_initialized = False
+        self.is_initialized = self.stacked = False
+        self.fresh = None
 
     # transformers' generate() calls these for beam search, assisted decoding and num_return_sequences; they
     # would need every buffer (positions, policy state) reordered with the keys, so refuse instead.
@@ -297,6 +334,14 @@ class EvictingCache(Cache):
         self.profile = profile
         self.timings = {"statistics_s": 0.0, "eviction_s": 0.0}
         self.evicting = True  # False while decoding without eviction (decode_eviction=false)
+        # Every layer's buffers as one allocation, seen as one layer whose batch rows are all layers' rows:
+        # `evict()` then evicts every layer with one set of kernel launches (see _evict_stacked). Only when
+        # the policy allows it and every layer has the same budget and capacity; built at the first update.
+        self.stack: EvictingLayer | None = None
+        self.stackable = (
+            policy.layers_batchable and self.budget is not None and len(set(budgets)) == 1
+            and layers[0].capacity is not None and len({layer.capacity for layer in layers}) == 1
+        )
         # Set by keydiff.prefill: the prompt it consumed, to refuse it being fed a second time (see update).
         self.prompt_length: int | None = None
 
@@ -324,12 +369,65 @@ class EvictingCache(Cache):
                 "prefill all but the last prompt token: state = keydiff.prefill(model, prompt[:, :-1], ...), then "
                 "model.generate(prompt, past_key_values=state.cache, ...)"
             )
+        if self.stackable and self.stack is None and all(other.keys is None for other in self.layers):
+            self._allocate_stack(key_states, value_states)
         # What the previous pass left to do (a plain loop never calls `evict()`): observe and evict now.
         if self.evicting and layer.budget is not None and (layer.attention is not None or layer.num_entries > layer.budget):
             start = self._clock()
             layer.evict(self.policy, layer_idx)
             self.timings["eviction_s"] += self._clock() - start
         return layer.update(key_states, value_states)
+
+    def reset(self) -> None:
+        super().reset()
+        self.stack = None
+
+    # --- the stack: every layer's buffers in one allocation ---------------------------------------
+    def _allocate_stack(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Allocate [layers, batch, kv_heads, capacity, ...] buffers once; each layer adopts its own slice.
+
+        Each layer still owns a contiguous [batch, kv_heads, capacity, dim] block, so attention reads it
+        exactly as it would read buffers of its own; a layer that turns out not to fit leaves the stack.
+        """
+        count, (batch, heads), capacity = len(self.layers), key_states.shape[:2], self.layers[0].capacity
+        device = key_states.device
+        with torch.inference_mode(False):  # ordinary tensors, writable from a later no_grad loop
+            keys = key_states.new_empty(count, batch, heads, capacity, key_states.shape[-1])
+            values = value_states.new_empty(count, batch, heads, capacity, value_states.shape[-1])
+            positions = torch.empty(count, batch, heads, capacity, dtype=torch.long, device=device)
+            state = {name: torch.zeros(count, batch, heads, capacity, dtype=torch.float32, device=device)
+                     for name in self.policy.state_names}
+        for index, layer in enumerate(self.layers):
+            layer.adopt(keys[index], values[index], positions[index], {name: s[index] for name, s in state.items()})
+        stack = EvictingLayer(self.budget, capacity, self.policy.state_names, self.policy.initial_state)
+        stack.lazy_initialization(key_states, value_states)
+        rows = count * batch
+        stack.adopt(keys.view(rows, heads, capacity, -1), values.view(rows, heads, capacity, -1),
+                    positions.view(rows, heads, capacity), {name: s.view(rows, heads, capacity) for name, s in state.items()})
+        stack.layer_idx = None
+        self.stack = stack
+
+    def _stack_ready(self) -> bool:
+        """Whether every layer is in the stack with the same entries and statistics, so they evict as one."""
+        if self.stack is None:
+            return False
+        first = self.layers[0]
+        recorded = first.attention is not None
+        return all(layer.stacked and layer.num_entries == first.num_entries and layer.fresh == first.fresh
+                   and (layer.attention is not None) == recorded for layer in self.layers)
+
+    def _evict_stacked(self) -> None:
+        """Evict every layer at once: the policy sees one view whose batch rows are all layers' rows.
+
+        The same per-row computation as evicting layer by layer (`Policy.layers_batchable`), so the same
+        entries go; only the number of kernel launches (and of Python calls) drops by the layer count.
+        """
+        stack = self.stack
+        stack.num_entries, stack.fresh = self.layers[0].num_entries, self.layers[0].fresh
+        stack.attention = torch.cat([layer.attention for layer in self.layers]) if self.layers[0].attention is not None else None
+        stack.evict(self.policy)
+        for layer in self.layers:
+            layer.num_entries, layer.attention, layer.fresh = stack.num_entries, None, None
 
     # --- what the engine and the attention function use ------------------------------------------
     def attention_rows_needed(self, layer_idx: int) -> int | None:
@@ -378,8 +476,11 @@ class EvictingCache(Cache):
         if self.budget is None or not self.evicting:
             return
         start = self._clock()
-        for layer_idx, layer in enumerate(self.layers):
-            layer.evict(self.policy, layer_idx)
+        if self._stack_ready():
+            self._evict_stacked()
+        else:
+            for layer_idx, layer in enumerate(self.layers):
+                layer.evict(self.policy, layer_idx)
         self.timings["eviction_s"] += self._clock() - start
 
     def reserve(self, new_tokens: int) -> None:

@@ -162,6 +162,7 @@ def recording_policy(policy: Policy, layers: set[int] | None = None) -> Policy:
 
     A subclass created on the fly overrides only `evict_indices`: it calls the policy's own, then copies the
     dropped keys and positions (batch row 0) into `recorded[layer]` as (keys [H_kv, e, d], positions [H_kv, e]).
+    It needs each layer's index, so it asks the cache to evict layer by layer (`layers_batchable` False).
     """
     cls = type(policy)
 
@@ -173,7 +174,7 @@ def recording_policy(policy: Policy, layers: set[int] | None = None) -> Policy:
             self.recorded.setdefault(layer.layer_idx, []).append((keys.float().cpu(), positions.cpu()))
         return indices
 
-    recording_cls = type(f"Recording{cls.__name__}", (cls,), {"evict_indices": evict_indices, "__module__": __name__})
+    recording_cls = type(f"Recording{cls.__name__}", (cls,), {"evict_indices": evict_indices, "layers_batchable": False, "__module__": __name__})
     params = {f.name: getattr(policy, f.name) for f in dataclasses.fields(policy) if f.init}
     recorder = recording_cls(**params)
     recorder.recorded = {}

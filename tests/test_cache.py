@@ -207,3 +207,77 @@ def test_keydiff_caches_each_entrys_inverse_key_norm_when_it_is_written(model, p
     for layer in state.cache.layers:
         n = layer.num_entries
         assert torch.allclose(layer.state["inv_norm"][:, :, :n], inverse_key_norms(layer.keys[:, :, :n]), rtol=1e-6)
+
+
+# --- the stack: all layers in one allocation, evicted in one call --------------------------------------
+
+BATCHABLE = ["keydiff", "sink", "knorm", "recent", "tova", "snapkv", "h2o"]
+
+
+def layer_by_layer(name: str) -> keydiff.Policy:
+    """The same policy, forbidden to evict its layers together: the reference for the stacked path."""
+    cls = keydiff.policies.policy_class(name)
+    unstacked = dataclasses.make_dataclass(f"Unstacked{cls.__name__}", [], bases=(cls,))
+    unstacked.layers_batchable = False
+    return unstacked()
+
+
+@pytest.mark.parametrize("name", BATCHABLE)
+def test_stacked_eviction_keeps_what_layer_by_layer_eviction_keeps(model, prompt, name):
+    stacked = prefill(model, prompt, name, 64, 32)
+    reference = prefill(model, prompt, layer_by_layer(name), 64, 32)
+    assert stacked.cache.stack is not None and reference.cache.stack is None
+    assert all(torch.equal(a, b) for a, b in zip(stacked.kept_positions, reference.kept_positions))
+    assert torch.equal(stacked.logits, reference.logits)
+    tokens = generate(model, stacked, 10).token_ids
+    assert tokens == generate(model, reference, 10).token_ids
+    for a, b in zip(stacked.cache.kept_positions(), reference.cache.kept_positions()):
+        assert torch.equal(a, b)
+    for a, b in zip(stacked.cache.layers, reference.cache.layers):
+        for name_ in a.state:  # the state travels with its entries (H2O's sums, KeyDiff's inverse norms)
+            order_a, order_b = a.positions[..., : a.num_entries].argsort(-1), b.positions[..., : b.num_entries].argsort(-1)
+            assert torch.equal(a.state[name_][..., : a.num_entries].gather(-1, order_a),
+                               b.state[name_][..., : b.num_entries].gather(-1, order_b))
+
+
+class CountingKeyDiff(keydiff.policies.KeyDiff):
+    calls: int = 0
+
+    def score(self, layer):
+        type(self).calls += 1
+        return super().score(layer)
+
+
+def test_stacked_cache_scores_every_layer_in_one_call_per_step(model, prompt):
+    CountingKeyDiff.calls = 0
+    state = prefill(model, prompt, CountingKeyDiff(), 64, 32)
+    blocks = -(-prompt.shape[1] // 32)
+    evicting_blocks = sum(1 for end in range(32, prompt.shape[1] + 32, 32) if min(end, prompt.shape[1]) > 64)
+    assert CountingKeyDiff.calls == evicting_blocks < blocks * 3  # not once per layer
+    generate(model, state, 5)  # 4 forward passes, one eviction each
+    assert CountingKeyDiff.calls == evicting_blocks + 4
+    # The layers' buffers are slices of one allocation.
+    first = state.cache.layers[0].keys
+    assert all(layer.stacked and layer.keys.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+               for layer in state.cache.layers)
+
+
+def test_policies_that_are_not_batchable_keep_a_buffer_per_layer(model, prompt):
+    for policy in ("random", keydiff.build_policy("keydiff", layer_budgets={"schedule": "pyramid", "beta": 2})):
+        state = prefill(model, prompt, policy, 64, 32)
+        assert state.cache.stack is None and not any(layer.stacked for layer in state.cache.layers)
+
+
+def test_a_layer_unlike_the_first_leaves_the_stack_and_eviction_goes_layer_by_layer():
+    from keydiff.cache import EvictingCache
+
+    torch.manual_seed(0)
+    cache = EvictingCache(keydiff.build_policy("keydiff"), 8, 2, block_size=4, max_tokens=40)
+    for start in range(0, 20, 4):
+        cache.update(torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8), 0)
+        cache.update(torch.randn(1, 3, 4, 16), torch.randn(1, 3, 4, 16), 1)  # other heads and head_dim
+        cache.evict()
+    first, second = cache.layers
+    assert first.stacked and not second.stacked and second.allocations == 2
+    assert first.num_entries == second.num_entries == 8 and second.keys.shape[1:] == (3, 12, 16)
+    assert cache.get_seq_length() == 20 and first.max_entries == second.max_entries == 12

@@ -46,7 +46,9 @@ class LayerView:
     # Per-entry policy state [batch, kv_heads, n], one view per name in the policy's `state_names`; new
     # entries start at 0. Update it in place (`state["h2o"].add_(...)`): it lives in the cache's buffers.
     state: dict[str, torch.Tensor]
-    layer_idx: int
+    # The layer, or None when the cache scores several layers in one call (their rows stacked along the
+    # batch dimension, see `Policy.layers_batchable`).
+    layer_idx: int | None
     # Running mean/covariance of this layer's pre-RoPE queries (every pass so far), for policies with
     # `needs_queries`; None otherwise.
     queries: QueryStatistics | None = None
@@ -73,6 +75,12 @@ class Policy:
     needs_queries: ClassVar[bool] = False
     # Queries at positions below this are left out of those statistics (Expected Attention: the sinks).
     first_query_position: ClassVar[int] = 0
+    # True if every batch row of a view is scored the same way, by its own entries only, whatever its layer
+    # (no layer_idx, no per-layer queries, no random draws, no reduction across rows). The cache may then
+    # evict all its layers in one call, their rows stacked along the batch dimension (layer_idx None): one
+    # set of kernel launches per step instead of one per layer. False (the safe default) for your own policy
+    # unless you set it; the choices are the same either way, only the number of calls differs.
+    layers_batchable: ClassVar[bool] = False
     # How the budget is split across layers: None (uniform) or e.g. {schedule: pyramid, beta: 20}
     # (keydiff.policies.layer_budgets). Keyword-only, so every policy takes it after its own parameters.
     layer_budgets: dict[str, Any] | None = field(default=None, kw_only=True)

@@ -22,6 +22,7 @@ class H2O(Policy):
     """Heavy hitters by accumulated attention, optionally plus `recent_fraction` of the budget for recent tokens."""
 
     name: ClassVar[str] = "h2o"
+    layers_batchable: ClassVar[bool] = True
     attention_rows: ClassVar[int | None] = None
     observes_every_step: ClassVar[bool] = True
     state_names: ClassVar[tuple[str, ...]] = ("h2o",)

@@ -69,6 +69,7 @@ class KeyDiff(Policy):
     """
 
     name: ClassVar[str] = "keydiff"
+    layers_batchable: ClassVar[bool] = True
     # 1/||k|| of every entry, computed once when the entry is written (initial_state), not at every step.
     state_names: ClassVar[tuple[str, ...]] = ("inv_norm",)
     anchor: str = "normalized_mean"
@@ -106,6 +107,7 @@ class KeyDiffPairwise(Policy):
     """Eq. 7 verbatim: score_i = -sum_j cos(k_i, k_j). O(n²) time and memory; a reference for Eq. 8."""
 
     name: ClassVar[str] = "keydiff_pairwise"
+    layers_batchable: ClassVar[bool] = True
     window_fraction: float = 0.0
 
     def validate(self, budget: int) -> None:

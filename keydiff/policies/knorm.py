@@ -20,6 +20,7 @@ class KNorm(Policy):
     """Score = -||k||_2 per entry and KV head (RoPE is a rotation, so pre/post-RoPE norms are equal)."""
 
     name: ClassVar[str] = "knorm"
+    layers_batchable: ClassVar[bool] = True
     skip_layers: list[int] = field(default_factory=list)
 
     def compresses_layer(self, layer_idx: int) -> bool:

@@ -15,6 +15,7 @@ class Recent(Policy):
     """Keep the `budget` most recent tokens."""
 
     name: ClassVar[str] = "recent"
+    layers_batchable: ClassVar[bool] = True
 
     def score(self, layer: LayerView) -> torch.Tensor:
         return layer.positions.float()

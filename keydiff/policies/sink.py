@@ -19,6 +19,7 @@ class Sink(Policy):
     """Keep positions < `sinks` (default 4, as the paper and the original) and the most recent tokens."""
 
     name: ClassVar[str] = "sink"
+    layers_batchable: ClassVar[bool] = True
     sinks: int = 4
 
     def validate(self, budget: int) -> None:

@@ -24,6 +24,7 @@ POOLINGS = ("avg", "max")
 @dataclass
 class SnapKV(Policy):
     name: ClassVar[str] = "snapkv"
+    layers_batchable: ClassVar[bool] = True
     window: int = 32
     kernel_size: int = 7
     pooling: str = "avg"

@@ -21,6 +21,7 @@ HEAD_MODES = ("group", "layer")
 @dataclass
 class TOVA(Policy):
     name: ClassVar[str] = "tova"
+    layers_batchable: ClassVar[bool] = True
     attention_rows: ClassVar[int | None] = 1
     heads: str = "group"
 
