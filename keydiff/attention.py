@@ -72,16 +72,19 @@ def attention_statistic(query: torch.Tensor, key: torch.Tensor, scaling: float, 
     keys_t = key.transpose(-1, -2)  # [b, H_kv, d, kv]
     grouped = query.view(batch, kv_heads, groups, q_len, dim)
     chunk = max(1, STATISTIC_CHUNK_ELEMENTS // max(1, batch * heads * kv_len))
-    total = torch.zeros(batch, kv_heads, kv_len, dtype=torch.float32, device=query.device)
+    total = None
     for start in range(first, q_len, chunk):
         stop = min(start + chunk, q_len)
         block = grouped[:, :, :, start:stop].reshape(batch, kv_heads, groups * (stop - start), dim)
         # Logits in the model's dtype, softmax in float32: the numerics of transformers' eager attention.
         logits = ((block @ keys_t) * scaling).float()  # [b, H_kv, g*c, kv]
-        visible = causal_mask(q_len, kv_len, query.device, start, stop)  # [c, kv]
-        logits = logits.view(batch, kv_heads, groups, stop - start, kv_len).masked_fill(~visible, float("-inf"))
-        total += torch.softmax(logits, dim=-1).sum(dim=(2, 3))
-    return total / groups
+        logits = logits.view(batch, kv_heads, groups, stop - start, kv_len)
+        if q_len > 1:  # a single query (decoding) sees every key: no mask to build
+            visible = causal_mask(q_len, kv_len, query.device, start, stop)  # [c, kv]
+            logits = logits.masked_fill(~visible, float("-inf"))
+        received = torch.softmax(logits, dim=-1).sum(dim=(2, 3))
+        total = received if total is None else total.add_(received)
+    return total.div_(groups)
 
 
 def statistic_from_weights(weights: torch.Tensor, kv_heads: int, rows: int | None) -> torch.Tensor:
