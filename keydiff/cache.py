@@ -197,6 +197,7 @@ class EvictingLayer(CacheLayerMixin):
             self.attention = None
             return
         layer_idx = self.layer_idx if layer_idx is None else layer_idx
+        where = "the stacked layers" if layer_idx is None else f"layer {layer_idx}"
         view = self.view(layer_idx)
         if self.attention is not None:
             policy.observe(view)
@@ -204,13 +205,13 @@ class EvictingLayer(CacheLayerMixin):
         if excess > 0:
             if policy.attention_rows != 0 and self.attention is None:
                 raise RuntimeError(
-                    f"policy {policy.name!r} needs attention statistics but none were recorded in layer {layer_idx}: "
+                    f"policy {policy.name!r} needs attention statistics but none were recorded in {where}: "
                     "run the model inside `with keydiff.keydiff_attention(model, cache):` (keydiff.prefill and "
                     "keydiff.generate do this for you)"
                 )
             if policy.needs_queries and self.queries is None:
                 raise RuntimeError(
-                    f"policy {policy.name!r} needs query statistics but none were recorded in layer {layer_idx}: run the "
+                    f"policy {policy.name!r} needs query statistics but none were recorded in {where}: run the "
                     "model inside `with keydiff.keydiff_attention(model, cache):` (keydiff.prefill and keydiff.generate do)"
                 )
             self._drop(policy.evict_indices(view, self.budget))
@@ -339,7 +340,7 @@ class EvictingCache(Cache):
         # the policy allows it and every layer has the same budget and capacity; built at the first update.
         self.stack: EvictingLayer | None = None
         self.stackable = (
-            policy.layers_batchable and self.budget is not None and len(set(budgets)) == 1
+            policy.layers_batchable and budgets[0] is not None and len(set(budgets)) == 1
             and layers[0].capacity is not None and len({layer.capacity for layer in layers}) == 1
         )
         # Set by keydiff.prefill: the prompt it consumed, to refuse it being fed a second time (see update).
@@ -370,7 +371,7 @@ class EvictingCache(Cache):
                 "model.generate(prompt, past_key_values=state.cache, ...)"
             )
         if self.stackable and self.stack is None and all(other.keys is None for other in self.layers):
-            self._allocate_stack(key_states, value_states)
+            self._allocate_stack(key_states, value_states, self.layers[0].capacity)
         # What the previous pass left to do (a plain loop never calls `evict()`): observe and evict now.
         if self.evicting and layer.budget is not None and (layer.attention is not None or layer.num_entries > layer.budget):
             start = self._clock()
@@ -383,13 +384,15 @@ class EvictingCache(Cache):
         self.stack = None
 
     # --- the stack: every layer's buffers in one allocation ---------------------------------------
-    def _allocate_stack(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Allocate [layers, batch, kv_heads, capacity, ...] buffers once; each layer adopts its own slice.
+    def _allocate_stack(self, key_states: torch.Tensor, value_states: torch.Tensor, capacity: int) -> None:
+        """Allocate [layers, batch, kv_heads, capacity, ...] buffers; each layer adopts its own slice.
 
         Each layer still owns a contiguous [batch, kv_heads, capacity, dim] block, so attention reads it
         exactly as it would read buffers of its own; a layer that turns out not to fit leaves the stack.
+        Called at the first update (shaped like its states), and by `reserve` to grow the whole stack, in
+        which case the valid entries are copied over and the old stack is released.
         """
-        count, (batch, heads), capacity = len(self.layers), key_states.shape[:2], self.layers[0].capacity
+        count, (batch, heads) = len(self.layers), key_states.shape[:2]
         device = key_states.device
         with torch.inference_mode(False):  # ordinary tensors, writable from a later no_grad loop
             keys = key_states.new_empty(count, batch, heads, capacity, key_states.shape[-1])
@@ -398,8 +401,15 @@ class EvictingCache(Cache):
             state = {name: torch.zeros(count, batch, heads, capacity, dtype=torch.float32, device=device)
                      for name in self.policy.state_names}
         for index, layer in enumerate(self.layers):
+            n = layer.num_entries
+            if n:  # growing: carry the valid entries over
+                keys[index, :, :, :n] = layer.keys[:, :, :n]
+                values[index, :, :, :n] = layer.values[:, :, :n]
+                positions[index, :, :, :n] = layer.positions[:, :, :n]
+                for name, buffer in state.items():
+                    buffer[index, :, :, :n] = layer.state[name][:, :, :n]
             layer.adopt(keys[index], values[index], positions[index], {name: s[index] for name, s in state.items()})
-        stack = EvictingLayer(self.budget, capacity, self.policy.state_names, self.policy.initial_state)
+        stack = EvictingLayer(self.layers[0].budget, capacity, self.policy.state_names, self.policy.initial_state)
         stack.lazy_initialization(key_states, value_states)
         rows = count * batch
         stack.adopt(keys.view(rows, heads, capacity, -1), values.view(rows, heads, capacity, -1),
@@ -411,9 +421,12 @@ class EvictingCache(Cache):
         """Whether every layer is in the stack with the same entries and statistics, so they evict as one."""
         if self.stack is None:
             return False
+        if not all(layer.stacked for layer in self.layers):
+            self.stack = None  # a layer left for buffers of its own: evict layer by layer from now on
+            return False
         first = self.layers[0]
         recorded = first.attention is not None
-        return all(layer.stacked and layer.num_entries == first.num_entries and layer.fresh == first.fresh
+        return all(layer.num_entries == first.num_entries and layer.fresh == first.fresh
                    and (layer.attention is not None) == recorded for layer in self.layers)
 
     def _evict_stacked(self) -> None:
@@ -443,7 +456,7 @@ class EvictingCache(Cache):
     def owns(self, layer_idx: int, key: torch.Tensor) -> bool:
         """Whether `key` is this cache's layer buffer (the attention function checks before recording)."""
         keys = self.layers[layer_idx].keys
-        return keys is not None and key.untyped_storage().data_ptr() == keys.untyped_storage().data_ptr()
+        return keys is not None and key.data_ptr() == keys.data_ptr()  # this layer's slots, not just its storage
 
     def record_attention(self, layer_idx: int, statistic: torch.Tensor) -> None:
         self.layers[layer_idx].attention = statistic
@@ -484,7 +497,16 @@ class EvictingCache(Cache):
         self.timings["eviction_s"] += self._clock() - start
 
     def reserve(self, new_tokens: int) -> None:
-        """Make room for `new_tokens` more tokens in every layer that will keep them (before decoding)."""
+        """Make room for `new_tokens` more tokens in every layer that will keep them (before decoding).
+
+        A stacked cache (all layers bounded) keeps tokens only when not evicting; it then grows as a whole,
+        into a new stack, so that the old one is released rather than held by the layers still in it.
+        """
+        if self._stack_ready() and not self.evicting:
+            needed = max(layer.entries_after_eviction() for layer in self.layers) + new_tokens
+            if needed > self.stack.capacity:
+                self._allocate_stack(self.layers[0].keys, self.layers[0].values, needed)
+            return
         for layer in self.layers:
             if layer.budget is None or not self.evicting:
                 layer.reserve(layer.entries_after_eviction() + new_tokens)
@@ -505,8 +527,17 @@ class EvictingCache(Cache):
 
     @property
     def kv_cache_bytes(self) -> int:
-        """Bytes the key and value buffers hold (their allocated capacity, every layer): the real footprint."""
-        return sum(layer.keys.nbytes + layer.values.nbytes for layer in self.layers if layer.keys is not None)
+        """Bytes the key and value buffers hold (their allocated capacity, every layer): the real footprint.
+
+        Counted per storage, so a stack is counted whole, including the slots of a layer that has left it.
+        """
+        storages = {}
+        for layer in self.layers:
+            for buffer in (layer.keys, layer.values):
+                if buffer is not None:
+                    storage = buffer.untyped_storage()
+                    storages[storage.data_ptr()] = storage.nbytes()
+        return sum(storages.values())
 
     @property
     def allocations(self) -> int:

@@ -211,7 +211,7 @@ def test_keydiff_caches_each_entrys_inverse_key_norm_when_it_is_written(model, p
 
 # --- the stack: all layers in one allocation, evicted in one call --------------------------------------
 
-BATCHABLE = ["keydiff", "sink", "knorm", "recent", "tova", "snapkv", "h2o"]
+BATCHABLE = ["keydiff", "keydiff_pairwise", "sink", "knorm", "recent", "tova", "snapkv", "h2o"]
 
 
 def layer_by_layer(name: str) -> keydiff.Policy:
@@ -281,3 +281,39 @@ def test_a_layer_unlike_the_first_leaves_the_stack_and_eviction_goes_layer_by_la
     assert first.stacked and not second.stacked and second.allocations == 2
     assert first.num_entries == second.num_entries == 8 and second.keys.shape[1:] == (3, 12, 16)
     assert cache.get_seq_length() == 20 and first.max_entries == second.max_entries == 12
+
+
+@pytest.mark.parametrize("name", ["keydiff", "tova", "h2o"])
+def test_stacked_rows_stay_with_their_layer_and_batch_row(model, name):
+    """Two different prompts in one batch: the stack's rows are layer-major, then batch (as torch.cat orders the statistics)."""
+    batch = torch.randint(0, 256, (2, 200), generator=torch.Generator().manual_seed(7))
+    stacked = prefill(model, batch, name, 48, 32)
+    reference = prefill(model, batch, layer_by_layer(name), 48, 32)
+    assert stacked.cache.stack is not None and stacked.cache.stack.keys.shape[0] == 2 * 3
+    assert all(torch.equal(a, b) for a, b in zip(stacked.kept_positions, reference.kept_positions))
+    assert generate(model, stacked, 6).token_ids == generate(model, reference, 6).token_ids
+
+
+def test_layers_a_policy_never_evicts_are_not_stacked(model, prompt):
+    state = prefill(model, prompt, keydiff.build_policy("knorm", skip_layers=[0, 1, 2]), 64, 32)
+    assert state.cache.stack is None
+    assert [layer.num_entries for layer in state.cache.layers] == [prompt.shape[1]] * 3
+
+
+def test_decoding_without_eviction_grows_the_whole_stack_and_releases_the_old_one(model, prompt):
+    state = prefill(model, prompt, "keydiff", 64, 32)
+    old_storage = state.cache.layers[0].keys.untyped_storage().data_ptr()
+    generate(model, state, 60, evict=False)  # 59 kept tokens: more than the N + B slots
+    cache = state.cache
+    assert cache.stack is not None and all(layer.stacked for layer in cache.layers)
+    assert [layer.num_entries for layer in cache.layers] == [64 + 59] * 3
+    assert cache.layers[0].keys.untyped_storage().data_ptr() != old_storage
+    assert cache.allocations == 6  # the first stack, then one grown stack (3 layers each)
+    # Footprint: the grown stack only (3 layers x 2 KV heads x 123 slots x 16 dims x 4 bytes, K and V).
+    assert cache.kv_cache_bytes == 2 * 3 * 2 * (64 + 60) * 16 * 4
+
+
+def test_attention_recognises_only_the_layer_whose_slots_it_reads(model, prompt):
+    state = prefill(model, prompt, "keydiff", 64, 32)
+    cache = state.cache
+    assert cache.owns(1, cache.layers[1].keys[:, :, :10]) and not cache.owns(0, cache.layers[1].keys)

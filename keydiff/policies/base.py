@@ -108,9 +108,10 @@ class Policy:
     def initial_state(self, keys: torch.Tensor) -> dict[str, torch.Tensor]:
         """State of newly written entries, {name: [batch, kv_heads, q]}, from their keys [batch, kv_heads, q, dim].
 
-        Called once per entry, when the cache writes it; names left out start at 0. A policy caches per-entry
-        quantities here (KeyDiff: the inverse key norm) so that scoring does not recompute them for the whole
-        cache at every step.
+        Called once per entry: the cache writes new entries, then sets their state from this the next time
+        the layer is viewed (before `observe` and `score`; for a stacked cache, on all layers' new rows in
+        one call). Names left out start at 0. A policy caches per-entry quantities here (KeyDiff: the
+        inverse key norm) so that scoring does not recompute them for the whole cache at every step.
         """
         return {}
 
