@@ -34,6 +34,7 @@ _EXPORTS = {
     "Policy": "keydiff.policies",
     "available_policies": "keydiff.policies",
     "build_policy": "keydiff.policies",
+    "layer_by_layer": "keydiff.policies",
 }
 
 __all__ = sorted(_EXPORTS)

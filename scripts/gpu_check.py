@@ -8,6 +8,9 @@ importable), on a tiny and a mid-size random Llama:
   plain loop       a plain greedy loop, model(input_ids=token, past_key_values=state.cache) inside
                    keydiff.keydiff_attention(model, state.cache), yields keydiff.generate's tokens
                    (keydiff, sink, tova, snapkv). SKIP only while keydiff_attention takes no cache.
+  stacked = per layer   the stacked cache (all layers evicted in one call) keeps the same entries and
+                   generates the same tokens as layer-by-layer eviction (keydiff, tova, snapkv, h2o); on
+                   CUDA batched kernels may round differently, so the kept-set agreement must be >= 0.99
   fast ~ materialized   share of kept (layer, head, position) entries both statistic modes agree on
                    (h2o, tova, snapkv); bf16 rounding may flip near-ties, hence a threshold, not equality
   FA2 vs SDPA      the same weights give the same logits with both kernels
@@ -46,6 +49,8 @@ TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
 AGREEMENT_THRESHOLD = 0.75
 GREEDY_POLICIES = ("keydiff", "sink", "tova", "snapkv")
 AGREEMENT_POLICIES = ("h2o", "tova", "snapkv")
+STACKED_POLICIES = ("keydiff", "tova", "snapkv", "h2o")
+STACKED_AGREEMENT = 0.99
 EVICTING = [name for name in available_policies() if name != "full"]
 SCRIPTS = Path(__file__).resolve().parent
 
@@ -181,6 +186,24 @@ def check_statistics_agreement(model, prompt, sizes: Sizes, setting) -> Row:
     return Row("fast ~ materialized", setting, "PASS" if ok else "FAIL", detail)
 
 
+def check_stacked_equals_layer_by_layer(model, prompt, sizes: Sizes, setting) -> Row:
+    rates, tokens_differ = {}, []
+    for name in STACKED_POLICIES:
+        policy = keydiff.build_policy(name)
+        states = [prefill(model, prompt, p, sizes.budget, sizes.block) for p in (policy, keydiff.layer_by_layer(policy))]
+        if states[0].cache.stack is None:
+            return Row("stacked = per layer", setting, "FAIL", f"{name}: the cache was not stacked")
+        rates[name] = kept_agreement(states[0].kept_positions, states[1].kept_positions)
+        generated = [generate(model, state, sizes.new_tokens).token_ids for state in states]
+        if generated[0] != generated[1]:
+            tokens_differ.append(name)
+    ok = min(rates.values()) >= STACKED_AGREEMENT and not tokens_differ
+    detail = ", ".join(f"{k} {v:.3f}" for k, v in rates.items()) + f" kept-set agreement (>= {STACKED_AGREEMENT})"
+    if tokens_differ:
+        detail += f"; tokens differ: {', '.join(tokens_differ)}"
+    return Row("stacked = per layer", setting, "PASS" if ok else "FAIL", detail)
+
+
 def check_flash_against_sdpa(model_name, sizes: Sizes, dtype) -> Row:
     setting = f"{model_name} {short(dtype)}"
     sdpa = common.build_model(model_name, dtype, "sdpa", "cuda")
@@ -222,7 +245,8 @@ def engine_checks(model_name: str, dtype: torch.dtype, attn: str, device: str, s
     rows = [guarded("full = forward", setting, check_full_equals_forward, model, prompt, setting, tol),
             guarded("N+B bound", setting, check_bound, model, prompt, sizes, setting),
             guarded("N >= L = full", setting, check_large_budget_is_full, model, prompt, sizes, setting, tol),
-            guarded("plain loop = generate", setting, check_plain_loop, model, prompt, sizes, setting)]
+            guarded("plain loop = generate", setting, check_plain_loop, model, prompt, sizes, setting),
+            guarded("stacked = per layer", setting, check_stacked_equals_layer_by_layer, model, prompt, sizes, setting)]
     if dtype == torch.bfloat16 and attn != "eager":  # eager computes both modes from the same weights
         rows.append(guarded("fast ~ materialized", setting, check_statistics_agreement, model, prompt, sizes, setting))
     return rows

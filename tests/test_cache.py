@@ -216,10 +216,9 @@ BATCHABLE = ["keydiff", "keydiff_pairwise", "sink", "knorm", "recent", "tova", "
 
 def layer_by_layer(name: str) -> keydiff.Policy:
     """The same policy, forbidden to evict its layers together: the reference for the stacked path."""
-    cls = keydiff.policies.policy_class(name)
-    unstacked = dataclasses.make_dataclass(f"Unstacked{cls.__name__}", [], bases=(cls,))
-    unstacked.layers_batchable = False
-    return unstacked()
+    policy = keydiff.policies.layer_by_layer(keydiff.build_policy(name))
+    assert not policy.layers_batchable and policy.name == name
+    return policy
 
 
 @pytest.mark.parametrize("name", BATCHABLE)

@@ -11,7 +11,7 @@ import dataclasses
 import importlib
 from typing import Any
 
-from keydiff.policies.base import LayerView, Policy
+from keydiff.policies.base import LayerView, Policy, layer_by_layer
 from keydiff.policies.expected_attention import ExpectedAttention
 from keydiff.policies.full import Full
 from keydiff.policies.h2o import H2O
@@ -79,4 +79,4 @@ def build_policy(name: str, **params: Any) -> Policy:
     return cls(**params)
 
 
-__all__ = ["POLICIES", "LayerView", "Policy", "available_policies", "build_policy", "policy_class"] + [c.__name__ for c in POLICIES.values()]
+__all__ = ["POLICIES", "LayerView", "Policy", "available_policies", "build_policy", "layer_by_layer", "policy_class"] + [c.__name__ for c in POLICIES.values()]

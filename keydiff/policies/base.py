@@ -155,6 +155,19 @@ class Policy:
         return {"name": name, **{f.name: getattr(self, f.name) for f in ordered if f.init}}
 
 
+def layer_by_layer(policy: Policy) -> Policy:
+    """The same policy (class behaviour and parameters) with `layers_batchable` False.
+
+    The cache then evicts each layer on its own: the reference a stacked cache's choices are checked against
+    (tests, scripts/gpu_check.py), and what a subclass reading `layer_idx` needs.
+    """
+    cls = type(policy)
+    if not cls.layers_batchable:
+        return policy
+    unstacked = type(f"LayerByLayer{cls.__name__}", (cls,), {"layers_batchable": False, "__module__": cls.__module__})
+    return unstacked(**{f.name: getattr(policy, f.name) for f in fields(policy) if f.init})
+
+
 def score_then_position(scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """One int64 key per entry ordered by float32 score, then by position: unique, so top-k has no ties.
 
@@ -192,4 +205,4 @@ def check_fraction(name: str, value: float, budget: int | None = None) -> None:
         logger.warning("%s=%s of a %d-token budget reserves no slot (floor); the window is empty", name, value, budget)
 
 
-__all__ = ["LayerView", "Policy", "most_recent", "window_size", "check_fraction", "field"]
+__all__ = ["LayerView", "Policy", "layer_by_layer", "most_recent", "window_size", "check_fraction", "field"]
