@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import resource
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -193,6 +195,16 @@ def reset_peak_rss() -> bool:
     except OSError:
         return False
     return True
+
+
+def write_json(path: str | Path, payload: dict[str, Any]) -> None:
+    """Write a benchmark's results with what produced them: command line, code commit (and whether the tree
+    had uncommitted changes), and the time."""
+    from keydiff.results import git_state
+
+    provenance = {"command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "code": git_state(),
+                  "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    Path(path).write_text(json.dumps({**payload, **provenance}, indent=2) + "\n", encoding="utf-8")
 
 
 def ratio(value: float | None, base: float | None) -> float | None:

@@ -36,7 +36,6 @@ import json
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -253,8 +252,7 @@ def main(argv: list[str] | None = None) -> None:
         rows = (end_to_end_mode if args.end_to_end else decode_mode)(model, prompt, names, args, device)
     if args.json:
         mode_name = "end-to-end" if args.end_to_end else "memory-scaling" if args.memory_scaling else "decode"
-        Path(args.json).write_text(json.dumps({"mode": mode_name, "setting": setting, "results": rows,
-                                               "time": time.strftime("%Y-%m-%dT%H:%M:%S")}, indent=2))
+        common.write_json(args.json, {"mode": mode_name, "setting": setting, "results": rows})
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ How it measures, and why:
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -127,8 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     print("x full / x ref: median TTFT over full's / the plain forward's; stats/evict %: shares of a separate "
           "profiled run (profile=True), not of the TTFT.")
     if args.json:
-        Path(args.json).write_text(json.dumps({"setting": setting, "results": rows,
-                                               "time": time.strftime("%Y-%m-%dT%H:%M:%S")}, indent=2))
+        common.write_json(args.json, {"setting": setting, "results": rows})
 
 
 if __name__ == "__main__":
