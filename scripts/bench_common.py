@@ -197,12 +197,13 @@ def reset_peak_rss() -> bool:
     return True
 
 
-def write_json(path: str | Path, payload: dict[str, Any]) -> None:
-    """Write a benchmark's results with what produced them: command line, code commit (and whether the tree
-    had uncommitted changes), and the time."""
+def write_json(path: str | Path, payload: dict[str, Any], script: str, argv: list[str] | None) -> None:
+    """Write a benchmark's results with what produced them: the command line (`script` and its arguments,
+    sys.argv's when `argv` is None), the code's commit (and whether the tree had uncommitted changes), the time."""
     from keydiff.results import git_state
 
-    provenance = {"command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "code": git_state(),
+    arguments = sys.argv[1:] if argv is None else argv
+    provenance = {"command": " ".join([Path(script).name, *arguments]), "code": git_state(),
                   "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
     Path(path).write_text(json.dumps({**payload, **provenance}, indent=2) + "\n", encoding="utf-8")
 

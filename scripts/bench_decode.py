@@ -252,7 +252,7 @@ def main(argv: list[str] | None = None) -> None:
         rows = (end_to_end_mode if args.end_to_end else decode_mode)(model, prompt, names, args, device)
     if args.json:
         mode_name = "end-to-end" if args.end_to_end else "memory-scaling" if args.memory_scaling else "decode"
-        common.write_json(args.json, {"mode": mode_name, "setting": setting, "results": rows})
+        common.write_json(args.json, {"mode": mode_name, "setting": setting, "results": rows}, __file__, argv)
 
 
 if __name__ == "__main__":

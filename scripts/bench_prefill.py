@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     print("x full / x ref: median TTFT over full's / the plain forward's; stats/evict %: shares of a separate "
           "profiled run (profile=True), not of the TTFT.")
     if args.json:
-        common.write_json(args.json, {"setting": setting, "results": rows})
+        common.write_json(args.json, {"setting": setting, "results": rows}, __file__, argv)
 
 
 if __name__ == "__main__":

@@ -54,6 +54,7 @@ def test_gpu_check_quick_on_cpu(load_script, tmp_path, capsys):
     # The one other skip allowed: the plain-loop check while keydiff_attention takes no cache argument.
     assert all("cache argument" in r["detail"] for r in skipped if "CUDA" not in r["detail"])
     assert "check" in out and "PASS" in out and "SKIP" in out
+    assert "stacked = per layer" in passed
 
 
 @pytest.mark.parametrize("script, extra, columns", [
@@ -74,7 +75,11 @@ def test_benchmark_help_and_tiny_run(load_script, tmp_path, capsys, script, extr
     assert first.startswith("device=") and "threads=" in first and "dtype=" in first
     header = next(line for line in out.splitlines() if line.startswith("policy"))
     assert all(column in header for column in columns), header
-    results = json.loads((tmp_path / "out.json").read_text())["results"]
+    written = json.loads((tmp_path / "out.json").read_text())
+    results = written["results"]
+    # What produced the numbers: the command line and the code's commit (None outside a git checkout).
+    assert written["command"].startswith(f"{script}.py") and "--json" in written["command"]
+    assert set(written["code"]) == {"commit", "dirty"} and written["time"]
     policies = [r["policy"] for r in results]
     assert "full" in policies and "keydiff" in policies
     assert all(f"\n{p} " in out for p in policies)
