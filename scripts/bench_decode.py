@@ -94,6 +94,18 @@ def allocation_pass(model, prompt, name: str, budget: int | None, args, device: 
             "alloc_bytes_per_token_by_device": per_step, "alloc_to_kv": per_step[device] / kv_bytes}
 
 
+def eviction_pass(model, prompt, name: str, budget: int | None, args) -> dict:
+    """A separate profiled pass (profile=True: the GPU is synchronised around every statistic and eviction):
+    ms per decoding step spent evicting and computing attention statistics, next to the step's own time."""
+    state = prefill(model, prompt, build_policy(name), budget, args.block_size, profile=True)
+    before = dict(state.cache.timings)
+    result = generate(model, state, args.new_tokens, eos_token_ids=())
+    steps = args.new_tokens - 1
+    spent = {key: (state.cache.timings[key] - before[key]) * 1000 / steps for key in before}
+    return {"profiled_ms_per_token": result.seconds * 1000 / steps, "eviction_ms_per_token": spent["eviction_s"],
+            "statistics_ms_per_token": spent["statistics_s"]}
+
+
 def measure_all(model, cases: dict[str, tuple[torch.Tensor, int | None]], args, device: str) -> list[dict]:
     """cases: policy -> (prompt, budget). Warm-up, timed rounds (interleaved), then the allocation passes."""
     runs = common.interleaved_rounds(
@@ -110,6 +122,8 @@ def measure_all(model, cases: dict[str, tuple[torch.Tensor, int | None]], args, 
                "peak_entries": runs[name][-1]["peak_entries"]}
         print(f"  allocation pass: {name} ...", file=sys.stderr, flush=True)
         row.update(allocation_pass(model, prompt, name, budget, args, device))
+        print(f"  profiled pass: {name} ...", file=sys.stderr, flush=True)
+        row.update(eviction_pass(model, prompt, name, budget, args))
         rows.append(row)
     return rows
 
@@ -120,18 +134,25 @@ def decode_mode(model, prompt, names, args, device) -> list[dict]:
     rows = measure_all(model, cases, args, device)
     full = next((r for r in rows if r["policy"] == "full"), {})
     columns = [("policy", 10), ("prompt", 0), ("cache", 0), ("ms/token (median)", 0), ("x full@N", 0),
-               ("TTFT s", 0), ("alloc MiB/token", 0), ("x KV", 0), ("KV MiB", 0)]
+               ("per round", 0), ("evict ms (prof.)", 0), ("stats ms (prof.)", 0), ("TTFT s", 0),
+               ("alloc MiB/token", 0), ("x KV", 0), ("KV MiB", 0)]
     table = []
     for r in rows:
         r["decode_ratio_to_full"] = common.ratio(r["decode_ms_per_token"], full.get("decode_ms_per_token"))
+        rounds = zip(r["decode_ms_per_token_all"], full.get("decode_ms_per_token_all", []))
+        per_round = [value / base for value, base in rounds]
+        r["decode_ratio_to_full_per_round_median"] = statistics.median(per_round) if per_round else None
         table.append([r["policy"], str(r["prompt_tokens"]), str(r["cache_entries"]), f"{r['decode_ms_per_token']:.3f}",
-                      common.fmt(r["decode_ratio_to_full"], ".2f"), f"{r['ttft_median_s']:.4f}",
-                      f"{r['alloc_bytes_per_token'] / 2**20:.3f}", f"{r['alloc_to_kv']:.2f}",
+                      common.fmt(r["decode_ratio_to_full"], ".2f"),
+                      common.fmt(r["decode_ratio_to_full_per_round_median"], ".2f"),
+                      f"{r['eviction_ms_per_token']:.3f}", f"{r['statistics_ms_per_token']:.3f}",
+                      f"{r['ttft_median_s']:.4f}", f"{r['alloc_bytes_per_token'] / 2**20:.3f}", f"{r['alloc_to_kv']:.2f}",
                       f"{r['kv_cache_bytes'] / 2**20:.2f}"])
     common.print_table(columns, table)
     print(f"ms/token: decode time / {args.new_tokens - 1} steps; x full@N: over full decoding from an "
-          f"N-entry cache; alloc: bytes allocated on {device} per step ({args.profile_tokens - 1}-step profiled pass); "
-          "x KV: alloc over the KV cache's bytes")
+          "N-entry cache (ratio of medians; per round: median of the rounds' ratios); evict/stats ms: per step, "
+          "from a separate profiled pass; alloc: bytes allocated on "
+          f"{device} per step ({args.profile_tokens - 1}-step profiled pass); x KV: alloc over the KV cache's bytes")
     return rows
 
 

@@ -60,7 +60,8 @@ def test_gpu_check_quick_on_cpu(load_script, tmp_path, capsys):
 @pytest.mark.parametrize("script, extra, columns", [
     ("bench_prefill", ["--reference"], ["TTFT s (median)", "x full", "x ref", "stats % (prof.)", "evict % (prof.)"]),
     ("bench_decode", ["--new-tokens", "4", "--profile-tokens", "3"],
-     ["ms/token (median)", "x full@N", "TTFT s", "alloc MiB/token", "x KV"]),
+     ["ms/token (median)", "x full@N", "per round", "evict ms (prof.)", "stats ms (prof.)", "TTFT s", "alloc MiB/token",
+      "x KV"]),
     ("bench_decode", ["--new-tokens", "4", "--profile-tokens", "3", "--end-to-end", "--policies", "full,keydiff"],
      ["TTFT s", "ms/token", "total s", "x full total"]),
 ])
