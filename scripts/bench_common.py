@@ -10,6 +10,7 @@ import argparse
 import gc
 import json
 import resource
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -197,15 +198,21 @@ def reset_peak_rss() -> bool:
     return True
 
 
-def write_json(path: str | Path, payload: dict[str, Any], script: str, argv: list[str] | None) -> None:
-    """Write a benchmark's results with what produced them: the command line (`script` and its arguments,
-    sys.argv's when `argv` is None), the code's commit (and whether the tree had uncommitted changes), the time."""
+def provenance(script: str, argv: list[str] | None) -> dict[str, Any]:
+    """What produced a benchmark's numbers, taken when it starts: the command line (`script` and its
+    arguments, sys.argv's when `argv` is None), the code's commit and whether the tree had uncommitted
+    changes, and the start time."""
     from keydiff.results import git_state
 
     arguments = sys.argv[1:] if argv is None else argv
-    provenance = {"command": " ".join([Path(script).name, *arguments]), "code": git_state(),
-                  "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    Path(path).write_text(json.dumps({**payload, **provenance}, indent=2) + "\n", encoding="utf-8")
+    return {"command": shlex.join([Path(script).name, *arguments]), "code": git_state(),
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
+
+
+def write_json(path: str | Path, payload: dict[str, Any], started: dict[str, Any]) -> None:
+    """Write a benchmark's results with their provenance (`provenance()` at the start) and the end time."""
+    record = {**payload, **started, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    Path(path).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
 
 
 def ratio(value: float | None, base: float | None) -> float | None:

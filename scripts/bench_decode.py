@@ -106,8 +106,10 @@ def eviction_pass(model, prompt, name: str, budget: int | None, args) -> dict:
             "statistics_ms_per_token": spent["statistics_s"]}
 
 
-def measure_all(model, cases: dict[str, tuple[torch.Tensor, int | None]], args, device: str) -> list[dict]:
-    """cases: policy -> (prompt, budget). Warm-up, timed rounds (interleaved), then the allocation passes."""
+def measure_all(model, cases: dict[str, tuple[torch.Tensor, int | None]], args, device: str,
+                eviction_times: bool = False) -> list[dict]:
+    """cases: policy -> (prompt, budget). Warm-up, timed rounds (interleaved), then the allocation passes
+    (and, with eviction_times, the profiled passes that split a step's time)."""
     runs = common.interleaved_rounds(
         {name: (lambda name=name, p=p, b=b: timed_run(model, p, name, b, args)) for name, (p, b) in cases.items()},
         args.repeats, device)
@@ -122,8 +124,9 @@ def measure_all(model, cases: dict[str, tuple[torch.Tensor, int | None]], args, 
                "peak_entries": runs[name][-1]["peak_entries"]}
         print(f"  allocation pass: {name} ...", file=sys.stderr, flush=True)
         row.update(allocation_pass(model, prompt, name, budget, args, device))
-        print(f"  profiled pass: {name} ...", file=sys.stderr, flush=True)
-        row.update(eviction_pass(model, prompt, name, budget, args))
+        if eviction_times:
+            print(f"  profiled pass: {name} ...", file=sys.stderr, flush=True)
+            row.update(eviction_pass(model, prompt, name, budget, args))
         rows.append(row)
     return rows
 
@@ -131,7 +134,7 @@ def measure_all(model, cases: dict[str, tuple[torch.Tensor, int | None]], args, 
 def decode_mode(model, prompt, names, args, device) -> list[dict]:
     """Policies at N after an L-token prompt; full decodes from an N-token prompt (the same cache size)."""
     cases = {name: (prompt[:, : args.budget], None) if name == "full" else (prompt, args.budget) for name in names}
-    rows = measure_all(model, cases, args, device)
+    rows = measure_all(model, cases, args, device, eviction_times=True)
     full = next((r for r in rows if r["policy"] == "full"), {})
     columns = [("policy", 10), ("prompt", 0), ("cache", 0), ("ms/token (median)", 0), ("x full@N", 0),
                ("per round", 0), ("evict ms (prof.)", 0), ("stats ms (prof.)", 0), ("TTFT s", 0),
@@ -242,6 +245,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--scaling-lengths", default="4096,16384", help="prompt lengths for --memory-scaling")
     parser.add_argument("--rss-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    started = common.provenance(__file__, argv)
     args.length = args.length or (4096 if args.end_to_end else 2048)
     args.new_tokens = args.new_tokens or (64 if args.end_to_end else 8 if args.memory_scaling else 32)
     args.model = args.model or ("random-smollm2" if args.memory_scaling else "smollm2-135m")
@@ -273,7 +277,7 @@ def main(argv: list[str] | None = None) -> None:
         rows = (end_to_end_mode if args.end_to_end else decode_mode)(model, prompt, names, args, device)
     if args.json:
         mode_name = "end-to-end" if args.end_to_end else "memory-scaling" if args.memory_scaling else "decode"
-        common.write_json(args.json, {"mode": mode_name, "setting": setting, "results": rows}, __file__, argv)
+        common.write_json(args.json, {"mode": mode_name, "setting": setting, "results": rows}, started)
 
 
 if __name__ == "__main__":

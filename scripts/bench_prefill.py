@@ -82,6 +82,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--statistics", default="fast", choices=["fast", "materialized"])
     parser.add_argument("--reference", action="store_true", help="also time a plain transformers forward")
     args = parser.parse_args(argv)
+    started = common.provenance(__file__, argv)
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
     names = common.parse_policies(parser, args.policies, args.budget)
@@ -126,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
     print("x full / x ref: median TTFT over full's / the plain forward's; stats/evict %: shares of a separate "
           "profiled run (profile=True), not of the TTFT.")
     if args.json:
-        common.write_json(args.json, {"setting": setting, "results": rows}, __file__, argv)
+        common.write_json(args.json, {"setting": setting, "results": rows}, started)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ importable), on a tiny and a mid-size random Llama:
                    (keydiff, sink, tova, snapkv). SKIP only while keydiff_attention takes no cache.
   stacked = per layer   the stacked cache (all layers evicted in one call) keeps the same entries and
                    generates the same tokens as layer-by-layer eviction (keydiff, tova, snapkv, h2o); on
-                   CUDA batched kernels may round differently, so the kept-set agreement must be >= 0.99
+                   CUDA batched kernels may round differently, so the kept-set agreement must be >= 0.99,
+                   and the tokens identical wherever the kept sets are
   fast ~ materialized   share of kept (layer, head, position) entries both statistic modes agree on
                    (h2o, tova, snapkv); bf16 rounding may flip near-ties, hence a threshold, not equality
   FA2 vs SDPA      the same weights give the same logits with both kernels
@@ -197,7 +198,8 @@ def check_stacked_equals_layer_by_layer(model, prompt, sizes: Sizes, setting) ->
         generated = [generate(model, state, sizes.new_tokens).token_ids for state in states]
         if generated[0] != generated[1]:
             tokens_differ.append(name)
-    ok = min(rates.values()) >= STACKED_AGREEMENT and not tokens_differ
+    # Identical tokens are required only where the kept sets are identical: one differing entry may flip a token.
+    ok = min(rates.values()) >= STACKED_AGREEMENT and not [name for name in tokens_differ if rates[name] == 1.0]
     detail = ", ".join(f"{k} {v:.3f}" for k, v in rates.items()) + f" kept-set agreement (>= {STACKED_AGREEMENT})"
     if tokens_differ:
         detail += f"; tokens differ: {', '.join(tokens_differ)}"

@@ -308,7 +308,7 @@ def test_decoding_without_eviction_grows_the_whole_stack_and_releases_the_old_on
     assert [layer.num_entries for layer in cache.layers] == [64 + 59] * 3
     assert cache.layers[0].keys.untyped_storage().data_ptr() != old_storage
     assert cache.allocations == 6  # the first stack, then one grown stack (3 layers each)
-    # Footprint: the grown stack only (3 layers x 2 KV heads x 123 slots x 16 dims x 4 bytes, K and V).
+    # Footprint: the grown stack only (3 layers x 2 KV heads x 124 slots x 16 dims x 4 bytes, K and V).
     assert cache.kv_cache_bytes == 2 * 3 * 2 * (64 + 60) * 16 * 4
 
 
