@@ -44,6 +44,23 @@ from keydiff.queries import QueryStatistics, rope_frequencies
 STATISTICS_MODES = ("fast", "materialized")
 
 
+def empty_buffers(
+    leading: tuple[int, ...], key_states: torch.Tensor, value_states: torch.Tensor, capacity: int,
+    state_names: tuple[str, ...],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """Keys, values, positions and policy-state buffers [*leading, batch, kv_heads, capacity(, dim)], shaped
+    like these states. Ordinary tensors even under inference mode, so that a loop the user runs later under
+    plain `no_grad` can still write into them."""
+    batch, heads = key_states.shape[:2]
+    shape = (*leading, batch, heads, capacity)
+    with torch.inference_mode(False):
+        keys = key_states.new_empty(*shape, key_states.shape[-1])
+        values = value_states.new_empty(*shape, value_states.shape[-1])
+        positions = torch.empty(shape, dtype=torch.long, device=key_states.device)
+        state = {name: torch.zeros(shape, dtype=torch.float32, device=key_states.device) for name in state_names}
+    return keys, values, positions, state
+
+
 class EvictingLayer(CacheLayerMixin):
     """One layer's bounded cache: fixed buffers, a count of valid entries, and a count of tokens seen.
 
@@ -84,36 +101,24 @@ class EvictingLayer(CacheLayerMixin):
         self.is_initialized = True
 
     def _allocate(self, key_states: torch.Tensor, value_states: torch.Tensor, capacity: int) -> None:
-        """(Re)allocate every buffer for `capacity` entries, keeping the valid ones.
+        """(Re)allocate every buffer for `capacity` entries, keeping the valid ones."""
+        self.install(*empty_buffers((), key_states, value_states, capacity, self.state_names))
 
-        Allocated as ordinary tensors even under inference mode, so that a loop the user runs later under
-        plain `no_grad` can still write into them.
-        """
-        batch, heads = key_states.shape[:2]
+    def install(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, state: dict[str, torch.Tensor],
+                stacked: bool = False) -> None:
+        """Make these new buffers this layer's own, carrying the valid entries over (stacked: they are slices
+        of the cache's stack)."""
         n = self.num_entries
-        with torch.inference_mode(False):
-            keys = key_states.new_empty(batch, heads, capacity, key_states.shape[-1])
-            values = value_states.new_empty(batch, heads, capacity, value_states.shape[-1])
-            positions = torch.empty(batch, heads, capacity, dtype=torch.long, device=key_states.device)
-            state = {name: torch.zeros(batch, heads, capacity, dtype=torch.float32, device=key_states.device)
-                     for name in self.state_names}
         if n:
             keys[:, :, :n] = self.keys[:, :, :n]
             values[:, :, :n] = self.values[:, :, :n]
             positions[:, :, :n] = self.positions[:, :, :n]
-            for name in state:
-                state[name][:, :, :n] = self.state[name][:, :, :n]
-        self.keys, self.values, self.positions, self.state = keys, values, positions, state
-        self.capacity = capacity
-        self.allocations += 1
-        self.stacked = False
-
-    def adopt(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, state: dict[str, torch.Tensor]) -> None:
-        """Use buffers allocated by someone else (the cache's stack) as this layer's own, before its first entry."""
+            for name, buffer in state.items():
+                buffer[:, :, :n] = self.state[name][:, :, :n]
         self.keys, self.values, self.positions, self.state = keys, values, positions, state
         self.capacity = keys.shape[2]
         self.allocations += 1
-        self.stacked = True
+        self.stacked = stacked
 
     def fits(self, key_states: torch.Tensor, value_states: torch.Tensor) -> bool:
         """Whether the buffers can hold these states (heads, head dims, dtype and device all match)."""
@@ -393,27 +398,16 @@ class EvictingCache(Cache):
         which case the valid entries are copied over and the old stack is released.
         """
         count, (batch, heads) = len(self.layers), key_states.shape[:2]
-        device = key_states.device
-        with torch.inference_mode(False):  # ordinary tensors, writable from a later no_grad loop
-            keys = key_states.new_empty(count, batch, heads, capacity, key_states.shape[-1])
-            values = value_states.new_empty(count, batch, heads, capacity, value_states.shape[-1])
-            positions = torch.empty(count, batch, heads, capacity, dtype=torch.long, device=device)
-            state = {name: torch.zeros(count, batch, heads, capacity, dtype=torch.float32, device=device)
-                     for name in self.policy.state_names}
+        keys, values, positions, state = empty_buffers((count,), key_states, value_states, capacity, self.policy.state_names)
         for index, layer in enumerate(self.layers):
-            n = layer.num_entries
-            if n:  # growing: carry the valid entries over
-                keys[index, :, :, :n] = layer.keys[:, :, :n]
-                values[index, :, :, :n] = layer.values[:, :, :n]
-                positions[index, :, :, :n] = layer.positions[:, :, :n]
-                for name, buffer in state.items():
-                    buffer[index, :, :, :n] = layer.state[name][:, :, :n]
-            layer.adopt(keys[index], values[index], positions[index], {name: s[index] for name, s in state.items()})
+            layer.install(keys[index], values[index], positions[index], {name: s[index] for name, s in state.items()},
+                          stacked=True)
         stack = EvictingLayer(self.layers[0].budget, capacity, self.policy.state_names, self.policy.initial_state)
         stack.lazy_initialization(key_states, value_states)
         rows = count * batch
-        stack.adopt(keys.view(rows, heads, capacity, -1), values.view(rows, heads, capacity, -1),
-                    positions.view(rows, heads, capacity), {name: s.view(rows, heads, capacity) for name, s in state.items()})
+        stack.install(keys.view(rows, heads, capacity, -1), values.view(rows, heads, capacity, -1),
+                      positions.view(rows, heads, capacity), {name: s.view(rows, heads, capacity) for name, s in state.items()},
+                      stacked=True)
         stack.layer_idx = None
         self.stack = stack
 

@@ -32,7 +32,7 @@ from transformers.integrations.sdpa_attention import repeat_kv
 
 from keydiff.attention import attention_statistic, causal_mask, check_supported
 from keydiff.engine import check_model_supported, prefill
-from keydiff.policies import Policy, build_policy
+from keydiff.policies import Policy, build_policy, layer_by_layer
 
 CAPTURE_IMPLEMENTATION = "keydiff_capture"
 _RECORDER: ContextVar["_Recorder | None"] = ContextVar("keydiff_capture_recorder", default=None)
@@ -164,7 +164,7 @@ def recording_policy(policy: Policy, layers: set[int] | None = None) -> Policy:
     dropped keys and positions (batch row 0) into `recorded[layer]` as (keys [H_kv, e, d], positions [H_kv, e]).
     It needs each layer's index, so it asks the cache to evict layer by layer (`layers_batchable` False).
     """
-    cls = type(policy)
+    cls = type(layer_by_layer(policy))
 
     def evict_indices(self, layer, budget):
         indices = cls.evict_indices(self, layer, budget)
@@ -174,7 +174,7 @@ def recording_policy(policy: Policy, layers: set[int] | None = None) -> Policy:
             self.recorded.setdefault(layer.layer_idx, []).append((keys.float().cpu(), positions.cpu()))
         return indices
 
-    recording_cls = type(f"Recording{cls.__name__}", (cls,), {"evict_indices": evict_indices, "layers_batchable": False, "__module__": __name__})
+    recording_cls = type(f"Recording{cls.__name__}", (cls,), {"evict_indices": evict_indices, "__module__": __name__})
     params = {f.name: getattr(policy, f.name) for f in dataclasses.fields(policy) if f.init}
     recorder = recording_cls(**params)
     recorder.recorded = {}

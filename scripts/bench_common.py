@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import json
 import resource
 import shlex
@@ -121,6 +122,13 @@ def random_prompt(model, length: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(seed))
 
 
+def prompt_record(prompt: torch.Tensor, seed: int = 0) -> dict[str, Any]:
+    """The data a benchmark ran on: random token ids (`random_prompt`), their seed, length and sha256."""
+    ids = prompt.detach().cpu().to(torch.int64).contiguous().numpy().tobytes()
+    return {"prompt": "random token ids", "seed": seed, "tokens": prompt.shape[-1],
+            "sha256": hashlib.sha256(ids).hexdigest()}
+
+
 def sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
@@ -201,12 +209,12 @@ def reset_peak_rss() -> bool:
 def provenance(script: str, argv: list[str] | None) -> dict[str, Any]:
     """What produced a benchmark's numbers, taken when it starts: the command line (`script` and its
     arguments, sys.argv's when `argv` is None), the code's commit and whether the tree had uncommitted
-    changes, and the start time."""
-    from keydiff.results import git_state
+    changes, the package versions, and the start time."""
+    from keydiff.results import git_state, package_versions
 
     arguments = sys.argv[1:] if argv is None else argv
     return {"command": shlex.join([Path(script).name, *arguments]), "code": git_state(),
-            "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
+            "packages": package_versions(), "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
 
 
 def write_json(path: str | Path, payload: dict[str, Any], started: dict[str, Any]) -> None:

@@ -269,15 +269,17 @@ def main(argv: list[str] | None = None) -> None:
         fields.update(L=args.scaling_lengths, repeats=1)
     setting = common.setting_line(device, dtype, **fields)
     print(setting, flush=True)
+    data = {"prompt": "random token ids per length (random_prompt, seed 0)"}
     if args.memory_scaling:
         rows = memory_scaling_mode(names, args)
     else:
         model = common.build_model(args.model, dtype, args.attn, device)
         prompt = common.random_prompt(model, args.length).to(device)
+        data = common.prompt_record(prompt)
         rows = (end_to_end_mode if args.end_to_end else decode_mode)(model, prompt, names, args, device)
     if args.json:
         mode_name = "end-to-end" if args.end_to_end else "memory-scaling" if args.memory_scaling else "decode"
-        common.write_json(args.json, {"mode": mode_name, "setting": setting, "results": rows}, started)
+        common.write_json(args.json, {"mode": mode_name, "setting": setting, "data": data, "results": rows}, started)
 
 
 if __name__ == "__main__":

@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
     print("x full / x ref: median TTFT over full's / the plain forward's; stats/evict %: shares of a separate "
           "profiled run (profile=True), not of the TTFT.")
     if args.json:
-        common.write_json(args.json, {"setting": setting, "results": rows}, started)
+        common.write_json(args.json, {"setting": setting, "data": common.prompt_record(prompt), "results": rows}, started)
 
 
 if __name__ == "__main__":

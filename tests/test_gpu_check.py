@@ -81,6 +81,7 @@ def test_benchmark_help_and_tiny_run(load_script, tmp_path, capsys, script, extr
     # What produced the numbers: the command line and the code's commit (None outside a git checkout).
     assert written["command"].startswith(f"{script}.py") and "--json" in written["command"]
     assert set(written["code"]) == {"commit", "dirty"} and written["started"] <= written["time"]
+    assert written["packages"]["torch"] == torch.__version__ and len(written["data"]["sha256"]) == 64
     policies = [r["policy"] for r in results]
     assert "full" in policies and "keydiff" in policies
     assert all(f"\n{p} " in out for p in policies)
