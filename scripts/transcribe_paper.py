@@ -339,7 +339,7 @@ def math_table(lines, table, model):
             break
         method = {"Full": "full", "KeyDiff": "keydiff", "SnapKV": "snapkv"}.get(cells[0], method)
         if cells[0] == "Full" and not cells[1]:  # Table 6's 8K full row lost its "8K"
-            gen, note = "8K", "max gen. length cell empty in the text; 8K from the row order"
+            gen, note = "8K", "label: max gen. length cell empty in the text; 8K from the row order"
         else:
             gen, note = cells[1] or gen, ""
         budgets = cells[2].split()
@@ -500,7 +500,8 @@ below refer to it) and checked by `tests/test_paper_numbers.py` against what the
   `num_tokens>2K`; Table 18: the needle depth). `samples` / `samples_total` are the paper's own sample
   counts where it prints one (Tables 5/7: the subset's size; the dagger of the 8B full row: 183 of 200
   NarrativeQA samples). `note` says why a cell is empty (`garbled: ...`), how it was recovered
-  (`recovered: <rule>`), the dagger, or a flag on a number kept as printed (`flag: ...`).
+  (`recovered: <rule>`), the dagger, a flag on a number kept as printed (`flag: ...`), or a row label
+  the text leaves empty and the row order gives (`label: ...`, Table 6).
 * `captions.csv`: each table's caption, verbatim (provenance).
 
 Conventions: Tables 4-7 label the policy "KeyDiff"; per Appendix E it is KeyDiff with a 20 % recent window,
