@@ -7,8 +7,9 @@ rounding; LongBench rows of Table 14 must also equal Table 1 on the English colu
 is written with an empty value and a note "garbled: ..." saying why, never repaired by guessing: it is
 rebuilt only where the paper's other numbers determine it (Table 1's English cells for the same run,
 the full-cache lines of Tables 10/13/14 agreeing on a Chinese cell, a single missing number whose place
-the next budget's row fixes), the rebuilt row's mean must equal its printed average, and each such cell
-says `recovered: <rule>` in its note (results/paper/README.md lists them).
+the next budget's row fixes; a row rebuilt by either of the first two must have the mean its line prints
+as the average), and each such cell says `recovered: <rule>` in its note (results/paper/README.md lists
+them).
 
 Row identities (model, method, budget) of the LongBench tables come from the line layout; where the
 extracted layout is too scrambled to tell which method a line belongs to (most of Table 10, Table 13),
@@ -132,16 +133,17 @@ def one_gap_row(table, model, policy, budget, block, columns, values, lineno, bo
     rule = (f"recovered: line {lineno} holds one number fewer than the {n} columns; only a missing {gaps} "
             f"keeps every cell at or below the {bound_name} row (scores grow with the budget), and all these "
             f"placements give this cell")
+    sources = [{p[i] for p in placements} for i in range(n)]
+    open_columns = [c for c, found in zip(columns, sources) if len(found) > 1 or None in found]
+    open_sources = set().union(*(found for found, c in zip(sources, columns) if c in open_columns)) - {None}
+    open_values = [cells[i].text for i in sorted(open_sources)] + [f"~{missing:.2f}"]
+    why = (f"garbled: line {lineno} holds one number fewer than the columns; {', '.join(open_columns)} hold "
+           f"{', '.join(open_values)} in an order the text leaves open")
     out = []
-    for i, column in enumerate(columns):
-        sources = {p[i] for p in placements}
-        if len(sources) == 1 and None not in sources:
-            out.append(record(table, model, policy, budget, block, "", column, "score", cells[sources.pop()], rule))
-        else:
-            choices = sorted({f"{cells[s]:.2f}" if s is not None else f"~{missing:.2f}" for s in sources})
-            out.append(record(table, model, policy, budget, block, "", column, "score", None,
-                              f"garbled: line {lineno} holds one number fewer than the columns; this cell is "
-                              f"{' or '.join(choices)} depending on where the missing number goes"))
+    for column, found in zip(columns, sources):
+        value = cells[next(iter(found))] if column not in open_columns else None
+        out.append(record(table, model, policy, budget, block, "", column, "score", value,
+                          rule if value is not None else why))
     out.append(record(table, model, policy, budget, block, "", "avg", "score", avg,
                       f"recovered: the last number of line {lineno}, its printed average (one cell short: "
                       f"{missing:.2f} = {n} x average - the line's sum is the missing number)"))
@@ -235,7 +237,8 @@ def rebuilt_from_table1(table, identity, block, columns, lineno, values, t1, sou
         lines_used = ", ".join(str(n) for n, _, _ in sources)
         rule = (f"recovered: the full cache is one run per model whatever the block size: English cells = "
                 f"Table 1's, each Chinese cell = the value most of the full-cache lines {lines_used} hold (by "
-                f"position, or between its Table 1 neighbours); the mean then equals line {lineno}'s average {avg.text}")
+                f"position, or between its Table 1 neighbours); the mean then equals line {lineno}'s average "
+                f"{avg.text}")
     else:
         rule = (f"recovered: English cells = Table 1's (the same run, B = 128), Chinese cells = line {lineno}'s "
                 f"by position; the mean then equals its printed average {avg.text}")
@@ -510,7 +513,8 @@ Table 8 counts prompts with the Llama-2 tokenizer (`model = llama2-tokenizer`). 
 sample-weighted (the paper's formula averages over prompts): it equals the Table 8-weighted mean of the rows
 at 2K-6K; at 8K, multi_news prints 0.53, below its 6K value 0.98 although min(N/L, 1) cannot fall as the
 budget N grows: kept as printed with a `flag:` note (with it the weighted mean at 8K is 0.748, not the
-printed 0.77, which needs a value between 0.88 and 1.00 there; not recovered: the average does not fix it). Tables 17 and 18 do not state the block size, Table 18 not the budget either (this project's Table
+printed 0.77, which needs a value between 0.88 and 1.00 there; not recovered: the average does not fix
+it). Tables 17 and 18 do not state the block size, Table 18 not the budget either (this project's Table
 18 uses 6K, like Figure 6). The 32K block of Table 5 repeats the 8K block's > 2K and > 4K sections exactly;
 in Table 7 its KeyDiff/SnapKV cells repeat the 8K block's while the Full cells and sample counts differ;
 both kept as printed. Table 19 was measured on an Android phone (FP16).
@@ -581,7 +585,8 @@ def count_listing(tables) -> str:
 
 def recovered_listing(tables) -> str:
     """One line per recovered row: how many cells, the rule, and the line's numbers it overrides."""
-    lines = ["| table / model / policy / budget | cells | rule | cells the line prints otherwise |", "|---|---|---|---|"]
+    lines = ["| table / model / policy / budget | cells | rule | cells the line prints otherwise |",
+             "|---|---|---|---|"]
     for n, rows in tables.items():
         seen = {}
         for r in rows:

@@ -56,7 +56,8 @@ def table(n: int, paper: Path = PAPER) -> pd.DataFrame:
 def rows(frame: pd.DataFrame) -> dict:
     """LongBench tables: (model, policy, budget, block_size) -> {column: value} of the non-empty cells."""
     frame = frame[frame["value"].notna()]
-    return {key: dict(zip(g["column"], g["value"])) for key, g in frame.groupby(["model", "policy", "budget", "block_size"])}
+    groups = frame.groupby(["model", "policy", "budget", "block_size"])
+    return {key: dict(zip(g["column"], g["value"])) for key, g in groups}
 
 
 def check_counts(paper: Path = PAPER) -> None:
@@ -128,7 +129,8 @@ def test_notes_say_why_a_cell_is_empty_recovered_or_flagged():
 
 
 # ----------------------------------------------------------------------------- LongBench rows
-@pytest.mark.parametrize("n, columns, complete", [(1, ENGLISH, 41), (10, SUITE[1:], 8), (13, SUITE, 2), (14, SUITE, 16)])
+@pytest.mark.parametrize("n, columns, complete",
+                         [(1, ENGLISH, 41), (10, SUITE[1:], 8), (13, SUITE, 2), (14, SUITE, 16)])
 def test_longbench_row_averages(n, columns, complete):
     found = rows(table(n))
     assert all(set(cells) <= set(columns) | {"avg"} for cells in found.values())
