@@ -5,11 +5,13 @@ our `<key>` (`paper/score` next to `score`, `paper/metrics/datasets/qasper` next
 `metrics/datasets/qasper`), and the report draws them side by side. The CSV files are optional: without
 them, or for a grid point the paper does not report, there is simply no `paper/` key.
 
-CSV columns (one row per published cell): table, model, policy, budget, block_size, row, column, metric,
-value, note. `table` is the paper's table number, `model`/`policy`/`budget`/`block_size` use this project's
-names (model config name, policy label, budget label such as "2k", block size or "inf"); an empty field
-means the table does not vary it. `column` is a LongBench dataset, "avg" (the table's average) or a
-setting such as "4K"; an empty `value` is a cell the extracted text garbles.
+CSV columns (one row per published cell): table, model, policy, budget, block_size, row, column,
+column_kind, metric, value, samples, samples_total, note. `table` is the paper's table number,
+`model`/`policy`/`budget`/`block_size` use this project's names (model config name, policy label, budget
+label such as "2k", block size or "inf"); an empty field means the table does not vary it. `column` is a
+LongBench dataset, "avg" (the table's average, the one spelling) or a setting such as "4K", and
+`column_kind` says which (dataset, average, generation_length, ...); an empty `value` is a cell the
+extracted text garbles (results/paper/README.md).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-AVERAGE_COLUMNS = ("avg", "average")
+AVERAGE = "avg"  # the average column, whatever the paper printed (Avg., average)
 
 
 # Paper tables that hold the numbers of an experiment named after another one: the table4_* experiments
@@ -70,7 +72,7 @@ def paper_values(rows: list[dict[str, str]], *, model: str, policy: str, budget_
     for row in mine:
         column, metric = (row.get("column") or "").strip(), (row.get("metric") or "").strip()
         value = float(row["value"])
-        if column.lower() in AVERAGE_COLUMNS:
+        if column == AVERAGE:
             out["score"] = value
         elif metric == primary and column and column.lower() in experiment_name.lower():
             out["score"] = value  # a setting column named in the experiment (4K in table4_gen4k)

@@ -179,7 +179,7 @@ def compression_cells(df):
                 cells.append(cell(run, "", budget, dataset, "compression_ratio", value, n if pd.notna(n) else None))
         if weights and not any(np.isnan(n) for _, n in weights.values()):  # the paper's average is over prompts
             total = sum(n for _, n in weights.values())
-            cells.append(cell(run, "", budget, "average", "compression_ratio",
+            cells.append(cell(run, "", budget, "avg", "compression_ratio",
                               sum(v * n for v, n in weights.values()) / total, total))
     return cells
 
