@@ -480,6 +480,10 @@ def test_errors_come_before_the_model_loads(monkeypatch):
         runner.plan_run(make_cfg("task=ruler_4k"))
     with pytest.raises(ValueError, match="exceeds the model's max_length"):
         runner.plan_run(make_cfg("task=ruler_16k", "task.tasks=synthetic"))
+    with pytest.raises(ValueError, match="answer_prefix_style"):
+        runner.plan_run(make_cfg("task=ruler_4k", "task.tasks=synthetic", "task.answer_prefix_style=bogus"))
+    assert runner.plan_run(make_cfg("task=ruler_4k", "task.tasks=synthetic",
+                                    "task.answer_prefix_style=kvpress")).task.answer_prefix_style == "kvpress"
     plan = runner.plan_run(make_cfg("task=ruler_8k", "task.tasks=synthetic"))
     assert plan.task.length == 8192 and len(plan.task.tasks) == 11
 
