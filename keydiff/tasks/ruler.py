@@ -253,6 +253,8 @@ class Ruler(Task):
             self._essay_words()
             return f"essay:{self._essay_kind}"
         if cls is QA:
+            if self.data_dir is None:
+                return f"{kwargs['dataset']}:unknown"
             data = self._qa_data(kwargs["dataset"])
             return f"{kwargs['dataset']}:{'fixture' if data.is_fixture else 'file'}"
         return {VariableTracking: "noise", CommonWords: "wonderwords", FrequentWords: "coded_words"}[cls]
