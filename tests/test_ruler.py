@@ -256,6 +256,9 @@ def test_vt_chain_resolves_to_the_answers():
             reached |= frontier
             frontier = {v for v, rhs in assignments.items() if rhs.startswith("VAR ") and rhs[4:] in frontier} - reached
         assert reached == set(plan["answers"]) and len(reached) == 5
+        # RULER@pin: noise lines and statements joined by "\n" (2024: "noise\n" joined by spaces)
+        lines = main.split("following text.\n\n")[1].split("\nQuestion:")[0].split("\n")
+        assert lines.count(NOISE) == 40 and len(lines) == 45 and "\n " not in text
         assert f"{len(plan['answers'])} variables are assigned the value {value}" in prefix
 
 
@@ -269,6 +272,9 @@ def test_cwe_answers_are_the_most_common_words(length):
     assert top == set(plan["answers"]) and len(top) == 10
     assert max(c for w, c in counts.items() if w not in top) < min(counts[w] for w in top)
     assert counts[plan["answers"][0]] == (30 if length >= 4096 else 6)
+    # RULER@pin: the example is template + answer prefix, a space, its numbered answer, then a newline
+    example = text.split("\nBelow is a numbered list")[0]
+    assert re.search(r"in the list are: 1\. \S+ 2\. .* 10\. \S+$", example) and example.count("Question:") == 1
 
 
 def test_fwe_answers_are_ranks_two_to_four():
