@@ -381,7 +381,7 @@ def test_prompt_layout_chat_and_plain(tokenizer):
     kvpress = make(tasks=["niah_single_1"], length=1024, answer_prefix_style="kvpress")
     kv_text = tokenizer.decode(kvpress.build_prompt(sample, tokenizer, None).input_ids)
     assert kv_text.endswith(f"<|im_start|>assistant\nThe special magic number for {key} mentioned in the provided text is")
-    assert f"mentioned in the provided text? <|im_end|>" in kv_text
+    assert "mentioned in the provided text? <|im_end|>" in kv_text
     kv_plain = make(tasks=["niah_single_1"], length=1024, answer_prefix_style="kvpress", chat_template=False)
     kv_plain_text = tokenizer.decode(kv_plain.build_prompt(sample, tokenizer, None).input_ids)
     assert kv_plain_text.endswith(f"provided text? \nThe special magic number for {key} mentioned in the provided text is")

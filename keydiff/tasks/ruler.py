@@ -418,9 +418,10 @@ class Ruler(Task):
     def data_sources(self) -> dict[str, str]:
         inputs = {"generator_version": GENERATOR_VERSION, "seed": self.seed, "length": self.length,
                   "tasks": self.tasks, "num_samples": self.num_samples, "ruler_commit": RULER_COMMIT}
+        label = (f"ruler generator v{GENERATOR_VERSION} (NVIDIA/RULER@{RULER_COMMIT[:10]}, seed {self.seed}, "
+                 f"length {self.length})")
         sources = {
-            f"ruler generator v{GENERATOR_VERSION} (NVIDIA/RULER@{RULER_COMMIT[:10]}, seed {self.seed}, length {self.length})":
-                hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest(),
+            label: hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest(),
             **wonderwords_sources(),
         }
         if any(SPECS[t][1].get("haystack") == "essay" for t in self.tasks):
