@@ -550,6 +550,9 @@ def test_haystack_source_in_rows_and_summary(tmp_path):
         assert essays.summarize(rows[:1])["comparable_to_published"] is True
         assert essays.haystack_of("niah_single_2") == "essay:ruler_json"
         assert any(k.startswith("ruler/essay[ruler_json]/") for k in essays.data_sources())
+    (tmp_path / "other.json").write_text(json.dumps({"essays": []}))
+    with pytest.raises(ValueError, match="is not RULER's essay file"):
+        make(tasks=["niah_single_2"], haystack_dir=str(tmp_path / "other.json"))._essay_words()
     txt = make(tasks=["niah_single_2"], haystack_dir=str(GOLDEN / "essays"))
     assert txt.haystack_of("niah_single_2") == "essay:txt_dir" and essay_words("a  b\nc") == ["a", "b", "c"]
 
