@@ -5,6 +5,10 @@ whose answers are spans of their paragraph (`answer_start` set) and one unanswer
 (`is_impossible`), which RULER drops. `hotpotqa.json` has 3 questions with 4 (title, sentences)
 paragraphs each; every answer appears in one of its paragraphs. Output is deterministic.
 
+The fixture is for tests and smoke runs only: keydiff/tasks/ruler_qa.py recognises it by its sha256
+(``FIXTURE_SHA256``; a test checks they agree, so update it when this script changes) and marks runs on it
+as not comparable to published RULER numbers.
+
     python scripts/make_ruler_fixture.py            # -> tasks/fixtures/ruler/{squad,hotpotqa}.json
 """
 

@@ -4,8 +4,12 @@ kvpress leaderboard (which plots that average per compression ratio).
 
 Reads every ``summary.json`` under the runs folder whose task is RULER (keydiff.tasks.ruler) and writes
 ``ruler.md`` and ``ruler.csv`` to the output folder. Marks: ``*`` a subset run (``task.limit`` set; the
-``n`` column gives samples per task), ``†k`` k failed samples (runner failure rows), and ``avg`` is
-followed by ``(k/13)`` when not all 13 standard tasks were run.
+``n`` column gives samples per task), ``†k`` k failed samples (runner failure rows), ``↓k`` k samples whose
+prompt filled less than 95 % of the length (left out of the score; on a task cell and, summed, on avg),
+``‡`` an average not comparable to published RULER numbers (pydoc haystack instead of the Paul Graham
+essays, the project's QA fixture, or a run that predates this record), and ``(k/13)`` when not all 13
+standard tasks were scored. The ``haystack`` column names the essay haystack (``pydoc``, ``txt_dir``,
+``ruler_json``) and ``qa`` the QA data (``file`` or ``fixture``).
 
     python scripts/ruler_table.py [--runs results/runs] [--out results/tables]
 """
@@ -39,6 +43,11 @@ def ruler_rows(runs: Path) -> pd.DataFrame:
         limit = cfg["task"].get("limit")
         failed = int(summary.get("num_failed", 0) or 0)
         counts = sorted(set((metrics.get("n") or {}).values()))
+        short = {t: int(k) for t, k in (metrics.get("short") or {}).items() if k}
+        haystacks = metrics.get("haystack") or {}
+        essay = sorted({h.split(":", 1)[1] for h in haystacks.values() if h.startswith("essay:")})
+        qa = sorted({h.split(":", 1)[1] for t, h in haystacks.items() if t.startswith("qa_")})
+        comparable = metrics.get("comparable_to_published")  # None: a run from before it was recorded
         rows.append({
             "experiment": cfg.get("experiment_name"),
             "model": cfg["model"]["name"],
@@ -52,6 +61,13 @@ def ruler_rows(runs: Path) -> pd.DataFrame:
             "tasks_run": len(scores),
             "subset": limit is not None,
             "failed": failed,
+            "haystack": "/".join(essay) if essay else ("unrecorded" if not haystacks else "–"),
+            "qa": "/".join(qa) if qa else ("unrecorded" if not haystacks else "–"),
+            "short": sum(short.values()),
+            "short_by_task": json.dumps(short, sort_keys=True),
+            "comparable": comparable,
+            "not_comparable": "; ".join(metrics.get("not_comparable") or
+                                        ([] if comparable is not None else ["haystack and QA data not recorded"])),
             "run_dir": str(path.parent),
         })
     return pd.DataFrame(rows)
@@ -68,23 +84,34 @@ def to_markdown(df: pd.DataFrame) -> str:
     if df.empty:
         return "No RULER runs found (run e.g. `python run.py experiment=ruler task.data_dir=...`).\n"
     df = df.assign(_b=df["budget"].map(_budget_key)).sort_values(["length", "model", "_b", "policy"])
-    columns = ["model", "policy", "budget", "length", "n", *TASKS, "avg"]
+    columns = ["model", "policy", "budget", "length", "haystack", "qa", "n", *TASKS, "avg"]
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    reasons: list[str] = []
     for _, row in df.iterrows():
+        short = json.loads(row["short_by_task"])
         cells = []
         for column in columns:
             value = row[column]
             if column in TASKS or column == "avg":
                 text = "–" if value is None or pd.isna(value) else f"{value:.2f}"
+                if column in TASKS and short.get(column):
+                    text += f"↓{short[column]}"
                 if column == "avg" and text != "–":
                     text += ("*" if row["subset"] else "") + (f"†{row['failed']}" if row["failed"] else "")
+                    text += f"↓{row['short']}" if row["short"] else ""
+                    text += "‡" if row["comparable"] is not True else ""
                     text += "" if row["tasks_run"] == len(TASKS) else f" ({row['tasks_run']}/13)"
                 cells.append(text)
             else:
                 cells.append(str(value))
         lines.append("| " + " | ".join(cells) + " |")
-    notes = ("\nScores: RULER string_match_all (qa: string_match_part) x100 per task; avg = mean over the tasks run. "
-             "* subset run (task.limit; n = samples per task), †k failed samples, (k/13) tasks run.\n")
+        if row["not_comparable"] and row["not_comparable"] not in reasons:
+            reasons.append(row["not_comparable"])
+    notes = ("\nScores: RULER string_match_all (qa: string_match_part) x100 per task; avg = mean over the tasks scored. "
+             "* subset run (task.limit; n = samples per task), †k failed samples, ↓k samples below 95 % of the length "
+             "(left out of the score), ‡ not comparable to published RULER numbers, (k/13) tasks scored.\n")
+    if reasons:
+        notes += "‡: " + " | ".join(reasons) + "\n"
     return "\n".join(lines) + "\n" + notes
 
 

@@ -1,12 +1,17 @@
-"""RULER: generators against brute-force checks, length fitting with the real tokenizer, metrics against a
-brute-force substring search, configuration errors, the results table, and one run.py end to end.
+"""RULER: the templates against the texts of the pinned RULER revision (tests/data/ruler_pinned, transcribed
+from NVIDIA/RULER), one stored rendered prompt per task (tests/data/ruler_golden, a regression guard),
+generators against brute-force checks, length fitting and the length guard with the real tokenizer, metrics
+against a brute-force substring search, configuration errors, the results table, and one run.py end to end.
 
 The tokenizer is the real default model's (SmolLM2), read from the converted builtin folder.
+Regenerate the golden prompts after a deliberate change: ``KEYDIFF_REGEN_RULER_GOLDEN=1 pytest tests/test_ruler.py``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import random
 import re
 import subprocess
@@ -14,24 +19,46 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from keydiff.tasks.ruler import (
+    GENERATOR_VERSION,
+    MIN_LENGTH_FRACTION,
     PRESETS,
     SPECS,
     STANDARD_TASKS,
     Ruler,
     fit_size,
+    metric_of,
     postprocess,
     string_match_all,
     string_match_part,
 )
-from keydiff.tasks.ruler_generators import DEPTHS, NEEDLE, NOISE, split_sentences, zeta
-from keydiff.tasks.ruler_qa import QA
+from keydiff.tasks.ruler_generators import (
+    DEPTHS,
+    NEEDLE,
+    NOISE,
+    QUESTION_MARKERS,
+    RULER_COMMIT,
+    TEMPLATES,
+    CommonWords,
+    FrequentWords,
+    Niah,
+    VariableTracking,
+    essay_words,
+    split_sentences,
+    zeta,
+)
+from keydiff.tasks.ruler_qa import DOCUMENT, FIXTURE_SHA256, QA
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = ROOT / "tasks/fixtures/ruler"
+PINNED = ROOT / "tests/data/ruler_pinned"
+GOLDEN = ROOT / "tests/data/ruler_golden"
 SYNTHETIC = PRESETS["synthetic"]
+KIND = {Niah: "niah", VariableTracking: "variable_tracking", CommonWords: "common_words_extraction",
+        FrequentWords: "freq_words_extraction", QA: "qa"}
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +101,93 @@ def test_depths_and_zeta():
 def test_sentence_split():
     text = 'It works, e.g. here. Then "Quoted." Next one! Done? yes. Last'
     assert split_sentences(text) == ["It works, e.g. here.", 'Then "Quoted."', "Next one!", "Done? yes.", "Last"]
+
+
+# ------------------------------------------------------------------------------------------ pinned RULER
+def pinned(name: str):
+    return json.loads((PINNED / name).read_text(encoding="utf-8"))
+
+
+def test_templates_equal_the_pinned_ruler_text():
+    """Fidelity: every template, answer prefix and tokens to generate equals RULER's constants.py at the pin."""
+    assert pinned("constants_tasks.json")["source"].startswith(f"NVIDIA/RULER@{RULER_COMMIT}:")
+    assert TEMPLATES == pinned("constants_tasks.json")["TASKS"]
+    strings = pinned("strings.json")
+    assert NEEDLE == strings["niah_needle"] and NOISE == strings["niah_noise"] == strings["vt_noise"]
+    assert DOCUMENT == strings["qa_document"]
+
+
+def test_every_task_is_ruler_s_setting_and_template():
+    """Each of the 13 tasks: synthetic.yaml's arguments, its template family, tokens to generate (qa: 32), metric."""
+    import yaml
+
+    settings = yaml.safe_load((PINNED / "synthetic.yaml").read_text())
+    metrics = pinned("eval_metrics.json")["metric_fn"]
+    assert list(settings) == list(STANDARD_TASKS)
+    task = make(tasks="all")
+    for name, spec in settings.items():
+        gen, args = task.generator(name), spec["args"]
+        assert KIND[type(gen)] == gen.kind == spec["task"], name
+        assert task.tokens_to_generate(name) == pinned("constants_tasks.json")["TASKS"][spec["task"]]["tokens_to_generate"]
+        assert metric_of(name).__name__ == metrics[spec["task"]], name
+        if isinstance(gen, Niah):
+            ours = {"type_haystack": gen.haystack, "type_needle_k": gen.type_k, "type_needle_v": gen.type_v,
+                    "num_needle_k": gen.num_k, "num_needle_v": gen.num_v, "num_needle_q": gen.num_q}
+        elif isinstance(gen, VariableTracking):
+            ours = {"type_haystack": "noise", "num_chains": gen.num_chains, "num_hops": gen.num_hops}
+        elif isinstance(gen, CommonWords):
+            ours = {"freq_cw": gen.freq_cw, "freq_ucw": gen.freq_ucw, "num_cw": gen.num_cw}
+        elif isinstance(gen, FrequentWords):
+            ours = {"alpha": gen.alpha}
+        else:
+            ours = {"dataset": gen.dataset}
+        assert ours == args, name
+    assert task.tokens_to_generate("qa_1") == task.tokens_to_generate("qa_2") == 32
+
+
+def test_single_needle_template_is_ruler_s_rewrite():
+    """niah with one query and one value: RULER's four replace() calls on template + answer prefix, type singular."""
+    t = pinned("constants_tasks.json")["TASKS"]["niah"]
+    whole = t["template"] + t["answer_prefix"]
+    for old, new in pinned("strings.json")["niah_singular_replacements"]:
+        whole = whole.replace(old, new)
+    task = make(tasks=["niah_single_1"])
+    gen, plan = task.generator("niah_single_1"), task.plan("niah_single_1", 0)
+    text, prefix = gen.render(plan, 3)
+    assert text + prefix == whole.format(type_needle_v="number", context=gen.context(plan, 3), query=plan["query"])
+
+
+def test_question_markers_are_kvpress_patterns():
+    patterns = pinned("kvpress_question_patterns.json")["QUESTION_PATTERNS"]
+    short = {"niah": "niah", "variable_tracking": "vt", "common_words_extraction": "cwe",
+             "freq_words_extraction": "fwe", "qa": "qa"}
+    assert {kind: rx.pattern for kind, rx in QUESTION_MARKERS.items()} == {k: patterns[short[k]] for k in short}
+
+
+GOLDEN_SETTINGS = dict(length=1024, seed=42, num_samples=1, chat_template=False, data_dir=str(FIXTURE),
+                       haystack_dir=str(GOLDEN / "essays"))
+
+
+@pytest.mark.parametrize("name", STANDARD_TASKS)
+def test_golden_rendered_prompt(tokenizer, name):
+    """Regression guard: sample 0 of each task, plain text, seed 42, 1024 tokens, equals the stored file."""
+    task = Ruler(tasks=[name], **GOLDEN_SETTINGS)
+    task.validate()
+    sample = next(iter(task.samples()))
+    prompt = task.build_prompt(sample, tokenizer, None)
+    record = {"generator_version": GENERATOR_VERSION, "ruler_commit": RULER_COMMIT,
+              "answers": sample.fields["answers"], "prompt_tokens": len(prompt.input_ids),
+              "max_new_tokens": prompt.generation.max_new_tokens,
+              "input_ids_sha256": hashlib.sha256(json.dumps(prompt.input_ids).encode()).hexdigest(),
+              **{k: prompt.info[k] for k in ("haystack", "haystack_size", "example_size", "short")}}
+    text = tokenizer.decode(prompt.input_ids)
+    text_path, record_path = GOLDEN / "prompts" / f"{name}.txt", GOLDEN / "prompts" / f"{name}.json"
+    if os.environ.get("KEYDIFF_REGEN_RULER_GOLDEN") == "1":
+        text_path.parent.mkdir(parents=True, exist_ok=True)
+        text_path.write_text(text, encoding="utf-8")
+        record_path.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
+    assert text == text_path.read_text(encoding="utf-8")
+    assert record == json.loads(record_path.read_text(encoding="utf-8"))
 
 
 # ------------------------------------------------------------------------------------------ metrics
@@ -134,7 +248,7 @@ def test_vt_chain_resolves_to_the_answers():
     task = make(tasks=["vt"])
     for index in range(3):
         plan, text, prefix = rendered(task, "vt", index, 40)
-        main = text.split("\n\n\n\n")[-1]  # the example comes first, then two blank lines (RULER)
+        main = text[text.rindex("Memorize and track"):]  # the example comes first (RULER)
         assignments = dict(re.findall(r"VAR ([A-Z]+) = ((?:VAR )?[A-Z0-9]+)", main))
         value, reached = plan["query"], set()
         frontier = {v for v, rhs in assignments.items() if rhs == value}
@@ -142,6 +256,9 @@ def test_vt_chain_resolves_to_the_answers():
             reached |= frontier
             frontier = {v for v, rhs in assignments.items() if rhs.startswith("VAR ") and rhs[4:] in frontier} - reached
         assert reached == set(plan["answers"]) and len(reached) == 5
+        # RULER@pin: noise lines and statements joined by "\n" (2024: "noise\n" joined by spaces)
+        lines = main.split("following text.\n\n")[1].split("\nQuestion:")[0].split("\n")
+        assert lines.count(NOISE) == 40 and len(lines) == 45 and "\n " not in text
         assert f"{len(plan['answers'])} variables are assigned the value {value}" in prefix
 
 
@@ -155,6 +272,9 @@ def test_cwe_answers_are_the_most_common_words(length):
     assert top == set(plan["answers"]) and len(top) == 10
     assert max(c for w, c in counts.items() if w not in top) < min(counts[w] for w in top)
     assert counts[plan["answers"][0]] == (30 if length >= 4096 else 6)
+    # RULER@pin: the example is template + answer prefix, a space, its numbered answer, then a newline
+    example = text.split("\nBelow is a numbered list")[0]
+    assert re.search(r"in the list are: 1\. \S+ 2\. .* 10\. \S+$", example) and example.count("Question:") == 1
 
 
 def test_fwe_answers_are_ranks_two_to_four():
@@ -169,7 +289,7 @@ def test_fwe_answers_are_ranks_two_to_four():
         assert {w for w, _ in ranked[:3]} == set(plan["answers"])
         assert ranked[2][1] > (ranked[3][1] if len(ranked) > 3 else 0)
         assert Counter(words)["..."] > ranked[0][1]  # the dots are the most frequent "word"
-    assert len(plan["vocab"]) == 4096 // 50
+    assert len(plan["vocab"]) == (4096 - 50) // 50  # RULER: the length less the 50 to generate, // 50
 
 
 @pytest.mark.parametrize("name", ["qa_1", "qa_2"])
@@ -177,12 +297,16 @@ def test_qa_gold_document_is_in_the_context(name):
     task = make(tasks=[name])
     gen = task.generator(name)
     assert isinstance(gen, QA)
+    documents = len(gen.data.documents)
     for index, sample in enumerate(task.samples()):
         plan = task.plan(name, index)
-        for size in (gen.min_size(plan), gen.max_size(plan)):
+        for size in (gen.min_size(plan), documents - 1, documents, 2 * documents + 3):
             text, prefix = gen.render(plan, size)
             assert any(a in text for a in plan["answers"]) and plan["query"] in text and prefix == " Answer:"
             assert text.count("Document ") == size
+        # at or above the number of documents, every document is in and they repeat (RULER's rule)
+        text, _ = gen.render(plan, 2 * documents + 3)
+        assert all(text.count(doc) >= 2 for doc in gen.data.documents)
     if name == "qa_1":  # the unanswerable fixture question is dropped, as RULER does
         assert all("brass" not in task.plan(name, i)["query"] for i in range(len(gen.data.questions)))
 
@@ -229,6 +353,7 @@ def test_length_fitting_is_tight(tokenizer, length):
         prompt = task.build_prompt(sample, tokenizer, None)
         name, total = sample.fields["task"], len(prompt.input_ids) + prompt.generation.max_new_tokens
         assert total <= length, name
+        assert prompt.info["length_fraction"] == round(total / length, 4) and prompt.info["short"] is False, name
         gen, plan = task.generator(name), task.plan(name, 0)
         example = gen.example(plan, prompt.info["example_size"]) if gen.example_length else ""
         bigger = len(task.encode(tokenizer, *gen.render(plan, prompt.info["haystack_size"] + 1, example))[0])
@@ -251,6 +376,15 @@ def test_prompt_layout_chat_and_plain(tokenizer):
     plain = make(tasks=["niah_single_1"], length=1024, chat_template=False)
     plain_text = tokenizer.decode(plain.build_prompt(sample, tokenizer, None).input_ids)
     assert plain_text.startswith("A special magic number is hidden") and "<|im_start|>" not in plain_text
+    assert plain_text.endswith(f"provided text? The special magic number for {key} mentioned in the provided text is")
+    # kvpress's split: the prefix's leading space ends the user turn, the prefix follows the header directly
+    kvpress = make(tasks=["niah_single_1"], length=1024, answer_prefix_style="kvpress")
+    kv_text = tokenizer.decode(kvpress.build_prompt(sample, tokenizer, None).input_ids)
+    assert kv_text.endswith(f"<|im_start|>assistant\nThe special magic number for {key} mentioned in the provided text is")
+    assert "mentioned in the provided text? <|im_end|>" in kv_text
+    kv_plain = make(tasks=["niah_single_1"], length=1024, answer_prefix_style="kvpress", chat_template=False)
+    kv_plain_text = tokenizer.decode(kv_plain.build_prompt(sample, tokenizer, None).input_ids)
+    assert kv_plain_text.endswith(f"provided text? \nThe special magic number for {key} mentioned in the provided text is")
 
 
 def test_vt_example_fits_its_500_tokens(tokenizer):
@@ -258,10 +392,17 @@ def test_vt_example_fits_its_500_tokens(tokenizer):
     sample = next(iter(task.samples()))
     prompt = task.build_prompt(sample, tokenizer, None)
     gen, plan = task.generator("vt"), task.plan("vt", 0)
-    example = gen.example(plan, prompt.info["example_size"])
-    assert len(tokenizer(example, add_special_tokens=False)["input_ids"]) + 30 <= 500
-    assert len(tokenizer(gen.example(plan, prompt.info["example_size"] + 1), add_special_tokens=False)["input_ids"]) + 30 > 500
+    size = prompt.info["example_size"]
+
+    def count(text):
+        return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    # RULER fits the example's input (template + answer prefix, without its answer) to 500 tokens
+    assert count(gen.example_input(plan, size)) <= 500 < count(gen.example_input(plan, size + 1))
+    example = gen.example(plan, size)
+    assert example == gen.example_input(plan, size) + " " + " ".join(plan["example_answers"]) + "\n"
     assert all(v not in example for v in plan["answers"])
+    assert tokenizer.decode(prompt.input_ids).count(example + "\nMemorize and track") == 1
 
 
 def test_too_short_length_names_the_task(tokenizer):
@@ -313,11 +454,12 @@ def test_summarize_rounds_per_task_then_averages():
     [({"tasks": ["niah_single_9"]}, "valid tasks: niah_single_1"),
      ({"tasks": "everything"}, "or a preset: all, synthetic"),
      ({"tasks": ["vt", "vt"]}, "repeats"),
-     ({"data_dir": None}, "need task.data_dir"),
+     ({"data_dir": None}, "need task.data_dir.*download_qa_dataset.sh"),
+     ({"answer_prefix_style": "kv"}, r"answer_prefix_style='kv' is not valid; choose one of \['ruler', 'kvpress'\]"),
      ({"data_dir": "/nonexistent/qa"}, r"expected one of \['squad.json'"),
      ({"length": 0}, "task.length must be a positive integer"),
      ({"limit": 0}, "task.limit"),
-     ({"haystack_dir": "/nonexistent"}, "haystack_dir"),
+     ({"haystack_dir": "/nonexistent"}, "not a folder of .txt files nor RULER's PaulGrahamEssays.json"),
      ({"max_new_tokens": 0}, "max_new_tokens")],
 )
 def test_config_errors_name_valid_choices(overrides, message):
@@ -329,6 +471,12 @@ def test_synthetic_preset_needs_no_data():
     Ruler(tasks="synthetic").validate()
 
 
+def test_missing_qa_data_message_does_not_suggest_the_fixture():
+    with pytest.raises(ValueError) as error:
+        Ruler(tasks=["qa_1"]).validate()
+    assert "fixture" not in str(error.value) and "squad.json" in str(error.value)
+
+
 def test_errors_come_before_the_model_loads(monkeypatch):
     from keydiff import runner
     from tests.test_runner import make_cfg
@@ -338,8 +486,75 @@ def test_errors_come_before_the_model_loads(monkeypatch):
         runner.plan_run(make_cfg("task=ruler_4k"))
     with pytest.raises(ValueError, match="exceeds the model's max_length"):
         runner.plan_run(make_cfg("task=ruler_16k", "task.tasks=synthetic"))
+    with pytest.raises(ValueError, match="answer_prefix_style"):
+        runner.plan_run(make_cfg("task=ruler_4k", "task.tasks=synthetic", "task.answer_prefix_style=bogus"))
+    assert runner.plan_run(make_cfg("task=ruler_4k", "task.tasks=synthetic",
+                                    "task.answer_prefix_style=kvpress")).task.answer_prefix_style == "kvpress"
     plan = runner.plan_run(make_cfg("task=ruler_8k", "task.tasks=synthetic"))
     assert plan.task.length == 8192 and len(plan.task.tasks) == 11
+
+
+# ------------------------------------------------------------------------------------------ length guard, provenance
+def test_short_sample_is_flagged_and_kept_out(tokenizer, monkeypatch):
+    """QA on a data set too small for the length (capped here) gives a short sample: flagged, not scored."""
+    task = make(tasks=["qa_1", "vt"], length=4096, num_samples=1)
+    gen = task.generator("qa_1")
+    monkeypatch.setattr(type(gen), "max_size", lambda self, plan: 3)  # three documents, far below 4096 tokens
+    rows = []
+    for sample in task.samples():
+        prompt = task.build_prompt(sample, tokenizer, None)
+        total = len(prompt.input_ids) + prompt.generation.max_new_tokens
+        assert prompt.info["short"] is (total < MIN_LENGTH_FRACTION * 4096)
+        rows.append({"sample_id": sample.id, "scores": {"score": 1.0 if sample.id.startswith("qa") else 0.5},
+                     "info": prompt.info})
+    assert [r["info"]["short"] for r in rows] == [True, False]
+    summary = task.summarize(rows)
+    assert summary["tasks"] == {"vt": 50.0} and summary["average"] == 50.0  # the short qa sample is left out
+    assert summary["short"] == {"vt": 0, "qa_1": 1} and summary["n"] == {"vt": 1, "qa_1": 0}
+
+
+def test_summarize_boundary_of_the_guard():
+    rows = [{"sample_id": f"vt/{i}", "scores": {"score": s}, "info": {"short": short}}
+            for i, (s, short) in enumerate([(1.0, False), (0.0, True), (0.0, False)])]
+    summary = make(tasks=["vt"]).summarize(rows)
+    assert summary["tasks"] == {"vt": 50.0} and summary["short"] == {"vt": 1}
+    assert make(tasks=["vt"]).summarize(rows[:2])["tasks"] == {"vt": 100.0}
+
+
+def test_fixture_qa_fills_the_length_by_repetition_and_is_marked(tokenizer):
+    task = make(tasks=["qa_1", "qa_2"], length=2048, num_samples=1)
+    for sample in task.samples():
+        prompt = task.build_prompt(sample, tokenizer, None)
+        assert prompt.info["short"] is False and prompt.info["haystack"].endswith(":fixture")
+    assert task.not_comparable(["qa_1"]) == ["QA ran on the project's made-up fixture, not SQuAD/HotpotQA"]
+    assert {hashlib.sha256((FIXTURE / n).read_bytes()).hexdigest() for n in ("squad.json", "hotpotqa.json")} \
+        == FIXTURE_SHA256
+
+
+def test_haystack_source_in_rows_and_summary(tmp_path):
+    rows = [{"sample_id": "niah_single_2/0", "scores": {"score": 1.0}, "info": {}},
+            {"sample_id": "niah_single_1/0", "scores": {"score": 1.0}, "info": {}}]
+    default = make(tasks=["niah_single_1", "niah_single_2"])
+    summary = default.summarize(rows)
+    assert summary["haystack"] == {"niah_single_1": "noise", "niah_single_2": "essay:pydoc"}
+    assert summary["comparable_to_published"] is False and "pydoc" in summary["not_comparable"][0]
+    assert summary["ruler_commit"] == RULER_COMMIT
+    assert make(tasks=["niah_single_1"]).summarize(rows[1:])["comparable_to_published"] is True  # no essay task
+    # RULER's download script writes PaulGrahamEssays.json; the folder holding it (or the file) is a haystack
+    text = "First essay.  It has\nlines.\n\nSecond essay, with more words. "
+    (tmp_path / "PaulGrahamEssays.json").write_text(json.dumps({"text": text}))
+    for where in (tmp_path, tmp_path / "PaulGrahamEssays.json"):
+        essays = make(tasks=["niah_single_2"], haystack_dir=str(where))
+        # RULER's own split (which keeps an empty word for leading/trailing whitespace; ours strips it)
+        assert essays._essay_words() == tuple(re.sub(r"\s+", " ", text).split(" "))[:-1]
+        assert essays.summarize(rows[:1])["comparable_to_published"] is True
+        assert essays.haystack_of("niah_single_2") == "essay:ruler_json"
+        assert any(k.startswith("ruler/essay[ruler_json]/") for k in essays.data_sources())
+    (tmp_path / "other.json").write_text(json.dumps({"essays": []}))
+    with pytest.raises(ValueError, match="is not RULER's essay file"):
+        make(tasks=["niah_single_2"], haystack_dir=str(tmp_path / "other.json"))._essay_words()
+    txt = make(tasks=["niah_single_2"], haystack_dir=str(GOLDEN / "essays"))
+    assert txt.haystack_of("niah_single_2") == "essay:txt_dir" and essay_words("a  b\nc") == ["a", "b", "c"]
 
 
 # ------------------------------------------------------------------------------------------ table
@@ -349,8 +564,21 @@ def test_ruler_table(tmp_path):
         import ruler_table
     finally:
         sys.path.pop(0)
-    for policy, budget, limit, scores in (("full", "unbounded", None, {t: 90.0 for t in STANDARD_TASKS}),
-                                          ("keydiff", "1k", 2, {"vt": 50.0, "cwe": 10.0})):
+    essays = {t: ("essay:ruler_json" if t in ("niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multivalue",
+                                              "niah_multiquery") else "noise") for t in STANDARD_TASKS}
+    runs = (
+        # a comparable full run, one subset run on the pydoc haystack with QA short samples, one old summary
+        ("full", "unbounded", None, {t: 90.0 for t in STANDARD_TASKS},
+         {"haystack": {**essays, "qa_1": "squad:file", "qa_2": "hotpotqa:file"}, "comparable_to_published": True,
+          "not_comparable": [], "short": {t: 0 for t in STANDARD_TASKS}}),
+        ("keydiff", "1k", 2, {"vt": 50.0, "cwe": 10.0, "qa_1": 40.0},
+         {"haystack": {"vt": "noise", "cwe": "wonderwords", "niah_single_2": "essay:pydoc", "qa_1": "squad:fixture",
+                       "qa_2": "hotpotqa:fixture"},
+          "comparable_to_published": False, "not_comparable": ["essay haystack is pydoc prose", "QA fixture"],
+          "short": {"vt": 0, "cwe": 0, "qa_1": 1, "qa_2": 2, "niah_single_2": 0}}),
+        ("tova", "2k", None, {t: 80.0 for t in STANDARD_TASKS}, {}),
+    )
+    for policy, budget, limit, scores, extra in runs:
         run_dir = tmp_path / "runs" / policy
         run_dir.mkdir(parents=True)
         summary = {
@@ -358,19 +586,28 @@ def test_ruler_table(tmp_path):
                        "budget": {"label": budget}, "task": {"_target_": "keydiff.tasks.ruler.Ruler", "length": 4096,
                                                              "limit": limit}},
             "metrics": {"tasks": scores, "average": round(sum(scores.values()) / len(scores), 2),
-                        "n": {t: 2 for t in scores}},
+                        "n": {t: 2 for t in scores}, **extra},
             "block_size": 128,
         }
         (run_dir / "summary.json").write_text(json.dumps(summary))
     (tmp_path / "runs" / "other").mkdir()
     (tmp_path / "runs" / "other" / "summary.json").write_text(json.dumps({"config": {"task": {}}, "metrics": {}}))
     df = ruler_table.main(tmp_path / "runs", tmp_path / "tables")
-    assert len(df) == 2
+    assert len(df) == 3
     text = (tmp_path / "tables" / "ruler.md").read_text()
-    rows = [line for line in text.splitlines() if line.startswith("| m |")]
-    assert rows[0].split(" | ")[2] == "1k" and rows[0].rstrip(" |").endswith("30.00* (2/13)")
-    assert rows[1].rstrip(" |").endswith("| 90.00")
-    assert (tmp_path / "tables" / "ruler.csv").exists()
+    header = next(line for line in text.splitlines() if line.startswith("| model |")).strip("| ").split(" | ")
+    rows = {r.split(" | ")[1]: dict(zip(header, r.strip("| ").split(" | ")))
+            for r in text.splitlines() if r.startswith("| m |")}
+    assert rows["full"]["avg"] == "90.00" and rows["full"]["haystack"] == "ruler_json" and rows["full"]["qa"] == "file"
+    subset = rows["keydiff"]
+    assert subset["haystack"] == "pydoc" and subset["qa"] == "fixture"
+    assert subset["qa_1"] == "40.00↓1" and subset["qa_2"] == "–↓2" and subset["vt"] == "50.00"
+    assert subset["avg"] == "33.33*↓3‡ (3/13)"
+    assert rows["tova"]["avg"] == "80.00‡" and rows["tova"]["haystack"] == "unrecorded"
+    assert "‡: essay haystack is pydoc prose; QA fixture" in text and "haystack and QA data not recorded" in text
+    csv = pd.read_csv(tmp_path / "tables" / "ruler.csv")
+    assert list(csv.sort_values("policy")["short"]) == [0, 3, 0]
+    assert list(csv.sort_values("policy")["haystack"]) == ["ruler_json", "pydoc", "unrecorded"]
 
 
 # ------------------------------------------------------------------------------------------ end to end
@@ -397,3 +634,6 @@ def test_run_py_end_to_end(tmp_path):
     assert summary["statistics"]["cache_bound_held"] is True
     assert any(key.startswith("wonderwords==") for key in summary["data"])
     assert any(key.startswith("ruler/hotpotqa/") for key in summary["data"])
+    assert rows[1]["info"]["haystack"] == "hotpotqa:fixture" and rows[0]["info"]["haystack"] == "noise"
+    assert all(r["info"]["short"] is False for r in rows)
+    assert metrics["comparable_to_published"] is False and metrics["ruler_commit"] == RULER_COMMIT

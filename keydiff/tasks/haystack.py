@@ -4,7 +4,12 @@ No prose is stored in this repository. The default haystack is built at run time
 interpreter's ``pydoc_data/topics.py`` (plain-text renderings of the Python Language Reference, PSF-2.0
 licensed), filtered down to prose paragraphs; its sha256 goes into the run's data sources because its
 content differs between interpreter builds. A user-supplied folder of ``.txt`` files (for example the
-Paul Graham essays used by gkamradt) can be used instead.
+Paul Graham essays used by gkamradt) can be used instead, or the ``PaulGrahamEssays.json`` that RULER's
+``scripts/data/synthetic/json/download_paulgraham_essay.py`` writes (its ``text`` field, as RULER reads it),
+given as the file or as a folder that holds it.
+
+``Haystack.kind`` names the source in results: ``pydoc`` (the built-in prose, not the text RULER or
+gkamradt use), ``txt_dir`` or ``ruler_json``.
 
 Python Software Foundation License notice: the default haystack is derived at run time from
 pydoc_data/topics.py, Copyright (c) 2001 Python Software Foundation; All Rights Reserved.
@@ -14,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import json
 import string
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +36,7 @@ class Haystack:
     text: str
     sources: dict[str, str]
     description: str
+    kind: str = "txt_dir"  # "pydoc", "txt_dir" or "ruler_json"
 
 
 def _sha256_bytes(data: bytes) -> str:
@@ -81,17 +88,40 @@ def pydoc_haystack() -> Haystack:
         text="\n\n".join(paragraphs) + "\n\n",
         sources={"pydoc_data/topics.py": _sha256_bytes(source.read_bytes())},
         description=f"prose of {source}",
+        kind="pydoc",
     )
 
 
+RULER_ESSAYS = "PaulGrahamEssays.json"
+
+
+def ruler_json_haystack(path: str | Path) -> Haystack:
+    """The ``text`` of RULER's ``PaulGrahamEssays.json`` (``{"text": ...}``), exactly as RULER's niah.py reads it."""
+    file = Path(path).expanduser()
+    data = file.read_bytes()
+    try:
+        text = json.loads(data)["text"]
+    except (ValueError, KeyError, TypeError) as error:
+        raise ValueError(f"haystack_dir {str(path)!r} is not RULER's essay file ({{'text': ...}}): {error!r}") from None
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(f"haystack_dir {str(path)!r} holds no essay text")
+    return Haystack(text=text, sources={f"haystack/{file.name}": _sha256_bytes(data)},
+                    description=f"RULER's {file.name}", kind="ruler_json")
+
+
 def directory_haystack(folder: str | Path) -> Haystack:
-    """All ``*.txt`` files of `folder` (not recursive), concatenated in sorted file-name order."""
+    """All ``*.txt`` files of `folder` (not recursive), concatenated in sorted file-name order; a folder
+    without .txt files that holds RULER's ``PaulGrahamEssays.json`` (or that file itself) gives its text."""
     root = Path(folder).expanduser()
+    if root.is_file() and root.suffix == ".json":
+        return ruler_json_haystack(root)
     if not root.is_dir():
-        raise ValueError(f"haystack_dir {str(folder)!r} is not a directory")
+        raise ValueError(f"haystack_dir {str(folder)!r} is not a directory (nor RULER's {RULER_ESSAYS})")
     files = sorted(p for p in root.iterdir() if p.is_file() and p.suffix == ".txt")
+    if not files and (root / RULER_ESSAYS).is_file():
+        return ruler_json_haystack(root / RULER_ESSAYS)
     if not files:
-        raise ValueError(f"haystack_dir {str(folder)!r} contains no .txt files")
+        raise ValueError(f"haystack_dir {str(folder)!r} contains no .txt files (nor RULER's {RULER_ESSAYS})")
     parts: list[str] = []
     sources: dict[str, str] = {}
     for path in files:

@@ -7,11 +7,25 @@ answer is drawn first, without the tokenizer; the prompt then takes the largest 
 ``prompt tokens + tokens to generate <= task.length`` (RULER's rule), found by binary search with the
 model's own tokenizer and chat template.
 
+Pinned revision: NVIDIA/RULER @ ``RULER_COMMIT`` (ruler_generators.py), the repository's head; templates,
+layouts and sizes follow it (tasks/README.md lists where the 2024 code kvpress's data came from differs).
+
 Prompt: the task template (context, then the question) is one user turn of the model's chat template,
-and RULER's answer prefix follows the generation prompt (as kvpress builds it); ``chat_template: false``
-gives template + answer prefix as plain text. The runner prefills the whole prompt block-wise, so unlike
+and RULER's answer prefix, with its leading space, follows the generation prompt, as RULER's own chat
+templates (``scripts/data/template.py``, e.g. meta-llama3) place it. kvpress splits RULER's inputs at
+"The special magic" / "Answer:", so its user turn ends with that space and its answer prefix has none:
+``answer_prefix_style: kvpress`` gives that layout. ``chat_template: false`` gives template + answer prefix
+as plain text (RULER's ``base`` template). The runner prefills the whole prompt block-wise, so unlike
 kvpress's leaderboard the question goes through the bounded cache too. Greedy decoding with RULER's
 tokens to generate (niah 128, vt 30, cwe 120, fwe 50, qa 32).
+
+Length guard: a sample whose prompt + tokens to generate is below ``MIN_LENGTH_FRACTION`` (95 %) of
+``task.length`` (data too small to fill it) is flagged ``info.short``, logged, and kept out of the task
+scores and the average; the summary counts such samples per task (``short``).
+
+Provenance: every prediction row names its haystack (``info.haystack``); the summary records the essay
+haystack's kind (``pydoc``: the built-in prose, not RULER's Paul Graham essays) and whether QA ran on the
+project's fixture, and ``comparable_to_published`` is false (with the reasons) when either holds.
 
 Scores (RULER ``scripts/eval/synthetic/constants.py``): the prediction is stripped and control characters
 become newlines; ``string_match_all`` = share of the gold strings contained in it (case-insensitive) for
@@ -33,6 +47,7 @@ from typing import Any, Callable, Iterator
 from keydiff.tasks.base import GenerationSettings, Prompt, Sample, Task
 from keydiff.tasks.ruler_generators import (
     QUESTION_MARKERS,
+    RULER_COMMIT,
     CommonWords,
     FrequentWords,
     Generator,
@@ -46,8 +61,14 @@ from keydiff.tasks.ruler_qa import QA, QAData, load_qa
 
 log = logging.getLogger(__name__)
 
-# Bump when a change in the generators changes the generated samples.
-GENERATOR_VERSION = 1
+# Bump when a change in the generators changes the generated samples (2: RULER pinned at RULER_COMMIT).
+GENERATOR_VERSION = 2
+# A sample shorter than this share of task.length is flagged and kept out of the scores.
+MIN_LENGTH_FRACTION = 0.95
+ANSWER_PREFIX_STYLES = ("ruler", "kvpress")
+QA_DOWNLOAD = ("RULER's scripts/data/synthetic/json/download_qa_dataset.sh writes both "
+               "(https://rajpurkar.github.io/SQuAD-explorer/dataset/dev-v2.0.json -> squad.json, "
+               "http://curtis.ml.cmu.edu/datasets/hotpot/hotpot_dev_distractor_v1.json -> hotpotqa.json)")
 
 # name -> (generator class, arguments): RULER's synthetic.yaml.
 SPECS: dict[str, tuple[type[Generator], dict[str, Any]]] = {
@@ -142,15 +163,17 @@ class Ruler(Task):
     num_samples: int = 500  # per task (kvpress's leaderboard data: 500)
     limit: int | None = None
     seed: int = 42  # RULER's default random_seed
-    haystack_dir: str | None = None  # essay haystack: folder of .txt files; None: pydoc prose (haystack.py)
+    haystack_dir: str | None = None  # essay haystack: .txt folder or RULER's PaulGrahamEssays.json; None: pydoc prose
     data_dir: str | None = None  # folder with squad.json and hotpotqa.json, for qa_1 / qa_2
     chat_template: bool = True
+    answer_prefix_style: str = "ruler"  # "ruler": " The special..." after the generation prompt; "kvpress"
     max_new_tokens: int | None = None  # None: RULER's per-task tokens to generate
 
     _generators: dict[str, Generator] = field(default_factory=dict, init=False, repr=False, compare=False)
     _qa: dict[str, QAData] = field(default_factory=dict, init=False, repr=False, compare=False)
     _essay: tuple[str, ...] | None = field(default=None, init=False, repr=False, compare=False)
     _essay_sources: dict[str, str] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _essay_kind: str | None = field(default=None, init=False, repr=False, compare=False)
     _last: tuple[Any, Prompt] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -175,16 +198,23 @@ class Ruler(Task):
         if self.max_new_tokens is not None and (not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1):
             raise ValueError(f"task.max_new_tokens must be null (RULER's per-task values) or a positive integer, "
                              f"got {self.max_new_tokens!r}")
+        if self.answer_prefix_style not in ANSWER_PREFIX_STYLES:
+            raise ValueError(f"task.answer_prefix_style={self.answer_prefix_style!r} is not valid; choose one of "
+                             f"{list(ANSWER_PREFIX_STYLES)}")
         if self.haystack_dir is not None:
-            folder = Path(self.haystack_dir).expanduser()
-            if not folder.is_dir() or not any(p.suffix == ".txt" for p in folder.iterdir()):
-                raise ValueError(f"task.haystack_dir={self.haystack_dir!r} is not a folder of .txt files")
+            from keydiff.tasks.haystack import RULER_ESSAYS
+
+            path = Path(self.haystack_dir).expanduser()
+            usable = (path.is_file() and path.suffix == ".json") or (
+                path.is_dir() and (any(p.suffix == ".txt" for p in path.iterdir()) or (path / RULER_ESSAYS).is_file()))
+            if not usable:
+                raise ValueError(f"task.haystack_dir={self.haystack_dir!r} is not a folder of .txt files nor RULER's "
+                                 f"{RULER_ESSAYS} (or a folder holding it)")
         qa = [t for t in self.tasks if t.startswith("qa_")]
         if qa and self.data_dir is None:
             raise ValueError(
                 f"RULER {', '.join(qa)} need task.data_dir: a folder with squad.json (SQuAD v2.0 dev) and "
-                f"hotpotqa.json (HotpotQA dev distractor), e.g. task.data_dir=tasks/fixtures/ruler for the "
-                f"project's small fixture; or run without them: task.tasks=synthetic"
+                f"hotpotqa.json (HotpotQA dev distractor); {QA_DOWNLOAD}; or run without them: task.tasks=synthetic"
             )
         for t in qa:
             self._qa_data(SPECS[t][1]["dataset"])  # missing or malformed files fail here, before the model loads
@@ -210,7 +240,34 @@ class Ruler(Task):
             haystack = load_haystack(self.haystack_dir)
             self._essay = tuple(essay_words(haystack.text))
             self._essay_sources = dict(haystack.sources)
+            self._essay_kind = haystack.kind
         return self._essay
+
+    def haystack_of(self, task: str) -> str:
+        """What fills `task`'s context: the essay haystack's kind (pydoc / txt_dir / ruler_json), RULER's
+        noise or needle lines, the word list, coded words, or the QA data (with "fixture" for the project's)."""
+        cls, kwargs = SPECS[task]
+        if cls is Niah:
+            if kwargs["haystack"] != "essay":
+                return kwargs["haystack"]
+            self._essay_words()
+            return f"essay:{self._essay_kind}"
+        if cls is QA:
+            if self.data_dir is None:
+                return f"{kwargs['dataset']}:unknown"
+            data = self._qa_data(kwargs["dataset"])
+            return f"{kwargs['dataset']}:{'fixture' if data.is_fixture else 'file'}"
+        return {VariableTracking: "noise", CommonWords: "wonderwords", FrequentWords: "coded_words"}[cls]
+
+    def not_comparable(self, tasks: list[str]) -> list[str]:
+        """Why scores over `tasks` cannot be set beside published RULER numbers (empty: nothing known)."""
+        kinds = {self.haystack_of(t) for t in tasks}
+        reasons = []
+        if "essay:pydoc" in kinds:
+            reasons.append("essay haystack is pydoc prose, not Paul Graham essays (set task.haystack_dir)")
+        if any(k.endswith(":fixture") for k in kinds):
+            reasons.append("QA ran on the project's made-up fixture, not SQuAD/HotpotQA")
+        return reasons
 
     def generator(self, task: str) -> Generator:
         if task not in self._generators:
@@ -250,7 +307,15 @@ class Ruler(Task):
 
     # ------------------------------------------------------------------ prompt
     def encode(self, tokenizer: Any, user_text: str, answer_prefix: str) -> tuple[list[int], str, bool]:
-        """(input ids, the rendered string, add_special_tokens) of one user turn followed by the answer prefix."""
+        """(input ids, the rendered string, add_special_tokens) of one user turn followed by the answer prefix.
+
+        ``answer_prefix_style: kvpress`` moves the prefix's leading whitespace to the end of the user turn
+        (and, without a chat template, puts a newline between them), as kvpress's split and pipeline do."""
+        if self.answer_prefix_style == "kvpress":
+            stripped = answer_prefix.lstrip()
+            user_text, answer_prefix = user_text + answer_prefix[: len(answer_prefix) - len(stripped)], stripped
+            if not (self.chat_template and getattr(tokenizer, "chat_template", None)):
+                user_text += "\n"
         if self.chat_template and getattr(tokenizer, "chat_template", None):
             rendered = tokenizer.apply_chat_template(
                 [{"role": "user", "content": user_text}], tokenize=False, add_generation_prompt=True
@@ -268,9 +333,9 @@ class Ruler(Task):
         plan = self.plan(task, index)
         to_generate = self.tokens_to_generate(task)
         example, example_size = "", None
-        if gen.example_length is not None:  # vt's in-context example, fitted to its own length (RULER: 500)
+        if gen.example_length is not None:  # vt's in-context example: its input fitted to 500 tokens (RULER)
             example_size = fit_size(
-                lambda s: len(tokenizer(gen.example(plan, s), add_special_tokens=False)["input_ids"]) + to_generate,
+                lambda s: len(tokenizer(gen.example_input(plan, s), add_special_tokens=False)["input_ids"]),
                 gen.example_length, gen.example_min_size(plan), None,
             )
             example = gen.example(plan, example_size)
@@ -289,10 +354,18 @@ class Ruler(Task):
         marks = list(QUESTION_MARKERS[gen.kind].finditer(rendered))
         question_index = (len(tokenizer(rendered[: marks[-1].start()], add_special_tokens=add_special)["input_ids"])
                           if marks else None)
+        fraction = (len(input_ids) + to_generate) / self.length
+        if fraction < MIN_LENGTH_FRACTION:
+            log.warning("RULER %s: prompt + %d to generate fill only %.1f %% of task.length=%d (data too small); "
+                        "the sample is flagged short and kept out of the scores", sample.id, to_generate,
+                        100 * fraction, self.length)
         info = {
             "task": task,
             "index": index,
             "length": self.length,
+            "haystack": self.haystack_of(task),
+            "length_fraction": round(fraction, 4),
+            "short": fraction < MIN_LENGTH_FRACTION,
             "haystack_size": size,
             "haystack_capped": gen.max_size(plan) is not None and size == gen.max_size(plan),
             "example_size": example_size,
@@ -310,33 +383,50 @@ class Ruler(Task):
         return {"score": metric_of(task)(postprocess(prediction), list(sample.fields["answers"]))}
 
     def summarize(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
-        """Per task ``round(100 * mean score, 2)`` (RULER's evaluate.py), their mean as ``average``, counts,
-        the metric of each task, and whether all 13 standard tasks are in."""
+        """Per task ``round(100 * mean score, 2)`` (RULER's evaluate.py) over its samples that fill the length,
+        their mean as ``average``, counts (``n`` scored, ``short`` flagged and left out), the metric of each
+        task, whether all 13 standard tasks are in, the haystack of each task and whether the average can be
+        set beside published RULER numbers."""
         by_task: dict[str, list[float]] = {}
+        short: dict[str, int] = {}
         for row in rows:
-            by_task.setdefault(row["sample_id"].split("/")[0], []).append(float(row["scores"]["score"]))
-        order = [t for t in STANDARD_TASKS if t in by_task] + sorted(t for t in by_task if t not in SPECS)
-        scores = {t: round(100 * sum(by_task[t]) / len(by_task[t]), 2) for t in order}
+            task = row["sample_id"].split("/")[0]
+            if (row.get("info") or {}).get("short", False):
+                short[task] = short.get(task, 0) + 1
+            else:
+                by_task.setdefault(task, []).append(float(row["scores"]["score"]))
+        seen = set(by_task) | set(short)
+        order = [t for t in STANDARD_TASKS if t in seen] + sorted(t for t in seen if t not in SPECS)
+        scores = {t: round(100 * sum(by_task[t]) / len(by_task[t]), 2) for t in order if t in by_task}
+        known = [t for t in order if t in SPECS]
+        reasons = self.not_comparable(known)
         return {
             "average": round(sum(scores.values()) / len(scores), 2) if scores else None,
             "tasks": scores,
-            "n": {t: len(by_task[t]) for t in order},
+            "n": {t: len(by_task.get(t, [])) for t in order},
+            "short": {t: short.get(t, 0) for t in order},
+            "min_length_fraction": MIN_LENGTH_FRACTION,
             "metric": {t: metric_of(t).__name__ for t in order},
             "length": self.length,
             "all_standard_tasks": set(STANDARD_TASKS) <= set(scores),
+            "haystack": {t: self.haystack_of(t) for t in known},
+            "comparable_to_published": not reasons,
+            "not_comparable": reasons,
+            "ruler_commit": RULER_COMMIT,
         }
 
     def data_sources(self) -> dict[str, str]:
         inputs = {"generator_version": GENERATOR_VERSION, "seed": self.seed, "length": self.length,
-                  "tasks": self.tasks, "num_samples": self.num_samples}
+                  "tasks": self.tasks, "num_samples": self.num_samples, "ruler_commit": RULER_COMMIT}
+        label = (f"ruler generator v{GENERATOR_VERSION} (NVIDIA/RULER@{RULER_COMMIT[:10]}, seed {self.seed}, "
+                 f"length {self.length})")
         sources = {
-            f"ruler generator v{GENERATOR_VERSION} (seed {self.seed}, length {self.length})":
-                hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest(),
+            label: hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest(),
             **wonderwords_sources(),
         }
         if any(SPECS[t][1].get("haystack") == "essay" for t in self.tasks):
             self._essay_words()
-            sources.update({f"ruler/essay/{k}": v for k, v in self._essay_sources.items()})
+            sources.update({f"ruler/essay[{self._essay_kind}]/{k}": v for k, v in self._essay_sources.items()})
         for t in self.tasks:
             if t.startswith("qa_"):
                 sources.update(self._qa_data(SPECS[t][1]["dataset"]).source)

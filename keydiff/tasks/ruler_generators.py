@@ -10,16 +10,19 @@ Every generator works in two steps so that the gold answer never depends on the 
   token budget (keydiff/tasks/ruler.py).
 
 ``render`` returns ``(user_text, answer_prefix)``: the task template filled with context and question,
-and RULER's answer prefix, which the prompt places after the model's generation prompt (kvpress's split).
+and RULER's answer prefix (with its leading space), which the prompt places right after the model's
+generation prompt, as RULER's own chat templates do (keydiff/tasks/ruler.py).
 
-Differences from the reference code, all documented in tasks/README.md: sentences of the essay haystack
-are split with a regex rather than nltk's punkt model (which needs a download); word keys draw an
-adjective and a noun independently (uniform over pairs) rather than from the sorted set of all 6.2M
-``adj-noun`` strings (which differs only where two pairs spell the same string); distractor needles
-never reuse a real key.
+Pinned revision: NVIDIA/RULER @ ``RULER_COMMIT`` (templates, layouts, sizes; tests/data/ruler_pinned holds the
+texts transcribed from it and tests/test_ruler.py compares them). Differences from that code, all documented
+in tasks/README.md: sentences of the essay haystack are split with a regex rather than nltk's punkt model
+(which needs a download); word keys draw an adjective and a noun independently (uniform over pairs) rather
+than from the sorted set of all 6.2M ``adj-noun`` strings (which differs only where two pairs spell the same
+string); distractor needles never reuse a real key; random draws use this project's seeded streams, so
+samples are RULER-distributed but not RULER's byte-identical samples.
 """
 
-# The templates below are data copied verbatim from RULER's constants.py.
+# The templates below are data copied verbatim from RULER's constants.py at RULER_COMMIT.
 # ruff: noqa: E501
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ import uuid
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
+
+RULER_COMMIT = "c3f5e3b4f87f97e048793bb510a3a6b19a46bf3a"  # NVIDIA/RULER main, 2026-07-22
 
 TEMPLATES: dict[str, dict[str, Any]] = {
     "niah": {
@@ -158,8 +163,11 @@ class Generator:
         """Largest haystack size available (None: unbounded, the haystack repeats)."""
         return None
 
-    # In-context example (variable tracking only): a short instance fitted to `EXAMPLE_LENGTH` tokens.
+    # In-context example (variable tracking only): a short instance whose input fits `example_length` tokens.
     example_length: int | None = None
+
+    def example_input(self, plan: dict[str, Any], size: int) -> str:
+        return ""
 
     def example(self, plan: dict[str, Any], size: int) -> str:
         return ""
@@ -259,7 +267,7 @@ class VariableTracking(Generator):
     num_chains: int = 1
     num_hops: int = 4
     kind: str = "variable_tracking"
-    example_length: int | None = 500  # RULER fits its example to 500 tokens (with the 30 to generate)
+    example_length: int | None = 500  # RULER fits its example's input to 500 tokens
 
     @staticmethod
     def _chains(rng: random.Random, num_chains: int, num_hops: int, letters: int) -> tuple[list[list[str]], list[list[str]]]:
@@ -297,12 +305,13 @@ class VariableTracking(Generator):
 
     @staticmethod
     def _context(chains: list[list[str]], size: int, rng: random.Random) -> str:
-        sentences = [NOISE + "\n"] * size
+        """RULER's noise haystack: `size` noise lines with each chain's statements inserted in order, one per line."""
+        sentences = [NOISE] * size
         for chain in chains:
             positions = sorted(rng.sample(range(len(sentences)), len(chain)))
             for offset, (position, statement) in enumerate(zip(positions, chain)):
                 sentences.insert(position + offset, statement)
-        return " ".join(sentences).replace(". \n", ".\n")
+        return "\n".join(sentences).replace(". \n", ".\n")
 
     def _filled(self, chains: list[list[str]], size: int, seed: int) -> tuple[str, str, str]:
         t = TEMPLATES["variable_tracking"]
@@ -311,14 +320,20 @@ class VariableTracking(Generator):
         num_v = len(chains[0])
         return t["template"].format(context=context, query=query), t["answer_prefix"].format(num_v=num_v, query=query), query
 
-    def example(self, plan: dict[str, Any], size: int) -> str:
-        """RULER's example: its full input (template + answer prefix), a space, its answer, a blank line."""
+    def example_input(self, plan: dict[str, Any], size: int) -> str:
+        """The in-context example's input (template + answer prefix, no model template): what RULER fits to
+        `example_length` tokens (its answer and the tokens to generate are not counted)."""
         text, prefix, _ = self._filled(plan["example_chains"], size, sub_seed(plan["seed"], "example"))
-        return text + prefix + " " + " ".join(plan["example_answers"]) + "\n\n"
+        return text + prefix
+
+    def example(self, plan: dict[str, Any], size: int) -> str:
+        """RULER's example: its input, a space, its answer (the variable names), a newline."""
+        return self.example_input(plan, size) + " " + " ".join(plan["example_answers"]) + "\n"
 
     def render(self, plan: dict[str, Any], size: int, example: str = "") -> tuple[str, str]:
+        """The example goes right before the task template, joined by a newline (RULER's ``cutoff`` insert)."""
         text, prefix, _ = self._filled(plan["chains"], size, plan["seed"])
-        return (example + "\n\n" + text if example else text), prefix
+        return (example + "\n" + text if example else text), prefix
 
 
 @dataclass
@@ -361,7 +376,7 @@ class CommonWords(Generator):
         example_words = list(plan["example"])
         example_ctx = self._list(example_words, self.num_cw, tuple(plan["example_freq"]), random.Random(sub_seed(plan["seed"], "example")))
         shown = " ".join(f"{i + 1}. {w}" for i, w in enumerate(example_words[: self.num_cw]))
-        example_text = t["template"].format(context=example_ctx, query="") + t["answer_prefix"] + shown
+        example_text = t["template"].format(context=example_ctx, query="") + t["answer_prefix"] + " " + shown
         context = self._list([words[i] for i in plan["order"][:size]], self.num_cw, tuple(plan["freq"]), rng)
         return example_text + "\n" + t["template"].format(context=context, query=""), t["answer_prefix"]
 
@@ -379,7 +394,8 @@ def zeta(s: float) -> float:
 @dataclass
 class FrequentWords(Generator):
     """Coded text of random 6-letter words with Zipf(`alpha`) counts; the top word is shown as "...",
-    the answer is ranks 2-4. Vocabulary size: `length // 50` (RULER's default)."""
+    the answer is ranks 2-4. Vocabulary size: ``(length - tokens to generate) // 50`` (RULER's default,
+    taken after RULER subtracts the 50 tokens to generate from the length)."""
 
     alpha: float = 2.0
     word_length: int = 6
@@ -387,7 +403,7 @@ class FrequentWords(Generator):
     kind: str = "freq_words_extraction"
 
     def plan(self, rng: random.Random, length: int) -> dict[str, Any]:
-        size = self.vocab_size or length // 50
+        size = self.vocab_size or (length - TEMPLATES[self.kind]["tokens_to_generate"]) // 50
         vocab: set[str] = set()
         while len(vocab) < size:
             vocab.add("".join(rng.choices(string.ascii_lowercase, k=self.word_length)))

@@ -9,7 +9,12 @@ As in RULER's ``qa.py``: documents are de-duplicated and sorted; SQuAD keeps onl
 its gold document is the question's paragraph and the other paragraphs of the same article come first
 among the distractors; a HotpotQA question's gold documents are all of its (title, sentences)
 paragraphs. Sample ``i`` asks question ``i`` in file order; its haystack is its gold documents plus
-distractors up to ``size`` documents, shuffled, each written as ``Document {i}:\\n{document}``.
+distractors up to ``size`` documents, shuffled, each written as ``Document {i}:\\n{document}``. When
+``size`` reaches the number of documents, all documents are repeated in sorted order and cut to ``size``
+(RULER's rule at the pinned revision; with the full SQuAD / HotpotQA dev sets this never happens up to 32K).
+
+The project's made-up fixture is recognised by its sha256 (``FIXTURE_SHA256``) and reported as such, so
+that its results are never mistaken for RULER's.
 """
 
 from __future__ import annotations
@@ -28,6 +33,11 @@ DATASET_FILES = {
     "hotpotqa": ("hotpotqa.json", "hotpot_dev_distractor_v1.json"),
 }
 DOCUMENT = "Document {i}:\n{document}"
+# sha256 of tasks/fixtures/ruler/{squad,hotpotqa}.json (scripts/make_ruler_fixture.py), checked by the tests.
+FIXTURE_SHA256 = frozenset({
+    "730aacbb514650ff9d6feddcb6f83dfc5085f9bf38be860ea809a7d910d8e487",
+    "9020f988a1f9255d7c1779feb9ef469c9990fa7b4e18b9df27f25a6714fb0417",
+})
 
 
 @dataclass(frozen=True)
@@ -37,6 +47,7 @@ class QAData:
     questions: list[dict[str, Any]]
     documents: list[str]
     source: dict[str, str]
+    is_fixture: bool = False  # the project's made-up fixture, not the official data set
 
 
 def find_file(data_dir: str | Path, dataset: str) -> Path:
@@ -94,7 +105,8 @@ def load_qa(data_dir: str | Path, dataset: str) -> QAData:
         raise ValueError(f"{path} is not in the official {expected} format: {error!r}") from None
     if not questions:
         raise ValueError(f"{path} holds no answerable questions")
-    return QAData(questions, documents, {f"ruler/{dataset}/{path.name}": hashlib.sha256(raw).hexdigest()})
+    digest = hashlib.sha256(raw).hexdigest()
+    return QAData(questions, documents, {f"ruler/{dataset}/{path.name}": digest}, digest in FIXTURE_SHA256)
 
 
 @dataclass
@@ -116,17 +128,13 @@ class QA(Generator):
     def min_size(self, plan: dict[str, Any]) -> int:
         return len(self.question(plan["index"])["gold"])
 
-    def max_size(self, plan: dict[str, Any]) -> int | None:
-        assert self.data is not None
-        return len(self.data.documents)
-
     def render(self, plan: dict[str, Any], size: int, example: str = "") -> tuple[str, str]:
         assert self.data is not None
         q = self.question(plan["index"])
         rng = random.Random(sub_seed(plan["seed"], size))
         gold, more = list(q["gold"]), list(q["more"])
-        if size >= len(self.data.documents):
-            chosen = list(range(len(self.data.documents)))
+        if size >= len(self.data.documents):  # every document, repeated as often as needed
+            chosen = [i % len(self.data.documents) for i in range(size)]
         elif size - len(gold) > len(more):
             taken = set(gold) | set(more)
             others = [i for i in range(len(self.data.documents)) if i not in taken]
