@@ -243,23 +243,69 @@ def test_pyramid_is_capped_by_a_short_prompt_and_keeps_the_total():
     assert split_budget(None, 1000, 4) == [1000] * 4
 
 
+# Per-layer budgets transcribed from the reference code (worked out by hand from its arithmetic, not from
+# keydiff's): KVCache-Factory c97f9d706d63d1b56e980f8b81b2a924c21162b3, pyramidkv/pyramidkv_utils.py,
+# PyramidKVCluster.update_kv lines 356-368 (min_num = (M - w) // beta, max_num = 2(M - w) - min_num, capped
+# at q_len - w, steps = (max_num - min_num) // (layers - 1), layer l keeps max_num - l * steps + w; q_len <
+# 2(M - w) keeps M - w + w). M = N = 2048 (max_capacity_prompt includes the window), beta 20, 32 layers.
+KVCF_2048_W0 = [3994 - 125 * layer for layer in range(32)]  # steps = (3994 - 102) // 31 = 125
+KVCF_2048_W32 = [3964 - 123 * layer for layer in range(32)]  # min 100, max 3932, steps 3832 // 31 = 123, + 32
+# N = 512, w = 32, q_len = 964: min 24, max 936 >= 964 - 32, so max = 932, min = 28, steps 904 // 31 = 29.
+KVCF_512_W32_CAPPED = [964 - 29 * layer for layer in range(32)]
+# kvpress 8bb29b9c3078452a86d692f29123fa6c793e2b05, kvpress/presses/pyramidkv_press.py, get_layer_budget
+# (window_size 0, compression_ratio 1 - 2048 / q_len, round(max_num - layer * steps)): the capped pyramid.
+KVPRESS_2048_LONG = [3994, 3868, 3743, 3617, 3492, 3366, 3240, 3115, 2989, 2864, 2738, 2613, 2487, 2362, 2236, 2111,
+                     1985, 1860, 1734, 1609, 1483, 1358, 1232, 1107, 981, 856, 730, 604, 479, 353, 228, 102]
+KVPRESS_2048_Q3000 = [3000, 2939, 2877, 2816, 2754, 2693, 2631, 2570, 2509, 2447, 2386, 2324, 2263, 2202, 2140, 2079,
+                      2017, 1956, 1894, 1833, 1772, 1710, 1649, 1587, 1526, 1465, 1403, 1342, 1280, 1219, 1157, 1096]
+
+
+@pytest.mark.parametrize("window, prompt_length, expected", [
+    (0, 10_000, KVCF_2048_W0), (0, None, KVCF_2048_W0), (32, 10_000, KVCF_2048_W32),
+    (32, 3000, [2048] * 32),  # 3000 < 2(2048 - 32): KVCache-Factory's uniform fallback
+    (0, 2048, [2048] * 32),
+])
+def test_kvcache_factory_arithmetic_matches_the_reference_numbers(window, prompt_length, expected):
+    spec = {"schedule": "pyramid", "beta": 20, "window": window, "arithmetic": "kvcache_factory"}
+    assert split_budget(spec, 2048, 32, prompt_length) == expected
+
+
+def test_kvcache_factory_overshoots_the_uniform_total_and_caps_like_the_reference():
+    spec = {"schedule": "pyramid", "beta": 20, "window": 0, "arithmetic": "kvcache_factory"}
+    split = split_budget(spec, 2048, 32, 10_000)
+    assert sum(split) == 65_808 and split[-1] == 119  # the issue's numbers: over 65,536, top layer over 102
+    assert min(split) >= smallest_layer_budget(spec, 2048)
+    capped = {**spec, "window": 32}
+    assert split_budget(capped, 512, 32, 964) == KVCF_512_W32_CAPPED and sum(KVCF_512_W32_CAPPED) == 16_464
+
+
+@pytest.mark.parametrize("prompt_length, expected", [(10_000, KVPRESS_2048_LONG), (3000, KVPRESS_2048_Q3000)])
+def test_exact_arithmetic_matches_kvpress_and_keeps_the_total(prompt_length, expected):
+    split = split_budget({"schedule": "pyramid", "beta": 20, "window": 0}, 2048, 32, prompt_length)
+    assert split == expected and sum(split) == 32 * 2048
+
+
 def test_layer_budget_errors_name_the_key_and_the_choices():
     with pytest.raises(ValueError, match="valid: uniform, pyramid"):
         build_policy("keydiff", layer_budgets={"schedule": "pyramidal"}).check(256)
-    with pytest.raises(ValueError, match="valid: schedule, beta, window"):
+    with pytest.raises(ValueError, match="valid: schedule, beta, window, arithmetic"):
         build_policy("keydiff", layer_budgets={"schedule": "pyramid", "alpha": 1}).check(256)
+    with pytest.raises(ValueError, match="valid: exact, kvcache_factory"):
+        build_policy("keydiff", layer_budgets={"schedule": "pyramid", "arithmetic": "floor"}).check(256)
     with pytest.raises(ValueError, match="smaller than the budget"):  # SnapKV's window vs the top layer's budget
         build_policy("snapkv", layer_budgets={"schedule": "pyramid", "beta": 20}).check(256)
 
 
-@pytest.mark.parametrize("name", ["keydiff", "snapkv"])
-def test_pyramid_per_layer_bound_and_kept_counts_in_a_real_prefill(name):
+@pytest.mark.parametrize("name, arithmetic", [("keydiff", "exact"), ("snapkv", "exact"), ("keydiff", "kvcache_factory")])
+def test_pyramid_per_layer_bound_and_kept_counts_in_a_real_prefill(name, arithmetic):
     model = tiny_llama(num_hidden_layers=5)
-    spec = {"schedule": "pyramid", "beta": 4, "window": 32 if name == "snapkv" else 0}
+    spec = {"schedule": "pyramid", "beta": 4, "window": 32 if name == "snapkv" else 0, "arithmetic": arithmetic}
     policy = build_policy(name, layer_budgets=spec)
     budget, block = 60, 16
     expected = split_budget(spec, budget, 5, prompt_length=300)
-    assert sum(expected) == 5 * budget and len(set(expected)) == 5
+    # exact: the uniform total; KVCache-Factory: min 60 // 4 = 15, max 105, steps 90 // 4 = 22 (by hand)
+    assert expected == ([105, 83, 61, 39, 17] if arithmetic == "kvcache_factory" else expected)
+    assert (sum(expected) == 5 * budget) == (arithmetic == "exact") and len(set(expected)) == 5
 
     def check(cache):
         for layer, layer_budget in zip(cache.layers, expected):
