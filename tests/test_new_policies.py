@@ -201,7 +201,7 @@ def test_lagkv_matches_loop_reference_in_any_buffer_order(n):
     keys = torch.randn(1, 2, n, 8, generator=generator)
     values = torch.randn(1, 2, n, 8, generator=generator)
     positions = torch.randperm(n, generator=generator).expand(1, 2, n).clone() * 3  # gaps: earlier evictions
-    policy = build_policy("lagkv", n_sink=2, lag_size=8)
+    policy = build_policy("lagkv", n_sink=2, lag_size=8, scoring="rescore")
     reference = lagkv_reference(keys, values, positions, 2, 8)
     score = policy.score(view(keys, values, positions))
     assert torch.allclose(score[torch.isfinite(reference)], reference[torch.isfinite(reference)], atol=1e-6)
@@ -212,13 +212,82 @@ def test_lagkv_matches_loop_reference_in_any_buffer_order(n):
         assert kept[0, h].tolist() == sorted(order[:budget])
 
 
-def test_lagkv_block_wise_prefill_keeps_sinks_and_holds_the_bound(model):
+@pytest.mark.parametrize("scoring", ["frozen", "rescore"])
+def test_lagkv_block_wise_prefill_keeps_sinks_and_holds_the_bound(model, scoring):
     ids = torch.randint(0, 256, (1, 300), generator=torch.Generator().manual_seed(5))
-    state = prefill(model, ids, build_policy("lagkv", lag_size=16), budget=64, block_size=32)
+    state = prefill(model, ids, build_policy("lagkv", lag_size=16, scoring=scoring), budget=64, block_size=32)
     assert state.max_cache_entries <= 96
     for kept in state.kept_positions:
         assert kept.shape[-1] == 64 and bool((kept[..., :4] == torch.arange(4)).all())
         assert int(kept[..., -1].min()) == 299  # the newest (unscored) partition survives
+
+
+def lagkv_streaming_reference(keys, values, budget, block, n_sink, lag):
+    """The authors' streaming LagKV (AI-Lab-China-Merchants-Bank/LagKV lag_kv.py, 5b4f452) under a budget, one
+    head, as a loop: after each block, the raw entries (never scored, not sinks) in position order are cut into
+    partitions from the oldest; each full partition but the last is scored once against the next (raw) one and
+    its ranks are frozen; then the lowest (rank, else 1 + recency; older first on ties) go until `budget` remain."""
+    entries = {}  # position -> frozen rank or None
+    for start in range(0, keys.shape[0], block):
+        for t in range(start, min(start + block, keys.shape[0])):
+            entries[t] = None
+        raw = sorted(t for t, r in entries.items() if r is None and t >= n_sink)
+        full = len(raw) // lag
+        for p in range(full - 1):
+            part, ref = raw[p * lag : (p + 1) * lag], raw[(p + 1) * lag : (p + 2) * lag]
+            combined = [0.0] * lag
+            for states in (keys, values):
+                low = states[ref].min(dim=0).values
+                high = states[ref].max(dim=0).values
+                spread = torch.stack([((states[t] - low) / (high - low)).std() for t in part])
+                for i, value in enumerate(torch.softmax(spread, dim=0)):
+                    combined[i] += float(value) / 2
+            for rank, i in enumerate(sorted(range(lag), key=lambda i: combined[i])):
+                entries[part[i]] = rank / lag
+        newest = max(entries) + 1
+        while len(entries) > budget:
+            candidates = [t for t in entries if t >= n_sink]
+            drop = min(candidates, key=lambda t: (entries[t] if entries[t] is not None else 1 + t / newest, t))
+            del entries[drop]
+    return sorted(entries)
+
+
+def stream_through_cache(policy, keys, values, budget, block):
+    """Feed [n, d] keys/values of one KV head through an EvictingCache block by block, evicting after each."""
+    from keydiff.cache import EvictingCache
+
+    cache = EvictingCache(policy, budget, 1, block_size=block, max_tokens=keys.shape[0])
+    for start in range(0, keys.shape[0], block):
+        cache.update(keys[None, None, start : start + block], values[None, None, start : start + block], 0)
+        cache.evict()
+    return cache.kept_positions()[0][0, 0].tolist(), cache
+
+
+@pytest.mark.parametrize("budget, block, lag", [(30, 7, 8), (40, 16, 8), (25, 1, 6)])
+def test_lagkv_frozen_matches_the_authors_streaming_method(budget, block, lag):
+    generator = torch.Generator().manual_seed(budget + block)
+    keys, values = torch.randn(120, 8, generator=generator), torch.randn(120, 8, generator=generator)
+    kept, _ = stream_through_cache(build_policy("lagkv", n_sink=2, lag_size=lag), keys, values, budget, block)
+    assert kept == lagkv_streaming_reference(keys, values, budget, block, 2, lag)
+
+
+def test_lagkv_frozen_ranks_never_change_and_differ_from_rescoring():
+    generator = torch.Generator().manual_seed(9)
+    keys, values = torch.randn(200, 8, generator=generator), torch.randn(200, 8, generator=generator)
+    kept, cache = stream_through_cache(build_policy("lagkv", n_sink=2, lag_size=8), keys, values, 40, 10)
+    layer = cache.layers[0]
+    ranks = dict(zip(layer.positions[0, 0, : layer.num_entries].tolist(), layer.state["lag_rank"][0, 0, : layer.num_entries].tolist()))
+    more_keys = torch.cat([keys, torch.randn(30, 8, generator=generator)])
+    more_values = torch.cat([values, torch.randn(30, 8, generator=generator)])
+    _, later = stream_through_cache(build_policy("lagkv", n_sink=2, lag_size=8), more_keys, more_values, 40, 10)
+    after = later.layers[0]
+    for position, rank in zip(after.positions[0, 0, : after.num_entries].tolist(), after.state["lag_rank"][0, 0, : after.num_entries].tolist()):
+        if ranks.get(position, -1.0) >= 0:
+            assert rank == ranks[position]  # scored once, then frozen
+    rescored, _ = stream_through_cache(build_policy("lagkv", n_sink=2, lag_size=8, scoring="rescore"), keys, values, 40, 10)
+    assert kept != rescored
+    with pytest.raises(ValueError, match="valid: frozen, rescore"):
+        build_policy("lagkv", scoring="stream").check(256)
 
 
 # --------------------------------------------------------------------------- PyramidKV layer budgets
