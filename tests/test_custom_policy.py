@@ -114,3 +114,12 @@ def test_a_subclass_without_its_own_dataclass_decorator_is_named(tmp_path, monke
     assert build_policy("undecorated_lab.Decorated", beta=2.0).describe() == {
         "name": "undecorated_lab.Decorated", "alpha": 0.3, "sinks": 4, "beta": 2.0, "layer_budgets": None}
     assert build_policy("undecorated_lab.OwnKeyDiff", gamma=3).gamma == 3
+
+
+def test_example_policy_passes_check_policy_as_the_readme_shows(examples_on_path):
+    from my_policy import MyPolicy
+
+    from keydiff.testing import check_policy
+
+    summary = check_policy(MyPolicy, alpha=0.3)
+    assert summary["policy"] == "my_policy.MyPolicy" and summary["evictions"] > 0 and not summary["stacked"]
