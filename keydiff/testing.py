@@ -33,15 +33,18 @@ def tiny_model(seed: int = 0) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
-    torch.manual_seed(seed)
-    return LlamaForCausalLM._from_config(config, attn_implementation="sdpa", dtype=torch.float32).eval()
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                         attn_implementation="sdpa")
+    with torch.random.fork_rng(devices=[]):  # the caller's random state is left as it was
+        torch.manual_seed(seed)
+        return LlamaForCausalLM(config).float().eval()
 
 
 def variant(policy: Policy, **class_attributes: Any) -> Policy:
     """The same policy (parameters and behaviour) as an instance of a subclass with `class_attributes` set."""
     cls = type(policy)
-    sub = type(cls.__name__, (cls,), {"__module__": cls.__module__, "__qualname__": cls.__qualname__, **class_attributes})
+    names = {"__module__": cls.__module__, "__qualname__": cls.__qualname__}  # errors name the class checked
+    sub = type(cls.__name__, (cls,), {**names, **class_attributes})
     return sub(**{f.name: getattr(policy, f.name) for f in fields(policy) if f.init})
 
 
@@ -53,10 +56,13 @@ def counting(policy: Policy, layers_batchable: bool) -> tuple[Policy, list[int]]
         calls.append(layer.positions.shape[-1] - budget)
         return super(type(self), self).evict_indices(layer, budget)
 
-    return variant(policy, layers_batchable=layers_batchable, _check_every_call=True, evict_indices=evict_indices), calls
+    checked = variant(policy, layers_batchable=layers_batchable, _check_every_call=True, evict_indices=evict_indices)
+    return checked, calls
 
 
-def run_once(policy: Policy, model: torch.nn.Module, ids: torch.Tensor, budget: int, block_size: int, new_tokens: int) -> dict:
+def run_once(
+    policy: Policy, model: torch.nn.Module, ids: torch.Tensor, budget: int, block_size: int, new_tokens: int
+) -> dict:
     """Prefill and decode once; what the checks compare (kept positions, tokens, per-layer entries)."""
     state = prefill(model, ids, policy, budget=budget, block_size=block_size)
     stacked = state.cache.stack is not None

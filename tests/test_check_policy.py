@@ -124,7 +124,8 @@ def test_unseeded_policy_passes_when_it_does_not_claim_determinism():
 def test_bad_scores_fail_on_first_use_naming_the_policy(model):
     """Outside check_policy too: the first eviction checks the scores (a run fails instead of ordering NaN)."""
     ids = torch.randint(0, 256, (1, 100), generator=torch.Generator().manual_seed(0))
-    with pytest.raises(RuntimeError, match=r"policy 'tests.test_check_policy.NaNScores \(knorm subclass\)': score\(\) returned \d+ NaN"):
+    nan = r"policy 'tests.test_check_policy.NaNScores \(knorm subclass\)': score\(\) returned \d+ NaN"
+    with pytest.raises(RuntimeError, match=nan):
         prefill(model, ids, NaNScores(), budget=40, block_size=20)
     with pytest.raises(RuntimeError, match=r"policy 'tests.test_check_policy.WrongShape': score\(\) returned shape"):
         prefill(model, ids, WrongShape(), budget=40, block_size=20)

@@ -58,7 +58,10 @@ def policy_class(name: str) -> type[Policy]:
         raise ValueError(f"policy target {name!r}: module {module_name!r} has no attribute {class_name!r}")
     if not (isinstance(cls, type) and issubclass(cls, Policy)):
         raise ValueError(f"policy target {name!r} is not a subclass of keydiff.policies.Policy (got {cls!r})")
-    undecorated = [klass.__qualname__ for klass in cls.__mro__ if issubclass(klass, Policy) and "__dataclass_fields__" not in vars(klass)]
+    undecorated = [
+        klass.__qualname__ for klass in cls.__mro__
+        if issubclass(klass, Policy) and "__dataclass_fields__" not in vars(klass)
+    ]
     if undecorated:  # is_dataclass() is true for any subclass of one: check each class's own decoration
         raise ValueError(
             f"policy target {name!r}: {', '.join(undecorated)} must be decorated with @dataclass "

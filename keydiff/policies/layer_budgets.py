@@ -50,7 +50,9 @@ def check_layer_budgets(spec: dict[str, Any] | None) -> None:
         if not isinstance(spec.get("window", 0), int) or spec.get("window", 0) < 0:
             raise ValueError(f"layer_budgets.window must be a non-negative integer, got {spec.get('window')}")
         if spec.get("arithmetic", "exact") not in ARITHMETICS:
-            raise ValueError(f"layer_budgets.arithmetic {spec.get('arithmetic')!r} is not valid; valid: {', '.join(ARITHMETICS)}")
+            raise ValueError(
+                f"layer_budgets.arithmetic {spec.get('arithmetic')!r} is not valid; valid: {', '.join(ARITHMETICS)}"
+            )
 
 
 def smallest_layer_budget(spec: dict[str, Any] | None, budget: int) -> int:
