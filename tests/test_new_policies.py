@@ -271,6 +271,29 @@ def test_lagkv_frozen_matches_the_authors_streaming_method(budget, block, lag):
     assert kept == lagkv_streaming_reference(keys, values, budget, block, 2, lag)
 
 
+def test_lagkv_frozen_scores_each_head_on_its_own_raw_entries():
+    """Heads with different numbers of raw entries in one view: each scored as if it were alone (the padding
+    that lines rows up is never written), and ranks already frozen are left as they are."""
+    generator = torch.Generator().manual_seed(11)
+    n, lag = 40, 6
+    keys, values = torch.randn(1, 2, n, 8, generator=generator), torch.randn(1, 2, n, 8, generator=generator)
+    positions = torch.stack([torch.randperm(n, generator=generator) for _ in range(2)])[None]
+    ranks = torch.full((1, 2, n), -1.0)
+    ranks[0, 0][positions[0, 0] < 20] = 0.5  # head 0: positions 0..19 already scored, head 1: none
+    policy = build_policy("lagkv", n_sink=2, lag_size=lag)
+    both = LayerView(keys, values, positions, None, {"lag_rank": ranks.clone()}, 0)
+    together = policy.score(both)
+    for head in range(2):
+        alone = LayerView(keys[:, head : head + 1], values[:, head : head + 1], positions[:, head : head + 1], None,
+                          {"lag_rank": ranks[:, head : head + 1].clone()}, 0)
+        assert torch.equal(policy.score(alone)[0, 0], together[0, head])
+        assert torch.equal(alone.state["lag_rank"][0, 0], both.state["lag_rank"][0, head])
+    frozen = both.state["lag_rank"]
+    assert bool((frozen[0, 0][positions[0, 0] < 20] == 0.5).all())
+    assert int((frozen[0, 0] >= 0).sum()) == 20 + 2 * lag  # 20 raw: 3 full partitions, the first 2 scored
+    assert int((frozen[0, 1] >= 0).sum()) == 5 * lag  # 38 raw (sinks 0, 1 aside): 6 full partitions, 5 scored
+
+
 def test_lagkv_frozen_ranks_never_change_and_differ_from_rescoring():
     generator = torch.Generator().manual_seed(9)
     keys, values = torch.randn(200, 8, generator=generator), torch.randn(200, 8, generator=generator)
