@@ -2,7 +2,8 @@
 
 Each policy is one small dataclass in its own module; `POLICIES` maps the config name to the class.
 A dotted path names a policy written anywhere else (`build_policy("my_lab.policies.MyPolicy", alpha=0.3)`):
-the module is imported and the class must subclass `Policy` (what `policy=custom policy.target=...` runs).
+the module is imported and the class must subclass `Policy` and be a @dataclass itself (what
+`policy=custom policy.target=...` runs). `keydiff.testing.check_policy` checks a class against the contract.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ def available_policies() -> list[str]:
 def policy_class(name: str) -> type[Policy]:
     """The class for a built-in name, or for a dotted path `package.module.Class` (imported here).
 
-    Raises ValueError saying which part is wrong: unknown name, missing module, missing class, not a Policy.
+    Raises ValueError saying which part is wrong: unknown name, missing module, missing class, not a Policy,
+    a class (its own or one it inherits from) without its own @dataclass.
     """
     if name in POLICIES:
         return POLICIES[name]
