@@ -1,6 +1,10 @@
 """A complete eviction policy written outside keydiff-bench (README "Your own policy").
 
     PYTHONPATH=examples python run.py policy=custom policy.target=my_policy.MyPolicy +policy.params.alpha=0.3
+
+Check it against the policy contract first (a few seconds on a tiny random model, no download):
+
+    PYTHONPATH=examples python -c "from keydiff.testing import check_policy; from my_policy import MyPolicy; print(check_policy(MyPolicy, alpha=0.3))"
 """
 
 from dataclasses import dataclass

@@ -95,3 +95,31 @@ def test_bad_targets_fail_before_the_model_loads(tmp_path, examples_on_path, no_
 def test_unknown_builtin_name_points_to_custom_targets():
     with pytest.raises(ValueError, match="keydiff, keydiff_pairwise.*dotted path"):
         build_policy("keydif")
+
+
+def test_a_subclass_without_its_own_dataclass_decorator_is_named(tmp_path, monkeypatch):
+    """is_dataclass() is true for any subclass of a dataclass: the check looks at each class's own decoration."""
+    (tmp_path / "undecorated_lab.py").write_text(
+        "from dataclasses import dataclass\n"
+        "from keydiff.policies import KeyDiff\n"
+        "from my_policy import MyPolicy\n\n"
+        "class Plain(MyPolicy):\n    beta: float = 1.0\n\n"
+        "@dataclass\nclass Decorated(MyPolicy):\n    beta: float = 1.0\n\n"
+        "@dataclass\nclass OwnKeyDiff(KeyDiff):\n    gamma: int = 2\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    with pytest.raises(ValueError, match=r"'undecorated_lab.Plain': Plain must be decorated with @dataclass"):
+        build_policy("undecorated_lab.Plain", beta=2.0)
+    assert build_policy("undecorated_lab.Decorated", beta=2.0).describe() == {
+        "name": "undecorated_lab.Decorated", "alpha": 0.3, "sinks": 4, "beta": 2.0, "layer_budgets": None}
+    assert build_policy("undecorated_lab.OwnKeyDiff", gamma=3).gamma == 3
+
+
+def test_example_policy_passes_check_policy_as_the_readme_shows(examples_on_path):
+    from my_policy import MyPolicy
+
+    from keydiff.testing import check_policy
+
+    summary = check_policy(MyPolicy, alpha=0.3)
+    assert summary["policy"] == "my_policy.MyPolicy" and summary["evictions"] > 0 and not summary["stacked"]

@@ -201,7 +201,7 @@ def test_lagkv_matches_loop_reference_in_any_buffer_order(n):
     keys = torch.randn(1, 2, n, 8, generator=generator)
     values = torch.randn(1, 2, n, 8, generator=generator)
     positions = torch.randperm(n, generator=generator).expand(1, 2, n).clone() * 3  # gaps: earlier evictions
-    policy = build_policy("lagkv", n_sink=2, lag_size=8)
+    policy = build_policy("lagkv", n_sink=2, lag_size=8, scoring="rescore")
     reference = lagkv_reference(keys, values, positions, 2, 8)
     score = policy.score(view(keys, values, positions))
     assert torch.allclose(score[torch.isfinite(reference)], reference[torch.isfinite(reference)], atol=1e-6)
@@ -212,13 +212,105 @@ def test_lagkv_matches_loop_reference_in_any_buffer_order(n):
         assert kept[0, h].tolist() == sorted(order[:budget])
 
 
-def test_lagkv_block_wise_prefill_keeps_sinks_and_holds_the_bound(model):
+@pytest.mark.parametrize("scoring", ["frozen", "rescore"])
+def test_lagkv_block_wise_prefill_keeps_sinks_and_holds_the_bound(model, scoring):
     ids = torch.randint(0, 256, (1, 300), generator=torch.Generator().manual_seed(5))
-    state = prefill(model, ids, build_policy("lagkv", lag_size=16), budget=64, block_size=32)
+    state = prefill(model, ids, build_policy("lagkv", lag_size=16, scoring=scoring), budget=64, block_size=32)
     assert state.max_cache_entries <= 96
     for kept in state.kept_positions:
         assert kept.shape[-1] == 64 and bool((kept[..., :4] == torch.arange(4)).all())
         assert int(kept[..., -1].min()) == 299  # the newest (unscored) partition survives
+
+
+def lagkv_streaming_reference(keys, values, budget, block, n_sink, lag):
+    """The authors' streaming LagKV (AI-Lab-China-Merchants-Bank/LagKV lag_kv.py, 5b4f452) under a budget, one
+    head, as a loop: after each block, the raw entries (never scored, not sinks) in position order are cut into
+    partitions from the oldest; each full partition but the last is scored once against the next (raw) one and
+    its ranks are frozen; then the lowest (rank, else 1 + recency; older first on ties) go until `budget` remain."""
+    entries = {}  # position -> frozen rank or None
+    for start in range(0, keys.shape[0], block):
+        for t in range(start, min(start + block, keys.shape[0])):
+            entries[t] = None
+        raw = sorted(t for t, r in entries.items() if r is None and t >= n_sink)
+        full = len(raw) // lag
+        for p in range(full - 1):
+            part, ref = raw[p * lag : (p + 1) * lag], raw[(p + 1) * lag : (p + 2) * lag]
+            combined = [0.0] * lag
+            for states in (keys, values):
+                low = states[ref].min(dim=0).values
+                high = states[ref].max(dim=0).values
+                spread = torch.stack([((states[t] - low) / (high - low)).std() for t in part])
+                for i, value in enumerate(torch.softmax(spread, dim=0)):
+                    combined[i] += float(value) / 2
+            for rank, i in enumerate(sorted(range(lag), key=lambda i: combined[i])):
+                entries[part[i]] = rank / lag
+        newest = max(entries) + 1
+        while len(entries) > budget:
+            candidates = [t for t in entries if t >= n_sink]
+            drop = min(candidates, key=lambda t: (entries[t] if entries[t] is not None else 1 + t / newest, t))
+            del entries[drop]
+    return sorted(entries)
+
+
+def stream_through_cache(policy, keys, values, budget, block):
+    """Feed [n, d] keys/values of one KV head through an EvictingCache block by block, evicting after each."""
+    from keydiff.cache import EvictingCache
+
+    cache = EvictingCache(policy, budget, 1, block_size=block, max_tokens=keys.shape[0])
+    for start in range(0, keys.shape[0], block):
+        cache.update(keys[None, None, start : start + block], values[None, None, start : start + block], 0)
+        cache.evict()
+    return cache.kept_positions()[0][0, 0].tolist(), cache
+
+
+@pytest.mark.parametrize("budget, block, lag", [(30, 7, 8), (40, 16, 8), (25, 1, 6)])
+def test_lagkv_frozen_matches_the_authors_streaming_method(budget, block, lag):
+    generator = torch.Generator().manual_seed(budget + block)
+    keys, values = torch.randn(120, 8, generator=generator), torch.randn(120, 8, generator=generator)
+    kept, _ = stream_through_cache(build_policy("lagkv", n_sink=2, lag_size=lag), keys, values, budget, block)
+    assert kept == lagkv_streaming_reference(keys, values, budget, block, 2, lag)
+
+
+def test_lagkv_frozen_scores_each_head_on_its_own_raw_entries():
+    """Heads with different numbers of raw entries in one view: each scored as if it were alone (the padding
+    that lines rows up is never written), and ranks already frozen are left as they are."""
+    generator = torch.Generator().manual_seed(11)
+    n, lag = 40, 6
+    keys, values = torch.randn(1, 2, n, 8, generator=generator), torch.randn(1, 2, n, 8, generator=generator)
+    positions = torch.stack([torch.randperm(n, generator=generator) for _ in range(2)])[None]
+    ranks = torch.full((1, 2, n), -1.0)
+    ranks[0, 0][positions[0, 0] < 20] = 0.5  # head 0: positions 0..19 already scored, head 1: none
+    policy = build_policy("lagkv", n_sink=2, lag_size=lag)
+    both = LayerView(keys, values, positions, None, {"lag_rank": ranks.clone()}, 0)
+    together = policy.score(both)
+    for head in range(2):
+        alone = LayerView(keys[:, head : head + 1], values[:, head : head + 1], positions[:, head : head + 1], None,
+                          {"lag_rank": ranks[:, head : head + 1].clone()}, 0)
+        assert torch.equal(policy.score(alone)[0, 0], together[0, head])
+        assert torch.equal(alone.state["lag_rank"][0, 0], both.state["lag_rank"][0, head])
+    frozen = both.state["lag_rank"]
+    assert bool((frozen[0, 0][positions[0, 0] < 20] == 0.5).all())
+    assert int((frozen[0, 0] >= 0).sum()) == 20 + 2 * lag  # 20 raw: 3 full partitions, the first 2 scored
+    assert int((frozen[0, 1] >= 0).sum()) == 5 * lag  # 38 raw (sinks 0, 1 aside): 6 full partitions, 5 scored
+
+
+def test_lagkv_frozen_ranks_never_change_and_differ_from_rescoring():
+    generator = torch.Generator().manual_seed(9)
+    keys, values = torch.randn(200, 8, generator=generator), torch.randn(200, 8, generator=generator)
+    kept, cache = stream_through_cache(build_policy("lagkv", n_sink=2, lag_size=8), keys, values, 40, 10)
+    layer = cache.layers[0]
+    ranks = dict(zip(layer.positions[0, 0, : layer.num_entries].tolist(), layer.state["lag_rank"][0, 0, : layer.num_entries].tolist()))
+    more_keys = torch.cat([keys, torch.randn(30, 8, generator=generator)])
+    more_values = torch.cat([values, torch.randn(30, 8, generator=generator)])
+    _, later = stream_through_cache(build_policy("lagkv", n_sink=2, lag_size=8), more_keys, more_values, 40, 10)
+    after = later.layers[0]
+    for position, rank in zip(after.positions[0, 0, : after.num_entries].tolist(), after.state["lag_rank"][0, 0, : after.num_entries].tolist()):
+        if ranks.get(position, -1.0) >= 0:
+            assert rank == ranks[position]  # scored once, then frozen
+    rescored, _ = stream_through_cache(build_policy("lagkv", n_sink=2, lag_size=8, scoring="rescore"), keys, values, 40, 10)
+    assert kept != rescored
+    with pytest.raises(ValueError, match="valid: frozen, rescore"):
+        build_policy("lagkv", scoring="stream").check(256)
 
 
 # --------------------------------------------------------------------------- PyramidKV layer budgets
@@ -243,23 +335,69 @@ def test_pyramid_is_capped_by_a_short_prompt_and_keeps_the_total():
     assert split_budget(None, 1000, 4) == [1000] * 4
 
 
+# Per-layer budgets transcribed from the reference code (worked out by hand from its arithmetic, not from
+# keydiff's): KVCache-Factory c97f9d706d63d1b56e980f8b81b2a924c21162b3, pyramidkv/pyramidkv_utils.py,
+# PyramidKVCluster.update_kv lines 356-368 (min_num = (M - w) // beta, max_num = 2(M - w) - min_num, capped
+# at q_len - w, steps = (max_num - min_num) // (layers - 1), layer l keeps max_num - l * steps + w; q_len <
+# 2(M - w) keeps M - w + w). M = N = 2048 (max_capacity_prompt includes the window), beta 20, 32 layers.
+KVCF_2048_W0 = [3994 - 125 * layer for layer in range(32)]  # steps = (3994 - 102) // 31 = 125
+KVCF_2048_W32 = [3964 - 123 * layer for layer in range(32)]  # min 100, max 3932, steps 3832 // 31 = 123, + 32
+# N = 512, w = 32, q_len = 964: min 24, max 936 >= 964 - 32, so max = 932, min = 28, steps 904 // 31 = 29.
+KVCF_512_W32_CAPPED = [964 - 29 * layer for layer in range(32)]
+# kvpress 8bb29b9c3078452a86d692f29123fa6c793e2b05, kvpress/presses/pyramidkv_press.py, get_layer_budget
+# (window_size 0, compression_ratio 1 - 2048 / q_len, round(max_num - layer * steps)): the capped pyramid.
+KVPRESS_2048_LONG = [3994, 3868, 3743, 3617, 3492, 3366, 3240, 3115, 2989, 2864, 2738, 2613, 2487, 2362, 2236, 2111,
+                     1985, 1860, 1734, 1609, 1483, 1358, 1232, 1107, 981, 856, 730, 604, 479, 353, 228, 102]
+KVPRESS_2048_Q3000 = [3000, 2939, 2877, 2816, 2754, 2693, 2631, 2570, 2509, 2447, 2386, 2324, 2263, 2202, 2140, 2079,
+                      2017, 1956, 1894, 1833, 1772, 1710, 1649, 1587, 1526, 1465, 1403, 1342, 1280, 1219, 1157, 1096]
+
+
+@pytest.mark.parametrize("window, prompt_length, expected", [
+    (0, 10_000, KVCF_2048_W0), (0, None, KVCF_2048_W0), (32, 10_000, KVCF_2048_W32),
+    (32, 3000, [2048] * 32),  # 3000 < 2(2048 - 32): KVCache-Factory's uniform fallback
+    (0, 2048, [2048] * 32),
+])
+def test_kvcache_factory_arithmetic_matches_the_reference_numbers(window, prompt_length, expected):
+    spec = {"schedule": "pyramid", "beta": 20, "window": window, "arithmetic": "kvcache_factory"}
+    assert split_budget(spec, 2048, 32, prompt_length) == expected
+
+
+def test_kvcache_factory_overshoots_the_uniform_total_and_caps_like_the_reference():
+    spec = {"schedule": "pyramid", "beta": 20, "window": 0, "arithmetic": "kvcache_factory"}
+    split = split_budget(spec, 2048, 32, 10_000)
+    assert sum(split) == 65_808 and split[-1] == 119  # the issue's numbers: over 65,536, top layer over 102
+    assert min(split) >= smallest_layer_budget(spec, 2048)
+    capped = {**spec, "window": 32}
+    assert split_budget(capped, 512, 32, 964) == KVCF_512_W32_CAPPED and sum(KVCF_512_W32_CAPPED) == 16_464
+
+
+@pytest.mark.parametrize("prompt_length, expected", [(10_000, KVPRESS_2048_LONG), (3000, KVPRESS_2048_Q3000)])
+def test_exact_arithmetic_matches_kvpress_and_keeps_the_total(prompt_length, expected):
+    split = split_budget({"schedule": "pyramid", "beta": 20, "window": 0}, 2048, 32, prompt_length)
+    assert split == expected and sum(split) == 32 * 2048
+
+
 def test_layer_budget_errors_name_the_key_and_the_choices():
     with pytest.raises(ValueError, match="valid: uniform, pyramid"):
         build_policy("keydiff", layer_budgets={"schedule": "pyramidal"}).check(256)
-    with pytest.raises(ValueError, match="valid: schedule, beta, window"):
+    with pytest.raises(ValueError, match="valid: schedule, beta, window, arithmetic"):
         build_policy("keydiff", layer_budgets={"schedule": "pyramid", "alpha": 1}).check(256)
+    with pytest.raises(ValueError, match="valid: exact, kvcache_factory"):
+        build_policy("keydiff", layer_budgets={"schedule": "pyramid", "arithmetic": "floor"}).check(256)
     with pytest.raises(ValueError, match="smaller than the budget"):  # SnapKV's window vs the top layer's budget
         build_policy("snapkv", layer_budgets={"schedule": "pyramid", "beta": 20}).check(256)
 
 
-@pytest.mark.parametrize("name", ["keydiff", "snapkv"])
-def test_pyramid_per_layer_bound_and_kept_counts_in_a_real_prefill(name):
+@pytest.mark.parametrize("name, arithmetic", [("keydiff", "exact"), ("snapkv", "exact"), ("keydiff", "kvcache_factory")])
+def test_pyramid_per_layer_bound_and_kept_counts_in_a_real_prefill(name, arithmetic):
     model = tiny_llama(num_hidden_layers=5)
-    spec = {"schedule": "pyramid", "beta": 4, "window": 32 if name == "snapkv" else 0}
+    spec = {"schedule": "pyramid", "beta": 4, "window": 32 if name == "snapkv" else 0, "arithmetic": arithmetic}
     policy = build_policy(name, layer_budgets=spec)
     budget, block = 60, 16
     expected = split_budget(spec, budget, 5, prompt_length=300)
-    assert sum(expected) == 5 * budget and len(set(expected)) == 5
+    # exact: the uniform total; KVCache-Factory: min 60 // 4 = 15, max 105, steps 90 // 4 = 22 (by hand)
+    assert expected == ([105, 83, 61, 39, 17] if arithmetic == "kvcache_factory" else expected)
+    assert (sum(expected) == 5 * budget) == (arithmetic == "exact") and len(set(expected)) == 5
 
     def check(cache):
         for layer, layer_budget in zip(cache.layers, expected):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -294,3 +295,30 @@ def test_score_then_position_orders_by_score_then_position():
     order = score_then_position(scores, positions).argsort().tolist()
     expected = sorted(range(10), key=lambda i: (float(scores[i]) + 0.0, int(positions[i])))
     assert order == expected
+
+
+CONF_POLICIES = sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "conf" / "policy").glob("*.yaml") if p.stem != "custom")
+
+
+@pytest.mark.parametrize("config", CONF_POLICIES)
+def test_every_policy_config_builds_its_policy_with_its_params(config):
+    """Each conf/policy/*.yaml composes (defaults merged) into a policy whose parameters are the file's."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from keydiff.runner import policy_target
+
+    with initialize_config_dir(str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=[f"policy={config}"])
+    params = OmegaConf.to_container(cfg.policy.params, resolve=True)
+    policy = build_policy(policy_target(cfg.policy), **params)
+    policy.check(2048)
+    assert {k: policy.describe()[k] for k in params} == params
+
+
+def test_lagkv_configs_say_which_scoring():
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
+        frozen, rescore = (compose("config", overrides=[f"policy={name}"]).policy.params for name in ("lagkv", "lagkv_rescore"))
+    assert frozen.scoring == "frozen" and rescore.scoring == "rescore" and rescore.lag_size == frozen.lag_size == 128

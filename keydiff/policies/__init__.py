@@ -2,7 +2,8 @@
 
 Each policy is one small dataclass in its own module; `POLICIES` maps the config name to the class.
 A dotted path names a policy written anywhere else (`build_policy("my_lab.policies.MyPolicy", alpha=0.3)`):
-the module is imported and the class must subclass `Policy` (what `policy=custom policy.target=...` runs).
+the module is imported and the class must subclass `Policy` and be a @dataclass itself (what
+`policy=custom policy.target=...` runs). `keydiff.testing.check_policy` checks a class against the contract.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ def available_policies() -> list[str]:
 def policy_class(name: str) -> type[Policy]:
     """The class for a built-in name, or for a dotted path `package.module.Class` (imported here).
 
-    Raises ValueError saying which part is wrong: unknown name, missing module, missing class, not a Policy.
+    Raises ValueError saying which part is wrong: unknown name, missing module, missing class, not a Policy,
+    a class (its own or one it inherits from) without its own @dataclass.
     """
     if name in POLICIES:
         return POLICIES[name]
@@ -58,8 +60,15 @@ def policy_class(name: str) -> type[Policy]:
         raise ValueError(f"policy target {name!r}: module {module_name!r} has no attribute {class_name!r}")
     if not (isinstance(cls, type) and issubclass(cls, Policy)):
         raise ValueError(f"policy target {name!r} is not a subclass of keydiff.policies.Policy (got {cls!r})")
-    if not dataclasses.is_dataclass(cls):
-        raise ValueError(f"policy target {name!r} must be a @dataclass (its fields are its parameters)")
+    undecorated = [
+        klass.__qualname__ for klass in cls.__mro__
+        if issubclass(klass, Policy) and "__dataclass_fields__" not in vars(klass)
+    ]
+    if undecorated:  # is_dataclass() is true for any subclass of one: check each class's own decoration
+        raise ValueError(
+            f"policy target {name!r}: {', '.join(undecorated)} must be decorated with @dataclass "
+            "(its fields are its parameters; without it they are neither settable nor recorded)"
+        )
     return cls
 
 

@@ -81,6 +81,8 @@ class Policy:
     # set of kernel launches per step instead of one per layer. False (the safe default) for your own policy
     # unless you set it; the choices are the same either way, only the number of calls differs.
     layers_batchable: ClassVar[bool] = False
+    # True: check the scores at every eviction, not only at the policy object's first (keydiff.testing).
+    _check_every_call: ClassVar[bool] = False
     # How the budget is split across layers: None (uniform) or e.g. {schedule: pyramid, beta: 20}
     # (keydiff.policies.layer_budgets). Keyword-only, so every policy takes it after its own parameters.
     layer_budgets: dict[str, Any] | None = field(default=None, kw_only=True)
@@ -130,10 +132,15 @@ class Policy:
         """Indices [batch, kv_heads, n - budget] of the entries to drop: the lowest scores, never a protected one.
 
         Ties are broken by position (the older entry goes first), so the choice never depends on where the
-        cache happens to store an entry, nor on the device's top-k.
+        cache happens to store an entry, nor on the device's top-k. The first call checks the scores
+        (`check_scores`): a wrong shape or a NaN/inf would otherwise be ordered silently.
         """
-        scores = self.score(layer).float()
+        scores = self.score(layer)
         protect = self.protected(layer, budget)
+        if self._check_every_call or not self.__dict__.get("_scores_checked"):  # a check costs a device sync
+            check_scores(self, scores, layer, protect)
+            self.__dict__["_scores_checked"] = True
+        scores = scores.float()
         if protect is not None:
             scores = scores.masked_fill(protect, float("inf"))
         excess = scores.shape[-1] - budget
@@ -153,6 +160,36 @@ class Policy:
         ordered = sorted(fields(self), key=lambda f: bool(f.kw_only))  # own parameters first, then layer_budgets
         name = self.name if self.name != Policy.name else f"{type(self).__module__}.{type(self).__qualname__}"
         return {"name": name, **{f.name: getattr(self, f.name) for f in ordered if f.init}}
+
+
+def policy_label(policy: Policy) -> str:
+    """How errors name a policy: its config name, or its class's dotted path for a policy of your own (a
+    subclass of a built-in inherits the built-in's name, so the path is given with it)."""
+    cls, name = type(policy), policy.describe()["name"]
+    owner = next(klass for klass in cls.__mro__ if "name" in vars(klass))  # where `name` was set
+    if owner is Policy or (owner.__module__, owner.__qualname__) == (cls.__module__, cls.__qualname__):
+        return name
+    return f"{cls.__module__}.{cls.__qualname__} ({name} subclass)"
+
+
+def check_scores(policy: Policy, scores: torch.Tensor, layer: LayerView, protect: torch.Tensor | None) -> None:
+    """Raise RuntimeError naming the policy if `scores` is not [batch, kv_heads, n] or holds NaN/inf for an
+    entry that is not protected (protected entries are kept whatever their score, so -inf there is harmless)."""
+    expected = tuple(layer.positions.shape)
+    if tuple(scores.shape) != expected:
+        raise RuntimeError(
+            f"policy {policy_label(policy)!r}: score() returned shape {list(scores.shape)}; expected "
+            f"[batch, kv_heads, n] = {list(expected)}, one score per cached entry"
+        )
+    bad = ~torch.isfinite(scores)
+    if protect is not None:
+        bad &= ~protect
+    count = int(bad.sum())
+    if count:
+        raise RuntimeError(
+            f"policy {policy_label(policy)!r}: score() returned {count} NaN/inf value(s) for entries that are not "
+            "protected; scores must be finite (mark entries that must stay with `protected`)"
+        )
 
 
 def layer_by_layer(policy: Policy) -> Policy:
@@ -205,4 +242,4 @@ def check_fraction(name: str, value: float, budget: int | None = None) -> None:
         logger.warning("%s=%s of a %d-token budget reserves no slot (floor); the window is empty", name, value, budget)
 
 
-__all__ = ["LayerView", "Policy", "layer_by_layer", "most_recent", "window_size", "check_fraction", "field"]
+__all__ = ["LayerView", "Policy", "check_scores", "layer_by_layer", "most_recent", "window_size", "check_fraction", "field"]

@@ -15,8 +15,14 @@ Defaults are the paper's / its reference implementation's (kvpress ExpectedAtten
 * the statistics cover every query seen so far (all previous blocks, then generated tokens), and the future
   window starts at the next position; the one-shot original takes the whole prompt's hidden states once.
   (Its decoding mode uses a buffer of recent hidden states instead; not implemented.)
-* the paper's headline runs combine the scores with head-adaptive (AdaKV-style) budgets; here every KV head
-  keeps N entries (the cache's dense per-head layout), i.e. kvpress's plain `expected_attention` setting.
+* the softmax is over the entries the layer holds at that eviction (the N kept so far plus the new block,
+  N + B), not over the whole prompt as in the one-shot original. Within one query head the order is the same
+  either way, but the per-head normalisers differ, so the group average (and epsilon's weight against it)
+  can rank entries differently from a one-shot pass over the same keys.
+* every KV head keeps N entries (the cache's dense per-head layout): the single-press form, kvpress's
+  `ExpectedAttentionPress` on its own. kvpress's evaluation registry entry named `expected_attention` is not
+  that: it is `AdaKVPress(ExpectedAttentionPress(epsilon=1e-2))`, head-adaptive budgets (as in the paper's
+  headline runs) with epsilon 0.01, which this cache does not implement; `epsilon=0.01` alone is an option.
 * the queries come from the attention function (post-RoPE, un-rotated here), not re-projected from hidden
   states, so the same code serves every model with q_proj/qk-norm variants alike.
 Attention-free with respect to the kernel: no attention weights are needed, so fused SDPA/FlashAttention run.

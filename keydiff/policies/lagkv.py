@@ -8,25 +8,43 @@ Within a partition only the rank counts (the original's default, non cross-scori
 so every partition loses its least informative entries in turn. The last full partition plus the partial one
 after it have no reference yet: they rank above every scored entry (newest first). Sinks are always kept.
 
+Two ways to apply it to a cache that is evicted again and again (`scoring`):
+* `frozen` (default; the authors' streaming method, AI-Lab-China-Merchants-Bank/LagKV lag_kv.py): each
+  partition of raw (never scored) entries is scored once, against its raw next partition, and its ranks are
+  then frozen in per-entry state (`lag_rank`, -1 while unscored). The raw tail is cut into partitions from
+  its oldest entry on, as the original cuts the uncompressed part after its compressed prefix, so scoring
+  lazily at each eviction gives the partitions and references the original gives eagerly. The original keeps
+  a fixed ratio of every partition; under a budget N the lowest frozen ranks across partitions go first
+  (ties: older first), the budget-driven reading kvpress's rank scoring also uses.
+* `rescore` (the first version here): at every eviction the surviving entries, in position order, are cut
+  into partitions again and every partition is re-scored against the (already thinned) next one.
+With nothing evicted yet the two coincide. With fewer than two full partitions nothing can be scored and the
+newest entries are kept (as the original does). If the budget cannot hold the sinks plus the raw tail (up to
+2 lag_size - 1 entries), the oldest raw entries are dropped by recency before they are ever scored.
+
 Why this one (issue #9, part 3): it is attention-free (fused kernels, no attention rows), keeps the same
 number of entries in every head (the cache's dense [batch, kv_heads, n] buffers and the N + B bound hold
 as they are; AdaKV's per-head budgets would need padded, masked slots), and it was designed to compress a
 stream partition by partition, which is what block-wise prefill feeds it.
 
-Adaptation: partitions are consecutive cache *entries* (by position), not consecutive prompt positions,
-because earlier blocks have already been thinned; with nothing evicted yet the two coincide. With fewer than
-two full partitions nothing can be scored and the newest entries are kept (as the original does).
-Defaults: n_sink 4, lag_size 128 (kvpress's LagKVPress). Degenerate references (max = min) are clamped.
+Defaults: n_sink 4, lag_size 128 (kvpress's LagKVPress; the authors' cache defaults to 16 and 1024).
+Degenerate references (max = min) are clamped.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
 from keydiff.policies.base import LayerView, Policy
+
+logger = logging.getLogger(__name__)
+
+SCORINGS = ("frozen", "rescore")
+UNSCORED = -1.0  # `lag_rank` of an entry whose partition has not been scored yet
 
 
 def lag_relative_scores(states: torch.Tensor, lag: int) -> torch.Tensor:
@@ -43,14 +61,70 @@ class LagKV(Policy):
     name: ClassVar[str] = "lagkv"
     n_sink: int = 4
     lag_size: int = 128
+    scoring: str = "frozen"  # frozen (the authors' streaming method) | rescore (re-partition the survivors)
+
+    @property
+    def state_names(self) -> tuple[str, ...]:  # type: ignore[override]
+        """Frozen scoring keeps each entry's rank within its partition (UNSCORED until it is scored)."""
+        return ("lag_rank",) if self.scoring == "frozen" else ()
+
+    def initial_state(self, keys: torch.Tensor) -> dict[str, torch.Tensor]:
+        if self.scoring != "frozen":
+            return {}
+        return {"lag_rank": torch.full(keys.shape[:-1], UNSCORED, dtype=torch.float32, device=keys.device)}
 
     def validate(self, budget: int) -> None:
+        if self.scoring not in SCORINGS:
+            raise ValueError(f"lagkv scoring {self.scoring!r} is not valid; valid: {', '.join(SCORINGS)}")
         if self.lag_size < 1:
             raise ValueError(f"lagkv lag_size must be >= 1, got {self.lag_size}")
         if not 0 <= self.n_sink < budget:
             raise ValueError(f"lagkv n_sink ({self.n_sink}) must be >= 0 and smaller than the budget ({budget})")
+        if self.scoring == "frozen" and budget < self.n_sink + 2 * self.lag_size - 1:
+            logger.warning(
+                "lagkv: a %d-entry budget cannot hold %d sinks plus the raw tail (up to %d entries); the oldest raw "
+                "entries are dropped by recency before they are scored", budget, self.n_sink, 2 * self.lag_size - 1,
+            )
 
     def score(self, layer: LayerView) -> torch.Tensor:
+        return self._score_frozen(layer) if self.scoring == "frozen" else self._score_again(layer)
+
+    def _score_frozen(self, layer: LayerView) -> torch.Tensor:
+        """Score the partitions of raw entries that now have a raw successor, freeze their ranks, return all ranks.
+
+        Each batch row on its own: its raw entries (not sinks, never scored) in position order, cut into
+        partitions from the oldest; every full partition but the last is scored against the next one.
+        """
+        positions, ranks = layer.positions, layer.state["lag_rank"]
+        raw = (ranks < 0) & (positions >= self.n_sink)
+        full = raw.sum(dim=-1) // self.lag_size  # [b, h] full raw partitions per row
+        chunks = int(full.max())
+        if chunks >= 2:
+            # Raw entries first, by position; the rest after them (only ever gathered as padding, never written).
+            order = torch.where(raw, positions, positions + (1 << 40)).argsort(dim=-1)
+            taken = order[..., : chunks * self.lag_size]
+            new_ranks = self._partition_ranks(layer, taken, chunks)  # [b, h, (chunks - 1) * lag]
+            chunk = torch.arange(chunks - 1, device=positions.device).repeat_interleave(self.lag_size)
+            scored_now = chunk < (full[..., None] - 1)  # partitions with a raw successor in this row
+            targets = taken[..., : (chunks - 1) * self.lag_size]
+            ranks.scatter_(-1, targets, torch.where(scored_now, new_ranks, ranks.gather(-1, targets)))
+        recency = 1.0 + positions.float() / (positions.amax(dim=-1, keepdim=True).float() + 1)
+        return torch.where(ranks >= 0, ranks, recency)
+
+    def _partition_ranks(self, layer: LayerView, entries: torch.Tensor, chunks: int) -> torch.Tensor:
+        """rank / lag_size of `entries` [b, h, chunks * lag] (in partition order) within each of the first
+        chunks - 1 partitions, each scored against the next: [b, h, (chunks - 1) * lag]."""
+        batch, heads = entries.shape[:2]
+        d = layer.keys.shape[-1]
+        index = entries[..., None].expand(-1, -1, -1, d)
+        keys = layer.keys.float().gather(2, index).view(batch, heads, chunks, self.lag_size, d)
+        values = layer.values.float().gather(2, index).view(batch, heads, chunks, self.lag_size, -1)
+        combined = (lag_relative_scores(keys, self.lag_size) + lag_relative_scores(values, self.lag_size)) / 2
+        ranks = combined.argsort(dim=-1).argsort(dim=-1).float() / self.lag_size
+        return ranks.reshape(batch, heads, -1)
+
+    def _score_again(self, layer: LayerView) -> torch.Tensor:
+        """`rescore`: the survivors, in position order, re-partitioned and re-scored at every eviction."""
         positions = layer.positions
         batch, heads, n = positions.shape
         order = positions.argsort(dim=-1)  # entries by position; the sinks come first
@@ -62,14 +136,8 @@ class LagKV(Policy):
         scores.copy_(1.0 + positions.float() / (positions.max().float() + 1))
         if chunks >= 2:
             end = sinks + (chunks - 1) * self.lag_size  # entries [sinks, end) are scored
-            scored = order[..., sinks : sinks + chunks * self.lag_size]
-            d = layer.keys.shape[-1]
-            index = scored[..., None].expand(-1, -1, -1, d)
-            keys = layer.keys.float().gather(2, index).view(batch, heads, chunks, self.lag_size, d)
-            values = layer.values.float().gather(2, index).view(batch, heads, chunks, self.lag_size, -1)
-            combined = (lag_relative_scores(keys, self.lag_size) + lag_relative_scores(values, self.lag_size)) / 2
-            ranks = combined.argsort(dim=-1).argsort(dim=-1).float() / self.lag_size
-            scores.scatter_(-1, order[..., sinks:end], ranks.reshape(batch, heads, -1))
+            ranks = self._partition_ranks(layer, order[..., sinks : sinks + chunks * self.lag_size], chunks)
+            scores.scatter_(-1, order[..., sinks:end], ranks)
         return scores
 
     def protected(self, layer: LayerView, budget: int) -> torch.Tensor | None:

@@ -3,16 +3,22 @@
 PyramidKV (Cai et al. 2024, arXiv 2406.02069, §3.3) gives lower layers more entries and higher layers fewer,
 in an arithmetic sequence with the same total as the uniform budget: the top layer gets (N - w) / beta,
 the bottom layer 2(N - w) - (N - w) / beta, each layer also keeps `w` (KVCache-Factory's observation
-window, added to every layer). beta = 20 is the paper's and KVCache-Factory's default. When the bottom
-layer would exceed the prompt (L - w), KVCache-Factory caps it at L - w and lifts the top layer to keep the
-total; if the schedule is then not ordered it falls back to the uniform budget. Both are done here.
+window, added to every layer). beta = 20 is the paper's and KVCache-Factory's default.
 
-Deviation (documented): KVCache-Factory floors the step between layers, so its total falls a few tokens
-short of m x N; here the budgets are rounded by largest remainders so the total is exactly m x N.
+Two arithmetics (`layer_budgets.arithmetic`), read against the reference code:
+* `exact` (default): the sequence above rounded by largest remainders, so the total is exactly m x N; when
+  the bottom layer would exceed the prompt (L - w) it is capped at L - w and the top layer lifted to keep
+  the total (a capped pyramid, as kvpress's PyramidKVPress does); uniform only if that is not ordered.
+* `kvcache_factory`: KVCache-Factory's integer arithmetic (pyramidkv/pyramidkv_utils.py, PyramidKVCluster,
+  what the PyramidKV paper's numbers came from): top = (N - w) // beta, step = (bottom - top) // (m - 1),
+  layer l keeps bottom - l x step (+ w). The floored step lifts every layer above the exact sequence, so
+  the total *overshoots* m x N (N = 2048, w = 0, 32 layers: 65,808 against 65,536; top layer 119 against
+  102.4). A prompt shorter than 2(N - w) gets the uniform budget N in every layer (KVCache-Factory's
+  fallback); its cap (bottom layer > L - w) is applied the same way as above.
 
-Any scoring policy takes a schedule through its `layer_budgets` parameter (conf/policy/*_pyramid.yaml):
-`{schedule: pyramid, beta: 20, window: 0}`. Each layer is then bounded by its own budget: it holds at most
-N_l + B entries per KV head, and results record N_l per layer.
+Any scoring policy takes a schedule through its `layer_budgets` parameter (conf/policy/*_pyramid*.yaml):
+`{schedule: pyramid, beta: 20, window: 0, arithmetic: exact}`. Each layer is then bounded by its own budget:
+it holds at most N_l + B entries per KV head, and results record N_l per layer.
 """
 
 from __future__ import annotations
@@ -21,7 +27,8 @@ import math
 from typing import Any
 
 SCHEDULES = ("uniform", "pyramid")
-PYRAMID_KEYS = ("schedule", "beta", "window")
+PYRAMID_KEYS = ("schedule", "beta", "window", "arithmetic")
+ARITHMETICS = ("exact", "kvcache_factory")
 
 
 def check_layer_budgets(spec: dict[str, Any] | None) -> None:
@@ -42,10 +49,18 @@ def check_layer_budgets(spec: dict[str, Any] | None) -> None:
             raise ValueError(f"layer_budgets.beta must be >= 1, got {spec.get('beta')}")
         if not isinstance(spec.get("window", 0), int) or spec.get("window", 0) < 0:
             raise ValueError(f"layer_budgets.window must be a non-negative integer, got {spec.get('window')}")
+        if spec.get("arithmetic", "exact") not in ARITHMETICS:
+            raise ValueError(
+                f"layer_budgets.arithmetic {spec.get('arithmetic')!r} is not valid; valid: {', '.join(ARITHMETICS)}"
+            )
 
 
 def smallest_layer_budget(spec: dict[str, Any] | None, budget: int) -> int:
-    """The smallest budget any layer can get (what policies validate against before the model is loaded)."""
+    """The smallest budget any layer can get (what policies validate against before the model is loaded).
+
+    Both arithmetics give the top layer at least w + floor((N - w) / beta): a cap only lifts it, and
+    KVCache-Factory's floored step leaves it at or above its floored share.
+    """
     if spec is None or spec.get("schedule", "uniform") == "uniform":
         return budget
     window = spec.get("window", 0)
@@ -60,6 +75,8 @@ def split_budget(spec: dict[str, Any] | None, budget: int, num_layers: int, prom
     beta, window = spec.get("beta", 20), spec.get("window", 0)
     if budget <= window:
         raise ValueError(f"layer_budgets.window ({window}) must be smaller than the budget ({budget})")
+    if spec.get("arithmetic", "exact") == "kvcache_factory":
+        return kvcache_factory_split(budget, window, beta, num_layers, prompt_length)
     share = budget - window
     low = share / beta  # top layer
     high = 2 * share - low  # bottom layer
@@ -67,10 +84,30 @@ def split_budget(spec: dict[str, Any] | None, budget: int, num_layers: int, prom
         high = prompt_length - window
         low = 2 * share - high
     if not (high >= low >= 0):
-        return [budget] * num_layers  # KVCache-Factory's fallback: the uniform budget
+        return [budget] * num_layers  # not a pyramid any more: the uniform budget
     step = (high - low) / (num_layers - 1)
     exact = [window + high - layer * step for layer in range(num_layers)]
     return largest_remainder(exact, budget * num_layers)
+
+
+def kvcache_factory_split(budget: int, window: int, beta: float, num_layers: int, prompt_length: int | None) -> list[int]:
+    """KVCache-Factory's per-layer budgets (PyramidKVCluster.update_kv): floored top share and floored step.
+
+    Its total exceeds num_layers x budget (see the module docstring). With the prompt length unknown the
+    prompt is taken to be long (no cap, no fallback). A prompt shorter than 2(N - w) gets N everywhere
+    (KVCache-Factory compresses such a prompt to N - w + w = N in every layer, or keeps it whole if it is
+    shorter than N, which a budget of N leaves untouched too).
+    """
+    share = budget - window
+    if prompt_length is not None and prompt_length < max(2 * share, budget):
+        return [budget] * num_layers
+    low = math.floor(share / beta)  # top layer, without the window
+    high = 2 * share - low  # bottom layer
+    if prompt_length is not None and high >= prompt_length - window:
+        high = prompt_length - window
+        low = 2 * share - high
+    step = (high - low) // (num_layers - 1)
+    return [window + high - layer * step for layer in range(num_layers)]
 
 
 def largest_remainder(values: list[float], total: int) -> list[int]:

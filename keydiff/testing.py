@@ -1,0 +1,147 @@
+"""Check an eviction policy against the contract in one line: `keydiff.testing.check_policy(MyPolicy, alpha=0.3)`.
+
+Runs the policy on a tiny randomly initialised Llama (3 layers, GQA, built from a config: no download, about a
+second) with a budget smaller than the prompt, through block-wise prefill and a few decoding steps, and checks
+what the cache and the results rely on:
+* scores: every call returns one finite score per entry ([batch, kv_heads, n]; NaN/inf allowed only where
+  `protected` keeps the entry anyway);
+* the bound: every layer holds at most N_l + B entries per KV head at any time and exactly N_l at the end;
+* determinism: a second run with a fresh policy object keeps the same positions and generates the same tokens;
+* `layers_batchable`: if the policy claims it, the stacked cache (all layers evicted in one call) keeps exactly
+  what layer-by-layer eviction keeps.
+A failure raises `PolicyCheckError` saying which property broke; success returns a short summary dict.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import fields
+from typing import Any
+
+import torch
+
+from keydiff.engine import generate, prefill
+from keydiff.policies import LayerView, Policy, policy_class
+
+
+class PolicyCheckError(AssertionError):
+    """A policy broke the contract `check_policy` checks (the message says which part)."""
+
+
+def tiny_model(seed: int = 0) -> torch.nn.Module:
+    """3 layers, 4 query heads over 2 KV heads (GQA groups of 2), head_dim 16, random weights (float32)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                         attn_implementation="sdpa")
+    with torch.random.fork_rng(devices=[]):  # the caller's random state is left as it was
+        torch.manual_seed(seed)
+        return LlamaForCausalLM(config).float().eval()
+
+
+def variant(policy: Policy, **class_attributes: Any) -> Policy:
+    """The same policy (parameters and behaviour) as an instance of a subclass with `class_attributes` set."""
+    cls = type(policy)
+    names = {"__module__": cls.__module__, "__qualname__": cls.__qualname__}  # errors name the class checked
+    sub = type(cls.__name__, (cls,), {**names, **class_attributes})
+    return sub(**{f.name: getattr(policy, f.name) for f in fields(policy) if f.init})
+
+
+def counting(policy: Policy, layers_batchable: bool) -> tuple[Policy, list[int]]:
+    """A variant that checks its scores at every eviction (not only the first) and counts the evictions."""
+    calls: list[int] = []
+
+    def evict_indices(self: Policy, layer: LayerView, budget: int) -> torch.Tensor:
+        calls.append(layer.positions.shape[-1] - budget)
+        return super(type(self), self).evict_indices(layer, budget)
+
+    checked = variant(policy, layers_batchable=layers_batchable, _check_every_call=True, evict_indices=evict_indices)
+    return checked, calls
+
+
+def run_once(
+    policy: Policy, model: torch.nn.Module, ids: torch.Tensor, budget: int, block_size: int, new_tokens: int
+) -> dict:
+    """Prefill and decode once; what the checks compare (kept positions, tokens, per-layer entries)."""
+    state = prefill(model, ids, policy, budget=budget, block_size=block_size)
+    stacked = state.cache.stack is not None
+    out = generate(model, state, new_tokens)
+    return {
+        "kept": [kept.clone() for kept in state.cache.kept_positions()],
+        "tokens": out.token_ids,
+        "budgets": state.cache.layer_budgets,
+        "max_entries": state.cache.layer_max_entries,  # each layer's peak entries per head, decoding included
+        "entries": [layer.num_entries for layer in state.cache.layers],
+        "stacked": stacked,
+    }
+
+
+def check_policy(
+    policy: type[Policy] | str,
+    *,
+    budget: int = 48,
+    prompt_tokens: int = 160,
+    block_size: int = 16,
+    new_tokens: int = 4,
+    deterministic: bool = True,
+    **params: Any,
+) -> dict:
+    """Check `policy` (a Policy subclass, a built-in name or a dotted path) built with `params`; see the module.
+
+    budget, prompt_tokens, block_size, new_tokens: the run (the budget must be below the prompt length so that
+    the policy evicts). deterministic=False skips the same-choices-twice check (a policy that draws without
+    a seed). Raises PolicyCheckError (or the policy's own ValueError for bad parameters); returns a summary.
+    """
+    cls = policy_class(policy) if isinstance(policy, str) else policy
+    if not (isinstance(cls, type) and issubclass(cls, Policy)):
+        raise TypeError(f"check_policy takes a Policy subclass or a policy name, got {policy!r}")
+    if budget >= prompt_tokens:
+        raise ValueError(f"budget ({budget}) must be smaller than prompt_tokens ({prompt_tokens}) for the policy to evict")
+    base = cls(**params)
+    base.check(budget)
+    name = base.describe()["name"]
+    start = time.perf_counter()
+    model = tiny_model()
+    ids = torch.randint(0, 256, (1, prompt_tokens), generator=torch.Generator().manual_seed(0))
+
+    def run(layers_batchable: bool) -> tuple[dict, list[int]]:
+        checked, calls = counting(base, layers_batchable)
+        try:
+            return run_once(checked, model, ids, budget, block_size, new_tokens), calls
+        except RuntimeError as error:  # check_scores names the checked subclass's policy: say which check it was
+            raise PolicyCheckError(f"{name}: {error}") from error
+
+    first, calls = run(cls.layers_batchable)
+    if base.evicts:
+        if not calls:
+            raise PolicyCheckError(f"{name}: never evicted a {prompt_tokens}-token prompt under a budget of {budget}")
+        for layer, (layer_budget, peak, held) in enumerate(zip(first["budgets"], first["max_entries"], first["entries"])):
+            if layer_budget is None:
+                continue
+            if peak > layer_budget + block_size or held != layer_budget:
+                raise PolicyCheckError(
+                    f"{name}: layer {layer} broke the N + B bound: budget {layer_budget}, block {block_size}, "
+                    f"peak {peak} entries per head, {held} held at the end (expected exactly {layer_budget})"
+                )
+    if deterministic:
+        second, _ = run(cls.layers_batchable)
+        compare(name, "a second run with a fresh policy object", first, second)
+    if cls.layers_batchable:
+        unstacked, _ = run(False)
+        compare(name, "layer-by-layer eviction (it claims layers_batchable)", first, unstacked)
+    return {"policy": name, "budget": budget, "layer_budgets": first["budgets"], "evictions": len(calls),
+            "stacked": first["stacked"], "seconds": round(time.perf_counter() - start, 2)}
+
+
+def compare(name: str, what: str, expected: dict, got: dict) -> None:
+    """Raise PolicyCheckError naming the first layer whose kept positions (or the tokens) differ."""
+    for layer, (a, b) in enumerate(zip(expected["kept"], got["kept"])):
+        if a.shape != b.shape or not torch.equal(a, b):
+            heads = [h for h in range(a.shape[1]) if a.shape != b.shape or not torch.equal(a[:, h], b[:, h])]
+            raise PolicyCheckError(f"{name}: {what} kept other positions in layer {layer} (KV heads {heads})")
+    if expected["tokens"] != got["tokens"]:
+        raise PolicyCheckError(f"{name}: {what} generated other tokens ({expected['tokens']} vs {got['tokens']})")
+
+
+__all__ = ["PolicyCheckError", "check_policy", "tiny_model"]
