@@ -114,6 +114,11 @@ class ModelConfig:
         return isinstance(self.path, str) and self.path.startswith(BUILTIN_PREFIX)
 
     @property
+    def is_hub_id(self) -> bool:
+        """A Hugging Face Hub id (org/name): loading it may download from the Hub."""
+        return isinstance(self.path, str) and not self.is_builtin and not _looks_like_local_path(self.path)
+
+    @property
     def builtin_name(self) -> str:
         return self.path[len(BUILTIN_PREFIX) :]
 
