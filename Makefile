@@ -78,7 +78,7 @@ analysis: $(STAMP)  ## Figures 2, 4/5, 8-16 and Table 3 measured on the default 
 
 paper-assets: tables figures
 
-report: $(STAMP)  ## one W&B report per experiment, built offline; make report ARGS="table1 --publish --entity ME"
+report: $(STAMP)  ## W&B report specification per experiment with runs (adhoc too) -> results/reports/; ARGS="table1 --publish --entity ME"
 	$(PY) scripts/make_report.py $(ARGS)
 
 wandb-sync: $(STAMP)  ## upload offline W&B runs (logger.mode=offline) under results/runs; needs wandb login
