@@ -137,3 +137,14 @@ def test_slurm_dry_run_needs_no_partition_and_says_a_submission_will(tmp_path):
     assert "no partition set" in out and "a real submission needs a partition" in out
     assert "#SBATCH --partition" not in out
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_dry_run_lists_a_grid_without_trying_an_unreachable_hub(tmp_path):
+    """Listing LongBench's samples would download data.zip; with the Hub unreachable a dry run shows the
+    points with unknown totals at once instead of a minute of download retries."""
+    result, seconds = run_py(tmp_path, "-m", "task=longbench", f"task.cache_dir={tmp_path / 'longbench'}",
+                             "policy=keydiff,tova", "dry_run=true", HF_ENDPOINT="http://127.0.0.1:9")
+    assert result.returncode == 0, result.stderr
+    assert "dry run: 2 grid point(s)" in result.stdout and result.stdout.count("[not started]") == 2
+    assert not (tmp_path / "longbench").exists() and not (tmp_path / "runs").exists()
+    assert seconds < HUB_S, f"{seconds:.1f} s"
