@@ -227,11 +227,15 @@ def check_command_line(argv: Sequence[str], conf_dir: str | os.PathLike, config_
                       else [override.value()])
             for value in values:
                 check_group_value(conf_dir, group, value)
-        fixed = [o.input_line for o in overrides if not (multirun and o.is_sweep_override())]
+        sweeps = [o.input_line for o in overrides if o.is_sweep_override()]
+        fixed = [o.input_line for o in overrides if not o.is_sweep_override()]  # as Hydra composes a sweep
         with initialize_config_dir(str(conf_dir), version_base="1.3"):
-            compose(config_name, overrides=fixed, return_hydra_config=True)
+            cfg = compose(config_name, overrides=fixed, return_hydra_config=True)
     except (HydraException, ValueError) as error:
         exit_with_error(describe_error(error))
+    if sweeps and not multirun and str(cfg.hydra.get("mode")) != "RunMode.MULTIRUN":  # an experiment may sweep
+        exit_with_error(f"{sweeps[0]} lists several values: add -m to run one job per value (a sweep), or write "
+                        "key=[a,b] for a list, key='a,b' for a string")
 
 
 def exit_with_error(message: str, code: int = 2) -> None:

@@ -56,6 +56,7 @@ def assert_one_line_error(result: subprocess.CompletedProcess, tmp_path: Path) -
         (["-m", "policy=keydif"], ["policy=keydif is not valid; valid: custom, expected_attention, full, h2o"]),
         (["task=ruler4k"], ["task=ruler4k is not valid; valid: longbench", "ruler_4k"]),
         (["polcy=keydiff"], ["Could not override 'polcy'", "+polcy=keydiff"]),
+        (["policy=keydiff,tova"], ["policy=keydiff,tova lists several values: add -m"]),
     ],
 )
 def test_a_mistyped_command_line_is_one_line_exit_2_in_seconds(tmp_path, args, expected):
@@ -148,3 +149,10 @@ def test_a_dry_run_lists_a_grid_without_trying_an_unreachable_hub(tmp_path):
     assert "dry run: 2 grid point(s)" in result.stdout and result.stdout.count("[not started]") == 2
     assert not (tmp_path / "longbench").exists() and not (tmp_path / "runs").exists()
     assert seconds < HUB_S, f"{seconds:.1f} s"
+
+
+def test_an_experiment_that_sweeps_takes_sweep_values_without_m(tmp_path):
+    """experiment=smoke sets hydra.mode=MULTIRUN: several values need no -m there (as with Hydra alone)."""
+    result, _ = run_py(tmp_path, "experiment=smoke", "policy=keydiff,tova", "budget=1k,2k", "dry_run=true")
+    assert result.returncode == 0, result.stderr
+    assert "dry run: 4 grid point(s)" in result.stdout and not (tmp_path / "runs").exists()
