@@ -47,7 +47,7 @@ sweep-local: $(STAMP)  ## a paper experiment on this machine: make sweep-local E
 	$(PY) run.py experiment=$(EXP) $(SWEEP_ONLY_MISSING) $(ARGS)
 
 sweep-slurm: $(STAMP)  ## the same as one SLURM array: make sweep-slurm EXP=table1 [ONLY_MISSING=1] (needs .[slurm])
-	$(PY) run.py experiment=$(EXP) hydra/launcher=slurm $(SWEEP_ONLY_MISSING) dry_run=true $(ARGS) > /dev/null  # fails fast on a bad config
+	$(PY) run.py experiment=$(EXP) hydra/launcher=slurm $(SWEEP_ONLY_MISSING) dry_run=true hydra.sweeper.dry_run_needs_partition=true $(ARGS) > /dev/null  # fails fast on a bad config or no partition
 	nohup $(PY) run.py experiment=$(EXP) hydra/launcher=slurm $(SWEEP_ONLY_MISSING) $(ARGS) > results/sweep-$(EXP).log 2>&1 &
 	@echo "submitted; the submitting process waits for the array: see results/sweep-$(EXP).log"
 

@@ -138,6 +138,10 @@ def test_slurm_dry_run_needs_no_partition_and_says_a_submission_will(tmp_path):
     assert "no partition set" in out and "a real submission needs a partition" in out
     assert "#SBATCH --partition" not in out
     assert not (tmp_path / "runs").exists()
+    # `make sweep-slurm` checks with a dry run before submitting in the background: that one still refuses.
+    result, _ = run_py(tmp_path, "experiment=smoke", "hydra/launcher=slurm", "hydra.launcher.partition=null",
+                       "dry_run=true", "hydra.sweeper.dry_run_needs_partition=true")
+    assert "hydra/launcher=slurm needs a partition" in assert_one_line_error(result, tmp_path)
 
 
 def test_a_dry_run_lists_a_grid_without_trying_an_unreachable_hub(tmp_path):

@@ -54,8 +54,11 @@ def slurm_job_script(launcher_params: dict[str, Any], array_size: int) -> str:
 
 
 class KeydiffSweeper(BasicSweeper):
-    def __init__(self, max_batch_size: int | None = None, params: dict[str, str] | None = None) -> None:
+    def __init__(self, max_batch_size: int | None = None, params: dict[str, str] | None = None,
+                 dry_run_needs_partition: bool = False) -> None:
         super().__init__(max_batch_size=max_batch_size, params=params)
+        # `make sweep-slurm` checks with a dry run before it submits in the background: that one must fail too
+        self.dry_run_needs_partition = dry_run_needs_partition
 
     def _compose(self, point: List[str]):
         try:
@@ -71,7 +74,7 @@ class KeydiffSweeper(BasicSweeper):
 
     def _check_launcher(self) -> None:
         """A real SLURM submission needs a partition (a dry run submits nothing, so it only says so)."""
-        if self._missing_partition() and not self.config.get("dry_run", False):
+        if self._missing_partition() and (self.dry_run_needs_partition or not self.config.get("dry_run", False)):
             exit_with_error(f"hydra/launcher=slurm {PARTITION_HINT}")
 
     def sweep(self, arguments: List[str]) -> Any:
