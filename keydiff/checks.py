@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
+import ssl
 import threading
 import urllib.error
 import urllib.request
@@ -107,18 +108,23 @@ HUB_PROBE_SECONDS = 4.0  # how long the Hub may take to answer before it counts 
 
 
 @functools.lru_cache(maxsize=None)
-def hub_unreachable(endpoint: str | None = None, timeout: float = HUB_PROBE_SECONDS) -> str | None:
-    """Why the Hugging Face Hub cannot be used now (HF_HUB_OFFLINE=1, or no answer within `timeout` seconds),
-    or None when it answers. Asked once per process, and only for a run that would download something.
-
-    huggingface_hub itself retries a dead connection for tens of seconds; one request with a hard time
-    limit (a thread, so that a hanging DNS lookup counts too) tells the same in seconds.
-    """
+def hub_unreachable() -> str | None:
+    """Why the Hugging Face Hub cannot be used now (HF_HUB_OFFLINE=1, or HF_ENDPOINT does not answer), or
+    None. Asked once per process, and only for a run that would download something."""
     from huggingface_hub import constants
 
     if constants.HF_HUB_OFFLINE:
         return "HF_HUB_OFFLINE=1"
-    endpoint = (endpoint or constants.ENDPOINT).rstrip("/")
+    return probe_endpoint(constants.ENDPOINT)
+
+
+def probe_endpoint(endpoint: str, timeout: float = HUB_PROBE_SECONDS) -> str | None:
+    """None if `endpoint` answers an HTTP request within `timeout` seconds (any status), else why not.
+
+    huggingface_hub itself retries a dead connection for tens of seconds; one request with a hard time
+    limit (in a thread, so that a hanging DNS lookup counts too) tells the same in seconds.
+    """
+    endpoint = endpoint.rstrip("/")
     outcome: list[str | None] = []
 
     def probe() -> None:
@@ -129,7 +135,9 @@ def hub_unreachable(endpoint: str | None = None, timeout: float = HUB_PROBE_SECO
         except urllib.error.HTTPError:  # it answered (401, 404, 429 ...): reachable
             outcome.append(None)
         except (urllib.error.URLError, OSError, ValueError) as error:
-            outcome.append(f"{endpoint} did not answer: {getattr(error, 'reason', error)}")
+            reason = getattr(error, "reason", error)
+            # A TLS failure means a server answered; the Hub's own client (its CA bundle) may well succeed.
+            outcome.append(None if isinstance(reason, ssl.SSLError) else f"{endpoint} did not answer: {reason}")
 
     thread = threading.Thread(target=probe, daemon=True)
     thread.start()

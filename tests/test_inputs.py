@@ -15,17 +15,19 @@ from pathlib import Path
 
 import pytest
 
-from keydiff.checks import hub_unreachable
+from keydiff.checks import probe_endpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK_S = 3.0  # a typo is reported within this many seconds
 HUB_S = 10.0  # an unreachable Hub within this many
+PROXY_VARIABLES = ("http_proxy", "https_proxy", "all_proxy")  # the endpoints below are on this machine
 
 
 def child_env(tmp_path: Path, **extra: str) -> dict[str, str]:
     """The user's environment without cluster or Hub settings, with an empty Hugging Face cache."""
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("SLURM_", "SBATCH_", "HYDRA_FULL_ERROR", "HF_", "HUGGINGFACE_"))}
+           if not k.startswith(("SLURM_", "SBATCH_", "HYDRA_FULL_ERROR", "HF_", "HUGGINGFACE_"))
+           and k.lower() not in PROXY_VARIABLES}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), HF_HOME=str(tmp_path / "hf"), **extra)
     return env
 
@@ -100,7 +102,11 @@ def test_a_model_in_the_local_hub_cache_needs_no_hub(tmp_path):
     assert result.stdout.strip() == "[False, True, False]", result.stderr
 
 
-def test_the_hub_probe_tells_answering_refusing_and_silent_endpoints_apart():
+def test_the_hub_probe_tells_answering_refusing_and_silent_endpoints_apart(monkeypatch):
+    for name in PROXY_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+        monkeypatch.delenv(name.upper(), raising=False)
+
     class NotFound(http.server.BaseHTTPRequestHandler):
         def do_HEAD(self):  # any answer, even 404, means the Hub can be reached
             self.send_response(404)
@@ -119,10 +125,10 @@ def test_the_hub_probe_tells_answering_refusing_and_silent_endpoints_apart():
     closed_port = closed.getsockname()[1]
     closed.close()  # nothing listens there any more
     try:
-        assert hub_unreachable(f"http://127.0.0.1:{server.server_port}", 2.0) is None
-        assert "Connection refused" in hub_unreachable(f"http://127.0.0.1:{closed_port}", 2.0)
+        assert probe_endpoint(f"http://127.0.0.1:{server.server_port}", 2.0) is None
+        assert "Connection refused" in probe_endpoint(f"http://127.0.0.1:{closed_port}", 2.0)
         start = time.perf_counter()
-        reason = hub_unreachable(f"http://127.0.0.1:{silent.getsockname()[1]}", 1.0)
+        reason = probe_endpoint(f"http://127.0.0.1:{silent.getsockname()[1]}", 1.0)
         assert reason is not None and time.perf_counter() - start < 3.0
     finally:
         server.shutdown()
