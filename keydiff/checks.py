@@ -1,9 +1,12 @@
 """Checks of a run's configuration that need neither torch nor the model.
 
-run.py and the sweeper call `check_run_config` before torch or transformers are imported and before any
-directory is created, so a typo fails in about a second with one line that names the key, the value and
-what is valid. The runner repeats the checks that need the policy classes (policy parameters, budget
-against the policy's own constraints) after importing torch, still before loading the model.
+run.py first composes its command line as Hydra will (`check_command_line`: an unknown choice or key, or
+`budget=2048`, is one line instead of Hydra's report), then it and the sweeper call `check_run_config`
+before torch or transformers are imported and before any directory is created, so a typo fails in about a
+second with one line that names the key, the value and what is valid. A run that would download a model or
+data from an unreachable Hugging Face Hub is refused the same way (`check_hub_downloads`). The runner
+repeats the checks that need the policy classes (policy parameters, budget against the policy's own
+constraints) after importing torch, still before loading the model.
 """
 
 from __future__ import annotations
@@ -211,9 +214,10 @@ def check_group_value(conf_dir: Path, group: str, value: Any) -> None:
 def check_command_line(argv: Sequence[str], conf_dir: str | os.PathLike, config_name: str = "config") -> None:
     """Compose the configuration from the command line as Hydra will, before Hydra does, so that an unknown
     choice (`policy=keydif`), an unknown key or a number given to a group (`budget=2048`) is one line and
-    exit status 2 instead of Hydra's multi-line report (status 1). Sweeps (-m): the fixed overrides here,
-    every grid point later in the keydiff sweeper. Commands with other Hydra flags (--cfg, --help,
-    --config-name, ...) are left to Hydra as they are."""
+    exit status 2 instead of Hydra's multi-line report (status 1). Values that sweep (`policy=a,b`) are
+    checked as names here and composed point by point later, by the keydiff sweeper, as Hydra does; several
+    values in a run that is no sweep (no -m, no experiment with hydra.mode=MULTIRUN) are one line too.
+    Commands with other Hydra flags (--cfg, --help, --config-name, ...) are left to Hydra as they are."""
     from hydra import compose, initialize_config_dir
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.core.override_parser.types import Transformer, ValueType
