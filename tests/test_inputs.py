@@ -166,3 +166,14 @@ def test_an_experiment_that_sweeps_takes_sweep_values_without_m(tmp_path):
     result, _ = run_py(tmp_path, "experiment=smoke", "policy=keydiff,tova", "budget=1k,2k", "dry_run=true")
     assert result.returncode == 0, result.stderr
     assert "dry run: 4 grid point(s)" in result.stdout and not (tmp_path / "runs").exists()
+
+
+def test_longbench_needs_the_hub_only_without_local_data(tmp_path):
+    from keydiff.tasks.longbench import LongBench
+
+    assert LongBench(data_dir=str(tmp_path)).hub_downloads() == []
+    needed = LongBench(cache_dir=str(tmp_path / "cache")).hub_downloads()
+    assert len(needed) == 1 and "task.data_dir=" in needed[0]
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "data.zip").write_bytes(b"")  # downloaded before: read from the cache
+    assert LongBench(cache_dir=str(tmp_path / "cache")).hub_downloads() == []
