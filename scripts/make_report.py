@@ -134,12 +134,12 @@ def grids_from_runs(experiment: str, configs: list[dict[str, Any]]) -> list[Grid
             models=unique(c.get("model", {}).get("name") for c in runs), policies=sorted(policies),
             policy_names=[policies[label] for label in sorted(policies)],
             budgets=sorted(unique(c.get("budget", {}).get("label") for c in runs), key=budget_order),
-            block_sizes=unique(c.get("block_size") for c in runs), datasets=datasets))
+            block_sizes=sorted(unique(c.get("block_size") for c in runs), key=budget_order), datasets=datasets))
     return grids
 
 
 def budget_order(label: str) -> float:
-    """2k before 3000 before 4k (labels are "<n>k" or a token count)."""
+    """2k before 3000 before 4k (labels are "<n>k" or a token count); 64 before 128 before inf."""
     try:
         return float(label[:-1]) * 1024 if label.endswith("k") else float(label)
     except ValueError:

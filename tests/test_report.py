@@ -103,6 +103,7 @@ def test_make_report_writes_one_specification_per_experiment_with_runs_adhoc_inc
     for policy, budget in [("keydiff", "2k"), ("keydiff", "3000"), ("tova", "1k")]:
         write_run(runs, "adhoc", "niah_small", policy, budget)
     write_run(runs, "adhoc", "phonebook", "keydiff_w20", "2k", block_size=64)
+    write_run(runs, "adhoc", "phonebook", "keydiff_w20", "2k", block_size=256)
     write_run(runs, "smoke", "niah_small", "keydiff", "1k")
     (runs / "empty_experiment").mkdir()  # no run in it: no report
     assert make_report.main(["--runs", str(runs), "--out", str(out), "--paper", str(tmp_path / "absent")]) == 0
@@ -117,6 +118,7 @@ def test_make_report_writes_one_specification_per_experiment_with_runs_adhoc_inc
     assert any("PanelGrid [keydiff, tova]: score vs budget" in line for line in niah["outline"])
     phonebook = json.loads((out / "adhoc__phonebook.json").read_text())
     assert (phonebook["grid"]["policies"], phonebook["grid"]["policy_names"]) == (["keydiff_w20"], ["keydiff"])
+    assert phonebook["grid"]["block_sizes"] == ["64", "256"] and phonebook["runs"] == 2
     # The run sets of a grid read from runs select its task too (adhoc mixes tasks in one W&B group).
     report = make_report.build_report(make_report.grids_from_runs("adhoc", make_report.recorded_configs(runs / "adhoc"))[0],
                                       "", "keydiff-bench", tmp_path / "absent")
