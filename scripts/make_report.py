@@ -105,10 +105,12 @@ def experiment_stems() -> list[str]:
 
 
 def recorded_configs(experiment_dir: Path) -> list[dict[str, Any]]:
-    """The configurations the runs of one experiment recorded (run_config.json, written when a run starts)."""
+    """The configurations the runs of one experiment recorded (run_config.json, written when a run starts);
+    hidden folders (.submitit) and runs moved aside by overwrite=true (`<dir>.old-<time>`) are not runs."""
     configs = []
     for path in sorted(experiment_dir.rglob("run_config.json")):
-        if ".submitit" in path.parts or any(part.startswith(".") for part in path.relative_to(experiment_dir).parts):
+        parts = path.relative_to(experiment_dir).parts
+        if any(part.startswith(".") or ".old-" in part for part in parts):
             continue
         try:
             configs.append(json.loads(path.read_text(encoding="utf-8")))

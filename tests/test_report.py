@@ -106,6 +106,9 @@ def test_make_report_writes_one_specification_per_experiment_with_runs_adhoc_inc
     write_run(runs, "adhoc", "phonebook", "keydiff_w20", "2k", block_size=256)
     write_run(runs, "smoke", "niah_small", "keydiff", "1k")
     (runs / "empty_experiment").mkdir()  # no run in it: no report
+    backup = runs / "smoke/niah_small/smollm2-135m/keydiff/1k/bs128/seed0.old-20260101-000000"
+    backup.mkdir()  # a run moved aside by overwrite=true is not a run
+    (backup / "run_config.json").write_text("{}")
     assert make_report.main(["--runs", str(runs), "--out", str(out), "--paper", str(tmp_path / "absent")]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert [line.split(":")[0] for line in lines] == ["adhoc__niah_small", "adhoc__phonebook", "smoke"]  # one line each
