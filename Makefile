@@ -47,7 +47,7 @@ sweep-local: $(STAMP)  ## a paper experiment on this machine: make sweep-local E
 	$(PY) run.py experiment=$(EXP) $(SWEEP_ONLY_MISSING) $(ARGS)
 
 sweep-slurm: $(STAMP)  ## the same as one SLURM array: make sweep-slurm EXP=table1 [ONLY_MISSING=1] (needs .[slurm])
-	$(PY) run.py experiment=$(EXP) hydra/launcher=slurm $(SWEEP_ONLY_MISSING) dry_run=true $(ARGS) > /dev/null  # fails fast on a bad config
+	$(PY) run.py experiment=$(EXP) hydra/launcher=slurm $(SWEEP_ONLY_MISSING) dry_run=true hydra.sweeper.dry_run_needs_partition=true $(ARGS) > /dev/null  # fails fast on a bad config or no partition
 	nohup $(PY) run.py experiment=$(EXP) hydra/launcher=slurm $(SWEEP_ONLY_MISSING) $(ARGS) > results/sweep-$(EXP).log 2>&1 &
 	@echo "submitted; the submitting process waits for the array: see results/sweep-$(EXP).log"
 
@@ -78,7 +78,7 @@ analysis: $(STAMP)  ## Figures 2, 4/5, 8-16 and Table 3 measured on the default 
 
 paper-assets: tables figures
 
-report: $(STAMP)  ## one W&B report per experiment, built offline; make report ARGS="table1 --publish --entity ME"
+report: $(STAMP)  ## W&B report specification per experiment with runs (adhoc too) -> results/reports/; ARGS="table1 --publish --entity ME"
 	$(PY) scripts/make_report.py $(ARGS)
 
 wandb-sync: $(STAMP)  ## upload offline W&B runs (logger.mode=offline) under results/runs; needs wandb login

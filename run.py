@@ -6,9 +6,11 @@
     python run.py experiment=table1                  # a whole paper table (conf/experiment/)
     python run.py experiment=table1 dry_run=true     # its grid points and run directories, nothing run
 
-The configuration is checked before torch is imported (keydiff.checks; sweeps: every grid point, by the
-sweeper in hydra_plugins/keydiff_sweeper). User errors print one line, `error: ...`, exit status 2, and
-leave no empty run directory behind. A stop signal (SIGTERM/SIGUSR1/SIGUSR2) ends the run after its last
+The command line is composed and checked before Hydra runs it (keydiff.checks.check_command_line: an
+unknown choice, key or `budget=2048`), the configuration before torch is imported (keydiff.checks; sweeps:
+every grid point, by the sweeper in hydra_plugins/keydiff_sweeper), and a run that must download from an
+unreachable Hub is refused in seconds. User errors print one line, `error: ...`, exit status 2, and
+leave no run directory behind. A stop signal (SIGTERM/SIGUSR1/SIGUSR2) ends the run after its last
 whole row and hands the signal on (keydiff.preemption): exit status 128 + signal, or submitit's requeue.
 """
 
@@ -17,14 +19,16 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import sys
 from pathlib import Path
+from typing import Any
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 import keydiff  # noqa: F401  (registers the config resolvers; torch is imported later, on first use)
-from keydiff.checks import ConfigError, check_run_config, exit_with_error
+from keydiff.checks import ConfigError, check_command_line, check_run_config, exit_with_error
 from keydiff.preemption import Preempted
 from keydiff.results import ConfigMismatchError, ResultWriteError
 from keydiff.runlock import RunLock, RunLockedError
@@ -32,6 +36,24 @@ from keydiff.sweep import run_dir_of
 
 log = logging.getLogger("keydiff")
 HYDRA_ONLY = {".hydra", "run.log"}  # what Hydra writes into a job directory before our code runs
+CONF = Path(__file__).resolve().parent / "conf"
+
+
+def summarize_lists(statistics: dict[str, Any]) -> dict[str, Any]:
+    """The run statistics for the log: a per-layer list (30 entries for SmolLM2) as one short string,
+    "2048 x30" when every layer has the same value, else "min..max over n layers" (summary.json keeps
+    the lists)."""
+    short = {}
+    for key, value in statistics.items():
+        if isinstance(value, list) and len(value) > 3:
+            known = [v for v in value if v is not None]
+            if len(set(map(str, value))) == 1:
+                value = f"{value[0]} x{len(value)}"
+            elif known:
+                value = f"{min(known)}..{max(known)} over {len(value)} layers" + (
+                    f" ({len(value) - len(known)} unbounded)" if len(known) < len(value) else "")
+        short[key] = value
+    return short
 
 
 def remove_if_empty(run_dir: Path, root: Path) -> None:
@@ -67,7 +89,7 @@ def main(cfg: DictConfig) -> float | None:
         remove_if_empty(run_dir, Path(cfg.results_root))
         exit_with_error(str(error).replace("\n", " | "))
     log.info("metrics: %s", json.dumps(summary["metrics"], default=str)[:2000])
-    log.info("statistics: %s", json.dumps(summary["statistics"], default=str))
+    log.info("statistics: %s", json.dumps(summarize_lists(summary["statistics"]), default=str))
     if summary["num_failed"]:
         log.warning("%d sample(s) failed: %s (recorded; retry_failed=true re-runs them)",
                     summary["num_failed"], summary["failures"])
@@ -77,4 +99,5 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
+    check_command_line(sys.argv[1:], CONF)  # one line and exit status 2 for what Hydra would report at length
     main()

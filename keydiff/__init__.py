@@ -1,12 +1,16 @@
 """keydiff-bench: KV-cache eviction under block-wise prompt processing.
 
     import keydiff
+    model, tokenizer = keydiff.load_model("smollm2-135m")    # or a Hub id / checkpoint folder
     policy = keydiff.build_policy("keydiff", window_fraction=0.2)
     state = keydiff.prefill(model, input_ids, policy, budget=2048, block_size=128)
-    out = keydiff.generate(model, state, max_new_tokens=64, eos_token_ids=[tokenizer.eos_token_id])
+    out = keydiff.generate(model, state, max_new_tokens=64, eos_token_ids=keydiff.eos_token_ids(model, tokenizer))
+    text = tokenizer.decode(out.token_ids[0], skip_special_tokens=True)
 
-`state.logits` are the next-token logits after the prompt, `state.cache` the bounded transformers Cache,
-`state.kept_positions` the absolute prompt positions each layer and KV head kept.
+`state.logits` are the next-token logits after the prompt, `state.cache` the bounded transformers Cache
+(`state.cache.entries_held()`: entries per KV head now; `get_seq_length()`: tokens seen),
+`state.kept_positions` the absolute prompt positions each layer and KV head kept; `out.token_ids` the new
+ids per batch row (README "Python API").
 
 The public names are imported on first use (PEP 562), so that `import keydiff` (and run.py's config
 checks) do not pay for importing torch: a configuration error is reported in about a second.
@@ -35,6 +39,9 @@ _EXPORTS = {
     "available_policies": "keydiff.policies",
     "build_policy": "keydiff.policies",
     "layer_by_layer": "keydiff.policies",
+    "ModelConfig": "keydiff.models",
+    "eos_token_ids": "keydiff.models",
+    "load_model": "keydiff.models",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -20,8 +20,9 @@ rows: one scoring call, one top-k and one move per buffer per step instead of on
 of what eviction costs on a small model (the per-layer work is launch-bound, not bandwidth-bound).
 
 Position. The cache counts the tokens it has seen, so `get_seq_length()` is the absolute position of the
-next token (what transformers uses for `position_ids` when none are given) while `num_entries` is what the
-layer holds. Masks for transformers' own attention functions are sized from it (`get_mask_sizes`), so
+next token (what transformers relies on: `cache_position` and `position_ids` when none are given, and
+`generate`'s slicing of the prompt) while `entries_held()` (a layer's `num_entries`) is what the layer holds:
+after prefill of 3058 tokens with N = 1024, 3058 and 1024. Masks for transformers' own attention functions are sized from it (`get_mask_sizes`), so
 attention-free policies work with stock sdpa/eager/FlashAttention too.
 
 Eviction. Each layer evicts itself at the start of its next `update` (before the new entries are written)
@@ -467,6 +468,11 @@ class EvictingCache(Cache):
             inv_freq, scaling = rope_frequencies(config, query.shape[-1])
             layer.queries = QueryStatistics(inv_freq.to(query.device), scaling, self.policy.first_query_position)
         layer.queries.update(query, layer.seen - query.shape[2])
+
+    def entries_held(self, layer_idx: int = 0) -> int:
+        """Entries per KV head that layer `layer_idx` holds now: at most its budget after `evict()` (one pass
+        more before it). Not `get_seq_length()`, which counts the tokens seen, as transformers needs."""
+        return self.layers[layer_idx].num_entries
 
     @property
     def layer_budgets(self) -> list[int | None]:

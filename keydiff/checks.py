@@ -1,16 +1,24 @@
 """Checks of a run's configuration that need neither torch nor the model.
 
-run.py and the sweeper call `check_run_config` before torch or transformers are imported and before any
-directory is created, so a typo fails in about a second with one line that names the key, the value and
-what is valid. The runner repeats the checks that need the policy classes (policy parameters, budget
-against the policy's own constraints) after importing torch, still before loading the model.
+run.py first composes its command line as Hydra will (`check_command_line`: an unknown choice or key, or
+`budget=2048`, is one line instead of Hydra's report), then it and the sweeper call `check_run_config`
+before torch or transformers are imported and before any directory is created, so a typo fails in about a
+second with one line that names the key, the value and what is valid. A run that would download a model or
+data from an unreachable Hugging Face Hub is refused the same way (`check_hub_downloads`). The runner
+repeats the checks that need the policy classes (policy parameters, budget against the policy's own
+constraints) after importing torch, still before loading the model.
 """
 
 from __future__ import annotations
 
+import functools
 import os
+import ssl
+import threading
+import urllib.error
+import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -94,6 +102,78 @@ def check_run_config(cfg: DictConfig) -> None:
     task = instantiate(cfg.task, _convert_="all")
     task.validate()
     task.check_model(model_cfg.max_length)
+    if not cfg.get("dry_run", False):  # a dry run downloads nothing
+        check_hub_downloads(model_cfg, task)
+
+
+# --------------------------------------------------------------------------------------------- the Hub
+HUB_PROBE_SECONDS = 4.0  # how long the Hub may take to answer before it counts as unreachable
+
+
+@functools.lru_cache(maxsize=None)
+def hub_unreachable() -> str | None:
+    """Why the Hugging Face Hub cannot be used now (HF_HUB_OFFLINE=1, or HF_ENDPOINT does not answer), or
+    None. Asked once per process, and only for a run that would download something."""
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return "HF_HUB_OFFLINE=1"
+    return probe_endpoint(constants.ENDPOINT)
+
+
+def probe_endpoint(endpoint: str, timeout: float = HUB_PROBE_SECONDS) -> str | None:
+    """None if `endpoint` answers an HTTP request within `timeout` seconds (any status), else why not.
+
+    huggingface_hub itself retries a dead connection for tens of seconds; one request with a hard time
+    limit (in a thread, so that a hanging DNS lookup counts too) tells the same in seconds.
+    """
+    endpoint = endpoint.rstrip("/")
+    outcome: list[str | None] = []
+
+    def probe() -> None:
+        try:
+            urllib.request.urlopen(urllib.request.Request(f"{endpoint}/api/models?limit=1", method="HEAD"),
+                                   timeout=timeout).close()
+            outcome.append(None)
+        except urllib.error.HTTPError:  # it answered (401, 404, 429 ...): reachable
+            outcome.append(None)
+        except (urllib.error.URLError, OSError, ValueError) as error:
+            reason = getattr(error, "reason", error)
+            # A TLS failure means a server answered; the Hub's own client (its CA bundle) may well succeed.
+            outcome.append(None if isinstance(reason, ssl.SSLError) else f"{endpoint} did not answer: {reason}")
+
+    thread = threading.Thread(target=probe, daemon=True)
+    thread.start()
+    thread.join(timeout + 0.5)
+    return outcome[0] if outcome else f"{endpoint} did not answer within {timeout:g} s"
+
+
+def model_needs_hub(model_cfg) -> bool:
+    """A Hub id whose config.json is not in the local Hugging Face cache (a download would be needed)."""
+    if not model_cfg.is_hub_id:
+        return False
+    from huggingface_hub import try_to_load_from_cache
+
+    cached = try_to_load_from_cache(model_cfg.path, "config.json", revision=model_cfg.revision)
+    return not isinstance(cached, str)
+
+
+def check_hub_downloads(model_cfg, task) -> None:
+    """Fail in seconds, naming the offline alternatives, when the run must download from an unreachable Hub
+    (before any directory exists, instead of a minute of retries and a traceback after it)."""
+    from huggingface_hub import constants
+
+    needs = []
+    if model_needs_hub(model_cfg):
+        needs.append(f"model.path={model_cfg.path}, not in the Hugging Face cache {constants.HF_HUB_CACHE} "
+                     "(offline: model.path=<folder with config.json, weights and tokenizer>, or HF_HOME=<a cache "
+                     "filled where the Hub is reachable> with HF_HUB_OFFLINE=1)")
+    needs += task.hub_downloads()
+    if not needs:
+        return
+    reason = hub_unreachable()
+    if reason is not None:
+        raise ConfigError(f"the Hugging Face Hub is not reachable ({reason}); this run needs it for {'; '.join(needs)}")
 
 
 def describe_error(error: BaseException) -> str:
@@ -105,6 +185,69 @@ def describe_error(error: BaseException) -> str:
         return f"{group}={name} is not valid; valid: {', '.join(sorted(error.options))}"
     lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
     return " | ".join(lines[:6]) if lines else type(error).__name__
+
+
+# Hydra's own command-line flags other than -m: with any of them run.py leaves the command line to Hydra.
+RUN_FLAGS = ("-m", "--multirun")
+
+
+def group_options(conf_dir: Path, group: str) -> list[str]:
+    return sorted(path.stem for path in (conf_dir / group).glob("*.yaml"))
+
+
+def check_group_value(conf_dir: Path, group: str, value: Any) -> None:
+    """A config group takes a file name; Hydra reads `budget=2048` as the number 2048 and fails with a
+    traceback, so a value that is not a name is refused here, naming the names (and, for a budget, the key
+    that takes a token count)."""
+    if value is None or isinstance(value, (str, list)):
+        return
+    options = group_options(conf_dir, group)
+    valid = ", ".join(options)
+    if group == "budget":
+        tokens = value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+        named = f"budget={tokens // 1024}k" if tokens and tokens % 1024 == 0 and f"{tokens // 1024}k" in options else None
+        valid += (f", or a token count: budget.tokens={tokens if tokens else '<positive integer>'}"
+                  + (f" (the same as {named})" if named else ""))
+    raise ConfigError(f"{group}={value} is not valid; valid: {valid}")
+
+
+def check_command_line(argv: Sequence[str], conf_dir: str | os.PathLike, config_name: str = "config") -> None:
+    """Compose the configuration from the command line as Hydra will, before Hydra does, so that an unknown
+    choice (`policy=keydif`), an unknown key or a number given to a group (`budget=2048`) is one line and
+    exit status 2 instead of Hydra's multi-line report (status 1). Values that sweep (`policy=a,b`) are
+    checked as names here and composed point by point later, by the keydiff sweeper, as Hydra does; several
+    values in a run that is no sweep (no -m, no experiment with hydra.mode=MULTIRUN) are one line too.
+    Commands with other Hydra flags (--cfg, --help, --config-name, ...) are left to Hydra as they are."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import Transformer, ValueType
+    from hydra.errors import HydraException
+
+    if any(arg.startswith("-") and arg not in RUN_FLAGS for arg in argv):
+        return
+    conf_dir = Path(conf_dir).absolute()
+    multirun = any(arg in RUN_FLAGS for arg in argv)
+    arguments = [arg for arg in argv if arg not in RUN_FLAGS]
+    try:
+        overrides = OverridesParser.create().parse_overrides(arguments)
+        for override in overrides:
+            group = override.key_or_group
+            if override.is_delete() or not (conf_dir / group).is_dir() or override.value_type in (
+                    ValueType.GLOB_CHOICE_SWEEP, ValueType.INTERVAL_SWEEP):  # names only, or for other sweepers
+                continue
+            values = (override.sweep_iterator(transformer=Transformer.identity) if override.is_sweep_override()
+                      else [override.value()])
+            for value in values:
+                check_group_value(conf_dir, group, value)
+        sweeps = [o.input_line for o in overrides if o.is_sweep_override()]
+        fixed = [o.input_line for o in overrides if not o.is_sweep_override()]  # as Hydra composes a sweep
+        with initialize_config_dir(str(conf_dir), version_base="1.3"):
+            cfg = compose(config_name, overrides=fixed, return_hydra_config=True)
+    except (HydraException, ValueError) as error:
+        exit_with_error(describe_error(error))
+    if sweeps and not multirun and str(cfg.hydra.get("mode")) != "RunMode.MULTIRUN":  # an experiment may sweep
+        exit_with_error(f"{sweeps[0]} lists several values: add -m to run one job per value (a sweep), or write "
+                        "key=[a,b] for a list, key='a,b' for a string")
 
 
 def exit_with_error(message: str, code: int = 2) -> None:

@@ -49,6 +49,10 @@ class PrefillResult:
 
 @dataclass
 class GenerationResult:
+    """What `generate` returns. `token_ids[row]` is the list of new token ids of batch row `row` (without the
+    prompt, unlike the `.sequences` tensor of transformers' generate; rows may differ in length):
+    `tokenizer.decode(out.token_ids[0], skip_special_tokens=True)` is the first row's text."""
+
     token_ids: list[list[int]]  # per batch row, generated ids (the stop token included if one was hit)
     finish_reasons: list[str]  # per batch row: "stop" (a stop token) or "length"
     seconds: float  # decode wall time (after the first token's logits)
@@ -191,6 +195,8 @@ def generate(
 
     A row stops at the first id in `eos_token_ids` (allowed only after `min_new_tokens`). Sampling draws
     from a CPU generator seeded with `seed`, so results do not depend on the device's RNG.
+    Returns a GenerationResult: `.token_ids` (per batch row, a list of the new ids), `.finish_reasons`,
+    `.seconds`, `.max_cache_entries`.
     """
     if state.decoded:
         raise RuntimeError("this PrefillResult was already decoded (its cache moved on); run prefill again")

@@ -25,7 +25,7 @@ import re
 import shutil
 import tempfile
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +112,11 @@ class ModelConfig:
     @property
     def is_builtin(self) -> bool:
         return isinstance(self.path, str) and self.path.startswith(BUILTIN_PREFIX)
+
+    @property
+    def is_hub_id(self) -> bool:
+        """A Hugging Face Hub id (org/name): loading it may download from the Hub."""
+        return isinstance(self.path, str) and not self.is_builtin and not _looks_like_local_path(self.path)
 
     @property
     def builtin_name(self) -> str:
@@ -362,10 +367,37 @@ def _torch_dtype(name: str):
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}[name]
 
 
-def load_model(cfg: ModelConfig) -> tuple[Any, Any]:
-    """Load (model, tokenizer): the model in eval mode on cfg's device with cfg.attn_implementation."""
+def model_config(model: "ModelConfig | str", **settings: Any) -> ModelConfig:
+    """A ModelConfig from a builtin model's name ("smollm2-135m"), a Hub id or a checkpoint folder, with
+    `settings` (dtype, device, attn_implementation, revision, ...) applied; a ModelConfig passes through."""
+    if isinstance(model, ModelConfig):
+        cfg = model
+    elif isinstance(model, str) and model in BUILTIN_MODELS:
+        cfg = ModelConfig(name=model, path=BUILTIN_PREFIX + model)
+    elif isinstance(model, str) and model:
+        cfg = ModelConfig(name=Path(model.rstrip("/")).name or model, path=model)
+    else:
+        raise ValueError(f"model must be a builtin name ({', '.join(sorted(BUILTIN_MODELS))}), a Hub id, a "
+                         f"checkpoint folder or a ModelConfig, got {model!r}")
+    valid = [f.name for f in fields(ModelConfig)]
+    unknown = sorted(set(settings) - set(valid))
+    if unknown:
+        raise ValueError(f"unknown model setting(s) {unknown}; valid: {', '.join(valid)}")
+    return replace(cfg, **settings)
+
+
+def load_model(model: "ModelConfig | str" = "smollm2-135m", **settings: Any) -> tuple[Any, Any]:
+    """Load (model, tokenizer): the model in eval mode on its device with its attn_implementation.
+
+        model, tokenizer = keydiff.load_model("smollm2-135m")          # the offline default (float32, CPU/CUDA)
+        model, tokenizer = keydiff.load_model("meta-llama/Llama-3.1-8B-Instruct", dtype="bfloat16")
+
+    `model` is a builtin name, a Hub id, a checkpoint folder or a ModelConfig; `settings` are ModelConfig
+    fields (dtype, attn_implementation, device, revision, trust_remote_code).
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    cfg = model_config(model, **settings)
     cfg.validate()
     device = cfg.resolved_device()
     kwargs: dict[str, Any] = {"attn_implementation": cfg.attn_implementation}

@@ -18,6 +18,8 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
+from keydiff.checks import hub_unreachable
+
 NOT_STARTED, PARTIAL, FAILED, COMPLETE = "not started", "partial", "failed samples", "complete"
 
 
@@ -87,11 +89,15 @@ _SAMPLE_IDS: dict[str, set[str] | None] = {}
 
 
 def sample_ids(cfg: DictConfig) -> set[str] | None:
-    """The ids a run of this task config covers (task.limit applied); None if its data is not available here."""
+    """The ids a run of this task config covers (task.limit applied); None if its data is not available here
+    (not downloaded and the Hub unreachable, no network, ...)."""
     key = repr(cfg.task)
     if key not in _SAMPLE_IDS:
         try:
             task = instantiate(cfg.task, _convert_="all")
+            if task.hub_downloads() and hub_unreachable():  # listing would mean a minute of download retries
+                _SAMPLE_IDS[key] = None
+                return None
             _SAMPLE_IDS[key] = {sample.id for sample in task.samples()}
         except (OSError, ValueError, ImportError, RuntimeError):  # data not here (e.g. no network)
             _SAMPLE_IDS[key] = None

@@ -17,17 +17,25 @@ plus, for LongBench, one score-vs-budget panel per dataset, and the paper's valu
 Building the report objects needs no network and no account (tested in tests/test_report.py); `--publish`
 saves them to W&B and needs credentials (`wandb login` or WANDB_API_KEY).
 
-    python scripts/make_report.py                          # build every report, print its outline
-    python scripts/make_report.py table1 smoke             # only these experiments
+Each report's specification is written to `results/reports/<experiment>.json` (its grid, a readable outline
+of its blocks and panels, and the W&B report model), and one line per report is printed. Without names,
+every experiment that has runs under the results root gets a report: those of conf/experiment/ from their
+grid, any other (`adhoc`, or your own `experiment_name`) from the configurations its runs recorded, one
+report per task (`<experiment>__<task>.json`, run sets filtered by task as well).
+
+    python scripts/make_report.py                          # every experiment with runs (adhoc included)
+    python scripts/make_report.py table1 smoke             # these experiments, with or without runs
     python scripts/make_report.py table1 --publish --entity ME [--project keydiff-bench]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from omegaconf import OmegaConf
 
@@ -55,10 +63,19 @@ class Grid:
     budgets: list[str]        # budget labels (2k, 4k, ...)
     block_sizes: list[str]
     datasets: list[str] = field(default_factory=list)  # LongBench datasets of the task, [] otherwise
+    by_task: bool = False     # a grid read from runs: one report per task, run sets filtered by task.name
+    runs: int = 0             # run directories found under the results root
 
     @property
     def command(self) -> str:
+        if self.by_task:
+            return f"python run.py experiment_name={self.experiment} task={self.task} ..."
         return f"python run.py experiment={self.stem}"
+
+    @property
+    def name(self) -> str:
+        """The report's file name (without .json) and title suffix."""
+        return f"{self.experiment}__{self.task}" if self.by_task else self.experiment
 
 
 def load_grid(stem: str) -> Grid:
@@ -85,6 +102,72 @@ def load_grid(stem: str) -> Grid:
 
 def experiment_stems() -> list[str]:
     return sorted(path.stem for path in (CONF / "experiment").glob("*.yaml"))
+
+
+def recorded_configs(experiment_dir: Path) -> list[dict[str, Any]]:
+    """The configurations the runs of one experiment recorded (run_config.json, written when a run starts);
+    hidden folders (.submitit) and runs moved aside by overwrite=true (`<dir>.old-<time>`) are not runs."""
+    configs = []
+    for path in sorted(experiment_dir.rglob("run_config.json")):
+        parts = path.relative_to(experiment_dir).parts
+        if any(part.startswith(".") or ".old-" in part for part in parts):
+            continue
+        try:
+            configs.append(json.loads(path.read_text(encoding="utf-8")))
+        except (OSError, ValueError):
+            continue  # a run being rewritten right now; the next report has it
+    return configs
+
+
+def grids_from_runs(experiment: str, configs: list[dict[str, Any]]) -> list[Grid]:
+    """Grids of an experiment that no conf/experiment file describes (`adhoc`): what its runs recorded,
+    one grid per task."""
+    def unique(values) -> list[str]:
+        return sorted({str(value) for value in values if value is not None})
+
+    grids = []
+    for task in unique(config.get("task", {}).get("name") for config in configs):
+        runs = [config for config in configs if config.get("task", {}).get("name") == task]
+        policies = {str(c["policy"].get("label", c["policy"].get("name"))): str(c["policy"].get("name")) for c in runs}
+        datasets = unique(d for c in runs for d in (c["task"].get("datasets") or [])) if task.startswith("longbench") else []
+        grids.append(Grid(
+            stem=experiment, experiment=experiment, task=task, by_task=True, runs=len(runs),
+            description=f"Runs of experiment_name={experiment} on {task}, as recorded in their run directories",
+            models=unique(c.get("model", {}).get("name") for c in runs), policies=sorted(policies),
+            policy_names=[policies[label] for label in sorted(policies)],
+            budgets=sorted(unique(c.get("budget", {}).get("label") for c in runs), key=budget_order),
+            block_sizes=sorted(unique(c.get("block_size") for c in runs), key=budget_order), datasets=datasets))
+    return grids
+
+
+def budget_order(label: str) -> float:
+    """2k before 3000 before 4k (labels are "<n>k" or a token count); 64 before 128 before inf."""
+    try:
+        return float(label[:-1]) * 1024 if label.endswith("k") else float(label)
+    except ValueError:
+        return float("inf")
+
+
+def experiments_with_runs(runs_root: Path) -> list[str]:
+    if not runs_root.is_dir():
+        return []
+    return sorted(path.name for path in runs_root.iterdir()
+                  if path.is_dir() and not path.name.startswith(".") and recorded_configs(path))
+
+
+def report_grids(names: list[str], runs_root: Path) -> list[Grid]:
+    """The grid of each named experiment: its conf/experiment file, else what its runs recorded."""
+    stems = set(experiment_stems())
+    grids = []
+    for name in names:
+        configs = recorded_configs(runs_root / name)
+        if name in stems:
+            grid = load_grid(name)
+            grid.runs = len(configs)
+            grids.append(grid)
+        else:
+            grids.extend(grids_from_runs(name, configs))
+    return grids
 
 
 def paper_table(grid: Grid, model: str, paper_dir: Path) -> str | None:
@@ -119,6 +202,8 @@ def runsets(grid: Grid, entity: str, project: str, model: str | None):
         filters = [expr.Config("experiment_name") == grid.experiment, expr.Config("policy.label") == policy]
         if model is not None:
             filters.insert(1, expr.Config("model.name") == model)
+        if grid.by_task:
+            filters.insert(1, expr.Config("task.name") == grid.task)
         sets.append(wr.Runset(entity=entity, project=project, name=policy, filters=expr.And(*filters)))
     return sets
 
@@ -165,7 +250,8 @@ def build_report(grid: Grid, entity: str, project: str, paper_dir: Path):
                 wr.ScatterPlot(title=f"{dataset}: score vs budget", x=wr.Config("budget.tokens"),
                                y=wr.SummaryMetric(f"metrics/datasets/{dataset}"))
                 for dataset in grid.datasets]))
-    return wr.Report(entity=entity, project=project, title=f"keydiff-bench: {grid.experiment}"[:128],
+    title = f"keydiff-bench: {grid.experiment}" + (f" / {grid.task}" if grid.by_task else "")
+    return wr.Report(entity=entity, project=project, title=title[:128],
                      description=grid.description, blocks=blocks, width="fluid")
 
 
@@ -192,28 +278,53 @@ def check_credentials() -> None:
                          "(building without --publish needs none).")
 
 
+def write_specification(grid: Grid, report, out_dir: Path) -> Path:
+    """results/reports/<name>.json: the grid, the outline and the W&B report model (what --publish saves)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{grid.name}.json"
+    model = report._to_model()
+    spec = {"report": grid.name, "title": report.title, "command": grid.command, "runs": grid.runs,
+            "grid": asdict(grid), "outline": outline(report),
+            "wandb_report": json.loads(model.model_dump_json() if hasattr(model, "model_dump_json") else model.json())}
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(spec, indent=2) + "\n", encoding="utf-8")
+    tmp.replace(path)
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("experiments", nargs="*", help="conf/experiment stems (default: all)")
+    parser.add_argument("experiments", nargs="*",
+                        help="experiments (conf/experiment stems or experiment_name of runs; default: every one with runs)")
     parser.add_argument("--entity", default="", help="W&B entity (user or team) that owns the project")
     parser.add_argument("--project", default="keydiff-bench")
     parser.add_argument("--paper", type=Path, default=ROOT / "results" / "paper", help="the paper's numbers (CSV)")
+    parser.add_argument("--runs", type=Path, default=ROOT / "results" / "runs", help="the results root (run directories)")
+    parser.add_argument("--out", type=Path, default=ROOT / "results" / "reports", help="where the specifications go")
     parser.add_argument("--publish", action="store_true", help="save the reports to W&B (needs credentials)")
     args = parser.parse_args(argv)
-    stems = args.experiments or experiment_stems()
-    unknown = sorted(set(stems) - set(experiment_stems()))
+    with_runs = experiments_with_runs(args.runs)
+    names = args.experiments or with_runs
+    unknown = sorted(set(names) - set(experiment_stems()) - set(with_runs))
     if unknown:
-        parser.error(f"unknown experiment(s) {', '.join(unknown)}; valid: {', '.join(experiment_stems())}")
+        parser.error(f"unknown experiment(s) {', '.join(unknown)}; valid: {', '.join(experiment_stems())}, "
+                     f"or one with runs under {args.runs}: {', '.join(with_runs) or 'none yet'}")
+    if not names:
+        print(f"no runs under {args.runs}: nothing to report (name experiments to build their reports anyway)")
+        return 0
     if args.publish:
         if not args.entity:
             parser.error("--publish needs --entity (your W&B user or team name)")
         check_credentials()
-    for stem in stems:
-        report = build_report(load_grid(stem), args.entity, args.project, args.paper)
-        print("\n".join(outline(report)))
+    for grid in report_grids(names, args.runs):
+        report = build_report(grid, args.entity, args.project, args.paper)
+        path = write_specification(grid, report, args.out)
+        panels = sum(len(block.panels) for block in report.blocks if hasattr(block, "panels"))
+        saved = ""
         if args.publish:
             report.save()
-            print(f"  saved: {report.url}")
+            saved = f"; saved: {report.url}"
+        print(f"{grid.name}: {panels} panels, {len(grid.policies)} policies, {grid.runs} run(s) -> {path}{saved}")
     return 0
 
 

@@ -153,6 +153,16 @@ def test_prompt_cap_and_generic_out_of_memory_errors_become_failed_rows(tmp_path
     assert summary["failures"] == {"out_of_memory": 1} and summary["num_samples"] == 1
 
 
+def test_a_prompt_of_exactly_max_prompt_tokens_runs_one_token_more_does_not(tmp_path, tiny):
+    """The cap is a maximum: a prompt of exactly N tokens runs, N + 1 is recorded as failed."""
+    at_cap = runner.run(make_cfg(tmp_path, "max_prompt_tokens=100"), tmp_path / "at")
+    assert tiny == ["len30", "len100"] and at_cap["failures"] == {} and at_cap["num_samples"] == 2
+    tiny.clear()
+    below = runner.run(make_cfg(tmp_path, "max_prompt_tokens=99"), tmp_path / "below")
+    assert tiny == ["len30"] and below["failures"] == {"max_prompt_tokens": 1}
+    assert rows_of(tmp_path / "below")[1]["error"] == "prompt has 100 tokens > max_prompt_tokens=99"
+
+
 def test_any_other_error_stops_the_run_naming_the_sample(tmp_path, tiny, monkeypatch):
     inject(monkeypatch, {"len100": IndexError("index 7 is out of bounds")})
     with pytest.raises(RuntimeError, match="sample 'len100' failed with IndexError: index 7"):

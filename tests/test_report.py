@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -80,8 +81,55 @@ def test_publish_needs_an_entity_and_credentials(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(make_report, "check_credentials", lambda: (_ for _ in ()).throw(SystemExit("no key")))
     with pytest.raises(SystemExit, match="no key"):
         make_report.main(["smoke", "--publish", "--entity", "someone"])
-    assert make_report.main(["smoke", "--paper", str(tmp_path)]) == 0
-    assert "keydiff-bench: smoke" in capsys.readouterr().out
+    assert make_report.main(["smoke", "--paper", str(tmp_path), "--out", str(tmp_path / "reports")]) == 0
+    assert capsys.readouterr().out.startswith("smoke: 4 panels, 2 policies, 0 run(s) -> ")
+    assert json.loads((tmp_path / "reports" / "smoke.json").read_text())["title"] == "keydiff-bench: smoke"
     with pytest.raises(SystemExit):
-        make_report.main(["table99"])
+        make_report.main(["table99", "--runs", str(tmp_path / "runs")])
     assert "valid: fig17_ttft_eager" in capsys.readouterr().err
+
+
+def write_run(root: Path, experiment: str, task: str, policy: str, budget: str, block_size: int = 128) -> None:
+    """A run directory as run.py leaves it when a run starts (run_config.json: the recorded configuration)."""
+    run_dir = root / experiment / task / "smollm2-135m" / policy / budget / f"bs{block_size}" / "seed0"
+    run_dir.mkdir(parents=True)
+    config = {"model": {"name": "smollm2-135m"}, "policy": {"name": policy.split("_")[0], "label": policy},
+              "budget": {"label": budget}, "block_size": block_size, "task": {"name": task}}
+    (run_dir / "run_config.json").write_text(json.dumps(config))
+
+
+def test_make_report_writes_one_specification_per_experiment_with_runs_adhoc_included(tmp_path, capsys):
+    runs, out = tmp_path / "runs", tmp_path / "reports"
+    for policy, budget in [("keydiff", "2k"), ("keydiff", "3000"), ("tova", "1k")]:
+        write_run(runs, "adhoc", "niah_small", policy, budget)
+    write_run(runs, "adhoc", "phonebook", "keydiff_w20", "2k", block_size=64)
+    write_run(runs, "adhoc", "phonebook", "keydiff_w20", "2k", block_size=256)
+    write_run(runs, "smoke", "niah_small", "keydiff", "1k")
+    (runs / "empty_experiment").mkdir()  # no run in it: no report
+    backup = runs / "smoke/niah_small/smollm2-135m/keydiff/1k/bs128/seed0.old-20260101-000000"
+    backup.mkdir()  # a run moved aside by overwrite=true is not a run
+    (backup / "run_config.json").write_text("{}")
+    assert make_report.main(["--runs", str(runs), "--out", str(out), "--paper", str(tmp_path / "absent")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["adhoc__niah_small", "adhoc__phonebook", "smoke"]  # one line each
+    assert sorted(path.name for path in out.iterdir()) == ["adhoc__niah_small.json", "adhoc__phonebook.json", "smoke.json"]
+
+    niah = json.loads((out / "adhoc__niah_small.json").read_text())
+    assert niah["runs"] == 3 and niah["title"] == "keydiff-bench: adhoc / niah_small"
+    grid = niah["grid"]
+    assert (grid["policies"], grid["budgets"], grid["block_sizes"]) == (["keydiff", "tova"], ["1k", "2k", "3000"], ["128"])
+    assert any("PanelGrid [keydiff, tova]: score vs budget" in line for line in niah["outline"])
+    phonebook = json.loads((out / "adhoc__phonebook.json").read_text())
+    assert (phonebook["grid"]["policies"], phonebook["grid"]["policy_names"]) == (["keydiff_w20"], ["keydiff"])
+    assert phonebook["grid"]["block_sizes"] == ["64", "256"] and phonebook["runs"] == 2
+    # The run sets of a grid read from runs select its task too (adhoc mixes tasks in one W&B group).
+    report = make_report.build_report(make_report.grids_from_runs("adhoc", make_report.recorded_configs(runs / "adhoc"))[0],
+                                      "", "keydiff-bench", tmp_path / "absent")
+    main = next(block for block in report.blocks if hasattr(block, "panels"))
+    filters = expr.expr_to_filters(main.runsets[0].filters).filters
+    assert ("task.name", "niah_small") in {(f.key.name, f.value) for f in filters}
+    smoke = json.loads((out / "smoke.json").read_text())
+    assert smoke["runs"] == 1 and smoke["grid"]["policies"] == ["keydiff", "tova"]  # the experiment file's grid
+
+    assert make_report.main(["--runs", str(tmp_path / "nothing"), "--out", str(out)]) == 0
+    assert capsys.readouterr().out.startswith("no runs under")

@@ -148,3 +148,15 @@ def test_sequential_runs_reuse_the_loaded_model(monkeypatch):
     assert len(calls) == 1
     runner.load_model_once(runner.plan_run(make_cfg("model.dtype=bfloat16")).model_cfg)
     assert len(calls) == 2
+
+
+def test_the_statistics_log_line_summarises_per_layer_lists():
+    import run
+
+    statistics = {"samples": 6, "cache_bound": 2176, "layer_budgets": [2048] * 30,
+                  "layer_max_cache_entries": [2176] * 29 + [2100], "layer_cache_bounds": [None] * 2 + [2176] * 28,
+                  "short": [1, 2]}
+    assert run.summarize_lists(statistics) == {
+        "samples": 6, "cache_bound": 2176, "layer_budgets": "2048 x30",
+        "layer_max_cache_entries": "2100..2176 over 30 layers",
+        "layer_cache_bounds": "2176..2176 over 30 layers (2 unbounded)", "short": [1, 2]}

@@ -4,7 +4,8 @@ Hydra discovers sweepers only under the `hydra_plugins` namespace, hence this pa
 (found when run.py runs from the repository root). conf/config.yaml selects it (`hydra/sweeper: keydiff`).
 
 Before the first job: each point is composed and checked without torch (keydiff.checks), the SLURM
-launcher must have a partition, and nothing is created on disk until all of that passed. Then
+launcher must have a partition (a dry run needs none: it says so instead), and nothing is created on disk
+until all of that passed. Then
   dry_run=true       prints every point, its run directory and status, and with the SLURM launcher the
                      sbatch script and array size; nothing is run or submitted;
   only_missing=true  drops points that are complete (or have only recorded failures), so a re-submitted
@@ -27,6 +28,8 @@ from keydiff.checks import ConfigError, check_run_config, describe_error, exit_w
 from keydiff.sweep import grid_points, point_status, run_dir_of, sample_ids
 
 log = logging.getLogger(__name__)
+PARTITION_HINT = ("needs a partition: set slurm.partition in conf/local/default.yaml (see conf/local.example.yaml), "
+                  "export SBATCH_PARTITION, or pass hydra.launcher.partition=<name>")
 
 
 def is_slurm(launcher_cfg: Any) -> bool:
@@ -51,8 +54,11 @@ def slurm_job_script(launcher_params: dict[str, Any], array_size: int) -> str:
 
 
 class KeydiffSweeper(BasicSweeper):
-    def __init__(self, max_batch_size: int | None = None, params: dict[str, str] | None = None) -> None:
+    def __init__(self, max_batch_size: int | None = None, params: dict[str, str] | None = None,
+                 dry_run_needs_partition: bool = False) -> None:
         super().__init__(max_batch_size=max_batch_size, params=params)
+        # `make sweep-slurm` checks with a dry run before it submits in the background: that one must fail too
+        self.dry_run_needs_partition = dry_run_needs_partition
 
     def _compose(self, point: List[str]):
         try:
@@ -62,13 +68,14 @@ class KeydiffSweeper(BasicSweeper):
             exit_with_error(f"grid point [{' '.join(point)}]: {describe_error(error)}")
         return cfg
 
-    def _check_launcher(self) -> None:
+    def _missing_partition(self) -> bool:
         launcher = self.config.hydra.launcher
-        if is_slurm(launcher) and not launcher.get("partition"):
-            exit_with_error(
-                "hydra/launcher=slurm needs a partition: set slurm.partition in conf/local/default.yaml "
-                "(see conf/local.example.yaml), export SBATCH_PARTITION, or pass hydra.launcher.partition=<name>"
-            )
+        return is_slurm(launcher) and not launcher.get("partition")
+
+    def _check_launcher(self) -> None:
+        """A real SLURM submission needs a partition (a dry run submits nothing, so it only says so)."""
+        if self._missing_partition() and (self.dry_run_needs_partition or not self.config.get("dry_run", False)):
+            exit_with_error(f"hydra/launcher=slurm {PARTITION_HINT}")
 
     def sweep(self, arguments: List[str]) -> Any:
         assert self.config is not None and self.launcher is not None and self.hydra_context is not None
@@ -117,5 +124,8 @@ class KeydiffSweeper(BasicSweeper):
             params.pop("_target_", None)
             kind = "one array task per grid point" if len(points) > 1 else "a single point: a plain job, no --array"
             print(f"SLURM array size: {len(points)} ({kind})")
+            if self._missing_partition():
+                params.pop("partition", None)
+                print(f"no partition set: this job script has no --partition; a real submission {PARTITION_HINT}")
             print("job script (sbatch):")
             print(slurm_job_script(params, len(points)))

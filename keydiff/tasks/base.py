@@ -85,6 +85,12 @@ class Task(ABC):
         """Name -> sha256 of every data file or generator input the samples came from (recorded in results)."""
         return {}
 
+    def hub_downloads(self) -> list[str]:
+        """What `samples()` would download from the Hugging Face Hub, each with its offline alternative
+        ("LongBench's data.zip (offline: task.data_dir=...)"); [] when the data is local or cached. The run
+        is refused in seconds when the Hub is unreachable and this is not empty (keydiff.checks)."""
+        return []
+
 
 def encode_user_turn(tokenizer: Any, text: str, chat: bool = True) -> list[int]:
     """Token ids of `text` as one user turn, with the generation prompt when the tokenizer has a chat template.

@@ -339,6 +339,12 @@ class LongBench(Task):
 
     # -------------------------------------------------------------------------------------- data
 
+    def hub_downloads(self) -> list[str]:
+        if self.data_dir is not None or (Path(self.cache_dir).expanduser() / HF_FILENAME).is_file():
+            return []
+        return [f"LongBench's {HF_FILENAME} from {HF_REPO_ID} (offline: task.data_dir=<data.zip or a folder of its jsonl "
+                f"files>, or data.zip copied to {Path(self.cache_dir).expanduser()})"]
+
     def _file_stem(self, dataset: str) -> str:
         return f"{dataset}_e" if self.longbench_e else dataset
 

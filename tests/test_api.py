@@ -1,0 +1,55 @@
+"""The README's "Python API" section is a runnable example: its python blocks are executed verbatim, in order,
+with the real offline default model, and what their comments claim is checked."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def api_blocks() -> list[str]:
+    """The ```python blocks of README.md between "## Python API" and the next second-level heading."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = text.split("\n## Python API\n", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```python\n(.*?)```", section, flags=re.S)
+
+
+@pytest.mark.real_model
+def test_the_readme_api_section_runs_as_written(capsys):
+    blocks = api_blocks()
+    assert len(blocks) == 2 and "keydiff.load_model(" in blocks[0]
+    namespace: dict = {}
+    exec(compile(blocks[0], "README.md: Python API, block 1", "exec"), namespace)
+    first = capsys.readouterr().out
+    prompt_length = namespace["input_ids"].shape[1]
+    assert prompt_length == 346 and "L = 346 tokens" in blocks[0]
+    kept = namespace["state"].kept_positions
+    assert len(kept) == 30 and all(positions.shape[-1] == 128 for positions in kept)  # the budget, every layer
+    out = namespace["out"]
+    assert isinstance(out.token_ids, list) and isinstance(out.token_ids[0], list) and not hasattr(out, "sequences")
+    assert 0 < len(out.token_ids[0]) <= 16
+    cache = namespace["state"].cache
+    assert cache.get_seq_length() == prompt_length + len(out.token_ids[0]) - 1  # seen: prompt + fed tokens
+    assert cache.entries_held() <= 128 + 1 and cache.entries_held(29) <= 128 + 1  # held: the budget (+1 between steps)
+    assert "4721" in first  # the printed answer the comment shows
+
+    exec(compile(blocks[1], "README.md: Python API, block 2", "exec"), namespace)
+    assert namespace["tokens"] == out.token_ids[0][:8]  # the loop gives keydiff.generate's tokens
+    assert namespace["state"].cache.entries_held() <= 128 + 1
+
+
+def test_load_model_accepts_a_name_a_hub_id_or_a_folder(tmp_path):
+    from keydiff.models import ModelConfig, model_config
+
+    assert model_config("smollm2-135m") == ModelConfig()
+    hub = model_config("meta-llama/Llama-3.1-8B-Instruct", dtype="bfloat16")
+    assert (hub.name, hub.path, hub.dtype, hub.is_hub_id) == ("Llama-3.1-8B-Instruct", "meta-llama/Llama-3.1-8B-Instruct",
+                                                              "bfloat16", True)
+    folder = model_config(str(tmp_path) + "/", device="cpu")
+    assert folder.name == tmp_path.name and not folder.is_hub_id and folder.device == "cpu"
+    with pytest.raises(ValueError, match="unknown model setting.*'precision'.*valid: name, path, dtype"):
+        model_config("smollm2-135m", precision="bf16")
