@@ -327,15 +327,47 @@ def test_a_layer_unlike_the_first_leaves_the_stack_and_eviction_goes_layer_by_la
     assert cache.get_seq_length() == 20 and first.max_entries == second.max_entries == 12
 
 
-@pytest.mark.parametrize("name", ["keydiff", "tova", "h2o"])
+def viewing(policy: keydiff.Policy) -> keydiff.Policy:
+    """The same policy (class behaviour and parameters) that also keeps a copy of every view it evicts from."""
+    cls = type(policy)
+
+    def evict_indices(self, layer, budget):
+        self.views.append((layer.layer_idx, layer.keys.clone(), layer.positions.clone()))
+        return cls.evict_indices(self, layer, budget)
+
+    recorder = type(f"Viewing{cls.__name__}", (cls,), {"evict_indices": evict_indices, "__module__": __name__})(
+        **{f.name: getattr(policy, f.name) for f in dataclasses.fields(policy) if f.init})
+    recorder.views = []
+    return recorder
+
+
+@pytest.mark.parametrize("name", BATCHABLE)
 def test_stacked_rows_stay_with_their_layer_and_batch_row(model, name):
-    """Two different prompts in one batch: the stack's rows are layer-major, then batch (as torch.cat orders the statistics)."""
+    """Two different prompts in one batch: the stack's rows are layer-major, then batch (as torch.cat orders the statistics).
+
+    Catches a layer (or batch row) mix-up in the stack for every batchable policy. For an attention-free policy a
+    consistent swap of two layers' slices changes no kept set (each row is scored on its own), so comparing
+    outputs alone cannot see it; the views the policy is handed can: row l * batch + b of every stacked view
+    must hold exactly what layer l, row b is handed when the same run evicts layer by layer.
+    """
     batch = torch.randint(0, 256, (2, 200), generator=torch.Generator().manual_seed(7))
-    stacked = prefill(model, batch, name, 48, 32)
-    reference = prefill(model, batch, layer_by_layer(name), 48, 32)
+    stacked_policy = viewing(keydiff.build_policy(name))
+    reference_policy = viewing(layer_by_layer(name))
+    stacked = prefill(model, batch, stacked_policy, 48, 32)
+    reference = prefill(model, batch, reference_policy, 48, 32)
     assert stacked.cache.stack is not None and stacked.cache.stack.keys.shape[0] == 2 * 3
     assert all(torch.equal(a, b) for a, b in zip(stacked.kept_positions, reference.kept_positions))
     assert generate(model, stacked, 6).token_ids == generate(model, reference, 6).token_ids
+    per_layer = iter(reference_policy.views)  # every layer evicts at every step: layers 0, 1, 2, then the next step
+    assert stacked_policy.views and len(reference_policy.views) == 3 * len(stacked_policy.views)
+    for step, (layer_idx, keys, positions) in enumerate(stacked_policy.views):
+        assert layer_idx is None and keys.shape[0] == 3 * 2
+        for layer in range(3):
+            reference_layer, reference_keys, reference_positions = next(per_layer)
+            assert reference_layer == layer
+            rows = slice(2 * layer, 2 * layer + 2)
+            assert torch.equal(keys[rows], reference_keys), f"eviction {step}: stacked rows {rows} are not layer {layer}"
+            assert torch.equal(positions[rows], reference_positions)
 
 
 def test_layers_a_policy_never_evicts_are_not_stacked(model, prompt):
@@ -357,7 +389,29 @@ def test_decoding_without_eviction_grows_the_whole_stack_and_releases_the_old_on
     assert cache.kv_cache_bytes == 2 * 3 * 2 * (64 + 60) * 16 * 4
 
 
-def test_attention_recognises_only_the_layer_whose_slots_it_reads(model, prompt):
-    state = prefill(model, prompt, "keydiff", 64, 32)
-    cache = state.cache
-    assert cache.owns(1, cache.layers[1].keys[:, :, :10]) and not cache.owns(0, cache.layers[1].keys)
+@pytest.mark.parametrize("name", ["tova", layer_by_layer("tova")], ids=["stacked", "layer_by_layer"])
+def test_attention_recognises_only_the_layer_whose_slots_it_reads(model, prompt, name):
+    """The attention function records a statistic only for keys that are the bound cache's own layer.
+
+    Positive cases are what the attention function is really handed: the keys `cache.update` returns for that
+    layer (a prefix view of its buffer), so a cache that returned a copy would fail here, not only later.
+    Negative cases: another layer's keys (in a stacked cache, the same storage), a copy of the layer's own keys,
+    and, through a real forward, a model run with another cache while this one is bound (nothing recorded).
+    """
+    cache = keydiff.EvictingCache(keydiff.build_policy(name) if isinstance(name, str) else name, 16, 3,
+                                  block_size=20, max_tokens=40)
+    generator = torch.Generator().manual_seed(0)
+    handed = [cache.update(*torch.randn(2, 1, 2, 20, 16, generator=generator), layer_idx)[0] for layer_idx in range(3)]
+    assert (cache.stack is not None) == isinstance(name, str)
+    for layer_idx, keys in enumerate(handed):
+        assert cache.owns(layer_idx, keys), f"layer {layer_idx} does not recognise its own keys"
+        assert not cache.owns(layer_idx, keys.clone())
+        for other in set(range(3)) - {layer_idx}:
+            assert not cache.owns(other, keys), f"layer {other} claims layer {layer_idx}'s keys"
+    bound = keydiff.EvictingCache(keydiff.build_policy("tova"), 16, 3, block_size=20, max_tokens=40)
+    other = keydiff.EvictingCache(keydiff.build_policy("tova"), 16, 3, block_size=20, max_tokens=40)
+    with torch.no_grad(), keydiff.keydiff_attention(model, bound):
+        model(prompt[:, :20], past_key_values=other, use_cache=True)
+        assert all(layer.attention is None for layer in bound.layers + other.layers)
+        model(prompt[:, :20], past_key_values=bound, use_cache=True)  # 20 entries > 16: TOVA needs its last row
+    assert [tuple(layer.attention.shape) for layer in bound.layers] == [(1, 2, 20)] * 3
