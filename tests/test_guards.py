@@ -200,21 +200,41 @@ def reference_model():
     return tiny_llama("eager")
 
 
-# --------------------------------------------------------------------------- 1. SnapKV max pooling
+# --------------------------------------------------------------------------- 1. SnapKV pooling
+
+
+def snapkv_view(attention: list[float]) -> LayerView:
+    """A hand-made view: entry i sits at position 100 + i with `attention[i]`, stored in a shuffled buffer order
+    (pooling must follow positions, not buffer slots)."""
+    n = len(attention)
+    slots = torch.randperm(n, generator=torch.Generator().manual_seed(5))  # slot s holds entry slots[s]
+    return LayerView(torch.randn(1, 1, n, 4), torch.randn(1, 1, n, 4), (100 + slots).view(1, 1, n),
+                     torch.tensor(attention)[slots].view(1, 1, n), {}, 0)
 
 
 def test_snapkv_max_pooling_keeps_the_neighbourhood_of_a_peak():
     # Prefix entries 0..9, window = entries 10, 11. A single peak at 2 and a plateau at 6..9.
-    attention = torch.tensor([[[0.0, 0.0, 0.9, 0.0, 0.0, 0.0, 0.5, 0.5, 0.5, 0.5, 0.1, 0.1]]])
-    view = LayerView(torch.randn(1, 1, 12, 4), torch.randn(1, 1, 12, 4), torch.arange(12).view(1, 1, 12) + 100,
-                     attention, {}, 0)
+    view = snapkv_view([0.0, 0.0, 0.9, 0.0, 0.0, 0.0, 0.5, 0.5, 0.5, 0.5, 0.1, 0.1])
     budget = 5  # 2 window slots + 3 chosen from the prefix
     # max over {i-1, i, i+1}: entries 1, 2, 3 score 0.9 (the peak's neighbourhood), 5..9 score 0.5.
     kept = kept_positions_of(build_policy("snapkv", window=2, kernel_size=3, pooling="max"), view, budget)
     assert kept[0, 0].tolist() == [101, 102, 103, 110, 111]
-    # average pooling prefers the plateau (0.5 > 0.3): the two settings must not agree here.
-    kept_avg = kept_positions_of(build_policy("snapkv", window=2, kernel_size=3, pooling="avg"), view, budget)
-    assert kept_avg[0, 0].tolist() != kept[0, 0].tolist()
+
+
+def test_snapkv_average_pooling_is_the_zero_padded_mean_over_the_prefix():
+    """SnapKV's avg_pool1d(kernel, padding=kernel // 2): sum of the neighbours inside the prefix / kernel.
+
+    Hand-computed, kernel 3 (÷ 3, zeros beyond the prefix's ends; the window is not a neighbour):
+        attention  0.7  0.3  0    0.4  0.2  0.8  0.1  0.4  0.6  0.5 | window 0.9 0.9
+        pooled     .333 .333 .233 .200 .467 .367 .433 .367 .500 .367
+    Budget 5 = the window + the top 3 of the prefix: entries 8 (.500), 4 (.467), 6 (.433); next is .367.
+    Each plausible mistake keeps another set: max pooling {4, 5, 6}, no pooling {0, 5, 8}, dividing by the
+    neighbours present (count_include_pad=False: entry 9 .550, 0 and 8 .500) {0, 8, 9}, the window as
+    entry 9's neighbour (9: .667) {4, 8, 9}, pooling in buffer order (the buffer is shuffled) another one.
+    """
+    view = snapkv_view([0.7, 0.3, 0.0, 0.4, 0.2, 0.8, 0.1, 0.4, 0.6, 0.5, 0.9, 0.9])
+    kept = kept_positions_of(build_policy("snapkv", window=2, kernel_size=3, pooling="avg"), view, 5)
+    assert kept[0, 0].tolist() == [104, 106, 108, 110, 111]
 
 
 # --------------------------------------------------------------------------- 1-3. attention policies vs stock transformers
