@@ -398,6 +398,16 @@ def read_rows(run_dir) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "predictions.jsonl").read_text().splitlines()]
 
 
+def stock_kv_bytes_per_token(model) -> int:
+    """Bytes transformers' own DynamicCache spends on one prompt token over all layers: measured, not computed."""
+    tokens = 10
+    with torch.no_grad():
+        cache = model(torch.zeros(1, tokens, dtype=torch.long), use_cache=True).past_key_values
+    total = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+    assert total % tokens == 0
+    return total // tokens
+
+
 def hand_peak_entries(length: int, budget: int, block: int, fed_back: int) -> int:
     """Peak entries per layer: blocks append, each pass evicts back to the budget, decoding feeds tokens back."""
     size = peak = 0
@@ -423,7 +433,7 @@ def test_runner_rows_cap_compression_and_count_keys_and_values(tmp_path, tiny_ru
                          tmp_path / "run")
     rows = {row["sample_id"]: row for row in read_rows(tmp_path / "run")}
     assert set(rows) == {"len30", "len100"}
-    per_layer_entry = 2 * KV_HEADS * HEAD_DIM * torch.float32.itemsize  # keys + values
+    per_layer_entry = stock_kv_bytes_per_token(tiny_llama("sdpa")) // LAYERS  # keys + values, one layer
     for length in (30, 100):
         row = rows[f"len{length}"]
         assert row["prompt_tokens"] == length and row["new_tokens"] == new_tokens
@@ -438,12 +448,19 @@ def test_runner_rows_cap_compression_and_count_keys_and_values(tmp_path, tiny_ru
     assert stats["mean_compression_ratio"] <= 1.0
 
 
+@pytest.mark.parametrize("shape", [{}, {"num_key_value_heads": 1, "head_dim": 24}], ids=["gqa", "mqa_head_dim_24"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
-def test_kv_bytes_per_layer_entry_counts_keys_and_values(dtype):
+def test_kv_bytes_per_layer_entry_counts_keys_and_values(dtype, shape):
+    """The runner's bytes per cached token and layer equal what transformers' own cache stores per token.
+
+    Catches counting keys only, query heads instead of KV heads, hidden_size // heads instead of an explicit
+    head_dim (24 here, not 64 // 4), or the wrong element size; the expected value is measured on a stock
+    DynamicCache, not computed from the config as the function under test does.
+    """
     from keydiff.runner import kv_bytes_per_layer_entry
 
-    model = tiny_llama("sdpa").to(dtype)
-    assert kv_bytes_per_layer_entry(model) == 2 * KV_HEADS * HEAD_DIM * dtype.itemsize
+    model = tiny_llama("sdpa", **shape).to(dtype)
+    assert kv_bytes_per_layer_entry(model) * LAYERS == stock_kv_bytes_per_token(model)
 
 
 def test_resume_never_reruns_finished_samples(tmp_path, tiny_runner):
