@@ -366,7 +366,7 @@ def test_stacked_rows_stay_with_their_layer_and_batch_row(model, name):
             reference_layer, reference_keys, reference_positions = next(per_layer)
             assert reference_layer == layer
             rows = slice(2 * layer, 2 * layer + 2)
-            assert torch.equal(keys[rows], reference_keys), f"eviction {step}: stacked rows {rows} are not layer {layer}"
+            assert torch.equal(keys[rows], reference_keys), f"eviction {step}: rows {rows} are not layer {layer}'s"
             assert torch.equal(positions[rows], reference_positions)
 
 
