@@ -219,6 +219,7 @@ def test_in_place_eviction_keeps_exactly_the_policys_choice_with_its_rows(name, 
                     for slot, position in enumerate(positions[0, head].tolist()):
                         held[layer_idx][head][position][2] += float(attention[0, head, slot])
         seen += new
+        assert (cache.stack is not None) == stacked  # which eviction path runs
         cache.evict()
         for layer_idx in range(layers):
             view = cache.layers[layer_idx].view(layer_idx)
