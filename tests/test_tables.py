@@ -33,12 +33,13 @@ R1 = "deepseek-r1-distill-llama-8b"
 def write_run(runs, experiment, task, model, label, budget_label, block, metrics, rows=(), name=None,
               complete=True, limit=None, ttft=0.5, seed=0, extra=None):
     tokens = None if (name or label) == "full" else {"1k": 1024, "2k": 2048, "4k": 4096, "6k": 6144}[budget_label]
-    run_dir = runs / experiment / task / model / label / budget_label / f"bs{block}" / f"seed{seed}"
+    suffix = f"-limit{limit}" if limit is not None else ""  # as run.py names a subset run's directory
+    run_dir = runs / experiment / task / model / label / budget_label / f"bs{block}" / f"seed{seed}{suffix}"
     run_dir.mkdir(parents=True)
     with open(run_dir / "predictions.jsonl", "w") as handle:
         handle.writelines(json.dumps(row) + "\n" for row in rows)
     summary = {
-        "complete": complete, "metrics": metrics, "budget": tokens, "block_size": None if block == "inf" else block,
+        "complete": complete, "metrics": metrics, "budget": tokens, "limit": limit, "block_size": None if block == "inf" else block,
         "statistics": {"samples": max(len(rows), 1), "mean_compression_ratio": 0.5, "mean_ttft_s": ttft,
                        "mean_prompt_tokens": 1000.0, "cache_bound_held": True},
         "attention_statistics": "fast",
@@ -47,6 +48,11 @@ def write_run(runs, experiment, task, model, label, budget_label, block, metrics
                    "policy": {"name": name or label, "label": label}, "budget": {"tokens": tokens, "label": budget_label}},
     }
     (run_dir / "summary.json").write_text(json.dumps(summary | (extra or {})))
+
+
+def niah_rows(recalls):
+    return [{"sample_id": f"niah/{i}", "scores": {"needle_recall": r}, "ttft_s": 0.5, "compression_ratio": 0.5}
+            for i, r in enumerate(recalls)]
 
 
 def longbench_scores(base, **changes):
@@ -63,7 +69,8 @@ def math_rows(flex, new_tokens):
 @pytest.fixture(scope="module")
 def fake_runs(tmp_path_factory):
     runs = tmp_path_factory.mktemp("results") / "runs"
-    lb_rows = [{"sample_id": f"{d}/{k}", "info": {"dataset": d}, "prompt_tokens": t, "compression_ratio": c}
+    lb_rows = [{"sample_id": f"{d}/{k}", "info": {"dataset": d}, "prompt_tokens": t, "compression_ratio": c,
+                "scores": {"score": c}}
                for d, k, t, c in [("narrativeqa", 0, 9000, 0.1), ("narrativeqa", 1, 3000, 0.3), ("qasper", 0, 2500, 0.5)]]
     write_run(runs, "table11", "longbench_full", LLAMA3B, "keydiff", "2k", 128, longbench_scores(10.5), lb_rows)
     write_run(runs, "table11", "longbench_full", LLAMA3B, "tova", "2k", 128, longbench_scores(10.0, qasper=99.0), lb_rows)
@@ -119,6 +126,11 @@ def md_rows(path, table=0):
     return [[c.strip() for c in l.strip("|").split("|")] for l in lines]
 
 
+def value(cell: str) -> str:
+    """The value of a "value ± half-width (n=...)" cell (bold marker kept)."""
+    return cell.split(" ±")[0]
+
+
 def md_cell(path, row_start, column, table=0):
     rows = md_rows(path, table)
     col = rows[0].index(column)
@@ -149,37 +161,40 @@ def test_longbench_tables_bold_the_best_eviction_method(produced):
     out, _, written = produced
     md = out / "tables" / "table11.md"
     row = (LLAMA3B, "KeyDiff", "2K")
-    assert md_cell(md, row, "NarrativeQA") == "**10.50**"
-    assert md_cell(md, row, "Qasper") == "11.50"
-    assert md_cell(md, (LLAMA3B, "TOVA", "2K"), "Qasper") == "**99.00**"
-    assert md_cell(md, (LLAMA3B, "Full", "--"), "NarrativeQA") == "50.00"  # higher, but a reference
-    assert md_cell(md, row, "Avg.") == "20.50"
-    assert md_cell(md, (LLAMA3B, "TOVA", "2K"), "Avg.") == f"**{20 + (99 - 11) / 21:.2f}**"
+    assert md_cell(md, row, "NarrativeQA") == "**10.50 ± 19.60 (n=1)**"  # SE over narrativeqa's 2 rows (0.1, 0.3)
+    assert md_cell(md, row, "Qasper") == "11.50 ± n/a (n=1)"  # one sample: no interval
+    assert value(md_cell(md, (LLAMA3B, "TOVA", "2K"), "Qasper")) == "**99.00"
+    assert value(md_cell(md, (LLAMA3B, "Full", "--"), "NarrativeQA")) == "50.00"  # higher, but a reference
+    assert md_cell(md, row, "Avg.") == "20.50 ± n/a (n=21)"  # any dataset without an SE: the average has none
+    assert value(md_cell(md, (LLAMA3B, "TOVA", "2K"), "Avg.")) == f"**{20 + (99 - 11) / 21:.2f}"
     assert not any(r[2] == "4K" for r in md_rows(md)[1:])  # the incomplete run is left out
     tex = (out / "tables" / "table11.tex").read_text()
-    assert r"\textbf{99.00}" in tex and r"\textbf{50.00}" not in tex and r"\toprule" in tex
+    assert r"\textbf{99.00 $\pm$ n/a (n=1)}" in tex and r"\textbf{50.00" not in tex and r"\toprule" in tex
+    assert "95 % confidence interval" in tex
     # Table 1 = English columns of the table11 runs; its average is over those 16 columns only.
     english = [10.5 + i for i, d in enumerate(SUITE) if d in make_tables.ENGLISH]
-    assert md_cell(out / "tables" / "table1.md", row, "Avg.") == f"{sum(english) / 16:.2f}"
+    assert value(md_cell(out / "tables" / "table1.md", row, "Avg.")) == f"{sum(english) / 16:.2f}"
     assert "MF-zh" not in md_rows(out / "tables" / "table1.md")[0]
-    assert md_cell(out / "tables" / "table1.md", (LLAMA3B, "Sink", "2K"), "Avg.") == "**30.00**"  # from table1 itself
+    assert value(md_cell(out / "tables" / "table1.md", (LLAMA3B, "Sink", "2K"), "Avg.")) == "**30.00"  # from table1 itself
     assert not any(r[1] == "Sink" for r in md_rows(md))  # an English-only run cannot fill Table 11
     # Table 13: block size is a row level; the full row (any B) appears once.
     rows13 = md_rows(out / "tables" / "table13.md")
     assert [r[:4] for r in rows13[1:]] == [[LLAMA3B, "--", "Full", "--"], [LLAMA3B, "64", "KeyDiff", "2K"]]
     ablation = out / "tables" / "table15.md"
-    assert md_cell(ablation, ("KeyDiff",), "2K") == "20.50" and md_cell(ablation, ("Pairwise",), "2K") == "**21.00**"
+    assert value(md_cell(ablation, ("KeyDiff",), "2K")) == "20.50"
+    assert value(md_cell(ablation, ("Pairwise",), "2K")) == "**21.00"
 
 
 def test_other_tables(produced):
     out, _, written = produced
     tables = out / "tables"
-    assert md_cell(tables / "table17.md", ("TOVA",), "478") == "**0.6**"
-    assert md_cell(tables / "table17.md", ("KeyDiff",), "100") == "**1.0**"  # ties are all bold
-    assert md_cell(tables / "table17.md", ("Dense",), "478") == "0.8"
+    assert value(md_cell(tables / "table17.md", ("TOVA",), "478")) == "**0.6"
+    assert value(md_cell(tables / "table17.md", ("KeyDiff",), "100")) == "**1.0"  # ties are all bold
+    assert value(md_cell(tables / "table17.md", ("Dense",), "478")) == "0.8"
     assert md_cell(tables / "table18.md", ("0",), "1000") == "-0.10"
     assert md_cell(tables / "table18.md", ("50",), "2000") == "-0.30"
-    assert md_cell(tables / "table4.md", ("4K", "1024", "KeyDiff + 20%"), "Flex Match") == "**0.500**"
+    # flex of rows 1, 1, 0, 0: SE = sqrt(1/3) / 2, half-width 1.96 SE = 0.566
+    assert md_cell(tables / "table4.md", ("4K", "1024", "KeyDiff + 20%"), "Flex Match") == "**0.500 ± 0.566 (n=4)**"
     assert md_cell(tables / "table4.md", ("4K", "--", "Full"), "Avg. Gen. Length") == "1200"
     assert md_cell(tables / "table5.md", ("4K", "Num Tokens > 1024 (2/2)", "Full"), "Flex") == "0.500"
     assert md_cell(tables / "table9.md", ("NarrativeQA",), "2K") == "0.20"
@@ -251,10 +266,12 @@ def adhoc(tmp_path_factory):
     runs = tmp_path_factory.mktemp("adhoc") / "runs"
     for label, score in [("keydiff", 0.75), ("sink", 0.25)]:
         for budget in ["1k", "2k"]:
+            step = 0.125 if budget == "2k" else 0
             write_run(runs, "adhoc", "niah_small", "smollm2-135m", label, budget, 128,
-                      {"needle_recall": score + (0.125 if budget == "2k" else 0)}, rows=[{}, {}], limit=2)
+                      {"needle_recall": score + step}, rows=niah_rows([score + 0.25, score - 0.25 + 2 * step]), limit=2)
+    book = [{"sample_id": f"n100/b0/q{i}", "scores": {"exact": float(i % 2 == 0)}} for i in range(4)]
     write_run(runs, "table17", "phonebook", "smollm2-135m", "keydiff", "6k", 128,
-              {"exact": 0.5, "by_size": {"100": {"exact": 0.6}}}, rows=[{}] * 4,
+              {"exact": 0.5, "by_size": {"100": {"exact": 0.6}}}, rows=book,
               extra={"num_samples": 4, "num_failed": 1, "failures": {"out_of_memory": 1}})
     out = runs.parent / "out"
     collect_results.collect(runs, out / "summary.csv")
@@ -267,13 +284,16 @@ def test_adhoc_subset_sweep_gets_a_generic_table_and_figure(adhoc):
     out, written, figures = adhoc
     assert "generic/adhoc__niah_small" in written
     md = out / "tables" / "generic" / "adhoc__niah_small.md"
-    assert md_cell(md, ("smollm2-135m", "128", "keydiff"), "1k") == "0.750 (n=2)§"
-    assert md_cell(md, ("smollm2-135m", "128", "sink"), "2k") == "0.375 (n=2)§"
+    # recalls 1.0 and 0.5: SE 0.25, 95 % half-width 0.490; 0.5 and 0.25: SE 0.125, half-width 0.245
+    assert md_cell(md, ("smollm2-135m", "128", "keydiff"), "1k") == "0.750 ± 0.490 (n=2)§"
+    assert md_cell(md, ("smollm2-135m", "128", "sink"), "2k") == "0.375 ± 0.245 (n=2)§"
     assert md_cell(md, ("smollm2-135m", "128", "sink", "2k"), "limit", table=1) == "2"
-    assert md_cell(md, ("smollm2-135m", "128", "sink", "2k"), "needle_recall", table=1) == "0.375"
+    assert md_cell(md, ("smollm2-135m", "128", "sink", "2k"), "needle_recall (primary)", table=1) == "0.375 ± 0.245 (n=2)"
+    assert md_cell(md, ("smollm2-135m", "128", "sink", "2k"), "kept N/L", table=1) == "0.500"
+    assert "needle_recall" not in md_rows(md, table=1)[0]  # the primary score is not repeated
     assert "4 configurations, 8 samples scored, 4 subset runs (§)" in md.read_text()
     tex = (out / "tables" / "generic" / "adhoc__niah_small.tex").read_text()
-    assert r"\toprule" in tex and r"\caption{adhoc / niah\_small" in tex and "0.750 (n=2)§" in tex
+    assert r"\toprule" in tex and r"\caption{adhoc / niah\_small" in tex and "0.750 ± 0.490 (n=2)§" in tex
     names = {p.relative_to(out / "figures").as_posix() for p in figures}
     assert "generic/adhoc__niah_small__smollm2-135m__bs128.png" in names
     readme = (out / "README.md").read_text()
@@ -290,7 +310,7 @@ def test_failed_samples_and_other_models_are_marked(adhoc):
     run = df[df.experiment == "table17"].iloc[0]
     assert (run["samples"], run["num_failed"], run["failures/out_of_memory"]) == (4, 1, 1)
     assert md_cell(out / "tables" / "generic" / "table17__phonebook.md", ("smollm2-135m", "128", "keydiff"), "6k") \
-        == "0.500 (n=4)†1"
+        == "0.500 ± 0.566 (n=4)†1"
     md = out / "tables" / "table17_vs_paper.md"  # SmolLM2 is not the paper's model: reference only, no difference
     assert md_cell(md, ("smollm2-135m", LLAMA3B, "keydiff", "6k", "100"), "Ours") == "0.6†1"
     assert md_cell(md, ("smollm2-135m", LLAMA3B, "keydiff", "6k", "100"), "Δ") == ""
