@@ -390,3 +390,90 @@ def test_predictions_count_the_latest_successful_row_per_sample(tmp_path):
     (tmp_path / "predictions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"sample_id": "e"')
     got = collect_results.read_predictions(tmp_path)
     assert {r["sample_id"]: r["compression_ratio"] for r in got} == {"a": 0.5, "c": 0.25, "d": 0.75}
+
+
+# ----------------------------------------------------------------------------- a subset run beside the full run
+FULL_RECALLS = [1.0, 1.0, 1.0, 1.0, 0.6, 0.584]  # mean 0.864 (the default job: 6 samples)
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory):
+    """Issue #14's sequence: the default job (python run.py: adhoc, niah_small, keydiff 2k, 6 samples), then
+    python run.py task.limit=2 on the same point, which re-scores the first two samples in seed0-limit2/."""
+    runs = tmp_path_factory.mktemp("mixed") / "runs"
+    point = dict(runs=runs, experiment="adhoc", task="niah_small", model="smollm2-135m", label="keydiff",
+                 budget_label="2k", block=128)
+    write_run(**point, metrics={"needle_recall": 0.864, "n": 6}, rows=niah_rows(FULL_RECALLS))
+    write_run(**point, metrics={"needle_recall": 1.0, "n": 2}, rows=niah_rows(FULL_RECALLS[:2]), limit=2)
+    # A point with only a subset run (limits 2 and 4: the larger one is shown, never their mean).
+    other = {**point, "label": "sink"}
+    write_run(**other, metrics={"needle_recall": 0.5, "n": 2}, rows=niah_rows([1.0, 0.0]), limit=2)
+    write_run(**other, metrics={"needle_recall": 0.25, "n": 4}, rows=niah_rows([1.0, 0.0, 0.0, 0.0]), limit=4)
+    out = runs.parent / "out"
+    collect_results.collect(runs, out / "summary.csv")
+    make_tables.main(out / "summary.csv", out / "tables")
+    return out, runs
+
+
+def test_a_subset_run_is_never_averaged_with_the_full_run(mixed):
+    out, _ = mixed
+    md = out / "tables" / "generic" / "adhoc__niah_small.md"
+    kd = ("smollm2-135m", "128", "keydiff")
+    # SE of the six recalls: sd 0.2107 / sqrt(6) = 0.0860, 95 % half-width 0.169
+    assert md_cell(md, kd, "2k") == "0.864 ± 0.169 (n=6)"  # not 0.932 (n=8)§
+    assert md_cell(md, kd + ("2k",), "seeds", table=1) == "1"
+    assert md_cell(md, kd + ("2k",), "limit", table=1) == "--"
+    assert md_cell(md, kd + ("2k",), "n (metric)", table=1) == "6"  # a count prints as an integer
+    # Only subset runs: the largest limit, marked §.
+    assert md_cell(md, ("smollm2-135m", "128", "sink"), "2k") == "0.250 ± 0.490 (n=4)§"
+    assert md_cell(md, ("smollm2-135m", "128", "sink", "2k"), "limit", table=1) == "4"
+    assert "2 subset runs not shown" in md.read_text()
+
+
+def test_the_generic_figure_plots_the_full_run_with_its_interval(mixed, monkeypatch):
+    out, runs = mixed
+    plotted, save = {}, make_figures.save
+
+    def keep_axes(fig, where, name):  # what the figure draws, read before it is saved and closed
+        ax = fig.axes[0]
+        plotted[name] = [text.get_text() for text in ax.get_legend().get_texts()]
+        plotted[name + "/containers"] = [(c.lines[0].get_ydata().tolist(), c) for c in ax.containers]
+        plotted[name + "/title"] = ax.get_title()
+        return save(fig, where, name)
+
+    monkeypatch.setattr(make_figures, "save", keep_axes)
+    make_figures.main(out / "summary.csv", runs, out / "figures")
+    name = "adhoc__niah_small__smollm2-135m__bs128"
+    labels = list(plotted[name])
+    assert "KeyDiff (n=6 per budget)" in labels and "Sink § (n=4 per budget)" in labels
+    series = dict((round(y[0], 6), c) for y, c in plotted[name + "/containers"])
+    assert set(series) == {0.864, 0.25}  # never 0.932
+    bar = series[0.864].lines[2][0].get_segments()[0]  # the error bar of the full run's point
+    assert [round(v, 3) for v in (bar[0][1], bar[1][1])] == [0.864 - 0.169, 0.864 + 0.169]
+    assert "§" in plotted[name + "/title"]
+
+
+def test_interval_arithmetic():
+    from keydiff.uncertainty import combined_se, format_estimate, grouped_mean_se, standard_error
+
+    assert standard_error([1.0, 0.0]) == pytest.approx(0.5) and standard_error([0.7]) != standard_error([0.7])  # NaN
+    assert combined_se([0.3, 0.4]) == pytest.approx(0.25)  # the mean of two independent estimates
+    mean, se = grouped_mean_se([[1.0, 0.0], [1.0, 1.0, 1.0]], scale=100)  # datasets weigh equally, as averages do
+    assert (mean, se) == (pytest.approx(75.0), pytest.approx(25.0))
+    assert format_estimate(0.5, 0.25, 2) == "0.500 ± 0.490 (n=2)" and format_estimate(0.5, float("nan"), 1) == "0.500 ± n/a (n=1)"
+    # Seeds of one configuration: values averaged, samples summed, standard errors combined.
+    import generic_tables
+
+    seeds = pd.DataFrame({"policy": ["kd", "kd"], "score": [0.5, 0.7], "se/score": [0.3, 0.4], "samples": [2, 3]})
+    row = generic_tables.average_seeds(seeds, ["policy"], sums=("samples",)).iloc[0]
+    assert (row["score"], row["se/score"], row["samples"]) == (pytest.approx(0.6), pytest.approx(0.25), 5)
+
+
+def test_standard_errors_are_collected_per_score(produced):
+    out, _, _ = produced
+    df = pd.read_csv(out / "summary.csv", dtype={"block_size": str})
+    w20 = df[df.policy == "keydiff_w20"].iloc[0]  # Math-500 flex of rows 1, 1, 0, 0
+    assert w20["se/metrics/flex"] == pytest.approx((1 / 3) ** 0.5 / 2) and w20["se/score"] == w20["se/metrics/flex"]
+    kd = df[(df.experiment == "table11") & (df.policy == "keydiff") & (df.budget_label == "2k")].iloc[0]
+    assert kd["se/lb/narrativeqa"] == pytest.approx(10.0)  # 100 x SE of 0.1, 0.3
+    assert kd["se/cr/narrativeqa"] == pytest.approx(0.1) and pd.isna(kd["se/lb/qasper"])  # qasper: one sample
