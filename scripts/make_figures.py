@@ -57,7 +57,7 @@ def save(fig, out: Path, name: str) -> list[Path]:
 
 
 MARKERS = ["o", "s", "^", "D", "v", "P", "X", "*"]  # one per policy: overlapping series stay visible
-DODGE = 0.012  # horizontal offset between policies, as a fraction of the budget axis
+DODGE = 0.02  # horizontal offset between policies, as a fraction of the budget axis
 
 
 def errors(runs: pd.DataFrame, column: str) -> np.ndarray:
@@ -183,13 +183,15 @@ def generic(df, out: Path) -> list[Path]:
         for i, (policy, line) in enumerate(lines):
             line = line.assign(tokens=line["budget_label"].map(generic_tables.budget_order)).sort_values("tokens")
             shift = DODGE * span * (i - (len(lines) - 1) / 2)
-            subset = line["subset"].any() or line["incomplete"].any()
             n = sorted({int(v) for v in line["samples"].fillna(0)})
             marks = "".join(sorted({subset_mark(r) for _, r in line.iterrows()}))
-            ax.errorbar(line["tokens"] + shift, line["score"], yerr=errors(line, "score"), capsize=2, linewidth=1,
-                        marker=MARKERS[i % len(MARKERS)], markerfacecolor="none" if subset else None,
-                        label=f"{NAMES.get(policy, policy)}{' ' + marks if marks else ''} "
-                              f"(n={n[0]}{f'-{n[-1]}' if len(n) > 1 else ''} per budget)")
+            drawn = ax.errorbar(line["tokens"] + shift, line["score"], yerr=errors(line, "score"), capsize=2,
+                                linewidth=1, marker=MARKERS[i % len(MARKERS)],
+                                label=f"{NAMES.get(policy, policy)}{' ' + marks if marks else ''} "
+                                      f"(n={n[0]}{f'-{n[-1]}' if len(n) > 1 else ''} per budget)")
+            partial = line[line["subset"] | line["incomplete"]]  # hollow markers: subset or unfinished points
+            ax.plot(partial["tokens"] + shift, partial["score"], linestyle="none", marker=MARKERS[i % len(MARKERS)],
+                    color=drawn.lines[0].get_color(), markerfacecolor="white", zorder=3)
         for _, full in group[group["budget_label"] == "--"].iterrows():
             ax.axhline(full["score"], color="black", linestyle="--", linewidth=0.8,
                        label=f"{NAMES.get(full['policy'], full['policy'])}{subset_mark(full)} (n={count(full)})")
@@ -197,7 +199,7 @@ def generic(df, out: Path) -> list[Path]:
             if np.isfinite(half):
                 ax.axhspan(full["score"] - half, full["score"] + half, color="black", alpha=0.08, linewidth=0)
         ax.set_xticks(ticks, budgets)
-        ax.set_xlabel("KV cache budget (tokens)")
+        ax.set_xlabel("KV cache budget (tokens; policies offset sideways to stay visible)")
         ax.set_ylabel(f"{generic_tables.primary_metric(task)} (95 % CI)")
         ax.set_ylim(bottom=min(0.0, float(np.nanmin(group["score"])) if group["score"].notna().any() else 0.0))
         ax.grid(alpha=0.3)
