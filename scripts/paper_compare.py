@@ -325,6 +325,8 @@ def compare(name: str, paper: pd.DataFrame, ours: pd.DataFrame, keys: list[str])
         "subset_cells": int(merged["subset"].astype(bool).sum()), "incomplete_cells": int(merged["incomplete"].astype(bool).sum()),
         "paper_cells": int(len(wanted)), "missing": missing, "garbled": int(paper["note"].str.startswith("garbled").sum()),
         "our_models": sorted(set(merged["model"])), "paper_models": paper_models,
+        "reference_models": sorted(set(merged.loc[merged["paper_model"] != merged["model"], "paper_model"]))
+        if "model" in keys and len(merged) else [],
     }
     return merged, stats
 
@@ -350,7 +352,8 @@ def summary_line(name, stats, experiments) -> str:
         parts.append(f"{stats['outside']} outside tolerance")
     if stats["reference"]:
         parts.append(f"{stats['reference']} cells of our models {', '.join(m for m in stats['our_models'] if m not in stats['paper_models'])} "
-                     f"shown next to the paper's {', '.join(stats['paper_models']) or 'values'} for reference only (different model: no difference)")
+                     f"shown next to the paper's values for another model, {', '.join(stats['reference_models']) or 'values'}, "
+                     "for reference only (different model: no difference)")
     if pd.notna(stats["n_min"]):
         parts.append(f"samples per our cell: {num(stats['n_min'], 0)}-{num(stats['n_max'], 0)}")
     if stats["unmatched"]:
@@ -371,8 +374,10 @@ def side_by_side(merged: pd.DataFrame) -> pd.DataFrame | None:
     "ours / paper". None when there is nothing to show."""
     if merged.empty:
         return None
-    rows = ["model", "policy", "budget", "block_size", "row", "metric"]
+    rows = ["model", "paper_model", "policy", "budget", "block_size", "row", "metric"]
     rows = [r for r in rows if merged[r].astype(str).ne("").any()]
+    if (merged["paper_model"] == merged["model"]).all():
+        rows.remove("paper_model")  # every paper value is of our own model
     merged = merged.assign(_full=merged["policy"] != "full", _budget=merged["budget"].replace("", "--").map(budget_order)).sort_values(["model", "_full", "policy", "_budget"])
     cells = merged.assign(cell=[f"{num(o)}{marks(r)} / {num(p) if pd.notna(p) else '--'}"
                                 for o, p, (_, r) in zip(merged["value"], merged["paper"], merged.iterrows())])
@@ -393,20 +398,23 @@ def write_comparison(name: str, table: int, merged: pd.DataFrame, stats: dict, e
                            "Budget": row["budget"] or "--", "B": row["block_size"] or "", "Row": row["row"],
                            "Column": row["column"], "Metric": row["metric"], "Ours": num(row["value"]) + marks(row),
                            "Paper": num(row["paper"]) if pd.notna(row["paper"]) else ("garbled" if str(row.get("note", "")).startswith("garbled") else "--"),
-                           "Δ": (num(row["diff"]) + ("!" if row["outside"] else "")) if pd.notna(row["diff"]) else "",
+                           "Δ": (num(row["diff"]) + ("!" if row["outside"] else "")) if pd.notna(row["diff"]) else
+                           ("other model" if row["paper_model"] != row["model"] and pd.notna(row["paper"]) else ""),
                            "n": num(row["n"], 0)})
     frame = pd.DataFrame(table_rows, columns=["Model", "Paper model", "Policy", "Budget", "B", "Row", "Column", "Metric",
                                               "Ours", "Paper", "Δ", "n"])
     frame = frame.loc[:, [c for c in frame.columns if c not in ("B", "Row") or frame[c].astype(bool).any()]]
     lines = head
     if frame.empty:
-        lines += ["No run of ours fills a cell of this table yet."]
+        lines += [f"No run of ours fills a cell of this table yet; the paper's numbers are in results/paper/table{table}.csv."]
     else:
         lines += ["| " + " | ".join(frame.columns) + " |", "|" + "---|" * len(frame.columns)]
         lines += ["| " + " | ".join(map(str, r)) + " |" for r in frame.itertuples(index=False)]
     wide = side_by_side(merged)
     if wide is not None:
-        lines += ["", "Side by side (ours / paper, † § ~ as above):", "",
+        other = (merged["paper_model"] != merged["model"]).any()
+        lines += ["", "Side by side (ours / paper, † § ~ as above" + ("; where `paper_model` is not our model, the "
+                  "paper's number is of that other model, shown for reference only" if other else "") + "):", "",
                   "| " + " | ".join(wide.reset_index().columns) + " |", "|" + "---|" * len(wide.reset_index().columns)]
         lines += ["| " + " | ".join(map(str, r)) + " |" for r in wide.reset_index().itertuples(index=False)]
     commands = sorted({command(name, experiments, r) for _, r in stats["missing"].iterrows()})

@@ -313,9 +313,13 @@ def test_failed_samples_and_other_models_are_marked(adhoc):
         == "0.500 ± 0.566 (n=4)†1"
     md = out / "tables" / "table17_vs_paper.md"  # SmolLM2 is not the paper's model: reference only, no difference
     assert md_cell(md, ("smollm2-135m", LLAMA3B, "keydiff", "6k", "100"), "Ours") == "0.6†1"
-    assert md_cell(md, ("smollm2-135m", LLAMA3B, "keydiff", "6k", "100"), "Δ") == ""
+    assert md_cell(md, ("smollm2-135m", LLAMA3B, "keydiff", "6k", "100"), "Paper") == "1"  # the paper's, beside ours
+    assert md_cell(md, ("smollm2-135m", LLAMA3B, "keydiff", "6k", "100"), "Δ") == "other model"
     text = md.read_text()
     assert "0 of 30 paper cells compared" in text and "for reference only" in text and "† 1 cells" in text
+    assert "the paper's values for another model, llama-3.2-3b-instruct" in text
+    wide = md_rows(md, table=1)  # side by side: the paper's model is named on the row
+    assert wide[0][:2] == ["model", "paper_model"] and wide[1][:2] == ["smollm2-135m", LLAMA3B]
 
 
 def test_nothing_run_yet_still_writes_every_file(tmp_path):
