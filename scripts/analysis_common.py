@@ -108,8 +108,11 @@ def figure_title(cfg: DictConfig, data: dict[str, Any], prompts: int, budget: bo
 
 
 def titled(fig, title: str):
-    """Put `title` above the figure's own suptitle (if any)."""
+    """Put `title` above the figure's own suptitle (if any), wrapped to the figure's width."""
+    import textwrap
+
     own = fig.get_suptitle()
+    title = textwrap.fill(title, width=max(40, int(fig.get_figwidth() * 15)))  # ~15 characters per inch at 7 pt
     fig.suptitle(f"{title}\n{own}" if own else title, fontsize=7)
     return fig
 
