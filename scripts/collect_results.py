@@ -18,8 +18,8 @@ need predictions.jsonl). Columns:
                              this run's budget, for this run and for the full run (Tables 5 and 7)
   se/<column>                standard error of that column's mean over the run's samples (score,
                              metrics/<score>, lb/<dataset>, cr/<dataset>, metrics/tasks/<task>,
-                             metrics/by_size/<size>/exact, metrics/avg_new_tokens, mean_ttft_s,
-                             mean_compression_ratio), from predictions.jsonl; the 95 %
+                             metrics/by_size/<size>/exact, metrics/avg_new_tokens, subset/[full_]flex|exact,
+                             mean_ttft_s, mean_compression_ratio), from predictions.jsonl; the 95 %
                              intervals of every table and figure come from it (keydiff/uncertainty.py)
 
     python scripts/collect_results.py [--runs results/runs] [--out results/summary.csv]
@@ -206,8 +206,11 @@ def add_math500_subsets(records: list[dict], runs: Path) -> None:
             continue
         full_rows = read_predictions(runs / full["run_dir"])
         ids = ids_exceeding(full_rows, int(r["budget"]))
-        mine = aggregate(subset_by_ids(read_predictions(runs / r["run_dir"]), ids))
-        base = aggregate(subset_by_ids(full_rows, ids))
+        mine_rows, base_rows = subset_by_ids(read_predictions(runs / r["run_dir"]), ids), subset_by_ids(full_rows, ids)
+        mine, base = aggregate(mine_rows), aggregate(base_rows)
+        for prefix, rows in (("", mine_rows), ("full_", base_rows)):
+            for metric in ("flex", "exact"):
+                r[f"se/subset/{prefix}{metric}"] = standard_error([float(row["scores"][metric]) for row in rows])
         r.update({"subset/n_problems": base["n_problems"], "subset/total_problems": aggregate(full_rows)["n_problems"],
                   "subset/n_samples": base["n_samples"], "subset/flex": mine["flex"], "subset/exact": mine["exact"],
                   "subset/full_flex": base["flex"], "subset/full_exact": base["exact"]})

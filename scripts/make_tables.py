@@ -211,12 +211,24 @@ def compression(df, out):
         return False
     model = next((m for m in LLAMAS if m in set(runs["model"])), runs["model"].iloc[0])
     cr = [c for c in (f"cr/{d}" for d in SUITE) if c in runs.columns]
-    table = runs[runs["model"] == model].groupby("budget_label")[cr].mean().T.dropna(how="all")  # equal across policies
-    table = table[[b for b in BUDGETS if b in table.columns]]
-    table.index = pd.Index([LONGBENCH[c[3:]] for c in table.index], name="Dataset")
+    mine = runs[runs["model"] == model].reindex(columns=list(runs.columns) + [
+        c for c in [f"se/{c}" for c in cr] + [f"metrics/num_samples/{c[3:]}" for c in cr] if c not in runs.columns])
+
+    def per_dataset(prefix: str) -> pd.DataFrame:  # equal across policies (the same prompts): their mean
+        frame = mine.groupby("budget_label")[[f"{prefix}{c[3:]}" for c in cr]].mean().T
+        frame.index = pd.Index([c[len(prefix):] for c in frame.index])
+        return frame.reindex(columns=[b for b in BUDGETS if b in frame.columns])
+
+    table = per_dataset("cr/").dropna(how="all")
+    se, n = per_dataset("se/cr/").reindex(table.index), per_dataset("metrics/num_samples/").reindex(table.index)
     table.loc["Average"] = table.mean(axis=0, skipna=False)
-    table.columns = [c.upper() for c in table.columns]
-    write_table(table, None, out, "table9", f"Average compression ratio min(N / L, 1) per budget ({model} prompts).")
+    se.loc["Average"] = [combined_se(se[c]) for c in se.columns]
+    n.loc["Average"] = n.sum(axis=0, min_count=len(n))
+    for frame in (table, se, n):
+        frame.index = pd.Index([LONGBENCH.get(d, d) for d in frame.index], name="Dataset")
+        frame.columns = [c.upper() for c in frame.columns]
+    write_table(table, None, out, "table9", f"Average compression ratio min(N / L, 1) per budget ({model} prompts): "
+                "the fraction of the prompt the cache keeps (kept N/L).", se=se, n=n)
     return True
 
 
@@ -288,15 +300,20 @@ def math500_subsets(df, out, name, model, caption):
             at = sel[sel["budget"] == budget]
             first = at.iloc[0]
             subset = f"Num Tokens > {int(budget)} ({int(first['subset/n_problems'])}/{int(first['subset/total_problems'])})"
-            rows.append(((gen, subset, "Full"), [first["subset/full_flex"], first["subset/full_exact"]]))
+            n = first["subset/n_samples"]
+            rows.append(((gen, subset, "Full"), [first["subset/full_flex"], first["subset/full_exact"]],
+                         [first.get(f"se/subset/full_{m}", np.nan) for m in ("flex", "exact")], n))
             for policy in ["keydiff_w20", "snapkv"]:
                 for _, run in at[at["policy"] == policy].iterrows():
-                    rows.append(((gen, subset, NAMES[policy]), [run["subset/flex"], run["subset/exact"]]))
+                    rows.append(((gen, subset, NAMES[policy]), [run["subset/flex"], run["subset/exact"]],
+                                 [run.get(f"se/subset/{m}", np.nan) for m in ("flex", "exact")], run["subset/n_samples"]))
     if not rows:
         return False
-    index = pd.MultiIndex.from_tuples([i for i, _ in rows], names=["Max Gen. Length", "Subset", "Method"])
-    table = pd.DataFrame([v for _, v in rows], index=index, columns=["Flex", "Exact"])
-    write_table(table, best_mask(table, ["Max Gen. Length", "Subset"], table.columns), out, name, caption, 3)
+    index = pd.MultiIndex.from_tuples([r[0] for r in rows], names=["Max Gen. Length", "Subset", "Method"])
+    table = pd.DataFrame([r[1] for r in rows], index=index, columns=["Flex", "Exact"]).astype(float)
+    se = pd.DataFrame([r[2] for r in rows], index=index, columns=table.columns).astype(float)
+    n = pd.DataFrame([[r[3]] * 2 for r in rows], index=index, columns=table.columns)
+    write_table(table, best_mask(table, ["Max Gen. Length", "Subset"], table.columns), out, name, caption, 3, se=se, n=n)
     return True
 
 
