@@ -101,11 +101,12 @@ def niah_heatmaps(df, out: Path) -> list[Path]:
                     image = ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto", interpolation="nearest")
                     ax.set_xticks(range(len(lengths)), [f"{l / 1000:g}k" for l in lengths], rotation=90)
                     ax.set_yticks(range(len(depths)), [str(d) for d in depths])
-                    ax.set_title(f"{NAMES.get(run['policy'], run['policy'])}{subset_mark(run)} (n={count(run)})")
+                    mark = subset_mark(run)
+                    ax.set_title(f"{NAMES.get(run['policy'], run['policy'])}{' ' + mark if mark else ''} (n={count(run)})")
                     ax.set_xlabel("context length (tokens)")
                 axes[0][0].set_ylabel("needle depth (%)")
                 fig.colorbar(image, ax=list(axes[0]), label="needle recall")
-                note = " (§ subset run: task.limit)" if any(subset_mark(r) for _, r in panels) else ""
+                note = "\n§ subset run (task.limit)" if any(subset_mark(r) for _, r in panels) else ""
                 fig.suptitle(f"{model}, budget {budget.upper()}, B = {block}{note}")
                 paths += save(fig, out, f"{task}_{experiment}_{model}_{budget}_bs{block}")
     return paths

@@ -436,19 +436,36 @@ def test_a_subset_run_is_never_averaged_with_the_full_run(mixed):
     assert "2 subset runs not shown" in md.read_text()
 
 
-def test_the_generic_figure_plots_the_full_run_with_its_interval(mixed, monkeypatch):
-    out, runs = mixed
+def drawn_figures(monkeypatch, summary, runs, out) -> dict:
+    """make_figures.main, recording what each figure draws (legend, error-bar series, titles) before it is saved."""
     plotted, save = {}, make_figures.save
 
-    def keep_axes(fig, where, name):  # what the figure draws, read before it is saved and closed
+    def keep_axes(fig, where, name):
         ax = fig.axes[0]
-        plotted[name] = [text.get_text() for text in ax.get_legend().get_texts()]
-        plotted[name + "/containers"] = [(c.lines[0].get_ydata().tolist(), c) for c in ax.containers]
+        plotted[name] = [text.get_text() for text in ax.get_legend().get_texts()] if ax.get_legend() else []
+        plotted[name + "/containers"] = [(c.lines[0].get_ydata().tolist(), c) for c in ax.containers
+                                         if hasattr(c, "lines")]  # error-bar series
         plotted[name + "/title"] = ax.get_title()
+        plotted[name + "/titles"] = [a.get_title() for a in fig.axes] + [fig.get_suptitle()]
         return save(fig, where, name)
 
     monkeypatch.setattr(make_figures, "save", keep_axes)
-    make_figures.main(out / "summary.csv", runs, out / "figures")
+    make_figures.main(summary, runs, out)
+    return plotted
+
+
+def test_subset_runs_are_marked_on_heatmaps(produced, fake_runs, monkeypatch, tmp_path):
+    out, _, _ = produced
+    plotted = drawn_figures(monkeypatch, out / "summary.csv", fake_runs, tmp_path)
+    smoke = plotted["niah_small_smoke_smollm2-135m_1k_bs128/titles"]  # the smoke run has task.limit=2
+    assert smoke[0] == "KeyDiff § (n=1)" and "§ subset run (task.limit)" in smoke[-1]
+    full = plotted[f"niah_fig6_niah_{LLAMA3B}_6k_bs128/titles"]
+    assert full[:2] == ["Full (n=1)", "KeyDiff (n=1)"] and not any("§" in t for t in full)
+
+
+def test_the_generic_figure_plots_the_full_run_with_its_interval(mixed, monkeypatch):
+    out, runs = mixed
+    plotted = drawn_figures(monkeypatch, out / "summary.csv", runs, out / "figures")
     name = "adhoc__niah_small__smollm2-135m__bs128"
     labels = list(plotted[name])
     assert "KeyDiff (n=6 per budget)" in labels and "Sink § (n=4 per budget)" in labels
