@@ -244,7 +244,7 @@ def test_same_model_cells_show_ours_paper_and_difference(produced):
     t1 = out / "tables" / "table1_vs_paper.md"
     cells = md_rows(t1)
     kd = [r for r in cells if r[:5] == [LLAMA3B, LLAMA3B, "keydiff", "2k", "narrativeqa"]]
-    assert kd and kd[0][6:9] == ["10.5", "18.29", "-7.79!"]
+    assert kd and kd[0][6:9] == ["10.5 ± 19.6", "18.29", "-7.79!"]  # ours with its 95 % half-width
     # The unfinished table11 run (~) is shown with its difference but not counted.
     assert md_cell(t1, (LLAMA3B, LLAMA3B, "keydiff", "4k", "narrativeqa"), "Ours") == "70~"
     assert "68 of 697 paper cells" in t1.read_text() and "~ 17 cells from runs not complete, shown but not counted" \
@@ -314,7 +314,7 @@ def test_failed_samples_and_other_models_are_marked(adhoc):
     assert md_cell(out / "tables" / "generic" / "table17__phonebook.md", ("smollm2-135m", "128", "keydiff"), "6k") \
         == "0.500 ± 0.566 (n=4)†1"
     md = out / "tables" / "table17_vs_paper.md"  # SmolLM2 is not the paper's model: reference only, no difference
-    assert md_cell(md, ("smollm2-135m", LLAMA3B, "keydiff", "6k", "100"), "Ours") == "0.6†1"
+    assert md_cell(md, ("smollm2-135m", LLAMA3B, "keydiff", "6k", "100"), "Ours") == "0.6 ± 0.566†1"
     assert md_cell(md, ("smollm2-135m", LLAMA3B, "keydiff", "6k", "100"), "Paper") == "1"  # the paper's, beside ours
     assert md_cell(md, ("smollm2-135m", LLAMA3B, "keydiff", "6k", "100"), "Δ") == "other model"
     text = md.read_text()
