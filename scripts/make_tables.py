@@ -6,6 +6,10 @@ printing anything. Only complete runs of the whole task (no task.limit) count, e
 then the experiments listed with it (Table 1 is a column subset of Table 11, the full rows come from
 the *_full experiments, ...); seeds of the same configuration are averaged. Best eviction method per
 column (within a model / budget group) is bold; the eviction-free rows are references, never bold.
+Every cell that averages samples reads "value ± half-width (n=...)": the 95 % interval over samples
+(keydiff/uncertainty.py, from the se/<column> standard errors of summary.csv; LongBench cells are
+per-dataset, their average combines the datasets' errors). Table 18 and the heatmaps hold one sample per
+cell, Table 8 counts prompts: no interval there.
 
 Beside them: <table>_vs_paper (ours next to results/paper/, scripts/paper_compare.py), generic/ (every
 experiment and task, whatever ran: scripts/generic_tables.py) and the index results/README.md
