@@ -7,6 +7,7 @@ LongBench prompts built by the longbench task (template, chat template, middle t
 from __future__ import annotations
 
 import json
+import platform
 import sys
 import time
 from pathlib import Path
@@ -82,7 +83,38 @@ def haystack_prompts(cfg: DictConfig, tokenizer) -> tuple[list[tuple[str, torch.
     if available < cfg.samples:
         raise ValueError(f"the haystack holds {len(ids)} tokens: at most {available} samples of length {cfg.length}")
     prompts = [(f"haystack/{i * body}", torch.tensor(bos + ids[i * body : (i + 1) * body])) for i in range(cfg.samples)]
-    return prompts, {"source": "haystack", "description": haystack.description, "sources": haystack.sources}
+    return prompts, {"source": "haystack", "description": haystack_label(cfg.data.haystack_dir, haystack.sources),
+                     "sources": haystack.sources}
+
+
+def haystack_label(haystack_dir: str | None, sources: dict[str, str]) -> str:
+    """The haystack named by what it is, not where it lies on this machine: the default is the running
+    interpreter's pydoc_data.topics (its content changes between Python versions, hence the version); a
+    folder is named by its own name and file count (the sha256 of every file is in `sources`)."""
+    if haystack_dir is None:
+        return f"pydoc_data.topics prose (Python {platform.python_version()})"
+    return f"{len(sources)} .txt file(s) of folder '{Path(str(haystack_dir)).expanduser().resolve().name}'"
+
+
+def prompt_source(data: dict[str, Any]) -> str:
+    """One line for titles: "LongBench narrativeqa" or the haystack label."""
+    return f"LongBench {data['dataset']}" if data["source"] == "longbench" else data["description"]
+
+
+def figure_title(cfg: DictConfig, data: dict[str, Any], prompts: int, budget: bool = True) -> str:
+    """What an analysis figure measured: model, prompt source, prompts x length (and budget, block size)."""
+    title = f"{cfg.model.name}; {prompt_source(data)}; {prompts} prompt(s) of {cfg.length} tokens"
+    return title + (f"; budget N = {cfg.cache_budget}, B = {cfg.block_size}" if budget else "")
+
+
+def titled(fig, title: str):
+    """Put `title` above the figure's own suptitle (if any), wrapped to the figure's width."""
+    import textwrap
+
+    own = fig.get_suptitle()
+    title = textwrap.fill(title, width=max(40, int(fig.get_figwidth() * 15)))  # ~15 characters per inch at 7 pt
+    fig.suptitle(f"{title}\n{own}" if own else title, fontsize=7)
+    return fig
 
 
 def longbench_prompts(cfg: DictConfig, tokenizer, dataset: str):

@@ -12,7 +12,12 @@
   fig15_norms                       Figure 15: key and query L2 norms per layer
   fig16_top_key_mean_query          Figure 16: cos(top KeyDiff key, mean query) per layer and head, next to the
                                     median key's
-  summary.json                      the numbers behind the figures, with provenance (config, commit, model, data)
+  summary.json                      the numbers behind the figures (and each figure's title), with provenance
+                                    (config, commit, model, data)
+
+Every figure is titled with what it measured: model, prompt source (a package and version, e.g.
+"pydoc_data.topics prose (Python 3.11.2)", or "LongBench narrativeqa": never a path of this machine),
+prompts x length, and for the eviction figures the budget N and block size B.
 
 The (layer, KV head) pairs default to the paper's Llama-3.2-3B choices scaled to the model's depth; the
 PCA basis of Figures 5, 8-10 is fitted on the keys of the same prompt without eviction, so the panels of
@@ -35,7 +40,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from analysis_common import (  # noqa: E402
-    ROOT, STYLE, check_config, load_config, prompts, provenance, save_figure, write_json,
+    ROOT, STYLE, check_config, figure_title, load_config, prompts, provenance, save_figure, titled, write_json,
 )
 
 from keydiff.analysis import (  # noqa: E402
@@ -215,6 +220,8 @@ def median_key_query_cosine(capture) -> torch.Tensor:
 def main(argv: list[str]) -> None:
     cfg = load_config(argv)
     model_cfg = check_config(cfg, eviction=True)
+    print(f"loading {cfg.model.name} to measure the analysis figures on {cfg.samples} prompt(s) of {cfg.length} "
+          "tokens (default model on one CPU core: about 3 min)", flush=True)
     model, tokenizer = load_model(model_cfg)
     text_config = model.config.get_text_config()
     num_layers, kv_heads = text_config.num_hidden_layers, text_config.num_key_value_heads
@@ -226,22 +233,30 @@ def main(argv: list[str]) -> None:
     out = ROOT / cfg.figures_dir
     plt.rcParams.update(STYLE)
     paths: list[Path] = []
+    first_only = figure_title(cfg, data, 1, budget=False)  # Figures 2, 4, 11, 13-16: the first prompt
+    evicted = figure_title(cfg, data, 1)  # Figures 5, 8-10: the first prompt, evicted at the budget
+    pooled = figure_title(cfg, data, len(prompt_list))  # Figure 12: every prompt
+    titles: dict[str, str] = {}
+
+    def save(fig, figure_name: str, title: str) -> list[Path]:
+        titles[figure_name] = title
+        return save_figure(titled(fig, title), out, figure_name, cfg.formats)
 
     first = prompt_list[0][1]
     print(f"capturing keys/queries/attention of {prompt_list[0][0]} ({first.numel()} tokens)", flush=True)
     captures = capture_prompt(model, first, window=cfg.window)
     pairs = list(dict.fromkeys(heads.values()))
-    paths += save_figure(figure2(captures, pairs[:2], cfg.window), out, "fig02_key_cosine_attention", cfg.formats)
-    paths += save_figure(figure4(captures, pairs[:1], cfg.anchor), out, "fig04_pca_keys_queries", cfg.formats)
-    paths += save_figure(figure4(captures, pairs, cfg.anchor), out, "fig11_pca_keys_queries", cfg.formats)
+    paths += save(figure2(captures, pairs[:2], cfg.window), "fig02_key_cosine_attention", first_only)
+    paths += save(figure4(captures, pairs[:1], cfg.anchor), "fig04_pca_keys_queries", first_only)
+    paths += save(figure4(captures, pairs, cfg.anchor), "fig11_pca_keys_queries", first_only)
 
     mean_kq = np.stack([mean_cosine(c.keys, c.queries).numpy() for c in captures])
     top_q = np.stack([top_key_query_cosine(c.keys, c.queries, cfg.anchor).numpy() for c in captures])
     median_q = np.stack([median_key_query_cosine(c).numpy() for c in captures])
-    paths += save_figure(figure13(captures), out, "fig13_cosine_to_mean", cfg.formats)
-    paths += save_figure(figure14(mean_kq), out, "fig14_mean_key_query_cosine", cfg.formats)
-    paths += save_figure(figure15(captures), out, "fig15_norms", cfg.formats)
-    paths += save_figure(figure16(top_q, median_q), out, "fig16_top_key_mean_query", cfg.formats)
+    paths += save(figure13(captures), "fig13_cosine_to_mean", first_only)
+    paths += save(figure14(mean_kq), "fig14_mean_key_query_cosine", first_only)
+    paths += save(figure15(captures), "fig15_norms", first_only)
+    paths += save(figure16(top_q, median_q), "fig16_top_key_mean_query", first_only)
 
     logdets: dict[str, list[float]] = {policy: [] for policy in cfg.policies}
     pca_layers = sorted({layer for layer, _ in pairs})
@@ -256,17 +271,18 @@ def main(argv: list[str]) -> None:
                 first_traces[policy] = [t if i in pca_layers else None for i, t in enumerate(traces)]
     for figure, (layer, head) in heads.items():
         fig = figure_retained(captures[layer], first_traces, layer, head, cfg.cache_budget)
-        paths += save_figure(fig, out, f"{figure}_pca_retained_layer{layer}_head{head}", cfg.formats)
+        paths += save(fig, f"{figure}_pca_retained_layer{layer}_head{head}", evicted)
     label = "log det(K K^T + %g I)" % cfg.logdet_ridge if cfg.logdet_ridge > 0 else "log pdet(K K^T) = log det(K^T K)"
     label += " (unit keys)" if cfg.logdet_normalize else ""
     logdet_arrays = {p: np.array(v) for p, v in logdets.items()}
-    paths += save_figure(figure12(logdet_arrays, label), out, "fig12_logdet", cfg.formats)
+    paths += save(figure12(logdet_arrays, label), "fig12_logdet", pooled)
 
     key_cos = torch.cat([cosine_to_mean(c.keys).flatten() for c in captures])
     query_cos = torch.cat([cosine_to_mean(c.queries).flatten() for c in captures])
     key_norms = torch.cat([c.keys.norm(dim=-1).flatten() for c in captures])
     query_norms = torch.cat([c.queries.norm(dim=-1).flatten() for c in captures])
     results = {
+        "titles": titles,
         "heads": {figure: list(pair) for figure, pair in heads.items()},
         "fig12_logdet": {p: {"median": float(np.median(v[np.isfinite(v)])), "mean": float(np.mean(v[np.isfinite(v)])),
                              "count": int(v.size), "non_finite": int((~np.isfinite(v)).sum())}

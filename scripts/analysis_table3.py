@@ -81,6 +81,8 @@ def markdown(cfg, per_layer, per_head, overall, data) -> str:
 def main(argv: list[str]) -> None:
     cfg = load_config(argv)
     model_cfg = check_config(cfg, eviction=False)
+    print(f"loading {cfg.model.name} to measure Table 3 on {cfg.samples} prompt(s) of {cfg.length} tokens "
+          "(default model on one CPU core: about 1 min)", flush=True)
     model, tokenizer = load_model(model_cfg)
     prompt_list, data = prompts(cfg, tokenizer, default_dataset="musique")
     data["samples"] = [sid for sid, _ in prompt_list]

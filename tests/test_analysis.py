@@ -236,6 +236,14 @@ def test_analysis_scripts_end_to_end(load_script, tmp_path, tiny_checkpoint):
     summary = json.loads((out / "summary.json").read_text())
     assert {p: v["count"] for p, v in summary["results"]["fig12_logdet"].items()} == {
         "sink": 12, "tova": 12, "keydiff": 12}  # 3 layers x 2 KV heads x 2 prompts
+    # Titles say what was measured; the prompt source is named without a path of this machine.
+    source = "1 .txt file(s) of folder 'haystack'"
+    assert summary["data"]["description"] == source and str(tmp_path) not in json.dumps(summary["results"]["titles"])
+    titles = summary["results"]["titles"]
+    assert titles["fig12_logdet"] == f"custom; {source}; 2 prompt(s) of 96 tokens; budget N = 40, B = 16"
+    assert titles["fig13_cosine_to_mean"] == f"custom; {source}; 1 prompt(s) of 96 tokens"
+    assert all("budget N = 40" in t for k, t in titles.items() if "_pca_retained_" in k)
+    assert len(titles) == 8 + 4
 
 
 @pytest.mark.parametrize("override, message", [
