@@ -17,7 +17,7 @@ import torch
 
 from keydiff import build_policy, prefill
 from keydiff.analysis import common as analysis_common
-from keydiff.analysis import figures, table3
+from keydiff.analysis import figures, future_attention, table3
 from keydiff.analysis.statistics import (
     average_ranks, fit_pca, keydiff_attention_spearman, keydiff_score, log_volume, pairwise_cosine, project,
     scaled_heads, spearman,
@@ -249,11 +249,27 @@ def test_analysis_entry_points_end_to_end(tmp_path, tiny_checkpoint):
     ("policies=[sink,nope]", "unknown policy 'nope'"),
     ("attention=max", "attention 'max' is not valid"),
 ])
-def test_analysis_config_errors_before_loading(override, message):
+def test_analysis_config_errors_before_loading(monkeypatch, override, message):
     cfg = analysis_common.load_config([override])
-    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("[", r"\[")):
+    pattern = message.replace("(", r"\(").replace("[", r"\[")
+    with pytest.raises(ValueError, match=pattern):
         analysis_common.check_config(cfg, eviction=True)
+    # The entry point stops with that message as one line, before loading any model.
+    monkeypatch.setattr(figures, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    with pytest.raises(SystemExit, match="^error: .*" + pattern) as exit_info:
+        figures.main([override])
+    assert "\n" not in str(exit_info.value)
 
+
+@pytest.mark.parametrize("arguments, message", [
+    (["--policies", "keydiff,nope"], "unknown policies ['nope']; valid: "),
+    (["--future", "0"], "--future must be between 1 and --context - 1"),
+])
+def test_future_attention_rejects_bad_input_before_loading(monkeypatch, capsys, arguments, message):
+    monkeypatch.setattr(future_attention, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    with pytest.raises(SystemExit) as exit_info:
+        future_attention.main(arguments)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_table3_on_longbench_prompts(tmp_path, tiny_checkpoint):

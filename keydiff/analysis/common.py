@@ -65,6 +65,16 @@ def check_config(cfg: DictConfig, eviction: bool) -> ModelConfig:
     return model_cfg
 
 
+def config_from_command_line(argv: list[str], eviction: bool) -> tuple[DictConfig, ModelConfig]:
+    """`load_config` + `check_config` for an entry point: a bad value stops it with a one-line error
+    (naming the key and the valid choices) before any model is loaded."""
+    cfg = load_config(argv)
+    try:
+        return cfg, check_config(cfg, eviction)
+    except ValueError as error:
+        raise SystemExit(f"error: {error}") from None
+
+
 def haystack_prompts(cfg: DictConfig, tokenizer) -> tuple[list[tuple[str, torch.Tensor]], dict[str, Any]]:
     """`samples` non-overlapping windows of `length` tokens of the haystack prose, each led by BOS if any."""
     from keydiff.tasks.haystack import load_haystack

@@ -40,7 +40,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from keydiff.analysis.common import (  # noqa: E402
-    STYLE, check_config, figure_title, inputs_record, load_config, prompts, save_figure, titled,
+    STYLE, config_from_command_line, figure_title, inputs_record, prompts, save_figure, titled,
 )
 from keydiff.analysis.statistics import (  # noqa: E402
     cosine_to_mean, expand_to_query_heads, fit_pca, keydiff_score, log_volume, mean_cosine, pairwise_cosine,
@@ -221,8 +221,7 @@ def median_key_query_cosine(capture) -> torch.Tensor:
 
 def main(argv: list[str]) -> None:
     started = provenance(__spec__.name, argv)
-    cfg = load_config(argv)
-    model_cfg = check_config(cfg, eviction=True)
+    cfg, model_cfg = config_from_command_line(argv, eviction=True)
     print(f"loading {cfg.model.name} to measure the analysis figures on {cfg.samples} prompt(s) of {cfg.length} "
           "tokens (default model on one CPU core: about 3 min)", flush=True)
     model, tokenizer = load_model(model_cfg)

@@ -23,13 +23,13 @@ from keydiff.bench.common import CHECKOUT
 from keydiff.models import ModelConfig, load_model
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--context", type=int, default=1200, help="NIAH context length (task.context_lengths)")
     parser.add_argument("--future", type=int, default=200, help="T: the last T prompt tokens act as future queries")
     parser.add_argument("--policies", default="expected_attention,knorm,keydiff")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     names = args.policies.split(",")
     unknown = [name for name in names if name not in keydiff.available_policies()]
     if unknown:

@@ -21,7 +21,7 @@ import sys
 import pandas as pd
 import torch
 
-from keydiff.analysis.common import check_config, inputs_record, load_config, prompts
+from keydiff.analysis.common import config_from_command_line, inputs_record, prompts
 from keydiff.analysis.statistics import keydiff_attention_spearman
 from keydiff.bench.common import CHECKOUT, provenance, write_json
 from keydiff.capture import capture_prompt
@@ -78,8 +78,7 @@ def markdown(cfg, per_layer, per_head, overall, data) -> str:
 
 def main(argv: list[str]) -> None:
     started = provenance(__spec__.name, argv)
-    cfg = load_config(argv)
-    model_cfg = check_config(cfg, eviction=False)
+    cfg, model_cfg = config_from_command_line(argv, eviction=False)
     print(f"loading {cfg.model.name} to measure Table 3 on {cfg.samples} prompt(s) of {cfg.length} tokens "
           "(default model on one CPU core: about 1 min)", flush=True)
     model, tokenizer = load_model(model_cfg)
