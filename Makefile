@@ -28,17 +28,17 @@ test: $(STAMP)  ## the whole offline CPU test suite
 	$(PY) -m pytest -q $(ARGS)
 
 bench: $(STAMP)  ## prefill benchmark: TTFT per policy and the share spent scoring/evicting
-	$(PY) scripts/bench_prefill.py $(ARGS)
+	$(PY) -m keydiff.bench.prefill $(ARGS)
 
 bench-decode: $(STAMP)  ## decode benchmark: per-token time and allocations at N vs full (--end-to-end, --memory-scaling)
-	$(PY) scripts/bench_decode.py $(ARGS)
+	$(PY) -m keydiff.bench.decode $(ARGS)
 
 bench-scoring: $(STAMP)  ## Tables 19 and 2: scoring-step time/memory per policy vs N and B (quiet machine; ARGS="--shape llama-3.2-3b")
-	$(PY) scripts/scoring_latency.py table19 $(ARGS)
-	$(PY) scripts/scoring_latency.py table2 $(ARGS)
+	$(PY) -m keydiff.bench.scoring table19 $(ARGS)
+	$(PY) -m keydiff.bench.scoring table2 $(ARGS)
 
 gpu-check: $(STAMP)  ## run first on a new (GPU) machine: engine exactness per attention kernel, then both benchmarks
-	$(PY) scripts/gpu_check.py $(ARGS)
+	$(PY) -m keydiff.bench.gpu_check $(ARGS)
 
 # ONLY_MISSING=1: launch only the grid points that are not complete (see `make status`).
 SWEEP_ONLY_MISSING = $(if $(ONLY_MISSING),only_missing=true,)
@@ -78,8 +78,8 @@ analysis: $(STAMP)  ## Figures 2, 4/5, 8-16 and Table 3 measured on the default 
 	@echo "analysis: loading the model ($(or $(ANALYSIS_ARGS),default model SmolLM2-135M; 2 prompts x 2048 tokens)) to measure"
 	@echo "  Figures 2, 4/5, 8-16 and Table 3: about 4-5 min on one CPU core for the default model, longer for larger"
 	@echo "  models and lengths. Only the figures from results/runs (no model): make figures-runs"
-	$(PY) scripts/analysis_figures.py $(ANALYSIS_ARGS)
-	$(PY) scripts/analysis_table3.py $(ANALYSIS_ARGS)
+	$(PY) -m keydiff.analysis.figures $(ANALYSIS_ARGS)
+	$(PY) -m keydiff.analysis.table3 $(ANALYSIS_ARGS)
 
 paper-assets: tables figures
 

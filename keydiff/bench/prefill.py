@@ -1,14 +1,14 @@
 """Prefill benchmark: time to first token (TTFT) per policy at one (prompt length L, budget N, block size B).
 
-    python scripts/bench_prefill.py                                   # CPU: the offline default model
-    python scripts/bench_prefill.py --model random-llama-3.2-3b --dtype bfloat16 --length 8192 --budget 2048
-    python scripts/bench_prefill.py --attn eager --statistics materialized   # the paper's eager setting
-    python scripts/bench_prefill.py --policies full --block-size 4096 --length 4096 --reference
+    python -m keydiff.bench.prefill                                   # CPU: the offline default model
+    python -m keydiff.bench.prefill --model random-llama-3.2-3b --dtype bfloat16 --length 8192 --budget 2048
+    python -m keydiff.bench.prefill --attn eager --statistics materialized   # the paper's eager setting
+    python -m keydiff.bench.prefill --policies full --block-size 4096 --length 4096 --reference
 
 How it measures, and why:
 * TTFT is the median of --repeats unprofiled runs (profile=False). Every policy first gets one untimed
   warm-up run, so kernels, allocator pools and lazy initialisation are not in the timed runs; then the
-  repeats run in rounds, each policy once per round in turn (bench_common.interleaved_rounds), so that
+  repeats run in rounds, each policy once per round in turn (keydiff.bench.common.interleaved_rounds), so that
   drift in the machine's speed is shared by all policies instead of biasing their ratios.
 * The shares spent computing attention statistics and scoring/evicting come from one SEPARATE run with
   profile=True (which synchronises the GPU around each statistic and eviction, and so slows the run);
@@ -25,13 +25,11 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_common as common  # noqa: E402
-from keydiff import build_policy, prefill  # noqa: E402
+from keydiff import build_policy, prefill
+from keydiff.bench import common
 
 
 def prefill_run(model, prompt, name: str, args, profile: bool):
@@ -82,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--statistics", default="fast", choices=["fast", "materialized"])
     parser.add_argument("--reference", action="store_true", help="also time a plain transformers forward")
     args = parser.parse_args(argv)
-    started = common.provenance(__file__, argv)
+    started = common.provenance(__spec__.name, argv)
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
     names = common.parse_policies(parser, args.policies, args.budget)

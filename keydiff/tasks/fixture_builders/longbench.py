@@ -9,8 +9,8 @@ words, characters for Chinese) for v1 files; the `_e` files instead carry the ma
 
 Output is deterministic: the same command writes byte-identical jsonl files.
 
-    python scripts/make_longbench_fixture.py                  # -> tasks/fixtures/longbench/data/*.jsonl
-    python scripts/make_longbench_fixture.py --out /tmp/lb --zip   # also writes /tmp/lb/data.zip
+    python -m keydiff.tasks.fixture_builders.longbench                      # -> tasks/fixtures/longbench/data/*.jsonl
+    python -m keydiff.tasks.fixture_builders.longbench --out /tmp/lb --zip   # also writes /tmp/lb/data.zip
 """
 
 from __future__ import annotations
@@ -24,15 +24,9 @@ import zlib
 from pathlib import Path
 from typing import Any, Callable
 
-V1_DATASETS = (
-    "narrativeqa", "qasper", "multifieldqa_en", "multifieldqa_zh", "hotpotqa", "2wikimqa", "musique",
-    "dureader", "gov_report", "qmsum", "multi_news", "vcsum", "trec", "triviaqa", "samsum", "lsht",
-    "passage_count", "passage_retrieval_en", "passage_retrieval_zh", "lcc", "repobench-p",
-)  # fmt: skip
-E_DATASETS = (
-    "qasper", "multifieldqa_en", "hotpotqa", "2wikimqa", "gov_report", "multi_news",
-    "trec", "triviaqa", "samsum", "passage_count", "passage_retrieval_en", "lcc", "repobench-p",
-)  # fmt: skip
+from keydiff.tasks.fixture_builders import FIXTURES
+from keydiff.tasks.longbench import ALL_21, LONGBENCH_E_13
+
 E_LENGTHS = (3999, 4000, 8000)
 
 EN_SENTENCES = (
@@ -244,7 +238,7 @@ def write_fixture(out: Path) -> list[Path]:
     data = out / "data"
     data.mkdir(parents=True, exist_ok=True)
     paths = []
-    for stem in [*V1_DATASETS, *(f"{name}_e" for name in E_DATASETS)]:
+    for stem in [*ALL_21, *(f"{name}_e" for name in LONGBENCH_E_13)]:
         path = data / f"{stem}.jsonl"
         lines = [json.dumps(record, ensure_ascii=False) for record in make_records(stem)]
         path.write_text("\n".join(lines) + "\n", encoding="utf-8")
@@ -262,11 +256,12 @@ def write_zip(out: Path, zip_path: Path) -> Path:
     return zip_path
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path("tasks/fixtures/longbench"), help="output folder")
+    parser.add_argument("--out", type=Path, default=FIXTURES / "longbench",
+                        help="output folder (default: this checkout's tasks/fixtures/longbench)")
     parser.add_argument("--zip", action="store_true", help="also write <out>/data.zip")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     paths = write_fixture(args.out)
     print(f"wrote {len(paths)} files under {args.out / 'data'}")
     if args.zip:

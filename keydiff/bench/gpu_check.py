@@ -23,6 +23,8 @@ absolute tolerance would mean nothing): 1e-4 in float32; in bfloat16 5e-2. Measu
 mid-size model in bf16: block vs single forward 9e-3 (rounding), eviction at N = L/4 0.9, and a
 top-left-aligned causal mask (what flash-attn < 2.1 does when queries < keys) 0.5-1.
 Exit status 1 if any row FAILs. --quick shrinks every size (the test suite runs it on CPU).
+
+    python -m keydiff.bench.gpu_check [--quick] [--threads 1] [--json check.json]
 """
 
 from __future__ import annotations
@@ -30,7 +32,6 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
-import subprocess
 import sys
 import tempfile
 from dataclasses import asdict, dataclass
@@ -38,10 +39,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_common as common  # noqa: E402
-import keydiff  # noqa: E402
-from keydiff import available_policies, generate, prefill  # noqa: E402
+import keydiff
+from keydiff import available_policies, generate, prefill
+from keydiff.bench import common
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
 # Fast vs materialized kept-set agreement required in bf16. Random weights give near-uniform attention, so
@@ -53,7 +53,7 @@ AGREEMENT_POLICIES = ("h2o", "tova", "snapkv")
 STACKED_POLICIES = ("keydiff", "tova", "snapkv", "h2o")
 STACKED_AGREEMENT = 0.99
 EVICTING = [name for name in available_policies() if name != "full"]
-SCRIPTS = Path(__file__).resolve().parent
+PREFILL, DECODE = "keydiff.bench.prefill", "keydiff.bench.decode"  # the benchmarks it runs, as `python -m` names
 
 
 @dataclass
@@ -269,17 +269,16 @@ def flash_attn_status() -> tuple[str, str]:
     return "ok", f"flash_attn {version}"
 
 
-def benchmark_row(script: str, label: str, arguments: list[str]) -> Row:
+def benchmark_row(module: str, label: str, arguments: list[str]) -> Row:
     """Run a benchmark in a fresh interpreter; PASS if it exits 0 with a positive time for every policy."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "bench.json"
-        done = subprocess.run([sys.executable, str(SCRIPTS / script), *arguments, "--json", str(out)],
-                              capture_output=True, text=True)
+        done = common.run_module(module, [*arguments, "--json", str(out)])
         if done.returncode != 0 or not out.exists():
             tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
-            return Row(script, label, "FAIL", f"exit {done.returncode}: {tail[:200]}")
+            return Row(module, label, "FAIL", f"exit {done.returncode}: {tail[:200]}")
         results = json.loads(out.read_text())["results"]
-    if script == "bench_prefill.py":
+    if module == PREFILL:
         times = [r["ttft_median_s"] for r in results]
         summary = "TTFT x full: " + ", ".join(f"{r['policy']} {common.fmt(r['ratio_to_full'], '.2f')}" for r in results)
     else:
@@ -287,7 +286,7 @@ def benchmark_row(script: str, label: str, arguments: list[str]) -> Row:
         summary = "ms/token x full@N: " + ", ".join(
             f"{r['policy']} {common.fmt(r.get('decode_ratio_to_full'), '.2f')}" for r in results)
     ok = bool(results) and all(t > 0 for t in times)
-    return Row(script, label, "PASS" if ok else "FAIL", summary)
+    return Row(module, label, "PASS" if ok else "FAIL", summary)
 
 
 def benchmark_rows(device: str, quick: bool) -> list[Row]:
@@ -295,20 +294,20 @@ def benchmark_rows(device: str, quick: bool) -> list[Row]:
             "--threads", "1"]  # a smoke run: one thread cannot be stalled by a busy machine
     rows = []
     if device != "cuda" or quick:
-        rows += [benchmark_row("bench_prefill.py", "random-tiny, tiny sizes", tiny + ["--reference"]),
-                 benchmark_row("bench_decode.py", "random-tiny, tiny sizes", tiny + ["--new-tokens", "4",
-                                                                                       "--profile-tokens", "3"])]
+        rows += [benchmark_row(PREFILL, "random-tiny, tiny sizes", tiny + ["--reference"]),
+                 benchmark_row(DECODE, "random-tiny, tiny sizes",
+                               tiny + ["--new-tokens", "4", "--profile-tokens", "3"])]
     if device != "cuda":
-        rows += [Row(script, "random-llama-3.2-3b", "SKIP", "CUDA only: no GPU here (ran tiny sizes above)")
-                 for script in ("bench_prefill.py", "bench_decode.py")]
+        rows += [Row(module, "random-llama-3.2-3b", "SKIP", "CUDA only: no GPU here (ran tiny sizes above)")
+                 for module in (PREFILL, DECODE)]
     elif quick:
-        rows += [Row(script, "random-llama-3.2-3b", "SKIP", "--quick: tiny sizes only")
-                 for script in ("bench_prefill.py", "bench_decode.py")]
+        rows += [Row(module, "random-llama-3.2-3b", "SKIP", "--quick: tiny sizes only")
+                 for module in (PREFILL, DECODE)]
     else:
         big = ["--model", "random-llama-3.2-3b", "--dtype", "bfloat16", "--repeats", "3"]
-        rows += [benchmark_row("bench_prefill.py", "3b bf16 L=8192 N=2048 B=128",
+        rows += [benchmark_row(PREFILL, "3b bf16 L=8192 N=2048 B=128",
                                big + ["--length", "8192", "--budget", "2048", "--block-size", "128", "--reference"]),
-                 benchmark_row("bench_decode.py", "3b bf16 L=4096 N=1024 32 tokens",
+                 benchmark_row(DECODE, "3b bf16 L=4096 N=1024 32 tokens",
                                big + ["--length", "4096", "--budget", "1024", "--new-tokens", "32"])]
     return rows
 
@@ -349,6 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None, help="also write the rows and the environment to this file")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads for the engine checks")
     args = parser.parse_args(argv)
+    started = common.provenance(__spec__.name, argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     device = common.device_name()
@@ -360,9 +360,9 @@ def main(argv: list[str] | None = None) -> int:
     counts = {k: sum(r.result == k for r in rows) for k in ("PASS", "FAIL", "SKIP")}
     print(" ".join(f"{k} {v}" for k, v in counts.items()) + (" -> FAILED" if failed else " -> OK"))
     if args.json:
-        Path(args.json).write_text(json.dumps({"device": device, "torch": torch.__version__,
-                                               "flash_attn": flash_attn_status()[1], "quick": args.quick,
-                                               "rows": [asdict(r) for r in rows]}, indent=2))
+        common.write_json(args.json, {"device": device, "torch": torch.__version__,
+                                      "flash_attn": flash_attn_status()[1], "quick": args.quick,
+                                      "rows": [asdict(r) for r in rows]}, started)
     return 1 if failed else 0
 
 

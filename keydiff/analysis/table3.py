@@ -9,7 +9,7 @@ TOVA's. Per layer: mean +- std over query heads and prompts; the last line: mean
 means (the paper's "Mean +- Std" cell). Also per query head, since the paper's table has 24 columns while
 Llama-3.2-3B has 28 layers and 24 query heads.
 
-    python scripts/analysis_table3.py [model=...] [samples=4] [length=2048] [data.source=longbench]
+    python -m keydiff.analysis.table3 [model=...] [samples=4] [length=2048] [data.source=longbench]
 
 Writes <tables_dir>/table3_spearman.{md,csv,json} (the JSON holds the provenance).
 """
@@ -17,17 +17,15 @@ Writes <tables_dir>/table3_spearman.{md,csv,json} (the JSON holds the provenance
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import pandas as pd
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from analysis_common import ROOT, check_config, load_config, prompts, provenance, write_json  # noqa: E402
-
-from keydiff.analysis import keydiff_attention_spearman  # noqa: E402
-from keydiff.capture import capture_prompt  # noqa: E402
-from keydiff.models import load_model  # noqa: E402
+from keydiff.analysis.common import config_from_command_line, inputs_record, prompts
+from keydiff.analysis.statistics import keydiff_attention_spearman
+from keydiff.bench.common import CHECKOUT, provenance, write_json
+from keydiff.capture import capture_prompt
+from keydiff.models import load_model
 
 # Table 3 of the paper (Llama-3.2-3B-Instruct, LongBench MuSiQue), "Layer" 1..24, then mean +- std.
 PAPER_TABLE3 = [0.8997, 0.9561, 0.9332, 0.9496, 0.9517, 0.9484, 0.9587, 0.9578, 0.9534, 0.9570, 0.9628, 0.9554,
@@ -79,8 +77,8 @@ def markdown(cfg, per_layer, per_head, overall, data) -> str:
 
 
 def main(argv: list[str]) -> None:
-    cfg = load_config(argv)
-    model_cfg = check_config(cfg, eviction=False)
+    started = provenance(__spec__.name, argv)
+    cfg, model_cfg = config_from_command_line(argv, eviction=False)
     print(f"loading {cfg.model.name} to measure Table 3 on {cfg.samples} prompt(s) of {cfg.length} tokens "
           "(default model on one CPU core: about 1 min)", flush=True)
     model, tokenizer = load_model(model_cfg)
@@ -89,18 +87,18 @@ def main(argv: list[str]) -> None:
     print(f"Table 3 on {cfg.model.name}: {len(prompt_list)} prompt(s)", flush=True)
     rhos = measure(cfg, model, prompt_list)
     per_layer, per_head, overall = summarize(rhos)
-    out = ROOT / cfg.tables_dir
+    out = CHECKOUT / cfg.tables_dir
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / "table3_spearman.md", out / "table3_spearman.csv", out / "table3_spearman.json"]
     paths[0].write_text(markdown(cfg, per_layer, per_head, overall, data), encoding="utf-8")
     rhos.to_csv(paths[1], index=False)
-    record = provenance(cfg, model_cfg, model, data, prompt_list, paths)
+    record = inputs_record(cfg, model_cfg, model, data, prompt_list, paths)
     record["results"] = {"per_layer": per_layer.reset_index().to_dict("records"),
                          "per_head": per_head.reset_index().to_dict("records"),
                          "mean_of_layers": overall[0], "std_of_layers": overall[1],
                          "paper": {"per_column": PAPER_TABLE3, "mean": PAPER_TABLE3_MEAN_STD[0],
                                    "std": PAPER_TABLE3_MEAN_STD[1]}}
-    write_json(paths[2], record)
+    write_json(paths[2], record, started)
     print(paths[0].read_text(encoding="utf-8").split("\n\nPer query head")[0])
     print("wrote " + ", ".join(str(p) for p in paths))
 

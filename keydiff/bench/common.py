@@ -1,4 +1,5 @@
-"""What the benchmark scripts and the GPU self-check share: model shapes, the device setting, memory.
+"""What the benchmarks, the GPU self-check and the analyses share: model shapes, the device setting,
+memory, and the one provenance record (`provenance`, `write_json`) every JSON output of them carries.
 
 Random models are built from public architecture configs (no download): speed and memory depend on
 shapes, not on weight values, so they stand in for the real checkpoints on machines without them.
@@ -10,8 +11,10 @@ import argparse
 import gc
 import hashlib
 import json
+import os
 import resource
 import shlex
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -20,9 +23,8 @@ from typing import Any, Callable
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's keydiff, not an installed one
-
-from keydiff import available_policies, build_policy  # noqa: E402
+from keydiff import available_policies, build_policy
+from keydiff.results import environment, git_state, package_versions
 
 # Llama-3.2-3B(-Instruct), from its public config.json.
 LLAMA_3_2_3B = dict(
@@ -48,6 +50,8 @@ RANDOM_MODELS = {"random-tiny": TINY, "random-mid": MID, "random-smollm2": SMOLL
                  "random-llama-3.2-3b": LLAMA_3_2_3B}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_POLICIES = "full,keydiff,sink,knorm,tova,snapkv,h2o"
+# The folder that holds this keydiff package (a checkout's root).
+CHECKOUT = Path(__file__).resolve().parents[2]
 
 
 def device_name() -> str:
@@ -129,6 +133,17 @@ def prompt_record(prompt: torch.Tensor, seed: int = 0) -> dict[str, Any]:
             "sha256": hashlib.sha256(ids).hexdigest()}
 
 
+def run_module(module: str, arguments: list[str]) -> subprocess.CompletedProcess:
+    """`python -m module arguments` in a fresh interpreter (a clean process for memory peaks, as a user runs it).
+
+    The child imports this same keydiff (CHECKOUT first on its PYTHONPATH), not another installed copy,
+    and runs in the caller's folder, so relative paths in `arguments` mean what they meant here.
+    """
+    path = os.pathsep.join(filter(None, [str(CHECKOUT), os.environ.get("PYTHONPATH")]))
+    return subprocess.run([sys.executable, "-m", module, *arguments], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": path})
+
+
 def sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
@@ -206,21 +221,32 @@ def reset_peak_rss() -> bool:
     return True
 
 
-def provenance(script: str, argv: list[str] | None) -> dict[str, Any]:
-    """What produced a benchmark's numbers, taken when it starts: the command line (`script` and its
-    arguments, sys.argv's when `argv` is None), the code's commit and whether the tree had uncommitted
-    changes, the package versions, and the start time."""
-    from keydiff.results import git_state, package_versions
+def timestamp() -> str:
+    """Local time with its UTC offset, as run summaries write it."""
+    return time.strftime("%Y-%m-%dT%H:%M:%S%z")
 
+
+def provenance(module: str, argv: list[str] | None = None) -> dict[str, Any]:
+    """What produced a benchmark's or an analysis's numbers, taken when it starts (one record for all of them).
+
+    The command line (`python -m module` and its arguments, sys.argv's when `argv` is None), the code's
+    commit and whether the tree had uncommitted changes under "code" (the key run summaries use), the
+    package versions, the environment (platform, threads, GPU) and the start time. `write_json` adds the
+    end time. Pass the entry point's `__spec__.name`, which names the module however it was started.
+    """
+    # lead: build on keydiff.run.provenance at merge
     arguments = sys.argv[1:] if argv is None else argv
-    return {"command": shlex.join([Path(script).name, *arguments]), "code": git_state(),
-            "packages": package_versions(), "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    return {"command": shlex.join(["python", "-m", module, *arguments]), "code": git_state(),
+            "packages": package_versions(), "environment": environment(), "started": timestamp()}
 
 
-def write_json(path: str | Path, payload: dict[str, Any], started: dict[str, Any]) -> None:
-    """Write a benchmark's results with their provenance (`provenance()` at the start) and the end time."""
-    record = {**payload, **started, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    Path(path).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+def write_json(path: str | Path, payload: dict[str, Any], started: dict[str, Any]) -> Path:
+    """Write results with their provenance (`provenance()` at the start) and the end time, creating the folder."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    record = {**payload, **started, "time": timestamp()}
+    path.write_text(json.dumps(record, indent=2, default=str) + "\n", encoding="utf-8")
+    return path
 
 
 def ratio(value: float | None, base: float | None) -> float | None:

@@ -1,4 +1,4 @@
-"""What the analysis scripts share: the Hydra config (conf/analysis.yaml), checks, prompts, provenance, saving.
+"""What the analysis entry points share: the Hydra config (conf/analysis.yaml), checks, prompts, provenance, saving.
 
 Prompts are real text: non-overlapping windows of the NIAH haystack prose (the default, offline), or
 LongBench prompts built by the longbench task (template, chat template, middle truncation to `length`).
@@ -6,10 +6,7 @@ LongBench prompts built by the longbench task (template, chat template, middle t
 
 from __future__ import annotations
 
-import json
 import platform
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -17,14 +14,11 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # this checkout's keydiff, not an installed one
-
-from keydiff.analysis import ATTENTION_TARGETS  # noqa: E402
-from keydiff.models import ModelConfig, model_provenance  # noqa: E402
-from keydiff.policies import build_policy  # noqa: E402
-from keydiff.policies.keydiff import ANCHORS  # noqa: E402
-from keydiff.results import environment, git_state, package_versions  # noqa: E402
+from keydiff.analysis.statistics import ATTENTION_TARGETS
+from keydiff.bench.common import CHECKOUT
+from keydiff.models import ModelConfig, model_provenance
+from keydiff.policies import build_policy
+from keydiff.policies.keydiff import ANCHORS
 
 SOURCES = ("haystack", "longbench")
 STYLE = {"svg.hashsalt": "keydiff", "font.size": 8, "axes.titlesize": 9, "figure.dpi": 100, "savefig.dpi": 150}
@@ -32,7 +26,7 @@ STYLE = {"svg.hashsalt": "keydiff", "font.size": 8, "axes.titlesize": 9, "figure
 
 def load_config(overrides: list[str]) -> DictConfig:
     """conf/analysis.yaml with command-line overrides (`model=...`, `length=4096`, `data.source=longbench`)."""
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CHECKOUT / "conf"), version_base="1.3"):
         return compose(config_name="analysis", overrides=overrides)
 
 
@@ -69,6 +63,16 @@ def check_config(cfg: DictConfig, eviction: bool) -> ModelConfig:
     model_cfg = ModelConfig.from_dict(OmegaConf.to_container(cfg.model, resolve=True))
     model_cfg.validate()
     return model_cfg
+
+
+def config_from_command_line(argv: list[str], eviction: bool) -> tuple[DictConfig, ModelConfig]:
+    """`load_config` + `check_config` for an entry point: a bad value stops it with a one-line error
+    (naming the key and the valid choices) before any model is loaded."""
+    cfg = load_config(argv)
+    try:
+        return cfg, check_config(cfg, eviction)
+    except ValueError as error:
+        raise SystemExit(f"error: {error}") from None
 
 
 def haystack_prompts(cfg: DictConfig, tokenizer) -> tuple[list[tuple[str, torch.Tensor]], dict[str, Any]]:
@@ -136,27 +140,18 @@ def prompts(cfg: DictConfig, tokenizer, default_dataset: str):
     return haystack_prompts(cfg, tokenizer)
 
 
-def provenance(cfg: DictConfig, model_cfg: ModelConfig, model, data: dict[str, Any], prompt_list, outputs) -> dict:
-    """What produced a result: config, code version, model, data (with hashes), samples, device, packages."""
-    device = next(model.parameters()).device
+def inputs_record(cfg: DictConfig, model_cfg: ModelConfig, model, data: dict[str, Any], prompt_list,
+                  outputs) -> dict[str, Any]:
+    """What an analysis ran on, beside the shared provenance record (keydiff.bench.common.provenance:
+    command, code, packages, environment, times): the resolved config, the model, the data (with hashes
+    and each sample's length), the device and the files written."""
     return {
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "script": Path(sys.argv[0]).name,
         "config": OmegaConf.to_container(cfg, resolve=True),
-        "git": git_state(ROOT),
         "model": model_provenance(model_cfg, model),
         "data": {**data, "samples": [{"id": sid, "tokens": int(ids.numel())} for sid, ids in prompt_list]},
-        "device": str(device),
-        "environment": environment(),
-        "packages": package_versions(),
+        "device": str(next(model.parameters()).device),
         "outputs": [str(p) for p in outputs],
     }
-
-
-def write_json(path: Path, data: Any) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2, default=str) + "\n", encoding="utf-8")
-    return path
 
 
 def save_figure(fig, out: Path, name: str, formats=("png", "pdf")) -> list[Path]:

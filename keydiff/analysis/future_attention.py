@@ -5,47 +5,43 @@ then runs the whole prompt with eager attention and averages the attention the l
 those entries (over the queries, and over the query heads of each KV group). Prints the Spearman rank
 correlation per layer (sinks excluded). Expected Attention is built to predict exactly this.
 
-    OMP_NUM_THREADS=1 python scripts/score_vs_future_attention.py --context 1200 --future 200
+    OMP_NUM_THREADS=1 python -m keydiff.analysis.future_attention --context 1200 --future 200
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # this checkout's keydiff, not an installed one
-
-import keydiff  # noqa: E402
-from keydiff.models import ModelConfig, load_model  # noqa: E402
-
-
-def spearman(a: torch.Tensor, b: torch.Tensor) -> float:
-    ra, rb = a.argsort().argsort().double(), b.argsort().argsort().double()
-    ra, rb = ra - ra.mean(), rb - rb.mean()
-    return float((ra * rb).sum() / (ra.norm() * rb.norm()))
+import keydiff
+from keydiff.analysis.statistics import spearman
+from keydiff.bench.common import CHECKOUT
+from keydiff.models import ModelConfig, load_model
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--context", type=int, default=1200, help="NIAH context length (task.context_lengths)")
     parser.add_argument("--future", type=int, default=200, help="T: the last T prompt tokens act as future queries")
     parser.add_argument("--policies", default="expected_attention,knorm,keydiff")
-    args = parser.parse_args()
-    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+    args = parser.parse_args(argv)
+    names = args.policies.split(",")
+    unknown = [name for name in names if name not in keydiff.available_policies()]
+    if unknown:
+        parser.error(f"unknown policies {unknown}; valid: {', '.join(keydiff.available_policies())}")
+    if not 0 < args.future < args.context:
+        parser.error(f"--future must be between 1 and --context - 1, got {args.future}")
+    with initialize_config_dir(str(CHECKOUT / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=[f"model={args.model}", f"task.context_lengths=[{args.context}]", "task.depths=[50]"])
     model, tokenizer = load_model(ModelConfig.from_dict(OmegaConf.to_container(cfg.model, resolve=True)))
     task = instantiate(cfg.task, _convert_="all")
     ids = torch.tensor([task.build_prompt(next(iter(task.samples())), tokenizer, None).input_ids])
     cut = ids.shape[1] - args.future
-    names = args.policies.split(",")
     policies = [keydiff.build_policy(name, **({"n_future_positions": args.future} if name == "expected_attention" else {}))
                 for name in names]
     state = keydiff.prefill(model, ids[:, :cut], policies[0], budget=cut + 1, block_size=128)  # no eviction
@@ -68,7 +64,7 @@ def main() -> None:
             for head in range(kv_heads):
                 positions = view.positions[0, head]
                 keep = positions >= 4
-                values.append(spearman(scores[head][keep].double(), received[head][positions][keep].double()))
+                values.append(float(spearman(scores[head][keep].double(), received[head][positions][keep].double())))
             row.append(sum(values) / kv_heads)
         print(f"{index:5d}  " + "  ".join(f"{value:+18.2f}" for value in row))
 

@@ -1,11 +1,11 @@
 """Decode benchmark: the cost of evicting after every generated token, next to plain decoding.
 
-    python scripts/bench_decode.py --model random-smollm2                  # per-token decode at N = 1024
-    python scripts/bench_decode.py --model random-llama-3.2-3b --end-to-end   # TTFT + decode, L = 4096
-    python scripts/bench_decode.py --memory-scaling                        # peak RSS at L = 4096 vs 16384
+    python -m keydiff.bench.decode --model random-smollm2                  # per-token decode at N = 1024
+    python -m keydiff.bench.decode --model random-llama-3.2-3b --end-to-end   # TTFT + decode, L = 4096
+    python -m keydiff.bench.decode --memory-scaling                        # peak RSS at L = 4096 vs 16384
 
 Every mode warms each policy up once, untimed, then times --repeats rounds in which each policy runs once
-in turn (bench_common.interleaved_rounds), so drift in the machine's speed does not bias the ratios.
+in turn (keydiff.bench.common.interleaved_rounds), so drift in the machine's speed does not bias the ratios.
 
 Default mode. Every evicting policy prefills L prompt tokens at budget N and then decodes, evicting
 after every token (B = 1). `full` prefills exactly N prompt tokens and decodes without eviction, so it
@@ -34,15 +34,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_common as common  # noqa: E402
-from keydiff import build_policy, generate, prefill  # noqa: E402
+from keydiff import build_policy, generate, prefill
+from keydiff.bench import common
 
 
 def run_once(model, prompt, name: str, budget: int | None, block: int, new_tokens: int):
@@ -201,12 +198,12 @@ def memory_scaling_mode(names, args) -> list[dict]:
     for name in names:
         for length in lengths:
             print(f"  {name} L={length} (fresh process) ...", file=sys.stderr, flush=True)
-            command = [sys.executable, __file__, "--rss-child", "--model", args.model, "--policies", name,
-                       "--length", str(length), "--budget", str(args.budget), "--block-size", str(args.block_size),
-                       "--new-tokens", str(args.new_tokens), "--attn", args.attn]
-            command += ["--dtype", args.dtype] if args.dtype else []
-            command += ["--threads", str(args.threads)] if args.threads else []
-            done = subprocess.run(command, capture_output=True, text=True)
+            arguments = ["--rss-child", "--model", args.model, "--policies", name, "--length", str(length),
+                         "--budget", str(args.budget), "--block-size", str(args.block_size),
+                         "--new-tokens", str(args.new_tokens), "--attn", args.attn]
+            arguments += ["--dtype", args.dtype] if args.dtype else []
+            arguments += ["--threads", str(args.threads)] if args.threads else []
+            done = common.run_module(__spec__.name, arguments)
             if done.returncode != 0:
                 sys.exit(f"{name} L={length} failed:\n{done.stderr[-3000:]}")
             rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
@@ -245,7 +242,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--scaling-lengths", default="4096,16384", help="prompt lengths for --memory-scaling")
     parser.add_argument("--rss-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    started = common.provenance(__file__, argv)
+    started = common.provenance(__spec__.name, argv)
     args.length = args.length or (4096 if args.end_to_end else 2048)
     args.new_tokens = args.new_tokens or (64 if args.end_to_end else 8 if args.memory_scaling else 32)
     args.model = args.model or ("random-smollm2" if args.memory_scaling else "smollm2-135m")

@@ -6,10 +6,11 @@ whose answers are spans of their paragraph (`answer_start` set) and one unanswer
 paragraphs each; every answer appears in one of its paragraphs. Output is deterministic.
 
 The fixture is for tests and smoke runs only: keydiff/tasks/ruler_qa.py recognises it by its sha256
-(``FIXTURE_SHA256``; a test checks they agree, so update it when this script changes) and marks runs on it
+(``FIXTURE_SHA256``; a test checks they agree, so update it when this builder changes) and marks runs on it
 as not comparable to published RULER numbers.
 
-    python scripts/make_ruler_fixture.py            # -> tasks/fixtures/ruler/{squad,hotpotqa}.json
+    python -m keydiff.tasks.fixture_builders.ruler            # -> tasks/fixtures/ruler/{squad,hotpotqa}.json
+    python -m keydiff.tasks.fixture_builders.ruler --out /tmp/r
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+
+from keydiff.tasks.fixture_builders import FIXTURES
 
 ARTICLES = {
     "Varrow_Point": [
@@ -130,13 +133,22 @@ def hotpotqa() -> list:
     return records
 
 
-def main(out: Path) -> None:
+def write_fixture(out: Path) -> list[Path]:
+    """Write `out/squad.json` and `out/hotpotqa.json` (the folder is created); returns their paths."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / "squad.json").write_text(json.dumps(squad(), indent=1) + "\n", encoding="utf-8")
-    (out / "hotpotqa.json").write_text(json.dumps(hotpotqa(), indent=1) + "\n", encoding="utf-8")
+    paths = [out / "squad.json", out / "hotpotqa.json"]
+    paths[0].write_text(json.dumps(squad(), indent=1) + "\n", encoding="utf-8")
+    paths[1].write_text(json.dumps(hotpotqa(), indent=1) + "\n", encoding="utf-8")
+    return paths
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=FIXTURES / "ruler",
+                        help="output folder (default: this checkout's tasks/fixtures/ruler)")
+    paths = write_fixture(parser.parse_args(argv).out)
+    print("wrote " + ", ".join(str(p) for p in paths))
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "tasks/fixtures/ruler")
-    main(parser.parse_args().out)
+    main()

@@ -2,15 +2,19 @@
 
 The fixture lets tests and smoke runs use `task.data_dir=tasks/fixtures/math500` offline. The answers
 cover the shapes the scorers must handle: a fraction, a square root, a half-open interval, an ordered
-pair with nested braces, and a `\\text{}` answer. Run from the repository root:
+pair with nested braces, and a `\\text{}` answer.
 
-    python scripts/make_math500_fixture.py
+    python -m keydiff.tasks.fixture_builders.math500                 # -> tasks/fixtures/math500/test.jsonl
+    python -m keydiff.tasks.fixture_builders.math500 --out /tmp/m    # -> /tmp/m/test.jsonl
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
+
+from keydiff.tasks.fixture_builders import FIXTURES
 
 PROBLEMS = [
     {
@@ -59,11 +63,20 @@ PROBLEMS = [
 ]
 
 
-def main() -> None:
-    out = Path(__file__).resolve().parents[1] / "tasks" / "fixtures" / "math500" / "test.jsonl"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("".join(json.dumps(row) + "\n" for row in PROBLEMS), encoding="utf-8")
-    print(f"wrote {len(PROBLEMS)} problems to {out}")
+def write_fixture(out: Path) -> Path:
+    """Write `out/test.jsonl` (the folder is created); returns its path."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "test.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in PROBLEMS), encoding="utf-8")
+    return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=FIXTURES / "math500",
+                        help="output folder (default: this checkout's tasks/fixtures/math500)")
+    path = write_fixture(parser.parse_args(argv).out)
+    print(f"wrote {len(PROBLEMS)} problems to {path}")
 
 
 if __name__ == "__main__":

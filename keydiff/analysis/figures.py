@@ -6,7 +6,8 @@
   fig05/08/09/10_pca_retained_*     Figures 5, 8-10: PCA of the keys retained vs evicted by each policy after a
                                     block-wise prefill at `budget` (the engine's real choices), (d) retained only
   fig12_logdet                      Figure 12: log det(K K^T) of the retained cache per policy, over prompts x
-                                    layers x KV heads (pseudo-determinant by default: see keydiff.analysis.log_volume)
+                                    layers x KV heads (pseudo-determinant by default: see
+                                    keydiff.analysis.statistics.log_volume)
   fig13_cosine_to_mean              Figure 13: cosine of keys / queries with their mean, per layer
   fig14_mean_key_query_cosine       Figure 14: cos(mean key, mean query) per layer and query head
   fig15_norms                       Figure 15: key and query L2 norms per layer
@@ -23,7 +24,7 @@ The (layer, KV head) pairs default to the paper's Llama-3.2-3B choices scaled to
 PCA basis of Figures 5, 8-10 is fitted on the keys of the same prompt without eviction, so the panels of
 all policies share axes. Figures 2, 4, 5, 8-11, 13-16 use the first prompt; Figure 12 pools all.
 
-    python scripts/analysis_figures.py [model=...] [length=2048] [cache_budget=512] [samples=2] [data.source=longbench]
+    python -m keydiff.analysis.figures [model=...] [length=2048] [cache_budget=512] [samples=2] [data.source=longbench]
 """
 
 from __future__ import annotations
@@ -38,19 +39,20 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from analysis_common import (  # noqa: E402
-    ROOT, STYLE, check_config, figure_title, load_config, prompts, provenance, save_figure, titled, write_json,
+from keydiff.analysis.common import (  # noqa: E402
+    STYLE, config_from_command_line, figure_title, inputs_record, prompts, save_figure, titled,
 )
-
-from keydiff.analysis import (  # noqa: E402
+from keydiff.analysis.statistics import (  # noqa: E402
     cosine_to_mean, expand_to_query_heads, fit_pca, keydiff_score, log_volume, mean_cosine, pairwise_cosine,
     project, scaled_heads, top_key_query_cosine,
 )
+from keydiff.bench.common import CHECKOUT, provenance, write_json  # noqa: E402
 from keydiff.capture import capture_prompt, trace_eviction  # noqa: E402
 from keydiff.models import load_model  # noqa: E402
 
-NAMES = {"sink": "Sink", "tova": "TOVA", "keydiff": "KeyDiff", "h2o": "H2O", "snapkv": "SnapKV", "knorm": "K-norm"}
+# Display names, as the paper's tables print them (knorm is "L2-norm" there).
+# lead: import from keydiff.paper.registry at merge
+NAMES = {"sink": "Sink", "tova": "TOVA", "keydiff": "KeyDiff", "h2o": "H2O", "snapkv": "SnapKV", "knorm": "L2-norm"}
 RETAINED, EVICTED = "tab:blue", "tab:orange"
 TOP_KEYS = 16  # highlighted top KeyDiff keys in Figures 4 / 11
 
@@ -218,8 +220,8 @@ def median_key_query_cosine(capture) -> torch.Tensor:
 
 
 def main(argv: list[str]) -> None:
-    cfg = load_config(argv)
-    model_cfg = check_config(cfg, eviction=True)
+    started = provenance(__spec__.name, argv)
+    cfg, model_cfg = config_from_command_line(argv, eviction=True)
     print(f"loading {cfg.model.name} to measure the analysis figures on {cfg.samples} prompt(s) of {cfg.length} "
           "tokens (default model on one CPU core: about 3 min)", flush=True)
     model, tokenizer = load_model(model_cfg)
@@ -230,7 +232,7 @@ def main(argv: list[str]) -> None:
     too_short = [sid for sid, ids in prompt_list if ids.numel() <= cfg.cache_budget]
     if too_short:
         raise ValueError(f"prompts {too_short} are not longer than cache_budget={cfg.cache_budget}: nothing is evicted")
-    out = ROOT / cfg.figures_dir
+    out = CHECKOUT / cfg.figures_dir
     plt.rcParams.update(STYLE)
     paths: list[Path] = []
     first_only = figure_title(cfg, data, 1, budget=False)  # Figures 2, 4, 11, 13-16: the first prompt
@@ -297,9 +299,9 @@ def main(argv: list[str]) -> None:
                                      "median_key_mean": float(median_q.mean())},
     }
     summary = out / "summary.json"
-    record = provenance(cfg, model_cfg, model, data, prompt_list, paths + [summary])
+    record = inputs_record(cfg, model_cfg, model, data, prompt_list, paths + [summary])
     record["results"] = results
-    write_json(summary, record)
+    write_json(summary, record, started)
     for key, value in results.items():
         print(f"{key}: {value}")
     print(f"wrote {len(paths)} figure files ({', '.join(cfg.formats)}) and summary.json to {out}")

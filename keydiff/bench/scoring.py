@@ -1,7 +1,7 @@
 """Tables 19 and 2: time (and memory) of the eviction scoring step alone, per policy, vs N and B.
 
-    python scripts/scoring_latency.py table19     # latency vs cache size 512..8192, / KeyDiff at 512, + paper (Android)
-    python scripts/scoring_latency.py table2      # time and peak memory vs N and vs B, log-log, + stated complexities
+    python -m keydiff.bench.scoring table19     # latency vs cache size 512..8192, / KeyDiff at 512, + paper (Android)
+    python -m keydiff.bench.scoring table2      # time and peak memory vs N and vs B, log-log, + stated complexities
     # options: --shape smollm2-135m|llama-3.2-3b|tiny  --device auto|cpu|cuda  --dtype  --threads  --repeats
     #          --warmup  --statistics fast|materialized  --policies  --block-size  --sizes / --budgets --blocks
 
@@ -26,21 +26,17 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_common as common  # noqa: E402
-from keydiff.attention import attention_statistic, statistic_from_weights  # noqa: E402
-from keydiff.policies import build_policy  # noqa: E402
-from keydiff.policies.base import LayerView  # noqa: E402
-from keydiff.results import git_state  # noqa: E402
+from keydiff.attention import attention_statistic, statistic_from_weights
+from keydiff.bench import common
+from keydiff.policies import build_policy
+from keydiff.policies.base import LayerView
 
-ROOT = Path(__file__).resolve().parent.parent
 SHAPES = {"smollm2-135m": common.SMOLLM2_135M, "llama-3.2-3b": common.LLAMA_3_2_3B, "tiny": common.TINY}
 POLICIES = ("keydiff", "tova", "h2o", "snapkv", "sink")
 # Table 19 of the paper: relative latency of key scoring on an Android device (FP16), / KeyDiff at 512 KVs.
@@ -168,13 +164,13 @@ def device_tag(device: str) -> str:
 
 
 def setting(args, device, dtype) -> dict:
+    """What the timings depend on (the provenance record is added when the JSON is written)."""
     return {"setting": common.setting_line(device, dtype, shape=args.shape, statistics=args.statistics,
                                           warmup=args.warmup, repeats=args.repeats),
-            "argv": sys.argv, "git": git_state(ROOT), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "shape": dict(zip(("heads", "kv_heads", "head_dim"), shape_of(args.shape)))}
 
 
-def table19(args, device, dtype, out: Path) -> list[Path]:
+def table19(args, device, dtype, out: Path, started: dict) -> list[Path]:
     policies = args.policies or ["snapkv", "tova", "keydiff", "h2o", "sink"]
     rows = measure(policies, [(n, args.block_size) for n in args.sizes], args, device, dtype)
     base = next((r["median_s"] for r in rows if r["policy"] == "keydiff" and r["N"] == args.sizes[0]), None)
@@ -204,8 +200,8 @@ def table19(args, device, dtype, out: Path) -> list[Path]:
     import pandas as pd
 
     pd.DataFrame(rows).to_csv(paths[1], index=False)
-    paths[2].write_text(json.dumps({**info, "block_size": args.block_size, "results": rows,
-                                    "paper": {"sizes": PAPER_SIZES, "relative": PAPER_TABLE19}}, indent=2) + "\n")
+    common.write_json(paths[2], {**info, "block_size": args.block_size, "results": rows,
+                                 "paper": {"sizes": PAPER_SIZES, "relative": PAPER_TABLE19}}, started)
     print(text)
     return paths
 
@@ -218,7 +214,7 @@ def fitted_slope(x, y) -> float | None:
     return float(np.polyfit(np.log(x[keep]), np.log(y[keep]), 1)[0]) if keep.sum() >= 2 else None
 
 
-def table2(args, device, dtype, out: Path, figures: Path) -> list[Path]:
+def table2(args, device, dtype, out: Path, figures: Path, started: dict) -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -277,9 +273,8 @@ def table2(args, device, dtype, out: Path, figures: Path) -> list[Path]:
     text = "\n".join(lines) + "\n"
     paths[0].write_text(text, encoding="utf-8")
     df.to_csv(paths[1], index=False)
-    paths[2].write_text(json.dumps({**setting(args, device, dtype), "budget": args.budget,
-                                    "block_size": args.block_size,
-                                    "results": df.to_dict("records")}, indent=2, default=str) + "\n")
+    common.write_json(paths[2], {**setting(args, device, dtype), "budget": args.budget,
+                                 "block_size": args.block_size, "results": df.to_dict("records")}, started)
     print(text)
     return paths
 
@@ -310,9 +305,10 @@ def main(argv: list[str] | None = None) -> list[Path]:
     parser.add_argument("--budget", type=int, default=2048, help="table2: N of the sweep over B")
     parser.add_argument("--budgets", type=int_list, default=[256, 512, 1024, 2048, 4096, 8192], help="table2: N sweep")
     parser.add_argument("--blocks", type=int_list, default=[16, 32, 64, 128, 256, 512, 1024], help="table2: B sweep")
-    parser.add_argument("--out", default=str(ROOT / "results" / "tables"))
-    parser.add_argument("--figures", default=str(ROOT / "results" / "figures" / "analysis"))
+    parser.add_argument("--out", default=str(common.CHECKOUT / "results" / "tables"))
+    parser.add_argument("--figures", default=str(common.CHECKOUT / "results" / "figures" / "analysis"))
     args = parser.parse_args(argv)
+    started = common.provenance(__spec__.name, argv)
     unknown = [p for p in args.policies or [] if p not in POLICIES]
     if unknown:
         parser.error(f"unknown policies {unknown}; valid: {', '.join(POLICIES)}")
@@ -332,9 +328,9 @@ def main(argv: list[str] | None = None) -> list[Path]:
         torch.set_num_threads(args.threads)
     with torch.inference_mode():
         if args.table == "table19":
-            paths = table19(args, device, dtype, Path(args.out))
+            paths = table19(args, device, dtype, Path(args.out), started)
         else:
-            paths = table2(args, device, dtype, Path(args.out), Path(args.figures))
+            paths = table2(args, device, dtype, Path(args.out), Path(args.figures), started)
     print("wrote " + ", ".join(str(p) for p in paths))
     return paths
 
