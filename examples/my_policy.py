@@ -5,6 +5,14 @@
 Check it against the policy contract first (a few seconds on a tiny random model, no download):
 
     PYTHONPATH=examples python -c "from keydiff.testing import check_policy; from my_policy import MyPolicy; print(check_policy(MyPolicy, alpha=0.3))"
+
+A recent window and per-layer budgets are not written here: they are wrappers around any policy,
+
+    from keydiff.policies import LayerBudgets, RecentWindow
+    policy = LayerBudgets(RecentWindow(MyPolicy(alpha=0.3), fraction=0.2), schedule={"schedule": "pyramid", "beta": 20})
+
+and check_policy takes the composed object too (`check_policy(policy)`); from the command line,
+`+policy.params.layer_budgets={schedule:pyramid,beta:20}` adds the schedule.
 """
 
 from dataclasses import dataclass

@@ -1,5 +1,8 @@
 """Check an eviction policy against the contract in one line: `keydiff.testing.check_policy(MyPolicy, alpha=0.3)`.
 
+The policy is a class, a built-in name or dotted path (built as `build_policy` builds it, wrappers included), or
+a policy object, composed or not (`check_policy(RecentWindow(MyPolicy(), fraction=0.2))`; each run gets a copy).
+
 Runs the policy on a tiny randomly initialised Llama (3 layers, GQA, built from a config: no download, about a
 second) with a budget smaller than the prompt, through block-wise prefill and a few decoding steps, and checks
 what the cache and the results rely on:
@@ -14,14 +17,16 @@ A failure raises `PolicyCheckError` saying which property broke; success returns
 
 from __future__ import annotations
 
+import copy
 import time
+from collections.abc import Callable
 from dataclasses import fields
 from typing import Any
 
 import torch
 
 from keydiff.engine import generate, prefill
-from keydiff.policies import LayerView, Policy, policy_class
+from keydiff.policies import LayerView, Policy, compose_policy, policy_class
 
 
 class PolicyCheckError(AssertionError):
@@ -78,7 +83,7 @@ def run_once(
 
 
 def check_policy(
-    policy: type[Policy] | str,
+    policy: type[Policy] | str | Policy,
     *,
     budget: int = 48,
     prompt_tokens: int = 160,
@@ -87,18 +92,17 @@ def check_policy(
     deterministic: bool = True,
     **params: Any,
 ) -> dict:
-    """Check `policy` (a Policy subclass, a built-in name or a dotted path) built with `params`; see the module.
+    """Check `policy` (a Policy subclass, a built-in name or a dotted path, built with `params`; or a policy
+    object, e.g. a composed one) against the contract; see the module.
 
     budget, prompt_tokens, block_size, new_tokens: the run (the budget must be below the prompt length so that
     the policy evicts). deterministic=False skips the same-choices-twice check (a policy that draws without
     a seed). Raises PolicyCheckError (or the policy's own ValueError for bad parameters); returns a summary.
     """
-    cls = policy_class(policy) if isinstance(policy, str) else policy
-    if not (isinstance(cls, type) and issubclass(cls, Policy)):
-        raise TypeError(f"check_policy takes a Policy subclass or a policy name, got {policy!r}")
+    fresh = policy_factory(policy, params)
     if budget >= prompt_tokens:
         raise ValueError(f"budget ({budget}) must be smaller than prompt_tokens ({prompt_tokens}) for the policy to evict")
-    base = cls(**params)
+    base = fresh()
     base.check(budget)
     name = base.describe()["name"]
     start = time.perf_counter()
@@ -106,13 +110,13 @@ def check_policy(
     ids = torch.randint(0, 256, (1, prompt_tokens), generator=torch.Generator().manual_seed(0))
 
     def run(layers_batchable: bool) -> tuple[dict, list[int]]:
-        checked, calls = counting(base, layers_batchable)
+        checked, calls = counting(fresh(), layers_batchable)
         try:
             return run_once(checked, model, ids, budget, block_size, new_tokens), calls
         except RuntimeError as error:  # check_scores names the checked subclass's policy: say which check it was
             raise PolicyCheckError(f"{name}: {error}") from error
 
-    first, calls = run(cls.layers_batchable)
+    first, calls = run(base.layers_batchable)
     if base.evicts:
         if not calls:
             raise PolicyCheckError(f"{name}: never evicted a {prompt_tokens}-token prompt under a budget of {budget}")
@@ -125,13 +129,25 @@ def check_policy(
                     f"peak {peak} entries per head, {held} held at the end (expected exactly {layer_budget})"
                 )
     if deterministic:
-        second, _ = run(cls.layers_batchable)
+        second, _ = run(base.layers_batchable)
         compare(name, "a second run with a fresh policy object", first, second)
-    if cls.layers_batchable:
+    if base.layers_batchable:
         unstacked, _ = run(False)
         compare(name, "layer-by-layer eviction (it claims layers_batchable)", first, unstacked)
     return {"policy": name, "budget": budget, "layer_budgets": first["budgets"], "evictions": len(calls),
             "stacked": first["stacked"], "seconds": round(time.perf_counter() - start, 2)}
+
+
+def policy_factory(policy: type[Policy] | str | Policy, params: dict[str, Any]) -> Callable[[], Policy]:
+    """A function returning a fresh policy object per call (each run starts from a policy that has seen nothing)."""
+    if isinstance(policy, Policy):
+        if params:
+            raise TypeError(f"check_policy takes parameters with a class or a name, not with a policy object ({sorted(params)})")
+        return lambda: copy.deepcopy(policy)
+    cls = policy_class(policy) if isinstance(policy, str) else policy
+    if not (isinstance(cls, type) and issubclass(cls, Policy)):
+        raise TypeError(f"check_policy takes a Policy subclass, a policy name or a Policy object, got {policy!r}")
+    return lambda: compose_policy(cls, **params)
 
 
 def compare(name: str, what: str, expected: dict, got: dict) -> None:

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from keydiff import build_policy, prefill
-from keydiff.policies import POLICIES, LayerView, Policy
+from keydiff.policies import POLICIES, LayerBudgets, LayerView, Policy, RecentWindow
 from keydiff.policies.knorm import KNorm
-from keydiff.testing import PolicyCheckError, check_policy
+from keydiff.testing import PolicyCheckError, check_policy, run_once, tiny_model
 from tests.conftest import tiny_llama
 
 PYRAMID = {"schedule": "pyramid", "beta": 4, "window": 0}
@@ -33,19 +33,75 @@ VARIANTS = [
 ]
 
 
+# Parameters that fit each built-in into the smallest layer budget of PYRAMID in the check (48 tokens: 12).
+FITS_A_PYRAMID = {"snapkv": {"window": 8}, "lagkv": {"lag_size": 4}}
+PYRAMID_BUDGETS = [84, 48, 12]  # by hand: top 48 / 4 = 12, bottom 2 x 48 - 12 = 84, the middle halfway
+
+
+def scorer(name: str) -> Policy:
+    return POLICIES[name](**FITS_A_PYRAMID.get(name, {}))
+
+
 @pytest.mark.parametrize("name", sorted(POLICIES))
 def test_every_builtin_policy_passes_check_policy(name):
+    policy = build_policy(name)
     summary = check_policy(POLICIES[name])
     assert summary["policy"] == name
-    assert summary["evictions"] > 0 or not POLICIES[name].evicts
+    assert summary["evictions"] > 0 or not policy.evicts
     # A policy that claims layers_batchable was really run stacked (and compared with layer-by-layer).
-    assert summary["stacked"] == POLICIES[name].layers_batchable
+    assert summary["stacked"] == policy.layers_batchable
 
 
 @pytest.mark.parametrize("name, params", VARIANTS, ids=[f"{n}-{'-'.join(map(str, p))}" for n, p in VARIANTS])
 def test_builtin_variants_pass_check_policy(name, params):
     summary = check_policy(name, **params)
     assert summary["evictions"] > 0
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_every_builtin_policy_passes_check_policy_inside_a_recent_window(name):
+    """The wrapper forwards layers_batchable: a batchable policy in a window is still run stacked and checked
+    against layer-by-layer eviction."""
+    policy = RecentWindow(scorer(name), fraction=0.25)
+    summary = check_policy(policy)
+    assert summary["policy"] == name and (summary["evictions"] > 0 or name == "full")
+    assert summary["stacked"] == POLICIES[name]().layers_batchable
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_every_builtin_policy_passes_check_policy_with_pyramid_layer_budgets(name):
+    policy = LayerBudgets(RecentWindow(scorer(name), fraction=0.25), schedule=PYRAMID)
+    summary = check_policy(policy)
+    assert summary["layer_budgets"] == ([None] * 3 if name == "full" else PYRAMID_BUDGETS)
+    assert not summary["stacked"]  # layers with budgets of their own are never stacked
+
+
+CAPABILITIES = ("name", "attention_rows", "observes_every_step", "evicts", "state_names", "needs_queries",
+                "first_query_position", "layers_batchable")
+UNUSUAL = {"snapkv": {"window": 5}, "expected_attention": {"n_sink": 6}, "lagkv": {"scoring": "rescore"}}
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_wrappers_answer_every_capability_as_the_wrapped_policy(name):
+    plain = POLICIES[name](**UNUSUAL.get(name, {}))
+    wrapped = LayerBudgets(RecentWindow(plain, fraction=0.3), schedule=PYRAMID)
+    assert {c: getattr(wrapped, c) for c in CAPABILITIES} == {c: getattr(plain, c) for c in CAPABILITIES}
+    assert wrapped.unwrapped() is plain
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_wrappers_change_nothing_they_do_not_add(name):
+    """A zero window and a uniform schedule around a policy keep and generate exactly what the policy keeps on its
+    own, stacked the same way: its capabilities, state and observations reach the cache through the wrappers
+    (H2O whose attention_rows or observes_every_step were not forwarded would see other attention; Expected
+    Attention without first_query_position would count the sinks' queries)."""
+    model = tiny_model()
+    ids = torch.randint(0, 256, (1, 160), generator=torch.Generator().manual_seed(1))
+    alone = run_once(scorer(name), model, ids, 48, 16, 4)
+    wrapped = LayerBudgets(RecentWindow(scorer(name), fraction=0.0), schedule={"schedule": "uniform"})
+    composed = run_once(wrapped, model, ids, 48, 16, 4)
+    assert composed["stacked"] == alone["stacked"] and composed["tokens"] == alone["tokens"]
+    assert all(torch.equal(a, b) for a, b in zip(alone["kept"], composed["kept"]))
 
 
 # --------------------------------------------------------------------------- broken policies
@@ -113,6 +169,28 @@ def test_broken_policies_fail_check_policy_saying_why(policy, message):
         check_policy(policy)
 
 
+def test_a_wrapper_forwards_a_false_claim_and_the_check_still_catches_it():
+    wrapped = LayerBudgets(RecentWindow(CrossLayer(), fraction=0.25), schedule={"schedule": "uniform"})
+    assert wrapped.layers_batchable
+    with pytest.raises(PolicyCheckError, match=r"layer-by-layer eviction \(it claims layers_batchable\) kept other"):
+        check_policy(wrapped)
+
+
+@dataclass
+class OwnEviction(KNorm):
+    """Chooses in evict_indices itself: a wrapper composing score and protected would go round it."""
+
+    def evict_indices(self, layer: LayerView, budget: int) -> torch.Tensor:
+        return super().evict_indices(layer, budget)
+
+
+def test_a_policy_with_its_own_evict_indices_cannot_be_wrapped():
+    with pytest.raises(TypeError, match="RecentWindow cannot wrap OwnEviction: it overrides evict_indices"):
+        RecentWindow(OwnEviction(), fraction=0.2)
+    with pytest.raises(TypeError, match="LayerBudgets cannot wrap OwnEviction"):
+        LayerBudgets(OwnEviction(), schedule=None)
+
+
 def test_infinite_scores_of_protected_entries_pass():
     assert check_policy(ProtectedInfinity)["evictions"] > 0
 
@@ -137,3 +215,5 @@ def test_check_policy_rejects_a_budget_that_never_evicts():
         check_policy("keydiff", budget=200, prompt_tokens=100)
     with pytest.raises(ValueError, match="lagkv scoring 'x' is not valid"):
         check_policy("lagkv", scoring="x")
+    with pytest.raises(TypeError, match="parameters with a class or a name, not with a policy object"):
+        check_policy(RecentWindow(KNorm()), fraction=0.2)

@@ -113,7 +113,10 @@ def test_a_subclass_without_its_own_dataclass_decorator_is_named(tmp_path, monke
         build_policy("undecorated_lab.Plain", beta=2.0)
     assert build_policy("undecorated_lab.Decorated", beta=2.0).describe() == {
         "name": "undecorated_lab.Decorated", "alpha": 0.3, "sinks": 4, "beta": 2.0, "layer_budgets": None}
-    assert build_policy("undecorated_lab.OwnKeyDiff", gamma=3).gamma == 3
+    own = build_policy("undecorated_lab.OwnKeyDiff", gamma=3, window_fraction=0.1)  # KeyDiff's window, inherited
+    assert own.unwrapped().gamma == 3 and own.fraction == 0.1
+    assert own.describe() == {"name": "keydiff", "anchor": "normalized_mean", "metric": "cosine", "gamma": 3,
+                              "window_fraction": 0.1, "layer_budgets": None}
 
 
 def test_example_policy_passes_check_policy_as_the_readme_shows(examples_on_path):

@@ -142,11 +142,12 @@ def test_expected_attention_runs_block_wise_within_the_bound_and_keeps_sinks(mod
     peaks = []
     state = prefill(model, ids, build_policy("expected_attention"), budget=64, block_size=32,
                     on_block=lambda cache: peaks.append(max(layer.num_entries for layer in cache.layers)))
-    assert max(peaks) <= 64 and state.max_cache_entries <= 96
+    assert max(peaks) == 64  # after every block's eviction: exactly the budget
+    assert state.cache.layer_budgets == [64] * 3 and state.cache.layer_max_entries == [64 + 32] * 3  # N + B, reached
     for kept in state.kept_positions:
         assert kept.shape[-1] == 64 and bool((kept[..., :4] == torch.arange(4)).all())
     out = generate(model, state, 4)
-    assert out.max_cache_entries <= 96
+    assert out.max_cache_entries == 96 and state.cache.layer_max_entries == [64 + 32] * 3  # decoding adds one at a time
 
 
 def test_expected_attention_without_the_keydiff_attention_function_says_what_to_do(model):
@@ -175,7 +176,7 @@ def lagkv_reference(keys, values, positions, n_sink, lag):
             sinks = [i for i in order if positions[bi, hi, i] < n_sink]
             rest = [i for i in order if positions[bi, hi, i] >= n_sink]
             chunks = len(rest) // lag
-            top = float(positions.max()) + 1
+            top = float(positions[bi, hi].max()) + 1  # this head's newest position
             for i in rest:
                 out[bi, hi, i] = 1 + float(positions[bi, hi, i]) / top
             for i in sinks:
@@ -212,14 +213,38 @@ def test_lagkv_matches_loop_reference_in_any_buffer_order(n):
         assert kept[0, h].tolist() == sorted(order[:budget])
 
 
+def lagkv_rescoring_reference(keys, values, budget, block, n_sink, lag):
+    """LagKV `rescore` streamed as a loop, one head: after each block, the survivors are scored again from
+    scratch by the per-view loop reference (`lagkv_reference`) and the lowest (score, older first) go."""
+    entries = []
+    for start in range(0, keys.shape[0], block):
+        entries += range(start, min(start + block, keys.shape[0]))
+        if len(entries) <= budget:
+            continue
+        positions = torch.tensor(entries)
+        scores = lagkv_reference(keys[positions][None, None], values[positions][None, None], positions[None, None],
+                                 n_sink, lag)[0, 0]
+        ranked = sorted(range(len(entries)), key=lambda i: (-float(scores[i]), -entries[i]))  # kept first
+        entries = sorted(entries[i] for i in ranked[:budget])
+    return entries
+
+
 @pytest.mark.parametrize("scoring", ["frozen", "rescore"])
-def test_lagkv_block_wise_prefill_keeps_sinks_and_holds_the_bound(model, scoring):
+def test_lagkv_block_wise_prefill_keeps_what_the_loop_reference_keeps(model, scoring):
+    """Layer 0's keys and values do not depend on what was evicted (they are projections of the embeddings), so
+    its choices in a real block-wise prefill are those of the loop references fed a plain forward's keys."""
     ids = torch.randint(0, 256, (1, 300), generator=torch.Generator().manual_seed(5))
     state = prefill(model, ids, build_policy("lagkv", lag_size=16, scoring=scoring), budget=64, block_size=32)
-    assert state.max_cache_entries <= 96
+    assert state.cache.layer_budgets == [64] * 3 and state.cache.layer_max_entries == [64 + 32] * 3  # N + B, reached
     for kept in state.kept_positions:
         assert kept.shape[-1] == 64 and bool((kept[..., :4] == torch.arange(4)).all())
         assert int(kept[..., -1].min()) == 299  # the newest (unscored) partition survives
+    with torch.no_grad():
+        plain = model(ids, use_cache=True).past_key_values.layers[0]
+    reference = lagkv_streaming_reference if scoring == "frozen" else lagkv_rescoring_reference
+    for head in range(plain.keys.shape[1]):
+        expected = reference(plain.keys[0, head].float(), plain.values[0, head].float(), 64, 32, 4, 16)
+        assert state.kept_positions[0][0, head].tolist() == expected
 
 
 def lagkv_streaming_reference(keys, values, budget, block, n_sink, lag):
@@ -316,16 +341,26 @@ def test_lagkv_frozen_ranks_never_change_and_differ_from_rescoring():
 # --------------------------------------------------------------------------- PyramidKV layer budgets
 
 
-@pytest.mark.parametrize("budget, layers, beta, window", [(2048, 30, 20, 0), (2048, 32, 20, 32), (100, 7, 5, 0), (64, 3, 20, 0)])
-def test_pyramid_total_equals_the_uniform_total_and_decreases(budget, layers, beta, window):
+# Exact per-layer budgets worked out by hand from PyramidKV's definition (top layer (N - w) / beta, bottom layer
+# 2(N - w) - top, arithmetic in between, + w in every layer), rounded by largest remainders (ties: lower layer):
+# N 100, 7 layers, beta 5: 180, 153.3, 126.7, 100, 73.3, 46.7, 20 -> the two .7 round up.
+# N 64, 3 layers, beta 20: 124.8, 64, 3.2 -> 124.8 rounds up.
+# N 60, 5 layers, beta 4, w 32: 32 + (49, 38.5, 28, 17.5, 7) -> the first .5 (layer 1) rounds up.
+# N 60, 5 layers, beta 4: 105, 82.5, 60, 37.5, 15 -> layer 1 rounds up.
+PYRAMIDS_BY_HAND = [
+    (100, 7, 5, 0, [180, 153, 127, 100, 73, 47, 20]),
+    (64, 3, 20, 0, [125, 64, 3]),
+    (60, 5, 4, 32, [81, 71, 60, 49, 39]),
+    (60, 5, 4, 0, [105, 83, 60, 37, 15]),
+]
+
+
+@pytest.mark.parametrize("budget, layers, beta, window, expected", PYRAMIDS_BY_HAND)
+def test_pyramid_budgets_equal_the_hand_computed_ones(budget, layers, beta, window, expected):
     spec = {"schedule": "pyramid", "beta": beta, "window": window}
-    split = split_budget(spec, budget, layers)
-    assert sum(split) == budget * layers
-    assert all(a >= b for a, b in zip(split, split[1:])) and split[0] > budget > split[-1]
-    share = budget - window  # PyramidKV: top layer (N - w)/beta, bottom 2(N - w) - top, arithmetic in between
-    exact = [window + (2 * share - share / beta) - i * (2 * share - 2 * share / beta) / (layers - 1) for i in range(layers)]
-    assert all(abs(a - e) < 1 for a, e in zip(split, exact))
-    assert min(split) >= smallest_layer_budget(spec, budget)
+    assert split_budget(spec, budget, layers) == expected
+    assert sum(expected) == budget * layers  # the uniform total
+    assert smallest_layer_budget(spec, budget) == window + math.floor((budget - window) / beta) <= expected[-1]
 
 
 def test_pyramid_is_capped_by_a_short_prompt_and_keeps_the_total():
@@ -394,10 +429,10 @@ def test_pyramid_per_layer_bound_and_kept_counts_in_a_real_prefill(name, arithme
     spec = {"schedule": "pyramid", "beta": 4, "window": 32 if name == "snapkv" else 0, "arithmetic": arithmetic}
     policy = build_policy(name, layer_budgets=spec)
     budget, block = 60, 16
-    expected = split_budget(spec, budget, 5, prompt_length=300)
-    # exact: the uniform total; KVCache-Factory: min 60 // 4 = 15, max 105, steps 90 // 4 = 22 (by hand)
-    assert expected == ([105, 83, 61, 39, 17] if arithmetic == "kvcache_factory" else expected)
-    assert (sum(expected) == 5 * budget) == (arithmetic == "exact") and len(set(expected)) == 5
+    # By hand: exact, see PYRAMIDS_BY_HAND; KVCache-Factory: min 60 // 4 = 15, max 105, steps 90 // 4 = 22.
+    expected = {("keydiff", "exact"): [105, 83, 60, 37, 15], ("snapkv", "exact"): [81, 71, 60, 49, 39],
+                ("keydiff", "kvcache_factory"): [105, 83, 61, 39, 17]}[name, arithmetic]
+    assert split_budget(spec, budget, 5, prompt_length=300) == expected
 
     def check(cache):
         for layer, layer_budget in zip(cache.layers, expected):

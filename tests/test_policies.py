@@ -248,6 +248,40 @@ def test_window_size_floor_is_robust_to_float_noise(caplog):
     assert "reserves no slot" in caplog.text
 
 
+def test_python_composition_is_the_config_form():
+    """RecentWindow / LayerBudgets written by hand build what the flat config parameters build, and describe
+    themselves with those parameters (results are recorded and found by them)."""
+    from keydiff.policies import H2O, KeyDiff, LayerBudgets, RecentWindow
+
+    pyramid = {"schedule": "pyramid", "beta": 20, "window": 0}
+    by_hand = LayerBudgets(RecentWindow(KeyDiff(anchor="mean"), fraction=0.2), schedule=pyramid)
+    built = build_policy("keydiff", anchor="mean", window_fraction=0.2, layer_budgets=pyramid)
+    assert by_hand == built
+    assert built.describe() == {"name": "keydiff", "anchor": "mean", "metric": "cosine", "window_fraction": 0.2,
+                                "layer_budgets": pyramid}
+    assert RecentWindow(H2O(), fraction=0.5).describe() == {"name": "h2o", "recent_fraction": 0.5, "layer_budgets": None}
+    for policy in (built, build_policy("h2o", recent_fraction=0.5), build_policy("snapkv", window=8), build_policy("full")):
+        assert build_policy(**policy.describe()) == policy  # describe() is what builds it again
+
+
+def test_recent_window_adds_to_what_the_policy_protects():
+    """A window around a policy with protections of its own keeps both: here entries 0, 1 (its own), the 3 most
+    recent (0.3 x 10), and the lowest key norms among the rest."""
+    from dataclasses import dataclass
+
+    from keydiff.policies import KNorm, RecentWindow
+
+    @dataclass
+    class FirstTwo(KNorm):
+        def protected(self, layer, budget):
+            return layer.positions < 2
+
+    keys = torch.zeros(1, 1, 20, 2)
+    keys[0, 0, :, 0] = torch.tensor([9.0, 8, 1, 7, 2, 6, 3, 5, 4, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9])
+    kept = RecentWindow(FirstTwo(), fraction=0.3).keep_indices(make_view(keys), 10)
+    assert kept[0, 0].tolist() == [0, 1, 2, 4, 6, 7, 8, 17, 18, 19]  # norms 1, 2, 3, 4, 5 at 2, 4, 6, 8, 7
+
+
 def test_snapkv_rows_follow_the_window():
     policy = build_policy("snapkv", window=16)
     assert policy.attention_rows == 16

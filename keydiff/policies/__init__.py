@@ -1,6 +1,10 @@
 """Eviction policies, built by name: `build_policy("keydiff", window_fraction=0.2)`.
 
-Each policy is one small dataclass in its own module; `POLICIES` maps the config name to the class.
+Each policy is one small dataclass in its own module; `POLICIES` maps the config name to the class. A recent
+window and per-layer budgets are wrappers around any of them (`keydiff.policies.wrappers`): `build_policy`
+composes them from the flat parameters the configs use (`window_fraction` / `recent_fraction` where the
+policy names one, `layer_budgets` for every policy), so the line above is `RecentWindow(KeyDiff(),
+fraction=0.2)`, which Python users may also write themselves.
 A dotted path names a policy written anywhere else (`build_policy("my_lab.policies.MyPolicy", alpha=0.3)`):
 the module is imported and the class must subclass `Policy` and be a @dataclass itself (what
 `policy=custom policy.target=...` runs). `keydiff.testing.check_policy` checks a class against the contract.
@@ -24,6 +28,7 @@ from keydiff.policies.recent import Recent
 from keydiff.policies.sink import Sink
 from keydiff.policies.snapkv import SnapKV
 from keydiff.policies.tova import TOVA
+from keydiff.policies.wrappers import LayerBudgets, PolicyWrapper, RecentWindow
 
 POLICIES: dict[str, type[Policy]] = {
     cls.name: cls
@@ -72,20 +77,44 @@ def policy_class(name: str) -> type[Policy]:
     return cls
 
 
+def policy_parameters(cls: type[Policy]) -> list[str]:
+    """The parameters `build_policy` takes for `cls`: its own fields, the name it gives a recent window (if
+    any), then `layer_budgets`, which every policy takes."""
+    own = [f.name for f in dataclasses.fields(cls) if f.init]
+    window = [cls.recent_window_parameter] if cls.recent_window_parameter else []
+    return own + window + ["layer_budgets"]
+
+
+def compose_policy(cls: type[Policy], **params: Any) -> Policy:
+    """`cls` built with its own parameters, in the wrappers the others name: RecentWindow (always, for a class
+    that names a window parameter, so that its fraction is recorded even when 0) and LayerBudgets (when a
+    schedule is given)."""
+    params = dict(params)
+    schedule = params.pop("layer_budgets", None)
+    window = cls.recent_window_parameter
+    fraction = params.pop(window, 0.0) if window else None
+    policy: Policy = cls(**params)
+    if fraction is not None:
+        policy = RecentWindow(policy, fraction=fraction)
+    if schedule is not None:
+        policy = LayerBudgets(policy, schedule=schedule)
+    return policy
+
+
 def build_policy(name: str, **params: Any) -> Policy:
     """Instantiate the policy called `name` (built-in name or dotted path) with hyper-parameters `params`.
 
     Raises ValueError naming the valid policies or the valid parameters of this policy.
     """
     cls = policy_class(name)
-    # The policy's own parameters first, then those every policy takes (keyword-only: layer_budgets).
-    valid = [f.name for f in sorted(dataclasses.fields(cls), key=lambda f: bool(f.kw_only)) if f.init]
+    valid = policy_parameters(cls)
     unknown = sorted(set(params) - set(valid))
     if unknown:
         raise ValueError(
             f"policy {name!r} has no parameter(s) {', '.join(unknown)}; valid: {', '.join(valid) or '(none)'}"
         )
-    return cls(**params)
+    return compose_policy(cls, **params)
 
 
-__all__ = ["POLICIES", "LayerView", "Policy", "available_policies", "build_policy", "layer_by_layer", "policy_class"] + [c.__name__ for c in POLICIES.values()]
+__all__ = ["POLICIES", "LayerBudgets", "LayerView", "Policy", "PolicyWrapper", "RecentWindow", "available_policies", "build_policy",
+           "compose_policy", "layer_by_layer", "policy_class", "policy_parameters"] + [c.__name__ for c in POLICIES.values()]

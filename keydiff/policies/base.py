@@ -2,17 +2,18 @@
 
 A policy sees one layer at a time (`LayerView`) and answers one question: which entries of each KV head
 to drop so that `budget` remain. Most policies only implement `score` (higher = keep); `protected` marks
-entries that are always kept (sinks, recent windows); `observe` lets a policy carry per-entry state across
+entries that are always kept (sinks); `observe` lets a policy carry per-entry state across
 steps (H2O's accumulated attention) in buffers the cache allocates for the names in `state_names`, each
 entry starting from `initial_state` (0 unless the policy says otherwise). The
 cache (`keydiff.cache`) calls `observe` after every forward pass that recorded attention and
 `evict_indices` whenever a layer holds more than its budget.
 
-What a policy may ask the engine for (class attributes, see `Policy`): attention rows (`attention_rows`,
+What a policy may ask the engine for (its capabilities, see `Policy`): attention rows (`attention_rows`,
 computed beside the fused kernel), per-entry state (`state_names`), running statistics of the layer's
-queries (`needs_queries`, Expected Attention), and per-layer budgets (the `layer_budgets` parameter every
-policy takes, e.g. a PyramidKV schedule). The full contract, with an example policy written outside this
-package, is in the README ("Your own policy") and examples/my_policy.py.
+queries (`needs_queries`, Expected Attention). What any policy can be given from outside, by a wrapper
+(`keydiff.policies.wrappers`): a recent window (`RecentWindow`) and per-layer budgets (`LayerBudgets`, e.g. a
+PyramidKV schedule). The full contract, with an example policy written outside this package, is in the README
+("Your own policy") and examples/my_policy.py.
 
 Entries are in no particular order (the cache moves new entries into the slots of evicted ones, so that it
 never copies the whole cache): a policy that needs recency or adjacency reads `positions`.
@@ -23,11 +24,10 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field, fields
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 
-from keydiff.policies.layer_budgets import check_layer_budgets, smallest_layer_budget, split_budget
 from keydiff.queries import QueryStatistics
 
 logger = logging.getLogger(__name__)
@@ -58,54 +58,88 @@ class LayerView:
 class Policy:
     """Base class: keep the `budget` highest-scoring entries of every KV head, plus nothing else.
 
-    Subclasses are small dataclasses; their fields are the policy's hyper-parameters (set from Hydra).
+    Subclasses are small dataclasses; their fields are the policy's hyper-parameters (set from Hydra). A recent
+    window and a per-layer budget schedule are not parameters of each policy but wrappers around any of them
+    (`keydiff.policies.wrappers`: `LayerBudgets(RecentWindow(KeyDiff(), fraction=0.2), schedule=...)`).
+
+    Capabilities, what the policy asks of the cache and the engine, are the properties below. A class states
+    each of its answers once: as a class attribute (`attention_rows: ClassVar[int | None] = None`) or, where the
+    answer follows a hyper-parameter, as a property of its own (SnapKV's `attention_rows` is its window). A
+    wrapper forwards the wrapped policy's. Read them from an instance: on a class that does not state one
+    itself, the attribute is this base class's property object.
     """
 
-    name: ClassVar[str] = "base"
-    # Which query rows' attention the policy needs: 0 = none (attention-free), k = the last k rows of
-    # each forward pass, None = every row (column sums).
-    attention_rows: ClassVar[int | None] = 0
-    # True if `observe` must see the attention of every forward pass, even those that evict nothing.
-    observes_every_step: ClassVar[bool] = False
-    # False only for the no-eviction baseline.
-    evicts: ClassVar[bool] = True
-    # Names of the per-entry state buffers `observe` updates (LayerView.state), allocated by the cache.
-    state_names: ClassVar[tuple[str, ...]] = ()
-    # True if the policy reads `LayerView.queries` (running statistics of the layer's pre-RoPE queries).
-    needs_queries: ClassVar[bool] = False
-    # Queries at positions below this are left out of those statistics (Expected Attention: the sinks).
-    first_query_position: ClassVar[int] = 0
-    # True if every batch row of a view is scored the same way, by its own entries only, whatever its layer
-    # (no layer_idx, no per-layer queries, no random draws, no reduction across rows). The cache may then
-    # evict all its layers in one call, their rows stacked along the batch dimension (layer_idx None): one
-    # set of kernel launches per step instead of one per layer. False (the safe default) for your own policy
-    # unless you set it; the choices are the same either way, only the number of calls differs.
-    layers_batchable: ClassVar[bool] = False
+    @property
+    def name(self) -> str:
+        """The config name (a built-in states its own); a policy of your own is named by its class's dotted path."""
+        cls = type(self)
+        return f"{cls.__module__}.{cls.__qualname__}"
+
+    @property
+    def attention_rows(self) -> int | None:
+        """Which query rows' attention the policy needs: 0 = none (attention-free), k = the last k rows of each
+        forward pass, None = every row (column sums)."""
+        return 0
+
+    @property
+    def observes_every_step(self) -> bool:
+        """True if `observe` must see the attention of every forward pass, even those that evict nothing."""
+        return False
+
+    @property
+    def evicts(self) -> bool:
+        """False only for the no-eviction baseline."""
+        return True
+
+    @property
+    def state_names(self) -> tuple[str, ...]:
+        """Names of the per-entry state buffers `observe` updates (LayerView.state), allocated by the cache."""
+        return ()
+
+    @property
+    def needs_queries(self) -> bool:
+        """True if the policy reads `LayerView.queries` (running statistics of the layer's pre-RoPE queries)."""
+        return False
+
+    @property
+    def first_query_position(self) -> int:
+        """Queries at positions below this are left out of those statistics (Expected Attention: the sinks)."""
+        return 0
+
+    @property
+    def layers_batchable(self) -> bool:
+        """True if every batch row of a view is scored the same way, by its own entries only, whatever its layer
+        (no layer_idx, no per-layer queries, no random draws, no reduction across rows). The cache may then
+        evict all its layers in one call, their rows stacked along the batch dimension (layer_idx None): one set
+        of kernel launches per step instead of one per layer. False (the safe default) for your own policy
+        unless you set it; `keydiff.testing.check_policy` checks the claim (stacked == layer by layer)."""
+        return False
+
     # True: check the scores at every eviction, not only at the policy object's first (keydiff.testing).
     _check_every_call: ClassVar[bool] = False
-    # How the budget is split across layers: None (uniform) or e.g. {schedule: pyramid, beta: 20}
-    # (keydiff.policies.layer_budgets). Keyword-only, so every policy takes it after its own parameters.
-    layer_budgets: dict[str, Any] | None = field(default=None, kw_only=True)
+    # The parameter name under which build_policy and the configs take a RecentWindow around this policy
+    # (KeyDiff: window_fraction, Table 14; H2O: recent_fraction). None: compose it in Python if you want one.
+    recent_window_parameter: ClassVar[str | None] = None
 
     def validate(self, budget: int) -> None:
         """Raise ValueError if the hyper-parameters cannot work with `budget` (called before model loading)."""
 
     def check(self, budget: int) -> None:
-        """Validate the layer schedule, then the policy against the smallest budget any layer gets."""
-        check_layer_budgets(self.layer_budgets)
-        smallest = smallest_layer_budget(self.layer_budgets, budget)
-        if smallest < 1:
-            raise ValueError(f"layer_budgets gives the top layer {smallest} entries of a {budget}-token budget; raise the budget or lower beta")
-        self.validate(smallest)
+        """Everything `validate` checks, for the budget of the whole cache (a LayerBudgets wrapper checks the
+        smallest budget any layer gets)."""
+        self.validate(budget)
 
     def compresses_layer(self, layer_idx: int) -> bool:
         """Whether this layer is ever evicted (L2-norm's optional skip layers say no)."""
         return True
 
     def budgets(self, budget: int, num_layers: int, prompt_length: int | None = None) -> list[int | None]:
-        """Each layer's budget (None: never evicted): the `layer_budgets` schedule, same total as uniform."""
-        split = split_budget(self.layer_budgets, budget, num_layers, prompt_length)
-        return [split[i] if self.compresses_layer(i) else None for i in range(num_layers)]
+        """Each layer's budget (None: never evicted): `budget` in every layer this policy compresses."""
+        return [budget if self.compresses_layer(i) else None for i in range(num_layers)]
+
+    def unwrapped(self) -> Policy:
+        """The innermost policy (itself; a wrapper answers with the policy it wraps, unwrapped)."""
+        return self
 
     def initial_state(self, keys: torch.Tensor) -> dict[str, torch.Tensor]:
         """State of newly written entries, {name: [batch, kv_heads, q]}, from their keys [batch, kv_heads, q, dim].
@@ -156,16 +190,17 @@ class Policy:
         return torch.arange(n, device=keep.device).expand(batch, heads, n)[keep].view(batch, heads, budget)
 
     def describe(self) -> dict:
-        """Name and hyper-parameters (the constructor's), for result files."""
-        ordered = sorted(fields(self), key=lambda f: bool(f.kw_only))  # own parameters first, then layer_budgets
-        name = self.name if self.name != Policy.name else f"{type(self).__module__}.{type(self).__qualname__}"
-        return {"name": name, **{f.name: getattr(self, f.name) for f in ordered if f.init}}
+        """Name and hyper-parameters, for result files: what `build_policy(**describe())` takes to build it
+        again (`layer_budgets` None: the uniform budget; a LayerBudgets wrapper gives its schedule)."""
+        return {"name": self.name, **{f.name: getattr(self, f.name) for f in fields(self) if f.init}, "layer_budgets": None}
 
 
 def policy_label(policy: Policy) -> str:
     """How errors name a policy: its config name, or its class's dotted path for a policy of your own (a
-    subclass of a built-in inherits the built-in's name, so the path is given with it)."""
-    cls, name = type(policy), policy.describe()["name"]
+    subclass of a built-in inherits the built-in's name, so the path is given with it). A wrapper is named
+    by the policy it wraps."""
+    policy = policy.unwrapped()
+    cls, name = type(policy), policy.name
     owner = next(klass for klass in cls.__mro__ if "name" in vars(klass))  # where `name` was set
     if owner is Policy or (owner.__module__, owner.__qualname__) == (cls.__module__, cls.__qualname__):
         return name
@@ -198,10 +233,11 @@ def layer_by_layer(policy: Policy) -> Policy:
     The cache then evicts each layer on its own: the reference a stacked cache's choices are checked against
     (tests, scripts/gpu_check.py), and what a subclass reading `layer_idx` needs.
     """
-    cls = type(policy)
-    if not cls.layers_batchable:
+    if not policy.layers_batchable:
         return policy
-    unstacked = type(f"LayerByLayer{cls.__name__}", (cls,), {"layers_batchable": False, "__module__": cls.__module__})
+    cls = type(policy)
+    names = {"__module__": cls.__module__, "__qualname__": cls.__qualname__}  # named (in errors) as the class itself
+    unstacked = type(f"LayerByLayer{cls.__name__}", (cls,), {"layers_batchable": False, **names})
     return unstacked(**{f.name: getattr(policy, f.name) for f in fields(policy) if f.init})
 
 

@@ -51,7 +51,7 @@ class ExpectedAttention(Policy):
     epsilon: float = 0.0
 
     @property
-    def first_query_position(self) -> int:  # type: ignore[override]
+    def first_query_position(self) -> int:
         """Queries of the sink positions are outliers: left out of the statistics (as in the original)."""
         return self.n_sink
 

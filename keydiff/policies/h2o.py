@@ -4,7 +4,8 @@ Each forward pass adds the column sums of its attention (every query row of the 
 the query heads of each KV group, paper §F.2) to the entry's accumulated score; survivors keep
 accumulating, passes that evict nothing included. The paper gives a recent window to SnapKV only (§F.2),
 so by default no slot is reserved (recent_fraction 0). The original H2O splits the budget between heavy
-hitters and recent tokens in equal shares: `policy=h2o_recent` (recent_fraction 0.5).
+hitters and recent tokens in equal shares: `policy=h2o_recent` (recent_fraction 0.5), a RecentWindow around
+this policy (keydiff.policies.wrappers).
 """
 
 from __future__ import annotations
@@ -14,29 +15,22 @@ from typing import ClassVar
 
 import torch
 
-from keydiff.policies.base import LayerView, Policy, check_fraction, most_recent, window_size
+from keydiff.policies.base import LayerView, Policy
 
 
 @dataclass
 class H2O(Policy):
-    """Heavy hitters by accumulated attention, optionally plus `recent_fraction` of the budget for recent tokens."""
+    """Heavy hitters by accumulated attention (its configs' `recent_fraction` is a RecentWindow around it)."""
 
     name: ClassVar[str] = "h2o"
     layers_batchable: ClassVar[bool] = True
     attention_rows: ClassVar[int | None] = None
     observes_every_step: ClassVar[bool] = True
     state_names: ClassVar[tuple[str, ...]] = ("h2o",)
-    recent_fraction: float = 0.0
-
-    def validate(self, budget: int) -> None:
-        check_fraction("h2o recent_fraction", self.recent_fraction, budget)
+    recent_window_parameter: ClassVar[str | None] = "recent_fraction"
 
     def observe(self, layer: LayerView) -> None:
         layer.state["h2o"].add_(layer.attention)  # in place: the state lives in the cache's buffer
 
     def score(self, layer: LayerView) -> torch.Tensor:
         return layer.state["h2o"]
-
-    def protected(self, layer: LayerView, budget: int) -> torch.Tensor | None:
-        count = window_size(self.recent_fraction, budget)
-        return most_recent(layer, count) if count else None

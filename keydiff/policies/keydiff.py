@@ -14,7 +14,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from keydiff.policies.base import LayerView, Policy, check_fraction, most_recent, window_size
+from keydiff.policies.base import LayerView, Policy
 
 ANCHORS = ("normalized_mean", "mean", "median")
 METRICS = ("cosine", "dot", "euclidean")
@@ -61,27 +61,27 @@ def cosine_to_mean(keys: torch.Tensor, normalized: bool, inv_norms: torch.Tensor
 
 @dataclass
 class KeyDiff(Policy):
-    """Keep the keys most dissimilar to the anchor; optionally reserve a share of the budget for recent tokens.
+    """Keep the keys most dissimilar to the anchor.
 
     metric (Table 16): cosine (default) scores -cos(k, anchor); dot scores -k·anchor; euclidean scores
-    ||k - anchor||. window_fraction (Table 14, §E): that share of the budget always holds the most recent
-    tokens and KeyDiff chooses the rest; the anchor is still the mean over every key in the cache.
+    ||k - anchor||. The sliding window of Table 14 and §E (`window_fraction`: that share of the budget always
+    holds the most recent tokens and KeyDiff chooses the rest, the anchor still being the mean over every key in
+    the cache) is a RecentWindow around this policy (keydiff.policies.wrappers).
     """
 
     name: ClassVar[str] = "keydiff"
     layers_batchable: ClassVar[bool] = True
     # 1/||k|| of every entry, computed once when the entry is written (initial_state), not at every step.
     state_names: ClassVar[tuple[str, ...]] = ("inv_norm",)
+    recent_window_parameter: ClassVar[str | None] = "window_fraction"
     anchor: str = "normalized_mean"
     metric: str = "cosine"
-    window_fraction: float = 0.0
 
     def validate(self, budget: int) -> None:
         if self.anchor not in ANCHORS:
             raise ValueError(f"keydiff anchor {self.anchor!r} is not valid; valid: {', '.join(ANCHORS)}")
         if self.metric not in METRICS:
             raise ValueError(f"keydiff metric {self.metric!r} is not valid; valid: {', '.join(METRICS)}")
-        check_fraction("keydiff window_fraction", self.window_fraction, budget)
 
     def initial_state(self, keys: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"inv_norm": inverse_key_norms(keys)}
@@ -97,10 +97,6 @@ class KeyDiff(Policy):
             return -(keys * anchor).sum(dim=-1)
         return (keys - anchor).norm(dim=-1)
 
-    def protected(self, layer: LayerView, budget: int) -> torch.Tensor | None:
-        count = window_size(self.window_fraction, budget)
-        return most_recent(layer, count) if count else None
-
 
 @dataclass
 class KeyDiffPairwise(Policy):
@@ -108,15 +104,8 @@ class KeyDiffPairwise(Policy):
 
     name: ClassVar[str] = "keydiff_pairwise"
     layers_batchable: ClassVar[bool] = True
-    window_fraction: float = 0.0
-
-    def validate(self, budget: int) -> None:
-        check_fraction("keydiff_pairwise window_fraction", self.window_fraction, budget)
+    recent_window_parameter: ClassVar[str | None] = "window_fraction"
 
     def score(self, layer: LayerView) -> torch.Tensor:
         unit = F.normalize(layer.keys.float(), dim=-1)
         return -(unit @ unit.transpose(-1, -2)).sum(dim=-1)
-
-    def protected(self, layer: LayerView, budget: int) -> torch.Tensor | None:
-        count = window_size(self.window_fraction, budget)
-        return most_recent(layer, count) if count else None

@@ -47,6 +47,11 @@ SCORINGS = ("frozen", "rescore")
 UNSCORED = -1.0  # `lag_rank` of an entry whose partition has not been scored yet
 
 
+def recency(positions: torch.Tensor) -> torch.Tensor:
+    """1 + position / (newest position of the row + 1): in [1, 2), above every rank, newest highest."""
+    return 1.0 + positions.float() / (positions.amax(dim=-1, keepdim=True).float() + 1)
+
+
 def lag_relative_scores(states: torch.Tensor, lag: int) -> torch.Tensor:
     """Scores [b, h, chunks - 1, lag] of states [b, h, chunks, lag, d]: each chunk against the next one."""
     reference, target = states[:, :, 1:], states[:, :, :-1]
@@ -59,12 +64,15 @@ def lag_relative_scores(states: torch.Tensor, lag: int) -> torch.Tensor:
 @dataclass
 class LagKV(Policy):
     name: ClassVar[str] = "lagkv"
+    # Every reduction is per batch row (per layer and head when the cache stacks its layers): the sinks counted,
+    # the partitions cut and the recency scaled within each row (keydiff.testing.check_policy verifies it).
+    layers_batchable: ClassVar[bool] = True
     n_sink: int = 4
     lag_size: int = 128
     scoring: str = "frozen"  # frozen (the authors' streaming method) | rescore (re-partition the survivors)
 
     @property
-    def state_names(self) -> tuple[str, ...]:  # type: ignore[override]
+    def state_names(self) -> tuple[str, ...]:
         """Frozen scoring keeps each entry's rank within its partition (UNSCORED until it is scored)."""
         return ("lag_rank",) if self.scoring == "frozen" else ()
 
@@ -95,21 +103,28 @@ class LagKV(Policy):
         Each batch row on its own: its raw entries (not sinks, never scored) in position order, cut into
         partitions from the oldest; every full partition but the last is scored against the next one.
         """
-        positions, ranks = layer.positions, layer.state["lag_rank"]
-        raw = (ranks < 0) & (positions >= self.n_sink)
-        full = raw.sum(dim=-1) // self.lag_size  # [b, h] full raw partitions per row
-        chunks = int(full.max())
-        if chunks >= 2:
-            # Raw entries first, by position; the rest after them (only ever gathered as padding, never written).
-            order = torch.where(raw, positions, positions + (1 << 40)).argsort(dim=-1)
-            taken = order[..., : chunks * self.lag_size]
-            new_ranks = self._partition_ranks(layer, taken, chunks)  # [b, h, (chunks - 1) * lag]
-            chunk = torch.arange(chunks - 1, device=positions.device).repeat_interleave(self.lag_size)
-            scored_now = chunk < (full[..., None] - 1)  # partitions with a raw successor in this row
-            targets = taken[..., : (chunks - 1) * self.lag_size]
-            ranks.scatter_(-1, targets, torch.where(scored_now, new_ranks, ranks.gather(-1, targets)))
-        recency = 1.0 + positions.float() / (positions.amax(dim=-1, keepdim=True).float() + 1)
-        return torch.where(ranks >= 0, ranks, recency)
+        ranks = layer.state["lag_rank"]
+        raw = (ranks < 0) & (layer.positions >= self.n_sink)
+        self._rank_partitions(layer, raw, ranks)
+        return torch.where(ranks >= 0, ranks, recency(layer.positions))
+
+    def _rank_partitions(self, layer: LayerView, members: torch.Tensor, ranks: torch.Tensor) -> None:
+        """Write into `ranks` the rank of each entry of `members` (bool [b, h, n]) that lies in a full partition
+        with a full successor, per row: the row's members in position order, cut into partitions of lag_size
+        from the oldest, each scored against the next. Other entries of `ranks` are left as they are."""
+        positions = layer.positions
+        full = members.sum(dim=-1) // self.lag_size  # [b, h] full partitions per row
+        chunks = int(full.max())  # the widest row sets the tensor shape; each row is masked to its own count
+        if chunks < 2:
+            return
+        # Members first, by position; the rest after them (only ever gathered as padding, never written).
+        order = torch.where(members, positions, positions + (1 << 40)).argsort(dim=-1)
+        taken = order[..., : chunks * self.lag_size]
+        new_ranks = self._partition_ranks(layer, taken, chunks)  # [b, h, (chunks - 1) * lag]
+        chunk = torch.arange(chunks - 1, device=positions.device).repeat_interleave(self.lag_size)
+        scored_now = chunk < (full[..., None] - 1)  # partitions with a successor in this row
+        targets = taken[..., : (chunks - 1) * self.lag_size]
+        ranks.scatter_(-1, targets, torch.where(scored_now, new_ranks, ranks.gather(-1, targets)))
 
     def _partition_ranks(self, layer: LayerView, entries: torch.Tensor, chunks: int) -> torch.Tensor:
         """rank / lag_size of `entries` [b, h, chunks * lag] (in partition order) within each of the first
@@ -124,20 +139,12 @@ class LagKV(Policy):
         return ranks.reshape(batch, heads, -1)
 
     def _score_again(self, layer: LayerView) -> torch.Tensor:
-        """`rescore`: the survivors, in position order, re-partitioned and re-scored at every eviction."""
-        positions = layer.positions
-        batch, heads, n = positions.shape
-        order = positions.argsort(dim=-1)  # entries by position; the sinks come first
-        sinks = int((positions[0, 0] < self.n_sink).sum())
-        rest = n - sinks
-        chunks = rest // self.lag_size
-        scores = torch.empty(batch, heads, n, dtype=torch.float32, device=positions.device)
-        # Unscored entries (tail; everything if fewer than two partitions): 1 + recency, above every rank.
-        scores.copy_(1.0 + positions.float() / (positions.max().float() + 1))
-        if chunks >= 2:
-            end = sinks + (chunks - 1) * self.lag_size  # entries [sinks, end) are scored
-            ranks = self._partition_ranks(layer, order[..., sinks : sinks + chunks * self.lag_size], chunks)
-            scores.scatter_(-1, order[..., sinks:end], ranks)
+        """`rescore`: the survivors, in position order, re-partitioned and re-scored at every eviction.
+
+        Unscored entries (the tail; every entry if a row has fewer than two partitions) get 1 + recency,
+        above every rank; the sinks too (they are protected anyway)."""
+        scores = recency(layer.positions)
+        self._rank_partitions(layer, layer.positions >= self.n_sink, scores)
         return scores
 
     def protected(self, layer: LayerView, budget: int) -> torch.Tensor | None:

@@ -6,6 +6,10 @@ it (summed over the window, averaged over the query heads of its KV group), smoo
 with a pooling kernel (paper: average, kernel 7; SnapKV's LongBench configs: max); the `window` most
 recent entries are always kept, so the budget includes the window. The original compresses once, after
 the whole prompt; here it runs after every block and every generated token like every other policy.
+
+The window is SnapKV's own parameter, not a RecentWindow wrapper: it is a number of queries (the attention
+rows the policy asks for), the entries before it are what those queries score and pool, and the window's own
+entries are kept because they are the observers; a RecentWindow is a share of the budget around any scorer.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ class SnapKV(Policy):
     pooling: str = "avg"
 
     @property
-    def attention_rows(self) -> int:  # type: ignore[override]
+    def attention_rows(self) -> int:
         """The observation window decides how many query rows the attention function must score."""
         return self.window
 

@@ -1,0 +1,176 @@
+"""Behaviour any policy can be given from outside, as a wrapper around it (as kvpress composes presses).
+
+* `RecentWindow(policy, fraction)`: the most recent `floor(fraction x budget)` entries of every KV head are
+  always kept; the wrapped policy chooses the rest (its scores still cover every entry: KeyDiff's anchor is the
+  mean over the whole cache, Table 14). H2O's original split (recent_fraction 0.5) is the same wrapper.
+* `LayerBudgets(policy, schedule)`: each layer gets its own budget from a schedule (`keydiff.policies.
+  layer_budgets`: uniform, or PyramidKV's pyramid), with the same total; the wrapped policy scores as before.
+
+    LayerBudgets(RecentWindow(KeyDiff(), fraction=0.2), schedule={"schedule": "pyramid", "beta": 20})
+
+A wrapper is a Policy: it forwards the wrapped policy's capabilities (attention rows, state, query statistics,
+layers_batchable...), its state and observations, and adds only its own part. Eviction itself runs in the
+outermost object (`Policy.evict_indices`: score, protected, top-k), so what wraps a wrapper (a check, a
+recorder) sees every call. A policy that overrides `evict_indices` itself cannot be wrapped: the wrapper
+would go round it.
+
+SnapKV's window is not a RecentWindow: it is the observation window, a number of queries whose attention
+scores the entries before it, and those queries' own entries are what SnapKV keeps (paper §F.2); it is a
+count tied to the scoring rows, not a share of the budget, so it stays SnapKV's own parameter.
+
+`build_policy` composes them from the flat parameters the configs use: `build_policy("keydiff",
+window_fraction=0.2, layer_budgets={...})` is the line above, and `describe()` gives those flat parameters
+back (results are recorded and found by them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from keydiff.policies.base import LayerView, Policy, check_fraction, most_recent, window_size
+from keydiff.policies.layer_budgets import check_layer_budgets, smallest_layer_budget, split_budget
+
+
+@dataclass
+class PolicyWrapper(Policy):
+    """A policy around another one: everything is the wrapped policy's unless a subclass adds to it."""
+
+    scorer: Policy
+
+    def __post_init__(self) -> None:
+        inner = self.scorer.unwrapped()
+        if type(inner).evict_indices is not Policy.evict_indices:
+            raise TypeError(
+                f"{type(self).__name__} cannot wrap {type(inner).__qualname__}: it overrides evict_indices, which the "
+                "wrapper would go round (wrappers compose score and protected; implement those instead)"
+            )
+
+    @property
+    def name(self) -> str:
+        return self.scorer.name
+
+    @property
+    def attention_rows(self) -> int | None:
+        return self.scorer.attention_rows
+
+    @property
+    def observes_every_step(self) -> bool:
+        return self.scorer.observes_every_step
+
+    @property
+    def evicts(self) -> bool:
+        return self.scorer.evicts
+
+    @property
+    def state_names(self) -> tuple[str, ...]:
+        return self.scorer.state_names
+
+    @property
+    def needs_queries(self) -> bool:
+        return self.scorer.needs_queries
+
+    @property
+    def first_query_position(self) -> int:
+        return self.scorer.first_query_position
+
+    @property
+    def layers_batchable(self) -> bool:
+        return self.scorer.layers_batchable
+
+    def unwrapped(self) -> Policy:
+        return self.scorer.unwrapped()
+
+    def validate(self, budget: int) -> None:
+        self.scorer.validate(budget)
+
+    def check(self, budget: int) -> None:
+        self.scorer.check(budget)
+
+    def compresses_layer(self, layer_idx: int) -> bool:
+        return self.scorer.compresses_layer(layer_idx)
+
+    def budgets(self, budget: int, num_layers: int, prompt_length: int | None = None) -> list[int | None]:
+        return self.scorer.budgets(budget, num_layers, prompt_length)
+
+    def initial_state(self, keys: torch.Tensor) -> dict[str, torch.Tensor]:
+        return self.scorer.initial_state(keys)
+
+    def observe(self, layer: LayerView) -> None:
+        self.scorer.observe(layer)
+
+    def score(self, layer: LayerView) -> torch.Tensor:
+        return self.scorer.score(layer)
+
+    def protected(self, layer: LayerView, budget: int) -> torch.Tensor | None:
+        return self.scorer.protected(layer, budget)
+
+    def describe(self) -> dict:
+        return self.scorer.describe()
+
+
+@dataclass
+class RecentWindow(PolicyWrapper):
+    """Always keep the `fraction` x budget (floor) most recent entries of each KV head; `scorer` chooses the rest."""
+
+    fraction: float = 0.0
+
+    @property
+    def parameter(self) -> str:
+        """The fraction's name in configs and results: the wrapped policy's own word for it, else recent_fraction."""
+        return self.scorer.unwrapped().recent_window_parameter or "recent_fraction"
+
+    def _check_fraction(self, budget: int) -> None:
+        check_fraction(f"{self.name} {self.parameter}", self.fraction, budget)
+
+    def validate(self, budget: int) -> None:
+        self.scorer.validate(budget)
+        self._check_fraction(budget)
+
+    def check(self, budget: int) -> None:
+        self.scorer.check(budget)
+        self._check_fraction(budget)
+
+    def protected(self, layer: LayerView, budget: int) -> torch.Tensor | None:
+        inner = self.scorer.protected(layer, budget)
+        count = window_size(self.fraction, budget)
+        if not count:
+            return inner
+        recent = most_recent(layer, count)
+        return recent if inner is None else recent | inner
+
+    def describe(self) -> dict:
+        """The wrapped policy's description with the fraction added before `layer_budgets`."""
+        described = self.scorer.describe()
+        schedule = described.pop("layer_budgets", None)
+        return {**described, self.parameter: self.fraction, "layer_budgets": schedule}
+
+
+@dataclass
+class LayerBudgets(PolicyWrapper):
+    """Split the budget across layers by `schedule` ({schedule: pyramid, beta: 20, window: 0, arithmetic: exact};
+    see keydiff.policies.layer_budgets); every layer is then bounded by its own budget N_l (+ the block)."""
+
+    schedule: dict[str, Any] | None = None
+
+    def check(self, budget: int) -> None:
+        """Validate the schedule, then the wrapped policy against the smallest budget any layer gets."""
+        check_layer_budgets(self.schedule)
+        smallest = smallest_layer_budget(self.schedule, budget)
+        if smallest < 1:
+            raise ValueError(f"layer_budgets gives the top layer {smallest} entries of a {budget}-token budget; raise the budget or lower beta")
+        self.scorer.check(smallest)
+
+    def budgets(self, budget: int, num_layers: int, prompt_length: int | None = None) -> list[int | None]:
+        """The schedule's budgets (same total as uniform); None for a layer the wrapped policy never compresses."""
+        split = split_budget(self.schedule, budget, num_layers, prompt_length)
+        inner = self.scorer.budgets(budget, num_layers, prompt_length)
+        return [split[i] if inner[i] is not None else None for i in range(num_layers)]
+
+    def describe(self) -> dict:
+        return {**self.scorer.describe(), "layer_budgets": self.schedule}
+
+
+__all__ = ["LayerBudgets", "PolicyWrapper", "RecentWindow"]
