@@ -1,10 +1,9 @@
-"""scripts/make_report.py: the W&B report objects of an experiment hold the expected panels, built offline
+"""keydiff/report/wandb.py: the W&B report objects of an experiment hold the expected panels, built offline
 (no account, no network); publishing without credentials is refused with the fix named."""
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,9 +12,9 @@ pytest.importorskip("wandb_workspaces")
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # wandb_workspaces' own pydantic v1 validators
 from wandb_workspaces import expr  # noqa: E402
 
+from keydiff.report import wandb as make_report  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-import make_report  # noqa: E402
 
 PAPER_CSV = ("table,model,policy,budget,block_size,row,column,metric,value,note\n"
              "1,llama-3.1-8b-instruct,keydiff,2k,128,,avg,score,44.33,\n"
