@@ -487,7 +487,7 @@ def write(tables, captions, out: Path) -> None:
 README = """# The KeyDiff paper's published numbers
 
 Every number of Tables 1 and 3-19 of the KeyDiff paper (arXiv 2504.15364, NeurIPS version), transcribed by
-`scripts/transcribe_paper.py` from the extracted text `../shared/reference/keydiff-paper.txt` (line numbers
+`keydiff/paper/transcribe.py` from the extracted text `../shared/reference/keydiff-paper.txt` (line numbers
 below refer to it) and checked by `tests/test_paper_numbers.py` against what the paper derives from them.
 
 * `table<N>.csv`, one row per cell: `table, model, policy, budget, block_size, row, column, column_kind,

@@ -77,7 +77,7 @@ def standard_errors(family: str, rows: list[dict], metrics: dict) -> dict[str, f
     """`se/<column>` for the columns that average this run's samples, from their per-sample values.
 
     LongBench and RULER average per-dataset (per-task) scores of 0-100: their SE is grouped and scaled
-    (keydiff.uncertainty.grouped_mean_se); every other task's score is a plain mean of per-sample scores.
+    (keydiff.report.render.grouped_mean_se); every other task's score is a plain mean of per-sample scores.
     """
     scored = [r for r in rows if isinstance(r.get("scores"), dict)]
     out: dict[str, float] = {}

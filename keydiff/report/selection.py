@@ -30,7 +30,7 @@ def whole_runs_first(df: pd.DataFrame, key: list[str]) -> tuple[pd.DataFrame, pd
 
 def average_seeds(df: pd.DataFrame, key: list[str], sums=("samples", "num_failed", "seeds")) -> pd.DataFrame:
     """One row per `key`: numeric columns averaged over the seeds, `sums` added, standard errors (se/...)
-    combined as the SE of the mean (keydiff.uncertainty.combined_se)."""
+    combined as the SE of the mean (keydiff.report.render.combined_se)."""
     numeric = [c for c in df.columns if c not in key and pd.api.types.is_numeric_dtype(df[c])]
     errors = [c for c in numeric if c.startswith("se/")]
     added = [c for c in numeric if c in sums]
