@@ -35,8 +35,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from keydiff.paper.registry import (COUNT_TOLERANCE, COUNTS, GEN_LENGTH, RELATIVE_TOLERANCES, SUITE, TABLES,
-                                    TOLERANCES, PaperTable, config_name)
+from keydiff.paper.registry import (COUNT_TOLERANCE, COUNTS, GEN_LENGTH, LLAMA_3B, PROMPT_BINS, RELATIVE_TOLERANCES,
+                                    SUITE, TABLES, TOLERANCES, PaperTable, config_name)
 from keydiff.report.selection import select
 from keydiff.report.render import NA, budget_tokens, combined_se, half_width, marks, tex_escape, trimmed
 
@@ -159,7 +159,7 @@ def prompt_length_cells(df, table: PaperTable):
     for model, mine in runs.groupby("model"):
         run = mine.sort_values("policy", key=lambda p: p != "full").iloc[0]
         for dataset in SUITE:
-            counts = {b: run.get(f"metrics/prompt_length_bins/{dataset}/{b}") for b in ("<=2K", "2K-4K", "4K-6K", "6K-8K", ">8K")}
+            counts = {b: run.get(f"metrics/prompt_length_bins/{dataset}/{b}") for b in PROMPT_BINS}
             if all(pd.notna(c) for c in counts.values()):
                 for b, c in counts.items():
                     cells.append(cell(run, "", "", dataset, ">=8K" if b == ">8K" else b, float(c)))
@@ -289,7 +289,7 @@ def compare(name: str, paper: pd.DataFrame, ours: pd.DataFrame, keys: list[str])
     if "model" in keys and paper_models:
         other = merged[~same & ~merged["model"].isin(paper_models)]
         if not other.empty:
-            ref_model = next((m for m in ["llama-3.2-3b-instruct", *paper_models] if m in paper_models))
+            ref_model = next((m for m in [LLAMA_3B, *paper_models] if m in paper_models))
             ref = paper[paper["model"] == ref_model].drop(columns=["model"])
             rest = [k for k in keys if k != "model"]
             reference = other.drop(columns=["paper", "note"]).merge(

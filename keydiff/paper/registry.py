@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
-from keydiff.tasks.longbench import ALL_21, ENGLISH_16
+from keydiff.tasks.longbench import ALL_21, ENGLISH_16, PROMPT_LENGTH_BINS
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 
@@ -188,7 +188,8 @@ FIGURES = [
 TOLERANCES = {"score": 2.0, "longbench_avg": 1.0, "flex": 0.03, "exact": 0.03, "compression_ratio": 0.03,
               "accuracy": 0.2, "recall_difference": 0.1, "spearman_rho": 0.05}
 RELATIVE_TOLERANCES = {"avg_gen_length": 0.10, "relative_latency": 0.5}  # fractions of the paper's value
-COUNTS = ("<=2K", "2K-4K", "4K-6K", "6K-8K", ">=8K", "total")  # Table 8's prompt-count columns
+PROMPT_BINS = [name for name, _ in PROMPT_LENGTH_BINS]  # <=2K ... >8K: what the LongBench task counts per dataset
+COUNTS = ("<=2K", "2K-4K", "4K-6K", "6K-8K", ">=8K", "total")  # Table 8's prompt-count columns, as the paper names them
 COUNT_TOLERANCE = 10.0
 
 # Paper tables that hold the numbers of an experiment named after another one: the table4_* experiments

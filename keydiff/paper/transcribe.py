@@ -26,13 +26,13 @@ import re
 from collections import Counter
 from pathlib import Path
 
-from keydiff.paper.registry import ENGLISH, SUITE
+from keydiff.paper.registry import ENGLISH, LLAMA_R1, LLAMAS, QWEN_R1, SUITE
 
 FIELDS = ["table", "model", "policy", "budget", "block_size", "row", "column", "column_kind", "metric", "value",
           "samples", "samples_total", "note"]
 CHINESE = [d for d in SUITE if d not in ENGLISH]
-L8, L3 = "llama-3.1-8b-instruct", "llama-3.2-3b-instruct"
-R1_LLAMA, R1_QWEN = "deepseek-r1-distill-llama-8b", "deepseek-r1-distill-qwen-7b"
+L8, L3 = LLAMAS
+R1_LLAMA, R1_QWEN = LLAMA_R1, QWEN_R1
 NUMBER = re.compile(r"^-?\d+(\.\d+)?$")
 BUDGETS = ["2k", "4k", "6k", "8k"]
 AVG_TOLERANCE = 0.0101  # mean of 2-decimal values vs a 2-decimal printed average: at most 0.005 + 0.005 apart

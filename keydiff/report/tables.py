@@ -31,7 +31,7 @@ import numpy as np
 import pandas as pd
 
 from keydiff.paper import compare
-from keydiff.paper.registry import GEN_LENGTH, LONGBENCH, SUITE, TABLES, PaperTable, display_name
+from keydiff.paper.registry import GEN_LENGTH, LONGBENCH, PROMPT_BINS, SUITE, TABLES, PaperTable, display_name
 from keydiff.report import generic
 from keydiff.report import index as results_index
 from keydiff.report.collect import ensure_summary
@@ -149,7 +149,7 @@ def prompt_lengths(df, out, table: PaperTable) -> bool:
     model = preferred_model(runs, table)
     mine = runs[runs["model"] == model]
     first = mine[mine["policy"] == "full"].iloc[0] if (mine["policy"] == "full").any() else mine.iloc[0]
-    bins = ["<=2K", "2K-4K", "4K-6K", "6K-8K", ">8K"]
+    bins = PROMPT_BINS
     rows = {}
     for dataset in SUITE:
         counts = [first.get(f"metrics/prompt_length_bins/{dataset}/{b}") for b in bins]
