@@ -56,23 +56,23 @@ status: $(STAMP)  ## every grid point of an experiment: complete / partial (n of
 
 smoke: $(STAMP)  ## a tiny CPU sweep (2 policies) then its table and figures
 	$(PY) run.py experiment=smoke $(ARGS)
-	$(PY) scripts/make_tables.py
-	$(PY) scripts/make_figures.py
+	$(PY) -m keydiff.report.tables
+	$(PY) -m keydiff.report.figures
 
 collect: $(STAMP)  ## results/runs/**/summary.json -> results/summary.csv
-	$(PY) scripts/collect_results.py
+	$(PY) -m keydiff.report.collect
 
 tables: $(STAMP)  ## every paper table from results/runs into results/tables (RULER: results/tables/ruler.md)
-	$(PY) scripts/make_tables.py $(ARGS)
-	$(PY) scripts/ruler_table.py
+	$(PY) -m keydiff.report.tables $(ARGS)
+	$(PY) -m keydiff.report.ruler
 
 figures: figures-runs analysis  ## figures-runs, then the analysis figures (make analysis: loads the model, minutes)
 
 figures-runs: $(STAMP)  ## the figures from results/runs only (heatmaps, TTFT, prompt lengths, generic): no model, seconds
-	$(PY) scripts/make_figures.py $(ARGS)
+	$(PY) -m keydiff.report.figures $(ARGS)
 
 paper-numbers: $(STAMP)  ## re-transcribe results/paper/*.csv from the paper's text (TEXT=path/to/keydiff-paper.txt)
-	$(PY) scripts/transcribe_paper.py --text $(or $(TEXT),../shared/reference/keydiff-paper.txt)
+	$(PY) -m keydiff.paper.transcribe --text $(or $(TEXT),../shared/reference/keydiff-paper.txt)
 
 analysis: $(STAMP)  ## Figures 2, 4/5, 8-16 and Table 3 measured on the default model (ANALYSIS_ARGS="model=... length=4096")
 	@echo "analysis: loading the model ($(or $(ANALYSIS_ARGS),default model SmolLM2-135M; 2 prompts x 2048 tokens)) to measure"
@@ -84,7 +84,7 @@ analysis: $(STAMP)  ## Figures 2, 4/5, 8-16 and Table 3 measured on the default 
 paper-assets: tables figures
 
 report: $(STAMP)  ## W&B report specification per experiment with runs (adhoc too) -> results/reports/; ARGS="table1 --publish --entity ME"
-	$(PY) scripts/make_report.py $(ARGS)
+	$(PY) -m keydiff.report.wandb $(ARGS)
 
 wandb-sync: $(STAMP)  ## upload offline W&B runs (logger.mode=offline) under results/runs; needs wandb login
 	@runs=$$(find results/runs -type d -name 'offline-run-*' 2>/dev/null | sort); \

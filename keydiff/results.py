@@ -65,6 +65,21 @@ def _without_limit(config: dict[str, Any]) -> dict[str, Any]:
     return {**config, "task": task} if "task" in config else config
 
 
+def read_rows(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
+    """Every complete line of a run's predictions.jsonl, read only (a partial last line from a crash is
+    ignored, never cut): what readers outside the writing run (collect, status) may see."""
+    path = Path(run_dir) / "predictions.jsonl"
+    if not path.exists():
+        return []
+    rows = []
+    with open(path, "rb") as handle:
+        for raw in handle:
+            if not raw.endswith(b"\n"):
+                break
+            rows.append(json.loads(raw))
+    return rows
+
+
 class ResultStore:
     """Append-only per-sample rows plus an atomic summary, in one run directory."""
 

@@ -2,7 +2,7 @@
 W&B run per run directory, however often the run is resumed.
 
 The run directory's files stay the record (predictions.jsonl, summary.json); W&B mirrors them so that a long
-sweep can be watched and compared in a dashboard (scripts/make_report.py). The runner makes four calls:
+sweep can be watched and compared in a dashboard (python -m keydiff.report.wandb). The runner makes four calls:
 
     tracking.check(cfg)                              # before any work: bad mode, missing package or credentials
     tracker = tracking.start(cfg, run_dir, rows)     # rows already in predictions.jsonl
@@ -35,14 +35,14 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from keydiff.paper_reference import paper_values, read_tables, table_numbers
+from keydiff.paper.reference import paper_values, read_tables, table_numbers
 from keydiff.results import atomic_write_json
 
 MODES = ("online", "offline", "disabled")
 MARKER = "wandb_run.json"  # in the run directory: W&B run id, rows logged so far, whether finish() ran
 TABLE_EVERY = 10  # rows per increment of the `samples` table (every row would make one artifact entry each)
 # The headline metric of each task family: (per-sample score name, run metric name). The one home of this
-# choice: scripts/collect_results.py derives the `score` column of results/summary.csv from it.
+# choice: keydiff/report/collect.py derives the `score` column of results/summary.csv from it.
 HEADLINE = {"longbench": ("score", "average"), "niah": ("needle_recall", "needle_recall"),
             "math500": ("flex", "flex"), "phonebook": ("exact", "exact"), "ruler": ("score", "average")}
 ROW_NUMBERS = ("prompt_tokens", "kept_tokens", "compression_ratio", "ttft_s", "decode_s", "new_tokens",

@@ -30,10 +30,10 @@ IMAGES = {".png", ".pdf", ".svg"}
 
 # The report pipeline, as `make collect tables figures-runs` runs it ({runs}, {out}: folders of this test).
 COMMANDS = [
-    ["scripts/collect_results.py", "--runs", "{runs}", "--out", "{out}/summary.csv"],
-    ["scripts/make_tables.py", "--summary", "{out}/summary.csv", "--runs", "{runs}", "--out", "{out}/tables"],
-    ["scripts/ruler_table.py", "--runs", "{runs}", "--out", "{out}/tables"],
-    ["scripts/make_figures.py", "--summary", "{out}/summary.csv", "--runs", "{runs}", "--out", "{out}/figures"],
+    ["-m", "keydiff.report.collect", "--runs", "{runs}", "--out", "{out}/summary.csv"],
+    ["-m", "keydiff.report.tables", "--summary", "{out}/summary.csv", "--runs", "{runs}", "--out", "{out}/tables"],
+    ["-m", "keydiff.report.ruler", "--runs", "{runs}", "--out", "{out}/tables"],
+    ["-m", "keydiff.report.figures", "--summary", "{out}/summary.csv", "--runs", "{runs}", "--out", "{out}/figures"],
 ]
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import re
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -23,9 +22,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PAPER = ROOT / "results" / "paper"
 TEXT = Path(os.environ.get("KEYDIFF_PAPER_TEXT", ROOT.parent / "shared" / "reference" / "keydiff-paper.txt"))
-sys.path.insert(0, str(ROOT / "scripts"))
 
-from collect_results import LONGBENCH  # noqa: E402
+from keydiff.paper.registry import LONGBENCH  # noqa: E402
 
 TABLES = [1, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19]
 FIELDS = ["table", "model", "policy", "budget", "block_size", "row", "column", "column_kind", "metric", "value",
@@ -303,7 +301,7 @@ def test_the_checks_catch_a_shifted_and_a_blanked_row(tmp_path):
 def test_csvs_are_what_the_transcriber_makes_from_the_text(tmp_path):
     if not TEXT.exists():
         pytest.skip(f"reference text not present at {TEXT} (set KEYDIFF_PAPER_TEXT)")
-    import transcribe_paper
+    from keydiff.paper import transcribe as transcribe_paper
 
     tables, captions = transcribe_paper.build(TEXT)
     transcribe_paper.write(tables, captions, tmp_path)

@@ -1,10 +1,9 @@
-"""scripts/make_report.py: the W&B report objects of an experiment hold the expected panels, built offline
+"""keydiff/report/wandb.py: the W&B report objects of an experiment hold the expected panels, built offline
 (no account, no network); publishing without credentials is refused with the fix named."""
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,9 +12,9 @@ pytest.importorskip("wandb_workspaces")
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # wandb_workspaces' own pydantic v1 validators
 from wandb_workspaces import expr  # noqa: E402
 
+from keydiff.report import wandb as make_report  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-import make_report  # noqa: E402
 
 PAPER_CSV = ("table,model,policy,budget,block_size,row,column,metric,value,note\n"
              "1,llama-3.1-8b-instruct,keydiff,2k,128,,avg,score,44.33,\n"
@@ -46,18 +45,118 @@ def test_table1_report_holds_the_comparison_panels_and_the_paper_reference(tmp_p
     assert panel_titles(main) == ["score vs budget", "paper: score vs budget", "ours vs paper (diagonal = reproduced)",
                                   "score and paper score, per budget", "TTFT vs block size",
                                   "compression ratio vs budget", "running score (per written row)"]
-    axes = {panel.title: panel._to_model().config for panel in main.panels}
-    assert (axes["score vs budget"].x_axis, axes["score vs budget"].y_axis) == ("config:budget.value.tokens", "summary:score")
-    assert axes["TTFT vs block size"].y_axis == "summary:statistics/mean_ttft_s"
-    assert axes["compression ratio vs budget"].y_axis == "summary:statistics/mean_compression_ratio"
-    assert axes["score and paper score, per budget"].metrics == ["summary_metrics.score", "summary_metrics.paper/score"]
     # The paper's values as a table in the report; the model the CSV does not cover gets no paper panels.
     markdown = [block.text for block in report.blocks if type(block).__name__ == "MarkdownBlock"]
     assert any("| keydiff | 128 | 44.33 | – | – | 49.03 |" in text for text in markdown)
     assert "paper: score vs budget" not in panel_titles(grids[2])
     per_dataset = panel_titles(grids[1])
     assert len(per_dataset) == 16 and per_dataset[1] == "qasper: score vs budget"
-    assert grids[1].panels[1]._to_model().config.y_axis == "summary:metrics/datasets/qasper"
+
+
+# ----------------------------------------------------------------------------- panels read what tracking logs
+GOLDEN_RUNS = ROOT / "tests" / "golden" / "runs"
+
+
+class RecordedRun:
+    """Stands in for a wandb run (tracking opens it with wandb.init): keeps the config, history and summary."""
+
+    def __init__(self, kwargs):
+        self.config, self.history, self.summary = kwargs["config"], set(), {}
+
+    def define_metric(self, *args, **kwargs):
+        pass
+
+    def log(self, data, step=None):
+        self.history |= set(data)
+
+    def finish(self):
+        pass
+
+
+def logged(monkeypatch, tmp_path, run_dir: Path, **config) -> RecordedRun:
+    """What keydiff.tracking logs to W&B for a recorded run directory (its summary.json and predictions), with
+    `config` replacing keys of its recorded configuration (experiment_name=...) and results/paper at tmp_path."""
+    wandb = pytest.importorskip("wandb")
+    from omegaconf import OmegaConf
+
+    from keydiff import tracking
+    from keydiff.results import read_rows
+
+    runs = []
+    monkeypatch.setattr(wandb, "init", lambda **kwargs: runs.append(RecordedRun(kwargs)) or runs[-1])
+    monkeypatch.setattr(wandb, "Table", lambda **kwargs: type("Table", (), {"data": [], "add_data": lambda *a: None})())
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    recorded = {**summary["config"], **config, "logger": {"wandb": True, "paper_dir": str(tmp_path)}}
+    work = tmp_path / "run"
+    work.mkdir(exist_ok=True)
+    tracker = tracking.start(OmegaConf.create(recorded), work, read_rows(run_dir))
+    tracker.finish(summary)
+    return runs[0]
+
+
+def flat_keys(config: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in config.items():
+        out.update(flat_keys(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
+    return out
+
+
+def panel_reads(report) -> tuple[set, set, set]:
+    """(summary keys, config keys, history keys) the report's panels and run-set filters read."""
+    summary, config, history = set(), set(), set()
+    for block in (b for b in report.blocks if hasattr(b, "panels")):
+        for panel in block.panels:
+            fields = [getattr(panel, f, None) for f in ("x", "y", "groupby")] + list(getattr(panel, "metrics", None) or [])
+            for field in fields:
+                for item in field if isinstance(field, list) else [field]:
+                    kind = type(item).__name__
+                    if kind == "SummaryMetric":
+                        summary.add(item.name)
+                    elif kind == "Config":
+                        config.add(item.name)
+                    elif isinstance(item, str) and item != "Step" and type(panel).__name__ == "LinePlot":
+                        history.add(item)
+        for runset in block.runsets:
+            config |= {f.key.name for f in expr.expr_to_filters(runset.filters).filters}
+    return summary, config, history
+
+
+def test_every_panel_reads_a_key_that_tracking_logs(tmp_path, monkeypatch):
+    """The report's panels, run-set filters and paper table name W&B keys; each must be one that
+    keydiff.tracking logs for a real run of that grid (a renamed summary, config or history key on either
+    side leaves a panel empty and fails here)."""
+    smoke = GOLDEN_RUNS / "smoke/niah_small/smollm2-135m/keydiff/1k/bs128/seed0-limit2"
+    (tmp_path / "table1.csv").write_text("table,model,policy,budget,block_size,row,column,column_kind,metric,value,"
+                                         "samples,samples_total,note\n1,smollm2-135m,keydiff,1k,128,,avg,average,score,"
+                                         "50.0,,,\n")
+    run = logged(monkeypatch, tmp_path, smoke, experiment_name="table1")  # a table1 point: paper/score logged
+    grid = make_report.Grid("table1", "table1", "", "niah_small", ["smollm2-135m"], ["keydiff"], ["keydiff"], ["1k"], ["128"])
+    report = make_report.build_report(grid, "", "keydiff-bench", tmp_path)
+    summary, config, history = panel_reads(report)
+    assert "paper/score" in summary and "running/score" in history  # the paper panels and the running panel exist
+    assert summary <= set(run.summary), summary - set(run.summary)
+    assert config <= set(flat_keys(run.config)), config - set(flat_keys(run.config))
+    assert history <= run.history, history - run.history
+    # The run set of a policy whose label is not its name (keydiff_w20 runs keydiff) selects this very run.
+    windowed = GOLDEN_RUNS / "table4_gen4k/math500/deepseek-r1-distill-llama-8b/keydiff_w20/1k/bs128/seed0"
+    run = logged(monkeypatch, tmp_path, windowed)
+    grid = make_report.Grid("table4_gen4k", "table4_gen4k", "", "math500", ["deepseek-r1-distill-llama-8b"],
+                            ["keydiff_w20"], ["keydiff"], ["1k"], ["128"])
+    main = next(block for block in make_report.build_report(grid, "", "p", tmp_path / "absent").blocks
+                if hasattr(block, "panels"))
+    logged_config = flat_keys(run.config)
+    for f in expr.expr_to_filters(main.runsets[0].filters).filters:
+        assert str(logged_config[f.key.name]) == str(f.value), f.key.name
+
+    # LongBench: one panel per dataset, reading metrics/datasets/<dataset>.
+    longbench = GOLDEN_RUNS / "table11/longbench_full/llama-3.2-3b-instruct/keydiff/2k/bs128/seed0"
+    run = logged(monkeypatch, tmp_path, longbench)
+    grid = make_report.load_grid("table11")
+    report = make_report.build_report(grid, "", "keydiff-bench", tmp_path / "absent")
+    summary, _, _ = panel_reads(report)
+    datasets = {key for key in summary if key.startswith("metrics/datasets/")}
+    assert len(datasets) == 21 and datasets <= set(run.summary), datasets - set(run.summary)
 
 
 # One experiment per task family and axis shape (table10: block_size=inf; fig7: block sizes swept);

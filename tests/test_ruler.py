@@ -555,11 +555,8 @@ def test_haystack_source_in_rows_and_summary(tmp_path):
 
 # ------------------------------------------------------------------------------------------ table
 def test_ruler_table(tmp_path):
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        import ruler_table
-    finally:
-        sys.path.pop(0)
+    from keydiff.report import ruler as ruler_table
+
     essays = {t: ("essay:ruler_json" if t in ("niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multivalue",
                                               "niah_multiquery") else "noise") for t in STANDARD_TASKS}
     runs = (

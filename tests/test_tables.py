@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import sys
 from pathlib import Path
 
 import pandas as pd
@@ -18,14 +17,14 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 CONF = ROOT / "conf"
-sys.path.insert(0, str(ROOT / "scripts"))
 
-import collect_results  # noqa: E402
-import make_figures  # noqa: E402
-import make_tables  # noqa: E402
-import paper_compare  # noqa: E402
+from keydiff.paper import compare as paper_compare  # noqa: E402
+from keydiff.paper import registry  # noqa: E402
+from keydiff.report import collect as collect_results  # noqa: E402
+from keydiff.report import figures as make_figures  # noqa: E402
+from keydiff.report import tables as make_tables  # noqa: E402
 
-SUITE = list(collect_results.LONGBENCH)
+SUITE = registry.SUITE
 LLAMA3B = "llama-3.2-3b-instruct"
 R1 = "deepseek-r1-distill-llama-8b"
 
@@ -172,7 +171,7 @@ def test_longbench_tables_bold_the_best_eviction_method(produced):
     assert r"\textbf{99.00 $\pm$ n/a (n=1)}" in tex and r"\textbf{50.00" not in tex and r"\toprule" in tex
     assert "95 % confidence interval" in tex
     # Table 1 = English columns of the table11 runs; its average is over those 16 columns only.
-    english = [10.5 + i for i, d in enumerate(SUITE) if d in make_tables.ENGLISH]
+    english = [10.5 + i for i, d in enumerate(SUITE) if d in registry.ENGLISH]
     assert value(md_cell(out / "tables" / "table1.md", row, "Avg.")) == f"{sum(english) / 16:.2f}"
     assert "MF-zh" not in md_rows(out / "tables" / "table1.md")[0]
     assert value(md_cell(out / "tables" / "table1.md", (LLAMA3B, "Sink", "2K"), "Avg.")) == "**30.00"  # from table1 itself
@@ -402,8 +401,10 @@ def test_predictions_count_the_latest_successful_row_per_sample(tmp_path):
             {"sample_id": "c", "status": "ok", "compression_ratio": 0.25},
             {"sample_id": "d", "compression_ratio": 0.75}]  # a row written before statuses existed
     (tmp_path / "predictions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"sample_id": "e"')
+    before = (tmp_path / "predictions.jsonl").read_bytes()
     got = collect_results.read_predictions(tmp_path)
     assert {r["sample_id"]: r["compression_ratio"] for r in got} == {"a": 0.5, "c": 0.25, "d": 0.75}
+    assert (tmp_path / "predictions.jsonl").read_bytes() == before  # a reader never cuts a running job's last line
 
 
 # ----------------------------------------------------------------------------- a subset run beside the full run
@@ -485,7 +486,7 @@ def test_the_generic_figure_plots_the_full_run_with_its_interval(mixed, monkeypa
 
 
 def test_interval_arithmetic():
-    from keydiff.uncertainty import combined_se, format_estimate, grouped_mean_se, standard_error
+    from keydiff.report.render import combined_se, format_estimate, grouped_mean_se, standard_error
 
     assert standard_error([1.0, 0.0]) == pytest.approx(0.5) and standard_error([0.7]) != standard_error([0.7])  # NaN
     assert combined_se([0.3, 0.4]) == pytest.approx(0.25)  # the mean of two independent estimates
@@ -493,10 +494,10 @@ def test_interval_arithmetic():
     assert (mean, se) == (pytest.approx(75.0), pytest.approx(25.0))
     assert format_estimate(0.5, 0.25, 2) == "0.500 ± 0.490 (n=2)" and format_estimate(0.5, float("nan"), 1) == "0.500 ± n/a (n=1)"
     # Seeds of one configuration: values averaged, samples summed, standard errors combined.
-    import generic_tables
+    from keydiff.report import selection
 
     seeds = pd.DataFrame({"policy": ["kd", "kd"], "score": [0.5, 0.7], "se/score": [0.3, 0.4], "samples": [2, 3]})
-    row = generic_tables.average_seeds(seeds, ["policy"], sums=("samples",)).iloc[0]
+    row = selection.average_seeds(seeds, ["policy"], sums=("samples",)).iloc[0]
     assert (row["score"], row["se/score"], row["samples"]) == (pytest.approx(0.6), pytest.approx(0.25), 5)
 
 

@@ -14,7 +14,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf, open_dict
 
 from keydiff import runner, tracking
-from keydiff.paper_reference import paper_values, read_tables, table_numbers
+from keydiff.paper.reference import paper_values, read_tables, table_numbers
 from tests.conftest import char_tokenizer, tiny_llama
 
 wandb = pytest.importorskip("wandb")

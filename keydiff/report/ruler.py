@@ -11,7 +11,7 @@ essays, the project's QA fixture, or a run that predates this record), and ``(k/
 standard tasks were scored. The ``haystack`` column names the essay haystack (``pydoc``, ``txt_dir``,
 ``ruler_json``) and ``qa`` the QA data (``file`` or ``fixture``).
 
-    python scripts/ruler_table.py [--runs results/runs] [--out results/tables]
+    python -m keydiff.report.ruler [--runs results/runs] [--out results/tables]
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ import json
 from pathlib import Path
 
 import pandas as pd
+
+from keydiff.report.render import budget_tokens, decimals, missing
 
 TASKS = ("niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2",
          "niah_multikey_3", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe", "qa_1", "qa_2")
@@ -73,17 +75,10 @@ def ruler_rows(runs: Path) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def _budget_key(label: str) -> float:
-    text = str(label)
-    if text.endswith("k") and text[:-1].isdigit():
-        return float(text[:-1]) * 1024
-    return float(text) if text.isdigit() else float("inf")  # "unbounded" (full) last
-
-
 def to_markdown(df: pd.DataFrame) -> str:
     if df.empty:
         return "No RULER runs found (run e.g. `python run.py experiment=ruler task.data_dir=...`).\n"
-    df = df.assign(_b=df["budget"].map(_budget_key)).sort_values(["length", "model", "_b", "policy"])
+    df = df.assign(_b=df["budget"].map(budget_tokens))  # "unbounded" (full) last.sort_values(["length", "model", "_b", "policy"])
     columns = ["model", "policy", "budget", "length", "haystack", "qa", "n", *TASKS, "avg"]
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     reasons: list[str] = []
@@ -93,7 +88,7 @@ def to_markdown(df: pd.DataFrame) -> str:
         for column in columns:
             value = row[column]
             if column in TASKS or column == "avg":
-                text = "–" if value is None or pd.isna(value) else f"{value:.2f}"
+                text = "–" if missing(value) else decimals(value, 2)
                 if column in TASKS and short.get(column):
                     text += f"↓{short[column]}"
                 if column == "avg" and text != "–":
@@ -123,11 +118,16 @@ def main(runs: Path, out: Path) -> pd.DataFrame:
     return df
 
 
-if __name__ == "__main__":
+def cli(argv: list[str] | None = None) -> pd.DataFrame:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     parser.add_argument("--runs", type=Path, default=root / "results/runs")
     parser.add_argument("--out", type=Path, default=root / "results/tables")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     table = main(args.runs, args.out)
     print((args.out / "ruler.md").read_text(encoding="utf-8"))
+    return table
+
+
+if __name__ == "__main__":
+    cli()

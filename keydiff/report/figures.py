@@ -10,23 +10,23 @@
                                       offset so equal scores stay visible, the full cache as a dashed line
                                       with its interval shaded; hollow markers and "§" = subset run
                                       (task.limit), n in the legend; a subset run is never averaged with
-                                      the whole-task run of its configuration (generic_tables.runs_of)
+                                      the whole-task run of its configuration (generic.runs_of)
 
-Error bars (also on the TTFT figures) and intervals: keydiff/uncertainty.py. Heatmap panels name n and
+Which experiments feed the paper figures: keydiff/paper/registry.py FIGURES; policy names: its DISPLAY_NAMES.
+Error bars (also on the TTFT figures) and intervals: keydiff/report/render.py. Heatmap panels name n and
 mark subset runs §.
 
 Every file is written as .png and .pdf, byte-reproducible (Agg backend, fixed style, metadata
 stripped): the same CSV gives the same sha256, so figures can be checked into a paper repository and
 diffed. Like the tables, only complete runs of the whole task count, except for the smoke experiment.
 
-    python scripts/make_figures.py [--summary results/summary.csv] [--out results/figures]
-                                   [--runs results/runs] [--collect]
+    python -m keydiff.report.figures [--summary results/summary.csv] [--out results/figures]
+                                     [--runs results/runs] [--collect]
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import matplotlib
@@ -36,13 +36,13 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from collect_results import LONGBENCH, PRIMARY, longbench_dataset, read_predictions, task_family  # noqa: E402
-from make_tables import NA, NAMES, ensure_summary, load, pick  # noqa: E402
-import generic_tables  # noqa: E402
-import results_index  # noqa: E402
-
-from keydiff.uncertainty import half_width  # noqa: E402
+from keydiff.paper import registry  # noqa: E402
+from keydiff.paper.registry import LONGBENCH, display_name  # noqa: E402
+from keydiff.report import generic  # noqa: E402
+from keydiff.report import index as results_index  # noqa: E402
+from keydiff.report.collect import ensure_summary, longbench_dataset, read_predictions, task_family  # noqa: E402
+from keydiff.report.render import NA, SUBSET, budget_tokens, half_width  # noqa: E402
+from keydiff.report.selection import load, pick  # noqa: E402
 
 STYLE = {"svg.hashsalt": "keydiff", "font.size": 8, "axes.titlesize": 9, "figure.dpi": 100, "savefig.dpi": 150}
 
@@ -69,7 +69,7 @@ def errors(runs: pd.DataFrame, column: str) -> np.ndarray:
 def subset_mark(run) -> str:
     """"§" for a subset run (task.limit set; after averaging, any of its seeds)."""
     subset = run.get("subset") if "subset" in run else pd.notna(run.get("limit"))
-    return "§" if bool(subset) and pd.notna(subset) else ""
+    return SUBSET if bool(subset) and pd.notna(subset) else ""
 
 
 def count(run) -> int:
@@ -102,7 +102,7 @@ def niah_heatmaps(df, out: Path) -> list[Path]:
                     ax.set_xticks(range(len(lengths)), [f"{l / 1000:g}k" for l in lengths], rotation=90)
                     ax.set_yticks(range(len(depths)), [str(d) for d in depths])
                     mark = subset_mark(run)
-                    ax.set_title(f"{NAMES.get(run['policy'], run['policy'])}{' ' + mark if mark else ''} (n={count(run)})")
+                    ax.set_title(f"{display_name(run['policy'])}{' ' + mark if mark else ''} (n={count(run)})")
                     ax.set_xlabel("context length (tokens)")
                 axes[0][0].set_ylabel("needle depth (%)")
                 fig.colorbar(image, ax=list(axes[0]), label="needle recall")
@@ -126,7 +126,7 @@ def ttft(df, out: Path) -> list[Path]:
                 for i, (policy, line) in enumerate(mine[mine["block_size"] == block].groupby("policy")):
                     line = line.sort_values("budget")
                     ax.errorbar(line["budget"], line["mean_ttft_s"], yerr=errors(line, "mean_ttft_s"), capsize=2,
-                                marker=MARKERS[i % len(MARKERS)], label=f"{NAMES.get(policy, policy)}"
+                                marker=MARKERS[i % len(MARKERS)], label=f"{display_name(policy)}"
                                 + ("".join(sorted({subset_mark(r) for _, r in line.iterrows()}))))
                 ax.set_title(f"B = {block}")
                 ax.set_xlabel("KV cache budget (tokens)")
@@ -166,42 +166,42 @@ def prompt_lengths(df, runs_root: Path, out: Path) -> list[Path]:
     return paths
 
 
-def generic(df, out: Path) -> list[Path]:
+def score_vs_budget(df, out: Path) -> list[Path]:
     """Score vs budget per policy for whatever ran (subset and incomplete runs included, and marked), with
-    95 % error bars. Configurations are those of the generic tables (generic_tables.runs_of): a subset run
+    95 % error bars. Configurations are those of the generic tables (generic.runs_of): a subset run
     is never averaged with the whole-task run of its configuration. Policies get their own marker and a
     small horizontal offset, so series with equal scores stay visible; the y axis starts at 0."""
     paths = []
     (out / "generic").mkdir(parents=True, exist_ok=True)
-    runs = generic_tables.runs_of(df)
+    runs = generic.runs_of(df)
     for (experiment, task, model, block), group in runs.groupby(["experiment", "task", "model", "block_size"], sort=True):
         fig, ax = plt.subplots(figsize=(4.2, 2.8))
         fig.subplots_adjust(left=0.14, right=0.97, bottom=0.16, top=0.9)  # fixed: no layout engine, fast
-        budgets = sorted({b for b in group["budget_label"] if b != "--"}, key=generic_tables.budget_order)
-        ticks = [generic_tables.budget_order(b) for b in budgets]
+        budgets = sorted({b for b in group["budget_label"] if b != "--"}, key=budget_tokens)
+        ticks = [budget_tokens(b) for b in budgets]
         span = (max(ticks) - min(ticks)) if len(ticks) > 1 else max(ticks, default=1.0)
         lines = list(group[group["budget_label"] != "--"].groupby("policy"))
         for i, (policy, line) in enumerate(lines):
-            line = line.assign(tokens=line["budget_label"].map(generic_tables.budget_order)).sort_values("tokens")
+            line = line.assign(tokens=line["budget_label"].map(budget_tokens)).sort_values("tokens")
             shift = DODGE * span * (i - (len(lines) - 1) / 2)
             n = sorted({int(v) for v in line["samples"].fillna(0)})
             marks = "".join(sorted({subset_mark(r) for _, r in line.iterrows()}))
             drawn = ax.errorbar(line["tokens"] + shift, line["score"], yerr=errors(line, "score"), capsize=2,
                                 linewidth=1, marker=MARKERS[i % len(MARKERS)],
-                                label=f"{NAMES.get(policy, policy)}{' ' + marks if marks else ''} "
+                                label=f"{display_name(policy)}{' ' + marks if marks else ''} "
                                       f"(n={n[0]}{f'-{n[-1]}' if len(n) > 1 else ''} per budget)")
             partial = line[line["subset"] | line["incomplete"]]  # hollow markers: subset or unfinished points
             ax.plot(partial["tokens"] + shift, partial["score"], linestyle="none", marker=MARKERS[i % len(MARKERS)],
                     color=drawn.lines[0].get_color(), markerfacecolor="white", zorder=3)
         for _, full in group[group["budget_label"] == "--"].iterrows():
             ax.axhline(full["score"], color="black", linestyle="--", linewidth=0.8,
-                       label=f"{NAMES.get(full['policy'], full['policy'])}{subset_mark(full)} (n={count(full)})")
+                       label=f"{display_name(full['policy'])}{subset_mark(full)} (n={count(full)})")
             half = errors(pd.DataFrame([full]), "score")[0]
             if np.isfinite(half):
                 ax.axhspan(full["score"] - half, full["score"] + half, color="black", alpha=0.08, linewidth=0)
         ax.set_xticks(ticks, budgets)
         ax.set_xlabel("KV cache budget (tokens; policies offset sideways to stay visible)")
-        ax.set_ylabel(f"{generic_tables.primary_metric(task)} (95 % CI)")
+        ax.set_ylabel(f"{generic.primary_metric(task)} (95 % CI)")
         ax.set_ylim(bottom=min(0.0, float(np.nanmin(group["score"])) if group["score"].notna().any() else 0.0))
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
@@ -212,17 +212,11 @@ def generic(df, out: Path) -> list[Path]:
     return paths
 
 
-EXPECTED = [  # paper figures: name, file prefix, experiments that feed it
-    ("Figures 6 / 19: NIAH heatmaps", "niah", ["fig6_niah"]),
-    ("Figures 7 / 17: TTFT vs budget", "ttft_", ["fig7_ttft", "fig17_ttft_eager"]),
-    ("Figure 18: LongBench prompt lengths", "prompt_lengths_", ["table11_full"]),
-]
-
-
 def index_entries(paths: list[Path], out: Path) -> list[dict]:
     names = sorted({p.relative_to(out).with_suffix("").as_posix() for p in paths})
     entries = []
-    for title, prefix, experiments in EXPECTED:
+    for figure in registry.FIGURES:
+        title, prefix, experiments = figure.title, figure.prefix, list(figure.run)
         mine = [n for n in names if n.startswith(prefix)]
         files = [f"figures/{n}.png" for n in mine]
         status = f"{len(mine)} figures: " + ", ".join(f"[{n}](figures/{n}.png)" for n in mine) if mine else \
@@ -241,7 +235,7 @@ def main(summary: Path, runs_root: Path, out: Path) -> list[Path]:
     plt.rcParams.update(STYLE)
     df = load(summary) if summary.exists() else pd.DataFrame()
     out.mkdir(parents=True, exist_ok=True)
-    paths = [] if df.empty else niah_heatmaps(df, out) + ttft(df, out) + prompt_lengths(df, runs_root, out) + generic(df, out)
+    paths = [] if df.empty else niah_heatmaps(df, out) + ttft(df, out) + prompt_lengths(df, runs_root, out) + score_vs_budget(df, out)
     for path in paths:
         print(path)
     if not paths:
@@ -251,12 +245,16 @@ def main(summary: Path, runs_root: Path, out: Path) -> list[Path]:
     return paths
 
 
-if __name__ == "__main__":
+def cli(argv: list[str] | None = None) -> list[Path]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--summary", type=Path, default=Path("results/summary.csv"))
     parser.add_argument("--out", type=Path, default=Path("results/figures"))
     parser.add_argument("--runs", "--results", type=Path, default=Path("results/runs"), help="run directories")
     parser.add_argument("--collect", action="store_true", help="re-collect --runs into --summary first")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     ensure_summary(args.summary, args.runs, args.collect)
-    main(args.summary, args.runs, args.out)
+    return main(args.summary, args.runs, args.out)
+
+
+if __name__ == "__main__":
+    cli()

@@ -17,22 +17,12 @@ extracted text garbles (results/paper/README.md).
 from __future__ import annotations
 
 import csv
-import re
 from pathlib import Path
 from typing import Any
 
+from keydiff.paper.registry import table_numbers  # noqa: F401  (which tables an experiment is logged against)
+
 AVERAGE = "avg"  # the average column, whatever the paper printed (Avg., average)
-
-
-# Paper tables that hold the numbers of an experiment named after another one: the table4_* experiments
-# (Math-500) run both R1 distills, whose whole-set results are Table 4 (Llama) and Table 6 (Qwen).
-SHARED_TABLES = {"4": ("4", "6")}
-
-
-def table_numbers(experiment_name: str) -> tuple[str, ...]:
-    """table1 / table1_full / table4_gen8k -> ("1",) / ("1",) / ("4", "6"); figures and ad-hoc runs -> ()."""
-    match = re.match(r"table(\d+)", str(experiment_name))
-    return SHARED_TABLES.get(match.group(1), (match.group(1),)) if match else ()
 
 
 def read_tables(paper_dir: str | Path, tables: tuple[str, ...]) -> list[dict[str, str]]:

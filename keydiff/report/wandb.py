@@ -23,27 +23,30 @@ every experiment that has runs under the results root gets a report: those of co
 grid, any other (`adhoc`, or your own `experiment_name`) from the configurations its runs recorded, one
 report per task (`<experiment>__<task>.json`, run sets filtered by task as well).
 
-    python scripts/make_report.py                          # every experiment with runs (adhoc included)
-    python scripts/make_report.py table1 smoke             # these experiments, with or without runs
-    python scripts/make_report.py table1 --publish --entity ME [--project keydiff-bench]
+    python -m keydiff.report.wandb                          # every experiment with runs (adhoc included)
+    python -m keydiff.report.wandb table1 smoke             # these experiments, with or without runs
+    python -m keydiff.report.wandb table1 --publish --entity ME [--project keydiff-bench]
+
+Which paper table an experiment is compared with, and how policies are named: keydiff/paper/registry.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from omegaconf import OmegaConf
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from keydiff.config import budget_label  # noqa: E402
-from keydiff.paper_reference import paper_values, read_tables, table_numbers  # noqa: E402
-from keydiff.tracking import headline  # noqa: E402
+from keydiff.config import budget_label
+from keydiff.paper.reference import paper_values, read_tables
+from keydiff.paper.registry import table_numbers
+from keydiff.report.render import budget_tokens
+from keydiff.tracking import headline
+
+ROOT = Path(__file__).resolve().parents[2]
 
 CONF = ROOT / "conf"
 GRID_AXES = ("model", "policy", "budget", "block_size")
@@ -135,17 +138,9 @@ def grids_from_runs(experiment: str, configs: list[dict[str, Any]]) -> list[Grid
             description=f"Runs of experiment_name={experiment} on {task}, as recorded in their run directories",
             models=unique(c.get("model", {}).get("name") for c in runs), policies=sorted(policies),
             policy_names=[policies[label] for label in sorted(policies)],
-            budgets=sorted(unique(c.get("budget", {}).get("label") for c in runs), key=budget_order),
-            block_sizes=sorted(unique(c.get("block_size") for c in runs), key=budget_order), datasets=datasets))
+            budgets=sorted(unique(c.get("budget", {}).get("label") for c in runs), key=budget_tokens),
+            block_sizes=sorted(unique(c.get("block_size") for c in runs), key=budget_tokens), datasets=datasets))
     return grids
-
-
-def budget_order(label: str) -> float:
-    """2k before 3000 before 4k (labels are "<n>k" or a token count); 64 before 128 before inf."""
-    try:
-        return float(label[:-1]) * 1024 if label.endswith("k") else float(label)
-    except ValueError:
-        return float("inf")
 
 
 def experiments_with_runs(runs_root: Path) -> list[str]:
@@ -329,4 +324,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

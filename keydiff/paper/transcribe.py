@@ -15,7 +15,7 @@ Row identities (model, method, budget) of the LongBench tables come from the lin
 extracted layout is too scrambled to tell which method a line belongs to (most of Table 10, Table 13),
 the lines are not attributed at all and results/paper/README.md lists them.
 
-    python scripts/transcribe_paper.py [--text ../shared/reference/keydiff-paper.txt] [--out results/paper]
+    python -m keydiff.paper.transcribe [--text ../shared/reference/keydiff-paper.txt] [--out results/paper]
 """
 
 from __future__ import annotations
@@ -26,15 +26,13 @@ import re
 from collections import Counter
 from pathlib import Path
 
-from collect_results import LONGBENCH
+from keydiff.paper.registry import ENGLISH, LLAMA_R1, LLAMAS, QWEN_R1, SUITE
 
 FIELDS = ["table", "model", "policy", "budget", "block_size", "row", "column", "column_kind", "metric", "value",
           "samples", "samples_total", "note"]
-SUITE = list(LONGBENCH)
-CHINESE = ("multifieldqa_zh", "dureader", "vcsum", "lsht", "passage_retrieval_zh")
-ENGLISH = [d for d in SUITE if d not in CHINESE]
-L8, L3 = "llama-3.1-8b-instruct", "llama-3.2-3b-instruct"
-R1_LLAMA, R1_QWEN = "deepseek-r1-distill-llama-8b", "deepseek-r1-distill-qwen-7b"
+CHINESE = [d for d in SUITE if d not in ENGLISH]
+L8, L3 = LLAMAS
+R1_LLAMA, R1_QWEN = LLAMA_R1, QWEN_R1
 NUMBER = re.compile(r"^-?\d+(\.\d+)?$")
 BUDGETS = ["2k", "4k", "6k", "8k"]
 AVG_TOLERANCE = 0.0101  # mean of 2-decimal values vs a 2-decimal printed average: at most 0.005 + 0.005 apart
@@ -489,7 +487,7 @@ def write(tables, captions, out: Path) -> None:
 README = """# The KeyDiff paper's published numbers
 
 Every number of Tables 1 and 3-19 of the KeyDiff paper (arXiv 2504.15364, NeurIPS version), transcribed by
-`scripts/transcribe_paper.py` from the extracted text `../shared/reference/keydiff-paper.txt` (line numbers
+`keydiff/paper/transcribe.py` from the extracted text `../shared/reference/keydiff-paper.txt` (line numbers
 below refer to it) and checked by `tests/test_paper_numbers.py` against what the paper derives from them.
 
 * `table<N>.csv`, one row per cell: `table, model, policy, budget, block_size, row, column, column_kind,
@@ -623,11 +621,11 @@ def garbled_listing(tables) -> str:
     return "\n".join(lines)
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--text", type=Path, default=Path("../shared/reference/keydiff-paper.txt"))
     parser.add_argument("--out", type=Path, default=Path("results/paper"))
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     tables, captions = build(args.text)
     write(tables, captions, args.out)
     (args.out / "README.md").write_text(readme(tables), encoding="utf-8")
@@ -636,3 +634,7 @@ if __name__ == "__main__":
         fixed = sum(1 for r in rows if "recovered:" in r["note"])
         print(f"table{t}: {sum(1 for r in rows if r['value'] != '')} cells ({fixed} recovered), {bad} garbled "
               f"-> {args.out}/table{t}.csv")
+
+
+if __name__ == "__main__":
+    main()

@@ -7,7 +7,7 @@ results/summary.csv counts, complete or not, subset or not, and says which it is
   <experiment>__<task>.md / .tex  in results/tables/generic/
     1. the task's primary score (named: needle_recall, average, ...) as policy x budget (rows: model, block
        size, policy; one column per budget, "--" = no budget, the full cache), each cell
-       "value ± 95 % half-width (n)" with n the samples scored (keydiff/uncertainty.py);
+       "value ± 95 % half-width (n)" with n the samples scored (keydiff/report/render.py);
     2. every configuration as a row with each top-level task metric (and LongBench's per-dataset scores),
        "kept N/L" (the mean fraction of the prompt kept, the paper's compression ratio) and TTFT, n,
        failed samples, task.limit and seeds.
@@ -28,8 +28,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from collect_results import PRIMARY, task_family
-from keydiff.uncertainty import format_estimate
+from keydiff.report.collect import PRIMARY, task_family
+from keydiff.report.render import budget_tokens, count, decimals, format_estimate, latex, markdown_rows, marks
+from keydiff.report.selection import average_seeds, whole_runs_first
 
 FIXED = {"Model", "B", "Policy", "Budget", "n", "failed", "limit", "seeds", "marks", "kept N/L", "TTFT (s)"}
 ID = ["experiment", "task", "model", "block_size", "policy", "budget_label"]
@@ -37,36 +38,6 @@ LEGEND = ("value ± half-width of its 95 % confidence interval (1.96 standard er
           "sample) (n = samples scored); § subset run (task.limit), shown only where no whole-task run of the "
           "same configuration exists; †k: k samples failed; ~ run not complete; -- budget = full cache (no eviction).")
 COUNT_METRICS = re.compile(r"^(n|n_.*|num_.*|.*_count)$")  # metrics that count things: printed as integers
-
-
-def whole_runs_first(df: pd.DataFrame, key: list[str]) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """(kept, superseded): per configuration `key`, its whole-task runs (no task.limit) when it has one,
-    else the runs of its largest task.limit. A subset run reuses the first samples of the whole run, so
-    averaging the two would count those samples twice and mix two different sample sets."""
-    if df.empty:
-        return df, df
-    rank = pd.to_numeric(df["limit"], errors="coerce").fillna(np.inf)
-    best = rank.groupby([df[k].astype(str) for k in key]).transform("max")
-    return df[rank == best], df[rank != best]
-
-
-def average_seeds(df: pd.DataFrame, key: list[str], sums=("samples", "num_failed", "seeds")) -> pd.DataFrame:
-    """One row per `key`: numeric columns averaged over the seeds, `sums` added, standard errors (se/...)
-    combined as the SE of the mean (keydiff.uncertainty.combined_se)."""
-    numeric = [c for c in df.columns if c not in key and pd.api.types.is_numeric_dtype(df[c])]
-    errors = [c for c in numeric if c.startswith("se/")]
-    added = [c for c in numeric if c in sums]
-    means = [c for c in numeric if c not in errors and c not in added]
-    groups = [df[k] for k in key]
-    parts = [df[means].groupby(groups, sort=False, dropna=False).mean(),
-             df[added].groupby(groups, sort=False, dropna=False).sum()]
-    if errors:  # combined_se, vectorised: sqrt(sum SE^2) / seeds, NaN when any seed has none
-        square = df[errors].astype(float) ** 2
-        total = square.groupby(groups, sort=False, dropna=False).sum(min_count=1)
-        count = square.groupby(groups, sort=False, dropna=False).size()
-        missing = square.isna().groupby(groups, sort=False, dropna=False).any()
-        parts.append((np.sqrt(total).div(count, axis=0)).mask(missing))
-    return pd.concat(parts, axis=1)[numeric].reset_index()
 
 
 def runs_of(df: pd.DataFrame) -> pd.DataFrame:
@@ -101,25 +72,8 @@ def estimate(run, column: str = "score") -> str:
     return format_estimate(run[column], np.nan if se is None else float(se), run["samples"] if pd.notna(run["samples"]) else 0)
 
 
-def marks(run) -> str:
-    out = "§" if run["subset"] else ""
-    out += f"†{int(run['num_failed'])}" if run["num_failed"] else ""
-    return out + ("~" if run["incomplete"] else "")
-
-
-def budget_order(label: str) -> float:
-    if label == "--":
-        return -1.0
-    match = re.fullmatch(r"(\d+(?:\.\d+)?)([km]?)", str(label).lower())
-    return float(match[1]) * {"": 1, "k": 1024, "m": 1024 ** 2}[match[2]] if match else float("inf")
-
-
-def fmt(value, precision=3) -> str:
-    return "--" if value is None or pd.isna(value) else f"{value:.{precision}f}"
-
-
-def fmt_count(value) -> str:
-    return "--" if value is None or pd.isna(value) else str(int(round(value)))
+def run_marks(run) -> str:
+    return marks(run["subset"], run["num_failed"], run["incomplete"])
 
 
 def metric_columns(runs: pd.DataFrame) -> list[str]:
@@ -132,11 +86,11 @@ def metric_columns(runs: pd.DataFrame) -> list[str]:
 
 
 def score_matrix(runs: pd.DataFrame) -> pd.DataFrame:
-    budgets = sorted(set(runs["budget_label"]), key=budget_order)
+    budgets = sorted(set(runs["budget_label"]), key=budget_tokens)
     rows = {}
     for _, run in runs.iterrows():
         key = (run["model"], run["block_size"], run["policy"])
-        cell = estimate(run) + marks(run)
+        cell = estimate(run) + run_marks(run)
         rows.setdefault(key, {})[run["budget_label"]] = cell
     table = pd.DataFrame.from_dict(rows, orient="index").reindex(columns=budgets)
     table.index = pd.MultiIndex.from_tuples(table.index, names=["Model", "B", "Policy"])
@@ -146,10 +100,10 @@ def score_matrix(runs: pd.DataFrame) -> pd.DataFrame:
 def metric_cells(runs: pd.DataFrame, column: str) -> pd.Series:
     name = column.split("/", 1)[1]
     if COUNT_METRICS.match(name):
-        return runs[column].map(fmt_count)
+        return runs[column].map(count)
     if f"se/{column}" in runs.columns:
         return runs.apply(lambda run: estimate(run, column) if pd.notna(run[column]) else "--", axis=1)
-    return runs[column].map(fmt)
+    return runs[column].map(decimals)
 
 
 def run_rows(runs: pd.DataFrame) -> pd.DataFrame:
@@ -161,37 +115,19 @@ def run_rows(runs: pd.DataFrame) -> pd.DataFrame:
         "Model": runs["model"], "B": runs["block_size"], "Policy": runs["policy"], "Budget": runs["budget_label"],
         "n": runs["samples"].fillna(0).astype(int), "failed": runs["num_failed"].astype(int),
         "limit": runs["limit"].map(lambda v: "--" if pd.isna(v) else str(int(v))),
-        "seeds": runs["seeds"].astype(int), "marks": runs.apply(marks, axis=1),
+        "seeds": runs["seeds"].astype(int), "marks": runs.apply(run_marks, axis=1),
         f"{' / '.join(primary)} (primary)": runs.apply(estimate, axis=1),
         **{(c.split("/", 1)[1] if c.split("/", 1)[1] not in FIXED else f"{c.split('/', 1)[1]} (metric)"):
            metric_cells(runs, c) for c in columns},
-        "kept N/L": runs["mean_compression_ratio"].map(fmt), "TTFT (s)": runs["mean_ttft_s"].map(fmt),
+        "kept N/L": runs["mean_compression_ratio"].map(decimals), "TTFT (s)": runs["mean_ttft_s"].map(decimals),
     })
-    order = np.lexsort([runs["budget_label"].map(budget_order), runs["policy"], runs["block_size"].astype(str),
+    order = np.lexsort([runs["budget_label"].map(budget_tokens), runs["policy"], runs["block_size"].astype(str),
                         runs["model"]])
     return table.iloc[order].set_index(["Model", "B", "Policy", "Budget"])
 
 
 def markdown(table: pd.DataFrame) -> list[str]:
-    flat = table.reset_index()
-    lines = ["| " + " | ".join(map(str, flat.columns)) + " |", "|" + "---|" * len(flat.columns)]
-    lines += ["| " + " | ".join(str(v) for v in row) + " |" for row in flat.itertuples(index=False)]
-    return lines
-
-
-TEX_SPECIAL = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_",
-               "{": r"\{", "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}"}
-
-
-def tex_escape(text: str) -> str:
-    """Plain text (captions) for LaTeX; table cells are escaped by pandas' Styler."""
-    return "".join(TEX_SPECIAL.get(ch, ch) for ch in str(text))
-
-
-def latex(table: pd.DataFrame, caption: str, label: str) -> str:
-    caption = tex_escape(caption)
-    return table.style.format(escape="latex").format_index(escape="latex", axis=0).format_index(
-        escape="latex", axis=1).to_latex(hrules=True, caption=caption, label=label, position_float="centering")
+    return markdown_rows(table.reset_index())
 
 
 def write_generic(df: pd.DataFrame, out: Path) -> list[dict]:

@@ -23,6 +23,9 @@ two faithful implementations (bf16 kernels, generation ties, data revisions, sam
   phonebook accuracy (Table 17)                   0.2 (one book of five)
   NIAH recall difference (Table 18)               0.1
   Spearman rho (Table 3), relative latency (19)   0.05, 50 % (for the analysis scripts)
+(the values: keydiff/paper/registry.py TOLERANCES; which runs feed each table: its TABLES)
+
+    python -m keydiff.report.tables     writes every comparison (this module has no command line)
 """
 
 from __future__ import annotations
@@ -32,29 +35,21 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from collect_results import LONGBENCH
-from generic_tables import budget_order, tex_escape
-from keydiff.uncertainty import combined_se, half_width
+from keydiff.paper.registry import (COUNT_TOLERANCE, COUNTS, GEN_LENGTH, LLAMA_3B, PROMPT_BINS, RELATIVE_TOLERANCES,
+                                    SUITE, TABLES, TOLERANCES, PaperTable, config_name)
+from keydiff.report.selection import select
+from keydiff.report.render import NA, budget_tokens, combined_se, half_width, marks, tex_escape, trimmed
 
-PAPER_DIR = Path(__file__).resolve().parent.parent / "results" / "paper"
+PAPER_DIR = Path(__file__).resolve().parents[2] / "results" / "paper"
 KEY = ["model", "policy", "budget", "block_size", "row", "column", "metric"]
-ABSOLUTE = {"score": 2.0, "longbench_avg": 1.0, "flex": 0.03, "exact": 0.03, "compression_ratio": 0.03,
-            "accuracy": 0.2, "recall_difference": 0.1, "spearman_rho": 0.05}
-RELATIVE = {"avg_gen_length": 0.10, "relative_latency": 0.5}
-COUNTS = ("<=2K", "2K-4K", "4K-6K", "6K-8K", ">=8K", "total")
-SUITE = list(LONGBENCH)
-ENGLISH = [d for d in SUITE if d not in ("multifieldqa_zh", "dureader", "vcsum", "lsht", "passage_retrieval_zh")]
-LLAMAS = ["llama-3.1-8b-instruct", "llama-3.2-3b-instruct"]
-POLICY_CONF = {"keydiff_w20": "keydiff_window20", "keydiff_w10": "keydiff_window10"}
-GEN = {"math500": "4K", "math500_8k": "8K", "math500_32k": "32K"}
 
 
 def tolerance(metric: str, paper: float) -> float:
     if metric in COUNTS:
-        return 10.0
-    if metric in RELATIVE:
-        return RELATIVE[metric] * abs(paper)
-    return ABSOLUTE.get(metric, 0.0)
+        return COUNT_TOLERANCE
+    if metric in RELATIVE_TOLERANCES:
+        return RELATIVE_TOLERANCES[metric] * abs(paper)
+    return TOLERANCES.get(metric, 0.0)
 
 
 def load_paper(table: int, paper_dir: Path = PAPER_DIR) -> pd.DataFrame:
@@ -70,14 +65,13 @@ def paper_caption(table: int, paper_dir: Path = PAPER_DIR) -> str:
 
 
 # ----------------------------------------------------------------------------- our cells, in the paper's schema
-def selected(df, experiments, tasks=None, **kwargs):
-    """make_tables.pick over every run (subset and incomplete included, then marked), with the marks kept."""
-    from make_tables import pick  # make_tables imports this module
-
+def selected(df, table: PaperTable, by_task=False, policies=None, budgets=False):
+    """The runs the registry declares for `table` (keydiff.report.selection.select, any model: other models
+    are shown for reference), every run (subset and incomplete included, then marked), with the marks kept."""
     df = df.assign(is_subset=df["limit"].notna().astype(float),
                    is_incomplete=(~df["complete"].astype(str).eq("True")).astype(float),
                    num_failed=pd.to_numeric(df.get("num_failed", 0), errors="coerce").fillna(0))
-    return pick(df, experiments, tasks, limited=True, **kwargs)
+    return select(df, table, by_task=by_task, limited=True, models=False, policies=policies, budgets=budgets)
 
 
 def cell(run, policy, budget, column, metric, value, n=None, row="", block="", se=np.nan):
@@ -92,13 +86,19 @@ def budget_of(run) -> str:
     return "" if run["policy"] == "full" else str(run["budget_label"])
 
 
-def longbench_cells(df, experiments, datasets, blocks=("128",), block_key=False, avg=True, policies=None):
-    runs = selected(df, experiments, ["longbench_full", "longbench"], block_sizes=list(blocks), by_task=False,
-                    policies=None if policies is None else ["full", *policies])
+def paper_label(table: PaperTable, label: str) -> str:
+    """The paper's name of our policy in this table (keydiff_w20 is the "KeyDiff" of Tables 4-7)."""
+    return table.paper_labels.get(label, label)
+
+
+def longbench_cells(df, table: PaperTable, avg=True):
+    """Per-dataset scores and their average; Table 13 (several block sizes) keys the cells by block size."""
+    runs = selected(df, table, policies=["full", *table.policies])
+    block_key = len(table.block_sizes) > 1
     cells = []
     for _, run in runs.iterrows():
         block = str(run["block_size"]) if block_key and run["policy"] != "full" else ""
-        scores = {d: run.get(f"lb/{d}") for d in datasets}
+        scores = {d: run.get(f"lb/{d}") for d in table.datasets}
         for d, value in scores.items():
             if pd.notna(value):
                 n = run.get(f"metrics/num_samples/{d}")
@@ -106,36 +106,37 @@ def longbench_cells(df, experiments, datasets, blocks=("128",), block_key=False,
                                   n if pd.notna(n) else run["samples"], block=block, se=run.get(f"se/lb/{d}", np.nan)))
         if avg and all(pd.notna(v) for v in scores.values()):
             cells.append(cell(run, run["policy"], budget_of(run), "avg", "score", float(np.mean(list(scores.values()))),
-                              block=block, se=combined_se(run.get(f"se/lb/{d}", np.nan) for d in datasets)))
+                              block=block, se=combined_se(run.get(f"se/lb/{d}", np.nan) for d in table.datasets)))
     return cells
 
 
-def ablation_cells(df, experiments, policies):
-    runs = selected(df, experiments, ["longbench_full", "longbench"], policies=policies, block_sizes=["128"], by_task=False)
+def ablation_cells(df, table: PaperTable):
+    runs = selected(df, table)
     cells = []
     for _, run in runs.iterrows():
-        scores = [run.get(f"lb/{d}") for d in SUITE]
+        scores = [run.get(f"lb/{d}") for d in table.datasets]
         if all(pd.notna(s) for s in scores):
             cells.append(cell(run, run["policy"], budget_of(run), "avg", "longbench_avg", float(np.mean(scores)),
-                              se=combined_se(run.get(f"se/lb/{d}", np.nan) for d in SUITE)))
+                              se=combined_se(run.get(f"se/lb/{d}", np.nan) for d in table.datasets)))
     return cells
 
 
-def math_cells(df, experiments):
-    runs = selected(df, experiments, list(GEN), policies=["full", "keydiff_w20", "snapkv"])
+def math_cells(df, table: PaperTable):
+    runs = selected(df, table, by_task=True)
     cells = []
     for _, run in runs.iterrows():
-        policy = "keydiff" if run["policy"] == "keydiff_w20" else run["policy"]  # the paper's "KeyDiff", App. E
+        policy = paper_label(table, run["policy"])
         budget = "" if policy == "full" else f"{int(run['budget']) // 1024}k"
         for metric, column in [("flex", "metrics/flex"), ("exact", "metrics/exact"), ("avg_gen_length", "metrics/avg_new_tokens")]:
             if pd.notna(run.get(column)):
-                cells.append(cell(run, policy, budget, GEN[run["task"]], metric, run[column], se=run.get(f"se/{column}", np.nan)))
+                cells.append(cell(run, policy, budget, GEN_LENGTH[run["task"]], metric, run[column],
+                                  se=run.get(f"se/{column}", np.nan)))
     return cells
 
 
-def math_subset_cells(df, experiments):
+def math_subset_cells(df, table: PaperTable):
     """Tables 5/7: row = the subset "num_tokens>XK"; the Full cells come from the evicting run's subset."""
-    runs = selected(df, experiments, list(GEN), policies=["keydiff_w20", "snapkv"])
+    runs = selected(df, table, by_task=True)
     cells = []
     for _, run in runs.iterrows():
         if pd.isna(run.get("subset/flex")):
@@ -143,22 +144,22 @@ def math_subset_cells(df, experiments):
         budget = f"{int(run['budget']) // 1024}k"
         row = f"num_tokens>{budget.upper()}"
         n = run.get("subset/n_samples")
-        policy = "keydiff" if run["policy"] == "keydiff_w20" else run["policy"]
+        policy = paper_label(table, run["policy"])
         for metric in ("flex", "exact"):
-            cells.append(cell(run, policy, budget, GEN[run["task"]], metric, run[f"subset/{metric}"], n, row,
+            cells.append(cell(run, policy, budget, GEN_LENGTH[run["task"]], metric, run[f"subset/{metric}"], n, row,
                               se=run.get(f"se/subset/{metric}", np.nan)))
-            cells.append(cell(run, "full", "", GEN[run["task"]], metric, run[f"subset/full_{metric}"], n, row,
+            cells.append(cell(run, "full", "", GEN_LENGTH[run["task"]], metric, run[f"subset/full_{metric}"], n, row,
                               se=run.get(f"se/subset/full_{metric}", np.nan)))
     return cells
 
 
-def prompt_length_cells(df):
-    runs = selected(df, ["table11_full", "table11", "table1_full", "table1"], ["longbench_full", "longbench"], by_task=False)
+def prompt_length_cells(df, table: PaperTable):
+    runs = selected(df, table)
     cells = []
     for model, mine in runs.groupby("model"):
         run = mine.sort_values("policy", key=lambda p: p != "full").iloc[0]
         for dataset in SUITE:
-            counts = {b: run.get(f"metrics/prompt_length_bins/{dataset}/{b}") for b in ("<=2K", "2K-4K", "4K-6K", "6K-8K", ">8K")}
+            counts = {b: run.get(f"metrics/prompt_length_bins/{dataset}/{b}") for b in PROMPT_BINS}
             if all(pd.notna(c) for c in counts.values()):
                 for b, c in counts.items():
                     cells.append(cell(run, "", "", dataset, ">=8K" if b == ">8K" else b, float(c)))
@@ -166,9 +167,8 @@ def prompt_length_cells(df):
     return cells
 
 
-def compression_cells(df):
-    runs = selected(df, ["table11", "table1", "table12", "table13", "table14"], ["longbench_full", "longbench"],
-                    block_sizes=["128"], by_task=False)
+def compression_cells(df, table: PaperTable):
+    runs = selected(df, table)
     runs = runs[runs["policy"] != "full"]
     cells = []
     ratios = [f"cr/{d}" for d in SUITE if f"cr/{d}" in runs.columns]
@@ -191,19 +191,19 @@ def compression_cells(df):
     return cells
 
 
-def phonebook_cells(df):
-    runs = selected(df, ["table17"], ["phonebook"], policies=["full", "keydiff", "tova"], budgets=["6k"], block_sizes=["128"])
+def phonebook_cells(df, table: PaperTable):
+    runs = selected(df, table, by_task=True, budgets=True)
     cells = []
     for _, run in runs.iterrows():
         for column in run.index:
             if column.startswith("metrics/by_size/") and column.endswith("/exact") and pd.notna(run[column]):
-                cells.append(cell(run, run["policy"], "6k", column.split("/")[2], "accuracy", run[column],
-                                  se=run.get(f"se/{column}", np.nan)))
+                cells.append(cell(run, run["policy"], table.budgets[0], column.split("/")[2], "accuracy", run[column],
+                                  se=run.get(f"se/{column}", np.nan)))  # the paper keys Dense by the budget too
     return cells
 
 
-def niah_cells(df):
-    runs = selected(df, ["fig6_niah"], ["niah"], policies=["full", "keydiff"], budgets=["6k"], block_sizes=["128"])
+def niah_cells(df, table: PaperTable):
+    runs = selected(df, table, by_task=True, budgets=True)
     cells = []
     for model, mine in runs.groupby("model"):
         if set(mine["policy"]) != {"full", "keydiff"}:
@@ -229,59 +229,43 @@ def table11_paper(paper_dir: Path = PAPER_DIR) -> pd.DataFrame:
     return merged.assign(table="11", block_size="128")
 
 
-# name -> (paper table, our cells, experiments: (for evicting runs, for full runs), key columns)
+CELLS = {"longbench": longbench_cells, "ablation": ablation_cells, "math500": math_cells,
+         "math500_subsets": math_subset_cells, "prompt_lengths": prompt_length_cells,
+         "compression": compression_cells, "phonebook": phonebook_cells, "niah_difference": niah_cells}
+
+
 def comparisons():
-    lb_block = [k for k in KEY if k != "block_size"]
-    return {
-        "table1": (1, lambda df: longbench_cells(df, ["table1", "table11", "table1_full", "table11_full"], ENGLISH,
-                                                 policies=["h2o", "tova", "sink", "snapkv", "keydiff"]),
-                   ("table1", "table1_full"), lb_block),
-        "table4": (4, lambda df: math_cells(df, ["table4_gen4k", "table4_gen8k", "table4_gen32k", "table4_full"]),
-                   ("table4_gen", "table4_full"), lb_block),
-        "table5": (5, lambda df: math_subset_cells(df, ["table4_gen4k", "table4_gen8k", "table4_gen32k", "table4_full"]),
-                   ("table4_gen", "table4_full"), lb_block),
-        "table6": (6, lambda df: math_cells(df, ["table4_gen4k", "table4_gen8k", "table4_gen32k", "table4_full"]),
-                   ("table4_gen", "table4_full"), lb_block),
-        "table7": (7, lambda df: math_subset_cells(df, ["table4_gen4k", "table4_gen8k", "table4_gen32k", "table4_full"]),
-                   ("table4_gen", "table4_full"), lb_block),
-        "table8": (8, prompt_length_cells, ("table11_full", "table11_full"), lb_block),
-        "table9": (9, compression_cells, ("table11", "table11"), [k for k in lb_block if k != "model"]),
-        "table10": (10, lambda df: longbench_cells(df, ["table10", "table11_full", "table1_full"], SUITE[1:], ("inf",)),
-                    ("table10", "table11_full"), lb_block),
-        "table11": (11, lambda df: longbench_cells(df, ["table11", "table11_full"], SUITE), ("table11", "table11_full"),
-                    lb_block),
-        "table12": (12, lambda df: longbench_cells(df, ["table12", "table12_full"], SUITE), ("table12", "table12_full"),
-                    lb_block),
-        "table13": (13, lambda df: longbench_cells(df, ["table13", "table11_full"], SUITE, ("64", "256"), block_key=True),
-                    ("table13", "table11_full"), KEY),
-        "table14": (14, lambda df: longbench_cells(df, ["table14", "table11", "table11_full"], SUITE,
-                                                   policies=["sink", "snapkv", "keydiff_w10", "keydiff_w20", "keydiff"]),
-                    ("table14", "table11_full"), lb_block),
-        "table15": (15, lambda df: ablation_cells(df, ["table15", "table11"], ["keydiff", "keydiff_pairwise", "keydiff_median"]),
-                    ("table15", "table15"), lb_block),
-        "table16": (16, lambda df: ablation_cells(df, ["table16", "table11"], ["keydiff", "keydiff_dot", "keydiff_euclidean"]),
-                    ("table16", "table16"), lb_block),
-        "table17": (17, phonebook_cells, ("table17", "table17"), lb_block),
-        "table18": (18, niah_cells, ("fig6_niah", "fig6_niah"), lb_block),
-    }
+    """name -> (paper table, our cells, experiments: (for evicting runs, for full runs), key columns): every
+    table of the registry that the paper has. Table 9's paper model is not named (any of ours matches);
+    Table 13's cells are keyed by block size."""
+    out = {}
+    for name, table in TABLES.items():
+        if table.paper is None:
+            continue
+        keys = [k for k in KEY if k != "block_size" or len(table.block_sizes) > 1]
+        keys = [k for k in keys if k != "model"] if table.kind == "compression" else keys
+        out[name] = (table.paper, lambda df, table=table: CELLS[table.kind](df, table), table.fill, keys)
+    return out
 
 
 # ----------------------------------------------------------------------------- merging and writing
 def command(name: str, experiments, run: pd.Series) -> str:
-    """The run.py line that fills the paper cells of one missing run."""
+    """The run.py line that fills the paper cells of one missing run (`experiments`: the registry's `fill`;
+    "table4_gen" + the cell's generation length names the experiment)."""
+    table = TABLES.get(name)
     main, full = experiments
-    if main == "table4_gen":
-        main = {"4K": "table4_gen4k", "8K": "table4_gen8k", "32K": "table4_gen32k"}.get(run["column"], "table4_gen4k")
+    if table is not None and main not in table.reads:
+        main = next((e for e in table.reads if e == f"{main}{str(run['column']).lower()}"), table.reads[0])
     parts = ["python run.py", f"experiment={full if run['policy'] == 'full' else main}"]
     if run.get("model") and run["model"] != "llama2-tokenizer":
         parts.append(f"model={run['model']}")
     if run["policy"] not in ("", "full", "keydiff-full"):
-        policy = "keydiff_window20" if name in ("table4", "table5", "table6", "table7") and run["policy"] == "keydiff" \
-            else POLICY_CONF.get(run["policy"], run["policy"])
-        parts.append(f"policy={policy}")
-    if run["budget"] and run["policy"] not in ("full", "keydiff-full") and name not in ("table8", "table9"):
+        ours = {paper: label for label, paper in table.paper_labels.items()} if table is not None else {}
+        parts.append(f"policy={config_name(ours.get(run['policy'], run['policy']))}")
+    per_budget = table is None or table.kind not in ("prompt_lengths", "compression")
+    if run["budget"] and run["policy"] not in ("full", "keydiff-full") and per_budget:
         parts.append(f"budget={run['budget']}")
-    if name == "table13" and run.get("block_size"):
+    if table is not None and len(table.block_sizes) > 1 and run.get("block_size"):
         parts.append(f"block_size={run['block_size']}")
     return " ".join(parts)
 
@@ -305,7 +289,7 @@ def compare(name: str, paper: pd.DataFrame, ours: pd.DataFrame, keys: list[str])
     if "model" in keys and paper_models:
         other = merged[~same & ~merged["model"].isin(paper_models)]
         if not other.empty:
-            ref_model = next((m for m in ["llama-3.2-3b-instruct", *paper_models] if m in paper_models))
+            ref_model = next((m for m in [LLAMA_3B, *paper_models] if m in paper_models))
             ref = paper[paper["model"] == ref_model].drop(columns=["model"])
             rest = [k for k in keys if k != "model"]
             reference = other.drop(columns=["paper", "note"]).merge(
@@ -340,25 +324,18 @@ def compare(name: str, paper: pd.DataFrame, ours: pd.DataFrame, keys: list[str])
     return merged, stats
 
 
-def marks(row) -> str:
-    out = "§" if row["subset"] else ""
-    out += f"†{int(row['failed'])}" if pd.notna(row["failed"]) and row["failed"] else ""
-    return out + ("~" if row["incomplete"] else "")
+def cell_marks(row) -> str:
+    return marks(row["subset"], row["failed"], row["incomplete"])
 
 
 def ours_text(row) -> str:
     """Our value, its 95 % half-width where it has a standard error, and the marks: "10.5 ± 19.6§"."""
     se = row.get("se", np.nan)
     spread = f" ± {num(half_width(float(se)))}" if se is not None and pd.notna(se) else ""
-    return num(row["value"]) + spread + marks(row)
+    return num(row["value"]) + spread + cell_marks(row)
 
 
-def num(value, digits=3) -> str:
-    """Up to `digits` decimals, trailing zeros dropped (10 stays 10, 0.500 becomes 0.5)."""
-    if value is None or pd.isna(value):
-        return "--"
-    text = f"{value:.{digits}f}"
-    return text.rstrip("0").rstrip(".") if "." in text else text
+num = trimmed  # our cells and the paper's: up to 3 decimals, trailing zeros dropped
 
 
 def summary_line(name, stats, experiments) -> str:
@@ -394,7 +371,7 @@ def side_by_side(merged: pd.DataFrame) -> pd.DataFrame | None:
     rows = [r for r in rows if merged[r].astype(str).ne("").any()]
     if (merged["paper_model"] == merged["model"]).all():
         rows.remove("paper_model")  # every paper value is of our own model
-    merged = merged.assign(_full=merged["policy"] != "full", _budget=merged["budget"].replace("", "--").map(budget_order)).sort_values(["model", "_full", "policy", "_budget"])
+    merged = merged.assign(_full=merged["policy"] != "full", _budget=merged["budget"].replace("", NA).map(budget_tokens)).sort_values(["model", "_full", "policy", "_budget"])
     cells = merged.assign(cell=[f"{ours_text(r)} / {num(p) if pd.notna(p) else '--'}"
                                 for p, (_, r) in zip(merged["paper"], merged.iterrows())])
     wide = cells.pivot_table(index=rows, columns="column", values="cell", aggfunc="first", sort=False)

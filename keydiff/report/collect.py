@@ -20,9 +20,9 @@ need predictions.jsonl). Columns:
                              metrics/<score>, lb/<dataset>, cr/<dataset>, metrics/tasks/<task>,
                              metrics/by_size/<size>/exact, metrics/avg_new_tokens, subset/[full_]flex|exact,
                              mean_ttft_s, mean_compression_ratio), from predictions.jsonl; the 95 %
-                             intervals of every table and figure come from it (keydiff/uncertainty.py)
+                             intervals of every table and figure come from it (keydiff/report/render.py)
 
-    python scripts/collect_results.py [--runs results/runs] [--out results/summary.csv]
+    python -m keydiff.report.collect [--runs results/runs] [--out results/summary.csv]
 """
 
 from __future__ import annotations
@@ -34,17 +34,11 @@ from pathlib import Path
 
 import pandas as pd
 
-from keydiff.tracking import HEADLINE
-from keydiff.uncertainty import grouped_mean_se, standard_error
+from keydiff.paper.registry import LONGBENCH
+from keydiff.report.render import grouped_mean_se, standard_error
+from keydiff.results import read_rows
+from keydiff.tracking import HEADLINE, flatten
 
-# The 21 LongBench v1 datasets in the paper's column order (Tables 11-14), with the paper's headers.
-LONGBENCH = {
-    "narrativeqa": "NarrativeQA", "qasper": "Qasper", "multifieldqa_en": "MF-en", "multifieldqa_zh": "MF-zh",
-    "hotpotqa": "HotpotQA", "2wikimqa": "2WikiMQA", "musique": "Musique", "dureader": "DuReader",
-    "gov_report": "GovReport", "qmsum": "QMSum", "multi_news": "MultiNews", "vcsum": "VCSum",
-    "trec": "TREC", "triviaqa": "TriviaQA", "samsum": "SAMSum", "lsht": "LSHT", "passage_count": "PCount",
-    "passage_retrieval_en": "PR-en", "passage_retrieval_zh": "PR-zh", "lcc": "Lcc", "repobench-p": "RB-P",
-}
 PRIMARY = {family: (metric,) for family, (_, metric) in HEADLINE.items()}  # the `score` column per task family
 ID_COLUMNS = ["experiment", "task", "model", "policy", "policy_name", "budget", "budget_label", "block_size", "seed",
               "attention_statistics", "attn_implementation", "limit", "complete", "samples", "num_failed",
@@ -56,32 +50,11 @@ def task_family(task: str) -> str:
     return next((family for family in PRIMARY if task.startswith(family)), task)
 
 
-def flatten(data, prefix: str = "") -> dict[str, float]:
-    """Numeric leaves of nested dicts as {"a/b/c": value} (bools and None are skipped)."""
-    out = {}
-    if isinstance(data, dict):
-        for key, value in data.items():
-            out.update(flatten(value, f"{prefix}/{key}" if prefix else str(key)))
-    elif isinstance(data, (int, float)) and not isinstance(data, bool):
-        out[prefix] = float(data)
-    return out
-
-
 def read_predictions(run_dir: Path) -> list[dict]:
-    """The latest successful row per sample from the complete lines of predictions.jsonl.
-
-    A crash can leave a partial last line (the runner drops it too); failed samples leave rows without
-    scores (status "failed"), and a retried sample has several rows, of which the last one counts.
-    """
-    path = run_dir / "predictions.jsonl"
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text(encoding="utf-8").splitlines(keepends=True):
-        if not line.endswith("\n"):
-            break
-        rows.append(json.loads(line))
-    latest = {row["sample_id"]: row for row in rows if "sample_id" in row}
+    """The latest successful row per sample (keydiff.results.read_rows: complete lines only). Failed
+    samples leave rows without scores (status "failed"), and a retried sample has several rows, of which
+    the last one counts."""
+    latest = {row["sample_id"]: row for row in read_rows(run_dir) if "sample_id" in row}
     return [row for row in latest.values() if row.get("status", "ok") == "ok"]
 
 
@@ -104,7 +77,7 @@ def standard_errors(family: str, rows: list[dict], metrics: dict) -> dict[str, f
     """`se/<column>` for the columns that average this run's samples, from their per-sample values.
 
     LongBench and RULER average per-dataset (per-task) scores of 0-100: their SE is grouped and scaled
-    (keydiff.uncertainty.grouped_mean_se); every other task's score is a plain mean of per-sample scores.
+    (keydiff.report.render.grouped_mean_se); every other task's score is a plain mean of per-sample scores.
     """
     scored = [r for r in rows if isinstance(r.get("scores"), dict)]
     out: dict[str, float] = {}
@@ -230,11 +203,24 @@ def collect(runs: Path, out: Path) -> pd.DataFrame:
     return frame
 
 
-if __name__ == "__main__":
+def ensure_summary(summary: Path, runs: Path, force: bool = False) -> None:
+    """(Re)collect when asked, when the CSV is missing, or when a run finished after it was written."""
+    newest = max((p.stat().st_mtime for p in runs.glob("**/summary.json")), default=0) if runs.is_dir() else 0
+    if force or not summary.exists() or newest > summary.stat().st_mtime:
+        frame = collect(runs, summary)
+        print(f"collected {len(frame)} runs from {runs} -> {summary}")
+
+
+def main(argv: list[str] | None = None) -> pd.DataFrame:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=Path, default=Path("results/runs"), help="root of the run directories")
     parser.add_argument("--out", type=Path, default=Path("results/summary.csv"))
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     frame = collect(args.runs, args.out)
     incomplete = int((~frame["complete"].astype(bool)).sum()) if len(frame) else 0
     print(f"{len(frame)} runs ({incomplete} incomplete) from {args.runs} -> {args.out}")
+    return frame
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,4 @@
+"""Reporting: results/summary.csv from the run directories (collect), the paper tables (tables), the
+per-experiment tables (generic), figures, the RULER table, the results index, the W&B report specifications
+(wandb), and how every number is shown (render). Each module with a command line runs as
+`python -m keydiff.report.<module>`."""
