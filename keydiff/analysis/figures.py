@@ -49,16 +49,15 @@ from keydiff.analysis.statistics import (  # noqa: E402
 from keydiff.bench.common import CHECKOUT, provenance, write_json  # noqa: E402
 from keydiff.capture import capture_prompt, trace_eviction  # noqa: E402
 from keydiff.models import load_model  # noqa: E402
+from keydiff.paper.registry import display_name  # noqa: E402
 
-# Display names, as the paper's tables print them (knorm is "L2-norm" there).
-# lead: import from keydiff.paper.registry at merge
-NAMES = {"sink": "Sink", "tova": "TOVA", "keydiff": "KeyDiff", "h2o": "H2O", "snapkv": "SnapKV", "knorm": "L2-norm"}
 RETAINED, EVICTED = "tab:blue", "tab:orange"
 TOP_KEYS = 16  # highlighted top KeyDiff keys in Figures 4 / 11
 
 
 def name(policy: str) -> str:
-    return NAMES.get(policy, policy)
+    """The paper's printed name of a policy (one map for tables and figures: keydiff.paper.registry)."""
+    return display_name(policy)
 
 
 def choose_heads(cfg, num_layers: int, kv_heads: int) -> dict[str, tuple[int, int]]:
