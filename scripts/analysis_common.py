@@ -23,7 +23,7 @@ from keydiff.analysis import ATTENTION_TARGETS  # noqa: E402
 from keydiff.models import ModelConfig, model_provenance  # noqa: E402
 from keydiff.policies import build_policy  # noqa: E402
 from keydiff.policies.keydiff import ANCHORS  # noqa: E402
-from keydiff.results import environment, git_state, package_versions  # noqa: E402
+from keydiff.run.provenance import environment, git_state, package_versions  # noqa: E402
 
 SOURCES = ("haystack", "longbench")
 STYLE = {"svg.hashsalt": "keydiff", "font.size": 8, "axes.titlesize": 9, "figure.dpi": 100, "savefig.dpi": 150}

@@ -210,7 +210,7 @@ def provenance(script: str, argv: list[str] | None) -> dict[str, Any]:
     """What produced a benchmark's numbers, taken when it starts: the command line (`script` and its
     arguments, sys.argv's when `argv` is None), the code's commit and whether the tree had uncommitted
     changes, the package versions, and the start time."""
-    from keydiff.results import git_state, package_versions
+    from keydiff.run.provenance import git_state, package_versions
 
     arguments = sys.argv[1:] if argv is None else argv
     return {"command": shlex.join([Path(script).name, *arguments]), "code": git_state(),

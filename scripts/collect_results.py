@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from keydiff.tracking import HEADLINE
+from keydiff.run.tracking import HEADLINE
 
 # The 21 LongBench v1 datasets in the paper's column order (Tables 11-14), with the paper's headers.
 LONGBENCH = {

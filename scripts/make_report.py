@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from keydiff.config import budget_label  # noqa: E402
 from keydiff.paper_reference import paper_values, read_tables, table_numbers  # noqa: E402
-from keydiff.tracking import headline  # noqa: E402
+from keydiff.run.tracking import headline  # noqa: E402
 
 CONF = ROOT / "conf"
 GRID_AXES = ("model", "policy", "budget", "block_size")

@@ -38,7 +38,7 @@ import bench_common as common  # noqa: E402
 from keydiff.attention import attention_statistic, statistic_from_weights  # noqa: E402
 from keydiff.policies import build_policy  # noqa: E402
 from keydiff.policies.base import LayerView  # noqa: E402
-from keydiff.results import git_state  # noqa: E402
+from keydiff.run.provenance import git_state  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPES = {"smollm2-135m": common.SMOLLM2_135M, "llama-3.2-3b": common.LLAMA_3_2_3B, "tiny": common.TINY}

@@ -20,11 +20,11 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf, open_dict
 
-from keydiff import runner
-from keydiff.preemption import Preempted, StopSignals
-from keydiff.results import ConfigMismatchError, ResultStore, ResultWriteError
-from keydiff.runlock import RunLock, RunLockedError
-from keydiff.sweep import run_dir_of
+from keydiff.run import runner
+from keydiff.run.preemption import Preempted, StopSignals
+from keydiff.run.results import ConfigMismatchError, ResultStore, ResultWriteError
+from keydiff.run.lock import RunLock, RunLockedError
+from keydiff.run.results import run_dir_of
 from tests.conftest import char_tokenizer, tiny_llama
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -187,7 +187,7 @@ def test_threads_come_from_the_config_or_slurm_and_are_recorded(tmp_path, tiny, 
 
 
 def test_full_disk_stops_without_corrupting_what_was_written(tmp_path, tiny, monkeypatch):
-    import keydiff.results as results
+    import keydiff.run.results as results
 
     real_write, writes = os.write, []
 
@@ -273,10 +273,22 @@ def test_second_writer_is_refused_naming_the_holder_and_may_wait(tmp_path):
     thread.join(timeout=30)
     assert not thread.is_alive(), "the waiter did not take the released lock"
     assert errors == [] and json.loads(lock.read_text()) == waiter.record
-    with RunLock(tmp_path / "run"):  # re-entrant in the holding process (run.py, then runner.run)
-        pass
-    assert lock.exists()
+    with pytest.raises(RunLockedError, match="locked by this process already"):  # a run is locked once
+        RunLock(tmp_path / "run").acquire()
+    assert json.loads(lock.read_text()) == waiter.record  # the refused second taker left the lock alone
     waiter.release()
+    assert not lock.exists()
+
+
+def test_a_lock_naming_this_pid_that_this_process_does_not_hold_is_stale(tmp_path):
+    """An earlier process with the same pid (a restarted container) left its lock: taken over, not waited on.
+    Catches a lock that treats its own pid as a live holder (a resumed job would be refused forever) and one
+    that treats it as already held (it would never write its own record, nor remove the lock at the end)."""
+    lock = tmp_path / "run" / ".lock"
+    lock.parent.mkdir()
+    lock.write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "started": "before a restart"}))
+    with RunLock(tmp_path / "run") as taken:
+        assert json.loads(lock.read_text()) == taken.record
     assert not lock.exists()
 
 

@@ -1,4 +1,4 @@
-"""run.py / keydiff.runner: validation before loading, result files, resume, and no silent overwrite."""
+"""run.py / keydiff.run.runner: validation before loading, result files, resume, and no silent overwrite."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from keydiff import runner
-from keydiff.results import ConfigMismatchError
+from keydiff.run import runner
+from keydiff.run.results import ConfigMismatchError
 
 ROOT = Path(__file__).resolve().parents[1]
 

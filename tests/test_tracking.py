@@ -13,7 +13,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf, open_dict
 
-from keydiff import runner, tracking
+from keydiff.run import runner, tracking
 from keydiff.paper_reference import paper_values, read_tables, table_numbers
 from tests.conftest import char_tokenizer, tiny_llama
 

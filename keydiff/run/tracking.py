@@ -36,7 +36,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from keydiff.paper_reference import paper_values, read_tables, table_numbers
-from keydiff.results import atomic_write_json
+from keydiff.run.results import atomic_write_json
 
 MODES = ("online", "offline", "disabled")
 MARKER = "wandb_run.json"  # in the run directory: W&B run id, rows logged so far, whether finish() ran
@@ -101,7 +101,7 @@ def run_id(cfg: DictConfig, run_dir: str | Path) -> str:
         key = path.relative_to(Path(str(cfg.get("results_root", "results/runs"))).resolve()).as_posix()
     except ValueError:
         key = path.as_posix()
-    generations = len(list(path.parent.glob(f"{path.name}.old-*")))  # keydiff.results moves old runs there
+    generations = len(list(path.parent.glob(f"{path.name}.old-*")))  # keydiff.run.results moves old runs there
     digest = hashlib.sha256(key.encode()).hexdigest()[:20]
     return f"kd-{digest}" + (f"-g{generations}" if generations else "")
 
