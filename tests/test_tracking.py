@@ -1,4 +1,4 @@
-"""keydiff/tracking.py: one W&B run per run directory (resume, no duplicates), per-sample history, consistent
+"""keydiff/run/tracking.py: one W&B run per run directory (resume, no duplicates), per-sample history, consistent
 summary names, the paper's values beside ours, and a clear error for online mode without credentials.
 
 All offline: W&B runs in `offline` mode into a temp dir, or `wandb.init` is replaced by a recorder."""
