@@ -42,7 +42,7 @@ from keydiff.run.checks import check_run_config
 from keydiff.run.lock import RunLock
 from keydiff.run.preemption import Preempted, StopSignals
 from keydiff.run.provenance import code_label, provenance_record, timestamp
-from keydiff.run.results import ResultStore, succeeded
+from keydiff.run.results import ResultStore, is_failed, succeeded
 from keydiff.tasks.base import Prompt, Task
 
 log = logging.getLogger(__name__)
@@ -339,7 +339,7 @@ def write_summary(cfg, plan: RunPlan, samples, store: ResultStore, record: dict[
     wanted = {s.id for s in samples}
     latest = [row for sid, row in store.latest_rows().items() if sid in wanted]
     rows = [row for row in latest if succeeded(row)]
-    failures = Counter(row.get("failure_reason", "unknown") for row in latest if row.get("status") == "failed")
+    failures = Counter(row.get("failure_reason", "unknown") for row in latest if is_failed(row))
     summary = {
         "run_dir": str(store.dir),
         "complete": wanted <= store.done_ids,
