@@ -2,10 +2,11 @@
 W&B run per run directory, however often the run is resumed.
 
 The run directory's files stay the record (predictions.jsonl, summary.json); W&B mirrors them so that a long
-sweep can be watched and compared in a dashboard (scripts/make_report.py). The runner makes four calls:
+sweep can be watched and compared in a dashboard (the report's W&B specification). Four calls:
 
-    tracking.check(cfg)                              # before any work: bad mode, missing package or credentials
-    tracker = tracking.start(cfg, run_dir, rows)     # rows already in predictions.jsonl
+    tracking.check(cfg)                              # part of the config check (keydiff.run.checks), before
+                                                     # any work: bad mode, missing package or credentials
+    tracker = tracking.start(cfg, run_dir, rows)     # the runner: rows already in predictions.jsonl
     tracker.log_row(row)                             # after each row is appended to predictions.jsonl
     tracker.finish(summary)                          # after summary.json is written
 
@@ -42,7 +43,7 @@ MODES = ("online", "offline", "disabled")
 MARKER = "wandb_run.json"  # in the run directory: W&B run id, rows logged so far, whether finish() ran
 TABLE_EVERY = 10  # rows per increment of the `samples` table (every row would make one artifact entry each)
 # The headline metric of each task family: (per-sample score name, run metric name). The one home of this
-# choice: scripts/collect_results.py derives the `score` column of results/summary.csv from it.
+# choice: the report's collect step derives the `score` column of results/summary.csv from it.
 HEADLINE = {"longbench": ("score", "average"), "niah": ("needle_recall", "needle_recall"),
             "math500": ("flex", "flex"), "phonebook": ("exact", "exact"), "ruler": ("score", "average")}
 ROW_NUMBERS = ("prompt_tokens", "kept_tokens", "compression_ratio", "ttft_s", "decode_s", "new_tokens",
