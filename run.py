@@ -11,8 +11,8 @@ unknown choice, key or `budget=2048`), the configuration once, before any run di
 (keydiff.run.checks.check_run_config: by the CheckBeforeStart callback of conf/config.yaml for a single
 run, by the sweeper in hydra_plugins/keydiff_sweeper for every grid point of a sweep), and a run that must
 download from an unreachable Hub is refused in seconds. The run directory's lock is taken here, once,
-before torch is imported, so a second writer is refused in seconds. User errors print one line, `error: ...`, exit status 2, and
-leave no run directory behind. A stop signal (SIGTERM/SIGUSR1/SIGUSR2) ends the run after its last
+before the runner (torch) is imported, so a second writer is refused in seconds. User errors print one
+line, `error: ...`, exit status 2, and leave no run directory behind. A stop signal (SIGTERM/SIGUSR1/SIGUSR2) ends the run after its last
 whole row and hands the signal on (keydiff.run.preemption): exit status 128 + signal, or submitit's requeue.
 """
 

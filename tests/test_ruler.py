@@ -487,7 +487,8 @@ def test_errors_come_before_the_model_loads(monkeypatch, tmp_path):
     with pytest.raises(ValueError, match="exceeds the model's max_length"):
         runner.run(make_cfg("task=ruler_16k", "task.tasks=synthetic"), tmp_path / "run")
     with pytest.raises(ValueError, match="answer_prefix_style"):
-        runner.run(make_cfg("task=ruler_4k", "task.tasks=synthetic", "task.answer_prefix_style=bogus"), tmp_path / "run")
+        runner.run(make_cfg("task=ruler_4k", "task.tasks=synthetic", "task.answer_prefix_style=bogus"),
+                   tmp_path / "run")
     assert not (tmp_path / "run").exists()
     assert runner.plan_run(make_cfg("task=ruler_4k", "task.tasks=synthetic",
                                     "task.answer_prefix_style=kvpress")).task.answer_prefix_style == "kvpress"

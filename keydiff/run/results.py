@@ -8,9 +8,10 @@ A run directory holds:
                      rewritten atomically (temp file + rename) at the end of every invocation
   .lock              the one process writing the directory (keydiff.run.lock)
 A crash can at worst leave a partial last line in predictions.jsonl; `ResultStore` drops exactly that
-line on the next start and keeps every complete one. Every reader of predictions.jsonl (resume, sweep
-status, the report's collect) goes through `read_rows` / `successful_rows` at the end of this module. A failed write (full disk, quota) is undone at once:
-the file is cut back to its last complete line and `ResultWriteError` stops the run.
+line on the next start and keeps every complete one. A failed write (full disk, quota) is undone at once:
+the file is cut back to its last complete line and `ResultWriteError` stops the run. Every reader of
+predictions.jsonl (resume, sweep status, the report's collect) goes through `read_rows` /
+`successful_rows` at the end of this module.
 """
 
 from __future__ import annotations
