@@ -52,7 +52,7 @@ sweep-slurm: $(STAMP)  ## the same as one SLURM array: make sweep-slurm EXP=tabl
 	@echo "submitted; the submitting process waits for the array: see results/sweep-$(EXP).log"
 
 status: $(STAMP)  ## every grid point of an experiment: complete / partial (n of m) / failed / not started: make status EXP=table1
-	$(PY) scripts/sweep_status.py $(EXP) $(ARGS)
+	$(PY) -m keydiff.run.status $(EXP) $(ARGS)
 
 smoke: $(STAMP)  ## a tiny CPU sweep (2 policies) then its table and figures
 	$(PY) run.py experiment=smoke $(ARGS)

@@ -6,12 +6,14 @@
     python run.py experiment=table1                  # a whole paper table (conf/experiment/)
     python run.py experiment=table1 dry_run=true     # its grid points and run directories, nothing run
 
-The command line is composed and checked before Hydra runs it (keydiff.checks.check_command_line: an
-unknown choice, key or `budget=2048`), the configuration before torch is imported (keydiff.checks; sweeps:
-every grid point, by the sweeper in hydra_plugins/keydiff_sweeper), and a run that must download from an
-unreachable Hub is refused in seconds. User errors print one line, `error: ...`, exit status 2, and
-leave no run directory behind. A stop signal (SIGTERM/SIGUSR1/SIGUSR2) ends the run after its last
-whole row and hands the signal on (keydiff.preemption): exit status 128 + signal, or submitit's requeue.
+The command line is composed and checked before Hydra runs it (keydiff.run.checks.check_command_line: an
+unknown choice, key or `budget=2048`), the configuration once, before any run directory exists
+(keydiff.run.checks.check_run_config: by the CheckBeforeStart callback of conf/config.yaml for a single
+run, by the sweeper in hydra_plugins/keydiff_sweeper for every grid point of a sweep), and a run that must
+download from an unreachable Hub is refused in seconds. The run directory's lock is taken here, once,
+before the runner (torch) is imported, so a second writer is refused in seconds. User errors print one
+line, `error: ...`, exit status 2, and leave no run directory behind. A stop signal (SIGTERM/SIGUSR1/SIGUSR2) ends the run after its last
+whole row and hands the signal on (keydiff.run.preemption): exit status 128 + signal, or submitit's requeue.
 """
 
 from __future__ import annotations
@@ -28,11 +30,10 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 import keydiff  # noqa: F401  (registers the config resolvers; torch is imported later, on first use)
-from keydiff.checks import ConfigError, check_command_line, check_run_config, exit_with_error
-from keydiff.preemption import Preempted
-from keydiff.results import ConfigMismatchError, ResultWriteError
-from keydiff.runlock import RunLock, RunLockedError
-from keydiff.sweep import run_dir_of
+from keydiff.run.checks import ConfigError, check_command_line, exit_with_error
+from keydiff.run.lock import RunLock, RunLockedError
+from keydiff.run.preemption import Preempted
+from keydiff.run.results import ConfigMismatchError, ResultWriteError, run_dir_of
 
 log = logging.getLogger("keydiff")
 HYDRA_ONLY = {".hydra", "run.log"}  # what Hydra writes into a job directory before our code runs
@@ -72,16 +73,15 @@ def remove_if_empty(run_dir: Path, root: Path) -> None:
 def main(cfg: DictConfig) -> float | None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
-        check_run_config(cfg)  # already done before start (callback / sweeper); cheap, and covers direct calls
         if cfg.dry_run:  # a sweep's dry run never launches jobs; kept for launchers that bypass the sweeper
             print(f"dry run: would write {run_dir_of(cfg)}; nothing is run")
             remove_if_empty(run_dir, Path(cfg.results_root))
             return None
         try:
             with RunLock(run_dir, cfg.lock_wait):  # before torch: a second writer is refused in seconds
-                from keydiff.runner import run  # imports torch
+                from keydiff.run.runner import run  # imports torch
 
-                summary = run(cfg, run_dir)
+                summary = run(cfg, run_dir, checked=True, holding_lock=True)  # checked before start
         except Preempted as stop:
             log.warning("%s after writing every finished row; re-run the same command to resume", stop)
             stop.deliver()

@@ -20,11 +20,11 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf, open_dict
 
-from keydiff import runner
-from keydiff.preemption import Preempted, StopSignals
-from keydiff.results import ConfigMismatchError, ResultStore, ResultWriteError
-from keydiff.runlock import RunLock, RunLockedError
-from keydiff.sweep import run_dir_of
+from keydiff.run import runner
+from keydiff.run.preemption import Preempted, StopSignals
+from keydiff.run.results import ConfigMismatchError, ResultStore, ResultWriteError
+from keydiff.run.lock import RunLock, RunLockedError
+from keydiff.run.results import run_dir_of
 from tests.conftest import char_tokenizer, tiny_llama
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -187,7 +187,7 @@ def test_threads_come_from_the_config_or_slurm_and_are_recorded(tmp_path, tiny, 
 
 
 def test_full_disk_stops_without_corrupting_what_was_written(tmp_path, tiny, monkeypatch):
-    import keydiff.results as results
+    import keydiff.run.results as results
 
     real_write, writes = os.write, []
 
@@ -273,10 +273,22 @@ def test_second_writer_is_refused_naming_the_holder_and_may_wait(tmp_path):
     thread.join(timeout=30)
     assert not thread.is_alive(), "the waiter did not take the released lock"
     assert errors == [] and json.loads(lock.read_text()) == waiter.record
-    with RunLock(tmp_path / "run"):  # re-entrant in the holding process (run.py, then runner.run)
-        pass
-    assert lock.exists()
+    with pytest.raises(RunLockedError, match="locked by this process already"):  # a run is locked once
+        RunLock(tmp_path / "run").acquire()
+    assert json.loads(lock.read_text()) == waiter.record  # the refused second taker left the lock alone
     waiter.release()
+    assert not lock.exists()
+
+
+def test_a_lock_naming_this_pid_that_this_process_does_not_hold_is_stale(tmp_path):
+    """An earlier process with the same pid (a restarted container) left its lock: taken over, not waited on.
+    Catches a lock that treats its own pid as a live holder (a resumed job would be refused forever) and one
+    that treats it as already held (it would never write its own record, nor remove the lock at the end)."""
+    lock = tmp_path / "run" / ".lock"
+    lock.parent.mkdir()
+    lock.write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "started": "before a restart"}))
+    with RunLock(tmp_path / "run") as taken:
+        assert json.loads(lock.read_text()) == taken.record
     assert not lock.exists()
 
 
@@ -324,3 +336,81 @@ def test_preempted_hands_the_signal_to_the_previous_handler():
     with pytest.raises(SystemExit) as exited:
         stop.deliver()
     assert seen == [signal.SIGUSR2] and exited.value.code == 128 + signal.SIGUSR2
+
+
+# --------------------------------------------------------------------------- one reader, one grid, one record
+
+
+def test_every_reader_of_predictions_agrees_on_a_crashed_and_retried_file(tmp_path):
+    """The runner's resume (ResultStore), the sweep's status and successful_rows (the report's collect) read
+    predictions.jsonl with one reader: rows up to the partial last line, the latest row per sample.
+    Catches a reader that keeps a partial line, drops a complete one, or counts a superseded failure."""
+    from keydiff.run.results import read_rows, successful_rows
+    from keydiff.run.sweep import point_status
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    rows = [{"sample_id": "a", "status": "failed", "failure_reason": "out_of_memory"},
+            {"sample_id": "b", "status": "ok", "prediction": "x\u2028y"},  # a line separator inside a prediction
+            {"sample_id": "a", "status": "ok", "prediction": "retried"},
+            {"sample_id": "c", "status": "failed", "failure_reason": "max_prompt_tokens"}]
+    text = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+    (run_dir / "predictions.jsonl").write_text(text + '{"sample_id": "d", "sta', encoding="utf-8")
+    assert read_rows(run_dir) == rows
+    assert [row["prediction"] for row in successful_rows(run_dir)] == ["retried", "x\u2028y"]  # first-seen order
+    status = point_status(run_dir, {"a", "b", "c", "d"})
+    assert (status.state, status.done, status.failed, status.total) == ("partial", 2, 1, 4)
+    store = ResultStore(run_dir, {"task": {}})
+    assert store.rows == rows and store.failed_ids == {"c"} and store.done_ids == {"a", "b", "c"}
+    assert (run_dir / "predictions.jsonl").read_text(encoding="utf-8") == text  # the partial line is cut off
+
+
+@pytest.mark.parametrize("arguments", [
+    ["policy=keydiff,tova", "budget=1k,2k", "block_size=64"],
+    ["block_size=range(64,257,64)", "policy=snapkv", "budget=2k,4k"],
+    ["budget=1k,2k", "policy=a,b", "budget=8k"],  # a key given twice: its first place, its last values
+    ["task.limit=2", "+policy.params.window_fraction=0.1,0.2", "~logger"],
+])
+def test_the_sweep_grid_is_hydras_basic_sweeper_grid(arguments):
+    """grid_points is built on Hydra's public override parser; Hydra's own BasicSweeper (internal, used here
+    only as the oracle) must give the same points in the same order (job numbers and dry-run listings)."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from keydiff.run.sweep import grid_points
+
+    params = {"experiment_name": "grid", "seed": "0,1"}
+    combined = [f"{key}={value}" for key, value in params.items()] + arguments
+    expected = BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(combined), None)[0]
+    assert grid_points(params, arguments) == expected and len(expected) > 1
+
+
+def test_summary_provenance_is_the_one_record(tmp_path, tiny, monkeypatch):
+    """summary.json's code / packages / environment are keydiff.run.provenance's record (same keys as
+    before the record existed, so tables keep reading them), and every row names the commit.
+    Catches a runner that builds its own provenance, or a record whose keys drift from summary.json's."""
+    from keydiff.run import provenance
+
+    taken = []
+    real = provenance.provenance_record
+
+    def recorded(*args, **kwargs):
+        taken.append(real(*args, **kwargs))
+        return taken[-1]
+
+    monkeypatch.setattr(runner, "provenance_record", recorded)
+    summary = runner.run(make_cfg(tmp_path), tmp_path / "run")
+    assert len(taken) == 1
+    record = taken[0]
+    assert set(record) == {"code", "packages", "environment", "command", "time"}
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    assert record["code"]["commit"] == commit and isinstance(record["code"]["dirty"], bool)
+    assert summary["code"] == {**record["code"], "row_commits": [provenance.code_label(record["code"])]}
+    assert summary["packages"] == record["packages"] and summary["packages"]["torch"] == torch.__version__
+    assert summary["environment"] == record["environment"]
+    assert set(summary["environment"]) >= {"platform", "argv", "cpu_threads"}
+    assert summary["environment"]["cpu_threads"] == torch.get_num_threads() == summary["threads"]
+    assert {row["code"] for row in rows_of(tmp_path / "run")} == {provenance.code_label(record["code"])}
+    assert provenance.code_label({"commit": "abc", "dirty": True}) == "abc-dirty"
+    assert provenance.code_label({"commit": None, "dirty": None}) is None
+    assert time.strptime(summary["written_at"], provenance.TIME_FORMAT)

@@ -195,8 +195,7 @@ def test_slurm_sweep_through_submitit_matches_a_local_sweep_and_resubmits_only_m
 
 
 def test_status_lists_every_point_of_an_experiment(tmp_path):
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from sweep_status import experiment_status
+    from keydiff.run.status import experiment_status
 
     root = tmp_path / "runs"
     keydiff_dir = root / "smoke/niah_small/smollm2-135m/keydiff/1k/bs128/seed0-limit2"

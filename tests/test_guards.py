@@ -367,7 +367,7 @@ def runner_cfg(model_dir, *overrides: str, task: dict | None = None):
 @pytest.fixture
 def tiny_runner(tmp_path, monkeypatch):
     """runner.run with the tiny model and the char tokenizer; counts model loads, samples run and prefill calls."""
-    from keydiff import runner
+    from keydiff.run import runner
 
     model = tiny_llama("sdpa")
     model_dir = tmp_path / "tiny-model"
@@ -460,7 +460,7 @@ def test_kv_bytes_per_layer_entry_counts_keys_and_values(dtype, shape):
     head_dim (24 here, not 64 // 4), or the wrong element size; the expected value is measured on a stock
     DynamicCache, not computed from the config as the function under test does.
     """
-    from keydiff.runner import kv_bytes_per_layer_entry
+    from keydiff.run.runner import kv_bytes_per_layer_entry
 
     model = tiny_llama("sdpa", **shape).to(dtype)
     assert kv_bytes_per_layer_entry(model) * LAYERS == stock_kv_bytes_per_token(model)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from keydiff.checks import probe_endpoint
+from keydiff.run.checks import probe_endpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK_S = 3.0  # a typo is reported within this many seconds
@@ -94,7 +94,7 @@ def test_a_model_in_the_local_hub_cache_needs_no_hub(tmp_path):
     (snapshot / "config.json").write_text("{}")
     (snapshot.parents[1] / "refs").mkdir()
     (snapshot.parents[1] / "refs/main").write_text("0123abcd")
-    code = ("from keydiff.models import ModelConfig; from keydiff.checks import model_needs_hub; "
+    code = ("from keydiff.models import ModelConfig; from keydiff.run.checks import model_needs_hub; "
             "print([model_needs_hub(ModelConfig(path=p)) for p in "
             "('meta-llama/Llama-3.2-3B-Instruct', 'meta-llama/Llama-3.1-8B-Instruct', 'builtin:smollm2-135m')])")
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,

@@ -340,7 +340,7 @@ def test_every_policy_config_builds_its_policy_with_its_params(config):
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from keydiff.runner import policy_target
+    from keydiff.run.runner import policy_target
 
     with initialize_config_dir(str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=[f"policy={config}"])

@@ -80,7 +80,7 @@ def logged(monkeypatch, tmp_path, run_dir: Path, **config) -> RecordedRun:
     from omegaconf import OmegaConf
 
     from keydiff import tracking
-    from keydiff.results import read_rows
+    from keydiff.run.results import read_rows
 
     runs = []
     monkeypatch.setattr(wandb, "init", lambda **kwargs: runs.append(RecordedRun(kwargs)) or runs[-1])

@@ -473,17 +473,19 @@ def test_missing_qa_data_message_does_not_suggest_the_fixture():
     assert "fixture" not in str(error.value) and "squad.json" in str(error.value)
 
 
-def test_errors_come_before_the_model_loads(monkeypatch):
-    from keydiff import runner
+def test_errors_come_before_the_model_loads(monkeypatch, tmp_path):
+    from keydiff.run import runner
     from tests.test_runner import make_cfg
 
     monkeypatch.setattr(runner, "load_model", lambda *a, **k: pytest.fail("the model must not be loaded"))
     with pytest.raises(ValueError, match="need task.data_dir"):
-        runner.plan_run(make_cfg("task=ruler_4k"))
+        runner.run(make_cfg("task=ruler_4k"), tmp_path / "run")
     with pytest.raises(ValueError, match="exceeds the model's max_length"):
-        runner.plan_run(make_cfg("task=ruler_16k", "task.tasks=synthetic"))
+        runner.run(make_cfg("task=ruler_16k", "task.tasks=synthetic"), tmp_path / "run")
     with pytest.raises(ValueError, match="answer_prefix_style"):
-        runner.plan_run(make_cfg("task=ruler_4k", "task.tasks=synthetic", "task.answer_prefix_style=bogus"))
+        runner.run(make_cfg("task=ruler_4k", "task.tasks=synthetic", "task.answer_prefix_style=bogus"),
+                   tmp_path / "run")
+    assert not (tmp_path / "run").exists()
     assert runner.plan_run(make_cfg("task=ruler_4k", "task.tasks=synthetic",
                                     "task.answer_prefix_style=kvpress")).task.answer_prefix_style == "kvpress"
     plan = runner.plan_run(make_cfg("task=ruler_8k", "task.tasks=synthetic"))

@@ -1,4 +1,4 @@
-"""run.py / keydiff.runner: validation before loading, result files, resume, and no silent overwrite."""
+"""run.py / keydiff.run.runner: validation before loading, result files, resume, and no silent overwrite."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from keydiff import runner
-from keydiff.results import ConfigMismatchError
+from keydiff.run import runner
+from keydiff.run.results import ConfigMismatchError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -160,3 +160,46 @@ def test_the_statistics_log_line_summarises_per_layer_lists():
         "samples": 6, "cache_bound": 2176, "layer_budgets": "2048 x30",
         "layer_max_cache_entries": "2100..2176 over 30 layers",
         "layer_cache_bounds": "2176..2176 over 30 layers (2 unbounded)", "short": [1, 2]}
+
+
+@pytest.mark.parametrize("sweep", [False, True])
+def test_run_py_checks_the_config_once_and_takes_the_lock_once_per_run(tmp_path, monkeypatch, sweep):
+    """run.py in this process, through Hydra (its callback for a single run; the keydiff sweeper and the basic
+    launcher for a sweep) on a tiny checkpoint: check_run_config runs once per run (a sweep: once per grid
+    point, all before the first job) and each run directory's lock is taken once.
+    Catches a check repeated in run.py's main or in the runner, a sweep that checks per job, a lock taken twice."""
+    import runpy
+
+    from hydra_plugins.keydiff_sweeper import keydiff_sweeper
+    from keydiff.run import checks
+    from keydiff.run.lock import RunLock
+    from tests.conftest import char_tokenizer, tiny_llama
+
+    model_dir = tmp_path / "tiny-checkpoint"
+    tiny_llama("sdpa").save_pretrained(model_dir)
+    char_tokenizer().save_pretrained(model_dir)
+    events = []
+    real_check, real_acquire = checks.check_run_config, RunLock.acquire
+
+    def check(cfg):
+        events.append(("check", str(cfg.policy.label)))
+        real_check(cfg)
+
+    def acquire(lock):
+        events.append(("lock", lock.path.parent.parts[-4]))  # .../<policy label>/<budget>/bs<B>/seed<s>
+        real_acquire(lock)
+
+    for module in (checks, runner, keydiff_sweeper):
+        monkeypatch.setattr(module, "check_run_config", check)
+    monkeypatch.setattr(RunLock, "acquire", acquire)
+    monkeypatch.setattr(runner, "_LOADED", {})
+    arguments = ["model=custom", f"model.path={model_dir}", "model.dtype=float32", "model.device=cpu",
+                 "model.max_length=4096", "task=niah_small", "task.context_lengths=[300]", "task.depths=[50]",
+                 f"results_root={tmp_path / 'runs'}", "hydra/hydra_logging=none", "hydra/job_logging=none"]
+    monkeypatch.setattr(sys, "argv", ["run.py", *(["-m", "policy=keydiff,tova"] if sweep else []), *arguments])
+    runpy.run_path(str(ROOT / "run.py"), run_name="__main__")  # as `python run.py ...`, in this process
+    if sweep:
+        assert events == [("check", "keydiff"), ("check", "tova"), ("lock", "keydiff"), ("lock", "tova")]
+    else:
+        assert events == [("check", "keydiff"), ("lock", "keydiff")]
+    assert len(list((tmp_path / "runs").rglob("summary.json"))) == (2 if sweep else 1)

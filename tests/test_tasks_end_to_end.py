@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from keydiff import runner
+from keydiff.run import runner
 from tests.test_runner import make_cfg
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""keydiff/tracking.py: one W&B run per run directory (resume, no duplicates), per-sample history, consistent
+"""keydiff/run/tracking.py: one W&B run per run directory (resume, no duplicates), per-sample history, consistent
 summary names, the paper's values beside ours, and a clear error for online mode without credentials.
 
 All offline: W&B runs in `offline` mode into a temp dir, or `wandb.init` is replaced by a recorder."""
@@ -13,7 +13,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf, open_dict
 
-from keydiff import runner, tracking
+from keydiff.run import runner, tracking
 from keydiff.paper.reference import paper_values, read_tables, table_numbers
 from tests.conftest import char_tokenizer, tiny_llama
 

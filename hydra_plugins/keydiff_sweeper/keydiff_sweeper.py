@@ -1,9 +1,12 @@
-"""KeydiffSweeper: Hydra's BasicSweeper with every grid point checked before anything is launched.
+"""KeydiffSweeper: Hydra's BasicSweeper grid with every grid point checked before anything is launched.
 
 Hydra discovers sweepers only under the `hydra_plugins` namespace, hence this package beside keydiff/
 (found when run.py runs from the repository root). conf/config.yaml selects it (`hydra/sweeper: keydiff`).
 
-Before the first job: each point is composed and checked without torch (keydiff.checks), the SLURM
+It implements Hydra's public Sweeper plugin interface (setup + sweep; the launcher comes from Hydra's
+plugin registry) and builds the same grid in the same order as BasicSweeper (keydiff.run.sweep.grid_points).
+Before the first job: each point is composed and checked without torch (keydiff.run.checks), once per
+point; the jobs do not check again (run.py). The SLURM
 launcher must have a partition (a dry run needs none: it says so instead), and nothing is created on disk
 until all of that passed. Then
   dry_run=true       prints every point, its run directory and status, and with the SLURM launcher the
@@ -20,12 +23,15 @@ import sys
 from pathlib import Path
 from typing import Any, List
 
-from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+from hydra.core.plugins import Plugins
 from hydra.errors import HydraException
-from omegaconf import OmegaConf
+from hydra.plugins.sweeper import Sweeper
+from hydra.types import HydraContext, TaskFunction
+from omegaconf import DictConfig, OmegaConf
 
-from keydiff.checks import ConfigError, check_run_config, describe_error, exit_with_error
-from keydiff.sweep import grid_points, point_status, run_dir_of, sample_ids
+from keydiff.run.checks import ConfigError, check_run_config, describe_error, exit_with_error
+from keydiff.run.results import run_dir_of
+from keydiff.run.sweep import grid_points, point_status, sample_ids
 
 log = logging.getLogger(__name__)
 PARTITION_HINT = ("needs a partition: set slurm.partition in conf/local/default.yaml (see conf/local.example.yaml), "
@@ -38,7 +44,12 @@ def is_slurm(launcher_cfg: Any) -> bool:
 
 def slurm_job_script(launcher_params: dict[str, Any], array_size: int) -> str:
     """The sbatch script the submitit launcher would submit for `array_size` grid points (built with
-    submitit's own script writer; no `srun` needed, so it works off the cluster too)."""
+    submitit's own script writer; no `srun` needed, so it works off the cluster too).
+
+    The one place that uses submitit internals: submitit has no public call that returns the job script
+    without submitting it (SlurmExecutor writes it inside `submit`), and a dry run must show exactly that
+    script, so its writer `_make_sbatch_string`, its memory format `_convert_mem` and the module its jobs
+    run (`submitit.core._submit`) are used here and nowhere else."""
     from submitit.slurm.slurm import _convert_mem, _make_sbatch_string
 
     renamed = {"timeout_min": "time", "tasks_per_node": "ntasks_per_node", "name": "job_name"}
@@ -53,12 +64,31 @@ def slurm_job_script(launcher_params: dict[str, Any], array_size: int) -> str:
                                **params)
 
 
-class KeydiffSweeper(BasicSweeper):
+def chunks(points: list[list[str]], size: int | None) -> list[list[list[str]]]:
+    """The launcher batches: all points at once, or `max_batch_size` at a time (as BasicSweeper)."""
+    if size is None or size == -1:
+        return [points] if points else []
+    if size < 1:
+        exit_with_error(f"hydra.sweeper.max_batch_size={size} is not valid; valid: a positive integer or null")
+    return [points[start:start + size] for start in range(0, len(points), size)]
+
+
+class KeydiffSweeper(Sweeper):
     def __init__(self, max_batch_size: int | None = None, params: dict[str, str] | None = None,
                  dry_run_needs_partition: bool = False) -> None:
-        super().__init__(max_batch_size=max_batch_size, params=params)
+        super().__init__()
+        self.max_batch_size = max_batch_size
+        self.params = params or {}
         # `make sweep-slurm` checks with a dry run before it submits in the background: that one must fail too
         self.dry_run_needs_partition = dry_run_needs_partition
+        self.hydra_context: HydraContext | None = None
+        self.config: DictConfig | None = None
+        self.launcher = None
+
+    def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
+        self.hydra_context, self.config = hydra_context, config
+        self.launcher = Plugins.instance().instantiate_launcher(hydra_context=hydra_context,
+                                                                task_function=task_function, config=config)
 
     def _compose(self, point: List[str]):
         try:
@@ -102,9 +132,8 @@ class KeydiffSweeper(BasicSweeper):
         sweep_dir = Path(self.config.hydra.sweep.dir)
         sweep_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
-        batches = list(self.split_overrides_to_chunks(points, self.max_batch_size))
         returns, first = [], 0
-        for batch in batches:
+        for batch in chunks(points, self.max_batch_size):
             results = self.launcher.launch(batch, initial_job_idx=first)
             for result in results:
                 _ = result.return_value  # re-raises a failed job's exception

@@ -24,7 +24,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from keydiff import available_policies, build_policy
-from keydiff.results import environment, git_state, package_versions
+from keydiff.run.provenance import provenance_record, timestamp
 
 # Llama-3.2-3B(-Instruct), from its public config.json.
 LLAMA_3_2_3B = dict(
@@ -221,23 +221,17 @@ def reset_peak_rss() -> bool:
     return True
 
 
-def timestamp() -> str:
-    """Local time with its UTC offset, as run summaries write it."""
-    return time.strftime("%Y-%m-%dT%H:%M:%S%z")
-
-
 def provenance(module: str, argv: list[str] | None = None) -> dict[str, Any]:
-    """What produced a benchmark's or an analysis's numbers, taken when it starts (one record for all of them).
-
-    The command line (`python -m module` and its arguments, sys.argv's when `argv` is None), the code's
-    commit and whether the tree had uncommitted changes under "code" (the key run summaries use), the
-    package versions, the environment (platform, threads, GPU) and the start time. `write_json` adds the
-    end time. Pass the entry point's `__spec__.name`, which names the module however it was started.
+    """What produced a benchmark's or an analysis's numbers, taken when it starts: the run summaries' record
+    (keydiff.run.provenance: "code", "packages", "environment") with the command line as `python -m module
+    args` (sys.argv's arguments when `argv` is None) and the start time. `write_json` adds the end time.
+    Pass the entry point's `__spec__.name`, which names the module however it was started.
     """
-    # lead: build on keydiff.run.provenance at merge
-    arguments = sys.argv[1:] if argv is None else argv
-    return {"command": shlex.join(["python", "-m", module, *arguments]), "code": git_state(),
-            "packages": package_versions(), "environment": environment(), "started": timestamp()}
+    arguments = sys.argv[1:] if argv is None else list(argv)
+    record = provenance_record([module, *arguments])
+    record["command"] = shlex.join(["python", "-m", module, *arguments])
+    record["started"] = record.pop("time")
+    return record
 
 
 def write_json(path: str | Path, payload: dict[str, Any], started: dict[str, Any]) -> Path:

@@ -36,8 +36,8 @@ import pandas as pd
 
 from keydiff.paper.registry import LONGBENCH
 from keydiff.report.render import grouped_mean_se, standard_error
-from keydiff.results import read_rows
-from keydiff.tracking import HEADLINE, flatten
+from keydiff.run.results import successful_rows
+from keydiff.run.tracking import HEADLINE, flatten
 
 PRIMARY = {family: (metric,) for family, (_, metric) in HEADLINE.items()}  # the `score` column per task family
 ID_COLUMNS = ["experiment", "task", "model", "policy", "policy_name", "budget", "budget_label", "block_size", "seed",
@@ -51,11 +51,9 @@ def task_family(task: str) -> str:
 
 
 def read_predictions(run_dir: Path) -> list[dict]:
-    """The latest successful row per sample (keydiff.results.read_rows: complete lines only). Failed
-    samples leave rows without scores (status "failed"), and a retried sample has several rows, of which
-    the last one counts."""
-    latest = {row["sample_id"]: row for row in read_rows(run_dir) if "sample_id" in row}
-    return [row for row in latest.values() if row.get("status", "ok") == "ok"]
+    """The latest successful row per sample: keydiff.run.results.successful_rows, the runs' own reader
+    (complete lines only; a retried sample's last row counts, failed samples have no scores)."""
+    return successful_rows(run_dir)
 
 
 def longbench_dataset(row: dict) -> str:

@@ -44,7 +44,7 @@ from keydiff.config import budget_label
 from keydiff.paper.reference import paper_values, read_tables
 from keydiff.paper.registry import table_numbers
 from keydiff.report.render import budget_tokens
-from keydiff.tracking import headline
+from keydiff.run.tracking import headline
 
 ROOT = Path(__file__).resolve().parents[2]
 

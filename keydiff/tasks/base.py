@@ -88,7 +88,7 @@ class Task(ABC):
     def hub_downloads(self) -> list[str]:
         """What `samples()` would download from the Hugging Face Hub, each with its offline alternative
         ("LongBench's data.zip (offline: task.data_dir=...)"); [] when the data is local or cached. The run
-        is refused in seconds when the Hub is unreachable and this is not empty (keydiff.checks)."""
+        is refused in seconds when the Hub is unreachable and this is not empty (keydiff.run.checks)."""
         return []
 
 

@@ -3,29 +3,33 @@
 A run directory holds:
   run_config.json    the resolved configuration that produced it (checked on every resume)
   predictions.jsonl  one JSON object per finished sample, appended whole (one write) and fsynced one at a
-                     time; a sample that could not run is a row with "status": "failed" (see keydiff.runner)
+                     time; a sample that could not run is a row with "status": "failed" (see keydiff.run.runner)
   summary.json       metrics + provenance (config, git commit, package versions, data hashes),
                      rewritten atomically (temp file + rename) at the end of every invocation
-  .lock              the one process writing the directory (keydiff.runlock)
+  .lock              the one process writing the directory (keydiff.run.lock)
 A crash can at worst leave a partial last line in predictions.jsonl; `ResultStore` drops exactly that
 line on the next start and keeps every complete one. A failed write (full disk, quota) is undone at once:
-the file is cut back to its last complete line and `ResultWriteError` stops the run.
+the file is cut back to its last complete line and `ResultWriteError` stops the run. Every reader of
+predictions.jsonl (resume, sweep status, the report's collect) goes through `read_rows` /
+`successful_rows` at the end of this module.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import platform
-import subprocess
-import sys
 import time
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-PACKAGES = ("torch", "transformers", "hydra-core", "accelerate", "gguf", "rouge", "jieba", "fuzzywuzzy",
-            "python-Levenshtein", "rapidfuzz", "math-verify", "faker", "numpy", "wandb", "flash-attn")
+PREDICTIONS = "predictions.jsonl"
+OK, FAILED = "ok", "failed"  # a row's "status" (rows of old runs have none: they are successes)
+
+
+def run_dir_of(cfg: Any) -> Path:
+    """Where a run's files go: `<results_root>/<experiment_name>/<run_subdir>` (conf/config.yaml's
+    hydra.run.dir and hydra.sweep.dir/subdir say the same, so Hydra's job directory is this one)."""
+    return Path(str(cfg.results_root)) / str(cfg.experiment_name) / str(cfg.run_subdir)
 
 
 class ConfigMismatchError(RuntimeError):
@@ -65,28 +69,13 @@ def _without_limit(config: dict[str, Any]) -> dict[str, Any]:
     return {**config, "task": task} if "task" in config else config
 
 
-def read_rows(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
-    """Every complete line of a run's predictions.jsonl, read only (a partial last line from a crash is
-    ignored, never cut): what readers outside the writing run (collect, status) may see."""
-    path = Path(run_dir) / "predictions.jsonl"
-    if not path.exists():
-        return []
-    rows = []
-    with open(path, "rb") as handle:
-        for raw in handle:
-            if not raw.endswith(b"\n"):
-                break
-            rows.append(json.loads(raw))
-    return rows
-
-
 class ResultStore:
     """Append-only per-sample rows plus an atomic summary, in one run directory."""
 
     def __init__(self, run_dir: str | os.PathLike, run_config: dict[str, Any], overwrite: bool = False):
         self.dir = Path(run_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.predictions = self.dir / "predictions.jsonl"
+        self.predictions = self.dir / PREDICTIONS
         self.config_path = self.dir / "run_config.json"
         if overwrite and (self.predictions.exists() or self.config_path.exists()):
             self._move_aside()
@@ -129,19 +118,9 @@ class ResultStore:
                 path.rename(backup / path.name)
 
     def _load_rows(self) -> list[dict[str, Any]]:
-        if not self.predictions.exists():
-            return []
-        rows, good_bytes = [], 0
-        with open(self.predictions, "rb") as handle:
-            for raw in handle:
-                if not raw.endswith(b"\n"):
-                    break  # a partial line from a crash mid-write
-                try:
-                    rows.append(json.loads(raw))
-                except json.JSONDecodeError:
-                    break
-                good_bytes += len(raw)
-        if good_bytes != self.predictions.stat().st_size:
+        """The complete rows; a partial last line (a crash mid-write) is cut off the file here."""
+        rows, good_bytes = complete_rows(self.predictions)
+        if self.predictions.exists() and good_bytes != self.predictions.stat().st_size:
             with open(self.predictions, "rb+") as handle:
                 handle.truncate(good_bytes)
         return rows
@@ -154,11 +133,11 @@ class ResultStore:
     @property
     def failed_ids(self) -> set[str]:
         """Samples whose latest row records a failure (rows without "status" are old successful rows)."""
-        return {sid for sid, row in self.latest_rows().items() if row.get("status", "ok") == "failed"}
+        return {sid for sid, row in self.latest_rows().items() if is_failed(row)}
 
     def latest_rows(self) -> dict[str, dict[str, Any]]:
         """The last row of every sample: a retried failure is superseded, never deleted."""
-        return {row["sample_id"]: row for row in self.rows}
+        return latest_rows(self.rows)
 
     def append(self, row: dict[str, Any]) -> None:
         """Append one whole line (a single write) and fsync it; undo a partial write and raise on failure."""
@@ -187,36 +166,50 @@ class ResultStore:
         return path
 
 
-def git_state(root: str | os.PathLike | None = None) -> dict[str, Any]:
-    """Commit of the code that ran and whether the working tree had uncommitted changes."""
-    root = Path(root or Path(__file__).resolve().parent.parent)
-
-    def git(*args: str) -> str | None:
-        try:
-            return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10, check=True).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return None
-
-    commit = git("rev-parse", "HEAD")
-    status = git("status", "--porcelain", "--untracked-files=no")
-    return {"commit": commit, "dirty": bool(status) if status is not None else None}
+# ------------------------------------------------------------------------------- the one predictions reader
+# The runner (resume), the sweep (only_missing, `python -m keydiff.run.status`) and the report (collect) read
+# predictions.jsonl through these functions, so all of them agree on which rows count.
 
 
-def package_versions() -> dict[str, str | None]:
-    versions: dict[str, str | None] = {"python": platform.python_version()}
-    for name in PACKAGES:
-        try:
-            versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            versions[name] = None
-    return versions
+def complete_rows(path: str | os.PathLike) -> tuple[list[dict[str, Any]], int]:
+    """The rows of a predictions file up to its first incomplete line (no newline: a crash mid-write; or not
+    JSON), and how many bytes those rows take. A missing file has no rows."""
+    path = Path(path)
+    if not path.exists():
+        return [], 0
+    rows, good_bytes = [], 0
+    with open(path, "rb") as handle:
+        for raw in handle:  # bytes split at b"\n" only: a prediction may hold U+2028 and the like
+            if not raw.endswith(b"\n"):
+                break
+            try:
+                rows.append(json.loads(raw))
+            except json.JSONDecodeError:
+                break
+            good_bytes += len(raw)
+    return rows, good_bytes
 
 
-def environment() -> dict[str, Any]:
-    import torch
+def read_rows(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
+    """Every complete row of `<run_dir>/predictions.jsonl`, in the order written (retries included)."""
+    return complete_rows(Path(run_dir) / PREDICTIONS)[0]
 
-    env: dict[str, Any] = {"platform": platform.platform(), "argv": sys.argv, "cpu_threads": torch.get_num_threads()}
-    if torch.cuda.is_available():
-        env["cuda_device"] = torch.cuda.get_device_name()
-        env["cuda"] = torch.version.cuda
-    return env
+
+def is_failed(row: dict[str, Any]) -> bool:
+    """The row records a sample that could not run (out of memory, prompt cap): no scores."""
+    return row.get("status", OK) == FAILED
+
+
+def succeeded(row: dict[str, Any]) -> bool:
+    """The row holds a prediction and its scores."""
+    return row.get("status", OK) == OK
+
+
+def latest_rows(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The last row of every sample, keyed by sample id in the order samples first appear."""
+    return {row["sample_id"]: row for row in rows}
+
+
+def successful_rows(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
+    """The latest row of every sample whose latest row succeeded: what a run's metrics are computed from."""
+    return [row for row in latest_rows(read_rows(run_dir)).values() if succeeded(row)]

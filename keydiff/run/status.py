@@ -1,7 +1,7 @@
 """Where every grid point of an experiment stands: complete / partial (n of m) / failed samples / not started.
 
-    python scripts/sweep_status.py table1                 # or: make status EXP=table1
-    python scripts/sweep_status.py smoke results_root=/scratch/me/runs policy=keydiff,tova
+    python -m keydiff.run.status table1                 # or: make status EXP=table1
+    python -m keydiff.run.status smoke results_root=/scratch/me/runs policy=keydiff,tova
 
 The grid comes from the experiment's config exactly as run.py's sweeper expands it (conf/experiment/<EXP>.yaml
 axes plus any extra overrides); each point's expected samples come from its task (data listed, no model
@@ -22,17 +22,17 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a status query never downloads data: unknown totals show as "?"
+import keydiff  # noqa: F401  (config resolvers)
+from keydiff.run.results import run_dir_of
+from keydiff.run.sweep import PointStatus, grid_points, point_status, sample_ids
 
-import keydiff  # noqa: E402,F401  (config resolvers)
-from keydiff.sweep import grid_points, point_status, run_dir_of, sample_ids  # noqa: E402
+CONF = Path(__file__).resolve().parents[2] / "conf"  # the repository's Hydra configs, as run.py reads them
 
 
-def experiment_status(experiment: str, overrides: list[str]) -> list[tuple[list[str], Path, object]]:
+def experiment_status(experiment: str, overrides: list[str]) -> list[tuple[list[str], Path, PointStatus]]:
+    """Every grid point of `experiment` (plus `overrides`): its overrides, run directory and status."""
     arguments = [f"experiment={experiment}", *overrides]
-    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+    with initialize_config_dir(str(CONF), version_base="1.3"):
         parsed = OverridesParser.create().parse_overrides(arguments)
         fixed = [o.input_line for o in parsed if not o.is_sweep_override()]
         master = compose("config", overrides=fixed, return_hydra_config=True)
@@ -47,7 +47,9 @@ def experiment_status(experiment: str, overrides: list[str]) -> list[tuple[list[
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    # A status query never downloads data: unknown totals show as "?" (set before huggingface_hub is imported).
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    parser = argparse.ArgumentParser(prog="python -m keydiff.run.status", description=__doc__.splitlines()[0])
     parser.add_argument("experiment", help="conf/experiment/<name>.yaml")
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides, as given to run.py")
     args = parser.parse_args(argv)

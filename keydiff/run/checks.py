@@ -1,12 +1,16 @@
-"""Checks of a run's configuration that need neither torch nor the model.
+"""Checks of a run's configuration that need neither the model nor a run directory.
 
 run.py first composes its command line as Hydra will (`check_command_line`: an unknown choice or key, or
-`budget=2048`, is one line instead of Hydra's report), then it and the sweeper call `check_run_config`
-before torch or transformers are imported and before any directory is created, so a typo fails in about a
-second with one line that names the key, the value and what is valid. A run that would download a model or
-data from an unreachable Hugging Face Hub is refused the same way (`check_hub_downloads`). The runner
-repeats the checks that need the policy classes (policy parameters, budget against the policy's own
-constraints) after importing torch, still before loading the model.
+`budget=2048`, is one line instead of Hydra's report). Then `check_run_config`, the one check of a run's
+configuration, runs exactly once per run, before any directory is created:
+  * a single run: Hydra's `CheckBeforeStart` callback (conf/config.yaml, hydra.callbacks.check);
+  * a sweep: the keydiff sweeper, for every grid point before the first job starts;
+  * the Python API: `keydiff.run.runner.run(cfg, run_dir)` (unless told the caller checked).
+A typo fails with one line that names the key, the value and what is valid. A run that would download a
+model or data from an unreachable Hugging Face Hub is refused the same way (`check_hub_downloads`), and so
+is W&B logging that cannot work (keydiff.run.tracking.check). What needs the policy classes (policy
+parameters, the budget against the policy's own constraints) is checked by the runner's `plan_run`, still
+before the model is loaded.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from typing import Any, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
-STATISTICS_MODES = ("fast", "materialized")  # keydiff.cache.STATISTICS_MODES, repeated to stay torch-free
+from keydiff.run.results import run_dir_of
 
 
 class ConfigError(ValueError):
@@ -72,10 +76,15 @@ def check_results_root(root: str | os.PathLike) -> None:
 
 
 def check_run_config(cfg: DictConfig) -> None:
-    """Every check that needs no torch: top-level values, the model entry, the task (built, not loaded)."""
+    """The configuration check of a run: top-level values, the model entry, the task (built, not loaded),
+    the Hub when something must be downloaded, and W&B logging. Raises ConfigError (a ValueError) with
+    the valid choices."""
     from hydra.utils import instantiate
 
+    # lead: import STATISTICS_MODES from its torch-free home in the cache/attention layer at merge
+    from keydiff.cache import STATISTICS_MODES
     from keydiff.models import ModelConfig
+    from keydiff.run import tracking
 
     check_block_size(cfg.block_size)
     if cfg.attention_statistics not in STATISTICS_MODES:
@@ -102,8 +111,9 @@ def check_run_config(cfg: DictConfig) -> None:
     task = instantiate(cfg.task, _convert_="all")
     task.validate()
     task.check_model(model_cfg.max_length)
-    if not cfg.get("dry_run", False):  # a dry run downloads nothing
+    if not cfg.get("dry_run", False):  # a dry run downloads and logs nothing
         check_hub_downloads(model_cfg, task)
+        tracking.check(cfg)
 
 
 # --------------------------------------------------------------------------------------------- the Hub
@@ -260,8 +270,6 @@ def exit_with_error(message: str, code: int = 2) -> None:
 
 def _check_single_run(config: DictConfig) -> None:
     """Hydra callback body for a single run: the checks (and dry_run) before Hydra creates the run directory."""
-    from keydiff.sweep import run_dir_of
-
     try:
         check_run_config(config)
     except ValueError as error:

@@ -4,8 +4,9 @@ W&B run per run directory, however often the run is resumed.
 The run directory's files stay the record (predictions.jsonl, summary.json); W&B mirrors them so that a long
 sweep can be watched and compared in a dashboard (python -m keydiff.report.wandb). The runner makes four calls:
 
-    tracking.check(cfg)                              # before any work: bad mode, missing package or credentials
-    tracker = tracking.start(cfg, run_dir, rows)     # rows already in predictions.jsonl
+    tracking.check(cfg)                              # part of the config check (keydiff.run.checks), before
+                                                     # any work: bad mode, missing package or credentials
+    tracker = tracking.start(cfg, run_dir, rows)     # the runner: rows already in predictions.jsonl
     tracker.log_row(row)                             # after each row is appended to predictions.jsonl
     tracker.finish(summary)                          # after summary.json is written
 
@@ -36,7 +37,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from keydiff.paper.reference import paper_values, read_tables, table_numbers
-from keydiff.results import atomic_write_json
+from keydiff.run.results import atomic_write_json
 
 MODES = ("online", "offline", "disabled")
 MARKER = "wandb_run.json"  # in the run directory: W&B run id, rows logged so far, whether finish() ran
@@ -101,7 +102,7 @@ def run_id(cfg: DictConfig, run_dir: str | Path) -> str:
         key = path.relative_to(Path(str(cfg.get("results_root", "results/runs"))).resolve()).as_posix()
     except ValueError:
         key = path.as_posix()
-    generations = len(list(path.parent.glob(f"{path.name}.old-*")))  # keydiff.results moves old runs there
+    generations = len(list(path.parent.glob(f"{path.name}.old-*")))  # keydiff.run.results moves old runs there
     digest = hashlib.sha256(key.encode()).hexdigest()[:20]
     return f"kd-{digest}" + (f"-g{generations}" if generations else "")
 

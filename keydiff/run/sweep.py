@@ -1,24 +1,26 @@
 """The grid of a sweep and where each of its points stands, computed without torch or any model.
 
 Used by the sweeper (hydra_plugins/keydiff_sweeper: checks every point before launching, dry_run,
-only_missing) and by scripts/sweep_status.py (`make status EXP=table1`). A grid point is the list of
-overrides Hydra's BasicSweeper gives one job; its run directory is
-`<results_root>/<experiment_name>/<run_subdir>`, exactly where run.py writes it.
+only_missing) and by `python -m keydiff.run.status` (`make status EXP=table1`). A grid point is the list of
+overrides one job gets, the same grid in the same order as Hydra's BasicSweeper (`grid_points`, built on
+Hydra's public override parser); its run directory is `<results_root>/<experiment_name>/<run_subdir>`,
+exactly where run.py writes it. A point's progress is read with keydiff.run.results' predictions reader.
 """
 
 from __future__ import annotations
 
-import json
+import itertools
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Iterable
 
-from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from keydiff.checks import hub_unreachable
+from keydiff.run.checks import hub_unreachable
+from keydiff.run.results import is_failed, latest_rows, read_rows
 
 NOT_STARTED, PARTIAL, FAILED, COMPLETE = "not started", "partial", "failed samples", "complete"
 
@@ -27,11 +29,17 @@ def grid_points(params: dict[str, str] | None, arguments: Iterable[str], config_
     """Every job's overrides: `hydra.sweeper.params` (an experiment's axes) combined with the command line."""
     combined = [f"{key}={value}" for key, value in (params or {}).items()] + list(arguments)
     overrides = OverridesParser.create(config_loader=config_loader).parse_overrides(combined)
-    return BasicSweeper.split_arguments(overrides, None)[0]
-
-
-def run_dir_of(cfg: DictConfig) -> Path:
-    return Path(str(cfg.results_root)) / str(cfg.experiment_name) / str(cfg.run_subdir)
+    axes: dict[str, list[str]] = {}  # a key given twice keeps its first place and its last values
+    for override in overrides:
+        key = override.get_key_element()
+        if not override.is_sweep_override():
+            axes[key] = [f"{key}={override.get_value_element_as_str()}"]
+        elif override.is_discrete_sweep():
+            axes[key] = [f"{key}={value}" for value in override.sweep_string_iterator()]
+        else:
+            raise HydraException(f"the keydiff sweeper does not support the sweep {override.input_line!r} "
+                                 f"({override.value_type.name}); list the values: key=a,b,c or key=range(...)")
+    return [list(point) for point in itertools.product(*axes.values())]
 
 
 @dataclass
@@ -55,25 +63,11 @@ class PointStatus:
         return self.state in (NOT_STARTED, PARTIAL) or (retry_failed and self.state == FAILED)
 
 
-def read_rows(run_dir: Path) -> list[dict[str, Any]]:
-    """Complete lines of predictions.jsonl (a partial last line from a crash is ignored)."""
-    path = run_dir / "predictions.jsonl"
-    if not path.exists():
-        return []
-    rows = []
-    with open(path, "rb") as handle:
-        for raw in handle:
-            if not raw.endswith(b"\n"):
-                break
-            rows.append(json.loads(raw))
-    return rows
-
-
 def point_status(run_dir: Path, sample_ids: set[str] | None) -> PointStatus:
-    latest = {row["sample_id"]: row for row in read_rows(run_dir)}
+    latest = latest_rows(read_rows(run_dir))
     if sample_ids is not None:
         latest = {sid: row for sid, row in latest.items() if sid in sample_ids}
-    failed = sum(1 for row in latest.values() if row.get("status") == "failed")
+    failed = sum(1 for row in latest.values() if is_failed(row))
     done = len(latest) - failed
     total = None if sample_ids is None else len(sample_ids)
     if not latest:

@@ -1,19 +1,23 @@
-"""One run: validate everything, load the model, prefill + decode every sample, write the results.
+"""One run: check everything, load the model, prefill + decode every sample, write the results.
 
 Order matters: every configuration error (policy, budget, block size, task, model) is raised before the
-model is loaded, so a typo in a sweep fails in a second rather than after minutes of loading.
+model is loaded, so a typo in a sweep fails in a second rather than after minutes of loading. The
+configuration is checked once (keydiff.run.checks.check_run_config: by run.py's Hydra callback or sweeper,
+or here for API callers); `plan_run` adds what needs the policy classes.
 
 A run survives what a cluster does to it:
   * a sample that runs out of memory (CUDA OOM, or a prompt over `max_prompt_tokens`) is written as a
     failed row (status, failure_reason, prompt_tokens), memory is released and the run goes on; a re-run
     skips recorded failures unless `retry_failed=true`. Any other error stops the run naming the sample.
   * SIGTERM / SIGUSR1 / SIGUSR2 abandon the current sample and stop after writing the summary
-    (keydiff.preemption); the next start resumes.
-  * one process writes a run directory at a time (keydiff.runlock).
+    (keydiff.run.preemption); the next start resumes.
+  * one process writes a run directory at a time (keydiff.run.lock; taken once: here, or by run.py before
+    it imports torch).
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import hashlib
 import logging
@@ -30,15 +34,15 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from keydiff.cache import STATISTICS_MODES
-from keydiff.checks import check_run_config
 from keydiff.engine import check_budget, generate, prefill, resolve_block_size
 from keydiff.models import ModelConfig, eos_token_ids, load_model, model_provenance
 from keydiff.policies import Policy, build_policy
-from keydiff.preemption import Preempted, StopSignals
-from keydiff.results import ResultStore, environment, git_state, package_versions
-from keydiff import tracking
-from keydiff.runlock import RunLock
+from keydiff.run import tracking
+from keydiff.run.checks import check_run_config
+from keydiff.run.lock import RunLock
+from keydiff.run.preemption import Preempted, StopSignals
+from keydiff.run.provenance import code_label, provenance_record, timestamp
+from keydiff.run.results import ResultStore, is_failed, succeeded
 from keydiff.tasks.base import Prompt, Task
 
 log = logging.getLogger(__name__)
@@ -67,7 +71,8 @@ class RunPlan:
 
 
 def plan_run(cfg: DictConfig) -> RunPlan:
-    """Validate the whole configuration without loading the model. Raises ValueError with valid choices."""
+    """Build the run from a configuration that passed check_run_config, without loading the model: adds the
+    checks that need the policy classes (parameters, budget). Raises ValueError with valid choices."""
     raw = cfg.policy.get("params")
     params = OmegaConf.to_container(raw, resolve=True) if raw is not None else {}
     policy_name = policy_target(cfg.policy)
@@ -75,18 +80,10 @@ def plan_run(cfg: DictConfig) -> RunPlan:
     budget = cfg.budget.tokens
     check_budget(policy, budget)
     block_size = resolve_block_size(cfg.block_size)
-    if cfg.attention_statistics not in STATISTICS_MODES:
-        raise ValueError(f"attention_statistics {cfg.attention_statistics!r} is not valid; valid: {', '.join(STATISTICS_MODES)}")
     task = instantiate(cfg.task, _convert_="all")
-    task.validate()
     model_cfg = ModelConfig.from_dict(OmegaConf.to_container(cfg.model, resolve=True))
-    model_cfg.validate()
-    task.check_model(model_cfg.max_length)
-    decode_eviction = cfg.get("decode_eviction", True)
-    if not isinstance(decode_eviction, bool):
-        raise ValueError(f"decode_eviction must be true or false, got {decode_eviction!r}")
     return RunPlan(policy_name, params, int(budget) if policy.evicts else None, block_size,
-                   cfg.attention_statistics, decode_eviction, task, model_cfg)
+                   cfg.attention_statistics, cfg.get("decode_eviction", True), task, model_cfg)
 
 
 def policy_target(policy_cfg: DictConfig) -> str:
@@ -284,24 +281,32 @@ def run_statistics(rows: list[dict[str, Any]], plan: RunPlan) -> dict[str, Any]:
     }
 
 
-def run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
+def run(cfg: DictConfig, run_dir: str | Path, *, checked: bool = False, holding_lock: bool = False) -> dict[str, Any]:
     """Execute (or resume) one run into `run_dir` and return its summary.
 
+    checked: the caller has run check_run_config on `cfg` (run.py: Hydra's callback or the sweeper did);
+    holding_lock: the caller holds `run_dir`'s RunLock (run.py takes it before importing torch).
     Raises Preempted (after writing the summary) when a stop signal arrived; run.py hands it on.
     """
-    check_run_config(cfg)
+    if not checked:
+        check_run_config(cfg)
     plan = plan_run(cfg)
-    tracking.check(cfg)  # W&B mode and credentials, before any work
     samples = list(plan.task.samples())  # data problems surface before a run directory is created
-    with RunLock(run_dir, cfg.get("lock_wait", 0)), StopSignals() as signals:
+    with contextlib.nullcontext() if holding_lock else RunLock(run_dir, cfg.get("lock_wait", 0)):
+        return execute(cfg, plan, samples, run_dir)
+
+
+def execute(cfg: DictConfig, plan: RunPlan, samples: list, run_dir: str | Path) -> dict[str, Any]:
+    """The run itself, with `run_dir` locked by the caller: resume, model, every sample, summary."""
+    with StopSignals() as signals:
         store = ResultStore(run_dir, result_config(cfg), overwrite=bool(cfg.overwrite))
         skip = store.done_ids - (store.failed_ids if cfg.get("retry_failed", False) else set())
         todo = [s for s in samples if s.id not in skip]
         log.info("run directory %s: %d samples, %d already done", store.dir, len(samples), len(samples) - len(todo))
         threads = set_threads(cfg.get("threads"))
         tracker = tracking.start(cfg, store.dir, store.rows)
-        code = git_state()
-        code_label = None if code["commit"] is None else code["commit"] + ("-dirty" if code["dirty"] else "")
+        record = provenance_record()  # code, packages, environment: taken once, when the run starts
+        code = code_label(record["code"])  # on every row: a resumed run may span commits
         provenance = None
         try:
             if todo:
@@ -313,27 +318,28 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
                     provenance = model_provenance(plan.model_cfg, model)
                     warm_up(plan, model, tokenizer, todo[0])
                 for sample in tqdm(todo, desc=f"{plan.task.name}/{plan.policy_name}", unit="sample"):
-                    row = {**process_sample(plan, model, tokenizer, stop_ids, sample, cfg, code_label, signals),
+                    row = {**process_sample(plan, model, tokenizer, stop_ids, sample, cfg, code, signals),
                            "threads": threads}
                     store.append(row)
                     tracker.log_row(row)
                     signals.check()  # a signal during the write stops here, after the row is whole
         except Preempted as stop:
             log.warning("%s: stopping after %d rows; the next start resumes", stop, len(store.rows))
-            write_summary(cfg, plan, samples, store, code, provenance, threads, stopped_by=str(stop))
+            write_summary(cfg, plan, samples, store, record, provenance, threads, stopped_by=str(stop))
             raise
-        summary = write_summary(cfg, plan, samples, store, code, provenance, threads)
+        summary = write_summary(cfg, plan, samples, store, record, provenance, threads)
         tracker.finish(summary)
     return summary
 
 
-def write_summary(cfg, plan: RunPlan, samples, store: ResultStore, code, provenance, threads: int,
+def write_summary(cfg, plan: RunPlan, samples, store: ResultStore, record: dict[str, Any], provenance, threads: int,
                   stopped_by: str | None = None) -> dict[str, Any]:
-    """Metrics over the successful samples, plus how many failed and why, and everything needed to reproduce."""
+    """Metrics over the successful samples, plus how many failed and why, and everything needed to reproduce
+    (`record`: keydiff.run.provenance.provenance_record, taken when the run started)."""
     wanted = {s.id for s in samples}
     latest = [row for sid, row in store.latest_rows().items() if sid in wanted]
-    rows = [row for row in latest if row.get("status", "ok") == "ok"]
-    failures = Counter(row.get("failure_reason", "unknown") for row in latest if row.get("status") == "failed")
+    rows = [row for row in latest if succeeded(row)]
+    failures = Counter(row.get("failure_reason", "unknown") for row in latest if is_failed(row))
     summary = {
         "run_dir": str(store.dir),
         "complete": wanted <= store.done_ids,
@@ -352,12 +358,12 @@ def write_summary(cfg, plan: RunPlan, samples, store: ResultStore, code, provena
         "threads": threads,
         "max_prompt_tokens": cfg.get("max_prompt_tokens"),
         "config": OmegaConf.to_container(cfg, resolve=True),
-        "code": {**code, "row_commits": sorted({str(row.get("code")) for row in rows})},
-        "packages": package_versions(),
-        "environment": environment(),
+        "code": {**record["code"], "row_commits": sorted({str(row.get("code")) for row in rows})},
+        "packages": record["packages"],
+        "environment": record["environment"],
         "model": provenance or model_provenance(plan.model_cfg),
         "data": plan.task.data_sources(),
-        "written_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "written_at": timestamp(),
     }
     store.write_summary(summary)
     return summary

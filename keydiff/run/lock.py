@@ -6,8 +6,10 @@ atomically (O_CREAT | O_EXCL) holding its host, pid and start time; a second one
 seconds and then refuses with a message naming the holder. A lock whose pid no longer exists on this host
 is stale (a killed job) and is taken over. A lock held from another host cannot be checked from here: it
 is reported with its start time, and the message says how to remove it if that job is known to be gone.
-run.py takes the lock before importing torch, so a second process is refused within seconds; the
-lock is re-entrant within one process (runner.run takes it again for API callers).
+A run takes the lock once: run.py before importing torch (so a second process is refused within
+seconds), or keydiff.run.runner.run for API callers. A lock naming this host and this process's pid that
+this process does not hold is stale too (an earlier process that had the same pid, e.g. in a restarted
+container); one this process holds is refused (a run inside a run).
 """
 
 from __future__ import annotations
@@ -19,7 +21,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from keydiff.run.provenance import timestamp
+
 LOCK_NAME = ".lock"
+_HELD: set[Path] = set()  # the lock files this process holds now
 
 
 class RunLockedError(RuntimeError):
@@ -43,9 +48,8 @@ class RunLock:
         self.path = Path(run_dir) / LOCK_NAME
         self.wait_s = float(wait_s)
         self.poll_s = poll_s
-        self.reentered = False
-        self.record = {"host": socket.gethostname(), "pid": os.getpid(),
-                       "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        self.record = {"host": socket.gethostname(), "pid": os.getpid(), "started": timestamp()}
+        self.held = False
 
     def holder(self) -> dict[str, Any] | None:
         return self._read(self.path)
@@ -69,8 +73,12 @@ class RunLock:
         return True
 
     def _is_stale(self, holder: dict[str, Any]) -> bool:
-        same_host = holder.get("host") == self.record["host"]
-        return same_host and isinstance(holder.get("pid"), int) and not _pid_alive(holder["pid"])
+        """Written on this host by a process that is gone: its pid is dead, or it is ours and we do not hold it."""
+        if holder.get("host") != self.record["host"] or not isinstance(holder.get("pid"), int):
+            return False
+        if holder["pid"] == self.record["pid"]:
+            return self.path.absolute() not in _HELD
+        return not _pid_alive(holder["pid"])
 
     def acquire(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -79,9 +87,10 @@ class RunLock:
             holder = self.holder()
             if holder is None:
                 continue  # released between our attempt and the read
-            if holder.get("host") == self.record["host"] and holder.get("pid") == self.record["pid"]:
-                self.reentered = True  # this process holds it already (run.py, then runner.run)
-                return
+            if holder.get("host") == self.record["host"] and holder.get("pid") == self.record["pid"] \
+                    and self.path.absolute() in _HELD:
+                raise RunLockedError(f"{self.path.parent} is locked by this process already (a run inside a run); "
+                                     "a run directory has one writer")
             if self._is_stale(holder):
                 stale = self.path.with_name(f"{LOCK_NAME}.stale-{os.getpid()}")
                 try:
@@ -102,9 +111,15 @@ class RunLock:
                     f"Wait for it, pass lock_wait=<seconds>, or delete {self.path} if that process is gone."
                 )
             time.sleep(self.poll_s)
+        _HELD.add(self.path.absolute())
+        self.held = True
 
     def release(self) -> None:
-        if not self.reentered and self.holder() == self.record:
+        if not self.held:
+            return
+        self.held = False
+        _HELD.discard(self.path.absolute())
+        if self.holder() == self.record:  # never remove a lock another process has taken over meanwhile
             self.path.unlink(missing_ok=True)
 
     def __enter__(self) -> "RunLock":

@@ -1,0 +1,14 @@
+"""Running experiments: one job end to end, and the sweeps made of them.
+
+    runner       one run: plan (checked before the model loads), prefill + decode every sample, summary
+    checks       the one configuration check (torch-free), the command-line check, the Hub probe
+    results      the run directory's files: the one predictions reader, append-only rows, atomic summary
+    lock         one writer per run directory
+    preemption   stopping cleanly on SLURM's signals
+    tracking     the Weights & Biases mirror of a run
+    provenance   the one record of what produced a result (commit, packages, device, command, time)
+    sweep        a sweep's grid and where each point stands (no torch)
+    status       `python -m keydiff.run.status EXP`: every grid point of an experiment
+
+Nothing is imported here, so `import keydiff.run.checks` stays free of torch.
+"""
