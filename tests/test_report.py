@@ -79,7 +79,7 @@ def logged(monkeypatch, tmp_path, run_dir: Path, **config) -> RecordedRun:
     wandb = pytest.importorskip("wandb")
     from omegaconf import OmegaConf
 
-    from keydiff import tracking
+    from keydiff.run import tracking
     from keydiff.run.results import read_rows
 
     runs = []
