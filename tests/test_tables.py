@@ -484,6 +484,36 @@ def test_the_generic_figure_plots_the_full_run_with_its_interval(mixed, monkeypa
     assert "§" in plotted[name + "/title"]
 
 
+def test_math500_baseline_is_the_whole_full_run_of_the_experiment(tmp_path):
+    """A full-cache subset run (sorted first: "adhoc" < "table4_full", "seed0-limit2" < "seed0/") never becomes
+    the Tables 5/7 baseline: the whole run of table4_full does; an adhoc run takes adhoc's full run only."""
+    runs = tmp_path / "runs"
+    whole = math_rows([1, 0, 1, 1], [500, 1500, 800, 2000])  # contexts 600, 1600, 900, 2100
+    few = math_rows([0, 0], [2000, 2000])
+    for experiment, limit, rows in [("adhoc", 2, few), ("table4_full", 2, few), ("table4_full", None, whole)]:
+        write_run(runs, experiment, "math500", R1, "full", "unbounded", 128, {"flex": 0.0, "exact": 0.0}, rows,
+                  limit=limit)
+    for experiment in ("table4_gen4k", "adhoc"):
+        write_run(runs, experiment, "math500", R1, "snapkv", "1k", 128, {"flex": 0.25, "exact": 0.25},
+                  math_rows([0, 0, 0, 1], [400, 1400, 700, 1900]))
+    df = collect_results.collect(runs, tmp_path / "summary.csv")
+    paper = df[(df.experiment == "table4_gen4k") & (df.policy == "snapkv")].iloc[0]
+    assert paper["subset/full_flex"] == 0.5 and paper["subset/total_problems"] == 2  # p1#1, p2#1 exceed 1K
+    adhoc = df[(df.experiment == "adhoc") & (df.policy == "snapkv")].iloc[0]
+    assert adhoc["subset/full_flex"] == 0.0 and adhoc["subset/total_problems"] == 1  # adhoc's own (subset) run
+
+
+def test_ruler_standard_errors_leave_short_samples_out():
+    """As Ruler.summarize: a short sample counts in no task's SE, and a task with only short samples adds no
+    group to the average's SE (it has no score)."""
+    rows = [{"sample_id": f"vt/{i}", "scores": {"score": s}, "info": {"short": short}}
+            for i, (s, short) in enumerate([(1.0, False), (0.0, False), (1.0, True)])]
+    rows.append({"sample_id": "qa_1/0", "scores": {"score": 1.0}, "info": {"short": True}})
+    se = collect_results.standard_errors("ruler", rows, {})
+    assert se["se/metrics/tasks/vt"] == pytest.approx(50.0) and "se/metrics/tasks/qa_1" not in se
+    assert se["se/score"] == pytest.approx(50.0)
+
+
 def test_interval_arithmetic():
     from keydiff.uncertainty import combined_se, format_estimate, grouped_mean_se, standard_error
 
