@@ -17,7 +17,9 @@ reuses that run's first samples. A configuration shows its whole-task run when i
 subset run of the largest limit, marked §; the status line counts the subset runs left out.
 Marks (also in each file's legend): § subset run (task.limit set), †k k samples failed (out of memory,
 prompt too long, ...: see failures/* in summary.csv), ~ run not complete (still running or stopped).
-Seeds of one configuration are averaged (their standard errors combined); n is then their total.
+Seeds of one configuration are averaged as repeated measures of the same samples (the run seed only seeds
+sampling; task data is fixed by task.seed): n is the per-seed n (a range "5–6" when seeds scored different
+numbers), the standard error the mean of the seeds' (keydiff.uncertainty.seeds_se), "seeds" counts them.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ from keydiff.uncertainty import format_estimate
 FIXED = {"Model", "B", "Policy", "Budget", "n", "failed", "limit", "seeds", "marks", "kept N/L", "TTFT (s)"}
 ID = ["experiment", "task", "model", "block_size", "policy", "budget_label"]
 LEGEND = ("value ± half-width of its 95 % confidence interval (1.96 standard errors over the samples; n/a: one "
-          "sample) (n = samples scored); § subset run (task.limit), shown only where no whole-task run of the "
+          "sample) (n = samples scored, per seed: seeds repeat the same samples); "
+          "§ subset run (task.limit), shown only where no whole-task run of the "
           "same configuration exists; †k: k samples failed; ~ run not complete; -- budget = full cache (no eviction).")
 COUNT_METRICS = re.compile(r"^(n|n_.*|num_.*|.*_count)$")  # metrics that count things: printed as integers
 
@@ -50,27 +53,32 @@ def whole_runs_first(df: pd.DataFrame, key: list[str]) -> tuple[pd.DataFrame, pd
     return df[rank == best], df[rank != best]
 
 
-def average_seeds(df: pd.DataFrame, key: list[str], sums=("samples", "num_failed", "seeds")) -> pd.DataFrame:
-    """One row per `key`: numeric columns averaged over the seeds, `sums` added, standard errors (se/...)
-    combined as the SE of the mean (keydiff.uncertainty.combined_se)."""
+def average_seeds(df: pd.DataFrame, key: list[str], sums=("num_failed", "seeds")) -> pd.DataFrame:
+    """One row per `key`: numeric columns averaged over the seeds, `sums` added. Seeds are repeated measures
+    of the same samples (the run seed only seeds sampling), not new samples: `samples` is the per-seed n
+    (the largest; `samples_min` the smallest, which differs when seeds scored different numbers) and each
+    standard error (se/...) the mean of the seeds' SEs (keydiff.uncertainty.seeds_se)."""
     numeric = [c for c in df.columns if c not in key and pd.api.types.is_numeric_dtype(df[c])]
     errors = [c for c in numeric if c.startswith("se/")]
     added = [c for c in numeric if c in sums]
-    means = [c for c in numeric if c not in errors and c not in added]
+    counted = [c for c in numeric if c == "samples"]
+    means = [c for c in numeric if c not in errors and c not in added and c not in counted]
     groups = [df[k] for k in key]
     parts = [df[means].groupby(groups, sort=False, dropna=False).mean(),
-             df[added].groupby(groups, sort=False, dropna=False).sum()]
-    if errors:  # combined_se, vectorised: sqrt(sum SE^2) / seeds, NaN when any seed has none
-        square = df[errors].astype(float) ** 2
-        total = square.groupby(groups, sort=False, dropna=False).sum(min_count=1)
-        count = square.groupby(groups, sort=False, dropna=False).size()
-        missing = square.isna().groupby(groups, sort=False, dropna=False).any()
-        parts.append((np.sqrt(total).div(count, axis=0)).mask(missing))
-    return pd.concat(parts, axis=1)[numeric].reset_index()
+             df[added].groupby(groups, sort=False, dropna=False).sum(),
+             df[counted].groupby(groups, sort=False, dropna=False).max()]
+    if errors:  # seeds_se, vectorised: the mean of the seeds' SEs, NaN when any seed has none
+        ses = df[errors].astype(float)
+        missing = ses.isna().groupby(groups, sort=False, dropna=False).any()
+        parts.append(ses.groupby(groups, sort=False, dropna=False).mean().mask(missing))
+    out = pd.concat(parts, axis=1)[numeric]
+    if counted:
+        out["samples_min"] = df["samples"].groupby(groups, sort=False, dropna=False).min()
+    return out.reset_index()
 
 
 def runs_of(df: pd.DataFrame) -> pd.DataFrame:
-    """One row per configuration, seeds averaged (n summed), with the marks of the runs behind it. Subset
+    """One row per configuration, seeds averaged (n per seed), with the marks of the runs behind it. Subset
     runs of a configuration that has a whole-task run are left out (`superseded` counts them). Only the
     columns the generic tables show are kept (top-level task metrics, LongBench per-dataset scores)."""
     shown = [c for c in df.columns if (c.startswith("metrics/") and c.count("/") == 1) or c.startswith("lb/")]
@@ -99,6 +107,13 @@ def primary_metric(task: str) -> str:
 def estimate(run, column: str = "score") -> str:
     se = run.get(f"se/{column}", np.nan)
     return format_estimate(run[column], np.nan if se is None else float(se), run["samples"] if pd.notna(run["samples"]) else 0)
+
+
+def sample_count(run) -> str:
+    """n per seed; "5–6" when the seeds of a configuration scored different numbers of samples."""
+    high = int(run["samples"]) if pd.notna(run["samples"]) else 0
+    low = int(run["samples_min"]) if pd.notna(run.get("samples_min", np.nan)) else high
+    return str(high) if low == high else f"{low}–{high}"
 
 
 def marks(run) -> str:
@@ -159,7 +174,7 @@ def run_rows(runs: pd.DataFrame) -> pd.DataFrame:
     primary = sorted({primary_metric(t) for t in runs["task"]})
     table = pd.DataFrame({
         "Model": runs["model"], "B": runs["block_size"], "Policy": runs["policy"], "Budget": runs["budget_label"],
-        "n": runs["samples"].fillna(0).astype(int), "failed": runs["num_failed"].astype(int),
+        "n": runs.apply(sample_count, axis=1), "failed": runs["num_failed"].astype(int),
         "limit": runs["limit"].map(lambda v: "--" if pd.isna(v) else str(int(v))),
         "seeds": runs["seeds"].astype(int), "marks": runs.apply(marks, axis=1),
         f"{' / '.join(primary)} (primary)": runs.apply(estimate, axis=1),

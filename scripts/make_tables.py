@@ -61,8 +61,9 @@ def load(summary: Path) -> pd.DataFrame:
 
 def pick(df, experiments, tasks=None, models=None, policies=None, budgets=None, block_sizes=None,
          by_task=True, limited=False):
-    """One row per (model, policy, budget, block size[, task]), seeds averaged (samples summed, standard
-    errors combined), from the first listed experiment (then the first listed task) that has it. With
+    """One row per (model, policy, budget, block size[, task]), seeds averaged (samples per seed, standard
+    errors the mean of the seeds': generic_tables.average_seeds), from the first listed experiment (then the
+    first listed task) that has it. With
     `limited`, a configuration's subset runs count only when it has no whole-task run. `full` ignores budget and block size (it
     evicts nothing). by_task=False merges tasks that are views of one benchmark (longbench = the English
     columns of longbench_full)."""
@@ -85,7 +86,7 @@ def pick(df, experiments, tasks=None, models=None, policies=None, budgets=None, 
     runs = runs[runs["rank"] == runs.groupby(key)["rank"].transform("min")]  # never mix experiments or tasks
     runs = generic_tables.whole_runs_first(runs, key)[0]  # never average a subset run with its whole run
     runs = runs.assign(samples=pd.to_numeric(runs["samples"], errors="coerce"))
-    return generic_tables.average_seeds(runs, key, sums=("samples",))
+    return generic_tables.average_seeds(runs, key, sums=())
 
 
 def budget_key(label: str) -> int:

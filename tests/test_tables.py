@@ -24,6 +24,7 @@ import collect_results  # noqa: E402
 import make_figures  # noqa: E402
 import make_tables  # noqa: E402
 import paper_compare  # noqa: E402
+from keydiff.uncertainty import standard_error  # noqa: E402
 
 SUITE = list(collect_results.LONGBENCH)
 LLAMA3B = "llama-3.2-3b-instruct"
@@ -522,12 +523,32 @@ def test_interval_arithmetic():
     mean, se = grouped_mean_se([[1.0, 0.0], [1.0, 1.0, 1.0]], scale=100)  # datasets weigh equally, as averages do
     assert (mean, se) == (pytest.approx(75.0), pytest.approx(25.0))
     assert format_estimate(0.5, 0.25, 2) == "0.500 ± 0.490 (n=2)" and format_estimate(0.5, float("nan"), 1) == "0.500 ± n/a (n=1)"
-    # Seeds of one configuration: values averaged, samples summed, standard errors combined.
+    # Seeds of one configuration repeat the same samples: values averaged, n per seed (not summed), the SE the
+    # mean of the seeds' SEs (a bound for correlated estimates; not sqrt(2) narrower as for independent ones).
     import generic_tables
 
-    seeds = pd.DataFrame({"policy": ["kd", "kd"], "score": [0.5, 0.7], "se/score": [0.3, 0.4], "samples": [2, 3]})
-    row = generic_tables.average_seeds(seeds, ["policy"], sums=("samples",)).iloc[0]
-    assert (row["score"], row["se/score"], row["samples"]) == (pytest.approx(0.6), pytest.approx(0.25), 5)
+    seeds = pd.DataFrame({"policy": ["kd", "kd"], "score": [0.5, 0.7], "se/score": [0.3, 0.4], "samples": [6, 6]})
+    row = generic_tables.average_seeds(seeds, ["policy"]).iloc[0]
+    assert (row["score"], row["se/score"], row["samples"]) == (pytest.approx(0.6), pytest.approx(0.35), 6)
+    assert generic_tables.sample_count(row) == "6"
+    row = generic_tables.average_seeds(seeds.assign(samples=[5, 6]), ["policy"]).iloc[0]
+    assert generic_tables.sample_count(row) == "5–6"  # seeds that scored different numbers say so
+
+
+def test_two_seeds_of_the_same_samples_show_per_seed_n(tmp_path):
+    runs = tmp_path / "runs"
+    point = dict(runs=runs, experiment="adhoc", task="niah_small", model="smollm2-135m", label="keydiff",
+                 budget_label="2k", block=128)
+    second = [1.0, 1.0, 1.0, 1.0, 1.0, 0.0]
+    write_run(**point, metrics={"needle_recall": 0.864}, rows=niah_rows(FULL_RECALLS))
+    write_run(**point, metrics={"needle_recall": 5 / 6}, rows=niah_rows(second), seed=1)
+    collect_results.collect(runs, tmp_path / "summary.csv")
+    make_tables.main(tmp_path / "summary.csv", tmp_path / "tables")
+    md = tmp_path / "tables" / "generic" / "adhoc__niah_small.md"
+    kd = ("smollm2-135m", "128", "keydiff")
+    se = (standard_error(FULL_RECALLS) + standard_error(second)) / 2
+    assert md_cell(md, kd, "2k") == f"{(0.864 + 5 / 6) / 2:.3f} ± {1.959964 * se:.3f} (n=6)"  # not n=12
+    assert md_cell(md, kd + ("2k",), "seeds", table=1) == "2" and md_cell(md, kd + ("2k",), "n", table=1) == "6"
 
 
 def test_standard_errors_are_collected_per_score(produced):
