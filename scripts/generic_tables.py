@@ -39,7 +39,7 @@ LEGEND = ("value ± half-width of its 95 % confidence interval (1.96 standard er
           "sample) (n = samples scored, per seed: seeds repeat the same samples); "
           "§ subset run (task.limit), shown only where no whole-task run of the "
           "same configuration exists; †k: k samples failed; ~ run not complete; -- budget = full cache (no eviction).")
-COUNT_METRICS = re.compile(r"^(n|n_.*|num_.*|.*_count)$")  # metrics that count things: printed as integers
+COUNT_METRICS = re.compile(r"^(n|n_.*|num_.*|.*_count|length)$")  # counts and lengths: printed as integers
 
 
 def whole_runs_first(df: pd.DataFrame, key: list[str]) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -162,9 +162,14 @@ def metric_cells(runs: pd.DataFrame, column: str) -> pd.Series:
     name = column.split("/", 1)[1]
     if COUNT_METRICS.match(name):
         return runs[column].map(fmt_count)
-    if f"se/{column}" in runs.columns:
-        return runs.apply(lambda run: estimate(run, column) if pd.notna(run[column]) else "--", axis=1)
-    return runs[column].map(fmt)
+    return sample_means(runs, column)
+
+
+def sample_means(runs: pd.DataFrame, column: str) -> pd.Series:
+    """A column that averages samples (a metric, kept N/L, TTFT) with its interval where se/<column> was collected."""
+    if f"se/{column}" not in runs.columns:
+        return runs[column].map(fmt)
+    return runs.apply(lambda run: estimate(run, column) if pd.notna(run[column]) else "--", axis=1)
 
 
 def run_rows(runs: pd.DataFrame) -> pd.DataFrame:
@@ -180,7 +185,7 @@ def run_rows(runs: pd.DataFrame) -> pd.DataFrame:
         f"{' / '.join(primary)} (primary)": runs.apply(estimate, axis=1),
         **{(c.split("/", 1)[1] if c.split("/", 1)[1] not in FIXED else f"{c.split('/', 1)[1]} (metric)"):
            metric_cells(runs, c) for c in columns},
-        "kept N/L": runs["mean_compression_ratio"].map(fmt), "TTFT (s)": runs["mean_ttft_s"].map(fmt),
+        "kept N/L": sample_means(runs, "mean_compression_ratio"), "TTFT (s)": sample_means(runs, "mean_ttft_s"),
     })
     order = np.lexsort([runs["budget_label"].map(budget_order), runs["policy"], runs["block_size"].astype(str),
                         runs["model"]])

@@ -300,7 +300,7 @@ def test_adhoc_subset_sweep_gets_a_generic_table_and_figure(adhoc):
     assert md_cell(md, ("smollm2-135m", "128", "sink"), "2k") == "0.375 ± 0.245 (n=2)§"
     assert md_cell(md, ("smollm2-135m", "128", "sink", "2k"), "limit", table=1) == "2"
     assert md_cell(md, ("smollm2-135m", "128", "sink", "2k"), "needle_recall (primary)", table=1) == "0.375 ± 0.245 (n=2)"
-    assert md_cell(md, ("smollm2-135m", "128", "sink", "2k"), "kept N/L", table=1) == "0.500"
+    assert md_cell(md, ("smollm2-135m", "128", "sink", "2k"), "kept N/L", table=1) == "0.500 ± 0.000 (n=2)"
     assert "needle_recall" not in md_rows(md, table=1)[0]  # the primary score is not repeated
     assert "4 configurations, 8 samples scored, 4 subset runs (§)" in md.read_text()
     tex = (out / "tables" / "generic" / "adhoc__niah_small.tex").read_text()
@@ -540,8 +540,10 @@ def test_two_seeds_of_the_same_samples_show_per_seed_n(tmp_path):
     point = dict(runs=runs, experiment="adhoc", task="niah_small", model="smollm2-135m", label="keydiff",
                  budget_label="2k", block=128)
     second = [1.0, 1.0, 1.0, 1.0, 1.0, 0.0]
-    write_run(**point, metrics={"needle_recall": 0.864}, rows=niah_rows(FULL_RECALLS))
-    write_run(**point, metrics={"needle_recall": 5 / 6}, rows=niah_rows(second), seed=1)
+    kept = [0.4, 0.5, 0.6, 0.4, 0.5, 0.6]  # kept N/L per sample of seed 0: mean 0.5
+    rows = [row | {"compression_ratio": k} for row, k in zip(niah_rows(FULL_RECALLS), kept)]
+    write_run(**point, metrics={"needle_recall": 0.864, "length": 4096.0}, rows=rows)
+    write_run(**point, metrics={"needle_recall": 5 / 6, "length": 4096.0}, rows=niah_rows(second), seed=1)
     collect_results.collect(runs, tmp_path / "summary.csv")
     make_tables.main(tmp_path / "summary.csv", tmp_path / "tables")
     md = tmp_path / "tables" / "generic" / "adhoc__niah_small.md"
@@ -549,6 +551,10 @@ def test_two_seeds_of_the_same_samples_show_per_seed_n(tmp_path):
     se = (standard_error(FULL_RECALLS) + standard_error(second)) / 2
     assert md_cell(md, kd, "2k") == f"{(0.864 + 5 / 6) / 2:.3f} ± {1.959964 * se:.3f} (n=6)"  # not n=12
     assert md_cell(md, kd + ("2k",), "seeds", table=1) == "2" and md_cell(md, kd + ("2k",), "n", table=1) == "6"
+    # kept N/L and TTFT average samples: they carry their interval (seed 1 keeps 0.5 of every prompt: SE 0)
+    assert md_cell(md, kd + ("2k",), "kept N/L", table=1) == f"0.500 ± {1.959964 * standard_error(kept) / 2:.3f} (n=6)"
+    assert md_cell(md, kd + ("2k",), "TTFT (s)", table=1) == "0.500 ± 0.000 (n=6)"
+    assert md_cell(md, kd + ("2k",), "length", table=1) == "4096"  # a length prints as an integer
 
 
 def test_standard_errors_are_collected_per_score(produced):
