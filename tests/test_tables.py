@@ -485,6 +485,19 @@ def test_the_generic_figure_plots_the_full_run_with_its_interval(mixed, monkeypa
     assert "§" in plotted[name + "/title"]
 
 
+def test_table9_average_is_over_prompts(tmp_path):
+    """As the paper's (and table9_vs_paper's): 2 narrativeqa prompts (0.1, 0.3) and 1 qasper (0.5) average 0.30,
+    not the mean of the dataset means (0.35)."""
+    runs = tmp_path / "runs"
+    rows = [{"sample_id": f"{d}/{k}", "info": {"dataset": d}, "compression_ratio": c, "scores": {"score": c}}
+            for d, k, c in [("narrativeqa", 0, 0.1), ("narrativeqa", 1, 0.3), ("qasper", 0, 0.5)]]
+    metrics = {"datasets": {"narrativeqa": 20.0, "qasper": 50.0}, "num_samples": {"narrativeqa": 2, "qasper": 1}}
+    write_run(runs, "table11", "longbench_full", LLAMA3B, "keydiff", "2k", 128, metrics, rows)
+    collect_results.collect(runs, tmp_path / "summary.csv")
+    assert make_tables.compression(make_tables.load(tmp_path / "summary.csv"), tmp_path)
+    assert md_cell(tmp_path / "table9.md", ("Average",), "2K").startswith("0.30 ± n/a (n=3)")  # qasper: one prompt
+
+
 def test_math500_baseline_is_the_whole_full_run_of_the_experiment(tmp_path):
     """A full-cache subset run (sorted first: "adhoc" < "table4_full", "seed0-limit2" < "seed0/") never becomes
     the Tables 5/7 baseline: the whole run of table4_full does; an adhoc run takes adhoc's full run only."""
