@@ -116,6 +116,12 @@ def sample_count(run) -> str:
     return str(high) if low == high else f"{low}–{high}"
 
 
+def sample_counts(runs: pd.DataFrame) -> pd.Series:
+    """The n column: integers, or text ("5–6") when some configuration's seeds scored different numbers."""
+    counts = runs.apply(sample_count, axis=1)
+    return counts if len(runs) and counts.str.contains("–").any() else runs["samples"].fillna(0).astype(int)
+
+
 def marks(run) -> str:
     out = "§" if run["subset"] else ""
     out += f"†{int(run['num_failed'])}" if run["num_failed"] else ""
@@ -160,7 +166,7 @@ def score_matrix(runs: pd.DataFrame) -> pd.DataFrame:
 
 def metric_cells(runs: pd.DataFrame, column: str) -> pd.Series:
     name = column.split("/", 1)[1]
-    if COUNT_METRICS.match(name):
+    if column.startswith("metrics/") and COUNT_METRICS.match(name):  # not lb/passage_count: a score
         return runs[column].map(fmt_count)
     return sample_means(runs, column)
 
@@ -179,7 +185,7 @@ def run_rows(runs: pd.DataFrame) -> pd.DataFrame:
     primary = sorted({primary_metric(t) for t in runs["task"]})
     table = pd.DataFrame({
         "Model": runs["model"], "B": runs["block_size"], "Policy": runs["policy"], "Budget": runs["budget_label"],
-        "n": runs.apply(sample_count, axis=1), "failed": runs["num_failed"].astype(int),
+        "n": sample_counts(runs), "failed": runs["num_failed"].astype(int),
         "limit": runs["limit"].map(lambda v: "--" if pd.isna(v) else str(int(v))),
         "seeds": runs["seeds"].astype(int), "marks": runs.apply(marks, axis=1),
         f"{' / '.join(primary)} (primary)": runs.apply(estimate, axis=1),

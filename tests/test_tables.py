@@ -570,6 +570,12 @@ def test_two_seeds_of_the_same_samples_show_per_seed_n(tmp_path):
     assert md_cell(md, kd + ("2k",), "length", table=1) == "4096"  # a length prints as an integer
 
 
+def test_longbench_passage_count_score_is_no_count(produced):
+    out, _, _ = produced
+    md = out / "tables" / "generic" / "table11__longbench_full.md"  # lb/passage_count: a score, 10.5 + 16
+    assert md_cell(md, (LLAMA3B, "128", "keydiff", "2k"), "passage_count", table=1) == "26.500"
+
+
 def test_standard_errors_are_collected_per_score(produced):
     out, _, _ = produced
     df = pd.read_csv(out / "summary.csv", dtype={"block_size": str})
