@@ -4,11 +4,12 @@ Why this shape: the CSV is the only input (see collect_results.py), every number
 from a run, and a table with no runs says so (its .md/.tex name the experiments to run) instead of
 printing anything. Only complete runs of the whole task (no task.limit) count, except in the smoke table. A table reads its own experiment first and
 then the experiments listed with it (Table 1 is a column subset of Table 11, the full rows come from
-the *_full experiments, ...); seeds of the same configuration are averaged. Best eviction method per
+the *_full experiments, ...); seeds of the same configuration are averaged (repeated measures of the same
+samples: n per seed, the mean of their SEs). Best eviction method per
 column (within a model / budget group) is bold; the eviction-free rows are references, never bold.
 Every cell that averages samples reads "value ± half-width (n=...)": the 95 % interval over samples
 (keydiff/uncertainty.py, from the se/<column> standard errors of summary.csv; LongBench cells are
-per-dataset, their average combines the datasets' errors). Table 18 and the heatmaps hold one sample per
+per-dataset, their average combines the datasets' errors; Table 9's average is over prompts). Table 18 and the heatmaps hold one sample per
 cell, Table 8 counts prompts: no interval there.
 
 Beside them: <table>_vs_paper (ours next to results/paper/, scripts/paper_compare.py), generic/ (every
