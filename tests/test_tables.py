@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -529,10 +530,11 @@ def test_ruler_standard_errors_leave_short_samples_out():
 
 
 def test_interval_arithmetic():
-    from keydiff.uncertainty import combined_se, format_estimate, grouped_mean_se, standard_error
+    from keydiff.uncertainty import combined_se, format_estimate, grouped_mean_se, seeds_se, standard_error
 
     assert standard_error([1.0, 0.0]) == pytest.approx(0.5) and standard_error([0.7]) != standard_error([0.7])  # NaN
     assert combined_se([0.3, 0.4]) == pytest.approx(0.25)  # the mean of two independent estimates
+    assert seeds_se([0.3, 0.4]) == pytest.approx(0.35) and math.isnan(seeds_se([0.3, float("nan")]))  # same samples
     mean, se = grouped_mean_se([[1.0, 0.0], [1.0, 1.0, 1.0]], scale=100)  # datasets weigh equally, as averages do
     assert (mean, se) == (pytest.approx(75.0), pytest.approx(25.0))
     assert format_estimate(0.5, 0.25, 2) == "0.500 ± 0.490 (n=2)" and format_estimate(0.5, float("nan"), 1) == "0.500 ± n/a (n=1)"
