@@ -76,7 +76,7 @@ paper-numbers: $(STAMP)  ## re-transcribe results/paper/*.csv from the paper's t
 
 analysis: $(STAMP)  ## Figures 2, 4/5, 8-16 and Table 3 measured on the default model (ANALYSIS_ARGS="model=... length=4096")
 	@echo "analysis: loading the model ($(or $(ANALYSIS_ARGS),default model SmolLM2-135M; 2 prompts x 2048 tokens)) to measure"
-	@echo "  Figures 2, 4/5, 8-16 and Table 3: about 4-5 min on one CPU core for the default model, longer for larger"
+	@echo "  Figures 2, 4/5, 8-16 and Table 3: about 5 min on one CPU core for the default model, longer for larger"
 	@echo "  models and lengths. Only the figures from results/runs (no model): make figures-runs"
 	$(PY) -m keydiff.analysis.figures $(ANALYSIS_ARGS)
 	$(PY) -m keydiff.analysis.table3 $(ANALYSIS_ARGS)

@@ -11,7 +11,10 @@ what the cache and the results rely on:
 * the bound: every layer holds at most N_l + B entries per KV head at any time and exactly N_l at the end;
 * determinism: a second run with a fresh policy object keeps the same positions and generates the same tokens;
 * `layers_batchable`: if the policy claims it, the stacked cache (all layers evicted in one call) keeps exactly
-  what layer-by-layer eviction keeps.
+  what layer-by-layer eviction keeps. The cache stacks only layers of one budget, so with per-layer budgets
+  this comparison runs with uniform ones (layer_budgets=None); a policy whose parameters leave a layer never
+  evicted (skip_layers) cannot stack at all, and the summary says so (batchable_checked False).
+* a class passed in must be a @dataclass itself (as `policy.target=` requires), its parents included.
 A failure raises `PolicyCheckError` saying which property broke; success returns a short summary dict.
 """
 
@@ -26,7 +29,7 @@ from typing import Any
 import torch
 
 from keydiff.engine import generate, prefill
-from keydiff.policies import LayerView, Policy, compose_policy, policy_class
+from keydiff.policies import LayerBudgets, LayerView, Policy, compose_policy, policy_class, require_own_dataclass
 
 
 class PolicyCheckError(AssertionError):
@@ -109,8 +112,8 @@ def check_policy(
     model = tiny_model()
     ids = torch.randint(0, 256, (1, prompt_tokens), generator=torch.Generator().manual_seed(0))
 
-    def run(layers_batchable: bool) -> tuple[dict, list[int]]:
-        checked, calls = counting(fresh(), layers_batchable)
+    def run(layers_batchable: bool, factory: Callable[[], Policy] = fresh) -> tuple[dict, list[int]]:
+        checked, calls = counting(factory(), layers_batchable)
         try:
             return run_once(checked, model, ids, budget, block_size, new_tokens), calls
         except RuntimeError as error:  # check_scores names the checked subclass's policy: say which check it was
@@ -131,11 +134,22 @@ def check_policy(
     if deterministic:
         second, _ = run(base.layers_batchable)
         compare(name, "a second run with a fresh policy object", first, second)
+    batchable_checked = False
     if base.layers_batchable:
-        unstacked, _ = run(False)
-        compare(name, "layer-by-layer eviction (it claims layers_batchable)", first, unstacked)
+        # The cache stacks layers only when every layer has the same budget: with per-layer budgets (a pyramid)
+        # the comparison would be layer-by-layer against layer-by-layer, so it then runs with uniform budgets.
+        uniform = fresh if first["stacked"] else uniform_factory(policy, params)
+        stacked = first if first["stacked"] else run(True, uniform)[0]
+        if not stacked["stacked"] and None not in stacked["budgets"]:
+            raise PolicyCheckError(f"{name}: claims layers_batchable but the cache did not stack its layers "
+                                   "(uniform budgets), so stacked eviction could not be compared")
+        if stacked["stacked"]:  # else some layer is never evicted (e.g. skip_layers): the cache never stacks
+            unstacked, _ = run(False, uniform)
+            compare(name, "layer-by-layer eviction (it claims layers_batchable)", stacked, unstacked)
+            batchable_checked = True
     return {"policy": name, "budget": budget, "layer_budgets": first["budgets"], "evictions": len(calls),
-            "stacked": first["stacked"], "seconds": round(time.perf_counter() - start, 2)}
+            "stacked": first["stacked"], "batchable_checked": batchable_checked,
+            "seconds": round(time.perf_counter() - start, 2)}
 
 
 def policy_factory(policy: type[Policy] | str | Policy, params: dict[str, Any]) -> Callable[[], Policy]:
@@ -147,7 +161,18 @@ def policy_factory(policy: type[Policy] | str | Policy, params: dict[str, Any]) 
     cls = policy_class(policy) if isinstance(policy, str) else policy
     if not (isinstance(cls, type) and issubclass(cls, Policy)):
         raise TypeError(f"check_policy takes a Policy subclass, a policy name or a Policy object, got {policy!r}")
+    require_own_dataclass(cls, f"policy class {cls.__module__}.{cls.__qualname__}")  # as run.py would refuse it
     return lambda: compose_policy(cls, **params)
+
+
+def uniform_factory(policy: type[Policy] | str | Policy, params: dict[str, Any]) -> Callable[[], Policy]:
+    """The same policy with one budget for every layer (its LayerBudgets schedule left out): what the stacked
+    comparison needs, since the cache stacks layers only when their budgets are equal."""
+    if isinstance(policy, Policy):
+        def strip(p: Policy) -> Policy:
+            return strip(p.scorer) if isinstance(p, LayerBudgets) else p
+        return lambda: copy.deepcopy(strip(policy))
+    return policy_factory(policy, {k: v for k, v in params.items() if k != "layer_budgets"})
 
 
 def compare(name: str, what: str, expected: dict, got: dict) -> None:

@@ -207,6 +207,17 @@ def tiny_checkpoint(tmp_path_factory):
     return folder
 
 
+def test_ruler_essay_haystack_is_named_as_such(tmp_path):
+    """RULER's PaulGrahamEssays.json is a haystack too: named by its file, not as '.txt files of a folder'."""
+    from omegaconf import OmegaConf
+
+    common = analysis_common
+    (tmp_path / "PaulGrahamEssays.json").write_text(json.dumps({"text": "An essay about startups. " * 20}))
+    cfg = OmegaConf.create({"data": {"haystack_dir": str(tmp_path)}, "length": 32, "samples": 2})
+    prompts, data = common.haystack_prompts(cfg, char_tokenizer())
+    assert len(prompts) == 2 and data["description"] == "RULER's PaulGrahamEssays.json"
+
+
 def test_analysis_entry_points_end_to_end(tmp_path, tiny_checkpoint):
     prose = tmp_path / "haystack"
     prose.mkdir()

@@ -49,13 +49,16 @@ def test_every_builtin_policy_passes_check_policy(name):
     assert summary["policy"] == name
     assert summary["evictions"] > 0 or not policy.evicts
     # A policy that claims layers_batchable was really run stacked (and compared with layer-by-layer).
-    assert summary["stacked"] == policy.layers_batchable
+    assert summary["stacked"] == summary["batchable_checked"] == policy.layers_batchable
 
 
 @pytest.mark.parametrize("name, params", VARIANTS, ids=[f"{n}-{'-'.join(map(str, p))}" for n, p in VARIANTS])
 def test_builtin_variants_pass_check_policy(name, params):
     summary = check_policy(name, **params)
     assert summary["evictions"] > 0
+    # pyramid budgets never stack; the layers_batchable comparison then runs stacked with uniform budgets
+    never_stacks = name == "knorm" and params.get("skip_layers")  # a layer never evicted: no stack at all
+    assert summary["batchable_checked"] == (POLICIES[name].layers_batchable and not never_stacks)
 
 
 @pytest.mark.parametrize("name", sorted(POLICIES))
@@ -189,6 +192,23 @@ def test_a_policy_with_its_own_evict_indices_cannot_be_wrapped():
         RecentWindow(OwnEviction(), fraction=0.2)
     with pytest.raises(TypeError, match="LayerBudgets cannot wrap OwnEviction"):
         LayerBudgets(OwnEviction(), schedule=None)
+
+
+def test_cross_layer_policy_fails_under_pyramid_budgets_too():
+    """Pyramid budgets keep the cache from stacking; the batchable comparison must still run stacked."""
+    with pytest.raises(PolicyCheckError, match=r"layer-by-layer eviction \(it claims layers_batchable\)"):
+        check_policy(CrossLayer, layer_budgets=PYRAMID)
+
+
+class Undecorated(KNorm):  # no @dataclass of its own: its field is no parameter
+    alpha: float = 0.5
+
+
+@pytest.mark.parametrize("params", [{}, {"alpha": 0.3}])
+def test_undecorated_class_is_refused_as_run_py_refuses_it(params):
+    with pytest.raises(ValueError, match=r"policy class tests.test_check_policy.Undecorated: Undecorated must be "
+                                         r"decorated with @dataclass"):
+        check_policy(Undecorated, **params)
 
 
 def test_infinite_scores_of_protected_entries_pass():

@@ -429,10 +429,14 @@ def test_pyramid_per_layer_bound_and_kept_counts_in_a_real_prefill(name, arithme
     spec = {"schedule": "pyramid", "beta": 4, "window": 32 if name == "snapkv" else 0, "arithmetic": arithmetic}
     policy = build_policy(name, layer_budgets=spec)
     budget, block = 60, 16
-    # By hand: exact, see PYRAMIDS_BY_HAND; KVCache-Factory: min 60 // 4 = 15, max 105, steps 90 // 4 = 22.
-    expected = {("keydiff", "exact"): [105, 83, 60, 37, 15], ("snapkv", "exact"): [81, 71, 60, 49, 39],
-                ("keydiff", "kvcache_factory"): [105, 83, 61, 39, 17]}[name, arithmetic]
-    assert split_budget(spec, budget, 5, prompt_length=300) == expected
+    expected = split_budget(spec, budget, 5, prompt_length=300)
+    # By hand. exact: top (60 - w) / 4, bottom 2 (60 - w) - top, + w: w = 0: 105, 82.5, 60, 37.5, 15; w = 32:
+    # 81, 70.5, 60, 49.5, 39; largest remainders, the tie going to the lower layer, keep the total 300.
+    # KVCache-Factory: min 60 // 4 = 15, max 105, steps 90 // 4 = 22.
+    by_hand = {("keydiff", "exact"): [105, 83, 60, 37, 15], ("snapkv", "exact"): [81, 71, 60, 49, 39],
+               ("keydiff", "kvcache_factory"): [105, 83, 61, 39, 17]}
+    assert expected == by_hand[name, arithmetic]
+    assert (sum(expected) == 5 * budget) == (arithmetic == "exact") and len(set(expected)) == 5
 
     def check(cache):
         for layer, layer_budget in zip(cache.layers, expected):

@@ -585,6 +585,13 @@ def test_ruler_table(tmp_path):
             "block_size": 128,
         }
         (run_dir / "summary.json").write_text(json.dumps(summary))
+    # per-sample rows of the subset run: its intervals (short samples left out, as from the scores)
+    predictions = [("vt", 1.0, False), ("vt", 0.0, False), ("cwe", 0.0, False), ("cwe", 0.2, False),
+                   ("qa_1", 0.3, False), ("qa_1", 0.5, False), ("qa_1", 1.0, True), ("qa_2", 0.0, True),
+                   ("qa_2", 0.0, True)]
+    (tmp_path / "runs" / "keydiff" / "predictions.jsonl").write_text("".join(
+        json.dumps({"sample_id": f"{t}/{i}", "scores": {"score": v}, "info": {"short": short}}) + "\n"
+        for i, (t, v, short) in enumerate(predictions)))
     (tmp_path / "runs" / "other").mkdir()
     (tmp_path / "runs" / "other" / "summary.json").write_text(json.dumps({"config": {"task": {}}, "metrics": {}}))
     df = ruler_table.main(tmp_path / "runs", tmp_path / "tables")
@@ -593,12 +600,14 @@ def test_ruler_table(tmp_path):
     header = next(line for line in text.splitlines() if line.startswith("| model |")).strip("| ").split(" | ")
     rows = {r.split(" | ")[1]: dict(zip(header, r.strip("| ").split(" | ")))
             for r in text.splitlines() if r.startswith("| m |")}
-    assert rows["full"]["avg"] == "90.00" and rows["full"]["haystack"] == "ruler_json" and rows["full"]["qa"] == "file"
+    # no predictions.jsonl: no per-sample scores, no interval
+    assert rows["full"]["avg"] == "90.00 ± n/a" and rows["full"]["haystack"] == "ruler_json" and rows["full"]["qa"] == "file"
     subset = rows["keydiff"]
     assert subset["haystack"] == "pydoc" and subset["qa"] == "fixture"
-    assert subset["qa_1"] == "40.00↓1" and subset["qa_2"] == "–↓2" and subset["vt"] == "50.00"
-    assert subset["avg"] == "33.33*↓3‡ (3/13)"
-    assert rows["tova"]["avg"] == "80.00‡" and rows["tova"]["haystack"] == "unrecorded"
+    # 100 x SE: vt 50 (1, 0), cwe 10 (0, 0.2), qa_1 10 (0.3, 0.5; the short 1.0 left out); avg: sqrt(sum SE^2) / 3
+    assert subset["qa_1"] == "40.00 ± 19.60↓1" and subset["qa_2"] == "–↓2" and subset["vt"] == "50.00 ± 98.00"
+    assert subset["avg"] == f"33.33 ± {1.959964 * 2700 ** 0.5 / 3:.2f}§↓3‡ (3/13)"
+    assert rows["tova"]["avg"] == "80.00 ± n/a‡" and rows["tova"]["haystack"] == "unrecorded"
     assert "‡: essay haystack is pydoc prose; QA fixture" in text and "haystack and QA data not recorded" in text
     csv = pd.read_csv(tmp_path / "tables" / "ruler.csv")
     assert list(csv.sort_values("policy")["short"]) == [0, 3, 0]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from pathlib import Path
 
 import pandas as pd
@@ -23,6 +24,7 @@ from keydiff.paper import registry  # noqa: E402
 from keydiff.report import collect as collect_results  # noqa: E402
 from keydiff.report import figures as make_figures  # noqa: E402
 from keydiff.report import tables as make_tables  # noqa: E402
+from keydiff.report.render import standard_error  # noqa: E402
 
 SUITE = registry.SUITE
 LLAMA3B = "llama-3.2-3b-instruct"
@@ -298,7 +300,7 @@ def test_adhoc_subset_sweep_gets_a_generic_table_and_figure(adhoc):
     assert md_cell(md, ("smollm2-135m", "128", "sink"), "2k") == "0.375 ± 0.245 (n=2)§"
     assert md_cell(md, ("smollm2-135m", "128", "sink", "2k"), "limit", table=1) == "2"
     assert md_cell(md, ("smollm2-135m", "128", "sink", "2k"), "needle_recall (primary)", table=1) == "0.375 ± 0.245 (n=2)"
-    assert md_cell(md, ("smollm2-135m", "128", "sink", "2k"), "kept N/L", table=1) == "0.500"
+    assert md_cell(md, ("smollm2-135m", "128", "sink", "2k"), "kept N/L", table=1) == "0.500 ± 0.000 (n=2)"
     assert "needle_recall" not in md_rows(md, table=1)[0]  # the primary score is not repeated
     assert "4 configurations, 8 samples scored, 4 subset runs (§)" in md.read_text()
     tex = (out / "tables" / "generic" / "adhoc__niah_small.tex").read_text()
@@ -485,20 +487,97 @@ def test_the_generic_figure_plots_the_full_run_with_its_interval(mixed, monkeypa
     assert "§" in plotted[name + "/title"]
 
 
+def test_table9_average_is_over_prompts(tmp_path):
+    """As the paper's (and table9_vs_paper's): 2 narrativeqa prompts (0.1, 0.3) and 1 qasper (0.5) average 0.30,
+    not the mean of the dataset means (0.35)."""
+    runs = tmp_path / "runs"
+    rows = [{"sample_id": f"{d}/{k}", "info": {"dataset": d}, "compression_ratio": c, "scores": {"score": c}}
+            for d, k, c in [("narrativeqa", 0, 0.1), ("narrativeqa", 1, 0.3), ("qasper", 0, 0.5)]]
+    metrics = {"datasets": {"narrativeqa": 20.0, "qasper": 50.0}, "num_samples": {"narrativeqa": 2, "qasper": 1}}
+    write_run(runs, "table11", "longbench_full", LLAMA3B, "keydiff", "2k", 128, metrics, rows)
+    collect_results.collect(runs, tmp_path / "summary.csv")
+    assert make_tables.compression(make_tables.load(tmp_path / "summary.csv"), tmp_path)
+    assert md_cell(tmp_path / "table9.md", ("Average",), "2K").startswith("0.30 ± n/a (n=3)")  # qasper: one prompt
+
+
+def test_math500_baseline_is_the_whole_full_run_of_the_experiment(tmp_path):
+    """A full-cache subset run (sorted first: "adhoc" < "table4_full", "seed0-limit2" < "seed0/") never becomes
+    the Tables 5/7 baseline: the whole run of table4_full does; an adhoc run takes adhoc's full run only."""
+    runs = tmp_path / "runs"
+    whole = math_rows([1, 0, 1, 1], [500, 1500, 800, 2000])  # contexts 600, 1600, 900, 2100
+    few = math_rows([0, 0], [2000, 2000])
+    for experiment, limit, rows in [("adhoc", 2, few), ("table4_full", 2, few), ("table4_full", None, whole)]:
+        write_run(runs, experiment, "math500", R1, "full", "unbounded", 128, {"flex": 0.0, "exact": 0.0}, rows,
+                  limit=limit)
+    for experiment in ("table4_gen4k", "adhoc"):
+        write_run(runs, experiment, "math500", R1, "snapkv", "1k", 128, {"flex": 0.25, "exact": 0.25},
+                  math_rows([0, 0, 0, 1], [400, 1400, 700, 1900]))
+    df = collect_results.collect(runs, tmp_path / "summary.csv")
+    paper = df[(df.experiment == "table4_gen4k") & (df.policy == "snapkv")].iloc[0]
+    assert paper["subset/full_flex"] == 0.5 and paper["subset/total_problems"] == 2  # p1#1, p2#1 exceed 1K
+    adhoc = df[(df.experiment == "adhoc") & (df.policy == "snapkv")].iloc[0]
+    assert adhoc["subset/full_flex"] == 0.0 and adhoc["subset/total_problems"] == 1  # adhoc's own (subset) run
+
+
+def test_ruler_standard_errors_leave_short_samples_out():
+    """As Ruler.summarize: a short sample counts in no task's SE, and a task with only short samples adds no
+    group to the average's SE (it has no score)."""
+    rows = [{"sample_id": f"vt/{i}", "scores": {"score": s}, "info": {"short": short}}
+            for i, (s, short) in enumerate([(1.0, False), (0.0, False), (1.0, True)])]
+    rows.append({"sample_id": "qa_1/0", "scores": {"score": 1.0}, "info": {"short": True}})
+    se = collect_results.standard_errors("ruler", rows, {})
+    assert se["se/metrics/tasks/vt"] == pytest.approx(50.0) and "se/metrics/tasks/qa_1" not in se
+    assert se["se/score"] == pytest.approx(50.0)
+
+
 def test_interval_arithmetic():
-    from keydiff.report.render import combined_se, format_estimate, grouped_mean_se, standard_error
+    from keydiff.report.render import combined_se, format_estimate, grouped_mean_se, seeds_se, standard_error
 
     assert standard_error([1.0, 0.0]) == pytest.approx(0.5) and standard_error([0.7]) != standard_error([0.7])  # NaN
     assert combined_se([0.3, 0.4]) == pytest.approx(0.25)  # the mean of two independent estimates
+    assert seeds_se([0.3, 0.4]) == pytest.approx(0.35) and math.isnan(seeds_se([0.3, float("nan")]))  # same samples
     mean, se = grouped_mean_se([[1.0, 0.0], [1.0, 1.0, 1.0]], scale=100)  # datasets weigh equally, as averages do
     assert (mean, se) == (pytest.approx(75.0), pytest.approx(25.0))
     assert format_estimate(0.5, 0.25, 2) == "0.500 ± 0.490 (n=2)" and format_estimate(0.5, float("nan"), 1) == "0.500 ± n/a (n=1)"
-    # Seeds of one configuration: values averaged, samples summed, standard errors combined.
+    # Seeds of one configuration repeat the same samples: values averaged, n per seed (not summed), the SE the
+    # mean of the seeds' SEs (a bound for correlated estimates; not sqrt(2) narrower as for independent ones).
+    from keydiff.report import generic as generic_tables
     from keydiff.report import selection
 
-    seeds = pd.DataFrame({"policy": ["kd", "kd"], "score": [0.5, 0.7], "se/score": [0.3, 0.4], "samples": [2, 3]})
-    row = selection.average_seeds(seeds, ["policy"], sums=("samples",)).iloc[0]
-    assert (row["score"], row["se/score"], row["samples"]) == (pytest.approx(0.6), pytest.approx(0.25), 5)
+    seeds = pd.DataFrame({"policy": ["kd", "kd"], "score": [0.5, 0.7], "se/score": [0.3, 0.4], "samples": [6, 6]})
+    row = selection.average_seeds(seeds, ["policy"]).iloc[0]
+    assert (row["score"], row["se/score"], row["samples"]) == (pytest.approx(0.6), pytest.approx(0.35), 6)
+    assert generic_tables.sample_count(row) == "6"
+    row = selection.average_seeds(seeds.assign(samples=[5, 6]), ["policy"]).iloc[0]
+    assert generic_tables.sample_count(row) == "5–6"  # seeds that scored different numbers say so
+
+
+def test_two_seeds_of_the_same_samples_show_per_seed_n(tmp_path):
+    runs = tmp_path / "runs"
+    point = dict(runs=runs, experiment="adhoc", task="niah_small", model="smollm2-135m", label="keydiff",
+                 budget_label="2k", block=128)
+    second = [1.0, 1.0, 1.0, 1.0, 1.0, 0.0]
+    kept = [0.4, 0.5, 0.6, 0.4, 0.5, 0.6]  # kept N/L per sample of seed 0: mean 0.5
+    rows = [row | {"compression_ratio": k} for row, k in zip(niah_rows(FULL_RECALLS), kept)]
+    write_run(**point, metrics={"needle_recall": 0.864, "length": 4096.0}, rows=rows)
+    write_run(**point, metrics={"needle_recall": 5 / 6, "length": 4096.0}, rows=niah_rows(second), seed=1)
+    collect_results.collect(runs, tmp_path / "summary.csv")
+    make_tables.main(tmp_path / "summary.csv", tmp_path / "tables")
+    md = tmp_path / "tables" / "generic" / "adhoc__niah_small.md"
+    kd = ("smollm2-135m", "128", "keydiff")
+    se = (standard_error(FULL_RECALLS) + standard_error(second)) / 2
+    assert md_cell(md, kd, "2k") == f"{(0.864 + 5 / 6) / 2:.3f} ± {1.959964 * se:.3f} (n=6)"  # not n=12
+    assert md_cell(md, kd + ("2k",), "seeds", table=1) == "2" and md_cell(md, kd + ("2k",), "n", table=1) == "6"
+    # kept N/L and TTFT average samples: they carry their interval (seed 1 keeps 0.5 of every prompt: SE 0)
+    assert md_cell(md, kd + ("2k",), "kept N/L", table=1) == f"0.500 ± {1.959964 * standard_error(kept) / 2:.3f} (n=6)"
+    assert md_cell(md, kd + ("2k",), "TTFT (s)", table=1) == "0.500 ± 0.000 (n=6)"
+    assert md_cell(md, kd + ("2k",), "length", table=1) == "4096"  # a length prints as an integer
+
+
+def test_longbench_passage_count_score_is_no_count(produced):
+    out, _, _ = produced
+    md = out / "tables" / "generic" / "table11__longbench_full.md"  # lb/passage_count: a score, 10.5 + 16
+    assert md_cell(md, (LLAMA3B, "128", "keydiff", "2k"), "passage_count", table=1) == "26.500"
 
 
 def test_standard_errors_are_collected_per_score(produced):

@@ -87,16 +87,20 @@ def haystack_prompts(cfg: DictConfig, tokenizer) -> tuple[list[tuple[str, torch.
     if available < cfg.samples:
         raise ValueError(f"the haystack holds {len(ids)} tokens: at most {available} samples of length {cfg.length}")
     prompts = [(f"haystack/{i * body}", torch.tensor(bos + ids[i * body : (i + 1) * body])) for i in range(cfg.samples)]
-    return prompts, {"source": "haystack", "description": haystack_label(cfg.data.haystack_dir, haystack.sources),
+    return prompts, {"source": "haystack",
+                     "description": haystack_label(cfg.data.haystack_dir, haystack.sources, haystack.kind),
                      "sources": haystack.sources}
 
 
-def haystack_label(haystack_dir: str | None, sources: dict[str, str]) -> str:
+def haystack_label(haystack_dir: str | None, sources: dict[str, str], kind: str = "txt_dir") -> str:
     """The haystack named by what it is, not where it lies on this machine: the default is the running
-    interpreter's pydoc_data.topics (its content changes between Python versions, hence the version); a
-    folder is named by its own name and file count (the sha256 of every file is in `sources`)."""
+    interpreter's pydoc_data.topics (its content changes between Python versions, hence the version); RULER's
+    essay file by its file name; a folder of .txt files by its own name and file count (the sha256 of every
+    file is in `sources`). `kind` is keydiff.tasks.haystack.Haystack.kind."""
     if haystack_dir is None:
         return f"pydoc_data.topics prose (Python {platform.python_version()})"
+    if kind == "ruler_json":
+        return "RULER's " + ", ".join(name.rpartition("/")[2] for name in sources)
     return f"{len(sources)} .txt file(s) of folder '{Path(str(haystack_dir)).expanduser().resolve().name}'"
 
 

@@ -222,7 +222,8 @@ def main(argv: list[str]) -> None:
     started = provenance(__spec__.name, argv)
     cfg, model_cfg = config_from_command_line(argv, eviction=True)
     print(f"loading {cfg.model.name} to measure the analysis figures on {cfg.samples} prompt(s) of {cfg.length} "
-          "tokens (default model on one CPU core: about 3 min)", flush=True)
+          "tokens (make analysis, these figures then Table 3, default model on one CPU core: about 5 min)",
+          flush=True)
     model, tokenizer = load_model(model_cfg)
     text_config = model.config.get_text_config()
     num_layers, kv_heads = text_config.num_hidden_layers, text_config.num_key_value_heads

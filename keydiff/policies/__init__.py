@@ -65,16 +65,23 @@ def policy_class(name: str) -> type[Policy]:
         raise ValueError(f"policy target {name!r}: module {module_name!r} has no attribute {class_name!r}")
     if not (isinstance(cls, type) and issubclass(cls, Policy)):
         raise ValueError(f"policy target {name!r} is not a subclass of keydiff.policies.Policy (got {cls!r})")
+    require_own_dataclass(cls, f"policy target {name!r}")
+    return cls
+
+
+def require_own_dataclass(cls: type[Policy], what: str) -> None:
+    """Raise ValueError (starting with `what`) unless `cls` and every Policy class it inherits from is
+    decorated with @dataclass itself: is_dataclass() is true for any subclass of one, so each class's own
+    decoration is checked. Used for dotted paths and for classes handed to keydiff.testing.check_policy."""
     undecorated = [
         klass.__qualname__ for klass in cls.__mro__
         if issubclass(klass, Policy) and "__dataclass_fields__" not in vars(klass)
     ]
-    if undecorated:  # is_dataclass() is true for any subclass of one: check each class's own decoration
+    if undecorated:
         raise ValueError(
-            f"policy target {name!r}: {', '.join(undecorated)} must be decorated with @dataclass "
+            f"{what}: {', '.join(undecorated)} must be decorated with @dataclass "
             "(its fields are its parameters; without it they are neither settable nor recorded)"
         )
-    return cls
 
 
 def policy_parameters(cls: type[Policy]) -> list[str]:
@@ -117,4 +124,4 @@ def build_policy(name: str, **params: Any) -> Policy:
 
 
 __all__ = ["POLICIES", "LayerBudgets", "LayerView", "Policy", "PolicyWrapper", "RecentWindow", "available_policies", "build_policy",
-           "compose_policy", "layer_by_layer", "policy_class", "policy_parameters"] + [c.__name__ for c in POLICIES.values()]
+           "compose_policy", "layer_by_layer", "policy_class", "policy_parameters", "require_own_dataclass"] + [c.__name__ for c in POLICIES.values()]

@@ -68,7 +68,8 @@ def smallest_layer_budget(spec: dict[str, Any] | None, budget: int) -> int:
 
 
 def split_budget(spec: dict[str, Any] | None, budget: int, num_layers: int, prompt_length: int | None = None) -> list[int]:
-    """Per-layer budgets [num_layers] whose sum is num_layers x budget (uniform: every layer `budget`)."""
+    """Per-layer budgets [num_layers]: uniform (every layer `budget`) or the pyramid, whose sum is num_layers x
+    budget for `exact` and overshoots it for `kvcache_factory` (see the module docstring)."""
     check_layer_budgets(spec)
     if spec is None or spec.get("schedule", "uniform") == "uniform" or num_layers == 1:
         return [budget] * num_layers

@@ -76,6 +76,8 @@ def standard_errors(family: str, rows: list[dict], metrics: dict) -> dict[str, f
 
     LongBench and RULER average per-dataset (per-task) scores of 0-100: their SE is grouped and scaled
     (keydiff.report.render.grouped_mean_se); every other task's score is a plain mean of per-sample scores.
+    RULER's samples flagged `info.short` are left out, as Ruler.summarize leaves them out of the scores, so
+    a task whose samples are all short has no group (and no SE), as it has no score.
     """
     scored = [r for r in rows if isinstance(r.get("scores"), dict)]
     out: dict[str, float] = {}
@@ -90,6 +92,8 @@ def standard_errors(family: str, rows: list[dict], metrics: dict) -> dict[str, f
     if family in ("longbench", "ruler"):
         groups: dict[str, list[float]] = {}
         for r in scored:
+            if family == "ruler" and (r.get("info") or {}).get("short"):
+                continue  # kept out of RULER's task scores and average (Ruler.summarize): out of their SE too
             group = longbench_dataset(r) if family == "longbench" else str(r["sample_id"]).split("/")[0]
             groups.setdefault(group, []).append(float(r["scores"]["score"]))
         prefix = "lb" if family == "longbench" else "metrics/tasks"
@@ -167,12 +171,18 @@ def add_math500_subsets(records: list[dict], runs: Path) -> None:
         return
     from keydiff.tasks.math500 import aggregate, ids_exceeding, subset_by_ids  # imports torch: only when needed
 
+    def key(r: dict, experiment: str) -> tuple:
+        return experiment, r["task"], r["model"], r["seed"]
+
     fulls = {}
-    for r in sorted(math_runs, key=lambda r: not r["complete"]):  # prefer complete full runs
+    # Whole-task runs first (a subset run's few samples are no baseline while the whole run exists), then
+    # complete ones; only from the run's own experiment, or table4_full for the paper's table4_gen* runs
+    # (an adhoc full-cache run, possibly with other settings, never becomes a paper table's baseline).
+    for r in sorted(math_runs, key=lambda r: (r["limit"] is not None, not r["complete"])):
         if r["policy_name"] == "full":
-            fulls.setdefault((r["task"], r["model"], r["seed"]), r)
+            fulls.setdefault(key(r, r["experiment"]), r)
     for r in math_runs:
-        full = fulls.get((r["task"], r["model"], r["seed"]))
+        full = fulls.get(key(r, "table4_full" if str(r["experiment"]).startswith("table4_gen") else r["experiment"]))
         if r["policy_name"] == "full" or full is None or r["budget"] is None:
             continue
         full_rows = read_predictions(runs / full["run_dir"])

@@ -17,7 +17,9 @@ reuses that run's first samples. A configuration shows its whole-task run when i
 subset run of the largest limit, marked §; the status line counts the subset runs left out.
 Marks (also in each file's legend): § subset run (task.limit set), †k k samples failed (out of memory,
 prompt too long, ...: see failures/* in summary.csv), ~ run not complete (still running or stopped).
-Seeds of one configuration are averaged (their standard errors combined); n is then their total.
+Seeds of one configuration are averaged as repeated measures of the same samples (the run seed only seeds
+sampling; task data is fixed by task.seed): n is the per-seed n (a range "5–6" when seeds scored different
+numbers), the standard error the mean of the seeds' (keydiff.report.render.seeds_se), "seeds" counts them.
 """
 
 from __future__ import annotations
@@ -35,13 +37,14 @@ from keydiff.report.selection import average_seeds, whole_runs_first
 FIXED = {"Model", "B", "Policy", "Budget", "n", "failed", "limit", "seeds", "marks", "kept N/L", "TTFT (s)"}
 ID = ["experiment", "task", "model", "block_size", "policy", "budget_label"]
 LEGEND = ("value ± half-width of its 95 % confidence interval (1.96 standard errors over the samples; n/a: one "
-          "sample) (n = samples scored); § subset run (task.limit), shown only where no whole-task run of the "
+          "sample) (n = samples scored, per seed: seeds repeat the same samples); "
+          "§ subset run (task.limit), shown only where no whole-task run of the "
           "same configuration exists; †k: k samples failed; ~ run not complete; -- budget = full cache (no eviction).")
-COUNT_METRICS = re.compile(r"^(n|n_.*|num_.*|.*_count)$")  # metrics that count things: printed as integers
+COUNT_METRICS = re.compile(r"^(n|n_.*|num_.*|.*_count|length)$")  # counts and lengths: printed as integers
 
 
 def runs_of(df: pd.DataFrame) -> pd.DataFrame:
-    """One row per configuration, seeds averaged (n summed), with the marks of the runs behind it. Subset
+    """One row per configuration, seeds averaged (n per seed), with the marks of the runs behind it. Subset
     runs of a configuration that has a whole-task run are left out (`superseded` counts them). Only the
     columns the generic tables show are kept (top-level task metrics, LongBench per-dataset scores)."""
     shown = [c for c in df.columns if (c.startswith("metrics/") and c.count("/") == 1) or c.startswith("lb/")]
@@ -76,6 +79,19 @@ def run_marks(run) -> str:
     return marks(run["subset"], run["num_failed"], run["incomplete"])
 
 
+def sample_count(run) -> str:
+    """n per seed; "5–6" when the seeds of a configuration scored different numbers of samples."""
+    high = int(run["samples"]) if pd.notna(run["samples"]) else 0
+    low = int(run["samples_min"]) if pd.notna(run.get("samples_min", np.nan)) else high
+    return str(high) if low == high else f"{low}–{high}"
+
+
+def sample_counts(runs: pd.DataFrame) -> pd.Series:
+    """The n column: integers, or text ("5–6") when some configuration's seeds scored different numbers."""
+    counts = runs.apply(sample_count, axis=1)
+    return counts if len(runs) and counts.str.contains("–").any() else runs["samples"].fillna(0).astype(int)
+
+
 def metric_columns(runs: pd.DataFrame) -> list[str]:
     """Top-level task metrics (metrics/<name>, no deeper path) that hold a number in some run, then the
     LongBench per-dataset scores. The primary score has its own column and is not repeated."""
@@ -99,11 +115,16 @@ def score_matrix(runs: pd.DataFrame) -> pd.DataFrame:
 
 def metric_cells(runs: pd.DataFrame, column: str) -> pd.Series:
     name = column.split("/", 1)[1]
-    if COUNT_METRICS.match(name):
+    if column.startswith("metrics/") and COUNT_METRICS.match(name):  # not lb/passage_count: a score
         return runs[column].map(count)
-    if f"se/{column}" in runs.columns:
-        return runs.apply(lambda run: estimate(run, column) if pd.notna(run[column]) else "--", axis=1)
-    return runs[column].map(decimals)
+    return sample_means(runs, column)
+
+
+def sample_means(runs: pd.DataFrame, column: str) -> pd.Series:
+    """A column that averages samples (a metric, kept N/L, TTFT) with its interval where se/<column> was collected."""
+    if f"se/{column}" not in runs.columns:
+        return runs[column].map(decimals)
+    return runs.apply(lambda run: estimate(run, column) if pd.notna(run[column]) else "--", axis=1)
 
 
 def run_rows(runs: pd.DataFrame) -> pd.DataFrame:
@@ -113,13 +134,13 @@ def run_rows(runs: pd.DataFrame) -> pd.DataFrame:
     primary = sorted({primary_metric(t) for t in runs["task"]})
     table = pd.DataFrame({
         "Model": runs["model"], "B": runs["block_size"], "Policy": runs["policy"], "Budget": runs["budget_label"],
-        "n": runs["samples"].fillna(0).astype(int), "failed": runs["num_failed"].astype(int),
+        "n": sample_counts(runs), "failed": runs["num_failed"].astype(int),
         "limit": runs["limit"].map(lambda v: "--" if pd.isna(v) else str(int(v))),
         "seeds": runs["seeds"].astype(int), "marks": runs.apply(run_marks, axis=1),
         f"{' / '.join(primary)} (primary)": runs.apply(estimate, axis=1),
         **{(c.split("/", 1)[1] if c.split("/", 1)[1] not in FIXED else f"{c.split('/', 1)[1]} (metric)"):
            metric_cells(runs, c) for c in columns},
-        "kept N/L": runs["mean_compression_ratio"].map(decimals), "TTFT (s)": runs["mean_ttft_s"].map(decimals),
+        "kept N/L": sample_means(runs, "mean_compression_ratio"), "TTFT (s)": sample_means(runs, "mean_ttft_s"),
     })
     order = np.lexsort([runs["budget_label"].map(budget_tokens), runs["policy"], runs["block_size"].astype(str),
                         runs["model"]])

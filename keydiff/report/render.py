@@ -7,14 +7,18 @@ budget labels, LaTeX escaping, and the writing of a table as Markdown and bookta
 Why the standard error and not a bootstrap: tables and figures read only results/summary.csv, and a cell
 often combines estimates (LongBench's average is the mean of 21 dataset scores, a configuration run with
 several seeds is the mean of their scores). Standard errors of independent estimates combine exactly
-(`combined_se`), so each run stores one number per score and every table and figure derives its interval
-from it the same way; a bootstrap would need the per-sample scores at table time.
+(`combined_se`), those of repeated measures of the same samples are bounded (`seeds_se`), so each run
+stores one number per score and every table and figure derives its interval from it the same way; a
+bootstrap would need the per-sample scores at table time.
 
 Definitions (documented once, in the README's "Results" paragraph):
-  SE of a plain mean         sample standard deviation (n - 1) / sqrt(n), per-sample scores
+  SE of a plain mean         the sample standard deviation (with n - 1) divided by sqrt(n), per-sample scores
   SE of a mean of groups     sqrt(sum of the groups' SE^2) / G (LongBench's and RULER's average over
                              datasets / tasks, each group weighted equally as their averages do)
-  SE of a mean over seeds    the same rule over the seeds' SEs
+  SE of a mean over seeds    the mean of the seeds' SEs, n the per-seed n: the run seed only seeds sampling
+                             (task data is fixed by task.seed, most tasks decode greedily), so the seeds
+                             score the same samples, and the SE of an average of correlated estimates is
+                             at most the mean of their SEs (a conservative bound, not sqrt(k) narrower)
   95 % interval              mean +- 1.96 SE (normal approximation); shown as "value ± half-width"
 A single sample has no SE (NaN, shown "± n/a"); all samples equal give SE 0: n is always printed beside
 the interval, because with n = 2 an interval of 0 says little.
@@ -50,6 +54,16 @@ def combined_se(ses: Iterable[float]) -> float:
     if not ses or any(math.isnan(s) for s in ses):
         return math.nan
     return math.sqrt(sum(s * s for s in ses)) / len(ses)
+
+
+def seeds_se(ses: Iterable[float]) -> float:
+    """SE bound for the mean over seeds of one configuration (repeated measures of the same samples): the
+    mean of the seeds' SEs, since SE(mean of k correlated estimates) <= mean of their SEs; NaN when any is
+    NaN or none."""
+    ses = [float(s) for s in ses]
+    if not ses or any(math.isnan(s) for s in ses):
+        return math.nan
+    return sum(ses) / len(ses)
 
 
 def grouped_mean_se(groups: Sequence[Sequence[float]], scale: float = 1.0) -> tuple[float, float]:

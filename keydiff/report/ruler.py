@@ -1,9 +1,12 @@
 """RULER results table: one row per run (model x policy x budget x block size x length), one column per
 task with its score (RULER's per-task string match, x100), and the average over the tasks, as in the
-kvpress leaderboard (which plots that average per compression ratio).
+kvpress leaderboard (which plots that average per compression ratio). Each score reads "value ± h": h the
+half-width of its 95 % interval, from the standard errors collect_results computes from predictions.jsonl
+(the same function: per task over its samples, the average's combined over the tasks, short samples left
+out as from the scores; keydiff/uncertainty.py); "± n/a" without per-sample rows (or with one sample).
 
 Reads every ``summary.json`` under the runs folder whose task is RULER (keydiff.tasks.ruler) and writes
-``ruler.md`` and ``ruler.csv`` to the output folder. Marks: ``*`` a subset run (``task.limit`` set; the
+``ruler.md`` and ``ruler.csv`` to the output folder. Marks: ``§`` a subset run (``task.limit`` set; the
 ``n`` column gives samples per task), ``†k`` k failed samples (runner failure rows), ``↓k`` k samples whose
 prompt filled less than 95 % of the length (left out of the score; on a task cell and, summed, on avg),
 ``‡`` an average not comparable to published RULER numbers (pydoc haystack instead of the Paul Graham
@@ -22,7 +25,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from keydiff.report.render import budget_tokens, decimals, missing
+from keydiff.report.collect import read_predictions, standard_errors
+from keydiff.report.render import budget_tokens, decimals, format_estimate, missing
 
 TASKS = ("niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2",
          "niah_multikey_3", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe", "qa_1", "qa_2")
@@ -50,6 +54,7 @@ def ruler_rows(runs: Path) -> pd.DataFrame:
         essay = sorted({h.split(":", 1)[1] for h in haystacks.values() if h.startswith("essay:")})
         qa = sorted({h.split(":", 1)[1] for t, h in haystacks.items() if t.startswith("qa_")})
         comparable = metrics.get("comparable_to_published")  # None: a run from before it was recorded
+        se = standard_errors("ruler", read_predictions(path.parent), metrics)  # as collect_results stores them
         rows.append({
             "experiment": cfg.get("experiment_name"),
             "model": cfg["model"]["name"],
@@ -60,6 +65,8 @@ def ruler_rows(runs: Path) -> pd.DataFrame:
             "n": "/".join(map(str, counts)),
             **{task: scores.get(task) for task in TASKS},
             "avg": metrics.get("average"),
+            **{f"se/{task}": se.get(f"se/metrics/tasks/{task}") for task in TASKS},
+            "se/avg": se.get("se/score"),
             "tasks_run": len(scores),
             "subset": limit is not None,
             "failed": failed,
@@ -88,11 +95,13 @@ def to_markdown(df: pd.DataFrame) -> str:
         for column in columns:
             value = row[column]
             if column in TASKS or column == "avg":
-                text = "–" if missing(value) else decimals(value, 2)
+                error = row[f"se/{column}"]
+                text = "–" if missing(value) else format_estimate(
+                    value, float("nan") if error is None or pd.isna(error) else float(error), precision=2)
                 if column in TASKS and short.get(column):
                     text += f"↓{short[column]}"
                 if column == "avg" and text != "–":
-                    text += ("*" if row["subset"] else "") + (f"†{row['failed']}" if row["failed"] else "")
+                    text += ("§" if row["subset"] else "") + (f"†{row['failed']}" if row["failed"] else "")
                     text += f"↓{row['short']}" if row["short"] else ""
                     text += "‡" if row["comparable"] is not True else ""
                     text += "" if row["tasks_run"] == len(TASKS) else f" ({row['tasks_run']}/13)"
@@ -102,8 +111,9 @@ def to_markdown(df: pd.DataFrame) -> str:
         lines.append("| " + " | ".join(cells) + " |")
         if row["not_comparable"] and row["not_comparable"] not in reasons:
             reasons.append(row["not_comparable"])
-    notes = ("\nScores: RULER string_match_all (qa: string_match_part) x100 per task; avg = mean over the tasks scored. "
-             "* subset run (task.limit; n = samples per task), †k failed samples, ↓k samples below 95 % of the length "
+    notes = ("\nScores: RULER string_match_all (qa: string_match_part) x100 per task; avg = mean over the tasks scored; "
+             "± half-width of the 95 % confidence interval (1.96 standard errors over the samples; avg: the tasks' "
+             "combined; n/a: no per-sample rows or one sample). § subset run (task.limit; n = samples per task), †k failed samples, ↓k samples below 95 % of the length "
              "(left out of the score), ‡ not comparable to published RULER numbers, (k/13) tasks scored.\n")
     if reasons:
         notes += "‡: " + " | ".join(reasons) + "\n"

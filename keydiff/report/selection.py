@@ -28,23 +28,28 @@ def whole_runs_first(df: pd.DataFrame, key: list[str]) -> tuple[pd.DataFrame, pd
     return df[rank == best], df[rank != best]
 
 
-def average_seeds(df: pd.DataFrame, key: list[str], sums=("samples", "num_failed", "seeds")) -> pd.DataFrame:
-    """One row per `key`: numeric columns averaged over the seeds, `sums` added, standard errors (se/...)
-    combined as the SE of the mean (keydiff.report.render.combined_se)."""
+def average_seeds(df: pd.DataFrame, key: list[str], sums=("num_failed", "seeds")) -> pd.DataFrame:
+    """One row per `key`: numeric columns averaged over the seeds, `sums` added. Seeds are repeated measures
+    of the same samples (the run seed only seeds sampling), not new samples: `samples` is the per-seed n
+    (the largest; `samples_min` the smallest, which differs when seeds scored different numbers) and each
+    standard error (se/...) the mean of the seeds' SEs (keydiff.report.render.seeds_se)."""
     numeric = [c for c in df.columns if c not in key and pd.api.types.is_numeric_dtype(df[c])]
     errors = [c for c in numeric if c.startswith("se/")]
     added = [c for c in numeric if c in sums]
-    means = [c for c in numeric if c not in errors and c not in added]
+    counted = [c for c in numeric if c == "samples"]
+    means = [c for c in numeric if c not in errors and c not in added and c not in counted]
     groups = [df[k] for k in key]
     parts = [df[means].groupby(groups, sort=False, dropna=False).mean(),
-             df[added].groupby(groups, sort=False, dropna=False).sum()]
-    if errors:  # combined_se, vectorised: sqrt(sum SE^2) / seeds, NaN when any seed has none
-        square = df[errors].astype(float) ** 2
-        total = square.groupby(groups, sort=False, dropna=False).sum(min_count=1)
-        seeds = square.groupby(groups, sort=False, dropna=False).size()
-        missing = square.isna().groupby(groups, sort=False, dropna=False).any()
-        parts.append((np.sqrt(total).div(seeds, axis=0)).mask(missing))
-    return pd.concat(parts, axis=1)[numeric].reset_index()
+             df[added].groupby(groups, sort=False, dropna=False).sum(),
+             df[counted].groupby(groups, sort=False, dropna=False).max()]
+    if errors:  # seeds_se, vectorised: the mean of the seeds' SEs, NaN when any seed has none
+        ses = df[errors].astype(float)
+        missing = ses.isna().groupby(groups, sort=False, dropna=False).any()
+        parts.append(ses.groupby(groups, sort=False, dropna=False).mean().mask(missing))
+    out = pd.concat(parts, axis=1)[numeric]
+    if counted:
+        out["samples_min"] = df["samples"].groupby(groups, sort=False, dropna=False).min()
+    return out.reset_index()
 
 
 def load(summary: Path) -> pd.DataFrame:
@@ -54,8 +59,8 @@ def load(summary: Path) -> pd.DataFrame:
 
 def pick(df, experiments, tasks=None, models=None, policies=None, budgets=None, block_sizes=None,
          by_task=True, limited=False):
-    """One row per (model, policy, budget, block size[, task]), seeds averaged (samples summed, standard
-    errors combined), from the first listed experiment (then the first listed task) that has it. With
+    """One row per (model, policy, budget, block size[, task]), seeds averaged (repeated measures of the
+    same samples: n per seed, standard errors the mean of the seeds': average_seeds), from the first listed experiment (then the first listed task) that has it. With
     `limited`, a configuration's subset runs count only when it has no whole-task run. `full` ignores budget and block size (it
     evicts nothing). by_task=False merges tasks that are views of one benchmark (longbench = the English
     columns of longbench_full)."""
@@ -78,7 +83,7 @@ def pick(df, experiments, tasks=None, models=None, policies=None, budgets=None, 
     runs = runs[runs["rank"] == runs.groupby(key)["rank"].transform("min")]  # never mix experiments or tasks
     runs = whole_runs_first(runs, key)[0]  # never average a subset run with its whole run
     runs = runs.assign(samples=pd.to_numeric(runs["samples"], errors="coerce"))
-    return average_seeds(runs, key, sums=("samples",))
+    return average_seeds(runs, key, sums=())
 
 
 def select(df, table: PaperTable, by_task=False, limited=False, models=True, policies=None, budgets=True,
