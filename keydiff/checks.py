@@ -22,7 +22,7 @@ from typing import Any, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
-STATISTICS_MODES = ("fast", "materialized")  # keydiff.cache.STATISTICS_MODES, repeated to stay torch-free
+from keydiff.config import STATISTICS_MODES
 
 
 class ConfigError(ValueError):

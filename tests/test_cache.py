@@ -11,6 +11,8 @@ import torch
 
 import keydiff
 from keydiff import generate, prefill
+from transformers import DynamicCache
+
 from keydiff.attention import check_flash_attn_version
 from tests.conftest import tiny_llama
 
@@ -180,17 +182,16 @@ def test_in_place_eviction_keeps_exactly_the_policys_choice_with_its_rows(name, 
 
     torch.manual_seed(excess)
     policy = keydiff.build_policy(name)
-    layer = EvictingLayer(20, 20 + excess, policy.state_names, policy.initial_state)
-    layer.layer_idx = 0
+    layer = EvictingLayer(20, 20 + excess, policy.state_names, policy.initial_state, layer_idx=0)
     layer.update(torch.randn(1, 2, 20 + excess, 8), torch.randn(1, 2, 20 + excess, 8))
     for _ in range(3):  # a few eviction rounds, so entries are out of order in the buffer
         view = layer.view(0)
         if policy.attention_rows != 0:  # observe now (what evict() would do first), so the choice is visible
             policy.observe(dataclasses.replace(view, attention=torch.rand(1, 2, layer.num_entries)))
-            layer.attention = torch.zeros(1, 2, layer.num_entries)  # evict() observes again: adds nothing
+            layer.record_attention(torch.zeros(1, 2, layer.num_entries))  # evict() observes again: adds nothing
         before = _layer_contents(layer)
         expected = {int(view.positions[0, 0, i]) for i in policy.keep_indices(view, 20)[0, 0]}
-        layer.evict(policy, 0)
+        layer.evict(policy)
         after = _layer_contents(layer)
         assert set(after) == expected
         for position, (key, value, state) in after.items():
@@ -277,7 +278,9 @@ def test_a_layer_unlike_the_first_leaves_the_stack_and_eviction_goes_layer_by_la
         cache.update(torch.randn(1, 3, 4, 16), torch.randn(1, 3, 4, 16), 1)  # other heads and head_dim
         cache.evict()
     first, second = cache.layers
-    assert first.stacked and not second.stacked and second.allocations == 2
+    assert cache.stack is None and not first.stacked and not second.stacked
+    assert first.allocations == 1 and second.allocations == 2  # the stack's slot, then buffers of its own
+    assert first.keys.untyped_storage().data_ptr() != second.keys.untyped_storage().data_ptr()
     assert first.num_entries == second.num_entries == 8 and second.keys.shape[1:] == (3, 12, 16)
     assert cache.get_seq_length() == 20 and first.max_entries == second.max_entries == 12
 
@@ -288,7 +291,7 @@ def test_stacked_rows_stay_with_their_layer_and_batch_row(model, name):
     batch = torch.randint(0, 256, (2, 200), generator=torch.Generator().manual_seed(7))
     stacked = prefill(model, batch, name, 48, 32)
     reference = prefill(model, batch, layer_by_layer(name), 48, 32)
-    assert stacked.cache.stack is not None and stacked.cache.stack.keys.shape[0] == 2 * 3
+    assert stacked.cache.stack is not None and stacked.cache.stack.keys.shape[:2] == (3, 2)
     assert all(torch.equal(a, b) for a, b in zip(stacked.kept_positions, reference.kept_positions))
     assert generate(model, stacked, 6).token_ids == generate(model, reference, 6).token_ids
 
@@ -312,7 +315,56 @@ def test_decoding_without_eviction_grows_the_whole_stack_and_releases_the_old_on
     assert cache.kv_cache_bytes == 2 * 3 * 2 * (64 + 60) * 16 * 4
 
 
-def test_attention_recognises_only_the_layer_whose_slots_it_reads(model, prompt):
-    state = prefill(model, prompt, "keydiff", 64, 32)
+def test_attention_recognises_only_the_tensor_its_layer_returned(model, prompt):
+    state = prefill(model, prompt, "tova", 64, 32)
     cache = state.cache
-    assert cache.owns(1, cache.layers[1].keys[:, :, :10]) and not cache.owns(0, cache.layers[1].keys)
+    returned = cache.layers[1].returned_keys
+    assert cache.owns(1, returned) and not cache.owns(0, returned)
+    # The same slots seen through another tensor (what a pointer comparison would accept) are not the layer's.
+    assert not cache.owns(1, cache.layers[1].keys[:, :, : returned.shape[2]])
+    # The model run with some other cache while ours is bound: plain attention, nothing recorded in ours.
+    timings = dict(cache.timings)
+    with torch.no_grad(), keydiff.keydiff_attention(model, cache):
+        model(input_ids=prompt[:, :40], past_key_values=DynamicCache(), use_cache=True)
+    assert all(layer.attention is None for layer in cache.layers) and cache.timings == timings
+    # With ours, every layer records the statistic its next eviction needs.
+    with torch.no_grad(), keydiff.keydiff_attention(model, cache):
+        model(input_ids=prompt[:, :1], past_key_values=cache, use_cache=True)
+    assert all(layer.attention is not None and layer.attention.shape[-1] == 65 for layer in cache.layers)
+    assert cache.timings["statistics_s"] > timings["statistics_s"]
+
+
+@pytest.mark.parametrize("name", ["keydiff", "tova"])
+def test_a_follow_on_chunk_as_long_as_the_prompt_is_not_mistaken_for_the_prompt_fed_again(model, prompt, name):
+    """After a 100-token prefill, 100 new tokens are a continuation: the same as prefilling all 200 in blocks of 100."""
+    state = prefill(model, prompt[:, :100], name, 64, 100)
+    with torch.no_grad(), keydiff.keydiff_attention(model, state.cache):
+        logits = model(input_ids=prompt[:, 100:200], past_key_values=state.cache, use_cache=True).logits[:, -1]
+    state.cache.evict()
+    reference = prefill(model, prompt[:, :200], name, 64, 100)
+    assert torch.allclose(logits, reference.logits, atol=1e-5)
+    assert all(torch.equal(a, b) for a, b in zip(state.cache.kept_positions(), reference.kept_positions))
+    # The same 100 tokens fed again right after the prompt are refused (what model.generate would do).
+    again = prefill(model, prompt[:, :100], name, 64, 100)
+    with torch.no_grad(), keydiff.keydiff_attention(model, again.cache), pytest.raises(RuntimeError, match="fed again"):
+        model(input_ids=prompt[:, :100], past_key_values=again.cache, use_cache=True)
+
+
+def test_the_engine_sets_no_attribute_on_the_cache(model, prompt, monkeypatch):
+    """prefill and generate drive the cache through its methods only."""
+    from keydiff.cache import EvictingCache
+
+    written = []
+    original = EvictingCache.__setattr__
+
+    def spy(self, name, value):
+        if "_evicting" in vars(self):  # built (the constructor sets it last)
+            written.append(name)
+        original(self, name, value)
+
+    monkeypatch.setattr(EvictingCache, "__setattr__", spy)
+    for name in ("keydiff", "h2o"):
+        state = prefill(model, prompt, name, 64, 32)
+        generate(model, state, 4, evict=False)
+    written_outside = [name for name in written if not name.startswith("_")]
+    assert written_outside == [], written_outside

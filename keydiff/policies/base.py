@@ -46,12 +46,28 @@ class LayerView:
     # Per-entry policy state [batch, kv_heads, n], one view per name in the policy's `state_names`; new
     # entries start at 0. Update it in place (`state["h2o"].add_(...)`): it lives in the cache's buffers.
     state: dict[str, torch.Tensor]
-    # The layer, or None when the cache scores several layers in one call (their rows stacked along the
-    # batch dimension, see `Policy.layers_batchable`).
-    layer_idx: int | None
+    # The model layers whose rows the view holds, layer-major: one layer, or several when the cache scores
+    # them in one call (their rows stacked along the batch dimension, see `Policy.layers_batchable`). An int
+    # is taken as that one layer.
+    layers: tuple[int, ...]
     # Running mean/covariance of this layer's pre-RoPE queries (every pass so far), for policies with
     # `needs_queries`; None otherwise.
     queries: QueryStatistics | None = None
+
+    def __post_init__(self):
+        if isinstance(self.layers, int) and not isinstance(self.layers, bool):
+            self.layers = (self.layers,)
+        elif not (isinstance(self.layers, tuple) and self.layers and all(isinstance(i, int) for i in self.layers)):
+            raise TypeError(f"LayerView.layers must be a layer index or a non-empty tuple of them, got {self.layers!r}")
+
+    @property
+    def layer_idx(self) -> int:
+        """The one layer this view holds; an error if it stacks several (a policy that reads it must leave
+        `layers_batchable` False)."""
+        if len(self.layers) != 1:
+            raise RuntimeError(f"this view stacks layers {self.layers[0]}..{self.layers[-1]}: a policy that reads "
+                               "layer_idx must not set layers_batchable")
+        return self.layers[0]
 
 
 @dataclass
@@ -77,7 +93,7 @@ class Policy:
     first_query_position: ClassVar[int] = 0
     # True if every batch row of a view is scored the same way, by its own entries only, whatever its layer
     # (no layer_idx, no per-layer queries, no random draws, no reduction across rows). The cache may then
-    # evict all its layers in one call, their rows stacked along the batch dimension (layer_idx None): one
+    # evict all its layers in one call, their rows stacked along the batch dimension (`LayerView.layers`): one
     # set of kernel launches per step instead of one per layer. False (the safe default) for your own policy
     # unless you set it; the choices are the same either way, only the number of calls differs.
     layers_batchable: ClassVar[bool] = False
