@@ -82,6 +82,7 @@ class EvictingCache(Cache):
         self.budget = budget if policy.evicts else None
         self.num_layers, self.block_size, self.max_tokens = num_layers, block_size, max_tokens
         super().__init__(layers=self._plan_layers())
+        self._storages = self._distinct_storages()
         self.statistics = statistics
         self.profile = profile
         self.timings = {"statistics_s": 0.0, "eviction_s": 0.0}
@@ -113,13 +114,16 @@ class EvictingCache(Cache):
             capacity = min(capacity, max_tokens)
         return max(capacity, budget + 1)
 
-    @property
-    def storages(self) -> list[Storage]:
-        """The distinct storages, in layer order (one if stacked)."""
+    def _distinct_storages(self) -> list[Storage]:
         seen: dict[int, Storage] = {}
         for layer in self.layers:
             seen.setdefault(id(layer.storage), layer.storage)
         return list(seen.values())
+
+    @property
+    def storages(self) -> list[Storage]:
+        """The distinct storages, in layer order (one if stacked)."""
+        return list(self._storages)
 
     @property
     def stack(self) -> Storage | None:
@@ -178,10 +182,12 @@ class EvictingCache(Cache):
                 layer.move_to(own, 0, new_buffers=True)
             else:
                 layer.move_to(part, 0, new_buffers=False)
+        self._storages = self._distinct_storages()
 
     def reset(self) -> None:
         """Empty the cache for a new sequence (fresh storages, as planned at construction)."""
         self.layers = self._plan_layers()
+        self._storages = self._distinct_storages()
         self._evicting = True
 
     # --- timings -------------------------------------------------------------------------------
@@ -237,7 +243,7 @@ class EvictingCache(Cache):
         if self.budget is None or not self._evicting:
             return
         with self.timed("eviction_s"):
-            for storage in self.storages:
+            for storage in self._storages:
                 storage.evict(self.policy)
 
     def start_generation(self, new_tokens: int, evict: bool = True) -> None:
@@ -245,7 +251,7 @@ class EvictingCache(Cache):
         eviction, no statistics from now on), so room for them is made now, in one allocation per storage;
         layers that never evict grow once here too."""
         self._evicting = evict
-        for storage in self.storages:
+        for storage in self._storages:
             if storage.budget is None or not evict:
                 storage.reserve(storage.entries_after_eviction() + new_tokens)
         for layer in self.layers:

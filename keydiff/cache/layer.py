@@ -194,4 +194,9 @@ class EvictingLayer(CacheLayerMixin):
         raise NotImplementedError("an evicting cache cannot be offloaded")
 
     def reset(self) -> None:
-        raise NotImplementedError("an evicting cache is built for one sequence: build a new one (keydiff.prefill does)")
+        """Empty this layer for a new sequence (a layer of a stack is reset with its cache: `cache.reset()`)."""
+        old = self.storage
+        if old.count > 1:
+            raise NotImplementedError("this layer shares its storage with other layers: reset the whole cache")
+        self.storage = Storage(old.layers, old.budget, old.capacity, old.state_names, old.initial_state)
+        self.seen, self.returned_keys, self.earlier_allocations, self.is_initialized = 0, None, 0, False
