@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: help install run test bench bench-decode bench-scoring gpu-check collect smoke tables figures analysis paper-numbers paper-assets report wandb-sync sweep-local sweep-slurm status clean
+.PHONY: help install run test bench bench-decode bench-scoring gpu-check collect smoke tables figures figures-runs analysis paper-numbers paper-assets report wandb-sync sweep-local sweep-slurm status clean
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -28,17 +28,17 @@ test: $(STAMP)  ## the whole offline CPU test suite
 	$(PY) -m pytest -q $(ARGS)
 
 bench: $(STAMP)  ## prefill benchmark: TTFT per policy and the share spent scoring/evicting
-	$(PY) scripts/bench_prefill.py $(ARGS)
+	$(PY) -m keydiff.bench.prefill $(ARGS)
 
 bench-decode: $(STAMP)  ## decode benchmark: per-token time and allocations at N vs full (--end-to-end, --memory-scaling)
-	$(PY) scripts/bench_decode.py $(ARGS)
+	$(PY) -m keydiff.bench.decode $(ARGS)
 
 bench-scoring: $(STAMP)  ## Tables 19 and 2: scoring-step time/memory per policy vs N and B (quiet machine; ARGS="--shape llama-3.2-3b")
-	$(PY) scripts/scoring_latency.py table19 $(ARGS)
-	$(PY) scripts/scoring_latency.py table2 $(ARGS)
+	$(PY) -m keydiff.bench.scoring table19 $(ARGS)
+	$(PY) -m keydiff.bench.scoring table2 $(ARGS)
 
 gpu-check: $(STAMP)  ## run first on a new (GPU) machine: engine exactness per attention kernel, then both benchmarks
-	$(PY) scripts/gpu_check.py $(ARGS)
+	$(PY) -m keydiff.bench.gpu_check $(ARGS)
 
 # ONLY_MISSING=1: launch only the grid points that are not complete (see `make status`).
 SWEEP_ONLY_MISSING = $(if $(ONLY_MISSING),only_missing=true,)
@@ -66,15 +66,20 @@ tables: $(STAMP)  ## every paper table from results/runs into results/tables (RU
 	$(PY) scripts/make_tables.py $(ARGS)
 	$(PY) scripts/ruler_table.py
 
-figures: $(STAMP) analysis  ## every paper figure from results/runs into results/figures (+ the analysis figures)
+figures: figures-runs analysis  ## figures-runs, then the analysis figures (make analysis: loads the model, minutes)
+
+figures-runs: $(STAMP)  ## the figures from results/runs only (heatmaps, TTFT, prompt lengths, generic): no model, seconds
 	$(PY) scripts/make_figures.py $(ARGS)
 
 paper-numbers: $(STAMP)  ## re-transcribe results/paper/*.csv from the paper's text (TEXT=path/to/keydiff-paper.txt)
 	$(PY) scripts/transcribe_paper.py --text $(or $(TEXT),../shared/reference/keydiff-paper.txt)
 
 analysis: $(STAMP)  ## Figures 2, 4/5, 8-16 and Table 3 measured on the default model (ANALYSIS_ARGS="model=... length=4096")
-	$(PY) scripts/analysis_figures.py $(ANALYSIS_ARGS)
-	$(PY) scripts/analysis_table3.py $(ANALYSIS_ARGS)
+	@echo "analysis: loading the model ($(or $(ANALYSIS_ARGS),default model SmolLM2-135M; 2 prompts x 2048 tokens)) to measure"
+	@echo "  Figures 2, 4/5, 8-16 and Table 3: about 4-5 min on one CPU core for the default model, longer for larger"
+	@echo "  models and lengths. Only the figures from results/runs (no model): make figures-runs"
+	$(PY) -m keydiff.analysis.figures $(ANALYSIS_ARGS)
+	$(PY) -m keydiff.analysis.table3 $(ANALYSIS_ARGS)
 
 paper-assets: tables figures
 

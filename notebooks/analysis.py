@@ -10,15 +10,15 @@
 # %% [markdown]
 # # Why KeyDiff works: the paper's analyses on a real model
 #
-# A short walk through `keydiff.capture` and `keydiff.analysis` (the code behind
-# `scripts/analysis_figures.py` and `scripts/analysis_table3.py`). It runs as a plain script
+# A short walk through `keydiff.capture` and `keydiff.analysis.statistics` (the code behind
+# `python -m keydiff.analysis.figures` and `python -m keydiff.analysis.table3`). It runs as a plain script
 # (`PYTHONPATH=. python notebooks/analysis.py`) or, with jupytext installed, as a notebook
 # (`jupytext --to notebook notebooks/analysis.py`). About a minute on a CPU with the offline default model.
 
 # %%
 import torch
 
-from keydiff.analysis import (
+from keydiff.analysis.statistics import (
     fit_pca, keydiff_attention_spearman, keydiff_score, log_volume, mean_cosine, pairwise_cosine, project,
     top_key_query_cosine,
 )

@@ -16,6 +16,11 @@ need predictions.jsonl). Columns:
   cr/<dataset>               LongBench per-dataset mean compression ratio (Table 9, from predictions)
   subset/*                   Math-500 only: metrics on the samples whose full-cache context exceeds
                              this run's budget, for this run and for the full run (Tables 5 and 7)
+  se/<column>                standard error of that column's mean over the run's samples (score,
+                             metrics/<score>, lb/<dataset>, cr/<dataset>, metrics/tasks/<task>,
+                             metrics/by_size/<size>/exact, metrics/avg_new_tokens, subset/[full_]flex|exact,
+                             mean_ttft_s, mean_compression_ratio), from predictions.jsonl; the 95 %
+                             intervals of every table and figure come from it (keydiff/uncertainty.py)
 
     python scripts/collect_results.py [--runs results/runs] [--out results/summary.csv]
 """
@@ -30,6 +35,7 @@ from pathlib import Path
 import pandas as pd
 
 from keydiff.tracking import HEADLINE
+from keydiff.uncertainty import grouped_mean_se, standard_error
 
 # The 21 LongBench v1 datasets in the paper's column order (Tables 11-14), with the paper's headers.
 LONGBENCH = {
@@ -75,7 +81,7 @@ def read_predictions(run_dir: Path) -> list[dict]:
         if not line.endswith("\n"):
             break
         rows.append(json.loads(line))
-    latest = {row["sample_id"]: row for row in rows}
+    latest = {row["sample_id"]: row for row in rows if "sample_id" in row}
     return [row for row in latest.values() if row.get("status", "ok") == "ok"]
 
 
@@ -92,6 +98,52 @@ def longbench_scores(metrics: dict) -> dict[str, float]:
 
 def block_label(block_size) -> str:
     return "inf" if block_size is None or (isinstance(block_size, float) and math.isinf(block_size)) else str(int(block_size))
+
+
+def standard_errors(family: str, rows: list[dict], metrics: dict) -> dict[str, float]:
+    """`se/<column>` for the columns that average this run's samples, from their per-sample values.
+
+    LongBench and RULER average per-dataset (per-task) scores of 0-100: their SE is grouped and scaled
+    (keydiff.uncertainty.grouped_mean_se); every other task's score is a plain mean of per-sample scores.
+    """
+    scored = [r for r in rows if isinstance(r.get("scores"), dict)]
+    out: dict[str, float] = {}
+    pairs = [("mean_ttft_s", "ttft_s"), ("mean_compression_ratio", "compression_ratio")]
+    pairs += [("metrics/avg_new_tokens", "new_tokens")] if family == "math500" else []
+    for column, key in pairs:
+        values = [float(r[key]) for r in rows if isinstance(r.get(key), (int, float))]
+        if values:
+            out[f"se/{column}"] = standard_error(values)
+    if not scored:
+        return out
+    if family in ("longbench", "ruler"):
+        groups: dict[str, list[float]] = {}
+        for r in scored:
+            group = longbench_dataset(r) if family == "longbench" else str(r["sample_id"]).split("/")[0]
+            groups.setdefault(group, []).append(float(r["scores"]["score"]))
+        prefix = "lb" if family == "longbench" else "metrics/tasks"
+        out.update({f"se/{prefix}/{g}": 100 * standard_error(v) for g, v in groups.items()})
+        if family == "longbench":  # cr/<dataset>: Table 9's compression ratios
+            ratios: dict[str, list[float]] = {}
+            for r in rows:
+                if isinstance(r.get("compression_ratio"), (int, float)):
+                    ratios.setdefault(longbench_dataset(r), []).append(float(r["compression_ratio"]))
+            out.update({f"se/cr/{g}": standard_error(v) for g, v in ratios.items()})
+        out["se/score"] = grouped_mean_se(list(groups.values()), scale=100)[1]
+        return out
+    keys = {k for r in scored for k, v in r["scores"].items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    for key in sorted(keys):
+        if isinstance(metrics.get(key), (int, float)):  # a plain mean of the per-sample score
+            out[f"se/metrics/{key}"] = standard_error([float(r["scores"][key]) for r in scored if key in r["scores"]])
+    primary = next((k for k in PRIMARY.get(family, ("score",)) if f"se/metrics/{k}" in out), None)
+    if primary is not None:
+        out["se/score"] = out[f"se/metrics/{primary}"]
+    if family == "phonebook":  # by_size/<size>/exact: accuracy over the queries of books of that size
+        sizes: dict[str, list[float]] = {}
+        for r in scored:
+            sizes.setdefault(str(r["sample_id"]).split("/")[0].lstrip("n"), []).append(float(r["scores"]["exact"]))
+        out.update({f"se/metrics/by_size/{size}/exact": standard_error(v) for size, v in sizes.items()})
+    return out
 
 
 def run_record(summary_path: Path, runs: Path) -> dict:
@@ -125,10 +177,12 @@ def run_record(summary_path: Path, runs: Path) -> dict:
     }
     record.update({f"metrics/{k}": v for k, v in flatten(metrics).items()})
     record.update({f"failures/{k}": v for k, v in flatten(summary.get("failures") or {}).items()})
+    rows = read_predictions(run_dir)
+    record.update(standard_errors(family, rows, metrics))
     if family == "longbench":
         record.update({f"lb/{k}": v for k, v in longbench_scores(metrics).items()})
         ratios = {}
-        for row in read_predictions(run_dir):
+        for row in rows:
             ratios.setdefault(longbench_dataset(row), []).append(row["compression_ratio"])
         record.update({f"cr/{k}": sum(v) / len(v) for k, v in ratios.items()})
     return record
@@ -152,8 +206,11 @@ def add_math500_subsets(records: list[dict], runs: Path) -> None:
             continue
         full_rows = read_predictions(runs / full["run_dir"])
         ids = ids_exceeding(full_rows, int(r["budget"]))
-        mine = aggregate(subset_by_ids(read_predictions(runs / r["run_dir"]), ids))
-        base = aggregate(subset_by_ids(full_rows, ids))
+        mine_rows, base_rows = subset_by_ids(read_predictions(runs / r["run_dir"]), ids), subset_by_ids(full_rows, ids)
+        mine, base = aggregate(mine_rows), aggregate(base_rows)
+        for prefix, rows in (("", mine_rows), ("full_", base_rows)):
+            for metric in ("flex", "exact"):
+                r[f"se/subset/{prefix}{metric}"] = standard_error([float(row["scores"][metric]) for row in rows])
         r.update({"subset/n_problems": base["n_problems"], "subset/total_problems": aggregate(full_rows)["n_problems"],
                   "subset/n_samples": base["n_samples"], "subset/flex": mine["flex"], "subset/exact": mine["exact"],
                   "subset/full_flex": base["flex"], "subset/full_exact": base["exact"]})

@@ -5,14 +5,19 @@ Why: the paper tables only take complete runs of named paper experiments over wh
 results/summary.csv counts, complete or not, subset or not, and says which it is:
 
   <experiment>__<task>.md / .tex  in results/tables/generic/
-    1. the task's primary score as policy x budget (rows: model, block size, policy; one column per budget,
-       "--" = no budget, the full cache), each cell "value (n)" with n the samples scored;
-    2. every run as a row with each top-level task metric (and LongBench's per-dataset scores), the mean
-       compression ratio and TTFT, n, failed samples, task.limit and seeds.
+    1. the task's primary score (named: needle_recall, average, ...) as policy x budget (rows: model, block
+       size, policy; one column per budget, "--" = no budget, the full cache), each cell
+       "value ± 95 % half-width (n)" with n the samples scored (keydiff/uncertainty.py);
+    2. every configuration as a row with each top-level task metric (and LongBench's per-dataset scores),
+       "kept N/L" (the mean fraction of the prompt kept, the paper's compression ratio) and TTFT, n,
+       failed samples, task.limit and seeds.
 
+A subset run (task.limit) is never averaged with the whole-task run of the same configuration: it
+reuses that run's first samples. A configuration shows its whole-task run when it has one, else its
+subset run of the largest limit, marked §; the status line counts the subset runs left out.
 Marks (also in each file's legend): § subset run (task.limit set), †k k samples failed (out of memory,
 prompt too long, ...: see failures/* in summary.csv), ~ run not complete (still running or stopped).
-Seeds of one configuration are averaged; n is then their total.
+Seeds of one configuration are averaged (their standard errors combined); n is then their total.
 """
 
 from __future__ import annotations
@@ -23,26 +28,77 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-FIXED = {"Model", "B", "Policy", "Budget", "n", "failed", "limit", "seeds", "marks", "score", "compression", "TTFT (s)"}
+from collect_results import PRIMARY, task_family
+from keydiff.uncertainty import format_estimate
+
+FIXED = {"Model", "B", "Policy", "Budget", "n", "failed", "limit", "seeds", "marks", "kept N/L", "TTFT (s)"}
 ID = ["experiment", "task", "model", "block_size", "policy", "budget_label"]
-LEGEND = ("§ subset run (task.limit); †k: k samples failed; ~ run not complete; n = samples scored; "
-          "-- budget = full cache (no eviction).")
+LEGEND = ("value ± half-width of its 95 % confidence interval (1.96 standard errors over the samples; n/a: one "
+          "sample) (n = samples scored); § subset run (task.limit), shown only where no whole-task run of the "
+          "same configuration exists; †k: k samples failed; ~ run not complete; -- budget = full cache (no eviction).")
+COUNT_METRICS = re.compile(r"^(n|n_.*|num_.*|.*_count)$")  # metrics that count things: printed as integers
+
+
+def whole_runs_first(df: pd.DataFrame, key: list[str]) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(kept, superseded): per configuration `key`, its whole-task runs (no task.limit) when it has one,
+    else the runs of its largest task.limit. A subset run reuses the first samples of the whole run, so
+    averaging the two would count those samples twice and mix two different sample sets."""
+    if df.empty:
+        return df, df
+    rank = pd.to_numeric(df["limit"], errors="coerce").fillna(np.inf)
+    best = rank.groupby([df[k].astype(str) for k in key]).transform("max")
+    return df[rank == best], df[rank != best]
+
+
+def average_seeds(df: pd.DataFrame, key: list[str], sums=("samples", "num_failed", "seeds")) -> pd.DataFrame:
+    """One row per `key`: numeric columns averaged over the seeds, `sums` added, standard errors (se/...)
+    combined as the SE of the mean (keydiff.uncertainty.combined_se)."""
+    numeric = [c for c in df.columns if c not in key and pd.api.types.is_numeric_dtype(df[c])]
+    errors = [c for c in numeric if c.startswith("se/")]
+    added = [c for c in numeric if c in sums]
+    means = [c for c in numeric if c not in errors and c not in added]
+    groups = [df[k] for k in key]
+    parts = [df[means].groupby(groups, sort=False, dropna=False).mean(),
+             df[added].groupby(groups, sort=False, dropna=False).sum()]
+    if errors:  # combined_se, vectorised: sqrt(sum SE^2) / seeds, NaN when any seed has none
+        square = df[errors].astype(float) ** 2
+        total = square.groupby(groups, sort=False, dropna=False).sum(min_count=1)
+        count = square.groupby(groups, sort=False, dropna=False).size()
+        missing = square.isna().groupby(groups, sort=False, dropna=False).any()
+        parts.append((np.sqrt(total).div(count, axis=0)).mask(missing))
+    return pd.concat(parts, axis=1)[numeric].reset_index()
 
 
 def runs_of(df: pd.DataFrame) -> pd.DataFrame:
-    """One row per configuration, seeds averaged (n summed), with the marks of the runs behind it. Only the
+    """One row per configuration, seeds averaged (n summed), with the marks of the runs behind it. Subset
+    runs of a configuration that has a whole-task run are left out (`superseded` counts them). Only the
     columns the generic tables show are kept (top-level task metrics, LongBench per-dataset scores)."""
     shown = [c for c in df.columns if (c.startswith("metrics/") and c.count("/") == 1) or c.startswith("lb/")]
     base = ["score", "mean_compression_ratio", "mean_ttft_s", "budget"]
-    df = df[[c for c in ID + base + shown if c in df.columns]].assign(
+    values = [c for c in base + shown if c in df.columns]
+    ses = [f"se/{c}" for c in values if f"se/{c}" in df.columns]
+    df = df[[c for c in ID + values + ses if c in df.columns]].assign(
         budget_label=df["budget_label"].where(df["policy_name"] != "full", "--").fillna("--"),
-        block_size=df["block_size"].fillna("--"), subset=df["limit"].notna(), limit=df["limit"],
-        incomplete=~df["complete"].astype(str).eq("True"), samples=pd.to_numeric(df["samples"], errors="coerce"),
+        block_size=df["block_size"].fillna("--"), subset=df["limit"].notna().astype(float), limit=df["limit"],
+        incomplete=(~df["complete"].astype(str).eq("True")).astype(float),
+        samples=pd.to_numeric(df["samples"], errors="coerce"),
         num_failed=pd.to_numeric(df["num_failed"], errors="coerce").fillna(0) if "num_failed" in df else 0.0, seeds=1)
-    means = [c for c in base + shown if c in df.columns]
-    agg = {c: "mean" for c in means} | {"samples": "sum", "num_failed": "sum", "seeds": "sum", "subset": "any",
-                                         "incomplete": "any", "limit": "max"}
-    return df.groupby(ID, sort=False, dropna=False).agg(agg).reset_index()
+    kept, superseded = whole_runs_first(df, ID)
+    runs = average_seeds(kept.assign(limit=pd.to_numeric(kept["limit"], errors="coerce")), ID)
+    runs = runs.assign(subset=runs["subset"] > 0, incomplete=runs["incomplete"] > 0)
+    hidden = superseded.groupby(ID, dropna=False).size().rename("superseded").reset_index()
+    runs = runs.merge(hidden, on=ID, how="left") if len(hidden) else runs.assign(superseded=0)
+    return runs.assign(superseded=runs["superseded"].fillna(0).astype(int))
+
+
+def primary_metric(task: str) -> str:
+    """The name of the task's primary score (needle_recall, average, flex, exact)."""
+    return PRIMARY.get(task_family(str(task)), ("score",))[0]
+
+
+def estimate(run, column: str = "score") -> str:
+    se = run.get(f"se/{column}", np.nan)
+    return format_estimate(run[column], np.nan if se is None else float(se), run["samples"] if pd.notna(run["samples"]) else 0)
 
 
 def marks(run) -> str:
@@ -62,10 +118,16 @@ def fmt(value, precision=3) -> str:
     return "--" if value is None or pd.isna(value) else f"{value:.{precision}f}"
 
 
+def fmt_count(value) -> str:
+    return "--" if value is None or pd.isna(value) else str(int(round(value)))
+
+
 def metric_columns(runs: pd.DataFrame) -> list[str]:
     """Top-level task metrics (metrics/<name>, no deeper path) that hold a number in some run, then the
-    LongBench per-dataset scores."""
-    top = [c for c in runs.columns if c.startswith("metrics/") and c.count("/") == 1 and runs[c].notna().any()]
+    LongBench per-dataset scores. The primary score has its own column and is not repeated."""
+    primary = {f"metrics/{primary_metric(t)}" for t in runs["task"]}
+    top = [c for c in runs.columns if c.startswith("metrics/") and c.count("/") == 1 and runs[c].notna().any()
+           and c not in primary]
     return top + [c for c in runs.columns if c.startswith("lb/") and runs[c].notna().any()]
 
 
@@ -74,24 +136,36 @@ def score_matrix(runs: pd.DataFrame) -> pd.DataFrame:
     rows = {}
     for _, run in runs.iterrows():
         key = (run["model"], run["block_size"], run["policy"])
-        cell = f"{fmt(run['score'])} (n={int(run['samples']) if pd.notna(run['samples']) else 0}){marks(run)}"
+        cell = estimate(run) + marks(run)
         rows.setdefault(key, {})[run["budget_label"]] = cell
     table = pd.DataFrame.from_dict(rows, orient="index").reindex(columns=budgets)
     table.index = pd.MultiIndex.from_tuples(table.index, names=["Model", "B", "Policy"])
     return table.sort_index(level=[0, 1], sort_remaining=False).fillna("")
 
 
+def metric_cells(runs: pd.DataFrame, column: str) -> pd.Series:
+    name = column.split("/", 1)[1]
+    if COUNT_METRICS.match(name):
+        return runs[column].map(fmt_count)
+    if f"se/{column}" in runs.columns:
+        return runs.apply(lambda run: estimate(run, column) if pd.notna(run[column]) else "--", axis=1)
+    return runs[column].map(fmt)
+
+
 def run_rows(runs: pd.DataFrame) -> pd.DataFrame:
+    """Every configuration with each metric. The primary score's column names its metric; "kept N/L" is the
+    mean fraction of the prompt the cache keeps, min(N / L, 1): the paper's "compression ratio"."""
     columns = metric_columns(runs)
+    primary = sorted({primary_metric(t) for t in runs["task"]})
     table = pd.DataFrame({
         "Model": runs["model"], "B": runs["block_size"], "Policy": runs["policy"], "Budget": runs["budget_label"],
         "n": runs["samples"].fillna(0).astype(int), "failed": runs["num_failed"].astype(int),
         "limit": runs["limit"].map(lambda v: "--" if pd.isna(v) else str(int(v))),
         "seeds": runs["seeds"].astype(int), "marks": runs.apply(marks, axis=1),
-        "score": runs["score"].map(fmt),
-        **{(c.split("/", 1)[1] if c.split("/", 1)[1] not in FIXED else f"{c.split('/', 1)[1]} (metric)"): runs[c].map(fmt)
-           for c in columns},
-        "compression": runs["mean_compression_ratio"].map(fmt), "TTFT (s)": runs["mean_ttft_s"].map(fmt),
+        f"{' / '.join(primary)} (primary)": runs.apply(estimate, axis=1),
+        **{(c.split("/", 1)[1] if c.split("/", 1)[1] not in FIXED else f"{c.split('/', 1)[1]} (metric)"):
+           metric_cells(runs, c) for c in columns},
+        "kept N/L": runs["mean_compression_ratio"].map(fmt), "TTFT (s)": runs["mean_ttft_s"].map(fmt),
     })
     order = np.lexsort([runs["budget_label"].map(budget_order), runs["policy"], runs["block_size"].astype(str),
                         runs["model"]])
@@ -130,14 +204,19 @@ def write_generic(df: pd.DataFrame, out: Path) -> list[dict]:
         name = f"{experiment}__{task}"
         matrix, every = score_matrix(group), run_rows(group)
         n_subset, n_failed = int(group["subset"].sum()), int(group["num_failed"].sum())
+        n_hidden = int(group["superseded"].sum())
         status = (f"{len(group)} configurations, {int(group['samples'].fillna(0).sum())} samples scored"
                   + (f", {n_subset} subset runs (§)" if n_subset else "") + (f", {n_failed} failed samples (†)" if n_failed else "")
-                  + (f", {int(group['incomplete'].sum())} not complete (~)" if group["incomplete"].any() else ""))
+                  + (f", {int(group['incomplete'].sum())} not complete (~)" if group["incomplete"].any() else "")
+                  + (f", {n_hidden} subset runs not shown (their configuration has a whole-task run)" if n_hidden else ""))
         title = f"Experiment `{experiment}`, task `{task}`"
-        lines = [f"**{name}**: {title}: {status}.", "", f"Primary score (policy x budget): {LEGEND}", ""]
+        metric = primary_metric(task)
+        lines = [f"**{name}**: {title}: {status}.", "",
+                 f"Primary score `{metric}` (policy x budget): {LEGEND} Kept N/L: mean fraction of the prompt "
+                 "the cache keeps, min(N / L, 1) (the paper's \"compression ratio\").", ""]
         lines += markdown(matrix) + ["", "Every configuration and metric:", ""] + markdown(every)
         (out / f"{name}.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
-        caption = f"{experiment} / {task}: primary score per policy and budget (n samples). {LEGEND}"
+        caption = f"{experiment} / {task}: {metric} per policy and budget. {LEGEND}"
         tex = latex(matrix, caption, f"tab:{name}-score") + "\n" + latex(every, f"{experiment} / {task}: every run.",
                                                                         f"tab:{name}-runs")
         (out / f"{name}.tex").write_text(tex, encoding="utf-8")

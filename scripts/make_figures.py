@@ -6,8 +6,14 @@
                                       block size, one line per policy (experiments whose name has "ttft")
   prompt_lengths_<model>              Figure 18: prompt-length histogram per LongBench dataset
   generic/<exp>__<task>__<model>__bs<B>  every experiment (adhoc included) and task: primary score vs
-                                      budget, one line per policy, the full cache as a dashed line;
-                                      hollow markers and "§" = subset run (task.limit), n in the legend
+                                      budget with 95 % error bars, one line (and marker) per policy, slightly
+                                      offset so equal scores stay visible, the full cache as a dashed line
+                                      with its interval shaded; hollow markers and "§" = subset run
+                                      (task.limit), n in the legend; a subset run is never averaged with
+                                      the whole-task run of its configuration (generic_tables.runs_of)
+
+Error bars (also on the TTFT figures) and intervals: keydiff/uncertainty.py. Heatmap panels name n and
+mark subset runs §.
 
 Every file is written as .png and .pdf, byte-reproducible (Agg backend, fixed style, metadata
 stripped): the same CSV gives the same sha256, so figures can be checked into a paper repository and
@@ -36,6 +42,8 @@ from make_tables import NA, NAMES, ensure_summary, load, pick  # noqa: E402
 import generic_tables  # noqa: E402
 import results_index  # noqa: E402
 
+from keydiff.uncertainty import half_width  # noqa: E402
+
 STYLE = {"svg.hashsalt": "keydiff", "font.size": 8, "axes.titlesize": 9, "figure.dpi": 100, "savefig.dpi": 150}
 
 
@@ -46,6 +54,26 @@ def save(fig, out: Path, name: str) -> list[Path]:
     fig.savefig(paths[1], metadata={"Creator": None, "Producer": None, "CreationDate": None})
     plt.close(fig)
     return paths
+
+
+MARKERS = ["o", "s", "^", "D", "v", "P", "X", "*"]  # one per policy: overlapping series stay visible
+DODGE = 0.02  # horizontal offset between policies, as a fraction of the budget axis
+
+
+def errors(runs: pd.DataFrame, column: str) -> np.ndarray:
+    """Half-widths of the 95 % intervals of `column` (NaN: no interval, e.g. one sample)."""
+    se = runs[f"se/{column}"] if f"se/{column}" in runs.columns else pd.Series(np.nan, index=runs.index)
+    return np.asarray([half_width(float(v)) for v in se], dtype=float)
+
+
+def subset_mark(run) -> str:
+    """"§" for a subset run (task.limit set; after averaging, any of its seeds)."""
+    subset = run.get("subset") if "subset" in run else pd.notna(run.get("limit"))
+    return "§" if bool(subset) and pd.notna(subset) else ""
+
+
+def count(run) -> int:
+    return int(run["samples"]) if pd.notna(run.get("samples")) else 0
 
 
 def usable(df, experiment):
@@ -73,11 +101,13 @@ def niah_heatmaps(df, out: Path) -> list[Path]:
                     image = ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto", interpolation="nearest")
                     ax.set_xticks(range(len(lengths)), [f"{l / 1000:g}k" for l in lengths], rotation=90)
                     ax.set_yticks(range(len(depths)), [str(d) for d in depths])
-                    ax.set_title(NAMES.get(run["policy"], run["policy"]))
+                    mark = subset_mark(run)
+                    ax.set_title(f"{NAMES.get(run['policy'], run['policy'])}{' ' + mark if mark else ''} (n={count(run)})")
                     ax.set_xlabel("context length (tokens)")
                 axes[0][0].set_ylabel("needle depth (%)")
                 fig.colorbar(image, ax=list(axes[0]), label="needle recall")
-                fig.suptitle(f"{model}, budget {budget.upper()}, B = {block}")
+                note = "\n§ subset run (task.limit)" if any(subset_mark(r) for _, r in panels) else ""
+                fig.suptitle(f"{model}, budget {budget.upper()}, B = {block}{note}")
                 paths += save(fig, out, f"{task}_{experiment}_{model}_{budget}_bs{block}")
     return paths
 
@@ -93,13 +123,15 @@ def ttft(df, out: Path) -> list[Path]:
             fig, axes = plt.subplots(1, len(blocks), figsize=(3 * len(blocks), 2.6), sharey=True, squeeze=False,
                                      layout="constrained")
             for ax, block in zip(axes[0], blocks):
-                for policy, line in mine[mine["block_size"] == block].groupby("policy"):
+                for i, (policy, line) in enumerate(mine[mine["block_size"] == block].groupby("policy")):
                     line = line.sort_values("budget")
-                    ax.plot(line["budget"], line["mean_ttft_s"], marker="o", label=NAMES.get(policy, policy))
+                    ax.errorbar(line["budget"], line["mean_ttft_s"], yerr=errors(line, "mean_ttft_s"), capsize=2,
+                                marker=MARKERS[i % len(MARKERS)], label=f"{NAMES.get(policy, policy)}"
+                                + ("".join(sorted({subset_mark(r) for _, r in line.iterrows()}))))
                 ax.set_title(f"B = {block}")
                 ax.set_xlabel("KV cache budget (tokens)")
                 ax.grid(alpha=0.3)
-            axes[0][0].set_ylabel("mean TTFT (s)")
+            axes[0][0].set_ylabel("mean TTFT (s), 95 % CI")
             axes[0][-1].legend()
             fig.suptitle(f"{experiment}: {model}")
             paths += save(fig, out, f"ttft_{experiment}_{model}")
@@ -135,26 +167,42 @@ def prompt_lengths(df, runs_root: Path, out: Path) -> list[Path]:
 
 
 def generic(df, out: Path) -> list[Path]:
-    """Score vs budget per policy for whatever ran (subset and incomplete runs included, and marked)."""
+    """Score vs budget per policy for whatever ran (subset and incomplete runs included, and marked), with
+    95 % error bars. Configurations are those of the generic tables (generic_tables.runs_of): a subset run
+    is never averaged with the whole-task run of its configuration. Policies get their own marker and a
+    small horizontal offset, so series with equal scores stay visible; the y axis starts at 0."""
     paths = []
     (out / "generic").mkdir(parents=True, exist_ok=True)
     runs = generic_tables.runs_of(df)
     for (experiment, task, model, block), group in runs.groupby(["experiment", "task", "model", "block_size"], sort=True):
         fig, ax = plt.subplots(figsize=(4.2, 2.8))
         fig.subplots_adjust(left=0.14, right=0.97, bottom=0.16, top=0.9)  # fixed: no layout engine, fast
-        for policy, line in group[group["budget_label"] != "--"].groupby("policy"):
+        budgets = sorted({b for b in group["budget_label"] if b != "--"}, key=generic_tables.budget_order)
+        ticks = [generic_tables.budget_order(b) for b in budgets]
+        span = (max(ticks) - min(ticks)) if len(ticks) > 1 else max(ticks, default=1.0)
+        lines = list(group[group["budget_label"] != "--"].groupby("policy"))
+        for i, (policy, line) in enumerate(lines):
             line = line.assign(tokens=line["budget_label"].map(generic_tables.budget_order)).sort_values("tokens")
-            subset = line["subset"].any() or line["incomplete"].any()
+            shift = DODGE * span * (i - (len(lines) - 1) / 2)
             n = sorted({int(v) for v in line["samples"].fillna(0)})
-            ax.plot(line["tokens"], line["score"], marker="o", markerfacecolor="none" if subset else None,
-                    label=f"{NAMES.get(policy, policy)}{' §' if subset else ''} (n={n[0]}{f'-{n[-1]}' if len(n) > 1 else ''} per budget)")
+            marks = "".join(sorted({subset_mark(r) for _, r in line.iterrows()}))
+            drawn = ax.errorbar(line["tokens"] + shift, line["score"], yerr=errors(line, "score"), capsize=2,
+                                linewidth=1, marker=MARKERS[i % len(MARKERS)],
+                                label=f"{NAMES.get(policy, policy)}{' ' + marks if marks else ''} "
+                                      f"(n={n[0]}{f'-{n[-1]}' if len(n) > 1 else ''} per budget)")
+            partial = line[line["subset"] | line["incomplete"]]  # hollow markers: subset or unfinished points
+            ax.plot(partial["tokens"] + shift, partial["score"], linestyle="none", marker=MARKERS[i % len(MARKERS)],
+                    color=drawn.lines[0].get_color(), markerfacecolor="white", zorder=3)
         for _, full in group[group["budget_label"] == "--"].iterrows():
             ax.axhline(full["score"], color="black", linestyle="--", linewidth=0.8,
-                       label=f"{NAMES.get(full['policy'], full['policy'])} (n={int(full['samples'])})")
-        budgets = sorted({b for b in group["budget_label"] if b != "--"}, key=generic_tables.budget_order)
-        ax.set_xticks([generic_tables.budget_order(b) for b in budgets], budgets)
-        ax.set_xlabel("KV cache budget (tokens)")
-        ax.set_ylabel(PRIMARY.get(task_family(task), ("score",))[0])
+                       label=f"{NAMES.get(full['policy'], full['policy'])}{subset_mark(full)} (n={count(full)})")
+            half = errors(pd.DataFrame([full]), "score")[0]
+            if np.isfinite(half):
+                ax.axhspan(full["score"] - half, full["score"] + half, color="black", alpha=0.08, linewidth=0)
+        ax.set_xticks(ticks, budgets)
+        ax.set_xlabel("KV cache budget (tokens; policies offset sideways to stay visible)")
+        ax.set_ylabel(f"{generic_tables.primary_metric(task)} (95 % CI)")
+        ax.set_ylim(bottom=min(0.0, float(np.nanmin(group["score"])) if group["score"].notna().any() else 0.0))
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=6)

@@ -6,6 +6,10 @@ printing anything. Only complete runs of the whole task (no task.limit) count, e
 then the experiments listed with it (Table 1 is a column subset of Table 11, the full rows come from
 the *_full experiments, ...); seeds of the same configuration are averaged. Best eviction method per
 column (within a model / budget group) is bold; the eviction-free rows are references, never bold.
+Every cell that averages samples reads "value ± half-width (n=...)": the 95 % interval over samples
+(keydiff/uncertainty.py, from the se/<column> standard errors of summary.csv; LongBench cells are
+per-dataset, their average combines the datasets' errors). Table 18 and the heatmaps hold one sample per
+cell, Table 8 counts prompts: no interval there.
 
 Beside them: <table>_vs_paper (ours next to results/paper/, scripts/paper_compare.py), generic/ (every
 experiment and task, whatever ran: scripts/generic_tables.py) and the index results/README.md
@@ -33,6 +37,8 @@ import paper_compare  # noqa: E402
 import results_index  # noqa: E402
 from paper_compare import PAPER_DIR  # noqa: E402
 
+from keydiff.uncertainty import combined_se, format_estimate  # noqa: E402
+
 SUITE = list(LONGBENCH)
 ENGLISH = [d for d in SUITE if d not in ("multifieldqa_zh", "dureader", "vcsum", "lsht", "passage_retrieval_zh")]
 LLAMAS = ["llama-3.1-8b-instruct", "llama-3.2-3b-instruct"]
@@ -55,8 +61,9 @@ def load(summary: Path) -> pd.DataFrame:
 
 def pick(df, experiments, tasks=None, models=None, policies=None, budgets=None, block_sizes=None,
          by_task=True, limited=False):
-    """One row per (model, policy, budget, block size[, task]), seeds averaged, from the first listed
-    experiment (then the first listed task) that has it. `full` ignores budget and block size (it
+    """One row per (model, policy, budget, block size[, task]), seeds averaged (samples summed, standard
+    errors combined), from the first listed experiment (then the first listed task) that has it. With
+    `limited`, a configuration's subset runs count only when it has no whole-task run. `full` ignores budget and block size (it
     evicts nothing). by_task=False merges tasks that are views of one benchmark (longbench = the English
     columns of longbench_full)."""
     runs = df[df["experiment"].isin(experiments)].copy()  # a compact copy: the CSV has hundreds of columns
@@ -76,7 +83,9 @@ def pick(df, experiments, tasks=None, models=None, policies=None, budgets=None, 
                        rank=runs["experiment"].map(experiments.index) * 100 + task_rank)
     key = ["model", "policy", "budget_label", "block_size"] + (["task"] if by_task else [])
     runs = runs[runs["rank"] == runs.groupby(key)["rank"].transform("min")]  # never mix experiments or tasks
-    return runs.groupby(key, sort=False).mean(numeric_only=True).reset_index()
+    runs = generic_tables.whole_runs_first(runs, key)[0]  # never average a subset run with its whole run
+    runs = runs.assign(samples=pd.to_numeric(runs["samples"], errors="coerce"))
+    return generic_tables.average_seeds(runs, key, sums=("samples",))
 
 
 def budget_key(label: str) -> int:
@@ -101,14 +110,35 @@ def fmt(value, precision: int) -> str:
     return NA if pd.isna(value) else f"{value:.{precision}f}" if isinstance(value, (float, np.floating)) else str(value)
 
 
-def write_table(table: pd.DataFrame, mask: pd.DataFrame | None, out: Path, name: str, caption: str, precision=2):
-    """`name`.tex (booktabs, \\textbf on the mask) and `name`.md (**bold**), same numbers in both."""
+INTERVAL_NOTE = ("Cells: value ± half-width of the 95 % confidence interval over samples (1.96 standard errors; "
+                 "averages over datasets combine the datasets' errors; README \"Results\"), n = samples.")
+
+
+def with_intervals(table: pd.DataFrame, se: pd.DataFrame, n: pd.DataFrame, precision: int) -> pd.DataFrame:
+    """The cells as text "value ± half-width (n=...)" (keydiff.uncertainty.format_estimate); `se` and `n`
+    have the table's shape (NaN where unknown)."""
+    text = table.astype(object).copy()
+    for i in range(table.shape[0]):
+        for j in range(table.shape[1]):
+            value = table.iat[i, j]
+            text.iat[i, j] = NA if pd.isna(value) else format_estimate(float(value), float(se.iat[i, j]), n.iat[i, j], precision)
+    return text
+
+
+def write_table(table: pd.DataFrame, mask: pd.DataFrame | None, out: Path, name: str, caption: str, precision=2,
+                se: pd.DataFrame | None = None, n: pd.DataFrame | None = None):
+    """`name`.tex (booktabs, \\textbf on the mask) and `name`.md (**bold**), same numbers in both. With `se`
+    (and `n`), every cell shows its 95 % interval and sample count."""
     mask = mask if mask is not None else pd.DataFrame(False, index=table.index, columns=table.columns)
+    if se is not None:
+        n = n if n is not None else pd.DataFrame(np.nan, index=table.index, columns=table.columns)
+        table = with_intervals(table, se, n, precision)
+        caption = f"{caption} {INTERVAL_NOTE}"
     css = pd.DataFrame(np.where(mask, "textbf:--rwrap;", ""), index=table.index, columns=table.columns)
     styler = table.style.format(precision=precision, na_rep=NA, escape="latex").format_index(escape="latex", axis=0)
     styler = styler.format_index(escape="latex", axis=1).apply(lambda _: css, axis=None)
     tex = styler.to_latex(hrules=True, caption=caption, label=f"tab:{name}", position_float="centering",
-                          multirow_align="t")
+                          multirow_align="t").replace("±", r"$\pm$")
     (out / f"{name}.tex").write_text(tex, encoding="utf-8")
     flat, flat_mask = table.reset_index(), mask.reset_index(drop=True)
     lines = [f"**{name}**: {caption}", "", "| " + " | ".join(map(str, flat.columns)) + " |",
@@ -131,7 +161,7 @@ def longbench(df, out, name, caption, experiments, models, policies, datasets, b
     if runs[runs["policy"].isin(needs or policies)][lb].isna().all().all():
         return False
     by_block = len(block_sizes) > 1
-    rows = []
+    rows, errors, counts = [], [], []
     for model in models:
         for block, policy in [(NA, "full")] + [(b, p) for b in block_sizes for p in policies]:
             sel = runs[(runs["model"] == model) & (runs["policy"] == policy) & (runs["block_size"] == block)]
@@ -140,11 +170,17 @@ def longbench(df, out, name, caption, experiments, models, policies, datasets, b
                 avg = float(np.mean(scores)) if not np.isnan(scores).any() else np.nan  # over all columns or none
                 index = (model, *((block,) if by_block else ()), NAMES.get(policy, policy), run["budget_label"].upper())
                 rows.append((index, scores + [avg]))
+                ses = [run.get(f"se/lb/{d}", np.nan) for d in datasets]
+                errors.append(ses + [combined_se(ses)])
+                ns = [run.get(f"metrics/num_samples/{d}", np.nan) for d in datasets]
+                counts.append(ns + [float(np.sum(ns)) if not np.isnan(ns).any() else np.nan])
     levels = ["Model", *(["B"] if by_block else []), "Method", "Budget"]
-    table = pd.DataFrame([v for _, v in rows], index=pd.MultiIndex.from_tuples([i for i, _ in rows], names=levels),
-                         columns=[LONGBENCH[d] for d in datasets] + ["Avg."])
+    index = pd.MultiIndex.from_tuples([i for i, _ in rows], names=levels)
+    columns = [LONGBENCH[d] for d in datasets] + ["Avg."]
+    table = pd.DataFrame([v for _, v in rows], index=index, columns=columns)
     groups = ["Model", *(["B"] if by_block else []), "Budget"]
-    write_table(table, best_mask(table, groups, table.columns), out, name, caption)
+    write_table(table, best_mask(table, groups, table.columns), out, name, caption,
+                se=pd.DataFrame(errors, index=index, columns=columns), n=pd.DataFrame(counts, index=index, columns=columns))
     return True
 
 
@@ -154,13 +190,19 @@ def ablation(df, out, name, caption, experiments, policies):
     lb = [f"lb/{d}" for d in SUITE]
     if not set(policies[1:]) & set(runs["policy"]) or not set(lb) <= set(runs.columns):
         return False  # the KeyDiff row alone (from table11) is not the ablation
-    runs = runs.assign(avg=runs[lb].mean(axis=1, skipna=False))
-    table = runs.pivot_table(index="policy", columns="budget_label", values="avg", dropna=False)
-    table = table.reindex(index=[p for p in policies if p in table.index],
-                          columns=[b for b in BUDGETS if b in table.columns])
-    table.index = pd.Index([NAMES.get(p, p) for p in table.index], name="Method")
-    table.columns = [c.upper() for c in table.columns]
-    write_table(table, best_mask(table, None, table.columns), out, name, caption)
+    se_lb = runs.reindex(columns=[f"se/{c}" for c in lb])
+    runs = runs.assign(avg=runs[lb].mean(axis=1, skipna=False), avg_se=[combined_se(r) for r in se_lb.to_numpy()])
+    shaped = {}
+    for values in ("avg", "avg_se", "samples"):
+        frame = runs.pivot_table(index="policy", columns="budget_label", values=values, dropna=False)
+        frame = frame.reindex(index=[p for p in policies if p in frame.index],
+                              columns=[b for b in BUDGETS if b in frame.columns])
+        frame.index = pd.Index([NAMES.get(p, p) for p in frame.index], name="Method")
+        frame.columns = [c.upper() for c in frame.columns]
+        shaped[values] = frame
+    table = shaped["avg"]
+    write_table(table, best_mask(table, None, table.columns), out, name, caption, se=shaped["avg_se"],
+                n=shaped["samples"])
     return True
 
 
@@ -173,12 +215,24 @@ def compression(df, out):
         return False
     model = next((m for m in LLAMAS if m in set(runs["model"])), runs["model"].iloc[0])
     cr = [c for c in (f"cr/{d}" for d in SUITE) if c in runs.columns]
-    table = runs[runs["model"] == model].groupby("budget_label")[cr].mean().T.dropna(how="all")  # equal across policies
-    table = table[[b for b in BUDGETS if b in table.columns]]
-    table.index = pd.Index([LONGBENCH[c[3:]] for c in table.index], name="Dataset")
+    mine = runs[runs["model"] == model].reindex(columns=list(runs.columns) + [
+        c for c in [f"se/{c}" for c in cr] + [f"metrics/num_samples/{c[3:]}" for c in cr] if c not in runs.columns])
+
+    def per_dataset(prefix: str) -> pd.DataFrame:  # equal across policies (the same prompts): their mean
+        frame = mine.groupby("budget_label")[[f"{prefix}{c[3:]}" for c in cr]].mean().T
+        frame.index = pd.Index([c[len(prefix):] for c in frame.index])
+        return frame.reindex(columns=[b for b in BUDGETS if b in frame.columns])
+
+    table = per_dataset("cr/").dropna(how="all")
+    se, n = per_dataset("se/cr/").reindex(table.index), per_dataset("metrics/num_samples/").reindex(table.index)
     table.loc["Average"] = table.mean(axis=0, skipna=False)
-    table.columns = [c.upper() for c in table.columns]
-    write_table(table, None, out, "table9", f"Average compression ratio min(N / L, 1) per budget ({model} prompts).")
+    se.loc["Average"] = [combined_se(se[c]) for c in se.columns]
+    n.loc["Average"] = n.sum(axis=0, min_count=len(n))
+    for frame in (table, se, n):
+        frame.index = pd.Index([LONGBENCH.get(d, d) for d in frame.index], name="Dataset")
+        frame.columns = [c.upper() for c in frame.columns]
+    write_table(table, None, out, "table9", f"Average compression ratio min(N / L, 1) per budget ({model} prompts): "
+                "the fraction of the prompt the cache keeps (kept N/L).", se=se, n=n)
     return True
 
 
@@ -222,12 +276,20 @@ def math500(df, out, name, model, caption):
             sel = runs[(runs["task"] == task) & (runs["policy"] == policy)]
             for _, run in sorted(sel.iterrows(), key=lambda r: budget_key(r[1]["budget_label"])):
                 budget = NA if policy == "full" else str(int(run["budget"]))
-                rows.append(((gen, budget, NAMES[policy]), [run.get("metrics/flex"), run.get("metrics/exact"),
-                                                             run.get("metrics/avg_new_tokens")]))
-    index = pd.MultiIndex.from_tuples([i for i, _ in rows], names=["Max Gen. Length", "Budget", "Method"])
-    table = pd.DataFrame([v for _, v in rows], index=index, columns=["Flex Match", "Exact Match", "Avg. Gen. Length"])
-    table["Avg. Gen. Length"] = table["Avg. Gen. Length"].astype(float).round().astype("Int64")
-    write_table(table, best_mask(table, ["Max Gen. Length", "Budget"], ["Flex Match", "Exact Match"]), out, name, caption, 3)
+                metrics = ["metrics/flex", "metrics/exact", "metrics/avg_new_tokens"]
+                rows.append(((gen, budget, NAMES[policy]), [run.get(m) for m in metrics],
+                             [run.get(f"se/{m}", np.nan) for m in metrics], [run["samples"]] * 3))
+    index = pd.MultiIndex.from_tuples([i for i, *_ in rows], names=["Max Gen. Length", "Budget", "Method"])
+    columns = ["Flex Match", "Exact Match", "Avg. Gen. Length"]
+    table = pd.DataFrame([v for _, v, *_ in rows], index=index, columns=columns).astype(float)
+    se = pd.DataFrame([e for *_, e, _ in rows], index=index, columns=columns).astype(float)
+    se["Avg. Gen. Length"] = np.nan  # lengths are printed as whole tokens, their SE in summary.csv
+    table["Avg. Gen. Length"] = table["Avg. Gen. Length"].round()
+    mask = best_mask(table, ["Max Gen. Length", "Budget"], ["Flex Match", "Exact Match"])
+    text = with_intervals(table[columns[:2]], se[columns[:2]], pd.DataFrame([c for *_, c in rows], index=index,
+                                                                           columns=columns)[columns[:2]], 3)
+    text["Avg. Gen. Length"] = table["Avg. Gen. Length"].map(lambda v: NA if pd.isna(v) else str(int(v)))
+    write_table(text, mask, out, name, f"{caption} {INTERVAL_NOTE}", 3)
     return True
 
 
@@ -242,15 +304,20 @@ def math500_subsets(df, out, name, model, caption):
             at = sel[sel["budget"] == budget]
             first = at.iloc[0]
             subset = f"Num Tokens > {int(budget)} ({int(first['subset/n_problems'])}/{int(first['subset/total_problems'])})"
-            rows.append(((gen, subset, "Full"), [first["subset/full_flex"], first["subset/full_exact"]]))
+            n = first["subset/n_samples"]
+            rows.append(((gen, subset, "Full"), [first["subset/full_flex"], first["subset/full_exact"]],
+                         [first.get(f"se/subset/full_{m}", np.nan) for m in ("flex", "exact")], n))
             for policy in ["keydiff_w20", "snapkv"]:
                 for _, run in at[at["policy"] == policy].iterrows():
-                    rows.append(((gen, subset, NAMES[policy]), [run["subset/flex"], run["subset/exact"]]))
+                    rows.append(((gen, subset, NAMES[policy]), [run["subset/flex"], run["subset/exact"]],
+                                 [run.get(f"se/subset/{m}", np.nan) for m in ("flex", "exact")], run["subset/n_samples"]))
     if not rows:
         return False
-    index = pd.MultiIndex.from_tuples([i for i, _ in rows], names=["Max Gen. Length", "Subset", "Method"])
-    table = pd.DataFrame([v for _, v in rows], index=index, columns=["Flex", "Exact"])
-    write_table(table, best_mask(table, ["Max Gen. Length", "Subset"], table.columns), out, name, caption, 3)
+    index = pd.MultiIndex.from_tuples([r[0] for r in rows], names=["Max Gen. Length", "Subset", "Method"])
+    table = pd.DataFrame([r[1] for r in rows], index=index, columns=["Flex", "Exact"]).astype(float)
+    se = pd.DataFrame([r[2] for r in rows], index=index, columns=table.columns).astype(float)
+    n = pd.DataFrame([[r[3]] * 2 for r in rows], index=index, columns=table.columns)
+    write_table(table, best_mask(table, ["Max Gen. Length", "Subset"], table.columns), out, name, caption, 3, se=se, n=n)
     return True
 
 
@@ -259,12 +326,17 @@ def phonebook(df, out):
     sizes = sorted((c.split("/")[2] for c in runs.columns if c.startswith("metrics/by_size/") and c.endswith("/exact")), key=int)
     if runs.empty or not sizes:
         return False
-    table = runs.set_index("policy")[[f"metrics/by_size/{s}/exact" for s in sizes]]
-    table = table.reindex([p for p in ["full", "keydiff", "tova"] if p in table.index])
-    table.index = pd.Index(["Dense" if p == "full" else NAMES[p] for p in table.index], name="Method")
-    table.columns = sizes
+    def shaped(pattern):
+        frame = runs.set_index("policy").reindex(columns=[pattern.format(s) for s in sizes])
+        frame = frame.reindex([p for p in ["full", "keydiff", "tova"] if p in frame.index]).astype(float)
+        frame.index = pd.Index(["Dense" if p == "full" else NAMES[p] for p in frame.index], name="Method")
+        frame.columns = sizes
+        return frame
+
+    table = shaped("metrics/by_size/{}/exact")
     write_table(table, best_mask(table, None, table.columns), out, "table17",
-                "Phonebook lookup accuracy by book size, Llama-3.2-3B-Instruct, 6K budget, B = 128.", 1)
+                "Phonebook lookup accuracy by book size, Llama-3.2-3B-Instruct, 6K budget, B = 128.", 1,
+                se=shaped("se/metrics/by_size/{}/exact"), n=shaped("metrics/by_size/{}/n"))
     return True
 
 
@@ -287,12 +359,17 @@ def smoke(df, out):
     runs = pick(df, ["smoke"], limited=True)
     if runs.empty:
         return False
-    cols = {"samples": "Samples", "score": "Score", "mean_compression_ratio": "Compression", "mean_ttft_s": "TTFT (s)"}
+    metric = " / ".join(sorted({generic_tables.primary_metric(t) for t in runs["task"]}))
+    cols = {"score": f"Score ({metric})", "mean_compression_ratio": "Kept N/L", "mean_ttft_s": "TTFT (s)"}
+    runs = runs.reindex(columns=list(runs.columns) + [c for c in ("se/score", "limit") if c not in runs.columns])
     table = runs.set_index(["task", "model", "policy", "budget_label", "block_size"])[list(cols)].rename(columns=cols)
     table.index.names = ["Task", "Model", "Method", "Budget", "B"]
-    table["Samples"] = table["Samples"].astype("Int64")
-    write_table(table, best_mask(table, None, ["Score"], exclude_full=False), out, "smoke",
-                "Smoke sweep (task.limit applies: not paper numbers).", 3)
+    mask = best_mask(table, None, [cols["score"]], exclude_full=False)
+    marks = ["§" if pd.notna(limit) else "" for limit in runs["limit"]]
+    table[cols["score"]] = [format_estimate(v, e, n, 3) + m
+                            for v, e, n, m in zip(runs["score"], runs["se/score"], runs["samples"], marks)]
+    write_table(table, mask, out, "smoke", "Smoke sweep (§: task.limit applies: not paper numbers). "
+                f"{INTERVAL_NOTE} Kept N/L: mean fraction of the prompt kept, min(N / L, 1) (the paper's compression ratio).", 3)
     return True
 
 

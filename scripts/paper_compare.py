@@ -34,6 +34,7 @@ import pandas as pd
 
 from collect_results import LONGBENCH
 from generic_tables import budget_order, tex_escape
+from keydiff.uncertainty import combined_se, half_width
 
 PAPER_DIR = Path(__file__).resolve().parent.parent / "results" / "paper"
 KEY = ["model", "policy", "budget", "block_size", "row", "column", "metric"]
@@ -79,9 +80,10 @@ def selected(df, experiments, tasks=None, **kwargs):
     return pick(df, experiments, tasks, limited=True, **kwargs)
 
 
-def cell(run, policy, budget, column, metric, value, n=None, row="", block=""):
+def cell(run, policy, budget, column, metric, value, n=None, row="", block="", se=np.nan):
+    """One of our cells; `se`: the standard error of `value` over samples (NaN: none, e.g. a count)."""
     return {"model": run["model"], "policy": policy, "budget": budget, "block_size": block, "row": row,
-            "column": column, "metric": metric, "value": value,
+            "column": column, "metric": metric, "value": value, "se": se,
             "n": run["samples"] if n is None else n, "failed": run.get("num_failed", 0),
             "subset": run.get("is_subset", 0) > 0, "incomplete": run.get("is_incomplete", 0) > 0}
 
@@ -101,10 +103,10 @@ def longbench_cells(df, experiments, datasets, blocks=("128",), block_key=False,
             if pd.notna(value):
                 n = run.get(f"metrics/num_samples/{d}")
                 cells.append(cell(run, run["policy"], budget_of(run), d, "score", value,
-                                  n if pd.notna(n) else run["samples"], block=block))
+                                  n if pd.notna(n) else run["samples"], block=block, se=run.get(f"se/lb/{d}", np.nan)))
         if avg and all(pd.notna(v) for v in scores.values()):
             cells.append(cell(run, run["policy"], budget_of(run), "avg", "score", float(np.mean(list(scores.values()))),
-                              block=block))
+                              block=block, se=combined_se(run.get(f"se/lb/{d}", np.nan) for d in datasets)))
     return cells
 
 
@@ -114,7 +116,8 @@ def ablation_cells(df, experiments, policies):
     for _, run in runs.iterrows():
         scores = [run.get(f"lb/{d}") for d in SUITE]
         if all(pd.notna(s) for s in scores):
-            cells.append(cell(run, run["policy"], budget_of(run), "avg", "longbench_avg", float(np.mean(scores))))
+            cells.append(cell(run, run["policy"], budget_of(run), "avg", "longbench_avg", float(np.mean(scores)),
+                              se=combined_se(run.get(f"se/lb/{d}", np.nan) for d in SUITE)))
     return cells
 
 
@@ -126,7 +129,7 @@ def math_cells(df, experiments):
         budget = "" if policy == "full" else f"{int(run['budget']) // 1024}k"
         for metric, column in [("flex", "metrics/flex"), ("exact", "metrics/exact"), ("avg_gen_length", "metrics/avg_new_tokens")]:
             if pd.notna(run.get(column)):
-                cells.append(cell(run, policy, budget, GEN[run["task"]], metric, run[column]))
+                cells.append(cell(run, policy, budget, GEN[run["task"]], metric, run[column], se=run.get(f"se/{column}", np.nan)))
     return cells
 
 
@@ -142,8 +145,10 @@ def math_subset_cells(df, experiments):
         n = run.get("subset/n_samples")
         policy = "keydiff" if run["policy"] == "keydiff_w20" else run["policy"]
         for metric in ("flex", "exact"):
-            cells.append(cell(run, policy, budget, GEN[run["task"]], metric, run[f"subset/{metric}"], n, row))
-            cells.append(cell(run, "full", "", GEN[run["task"]], metric, run[f"subset/full_{metric}"], n, row))
+            cells.append(cell(run, policy, budget, GEN[run["task"]], metric, run[f"subset/{metric}"], n, row,
+                              se=run.get(f"se/subset/{metric}", np.nan)))
+            cells.append(cell(run, "full", "", GEN[run["task"]], metric, run[f"subset/full_{metric}"], n, row,
+                              se=run.get(f"se/subset/full_{metric}", np.nan)))
     return cells
 
 
@@ -176,11 +181,13 @@ def compression_cells(df):
             if pd.notna(value):
                 n = run.get(f"metrics/num_samples/{dataset}")
                 weights[dataset] = (value, n if pd.notna(n) else np.nan)
-                cells.append(cell(run, "", budget, dataset, "compression_ratio", value, n if pd.notna(n) else None))
+                cells.append(cell(run, "", budget, dataset, "compression_ratio", value, n if pd.notna(n) else None,
+                                  se=run.get(f"se/cr/{dataset}", np.nan)))
         if weights and not any(np.isnan(n) for _, n in weights.values()):  # the paper's average is over prompts
             total = sum(n for _, n in weights.values())
+            se = np.sqrt(sum((n / total * run.get(f"se/cr/{d}", np.nan)) ** 2 for d, (_, n) in weights.items()))
             cells.append(cell(run, "", budget, "avg", "compression_ratio",
-                              sum(v * n for v, n in weights.values()) / total, total))
+                              sum(v * n for v, n in weights.values()) / total, total, se=se))
     return cells
 
 
@@ -190,7 +197,8 @@ def phonebook_cells(df):
     for _, run in runs.iterrows():
         for column in run.index:
             if column.startswith("metrics/by_size/") and column.endswith("/exact") and pd.notna(run[column]):
-                cells.append(cell(run, run["policy"], "6k", column.split("/")[2], "accuracy", run[column]))
+                cells.append(cell(run, run["policy"], "6k", column.split("/")[2], "accuracy", run[column],
+                                  se=run.get(f"se/{column}", np.nan)))
     return cells
 
 
@@ -285,7 +293,8 @@ def compare(name: str, paper: pd.DataFrame, ours: pd.DataFrame, keys: list[str])
     paper = paper.assign(row=paper["row"].str.replace(r" \(.*\)$", "", regex=True),  # "(497/500)": paper's own n
                          block_size=paper["block_size"].where(paper["policy"] != "full", ""))
     if ours.empty:
-        ours = pd.DataFrame(columns=KEY + ["value", "n", "failed", "subset", "incomplete"])
+        ours = pd.DataFrame(columns=KEY + ["value", "se", "n", "failed", "subset", "incomplete"])
+    ours = ours if "se" in ours.columns else ours.assign(se=np.nan)  # cells of callers that have no SE
     ours = ours.astype({k: str for k in KEY}).fillna({"block_size": ""})
     if "model" not in keys:  # paper model not named: any of ours matches
         paper = paper.drop(columns=["model"]).drop_duplicates(keys)
@@ -325,6 +334,8 @@ def compare(name: str, paper: pd.DataFrame, ours: pd.DataFrame, keys: list[str])
         "subset_cells": int(merged["subset"].astype(bool).sum()), "incomplete_cells": int(merged["incomplete"].astype(bool).sum()),
         "paper_cells": int(len(wanted)), "missing": missing, "garbled": int(paper["note"].str.startswith("garbled").sum()),
         "our_models": sorted(set(merged["model"])), "paper_models": paper_models,
+        "reference_models": sorted(set(merged.loc[merged["paper_model"] != merged["model"], "paper_model"]))
+        if "model" in keys and len(merged) else [],
     }
     return merged, stats
 
@@ -333,6 +344,13 @@ def marks(row) -> str:
     out = "§" if row["subset"] else ""
     out += f"†{int(row['failed'])}" if pd.notna(row["failed"]) and row["failed"] else ""
     return out + ("~" if row["incomplete"] else "")
+
+
+def ours_text(row) -> str:
+    """Our value, its 95 % half-width where it has a standard error, and the marks: "10.5 ± 19.6§"."""
+    se = row.get("se", np.nan)
+    spread = f" ± {num(half_width(float(se)))}" if se is not None and pd.notna(se) else ""
+    return num(row["value"]) + spread + marks(row)
 
 
 def num(value, digits=3) -> str:
@@ -350,7 +368,8 @@ def summary_line(name, stats, experiments) -> str:
         parts.append(f"{stats['outside']} outside tolerance")
     if stats["reference"]:
         parts.append(f"{stats['reference']} cells of our models {', '.join(m for m in stats['our_models'] if m not in stats['paper_models'])} "
-                     f"shown next to the paper's {', '.join(stats['paper_models']) or 'values'} for reference only (different model: no difference)")
+                     f"shown next to the paper's values for another model, {', '.join(stats['reference_models']) or 'values'}, "
+                     "for reference only (different model: no difference)")
     if pd.notna(stats["n_min"]):
         parts.append(f"samples per our cell: {num(stats['n_min'], 0)}-{num(stats['n_max'], 0)}")
     if stats["unmatched"]:
@@ -371,11 +390,13 @@ def side_by_side(merged: pd.DataFrame) -> pd.DataFrame | None:
     "ours / paper". None when there is nothing to show."""
     if merged.empty:
         return None
-    rows = ["model", "policy", "budget", "block_size", "row", "metric"]
+    rows = ["model", "paper_model", "policy", "budget", "block_size", "row", "metric"]
     rows = [r for r in rows if merged[r].astype(str).ne("").any()]
+    if (merged["paper_model"] == merged["model"]).all():
+        rows.remove("paper_model")  # every paper value is of our own model
     merged = merged.assign(_full=merged["policy"] != "full", _budget=merged["budget"].replace("", "--").map(budget_order)).sort_values(["model", "_full", "policy", "_budget"])
-    cells = merged.assign(cell=[f"{num(o)}{marks(r)} / {num(p) if pd.notna(p) else '--'}"
-                                for o, p, (_, r) in zip(merged["value"], merged["paper"], merged.iterrows())])
+    cells = merged.assign(cell=[f"{ours_text(r)} / {num(p) if pd.notna(p) else '--'}"
+                                for p, (_, r) in zip(merged["paper"], merged.iterrows())])
     wide = cells.pivot_table(index=rows, columns="column", values="cell", aggfunc="first", sort=False)
     return wide.fillna("")
 
@@ -386,27 +407,31 @@ def write_comparison(name: str, table: int, merged: pd.DataFrame, stats: dict, e
     head = [f"**{name}_vs_paper**: ours next to the paper's Table {table} ({caption[:140]}{'...' if len(caption) > 140 else ''})",
             "", "Summary: " + summary_line(name, stats, experiments), "",
             "Marks: § subset run (task.limit), †k k samples failed, ~ run not complete; n = samples behind our cell; "
+            "± = half-width of our 95 % confidence interval over samples (README \"Results\"); "
             "Δ = ours - paper; ! = outside the tolerance (scripts/paper_compare.py).", ""]
     table_rows = []
     for _, row in merged.sort_values(["model", "policy", "budget", "block_size", "row", "column", "metric"]).iterrows():
         table_rows.append({"Model": row["model"], "Paper model": row["paper_model"], "Policy": row["policy"],
                            "Budget": row["budget"] or "--", "B": row["block_size"] or "", "Row": row["row"],
-                           "Column": row["column"], "Metric": row["metric"], "Ours": num(row["value"]) + marks(row),
+                           "Column": row["column"], "Metric": row["metric"], "Ours": ours_text(row),
                            "Paper": num(row["paper"]) if pd.notna(row["paper"]) else ("garbled" if str(row.get("note", "")).startswith("garbled") else "--"),
-                           "Δ": (num(row["diff"]) + ("!" if row["outside"] else "")) if pd.notna(row["diff"]) else "",
+                           "Δ": (num(row["diff"]) + ("!" if row["outside"] else "")) if pd.notna(row["diff"]) else
+                           ("other model" if row["paper_model"] != row["model"] and pd.notna(row["paper"]) else ""),
                            "n": num(row["n"], 0)})
     frame = pd.DataFrame(table_rows, columns=["Model", "Paper model", "Policy", "Budget", "B", "Row", "Column", "Metric",
                                               "Ours", "Paper", "Δ", "n"])
     frame = frame.loc[:, [c for c in frame.columns if c not in ("B", "Row") or frame[c].astype(bool).any()]]
     lines = head
     if frame.empty:
-        lines += ["No run of ours fills a cell of this table yet."]
+        lines += [f"No run of ours fills a cell of this table yet; the paper's numbers are in results/paper/table{table}.csv."]
     else:
         lines += ["| " + " | ".join(frame.columns) + " |", "|" + "---|" * len(frame.columns)]
         lines += ["| " + " | ".join(map(str, r)) + " |" for r in frame.itertuples(index=False)]
     wide = side_by_side(merged)
     if wide is not None:
-        lines += ["", "Side by side (ours / paper, † § ~ as above):", "",
+        other = (merged["paper_model"] != merged["model"]).any()
+        lines += ["", "Side by side (ours / paper, † § ~ as above" + ("; where `paper_model` is not our model, the "
+                  "paper's number is of that other model, shown for reference only" if other else "") + "):", "",
                   "| " + " | ".join(wide.reset_index().columns) + " |", "|" + "---|" * len(wide.reset_index().columns)]
         lines += ["| " + " | ".join(map(str, r)) + " |" for r in wide.reset_index().itertuples(index=False)]
     commands = sorted({command(name, experiments, r) for _, r in stats["missing"].iterrows()})

@@ -1,4 +1,4 @@
-"""The analysis library (keydiff.capture, keydiff.analysis) and its scripts, on the tiny random Llama.
+"""The analysis library (keydiff.capture, keydiff.analysis) and its entry points, on the tiny random Llama.
 
 Capture is checked against transformers' own eager attention weights and DynamicCache keys; eviction
 traces against what the engine keeps; each statistic against a brute-force reference.
@@ -6,10 +6,9 @@ traces against what the engine keeps; each statistic against a brute-force refer
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
+import shlex
 from pathlib import Path
 
 import pandas as pd
@@ -17,14 +16,16 @@ import pytest
 import torch
 
 from keydiff import build_policy, prefill
-from keydiff.analysis import (
+from keydiff.analysis import common as analysis_common
+from keydiff.analysis import figures, future_attention, table3
+from keydiff.analysis.statistics import (
     average_ranks, fit_pca, keydiff_attention_spearman, keydiff_score, log_volume, pairwise_cosine, project,
     scaled_heads, spearman,
 )
 from keydiff.capture import capture_prompt, recording_policy, trace_eviction
+from keydiff.bench import scoring
 from tests.conftest import char_tokenizer, tiny_llama
 
-SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 POLICIES = ["sink", "tova", "keydiff", "h2o", "snapkv", "knorm"]
 
 
@@ -168,42 +169,34 @@ def test_scaled_heads_follow_the_paper():
     assert all(0 <= l < 3 and 0 <= h < 2 for l, h in scaled_heads(3, 2).values())
 
 
-# ------------------------------------------------------------------------------------------ scripts
+# ------------------------------------------------------------------------------------------ entry points
 
 
 @pytest.fixture
-def load_script(monkeypatch):
-    monkeypatch.setattr(sys, "path", list(sys.path))
+def restore_threads():
+    """--threads sets torch's thread count for the whole process: put it back after the test."""
     threads = torch.get_num_threads()
-
-    def load(name: str):
-        spec = importlib.util.spec_from_file_location(f"script_{name}", SCRIPTS / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        monkeypatch.setitem(sys.modules, spec.name, module)
-        spec.loader.exec_module(module)
-        return module
-
-    yield load
+    yield
     torch.set_num_threads(threads)
 
 
-def test_scoring_latency_tables_at_tiny_sizes(load_script, tmp_path):
-    script = load_script("scoring_latency")
+def test_scoring_latency_tables_at_tiny_sizes(restore_threads, tmp_path):
     tiny = ["--shape", "tiny", "--repeats", "2", "--warmup", "1", "--block-size", "8", "--threads", "1",
             "--out", str(tmp_path / "tables"), "--figures", str(tmp_path / "figures")]
-    paths = script.main(["table19", "--sizes", "48,96", *tiny])
+    paths = scoring.main(["table19", "--sizes", "48,96", *tiny])
     rows = pd.read_csv(paths[1])
     assert set(rows["policy"]) == {"snapkv", "tova", "keydiff", "h2o", "sink"} and set(rows["N"]) == {48, 96}
     assert rows[(rows["policy"] == "keydiff") & (rows["N"] == 48)]["relative"].item() == pytest.approx(1.0)
     assert (rows["median_s"] > 0).all() and (rows["peak_bytes"] > 0).all()
     assert "11.42" in paths[0].read_text()  # the paper's Android numbers beside ours
-    paths = script.main(["table2", "--budgets", "48,96", "--blocks", "4,8", "--budget", "48",
-                         "--policies", "keydiff,h2o", *tiny])
+    paths = scoring.main(["table2", "--budgets", "48,96", "--blocks", "4,8", "--budget", "48",
+                          "--policies", "keydiff,h2o", *tiny])
     assert all(p.exists() for p in paths) and paths[-1].suffix == ".png"
     data = json.loads(paths[2].read_text())
-    assert len(data["results"]) == 2 * 2 * 2 and data["git"]["commit"]
+    assert len(data["results"]) == 2 * 2 * 2 and data["code"]["commit"]
+    assert data["command"].startswith("python -m keydiff.bench.scoring table2") and data["started"] <= data["time"]
     with pytest.raises(SystemExit):
-        script.main(["table19", "--policies", "snapkv", "--sizes", "16", *tiny])  # window 32 >= budget 16
+        scoring.main(["table19", "--policies", "snapkv", "--sizes", "16", *tiny])  # window 32 >= budget 16
 
 
 @pytest.fixture(scope="module")
@@ -214,7 +207,7 @@ def tiny_checkpoint(tmp_path_factory):
     return folder
 
 
-def test_analysis_scripts_end_to_end(load_script, tmp_path, tiny_checkpoint):
+def test_analysis_entry_points_end_to_end(tmp_path, tiny_checkpoint):
     prose = tmp_path / "haystack"
     prose.mkdir()
     (prose / "a.txt").write_text("The keys of a head mostly point one way; a few point elsewhere. " * 8)
@@ -222,12 +215,16 @@ def test_analysis_scripts_end_to_end(load_script, tmp_path, tiny_checkpoint):
               f"data.haystack_dir={prose}",
               "length=96", "samples=2", "window=16", f"figures_dir={tmp_path / 'figures'}",
               f"tables_dir={tmp_path / 'tables'}", "formats=[png]"]
-    load_script("analysis_table3").main(common)
+    table3.main(common)
     table = json.loads((tmp_path / "tables" / "table3_spearman.json").read_text())
     assert [row["layer"] for row in table["results"]["per_layer"]] == [1, 2, 3]
     assert all(row["n"] == 4 * 2 for row in table["results"]["per_layer"])  # 4 query heads x 2 prompts
-    assert table["data"]["source"] == "haystack" and table["git"]["commit"] and table["model"]["source"] == "local"
-    load_script("analysis_figures").main(common + ["cache_budget=40", "block_size=16"])
+    assert table["data"]["source"] == "haystack" and table["code"]["commit"] and table["model"]["source"] == "local"
+    # The provenance record the benchmarks write too (keydiff.bench.common.provenance), plus the analysis' inputs.
+    assert shlex.split(table["command"]) == ["python", "-m", "keydiff.analysis.table3", *common]
+    assert table["started"] <= table["time"] and table["packages"]["torch"] == torch.__version__
+    assert table["config"]["length"] == 96 and table["outputs"][-1].endswith("table3_spearman.json")
+    figures.main(common + ["cache_budget=40", "block_size=16"])
     out = tmp_path / "figures"
     for name in ("fig02_key_cosine_attention", "fig04_pca_keys_queries", "fig11_pca_keys_queries", "fig12_logdet",
                  "fig13_cosine_to_mean", "fig14_mean_key_query_cosine", "fig15_norms", "fig16_top_key_mean_query"):
@@ -236,6 +233,14 @@ def test_analysis_scripts_end_to_end(load_script, tmp_path, tiny_checkpoint):
     summary = json.loads((out / "summary.json").read_text())
     assert {p: v["count"] for p, v in summary["results"]["fig12_logdet"].items()} == {
         "sink": 12, "tova": 12, "keydiff": 12}  # 3 layers x 2 KV heads x 2 prompts
+    # Titles say what was measured; the prompt source is named without a path of this machine.
+    source = "1 .txt file(s) of folder 'haystack'"
+    assert summary["data"]["description"] == source and str(tmp_path) not in json.dumps(summary["results"]["titles"])
+    titles = summary["results"]["titles"]
+    assert titles["fig12_logdet"] == f"custom; {source}; 2 prompt(s) of 96 tokens; budget N = 40, B = 16"
+    assert titles["fig13_cosine_to_mean"] == f"custom; {source}; 1 prompt(s) of 96 tokens"
+    assert all("budget N = 40" in t for k, t in titles.items() if "_pca_retained_" in k)
+    assert len(titles) == 8 + 4
 
 
 @pytest.mark.parametrize("override, message", [
@@ -244,17 +249,32 @@ def test_analysis_scripts_end_to_end(load_script, tmp_path, tiny_checkpoint):
     ("policies=[sink,nope]", "unknown policy 'nope'"),
     ("attention=max", "attention 'max' is not valid"),
 ])
-def test_analysis_config_errors_before_loading(load_script, override, message):
-    common = load_script("analysis_common")
-    cfg = common.load_config([override])
-    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("[", r"\[")):
-        common.check_config(cfg, eviction=True)
+def test_analysis_config_errors_before_loading(monkeypatch, override, message):
+    cfg = analysis_common.load_config([override])
+    pattern = message.replace("(", r"\(").replace("[", r"\[")
+    with pytest.raises(ValueError, match=pattern):
+        analysis_common.check_config(cfg, eviction=True)
+    # The entry point stops with that message as one line, before loading any model.
+    monkeypatch.setattr(figures, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    with pytest.raises(SystemExit, match="^error: .*" + pattern) as exit_info:
+        figures.main([override])
+    assert "\n" not in str(exit_info.value)
 
 
+@pytest.mark.parametrize("arguments, message", [
+    (["--policies", "keydiff,nope"], "unknown policies ['nope']; valid: "),
+    (["--future", "0"], "--future must be between 1 and --context - 1"),
+])
+def test_future_attention_rejects_bad_input_before_loading(monkeypatch, capsys, arguments, message):
+    monkeypatch.setattr(future_attention, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    with pytest.raises(SystemExit) as exit_info:
+        future_attention.main(arguments)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
-def test_table3_on_longbench_prompts(load_script, tmp_path, tiny_checkpoint):
+
+def test_table3_on_longbench_prompts(tmp_path, tiny_checkpoint):
     data = Path(__file__).resolve().parent.parent / "tasks" / "fixtures" / "longbench" / "data"
-    load_script("analysis_table3").main([
+    table3.main([
         "model=custom", f"model.path={tiny_checkpoint}", "model.dtype=float32", "model.device=cpu",
         "data.source=longbench", f"data.longbench_dir={data}", "length=80", "samples=2", "attention=last_row",
         f"tables_dir={tmp_path}"])

@@ -1,5 +1,5 @@
-"""The README's "Python API" section is a runnable example: its python blocks are executed verbatim, in order,
-with the real offline default model, and what their comments claim is checked."""
+"""The "Python API" page (docs/api.md, linked from the README) is a runnable example: its python blocks are
+executed verbatim, in order, with the real offline default model, and what their comments claim is checked."""
 
 from __future__ import annotations
 
@@ -12,18 +12,17 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def api_blocks() -> list[str]:
-    """The ```python blocks of README.md between "## Python API" and the next second-level heading."""
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
-    section = text.split("\n## Python API\n", 1)[1].split("\n## ", 1)[0]
-    return re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    """The ```python blocks of docs/api.md, in order."""
+    text = (ROOT / "docs" / "api.md").read_text(encoding="utf-8")
+    return re.findall(r"```python\n(.*?)```", text, flags=re.S)
 
 
 @pytest.mark.real_model
-def test_the_readme_api_section_runs_as_written(capsys):
+def test_the_api_page_runs_as_written(capsys):
     blocks = api_blocks()
     assert len(blocks) == 2 and "keydiff.load_model(" in blocks[0]
     namespace: dict = {}
-    exec(compile(blocks[0], "README.md: Python API, block 1", "exec"), namespace)
+    exec(compile(blocks[0], "docs/api.md: block 1", "exec"), namespace)
     first = capsys.readouterr().out
     prompt_length = namespace["input_ids"].shape[1]
     assert prompt_length == 346 and "L = 346 tokens" in blocks[0]
@@ -37,7 +36,7 @@ def test_the_readme_api_section_runs_as_written(capsys):
     assert cache.entries_held() <= 128 + 1 and cache.entries_held(29) <= 128 + 1  # held: the budget (+1 between steps)
     assert "4721" in first  # the printed answer the comment shows
 
-    exec(compile(blocks[1], "README.md: Python API, block 2", "exec"), namespace)
+    exec(compile(blocks[1], "docs/api.md: block 2", "exec"), namespace)
     assert namespace["tokens"] == out.token_ids[0][:8]  # the loop gives keydiff.generate's tokens
     assert namespace["state"].cache.entries_held() <= 128 + 1
 

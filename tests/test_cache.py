@@ -11,8 +11,6 @@ import torch
 
 import keydiff
 from keydiff import generate, prefill
-from transformers import DynamicCache
-
 from keydiff.attention import check_flash_attn_version
 from tests.conftest import tiny_llama
 
@@ -166,48 +164,95 @@ def test_old_flash_attn_is_refused_before_running(monkeypatch, prompt):
         prefill(model, prompt, "keydiff", 64, 32)
 
 
-def _layer_contents(layer) -> dict[int, tuple]:
-    """{position: (key row, value row, state values)} of head 0 of a layer: what it holds, whatever the order."""
-    n = layer.num_entries
-    return {int(layer.positions[0, 0, i]): (layer.keys[0, 0, i].clone(), layer.values[0, 0, i].clone(),
-                                             tuple(float(b[0, 0, i]) for b in layer.state.values()))
-            for i in range(n)}
+def brute_force_keep(name: str, held: dict[int, list], budget: int) -> set[int]:
+    """Positions the default `name` policy keeps from one head's `held` {position: [key, value, attention sum]}.
+
+    Written from the papers' definitions, not from the policy code: KeyDiff by Eq. 7 (keep the keys whose
+    summed cosine similarity to all held keys is lowest; Eq. 8, which the policy computes, ranks the same),
+    StreamingLLM by its rule (4 sinks, then the most recent), H2O by the attention each entry has received.
+    """
+    positions = sorted(held)
+    if name == "keydiff":
+        keys = torch.stack([held[p][0] for p in positions]).double()
+        unit = keys / keys.norm(dim=-1, keepdim=True)
+        similarity = (unit @ unit.T).sum(dim=-1).tolist()
+        ranked = [p for _, p in sorted(zip(similarity, positions))]  # least similar first
+    elif name == "sink":
+        ranked = [p for p in positions if p < 4] + sorted((p for p in positions if p >= 4), reverse=True)
+    else:  # h2o
+        ranked = [p for _, p in sorted(((-held[p][2], p) for p in positions))]  # most attention first
+    return set(ranked[:budget])
 
 
+@pytest.mark.parametrize("stacked", [True, False], ids=["stacked", "layer_by_layer"])
 @pytest.mark.parametrize("name", ["keydiff", "h2o", "sink"])
 @pytest.mark.parametrize("excess", [1, 5])
-def test_in_place_eviction_keeps_exactly_the_policys_choice_with_its_rows(name, excess):
-    """The decoding fast path (one new entry) and the general path move keys, values, positions and state together."""
-    from keydiff.cache import EvictingLayer
+def test_in_place_eviction_keeps_exactly_the_policys_choice_with_its_rows(name, excess, stacked):
+    """The decoding fast path (one new entry) and the general path move keys, values, positions and state together.
 
-    torch.manual_seed(excess)
+    Catches: eviction keeping a wrong set (e.g. the highest-scored entries dropped instead of the lowest, a
+    new entry moved into the wrong slot), and rows that lose their key, value or state on the way. The
+    expected set is brute-forced from what the test itself wrote (keys, values, attention per position), not
+    from the policy's `keep_indices`/`evict_indices`: a bug there would be shared by both sides.
+    """
+    from keydiff.cache import EvictingCache
+
+    budget, layers, heads, dim = 20, 2, 2, 8
+    generator = torch.Generator().manual_seed(excess)
     policy = keydiff.build_policy(name)
-    layer = EvictingLayer(20, 20 + excess, policy.state_names, policy.initial_state, layer_idx=0)
-    layer.update(torch.randn(1, 2, 20 + excess, 8), torch.randn(1, 2, 20 + excess, 8))
-    for _ in range(3):  # a few eviction rounds, so entries are out of order in the buffer
-        view = layer.view(0)
-        if policy.attention_rows != 0:  # observe now (what evict() would do first), so the choice is visible
-            policy.observe(dataclasses.replace(view, attention=torch.rand(1, 2, layer.num_entries)))
-            layer.record_attention(torch.zeros(1, 2, layer.num_entries))  # evict() observes again: adds nothing
-        before = _layer_contents(layer)
-        expected = {int(view.positions[0, 0, i]) for i in policy.keep_indices(view, 20)[0, 0]}
-        layer.evict(policy)
-        after = _layer_contents(layer)
-        assert set(after) == expected
-        for position, (key, value, state) in after.items():
-            assert torch.equal(key, before[position][0]) and torch.equal(value, before[position][1])
-            assert state == before[position][2]
-        layer.update(torch.randn(1, 2, excess, 8), torch.randn(1, 2, excess, 8))
+    cache = EvictingCache(policy if stacked else layer_by_layer(name), budget, layers, block_size=excess)
+    held = [[{} for _ in range(heads)] for _ in range(layers)]  # [layer][head] {position: [key, value, attention]}
+    seen = 0
+    for new in (budget + excess, excess, excess, excess):  # several rounds: entries end up out of buffer order
+        for layer_idx in range(layers):
+            keys, values = torch.randn(2, 1, heads, new, dim, generator=generator)
+            cache.update(keys, values, layer_idx)
+            for head in range(heads):
+                for i in range(new):
+                    held[layer_idx][head][seen + i] = [keys[0, head, i], values[0, head, i], 0.0]
+        if policy.attention_rows != 0:  # H2O: the attention the pass "gave" every held entry
+            for layer_idx in range(layers):
+                positions = cache.layers[layer_idx].view(layer_idx).positions
+                attention = torch.rand(positions.shape, generator=generator)
+                cache.record_attention(layer_idx, attention)
+                for head in range(heads):
+                    for slot, position in enumerate(positions[0, head].tolist()):
+                        held[layer_idx][head][position][2] += float(attention[0, head, slot])
+        seen += new
+        assert (cache.stack is not None) == stacked  # which eviction path runs
+        cache.evict()
+        for layer_idx in range(layers):
+            view = cache.layers[layer_idx].view(layer_idx)
+            for head in range(heads):
+                kept = brute_force_keep(name, held[layer_idx][head], budget)
+                positions = view.positions[0, head].tolist()
+                assert set(positions) == kept, f"layer {layer_idx} head {head}: kept {sorted(positions)}"
+                held[layer_idx][head] = {p: held[layer_idx][head][p] for p in kept}
+                for slot, position in enumerate(positions):  # each row still holds what was written for it
+                    key, value, attention = held[layer_idx][head][position]
+                    assert torch.equal(view.keys[0, head, slot], key) and torch.equal(view.values[0, head, slot], value)
+                    if name == "h2o":
+                        assert view.state["h2o"][0, head, slot].item() == pytest.approx(attention, rel=1e-5)
+                    if name == "keydiff":
+                        inverse_norm = 1.0 / key.double().norm().item()
+                        assert view.state["inv_norm"][0, head, slot].item() == pytest.approx(inverse_norm, rel=1e-6)
 
 
-def test_keydiff_caches_each_entrys_inverse_key_norm_when_it_is_written(model, prompt):
-    from keydiff.policies.keydiff import inverse_key_norms
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_keydiff_caches_each_entrys_inverse_key_norm_when_it_is_written(prompt, dtype):
+    """Every held entry's cached `inv_norm` is 1 / ||its key||, after evictions moved entries around.
 
+    Catches: a wrong value stored (the norm instead of its inverse, the norm taken in bfloat16, another
+    entry's norm) and a state that does not move with its key. The expected value is computed here in
+    float64 from the cached key itself, not by `inverse_key_norms`, the helper that produced the state.
+    """
+    model = tiny_llama("sdpa", dtype=dtype)
     state = prefill(model, prompt, "keydiff", 40, 16)
     generate(model, state, 6)
-    for layer in state.cache.layers:
-        n = layer.num_entries
-        assert torch.allclose(layer.state["inv_norm"][:, :, :n], inverse_key_norms(layer.keys[:, :, :n]), rtol=1e-6)
+    for layer_idx, layer in enumerate(state.cache.layers):
+        view = layer.view(layer_idx)
+        expected = 1.0 / view.keys.double().square().sum(dim=-1).sqrt()
+        assert torch.allclose(view.state["inv_norm"].double(), expected, rtol=1e-6, atol=0), f"layer {layer_idx}"
 
 
 # --- the stack: all layers in one allocation, evicted in one call --------------------------------------
@@ -285,15 +330,47 @@ def test_a_layer_unlike_the_first_leaves_the_stack_and_eviction_goes_layer_by_la
     assert cache.get_seq_length() == 20 and first.max_entries == second.max_entries == 12
 
 
-@pytest.mark.parametrize("name", ["keydiff", "tova", "h2o"])
+def viewing(policy: keydiff.Policy) -> keydiff.Policy:
+    """The same policy (class behaviour and parameters) that also keeps a copy of every view it evicts from."""
+    cls = type(policy)
+
+    def evict_indices(self, layer, budget):
+        self.views.append((layer.layers, layer.keys.clone(), layer.positions.clone()))
+        return cls.evict_indices(self, layer, budget)
+
+    recorder = type(f"Viewing{cls.__name__}", (cls,), {"evict_indices": evict_indices, "__module__": __name__})(
+        **{f.name: getattr(policy, f.name) for f in dataclasses.fields(policy) if f.init})
+    recorder.views = []
+    return recorder
+
+
+@pytest.mark.parametrize("name", BATCHABLE)
 def test_stacked_rows_stay_with_their_layer_and_batch_row(model, name):
-    """Two different prompts in one batch: the stack's rows are layer-major, then batch (as torch.cat orders the statistics)."""
+    """Two different prompts in one batch: the stack's rows are layer-major, then batch (as torch.cat orders the statistics).
+
+    Catches a layer (or batch row) mix-up in the stack for every batchable policy. For an attention-free policy a
+    consistent swap of two layers' slices changes no kept set (each row is scored on its own), so comparing
+    outputs alone cannot see it; the views the policy is handed can: row l * batch + b of every stacked view
+    must hold exactly what layer l, row b is handed when the same run evicts layer by layer.
+    """
     batch = torch.randint(0, 256, (2, 200), generator=torch.Generator().manual_seed(7))
-    stacked = prefill(model, batch, name, 48, 32)
-    reference = prefill(model, batch, layer_by_layer(name), 48, 32)
-    assert stacked.cache.stack is not None and stacked.cache.stack.keys.shape[:2] == (3, 2)
+    stacked_policy = viewing(keydiff.build_policy(name))
+    reference_policy = viewing(layer_by_layer(name))
+    stacked = prefill(model, batch, stacked_policy, 48, 32)
+    reference = prefill(model, batch, reference_policy, 48, 32)
+    assert stacked.cache.stack is not None and stacked.cache.stack.keys.shape[:2] == (3, 2)  # [layers, batch, ...]
     assert all(torch.equal(a, b) for a, b in zip(stacked.kept_positions, reference.kept_positions))
     assert generate(model, stacked, 6).token_ids == generate(model, reference, 6).token_ids
+    per_layer = iter(reference_policy.views)  # every layer evicts at every step: layers 0, 1, 2, then the next step
+    assert stacked_policy.views and len(reference_policy.views) == 3 * len(stacked_policy.views)
+    for step, (layers, keys, positions) in enumerate(stacked_policy.views):
+        assert layers == (0, 1, 2) and keys.shape[0] == 3 * 2
+        for layer in range(3):
+            reference_layers, reference_keys, reference_positions = next(per_layer)
+            assert reference_layers == (layer,)
+            rows = slice(2 * layer, 2 * layer + 2)
+            assert torch.equal(keys[rows], reference_keys), f"eviction {step}: rows {rows} are not layer {layer}'s"
+            assert torch.equal(positions[rows], reference_positions)
 
 
 def test_layers_a_policy_never_evicts_are_not_stacked(model, prompt):
@@ -315,23 +392,34 @@ def test_decoding_without_eviction_grows_the_whole_stack_and_releases_the_old_on
     assert cache.kv_cache_bytes == 2 * 3 * 2 * (64 + 60) * 16 * 4
 
 
-def test_attention_recognises_only_the_tensor_its_layer_returned(model, prompt):
-    state = prefill(model, prompt, "tova", 64, 32)
-    cache = state.cache
-    returned = cache.layers[1].returned_keys
-    assert cache.owns(1, returned) and not cache.owns(0, returned)
-    # The same slots seen through another tensor (what a pointer comparison would accept) are not the layer's.
-    assert not cache.owns(1, cache.layers[1].keys[:, :, : returned.shape[2]])
-    # The model run with some other cache while ours is bound: plain attention, nothing recorded in ours.
-    timings = dict(cache.timings)
-    with torch.no_grad(), keydiff.keydiff_attention(model, cache):
-        model(input_ids=prompt[:, :40], past_key_values=DynamicCache(), use_cache=True)
-    assert all(layer.attention is None for layer in cache.layers) and cache.timings == timings
-    # With ours, every layer records the statistic its next eviction needs.
-    with torch.no_grad(), keydiff.keydiff_attention(model, cache):
-        model(input_ids=prompt[:, :1], past_key_values=cache, use_cache=True)
-    assert all(layer.attention is not None and layer.attention.shape[-1] == 65 for layer in cache.layers)
-    assert cache.timings["statistics_s"] > timings["statistics_s"]
+@pytest.mark.parametrize("name", ["tova", layer_by_layer("tova")], ids=["stacked", "layer_by_layer"])
+def test_attention_recognises_only_the_layer_whose_slots_it_reads(model, prompt, name):
+    """The attention function records a statistic only for keys that are the bound cache's own layer.
+
+    Positive cases are what the attention function is really handed: the keys `cache.update` returns for that
+    layer (a prefix view of its buffer), so a cache that returned a copy would fail here, not only later.
+    Negative cases: another layer's keys (in a stacked cache, the same storage), a copy of the layer's own keys,
+    and, through a real forward, a model run with another cache while this one is bound (nothing recorded).
+    """
+    cache = keydiff.EvictingCache(keydiff.build_policy(name) if isinstance(name, str) else name, 16, 3,
+                                  block_size=20, max_tokens=40)
+    generator = torch.Generator().manual_seed(0)
+    handed = [cache.update(*torch.randn(2, 1, 2, 20, 16, generator=generator), layer_idx)[0] for layer_idx in range(3)]
+    assert (cache.stack is not None) == isinstance(name, str)
+    for layer_idx, keys in enumerate(handed):
+        assert cache.owns(layer_idx, keys), f"layer {layer_idx} does not recognise its own keys"
+        assert not cache.owns(layer_idx, keys.clone())
+        # The same slots seen through another tensor (what a pointer comparison accepts) are not what it was handed.
+        assert not cache.owns(layer_idx, cache.layers[layer_idx].keys[:, :, : keys.shape[2]])
+        for other in set(range(3)) - {layer_idx}:
+            assert not cache.owns(other, keys), f"layer {other} claims layer {layer_idx}'s keys"
+    bound = keydiff.EvictingCache(keydiff.build_policy("tova"), 16, 3, block_size=20, max_tokens=40)
+    other = keydiff.EvictingCache(keydiff.build_policy("tova"), 16, 3, block_size=20, max_tokens=40)
+    with torch.no_grad(), keydiff.keydiff_attention(model, bound):
+        model(prompt[:, :20], past_key_values=other, use_cache=True)
+        assert all(layer.attention is None for layer in bound.layers + other.layers)
+        model(prompt[:, :20], past_key_values=bound, use_cache=True)  # 20 entries > 16: TOVA needs its last row
+    assert [tuple(layer.attention.shape) for layer in bound.layers] == [(1, 2, 20)] * 3
 
 
 @pytest.mark.parametrize("name", ["keydiff", "tova"])

@@ -229,17 +229,50 @@ def dead_pid() -> int:
 
 
 def test_second_writer_is_refused_naming_the_holder_and_may_wait(tmp_path):
+    """A second writer is refused with the holder named; with lock_wait it waits while the holder lives and
+    takes the lock once it is released. Deterministic: the holder is released only after the waiter has seen it
+    (an event), and the waiter is checked to have left the live holder's lock alone while it waited.
+
+    Catches a waiter that refuses at once despite lock_wait, one that takes over a live holder's lock, and one
+    that never notices the release (it would still be waiting after 30 s).
+    """
+
+    class WatchedLock(RunLock):
+        """A RunLock that says when it has read a live holder's record (then it is waiting, or refusing)."""
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.saw_holder = threading.Event()
+
+        def holder(self):
+            found = super().holder()
+            if found and found != self.record:
+                self.saw_holder.set()
+            return found
+
     lock = tmp_path / "run" / ".lock"
     lock.parent.mkdir()
     live = {"host": socket.gethostname(), "pid": os.getppid(), "started": "now"}  # another live process
     lock.write_text(json.dumps(live))
     with pytest.raises(RunLockedError, match=f"host {socket.gethostname()}, pid {os.getppid()}, since now"):
         RunLock(tmp_path / "run").acquire()
-    threading.Timer(0.3, lock.unlink).start()  # the holder finishes
-    waiter = RunLock(tmp_path / "run", wait_s=30, poll_s=0.05)
-    started = time.monotonic()
-    waiter.acquire()
-    assert 0.2 < time.monotonic() - started < 30 and json.loads(lock.read_text()) == waiter.record
+    waiter = WatchedLock(tmp_path / "run", wait_s=30, poll_s=0.01)
+    errors: list[BaseException] = []
+
+    def wait_for_lock():
+        try:
+            waiter.acquire()
+        except BaseException as error:  # reported below, in the test's thread
+            errors.append(error)
+
+    thread = threading.Thread(target=wait_for_lock)
+    thread.start()
+    assert waiter.saw_holder.wait(timeout=30), "the waiter never looked at the lock"
+    assert json.loads(lock.read_text()) == live  # it waits: the live holder's lock is untouched
+    lock.unlink()  # the holder finishes
+    thread.join(timeout=30)
+    assert not thread.is_alive(), "the waiter did not take the released lock"
+    assert errors == [] and json.loads(lock.read_text()) == waiter.record
     with RunLock(tmp_path / "run"):  # re-entrant in the holding process (run.py, then runner.run)
         pass
     assert lock.exists()

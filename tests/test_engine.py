@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import pytest
 import torch
 
@@ -155,13 +158,85 @@ def test_batch_rows_are_independent(model):
         assert torch.equal(joint.kept_positions[1][row], single.kept_positions[1][0])
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_low_precision_runs_within_bound(prompt, dtype):
+def logging_policy(name: str) -> keydiff.Policy:
+    """The built-in policy `name` (defaults) that also logs what it observes and every eviction it decides."""
+    policy = build_policy(name)
+    cls = type(policy)
+
+    def observe(self, layer):
+        self.log.append(("observe", layer.positions.clone(), layer.attention.clone()))
+        cls.observe(self, layer)
+
+    def evict_indices(self, layer, budget):
+        dropped = cls.evict_indices(self, layer, budget)
+        attention = None if layer.attention is None else layer.attention.clone()
+        self.log.append(("evict", layer.keys.clone(), layer.positions.clone(), attention, dropped.clone()))
+        return dropped
+
+    logged = type(f"Logged{cls.__name__}", (cls,), {"observe": observe, "evict_indices": evict_indices})(
+        **{f.name: getattr(policy, f.name) for f in dataclasses.fields(policy) if f.init})
+    logged.log = []
+    return logged
+
+
+def float64_scores(name: str, keys, positions, attention, accumulated) -> torch.Tensor:
+    """The policy's score of every entry in float64, written from its definition (higher = keep)."""
+    if name == "keydiff":  # Eq. 8: -cos(k_i, mean of the unit keys)
+        keys = keys.double()
+        anchor = (keys / keys.norm(dim=-1, keepdim=True)).mean(dim=2, keepdim=True)
+        return -(keys * anchor).sum(-1) / (keys.norm(dim=-1) * anchor.norm(dim=-1))
+    if name == "h2o":  # all the attention each position has received so far
+        return accumulated.gather(-1, positions)
+    # snapkv (window 32, kernel 7, avg): the prefix's attention in position order, summed over the 7
+    # neighbours inside the prefix, / 7; the window is always kept
+    window, half = 32, 3
+    order = positions.argsort(dim=-1)
+    ordered = attention.double().gather(-1, order)
+    prefix = ordered.shape[-1] - window
+    pooled = torch.full_like(ordered, math.inf)
+    for i in range(prefix):
+        pooled[..., i] = ordered[..., max(i - half, 0) : min(i + half + 1, prefix)].sum(-1) / (2 * half + 1)
+    return torch.empty_like(pooled).scatter_(-1, order, pooled)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("name", ["keydiff", "snapkv", "h2o"])
+def test_low_precision_runs_within_bound_and_scores_in_float32(prompt, dtype, name):
+    """bf16/fp16 models: exactly N + B entries at the peak, N after every block, and every eviction drops entries
+    whose float64 score (recomputed here from the keys, attention and positions the policy was handed) is no
+    higher than any kept one's.
+
+    Catches a policy that loses its ranking in low precision (KeyDiff's score returned in bf16, so that ties fall
+    to position order; SnapKV pooling in bf16/fp16; KeyDiff's cached inverse norms kept in the model's dtype) or
+    that is silently replaced (e.g. by the most recent tokens), which a bound alone cannot see: any evicting
+    policy stays within N + B. H2O's choices here follow position (see tests/test_guards.py), so its sums in
+    low precision are checked there (test_h2o_accumulates_in_float32_in_low_precision_models).
+    """
     model = tiny_llama("sdpa", dtype=dtype)
-    for name in ("keydiff", "snapkv", "h2o"):
-        state = prefill(model, prompt, name, 64, 32)
-        assert state.max_cache_entries <= 96 and torch.isfinite(state.logits).all()
-        assert state.cache.layers[0].view(0).keys.dtype == dtype
+    policy = logging_policy(name)
+    budget, block = 64, 32
+    state = prefill(model, prompt, policy, budget, block)
+    assert state.max_cache_entries == budget + block and torch.isfinite(state.logits).all()
+    assert all(positions.shape == (1, 2, budget) for positions in state.kept_positions)
+    assert state.cache.layers[0].view(0).keys.dtype == dtype
+    accumulated = torch.zeros(3, 2, prompt.shape[1], dtype=torch.float64)  # H2O: [stacked rows, heads, position]
+    evictions = 0
+    for entry in policy.log:
+        if entry[0] == "observe":
+            _, positions, attention = entry
+            accumulated.scatter_add_(-1, positions, attention.double())
+            continue
+        _, keys, positions, attention, dropped = entry
+        assert keys.shape[0] == 3  # the three layers stacked: rows line up with `accumulated`
+        scores = float64_scores(name, keys, positions, attention, accumulated)
+        is_dropped = torch.zeros_like(positions, dtype=torch.bool).scatter_(-1, dropped, True)
+        highest_dropped = scores.masked_fill(~is_dropped, -math.inf).amax(dim=-1)
+        lowest_kept = scores.masked_fill(is_dropped, math.inf).amin(dim=-1)
+        tolerance = 1e-5 * scores[torch.isfinite(scores)].abs().max()
+        assert (highest_dropped <= lowest_kept + tolerance).all(), (
+            f"eviction {evictions}: dropped a score of {highest_dropped.max():.6f}, kept {lowest_kept.min():.6f}")
+        evictions += 1
+    assert evictions == -(-(prompt.shape[1] - budget) // block)  # one per block once the budget is exceeded
 
 
 def test_knorm_skip_layers_keep_everything_there(model, prompt):

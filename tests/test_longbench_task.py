@@ -7,7 +7,6 @@ a plain-text chat template), so every token count below is a byte count plus one
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import math
 import shutil
@@ -18,21 +17,11 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
 from keydiff.tasks import longbench as lb
+from keydiff.tasks.fixture_builders import longbench as fixture_builder
 from keydiff.tasks.base import Sample
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = ROOT / "tasks" / "fixtures" / "longbench"
-
-
-def _load_script():
-    path = ROOT / "scripts" / "make_longbench_fixture.py"
-    spec = importlib.util.spec_from_file_location("make_longbench_fixture", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-fixture_script = _load_script()
 
 
 @pytest.fixture(scope="module")
@@ -168,7 +157,7 @@ def test_all_fixture_files_load():
 
 
 def test_zip_data_dir(tmp_path):
-    zip_path = fixture_script.write_zip(FIXTURE, tmp_path / "data.zip")
+    zip_path = fixture_builder.write_zip(FIXTURE, tmp_path / "data.zip")
     from_zip = task(datasets=["lsht"], data_dir=str(zip_path))
     from_folder = task(datasets=["lsht"])
     assert [s.fields for s in from_zip.samples()] == [s.fields for s in from_folder.samples()]
@@ -198,7 +187,7 @@ def test_missing_file_names_the_paths(tmp_path):
 def test_download_trust_on_first_use(tmp_path, monkeypatch):
     import huggingface_hub
 
-    zip_source = fixture_script.write_zip(FIXTURE, tmp_path / "upstream.zip")
+    zip_source = fixture_builder.write_zip(FIXTURE, tmp_path / "upstream.zip")
     digest = hashlib.sha256(zip_source.read_bytes()).hexdigest()
     calls = []
 
@@ -228,8 +217,9 @@ def test_download_trust_on_first_use(tmp_path, monkeypatch):
     assert len(calls) == 1
 
 
-def test_fixture_is_reproducible_and_small(tmp_path):
-    fixture_script.write_fixture(tmp_path)
+def test_fixture_is_reproducible_and_small(tmp_path, capsys):
+    fixture_builder.main(["--out", str(tmp_path)])  # the command line writes what is committed
+    assert f"wrote {21 + 13} files" in capsys.readouterr().out
     written = sorted(p.name for p in (tmp_path / "data").iterdir())
     committed = sorted(p.name for p in (FIXTURE / "data").iterdir())
     assert written == committed and len(written) == 21 + 13

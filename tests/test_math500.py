@@ -29,6 +29,7 @@ from keydiff.tasks.math_answers import (
     normalize_answer,
     score_response,
 )
+from keydiff.tasks.fixture_builders import math500 as math500_fixture
 from tests.conftest import char_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -245,6 +246,12 @@ def test_validate_and_data_sources(tmp_path):
         Math500(data_dir=str(FIXTURE), top_p=1.5).validate()
     digest = hashlib.sha256((FIXTURE / "test.jsonl").read_bytes()).hexdigest()
     assert list(Math500(data_dir=str(FIXTURE)).data_sources().values()) == [digest]
+
+
+def test_fixture_is_what_the_builder_writes(tmp_path, capsys):
+    math500_fixture.main(["--out", str(tmp_path)])
+    assert (tmp_path / "test.jsonl").read_bytes() == (FIXTURE / "test.jsonl").read_bytes()
+    assert "wrote 5 problems" in capsys.readouterr().out
 
 
 def test_missing_datasets_message(monkeypatch):

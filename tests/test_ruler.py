@@ -22,6 +22,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from keydiff.tasks.fixture_builders import ruler as ruler_fixture
 from keydiff.tasks.ruler import (
     GENERATOR_VERSION,
     MIN_LENGTH_FRACTION,
@@ -311,13 +312,8 @@ def test_qa_gold_document_is_in_the_context(name):
         assert all("brass" not in task.plan(name, i)["query"] for i in range(len(gen.data.questions)))
 
 
-def test_fixture_is_what_the_script_writes(tmp_path):
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        import make_ruler_fixture
-    finally:
-        sys.path.pop(0)
-    make_ruler_fixture.main(tmp_path)
+def test_fixture_is_what_the_builder_writes(tmp_path):
+    ruler_fixture.main(["--out", str(tmp_path)])
     for name in ("squad.json", "hotpotqa.json"):
         assert (tmp_path / name).read_bytes() == (FIXTURE / name).read_bytes()
 

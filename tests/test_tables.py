@@ -33,12 +33,13 @@ R1 = "deepseek-r1-distill-llama-8b"
 def write_run(runs, experiment, task, model, label, budget_label, block, metrics, rows=(), name=None,
               complete=True, limit=None, ttft=0.5, seed=0, extra=None):
     tokens = None if (name or label) == "full" else {"1k": 1024, "2k": 2048, "4k": 4096, "6k": 6144}[budget_label]
-    run_dir = runs / experiment / task / model / label / budget_label / f"bs{block}" / f"seed{seed}"
+    suffix = f"-limit{limit}" if limit is not None else ""  # as run.py names a subset run's directory
+    run_dir = runs / experiment / task / model / label / budget_label / f"bs{block}" / f"seed{seed}{suffix}"
     run_dir.mkdir(parents=True)
     with open(run_dir / "predictions.jsonl", "w") as handle:
         handle.writelines(json.dumps(row) + "\n" for row in rows)
     summary = {
-        "complete": complete, "metrics": metrics, "budget": tokens, "block_size": None if block == "inf" else block,
+        "complete": complete, "metrics": metrics, "budget": tokens, "limit": limit, "block_size": None if block == "inf" else block,
         "statistics": {"samples": max(len(rows), 1), "mean_compression_ratio": 0.5, "mean_ttft_s": ttft,
                        "mean_prompt_tokens": 1000.0, "cache_bound_held": True},
         "attention_statistics": "fast",
@@ -47,6 +48,11 @@ def write_run(runs, experiment, task, model, label, budget_label, block, metrics
                    "policy": {"name": name or label, "label": label}, "budget": {"tokens": tokens, "label": budget_label}},
     }
     (run_dir / "summary.json").write_text(json.dumps(summary | (extra or {})))
+
+
+def niah_rows(recalls):
+    return [{"sample_id": f"niah/{i}", "scores": {"needle_recall": r}, "ttft_s": 0.5, "compression_ratio": 0.5}
+            for i, r in enumerate(recalls)]
 
 
 def longbench_scores(base, **changes):
@@ -63,7 +69,8 @@ def math_rows(flex, new_tokens):
 @pytest.fixture(scope="module")
 def fake_runs(tmp_path_factory):
     runs = tmp_path_factory.mktemp("results") / "runs"
-    lb_rows = [{"sample_id": f"{d}/{k}", "info": {"dataset": d}, "prompt_tokens": t, "compression_ratio": c}
+    lb_rows = [{"sample_id": f"{d}/{k}", "info": {"dataset": d}, "prompt_tokens": t, "compression_ratio": c,
+                "scores": {"score": c}}
                for d, k, t, c in [("narrativeqa", 0, 9000, 0.1), ("narrativeqa", 1, 3000, 0.3), ("qasper", 0, 2500, 0.5)]]
     write_run(runs, "table11", "longbench_full", LLAMA3B, "keydiff", "2k", 128, longbench_scores(10.5), lb_rows)
     write_run(runs, "table11", "longbench_full", LLAMA3B, "tova", "2k", 128, longbench_scores(10.0, qasper=99.0), lb_rows)
@@ -119,6 +126,11 @@ def md_rows(path, table=0):
     return [[c.strip() for c in l.strip("|").split("|")] for l in lines]
 
 
+def value(cell: str) -> str:
+    """The value of a "value ± half-width (n=...)" cell (bold marker kept)."""
+    return cell.split(" ±")[0]
+
+
 def md_cell(path, row_start, column, table=0):
     rows = md_rows(path, table)
     col = rows[0].index(column)
@@ -149,40 +161,45 @@ def test_longbench_tables_bold_the_best_eviction_method(produced):
     out, _, written = produced
     md = out / "tables" / "table11.md"
     row = (LLAMA3B, "KeyDiff", "2K")
-    assert md_cell(md, row, "NarrativeQA") == "**10.50**"
-    assert md_cell(md, row, "Qasper") == "11.50"
-    assert md_cell(md, (LLAMA3B, "TOVA", "2K"), "Qasper") == "**99.00**"
-    assert md_cell(md, (LLAMA3B, "Full", "--"), "NarrativeQA") == "50.00"  # higher, but a reference
-    assert md_cell(md, row, "Avg.") == "20.50"
-    assert md_cell(md, (LLAMA3B, "TOVA", "2K"), "Avg.") == f"**{20 + (99 - 11) / 21:.2f}**"
+    assert md_cell(md, row, "NarrativeQA") == "**10.50 ± 19.60 (n=1)**"  # SE over narrativeqa's 2 rows (0.1, 0.3)
+    assert md_cell(md, row, "Qasper") == "11.50 ± n/a (n=1)"  # one sample: no interval
+    assert value(md_cell(md, (LLAMA3B, "TOVA", "2K"), "Qasper")) == "**99.00"
+    assert value(md_cell(md, (LLAMA3B, "Full", "--"), "NarrativeQA")) == "50.00"  # higher, but a reference
+    assert md_cell(md, row, "Avg.") == "20.50 ± n/a (n=21)"  # any dataset without an SE: the average has none
+    assert value(md_cell(md, (LLAMA3B, "TOVA", "2K"), "Avg.")) == f"**{20 + (99 - 11) / 21:.2f}"
     assert not any(r[2] == "4K" for r in md_rows(md)[1:])  # the incomplete run is left out
     tex = (out / "tables" / "table11.tex").read_text()
-    assert r"\textbf{99.00}" in tex and r"\textbf{50.00}" not in tex and r"\toprule" in tex
+    assert r"\textbf{99.00 $\pm$ n/a (n=1)}" in tex and r"\textbf{50.00" not in tex and r"\toprule" in tex
+    assert "95 % confidence interval" in tex
     # Table 1 = English columns of the table11 runs; its average is over those 16 columns only.
     english = [10.5 + i for i, d in enumerate(SUITE) if d in make_tables.ENGLISH]
-    assert md_cell(out / "tables" / "table1.md", row, "Avg.") == f"{sum(english) / 16:.2f}"
+    assert value(md_cell(out / "tables" / "table1.md", row, "Avg.")) == f"{sum(english) / 16:.2f}"
     assert "MF-zh" not in md_rows(out / "tables" / "table1.md")[0]
-    assert md_cell(out / "tables" / "table1.md", (LLAMA3B, "Sink", "2K"), "Avg.") == "**30.00**"  # from table1 itself
+    assert value(md_cell(out / "tables" / "table1.md", (LLAMA3B, "Sink", "2K"), "Avg.")) == "**30.00"  # from table1 itself
     assert not any(r[1] == "Sink" for r in md_rows(md))  # an English-only run cannot fill Table 11
     # Table 13: block size is a row level; the full row (any B) appears once.
     rows13 = md_rows(out / "tables" / "table13.md")
     assert [r[:4] for r in rows13[1:]] == [[LLAMA3B, "--", "Full", "--"], [LLAMA3B, "64", "KeyDiff", "2K"]]
     ablation = out / "tables" / "table15.md"
-    assert md_cell(ablation, ("KeyDiff",), "2K") == "20.50" and md_cell(ablation, ("Pairwise",), "2K") == "**21.00**"
+    assert value(md_cell(ablation, ("KeyDiff",), "2K")) == "20.50"
+    assert value(md_cell(ablation, ("Pairwise",), "2K")) == "**21.00"
 
 
 def test_other_tables(produced):
     out, _, written = produced
     tables = out / "tables"
-    assert md_cell(tables / "table17.md", ("TOVA",), "478") == "**0.6**"
-    assert md_cell(tables / "table17.md", ("KeyDiff",), "100") == "**1.0**"  # ties are all bold
-    assert md_cell(tables / "table17.md", ("Dense",), "478") == "0.8"
+    assert value(md_cell(tables / "table17.md", ("TOVA",), "478")) == "**0.6"
+    assert value(md_cell(tables / "table17.md", ("KeyDiff",), "100")) == "**1.0"  # ties are all bold
+    assert value(md_cell(tables / "table17.md", ("Dense",), "478")) == "0.8"
     assert md_cell(tables / "table18.md", ("0",), "1000") == "-0.10"
     assert md_cell(tables / "table18.md", ("50",), "2000") == "-0.30"
-    assert md_cell(tables / "table4.md", ("4K", "1024", "KeyDiff + 20%"), "Flex Match") == "**0.500**"
+    # flex of rows 1, 1, 0, 0: SE = sqrt(1/3) / 2, half-width 1.96 SE = 0.566
+    assert md_cell(tables / "table4.md", ("4K", "1024", "KeyDiff + 20%"), "Flex Match") == "**0.500 ± 0.566 (n=4)**"
     assert md_cell(tables / "table4.md", ("4K", "--", "Full"), "Avg. Gen. Length") == "1200"
-    assert md_cell(tables / "table5.md", ("4K", "Num Tokens > 1024 (2/2)", "Full"), "Flex") == "0.500"
-    assert md_cell(tables / "table9.md", ("NarrativeQA",), "2K") == "0.20"
+    # the full run's flex on the two samples over 1024 tokens: 0 and 1, SE 0.5, half-width 0.980
+    assert md_cell(tables / "table5.md", ("4K", "Num Tokens > 1024 (2/2)", "Full"), "Flex") == "0.500 ± 0.980 (n=2)"
+    assert value(md_cell(tables / "table9.md", ("NarrativeQA",), "2K")) == "0.20"
+    assert md_cell(tables / "table9.md", ("NarrativeQA",), "2K").startswith("0.20 ± 0.20")  # ratios 0.1, 0.3
     assert md_cell(tables / "table8.md", ("NarrativeQA",), ">8K") == "1"
     assert md_cell(tables / "table8.md", ("NarrativeQA",), "Total") == "2"
     assert md_cell(tables / "table8.md", ("Qasper",), "2K-4K") == "1"
@@ -227,7 +244,7 @@ def test_same_model_cells_show_ours_paper_and_difference(produced):
     t1 = out / "tables" / "table1_vs_paper.md"
     cells = md_rows(t1)
     kd = [r for r in cells if r[:5] == [LLAMA3B, LLAMA3B, "keydiff", "2k", "narrativeqa"]]
-    assert kd and kd[0][6:9] == ["10.5", "18.29", "-7.79!"]
+    assert kd and kd[0][6:9] == ["10.5 ± 19.6", "18.29", "-7.79!"]  # ours with its 95 % half-width
     # The unfinished table11 run (~) is shown with its difference but not counted.
     assert md_cell(t1, (LLAMA3B, LLAMA3B, "keydiff", "4k", "narrativeqa"), "Ours") == "70~"
     assert "68 of 711 paper cells" in t1.read_text() and "~ 17 cells from runs not complete, shown but not counted" \
@@ -259,10 +276,12 @@ def adhoc(tmp_path_factory):
     runs = tmp_path_factory.mktemp("adhoc") / "runs"
     for label, score in [("keydiff", 0.75), ("sink", 0.25)]:
         for budget in ["1k", "2k"]:
+            step = 0.125 if budget == "2k" else 0
             write_run(runs, "adhoc", "niah_small", "smollm2-135m", label, budget, 128,
-                      {"needle_recall": score + (0.125 if budget == "2k" else 0)}, rows=[{}, {}], limit=2)
+                      {"needle_recall": score + step}, rows=niah_rows([score + 0.25, score - 0.25 + 2 * step]), limit=2)
+    book = [{"sample_id": f"n100/b0/q{i}", "scores": {"exact": float(i % 2 == 0)}} for i in range(4)]
     write_run(runs, "table17", "phonebook", "smollm2-135m", "keydiff", "6k", 128,
-              {"exact": 0.5, "by_size": {"100": {"exact": 0.6}}}, rows=[{}] * 4,
+              {"exact": 0.5, "by_size": {"100": {"exact": 0.6}}}, rows=book,
               extra={"num_samples": 4, "num_failed": 1, "failures": {"out_of_memory": 1}})
     out = runs.parent / "out"
     collect_results.collect(runs, out / "summary.csv")
@@ -275,13 +294,16 @@ def test_adhoc_subset_sweep_gets_a_generic_table_and_figure(adhoc):
     out, written, figures = adhoc
     assert "generic/adhoc__niah_small" in written
     md = out / "tables" / "generic" / "adhoc__niah_small.md"
-    assert md_cell(md, ("smollm2-135m", "128", "keydiff"), "1k") == "0.750 (n=2)§"
-    assert md_cell(md, ("smollm2-135m", "128", "sink"), "2k") == "0.375 (n=2)§"
+    # recalls 1.0 and 0.5: SE 0.25, 95 % half-width 0.490; 0.5 and 0.25: SE 0.125, half-width 0.245
+    assert md_cell(md, ("smollm2-135m", "128", "keydiff"), "1k") == "0.750 ± 0.490 (n=2)§"
+    assert md_cell(md, ("smollm2-135m", "128", "sink"), "2k") == "0.375 ± 0.245 (n=2)§"
     assert md_cell(md, ("smollm2-135m", "128", "sink", "2k"), "limit", table=1) == "2"
-    assert md_cell(md, ("smollm2-135m", "128", "sink", "2k"), "needle_recall", table=1) == "0.375"
+    assert md_cell(md, ("smollm2-135m", "128", "sink", "2k"), "needle_recall (primary)", table=1) == "0.375 ± 0.245 (n=2)"
+    assert md_cell(md, ("smollm2-135m", "128", "sink", "2k"), "kept N/L", table=1) == "0.500"
+    assert "needle_recall" not in md_rows(md, table=1)[0]  # the primary score is not repeated
     assert "4 configurations, 8 samples scored, 4 subset runs (§)" in md.read_text()
     tex = (out / "tables" / "generic" / "adhoc__niah_small.tex").read_text()
-    assert r"\toprule" in tex and r"\caption{adhoc / niah\_small" in tex and "0.750 (n=2)§" in tex
+    assert r"\toprule" in tex and r"\caption{adhoc / niah\_small" in tex and "0.750 ± 0.490 (n=2)§" in tex
     names = {p.relative_to(out / "figures").as_posix() for p in figures}
     assert "generic/adhoc__niah_small__smollm2-135m__bs128.png" in names
     readme = (out / "README.md").read_text()
@@ -298,12 +320,16 @@ def test_failed_samples_and_other_models_are_marked(adhoc):
     run = df[df.experiment == "table17"].iloc[0]
     assert (run["samples"], run["num_failed"], run["failures/out_of_memory"]) == (4, 1, 1)
     assert md_cell(out / "tables" / "generic" / "table17__phonebook.md", ("smollm2-135m", "128", "keydiff"), "6k") \
-        == "0.500 (n=4)†1"
+        == "0.500 ± 0.566 (n=4)†1"
     md = out / "tables" / "table17_vs_paper.md"  # SmolLM2 is not the paper's model: reference only, no difference
-    assert md_cell(md, ("smollm2-135m", LLAMA3B, "keydiff", "6k", "100"), "Ours") == "0.6†1"
-    assert md_cell(md, ("smollm2-135m", LLAMA3B, "keydiff", "6k", "100"), "Δ") == ""
+    assert md_cell(md, ("smollm2-135m", LLAMA3B, "keydiff", "6k", "100"), "Ours") == "0.6 ± 0.566†1"
+    assert md_cell(md, ("smollm2-135m", LLAMA3B, "keydiff", "6k", "100"), "Paper") == "1"  # the paper's, beside ours
+    assert md_cell(md, ("smollm2-135m", LLAMA3B, "keydiff", "6k", "100"), "Δ") == "other model"
     text = md.read_text()
     assert "0 of 30 paper cells compared" in text and "for reference only" in text and "† 1 cells" in text
+    assert "the paper's values for another model, llama-3.2-3b-instruct" in text
+    wide = md_rows(md, table=1)  # side by side: the paper's model is named on the row
+    assert wide[0][:2] == ["model", "paper_model"] and wide[1][:2] == ["smollm2-135m", LLAMA3B]
 
 
 def test_nothing_run_yet_still_writes_every_file(tmp_path):
@@ -378,3 +404,107 @@ def test_predictions_count_the_latest_successful_row_per_sample(tmp_path):
     (tmp_path / "predictions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"sample_id": "e"')
     got = collect_results.read_predictions(tmp_path)
     assert {r["sample_id"]: r["compression_ratio"] for r in got} == {"a": 0.5, "c": 0.25, "d": 0.75}
+
+
+# ----------------------------------------------------------------------------- a subset run beside the full run
+FULL_RECALLS = [1.0, 1.0, 1.0, 1.0, 0.6, 0.584]  # mean 0.864 (the default job: 6 samples)
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory):
+    """Issue #14's sequence: the default job (python run.py: adhoc, niah_small, keydiff 2k, 6 samples), then
+    python run.py task.limit=2 on the same point, which re-scores the first two samples in seed0-limit2/."""
+    runs = tmp_path_factory.mktemp("mixed") / "runs"
+    point = dict(runs=runs, experiment="adhoc", task="niah_small", model="smollm2-135m", label="keydiff",
+                 budget_label="2k", block=128)
+    write_run(**point, metrics={"needle_recall": 0.864, "n": 6}, rows=niah_rows(FULL_RECALLS))
+    write_run(**point, metrics={"needle_recall": 1.0, "n": 2}, rows=niah_rows(FULL_RECALLS[:2]), limit=2)
+    # A point with only a subset run (limits 2 and 4: the larger one is shown, never their mean).
+    other = {**point, "label": "sink"}
+    write_run(**other, metrics={"needle_recall": 0.5, "n": 2}, rows=niah_rows([1.0, 0.0]), limit=2)
+    write_run(**other, metrics={"needle_recall": 0.25, "n": 4}, rows=niah_rows([1.0, 0.0, 0.0, 0.0]), limit=4)
+    out = runs.parent / "out"
+    collect_results.collect(runs, out / "summary.csv")
+    make_tables.main(out / "summary.csv", out / "tables")
+    return out, runs
+
+
+def test_a_subset_run_is_never_averaged_with_the_full_run(mixed):
+    out, _ = mixed
+    md = out / "tables" / "generic" / "adhoc__niah_small.md"
+    kd = ("smollm2-135m", "128", "keydiff")
+    # SE of the six recalls: sd 0.2107 / sqrt(6) = 0.0860, 95 % half-width 0.169
+    assert md_cell(md, kd, "2k") == "0.864 ± 0.169 (n=6)"  # not 0.932 (n=8)§
+    assert md_cell(md, kd + ("2k",), "seeds", table=1) == "1"
+    assert md_cell(md, kd + ("2k",), "limit", table=1) == "--"
+    assert md_cell(md, kd + ("2k",), "n (metric)", table=1) == "6"  # a count prints as an integer
+    # Only subset runs: the largest limit, marked §.
+    assert md_cell(md, ("smollm2-135m", "128", "sink"), "2k") == "0.250 ± 0.490 (n=4)§"
+    assert md_cell(md, ("smollm2-135m", "128", "sink", "2k"), "limit", table=1) == "4"
+    assert "2 subset runs not shown" in md.read_text()
+
+
+def drawn_figures(monkeypatch, summary, runs, out) -> dict:
+    """make_figures.main, recording what each figure draws (legend, error-bar series, titles) before it is saved."""
+    plotted, save = {}, make_figures.save
+
+    def keep_axes(fig, where, name):
+        ax = fig.axes[0]
+        plotted[name] = [text.get_text() for text in ax.get_legend().get_texts()] if ax.get_legend() else []
+        plotted[name + "/containers"] = [(c.lines[0].get_ydata().tolist(), c) for c in ax.containers
+                                         if hasattr(c, "lines")]  # error-bar series
+        plotted[name + "/title"] = ax.get_title()
+        plotted[name + "/titles"] = [a.get_title() for a in fig.axes] + [fig.get_suptitle()]
+        return save(fig, where, name)
+
+    monkeypatch.setattr(make_figures, "save", keep_axes)
+    make_figures.main(summary, runs, out)
+    return plotted
+
+
+def test_subset_runs_are_marked_on_heatmaps(produced, fake_runs, monkeypatch, tmp_path):
+    out, _, _ = produced
+    plotted = drawn_figures(monkeypatch, out / "summary.csv", fake_runs, tmp_path)
+    smoke = plotted["niah_small_smoke_smollm2-135m_1k_bs128/titles"]  # the smoke run has task.limit=2
+    assert smoke[0] == "KeyDiff § (n=1)" and "§ subset run (task.limit)" in smoke[-1]
+    full = plotted[f"niah_fig6_niah_{LLAMA3B}_6k_bs128/titles"]
+    assert full[:2] == ["Full (n=1)", "KeyDiff (n=1)"] and not any("§" in t for t in full)
+
+
+def test_the_generic_figure_plots_the_full_run_with_its_interval(mixed, monkeypatch):
+    out, runs = mixed
+    plotted = drawn_figures(monkeypatch, out / "summary.csv", runs, out / "figures")
+    name = "adhoc__niah_small__smollm2-135m__bs128"
+    labels = list(plotted[name])
+    assert "KeyDiff (n=6 per budget)" in labels and "Sink § (n=4 per budget)" in labels
+    series = dict((round(y[0], 6), c) for y, c in plotted[name + "/containers"])
+    assert set(series) == {0.864, 0.25}  # never 0.932
+    bar = series[0.864].lines[2][0].get_segments()[0]  # the error bar of the full run's point
+    assert [round(v, 3) for v in (bar[0][1], bar[1][1])] == [0.864 - 0.169, 0.864 + 0.169]
+    assert "§" in plotted[name + "/title"]
+
+
+def test_interval_arithmetic():
+    from keydiff.uncertainty import combined_se, format_estimate, grouped_mean_se, standard_error
+
+    assert standard_error([1.0, 0.0]) == pytest.approx(0.5) and standard_error([0.7]) != standard_error([0.7])  # NaN
+    assert combined_se([0.3, 0.4]) == pytest.approx(0.25)  # the mean of two independent estimates
+    mean, se = grouped_mean_se([[1.0, 0.0], [1.0, 1.0, 1.0]], scale=100)  # datasets weigh equally, as averages do
+    assert (mean, se) == (pytest.approx(75.0), pytest.approx(25.0))
+    assert format_estimate(0.5, 0.25, 2) == "0.500 ± 0.490 (n=2)" and format_estimate(0.5, float("nan"), 1) == "0.500 ± n/a (n=1)"
+    # Seeds of one configuration: values averaged, samples summed, standard errors combined.
+    import generic_tables
+
+    seeds = pd.DataFrame({"policy": ["kd", "kd"], "score": [0.5, 0.7], "se/score": [0.3, 0.4], "samples": [2, 3]})
+    row = generic_tables.average_seeds(seeds, ["policy"], sums=("samples",)).iloc[0]
+    assert (row["score"], row["se/score"], row["samples"]) == (pytest.approx(0.6), pytest.approx(0.25), 5)
+
+
+def test_standard_errors_are_collected_per_score(produced):
+    out, _, _ = produced
+    df = pd.read_csv(out / "summary.csv", dtype={"block_size": str})
+    w20 = df[df.policy == "keydiff_w20"].iloc[0]  # Math-500 flex of rows 1, 1, 0, 0
+    assert w20["se/metrics/flex"] == pytest.approx((1 / 3) ** 0.5 / 2) and w20["se/score"] == w20["se/metrics/flex"]
+    kd = df[(df.experiment == "table11") & (df.policy == "keydiff") & (df.budget_label == "2k")].iloc[0]
+    assert kd["se/lb/narrativeqa"] == pytest.approx(10.0)  # 100 x SE of 0.1, 0.3
+    assert kd["se/cr/narrativeqa"] == pytest.approx(0.1) and pd.isna(kd["se/lb/qasper"])  # qasper: one sample

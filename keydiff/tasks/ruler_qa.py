@@ -33,7 +33,7 @@ DATASET_FILES = {
     "hotpotqa": ("hotpotqa.json", "hotpot_dev_distractor_v1.json"),
 }
 DOCUMENT = "Document {i}:\n{document}"
-# sha256 of tasks/fixtures/ruler/{squad,hotpotqa}.json (scripts/make_ruler_fixture.py), checked by the tests.
+# sha256 of tasks/fixtures/ruler/{squad,hotpotqa}.json (keydiff.tasks.fixture_builders.ruler), checked by the tests.
 FIXTURE_SHA256 = frozenset({
     "730aacbb514650ff9d6feddcb6f83dfc5085f9bf38be860ea809a7d910d8e487",
     "9020f988a1f9255d7c1779feb9ef469c9990fa7b4e18b9df27f25a6714fb0417",

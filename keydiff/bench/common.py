@@ -1,0 +1,268 @@
+"""What the benchmarks, the GPU self-check and the analyses share: model shapes, the device setting,
+memory, and the one provenance record (`provenance`, `write_json`) every JSON output of them carries.
+
+Random models are built from public architecture configs (no download): speed and memory depend on
+shapes, not on weight values, so they stand in for the real checkpoints on machines without them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import hashlib
+import json
+import os
+import resource
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from keydiff import available_policies, build_policy
+from keydiff.results import environment, git_state, package_versions
+
+# Llama-3.2-3B(-Instruct), from its public config.json.
+LLAMA_3_2_3B = dict(
+    vocab_size=128256, hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
+    num_key_value_heads=8, head_dim=128, max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
+    rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 8192},
+    tie_word_embeddings=True, bos_token_id=128000, eos_token_id=[128001, 128008, 128009],
+)
+# SmolLM2-135M, from its public config.json; positions extended so 16k-token prompts are valid.
+SMOLLM2_135M = dict(
+    vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+    num_key_value_heads=3, head_dim=64, max_position_embeddings=32768, rms_norm_eps=1e-5, rope_theta=100000.0,
+    tie_word_embeddings=True,
+)
+# The test suite's tiny Llama (tests/conftest.py): 3 layers, GQA group of 2, head_dim 16.
+TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=32768)
+# A mid-size shape for GPU checks: enough layers and heads for bf16 rounding to accumulate.
+MID = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
+           num_key_value_heads=4, head_dim=64, max_position_embeddings=32768)
+RANDOM_MODELS = {"random-tiny": TINY, "random-mid": MID, "random-smollm2": SMOLLM2_135M,
+                 "random-llama-3.2-3b": LLAMA_3_2_3B}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_POLICIES = "full,keydiff,sink,knorm,tova,snapkv,h2o"
+# The folder that holds this keydiff package (a checkout's root).
+CHECKOUT = Path(__file__).resolve().parents[2]
+
+
+def device_name() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def default_dtype(device: str) -> torch.dtype:
+    return torch.bfloat16 if device == "cuda" else torch.float32
+
+
+def build_model(name: str, dtype: torch.dtype, attn: str, device: str, seed: int = 0):
+    """A random model from RANDOM_MODELS, or a real one through keydiff.models (smollm2-135m, hub ids)."""
+    if name in RANDOM_MODELS:
+        torch.manual_seed(seed)
+        with torch.device(device):
+            model = LlamaForCausalLM._from_config(LlamaConfig(**RANDOM_MODELS[name]), attn_implementation=attn,
+                                                  dtype=dtype)
+        return model.eval()
+    from keydiff.models import ModelConfig, load_model
+
+    cfg = ModelConfig.from_dict({"name": name, "path": "builtin:smollm2-135m" if name == "smollm2-135m" else name,
+                                 "dtype": {v: k for k, v in DTYPES.items()}[dtype], "attn_implementation": attn,
+                                 "max_length": 1 << 20, "device": device})
+    cfg.validate()
+    return load_model(cfg)[0]
+
+
+def add_common_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options every benchmark takes: model, dtype, attention, threads, repeats, JSON output."""
+    parser.add_argument("--model", default=None,
+                        help="smollm2-135m | random-tiny | random-smollm2 | random-llama-3.2-3b | hub id/path")
+    parser.add_argument("--dtype", default=None, choices=list(DTYPES), help="default: bfloat16 on CUDA, float32 on CPU")
+    parser.add_argument("--attn", default="sdpa", choices=["sdpa", "eager", "flash_attention_2"])
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per policy (the median is reported)")
+    parser.add_argument("--json", default=None, help="also write the results to this JSON file")
+
+
+def parse_policies(parser: argparse.ArgumentParser, text: str | None, budget: int) -> list[str]:
+    """Policy names from a comma list, each validated against the budget before any model is loaded.
+
+    text=None means the default list, from which policies that cannot run at this budget (SnapKV's
+    32-token window needs N > 32) are dropped with a note; a policy asked for by name fails instead.
+    """
+    names = [p.strip() for p in (text or DEFAULT_POLICIES).split(",") if p.strip()]
+    unknown = [p for p in names if p not in available_policies()]
+    if unknown:
+        parser.error(f"unknown policies {unknown}; valid: {', '.join(available_policies())}")
+    valid = []
+    for name in names:
+        try:
+            build_policy(name).validate(budget)
+            valid.append(name)
+        except ValueError as error:
+            if text is not None:
+                parser.error(f"{name}: {error}")
+            print(f"note: {name} skipped: {error}", file=sys.stderr)
+    return valid
+
+
+def setting_line(device: str, dtype: torch.dtype | None, **fields) -> str:
+    """One line naming everything a timing depends on: device, threads, dtype and the run's settings."""
+    hardware = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    parts = [f"device={hardware}", f"threads={torch.get_num_threads()}", f"torch={torch.__version__}"]
+    if dtype is not None:
+        parts.insert(2, f"dtype={str(dtype).removeprefix('torch.')}")
+    return " ".join(parts + [f"{k}={v}" for k, v in fields.items()])
+
+
+def random_prompt(model, length: int, seed: int = 0) -> torch.Tensor:
+    vocab = model.config.get_text_config().vocab_size
+    return torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+def prompt_record(prompt: torch.Tensor, seed: int = 0) -> dict[str, Any]:
+    """The data a benchmark ran on: random token ids (`random_prompt`), their seed, length and sha256."""
+    ids = prompt.detach().cpu().to(torch.int64).contiguous().numpy().tobytes()
+    return {"prompt": "random token ids", "seed": seed, "tokens": prompt.shape[-1],
+            "sha256": hashlib.sha256(ids).hexdigest()}
+
+
+def run_module(module: str, arguments: list[str]) -> subprocess.CompletedProcess:
+    """`python -m module arguments` in a fresh interpreter (a clean process for memory peaks, as a user runs it).
+
+    The child imports this same keydiff (CHECKOUT first on its PYTHONPATH), not another installed copy,
+    and runs in the caller's folder, so relative paths in `arguments` mean what they meant here.
+    """
+    path = os.pathsep.join(filter(None, [str(CHECKOUT), os.environ.get("PYTHONPATH")]))
+    return subprocess.run([sys.executable, "-m", module, *arguments], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": path})
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def release_memory(device: str) -> None:
+    """Drop freed tensors between policies (never inside a timed loop: it would time the allocator)."""
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
+def interleaved_rounds(cases: dict[str, Callable[[], Any]], repeats: int, device: str) -> dict[str, list[Any]]:
+    """Run every case once untimed (warm-up), then `repeats` rounds in which each case runs once, in turn.
+
+    Why rounds: on a shared or throttling machine the speed drifts over minutes. Measuring all repeats of
+    one policy and then all of the next puts that drift into the ratio between them; taking one sample
+    of each per round spreads it over every policy, and the median over rounds discards the outliers.
+    Each case returns its own measurement; memory is released between cases, never inside one.
+    """
+    for fn in cases.values():
+        release_memory(device)
+        fn()
+    results: dict[str, list[Any]] = {name: [] for name in cases}
+    for round_index in range(repeats):
+        for name, fn in cases.items():
+            print(f"  round {round_index + 1}/{repeats}: {name} ...", file=sys.stderr, flush=True)
+            release_memory(device)
+            results[name].append(fn())
+    return results
+
+
+def kv_cache_bytes(cache, model, entries: int, batch: int = 1) -> int:
+    """Bytes the cache's key/value buffers hold: the cache's own count when it has one, else the formula
+    2 (K and V) x layers x KV heads x head_dim x itemsize x entries x batch."""
+    own = getattr(cache, "kv_cache_bytes", None)
+    if own is not None:
+        return int(own)
+    config = model.config.get_text_config()
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    itemsize = next(model.parameters()).element_size()
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * itemsize * entries * batch
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size (ru_maxrss is KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+def current_rss_bytes() -> int | None:
+    """Resident set size now (Linux /proc), or None elsewhere."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * resource.getpagesize()
+    except OSError:
+        return None
+
+
+def reset_peak_rss() -> bool:
+    """Restart the peak-RSS count from the current RSS, so a later peak is the run's, not the model load's.
+
+    Linux only: freed heap is first returned to the OS (glibc malloc_trim), then writing 5 to
+    /proc/self/clear_refs resets the high-water mark that ru_maxrss reports. False where unsupported.
+    """
+    gc.collect()
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")
+    except OSError:
+        return False
+    return True
+
+
+def timestamp() -> str:
+    """Local time with its UTC offset, as run summaries write it."""
+    return time.strftime("%Y-%m-%dT%H:%M:%S%z")
+
+
+def provenance(module: str, argv: list[str] | None = None) -> dict[str, Any]:
+    """What produced a benchmark's or an analysis's numbers, taken when it starts (one record for all of them).
+
+    The command line (`python -m module` and its arguments, sys.argv's when `argv` is None), the code's
+    commit and whether the tree had uncommitted changes under "code" (the key run summaries use), the
+    package versions, the environment (platform, threads, GPU) and the start time. `write_json` adds the
+    end time. Pass the entry point's `__spec__.name`, which names the module however it was started.
+    """
+    # lead: build on keydiff.run.provenance at merge
+    arguments = sys.argv[1:] if argv is None else argv
+    return {"command": shlex.join(["python", "-m", module, *arguments]), "code": git_state(),
+            "packages": package_versions(), "environment": environment(), "started": timestamp()}
+
+
+def write_json(path: str | Path, payload: dict[str, Any], started: dict[str, Any]) -> Path:
+    """Write results with their provenance (`provenance()` at the start) and the end time, creating the folder."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    record = {**payload, **started, "time": timestamp()}
+    path.write_text(json.dumps(record, indent=2, default=str) + "\n", encoding="utf-8")
+    return path
+
+
+def ratio(value: float | None, base: float | None) -> float | None:
+    return None if value is None or not base else value / base
+
+
+def fmt(value: float | None, spec: str, suffix: str = "") -> str:
+    """Format a number, or '-' where it does not apply."""
+    return "-" if value is None else f"{value:{spec}}{suffix}"
+
+
+def print_table(columns: list[tuple[str, int]], rows: list[list[str]], text_columns: int = 1) -> None:
+    """The first `text_columns` columns left-aligned, the numbers after them right-aligned; widths fit."""
+    widths = [max([w, len(title)] + [len(row[i]) for row in rows]) for i, (title, w) in enumerate(columns)]
+    line = lambda cells: "".join(c.ljust(w + 2) if i < text_columns else c.rjust(w + 2)
+                                 for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+    print(line([title for title, _ in columns]))
+    for row in rows:
+        print(line(row))

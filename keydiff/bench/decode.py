@@ -1,0 +1,283 @@
+"""Decode benchmark: the cost of evicting after every generated token, next to plain decoding.
+
+    python -m keydiff.bench.decode --model random-smollm2                  # per-token decode at N = 1024
+    python -m keydiff.bench.decode --model random-llama-3.2-3b --end-to-end   # TTFT + decode, L = 4096
+    python -m keydiff.bench.decode --memory-scaling                        # peak RSS at L = 4096 vs 16384
+
+Every mode warms each policy up once, untimed, then times --repeats rounds in which each policy runs once
+in turn (keydiff.bench.common.interleaved_rounds), so drift in the machine's speed does not bias the ratios.
+
+Default mode. Every evicting policy prefills L prompt tokens at budget N and then decodes, evicting
+after every token (B = 1). `full` prefills exactly N prompt tokens and decodes without eviction, so it
+attends to the same N-entry cache: the ratio is the price of evicting, not of a longer context. Per
+policy: median ms per decoded token over --repeats (decode wall time / (new_tokens - 1) forward steps;
+one untimed warm-up first), TTFT, and - from a separate untimed pass of --profile-tokens tokens under
+torch.profiler(profile_memory=True) - the bytes allocated per decoded token: the sum of the sizes of
+every allocation event (the profiler's raw "[memory]" records with nbytes > 0; frees are ignored) on
+the model's device, divided by the forward steps. "x KV" divides that by the bytes of the cache's
+key/value buffers: 1 or more means each token allocates a whole cache's worth (a gather or concatenation
+copy of the cache), on top of the activations, which dominate only for tiny models.
+
+--end-to-end: one prompt of L tokens (default 4096, 64 new tokens); `full` keeps all of L, the others
+N. Total time (TTFT + decode) and per-token decode, as ratios to full.
+
+--memory-scaling: peak RSS (getrusage ru_maxrss) of prefill + decode at fixed N for each of
+--scaling-lengths (default 4096, 16384), each in a fresh subprocess so every peak is that length's own,
+on random-smollm2 (SmolLM2-135M's shape) by default. On Linux the peak is reset after the model is
+built (/proc/self/clear_refs), since building it sets a higher peak than a bounded run ever reaches;
+the load peak is printed beside it. A bounded cache should make the growth small; full's grows.
+Generation never stops at an end-of-sequence token, so exactly --new-tokens tokens are produced.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+import torch
+
+from keydiff import build_policy, generate, prefill
+from keydiff.bench import common
+
+
+def run_once(model, prompt, name: str, budget: int | None, block: int, new_tokens: int):
+    """Prefill then decode exactly `new_tokens` tokens with eviction after every one (no stop token)."""
+    state = prefill(model, prompt, build_policy(name), budget, block)
+    result = generate(model, state, new_tokens, eos_token_ids=(), evict=True)
+    assert len(result.token_ids[0]) == new_tokens
+    return state, result
+
+
+def allocated_bytes(fn, device: str) -> dict[str, int]:
+    """Bytes allocated while fn() runs: every positive "[memory]" record of the profiler, per device type.
+
+    The raw records (one per allocator call, nbytes > 0 for an allocation, < 0 for a free) are read
+    because key_averages()' memory columns are net (allocations minus frees) per operator.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    before = torch.cuda.memory_stats().get("allocated_bytes.all.allocated", 0) if device == "cuda" else 0
+    with profile(activities=activities, profile_memory=True, record_shapes=False) as prof:
+        fn()
+    totals = {"cpu": 0, "cuda": 0}
+    for event in prof.profiler.kineto_results.events():
+        if event.name() == "[memory]" and event.nbytes() > 0:
+            kind = str(event.device_type()).rsplit(".", 1)[-1].lower()
+            totals[kind] = totals.get(kind, 0) + event.nbytes()
+    if device == "cuda":  # the caching allocator's own cumulative count, as a cross-check
+        totals["cuda_allocator"] = torch.cuda.memory_stats().get("allocated_bytes.all.allocated", 0) - before
+    return totals
+
+
+def timed_run(model, prompt, name: str, budget: int | None, args) -> dict:
+    """One prefill + decode: its TTFT, its decode time per step and the peak entries."""
+    state, result = run_once(model, prompt, name, budget, args.block_size, args.new_tokens)
+    return {"ttft_s": state.seconds, "per_token_s": result.seconds / (args.new_tokens - 1),
+            "peak_entries": result.max_cache_entries}
+
+
+def allocation_pass(model, prompt, name: str, budget: int | None, args, device: str) -> dict:
+    """An untimed pass under the memory profiler: bytes allocated per decoded token, next to the KV bytes."""
+    state = prefill(model, prompt, build_policy(name), budget, args.block_size)
+    entries = max(p.shape[-1] for p in state.kept_positions)
+    kv_bytes = common.kv_cache_bytes(state.cache, model, entries)
+    steps = args.profile_tokens - 1
+    allocated = allocated_bytes(lambda: generate(model, state, args.profile_tokens, eos_token_ids=()), device)
+    per_step = {kind: total / steps for kind, total in allocated.items()}
+    return {"cache_entries": entries, "kv_cache_bytes": kv_bytes, "alloc_bytes_per_token": per_step[device],
+            "alloc_bytes_per_token_by_device": per_step, "alloc_to_kv": per_step[device] / kv_bytes}
+
+
+def eviction_pass(model, prompt, name: str, budget: int | None, args) -> dict:
+    """A separate profiled pass (profile=True: the GPU is synchronised around every statistic and eviction):
+    ms per decoding step spent evicting and computing attention statistics, next to the step's own time."""
+    state = prefill(model, prompt, build_policy(name), budget, args.block_size, profile=True)
+    before = dict(state.cache.timings)
+    result = generate(model, state, args.new_tokens, eos_token_ids=())
+    steps = args.new_tokens - 1
+    spent = {key: (state.cache.timings[key] - before[key]) * 1000 / steps for key in before}
+    return {"profiled_ms_per_token": result.seconds * 1000 / steps, "eviction_ms_per_token": spent["eviction_s"],
+            "statistics_ms_per_token": spent["statistics_s"]}
+
+
+def measure_all(model, cases: dict[str, tuple[torch.Tensor, int | None]], args, device: str,
+                eviction_times: bool = False) -> list[dict]:
+    """cases: policy -> (prompt, budget). Warm-up, timed rounds (interleaved), then the allocation passes
+    (and, with eviction_times, the profiled passes that split a step's time)."""
+    runs = common.interleaved_rounds(
+        {name: (lambda name=name, p=p, b=b: timed_run(model, p, name, b, args)) for name, (p, b) in cases.items()},
+        args.repeats, device)
+    rows = []
+    for name, (prompt, budget) in cases.items():
+        ttfts = [r["ttft_s"] for r in runs[name]]
+        per_token = [r["per_token_s"] for r in runs[name]]
+        row = {"policy": name, "prompt_tokens": prompt.shape[1], "ttft_median_s": statistics.median(ttfts),
+               "decode_ms_per_token": 1000 * statistics.median(per_token),
+               "decode_ms_per_token_all": [1000 * p for p in per_token],
+               "total_median_s": statistics.median(t + p * (args.new_tokens - 1) for t, p in zip(ttfts, per_token)),
+               "peak_entries": runs[name][-1]["peak_entries"]}
+        print(f"  allocation pass: {name} ...", file=sys.stderr, flush=True)
+        row.update(allocation_pass(model, prompt, name, budget, args, device))
+        if eviction_times:
+            print(f"  profiled pass: {name} ...", file=sys.stderr, flush=True)
+            row.update(eviction_pass(model, prompt, name, budget, args))
+        rows.append(row)
+    return rows
+
+
+def decode_mode(model, prompt, names, args, device) -> list[dict]:
+    """Policies at N after an L-token prompt; full decodes from an N-token prompt (the same cache size)."""
+    cases = {name: (prompt[:, : args.budget], None) if name == "full" else (prompt, args.budget) for name in names}
+    rows = measure_all(model, cases, args, device, eviction_times=True)
+    full = next((r for r in rows if r["policy"] == "full"), {})
+    columns = [("policy", 10), ("prompt", 0), ("cache", 0), ("ms/token (median)", 0), ("x full@N", 0),
+               ("per round", 0), ("evict ms (prof.)", 0), ("stats ms (prof.)", 0), ("TTFT s", 0),
+               ("alloc MiB/token", 0), ("x KV", 0), ("KV MiB", 0)]
+    table = []
+    for r in rows:
+        r["decode_ratio_to_full"] = common.ratio(r["decode_ms_per_token"], full.get("decode_ms_per_token"))
+        rounds = zip(r["decode_ms_per_token_all"], full.get("decode_ms_per_token_all", []))
+        per_round = [value / base for value, base in rounds]
+        r["decode_ratio_to_full_per_round_median"] = statistics.median(per_round) if per_round else None
+        table.append([r["policy"], str(r["prompt_tokens"]), str(r["cache_entries"]), f"{r['decode_ms_per_token']:.3f}",
+                      common.fmt(r["decode_ratio_to_full"], ".2f"),
+                      common.fmt(r["decode_ratio_to_full_per_round_median"], ".2f"),
+                      f"{r['eviction_ms_per_token']:.3f}", f"{r['statistics_ms_per_token']:.3f}",
+                      f"{r['ttft_median_s']:.4f}", f"{r['alloc_bytes_per_token'] / 2**20:.3f}", f"{r['alloc_to_kv']:.2f}",
+                      f"{r['kv_cache_bytes'] / 2**20:.2f}"])
+    common.print_table(columns, table)
+    print(f"ms/token: decode time / {args.new_tokens - 1} steps; x full@N: over full decoding from an "
+          "N-entry cache (ratio of medians; per round: median of the rounds' ratios); evict/stats ms: per step, "
+          "from a separate profiled pass; alloc: bytes allocated on "
+          f"{device} per step ({args.profile_tokens - 1}-step profiled pass); x KV: alloc over the KV cache's bytes")
+    return rows
+
+
+def end_to_end_mode(model, prompt, names, args, device) -> list[dict]:
+    """The same L-token prompt for every policy: full keeps all of it, the others N."""
+    rows = measure_all(model, {name: (prompt, None if name == "full" else args.budget) for name in names}, args, device)
+    full = next((r for r in rows if r["policy"] == "full"), {})
+    columns = [("policy", 10), ("cache", 0), ("TTFT s", 0), ("ms/token", 0), ("total s", 0), ("x full total", 0),
+               ("x full TTFT", 0), ("x full ms/token", 0)]
+    table = []
+    for r in rows:
+        for key in ("total_median_s", "ttft_median_s", "decode_ms_per_token"):
+            r[f"{key}_ratio_to_full"] = common.ratio(r[key], full.get(key))
+        table.append([r["policy"], str(r["cache_entries"]), f"{r['ttft_median_s']:.4f}", f"{r['decode_ms_per_token']:.3f}",
+                      f"{r['total_median_s']:.4f}", common.fmt(r["total_median_s_ratio_to_full"], ".2f"),
+                      common.fmt(r["ttft_median_s_ratio_to_full"], ".2f"),
+                      common.fmt(r["decode_ms_per_token_ratio_to_full"], ".2f")])
+    common.print_table(columns, table)
+    print(f"total: TTFT + {args.new_tokens - 1} decode steps (medians over {args.repeats} runs); "
+          "full holds the whole prompt, the others N entries")
+    return rows
+
+
+def rss_child(args, device: str, dtype: torch.dtype) -> None:
+    """One length in a fresh process: peak RSS of loading, then of prefill + decode alone. Prints JSON."""
+    model = common.build_model(args.model, dtype, args.attn, device)
+    prompt = common.random_prompt(model, args.length).to(device)
+    load_peak = common.peak_rss_bytes()
+    reset = common.reset_peak_rss()  # else ru_maxrss stays at the load's peak whatever the run does
+    after_load = common.current_rss_bytes()
+    name = args.policies
+    run_once(model, prompt, name, None if name == "full" else args.budget, args.block_size, args.new_tokens)
+    cuda_peak = torch.cuda.max_memory_allocated() if device == "cuda" else None
+    print(json.dumps({"policy": name, "length": args.length, "load_peak_rss_bytes": load_peak,
+                      "rss_after_load_bytes": after_load, "peak_rss_bytes": common.peak_rss_bytes(),
+                      "peak_is_run_only": reset, "cuda_peak_allocated_bytes": cuda_peak}))
+
+
+def memory_scaling_mode(names, args) -> list[dict]:
+    """Runs rss_child for every (policy, length) in its own interpreter and compares the peaks."""
+    lengths = [int(x) for x in args.scaling_lengths.split(",")]
+    rows = []
+    for name in names:
+        for length in lengths:
+            print(f"  {name} L={length} (fresh process) ...", file=sys.stderr, flush=True)
+            arguments = ["--rss-child", "--model", args.model, "--policies", name, "--length", str(length),
+                         "--budget", str(args.budget), "--block-size", str(args.block_size),
+                         "--new-tokens", str(args.new_tokens), "--attn", args.attn]
+            arguments += ["--dtype", args.dtype] if args.dtype else []
+            arguments += ["--threads", str(args.threads)] if args.threads else []
+            done = common.run_module(__spec__.name, arguments)
+            if done.returncode != 0:
+                sys.exit(f"{name} L={length} failed:\n{done.stderr[-3000:]}")
+            rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    columns = [("policy", 10), ("L", 0), ("N", 0), ("load peak MiB", 0), ("after load MiB", 0), ("peak RSS MiB", 0),
+               ("growth", 0), ("above load MiB", 0), ("CUDA peak MiB", 0)]
+    mib = lambda value: common.fmt(None if value is None else value / 2**20, ".0f")
+    table = []
+    for r in rows:
+        first = next(x for x in rows if x["policy"] == r["policy"])
+        r["growth"] = r["peak_rss_bytes"] / first["peak_rss_bytes"] - 1
+        above = None if r["rss_after_load_bytes"] is None else r["peak_rss_bytes"] - r["rss_after_load_bytes"]
+        table.append([r["policy"], str(r["length"]), "-" if r["policy"] == "full" else str(args.budget),
+                      mib(r["load_peak_rss_bytes"]), mib(r["rss_after_load_bytes"]), mib(r["peak_rss_bytes"]),
+                      f"{100 * r['growth']:+.1f}%", mib(above), mib(r["cuda_peak_allocated_bytes"])])
+    common.print_table(columns, table)
+    scope = ("of prefill + decode only (peak reset after loading)" if all(r["peak_is_run_only"] for r in rows)
+             else "of the whole process (this OS cannot reset the peak: loading may set it)")
+    print(f"peak RSS: ru_maxrss {scope}; growth: over the same policy's peak at L={lengths[0]}; "
+          "above load: peak minus the RSS right after loading")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    common.add_common_arguments(parser)
+    parser.add_argument("--policies", default=None,
+                        help=f"comma list (default {common.DEFAULT_POLICIES}; keydiff with --memory-scaling)")
+    parser.add_argument("--length", type=int, default=None, help="prompt tokens L (default 2048; 4096 end-to-end)")
+    parser.add_argument("--budget", type=int, default=1024, help="entries kept per layer and KV head, N")
+    parser.add_argument("--block-size", type=int, default=128, help="prompt tokens per prefill forward, B")
+    parser.add_argument("--new-tokens", type=int, default=None, help="tokens generated (default 32; 64 end-to-end)")
+    parser.add_argument("--profile-tokens", type=int, default=5, help="tokens decoded in the allocation pass")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--end-to-end", action="store_true", help="TTFT + decode on one prompt: full (all L) vs N")
+    mode.add_argument("--memory-scaling", action="store_true", help="peak RSS per prompt length, fresh processes")
+    parser.add_argument("--scaling-lengths", default="4096,16384", help="prompt lengths for --memory-scaling")
+    parser.add_argument("--rss-child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    started = common.provenance(__spec__.name, argv)
+    args.length = args.length or (4096 if args.end_to_end else 2048)
+    args.new_tokens = args.new_tokens or (64 if args.end_to_end else 8 if args.memory_scaling else 32)
+    args.model = args.model or ("random-smollm2" if args.memory_scaling else "smollm2-135m")
+    if args.new_tokens < 2 or args.profile_tokens < 2 or args.repeats < 1:
+        parser.error("--new-tokens and --profile-tokens must be >= 2, --repeats >= 1")
+    if args.memory_scaling and args.policies is None:
+        args.policies = "keydiff"
+    names = common.parse_policies(parser, args.policies, args.budget)
+    if not args.end_to_end and not args.memory_scaling and args.length < args.budget:
+        parser.error("--length must be >= --budget: full decodes from the first N prompt tokens")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = common.device_name()
+    dtype = common.DTYPES[args.dtype] if args.dtype else common.default_dtype(device)
+    if args.rss_child:
+        return rss_child(args, device, dtype)
+
+    fields = dict(model=args.model, attn=args.attn, L=args.length, N=args.budget, B=args.block_size,
+                  new_tokens=args.new_tokens, repeats=args.repeats)
+    if args.memory_scaling:
+        fields.update(L=args.scaling_lengths, repeats=1)
+    setting = common.setting_line(device, dtype, **fields)
+    print(setting, flush=True)
+    data = {"prompt": "random token ids per length (random_prompt, seed 0)"}
+    if args.memory_scaling:
+        rows = memory_scaling_mode(names, args)
+    else:
+        model = common.build_model(args.model, dtype, args.attn, device)
+        prompt = common.random_prompt(model, args.length).to(device)
+        data = common.prompt_record(prompt)
+        rows = (end_to_end_mode if args.end_to_end else decode_mode)(model, prompt, names, args, device)
+    if args.json:
+        mode_name = "end-to-end" if args.end_to_end else "memory-scaling" if args.memory_scaling else "decode"
+        common.write_json(args.json, {"mode": mode_name, "setting": setting, "data": data, "results": rows}, started)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,370 @@
+"""Self-check to run first on a new machine (`make gpu-check`): is the engine exact here, and does it run?
+
+On CUDA, in bfloat16, for attention sdpa, eager and flash_attention_2 (when flash_attn >= 2.1 is
+importable), on a tiny and a mid-size random Llama:
+  full = forward   `full` block prefill (B = 64) gives the logits of one forward pass (within tolerance)
+  N+B bound        every evicting policy: <= N entries after each block's eviction, peak <= N + B
+  N >= L = full    every evicting policy with a budget covering the prompt gives full's logits
+  plain loop       a plain greedy loop, model(input_ids=token, past_key_values=state.cache) inside
+                   keydiff.keydiff_attention(model, state.cache), yields keydiff.generate's tokens
+                   (keydiff, sink, tova, snapkv). SKIP only while keydiff_attention takes no cache.
+  stacked = per layer   the stacked cache (all layers evicted in one call) keeps the same entries and
+                   generates the same tokens as layer-by-layer eviction (keydiff, tova, snapkv, h2o); on
+                   CUDA batched kernels may round differently, so the kept-set agreement must be >= 0.99,
+                   and the tokens identical wherever the kept sets are
+  fast ~ materialized   share of kept (layer, head, position) entries both statistic modes agree on
+                   (h2o, tova, snapkv); bf16 rounding may flip near-ties, hence a threshold, not equality
+  FA2 vs SDPA      the same weights give the same logits with both kernels
+then both benchmarks on Llama-3.2-3B's shape. On CPU the same engine checks run on the tiny model in
+float32 and bfloat16 with sdpa and eager, the CUDA-only rows say SKIP, and the benchmarks run tiny.
+
+Tolerances compare max |a - b| to max |reference logit| (random weights give small logits, so an
+absolute tolerance would mean nothing): 1e-4 in float32; in bfloat16 5e-2. Measured on CPU with the
+mid-size model in bf16: block vs single forward 9e-3 (rounding), eviction at N = L/4 0.9, and a
+top-left-aligned causal mask (what flash-attn < 2.1 does when queries < keys) 0.5-1.
+Exit status 1 if any row FAILs. --quick shrinks every size (the test suite runs it on CPU).
+
+    python -m keydiff.bench.gpu_check [--quick] [--threads 1] [--json check.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+import keydiff
+from keydiff import available_policies, generate, prefill
+from keydiff.bench import common
+
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
+# Fast vs materialized kept-set agreement required in bf16. Random weights give near-uniform attention, so
+# bf16 rounding flips many near-ties: measured on CPU, correct code agrees 0.85-1.0 (tiny and mid-size
+# models), a statistic taken over the wrong query rows 0.1-0.5.
+AGREEMENT_THRESHOLD = 0.75
+GREEDY_POLICIES = ("keydiff", "sink", "tova", "snapkv")
+AGREEMENT_POLICIES = ("h2o", "tova", "snapkv")
+STACKED_POLICIES = ("keydiff", "tova", "snapkv", "h2o")
+STACKED_AGREEMENT = 0.99
+EVICTING = [name for name in available_policies() if name != "full"]
+PREFILL, DECODE = "keydiff.bench.prefill", "keydiff.bench.decode"  # the benchmarks it runs, as `python -m` names
+
+
+@dataclass
+class Row:
+    check: str
+    setting: str
+    result: str  # PASS | FAIL | SKIP
+    detail: str
+
+
+@dataclass
+class Sizes:
+    length: int  # prompt tokens L
+    budget: int  # N (> 32: SnapKV's window)
+    block: int  # B for the eviction checks
+    new_tokens: int
+
+
+SIZES = {"random-tiny": Sizes(300, 64, 32, 12), "random-mid": Sizes(1024, 256, 64, 16)}
+QUICK_SIZES = {"random-tiny": Sizes(160, 48, 32, 6), "random-mid": Sizes(256, 64, 32, 6)}
+FULL_CHECK_BLOCK = 64
+
+
+def relative_error(logits: torch.Tensor, reference: torch.Tensor) -> float:
+    return ((logits.float() - reference.float()).abs().max() / reference.float().abs().max().clamp_min(1e-6)).item()
+
+
+def cache_takes_argument() -> bool:
+    """True once keydiff_attention(model, cache) exists, i.e. a plain model loop can drive the cache."""
+    return len(inspect.signature(keydiff.keydiff_attention).parameters) >= 2
+
+
+def compare(check: str, setting: str, errors: dict[str, float], tol: float) -> Row:
+    worst = max(errors, key=errors.get)
+    ok = all(err <= tol for err in errors.values())
+    detail = f"rel. max |diff| {errors[worst]:.1e} (worst: {worst}), tol {tol:.0e}"
+    return Row(check, setting, "PASS" if ok else "FAIL", detail)
+
+
+def check_full_equals_forward(model, prompt, setting, tol) -> Row:
+    with torch.inference_mode():
+        reference = model(prompt).logits[:, -1].float()
+    state = prefill(model, prompt, "full", None, FULL_CHECK_BLOCK)
+    row = compare("full = forward", setting, {"full": relative_error(state.logits, reference)}, tol)
+    row.detail = f"B={FULL_CHECK_BLOCK}, L={prompt.shape[1]}: {row.detail}"
+    return row
+
+
+def check_bound(model, prompt, sizes: Sizes, setting) -> Row:
+    """After every block each layer holds <= N; the peak is <= N + B in prefill and while decoding."""
+    budget, block = sizes.budget, sizes.block
+    failures, peaks = [], []
+    has_hook = "on_block" in inspect.signature(prefill).parameters
+    for name in EVICTING:
+        sizes_after = []
+
+        def after_block(cache):
+            sizes_after.append(max(layer.num_entries for layer in cache.layers))  # entries held, not tokens seen
+
+        kwargs = {"on_block": after_block} if has_hook else {}
+        state = prefill(model, prompt, name, budget, block, **kwargs)
+        result = generate(model, state, sizes.new_tokens)
+        peak = max(state.max_cache_entries, result.max_cache_entries)
+        peaks.append(peak)
+        if peak > budget + block or any(size > budget for size in sizes_after):
+            failures.append(f"{name} (peak {peak}, after-block max {max(sizes_after, default='?')})")
+    detail = f"{len(EVICTING)} policies, N={budget} B={block}: peak {max(peaks)} <= N+B={budget + block}"
+    if not has_hook:
+        detail += " (prefill has no on_block: per-block sizes not checked)"
+    return Row("N+B bound", setting, "FAIL" if failures else "PASS", "; ".join(failures) or detail)
+
+
+def check_large_budget_is_full(model, prompt, sizes: Sizes, setting, tol) -> Row:
+    length = prompt.shape[1]
+    full = prefill(model, prompt, "full", None, sizes.block).logits
+    errors, short = {}, []
+    for name in EVICTING:
+        state = prefill(model, prompt, name, length, sizes.block)
+        errors[name] = relative_error(state.logits, full)
+        if any(p.shape[-1] != length for p in state.kept_positions):
+            short.append(name)
+    row = compare("N >= L = full", setting, errors, tol)
+    if short:
+        row.result, row.detail = "FAIL", f"evicted with N = L: {', '.join(short)}; {row.detail}"
+    return row
+
+
+@torch.inference_mode()
+def plain_greedy_loop(model, state, new_tokens: int) -> list[int]:
+    """What a user writes without keydiff.generate: feed the argmax back, the cache does the rest."""
+    token, tokens = state.logits.argmax(-1), []
+    with keydiff.keydiff_attention(model, state.cache):
+        for step in range(new_tokens):
+            tokens.append(int(token[0]))
+            if step == new_tokens - 1:
+                break
+            output = model(input_ids=token[:, None], past_key_values=state.cache, use_cache=True)
+            token = output.logits[:, -1].argmax(-1)
+    return tokens
+
+
+def check_plain_loop(model, prompt, sizes: Sizes, setting) -> Row:
+    if not cache_takes_argument():
+        return Row("plain loop = generate", setting, "SKIP",
+                   "keydiff.keydiff_attention(model) takes no cache argument yet (engine before the rewrite)")
+    mismatched = []
+    for name in GREEDY_POLICIES:
+        expected = generate(model, prefill(model, prompt, name, sizes.budget, sizes.block), sizes.new_tokens)
+        got = plain_greedy_loop(model, prefill(model, prompt, name, sizes.budget, sizes.block), sizes.new_tokens)
+        if got != expected.token_ids[0]:
+            mismatched.append(name)
+    detail = f"{', '.join(GREEDY_POLICIES)}: {sizes.new_tokens} greedy tokens"
+    return Row("plain loop = generate", setting, "FAIL" if mismatched else "PASS",
+               f"differ: {', '.join(mismatched)}" if mismatched else detail + " identical")
+
+
+def kept_agreement(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    """Share of kept entries (per layer and KV head, compared as position sets) present in both runs."""
+    shared = [(x[..., :, None] == y[..., None, :]).any(-1).float().mean() for x, y in zip(a, b)]
+    return torch.stack(shared).mean().item()
+
+
+def check_statistics_agreement(model, prompt, sizes: Sizes, setting) -> Row:
+    rates = {}
+    for name in AGREEMENT_POLICIES:
+        runs = [prefill(model, prompt, name, sizes.budget, sizes.block, attention_statistics=mode).kept_positions
+                for mode in ("fast", "materialized")]
+        rates[name] = kept_agreement(*runs)
+    ok = min(rates.values()) >= AGREEMENT_THRESHOLD
+    detail = ", ".join(f"{k} {v:.3f}" for k, v in rates.items()) + f" (threshold {AGREEMENT_THRESHOLD})"
+    return Row("fast ~ materialized", setting, "PASS" if ok else "FAIL", detail)
+
+
+def check_stacked_equals_layer_by_layer(model, prompt, sizes: Sizes, setting) -> Row:
+    rates, tokens_differ = {}, []
+    for name in STACKED_POLICIES:
+        policy = keydiff.build_policy(name)
+        states = [prefill(model, prompt, p, sizes.budget, sizes.block) for p in (policy, keydiff.layer_by_layer(policy))]
+        if states[0].cache.stack is None:
+            return Row("stacked = per layer", setting, "FAIL", f"{name}: the cache was not stacked")
+        rates[name] = kept_agreement(states[0].kept_positions, states[1].kept_positions)
+        generated = [generate(model, state, sizes.new_tokens).token_ids for state in states]
+        if generated[0] != generated[1]:
+            tokens_differ.append(name)
+    # Identical tokens are required only where the kept sets are identical: one differing entry may flip a token.
+    ok = min(rates.values()) >= STACKED_AGREEMENT and not [name for name in tokens_differ if rates[name] == 1.0]
+    detail = ", ".join(f"{k} {v:.3f}" for k, v in rates.items()) + f" kept-set agreement (>= {STACKED_AGREEMENT})"
+    if tokens_differ:
+        detail += f"; tokens differ: {', '.join(tokens_differ)}"
+    return Row("stacked = per layer", setting, "PASS" if ok else "FAIL", detail)
+
+
+def check_flash_against_sdpa(model_name, sizes: Sizes, dtype) -> Row:
+    setting = f"{model_name} {short(dtype)}"
+    sdpa = common.build_model(model_name, dtype, "sdpa", "cuda")
+    flash = common.build_model(model_name, dtype, "flash_attention_2", "cuda")
+    flash.load_state_dict(sdpa.state_dict())
+    prompt = common.random_prompt(sdpa, sizes.length).cuda()
+    errors, diffs = {}, []
+    for name in ("full", "keydiff", "snapkv"):
+        budget = None if name == "full" else sizes.budget
+        a, b = (prefill(m, prompt, name, budget, sizes.block).logits for m in (sdpa, flash))
+        errors[name] = relative_error(b, a)
+        diffs.append((b - a).abs().max().item())
+    row = compare("FA2 vs SDPA logits", setting, errors, TOLERANCE[dtype])
+    row.detail = f"max |diff| {max(diffs):.3g}; {row.detail}"
+    return row
+
+
+def short(dtype: torch.dtype) -> str:
+    return {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
+
+
+def guarded(check: str, setting: str, fn, *args) -> Row:
+    """A crashing check is a FAIL row with the error, so the rest of the self-check still runs."""
+    try:
+        return fn(*args)
+    except Exception as error:  # noqa: BLE001 - report every failure as a row
+        return Row(check, setting, "FAIL", f"{type(error).__name__}: {str(error).splitlines()[0][:200]}")
+
+
+def engine_checks(model_name: str, dtype: torch.dtype, attn: str, device: str, sizes: Sizes) -> list[Row]:
+    setting = f"{model_name.removeprefix('random-')} {attn} {short(dtype)}"
+    print(f"  checking {setting} ...", file=sys.stderr, flush=True)
+    try:
+        model = common.build_model(model_name, dtype, attn, device)
+    except Exception as error:  # noqa: BLE001 - e.g. a flash-attn that cannot load: one FAIL row, go on
+        return [Row("engine checks", setting, "FAIL", f"cannot build the model: {type(error).__name__}: {error}"[:240])]
+    prompt = common.random_prompt(model, sizes.length).to(device)
+    tol = TOLERANCE[dtype]
+    rows = [guarded("full = forward", setting, check_full_equals_forward, model, prompt, setting, tol),
+            guarded("N+B bound", setting, check_bound, model, prompt, sizes, setting),
+            guarded("N >= L = full", setting, check_large_budget_is_full, model, prompt, sizes, setting, tol),
+            guarded("plain loop = generate", setting, check_plain_loop, model, prompt, sizes, setting),
+            guarded("stacked = per layer", setting, check_stacked_equals_layer_by_layer, model, prompt, sizes, setting)]
+    if dtype == torch.bfloat16 and attn != "eager":  # eager computes both modes from the same weights
+        rows.append(guarded("fast ~ materialized", setting, check_statistics_agreement, model, prompt, sizes, setting))
+    return rows
+
+
+def flash_attn_status() -> tuple[str, str]:
+    """('ok' | 'missing' | 'old', message): FA2 rows run only with flash_attn >= 2.1 (bottom-right causal mask)."""
+    try:
+        import flash_attn
+    except ImportError:
+        return "missing", "flash_attn is not importable (pip install -e '.[flash]' --no-build-isolation)"
+    from packaging.version import Version
+
+    version = getattr(flash_attn, "__version__", "0")
+    if Version(version) < Version("2.1"):
+        return "old", (f"flash_attn {version} < 2.1: it aligns the causal mask top-left when queries < keys, "
+                       "which is wrong for block prefill against a cache; upgrade flash-attn")
+    return "ok", f"flash_attn {version}"
+
+
+def benchmark_row(module: str, label: str, arguments: list[str]) -> Row:
+    """Run a benchmark in a fresh interpreter; PASS if it exits 0 with a positive time for every policy."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "bench.json"
+        done = common.run_module(module, [*arguments, "--json", str(out)])
+        if done.returncode != 0 or not out.exists():
+            tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+            return Row(module, label, "FAIL", f"exit {done.returncode}: {tail[:200]}")
+        results = json.loads(out.read_text())["results"]
+    if module == PREFILL:
+        times = [r["ttft_median_s"] for r in results]
+        summary = "TTFT x full: " + ", ".join(f"{r['policy']} {common.fmt(r['ratio_to_full'], '.2f')}" for r in results)
+    else:
+        times = [r["decode_ms_per_token"] for r in results]
+        summary = "ms/token x full@N: " + ", ".join(
+            f"{r['policy']} {common.fmt(r.get('decode_ratio_to_full'), '.2f')}" for r in results)
+    ok = bool(results) and all(t > 0 for t in times)
+    return Row(module, label, "PASS" if ok else "FAIL", summary)
+
+
+def benchmark_rows(device: str, quick: bool) -> list[Row]:
+    tiny = ["--model", "random-tiny", "--length", "128", "--budget", "40", "--block-size", "16", "--repeats", "1",
+            "--threads", "1"]  # a smoke run: one thread cannot be stalled by a busy machine
+    rows = []
+    if device != "cuda" or quick:
+        rows += [benchmark_row(PREFILL, "random-tiny, tiny sizes", tiny + ["--reference"]),
+                 benchmark_row(DECODE, "random-tiny, tiny sizes",
+                               tiny + ["--new-tokens", "4", "--profile-tokens", "3"])]
+    if device != "cuda":
+        rows += [Row(module, "random-llama-3.2-3b", "SKIP", "CUDA only: no GPU here (ran tiny sizes above)")
+                 for module in (PREFILL, DECODE)]
+    elif quick:
+        rows += [Row(module, "random-llama-3.2-3b", "SKIP", "--quick: tiny sizes only")
+                 for module in (PREFILL, DECODE)]
+    else:
+        big = ["--model", "random-llama-3.2-3b", "--dtype", "bfloat16", "--repeats", "3"]
+        rows += [benchmark_row(PREFILL, "3b bf16 L=8192 N=2048 B=128",
+                               big + ["--length", "8192", "--budget", "2048", "--block-size", "128", "--reference"]),
+                 benchmark_row(DECODE, "3b bf16 L=4096 N=1024 32 tokens",
+                               big + ["--length", "4096", "--budget", "1024", "--new-tokens", "32"])]
+    return rows
+
+
+def run_checks(quick: bool) -> list[Row]:
+    device = common.device_name()
+    sizes = QUICK_SIZES if quick else SIZES
+    rows: list[Row] = []
+    if device == "cuda":
+        status, message = flash_attn_status()
+        attns = ["sdpa", "eager"] + (["flash_attention_2"] if status == "ok" else [])
+        if status != "ok":
+            rows.append(Row("flash_attention_2", "all", "FAIL" if status == "old" else "SKIP", message))
+        for model_name in ("random-tiny", "random-mid"):
+            for attn in attns:
+                rows += engine_checks(model_name, torch.bfloat16, attn, device, sizes[model_name])
+            if status == "ok":
+                rows.append(guarded("FA2 vs SDPA logits", model_name, check_flash_against_sdpa, model_name,
+                                    sizes[model_name], torch.bfloat16))
+    else:
+        for dtype in (torch.float32, torch.bfloat16):
+            for attn in ("sdpa", "eager"):
+                rows += engine_checks("random-tiny", dtype, attn, device, sizes["random-tiny"])
+        rows += [Row("engine checks", "mid sdpa/eager/fa2 bf16", "SKIP", "CUDA only: no GPU here"),
+                 Row("flash_attention_2", "all", "SKIP", "CUDA only: flash-attn needs a GPU"),
+                 Row("FA2 vs SDPA logits", "tiny, mid bf16", "SKIP", "CUDA only: flash-attn needs a GPU")]
+    return rows + benchmark_rows(device, quick)
+
+
+def print_rows(rows: list[Row]) -> None:
+    common.print_table([("check", 0), ("setting", 0), ("result", 0), ("detail", 0)],
+                       [[r.check, r.setting, r.result, r.detail] for r in rows], text_columns=4)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="tiny sizes everywhere (what the tests run)")
+    parser.add_argument("--json", default=None, help="also write the rows and the environment to this file")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads for the engine checks")
+    args = parser.parse_args(argv)
+    started = common.provenance(__spec__.name, argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = common.device_name()
+    print(common.setting_line(device, None, transformers=__import__("transformers").__version__, quick=args.quick),
+          flush=True)
+    rows = run_checks(args.quick)
+    print_rows(rows)
+    failed = [r for r in rows if r.result == "FAIL"]
+    counts = {k: sum(r.result == k for r in rows) for k in ("PASS", "FAIL", "SKIP")}
+    print(" ".join(f"{k} {v}" for k, v in counts.items()) + (" -> FAILED" if failed else " -> OK"))
+    if args.json:
+        common.write_json(args.json, {"device": device, "torch": torch.__version__,
+                                      "flash_attn": flash_attn_status()[1], "quick": args.quick,
+                                      "rows": [asdict(r) for r in rows]}, started)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

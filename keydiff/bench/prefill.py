@@ -1,0 +1,132 @@
+"""Prefill benchmark: time to first token (TTFT) per policy at one (prompt length L, budget N, block size B).
+
+    python -m keydiff.bench.prefill                                   # CPU: the offline default model
+    python -m keydiff.bench.prefill --model random-llama-3.2-3b --dtype bfloat16 --length 8192 --budget 2048
+    python -m keydiff.bench.prefill --attn eager --statistics materialized   # the paper's eager setting
+    python -m keydiff.bench.prefill --policies full --block-size 4096 --length 4096 --reference
+
+How it measures, and why:
+* TTFT is the median of --repeats unprofiled runs (profile=False). Every policy first gets one untimed
+  warm-up run, so kernels, allocator pools and lazy initialisation are not in the timed runs; then the
+  repeats run in rounds, each policy once per round in turn (keydiff.bench.common.interleaved_rounds), so that
+  drift in the machine's speed is shared by all policies instead of biasing their ratios.
+* The shares spent computing attention statistics and scoring/evicting come from one SEPARATE run with
+  profile=True (which synchronises the GPU around each statistic and eviction, and so slows the run);
+  they are shares of that profiled run's own time, never of the unprofiled TTFT.
+* --reference times a plain transformers forward of the same prompt, model(prompt, logits_to_keep=1),
+  with the model's own attention and its own DynamicCache: `full` with B = L should cost about the same,
+  so the ratio shows the engine's overhead.
+`random-*` models have public architectures with random weights (no download).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+from keydiff import build_policy, prefill
+from keydiff.bench import common
+
+
+def prefill_run(model, prompt, name: str, args, profile: bool):
+    return prefill(model, prompt, build_policy(name), args.budget, args.block_size,
+                   attention_statistics=args.statistics, profile=profile)
+
+
+def timed_policy_run(model, prompt, name: str, args, device: str) -> dict:
+    """One unprofiled prefill: its TTFT and what its cache held."""
+    state = prefill_run(model, prompt, name, args, profile=False)
+    kept = max(p.shape[-1] for p in state.kept_positions)
+    return {"ttft_s": state.seconds, "peak_entries": state.max_cache_entries,
+            "kv_cache_bytes": common.kv_cache_bytes(state.cache, model, kept)}
+
+
+@torch.inference_mode()
+def timed_reference_run(model, prompt, device: str) -> dict:
+    """A plain transformers prefill: one forward of the whole prompt, logits of the last position only."""
+    common.sync(device)
+    start = time.perf_counter()
+    model(prompt, logits_to_keep=1)
+    common.sync(device)
+    return {"ttft_s": time.perf_counter() - start}
+
+
+def summarize(name: str, runs: list[dict]) -> dict:
+    times = [r["ttft_s"] for r in runs]
+    row = {"policy": name, "ttft_median_s": statistics.median(times), "ttft_min_s": min(times), "ttft_all_s": times}
+    row.update({key: runs[-1][key] for key in ("peak_entries", "kv_cache_bytes") if key in runs[-1]})
+    return row
+
+
+def profiled_shares(model, prompt, name: str, args) -> dict:
+    """A SEPARATE profiled run (GPU synchronised around each statistic and eviction): the shares of its time."""
+    profiled = prefill_run(model, prompt, name, args, profile=True)
+    timings = profiled.cache.timings
+    return {"profiled_s": profiled.seconds, "statistics_share": timings["statistics_s"] / profiled.seconds,
+            "eviction_share": timings["eviction_s"] / profiled.seconds}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    common.add_common_arguments(parser)
+    parser.add_argument("--policies", default=None, help=f"comma list (default {common.DEFAULT_POLICIES})")
+    parser.add_argument("--length", type=int, default=4096, help="prompt tokens L")
+    parser.add_argument("--budget", type=int, default=1024, help="entries kept per layer and KV head, N")
+    parser.add_argument("--block-size", type=int, default=128, help="prompt tokens per forward pass, B")
+    parser.add_argument("--statistics", default="fast", choices=["fast", "materialized"])
+    parser.add_argument("--reference", action="store_true", help="also time a plain transformers forward")
+    args = parser.parse_args(argv)
+    started = common.provenance(__spec__.name, argv)
+    if args.repeats < 1:
+        parser.error("--repeats must be >= 1")
+    names = common.parse_policies(parser, args.policies, args.budget)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    device = common.device_name()
+    dtype = common.DTYPES[args.dtype] if args.dtype else common.default_dtype(device)
+    model_name = args.model or "smollm2-135m"
+    model = common.build_model(model_name, dtype, args.attn, device)
+    prompt = common.random_prompt(model, args.length).to(device)
+    setting = common.setting_line(device, dtype, model=model_name, attn=args.attn, statistics=args.statistics,
+                                  L=args.length, N=args.budget, B=args.block_size, repeats=args.repeats)
+    print(setting, flush=True)
+
+    cases = {"reference": lambda: timed_reference_run(model, prompt, device)} if args.reference else {}
+    for name in names:
+        cases[name] = lambda name=name: timed_policy_run(model, prompt, name, args, device)
+    runs = common.interleaved_rounds(cases, args.repeats, device)
+    rows = [summarize(name, runs[name]) for name in cases]
+    for row in rows:
+        if row["policy"] != "reference":
+            print(f"  profiled pass: {row['policy']} ...", file=sys.stderr, flush=True)
+            row.update(profiled_shares(model, prompt, row["policy"], args))
+    full = next((r["ttft_median_s"] for r in rows if r["policy"] == "full"), None)
+    reference = rows[0]["ttft_median_s"] if args.reference else None
+    for row in rows:
+        row["ratio_to_full"] = common.ratio(row["ttft_median_s"], full)
+        row["ratio_to_reference"] = common.ratio(row["ttft_median_s"], reference)
+
+    columns = [("policy", 12), ("TTFT s (median)", 0), ("min", 0), ("x full", 0), ("x ref", 0),
+               ("stats % (prof.)", 0), ("evict % (prof.)", 0), ("peak entries", 0), ("KV MiB", 0)]
+    table = []
+    for r in rows:
+        share = lambda key: None if key not in r else 100 * r[key]
+        kv = r.get("kv_cache_bytes")
+        table.append([r["policy"], f"{r['ttft_median_s']:.4f}", f"{r['ttft_min_s']:.4f}",
+                      common.fmt(r["ratio_to_full"], ".2f"), common.fmt(r["ratio_to_reference"], ".2f"),
+                      common.fmt(share("statistics_share"), ".1f", "%"), common.fmt(share("eviction_share"), ".1f", "%"),
+                      str(r.get("peak_entries", "-")), common.fmt(None if kv is None else kv / 2**20, ".1f")])
+    common.print_table(columns, table)
+    print("x full / x ref: median TTFT over full's / the plain forward's; stats/evict %: shares of a separate "
+          "profiled run (profile=True), not of the TTFT.")
+    if args.json:
+        common.write_json(args.json, {"setting": setting, "data": common.prompt_record(prompt), "results": rows}, started)
+
+
+if __name__ == "__main__":
+    main()

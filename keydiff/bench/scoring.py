@@ -1,0 +1,339 @@
+"""Tables 19 and 2: time (and memory) of the eviction scoring step alone, per policy, vs N and B.
+
+    python -m keydiff.bench.scoring table19     # latency vs cache size 512..8192, / KeyDiff at 512, + paper (Android)
+    python -m keydiff.bench.scoring table2      # time and peak memory vs N and vs B, log-log, + stated complexities
+    # options: --shape smollm2-135m|llama-3.2-3b|tiny  --device auto|cpu|cuda  --dtype  --threads  --repeats
+    #          --warmup  --statistics fast|materialized  --policies  --block-size  --sizes / --budgets --blocks
+
+What is timed: one layer's eviction decision after a block, exactly what the cache runs (keydiff.cache):
+the attention statistic the policy needs (none for KeyDiff and sink; TOVA the last query row, SnapKV the
+last `window` rows, H2O every row's column sums), computed from the block's queries and the N + B cached
+keys with `keydiff.attention.attention_statistic` ("fast") or read from precomputed weights
+(`materialized`, the paper's eager setting, where attention weights exist anyway), then the policy's
+`observe` and `evict_indices` (score, protected entries, top-k). Not timed: the layer's attention output,
+moving the kept entries. Inputs are random tensors of the model's head shape (timings depend on shapes
+only), one layer, batch 1.
+
+How: --warmup untimed runs, then --repeats runs each between two device synchronisations (CUDA); the
+median is reported with the interquartile range. Peak memory is measured in a separate, untimed run:
+CUDA: max_memory_allocated above what was allocated before; CPU: the torch profiler's allocation events
+(profile_memory=True), the running sum's maximum. The machine should be otherwise idle: results name the
+device, dtype, threads and torch version. Output files carry a device tag and are rewritten on each run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from keydiff.attention import attention_statistic, statistic_from_weights
+from keydiff.bench import common
+from keydiff.policies import build_policy
+from keydiff.policies.base import LayerView
+
+SHAPES = {"smollm2-135m": common.SMOLLM2_135M, "llama-3.2-3b": common.LLAMA_3_2_3B, "tiny": common.TINY}
+POLICIES = ("keydiff", "tova", "h2o", "snapkv", "sink")
+# Table 19 of the paper: relative latency of key scoring on an Android device (FP16), / KeyDiff at 512 KVs.
+PAPER_TABLE19 = {
+    "snapkv": [1.92, 2.46, 4.50, 8.94, 11.42],
+    "tova": [1.02, 0.94, 1.25, 1.95, 3.06],
+    "keydiff": [1.00, 1.03, 1.01, 1.07, 1.37],
+    "h2o": [1.10, 0.99, 1.52, 2.32, 4.23],
+}
+PAPER_SIZES = [512, 1024, 2048, 4096, 8192]
+# Table 2 of the paper: runtime and memory complexity in N (budget), B (block) and L (SnapKV's window).
+COMPLEXITY = {
+    "keydiff": ("O(N + B)", "O(N + B)", lambda n, b, w: n + b, lambda n, b, w: n + b),
+    "tova": ("O(N + B)", "O(N + B)", lambda n, b, w: n + b, lambda n, b, w: n + b),
+    "h2o": ("O(NB + B^2)", "O(NB + B^2)", lambda n, b, w: n * b + b * b, lambda n, b, w: n * b + b * b),
+    "snapkv": ("O((N + B)L)", "O((N + B)L)", lambda n, b, w: (n + b) * w, lambda n, b, w: (n + b) * w),
+    "sink": ("O(N)", "O(1)", lambda n, b, w: n, lambda n, b, w: 1.0),
+}
+
+
+def shape_of(name: str) -> tuple[int, int, int]:
+    """(query heads, KV heads, head_dim) of a SHAPES entry."""
+    config = SHAPES[name]
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    return config["num_attention_heads"], config["num_key_value_heads"], head_dim
+
+
+class ScoringStep:
+    """The inputs of one layer's scoring step and a callable that runs it (what keydiff.cache does per layer)."""
+
+    def __init__(self, policy_name: str, budget: int, block: int, shape, statistics_mode: str, device, dtype,
+                 seed: int = 0):
+        heads, kv_heads, dim = shape
+        self.policy = build_policy(policy_name)
+        self.policy.validate(budget)
+        self.budget, n = budget, budget + block
+        generator = torch.Generator(device="cpu").manual_seed(seed)
+        self.keys = torch.randn(1, kv_heads, n, dim, generator=generator).to(device, dtype)
+        self.queries = torch.randn(1, heads, block, dim, generator=generator).to(device, dtype)
+        self.positions = torch.arange(n, device=device).expand(1, kv_heads, n).contiguous()
+        self.state = {name: torch.zeros(1, kv_heads, n, device=device) for name in self.policy.state_names}
+        self.rows = self.policy.attention_rows
+        self.scaling = dim ** -0.5
+        self.weights = None
+        if self.rows != 0 and statistics_mode == "materialized":
+            keys = self.keys.repeat_interleave(heads // kv_heads, dim=1)
+            logits = (self.queries @ keys.transpose(-1, -2)).float() * self.scaling
+            visible = torch.ones(block, n, dtype=torch.bool, device=device).tril(diagonal=n - block)
+            self.weights = logits.masked_fill(~visible, float("-inf")).softmax(-1).to(dtype)
+
+    def __call__(self) -> torch.Tensor:
+        attention = None
+        if self.rows != 0:
+            if self.weights is None:
+                attention = attention_statistic(self.queries, self.keys, self.scaling, self.rows)
+            else:
+                attention = statistic_from_weights(self.weights, self.keys.shape[1], self.rows)
+        view = LayerView(self.keys, self.keys, self.positions, attention, self.state, 0)
+        if attention is not None:
+            self.policy.observe(view)
+        return self.policy.evict_indices(view, self.budget)
+
+
+def time_step(step: ScoringStep, device: str, warmup: int, repeats: int) -> dict:
+    for _ in range(warmup):
+        step()
+    common.sync(device)
+    times = []
+    for _ in range(repeats):
+        common.sync(device)
+        start = time.perf_counter()
+        step()
+        common.sync(device)
+        times.append(time.perf_counter() - start)
+    quartiles = statistics.quantiles(times, n=4) if len(times) > 1 else [times[0]] * 3
+    return {"median_s": statistics.median(times), "q1_s": quartiles[0], "q3_s": quartiles[2], "repeats": repeats}
+
+
+def peak_bytes(step: ScoringStep, device: str) -> int:
+    """Peak bytes allocated by one scoring step beyond what existed before it."""
+    if device == "cuda":
+        common.sync(device)
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        step()
+        common.sync(device)
+        return int(torch.cuda.max_memory_allocated() - before)
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    with tempfile.TemporaryDirectory() as folder:
+        trace = Path(folder) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        events = json.loads(trace.read_text())["traceEvents"]
+    allocations = sorted((e["ts"], e["args"].get("Ev Idx", 0), e["args"]["Bytes"]) for e in events
+                         if e.get("name") == "[memory]" and e["args"].get("Device Type", 0) == 0)
+    running, peak = 0, 0
+    for _, _, size in allocations:
+        running += size
+        peak = max(peak, running)
+    return int(peak)
+
+
+def measure(policies, points, args, device, dtype) -> list[dict]:
+    """points: (N, B) pairs. One row per policy and point."""
+    rows = []
+    for policy in policies:
+        for budget, block in points:
+            step = ScoringStep(policy, budget, block, shape_of(args.shape), args.statistics, device, dtype)
+            row = {"policy": policy, "N": budget, "B": block, **time_step(step, device, args.warmup, args.repeats),
+                   "peak_bytes": peak_bytes(step, device)}
+            rows.append(row)
+            print(f"  {policy:8s} N={budget:6d} B={block:5d}  {row['median_s'] * 1e6:10.1f} us  "
+                  f"{row['peak_bytes'] / 1024:10.1f} KiB", flush=True)
+            del step
+            common.release_memory(device)
+    return rows
+
+
+def device_tag(device: str) -> str:
+    if device != "cuda":
+        return "cpu"
+    return "".join(ch if ch.isalnum() else "-" for ch in torch.cuda.get_device_name().lower()).strip("-")
+
+
+def setting(args, device, dtype) -> dict:
+    """What the timings depend on (the provenance record is added when the JSON is written)."""
+    return {"setting": common.setting_line(device, dtype, shape=args.shape, statistics=args.statistics,
+                                          warmup=args.warmup, repeats=args.repeats),
+            "shape": dict(zip(("heads", "kv_heads", "head_dim"), shape_of(args.shape)))}
+
+
+def table19(args, device, dtype, out: Path, started: dict) -> list[Path]:
+    policies = args.policies or ["snapkv", "tova", "keydiff", "h2o", "sink"]
+    rows = measure(policies, [(n, args.block_size) for n in args.sizes], args, device, dtype)
+    base = next((r["median_s"] for r in rows if r["policy"] == "keydiff" and r["N"] == args.sizes[0]), None)
+    for row in rows:
+        row["relative"] = None if base is None else row["median_s"] / base
+    tag = device_tag(device)
+    header = "| method | " + " | ".join(str(n) for n in args.sizes) + " |"
+    rule = "|---|" + "---:|" * len(args.sizes)
+    cell = {(r["policy"], r["N"]): r for r in rows}
+    ours = [f"| {p} | " + " | ".join(f"{cell[p, n]['relative']:.2f}" if base else "-" for n in args.sizes) + " |"
+            for p in policies]
+    absolute = [f"| {p} | " + " | ".join(f"{cell[p, n]['median_s'] * 1e6:.1f}" for n in args.sizes) + " |"
+                for p in policies]
+    paper = [f"| {p} | " + " | ".join(f"{v:.2f}" for v in values) + " |" for p, values in PAPER_TABLE19.items()]
+    info = setting(args, device, dtype)
+    text = "\n".join([
+        f"# Table 19: scoring latency relative to KeyDiff at N = {args.sizes[0]} ({tag})", "",
+        f"Ours: {info['setting']}, B = {args.block_size}. Median of {args.repeats} runs after {args.warmup} "
+        "warm-up.", "",
+        header, rule, *ours, "", "Absolute median (microseconds):", "", header, rule, *absolute, "",
+        "Paper (Android smartphone, FP16, normalised by KeyDiff at 512 KVs):", "",
+        "| method | " + " | ".join(str(n) for n in PAPER_SIZES) + " |", "|---|" + "---:|" * len(PAPER_SIZES),
+        *paper, ""])
+    paths = [out / f"table19_scoring_latency_{tag}.{ext}" for ext in ("md", "csv", "json")]
+    out.mkdir(parents=True, exist_ok=True)
+    paths[0].write_text(text, encoding="utf-8")
+    import pandas as pd
+
+    pd.DataFrame(rows).to_csv(paths[1], index=False)
+    common.write_json(paths[2], {**info, "block_size": args.block_size, "results": rows,
+                                 "paper": {"sizes": PAPER_SIZES, "relative": PAPER_TABLE19}}, started)
+    print(text)
+    return paths
+
+
+def fitted_slope(x, y) -> float | None:
+    import numpy as np
+
+    x, y = np.asarray(x, float), np.asarray(y, float)
+    keep = (x > 0) & (y > 0)
+    return float(np.polyfit(np.log(x[keep]), np.log(y[keep]), 1)[0]) if keep.sum() >= 2 else None
+
+
+def table2(args, device, dtype, out: Path, figures: Path, started: dict) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+    import pandas as pd
+
+    policies = args.policies or list(POLICIES)
+    sweeps = {"N": [(n, args.block_size) for n in args.budgets], "B": [(args.budget, b) for b in args.blocks]}
+    frames = []
+    for axis, points in sweeps.items():
+        print(f"sweep over {axis}:", flush=True)
+        frames.append(pd.DataFrame(measure(policies, points, args, device, dtype)).assign(sweep=axis))
+    df = pd.concat(frames, ignore_index=True)
+    window = lambda policy: getattr(build_policy(policy), "window", 1)  # SnapKV's L  # noqa: E731
+    fig, axes = plt.subplots(2, 2, figsize=(8.5, 6.5), layout="constrained")
+    lines = [f"# Table 2: measured scoring cost vs N and B ({device_tag(device)})", "",
+             f"{setting(args, device, dtype)['setting']}. Sweep over N at B = {args.block_size}; over B at N = "
+             f"{args.budget}. Exponent = slope of a log-log least-squares fit (stated: the complexity's own slope "
+             "over the same points).", "",
+             "| method | runtime (paper) | memory (paper) | time exp. N (stated) | time exp. B (stated) | "
+             "memory exp. N (stated) | memory exp. B (stated) |", "|---|---|---|---:|---:|---:|---:|"]
+    for index, policy in enumerate(policies):
+        runtime_text, memory_text, runtime_f, memory_f = COMPLEXITY[policy]
+        cells = []
+        for row, (metric, complexity) in enumerate((("median_s", runtime_f), ("peak_bytes", memory_f))):
+            for column, axis in enumerate(("N", "B")):
+                part = df[(df["policy"] == policy) & (df["sweep"] == axis)].sort_values(axis)
+                x = part[axis].to_numpy(float)
+                y = part[metric].to_numpy(float)
+                stated = np.array([complexity(n, b, window(policy)) for n, b in zip(part["N"], part["B"])], float)
+                ax = axes[row][column]
+                ax.plot(x, np.maximum(y, 1e-12 if row == 0 else 1.0), "o-", color=f"C{index}", label=policy)
+                if y[-1] > 0:  # the stated complexity, scaled to meet the measurement at the largest size
+                    ax.plot(x, stated * y[-1] / stated[-1], "--", color=f"C{index}", alpha=0.6)
+                cells.append((fitted_slope(x, y), fitted_slope(x, stated)))
+        lines.append(f"| {policy} | {runtime_text} | {memory_text} | "
+                     + " | ".join("-" if m is None or s is None else f"{m:.2f} ({s:.2f})" for m, s in cells)
+                     + " |")
+    for row, label in enumerate(("scoring time (s)", "peak extra memory (bytes)")):
+        for column, axis in enumerate(("N (budget)", "B (block size)")):
+            ax = axes[row][column]
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel(axis)
+            ax.set_ylabel(label)
+    axes[0][0].legend(fontsize=7, title="measured (solid)\nstated, scaled (dashed)", title_fontsize=7)
+    fig.suptitle(f"scoring step per layer: {setting(args, device, dtype)['setting']}", fontsize=7)
+    tag = device_tag(device)
+    out.mkdir(parents=True, exist_ok=True)
+    figures.mkdir(parents=True, exist_ok=True)
+    paths = [out / f"table2_complexity_{tag}.{ext}" for ext in ("md", "csv", "json")]
+    paths += [figures / f"table2_complexity_{tag}.png"]
+    fig.savefig(paths[3], metadata={"Software": None})
+    plt.close(fig)
+    text = "\n".join(lines) + "\n"
+    paths[0].write_text(text, encoding="utf-8")
+    df.to_csv(paths[1], index=False)
+    common.write_json(paths[2], {**setting(args, device, dtype), "budget": args.budget,
+                                 "block_size": args.block_size, "results": df.to_dict("records")}, started)
+    print(text)
+    return paths
+
+
+def int_list(text: str) -> list[int]:
+    values = [int(v) for v in text.split(",") if v.strip()]
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected a comma list of positive integers, got {text!r}")
+    return values
+
+
+def main(argv: list[str] | None = None) -> list[Path]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("table", choices=["table19", "table2"])
+    parser.add_argument("--shape", default="smollm2-135m", choices=list(SHAPES),
+                        help="head shape (query/KV heads, dim)")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--dtype", default=None, choices=list(common.DTYPES),
+                        help="default: bfloat16 on CUDA, else float32")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=31)
+    parser.add_argument("--statistics", default="fast", choices=["fast", "materialized"])
+    parser.add_argument("--policies", type=lambda t: [p.strip() for p in t.split(",") if p.strip()], default=None,
+                        help=f"comma list from {', '.join(POLICIES)}")
+    parser.add_argument("--block-size", type=int, default=128, help="B (the block scored with the cache)")
+    parser.add_argument("--sizes", type=int_list, default=PAPER_SIZES, help="table19: cache sizes N")
+    parser.add_argument("--budget", type=int, default=2048, help="table2: N of the sweep over B")
+    parser.add_argument("--budgets", type=int_list, default=[256, 512, 1024, 2048, 4096, 8192], help="table2: N sweep")
+    parser.add_argument("--blocks", type=int_list, default=[16, 32, 64, 128, 256, 512, 1024], help="table2: B sweep")
+    parser.add_argument("--out", default=str(common.CHECKOUT / "results" / "tables"))
+    parser.add_argument("--figures", default=str(common.CHECKOUT / "results" / "figures" / "analysis"))
+    args = parser.parse_args(argv)
+    started = common.provenance(__spec__.name, argv)
+    unknown = [p for p in args.policies or [] if p not in POLICIES]
+    if unknown:
+        parser.error(f"unknown policies {unknown}; valid: {', '.join(POLICIES)}")
+    if args.warmup < 0 or args.repeats < 1 or args.block_size < 1 or args.budget < 1:
+        parser.error("--warmup must be >= 0; --repeats, --block-size and --budget >= 1")
+    smallest = min(args.sizes + args.budgets + [args.budget])
+    for policy in args.policies or POLICIES:  # SnapKV's window must fit the smallest budget
+        try:
+            build_policy(policy).validate(smallest)
+        except ValueError as error:
+            parser.error(f"{policy} at N = {smallest}: {error}")
+    device = common.device_name() if args.device == "auto" else args.device
+    if device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda but CUDA is not available")
+    dtype = common.DTYPES[args.dtype] if args.dtype else common.default_dtype(device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    with torch.inference_mode():
+        if args.table == "table19":
+            paths = table19(args, device, dtype, Path(args.out), started)
+        else:
+            paths = table2(args, device, dtype, Path(args.out), Path(args.figures), started)
+    print("wrote " + ", ".join(str(p) for p in paths))
+    return paths
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+"""Golden reports: every table, figure and collected file built from a fixed set of run directories.
+
+tests/golden/runs/ holds run directories as the runner writes them (real SmolLM2 runs: the default job, a
+task.limit=2 run of the same point, the smoke sweep, one RULER 4K sample per task; and the made-up runs of
+tests/test_tables.py for the paper tables). The report commands below turn them into results files; every
+file they write must equal tests/golden/reports/ byte for byte (PNG figures by sha256, listed in
+tests/golden/reports/figures.sha256). A reshaping of the reporting code changes none of them; an intended
+change of output is recorded again with
+
+    python -m tests.test_golden_reports --record
+
+and the diff of tests/golden/reports/ is part of the commit that changes the output (review it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+RUNS = Path(__file__).resolve().parent / "golden" / "runs"
+GOLDEN = Path(__file__).resolve().parent / "golden" / "reports"
+IMAGES = {".png", ".pdf", ".svg"}
+
+# The report pipeline, as `make collect tables figures-runs` runs it ({runs}, {out}: folders of this test).
+COMMANDS = [
+    ["scripts/collect_results.py", "--runs", "{runs}", "--out", "{out}/summary.csv"],
+    ["scripts/make_tables.py", "--summary", "{out}/summary.csv", "--runs", "{runs}", "--out", "{out}/tables"],
+    ["scripts/ruler_table.py", "--runs", "{runs}", "--out", "{out}/tables"],
+    ["scripts/make_figures.py", "--summary", "{out}/summary.csv", "--runs", "{runs}", "--out", "{out}/figures"],
+]
+
+
+def build(out: Path) -> None:
+    """Copy the fixed runs next to `out` and run every report command on them (the code of this checkout)."""
+    runs = out.parent / "runs"
+    shutil.copytree(RUNS, runs)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MPLBACKEND": "Agg"}
+    for command in COMMANDS:
+        args = [part.format(runs=runs, out=out) for part in command]
+        result = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, f"{' '.join(args)} failed:\n{result.stderr[-3000:]}"
+
+
+def outputs(out: Path) -> dict[str, bytes]:
+    """Every file written under `out`, by relative path: text with this run's folders replaced, images by hash."""
+    files = {}
+    for path in sorted(p for p in out.rglob("*") if p.is_file()):
+        data = path.read_bytes()
+        if path.suffix in IMAGES:
+            data = hashlib.sha256(data).hexdigest().encode()
+        else:
+            data = data.replace(str(out.parent).encode(), b"<tmp>")
+        files[str(path.relative_to(out))] = data
+    return files
+
+
+def recorded() -> dict[str, bytes]:
+    files = {str(p.relative_to(GOLDEN)): p.read_bytes() for p in GOLDEN.rglob("*") if p.is_file()}
+    hashes = files.pop("figures.sha256", b"").decode().splitlines()
+    for line in hashes:
+        digest, name = line.split("  ", 1)
+        files[name] = digest.encode()
+    return files
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> dict[str, bytes]:
+    out = tmp_path_factory.mktemp("golden") / "out"
+    build(out)
+    return outputs(out)
+
+
+def test_reports_write_exactly_the_recorded_files(built):
+    assert sorted(built) == sorted(recorded())
+
+
+def test_every_report_file_equals_the_recorded_one(built):
+    expected = recorded()
+    differing = [name for name in sorted(built) if name in expected and built[name] != expected[name]]
+    assert not differing, f"{len(differing)} report files differ from tests/golden/reports: {differing[:20]}"
+
+
+def record() -> None:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "out"
+        build(out)
+        files = outputs(out)
+    shutil.rmtree(GOLDEN, ignore_errors=True)
+    hashes = []
+    for name, data in files.items():
+        if Path(name).suffix in IMAGES:
+            hashes.append(f"{data.decode()}  {name}")
+            continue
+        target = GOLDEN / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data)
+    (GOLDEN / "figures.sha256").write_text("\n".join(hashes) + "\n")
+    print(f"recorded {len(files)} files in {GOLDEN.relative_to(ROOT)} ({len(hashes)} images by hash)")
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["--record"]:
+        sys.exit("usage: python -m tests.test_golden_reports --record")
+    record()
