@@ -35,8 +35,7 @@ and the same attention statistic, so a plain loop and `keydiff.generate` choose 
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from transformers.cache_utils import Cache
@@ -191,14 +190,10 @@ class EvictingCache(Cache):
         self._evicting = True
 
     # --- timings -------------------------------------------------------------------------------
-    @contextmanager
-    def timed(self, name: str) -> Iterator[None]:
-        """Add the wall time of the block to `timings[name]` (GPU synchronised around it when profiling)."""
-        start = self._clock()
-        try:
-            yield
-        finally:
-            self.timings[name] += self._clock() - start
+    def timed(self, name: str) -> "_Timed":
+        """`with cache.timed("statistics_s"):` adds the block's wall time to `timings[name]` (the GPU synchronised
+        around it when profiling)."""
+        return _Timed(self, name)
 
     def _clock(self) -> float:
         """Wall time; synchronises the GPU first when profiling so the time is the kernels' time."""
@@ -305,3 +300,18 @@ class EvictingCache(Cache):
     def allocations(self) -> int:
         """Buffer allocations over all layers since the sequence started (one per layer when sized right)."""
         return sum(layer.allocations for layer in self.layers)
+
+
+class _Timed:
+    """The context manager `EvictingCache.timed` returns (a class, not a generator: it runs per layer and step)."""
+
+    __slots__ = ("cache", "name", "start")
+
+    def __init__(self, cache: EvictingCache, name: str):
+        self.cache, self.name = cache, name
+
+    def __enter__(self) -> None:
+        self.start = self.cache._clock()
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.cache.timings[self.name] += self.cache._clock() - self.start

@@ -227,7 +227,7 @@ class Storage:
 
     def pending(self) -> bool:
         """Whether the last pass left something to do: a statistic to observe or entries over the budget."""
-        return self.budget is not None and (self.num_entries > self.budget or any(a is not None for a in self.attention))
+        return self.budget is not None and (self.num_entries > self.budget or self.attention.count(None) < self.count)
 
     def evict(self, policy: Policy) -> None:
         """Observe the last pass's statistics, then drop entries until at most `budget` remain, in place."""

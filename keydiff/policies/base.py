@@ -55,10 +55,11 @@ class LayerView:
     queries: QueryStatistics | None = None
 
     def __post_init__(self):
-        if isinstance(self.layers, int) and not isinstance(self.layers, bool):
-            self.layers = (self.layers,)
-        elif not (isinstance(self.layers, tuple) and self.layers and all(isinstance(i, int) for i in self.layers)):
-            raise TypeError(f"LayerView.layers must be a layer index or a non-empty tuple of them, got {self.layers!r}")
+        if type(self.layers) is tuple:  # the cache's views: nothing to convert (cheap, it runs at every eviction)
+            return
+        if not isinstance(self.layers, int) or isinstance(self.layers, bool):
+            raise TypeError(f"LayerView.layers must be a layer index or a tuple of them, got {self.layers!r}")
+        self.layers = (self.layers,)
 
     @property
     def layer_idx(self) -> int:
