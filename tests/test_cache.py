@@ -422,15 +422,19 @@ def test_attention_recognises_only_the_layer_whose_slots_it_reads(model, prompt,
     assert [tuple(layer.attention.shape) for layer in bound.layers] == [(1, 2, 20)] * 3
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("name", ["keydiff", "tova"])
-def test_a_follow_on_chunk_as_long_as_the_prompt_is_not_mistaken_for_the_prompt_fed_again(model, prompt, name):
-    """After a 100-token prefill, 100 new tokens are a continuation: the same as prefilling all 200 in blocks of 100."""
+def test_a_follow_on_chunk_as_long_as_the_prompt_is_not_mistaken_for_the_prompt_fed_again(prompt, name, dtype):
+    """After a 100-token prefill, 100 new tokens are a continuation: the same as prefilling all 200 in blocks of
+    100. Only the same 100 tokens again (what model.generate feeds when the cache covers its whole input) are
+    refused, in bf16 too (where recomputed values differ by a rounding)."""
+    model = tiny_llama("sdpa", dtype=dtype)
     state = prefill(model, prompt[:, :100], name, 64, 100)
     with torch.no_grad(), keydiff.keydiff_attention(model, state.cache):
         logits = model(input_ids=prompt[:, 100:200], past_key_values=state.cache, use_cache=True).logits[:, -1]
     state.cache.evict()
     reference = prefill(model, prompt[:, :200], name, 64, 100)
-    assert torch.allclose(logits, reference.logits, atol=1e-5)
+    assert torch.allclose(logits.float(), reference.logits, atol=1e-5 if dtype == torch.float32 else 2e-2)
     assert all(torch.equal(a, b) for a, b in zip(state.cache.kept_positions(), reference.kept_positions))
     # The same 100 tokens fed again right after the prompt are refused (what model.generate would do).
     again = prefill(model, prompt[:, :100], name, 64, 100)

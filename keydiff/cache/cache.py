@@ -47,8 +47,10 @@ from keydiff.policies.base import Policy
 from keydiff.queries import QueryStatistics, rope_frequencies
 
 # How close (relative to the largest value) a pass's layer-0 values must be to the kept ones to count as the
-# same tokens fed again (computed with another block size, so not bit-identical).
+# same tokens fed again: they were computed with another block size, so not bit-identical; at least a few
+# roundings of the cache's dtype (bf16: 6 %), far below the difference between two tokens' values.
 REFED_TOLERANCE = 1e-3
+REFED_ROUNDINGS = 8
 
 
 class EvictingCache(Cache):
@@ -138,7 +140,8 @@ class EvictingCache(Cache):
         storage = layer.storage
         if layer_idx == 0:
             self._refuse_prompt_fed_again(layer, value_states)
-        if storage.count > 1 and storage.keys is not None and layer.seen == 0 and not storage.fits(key_states, value_states):
+        joining = storage.count > 1 and storage.keys is not None and layer.seen == 0
+        if joining and not storage.fits(key_states, value_states):
             self._split_stack(layer)
             storage = layer.storage
         # What the previous pass left to do (a plain loop never calls `evict()`): observe and evict now,
@@ -159,8 +162,9 @@ class EvictingCache(Cache):
         positions = layer.positions[:, :, :n]
         again = value_states.gather(2, positions[..., None].expand(-1, -1, -1, value_states.shape[-1]))
         kept = layer.values[:, :, :n]
+        tolerance = max(REFED_TOLERANCE, REFED_ROUNDINGS * torch.finfo(kept.dtype).eps)
         scale = kept.abs().max().float().clamp_min(1e-6)
-        if float((again.float() - kept.float()).abs().max()) <= REFED_TOLERANCE * float(scale):
+        if float((again.float() - kept.float()).abs().max()) <= tolerance * float(scale):
             raise RuntimeError(
                 "this cache already holds the whole prompt, which is being fed again (what model.generate does when "
                 "past_key_values covers all of input_ids). Continue with keydiff.generate(model, state, ...), or "
@@ -176,8 +180,7 @@ class EvictingCache(Cache):
             layer = self.layers[stack.layers[slot]]
             if layer is leaving:
                 own = Storage((layer.layer_idx,), stack.budget, stack.capacity, self.policy.state_names,
-                              self.policy.initial_state)
-                own.seen, own.max_entries = layer.seen, 0
+                              self.policy.initial_state)  # nothing written yet: allocated by its first write
                 layer.move_to(own, 0, new_buffers=True)
             else:
                 layer.move_to(part, 0, new_buffers=False)
@@ -230,7 +233,8 @@ class EvictingCache(Cache):
         storage, slot = layer.storage, layer.slot
         if storage.queries[slot] is None:
             inv_freq, scaling = rope_frequencies(config, query.shape[-1])
-            storage.queries[slot] = QueryStatistics(inv_freq.to(query.device), scaling, self.policy.first_query_position)
+            first = self.policy.first_query_position
+            storage.queries[slot] = QueryStatistics(inv_freq.to(query.device), scaling, first)
         storage.queries[slot].update(query, layer.seen - query.shape[2])
 
     def evict(self) -> None:

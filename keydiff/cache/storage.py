@@ -247,7 +247,8 @@ class Storage:
             if policy.needs_queries and view.queries is None:
                 raise RuntimeError(
                     f"policy {policy.name!r} needs query statistics but none were recorded in {self.where()}: run the "
-                    "model inside `with keydiff.keydiff_attention(model, cache):` (keydiff.prefill and keydiff.generate do)"
+                    "model inside `with keydiff.keydiff_attention(model, cache):` (keydiff.prefill and "
+                    "keydiff.generate do)"
                 )
             self.drop(policy.evict_indices(view, self.budget))
         self.attention = [None] * self.count
