@@ -24,7 +24,9 @@ an explicit boolean mask, so SDPA may still pick its flash kernel. FlashAttentio
 
 Where the cache comes from: `keydiff_attention(model, cache)` switches the model to these functions and
 binds `cache` for the duration (a context variable, so nothing is stored on the model). The function asks
-the bound cache which statistic it wants only when the keys it was given are that cache's own buffer.
+the bound cache which statistic it wants only when the keys it was given are the very tensor that cache's
+layer returned from its `update` (`cache.owns`), and records through the cache's public methods (`timed`,
+`record_attention`, `record_queries`).
 """
 
 from __future__ import annotations
@@ -167,12 +169,11 @@ def make_attention_function(base: str):
         else:
             output = fused_attention(base, module, query, key, value, scaling)
         if rows != 0:
-            start = evicting_cache._clock()
-            if materialize:
-                statistic = statistic_from_weights(weights, key.shape[1], rows)
-            else:
-                statistic = attention_statistic(query, key, scaling, rows)
-            evicting_cache.timings["statistics_s"] += evicting_cache._clock() - start
+            with evicting_cache.timed("statistics_s"):
+                if materialize:
+                    statistic = statistic_from_weights(weights, key.shape[1], rows)
+                else:
+                    statistic = attention_statistic(query, key, scaling, rows)
             evicting_cache.record_attention(module.layer_idx, statistic)
         return output, None
 

@@ -15,6 +15,10 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+# How attention-based policies get their statistic (keydiff.attention): the one list, torch-free so that the
+# run configuration is checked before torch is imported.
+STATISTICS_MODES = ("fast", "materialized")
+
 
 def budget_label(tokens: int | None) -> str:
     if tokens is None:

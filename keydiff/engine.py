@@ -100,12 +100,11 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _forward(model: torch.nn.Module, cache: EvictingCache, input_ids: torch.Tensor, evict: bool = True) -> torch.Tensor:
-    """One forward pass of `input_ids` after what the cache has seen, then eviction. Next-token logits [b, vocab]."""
-    cache.evicting = evict  # no eviction after this pass: attention statistics would be wasted
+def _forward(model: torch.nn.Module, cache: EvictingCache, input_ids: torch.Tensor) -> torch.Tensor:
+    """One forward pass of `input_ids` after what the cache has seen, then eviction (unless the cache was told
+    to keep every generated token). Next-token logits [b, vocab]."""
     output = model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-    if evict:
-        cache.evict()
+    cache.evict()
     return output.logits[:, -1, :].float()
 
 
@@ -151,7 +150,6 @@ def prefill(
                 on_block(cache)
         _sync(device)
         seconds = time.perf_counter() - start_time
-    cache.prompt_length = length
     return PrefillResult(logits, cache, length, budget if policy.evicts else None, block, seconds,
                          kept_positions=cache.kept_positions(), max_cache_entries=cache.max_entries)
 
@@ -211,8 +209,7 @@ def generate(
     finished = [False] * batch
     reasons = ["length"] * batch
     steps: list[int] = []
-    cache.evicting = evict
-    cache.reserve(max_new_tokens)  # unbounded layers (full, skipped layers, evict=False) grow once, here
+    cache.start_generation(max_new_tokens, evict=evict)  # unbounded layers (full, skipped, evict=False) grow once, here
     with keydiff_attention(model, cache):
         _sync(device)
         start_time = time.perf_counter()
@@ -228,7 +225,7 @@ def generate(
                     finished[row], reasons[row] = True, "stop"
             if all(finished) or step == max_new_tokens - 1:
                 break
-            logits = _forward(model, cache, token[:, None], evict=evict)
+            logits = _forward(model, cache, token[:, None])
             if record_steps:
                 steps.append(max(layer.num_entries for layer in cache.layers))
         _sync(device)

@@ -323,7 +323,9 @@ def test_a_layer_unlike_the_first_leaves_the_stack_and_eviction_goes_layer_by_la
         cache.update(torch.randn(1, 3, 4, 16), torch.randn(1, 3, 4, 16), 1)  # other heads and head_dim
         cache.evict()
     first, second = cache.layers
-    assert first.stacked and not second.stacked and second.allocations == 2
+    assert cache.stack is None and not first.stacked and not second.stacked
+    assert first.allocations == 1 and second.allocations == 2  # the stack's slot, then buffers of its own
+    assert first.keys.untyped_storage().data_ptr() != second.keys.untyped_storage().data_ptr()
     assert first.num_entries == second.num_entries == 8 and second.keys.shape[1:] == (3, 12, 16)
     assert cache.get_seq_length() == 20 and first.max_entries == second.max_entries == 12
 
@@ -333,7 +335,7 @@ def viewing(policy: keydiff.Policy) -> keydiff.Policy:
     cls = type(policy)
 
     def evict_indices(self, layer, budget):
-        self.views.append((layer.layer_idx, layer.keys.clone(), layer.positions.clone()))
+        self.views.append((layer.layers, layer.keys.clone(), layer.positions.clone()))
         return cls.evict_indices(self, layer, budget)
 
     recorder = type(f"Viewing{cls.__name__}", (cls,), {"evict_indices": evict_indices, "__module__": __name__})(
@@ -356,16 +358,16 @@ def test_stacked_rows_stay_with_their_layer_and_batch_row(model, name):
     reference_policy = viewing(layer_by_layer(name))
     stacked = prefill(model, batch, stacked_policy, 48, 32)
     reference = prefill(model, batch, reference_policy, 48, 32)
-    assert stacked.cache.stack is not None and stacked.cache.stack.keys.shape[0] == 2 * 3
+    assert stacked.cache.stack is not None and stacked.cache.stack.keys.shape[:2] == (3, 2)  # [layers, batch, ...]
     assert all(torch.equal(a, b) for a, b in zip(stacked.kept_positions, reference.kept_positions))
     assert generate(model, stacked, 6).token_ids == generate(model, reference, 6).token_ids
     per_layer = iter(reference_policy.views)  # every layer evicts at every step: layers 0, 1, 2, then the next step
     assert stacked_policy.views and len(reference_policy.views) == 3 * len(stacked_policy.views)
-    for step, (layer_idx, keys, positions) in enumerate(stacked_policy.views):
-        assert layer_idx is None and keys.shape[0] == 3 * 2
+    for step, (layers, keys, positions) in enumerate(stacked_policy.views):
+        assert layers == (0, 1, 2) and keys.shape[0] == 3 * 2
         for layer in range(3):
-            reference_layer, reference_keys, reference_positions = next(per_layer)
-            assert reference_layer == layer
+            reference_layers, reference_keys, reference_positions = next(per_layer)
+            assert reference_layers == (layer,)
             rows = slice(2 * layer, 2 * layer + 2)
             assert torch.equal(keys[rows], reference_keys), f"eviction {step}: rows {rows} are not layer {layer}'s"
             assert torch.equal(positions[rows], reference_positions)
@@ -407,6 +409,8 @@ def test_attention_recognises_only_the_layer_whose_slots_it_reads(model, prompt,
     for layer_idx, keys in enumerate(handed):
         assert cache.owns(layer_idx, keys), f"layer {layer_idx} does not recognise its own keys"
         assert not cache.owns(layer_idx, keys.clone())
+        # The same slots seen through another tensor (what a pointer comparison accepts) are not what it was handed.
+        assert not cache.owns(layer_idx, cache.layers[layer_idx].keys[:, :, : keys.shape[2]])
         for other in set(range(3)) - {layer_idx}:
             assert not cache.owns(other, keys), f"layer {other} claims layer {layer_idx}'s keys"
     bound = keydiff.EvictingCache(keydiff.build_policy("tova"), 16, 3, block_size=20, max_tokens=40)
@@ -416,3 +420,43 @@ def test_attention_recognises_only_the_layer_whose_slots_it_reads(model, prompt,
         assert all(layer.attention is None for layer in bound.layers + other.layers)
         model(prompt[:, :20], past_key_values=bound, use_cache=True)  # 20 entries > 16: TOVA needs its last row
     assert [tuple(layer.attention.shape) for layer in bound.layers] == [(1, 2, 20)] * 3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", ["keydiff", "tova"])
+def test_a_follow_on_chunk_as_long_as_the_prompt_is_not_mistaken_for_the_prompt_fed_again(prompt, name, dtype):
+    """After a 100-token prefill, 100 new tokens are a continuation: the same as prefilling all 200 in blocks of
+    100. Only the same 100 tokens again (what model.generate feeds when the cache covers its whole input) are
+    refused, in bf16 too (where recomputed values differ by a rounding)."""
+    model = tiny_llama("sdpa", dtype=dtype)
+    state = prefill(model, prompt[:, :100], name, 64, 100)
+    with torch.no_grad(), keydiff.keydiff_attention(model, state.cache):
+        logits = model(input_ids=prompt[:, 100:200], past_key_values=state.cache, use_cache=True).logits[:, -1]
+    state.cache.evict()
+    reference = prefill(model, prompt[:, :200], name, 64, 100)
+    assert torch.allclose(logits.float(), reference.logits, atol=1e-5 if dtype == torch.float32 else 2e-2)
+    assert all(torch.equal(a, b) for a, b in zip(state.cache.kept_positions(), reference.kept_positions))
+    # The same 100 tokens fed again right after the prompt are refused (what model.generate would do).
+    again = prefill(model, prompt[:, :100], name, 64, 100)
+    with torch.no_grad(), keydiff.keydiff_attention(model, again.cache), pytest.raises(RuntimeError, match="fed again"):
+        model(input_ids=prompt[:, :100], past_key_values=again.cache, use_cache=True)
+
+
+def test_the_engine_sets_no_attribute_on_the_cache(model, prompt, monkeypatch):
+    """prefill and generate drive the cache through its methods only."""
+    from keydiff.cache import EvictingCache
+
+    written = []
+    original = EvictingCache.__setattr__
+
+    def spy(self, name, value):
+        if "_evicting" in vars(self):  # built (the constructor sets it last)
+            written.append(name)
+        original(self, name, value)
+
+    monkeypatch.setattr(EvictingCache, "__setattr__", spy)
+    for name in ("keydiff", "h2o"):
+        state = prefill(model, prompt, name, 64, 32)
+        generate(model, state, 4, evict=False)
+    written_outside = [name for name in written if not name.startswith("_")]
+    assert written_outside == [], written_outside

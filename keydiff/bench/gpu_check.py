@@ -42,6 +42,7 @@ import torch
 import keydiff
 from keydiff import available_policies, generate, prefill
 from keydiff.bench import common
+from keydiff.config import STATISTICS_MODES
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
 # Fast vs materialized kept-set agreement required in bf16. Random weights give near-uniform attention, so
@@ -180,7 +181,7 @@ def check_statistics_agreement(model, prompt, sizes: Sizes, setting) -> Row:
     rates = {}
     for name in AGREEMENT_POLICIES:
         runs = [prefill(model, prompt, name, sizes.budget, sizes.block, attention_statistics=mode).kept_positions
-                for mode in ("fast", "materialized")]
+                for mode in STATISTICS_MODES]
         rates[name] = kept_agreement(*runs)
     ok = min(rates.values()) >= AGREEMENT_THRESHOLD
     detail = ", ".join(f"{k} {v:.3f}" for k, v in rates.items()) + f" (threshold {AGREEMENT_THRESHOLD})"

@@ -30,6 +30,7 @@ import torch
 
 from keydiff import build_policy, prefill
 from keydiff.bench import common
+from keydiff.config import STATISTICS_MODES
 
 
 def prefill_run(model, prompt, name: str, args, profile: bool):
@@ -77,7 +78,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--length", type=int, default=4096, help="prompt tokens L")
     parser.add_argument("--budget", type=int, default=1024, help="entries kept per layer and KV head, N")
     parser.add_argument("--block-size", type=int, default=128, help="prompt tokens per forward pass, B")
-    parser.add_argument("--statistics", default="fast", choices=["fast", "materialized"])
+    parser.add_argument("--statistics", default="fast", choices=STATISTICS_MODES)
     parser.add_argument("--reference", action="store_true", help="also time a plain transformers forward")
     args = parser.parse_args(argv)
     started = common.provenance(__spec__.name, argv)

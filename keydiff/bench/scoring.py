@@ -34,6 +34,7 @@ import torch
 
 from keydiff.attention import attention_statistic, statistic_from_weights
 from keydiff.bench import common
+from keydiff.config import STATISTICS_MODES
 from keydiff.policies import build_policy
 from keydiff.policies.base import LayerView
 
@@ -297,7 +298,7 @@ def main(argv: list[str] | None = None) -> list[Path]:
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=31)
-    parser.add_argument("--statistics", default="fast", choices=["fast", "materialized"])
+    parser.add_argument("--statistics", default="fast", choices=STATISTICS_MODES)
     parser.add_argument("--policies", type=lambda t: [p.strip() for p in t.split(",") if p.strip()], default=None,
                         help=f"comma list from {', '.join(POLICIES)}")
     parser.add_argument("--block-size", type=int, default=128, help="B (the block scored with the cache)")

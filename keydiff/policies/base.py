@@ -46,12 +46,29 @@ class LayerView:
     # Per-entry policy state [batch, kv_heads, n], one view per name in the policy's `state_names`; new
     # entries start at 0. Update it in place (`state["h2o"].add_(...)`): it lives in the cache's buffers.
     state: dict[str, torch.Tensor]
-    # The layer, or None when the cache scores several layers in one call (their rows stacked along the
-    # batch dimension, see `Policy.layers_batchable`).
-    layer_idx: int | None
+    # The model layers whose rows the view holds, layer-major: one layer, or several when the cache scores
+    # them in one call (their rows stacked along the batch dimension, see `Policy.layers_batchable`). An int
+    # is taken as that one layer.
+    layers: tuple[int, ...]
     # Running mean/covariance of this layer's pre-RoPE queries (every pass so far), for policies with
     # `needs_queries`; None otherwise.
     queries: QueryStatistics | None = None
+
+    def __post_init__(self):
+        if type(self.layers) is tuple:  # the cache's views: nothing to convert (cheap, it runs at every eviction)
+            return
+        if not isinstance(self.layers, int) or isinstance(self.layers, bool):
+            raise TypeError(f"LayerView.layers must be a layer index or a tuple of them, got {self.layers!r}")
+        self.layers = (self.layers,)
+
+    @property
+    def layer_idx(self) -> int:
+        """The one layer this view holds; an error if it stacks several (a policy that reads it must leave
+        `layers_batchable` False)."""
+        if len(self.layers) != 1:
+            raise RuntimeError(f"this view stacks layers {self.layers[0]}..{self.layers[-1]}: a policy that reads "
+                               "layer_idx must not set layers_batchable")
+        return self.layers[0]
 
 
 @dataclass
@@ -110,8 +127,8 @@ class Policy:
     def layers_batchable(self) -> bool:
         """True if every batch row of a view is scored the same way, by its own entries only, whatever its layer
         (no layer_idx, no per-layer queries, no random draws, no reduction across rows). The cache may then
-        evict all its layers in one call, their rows stacked along the batch dimension (layer_idx None): one set
-        of kernel launches per step instead of one per layer. False (the safe default) for your own policy
+        evict all its layers in one call, their rows stacked along the batch dimension (`LayerView.layers`
+        names them): one set of kernel launches per step instead of one per layer. False (the safe default) for your own policy
         unless you set it; `keydiff.testing.check_policy` checks the claim (stacked == layer by layer)."""
         return False
 

@@ -27,6 +27,7 @@ from typing import Any, Sequence
 from omegaconf import DictConfig, OmegaConf
 
 from keydiff.run.results import run_dir_of
+from keydiff.config import STATISTICS_MODES
 
 
 class ConfigError(ValueError):
@@ -81,8 +82,6 @@ def check_run_config(cfg: DictConfig) -> None:
     the valid choices."""
     from hydra.utils import instantiate
 
-    # lead: import STATISTICS_MODES from its torch-free home in the cache/attention layer at merge
-    from keydiff.cache import STATISTICS_MODES
     from keydiff.models import ModelConfig
     from keydiff.run import tracking
 

@@ -1,0 +1,321 @@
+"""A transformers Cache whose layers stay within a fixed token budget (paper Eq. 6), in preallocated buffers.
+
+`EvictingCache` is an ordinary `transformers.Cache` made of `EvictingLayer`s, so any model that takes
+`past_key_values` can use it unchanged, in any decoding loop:
+
+    out = model(input_ids=next_ids, past_key_values=cache, use_cache=True)   # position_ids optional
+
+Nobody steers it from outside: it decides what to do from what it is given (the passes written into it,
+`evict()` after a pass, `start_generation(new_tokens, evict=...)` before decoding), keeps its own timings
+(`timed`), and tells the attention function what to record through public methods.
+
+Memory. Buffers are allocated once per sequence by a `Storage` (keydiff.cache.storage): keys, values,
+absolute positions and the policy's per-entry state, with room for `budget + block_size` entries (a prefill
+block, or one token while decoding, on top of the kept entries). Nothing proportional to the cache size is
+allocated or copied after the first block: only the new entries move.
+
+Stack. When every layer has the same budget and the policy scores each batch row on its own
+(`Policy.layers_batchable`), every layer lives in one storage (one [layers, batch, ...] allocation, one entry
+count): each layer is a view of its slot, and eviction scores all layers' rows in one call. Otherwise each
+layer has a storage of its own. A layer whose first pass does not fit the stack (other head count or head
+dim) takes buffers of its own, and the stack is split into one storage per layer.
+
+Position. The cache counts the tokens it has seen, so `get_seq_length()` is the absolute position of the
+next token (what transformers relies on: `cache_position` and `position_ids` when none are given, and
+`generate`'s slicing of the prompt) while `entries_held()` is what a layer holds: after prefill of 3058
+tokens with N = 1024, 3058 and 1024. Masks for transformers' own attention functions are sized from it
+(`get_mask_sizes`), so attention-free policies work with stock sdpa/eager/FlashAttention too.
+
+Eviction. A storage evicts itself when its first layer's next pass arrives (before the new entries are
+written) and `evict()` does it for every storage at once (what the engine calls after every forward pass,
+so after a call each layer holds at most `budget` entries). Either way the policy sees the same entries
+and the same attention statistic, so a plain loop and `keydiff.generate` choose the same tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache
+
+from keydiff.cache.layer import EvictingLayer
+from keydiff.cache.storage import Storage
+from keydiff.config import STATISTICS_MODES
+from keydiff.policies.base import Policy
+from keydiff.queries import QueryStatistics, rope_frequencies
+
+# How close (relative to the largest value) a pass's layer-0 values must be to the kept ones to count as the
+# same tokens fed again: they were computed with another block size, so not bit-identical; at least a few
+# roundings of the cache's dtype (bf16: 6 %), far below the difference between two tokens' values.
+REFED_TOLERANCE = 1e-3
+REFED_ROUNDINGS = 8
+
+
+class EvictingCache(Cache):
+    """KV cache bounded to `budget` entries per layer and KV head, in buffers allocated once per sequence.
+
+    budget=None means no bound (the `full` policy). block_size: the largest pass expected (the prefill
+    block); bounded layers hold budget + block_size entries. max_tokens: the prompt's length (what the
+    sequence is expected to reach), which sizes unbounded layers; when given, feeding the same prompt again
+    once it has been consumed is refused (see `update`). Buffers grow (and say so in `allocations`) only if a
+    pass or a sequence outgrows them. `statistics` chooses how attention-based policies get their
+    attention: "fast" computes only the rows they need next to the fused attention kernel, "materialized"
+    runs eager attention and reads its weights (the paper's latency setting). profile=True synchronises the
+    GPU around every statistic and eviction so that `timings` are the kernels' time; it slows the run down,
+    so never time TTFT with it.
+    """
+
+    def __init__(
+        self,
+        policy: Policy,
+        budget: int | None,
+        num_layers: int,
+        statistics: str = "fast",
+        profile: bool = False,
+        block_size: int | None = None,
+        max_tokens: int | None = None,
+    ):
+        if statistics not in STATISTICS_MODES:
+            raise ValueError(f"unknown attention statistics mode {statistics!r}; valid: {', '.join(STATISTICS_MODES)}")
+        self.policy = policy
+        self.budget = budget if policy.evicts else None
+        self.num_layers, self.block_size, self.max_tokens = num_layers, block_size, max_tokens
+        super().__init__(layers=self._plan_layers())
+        self._storages = self._distinct_storages()
+        self.statistics = statistics
+        self.profile = profile
+        self.timings = {"statistics_s": 0.0, "eviction_s": 0.0}
+        self._evicting = True  # False after start_generation(evict=False): the generated tokens are all kept
+
+    def _plan_layers(self) -> list[EvictingLayer]:
+        """The layers on their storages: one shared stack when the policy and the budgets allow, else one each."""
+        policy, count = self.policy, self.num_layers
+        # Each layer's own budget N_l (None: never evicted): the policy's layer schedule, uniform by default.
+        budgets = [None] * count if self.budget is None else policy.budgets(self.budget, count, self.max_tokens)
+        capacities = [self.max_tokens if b is None else self._bounded_capacity(b, self.block_size, self.max_tokens)
+                      for b in budgets]
+        stackable = (policy.layers_batchable and budgets[0] is not None and len(set(budgets)) == 1
+                     and capacities[0] is not None and len(set(capacities)) == 1)
+        if stackable:
+            stack = Storage(tuple(range(count)), budgets[0], capacities[0], policy.state_names, policy.initial_state)
+            return [EvictingLayer(budgets[0], capacities[0], layer_idx=i, storage=stack, slot=i) for i in range(count)]
+        return [EvictingLayer(b, c, policy.state_names, policy.initial_state, layer_idx=i)
+                for i, (b, c) in enumerate(zip(budgets, capacities))]
+
+    @staticmethod
+    def _bounded_capacity(budget: int, block_size: int | None, max_tokens: int | None) -> int | None:
+        """Slots for a layer bounded to `budget`: budget + block (never more than the whole prompt), at least
+        budget + 1 for decoding; None (sized from the first pass) if neither block nor length is known."""
+        if not (block_size or max_tokens):
+            return None
+        capacity = budget + (block_size or max_tokens)
+        if max_tokens is not None:
+            capacity = min(capacity, max_tokens)
+        return max(capacity, budget + 1)
+
+    def _distinct_storages(self) -> list[Storage]:
+        seen: dict[int, Storage] = {}
+        for layer in self.layers:
+            seen.setdefault(id(layer.storage), layer.storage)
+        return list(seen.values())
+
+    @property
+    def storages(self) -> list[Storage]:
+        """The distinct storages, in layer order (one if stacked)."""
+        return list(self._storages)
+
+    @property
+    def stack(self) -> Storage | None:
+        """The storage every layer shares, or None if the layers evict one by one."""
+        storage = self.layers[0].storage
+        return storage if storage.count == len(self.layers) > 1 else None
+
+    # --- the transformers Cache interface -------------------------------------------------------
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        layer = self.layers[layer_idx]
+        storage = layer.storage
+        if layer_idx == 0:
+            self._refuse_prompt_fed_again(layer, value_states)
+        joining = storage.count > 1 and storage.keys is not None and layer.seen == 0
+        if joining and not storage.fits(key_states, value_states):
+            self._split_stack(layer)
+            storage = layer.storage
+        # What the previous pass left to do (a plain loop never calls `evict()`): observe and evict now,
+        # when the first of the storage's layers starts the next pass.
+        if self._evicting and layer.seen == storage.seen and storage.pending():
+            with self.timed("eviction_s"):
+                storage.evict(self.policy)
+        return layer.update(key_states, value_states)
+
+    def _refuse_prompt_fed_again(self, layer: EvictingLayer, value_states: torch.Tensor) -> None:
+        """Refuse the whole prompt fed a second time (what model.generate does when past_key_values covers all
+        of input_ids): a pass as long as the consumed prompt whose layer-0 values equal the kept entries' at
+        their positions, i.e. the same tokens again. A follow-on chunk of other tokens, of any length, is fine."""
+        q, seen = value_states.shape[-2], layer.seen
+        if self.max_tokens is None or seen != self.max_tokens or q != seen or layer.num_entries == 0:
+            return
+        n = layer.num_entries
+        positions = layer.positions[:, :, :n]
+        again = value_states.gather(2, positions[..., None].expand(-1, -1, -1, value_states.shape[-1]))
+        kept = layer.values[:, :, :n]
+        tolerance = max(REFED_TOLERANCE, REFED_ROUNDINGS * torch.finfo(kept.dtype).eps)
+        scale = kept.abs().max().float().clamp_min(1e-6)
+        if float((again.float() - kept.float()).abs().max()) <= tolerance * float(scale):
+            raise RuntimeError(
+                "this cache already holds the whole prompt, which is being fed again (what model.generate does when "
+                "past_key_values covers all of input_ids). Continue with keydiff.generate(model, state, ...), or "
+                "prefill all but the last prompt token: state = keydiff.prefill(model, prompt[:, :-1], ...), then "
+                "model.generate(prompt, past_key_values=state.cache, ...)"
+            )
+
+    def _split_stack(self, leaving: EvictingLayer) -> None:
+        """`leaving` does not fit the stack (other heads or head dim): it gets a storage of its own, and every
+        other layer keeps its slot as a storage of its own (the layers evict one by one from now on)."""
+        stack = leaving.storage
+        for part, slot in zip(stack.split(), range(stack.count)):
+            layer = self.layers[stack.layers[slot]]
+            if layer is leaving:
+                own = Storage((layer.layer_idx,), stack.budget, stack.capacity, self.policy.state_names,
+                              self.policy.initial_state)  # nothing written yet: allocated by its first write
+                layer.move_to(own, 0, new_buffers=True)
+            else:
+                layer.move_to(part, 0, new_buffers=False)
+        self._storages = self._distinct_storages()
+
+    def reset(self) -> None:
+        """Empty the cache for a new sequence (fresh storages, as planned at construction)."""
+        self.layers = self._plan_layers()
+        self._storages = self._distinct_storages()
+        self._evicting = True
+
+    # --- timings -------------------------------------------------------------------------------
+    def timed(self, name: str) -> "_Timed":
+        """`with cache.timed("statistics_s"):` adds the block's wall time to `timings[name]` (the GPU synchronised
+        around it when profiling)."""
+        return _Timed(self, name)
+
+    def _clock(self) -> float:
+        """Wall time; synchronises the GPU first when profiling so the time is the kernels' time."""
+        if self.profile and torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    # --- what the engine and the attention function use ------------------------------------------
+    def owns(self, layer_idx: int, key: torch.Tensor) -> bool:
+        """Whether `key` is exactly what this cache's layer returned from its last `update` (the attention
+        function checks before recording: keys of some other cache are not this layer's)."""
+        return self.layers[layer_idx].returned_keys is key
+
+    def attention_rows_needed(self, layer_idx: int) -> int | None:
+        """How many last query rows of this pass the policy needs attention for: 0 = none, None = all."""
+        storage = self.layers[layer_idx].storage
+        rows = self.policy.attention_rows
+        if rows == 0 or storage.budget is None or not self._evicting:
+            return 0
+        if not self.policy.observes_every_step and storage.num_entries <= storage.budget:
+            return 0  # nothing will be evicted after this pass, so the statistic would be wasted
+        return rows
+
+    def record_attention(self, layer_idx: int, statistic: torch.Tensor) -> None:
+        self.layers[layer_idx].record_attention(statistic)
+
+    def queries_needed(self, layer_idx: int) -> bool:
+        """Whether the attention function must hand this layer's queries over (Expected Attention)."""
+        return self.policy.needs_queries and self.layers[layer_idx].budget is not None and self._evicting
+
+    def record_queries(self, layer_idx: int, query: torch.Tensor, config) -> None:
+        """Add a pass's post-RoPE queries [batch, heads, q, d] (the newest q positions) to the layer's statistics."""
+        layer = self.layers[layer_idx]
+        storage, slot = layer.storage, layer.slot
+        if storage.queries[slot] is None:
+            inv_freq, scaling = rope_frequencies(config, query.shape[-1])
+            first = self.policy.first_query_position
+            storage.queries[slot] = QueryStatistics(inv_freq.to(query.device), scaling, first)
+        storage.queries[slot].update(query, layer.seen - query.shape[2])
+
+    def evict(self) -> None:
+        """Let the policy observe the pass just run, then shrink every over-budget layer to `budget`."""
+        if self.budget is None or not self._evicting:
+            return
+        with self.timed("eviction_s"):
+            for storage in self._storages:
+                storage.evict(self.policy)
+
+    def start_generation(self, new_tokens: int, evict: bool = True) -> None:
+        """Prepare to decode up to `new_tokens` tokens: with evict=False every generated token is kept (no
+        eviction, no statistics from now on), so room for them is made now, in one allocation per storage;
+        layers that never evict grow once here too."""
+        self._evicting = evict
+        for storage in self._storages:
+            if storage.budget is None or not evict:
+                storage.reserve(storage.entries_after_eviction() + new_tokens)
+        for layer in self.layers:
+            layer.returned_keys = None  # may hold a released buffer
+
+    # --- what the cache holds --------------------------------------------------------------------
+    def entries_held(self, layer_idx: int = 0) -> int:
+        """Entries per KV head that layer `layer_idx` holds now: at most its budget after `evict()` (one pass
+        more before it). Not `get_seq_length()`, which counts the tokens seen, as transformers needs."""
+        return self.layers[layer_idx].num_entries
+
+    @property
+    def layer_budgets(self) -> list[int | None]:
+        """Each layer's budget N_l (None: unbounded)."""
+        return [layer.budget for layer in self.layers]
+
+    @property
+    def layer_max_entries(self) -> list[int]:
+        """Each layer's peak entries per KV head."""
+        return [layer.max_entries for layer in self.layers]
+
+    def kept_positions(self) -> list[torch.Tensor]:
+        """Absolute positions held, one LongTensor [batch, kv_heads, entries] per layer, ascending (copies)."""
+        return [layer.kept_positions() for layer in self.layers]
+
+    @property
+    def entries_peak_sum(self) -> int:
+        """Sum over layers of each layer's peak entries per KV head (an upper bound of what was held at once)."""
+        return sum(layer.max_entries for layer in self.layers)
+
+    @property
+    def max_entries(self) -> int:
+        """Peak number of entries any layer held for one KV head."""
+        return max((layer.max_entries for layer in self.layers), default=0)
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes the key and value buffers hold (their allocated capacity, every layer): the real footprint.
+
+        Counted per allocation, so a stack is counted whole, including the slots of a layer that has left it.
+        """
+        sizes = {}
+        for layer in self.layers:
+            for buffer in (layer.keys, layer.values):
+                if buffer is not None:
+                    allocation = buffer.untyped_storage()
+                    sizes[allocation.data_ptr()] = allocation.nbytes()
+        return sum(sizes.values())
+
+    @property
+    def allocations(self) -> int:
+        """Buffer allocations over all layers since the sequence started (one per layer when sized right)."""
+        return sum(layer.allocations for layer in self.layers)
+
+
+class _Timed:
+    """The context manager `EvictingCache.timed` returns (a class, not a generator: it runs per layer and step)."""
+
+    __slots__ = ("cache", "name", "start")
+
+    def __init__(self, cache: EvictingCache, name: str):
+        self.cache, self.name = cache, name
+
+    def __enter__(self) -> None:
+        self.start = self.cache._clock()
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.cache.timings[self.name] += self.cache._clock() - self.start

@@ -1,0 +1,202 @@
+"""One layer of an evicting cache as transformers sees it: a view of its slot in a `Storage`.
+
+The layer keeps only what is its own: which storage and slot hold its entries, how many tokens it has been
+given (`seen`, the absolute position of its next token, what transformers asks `get_seq_length` for), and the
+key tensor it last returned from `update`, by which the attention function recognises this layer's buffer
+(`returned_keys is key`) rather than some other cache's. Entry counts, buffers and statistics live in the storage.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+from keydiff.cache.storage import Storage
+from keydiff.policies.base import LayerView, Policy
+
+
+class EvictingLayer(CacheLayerMixin):
+    """One layer's bounded cache: a slot of a storage (its own, or the stack every layer shares).
+
+    Built on its own (`EvictingLayer(budget, capacity, ...)`) it has a storage of its own; `EvictingCache`
+    builds its layers on the storages it plans.
+    """
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(
+        self,
+        budget: int | None,
+        capacity: int | None,
+        state_names: tuple[str, ...] = (),
+        initial_state: Callable[[torch.Tensor], dict[str, torch.Tensor]] | None = None,
+        layer_idx: int = 0,
+        storage: Storage | None = None,
+        slot: int = 0,
+    ):
+        # CacheLayerMixin.__init__ would assign keys/values, which are views of the storage here.
+        self.is_initialized = False
+        self.layer_idx = layer_idx
+        self.storage = storage if storage is not None else Storage((layer_idx,), budget, capacity, state_names,
+                                                                   initial_state)
+        self.slot = slot
+        self.seen = 0  # tokens this layer has been given: the absolute position of the next one
+        self.returned_keys: torch.Tensor | None = None  # what the last `update` returned (see module docstring)
+        self.earlier_allocations = 0  # allocations of storages this layer has left
+
+    def move_to(self, storage: Storage, slot: int, new_buffers: bool) -> None:
+        """Continue in `storage` at `slot` (new_buffers: its buffers are not the ones this layer had)."""
+        if new_buffers:
+            self.earlier_allocations += self.storage.allocations
+        self.storage, self.slot = storage, slot
+
+    # --- what the storage holds for this layer -------------------------------------------------
+    def _slot(self, name: str) -> torch.Tensor | None:
+        return self.storage.slots[self.slot][name] if self.storage.keys is not None else None
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        """[batch, kv_heads, capacity, dim]: this layer's key buffer (valid entries first)."""
+        return self._slot("keys")
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return self._slot("values")
+
+    @property
+    def positions(self) -> torch.Tensor | None:
+        """[batch, kv_heads, capacity] absolute positions of the entries (long)."""
+        return self._slot("positions")
+
+    @property
+    def state(self) -> dict[str, torch.Tensor]:
+        """Policy state buffers, name -> [batch, kv_heads, capacity] float32."""
+        return self.storage.slots[self.slot]["state"] if self.storage.keys is not None else {}
+
+    @property
+    def attention(self) -> torch.Tensor | None:
+        """The attention statistic recorded in the last pass [batch, kv_heads, entries], until eviction uses it."""
+        return self.storage.attention[self.slot]
+
+    @property
+    def queries(self):
+        return self.storage.queries[self.slot]
+
+    @property
+    def budget(self) -> int | None:
+        return self.storage.budget
+
+    @property
+    def capacity(self) -> int | None:
+        return self.storage.capacity
+
+    @property
+    def num_entries(self) -> int:
+        """Valid entries per KV head (the same for every head)."""
+        return self.storage.num_entries
+
+    @property
+    def max_entries(self) -> int:
+        """Peak entries per KV head ever held."""
+        return self.storage.max_entries
+
+    @property
+    def allocations(self) -> int:
+        """Buffer (re)allocations this layer went through this sequence: 1 when the capacity was right."""
+        return self.earlier_allocations + self.storage.allocations
+
+    @property
+    def stacked(self) -> bool:
+        """Whether this layer shares its storage (and its entry count) with other layers."""
+        return self.storage.count > 1
+
+    # --- the transformers layer interface -------------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write a pass's keys/values [batch, kv_heads, q, dim] after the kept entries; return the valid ones."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        keys = self.storage.keys
+        if keys is not None and key_states.shape[0] != keys.shape[1]:
+            raise RuntimeError(
+                f"the batch changed from {keys.shape[1]} to {key_states.shape[0]} rows: an evicting cache supports "
+                "neither beam search nor num_return_sequences; use keydiff.generate (greedy or sampling)"
+            )
+        keys, values = self.storage.write(self.slot, key_states, value_states, self.seen)
+        self.seen += key_states.shape[-2]
+        self.returned_keys = keys
+        return keys, values
+
+    def view(self, layer_idx: int | None = None) -> LayerView:
+        """This layer's valid entries as a policy sees them (views into the buffers, in buffer order).
+
+        layer_idx, if given, must be this layer's own index (callers looping over `cache.layers` pass it).
+        """
+        if layer_idx is not None and layer_idx != self.layer_idx:
+            raise ValueError(f"this is layer {self.layer_idx}, not layer {layer_idx}")
+        return self.storage.view(self.slot)
+
+    def evict(self, policy: Policy) -> None:
+        """Observe and evict this layer's storage (with every layer that shares it)."""
+        self.storage.evict(policy)
+
+    def record_attention(self, statistic: torch.Tensor | None) -> None:
+        self.storage.attention[self.slot] = statistic
+
+    def kept_positions(self) -> torch.Tensor:
+        """Absolute positions held, [batch, kv_heads, entries], ascending (a copy)."""
+        return self.positions[:, :, : self.num_entries].sort(dim=-1).values
+
+    def get_seq_length(self) -> int:
+        """Tokens seen so far: the absolute position of the next token (not the number of entries held)."""
+        return self.seen
+
+    def entries_after_eviction(self) -> int:
+        return self.storage.entries_after_eviction()
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """Keys the next pass attends to, and the offset that makes transformers' causal mask exact.
+
+        The next pass sees the entries left after eviction plus its own q tokens. Its queries sit at absolute
+        positions seen..seen+q-1; an offset of seen - entries maps key slot j to j + offset, so "key <= query"
+        means: every kept entry, and the new tokens causally (bottom-right).
+        """
+        kept = self.entries_after_eviction()
+        return kept + query_length, self.seen - kept
+
+    def get_max_length(self) -> int:
+        return -1 if self.budget is None else self.budget
+
+    # transformers' generate() calls these for beam search, assisted decoding and num_return_sequences; they
+    # would need every buffer (positions, policy state) reordered with the keys, so refuse instead.
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("an evicting cache cannot be cropped (no assisted decoding); use keydiff.generate")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("an evicting cache does not support beam search; use keydiff.generate")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError("an evicting cache cannot be expanded (num_return_sequences); use keydiff.generate")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise NotImplementedError("an evicting cache does not support batch selection; use keydiff.generate")
+
+    def offload(self) -> None:
+        raise NotImplementedError("an evicting cache cannot be offloaded")
+
+    def reset(self) -> None:
+        """Empty this layer for a new sequence (a layer of a stack is reset with its cache: `cache.reset()`)."""
+        old = self.storage
+        if old.count > 1:
+            raise NotImplementedError("this layer shares its storage with other layers: reset the whole cache")
+        self.storage = Storage(old.layers, old.budget, old.capacity, old.state_names, old.initial_state)
+        self.seen, self.returned_keys, self.earlier_allocations, self.is_initialized = 0, None, 0, False

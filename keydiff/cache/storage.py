@@ -1,0 +1,290 @@
+"""One owner of a bounded cache's tensors: keys, values, positions and policy state of one or several layers.
+
+A `Storage` holds the buffers of `count` layers as [count, batch, kv_heads, capacity(, dim)] tensors and one
+entry count for all of them: its layers (keydiff.cache.layer) are views of their own slot. With count 1 it is
+one layer's cache; with every layer in it (the stack) the layers' entries always move together, so eviction
+treats the storage as one layer whose batch rows are every layer's rows: one scoring call, one top-k and one
+move per buffer per step instead of one per layer (what eviction costs on a small model is launch-bound).
+
+Writes. Within a forward pass every layer of a storage writes its q new entries into the same slots, after
+the kept ones. The first layer to write in a pass (the one whose token count equals the storage's) makes room
+and advances the count and the positions for all; the others write into the slots it reserved.
+
+Eviction writes nothing proportional to the cache size: the policy chooses the entries to drop and the
+surviving new entries move into the slots of the dropped old ones. Entries therefore sit in no particular
+order; each carries its absolute position.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from keydiff.policies.base import LayerView, Policy
+from keydiff.queries import QueryStatistics
+
+
+def empty_buffers(
+    count: int, key_states: torch.Tensor, value_states: torch.Tensor, capacity: int, state_names: tuple[str, ...],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """Keys, values, positions and policy-state buffers [count, batch, kv_heads, capacity(, dim)], shaped like
+    these states. Ordinary tensors even under inference mode, so that a loop the user runs later under plain
+    `no_grad` can still write into them."""
+    batch, heads = key_states.shape[:2]
+    shape = (count, batch, heads, capacity)
+    with torch.inference_mode(False):
+        keys = key_states.new_empty(*shape, key_states.shape[-1])
+        values = value_states.new_empty(*shape, value_states.shape[-1])
+        positions = torch.empty(shape, dtype=torch.long, device=key_states.device)
+        state = {name: torch.zeros(shape, dtype=torch.float32, device=key_states.device) for name in state_names}
+    return keys, values, positions, state
+
+
+class Storage:
+    """The buffers of the layers `layers` (model layer indices, one slot each) and their one entry count.
+
+    budget=None: never evicted (the `full` policy, or layers a policy skips); the buffers then grow
+    geometrically. capacity: entries the buffers are first allocated for (None: sized from the first write).
+    """
+
+    def __init__(
+        self,
+        layers: tuple[int, ...],
+        budget: int | None,
+        capacity: int | None,
+        state_names: tuple[str, ...] = (),
+        initial_state: Callable[[torch.Tensor], dict[str, torch.Tensor]] | None = None,
+    ):
+        self.layers = tuple(layers)
+        self.budget = budget
+        self.capacity = capacity
+        self.state_names = state_names
+        self.initial_state = initial_state  # the policy's `initial_state`: state of newly written entries
+        self.keys: torch.Tensor | None = None  # [count, batch, kv_heads, capacity, dim]
+        self.values: torch.Tensor | None = None
+        self.positions: torch.Tensor | None = None  # [count, batch, kv_heads, capacity] long
+        self.state: dict[str, torch.Tensor] = {}  # name -> [count, batch, kv_heads, capacity] float32
+        self.slots: list[dict[str, torch.Tensor]] = []  # per slot: views "keys", "values", "positions", "state:<name>"
+        # Per slot: the attention statistic of the last pass [batch, kv_heads, entries] and running query moments.
+        self.attention: list[torch.Tensor | None] = [None] * len(self.layers)
+        self.queries: list[QueryStatistics | None] = [None] * len(self.layers)
+        self.num_entries = 0  # valid entries per layer and KV head (the same for every head and slot)
+        self.seen = 0  # tokens written into the first slot: the absolute position of the next one
+        self.max_entries = 0  # peak entries per head ever held
+        self.allocations = 0  # buffer (re)allocations (1 when the capacity was right)
+        self.fresh: int | None = None  # first slot whose policy state is not set yet (see initialize_state)
+
+    @property
+    def count(self) -> int:
+        return len(self.layers)
+
+    def where(self) -> str:
+        return f"layer {self.layers[0]}" if self.count == 1 else f"layers {self.layers[0]}..{self.layers[-1]} (stacked)"
+
+    # --- buffers ------------------------------------------------------------------------------
+    def allocate(self, key_states: torch.Tensor, value_states: torch.Tensor, capacity: int) -> None:
+        """(Re)allocate every buffer for `capacity` entries, carrying the valid entries over; the old buffers
+        are released (nothing else holds them)."""
+        keys, values, positions, state = empty_buffers(self.count, key_states, value_states, capacity, self.state_names)
+        n = self.num_entries
+        if n:
+            keys[..., :n, :] = self.keys[..., :n, :]
+            values[..., :n, :] = self.values[..., :n, :]
+            positions[..., :n] = self.positions[..., :n]
+            for name, buffer in state.items():
+                buffer[..., :n] = self.state[name][..., :n]
+        self.adopt(keys, values, positions, state)
+        self.allocations += 1
+
+    def adopt(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+              state: dict[str, torch.Tensor]) -> None:
+        """Use these [count, batch, ...] tensors as the buffers (and cache each slot's views of them)."""
+        self.keys, self.values, self.positions, self.state = keys, values, positions, state
+        self.capacity = keys.shape[3]
+        rows = self.count * keys.shape[1]
+        # The slots seen as one layer whose batch rows are every slot's rows (layer-major, then batch).
+        self.rows = {"keys": keys.view(rows, *keys.shape[2:]), "values": values.view(rows, *values.shape[2:]),
+                     "positions": positions.view(rows, *positions.shape[2:]),
+                     "state": {name: s.view(rows, *s.shape[2:]) for name, s in state.items()}}
+        self.slots = [{"keys": keys[i], "values": values[i], "positions": positions[i],
+                       "state": {name: s[i] for name, s in state.items()}} for i in range(self.count)]
+
+    def fits(self, key_states: torch.Tensor, value_states: torch.Tensor) -> bool:
+        """Whether the buffers can hold these states (batch, heads, head dims, dtype and device all match)."""
+        keys = self.keys
+        return (keys.shape[1:3] == key_states.shape[:2] and keys.shape[4] == key_states.shape[3]
+                and self.values.shape[4] == value_states.shape[3] and keys.dtype == key_states.dtype
+                and keys.device == key_states.device)
+
+    def grown_capacity(self, needed: int) -> int:
+        """Capacity for `needed` entries: the planned one first; then room for decoding, or doubling if unbounded."""
+        if self.keys is None:
+            planned = self.capacity or needed
+            return max(needed, planned, 0 if self.budget is None else self.budget + 1)
+        return max(needed, 2 * self.capacity)
+
+    def reserve(self, entries: int) -> None:
+        """Make room for `entries` valid entries now (e.g. before decoding into an unbounded storage)."""
+        if self.keys is not None and entries > self.capacity:
+            self.allocate(self.keys[0], self.values[0], entries)
+
+    def split(self) -> list["Storage"]:
+        """One storage per slot, each on its slot of these buffers and with these entries: what remains of a
+        stack when one of its layers needs buffers of its own (its layers then evict one by one)."""
+        parts = []
+        for slot, layer in enumerate(self.layers):
+            part = Storage((layer,), self.budget, self.capacity, self.state_names, self.initial_state)
+            if self.keys is not None:
+                part.adopt(self.keys[slot : slot + 1], self.values[slot : slot + 1], self.positions[slot : slot + 1],
+                           {name: s[slot : slot + 1] for name, s in self.state.items()})
+            part.attention, part.queries = [self.attention[slot]], [self.queries[slot]]
+            part.num_entries, part.seen, part.max_entries = self.num_entries, self.seen, self.max_entries
+            part.allocations, part.fresh = self.allocations, self.fresh
+            parts.append(part)
+        return parts
+
+    # --- writes -------------------------------------------------------------------------------
+    def write(self, slot: int, key_states: torch.Tensor, value_states: torch.Tensor,
+              layer_seen: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write one layer's pass [batch, kv_heads, q, dim] after the kept entries; return its valid entries.
+
+        layer_seen: the tokens this layer had been given before the pass. The first layer to write in a pass
+        (layer_seen == seen) makes room and writes the positions for every slot.
+        """
+        q = key_states.shape[-2]
+        if layer_seen == self.seen:
+            start = self.num_entries
+            needed = start + q
+            if self.keys is None or needed > self.capacity:
+                self.allocate(key_states, value_states, self.grown_capacity(needed))
+            if q == 1:  # decoding: no arange to allocate
+                self.positions[..., start].fill_(self.seen)
+            else:
+                self.positions[..., start:needed] = torch.arange(self.seen, self.seen + q, device=key_states.device)
+            if self.state and self.fresh is None:
+                self.fresh = start  # their state is set when the storage is next viewed (once for every slot)
+            self.num_entries, self.seen = needed, self.seen + q
+            self.max_entries = max(self.max_entries, needed)
+        elif layer_seen + q == self.seen:
+            needed = self.num_entries
+            start = needed - q
+        else:
+            raise RuntimeError(
+                f"layer {self.layers[slot]} was given tokens {layer_seen}..{layer_seen + q - 1} while the cache is at "
+                f"token {self.seen}: every layer must see every forward pass, in order"
+            )
+        buffers = self.slots[slot]
+        keys, values = buffers["keys"], buffers["values"]
+        keys[:, :, start:needed] = key_states
+        values[:, :, start:needed] = value_states
+        return keys[:, :, :needed], values[:, :, :needed]
+
+    def initialize_state(self) -> None:
+        """Set the policy state of the entries written since the last view: `initial_state` of their keys, else 0.
+
+        Deferred from `write` to here so that it runs once for every slot.
+        """
+        start, n = self.fresh, self.num_entries
+        self.fresh = None
+        if start is None or start >= n:
+            return
+        rows = self.rows
+        initial = self.initial_state(rows["keys"][:, :, start:n]) if self.initial_state is not None else {}
+        for name, buffer in rows["state"].items():
+            buffer[:, :, start:n] = initial.get(name, 0.0)
+
+    # --- views and eviction -------------------------------------------------------------------
+    def view(self, slot: int | None = None) -> LayerView:
+        """The valid entries as a policy sees them, in buffer order: one slot's, or (None) every slot's rows."""
+        self.initialize_state()
+        n = self.num_entries
+        if slot is None:
+            buffers, layers, queries = self.rows, self.layers, (self.queries[0] if self.count == 1 else None)
+            attention = self.attention[0] if self.count == 1 else self.stacked_attention()
+        else:
+            buffers, layers = self.slots[slot], (self.layers[slot],)
+            attention, queries = self.attention[slot], self.queries[slot]
+        return LayerView(
+            keys=buffers["keys"][:, :, :n],
+            values=buffers["values"][:, :, :n],
+            positions=buffers["positions"][:, :, :n],
+            attention=attention,
+            state={name: buffer[:, :, :n] for name, buffer in buffers["state"].items()},
+            layers=layers,
+            queries=queries,
+        )
+
+    def stacked_attention(self) -> torch.Tensor | None:
+        """Every slot's statistic as one [count * batch, kv_heads, entries] tensor (None if none was recorded)."""
+        recorded = [a is not None for a in self.attention]
+        if not any(recorded):
+            return None
+        if not all(recorded):
+            raise RuntimeError(f"attention statistics were recorded for only some of {self.where()}; every layer "
+                               "of a forward pass must run with keydiff_attention")
+        return torch.cat(self.attention)
+
+    def pending(self) -> bool:
+        """Whether the last pass left something to do: a statistic to observe or entries over the budget."""
+        return self.budget is not None and (self.num_entries > self.budget or self.attention.count(None) < self.count)
+
+    def evict(self, policy: Policy) -> None:
+        """Observe the last pass's statistics, then drop entries until at most `budget` remain, in place."""
+        if self.budget is None or self.keys is None:
+            self.attention = [None] * self.count
+            return
+        view = self.view()
+        if view.attention is not None:
+            policy.observe(view)
+        if self.num_entries > self.budget:
+            if policy.attention_rows != 0 and view.attention is None:
+                raise RuntimeError(
+                    f"policy {policy.name!r} needs attention statistics but none were recorded in {self.where()}: "
+                    "run the model inside `with keydiff.keydiff_attention(model, cache):` (keydiff.prefill and "
+                    "keydiff.generate do this for you)"
+                )
+            if policy.needs_queries and view.queries is None:
+                raise RuntimeError(
+                    f"policy {policy.name!r} needs query statistics but none were recorded in {self.where()}: run the "
+                    "model inside `with keydiff.keydiff_attention(model, cache):` (keydiff.prefill and "
+                    "keydiff.generate do)"
+                )
+            self.drop(policy.evict_indices(view, self.budget))
+        self.attention = [None] * self.count
+
+    def drop(self, dropped: torch.Tensor) -> None:
+        """Remove the entries at `dropped` [rows, kv_heads, excess] by moving surviving tail entries into them.
+
+        With N = budget and n entries, the tail slots N..n-1 are exactly as many as the dropped entries, so
+        every dropped slot below N receives one surviving tail entry: pair the k-th dropped slot with the
+        k-th surviving tail slot (both ascending). Pairs past the survivors land in dropped tail slots.
+        """
+        budget, n = self.budget, self.num_entries
+        tail = n - budget
+        if tail == 1:  # decoding: the one new entry moves into the dropped slot (onto itself if it was dropped)
+            self.move(torch.full_like(dropped, budget), dropped)
+            self.num_entries = budget
+            return
+        dropped = dropped.sort(dim=-1).values
+        # Mark the dropped tail slots; dropped slots below the budget all go to one spare column at the end.
+        column = torch.where(dropped >= budget, dropped - budget, tail)
+        tail_dropped = torch.zeros(*dropped.shape[:2], tail + 1, dtype=torch.uint8, device=dropped.device)
+        tail_dropped.scatter_(-1, column, 1)
+        # Surviving tail slots first (stable: ascending), then the dropped ones.
+        sources = budget + torch.argsort(tail_dropped[..., :tail], dim=-1, stable=True)
+        self.move(sources, dropped)
+        self.num_entries = budget
+
+    def move(self, sources: torch.Tensor, targets: torch.Tensor) -> None:
+        """buffer[..., targets] = buffer[..., sources] for every buffer (indices [rows, kv_heads, k])."""
+        rows = self.rows
+        for buffer in (rows["keys"], rows["values"]):
+            src = sources[..., None].expand(-1, -1, -1, buffer.shape[-1])
+            dst = targets[..., None].expand(-1, -1, -1, buffer.shape[-1])
+            buffer.scatter_(2, dst, buffer.gather(2, src))
+        for buffer in (rows["positions"], *rows["state"].values()):
+            buffer.scatter_(2, targets, buffer.gather(2, sources))
+
+    def entries_after_eviction(self) -> int:
+        return self.num_entries if self.budget is None else min(self.num_entries, self.budget)
