@@ -12,7 +12,8 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from keydiff import build_policy, prefill, runner
+from keydiff import build_policy, prefill
+from keydiff.run import runner
 from keydiff.config import policy_label
 
 ROOT = Path(__file__).resolve().parents[1]
