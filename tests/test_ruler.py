@@ -597,6 +597,9 @@ def test_ruler_table(tmp_path):
     df = ruler_table.main(tmp_path / "runs", tmp_path / "tables")
     assert len(df) == 3
     text = (tmp_path / "tables" / "ruler.md").read_text()
+    # rows by length, model, budget (the full cache last), not by run folder (full, keydiff, tova)
+    order = [line.split(" | ")[1] for line in text.splitlines() if line.startswith("| m | ")]
+    assert order == ["keydiff", "tova", "full"], order
     header = next(line for line in text.splitlines() if line.startswith("| model |")).strip("| ").split(" | ")
     rows = {r.split(" | ")[1]: dict(zip(header, r.strip("| ").split(" | ")))
             for r in text.splitlines() if r.startswith("| m |")}

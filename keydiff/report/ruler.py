@@ -85,7 +85,7 @@ def ruler_rows(runs: Path) -> pd.DataFrame:
 def to_markdown(df: pd.DataFrame) -> str:
     if df.empty:
         return "No RULER runs found (run e.g. `python run.py experiment=ruler task.data_dir=...`).\n"
-    df = df.assign(_b=df["budget"].map(budget_tokens))  # "unbounded" (full) last.sort_values(["length", "model", "_b", "policy"])
+    df = df.assign(_b=df["budget"].map(budget_tokens)).sort_values(["length", "model", "_b", "policy"])  # full last
     columns = ["model", "policy", "budget", "length", "haystack", "qa", "n", *TASKS, "avg"]
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     reasons: list[str] = []
