@@ -38,7 +38,7 @@ import pandas as pd
 from keydiff.paper.registry import (COUNT_TOLERANCE, COUNTS, GEN_LENGTH, LLAMA_3B, PROMPT_BINS, RELATIVE_TOLERANCES,
                                     SUITE, TABLES, TOLERANCES, PaperTable, config_name)
 from keydiff.report.selection import select
-from keydiff.report.render import NA, budget_tokens, combined_se, half_width, marks, tex_escape, trimmed
+from keydiff.report.render import MARKS_LEGEND, NA, budget_tokens, combined_se, half_width, marks, tex_escape, trimmed
 
 PAPER_DIR = Path(__file__).resolve().parents[2] / "results" / "paper"
 KEY = ["model", "policy", "budget", "block_size", "row", "column", "metric"]
@@ -383,9 +383,9 @@ def write_comparison(name: str, table: int, merged: pd.DataFrame, stats: dict, e
     caption = paper_caption(table, paper_dir)
     head = [f"**{name}_vs_paper**: ours next to the paper's Table {table} ({caption[:140]}{'...' if len(caption) > 140 else ''})",
             "", "Summary: " + summary_line(name, stats, experiments), "",
-            "Marks: § subset run (task.limit), †k k samples failed, ~ run not complete; n = samples behind our cell; "
-            "± = half-width of our 95 % confidence interval over samples (README \"Results\"); "
-            "Δ = ours - paper; ! = outside the tolerance (scripts/paper_compare.py).", ""]
+            f"Marks: {MARKS_LEGEND}; n = samples behind our cell; "
+            "± = half-width of our 95 % confidence interval over samples (docs/experiments.md, \"Uncertainty\"); "
+            "Δ = ours - paper; ! = outside the tolerance (keydiff/paper/registry.py).", ""]
     table_rows = []
     for _, row in merged.sort_values(["model", "policy", "budget", "block_size", "row", "column", "metric"]).iterrows():
         table_rows.append({"Model": row["model"], "Paper model": row["paper_model"], "Policy": row["policy"],

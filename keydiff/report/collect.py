@@ -150,8 +150,9 @@ def run_record(summary_path: Path, runs: Path) -> dict:
         "score": next((metrics[k] for k in PRIMARY.get(family, ("score",)) if isinstance(metrics.get(k), (int, float))), None),
         "run_dir": run_dir.relative_to(runs).as_posix(),
     }
-    record.update({f"metrics/{k}": v for k, v in flatten(metrics).items()})
-    record.update({f"failures/{k}": v for k, v in flatten(summary.get("failures") or {}).items()})
+    # floats, so that a column's type does not depend on whether every run's value happened to be an integer
+    record.update({f"metrics/{k}": float(v) for k, v in flatten(metrics).items()})
+    record.update({f"failures/{k}": float(v) for k, v in flatten(summary.get("failures") or {}).items()})
     rows = read_predictions(run_dir)
     record.update(standard_errors(family, rows, metrics))
     if family == "longbench":

@@ -37,7 +37,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from keydiff.paper import registry  # noqa: E402
-from keydiff.paper.registry import LONGBENCH, display_name  # noqa: E402
+from keydiff.paper.registry import FIGURES, LONGBENCH, display_name  # noqa: E402
 from keydiff.report import generic  # noqa: E402
 from keydiff.report import index as results_index  # noqa: E402
 from keydiff.report.collect import ensure_summary, longbench_dataset, read_predictions, task_family  # noqa: E402
@@ -239,7 +239,8 @@ def main(summary: Path, runs_root: Path, out: Path) -> list[Path]:
     for path in paths:
         print(path)
     if not paths:
-        print("no figures yet (run: python run.py experiment=fig6_niah; experiment=fig7_ttft; experiment=table11)")
+        experiments = "; ".join(f"experiment={e}" for figure in FIGURES for e in figure.experiments)
+        print(f"no figures yet (run: python run.py {experiments})")
     results_index.write_part(out.parent, "figures", index_entries(paths, out))
     results_index.write(out.parent, summary)
     return paths

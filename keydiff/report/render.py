@@ -11,7 +11,7 @@ several seeds is the mean of their scores). Standard errors of independent estim
 stores one number per score and every table and figure derives its interval from it the same way; a
 bootstrap would need the per-sample scores at table time.
 
-Definitions (documented once, in the README's "Results" paragraph):
+Definitions (documented once, in docs/experiments.md, "Uncertainty"):
   SE of a plain mean         the sample standard deviation (with n - 1) divided by sqrt(n), per-sample scores
   SE of a mean of groups     sqrt(sum of the groups' SE^2) / G (LongBench's and RULER's average over
                              datasets / tasks, each group weighted equally as their averages do)
@@ -148,7 +148,7 @@ def budget_tokens(label) -> float:
 TEX_SPECIAL = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_",
                "{": r"\{", "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}"}
 INTERVAL_NOTE = ("Cells: value ± half-width of the 95 % confidence interval over samples (1.96 standard errors; "
-                 "averages over datasets combine the datasets' errors; README \"Results\"), n = samples.")
+                 "averages over datasets combine the datasets' errors; docs/experiments.md, \"Uncertainty\"), n = samples.")
 
 
 def tex_escape(text: str) -> str:

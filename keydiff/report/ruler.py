@@ -26,7 +26,7 @@ from pathlib import Path
 import pandas as pd
 
 from keydiff.report.collect import read_predictions, standard_errors
-from keydiff.report.render import budget_tokens, decimals, format_estimate, missing
+from keydiff.report.render import budget_tokens, decimals, format_estimate, marks, missing
 
 TASKS = ("niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2",
          "niah_multikey_3", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe", "qa_1", "qa_2")
@@ -101,7 +101,7 @@ def to_markdown(df: pd.DataFrame) -> str:
                 if column in TASKS and short.get(column):
                     text += f"↓{short[column]}"
                 if column == "avg" and text != "–":
-                    text += ("§" if row["subset"] else "") + (f"†{row['failed']}" if row["failed"] else "")
+                    text += marks(row["subset"], row["failed"], False)
                     text += f"↓{row['short']}" if row["short"] else ""
                     text += "‡" if row["comparable"] is not True else ""
                     text += "" if row["tasks_run"] == len(TASKS) else f" ({row['tasks_run']}/13)"
