@@ -239,7 +239,7 @@ def main(summary: Path, runs_root: Path, out: Path) -> list[Path]:
     for path in paths:
         print(path)
     if not paths:
-        experiments = "; ".join(f"experiment={e}" for figure in FIGURES for e in figure.experiments)
+        experiments = "; ".join(f"experiment={e}" for figure in FIGURES for e in figure.run)
         print(f"no figures yet (run: python run.py {experiments})")
     results_index.write_part(out.parent, "figures", index_entries(paths, out))
     results_index.write(out.parent, summary)
