@@ -200,6 +200,8 @@ def score_vs_budget(df, out: Path) -> list[Path]:
             if np.isfinite(half):
                 ax.axhspan(full["score"] - half, full["score"] + half, color="black", alpha=0.08, linewidth=0)
         ax.set_xticks(ticks, budgets)
+        if len(ticks) == 1:  # one budget: a fixed window around it, or the offsets would fill the whole axis
+            ax.set_xlim(ticks[0] - 0.25 * span, ticks[0] + 0.25 * span)
         ax.set_xlabel("KV cache budget (tokens; policies offset sideways to stay visible)")
         ax.set_ylabel(f"{generic.primary_metric(task)} (95 % CI)")
         ax.set_ylim(bottom=min(0.0, float(np.nanmin(group["score"])) if group["score"].notna().any() else 0.0))
