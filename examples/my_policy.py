@@ -1,4 +1,4 @@
-"""A complete eviction policy written outside keydiff-bench (README "Your own policy").
+"""A complete eviction policy written outside keydiff-bench (docs/policies.md, "Your own policy").
 
     PYTHONPATH=examples python run.py policy=custom policy.target=my_policy.MyPolicy +policy.params.alpha=0.3
 

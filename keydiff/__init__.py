@@ -10,7 +10,7 @@
 `state.logits` are the next-token logits after the prompt, `state.cache` the bounded transformers Cache
 (`state.cache.entries_held()`: entries per KV head now; `get_seq_length()`: tokens seen),
 `state.kept_positions` the absolute prompt positions each layer and KV head kept; `out.token_ids` the new
-ids per batch row (README "Python API").
+ids per batch row (docs/api.md).
 
 The public names are imported on first use (PEP 562), so that `import keydiff` (and run.py's config
 checks) do not pay for importing torch: a configuration error is reported in about a second.

@@ -12,8 +12,8 @@ What a policy may ask the engine for (its capabilities, see `Policy`): attention
 computed beside the fused kernel), per-entry state (`state_names`), running statistics of the layer's
 queries (`needs_queries`, Expected Attention). What any policy can be given from outside, by a wrapper
 (`keydiff.policies.wrappers`): a recent window (`RecentWindow`) and per-layer budgets (`LayerBudgets`, e.g. a
-PyramidKV schedule). The full contract, with an example policy written outside this package, is in the README
-("Your own policy") and examples/my_policy.py.
+PyramidKV schedule). The full contract, with an example policy written outside this package, is in
+docs/policies.md ("Your own policy", "The policy contract") and examples/my_policy.py.
 
 Entries are in no particular order (the cache moves new entries into the slots of evicted ones, so that it
 never copies the whole cache): a policy that needs recency or adjacency reads `positions`.
@@ -248,7 +248,7 @@ def layer_by_layer(policy: Policy) -> Policy:
     """The same policy (class behaviour and parameters) with `layers_batchable` False.
 
     The cache then evicts each layer on its own: the reference a stacked cache's choices are checked against
-    (tests, scripts/gpu_check.py), and what a subclass reading `layer_idx` needs.
+    (tests, keydiff.bench.gpu_check), and what a subclass reading `layer_idx` needs.
     """
     if not policy.layers_batchable:
         return policy

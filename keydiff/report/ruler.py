@@ -1,9 +1,9 @@
 """RULER results table: one row per run (model x policy x budget x block size x length), one column per
 task with its score (RULER's per-task string match, x100), and the average over the tasks, as in the
 kvpress leaderboard (which plots that average per compression ratio). Each score reads "value ± h": h the
-half-width of its 95 % interval, from the standard errors collect_results computes from predictions.jsonl
+half-width of its 95 % interval, from the standard errors keydiff.report.collect computes from predictions.jsonl
 (the same function: per task over its samples, the average's combined over the tasks, short samples left
-out as from the scores; keydiff/uncertainty.py); "± n/a" without per-sample rows (or with one sample).
+out as from the scores; keydiff/report/render.py); "± n/a" without per-sample rows (or with one sample).
 
 Reads every ``summary.json`` under the runs folder whose task is RULER (keydiff.tasks.ruler) and writes
 ``ruler.md`` and ``ruler.csv`` to the output folder. Marks: ``§`` a subset run (``task.limit`` set; the
@@ -54,7 +54,7 @@ def ruler_rows(runs: Path) -> pd.DataFrame:
         essay = sorted({h.split(":", 1)[1] for h in haystacks.values() if h.startswith("essay:")})
         qa = sorted({h.split(":", 1)[1] for t, h in haystacks.items() if t.startswith("qa_")})
         comparable = metrics.get("comparable_to_published")  # None: a run from before it was recorded
-        se = standard_errors("ruler", read_predictions(path.parent), metrics)  # as collect_results stores them
+        se = standard_errors("ruler", read_predictions(path.parent), metrics)  # as keydiff.report.collect stores them
         rows.append({
             "experiment": cfg.get("experiment_name"),
             "model": cfg["model"]["name"],

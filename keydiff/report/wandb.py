@@ -2,7 +2,7 @@
 that define the sweeps, so a dashboard always shows the grid that was run.
 
 Each report holds, per model of the grid, one panel grid whose run sets are the experiment's policies
-(runs are found by their config: experiment_name, model.name, policy.label, as keydiff/tracking.py logs
+(runs are found by their config: experiment_name, model.name, policy.label, as keydiff/run/tracking.py logs
 them) with:
   score vs budget              summary `score` (the task's headline metric) against config budget.tokens
   paper: score vs budget       the paper's value of the same cell (summary `paper/score`), where one exists
@@ -188,7 +188,7 @@ def paper_table(grid: Grid, model: str, paper_dir: Path) -> str | None:
 
 
 def runsets(grid: Grid, entity: str, project: str, model: str | None):
-    """One run set per policy, selected by the config keys keydiff/tracking.py logs."""
+    """One run set per policy, selected by the config keys keydiff/run/tracking.py logs."""
     import wandb_workspaces.reports.v2 as wr
     from wandb_workspaces import expr
 
