@@ -389,9 +389,9 @@ def write_comparison(name: str, table: int, merged: pd.DataFrame, stats: dict, e
     table_rows = []
     for _, row in merged.sort_values(["model", "policy", "budget", "block_size", "row", "column", "metric"]).iterrows():
         table_rows.append({"Model": row["model"], "Paper model": row["paper_model"], "Policy": row["policy"],
-                           "Budget": row["budget"] or "--", "B": row["block_size"] or "", "Row": row["row"],
+                           "Budget": row["budget"] or NA, "B": row["block_size"] or "", "Row": row["row"],
                            "Column": row["column"], "Metric": row["metric"], "Ours": ours_text(row),
-                           "Paper": num(row["paper"]) if pd.notna(row["paper"]) else ("garbled" if str(row.get("note", "")).startswith("garbled") else "--"),
+                           "Paper": num(row["paper"]) if pd.notna(row["paper"]) else ("garbled" if str(row.get("note", "")).startswith("garbled") else NA),
                            "Δ": (num(row["diff"]) + ("!" if row["outside"] else "")) if pd.notna(row["diff"]) else
                            ("other model" if row["paper_model"] != row["model"] and pd.notna(row["paper"]) else ""),
                            "n": num(row["n"], 0)})

@@ -177,10 +177,10 @@ def score_vs_budget(df, out: Path) -> list[Path]:
     for (experiment, task, model, block), group in runs.groupby(["experiment", "task", "model", "block_size"], sort=True):
         fig, ax = plt.subplots(figsize=(4.2, 2.8))
         fig.subplots_adjust(left=0.14, right=0.97, bottom=0.16, top=0.9)  # fixed: no layout engine, fast
-        budgets = sorted({b for b in group["budget_label"] if b != "--"}, key=budget_tokens)
+        budgets = sorted({b for b in group["budget_label"] if b != NA}, key=budget_tokens)
         ticks = [budget_tokens(b) for b in budgets]
         span = (max(ticks) - min(ticks)) if len(ticks) > 1 else max(ticks, default=1.0)
-        lines = list(group[group["budget_label"] != "--"].groupby("policy"))
+        lines = list(group[group["budget_label"] != NA].groupby("policy"))
         for i, (policy, line) in enumerate(lines):
             line = line.assign(tokens=line["budget_label"].map(budget_tokens)).sort_values("tokens")
             shift = DODGE * span * (i - (len(lines) - 1) / 2)
@@ -193,7 +193,7 @@ def score_vs_budget(df, out: Path) -> list[Path]:
             partial = line[line["subset"] | line["incomplete"]]  # hollow markers: subset or unfinished points
             ax.plot(partial["tokens"] + shift, partial["score"], linestyle="none", marker=MARKERS[i % len(MARKERS)],
                     color=drawn.lines[0].get_color(), markerfacecolor="white", zorder=3)
-        for _, full in group[group["budget_label"] == "--"].iterrows():
+        for _, full in group[group["budget_label"] == NA].iterrows():
             ax.axhline(full["score"], color="black", linestyle="--", linewidth=0.8,
                        label=f"{display_name(full['policy'])}{subset_mark(full)} (n={count(full)})")
             half = errors(pd.DataFrame([full]), "score")[0]

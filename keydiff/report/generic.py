@@ -31,7 +31,7 @@ import numpy as np
 import pandas as pd
 
 from keydiff.report.collect import PRIMARY, task_family
-from keydiff.report.render import budget_tokens, count, decimals, format_estimate, latex, markdown_rows, marks
+from keydiff.report.render import NA, budget_tokens, count, decimals, format_estimate, latex, markdown_rows, marks
 from keydiff.report.selection import average_seeds, whole_runs_first
 
 FIXED = {"Model", "B", "Policy", "Budget", "n", "failed", "limit", "seeds", "marks", "kept N/L", "TTFT (s)"}
@@ -52,8 +52,8 @@ def runs_of(df: pd.DataFrame) -> pd.DataFrame:
     values = [c for c in base + shown if c in df.columns]
     ses = [f"se/{c}" for c in values if f"se/{c}" in df.columns]
     df = df[[c for c in ID + values + ses if c in df.columns]].assign(
-        budget_label=df["budget_label"].where(df["policy_name"] != "full", "--").fillna("--"),
-        block_size=df["block_size"].fillna("--"), subset=df["limit"].notna().astype(float), limit=df["limit"],
+        budget_label=df["budget_label"].where(df["policy_name"] != "full", NA).fillna(NA),
+        block_size=df["block_size"].fillna(NA), subset=df["limit"].notna().astype(float), limit=df["limit"],
         incomplete=(~df["complete"].astype(str).eq("True")).astype(float),
         samples=pd.to_numeric(df["samples"], errors="coerce"),
         num_failed=pd.to_numeric(df["num_failed"], errors="coerce").fillna(0) if "num_failed" in df else 0.0, seeds=1)
@@ -124,7 +124,7 @@ def sample_means(runs: pd.DataFrame, column: str) -> pd.Series:
     """A column that averages samples (a metric, kept N/L, TTFT) with its interval where se/<column> was collected."""
     if f"se/{column}" not in runs.columns:
         return runs[column].map(decimals)
-    return runs.apply(lambda run: estimate(run, column) if pd.notna(run[column]) else "--", axis=1)
+    return runs.apply(lambda run: estimate(run, column) if pd.notna(run[column]) else NA, axis=1)
 
 
 def run_rows(runs: pd.DataFrame) -> pd.DataFrame:
@@ -135,7 +135,7 @@ def run_rows(runs: pd.DataFrame) -> pd.DataFrame:
     table = pd.DataFrame({
         "Model": runs["model"], "B": runs["block_size"], "Policy": runs["policy"], "Budget": runs["budget_label"],
         "n": sample_counts(runs), "failed": runs["num_failed"].astype(int),
-        "limit": runs["limit"].map(lambda v: "--" if pd.isna(v) else str(int(v))),
+        "limit": runs["limit"].map(lambda v: NA if pd.isna(v) else str(int(v))),
         "seeds": runs["seeds"].astype(int), "marks": runs.apply(run_marks, axis=1),
         f"{' / '.join(primary)} (primary)": runs.apply(estimate, axis=1),
         **{(c.split("/", 1)[1] if c.split("/", 1)[1] not in FIXED else f"{c.split('/', 1)[1]} (metric)"):

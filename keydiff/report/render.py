@@ -87,7 +87,7 @@ def interval(mean: float, se: float) -> tuple[float, float]:
 def format_estimate(mean: float, se: float, n: int | float | None = None, precision: int = 3) -> str:
     """"0.864 ± 0.094 (n=6)": the value, the 95 % half-width ("n/a" without an SE) and the samples behind it."""
     if mean is None or (isinstance(mean, float) and math.isnan(mean)):
-        return "--"
+        return NA
     spread = "n/a" if se is None or math.isnan(float(se)) else f"{half_width(float(se)):.{precision}f}"
     count = "" if n is None or (isinstance(n, float) and math.isnan(n)) else f" (n={int(n)})"
     return f"{mean:.{precision}f} ± {spread}{count}"
