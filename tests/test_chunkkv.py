@@ -1,0 +1,139 @@
+"""ChunkKV (keydiff.policies.chunkkv.Chunked) against a brute-force reference written as plain loops."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from keydiff.policies import Chunked, KNorm, SnapKV, build_policy
+from keydiff.policies.base import LayerView
+
+
+def reference_keep(scores, protect, positions, budget, chunk_length) -> list[list[list[int]]]:
+    """Kept positions per (row, head), by loops: protected entries stay; the other slots go to whole chunks
+    (positions // chunk_length) by the sum of their entries' scores (an infinite score counts 0), best chunk
+    first, a tie to the newer chunk, and within a chunk to the newest entries."""
+    kept = []
+    for b in range(positions.shape[0]):
+        row = []
+        for h in range(positions.shape[1]):
+            pos = [int(p) for p in positions[b, h]]
+            score = [float(s) for s in scores[b, h].double()]
+            prot = [bool(p) for p in protect[b, h]] if protect is not None else [False] * len(pos)
+            sums: dict[int, float] = {}
+            for p, s in zip(pos, score):
+                sums[p // chunk_length] = sums.get(p // chunk_length, 0.0) + (s if abs(s) != float("inf") else 0.0)
+            keep = [p for p, pr in zip(pos, prot) if pr]
+            free = budget - len(keep)
+            for chunk in sorted(sums, key=lambda c: (sums[c], c), reverse=True):
+                members = sorted((p for p, pr in zip(pos, prot) if not pr and p // chunk_length == chunk), reverse=True)
+                take = members[:max(free, 0)]
+                keep += take
+                free -= len(take)
+            row.append(sorted(keep))
+        kept.append(row)
+    return kept
+
+
+def kept_positions(policy, layer, budget) -> list[list[list[int]]]:
+    keep = policy.keep_indices(layer, budget)
+    return layer.positions.gather(-1, keep).sort(dim=-1).values.tolist()
+
+
+def random_view(seed: int, batch=2, heads=3, n=97, span=400) -> LayerView:
+    """Entries in shuffled buffer order, with gaps in their positions (as after earlier evictions)."""
+    g = torch.Generator().manual_seed(seed)
+    positions = torch.stack([torch.stack([torch.randperm(span, generator=g)[:n] for _ in range(heads)]) for _ in range(batch)])
+    return LayerView(keys=torch.randn(batch, heads, n, 8, generator=g), values=torch.randn(batch, heads, n, 8, generator=g),
+                     positions=positions, attention=torch.rand(batch, heads, n, generator=g), state={}, layers=0)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("chunk_length", [1, 3, 20])
+@pytest.mark.parametrize("scorer", [KNorm(), SnapKV(window=8)], ids=["knorm", "snapkv"])
+def test_random_views_keep_what_the_reference_keeps(seed, chunk_length, scorer):
+    layer, budget = random_view(seed), 41
+    policy = Chunked(scorer, chunk_length=chunk_length)
+    expected = reference_keep(scorer.score(layer), scorer.protected(layer, budget), layer.positions, budget, chunk_length)
+    assert kept_positions(policy, layer, budget) == expected
+
+
+def test_whole_chunks_are_kept_and_only_one_is_cut():
+    """With contiguous positions and no protection, every chunk is kept whole or not at all, except one."""
+    layer, budget, length = random_view(7, n=200, span=200), 90, 20
+    kept = kept_positions(Chunked(KNorm(), chunk_length=length), layer, budget)
+    for row in kept:
+        for head in row:
+            counts = torch.bincount(torch.tensor(head) // length, minlength=10).tolist()
+            assert sum(c not in (0, length) for c in counts) == 1 and sorted(counts)[-4:] == [length] * 4
+
+
+@dataclass
+class ReferenceChecked(Chunked):
+    """Chunked that checks every eviction of a real prefill against the brute-force reference."""
+
+    def evict_indices(self, layer: LayerView, budget: int) -> torch.Tensor:
+        drop = super().evict_indices(layer, budget)
+        keep = torch.ones_like(layer.positions, dtype=torch.bool).scatter_(-1, drop, False)
+        got = [[sorted(layer.positions[b, h][keep[b, h]].tolist()) for h in range(keep.shape[1])] for b in range(keep.shape[0])]
+        scores = self.scorer.score(layer)
+        assert got == reference_keep(scores, self.scorer.protected(layer, budget), layer.positions, budget, self.chunk_length)
+        self.__dict__["checked"] = self.__dict__.get("checked", 0) + 1
+        return drop
+
+
+def test_block_wise_prefill_matches_the_reference_at_every_eviction():
+    from keydiff.engine import generate, prefill
+    from tests.conftest import tiny_llama
+
+    model, policy = tiny_llama(), ReferenceChecked(SnapKV(window=8), chunk_length=5)
+    prompt = torch.randint(0, 256, (1, 300), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        state = prefill(model, prompt, policy, budget=64, block_size=32)
+        generate(model, state, max_new_tokens=3)
+    assert policy.checked >= 8  # evictions after blocks and tokens were all compared
+
+
+@pytest.mark.parametrize("name,params", [("snapkv", {"window": 8}), ("keydiff", {"window_fraction": 0.2})])
+def test_chunk_length_one_is_the_wrapped_scorer(name, params):
+    from keydiff.engine import generate, prefill
+    from tests.conftest import tiny_llama
+
+    model = tiny_llama()
+    prompt = torch.randint(0, 256, (1, 300), generator=torch.Generator().manual_seed(3))
+    outputs = []
+    for policy in (build_policy(name, **params), build_policy(name, chunk_length=1, **params)):
+        with torch.no_grad():
+            state = prefill(model, prompt, policy, budget=64, block_size=32)
+            kept = [p.sort(dim=-1).values.tolist() for p in state.kept_positions]
+            outputs.append((kept, generate(model, state, max_new_tokens=4).token_ids))
+    assert outputs[0] == outputs[1]
+
+
+def test_chunks_change_the_choice():
+    """chunk_length 20 keeps different positions from SnapKV alone (the wrapper is not a no-op)."""
+    layer = random_view(0)
+    assert kept_positions(Chunked(SnapKV(window=8), 20), layer, 41) != kept_positions(SnapKV(window=8), layer, 41)
+
+
+def test_check_policy_passes():
+    from keydiff.testing import check_policy
+
+    check_policy("snapkv", window=8, chunk_length=20)
+    check_policy(Chunked(KNorm(), chunk_length=7))
+
+
+def test_build_and_describe_round_trip():
+    policy = build_policy("snapkv", window=32, chunk_length=20, layer_budgets={"schedule": "pyramid", "beta": 20})
+    described = policy.describe()
+    assert described["chunk_length"] == 20 and list(described)[-2:] == ["chunk_length", "layer_budgets"]
+    assert build_policy(**described).describe() == described
+    assert policy.layers_batchable and policy.attention_rows == 32
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, True])
+def test_bad_chunk_length_is_refused(bad):
+    with pytest.raises(ValueError, match="chunk_length must be a positive integer"):
+        build_policy("knorm", chunk_length=bad).check(64)
