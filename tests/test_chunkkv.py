@@ -123,6 +123,7 @@ def test_check_policy_passes():
 
     check_policy("snapkv", window=8, chunk_length=20)
     check_policy(Chunked(KNorm(), chunk_length=7))
+    check_policy("keydiff", window_fraction=0.2, chunk_length=5, layer_budgets={"schedule": "pyramid", "beta": 4})
 
 
 def test_build_and_describe_round_trip():
