@@ -4,18 +4,19 @@ ratio runs after token runs."""
 
 from __future__ import annotations
 
+import json
 import math
 
-import pandas as pd
 import pytest
 from hydra import compose, initialize_config_dir
 
 from keydiff.config import budget_label, ratio_label
-from keydiff.report import figures, generic
+from keydiff.report import collect, figures, tables
 from keydiff.report.render import budget_ratio, budget_tokens
 from keydiff.run.checks import ConfigError, check_budget_config
 from tests.test_guards import hand_peak_entries, read_rows, runner_cfg, tiny_runner  # noqa: F401 (fixture)
 from tests.test_inputs import ROOT, assert_one_line_error, run_py
+from tests.test_tables import LLAMA3B, md_cell, md_rows, value
 
 
 def compose_budget(*overrides: str):
@@ -114,3 +115,48 @@ def test_sample_whose_n_the_policy_refuses_is_recorded_as_failed(tmp_path, tiny_
 def test_budget_order_puts_ratios_after_tokens():
     labels = ["r0.5", "2k", "--", "unbounded", "r0.25", "512", "r1"]
     assert sorted(labels, key=budget_tokens) == ["--", "512", "2k", "r0.25", "r0.5", "r1", "unbounded"]
+
+
+def write_run(runs, experiment, task, policy, label, tokens, ratio, recalls, model="smollm2-135m"):
+    """A finished run as run.py leaves it: predictions.jsonl (per-sample N) and summary.json."""
+    run_dir = runs / experiment / task / model / policy / label / "bs128" / "seed0"
+    run_dir.mkdir(parents=True)
+    rows = [{"sample_id": f"s{i}", "scores": {"needle_recall": r, "exact": r}, "ttft_s": 0.5,
+             "compression_ratio": ratio or 0.5, "budget": tokens or 10 * (i + 1)} for i, r in enumerate(recalls)]
+    (run_dir / "predictions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    score = sum(recalls) / len(recalls)
+    metrics = {"needle_recall": score, "exact": score, "by_size": {"100": {"exact": score}}}
+    summary = {"complete": True, "metrics": metrics, "budget": tokens,
+               "budget_ratio": ratio, "limit": None, "block_size": 128, "attention_statistics": "fast",
+               "statistics": {"samples": len(rows), "mean_compression_ratio": ratio or 0.5, "mean_ttft_s": 0.5,
+                              "mean_prompt_tokens": 100.0, "cache_bound_held": True},
+               "config": {"experiment_name": experiment, "seed": 0, "block_size": 128,
+                          "task": {"name": task, "limit": None},
+                          "model": {"name": model, "attn_implementation": "sdpa"},
+                          "policy": {"name": policy, "label": policy},
+                          "budget": {"tokens": tokens, "ratio": ratio, "label": label}}}
+    (run_dir / "summary.json").write_text(json.dumps(summary))
+
+
+def test_generic_table_and_figure_with_ratio_runs_paper_tables_ignore_them(tmp_path):
+    runs = tmp_path / "runs"
+    for label, tokens, ratio, recalls in [("r0.5", None, 0.5, [1.0, 0.5]), ("2k", 2048, None, [1.0, 1.0]),
+                                          ("r0.25", None, 0.25, [0.5, 0.0]), ("1k", 1024, None, [0.5, 1.0])]:
+        write_run(runs, "adhoc", "niah_small", "keydiff", label, tokens, ratio, recalls)
+    write_run(runs, "adhoc", "niah_small", "full", "none", None, None, [1.0, 1.0])
+    write_run(runs, "table17", "phonebook", "keydiff", "6k", 6144, None, [1.0, 0.0], model=LLAMA3B)
+    write_run(runs, "table17", "phonebook", "keydiff", "r0.5", None, 0.5, [0.0, 0.0], model=LLAMA3B)
+    out = tmp_path / "out"
+    collect.collect(runs, out / "summary.csv")
+    written = tables.main(out / "summary.csv", out / "tables")
+    drawn = figures.main(out / "summary.csv", runs, out / "figures")
+    header, *rows = md_rows(out / "tables" / "generic" / "adhoc__niah_small.md")
+    assert header[-5:] == ["--", "1k", "2k", "r0.25", "r0.5"]  # ratio columns after the token budgets, by ratio
+    keydiff = next(r for r in rows if "keydiff" in r)
+    assert [cell.split(" ")[0] for cell in keydiff[-4:]] == ["0.750", "1.000", "0.250", "0.750"]
+    names = {p.relative_to(out / "figures").as_posix() for p in drawn}
+    assert {"generic/adhoc__niah_small__smollm2-135m__bs128.png",
+            "generic/adhoc__niah_small__smollm2-135m__bs128__ratio.png"} <= names
+    assert "table17" in written  # the paper table is written from the 6k run; the ratio run is not in it
+    assert value(md_cell(out / "tables" / "table17.md", ("KeyDiff",), "100")) in ("0.5", "**0.5")  # 6k's, not 0.0
+    assert "r0.5" not in (out / "tables" / "table17.md").read_text()
