@@ -160,3 +160,16 @@ def test_generic_table_and_figure_with_ratio_runs_paper_tables_ignore_them(tmp_p
     assert "table17" in written  # the paper table is written from the 6k run; the ratio run is not in it
     assert value(md_cell(out / "tables" / "table17.md", ("KeyDiff",), "100")) in ("0.5", "**0.5")  # 6k's, not 0.0
     assert "r0.5" not in (out / "tables" / "table17.md").read_text()
+
+
+def test_adaptive_budget_total_follows_each_sample_n(tmp_path, tiny_runner):
+    """PyramidKV at ratio 0.5: each sample's layer budgets total layers x its own N (40 and 100)."""
+    runner, model_dir, _ = tiny_runner
+    cfg = runner_cfg(model_dir, "policy=keydiff_pyramid", "budget=r0.5", "block_size=16", task={"lengths": [80, 200]})
+    runner.run(cfg, tmp_path / "run")
+    rows = {row["sample_id"]: row for row in read_rows(tmp_path / "run")}
+    for length, budget in ((80, 40), (200, 100)):
+        row = rows[f"len{length}"]
+        assert row["status"] == "ok" and row["budget"] == budget
+        assert sum(row["layer_budgets"]) == len(row["layer_budgets"]) * budget
+        assert len(set(row["layer_budgets"])) > 1  # a real pyramid, not the uniform split
