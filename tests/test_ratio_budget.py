@@ -59,6 +59,7 @@ def test_bad_ratio_is_refused(overrides, message):
     (["budget=r0.25", "budget.ratio=2"], "budget.ratio=2 is not valid"),
     (["budget=r0.25", "budget.ratio=abc"], "budget.ratio='abc' is not valid"),
     (["budget=r0.25", "budget.tokens=100"], "budget.tokens=100 and budget.ratio=0.25 are both set"),
+    (["budget=2k", "budget.tokens=null", "+budget.ratio=0.3"], "budget.label='none' is not valid for budget.ratio=0.3"),
 ])
 def test_bad_ratio_on_the_command_line(tmp_path, args, expected):
     result, _ = run_py(tmp_path, *args)

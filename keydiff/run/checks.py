@@ -27,7 +27,7 @@ from typing import Any, Sequence
 from omegaconf import DictConfig, OmegaConf
 
 from keydiff.run.results import run_dir_of
-from keydiff.config import STATISTICS_MODES
+from keydiff.config import STATISTICS_MODES, ratio_label
 
 
 class ConfigError(ValueError):
@@ -77,6 +77,9 @@ def check_budget_config(budget: DictConfig) -> None:
     if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
         raise ConfigError(f"budget.ratio={ratio!r} is not valid; valid: a number with 0 < ratio <= 1 "
                           "(the fraction of the prompt kept, e.g. budget=r0.25)")
+    if budget.get("label") != ratio_label(ratio):  # e.g. +budget.ratio on a token budget file: label "none"
+        raise ConfigError(f"budget.label={budget.get('label')!r} is not valid for budget.ratio={ratio}; valid: "
+                          f"{ratio_label(ratio)!r} (start from a ratio budget: budget=r0.25 budget.ratio={ratio})")
 
 
 def check_results_root(root: str | os.PathLike) -> None:
