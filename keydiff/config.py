@@ -1,7 +1,8 @@
 """OmegaConf resolvers the Hydra configs use (registered on `import keydiff`).
 
 `${budget_label:${.tokens}}` names a budget after its token count (2048 -> "2k", 6144 -> "6k",
-3000 -> "3000"), so `budget.tokens=3000` can never write into a directory labelled "2k".
+3000 -> "3000"), so `budget.tokens=3000` can never write into a directory labelled "2k"; a ratio budget
+(`budget.ratio=0.25`, N = ceil(0.25 x prompt tokens) per sample) is labelled "r0.25", never like a token budget.
 `${policy_label:${.target},${.params}}` names a policy of your own after its class and parameters
 (`my_lab.policies.MyPolicy` with alpha=0.3 -> "MyPolicy-alpha0.3"), so two settings never share a directory.
 `${limit_suffix:${task.limit}}` appends "-limit<N>" to the run directory of a subset run.
@@ -20,11 +21,20 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 STATISTICS_MODES = ("fast", "materialized")
 
 
-def budget_label(tokens: int | None) -> str:
+def budget_label(tokens: int | None, ratio: float | None = None) -> str:
+    if ratio is not None:
+        return ratio_label(ratio)
     if tokens is None:
         return "none"
     tokens = int(tokens)
     return f"{tokens // 1024}k" if tokens > 0 and tokens % 1024 == 0 else str(tokens)
+
+
+def ratio_label(ratio: Any) -> str:
+    """"r0.25" for ratio 0.25 (shortest exact decimal); a non-number keeps its text, for checks to refuse."""
+    if isinstance(ratio, (int, float)) and not isinstance(ratio, bool):
+        return f"r{float(ratio)!r}".removesuffix(".0")
+    return re.sub(r"[^A-Za-z0-9_.=+-]+", "_", f"r{ratio}")
 
 
 def policy_label(target: str | None, params: Any = None) -> str:

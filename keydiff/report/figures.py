@@ -41,7 +41,7 @@ from keydiff.paper.registry import FIGURES, LONGBENCH, display_name  # noqa: E40
 from keydiff.report import generic  # noqa: E402
 from keydiff.report import index as results_index  # noqa: E402
 from keydiff.report.collect import ensure_summary, longbench_dataset, read_predictions, task_family  # noqa: E402
-from keydiff.report.render import NA, SUBSET, budget_tokens, half_width  # noqa: E402
+from keydiff.report.render import NA, SUBSET, budget_ratio, budget_tokens, half_width  # noqa: E402
 from keydiff.report.selection import load, pick  # noqa: E402
 
 STYLE = {"svg.hashsalt": "keydiff", "font.size": 8, "axes.titlesize": 9, "figure.dpi": 100, "savefig.dpi": 150}
@@ -170,48 +170,65 @@ def score_vs_budget(df, out: Path) -> list[Path]:
     """Score vs budget per policy for whatever ran (subset and incomplete runs included, and marked), with
     95 % error bars. Configurations are those of the generic tables (generic.runs_of): a subset run
     is never averaged with the whole-task run of its configuration. Policies get their own marker and a
-    small horizontal offset, so series with equal scores stay visible; the y axis starts at 0."""
+    small horizontal offset, so series with equal scores stay visible; the y axis starts at 0. Ratio budgets
+    ("r0.25") get a figure of their own ("...__ratio"), with the fraction of the prompt kept on the x axis;
+    the full cache's line is drawn in both."""
     paths = []
     (out / "generic").mkdir(parents=True, exist_ok=True)
     runs = generic.runs_of(df)
     for (experiment, task, model, block), group in runs.groupby(["experiment", "task", "model", "block_size"], sort=True):
-        fig, ax = plt.subplots(figsize=(4.2, 2.8))
-        fig.subplots_adjust(left=0.14, right=0.97, bottom=0.16, top=0.9)  # fixed: no layout engine, fast
-        budgets = sorted({b for b in group["budget_label"] if b != NA}, key=budget_tokens)
-        ticks = [budget_tokens(b) for b in budgets]
-        span = (max(ticks) - min(ticks)) if len(ticks) > 1 else max(ticks, default=1.0)
-        lines = list(group[group["budget_label"] != NA].groupby("policy"))
-        for i, (policy, line) in enumerate(lines):
-            line = line.assign(tokens=line["budget_label"].map(budget_tokens)).sort_values("tokens")
-            shift = DODGE * span * (i - (len(lines) - 1) / 2)
-            n = sorted({int(v) for v in line["samples"].fillna(0)})
-            marks = "".join(sorted({subset_mark(r) for _, r in line.iterrows()}))
-            drawn = ax.errorbar(line["tokens"] + shift, line["score"], yerr=errors(line, "score"), capsize=2,
-                                linewidth=1, marker=MARKERS[i % len(MARKERS)],
-                                label=f"{display_name(policy)}{' ' + marks if marks else ''} "
-                                      f"(n={n[0]}{f'-{n[-1]}' if len(n) > 1 else ''} per budget)")
-            partial = line[line["subset"] | line["incomplete"]]  # hollow markers: subset or unfinished points
-            ax.plot(partial["tokens"] + shift, partial["score"], linestyle="none", marker=MARKERS[i % len(MARKERS)],
-                    color=drawn.lines[0].get_color(), markerfacecolor="white", zorder=3)
-        for _, full in group[group["budget_label"] == NA].iterrows():
-            ax.axhline(full["score"], color="black", linestyle="--", linewidth=0.8,
-                       label=f"{display_name(full['policy'])}{subset_mark(full)} (n={count(full)})")
-            half = errors(pd.DataFrame([full]), "score")[0]
-            if np.isfinite(half):
-                ax.axhspan(full["score"] - half, full["score"] + half, color="black", alpha=0.08, linewidth=0)
-        ax.set_xticks(ticks, budgets)
-        if len(ticks) == 1:  # one budget: a fixed window around it, or the offsets would fill the whole axis
-            ax.set_xlim(ticks[0] - 0.25 * span, ticks[0] + 0.25 * span)
-        ax.set_xlabel("KV cache budget (tokens; policies offset sideways to stay visible)")
-        ax.set_ylabel(f"{generic.primary_metric(task)} (95 % CI)")
-        ax.set_ylim(bottom=min(0.0, float(np.nanmin(group["score"])) if group["score"].notna().any() else 0.0))
-        ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=6)
-        mark = " (§ subset run: task.limit)" if group["subset"].any() else ""
-        ax.set_title(f"{experiment} / {task}: {model}, B = {block}{mark}", fontsize=7)
-        paths += save(fig, out / "generic", f"{experiment}__{task}__{model}__bs{block}")
+        is_ratio = group["budget_label"].map(lambda b: budget_ratio(b) is not None)
+        full = group["budget_label"] == NA
+        if is_ratio.any():
+            name = f"{experiment}__{task}__{model}__bs{block}__ratio"
+            paths += score_figure(group[is_ratio | full], budget_ratio, "KV cache budget (fraction of the prompt kept; "
+                                  "policies offset sideways)", out, name, (experiment, task, model, block))
+        if not is_ratio.any() or (~is_ratio & ~full).any():  # token budgets (or only the full cache) ran
+            paths += score_figure(group[~is_ratio], budget_tokens, "KV cache budget (tokens; policies offset sideways "
+                                  "to stay visible)", out, f"{experiment}__{task}__{model}__bs{block}",
+                                  (experiment, task, model, block))
     return paths
+
+
+def score_figure(group, position, xlabel: str, out: Path, name: str, key) -> list[Path]:
+    """One score-vs-budget figure: `position` maps a budget label to its x (tokens, or the kept fraction)."""
+    experiment, task, model, block = key
+    fig, ax = plt.subplots(figsize=(4.2, 2.8))
+    fig.subplots_adjust(left=0.14, right=0.97, bottom=0.16, top=0.9)  # fixed: no layout engine, fast
+    budgets = sorted({b for b in group["budget_label"] if b != NA}, key=budget_tokens)
+    ticks = [position(b) for b in budgets]
+    span = (max(ticks) - min(ticks)) if len(ticks) > 1 else max(ticks, default=1.0)
+    lines = list(group[group["budget_label"] != NA].groupby("policy"))
+    for i, (policy, line) in enumerate(lines):
+        line = line.assign(tokens=line["budget_label"].map(position)).sort_values("tokens")
+        shift = DODGE * span * (i - (len(lines) - 1) / 2)
+        n = sorted({int(v) for v in line["samples"].fillna(0)})
+        marks = "".join(sorted({subset_mark(r) for _, r in line.iterrows()}))
+        drawn = ax.errorbar(line["tokens"] + shift, line["score"], yerr=errors(line, "score"), capsize=2,
+                            linewidth=1, marker=MARKERS[i % len(MARKERS)],
+                            label=f"{display_name(policy)}{' ' + marks if marks else ''} "
+                                  f"(n={n[0]}{f'-{n[-1]}' if len(n) > 1 else ''} per budget)")
+        partial = line[line["subset"] | line["incomplete"]]  # hollow markers: subset or unfinished points
+        ax.plot(partial["tokens"] + shift, partial["score"], linestyle="none", marker=MARKERS[i % len(MARKERS)],
+                color=drawn.lines[0].get_color(), markerfacecolor="white", zorder=3)
+    for _, full in group[group["budget_label"] == NA].iterrows():
+        ax.axhline(full["score"], color="black", linestyle="--", linewidth=0.8,
+                   label=f"{display_name(full['policy'])}{subset_mark(full)} (n={count(full)})")
+        half = errors(pd.DataFrame([full]), "score")[0]
+        if np.isfinite(half):
+            ax.axhspan(full["score"] - half, full["score"] + half, color="black", alpha=0.08, linewidth=0)
+    ax.set_xticks(ticks, budgets)
+    if len(ticks) == 1:  # one budget: a fixed window around it, or the offsets would fill the whole axis
+        ax.set_xlim(ticks[0] - 0.25 * span, ticks[0] + 0.25 * span)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(f"{generic.primary_metric(task)} (95 % CI)")
+    ax.set_ylim(bottom=min(0.0, float(np.nanmin(group["score"])) if group["score"].notna().any() else 0.0))
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=6)
+    mark = " (§ subset run: task.limit)" if group["subset"].any() else ""
+    ax.set_title(f"{experiment} / {task}: {model}, B = {block}{mark}", fontsize=7)
+    return save(fig, out / "generic", name)
 
 
 def index_entries(paths: list[Path], out: Path) -> list[dict]:

@@ -135,11 +135,23 @@ def marks(subset, failed, incomplete) -> str:
     return out + (INCOMPLETE if incomplete else "")
 
 
+RATIO_KEY = 1e9  # ratio labels sort after every token budget: RATIO_KEY x (1 + ratio)
+
+
+def budget_ratio(label) -> float | None:
+    """The ratio of a ratio budget's label ("r0.25" -> 0.25; keydiff.config.ratio_label), else None."""
+    match = re.fullmatch(r"r(\d+(?:\.\d+)?(?:e-?\d+)?)", str(label))
+    return float(match[1]) if match else None
+
+
 def budget_tokens(label) -> float:
-    """Sort key of a budget label: NA (the full cache) first, then by tokens (2k = 2048), unknown labels
-    ("unbounded") last."""
+    """Sort key of a budget label: NA (the full cache) first, then by tokens (2k = 2048), then ratio budgets
+    by ratio ("r0.25"), unknown labels ("unbounded") last."""
     if label == NA:
         return -1.0
+    ratio = budget_ratio(label)
+    if ratio is not None:
+        return RATIO_KEY * (1 + ratio)
     match = re.fullmatch(r"(\d+(?:\.\d+)?)([km]?)", str(label).lower())
     return float(match[1]) * {"": 1, "k": 1024, "m": 1024 ** 2}[match[2]] if match else float("inf")
 

@@ -74,8 +74,10 @@ def pick(df, experiments, tasks=None, models=None, policies=None, budgets=None, 
     full = runs["policy_name"] == "full"
     if budgets is not None:
         runs = runs[full | runs["budget_label"].isin(budgets)]
+        full = runs["policy_name"] == "full"
     if block_sizes is not None:
         runs = runs[full | runs["block_size"].isin(block_sizes)]
+        full = runs["policy_name"] == "full"
     task_rank = runs["task"].map(list(tasks).index) if tasks is not None and not by_task else 0
     runs = runs.assign(budget_label=runs["budget_label"].where(~full, NA), block_size=runs["block_size"].where(~full, NA),
                        rank=runs["experiment"].map(experiments.index) * 100 + task_rank)

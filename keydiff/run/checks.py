@@ -27,7 +27,7 @@ from typing import Any, Sequence
 from omegaconf import DictConfig, OmegaConf
 
 from keydiff.run.results import run_dir_of
-from keydiff.config import STATISTICS_MODES
+from keydiff.config import STATISTICS_MODES, ratio_label
 
 
 class ConfigError(ValueError):
@@ -63,6 +63,25 @@ def check_block_size(value: Any) -> None:
         )
 
 
+def check_budget_config(budget: DictConfig) -> None:
+    """A budget is either `tokens` (N, the same for every sample) or `ratio` (N = ceil(ratio x prompt tokens)
+    per sample, 0 < ratio <= 1), never both."""
+    ratio = budget.get("ratio")
+    if ratio is None:
+        _check_positive_int("budget.tokens", budget.tokens, optional=False,
+                            hint=" (budget must be a positive integer number of tokens, or budget=r0.25 for a ratio)")
+        return
+    if budget.get("tokens") is not None:
+        raise ConfigError(f"budget.tokens={budget.tokens!r} and budget.ratio={ratio!r} are both set; valid: exactly "
+                          "one of them (budget.tokens=null for a ratio budget)")
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
+        raise ConfigError(f"budget.ratio={ratio!r} is not valid; valid: a number with 0 < ratio <= 1 "
+                          "(the fraction of the prompt kept, e.g. budget=r0.25)")
+    if budget.get("label") != ratio_label(ratio):  # e.g. +budget.ratio on a token budget file: label "none"
+        raise ConfigError(f"budget.label={budget.get('label')!r} is not valid for budget.ratio={ratio}; valid: "
+                          f"{ratio_label(ratio)!r} (start from a ratio budget: budget=r0.25 budget.ratio={ratio})")
+
+
 def check_results_root(root: str | os.PathLike) -> None:
     """The nearest existing ancestor of the results root must be a writable directory."""
     path = Path(root).expanduser().absolute()
@@ -91,8 +110,7 @@ def check_run_config(cfg: DictConfig) -> None:
             f"attention_statistics={cfg.attention_statistics!r} is not valid; valid: {', '.join(STATISTICS_MODES)}"
         )
     if cfg.policy.name != "full":
-        _check_positive_int("budget.tokens", cfg.budget.tokens, optional=False,
-                            hint=" (budget must be a positive integer number of tokens)")
+        check_budget_config(cfg.budget)
     if isinstance(cfg.seed, bool) or not isinstance(cfg.seed, int):
         raise ConfigError(f"seed={cfg.seed!r} is not valid; valid: an integer")
     for key in ("decode_eviction", "overwrite", "retry_failed", "dry_run"):

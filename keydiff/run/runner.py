@@ -21,6 +21,7 @@ import contextlib
 import gc
 import hashlib
 import logging
+import math
 import resource
 import sys
 import time
@@ -64,10 +65,21 @@ class RunPlan:
     decode_eviction: bool
     task: Task
     model_cfg: ModelConfig
+    ratio: float | None = None  # a ratio budget (budget.ratio): N is set per sample from its prompt length
 
     def new_policy(self) -> Policy:
         """A fresh policy per sample, so stateful policies (random) do not depend on sample order."""
         return build_policy(self.policy_name, **self.policy_params)
+
+    @property
+    def evicts(self) -> bool:
+        return self.budget is not None or self.ratio is not None
+
+    def sample_budget(self, prompt_tokens: int) -> int | None:
+        """N for a prompt of this length: the token budget, or ceil(ratio x prompt tokens), at least 1."""
+        if self.ratio is None:
+            return self.budget
+        return max(1, math.ceil(self.ratio * prompt_tokens))
 
 
 def plan_run(cfg: DictConfig) -> RunPlan:
@@ -77,13 +89,18 @@ def plan_run(cfg: DictConfig) -> RunPlan:
     params = OmegaConf.to_container(raw, resolve=True) if raw is not None else {}
     policy_name = policy_target(cfg.policy)
     policy = build_policy(policy_name, **params)
+    # A ratio budget's N is known per sample only: the policy's own constraints are checked against each
+    # sample's N (process_sample records a sample whose N they refuse as failed, "budget_too_small").
+    ratio = cfg.budget.get("ratio") if policy.evicts else None
     budget = cfg.budget.tokens
-    check_budget(policy, budget)
+    if ratio is None:
+        check_budget(policy, budget)
     block_size = resolve_block_size(cfg.block_size)
     task = instantiate(cfg.task, _convert_="all")
     model_cfg = ModelConfig.from_dict(OmegaConf.to_container(cfg.model, resolve=True))
-    return RunPlan(policy_name, params, int(budget) if policy.evicts else None, block_size,
-                   cfg.attention_statistics, cfg.get("decode_eviction", True), task, model_cfg)
+    return RunPlan(policy_name, params, int(budget) if policy.evicts and ratio is None else None, block_size,
+                   cfg.attention_statistics, cfg.get("decode_eviction", True), task, model_cfg,
+                   None if ratio is None else float(ratio))
 
 
 def policy_target(policy_cfg: DictConfig) -> str:
@@ -165,7 +182,14 @@ def warm_up(plan: RunPlan, model, tokenizer, sample) -> None:
     device's start-up (CUDA context, cuBLAS handles, kernel selection, allocator growth)."""
     ids = plan.task.build_prompt(sample, tokenizer, plan.model_cfg.max_length).input_ids
     tokens = min(len(ids), 2 * (plan.block_size or 128))
-    state = prefill(model, torch.tensor([ids[:tokens]]), plan.new_policy(), plan.budget, plan.block_size, plan.statistics)
+    policy = plan.new_policy()
+    budget = plan.sample_budget(len(ids))  # the first sample's N: the warm-up runs what that sample will run
+    if budget is not None and plan.ratio is not None:
+        try:
+            policy.check(budget)
+        except ValueError:
+            return  # that sample is recorded as failed; nothing to warm up
+    state = prefill(model, torch.tensor([ids[:tokens]]), policy, budget, plan.block_size, plan.statistics)
     generate(model, state, 2, evict=plan.decode_eviction)
 
 
@@ -179,7 +203,8 @@ def run_sample(
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     input_ids = torch.tensor([prompt.input_ids], dtype=torch.long)
-    state = prefill(model, input_ids, plan.new_policy(), plan.budget, plan.block_size, plan.statistics)
+    budget = plan.sample_budget(len(prompt.input_ids))
+    state = prefill(model, input_ids, plan.new_policy(), budget, plan.block_size, plan.statistics)
     seed = settings.seed if settings.seed is not None else derived_seed(run_seed, sample.id)
     out = generate(
         model, state, settings.max_new_tokens, list(stop_ids) + list(settings.stop_token_ids),
@@ -197,9 +222,9 @@ def run_sample(
         "scores": plan.task.score(sample, prediction),
         "info": prompt.info,
         "prompt_tokens": length,
-        "budget": plan.budget,
+        "budget": budget,
         "kept_tokens": kept,
-        "compression_ratio": 1.0 if plan.budget is None else min(plan.budget / length, 1.0),
+        "compression_ratio": 1.0 if budget is None else min(budget / length, 1.0),
         "ttft_s": state.seconds,
         "decode_s": out.seconds,
         "new_tokens": len(tokens),
@@ -221,7 +246,8 @@ def run_sample(
 def failed_row(plan: RunPlan, sample, prompt: Prompt, reason: str, message: str, code: str | None) -> dict[str, Any]:
     """The row of a sample that could not run: why, and how long its prompt was (no scores)."""
     return {"sample_id": sample.id, "status": "failed", "failure_reason": reason, "error": message[:500],
-            "info": prompt.info, "prompt_tokens": len(prompt.input_ids), "budget": plan.budget, "code": code}
+            "info": prompt.info, "prompt_tokens": len(prompt.input_ids),
+            "budget": plan.sample_budget(len(prompt.input_ids)), "code": code}
 
 
 def process_sample(plan: RunPlan, model, tokenizer, stop_ids, sample, cfg: DictConfig, code, signals) -> dict[str, Any]:
@@ -233,6 +259,13 @@ def process_sample(plan: RunPlan, model, tokenizer, stop_ids, sample, cfg: DictC
         if cap is not None and len(prompt.input_ids) > cap:
             return failed_row(plan, sample, prompt, "max_prompt_tokens",
                               f"prompt has {len(prompt.input_ids)} tokens > max_prompt_tokens={cap}", code)
+        budget = plan.sample_budget(len(prompt.input_ids))
+        if plan.ratio is not None and budget is not None:
+            try:
+                plan.new_policy().check(budget)
+            except ValueError as error:  # e.g. a sink or window larger than this short prompt's N
+                return failed_row(plan, sample, prompt, "budget_too_small",
+                                  f"budget.ratio={plan.ratio} gives N={budget} for this prompt: {error}", code)
         try:
             return run_sample(plan, model, tokenizer, stop_ids, sample, int(cfg.seed), code, prompt=prompt)
         except Exception as error:  # Preempted is a BaseException and passes through
@@ -248,7 +281,7 @@ def run_statistics(rows: list[dict[str, Any]], plan: RunPlan) -> dict[str, Any]:
     if not rows:
         return {"samples": 0}
     n = len(rows)
-    bounded = plan.budget is not None and plan.block_size is not None and plan.decode_eviction
+    bounded = plan.evicts and plan.block_size is not None and plan.decode_eviction
     peak = max(row["max_cache_entries"] for row in rows)
     # The bound is per layer: N_l + B, with N_l the layer's own budget (uniform unless a schedule is set; a
     # PyramidKV schedule capped by a short prompt may differ between samples, so each row is checked).
@@ -256,7 +289,7 @@ def run_statistics(rows: list[dict[str, Any]], plan: RunPlan) -> dict[str, Any]:
     budgets = [max((b for b in column if b is not None), default=None) for column in zip(*(r["layer_budgets"] for r in per_layer))]
     layer_bounds = [None if not bounded or b is None else b + plan.block_size for b in budgets]
     layer_peaks = [max(column) for column in zip(*(r["layer_max_cache_entries"] for r in per_layer))]
-    bound = (max((b for b in layer_bounds if b is not None), default=None) if per_layer else plan.budget + plan.block_size) if bounded else None
+    bound = (max((b for b in layer_bounds if b is not None), default=None) if per_layer else max(r["budget"] for r in rows) + plan.block_size) if bounded else None
     held = None if bound is None else (
         all(b is None or p <= b + plan.block_size for r in per_layer for b, p in zip(r["layer_budgets"], r["layer_max_cache_entries"]))
         if per_layer else peak <= bound
@@ -352,6 +385,7 @@ def write_summary(cfg, plan: RunPlan, samples, store: ResultStore, record: dict[
         "statistics": run_statistics(rows, plan),
         "policy": plan.new_policy().describe(),
         "budget": plan.budget,
+        "budget_ratio": plan.ratio,  # a ratio budget: each prediction row records its own N
         "block_size": plan.block_size,
         "attention_statistics": plan.statistics,
         "decode_eviction": plan.decode_eviction,

@@ -1,0 +1,176 @@
+"""Ratio budgets (issue #16, section 3): `budget=r0.5` keeps N = ceil(0.5 x prompt tokens) per sample, in its
+own results directory ("r0.5"), with bad input refused before torch, and generic tables/figures that order
+ratio runs after token runs."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from keydiff.config import budget_label, ratio_label
+from keydiff.report import collect, figures, tables
+from keydiff.report.render import budget_ratio, budget_tokens
+from keydiff.run.checks import ConfigError, check_budget_config
+from tests.test_guards import hand_peak_entries, read_rows, runner_cfg, tiny_runner  # noqa: F401 (fixture)
+from tests.test_inputs import ROOT, assert_one_line_error, run_py
+from tests.test_tables import LLAMA3B, md_cell, md_rows, value
+
+
+def compose_budget(*overrides: str):
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        return compose("config", overrides=list(overrides))
+
+
+# ------------------------------------------------------------------------------------------ labels, config
+def test_ratio_labels_differ_from_token_labels():
+    assert ratio_label(0.25) == "r0.25" and ratio_label(1) == "r1" and ratio_label(0.5) == "r0.5"
+    assert budget_label(None, 0.25) == "r0.25" and budget_label(2048) == "2k" and budget_label(256, None) == "256"
+    assert budget_ratio("r0.25") == 0.25 and budget_ratio("2k") is None and budget_ratio("--") is None
+
+
+def test_ratio_config_sets_label_and_run_directory():
+    cfg = compose_budget("budget=r0.25")
+    assert cfg.budget.tokens is None and cfg.budget.ratio == 0.25 and cfg.budget.label == "r0.25"
+    assert "/r0.25/bs128/" in cfg.run_subdir
+    cfg = compose_budget("budget=r0.25", "budget.ratio=0.3")  # an override relabels: never r0.25's directory
+    assert cfg.budget.label == "r0.3"
+    check_budget_config(compose_budget("budget=r0.25", "budget.ratio=1").budget)
+    assert compose_budget("budget=2k").budget.get("ratio") is None  # token budgets are unchanged
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["budget.ratio=0"], "budget.ratio=0 is not valid"),
+    (["budget.ratio=1.5"], "0 < ratio <= 1"),
+    (["budget.ratio=-0.2"], "0 < ratio <= 1"),
+    (["budget.ratio=half"], "budget.ratio='half' is not valid"),
+    (["budget.ratio=true"], "budget.ratio=True is not valid"),
+    (["budget.tokens=512"], "are both set"),
+])
+def test_bad_ratio_is_refused(overrides, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(".", r"\.")):
+        check_budget_config(compose_budget("budget=r0.25", *overrides).budget)
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["budget=r0.25", "budget.ratio=0"], "budget.ratio=0 is not valid; valid: a number with 0 < ratio <= 1"),
+    (["budget=r0.25", "budget.ratio=2"], "budget.ratio=2 is not valid"),
+    (["budget=r0.25", "budget.ratio=abc"], "budget.ratio='abc' is not valid"),
+    (["budget=r0.25", "budget.tokens=100"], "budget.tokens=100 and budget.ratio=0.25 are both set"),
+    (["budget=2k", "budget.tokens=null", "+budget.ratio=0.3"], "budget.label='none' is not valid for budget.ratio=0.3"),
+])
+def test_bad_ratio_on_the_command_line(tmp_path, args, expected):
+    result, _ = run_py(tmp_path, *args)
+    line = assert_one_line_error(result, tmp_path)
+    assert expected in line, line
+    assert "Traceback" not in result.stderr
+
+
+# ------------------------------------------------------------------------------------------ runner
+def test_runner_sets_budget_per_sample_and_holds_bound(tmp_path, tiny_runner):
+    """Prompts of 30 and 100 tokens at ratio 0.5: N = 15 and 50, recorded per row, cache within N + B."""
+    runner, model_dir, _ = tiny_runner
+    block, new_tokens = 16, 4
+    cfg = runner_cfg(model_dir, "policy=keydiff", "budget=r0.5", f"block_size={block}")
+    summary = runner.run(cfg, tmp_path / "run")
+    rows = {row["sample_id"]: row for row in read_rows(tmp_path / "run")}
+    for length, budget in ((30, 15), (100, 50)):
+        row = rows[f"len{length}"]
+        assert row["status"] == "ok" and row["budget"] == budget
+        assert row["kept_tokens"] == budget
+        assert row["compression_ratio"] == pytest.approx(budget / length)
+        assert row["max_cache_entries"] == hand_peak_entries(length, budget, block, new_tokens - 1)
+        assert row["max_cache_entries"] <= budget + block
+        assert set(row["layer_budgets"]) == {budget}
+    stats = summary["statistics"]
+    assert stats["cache_bound"] == 50 + block and stats["cache_bound_held"] is True
+    assert summary["budget"] is None and summary["budget_ratio"] == 0.5
+
+
+def test_runner_odd_lengths_round_up(tmp_path, tiny_runner):
+    runner, model_dir, _ = tiny_runner
+    cfg = runner_cfg(model_dir, "policy=tova", "budget=r0.25", "block_size=8", task={"lengths": [31, 9]})
+    runner.run(cfg, tmp_path / "run")
+    rows = {row["sample_id"]: row for row in read_rows(tmp_path / "run")}
+    assert rows["len31"]["budget"] == math.ceil(0.25 * 31) == 8
+    assert rows["len9"]["budget"] == 3
+
+
+def test_sample_whose_n_the_policy_refuses_is_recorded_as_failed(tmp_path, tiny_runner):
+    """StreamingLLM with 8 sink tokens cannot keep N = 3 (a 10-token prompt at 0.25): that sample fails
+    clearly ("budget_too_small"), the long one runs."""
+    runner, model_dir, _ = tiny_runner
+    cfg = runner_cfg(model_dir, "policy=sink", "policy.params.sinks=8", "budget=r0.25", "block_size=8",
+                     task={"lengths": [10, 100]})
+    summary = runner.run(cfg, tmp_path / "run")
+    rows = {row["sample_id"]: row for row in read_rows(tmp_path / "run")}
+    assert rows["len10"]["status"] == "failed" and rows["len10"]["failure_reason"] == "budget_too_small"
+    assert rows["len10"]["budget"] == 3 and "N=3" in rows["len10"]["error"]
+    assert rows["len100"]["status"] == "ok" and rows["len100"]["budget"] == 25
+    assert summary["failures"] == {"budget_too_small": 1}
+
+
+# ------------------------------------------------------------------------------------------ reports
+def test_budget_order_puts_ratios_after_tokens():
+    labels = ["r0.5", "2k", "--", "unbounded", "r0.25", "512", "r1"]
+    assert sorted(labels, key=budget_tokens) == ["--", "512", "2k", "r0.25", "r0.5", "r1", "unbounded"]
+
+
+def write_run(runs, experiment, task, policy, label, tokens, ratio, recalls, model="smollm2-135m"):
+    """A finished run as run.py leaves it: predictions.jsonl (per-sample N) and summary.json."""
+    run_dir = runs / experiment / task / model / policy / label / "bs128" / "seed0"
+    run_dir.mkdir(parents=True)
+    rows = [{"sample_id": f"s{i}", "scores": {"needle_recall": r, "exact": r}, "ttft_s": 0.5,
+             "compression_ratio": ratio or 0.5, "budget": tokens or 10 * (i + 1)} for i, r in enumerate(recalls)]
+    (run_dir / "predictions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    score = sum(recalls) / len(recalls)
+    metrics = {"needle_recall": score, "exact": score, "by_size": {"100": {"exact": score}}}
+    summary = {"complete": True, "metrics": metrics, "budget": tokens,
+               "budget_ratio": ratio, "limit": None, "block_size": 128, "attention_statistics": "fast",
+               "statistics": {"samples": len(rows), "mean_compression_ratio": ratio or 0.5, "mean_ttft_s": 0.5,
+                              "mean_prompt_tokens": 100.0, "cache_bound_held": True},
+               "config": {"experiment_name": experiment, "seed": 0, "block_size": 128,
+                          "task": {"name": task, "limit": None},
+                          "model": {"name": model, "attn_implementation": "sdpa"},
+                          "policy": {"name": policy, "label": policy},
+                          "budget": {"tokens": tokens, "ratio": ratio, "label": label}}}
+    (run_dir / "summary.json").write_text(json.dumps(summary))
+
+
+def test_generic_table_and_figure_with_ratio_runs_paper_tables_ignore_them(tmp_path):
+    runs = tmp_path / "runs"
+    for label, tokens, ratio, recalls in [("r0.5", None, 0.5, [1.0, 0.5]), ("2k", 2048, None, [1.0, 1.0]),
+                                          ("r0.25", None, 0.25, [0.5, 0.0]), ("1k", 1024, None, [0.5, 1.0])]:
+        write_run(runs, "adhoc", "niah_small", "keydiff", label, tokens, ratio, recalls)
+    write_run(runs, "adhoc", "niah_small", "full", "none", None, None, [1.0, 1.0])
+    write_run(runs, "table17", "phonebook", "keydiff", "6k", 6144, None, [1.0, 0.0], model=LLAMA3B)
+    write_run(runs, "table17", "phonebook", "keydiff", "r0.5", None, 0.5, [0.0, 0.0], model=LLAMA3B)
+    out = tmp_path / "out"
+    collect.collect(runs, out / "summary.csv")
+    written = tables.main(out / "summary.csv", out / "tables")
+    drawn = figures.main(out / "summary.csv", runs, out / "figures")
+    header, *rows = md_rows(out / "tables" / "generic" / "adhoc__niah_small.md")
+    assert header[-5:] == ["--", "1k", "2k", "r0.25", "r0.5"]  # ratio columns after the token budgets, by ratio
+    keydiff = next(r for r in rows if "keydiff" in r)
+    assert [cell.split(" ")[0] for cell in keydiff[-4:]] == ["0.750", "1.000", "0.250", "0.750"]
+    names = {p.relative_to(out / "figures").as_posix() for p in drawn}
+    assert {"generic/adhoc__niah_small__smollm2-135m__bs128.png",
+            "generic/adhoc__niah_small__smollm2-135m__bs128__ratio.png"} <= names
+    assert "table17" in written  # the paper table is written from the 6k run; the ratio run is not in it
+    assert value(md_cell(out / "tables" / "table17.md", ("KeyDiff",), "100")) in ("0.5", "**0.5")  # 6k's, not 0.0
+    assert "r0.5" not in (out / "tables" / "table17.md").read_text()
+
+
+def test_adaptive_budget_total_follows_each_sample_n(tmp_path, tiny_runner):
+    """PyramidKV at ratio 0.5: each sample's layer budgets total layers x its own N (40 and 100)."""
+    runner, model_dir, _ = tiny_runner
+    cfg = runner_cfg(model_dir, "policy=keydiff_pyramid", "budget=r0.5", "block_size=16", task={"lengths": [80, 200]})
+    runner.run(cfg, tmp_path / "run")
+    rows = {row["sample_id"]: row for row in read_rows(tmp_path / "run")}
+    for length, budget in ((80, 40), (200, 100)):
+        row = rows[f"len{length}"]
+        assert row["status"] == "ok" and row["budget"] == budget
+        assert sum(row["layer_budgets"]) == len(row["layer_budgets"]) * budget
+        assert len(set(row["layer_budgets"])) > 1  # a real pyramid, not the uniform split
