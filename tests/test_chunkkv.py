@@ -11,20 +11,30 @@ from keydiff.policies import Chunked, KNorm, SnapKV, build_policy
 from keydiff.policies.base import LayerView
 
 
-def reference_keep(scores, protect, positions, budget, chunk_length) -> list[list[list[int]]]:
+def reference_keep(scores, protect, positions, budget, chunk_length, scope="layer") -> list[list[list[int]]]:
     """Kept positions per (row, head), by loops: protected entries stay; the other slots go to whole chunks
-    (positions // chunk_length) by the sum of their entries' scores (an infinite score counts 0), best chunk
-    first, a tie to the newer chunk, and within a chunk to the newest entries."""
+    (positions // chunk_length) by the sum of their entries' scores (an infinite score counts 0) over the
+    head's entries (scope "head") or over every head's entries of the row (scope "layer"), best chunk first,
+    a tie to the newer chunk, and within a chunk to the newest entries."""
+    def finite(s: float) -> float:
+        return s if abs(s) != float("inf") else 0.0
+
     kept = []
     for b in range(positions.shape[0]):
         row = []
+        layer_sums: dict[int, float] = {}
+        for h in range(positions.shape[1]):
+            for p, s in zip(positions[b, h].tolist(), scores[b, h].double().tolist()):
+                layer_sums[p // chunk_length] = layer_sums.get(p // chunk_length, 0.0) + finite(s)
         for h in range(positions.shape[1]):
             pos = [int(p) for p in positions[b, h]]
             score = [float(s) for s in scores[b, h].double()]
             prot = [bool(p) for p in protect[b, h]] if protect is not None else [False] * len(pos)
             sums: dict[int, float] = {}
             for p, s in zip(pos, score):
-                sums[p // chunk_length] = sums.get(p // chunk_length, 0.0) + (s if abs(s) != float("inf") else 0.0)
+                sums[p // chunk_length] = sums.get(p // chunk_length, 0.0) + finite(s)
+            if scope == "layer":
+                sums = {c: layer_sums[c] for c in sums}
             keep = [p for p, pr in zip(pos, prot) if pr]
             free = budget - len(keep)
             for chunk in sorted(sums, key=lambda c: (sums[c], c), reverse=True):
@@ -53,11 +63,23 @@ def random_view(seed: int, batch=2, heads=3, n=97, span=400) -> LayerView:
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("chunk_length", [1, 3, 20])
 @pytest.mark.parametrize("scorer", [KNorm(), SnapKV(window=8)], ids=["knorm", "snapkv"])
-def test_random_views_keep_what_the_reference_keeps(seed, chunk_length, scorer):
+@pytest.mark.parametrize("scope", ["layer", "head"])
+def test_random_views_keep_what_the_reference_keeps(seed, chunk_length, scorer, scope):
     layer, budget = random_view(seed), 41
-    policy = Chunked(scorer, chunk_length=chunk_length)
-    expected = reference_keep(scorer.score(layer), scorer.protected(layer, budget), layer.positions, budget, chunk_length)
+    policy = Chunked(scorer, chunk_length=chunk_length, scope=scope)
+    expected = reference_keep(scorer.score(layer), scorer.protected(layer, budget), layer.positions, budget,
+                              chunk_length, scope)
     assert kept_positions(policy, layer, budget) == expected
+
+
+def test_layer_scope_keeps_the_same_chunks_in_every_head():
+    """Heads holding the same positions keep the same chunks with scope "layer" (one set per layer, as kvpress
+    and the paper's index reuse), and different ones with scope "head" on the same scores."""
+    layer, budget = random_view(5, n=200, span=200), 90
+    same = kept_positions(Chunked(KNorm(), chunk_length=20, scope="layer"), layer, budget)
+    per_head = kept_positions(Chunked(KNorm(), chunk_length=20, scope="head"), layer, budget)
+    assert all(head == row[0] for row in same for head in row)
+    assert any(head != row[0] for row in per_head for head in row)
 
 
 def test_whole_chunks_are_kept_and_only_one_is_cut():
@@ -79,7 +101,8 @@ class ReferenceChecked(Chunked):
         keep = torch.ones_like(layer.positions, dtype=torch.bool).scatter_(-1, drop, False)
         got = [[sorted(layer.positions[b, h][keep[b, h]].tolist()) for h in range(keep.shape[1])] for b in range(keep.shape[0])]
         scores = self.scorer.score(layer)
-        assert got == reference_keep(scores, self.scorer.protected(layer, budget), layer.positions, budget, self.chunk_length)
+        assert got == reference_keep(scores, self.scorer.protected(layer, budget), layer.positions, budget,
+                                     self.chunk_length, self.scope)
         self.__dict__["checked"] = self.__dict__.get("checked", 0) + 1
         return drop
 
@@ -104,7 +127,8 @@ def test_chunk_length_one_is_the_wrapped_scorer(name, params):
     model = tiny_llama()
     prompt = torch.randint(0, 256, (1, 300), generator=torch.Generator().manual_seed(3))
     outputs = []
-    for policy in (build_policy(name, **params), build_policy(name, chunk_length=1, **params)):
+    # per head: a chunk of one position is the entry itself (per layer it would sum the heads' scores)
+    for policy in (build_policy(name, **params), build_policy(name, chunk_length=1, chunk_scope="head", **params)):
         with torch.no_grad():
             state = prefill(model, prompt, policy, budget=64, block_size=32)
             kept = [p.sort(dim=-1).values.tolist() for p in state.kept_positions]
@@ -129,7 +153,7 @@ def test_check_policy_passes():
 def test_build_and_describe_round_trip():
     policy = build_policy("snapkv", window=32, chunk_length=20, layer_budgets={"schedule": "pyramid", "beta": 20})
     described = policy.describe()
-    assert described["chunk_length"] == 20 and list(described)[-2:] == ["chunk_length", "layer_budgets"]
+    assert described["chunk_length"] == 20 and list(described)[-3:] == ["chunk_length", "chunk_scope", "layer_budgets"]
     assert build_policy(**described).describe() == described
     assert policy.layers_batchable and policy.attention_rows == 32
 
@@ -138,3 +162,8 @@ def test_build_and_describe_round_trip():
 def test_bad_chunk_length_is_refused(bad):
     with pytest.raises(ValueError, match="chunk_length must be a positive integer"):
         build_policy("knorm", chunk_length=bad).check(64)
+
+
+def test_bad_chunk_scope_is_refused():
+    with pytest.raises(ValueError, match="chunk_scope must be one of layer, head"):
+        build_policy("knorm", chunk_length=20, chunk_scope="batch").check(64)

@@ -90,7 +90,7 @@ def policy_parameters(cls: type[Policy]) -> list[str]:
     any), then `chunk_length` (ChunkKV) and `layer_budgets`, which every policy takes."""
     own = [f.name for f in dataclasses.fields(cls) if f.init]
     window = [cls.recent_window_parameter] if cls.recent_window_parameter else []
-    return own + window + ["chunk_length", "layer_budgets"]
+    return own + window + ["chunk_length", "chunk_scope", "layer_budgets"]
 
 
 def compose_policy(cls: type[Policy], **params: Any) -> Policy:
@@ -100,13 +100,14 @@ def compose_policy(cls: type[Policy], **params: Any) -> Policy:
     params = dict(params)
     schedule = params.pop("layer_budgets", None)
     chunk_length = params.pop("chunk_length", None)
+    chunk_scope = params.pop("chunk_scope", "layer")
     window = cls.recent_window_parameter
     fraction = params.pop(window, 0.0) if window else None
     policy: Policy = cls(**params)
     if fraction is not None:
         policy = RecentWindow(policy, fraction=fraction)
     if chunk_length is not None:
-        policy = Chunked(policy, chunk_length=chunk_length)
+        policy = Chunked(policy, chunk_length=chunk_length, scope=chunk_scope)
     if schedule is not None:
         policy = LayerBudgets(policy, schedule=schedule)
     return policy

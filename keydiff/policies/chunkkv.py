@@ -10,16 +10,20 @@ entries (highest positions) of the next-best chunk, so a head always holds exact
 wrapped policy protects (SnapKV's observation window, sinks, a RecentWindow) are still kept; their finite
 scores count in their chunk's sum like any other, an infinite one (allowed only there) counts 0.
 
-Scores are computed per batch row and KV head from that row's own entries, so `layers_batchable` is the
-wrapped policy's.
+`scope` says over what a chunk's score is summed. "layer" (the default): over the entries of that chunk in
+every KV head of the layer, so all heads rank chunks alike and, holding the same positions, keep the same
+chunks: kvpress sums over heads and keeps one chunk set per layer, and the paper's layer-wise index reuse
+shares one set of kept indices. "head": each KV head ranks its own chunks by its own scores (the per-head
+budgets of this harness taken literally). Scores are computed per batch row (a stacked view's rows are
+layers), so `layers_batchable` is the wrapped policy's.
 
 Differences from kvpress's `ChunkKVPress` (read, not copied): kvpress sums the scores over KV heads and keeps
 one chunk set for all heads of a layer (and takes batch row 0's set for every row), ranks chunks by their
 MEAN score (for a full chunk the same order as the sum; the last, partial chunk's mean is not scaled down),
 keeps floor(chunks x (1 - compression_ratio)) chunks with no remainder fill (so it may hold fewer entries
 than the budget), compresses once after the prompt, and chunks the cache's index (= position there). Here
-chunks are per KV head as in the paper's per-head description of the score and per-head budgets of this
-harness, scored by the sum (the paper's "summed score"), and the budget is filled exactly.
+chunks are scored by the sum (the paper's "summed score"), per layer by default (scope="head" ranks per KV
+head), and the budget is filled exactly.
 """
 
 from __future__ import annotations
@@ -32,13 +36,19 @@ from keydiff.policies.base import LayerView
 from keydiff.policies.wrappers import PolicyWrapper
 
 
-def chunk_scores(scores: torch.Tensor, positions: torch.Tensor, chunk_length: int) -> torch.Tensor:
-    """Each entry's chunk score [batch, kv_heads, n]: the sum of `scores` over the entries of the same row and
-    head whose positions fall in the same chunk of `chunk_length` consecutive positions."""
+SCOPES = ("layer", "head")
+
+
+def chunk_scores(scores: torch.Tensor, positions: torch.Tensor, chunk_length: int, scope: str = "layer") -> torch.Tensor:
+    """Each entry's chunk score [batch, kv_heads, n]: the sum of `scores` over the entries of the same row
+    (and, with scope "head", the same KV head) whose positions fall in the same chunk of `chunk_length`
+    consecutive positions."""
     chunks = positions // chunk_length
     count = int(chunks.max()) + 1 if chunks.numel() else 1
     totals = torch.zeros(*scores.shape[:-1], count, dtype=scores.dtype, device=scores.device)
     totals.scatter_add_(-1, chunks, scores)
+    if scope == "layer":
+        totals = totals.sum(dim=1, keepdim=True).expand_as(totals)
     return totals.gather(-1, chunks)
 
 
@@ -48,10 +58,13 @@ class Chunked(PolicyWrapper):
     wrapped scorer's scores (ChunkKV); `chunk_length` 1 is the wrapped scorer itself."""
 
     chunk_length: int = 20
+    scope: str = "layer"
 
     def _check_length(self) -> None:
         if isinstance(self.chunk_length, bool) or not isinstance(self.chunk_length, int) or self.chunk_length < 1:
             raise ValueError(f"chunk_length must be a positive integer, got {self.chunk_length!r}")
+        if self.scope not in SCOPES:
+            raise ValueError(f"chunk_scope must be one of {', '.join(SCOPES)}, got {self.scope!r}")
 
     def validate(self, budget: int) -> None:
         self._check_length()
@@ -65,13 +78,13 @@ class Chunked(PolicyWrapper):
         scores = self.scorer.score(layer).double()  # float64 sums: the chunk order does not hang on rounding
         # Only protected entries may score +-inf (they are kept whatever their score): such a score counts 0.
         scores = scores.masked_fill(~torch.isfinite(scores), 0.0)
-        return chunk_scores(scores, layer.positions, self.chunk_length)
+        return chunk_scores(scores, layer.positions, self.chunk_length, self.scope)
 
     def describe(self) -> dict:
         """The wrapped policy's description with `chunk_length` added before `layer_budgets`."""
         described = self.scorer.describe()
         schedule = described.pop("layer_budgets", None)
-        return {**described, "chunk_length": self.chunk_length, "layer_budgets": schedule}
+        return {**described, "chunk_length": self.chunk_length, "chunk_scope": self.scope, "layer_budgets": schedule}
 
 
-__all__ = ["Chunked", "chunk_scores"]
+__all__ = ["SCOPES", "Chunked", "chunk_scores"]
