@@ -86,6 +86,13 @@ BUDGETS = ["1k", "2k", "4k", "6k", "8k"]
 LONGBENCH_TASKS = ("longbench_full", "longbench")  # not longbench_e: other samples
 GEN_LENGTH = {"math500": "4K", "math500_8k": "8K", "math500_32k": "32K"}  # Math-500 task -> generation length
 MATH = ("table4_gen4k", "table4_gen8k", "table4_gen32k", "table4_full")
+
+
+def baseline_experiment(experiment: str) -> str:
+    """The experiment whose full-cache run is the baseline of `experiment`'s runs (Tables 5/7 pick the samples
+    whose full-cache context exceeds the budget): the Math-500 experiments share table4_full; any other
+    experiment is its own."""
+    return MATH[-1] if experiment in MATH else experiment
 MATH_POLICIES = ["full", "keydiff_w20", "snapkv"]
 PAPER_KEYDIFF = {"keydiff_w20": "keydiff"}  # App. E: the paper's "KeyDiff" of Tables 4-7
 SUBSET = "Math-500 on the samples whose full-cache context exceeds the budget"

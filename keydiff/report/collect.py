@@ -34,7 +34,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from keydiff.paper.registry import LONGBENCH
+from keydiff.paper.registry import LONGBENCH, baseline_experiment
 from keydiff.report.render import grouped_mean_se, standard_error
 from keydiff.run.results import successful_rows
 from keydiff.run.tracking import HEADLINE, flatten
@@ -177,13 +177,13 @@ def add_math500_subsets(records: list[dict], runs: Path) -> None:
 
     fulls = {}
     # Whole-task runs first (a subset run's few samples are no baseline while the whole run exists), then
-    # complete ones; only from the run's own experiment, or table4_full for the paper's table4_gen* runs
+    # complete ones; only from the run's baseline experiment (registry.baseline_experiment: table4_full for table4_gen*)
     # (an adhoc full-cache run, possibly with other settings, never becomes a paper table's baseline).
     for r in sorted(math_runs, key=lambda r: (r["limit"] is not None, not r["complete"])):
         if r["policy_name"] == "full":
             fulls.setdefault(key(r, r["experiment"]), r)
     for r in math_runs:
-        full = fulls.get(key(r, "table4_full" if str(r["experiment"]).startswith("table4_gen") else r["experiment"]))
+        full = fulls.get(key(r, baseline_experiment(str(r["experiment"]))))
         if r["policy_name"] == "full" or full is None or r["budget"] is None:
             continue
         full_rows = read_predictions(runs / full["run_dir"])
@@ -210,6 +210,15 @@ def collect(runs: Path, out: Path) -> pd.DataFrame:
     out.parent.mkdir(parents=True, exist_ok=True)
     frame.to_csv(out, index=False, float_format="%.10g", lineterminator="\n")
     return frame
+
+
+def add_results_arguments(parser, out: str) -> None:
+    """The arguments every results-reading entry point takes (tables, figures): where the summary, the runs
+    and the output are, and whether to collect first."""
+    parser.add_argument("--summary", type=Path, default=Path("results/summary.csv"))
+    parser.add_argument("--out", type=Path, default=Path(out))
+    parser.add_argument("--runs", "--results", type=Path, default=Path("results/runs"), help="run directories")
+    parser.add_argument("--collect", action="store_true", help="re-collect --runs into --summary first")
 
 
 def ensure_summary(summary: Path, runs: Path, force: bool = False) -> None:

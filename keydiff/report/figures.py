@@ -40,7 +40,7 @@ from keydiff.paper import registry  # noqa: E402
 from keydiff.paper.registry import FIGURES, LONGBENCH, display_name  # noqa: E402
 from keydiff.report import generic  # noqa: E402
 from keydiff.report import index as results_index  # noqa: E402
-from keydiff.report.collect import ensure_summary, longbench_dataset, read_predictions, task_family  # noqa: E402
+from keydiff.report.collect import add_results_arguments, ensure_summary, longbench_dataset, read_predictions, task_family  # noqa: E402
 from keydiff.report.render import NA, SUBSET, budget_ratio, budget_tokens, half_width  # noqa: E402
 from keydiff.report.selection import load, pick  # noqa: E402
 
@@ -267,10 +267,7 @@ def main(summary: Path, runs_root: Path, out: Path) -> list[Path]:
 
 def cli(argv: list[str] | None = None) -> list[Path]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--summary", type=Path, default=Path("results/summary.csv"))
-    parser.add_argument("--out", type=Path, default=Path("results/figures"))
-    parser.add_argument("--runs", "--results", type=Path, default=Path("results/runs"), help="run directories")
-    parser.add_argument("--collect", action="store_true", help="re-collect --runs into --summary first")
+    add_results_arguments(parser, "results/figures")
     args = parser.parse_args(argv)
     ensure_summary(args.summary, args.runs, args.collect)
     return main(args.summary, args.runs, args.out)

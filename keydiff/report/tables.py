@@ -34,7 +34,7 @@ from keydiff.paper import compare
 from keydiff.paper.registry import GEN_LENGTH, LONGBENCH, PROMPT_BINS, SUITE, TABLES, PaperTable, display_name
 from keydiff.report import generic
 from keydiff.report import index as results_index
-from keydiff.report.collect import ensure_summary
+from keydiff.report.collect import add_results_arguments, ensure_summary
 from keydiff.report.selection import load, select
 from keydiff.report.render import (INTERVAL_NOTE, NA, best_mask, budget_tokens, combined_se, format_estimate,
                                    marks, with_intervals, write_table)
@@ -322,10 +322,7 @@ def main(summary: Path, out: Path, paper: Path = PAPER_DIR, index: Path | None =
 
 def cli(argv: list[str] | None = None) -> list[str]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--summary", type=Path, default=Path("results/summary.csv"))
-    parser.add_argument("--out", type=Path, default=Path("results/tables"))
-    parser.add_argument("--runs", "--results", type=Path, default=Path("results/runs"), help="run directories")
-    parser.add_argument("--collect", action="store_true", help="re-collect --runs into --summary first")
+    add_results_arguments(parser, "results/tables")
     parser.add_argument("--paper", type=Path, default=PAPER_DIR, help="the paper's numbers (results/paper)")
     args = parser.parse_args(argv)
     ensure_summary(args.summary, args.runs, args.collect)
