@@ -60,12 +60,15 @@ def causal_mask(
     return torch.arange(kv_len, device=device)[None, :] <= rows
 
 
-def attention_statistic(query: torch.Tensor, key: torch.Tensor, scaling: float, rows: int | None) -> torch.Tensor:
+def attention_statistic(
+    query: torch.Tensor, key: torch.Tensor, scaling: float, rows: int | None, reduction: str = "sum"
+) -> torch.Tensor:
     """Attention received by each key from the last `rows` query rows (None: all), group-averaged.
 
     query [b, H, q, d], key [b, H_kv, kv, d] -> float32 [b, H_kv, kv]. Logits in the model's dtype, softmax
     in float32 over the causal (bottom-right) visible keys, summed over rows, averaged over the H/H_kv
     heads of each group. Grouped queries multiply their KV head directly (no repeat_kv copy).
+    reduction="max": the maximum over those rows and the group's heads instead (KVzip's score).
     """
     batch, heads, q_len, dim = query.shape
     kv_heads, kv_len = key.shape[1], key.shape[2]
@@ -84,15 +87,23 @@ def attention_statistic(query: torch.Tensor, key: torch.Tensor, scaling: float, 
         if q_len > 1:  # a single query (decoding) sees every key: no mask to build
             visible = causal_mask(q_len, kv_len, query.device, start, stop)  # [c, kv]
             logits = logits.masked_fill(~visible, float("-inf"))
-        received = torch.softmax(logits, dim=-1).sum(dim=(2, 3))
+        weights = torch.softmax(logits, dim=-1)
+        if reduction == "max":
+            received = weights.amax(dim=(2, 3))
+            total = received if total is None else torch.maximum(total, received, out=total)
+            continue
+        received = weights.sum(dim=(2, 3))
         total = received if total is None else total.add_(received)
-    return total.div_(groups)
+    return total if reduction == "max" else total.div_(groups)
 
 
-def statistic_from_weights(weights: torch.Tensor, kv_heads: int, rows: int | None) -> torch.Tensor:
+def statistic_from_weights(weights: torch.Tensor, kv_heads: int, rows: int | None, reduction: str = "sum") -> torch.Tensor:
     """The same statistic read from materialised attention weights [b, H, q, kv]."""
     batch, heads, q_len, kv_len = weights.shape
     first = 0 if rows is None else max(q_len - rows, 0)
+    if reduction == "max":
+        largest = weights[:, :, first:, :].float().amax(dim=2)
+        return largest.view(batch, kv_heads, heads // kv_heads, kv_len).amax(dim=2)
     summed = weights[:, :, first:, :].float().sum(dim=2)
     return summed.view(batch, kv_heads, heads // kv_heads, kv_len).mean(dim=2)
 
@@ -170,10 +181,11 @@ def make_attention_function(base: str):
             output = fused_attention(base, module, query, key, value, scaling)
         if rows != 0:
             with evicting_cache.timed("statistics_s"):
+                reduction = evicting_cache.attention_reduction
                 if materialize:
-                    statistic = statistic_from_weights(weights, key.shape[1], rows)
+                    statistic = statistic_from_weights(weights, key.shape[1], rows, reduction)
                 else:
-                    statistic = attention_statistic(query, key, scaling, rows)
+                    statistic = attention_statistic(query, key, scaling, rows, reduction)
             evicting_cache.record_attention(module.layer_idx, statistic)
         return output, None
 

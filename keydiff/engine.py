@@ -11,6 +11,13 @@ transformers derives position_ids from that, so RoPE rotates each key by where i
 by its index in the shrunken cache. Block size None (or math.inf) processes the whole prompt at once and
 evicts afterwards (paper Table 10): the same loop with one block.
 
+Reconstruction (KVzip, a policy with `needs_reconstruction`): after each block is written and before its
+eviction, the engine runs one more pass, the policy's `reconstruction_input` for that block ("repeat the
+previous context" + the block's tokens), inside `cache.scratch()`: its queries attend to the N + B held
+entries and causally to themselves, its own R + B entries are discarded afterwards, and its attention
+statistic is what the policy scores by. The cache is planned with room for it: N + B + R + B entries per
+head while it runs (`PrefillResult.max_scratch_entries`).
+
 Timing: `seconds` is wall time between two device synchronisations around the forward passes only; the
 attention-implementation switch and the cache's construction are outside it. Nothing here warms up: the
 caller (runner, benchmarks) runs an untimed warm-up first.
@@ -44,6 +51,7 @@ class PrefillResult:
     # (a snapshot: decoding changes the cache, not this).
     kept_positions: list[torch.Tensor] = field(default_factory=list)
     max_cache_entries: int = 0  # peak entries per layer and KV head during prefill
+    max_scratch_entries: int = 0  # peak during reconstruction passes (KVzip: N + B + R + B), else 0
     decoded: bool = False  # set by `generate`: the logits and cache belong to one continuation only
 
 
@@ -100,12 +108,27 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _forward(model: torch.nn.Module, cache: EvictingCache, input_ids: torch.Tensor) -> torch.Tensor:
+def _forward(
+    model: torch.nn.Module, cache: EvictingCache, input_ids: torch.Tensor, reconstruction: torch.Tensor | None = None
+) -> torch.Tensor:
     """One forward pass of `input_ids` after what the cache has seen, then eviction (unless the cache was told
-    to keep every generated token). Next-token logits [b, vocab]."""
+    to keep every generated token). Next-token logits [b, vocab]. `reconstruction`: ids of a pass run in
+    between, against the cache, whose entries are discarded (KVzip's scoring pass)."""
     output = model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    if reconstruction is not None:
+        with cache.scratch():
+            model(input_ids=reconstruction, past_key_values=cache, use_cache=True, logits_to_keep=1)
     cache.evict()
     return output.logits[:, -1, :].float()
+
+
+def reconstruction_inputs(policy: Policy, input_ids: torch.Tensor, step: int, tokenizer) -> list[torch.Tensor | None]:
+    """Per prefill block, the ids of its reconstruction pass (None for every block if the policy runs none)."""
+    starts = range(0, input_ids.shape[1], step)
+    if not policy.needs_reconstruction:
+        return [None] * len(starts)
+    return [policy.reconstruction_input(input_ids[:, start : start + step], input_ids[:, max(start - step, 0) : start],
+                                        tokenizer).to(input_ids.device) for start in starts]
 
 
 @torch.inference_mode()
@@ -118,12 +141,14 @@ def prefill(
     attention_statistics: str = "fast",
     profile: bool = False,
     on_block: Callable[[EvictingCache], None] | None = None,
+    tokenizer=None,
 ) -> PrefillResult:
     """Process `input_ids` [batch, L] (no padding) block by block, keeping at most `budget` entries per head.
 
     policy: a Policy or a policy name (built with default hyper-parameters). budget: tokens per layer and
     KV head (ignored by `full`). attention_statistics: "fast" or "materialized" (see keydiff.attention).
     on_block: called with the cache after each block's eviction (tests use it to check the bound).
+    tokenizer: encodes the reconstruction prompt of policies that run one (KVzip; see its fallback without).
     """
     policy = build_policy(policy) if isinstance(policy, str) else policy
     check_budget(policy, budget)
@@ -137,21 +162,24 @@ def prefill(
     if length < 1:
         raise ValueError("the prompt is empty")
     step = length if block is None else block
+    reconstructions = reconstruction_inputs(policy, input_ids, step, tokenizer)
+    scratch = max((ids.shape[1] for ids in reconstructions if ids is not None), default=0)
     cache = EvictingCache(
         policy, budget, model.config.get_text_config().num_hidden_layers, statistics=attention_statistics,
-        profile=profile, block_size=step, max_tokens=length,
+        profile=profile, block_size=step, max_tokens=length, scratch_tokens=scratch,
     )
     with keydiff_attention(model, cache):
         _sync(device)
         start_time = time.perf_counter()
-        for start in range(0, length, step):
-            logits = _forward(model, cache, input_ids[:, start : start + step])
+        for start, reconstruction in zip(range(0, length, step), reconstructions):
+            logits = _forward(model, cache, input_ids[:, start : start + step], reconstruction)
             if on_block is not None:
                 on_block(cache)
         _sync(device)
         seconds = time.perf_counter() - start_time
     return PrefillResult(logits, cache, length, budget if policy.evicts else None, block, seconds,
-                         kept_positions=cache.kept_positions(), max_cache_entries=cache.max_entries)
+                         kept_positions=cache.kept_positions(), max_cache_entries=cache.max_entries,
+                         max_scratch_entries=cache.max_scratch_entries)
 
 
 def next_token(

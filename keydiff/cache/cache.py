@@ -35,7 +35,8 @@ and the same attention statistic, so a plain loop and `keydiff.generate` choose 
 from __future__ import annotations
 
 import time
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import torch
 from transformers.cache_utils import Cache
@@ -76,18 +77,23 @@ class EvictingCache(Cache):
         profile: bool = False,
         block_size: int | None = None,
         max_tokens: int | None = None,
+        scratch_tokens: int = 0,
     ):
         if statistics not in STATISTICS_MODES:
             raise ValueError(f"unknown attention statistics mode {statistics!r}; valid: {', '.join(STATISTICS_MODES)}")
         self.policy = policy
         self.budget = budget if policy.evicts else None
         self.num_layers, self.block_size, self.max_tokens = num_layers, block_size, max_tokens
+        self.scratch_tokens = scratch_tokens  # room for the longest scratch pass (KVzip's reconstruction)
         super().__init__(layers=self._plan_layers())
         self._storages = self._distinct_storages()
         self.statistics = statistics
         self.profile = profile
         self.timings = {"statistics_s": 0.0, "eviction_s": 0.0}
         self._evicting = True  # False after start_generation(evict=False): the generated tokens are all kept
+        self._decoding = False  # True after start_generation
+        self._scratch = False  # True inside `scratch()`
+        self.attention_reduction = policy.attention_reduction  # "sum" or "max" (see keydiff.attention)
 
     def _plan_layers(self) -> list[EvictingLayer]:
         """The layers on their storages: one shared stack when the policy and the budgets allow, else one each."""
@@ -96,6 +102,8 @@ class EvictingCache(Cache):
         budgets = [None] * count if self.budget is None else policy.budgets(self.budget, count, self.max_tokens)
         capacities = [self.max_tokens if b is None else self._bounded_capacity(b, self.block_size, self.max_tokens)
                       for b in budgets]
+        if self.scratch_tokens:  # a scratch pass writes after the kept entries and the block
+            capacities = [None if c is None else c + self.scratch_tokens for c in capacities]
         stackable = (policy.layers_batchable and budgets[0] is not None and len(set(budgets)) == 1
                      and capacities[0] is not None and len(set(capacities)) == 1)
         if stackable:
@@ -138,6 +146,8 @@ class EvictingCache(Cache):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         layer = self.layers[layer_idx]
         storage = layer.storage
+        if self._scratch:  # written after the held entries, forgotten when the scratch pass ends
+            return layer.update(key_states, value_states)
         if layer_idx == 0:
             self._refuse_prompt_fed_again(layer, value_states)
         joining = storage.count > 1 and storage.keys is not None and layer.seen == 0
@@ -190,7 +200,7 @@ class EvictingCache(Cache):
         """Empty the cache for a new sequence (fresh storages, as planned at construction)."""
         self.layers = self._plan_layers()
         self._storages = self._distinct_storages()
-        self._evicting = True
+        self._evicting, self._decoding, self._scratch = True, False, False
 
     # --- timings -------------------------------------------------------------------------------
     def timed(self, name: str) -> "_Timed":
@@ -204,6 +214,37 @@ class EvictingCache(Cache):
             torch.cuda.synchronize()
         return time.perf_counter()
 
+    # --- scratch passes --------------------------------------------------------------------------
+    @contextmanager
+    def scratch(self) -> Iterator[None]:
+        """`with cache.scratch(): model(...)` runs passes whose entries are not kept (KVzip's reconstruction).
+
+        Their keys and values are written after the held entries (the pass attends to the held entries and
+        causally to itself) and forgotten on exit: entries, positions, tokens seen and `max_entries` are what
+        they were before (`max_scratch_entries` records the peak during the pass). Nothing is evicted inside;
+        a policy that needs reconstruction gets the pass's statistic for the held entries, observed at the
+        next `evict()`. Room for the pass is planned with `scratch_tokens` (else the buffers grow).
+        """
+        if self._scratch:
+            raise RuntimeError("scratch passes do not nest")
+        seen = [layer.seen for layer in self.layers]
+        for storage in self._storages:
+            storage.begin_scratch()
+        self._scratch = True
+        try:
+            yield
+        finally:
+            self._scratch = False
+            for storage in self._storages:
+                storage.end_scratch()
+            for layer, tokens in zip(self.layers, seen):
+                layer.seen, layer.returned_keys = tokens, None
+
+    @property
+    def max_scratch_entries(self) -> int:
+        """Peak entries any layer held for one KV head during scratch passes (0 if none ran)."""
+        return max((storage.max_scratch_entries for storage in self._storages), default=0)
+
     # --- what the engine and the attention function use ------------------------------------------
     def owns(self, layer_idx: int, key: torch.Tensor) -> bool:
         """Whether `key` is exactly what this cache's layer returned from its last `update` (the attention
@@ -216,12 +257,15 @@ class EvictingCache(Cache):
         rows = self.policy.attention_rows
         if rows == 0 or storage.budget is None or not self._evicting:
             return 0
+        if self.policy.needs_reconstruction and not (self._scratch or self._decoding):
+            return 0  # a prefill block's own queries: only its reconstruction pass (and decoding) scores
         if not self.policy.observes_every_step and storage.num_entries <= storage.budget:
             return 0  # nothing will be evicted after this pass, so the statistic would be wasted
         return rows
 
     def record_attention(self, layer_idx: int, statistic: torch.Tensor) -> None:
-        self.layers[layer_idx].record_attention(statistic)
+        kept = self.layers[layer_idx].storage.scratch_kept
+        self.layers[layer_idx].record_attention(statistic if kept is None else statistic[..., :kept])
 
     def queries_needed(self, layer_idx: int) -> bool:
         """Whether the attention function must hand this layer's queries over (Expected Attention)."""
@@ -249,7 +293,7 @@ class EvictingCache(Cache):
         """Prepare to decode up to `new_tokens` tokens: with evict=False every generated token is kept (no
         eviction, no statistics from now on), so room for them is made now, in one allocation per storage;
         layers that never evict grow once here too."""
-        self._evicting = evict
+        self._evicting, self._decoding = evict, True
         for storage in self._storages:
             if storage.budget is None or not evict:
                 storage.reserve(storage.entries_after_eviction() + new_tokens)

@@ -74,6 +74,9 @@ class Storage:
         self.max_entries = 0  # peak entries per head ever held
         self.allocations = 0  # buffer (re)allocations (1 when the capacity was right)
         self.fresh: int | None = None  # first slot whose policy state is not set yet (see initialize_state)
+        # While a scratch pass runs (see begin_scratch): (entries, seen, peak) to restore when it ends.
+        self.scratch_mark: tuple[int, int, int] | None = None
+        self.max_scratch_entries = 0  # peak entries per head during scratch passes (kept + block + scratch)
 
     @property
     def count(self) -> int:
@@ -141,6 +144,7 @@ class Storage:
             part.attention, part.queries = [self.attention[slot]], [self.queries[slot]]
             part.num_entries, part.seen, part.max_entries = self.num_entries, self.seen, self.max_entries
             part.allocations, part.fresh = self.allocations, self.fresh
+            part.max_scratch_entries = self.max_scratch_entries
             parts.append(part)
         return parts
 
@@ -193,6 +197,28 @@ class Storage:
         initial = self.initial_state(rows["keys"][:, :, start:n]) if self.initial_state is not None else {}
         for name, buffer in rows["state"].items():
             buffer[:, :, start:n] = initial.get(name, 0.0)
+
+    # --- scratch passes ------------------------------------------------------------------------
+    def begin_scratch(self) -> None:
+        """Start a pass whose entries are written after the held ones and forgotten by `end_scratch` (KVzip's
+        reconstruction pass): nothing is evicted meanwhile, and the statistic it records covers the held
+        entries only (`scratch_kept`)."""
+        if self.scratch_mark is not None:
+            raise RuntimeError(f"{self.where()} is already running a scratch pass")
+        self.initialize_state()  # the held entries' state is set now; the scratch entries never get any
+        self.scratch_mark = (self.num_entries, self.seen, self.max_entries)
+
+    def end_scratch(self) -> None:
+        """Forget the scratch pass's entries: entry count, tokens seen and peak are what they were before it."""
+        entries, seen, peak = self.scratch_mark
+        self.max_scratch_entries = max(self.max_scratch_entries, self.max_entries)
+        self.num_entries, self.seen, self.max_entries = entries, seen, peak
+        self.fresh, self.scratch_mark = None, None
+
+    @property
+    def scratch_kept(self) -> int | None:
+        """Entries held before the running scratch pass (None when none runs)."""
+        return None if self.scratch_mark is None else self.scratch_mark[0]
 
     # --- views and eviction -------------------------------------------------------------------
     def view(self, slot: int | None = None) -> LayerView:
@@ -287,4 +313,6 @@ class Storage:
             buffer.scatter_(2, targets, buffer.gather(2, sources))
 
     def entries_after_eviction(self) -> int:
-        return self.num_entries if self.budget is None else min(self.num_entries, self.budget)
+        if self.budget is None or self.scratch_mark is not None:  # nothing is evicted during a scratch pass
+            return self.num_entries
+        return min(self.num_entries, self.budget)

@@ -23,6 +23,7 @@ from keydiff.policies.full import Full
 from keydiff.policies.h2o import H2O
 from keydiff.policies.keydiff import KeyDiff, KeyDiffPairwise
 from keydiff.policies.knorm import KNorm
+from keydiff.policies.kvzip import KVzip
 from keydiff.policies.lagkv import LagKV
 from keydiff.policies.random import Random
 from keydiff.policies.recent import Recent
@@ -33,7 +34,8 @@ from keydiff.policies.wrappers import LayerBudgets, PolicyWrapper, RecentWindow
 
 POLICIES: dict[str, type[Policy]] = {
     cls.name: cls
-    for cls in (Full, KeyDiff, KeyDiffPairwise, Sink, H2O, TOVA, SnapKV, KNorm, Random, Recent, ExpectedAttention, LagKV)
+    for cls in (Full, KeyDiff, KeyDiffPairwise, Sink, H2O, TOVA, SnapKV, KNorm, Random, Recent, ExpectedAttention, LagKV,
+                KVzip)
 }
 
 

@@ -9,7 +9,8 @@ cache (`keydiff.cache`) calls `observe` after every forward pass that recorded a
 `evict_indices` whenever a layer holds more than its budget.
 
 What a policy may ask the engine for (its capabilities, see `Policy`): attention rows (`attention_rows`,
-computed beside the fused kernel), per-entry state (`state_names`), running statistics of the layer's
+computed beside the fused kernel, summed or maxed: `attention_reduction`), an extra reconstruction pass per
+prefill block whose entries are not kept (`needs_reconstruction`, KVzip), per-entry state (`state_names`), running statistics of the layer's
 queries (`needs_queries`, Expected Attention). What any policy can be given from outside, by a wrapper
 (`keydiff.policies.wrappers`): a recent window (`RecentWindow`) and per-layer budgets (`LayerBudgets`, e.g. a
 PyramidKV schedule). The full contract, with an example policy written outside this package, is in
@@ -97,6 +98,24 @@ class Policy:
         """Which query rows' attention the policy needs: 0 = none (attention-free), k = the last k rows of each
         forward pass, None = every row (column sums)."""
         return 0
+
+    @property
+    def attention_reduction(self) -> str:
+        """How those rows' attention is reduced per entry: "sum" (over rows; mean over the KV group's query
+        heads) or "max" (over rows and the group's heads: KVzip)."""
+        return "sum"
+
+    @property
+    def needs_reconstruction(self) -> bool:
+        """True if the engine must run a reconstruction pass after each prefill block (KVzip): the input of
+        `reconstruction_input`, run against the cache in `cache.scratch()` (its entries are discarded), whose
+        attention statistic is what `observe` sees before the block's eviction."""
+        return False
+
+    def reconstruction_input(self, block: torch.Tensor, previous: torch.Tensor, tokenizer) -> torch.Tensor:
+        """Token ids [batch, R + B] of the reconstruction pass for prefill block `block` [batch, B]; `previous`
+        is the block before it ([batch, 0] for the first). Only for policies that need reconstruction."""
+        raise NotImplementedError(f"{type(self).__qualname__} runs no reconstruction pass")
 
     @property
     def observes_every_step(self) -> bool:

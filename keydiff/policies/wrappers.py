@@ -61,6 +61,17 @@ class PolicyWrapper(Policy):
         return self.scorer.observes_every_step
 
     @property
+    def attention_reduction(self) -> str:
+        return self.scorer.attention_reduction
+
+    @property
+    def needs_reconstruction(self) -> bool:
+        return self.scorer.needs_reconstruction
+
+    def reconstruction_input(self, block: torch.Tensor, previous: torch.Tensor, tokenizer) -> torch.Tensor:
+        return self.scorer.reconstruction_input(block, previous, tokenizer)
+
+    @property
     def evicts(self) -> bool:
         return self.scorer.evicts
 
