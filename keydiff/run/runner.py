@@ -189,7 +189,7 @@ def warm_up(plan: RunPlan, model, tokenizer, sample) -> None:
             policy.check(budget)
         except ValueError:
             return  # that sample is recorded as failed; nothing to warm up
-    state = prefill(model, torch.tensor([ids[:tokens]]), policy, budget, plan.block_size, plan.statistics)
+    state = prefill(model, torch.tensor([ids[:tokens]]), policy, budget, plan.block_size, plan.statistics, tokenizer=tokenizer)
     generate(model, state, 2, evict=plan.decode_eviction)
 
 
@@ -204,7 +204,8 @@ def run_sample(
         torch.cuda.reset_peak_memory_stats(device)
     input_ids = torch.tensor([prompt.input_ids], dtype=torch.long)
     budget = plan.sample_budget(len(prompt.input_ids))
-    state = prefill(model, input_ids, plan.new_policy(), budget, plan.block_size, plan.statistics)
+    state = prefill(model, input_ids, plan.new_policy(), budget, plan.block_size, plan.statistics,
+                    tokenizer=tokenizer)
     seed = settings.seed if settings.seed is not None else derived_seed(run_seed, sample.id)
     out = generate(
         model, state, settings.max_new_tokens, list(stop_ids) + list(settings.stop_token_ids),

@@ -1,0 +1,236 @@
+"""KVzip (keydiff.policies.kvzip): context-reconstruction scoring under block-wise prefill with a fixed budget.
+
+* the kept sets at every eviction equal a brute-force reference: a hand-written forward of the tiny Llama
+  (its own weights, explicit per-KV-head entry lists, explicit softmax) that runs each block, then the block's
+  reconstruction pass without keeping its entries, scores each entry by the running max of the attention it
+  received (max over rows and the group's query heads), and keeps the top N; decoding continues the same way;
+* one block (block_size=inf) equals the paper's one-shot KVzip computed with stock transformers (a
+  DynamicCache, eager attention weights of [repeat prompt + suffix + context] after the context);
+* a scratch pass leaves the cache exactly as it was (entries, positions, tokens seen, peak) and changes
+  nothing downstream; the bound N + B holds for kept entries and N + B + R + B while the scratch pass runs;
+* the max statistic beside the fused kernel equals the one read from materialised weights, in chunks too.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+import keydiff.attention as attention_module
+from keydiff.attention import attention_statistic, statistic_from_weights
+from keydiff.engine import generate, prefill
+from keydiff.policies import KVzip, build_policy
+from keydiff.policies.kvzip import FIRST_PROMPT, NEXT_PROMPT
+from tests.conftest import char_tokenizer, tiny_llama
+
+N_SINK = 4
+
+
+def prompt_ids(length: int, seed: int = 1) -> torch.Tensor:
+    # Ids of the char tokenizer's printable characters, so that prompts and contexts share one vocabulary.
+    return torch.randint(2, 98, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+class ReferenceKVzip:
+    """Block-wise KVzip computed by hand: per layer and KV head, a list of (position, key, value) entries and
+    a running-max score per position. Batch of one."""
+
+    def __init__(self, model, budget: int):
+        self.model, self.budget = model, budget
+        config = model.config
+        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.group, self.dim = self.heads // self.kv_heads, config.hidden_size // config.num_attention_heads
+        layers = config.num_hidden_layers
+        self.entries = [[[] for _ in range(self.kv_heads)] for _ in range(layers)]  # (position, key, value)
+        self.scores = [[{} for _ in range(self.kv_heads)] for _ in range(layers)]  # position -> running max
+        self.seen = 0
+
+    def step(self, ids: torch.Tensor, keep: bool, record: bool) -> torch.Tensor:
+        """Run `ids` at positions seen.., attending to the held entries and causally to itself. keep: the pass's
+        entries join the held ones (else they are discarded, a reconstruction pass). record: every held
+        entry's running max is raised by the largest attention any row and group head gave it.
+        Returns the last row's logits."""
+        model = self.model.model
+        q_len = ids.shape[1]
+        positions = torch.arange(self.seen, self.seen + q_len)
+        hidden = model.embed_tokens(ids)
+        cos, sin = model.rotary_emb(hidden, positions[None])
+        for layer_idx, layer in enumerate(model.layers):
+            attn = layer.self_attn
+            x = layer.input_layernorm(hidden)
+            q = attn.q_proj(x).view(1, q_len, self.heads, self.dim).transpose(1, 2)
+            k = attn.k_proj(x).view(1, q_len, self.kv_heads, self.dim).transpose(1, 2)
+            v = attn.v_proj(x).view(1, q_len, self.kv_heads, self.dim).transpose(1, 2)
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            out = torch.empty(1, self.heads, q_len, self.dim)
+            for head in range(self.kv_heads):
+                held = self.entries[layer_idx][head]
+                key_pos = torch.tensor([p for p, _, _ in held] + positions.tolist())
+                keys = torch.stack([key for _, key, _ in held] + list(k[0, head]))
+                values = torch.stack([value for _, _, value in held] + list(v[0, head]))
+                group = q[0, head * self.group : (head + 1) * self.group]  # [g, q, d]
+                logits = (group @ keys.T) * attn.scaling
+                visible = key_pos[None, :] <= positions[:, None]
+                weights = torch.softmax(logits.float().masked_fill(~visible, float("-inf")), dim=-1)
+                out[0, head * self.group : (head + 1) * self.group] = weights @ values
+                if keep:
+                    held.extend((int(p), k[0, head, i], v[0, head, i]) for i, p in enumerate(positions))
+                if record:  # the held entries (and the pass's own, when kept: decoding)
+                    received = weights.amax(dim=(0, 1))[: len(held)]
+                    scores = self.scores[layer_idx][head]
+                    for (position, _, _), value in zip(held, received.tolist()):
+                        scores[position] = max(scores.get(position, 0.0), value)
+            hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(1, q_len, -1))
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        if keep:
+            self.seen += q_len
+        return self.model.lm_head(model.norm(hidden))[0, -1]
+
+    def evict(self) -> None:
+        """Keep the `budget` entries with the highest (protected, score, position) per layer and KV head."""
+        for layer_entries, layer_scores in zip(self.entries, self.scores):
+            for head, held in enumerate(layer_entries):
+                if len(held) <= self.budget:
+                    continue
+                scores = layer_scores[head]
+                order = sorted(held, key=lambda e: (e[0] < N_SINK, scores.get(e[0], 0.0), e[0]), reverse=True)
+                layer_entries[head] = order[: self.budget]
+
+    def kept(self) -> list[list[list[int]]]:
+        return [[sorted(p for p, _, _ in held) for held in layer] for layer in self.entries]
+
+
+def engine_kept(cache) -> list[list[list[int]]]:
+    return [positions[0].tolist() for positions in cache.kept_positions()]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return char_tokenizer()
+
+
+@pytest.mark.parametrize("budget, block", [(40, 16), (24, 32)])
+def test_kept_sets_equal_the_brute_force_reference_at_every_eviction(tokenizer, budget, block):
+    model = tiny_llama()
+    ids = prompt_ids(150)
+    policy = KVzip()
+    seen: list = []
+    with torch.no_grad():
+        state = prefill(model, ids, policy, budget=budget, block_size=block, tokenizer=tokenizer,
+                        on_block=lambda cache: seen.append(engine_kept(cache)))
+        reference = ReferenceKVzip(model, budget)
+        for index, start in enumerate(range(0, ids.shape[1], block)):
+            chunk = ids[:, start : start + block]
+            logits = reference.step(chunk, keep=True, record=False)
+            reference.step(policy.reconstruction_input(chunk, ids[:, max(start - block, 0) : start], tokenizer),
+                           keep=False, record=True)
+            reference.evict()
+            assert seen[index] == reference.kept(), f"block {index} (tokens {start}..)"
+        torch.testing.assert_close(state.logits[0], logits.float(), rtol=1e-4, atol=1e-4)
+        # Decoding: no reconstruction; each token's attention raises the running max, then eviction to N.
+        out = generate(model, state, 6)
+        for token in out.token_ids[0][:-1]:
+            reference.step(torch.tensor([[token]]), keep=True, record=True)
+            reference.evict()
+        assert engine_kept(state.cache) == reference.kept()
+
+
+def test_reconstruction_input_is_kvpress_prompt_then_block(tokenizer):
+    policy = KVzip()
+    ids = prompt_ids(40)
+    first = policy.reconstruction_input(ids[:, :20], ids[:, :0], tokenizer)
+    later = policy.reconstruction_input(ids[:, 20:], ids[:, :20], tokenizer)
+    encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    assert first[0].tolist() == encode(FIRST_PROMPT) + encode("\n") + ids[0, :20].tolist()
+    assert later[0].tolist() == encode(NEXT_PROMPT) + ids[0, 12:20].tolist() + encode("\n") + ids[0, 20:].tolist()
+    templated = char_tokenizer(chat_template="{% for m in messages %}<u>{{ m['content'] }}</u>{% endfor %}"
+                                             "{% if add_generation_prompt %}<a>{% endif %}")
+    assert policy.reconstruction_input(ids[:, :5], ids[:, :0], templated)[0].tolist()[-5 - 7 :] == \
+        encode("</u><a>") + ids[0, :5].tolist()  # the chat template's assistant opening, as kvpress derives it
+
+
+@pytest.mark.parametrize("length, budget", [(120, 30), (90, 64)])
+def test_one_block_equals_the_one_shot_kvzip_of_the_paper(tokenizer, length, budget):
+    """Whole prompt as one block: KVzip as the paper (and kvpress, chunk = whole context) computes it."""
+    ids = prompt_ids(length, seed=3)
+    sdpa, eager = tiny_llama(), tiny_llama(attn_implementation="eager")
+    with torch.no_grad():
+        state = prefill(sdpa, ids, "kvzip", budget=budget, block_size="inf", tokenizer=tokenizer)
+        cache = DynamicCache(config=eager.config)
+        eager(input_ids=ids, past_key_values=cache, use_cache=True)
+        repeat = KVzip().reconstruction_input(ids, ids[:, :0], tokenizer)
+        attentions = eager(input_ids=repeat, past_key_values=cache, use_cache=True, output_attentions=True).attentions
+    kv_heads = eager.config.num_key_value_heads
+    for layer, weights in enumerate(attentions):  # [1, H, R + L, L + R + L]
+        scores = weights[0, :, :, :length].amax(dim=1).view(kv_heads, -1, length).amax(dim=1)  # [kv_heads, L]
+        scores[:, :N_SINK] = float("inf")
+        expected = scores.topk(budget, dim=-1).indices.sort(dim=-1).values
+        assert state.kept_positions[layer][0].tolist() == expected.tolist(), f"layer {layer}"
+
+
+def test_scratch_pass_leaves_the_cache_as_it_was_and_changes_nothing_downstream():
+    model = tiny_llama()
+    ids, probe, follow = prompt_ids(100), prompt_ids(37, seed=5), prompt_ids(9, seed=6)
+    with torch.no_grad():
+        states = [prefill(model, ids, "keydiff", budget=40, block_size=16) for _ in range(2)]
+        cache = states[0].cache
+        before = [(layer.keys[:, :, : layer.num_entries].clone(), layer.values[:, :, : layer.num_entries].clone(),
+                   layer.positions[:, :, : layer.num_entries].clone()) for layer in cache.layers]
+        counts = (cache.get_seq_length(), [layer.num_entries for layer in cache.layers], cache.max_entries)
+        with cache.scratch():
+            model(input_ids=probe, past_key_values=cache, use_cache=True)
+            assert cache.entries_held() == 40 + 37 and cache.get_seq_length() == 100 + 37
+        assert (cache.get_seq_length(), [layer.num_entries for layer in cache.layers], cache.max_entries) == counts
+        assert cache.max_scratch_entries == 40 + 37
+        for layer, (keys, values, positions) in zip(cache.layers, before):
+            n = layer.num_entries
+            assert torch.equal(layer.keys[:, :, :n], keys) and torch.equal(layer.values[:, :, :n], values)
+            assert torch.equal(layer.positions[:, :, :n], positions)
+        after, untouched = (model(input_ids=follow, past_key_values=s.cache, use_cache=True).logits for s in states)
+    assert torch.equal(after, untouched)
+
+
+def test_bound_kept_entries_and_scratch_entries(tokenizer):
+    model = tiny_llama()
+    budget, block, ids = 32, 16, prompt_ids(130)
+    held: list[int] = []
+    with torch.no_grad():
+        state = prefill(model, ids, "kvzip", budget=budget, block_size=block, tokenizer=tokenizer,
+                        on_block=lambda cache: held.append(max(layer.num_entries for layer in cache.layers)))
+    longest = len(tokenizer.encode(NEXT_PROMPT, add_special_tokens=False)) + 8 + 1 + block  # R + B of a later block
+    assert max(held) == budget and state.max_cache_entries == budget + block
+    assert state.max_scratch_entries == budget + block + longest  # N + B + R + B while the pass runs
+    assert [layer.allocations for layer in state.cache.layers] == [1, 1, 1]  # planned with room for the pass: never grown
+    assert state.cache.layers[0].capacity == budget + block + longest
+
+
+@pytest.mark.parametrize("reduction", ["sum", "max"])
+def test_statistic_beside_the_kernel_equals_the_materialised_one_in_chunks(monkeypatch, reduction):
+    generator = torch.Generator().manual_seed(0)
+    query, key = torch.randn(2, 4, 11, 8, generator=generator), torch.randn(2, 2, 30, 8, generator=generator)
+    weights = torch.softmax(((query @ key.repeat_interleave(2, dim=1).transpose(-1, -2)) * 0.3).masked_fill(
+        ~attention_module.causal_mask(11, 30, query.device), float("-inf")), dim=-1)
+    expected = statistic_from_weights(weights, 2, None, reduction)
+    if reduction == "max":  # explicit: max over the rows and the two query heads of each KV head
+        torch.testing.assert_close(expected, weights.view(2, 2, 2, 11, 30).amax(dim=(2, 3)))
+    monkeypatch.setattr(attention_module, "STATISTIC_CHUNK_ELEMENTS", 2 * 4 * 30 * 3)  # chunks of 3 rows
+    torch.testing.assert_close(attention_statistic(query, key, 0.3, None, reduction), expected)
+
+
+def test_materialized_statistics_keep_what_fast_keeps(tokenizer):
+    model = tiny_llama()
+    with torch.no_grad():
+        kept = [prefill(model, prompt_ids(90), "kvzip", budget=30, block_size=16, tokenizer=tokenizer,
+                        attention_statistics=mode).kept_positions for mode in ("fast", "materialized")]
+    assert all(torch.equal(a, b) for a, b in zip(*kept))
+
+
+def test_without_a_tokenizer_the_pass_is_the_block_alone_and_bad_parameters_fail_early(caplog):
+    ids = prompt_ids(20)
+    assert torch.equal(KVzip().reconstruction_input(ids, ids[:, :0], None), ids)
+    with pytest.raises(ValueError, match="n_sink"):
+        build_policy("kvzip", n_sink=8).check(8)
+    with pytest.raises(ValueError, match="context_overlap"):
+        build_policy("kvzip", context_overlap=-1).check(32)
