@@ -90,10 +90,10 @@ class EvictingCache(Cache):
         self.statistics = statistics
         self.profile = profile
         self.timings = {"statistics_s": 0.0, "eviction_s": 0.0}
-        self._evicting = True  # False after start_generation(evict=False): the generated tokens are all kept
+        self.attention_reduction = policy.attention_reduction  # "sum" or "max" (see keydiff.attention)
         self._decoding = False  # True after start_generation
         self._scratch = False  # True inside `scratch()`
-        self.attention_reduction = policy.attention_reduction  # "sum" or "max" (see keydiff.attention)
+        self._evicting = True  # False after start_generation(evict=False): the generated tokens are all kept
 
     def _plan_layers(self) -> list[EvictingLayer]:
         """The layers on their storages: one shared stack when the policy and the budgets allow, else one each."""
