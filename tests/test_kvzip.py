@@ -234,3 +234,26 @@ def test_without_a_tokenizer_the_pass_is_the_block_alone_and_bad_parameters_fail
         build_policy("kvzip", n_sink=8).check(8)
     with pytest.raises(ValueError, match="context_overlap"):
         build_policy("kvzip", context_overlap=-1).check(32)
+
+
+@pytest.mark.real_model
+def test_runner_passes_the_tokenizer_and_records_the_scratch_peak(tmp_path):
+    """policy=kvzip end to end: the reconstruction prompt is the tokenizer's (R = 27 for a later block with
+    SmolLM2's chat template: without the tokenizer the peak would be N + B + B), the kept bound holds."""
+    import json
+
+    from keydiff.run import runner
+    from tests.test_runner import niah_cfg
+
+    summary = runner.run(niah_cfg("policy=kvzip", "budget.tokens=256", "block_size=64", "task.limit=1"), tmp_path)
+    row = json.loads((tmp_path / "predictions.jsonl").read_text().splitlines()[0])
+    from transformers import AutoTokenizer
+
+    from keydiff.models import ensure_builtin_model
+
+    block = torch.zeros(1, 64, dtype=torch.long)
+    later_pass = KVzip().reconstruction_input(block, block, AutoTokenizer.from_pretrained(ensure_builtin_model()))
+    assert later_pass.shape[1] == 27 + 64
+    stats = summary["statistics"]
+    assert stats["max_cache_entries"] == 256 + 64 and stats["cache_bound_held"]
+    assert row["max_scratch_entries"] == stats["max_scratch_entries"] == 256 + 64 + 27 + 64

@@ -234,6 +234,8 @@ def run_sample(
         # Per layer: its budget N_l (a schedule such as PyramidKV makes them differ) and its peak entries per head.
         "layer_budgets": state.cache.layer_budgets,
         "layer_max_cache_entries": state.cache.layer_max_entries,
+        # KVzip's reconstruction passes hold N + B + R + B entries per head while they run (absent for other policies).
+        **({"max_scratch_entries": state.max_scratch_entries} if state.max_scratch_entries else {}),
         # What the cache's key/value buffers really hold (allocated once per sequence, N + B slots per layer).
         "kv_cache_bytes": state.cache.kv_cache_bytes,
         # Upper bound of the KV entries held at once: every layer's own peak, summed, in bytes.
@@ -312,6 +314,8 @@ def run_statistics(rows: list[dict[str, Any]], plan: RunPlan) -> dict[str, Any]:
         "max_kv_cache_peak_bytes": max(r["kv_cache_peak_bytes"] for r in rows),
         "max_kv_cache_bytes": max(r.get("kv_cache_bytes", 0) for r in rows),
         "max_peak_memory_bytes": max(r["peak_memory_bytes"] for r in rows),
+        **({"max_scratch_entries": max(r.get("max_scratch_entries", 0) for r in rows)}
+           if any("max_scratch_entries" in r for r in rows) else {}),
     }
 
 
