@@ -322,8 +322,9 @@ class EvictingCache(Cache):
 
     @property
     def entries_peak_sum(self) -> int:
-        """Sum over layers of each layer's peak entries per KV head (an upper bound of what was held at once)."""
-        return sum(layer.max_entries for layer in self.layers)
+        """Sum over layers of each layer's peak entries per KV head (an upper bound of what was held at once),
+        scratch passes included."""
+        return sum(max(layer.max_entries, layer.storage.max_scratch_entries) for layer in self.layers)
 
     @property
     def max_entries(self) -> int:
