@@ -61,7 +61,8 @@ def causal_mask(
 
 
 def attention_statistic(
-    query: torch.Tensor, key: torch.Tensor, scaling: float, rows: int | None, reduction: str = "sum"
+    query: torch.Tensor, key: torch.Tensor, scaling: float, rows: int | None, reduction: str = "sum",
+    key_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention received by each key from the last `rows` query rows (None: all), group-averaged.
 
@@ -69,6 +70,7 @@ def attention_statistic(
     in float32 over the causal (bottom-right) visible keys, summed over rows, averaged over the H/H_kv
     heads of each group. Grouped queries multiply their KV head directly (no repeat_kv copy).
     reduction="max": the maximum over those rows and the group's heads instead (KVzip's score).
+    key_mask (bool [b, H_kv, kv]): the softmax runs over these keys only (KVzip's chunked scoring).
     """
     batch, heads, q_len, dim = query.shape
     kv_heads, kv_len = key.shape[1], key.shape[2]
@@ -87,6 +89,8 @@ def attention_statistic(
         if q_len > 1:  # a single query (decoding) sees every key: no mask to build
             visible = causal_mask(q_len, kv_len, query.device, start, stop)  # [c, kv]
             logits = logits.masked_fill(~visible, float("-inf"))
+        if key_mask is not None:
+            logits = logits.masked_fill(~key_mask[:, :, None, None, :], float("-inf"))
         weights = torch.softmax(logits, dim=-1)
         if reduction == "max":
             received = weights.amax(dim=(2, 3))
@@ -97,10 +101,16 @@ def attention_statistic(
     return total if reduction == "max" else total.div_(groups)
 
 
-def statistic_from_weights(weights: torch.Tensor, kv_heads: int, rows: int | None, reduction: str = "sum") -> torch.Tensor:
-    """The same statistic read from materialised attention weights [b, H, q, kv]."""
+def statistic_from_weights(
+    weights: torch.Tensor, kv_heads: int, rows: int | None, reduction: str = "sum", key_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The same statistic read from materialised attention weights [b, H, q, kv] (with a key_mask: renormalised
+    over those keys, which is the softmax over them)."""
     batch, heads, q_len, kv_len = weights.shape
     first = 0 if rows is None else max(q_len - rows, 0)
+    if key_mask is not None:
+        weights = weights.float() * key_mask.repeat_interleave(heads // kv_heads, dim=1)[:, :, None, :]
+        weights = weights / weights.sum(dim=-1, keepdim=True)
     if reduction == "max":
         largest = weights[:, :, first:, :].float().amax(dim=2)
         return largest.view(batch, kv_heads, heads // kv_heads, kv_len).amax(dim=2)
@@ -182,10 +192,11 @@ def make_attention_function(base: str):
         if rows != 0:
             with evicting_cache.timed("statistics_s"):
                 reduction = evicting_cache.attention_reduction
+                key_mask = evicting_cache.statistic_key_mask(module.layer_idx, key.shape[2])
                 if materialize:
-                    statistic = statistic_from_weights(weights, key.shape[1], rows, reduction)
+                    statistic = statistic_from_weights(weights, key.shape[1], rows, reduction, key_mask)
                 else:
-                    statistic = attention_statistic(query, key, scaling, rows, reduction)
+                    statistic = attention_statistic(query, key, scaling, rows, reduction, key_mask)
             evicting_cache.record_attention(module.layer_idx, statistic)
         return output, None
 

@@ -116,7 +116,7 @@ def _forward(
     between, against the cache, whose entries are discarded (KVzip's scoring pass)."""
     output = model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
     if reconstruction is not None:
-        with cache.scratch():
+        with cache.scratch(chunk_start=cache.get_seq_length() - input_ids.shape[1]):
             model(input_ids=reconstruction, past_key_values=cache, use_cache=True, logits_to_keep=1)
     cache.evict()
     return output.logits[:, -1, :].float()

@@ -47,11 +47,12 @@ class ReferenceKVzip:
         self.scores = [[{} for _ in range(self.kv_heads)] for _ in range(layers)]  # position -> running max
         self.seen = 0
 
-    def step(self, ids: torch.Tensor, keep: bool, record: bool) -> torch.Tensor:
+    def step(self, ids: torch.Tensor, keep: bool, record: bool, chunk_start: int | None = None) -> torch.Tensor:
         """Run `ids` at positions seen.., attending to the held entries and causally to itself. keep: the pass's
         entries join the held ones (else they are discarded, a reconstruction pass). record: every held
-        entry's running max is raised by the largest attention any row and group head gave it.
-        Returns the last row's logits."""
+        entry's running max is raised by the largest attention any row and group head gave it. chunk_start:
+        that attention is a softmax over the sinks, the entries from chunk_start on and the pass's own only
+        (kvpress's chunked scoring). Returns the last row's logits."""
         model = self.model.model
         q_len = ids.shape[1]
         positions = torch.arange(self.seen, self.seen + q_len)
@@ -78,6 +79,9 @@ class ReferenceKVzip:
                 if keep:
                     held.extend((int(p), k[0, head, i], v[0, head, i]) for i, p in enumerate(positions))
                 if record:  # the held entries (and the pass's own, when kept: decoding)
+                    if chunk_start is not None:
+                        scored = visible & ((key_pos < N_SINK) | (key_pos >= chunk_start))[None, :]
+                        weights = torch.softmax(logits.float().masked_fill(~scored, float("-inf")), dim=-1)
                     received = weights.amax(dim=(0, 1))[: len(held)]
                     scores = self.scores[layer_idx][head]
                     for (position, _, _), value in zip(held, received.tolist()):
@@ -111,11 +115,12 @@ def tokenizer():
     return char_tokenizer()
 
 
+@pytest.mark.parametrize("scoring_keys", ["cache", "chunk"])
 @pytest.mark.parametrize("budget, block", [(40, 16), (24, 32)])
-def test_kept_sets_equal_the_brute_force_reference_at_every_eviction(tokenizer, budget, block):
+def test_kept_sets_equal_the_brute_force_reference_at_every_eviction(tokenizer, budget, block, scoring_keys):
     model = tiny_llama()
     ids = prompt_ids(150)
-    policy = KVzip()
+    policy = KVzip(scoring_keys=scoring_keys)
     seen: list = []
     with torch.no_grad():
         state = prefill(model, ids, policy, budget=budget, block_size=block, tokenizer=tokenizer,
@@ -125,7 +130,7 @@ def test_kept_sets_equal_the_brute_force_reference_at_every_eviction(tokenizer, 
             chunk = ids[:, start : start + block]
             logits = reference.step(chunk, keep=True, record=False)
             reference.step(policy.reconstruction_input(chunk, ids[:, max(start - block, 0) : start], tokenizer),
-                           keep=False, record=True)
+                           keep=False, record=True, chunk_start=start if scoring_keys == "chunk" else None)
             reference.evict()
             assert seen[index] == reference.kept(), f"block {index} (tokens {start}..)"
         torch.testing.assert_close(state.logits[0], logits.float(), rtol=1e-4, atol=1e-4)
@@ -151,13 +156,15 @@ def test_reconstruction_input_is_kvpress_prompt_then_block(tokenizer):
         encode("</u><a>") + ids[0, :5].tolist()  # the chat template's assistant opening, as kvpress derives it
 
 
+@pytest.mark.parametrize("scoring_keys", ["cache", "chunk"])
 @pytest.mark.parametrize("length, budget", [(120, 30), (90, 64)])
-def test_one_block_equals_the_one_shot_kvzip_of_the_paper(tokenizer, length, budget):
+def test_one_block_equals_the_one_shot_kvzip_of_the_paper(tokenizer, length, budget, scoring_keys):
     """Whole prompt as one block: KVzip as the paper (and kvpress, chunk = whole context) computes it."""
     ids = prompt_ids(length, seed=3)
     sdpa, eager = tiny_llama(), tiny_llama(attn_implementation="eager")
     with torch.no_grad():
-        state = prefill(sdpa, ids, "kvzip", budget=budget, block_size="inf", tokenizer=tokenizer)
+        state = prefill(sdpa, ids, build_policy("kvzip", scoring_keys=scoring_keys), budget=budget,
+                        block_size="inf", tokenizer=tokenizer)
         cache = DynamicCache(config=eager.config)
         eager(input_ids=ids, past_key_values=cache, use_cache=True)
         repeat = KVzip().reconstruction_input(ids, ids[:, :0], tokenizer)
@@ -207,23 +214,32 @@ def test_bound_kept_entries_and_scratch_entries(tokenizer):
     assert state.cache.layers[0].capacity == budget + block + longest
 
 
+@pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("reduction", ["sum", "max"])
-def test_statistic_beside_the_kernel_equals_the_materialised_one_in_chunks(monkeypatch, reduction):
+def test_statistic_beside_the_kernel_equals_the_materialised_one_in_chunks(monkeypatch, reduction, masked):
     generator = torch.Generator().manual_seed(0)
     query, key = torch.randn(2, 4, 11, 8, generator=generator), torch.randn(2, 2, 30, 8, generator=generator)
-    weights = torch.softmax(((query @ key.repeat_interleave(2, dim=1).transpose(-1, -2)) * 0.3).masked_fill(
-        ~attention_module.causal_mask(11, 30, query.device), float("-inf")), dim=-1)
-    expected = statistic_from_weights(weights, 2, None, reduction)
+    key_mask = torch.rand(2, 2, 30, generator=generator) < 0.6 if masked else None
+    if masked:
+        key_mask[..., 19:] = True  # the pass's own keys (every row sees at least its own)
+    logits = ((query @ key.repeat_interleave(2, dim=1).transpose(-1, -2)) * 0.3).masked_fill(
+        ~attention_module.causal_mask(11, 30, query.device), float("-inf"))
+    weights = torch.softmax(logits, dim=-1)
+    expected = statistic_from_weights(weights, 2, None, reduction, key_mask)
     if reduction == "max":  # explicit: max over the rows and the two query heads of each KV head
-        torch.testing.assert_close(expected, weights.view(2, 2, 2, 11, 30).amax(dim=(2, 3)))
+        if masked:  # a softmax over the chosen keys only
+            logits = logits.masked_fill(~key_mask.repeat_interleave(2, dim=1)[:, :, None, :], float("-inf"))
+        torch.testing.assert_close(expected, torch.softmax(logits, dim=-1).view(2, 2, 2, 11, 30).amax(dim=(2, 3)))
     monkeypatch.setattr(attention_module, "STATISTIC_CHUNK_ELEMENTS", 2 * 4 * 30 * 3)  # chunks of 3 rows
-    torch.testing.assert_close(attention_statistic(query, key, 0.3, None, reduction), expected)
+    torch.testing.assert_close(attention_statistic(query, key, 0.3, None, reduction, key_mask), expected)
 
 
-def test_materialized_statistics_keep_what_fast_keeps(tokenizer):
+@pytest.mark.parametrize("scoring_keys", ["cache", "chunk"])
+def test_materialized_statistics_keep_what_fast_keeps(tokenizer, scoring_keys):
     model = tiny_llama()
+    policy = build_policy("kvzip", scoring_keys=scoring_keys)
     with torch.no_grad():
-        kept = [prefill(model, prompt_ids(90), "kvzip", budget=30, block_size=16, tokenizer=tokenizer,
+        kept = [prefill(model, prompt_ids(90), policy, budget=30, block_size=16, tokenizer=tokenizer,
                         attention_statistics=mode).kept_positions for mode in ("fast", "materialized")]
     assert all(torch.equal(a, b) for a, b in zip(*kept))
 
@@ -235,6 +251,8 @@ def test_without_a_tokenizer_the_pass_is_the_block_alone_and_bad_parameters_fail
         build_policy("kvzip", n_sink=8).check(8)
     with pytest.raises(ValueError, match="context_overlap"):
         build_policy("kvzip", context_overlap=-1).check(32)
+    with pytest.raises(ValueError, match="valid: cache, chunk"):
+        build_policy("kvzip", scoring_keys="block").check(32)
 
 
 @pytest.mark.real_model

@@ -93,6 +93,7 @@ class EvictingCache(Cache):
         self.attention_reduction = policy.attention_reduction  # "sum" or "max" (see keydiff.attention)
         self._decoding = False  # True after start_generation
         self._scratch = False  # True inside `scratch()`
+        self._chunk_start: int | None = None  # the scratch pass's `chunk_start`
         self._evicting = True  # False after start_generation(evict=False): the generated tokens are all kept
 
     def _plan_layers(self) -> list[EvictingLayer]:
@@ -216,7 +217,7 @@ class EvictingCache(Cache):
 
     # --- scratch passes --------------------------------------------------------------------------
     @contextmanager
-    def scratch(self) -> Iterator[None]:
+    def scratch(self, chunk_start: int | None = None) -> Iterator[None]:
         """`with cache.scratch(): model(...)` runs passes whose entries are not kept (KVzip's reconstruction).
 
         Their keys and values are written after the held entries (the pass attends to the held entries and
@@ -224,9 +225,12 @@ class EvictingCache(Cache):
         they were before (`max_scratch_entries` records the peak during the pass). Nothing is evicted inside;
         a policy that needs reconstruction gets the pass's statistic for the held entries, observed at the
         next `evict()`. Room for the pass is planned with `scratch_tokens` (else the buffers grow).
+        chunk_start: the first position of the tokens the pass reconstructs (the policy may score only those,
+        `Policy.reconstruction_keys`).
         """
         if self._scratch:
             raise RuntimeError("scratch passes do not nest")
+        self._chunk_start = chunk_start
         seen = [layer.seen for layer in self.layers]
         for storage in self._storages:
             storage.begin_scratch()
@@ -239,6 +243,19 @@ class EvictingCache(Cache):
                 storage.end_scratch()
             for layer, tokens in zip(self.layers, seen):
                 layer.seen, layer.returned_keys = tokens, None
+
+    def statistic_key_mask(self, layer_idx: int, keys: int) -> torch.Tensor | None:
+        """Bool [batch, kv_heads, keys]: the keys the statistic's softmax runs over in this scratch pass (the held
+        entries the policy names, then every entry of the pass itself), or None for all of them."""
+        if not self._scratch:
+            return None
+        layer = self.layers[layer_idx]
+        kept = layer.storage.scratch_kept
+        chosen = self.policy.reconstruction_keys(layer.positions[:, :, :kept], self._chunk_start)
+        if chosen is None:
+            return None
+        own = torch.ones(*chosen.shape[:2], keys - kept, dtype=torch.bool, device=chosen.device)
+        return torch.cat([chosen, own], dim=-1)
 
     @property
     def max_scratch_entries(self) -> int:

@@ -117,6 +117,12 @@ class Policy:
         is the block before it ([batch, 0] for the first). Only for policies that need reconstruction."""
         raise NotImplementedError(f"{type(self).__qualname__} runs no reconstruction pass")
 
+    def reconstruction_keys(self, positions: torch.Tensor, chunk_start: int | None) -> torch.Tensor | None:
+        """Bool [batch, kv_heads, n]: the held entries (absolute `positions`) whose attention the reconstruction
+        pass's softmax runs over, besides the pass's own; None: all of them. chunk_start: the first position
+        of the block being reconstructed."""
+        return None
+
     @property
     def observes_every_step(self) -> bool:
         """True if `observe` must see the attention of every forward pass, even those that evict nothing."""

@@ -22,9 +22,10 @@ each later block after "\\n\\nRepeat the part of the previous context exactly, s
 Without a tokenizer (prefill(..., tokenizer=None), e.g. the offline test model) the pass is the block's
 tokens alone, and a warning says so.
 
-Differences from kvpress's KVzipPress, on purpose: the softmax runs over every entry the pass attends to
-(kvpress restricts it to the sink + the chunk + the repeated chunk, which is the same when there is one
-chunk); the budget is uniform per KV head (kvpress selects a global top-k over layers and heads: head- and
+Differences from kvpress's KVzipPress: the softmax runs over every entry the pass attends to, the paper's
+definition (kvpress, like the authors' code, restricts it to the sinks + the chunk + the repeated chunk, which
+is the same when there is one chunk; `scoring_keys="chunk"` does that here, with the block as the chunk: each
+entry is then scored by its own block's pass only, as kvpress scores each chunk once); the budget is uniform per KV head (kvpress selects a global top-k over layers and heads: head- and
 layer-adaptive budgets); the first `n_sink` positions are always kept (kvpress gives them the top score
 only when they belong to a chat-template prefix).
 
@@ -45,6 +46,7 @@ from keydiff.policies.base import LayerView, Policy
 
 logger = logging.getLogger(__name__)
 
+SCORING_KEYS = ("cache", "chunk")
 FIRST_PROMPT = "\n\nRepeat the previous context exactly."
 NEXT_PROMPT = "\n\nRepeat the part of the previous context exactly, starting with"
 PLAIN_SUFFIX = "\n"
@@ -75,10 +77,15 @@ class KVzip(Policy):
     n_sink: int = 4  # first positions always kept (kvpress n_sink)
     context_overlap: int = 8  # tokens of the previous block quoted in a later block's prompt (kvpress prev_postfix_size)
     suffix: str | None = None  # text before the repeated tokens; None: from the chat template ("\n" without one)
+    # The softmax of the reconstruction pass runs over: "cache" every entry it attends to (the paper's
+    # definition); "chunk" the sinks + the block's entries + its own (kvpress's / the authors' chunked scoring).
+    scoring_keys: str = "cache"
 
     def validate(self, budget: int) -> None:
         if self.n_sink < 0 or self.context_overlap < 0:
             raise ValueError(f"kvzip n_sink and context_overlap must be >= 0, got {self.n_sink} and {self.context_overlap}")
+        if self.scoring_keys not in SCORING_KEYS:
+            raise ValueError(f"kvzip scoring_keys {self.scoring_keys!r} is not valid; valid: {', '.join(SCORING_KEYS)}")
         if self.n_sink >= budget:
             raise ValueError(f"kvzip n_sink ({self.n_sink}) must be smaller than the budget ({budget})")
 
@@ -101,6 +108,12 @@ class KVzip(Policy):
         else:
             parts = [encode(NEXT_PROMPT), previous[:, previous.shape[1] - min(self.context_overlap, previous.shape[1]):]]
         return torch.cat([*parts, suffix, block], dim=1)
+
+    def reconstruction_keys(self, positions: torch.Tensor, chunk_start: int | None) -> torch.Tensor | None:
+        """"chunk": only the sinks and the reconstructed block's entries (older entries keep their score)."""
+        if self.scoring_keys == "cache" or chunk_start is None:
+            return None
+        return (positions >= chunk_start) | (positions < self.n_sink)
 
     def observe(self, layer: LayerView) -> None:
         running = layer.state["kvzip"]

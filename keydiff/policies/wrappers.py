@@ -71,6 +71,9 @@ class PolicyWrapper(Policy):
     def reconstruction_input(self, block: torch.Tensor, previous: torch.Tensor, tokenizer) -> torch.Tensor:
         return self.scorer.reconstruction_input(block, previous, tokenizer)
 
+    def reconstruction_keys(self, positions: torch.Tensor, chunk_start: int | None) -> torch.Tensor | None:
+        return self.scorer.reconstruction_keys(positions, chunk_start)
+
     @property
     def evicts(self) -> bool:
         return self.scorer.evicts
