@@ -209,7 +209,7 @@ def test_bound_kept_entries_and_scratch_entries(tokenizer):
     longest = len(tokenizer.encode(NEXT_PROMPT, add_special_tokens=False)) + 8 + 1 + block  # R + B of a later block
     assert max(held) == budget and state.max_cache_entries == budget + block
     assert state.max_scratch_entries == budget + block + longest  # N + B + R + B while the pass runs
-    assert [layer.allocations for layer in state.cache.layers] == [1, 1, 1]  # planned with room for the pass: never grown
+    assert [layer.allocations for layer in state.cache.layers] == [1, 1, 1]  # room for the pass planned
     assert state.cache.entries_peak_sum == 3 * (budget + block + longest)  # what the run rows' peak bytes count
     assert state.cache.layers[0].capacity == budget + block + longest
 

@@ -10,8 +10,8 @@ cache (`keydiff.cache`) calls `observe` after every forward pass that recorded a
 
 What a policy may ask the engine for (its capabilities, see `Policy`): attention rows (`attention_rows`,
 computed beside the fused kernel, summed or maxed: `attention_reduction`), an extra reconstruction pass per
-prefill block whose entries are not kept (`needs_reconstruction`, KVzip), per-entry state (`state_names`), running statistics of the layer's
-queries (`needs_queries`, Expected Attention). What any policy can be given from outside, by a wrapper
+prefill block whose entries are not kept (`needs_reconstruction`, KVzip), per-entry state (`state_names`),
+running statistics of the layer's queries (`needs_queries`, Expected Attention). What any policy can be given from outside, by a wrapper
 (`keydiff.policies.wrappers`): a recent window (`RecentWindow`) and per-layer budgets (`LayerBudgets`, e.g. a
 PyramidKV schedule). The full contract, with an example policy written outside this package, is in
 docs/policies.md ("Your own policy", "The policy contract") and examples/my_policy.py.

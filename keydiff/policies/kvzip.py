@@ -25,8 +25,8 @@ tokens alone, and a warning says so.
 Differences from kvpress's KVzipPress: the softmax runs over every entry the pass attends to, the paper's
 definition (kvpress, like the authors' code, restricts it to the sinks + the chunk + the repeated chunk, which
 is the same when there is one chunk; `scoring_keys="chunk"` does that here, with the block as the chunk: each
-entry is then scored by its own block's pass only, as kvpress scores each chunk once); the budget is uniform per KV head (kvpress selects a global top-k over layers and heads: head- and
-layer-adaptive budgets); the first `n_sink` positions are always kept (kvpress gives them the top score
+entry is then scored by its own block's pass only, as kvpress scores each chunk once); the budget is uniform
+per KV head (kvpress selects a global top-k over layers and heads: head- and layer-adaptive budgets); the first `n_sink` positions are always kept (kvpress gives them the top score
 only when they belong to a chat-template prefix).
 
 Decoding: no reconstruction. Each generated token's query attention updates the running maximum (its own
@@ -75,7 +75,7 @@ class KVzip(Policy):
     observes_every_step: ClassVar[bool] = True  # the running max needs every pass
     state_names: ClassVar[tuple[str, ...]] = ("kvzip",)
     n_sink: int = 4  # first positions always kept (kvpress n_sink)
-    context_overlap: int = 8  # tokens of the previous block quoted in a later block's prompt (kvpress prev_postfix_size)
+    context_overlap: int = 8  # previous block's tokens quoted in a later block's prompt (kvpress prev_postfix_size)
     suffix: str | None = None  # text before the repeated tokens; None: from the chat template ("\n" without one)
     # The softmax of the reconstruction pass runs over: "cache" every entry it attends to (the paper's
     # definition); "chunk" the sinks + the block's entries + its own (kvpress's / the authors' chunked scoring).
@@ -83,7 +83,8 @@ class KVzip(Policy):
 
     def validate(self, budget: int) -> None:
         if self.n_sink < 0 or self.context_overlap < 0:
-            raise ValueError(f"kvzip n_sink and context_overlap must be >= 0, got {self.n_sink} and {self.context_overlap}")
+            raise ValueError(
+                f"kvzip n_sink and context_overlap must be >= 0, got {self.n_sink} and {self.context_overlap}")
         if self.scoring_keys not in SCORING_KEYS:
             raise ValueError(f"kvzip scoring_keys {self.scoring_keys!r} is not valid; valid: {', '.join(SCORING_KEYS)}")
         if self.n_sink >= budget:
@@ -106,7 +107,8 @@ class KVzip(Policy):
         if previous.shape[1] == 0:
             parts = [encode(FIRST_PROMPT)]
         else:
-            parts = [encode(NEXT_PROMPT), previous[:, previous.shape[1] - min(self.context_overlap, previous.shape[1]):]]
+            quoted = min(self.context_overlap, previous.shape[1])
+            parts = [encode(NEXT_PROMPT), previous[:, previous.shape[1] - quoted :]]
         return torch.cat([*parts, suffix, block], dim=1)
 
     def reconstruction_keys(self, positions: torch.Tensor, chunk_start: int | None) -> torch.Tensor | None:

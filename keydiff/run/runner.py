@@ -189,7 +189,8 @@ def warm_up(plan: RunPlan, model, tokenizer, sample) -> None:
             policy.check(budget)
         except ValueError:
             return  # that sample is recorded as failed; nothing to warm up
-    state = prefill(model, torch.tensor([ids[:tokens]]), policy, budget, plan.block_size, plan.statistics, tokenizer=tokenizer)
+    state = prefill(model, torch.tensor([ids[:tokens]]), policy, budget, plan.block_size, plan.statistics,
+                    tokenizer=tokenizer)
     generate(model, state, 2, evict=plan.decode_eviction)
 
 
