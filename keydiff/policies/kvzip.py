@@ -31,7 +31,9 @@ only when they belong to a chat-template prefix).
 
 Decoding: no reconstruction. Each generated token's query attention updates the running maximum (its own
 entry starts with the attention its query gives itself) and the cache keeps evicting by it; with
-generate(evict=False) the generated tokens are all kept, as in kvpress.
+generate(evict=False) the generated tokens are all kept, as in kvpress. Decoding statistics start with
+`cache.start_generation` (keydiff.generate calls it): a loop of your own must call it too, or new tokens,
+never scored, are the first evicted.
 """
 
 from __future__ import annotations
