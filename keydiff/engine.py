@@ -139,7 +139,7 @@ def prefill(
     step = length if block is None else block
     cache = EvictingCache(
         policy, budget, model.config.get_text_config().num_hidden_layers, statistics=attention_statistics,
-        profile=profile, block_size=step, max_tokens=length,
+        profile=profile, block_size=step, max_tokens=length, config=model.config,
     )
     with keydiff_attention(model, cache):
         _sync(device)

@@ -64,7 +64,8 @@ class EvictingCache(Cache):
     attention: "fast" computes only the rows they need next to the fused attention kernel, "materialized"
     runs eager attention and reads its weights (the paper's latency setting). profile=True synchronises the
     GPU around every statistic and eviction so that `timings` are the kernels' time; it slows the run down,
-    so never time TTFT with it.
+    so never time TTFT with it. config: the model's (text) config, needed only by a policy with
+    `key_rerotation` (the RoPE frequencies the kept keys are re-rotated with).
     """
 
     def __init__(
@@ -76,10 +77,12 @@ class EvictingCache(Cache):
         profile: bool = False,
         block_size: int | None = None,
         max_tokens: int | None = None,
+        config: Any = None,
     ):
         if statistics not in STATISTICS_MODES:
             raise ValueError(f"unknown attention statistics mode {statistics!r}; valid: {', '.join(STATISTICS_MODES)}")
         self.policy = policy
+        self.inv_freq = self._rerotation_frequencies(policy, config)
         self.budget = budget if policy.evicts else None
         self.num_layers, self.block_size, self.max_tokens = num_layers, block_size, max_tokens
         super().__init__(layers=self._plan_layers())
@@ -88,6 +91,19 @@ class EvictingCache(Cache):
         self.profile = profile
         self.timings = {"statistics_s": 0.0, "eviction_s": 0.0}
         self._evicting = True  # False after start_generation(evict=False): the generated tokens are all kept
+
+    @staticmethod
+    def _rerotation_frequencies(policy: Policy, config: Any) -> torch.Tensor | None:
+        """RoPE inverse frequencies (float64) for a policy that re-rotates keys, from the model config as
+        transformers computes them (scaled RoPE types included); None for every other policy."""
+        if policy.key_rerotation is None or not policy.evicts:
+            return None
+        if config is None:
+            raise ValueError(f"policy {policy.name!r} re-rotates keys (key_rerotation): build the cache with "
+                             "config=model.config so that it knows the model's RoPE frequencies")
+        config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return rope_frequencies(config, head_dim)[0]
 
     def _plan_layers(self) -> list[EvictingLayer]:
         """The layers on their storages: one shared stack when the policy and the budgets allow, else one each."""
@@ -99,9 +115,9 @@ class EvictingCache(Cache):
         stackable = (policy.layers_batchable and budgets[0] is not None and len(set(budgets)) == 1
                      and capacities[0] is not None and len(set(capacities)) == 1)
         if stackable:
-            stack = Storage(tuple(range(count)), budgets[0], capacities[0], policy.state_names, policy.initial_state)
+            stack = Storage(tuple(range(count)), budgets[0], capacities[0], policy.state_names, policy.entry_state)
             return [EvictingLayer(budgets[0], capacities[0], layer_idx=i, storage=stack, slot=i) for i in range(count)]
-        return [EvictingLayer(b, c, policy.state_names, policy.initial_state, layer_idx=i)
+        return [EvictingLayer(b, c, policy.state_names, policy.entry_state, layer_idx=i)
                 for i, (b, c) in enumerate(zip(budgets, capacities))]
 
     @staticmethod
@@ -148,7 +164,7 @@ class EvictingCache(Cache):
         # when the first of the storage's layers starts the next pass.
         if self._evicting and layer.seen == storage.seen and storage.pending():
             with self.timed("eviction_s"):
-                storage.evict(self.policy)
+                storage.evict(self.policy, self.inv_freq)
         return layer.update(key_states, value_states)
 
     def _refuse_prompt_fed_again(self, layer: EvictingLayer, value_states: torch.Tensor) -> None:
@@ -180,7 +196,7 @@ class EvictingCache(Cache):
             layer = self.layers[stack.layers[slot]]
             if layer is leaving:
                 own = Storage((layer.layer_idx,), stack.budget, stack.capacity, self.policy.state_names,
-                              self.policy.initial_state)  # nothing written yet: allocated by its first write
+                              self.policy.entry_state)  # nothing written yet: allocated by its first write
                 layer.move_to(own, 0, new_buffers=True)
             else:
                 layer.move_to(part, 0, new_buffers=False)
@@ -237,13 +253,24 @@ class EvictingCache(Cache):
             storage.queries[slot] = QueryStatistics(inv_freq.to(query.device), scaling, first)
         storage.queries[slot].update(query, layer.seen - query.shape[2])
 
+    def output_projection_needed(self, layer_idx: int) -> bool:
+        """Whether the attention function must hand this layer's o_proj weight over (CriticalKV): once per layer."""
+        layer = self.layers[layer_idx]
+        return (self.policy.needs_output_projection and layer.budget is not None
+                and layer.storage.output_projection[layer.slot] is None)
+
+    def record_output_projection(self, layer_idx: int, weight: torch.Tensor) -> None:
+        """Keep a reference to layer `layer_idx`'s output projection weight [hidden, heads * head_dim]."""
+        layer = self.layers[layer_idx]
+        layer.storage.output_projection[layer.slot] = weight
+
     def evict(self) -> None:
         """Let the policy observe the pass just run, then shrink every over-budget layer to `budget`."""
         if self.budget is None or not self._evicting:
             return
         with self.timed("eviction_s"):
             for storage in self._storages:
-                storage.evict(self.policy)
+                storage.evict(self.policy, self.inv_freq)
 
     def start_generation(self, new_tokens: int, evict: bool = True) -> None:
         """Prepare to decode up to `new_tokens` tokens: with evict=False every generated token is kept (no

@@ -33,7 +33,7 @@ class EvictingLayer(CacheLayerMixin):
         budget: int | None,
         capacity: int | None,
         state_names: tuple[str, ...] = (),
-        initial_state: Callable[[torch.Tensor], dict[str, torch.Tensor]] | None = None,
+        entry_state: Callable[[LayerView], dict[str, torch.Tensor]] | None = None,
         layer_idx: int = 0,
         storage: Storage | None = None,
         slot: int = 0,
@@ -42,7 +42,7 @@ class EvictingLayer(CacheLayerMixin):
         self.is_initialized = False
         self.layer_idx = layer_idx
         self.storage = storage if storage is not None else Storage((layer_idx,), budget, capacity, state_names,
-                                                                   initial_state)
+                                                                   entry_state)
         self.slot = slot
         self.seen = 0  # tokens this layer has been given: the absolute position of the next one
         self.returned_keys: torch.Tensor | None = None  # what the last `update` returned (see module docstring)
@@ -145,9 +145,10 @@ class EvictingLayer(CacheLayerMixin):
             raise ValueError(f"this is layer {self.layer_idx}, not layer {layer_idx}")
         return self.storage.view(self.slot)
 
-    def evict(self, policy: Policy) -> None:
-        """Observe and evict this layer's storage (with every layer that shares it)."""
-        self.storage.evict(policy)
+    def evict(self, policy: Policy, inv_freq: torch.Tensor | None = None) -> None:
+        """Observe and evict this layer's storage (with every layer that shares it; `inv_freq`: the RoPE
+        frequencies a policy with key_rerotation needs)."""
+        self.storage.evict(policy, inv_freq)
 
     def record_attention(self, statistic: torch.Tensor | None) -> None:
         self.storage.attention[self.slot] = statistic
@@ -198,5 +199,5 @@ class EvictingLayer(CacheLayerMixin):
         old = self.storage
         if old.count > 1:
             raise NotImplementedError("this layer shares its storage with other layers: reset the whole cache")
-        self.storage = Storage(old.layers, old.budget, old.capacity, old.state_names, old.initial_state)
+        self.storage = Storage(old.layers, old.budget, old.capacity, old.state_names, old.entry_state)
         self.seen, self.returned_keys, self.earlier_allocations, self.is_initialized = 0, None, 0, False
