@@ -1,0 +1,158 @@
+"""Key re-rotation (keydiff.policies.rerotation, done by keydiff.cache.storage.Storage.rerotate): the kept keys
+equal the model's own keys recomputed from the pre-RoPE keys (k_proj's output, captured by a forward hook) at
+their new positions 0..n-1; without it nothing changes; with it results differ once something was evicted."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from keydiff.cache import EvictingCache
+from keydiff.engine import generate, prefill
+from keydiff.policies import Rerotated, build_policy
+from keydiff.policies.rerotation import STATE
+from keydiff.testing import check_policy
+from tests.conftest import tiny_llama
+
+BUDGET, BLOCK, LENGTH, NEW_TOKENS = 40, 16, 150, 6
+ROPES = {
+    "default": {},
+    "llama3": {"rope_parameters": {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 64}},
+    "yarn": {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                 "original_max_position_embeddings": 64}},  # attention_scaling != 1
+}
+
+
+def capture_pre_rope_keys(model):
+    """Hooks on every layer's k_proj: the pre-RoPE keys of every pass, in order (one list per layer)."""
+    captured = [[] for _ in model.model.layers]
+    handles = [layer.self_attn.k_proj.register_forward_hook(lambda module, args, out, i=i: captured[i].append(out.detach().clone()))
+               for i, layer in enumerate(model.model.layers)]
+    return captured, handles
+
+
+def keys_at(model, pre_rope: torch.Tensor, layer_positions: torch.Tensor) -> torch.Tensor:
+    """The model's own post-RoPE keys [batch, kv_heads, n, d] for the pre-RoPE keys `pre_rope` [batch, kv_heads, n, d]
+    rotated for positions `layer_positions` [batch, kv_heads, n] (its rotary embedding, scaling included)."""
+    batch, heads, n, dim = pre_rope.shape
+    out = torch.empty_like(pre_rope)
+    for b in range(batch):
+        for h in range(heads):
+            cos, sin = model.model.rotary_emb(pre_rope, position_ids=layer_positions[b, h][None])
+            out[b, h] = apply_rotary_pos_emb(pre_rope[b, h][None, None], pre_rope[b, h][None, None], cos, sin)[1][0, 0]
+    return out
+
+
+def check_cache_keys(model, cache, captured, rerotated: bool) -> None:
+    kv_heads, dim = model.config.num_key_value_heads, model.config.head_dim
+    for i, layer in enumerate(cache.layers):
+        pre = torch.cat(captured[i], dim=1)  # [batch, tokens seen, kv_heads * dim]
+        pre = pre.view(pre.shape[0], pre.shape[1], kv_heads, dim).transpose(1, 2)  # [batch, kv_heads, tokens, dim]
+        n = layer.num_entries
+        positions = layer.positions[:, :, :n]
+        held = pre.gather(2, positions[..., None].expand(-1, -1, -1, dim))
+        if rerotated:
+            ranks = positions.argsort(dim=-1).argsort(dim=-1)  # 0..n-1 in position order
+            if STATE in layer.state:
+                assert torch.equal(layer.state[STATE][:, :, :n].long(), ranks)
+            target = ranks
+        else:
+            target = positions
+        torch.testing.assert_close(layer.keys[:, :, :n], keys_at(model, held, target), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("rope", sorted(ROPES))
+@pytest.mark.parametrize("name", ["keydiff", "snapkv"])
+def test_rerotated_keys_equal_keys_recomputed_at_their_new_positions(rope, name):
+    model = tiny_llama(**ROPES[rope])
+    prompt = torch.randint(0, 256, (1, LENGTH), generator=torch.Generator().manual_seed(5))
+    captured, handles = capture_pre_rope_keys(model)
+    try:
+        state = prefill(model, prompt, build_policy(name, key_rerotation=True), budget=BUDGET, block_size=BLOCK)
+        check_cache_keys(model, state.cache, captured, rerotated=True)
+        kept = state.cache.layers[0].positions[:, :, :BUDGET]
+        assert int(kept.max()) >= BUDGET  # something far was kept: the check above moved keys, not a no-op
+        generate(model, state, NEW_TOKENS)  # an eviction (and a re-rotation) after every token
+        check_cache_keys(model, state.cache, captured, rerotated=True)
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def test_the_reference_itself_matches_the_cache_without_rerotation():
+    """The same comparison at the absolute positions holds without re-rotation (the reference is right)."""
+    model = tiny_llama(**ROPES["yarn"])
+    prompt = torch.randint(0, 256, (1, LENGTH), generator=torch.Generator().manual_seed(5))
+    captured, handles = capture_pre_rope_keys(model)
+    try:
+        state = prefill(model, prompt, build_policy("keydiff"), budget=BUDGET, block_size=BLOCK)
+        check_cache_keys(model, state.cache, captured, rerotated=False)
+        with pytest.raises(AssertionError):
+            check_cache_keys(model, state.cache, captured, rerotated=True)
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def run(model, prompt, policy, budget=BUDGET):
+    state = prefill(model, prompt, policy, budget=budget, block_size=BLOCK)
+    logits, kept = state.logits.clone(), [k.clone() for k in state.kept_positions]
+    return logits, kept, generate(model, state, NEW_TOKENS).token_ids
+
+
+def test_off_changes_nothing():
+    model = tiny_llama()
+    prompt = torch.randint(0, 256, (1, LENGTH), generator=torch.Generator().manual_seed(6))
+    for name in ("keydiff", "snapkv", "expected_attention"):
+        off = build_policy(name, key_rerotation=False)
+        assert off.key_rerotation is None and off.describe() == build_policy(name).describe()
+        assert STATE not in off.state_names
+        plain_logits, plain_kept, plain_tokens = run(model, prompt, build_policy(name))
+        logits, kept, tokens = run(model, prompt, off)
+        assert torch.equal(logits, plain_logits) and tokens == plain_tokens
+        assert all(torch.equal(a, b) for a, b in zip(kept, plain_kept))
+
+
+def test_on_changes_results_once_something_was_evicted():
+    model = tiny_llama()
+    prompt = torch.randint(0, 256, (1, LENGTH), generator=torch.Generator().manual_seed(6))
+    plain_logits, _, _ = run(model, prompt, build_policy("knorm"))
+    logits, _, _ = run(model, prompt, build_policy("knorm", key_rerotation=True))
+    assert float((logits - plain_logits).abs().max()) > 1e-3
+    # Nothing evicted (budget >= prompt): every key already sits at its rank, so nothing changes at all.
+    plain_logits, _, _ = run(model, prompt, build_policy("knorm"), budget=LENGTH)
+    logits, _, _ = run(model, prompt, build_policy("knorm", key_rerotation=True), budget=LENGTH)
+    assert torch.equal(logits, plain_logits)
+
+
+@pytest.mark.parametrize("name, params", [
+    ("keydiff", {}),  # stacked: every layer re-rotated in one call, compared with layer by layer
+    ("snapkv", {"critical": True}),
+    ("expected_attention", {}),
+    ("keydiff", {"layer_budgets": {"schedule": "pyramid", "beta": 4, "window": 0}}),
+])
+def test_check_policy_passes(name, params):
+    summary = check_policy(name, key_rerotation=True, **params)
+    assert summary["evictions"] > 0
+    if name == "keydiff" and not params:
+        assert summary["stacked"] and summary["batchable_checked"]
+
+
+def test_describe_only_when_set_and_round_trips():
+    policy = build_policy("keydiff", key_rerotation=True, layer_budgets={"schedule": "pyramid", "beta": 4, "window": 0})
+    described = policy.describe()
+    assert described["key_rerotation"] is True and list(described)[-2:] == ["key_rerotation", "layer_budgets"]
+    assert build_policy(**described).describe() == described
+    assert isinstance(build_policy("snapkv", key_rerotation="kvpress"), Rerotated)
+
+
+def test_bad_values_fail_clearly_before_the_model():
+    with pytest.raises(ValueError, match="key_rerotation must be true, false or one of kvpress, got 'sideways'"):
+        build_policy("keydiff", key_rerotation="sideways")
+    with pytest.raises(ValueError, match="build the cache with config=model.config"):
+        EvictingCache(build_policy("keydiff", key_rerotation=True), 8, 3, block_size=8)
+    dynamic = tiny_llama(rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}).config
+    with pytest.raises(ValueError, match="dynamic"):
+        EvictingCache(build_policy("keydiff", key_rerotation=True), 8, 3, block_size=8, config=dynamic)
