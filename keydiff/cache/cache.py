@@ -83,6 +83,8 @@ class EvictingCache(Cache):
             raise ValueError(f"unknown attention statistics mode {statistics!r}; valid: {', '.join(STATISTICS_MODES)}")
         self.policy = policy
         self.inv_freq = self._rerotation_frequencies(policy, config)
+        self.contiguous = policy.key_rerotation == "contiguous" and policy.evicts
+        self._pass_position = 0  # contiguous re-rotation: the RoPE position of the current pass's first token
         self.budget = budget if policy.evicts else None
         self.num_layers, self.block_size, self.max_tokens = num_layers, block_size, max_tokens
         super().__init__(layers=self._plan_layers())
@@ -156,6 +158,8 @@ class EvictingCache(Cache):
         storage = layer.storage
         if layer_idx == 0:
             self._refuse_prompt_fed_again(layer, value_states)
+            if self.contiguous:
+                self._pass_position = self.next_position()  # before anything of this pass is written
         joining = storage.count > 1 and storage.keys is not None and layer.seen == 0
         if joining and not storage.fits(key_states, value_states):
             self._split_stack(layer)
@@ -164,8 +168,8 @@ class EvictingCache(Cache):
         # when the first of the storage's layers starts the next pass.
         if self._evicting and layer.seen == storage.seen and storage.pending():
             with self.timed("eviction_s"):
-                storage.evict(self.policy, self.inv_freq)
-        return layer.update(key_states, value_states)
+                storage.evict(self.policy, self.inv_freq, self._rotary_end())
+        return layer.update(key_states, value_states, position=self._pass_position if self.contiguous else None)
 
     def _refuse_prompt_fed_again(self, layer: EvictingLayer, value_states: torch.Tensor) -> None:
         """Refuse the whole prompt fed a second time (what model.generate does when past_key_values covers all
@@ -207,6 +211,39 @@ class EvictingCache(Cache):
         self.layers = self._plan_layers()
         self._storages = self._distinct_storages()
         self._evicting = True
+        self._pass_position = 0
+
+    # --- positions (what changes with contiguous key re-rotation) ---------------------------------
+    def next_position(self) -> int:
+        """The RoPE position the next token gets: the tokens seen (its absolute position), except under
+        contiguous key re-rotation, where it follows the kept keys: the most entries any layer holds once
+        the pending eviction is done (layers with fewer sit right-aligned below it). Mid-pass, the pass's own."""
+        first = self.layers[0]
+        if not self.contiguous:
+            return first.seen
+        if any(layer.seen != first.seen for layer in self.layers):  # a pass is under way
+            return self._pass_position
+        return max(layer.entries_after_eviction() if self._evicting else layer.num_entries for layer in self.layers)
+
+    def _rotary_end(self) -> int | None:
+        """Where the kept keys' re-rotated positions end (exclusive): the next token's (contiguous), or None
+        (kvpress: 0..n-1 whatever the next token's position)."""
+        return self.next_position() if self.contiguous else None
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """What transformers derives the next positions from: the tokens seen (see the module), or, under
+        contiguous key re-rotation, `next_position()`."""
+        if self.contiguous:
+            return self.next_position()
+        return super().get_seq_length(layer_idx)
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        """Keys the next pass attends to and the offset of the first (see EvictingLayer.get_mask_sizes), with
+        the kept keys ending right below `next_position()` under contiguous re-rotation."""
+        if not self.contiguous:
+            return super().get_mask_sizes(query_length, layer_idx)
+        kept = self.layers[layer_idx].entries_after_eviction()
+        return kept + query_length, self.next_position() - kept
 
     # --- timings -------------------------------------------------------------------------------
     def timed(self, name: str) -> "_Timed":
@@ -251,7 +288,9 @@ class EvictingCache(Cache):
             inv_freq, scaling = rope_frequencies(config, query.shape[-1])
             first = self.policy.first_query_position
             storage.queries[slot] = QueryStatistics(inv_freq.to(query.device), scaling, first)
-        storage.queries[slot].update(query, layer.seen - query.shape[2])
+        # The queries were rotated for their RoPE positions: the absolute ones, or the pass's under contiguous re-rotation.
+        start = self._pass_position if self.contiguous else layer.seen - query.shape[2]
+        storage.queries[slot].update(query, start)
 
     def output_projection_needed(self, layer_idx: int) -> bool:
         """Whether the attention function must hand this layer's o_proj weight over (CriticalKV): once per layer."""
@@ -269,8 +308,9 @@ class EvictingCache(Cache):
         if self.budget is None or not self._evicting:
             return
         with self.timed("eviction_s"):
+            end = self._rotary_end()
             for storage in self._storages:
-                storage.evict(self.policy, self.inv_freq)
+                storage.evict(self.policy, self.inv_freq, end)
 
     def start_generation(self, new_tokens: int, evict: bool = True) -> None:
         """Prepare to decode up to `new_tokens` tokens: with evict=False every generated token is kept (no

@@ -120,9 +120,12 @@ class EvictingLayer(CacheLayerMixin):
         self.is_initialized = True
 
     def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, position: int | None = None, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write a pass's keys/values [batch, kv_heads, q, dim] after the kept entries; return the valid ones."""
+        """Write a pass's keys/values [batch, kv_heads, q, dim] after the kept entries; return the valid ones.
+
+        position: the RoPE position the pass's first token was rotated for (key re-rotation; default: the
+        tokens seen, i.e. its absolute position)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         keys = self.storage.keys
@@ -131,7 +134,7 @@ class EvictingLayer(CacheLayerMixin):
                 f"the batch changed from {keys.shape[1]} to {key_states.shape[0]} rows: an evicting cache supports "
                 "neither beam search nor num_return_sequences; use keydiff.generate (greedy or sampling)"
             )
-        keys, values = self.storage.write(self.slot, key_states, value_states, self.seen)
+        keys, values = self.storage.write(self.slot, key_states, value_states, self.seen, position)
         self.seen += key_states.shape[-2]
         self.returned_keys = keys
         return keys, values

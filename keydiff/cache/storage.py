@@ -150,11 +150,13 @@ class Storage:
 
     # --- writes -------------------------------------------------------------------------------
     def write(self, slot: int, key_states: torch.Tensor, value_states: torch.Tensor,
-              layer_seen: int) -> tuple[torch.Tensor, torch.Tensor]:
+              layer_seen: int, position: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Write one layer's pass [batch, kv_heads, q, dim] after the kept entries; return its valid entries.
 
         layer_seen: the tokens this layer had been given before the pass. The first layer to write in a pass
-        (layer_seen == seen) makes room and writes the positions for every slot.
+        (layer_seen == seen) makes room and writes the positions for every slot, and, for a policy that
+        re-rotates keys, the RoPE positions the new keys were rotated for (from `position`, default the
+        absolute one).
         """
         q = key_states.shape[-2]
         if layer_seen == self.seen:
@@ -166,6 +168,9 @@ class Storage:
                 self.positions[..., start].fill_(self.seen)
             else:
                 self.positions[..., start:needed] = torch.arange(self.seen, self.seen + q, device=key_states.device)
+            if ROTARY_STATE in self.state:
+                first = self.seen if position is None else position
+                self.state[ROTARY_STATE][..., start:needed] = torch.arange(first, first + q, device=key_states.device)
             if self.state and self.fresh is None:
                 self.fresh = start  # their state is set when the storage is next viewed (once for every slot)
             self.num_entries, self.seen = needed, self.seen + q
@@ -203,7 +208,8 @@ class Storage:
                                 layers=self.layers, output_projection=self.slot_output_projection())
             initial = self.entry_state(entries)
         for name, buffer in rows["state"].items():
-            buffer[:, :, start:n] = initial.get(name, 0.0)
+            if name != ROTARY_STATE:  # written with the entries (`write`)
+                buffer[:, :, start:n] = initial.get(name, 0.0)
 
     # --- views and eviction -------------------------------------------------------------------
     def view(self, slot: int | None = None) -> LayerView:
@@ -248,9 +254,10 @@ class Storage:
         """Whether the last pass left something to do: a statistic to observe or entries over the budget."""
         return self.budget is not None and (self.num_entries > self.budget or self.attention.count(None) < self.count)
 
-    def evict(self, policy: Policy, inv_freq: torch.Tensor | None = None) -> None:
+    def evict(self, policy: Policy, inv_freq: torch.Tensor | None = None, rotary_end: int | None = None) -> None:
         """Observe the last pass's statistics, then drop entries until at most `budget` remain, in place; then,
-        for a policy with `key_rerotation`, re-rotate the kept keys (RoPE inverse frequencies `inv_freq`)."""
+        for a policy with `key_rerotation`, re-rotate the kept keys (RoPE inverse frequencies `inv_freq`; see
+        `rerotate` for `rotary_end`)."""
         if self.budget is None or self.keys is None:
             self.attention = [None] * self.count
             return
@@ -275,20 +282,23 @@ class Storage:
                 if inv_freq is None:
                     raise RuntimeError(f"policy {policy.name!r} re-rotates keys but the cache was given no RoPE "
                                        "frequencies: build EvictingCache(..., config=model.config)")
-                self.rerotate(inv_freq)
+                self.rerotate(inv_freq, rotary_end)
         self.attention = [None] * self.count
 
-    def rerotate(self, inv_freq: torch.Tensor) -> None:
-        """Re-apply RoPE so that each head's kept keys sit at positions 0..n-1 in the order of their absolute
-        positions (keydiff.policies.rerotation): a key rotated for position r (state "rotary_position") is
-        rotated by the angle of (rank - r). Angles in float64, the product in float32, cast back to the cache's
-        dtype; values, positions and the other state are untouched."""
+    def rerotate(self, inv_freq: torch.Tensor, end: int | None = None) -> None:
+        """Re-apply RoPE so that each head's kept keys sit at contiguous positions in the order of their
+        absolute positions (keydiff.policies.rerotation): 0..n-1, or end-n..end-1 when `end` is given (the
+        contiguous mode: the next token's position). A key rotated for position r (state "rotary_position") is
+        rotated by the angle of (target - r). Angles in float64, the product in float32, cast back to the
+        cache's dtype; values, positions and the other state are untouched."""
         n = self.num_entries
+        offset = 0 if end is None else end - n
         positions = self.rows["positions"][:, :, :n]
         rotary = self.rows["state"][ROTARY_STATE][:, :, :n]
         keys = self.rows["keys"][:, :, :n]
         order = positions.argsort(dim=-1)
-        target = torch.empty_like(order).scatter_(-1, order, torch.arange(n, device=order.device).expand_as(order))
+        ranks = torch.arange(offset, offset + n, device=order.device).expand_as(order)
+        target = torch.empty_like(order).scatter_(-1, order, ranks)
         delta = (target - rotary.long()).double()
         angles = delta[..., None] * inv_freq.to(device=keys.device, dtype=torch.float64)  # [rows, heads, n, d/2]
         rotated = rotate(keys.float(), angles.cos().float(), angles.sin().float())

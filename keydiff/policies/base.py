@@ -134,7 +134,7 @@ class Policy:
     @property
     def key_rerotation(self) -> str | None:
         """None, or how the cache re-applies RoPE to the kept keys after each eviction ("kvpress": at positions
-        0..n-1 in position order; see keydiff.policies.rerotation)."""
+        0..n-1 in position order; "contiguous": right below the next token's; see keydiff.policies.rerotation)."""
         return None
 
     @property

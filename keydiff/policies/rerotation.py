@@ -1,48 +1,59 @@
 """Key re-rotation (as kvpress's `KeyRerotationPress`, after transformers' former SinkCache and FINCH): after every
-eviction, the kept keys of each KV head are re-rotated so that they sit at the contiguous positions 0..n-1, in
-the order of their original positions. Any policy chooses the entries; `Rerotated(policy)` only asks the cache
-to re-rotate (`key_rerotation`), since the cache owns the tensors (keydiff.cache.storage.Storage.rerotate).
+eviction, the kept keys of each KV head are re-rotated so that they sit at contiguous positions, in the order
+of their original positions. Any policy chooses the entries; `Rerotated(policy, mode)` only asks the cache to
+re-rotate (`key_rerotation`), since the cache owns the tensors (keydiff.cache.storage.Storage.rerotate).
+Flat parameter `key_rerotation`: false (default), true or "kvpress", or "contiguous".
 
-What changes, exactly (kvpress's pipeline, done at every eviction of block-wise prefill and decoding):
+What changes, exactly (both modes, at every eviction of block-wise prefill and of decoding):
 * Keys are cached after RoPE. A key rotated for position p is moved to position p' by the rotation of p' - p
   (RoPE's rotations compose; the model's attention_scaling was applied once and is left alone). The angle
   uses the model's inv_freq as transformers computes it (`keydiff.queries.rope_frequencies`: rope scaling
-  types llama3, yarn, linear...; dynamic RoPE and partial rotary dims are refused).
-* Each entry's current RoPE position is per-entry state ("rotary_position", float32: exact below 2**24
-  tokens); `positions` keep the ABSOLUTE token positions, so recency, sinks, chunks, kept_positions and
-  every result file mean what they meant without re-rotation.
-* New tokens keep their absolute positions (transformers derives them from `get_seq_length()`, the tokens
-  seen), exactly as kvpress's pipeline feeds the question and the answer at context_length + i after the
-  compressed context. So after an eviction a query at absolute position t sees the kept keys at 0..n-1 and
-  the tokens of its own pass at their true positions: distances t - rank, no longer t - p. The next eviction
-  re-rotates the survivors (old and new) to 0..n-1 again.
-Values are not touched (RoPE rotates only queries and keys).
+  types llama3, yarn, linear...; dynamic RoPE and partial rotary dims are refused), in float64.
+* Each entry's current RoPE position is per-entry state ("rotary_position", float32: exact below 2**24),
+  written by the cache with the entry and updated at each re-rotation. `positions` keep the ABSOLUTE token
+  positions, so recency, sinks, chunks, kept_positions and every result file mean what they meant before.
+* Values are not touched (RoPE rotates only queries and keys).
 
-When it matters: only once something has been evicted, and the more, the more: with a long prompt and a small
-budget the kept keys, spread over positions up to L, collapse into 0..N-1, so keys from far beyond the
-positions the model was trained on carry the rotations of a short sequence, and old and new keys look equally
-far from the query. Results then differ from the default (keys at their true positions), for better (models
-that degrade past their training length) or for worse (the relative order in time is kept but distances are
-not); with N close to L, or before the first eviction, the two coincide. In bfloat16 every re-rotation rounds
-the key once more; during decoding (an eviction per token) keys behind an evicted one move by one position per
-step, so a key is rounded up to once per generated token (kvpress compresses once, so rounds once).
+Where the keys go, and where the next tokens go:
+* "kvpress" (`key_rerotation: true`): kept keys at 0..n-1; new tokens keep their ABSOLUTE positions
+  (transformers derives them from `get_seq_length()`, the tokens seen), as kvpress's pipeline feeds the
+  question and the answer at context_length + i after the re-rotated context. A query at absolute position t
+  then sees the kept keys at distances t - rank (no longer t - p) and its own pass at the true distances; the
+  next eviction re-rotates the survivors (old and new) to 0..n-1 again. Distances stay as large as the
+  prompt is long: the keys look older than they are.
+* "contiguous" (StreamingLLM's "positions within the cache", and transformers' former SinkCache): the next
+  tokens FOLLOW the kept keys. The next token's position P is the most entries any layer holds after
+  eviction (N with uniform budgets, the largest N_l with a schedule; the tokens seen while some layer is
+  not yet full or never evicts); each layer's n kept keys sit at P-n..P-1 (right-aligned, so the newest
+  kept key is next to the query), and a pass of q tokens is rotated for P..P+q-1. The cache reports P as
+  `get_seq_length()` (and sizes transformers' masks from it), so every position stays below max N_l + B
+  whatever the prompt's length. `get_seq_length()` then no longer counts the tokens seen: continue with
+  keydiff.generate (or a loop that passes no position_ids), not transformers' generate with a prefilled
+  cache, which slices the prompt by it. Query statistics (Expected Attention) use the same positions.
+
+When it matters: only once something has been evicted (before that every key already sits at its rank;
+nothing changes at all), and the more, the more: with a long prompt and a small budget the kept keys, spread
+over positions up to L, collapse into a range of N positions. Under "contiguous" the queries move with them,
+so positions far beyond what the model was trained on collapse into a short range (the point for prompts
+longer than the training length); under "kvpress" only the keys move. Results differ from the default (keys
+at their true positions), for better or worse: order in time is kept, distances are not. In bfloat16 every
+re-rotation rounds the key once more; during decoding (an eviction per token) keys behind an evicted one move
+by one position per step, so a key can be rounded once per generated token (kvpress compresses once).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
-from keydiff.policies.base import LayerView
 from keydiff.policies.wrappers import PolicyWrapper
 
 STATE = "rotary_position"  # the position each cached key is currently rotated for
-MODES = ("kvpress",)
+MODES = ("kvpress", "contiguous")
 
 
 def rerotation_mode(value) -> str | None:
-    """The flat parameter `key_rerotation` as a mode: False/None: off; True or "kvpress": kvpress's form."""
+    """The flat parameter `key_rerotation` as a mode: False/None: off; True or "kvpress": kvpress's form;
+    "contiguous": the next tokens follow the kept keys."""
     if value is None or value is False:
         return None
     if value is True:
@@ -54,7 +65,7 @@ def rerotation_mode(value) -> str | None:
 
 @dataclass
 class Rerotated(PolicyWrapper):
-    """The wrapped policy, with the kept keys re-rotated to positions 0..n-1 after every eviction (see the module)."""
+    """The wrapped policy, with the kept keys re-rotated to contiguous positions after every eviction (see the module)."""
 
     mode: str = "kvpress"
 
@@ -81,10 +92,6 @@ class Rerotated(PolicyWrapper):
     @property
     def state_names(self) -> tuple[str, ...]:
         return (*self.scorer.state_names, STATE)
-
-    def entry_state(self, entries: LayerView) -> dict[str, torch.Tensor]:
-        """New entries are rotated at their absolute positions (transformers' position_ids)."""
-        return {**self.scorer.entry_state(entries), STATE: entries.positions.float()}
 
     def describe(self) -> dict:
         described = self.scorer.describe()
