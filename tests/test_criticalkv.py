@@ -200,3 +200,15 @@ def test_needs_the_attention_function_for_the_output_projection():
         model(input_ids=ids, past_key_values=cache, use_cache=True)
         with pytest.raises(RuntimeError, match="needs the layer's output projection"):
             cache.evict()
+
+
+def test_stage_one_with_per_head_counts_for_head_budgets():
+    """The AdaKV form picks stage 1 per KV head with that head's count: the first count_h of each head's ranking."""
+    from keydiff.policies.criticalkv import first_stage
+
+    scores = torch.tensor([[[0.1, 0.9, 0.5, 0.3], [0.4, 0.2, 0.8, 0.6]]])
+    positions = torch.arange(4).expand(1, 2, 4)
+    chosen = first_stage(scores, positions, None, torch.tensor([[1, 3]]))
+    assert chosen.tolist() == [[[False, True, False, False], [True, False, True, True]]]
+    uniform = first_stage(scores, positions, torch.tensor([[[True, False, False, False], [False] * 4]]), 2)
+    assert uniform.tolist() == [[[True, True, False, False], [False, False, True, True]]]  # protected ranks first

@@ -35,7 +35,8 @@ is taken with ties broken by position like every top-k here. W_o is per layer, s
 
 AdaKV form (kvpress's `CriticalAdaKVPress`): head budgets are first chosen by AdaKV's global top-k over the
 layer's RAW scores (with the alpha safeguard), then both stages run per KV head with that head's budget N_h
-(stage 1: floor(first_stage_ratio x N_h)). `critical_scores` takes per-head stage-1 counts for that use.
+(stage 1: floor(first_stage_ratio x N_h)): `scorer_scores` gives the raw scores to allocate by, and
+`kept_in_stage_one` / `first_stage` take per-head stage-1 counts.
 """
 
 from __future__ import annotations
@@ -171,8 +172,9 @@ class Critical(PolicyWrapper):
         state[STATE] = output_norms(entries.values, entries.output_projection)
         return state
 
-    def _raw_scores(self, layer: LayerView) -> torch.Tensor:
-        """The wrapped scorer's scores of this view, computed once per eviction (score, then protected)."""
+    def scorer_scores(self, layer: LayerView) -> torch.Tensor:
+        """The wrapped scorer's own scores of this view, computed once per eviction (score, then protected):
+        what stage 1 ranks by, and what AdaKV's head budgets would be chosen by."""
         cached = self.__dict__.get("_raw")
         if cached is not None and cached[0] is layer:
             return cached[1]
@@ -181,14 +183,17 @@ class Critical(PolicyWrapper):
         return raw
 
     def score(self, layer: LayerView) -> torch.Tensor:
-        return critical_scores(self._raw_scores(layer), layer.state[STATE], self.epsilon, self.scorer.log_scores)
+        return critical_scores(self.scorer_scores(layer), layer.state[STATE], self.epsilon, self.scorer.log_scores)
 
     def protected(self, layer: LayerView, budget: int) -> torch.Tensor | None:
         inner = self.scorer.protected(layer, budget)
         count = self.first_stage_count(budget)
-        if count == 0:
-            return inner
-        stage_one = first_stage(self._raw_scores(layer), layer.positions, inner, count)
+        return inner if count == 0 else self.kept_in_stage_one(layer, inner, count)
+
+    def kept_in_stage_one(self, layer: LayerView, inner: torch.Tensor | None, count: int | torch.Tensor) -> torch.Tensor:
+        """Bool [batch, kv_heads, n]: stage 1's entries (the `count` best by the scorer's scores, one count or
+        one per head [batch, kv_heads] for head budgets) and what the scorer protects (`inner`)."""
+        stage_one = first_stage(self.scorer_scores(layer), layer.positions, inner, count)
         self.__dict__.pop("_raw", None)  # the eviction is done with them
         return stage_one if inner is None else stage_one | inner
 
