@@ -137,6 +137,23 @@ def test_at_every_eviction_each_key_is_the_models_key_at_its_recorded_position(m
         assert any(shifts != [0] for _, _, shifts in seen)
 
 
+def test_contiguous_generation_that_keeps_every_token_continues_after_the_kept_keys():
+    """generate(evict=False): no more evictions; the new tokens are rotated for N, N+1, ... (right after the kept
+    keys), so every key still sits at its rank."""
+    model = tiny_llama()
+    prompt = torch.randint(0, 256, (1, LENGTH), generator=torch.Generator().manual_seed(5))
+    captured, handles = capture_pre_rope_keys(model)
+    try:
+        state = prefill(model, prompt, build_policy("keydiff", key_rerotation="contiguous"), budget=BUDGET, block_size=BLOCK)
+        generate(model, state, NEW_TOKENS, evict=False)
+        assert state.cache.layers[0].num_entries == BUDGET + NEW_TOKENS - 1
+        assert state.cache.get_seq_length() == BUDGET + NEW_TOKENS - 1
+        check_cache_keys(model, state.cache, captured, rerotated=True)
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 def test_the_reference_itself_matches_the_cache_without_rerotation():
     """The same comparison at the absolute positions holds without re-rotation (the reference is right)."""
     model = tiny_llama(**ROPES["yarn"])

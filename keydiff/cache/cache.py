@@ -223,7 +223,12 @@ class EvictingCache(Cache):
             return first.seen
         if any(layer.seen != first.seen for layer in self.layers):  # a pass is under way
             return self._pass_position
-        return max(layer.entries_after_eviction() if self._evicting else layer.num_entries for layer in self.layers)
+        return max(self._entries_next(layer) for layer in self.layers)
+
+    def _entries_next(self, layer: EvictingLayer) -> int:
+        """Entries the layer holds when the next pass starts: after the pending eviction, or all of them once
+        generation keeps every token (start_generation(evict=False))."""
+        return layer.entries_after_eviction() if self._evicting else layer.num_entries
 
     def _rotary_end(self) -> int | None:
         """Where the kept keys' re-rotated positions end (exclusive): the next token's (contiguous), or None
@@ -242,7 +247,7 @@ class EvictingCache(Cache):
         the kept keys ending right below `next_position()` under contiguous re-rotation."""
         if not self.contiguous:
             return super().get_mask_sizes(query_length, layer_idx)
-        kept = self.layers[layer_idx].entries_after_eviction()
+        kept = self._entries_next(self.layers[layer_idx])
         return kept + query_length, self.next_position() - kept
 
     # --- timings -------------------------------------------------------------------------------
