@@ -24,7 +24,12 @@ Position. The cache counts the tokens it has seen, so `get_seq_length()` is the 
 next token (what transformers relies on: `cache_position` and `position_ids` when none are given, and
 `generate`'s slicing of the prompt) while `entries_held()` is what a layer holds: after prefill of 3058
 tokens with N = 1024, 3058 and 1024. Masks for transformers' own attention functions are sized from it
-(`get_mask_sizes`), so attention-free policies work with stock sdpa/eager/FlashAttention too.
+(`get_mask_sizes`), so attention-free policies work with stock sdpa/eager/FlashAttention too. The one
+exception is contiguous key re-rotation (keydiff.policies.rerotation), where the next token's position
+follows the kept keys: `get_seq_length()` and the masks then use `next_position()`.
+
+Key re-rotation. For a policy with `key_rerotation`, each storage re-applies RoPE to its kept keys after
+each eviction (`Storage.rerotate`, with the inverse frequencies from the model `config` given here).
 
 Eviction. A storage evicts itself when its first layer's next pass arrives (before the new entries are
 written) and `evict()` does it for every storage at once (what the engine calls after every forward pass,
