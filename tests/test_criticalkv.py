@@ -130,7 +130,11 @@ def test_stage_two_changes_the_choice():
     assert any(not torch.equal(a, b) for a, b in zip(plain, critical))
 
 
-def test_output_norms_against_loops_with_grouped_heads():
+@pytest.mark.parametrize("chunk_elements", [1 << 24, 2 * 6 * 20 * 3])  # one product, or chunks of 3 entries
+def test_output_norms_against_loops_with_grouped_heads(chunk_elements, monkeypatch):
+    import keydiff.policies.criticalkv as criticalkv
+
+    monkeypatch.setattr(criticalkv, "NORM_CHUNK_ELEMENTS", chunk_elements)
     g = torch.Generator().manual_seed(0)
     values = torch.randn(2, 3, 7, 8, generator=g)
     weight = torch.randn(20, 6 * 8, generator=g)  # 6 query heads over 3 KV heads

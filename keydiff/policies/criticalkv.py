@@ -55,13 +55,16 @@ logger = logging.getLogger(__name__)
 STATE = "wov_l1"  # the per-entry ||W_o v||_1 (group mean), set when the entry is written
 
 
+NORM_CHUNK_ELEMENTS = 1 << 24  # float32 elements of W_o v computed at once (64 MB)
+
+
 def output_norms(values: torch.Tensor, output_projection: torch.Tensor) -> torch.Tensor:
     """||W_o^h v||_1 averaged over the query heads h of each KV group: float32 [batch, kv_heads, n].
 
     values [batch, kv_heads, n, head_dim]; output_projection [hidden, heads * head_dim] (nn.Linear's weight:
     the output is attn @ weight.T, so query head h's rows of W_o^T are weight[:, h*d:(h+1)*d].T). Query head h
-    reads KV head h // groups (transformers' repeat_kv). One query head at a time, so the transient is
-    [batch, n, hidden], as kvpress does.
+    reads KV head h // groups (transformers' repeat_kv). Every head in one batched product, in chunks of
+    entries so that W_o v ([batch, heads, chunk, hidden]) stays below NORM_CHUNK_ELEMENTS.
     """
     batch, kv_heads, n, dim = values.shape
     hidden = output_projection.shape[0]
@@ -70,13 +73,15 @@ def output_norms(values: torch.Tensor, output_projection: torch.Tensor) -> torch
         raise ValueError(f"output projection {list(output_projection.shape)} does not match values "
                          f"{list(values.shape)} ([hidden, heads x head_dim] with heads a multiple of kv_heads)")
     groups = heads // kv_heads
-    weight = output_projection.float().t().reshape(heads, dim, hidden)  # [H, d, hidden]
+    weight = output_projection.float().t().reshape(kv_heads, groups, dim, hidden)  # head h = (h // groups, h % groups)
     values = values.float()
-    total = values.new_zeros(batch, kv_heads, n)
-    for head in range(heads):
-        projected = values[:, head // groups] @ weight[head]  # [batch, n, hidden]
-        total[:, head // groups] += projected.abs().sum(dim=-1)
-    return total / groups
+    out = values.new_empty(batch, kv_heads, n)
+    chunk = max(1, NORM_CHUNK_ELEMENTS // max(1, batch * heads * hidden))
+    for start in range(0, n, chunk):
+        part = values[:, :, None, start:start + chunk]  # [batch, kv_heads, 1, c, d]
+        projected = part @ weight  # [batch, kv_heads, groups, c, hidden]
+        out[:, :, start:start + chunk] = projected.abs().sum(dim=-1).mean(dim=2)
+    return out
 
 
 def critical_scores(scores: torch.Tensor, norms: torch.Tensor, epsilon: float, log_scores: bool) -> torch.Tensor:
