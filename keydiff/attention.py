@@ -13,6 +13,8 @@ They do two jobs the stock functions cannot:
 
 Queries. For policies that predict future attention (Expected Attention), the function also hands each
 pass's queries to the cache, which keeps their running pre-RoPE mean and covariance (keydiff.queries).
+Output projection. For policies that weigh values by the layer's output projection (CriticalKV), it hands
+`module.o_proj.weight` to the cache once per layer (`record_output_projection`).
 
 The statistic is: for each key, the softmax attention it receives summed over the requested query rows
 and averaged over the query heads that share its KV head (paper §F.2), shape [batch, kv_heads, keys].
@@ -26,7 +28,7 @@ Where the cache comes from: `keydiff_attention(model, cache)` switches the model
 binds `cache` for the duration (a context variable, so nothing is stored on the model). The function asks
 the bound cache which statistic it wants only when the keys it was given are the very tensor that cache's
 layer returned from its `update` (`cache.owns`), and records through the cache's public methods (`timed`,
-`record_attention`, `record_queries`).
+`record_attention`, `record_queries`, `record_output_projection`).
 """
 
 from __future__ import annotations
@@ -184,6 +186,8 @@ def make_attention_function(base: str):
         rows = 0 if evicting_cache is None else evicting_cache.attention_rows_needed(module.layer_idx)
         if evicting_cache is not None and evicting_cache.queries_needed(module.layer_idx):
             evicting_cache.record_queries(module.layer_idx, query, module.config)
+        if evicting_cache is not None and evicting_cache.output_projection_needed(module.layer_idx):
+            evicting_cache.record_output_projection(module.layer_idx, module.o_proj.weight)
         materialize = base == "eager" or (rows != 0 and evicting_cache.statistics == "materialized")
         if materialize:
             output, weights = eager_attention(module, query, key, value, scaling)

@@ -166,7 +166,7 @@ def prefill(
     scratch = max((ids.shape[1] for ids in reconstructions if ids is not None), default=0)
     cache = EvictingCache(
         policy, budget, model.config.get_text_config().num_hidden_layers, statistics=attention_statistics,
-        profile=profile, block_size=step, max_tokens=length, scratch_tokens=scratch,
+        profile=profile, block_size=step, max_tokens=length, scratch_tokens=scratch, config=model.config,
     )
     with keydiff_attention(model, cache):
         _sync(device)

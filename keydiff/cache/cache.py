@@ -24,7 +24,12 @@ Position. The cache counts the tokens it has seen, so `get_seq_length()` is the 
 next token (what transformers relies on: `cache_position` and `position_ids` when none are given, and
 `generate`'s slicing of the prompt) while `entries_held()` is what a layer holds: after prefill of 3058
 tokens with N = 1024, 3058 and 1024. Masks for transformers' own attention functions are sized from it
-(`get_mask_sizes`), so attention-free policies work with stock sdpa/eager/FlashAttention too.
+(`get_mask_sizes`), so attention-free policies work with stock sdpa/eager/FlashAttention too. The one
+exception is contiguous key re-rotation (keydiff.policies.rerotation), where the next token's position
+follows the kept keys: `get_seq_length()` and the masks then use `next_position()`.
+
+Key re-rotation. For a policy with `key_rerotation`, each storage re-applies RoPE to its kept keys after
+each eviction (`Storage.rerotate`, with the inverse frequencies from the model `config` given here).
 
 Eviction. A storage evicts itself when its first layer's next pass arrives (before the new entries are
 written) and `evict()` does it for every storage at once (what the engine calls after every forward pass,
@@ -65,7 +70,8 @@ class EvictingCache(Cache):
     attention: "fast" computes only the rows they need next to the fused attention kernel, "materialized"
     runs eager attention and reads its weights (the paper's latency setting). profile=True synchronises the
     GPU around every statistic and eviction so that `timings` are the kernels' time; it slows the run down,
-    so never time TTFT with it.
+    so never time TTFT with it. config: the model's (text) config, needed only by a policy with
+    `key_rerotation` (the RoPE frequencies the kept keys are re-rotated with).
     """
 
     def __init__(
@@ -78,10 +84,14 @@ class EvictingCache(Cache):
         block_size: int | None = None,
         max_tokens: int | None = None,
         scratch_tokens: int = 0,
+        config: Any = None,
     ):
         if statistics not in STATISTICS_MODES:
             raise ValueError(f"unknown attention statistics mode {statistics!r}; valid: {', '.join(STATISTICS_MODES)}")
         self.policy = policy
+        self.inv_freq = self._rerotation_frequencies(policy, config)
+        self.contiguous = policy.key_rerotation == "contiguous" and policy.evicts
+        self._pass_position = 0  # contiguous re-rotation: the RoPE position of the current pass's first token
         self.budget = budget if policy.evicts else None
         self.num_layers, self.block_size, self.max_tokens = num_layers, block_size, max_tokens
         self.scratch_tokens = scratch_tokens  # room for the longest scratch pass (KVzip's reconstruction)
@@ -96,6 +106,19 @@ class EvictingCache(Cache):
         self._chunk_start: int | None = None  # the scratch pass's `chunk_start`
         self._evicting = True  # False after start_generation(evict=False): the generated tokens are all kept
 
+    @staticmethod
+    def _rerotation_frequencies(policy: Policy, config: Any) -> torch.Tensor | None:
+        """RoPE inverse frequencies (float64) for a policy that re-rotates keys, from the model config as
+        transformers computes them (scaled RoPE types included); None for every other policy."""
+        if policy.key_rerotation is None or not policy.evicts:
+            return None
+        if config is None:
+            raise ValueError(f"policy {policy.name!r} re-rotates keys (key_rerotation): build the cache with "
+                             "config=model.config so that it knows the model's RoPE frequencies")
+        config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return rope_frequencies(config, head_dim)[0]
+
     def _plan_layers(self) -> list[EvictingLayer]:
         """The layers on their storages: one shared stack when the policy and the budgets allow, else one each."""
         policy, count = self.policy, self.num_layers
@@ -108,9 +131,9 @@ class EvictingCache(Cache):
         stackable = (policy.layers_batchable and budgets[0] is not None and len(set(budgets)) == 1
                      and capacities[0] is not None and len(set(capacities)) == 1)
         if stackable:
-            stack = Storage(tuple(range(count)), budgets[0], capacities[0], policy.state_names, policy.initial_state)
+            stack = Storage(tuple(range(count)), budgets[0], capacities[0], policy.state_names, policy.entry_state)
             return [EvictingLayer(budgets[0], capacities[0], layer_idx=i, storage=stack, slot=i) for i in range(count)]
-        return [EvictingLayer(b, c, policy.state_names, policy.initial_state, layer_idx=i)
+        return [EvictingLayer(b, c, policy.state_names, policy.entry_state, layer_idx=i)
                 for i, (b, c) in enumerate(zip(budgets, capacities))]
 
     @staticmethod
@@ -151,6 +174,8 @@ class EvictingCache(Cache):
             return layer.update(key_states, value_states)
         if layer_idx == 0:
             self._refuse_prompt_fed_again(layer, value_states)
+            if self.contiguous:
+                self._pass_position = self.next_position()  # before anything of this pass is written
         joining = storage.count > 1 and storage.keys is not None and layer.seen == 0
         if joining and not storage.fits(key_states, value_states):
             self._split_stack(layer)
@@ -159,8 +184,8 @@ class EvictingCache(Cache):
         # when the first of the storage's layers starts the next pass.
         if self._evicting and layer.seen == storage.seen and storage.pending():
             with self.timed("eviction_s"):
-                storage.evict(self.policy)
-        return layer.update(key_states, value_states)
+                storage.evict(self.policy, self.inv_freq, self._rotary_end())
+        return layer.update(key_states, value_states, position=self._pass_position if self.contiguous else None)
 
     def _refuse_prompt_fed_again(self, layer: EvictingLayer, value_states: torch.Tensor) -> None:
         """Refuse the whole prompt fed a second time (what model.generate does when past_key_values covers all
@@ -191,7 +216,7 @@ class EvictingCache(Cache):
             layer = self.layers[stack.layers[slot]]
             if layer is leaving:
                 own = Storage((layer.layer_idx,), stack.budget, stack.capacity, self.policy.state_names,
-                              self.policy.initial_state)  # nothing written yet: allocated by its first write
+                              self.policy.entry_state)  # nothing written yet: allocated by its first write
                 layer.move_to(own, 0, new_buffers=True)
             else:
                 layer.move_to(part, 0, new_buffers=False)
@@ -202,6 +227,44 @@ class EvictingCache(Cache):
         self.layers = self._plan_layers()
         self._storages = self._distinct_storages()
         self._evicting, self._decoding, self._scratch = True, False, False
+        self._pass_position = 0
+
+    # --- positions (what changes with contiguous key re-rotation) ---------------------------------
+    def next_position(self) -> int:
+        """The RoPE position the next token gets: the tokens seen (its absolute position), except under
+        contiguous key re-rotation, where it follows the kept keys: the most entries any layer holds once
+        the pending eviction is done (layers with fewer sit right-aligned below it). Mid-pass, the pass's own."""
+        first = self.layers[0]
+        if not self.contiguous:
+            return first.seen
+        if any(layer.seen != first.seen for layer in self.layers):  # a pass is under way
+            return self._pass_position
+        return max(self._entries_next(layer) for layer in self.layers)
+
+    def _entries_next(self, layer: EvictingLayer) -> int:
+        """Entries the layer holds when the next pass starts: after the pending eviction, or all of them once
+        generation keeps every token (start_generation(evict=False))."""
+        return layer.entries_after_eviction() if self._evicting else layer.num_entries
+
+    def _rotary_end(self) -> int | None:
+        """Where the kept keys' re-rotated positions end (exclusive): the next token's (contiguous), or None
+        (kvpress: 0..n-1 whatever the next token's position)."""
+        return self.next_position() if self.contiguous else None
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """What transformers derives the next positions from: the tokens seen (see the module), or, under
+        contiguous key re-rotation, `next_position()`."""
+        if self.contiguous:
+            return self.next_position()
+        return super().get_seq_length(layer_idx)
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        """Keys the next pass attends to and the offset of the first (see EvictingLayer.get_mask_sizes), with
+        the kept keys ending right below `next_position()` under contiguous re-rotation."""
+        if not self.contiguous:
+            return super().get_mask_sizes(query_length, layer_idx)
+        kept = self._entries_next(self.layers[layer_idx])
+        return kept + query_length, self.next_position() - kept
 
     # --- timings -------------------------------------------------------------------------------
     def timed(self, name: str) -> "_Timed":
@@ -296,15 +359,29 @@ class EvictingCache(Cache):
             inv_freq, scaling = rope_frequencies(config, query.shape[-1])
             first = self.policy.first_query_position
             storage.queries[slot] = QueryStatistics(inv_freq.to(query.device), scaling, first)
-        storage.queries[slot].update(query, layer.seen - query.shape[2])
+        # The queries were rotated for their RoPE positions: the absolute ones, or the pass's under contiguous re-rotation.
+        start = self._pass_position if self.contiguous else layer.seen - query.shape[2]
+        storage.queries[slot].update(query, start)
+
+    def output_projection_needed(self, layer_idx: int) -> bool:
+        """Whether the attention function must hand this layer's o_proj weight over (CriticalKV): once per layer."""
+        layer = self.layers[layer_idx]
+        return (self.policy.needs_output_projection and layer.budget is not None
+                and layer.storage.output_projection[layer.slot] is None)
+
+    def record_output_projection(self, layer_idx: int, weight: torch.Tensor) -> None:
+        """Keep a reference to layer `layer_idx`'s output projection weight [hidden, heads * head_dim]."""
+        layer = self.layers[layer_idx]
+        layer.storage.output_projection[layer.slot] = weight
 
     def evict(self) -> None:
         """Let the policy observe the pass just run, then shrink every over-budget layer to `budget`."""
         if self.budget is None or not self._evicting:
             return
         with self.timed("eviction_s"):
+            end = self._rotary_end()
             for storage in self._storages:
-                storage.evict(self.policy)
+                storage.evict(self.policy, self.inv_freq, end)
 
     def start_generation(self, new_tokens: int, evict: bool = True) -> None:
         """Prepare to decode up to `new_tokens` tokens: with evict=False every generated token is kept (no

@@ -33,7 +33,7 @@ class EvictingLayer(CacheLayerMixin):
         budget: int | None,
         capacity: int | None,
         state_names: tuple[str, ...] = (),
-        initial_state: Callable[[torch.Tensor], dict[str, torch.Tensor]] | None = None,
+        entry_state: Callable[[LayerView], dict[str, torch.Tensor]] | None = None,
         layer_idx: int = 0,
         storage: Storage | None = None,
         slot: int = 0,
@@ -42,7 +42,7 @@ class EvictingLayer(CacheLayerMixin):
         self.is_initialized = False
         self.layer_idx = layer_idx
         self.storage = storage if storage is not None else Storage((layer_idx,), budget, capacity, state_names,
-                                                                   initial_state)
+                                                                   entry_state)
         self.slot = slot
         self.seen = 0  # tokens this layer has been given: the absolute position of the next one
         self.returned_keys: torch.Tensor | None = None  # what the last `update` returned (see module docstring)
@@ -120,9 +120,12 @@ class EvictingLayer(CacheLayerMixin):
         self.is_initialized = True
 
     def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, position: int | None = None, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write a pass's keys/values [batch, kv_heads, q, dim] after the kept entries; return the valid ones."""
+        """Write a pass's keys/values [batch, kv_heads, q, dim] after the kept entries; return the valid ones.
+
+        position: the RoPE position the pass's first token was rotated for (key re-rotation; default: the
+        tokens seen, i.e. its absolute position)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         keys = self.storage.keys
@@ -131,7 +134,7 @@ class EvictingLayer(CacheLayerMixin):
                 f"the batch changed from {keys.shape[1]} to {key_states.shape[0]} rows: an evicting cache supports "
                 "neither beam search nor num_return_sequences; use keydiff.generate (greedy or sampling)"
             )
-        keys, values = self.storage.write(self.slot, key_states, value_states, self.seen)
+        keys, values = self.storage.write(self.slot, key_states, value_states, self.seen, position)
         self.seen += key_states.shape[-2]
         self.returned_keys = keys
         return keys, values
@@ -145,9 +148,10 @@ class EvictingLayer(CacheLayerMixin):
             raise ValueError(f"this is layer {self.layer_idx}, not layer {layer_idx}")
         return self.storage.view(self.slot)
 
-    def evict(self, policy: Policy) -> None:
-        """Observe and evict this layer's storage (with every layer that shares it)."""
-        self.storage.evict(policy)
+    def evict(self, policy: Policy, inv_freq: torch.Tensor | None = None) -> None:
+        """Observe and evict this layer's storage (with every layer that shares it; `inv_freq`: the RoPE
+        frequencies a policy with key_rerotation needs)."""
+        self.storage.evict(policy, inv_freq)
 
     def record_attention(self, statistic: torch.Tensor | None) -> None:
         self.storage.attention[self.slot] = statistic
@@ -198,5 +202,5 @@ class EvictingLayer(CacheLayerMixin):
         old = self.storage
         if old.count > 1:
             raise NotImplementedError("this layer shares its storage with other layers: reset the whole cache")
-        self.storage = Storage(old.layers, old.budget, old.capacity, old.state_names, old.initial_state)
+        self.storage = Storage(old.layers, old.budget, old.capacity, old.state_names, old.entry_state)
         self.seen, self.returned_keys, self.earlier_allocations, self.is_initialized = 0, None, 0, False

@@ -22,7 +22,8 @@ from typing import Callable
 import torch
 
 from keydiff.policies.base import LayerView, Policy
-from keydiff.queries import QueryStatistics
+from keydiff.policies.rerotation import STATE as ROTARY_STATE
+from keydiff.queries import QueryStatistics, rotate
 
 
 def empty_buffers(
@@ -54,13 +55,13 @@ class Storage:
         budget: int | None,
         capacity: int | None,
         state_names: tuple[str, ...] = (),
-        initial_state: Callable[[torch.Tensor], dict[str, torch.Tensor]] | None = None,
+        entry_state: Callable[[LayerView], dict[str, torch.Tensor]] | None = None,
     ):
         self.layers = tuple(layers)
         self.budget = budget
         self.capacity = capacity
         self.state_names = state_names
-        self.initial_state = initial_state  # the policy's `initial_state`: state of newly written entries
+        self.entry_state = entry_state  # the policy's `entry_state`: state of newly written entries
         self.keys: torch.Tensor | None = None  # [count, batch, kv_heads, capacity, dim]
         self.values: torch.Tensor | None = None
         self.positions: torch.Tensor | None = None  # [count, batch, kv_heads, capacity] long
@@ -69,6 +70,8 @@ class Storage:
         # Per slot: the attention statistic of the last pass [batch, kv_heads, entries] and running query moments.
         self.attention: list[torch.Tensor | None] = [None] * len(self.layers)
         self.queries: list[QueryStatistics | None] = [None] * len(self.layers)
+        # Per slot: the layer's o_proj weight, for policies with `needs_output_projection` (a reference, not a copy).
+        self.output_projection: list[torch.Tensor | None] = [None] * len(self.layers)
         self.num_entries = 0  # valid entries per layer and KV head (the same for every head and slot)
         self.seen = 0  # tokens written into the first slot: the absolute position of the next one
         self.max_entries = 0  # peak entries per head ever held
@@ -137,11 +140,12 @@ class Storage:
         stack when one of its layers needs buffers of its own (its layers then evict one by one)."""
         parts = []
         for slot, layer in enumerate(self.layers):
-            part = Storage((layer,), self.budget, self.capacity, self.state_names, self.initial_state)
+            part = Storage((layer,), self.budget, self.capacity, self.state_names, self.entry_state)
             if self.keys is not None:
                 part.adopt(self.keys[slot : slot + 1], self.values[slot : slot + 1], self.positions[slot : slot + 1],
                            {name: s[slot : slot + 1] for name, s in self.state.items()})
             part.attention, part.queries = [self.attention[slot]], [self.queries[slot]]
+            part.output_projection = [self.output_projection[slot]]
             part.num_entries, part.seen, part.max_entries = self.num_entries, self.seen, self.max_entries
             part.allocations, part.fresh = self.allocations, self.fresh
             part.max_scratch_entries = self.max_scratch_entries
@@ -150,11 +154,13 @@ class Storage:
 
     # --- writes -------------------------------------------------------------------------------
     def write(self, slot: int, key_states: torch.Tensor, value_states: torch.Tensor,
-              layer_seen: int) -> tuple[torch.Tensor, torch.Tensor]:
+              layer_seen: int, position: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Write one layer's pass [batch, kv_heads, q, dim] after the kept entries; return its valid entries.
 
         layer_seen: the tokens this layer had been given before the pass. The first layer to write in a pass
-        (layer_seen == seen) makes room and writes the positions for every slot.
+        (layer_seen == seen) makes room and writes the positions for every slot, and, for a policy that
+        re-rotates keys, the RoPE positions the new keys were rotated for (from `position`, default the
+        absolute one).
         """
         q = key_states.shape[-2]
         if layer_seen == self.seen:
@@ -166,6 +172,9 @@ class Storage:
                 self.positions[..., start].fill_(self.seen)
             else:
                 self.positions[..., start:needed] = torch.arange(self.seen, self.seen + q, device=key_states.device)
+            if ROTARY_STATE in self.state:
+                first = self.seen if position is None else position
+                self.state[ROTARY_STATE][..., start:needed] = torch.arange(first, first + q, device=key_states.device)
             if self.state and self.fresh is None:
                 self.fresh = start  # their state is set when the storage is next viewed (once for every slot)
             self.num_entries, self.seen = needed, self.seen + q
@@ -185,18 +194,26 @@ class Storage:
         return keys[:, :, :needed], values[:, :, :needed]
 
     def initialize_state(self) -> None:
-        """Set the policy state of the entries written since the last view: `initial_state` of their keys, else 0.
+        """Set the policy state of the entries written since the last view: the policy's `entry_state` of a
+        view of them, else 0.
 
-        Deferred from `write` to here so that it runs once for every slot.
+        Deferred from `write` to here so that it runs once for every slot (and after the forward pass, so that
+        what the attention function recorded, e.g. the output projection, is there).
         """
         start, n = self.fresh, self.num_entries
         self.fresh = None
         if start is None or start >= n:
             return
         rows = self.rows
-        initial = self.initial_state(rows["keys"][:, :, start:n]) if self.initial_state is not None else {}
+        initial = {}
+        if self.entry_state is not None:
+            entries = LayerView(keys=rows["keys"][:, :, start:n], values=rows["values"][:, :, start:n],
+                                positions=rows["positions"][:, :, start:n], attention=None, state={},
+                                layers=self.layers, output_projection=self.slot_output_projection())
+            initial = self.entry_state(entries)
         for name, buffer in rows["state"].items():
-            buffer[:, :, start:n] = initial.get(name, 0.0)
+            if name != ROTARY_STATE:  # written with the entries (`write`)
+                buffer[:, :, start:n] = initial.get(name, 0.0)
 
     # --- scratch passes ------------------------------------------------------------------------
     def begin_scratch(self) -> None:
@@ -225,6 +242,7 @@ class Storage:
         """The valid entries as a policy sees them, in buffer order: one slot's, or (None) every slot's rows."""
         self.initialize_state()
         n = self.num_entries
+        projection = self.slot_output_projection(slot)
         if slot is None:
             buffers, layers, queries = self.rows, self.layers, (self.queries[0] if self.count == 1 else None)
             attention = self.attention[0] if self.count == 1 else self.stacked_attention()
@@ -239,7 +257,14 @@ class Storage:
             state={name: buffer[:, :, :n] for name, buffer in buffers["state"].items()},
             layers=layers,
             queries=queries,
+            output_projection=projection,
         )
+
+    def slot_output_projection(self, slot: int | None = None) -> torch.Tensor | None:
+        """The o_proj weight of one slot, or (None) of the storage's only slot; None for a stack's rows."""
+        if slot is None:
+            return self.output_projection[0] if self.count == 1 else None
+        return self.output_projection[slot]
 
     def stacked_attention(self) -> torch.Tensor | None:
         """Every slot's statistic as one [count * batch, kv_heads, entries] tensor (None if none was recorded)."""
@@ -255,8 +280,10 @@ class Storage:
         """Whether the last pass left something to do: a statistic to observe or entries over the budget."""
         return self.budget is not None and (self.num_entries > self.budget or self.attention.count(None) < self.count)
 
-    def evict(self, policy: Policy) -> None:
-        """Observe the last pass's statistics, then drop entries until at most `budget` remain, in place."""
+    def evict(self, policy: Policy, inv_freq: torch.Tensor | None = None, rotary_end: int | None = None) -> None:
+        """Observe the last pass's statistics, then drop entries until at most `budget` remain, in place; then,
+        for a policy with `key_rerotation`, re-rotate the kept keys (RoPE inverse frequencies `inv_freq`; see
+        `rerotate` for `rotary_end`)."""
         if self.budget is None or self.keys is None:
             self.attention = [None] * self.count
             return
@@ -277,7 +304,32 @@ class Storage:
                     "keydiff.generate do)"
                 )
             self.drop(policy.evict_indices(view, self.budget))
+            if policy.key_rerotation is not None:
+                if inv_freq is None:
+                    raise RuntimeError(f"policy {policy.name!r} re-rotates keys but the cache was given no RoPE "
+                                       "frequencies: build EvictingCache(..., config=model.config)")
+                self.rerotate(inv_freq, rotary_end)
         self.attention = [None] * self.count
+
+    def rerotate(self, inv_freq: torch.Tensor, end: int | None = None) -> None:
+        """Re-apply RoPE so that each head's kept keys sit at contiguous positions in the order of their
+        absolute positions (keydiff.policies.rerotation): 0..n-1, or end-n..end-1 when `end` is given (the
+        contiguous mode: the next token's position). A key rotated for position r (state "rotary_position") is
+        rotated by the angle of (target - r). Angles in float64, the product in float32, cast back to the
+        cache's dtype; values, positions and the other state are untouched."""
+        n = self.num_entries
+        offset = 0 if end is None else end - n
+        positions = self.rows["positions"][:, :, :n]
+        rotary = self.rows["state"][ROTARY_STATE][:, :, :n]
+        keys = self.rows["keys"][:, :, :n]
+        order = positions.argsort(dim=-1)
+        ranks = torch.arange(offset, offset + n, device=order.device).expand_as(order)
+        target = torch.empty_like(order).scatter_(-1, order, ranks)
+        delta = (target - rotary.long()).double()
+        angles = delta[..., None] * inv_freq.to(device=keys.device, dtype=torch.float64)  # [rows, heads, n, d/2]
+        rotated = rotate(keys.float(), angles.cos().float(), angles.sin().float())
+        keys.copy_(rotated.to(keys.dtype))
+        rotary.copy_(target)
 
     def drop(self, dropped: torch.Tensor) -> None:
         """Remove the entries at `dropped` [rows, kv_heads, excess] by moving surviving tail entries into them.

@@ -3,7 +3,8 @@
 Each policy is one small dataclass in its own module; `POLICIES` maps the config name to the class. A recent
 window and per-layer budgets are wrappers around any of them (`keydiff.policies.wrappers`): `build_policy`
 composes them from the flat parameters the configs use (`window_fraction` / `recent_fraction` where the
-policy names one, `chunk_length` (ChunkKV, `keydiff.policies.chunkkv`) and `layer_budgets` for every policy), so the line above is `RecentWindow(KeyDiff(),
+policy names one, `chunk_length` (ChunkKV, `keydiff.policies.chunkkv`), `critical` (CriticalKV, `keydiff.policies.criticalkv`),
+`key_rerotation` (`keydiff.policies.rerotation`) and `layer_budgets` for every policy), so the line above is `RecentWindow(KeyDiff(),
 fraction=0.2)`, which Python users may also write themselves.
 A dotted path names a policy written anywhere else (`build_policy("my_lab.policies.MyPolicy", alpha=0.3)`):
 the module is imported and the class must subclass `Policy` and be a @dataclass itself (what
@@ -18,6 +19,7 @@ from typing import Any
 
 from keydiff.policies.base import LayerView, Policy, layer_by_layer
 from keydiff.policies.chunkkv import Chunked
+from keydiff.policies.criticalkv import Critical
 from keydiff.policies.expected_attention import ExpectedAttention
 from keydiff.policies.full import Full
 from keydiff.policies.h2o import H2O
@@ -27,6 +29,7 @@ from keydiff.policies.kvzip import KVzip
 from keydiff.policies.lagkv import LagKV
 from keydiff.policies.random import Random
 from keydiff.policies.recent import Recent
+from keydiff.policies.rerotation import Rerotated, rerotation_mode
 from keydiff.policies.sink import Sink
 from keydiff.policies.snapkv import SnapKV
 from keydiff.policies.tova import TOVA
@@ -89,27 +92,51 @@ def require_own_dataclass(cls: type[Policy], what: str) -> None:
 
 def policy_parameters(cls: type[Policy]) -> list[str]:
     """The parameters `build_policy` takes for `cls`: its own fields, the name it gives a recent window (if
-    any), then `chunk_length` (ChunkKV) and `layer_budgets`, which every policy takes."""
+    any), then those every policy takes: `chunk_length`/`chunk_scope` (ChunkKV), `critical`/`critical_epsilon`/
+    `first_stage_ratio` (CriticalKV), `key_rerotation` and `layer_budgets`."""
     own = [f.name for f in dataclasses.fields(cls) if f.init]
     window = [cls.recent_window_parameter] if cls.recent_window_parameter else []
-    return own + window + ["chunk_length", "chunk_scope", "layer_budgets"]
+    return own + window + ["chunk_length", "chunk_scope", *CRITICAL_PARAMETERS, "key_rerotation", "layer_budgets"]
+
+
+CRITICAL_PARAMETERS = ("critical", "critical_epsilon", "first_stage_ratio")
+
+
+def critical_wrapper(policy: Policy, params: dict[str, Any]) -> Policy:
+    """`policy` in a Critical wrapper when `critical` is true (its parameters popped from `params`); its epsilon
+    or ratio without `critical: true` is an error (they would be ignored silently)."""
+    critical = params.pop("critical", False)
+    options = {name: params.pop(name) for name in CRITICAL_PARAMETERS[1:] if name in params}
+    if not isinstance(critical, bool):
+        raise ValueError(f"critical must be true or false, got {critical!r}")
+    if not critical:
+        if options:
+            raise ValueError(f"{', '.join(options)} given without critical: true (CriticalKV); set critical: true or drop them")
+        return policy
+    return Critical(policy, **{"epsilon" if name == "critical_epsilon" else name: value for name, value in options.items()})
 
 
 def compose_policy(cls: type[Policy], **params: Any) -> Policy:
     """`cls` built with its own parameters, in the wrappers the others name: RecentWindow (always, for a class
     that names a window parameter, so that its fraction is recorded even when 0), Chunked (when a
-    chunk_length is given: ChunkKV) and LayerBudgets (when a schedule is given), innermost first."""
+    chunk_length is given: ChunkKV), Critical (critical: true: CriticalKV), Rerotated (key_rerotation: true) and
+    LayerBudgets (when a schedule is given), innermost first."""
     params = dict(params)
     schedule = params.pop("layer_budgets", None)
     chunk_length = params.pop("chunk_length", None)
     chunk_scope = params.pop("chunk_scope", "layer")
+    rerotation = rerotation_mode(params.pop("key_rerotation", None))
     window = cls.recent_window_parameter
     fraction = params.pop(window, 0.0) if window else None
+    critical_params = {name: params.pop(name) for name in CRITICAL_PARAMETERS if name in params}
     policy: Policy = cls(**params)
     if fraction is not None:
         policy = RecentWindow(policy, fraction=fraction)
     if chunk_length is not None:
         policy = Chunked(policy, chunk_length=chunk_length, scope=chunk_scope)
+    policy = critical_wrapper(policy, critical_params)
+    if rerotation is not None:
+        policy = Rerotated(policy, mode=rerotation)
     if schedule is not None:
         policy = LayerBudgets(policy, schedule=schedule)
     return policy
@@ -130,5 +157,5 @@ def build_policy(name: str, **params: Any) -> Policy:
     return compose_policy(cls, **params)
 
 
-__all__ = ["POLICIES", "Chunked", "LayerBudgets", "LayerView", "Policy", "PolicyWrapper", "RecentWindow", "available_policies", "build_policy",
+__all__ = ["POLICIES", "Chunked", "Critical", "LayerBudgets", "Rerotated", "LayerView", "Policy", "PolicyWrapper", "RecentWindow", "available_policies", "build_policy",
            "compose_policy", "layer_by_layer", "policy_class", "policy_parameters", "require_own_dataclass"] + [c.__name__ for c in POLICIES.values()]

@@ -54,6 +54,9 @@ class LayerView:
     # Running mean/covariance of this layer's pre-RoPE queries (every pass so far), for policies with
     # `needs_queries`; None otherwise.
     queries: QueryStatistics | None = None
+    # The layer's attention output projection (o_proj.weight, [hidden, heads * head_dim], as the model holds it),
+    # for policies with `needs_output_projection` (CriticalKV); None otherwise and in stacked views.
+    output_projection: torch.Tensor | None = None
 
     def __post_init__(self):
         if type(self.layers) is tuple:  # the cache's views: nothing to convert (cheap, it runs at every eviction)
@@ -149,6 +152,23 @@ class Policy:
         return 0
 
     @property
+    def needs_output_projection(self) -> bool:
+        """True if the policy reads `LayerView.output_projection` (the layer's o_proj weight; CriticalKV)."""
+        return False
+
+    @property
+    def key_rerotation(self) -> str | None:
+        """None, or how the cache re-applies RoPE to the kept keys after each eviction ("kvpress": at positions
+        0..n-1 in position order; "contiguous": right below the next token's; see keydiff.policies.rerotation)."""
+        return None
+
+    @property
+    def log_scores(self) -> bool:
+        """True if `score` returns the logarithm of a non-negative importance (Expected Attention): what a
+        wrapper that rescales scores (CriticalKV) needs to know to combine them."""
+        return False
+
+    @property
     def layers_batchable(self) -> bool:
         """True if every batch row of a view is scored the same way, by its own entries only, whatever its layer
         (no layer_idx, no per-layer queries, no random draws, no reduction across rows). The cache may then
@@ -192,6 +212,12 @@ class Policy:
         inverse key norm) so that scoring does not recompute them for the whole cache at every step.
         """
         return {}
+
+    def entry_state(self, entries: LayerView) -> dict[str, torch.Tensor]:
+        """State of newly written entries from a view of them (keys, values, positions, output_projection;
+        no attention, no state). What the cache calls; by default `initial_state(entries.keys)`. A policy
+        whose per-entry quantity needs more than the keys (CriticalKV: ||W_o v||_1) overrides this instead."""
+        return self.initial_state(entries.keys)
 
     def observe(self, layer: LayerView) -> None:
         """Update per-entry state in `layer.state` after a forward pass (default: stateless)."""

@@ -44,6 +44,7 @@ from keydiff.queries import mean_rotation
 class ExpectedAttention(Policy):
     name: ClassVar[str] = "expected_attention"
     needs_queries: ClassVar[bool] = True
+    log_scores: ClassVar[bool] = True  # score() is log((expected attention + epsilon) x ||v||)
     n_future_positions: int = 512
     n_sink: int = 4
     use_covariance: bool = True

@@ -91,6 +91,18 @@ class PolicyWrapper(Policy):
         return self.scorer.first_query_position
 
     @property
+    def needs_output_projection(self) -> bool:
+        return self.scorer.needs_output_projection
+
+    @property
+    def key_rerotation(self) -> str | None:
+        return self.scorer.key_rerotation
+
+    @property
+    def log_scores(self) -> bool:
+        return self.scorer.log_scores
+
+    @property
     def layers_batchable(self) -> bool:
         return self.scorer.layers_batchable
 
@@ -111,6 +123,9 @@ class PolicyWrapper(Policy):
 
     def initial_state(self, keys: torch.Tensor) -> dict[str, torch.Tensor]:
         return self.scorer.initial_state(keys)
+
+    def entry_state(self, entries: LayerView) -> dict[str, torch.Tensor]:
+        return self.scorer.entry_state(entries)
 
     def observe(self, layer: LayerView) -> None:
         self.scorer.observe(layer)

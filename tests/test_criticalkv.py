@@ -1,0 +1,218 @@
+"""CriticalKV (keydiff.policies.criticalkv.Critical) against a brute-force reference written as plain loops, at
+every eviction of a real block-wise prefill and decoding on the tiny model."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from keydiff.engine import generate, prefill
+from keydiff.policies import Critical, build_policy
+from keydiff.policies.base import LayerView
+from keydiff.policies.criticalkv import STATE, critical_scores, output_norms
+from keydiff.testing import check_policy, variant
+from tests.conftest import tiny_llama
+
+BUDGET, BLOCK, LENGTH = 40, 16, 150
+
+
+def brute_force_norms(values: torch.Tensor, weight: torch.Tensor, heads: int) -> torch.Tensor:
+    """||W_o^h v||_1 averaged over the query heads of each KV group, one head and one entry at a time."""
+    batch, kv_heads, n, dim = values.shape
+    groups = heads // kv_heads
+    out = torch.zeros(batch, kv_heads, n, dtype=torch.float64)
+    for b in range(batch):
+        for j in range(kv_heads):
+            for e in range(n):
+                total = 0.0
+                for h in range(j * groups, (j + 1) * groups):  # the query heads reading KV head j (repeat_kv)
+                    rows = weight[:, h * dim:(h + 1) * dim].double()  # o_proj's input columns of head h
+                    total += float((rows @ values[b, j, e].double()).abs().sum())
+                out[b, j, e] = total / groups
+    return out
+
+
+def reference_kept(raw, protect, norms, positions, budget, ratio, epsilon, log_scores=False) -> list[list[list[int]]]:
+    """Kept positions per (row, head) by loops: protected entries; then the floor(ratio x budget) best raw scores
+    (protected ranked first, ties to the newer position); then the best (score' + eps) x norm until the budget."""
+    kept = []
+    for b in range(positions.shape[0]):
+        row = []
+        for h in range(positions.shape[1]):
+            pos = positions[b, h].tolist()
+            score = raw[b, h].float().tolist()
+            prot = protect[b, h].tolist() if protect is not None else [False] * len(pos)
+            norm = norms[b, h].tolist()
+            order = sorted(range(len(pos)), key=lambda i: (prot[i], score[i], pos[i]), reverse=True)
+            stage_one = set(order[:math.floor(ratio * budget + 1e-9)]) | {i for i in range(len(pos)) if prot[i]}
+            shift = min(0.0, min(s for s in score if math.isfinite(s)))
+            def rescaled(i):
+                if log_scores:
+                    return math.log(math.exp(score[i]) + epsilon) + math.log(norm[i])
+                return (score[i] - shift + epsilon) * norm[i]
+            rest = sorted((i for i in range(len(pos)) if i not in stage_one), key=lambda i: (rescaled(i), pos[i]), reverse=True)
+            keep = list(stage_one) + rest[:budget - len(stage_one)]
+            row.append(sorted(pos[i] for i in keep))
+        kept.append(row)
+    return kept
+
+
+def recorded_run(policy: Critical, model, prompt, new_tokens=6):
+    """Run prefill + decoding with a variant of `policy` that records, at every eviction, what the policy saw and
+    what it kept (all tensors copied)."""
+    records = []
+
+    def evict_indices(self, layer: LayerView, budget: int) -> torch.Tensor:
+        raw = self.scorer.score(layer).clone()
+        protect = self.scorer.protected(layer, budget)
+        dropped = super(type(self), self).evict_indices(layer, budget)
+        keep = torch.ones_like(layer.positions, dtype=torch.bool).scatter_(-1, dropped, False)
+        kept = [[sorted(layer.positions[b, h][keep[b, h]].tolist()) for h in range(keep.shape[1])]
+                for b in range(keep.shape[0])]
+        records.append({"layer": layer.layer_idx, "values": layer.values.clone(), "positions": layer.positions.clone(),
+                        "raw": raw, "protect": None if protect is None else protect.clone(),
+                        "norms": layer.state[STATE].clone(), "budget": budget, "kept": kept})
+        return dropped
+
+    recording = variant(policy, evict_indices=evict_indices)
+    state = prefill(model, prompt, recording, budget=BUDGET, block_size=BLOCK)
+    generate(model, state, new_tokens)
+    return records
+
+
+@pytest.mark.parametrize("name, params", [
+    ("snapkv", {}),  # attention scores (non-negative): kvpress's formula as it is
+    ("keydiff", {"window_fraction": 0.2}),  # negative scores (-cos), a recent window protected
+    ("tova", {"critical_epsilon": 0.01, "first_stage_ratio": 0.25}),
+    ("expected_attention", {"use_vnorm": False}),  # log scores
+])
+def test_every_eviction_matches_the_brute_force_reference(name, params):
+    model = tiny_llama()
+    prompt = torch.randint(0, 256, (1, LENGTH), generator=torch.Generator().manual_seed(3))
+    policy = build_policy(name, critical=True, **params)
+    records = recorded_run(policy, model, prompt)
+    layers = model.model.layers
+    heads = model.config.num_attention_heads
+    block_ends = [min(end, LENGTH) for end in range(BLOCK, LENGTH + BLOCK, BLOCK)]
+    assert len(records) == 3 * (sum(end > BUDGET for end in block_ends) + 5)  # per layer: every over-full block, 5 decoded tokens
+    for record in records:
+        weight = layers[record["layer"]].self_attn.o_proj.weight.detach()
+        expected_norms = brute_force_norms(record["values"], weight, heads)
+        torch.testing.assert_close(record["norms"].double(), expected_norms, rtol=1e-5, atol=1e-6)
+        expected = reference_kept(record["raw"], record["protect"], record["norms"], record["positions"], record["budget"],
+                                  policy.first_stage_ratio, policy.epsilon, policy.scorer.log_scores)
+        assert record["kept"] == expected, f"layer {record['layer']}: CriticalKV kept other entries than the reference"
+
+
+def test_first_stage_entries_are_always_kept():
+    """The floor(ratio x budget) best entries by the scorer's own scores survive every eviction, even when their
+    output norm is tiny: stage 2 never competes with them."""
+    model = tiny_llama()
+    prompt = torch.randint(0, 256, (1, LENGTH), generator=torch.Generator().manual_seed(4))
+    records = recorded_run(build_policy("keydiff", critical=True, first_stage_ratio=0.5), model, prompt)
+    for record in records:
+        raw, positions = record["raw"], record["positions"]
+        count = math.floor(0.5 * record["budget"])
+        for h in range(raw.shape[1]):
+            order = sorted(range(raw.shape[2]), key=lambda i: (float(raw[0, h, i]), int(positions[0, h, i])), reverse=True)
+            best = {int(positions[0, h, i]) for i in order[:count]}
+            assert best <= set(record["kept"][0][h])
+
+
+def test_stage_two_changes_the_choice():
+    """Critical keeps other entries than its scorer alone (otherwise the reference test would prove little)."""
+    model = tiny_llama()
+    prompt = torch.randint(0, 256, (1, LENGTH), generator=torch.Generator().manual_seed(3))
+    plain = prefill(model, prompt, build_policy("snapkv"), budget=BUDGET, block_size=BLOCK).kept_positions
+    critical = prefill(model, prompt, build_policy("snapkv", critical=True), budget=BUDGET, block_size=BLOCK).kept_positions
+    assert any(not torch.equal(a, b) for a, b in zip(plain, critical))
+
+
+@pytest.mark.parametrize("chunk_elements", [1 << 24, 2 * 6 * 20 * 3])  # one product, or chunks of 3 entries
+def test_output_norms_against_loops_with_grouped_heads(chunk_elements, monkeypatch):
+    import keydiff.policies.criticalkv as criticalkv
+
+    monkeypatch.setattr(criticalkv, "NORM_CHUNK_ELEMENTS", chunk_elements)
+    g = torch.Generator().manual_seed(0)
+    values = torch.randn(2, 3, 7, 8, generator=g)
+    weight = torch.randn(20, 6 * 8, generator=g)  # 6 query heads over 3 KV heads
+    torch.testing.assert_close(output_norms(values, weight).double(), brute_force_norms(values, weight, 6), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="does not match values"):
+        output_norms(values, torch.randn(20, 5 * 8))
+
+
+def test_negative_scores_are_shifted_so_a_larger_norm_never_lowers_an_entry():
+    scores = torch.tensor([[[-0.9, -0.2, 0.3]]])
+    low, high = critical_scores(scores, torch.ones(1, 1, 3), 1e-4, False), critical_scores(scores, torch.full((1, 1, 3), 2.0), 1e-4, False)
+    assert bool((high >= low).all())  # without the shift (-0.9 + eps) x 2 < (-0.9 + eps) x 1
+    torch.testing.assert_close(low, torch.tensor([[[1e-4, 0.7 + 1e-4, 1.2 + 1e-4]]]))
+    # Non-negative scores are kvpress's formula as it is.
+    plain = torch.tensor([[[0.1, 0.5]]])
+    torch.testing.assert_close(critical_scores(plain, torch.tensor([[[3.0, 1.0]]]), 0.01, False), torch.tensor([[[0.33, 0.51]]]))
+    # Log scores: log((exp(s) + eps) x norm).
+    logs = torch.tensor([[[-5.0, -1.0]]])
+    expected = torch.log((logs.exp() + 0.01) * torch.tensor([[[2.0, 0.5]]]))
+    torch.testing.assert_close(critical_scores(logs, torch.tensor([[[2.0, 0.5]]]), 0.01, True), expected)
+
+
+@pytest.mark.parametrize("name, params", [
+    ("snapkv", {"critical": True}),
+    ("keydiff", {"critical": True, "window_fraction": 0.2}),
+    ("h2o", {"critical": True, "recent_fraction": 0.5}),
+    ("keydiff", {"critical": True, "layer_budgets": {"schedule": "pyramid", "beta": 4, "window": 0}}),
+])
+def test_check_policy_passes(name, params):
+    summary = check_policy(name, **params)
+    assert summary["evictions"] > 0 and not summary["stacked"]
+
+
+@pytest.mark.parametrize("params, message", [
+    ({"critical": True, "first_stage_ratio": 1.5}, r"first_stage_ratio must be in \[0, 1\], got 1.5"),
+    ({"critical": True, "critical_epsilon": -1e-3}, "critical_epsilon must be >= 0"),
+    ({"critical": True, "critical_epsilon": "small"}, "critical_epsilon must be a finite number"),
+    ({"critical": "yes"}, "critical must be true or false"),
+    ({"first_stage_ratio": 0.3}, "first_stage_ratio given without critical: true"),
+    ({"critical_eps": 0.1}, r"no parameter\(s\) critical_eps; valid: .*critical, critical_epsilon, first_stage_ratio"),
+])
+def test_bad_values_fail_with_one_clear_line(params, message):
+    with pytest.raises(ValueError, match=message) as error:
+        build_policy("snapkv", **params)
+    assert "\n" not in str(error.value)
+
+
+def test_describe_round_trips_and_leaves_plain_policies_alone():
+    policy = build_policy("keydiff", window_fraction=0.1, critical=True, critical_epsilon=1e-3, first_stage_ratio=0.25)
+    described = policy.describe()
+    assert described == {"name": "keydiff", "anchor": "normalized_mean", "metric": "cosine", "window_fraction": 0.1,
+                         "critical": True, "critical_epsilon": 1e-3, "first_stage_ratio": 0.25, "layer_budgets": None}
+    assert build_policy(**described).describe() == described
+    for name in ("keydiff", "snapkv", "h2o", "expected_attention"):
+        assert "critical" not in build_policy(name).describe()
+    assert type(build_policy("snapkv", critical=False)).__name__ == "SnapKV"
+
+
+def test_needs_the_attention_function_for_the_output_projection():
+    """Without keydiff_attention bound nobody hands o_proj over: a clear error, not a silent zero norm."""
+    from keydiff.cache import EvictingCache
+
+    model = tiny_llama()
+    cache = EvictingCache(build_policy("knorm", critical=True), 8, 3, block_size=8)
+    ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model(input_ids=ids, past_key_values=cache, use_cache=True)
+        with pytest.raises(RuntimeError, match="needs the layer's output projection"):
+            cache.evict()
+
+
+def test_stage_one_with_per_head_counts_for_head_budgets():
+    """The AdaKV form picks stage 1 per KV head with that head's count: the first count_h of each head's ranking."""
+    from keydiff.policies.criticalkv import first_stage
+
+    scores = torch.tensor([[[0.1, 0.9, 0.5, 0.3], [0.4, 0.2, 0.8, 0.6]]])
+    positions = torch.arange(4).expand(1, 2, 4)
+    chosen = first_stage(scores, positions, None, torch.tensor([[1, 3]]))
+    assert chosen.tolist() == [[[False, True, False, False], [True, False, True, True]]]
+    uniform = first_stage(scores, positions, torch.tensor([[[True, False, False, False], [False] * 4]]), 2)
+    assert uniform.tolist() == [[[True, True, False, False], [False, False, True, True]]]  # protected ranks first

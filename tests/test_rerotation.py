@@ -1,0 +1,261 @@
+"""Key re-rotation (keydiff.policies.rerotation, done by keydiff.cache.storage.Storage.rerotate): the kept keys
+equal the model's own keys recomputed from the pre-RoPE keys (k_proj's output, captured by a forward hook) at
+their new positions (0..n-1, or right below the next token's under "contiguous"), and at every eviction every
+cached key is the model's key at the position the cache records for it (new tokens: absolute, or following the
+kept keys); without it nothing changes; with it results differ once something was evicted."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from keydiff.cache import EvictingCache
+from keydiff.engine import generate, prefill
+from keydiff.policies import Rerotated, build_policy
+from keydiff.policies.rerotation import STATE
+from keydiff.testing import check_policy, variant
+from tests.conftest import tiny_llama
+
+BUDGET, BLOCK, LENGTH, NEW_TOKENS = 40, 16, 150, 6
+ROPES = {
+    "default": {},
+    "llama3": {"rope_parameters": {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 64}},
+    "yarn": {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                 "original_max_position_embeddings": 64}},  # attention_scaling != 1
+}
+
+
+def capture_pre_rope_keys(model):
+    """Hooks on every layer's k_proj: the pre-RoPE keys of every pass, in order (one list per layer)."""
+    captured = [[] for _ in model.model.layers]
+    handles = [layer.self_attn.k_proj.register_forward_hook(lambda module, args, out, i=i: captured[i].append(out.detach().clone()))
+               for i, layer in enumerate(model.model.layers)]
+    return captured, handles
+
+
+def keys_at(model, pre_rope: torch.Tensor, layer_positions: torch.Tensor) -> torch.Tensor:
+    """The model's own post-RoPE keys [batch, kv_heads, n, d] for the pre-RoPE keys `pre_rope` [batch, kv_heads, n, d]
+    rotated for positions `layer_positions` [batch, kv_heads, n] (its rotary embedding, scaling included)."""
+    batch, heads, n, dim = pre_rope.shape
+    out = torch.empty_like(pre_rope)
+    for b in range(batch):
+        for h in range(heads):
+            cos, sin = model.model.rotary_emb(pre_rope, position_ids=layer_positions[b, h][None])
+            out[b, h] = apply_rotary_pos_emb(pre_rope[b, h][None, None], pre_rope[b, h][None, None], cos, sin)[1][0, 0]
+    return out
+
+
+def pre_rope_keys(model, captured: list[torch.Tensor], positions: torch.Tensor) -> torch.Tensor:
+    """The pre-RoPE keys [batch, kv_heads, n, d] of one layer's tokens at absolute `positions` [batch, kv_heads, n]."""
+    kv_heads, dim = model.config.num_key_value_heads, model.config.head_dim
+    pre = torch.cat(captured, dim=1)  # [batch, tokens seen, kv_heads * dim]
+    pre = pre.view(pre.shape[0], pre.shape[1], kv_heads, dim).transpose(1, 2)  # [batch, kv_heads, tokens, dim]
+    return pre.gather(2, positions[..., None].expand(-1, -1, -1, dim))
+
+
+def check_cache_keys(model, cache, captured, rerotated: bool, end: int | None = None) -> None:
+    """Every layer's keys are the model's keys at their ranks (0..n-1, or end-n..end-1), or at their absolute
+    positions (rerotated False)."""
+    for i, layer in enumerate(cache.layers):
+        n = layer.num_entries
+        positions = layer.positions[:, :, :n]
+        if rerotated:
+            ranks = positions.argsort(dim=-1).argsort(dim=-1) + (0 if end is None else end - n)
+            if STATE in layer.state:
+                assert torch.equal(layer.state[STATE][:, :, :n].long(), ranks)
+            target = ranks
+        else:
+            target = positions
+        held = pre_rope_keys(model, captured[i], positions)
+        torch.testing.assert_close(layer.keys[:, :, :n], keys_at(model, held, target), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("rope", sorted(ROPES))
+@pytest.mark.parametrize("name, mode", [("keydiff", True), ("snapkv", True), ("keydiff", "contiguous")])
+def test_rerotated_keys_equal_keys_recomputed_at_their_new_positions(rope, name, mode):
+    model = tiny_llama(**ROPES[rope])
+    prompt = torch.randint(0, 256, (1, LENGTH), generator=torch.Generator().manual_seed(5))
+    captured, handles = capture_pre_rope_keys(model)
+    try:
+        state = prefill(model, prompt, build_policy(name, key_rerotation=mode), budget=BUDGET, block_size=BLOCK)
+        check_cache_keys(model, state.cache, captured, rerotated=True)  # uniform budgets: both modes end at N
+        kept = state.cache.layers[0].positions[:, :, :BUDGET]
+        assert int(kept.max()) >= BUDGET  # something far was kept: the check above moved keys, not a no-op
+        generate(model, state, NEW_TOKENS)  # an eviction (and a re-rotation) after every token
+        check_cache_keys(model, state.cache, captured, rerotated=True)
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@pytest.mark.parametrize("mode, schedule", [(True, None), ("contiguous", None),
+                                            ("contiguous", {"schedule": "pyramid", "beta": 4, "window": 0})])
+def test_at_every_eviction_each_key_is_the_models_key_at_its_recorded_position(mode, schedule):
+    """Before each eviction: old keys at the positions the last re-rotation gave them, the pass's new keys where
+    transformers rotated them (absolute under kvpress, following the kept keys under contiguous: below
+    max N_l + B, whatever the prompt length); after the prefill, each layer right-aligned below the next position."""
+    model = tiny_llama(**ROPES["llama3"])
+    prompt = torch.randint(0, 256, (1, LENGTH), generator=torch.Generator().manual_seed(7))
+    captured, handles = capture_pre_rope_keys(model)
+    seen = []
+
+    def evict_indices(self, layer, budget):
+        i = layer.layer_idx
+        rotary = layer.state[STATE].long()
+        held = pre_rope_keys(model, captured[i], layer.positions)
+        torch.testing.assert_close(layer.keys, keys_at(model, held, rotary), rtol=1e-4, atol=1e-4)
+        excess = layer.positions.shape[-1] - budget
+        newest = layer.positions > int(layer.positions.max()) - excess  # entries of the last pass (it wrote >= excess)
+        shift = rotary - layer.positions  # 0 under kvpress; one constant per pass under contiguous
+        seen.append((i, int(rotary.max()), shift[newest].unique().tolist()))
+        return super(type(self), self).evict_indices(layer, budget)
+
+    policy = build_policy("keydiff", key_rerotation=mode, layer_budgets=schedule)
+    recording = variant(policy, evict_indices=evict_indices, layers_batchable=False)  # one layer per view
+    try:
+        state = prefill(model, prompt, recording, budget=BUDGET, block_size=BLOCK)
+        budgets = state.cache.layer_budgets
+        end = state.cache.next_position() if mode == "contiguous" else None
+        if mode == "contiguous":
+            assert end == max(budgets) and state.cache.get_seq_length() == end
+        for i, layer in enumerate(state.cache.layers):
+            n = layer.num_entries
+            ranks = layer.positions[:, :, :n].argsort(dim=-1).argsort(dim=-1) + (0 if end is None else end - n)
+            assert torch.equal(layer.state[STATE][:, :, :n].long(), ranks)
+        generate(model, state, NEW_TOKENS)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert seen
+    if mode is True:
+        assert all(shifts == [0] for _, _, shifts in seen)
+        assert max(top for _, top, _ in seen) == LENGTH + NEW_TOKENS - 2  # new tokens keep their absolute positions
+    else:
+        assert max(top for _, top, _ in seen) < max(budgets) + BLOCK  # positions stay within N + B
+        assert any(shifts != [0] for _, _, shifts in seen)
+
+
+def test_contiguous_generation_that_keeps_every_token_continues_after_the_kept_keys():
+    """generate(evict=False): no more evictions; the new tokens are rotated for N, N+1, ... (right after the kept
+    keys), so every key still sits at its rank."""
+    model = tiny_llama()
+    prompt = torch.randint(0, 256, (1, LENGTH), generator=torch.Generator().manual_seed(5))
+    captured, handles = capture_pre_rope_keys(model)
+    try:
+        state = prefill(model, prompt, build_policy("keydiff", key_rerotation="contiguous"), budget=BUDGET, block_size=BLOCK)
+        generate(model, state, NEW_TOKENS, evict=False)
+        assert state.cache.layers[0].num_entries == BUDGET + NEW_TOKENS - 1
+        assert state.cache.get_seq_length() == BUDGET + NEW_TOKENS - 1
+        check_cache_keys(model, state.cache, captured, rerotated=True)
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def test_the_reference_itself_matches_the_cache_without_rerotation():
+    """The same comparison at the absolute positions holds without re-rotation (the reference is right)."""
+    model = tiny_llama(**ROPES["yarn"])
+    prompt = torch.randint(0, 256, (1, LENGTH), generator=torch.Generator().manual_seed(5))
+    captured, handles = capture_pre_rope_keys(model)
+    try:
+        state = prefill(model, prompt, build_policy("keydiff"), budget=BUDGET, block_size=BLOCK)
+        check_cache_keys(model, state.cache, captured, rerotated=False)
+        with pytest.raises(AssertionError):
+            check_cache_keys(model, state.cache, captured, rerotated=True)
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def run(model, prompt, policy, budget=BUDGET):
+    state = prefill(model, prompt, policy, budget=budget, block_size=BLOCK)
+    logits, kept = state.logits.clone(), [k.clone() for k in state.kept_positions]
+    return logits, kept, generate(model, state, NEW_TOKENS).token_ids
+
+
+def test_off_changes_nothing():
+    model = tiny_llama()
+    prompt = torch.randint(0, 256, (1, LENGTH), generator=torch.Generator().manual_seed(6))
+    for name in ("keydiff", "snapkv", "expected_attention"):
+        off = build_policy(name, key_rerotation=False)
+        assert off.key_rerotation is None and off.describe() == build_policy(name).describe()
+        assert STATE not in off.state_names
+        plain_logits, plain_kept, plain_tokens = run(model, prompt, build_policy(name))
+        logits, kept, tokens = run(model, prompt, off)
+        assert torch.equal(logits, plain_logits) and tokens == plain_tokens
+        assert all(torch.equal(a, b) for a, b in zip(kept, plain_kept))
+
+
+@pytest.mark.parametrize("mode", [True, "contiguous"])
+def test_on_changes_results_once_something_was_evicted(mode):
+    model = tiny_llama()
+    prompt = torch.randint(0, 256, (1, LENGTH), generator=torch.Generator().manual_seed(6))
+    plain_logits, plain_kept, _ = run(model, prompt, build_policy("knorm"))
+    logits, kept, _ = run(model, prompt, build_policy("knorm", key_rerotation=mode))
+    assert torch.equal(kept[0], plain_kept[0])  # layer 0: K-norm scores do not see the rotation, same entries...
+    assert float((logits - plain_logits).abs().max()) > 1e-3  # ... attended at other positions
+    # Nothing evicted (budget >= prompt): every key already sits at its rank, so nothing changes at all.
+    plain_logits, _, _ = run(model, prompt, build_policy("knorm"), budget=LENGTH)
+    logits, _, _ = run(model, prompt, build_policy("knorm", key_rerotation=mode), budget=LENGTH)
+    assert torch.equal(logits, plain_logits)
+
+
+def test_the_two_modes_differ():
+    model = tiny_llama()
+    prompt = torch.randint(0, 256, (1, LENGTH), generator=torch.Generator().manual_seed(6))
+    kvpress, _, _ = run(model, prompt, build_policy("knorm", key_rerotation=True))
+    contiguous, _, _ = run(model, prompt, build_policy("knorm", key_rerotation="contiguous"))
+    assert float((kvpress - contiguous).abs().max()) > 1e-3
+
+
+def test_contiguous_works_with_stock_attention_and_transformers_masks():
+    """An attention-free policy runs with the model's own sdpa (masks from get_mask_sizes): a plain loop over the
+    cache without keydiff_attention gives the logits keydiff.prefill gives."""
+    model = tiny_llama()
+    prompt = torch.randint(0, 256, (1, 64), generator=torch.Generator().manual_seed(8))
+    policy = build_policy("knorm", key_rerotation="contiguous")
+    expected = prefill(model, prompt, policy, budget=20, block_size=16).logits
+    cache = EvictingCache(build_policy("knorm", key_rerotation="contiguous"), 20, 3, block_size=16, max_tokens=64,
+                          config=model.config)
+    with torch.no_grad():
+        for start in range(0, 64, 16):  # no evict() calls: the cache evicts when the next pass arrives
+            out = model(input_ids=prompt[:, start:start + 16], past_key_values=cache, use_cache=True)
+    torch.testing.assert_close(out.logits[:, -1].float(), expected, rtol=1e-5, atol=1e-5)
+    # 36 held until the next pass evicts, which will then follow the 20 kept keys; 64 tokens seen.
+    assert cache.get_seq_length() == 20 and cache.layers[0].num_entries == 36 and cache.layers[0].seen == 64
+
+
+@pytest.mark.parametrize("mode", [True, "contiguous"])
+@pytest.mark.parametrize("name, params", [
+    ("keydiff", {}),  # stacked: every layer re-rotated in one call, compared with layer by layer
+    ("snapkv", {"critical": True}),
+    ("expected_attention", {}),
+    ("keydiff", {"layer_budgets": {"schedule": "pyramid", "beta": 4, "window": 0}}),
+    ("knorm", {"skip_layers": [0]}),  # a layer never evicted: contiguous positions stay the tokens seen
+])
+def test_check_policy_passes(name, params, mode):
+    summary = check_policy(name, key_rerotation=mode, **params)
+    assert summary["evictions"] > 0
+    if name == "keydiff" and not params:
+        assert summary["stacked"] and summary["batchable_checked"]
+
+
+def test_describe_only_when_set_and_round_trips():
+    policy = build_policy("keydiff", key_rerotation=True, layer_budgets={"schedule": "pyramid", "beta": 4, "window": 0})
+    described = policy.describe()
+    assert described["key_rerotation"] is True and list(described)[-2:] == ["key_rerotation", "layer_budgets"]
+    assert build_policy(**described).describe() == described
+    assert isinstance(build_policy("snapkv", key_rerotation="kvpress"), Rerotated)
+    assert build_policy("snapkv", key_rerotation="contiguous").describe()["key_rerotation"] == "contiguous"
+
+
+def test_bad_values_fail_clearly_before_the_model():
+    with pytest.raises(ValueError, match="key_rerotation must be true, false or one of kvpress, contiguous, got 'sideways'"):
+        build_policy("keydiff", key_rerotation="sideways")
+    with pytest.raises(ValueError, match="build the cache with config=model.config"):
+        EvictingCache(build_policy("keydiff", key_rerotation=True), 8, 3, block_size=8)
+    dynamic = tiny_llama(rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}).config
+    with pytest.raises(ValueError, match="dynamic"):
+        EvictingCache(build_policy("keydiff", key_rerotation=True), 8, 3, block_size=8, config=dynamic)
