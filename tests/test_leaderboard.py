@@ -217,3 +217,11 @@ def test_leaderboard_figure_one_line_per_method_ratios_ascending_full_dashed(sum
     top = [child for child in ax.child_axes]
     assert [t.get_text() for t in top[0].get_xticklabels()] == ["0.875", "0.75", "0.5", "0.25"]
     assert "SnapKV §" in bars["SnapKV"].get_label()
+
+
+def test_wandb_grid_names_ratio_budgets_by_their_labels():
+    """The W&B report of a ratio experiment lists "r0.5", not the "none" of a budget without tokens."""
+    from keydiff.report import wandb
+
+    assert wandb.load_grid("leaderboard_full").budgets == ["r0.5"]
+    assert wandb.load_grid("smoke").budgets == ["1k"]
