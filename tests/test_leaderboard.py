@@ -139,9 +139,10 @@ def run(policy, budget, score, se, experiment="leaderboard", samples=5, limit=np
         block="128", task="ruler_4k", complete=True):
     row = {"experiment": experiment, "task": task, "model": model, "policy": policy,
            "policy_name": "full" if policy == "full" else policy, "budget_label": "unbounded" if policy == "full" else budget,
-           "block_size": block, "seed": 0, "limit": limit, "complete": complete, "samples": samples, "num_failed": 0,
-           "score": score, "se/score": se}
+           "block_size": block, "seed": 0, "limit": limit, "complete": complete, "samples": samples * tasks,
+           "num_failed": 0, "score": score, "se/score": se}  # samples: rows scored over all tasks, as collect's
     row.update({f"metrics/tasks/{t}": score if i < tasks else np.nan for i, t in enumerate(TASKS)})
+    row.update({f"metrics/n/{t}": samples if i < tasks else np.nan for i, t in enumerate(TASKS)})
     return row
 
 
@@ -160,7 +161,7 @@ def summary():
              run("keydiff", "r0.5", 1.0, 0.1, experiment="ruler"),  # another experiment
              run("snapkv", "r0.5", 45.0, 3.0, limit=1, samples=1)]  # a subset run, marked
     frame = pd.DataFrame(rows)
-    frame["se/score"] = frame["se/score"].where(frame["samples"] > 1)  # one sample: no interval
+    frame["se/score"] = frame["se/score"].where(frame["metrics/n/vt"] > 1)  # one sample per task: no interval
     return frame
 
 
@@ -189,6 +190,8 @@ def test_leaderboard_table_orders_ratios_ranks_methods_and_puts_full_first(summa
     assert np.allclose(csv["kvpress_compression_ratio"], 1 - csv["kept_ratio"])
     assert csv.loc[csv["policy"] == "full", "kept_ratio"].tolist() == [1.0]
     assert np.allclose(csv["ci95_half_width"].dropna(), Z95 * csv["se"].dropna())
+    assert csv.loc[csv["policy"] == "keydiff", "samples_per_task"].tolist() == [5] * 4  # n per task, not 65 rows
+    assert csv.loc[csv["policy"] == "keydiff", "samples"].tolist() == [65] * 4
 
 
 def test_leaderboard_table_waits_for_runs(tmp_path):

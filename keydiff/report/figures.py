@@ -256,7 +256,7 @@ def leaderboard(df, out: Path) -> list[Path]:
         for i, (policy, line) in enumerate(lines):
             line = line.sort_values("ratio")
             shift = 0.5 * gap * ((i / (len(lines) - 1)) - 0.5) if len(lines) > 1 else 0.0
-            n = sorted({int(v) for v in line["samples"].fillna(0)})
+            n = sorted({int(v) for v in line["per_task"].fillna(0)})  # samples per RULER task
             partial = line["subset"] | line["incomplete"]
             drawn = ax.errorbar(line["ratio"] + shift, line["score"], yerr=errors(line, "score"), capsize=2,
                                 linewidth=1, marker=MARKERS[i % len(MARKERS)], markersize=4,
@@ -266,7 +266,7 @@ def leaderboard(df, out: Path) -> list[Path]:
                     marker=MARKERS[i % len(MARKERS)], color=drawn.lines[0].get_color(), markerfacecolor="white", zorder=3)
         for _, run in full.iterrows():
             ax.axhline(run["score"], color="black", linestyle="--", linewidth=0.8,
-                       label=f"{display_name(run['policy'])}{subset_mark(run)} (n={count(run)})")
+                       label=f"{display_name(run['policy'])}{' ' + subset_mark(run) if subset_mark(run) else ''} (n={int(run['per_task'])})")
             half = errors(pd.DataFrame([run]), "score")[0]
             if np.isfinite(half):
                 ax.axhspan(run["score"] - half, run["score"] + half, color="black", alpha=0.08, linewidth=0)
@@ -277,7 +277,7 @@ def leaderboard(df, out: Path) -> list[Path]:
             top.set_xticks([1 - r for r in ratios], [f"{1 - r:g}" for r in ratios])
             top.set_xlabel("kvpress compression ratio (1 - kept)")
         ax.set_xlabel("fraction of the prompt kept (budget.ratio)")
-        ax.set_ylabel("average RULER score (95 % CI)")
+        ax.set_ylabel("average RULER score (95 % CI; n per task)")
         ax.set_ylim(0, 100)
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:

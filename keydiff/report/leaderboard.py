@@ -39,7 +39,7 @@ AVERAGE = "Avg."
 LEGEND = ("Columns: fraction of the prompt kept (budget.ratio; r = kvpress's compression_ratio = 1 - kept). "
           "Cells: RULER average x100 (13 tasks, string match); Avg. = mean over the kept ratios (all or none, its "
           "interval from the mean of their standard errors: the ratios score the same samples). § subset run "
-          "(task.limit), †k failed samples, ~ run not complete, (k/13) tasks scored.")
+          "(task.limit), †k failed samples, ~ run not complete, (k/13) tasks scored; n = samples per task.")
 
 
 def ratio_header(ratio: float) -> str:
@@ -51,7 +51,7 @@ def runs(df: pd.DataFrame, table: PaperTable) -> pd.DataFrame:
     """The leaderboard's runs: one row per (task, model, policy, budget, B) of RULER runs in the table's
     experiments, seeds averaged, subset runs only where no whole-task run exists (keydiff.report.selection.pick),
     ratio budgets and the full cache (budget "--") only; with `ratio` (NaN for full), `tasks_scored`, `subset`,
-    `incomplete`."""
+    `incomplete` and `per_task` (samples scored per task: the most of any task, metrics/n/<task>)."""
     picked = df[df["task"].astype(str).str.startswith("ruler")] if len(df) else df
     if picked.empty:
         return pd.DataFrame()
@@ -61,8 +61,11 @@ def runs(df: pd.DataFrame, table: PaperTable) -> pd.DataFrame:
     ratio = picked["budget_label"].map(budget_ratio).astype(float)  # NaN: the full cache (or a token budget)
     picked = picked[ratio.notna() | (picked["budget_label"] == NA)].assign(ratio=ratio)
     task_columns = [f"metrics/tasks/{t}" for t in TASKS if f"metrics/tasks/{t}" in picked.columns]
+    counts = [f"metrics/n/{t}" for t in TASKS if f"metrics/n/{t}" in picked.columns]  # samples scored per task
+    per_task = picked[counts].max(axis=1) if counts else pd.Series(np.nan, index=picked.index)
     complete = pd.to_numeric(picked["complete"], errors="coerce") if "complete" in picked else pd.Series(1.0, picked.index)
     return picked.assign(tasks_scored=picked[task_columns].notna().sum(axis=1) if task_columns else 0,
+                         per_task=per_task.fillna(picked["samples"]),
                          subset=picked["limit"].notna() if "limit" in picked else False,
                          incomplete=complete.fillna(0) < 1,
                          num_failed=pd.to_numeric(picked.get("num_failed", 0), errors="coerce").fillna(0))
@@ -71,7 +74,7 @@ def runs(df: pd.DataFrame, table: PaperTable) -> pd.DataFrame:
 def cell(run) -> str:
     """"61.54 ± 3.21 (n=5)§ (11/13)": the score, its interval, samples per task and the run's marks."""
     se = run.get("se/score", np.nan)
-    text = format_estimate(float(run["score"]), float(se) if pd.notna(se) else math.nan, run["samples"], precision=2)
+    text = format_estimate(float(run["score"]), float(se) if pd.notna(se) else math.nan, run["per_task"], precision=2)
     text += marks(run["subset"], run["num_failed"], run["incomplete"])
     return text + ("" if int(run["tasks_scored"]) == len(TASKS) else f" ({int(run['tasks_scored'])}/{len(TASKS)})")
 
@@ -118,7 +121,7 @@ def tidy(selected: pd.DataFrame) -> pd.DataFrame:
         "policy": selected["policy"], "method": selected["policy"].map(display_name),
         "budget": selected["budget_label"], "kept_ratio": ratio, "kvpress_compression_ratio": 1 - ratio,
         "ruler_average": selected["score"], "se": se, "ci95_half_width": se.map(lambda v: half_width(float(v))),
-        "samples_per_task": selected["samples"], "tasks_scored": selected["tasks_scored"],
+        "samples_per_task": selected["per_task"], "samples": selected["samples"], "tasks_scored": selected["tasks_scored"],
         "subset": selected["subset"], "failed": selected["num_failed"].astype(int), "incomplete": selected["incomplete"],
     })
     return frame.sort_values(["task", "model", "block_size", "policy", "kept_ratio"], kind="stable")
