@@ -265,8 +265,9 @@ def leaderboard(df, out: Path) -> list[Path]:
             ax.plot(line.loc[partial, "ratio"] + shift, line.loc[partial, "score"], linestyle="none", markersize=4,
                     marker=MARKERS[i % len(MARKERS)], color=drawn.lines[0].get_color(), markerfacecolor="white", zorder=3)
         for _, run in full.iterrows():
+            mark = subset_mark(run)
             ax.axhline(run["score"], color="black", linestyle="--", linewidth=0.8,
-                       label=f"{display_name(run['policy'])}{' ' + subset_mark(run) if subset_mark(run) else ''} (n={int(run['per_task'])})")
+                       label=f"{display_name(run['policy'])}{' ' + mark if mark else ''} (n={int(run['per_task'])})")
             half = errors(pd.DataFrame([run]), "score")[0]
             if np.isfinite(half):
                 ax.axhspan(run["score"] - half, run["score"] + half, color="black", alpha=0.08, linewidth=0)

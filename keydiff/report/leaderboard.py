@@ -9,7 +9,7 @@ block size, subset runs included and marked); `write` lays out results/tables/le
 keydiff.report.figures draws results/figures/leaderboard.{png,pdf} from the same selection.
 
 Table: one row per (task, model, B, method): the full cache first (its score in the column "1 (r=0)"), then
-the methods ranked by Avg. (mean over the four kept ratios, over all of them or none; ties by name); one column
+the methods ranked by Avg. (mean over the kept ratios in the table, over all of them or none; ties by name); one column
 per kept ratio, headed "kept (r=kvpress compression ratio)". Cells: RULER average x100 "value ± half-width
 (n=samples per task)" (95 % interval, keydiff/report/render.py; Avg.'s interval uses the mean of the ratios'
 standard errors, a bound, since every ratio scores the same samples). Marks: § subset run (task.limit), †k
