@@ -228,3 +228,26 @@ def test_wandb_grid_names_ratio_budgets_by_their_labels():
 
     assert wandb.load_grid("leaderboard_full").budgets == ["r0.5"]
     assert wandb.load_grid("smoke").budgets == ["1k"]
+
+
+@pytest.mark.parametrize("policy", ["full", "keydiff", "snapkv", "expected_attention", "tova"])
+def test_the_engine_runs_qwen3s_architecture_exactly(policy):
+    """qwen3-8b cannot be downloaded here; a tiny random Qwen3 (q/k RMS norms before RoPE) stands in: block-wise
+    prefill with a budget that holds the prompt equals one forward pass, and a small budget keeps N per head."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from keydiff.engine import prefill
+
+    config = Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096)
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM._from_config(config, attn_implementation="sdpa", dtype=torch.float32).eval()
+    prompt = torch.randint(0, 256, (1, 150))
+    with torch.no_grad():
+        reference = model(prompt).logits[:, -1].float()
+    state = prefill(model, prompt, policy, None if policy == "full" else 150, 64)
+    assert torch.allclose(state.logits, reference, atol=1e-5)
+    if policy != "full":
+        state = prefill(model, prompt, policy, 40, 32)
+        assert all(p.shape == (1, 2, 40) for p in state.kept_positions) and state.max_cache_entries <= 40 + 32
