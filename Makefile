@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: help install run test bench bench-decode bench-scoring gpu-check collect smoke tables figures figures-runs analysis paper-numbers paper-assets report wandb-sync sweep-local sweep-slurm status clean
+.PHONY: help install run test bench bench-decode bench-scoring gpu-check collect smoke leaderboard tables figures figures-runs analysis paper-numbers paper-assets report wandb-sync sweep-local sweep-slurm status clean
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -59,10 +59,18 @@ smoke: $(STAMP)  ## a tiny CPU sweep (2 policies) then its table and figures
 	$(PY) -m keydiff.report.tables
 	$(PY) -m keydiff.report.figures
 
+# POLICIES=keydiff,tova: the leaderboard with these methods only (a smoke); ARGS go to both sweeps.
+leaderboard: $(STAMP)  ## kvpress-style RULER 4K leaderboard (every method x ratio + full), then its table and figure
+	$(PY) run.py experiment=leaderboard $(if $(POLICIES),policy=$(POLICIES),) $(ARGS)
+	$(PY) run.py experiment=leaderboard_full $(ARGS)
+	$(PY) -m keydiff.report.tables
+	$(PY) -m keydiff.report.ruler
+	$(PY) -m keydiff.report.figures
+
 collect: $(STAMP)  ## results/runs/**/summary.json -> results/summary.csv
 	$(PY) -m keydiff.report.collect
 
-tables: $(STAMP)  ## every paper table from results/runs into results/tables (RULER: results/tables/ruler.md)
+tables: $(STAMP)  ## every paper table from results/runs into results/tables (RULER: results/tables/ruler.md, leaderboard.md)
 	$(PY) -m keydiff.report.tables $(ARGS)
 	$(PY) -m keydiff.report.ruler
 

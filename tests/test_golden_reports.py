@@ -1,7 +1,8 @@
 """Golden reports: every table, figure and collected file built from a fixed set of run directories.
 
 tests/golden/runs/ holds run directories as the runner writes them (real SmolLM2 runs: the default job, a
-task.limit=2 run of the same point, the smoke sweep, one RULER 4K sample per task; and the made-up runs of
+task.limit=2 run of the same point, the smoke sweep, one RULER 4K sample per task, the leaderboard smoke
+(keydiff and tova at the four kept ratios plus the full cache, 1 sample of niah_single_1 and vt); and the made-up runs of
 tests/test_tables.py for the paper tables). The report commands below turn them into results files; every
 file they write must equal tests/golden/reports/ byte for byte (PNG figures by sha256, listed in
 tests/golden/reports/figures.sha256). A reshaping of the reporting code changes none of them; an intended

@@ -95,6 +95,7 @@ def baseline_experiment(experiment: str) -> str:
     experiment is its own."""
     return MATH[-1] if experiment in MATH else experiment
 MATH_POLICIES = ["full", "keydiff_w20", "snapkv"]
+LEADERBOARD = ("leaderboard", "leaderboard_full")  # every method x kept ratio, then the full cache once
 PAPER_KEYDIFF = {"keydiff_w20": "keydiff"}  # App. E: the paper's "KeyDiff" of Tables 4-7
 SUBSET = "Math-500 on the samples whose full-cache context exceeds the budget"
 
@@ -175,6 +176,8 @@ TABLES: dict[str, PaperTable] = {t.name: t for t in [
                ("fig6_niah",), ("fig6_niah",), ("fig6_niah", "fig6_niah"), ("niah",), [LLAMA_3B], ["full", "keydiff"],
                ["6k"]),
     PaperTable("smoke", None, "smoke", "Smoke sweep", ("smoke",), ("smoke",), block_sizes=()),
+    PaperTable("leaderboard", None, "leaderboard", "kvpress-style leaderboard: average RULER score per method and "
+               "fraction of the prompt kept.", LEADERBOARD, LEADERBOARD, block_sizes=()),
 ]}
 
 
@@ -189,6 +192,7 @@ FIGURES = [
     PaperFigure("Figures 6 / 19: NIAH heatmaps", "niah", ("fig6_niah",)),
     PaperFigure("Figures 7 / 17: TTFT vs budget", "ttft_", ("fig7_ttft", "fig17_ttft_eager")),
     PaperFigure("Figure 18: LongBench prompt lengths", "prompt_lengths_", ("table11_full",)),
+    PaperFigure("Leaderboard (kvpress-style): average RULER score vs fraction kept", "leaderboard", LEADERBOARD),
 ]
 
 # ----------------------------------------------------------------------------- the comparison

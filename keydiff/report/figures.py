@@ -5,6 +5,8 @@
   ttft_<exp>_<model>                  Figures 7 / 17: mean time to first token vs budget, one panel per
                                       block size, one line per policy (experiments whose name has "ttft")
   prompt_lengths_<model>              Figure 18: prompt-length histogram per LongBench dataset
+  leaderboard                         kvpress-style: average RULER score vs fraction of the prompt kept (kvpress's
+                                      compression ratio on the top axis), one line per method, full cache dashed
   generic/<exp>__<task>__<model>__bs<B>  every experiment (adhoc included) and task: primary score vs
                                       budget with 95 % error bars, one line (and marker) per policy, slightly
                                       offset so equal scores stay visible, the full cache as a dashed line
@@ -39,6 +41,7 @@ import pandas as pd  # noqa: E402
 from keydiff.paper import registry  # noqa: E402
 from keydiff.paper.registry import FIGURES, LONGBENCH, display_name  # noqa: E402
 from keydiff.report import generic  # noqa: E402
+from keydiff.report import leaderboard as board  # noqa: E402
 from keydiff.report import index as results_index  # noqa: E402
 from keydiff.report.collect import add_results_arguments, ensure_summary, longbench_dataset, read_predictions, task_family  # noqa: E402
 from keydiff.report.render import NA, SUBSET, budget_ratio, budget_tokens, half_width  # noqa: E402
@@ -231,6 +234,60 @@ def score_figure(group, position, xlabel: str, out: Path, name: str, key) -> lis
     return save(fig, out / "generic", name)
 
 
+def leaderboard(df, out: Path) -> list[Path]:
+    """leaderboard.png/.pdf: average RULER score vs the fraction of the prompt kept (kvpress's compression ratio,
+    1 - kept, on the top axis), one line (colour and marker) per method with 95 % error bars, offset sideways
+    within half the smallest gap between ratios; the full cache a dashed line with its interval shaded. One
+    panel per (task, model, B); hollow markers and "§": subset or unfinished runs. The runs of the leaderboard
+    table (keydiff.report.leaderboard.runs)."""
+    selected = board.runs(df, registry.TABLES["leaderboard"])
+    if selected.empty:
+        return []
+    panels = []
+    for (task, model), mine in selected.groupby(["task", "model"], sort=True):
+        evicting, full = mine[mine["budget_label"] != NA], mine[mine["budget_label"] == NA]
+        panels += [(task, model, block, evicting[evicting["block_size"] == block], full)
+                   for block in sorted(set(evicting["block_size"]), key=str) or [NA]]
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.2 * len(panels), 3.6), squeeze=False, layout="constrained")
+    for ax, (task, model, block, evicting, full) in zip(axes[0], panels):
+        ratios = sorted({float(r) for r in evicting["ratio"]})
+        gap = min(np.diff(ratios), default=0.25)
+        lines = sorted(evicting.groupby("policy"), key=lambda item: display_name(item[0]))
+        for i, (policy, line) in enumerate(lines):
+            line = line.sort_values("ratio")
+            shift = 0.5 * gap * ((i / (len(lines) - 1)) - 0.5) if len(lines) > 1 else 0.0
+            n = sorted({int(v) for v in line["per_task"].fillna(0)})  # samples per RULER task
+            partial = line["subset"] | line["incomplete"]
+            drawn = ax.errorbar(line["ratio"] + shift, line["score"], yerr=errors(line, "score"), capsize=2,
+                                linewidth=1, marker=MARKERS[i % len(MARKERS)], markersize=4,
+                                label=f"{display_name(policy)}{' ' + SUBSET if partial.any() else ''} "
+                                      f"(n={n[0]}{f'-{n[-1]}' if len(n) > 1 else ''})")
+            ax.plot(line.loc[partial, "ratio"] + shift, line.loc[partial, "score"], linestyle="none", markersize=4,
+                    marker=MARKERS[i % len(MARKERS)], color=drawn.lines[0].get_color(), markerfacecolor="white", zorder=3)
+        for _, run in full.iterrows():
+            mark = subset_mark(run)
+            ax.axhline(run["score"], color="black", linestyle="--", linewidth=0.8,
+                       label=f"{display_name(run['policy'])}{' ' + mark if mark else ''} (n={int(run['per_task'])})")
+            half = errors(pd.DataFrame([run]), "score")[0]
+            if np.isfinite(half):
+                ax.axhspan(run["score"] - half, run["score"] + half, color="black", alpha=0.08, linewidth=0)
+        if ratios:
+            ax.set_xticks(ratios, [f"{r:g}" for r in ratios])
+            ax.set_xlim(ratios[0] - 0.5 * gap, ratios[-1] + 0.5 * gap)
+            top = ax.secondary_xaxis("top", functions=(lambda x: 1 - x, lambda x: 1 - x))
+            top.set_xticks([1 - r for r in ratios], [f"{1 - r:g}" for r in ratios])
+            top.set_xlabel("kvpress compression ratio (1 - kept)")
+        ax.set_xlabel("fraction of the prompt kept (budget.ratio)")
+        ax.set_ylabel("average RULER score (95 % CI; n per task)")
+        ax.set_ylim(0, 100)
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=6, loc="center left", bbox_to_anchor=(1.02, 0.5))
+        mark = " (§ subset run: task.limit)" if (evicting["subset"].any() or full["subset"].any()) else ""
+        ax.set_title(f"{task}: {model}, B = {block}{mark}", fontsize=8)
+    return save(fig, out, "leaderboard")
+
+
 def index_entries(paths: list[Path], out: Path) -> list[dict]:
     names = sorted({p.relative_to(out).with_suffix("").as_posix() for p in paths})
     entries = []
@@ -254,7 +311,8 @@ def main(summary: Path, runs_root: Path, out: Path) -> list[Path]:
     plt.rcParams.update(STYLE)
     df = load(summary) if summary.exists() else pd.DataFrame()
     out.mkdir(parents=True, exist_ok=True)
-    paths = [] if df.empty else niah_heatmaps(df, out) + ttft(df, out) + prompt_lengths(df, runs_root, out) + score_vs_budget(df, out)
+    paths = [] if df.empty else (niah_heatmaps(df, out) + ttft(df, out) + prompt_lengths(df, runs_root, out)
+                                 + score_vs_budget(df, out) + leaderboard(df, out))
     for path in paths:
         print(path)
     if not paths:

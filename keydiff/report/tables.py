@@ -32,7 +32,7 @@ import pandas as pd
 
 from keydiff.paper import compare
 from keydiff.paper.registry import GEN_LENGTH, LONGBENCH, PROMPT_BINS, SUITE, TABLES, PaperTable, display_name
-from keydiff.report import generic
+from keydiff.report import generic, leaderboard
 from keydiff.report import index as results_index
 from keydiff.report.collect import add_results_arguments, ensure_summary
 from keydiff.report.selection import load, select
@@ -277,7 +277,8 @@ def smoke(df, out, table: PaperTable) -> bool:
 
 BUILDERS = {"longbench": longbench, "ablation": ablation, "compression": compression, "prompt_lengths": prompt_lengths,
             "math500": math500, "math500_subsets": math500_subsets, "phonebook": phonebook,
-            "niah_difference": niah_difference, "smoke": smoke}  # the registry's layout kinds
+            "niah_difference": niah_difference, "smoke": smoke,
+            "leaderboard": leaderboard.write}  # the registry's layout kinds
 
 
 def placeholder(out: Path, name: str, experiments: list[str]) -> None:

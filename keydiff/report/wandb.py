@@ -92,7 +92,8 @@ def load_grid(stem: str) -> Grid:
     params = OmegaConf.to_container(cfg.hydra.sweeper.params) or {}
     axes = {axis: [v.strip() for v in str(params[axis]).split(",")] if axis in params else None for axis in GRID_AXES}
     policy_files = [OmegaConf.load(CONF / "policy" / f"{p}.yaml") for p in axes["policy"]] if axes["policy"] else [cfg.policy]
-    budgets = [budget_label(OmegaConf.load(CONF / "budget" / f"{b}.yaml").tokens) for b in axes["budget"]] if axes["budget"] else [str(cfg.budget.label)]
+    files = [OmegaConf.load(CONF / "budget" / f"{b}.yaml") for b in axes["budget"] or []]
+    budgets = [budget_label(f.tokens, f.get("ratio")) for f in files] if files else [str(cfg.budget.label)]  # r0.25 too
     text = (CONF / "experiment" / f"{stem}.yaml").read_text(encoding="utf-8").splitlines()
     comments = [line.lstrip("# ").strip() for line in text if line.startswith("#") and "@package" not in line]
     task = str(cfg.task.name)

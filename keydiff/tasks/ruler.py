@@ -317,8 +317,11 @@ class Ruler(Task):
             if not (self.chat_template and getattr(tokenizer, "chat_template", None)):
                 user_text += "\n"
         if self.chat_template and getattr(tokenizer, "chat_template", None):
+            # enable_thinking=False: a thinking template (Qwen3) closes an empty <think></think> block, so the
+            # answer prefix starts the answer, as kvpress's pipeline renders it; templates without it ignore it.
             rendered = tokenizer.apply_chat_template(
-                [{"role": "user", "content": user_text}], tokenize=False, add_generation_prompt=True
+                [{"role": "user", "content": user_text}], tokenize=False, add_generation_prompt=True,
+                enable_thinking=False,
             ) + answer_prefix
             return list(tokenizer(rendered, add_special_tokens=False)["input_ids"]), rendered, False
         rendered = user_text + answer_prefix

@@ -1,0 +1,139 @@
+"""The kvpress-style leaderboard: average RULER score vs the fraction of the prompt kept, one line per method.
+
+Why its own table: kvpress's leaderboard (evaluation/leaderboard.sh, shown in an HF Space) compares presses by
+the RULER 4K average at compression ratios 0.25 / 0.5 / 0.75 / 0.875 next to no_press. experiment=leaderboard
+runs that grid here with ratio budgets (budget=r0.25 keeps N = ceil(0.25 x prompt tokens); kvpress's
+compression ratio is the fraction removed, r = 1 - 0.25 = 0.75) and experiment=leaderboard_full the full cache
+once. `runs` selects them (registry.TABLES["leaderboard"]: those two experiments, any RULER task, model and
+block size, subset runs included and marked); `write` lays out results/tables/leaderboard.{md,tex,csv} and
+keydiff.report.figures draws results/figures/leaderboard.{png,pdf} from the same selection.
+
+Table: one row per (task, model, B, method): the full cache first (its score in the column "1 (r=0)"), then
+the methods ranked by Avg. (mean over the kept ratios in the table, over all of them or none; ties by name); one column
+per kept ratio, headed "kept (r=kvpress compression ratio)". Cells: RULER average x100 "value ± half-width
+(n=samples per task)" (95 % interval, keydiff/report/render.py; Avg.'s interval uses the mean of the ratios'
+standard errors, a bound, since every ratio scores the same samples). Marks: § subset run (task.limit), †k
+failed samples, ~ run not complete, (k/13) tasks scored. Best method per column (within a task, model and B)
+is bold; the full cache is the reference, never bold. The CSV holds the same numbers, one row per run.
+Only ratio budgets enter the leaderboard (a token budget in these experiments is in the generic tables).
+
+    python -m keydiff.report.tables     (writes it with every other table; make tables / make leaderboard)
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from keydiff.paper.registry import PaperTable, display_name
+from keydiff.report.render import (INTERVAL_NOTE, NA, best_mask, budget_ratio, format_estimate, half_width, marks,
+                                   seeds_se, trimmed, write_table)
+from keydiff.report.ruler import TASKS
+from keydiff.report.selection import select
+
+FULL_COLUMN = "1 (r=0)"  # the full cache keeps the whole prompt: kvpress's no_press, compression ratio 0
+AVERAGE = "Avg."
+LEGEND = ("Columns: fraction of the prompt kept (budget.ratio; r = kvpress's compression_ratio = 1 - kept). "
+          "Cells: RULER average x100 (13 tasks, string match); Avg. = mean over the kept ratios (all or none, its "
+          "interval from the mean of their standard errors: the ratios score the same samples). § subset run "
+          "(task.limit), †k failed samples, ~ run not complete, (k/13) tasks scored; n = samples per task.")
+
+
+def ratio_header(ratio: float) -> str:
+    """"0.25 (r=0.75)": the kept fraction and kvpress's compression ratio."""
+    return f"{trimmed(ratio)} (r={trimmed(1 - ratio)})"
+
+
+def runs(df: pd.DataFrame, table: PaperTable) -> pd.DataFrame:
+    """The leaderboard's runs: one row per (task, model, policy, budget, B) of RULER runs in the table's
+    experiments, seeds averaged, subset runs only where no whole-task run exists (keydiff.report.selection.pick),
+    ratio budgets and the full cache (budget "--") only; with `ratio` (NaN for full), `tasks_scored`, `subset`,
+    `incomplete` and `per_task` (samples scored per task: the most of any task, metrics/n/<task>)."""
+    picked = df[df["task"].astype(str).str.startswith("ruler")] if len(df) else df
+    if picked.empty:
+        return pd.DataFrame()
+    picked = select(picked, table, by_task=True, limited=True, models=False, budgets=False, block_sizes=False)
+    if picked.empty:
+        return picked
+    ratio = picked["budget_label"].map(budget_ratio).astype(float)  # NaN: the full cache (or a token budget)
+    picked = picked[ratio.notna() | (picked["budget_label"] == NA)].assign(ratio=ratio)
+    task_columns = [f"metrics/tasks/{t}" for t in TASKS if f"metrics/tasks/{t}" in picked.columns]
+    counts = [f"metrics/n/{t}" for t in TASKS if f"metrics/n/{t}" in picked.columns]  # samples scored per task
+    per_task = picked[counts].max(axis=1) if counts else pd.Series(np.nan, index=picked.index)
+    complete = pd.to_numeric(picked["complete"], errors="coerce") if "complete" in picked else pd.Series(1.0, picked.index)
+    return picked.assign(tasks_scored=picked[task_columns].notna().sum(axis=1) if task_columns else 0,
+                         per_task=per_task.fillna(picked["samples"]),
+                         subset=picked["limit"].notna() if "limit" in picked else False,
+                         incomplete=complete.fillna(0) < 1,
+                         num_failed=pd.to_numeric(picked.get("num_failed", 0), errors="coerce").fillna(0))
+
+
+def cell(run) -> str:
+    """"61.54 ± 3.21 (n=5)§ (11/13)": the score, its interval, samples per task and the run's marks."""
+    se = run.get("se/score", np.nan)
+    text = format_estimate(float(run["score"]), float(se) if pd.notna(se) else math.nan, run["per_task"], precision=2)
+    text += marks(run["subset"], run["num_failed"], run["incomplete"])
+    return text + ("" if int(run["tasks_scored"]) == len(TASKS) else f" ({int(run['tasks_scored'])}/{len(TASKS)})")
+
+
+def layout(selected: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(scores, text): rows (Task, Model, B, Method), full first then ranked by Avg.; columns the kept ratios
+    ascending, Avg., and the full cache's "1 (r=0)"."""
+    ratios = sorted({float(r) for r in selected["ratio"].dropna()})
+    columns = [ratio_header(r) for r in ratios] + [AVERAGE, FULL_COLUMN]
+    rows, values, texts = [], [], []
+    for (task, model), mine in selected.groupby(["task", "model"], sort=True):
+        evicting, full = mine[mine["budget_label"] != NA], mine[mine["budget_label"] == NA]
+        for block in sorted(set(evicting["block_size"]), key=str) or [NA]:
+            ranked = []
+            for policy, line in evicting[evicting["block_size"] == block].groupby("policy"):
+                by_ratio = {float(r["ratio"]): r for _, r in line.iterrows()}
+                scores = [by_ratio[r]["score"] if r in by_ratio else np.nan for r in ratios]
+                average = float(np.mean(scores)) if ratios and not np.isnan(scores).any() else np.nan
+                ses = [by_ratio[r].get("se/score", np.nan) if r in by_ratio else np.nan for r in ratios]
+                text = [cell(by_ratio[r]) if r in by_ratio else NA for r in ratios]
+                text.append(NA if np.isnan(average) else format_estimate(average, seeds_se(ses), precision=2)
+                            + "".join(sorted({marks(r["subset"], 0, r["incomplete"]) for r in by_ratio.values()})))
+                ranked.append((-average if not np.isnan(average) else math.inf, display_name(policy),
+                               scores + [average, np.nan], text + [NA]))
+            for _, run in full.iterrows():
+                rows.append((task, model, block, display_name(run["policy"])))
+                values.append([np.nan] * (len(ratios) + 1) + [run["score"]])
+                texts.append([NA] * (len(ratios) + 1) + [cell(run)])
+            for _, name, scores, text in sorted(ranked, key=lambda r: (r[0], r[1])):
+                rows.append((task, model, block, name))
+                values.append(scores)
+                texts.append(text)
+    index = pd.MultiIndex.from_tuples(rows, names=["Task", "Model", "B", "Method"])
+    return (pd.DataFrame(values, index=index, columns=columns, dtype=float),
+            pd.DataFrame(texts, index=index, columns=columns))
+
+
+def tidy(selected: pd.DataFrame) -> pd.DataFrame:
+    """leaderboard.csv: one row per run, the numbers behind every cell (ratio 1 = the full cache)."""
+    ratio = selected["ratio"].fillna(1.0)
+    se = selected["se/score"] if "se/score" in selected else pd.Series(np.nan, index=selected.index)
+    frame = pd.DataFrame({
+        "task": selected["task"], "model": selected["model"], "block_size": selected["block_size"],
+        "policy": selected["policy"], "method": selected["policy"].map(display_name),
+        "budget": selected["budget_label"], "kept_ratio": ratio, "kvpress_compression_ratio": 1 - ratio,
+        "ruler_average": selected["score"], "se": se, "ci95_half_width": se.map(lambda v: half_width(float(v))),
+        "samples_per_task": selected["per_task"], "samples": selected["samples"], "tasks_scored": selected["tasks_scored"],
+        "subset": selected["subset"], "failed": selected["num_failed"].astype(int), "incomplete": selected["incomplete"],
+    })
+    return frame.sort_values(["task", "model", "block_size", "policy", "kept_ratio"], kind="stable")
+
+
+def write(df: pd.DataFrame, out: Path, table: PaperTable) -> bool:
+    """results/tables/leaderboard.{md,tex,csv}; False (nothing written) without a RULER run of its experiments."""
+    selected = runs(df, table)
+    if selected.empty:
+        return False
+    scores, text = layout(selected)
+    mask = best_mask(scores, ["Task", "Model", "B"], [c for c in scores.columns if c != FULL_COLUMN])
+    write_table(text, mask, out, table.name, f"{table.caption} {LEGEND} {INTERVAL_NOTE}")
+    tidy(selected).to_csv(out / f"{table.name}.csv", index=False, float_format="%.10g", lineterminator="\n")
+    return True

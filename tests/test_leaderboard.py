@@ -1,0 +1,253 @@
+"""experiment=leaderboard (issue #16 §5): the kvpress-shaped grid, the qwen3-8b model config, and the leaderboard
+table and figure built from synthetic runs (keydiff.report.leaderboard, keydiff.report.figures.leaderboard)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from keydiff.paper import registry
+from keydiff.report import figures, leaderboard
+from keydiff.report.render import Z95
+from keydiff.report.ruler import TASKS
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "conf"
+RATIOS = ["r0.125", "r0.25", "r0.5", "r0.75"]
+PENDING = {"adakv_keydiff", "adakv_snapkv", "adakv_expected_attention", "criticalkv"}  # issue #16 §1-2, other branches
+
+
+def compose(overrides):
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    import keydiff  # noqa: F401  resolvers
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return hydra_compose("config", overrides=overrides, return_hydra_config=True)
+
+
+# ----------------------------------------------------------------------------- configs
+def test_leaderboard_sweeps_every_method_at_the_four_kvpress_ratios():
+    cfg = compose(["experiment=leaderboard"])
+    params = {k: str(v).split(",") for k, v in cfg.hydra.sweeper.params.items()}
+    assert cfg.experiment_name == "leaderboard" and cfg.task.name == "ruler_4k" and params["model"] == ["qwen3-8b"]
+    assert cfg.task.answer_prefix_style == "kvpress" and params["block_size"] == ["128"]
+    assert params["budget"] == RATIOS
+    for budget in RATIOS:  # each kept ratio's kvpress compression ratio is 1 - kept
+        ratio = compose([f"budget={budget}"]).budget
+        assert ratio.tokens is None and ratio.label == budget and f"r = {1 - ratio.ratio:g})" in \
+            (CONF / "budget" / f"{budget}.yaml").read_text()
+    policies = params["policy"]
+    assert "full" not in policies and len(policies) == len(set(policies))
+    assert PENDING <= set(policies)
+    assert {"keydiff", "snapkv", "tova", "h2o", "sink", "knorm", "expected_attention", "lagkv", "snapkv_pyramid",
+            "chunkkv", "random"} <= set(policies)
+    for policy in set(policies) - PENDING:
+        assert (CONF / "policy" / f"{policy}.yaml").is_file(), policy
+
+
+def test_leaderboard_full_runs_the_full_cache_once_beside_it():
+    cfg = compose(["experiment=leaderboard_full"])
+    params = {k: str(v).split(",") for k, v in cfg.hydra.sweeper.params.items()}
+    assert cfg.experiment_name == "leaderboard_full" and cfg.task.name == "ruler_4k"
+    assert params["policy"] == ["full"] and len(params["budget"]) == 1 and params["model"] == ["qwen3-8b"]
+    assert cfg.task.answer_prefix_style == "kvpress" and cfg.budget.label == "unbounded"
+    assert registry.TABLES["leaderboard"].reads == ("leaderboard", "leaderboard_full")
+
+
+def test_a_leaderboard_grid_with_a_subset_of_policies_composes_and_passes_the_checks():
+    """Until the adaptive methods land, the grid runs with the policies given on the command line: every point
+    composes, passes check_run_config (no model loaded) and writes to its own ratio directory."""
+    from hydra import initialize_config_dir
+
+    from keydiff.run.checks import check_run_config
+    from keydiff.run.sweep import grid_points
+
+    cfg = compose(["experiment=leaderboard"])
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        points = grid_points(dict(cfg.hydra.sweeper.params), ["model=smollm2-135m", "policy=keydiff,tova",
+                                                              "task.data_dir=tasks/fixtures/ruler", "task.limit=1"])
+    assert len(points) == 8
+    dirs = set()
+    for point in points:
+        job = compose(["experiment=leaderboard", *point])
+        check_run_config(job)
+        dirs.add(job.run_subdir)
+    assert dirs == {f"ruler_4k/smollm2-135m/{p}/{b}/bs128/seed0-limit1" for p in ("keydiff", "tova") for b in RATIOS}
+
+
+def test_qwen3_8b_config_is_the_kvpress_leaderboard_model():
+    from keydiff.models import ModelConfig
+
+    cfg = compose(["model=qwen3-8b"])
+    model = ModelConfig.from_dict(cfg.model)  # every key is a ModelConfig field
+    assert (model.name, model.path, model.dtype, model.attn_implementation) == ("qwen3-8b", "Qwen/Qwen3-8B", "bfloat16", "sdpa")
+    assert model.is_hub_id and not model.trust_remote_code and model.max_length <= 32768
+    assert compose(["experiment=leaderboard", "model=qwen3-8b"]).model.name == "qwen3-8b"
+    from transformers import Qwen3Config  # transformers knows the architecture without remote code
+
+    assert Qwen3Config().max_position_embeddings >= model.max_length
+
+
+def test_qwen3_8b_offline_is_the_one_line_hub_error(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_"))}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1")
+    result = subprocess.run([sys.executable, "run.py", "model=qwen3-8b", "task=ruler_4k", "budget=r0.25",
+                             "task.data_dir=tasks/fixtures/ruler", f"results_root={tmp_path / 'runs'}"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120, env=env)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: the Hugging Face Hub is not reachable (HF_HUB_OFFLINE=1)")
+    assert "model.path=Qwen/Qwen3-8B" in lines[0] and not (tmp_path / "runs").exists()
+
+
+def test_ruler_renders_a_thinking_template_without_thinking():
+    """Qwen3's template thinks unless enable_thinking=False; RULER passes it (kvpress does), so the answer prefix
+    follows an empty think block. A template that does not know the flag renders as before."""
+    from keydiff.tasks.ruler import Ruler
+
+    class Tokenizer:
+        def __init__(self, template):
+            self.chat_template = template
+
+        def apply_chat_template(self, messages, tokenize, add_generation_prompt, **kwargs):
+            from jinja2 import Template
+
+            return Template(self.chat_template).render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                                       **kwargs)
+
+        def __call__(self, text, add_special_tokens=True):
+            return {"input_ids": [ord(c) for c in text]}
+
+    thinking = ("<u>{{ messages[0].content }}</u><a>{% if enable_thinking is defined and enable_thinking is false %}"
+                "<think>\n\n</think>\n\n{% endif %}")
+    _, rendered, _ = Ruler(tasks=["vt"]).encode(Tokenizer(thinking), "question", " Answer:")
+    assert rendered == "<u>question</u><a><think>\n\n</think>\n\n Answer:"
+    _, plain, _ = Ruler(tasks=["vt"]).encode(Tokenizer("<u>{{ messages[0].content }}</u><a>"), "question", " Answer:")
+    assert plain == "<u>question</u><a> Answer:"
+
+
+# ----------------------------------------------------------------------------- table and figure
+def run(policy, budget, score, se, experiment="leaderboard", samples=5, limit=np.nan, tasks=len(TASKS), model="m",
+        block="128", task="ruler_4k", complete=True):
+    row = {"experiment": experiment, "task": task, "model": model, "policy": policy,
+           "policy_name": "full" if policy == "full" else policy, "budget_label": "unbounded" if policy == "full" else budget,
+           "block_size": block, "seed": 0, "limit": limit, "complete": complete, "samples": samples * tasks,
+           "num_failed": 0, "score": score, "se/score": se}  # samples: rows scored over all tasks, as collect's
+    row.update({f"metrics/tasks/{t}": score if i < tasks else np.nan for i, t in enumerate(TASKS)})
+    row.update({f"metrics/n/{t}": samples if i < tasks else np.nan for i, t in enumerate(TASKS)})
+    return row
+
+
+SCORES = {"keydiff": [40.0, 55.0, 70.0, 80.0], "tova": [30.0, 60.0, 65.0, 85.0]}  # kept 0.125, 0.25, 0.5, 0.75
+
+
+@pytest.fixture
+def summary():
+    rows = [run(p, b, s, 1.0 + i) for p, scores in SCORES.items() for i, (b, s) in
+            enumerate(zip(RATIOS[::-1], scores[::-1]))]  # written in reverse ratio order
+    rows = [dict(r, score=SCORES[r["policy"]][RATIOS.index(r["budget_label"])],
+                 **{"se/score": 1.0 + RATIOS.index(r["budget_label"])}) for r in rows]
+    rows += [run("sink", "r0.5", 50.0, 2.0, tasks=11),          # one ratio only: no average, ranked last
+             run("full", None, 90.0, 0.5, experiment="leaderboard_full"),
+             run("keydiff", "2k", 99.0, 0.1),                  # a token budget: not on the leaderboard
+             run("keydiff", "r0.5", 1.0, 0.1, experiment="ruler"),  # another experiment
+             run("snapkv", "r0.5", 45.0, 3.0, limit=1, samples=1)]  # a subset run, marked
+    frame = pd.DataFrame(rows)
+    frame["se/score"] = frame["se/score"].where(frame["metrics/n/vt"] > 1)  # one sample per task: no interval
+    return frame
+
+
+def test_leaderboard_table_orders_ratios_ranks_methods_and_puts_full_first(summary, tmp_path):
+    table = registry.TABLES["leaderboard"]
+    assert leaderboard.write(summary, tmp_path, table)
+    scores, text = leaderboard.layout(leaderboard.runs(summary, table))
+    assert list(scores.columns) == ["0.125 (r=0.875)", "0.25 (r=0.75)", "0.5 (r=0.5)", "0.75 (r=0.25)", "Avg.", "1 (r=0)"]
+    methods = list(scores.index.get_level_values("Method"))
+    assert methods == ["Full", "KeyDiff", "TOVA", "Sink", "SnapKV"]  # full, by Avg. (61.25 > 60), then by name
+    assert scores.loc[("ruler_4k", "m", "128", "KeyDiff")].tolist()[:5] == [40.0, 55.0, 70.0, 80.0, 61.25]
+    assert scores.loc[("ruler_4k", "m", "128", "Full"), "1 (r=0)"] == 90.0
+    keydiff = text.loc[("ruler_4k", "m", "128", "KeyDiff")]
+    assert keydiff["0.125 (r=0.875)"] == f"40.00 ± {Z95 * 1.0:.2f} (n=5)" and keydiff["1 (r=0)"] == "--"
+    assert keydiff["0.75 (r=0.25)"] == f"80.00 ± {Z95 * 4.0:.2f} (n=5)"
+    assert keydiff["Avg."] == f"61.25 ± {Z95 * 2.5:.2f}"  # the mean of the ratios' SEs (same samples)
+    assert text.loc[("ruler_4k", "m", "128", "SnapKV"), "0.5 (r=0.5)"] == "45.00 ± n/a (n=1)§"
+    assert text.loc[("ruler_4k", "m", "128", "Sink"), "0.5 (r=0.5)"].endswith(" (11/13)")
+    assert text.loc[("ruler_4k", "m", "128", "Sink"), "Avg."] == "--"
+    md = (tmp_path / "leaderboard.md").read_text()
+    assert "**70.00 ± " in md and "**90.00" not in md  # best per column bold; the full cache never
+    assert "| ruler_4k | m | 128 | TOVA | 30.00 ± " in md and "kvpress" in md
+    assert r"\toprule" in (tmp_path / "leaderboard.tex").read_text()
+    csv = pd.read_csv(tmp_path / "leaderboard.csv")
+    assert len(csv) == 11 and set(csv["budget"]) == {*RATIOS, "--"}
+    assert np.allclose(csv["kvpress_compression_ratio"], 1 - csv["kept_ratio"])
+    assert csv.loc[csv["policy"] == "full", "kept_ratio"].tolist() == [1.0]
+    assert np.allclose(csv["ci95_half_width"].dropna(), Z95 * csv["se"].dropna())
+    assert csv.loc[csv["policy"] == "keydiff", "samples_per_task"].tolist() == [5] * 4  # n per task, not 65 rows
+    assert csv.loc[csv["policy"] == "keydiff", "samples"].tolist() == [65] * 4
+
+
+def test_leaderboard_table_waits_for_runs(tmp_path):
+    other = pd.DataFrame([run("keydiff", "r0.5", 50.0, 1.0, experiment="ruler")])
+    assert not leaderboard.write(other, tmp_path, registry.TABLES["leaderboard"])
+    assert not (tmp_path / "leaderboard.md").exists()
+
+
+def test_leaderboard_figure_one_line_per_method_ratios_ascending_full_dashed(summary, tmp_path, monkeypatch):
+    drawn = []
+    monkeypatch.setattr(figures, "save", lambda fig, out, name: drawn.append((fig, name)) or [out / f"{name}.png"])
+    assert figures.leaderboard(summary, tmp_path) == [tmp_path / "leaderboard.png"]
+    fig, name = drawn[0]
+    ax = fig.axes[0]
+    bars = {c.get_label().split(" (")[0].rstrip(" §"): c for c in ax.containers}
+    assert sorted(bars) == ["KeyDiff", "Sink", "SnapKV", "TOVA"]
+    for policy, label in (("keydiff", "KeyDiff"), ("tova", "TOVA")):
+        x, y = (np.asarray(v, dtype=float) for v in bars[label].lines[0].get_data())
+        assert list(np.argsort(x)) == [0, 1, 2, 3]  # ascending kept ratio
+        assert np.allclose(np.round(x / 0.125) * 0.125, [0.125, 0.25, 0.5, 0.75]) and list(y) == SCORES[policy]
+        segments = bars[label].lines[2][0].get_segments()  # the 95 % error bars
+        assert np.allclose([s[1][1] - s[0][1] for s in segments], [2 * Z95 * (1.0 + i) for i in range(4)])
+    full = [line for line in ax.get_lines() if line.get_linestyle() == "--"]
+    assert len(full) == 1 and full[0].get_ydata()[0] == 90.0 and full[0].get_label().startswith("Full")
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["0.125", "0.25", "0.5", "0.75"]
+    top = [child for child in ax.child_axes]
+    assert [t.get_text() for t in top[0].get_xticklabels()] == ["0.875", "0.75", "0.5", "0.25"]
+    assert "SnapKV §" in bars["SnapKV"].get_label()
+
+
+def test_wandb_grid_names_ratio_budgets_by_their_labels():
+    """The W&B report of a ratio experiment lists "r0.5", not the "none" of a budget without tokens."""
+    from keydiff.report import wandb
+
+    assert wandb.load_grid("leaderboard_full").budgets == ["r0.5"]
+    assert wandb.load_grid("smoke").budgets == ["1k"]
+
+
+@pytest.mark.parametrize("policy", ["full", "keydiff", "snapkv", "expected_attention", "tova"])
+def test_the_engine_runs_qwen3s_architecture_exactly(policy):
+    """qwen3-8b cannot be downloaded here; a tiny random Qwen3 (q/k RMS norms before RoPE) stands in: block-wise
+    prefill with a budget that holds the prompt equals one forward pass, and a small budget keeps N per head."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from keydiff.engine import prefill
+
+    config = Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096)
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM._from_config(config, attn_implementation="sdpa", dtype=torch.float32).eval()
+    prompt = torch.randint(0, 256, (1, 150))
+    with torch.no_grad():
+        reference = model(prompt).logits[:, -1].float()
+    state = prefill(model, prompt, policy, None if policy == "full" else 150, 64)
+    assert torch.allclose(state.logits, reference, atol=1e-5)
+    if policy != "full":
+        state = prefill(model, prompt, policy, 40, 32)
+        assert all(p.shape == (1, 2, 40) for p in state.kept_positions) and state.max_cache_entries <= 40 + 32
