@@ -20,7 +20,7 @@ from keydiff.report.ruler import TASKS
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
 RATIOS = ["r0.125", "r0.25", "r0.5", "r0.75"]
-PENDING = {"adakv_keydiff", "adakv_snapkv", "adakv_expected_attention", "criticalkv"}  # issue #16 §1-2, other branches
+ISSUE16 = {"adakv_keydiff", "adakv_snapkv", "adakv_expected_attention", "criticalkv", "kvzip"}  # issue #16 §1-2
 
 
 def compose(overrides):
@@ -46,10 +46,10 @@ def test_leaderboard_sweeps_every_method_at_the_four_kvpress_ratios():
             (CONF / "budget" / f"{budget}.yaml").read_text()
     policies = params["policy"]
     assert "full" not in policies and len(policies) == len(set(policies))
-    assert PENDING <= set(policies)
+    assert ISSUE16 <= set(policies)
     assert {"keydiff", "snapkv", "tova", "h2o", "sink", "knorm", "expected_attention", "lagkv", "snapkv_pyramid",
             "chunkkv", "random"} <= set(policies)
-    for policy in set(policies) - PENDING:
+    for policy in policies:
         assert (CONF / "policy" / f"{policy}.yaml").is_file(), policy
 
 
