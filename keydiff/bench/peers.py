@@ -114,6 +114,18 @@ def our_policy(pair: Pair, conf: Path = CONF) -> tuple[str, dict[str, Any]] | No
     return name, {**params, **pair.params}
 
 
+def budget_problem(policy: tuple[str, dict[str, Any]], budget: int) -> str | None:
+    """Why our side cannot run this policy at `budget` (its own one-line check), or None."""
+    from keydiff import build_policy
+    from keydiff.engine import check_budget
+
+    try:
+        check_budget(build_policy(policy[0], **policy[1]), budget)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
 # ---------------------------------------------------------------------------------------------- comparison
 def overlap(ours: list[list[int]], theirs: list[list[int]]) -> dict[str, Any]:
     """Compare one layer's kept positions, per KV head ([head][positions]).
@@ -244,10 +256,20 @@ def run_parity(args, base: dict[str, Any], work: Path, kvpress_python: Path) -> 
             print(f"{pair.label}: not available yet (no conf/policy/{pair.ours}.yaml policy in this checkout)")
             rows.append({**row, "status": "not available yet"})
             continue
+        problem = budget_problem(policy, base["budget"])
+        if problem:
+            print(f"{pair.label}: ours cannot run at N = {base['budget']}: {problem}")
+            rows.append({**row, "status": f"ours cannot run at N = {base['budget']}: {problem}"})
+            continue
         print(f"{pair.label}: ours {policy[0]} {policy[1]} vs kvpress {pair.press} ...", flush=True)
-        theirs = run_child("kvpress", {**base, "mode": "parity", "press": pair.press}, work, kvpress_python)
-        mine = run_child("keydiff", {**base, "mode": "parity", "policy": policy[0], "params": policy[1]},
-                         work, kvpress_python)
+        try:
+            theirs = run_child("kvpress", {**base, "mode": "parity", "press": pair.press}, work, kvpress_python)
+            mine = run_child("keydiff", {**base, "mode": "parity", "policy": policy[0], "params": policy[1]},
+                             work, kvpress_python)
+        except RuntimeError as error:
+            print(error, file=sys.stderr)
+            rows.append({**row, "status": f"failed: {str(error).splitlines()[0]}"})
+            continue
         if not checked:
             print(f"logits check (same weights, first 16 prompt tokens): max |ours - kvpress| = "
                   f"{logits_difference(mine, theirs):.3g}", flush=True)
