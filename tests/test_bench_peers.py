@@ -288,3 +288,21 @@ def test_main_writes_every_value_with_provenance_and_never_overwrites(tmp_path, 
     with pytest.raises(SystemExit):
         peers.main(["parity", "--pairs", "keydiff", "--env", str(env), "--json", str(out)])
     assert out.read_text() == before
+
+
+# ---------------------------------------------------------------------------------------------- the environment
+def test_the_kvpress_environment_is_reused_when_complete_and_never_the_projects_own(tmp_path, monkeypatch):
+    from keydiff.bench import peers_env
+
+    env = tmp_path / "venv-kvpress"
+    (env / "bin").mkdir(parents=True)
+    (env / "bin" / "python").write_text("")
+    assert not peers_env.is_complete(env)  # no marker: an interrupted build, to be redone
+    (env / peers_env.MARKER).write_text('{"kvpress": "0.5.5"}\n')
+    assert peers_env.is_complete(env)
+    monkeypatch.setattr(peers_env, "pip", lambda *a: pytest.fail("a complete environment is not reinstalled"))
+    assert peers_env.build(env) == env / "bin" / "python"
+    with pytest.raises(SystemExit, match="project's own environment"):
+        peers_env.build(peers_env.CHECKOUT / ".venv")
+    with pytest.raises(SystemExit, match="project's own environment"):
+        peers_env.build(Path(sys.prefix))

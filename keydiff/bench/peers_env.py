@@ -9,7 +9,8 @@ above that, and the two cannot share one interpreter. The environment is a plain
 `--torch-spec` (default torch==2.13.0, the same release as `.venv`; on a CPU machine whose pip finds a
 local CPU wheel that is the small one, while any looser spec lets kvpress's `torch<3` pull gigabytes of
 CUDA wheels), then kvpress==0.5.5 without extras (its `eval` extra is evaluation-only). On a GPU machine
-pass the torch spec that matches its CUDA (`make bench-peers TORCH_SPEC=...`), or keep the default.
+pass the torch spec that matches its CUDA (`make bench-peers TORCH_SPEC="torch==2.13.0 --index-url ..."`: the
+first word is the requirement, the rest goes to pip with it), or keep the default.
 
 A marker file (`.complete`, holding the versions installed) is written last: a build that was
 interrupted has none and is redone from scratch, a complete one is reused as it is.
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import shutil
 import subprocess
 import sys
@@ -75,7 +77,7 @@ def build(env: Path = DEFAULT_ENV, torch_spec: str = TORCH_SPEC, kvpress_spec: s
         shutil.rmtree(scratch, ignore_errors=True)
         subprocess.run([sys.executable, "-m", "venv", str(scratch)], check=True)
         try:
-            pip(scratch, "install", "--dry-run", torch_spec, kvpress_spec)
+            pip(scratch, "install", "--dry-run", *shlex.split(torch_spec), kvpress_spec)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
         return env_python(env)
@@ -83,8 +85,9 @@ def build(env: Path = DEFAULT_ENV, torch_spec: str = TORCH_SPEC, kvpress_spec: s
         print(f"{env}: incomplete (no {MARKER}), rebuilding it", flush=True)
         shutil.rmtree(env)
     subprocess.run([sys.executable, "-m", "venv", str(env)], check=True)
-    pip(env, "install", "-q", torch_spec)
-    pip(env, "install", "-q", kvpress_spec, torch_spec)  # torch named again so the resolver keeps it
+    torch_arguments = shlex.split(torch_spec)  # a requirement, optionally with pip options (--index-url ...)
+    pip(env, "install", "-q", *torch_arguments)
+    pip(env, "install", "-q", kvpress_spec, torch_arguments[0])  # torch named again so the resolver keeps it
     versions = installed_versions(env)
     (env / MARKER).write_text(json.dumps(versions) + "\n", encoding="utf-8")
     print(f"{env}: complete ({json.dumps(versions)})", flush=True)
