@@ -278,6 +278,9 @@ def run_parity(args, base: dict[str, Any], work: Path, kvpress_python: Path) -> 
                    press_repr=theirs["press_repr"], policy_repr=mine["policy_repr"],
                    logits_max_abs_diff=logits_difference(mine, theirs),
                    comparison=compare(mine["kept"], theirs["kept"]))
+        c = row["comparison"]
+        print(f"  mean overlap {c['mean_overlap']:.3f}, min head {c['min_head_overlap']:.3f}, identical "
+              f"{'yes' if c['identical'] else 'no'}, entries {c['ours_entries']} / {c['kvpress_entries']}", flush=True)
         rows.append(row)
     return rows
 
