@@ -284,6 +284,7 @@ def test_main_writes_every_value_with_provenance_and_never_overwrites(tmp_path, 
     assert record["perf"]["ratios"]["64"]["keydiff_blockwise"]["ttft_s"] == pytest.approx(0.5)
     assert len(record["perf"]["samples"]["64"]["kvpress_keydiff"]) == 2
     assert record["command"].startswith("python -m keydiff.bench.peers") and "code" in record
+    assert record["parity_data"]["tokens"] == 40 and len(record["perf_data"][0]["sha256"]) == 64
     before = out.read_text()
     with pytest.raises(SystemExit):
         peers.main(["parity", "--pairs", "keydiff", "--env", str(env), "--json", str(out)])

@@ -297,17 +297,21 @@ def run_perf(args, base: dict[str, Any], work: Path, kvpress_python: Path) -> di
                 spec = {**base, **extra, "mode": "perf", "prompt_file": str(work / f"prompt-{length}.json"),
                         "new_tokens": args.new_tokens, "warmup_tokens": min(256, length)}
                 samples[length][case].append(run_child(side, spec, work, kvpress_python))
+    first = samples[args.lengths[0]]
+    print(f"logits check (same weights, first 16 prompt tokens): max |ours - kvpress| = "
+          f"{logits_difference(first['keydiff_blockwise'][0], first['kvpress_keydiff'][0]):.3g}", flush=True)
     medians = {L: summarize_perf(samples[L]) for L in args.lengths}
     return {"samples": samples, "medians": medians, "ratios": {L: perf_ratios(medians[L]) for L in args.lengths},
             "table": perf_table(medians)}
 
 
-def write_prompt(path: Path, length: int, vocab: int, seed: int) -> list[int]:
+def write_prompt(path: Path, length: int, vocab: int, seed: int) -> dict[str, Any]:
+    """Random token ids (keydiff.bench.common.random_prompt's draw) for both sides; their record (sha256)."""
     import torch
 
-    ids = torch.randint(0, vocab, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
-    path.write_text(json.dumps(ids), encoding="utf-8")
-    return ids
+    ids = torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(seed))
+    path.write_text(json.dumps(ids[0].tolist()), encoding="utf-8")
+    return common.prompt_record(ids, seed)
 
 
 def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
@@ -380,15 +384,15 @@ def main(argv: list[str] | None = None) -> None:
         work = Path(tmp)
         if args.part in ("parity", "all"):
             budget = math.ceil(args.ratio * args.length) if args.ratio else (args.budget or 128)
-            write_prompt(work / "prompt-parity.json", args.length, vocab, args.seed)
+            payload["parity_data"] = write_prompt(work / "prompt-parity.json", args.length, vocab, args.seed)
             spec = {**base, "budget": budget, "prompt_file": str(work / "prompt-parity.json")}
             print(f"parity: L = {args.length}, N = {budget}, whole prompt as one block", flush=True)
             rows = run_parity(args, spec, work, kvpress_python)
             payload["parity"] = {"length": args.length, "budget": budget, "rows": rows, "table": parity_table(rows)}
             print(payload["parity"]["table"], flush=True)
         if args.part in ("perf", "all"):
-            for length in args.lengths:
-                write_prompt(work / f"prompt-{length}.json", length, vocab, args.seed)
+            payload["perf_data"] = [write_prompt(work / f"prompt-{length}.json", length, vocab, args.seed)
+                                    for length in args.lengths]
             budget = args.budget or 1024
             print(f"perf: L in {args.lengths}, N = {budget}, B = {args.block_size}, {args.new_tokens} new tokens, "
                   f"{args.rounds} rounds", flush=True)
