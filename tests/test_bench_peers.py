@@ -303,6 +303,12 @@ def test_the_kvpress_environment_is_reused_when_complete_and_never_the_projects_
     assert peers_env.is_complete(env)
     monkeypatch.setattr(peers_env, "pip", lambda *a: pytest.fail("a complete environment is not reinstalled"))
     assert peers_env.build(env) == env / "bin" / "python"
+    other = tmp_path / "data"
+    other.mkdir()
+    (other / "keep.txt").write_text("x")
+    with pytest.raises(SystemExit, match="not a virtual environment"):
+        peers_env.build(other)  # an incomplete folder is rebuilt only if it is a venv
+    assert (other / "keep.txt").read_text() == "x"
     with pytest.raises(SystemExit, match="project's own environment"):
         peers_env.build(peers_env.CHECKOUT / ".venv")
     with pytest.raises(SystemExit, match="project's own environment"):

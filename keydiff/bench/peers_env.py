@@ -82,6 +82,8 @@ def build(env: Path = DEFAULT_ENV, torch_spec: str = TORCH_SPEC, kvpress_spec: s
             shutil.rmtree(scratch, ignore_errors=True)
         return env_python(env)
     if env.exists():
+        if not (env / "pyvenv.cfg").is_file():  # never delete a folder that is not a virtual environment
+            raise SystemExit(f"{env} exists and is not a virtual environment; choose another --env")
         print(f"{env}: incomplete (no {MARKER}), rebuilding it", flush=True)
         shutil.rmtree(env)
     subprocess.run([sys.executable, "-m", "venv", str(env)], check=True)
