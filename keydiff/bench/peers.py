@@ -1,0 +1,406 @@
+"""Side by side with NVIDIA's kvpress on identical random weights: kept positions (parity) and speed/memory.
+
+    make bench-peers                                              # builds .venv-kvpress once, then both parts
+    python -m keydiff.bench.peers parity --length 512 --budget 128
+    python -m keydiff.bench.peers perf --lengths 4096,16384,32768 --rounds 3 --threads 2
+    python -m keydiff.bench.peers all --device cuda --shape llama-3.2-3b     # on a GPU, unchanged
+
+Both projects load ONE checkpoint: the model config of `--shape` (SmolLM2-135M's by default, from
+keydiff.bench.common), initialised once with `--seed` and saved as safetensors under
+`$KEYDIFF_CACHE/peers/` (or `--cache-dir`); every run prints the largest difference between the two sides'
+logits on the same short input, which must be ~0 (same weights, same kernels).
+
+Every measurement runs in a fresh process (keydiff/bench/peers_runner.py): kvpress's with the python of
+`.venv-kvpress` (kvpress 0.5.5 pins transformers < 5.3; keydiff.bench.peers_env builds it), ours with this
+interpreter. So memory peaks never mix and neither project's imports touch the other.
+
+parity: the whole prompt as ONE block (block size = L, what kvpress does), the same prompt ids and budget N
+(kvpress: compression_ratio r = 1 - N/L, the fraction it removes), for each pair in PAIRS. Per pair: the mean
+over layers of the layer's overlap (sum over KV heads of |ours ∩ theirs| / the larger of the two kept
+counts: |ours ∩ theirs| / N when both keep N per head), the smallest per-head overlap, whether every set is
+identical, and the entries each side keeps. Pairs whose policy is not in this checkout print "not available
+yet". docs/peers.md says why a pair can differ.
+
+perf: for each L in --lengths at N = --budget: kvpress's KeyDiffPress (as its pipeline: one forward of the
+prompt under the press, then greedy decoding, no further eviction), ours block-wise (B = --block-size,
+evicting after every token), ours with the prompt as one block. Each child warms up on a short prompt, resets
+its peak, then times TTFT and --new-tokens decode steps; peak memory = CUDA max allocated (GPU) or peak RSS
+(CPU, getrusage after a clear_refs reset). --rounds interleaved rounds (every case once per round, in turn),
+medians reported, ratios ours / kvpress. The JSON (--json) holds every value with its provenance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from keydiff.bench import common, peers_env
+
+RUNNER = Path(__file__).with_name("peers_runner.py")
+CONF = common.CHECKOUT / "conf" / "policy"
+# --shape name -> keydiff.bench.common.RANDOM_MODELS entry (public architecture configs, no download).
+SHAPES = {"smollm2-135m": "random-smollm2", "llama-3.2-3b": "random-llama-3.2-3b", "tiny": "random-tiny",
+          "mid": "random-mid"}
+PERF_CASES = ("kvpress_keydiff", "keydiff_blockwise", "keydiff_one_block")
+
+
+@dataclass(frozen=True)
+class Pair:
+    """A method both projects ship: our conf/policy preset (+ parameters set to kvpress's) and kvpress's press
+    (a name in peers_runner.PRESSES)."""
+
+    label: str
+    ours: str
+    press: str
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+SNAPKV_AS_KVPRESS = {"window": 64, "kernel_size": 5, "pooling": "avg"}  # SnapKVPress's defaults
+PAIRS = (
+    Pair("keydiff", "keydiff", "keydiff"),
+    Pair("knorm", "knorm", "knorm"),
+    Pair("sink / streaming_llm", "sink", "streaming_llm", {"sinks": 4}),
+    Pair("snapkv", "snapkv", "snapkv", SNAPKV_AS_KVPRESS),
+    Pair("tova (one set per layer)", "tova", "tova", {"heads": "layer"}),
+    Pair("expected_attention", "expected_attention", "expected_attention"),
+    Pair("lagkv", "lagkv", "lagkv"),
+    Pair("pyramidkv", "snapkv_pyramid", "pyramidkv",
+         {**SNAPKV_AS_KVPRESS, "layer_budgets": {"schedule": "pyramid", "beta": 20, "window": 0}}),
+    Pair("chunkkv", "chunkkv", "chunkkv", SNAPKV_AS_KVPRESS),
+    Pair("adakv(keydiff)", "adakv_keydiff", "adakv_keydiff"),
+    Pair("adakv(snapkv)", "adakv_snapkv", "adakv_snapkv", SNAPKV_AS_KVPRESS),
+    Pair("adakv(expected_attention, eps 1e-2)", "adakv_expected_attention", "adakv_expected_attention"),
+    Pair("criticalkv(snapkv)", "criticalkv", "critical_snapkv", SNAPKV_AS_KVPRESS),
+    Pair("criticalkv adakv(snapkv)", "adakv_criticalkv", "critical_adakv_snapkv", SNAPKV_AS_KVPRESS),
+)
+
+
+# ---------------------------------------------------------------------------------------------- our presets
+def preset(name: str, conf: Path = CONF) -> tuple[str, dict[str, Any]]:
+    """(policy name, parameters) of conf/policy/<name>.yaml, its `defaults` merged in first as Hydra does.
+
+    Raises FileNotFoundError when the preset is not in this checkout (another branch adds it)."""
+    from omegaconf import OmegaConf
+
+    node = OmegaConf.load(conf / f"{name}.yaml")
+    merged = OmegaConf.create({})
+    for parent in node.get("defaults", []):
+        if parent != "_self_":
+            parent_name, parent_params = preset(parent, conf)
+            merged = OmegaConf.merge(merged, {"name": parent_name, "params": parent_params})
+    merged = OmegaConf.merge(merged, {k: v for k, v in node.items() if k != "defaults"})
+    return str(merged.name), OmegaConf.to_container(merged.get("params", {}), resolve=True)
+
+
+def our_policy(pair: Pair, conf: Path = CONF) -> tuple[str, dict[str, Any]] | None:
+    """The policy and parameters that run our side of `pair`, or None where this checkout lacks it."""
+    from keydiff import available_policies
+
+    try:
+        name, params = preset(pair.ours, conf)
+    except FileNotFoundError:
+        return None
+    if name not in available_policies():
+        return None
+    return name, {**params, **pair.params}
+
+
+def budget_problem(policy: tuple[str, dict[str, Any]], budget: int) -> str | None:
+    """Why our side cannot run this policy at `budget` (its own one-line check), or None."""
+    from keydiff import build_policy
+    from keydiff.engine import check_budget
+
+    try:
+        check_budget(build_policy(policy[0], **policy[1]), budget)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+# ---------------------------------------------------------------------------------------------- comparison
+def overlap(ours: list[list[int]], theirs: list[list[int]]) -> dict[str, Any]:
+    """Compare one layer's kept positions, per KV head ([head][positions]).
+
+    layer: sum over heads of |ours_h ∩ theirs_h| / max(sum |ours_h|, sum |theirs_h|) (= the mean of
+    |∩| / N over heads when both keep N per head; < 1 when the counts differ). head_min: the smallest
+    per-head |∩| / max(|ours_h|, |theirs_h|). identical: every head keeps the same set.
+    """
+    if len(ours) != len(theirs):
+        raise ValueError(f"{len(ours)} KV heads on our side, {len(theirs)} on kvpress's")
+    common_counts, per_head = [], []
+    for mine, other in zip(ours, theirs):
+        shared = len(set(mine) & set(other))
+        common_counts.append(shared)
+        per_head.append(shared / max(len(mine), len(other), 1))
+    ours_total, theirs_total = sum(map(len, ours)), sum(map(len, theirs))
+    return {"layer": sum(common_counts) / max(ours_total, theirs_total, 1), "head_min": min(per_head),
+            "identical": all(set(a) == set(b) for a, b in zip(ours, theirs)),
+            "ours_entries": ours_total, "kvpress_entries": theirs_total}
+
+
+def compare(ours: list[list[list[int]]], theirs: list[list[list[int]]]) -> dict[str, Any]:
+    """Per layer overlaps (`overlap`) and their summary: mean and min over layers, min over heads."""
+    if len(ours) != len(theirs):
+        raise ValueError(f"{len(ours)} layers on our side, {len(theirs)} on kvpress's")
+    layers = [overlap(a, b) for a, b in zip(ours, theirs)]
+    return {"mean_overlap": statistics.fmean(l["layer"] for l in layers),
+            "min_layer_overlap": min(l["layer"] for l in layers),
+            "min_head_overlap": min(l["head_min"] for l in layers),
+            "identical": all(l["identical"] for l in layers),
+            "ours_entries": sum(l["ours_entries"] for l in layers),
+            "kvpress_entries": sum(l["kvpress_entries"] for l in layers),
+            "per_layer": [l["layer"] for l in layers]}
+
+
+def parity_table(rows: list[dict[str, Any]]) -> str:
+    """Markdown: one row per pair; "not available yet" for pairs this checkout lacks."""
+    lines = ["| pair | ours | kvpress | mean overlap | min layer | min head | identical | entries ours / kvpress |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r.get("status") != "ok":
+            lines.append(f"| {r['pair']} | {r['ours']} | {r['press']} | {r['status']} | | | | |")
+            continue
+        c = r["comparison"]
+        lines.append(f"| {r['pair']} | {r['ours']} | {r['press']} | {c['mean_overlap']:.3f} | "
+                     f"{c['min_layer_overlap']:.3f} | {c['min_head_overlap']:.3f} | "
+                     f"{'yes' if c['identical'] else 'no'} | {c['ours_entries']} / {c['kvpress_entries']} |")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------- performance
+def summarize_perf(samples: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, float]]:
+    """Medians over rounds of TTFT, per-token decode time and peak bytes, per case."""
+    keys = ("ttft_s", "per_token_s", "peak_bytes")
+    return {case: {key: statistics.median(run[key] for run in runs) for key in keys}
+            for case, runs in samples.items() if runs}
+
+
+def perf_ratios(medians: dict[str, dict[str, float]], base: str = "kvpress_keydiff") -> dict[str, dict[str, float]]:
+    """Each of our cases' medians divided by kvpress's: < 1 means ours is faster / smaller."""
+    reference = medians.get(base)
+    return {case: {key: common.ratio(value, reference and reference.get(key)) for key, value in values.items()}
+            for case, values in medians.items() if case != base}
+
+
+def perf_table(by_length: dict[int, dict[str, dict[str, float]]]) -> str:
+    """Markdown: per length and case, the medians and the ratios ours / kvpress."""
+    lines = ["| L | method | TTFT s | decode ms/token | peak GB | TTFT × kvpress | decode × | peak × |",
+             "|---|---|---|---|---|---|---|---|"]
+    for length, medians in by_length.items():
+        ratios = perf_ratios(medians)
+        for case, m in medians.items():
+            r = ratios.get(case, {})
+            lines.append(f"| {length} | {case} | {m['ttft_s']:.2f} | {1000 * m['per_token_s']:.1f} | "
+                         f"{m['peak_bytes'] / 1e9:.2f} | {common.fmt(r.get('ttft_s'), '.2f')} | "
+                         f"{common.fmt(r.get('per_token_s'), '.2f')} | {common.fmt(r.get('peak_bytes'), '.2f')} |")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------- processes
+def model_dir(shape: str, dtype: str, seed: int, cache_dir: Path) -> Path:
+    """The shared checkpoint of `shape`: built once (random init with `seed`), saved as safetensors, reused."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder = cache_dir / f"{shape}-seed{seed}-{dtype}"
+    if (folder / "config.json").is_file() and (folder / "model.safetensors").is_file():
+        return folder
+    print(f"building random weights of {shape} (seed {seed}, {dtype}) in {folder}", flush=True)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**common.RANDOM_MODELS[SHAPES[shape]])).to(getattr(torch, dtype))
+    scratch = Path(tempfile.mkdtemp(dir=cache_dir, prefix=f".{folder.name}-"))
+    model.save_pretrained(scratch)
+    scratch.rename(folder)  # complete folders only: a crash leaves a scratch folder, never a half checkpoint
+    return folder
+
+
+def run_child(side: str, spec: dict[str, Any], work: Path, kvpress_python: Path) -> dict[str, Any]:
+    """One measurement in a fresh process; its JSON result. Raises with the child's stderr tail on failure."""
+    index = len(list(work.glob("spec-*.json")))
+    spec_file, out_file = work / f"spec-{index}.json", work / f"out-{index}.json"
+    spec_file.write_text(json.dumps({**spec, "side": side}), encoding="utf-8")
+    if side == "kvpress":
+        command = [str(kvpress_python), "-I", str(RUNNER), str(spec_file), str(out_file)]
+    else:
+        command = [sys.executable, "-m", "keydiff.bench.peers_runner", str(spec_file), str(out_file)]
+    env = {**os.environ, "OMP_NUM_THREADS": str(spec["threads"]),
+           "PYTHONPATH": str(common.CHECKOUT)}
+    done = subprocess.run(command, capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        raise RuntimeError(f"{side} child failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    return json.loads(out_file.read_text())
+
+
+def logits_difference(a: dict[str, Any], b: dict[str, Any]) -> float:
+    return max(abs(x - y) for x, y in zip(a["logits_check"], b["logits_check"]))
+
+
+def run_parity(args, base: dict[str, Any], work: Path, kvpress_python: Path) -> list[dict[str, Any]]:
+    rows = []
+    checked = False
+    for pair in PAIRS:
+        if args.pairs and pair.ours not in args.pairs and pair.press not in args.pairs:
+            continue
+        row: dict[str, Any] = {"pair": pair.label, "ours": pair.ours, "press": pair.press}
+        policy = our_policy(pair)
+        if policy is None:
+            print(f"{pair.label}: not available yet (no conf/policy/{pair.ours}.yaml policy in this checkout)")
+            rows.append({**row, "status": "not available yet"})
+            continue
+        problem = budget_problem(policy, base["budget"])
+        if problem:
+            print(f"{pair.label}: ours cannot run at N = {base['budget']}: {problem}")
+            rows.append({**row, "status": f"ours cannot run at N = {base['budget']}: {problem}"})
+            continue
+        print(f"{pair.label}: ours {policy[0]} {policy[1]} vs kvpress {pair.press} ...", flush=True)
+        try:
+            theirs = run_child("kvpress", {**base, "mode": "parity", "press": pair.press}, work, kvpress_python)
+            mine = run_child("keydiff", {**base, "mode": "parity", "policy": policy[0], "params": policy[1]},
+                             work, kvpress_python)
+        except RuntimeError as error:
+            print(error, file=sys.stderr)
+            rows.append({**row, "status": f"failed: {str(error).splitlines()[0]}"})
+            continue
+        if not checked:
+            print(f"logits check (same weights, first 16 prompt tokens): max |ours - kvpress| = "
+                  f"{logits_difference(mine, theirs):.3g}", flush=True)
+            checked = True
+        row.update(status="ok", params=policy[1], compression_ratio=theirs["compression_ratio"],
+                   press_repr=theirs["press_repr"], policy_repr=mine["policy_repr"],
+                   logits_max_abs_diff=logits_difference(mine, theirs),
+                   comparison=compare(mine["kept"], theirs["kept"]))
+        c = row["comparison"]
+        print(f"  mean overlap {c['mean_overlap']:.3f}, min head {c['min_head_overlap']:.3f}, identical "
+              f"{'yes' if c['identical'] else 'no'}, entries {c['ours_entries']} / {c['kvpress_entries']}", flush=True)
+        rows.append(row)
+    return rows
+
+
+def run_perf(args, base: dict[str, Any], work: Path, kvpress_python: Path) -> dict[str, Any]:
+    specs = {"kvpress_keydiff": ("kvpress", {}), "keydiff_blockwise": ("keydiff", {"block_size": args.block_size}),
+             "keydiff_one_block": ("keydiff", {"block_size": None})}
+    samples: dict[int, dict[str, list]] = {L: {case: [] for case in PERF_CASES} for L in args.lengths}
+    for round_index in range(args.rounds):
+        for length in args.lengths:
+            for case in PERF_CASES:
+                side, extra = specs[case]
+                print(f"  round {round_index + 1}/{args.rounds}: L={length} {case} ...", file=sys.stderr, flush=True)
+                spec = {**base, **extra, "mode": "perf", "prompt_file": str(work / f"prompt-{length}.json"),
+                        "new_tokens": args.new_tokens, "warmup_tokens": min(256, length)}
+                samples[length][case].append(run_child(side, spec, work, kvpress_python))
+    first = samples[args.lengths[0]]
+    print(f"logits check (same weights, first 16 prompt tokens): max |ours - kvpress| = "
+          f"{logits_difference(first['keydiff_blockwise'][0], first['kvpress_keydiff'][0]):.3g}", flush=True)
+    medians = {L: summarize_perf(samples[L]) for L in args.lengths}
+    return {"samples": samples, "medians": medians, "ratios": {L: perf_ratios(medians[L]) for L in args.lengths},
+            "table": perf_table(medians)}
+
+
+def write_prompt(path: Path, length: int, vocab: int, seed: int) -> dict[str, Any]:
+    """Random token ids (keydiff.bench.common.random_prompt's draw) for both sides; their record (sha256)."""
+    import torch
+
+    ids = torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(seed))
+    path.write_text(json.dumps(ids[0].tolist()), encoding="utf-8")
+    return common.prompt_record(ids, seed)
+
+
+def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("part", nargs="?", default="all", choices=["parity", "perf", "all"])
+    parser.add_argument("--shape", default="smollm2-135m", choices=sorted(SHAPES))
+    parser.add_argument("--device", default="cpu", help="cpu | cuda | cuda:<index>")
+    parser.add_argument("--dtype", default=None, choices=list(common.DTYPES), help="default: bfloat16 on CUDA, else float32")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads in every child (default 2)")
+    parser.add_argument("--seed", type=int, default=0, help="weights and prompt ids")
+    parser.add_argument("--length", type=int, default=512, help="parity: prompt tokens L")
+    parser.add_argument("--budget", type=int, default=None, help="N (default: 128 for parity, 1024 for perf)")
+    parser.add_argument("--ratio", type=float, default=None, help="parity: N = ceil(ratio x L) instead of --budget")
+    parser.add_argument("--pairs", default=None, help="parity: comma list of our presets or kvpress names (default all)")
+    parser.add_argument("--lengths", default="4096,16384,32768", help="perf: comma list of prompt lengths")
+    parser.add_argument("--block-size", type=int, default=128, help="perf: B of our block-wise case")
+    parser.add_argument("--new-tokens", type=int, default=16, help="perf: tokens decoded (per-token time over n - 1 steps)")
+    parser.add_argument("--rounds", type=int, default=3, help="perf: interleaved rounds (medians reported)")
+    parser.add_argument("--cache-dir", type=Path, default=None, help="weights folder (default $KEYDIFF_CACHE/peers)")
+    parser.add_argument("--env", type=Path, default=peers_env.DEFAULT_ENV, help="the kvpress environment")
+    parser.add_argument("--torch-spec", default=peers_env.TORCH_SPEC, help="torch for a new kvpress environment")
+    parser.add_argument("--json", type=Path, default=None,
+                        help="where the results go (default results/bench/peers-<UTC time>.json; never overwritten)")
+    args = parser.parse_args(argv)
+    try:
+        args.lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
+    except ValueError:
+        parser.error(f"--lengths must be a comma list of integers, got {args.lengths!r}")
+    args.pairs = [p.strip() for p in args.pairs.split(",")] if args.pairs else None
+    known = {p.ours for p in PAIRS} | {p.press for p in PAIRS}
+    if args.pairs and set(args.pairs) - known:
+        parser.error(f"unknown pairs {sorted(set(args.pairs) - known)}; valid: {', '.join(sorted(known))}")
+    if not (args.device == "cpu" or args.device.startswith("cuda")):
+        parser.error(f"--device {args.device!r} is not valid; valid: cpu, cuda, cuda:<index>")
+    if args.ratio is not None and not 0 < args.ratio <= 1:
+        parser.error(f"--ratio must be in (0, 1], got {args.ratio}")
+    if args.rounds < 1 or args.threads < 1 or args.new_tokens < 2:
+        parser.error("--rounds and --threads must be >= 1, --new-tokens >= 2")
+    perf_budget = args.budget or 1024
+    if args.part in ("perf", "all") and any(L <= perf_budget for L in args.lengths):
+        parser.error(f"every --lengths value must exceed the budget N = {perf_budget}")
+    if args.json is None:
+        args.json = Path("results/bench") / time.strftime("peers-%Y%m%dT%H%M%SZ.json", time.gmtime())
+    if args.json.exists():
+        parser.error(f"--json {args.json} exists; name a new file (results are never overwritten)")
+    args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    import math
+
+    from keydiff.models import cache_root
+
+    args = parse_arguments(argv)
+    started = common.provenance(__spec__.name, argv)
+    kvpress_python = peers_env.build(args.env, args.torch_spec)
+    cache_dir = args.cache_dir or cache_root() / "peers"
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    folder = model_dir(args.shape, args.dtype, args.seed, cache_dir)
+    vocab = common.RANDOM_MODELS[SHAPES[args.shape]]["vocab_size"]
+    base = {"model_dir": str(folder), "dtype": args.dtype, "device": args.device, "threads": args.threads}
+    setting = (f"shape={args.shape} dtype={args.dtype} device={args.device} threads={args.threads} "
+               f"seed={args.seed} weights={folder}")
+    print(setting, flush=True)
+    payload: dict[str, Any] = {"setting": setting, "shape": args.shape, "device": args.device,
+                               "threads": args.threads, "dtype": args.dtype, "seed": args.seed,
+                               "kvpress_env": (args.env / peers_env.MARKER).read_text().strip()}
+    with tempfile.TemporaryDirectory(prefix="keydiff-peers-") as tmp:
+        work = Path(tmp)
+        if args.part in ("parity", "all"):
+            budget = math.ceil(args.ratio * args.length) if args.ratio else (args.budget or 128)
+            payload["parity_data"] = write_prompt(work / "prompt-parity.json", args.length, vocab, args.seed)
+            spec = {**base, "budget": budget, "prompt_file": str(work / "prompt-parity.json")}
+            print(f"parity: L = {args.length}, N = {budget}, whole prompt as one block", flush=True)
+            rows = run_parity(args, spec, work, kvpress_python)
+            payload["parity"] = {"length": args.length, "budget": budget, "rows": rows, "table": parity_table(rows)}
+            print(payload["parity"]["table"], flush=True)
+        if args.part in ("perf", "all"):
+            payload["perf_data"] = [write_prompt(work / f"prompt-{length}.json", length, vocab, args.seed)
+                                    for length in args.lengths]
+            budget = args.budget or 1024
+            print(f"perf: L in {args.lengths}, N = {budget}, B = {args.block_size}, {args.new_tokens} new tokens, "
+                  f"{args.rounds} rounds", flush=True)
+            payload["perf"] = {"budget": budget, "block_size": args.block_size, "new_tokens": args.new_tokens,
+                               "rounds": args.rounds, **run_perf(args, {**base, "budget": budget}, work, kvpress_python)}
+            print(payload["perf"]["table"], flush=True)
+    print(f"wrote {common.write_json(args.json, payload, started)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,273 @@
+"""One measurement of `python -m keydiff.bench.peers`, in a fresh process, for either project.
+
+    <.venv-kvpress>/bin/python -I keydiff/bench/peers_runner.py SPEC.json OUT.json    # kvpress's side
+    <.venv>/bin/python -m keydiff.bench.peers_runner SPEC.json OUT.json               # this project's side
+
+Why one file for both sides: the two projects are measured by the same code (model loading, the logits
+check, the clocks, the memory peak), so only the method differs. Why no `keydiff` import at the top: kvpress
+pins transformers < 5.3 and runs in its own environment (`keydiff.bench.peers_env`), where keydiff cannot be
+imported; this file imports only torch and transformers there, and kvpress (side "kvpress") or keydiff
+(side "keydiff") inside the function that needs it. `-I` keeps the checkout's folders off kvpress's path.
+
+SPEC (written by keydiff.bench.peers): side, mode ("parity" | "perf"), model_dir (a safetensors checkpoint
+both sides load), dtype, device, threads, prompt_file (JSON list of token ids), budget N, and per mode:
+parity: press (a PRESSES name) or policy + params (ours); perf: method ("kvpress_keydiff" | "keydiff"),
+block_size (None: one block), new_tokens, warmup_tokens. OUT: JSON with the logits check, the kept positions
+(parity: per layer, per KV head, sorted) or the timings and the peak memory (perf).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# kvpress presses by the name the pair table (keydiff.bench.peers.PAIRS) uses: (class, keyword arguments),
+# a nested tuple being a wrapped press. Parameters are kvpress's defaults unless written here; its evaluation
+# registry (evaluation/evaluate_registry.py) names some of them the same way.
+PRESSES: dict[str, tuple] = {
+    "keydiff": ("KeyDiffPress", {}),
+    "knorm": ("KnormPress", {}),
+    "streaming_llm": ("StreamingLLMPress", {"n_sink": 4}),
+    "snapkv": ("SnapKVPress", {}),  # window_size 64, kernel_size 5
+    "tova": ("TOVAPress", {}),
+    "expected_attention": ("ExpectedAttentionPress", {}),
+    "lagkv": ("LagKVPress", {}),  # n_sink 4, lag_size 128
+    "pyramidkv": ("PyramidKVPress", {}),  # SnapKV scores, window 64, kernel 5, beta 20
+    "chunkkv": ("ChunkKVPress", {"press": ("SnapKVPress", {}), "chunk_length": 20}),
+    "adakv_keydiff": ("AdaKVPress", {"press": ("KeyDiffPress", {})}),
+    "adakv_snapkv": ("AdaKVPress", {"press": ("SnapKVPress", {})}),
+    # the registry's "expected_attention": AdaKV over ExpectedAttention with epsilon 1e-2
+    "adakv_expected_attention": ("AdaKVPress", {"press": ("ExpectedAttentionPress", {"epsilon": 1e-2})}),
+    "critical_snapkv": ("CriticalKVPress", {"press": ("SnapKVPress", {})}),
+    "critical_adakv_snapkv": ("CriticalAdaKVPress", {"press": ("SnapKVPress", {})}),
+}
+
+
+# ---------------------------------------------------------------------------------------------- shared
+def build_press(name: str, compression_ratio: float):
+    """The kvpress press called `name` in PRESSES, with the compression ratio set on it (wrappers forward it)."""
+    import kvpress
+
+    def make(spec):
+        cls, kwargs = spec
+        return getattr(kvpress, cls)(**{k: make(v) if isinstance(v, tuple) else v for k, v in kwargs.items()})
+
+    press = make(PRESSES[name])
+    press.compression_ratio = compression_ratio
+    return press
+
+
+def compression_ratio_for(length: int, budget: int) -> float:
+    """kvpress's r (the fraction REMOVED) for which it keeps exactly `budget` of `length` entries.
+
+    kvpress keeps int(length * (1 - r)); 1 - budget/length can round one short (0.3 * 10 = 2.9999...), so r
+    is nudged down by ulps until the product reaches the budget.
+    """
+    if not 0 < budget <= length:
+        raise ValueError(f"budget {budget} must be in 1..{length} (the prompt length)")
+    ratio = 1.0 - budget / length
+    while int(length * (1 - ratio)) < budget:
+        ratio = math.nextafter(ratio, -math.inf)
+    return max(ratio, 0.0)
+
+
+def load_model(spec: dict[str, Any]):
+    from transformers import AutoModelForCausalLM
+
+    dtype = getattr(torch, spec["dtype"])
+    model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=dtype, attn_implementation="sdpa")
+    return model.to(spec["device"]).eval()
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def reset_peak(device: str) -> None:
+    """Restart the peak count so that it covers what follows, not the model load (Linux clear_refs for RSS)."""
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")
+    except OSError:
+        pass
+
+
+def peak_bytes(device: str) -> dict[str, Any]:
+    if device.startswith("cuda"):
+        return {"peak_bytes": torch.cuda.max_memory_allocated(), "peak_kind": "cuda_max_allocated"}
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"peak_bytes": peak if sys.platform == "darwin" else peak * 1024, "peak_kind": "peak_rss"}
+
+
+@torch.inference_mode()
+def check_logits(model, ids: torch.Tensor) -> list[float]:
+    """Last-position logits of a short input (the first 16 prompt tokens, no cache): both sides must agree."""
+    return model(ids[:, :16]).logits[0, -1, :8].float().tolist()
+
+
+# ---------------------------------------------------------------------------------------------- kvpress
+class KeptRecorder:
+    """Which prompt positions a press kept, read from the cache around kvpress's own forward hook.
+
+    A hook registered BEFORE the press's hook copies each layer's full keys; one registered AFTER it reads
+    what the press left: for a press that prunes, each kept key row is found (bitwise) among the copied
+    rows; for a masking press (AdaKV, CriticalAdaKV: `module.masked_key_indices`), kept = not masked.
+    """
+
+    def __init__(self, layers):
+        self.layers = layers
+        self.full: dict[int, torch.Tensor] = {}
+        self.kept: dict[int, list[list[int]]] = {}
+
+    def before(self, module, args, kwargs, output):
+        cache = kwargs["past_key_values"]
+        self.full[module.layer_idx] = cache.layers[module.layer_idx].keys[0].detach().clone()
+
+    def after(self, module, args, kwargs, output):
+        cache = kwargs["past_key_values"]
+        full = self.full.pop(module.layer_idx)
+        masked = getattr(module, "masked_key_indices", None)
+        if masked is not None:
+            batch, head, seq = masked
+            keep = torch.ones(full.shape[:2], dtype=torch.bool)
+            keep[head[batch == 0].cpu(), seq[batch == 0].cpu()] = False
+            self.kept[module.layer_idx] = [torch.nonzero(row).flatten().tolist() for row in keep]
+            module.masked_key_indices = None
+            return
+        self.kept[module.layer_idx] = [
+            match_rows(full[h], cache.layers[module.layer_idx].keys[0, h]) for h in range(full.shape[0])
+        ]
+
+
+def match_rows(full: torch.Tensor, kept: torch.Tensor) -> list[int]:
+    """Sorted indices in `full` [n, d] of the rows of `kept` [k, d], matched bitwise (a gather copies bits)."""
+    as_bits = lambda t: [bytes(row) for row in t.detach().cpu().contiguous().view(torch.uint8).numpy()]
+    where = {}
+    for index, row in enumerate(as_bits(full)):
+        if row in where:
+            raise ValueError("two cached keys are bitwise equal: kept positions cannot be recovered")
+        where[row] = index
+    return sorted(where[row] for row in as_bits(kept))
+
+
+@torch.inference_mode()
+def kvpress_parity(model, ids: torch.Tensor, spec: dict[str, Any]) -> dict[str, Any]:
+    from transformers import DynamicCache
+
+    ratio = compression_ratio_for(ids.shape[1], spec["budget"])
+    press = build_press(spec["press"], ratio)
+    layers = model.model.layers
+    recorder = KeptRecorder(layers)
+    hooks = [layer.self_attn.register_forward_hook(recorder.before, with_kwargs=True) for layer in layers]
+    try:
+        with press(model):
+            hooks += [layer.self_attn.register_forward_hook(recorder.after, with_kwargs=True) for layer in layers]
+            model.model(input_ids=ids, past_key_values=DynamicCache())  # as kvpress's pipeline: the base model
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return {"compression_ratio": ratio, "press_repr": repr(press),
+            "kept": [recorder.kept[i] for i in range(len(layers))]}
+
+
+@torch.inference_mode()
+def kvpress_generate(model, ids: torch.Tensor, spec: dict[str, Any]) -> dict[str, Any]:
+    """KeyDiffPress as kvpress's pipeline runs it: one forward of the whole prompt under the press, then
+    greedy decoding outside it (the cache is never compressed again), positions continuing after the prompt."""
+    from transformers import DynamicCache
+
+    device, length = spec["device"], ids.shape[1]
+    press = build_press("keydiff", compression_ratio_for(length, spec["budget"]))
+    cache = DynamicCache()
+    sync(device)
+    start = time.perf_counter()
+    with press(model):
+        logits = model(input_ids=ids, past_key_values=cache, logits_to_keep=1).logits[:, -1]
+    sync(device)
+    ttft = time.perf_counter() - start
+    entries = cache.get_seq_length()
+    token = logits.argmax(-1, keepdim=True)
+    start = time.perf_counter()
+    for step in range(spec["new_tokens"] - 1):
+        position = torch.tensor([[length + step]], device=ids.device)
+        logits = model(input_ids=token, past_key_values=cache, position_ids=position, logits_to_keep=1).logits[:, -1]
+        token = logits.argmax(-1, keepdim=True)
+    sync(device)
+    return {"ttft_s": ttft, "decode_s": time.perf_counter() - start, "cache_entries": entries}
+
+
+# ---------------------------------------------------------------------------------------------- keydiff
+def keydiff_parity(model, ids: torch.Tensor, spec: dict[str, Any]) -> dict[str, Any]:
+    from keydiff import build_policy, prefill
+
+    policy = build_policy(spec["policy"], **spec.get("params", {}))
+    state = prefill(model, ids, policy, spec["budget"], None)
+    return {"policy_repr": repr(policy), "kept": [per_head_positions(layer) for layer in state.kept_positions]}
+
+
+def per_head_positions(layer) -> list[list[int]]:
+    """Batch row 0's kept positions per KV head, sorted; negative entries (padding of unequal heads) dropped."""
+    heads = layer[0] if isinstance(layer, torch.Tensor) else [h[0] if h.dim() > 1 else h for h in layer]
+    return [sorted(p for p in head.flatten().tolist() if p >= 0) for head in heads]
+
+
+def keydiff_generate(model, ids: torch.Tensor, spec: dict[str, Any]) -> dict[str, Any]:
+    from keydiff import build_policy, generate, prefill
+
+    state = prefill(model, ids, build_policy("keydiff"), spec["budget"], spec["block_size"])
+    result = generate(model, state, spec["new_tokens"], eos_token_ids=(), evict=True)
+    return {"ttft_s": state.seconds, "decode_s": result.seconds, "cache_entries": state.max_cache_entries}
+
+
+# ---------------------------------------------------------------------------------------------- main
+def run(spec: dict[str, Any]) -> dict[str, Any]:
+    torch.set_num_threads(spec["threads"])
+    model = load_model(spec)
+    ids = torch.tensor([json.loads(Path(spec["prompt_file"]).read_text())], device=spec["device"])
+    out: dict[str, Any] = {"logits_check": check_logits(model, ids), "torch": torch.__version__,
+                           "threads": torch.get_num_threads()}
+    import transformers
+
+    out["transformers"] = transformers.__version__
+    kvpress = spec["side"] == "kvpress"
+    if kvpress:
+        import importlib.metadata
+
+        out["kvpress"] = importlib.metadata.version("kvpress")
+    if spec["mode"] == "parity":
+        out.update(kvpress_parity(model, ids, spec) if kvpress else keydiff_parity(model, ids, spec))
+        return out
+    measure = kvpress_generate if kvpress else keydiff_generate
+    measure(model, ids[:, : spec["warmup_tokens"]], {**spec, "budget": min(spec["budget"], spec["warmup_tokens"] // 2)})
+    reset_peak(spec["device"])
+    out.update(measure(model, ids, spec))
+    out["per_token_s"] = out["decode_s"] / max(spec["new_tokens"] - 1, 1)
+    out.update(peak_bytes(spec["device"]))
+    return out
+
+
+def main(argv: list[str]) -> None:
+    spec_path, out_path = argv
+    result = run(json.loads(Path(spec_path).read_text()))
+    Path(out_path).write_text(json.dumps(result) + "\n", encoding="utf-8")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

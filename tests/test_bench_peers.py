@@ -1,0 +1,315 @@
+"""`python -m keydiff.bench.peers` without kvpress: the comparison arithmetic, the pair and shape tables, the
+runner's kvpress-free parts, our side of a measurement on a tiny model, and the JSON/table output.
+
+The real runs need `.venv-kvpress` (keydiff.bench.peers_env) and are not part of the suite."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from keydiff import build_policy, prefill
+from keydiff.bench import common, peers, peers_runner
+
+
+# ---------------------------------------------------------------------------------------------- overlap
+def test_identical_sets_give_overlap_one_whatever_the_order():
+    result = peers.overlap([[1, 2, 3], [4, 5, 6]], [[3, 2, 1], [6, 4, 5]])
+    assert result["layer"] == 1 and result["head_min"] == 1 and result["identical"]
+
+
+def test_partial_overlap_is_shared_over_kept_and_the_worst_head_is_reported():
+    # head 0 shares 2 of 4, head 1 all 4: the layer shares 6 of 8, the worst head 2 of 4
+    result = peers.overlap([[0, 1, 2, 3], [4, 5, 6, 7]], [[0, 1, 8, 9], [7, 6, 5, 4]])
+    assert result["layer"] == pytest.approx(6 / 8)
+    assert result["head_min"] == pytest.approx(0.5)
+    assert not result["identical"]
+
+
+def test_unequal_head_counts_are_divided_by_the_larger_side():
+    # AdaKV-like: kvpress keeps 6 and 2 in the heads, we keep 4 and 4 (same layer total); the sets share 4 + 2
+    ours, theirs = [[0, 1, 2, 3], [0, 1, 2, 3]], [[0, 1, 2, 3, 4, 5], [0, 1]]
+    result = peers.overlap(ours, theirs)
+    assert result["layer"] == pytest.approx(6 / 8)
+    assert result["head_min"] == pytest.approx(2 / 4)  # head 1: 2 shared, 4 kept by us
+    assert (result["ours_entries"], result["kvpress_entries"]) == (8, 8)
+    # a subset is not identical, even at overlap |∩| / |ours| = 1
+    assert not peers.overlap([[0, 1]], [[0, 1, 2]])["identical"]
+    assert peers.overlap([[0, 1]], [[0, 1, 2]])["layer"] == pytest.approx(2 / 3)
+
+
+def test_compare_summarises_layers_and_rejects_mismatched_shapes():
+    ours = [[[0, 1]], [[0, 1]], [[0, 1]]]
+    theirs = [[[0, 1]], [[0, 5]], [[7, 8]]]
+    result = peers.compare(ours, theirs)
+    assert result["per_layer"] == [1.0, 0.5, 0.0]
+    assert result["mean_overlap"] == pytest.approx(0.5)
+    assert result["min_layer_overlap"] == 0 and result["min_head_overlap"] == 0
+    assert not result["identical"]
+    assert peers.compare(ours, ours)["identical"]
+    with pytest.raises(ValueError, match="layers"):
+        peers.compare(ours, theirs[:2])
+    with pytest.raises(ValueError, match="KV heads"):
+        peers.overlap([[0], [1]], [[0]])
+
+
+# ---------------------------------------------------------------------------------------------- budgets
+@pytest.mark.parametrize("length,budget", [(512, 128), (4096, 1024), (16384, 1024), (1000, 300), (10, 3),
+                                           (7, 7), (999, 1), (32768, 1024), (3000, 2999)])
+def test_compression_ratio_keeps_exactly_the_budget_the_kvpress_way(length, budget):
+    ratio = peers_runner.compression_ratio_for(length, budget)
+    assert 0 <= ratio < 1
+    assert int(length * (1 - ratio)) == budget  # kvpress: n_kept = int(k_len * (1 - compression_ratio))
+
+
+def test_compression_ratio_rejects_budgets_outside_the_prompt():
+    for budget in (0, 513):
+        with pytest.raises(ValueError, match="budget"):
+            peers_runner.compression_ratio_for(512, budget)
+
+
+# ---------------------------------------------------------------------------------------------- tables of names
+def test_every_pair_names_a_kvpress_press_the_runner_knows():
+    assert {pair.press for pair in peers.PAIRS} <= set(peers_runner.PRESSES)
+    labels = [pair.label for pair in peers.PAIRS]
+    assert len(labels) == len(set(labels))
+
+
+def test_shapes_are_the_benchmarks_random_model_configs():
+    for shape, name in peers.SHAPES.items():
+        assert name in common.RANDOM_MODELS, shape
+    assert peers.SHAPES["smollm2-135m"] == "random-smollm2"
+
+
+def test_presets_merge_their_defaults_as_hydra_does():
+    name, params = peers.preset("snapkv_pyramid")
+    assert name == "snapkv"
+    assert params["window"] == 32 and params["layer_budgets"]["schedule"] == "pyramid"
+    assert peers.preset("chunkkv") == ("snapkv", {"window": 32, "kernel_size": 7, "pooling": "avg",
+                                                  "chunk_length": 20, "chunk_scope": "layer"})
+    with pytest.raises(FileNotFoundError):
+        peers.preset("no_such_preset")
+
+
+def test_pairs_set_our_parameters_to_kvpress_defaults_and_missing_presets_are_not_available():
+    snapkv = next(p for p in peers.PAIRS if p.press == "snapkv")
+    assert peers.our_policy(snapkv) == ("snapkv", {"window": 64, "kernel_size": 5, "pooling": "avg"})
+    tova = next(p for p in peers.PAIRS if p.press == "tova")
+    assert peers.our_policy(tova) == ("tova", {"heads": "layer"})
+    assert peers.our_policy(peers.Pair("x", "no_such_preset", "keydiff")) is None
+
+
+def test_every_available_pair_builds_and_a_pyramid_below_the_window_is_reported(tmp_path):
+    for pair in peers.PAIRS:
+        policy = peers.our_policy(pair)
+        if policy is not None:
+            build_policy(policy[0], **policy[1])
+    pyramid = peers.our_policy(next(p for p in peers.PAIRS if p.press == "pyramidkv"))
+    assert "window" in peers.budget_problem(pyramid, 128)
+    assert peers.budget_problem(pyramid, 2048) is None
+    assert peers.budget_problem(("keydiff", {}), 128) is None
+
+
+# ---------------------------------------------------------------------------------------------- runner pieces
+def test_match_rows_finds_gathered_rows_and_refuses_duplicates():
+    full = torch.randn(50, 8)
+    index = torch.tensor([31, 2, 17, 40])
+    assert peers_runner.match_rows(full, full[index]) == [2, 17, 31, 40]
+    full[5] = full[9]
+    with pytest.raises(ValueError, match="bitwise equal"):
+        peers_runner.match_rows(full, full[:3])
+
+
+class FakeLayer:
+    def __init__(self, keys):
+        self.keys = keys
+
+
+class FakeCache:
+    def __init__(self, keys):
+        self.layers = [FakeLayer(keys)]
+
+
+class FakeModule:
+    layer_idx = 0
+    masked_key_indices = None
+
+
+def test_recorder_reads_pruned_and_masked_caches():
+    keys = torch.randn(1, 2, 10, 4)
+    cache, module = FakeCache(keys), FakeModule()
+    recorder = peers_runner.KeptRecorder([module])
+    recorder.before(module, (), {"past_key_values": cache}, None)
+    cache.layers[0].keys = keys[:, :, [9, 0, 4]]  # a pruning press (score order, not sorted)
+    recorder.after(module, (), {"past_key_values": cache}, None)
+    assert recorder.kept[0] == [[0, 4, 9], [0, 4, 9]]
+
+    cache = FakeCache(keys)
+    recorder.before(module, (), {"past_key_values": cache}, None)
+    # a masking press (AdaKV): head 0 loses 8 entries, head 1 loses 2; batch row 1's mask is not ours
+    heads = torch.tensor([0] * 8 + [1] * 2 + [1])
+    seqs = torch.tensor([1, 2, 3, 4, 5, 6, 7, 8, 0, 9, 5])
+    batch = torch.tensor([0] * 10 + [1])
+    module.masked_key_indices = (batch, heads, seqs)
+    recorder.after(module, (), {"past_key_values": cache}, None)
+    assert recorder.kept[0] == [[0, 9], [1, 2, 3, 4, 5, 6, 7, 8]]
+    assert module.masked_key_indices is None
+
+
+def test_per_head_positions_drops_padding_and_sorts():
+    layer = torch.tensor([[[5, 1, -1], [3, 2, 0]]])
+    assert peers_runner.per_head_positions(layer) == [[1, 5], [0, 2, 3]]
+
+
+def test_the_kvpress_side_of_the_runner_imports_no_keydiff():
+    code = ("import importlib.util, sys; spec = importlib.util.spec_from_file_location('runner', sys.argv[1]); "
+            "module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module); "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('keydiff', 'kvpress')))")
+    out = subprocess.run([sys.executable, "-I", "-c", code, str(peers.RUNNER)], capture_output=True, text=True,
+                         check=True, cwd="/")
+    assert out.stdout.strip() == "[]"
+
+
+# ---------------------------------------------------------------------------------------------- our side, tiny model
+@pytest.fixture(scope="module")
+def tiny_weights(tmp_path_factory):
+    return peers.model_dir("tiny", "float32", 0, tmp_path_factory.mktemp("peers-weights"))
+
+
+def test_weights_are_built_once_and_reused(tiny_weights):
+    stamp = (tiny_weights / "model.safetensors").stat().st_mtime_ns
+    assert peers.model_dir("tiny", "float32", 0, tiny_weights.parent) == tiny_weights
+    assert (tiny_weights / "model.safetensors").stat().st_mtime_ns == stamp
+    assert not [p for p in tiny_weights.parent.iterdir() if p.name.startswith(".")]  # no scratch folder left
+
+
+def spec(weights: Path, tmp_path: Path, length: int, **fields) -> dict:
+    prompt = tmp_path / "prompt.json"
+    peers.write_prompt(prompt, length, common.TINY["vocab_size"], seed=0)
+    return {"side": "keydiff", "model_dir": str(weights), "dtype": "float32", "device": "cpu", "threads": 1,
+            "prompt_file": str(prompt), **fields}
+
+
+def test_our_parity_side_reports_what_prefill_keeps_with_one_block(tiny_weights, tmp_path):
+    out = peers_runner.run(spec(tiny_weights, tmp_path, 64, mode="parity", budget=16, policy="keydiff", params={}))
+    model = peers_runner.load_model({"model_dir": str(tiny_weights), "dtype": "float32", "device": "cpu"})
+    ids = torch.tensor([json.loads((tmp_path / "prompt.json").read_text())])
+    state = prefill(model, ids, "keydiff", 16, None)
+    expected = [[sorted(h.tolist()) for h in layer[0]] for layer in state.kept_positions]
+    assert out["kept"] == expected
+    assert len(out["kept"]) == common.TINY["num_hidden_layers"]
+    assert all(len(head) == 16 for layer in out["kept"] for head in layer)
+    assert len(out["logits_check"]) == 8 and all(math.isfinite(x) for x in out["logits_check"])
+
+
+def test_our_perf_side_times_prefill_and_decode_and_reports_a_peak(tiny_weights, tmp_path):
+    out = peers_runner.run(spec(tiny_weights, tmp_path, 96, mode="perf", budget=32, block_size=16, new_tokens=4,
+                                warmup_tokens=40))
+    assert out["ttft_s"] > 0 and out["decode_s"] > 0
+    assert out["per_token_s"] == pytest.approx(out["decode_s"] / 3)
+    assert out["cache_entries"] <= 32 + 16
+    assert out["peak_bytes"] > 0 and out["peak_kind"] == "peak_rss"
+
+
+# ---------------------------------------------------------------------------------------------- perf arithmetic
+def test_medians_and_ratios_ours_over_kvpress():
+    runs = lambda *ttft: [{"ttft_s": t, "per_token_s": t / 100, "peak_bytes": 1e9 * t} for t in ttft]
+    medians = peers.summarize_perf({"kvpress_keydiff": runs(10, 30, 20), "keydiff_blockwise": runs(5, 4, 6),
+                                    "keydiff_one_block": []})
+    assert medians["kvpress_keydiff"]["ttft_s"] == 20 and medians["keydiff_blockwise"]["ttft_s"] == 5
+    assert "keydiff_one_block" not in medians  # no runs, no row
+    ratios = peers.perf_ratios(medians)
+    assert set(ratios) == {"keydiff_blockwise"}
+    assert ratios["keydiff_blockwise"]["ttft_s"] == pytest.approx(0.25)
+    assert ratios["keydiff_blockwise"]["peak_bytes"] == pytest.approx(0.25)
+    assert peers.perf_ratios({"keydiff_blockwise": medians["keydiff_blockwise"]})["keydiff_blockwise"]["ttft_s"] is None
+    table = peers.perf_table({4096: medians})
+    assert "| 4096 | keydiff_blockwise | 5.00 | 50.0 | 5.00 | 0.25 | 0.25 | 0.25 |" in table
+
+
+# ---------------------------------------------------------------------------------------------- arguments and output
+@pytest.mark.parametrize("argv,message", [
+    (["parity", "--pairs", "nope"], "unknown pairs"),
+    (["perf", "--lengths", "512,4096"], "must exceed the budget"),
+    (["perf", "--lengths", "4k"], "comma list of integers"),
+    (["--device", "tpu"], "valid: cpu, cuda"),
+    (["parity", "--ratio", "1.5"], "--ratio"),
+    (["--shape", "gpt2"], "invalid choice"),
+])
+def test_bad_arguments_fail_with_one_line_naming_the_choices(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        peers.parse_arguments(argv)
+    assert message in capsys.readouterr().err
+
+
+def fake_child(side, spec, work, kvpress_python):
+    """Stands in for the two environments: kvpress keeps positions 0..N-1, ours 1..N per head."""
+    shift = 1 if side == "keydiff" else 0
+    n = spec["budget"]
+    if spec["mode"] == "perf":
+        scale = 2.0 if side == "kvpress" else 1.0
+        return {"logits_check": [0.0], "ttft_s": scale, "decode_s": scale, "per_token_s": scale / 10,
+                "peak_bytes": scale * 1e9}
+    kept = [[list(range(shift, n + shift))] * 3] * 2
+    return {"logits_check": [0.5] * 8, "kept": kept, "compression_ratio": 0.75, "press_repr": "P()",
+            "policy_repr": "Q()"}
+
+
+def test_main_writes_every_value_with_provenance_and_never_overwrites(tmp_path, monkeypatch, capsys):
+    env = tmp_path / "env"
+    env.mkdir()
+    (env / "complete-marker").write_text("{}")
+    monkeypatch.setattr(peers.peers_env, "build", lambda *a, **k: Path(sys.executable))
+    monkeypatch.setattr(peers.peers_env, "MARKER", "complete-marker")
+    monkeypatch.setattr(peers, "run_child", fake_child)
+    monkeypatch.setattr(peers, "model_dir", lambda *a: tmp_path)
+    out = tmp_path / "peers.json"
+    argv = ["all", "--pairs", "keydiff,no_such", "--length", "40", "--budget", "8", "--lengths", "64",
+            "--rounds", "2", "--env", str(env), "--json", str(out)]
+    with pytest.raises(SystemExit):  # an unknown pair is refused before anything runs
+        peers.main(argv)
+    peers.main(["all", "--pairs", "keydiff", "--length", "40", "--budget", "8", "--lengths", "64", "--rounds", "2",
+                "--env", str(env), "--json", str(out)])
+    printed = capsys.readouterr().out
+    assert "| keydiff | keydiff | keydiff | 0.875 | 0.875 | 0.875 | no | 48 / 48 |" in printed
+    assert "max |ours - kvpress| = 0" in printed
+    record = json.loads(out.read_text())
+    assert record["parity"]["rows"][0]["comparison"]["mean_overlap"] == pytest.approx(7 / 8)
+    assert record["perf"]["ratios"]["64"]["keydiff_blockwise"]["ttft_s"] == pytest.approx(0.5)
+    assert len(record["perf"]["samples"]["64"]["kvpress_keydiff"]) == 2
+    assert record["command"].startswith("python -m keydiff.bench.peers") and "code" in record
+    assert record["parity_data"]["tokens"] == 40 and len(record["perf_data"][0]["sha256"]) == 64
+    before = out.read_text()
+    with pytest.raises(SystemExit):
+        peers.main(["parity", "--pairs", "keydiff", "--env", str(env), "--json", str(out)])
+    assert out.read_text() == before
+
+
+# ---------------------------------------------------------------------------------------------- the environment
+def test_the_kvpress_environment_is_reused_when_complete_and_never_the_projects_own(tmp_path, monkeypatch):
+    from keydiff.bench import peers_env
+
+    env = tmp_path / "venv-kvpress"
+    (env / "bin").mkdir(parents=True)
+    (env / "bin" / "python").write_text("")
+    assert not peers_env.is_complete(env)  # no marker: an interrupted build, to be redone
+    (env / peers_env.MARKER).write_text('{"kvpress": "0.5.5"}\n')
+    assert peers_env.is_complete(env)
+    monkeypatch.setattr(peers_env, "pip", lambda *a: pytest.fail("a complete environment is not reinstalled"))
+    assert peers_env.build(env) == env / "bin" / "python"
+    other = tmp_path / "data"
+    other.mkdir()
+    (other / "keep.txt").write_text("x")
+    with pytest.raises(SystemExit, match="not a virtual environment"):
+        peers_env.build(other)  # an incomplete folder is rebuilt only if it is a venv
+    assert (other / "keep.txt").read_text() == "x"
+    with pytest.raises(SystemExit, match="project's own environment"):
+        peers_env.build(peers_env.CHECKOUT / ".venv")
+    with pytest.raises(SystemExit, match="project's own environment"):
+        peers_env.build(Path(sys.prefix))
