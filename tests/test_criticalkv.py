@@ -36,7 +36,8 @@ def brute_force_norms(values: torch.Tensor, weight: torch.Tensor, heads: int) ->
 
 def reference_kept(raw, protect, norms, positions, budget, ratio, epsilon, log_scores=False) -> list[list[list[int]]]:
     """Kept positions per (row, head) by loops: protected entries; then the floor(ratio x budget) best raw scores
-    (protected ranked first, ties to the newer position); then the best (score' + eps) x norm until the budget."""
+    (protected ranked first, ties to the newer position); then the best (score' + eps) x norm until the budget
+    (eps: the epsilon on the raw scores' scale, see `query_rows`)."""
     kept = []
     for b in range(positions.shape[0]):
         row = []
@@ -57,6 +58,17 @@ def reference_kept(raw, protect, norms, positions, budget, ratio, epsilon, log_s
             row.append(sorted(pos[i] for i in keep))
         kept.append(row)
     return kept
+
+
+def query_rows(policy: Critical, positions: torch.Tensor) -> int:
+    """How many query rows an attention-sum scorer's raw scores add up at this eviction (1 for the others):
+    SnapKV's window rows of the block just run (min(window, block length)), one row while decoding, TOVA one."""
+    window = policy.scorer.attention_rows
+    if not isinstance(window, int) or window <= 1:
+        return 1
+    newest = int(positions.max())
+    block_length = newest % BLOCK + 1 if newest < LENGTH else 1  # prefill blocks of BLOCK from 0, then decoding
+    return min(window, block_length)
 
 
 def recorded_run(policy: Critical, model, prompt, new_tokens=6):
@@ -84,6 +96,7 @@ def recorded_run(policy: Critical, model, prompt, new_tokens=6):
 
 @pytest.mark.parametrize("name, params", [
     ("snapkv", {}),  # attention scores (non-negative): kvpress's formula as it is
+    ("snapkv", {"critical_epsilon": 0.05}),  # epsilon per query row weighs: 16 rows per prefill block, 1 decoding
     ("keydiff", {"window_fraction": 0.2}),  # negative scores (-cos), a recent window protected
     ("tova", {"critical_epsilon": 0.01, "first_stage_ratio": 0.25}),
     ("expected_attention", {"use_vnorm": False}),  # log scores
@@ -102,7 +115,8 @@ def test_every_eviction_matches_the_brute_force_reference(name, params):
         expected_norms = brute_force_norms(record["values"], weight, heads)
         torch.testing.assert_close(record["norms"].double(), expected_norms, rtol=1e-5, atol=1e-6)
         expected = reference_kept(record["raw"], record["protect"], record["norms"], record["positions"], record["budget"],
-                                  policy.first_stage_ratio, policy.epsilon, policy.scorer.log_scores)
+                                  policy.first_stage_ratio, policy.epsilon * query_rows(policy, record["positions"]),
+                                  policy.scorer.log_scores)
         assert record["kept"] == expected, f"layer {record['layer']}: CriticalKV kept other entries than the reference"
 
 
@@ -141,6 +155,31 @@ def test_output_norms_against_loops_with_grouped_heads(chunk_elements, monkeypat
     torch.testing.assert_close(output_norms(values, weight).double(), brute_force_norms(values, weight, 6), rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="does not match values"):
         output_norms(values, torch.randn(20, 5 * 8))
+
+
+def test_epsilon_is_added_per_query_row_as_in_kvpress():
+    """kvpress (and the paper) add epsilon to ONE query's attention: SnapKVPress averages its window's rows, our
+    statistic sums them. Critical must rank (mean + eps) x norm, i.e. score (sum + rows x eps) x norm; with eps
+    added to the sum instead, the choice changes (kvpress parity 0.93 at L = 4096, N = 1024)."""
+    g = torch.Generator().manual_seed(0)
+    rows, n, kv_heads, dim = 4, 12, 2, 8
+    weights = torch.softmax(torch.randn(1, kv_heads, rows, n, generator=g), dim=-1)  # each row sums to 1
+    values = torch.randn(1, kv_heads, n, dim, generator=g)
+    projection = torch.randn(16, 2 * kv_heads * dim, generator=g)  # 2 query heads per KV head
+    norms = output_norms(values, projection)
+    view = LayerView(keys=torch.randn(1, kv_heads, n, dim, generator=g), values=values,
+                     positions=torch.arange(n).expand(1, kv_heads, n), attention=weights.sum(dim=2),
+                     state={STATE: norms}, layers=0, output_projection=projection)
+    policy = build_policy("snapkv", window=rows, kernel_size=1, critical=True, critical_epsilon=0.05)
+    mean = weights.mean(dim=2)  # SnapKVPress's score with kernel 1
+    prefix = n - rows  # the window's own entries are protected, not ranked
+    got = policy.score(view)[..., :prefix]
+    torch.testing.assert_close(got, rows * (mean[..., :prefix] + 0.05) * norms[..., :prefix])
+    assert torch.equal(got.argsort(dim=-1), ((mean + 0.05) * norms)[..., :prefix].argsort(dim=-1))
+    # One row (TOVA, or SnapKV while decoding): epsilon as it is.
+    one = LayerView(keys=view.keys, values=values, positions=view.positions, attention=weights[:, :, 0],
+                    state={STATE: norms}, layers=0, output_projection=projection)
+    torch.testing.assert_close(policy.score(one)[..., :prefix], (weights[:, :, 0, :prefix] + 0.05) * norms[..., :prefix])
 
 
 def test_negative_scores_are_shifted_so_a_larger_norm_never_lowers_an_entry():

@@ -84,8 +84,10 @@ def output_norms(values: torch.Tensor, output_projection: torch.Tensor) -> torch
     return out
 
 
-def critical_scores(scores: torch.Tensor, norms: torch.Tensor, epsilon: float, log_scores: bool) -> torch.Tensor:
+def critical_scores(scores: torch.Tensor, norms: torch.Tensor, epsilon: float | torch.Tensor,
+                    log_scores: bool) -> torch.Tensor:
     """Stage 2: (score + epsilon) x norm per entry, with the shift (or log domain) described in the module.
+    epsilon: one number, or (linear scores only) a tensor broadcast against the scores, e.g. one per head.
     Non-finite scores (allowed only for protected entries) are returned as they are."""
     scores = scores.float()
     finite = torch.isfinite(scores)
@@ -188,7 +190,23 @@ class Critical(PolicyWrapper):
         return raw
 
     def score(self, layer: LayerView) -> torch.Tensor:
-        return critical_scores(self.scorer_scores(layer), layer.state[STATE], self.epsilon, self.scorer.log_scores)
+        return critical_scores(self.scorer_scores(layer), layer.state[STATE], self.scaled_epsilon(layer),
+                               self.scorer.log_scores)
+
+    def scaled_epsilon(self, layer: LayerView) -> float | torch.Tensor:
+        """epsilon on the scale of the scorer's scores: x the number of query rows they sum, for a scorer
+        whose score sums the attention of its last `attention_rows` queries (SnapKV's window, TOVA's 1 row).
+
+        The paper's and kvpress's epsilon is added to one query's attention (kvpress's SnapKVPress averages its
+        window); our statistic sums the rows, so the same epsilon would weigh `rows` times less. Each row's
+        softmax sums to 1 over the keys the view holds, so the statistic's total per head is the row count
+        (min(window, block length); 1 while decoding). float32 [batch, kv_heads, 1], or the plain epsilon."""
+        rows = self.scorer.attention_rows
+        if (self.scorer.log_scores or layer.attention is None or not isinstance(rows, int) or rows <= 1
+                or self.scorer.attention_reduction != "sum"):
+            return self.epsilon
+        counted = layer.attention.float().sum(dim=-1, keepdim=True).round().clamp(1, rows)
+        return self.epsilon * counted
 
     def protected(self, layer: LayerView, budget: int) -> torch.Tensor | None:
         inner = self.scorer.protected(layer, budget)
