@@ -12,7 +12,11 @@ attention x ||W_o v||_1. `Critical(scorer)` selects in two stages, with each KV 
    of v through each query head's slice of o_proj (o_proj.weight[:, h*d:(h+1)*d]), averaged over the query
    heads of the entry's KV group (as kvpress's `CriticalKVPress.vwl1norm`).
 
-Defaults are the paper's and kvpress's: epsilon 1e-4, first_stage_ratio 0.5. ||W_o v||_1 is per entry and
+Defaults are the paper's and kvpress's: epsilon 1e-4, first_stage_ratio 0.5. epsilon is added to ONE query's
+attention, as in the paper and kvpress (SnapKVPress averages its window's rows); our attention statistic SUMS
+the rows a scorer asks for (SnapKV: min(window, block length), 1 while decoding), so for such a scorer epsilon
+is multiplied by that row count (`scaled_epsilon`), which ranks exactly as (mean + epsilon) x norm. H2O's
+cumulative sum over every query so far has no such count (and no kvpress counterpart): epsilon stays as given. ||W_o v||_1 is per entry and
 fixed (the value and the layer's weights never change), so it is computed once when the entry is written
 (`entry_state`, state "wov_l1") and moved with the entry; the weight reaches the policy through the cache
 (`needs_output_projection`: the attention function hands `module.o_proj.weight` to
