@@ -285,3 +285,18 @@ def test_running_without_keydiff_attention_is_refused(model):
     cache = EvictingCache(adaptive_policy("keydiff", {}), BUDGET, model.config.num_hidden_layers, block_size=BLOCK)
     with pytest.raises(RuntimeError, match="keydiff_attention"):
         model(input_ids=prompt_ids()[:, :BLOCK], past_key_values=cache, use_cache=True)
+
+
+def test_run_statistics_check_each_layer_total_against_kv_heads_times_its_bound():
+    from keydiff.run.runner import RunPlan, run_statistics
+
+    plan = RunPlan("keydiff", {"head_budgets": "adakv"}, 100, 10, "fast", True, None, None)
+    row = {"prompt_tokens": 500, "compression_ratio": 0.2, "ttft_s": 1.0, "decode_s": 1.0, "new_tokens": 3,
+           "max_cache_entries": 110, "kv_cache_peak_bytes": 1, "kv_cache_bytes": 1, "peak_memory_bytes": 1,
+           "layer_budgets": [100, 100], "layer_max_cache_entries": [110, 110],
+           "layer_max_total_entries": [220, 200], "layer_kv_heads": [2, 2]}
+    stats = run_statistics([row], plan)
+    assert stats["cache_bound_held"] is True
+    assert stats["layer_total_bounds"] == [220, 220] and stats["layer_max_total_entries"] == [220, 200]
+    broken = {**row, "layer_max_total_entries": [221, 200]}  # one entry over kv_heads x (N + B)
+    assert run_statistics([broken], plan)["cache_bound_held"] is False

@@ -51,7 +51,9 @@ ENGLISH = [d for d in SUITE if d in ENGLISH_16]  # Table 1's columns (English an
 DISPLAY_NAMES = {"full": "Full", "h2o": "H2O", "tova": "TOVA", "sink": "Sink", "snapkv": "SnapKV", "keydiff": "KeyDiff",
                  "knorm": "L2-norm", "keydiff_w10": "KeyDiff + 10%", "keydiff_w20": "KeyDiff + 20%",
                  "keydiff_pairwise": "Pairwise", "keydiff_median": "Median", "keydiff_dot": "DotProd",
-                 "keydiff_euclidean": "Euclidean", "chunkkv": "ChunkKV"}
+                 "keydiff_euclidean": "Euclidean", "chunkkv": "ChunkKV",
+                 "adakv_keydiff": "AdaKV-KeyDiff", "adakv_snapkv": "AdaKV-SnapKV",
+                 "adakv_expected_attention": "AdaKV-ExpectedAttention"}
 
 
 def display_name(label: str) -> str:
