@@ -257,19 +257,19 @@ class AdaptiveStorage:
     def compact(self, row: int, keep: list[torch.Tensor]) -> None:
         """Keep the entries `keep` marks (bool [count] per head) in place: in each segment, the kept entries
         past its new count move into its dropped slots below it (k-th such source to the k-th such hole)."""
-        device = self.keys.device
-        counts = torch.tensor(self.counts[row], device=device)
-        kept = torch.stack([mask.sum() for mask in keep])
-        mask = torch.cat(keep)
-        first = torch.cumsum(counts, 0) - counts  # each head's first index in the concatenation
-        local = torch.arange(mask.shape[0], device=device) - first.repeat_interleave(counts)
-        slot = local + torch.tensor(self.starts[row], device=device).repeat_interleave(counts)
-        below = local < kept.repeat_interleave(counts)
-        holes, sources = slot[below & ~mask], slot[~below & mask]
-        if holes.numel():
-            for buffer in self.buffers():
-                buffer[row].index_copy_(0, holes, buffer[row].index_select(0, sources))
-        self.counts[row] = kept.tolist()
+        holes, sources, counts = [], [], []
+        for start, count, mask in zip(self.starts[row], self.counts[row], keep):
+            kept = int(mask.sum())
+            counts.append(kept)
+            if kept < count:  # a head that kept everything moves nothing
+                holes.append(start + (~mask[:kept]).nonzero().squeeze(1))
+                sources.append(start + kept + mask[kept:].nonzero().squeeze(1))
+        if holes:
+            holes, sources = torch.cat(holes), torch.cat(sources)
+            if holes.numel():
+                for buffer in self.buffers():
+                    buffer[row].index_copy_(0, holes, buffer[row].index_select(0, sources))
+        self.counts[row] = counts
 
     def kept_positions(self) -> torch.Tensor:
         """Positions held, [batch, kv_heads, most any head holds], ascending per head, padded with -1 at the end."""

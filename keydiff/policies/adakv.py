@@ -61,29 +61,39 @@ def adakv_keep(keys: list[torch.Tensor], protected: list[torch.Tensor | None], b
     heads = len(keys)
     total = heads * budget
     counts = [int(k.shape[0]) for k in keys]
-    if sum(counts) <= total:
-        return [torch.ones(n, dtype=torch.bool, device=k.device) for n, k in zip(counts, keys)]
+    masks = [torch.ones(n, dtype=torch.bool, device=k.device) for n, k in zip(counts, keys)]
+    excess = sum(counts) - total
+    if excess <= 0:
+        return masks
     safe = safeguard_count(alpha, budget)
-    ranked = []
-    for key, protect, n in zip(keys, protected, counts):
+    # Each head's `excess` lowest unforced entries are the only ones that can be dropped: gather those
+    # candidates, then drop the `excess` lowest of them (a sort of at most heads x excess keys, not of all).
+    candidates, owners, indices, forced_total = [], [], [], 0
+    for head, (key, protect, n) in enumerate(zip(keys, protected, counts)):
         forced = torch.zeros(n, dtype=torch.bool, device=key.device)
         if safe:
             forced[torch.topk(key, min(safe, n)).indices] = True
         if protect is not None:
             forced |= protect
-        ranked.append(key.masked_fill(forced, FORCED))
-    order = torch.cat(ranked)
-    forced_total = int((order == FORCED).sum())
+        free = n - int(forced.sum())
+        forced_total += n - free
+        if free:
+            lowest = torch.topk(key.masked_fill(forced, FORCED), min(excess, free), largest=False)
+            candidates.append(lowest.values)
+            indices.append(lowest.indices)
+            owners.append(torch.full_like(lowest.indices, head))
     if forced_total > total:
         raise RuntimeError(
             f"head-adaptive budgets: {forced_total} entries are protected or safeguarded, more than the layer's "
             f"total of {total} ({heads} heads x {budget}); lower alpha_safeguard or the protected windows"
         )
-    # Stable descending sort of the heads' concatenation (head-major): equal keys keep the lower head first.
-    best = torch.sort(order, descending=True, stable=True).indices[:total]
-    keep = torch.zeros(order.shape[0], dtype=torch.bool, device=order.device)
-    keep[best] = True
-    return list(torch.split(keep, counts))
+    # Lowest key first; equal keys: the higher head is dropped first (the lower one kept), via a stable sort of
+    # the candidates listed from the last head to the first.
+    order = torch.sort(torch.cat(candidates[::-1]), stable=True).indices[:excess]
+    dropped_heads, dropped = torch.cat(owners[::-1])[order], torch.cat(indices[::-1])[order]
+    for head in range(heads):
+        masks[head][dropped[dropped_heads == head]] = False
+    return masks
 
 
 @dataclass
