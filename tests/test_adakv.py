@@ -300,3 +300,23 @@ def test_run_statistics_check_each_layer_total_against_kv_heads_times_its_bound(
     assert stats["layer_total_bounds"] == [220, 220] and stats["layer_max_total_entries"] == [220, 200]
     broken = {**row, "layer_max_total_entries": [221, 200]}  # one entry over kv_heads x (N + B)
     assert run_statistics([broken], plan)["cache_bound_held"] is False
+
+
+@pytest.mark.parametrize("rows", [0, 8])
+def test_decoding_attention_over_the_pool_equals_one_call_per_segment(rows):
+    """The one-query path (all heads in one masked product) against the per-segment kernels and statistic."""
+    from keydiff.attention import attention_statistic, decoding_segment_attention, fused_attention
+
+    g = torch.Generator().manual_seed(3)
+    query, key, value = (torch.randn(2, 4, 1, 16, generator=g), torch.randn(2, 90, 16, generator=g),
+                         torch.randn(2, 90, 16, generator=g))
+    segments = [[(0, 30), (41, 17)], [(5, 60), (70, 20)]]
+    output, statistic = decoding_segment_attention(query, key, value, 0.25, segments, rows)
+    for row, spans in enumerate(segments):
+        for head, (start, count) in enumerate(spans):
+            q, k, v = query[row:row + 1, 2 * head:2 * head + 2], key[row, start:start + count][None, None], \
+                value[row, start:start + count][None, None]
+            torch.testing.assert_close(output[row:row + 1, :, 2 * head:2 * head + 2], fused_attention("sdpa", None, q, k, v, 0.25))
+            if rows:
+                torch.testing.assert_close(statistic[row][head], attention_statistic(q, k, 0.25, rows)[0, 0])
+    assert (statistic is None) == (rows == 0)
