@@ -1,0 +1,148 @@
+"""Head-adaptive budgets (AdaKV, Feng et al. 2024, arXiv 2407.11550): the heads of a layer share its budget.
+
+`HeadAdaptive(scorer, alpha_safeguard=0.2)` wraps any scoring policy. A layer's budget is a total,
+T = kv_heads x N, not N per KV head: after each pass the layer keeps the T entries with the highest scores
+over all its heads together (per batch row), so a head whose scores are high keeps more than N and one whose
+scores are low keeps fewer. AdaKV's safeguard: each head first keeps its own top floor(alpha_safeguard x N)
+entries whatever the other heads score (kvpress's `AdaKVPress` default 0.2). Entries the wrapped policy
+protects (sinks, SnapKV's observation window, a RecentWindow) are always kept, as in the uniform form.
+
+Scores. Each head is scored on its own (`LayerView` of one batch row and one KV head: its own entries, its
+attention statistic, its slice of the query statistics), so a per-head quantity such as KeyDiff's anchor is
+the mean over that head's entries, as in the uniform form. Scores of different heads are compared as they
+are: the scorer's scale must mean the same in every head (true of attention, expected attention and cosine
+similarity; kvpress makes the same assumption).
+
+Order. Every entry gets one key: its score (float32), then its position (the newer kept first, as
+`Policy.evict_indices`), then its head (the lower head index kept first): `adakv_keep` keeps the forced
+entries (protected, safeguard) and then the best others up to T. With alpha_safeguard = 1 every head keeps
+exactly its own top N, the uniform policy's choice. Memory: the cache holds head-adaptive layers in a pool
+with one segment per head (keydiff.cache.adaptive), so at most T entries (+ kv_heads x the block) are held.
+
+Differences from kvpress's `AdaKVPress` (read, not copied): kvpress keeps every entry in the cache and masks
+the pruned ones in its attention patch (no memory is freed); it takes the safeguard as int(alpha x N); ties
+are broken by torch.topk's order. Here the dropped entries are removed, ties are deterministic, the safeguard
+is floor(alpha x N) (the same for these inputs) and eviction runs after every block and generated token.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from keydiff.policies.base import LayerView, Policy, check_scores, score_then_position
+from keydiff.policies.wrappers import PolicyWrapper
+
+HEAD_BUDGETS = ("uniform", "adakv")
+FORCED = torch.iinfo(torch.int64).max
+
+
+def safeguard_count(alpha: float, budget: int) -> int:
+    """Entries each head keeps whatever the other heads score: floor(alpha x N) (epsilon against float noise)."""
+    return math.floor(alpha * budget + 1e-9)
+
+
+def check_alpha(alpha: float) -> None:
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha_safeguard must be a number in [0, 1], got {alpha!r}")
+
+
+def adakv_keep(keys: list[torch.Tensor], protected: list[torch.Tensor | None], budget: int,
+               alpha: float) -> list[torch.Tensor]:
+    """Which entries each head of one batch row keeps: bool masks [n_h], one per head.
+
+    keys: per head, int64 order keys [n_h] (higher = keep first; unique within a head: score then position).
+    protected: per head, bool [n_h] of entries always kept, or None. budget: N, so the layer keeps T = heads x N
+    in all (everything if it holds no more). Each head's top floor(alpha x N) by key and its protected entries
+    are kept first; the rest of T goes to the highest keys of all heads, ties to the lower head index.
+    """
+    heads = len(keys)
+    total = heads * budget
+    counts = [int(k.shape[0]) for k in keys]
+    masks = [torch.ones(n, dtype=torch.bool, device=k.device) for n, k in zip(counts, keys)]
+    excess = sum(counts) - total
+    if excess <= 0:
+        return masks
+    safe = safeguard_count(alpha, budget)
+    # Each head's `excess` lowest unforced entries are the only ones that can be dropped: gather those
+    # candidates, then drop the `excess` lowest of them (a sort of at most heads x excess keys, not of all).
+    candidates, owners, indices, forced_total = [], [], [], 0
+    for head, (key, protect, n) in enumerate(zip(keys, protected, counts)):
+        forced = torch.zeros(n, dtype=torch.bool, device=key.device)
+        if safe:
+            forced[torch.topk(key, min(safe, n)).indices] = True
+        if protect is not None:
+            forced |= protect
+        free = n - int(forced.sum())
+        forced_total += n - free
+        if free:
+            lowest = torch.topk(key.masked_fill(forced, FORCED), min(excess, free), largest=False)
+            candidates.append(lowest.values)
+            indices.append(lowest.indices)
+            owners.append(torch.full_like(lowest.indices, head))
+    if forced_total > total:
+        raise RuntimeError(
+            f"head-adaptive budgets: {forced_total} entries are protected or safeguarded, more than the layer's "
+            f"total of {total} ({heads} heads x {budget}); lower alpha_safeguard or the protected windows"
+        )
+    # Lowest key first; equal keys: the higher head is dropped first (the lower one kept), via a stable sort of
+    # the candidates listed from the last head to the first.
+    order = torch.sort(torch.cat(candidates[::-1]), stable=True).indices[:excess]
+    dropped_heads, dropped = torch.cat(owners[::-1])[order], torch.cat(indices[::-1])[order]
+    for head in range(heads):
+        masks[head][dropped[dropped_heads == head]] = False
+    return masks
+
+
+@dataclass
+class HeadAdaptive(PolicyWrapper):
+    """The heads of each layer share its budget T = kv_heads x N (AdaKV); each keeps at least
+    floor(alpha_safeguard x N) of its own best entries. The cache stores such layers head by head
+    (keydiff.cache.adaptive): `head_adaptive` tells it to."""
+
+    alpha_safeguard: float = 0.2
+
+    @property
+    def head_adaptive(self) -> bool:
+        return True
+
+    @property
+    def layers_batchable(self) -> bool:
+        return False  # each layer has a pool of its own; never stacked
+
+    def validate(self, budget: int) -> None:
+        check_alpha(self.alpha_safeguard)
+        self.scorer.validate(budget)
+
+    def check(self, budget: int) -> None:
+        check_alpha(self.alpha_safeguard)
+        self.scorer.check(budget)
+
+    def order_keys(self, head: LayerView, budget: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One head's (order keys [n], protected [n] or None) from the wrapped policy's score and protected."""
+        scores = self.scorer.score(head)
+        protect = self.scorer.protected(head, budget)
+        if self._check_every_call or not self.__dict__.get("_scores_checked"):
+            check_scores(self, scores, head, protect)
+            self.__dict__["_scores_checked"] = True
+        scores = scores.float()
+        if protect is not None:
+            scores = scores.masked_fill(protect, float("inf"))
+        return score_then_position(scores, head.positions)[0, 0], None if protect is None else protect[0, 0]
+
+    def keep_heads(self, heads: list[LayerView], budget: int) -> list[torch.Tensor]:
+        """Bool masks of the entries each head keeps ([n_h] per head of one batch row; views of one head each)."""
+        ordered = [self.order_keys(head, budget) for head in heads]
+        return adakv_keep([k for k, _ in ordered], [p for _, p in ordered], budget, self.alpha_safeguard)
+
+    def describe(self) -> dict:
+        """The wrapped policy's description with head_budgets and alpha_safeguard added before `layer_budgets`."""
+        described = self.scorer.describe()
+        schedule = described.pop("layer_budgets", None)
+        return {**described, "head_budgets": "adakv", "alpha_safeguard": self.alpha_safeguard,
+                "layer_budgets": schedule}
+
+
+__all__ = ["HEAD_BUDGETS", "HeadAdaptive", "adakv_keep", "check_alpha", "safeguard_count"]
