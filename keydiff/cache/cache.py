@@ -136,7 +136,7 @@ class EvictingCache(Cache):
         if self.scratch_tokens:  # a scratch pass writes after the kept entries and the block
             capacities = [None if c is None else c + self.scratch_tokens for c in capacities]
         if policy.head_adaptive:  # one pool of per-head segments per bounded layer (capacity: slots per head)
-            return [EvictingLayer(b, c, policy.state_names, policy.initial_state, layer_idx=i) if b is None else
+            return [EvictingLayer(b, c, policy.state_names, policy.entry_state, layer_idx=i) if b is None else
                     AdaptiveLayer(AdaptiveStorage(i, b, c, policy.state_names, policy.initial_state), i)
                     for i, (b, c) in enumerate(zip(budgets, capacities))]
         stackable = (policy.layers_batchable and budgets[0] is not None and len(set(budgets)) == 1
