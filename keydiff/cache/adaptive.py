@@ -52,10 +52,12 @@ class AdaptiveStorage:
     """
 
     def __init__(self, layer: int, budget: int, capacity: int | None, state_names: tuple[str, ...] = (),
-                 initial_state: Callable[[torch.Tensor], dict[str, torch.Tensor]] | None = None):
+                 entry_state: Callable[[LayerView], dict[str, torch.Tensor]] | None = None):
         self.layers = (layer,)
         self.budget, self.capacity = budget, capacity
-        self.state_names, self.initial_state = state_names, initial_state
+        self.state_names, self.entry_state = state_names, entry_state
+        self.fresh = 0  # entries at the end of every segment whose policy state is not set yet (`initialize_state`)
+        self.output_projection: list[torch.Tensor | None] = [None]  # the layer's o_proj weight (CriticalKV)
         self.keys: torch.Tensor | None = None  # [batch, P, dim]
         self.values: torch.Tensor | None = None
         self.positions: torch.Tensor | None = None  # [batch, P] long
@@ -73,6 +75,15 @@ class AdaptiveStorage:
         self.served = True  # whether keydiff's attention function computed the last pass (see `segments`)
 
     count = 1
+    max_scratch_entries = 0  # scratch passes (KVzip's reconstruction) are not supported: see `begin_scratch`
+    scratch_kept = None
+
+    def begin_scratch(self) -> None:
+        raise RuntimeError(f"{self.where()}: scratch passes (KVzip's reconstruction) are not supported with "
+                           "head-adaptive budgets")
+
+    def end_scratch(self) -> None:
+        pass
 
     def where(self) -> str:
         return f"layer {self.layers[0]} (head-adaptive)"
@@ -186,11 +197,7 @@ class AdaptiveStorage:
         new_positions = torch.arange(self.seen, self.seen + q, device=device).repeat(batch * heads)
         self.positions.view(-1).index_copy_(0, slots, new_positions)
         if self.state:
-            initial = self.initial_state(key_states) if self.initial_state is not None else {}
-            for name, buffer in self.state.items():
-                value = initial.get(name)
-                fresh = torch.zeros(slots.shape[0], device=device) if value is None else value.reshape(-1).float()
-                buffer.view(-1).index_copy_(0, slots, fresh)
+            self.fresh += q  # set by `initialize_state` before the entries are next viewed
         self.counts = [[c + q for c in row] for row in self.counts]
         self.seen += q
         self.max_total = max(self.max_total, max(self.row_totals()))
@@ -211,7 +218,50 @@ class AdaptiveStorage:
                 "`with keydiff.keydiff_attention(model, cache):` (keydiff.prefill and keydiff.generate do)"
             )
 
+    def initialize_state(self) -> None:
+        """Set the policy state of the entries written since the last eviction: the policy's `entry_state` of
+        one view of them, else 0.
+
+        Deferred from `write` (as in keydiff.cache.storage) so that what the attention function records during
+        the pass, the output projection, is there. Every head got the same passes, so the unset entries are the
+        last `fresh` of every segment (relayout keeps a segment's order; nothing is compacted before this runs):
+        they are gathered into one dense view [batch, kv_heads, fresh] with the layer's whole o_proj weight, so
+        `entry_state` (a function of each entry: KeyDiff's, LagKV's, CriticalKV's ||W_o v||_1 per KV group)
+        sees them as it sees a uniform layer's, in one call.
+        """
+        fresh, self.fresh = self.fresh, 0
+        if not fresh or self.keys is None:
+            return
+        batch, pool = len(self.counts), self.pool
+        device = self.keys.device
+        first = torch.tensor([[row * pool + s + c - fresh for s, c in zip(sr, cr)] for row, (sr, cr)
+                              in enumerate(zip(self.starts, self.counts))], device=device)
+        slots = (first[..., None] + torch.arange(fresh, device=device)).reshape(-1)  # [batch * heads * fresh]
+        shape = (batch, self.heads, fresh)
+        initial = {}
+        if self.entry_state is not None:
+            entries = LayerView(
+                keys=self.keys.view(batch * pool, -1).index_select(0, slots).view(*shape, -1),
+                values=self.values.view(batch * pool, -1).index_select(0, slots).view(*shape, -1),
+                positions=self.positions.view(-1).index_select(0, slots).view(shape),
+                attention=None, state={}, layers=self.layers, output_projection=self.output_projection[0])
+            initial = self.entry_state(entries)
+        for name, buffer in self.state.items():
+            value = initial.get(name)
+            values = torch.zeros(slots.shape[0], device=device) if value is None else value.reshape(-1).float()
+            buffer.view(-1).index_copy_(0, slots, values)
+
     # --- views and eviction -----------------------------------------------------------------------
+    def head_output_projection(self, head: int) -> torch.Tensor | None:
+        """The o_proj columns of KV head `head`'s group of query heads (query head j reads KV head
+        j // groups, transformers' repeat_kv): what a one-head view's `output_projection` is, so that a policy
+        mapping heads as for a dense layer (keydiff.policies.criticalkv.output_norms) reads this head's."""
+        weight = self.output_projection[0]
+        if weight is None:
+            return None
+        width = weight.shape[1] // self.heads
+        return weight[:, head * width:(head + 1) * width]
+
     def view_head(self, row: int, head: int) -> LayerView:
         """One head of one batch row as a policy sees it: batch 1, one KV head, its own entries."""
         start, count = self.starts[row][head], self.counts[row][head]
@@ -228,14 +278,18 @@ class AdaptiveStorage:
             state={name: buffer[row, part][None, None] for name, buffer in self.state.items()},
             layers=self.layers,
             queries=queries,
+            output_projection=self.head_output_projection(head),
         )
 
-    def evict(self, policy: Policy) -> None:
-        """Observe the last pass's statistics, then keep T entries per batch row (the policy's `keep_heads`)."""
+    def evict(self, policy: Policy, inv_freq: torch.Tensor | None = None, rotary_end: int | None = None) -> None:
+        """Observe the last pass's statistics, then keep T entries per batch row (the policy's `keep_heads`).
+        `inv_freq`/`rotary_end` (key re-rotation, as `Storage.evict`) are refused with head-adaptive budgets
+        when the policy is built (keydiff.policies.compose_policy), so they are never given here."""
         if self.keys is None:
             self.attention = [None]
             return
         self.require_served()
+        self.initialize_state()
         over = [row for row, total in enumerate(self.row_totals()) if total > self.total_budget]
         recorded = self.attention[0] is not None
         if recorded:
@@ -346,7 +400,7 @@ class AdaptiveLayer(EvictingLayer):
 
     def reset(self) -> None:
         old = self.storage
-        self.storage = AdaptiveStorage(old.layers[0], old.budget, old.capacity, old.state_names, old.initial_state)
+        self.storage = AdaptiveStorage(old.layers[0], old.budget, old.capacity, old.state_names, old.entry_state)
         self.seen, self.returned_keys, self.earlier_allocations, self.is_initialized = 0, None, 0, False
 
 
