@@ -283,8 +283,10 @@ class AdaptiveStorage:
 
     def evict(self, policy: Policy, inv_freq: torch.Tensor | None = None, rotary_end: int | None = None) -> None:
         """Observe the last pass's statistics, then keep T entries per batch row (the policy's `keep_heads`).
-        `inv_freq`/`rotary_end` (key re-rotation, as `Storage.evict`) are refused with head-adaptive budgets
-        when the policy is built (keydiff.policies.compose_policy), so they are never given here."""
+        `inv_freq`/`rotary_end` (key re-rotation, as `Storage.evict`): re-rotation is not supported with
+        head-adaptive budgets (build_policy refuses the combination; a policy composed by hand fails here)."""
+        if policy.key_rerotation is not None:
+            raise RuntimeError(f"{self.where()}: key re-rotation is not supported with head-adaptive budgets")
         if self.keys is None:
             self.attention = [None]
             return

@@ -54,7 +54,7 @@ DISPLAY_NAMES = {"full": "Full", "h2o": "H2O", "tova": "TOVA", "sink": "Sink", "
                  "keydiff_euclidean": "Euclidean", "chunkkv": "ChunkKV",
                  "criticalkv": "CriticalKV", "kvzip": "KVzip",
                  "adakv_keydiff": "AdaKV-KeyDiff", "adakv_snapkv": "AdaKV-SnapKV",
-                 "adakv_expected_attention": "AdaKV-ExpectedAttention"}
+                 "adakv_expected_attention": "AdaKV-ExpectedAttention", "adakv_criticalkv": "AdaKV-CriticalKV"}
 
 
 def display_name(label: str) -> str:

@@ -18,7 +18,7 @@ import dataclasses
 import importlib
 from typing import Any
 
-from keydiff.policies.adakv import HEAD_BUDGETS, HeadAdaptive, check_alpha
+from keydiff.policies.adakv import HEAD_BUDGETS, REROTATION_REFUSED, HeadAdaptive, check_alpha
 from keydiff.policies.base import LayerView, Policy, layer_by_layer
 from keydiff.policies.chunkkv import Chunked
 from keydiff.policies.criticalkv import Critical
@@ -133,6 +133,8 @@ def compose_policy(cls: type[Policy], **params: Any) -> Policy:
     head_budgets = params.pop("head_budgets", "uniform")
     alpha = params.pop("alpha_safeguard", None)
     check_head_budgets(head_budgets, alpha)
+    if head_budgets == "adakv" and rerotation is not None:
+        raise ValueError(REROTATION_REFUSED)  # the others are refused by HeadAdaptive itself
     window = cls.recent_window_parameter
     fraction = params.pop(window, 0.0) if window else None
     critical_params = {name: params.pop(name) for name in CRITICAL_PARAMETERS if name in params}

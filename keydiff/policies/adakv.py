@@ -33,6 +33,9 @@ from dataclasses import dataclass
 import torch
 
 from keydiff.policies.base import LayerView, Policy, check_scores, score_then_position
+from keydiff.policies.chunkkv import Chunked
+from keydiff.policies.criticalkv import STATE as CRITICAL_STATE
+from keydiff.policies.criticalkv import Critical, critical_scores, first_stage
 from keydiff.policies.wrappers import PolicyWrapper
 
 HEAD_BUDGETS = ("uniform", "adakv")
@@ -42,6 +45,29 @@ FORCED = torch.iinfo(torch.int64).max
 def safeguard_count(alpha: float, budget: int) -> int:
     """Entries each head keeps whatever the other heads score: floor(alpha x N) (epsilon against float noise)."""
     return math.floor(alpha * budget + 1e-9)
+
+
+REROTATION_REFUSED = ("key_rerotation with head_budgets=adakv is not supported (the pool's per-head segments "
+                      "would each need their own re-rotation); drop one of them")
+
+
+def refuse_unsupported(scorer: Policy) -> None:
+    """One-line ValueError for what head-adaptive budgets cannot wrap: a policy with reconstruction passes
+    (KVzip: its scratch passes write after a layer's dense entries, which a pool of per-head segments does not
+    have), ChunkKV (it keeps whole chunks, by default one set per layer; AdaKV splits a layer's budget entry by
+    entry between heads, and a one-head view would silently turn chunk_scope=layer into head), and key
+    re-rotation (not implemented over per-head segments)."""
+    if scorer.needs_reconstruction:
+        raise ValueError(f"{scorer.unwrapped().name} with head_budgets=adakv is not supported (its reconstruction "
+                         "passes need dense per-head buffers); drop one of them")
+    if scorer.key_rerotation is not None:
+        raise ValueError(REROTATION_REFUSED)
+    policy = scorer
+    while isinstance(policy, PolicyWrapper):
+        if isinstance(policy, Chunked):
+            raise ValueError("chunk_length with head_budgets=adakv is not supported (ChunkKV keeps whole chunks, "
+                             "AdaKV splits the budget between heads entry by entry); drop one of them")
+        policy = policy.scorer
 
 
 def check_alpha(alpha: float) -> None:
@@ -104,6 +130,10 @@ class HeadAdaptive(PolicyWrapper):
 
     alpha_safeguard: float = 0.2
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        refuse_unsupported(self.scorer)
+
     @property
     def head_adaptive(self) -> bool:
         return True
@@ -120,22 +150,61 @@ class HeadAdaptive(PolicyWrapper):
         check_alpha(self.alpha_safeguard)
         self.scorer.check(budget)
 
-    def order_keys(self, head: LayerView, budget: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One head's (order keys [n], protected [n] or None) from the wrapped policy's score and protected."""
-        scores = self.scorer.score(head)
-        protect = self.scorer.protected(head, budget)
+    def checked(self, scores: torch.Tensor, head: LayerView, protect: torch.Tensor | None) -> torch.Tensor:
+        """`scores` as float32, checked (`check_scores`) at the first eviction, or at every one when asked."""
         if self._check_every_call or not self.__dict__.get("_scores_checked"):
             check_scores(self, scores, head, protect)
             self.__dict__["_scores_checked"] = True
-        scores = scores.float()
+        return scores.float()
+
+    def order_keys(self, head: LayerView, budget: int, scorer: Policy | None = None,
+                   scores: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One head's (order keys [n], protected [n] or None) from a policy's score and protected (default the
+        wrapped policy's; `scores`: its scores, already computed)."""
+        scorer = scorer or self.scorer
+        protect = scorer.protected(head, budget)
+        scores = self.checked(scorer.score(head) if scores is None else scores, head, protect)
         if protect is not None:
             scores = scores.masked_fill(protect, float("inf"))
         return score_then_position(scores, head.positions)[0, 0], None if protect is None else protect[0, 0]
 
     def keep_heads(self, heads: list[LayerView], budget: int) -> list[torch.Tensor]:
         """Bool masks of the entries each head keeps ([n_h] per head of one batch row; views of one head each)."""
+        if isinstance(self.scorer, Critical):
+            return self.keep_heads_critical(heads, budget)
         ordered = [self.order_keys(head, budget) for head in heads]
         return adakv_keep([k for k, _ in ordered], [p for _, p in ordered], budget, self.alpha_safeguard)
+
+    def keep_heads_critical(self, heads: list[LayerView], budget: int) -> list[torch.Tensor]:
+        """AdaKV form of CriticalKV (kvpress's `CriticalAdaKVPress`): each head's count N_h is AdaKV's choice
+        over the RAW scores of the scorer CriticalKV wraps (its protected entries and the safeguard forced);
+        then, within each head, CriticalKV's two stages fill N_h: stage 1 keeps what the scorer protects and
+        its floor(first_stage_ratio x N_h) best raw scores, stage 2 the best (score + epsilon) x ||W_o v||_1
+        of the rest (ties by position, newer first, as everywhere). The head's safeguard entries (its top
+        floor(alpha x N) raw) are kept as well: kvpress gives them the largest score in both stages, so stage 1
+        keeps the top max(floor(first_stage_ratio x N_h), floor(alpha x N)) raw scores."""
+        critical = self.scorer
+        inner = critical.scorer
+        raw = [inner.score(head) for head in heads]
+        ordered = [self.order_keys(head, budget, inner, scores) for head, scores in zip(heads, raw)]
+        counts = [int(mask.sum()) for mask in
+                  adakv_keep([k for k, _ in ordered], [p for _, p in ordered], budget, self.alpha_safeguard)]
+        masks = []
+        for head, scores, (_, protect), count in zip(heads, raw, ordered, counts):
+            n = head.positions.shape[-1]
+            if count >= n:
+                masks.append(torch.ones(n, dtype=torch.bool, device=head.positions.device))
+                continue
+            protect = None if protect is None else protect[None, None]
+            first = max(critical.first_stage_count(count), safeguard_count(self.alpha_safeguard, budget))
+            stage_one = first_stage(scores, head.positions, protect, first)
+            if protect is not None:
+                stage_one |= protect
+            rescaled = critical_scores(scores, head.state[CRITICAL_STATE], critical.epsilon, inner.log_scores)
+            keys = score_then_position(rescaled.float().masked_fill(stage_one, float("inf")), head.positions)[0, 0]
+            keep = torch.zeros(n, dtype=torch.bool, device=keys.device)
+            masks.append(keep.index_fill_(0, torch.topk(keys, count).indices, True))
+        return masks
 
     def describe(self) -> dict:
         """The wrapped policy's description with head_budgets and alpha_safeguard added before `layer_budgets`."""
@@ -145,4 +214,5 @@ class HeadAdaptive(PolicyWrapper):
                 "layer_budgets": schedule}
 
 
-__all__ = ["HEAD_BUDGETS", "HeadAdaptive", "adakv_keep", "check_alpha", "safeguard_count"]
+__all__ = ["HEAD_BUDGETS", "REROTATION_REFUSED", "HeadAdaptive", "adakv_keep", "check_alpha", "refuse_unsupported",
+           "safeguard_count"]
