@@ -148,3 +148,12 @@ def test_chunkkv_with_head_budgets_is_refused_in_one_line():
         build_policy("snapkv", chunk_length=20, head_budgets="adakv")
     assert "\n" not in str(error.value)
     build_policy("snapkv", chunk_length=20)
+
+
+def test_rerotation_composed_by_hand_around_head_budgets_fails_clearly(model):
+    """build_policy refuses it; a policy composed in Python reaches the cache, which refuses it at eviction."""
+    from keydiff.policies import KeyDiff, Rerotated
+
+    policy = Rerotated(HeadAdaptive(KeyDiff()), mode="kvpress")
+    with pytest.raises(RuntimeError, match="key re-rotation is not supported with head-adaptive budgets"):
+        prefill(model, prompt_ids(), policy, BUDGET, BLOCK)
