@@ -157,3 +157,12 @@ def test_rerotation_composed_by_hand_around_head_budgets_fails_clearly(model):
     policy = Rerotated(HeadAdaptive(KeyDiff()), mode="kvpress")
     with pytest.raises(RuntimeError, match="key re-rotation is not supported with head-adaptive budgets"):
         prefill(model, prompt_ids(), policy, BUDGET, BLOCK)
+
+
+@pytest.mark.parametrize("name,params", [("snapkv", {"window": 8, "critical": True}), ("keydiff", {})])
+def test_check_policy_runs_head_adaptive_policies(name, params):
+    """keydiff.testing.check_policy counts head-adaptive evictions (keep_heads) and checks the layer bound."""
+    from keydiff.testing import check_policy
+
+    summary = check_policy(name, head_budgets="adakv", **params)
+    assert summary["evictions"] > 0 and summary["layer_budgets"] == [48, 48, 48]
