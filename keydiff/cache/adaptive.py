@@ -26,7 +26,8 @@ every head of the row keeps (a global top-k over the row's heads), and each segm
 its surviving entries past the new count move into the slots of its dropped ones (only moved entries are
 written, as in keydiff.cache.storage). Decoding (B = 1) runs the same global choice after every token; a
 head that gains an entry uses its free slots, and the row is laid out again only when some head has none
-left (every ~room tokens at most), so the per-token cost is the scoring plus a few moved entries.
+left (every ~B tokens at most), so the per-token cost is the scoring plus a few moved entries. (Freezing each
+head's count after prefill and replacing in place would need the same per-head scoring and stop adapting.)
 
 Such a layer is never stacked with others, and its pool is not what transformers' own attention functions
 expect: it must run under `keydiff.keydiff_attention(model, cache)` (the cache refuses otherwise).

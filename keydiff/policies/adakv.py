@@ -96,11 +96,14 @@ def adakv_keep(keys: list[torch.Tensor], protected: list[torch.Tensor | None], b
     # candidates, then drop the `excess` lowest of them (a sort of at most heads x excess keys, not of all).
     candidates, owners, indices, forced_total = [], [], [], 0
     for head, (key, protect, n) in enumerate(zip(keys, protected, counts)):
-        forced = torch.zeros(n, dtype=torch.bool, device=key.device)
-        if safe:
+        # A head drops only its own lowest entries, so if it cannot lose more than n - safe of them its top
+        # `safe` are kept anyway: the safeguard needs marking only where it can bind (not while decoding).
+        binding = safe and n - excess < safe
+        forced = torch.zeros(n, dtype=torch.bool, device=key.device) if binding or protect is None else protect.clone()
+        if binding:
             forced[torch.topk(key, min(safe, n)).indices] = True
-        if protect is not None:
-            forced |= protect
+            if protect is not None:
+                forced |= protect
         free = n - int(forced.sum())
         forced_total += n - free
         if free:
