@@ -19,6 +19,11 @@ entries (protected, safeguard) and then the best others up to T. With alpha_safe
 exactly its own top N, the uniform policy's choice. Memory: the cache holds head-adaptive layers in a pool
 with one segment per head (keydiff.cache.adaptive), so at most T entries (+ kv_heads x the block) are held.
 
+With CriticalKV (`HeadAdaptive(Critical(scorer))`, kvpress's `CriticalAdaKVPress`): the head counts are chosen
+over the wrapped scorer's RAW scores, then each head runs CriticalKV's two stages within its count
+(`keep_heads_critical`). Refused (one-line ValueError when built, `refuse_unsupported`): KVzip, ChunkKV and key
+re-rotation (see docs/policies.md, "With CriticalKV and other options").
+
 Differences from kvpress's `AdaKVPress` (read, not copied): kvpress keeps every entry in the cache and masks
 the pruned ones in its attention patch (no memory is freed); it takes the safeguard as int(alpha x N); ties
 are broken by torch.topk's order. Here the dropped entries are removed, ties are deterministic, the safeguard
