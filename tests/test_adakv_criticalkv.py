@@ -96,6 +96,17 @@ def test_every_eviction_of_a_blockwise_prefill_is_the_brute_force_choice(model, 
     assert len(compared) >= (length - 2 * BUDGET) // BLOCK  # every block past the layer's total evicted
 
 
+def test_batch_rows_are_chosen_row_by_row_against_the_loops(model):
+    """Batch 2 (different prompts): every row's choice, and its entries' ||W_o v||_1 (set from one view of all
+    rows and heads), checked against the loops at every eviction of prefill and decoding."""
+    policy = CheckedCriticalAdaptive(build_policy("snapkv", window=8, critical=True), model=model, choices=[])
+    state = prefill(model, prompt_ids(batch=2), policy, BUDGET, BLOCK)
+    prefilled = len(policy.choices)
+    generate(model, state, max_new_tokens=3)
+    assert prefilled >= 2 * 3 * 4 and len(policy.choices) > prefilled  # both rows, every layer, decoding too
+    assert all(sum(row) == 2 * BUDGET for layer in head_counts(state.cache) for row in layer)
+
+
 def test_the_preset_differs_from_both_parents(model):
     """adakv_criticalkv's config builds HeadAdaptive(Critical(SnapKV)); its kept sets differ from plain AdaKV-SnapKV
     (stage 2 matters) and its heads keep different counts (the budgets are shared), all within the total."""
