@@ -53,10 +53,12 @@ class AdaptiveStorage:
     """
 
     def __init__(self, layer: int, budget: int, capacity: int | None, state_names: tuple[str, ...] = (),
-                 entry_state: Callable[[LayerView], dict[str, torch.Tensor]] | None = None):
+                 entry_state: Callable[[LayerView], dict[str, torch.Tensor]] | None = None,
+                 needs_output_projection: bool = False):
         self.layers = (layer,)
         self.budget, self.capacity = budget, capacity
         self.state_names, self.entry_state = state_names, entry_state
+        self.needs_output_projection = needs_output_projection  # entry_state reads it (CriticalKV)
         self.fresh = 0  # entries at the end of every segment whose policy state is not set yet (`initialize_state`)
         self.output_projection: list[torch.Tensor | None] = [None]  # the layer's o_proj weight (CriticalKV)
         self.keys: torch.Tensor | None = None  # [batch, P, dim]
@@ -198,7 +200,10 @@ class AdaptiveStorage:
         new_positions = torch.arange(self.seen, self.seen + q, device=device).repeat(batch * heads)
         self.positions.view(-1).index_copy_(0, slots, new_positions)
         if self.state:
-            self.fresh += q  # set by `initialize_state` before the entries are next viewed
+            if self.fresh or (self.needs_output_projection and self.output_projection[0] is None):
+                self.fresh += q  # set by `initialize_state` before the entries are next viewed
+            else:  # the usual case: set now, from the pass's own dense states (no gather)
+                self.set_state(slots, key_states, value_states, new_positions.view(batch, heads, q))
         self.counts = [[c + q for c in row] for row in self.counts]
         self.seen += q
         self.max_total = max(self.max_total, max(self.row_totals()))
@@ -219,16 +224,26 @@ class AdaptiveStorage:
                 "`with keydiff.keydiff_attention(model, cache):` (keydiff.prefill and keydiff.generate do)"
             )
 
-    def initialize_state(self) -> None:
-        """Set the policy state of the entries written since the last eviction: the policy's `entry_state` of
-        one view of them, else 0.
+    def set_state(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
+        """Set the policy state of the entries at `slots` (flat pool indices, row-major [batch, kv_heads, q])
+        from a dense view of them (keys/values [batch, kv_heads, q, dim], positions [batch, kv_heads, q]): the
+        policy's `entry_state` with the layer's whole o_proj weight, so that a function of each entry (KeyDiff's,
+        LagKV's, CriticalKV's ||W_o v||_1 per KV group) sees them as it sees a uniform layer's, in one call."""
+        initial = {}
+        if self.entry_state is not None:
+            initial = self.entry_state(LayerView(keys=keys, values=values, positions=positions, attention=None,
+                                                 state={}, layers=self.layers,
+                                                 output_projection=self.output_projection[0]))
+        for name, buffer in self.state.items():
+            value = initial.get(name)
+            fresh = torch.zeros(slots.shape[0], device=slots.device) if value is None else value.reshape(-1).float()
+            buffer.view(-1).index_copy_(0, slots, fresh)
 
-        Deferred from `write` (as in keydiff.cache.storage) so that what the attention function records during
-        the pass, the output projection, is there. Every head got the same passes, so the unset entries are the
-        last `fresh` of every segment (relayout keeps a segment's order; nothing is compacted before this runs):
-        they are gathered into one dense view [batch, kv_heads, fresh] with the layer's whole o_proj weight, so
-        `entry_state` (a function of each entry: KeyDiff's, LagKV's, CriticalKV's ||W_o v||_1 per KV group)
-        sees them as it sees a uniform layer's, in one call.
+    def initialize_state(self) -> None:
+        """Set the policy state of the entries whose state `write` deferred: those of a policy that needs the
+        output projection, written before the attention function first recorded it (the layer's first pass).
+        Every head got the same passes, so they are the last `fresh` of every segment (relayout keeps a
+        segment's order; nothing is compacted before this runs): gathered into one dense view for `set_state`.
         """
         fresh, self.fresh = self.fresh, 0
         if not fresh or self.keys is None:
@@ -239,18 +254,9 @@ class AdaptiveStorage:
                               in enumerate(zip(self.starts, self.counts))], device=device)
         slots = (first[..., None] + torch.arange(fresh, device=device)).reshape(-1)  # [batch * heads * fresh]
         shape = (batch, self.heads, fresh)
-        initial = {}
-        if self.entry_state is not None:
-            entries = LayerView(
-                keys=self.keys.view(batch * pool, -1).index_select(0, slots).view(*shape, -1),
-                values=self.values.view(batch * pool, -1).index_select(0, slots).view(*shape, -1),
-                positions=self.positions.view(-1).index_select(0, slots).view(shape),
-                attention=None, state={}, layers=self.layers, output_projection=self.output_projection[0])
-            initial = self.entry_state(entries)
-        for name, buffer in self.state.items():
-            value = initial.get(name)
-            values = torch.zeros(slots.shape[0], device=device) if value is None else value.reshape(-1).float()
-            buffer.view(-1).index_copy_(0, slots, values)
+        self.set_state(slots, self.keys.view(batch * pool, -1).index_select(0, slots).view(*shape, -1),
+                       self.values.view(batch * pool, -1).index_select(0, slots).view(*shape, -1),
+                       self.positions.view(-1).index_select(0, slots).view(shape))
 
     # --- views and eviction -----------------------------------------------------------------------
     def head_output_projection(self, head: int) -> torch.Tensor | None:
@@ -403,7 +409,8 @@ class AdaptiveLayer(EvictingLayer):
 
     def reset(self) -> None:
         old = self.storage
-        self.storage = AdaptiveStorage(old.layers[0], old.budget, old.capacity, old.state_names, old.entry_state)
+        self.storage = AdaptiveStorage(old.layers[0], old.budget, old.capacity, old.state_names, old.entry_state,
+                                       old.needs_output_projection)
         self.seen, self.returned_keys, self.earlier_allocations, self.is_initialized = 0, None, 0, False
 
 

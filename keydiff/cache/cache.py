@@ -137,7 +137,8 @@ class EvictingCache(Cache):
             capacities = [None if c is None else c + self.scratch_tokens for c in capacities]
         if policy.head_adaptive:  # one pool of per-head segments per bounded layer (capacity: slots per head)
             return [EvictingLayer(b, c, policy.state_names, policy.entry_state, layer_idx=i) if b is None else
-                    AdaptiveLayer(AdaptiveStorage(i, b, c, policy.state_names, policy.entry_state), i)
+                    AdaptiveLayer(AdaptiveStorage(i, b, c, policy.state_names, policy.entry_state,
+                                                  policy.needs_output_projection), i)
                     for i, (b, c) in enumerate(zip(budgets, capacities))]
         stackable = (policy.layers_batchable and budgets[0] is not None and len(set(budgets)) == 1
                      and capacities[0] is not None and len(set(capacities)) == 1)
