@@ -19,6 +19,13 @@ Output projection. For policies that weigh values by the layer's output projecti
 The statistic is: for each key, the softmax attention it receives summed over the requested query rows
 and averaged over the query heads that share its KV head (paper §F.2), shape [batch, kv_heads, keys].
 
+Head-adaptive layers (AdaKV, keydiff.cache.adaptive) hand over a pool [batch, P, dim] in which each (batch row,
+KV head) owns a segment of its own length, its kept entries then the pass's new ones (`cache.head_segments`).
+Each head is computed over its own segment: one SDPA (or FlashAttention, or eager) call per batch row and KV
+head with the group's query heads and the segment's bottom-right causal mask, exact on every device; while
+decoding (one query) every head is computed in one masked product over the pool instead (launch-bound
+otherwise). The statistic and the query statistics are per head as well. Dense layers keep the one-call path below.
+
 Fast kernels stay fast: grouped-query attention goes to SDPA with `enable_gqa` (no repeat_kv copy of the
 keys and values), and a block that attends to kept entries uses SDPA's lower-right causal bias rather than
 an explicit boolean mask, so SDPA may still pick its flash kernel. FlashAttention needs flash-attn >= 2.1
@@ -158,6 +165,66 @@ def fused_attention(
     return output.transpose(1, 2).contiguous()
 
 
+def segment_attention(
+    base: str, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
+    segments: list[list[tuple[int, int]]], rows: int | None, materialize: bool,
+) -> tuple[torch.Tensor, list[list[torch.Tensor]] | None]:
+    """Attention of a head-adaptive layer: every KV head over its own segment [start, start + count) of the pool.
+
+    query [batch, H, q, d]; key/value pools [batch, P, d]; segments [batch][kv_head] -> (start, count), the last
+    q entries of each segment being this pass's tokens. Returns the output [batch, q, H, d] and, if rows != 0,
+    the statistic per head ([batch][kv_head] -> float32 [count]), as `attention_statistic` defines it.
+    """
+    kv_heads = len(segments[0])
+    groups = query.shape[1] // kv_heads
+    if query.shape[2] == 1:
+        return decoding_segment_attention(query, key, value, scaling, segments, rows)
+    outputs, statistics = [], []
+    for row, heads in enumerate(segments):
+        parts, received = [], []
+        for head, (start, count) in enumerate(heads):
+            q_head = query[row : row + 1, head * groups : (head + 1) * groups]
+            k_head = key[row, start : start + count][None, None]
+            v_head = value[row, start : start + count][None, None]
+            if materialize:
+                out, weights = eager_attention(module, q_head, k_head, v_head, scaling)
+            else:
+                out = fused_attention(base, module, q_head, k_head, v_head, scaling)
+            parts.append(out)
+            if rows != 0:
+                statistic = (statistic_from_weights(weights, 1, rows) if materialize
+                             else attention_statistic(q_head, k_head, scaling, rows))
+                received.append(statistic[0, 0])
+        outputs.append(torch.cat(parts, dim=2))
+        statistics.append(received)
+    return torch.cat(outputs, dim=0), statistics if rows != 0 else None
+
+
+def decoding_segment_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
+    segments: list[list[tuple[int, int]]], rows: int | None,
+) -> tuple[torch.Tensor, list[list[torch.Tensor]] | None]:
+    """`segment_attention` for one query (decoding): every query head against the whole pool in one product,
+    each masked to its KV head's segment (a query sees all of its segment), softmax in float32, as eager
+    attention. One set of kernels per layer instead of one per head: decoding is launch-bound, and the pool
+    is read once, as the dense buffers are (the extra logits, kv_heads x one row, are negligible)."""
+    batch, heads, _, dim = query.shape
+    kv_heads, pool = len(segments[0]), key.shape[1]
+    groups = heads // kv_heads
+    slots = torch.arange(pool, device=key.device)
+    outputs, statistics = [], []
+    for row, spans in enumerate(segments):
+        bounds = torch.tensor(spans, device=key.device)  # [kv_heads, 2]: start, count
+        visible = (slots >= bounds[:, :1]) & (slots < bounds[:, :1] + bounds[:, 1:])  # [kv_heads, pool]
+        logits = ((query[row, :, 0] @ key[row].T) * scaling).float().view(kv_heads, groups, pool)
+        weights = torch.softmax(logits.masked_fill(~visible[:, None], float("-inf")), dim=-1)
+        outputs.append((weights.view(heads, pool).to(value.dtype) @ value[row])[None])  # [1, heads, d]
+        if rows != 0:  # the statistic: each segment's share of its group's attention, group-averaged
+            received = weights.mean(dim=1)
+            statistics.append([received[h, start : start + count] for h, (start, count) in enumerate(spans)])
+    return torch.stack(outputs), statistics if rows != 0 else None
+
+
 def check_supported(who: str, module: torch.nn.Module, kwargs: dict[str, Any]) -> None:
     """Refuse attention features this module's kernels do not implement, rather than silently ignore them."""
     unsupported = [name for name in ("sliding_window", "softcap", "s_aux") if kwargs.get(name) is not None]
@@ -189,6 +256,12 @@ def make_attention_function(base: str):
         if evicting_cache is not None and evicting_cache.output_projection_needed(module.layer_idx):
             evicting_cache.record_output_projection(module.layer_idx, module.o_proj.weight)
         materialize = base == "eager" or (rows != 0 and evicting_cache.statistics == "materialized")
+        segments = None if evicting_cache is None else evicting_cache.head_segments(module.layer_idx)
+        if segments is not None:
+            output, statistic = segment_attention(base, module, query, key, value, scaling, segments, rows, materialize)
+            if rows != 0:
+                evicting_cache.record_attention(module.layer_idx, statistic)
+            return output, None
         if materialize:
             output, weights = eager_attention(module, query, key, value, scaling)
         else:
@@ -210,6 +283,11 @@ def make_attention_function(base: str):
 
 for _base, _name in REGISTERED.items():
     AttentionInterface.register(_name, make_attention_function(_base))
+
+
+def bound_cache() -> Any:
+    """The cache `keydiff_attention` bound for the current context (None outside it)."""
+    return _BOUND_CACHE.get()
 
 
 def base_implementation(model: torch.nn.Module) -> str:

@@ -106,3 +106,12 @@ class QueryStatistics:
         """Population covariance of the pre-RoPE queries [batch, heads, d, d] (float64, divided by count)."""
         mean = self.mean()
         return self.outer / self.count - mean[..., :, None] * mean[..., None, :]
+
+    def heads(self, row: int, first: int, count: int) -> "QueryStatistics":
+        """The statistics of query heads first..first+count-1 of batch row `row` (views, batch 1): what a view of
+        one KV head sees (its group's query heads), for head-adaptive layers (keydiff.cache.adaptive)."""
+        part = slice(first, first + count)
+        total = None if self.total is None else self.total[row : row + 1, part]
+        outer = None if self.outer is None else self.outer[row : row + 1, part]
+        return QueryStatistics(self.inv_freq, self.scaling, self.first_position, self.count, self.next_position,
+                               total, outer)

@@ -64,7 +64,12 @@ def counting(policy: Policy, layers_batchable: bool) -> tuple[Policy, list[int]]
         calls.append(layer.positions.shape[-1] - budget)
         return super(type(self), self).evict_indices(layer, budget)
 
-    checked = variant(policy, layers_batchable=layers_batchable, _check_every_call=True, evict_indices=evict_indices)
+    def keep_heads(self: Policy, heads: list[LayerView], budget: int) -> list[torch.Tensor]:  # head-adaptive
+        calls.append(sum(head.positions.shape[-1] for head in heads) - len(heads) * budget)
+        return super(type(self), self).keep_heads(heads, budget)
+
+    checked = variant(policy, layers_batchable=layers_batchable, _check_every_call=True, evict_indices=evict_indices,
+                      keep_heads=keep_heads)
     return checked, calls
 
 

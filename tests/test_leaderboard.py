@@ -20,7 +20,7 @@ from keydiff.report.ruler import TASKS
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
 RATIOS = ["r0.125", "r0.25", "r0.5", "r0.75"]
-ISSUE16 = {"adakv_keydiff", "adakv_snapkv", "adakv_expected_attention", "criticalkv", "kvzip"}  # issue #16 §1-2
+ISSUE16 = {"adakv_keydiff", "adakv_snapkv", "adakv_expected_attention", "criticalkv", "adakv_criticalkv", "kvzip"}  # issue #16 §1-2
 
 
 def compose(overrides):

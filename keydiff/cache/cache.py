@@ -20,6 +20,11 @@ count): each layer is a view of its slot, and eviction scores all layers' rows i
 layer has a storage of its own. A layer whose first pass does not fit the stack (other head count or head
 dim) takes buffers of its own, and the stack is split into one storage per layer.
 
+Head-adaptive budgets. For a policy with `head_adaptive` (AdaKV, keydiff.policies.adakv) the heads of a layer
+share its budget, kv_heads x N in all, and keep different counts: each bounded layer is then a pool of per-head
+segments of its own (keydiff.cache.adaptive, never stacked) holding at most that total plus the block, and
+must run under keydiff's attention function, which computes every head over its own segment.
+
 Position. The cache counts the tokens it has seen, so `get_seq_length()` is the absolute position of the
 next token (what transformers relies on: `cache_position` and `position_ids` when none are given, and
 `generate`'s slicing of the prompt) while `entries_held()` is what a layer holds: after prefill of 3058
@@ -46,6 +51,8 @@ from typing import Any, Iterator
 import torch
 from transformers.cache_utils import Cache
 
+from keydiff.attention import bound_cache
+from keydiff.cache.adaptive import AdaptiveLayer, AdaptiveStorage
 from keydiff.cache.layer import EvictingLayer
 from keydiff.cache.storage import Storage
 from keydiff.config import STATISTICS_MODES
@@ -128,6 +135,11 @@ class EvictingCache(Cache):
                       for b in budgets]
         if self.scratch_tokens:  # a scratch pass writes after the kept entries and the block
             capacities = [None if c is None else c + self.scratch_tokens for c in capacities]
+        if policy.head_adaptive:  # one pool of per-head segments per bounded layer (capacity: slots per head)
+            return [EvictingLayer(b, c, policy.state_names, policy.entry_state, layer_idx=i) if b is None else
+                    AdaptiveLayer(AdaptiveStorage(i, b, c, policy.state_names, policy.entry_state,
+                                                  policy.needs_output_projection), i)
+                    for i, (b, c) in enumerate(zip(budgets, capacities))]
         stackable = (policy.layers_batchable and budgets[0] is not None and len(set(budgets)) == 1
                      and capacities[0] is not None and len(set(capacities)) == 1)
         if stackable:
@@ -176,6 +188,12 @@ class EvictingCache(Cache):
             self._refuse_prompt_fed_again(layer, value_states)
             if self.contiguous:
                 self._pass_position = self.next_position()  # before anything of this pass is written
+        if isinstance(storage, AdaptiveStorage) and bound_cache() is not self:
+            raise RuntimeError(
+                f"layer {layer_idx} has head-adaptive budgets ({self.policy.name}): its heads' entries live in a pool "
+                "only keydiff's attention function reads. Run the model inside `with keydiff.keydiff_attention(model, "
+                "cache):` (keydiff.prefill and keydiff.generate do)"
+            )
         joining = storage.count > 1 and storage.keys is not None and layer.seen == 0
         if joining and not storage.fits(key_states, value_states):
             self._split_stack(layer)
@@ -194,10 +212,9 @@ class EvictingCache(Cache):
         q, seen = value_states.shape[-2], layer.seen
         if self.max_tokens is None or seen != self.max_tokens or q != seen or layer.num_entries == 0:
             return
-        n = layer.num_entries
-        positions = layer.positions[:, :, :n]
+        positions, kept = layer.held_entries()
+        value_states = value_states[: positions.shape[0], : positions.shape[1]]
         again = value_states.gather(2, positions[..., None].expand(-1, -1, -1, value_states.shape[-1]))
-        kept = layer.values[:, :, :n]
         tolerance = max(REFED_TOLERANCE, REFED_ROUNDINGS * torch.finfo(kept.dtype).eps)
         scale = kept.abs().max().float().clamp_min(1e-6)
         if float((again.float() - kept.float()).abs().max()) <= tolerance * float(scale):
@@ -331,6 +348,13 @@ class EvictingCache(Cache):
         function checks before recording: keys of some other cache are not this layer's)."""
         return self.layers[layer_idx].returned_keys is key
 
+    def head_segments(self, layer_idx: int) -> list[list[tuple[int, int]]] | None:
+        """For a head-adaptive layer, the (start, count) of each head's segment in the pool the layer's `update`
+        returned, [batch][head]; None for a layer with dense per-head buffers. The attention function computes
+        each head over its segment (and asking tells the layer it did)."""
+        storage = self.layers[layer_idx].storage
+        return storage.segments() if isinstance(storage, AdaptiveStorage) else None
+
     def attention_rows_needed(self, layer_idx: int) -> int | None:
         """How many last query rows of this pass the policy needs attention for: 0 = none, None = all."""
         storage = self.layers[layer_idx].storage
@@ -389,7 +413,10 @@ class EvictingCache(Cache):
         layers that never evict grow once here too."""
         self._evicting, self._decoding = evict, True
         for storage in self._storages:
-            if storage.budget is None or not evict:
+            if isinstance(storage, AdaptiveStorage):
+                if not evict:
+                    storage.make_room(new_tokens)
+            elif storage.budget is None or not evict:
                 storage.reserve(storage.entries_after_eviction() + new_tokens)
         for layer in self.layers:
             layer.returned_keys = None  # may hold a released buffer
@@ -410,8 +437,22 @@ class EvictingCache(Cache):
         """Each layer's peak entries per KV head."""
         return [layer.max_entries for layer in self.layers]
 
+    @property
+    def layer_max_total_entries(self) -> list[int]:
+        """Each layer's peak entries over all its KV heads (per batch row): for head-adaptive layers the bounded
+        quantity (<= kv_heads x (N_l + B)), for the others kv_heads x their peak per head."""
+        return [layer.max_total_entries for layer in self.layers]
+
+    @property
+    def layer_kv_heads(self) -> list[int]:
+        """Each layer's KV heads (0 before its first pass)."""
+        return [0 if layer.keys is None else (layer.storage.heads if isinstance(layer, AdaptiveLayer) else
+                                              layer.keys.shape[1]) for layer in self.layers]
+
     def kept_positions(self) -> list[torch.Tensor]:
-        """Absolute positions held, one LongTensor [batch, kv_heads, entries] per layer, ascending (copies)."""
+        """Absolute positions held, one LongTensor [batch, kv_heads, entries] per layer, ascending (copies). A
+        head-adaptive layer's heads hold different counts: its tensor is as wide as the fullest head, the
+        others padded with -1 at the end (count a head's entries as `(positions >= 0).sum(-1)`)."""
         return [layer.kept_positions() for layer in self.layers]
 
     @property

@@ -105,6 +105,12 @@ class EvictingLayer(CacheLayerMixin):
         return self.storage.max_entries
 
     @property
+    def max_total_entries(self) -> int:
+        """Peak entries held by the layer, all KV heads together (per batch row)."""
+        keys = self.storage.keys
+        return 0 if keys is None else keys.shape[2] * self.storage.max_entries
+
+    @property
     def allocations(self) -> int:
         """Buffer (re)allocations this layer went through this sequence: 1 when the capacity was right."""
         return self.earlier_allocations + self.storage.allocations
@@ -159,6 +165,11 @@ class EvictingLayer(CacheLayerMixin):
     def kept_positions(self) -> torch.Tensor:
         """Absolute positions held, [batch, kv_heads, entries], ascending (a copy)."""
         return self.positions[:, :, : self.num_entries].sort(dim=-1).values
+
+    def held_entries(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(positions [batch, kv_heads, n], values [batch, kv_heads, n, dim]) of the valid entries (views)."""
+        n = self.num_entries
+        return self.positions[:, :, :n], self.values[:, :, :n]
 
     def get_seq_length(self) -> int:
         """Tokens seen so far: the absolute position of the next token (not the number of entries held)."""

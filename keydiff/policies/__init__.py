@@ -4,7 +4,8 @@ Each policy is one small dataclass in its own module; `POLICIES` maps the config
 window and per-layer budgets are wrappers around any of them (`keydiff.policies.wrappers`): `build_policy`
 composes them from the flat parameters the configs use (`window_fraction` / `recent_fraction` where the
 policy names one, `chunk_length` (ChunkKV, `keydiff.policies.chunkkv`), `critical` (CriticalKV, `keydiff.policies.criticalkv`),
-`key_rerotation` (`keydiff.policies.rerotation`) and `layer_budgets` for every policy), so the line above is `RecentWindow(KeyDiff(),
+`head_budgets` / `alpha_safeguard` (AdaKV, `keydiff.policies.adakv`), `key_rerotation` (`keydiff.policies.rerotation`)
+and `layer_budgets` for every policy), so the line above is `RecentWindow(KeyDiff(),
 fraction=0.2)`, which Python users may also write themselves.
 A dotted path names a policy written anywhere else (`build_policy("my_lab.policies.MyPolicy", alpha=0.3)`):
 the module is imported and the class must subclass `Policy` and be a @dataclass itself (what
@@ -17,6 +18,7 @@ import dataclasses
 import importlib
 from typing import Any
 
+from keydiff.policies.adakv import HEAD_BUDGETS, REROTATION_REFUSED, HeadAdaptive, check_alpha
 from keydiff.policies.base import LayerView, Policy, layer_by_layer
 from keydiff.policies.chunkkv import Chunked
 from keydiff.policies.criticalkv import Critical
@@ -93,10 +95,11 @@ def require_own_dataclass(cls: type[Policy], what: str) -> None:
 def policy_parameters(cls: type[Policy]) -> list[str]:
     """The parameters `build_policy` takes for `cls`: its own fields, the name it gives a recent window (if
     any), then those every policy takes: `chunk_length`/`chunk_scope` (ChunkKV), `critical`/`critical_epsilon`/
-    `first_stage_ratio` (CriticalKV), `key_rerotation` and `layer_budgets`."""
+    `first_stage_ratio` (CriticalKV), `head_budgets`/`alpha_safeguard` (AdaKV), `key_rerotation` and `layer_budgets`."""
     own = [f.name for f in dataclasses.fields(cls) if f.init]
     window = [cls.recent_window_parameter] if cls.recent_window_parameter else []
-    return own + window + ["chunk_length", "chunk_scope", *CRITICAL_PARAMETERS, "key_rerotation", "layer_budgets"]
+    return own + window + ["chunk_length", "chunk_scope", *CRITICAL_PARAMETERS, "head_budgets", "alpha_safeguard",
+                           "key_rerotation", "layer_budgets"]
 
 
 CRITICAL_PARAMETERS = ("critical", "critical_epsilon", "first_stage_ratio")
@@ -119,13 +122,19 @@ def critical_wrapper(policy: Policy, params: dict[str, Any]) -> Policy:
 def compose_policy(cls: type[Policy], **params: Any) -> Policy:
     """`cls` built with its own parameters, in the wrappers the others name: RecentWindow (always, for a class
     that names a window parameter, so that its fraction is recorded even when 0), Chunked (when a
-    chunk_length is given: ChunkKV), Critical (critical: true: CriticalKV), Rerotated (key_rerotation: true) and
+    chunk_length is given: ChunkKV), Critical (critical: true: CriticalKV), HeadAdaptive (head_budgets "adakv":
+    AdaKV, with alpha_safeguard), Rerotated (key_rerotation: true) and
     LayerBudgets (when a schedule is given), innermost first."""
     params = dict(params)
     schedule = params.pop("layer_budgets", None)
     chunk_length = params.pop("chunk_length", None)
     chunk_scope = params.pop("chunk_scope", "layer")
     rerotation = rerotation_mode(params.pop("key_rerotation", None))
+    head_budgets = params.pop("head_budgets", "uniform")
+    alpha = params.pop("alpha_safeguard", None)
+    check_head_budgets(head_budgets, alpha)
+    if head_budgets == "adakv" and rerotation is not None:
+        raise ValueError(REROTATION_REFUSED)  # the others are refused by HeadAdaptive itself
     window = cls.recent_window_parameter
     fraction = params.pop(window, 0.0) if window else None
     critical_params = {name: params.pop(name) for name in CRITICAL_PARAMETERS if name in params}
@@ -135,11 +144,23 @@ def compose_policy(cls: type[Policy], **params: Any) -> Policy:
     if chunk_length is not None:
         policy = Chunked(policy, chunk_length=chunk_length, scope=chunk_scope)
     policy = critical_wrapper(policy, critical_params)
+    if head_budgets == "adakv":
+        policy = HeadAdaptive(policy, alpha_safeguard=0.2 if alpha is None else alpha)
     if rerotation is not None:
         policy = Rerotated(policy, mode=rerotation)
     if schedule is not None:
         policy = LayerBudgets(policy, schedule=schedule)
     return policy
+
+
+def check_head_budgets(head_budgets: Any, alpha: Any) -> None:
+    """One-line errors for the flat AdaKV parameters (before any model is loaded)."""
+    if head_budgets not in HEAD_BUDGETS:
+        raise ValueError(f"unknown head_budgets {head_budgets!r}; valid: {', '.join(HEAD_BUDGETS)}")
+    if alpha is not None:
+        if head_budgets != "adakv":
+            raise ValueError("alpha_safeguard applies only to head-adaptive budgets: set head_budgets=adakv or drop it")
+        check_alpha(alpha)
 
 
 def build_policy(name: str, **params: Any) -> Policy:
@@ -157,5 +178,5 @@ def build_policy(name: str, **params: Any) -> Policy:
     return compose_policy(cls, **params)
 
 
-__all__ = ["POLICIES", "Chunked", "Critical", "LayerBudgets", "Rerotated", "LayerView", "Policy", "PolicyWrapper", "RecentWindow", "available_policies", "build_policy",
+__all__ = ["POLICIES", "Chunked", "Critical", "HeadAdaptive", "LayerBudgets", "Rerotated", "LayerView", "Policy", "PolicyWrapper", "RecentWindow", "available_policies", "build_policy",
            "compose_policy", "layer_by_layer", "policy_class", "policy_parameters", "require_own_dataclass"] + [c.__name__ for c in POLICIES.values()]

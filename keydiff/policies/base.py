@@ -177,6 +177,16 @@ class Policy:
         unless you set it; `keydiff.testing.check_policy` checks the claim (stacked == layer by layer)."""
         return False
 
+    @property
+    def head_adaptive(self) -> bool:
+        """True if the heads of a layer share its budget (AdaKV, keydiff.policies.adakv.HeadAdaptive): the cache
+        then holds each layer in a pool of per-head segments and asks `keep_heads` what to keep."""
+        return False
+
+    def keep_heads(self, heads: list[LayerView], budget: int) -> list[torch.Tensor]:
+        """For a head-adaptive policy: bool masks of the entries each head of one batch row keeps."""
+        raise NotImplementedError(f"policy {self.name!r} does not share a layer's budget between its heads")
+
     # True: check the scores at every eviction, not only at the policy object's first (keydiff.testing).
     _check_every_call: ClassVar[bool] = False
     # The parameter name under which build_policy and the configs take a RecentWindow around this policy

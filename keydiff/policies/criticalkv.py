@@ -37,10 +37,11 @@ decoding (kvpress compresses once, keeping int(ratio x (1 - compression_ratio) x
 is taken with ties broken by position like every top-k here. W_o is per layer, so `layers_batchable` is False
 (each layer is scored with its own weight).
 
-AdaKV form (kvpress's `CriticalAdaKVPress`): head budgets are first chosen by AdaKV's global top-k over the
-layer's RAW scores (with the alpha safeguard), then both stages run per KV head with that head's budget N_h
-(stage 1: floor(first_stage_ratio x N_h)): `scorer_scores` gives the raw scores to allocate by, and
-`kept_in_stage_one` / `first_stage` take per-head stage-1 counts.
+AdaKV form (kvpress's `CriticalAdaKVPress`; `HeadAdaptive(Critical(...))`, preset adakv_criticalkv): head
+budgets are first chosen by AdaKV's global top-k over the layer's RAW scores (with the alpha safeguard), then
+both stages run per KV head with that head's budget N_h (stage 1: floor(first_stage_ratio x N_h), the head's
+safeguard entries kept too): keydiff.policies.adakv.HeadAdaptive.keep_heads_critical, on one-head views whose
+`output_projection` is that KV head's group of o_proj columns.
 """
 
 from __future__ import annotations

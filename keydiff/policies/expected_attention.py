@@ -22,7 +22,8 @@ Defaults are the paper's / its reference implementation's (kvpress ExpectedAtten
 * every KV head keeps N entries (the cache's dense per-head layout): the single-press form, kvpress's
   `ExpectedAttentionPress` on its own. kvpress's evaluation registry entry named `expected_attention` is not
   that: it is `AdaKVPress(ExpectedAttentionPress(epsilon=1e-2))`, head-adaptive budgets (as in the paper's
-  headline runs) with epsilon 0.01, which this cache does not implement; `epsilon=0.01` alone is an option.
+  headline runs) with epsilon 0.01: `head_budgets: adakv` (keydiff.policies.adakv), the preset
+  adakv_expected_attention; `epsilon=0.01` alone is an option.
 * the queries come from the attention function (post-RoPE, un-rotated here), not re-projected from hidden
   states, so the same code serves every model with q_proj/qk-norm variants alike.
 Attention-free with respect to the kernel: no attention weights are needed, so fused SDPA/FlashAttention run.

@@ -106,6 +106,13 @@ class PolicyWrapper(Policy):
     def layers_batchable(self) -> bool:
         return self.scorer.layers_batchable
 
+    @property
+    def head_adaptive(self) -> bool:
+        return self.scorer.head_adaptive
+
+    def keep_heads(self, heads: list[LayerView], budget: int) -> list[torch.Tensor]:
+        return self.scorer.keep_heads(heads, budget)
+
     def unwrapped(self) -> Policy:
         return self.scorer.unwrapped()
 

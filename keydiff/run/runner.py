@@ -216,7 +216,8 @@ def run_sample(
     tokens = out.token_ids[0]
     prediction = tokenizer.decode(tokens, skip_special_tokens=True)
     length = len(prompt.input_ids)
-    kept = min(int(positions.shape[-1]) for positions in state.kept_positions)  # after prefill
+    # Entries per KV head after prefill (head-adaptive layers: their mean over heads; padding is -1).
+    kept = min(int((positions >= 0).sum()) // (positions.shape[0] * positions.shape[1]) for positions in state.kept_positions)
     return {
         "sample_id": sample.id,
         "status": "ok",
@@ -237,6 +238,10 @@ def run_sample(
         "layer_max_cache_entries": state.cache.layer_max_entries,
         # KVzip's reconstruction passes hold N + B + R + B entries per head while they run (absent for other policies).
         **({"max_scratch_entries": state.max_scratch_entries} if state.max_scratch_entries else {}),
+        # Per layer, all KV heads together: the peak entries held and the head count (what bounds a layer whose
+        # heads share its budget, AdaKV: kv_heads x (N_l + B)).
+        "layer_max_total_entries": state.cache.layer_max_total_entries,
+        "layer_kv_heads": state.cache.layer_kv_heads,
         # What the cache's key/value buffers really hold (allocated once per sequence, N + B slots per layer).
         "kv_cache_bytes": state.cache.kv_cache_bytes,
         # Upper bound of the KV entries held at once: every layer's own peak, summed, in bytes.
@@ -298,6 +303,15 @@ def run_statistics(rows: list[dict[str, Any]], plan: RunPlan) -> dict[str, Any]:
         all(b is None or p <= b + plan.block_size for r in per_layer for b, p in zip(r["layer_budgets"], r["layer_max_cache_entries"]))
         if per_layer else peak <= bound
     )
+    # The same bound over all heads of a layer (rows of older runs have no totals): kv_heads x (N_l + B).
+    totals = [row for row in per_layer if row.get("layer_max_total_entries")]
+    row_bounds = [[None if not bounded or b is None else h * (b + plan.block_size)
+                   for b, h in zip(r["layer_budgets"], r["layer_kv_heads"])] for r in totals]
+    total_bounds = [max((b for b in column if b is not None), default=None) for column in zip(*row_bounds)]
+    total_peaks = [max(column) for column in zip(*(r["layer_max_total_entries"] for r in totals))]
+    if held and totals:
+        held = all(b is None or p <= b for r, bounds in zip(totals, row_bounds)
+                   for b, p in zip(bounds, r["layer_max_total_entries"]))
     return {
         "samples": n,
         "mean_prompt_tokens": sum(r["prompt_tokens"] for r in rows) / n,
@@ -312,6 +326,8 @@ def run_statistics(rows: list[dict[str, Any]], plan: RunPlan) -> dict[str, Any]:
         "layer_budgets": budgets,
         "layer_cache_bounds": layer_bounds,
         "layer_max_cache_entries": layer_peaks,
+        "layer_total_bounds": total_bounds,  # per layer, all KV heads: kv_heads x (N_l + B) (None: unbounded)
+        "layer_max_total_entries": total_peaks,
         "max_kv_cache_peak_bytes": max(r["kv_cache_peak_bytes"] for r in rows),
         "max_kv_cache_bytes": max(r.get("kv_cache_bytes", 0) for r in rows),
         "max_peak_memory_bytes": max(r["peak_memory_bytes"] for r in rows),

@@ -1,0 +1,156 @@
+"""Head-adaptive budgets (AdaKV) against the uniform policy: memory held and time per decoded token.
+
+    python -m keydiff.bench.adaptive                         # random SmolLM2-135M shape, L 4096, N 1024, B 128
+    python -m keydiff.bench.adaptive --scorer snapkv --threads 2 --json out/adaptive.json
+
+For one scorer (default keydiff), the uniform policy (N entries per KV head) and its head-adaptive form
+(`head_budgets: adakv`: the heads of a layer share kv_heads x N) prefill the same L-token prompt in blocks of
+B and decode --new-tokens tokens, evicting after every one. Reported per policy:
+  * kv_cache_bytes: what the cache's key/value buffers hold (`EvictingCache.kv_cache_bytes`). The adaptive
+    cache's pools are kv_heads x (N + B) entries per layer, the uniform buffers' size; kvpress's masked
+    AdaKV keeps the whole prompt instead.
+  * peak RSS of prefill + decode alone, each policy in a fresh process (the peak is reset after the model is
+    built, as keydiff.bench.decode --memory-scaling does), and the peak above the RSS right after loading.
+  * TTFT and decode ms per token: medians over --repeats interleaved rounds in one process
+    (keydiff.bench.common.interleaved_rounds), with the median of the per-round ratios.
+Targets checked and printed (the issue's): bytes <= 1.05 x uniform, decode <= 1.25 x uniform. Timings on a
+shared machine are indicative.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+import torch
+
+from keydiff import build_policy, generate, prefill
+from keydiff.bench import common
+
+BYTES_TARGET, DECODE_TARGET = 1.05, 1.25
+
+
+def policy_params(args, adaptive: bool) -> dict:
+    return {"head_budgets": "adakv", "alpha_safeguard": args.alpha_safeguard} if adaptive else {}
+
+
+def run_once(model, prompt, args, adaptive: bool) -> dict:
+    """Prefill then decode exactly --new-tokens tokens, evicting after every one; what it cost."""
+    policy = build_policy(args.scorer, **policy_params(args, adaptive))
+    state = prefill(model, prompt, policy, args.budget, args.block_size)
+    result = generate(model, state, args.new_tokens, eos_token_ids=(), evict=True)
+    return {"ttft_s": state.seconds, "per_token_s": result.seconds / (args.new_tokens - 1),
+            "kv_cache_bytes": state.cache.kv_cache_bytes, "allocations": state.cache.allocations,
+            "max_total_entries": max(state.cache.layer_max_total_entries)}
+
+
+def rss_child(args, device: str, dtype: torch.dtype) -> None:
+    """One policy in a fresh process: peak RSS of prefill + decode alone. Prints JSON."""
+    model = common.build_model(args.model, dtype, args.attn, device)
+    prompt = common.random_prompt(model, args.length).to(device)
+    reset = common.reset_peak_rss()
+    after_load = common.current_rss_bytes()
+    run_once(model, prompt, args, args.rss_child == "adakv")
+    print(json.dumps({"peak_rss_bytes": common.peak_rss_bytes(), "rss_after_load_bytes": after_load,
+                      "peak_is_run_only": reset}))
+
+
+def peak_rss(args, adaptive: bool) -> dict:
+    arguments = ["--rss-child", "adakv" if adaptive else "uniform", "--model", args.model, "--scorer", args.scorer,
+                 "--length", str(args.length), "--budget", str(args.budget), "--block-size", str(args.block_size),
+                 "--new-tokens", str(args.new_tokens), "--alpha-safeguard", str(args.alpha_safeguard),
+                 "--attn", args.attn]
+    arguments += ["--dtype", args.dtype] if args.dtype else []
+    arguments += ["--threads", str(args.threads)] if args.threads else []
+    done = common.run_module(__spec__.name, arguments)
+    if done.returncode != 0:
+        sys.exit(f"peak RSS child failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    common.add_common_arguments(parser)
+    parser.add_argument("--scorer", default="keydiff", help="the policy whose scores drive both forms")
+    parser.add_argument("--alpha-safeguard", type=float, default=0.2)
+    parser.add_argument("--length", type=int, default=4096, help="prompt tokens L")
+    parser.add_argument("--budget", type=int, default=1024, help="entries per KV head N (adaptive: kv_heads x N per layer)")
+    parser.add_argument("--block-size", type=int, default=128, help="prompt tokens per prefill forward, B")
+    parser.add_argument("--new-tokens", type=int, default=32, help="tokens decoded (evicting after every one)")
+    parser.add_argument("--rss-child", choices=["uniform", "adakv"], default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    started = common.provenance(__spec__.name, argv)
+    args.model = args.model or "random-smollm2"
+    if args.new_tokens < 2 or args.repeats < 1:
+        parser.error("--new-tokens must be >= 2, --repeats >= 1")
+    try:  # bad values fail here, before any model is built
+        for adaptive in (False, True):
+            build_policy(args.scorer, **policy_params(args, adaptive)).check(args.budget)
+    except ValueError as error:
+        parser.error(str(error))
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = common.device_name()
+    dtype = common.DTYPES[args.dtype] if args.dtype else common.default_dtype(device)
+    if args.rss_child:
+        return rss_child(args, device, dtype)
+
+    setting = common.setting_line(device, dtype, model=args.model, scorer=args.scorer, L=args.length, N=args.budget,
+                                  B=args.block_size, new_tokens=args.new_tokens, repeats=args.repeats,
+                                  alpha_safeguard=args.alpha_safeguard)
+    print(setting, flush=True)
+    names = {"uniform": False, "adakv": True}
+    memory = {}
+    for name, adaptive in names.items():
+        print(f"  peak RSS: {name} (fresh process) ...", file=sys.stderr, flush=True)
+        memory[name] = peak_rss(args, adaptive)
+    model = common.build_model(args.model, dtype, args.attn, device)
+    prompt = common.random_prompt(model, args.length).to(device)
+    runs = common.interleaved_rounds(
+        {name: (lambda adaptive=adaptive: run_once(model, prompt, args, adaptive)) for name, adaptive in names.items()},
+        args.repeats, device)
+    rows = []
+    for name in names:
+        per_token = [r["per_token_s"] for r in runs[name]]
+        rss = memory[name]
+        above = None if rss["rss_after_load_bytes"] is None else rss["peak_rss_bytes"] - rss["rss_after_load_bytes"]
+        rows.append({"policy": f"{args.scorer}" + (" + adakv" if names[name] else ""), "form": name,
+                     "kv_cache_bytes": runs[name][-1]["kv_cache_bytes"],
+                     "max_total_entries": runs[name][-1]["max_total_entries"],
+                     "allocations": runs[name][-1]["allocations"],
+                     "peak_rss_bytes": rss["peak_rss_bytes"], "peak_rss_above_load_bytes": above,
+                     "peak_is_run_only": rss["peak_is_run_only"],
+                     "ttft_median_s": statistics.median(r["ttft_s"] for r in runs[name]),
+                     "decode_ms_per_token": 1000 * statistics.median(per_token),
+                     "decode_ms_per_token_all": [1000 * p for p in per_token]})
+    uniform, adaptive = rows
+    round_ratios = [a / u for a, u in zip(adaptive["decode_ms_per_token_all"], uniform["decode_ms_per_token_all"])]
+    summary = {"bytes_ratio": adaptive["kv_cache_bytes"] / uniform["kv_cache_bytes"],
+               "peak_rss_ratio": adaptive["peak_rss_bytes"] / uniform["peak_rss_bytes"],
+               "decode_ratio": adaptive["decode_ms_per_token"] / uniform["decode_ms_per_token"],
+               "decode_ratio_per_round_median": statistics.median(round_ratios),
+               "ttft_ratio": adaptive["ttft_median_s"] / uniform["ttft_median_s"]}
+    summary["bytes_target_met"] = summary["bytes_ratio"] <= BYTES_TARGET
+    summary["decode_target_met"] = summary["decode_ratio"] <= DECODE_TARGET
+    mib = lambda value: common.fmt(None if value is None else value / 2**20, ".1f")
+    columns = [("policy", 10), ("KV MiB", 0), ("peak total entries/layer", 0), ("peak RSS MiB", 0),
+               ("above load MiB", 0), ("TTFT s", 0), ("decode ms/token", 0)]
+    common.print_table(columns, [[r["policy"], mib(r["kv_cache_bytes"]), str(r["max_total_entries"]),
+                                  mib(r["peak_rss_bytes"]), mib(r["peak_rss_above_load_bytes"]),
+                                  f"{r['ttft_median_s']:.2f}", f"{r['decode_ms_per_token']:.2f}"] for r in rows])
+    print(f"adakv / uniform: KV bytes {summary['bytes_ratio']:.3f} (target <= {BYTES_TARGET}: "
+          f"{'met' if summary['bytes_target_met'] else 'NOT met'}), peak RSS {summary['peak_rss_ratio']:.3f}, "
+          f"TTFT {summary['ttft_ratio']:.2f}, decode {summary['decode_ratio']:.2f} (median of per-round ratios "
+          f"{summary['decode_ratio_per_round_median']:.2f}; target <= {DECODE_TARGET}: "
+          f"{'met' if summary['decode_target_met'] else 'NOT met'})")
+    print(f"peak RSS: each policy in a fresh process, prefill + decode only; times: medians over {args.repeats} "
+          "interleaved rounds (indicative on a shared machine)")
+    if args.json:
+        common.write_json(args.json, {"setting": setting, "data": common.prompt_record(prompt), "results": rows,
+                                      "summary": summary}, started)
+
+
+if __name__ == "__main__":
+    main()

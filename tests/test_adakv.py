@@ -1,0 +1,322 @@
+"""Head-adaptive budgets (AdaKV): selection against plain loops, exact attention over per-head segments, the
+per-layer memory bound, the safeguard, and clear errors."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+from transformers import AttentionInterface, DynamicCache
+from transformers.integrations.sdpa_attention import repeat_kv
+
+from keydiff.attention import keydiff_attention
+from keydiff.cache import EvictingCache
+from keydiff.cache.adaptive import AdaptiveStorage
+from keydiff.engine import generate, prefill
+from keydiff.policies import HeadAdaptive, build_policy
+from keydiff.policies.adakv import adakv_keep
+from keydiff.policies.base import LayerView, score_then_position
+from tests.conftest import tiny_llama
+
+BUDGET, BLOCK, LENGTH = 48, 16, 150
+SCORERS = [("keydiff", {}), ("keydiff", {"window_fraction": 0.25}), ("snapkv", {"window": 8}),
+           ("expected_attention", {"epsilon": 0.01, "n_future_positions": 64}), ("sink", {"sinks": 4})]
+
+
+def brute_force_keep(scores, protected, positions, budget, alpha) -> list[list[int]]:
+    """Kept positions per head of one batch row, by loops: every head's protected entries and its own top
+    floor(alpha x N) (by score, then position) first; then the best entries of all heads by (score, position,
+    lower head first) until T = heads x N are kept (all of them if there are no more)."""
+    heads = len(scores)
+    total = heads * budget
+    safe = math.floor(alpha * budget + 1e-9)
+    entries = []  # (forced, score, position, -head)
+    for h in range(heads):
+        masked = [float("inf") if p else s for s, p in zip(scores[h], protected[h])]
+        order = sorted(range(len(masked)), key=lambda i: (masked[i], positions[h][i]), reverse=True)
+        forced = set(order[:safe]) | {i for i, p in enumerate(protected[h]) if p}
+        entries += [(i in forced, masked[i], positions[h][i], -h) for i in range(len(masked))]
+    kept = sorted(entries, reverse=True)[:total]
+    return [sorted(pos for f, s, pos, negh in kept if -negh == h) for h in range(heads)]
+
+
+def one_head_views(policy, heads: list[LayerView]):
+    """(scores, protected, positions) per head as Python lists, from the policy the wrapper wraps."""
+    scorer = policy.scorer
+    scores, protected, positions = [], [], []
+    for view in heads:
+        scores.append(scorer.score(view)[0, 0].float().tolist())
+        protect = scorer.protected(view, BUDGET)
+        positions.append(view.positions[0, 0].tolist())
+        protected.append([False] * len(positions[-1]) if protect is None else protect[0, 0].tolist())
+    return scores, protected, positions
+
+
+@dataclass
+class CheckedAdaptive(HeadAdaptive):
+    """HeadAdaptive that checks every choice against `brute_force_keep` and records what it kept."""
+
+    choices: list | None = None
+
+    def keep_heads(self, heads, budget):
+        masks = super().keep_heads(heads, budget)
+        scores, protected, positions = one_head_views(self, heads)
+        expected = brute_force_keep(scores, protected, positions, budget, self.alpha_safeguard)
+        actual = [sorted(view.positions[0, 0][mask].tolist()) for view, mask in zip(heads, masks)]
+        assert actual == expected
+        self.choices.append(actual)
+        return masks
+
+
+def adaptive_policy(name, params, alpha=0.2, checked=False):
+    inner = build_policy(name, **params)
+    if checked:
+        return CheckedAdaptive(inner, alpha_safeguard=alpha, choices=[])
+    return HeadAdaptive(inner, alpha_safeguard=alpha)
+
+
+def head_counts(cache) -> list[list[list[int]]]:
+    return [(p >= 0).sum(-1).tolist() for p in cache.kept_positions()]
+
+
+def prompt_ids(batch=1, length=LENGTH, seed=1):
+    return torch.randint(0, 256, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+# --------------------------------------------------------------------------- selection
+def test_adakv_keep_equals_the_loops_with_ties_across_heads():
+    """Random scores with many equal values (ties within and across heads) and protected entries."""
+    g = torch.Generator().manual_seed(0)
+    for trial in range(40):
+        heads, budget = 3, 10
+        counts = torch.randint(5, 30, (heads,), generator=g).tolist()
+        positions = [torch.randperm(60, generator=g)[:n] for n in counts]
+        scores = [torch.randint(0, 4, (n,), generator=g).float() for n in counts]
+        protected = [torch.rand(n, generator=g) < 0.1 for n in counts]
+        alpha = [0.0, 0.2, 0.5, 1.0][trial % 4]
+        keys = [score_then_position(s.masked_fill(p, float("inf"))[None, None], pos[None, None])[0, 0]
+                for s, p, pos in zip(scores, protected, positions)]
+        masks = adakv_keep(keys, protected, budget, alpha)
+        actual = [sorted(pos[m].tolist()) for pos, m in zip(positions, masks)]
+        expected = brute_force_keep([s.tolist() for s in scores], [p.tolist() for p in protected],
+                                    [p.tolist() for p in positions], budget, alpha)
+        assert actual == expected
+        assert sum(map(len, actual)) == min(sum(counts), heads * budget)
+
+
+@pytest.mark.parametrize("name,params", SCORERS)
+def test_every_eviction_of_a_blockwise_prefill_is_the_brute_force_choice(model, name, params):
+    policy = adaptive_policy(name, params, checked=True)
+    compared = []
+
+    def after_block(cache):
+        """The cache holds exactly what was chosen: after a block that evicted, each layer's kept positions
+        are its choice (one choice per layer and block, in layer order)."""
+        if len(policy.choices) > 3 * len(compared):
+            chosen = policy.choices[3 * len(compared):]
+            assert len(chosen) == 3
+            for layer, choice in zip(cache.kept_positions(), chosen):
+                assert [[p for p in head if p >= 0] for head in layer[0].tolist()] == choice
+            compared.append(True)
+
+    prefill(model, prompt_ids(), policy, BUDGET, BLOCK, on_block=after_block)
+    assert len(compared) >= (LENGTH - 2 * BUDGET) // BLOCK  # every block past the layer's total evicted
+
+
+def test_the_heads_really_keep_different_counts(model):
+    state = prefill(model, prompt_ids(), adaptive_policy("keydiff", {}), BUDGET, BLOCK)
+    counts = [c for layer in head_counts(state.cache) for c in layer[0]]
+    assert any(c != BUDGET for c in counts)
+    assert all(sum(layer[0]) == 2 * BUDGET for layer in head_counts(state.cache))  # 2 KV heads: T = 2 N
+
+
+# --------------------------------------------------------------------------- exact attention
+HELD: dict = {}
+
+
+def per_head_reference_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Eager attention over all tokens so far, each KV head masked to the positions it held before this pass
+    (HELD[layer][row][head]) plus the pass's own tokens, causally: what each head sees in its own segment."""
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    batch, heads, q, _ = query.shape
+    kv_heads, length = key.shape[1], key.shape[2]
+    groups = heads // kv_heads
+    first = length - q
+    visible = torch.zeros(batch, heads, q, length, dtype=torch.bool)
+    rows = torch.arange(q)[:, None] + first
+    cols = torch.arange(length)[None, :]
+    new = (cols >= first) & (cols <= rows)
+    for b in range(batch):
+        for h in range(kv_heads):
+            held = torch.zeros(length, dtype=torch.bool)
+            held[HELD[module.layer_idx][b][h]] = True
+            visible[b, h * groups:(h + 1) * groups] = held[None, :] | new
+    logits = (query @ repeat_kv(key, groups).transpose(-1, -2)) * scaling
+    weights = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)
+    return (weights @ repeat_kv(value, groups)).transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register("adakv_reference", per_head_reference_attention)
+
+
+@pytest.mark.parametrize("batch,name,params", [(1, "keydiff", {}), (2, "snapkv", {"window": 8}),
+                                               (1, "expected_attention", {"epsilon": 0.01})])
+def test_logits_equal_a_per_head_masked_reference_in_prefill_and_decoding(batch, name, params):
+    model = tiny_llama()
+    reference = tiny_llama()
+    reference.set_attn_implementation("adakv_reference")
+    policy = adaptive_policy(name, params)
+    ids = prompt_ids(batch, length=120)
+    cache = EvictingCache(policy, BUDGET, model.config.num_hidden_layers, block_size=BLOCK, max_tokens=ids.shape[1])
+    dense = DynamicCache()
+    passes = [ids[:, s:s + BLOCK] for s in range(0, ids.shape[1], BLOCK)]
+    adapted = False
+    with torch.no_grad():
+        step = 0
+        while step < len(passes) + 6:  # the prompt's blocks, then 6 decoded tokens
+            block = passes[step] if step < len(passes) else next_ids
+            for layer, kept in enumerate(cache.kept_positions() if step else [None] * 3):
+                HELD[layer] = [[[p for p in head.tolist() if p >= 0] for head in row] for row in kept] if step else \
+                    [[[] for _ in range(2)] for _ in range(batch)]
+            with keydiff_attention(model, cache):
+                ours = model(input_ids=block, past_key_values=cache, use_cache=True).logits
+            cache.evict()
+            expected = reference(input_ids=block, past_key_values=dense, use_cache=True).logits
+            torch.testing.assert_close(ours, expected, atol=2e-5, rtol=1e-4)
+            adapted |= any(c != BUDGET for layer in head_counts(cache) for row in layer for c in row)
+            next_ids = ours[:, -1:].argmax(-1)
+            step += 1
+    assert adapted  # the heads did hold different counts at some pass
+
+
+# --------------------------------------------------------------------------- memory bound
+@pytest.mark.parametrize("batch", [1, 2])
+def test_held_entries_never_exceed_the_layer_total_plus_the_block(model, batch):
+    policy = adaptive_policy("keydiff", {"window_fraction": 0.1})
+    totals = []
+
+    def after_block(cache):
+        for layer in cache.layers:
+            storage = layer.storage
+            assert isinstance(storage, AdaptiveStorage)
+            assert max(storage.row_totals()) <= 2 * BUDGET  # T after eviction
+            assert storage.max_total <= 2 * (BUDGET + BLOCK)  # T + kv_heads x B while the block was processed
+            assert storage.pool == 2 * (BUDGET + BLOCK)  # the uniform buffers' size: nothing grew
+        totals.append(cache.layer_max_total_entries)
+
+    state = prefill(model, prompt_ids(batch), policy, BUDGET, BLOCK, on_block=after_block)
+    out = generate(model, state, 12, seed=0, record_steps=True)
+    assert len(out.token_ids[0]) == 12
+    for layer in state.cache.layers:  # decoding: at most T + kv_heads, and still within the pool
+        assert max(layer.storage.row_totals()) <= 2 * BUDGET and layer.storage.pool == 2 * (BUDGET + BLOCK)
+    assert state.cache.max_entries <= BUDGET + BLOCK
+    uniform = prefill(model, prompt_ids(batch), build_policy("keydiff", window_fraction=0.1), BUDGET, BLOCK)
+    assert state.cache.kv_cache_bytes == uniform.cache.kv_cache_bytes
+    assert state.cache.allocations == uniform.cache.allocations == len(state.cache.layers)  # one pool per layer
+
+
+def test_keeping_every_generated_token_grows_the_pool_once(model):
+    state = prefill(model, prompt_ids(), adaptive_policy("keydiff", {}), BUDGET, BLOCK)
+    before = head_counts(state.cache)
+    out = generate(model, state, 40, seed=0, evict=False)
+    after = head_counts(state.cache)
+    steps = len(out.token_ids[0]) - 1
+    assert all(a == b + steps for la, lb in zip(after, before) for ra, rb in zip(la, lb) for a, b in zip(ra, rb))
+    assert state.cache.allocations == 2 * len(state.cache.layers)  # one growth per layer, in start_generation
+
+
+# --------------------------------------------------------------------------- safeguard, uniform limit
+def fewest_held(model, alpha: float) -> int:
+    """The fewest entries any head held after any block, once its layer had more tokens than its total."""
+    fewest = []
+
+    def after_block(cache):
+        if cache.get_seq_length() > 2 * BUDGET:
+            fewest.append(min(c for layer in head_counts(cache) for c in layer[0]))
+
+    prefill(model, prompt_ids(), adaptive_policy("keydiff", {}, alpha=alpha), BUDGET, BLOCK, on_block=after_block)
+    return min(fewest)
+
+
+def test_every_head_keeps_at_least_its_safeguard(model):
+    unguarded = fewest_held(model, 0.0)
+    assert unguarded < BUDGET  # some head gave entries away
+    alpha = (unguarded + 1) / BUDGET  # a safeguard above what that head kept
+    assert fewest_held(model, alpha) >= math.floor(alpha * BUDGET + 1e-9) == unguarded + 1
+
+
+@pytest.mark.parametrize("name,params", [("keydiff", {}), ("keydiff", {"window_fraction": 0.25}), ("snapkv", {"window": 8}),
+                                         ("sink", {"sinks": 4})])
+def test_alpha_one_keeps_exactly_what_the_uniform_policy_keeps(model, name, params):
+    ids = prompt_ids()
+    adaptive = prefill(model, ids, adaptive_policy(name, params, alpha=1.0), BUDGET, BLOCK)
+    uniform = prefill(model, ids, build_policy(name, **params), BUDGET, BLOCK)
+    for ours, theirs in zip(adaptive.kept_positions, uniform.kept_positions):
+        assert torch.equal(ours, theirs)
+
+
+# --------------------------------------------------------------------------- configuration and errors
+def test_flat_parameters_compose_and_describe():
+    policy = build_policy("snapkv", window=8, head_budgets="adakv", alpha_safeguard=0.3)
+    assert policy.head_adaptive and isinstance(policy, HeadAdaptive) and policy.alpha_safeguard == 0.3
+    described = policy.describe()
+    assert described["head_budgets"] == "adakv" and described["alpha_safeguard"] == 0.3
+    assert build_policy(**described).describe() == described
+    assert "head_budgets" not in build_policy("snapkv").describe()
+    assert not build_policy("snapkv", head_budgets="uniform").head_adaptive
+    pyramid = build_policy("keydiff", head_budgets="adakv", layer_budgets={"schedule": "pyramid", "beta": 20})
+    assert pyramid.head_adaptive and pyramid.describe()["layer_budgets"] == {"schedule": "pyramid", "beta": 20}
+
+
+@pytest.mark.parametrize("params,message", [
+    ({"head_budgets": "adakv", "alpha_safeguard": 1.5}, r"alpha_safeguard must be a number in \[0, 1\]"),
+    ({"head_budgets": "adakv", "alpha_safeguard": -0.1}, r"alpha_safeguard must be a number in \[0, 1\]"),
+    ({"head_budgets": "per_head"}, r"unknown head_budgets 'per_head'; valid: uniform, adakv"),
+    ({"alpha_safeguard": 0.2}, r"alpha_safeguard applies only to head-adaptive budgets"),
+])
+def test_bad_values_are_refused_naming_the_valid_ones(params, message):
+    with pytest.raises(ValueError, match=message):
+        build_policy("keydiff", **params)
+
+
+def test_running_without_keydiff_attention_is_refused(model):
+    cache = EvictingCache(adaptive_policy("keydiff", {}), BUDGET, model.config.num_hidden_layers, block_size=BLOCK)
+    with pytest.raises(RuntimeError, match="keydiff_attention"):
+        model(input_ids=prompt_ids()[:, :BLOCK], past_key_values=cache, use_cache=True)
+
+
+def test_run_statistics_check_each_layer_total_against_kv_heads_times_its_bound():
+    from keydiff.run.runner import RunPlan, run_statistics
+
+    plan = RunPlan("keydiff", {"head_budgets": "adakv"}, 100, 10, "fast", True, None, None)
+    row = {"prompt_tokens": 500, "compression_ratio": 0.2, "ttft_s": 1.0, "decode_s": 1.0, "new_tokens": 3,
+           "max_cache_entries": 110, "kv_cache_peak_bytes": 1, "kv_cache_bytes": 1, "peak_memory_bytes": 1,
+           "layer_budgets": [100, 100], "layer_max_cache_entries": [110, 110],
+           "layer_max_total_entries": [220, 200], "layer_kv_heads": [2, 2]}
+    stats = run_statistics([row], plan)
+    assert stats["cache_bound_held"] is True
+    assert stats["layer_total_bounds"] == [220, 220] and stats["layer_max_total_entries"] == [220, 200]
+    broken = {**row, "layer_max_total_entries": [221, 200]}  # one entry over kv_heads x (N + B)
+    assert run_statistics([broken], plan)["cache_bound_held"] is False
+
+
+@pytest.mark.parametrize("rows", [0, 8])
+def test_decoding_attention_over_the_pool_equals_one_call_per_segment(rows):
+    """The one-query path (all heads in one masked product) against the per-segment kernels and statistic."""
+    from keydiff.attention import attention_statistic, decoding_segment_attention, fused_attention
+
+    g = torch.Generator().manual_seed(3)
+    query, key, value = (torch.randn(2, 4, 1, 16, generator=g), torch.randn(2, 90, 16, generator=g),
+                         torch.randn(2, 90, 16, generator=g))
+    segments = [[(0, 30), (41, 17)], [(5, 60), (70, 20)]]
+    output, statistic = decoding_segment_attention(query, key, value, 0.25, segments, rows)
+    for row, spans in enumerate(segments):
+        for head, (start, count) in enumerate(spans):
+            q, k, v = query[row:row + 1, 2 * head:2 * head + 2], key[row, start:start + count][None, None], \
+                value[row, start:start + count][None, None]
+            torch.testing.assert_close(output[row:row + 1, :, 2 * head:2 * head + 2], fused_attention("sdpa", None, q, k, v, 0.25))
+            if rows:
+                torch.testing.assert_close(statistic[row][head], attention_statistic(q, k, 0.25, rows)[0, 0])
+    assert (statistic is None) == (rows == 0)
