@@ -52,7 +52,8 @@ DISPLAY_NAMES = {"full": "Full", "h2o": "H2O", "tova": "TOVA", "sink": "Sink", "
                  "knorm": "L2-norm", "keydiff_w10": "KeyDiff + 10%", "keydiff_w20": "KeyDiff + 20%",
                  "keydiff_pairwise": "Pairwise", "keydiff_median": "Median", "keydiff_dot": "DotProd",
                  "keydiff_euclidean": "Euclidean", "chunkkv": "ChunkKV",
-                 "criticalkv": "CriticalKV", "kvzip": "KVzip",
+                 "criticalkv": "CriticalKV", "kvzip": "KVzip", "lagkv": "LagKV", "random": "Random",
+                 "expected_attention": "ExpectedAttention", "snapkv_pyramid": "PyramidKV",
                  "adakv_keydiff": "AdaKV-KeyDiff", "adakv_snapkv": "AdaKV-SnapKV",
                  "adakv_expected_attention": "AdaKV-ExpectedAttention", "adakv_criticalkv": "AdaKV-CriticalKV"}
 
