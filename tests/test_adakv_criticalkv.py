@@ -66,8 +66,10 @@ class CheckedCriticalAdaptive(HeadAdaptive):
             torch.testing.assert_close(output_norms(view.values, view.output_projection)[0, 0].double(), expected,
                                        rtol=1e-5, atol=1e-6)
             norms.append(expected.tolist())
+        # epsilon is added to one query's attention (kvpress averages SnapKV's window, ours sums it): x the rows.
+        epsilon = float(torch.as_tensor(critical.scaled_epsilon(heads[0])).flatten()[0])
         expected = brute_force_critical_adakv(raw, protected, positions, norms, budget, self.alpha_safeguard,
-                                              critical.first_stage_ratio, critical.epsilon)
+                                              critical.first_stage_ratio, epsilon)
         actual = [sorted(view.positions[0, 0][mask].tolist()) for view, mask in zip(heads, masks)]
         assert actual == expected
         self.choices.append(actual)

@@ -208,7 +208,7 @@ class HeadAdaptive(PolicyWrapper):
             stage_one = first_stage(scores, head.positions, protect, first)
             if protect is not None:
                 stage_one |= protect
-            rescaled = critical_scores(scores, head.state[CRITICAL_STATE], critical.epsilon, inner.log_scores)
+            rescaled = critical_scores(scores, head.state[CRITICAL_STATE], critical.scaled_epsilon(head), inner.log_scores)
             keys = score_then_position(rescaled.float().masked_fill(stage_one, float("inf")), head.positions)[0, 0]
             keep = torch.zeros(n, dtype=torch.bool, device=keys.device)
             masks.append(keep.index_fill_(0, torch.topk(keys, count).indices, True))
