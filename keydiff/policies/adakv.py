@@ -150,13 +150,8 @@ class HeadAdaptive(PolicyWrapper):
     def layers_batchable(self) -> bool:
         return False  # each layer has a pool of its own; never stacked
 
-    def validate(self, budget: int) -> None:
+    def check_parameters(self, budget: int | None = None) -> None:
         check_alpha(self.alpha_safeguard)
-        self.scorer.validate(budget)
-
-    def check(self, budget: int) -> None:
-        check_alpha(self.alpha_safeguard)
-        self.scorer.check(budget)
 
     def checked(self, scores: torch.Tensor, head: LayerView, protect: torch.Tensor | None) -> torch.Tensor:
         """`scores` as float32, checked (`check_scores`) at the first eviction, or at every one when asked."""

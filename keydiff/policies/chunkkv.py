@@ -60,19 +60,11 @@ class Chunked(PolicyWrapper):
     chunk_length: int = 20
     scope: str = "layer"
 
-    def _check_length(self) -> None:
+    def check_parameters(self, budget: int | None = None) -> None:
         if isinstance(self.chunk_length, bool) or not isinstance(self.chunk_length, int) or self.chunk_length < 1:
             raise ValueError(f"chunk_length must be a positive integer, got {self.chunk_length!r}")
         if self.scope not in SCOPES:
             raise ValueError(f"chunk_scope must be one of {', '.join(SCOPES)}, got {self.scope!r}")
-
-    def validate(self, budget: int) -> None:
-        self._check_length()
-        self.scorer.validate(budget)
-
-    def check(self, budget: int) -> None:
-        self._check_length()
-        self.scorer.check(budget)
 
     def score(self, layer: LayerView) -> torch.Tensor:
         scores = self.scorer.score(layer).double()  # float64 sums: the chunk order does not hang on rounding

@@ -136,7 +136,7 @@ class Critical(PolicyWrapper):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self._check()  # a bad value fails when the policy is built, before any model is loaded
+        self.check_parameters()  # a bad value fails when the policy is built, before any model is loaded
         inner = self.scorer.unwrapped()
         if getattr(inner, "use_vnorm", False):
             logger.warning("%s with use_vnorm: the value norm then counts twice under CriticalKV (kvpress wraps "
@@ -154,7 +154,7 @@ class Critical(PolicyWrapper):
     def layers_batchable(self) -> bool:
         return False  # each layer is scored with its own o_proj weight
 
-    def _check(self) -> None:
+    def check_parameters(self, budget: int | None = None) -> None:
         for name, value in (("critical_epsilon", self.epsilon), ("first_stage_ratio", self.first_stage_ratio)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise ValueError(f"{name} must be a finite number, got {value!r}")
@@ -162,14 +162,6 @@ class Critical(PolicyWrapper):
             raise ValueError(f"critical_epsilon must be >= 0, got {self.epsilon}")
         if not 0.0 <= self.first_stage_ratio <= 1.0:
             raise ValueError(f"first_stage_ratio must be in [0, 1], got {self.first_stage_ratio}")
-
-    def validate(self, budget: int) -> None:
-        self._check()
-        self.scorer.validate(budget)
-
-    def check(self, budget: int) -> None:
-        self._check()
-        self.scorer.check(budget)
 
     def first_stage_count(self, budget: int) -> int:
         return math.floor(self.first_stage_ratio * budget + 1e-9)

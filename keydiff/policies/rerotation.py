@@ -71,19 +71,11 @@ class Rerotated(PolicyWrapper):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self._check()
+        self.check_parameters()
 
-    def _check(self) -> None:
+    def check_parameters(self, budget: int | None = None) -> None:
         if self.mode not in MODES:
             raise ValueError(f"key_rerotation must be true, false or one of {', '.join(MODES)}, got {self.mode!r}")
-
-    def validate(self, budget: int) -> None:
-        self._check()
-        self.scorer.validate(budget)
-
-    def check(self, budget: int) -> None:
-        self._check()
-        self.scorer.check(budget)
 
     @property
     def key_rerotation(self) -> str | None:

@@ -116,10 +116,16 @@ class PolicyWrapper(Policy):
     def unwrapped(self) -> Policy:
         return self.scorer.unwrapped()
 
+    def check_parameters(self, budget: int) -> None:
+        """Raise ValueError if this wrapper's own parameters cannot work with `budget` (default: nothing to
+        check); `validate` and `check` run it, then the wrapped policy's."""
+
     def validate(self, budget: int) -> None:
+        self.check_parameters(budget)
         self.scorer.validate(budget)
 
     def check(self, budget: int) -> None:
+        self.check_parameters(budget)
         self.scorer.check(budget)
 
     def compresses_layer(self, layer_idx: int) -> bool:
@@ -158,16 +164,8 @@ class RecentWindow(PolicyWrapper):
         """The fraction's name in configs and results: the wrapped policy's own word for it, else recent_fraction."""
         return self.scorer.unwrapped().recent_window_parameter or "recent_fraction"
 
-    def _check_fraction(self, budget: int) -> None:
+    def check_parameters(self, budget: int) -> None:
         check_fraction(f"{self.name} {self.parameter}", self.fraction, budget)
-
-    def validate(self, budget: int) -> None:
-        self.scorer.validate(budget)
-        self._check_fraction(budget)
-
-    def check(self, budget: int) -> None:
-        self.scorer.check(budget)
-        self._check_fraction(budget)
 
     def protected(self, layer: LayerView, budget: int) -> torch.Tensor | None:
         inner = self.scorer.protected(layer, budget)
