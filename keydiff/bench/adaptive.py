@@ -90,10 +90,7 @@ def main(argv: list[str] | None = None) -> None:
             build_policy(args.scorer, **policy_params(args, adaptive)).check(args.budget)
     except ValueError as error:
         parser.error(str(error))
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = common.device_name()
-    dtype = common.DTYPES[args.dtype] if args.dtype else common.default_dtype(device)
+    device, dtype = common.apply_runtime(args)
     if args.rss_child:
         return rss_child(args, device, dtype)
 

@@ -62,6 +62,15 @@ def default_dtype(device: str) -> torch.dtype:
     return torch.bfloat16 if device == "cuda" else torch.float32
 
 
+def apply_runtime(args: argparse.Namespace) -> tuple[str, torch.dtype]:
+    """Set --threads (if given) and return the device and the dtype (--dtype, else the device's default):
+    what every benchmark does first with add_common_arguments' options."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = device_name()
+    return device, DTYPES[args.dtype] if args.dtype else default_dtype(device)
+
+
 def build_model(name: str, dtype: torch.dtype, attn: str, device: str, seed: int = 0):
     """A random model from RANDOM_MODELS, or a real one through keydiff.models (smollm2-135m, hub ids)."""
     if name in RANDOM_MODELS:

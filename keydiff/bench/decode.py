@@ -253,10 +253,7 @@ def main(argv: list[str] | None = None) -> None:
     names = common.parse_policies(parser, args.policies, args.budget)
     if not args.end_to_end and not args.memory_scaling and args.length < args.budget:
         parser.error("--length must be >= --budget: full decodes from the first N prompt tokens")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = common.device_name()
-    dtype = common.DTYPES[args.dtype] if args.dtype else common.default_dtype(device)
+    device, dtype = common.apply_runtime(args)
     if args.rss_child:
         return rss_child(args, device, dtype)
 

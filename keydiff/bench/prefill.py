@@ -85,11 +85,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
     names = common.parse_policies(parser, args.policies, args.budget)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-
-    device = common.device_name()
-    dtype = common.DTYPES[args.dtype] if args.dtype else common.default_dtype(device)
+    device, dtype = common.apply_runtime(args)
     model_name = args.model or "smollm2-135m"
     model = common.build_model(model_name, dtype, args.attn, device)
     prompt = common.random_prompt(model, args.length).to(device)

@@ -40,7 +40,7 @@ from typing import Any, Callable
 
 import torch
 
-from keydiff.cache.layer import EvictingLayer
+from keydiff.cache.layer import EvictingLayer, refuse_batch_change
 from keydiff.cache.storage import empty_buffers
 from keydiff.policies.base import LayerView, Policy
 
@@ -383,11 +383,7 @@ class AdaptiveLayer(EvictingLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         keys = self.storage.keys
-        if keys is not None and key_states.shape[0] != keys.shape[0]:
-            raise RuntimeError(
-                f"the batch changed from {keys.shape[0]} to {key_states.shape[0]} rows: an evicting cache supports "
-                "neither beam search nor num_return_sequences; use keydiff.generate (greedy or sampling)"
-            )
+        refuse_batch_change(None if keys is None else keys.shape[0], key_states.shape[0])
         self.storage.require_served()
         keys, values = self.storage.write(0, key_states, value_states, self.seen)
         self.seen += key_states.shape[-2]

@@ -17,6 +17,15 @@ from keydiff.cache.storage import Storage
 from keydiff.policies.base import LayerView, Policy
 
 
+def refuse_batch_change(held: int | None, given: int) -> None:
+    """Raise if a pass brings another number of batch rows than the cache holds (None: nothing held yet)."""
+    if held is not None and given != held:
+        raise RuntimeError(
+            f"the batch changed from {held} to {given} rows: an evicting cache supports neither beam search nor "
+            "num_return_sequences; use keydiff.generate (greedy or sampling)"
+        )
+
+
 class EvictingLayer(CacheLayerMixin):
     """One layer's bounded cache: a slot of a storage (its own, or the stack every layer shares).
 
@@ -135,11 +144,7 @@ class EvictingLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         keys = self.storage.keys
-        if keys is not None and key_states.shape[0] != keys.shape[1]:
-            raise RuntimeError(
-                f"the batch changed from {keys.shape[1]} to {key_states.shape[0]} rows: an evicting cache supports "
-                "neither beam search nor num_return_sequences; use keydiff.generate (greedy or sampling)"
-            )
+        refuse_batch_change(None if keys is None else keys.shape[1], key_states.shape[0])
         keys, values = self.storage.write(self.slot, key_states, value_states, self.seen, position)
         self.seen += key_states.shape[-2]
         self.returned_keys = keys
