@@ -23,8 +23,8 @@ Head-adaptive layers (AdaKV, keydiff.cache.adaptive) hand over a pool [batch, P,
 KV head) owns a segment of its own length, its kept entries then the pass's new ones (`cache.head_segments`).
 Each head is computed over its own segment: one SDPA (or FlashAttention, or eager) call per batch row and KV
 head with the group's query heads and the segment's bottom-right causal mask, exact on every device; while
-decoding (one query) every head is computed in one masked product over the pool instead (launch-bound
-otherwise). The statistic and the query statistics are per head as well. Dense layers keep the one-call path below.
+decoding (one query) each head is two small products over its segment instead (an SDPA call costs more).
+The statistic and the query statistics are per head as well. Dense layers keep the one-call path below.
 
 Fast kernels stay fast: grouped-query attention goes to SDPA with `enable_gqa` (no repeat_kv copy of the
 keys and values), and a block that attends to kept entries uses SDPA's lower-right causal bias rather than
@@ -204,25 +204,25 @@ def decoding_segment_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
     segments: list[list[tuple[int, int]]], rows: int | None,
 ) -> tuple[torch.Tensor, list[list[torch.Tensor]] | None]:
-    """`segment_attention` for one query (decoding): every query head against the whole pool in one product,
-    each masked to its KV head's segment (a query sees all of its segment), softmax in float32, as eager
-    attention. One set of kernels per layer instead of one per head: decoding is launch-bound, and the pool
-    is read once, as the dense buffers are (the extra logits, kv_heads x one row, are negligible)."""
+    """`segment_attention` for one query (decoding): each KV head's group of query heads against its own
+    segment (a query sees all of it) in two small products, softmax in float32, as eager attention. Plain
+    products rather than SDPA: one SDPA call costs more than the products for a single query, and a masked
+    product over the whole pool computes every query head against every head's entries (kv_heads x the work)."""
     batch, heads, _, dim = query.shape
-    kv_heads, pool = len(segments[0]), key.shape[1]
+    kv_heads = len(segments[0])
     groups = heads // kv_heads
-    slots = torch.arange(pool, device=key.device)
     outputs, statistics = [], []
     for row, spans in enumerate(segments):
-        bounds = torch.tensor(spans, device=key.device)  # [kv_heads, 2]: start, count
-        visible = (slots >= bounds[:, :1]) & (slots < bounds[:, :1] + bounds[:, 1:])  # [kv_heads, pool]
-        logits = ((query[row, :, 0] @ key[row].T) * scaling).float().view(kv_heads, groups, pool)
-        weights = torch.softmax(logits.masked_fill(~visible[:, None], float("-inf")), dim=-1)
-        outputs.append((weights.view(heads, pool).to(value.dtype) @ value[row])[None])  # [1, heads, d]
-        if rows != 0:  # the statistic: each segment's share of its group's attention, group-averaged
-            received = weights.mean(dim=1)
-            statistics.append([received[h, start : start + count] for h, (start, count) in enumerate(spans)])
-    return torch.stack(outputs), statistics if rows != 0 else None
+        parts, received = [], []
+        for head, (start, count) in enumerate(spans):
+            logits = query[row, head * groups:(head + 1) * groups, 0] @ key[row, start:start + count].T  # [groups, n]
+            weights = torch.softmax(logits.float() * scaling, dim=-1)
+            parts.append(weights.to(value.dtype) @ value[row, start:start + count])  # [groups, d]
+            if rows != 0:  # the statistic: the attention each entry received, group-averaged
+                received.append(weights.mean(dim=0))
+        outputs.append(torch.cat(parts))
+        statistics.append(received)
+    return torch.stack(outputs)[:, None], statistics if rows != 0 else None
 
 
 def check_supported(who: str, module: torch.nn.Module, kwargs: dict[str, Any]) -> None:

@@ -56,7 +56,7 @@ def variant(policy: Policy, **class_attributes: Any) -> Policy:
     return sub(**{f.name: getattr(policy, f.name) for f in fields(policy) if f.init})
 
 
-def counting(policy: Policy, layers_batchable: bool) -> tuple[Policy, list[int]]:
+def counting(policy: Policy, layers_batchable: bool, **class_attributes: Any) -> tuple[Policy, list[int]]:
     """A variant that checks its scores at every eviction (not only the first) and counts the evictions."""
     calls: list[int] = []
 
@@ -68,8 +68,12 @@ def counting(policy: Policy, layers_batchable: bool) -> tuple[Policy, list[int]]
         calls.append(sum(head.positions.shape[-1] for head in heads) - len(heads) * budget)
         return super(type(self), self).keep_heads(heads, budget)
 
+    def drop_pool(self: Policy, pool, budget: int) -> torch.Tensor:  # head-adaptive, whole pools at once
+        calls.append(int((pool.counts.sum(dim=1) - pool.counts.shape[1] * budget).clamp_min(0).sum()))
+        return super(type(self), self).drop_pool(pool, budget)
+
     checked = variant(policy, layers_batchable=layers_batchable, _check_every_call=True, evict_indices=evict_indices,
-                      keep_heads=keep_heads)
+                      keep_heads=keep_heads, drop_pool=drop_pool, **class_attributes)
     return checked, calls
 
 
@@ -117,8 +121,8 @@ def check_policy(
     model = tiny_model()
     ids = torch.randint(0, 256, (1, prompt_tokens), generator=torch.Generator().manual_seed(0))
 
-    def run(layers_batchable: bool, factory: Callable[[], Policy] = fresh) -> tuple[dict, list[int]]:
-        checked, calls = counting(factory(), layers_batchable)
+    def run(layers_batchable: bool, factory: Callable[[], Policy] = fresh, **class_attributes: Any) -> tuple[dict, list[int]]:
+        checked, calls = counting(factory(), layers_batchable, **class_attributes)
         try:
             return run_once(checked, model, ids, budget, block_size, new_tokens), calls
         except RuntimeError as error:  # check_scores names the checked subclass's policy: say which check it was
@@ -152,8 +156,13 @@ def check_policy(
             unstacked, _ = run(False, uniform)
             compare(name, "layer-by-layer eviction (it claims layers_batchable)", stacked, unstacked)
             batchable_checked = True
+    pools_checked = False
+    if base.chooses_pools:  # head-adaptive, all layers' pools chosen at once: as head by head (`keep_heads`)
+        per_head, _ = run(base.layers_batchable, chooses_pools=False)
+        compare(name, "head-by-head choice (it chooses on whole pools)", first, per_head)
+        pools_checked = True
     return {"policy": name, "budget": budget, "layer_budgets": first["budgets"], "evictions": len(calls),
-            "stacked": first["stacked"], "batchable_checked": batchable_checked,
+            "stacked": first["stacked"], "batchable_checked": batchable_checked, "pools_checked": pools_checked,
             "seconds": round(time.perf_counter() - start, 2)}
 
 

@@ -69,6 +69,24 @@ class CheckedAdaptive(HeadAdaptive):
         self.choices.append(actual)
         return masks
 
+    def drop_pool(self, pool, budget):
+        """The pooled choice (all rows of all layers at once) against the loops, row by row: each row's heads
+        cut out of the pool as one-head views and scored by the wrapped policy's own `score`."""
+        dropped = super().drop_pool(pool, budget)
+        for row in range(pool.keys.shape[0]):
+            heads, kept = [], []
+            for head in range(pool.member.shape[1]):
+                slots = pool.member[row, head].nonzero().squeeze(1)
+                heads.append(LayerView(keys=pool.keys[row, slots][None, None], values=pool.keys[row, slots][None, None],
+                                       positions=pool.positions[row, slots][None, None], attention=None,
+                                       state={n: b[row, slots][None, None] for n, b in pool.state.items()}, layers=(0,)))
+                kept.append(sorted(pool.positions[row, slots][~dropped[row, slots]].tolist()))
+            scores, protected, positions = one_head_views(self, heads)
+            assert kept == brute_force_keep(scores, protected, positions, budget, self.alpha_safeguard)
+            if sum(map(len, positions)) > len(positions) * budget:  # the row evicted
+                self.choices.append(kept)
+        return dropped
+
 
 def adaptive_policy(name, params, alpha=0.2, checked=False):
     inner = build_policy(name, **params)

@@ -179,3 +179,5 @@ def test_check_policy_runs_head_adaptive_policies(name, params):
 
     summary = check_policy(name, head_budgets="adakv", **params)
     assert summary["evictions"] > 0 and summary["layer_budgets"] == [48, 48, 48]
+    # KeyDiff's pools are chosen all layers at once, and that was compared with the head-by-head choice
+    assert summary["pools_checked"] == (name == "keydiff")

@@ -42,7 +42,48 @@ import torch
 
 from keydiff.cache.layer import EvictingLayer, refuse_batch_change
 from keydiff.cache.storage import empty_buffers
-from keydiff.policies.base import LayerView, Policy
+from keydiff.policies.base import LayerView, Policy, PoolView
+
+
+class PoolStack:
+    """The pools of several head-adaptive layers in one allocation, [layers, batch, P, ...]: what lets one
+    eviction score, choose and compact every layer's rows in one set of kernels (`evict_pools`), as the uniform
+    cache's stack does for dense layers. A decoding step otherwise costs a few dozen small kernels per layer.
+
+    Each layer's `AdaptiveStorage` still owns its segments and counts; only its buffers are views of its slot
+    here (`claim`). A layer whose first pass does not fit (other batch, heads, head dim, dtype) or whose pool
+    must grow takes buffers of its own, and the layers are then evicted one by one.
+    """
+
+    def __init__(self, layers: tuple[int, ...]):
+        self.layers = layers
+        self.keys: torch.Tensor | None = None  # [layers, batch, P, dim]
+        self.values: torch.Tensor | None = None
+        self.positions: torch.Tensor | None = None  # [layers, batch, P] long
+        self.state: dict[str, torch.Tensor] = {}  # name -> [layers, batch, P] float32
+        self.shape: tuple | None = None
+
+    def claim(self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor, per_head: int,
+              state_names: tuple[str, ...]) -> tuple | None:
+        """(keys, values, positions, state) of `layer`'s slot for a first pass like `key_states` with `per_head`
+        slots per KV head; the first claim allocates every layer's slot (zero-filled). None if it does not fit."""
+        batch, heads = key_states.shape[:2]
+        shape = (batch, heads, key_states.shape[-1], value_states.shape[-1], key_states.dtype, value_states.dtype,
+                 key_states.device, per_head)
+        if self.keys is None:
+            keys, values, positions, state = empty_buffers(len(self.layers), key_states[:, :1], value_states[:, :1],
+                                                           heads * per_head, state_names)
+            self.keys, self.values, self.positions = keys[:, :, 0].zero_(), values[:, :, 0].zero_(), positions[:, :, 0].zero_()
+            self.state = {name: buffer[:, :, 0] for name, buffer in state.items()}
+            self.shape = shape
+        elif shape != self.shape:
+            return None
+        slot = self.layers.index(layer)
+        return self.keys[slot], self.values[slot], self.positions[slot], {n: b[slot] for n, b in self.state.items()}
+
+    def rows(self) -> list[torch.Tensor]:
+        """Every buffer with the layers' rows flattened, [layers x batch, P, ...] (views)."""
+        return [buffer.flatten(0, 1) for buffer in (self.keys, self.values, self.positions, *self.state.values())]
 
 
 class AdaptiveStorage:
@@ -54,8 +95,10 @@ class AdaptiveStorage:
 
     def __init__(self, layer: int, budget: int, capacity: int | None, state_names: tuple[str, ...] = (),
                  entry_state: Callable[[LayerView], dict[str, torch.Tensor]] | None = None,
-                 needs_output_projection: bool = False):
+                 needs_output_projection: bool = False, stack: PoolStack | None = None):
         self.layers = (layer,)
+        self.stack = stack  # the shared allocation this layer's pool is a slot of, if any (see `in_stack`)
+        self.in_stack = False
         self.budget, self.capacity = budget, capacity
         self.state_names, self.entry_state = state_names, entry_state
         self.needs_output_projection = needs_output_projection  # entry_state reads it (CriticalKV)
@@ -126,10 +169,16 @@ class AdaptiveStorage:
         """First buffers: `per_head` slots for every KV head, the segments at equal distances."""
         batch, heads = key_states.shape[:2]
         self.heads = heads
-        keys, values, positions, state = empty_buffers(1, key_states[:, :1], value_states[:, :1], heads * per_head,
-                                                       self.state_names)
-        self.keys, self.values, self.positions = keys[0, :, 0], values[0, :, 0], positions[0, :, 0]
-        self.state = {name: s[0, :, 0] for name, s in state.items()}
+        claimed = None if self.stack is None else self.stack.claim(self.layers[0], key_states, value_states, per_head,
+                                                                   self.state_names)
+        if claimed is not None:
+            self.keys, self.values, self.positions, self.state = claimed
+        else:  # zero-filled: a free slot's values must be finite (scored with weight 0 by `evict_pools`)
+            keys, values, positions, state = empty_buffers(1, key_states[:, :1], value_states[:, :1], heads * per_head,
+                                                           self.state_names)
+            self.keys, self.values, self.positions = keys[0, :, 0].zero_(), values[0, :, 0].zero_(), positions[0, :, 0]
+            self.state = {name: s[0, :, 0] for name, s in state.items()}
+        self.in_stack = claimed is not None
         self.starts = [[h * per_head for h in range(heads)] for _ in range(batch)]
         self.limits = [[(h + 1) * per_head for h in range(heads)] for _ in range(batch)]
         self.counts = [[0] * heads for _ in range(batch)]
@@ -148,7 +197,8 @@ class AdaptiveStorage:
             old = self.buffers()
             keys, values, positions, state = empty_buffers(1, self.keys[:, None, :1], self.values[:, None, :1],
                                                            max(needed, 2 * self.pool), self.state_names)
-            self.keys, self.values, self.positions = keys[0, :, 0], values[0, :, 0], positions[0, :, 0]
+            self.keys, self.values, self.positions = keys[0, :, 0].zero_(), values[0, :, 0].zero_(), positions[0, :, 0]
+            self.in_stack = False  # buffers of its own from now on
             self.state = {name: s[0, :, 0] for name, s in state.items()}
             new = self.buffers()
             self.allocations += 1
@@ -194,10 +244,14 @@ class AdaptiveStorage:
         pool = self.pool
         first = torch.tensor([[row * pool + s + c for s, c in zip(sr, cr)] for row, (sr, cr)
                               in enumerate(zip(self.starts, self.counts))], device=device)
-        slots = (first[..., None] + torch.arange(q, device=device)).reshape(-1)  # [batch * heads * q]
+        if q == 1:  # decoding: a few kernels fewer per layer and token
+            slots = first.view(-1)
+            new_positions = torch.full((batch * heads,), self.seen, device=device)
+        else:
+            slots = (first[..., None] + torch.arange(q, device=device)).reshape(-1)  # [batch * heads * q]
+            new_positions = torch.arange(self.seen, self.seen + q, device=device).repeat(batch * heads)
         self.keys.view(batch * pool, -1).index_copy_(0, slots, key_states.reshape(batch * heads * q, -1))
         self.values.view(batch * pool, -1).index_copy_(0, slots, value_states.reshape(batch * heads * q, -1))
-        new_positions = torch.arange(self.seen, self.seen + q, device=device).repeat(batch * heads)
         self.positions.view(-1).index_copy_(0, slots, new_positions)
         if self.state:
             if self.fresh or (self.needs_output_projection and self.output_projection[0] is None):
@@ -312,9 +366,12 @@ class AdaptiveStorage:
             if policy.needs_queries and self.queries[0] is None:
                 raise RuntimeError(f"policy {policy.name!r} needs query statistics but none were recorded in "
                                    f"{self.where()}: run the model inside `with keydiff.keydiff_attention(model, cache):`")
-            for row in over:
-                keep = policy.keep_heads([self.view_head(row, head) for head in range(self.heads)], self.budget)
-                self.compact(row, keep)
+            if chooses_pools(policy):
+                evict_pools([self], [buffer for buffer in self.buffers()], policy, self.budget)
+            else:
+                for row in over:
+                    keep = policy.keep_heads([self.view_head(row, head) for head in range(self.heads)], self.budget)
+                    self.compact(row, keep)
         self.attention = [None]
 
     def compact(self, row: int, keep: list[torch.Tensor]) -> None:
@@ -348,6 +405,68 @@ class AdaptiveStorage:
     def head_counts(self) -> list[list[int]]:
         """Entries each head holds, [batch][head] (copies)."""
         return [list(row) for row in self.counts]
+
+
+def chooses_pools(policy: Policy) -> bool:
+    """Whether `policy` chooses on whole pools (`evict_pools`): a head-adaptive policy whose scorer scores pools
+    and needs no attention or query statistics (KeyDiff, kept out of every wrapper but HeadAdaptive)."""
+    return policy.chooses_pools and policy.attention_rows == 0 and not policy.needs_queries
+
+
+def evict_pools(storages: list[AdaptiveStorage], buffers: list[torch.Tensor], policy: Policy, budget: int) -> None:
+    """Choose and compact the rows of `storages` in one set of kernels: each storage's batch rows, in order, are
+    the rows of `buffers` (keys, values, positions, then the policy state: [rows, P, ...], one pool size).
+
+    The choice is `policy.drop_pool` (AdaKV over whole pools), the moves the same as `compact`'s: in every
+    segment, the k-th surviving entry past the new count moves into the k-th dropped slot below it (one
+    gather and one scatter per buffer for all rows), so the layout is what row-by-row eviction leaves."""
+    keys, values, positions, *states = buffers
+    device, (rows, pool_size) = keys.device, keys.shape[:2]
+    starts_list = [row for storage in storages for row in storage.starts]
+    starts = torch.tensor(starts_list, device=device)  # [rows, heads]
+    counts = torch.tensor([row for storage in storages for row in storage.counts], device=device)
+    slots = torch.arange(pool_size, device=device)
+    member = (slots >= starts[..., None]) & (slots < (starts + counts)[..., None])  # [rows, heads, P]
+    if all(row == sorted(row) for row in starts_list):  # segments in head order (as laid out): one search
+        owner = (slots >= starts[:, 1:, None]).sum(dim=1)  # heads whose segment starts at or before the slot
+    else:
+        owner = (member * torch.arange(member.shape[1], device=device)[:, None]).sum(dim=1)  # [rows, P]
+    view = PoolView(keys=keys, positions=positions, state=dict(zip(storages[0].state_names, states)),
+                    member=member, owner=owner, counts=counts)
+    dropped = policy.drop_pool(view, budget)  # bool [rows, P]
+    kept_counts = counts - torch.zeros_like(counts).scatter_add_(1, owner, dropped.long())
+    new_ends = (starts + kept_counts).gather(1, owner)  # each slot's segment's new end
+    holes = (dropped & (slots < new_ends)).view(-1).nonzero().squeeze(1)
+    sources = (view.valid & ~dropped & (slots >= new_ends)).view(-1).nonzero().squeeze(1)
+    if holes.numel():
+        for buffer in buffers:
+            flat = buffer.view(rows * pool_size, -1) if buffer.dim() == 3 else buffer.view(-1)
+            flat.index_copy_(0, holes, flat.index_select(0, sources))
+    kept = kept_counts.tolist()
+    for storage in storages:
+        storage.counts, kept = kept[: len(storage.counts)], kept[len(storage.counts):]
+
+
+def evict_stack(storages: list[AdaptiveStorage], policy: Policy) -> bool:
+    """Evict every storage of one `PoolStack` at once (`evict_pools` over all their rows) if it can: all are
+    slots of the same stack, in its order, have been written and chose by pools. False: evict them one by one."""
+    stack = storages[0].stack if storages else None
+    if (stack is None or stack.keys is None or not chooses_pools(policy) or policy.key_rerotation is not None
+            or len(storages) != len(stack.layers)
+            or any(s.stack is not stack or not s.in_stack or s.keys is None for s in storages)
+            or [s.layers[0] for s in storages] != list(stack.layers)):
+        return False
+    budget = storages[0].budget
+    if any(s.budget != budget for s in storages):
+        return False
+    for storage in storages:
+        storage.require_served()
+        storage.initialize_state()
+    if any(total > storage.total_budget for storage in storages for total in storage.row_totals()):
+        evict_pools(storages, stack.rows(), policy, budget)
+    for storage in storages:
+        storage.attention = [None]
+    return True
 
 
 class AdaptiveLayer(EvictingLayer):
@@ -410,4 +529,4 @@ class AdaptiveLayer(EvictingLayer):
         self.seen, self.returned_keys, self.earlier_allocations, self.is_initialized = 0, None, 0, False
 
 
-__all__ = ["AdaptiveLayer", "AdaptiveStorage"]
+__all__ = ["AdaptiveLayer", "AdaptiveStorage", "PoolStack", "chooses_pools", "evict_pools", "evict_stack"]

@@ -52,7 +52,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from keydiff.attention import bound_cache
-from keydiff.cache.adaptive import AdaptiveLayer, AdaptiveStorage
+from keydiff.cache.adaptive import AdaptiveLayer, AdaptiveStorage, PoolStack, evict_stack
 from keydiff.cache.layer import EvictingLayer
 from keydiff.cache.storage import Storage
 from keydiff.config import STATISTICS_MODES
@@ -136,9 +136,12 @@ class EvictingCache(Cache):
         if self.scratch_tokens:  # a scratch pass writes after the kept entries and the block
             capacities = [None if c is None else c + self.scratch_tokens for c in capacities]
         if policy.head_adaptive:  # one pool of per-head segments per bounded layer (capacity: slots per head)
+            bounded = tuple(i for i, b in enumerate(budgets) if b is not None)
+            shared = len({budgets[i] for i in bounded}) == 1 and len({capacities[i] for i in bounded}) == 1
+            stack = PoolStack(bounded) if bounded and shared and capacities[bounded[0]] is not None else None
             return [EvictingLayer(b, c, policy.state_names, policy.entry_state, layer_idx=i) if b is None else
                     AdaptiveLayer(AdaptiveStorage(i, b, c, policy.state_names, policy.entry_state,
-                                                  policy.needs_output_projection), i)
+                                                  policy.needs_output_projection, stack), i)
                     for i, (b, c) in enumerate(zip(budgets, capacities))]
         stackable = (policy.layers_batchable and budgets[0] is not None and len(set(budgets)) == 1
                      and capacities[0] is not None and len(set(capacities)) == 1)
@@ -403,9 +406,12 @@ class EvictingCache(Cache):
         if self.budget is None or not self._evicting:
             return
         with self.timed("eviction_s"):
+            adaptive = [s for s in self._storages if isinstance(s, AdaptiveStorage)]
+            together = bool(adaptive) and evict_stack(adaptive, self.policy)  # all head-adaptive layers in one call
             end = self._rotary_end()
             for storage in self._storages:
-                storage.evict(self.policy, self.inv_freq, end)
+                if not (together and isinstance(storage, AdaptiveStorage)):
+                    storage.evict(self.policy, self.inv_freq, end)
 
     def start_generation(self, new_tokens: int, evict: bool = True) -> None:
         """Prepare to decode up to `new_tokens` tokens: with evict=False every generated token is kept (no

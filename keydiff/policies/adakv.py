@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from keydiff.policies.base import LayerView, Policy, check_scores, score_then_position
+from keydiff.policies.base import LayerView, Policy, PoolView, check_scores, score_then_position
 from keydiff.policies.chunkkv import Chunked
 from keydiff.policies.criticalkv import STATE as CRITICAL_STATE
 from keydiff.policies.criticalkv import Critical, critical_scores, first_stage
@@ -130,6 +130,48 @@ def adakv_keep(keys: list[torch.Tensor], protected: list[torch.Tensor | None], b
     return masks
 
 
+def adakv_drop_pool(keys: torch.Tensor, pool: PoolView, budget: int, alpha: float) -> torch.Tensor:
+    """`adakv_keep` for every row of head-adaptive pools at once: bool [rows, P] of the entries dropped.
+
+    keys: int64 order keys [rows, P] (higher = keep first; unique within a head). A row holding more than
+    T = kv_heads x N drops its `excess` lowest keys but those its heads must keep: a head's own top
+    floor(alpha x N) where the safeguard can bind (as `adakv_keep`, a head that cannot lose that many needs no
+    mark). Equal keys of different heads: the higher head's dropped first. No protected entries (pool scorers
+    protect none). The same choice as `adakv_keep` on each row's heads, in a fixed number of kernels.
+    """
+    member, owner, valid = pool.member, pool.owner, pool.valid
+    rows, heads = pool.counts.shape
+    counts = pool.counts.tolist()
+    excess = [sum(row) - heads * budget for row in counts]
+    most = max(excess, default=0)
+    dropped = torch.zeros_like(valid)
+    if most <= 0:
+        return dropped
+    safe = safeguard_count(alpha, budget)
+    binding = [[bool(safe) and e > 0 and n - e < safe for n in row] for row, e in zip(counts, excess)]
+    droppable = keys.masked_fill(~valid, FORCED)
+    if any(any(row) for row in binding):  # each binding head keeps its own top `safe` (all, if it has fewer)
+        lowest = torch.iinfo(torch.int64).min
+        own = torch.where(member, keys[:, None, :], lowest)  # [rows, heads, P]
+        kth = torch.topk(own, min(safe, own.shape[-1]), dim=-1).values[..., -1]  # [rows, heads]
+        bound = torch.tensor(binding, device=keys.device)
+        floor = torch.where(bound, kth, FORCED).gather(1, owner)  # [rows, P]
+        droppable = droppable.masked_fill(valid & (keys >= floor) & bound.gather(1, owner), FORCED)
+    need = torch.tensor(excess, device=keys.device).clamp_min(0)
+    lowest = torch.topk(droppable, most, dim=1, largest=False).values  # [rows, most], ascending
+    threshold = lowest.gather(1, (need - 1).clamp_min(0)[:, None])  # [rows, 1]: the excess-th lowest
+    active = (need > 0)[:, None]
+    if bool((active & (threshold == FORCED)).any()):
+        raise RuntimeError("head-adaptive budgets: a row has fewer droppable entries than it must drop")
+    dropped = active & (droppable < threshold)
+    tied = active & (droppable == threshold)  # at most one entry per head (keys are unique within a head)
+    missing = need - dropped.sum(dim=1)  # [rows]
+    tied_heads = (member & tied[:, None]).any(dim=-1)  # [rows, heads]
+    above = tied_heads.flip(1).cumsum(1).flip(1) - tied_heads.long()  # tied heads above each head
+    chosen = tied_heads & (above < missing[:, None])  # the `missing` highest tied heads
+    return dropped | (tied & chosen.gather(1, owner))
+
+
 @dataclass
 class HeadAdaptive(PolicyWrapper):
     """The heads of each layer share its budget T = kv_heads x N (AdaKV); each keeps at least
@@ -170,6 +212,16 @@ class HeadAdaptive(PolicyWrapper):
         if protect is not None:
             scores = scores.masked_fill(protect, float("inf"))
         return score_then_position(scores, head.positions)[0, 0], None if protect is None else protect[0, 0]
+
+    @property
+    def chooses_pools(self) -> bool:
+        """Whole pools are chosen on (`drop_pool`) when the wrapped policy scores them (KeyDiff, alone or in a
+        window of size 0): not with a window (it protects entries) nor CriticalKV (two stages per head)."""
+        return self.scorer.scores_pools
+
+    def drop_pool(self, pool: PoolView, budget: int) -> torch.Tensor:
+        scores = self.scorer.score_pool(pool).float()
+        return adakv_drop_pool(score_then_position(scores, pool.positions), pool, budget, self.alpha_safeguard)
 
     def keep_heads(self, heads: list[LayerView], budget: int) -> list[torch.Tensor]:
         """Bool masks of the entries each head keeps ([n_h] per head of one batch row; views of one head each)."""
@@ -217,5 +269,5 @@ class HeadAdaptive(PolicyWrapper):
                 "layer_budgets": schedule}
 
 
-__all__ = ["HEAD_BUDGETS", "REROTATION_REFUSED", "HeadAdaptive", "adakv_keep", "check_alpha", "refuse_unsupported",
+__all__ = ["HEAD_BUDGETS", "REROTATION_REFUSED", "HeadAdaptive", "adakv_drop_pool", "adakv_keep", "check_alpha", "refuse_unsupported",
            "safeguard_count"]

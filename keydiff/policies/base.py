@@ -76,6 +76,30 @@ class LayerView:
 
 
 @dataclass
+class PoolView:
+    """Rows of head-adaptive pools as a policy scores them in one call (keydiff.cache.adaptive): in each row
+    [P slots], every KV head owns a contiguous segment of entries and the other slots are free.
+
+    A row is one batch row of one layer; the cache stacks the rows of every layer of the same pool size, so a
+    decoding step scores all layers at once, as the uniform cache's stack does. Only policies with
+    `scores_pools` are given one; free slots hold finite values (the pools are zero-filled when allocated)
+    and whatever is scored there is ignored.
+    """
+
+    keys: torch.Tensor  # [rows, P, head_dim], as cached
+    positions: torch.Tensor  # [rows, P] long (free slots: anything)
+    state: dict[str, torch.Tensor]  # name -> [rows, P] float32, as in LayerView
+    member: torch.Tensor  # bool [rows, kv_heads, P]: slot p holds an entry of head h
+    owner: torch.Tensor  # long [rows, P]: the head whose entry slot p holds (any head for a free slot)
+    counts: torch.Tensor  # long [rows, kv_heads]: entries each head holds
+
+    @property
+    def valid(self) -> torch.Tensor:
+        """bool [rows, P]: the slots that hold an entry."""
+        return self.member.any(dim=1)
+
+
+@dataclass
 class Policy:
     """Base class: keep the `budget` highest-scoring entries of every KV head, plus nothing else.
 
@@ -186,6 +210,30 @@ class Policy:
     def keep_heads(self, heads: list[LayerView], budget: int) -> list[torch.Tensor]:
         """For a head-adaptive policy: bool masks of the entries each head of one batch row keeps."""
         raise NotImplementedError(f"policy {self.name!r} does not share a layer's budget between its heads")
+
+    @property
+    def chooses_pools(self) -> bool:
+        """True if a head-adaptive policy chooses on whole pools (`drop_pool`) rather than head by head
+        (`keep_heads`): the cache then evicts all its head-adaptive layers in one call. False by default."""
+        return False
+
+    def drop_pool(self, pool: PoolView, budget: int) -> torch.Tensor:
+        """For a policy with `chooses_pools`: bool [rows, P], the entries of every row of `pool` to drop, the
+        choice `keep_heads` would make on the row's heads (budget: N, the row keeps kv_heads x N in all)."""
+        raise NotImplementedError(f"policy {self.name!r} does not choose on head-adaptive pools")
+
+    @property
+    def scores_pools(self) -> bool:
+        """True if the policy scores head-adaptive pools directly (`score_pool`): every head of every row in one
+        call, each head's score depending on its own entries only. Only attention-free policies that protect no
+        entry can: the head-adaptive cache then chooses for all its layers at once. False by default (the cache
+        scores such a policy head by head, `keep_heads`)."""
+        return False
+
+    def score_pool(self, pool: PoolView) -> torch.Tensor:
+        """Scores [rows, P] float32 of every entry of `pool` (higher = keep), each as `score` gives it on a view
+        of its head alone, up to rounding. Only for policies with `scores_pools`."""
+        raise NotImplementedError(f"policy {self.name!r} does not score head-adaptive pools")
 
     # True: check the scores at every eviction, not only at the policy object's first (keydiff.testing).
     _check_every_call: ClassVar[bool] = False
@@ -356,4 +404,4 @@ def check_fraction(name: str, value: float, budget: int | None = None) -> None:
         logger.warning("%s=%s of a %d-token budget reserves no slot (floor); the window is empty", name, value, budget)
 
 
-__all__ = ["LayerView", "Policy", "check_scores", "layer_by_layer", "most_recent", "window_size", "check_fraction", "field"]
+__all__ = ["LayerView", "Policy", "PoolView", "check_scores", "layer_by_layer", "most_recent", "window_size", "check_fraction", "field"]

@@ -14,7 +14,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from keydiff.policies.base import LayerView, Policy
+from keydiff.policies.base import LayerView, Policy, PoolView
 
 ANCHORS = ("normalized_mean", "mean", "median")
 METRICS = ("cosine", "dot", "euclidean")
@@ -59,6 +59,19 @@ def cosine_to_mean(keys: torch.Tensor, normalized: bool, inv_norms: torch.Tensor
     return dots * inv_norms / torch.linalg.vector_norm(anchor, dim=-1).clamp_min(1e-8)
 
 
+def cosine_to_segment_means(keys: torch.Tensor, pool: PoolView, normalized: bool,
+                            inv_norms: torch.Tensor) -> torch.Tensor:
+    """`cosine_to_mean` for every head of every row of head-adaptive pools at once: cos(k, anchor of its head)
+    [rows, P]. keys [rows, P, d] float32; inv_norms [rows, P]. Each head's anchor is a weighted sum over its
+    own slots (weight 0 elsewhere) divided by its count, the same as `cosine_to_mean` on the head alone up to
+    the order of the additions; the free slots' scores mean nothing."""
+    weights = torch.where(pool.member, inv_norms[:, None, :], 0.0) if normalized else pool.member.to(keys.dtype)
+    anchors = (weights @ keys) / pool.counts.clamp_min(1)[..., None].to(keys.dtype)  # [rows, heads, d]
+    dots = (keys @ anchors.transpose(1, 2)).gather(2, pool.owner[..., None]).squeeze(2)  # [rows, P]
+    norms = torch.linalg.vector_norm(anchors, dim=-1).clamp_min(1e-8).gather(1, pool.owner)
+    return dots * inv_norms / norms
+
+
 @dataclass
 class KeyDiff(Policy):
     """Keep the keys most dissimilar to the anchor.
@@ -85,6 +98,15 @@ class KeyDiff(Policy):
 
     def initial_state(self, keys: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"inv_norm": inverse_key_norms(keys)}
+
+    @property
+    def scores_pools(self) -> bool:
+        """The cosine to a mean anchor is scored on whole head-adaptive pools (`cosine_to_segment_means`)."""
+        return self.metric == "cosine" and self.anchor in ("normalized_mean", "mean")
+
+    def score_pool(self, pool: PoolView) -> torch.Tensor:
+        return -cosine_to_segment_means(pool.keys.float(), pool, self.anchor == "normalized_mean",
+                                        pool.state["inv_norm"])
 
     def score(self, layer: LayerView) -> torch.Tensor:
         keys = layer.keys.float()  # a no-op for float32; half precision is scored in float32 (a transient copy)

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from keydiff.policies.base import LayerView, Policy, check_fraction, most_recent, window_size
+from keydiff.policies.base import LayerView, Policy, PoolView, check_fraction, most_recent, window_size
 from keydiff.policies.layer_budgets import check_layer_budgets, smallest_layer_budget, split_budget
 
 
@@ -113,6 +113,13 @@ class PolicyWrapper(Policy):
     def keep_heads(self, heads: list[LayerView], budget: int) -> list[torch.Tensor]:
         return self.scorer.keep_heads(heads, budget)
 
+    @property
+    def chooses_pools(self) -> bool:
+        return self.scorer.chooses_pools
+
+    def drop_pool(self, pool: PoolView, budget: int) -> torch.Tensor:
+        return self.scorer.drop_pool(pool, budget)
+
     def unwrapped(self) -> Policy:
         return self.scorer.unwrapped()
 
@@ -174,6 +181,14 @@ class RecentWindow(PolicyWrapper):
             return inner
         recent = most_recent(layer, count)
         return recent if inner is None else recent | inner
+
+    @property
+    def scores_pools(self) -> bool:
+        """With no window (fraction 0, the presets' default) nothing is protected: the wrapped policy's pools."""
+        return self.fraction == 0 and self.scorer.scores_pools
+
+    def score_pool(self, pool: PoolView) -> torch.Tensor:
+        return self.scorer.score_pool(pool)
 
     def describe(self) -> dict:
         """The wrapped policy's description with the fraction added before `layer_budgets`."""

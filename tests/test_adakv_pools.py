@@ -1,0 +1,133 @@
+"""Head-adaptive eviction over whole pools (keydiff.cache.adaptive.evict_pools / evict_stack, AdaKV's
+`drop_pool`): the choice AdaKV makes head by head, for every layer at once, in one allocation.
+
+What is checked: the pooled selection (`adakv_drop_pool`) equals `adakv_keep` on random keys with ties and
+binding safeguards; a cache whose layers share one `PoolStack` evicts them in one call and keeps what the
+layer-by-layer path keeps (and what the head-by-head path keeps); growing a pool (keeping generated tokens)
+leaves the stack and still works; the pool scores of KeyDiff are the per-head scores up to rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from keydiff import build_policy, generate, prefill
+from keydiff.cache import adaptive
+from keydiff.policies.adakv import FORCED, adakv_drop_pool, adakv_keep
+from keydiff.policies.base import LayerView, PoolView, score_then_position
+from tests.conftest import tiny_llama
+
+BUDGET, BLOCK, LENGTH = 48, 16, 150
+
+
+def pool_of(counts: list[list[int]], gap: int, generator: torch.Generator, dim: int = 4) -> PoolView:
+    """Rows of pools whose heads' segments lie one after another (in head order) with `gap` free slots after each."""
+    heads = len(counts[0])
+    size = max(sum(row) + heads * gap for row in counts)
+    slots = torch.arange(size)
+    starts = []
+    for row in counts:
+        start, first = 0, []
+        for count in row:
+            first.append(start)
+            start += count + gap
+        starts.append(first)
+    starts, counts_t = torch.tensor(starts), torch.tensor(counts)
+    member = (slots >= starts[..., None]) & (slots < (starts + counts_t)[..., None])
+    owner = (slots >= starts[:, 1:, None]).sum(dim=1)
+    positions = torch.randint(0, 60, (len(counts), size), generator=generator)  # free slots: anything
+    for row, (first, row_counts) in enumerate(zip(starts.tolist(), counts)):
+        for start, count in zip(first, row_counts):  # unique within a head, as the cache's are
+            positions[row, start:start + count] = torch.randperm(60, generator=generator)[:count]
+    return PoolView(keys=torch.randn(len(counts), size, dim, generator=generator), positions=positions, state={},
+                    member=member, owner=owner, counts=counts_t)
+
+
+def test_pooled_selection_equals_adakv_keep_with_ties_and_binding_safeguards():
+    g = torch.Generator().manual_seed(0)
+    for trial in range(60):
+        heads, budget = 3, 10
+        rows = [torch.randint(3, 30, (heads,), generator=g).tolist() for _ in range(4)]  # at most 60 each
+        pool = pool_of(rows, gap=int(torch.randint(0, 3, (1,), generator=g)), generator=g)
+        scores = torch.randint(0, 4, pool.positions.shape, generator=g).float()  # many equal scores
+        keys = score_then_position(scores, pool.positions)
+        alpha = [0.0, 0.2, 0.5, 0.9, 1.0][trial % 5]
+        dropped = adakv_drop_pool(keys, pool, budget, alpha)
+        for row, counts in enumerate(rows):
+            per_head = [pool.member[row, h].nonzero().squeeze(1) for h in range(heads)]
+            masks = adakv_keep([keys[row, slots] for slots in per_head], [None] * heads, budget, alpha)
+            for slots, keep in zip(per_head, masks):
+                assert torch.equal(~dropped[row, slots], keep), (trial, row)
+            assert not bool((dropped[row] & ~pool.valid[row]).any())  # free slots are never "dropped"
+            assert int((~dropped[row] & pool.valid[row]).sum()) == min(sum(counts), heads * budget)
+
+
+def test_the_selection_refuses_to_drop_forced_entries():
+    """Every entry forced but fewer than the excess droppable: impossible for AdaKV's own choices, refused."""
+    g = torch.Generator().manual_seed(1)
+    pool = pool_of([[5, 5]], gap=0, generator=g)
+    keys = torch.full(pool.positions.shape, FORCED)
+    try:
+        adakv_drop_pool(keys, pool, budget=2, alpha=0.0)
+    except RuntimeError as error:
+        assert "fewer droppable entries" in str(error)
+    else:
+        raise AssertionError("expected a RuntimeError")
+
+
+def test_keydiff_pool_scores_are_the_per_head_scores():
+    """KeyDiff's `score_pool` on a pool equals its `score` on each head alone (up to the order of additions)."""
+    g = torch.Generator().manual_seed(2)
+    policy = build_policy("keydiff")
+    pool = pool_of([[7, 12, 3], [20, 1, 9]], gap=2, generator=g, dim=8)
+    pool.state["inv_norm"] = torch.linalg.vector_norm(pool.keys, dim=-1).clamp_min(1e-8).reciprocal()
+    scores = policy.score_pool(pool)
+    for row in range(2):
+        for head in range(3):
+            slots = pool.member[row, head].nonzero().squeeze(1)
+            view = LayerView(keys=pool.keys[row, slots][None, None], values=pool.keys[row, slots][None, None],
+                             positions=pool.positions[row, slots][None, None], attention=None,
+                             state={"inv_norm": pool.state["inv_norm"][row, slots][None, None]}, layers=(0,))
+            torch.testing.assert_close(scores[row, slots], policy.score(view)[0, 0], rtol=1e-5, atol=1e-6)
+
+
+def run(model, ids, policy, new_tokens=6, evict=True):
+    state = prefill(model, ids, policy, BUDGET, BLOCK)
+    out = generate(model, state, new_tokens, eos_token_ids=(), evict=evict)
+    return state, out
+
+
+def test_all_layers_are_evicted_in_one_call_and_keep_what_layer_by_layer_keeps(monkeypatch):
+    model = tiny_llama()
+    ids = torch.randint(0, 256, (2, LENGTH), generator=torch.Generator().manual_seed(3))
+    calls = []
+    original = adaptive.evict_pools
+
+    def counted(storages, buffers, policy, budget):
+        calls.append(len(storages))
+        return original(storages, buffers, policy, budget)
+
+    monkeypatch.setattr(adaptive, "evict_pools", counted)
+    together = run(model, ids, build_policy("keydiff", head_budgets="adakv"))
+    assert calls and set(calls) == {3}  # every eviction: the 3 layers' pools at once
+    stack = together[0].cache.layers[0].storage.stack
+    assert all(layer.storage.in_stack and layer.storage.stack is stack for layer in together[0].cache.layers)
+    assert stack.keys.shape[:2] == (3, 2)  # [layers, batch, P, dim]: one allocation
+    # the same run with the stack refused: each layer's pool evicted on its own
+    calls.clear()
+    monkeypatch.setattr(adaptive.PoolStack, "claim", lambda *args, **kwargs: None)
+    alone = run(model, ids, build_policy("keydiff", head_budgets="adakv"))
+    assert calls and set(calls) == {1}
+    for ours, theirs in zip(together[0].cache.kept_positions(), alone[0].cache.kept_positions()):
+        assert torch.equal(ours, theirs)
+    assert together[1].token_ids == alone[1].token_ids
+
+
+def test_keeping_generated_tokens_grows_a_pool_out_of_the_stack():
+    model = tiny_llama()
+    ids = torch.randint(0, 256, (1, LENGTH), generator=torch.Generator().manual_seed(4))
+    state, out = run(model, ids, build_policy("keydiff", head_budgets="adakv"), new_tokens=40, evict=False)
+    storages = [layer.storage for layer in state.cache.layers]
+    assert not any(storage.in_stack for storage in storages)  # grown: buffers of their own
+    assert all(sum(row) == 2 * BUDGET + 39 * 2 for storage in storages for row in storage.counts)  # nothing evicted
+    assert all(len(row) == 40 for row in out.token_ids)
