@@ -5,6 +5,7 @@ The real runs need `.venv-kvpress` (keydiff.bench.peers_env) and are not part of
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import subprocess
@@ -217,6 +218,32 @@ def test_our_perf_side_times_prefill_and_decode_and_reports_a_peak(tiny_weights,
     assert out["peak_bytes"] > 0 and out["peak_kind"] == "peak_rss"
 
 
+class NoPress:
+    """Stands in for a kvpress press (kvpress is not installed here): `with press(model):` changes nothing."""
+
+    def __call__(self, model):
+        return contextlib.nullcontext()
+
+
+def test_the_kvpress_perf_side_calls_the_model_the_pipeline_way_or_the_readme_way(tiny_weights, tmp_path, monkeypatch):
+    monkeypatch.setattr(peers_runner, "build_press", lambda name, ratio: NoPress())
+    model = peers_runner.load_model({"model_dir": str(tiny_weights), "dtype": "float32", "device": "cpu"})
+    ids = torch.randint(0, common.TINY["vocab_size"], (1, 48), generator=torch.Generator().manual_seed(0))
+    base = {"device": "cpu", "budget": 16, "new_tokens": 5}
+    pipeline = peers_runner.kvpress_generate(model, ids, {**base, "kvpress_call": "pipeline"})
+    readme = peers_runner.kvpress_generate(model, ids, {**base, "kvpress_call": "readme"})
+    vocab = model.config.vocab_size
+    assert pipeline["prompt_logits_shape"] == [1, 1, vocab]  # logits_to_keep=1: no [L, vocab] tensor
+    assert readme["prompt_logits_shape"] == [1, 48, vocab]  # the README call: every prompt position
+    assert (pipeline["kvpress_call"], readme["kvpress_call"]) == ("pipeline", "readme")
+    assert pipeline["cache_entries"] == readme["cache_entries"] == 48  # the stand-in press prunes nothing
+    # the same last-position logits, the same decoding (logits_to_keep=1, explicit positions) after either call
+    assert len(pipeline["tokens"]) == 5 and readme["tokens"] == pipeline["tokens"]
+    assert peers_runner.kvpress_generate(model, ids, base)["kvpress_call"] == "pipeline"  # the default
+    with pytest.raises(ValueError, match="valid: pipeline, readme"):
+        peers_runner.kvpress_generate(model, ids, {**base, "kvpress_call": "full"})
+
+
 # ---------------------------------------------------------------------------------------------- perf arithmetic
 def test_medians_and_ratios_ours_over_kvpress():
     runs = lambda *ttft: [{"ttft_s": t, "per_token_s": t / 100, "peak_bytes": 1e9 * t} for t in ttft]
@@ -230,7 +257,39 @@ def test_medians_and_ratios_ours_over_kvpress():
     assert ratios["keydiff_blockwise"]["peak_bytes"] == pytest.approx(0.25)
     assert peers.perf_ratios({"keydiff_blockwise": medians["keydiff_blockwise"]})["keydiff_blockwise"]["ttft_s"] is None
     table = peers.perf_table({4096: medians})
-    assert "| 4096 | keydiff_blockwise | 5.00 | 50.0 | 5.00 | 0.25 | 0.25 | 0.25 |" in table
+    assert "| 4096 | keydiff_blockwise | last | 5.00 | 50.0 | 5.00 | 0.25 | 0.25 | 0.25 |" in table
+
+
+def test_the_perf_cases_are_the_four_with_kvpress_pipeline_as_the_ratio_base():
+    assert list(peers.PERF_CASES) == ["kvpress_keydiff", "kvpress_keydiff_full_logits", "keydiff_blockwise",
+                                      "keydiff_one_block"]
+    assert peers.PERF_BASE == "kvpress_keydiff"
+    calls = {case: c.spec.get("kvpress_call") for case, c in peers.PERF_CASES.items() if c.side == "kvpress"}
+    assert calls == {"kvpress_keydiff": "pipeline", "kvpress_keydiff_full_logits": "readme"}
+    assert set(calls.values()) <= set(peers_runner.KVPRESS_CALLS)
+    assert {c.side for c in peers.PERF_CASES.values()} == {"kvpress", "keydiff"}
+
+
+def test_the_table_shows_both_kvpress_rows_with_ratios_over_the_pipeline_call():
+    run = lambda ttft, token, gb: [{"ttft_s": ttft, "per_token_s": token, "peak_bytes": gb * 1e9}]
+    medians = peers.summarize_perf({"kvpress_keydiff": run(10.0, 0.060, 1.2),
+                                    "kvpress_keydiff_full_logits": run(11.0, 0.060, 1.92),
+                                    "keydiff_blockwise": run(9.0, 0.054, 0.96),
+                                    "keydiff_one_block": run(10.0, 0.066, 1.32)})
+    ratios = peers.perf_ratios(medians)
+    assert ratios["kvpress_keydiff_full_logits"]["peak_bytes"] == pytest.approx(1.6)
+    assert ratios["kvpress_keydiff_full_logits"]["ttft_s"] == pytest.approx(1.1)
+    table = peers.perf_table({4096: medians})
+    assert "TTFT × kvpress pipeline" in table.splitlines()[0] and "prompt logits" in table.splitlines()[0]
+    assert "| 4096 | kvpress_keydiff | last | 10.00 | 60.0 | 1.20 | - | - | - |" in table
+    assert "| 4096 | kvpress_keydiff_full_logits | all L | 11.00 | 60.0 | 1.92 | 1.10 | 1.00 | 1.60 |" in table
+    assert "| 4096 | keydiff_blockwise | last | 9.00 | 54.0 | 0.96 | 0.90 | 0.90 | 0.80 |" in table
+    assert "| 4096 | keydiff_one_block | last | 10.00 | 66.0 | 1.32 | 1.00 | 1.10 | 1.10 |" in table
+    assert "Ratios: × kvpress_keydiff" in table and "kvpress_keydiff_full_logits: " in table
+    # without the base case there are no ratios, and the note says why
+    without = peers.perf_table({4096: {k: v for k, v in medians.items() if k != "kvpress_keydiff"}})
+    assert "| 4096 | keydiff_blockwise | last | 9.00 | 54.0 | 0.96 | - | - | - |" in without
+    assert "No ratios" in without and "Ratios: ×" not in without
 
 
 # ---------------------------------------------------------------------------------------------- arguments and output
@@ -241,6 +300,10 @@ def test_medians_and_ratios_ours_over_kvpress():
     (["--device", "tpu"], "valid: cpu, cuda"),
     (["parity", "--ratio", "1.5"], "--ratio"),
     (["--shape", "gpt2"], "invalid choice"),
+    (["perf", "--cases", "kvpress"],
+     "valid: kvpress_keydiff, kvpress_keydiff_full_logits, keydiff_blockwise, keydiff_one_block"),
+    (["perf", "--cases", "keydiff_blockwise,full_logits"], "unknown cases ['full_logits']"),
+    (["perf", "--cases", " , "], "--cases names no case"),
 ])
 def test_bad_arguments_fail_with_one_line_naming_the_choices(argv, message, capsys):
     with pytest.raises(SystemExit):
@@ -248,12 +311,19 @@ def test_bad_arguments_fail_with_one_line_naming_the_choices(argv, message, caps
     assert message in capsys.readouterr().err
 
 
+def test_cases_default_to_all_four_and_keep_the_tables_order():
+    assert peers.parse_arguments(["perf"]).cases == list(peers.PERF_CASES)
+    picked = peers.parse_arguments(["perf", "--cases", "keydiff_blockwise, kvpress_keydiff,keydiff_blockwise"])
+    assert picked.cases == ["kvpress_keydiff", "keydiff_blockwise"]
+
+
 def fake_child(side, spec, work, kvpress_python):
-    """Stands in for the two environments: kvpress keeps positions 0..N-1, ours 1..N per head."""
+    """Stands in for the two environments: kvpress keeps positions 0..N-1, ours 1..N per head; in perf,
+    kvpress's pipeline call costs 2, its README call 3, ours 1 (time and memory)."""
     shift = 1 if side == "keydiff" else 0
     n = spec["budget"]
     if spec["mode"] == "perf":
-        scale = 2.0 if side == "kvpress" else 1.0
+        scale = {"pipeline": 2.0, "readme": 3.0}[spec["kvpress_call"]] if side == "kvpress" else 1.0
         return {"logits_check": [0.0], "ttft_s": scale, "decode_s": scale, "per_token_s": scale / 10,
                 "peak_bytes": scale * 1e9}
     kept = [[list(range(shift, n + shift))] * 3] * 2
@@ -282,7 +352,11 @@ def test_main_writes_every_value_with_provenance_and_never_overwrites(tmp_path, 
     record = json.loads(out.read_text())
     assert record["parity"]["rows"][0]["comparison"]["mean_overlap"] == pytest.approx(7 / 8)
     assert record["perf"]["ratios"]["64"]["keydiff_blockwise"]["ttft_s"] == pytest.approx(0.5)
-    assert len(record["perf"]["samples"]["64"]["kvpress_keydiff"]) == 2
+    assert record["perf"]["ratios"]["64"]["kvpress_keydiff_full_logits"]["peak_bytes"] == pytest.approx(1.5)
+    assert record["perf"]["cases"] == list(peers.PERF_CASES)
+    assert {case: len(runs) for case, runs in record["perf"]["samples"]["64"].items()} == dict.fromkeys(
+        peers.PERF_CASES, 2)  # every round of every case
+    assert "| 64 | kvpress_keydiff_full_logits | all L | 3.00 |" in printed
     assert record["command"].startswith("python -m keydiff.bench.peers") and "code" in record
     assert record["parity_data"]["tokens"] == 40 and len(record["perf_data"][0]["sha256"]) == 64
     before = out.read_text()
@@ -313,3 +387,35 @@ def test_the_kvpress_environment_is_reused_when_complete_and_never_the_projects_
         peers_env.build(peers_env.CHECKOUT / ".venv")
     with pytest.raises(SystemExit, match="project's own environment"):
         peers_env.build(Path(sys.prefix))
+
+
+def test_cases_pick_what_runs_and_a_bad_name_stops_before_anything_is_built(tmp_path, monkeypatch, capsys):
+    env = tmp_path / "env"
+    env.mkdir()
+    (env / "complete-marker").write_text("{}")
+    monkeypatch.setattr(peers.peers_env, "build", lambda *a, **k: pytest.fail("built before --cases was checked"))
+    argv = ["perf", "--lengths", "64", "--budget", "8", "--rounds", "2", "--env", str(env)]
+    with pytest.raises(SystemExit):
+        peers.main([*argv, "--cases", "keydiff_blockwise,nope", "--json", str(tmp_path / "bad.json")])
+    assert "unknown cases ['nope']" in capsys.readouterr().err
+    assert not (tmp_path / "bad.json").exists()
+
+    children = []
+    monkeypatch.setattr(peers.peers_env, "build", lambda *a, **k: Path(sys.executable))
+    monkeypatch.setattr(peers.peers_env, "MARKER", "complete-marker")
+    monkeypatch.setattr(peers, "run_child", lambda side, spec, *rest: children.append((side, spec)) or
+                        fake_child(side, spec, *rest))
+    monkeypatch.setattr(peers, "model_dir", lambda *a: tmp_path)
+    out = tmp_path / "picked.json"
+    peers.main([*argv, "--cases", "keydiff_one_block,kvpress_keydiff_full_logits", "--json", str(out)])
+    printed = capsys.readouterr().out
+    assert [(side, spec.get("kvpress_call"), spec.get("block_size", "-")) for side, spec in children] == [
+        ("kvpress", "readme", "-"), ("keydiff", None, None)] * 2  # two rounds, interleaved, the table's order
+    record = json.loads(out.read_text())
+    assert set(record["perf"]["samples"]["64"]) == {"kvpress_keydiff_full_logits", "keydiff_one_block"}
+    assert "No ratios" in printed and "max |ours - kvpress| = 0" in printed
+
+    children.clear()
+    peers.main([*argv, "--cases", "keydiff_blockwise", "--json", str(tmp_path / "ours.json")])
+    assert [(side, spec["block_size"]) for side, spec in children] == [("keydiff", 128)] * 2
+    assert "logits check: not possible" in capsys.readouterr().out

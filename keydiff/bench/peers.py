@@ -3,6 +3,7 @@
     make bench-peers                                              # builds .venv-kvpress once, then both parts
     python -m keydiff.bench.peers parity --length 512 --budget 128
     python -m keydiff.bench.peers perf --lengths 4096,16384,32768 --rounds 3 --threads 2
+    python -m keydiff.bench.peers perf --cases kvpress_keydiff,keydiff_blockwise     # skip the slow ones
     python -m keydiff.bench.peers all --device cuda --shape llama-3.2-3b     # on a GPU, unchanged
 
 Both projects load ONE checkpoint: the model config of `--shape` (SmolLM2-135M's by default, from
@@ -21,12 +22,15 @@ counts: |ours ∩ theirs| / N when both keep N per head), the smallest per-head 
 identical, and the entries each side keeps. Pairs whose policy is not in this checkout print "not available
 yet". docs/peers.md says why a pair can differ.
 
-perf: for each L in --lengths at N = --budget: kvpress's KeyDiffPress (as its pipeline: one forward of the
-prompt under the press, then greedy decoding, no further eviction), ours block-wise (B = --block-size,
-evicting after every token), ours with the prompt as one block. Each child warms up on a short prompt, resets
-its peak, then times TTFT and --new-tokens decode steps; peak memory = CUDA max allocated (GPU) or peak RSS
-(CPU, getrusage after a clear_refs reset). --rounds interleaved rounds (every case once per round, in turn),
-medians reported, ratios ours / kvpress. The JSON (--json) holds every value with its provenance.
+perf: for each L in --lengths at N = --budget, the cases of PERF_CASES (--cases picks some): kvpress's
+KeyDiffPress called as its pipeline calls the model (one forward of the prompt under the press, no logits
+beyond the last position, then greedy decoding, no further eviction) and as its README calls it
+(`model(input_ids=ids, past_key_values=cache)`: logits for every prompt position, held until decoding ends),
+ours block-wise (B = --block-size, evicting after every token), ours with the prompt as one block. Each
+child warms up on a short prompt, resets its peak, then times TTFT and --new-tokens decode steps; peak
+memory = CUDA max allocated (GPU) or peak RSS (CPU, getrusage after a clear_refs reset). --rounds
+interleaved rounds (every case once per round, in turn), medians reported, ratios case / kvpress pipeline.
+The JSON (--json) holds every value with its provenance.
 """
 
 from __future__ import annotations
@@ -50,7 +54,26 @@ CONF = common.CHECKOUT / "conf" / "policy"
 # --shape name -> keydiff.bench.common.RANDOM_MODELS entry (public architecture configs, no download).
 SHAPES = {"smollm2-135m": "random-smollm2", "llama-3.2-3b": "random-llama-3.2-3b", "tiny": "random-tiny",
           "mid": "random-mid"}
-PERF_CASES = ("kvpress_keydiff", "keydiff_blockwise", "keydiff_one_block")
+
+
+@dataclass(frozen=True)
+class PerfCase:
+    """One row of the performance table: which side runs it, what its child is told (peers_runner's spec
+    fields; ours block-wise also gets --block-size), and what its prompt forward computes logits for."""
+
+    side: str
+    spec: dict[str, Any]
+    prompt_logits: str
+
+
+# --cases names, in the table's order. kvpress's pipeline call is the ratio base (PERF_BASE).
+PERF_CASES = {
+    "kvpress_keydiff": PerfCase("kvpress", {"kvpress_call": "pipeline"}, "last"),
+    "kvpress_keydiff_full_logits": PerfCase("kvpress", {"kvpress_call": "readme"}, "all L"),
+    "keydiff_blockwise": PerfCase("keydiff", {}, "last"),
+    "keydiff_one_block": PerfCase("keydiff", {"block_size": None}, "last"),
+}
+PERF_BASE = "kvpress_keydiff"
 
 
 @dataclass(frozen=True)
@@ -184,24 +207,39 @@ def summarize_perf(samples: dict[str, list[dict[str, Any]]]) -> dict[str, dict[s
             for case, runs in samples.items() if runs}
 
 
-def perf_ratios(medians: dict[str, dict[str, float]], base: str = "kvpress_keydiff") -> dict[str, dict[str, float]]:
-    """Each of our cases' medians divided by kvpress's: < 1 means ours is faster / smaller."""
+def perf_ratios(medians: dict[str, dict[str, float]], base: str = PERF_BASE) -> dict[str, dict[str, float]]:
+    """Each other case's medians divided by the base case's (kvpress's pipeline call): < 1 means faster /
+    smaller; None where the base was not measured."""
     reference = medians.get(base)
     return {case: {key: common.ratio(value, reference and reference.get(key)) for key, value in values.items()}
             for case, values in medians.items() if case != base}
 
 
 def perf_table(by_length: dict[int, dict[str, dict[str, float]]]) -> str:
-    """Markdown: per length and case, the medians and the ratios ours / kvpress."""
-    lines = ["| L | method | TTFT s | decode ms/token | peak GB | TTFT × kvpress | decode × | peak × |",
-             "|---|---|---|---|---|---|---|---|"]
+    """Markdown: per length and case, the medians and the ratios case / kvpress pipeline, then a note on
+    the two kvpress calls (the "prompt logits" column: which positions the prompt forward computes logits for)."""
+    lines = ["| L | method | prompt logits | TTFT s | decode ms/token | peak GB | TTFT × kvpress pipeline | "
+             "decode × | peak × |", "|---|---|---|---|---|---|---|---|---|"]
+    cases = set()
     for length, medians in by_length.items():
         ratios = perf_ratios(medians)
         for case, m in medians.items():
+            cases.add(case)
             r = ratios.get(case, {})
-            lines.append(f"| {length} | {case} | {m['ttft_s']:.2f} | {1000 * m['per_token_s']:.1f} | "
-                         f"{m['peak_bytes'] / 1e9:.2f} | {common.fmt(r.get('ttft_s'), '.2f')} | "
-                         f"{common.fmt(r.get('per_token_s'), '.2f')} | {common.fmt(r.get('peak_bytes'), '.2f')} |")
+            lines.append(f"| {length} | {case} | {PERF_CASES[case].prompt_logits} | {m['ttft_s']:.2f} | "
+                         f"{1000 * m['per_token_s']:.1f} | {m['peak_bytes'] / 1e9:.2f} | "
+                         f"{common.fmt(r.get('ttft_s'), '.2f')} | {common.fmt(r.get('per_token_s'), '.2f')} | "
+                         f"{common.fmt(r.get('peak_bytes'), '.2f')} |")
+    lines.append("")
+    if PERF_BASE in cases:
+        lines.append(f"Ratios: × {PERF_BASE}, kvpress's KeyDiffPress called as its pipeline calls the model "
+                     "(logits of the last prompt position only).")
+    else:
+        lines.append(f"No ratios: their base, {PERF_BASE} (kvpress's pipeline call), was not measured.")
+    if "kvpress_keydiff_full_logits" in cases:
+        lines.append("kvpress_keydiff_full_logits: the same press under kvpress's README call "
+                     "`model(input_ids=ids, past_key_values=cache)`, logits for all L prompt positions "
+                     "(held until decoding ends).")
     return "\n".join(lines)
 
 
@@ -286,20 +324,25 @@ def run_parity(args, base: dict[str, Any], work: Path, kvpress_python: Path) -> 
 
 
 def run_perf(args, base: dict[str, Any], work: Path, kvpress_python: Path) -> dict[str, Any]:
-    specs = {"kvpress_keydiff": ("kvpress", {}), "keydiff_blockwise": ("keydiff", {"block_size": args.block_size}),
-             "keydiff_one_block": ("keydiff", {"block_size": None})}
-    samples: dict[int, dict[str, list]] = {L: {case: [] for case in PERF_CASES} for L in args.lengths}
+    samples: dict[int, dict[str, list]] = {L: {case: [] for case in args.cases} for L in args.lengths}
     for round_index in range(args.rounds):
         for length in args.lengths:
-            for case in PERF_CASES:
-                side, extra = specs[case]
+            for case in args.cases:
+                side, extra = PERF_CASES[case].side, dict(PERF_CASES[case].spec)
+                if side == "keydiff":
+                    extra.setdefault("block_size", args.block_size)
                 print(f"  round {round_index + 1}/{args.rounds}: L={length} {case} ...", file=sys.stderr, flush=True)
                 spec = {**base, **extra, "mode": "perf", "prompt_file": str(work / f"prompt-{length}.json"),
                         "new_tokens": args.new_tokens, "warmup_tokens": min(256, length)}
                 samples[length][case].append(run_child(side, spec, work, kvpress_python))
     first = samples[args.lengths[0]]
-    print(f"logits check (same weights, first 16 prompt tokens): max |ours - kvpress| = "
-          f"{logits_difference(first['keydiff_blockwise'][0], first['kvpress_keydiff'][0]):.3g}", flush=True)
+    by_side = {side: next((first[c][0] for c in args.cases if PERF_CASES[c].side == side), None)
+               for side in ("keydiff", "kvpress")}
+    if by_side["keydiff"] and by_side["kvpress"]:
+        print(f"logits check (same weights, first 16 prompt tokens): max |ours - kvpress| = "
+              f"{logits_difference(by_side['keydiff'], by_side['kvpress']):.3g}", flush=True)
+    else:
+        print("logits check: not possible (--cases measured one side only)", flush=True)
     medians = {L: summarize_perf(samples[L]) for L in args.lengths}
     return {"samples": samples, "medians": medians, "ratios": {L: perf_ratios(medians[L]) for L in args.lengths},
             "table": perf_table(medians)}
@@ -327,6 +370,8 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--ratio", type=float, default=None, help="parity: N = ceil(ratio x L) instead of --budget")
     parser.add_argument("--pairs", default=None, help="parity: comma list of our presets or kvpress names (default all)")
     parser.add_argument("--lengths", default="4096,16384,32768", help="perf: comma list of prompt lengths")
+    parser.add_argument("--cases", default=",".join(PERF_CASES),
+                        help=f"perf: comma list of cases (default all: {', '.join(PERF_CASES)})")
     parser.add_argument("--block-size", type=int, default=128, help="perf: B of our block-wise case")
     parser.add_argument("--new-tokens", type=int, default=16, help="perf: tokens decoded (per-token time over n - 1 steps)")
     parser.add_argument("--rounds", type=int, default=3, help="perf: interleaved rounds (medians reported)")
@@ -341,6 +386,12 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     except ValueError:
         parser.error(f"--lengths must be a comma list of integers, got {args.lengths!r}")
     args.pairs = [p.strip() for p in args.pairs.split(",")] if args.pairs else None
+    cases = {c.strip() for c in args.cases.split(",") if c.strip()}
+    if cases - set(PERF_CASES):
+        parser.error(f"unknown cases {sorted(cases - set(PERF_CASES))}; valid: {', '.join(PERF_CASES)}")
+    if not cases:
+        parser.error(f"--cases names no case; valid: {', '.join(PERF_CASES)}")
+    args.cases = [c for c in PERF_CASES if c in cases]  # the table's order, whatever the order given
     known = {p.ours for p in PAIRS} | {p.press for p in PAIRS}
     if args.pairs and set(args.pairs) - known:
         parser.error(f"unknown pairs {sorted(set(args.pairs) - known)}; valid: {', '.join(sorted(known))}")
@@ -395,9 +446,10 @@ def main(argv: list[str] | None = None) -> None:
                                     for length in args.lengths]
             budget = args.budget or 1024
             print(f"perf: L in {args.lengths}, N = {budget}, B = {args.block_size}, {args.new_tokens} new tokens, "
-                  f"{args.rounds} rounds", flush=True)
+                  f"{args.rounds} rounds, cases {', '.join(args.cases)}", flush=True)
             payload["perf"] = {"budget": budget, "block_size": args.block_size, "new_tokens": args.new_tokens,
-                               "rounds": args.rounds, **run_perf(args, {**base, "budget": budget}, work, kvpress_python)}
+                               "rounds": args.rounds, "cases": args.cases,
+                               **run_perf(args, {**base, "budget": budget}, work, kvpress_python)}
             print(payload["perf"]["table"], flush=True)
     print(f"wrote {common.write_json(args.json, payload, started)}")
 

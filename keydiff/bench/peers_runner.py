@@ -11,9 +11,9 @@ imported; this file imports only torch and transformers there, and kvpress (side
 
 SPEC (written by keydiff.bench.peers): side, mode ("parity" | "perf"), model_dir (a safetensors checkpoint
 both sides load), dtype, device, threads, prompt_file (JSON list of token ids), budget N, and per mode:
-parity: press (a PRESSES name) or policy + params (ours); perf: method ("kvpress_keydiff" | "keydiff"),
-block_size (None: one block), new_tokens, warmup_tokens. OUT: JSON with the logits check, the kept positions
-(parity: per layer, per KV head, sorted) or the timings and the peak memory (perf).
+parity: press (a PRESSES name) or policy + params (ours); perf: kvpress_call (kvpress's side: one of
+KVPRESS_CALLS), block_size (ours; None: one block), new_tokens, warmup_tokens. OUT: JSON with the logits
+check, the kept positions (parity: per layer, per KV head, sorted) or the timings and the peak memory (perf).
 """
 
 from __future__ import annotations
@@ -49,6 +49,14 @@ PRESSES: dict[str, tuple] = {
     "critical_snapkv": ("CriticalKVPress", {"press": ("SnapKVPress", {})}),
     "critical_adakv_snapkv": ("CriticalAdaKVPress", {"press": ("SnapKVPress", {})}),
 }
+
+
+# How the kvpress side calls the model over the prompt (under the press). "pipeline": as kvpress's
+# pipeline, which runs the base model over the context, so no [L, vocab] logits exist (here:
+# logits_to_keep=1, the same memory). "readme": the call of kvpress's README, `with press(model):
+# model(input_ids=ids, past_key_values=cache)`, a CausalLM forward that returns logits for EVERY prompt
+# position ([L, vocab], 6.4 GB in fp32 at L = 32K for a 49K vocabulary), held as a user's `out` would be.
+KVPRESS_CALLS = ("pipeline", "readme")
 
 
 # ---------------------------------------------------------------------------------------------- shared
@@ -189,28 +197,40 @@ def kvpress_parity(model, ids: torch.Tensor, spec: dict[str, Any]) -> dict[str, 
 
 @torch.inference_mode()
 def kvpress_generate(model, ids: torch.Tensor, spec: dict[str, Any]) -> dict[str, Any]:
-    """KeyDiffPress as kvpress's pipeline runs it: one forward of the whole prompt under the press, then
-    greedy decoding outside it (the cache is never compressed again), positions continuing after the prompt."""
+    """KeyDiffPress: one forward of the whole prompt under the press (called as spec["kvpress_call"] says,
+    see KVPRESS_CALLS), then greedy decoding outside it (the cache is never compressed again), positions
+    continuing after the prompt, last-position logits only. The prompt forward's output stays alive until
+    decoding ends, as a user's `out` would: with the README call its [L, vocab] logits count in the peak."""
     from transformers import DynamicCache
 
+    call = spec.get("kvpress_call", "pipeline")
+    if call not in KVPRESS_CALLS:
+        raise ValueError(f"kvpress_call {call!r} is not valid; valid: {', '.join(KVPRESS_CALLS)}")
     device, length = spec["device"], ids.shape[1]
     press = build_press("keydiff", compression_ratio_for(length, spec["budget"]))
     cache = DynamicCache()
     sync(device)
     start = time.perf_counter()
     with press(model):
-        logits = model(input_ids=ids, past_key_values=cache, logits_to_keep=1).logits[:, -1]
+        if call == "readme":
+            prompt_out = model(input_ids=ids, past_key_values=cache)
+        else:
+            prompt_out = model(input_ids=ids, past_key_values=cache, logits_to_keep=1)
     sync(device)
     ttft = time.perf_counter() - start
     entries = cache.get_seq_length()
-    token = logits.argmax(-1, keepdim=True)
+    token = prompt_out.logits[:, -1].argmax(-1, keepdim=True)
+    tokens = [token]
     start = time.perf_counter()
     for step in range(spec["new_tokens"] - 1):
         position = torch.tensor([[length + step]], device=ids.device)
         logits = model(input_ids=token, past_key_values=cache, position_ids=position, logits_to_keep=1).logits[:, -1]
         token = logits.argmax(-1, keepdim=True)
+        tokens.append(token)
     sync(device)
-    return {"ttft_s": ttft, "decode_s": time.perf_counter() - start, "cache_entries": entries}
+    decode_s = time.perf_counter() - start
+    return {"ttft_s": ttft, "decode_s": decode_s, "cache_entries": entries, "kvpress_call": call,
+            "prompt_logits_shape": list(prompt_out.logits.shape), "tokens": torch.cat(tokens, -1)[0].tolist()}
 
 
 # ---------------------------------------------------------------------------------------------- keydiff
