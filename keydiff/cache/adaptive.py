@@ -29,8 +29,14 @@ head that gains an entry uses its free slots, and the row is laid out again only
 left (every ~B tokens at most), so the per-token cost is the scoring plus a few moved entries. (Freezing each
 head's count after prefill and replacing in place would need the same per-head scoring and stop adapting.)
 
-Such a layer is never stacked with others, and its pool is not what transformers' own attention functions
-expect: it must run under `keydiff.keydiff_attention(model, cache)` (the cache refuses otherwise).
+All layers at once. The cache gives its bounded head-adaptive layers one allocation (`PoolStack`, each pool a
+slot of it) and, for a scorer that scores whole pools (KeyDiff: `Policy.scores_pools`), evicts every layer in
+one call (`evict_stack` -> `evict_pools`): one slot -> head map for all rows, the policy's `drop_pool` (AdaKV's
+choice over every row at once) and one gather and scatter per buffer for the same moves as `compact`. Other
+scorers are chosen head by head, layer by layer, as above. A pool that grows leaves the stack.
+
+A pool is not what transformers' own attention functions expect: such a layer must run under
+`keydiff.keydiff_attention(model, cache)` (the cache refuses otherwise).
 """
 
 from __future__ import annotations
@@ -427,7 +433,7 @@ def evict_pools(storages: list[AdaptiveStorage], buffers: list[torch.Tensor], po
     counts = torch.tensor([row for storage in storages for row in storage.counts], device=device)
     slots = torch.arange(pool_size, device=device)
     member = (slots >= starts[..., None]) & (slots < (starts + counts)[..., None])  # [rows, heads, P]
-    if all(row == sorted(row) for row in starts_list):  # segments in head order (as laid out): one search
+    if all(row == sorted(row) for row in starts_list):  # segments in head order (as laid out): no product
         owner = (slots >= starts[:, 1:, None]).sum(dim=1)  # heads whose segment starts at or before the slot
     else:
         owner = (member * torch.arange(member.shape[1], device=device)[:, None]).sum(dim=1)  # [rows, P]

@@ -22,8 +22,10 @@ dim) takes buffers of its own, and the stack is split into one storage per layer
 
 Head-adaptive budgets. For a policy with `head_adaptive` (AdaKV, keydiff.policies.adakv) the heads of a layer
 share its budget, kv_heads x N in all, and keep different counts: each bounded layer is then a pool of per-head
-segments of its own (keydiff.cache.adaptive, never stacked) holding at most that total plus the block, and
-must run under keydiff's attention function, which computes every head over its own segment.
+segments of its own (keydiff.cache.adaptive) holding at most that total plus the block, and must run under
+keydiff's attention function, which computes every head over its own segment. With equal budgets the pools
+are slots of one allocation (`PoolStack`), and a policy that chooses on whole pools (AdaKV over KeyDiff)
+evicts every layer in one call, as the dense stack does.
 
 Position. The cache counts the tokens it has seen, so `get_seq_length()` is the absolute position of the
 next token (what transformers relies on: `cache_position` and `position_ids` when none are given, and

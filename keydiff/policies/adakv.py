@@ -11,7 +11,9 @@ Scores. Each head is scored on its own (`LayerView` of one batch row and one KV 
 attention statistic, its slice of the query statistics), so a per-head quantity such as KeyDiff's anchor is
 the mean over that head's entries, as in the uniform form. Scores of different heads are compared as they
 are: the scorer's scale must mean the same in every head (true of attention, expected attention and cosine
-similarity; kvpress makes the same assumption).
+similarity; kvpress makes the same assumption). A scorer that scores whole pools (`scores_pools`: KeyDiff)
+is asked once for every head of every layer (`drop_pool` -> `adakv_drop_pool`, the same choice; the cache
+then evicts all its layers in one call, keydiff.cache.adaptive.evict_stack).
 
 Order. Every entry gets one key: its score (float32), then its position (the newer kept first, as
 `Policy.evict_indices`), then its head (the lower head index kept first): `adakv_keep` keeps the forced
