@@ -13,6 +13,7 @@ import torch
 
 from keydiff.engine import generate, prefill
 from keydiff.policies import HeadAdaptive, build_policy
+from keydiff.policies.base import LayerView
 from keydiff.policies.criticalkv import STATE, output_norms
 from tests.test_adakv import brute_force_keep, head_counts, prompt_ids
 from tests.test_criticalkv import brute_force_norms
@@ -126,6 +127,45 @@ def test_the_preset_differs_from_both_parents(model):
     counts = [layer[0] for layer in head_counts(critical.cache)]
     assert all(sum(layer) == 2 * BUDGET for layer in counts)
     assert any(len(set(layer)) > 1 for layer in counts)
+
+
+def test_scores_tied_across_heads_follow_the_adakv_tie_rule():
+    """Scores from a few values (exact ties within and across heads, at the head-budget boundary too) and norms
+    from a few values (ties in stage 2): each head's count is AdaKV's choice (equal scores: the newer position
+    first, then the lower head), the same counts plain AdaKV keeps, and the two stages follow the loops.
+
+    This is where kvpress's two presses disagree with each other: at L = 4096 the 3072nd and 3073rd raw scores of
+    one layer were equal in float32, and CriticalAdaKVPress gave the count to the lower flattened index while
+    AdaKVPress kept the higher (docs/peers.md). Here a tie is decided by one rule in both forms."""
+    g = torch.Generator().manual_seed(0)
+    heads, budget, dim = 3, 10, 4
+    for trial in range(40):
+        alpha = [0.0, 0.2, 0.5, 1.0][trial % 4]
+        recent = [0.0, 0.2][trial % 2]
+        policy = build_policy("h2o", recent_fraction=recent, critical=True, head_budgets="adakv",
+                              alpha_safeguard=alpha)
+        plain = build_policy("h2o", recent_fraction=recent, head_budgets="adakv", alpha_safeguard=alpha)
+        views = []
+        for n in torch.randint(budget // 2, 3 * budget, (heads,), generator=g).tolist():
+            views.append(LayerView(
+                keys=torch.randn(1, 1, n, dim, generator=g), values=torch.randn(1, 1, n, dim, generator=g),
+                positions=torch.randperm(4 * budget, generator=g)[:n][None, None], attention=None,
+                state={"h2o": torch.randint(0, 4, (1, 1, n), generator=g).float(),
+                       STATE: torch.randint(1, 4, (1, 1, n), generator=g).float()}, layers=(0,)))
+        masks = policy.keep_heads(views, budget)
+        actual = [sorted(view.positions[0, 0][mask].tolist()) for view, mask in zip(views, masks)]
+        inner = policy.scorer.scorer
+        protected = []
+        for view in views:
+            protect = inner.protected(view, budget)
+            protected.append([False] * view.positions.shape[-1] if protect is None else protect[0, 0].tolist())
+        expected = brute_force_critical_adakv(
+            [v.state["h2o"][0, 0].tolist() for v in views], protected, [v.positions[0, 0].tolist() for v in views],
+            [v.state[STATE][0, 0].tolist() for v in views], budget, alpha, policy.scorer.first_stage_ratio,
+            policy.scorer.epsilon)
+        assert actual == expected
+        assert [int(m.sum()) for m in masks] == [int(m.sum()) for m in plain.keep_heads(views, budget)]
+        assert sum(map(len, actual)) == min(heads * budget, sum(v.positions.shape[-1] for v in views))
 
 
 def test_decoding_keeps_the_layer_total(model):

@@ -239,7 +239,9 @@ class HeadAdaptive(PolicyWrapper):
         its floor(first_stage_ratio x N_h) best raw scores, stage 2 the best (score + epsilon) x ||W_o v||_1
         of the rest (ties by position, newer first, as everywhere). The head's safeguard entries (its top
         floor(alpha x N) raw) are kept as well: kvpress gives them the largest score in both stages, so stage 1
-        keeps the top max(floor(first_stage_ratio x N_h), floor(alpha x N)) raw scores."""
+        keeps the top max(floor(first_stage_ratio x N_h), floor(alpha x N)) raw scores. The counts are
+        `adakv_keep`'s, ties included (equal raw scores at the split: the newer position, then the lower head),
+        so they equal plain AdaKV's; kvpress leaves such a tie to torch.topk's order (docs/peers.md)."""
         critical = self.scorer
         inner = critical.scorer
         raw = [inner.score(head) for head in heads]
