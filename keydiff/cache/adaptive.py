@@ -373,7 +373,7 @@ class AdaptiveStorage:
                 raise RuntimeError(f"policy {policy.name!r} needs query statistics but none were recorded in "
                                    f"{self.where()}: run the model inside `with keydiff.keydiff_attention(model, cache):`")
             if chooses_pools(policy):
-                evict_pools([self], [buffer for buffer in self.buffers()], policy, self.budget)
+                evict_pools([self], self.buffers(), policy, self.budget)
             else:
                 for row in over:
                     keep = policy.keep_heads([self.view_head(row, head) for head in range(self.heads)], self.budget)
@@ -428,15 +428,13 @@ def evict_pools(storages: list[AdaptiveStorage], buffers: list[torch.Tensor], po
     gather and one scatter per buffer for all rows), so the layout is what row-by-row eviction leaves."""
     keys, values, positions, *states = buffers
     device, (rows, pool_size) = keys.device, keys.shape[:2]
-    starts_list = [row for storage in storages for row in storage.starts]
-    starts = torch.tensor(starts_list, device=device)  # [rows, heads]
+    starts = torch.tensor([row for storage in storages for row in storage.starts], device=device)  # [rows, heads]
     counts = torch.tensor([row for storage in storages for row in storage.counts], device=device)
     slots = torch.arange(pool_size, device=device)
     member = (slots >= starts[..., None]) & (slots < (starts + counts)[..., None])  # [rows, heads, P]
-    if all(row == sorted(row) for row in starts_list):  # segments in head order (as laid out): no product
-        owner = (slots >= starts[:, 1:, None]).sum(dim=1)  # heads whose segment starts at or before the slot
-    else:
-        owner = (member * torch.arange(member.shape[1], device=device)[:, None]).sum(dim=1)  # [rows, P]
+    # Segments lie in head order (`allocate` and `relayout` place them so; compaction never moves a start):
+    # a slot's head is the number of later heads whose segment starts at or before it.
+    owner = (slots >= starts[:, 1:, None]).sum(dim=1)  # [rows, P]
     view = PoolView(keys=keys, positions=positions, state=dict(zip(storages[0].state_names, states)),
                     member=member, owner=owner, counts=counts)
     dropped = policy.drop_pool(view, budget)  # bool [rows, P]
@@ -458,18 +456,13 @@ def evict_stack(storages: list[AdaptiveStorage], policy: Policy) -> bool:
     slots of the same stack, in its order, have been written and chose by pools. False: evict them one by one."""
     stack = storages[0].stack if storages else None
     if (stack is None or stack.keys is None or not chooses_pools(policy) or policy.key_rerotation is not None
-            or len(storages) != len(stack.layers)
-            or any(s.stack is not stack or not s.in_stack or s.keys is None for s in storages)
-            or [s.layers[0] for s in storages] != list(stack.layers)):
-        return False
-    budget = storages[0].budget
-    if any(s.budget != budget for s in storages):
-        return False
+            or [s.layers[0] for s in storages] != list(stack.layers) or not all(s.in_stack for s in storages)):
+        return False  # (the cache plans a stack only for layers of one budget; `in_stack`: written into it)
     for storage in storages:
         storage.require_served()
         storage.initialize_state()
     if any(total > storage.total_budget for storage in storages for total in storage.row_totals()):
-        evict_pools(storages, stack.rows(), policy, budget)
+        evict_pools(storages, stack.rows(), policy, storages[0].budget)
     for storage in storages:
         storage.attention = [None]
     return True

@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field, fields
+from functools import cached_property
 from typing import ClassVar
 
 import torch
@@ -93,9 +94,9 @@ class PoolView:
     owner: torch.Tensor  # long [rows, P]: the head whose entry slot p holds (any head for a free slot)
     counts: torch.Tensor  # long [rows, kv_heads]: entries each head holds
 
-    @property
+    @cached_property
     def valid(self) -> torch.Tensor:
-        """bool [rows, P]: the slots that hold an entry."""
+        """bool [rows, P]: the slots that hold an entry (computed once: the selection and the cache both read it)."""
         return self.member.any(dim=1)
 
 
