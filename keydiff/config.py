@@ -5,7 +5,8 @@
 (`budget.ratio=0.25`, N = ceil(0.25 x prompt tokens) per sample) is labelled "r0.25", never like a token budget.
 `${policy_label:${.target},${.params}}` names a policy of your own after its class and parameters
 (`my_lab.policies.MyPolicy` with alpha=0.3 -> "MyPolicy-alpha0.3"), so two settings never share a directory.
-`${limit_suffix:${task.limit}}` appends "-limit<N>" to the run directory of a subset run.
+`${limit_suffix:${task.limit}}` appends "-limit<N>" to the run directory of a subset run, and
+`${shard_suffix:${shard}}` "/shards/<i>of<n>" to that of shard i of n of a grid point (keydiff.run.shards).
 """
 
 from __future__ import annotations
@@ -58,6 +59,15 @@ def limit_suffix(limit: int | None) -> str:
     return "" if limit is None else f"-limit{limit}"
 
 
+def shard_suffix(shard: Any) -> str:
+    """"" for a whole grid point, "/shards/2of8" for `shard=2/8`: a shard is a run directory inside its grid
+    point's (keydiff.run.shards.Shard.dirname names the same). Any other value is refused by the run's checks
+    before a directory exists; it is only made safe as a path here."""
+    if shard is None:
+        return ""
+    return "/shards/" + re.sub(r"[^A-Za-z0-9_.=+-]+", "_", str(shard).replace("/", "of", 1))
+
+
 def register_resolvers() -> None:
     if not OmegaConf.has_resolver("budget_label"):
         OmegaConf.register_new_resolver("budget_label", budget_label)
@@ -65,3 +75,5 @@ def register_resolvers() -> None:
         OmegaConf.register_new_resolver("policy_label", policy_label)
     if not OmegaConf.has_resolver("limit_suffix"):
         OmegaConf.register_new_resolver("limit_suffix", limit_suffix)
+    if not OmegaConf.has_resolver("shard_suffix"):
+        OmegaConf.register_new_resolver("shard_suffix", shard_suffix)

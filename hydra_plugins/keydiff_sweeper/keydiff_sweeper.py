@@ -12,7 +12,7 @@ until all of that passed. Then
   dry_run=true       prints every point, its run directory and status, and with the SLURM launcher the
                      sbatch script and array size; nothing is run or submitted;
   only_missing=true  drops points that are complete (or have only recorded failures), so a re-submitted
-                     sweep asks SLURM only for what is left.
+                     sweep asks SLURM only for what is left (with shard=all/n: the shards not complete).
 """
 
 from __future__ import annotations
@@ -118,8 +118,13 @@ class KeydiffSweeper(Sweeper):
         root = self.config
         if root.get("only_missing", False):
             retry = bool(root.get("retry_failed", False))
-            keep = [i for i, cfg in enumerate(configs)
-                    if point_status(run_dir_of(cfg), sample_ids(cfg)).needs_run(retry)]
+            statuses = [point_status(run_dir_of(cfg), sample_ids(cfg)) for cfg in configs]
+            for point, status in zip(points, statuses):
+                if status.needs_run(retry) and status.sharded:  # it would run every sample again, unsharded
+                    exit_with_error(f"grid point [{' '.join(point)}] is split into shards ({status.shards}): "
+                                    "re-submit with the same shard=all/<n> to run the missing ones, or move its "
+                                    "shards/ folder aside to run it whole")
+            keep = [i for i, status in enumerate(statuses) if status.needs_run(retry)]
             log.info("only_missing: %d of %d grid points are not complete", len(keep), len(points))
             points, configs = [points[i] for i in keep], [configs[i] for i in keep]
         if root.get("dry_run", False):

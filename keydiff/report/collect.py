@@ -1,5 +1,8 @@
 """Collect every run under results/runs into one tidy file, results/summary.csv (one row per run).
 
+A grid point split into shards (`shard=i/n`) is merged into its result first, once every shard is complete
+(keydiff.run.shard_merge); a shard's own summary is never a row, so a partly run point has no row at all.
+
 Why a single CSV: tables and figures read only this file, so `make tables figures` works from a
 committed summary.csv on a laptop without the run directories (only the prompt-length histograms
 need predictions.jsonl). Columns:
@@ -37,6 +40,7 @@ import pandas as pd
 from keydiff.paper.registry import LONGBENCH, baseline_experiment
 from keydiff.report.render import grouped_mean_se, standard_error
 from keydiff.run.results import successful_rows
+from keydiff.run.shard_merge import UP_TO_DATE, grid_point_summaries, merge_all
 from keydiff.run.tracking import HEADLINE, flatten
 
 PRIMARY = {family: (metric,) for family, (_, metric) in HEADLINE.items()}  # the `score` column per task family
@@ -200,7 +204,8 @@ def add_math500_subsets(records: list[dict], runs: Path) -> None:
 
 def collect(runs: Path, out: Path) -> pd.DataFrame:
     runs = Path(runs)
-    records = [run_record(p, runs) for p in sorted(runs.glob("**/summary.json"))]
+    left_out = merge_shards(runs)
+    records = [run_record(p, runs) for p in grid_point_summaries(runs, left_out)]
     add_math500_subsets(records, runs)
     frame = pd.DataFrame(records, columns=ID_COLUMNS) if not records else pd.DataFrame(records)
     extra = sorted(c for c in frame.columns if c not in ID_COLUMNS)
@@ -210,6 +215,16 @@ def collect(runs: Path, out: Path) -> pd.DataFrame:
     out.parent.mkdir(parents=True, exist_ok=True)
     frame.to_csv(out, index=False, float_format="%.10g", lineterminator="\n")
     return frame
+
+
+def merge_shards(runs: Path) -> set[Path]:
+    """Merge every sharded grid point whose shards are all complete into its result (keydiff.run.shard_merge),
+    saying what was merged or why not; returns the points whose merged result is stale (left out)."""
+    outcomes = merge_all(runs)
+    for outcome in outcomes:
+        if outcome.state != UP_TO_DATE:
+            print(f"shards {outcome.state}: {outcome.message}")
+    return {outcome.point for outcome in outcomes if outcome.stale}
 
 
 def add_results_arguments(parser, out: str) -> None:

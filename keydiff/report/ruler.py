@@ -26,6 +26,7 @@ from pathlib import Path
 import pandas as pd
 
 from keydiff.report.collect import read_predictions, standard_errors
+from keydiff.run.shard_merge import grid_point_summaries, stale_points
 from keydiff.report.render import budget_tokens, decimals, format_estimate, marks, missing
 
 TASKS = ("niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2",
@@ -40,7 +41,7 @@ def is_ruler(summary: dict) -> bool:
 def ruler_rows(runs: Path) -> pd.DataFrame:
     """One row per RULER run: identity columns, per-task scores, average and marks."""
     rows = []
-    for path in sorted(runs.rglob("summary.json")):
+    for path in grid_point_summaries(runs, stale_points(runs)):  # a shard's summary is part of its grid point's
         summary = json.loads(path.read_text(encoding="utf-8"))
         if not is_ruler(summary):
             continue

@@ -44,6 +44,7 @@ from keydiff.config import budget_label
 from keydiff.paper.reference import paper_values, read_tables
 from keydiff.paper.registry import table_numbers
 from keydiff.report.render import budget_tokens
+from keydiff.run.shards import is_shard_dir
 from keydiff.run.tracking import headline
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -110,12 +111,17 @@ def experiment_stems() -> list[str]:
 
 def recorded_configs(experiment_dir: Path) -> list[dict[str, Any]]:
     """The configurations the runs of one experiment recorded (run_config.json, written when a run starts);
-    hidden folders (.submitit) and runs moved aside by overwrite=true (`<dir>.old-<time>`) are not runs."""
-    configs = []
+    hidden folders (.submitit), runs moved aside by overwrite=true (`<dir>.old-<time>`) are not runs, and a sharded grid point is one."""
+    configs, points = [], set()
     for path in sorted(experiment_dir.rglob("run_config.json")):
         parts = path.relative_to(experiment_dir).parts
         if any(part.startswith(".") or ".old-" in part for part in parts):
             continue
+        # A shard (keydiff.run.shards) records its grid point's configuration: one per point.
+        point = path.parent.parent.parent if is_shard_dir(path.parent) else path.parent
+        if point in points:
+            continue
+        points.add(point)
         try:
             configs.append(json.loads(path.read_text(encoding="utf-8")))
         except (OSError, ValueError):

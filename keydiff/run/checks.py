@@ -27,6 +27,7 @@ from typing import Any, Sequence
 from omegaconf import DictConfig, OmegaConf
 
 from keydiff.run.results import run_dir_of
+from keydiff.run.shards import parse_shard
 from keydiff.config import STATISTICS_MODES, ratio_label
 
 
@@ -121,6 +122,10 @@ def check_run_config(cfg: DictConfig) -> None:
     if isinstance(lock_wait, bool) or not isinstance(lock_wait, (int, float)) or lock_wait < 0:
         raise ConfigError(f"lock_wait={lock_wait!r} is not valid; valid: seconds >= 0 (0: refuse at once)")
     _check_positive_int("task.limit", cfg.task.get("limit"), optional=True, hint=" (null: every sample)")
+    try:
+        parse_shard(cfg.get("shard"))
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
     check_results_root(cfg.results_root)
 
     model_cfg = ModelConfig.from_dict(OmegaConf.to_container(cfg.model, resolve=True))

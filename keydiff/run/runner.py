@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 from keydiff.engine import check_budget, generate, prefill, resolve_block_size
 from keydiff.models import ModelConfig, eos_token_ids, load_model, model_provenance
 from keydiff.policies import Policy, build_policy
-from keydiff.run import tracking
+from keydiff.run import shards, tracking
 from keydiff.run.checks import check_run_config
 from keydiff.run.lock import RunLock
 from keydiff.run.preemption import Preempted, StopSignals
@@ -49,8 +49,10 @@ from keydiff.tasks.base import Prompt, Task
 log = logging.getLogger(__name__)
 # Keys that do not change what a run computes, so changing them never blocks resuming a run directory.
 # (max_prompt_tokens only decides which samples are recorded as failed; failures are counted in the summary.)
+# (shard only selects which of the grid point's samples a directory holds: every shard records the grid point's
+# configuration, keydiff.run.shards.)
 NON_RESULT_KEYS = ("overwrite", "logger", "results_root", "experiment_name", "run_subdir", "slurm", "threads",
-                   "max_prompt_tokens", "retry_failed", "lock_wait", "dry_run", "only_missing")
+                   "max_prompt_tokens", "retry_failed", "lock_wait", "dry_run", "only_missing", "shard")
 
 
 @dataclass
@@ -347,14 +349,19 @@ def run(cfg: DictConfig, run_dir: str | Path, *, checked: bool = False, holding_
         check_run_config(cfg)
     plan = plan_run(cfg)
     samples = list(plan.task.samples())  # data problems surface before a run directory is created
+    selection = shards.select(shards.parse_shard(cfg.get("shard")), samples, plan.task.shard_group)
     with contextlib.nullcontext() if holding_lock else RunLock(run_dir, cfg.get("lock_wait", 0)):
-        return execute(cfg, plan, samples, run_dir)
+        return execute(cfg, plan, selection.samples, run_dir, selection)
 
 
-def execute(cfg: DictConfig, plan: RunPlan, samples: list, run_dir: str | Path) -> dict[str, Any]:
-    """The run itself, with `run_dir` locked by the caller: resume, model, every sample, summary."""
+def execute(cfg: DictConfig, plan: RunPlan, samples: list, run_dir: str | Path,
+            selection: shards.Selection | None = None) -> dict[str, Any]:
+    """The run itself, with `run_dir` locked by the caller: resume, model, every sample, summary.
+    `selection`: a shard's samples (keydiff.run.shards), whose manifest goes beside its rows."""
     with StopSignals() as signals:
         store = ResultStore(run_dir, result_config(cfg), overwrite=bool(cfg.overwrite))
+        if selection is not None:
+            selection.write_manifest(store.dir)
         skip = store.done_ids - (store.failed_ids if cfg.get("retry_failed", False) else set())
         todo = [s for s in samples if s.id not in skip]
         log.info("run directory %s: %d samples, %d already done", store.dir, len(samples), len(samples) - len(todo))
@@ -388,9 +395,10 @@ def execute(cfg: DictConfig, plan: RunPlan, samples: list, run_dir: str | Path) 
 
 
 def write_summary(cfg, plan: RunPlan, samples, store: ResultStore, record: dict[str, Any], provenance, threads: int,
-                  stopped_by: str | None = None) -> dict[str, Any]:
+                  stopped_by: str | None = None, data: dict[str, str] | None = None) -> dict[str, Any]:
     """Metrics over the successful samples, plus how many failed and why, and everything needed to reproduce
-    (`record`: keydiff.run.provenance.provenance_record, taken when the run started)."""
+    (`record`: keydiff.run.provenance.provenance_record, taken when the run started; `data`: the task's
+    data_sources, recorded by the runs a merge of shards reads, keydiff.run.shard_merge)."""
     wanted = {s.id for s in samples}
     latest = [row for sid, row in store.latest_rows().items() if sid in wanted]
     rows = [row for row in latest if succeeded(row)]
@@ -418,7 +426,7 @@ def write_summary(cfg, plan: RunPlan, samples, store: ResultStore, record: dict[
         "packages": record["packages"],
         "environment": record["environment"],
         "model": provenance or model_provenance(plan.model_cfg),
-        "data": plan.task.data_sources(),
+        "data": plan.task.data_sources() if data is None else data,
         "written_at": timestamp(),
     }
     store.write_summary(summary)

@@ -7,6 +7,10 @@ The grid comes from the experiment's config exactly as run.py's sweeper expands 
 axes plus any extra overrides); each point's expected samples come from its task (data listed, no model
 loaded), its progress from the rows in its run directory. `make sweep-slurm EXP=... ONLY_MISSING=1`
 submits the points that are not complete (or `make sweep-local ... ONLY_MISSING=1`).
+
+A grid point split into shards (`shard=i/n`, keydiff.run.shards) shows which shards are complete and which
+are missing, and whether the complete ones are merged yet (`make collect`); `ARGS="shard=all/8"` lists every
+shard as a point of its own instead.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
 import keydiff  # noqa: F401  (config resolvers)
+from keydiff.run.checks import describe_error, exit_with_error
 from keydiff.run.results import run_dir_of
 from keydiff.run.sweep import PointStatus, grid_points, point_status, sample_ids
 
@@ -53,7 +58,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("experiment", help="conf/experiment/<name>.yaml")
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides, as given to run.py")
     args = parser.parse_args(argv)
-    rows = experiment_status(args.experiment, args.overrides)
+    try:
+        rows = experiment_status(args.experiment, args.overrides)
+    except ValueError as error:  # e.g. shard=9/8
+        exit_with_error(describe_error(error))
     axes = [o.split("=", 1)[0] for o in rows[0][0]] if rows else []
     varying = {key for i, key in enumerate(axes) if len({tuple(r[0])[i] for r in rows}) > 1}
     width = max((len(" ".join(o for o in p if o.split("=", 1)[0] in varying)) for p, _, _ in rows), default=10)

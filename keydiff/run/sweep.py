@@ -5,6 +5,9 @@ only_missing) and by `python -m keydiff.run.status` (`make status EXP=table1`). 
 overrides one job gets, the same grid in the same order as Hydra's BasicSweeper (`grid_points`, built on
 Hydra's public override parser); its run directory is `<results_root>/<experiment_name>/<run_subdir>`,
 exactly where run.py writes it. A point's progress is read with keydiff.run.results' predictions reader.
+A grid point split into shards (`shard=i/n`, keydiff.run.shards): `shard=all/n` is expanded here into its n
+jobs, a shard's expected samples are its own, and a whole point whose shards are on disk says which are
+missing.
 """
 
 from __future__ import annotations
@@ -19,8 +22,9 @@ from hydra.errors import HydraException
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
+from keydiff.run import shards
 from keydiff.run.checks import hub_unreachable
-from keydiff.run.results import is_failed, latest_rows, read_rows
+from keydiff.run.results import is_failed, latest_rows, read_rows, succeeded
 
 NOT_STARTED, PARTIAL, FAILED, COMPLETE = "not started", "partial", "failed samples", "complete"
 
@@ -39,6 +43,9 @@ def grid_points(params: dict[str, str] | None, arguments: Iterable[str], config_
         else:
             raise HydraException(f"the keydiff sweeper does not support the sweep {override.input_line!r} "
                                  f"({override.value_type.name}); list the values: key=a,b,c or key=range(...)")
+        if key == "shard":  # shard=all/8: one job per shard, shard=1/8 ... shard=8/8
+            values = [value.split("=", 1)[1] for value in axes[key]]
+            axes[key] = list(dict.fromkeys(f"{key}={each}" for value in values for each in shards.expand_all(value) or [value]))
     return [list(point) for point in itertools.product(*axes.values())]
 
 
@@ -48,6 +55,7 @@ class PointStatus:
     done: int  # samples with a successful latest row
     failed: int  # samples whose latest row records a failure
     total: int | None  # samples the run should have (None: the task's data could not be listed)
+    shards: str = ""  # a grid point split into shards: which are complete, which missing (keydiff.run.shards)
 
     def describe(self) -> str:
         total = "?" if self.total is None else self.total
@@ -57,42 +65,85 @@ class PointStatus:
             text = NOT_STARTED
         else:
             text = f"{self.state} ({self.done} of {total})"
-        return text + (f", {self.failed} failed" if self.failed and self.state != FAILED else "")
+        text += f", {self.failed} failed" if self.failed and self.state != FAILED else ""
+        return text + (f"; {self.shards}" if self.shards else "")
+
+    @property
+    def sharded(self) -> bool:
+        """The grid point has shards on disk (and no complete result of its own)."""
+        return bool(self.shards)
 
     def needs_run(self, retry_failed: bool = False) -> bool:
         return self.state in (NOT_STARTED, PARTIAL) or (retry_failed and self.state == FAILED)
 
 
 def point_status(run_dir: Path, sample_ids: set[str] | None) -> PointStatus:
+    """Where the run in `run_dir` stands against the samples it should have. A grid point without a complete
+    result of its own whose shards are on disk is described by its shards (`sharded_status`)."""
     latest = latest_rows(read_rows(run_dir))
     if sample_ids is not None:
         latest = {sid: row for sid, row in latest.items() if sid in sample_ids}
     failed = sum(1 for row in latest.values() if is_failed(row))
     done = len(latest) - failed
     total = None if sample_ids is None else len(sample_ids)
-    if not latest:
+    if total == 0:
+        state = COMPLETE  # nothing to run (a shard of more shards than the task has sample groups)
+    elif not latest:
         state = NOT_STARTED
     elif total is None or len(latest) < total:
         state = PARTIAL
     else:
         state = FAILED if failed else COMPLETE
+    if state not in (COMPLETE, FAILED) and shards.shard_dirs(run_dir):
+        return sharded_status(run_dir, total)
     return PointStatus(state, done, failed, total)
 
 
-_SAMPLE_IDS: dict[str, set[str] | None] = {}
+def sharded_status(run_dir: Path, total: int | None) -> PointStatus:
+    """A grid point from its shards: complete when every shard of one count is (then `make collect` merges
+    them into the point's result), else partial, naming the missing shards. With shards of several counts
+    on disk, the complete count, else the one with the most rows, is shown."""
+    candidates = [shards.shard_states(run_dir, count) for count in shards.shard_dirs(run_dir)]
+    states = max(candidates, key=lambda states: (all(s.complete for s in states), sum(len(s.rows) for s in states)))
+    rows = [row for state in states for row in state.rows.values()]
+    failed, done = sum(1 for row in rows if is_failed(row)), sum(1 for row in rows if succeeded(row))
+    note = shards.describe_shards(states)
+    if len(candidates) > 1:
+        note += f" (shards of {len(candidates)} counts on disk: {', '.join(map(str, shards.shard_dirs(run_dir)))})"
+    if all(state.complete for state in states):
+        state = FAILED if failed else COMPLETE
+        note += ", not merged yet (make collect)"
+    else:
+        state = PARTIAL if rows else NOT_STARTED
+    return PointStatus(state, done, failed, total, shards=note)
+
+
+@dataclass(frozen=True)
+class Listed:
+    """A sample as the sweep lists it: its id and its shard group (Task.shard_group)."""
+
+    id: str
+    group: str
+
+
+_LISTINGS: dict[str, list[Listed] | None] = {}
 
 
 def sample_ids(cfg: DictConfig) -> set[str] | None:
-    """The ids a run of this task config covers (task.limit applied); None if its data is not available here
-    (not downloaded and the Hub unreachable, no network, ...)."""
+    """The ids a run of this config covers (task.limit applied; a shard's own, `shard=i/n`); None if the task's
+    data is not available here (not downloaded and the Hub unreachable, no network, ...)."""
     key = repr(cfg.task)
-    if key not in _SAMPLE_IDS:
+    if key not in _LISTINGS:
         try:
             task = instantiate(cfg.task, _convert_="all")
             if task.hub_downloads() and hub_unreachable():  # listing would mean a minute of download retries
-                _SAMPLE_IDS[key] = None
+                _LISTINGS[key] = None
                 return None
-            _SAMPLE_IDS[key] = {sample.id for sample in task.samples()}
+            _LISTINGS[key] = [Listed(sample.id, task.shard_group(sample)) for sample in task.samples()]
         except (OSError, ValueError, ImportError, RuntimeError):  # data not here (e.g. no network)
-            _SAMPLE_IDS[key] = None
-    return _SAMPLE_IDS[key]
+            _LISTINGS[key] = None
+    listing = _LISTINGS[key]
+    if listing is None:
+        return None
+    selection = shards.select(shards.parse_shard(cfg.get("shard")), listing, lambda listed: listed.group)
+    return {listed.id for listed in selection.samples}

@@ -81,6 +81,12 @@ class Task(ABC):
                 totals.setdefault(key, []).append(float(value))
         return {key: sum(values) / len(values) for key, values in totals.items() if values}
 
+    def shard_group(self, sample: Sample) -> str:
+        """Samples of the same group stay in the same shard when a grid point is split across jobs
+        (`shard=i/n`, keydiff.run.shards): e.g. several responses to one prompt, which share its prefill.
+        By default every sample is a group of its own."""
+        return sample.id
+
     def data_sources(self) -> dict[str, str]:
         """Name -> sha256 of every data file or generator input the samples came from (recorded in results)."""
         return {}

@@ -162,6 +162,10 @@ class Math500(Task):
                     },
                 )
 
+    def shard_group(self, sample: Sample) -> str:
+        """A problem's sampled responses stay in one shard: they share the problem's prompt (and its prefill)."""
+        return sample.fields["unique_id"]
+
     def build_prompt(self, sample: Sample, tokenizer: Any, max_length: int | None) -> Prompt:
         text = build_user_turn(sample.fields["problem"])
         input_ids = encode_user_turn(tokenizer, text, chat=self.chat_template)

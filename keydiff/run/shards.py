@@ -1,0 +1,210 @@
+"""Grid points larger than one job: a run's samples split into n shards, each an ordinary run of its own.
+
+    python run.py shard=2/8 ...          # shard 2 of 8 of this grid point
+    python run.py -m shard=all/8 ...     # a sweep: every grid point as 8 jobs, shard=1/8 ... 8/8
+                                         # (the keydiff sweeper expands all/n; one SLURM array task each)
+
+Which samples a shard takes: shard i of n takes every n-th *group* of samples, starting with the i-th, in
+the task's own sample order (group g, counted from 0, goes to shard g mod n + 1). Round robin rather than
+contiguous ranges because tasks list their samples length-major or dataset by dataset (NIAH, LongBench,
+RULER): contiguous ranges would give one shard every long prompt and one dataset (its job would need the
+longest time limit and fail alone), round robin gives every shard the same mix, so the array tasks finish
+together. It is also stable when `task.limit` grows (the first groups keep their shards). A group is what
+`Task.shard_group` names: every sample alone by default; Math-500's sampled responses to one problem stay
+together (one prefill of the problem serves them all).
+
+Where: a shard is an ordinary run directory `<grid point>/shards/<i>of<n>/` (conf/config.yaml's run_subdir
+appends it) with its own run_config.json, predictions.jsonl, summary.json, lock, resume and stop-signal
+handling, plus `shard.json`, its manifest: which samples of the grid point it covers (their positions
+among all of them, and a hash of the grid point's whole ordered id list, so that shards of different data
+never merge). `shard` is a non-result key (keydiff.run.runner.NON_RESULT_KEYS): it selects samples, it
+does not change what a sample computes, so every shard records the grid point's own configuration.
+
+What is complete: a shard whose every manifest sample has a row (ok or failed, as for a whole run). When
+every shard of a count n is complete, keydiff.run.shard_merge writes the grid point's result (called by
+keydiff.report.collect); `make status` shows which shards are missing (keydiff.run.sweep).
+This module needs neither torch nor a model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from keydiff.run.results import atomic_write_json, latest_rows, read_rows
+
+SHARDS = "shards"  # <grid point>/shards/<i>of<n>/
+MANIFEST = "shard.json"
+SPEC = re.compile(r"^([1-9][0-9]*)/([1-9][0-9]*)$")
+ALL = re.compile(r"^all/([1-9][0-9]*)$")
+DIRNAME = re.compile(r"^([1-9][0-9]*)of([1-9][0-9]*)$")
+VALID = ("valid: shard=i/n with 1 <= i <= n (shard=2/8: the second of 8 shards), shard=all/n in a sweep "
+         "(-m: one job per shard), or null (the whole grid point)")
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Shard `index` (1-based) of `count`."""
+
+    index: int
+    count: int
+
+    @property
+    def spec(self) -> str:
+        """As written on the command line: "2/8"."""
+        return f"{self.index}/{self.count}"
+
+    @property
+    def dirname(self) -> str:
+        """Its directory under `<grid point>/shards/`: "2of8" (keydiff.config.shard_suffix names the same)."""
+        return f"{self.index}of{self.count}"
+
+    def takes(self, group: int) -> bool:
+        """Whether group number `group` (0-based, in the task's order) is this shard's."""
+        return group % self.count == self.index - 1
+
+
+def parse_shard(value: Any) -> Shard | None:
+    """`shard` from the configuration: None (the whole grid point) or "i/n"; anything else raises ValueError
+    in one line naming the valid form (run before any model loads: keydiff.run.checks.check_run_config)."""
+    if value is None:
+        return None
+    match = SPEC.match(value) if isinstance(value, str) else None
+    if match is None:
+        hint = ""
+        if isinstance(value, str) and ALL.match(value):
+            hint = f" ({value} makes one job per shard: add -m for a sweep, or run one of them: shard=1/{value[4:]})"
+        raise ValueError(f"shard={value!r} is not valid{hint}; {VALID}")
+    index, count = int(match.group(1)), int(match.group(2))
+    if index > count:
+        raise ValueError(f"shard={value!r} is not valid: shard {index} of {count} does not exist; {VALID}")
+    return Shard(index, count)
+
+
+def expand_all(value: Any) -> list[str] | None:
+    """"all/8" -> ["1/8", ..., "8/8"] (the sweeper's grid); None for any other value."""
+    match = ALL.match(value) if isinstance(value, str) else None
+    if match is None:
+        return None
+    count = int(match.group(1))
+    return [f"{index}/{count}" for index in range(1, count + 1)]
+
+
+def sample_digest(ids: Sequence[str]) -> str:
+    """sha256 of a grid point's sample ids in their order: shards of the same data share it."""
+    return hashlib.sha256("\n".join(ids).encode("utf-8")).hexdigest()
+
+
+@dataclass
+class Selection:
+    """The samples one run covers: every sample of the grid point, or those of one shard."""
+
+    shard: Shard | None
+    samples: list  # the task's samples this run covers, in the task's order
+    positions: list[int]  # their places among the grid point's samples
+    total: int  # samples of the grid point
+    digest: str  # sample_digest of the grid point's ids
+
+    def manifest(self) -> dict[str, Any]:
+        return {"shard": self.shard.spec, "index": self.shard.index, "count": self.shard.count,
+                "total_samples": self.total, "samples_sha256": self.digest,
+                "sample_ids": [sample.id for sample in self.samples], "positions": self.positions}
+
+    def write_manifest(self, run_dir: str | Path) -> None:
+        """Write `shard.json` into a shard's run directory (nothing for a whole grid point). Rewritten by every
+        start of the shard (with the lock held), so it always describes the samples the shard runs now."""
+        if self.shard is not None:
+            atomic_write_json(Path(run_dir) / MANIFEST, self.manifest())
+
+
+def select(shard: Shard | None, samples: Sequence, group_of: Callable[[Any], str] | None = None) -> Selection:
+    """The samples of `shard` (None: all of them): every n-th group, starting with the i-th (module doc).
+    `group_of(sample)` names a sample's group (Task.shard_group); by default each sample is its own."""
+    samples = list(samples)
+    digest = sample_digest([sample.id for sample in samples])
+    if shard is None:
+        return Selection(None, samples, list(range(len(samples))), len(samples), digest)
+    groups: dict[str, int] = {}
+    chosen = [(position, sample) for position, sample in enumerate(samples)
+              if shard.takes(groups.setdefault(group_of(sample) if group_of else sample.id, len(groups)))]
+    return Selection(shard, [sample for _, sample in chosen], [position for position, _ in chosen], len(samples), digest)
+
+
+# ------------------------------------------------------------------------------------- shards on disk
+
+
+def is_shard_dir(path: str | Path) -> bool:
+    """A shard's run directory (`<grid point>/shards/<anything>`, a moved-aside `2of8.old-<time>` too): not a
+    grid point's result, so the report never reads it as one."""
+    return Path(path).parent.name == SHARDS
+
+
+def shard_dirs(point_dir: str | Path) -> dict[int, dict[int, Path]]:
+    """count -> index -> directory of every shard under a grid point's directory (moved-aside ones excluded)."""
+    found: dict[int, dict[int, Path]] = {}
+    folder = Path(point_dir) / SHARDS
+    if folder.is_dir():
+        for path in sorted(folder.iterdir()):
+            match = DIRNAME.match(path.name)
+            if match and path.is_dir() and int(match.group(1)) <= int(match.group(2)):
+                found.setdefault(int(match.group(2)), {})[int(match.group(1))] = path
+    return dict(sorted(found.items()))
+
+
+def read_manifest(shard_dir: str | Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((Path(shard_dir) / MANIFEST).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return None  # being written right now: counts as not there yet
+
+
+@dataclass
+class ShardState:
+    """Where one shard stands, from its manifest and its rows."""
+
+    shard: Shard
+    path: Path
+    manifest: dict[str, Any] | None
+    rows: dict[str, dict[str, Any]]  # sample id -> latest row, for the manifest's samples
+
+    @property
+    def total(self) -> int | None:
+        return None if self.manifest is None else len(self.manifest["sample_ids"])
+
+    @property
+    def complete(self) -> bool:
+        return self.manifest is not None and len(self.rows) == self.total
+
+    def describe(self) -> str:
+        if self.manifest is None:
+            return f"{self.shard.spec} not started" if not self.rows else f"{self.shard.spec} partial"
+        return f"{self.shard.spec} " + ("complete" if self.complete else f"partial ({len(self.rows)} of {self.total})")
+
+
+def shard_state(shard: Shard, path: Path) -> ShardState:
+    manifest = read_manifest(path) if path.is_dir() else None
+    latest = latest_rows(read_rows(path)) if path.is_dir() else {}
+    if manifest is not None:
+        wanted = set(manifest["sample_ids"])
+        latest = {sid: row for sid, row in latest.items() if sid in wanted}
+    return ShardState(shard, path, manifest, latest)
+
+
+def shard_states(point_dir: str | Path, count: int) -> list[ShardState]:
+    """Every shard 1..count of a grid point, present on disk or not."""
+    base = Path(point_dir) / SHARDS
+    return [shard_state(Shard(i, count), base / Shard(i, count).dirname) for i in range(1, count + 1)]
+
+
+def describe_shards(states: list[ShardState]) -> str:
+    """"3 of 4 shards complete; missing: 2/4 partial (3 of 12)" (what `make status` prints)."""
+    done = sum(state.complete for state in states)
+    missing = [state.describe() for state in states if not state.complete]
+    text = f"{done} of {len(states)} shards complete"
+    return text + (f"; missing: {', '.join(missing)}" if missing else "")

@@ -1,0 +1,224 @@
+"""Grid points larger than one job (issue #22, part 3): `shard=i/n` runs a deterministic subset of a grid point's
+samples into its own run directory; shards merge into exactly the unsharded run's rows and metrics, only when
+every shard is complete; status names the missing shards; a partly run point never reaches the tables."""
+
+from __future__ import annotations
+
+import json
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from keydiff.config import shard_suffix
+from keydiff.report.collect import collect
+from keydiff.run import runner
+from keydiff.run.checks import ConfigError, check_run_config
+from keydiff.run.results import run_dir_of
+from keydiff.run.shard_merge import MERGED, REFUSED, UP_TO_DATE, WAITING, merge_all, stale_points
+from keydiff.run.shards import Shard, expand_all, parse_shard, select
+from keydiff.run.sweep import grid_points, point_status, sample_ids
+from keydiff.tasks.base import GenerationSettings, Prompt, Sample
+from tests.conftest import LengthsTask
+from tests.test_cluster import make_cfg, rows_of, tiny  # noqa: F401  (tiny: the fixture)
+
+LENGTHS = [30, 100, 45, 70, 20]  # 5 samples, unsorted lengths
+TIMING = {"ttft_s", "decode_s", "peak_memory_bytes"}  # per-sample measurements, not results
+TIMING_STATISTICS = {"mean_ttft_s", "mean_decode_s", "max_peak_memory_bytes"}
+
+
+@dataclass
+class SampledLengthsTask(LengthsTask):
+    """LengthsTask decoded with sampling: each sample's seed is derived from the run seed and its id, so a
+    sample's tokens must not depend on which shard (which other samples, in which order) ran it."""
+
+    def build_prompt(self, sample: Sample, tokenizer, max_length) -> Prompt:
+        prompt = super().build_prompt(sample, tokenizer, max_length)
+        prompt.generation = GenerationSettings(max_new_tokens=self.max_new_tokens, min_new_tokens=1, do_sample=True,
+                                               temperature=1.5)
+        return prompt
+
+
+def cfg_for(tmp_path, *overrides: str, experiment: str = "sharded", limit: int | None = None):
+    return make_cfg(tmp_path, f"experiment_name={experiment}", *overrides,
+                    task={"_target_": "tests.test_shards.SampledLengthsTask", "lengths": LENGTHS, "max_new_tokens": 6,
+                          "limit": limit})
+
+
+def run_shard(tmp_path, spec: str | None, *overrides: str, experiment: str = "sharded", limit: int | None = None) -> dict:
+    cfg = cfg_for(tmp_path, *((f"shard={spec}",) if spec else ()), *overrides, experiment=experiment, limit=limit)
+    return runner.run(cfg, run_dir_of(cfg))
+
+
+def without(row: dict, keys) -> dict:
+    return {k: v for k, v in row.items() if k not in keys}
+
+
+# --------------------------------------------------------------------------- the spec and the selection
+
+
+def test_shard_spec_is_checked_in_one_line_naming_the_valid_form():
+    assert parse_shard(None) is None and parse_shard("2/8") == Shard(2, 8) and parse_shard("1/1") == Shard(1, 1)
+    for bad in ("9/8", "0/8", "2of8", "02/8", 2, "all/8", " 2/8", "2/0"):
+        with pytest.raises(ValueError) as error:
+            parse_shard(bad)
+        message = str(error.value)
+        assert "\n" not in message and f"shard={bad!r}" in message and "valid: shard=i/n with 1 <= i <= n" in message
+    with pytest.raises(ValueError, match=r"add -m for a sweep, or run one of them: shard=1/8"):
+        parse_shard("all/8")
+    assert expand_all("all/3") == ["1/3", "2/3", "3/3"] and expand_all("2/3") is None
+    # conf/config.yaml's run_subdir names the directory keydiff.run.shards looks for
+    assert shard_suffix("2/8") == f"/shards/{Shard(2, 8).dirname}" and shard_suffix(None) == ""
+
+
+def test_a_bad_shard_is_refused_by_the_config_check_before_any_model_loads(tmp_path):
+    with pytest.raises(ConfigError, match=r"^shard='3/2' is not valid: shard 3 of 2 does not exist; valid: shard=i/n"):
+        check_run_config(cfg_for(tmp_path, "shard=3/2"))
+    check_run_config(cfg_for(tmp_path, "shard=2/2"))
+
+
+def test_shards_take_every_nth_group_and_together_every_sample_once():
+    samples = [Sample(f"p{i // 3}#{i % 3}", {"problem": f"p{i // 3}"}) for i in range(12)]  # 4 problems x 3 responses
+    by_sample = [select(Shard(i, 3), samples) for i in (1, 2, 3)]
+    assert [s.id for s in by_sample[0].samples] == ["p0#0", "p1#0", "p2#0", "p3#0"]  # positions 0, 3, 6, 9
+    grouped = [select(Shard(i, 3), samples, lambda s: s.fields["problem"]) for i in (1, 2, 3)]
+    assert [s.id for s in grouped[0].samples] == ["p0#0", "p0#1", "p0#2", "p3#0", "p3#1", "p3#2"]
+    assert [s.id for s in grouped[2].samples] == ["p2#0", "p2#1", "p2#2"]
+    for selections in (by_sample, grouped):
+        positions = sorted(p for selection in selections for p in selection.positions)
+        assert positions == list(range(12))  # every sample in exactly one shard
+        assert len({selection.digest for selection in selections}) == 1
+    # a larger task.limit keeps every earlier sample in its shard (the first groups do not move)
+    assert [s.id for s in select(Shard(2, 3), samples[:6]).samples] == [s.id for s in by_sample[1].samples][:2]
+
+
+def test_math500_keeps_a_problems_sampled_responses_in_one_shard():
+    from keydiff.tasks.math500 import Math500
+
+    task = Math500(name="math500", data_dir=str(Path(__file__).resolve().parents[1] / "tasks/fixtures/math500"),
+                   limit=4, num_samples=5)
+    samples = list(task.samples())
+    for index in (1, 2):
+        chosen = select(Shard(index, 2), samples, task.shard_group).samples
+        problems = {s.fields["unique_id"] for s in chosen}
+        assert len(chosen) == 5 * len(problems) == 10  # whole problems only, two each
+
+
+def test_the_sweep_expands_all_n_into_one_job_per_shard():
+    points = grid_points({"policy": "keydiff,tova"}, ["shard=all/3"])
+    assert points == [[f"policy={p}", f"shard={i}/3"] for p in ("keydiff", "tova") for i in (1, 2, 3)]
+    assert grid_points({}, ["shard=1/2,all/2"]) == [["shard=1/2"], ["shard=2/2"]]  # each job once
+
+
+# --------------------------------------------------------------------------- merge == unsharded
+
+
+def test_shards_merge_to_exactly_the_unsharded_rows_and_metrics(tmp_path, tiny):
+    whole = run_shard(tmp_path, None, experiment="whole")
+    parts = [run_shard(tmp_path, f"{i}/3") for i in (3, 1, 2)]  # any order
+    assert sorted(len(rows_of(Path(p["run_dir"]))) for p in parts) == [1, 2, 2]  # 5 samples, round robin
+    point = run_dir_of(cfg_for(tmp_path))
+    assert Path(parts[1]["run_dir"]) == point / "shards" / "1of3"
+    assert [o.state for o in merge_all(tmp_path / "runs")] == [MERGED]
+
+    merged_rows, whole_rows = rows_of(point), rows_of(Path(whole["run_dir"]))
+    assert [r["sample_id"] for r in merged_rows] == [f"len{n}" for n in LENGTHS]  # the task's order
+    assert [without(r, TIMING) for r in merged_rows] == [without(r, TIMING) for r in whole_rows]
+    assert len({r["prediction"] for r in merged_rows}) > 1  # sampled: the seeds really differ per sample
+    merged = json.loads((point / "summary.json").read_text())
+    assert merged["metrics"] == whole["metrics"] and merged["complete"] and merged["num_samples"] == 5
+    assert without(merged["statistics"], TIMING_STATISTICS) == without(whole["statistics"], TIMING_STATISTICS)
+    for key in ("num_failed", "failures", "limit", "policy", "budget", "block_size", "data"):
+        assert merged[key] == whole[key], key
+    assert merged["config"]["shard"] is None and merged["config"]["run_subdir"].endswith("/seed0")
+    assert json.loads((point / "run_config.json").read_text()) == json.loads(
+        (Path(whole["run_dir"]) / "run_config.json").read_text())
+    assert [s["shard"] for s in merged["shards"]["shards"]] == ["1/3", "2/3", "3/3"]
+
+    # a second collect changes nothing; the report has one row for the point, none for its shards
+    assert [o.state for o in merge_all(tmp_path / "runs")] == [UP_TO_DATE]
+    frame = collect(tmp_path / "runs", tmp_path / "summary.csv")
+    assert sorted(frame["experiment"]) == ["sharded", "whole"] and frame["complete"].all()
+    columns = [c for c in frame.columns if c.startswith(("score", "metrics/", "se/score", "samples", "cache_bound"))]
+    assert frame[columns].iloc[0].equals(frame[columns].iloc[1])
+
+    # an unsharded run of the same point afterwards finds every sample done (the merged rows are its rows)
+    tiny.clear()
+    again = run_shard(tmp_path, None)
+    assert tiny == [] and again["complete"] and again["metrics"] == whole["metrics"]
+
+
+# --------------------------------------------------------------------------- missing shards
+
+
+def test_a_missing_shard_means_no_result_status_names_it_and_tables_never_see_it(tmp_path, tiny):
+    for spec in ("1/3", "3/3"):
+        run_shard(tmp_path, spec)
+    point = run_dir_of(cfg_for(tmp_path))
+    outcomes = merge_all(tmp_path / "runs")
+    assert [o.state for o in outcomes] == [WAITING] and "missing: 2/3 not started" in outcomes[0].message
+    assert not (point / "summary.json").exists() and not (point / "predictions.jsonl").exists()
+    assert len(collect(tmp_path / "runs", tmp_path / "summary.csv")) == 0  # no partly merged row in any table
+
+    status = point_status(point, sample_ids(cfg_for(tmp_path)))
+    assert status.state == "partial" and status.sharded
+    assert status.describe() == "partial (3 of 5); 2 of 3 shards complete; missing: 2/3 not started"
+    shard_status = point_status(point / "shards" / "1of3", sample_ids(cfg_for(tmp_path, "shard=1/3")))
+    assert shard_status.describe() == "complete (2 of 2)"  # a shard is a grid point of its own in a shard=all/3 sweep
+
+    run_shard(tmp_path, "2/3")
+    status = point_status(point, sample_ids(cfg_for(tmp_path)))
+    assert status.state == "complete" and status.shards.endswith("not merged yet (make collect)")
+    frame = collect(tmp_path / "runs", tmp_path / "summary.csv")
+    assert len(frame) == 1 and bool(frame["complete"].iloc[0]) and frame["samples"].iloc[0] == 5
+    assert point_status(point, sample_ids(cfg_for(tmp_path))).describe() == "complete (5 of 5)"
+
+
+def test_a_shard_rerun_after_the_merge_leaves_the_old_result_out_until_every_shard_is_complete(tmp_path, tiny, monkeypatch):
+    for spec in ("1/2", "2/2"):
+        run_shard(tmp_path, spec)
+    assert len(collect(tmp_path / "runs", tmp_path / "summary.csv")) == 1
+    point = run_dir_of(cfg_for(tmp_path))
+    merged_bytes = (point / "predictions.jsonl").read_bytes()
+
+    # shard 2 started again from scratch (overwrite=true moves its rows aside) and stopped after one sample
+    real = runner.run_sample
+    calls = []
+
+    def stop_after_one(*args, **kwargs):
+        if calls:
+            raise runner.Preempted(signal.SIGTERM, signal.SIG_DFL)
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "run_sample", stop_after_one)
+    with pytest.raises(runner.Preempted):
+        run_shard(tmp_path, "2/2", "overwrite=true")
+    assert stale_points(tmp_path / "runs") == {point}
+    assert len(collect(tmp_path / "runs", tmp_path / "summary.csv")) == 0  # the old merge is out of the tables
+    assert (point / "predictions.jsonl").read_bytes() == merged_bytes  # and kept on disk
+
+    monkeypatch.setattr(runner, "run_sample", real)
+    run_shard(tmp_path, "2/2")
+    frame = collect(tmp_path / "runs", tmp_path / "summary.csv")
+    assert len(frame) == 1 and frame["samples"].iloc[0] == 5 and stale_points(tmp_path / "runs") == set()
+
+
+def test_a_point_holding_a_run_of_its_own_is_never_overwritten_by_a_merge(tmp_path, tiny):
+    own = run_shard(tmp_path, None, limit=2)  # an unsharded subset run ...
+    point = Path(own["run_dir"])
+    before = (point / "predictions.jsonl").read_bytes()
+    for spec in ("1/2", "2/2"):  # ... and the same point's shards
+        assert Path(run_shard(tmp_path, spec, limit=2)["run_dir"]).parent.parent == point
+    outcomes = merge_all(tmp_path / "runs")
+    assert [o.state for o in outcomes] == [REFUSED] and "holds a run of its own" in outcomes[0].message
+    assert (point / "predictions.jsonl").read_bytes() == before
+    frame = collect(tmp_path / "runs", tmp_path / "summary.csv")
+    assert len(frame) == 1 and frame["samples"].iloc[0] == own["num_samples"] == 2
+
+
+def test_a_shard_with_no_samples_is_complete_at_once(tmp_path, tiny):
+    summary = run_shard(tmp_path, "7/7", limit=3)
+    assert summary["complete"] and summary["num_samples"] == 0 and tiny == []
+    assert point_status(Path(summary["run_dir"]), sample_ids(cfg_for(tmp_path, "shard=7/7", limit=3))).state == "complete"
