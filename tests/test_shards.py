@@ -222,3 +222,50 @@ def test_a_shard_with_no_samples_is_complete_at_once(tmp_path, tiny):
     summary = run_shard(tmp_path, "7/7", limit=3)
     assert summary["complete"] and summary["num_samples"] == 0 and tiny == []
     assert point_status(Path(summary["run_dir"]), sample_ids(cfg_for(tmp_path, "shard=7/7", limit=3))).state == "complete"
+
+
+# --------------------------------------------------------------------------- make status, the sweeper
+
+
+def fake_shard(point: Path, spec: str, ids: list[str], positions: list[int], total: int, rows: list[str]) -> None:
+    """A shard directory as a run leaves it: its manifest and its rows (no model needed)."""
+    shard = parse_shard(spec)
+    folder = point / "shards" / shard.dirname
+    folder.mkdir(parents=True)
+    folder.joinpath("shard.json").write_text(json.dumps({
+        "shard": spec, "index": shard.index, "count": shard.count, "total_samples": total, "samples_sha256": "x",
+        "sample_ids": ids, "positions": positions}))
+    folder.joinpath("predictions.jsonl").write_text("".join(json.dumps({"sample_id": i, "status": "ok"}) + "\n" for i in rows))
+
+
+def test_status_shows_the_shards_of_a_grid_point_complete_and_missing(tmp_path):
+    from keydiff.run.status import experiment_status
+
+    root = tmp_path / "runs"
+    point = root / "smoke/niah_small/smollm2-135m/keydiff/1k/bs128/seed0-limit2"  # samples L1500/d0, L1500/d50
+    fake_shard(point, "1/2", ["L1500/d0"], [0], 2, ["L1500/d0"])
+    described = {p[0]: s.describe() for p, _, s in experiment_status("smoke", [f"results_root={root}"])}
+    assert described == {"policy=keydiff": "partial (1 of 2); 1 of 2 shards complete; missing: 2/2 not started",
+                         "policy=tova": "not started"}
+    per_shard = {" ".join(p[:1] + p[-1:]): s.describe()
+                 for p, _, s in experiment_status("smoke", [f"results_root={root}", "shard=all/2"])}
+    assert per_shard == {"policy=keydiff shard=1/2": "complete (1 of 1)", "policy=keydiff shard=2/2": "not started",
+                         "policy=tova shard=1/2": "not started", "policy=tova shard=2/2": "not started"}
+
+
+def test_only_missing_resubmits_missing_shards_and_refuses_to_run_a_sharded_point_whole(tmp_path):
+    from tests.test_cluster_processes import child_env, run_py
+
+    root = tmp_path / "runs"
+    point = root / "smoke/niah_small/smollm2-135m/keydiff/1k/bs128/seed0-limit2"
+    fake_shard(point, "1/2", ["L1500/d0"], [0], 2, ["L1500/d0"])
+    args = ["experiment=smoke", f"results_root={root}", "only_missing=true", "dry_run=true"]
+    env = child_env(HF_HUB_OFFLINE="1")
+    shards = run_py(*args, "shard=all/2", env=env)
+    assert shards.returncode == 0, shards.stderr
+    assert "dry run: 3 grid point(s)" in shards.stdout and "keydiff/1k/bs128/seed0-limit2/shards/2of2  [not started]" in shards.stdout
+    assert "keydiff/1k/bs128/seed0-limit2/shards/1of2" not in shards.stdout  # complete: not submitted again
+    whole = run_py(*args, env=env)
+    assert whole.returncode == 2 and "Traceback" not in whole.stderr
+    assert whole.stderr.strip().splitlines()[-1].startswith(
+        "error: grid point [policy=keydiff budget=1k block_size=128 experiment=smoke") and "is split into shards (1 of 2 shards complete; missing: 2/2 not started): re-submit with the same shard=all/<n>" in whole.stderr

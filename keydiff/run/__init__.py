@@ -9,6 +9,8 @@
     provenance   the one record of what produced a result (commit, packages, device, command, time)
     sweep        a sweep's grid and where each point stands (no torch)
     status       `python -m keydiff.run.status EXP`: every grid point of an experiment
+    shards       a grid point split into jobs (`shard=i/n`): which samples each takes, its manifest
+    shard_merge  complete shards -> the grid point's result, exactly as one unsharded run (by collect)
 
 Nothing is imported here, so `import keydiff.run.checks` stays free of torch.
 """
