@@ -172,7 +172,7 @@ def test_a_missing_shard_means_no_result_status_names_it_and_tables_never_see_it
     assert status.state == "complete" and status.shards.endswith("not merged yet (make collect)")
     frame = collect(tmp_path / "runs", tmp_path / "summary.csv")
     assert len(frame) == 1 and bool(frame["complete"].iloc[0]) and frame["samples"].iloc[0] == 5
-    assert point_status(point, sample_ids(cfg_for(tmp_path))).describe() == "complete (5 of 5)"
+    assert point_status(point, sample_ids(cfg_for(tmp_path))).describe() == "complete (5 of 5); 3 of 3 shards complete, merged"
 
 
 def test_a_shard_rerun_after_the_merge_leaves_the_old_result_out_until_every_shard_is_complete(tmp_path, tiny, monkeypatch):
@@ -198,6 +198,9 @@ def test_a_shard_rerun_after_the_merge_leaves_the_old_result_out_until_every_sha
     assert stale_points(tmp_path / "runs") == {point}
     assert len(collect(tmp_path / "runs", tmp_path / "summary.csv")) == 0  # the old merge is out of the tables
     assert (point / "predictions.jsonl").read_bytes() == merged_bytes  # and kept on disk
+    status = point_status(point, sample_ids(cfg_for(tmp_path)))
+    assert status.state == "partial" and status.describe().endswith(
+        "1 of 2 shards complete; missing: 2/2 partial (1 of 2); the earlier merged result is out of the tables until then")
 
     monkeypatch.setattr(runner, "run_sample", real)
     run_shard(tmp_path, "2/2")

@@ -34,10 +34,10 @@ from typing import Any
 
 from keydiff.run.lock import RunLock, RunLockedError
 from keydiff.run.provenance import timestamp
-from keydiff.run.results import PREDICTIONS, ResultStore, ResultWriteError, atomic_write_json
-from keydiff.run.shards import SHARDS, ShardState, describe_shards, is_shard_dir, shard_dirs, shard_states
+from keydiff.run.results import PREDICTIONS, ConfigMismatchError, ResultStore, ResultWriteError, atomic_write_json
+from keydiff.run.shards import (MERGE_RECORD, SHARDS, ShardState, describe_shards, is_shard_dir, merge_record,
+                                 shard_dirs, shard_states)
 
-MERGE_RECORD = "merged.json"  # <point>/shards/merged.json
 SUMMARY, RUN_CONFIG = "summary.json", "run_config.json"
 MERGED, UP_TO_DATE, WAITING, REFUSED, BUSY = "merged", "up to date", "waiting", "refused", "busy"
 
@@ -125,7 +125,7 @@ def inspect(point: Path) -> Inspection:
     elif candidates:
         found.states = max(candidates, key=lambda states: sum(len(state.rows) for state in states))
         found.problem = describe_shards(found.states)
-    record = read_json(point / SHARDS / MERGE_RECORD) or {}
+    record = merge_record(point) or {}
     current = file_sha256(point / PREDICTIONS)
     summary = read_json(point / SUMMARY)
     known = {record.get("predictions_sha256"), record.get("replaces_sha256")} - {None}
@@ -196,11 +196,11 @@ def write_merge(point: Path, states: list[ShardState], rows: list[dict[str, Any]
     run_config = read_json(states[0].path / RUN_CONFIG)
     if runner.result_config(cfg) != run_config:
         raise ValueError(f"{states[0].path}: its summary's configuration does not give its run_config.json")
+    plan = runner.plan_run(cfg)  # before anything is written: a policy or task that cannot be built here stops it
     atomic_write_json(point / SHARDS / MERGE_RECORD, record)  # first: the files below are known as the merge's
     write_bytes_atomic(point / PREDICTIONS, data)
     atomic_write_json(point / RUN_CONFIG, run_config)
     store = MergedStore(point, run_config, {key: record[key] for key in ("count", "predictions_sha256", "merged_at", "shards")})
-    plan = runner.plan_run(cfg)
     samples = [Sample(row["sample_id"], {}) for row in rows]
     taken = {key: first.get(key) for key in ("packages", "environment")}  # what provenance_record gives a run
     taken["code"] = {key: value for key, value in (first.get("code") or {}).items() if key != "row_commits"}
@@ -225,8 +225,8 @@ def merge_point(point: Path) -> Outcome:
             write_merge(point, found.states, found.rows)
     except RunLockedError as error:
         return Outcome(point, BUSY, f"{point}: not merged now, {error}", found.stale)
-    except (ValueError, ResultWriteError) as error:
-        return Outcome(point, REFUSED, f"{point}: not merged, {error}", True)
+    except (ValueError, ImportError, ConfigMismatchError, ResultWriteError) as error:
+        return Outcome(point, REFUSED, f"{point}: not merged, {type(error).__name__}: {error}", found.owned)
     return Outcome(point, MERGED, f"{point}: merged {len(found.rows)} samples from {len(found.states)} shards")
 
 

@@ -39,6 +39,7 @@ from keydiff.run.results import atomic_write_json, latest_rows, read_rows
 
 SHARDS = "shards"  # <grid point>/shards/<i>of<n>/
 MANIFEST = "shard.json"
+MERGE_RECORD = "merged.json"  # <grid point>/shards/merged.json (keydiff.run.shard_merge)
 SPEC = re.compile(r"^([1-9][0-9]*)/([1-9][0-9]*)$")
 ALL = re.compile(r"^all/([1-9][0-9]*)$")
 DIRNAME = re.compile(r"^([1-9][0-9]*)of([1-9][0-9]*)$")
@@ -155,13 +156,20 @@ def shard_dirs(point_dir: str | Path) -> dict[int, dict[int, Path]]:
     return dict(sorted(found.items()))
 
 
-def read_manifest(shard_dir: str | Path) -> dict[str, Any] | None:
+def _read(path: Path) -> dict[str, Any] | None:
     try:
-        return json.loads((Path(shard_dir) / MANIFEST).read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        return None
+        return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return None  # being written right now: counts as not there yet
+        return None  # absent, or being written right now: counts as not there yet
+
+
+def read_manifest(shard_dir: str | Path) -> dict[str, Any] | None:
+    return _read(Path(shard_dir) / MANIFEST)
+
+
+def merge_record(point_dir: str | Path) -> dict[str, Any] | None:
+    """`<grid point>/shards/merged.json`, written by keydiff.run.shard_merge when it merged the point's shards."""
+    return _read(Path(point_dir) / SHARDS / MERGE_RECORD)
 
 
 @dataclass

@@ -70,7 +70,7 @@ class PointStatus:
 
     @property
     def sharded(self) -> bool:
-        """The grid point has shards on disk (and no complete result of its own)."""
+        """The grid point is split into shards (described by them: keydiff.run.sweep.sharded_status)."""
         return bool(self.shards)
 
     def needs_run(self, retry_failed: bool = False) -> bool:
@@ -78,8 +78,8 @@ class PointStatus:
 
 
 def point_status(run_dir: Path, sample_ids: set[str] | None) -> PointStatus:
-    """Where the run in `run_dir` stands against the samples it should have. A grid point without a complete
-    result of its own whose shards are on disk is described by its shards (`sharded_status`)."""
+    """Where the run in `run_dir` stands against the samples it should have. A grid point whose shards are on
+    disk is described by its shards (`sharded_status`), unless it holds a run of its own (not a merge)."""
     latest = latest_rows(read_rows(run_dir))
     if sample_ids is not None:
         latest = {sid: row for sid, row in latest.items() if sid in sample_ids}
@@ -94,15 +94,16 @@ def point_status(run_dir: Path, sample_ids: set[str] | None) -> PointStatus:
         state = PARTIAL
     else:
         state = FAILED if failed else COMPLETE
-    if state not in (COMPLETE, FAILED) and shards.shard_dirs(run_dir):
-        return sharded_status(run_dir, total)
+    merged = shards.merge_record(run_dir) is not None
+    if shards.shard_dirs(run_dir) and (merged or not latest):
+        return sharded_status(run_dir, total, merged and state in (COMPLETE, FAILED))
     return PointStatus(state, done, failed, total)
 
 
-def sharded_status(run_dir: Path, total: int | None) -> PointStatus:
-    """A grid point from its shards: complete when every shard of one count is (then `make collect` merges
-    them into the point's result), else partial, naming the missing shards. With shards of several counts
-    on disk, the complete count, else the one with the most rows, is shown."""
+def sharded_status(run_dir: Path, total: int | None, merged: bool) -> PointStatus:
+    """A grid point from its shards: complete when every shard of one count is (`make collect` then merges
+    them into the point's result; `merged`: it has), else partial, naming the missing shards. With shards of
+    several counts on disk, the complete count, else the one with the most rows, is shown."""
     candidates = [shards.shard_states(run_dir, count) for count in shards.shard_dirs(run_dir)]
     states = max(candidates, key=lambda states: (all(s.complete for s in states), sum(len(s.rows) for s in states)))
     rows = [row for state in states for row in state.rows.values()]
@@ -112,9 +113,10 @@ def sharded_status(run_dir: Path, total: int | None) -> PointStatus:
         note += f" (shards of {len(candidates)} counts on disk: {', '.join(map(str, shards.shard_dirs(run_dir)))})"
     if all(state.complete for state in states):
         state = FAILED if failed else COMPLETE
-        note += ", not merged yet (make collect)"
+        note += ", merged" if merged else ", not merged yet (make collect)"
     else:
         state = PARTIAL if rows else NOT_STARTED
+        note += "; the earlier merged result is out of the tables until then" if merged else ""
     return PointStatus(state, done, failed, total, shards=note)
 
 
