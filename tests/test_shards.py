@@ -272,3 +272,26 @@ def test_only_missing_resubmits_missing_shards_and_refuses_to_run_a_sharded_poin
     assert whole.returncode == 2 and "Traceback" not in whole.stderr
     assert whole.stderr.strip().splitlines()[-1].startswith(
         "error: grid point [policy=keydiff budget=1k block_size=128 experiment=smoke") and "is split into shards (1 of 2 shards complete; missing: 2/2 not started): re-submit with the same shard=all/<n>" in whole.stderr
+
+
+def test_a_shard_all_sweep_through_run_py_merges_into_the_unsharded_run(tmp_path):
+    """End to end through Hydra: `run.py -m shard=all/2` writes each shard into its directory (run.py's own lock
+    and job directory), collect merges them, and the point equals an unsharded run.py run."""
+    from tests.conftest import char_tokenizer, tiny_llama
+    from tests.test_cluster_processes import model_args, read_rows as rows_in, run_py
+
+    model_dir = tmp_path / "tiny-checkpoint"
+    tiny_llama("sdpa").save_pretrained(model_dir)
+    char_tokenizer().save_pretrained(model_dir)
+    root = tmp_path / "runs"
+    args = [*model_args(model_dir), "task.context_lengths=[300,500]", "task.depths=[0,50,100]", f"results_root={root}"]
+    sharded = run_py("-m", "shard=all/2", "experiment_name=sharded", *args)
+    assert sharded.returncode == 0, sharded.stderr
+    whole = run_py("experiment_name=whole", *args)
+    assert whole.returncode == 0, whole.stderr
+    point = root / "sharded/niah_small/custom/keydiff/2k/bs128/seed0"
+    assert sorted(len(rows_in(point / "shards" / d)) for d in ("1of2", "2of2")) == [3, 3]
+    frame = collect(root, tmp_path / "summary.csv")
+    merged, unsharded = rows_in(point), rows_in(root / "whole/niah_small/custom/keydiff/2k/bs128/seed0")
+    assert [without(r, TIMING | {"threads"}) for r in merged] == [without(r, TIMING | {"threads"}) for r in unsharded]
+    assert len(frame) == 2 and frame["complete"].all() and frame["score"].nunique() == 1
