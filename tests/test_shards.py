@@ -221,6 +221,14 @@ def test_a_point_holding_a_run_of_its_own_is_never_overwritten_by_a_merge(tmp_pa
     assert len(frame) == 1 and frame["samples"].iloc[0] == own["num_samples"] == 2
 
 
+def test_shards_that_disagree_are_not_merged(tmp_path, tiny):
+    run_shard(tmp_path, "1/2", limit=2)
+    run_shard(tmp_path, "2/2", "decode_eviction=false", limit=2)  # same directory layout, another configuration
+    outcomes = merge_all(tmp_path / "runs")
+    assert [o.state for o in outcomes] == [REFUSED] and "different configurations" in outcomes[0].message
+    assert len(collect(tmp_path / "runs", tmp_path / "summary.csv")) == 0
+
+
 def test_a_shard_with_no_samples_is_complete_at_once(tmp_path, tiny):
     summary = run_shard(tmp_path, "7/7", limit=3)
     assert summary["complete"] and summary["num_samples"] == 0 and tiny == []

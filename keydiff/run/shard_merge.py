@@ -101,7 +101,8 @@ def merged_rows(states: list[ShardState]) -> tuple[list[dict[str, Any]] | None, 
     if any(summary is None for summary in summaries):
         missing = [state.shard.spec for state, summary in zip(states, summaries) if summary is None]
         return None, f"shard(s) {', '.join(missing)} have every row but no summary.json: re-run them (they finish at once)"
-    if any(summary.get("data") != summaries[0].get("data") for summary in summaries):
+    hashes = [sorted(map(str, (summary.get("data") or {}).values())) for summary in summaries]  # paths may differ by node
+    if any(h != hashes[0] for h in hashes):
         return None, "the shards read different data (their summaries' data hashes differ)"
     by_position: dict[int, dict[str, Any]] = {}
     for state in states:
@@ -119,10 +120,13 @@ def inspect(point: Path) -> Inspection:
     found = Inspection(point)
     candidates = [shard_states(point, count) for count in shard_dirs(point)]
     complete = [states for states in candidates if all(state.complete for state in states)]
-    if complete:
-        found.states = complete[0]
-        found.rows, found.problem = merged_rows(found.states)
-    elif candidates:
+    for states in complete:  # the first count whose shards agree (normally there is one count)
+        rows, problem = merged_rows(states)
+        if not found.states or rows is not None:
+            found.states, found.rows, found.problem = states, rows, problem
+        if rows is not None:
+            break
+    if not complete and candidates:
         found.states = max(candidates, key=lambda states: sum(len(state.rows) for state in states))
         found.problem = describe_shards(found.states)
     record = merge_record(point) or {}
