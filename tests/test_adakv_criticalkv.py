@@ -207,7 +207,7 @@ def test_rerotation_composed_by_hand_around_head_budgets_fails_clearly(model):
     """build_policy refuses it; a policy composed in Python reaches the cache, which refuses it at eviction."""
     from keydiff.policies import KeyDiff, Rerotated
 
-    policy = Rerotated(HeadAdaptive(KeyDiff()), mode="kvpress")
+    policy = Rerotated(HeadAdaptive(KeyDiff()), mode="absolute")
     with pytest.raises(RuntimeError, match="key re-rotation is not supported with head-adaptive budgets"):
         prefill(model, prompt_ids(), policy, BUDGET, BLOCK)
 
