@@ -179,15 +179,21 @@ def per_head_reference_attention(module, query, key, value, attention_mask, scal
 AttentionInterface.register("adakv_reference", per_head_reference_attention)
 
 
-@pytest.mark.parametrize("batch,name,params", [(1, "keydiff", {}), (2, "snapkv", {"window": 8}),
-                                               (1, "expected_attention", {"epsilon": 0.01})])
-def test_logits_equal_a_per_head_masked_reference_in_prefill_and_decoding(batch, name, params):
+@pytest.mark.parametrize("batch,name,params,budget,sized", [
+    (1, "keydiff", {}, BUDGET, True), (2, "snapkv", {"window": 8}, BUDGET, True),
+    (1, "expected_attention", {"epsilon": 0.01}, BUDGET, True),
+    # Built without block_size/max_tokens: the pool is sized from the first pass (kv_heads x 16 slots) and must
+    # grow so that every head gets the next pass's 16 slots (kv_heads x 16 in all, beyond what it holds).
+    (1, "keydiff", {}, 8, False), (2, "keydiff", {}, 8, False),
+])
+def test_logits_equal_a_per_head_masked_reference_in_prefill_and_decoding(batch, name, params, budget, sized):
     model = tiny_llama()
     reference = tiny_llama()
     reference.set_attn_implementation("adakv_reference")
     policy = adaptive_policy(name, params)
     ids = prompt_ids(batch, length=120)
-    cache = EvictingCache(policy, BUDGET, model.config.num_hidden_layers, block_size=BLOCK, max_tokens=ids.shape[1])
+    bounds = {"block_size": BLOCK, "max_tokens": ids.shape[1]} if sized else {}
+    cache = EvictingCache(policy, budget, model.config.num_hidden_layers, **bounds)
     dense = DynamicCache()
     passes = [ids[:, s:s + BLOCK] for s in range(0, ids.shape[1], BLOCK)]
     adapted = False
@@ -203,7 +209,7 @@ def test_logits_equal_a_per_head_masked_reference_in_prefill_and_decoding(batch,
             cache.evict()
             expected = reference(input_ids=block, past_key_values=dense, use_cache=True).logits
             torch.testing.assert_close(ours, expected, atol=2e-5, rtol=1e-4)
-            adapted |= any(c != BUDGET for layer in head_counts(cache) for row in layer for c in row)
+            adapted |= any(c != budget for layer in head_counts(cache) for row in layer for c in row)
             next_ids = ours[:, -1:].argmax(-1)
             step += 1
     assert adapted  # the heads did hold different counts at some pass
