@@ -16,6 +16,7 @@ from keydiff.policies import HeadAdaptive, build_policy
 from keydiff.policies.base import LayerView
 from keydiff.policies.criticalkv import STATE, output_norms
 from tests.test_adakv import brute_force_keep, head_counts, prompt_ids
+from tests.conftest import tiny_llama
 from tests.test_criticalkv import brute_force_norms
 
 BUDGET, BLOCK = 48, 16
@@ -97,6 +98,16 @@ def test_every_eviction_of_a_blockwise_prefill_is_the_brute_force_choice(model, 
     length = 150
     prefill(model, prompt_ids(length=length), policy, BUDGET, BLOCK, on_block=after_block)
     assert len(compared) >= (length - 2 * BUDGET) // BLOCK  # every block past the layer's total evicted
+
+
+def test_a_non_square_output_projection_gives_each_head_its_own_columns():
+    """head_dim 8 with hidden 64: o_proj is [64, 32], so a KV head's columns are 32 / kv_heads wide (its group's
+    query heads x head_dim), not hidden / kv_heads. Every other test model's o_proj is square."""
+    model = tiny_llama(head_dim=8)
+    assert tuple(model.model.layers[0].self_attn.o_proj.weight.shape) == (64, 32)
+    policy = CheckedCriticalAdaptive(build_policy("snapkv", window=8, critical=True), model=model, choices=[])
+    prefill(model, prompt_ids(length=150), policy, BUDGET, BLOCK)
+    assert len(policy.choices) >= model.config.num_hidden_layers * ((150 - 2 * BUDGET) // BLOCK)
 
 
 def test_batch_rows_are_chosen_row_by_row_against_the_loops(model):
@@ -207,7 +218,7 @@ def test_rerotation_composed_by_hand_around_head_budgets_fails_clearly(model):
     """build_policy refuses it; a policy composed in Python reaches the cache, which refuses it at eviction."""
     from keydiff.policies import KeyDiff, Rerotated
 
-    policy = Rerotated(HeadAdaptive(KeyDiff()), mode="kvpress")
+    policy = Rerotated(HeadAdaptive(KeyDiff()), mode="absolute")
     with pytest.raises(RuntimeError, match="key re-rotation is not supported with head-adaptive budgets"):
         prefill(model, prompt_ids(), policy, BUDGET, BLOCK)
 

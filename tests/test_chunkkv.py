@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from keydiff.policies import Chunked, KNorm, SnapKV, build_policy
-from keydiff.policies.base import LayerView
+from keydiff.policies.base import LayerView, Policy
 
 
 def reference_keep(scores, protect, positions, budget, chunk_length, scope="layer") -> list[list[list[int]]]:
@@ -167,3 +167,38 @@ def test_bad_chunk_length_is_refused(bad):
 def test_bad_chunk_scope_is_refused():
     with pytest.raises(ValueError, match="chunk_scope must be one of layer, head"):
         build_policy("knorm", chunk_length=20, chunk_scope="batch").check(64)
+
+
+@dataclass
+class GivenScores(Policy):
+    """Scores each entry by the view's `attention` (the test sets it): the wrapped scorer the tests control."""
+
+    name = "given_scores"
+
+    def score(self, layer: LayerView) -> torch.Tensor:
+        return layer.attention.clone()
+
+
+def one_head_view(scores: list[float]) -> LayerView:
+    n = len(scores)
+    return LayerView(keys=torch.zeros(1, 1, n, 4), values=torch.zeros(1, 1, n, 4), positions=torch.arange(n)[None, None],
+                     attention=torch.tensor(scores, dtype=torch.float32)[None, None], state={}, layers=0)
+
+
+def test_chunk_sums_are_exact_beside_a_large_score():
+    """Chunks [2^24, 2, 0, 0] and [2^24, 1, 1, 0] both sum to 2^24 + 2 (a tie: the newer chunk is kept). Summed in
+    float32 the second loses its ones (2^24 + 1 rounds to 2^24) and the first chunk would be kept instead."""
+    big = float(2 ** 24)
+    view = one_head_view([big, 2, 0, 0, big, 1, 1, 0])
+    assert kept_positions(Chunked(GivenScores(), chunk_length=4, scope="head"), view, 4) == [[[4, 5, 6, 7]]]
+
+
+def test_chunk_sums_within_float32_resolution_tie_and_the_newer_chunk_is_kept():
+    """The documented precision of the ranking: sums 2^25 + 1 and 2^25 (exact in float64) compare as float32
+    (spacing 4 there), where both are 2^25: they tie and the newer chunk is kept (a float64 ranking would keep
+    the first)."""
+    big = float(2 ** 25)
+    view = one_head_view([big, 1, 0, 0, big, 0, 0, 0])
+    assert kept_positions(Chunked(GivenScores(), chunk_length=4, scope="head"), view, 4) == [[[4, 5, 6, 7]]]
+    view = one_head_view([big, 4, 0, 0, big, 0, 0, 0])  # 2^25 + 4 is a float32 (its spacing there): the first wins
+    assert kept_positions(Chunked(GivenScores(), chunk_length=4, scope="head"), view, 4) == [[[0, 1, 2, 3]]]

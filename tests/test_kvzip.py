@@ -156,6 +156,28 @@ def test_reconstruction_input_is_kvpress_prompt_then_block(tokenizer):
         encode("</u><a>") + ids[0, :5].tolist()  # the chat template's assistant opening, as kvpress derives it
 
 
+def test_reconstruct_prefix_false_leaves_the_chat_templates_prefix_out_as_kvpress():
+    """kvpress reconstructs the context after the template's prefix (its prefix_length): with
+    reconstruct_prefix=False the first block's pass repeats only what follows the prefix; later blocks and a
+    prompt that does not open with the prefix are unchanged; the default repeats the whole block."""
+    templated = char_tokenizer(chat_template="<sys>{% for m in messages %}<u>{{ m['content'] }}</u>{% endfor %}"
+                                             "{% if add_generation_prompt %}<a>{% endif %}")
+    encode = lambda text: torch.tensor([templated.encode(text, add_special_tokens=False)])  # noqa: E731
+    prefix, context = encode("<sys><u>"), encode("the context, then more of it")
+    ids = torch.cat([prefix, context], dim=1)
+    head = encode(FIRST_PROMPT + "</u><a>")[0].tolist()
+    kvpress = KVzip(reconstruct_prefix=False)
+    assert kvpress.reconstruction_input(ids[:, :20], ids[:, :0], templated)[0].tolist() == head + ids[0, 8:20].tolist()
+    assert KVzip().reconstruction_input(ids[:, :20], ids[:, :0], templated)[0].tolist() == head + ids[0, :20].tolist()
+    assert torch.equal(kvpress.reconstruction_input(ids[:, 20:], ids[:, :20], templated),
+                       KVzip().reconstruction_input(ids[:, 20:], ids[:, :20], templated))
+    plain = context[:, :12]  # no template prefix at the start: nothing is left out
+    assert kvpress.reconstruction_input(plain, plain[:, :0], templated)[0].tolist() == head + plain[0].tolist()
+    assert build_policy("kvzip", reconstruct_prefix=False).describe()["reconstruct_prefix"] is False
+    with pytest.raises(ValueError, match="reconstruct_prefix must be true or false"):
+        build_policy("kvzip", reconstruct_prefix="no").check(32)
+
+
 @pytest.mark.parametrize("scoring_keys", ["cache", "chunk"])
 @pytest.mark.parametrize("length, budget", [(120, 30), (90, 64)])
 def test_one_block_equals_the_one_shot_kvzip_of_the_paper(tokenizer, length, budget, scoring_keys):

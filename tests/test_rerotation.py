@@ -1,8 +1,9 @@
 """Key re-rotation (keydiff.policies.rerotation, done by keydiff.cache.storage.Storage.rerotate): the kept keys
 equal the model's own keys recomputed from the pre-RoPE keys (k_proj's output, captured by a forward hook) at
-their new positions (0..n-1, or right below the next token's under "contiguous"), and at every eviction every
-cached key is the model's key at the position the cache records for it (new tokens: absolute, or following the
-kept keys); without it nothing changes; with it results differ once something was evicted."""
+their new positions (right below the next token's under "contiguous" = true, kvpress's pipeline; 0..n-1 under
+"absolute"), and at every eviction every cached key is the model's key at the position the cache records for it
+(new tokens: following the kept keys, or absolute); without it nothing changes; with it results differ once
+something was evicted."""
 
 from __future__ import annotations
 
@@ -73,7 +74,7 @@ def check_cache_keys(model, cache, captured, rerotated: bool, end: int | None = 
 
 
 @pytest.mark.parametrize("rope", sorted(ROPES))
-@pytest.mark.parametrize("name, mode", [("keydiff", True), ("snapkv", True), ("keydiff", "contiguous")])
+@pytest.mark.parametrize("name, mode", [("keydiff", "absolute"), ("snapkv", "absolute"), ("keydiff", True)])
 def test_rerotated_keys_equal_keys_recomputed_at_their_new_positions(rope, name, mode):
     model = tiny_llama(**ROPES[rope])
     prompt = torch.randint(0, 256, (1, LENGTH), generator=torch.Generator().manual_seed(5))
@@ -90,11 +91,11 @@ def test_rerotated_keys_equal_keys_recomputed_at_their_new_positions(rope, name,
             handle.remove()
 
 
-@pytest.mark.parametrize("mode, schedule", [(True, None), ("contiguous", None),
+@pytest.mark.parametrize("mode, schedule", [("absolute", None), ("contiguous", None),
                                             ("contiguous", {"schedule": "pyramid", "beta": 4, "window": 0})])
 def test_at_every_eviction_each_key_is_the_models_key_at_its_recorded_position(mode, schedule):
     """Before each eviction: old keys at the positions the last re-rotation gave them, the pass's new keys where
-    transformers rotated them (absolute under kvpress, following the kept keys under contiguous: below
+    transformers rotated them (absolute under "absolute", following the kept keys under contiguous: below
     max N_l + B, whatever the prompt length); after the prefill, each layer right-aligned below the next position."""
     model = tiny_llama(**ROPES["llama3"])
     prompt = torch.randint(0, 256, (1, LENGTH), generator=torch.Generator().manual_seed(7))
@@ -108,7 +109,7 @@ def test_at_every_eviction_each_key_is_the_models_key_at_its_recorded_position(m
         torch.testing.assert_close(layer.keys, keys_at(model, held, rotary), rtol=1e-4, atol=1e-4)
         excess = layer.positions.shape[-1] - budget
         newest = layer.positions > int(layer.positions.max()) - excess  # entries of the last pass (it wrote >= excess)
-        shift = rotary - layer.positions  # 0 under kvpress; one constant per pass under contiguous
+        shift = rotary - layer.positions  # 0 under absolute; one constant per pass under contiguous
         seen.append((i, int(rotary.max()), shift[newest].unique().tolist()))
         return super(type(self), self).evict_indices(layer, budget)
 
@@ -129,7 +130,7 @@ def test_at_every_eviction_each_key_is_the_models_key_at_its_recorded_position(m
         for handle in handles:
             handle.remove()
     assert seen
-    if mode is True:
+    if mode == "absolute":
         assert all(shifts == [0] for _, _, shifts in seen)
         assert max(top for _, top, _ in seen) == LENGTH + NEW_TOKENS - 2  # new tokens keep their absolute positions
     else:
@@ -188,7 +189,7 @@ def test_off_changes_nothing():
         assert all(torch.equal(a, b) for a, b in zip(kept, plain_kept))
 
 
-@pytest.mark.parametrize("mode", [True, "contiguous"])
+@pytest.mark.parametrize("mode", ["absolute", "contiguous"])
 def test_on_changes_results_once_something_was_evicted(mode):
     model = tiny_llama()
     prompt = torch.randint(0, 256, (1, LENGTH), generator=torch.Generator().manual_seed(6))
@@ -205,9 +206,9 @@ def test_on_changes_results_once_something_was_evicted(mode):
 def test_the_two_modes_differ():
     model = tiny_llama()
     prompt = torch.randint(0, 256, (1, LENGTH), generator=torch.Generator().manual_seed(6))
-    kvpress, _, _ = run(model, prompt, build_policy("knorm", key_rerotation=True))
+    absolute, _, _ = run(model, prompt, build_policy("knorm", key_rerotation="absolute"))
     contiguous, _, _ = run(model, prompt, build_policy("knorm", key_rerotation="contiguous"))
-    assert float((kvpress - contiguous).abs().max()) > 1e-3
+    assert float((absolute - contiguous).abs().max()) > 1e-3
 
 
 def test_contiguous_works_with_stock_attention_and_transformers_masks():
@@ -227,7 +228,7 @@ def test_contiguous_works_with_stock_attention_and_transformers_masks():
     assert cache.get_seq_length() == 20 and cache.layers[0].num_entries == 36 and cache.layers[0].seen == 64
 
 
-@pytest.mark.parametrize("mode", [True, "contiguous"])
+@pytest.mark.parametrize("mode", ["absolute", "contiguous"])
 @pytest.mark.parametrize("name, params", [
     ("keydiff", {}),  # stacked: every layer re-rotated in one call, compared with layer by layer
     ("snapkv", {"critical": True}),
@@ -245,17 +246,36 @@ def test_check_policy_passes(name, params, mode):
 def test_describe_only_when_set_and_round_trips():
     policy = build_policy("keydiff", key_rerotation=True, layer_budgets={"schedule": "pyramid", "beta": 4, "window": 0})
     described = policy.describe()
-    assert described["key_rerotation"] is True and list(described)[-2:] == ["key_rerotation", "layer_budgets"]
+    assert described["key_rerotation"] == "contiguous" and list(described)[-2:] == ["key_rerotation", "layer_budgets"]
     assert build_policy(**described).describe() == described
-    assert isinstance(build_policy("snapkv", key_rerotation="kvpress"), Rerotated)
-    assert build_policy("snapkv", key_rerotation="contiguous").describe()["key_rerotation"] == "contiguous"
+    assert isinstance(build_policy("snapkv", key_rerotation="absolute"), Rerotated)
+    assert build_policy("snapkv", key_rerotation="absolute").describe()["key_rerotation"] == "absolute"
 
 
 def test_bad_values_fail_clearly_before_the_model():
-    with pytest.raises(ValueError, match="key_rerotation must be true, false or one of kvpress, contiguous, got 'sideways'"):
+    with pytest.raises(ValueError, match="key_rerotation must be true, false or one of contiguous, absolute, got 'sideways'"):
         build_policy("keydiff", key_rerotation="sideways")
+    with pytest.raises(ValueError, match="'kvpress' was withdrawn: kvpress's pipeline continues after the kept keys"):
+        build_policy("keydiff", key_rerotation="kvpress")
     with pytest.raises(ValueError, match="build the cache with config=model.config"):
         EvictingCache(build_policy("keydiff", key_rerotation=True), 8, 3, block_size=8)
     dynamic = tiny_llama(rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}).config
     with pytest.raises(ValueError, match="dynamic"):
         EvictingCache(build_policy("keydiff", key_rerotation=True), 8, 3, block_size=8, config=dynamic)
+
+
+def test_true_is_kvpress_pipeline_layout_kept_keys_at_0_to_n_and_the_question_right_after():
+    """kvpress's pipeline, with a KeyRerotationPress, feeds the question and the answer at
+    context_length = cache.get_seq_length() (the kept count) + i (kvpress/pipeline.py `_forward`): with uniform
+    budgets, `key_rerotation: true` puts every layer's N kept keys at 0..N-1 and the next tokens at N, N+1..."""
+    model = tiny_llama()
+    prompt = torch.randint(0, 256, (1, LENGTH), generator=torch.Generator().manual_seed(5))
+    policy = build_policy("keydiff", key_rerotation=True)
+    assert policy.key_rerotation == "contiguous"
+    state = prefill(model, prompt, policy, budget=BUDGET, block_size=BLOCK)
+    for layer in state.cache.layers:
+        ranks = layer.positions[:, :, :BUDGET].argsort(dim=-1).argsort(dim=-1)
+        assert torch.equal(layer.state[STATE][:, :, :BUDGET].long(), ranks)  # 0..N-1 in position order
+    assert state.cache.get_seq_length() == BUDGET  # the next token at N, as kvpress's context_length
+    generate(model, state, 2, evict=False)
+    assert int(state.cache.layers[0].state[STATE][:, :, :state.cache.layers[0].num_entries].max()) == BUDGET

@@ -198,7 +198,17 @@ def kv_cache_bytes(cache, model, entries: int, batch: int = 1) -> int:
 
 
 def peak_rss_bytes() -> int:
-    """This process's peak resident set size (ru_maxrss is KiB on Linux, bytes on macOS)."""
+    """This process's own peak resident set size: VmHWM from /proc/self/status on Linux (the high-water mark
+    that reset_peak_rss resets), else ru_maxrss (KiB on Linux, bytes on macOS). Why not ru_maxrss on Linux: it
+    also holds a maximum that survives execve, so a child started by a parent that holds more memory than
+    the child ever uses reports the parent's peak (keydiff.bench.peers_runner.resident_peak)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024
 
@@ -216,7 +226,7 @@ def reset_peak_rss() -> bool:
     """Restart the peak-RSS count from the current RSS, so a later peak is the run's, not the model load's.
 
     Linux only: freed heap is first returned to the OS (glibc malloc_trim), then writing 5 to
-    /proc/self/clear_refs resets the high-water mark that ru_maxrss reports. False where unsupported.
+    /proc/self/clear_refs resets VmHWM, the high-water mark peak_rss_bytes reads. False where unsupported.
     """
     gc.collect()
     try:

@@ -28,8 +28,9 @@ beyond the last position, then greedy decoding, no further eviction) and as its 
 (`model(input_ids=ids, past_key_values=cache)`: logits for every prompt position, held until decoding ends),
 ours block-wise (B = --block-size, evicting after every token), ours with the prompt as one block. Each
 child warms up on a short prompt, resets its peak, then times TTFT and --new-tokens decode steps; peak
-memory = CUDA max allocated (GPU) or peak RSS (CPU, getrusage after a clear_refs reset). --rounds
-interleaved rounds (every case once per round, in turn), medians reported, ratios case / kvpress pipeline.
+memory = CUDA max allocated (GPU) or the child's own peak RSS (CPU: VmHWM after a clear_refs reset; not
+ru_maxrss, which keeps the parent's peak across execve). --rounds interleaved rounds (every case once per
+round, in turn), medians reported, ratios case / kvpress pipeline.
 The JSON (--json) holds every value with its provenance.
 """
 
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -357,6 +359,12 @@ def write_prompt(path: Path, length: int, vocab: int, seed: int) -> dict[str, An
     return common.prompt_record(ids, seed)
 
 
+def ratio_budget(ratio: float, length: int) -> int:
+    """--ratio's N: ceil(ratio x L), at least 1, the rule of the runner's ratio budgets (budget=r0.25), so a
+    parity row at --ratio r keeps what a leaderboard row at r keeps for a prompt of L tokens."""
+    return max(1, math.ceil(ratio * length))
+
+
 def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("part", nargs="?", default="all", choices=["parity", "perf", "all"])
@@ -413,8 +421,6 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
-    import math
-
     from keydiff.models import cache_root
 
     args = parse_arguments(argv)
@@ -434,7 +440,7 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="keydiff-peers-") as tmp:
         work = Path(tmp)
         if args.part in ("parity", "all"):
-            budget = math.ceil(args.ratio * args.length) if args.ratio else (args.budget or 128)
+            budget = ratio_budget(args.ratio, args.length) if args.ratio else (args.budget or 128)
             payload["parity_data"] = write_prompt(work / "prompt-parity.json", args.length, vocab, args.seed)
             spec = {**base, "budget": budget, "prompt_file": str(work / "prompt-parity.json")}
             print(f"parity: L = {args.length}, N = {budget}, whole prompt as one block", flush=True)

@@ -270,7 +270,7 @@ class EvictingCache(Cache):
 
     def _rotary_end(self) -> int | None:
         """Where the kept keys' re-rotated positions end (exclusive): the next token's (contiguous), or None
-        (kvpress: 0..n-1 whatever the next token's position)."""
+        ("absolute": 0..n-1 whatever the next token's position)."""
         return self.next_position() if self.contiguous else None
 
     def get_seq_length(self, layer_idx: int = 0) -> int:

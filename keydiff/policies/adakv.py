@@ -10,8 +10,12 @@ protects (sinks, SnapKV's observation window, a RecentWindow) are always kept, a
 Scores. Each head is scored on its own (`LayerView` of one batch row and one KV head: its own entries, its
 attention statistic, its slice of the query statistics), so a per-head quantity such as KeyDiff's anchor is
 the mean over that head's entries, as in the uniform form. Scores of different heads are compared as they
-are: the scorer's scale must mean the same in every head (true of attention, expected attention and cosine
-similarity; kvpress makes the same assumption). A scorer that scores whole pools (`scores_pools`: KeyDiff)
+are: the scorer's scale must mean the same in every head (kvpress makes the same assumption). Under
+block-wise prefill it does not quite, for attention: the heads hold different counts n_h after the first
+eviction, each query row's attention sums to 1 over its head's n_h + B entries, so a head holding more entries
+gets lower scores per entry and the split leans back towards even at every block (kvpress's one pass scores
+every head over the same L entries). Kept deliberately, as AdaKV defines it (raw scores); documented in
+docs/policies.md, "Heads of different lengths under block-wise prefill". A scorer that scores whole pools (`scores_pools`: KeyDiff)
 is asked once for every head of every layer (`drop_pool` -> `adakv_drop_pool`, the same choice; the cache
 then evicts all its layers in one call, keydiff.cache.adaptive.evict_stack).
 

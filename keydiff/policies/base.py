@@ -183,8 +183,9 @@ class Policy:
 
     @property
     def key_rerotation(self) -> str | None:
-        """None, or how the cache re-applies RoPE to the kept keys after each eviction ("kvpress": at positions
-        0..n-1 in position order; "contiguous": right below the next token's; see keydiff.policies.rerotation)."""
+        """None, or how the cache re-applies RoPE to the kept keys after each eviction ("contiguous": right below
+        the next token's, as kvpress's pipeline; "absolute": at 0..n-1, new tokens at their absolute positions;
+        see keydiff.policies.rerotation)."""
         return None
 
     @property

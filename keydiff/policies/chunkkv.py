@@ -5,7 +5,11 @@ chunks of `chunk_length` consecutive ABSOLUTE positions (`position // chunk_leng
 stretch of text at every eviction, whatever was dropped before); a chunk's score is the sum of the wrapped
 scorer's scores of the entries of that chunk the head still holds. Every entry is then scored by its chunk's
 score, and the usual top-k (`Policy.evict_indices`: ties by position, the older entry evicted first) keeps
-whole chunks, best first. Where the budget ends inside a chunk, the remainder is filled by the NEWEST
+whole chunks, best first. Precision: a chunk's sum is taken in float64 (so a large score does not swallow the
+small ones added to it: float32 sums of [2^24, 1, 1, 0] give 2^24, not 2^24 + 2); the ranking, as every
+policy's, then compares those sums as float32 (`score_then_position`), so two chunks whose sums differ by less
+than float32's resolution (about 6e-8 relative) tie and the newer chunk is kept. kvpress ranks its chunk means
+in the scores' own dtype, so this is at least as fine. Where the budget ends inside a chunk, the remainder is filled by the NEWEST
 entries (highest positions) of the next-best chunk, so a head always holds exactly its budget. Entries the
 wrapped policy protects (SnapKV's observation window, sinks, a RecentWindow) are still kept; their finite
 scores count in their chunk's sum like any other, an infinite one (allowed only there) counts 0.
@@ -67,7 +71,9 @@ class Chunked(PolicyWrapper):
             raise ValueError(f"chunk_scope must be one of {', '.join(SCOPES)}, got {self.scope!r}")
 
     def score(self, layer: LayerView) -> torch.Tensor:
-        scores = self.scorer.score(layer).double()  # float64 sums: the chunk order does not hang on rounding
+        # float64 sums, so small scores are not lost beside a large one; the ranking then compares them as
+        # float32 (Policy.evict_indices): sums within float32's resolution tie and the newer chunk wins.
+        scores = self.scorer.score(layer).double()
         # Only protected entries may score +-inf (they are kept whatever their score): such a score counts 0.
         scores = scores.masked_fill(~torch.isfinite(scores), 0.0)
         return chunk_scores(scores, layer.positions, self.chunk_length, self.scope)

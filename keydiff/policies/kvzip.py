@@ -29,6 +29,17 @@ entry is then scored by its own block's pass only, as kvpress scores each chunk 
 per KV head (kvpress selects a global top-k over layers and heads: head- and layer-adaptive budgets); the first `n_sink` positions are always kept (kvpress gives them the top score
 only when they belong to a chat-template prefix).
 
+What is reconstructed (against kvpress's KVzipPress, kvzip_press.py `prepare`/`_perform_kvzip_compression`):
+kvpress reconstructs the context after the chat template's prefix (`prefix_length`), in 2,048-token chunks;
+the prefix's entries get no score there (0, the first n_sink 1). Here every prefill block is reconstructed
+whole, so the first block repeats the template's prefix too (`reconstruct_prefix=False` leaves it out when
+the prompt opens with it, as kvpress; its entries are still scored by the attention the passes give them,
+not set to 0). The question: under `query_aware=false` (kvpress's leaderboard protocol) it is fed after the
+compressed context and never reconstructed, as in kvpress; under `query_aware=true` (the paper's protocol,
+the default) it is in the last block with the end of the user turn and the answer prefix, and that block's
+pass repeats all of it (kvpress's `--query_aware` reconstructs the question, part of its context there, but
+not the end of the turn or the answer prefix, which it feeds afterwards).
+
 Decoding: no reconstruction. Each generated token's query attention updates the running maximum (its own
 entry starts with the attention its query gives itself) and the cache keeps evicting by it; with
 generate(evict=False) the generated tokens are all kept, as in kvpress. Decoding statistics start with
@@ -52,6 +63,16 @@ SCORING_KEYS = ("cache", "chunk")
 FIRST_PROMPT = "\n\nRepeat the previous context exactly."
 NEXT_PROMPT = "\n\nRepeat the part of the previous context exactly, starting with"
 PLAIN_SUFFIX = "\n"
+
+
+def chat_prefix(tokenizer) -> str:
+    """What the tokenizer's chat template puts before a user turn's content ("" without a template): the text
+    kvpress's KVzipPress leaves out of its reconstruction (`prefix_length`)."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        return ""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "dummy context"}], add_generation_prompt=True,
+                                         tokenize=False, enable_thinking=False)
+    return text.split("dummy context", 1)[0]
 
 
 def chat_suffix(tokenizer) -> str:
@@ -82,6 +103,10 @@ class KVzip(Policy):
     # The softmax of the reconstruction pass runs over: "cache" every entry it attends to (the paper's
     # definition); "chunk" the sinks + the block's entries + its own (kvpress's / the authors' chunked scoring).
     scoring_keys: str = "cache"
+    # Whether the first block's reconstruction repeats the chat template's prefix (system turn, user opening)
+    # when the prompt starts with it: True (today's), or False (kvpress's: only the context after the prefix
+    # is reconstructed; the prefix's entries are still scored by the attention the pass gives them).
+    reconstruct_prefix: bool = True
 
     def validate(self, budget: int) -> None:
         if self.n_sink < 0 or self.context_overlap < 0:
@@ -89,6 +114,8 @@ class KVzip(Policy):
                 f"kvzip n_sink and context_overlap must be >= 0, got {self.n_sink} and {self.context_overlap}")
         if self.scoring_keys not in SCORING_KEYS:
             raise ValueError(f"kvzip scoring_keys {self.scoring_keys!r} is not valid; valid: {', '.join(SCORING_KEYS)}")
+        if not isinstance(self.reconstruct_prefix, bool):
+            raise ValueError(f"kvzip reconstruct_prefix must be true or false, got {self.reconstruct_prefix!r}")
         if self.n_sink >= budget:
             raise ValueError(f"kvzip n_sink ({self.n_sink}) must be smaller than the budget ({budget})")
 
@@ -106,6 +133,11 @@ class KVzip(Policy):
             return torch.tensor(ids, dtype=block.dtype, device=block.device).expand(block.shape[0], -1)
 
         suffix = encode(chat_suffix(tokenizer) if self.suffix is None else self.suffix)
+        if previous.shape[1] == 0 and not self.reconstruct_prefix:
+            prefix = encode(chat_prefix(tokenizer))
+            length = min(prefix.shape[1], block.shape[1])
+            if length and torch.equal(block[:, :length], prefix[:, :length]):  # the prompt opens with the template
+                block = block[:, length:]
         if previous.shape[1] == 0:
             parts = [encode(FIRST_PROMPT)]
         else:
