@@ -49,10 +49,8 @@ SWEEP_ONLY_MISSING = $(if $(ONLY_MISSING),only_missing=true,)
 sweep-local: $(STAMP)  ## a paper experiment on this machine: make sweep-local EXP=table1 [ONLY_MISSING=1]
 	$(PY) run.py experiment=$(EXP) $(SWEEP_ONLY_MISSING) $(ARGS)
 
-sweep-slurm: $(STAMP)  ## the same as one SLURM array: make sweep-slurm EXP=table1 [ONLY_MISSING=1] (needs .[slurm])
-	$(PY) run.py experiment=$(EXP) hydra/launcher=slurm $(SWEEP_ONLY_MISSING) dry_run=true hydra.sweeper.dry_run_needs_partition=true $(ARGS) > /dev/null  # fails fast on a bad config or no partition
-	nohup $(PY) run.py experiment=$(EXP) hydra/launcher=slurm $(SWEEP_ONLY_MISSING) $(ARGS) > results/sweep-$(EXP).log 2>&1 &
-	@echo "submitted; the submitting process waits for the array: see results/sweep-$(EXP).log"
+sweep-slurm: $(STAMP)  ## the same as one SLURM array: make sweep-slurm EXP=table1 [ONLY_MISSING=1] [DRY_RUN=1] (needs .[slurm])
+	$(PY) -m keydiff.run.submit $(EXP) $(if $(ONLY_MISSING),--only-missing,) $(if $(DRY_RUN),--dry-run,) $(ARGS)
 
 status: $(STAMP)  ## every grid point of an experiment: complete / partial (n of m) / failed / not started: make status EXP=table1
 	$(PY) -m keydiff.run.status $(EXP) $(ARGS)
