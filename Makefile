@@ -10,6 +10,7 @@ STAMP := $(VENV)/.installed
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
+	@echo "scripts/: the same commands as thin entry points (scripts/make_tables.py, sweep_slurm.sh, ...; --help)"
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)

@@ -150,7 +150,10 @@ def stop() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    command = (argv if argv is not None else sys.argv[1:] or ["start"])[0]
+    command = ((argv if argv is not None else sys.argv[1:]) or ["start"])[0]
+    if command in ("-h", "--help"):
+        print(__doc__)
+        return 0
     if command not in ("start", "status", "stop"):
         print(f"error: unknown command {command!r}; valid: start, status, stop", file=sys.stderr)
         return 2
