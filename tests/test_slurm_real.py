@@ -115,24 +115,40 @@ def test_scontrol_requeue_mid_run_loses_and_duplicates_nothing(cluster, tmp_path
     assert "Restarts=1" in shown, shown
 
 
+def job_field(job: str, field: str) -> str:
+    shown = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True).stdout
+    return next((part.split("=", 1)[1] for part in shown.split() if part.startswith(f"{field}=")), "")
+
+
 def test_time_limit_signal_stops_after_the_last_whole_row_and_submitit_requeues_to_completion(
         cluster, tmp_path, tiny_model_dir):
-    """--time=2 min and --signal=USR2@60: SLURM signals 30-60 s into each attempt (its timer runs every 30 s),
-    so a run of 44 samples (about 1 s each) is stopped at least once and finishes on a requeued attempt."""
+    """The launcher asks SLURM for USR2 signal_delay_s (here 300 s) before the time limit. Once rows are being
+    written, the job's limit is cut to 2-3 minutes from now, so SLURM's time-limit timer (every 30 s) sends
+    USR2 at once: the run stops after its last whole row and submitit requeues the job. The requeued
+    attempt gets its 10 minutes back (else it would be signalled at once too) and completes the run."""
     root = tmp_path / "runs"
+    samples = 4 * 26  # enough rows to still be running 30 s after the first one on a fast machine
     process = subprocess.Popen(
         [sys.executable, "run.py", "-m", "task.context_lengths=[400,800,1200,1600]",
-         "task.depths=[0,10,20,30,40,50,60,70,80,90,100]", "experiment_name=timeout",
-         *slurm_args(tmp_path, tiny_model_dir, "hydra.launcher.timeout_min=2", "hydra.launcher.signal_delay_s=60",
-                     "hydra.launcher.max_num_timeout=8")],
+         f"task.depths=[{','.join(str(d) for d in range(0, 101, 4))}]", "experiment_name=timeout",
+         *slurm_args(tmp_path, tiny_model_dir, "hydra.launcher.timeout_min=10", "hydra.launcher.signal_delay_s=300")],
         cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     run_dir = root / "timeout/niah_small/custom/keydiff/2k/bs128/seed0"
-    stdout, stderr = finish(process, timeout=900)
+    wait_for_rows(run_dir / "predictions.jsonl", process)
+    [job] = [p.name for p in (root / "timeout/.submitit").iterdir() if p.is_dir()]
+    elapsed_min = int(job_field(job, "RunTime").split(":")[-2]) + 1  # RunTime is [days-][hh:]mm:ss
+    assert subprocess.run(["scontrol", "update", f"JobId={job}", f"TimeLimit={elapsed_min + 2}"]).returncode == 0
+    deadline = time.time() + 120
+    while job_field(job, "Restarts") in ("", "0") and time.time() < deadline and process.poll() is None:
+        time.sleep(0.5)
+    assert job_field(job, "Restarts") == "1", "no requeue after the time-limit signal"
+    assert subprocess.run(["scontrol", "update", f"JobId={job}", "TimeLimit=10"]).returncode == 0
+    stdout, stderr = finish(process)
     assert process.returncode == 0, stderr
     logs = job_logs(root / "timeout")
-    assert "stopped by SIGUSR2 after writing every finished row" in logs and "Requeued job" in logs, logs[-3000:]
+    assert "stopped by SIGUSR2 after writing every finished row" in logs and f"Requeued job {job}" in logs, logs[-3000:]
     ids = complete_ids(run_dir)
-    assert len(ids) == len(set(ids)) == 44
+    assert len(ids) == len(set(ids)) == samples
 
 
 def test_a_partition_that_does_not_exist_fails_before_submitting(cluster, tmp_path, tiny_model_dir):

@@ -10,7 +10,8 @@ ProctrackType=proctrack/linuxproc and TaskPlugin=task/none, so no cgroups are ne
 /etc/slurm/slurm.conf, but only where that file is absent or was written here (its first line says so): a
 real cluster's configuration is never touched. It starts munged, slurmctld and slurmd if they are not
 running, and waits until the node is idle. When that cannot be done it prints one line saying why, then
-exits 1. State, spool and logs live under /var/lib/keydiff-slurm.
+exits 1. State, spool and logs live under /var/lib/keydiff-slurm. A requeued job may start again after
+AuthInfo's cred_expire (30 s here; SLURM's default is 120 s), which keeps the requeue tests short.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ SlurmctldHost={host}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
+AuthInfo=cred_expire=30
 StateSaveLocation={STATE}/ctld
 SlurmdSpoolDir={STATE}/d
 SlurmctldPidFile={STATE}/slurmctld.pid
@@ -121,8 +123,8 @@ def start(wait_s: float = 60) -> str:
     Path("/run/munge").mkdir(parents=True, exist_ok=True)
     shutil.chown("/run/munge", "munge", "munge")
     start_daemon(["runuser", "-u", "munge", "--", "munged"], "munged")
-    if changed:  # a running controller or node reads the new configuration
-        subprocess.run(["scontrol", "reconfigure"], capture_output=True, timeout=30)
+    if changed:  # restart what runs, so that every setting (AuthInfo too) is read anew
+        stop()
     start_daemon(["slurmctld"], "slurmctld")
     start_daemon(["slurmd"], "slurmd")
     deadline = time.time() + wait_s
@@ -146,7 +148,10 @@ def stop() -> None:
             try:
                 os.kill(int(pid_file.read_text().strip()), 15)
             except (ProcessLookupError, ValueError):
-                pass
+                continue
+            deadline = time.time() + 20
+            while running(name) and time.time() < deadline:
+                time.sleep(0.2)
 
 
 def main(argv: list[str] | None = None) -> int:
