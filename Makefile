@@ -47,8 +47,9 @@ gpu-check: $(STAMP)  ## run first on a new (GPU) machine: engine exactness per a
 # ONLY_MISSING=1: launch only the grid points that are not complete (see `make status`).
 SWEEP_ONLY_MISSING = $(if $(ONLY_MISSING),only_missing=true,)
 
-sweep-local: $(STAMP)  ## a paper experiment on this machine: make sweep-local EXP=table1 [ONLY_MISSING=1]
-	$(PY) run.py experiment=$(EXP) $(SWEEP_ONLY_MISSING) $(ARGS)
+# GPUS=0,1,2,3: one grid point per GPU at a time, each its own process pinned to its GPU (hydra/launcher=gpus).
+sweep-local: $(STAMP)  ## a paper experiment on this machine: make sweep-local EXP=table1 [ONLY_MISSING=1] [GPUS=0,1,2,3]
+	$(PY) run.py experiment=$(EXP) $(SWEEP_ONLY_MISSING) $(if $(GPUS),hydra/launcher=gpus "hydra.launcher.gpus=[$(GPUS)]",) $(ARGS)
 
 sweep-slurm: $(STAMP)  ## the same as one SLURM array: make sweep-slurm EXP=table1 [ONLY_MISSING=1] [DRY_RUN=1] (needs .[slurm])
 	$(PY) -m keydiff.run.submit $(EXP) $(if $(ONLY_MISSING),--only-missing,) $(if $(DRY_RUN),--dry-run,) $(ARGS)

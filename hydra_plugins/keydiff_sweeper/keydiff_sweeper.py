@@ -154,7 +154,15 @@ class KeydiffSweeper(Sweeper):
 
     def _check_launcher(self) -> None:
         """A real SLURM submission needs SLURM here and an existing partition (a dry run submits nothing, so
-        it needs neither and only says when the partition is missing)."""
+        it needs neither and only says when the partition is missing). A GPU pool (GPUS=0,1) needs those GPUs
+        here, dry run or not."""
+        launcher = self.config.hydra.launcher
+        if str(launcher.get("_target_", "")).endswith("GpuPoolLauncher"):
+            from hydra_plugins.keydiff_sweeper.gpu_launcher import check_gpus
+
+            problem = check_gpus(list(launcher.get("gpus") or []))
+            if problem:
+                exit_with_error(problem)
         if self.config.get("dry_run", False) and not self.dry_run_needs_partition:
             return
         if not is_slurm(self.config.hydra.launcher):
