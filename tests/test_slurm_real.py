@@ -159,3 +159,21 @@ def test_a_partition_that_does_not_exist_fails_before_submitting(cluster, tmp_pa
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert lines == ["error: hydra.launcher.partition=nonexistent is not a partition of this cluster; valid: debug"]
     assert not (tmp_path / "runs").exists()
+
+
+def test_the_local_cluster_never_touches_a_configuration_it_did_not_write(tmp_path, monkeypatch):
+    """Runs anywhere (no cluster needed): a machine with its own slurm.conf is refused in one line."""
+    from keydiff.run import local_slurm
+
+    foreign = tmp_path / "slurm.conf"
+    foreign.write_text("ClusterName=production\n")
+    monkeypatch.setattr(local_slurm, "CONF", foreign)
+    monkeypatch.setattr(local_slurm.shutil, "which", lambda name: f"/usr/bin/{name}")
+    monkeypatch.setattr(local_slurm.os, "geteuid", lambda: 0)
+    with pytest.raises(local_slurm.ClusterUnavailable, match="exists and was not written here"):
+        local_slurm.start()
+    assert foreign.read_text() == "ClusterName=production\n"
+    text = local_slurm.config_text("host1")
+    for setting in ("ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none", "SelectType=select/cons_tres",
+                    "AccountingStorageType=accounting_storage/none", "PartitionName=debug Nodes=host1"):
+        assert setting in text

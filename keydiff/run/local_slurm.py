@@ -75,7 +75,14 @@ PartitionName={PARTITION} Nodes={host} Default=YES MaxTime=INFINITE State=UP Ove
 
 
 def running(name: str) -> bool:
-    return subprocess.run(["pgrep", "-x", name], capture_output=True).returncode == 0
+    """A process of that exact name exists (read from /proc: no procps needed)."""
+    for comm in Path("/proc").glob("[0-9]*/comm"):
+        try:
+            if comm.read_text().strip() == name:
+                return True
+        except OSError:  # the process ended meanwhile
+            continue
+    return False
 
 
 def node_state() -> str:
