@@ -10,6 +10,7 @@ STAMP := $(VENV)/.installed
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
+	@echo "scripts/: the same commands as thin entry points (scripts/make_tables.py, sweep_slurm.sh, ...; --help)"
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -46,13 +47,12 @@ gpu-check: $(STAMP)  ## run first on a new (GPU) machine: engine exactness per a
 # ONLY_MISSING=1: launch only the grid points that are not complete (see `make status`).
 SWEEP_ONLY_MISSING = $(if $(ONLY_MISSING),only_missing=true,)
 
-sweep-local: $(STAMP)  ## a paper experiment on this machine: make sweep-local EXP=table1 [ONLY_MISSING=1]
-	$(PY) run.py experiment=$(EXP) $(SWEEP_ONLY_MISSING) $(ARGS)
+# GPUS=0,1,2,3: one grid point per GPU at a time, each its own process pinned to its GPU (hydra/launcher=gpus).
+sweep-local: $(STAMP)  ## a paper experiment on this machine: make sweep-local EXP=table1 [ONLY_MISSING=1] [GPUS=0,1,2,3]
+	$(PY) run.py experiment=$(EXP) $(SWEEP_ONLY_MISSING) $(if $(GPUS),hydra/launcher=gpus "hydra.launcher.gpus=[$(GPUS)]",) $(ARGS)
 
-sweep-slurm: $(STAMP)  ## the same as one SLURM array: make sweep-slurm EXP=table1 [ONLY_MISSING=1] (needs .[slurm])
-	$(PY) run.py experiment=$(EXP) hydra/launcher=slurm $(SWEEP_ONLY_MISSING) dry_run=true hydra.sweeper.dry_run_needs_partition=true $(ARGS) > /dev/null  # fails fast on a bad config or no partition
-	nohup $(PY) run.py experiment=$(EXP) hydra/launcher=slurm $(SWEEP_ONLY_MISSING) $(ARGS) > results/sweep-$(EXP).log 2>&1 &
-	@echo "submitted; the submitting process waits for the array: see results/sweep-$(EXP).log"
+sweep-slurm: $(STAMP)  ## the same as one SLURM array: make sweep-slurm EXP=table1 [ONLY_MISSING=1] [DRY_RUN=1] (needs .[slurm])
+	$(PY) -m keydiff.run.submit $(EXP) $(if $(ONLY_MISSING),--only-missing,) $(if $(DRY_RUN),--dry-run,) $(ARGS)
 
 status: $(STAMP)  ## every grid point of an experiment: complete / partial (n of m) / failed / not started: make status EXP=table1
 	$(PY) -m keydiff.run.status $(EXP) $(ARGS)

@@ -184,7 +184,8 @@ def test_quickstart_and_next_commands_exist():
 
 
 def test_every_module_and_make_target_the_docs_name_exists():
-    """`python -m keydiff....` and `make <target>` anywhere in README.md and docs/, code spans included."""
+    """`python -m keydiff....`, `make <target>` and `scripts/<file>` anywhere in README.md and docs/, code
+    spans included."""
     known = make_targets()
     problems = []
     for page in [README, *sorted((ROOT / "docs").glob("*.md"))]:
@@ -195,8 +196,9 @@ def test_every_module_and_make_target_the_docs_name_exists():
         for target in set(re.findall(r"(?:`|^)make ([a-z][\w-]*)", text, re.M)):
             if target not in known:
                 problems.append(f"{page.relative_to(ROOT)}: make {target}: no such target")
-        if re.search(r"\bscripts/\w+\.py", text):
-            problems.append(f"{page.relative_to(ROOT)}: names a scripts/*.py file (entry points are modules)")
+        for script in set(re.findall(r"\bscripts/(\w+\.(?:py|sh))", text)):
+            if not (ROOT / "scripts" / script).is_file():
+                problems.append(f"{page.relative_to(ROOT)}: scripts/{script}: no such script")
     assert not problems, "\n".join(problems)
 
 

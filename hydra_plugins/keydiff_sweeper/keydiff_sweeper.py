@@ -7,7 +7,8 @@ It implements Hydra's public Sweeper plugin interface (setup + sweep; the launch
 plugin registry) and builds the same grid in the same order as BasicSweeper (keydiff.run.sweep.grid_points).
 Before the first job: each point is composed and checked without torch (keydiff.run.checks), once per
 point; the jobs do not check again (run.py). The SLURM
-launcher must have a partition (a dry run needs none: it says so instead), and nothing is created on disk
+launcher must have SLURM on this machine and an existing partition (`sinfo`; a dry run needs neither and
+says when the partition is missing), and nothing is created on disk
 until all of that passed. Then
   dry_run=true       prints every point, its run directory and status, and with the SLURM launcher the
                      sbatch script and array size; nothing is run or submitted;
@@ -19,6 +20,8 @@ from __future__ import annotations
 
 import logging
 import shlex
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any, List
@@ -64,6 +67,53 @@ def slurm_job_script(launcher_params: dict[str, Any], array_size: int) -> str:
                                **params)
 
 
+def slurm_partitions() -> list[str]:
+    """The partitions this machine's SLURM controller knows (`sinfo`); ConfigError when there is no SLURM here
+    or its controller does not answer, so a submission fails before submitit is asked to submit anything."""
+    missing = [command for command in ("sbatch", "srun", "sinfo") if shutil.which(command) is None]
+    if missing:
+        raise ConfigError(f"hydra/launcher=slurm: no SLURM on this machine ({', '.join(missing)} not on PATH); "
+                          "submit from a cluster's login node, or preview with dry_run=true")
+    try:
+        answer = subprocess.run(["sinfo", "--noheader", "--format=%R"], capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        raise ConfigError("hydra/launcher=slurm: sinfo did not answer in 60 s (is slurmctld running?)") from None
+    if answer.returncode != 0:
+        reason = next((line.strip() for line in answer.stderr.splitlines() if line.strip()), "no message")
+        raise ConfigError(f"hydra/launcher=slurm: sinfo failed (exit status {answer.returncode}): {reason}")
+    return sorted({line.strip() for line in answer.stdout.splitlines() if line.strip()})
+
+
+def check_partition(partition: str) -> None:
+    """Every partition named (SLURM accepts a comma-separated list) exists on this cluster."""
+    known = slurm_partitions()
+    unknown = [name for name in str(partition).split(",") if name.strip() not in known]
+    if unknown:
+        raise ConfigError(f"hydra.launcher.partition={partition} is not a partition of this cluster; "
+                          f"valid: {', '.join(known) or '(sinfo lists none)'}")
+
+
+class WithoutAccounting(logging.Filter):
+    """Drops submitit's "Bypassing sacct error" warning on a cluster whose accounting is off.
+
+    submitit polls `sacct` for job states; without accounting storage sacct always fails, and submitit warns
+    at every poll. The warning is harmless there: submitit then decides that a task is done from the result
+    file the task itself writes, which is how every sweep here finishes. On a cluster with accounting the
+    warning means something (sacct broken or slow) and is kept."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Bypassing sacct error" not in record.getMessage()
+
+
+def accounting_disabled() -> bool:
+    try:
+        answer = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return any(line.split("=", 1)[-1].strip() == "accounting_storage/none"
+               for line in answer.stdout.splitlines() if line.startswith("AccountingStorageType"))
+
+
 def chunks(points: list[list[str]], size: int | None) -> list[list[list[str]]]:
     """The launcher batches: all points at once, or `max_batch_size` at a time (as BasicSweeper)."""
     if size is None or size == -1:
@@ -103,9 +153,26 @@ class KeydiffSweeper(Sweeper):
         return is_slurm(launcher) and not launcher.get("partition")
 
     def _check_launcher(self) -> None:
-        """A real SLURM submission needs a partition (a dry run submits nothing, so it only says so)."""
-        if self._missing_partition() and (self.dry_run_needs_partition or not self.config.get("dry_run", False)):
+        """A real SLURM submission needs SLURM here and an existing partition (a dry run submits nothing, so
+        it needs neither and only says when the partition is missing). A GPU pool (GPUS=0,1) needs those GPUs
+        here, dry run or not."""
+        launcher = self.config.hydra.launcher
+        if str(launcher.get("_target_", "")).endswith("GpuPoolLauncher"):
+            from hydra_plugins.keydiff_sweeper.gpu_launcher import check_gpus
+
+            problem = check_gpus(list(launcher.get("gpus") or []))
+            if problem:
+                exit_with_error(problem)
+        if self.config.get("dry_run", False) and not self.dry_run_needs_partition:
+            return
+        if not is_slurm(self.config.hydra.launcher):
+            return
+        if self._missing_partition():
             exit_with_error(f"hydra/launcher=slurm {PARTITION_HINT}")
+        try:
+            check_partition(self.config.hydra.launcher.partition)
+        except ConfigError as error:
+            exit_with_error(str(error))
 
     def sweep(self, arguments: List[str]) -> Any:
         assert self.config is not None and self.launcher is not None and self.hydra_context is not None
@@ -134,6 +201,8 @@ class KeydiffSweeper(Sweeper):
             log.info("nothing to launch: every grid point is complete")
             return []
 
+        if is_slurm(self.config.hydra.launcher) and accounting_disabled():
+            logging.getLogger("submitit").addFilter(WithoutAccounting())
         sweep_dir = Path(self.config.hydra.sweep.dir)
         sweep_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(self.config, sweep_dir / "multirun.yaml")

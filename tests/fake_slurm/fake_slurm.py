@@ -1,11 +1,12 @@
-"""Fake SLURM commands for tests: sbatch, srun, sacct, squeue, scancel, scontrol (no cluster needed).
+"""Fake SLURM commands for tests: sbatch, srun, sacct, squeue, scancel, scontrol, sinfo (no cluster needed).
 
 `sbatch` records the submitted script and its array size in $FAKE_SLURM_DIR/submissions.jsonl, answers
 "Submitted batch job <id>" like the real one, and starts a detached runner that executes the array tasks
 one after another on this machine with the SLURM_* variables a real node sets (array ids, CPUs per task),
 the batch output going to the script's --output/--error files. `sacct` reports the states the runner
 records, `srun` runs its command with --output/--error redirected (and notes its pid), `scontrol requeue`
-runs a task again as SLURM does after submitit's USR2 handler asks for it, and the rest only log calls.
+runs a task again as SLURM does after submitit's USR2 handler asks for it, `sinfo` lists the partitions
+$FAKE_SLURM_PARTITIONS names (default: fake, gpu), $FAKE_SLURM_SBATCH_ERROR makes sbatch refuse, and the rest only log calls.
 Used by tests/test_cluster_processes.py, which puts this folder first on PATH.
 """
 
@@ -57,6 +58,9 @@ def next_job_id() -> str:
 
 
 def sbatch(args: list[str]) -> int:
+    if os.environ.get("FAKE_SLURM_SBATCH_ERROR"):  # a submission the controller refuses, as real sbatch reports it
+        print(f"sbatch: error: Batch job submission failed: {os.environ['FAKE_SLURM_SBATCH_ERROR']}", file=sys.stderr)
+        return 1
     script_path = Path([a for a in args if not a.startswith("-")][-1])
     script = script_path.read_text()
     job_id = next_job_id()
@@ -164,6 +168,12 @@ def sacct(args: list[str]) -> int:
     return 0
 
 
+def sinfo(args: list[str]) -> int:
+    """The partitions (one per line, as `sinfo --noheader --format=%R`): $FAKE_SLURM_PARTITIONS, else fake and gpu."""
+    print("\n".join(os.environ.get("FAKE_SLURM_PARTITIONS", "fake,gpu").split(",")))
+    return 0
+
+
 def main() -> int:
     command, args = sys.argv[1], sys.argv[2:]
     if command == "_run_array":
@@ -173,7 +183,7 @@ def main() -> int:
         (STATE_DIR / f"done_{args[0]}_{args[2]}_requeue").write_text("done")
         return code
     log_call(command, args)
-    handlers = {"sbatch": sbatch, "srun": srun, "sacct": sacct, "scontrol": scontrol}
+    handlers = {"sbatch": sbatch, "srun": srun, "sacct": sacct, "scontrol": scontrol, "sinfo": sinfo}
     return handlers[command](args) if command in handlers else 0  # squeue, scancel: logged only
 
 

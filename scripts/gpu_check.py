@@ -1,0 +1,13 @@
+#!/usr/bin/env python3
+"""Run first on a new (GPU) machine: engine exactness per attention kernel, then both benchmarks
+(what `make gpu-check` runs; docs/gpu.md).
+
+    python scripts/gpu_check.py [--help for the options]
+"""
+
+import sys
+
+from keydiff.bench import gpu_check
+
+if __name__ == "__main__":
+    sys.exit(gpu_check.main())
