@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -61,3 +63,102 @@ def test_fork_refuses_a_decoded_state(model):
         state.fork(2)
     with pytest.raises(ValueError, match="positive integer"):
         prefill(model, prompts()[0], "keydiff", BUDGET, BLOCK).fork(0)
+
+
+def separate(model, name, params, ids, settings) -> tuple[list[int], list[torch.Tensor]]:
+    state = prefill(model, ids, build_policy(name, **params), BUDGET, BLOCK)
+    out = generate(model, state, **settings)
+    return out.token_ids[0], kept(state.cache)
+
+
+def batched(model, name, params, all_ids, settings_of, batch_size):
+    """generate_batch over lazily prefilled requests; {key: (tokens, kept positions, result)}."""
+    caches = {}
+
+    def requests():
+        for key, ids in enumerate(all_ids):
+            state = prefill(model, ids, build_policy(name, **params), BUDGET, BLOCK)
+            caches[key] = state.cache
+            yield keydiff.Request(state, key=key, **settings_of(key))
+
+    done = {}
+    for key, out in keydiff.generate_batch(model, requests(), batch_size):
+        done[key] = (out.token_ids[0], kept(caches[key]), out)
+    return done
+
+
+def settings_of(key: int) -> dict:
+    """Different lengths, stop rules and sampling per sequence, so that they stop at different steps."""
+    return {"max_new_tokens": (9, 14, 5, 11)[key % 4], "do_sample": key % 2 == 1, "temperature": 0.9,
+            "seed": 100 + key, "eos_token_ids": (3, 17), "min_new_tokens": 2}
+
+
+@pytest.mark.parametrize("name,params", VARIANTS, ids=IDS)
+def test_batch_of_four_equals_separate_runs(model, name, params):
+    all_ids = prompts() + prompts((45, 77))
+    expected = {key: separate(model, name, params, ids, settings_of(key)) for key, ids in enumerate(all_ids)}
+    for batch_size in (1, 4):
+        got = batched(model, name, params, all_ids, settings_of, batch_size)
+        assert sorted(got) == sorted(expected)
+        for key, (tokens, positions) in expected.items():
+            assert got[key][0] == tokens, (batch_size, key)
+            assert same_kept(got[key][1], positions), (batch_size, key)
+    assert max(max(out.batch_sizes, default=0) for _, _, out in got.values()) == 4
+
+
+def logged(name: str, log: list):
+    """Policy `name` whose every eviction logs the positions and attention statistic it scored."""
+    policy = build_policy(name)
+    cls = type(policy)
+
+    def evict_indices(self, layer, budget):
+        attention = None if layer.attention is None else layer.attention.clone()
+        log.append((layer.positions.clone(), attention))
+        return cls.evict_indices(self, layer, budget)
+
+    return type(f"Logged{cls.__name__}", (cls,), {"evict_indices": evict_indices})(
+        **{f.name: getattr(policy, f.name) for f in dataclasses.fields(policy) if f.init})
+
+
+@pytest.mark.parametrize("name", ["h2o", "keydiff"])
+def test_no_row_ever_scores_an_entry_of_another_row_or_padding(model, name):
+    """Each sequence's evictions see exactly the entries a batch-1 run sees: its own positions, once each, all
+    below the tokens it has seen, with the same attention. Padding a short row (23 tokens) to the others'
+    length, or letting it read a neighbour's entries, would change what it scores here."""
+    all_ids = prompts()
+    settings = {"max_new_tokens": 30, "eos_token_ids": ()}  # 23 + 30 > N: the short row evicts while decoding
+    alone_logs, batch_logs = [], []
+    for ids in all_ids:
+        log = []
+        generate(model, prefill(model, ids, logged(name, log), BUDGET, BLOCK), **settings)
+        alone_logs.append(log)
+
+    def requests():
+        for key, ids in enumerate(all_ids):
+            batch_logs.append([])
+            yield keydiff.Request(prefill(model, ids, logged(name, batch_logs[-1]), BUDGET, BLOCK), key=key, **settings)
+
+    list(keydiff.generate_batch(model, requests(), 4))
+    for ids, alone, batch in zip(all_ids, alone_logs, batch_logs):
+        assert len(batch) == len(alone) > 0
+        for (positions, attention), (expected, expected_attention) in zip(batch, alone):
+            assert torch.equal(positions, expected)
+            assert int(positions.min()) >= 0 and int(positions.max()) < ids.shape[1] + settings["max_new_tokens"]
+            assert all(len(set(head.tolist())) == len(head) for head in positions.reshape(-1, positions.shape[-1]))
+            if expected_attention is not None:
+                torch.testing.assert_close(attention, expected_attention, rtol=1e-5, atol=1e-6)
+
+
+def test_batch_cache_refuses_the_models_own_attention(model):
+    batch = keydiff.BatchCache(3)
+    batch.rows = [prefill(model, prompts()[0], "keydiff", BUDGET, BLOCK).cache]
+    with pytest.raises(RuntimeError, match="keydiff_attention"):
+        model(input_ids=torch.tensor([[5]]), position_ids=torch.tensor([[90]]), past_key_values=batch)
+
+
+def test_bad_batches_are_refused(model):
+    two_rows = prefill(model, torch.cat([prompts()[0]] * 2), "keydiff", BUDGET, BLOCK)
+    with pytest.raises(ValueError, match="one-row prefill"):
+        list(keydiff.generate_batch(model, [keydiff.Request(two_rows, 3)], 2))
+    with pytest.raises(ValueError, match="batch_size must be a positive integer"):
+        list(keydiff.generate_batch(model, [], 0))
