@@ -162,3 +162,23 @@ def test_bad_batches_are_refused(model):
         list(keydiff.generate_batch(model, [keydiff.Request(two_rows, 3)], 2))
     with pytest.raises(ValueError, match="batch_size must be a positive integer"):
         list(keydiff.generate_batch(model, [], 0))
+
+
+def test_throughput_benchmark_runs_on_tiny_sizes(tmp_path):
+    """Runs, not timings: the benchmark's two modes on the tiny random model write their JSON with provenance."""
+    import json
+
+    from keydiff.bench import throughput
+
+    out = tmp_path / "tp.json"
+    throughput.main(["--model", "random-tiny", "--length", "64", "--budget", "24", "--block-size", "16",
+                     "--new-tokens", "3", "--batches", "1,2", "--repeats", "1", "--json", str(out)])
+    record = json.loads(out.read_text())
+    assert {(r["policy"], r["batch"]) for r in record["results"]} == {
+        (p, b) for p in ("full", "keydiff", "transformers") for b in (1, 2)}
+    assert record["command"].startswith("python -m keydiff.bench.throughput") and "code" in record
+    throughput.main(["--model", "random-tiny", "--serving", "--lengths", "64", "--memory-gb", "0.0001", "--budget",
+                     "16", "--block-size", "16", "--new-tokens", "3", "--repeats", "1", "--max-batch", "4",
+                     "--json", str(out)])
+    rows = {r["policy"]: r for r in json.loads(out.read_text())["results"]}
+    assert rows["keydiff"]["sequences_held"] > rows["full"]["sequences_held"] >= 1
