@@ -182,3 +182,30 @@ def test_throughput_benchmark_runs_on_tiny_sizes(tmp_path):
                      "--json", str(out)])
     rows = {r["policy"]: r for r in json.loads(out.read_text())["results"]}
     assert rows["keydiff"]["sequences_held"] > rows["full"]["sequences_held"] >= 1
+
+
+@pytest.mark.parametrize("attn, statistics", [("eager", "materialized"), ("sdpa", "materialized"), ("eager", "fast")])
+@pytest.mark.parametrize("name", ["h2o", "snapkv", "keydiff"])
+def test_statistics_modes_kernels_and_no_decode_eviction_batch_like_separate_runs(attn, statistics, name):
+    """Rows that keep every generated token (evict=False) sit beside rows that evict, under each attention
+    kernel and statistics mode: every row still decodes as it does alone."""
+    from tests.conftest import tiny_llama
+
+    model = tiny_llama(attn)
+    all_ids = prompts()
+
+    def state(ids):
+        return prefill(model, ids, build_policy(name) if name != "snapkv" else build_policy(name, window=8), BUDGET,
+                       BLOCK, attention_statistics=statistics)
+
+    settings = [{"max_new_tokens": 9, "evict": key % 2 == 0, "eos_token_ids": ()} for key in range(len(all_ids))]
+    expected = []
+    for ids, setting in zip(all_ids, settings):
+        alone = state(ids)
+        expected.append((generate(model, alone, **setting).token_ids[0], kept(alone.cache)))
+    states = [state(ids) for ids in all_ids]
+    requests = [keydiff.Request(s, key=key, **setting) for key, (s, setting) in enumerate(zip(states, settings))]
+    got = dict(keydiff.generate_batch(model, requests, 4))
+    for key, (tokens, positions) in enumerate(expected):
+        assert got[key].token_ids[0] == tokens
+        assert same_kept(kept(states[key].cache), positions)
