@@ -434,7 +434,9 @@ def write_summary(cfg, plan: RunPlan, samples, store: ResultStore, record: dict[
     """Metrics over the successful samples, plus how many failed and why, and everything needed to reproduce
     (`record`: keydiff.run.provenance.provenance_record, taken when the run started)."""
     wanted = {s.id for s in samples}
-    latest = [row for sid, row in store.latest_rows().items() if sid in wanted]
+    # In the task's sample order, whatever order the rows were written in (batched runs write them as samples finish).
+    by_id = store.latest_rows()
+    latest = [by_id[s.id] for s in samples if s.id in by_id]
     rows = [row for row in latest if succeeded(row)]
     failures = Counter(row.get("failure_reason", "unknown") for row in latest if is_failed(row))
     summary = {
