@@ -229,8 +229,10 @@ def decoding_segment_attention(
     return torch.stack(outputs)[:, None], statistics if rows != 0 else None
 
 
-def rowwise_attention(attend, module: torch.nn.Module, query: torch.Tensor, passes: list[tuple[Any, torch.Tensor, torch.Tensor]],
-                      scaling: float) -> torch.Tensor:
+def rowwise_attention(
+    attend, module: torch.nn.Module, query: torch.Tensor, passes: list[tuple[Any, torch.Tensor, torch.Tensor]],
+    scaling: float,
+) -> torch.Tensor:
     """Attention of a batch whose rows have caches of their own (keydiff.batching.BatchCache): row r's queries
     [1, H, q, d] against exactly the keys and values its own cache returned (`passes[r]`: cache, keys, values),
     with that cache bound while it runs, so its statistics and masks are the ones a batch-1 run records. Rows

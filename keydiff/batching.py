@@ -126,7 +126,9 @@ class BatchCache(Cache):
         self._passes[layer_idx] = (key_states, passes)
         return key_states, value_states
 
-    def row_passes(self, layer_idx: int, key: torch.Tensor) -> list[tuple[EvictingCache, torch.Tensor, torch.Tensor]] | None:
+    def row_passes(
+        self, layer_idx: int, key: torch.Tensor
+    ) -> list[tuple[EvictingCache, torch.Tensor, torch.Tensor]] | None:
         """For the attention function: each row's (cache, keys, values) of this layer's pass, if `key` is what
         this cache's `update` returned for it (else None: the model runs with some other cache)."""
         entry = self._passes.get(layer_idx)

@@ -49,8 +49,8 @@ from keydiff.tasks.base import Prompt, Task
 log = logging.getLogger(__name__)
 # Keys that do not change what a run computes, so changing them never blocks resuming a run directory.
 # (max_prompt_tokens only decides which samples are recorded as failed; failures are counted in the summary.)
-NON_RESULT_KEYS = ("overwrite", "logger", "results_root", "experiment_name", "run_subdir", "slurm", "threads", "batch_size",
-                   "max_prompt_tokens", "retry_failed", "lock_wait", "dry_run", "only_missing")
+NON_RESULT_KEYS = ("overwrite", "logger", "results_root", "experiment_name", "run_subdir", "slurm", "threads",
+                   "batch_size", "max_prompt_tokens", "retry_failed", "lock_wait", "dry_run", "only_missing")
 
 
 @dataclass
