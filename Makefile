@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: help install run test bench bench-decode bench-scoring bench-peers gpu-check collect smoke leaderboard tables figures figures-runs analysis paper-numbers paper-assets report wandb-sync sweep-local sweep-slurm status clean
+.PHONY: help install run test bench bench-decode bench-throughput bench-scoring bench-peers gpu-check collect smoke leaderboard tables figures figures-runs analysis paper-numbers paper-assets report wandb-sync sweep-local sweep-slurm status clean
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -33,6 +33,9 @@ bench: $(STAMP)  ## prefill benchmark: TTFT per policy and the share spent scori
 
 bench-decode: $(STAMP)  ## decode benchmark: per-token time and allocations at N vs full (--end-to-end, --memory-scaling)
 	$(PY) -m keydiff.bench.decode $(ARGS)
+
+bench-throughput: $(STAMP)  ## batched decode tokens/s, full vs KeyDiff at batch 1-16 (ARGS="--serving --memory-gb 4", "--device cuda")
+	$(PY) -m keydiff.bench.throughput $(ARGS)
 
 bench-scoring: $(STAMP)  ## Tables 19 and 2: scoring-step time/memory per policy vs N and B (quiet machine; ARGS="--shape llama-3.2-3b")
 	$(PY) -m keydiff.bench.scoring table19 $(ARGS)

@@ -27,6 +27,10 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "attention_statistic": "keydiff.attention",
     "keydiff_attention": "keydiff.attention",
+    "BatchCache": "keydiff.batching",
+    "Request": "keydiff.batching",
+    "SequenceResult": "keydiff.batching",
+    "generate_batch": "keydiff.batching",
     "EvictingCache": "keydiff.cache",
     "EvictingLayer": "keydiff.cache",
     "GenerationResult": "keydiff.engine",

@@ -32,6 +32,10 @@ keys and values), and a block that attends to kept entries uses SDPA's lower-rig
 an explicit boolean mask, so SDPA may still pick its flash kernel. FlashAttention needs flash-attn >= 2.1
 (2.0 aligned the causal mask top-left, which is wrong for q_len != kv_len); older versions are refused.
 
+Batches of sequences (keydiff.batching): a bound cache that answers `row_passes(layer_idx, key)` holds one
+evicting cache per batch row; each row is then computed against its own cache's keys and values, that cache
+bound (`rowwise_attention`), so rows of different lengths are never padded and each records its own statistic.
+
 Where the cache comes from: `keydiff_attention(model, cache)` switches the model to these functions and
 binds `cache` for the duration (a context variable, so nothing is stored on the model). The function asks
 the bound cache which statistic it wants only when the keys it was given are the very tensor that cache's
@@ -233,6 +237,33 @@ def decoding_segment_attention(
     return torch.stack(outputs)[:, None], statistics if rows != 0 else None
 
 
+def rowwise_attention(
+    attend, module: torch.nn.Module, query: torch.Tensor, passes: list[tuple[Any, torch.Tensor, torch.Tensor]],
+    scaling: float,
+) -> torch.Tensor:
+    """Attention of a batch whose rows have caches of their own (keydiff.batching.BatchCache): row r's queries
+    [1, H, q, d] against exactly the keys and values its own cache returned (`passes[r]`: cache, keys, values),
+    with that cache bound while it runs, so its statistics and masks are the ones a batch-1 run records. Rows
+    holding different entry counts are never padded to a common length: no row ever scores, keeps or attends to
+    an entry that is not its own. Output [rows, q, H, d]."""
+    outputs = []
+    for row, (cache, key, value) in enumerate(passes):
+        with bound_to(cache):
+            outputs.append(attend(module, query[row : row + 1], key, value, scaling, cache))
+    return torch.cat(outputs, dim=0)
+
+
+@contextmanager
+def bound_to(cache: Any) -> Iterator[None]:
+    """Bind `cache` for the attention functions for the duration, without switching the model's implementation
+    (a batch cache hands each row's pass to that row's own cache this way)."""
+    token = _BOUND_CACHE.set(cache)
+    try:
+        yield
+    finally:
+        _BOUND_CACHE.reset(token)
+
+
 def check_supported(who: str, module: torch.nn.Module, kwargs: dict[str, Any]) -> None:
     """Refuse attention features this module's kernels do not implement, rather than silently ignore them."""
     unsupported = [name for name in ("sliding_window", "softcap", "s_aux") if kwargs.get(name) is not None]
@@ -255,7 +286,17 @@ def make_attention_function(base: str):
     ) -> tuple[torch.Tensor, None]:
         check_supported("keydiff attention", module, kwargs)
         scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-        evicting_cache = _BOUND_CACHE.get()
+        bound = _BOUND_CACHE.get()
+        rows_of = getattr(bound, "row_passes", None)
+        passes = None if rows_of is None else rows_of(module.layer_idx, key)
+        if passes is not None:  # a batch of sequences with caches of their own (keydiff.batching)
+            return rowwise_attention(attend, module, query, passes, scaling), None
+        return attend(module, query, key, value, scaling, bound), None
+
+    def attend(
+        module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
+        evicting_cache: Any,
+    ) -> torch.Tensor:
         if evicting_cache is not None and not evicting_cache.owns(module.layer_idx, key):
             evicting_cache = None  # the model runs with some other cache: plain attention
         rows = 0 if evicting_cache is None else evicting_cache.attention_rows_needed(module.layer_idx)
@@ -269,7 +310,7 @@ def make_attention_function(base: str):
             output, statistic = segment_attention(base, module, query, key, value, scaling, segments, rows, materialize)
             if rows != 0:
                 evicting_cache.record_attention(module.layer_idx, statistic)
-            return output, None
+            return output
         if materialize:
             output, weights = eager_attention(module, query, key, value, scaling)
         else:
@@ -283,7 +324,7 @@ def make_attention_function(base: str):
                 else:
                     statistic = attention_statistic(query, key, scaling, rows, reduction, key_mask)
             evicting_cache.record_attention(module.layer_idx, statistic)
-        return output, None
+        return output
 
     attention.__name__ = f"{REGISTERED[base]}_attention"
     return attention

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
 import torch
@@ -53,6 +53,16 @@ class PrefillResult:
     max_cache_entries: int = 0  # peak entries per layer and KV head during prefill
     max_scratch_entries: int = 0  # peak during reconstruction passes (KVzip: N + B + R + B), else 0
     decoded: bool = False  # set by `generate`: the logits and cache belong to one continuation only
+
+    def fork(self, copies: int) -> list["PrefillResult"]:
+        """`copies` independent states to decode from, without running the prefill again: each has its own copy
+        of the bounded cache (keydiff.EvictingCache.fork; memory `copies` x `cache.kv_cache_bytes`) and of the
+        logits, and shares the read-only snapshot fields (kept_positions, seconds: the one prefill's time).
+        Decoding a fork gives what a separate prefill and decode of the same prompt give (same seed, same
+        tokens). This state stays usable (forking does not decode it)."""
+        if self.decoded:
+            raise RuntimeError("this PrefillResult was already decoded (its cache moved on); fork before generate")
+        return [replace(self, logits=self.logits.clone(), cache=cache) for cache in self.cache.fork(copies)]
 
 
 @dataclass

@@ -20,7 +20,7 @@ def api_blocks() -> list[str]:
 @pytest.mark.real_model
 def test_the_api_page_runs_as_written(capsys):
     blocks = api_blocks()
-    assert len(blocks) == 2 and "keydiff.load_model(" in blocks[0]
+    assert len(blocks) == 3 and "keydiff.load_model(" in blocks[0]
     namespace: dict = {}
     exec(compile(blocks[0], "docs/api.md: block 1", "exec"), namespace)
     first = capsys.readouterr().out
@@ -39,6 +39,16 @@ def test_the_api_page_runs_as_written(capsys):
     exec(compile(blocks[1], "docs/api.md: block 2", "exec"), namespace)
     assert namespace["tokens"] == out.token_ids[0][:8]  # the loop gives keydiff.generate's tokens
     assert namespace["state"].cache.entries_held() <= 128 + 1
+
+    exec(compile(blocks[2], "docs/api.md: block 3", "exec"), namespace)  # fork + generate_batch
+    import keydiff
+
+    model, samples = namespace["model"], namespace["samples"]
+    assert sorted(samples) == [0, 1, 2] and samples[0].batch_sizes[0] == 3
+    for seed in range(3):
+        fresh = keydiff.prefill(model, namespace["input_ids"], namespace["policy"], budget=128, block_size=64)
+        alone = keydiff.generate(model, fresh, max_new_tokens=8, do_sample=True, temperature=0.7, seed=seed)
+        assert samples[seed].token_ids == alone.token_ids
 
 
 def test_load_model_accepts_a_name_a_hub_id_or_a_folder(tmp_path):

@@ -46,6 +46,7 @@ and the same attention statistic, so a plain loop and `keydiff.generate` choose 
 
 from __future__ import annotations
 
+import copy
 import time
 from contextlib import contextmanager
 from typing import Any, Iterator
@@ -250,6 +251,26 @@ class EvictingCache(Cache):
         self._storages = self._distinct_storages()
         self._evicting, self._decoding, self._scratch = True, False, False
         self._pass_position = 0
+
+    def fork(self, copies: int) -> list["EvictingCache"]:
+        """`copies` independent caches holding exactly what this one holds, without re-running the prompt.
+
+        Each copy owns copies of the buffers (keys, values, positions, per-entry policy state), the recorded
+        statistics and the policy object itself (a stateful policy, e.g. random's generator, continues in each
+        copy from where this one stands), so decoding one changes nothing in the others or here; the memory is
+        `copies` x `kv_cache_bytes`. Only the model's output-projection weights (read by CriticalKV, never
+        written) stay shared. Refused inside a scratch pass."""
+        if self._scratch:
+            raise RuntimeError("a cache cannot be forked inside a scratch pass")
+        if isinstance(copies, bool) or int(copies) != copies or copies < 1:
+            raise ValueError(f"copies must be a positive integer, got {copies!r}")
+        shared = {id(weight): weight for storage in self._storages
+                  for weight in getattr(storage, "output_projection", []) if weight is not None}
+        forks = [copy.deepcopy(self, dict(shared)) for _ in range(int(copies))]
+        for cache in forks:
+            for layer in cache.layers:
+                layer.returned_keys = None  # a copy of some earlier pass's tensor: no attention call will bring it
+        return forks
 
     # --- positions (what changes with contiguous key re-rotation) ---------------------------------
     def next_position(self) -> int:

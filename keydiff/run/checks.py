@@ -47,6 +47,19 @@ def _check_positive_int(key: str, value: Any, *, optional: bool, hint: str = "")
         raise ConfigError(f"{key}={value!r} is not valid; valid: {valid}")
 
 
+# Experiments that time a sample's latency alone (TTFT): decoding neighbours would share the machine with it.
+LATENCY_EXPERIMENTS = ("fig7_ttft", "fig17_ttft_eager")
+
+
+def check_batch_size(cfg: DictConfig) -> None:
+    """batch_size: a positive integer; the latency experiments keep batch 1."""
+    batch_size = cfg.get("batch_size", 1)
+    _check_positive_int("batch_size", batch_size, optional=False, hint=" (1: one sample at a time)")
+    if batch_size > 1 and cfg.get("experiment_name") in LATENCY_EXPERIMENTS:
+        raise ConfigError(f"batch_size={batch_size} is not valid for experiment={cfg.experiment_name}: latency "
+                          "experiments time each sample alone; valid: batch_size=1")
+
+
 def _check_bool(key: str, value: Any) -> None:
     if not isinstance(value, bool):
         raise ConfigError(f"{key} must be true or false, got {value!r}")
@@ -118,6 +131,7 @@ def check_run_config(cfg: DictConfig) -> None:
         _check_bool(key, cfg.get(key, False))
     _check_positive_int("threads", cfg.get("threads"), optional=True, hint=" (null: SLURM_CPUS_PER_TASK or torch's default)")
     _check_positive_int("max_prompt_tokens", cfg.get("max_prompt_tokens"), optional=True)
+    check_batch_size(cfg)
     lock_wait = cfg.get("lock_wait", 0)
     if isinstance(lock_wait, bool) or not isinstance(lock_wait, (int, float)) or lock_wait < 0:
         raise ConfigError(f"lock_wait={lock_wait!r} is not valid; valid: seconds >= 0 (0: refuse at once)")

@@ -52,7 +52,8 @@ log = logging.getLogger(__name__)
 # (shard only selects which of the grid point's samples a directory holds: every shard records the grid point's
 # configuration, keydiff.run.shards.)
 NON_RESULT_KEYS = ("overwrite", "logger", "results_root", "experiment_name", "run_subdir", "slurm", "threads",
-                   "max_prompt_tokens", "retry_failed", "lock_wait", "dry_run", "only_missing", "shard")
+                   "batch_size", "max_prompt_tokens", "retry_failed", "lock_wait", "dry_run", "only_missing",
+                   "shard")
 
 
 @dataclass
@@ -205,16 +206,37 @@ def run_sample(
     device = next(model.parameters()).device
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    input_ids = torch.tensor([prompt.input_ids], dtype=torch.long)
+    state, budget = prefill_sample(plan, model, tokenizer, prompt)
+    seed = sample_seed(settings, run_seed, sample)
+    out = generate(model, state, **decode_settings(plan, stop_ids, settings, seed))
+    return sample_row(plan, model, tokenizer, sample, prompt, state, out, budget, seed, code)
+
+
+def prefill_sample(plan: RunPlan, model, tokenizer, prompt: Prompt):
+    """The sample's block-wise prefill with a fresh policy and its own N: (PrefillResult, budget)."""
     budget = plan.sample_budget(len(prompt.input_ids))
-    state = prefill(model, input_ids, plan.new_policy(), budget, plan.block_size, plan.statistics,
-                    tokenizer=tokenizer)
-    seed = settings.seed if settings.seed is not None else derived_seed(run_seed, sample.id)
-    out = generate(
-        model, state, settings.max_new_tokens, list(stop_ids) + list(settings.stop_token_ids),
-        do_sample=settings.do_sample, temperature=settings.temperature, top_p=settings.top_p,
-        min_new_tokens=settings.min_new_tokens, seed=seed, evict=plan.decode_eviction,
-    )
+    state = prefill(model, torch.tensor([prompt.input_ids], dtype=torch.long), plan.new_policy(), budget,
+                    plan.block_size, plan.statistics, tokenizer=tokenizer)
+    return state, budget
+
+
+def sample_seed(settings, run_seed: int, sample) -> int:
+    """The task's seed for this sample, else one derived from the run seed and the sample id."""
+    return settings.seed if settings.seed is not None else derived_seed(run_seed, sample.id)
+
+
+def decode_settings(plan: RunPlan, stop_ids: list[int], settings, seed: int) -> dict[str, Any]:
+    """keydiff.generate's arguments for a sample (keydiff.batching.Request takes the same)."""
+    return dict(max_new_tokens=settings.max_new_tokens, eos_token_ids=list(stop_ids) + list(settings.stop_token_ids),
+                do_sample=settings.do_sample, temperature=settings.temperature, top_p=settings.top_p,
+                min_new_tokens=settings.min_new_tokens, seed=seed, evict=plan.decode_eviction)
+
+
+def sample_row(plan: RunPlan, model, tokenizer, sample, prompt: Prompt, state, out, budget: int | None, seed: int,
+               code: str | None) -> dict[str, Any]:
+    """The result row of a decoded sample (`state`: its prefill, `out`: its one-row GenerationResult)."""
+    settings = prompt.generation
+    device = next(model.parameters()).device
     tokens = out.token_ids[0]
     prediction = tokenizer.decode(tokens, skip_special_tokens=True)
     length = len(prompt.input_ids)
@@ -263,20 +285,11 @@ def failed_row(plan: RunPlan, sample, prompt: Prompt, reason: str, message: str,
 
 def process_sample(plan: RunPlan, model, tokenizer, stop_ids, sample, cfg: DictConfig, code, signals) -> dict[str, Any]:
     """Run one sample; out-of-memory and the prompt cap give a failed row, any other error stops the run."""
-    cap = cfg.get("max_prompt_tokens")
     out_of_memory = None
     with signals.interruptible():
-        prompt = plan.task.build_prompt(sample, tokenizer, plan.model_cfg.max_length)
-        if cap is not None and len(prompt.input_ids) > cap:
-            return failed_row(plan, sample, prompt, "max_prompt_tokens",
-                              f"prompt has {len(prompt.input_ids)} tokens > max_prompt_tokens={cap}", code)
-        budget = plan.sample_budget(len(prompt.input_ids))
-        if plan.ratio is not None and budget is not None:
-            try:
-                plan.new_policy().check(budget)
-            except ValueError as error:  # e.g. a sink or window larger than this short prompt's N
-                return failed_row(plan, sample, prompt, "budget_too_small",
-                                  f"budget.ratio={plan.ratio} gives N={budget} for this prompt: {error}", code)
+        prompt, refused = screen_sample(plan, tokenizer, sample, cfg, code)
+        if refused is not None:
+            return refused
         try:
             return run_sample(plan, model, tokenizer, stop_ids, sample, int(cfg.seed), code, prompt=prompt)
         except Exception as error:  # Preempted is a BaseException and passes through
@@ -286,6 +299,24 @@ def process_sample(plan: RunPlan, model, tokenizer, stop_ids, sample, cfg: DictC
     release_memory()  # outside the except block, once the traceback (and the tensors it pins) is gone
     log.warning("sample %s ran out of memory (%d prompt tokens): recorded as failed", sample.id, len(prompt.input_ids))
     return failed_row(plan, sample, prompt, "out_of_memory", out_of_memory, code)
+
+
+def screen_sample(plan: RunPlan, tokenizer, sample, cfg: DictConfig, code) -> tuple[Prompt, dict[str, Any] | None]:
+    """The sample's prompt, and its failed row if it must not run (over max_prompt_tokens, or a ratio budget
+    whose N the policy refuses), else None."""
+    cap = cfg.get("max_prompt_tokens")
+    prompt = plan.task.build_prompt(sample, tokenizer, plan.model_cfg.max_length)
+    if cap is not None and len(prompt.input_ids) > cap:
+        return prompt, failed_row(plan, sample, prompt, "max_prompt_tokens",
+                                  f"prompt has {len(prompt.input_ids)} tokens > max_prompt_tokens={cap}", code)
+    budget = plan.sample_budget(len(prompt.input_ids))
+    if plan.ratio is not None and budget is not None:
+        try:
+            plan.new_policy().check(budget)
+        except ValueError as error:  # e.g. a sink or window larger than this short prompt's N
+            return prompt, failed_row(plan, sample, prompt, "budget_too_small",
+                                      f"budget.ratio={plan.ratio} gives N={budget} for this prompt: {error}", code)
+    return prompt, None
 
 
 def run_statistics(rows: list[dict[str, Any]], plan: RunPlan) -> dict[str, Any]:
@@ -379,9 +410,9 @@ def execute(cfg: DictConfig, plan: RunPlan, samples: list, run_dir: str | Path,
                     stop_ids = eos_token_ids(model, tokenizer)
                     provenance = model_provenance(plan.model_cfg, model)
                     warm_up(plan, model, tokenizer, todo[0])
-                for sample in tqdm(todo, desc=f"{plan.task.name}/{plan.policy_name}", unit="sample"):
-                    row = {**process_sample(plan, model, tokenizer, stop_ids, sample, cfg, code, signals),
-                           "threads": threads}
+                for row in tqdm(sample_rows(plan, model, tokenizer, stop_ids, todo, cfg, code, signals),
+                                total=len(todo), desc=f"{plan.task.name}/{plan.policy_name}", unit="sample"):
+                    row = {**row, "threads": threads}
                     store.append(row)
                     tracker.log_row(row)
                     signals.check()  # a signal during the write stops here, after the row is whole
@@ -394,13 +425,27 @@ def execute(cfg: DictConfig, plan: RunPlan, samples: list, run_dir: str | Path,
     return summary
 
 
+def sample_rows(plan: RunPlan, model, tokenizer, stop_ids, todo: list, cfg: DictConfig, code, signals):
+    """The rows of the samples to run: one at a time, or `batch_size` decoding together (keydiff.run.batched)."""
+    batch_size = int(cfg.get("batch_size", 1))
+    if batch_size > 1:
+        from keydiff.run.batched import batched_rows  # it builds on this module's sample helpers
+
+        yield from batched_rows(plan, model, tokenizer, stop_ids, todo, cfg, code, signals, batch_size)
+        return
+    for sample in todo:
+        yield process_sample(plan, model, tokenizer, stop_ids, sample, cfg, code, signals)
+
+
 def write_summary(cfg, plan: RunPlan, samples, store: ResultStore, record: dict[str, Any], provenance, threads: int,
                   stopped_by: str | None = None, data: dict[str, str] | None = None) -> dict[str, Any]:
     """Metrics over the successful samples, plus how many failed and why, and everything needed to reproduce
     (`record`: keydiff.run.provenance.provenance_record, taken when the run started; `data`: the task's
     data_sources, recorded by the runs a merge of shards reads, keydiff.run.shard_merge)."""
     wanted = {s.id for s in samples}
-    latest = [row for sid, row in store.latest_rows().items() if sid in wanted]
+    # In the task's sample order, whatever order the rows were written in (batched runs write them as samples finish).
+    by_id = store.latest_rows()
+    latest = [by_id[s.id] for s in samples if s.id in by_id]
     rows = [row for row in latest if succeeded(row)]
     failures = Counter(row.get("failure_reason", "unknown") for row in latest if is_failed(row))
     summary = {
@@ -420,6 +465,7 @@ def write_summary(cfg, plan: RunPlan, samples, store: ResultStore, record: dict[
         "attention_statistics": plan.statistics,
         "decode_eviction": plan.decode_eviction,
         "threads": threads,
+        "batch_size": int(cfg.get("batch_size", 1)),  # sequences decoding together (1: one sample at a time)
         "max_prompt_tokens": cfg.get("max_prompt_tokens"),
         "config": OmegaConf.to_container(cfg, resolve=True),
         "code": {**record["code"], "row_commits": sorted({str(row.get("code")) for row in rows})},

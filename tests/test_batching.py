@@ -1,0 +1,211 @@
+"""Many sequences from bounded caches: forking a prefilled state, and batched continuous decoding
+(keydiff.batching), each checked against separate batch-1 runs (same tokens, same kept positions)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import keydiff
+from keydiff import available_policies, build_policy, generate, prefill
+
+BUDGET, BLOCK = 40, 16
+# Every registered policy, plus the wrappers and cache layouts that change how a cache is built.
+VARIANTS = [(name, {}) for name in available_policies()] + [
+    ("keydiff", {"head_budgets": "adakv"}),
+    ("snapkv", {"head_budgets": "adakv", "window": 8}),
+    ("keydiff", {"key_rerotation": "contiguous"}),
+    ("keydiff", {"key_rerotation": True}),
+    ("keydiff", {"window_fraction": 0.25}),
+    ("keydiff", {"layer_budgets": {"schedule": "pyramid", "beta": 20}}),
+    ("keydiff", {"critical": True}),
+]
+IDS = [name + "".join(f"-{k}={v}" for k, v in params.items()) for name, params in VARIANTS]
+
+
+def prompts(lengths=(90, 23, 130, 61)) -> list[torch.Tensor]:
+    """Prompts of different lengths, one shorter than the budget N (23 < 40)."""
+    generator = torch.Generator().manual_seed(7)
+    return [torch.randint(0, 256, (1, n), generator=generator) for n in lengths]
+
+
+def kept(cache) -> list[torch.Tensor]:
+    return [positions.clone() for positions in cache.kept_positions()]
+
+
+def same_kept(a, b) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("name,params", VARIANTS, ids=IDS)
+def test_fork_equals_separate_runs(model, name, params):
+    ids = prompts()[0]
+    state = prefill(model, ids, build_policy(name, **params), BUDGET, BLOCK)
+    forks = state.fork(3)
+    assert all(f.cache is not state.cache and f.cache.kv_cache_bytes == state.cache.kv_cache_bytes for f in forks)
+    for seed, fork in zip((1, 2, 3), forks):
+        alone = prefill(model, ids, build_policy(name, **params), BUDGET, BLOCK)
+        expected = generate(model, alone, 12, do_sample=True, temperature=0.8, seed=seed)
+        got = generate(model, fork, 12, do_sample=True, temperature=0.8, seed=seed)
+        assert got.token_ids == expected.token_ids
+        assert same_kept(kept(fork.cache), kept(alone.cache))
+    # The forked-from state is untouched and still decodes like a fresh one.
+    alone = prefill(model, ids, build_policy(name, **params), BUDGET, BLOCK)
+    assert generate(model, state, 12).token_ids == generate(model, alone, 12).token_ids
+
+
+def test_fork_refuses_a_decoded_state(model):
+    state = prefill(model, prompts()[0], "keydiff", BUDGET, BLOCK)
+    generate(model, state, 2)
+    with pytest.raises(RuntimeError, match="fork before generate"):
+        state.fork(2)
+    with pytest.raises(ValueError, match="positive integer"):
+        prefill(model, prompts()[0], "keydiff", BUDGET, BLOCK).fork(0)
+
+
+def separate(model, name, params, ids, settings) -> tuple[list[int], list[torch.Tensor]]:
+    state = prefill(model, ids, build_policy(name, **params), BUDGET, BLOCK)
+    out = generate(model, state, **settings)
+    return out.token_ids[0], kept(state.cache)
+
+
+def batched(model, name, params, all_ids, settings_of, batch_size):
+    """generate_batch over lazily prefilled requests; {key: (tokens, kept positions, result)}."""
+    caches = {}
+
+    def requests():
+        for key, ids in enumerate(all_ids):
+            state = prefill(model, ids, build_policy(name, **params), BUDGET, BLOCK)
+            caches[key] = state.cache
+            yield keydiff.Request(state, key=key, **settings_of(key))
+
+    done = {}
+    for key, out in keydiff.generate_batch(model, requests(), batch_size):
+        done[key] = (out.token_ids[0], kept(caches[key]), out)
+    return done
+
+
+def settings_of(key: int) -> dict:
+    """Different lengths, stop rules and sampling per sequence, so that they stop at different steps."""
+    return {"max_new_tokens": (9, 14, 5, 11)[key % 4], "do_sample": key % 2 == 1, "temperature": 0.9,
+            "seed": 100 + key, "eos_token_ids": (3, 17), "min_new_tokens": 2}
+
+
+@pytest.mark.parametrize("name,params", VARIANTS, ids=IDS)
+def test_batch_of_four_equals_separate_runs(model, name, params):
+    all_ids = prompts() + prompts((45, 77))
+    expected = {key: separate(model, name, params, ids, settings_of(key)) for key, ids in enumerate(all_ids)}
+    for batch_size in (1, 4):
+        got = batched(model, name, params, all_ids, settings_of, batch_size)
+        assert sorted(got) == sorted(expected)
+        for key, (tokens, positions) in expected.items():
+            assert got[key][0] == tokens, (batch_size, key)
+            assert same_kept(got[key][1], positions), (batch_size, key)
+    assert max(max(out.batch_sizes, default=0) for _, _, out in got.values()) == 4
+
+
+def logged(name: str, log: list):
+    """Policy `name` whose every eviction logs the positions and attention statistic it scored."""
+    policy = build_policy(name)
+    cls = type(policy)
+
+    def evict_indices(self, layer, budget):
+        attention = None if layer.attention is None else layer.attention.clone()
+        log.append((layer.positions.clone(), attention))
+        return cls.evict_indices(self, layer, budget)
+
+    return type(f"Logged{cls.__name__}", (cls,), {"evict_indices": evict_indices})(
+        **{f.name: getattr(policy, f.name) for f in dataclasses.fields(policy) if f.init})
+
+
+@pytest.mark.parametrize("name", ["h2o", "keydiff"])
+def test_no_row_ever_scores_an_entry_of_another_row_or_padding(model, name):
+    """Each sequence's evictions see exactly the entries a batch-1 run sees: its own positions, once each, all
+    below the tokens it has seen, with the same attention. Padding a short row (23 tokens) to the others'
+    length, or letting it read a neighbour's entries, would change what it scores here."""
+    all_ids = prompts()
+    settings = {"max_new_tokens": 30, "eos_token_ids": ()}  # 23 + 30 > N: the short row evicts while decoding
+    alone_logs, batch_logs = [], []
+    for ids in all_ids:
+        log = []
+        generate(model, prefill(model, ids, logged(name, log), BUDGET, BLOCK), **settings)
+        alone_logs.append(log)
+
+    def requests():
+        for key, ids in enumerate(all_ids):
+            batch_logs.append([])
+            yield keydiff.Request(prefill(model, ids, logged(name, batch_logs[-1]), BUDGET, BLOCK), key=key, **settings)
+
+    list(keydiff.generate_batch(model, requests(), 4))
+    for ids, alone, batch in zip(all_ids, alone_logs, batch_logs):
+        assert len(batch) == len(alone) > 0
+        for (positions, attention), (expected, expected_attention) in zip(batch, alone):
+            assert torch.equal(positions, expected)
+            assert int(positions.min()) >= 0 and int(positions.max()) < ids.shape[1] + settings["max_new_tokens"]
+            assert all(len(set(head.tolist())) == len(head) for head in positions.reshape(-1, positions.shape[-1]))
+            if expected_attention is not None:
+                torch.testing.assert_close(attention, expected_attention, rtol=1e-5, atol=1e-6)
+
+
+def test_batch_cache_refuses_the_models_own_attention(model):
+    batch = keydiff.BatchCache(3)
+    batch.rows = [prefill(model, prompts()[0], "keydiff", BUDGET, BLOCK).cache]
+    with pytest.raises(RuntimeError, match="keydiff_attention"):
+        model(input_ids=torch.tensor([[5]]), position_ids=torch.tensor([[90]]), past_key_values=batch)
+
+
+def test_bad_batches_are_refused(model):
+    two_rows = prefill(model, torch.cat([prompts()[0]] * 2), "keydiff", BUDGET, BLOCK)
+    with pytest.raises(ValueError, match="one-row prefill"):
+        list(keydiff.generate_batch(model, [keydiff.Request(two_rows, 3)], 2))
+    with pytest.raises(ValueError, match="batch_size must be a positive integer"):
+        list(keydiff.generate_batch(model, [], 0))
+
+
+def test_throughput_benchmark_runs_on_tiny_sizes(tmp_path):
+    """Runs, not timings: the benchmark's two modes on the tiny random model write their JSON with provenance."""
+    import json
+
+    from keydiff.bench import throughput
+
+    out = tmp_path / "tp.json"
+    throughput.main(["--model", "random-tiny", "--length", "64", "--budget", "24", "--block-size", "16",
+                     "--new-tokens", "3", "--batches", "1,2", "--repeats", "1", "--json", str(out)])
+    record = json.loads(out.read_text())
+    assert {(r["policy"], r["batch"]) for r in record["results"]} == {
+        (p, b) for p in ("full", "keydiff", "transformers") for b in (1, 2)}
+    assert record["command"].startswith("python -m keydiff.bench.throughput") and "code" in record
+    throughput.main(["--model", "random-tiny", "--serving", "--lengths", "64", "--memory-gb", "0.0001", "--budget",
+                     "16", "--block-size", "16", "--new-tokens", "3", "--repeats", "1", "--max-batch", "4",
+                     "--json", str(out)])
+    rows = {r["policy"]: r for r in json.loads(out.read_text())["results"]}
+    assert rows["keydiff"]["sequences_held"] > rows["full"]["sequences_held"] >= 1
+
+
+@pytest.mark.parametrize("attn, statistics", [("eager", "materialized"), ("sdpa", "materialized"), ("eager", "fast")])
+@pytest.mark.parametrize("name", ["h2o", "snapkv", "keydiff"])
+def test_statistics_modes_kernels_and_no_decode_eviction_batch_like_separate_runs(attn, statistics, name):
+    """Rows that keep every generated token (evict=False) sit beside rows that evict, under each attention
+    kernel and statistics mode: every row still decodes as it does alone."""
+    from tests.conftest import tiny_llama
+
+    model = tiny_llama(attn)
+    all_ids = prompts()
+
+    def state(ids):
+        return prefill(model, ids, build_policy(name) if name != "snapkv" else build_policy(name, window=8), BUDGET,
+                       BLOCK, attention_statistics=statistics)
+
+    settings = [{"max_new_tokens": 9, "evict": key % 2 == 0, "eos_token_ids": ()} for key in range(len(all_ids))]
+    expected = []
+    for ids, setting in zip(all_ids, settings):
+        alone = state(ids)
+        expected.append((generate(model, alone, **setting).token_ids[0], kept(alone.cache)))
+    states = [state(ids) for ids in all_ids]
+    requests = [keydiff.Request(s, key=key, **setting) for key, (s, setting) in enumerate(zip(states, settings))]
+    got = dict(keydiff.generate_batch(model, requests, 4))
+    for key, (tokens, positions) in enumerate(expected):
+        assert got[key].token_ids[0] == tokens
+        assert same_kept(kept(states[key].cache), positions)
