@@ -41,7 +41,7 @@ def is_ruler(summary: dict) -> bool:
 def ruler_rows(runs: Path) -> pd.DataFrame:
     """One row per RULER run: identity columns, per-task scores, average and marks."""
     rows = []
-    for path in grid_point_summaries(runs, stale_points(runs)):  # a shard's summary is part of its grid point's
+    for path in grid_point_summaries(runs, stale_points(runs)):  # shards are parts; moved-aside runs never
         summary = json.loads(path.read_text(encoding="utf-8"))
         if not is_ruler(summary):
             continue

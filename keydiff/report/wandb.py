@@ -44,6 +44,7 @@ from keydiff.config import budget_label
 from keydiff.paper.reference import paper_values, read_tables
 from keydiff.paper.registry import table_numbers
 from keydiff.report.render import budget_tokens
+from keydiff.run.results import is_moved_aside
 from keydiff.run.shards import is_shard_dir
 from keydiff.run.tracking import headline
 
@@ -115,7 +116,7 @@ def recorded_configs(experiment_dir: Path) -> list[dict[str, Any]]:
     configs, points = [], set()
     for path in sorted(experiment_dir.rglob("run_config.json")):
         parts = path.relative_to(experiment_dir).parts
-        if any(part.startswith(".") or ".old-" in part for part in parts):
+        if any(part.startswith(".") for part in parts) or is_moved_aside(path.parent, experiment_dir):
             continue
         # A shard (keydiff.run.shards) records its grid point's configuration: one per point.
         point = path.parent.parent.parent if is_shard_dir(path.parent) else path.parent
