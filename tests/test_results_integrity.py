@@ -168,3 +168,91 @@ def test_the_caption_counts_the_tasks_the_cells_hold():
     assert "13 tasks" not in two and "2 of 13" in two
     _, _, all_tasks = board([row("keydiff", b, 10.0, tasks=TASKS) for b in RATIOS])
     assert "(13 tasks; string match)" in all_tasks
+
+
+# ------------------------------------------------------------------------------ task.limit >= samples
+def run_py(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "run.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+
+
+def compose(*overrides: str):
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        return hydra_compose("config", overrides=list(overrides))
+
+
+@pytest.mark.parametrize("overrides, covers", [
+    (["task.limit=6"], True), (["task.limit=99"], True), (["task.limit=5"], False),  # niah_small: 6 samples
+    (["task=phonebook", "task.sizes=[20]", "task.books_per_size=2", "task.limit=2"], True),
+    (["task=phonebook", "task.sizes=[20]", "task.books_per_size=2", "task.limit=1"], False),
+    (["task=ruler_4k", "task.tasks=[vt,cwe]", "task.num_samples=3", "task.limit=3"], True),  # limit: per RULER task
+    (["task=ruler_4k", "task.tasks=[vt,cwe]", "task.num_samples=3", "task.limit=4"], True),
+    (["task=ruler_4k", "task.tasks=[vt,cwe]", "task.num_samples=3", "task.limit=2"], False),
+])
+def test_a_limit_covers_the_task_when_it_selects_every_sample(overrides, covers):
+    from keydiff.run.checks import drop_whole_task_limit, limit_covers_task
+
+    cfg = compose(*overrides)
+    assert limit_covers_task(cfg) is covers
+    assert drop_whole_task_limit(cfg) is covers and (cfg.task.limit is None) is covers
+    assert str(cfg.run_subdir).endswith("seed0") is covers
+
+
+def test_limit_at_or_above_the_sample_count_is_the_whole_runs_directory(tmp_path):
+    """`task.limit=99` on the 6-sample default task writes the whole run's `seed0` (a dry run says so), and a
+    sweep over limits 99 and 6 runs that point once; `make status` shows the same directory."""
+    from keydiff.run.status import experiment_status
+
+    whole = tmp_path / "adhoc/niah_small/smollm2-135m/keydiff/2k/bs128/seed0"
+    result = run_py("task.limit=99", "dry_run=true", f"results_root={tmp_path}")
+    assert result.returncode == 0, result.stderr
+    assert f"would write {whole};" in result.stdout and "covers every sample" in result.stdout + result.stderr
+    result = run_py("-m", "task.limit=99,6,2", "dry_run=true", f"results_root={tmp_path}")
+    assert result.returncode == 0, result.stderr
+    assert "2 grid point(s)" in result.stdout and result.stdout.count(f"{whole}  [") == 1 and "seed0-limit2" in result.stdout
+    assert not list(tmp_path.iterdir())  # dry runs create nothing
+    (row,) = experiment_status("smoke", ["policy=keydiff", "budget=2k", "task.limit=99", f"results_root={tmp_path}"])
+    assert row[1].name == "seed0"
+
+
+@pytest.mark.real_model
+def test_a_limit_above_the_sample_count_reuses_the_whole_run(tmp_path):
+    """The issue's sequence: the whole run, then the same run with task.limit=99: the same directory, nothing
+    recomputed, no `-limit99` duplicate."""
+    task = ("task.context_lengths=[700]", "task.depths=[50]", "task.max_new_tokens=4", f"results_root={tmp_path}")
+    first = run_py(*task)
+    assert first.returncode == 0, first.stderr[-2000:]
+    (predictions,) = tmp_path.rglob("predictions.jsonl")
+    before = predictions.read_text()
+    second = run_py(*task, "task.limit=99")
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert [p.parent.name for p in tmp_path.rglob("predictions.jsonl")] == ["seed0"]
+    assert predictions.read_text() == before and "1 already done" in second.stdout + second.stderr
+
+
+# ------------------------------------------------------------------------------ device refused, no directory
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has CUDA: model.device=cuda is valid here")
+def test_a_missing_device_is_refused_before_any_directory_exists(tmp_path):
+    """`model.device=cuda` without a GPU: one error line, exit 2, no run directory, so the corrected command
+    (device auto) is not refused as "a different configuration"."""
+    result = run_py("model.device=cuda", f"results_root={tmp_path}")
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+        "error: model.device=cuda is not available on this machine (0 CUDA device(s)); valid here: auto, cpu"]
+    assert not list(tmp_path.iterdir())
+    sweep = run_py("-m", "model.device=cuda:0", "policy=keydiff,tova", f"results_root={tmp_path}")
+    assert sweep.returncode == 2 and "model.device=cuda:0 is not available" in sweep.stderr
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_slurm_sweep_leaves_the_device_to_the_node():
+    """The login node that submits a SLURM array has no GPU: its points are checked without the device."""
+    from keydiff.run.checks import check_run_config
+
+    cfg = compose("model.device=cuda")
+    check_run_config(cfg, runs_here=False)
+    if not __import__("torch").cuda.is_available():
+        with pytest.raises(ValueError, match="model.device=cuda is not available"):
+            check_run_config(cfg)

@@ -16,6 +16,8 @@ before the model is loaded.
 from __future__ import annotations
 
 import functools
+import itertools
+import logging
 import os
 import ssl
 import threading
@@ -24,11 +26,14 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Sequence
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from keydiff.run.results import run_dir_of
 from keydiff.run.shards import parse_shard
 from keydiff.config import STATISTICS_MODES, ratio_label
+
+
+log = logging.getLogger(__name__)
 
 
 class ConfigError(ValueError):
@@ -96,10 +101,10 @@ def check_results_root(root: str | os.PathLike) -> None:
         )
 
 
-def check_run_config(cfg: DictConfig) -> None:
+def check_run_config(cfg: DictConfig, runs_here: bool = True) -> None:
     """The configuration check of a run: top-level values, the model entry, the task (built, not loaded),
-    the Hub when something must be downloaded, and W&B logging. Raises ConfigError (a ValueError) with
-    the valid choices."""
+    the device (`runs_here`: the run executes on this machine, not on a SLURM node), the Hub when something
+    must be downloaded, and W&B logging. Raises ConfigError (a ValueError) with the valid choices."""
     from hydra.utils import instantiate
 
     from keydiff.models import ModelConfig
@@ -134,8 +139,57 @@ def check_run_config(cfg: DictConfig) -> None:
     task.validate()
     task.check_model(model_cfg.max_length)
     if not cfg.get("dry_run", False):  # a dry run downloads and logs nothing
+        if runs_here:
+            check_device(model_cfg)
         check_hub_downloads(model_cfg, task)
         tracking.check(cfg)
+
+
+def check_device(model_cfg) -> None:
+    """An explicit model.device (cuda, cuda:1, mps) must exist on this machine: refused here, before any run
+    directory exists, not when the model loads (torch is imported only for such a device)."""
+    if model_cfg.device in ("auto", "cpu"):
+        return
+    import torch
+
+    cuda = [f"cuda:{i}" for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+    here = ["auto", "cpu"] + (["cuda", *cuda] if cuda else []) + (["mps"] if torch.backends.mps.is_available() else [])
+    if model_cfg.device not in here:
+        what = "no MPS device" if model_cfg.device == "mps" else f"{len(cuda)} CUDA device(s)"
+        raise ConfigError(f"model.device={model_cfg.device} is not available on this machine ({what}); "
+                          f"valid here: {', '.join(here)}")
+
+
+def limit_covers_task(cfg: DictConfig) -> bool:
+    """task.limit selects every sample of the task (a limit at or above its size): the run is the whole run.
+    Compared by sample ids, so it holds for every task's meaning of limit (samples, problems, per dataset).
+    False when the data cannot be listed here (the limit then stays as given)."""
+    from hydra.utils import instantiate
+
+    if cfg.task.get("limit") is None:
+        return False
+    try:
+        limited = [sample.id for sample in instantiate(cfg.task, _convert_="all").samples()]
+        whole = instantiate(cfg.task, limit=None, _convert_="all")
+        if whole.hub_downloads() and hub_unreachable():
+            return False
+        first = [sample.id for sample in itertools.islice(whole.samples(), len(limited) + 1)]  # never all of a big task
+    except (OSError, ValueError, ImportError, RuntimeError):
+        return False
+    return len(first) == len(limited) and set(first) == set(limited)
+
+
+def drop_whole_task_limit(cfg: DictConfig) -> bool:
+    """Set task.limit to null in `cfg` when it covers the whole task, so that the run goes to the whole run's
+    directory (`seed0`, not `seed0-limit99`) and reuses what it holds; True if it did."""
+    if not limit_covers_task(cfg):
+        return False
+    limit = cfg.task.limit
+    with read_write(cfg), open_dict(cfg), read_write(cfg.task), open_dict(cfg.task):
+        cfg.task.limit = None
+    log.info("task.limit=%s covers every sample of task %s: this is the whole run (%s)", limit, cfg.task.get("name"),
+             run_dir_of(cfg))
+    return True
 
 
 # --------------------------------------------------------------------------------------------- the Hub
@@ -294,6 +348,7 @@ def _check_single_run(config: DictConfig) -> None:
     """Hydra callback body for a single run: the checks (and dry_run) before Hydra creates the run directory."""
     try:
         check_run_config(config)
+        drop_whole_task_limit(config)  # Hydra's run directory comes from this config: the whole run's
     except ValueError as error:
         exit_with_error(describe_error(error))
     if config.get("dry_run", False):

@@ -27,7 +27,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
 import keydiff  # noqa: F401  (config resolvers)
-from keydiff.run.checks import describe_error, exit_with_error
+from keydiff.run.checks import describe_error, drop_whole_task_limit, exit_with_error
 from keydiff.run.results import run_dir_of
 from keydiff.run.sweep import PointStatus, grid_points, point_status, sample_ids
 
@@ -46,6 +46,7 @@ def experiment_status(experiment: str, overrides: list[str]) -> list[tuple[list[
         result = []
         for point in grid_points(params, arguments, loader):
             cfg = compose("config", overrides=point)
+            drop_whole_task_limit(cfg)  # a limit covering the whole task runs into the whole run's directory
             run_dir = run_dir_of(cfg)
             result.append((point, run_dir, point_status(run_dir, sample_ids(cfg))))
     return result
