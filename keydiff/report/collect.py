@@ -33,7 +33,6 @@ or listed in a table; `--include-old` lists them (and only lists them).
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 from pathlib import Path
@@ -42,6 +41,7 @@ import pandas as pd
 
 from keydiff.paper.registry import LONGBENCH, baseline_experiment
 from keydiff.report.render import grouped_mean_se, standard_error
+from keydiff.run.checks import ArgumentParser
 from keydiff.run.results import is_moved_aside, run_summaries, successful_rows
 from keydiff.run.shard_merge import UP_TO_DATE, grid_point_summaries, merge_all
 from keydiff.run.tracking import HEADLINE, flatten
@@ -272,7 +272,7 @@ def moved_aside(runs: Path) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> pd.DataFrame:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=Path, default=Path("results/runs"), help="root of the run directories")
     parser.add_argument("--out", type=Path, default=Path("results/summary.csv"))
     parser.add_argument("--include-old", action="store_true",

@@ -15,16 +15,19 @@ before the model is loaded.
 
 from __future__ import annotations
 
+import argparse
 import functools
 import itertools
 import logging
 import os
+import re
 import ssl
+import sys
 import threading
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, NoReturn, Sequence
 
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
@@ -273,6 +276,7 @@ def describe_error(error: BaseException) -> str:
     return " | ".join(lines[:6]) if lines else type(error).__name__
 
 
+_ABSENT = object()
 # Hydra's own command-line flags other than -m: with any of them run.py leaves the command line to Hydra.
 RUN_FLAGS = ("-m", "--multirun")
 
@@ -295,6 +299,38 @@ def check_group_value(conf_dir: Path, group: str, value: Any) -> None:
         valid += (f", or a token count: budget.tokens={tokens if tokens else '<positive integer>'}"
                   + (f" (the same as {named})" if named else ""))
     raise ConfigError(f"{group}={value} is not valid; valid: {valid}")
+
+
+def check_group_name(conf_dir: Path, group: str, value: str) -> None:
+    """`budget=r0.3` names no file: list the presets and say how to give any ratio (as `budget=3000` is told
+    how to give any token count)."""
+    ratio = re.fullmatch(r"r(\d*\.?\d+)", value) if group == "budget" else None
+    options = group_options(conf_dir, group)
+    if ratio and value not in options:
+        raise ConfigError(f"budget={value} is not valid; valid: {', '.join(options)}, or any ratio: "
+                          f"budget=r0.25 budget.ratio={ratio[1]}")
+
+
+def unknown_key(conf_dir: Path, config_name: str, key: str, overrides: list[str]) -> str:
+    """The one line for an override of a key that is not in the configuration (`polcy=tova`): the valid
+    config groups and keys at the level of the typo (Hydra would suggest `+polcy=tova`, which adds it)."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(str(conf_dir), version_base="1.3"):
+        cfg = compose(config_name, overrides=overrides)
+    parts, node, known = key.split("."), cfg, []
+    for part in parts[:-1]:
+        if not isinstance(node, DictConfig) or part not in node:
+            break
+        node, known = node[part], known + [part]
+    where = ".".join(known)
+    keys = sorted(str(k) for k in node.keys()) if isinstance(node, DictConfig) else []
+    typo = ".".join(known + [parts[len(known)]])
+    if not known:
+        groups = sorted(p.name for p in conf_dir.iterdir() if p.is_dir() and p.name != "hydra" and any(p.glob("*.yaml")))
+        return (f"{typo} is not a config group or key; valid groups: {', '.join(groups)}; valid keys: "
+                f"{', '.join(k for k in keys if k not in groups)}")
+    return f"{typo} is not a key of {where}; valid: {', '.join(keys) or 'none'}"
 
 
 def check_command_line(argv: Sequence[str], conf_dir: str | os.PathLike, config_name: str = "config") -> None:
@@ -325,21 +361,48 @@ def check_command_line(argv: Sequence[str], conf_dir: str | os.PathLike, config_
                       else [override.value()])
             for value in values:
                 check_group_value(conf_dir, group, value)
+                if isinstance(value, str):
+                    check_group_name(conf_dir, group, value)
         sweeps = [o.input_line for o in overrides if o.is_sweep_override()]
         fixed = [o.input_line for o in overrides if not o.is_sweep_override()]  # as Hydra composes a sweep
         with initialize_config_dir(str(conf_dir), version_base="1.3"):
             cfg = compose(config_name, overrides=fixed, return_hydra_config=True)
     except (HydraException, ValueError) as error:
+        missing = re.match(r"Could not override '([^']+)'", str(error))
+        if missing and not missing[1].startswith("hydra."):
+            rest = [o for o in fixed if o.split("=", 1)[0] != missing[1]]
+            try:
+                exit_with_error(unknown_key(conf_dir, config_name, missing[1], rest))
+            except (HydraException, ValueError):
+                pass  # the other overrides fail too: Hydra's message below
         exit_with_error(describe_error(error))
+    for override in overrides:  # a swept key is composed point by point later: a typo in a plain key is caught here
+        key = override.key_or_group
+        if (override.is_sweep_override() and override.package is None and not override.is_add()
+                and not override.is_force_add() and not override.is_delete() and not key.startswith("hydra")
+                and not (conf_dir / key.split(".")[0]).is_dir() and OmegaConf.select(cfg, key, default=_ABSENT) is _ABSENT):
+            exit_with_error(unknown_key(conf_dir, config_name, key, fixed))
     if sweeps and not multirun and str(cfg.hydra.get("mode")) != "RunMode.MULTIRUN":  # an experiment may sweep
         exit_with_error(f"{sweeps[0]} lists several values: add -m to run one job per value (a sweep), or write "
                         "key=[a,b] for a list, key='a,b' for a string")
 
 
-def exit_with_error(message: str, code: int = 2) -> None:
-    """Print `error: <message>` on stderr and exit: user errors get one line, not a traceback."""
-    import sys
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse for the project's command-line tools (the make targets): a user's mistake is run.py's one line,
+    `error: <message>`, and exit status 2, not a usage block followed by the message."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        main = getattr(sys.modules.get("__main__"), "__spec__", None)  # `python -m keydiff.x`: name the module
+        if "prog" not in kwargs and main is not None and main.name.startswith("keydiff"):
+            kwargs["prog"] = f"python -m {main.name}"
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        exit_with_error(f"{message} (usage: {self.prog} --help)")
+
+
+def exit_with_error(message: str, code: int = 2) -> NoReturn:
+    """Print `error: <message>` on stderr and exit: user errors get one line, not a traceback."""
     print(f"error: {message}", file=sys.stderr, flush=True)
     raise SystemExit(code)
 
