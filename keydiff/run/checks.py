@@ -8,9 +8,13 @@ configuration, runs exactly once per run, before any directory is created:
   * the Python API: `keydiff.run.runner.run(cfg, run_dir)` (unless told the caller checked).
 A typo fails with one line that names the key, the value and what is valid. A run that would download a
 model or data from an unreachable Hugging Face Hub is refused the same way (`check_hub_downloads`), and so
-is W&B logging that cannot work (keydiff.run.tracking.check). What needs the policy classes (policy
-parameters, the budget against the policy's own constraints) is checked by the runner's `plan_run`, still
-before the model is loaded.
+is W&B logging that cannot work (keydiff.run.tracking.check), and an explicit model.device this machine
+lacks (`check_device`). What needs the policy classes (policy parameters, the budget against the policy's
+own constraints) is checked by the runner's `plan_run`, still before the model is loaded.
+
+A task.limit at or above the task's size selects every sample: `drop_whole_task_limit` makes it null before
+the run directory is named (single runs here, sweeps in the sweeper), so it is the whole run's directory.
+`ArgumentParser` gives the project's other command-line tools (the make targets) the same one-line errors.
 """
 
 from __future__ import annotations
@@ -167,6 +171,7 @@ def limit_covers_task(cfg: DictConfig) -> bool:
     """task.limit selects every sample of the task (a limit at or above its size): the run is the whole run.
     Compared by sample ids, so it holds for every task's meaning of limit (samples, problems, per dataset).
     False when the data cannot be listed here (the limit then stays as given)."""
+    from hydra.errors import HydraException
     from hydra.utils import instantiate
 
     if cfg.task.get("limit") is None:
@@ -177,7 +182,7 @@ def limit_covers_task(cfg: DictConfig) -> bool:
         if whole.hub_downloads() and hub_unreachable():
             return False
         first = [sample.id for sample in itertools.islice(whole.samples(), len(limited) + 1)]  # never all of a big task
-    except (OSError, ValueError, ImportError, RuntimeError):
+    except (OSError, ValueError, ImportError, RuntimeError, HydraException):  # e.g. data not here, a task without limit
         return False
     return len(first) == len(limited) and set(first) == set(limited)
 
