@@ -73,8 +73,8 @@ leaderboard: $(STAMP)  ## kvpress-style RULER 4K leaderboard (every method x rat
 	$(PY) -m keydiff.report.ruler
 	$(PY) -m keydiff.report.figures
 
-collect: $(STAMP)  ## results/runs/**/summary.json -> results/summary.csv
-	$(PY) -m keydiff.report.collect
+collect: $(STAMP)  ## results/runs/**/summary.json -> results/summary.csv (ARGS=--include-old: also list the runs overwrite=true moved aside)
+	$(PY) -m keydiff.report.collect $(ARGS)
 
 tables: $(STAMP)  ## every paper table from results/runs into results/tables (RULER: results/tables/ruler.md, leaderboard.md)
 	$(PY) -m keydiff.report.tables $(ARGS)
@@ -85,8 +85,8 @@ figures: figures-runs analysis  ## figures-runs, then the analysis figures (make
 figures-runs: $(STAMP)  ## the figures from results/runs only (heatmaps, TTFT, prompt lengths, generic): no model, seconds
 	$(PY) -m keydiff.report.figures $(ARGS)
 
-paper-numbers: $(STAMP)  ## re-transcribe results/paper/*.csv from the paper's text (TEXT=path/to/keydiff-paper.txt)
-	$(PY) -m keydiff.paper.transcribe --text $(or $(TEXT),../shared/reference/keydiff-paper.txt)
+paper-numbers: $(STAMP)  ## re-transcribe results/paper/*.csv from the paper's text: TEXT=keydiff-paper.txt (arXiv 2504.15364, as plain text)
+	$(PY) -m keydiff.paper.transcribe $(if $(TEXT),--text "$(TEXT)",) $(ARGS)
 
 analysis: $(STAMP)  ## Figures 2, 4/5, 8-16 and Table 3 measured on the default model (ANALYSIS_ARGS="model=... length=4096")
 	@echo "analysis: loading the model ($(or $(ANALYSIS_ARGS),default model SmolLM2-135M; 2 prompts x 2048 tokens)) to measure"
@@ -95,7 +95,7 @@ analysis: $(STAMP)  ## Figures 2, 4/5, 8-16 and Table 3 measured on the default 
 	$(PY) -m keydiff.analysis.figures $(ANALYSIS_ARGS)
 	$(PY) -m keydiff.analysis.table3 $(ANALYSIS_ARGS)
 
-paper-assets: tables figures
+paper-assets: tables figures  ## every table and figure: make tables, then make figures
 
 report: $(STAMP)  ## W&B report specification per experiment with runs (adhoc too) -> results/reports/; ARGS="table1 --publish --entity ME"
 	$(PY) -m keydiff.report.wandb $(ARGS)
@@ -106,4 +106,5 @@ wandb-sync: $(STAMP)  ## upload offline W&B runs (logger.mode=offline) under res
 	else $(VENV)/bin/wandb sync $(ARGS) $$runs; fi
 
 clean:  ## remove caches (never results)
-	rm -rf .pytest_cache **/__pycache__
+	rm -rf .pytest_cache
+	find . -path './.*' -prune -o -type d -name __pycache__ -prune -exec rm -rf {} +

@@ -39,11 +39,11 @@ def no_model_load(monkeypatch):
 def test_example_policy_runs_end_to_end_through_run_py_from_outside_the_package(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(EXAMPLES)]), "OMP_NUM_THREADS": "1"}
     command = [sys.executable, str(ROOT / "run.py"), "policy=custom", "policy.target=my_policy.MyPolicy",
-               "+policy.params.alpha=0.3", "task.context_lengths=[400]", "task.depths=[50]", "task.limit=1",
+               "+policy.params.alpha=0.3", "task.context_lengths=[400]", "task.depths=[25,75]", "task.limit=1",
                "budget.tokens=128", "block_size=64", f"results_root={tmp_path / 'runs'}"]
     result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    run_dir = tmp_path / "runs" / "adhoc" / "niah_small" / "smollm2-135m" / "MyPolicy-alpha0.3" / "128" / "bs64" / "seed0-limit1"  # a subset run: its own directory
+    run_dir = tmp_path / "runs" / "adhoc" / "niah_small" / "smollm2-135m" / "MyPolicy-alpha0.3" / "128" / "bs64" / "seed0-limit1"  # 1 of 2 samples: a subset run, its own directory
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["policy"] == {"name": "my_policy.MyPolicy", "alpha": 0.3, "sinks": 4, "layer_budgets": None}
     assert summary["statistics"]["samples"] == 1 and summary["statistics"]["cache_bound_held"] is True

@@ -181,9 +181,9 @@ def test_run_py_checks_the_config_once_and_takes_the_lock_once_per_run(tmp_path,
     events = []
     real_check, real_acquire = checks.check_run_config, RunLock.acquire
 
-    def check(cfg):
+    def check(cfg, **kwargs):
         events.append(("check", str(cfg.policy.label)))
-        real_check(cfg)
+        real_check(cfg, **kwargs)
 
     def acquire(lock):
         events.append(("lock", lock.path.parent.parts[-4]))  # .../<policy label>/<budget>/bs<B>/seed<s>

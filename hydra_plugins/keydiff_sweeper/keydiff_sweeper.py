@@ -32,7 +32,7 @@ from hydra.plugins.sweeper import Sweeper
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf
 
-from keydiff.run.checks import ConfigError, check_run_config, describe_error, exit_with_error
+from keydiff.run.checks import ConfigError, check_run_config, describe_error, drop_whole_task_limit, exit_with_error
 from keydiff.run.results import run_dir_of
 from keydiff.run.sweep import grid_points, point_status, sample_ids
 
@@ -141,12 +141,30 @@ class KeydiffSweeper(Sweeper):
                                                                 task_function=task_function, config=config)
 
     def _compose(self, point: List[str]):
+        """The point's checked configuration. A task.limit that covers the whole task becomes task.limit=null
+        in `point` too (the job composes its run directory from it: the whole run's)."""
         try:
             cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(point))
-            check_run_config(cfg)
+            check_run_config(cfg, runs_here=not is_slurm(self.config.hydra.launcher))  # SLURM: the device is the node's
+            if drop_whole_task_limit(cfg):
+                point[:] = [o for o in point if o.lstrip("+").split("=", 1)[0] != "task.limit"] + ["task.limit=null"]
         except (HydraException, ConfigError, ValueError) as error:
             exit_with_error(f"grid point [{' '.join(point)}]: {describe_error(error)}")
         return cfg
+
+    @staticmethod
+    def _one_per_run_dir(points, configs):
+        """Points that write the same run directory (task.limit=99,6 on a 6-sample task: both the whole run)
+        run once."""
+        seen, keep = set(), []
+        for index, cfg in enumerate(configs):
+            run_dir = run_dir_of(cfg)
+            if run_dir in seen:
+                log.info("grid point [%s] writes %s like an earlier point: run once", " ".join(points[index]), run_dir)
+                continue
+            seen.add(run_dir)
+            keep.append(index)
+        return [points[i] for i in keep], [configs[i] for i in keep]
 
     def _missing_partition(self) -> bool:
         launcher = self.config.hydra.launcher
@@ -182,6 +200,7 @@ class KeydiffSweeper(Sweeper):
             exit_with_error(describe_error(error))
         self._check_launcher()
         configs = [self._compose(point) for point in points]
+        points, configs = self._one_per_run_dir(points, configs)
         root = self.config
         if root.get("only_missing", False):
             retry = bool(root.get("retry_failed", False))

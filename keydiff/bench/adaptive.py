@@ -28,6 +28,7 @@ import torch
 
 from keydiff import build_policy, generate, prefill
 from keydiff.bench import common
+from keydiff.run.checks import ArgumentParser
 
 BYTES_TARGET, DECODE_TARGET = 1.05, 1.25
 
@@ -71,7 +72,7 @@ def peak_rss(args, adaptive: bool) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     common.add_common_arguments(parser)
     parser.add_argument("--scorer", default="keydiff", help="the policy whose scores drive both forms")
     parser.add_argument("--alpha-safeguard", type=float, default=0.2)

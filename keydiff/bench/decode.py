@@ -40,6 +40,7 @@ import torch
 
 from keydiff import build_policy, generate, prefill
 from keydiff.bench import common
+from keydiff.run.checks import ArgumentParser
 
 
 def run_once(model, prompt, name: str, budget: int | None, block: int, new_tokens: int):
@@ -227,7 +228,7 @@ def memory_scaling_mode(names, args) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     common.add_common_arguments(parser)
     parser.add_argument("--policies", default=None,
                         help=f"comma list (default {common.DEFAULT_POLICIES}; keydiff with --memory-scaling)")

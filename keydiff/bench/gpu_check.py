@@ -43,6 +43,7 @@ import keydiff
 from keydiff import available_policies, generate, prefill
 from keydiff.bench import common
 from keydiff.config import STATISTICS_MODES
+from keydiff.run.checks import ArgumentParser
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
 # Fast vs materialized kept-set agreement required in bf16. Random weights give near-uniform attention, so
@@ -344,7 +345,7 @@ def print_rows(rows: list[Row]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny sizes everywhere (what the tests run)")
     parser.add_argument("--json", default=None, help="also write the rows and the environment to this file")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads for the engine checks")

@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from keydiff.bench import common, peers_env
+from keydiff.run.checks import ArgumentParser
 
 RUNNER = Path(__file__).with_name("peers_runner.py")
 CONF = common.CHECKOUT / "conf" / "policy"
@@ -366,7 +367,7 @@ def ratio_budget(ratio: float, length: int) -> int:
 
 
 def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("part", nargs="?", default="all", choices=["parity", "perf", "all"])
     parser.add_argument("--shape", default="smollm2-135m", choices=sorted(SHAPES))
     parser.add_argument("--device", default="cpu", help="cpu | cuda | cuda:<index>")

@@ -31,6 +31,7 @@ import torch
 from keydiff import build_policy, prefill
 from keydiff.bench import common
 from keydiff.config import STATISTICS_MODES
+from keydiff.run.checks import ArgumentParser
 
 
 def prefill_run(model, prompt, name: str, args, profile: bool):
@@ -72,7 +73,7 @@ def profiled_shares(model, prompt, name: str, args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     common.add_common_arguments(parser)
     parser.add_argument("--policies", default=None, help=f"comma list (default {common.DEFAULT_POLICIES})")
     parser.add_argument("--length", type=int, default=4096, help="prompt tokens L")

@@ -37,6 +37,7 @@ from keydiff.bench import common
 from keydiff.config import STATISTICS_MODES
 from keydiff.policies import build_policy
 from keydiff.policies.base import LayerView
+from keydiff.run.checks import ArgumentParser
 
 SHAPES = {"smollm2-135m": common.SMOLLM2_135M, "llama-3.2-3b": common.LLAMA_3_2_3B, "tiny": common.TINY}
 POLICIES = ("keydiff", "tova", "h2o", "snapkv", "sink")
@@ -288,7 +289,7 @@ def int_list(text: str) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> list[Path]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("table", choices=["table19", "table2"])
     parser.add_argument("--shape", default="smollm2-135m", choices=list(SHAPES),
                         help="head shape (query/KV heads, dim)")

@@ -15,19 +15,28 @@ Row identities (model, method, budget) of the LongBench tables come from the lin
 extracted layout is too scrambled to tell which method a line belongs to (most of Table 10, Table 13),
 the lines are not attributed at all and results/paper/README.md lists them.
 
-    python -m keydiff.paper.transcribe [--text ../shared/reference/keydiff-paper.txt] [--out results/paper]
+    python -m keydiff.paper.transcribe --text keydiff-paper.txt [--out results/paper]     # make paper-numbers TEXT=...
+
+The text is not in the repository: download the paper (arXiv 2504.15364) and extract its text (HOW_TO_GET_TEXT).
 """
 
 from __future__ import annotations
 
-import argparse
 import csv
+import os
 import re
 from collections import Counter
 from pathlib import Path
 
 from keydiff.paper.registry import BUDGETS as PAPER_BUDGETS
 from keydiff.paper.registry import ENGLISH, LLAMA_R1, LLAMAS, QWEN_R1, SUITE
+from keydiff.run.checks import ArgumentParser, exit_with_error
+
+# results/paper/*.csv in the repository were transcribed from one plain-text extraction of the PDF; another
+# extractor lays tables out differently, and rows it scrambles are reported as garbled, never guessed.
+HOW_TO_GET_TEXT = ("The text is the KeyDiff paper (arXiv 2504.15364) as plain text: download "
+                   "https://arxiv.org/pdf/2504.15364 and extract it, e.g. pdftotext 2504.15364.pdf keydiff-paper.txt; "
+                   "results/paper/ already holds the transcribed numbers")
 
 FIELDS = ["table", "model", "policy", "budget", "block_size", "row", "column", "column_kind", "metric", "value",
           "samples", "samples_total", "note"]
@@ -623,10 +632,15 @@ def garbled_listing(tables) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--text", type=Path, default=Path("../shared/reference/keydiff-paper.txt"))
+    parser = ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--text", type=Path, default=os.environ.get("KEYDIFF_PAPER_TEXT") or None,
+                        help=f"the paper's text (default: $KEYDIFF_PAPER_TEXT). {HOW_TO_GET_TEXT}")
     parser.add_argument("--out", type=Path, default=Path("results/paper"))
     args = parser.parse_args(argv)
+    if args.text is None or not Path(args.text).is_file():
+        given = "no paper text given" if args.text is None else f"{args.text} is not a file"
+        exit_with_error(f"{given}: make paper-numbers TEXT=path/to/keydiff-paper.txt "
+                        f"(python -m keydiff.paper.transcribe --text PATH). {HOW_TO_GET_TEXT}")
     tables, captions = build(args.text)
     write(tables, captions, args.out)
     (args.out / "README.md").write_text(readme(tables), encoding="utf-8")

@@ -25,12 +25,14 @@ need predictions.jsonl). Columns:
                              mean_ttft_s, mean_compression_ratio), from predictions.jsonl; the 95 %
                              intervals of every table and figure come from it (keydiff/report/render.py)
 
-    python -m keydiff.report.collect [--runs results/runs] [--out results/summary.csv]
+Runs that overwrite=true moved aside (`<run dir>.old-<time>`) are history: never collected, so never averaged
+or listed in a table; `--include-old` lists them (and only lists them).
+
+    python -m keydiff.report.collect [--runs results/runs] [--out results/summary.csv] [--include-old]
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 from pathlib import Path
@@ -39,7 +41,8 @@ import pandas as pd
 
 from keydiff.paper.registry import LONGBENCH, baseline_experiment
 from keydiff.report.render import grouped_mean_se, standard_error
-from keydiff.run.results import successful_rows
+from keydiff.run.checks import ArgumentParser
+from keydiff.run.results import is_moved_aside, run_summaries, successful_rows
 from keydiff.run.shard_merge import UP_TO_DATE, grid_point_summaries, merge_all
 from keydiff.run.tracking import HEADLINE, flatten
 
@@ -203,6 +206,8 @@ def add_math500_subsets(records: list[dict], runs: Path) -> None:
 
 
 def collect(runs: Path, out: Path) -> pd.DataFrame:
+    """Every grid point's result under `runs` into `out`, one row per run (never a run moved aside by
+    overwrite=true: keydiff.run.shard_merge.grid_point_summaries)."""
     runs = Path(runs)
     left_out = merge_shards(runs)
     records = [run_record(p, runs) for p in grid_point_summaries(runs, left_out)]
@@ -236,22 +241,52 @@ def add_results_arguments(parser, out: str) -> None:
     parser.add_argument("--collect", action="store_true", help="re-collect --runs into --summary first")
 
 
+def lists_moved_aside(summary: Path) -> bool:
+    """The CSV holds a run moved aside by overwrite=true (collected by a version that did not leave them out)."""
+    try:
+        run_dirs = pd.read_csv(summary, usecols=["run_dir"], dtype=str)["run_dir"].dropna()
+    except (ValueError, OSError, pd.errors.EmptyDataError):
+        return False
+    return any(is_moved_aside(run_dir) for run_dir in run_dirs)
+
+
 def ensure_summary(summary: Path, runs: Path, force: bool = False) -> None:
-    """(Re)collect when asked, when the CSV is missing, or when a run finished after it was written."""
-    newest = max((p.stat().st_mtime for p in runs.glob("**/summary.json")), default=0) if runs.is_dir() else 0
-    if force or not summary.exists() or newest > summary.stat().st_mtime:
+    """(Re)collect when asked, when the CSV is missing, when a run finished after it was written, or when it
+    lists a run moved aside by overwrite=true (history is never tabled)."""
+    newest = max((p.stat().st_mtime for p in run_summaries(runs)), default=0)
+    if force or not summary.exists() or newest > summary.stat().st_mtime or (
+            runs.is_dir() and lists_moved_aside(summary)):
         frame = collect(runs, summary)
         print(f"collected {len(frame)} runs from {runs} -> {summary}")
 
 
+def moved_aside(runs: Path) -> list[str]:
+    """The runs overwrite=true moved aside (history, never collected): "<run dir>  <task> score=<score>"."""
+    current = set(run_summaries(runs))
+    lines = []
+    for path in run_summaries(runs, include_old=True):
+        if path not in current:
+            record = run_record(path, runs)
+            lines.append(f"{record['run_dir']}  {record['task']} score={record['score']}")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> pd.DataFrame:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=Path, default=Path("results/runs"), help="root of the run directories")
     parser.add_argument("--out", type=Path, default=Path("results/summary.csv"))
+    parser.add_argument("--include-old", action="store_true",
+                        help="also list the runs overwrite=true moved aside (`<run dir>.old-<time>`; never collected)")
     args = parser.parse_args(argv)
     frame = collect(args.runs, args.out)
     incomplete = int((~frame["complete"].astype(bool)).sum()) if len(frame) else 0
-    print(f"{len(frame)} runs ({incomplete} incomplete) from {args.runs} -> {args.out}")
+    old = moved_aside(args.runs)
+    hint = "" if not old or args.include_old else f"; {len(old)} moved-aside run(s) left out (--include-old lists them)"
+    print(f"{len(frame)} runs ({incomplete} incomplete) from {args.runs} -> {args.out}{hint}")
+    if args.include_old:
+        print(f"moved aside by overwrite=true (history, not collected): {len(old)}")
+        for line in old:
+            print(f"  {line}")
     return frame
 
 

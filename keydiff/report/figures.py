@@ -28,7 +28,6 @@ diffed. Like the tables, only complete runs of the whole task count, except for 
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import matplotlib
@@ -46,6 +45,7 @@ from keydiff.report import index as results_index  # noqa: E402
 from keydiff.report.collect import add_results_arguments, ensure_summary, longbench_dataset, read_predictions, task_family  # noqa: E402
 from keydiff.report.render import NA, SUBSET, budget_ratio, budget_tokens, half_width  # noqa: E402
 from keydiff.report.selection import load, pick  # noqa: E402
+from keydiff.run.checks import ArgumentParser
 
 STYLE = {"svg.hashsalt": "keydiff", "font.size": 8, "axes.titlesize": 9, "figure.dpi": 100, "savefig.dpi": 150}
 
@@ -324,7 +324,7 @@ def main(summary: Path, runs_root: Path, out: Path) -> list[Path]:
 
 
 def cli(argv: list[str] | None = None) -> list[Path]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = ArgumentParser(description=__doc__.split("\n")[0])
     add_results_arguments(parser, "results/figures")
     args = parser.parse_args(argv)
     ensure_summary(args.summary, args.runs, args.collect)

@@ -9,7 +9,8 @@ block size, subset runs included and marked); `write` lays out results/tables/le
 keydiff.report.figures draws results/figures/leaderboard.{png,pdf} from the same selection.
 
 Table: one row per (task, model, B, method): the full cache first (its score in the column "1 (r=0)"), then
-the methods ranked by Avg. (mean over the kept ratios in the table, over all of them or none; ties by name); one column
+the methods ranked by Avg. (mean over the kept ratios in the table, shown only when every ratio ran completely on
+the same tasks and samples; ties by name); one column
 per kept ratio, headed "kept (r=kvpress compression ratio)". Cells: RULER average x100 "value ± half-width
 (n=samples per task)" (95 % interval, keydiff/report/render.py; Avg.'s interval uses the mean of the ratios'
 standard errors, a bound, since every ratio scores the same samples). Marks: § subset run (task.limit), †k
@@ -36,10 +37,18 @@ from keydiff.report.selection import select
 
 FULL_COLUMN = "1 (r=0)"  # the full cache keeps the whole prompt: kvpress's no_press, compression ratio 0
 AVERAGE = "Avg."
-LEGEND = ("Columns: fraction of the prompt kept (budget.ratio; r = kvpress's compression_ratio = 1 - kept). "
-          "Cells: RULER average x100 (13 tasks, string match); Avg. = mean over the kept ratios (all or none, its "
-          "interval from the mean of their standard errors: the ratios score the same samples). § subset run "
-          "(task.limit), †k failed samples, ~ run not complete, (k/13) tasks scored; n = samples per task.")
+
+
+def legend(selected: pd.DataFrame) -> str:
+    """The caption's legend; its task count is the cells': 13 only when every run scored all 13 tasks."""
+    scored = sorted({int(k) for k in selected["tasks_scored"]}) if len(selected) else [len(TASKS)]
+    tasks = (f"{len(TASKS)} tasks" if scored == [len(TASKS)] else
+             f"the tasks each run scored: {'/'.join(map(str, scored))} of {len(TASKS)}, marked (k/{len(TASKS)})")
+    return ("Columns: fraction of the prompt kept (budget.ratio; r = kvpress's compression_ratio = 1 - kept). "
+            f"Cells: RULER average x100 ({tasks}; string match); Avg. = mean over the kept ratios, shown only when "
+            "every ratio ran completely on the same tasks and samples (its interval from the mean of their "
+            "standard errors: the ratios score the same samples). § subset run (task.limit), †k failed samples, "
+            f"~ run not complete, (k/{len(TASKS)}) tasks scored; n = samples per task.")
 
 
 def ratio_header(ratio: float) -> str:
@@ -79,6 +88,21 @@ def cell(run) -> str:
     return text + ("" if int(run["tasks_scored"]) == len(TASKS) else f" ({int(run['tasks_scored'])}/{len(TASKS)})")
 
 
+def scored_tasks(run) -> frozenset:
+    """The RULER tasks a run scored (metrics/tasks/<task> present)."""
+    return frozenset(t for t in TASKS if pd.notna(run.get(f"metrics/tasks/{t}", np.nan)))
+
+
+def averageable(by_ratio: dict, ratios: list[float]) -> bool:
+    """Avg. needs every ratio to have run completely, on the same tasks with the same samples per task: a mean
+    over a missing, partial or differently sized ratio would not be the method's average."""
+    if not ratios or any(r not in by_ratio for r in ratios):
+        return False
+    runs = [by_ratio[r] for r in ratios]
+    return (not any(bool(run["incomplete"]) for run in runs) and len({scored_tasks(run) for run in runs}) == 1
+            and len({float(run["per_task"]) for run in runs}) == 1)
+
+
 def layout(selected: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
     """(scores, text): rows (Task, Model, B, Method), full first then ranked by Avg.; columns the kept ratios
     ascending, Avg., and the full cache's "1 (r=0)"."""
@@ -92,11 +116,11 @@ def layout(selected: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
             for policy, line in evicting[evicting["block_size"] == block].groupby("policy"):
                 by_ratio = {float(r["ratio"]): r for _, r in line.iterrows()}
                 scores = [by_ratio[r]["score"] if r in by_ratio else np.nan for r in ratios]
-                average = float(np.mean(scores)) if ratios and not np.isnan(scores).any() else np.nan
+                average = float(np.mean(scores)) if averageable(by_ratio, ratios) else np.nan
                 ses = [by_ratio[r].get("se/score", np.nan) if r in by_ratio else np.nan for r in ratios]
                 text = [cell(by_ratio[r]) if r in by_ratio else NA for r in ratios]
                 text.append(NA if np.isnan(average) else format_estimate(average, seeds_se(ses), precision=2)
-                            + "".join(sorted({marks(r["subset"], 0, r["incomplete"]) for r in by_ratio.values()})))
+                            + marks(any(bool(r["subset"]) for r in by_ratio.values()), 0, False))
                 ranked.append((-average if not np.isnan(average) else math.inf, display_name(policy),
                                scores + [average, np.nan], text + [NA]))
             for _, run in full.iterrows():
@@ -134,6 +158,6 @@ def write(df: pd.DataFrame, out: Path, table: PaperTable) -> bool:
         return False
     scores, text = layout(selected)
     mask = best_mask(scores, ["Task", "Model", "B"], [c for c in scores.columns if c != FULL_COLUMN])
-    write_table(text, mask, out, table.name, f"{table.caption} {LEGEND} {INTERVAL_NOTE}")
+    write_table(text, mask, out, table.name, f"{table.caption} {legend(selected)} {INTERVAL_NOTE}")
     tidy(selected).to_csv(out / f"{table.name}.csv", index=False, float_format="%.10g", lineterminator="\n")
     return True

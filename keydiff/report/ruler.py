@@ -28,6 +28,7 @@ import pandas as pd
 from keydiff.report.collect import read_predictions, standard_errors
 from keydiff.run.shard_merge import grid_point_summaries, stale_points
 from keydiff.report.render import budget_tokens, decimals, format_estimate, marks, missing
+from keydiff.run.checks import ArgumentParser
 
 TASKS = ("niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2",
          "niah_multikey_3", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe", "qa_1", "qa_2")
@@ -41,7 +42,7 @@ def is_ruler(summary: dict) -> bool:
 def ruler_rows(runs: Path) -> pd.DataFrame:
     """One row per RULER run: identity columns, per-task scores, average and marks."""
     rows = []
-    for path in grid_point_summaries(runs, stale_points(runs)):  # a shard's summary is part of its grid point's
+    for path in grid_point_summaries(runs, stale_points(runs)):  # shards are parts; moved-aside runs never
         summary = json.loads(path.read_text(encoding="utf-8"))
         if not is_ruler(summary):
             continue
@@ -130,7 +131,7 @@ def main(runs: Path, out: Path) -> pd.DataFrame:
 
 
 def cli(argv: list[str] | None = None) -> pd.DataFrame:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     root = Path(__file__).resolve().parents[2]
     parser.add_argument("--runs", type=Path, default=root / "results/runs")
     parser.add_argument("--out", type=Path, default=root / "results/tables")

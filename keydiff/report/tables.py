@@ -24,7 +24,6 @@ finished after it was written. The .tex files need \\usepackage{booktabs,multiro
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import numpy as np
@@ -38,6 +37,7 @@ from keydiff.report.collect import add_results_arguments, ensure_summary
 from keydiff.report.selection import load, select
 from keydiff.report.render import (INTERVAL_NOTE, NA, best_mask, budget_tokens, combined_se, format_estimate,
                                    marks, with_intervals, write_table)
+from keydiff.run.checks import ArgumentParser
 
 PAPER_DIR = compare.PAPER_DIR
 
@@ -322,7 +322,7 @@ def main(summary: Path, out: Path, paper: Path = PAPER_DIR, index: Path | None =
 
 
 def cli(argv: list[str] | None = None) -> list[str]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = ArgumentParser(description=__doc__.split("\n")[0])
     add_results_arguments(parser, "results/tables")
     parser.add_argument("--paper", type=Path, default=PAPER_DIR, help="the paper's numbers (results/paper)")
     args = parser.parse_args(argv)

@@ -32,7 +32,6 @@ Which paper table an experiment is compared with, and how policies are named: ke
 
 from __future__ import annotations
 
-import argparse
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -44,6 +43,8 @@ from keydiff.config import budget_label
 from keydiff.paper.reference import paper_values, read_tables
 from keydiff.paper.registry import table_numbers
 from keydiff.report.render import budget_tokens
+from keydiff.run.checks import ArgumentParser
+from keydiff.run.results import is_moved_aside
 from keydiff.run.shards import is_shard_dir
 from keydiff.run.tracking import headline
 
@@ -90,10 +91,15 @@ def load_grid(stem: str) -> Grid:
 
     with initialize_config_dir(str(CONF), version_base="1.3"):
         cfg = compose("config", overrides=[f"experiment={stem}"], return_hydra_config=True)
-    params = OmegaConf.to_container(cfg.hydra.sweeper.params) or {}
-    axes = {axis: [v.strip() for v in str(params[axis]).split(",")] if axis in params else None for axis in GRID_AXES}
-    policy_files = [OmegaConf.load(CONF / "policy" / f"{p}.yaml") for p in axes["policy"]] if axes["policy"] else [cfg.policy]
-    files = [OmegaConf.load(CONF / "budget" / f"{b}.yaml") for b in axes["budget"] or []]
+        params = OmegaConf.to_container(cfg.hydra.sweeper.params) or {}
+        axes = {axis: [v.strip() for v in str(params[axis]).split(",")] if axis in params else None for axis in GRID_AXES}
+
+        def composed(group: str, choice: str):
+            """A preset as the runner gets it: composed with its `defaults:` (adakv_keydiff extends keydiff)."""
+            return compose("config", overrides=[f"experiment={stem}", f"{group}={choice}"])[group]
+
+        policy_files = [composed("policy", p) for p in axes["policy"]] if axes["policy"] else [cfg.policy]
+        files = [composed("budget", b) for b in axes["budget"] or []]
     budgets = [budget_label(f.tokens, f.get("ratio")) for f in files] if files else [str(cfg.budget.label)]  # r0.25 too
     text = (CONF / "experiment" / f"{stem}.yaml").read_text(encoding="utf-8").splitlines()
     comments = [line.lstrip("# ").strip() for line in text if line.startswith("#") and "@package" not in line]
@@ -115,7 +121,7 @@ def recorded_configs(experiment_dir: Path) -> list[dict[str, Any]]:
     configs, points = [], set()
     for path in sorted(experiment_dir.rglob("run_config.json")):
         parts = path.relative_to(experiment_dir).parts
-        if any(part.startswith(".") or ".old-" in part for part in parts):
+        if any(part.startswith(".") for part in parts) or is_moved_aside(path.parent, experiment_dir):
             continue
         # A shard (keydiff.run.shards) records its grid point's configuration: one per point.
         point = path.parent.parent.parent if is_shard_dir(path.parent) else path.parent
@@ -295,7 +301,7 @@ def write_specification(grid: Grid, report, out_dir: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("experiments", nargs="*",
                         help="experiments (conf/experiment stems or experiment_name of runs; default: every one with runs)")
     parser.add_argument("--entity", default="", help="W&B entity (user or team) that owns the project")

@@ -8,27 +8,39 @@ configuration, runs exactly once per run, before any directory is created:
   * the Python API: `keydiff.run.runner.run(cfg, run_dir)` (unless told the caller checked).
 A typo fails with one line that names the key, the value and what is valid. A run that would download a
 model or data from an unreachable Hugging Face Hub is refused the same way (`check_hub_downloads`), and so
-is W&B logging that cannot work (keydiff.run.tracking.check). What needs the policy classes (policy
-parameters, the budget against the policy's own constraints) is checked by the runner's `plan_run`, still
-before the model is loaded.
+is W&B logging that cannot work (keydiff.run.tracking.check), and an explicit model.device this machine
+lacks (`check_device`). What needs the policy classes (policy parameters, the budget against the policy's
+own constraints) is checked by the runner's `plan_run`, still before the model is loaded.
+
+A task.limit at or above the task's size selects every sample: `drop_whole_task_limit` makes it null before
+the run directory is named (single runs here, sweeps in the sweeper), so it is the whole run's directory.
+`ArgumentParser` gives the project's other command-line tools (the make targets) the same one-line errors.
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
+import itertools
+import logging
 import os
+import re
 import ssl
+import sys
 import threading
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, NoReturn, Sequence
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from keydiff.run.results import run_dir_of
 from keydiff.run.shards import parse_shard
 from keydiff.config import STATISTICS_MODES, ratio_label
+
+
+log = logging.getLogger(__name__)
 
 
 class ConfigError(ValueError):
@@ -109,10 +121,10 @@ def check_results_root(root: str | os.PathLike) -> None:
         )
 
 
-def check_run_config(cfg: DictConfig) -> None:
+def check_run_config(cfg: DictConfig, runs_here: bool = True) -> None:
     """The configuration check of a run: top-level values, the model entry, the task (built, not loaded),
-    the Hub when something must be downloaded, and W&B logging. Raises ConfigError (a ValueError) with
-    the valid choices."""
+    the device (`runs_here`: the run executes on this machine, not on a SLURM node), the Hub when something
+    must be downloaded, and W&B logging. Raises ConfigError (a ValueError) with the valid choices."""
     from hydra.utils import instantiate
 
     from keydiff.models import ModelConfig
@@ -148,8 +160,58 @@ def check_run_config(cfg: DictConfig) -> None:
     task.validate()
     task.check_model(model_cfg.max_length)
     if not cfg.get("dry_run", False):  # a dry run downloads and logs nothing
+        if runs_here:
+            check_device(model_cfg)
         check_hub_downloads(model_cfg, task)
         tracking.check(cfg)
+
+
+def check_device(model_cfg) -> None:
+    """An explicit model.device (cuda, cuda:1, mps) must exist on this machine: refused here, before any run
+    directory exists, not when the model loads (torch is imported only for such a device)."""
+    if model_cfg.device in ("auto", "cpu"):
+        return
+    import torch
+
+    cuda = [f"cuda:{i}" for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+    here = ["auto", "cpu"] + (["cuda", *cuda] if cuda else []) + (["mps"] if torch.backends.mps.is_available() else [])
+    if model_cfg.device not in here:
+        what = "no MPS device" if model_cfg.device == "mps" else f"{len(cuda)} CUDA device(s)"
+        raise ConfigError(f"model.device={model_cfg.device} is not available on this machine ({what}); "
+                          f"valid here: {', '.join(here)}")
+
+
+def limit_covers_task(cfg: DictConfig) -> bool:
+    """task.limit selects every sample of the task (a limit at or above its size): the run is the whole run.
+    Compared by sample ids, so it holds for every task's meaning of limit (samples, problems, per dataset).
+    False when the data cannot be listed here (the limit then stays as given)."""
+    from hydra.errors import HydraException
+    from hydra.utils import instantiate
+
+    if cfg.task.get("limit") is None:
+        return False
+    try:
+        limited = [sample.id for sample in instantiate(cfg.task, _convert_="all").samples()]
+        whole = instantiate(cfg.task, limit=None, _convert_="all")
+        if whole.hub_downloads() and hub_unreachable():
+            return False
+        first = [sample.id for sample in itertools.islice(whole.samples(), len(limited) + 1)]  # never all of a big task
+    except (OSError, ValueError, ImportError, RuntimeError, HydraException):  # e.g. data not here, a task without limit
+        return False
+    return len(first) == len(limited) and set(first) == set(limited)
+
+
+def drop_whole_task_limit(cfg: DictConfig) -> bool:
+    """Set task.limit to null in `cfg` when it covers the whole task, so that the run goes to the whole run's
+    directory (`seed0`, not `seed0-limit99`) and reuses what it holds; True if it did."""
+    if not limit_covers_task(cfg):
+        return False
+    limit = cfg.task.limit
+    with read_write(cfg), open_dict(cfg), read_write(cfg.task), open_dict(cfg.task):
+        cfg.task.limit = None
+    log.info("task.limit=%s covers every sample of task %s: this is the whole run (%s)", limit, cfg.task.get("name"),
+             run_dir_of(cfg))
+    return True
 
 
 # --------------------------------------------------------------------------------------------- the Hub
@@ -233,6 +295,7 @@ def describe_error(error: BaseException) -> str:
     return " | ".join(lines[:6]) if lines else type(error).__name__
 
 
+_ABSENT = object()
 # Hydra's own command-line flags other than -m: with any of them run.py leaves the command line to Hydra.
 RUN_FLAGS = ("-m", "--multirun")
 
@@ -255,6 +318,38 @@ def check_group_value(conf_dir: Path, group: str, value: Any) -> None:
         valid += (f", or a token count: budget.tokens={tokens if tokens else '<positive integer>'}"
                   + (f" (the same as {named})" if named else ""))
     raise ConfigError(f"{group}={value} is not valid; valid: {valid}")
+
+
+def check_group_name(conf_dir: Path, group: str, value: str) -> None:
+    """`budget=r0.3` names no file: list the presets and say how to give any ratio (as `budget=3000` is told
+    how to give any token count)."""
+    ratio = re.fullmatch(r"r(\d*\.?\d+)", value) if group == "budget" else None
+    options = group_options(conf_dir, group)
+    if ratio and value not in options:
+        raise ConfigError(f"budget={value} is not valid; valid: {', '.join(options)}, or any ratio: "
+                          f"budget=r0.25 budget.ratio={ratio[1]}")
+
+
+def unknown_key(conf_dir: Path, config_name: str, key: str, overrides: list[str]) -> str:
+    """The one line for an override of a key that is not in the configuration (`polcy=tova`): the valid
+    config groups and keys at the level of the typo (Hydra would suggest `+polcy=tova`, which adds it)."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(str(conf_dir), version_base="1.3"):
+        cfg = compose(config_name, overrides=overrides)
+    parts, node, known = key.split("."), cfg, []
+    for part in parts[:-1]:
+        if not isinstance(node, DictConfig) or part not in node:
+            break
+        node, known = node[part], known + [part]
+    where = ".".join(known)
+    keys = sorted(str(k) for k in node.keys()) if isinstance(node, DictConfig) else []
+    typo = ".".join(known + [parts[len(known)]])
+    if not known:
+        groups = sorted(p.name for p in conf_dir.iterdir() if p.is_dir() and p.name != "hydra" and any(p.glob("*.yaml")))
+        return (f"{typo} is not a config group or key; valid groups: {', '.join(groups)}; valid keys: "
+                f"{', '.join(k for k in keys if k not in groups)}")
+    return f"{typo} is not a key of {where}; valid: {', '.join(keys) or 'none'}"
 
 
 def check_command_line(argv: Sequence[str], conf_dir: str | os.PathLike, config_name: str = "config") -> None:
@@ -285,21 +380,48 @@ def check_command_line(argv: Sequence[str], conf_dir: str | os.PathLike, config_
                       else [override.value()])
             for value in values:
                 check_group_value(conf_dir, group, value)
+                if isinstance(value, str):
+                    check_group_name(conf_dir, group, value)
         sweeps = [o.input_line for o in overrides if o.is_sweep_override()]
         fixed = [o.input_line for o in overrides if not o.is_sweep_override()]  # as Hydra composes a sweep
         with initialize_config_dir(str(conf_dir), version_base="1.3"):
             cfg = compose(config_name, overrides=fixed, return_hydra_config=True)
     except (HydraException, ValueError) as error:
+        missing = re.match(r"Could not override '([^']+)'", str(error))
+        if missing and not missing[1].startswith("hydra."):
+            rest = [o for o in fixed if o.split("=", 1)[0] != missing[1]]
+            try:
+                exit_with_error(unknown_key(conf_dir, config_name, missing[1], rest))
+            except (HydraException, ValueError):
+                pass  # the other overrides fail too: Hydra's message below
         exit_with_error(describe_error(error))
+    for override in overrides:  # a swept key is composed point by point later: a typo in a plain key is caught here
+        key = override.key_or_group
+        if (override.is_sweep_override() and override.package is None and not override.is_add()
+                and not override.is_force_add() and not override.is_delete() and not key.startswith("hydra")
+                and not (conf_dir / key.split(".")[0]).is_dir() and OmegaConf.select(cfg, key, default=_ABSENT) is _ABSENT):
+            exit_with_error(unknown_key(conf_dir, config_name, key, fixed))
     if sweeps and not multirun and str(cfg.hydra.get("mode")) != "RunMode.MULTIRUN":  # an experiment may sweep
         exit_with_error(f"{sweeps[0]} lists several values: add -m to run one job per value (a sweep), or write "
                         "key=[a,b] for a list, key='a,b' for a string")
 
 
-def exit_with_error(message: str, code: int = 2) -> None:
-    """Print `error: <message>` on stderr and exit: user errors get one line, not a traceback."""
-    import sys
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse for the project's command-line tools (the make targets): a user's mistake is run.py's one line,
+    `error: <message>`, and exit status 2, not a usage block followed by the message."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        main = getattr(sys.modules.get("__main__"), "__spec__", None)  # `python -m keydiff.x`: name the module
+        if "prog" not in kwargs and main is not None and main.name.startswith("keydiff"):
+            kwargs["prog"] = f"python -m {main.name}"
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        exit_with_error(f"{message} (usage: {self.prog} --help)")
+
+
+def exit_with_error(message: str, code: int = 2) -> NoReturn:
+    """Print `error: <message>` on stderr and exit: user errors get one line, not a traceback."""
     print(f"error: {message}", file=sys.stderr, flush=True)
     raise SystemExit(code)
 
@@ -308,6 +430,7 @@ def _check_single_run(config: DictConfig) -> None:
     """Hydra callback body for a single run: the checks (and dry_run) before Hydra creates the run directory."""
     try:
         check_run_config(config)
+        drop_whole_task_limit(config)  # Hydra's run directory comes from this config: the whole run's
     except ValueError as error:
         exit_with_error(describe_error(error))
     if config.get("dry_run", False):

@@ -17,12 +17,16 @@ predictions.jsonl (resume, sweep status, the report's collect) goes through `rea
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any
 
+log = logging.getLogger(__name__)
 PREDICTIONS = "predictions.jsonl"
+MOVED_ASIDE = re.compile(r".+\.old-\d{8}-\d{6}(-\d+)?")  # `<run dir>.old-<time>`: overwrite=true's history
 OK, FAILED = "ok", "failed"  # a row's "status" (rows of old runs have none: they are successes)
 
 
@@ -112,10 +116,15 @@ class ResultStore:
         """overwrite=true never deletes: the old files move into a timestamped sibling folder."""
         stamp = time.strftime("%Y%m%d-%H%M%S")
         backup = self.dir.with_name(f"{self.dir.name}.old-{stamp}")
+        suffix = 1
+        while backup.exists():  # two overwrites within one second
+            backup, suffix = self.dir.with_name(f"{self.dir.name}.old-{stamp}-{suffix}"), suffix + 1
         backup.mkdir(parents=True)
         for path in list(self.dir.iterdir()):
             if path.name not in (".hydra", ".lock"):
                 path.rename(backup / path.name)
+        log.warning("overwrite=true: the old run was moved to %s (kept as history: never collected, averaged or "
+                    "listed in tables)", backup)
 
     def _load_rows(self) -> list[dict[str, Any]]:
         """The complete rows; a partial last line (a crash mid-write) is cut off the file here."""
@@ -188,6 +197,23 @@ def complete_rows(path: str | os.PathLike) -> tuple[list[dict[str, Any]], int]:
                 break
             good_bytes += len(raw)
     return rows, good_bytes
+
+
+def is_moved_aside(path: str | os.PathLike, root: str | os.PathLike | None = None) -> bool:
+    """`path` is, or lies inside, a run moved aside by overwrite=true (`<run dir>.old-<time>`, below `root`
+    when given): history, not a result."""
+    path = Path(path)
+    parts = path.relative_to(root).parts if root is not None else path.parts
+    return any(MOVED_ASIDE.fullmatch(part) for part in parts)
+
+
+def run_summaries(root: str | os.PathLike, include_old: bool = False) -> list[Path]:
+    """Every run's summary.json below `root`, sorted: what the report collects. Runs moved aside by
+    overwrite=true and hidden folders (.submitit, .hydra) are left out unless `include_old` (history only)."""
+    root = Path(root)
+    paths = sorted(root.glob("**/summary.json")) if root.is_dir() else []
+    return [p for p in paths if not any(part.startswith(".") for part in p.relative_to(root).parts)
+            and (include_old or not is_moved_aside(p.parent, root))]
 
 
 def read_rows(run_dir: str | os.PathLike) -> list[dict[str, Any]]:

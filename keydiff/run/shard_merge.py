@@ -34,7 +34,8 @@ from typing import Any
 
 from keydiff.run.lock import RunLock, RunLockedError
 from keydiff.run.provenance import timestamp
-from keydiff.run.results import PREDICTIONS, ConfigMismatchError, ResultStore, ResultWriteError, atomic_write_json
+from keydiff.run.results import (PREDICTIONS, ConfigMismatchError, ResultStore, ResultWriteError, atomic_write_json,
+                                 is_moved_aside, run_summaries)
 from keydiff.run.shards import (MERGE_RECORD, SHARDS, ShardState, describe_shards, is_shard_dir, merge_record,
                                  shard_dirs, shard_states)
 
@@ -240,7 +241,8 @@ def sharded_points(runs: Path) -> list[Path]:
     points = set()
     for folder in Path(runs).rglob(SHARDS):
         parts = folder.relative_to(runs).parts
-        if folder.is_dir() and not any(part.startswith(".") or ".old-" in part for part in parts) and shard_dirs(folder.parent):
+        if folder.is_dir() and not any(part.startswith(".") for part in parts) and not is_moved_aside(folder, runs) \
+                and shard_dirs(folder.parent):
             points.add(folder.parent)
     return sorted(points)
 
@@ -257,8 +259,9 @@ def stale_points(runs: Path) -> set[Path]:
 
 def grid_point_summaries(runs: Path, left_out: set[Path] = frozenset()) -> list[Path]:
     """Every summary.json under `runs` that is a grid point's result: shards' own summaries are parts, not
-    results, and the points in `left_out` (stale merges) are skipped."""
-    return [path for path in sorted(Path(runs).glob(f"**/{SUMMARY}"))
+    results, the points in `left_out` (stale merges) are skipped, and runs moved aside by overwrite=true and
+    hidden folders are no results (keydiff.run.results.run_summaries)."""
+    return [path for path in run_summaries(runs)  # never a run moved aside by overwrite=true (history)
             if not is_shard_dir(path.parent) and path.parent not in left_out]
 
 

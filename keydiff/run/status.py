@@ -15,7 +15,6 @@ shard as a point of its own instead.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from collections import Counter
@@ -24,10 +23,12 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
 from omegaconf import OmegaConf
 
 import keydiff  # noqa: F401  (config resolvers)
-from keydiff.run.checks import describe_error, exit_with_error
+from keydiff.run.checks import (ArgumentParser, check_command_line, describe_error, drop_whole_task_limit,
+                                exit_with_error)
 from keydiff.run.results import run_dir_of
 from keydiff.run.sweep import PointStatus, grid_points, point_status, sample_ids
 
@@ -46,6 +47,7 @@ def experiment_status(experiment: str, overrides: list[str]) -> list[tuple[list[
         result = []
         for point in grid_points(params, arguments, loader):
             cfg = compose("config", overrides=point)
+            drop_whole_task_limit(cfg)  # a limit covering the whole task runs into the whole run's directory
             run_dir = run_dir_of(cfg)
             result.append((point, run_dir, point_status(run_dir, sample_ids(cfg))))
     return result
@@ -54,13 +56,19 @@ def experiment_status(experiment: str, overrides: list[str]) -> list[tuple[list[
 def main(argv: list[str] | None = None) -> int:
     # A status query never downloads data: unknown totals show as "?" (set before huggingface_hub is imported).
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    parser = argparse.ArgumentParser(prog="python -m keydiff.run.status", description=__doc__.splitlines()[0])
-    parser.add_argument("experiment", help="conf/experiment/<name>.yaml")
+    parser = ArgumentParser(prog="python -m keydiff.run.status", description=__doc__.splitlines()[0])
+    parser.add_argument("experiment", nargs="?", help="conf/experiment/<name>.yaml")
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides, as given to run.py")
     args = parser.parse_args(argv)
+    experiments = sorted(path.stem for path in (CONF / "experiment").glob("*.yaml"))
+    if not args.experiment:
+        exit_with_error(f"which experiment? make status EXP=<name> (python -m keydiff.run.status <name>); "
+                        f"valid: {', '.join(experiments)}")
+    # the command line as run.py checks it: an unknown experiment or key is one line naming the valid ones
+    check_command_line(["-m", f"experiment={args.experiment}", *args.overrides], CONF)
     try:
         rows = experiment_status(args.experiment, args.overrides)
-    except ValueError as error:  # e.g. shard=9/8
+    except (HydraException, ValueError) as error:
         exit_with_error(describe_error(error))
     axes = [o.split("=", 1)[0] for o in rows[0][0]] if rows else []
     varying = {key for i, key in enumerate(axes) if len({tuple(r[0])[i] for r in rows}) > 1}
