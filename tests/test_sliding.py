@@ -200,3 +200,69 @@ def test_scratch_passes_leave_sliding_layers_as_they_were(models, ids):
     layer = state.cache.layers[0]
     assert layer.seen == ids.shape[1] and layer.num_entries == WINDOW - 1
     assert generate(model, state, 3).token_ids[0]
+
+
+def test_run_py_on_a_saved_random_gemma3(tmp_path, monkeypatch):
+    """`python run.py model=custom model.path=<tiny Gemma 3 folder> policy=keydiff` end to end: the summary records
+    each layer's bound (window less one, or N) and finds it held."""
+    import json
+    import runpy
+    import sys
+    from pathlib import Path
+
+    from keydiff.run import runner
+    from tests.conftest import char_tokenizer
+
+    model_dir = tmp_path / "tiny-gemma3"
+    tiny_hybrid_model("gemma3", window=WINDOW).save_pretrained(model_dir)
+    char_tokenizer().save_pretrained(model_dir)
+    monkeypatch.setattr(runner, "_LOADED", {})
+    arguments = ["model=custom", f"model.path={model_dir}", "model.dtype=float32", "model.device=cpu",
+                 "model.max_length=4096", "policy=keydiff", "budget=r0.25", "block_size=32", "task=niah_small",
+                 "task.context_lengths=[300]", "task.depths=[50]", f"results_root={tmp_path / 'runs'}",
+                 "hydra/hydra_logging=none", "hydra/job_logging=none"]
+    monkeypatch.setattr(sys, "argv", ["run.py", *arguments])
+    runpy.run_path(str(Path(__file__).parents[1] / "run.py"), run_name="__main__")
+    summaries = list((tmp_path / "runs").rglob("summary.json"))
+    assert len(summaries) == 1
+    summary = json.loads(summaries[0].read_text())
+    statistics = summary.get("statistics", summary)
+    budget = statistics["layer_budgets"][1]
+    assert budget == -(-statistics["max_prompt_tokens"] // 4)  # r0.25
+    assert statistics["layer_budgets"] == [WINDOW - 1, budget] * 2 and statistics["cache_bound_held"] is True
+    assert statistics["layer_cache_bounds"] == [WINDOW - 1 + 32, budget + 32] * 2
+    assert statistics["layer_max_cache_entries"] == statistics["layer_cache_bounds"]
+    rows = [json.loads(line) for line in (summaries[0].parent / "predictions.jsonl").read_text().splitlines()]
+    assert [row["kept_tokens"] for row in rows] == [budget]  # the full-attention layers' entries, not the window's
+
+
+def test_multimodal_gemma3_checkpoint_runs_text_prompts(ids):
+    """google/gemma-3-*-it load as Gemma3ForConditionalGeneration (a SigLIP tower beside the text model): its text
+    layers are served the same way (their layer kinds come from the text config)."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    text = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=16,
+                layer_types=["sliding_attention", "full_attention"] * 2)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=299,
+                          boi_token_index=297, eoi_token_index=298)
+    torch.manual_seed(0)
+    model = Gemma3ForConditionalGeneration(config).eval()
+    assert torch.allclose(prefill(model, ids, "full", None, 32).logits, stock_logits(model, ids), atol=1e-5)
+    state = prefill(model, ids, "keydiff", 64, 32)
+    assert state.cache.layer_kinds == ["sliding", "evicted"] * 2
+    assert state.cache.layer_max_entries == [WINDOW - 1 + 32, 96] * 2
+
+
+@pytest.mark.parametrize("config_name, layers, window, full", [
+    ("Gemma3TextConfig", 34, 1024, 5), ("Gemma3TextConfig", 48, 1024, 8), ("GptOssConfig", 24, 128, 12)])
+def test_real_layer_patterns_behind_the_memory_rows(config_name, layers, window, full):
+    """docs/gpu.md's hybrid rows count these full-attention layers (transformers' own layer patterns)."""
+    import transformers
+
+    from keydiff.cache.sliding import layer_windows
+
+    windows = layer_windows(getattr(transformers, config_name)(num_hidden_layers=layers, sliding_window=window))
+    assert windows.count(None) == full and set(windows) - {None} == {window}

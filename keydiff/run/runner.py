@@ -216,8 +216,11 @@ def run_sample(
     tokens = out.token_ids[0]
     prediction = tokenizer.decode(tokens, skip_special_tokens=True)
     length = len(prompt.input_ids)
-    # Entries per KV head after prefill (head-adaptive layers: their mean over heads; padding is -1).
-    kept = min(int((positions >= 0).sum()) // (positions.shape[0] * positions.shape[1]) for positions in state.kept_positions)
+    # Entries per KV head after prefill (head-adaptive layers: their mean over heads; padding is -1), over the layers
+    # the policy bounds (a hybrid model's sliding-window layers hold their window, whatever the budget).
+    bounded = [p for p, kind in zip(state.kept_positions, state.cache.layer_kinds) if kind != "sliding"]
+    kept = min(int((positions >= 0).sum()) // (positions.shape[0] * positions.shape[1])
+               for positions in bounded or state.kept_positions)
     return {
         "sample_id": sample.id,
         "status": "ok",
