@@ -34,6 +34,7 @@ import torch
 
 from keydiff.attention import keydiff_attention
 from keydiff.cache import EvictingCache
+from keydiff.cache.placement import layer_placements
 from keydiff.cache.sliding import layer_windows
 from keydiff.policies import Policy, build_policy
 
@@ -159,6 +160,7 @@ def prefill(
     cache = EvictingCache(
         policy, budget, model.config.get_text_config().num_hidden_layers, statistics=attention_statistics,
         profile=profile, block_size=step, max_tokens=length, scratch_tokens=scratch, config=model.config,
+        layer_placements=layer_placements(model, model.config.get_text_config().num_hidden_layers),
     )
     with keydiff_attention(model, cache):
         _sync(device)

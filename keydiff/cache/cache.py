@@ -90,7 +90,10 @@ class EvictingCache(Cache):
     runs eager attention and reads its weights (the paper's latency setting). profile=True synchronises the
     GPU around every statistic and eviction so that `timings` are the kernels' time; it slows the run down,
     so never time TTFT with it. config: the model's (text) config, needed only by a policy with
-    `key_rerotation` (the RoPE frequencies the kept keys are re-rotated with).
+    `key_rerotation` (the RoPE frequencies the kept keys are re-rotated with) and by a model with sliding-window
+    layers. layer_placements: where each layer's keys will live, e.g. (device, dtype) per layer
+    (`keydiff.cache.placement.layer_placements(model)`): stacks then group only layers of one placement, so no
+    stack holds a slot a layer on another device or of another dtype could not use (None: one placement).
     """
 
     def __init__(
@@ -104,6 +107,7 @@ class EvictingCache(Cache):
         max_tokens: int | None = None,
         scratch_tokens: int = 0,
         config: Any = None,
+        layer_placements: list[Any] | None = None,
     ):
         if statistics not in STATISTICS_MODES:
             raise ValueError(f"unknown attention statistics mode {statistics!r}; valid: {', '.join(STATISTICS_MODES)}")
@@ -114,6 +118,9 @@ class EvictingCache(Cache):
         self.budget = budget if policy.evicts else None
         self.num_layers, self.block_size, self.max_tokens = num_layers, block_size, max_tokens
         self.scratch_tokens = scratch_tokens  # room for the longest scratch pass (KVzip's reconstruction)
+        if layer_placements is not None and len(layer_placements) != num_layers:
+            raise ValueError(f"layer_placements has {len(layer_placements)} entries for {num_layers} layers")
+        self.placements = list(layer_placements) if layer_placements is not None else [None] * num_layers
         self.windows = layer_windows(config, num_layers)  # each layer's sliding window (None: full attention)
         self.sliding = self._sliding_layers()
         self._first_evicted = next((i for i in range(num_layers) if i not in self.sliding), None)
@@ -176,23 +183,38 @@ class EvictingCache(Cache):
         if policy.head_adaptive:  # one pool of per-head segments per bounded layer (capacity: slots per head)
             bounded = tuple(i for i, b in enumerate(budgets) if b is not None)
             shared = len({budgets[i] for i in bounded}) == 1 and len({capacities[i] for i in bounded}) == 1
-            stack = PoolStack(bounded) if bounded and shared and capacities[bounded[0]] is not None else None
+            stacks = {}
+            if bounded and shared and capacities[bounded[0]] is not None:  # one pool stack per placement
+                for group in self._placement_groups(bounded):
+                    if len(group) > 1:
+                        shared_stack = PoolStack(group)
+                        stacks.update({i: shared_stack for i in group})
             layers = [EvictingLayer(b, c, policy.state_names, policy.entry_state, layer_idx=i) if b is None else
                       AdaptiveLayer(AdaptiveStorage(i, b, c, policy.state_names, policy.entry_state,
-                                                    policy.needs_output_projection, stack), i)
+                                                    policy.needs_output_projection, stacks.get(i)), i)
                       for i, (b, c) in enumerate(zip(budgets, capacities))]
             return self._with_sliding(layers)
         first = evicted[0] if evicted else None
         stackable = (first is not None and policy.layers_batchable and budgets[first] is not None
                      and len({budgets[i] for i in evicted}) == 1 and capacities[first] is not None
                      and len({capacities[i] for i in evicted}) == 1)
-        if stackable:
-            stack = Storage(tuple(evicted), budgets[first], capacities[first], policy.state_names, policy.entry_state)
-            return self._with_sliding([EvictingLayer(budgets[first], capacities[first], layer_idx=i, storage=stack,
-                                                     slot=evicted.index(i)) if i in evicted else None
-                                       for i in range(count)])
-        return self._with_sliding([EvictingLayer(b, c, policy.state_names, policy.entry_state, layer_idx=i)
-                                   for i, (b, c) in enumerate(zip(budgets, capacities))])
+        layers = [EvictingLayer(b, c, policy.state_names, policy.entry_state, layer_idx=i)
+                  for i, (b, c) in enumerate(zip(budgets, capacities))]
+        if stackable:  # one stack per placement (a layer alone in its placement keeps a storage of its own)
+            for group in self._placement_groups(tuple(evicted)):
+                if len(group) > 1:
+                    stack = Storage(group, budgets[first], capacities[first], policy.state_names, policy.entry_state)
+                    for slot, i in enumerate(group):
+                        layers[i] = EvictingLayer(budgets[first], capacities[first], layer_idx=i, storage=stack, slot=slot)
+        return self._with_sliding(layers)
+
+    def _placement_groups(self, layers: tuple[int, ...]) -> list[tuple[int, ...]]:
+        """`layers` grouped by placement (device and dtype of their keys), each group in layer order."""
+        groups: dict[Any, list[int]] = {}
+        for i in layers:
+            groups.setdefault(self.placements[i], []).append(i)
+        return [tuple(group) for group in groups.values()]
+
 
     def _with_sliding(self, layers: list) -> list:
         """`layers` with a `SlidingWindowLayer` in place of each layer the window bounds."""
@@ -486,11 +508,14 @@ class EvictingCache(Cache):
         if self.budget is None or not self._evicting:
             return
         with self.timed("eviction_s"):
-            adaptive = [s for s in self._storages if isinstance(s, AdaptiveStorage)]
-            together = bool(adaptive) and evict_stack(adaptive, self.policy)  # all head-adaptive layers in one call
+            stacks: dict[int, list[AdaptiveStorage]] = {}  # head-adaptive layers by pool stack (placement)
+            for storage in self._storages:
+                if isinstance(storage, AdaptiveStorage):
+                    stacks.setdefault(id(storage.stack), []).append(storage)
+            together = {id(s) for group in stacks.values() if evict_stack(group, self.policy) for s in group}
             end = self._rotary_end()
             for storage in self._storages:
-                if not (together and isinstance(storage, AdaptiveStorage)):
+                if id(storage) not in together:  # (each pool stack's layers were evicted in one call above)
                     storage.evict(self.policy, self.inv_freq, end)
 
     def start_generation(self, new_tokens: int, evict: bool = True) -> None:
