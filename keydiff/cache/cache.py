@@ -17,8 +17,11 @@ allocated or copied after the first block: only the new entries move.
 Stack. When every layer has the same budget and the policy scores each batch row on its own
 (`Policy.layers_batchable`), every layer lives in one storage (one [layers, batch, ...] allocation, one entry
 count): each layer is a view of its slot, and eviction scores all layers' rows in one call. Otherwise each
-layer has a storage of its own. A layer whose first pass does not fit the stack (other head count or head
-dim) takes buffers of its own, and the stack is split into one storage per layer.
+layer has a storage of its own. With `layer_placements` (each layer's key device and dtype, which the engine
+reads from the model: a model across several GPUs, or layers of other dtypes) there is one stack per placement,
+so no stack holds a slot for a layer that could not use it. A layer whose first pass does not fit its stack
+anyway (other head count or head dim, or an unforeseen placement) takes buffers of its own, and the stack is
+split into one storage per layer.
 
 Head-adaptive budgets. For a policy with `head_adaptive` (AdaKV, keydiff.policies.adakv) the heads of a layer
 share its budget, kv_heads x N in all, and keep different counts: each bounded layer is then a pool of per-head
