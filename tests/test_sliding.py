@@ -266,3 +266,39 @@ def test_real_layer_patterns_behind_the_memory_rows(config_name, layers, window,
 
     windows = layer_windows(getattr(transformers, config_name)(num_hidden_layers=layers, sliding_window=window))
     assert windows.count(None) == full and set(windows) - {None} == {window}
+
+
+@pytest.mark.parametrize("architecture", HYBRID)
+def test_stock_attention_loop_equals_generate_for_an_attention_free_policy(models, ids, architecture):
+    """Without keydiff's attention function, transformers sizes each layer kind's mask from the cache (the sliding
+    layers' from their window, the evicted layers' from their kept entries): the same tokens as keydiff.generate."""
+    model = models[architecture]
+    expected = generate(model, prefill(model, ids, "keydiff", 64, 32), 5).token_ids[0]
+    state = prefill(model, ids, "keydiff", 64, 32)
+    cache, logits, tokens = state.cache, state.logits, []
+    with torch.no_grad():
+        for _ in range(5):
+            token = logits.argmax(-1)
+            tokens.append(int(token))
+            logits = model(input_ids=token[:, None], past_key_values=cache, use_cache=True).logits[:, -1].float()
+    assert tokens == expected
+
+
+@pytest.mark.parametrize("architecture", ["gpt_oss", "gemma2"])
+def test_fast_statistics_path_with_sinks_or_softcap_equals_the_materialised_one(ids, monkeypatch, architecture):
+    """gpt-oss and Gemma 2 run eager (materialised weights) unless on FlashAttention: there the statistic comes from
+    the fast path (`attention_statistic` with the sinks or the soft cap), beside the eager output they need; it
+    keeps the same entries."""
+    import sys
+    import types
+
+    model = tiny_hybrid_model(architecture, window=WINDOW)
+    materialised = prefill(model, ids, "snapkv", 64, 32)
+    monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(flash_attn_func=None, __version__="2.6.3"))
+    model.config._attn_implementation = "flash_attention_2"  # as loaded with flash-attn installed
+    monkeypatch.setattr(model, "set_attn_implementation",
+                        lambda name: setattr(model.config, "_attn_implementation", name))
+    fast = prefill(model, ids, "snapkv", 64, 32)
+    assert all(torch.equal(a, b) for a, b in zip(fast.kept_positions, materialised.kept_positions))
+    assert torch.allclose(fast.logits, materialised.logits, atol=1e-5)
+    assert generate(model, fast, 4).token_ids == generate(model, materialised, 4).token_ids
