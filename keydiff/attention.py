@@ -88,10 +88,6 @@ class LogitRules:
     sinks: torch.Tensor | None = None  # [heads]: one logit per query head, in the softmax's denominator only
 
     @property
-    def plain(self) -> bool:
-        return self.visible is None and self.softcap is None and self.sinks is None
-
-    @property
     def fusable(self) -> bool:
         """Whether SDPA / FlashAttention can compute it (a mask yes; a soft cap or sinks no)."""
         return self.softcap is None and self.sinks is None
@@ -128,7 +124,9 @@ def rules_for(kwargs: dict[str, Any], query: torch.Tensor, key: torch.Tensor,
     visible = None
     if window is not None:
         q_len, kv_len = query.shape[2], key.shape[2]
-        if key_positions is None:  # keys in order, the last of them this pass's: positions relative to the end
+        if key_positions is None and kv_len <= window:
+            pass  # keys in order, all within the window (decoding against a full window): the causal mask is it
+        elif key_positions is None:  # keys in order, the last of them this pass's: positions relative to the end
             keys = torch.arange(kv_len, device=query.device) - kv_len
             queries = torch.arange(q_len, device=query.device) - q_len
             visible = ((keys[None, :] <= queries[:, None]) & (queries[:, None] - keys[None, :] < window))[None, None]
