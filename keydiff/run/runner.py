@@ -134,10 +134,16 @@ def derived_seed(run_seed: int, sample_id: str) -> int:
     return int(digest[:12], 16)
 
 
-def peak_memory_bytes(device: torch.device) -> int:
-    """Peak GPU memory allocated during the sample on CUDA; the process's peak RSS on CPU."""
+def cuda_devices(model: torch.nn.Module) -> list[torch.device]:
+    """The CUDA devices holding the model's parameters (several when model.device_map spreads it over GPUs)."""
+    return sorted({p.device for p in model.parameters() if p.device.type == "cuda"}, key=str)
+
+
+def peak_memory_bytes(device: torch.device, devices: list[torch.device] | None = None) -> int:
+    """Peak GPU memory allocated during the sample on CUDA, summed over `devices` (default: `device`); the
+    process's peak RSS on CPU."""
     if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
+        return int(sum(torch.cuda.max_memory_allocated(d) for d in (devices or [device])))
     scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss is KiB on Linux
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale)
 
@@ -201,8 +207,9 @@ def run_sample(
     prompt = prompt or plan.task.build_prompt(sample, tokenizer, plan.model_cfg.max_length)
     settings = prompt.generation
     device = next(model.parameters()).device
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    gpus = cuda_devices(model)
+    for gpu in gpus:
+        torch.cuda.reset_peak_memory_stats(gpu)
     input_ids = torch.tensor([prompt.input_ids], dtype=torch.long)
     budget = plan.sample_budget(len(prompt.input_ids))
     state = prefill(model, input_ids, plan.new_policy(), budget, plan.block_size, plan.statistics,
@@ -249,7 +256,7 @@ def run_sample(
         "kv_cache_bytes": state.cache.kv_cache_bytes,
         # Upper bound of the KV entries held at once: every layer's own peak, summed, in bytes.
         "kv_cache_peak_bytes": state.cache.entries_peak_sum * kv_bytes_per_layer_entry(model),
-        "peak_memory_bytes": peak_memory_bytes(device),
+        "peak_memory_bytes": peak_memory_bytes(device, gpus),
         "seed": seed if settings.do_sample else None,
         "code": code,  # commit (+ "-dirty") that produced this row: a resumed run may span commits
     }
