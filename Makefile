@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: help install run test bench bench-decode bench-throughput bench-scoring bench-peers gpu-check collect smoke leaderboard tables figures figures-runs analysis paper-numbers paper-assets report wandb-sync sweep-local sweep-slurm status clean
+.PHONY: help install run test bench bench-decode bench-throughput bench-scoring bench-long bench-peers gpu-check collect smoke leaderboard tables figures figures-runs analysis paper-numbers paper-assets report wandb-sync sweep-local sweep-slurm status clean
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -40,6 +40,9 @@ bench-throughput: $(STAMP)  ## batched decode tokens/s, full vs KeyDiff at batch
 bench-scoring: $(STAMP)  ## Tables 19 and 2: scoring-step time/memory per policy vs N and B (quiet machine; ARGS="--shape llama-3.2-3b")
 	$(PY) -m keydiff.bench.scoring table19 $(ARGS)
 	$(PY) -m keydiff.bench.scoring table2 $(ARGS)
+
+bench-long: $(STAMP)  ## prompts of 4K..128K under N=1024: prefill peak memory and time per token vs L, beside full (fresh process per point)
+	$(PY) -m keydiff.bench.long_prefill $(ARGS)
 
 bench-peers: $(STAMP)  ## side by side with kvpress on identical random weights: kept-set parity, TTFT/decode/memory (builds .venv-kvpress once; ARGS="parity --length 512")
 	$(PY) -m keydiff.bench.peers --torch-spec "$(TORCH_SPEC)" $(ARGS)

@@ -36,6 +36,14 @@ Batches of sequences (keydiff.batching): a bound cache that answers `row_passes(
 evicting cache per batch row; each row is then computed against its own cache's keys and values, that cache
 bound (`rowwise_attention`), so rows of different lengths are never padded and each records its own statistic.
 
+Hybrid and gpt-oss models. What a layer adds to plain causal softmax attention arrives as keyword arguments
+and is honoured on every path (fused, materialised, statistics, head-adaptive segments) through `LogitRules`:
+`sliding_window` (a query sees the last `window` positions only: the causal mask becomes a band, by key index
+for keys in order, by each key's recorded position for a layer evicted under a window), `softcap` (Gemma 2:
+logits -> softcap * tanh(logits / softcap)) and `s_aux` (gpt-oss's attention sinks: a learned logit per query
+head in the softmax's denominator, attending to nothing). SDPA and FlashAttention implement neither softcap nor
+sinks, so a layer with either runs the eager computation on the fused path too (these models' own default).
+
 Where the cache comes from: `keydiff_attention(model, cache)` switches the model to these functions and
 binds `cache` for the duration (a context variable, so nothing is stored on the model). The function asks
 the bound cache which statistic it wants only when the keys it was given are the very tensor that cache's
@@ -47,6 +55,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
@@ -74,9 +83,69 @@ def causal_mask(
     return torch.arange(kv_len, device=device)[None, :] <= rows
 
 
+@dataclass(frozen=True)
+class LogitRules:
+    """What a layer adds to causal softmax attention (see the module): a visibility mask replacing the causal one
+    (sliding windows), a logit soft cap (Gemma 2), attention sinks (gpt-oss). `LogitRules()` is plain attention."""
+
+    visible: torch.Tensor | None = None  # bool [batch or 1, kv_heads or 1, q, kv]: which keys each query row sees
+    softcap: float | None = None
+    sinks: torch.Tensor | None = None  # [heads]: one logit per query head, in the softmax's denominator only
+
+    @property
+    def fusable(self) -> bool:
+        """Whether SDPA / FlashAttention can compute it (a mask yes; a soft cap or sinks no)."""
+        return self.softcap is None and self.sinks is None
+
+    def for_head(self, head: int, groups: int) -> "LogitRules":
+        """The rules of KV head `head`'s group of query heads (head-adaptive layers compute each head alone)."""
+        if self.visible is not None:
+            raise ValueError("head-adaptive layers do not combine with a sliding window")
+        sinks = None if self.sinks is None else self.sinks[head * groups : (head + 1) * groups]
+        return LogitRules(None, self.softcap, sinks)
+
+    def cap(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits if self.softcap is None else torch.tanh(logits / self.softcap) * self.softcap
+
+    def softmax(self, logits: torch.Tensor, head_dim: int, trailing: int = 2) -> torch.Tensor:
+        """float32 softmax over the last dim, with the sinks (one per query head: the dims from `head_dim` up to
+        the last `trailing` ones; [b, H, q, kv]: dim 1; [b, H_kv, g, q, kv]: dims 1-2; [g, kv]: 0, trailing 1)
+        in the denominator."""
+        logits = logits.float()
+        if self.sinks is None:
+            return torch.softmax(logits, dim=-1)
+        shape = [1] * logits.dim()
+        stop = logits.dim() - trailing
+        shape[head_dim:stop] = logits.shape[head_dim:stop]
+        sinks = self.sinks.float().reshape(shape).expand(*logits.shape[:-1], 1)
+        return torch.softmax(torch.cat([logits, sinks], dim=-1), dim=-1)[..., :-1]
+
+
+def rules_for(kwargs: dict[str, Any], query: torch.Tensor, key: torch.Tensor,
+              key_positions: tuple[torch.Tensor, int] | None = None) -> LogitRules:
+    """The `LogitRules` of a layer from the attention function's keyword arguments; key_positions (from the
+    cache, for keys out of order): each key's absolute position and the position after the pass's last query."""
+    window, softcap, sinks = kwargs.get("sliding_window"), kwargs.get("softcap"), kwargs.get("s_aux")
+    visible = None
+    if window is not None:
+        q_len, kv_len = query.shape[2], key.shape[2]
+        if key_positions is None and kv_len <= window:
+            pass  # keys in order, all within the window (decoding against a full window): the causal mask is it
+        elif key_positions is None:  # keys in order, the last of them this pass's: positions relative to the end
+            keys = torch.arange(kv_len, device=query.device) - kv_len
+            queries = torch.arange(q_len, device=query.device) - q_len
+            visible = ((keys[None, :] <= queries[:, None]) & (queries[:, None] - keys[None, :] < window))[None, None]
+        else:
+            positions, end = key_positions
+            queries = torch.arange(end - q_len, end, device=query.device)[:, None]
+            keys = positions[:, :, None, :]  # [b, H_kv, 1, kv]
+            visible = (keys <= queries) & (queries - keys < window)
+    return LogitRules(visible, softcap, sinks)
+
+
 def attention_statistic(
     query: torch.Tensor, key: torch.Tensor, scaling: float, rows: int | None, reduction: str = "sum",
-    key_mask: torch.Tensor | None = None,
+    key_mask: torch.Tensor | None = None, rules: LogitRules = LogitRules(),
 ) -> torch.Tensor:
     """Attention received by each key from the last `rows` query rows (None: all), group-averaged.
 
@@ -85,6 +154,7 @@ def attention_statistic(
     heads of each group. Grouped queries multiply their KV head directly (no repeat_kv copy).
     reduction="max": the maximum over those rows and the group's heads instead (KVzip's score).
     key_mask (bool [b, H_kv, kv]): the softmax runs over these keys only (KVzip's chunked scoring).
+    rules: a sliding window's mask, a soft cap, sinks (see `LogitRules`).
     """
     batch, heads, q_len, dim = query.shape
     kv_heads, kv_len = key.shape[1], key.shape[2]
@@ -98,14 +168,16 @@ def attention_statistic(
         stop = min(start + chunk, q_len)
         block = grouped[:, :, :, start:stop].reshape(batch, kv_heads, groups * (stop - start), dim)
         # Logits in the model's dtype, softmax in float32: the numerics of transformers' eager attention.
-        logits = ((block @ keys_t) * scaling).float()  # [b, H_kv, g*c, kv]
+        logits = rules.cap(((block @ keys_t) * scaling).float())  # [b, H_kv, g*c, kv]
         logits = logits.view(batch, kv_heads, groups, stop - start, kv_len)
-        if q_len > 1:  # a single query (decoding) sees every key: no mask to build
+        if rules.visible is not None:
+            logits = logits.masked_fill(~rules.visible[:, :, None, start:stop], float("-inf"))
+        elif q_len > 1:  # a single query (decoding) sees every key: no mask to build
             visible = causal_mask(q_len, kv_len, query.device, start, stop)  # [c, kv]
             logits = logits.masked_fill(~visible, float("-inf"))
         if key_mask is not None:
             logits = logits.masked_fill(~key_mask[:, :, None, None, :], float("-inf"))
-        weights = torch.softmax(logits, dim=-1)
+        weights = rules.softmax(logits, head_dim=1)
         if reduction == "max":
             received = weights.amax(dim=(2, 3))
             total = received if total is None else torch.maximum(total, received, out=total)
@@ -133,24 +205,40 @@ def statistic_from_weights(
 
 
 def eager_attention(
-    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float
+    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
+    rules: LogitRules = LogitRules(),
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain attention with materialised weights (float32 softmax cast back, like transformers' eager)."""
+    """Plain attention with materialised weights (float32 softmax cast back, like transformers' eager); `rules`
+    (a window, a soft cap, sinks) as transformers' Gemma 2 / gpt-oss eager functions apply them."""
     groups = query.shape[1] // key.shape[1]
     keys, values = repeat_kv(key, groups), repeat_kv(value, groups)
-    weights = torch.matmul(query, keys.transpose(2, 3)) * scaling
+    weights = rules.cap(torch.matmul(query, keys.transpose(2, 3)) * scaling)
     q_len, kv_len = query.shape[2], key.shape[2]
-    if q_len > 1:
+    if rules.visible is not None:
+        visible = rules.visible.repeat_interleave(groups, dim=1) if rules.visible.shape[1] > 1 else rules.visible
+        weights = weights.masked_fill(~visible, torch.finfo(weights.dtype).min)
+    elif q_len > 1:
         weights = weights.masked_fill(~causal_mask(q_len, kv_len, query.device), torch.finfo(weights.dtype).min)
-    weights = torch.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    weights = (rules.softmax(weights, head_dim=1) if rules.sinks is not None
+               else torch.softmax(weights, dim=-1, dtype=torch.float32)).to(query.dtype)
     output = torch.matmul(weights, values).transpose(1, 2).contiguous()
     return output, weights
 
 
 def fused_attention(
-    base: str, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float
+    base: str, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
+    rules: LogitRules = LogitRules(),
 ) -> torch.Tensor:
-    """Attention output from SDPA or FlashAttention, with the bottom-right causal mask."""
+    """Attention output from SDPA or FlashAttention, with the bottom-right causal mask (a sliding window's band
+    through SDPA; a soft cap or sinks through the eager computation, which the fused kernels cannot do)."""
+    if not rules.fusable:
+        return eager_attention(module, query, key, value, scaling, rules)[0]
+    if rules.visible is not None:
+        groups = query.shape[1] // key.shape[1]
+        visible = rules.visible.repeat_interleave(groups, dim=1) if rules.visible.shape[1] > 1 else rules.visible
+        output = F.scaled_dot_product_attention(query, key, value, attn_mask=visible, scale=scaling,
+                                                enable_gqa=groups > 1)
+        return output.transpose(1, 2).contiguous()
     q_len, kv_len = query.shape[2], key.shape[2]
     if base == "flash_attention_2":
         from flash_attn import flash_attn_func
@@ -172,7 +260,7 @@ def fused_attention(
 
 def segment_attention(
     base: str, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
-    segments: list[list[tuple[int, int]]], rows: int | None, materialize: bool,
+    segments: list[list[tuple[int, int]]], rows: int | None, materialize: bool, rules: LogitRules = LogitRules(),
 ) -> tuple[torch.Tensor, list[list[torch.Tensor]] | None]:
     """Attention of a head-adaptive layer: every KV head over its own segment [start, start + count) of the pool.
 
@@ -183,7 +271,7 @@ def segment_attention(
     kv_heads = len(segments[0])
     groups = query.shape[1] // kv_heads
     if query.shape[2] == 1:
-        return decoding_segment_attention(query, key, value, scaling, segments, rows)
+        return decoding_segment_attention(query, key, value, scaling, segments, rows, rules)
     outputs, statistics = [], []
     for row, heads in enumerate(segments):
         parts, received = [], []
@@ -191,14 +279,15 @@ def segment_attention(
             q_head = query[row : row + 1, head * groups : (head + 1) * groups]
             k_head = key[row, start : start + count][None, None]
             v_head = value[row, start : start + count][None, None]
+            own = rules.for_head(head, groups)
             if materialize:
-                out, weights = eager_attention(module, q_head, k_head, v_head, scaling)
+                out, weights = eager_attention(module, q_head, k_head, v_head, scaling, own)
             else:
-                out = fused_attention(base, module, q_head, k_head, v_head, scaling)
+                out = fused_attention(base, module, q_head, k_head, v_head, scaling, own)
             parts.append(out)
             if rows != 0:
                 statistic = (statistic_from_weights(weights, 1, rows) if materialize
-                             else attention_statistic(q_head, k_head, scaling, rows))
+                             else attention_statistic(q_head, k_head, scaling, rows, rules=own))
                 received.append(statistic[0, 0])
         outputs.append(torch.cat(parts, dim=2))
         statistics.append(received)
@@ -207,7 +296,7 @@ def segment_attention(
 
 def decoding_segment_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
-    segments: list[list[tuple[int, int]]], rows: int | None,
+    segments: list[list[tuple[int, int]]], rows: int | None, rules: LogitRules = LogitRules(),
 ) -> tuple[torch.Tensor, list[list[torch.Tensor]] | None]:
     """`segment_attention` for one query (decoding): each KV head's group of query heads against its own
     segment (a query sees all of it) in two small products. Plain products rather than SDPA: one SDPA call
@@ -228,7 +317,8 @@ def decoding_segment_attention(
         for head, (start, count) in enumerate(spans):
             q_group = query[row, head * groups:(head + 1) * groups, 0].float()
             logits = q_group @ key[row, start:start + count].float().T  # [groups, n], float32
-            weights = torch.softmax(logits * scaling, dim=-1)
+            own = rules.for_head(head, groups)
+            weights = own.softmax(own.cap(logits * scaling), head_dim=0, trailing=1)
             parts.append((weights @ value[row, start:start + count].float()).to(value.dtype))  # [groups, d]
             if rows != 0:  # the statistic: the attention each entry received, group-averaged
                 received.append(weights.mean(dim=0))
@@ -239,7 +329,7 @@ def decoding_segment_attention(
 
 def rowwise_attention(
     attend, module: torch.nn.Module, query: torch.Tensor, passes: list[tuple[Any, torch.Tensor, torch.Tensor]],
-    scaling: float,
+    scaling: float, kwargs: dict[str, Any],
 ) -> torch.Tensor:
     """Attention of a batch whose rows have caches of their own (keydiff.batching.BatchCache): row r's queries
     [1, H, q, d] against exactly the keys and values its own cache returned (`passes[r]`: cache, keys, values),
@@ -249,7 +339,7 @@ def rowwise_attention(
     outputs = []
     for row, (cache, key, value) in enumerate(passes):
         with bound_to(cache):
-            outputs.append(attend(module, query[row : row + 1], key, value, scaling, cache))
+            outputs.append(attend(module, query[row : row + 1], key, value, scaling, cache, kwargs))
     return torch.cat(outputs, dim=0)
 
 
@@ -264,9 +354,10 @@ def bound_to(cache: Any) -> Iterator[None]:
         _BOUND_CACHE.reset(token)
 
 
-def check_supported(who: str, module: torch.nn.Module, kwargs: dict[str, Any]) -> None:
+def check_supported(who: str, module: torch.nn.Module, kwargs: dict[str, Any],
+                    names: tuple[str, ...] = ("sliding_window", "softcap", "s_aux")) -> None:
     """Refuse attention features this module's kernels do not implement, rather than silently ignore them."""
-    unsupported = [name for name in ("sliding_window", "softcap", "s_aux") if kwargs.get(name) is not None]
+    unsupported = [name for name in names if kwargs.get(name) is not None]
     if unsupported:
         raise ValueError(f"{who} does not implement {', '.join(unsupported)} (layer {module.layer_idx})")
 
@@ -284,21 +375,24 @@ def make_attention_function(base: str):
         dropout: float = 0.0,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, None]:
-        check_supported("keydiff attention", module, kwargs)
         scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
         bound = _BOUND_CACHE.get()
         rows_of = getattr(bound, "row_passes", None)
         passes = None if rows_of is None else rows_of(module.layer_idx, key)
         if passes is not None:  # a batch of sequences with caches of their own (keydiff.batching)
-            return rowwise_attention(attend, module, query, passes, scaling), None
-        return attend(module, query, key, value, scaling, bound), None
+            return rowwise_attention(attend, module, query, passes, scaling, kwargs), None
+        return attend(module, query, key, value, scaling, bound, kwargs), None
 
     def attend(
         module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
-        evicting_cache: Any,
+        evicting_cache: Any, kwargs: dict[str, Any],
     ) -> torch.Tensor:
         if evicting_cache is not None and not evicting_cache.owns(module.layer_idx, key):
             evicting_cache = None  # the model runs with some other cache: plain attention
+        positions = None
+        if evicting_cache is not None and kwargs.get("sliding_window") is not None:
+            positions = evicting_cache.key_positions(module.layer_idx)
+        rules = rules_for(kwargs, query, key, positions)
         rows = 0 if evicting_cache is None else evicting_cache.attention_rows_needed(module.layer_idx)
         if evicting_cache is not None and evicting_cache.queries_needed(module.layer_idx):
             evicting_cache.record_queries(module.layer_idx, query, module.config)
@@ -307,14 +401,15 @@ def make_attention_function(base: str):
         materialize = base == "eager" or (rows != 0 and evicting_cache.statistics == "materialized")
         segments = None if evicting_cache is None else evicting_cache.head_segments(module.layer_idx)
         if segments is not None:
-            output, statistic = segment_attention(base, module, query, key, value, scaling, segments, rows, materialize)
+            output, statistic = segment_attention(base, module, query, key, value, scaling, segments, rows, materialize,
+                                                  rules)
             if rows != 0:
                 evicting_cache.record_attention(module.layer_idx, statistic)
             return output
         if materialize:
-            output, weights = eager_attention(module, query, key, value, scaling)
+            output, weights = eager_attention(module, query, key, value, scaling, rules)
         else:
-            output = fused_attention(base, module, query, key, value, scaling)
+            output = fused_attention(base, module, query, key, value, scaling, rules)
         if rows != 0:
             with evicting_cache.timed("statistics_s"):
                 reduction = evicting_cache.attention_reduction
@@ -322,7 +417,7 @@ def make_attention_function(base: str):
                 if materialize:
                     statistic = statistic_from_weights(weights, key.shape[1], rows, reduction, key_mask)
                 else:
-                    statistic = attention_statistic(query, key, scaling, rows, reduction, key_mask)
+                    statistic = attention_statistic(query, key, scaling, rows, reduction, key_mask, rules)
             evicting_cache.record_attention(module.layer_idx, statistic)
         return output
 

@@ -34,6 +34,8 @@ import torch
 
 from keydiff.attention import keydiff_attention
 from keydiff.cache import EvictingCache
+from keydiff.cache.placement import layer_placements
+from keydiff.cache.sliding import layer_windows
 from keydiff.policies import Policy, build_policy
 
 
@@ -99,18 +101,9 @@ def check_budget(policy: Policy, budget: int | None) -> None:
 
 
 def check_model_supported(model: torch.nn.Module) -> None:
-    """Only full-attention decoders: sliding-window or linear-attention layers need their own cache rules."""
-    config = model.config.get_text_config()
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is None and getattr(config, "sliding_window", None) is not None:
-        # Mistral-style configs: a sliding window on every layer, declared without layer_types.
-        layer_types = ["sliding_attention"]
-    other = sorted({kind for kind in layer_types or [] if kind != "full_attention"})
-    if other:
-        raise ValueError(
-            f"{type(model).__name__} has {', '.join(other)} layers; keydiff-bench evicts full-attention layers "
-            "only (every layer_types entry must be 'full_attention')"
-        )
+    """Full-attention and sliding-window layers only (keydiff.cache.sliding): linear-attention, chunked or shared
+    layers need cache rules of their own, refused in one line."""
+    layer_windows(model.config)
 
 
 def _sync(device: torch.device) -> None:
@@ -177,6 +170,7 @@ def prefill(
     cache = EvictingCache(
         policy, budget, model.config.get_text_config().num_hidden_layers, statistics=attention_statistics,
         profile=profile, block_size=step, max_tokens=length, scratch_tokens=scratch, config=model.config,
+        layer_placements=layer_placements(model, model.config.get_text_config().num_hidden_layers),
     )
     with keydiff_attention(model, cache):
         _sync(device)

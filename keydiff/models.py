@@ -32,6 +32,8 @@ from typing import Any
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
 DEVICE_CHOICES = ("auto", "cpu", "cuda", "cuda:<index>", "mps")
+# accelerate's big-model placements (`from_pretrained(device_map=...)`): the layers spread over every visible GPU.
+DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
 BUILTIN_PREFIX = "builtin:"
 
 # Bumped whenever the conversion output changes; a cached folder with another version is rebuilt.
@@ -90,6 +92,9 @@ class ModelConfig:
     trust_remote_code: bool = False
     revision: str | None = None
     device: str = "auto"
+    # null: the whole model on `device`; "auto" (or another of DEVICE_MAPS): accelerate places its layers across
+    # every visible GPU, for a model that does not fit one (each layer's cache then lives beside its layer).
+    device_map: str | None = None
 
     @classmethod
     def from_dict(cls, data: Any) -> "ModelConfig":
@@ -147,6 +152,10 @@ class ModelConfig:
         if self.revision is not None and (not isinstance(self.revision, str) or not self.revision):
             raise ValueError(f"model.revision must be null or a non-empty string, got {self.revision!r}")
         self._validate_device()
+        if self.device_map is not None and self.device_map not in DEVICE_MAPS:
+            raise ValueError(f"model.device_map={self.device_map!r} is not valid; choose null or one of {list(DEVICE_MAPS)}")
+        if self.device_map is not None and importlib.util.find_spec("accelerate") is None:
+            raise ValueError("model.device_map needs the accelerate package: pip install accelerate")
 
         if self.is_builtin:
             if self.builtin_name not in BUILTIN_MODELS:
@@ -416,12 +425,14 @@ def load_model(model: "ModelConfig | str" = "smollm2-135m", **settings: Any) -> 
             kwargs["trust_remote_code"] = tok_kwargs["trust_remote_code"] = True
         if os.path.isdir(source):
             kwargs["local_files_only"] = tok_kwargs["local_files_only"] = True
-    if device != "cpu":
+    if cfg.device_map is not None:
+        kwargs["device_map"] = cfg.device_map  # accelerate spreads the layers over the visible GPUs
+    elif device != "cpu":
         kwargs["device_map"] = device  # load straight onto the accelerator
 
     tokenizer = AutoTokenizer.from_pretrained(source, **tok_kwargs)
     model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
-    if device == "cpu":
+    if device == "cpu" and cfg.device_map is None:
         model.to(device)
     model.eval()
     return model, tokenizer

@@ -48,6 +48,40 @@ def tiny_model(seed: int = 0) -> torch.nn.Module:
         return LlamaForCausalLM(config).float().eval()
 
 
+HYBRID_ARCHITECTURES = ("gemma2", "gemma3", "gpt_oss", "mistral_sliding")
+
+
+def tiny_hybrid_model(architecture: str, window: int = 48, seed: int = 0) -> torch.nn.Module:
+    """A tiny random model with sliding-window layers (4 layers alternating sliding and full attention, 4 query
+    heads over 2 KV heads, head_dim 16; `mistral_sliding`: every layer slides, as Mistral v0.1), float32, in the
+    model's default attention implementation (eager for Gemma 2 and gpt-oss). gpt-oss's attention sinks are
+    drawn at random (they start at zero), so that they matter."""
+    import transformers
+
+    shape = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, sliding_window=window, max_position_embeddings=4096)
+    alternating = ["sliding_attention", "full_attention"] * 2
+    builders = {
+        "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(layer_types=alternating, query_pre_attn_scalar=16)),
+        "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(layer_types=alternating, query_pre_attn_scalar=16)),
+        "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(layer_types=alternating, num_local_experts=4,
+                                                              num_experts_per_tok=2, intermediate_size=64)),
+        "mistral_sliding": ("MistralConfig", "MistralForCausalLM", {}),
+    }
+    if architecture not in builders:
+        raise ValueError(f"unknown architecture {architecture!r}; valid: {', '.join(builders)}")
+    config_name, model_name, extra = builders[architecture]
+    config = getattr(transformers, config_name)(**{**shape, **extra})
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = getattr(transformers, model_name)(config).float().eval()
+        for layer in model.model.layers:
+            sinks = getattr(layer.self_attn, "sinks", None)
+            if sinks is not None:
+                sinks.data.normal_(0.0, 1.0)
+    return model
+
+
 def variant(policy: Policy, **class_attributes: Any) -> Policy:
     """The same policy (parameters and behaviour) as an instance of a subclass with `class_attributes` set."""
     cls = type(policy)
@@ -102,6 +136,7 @@ def check_policy(
     block_size: int = 16,
     new_tokens: int = 4,
     deterministic: bool = True,
+    model: torch.nn.Module | None = None,
     **params: Any,
 ) -> dict:
     """Check `policy` (a Policy subclass, a built-in name or a dotted path, built with `params`; or a policy
@@ -109,7 +144,8 @@ def check_policy(
 
     budget, prompt_tokens, block_size, new_tokens: the run (the budget must be below the prompt length so that
     the policy evicts). deterministic=False skips the same-choices-twice check (a policy that draws without
-    a seed). Raises PolicyCheckError (or the policy's own ValueError for bad parameters); returns a summary.
+    a seed). model: the model to run on (default `tiny_model()`; e.g. `tiny_hybrid_model("gemma3")`, whose
+    sliding-window layers are bounded by their window, checked as N_l = window - 1). Raises PolicyCheckError (or the policy's own ValueError for bad parameters); returns a summary.
     """
     fresh = policy_factory(policy, params)
     if budget >= prompt_tokens:
@@ -118,7 +154,7 @@ def check_policy(
     base.check(budget)
     name = base.describe()["name"]
     start = time.perf_counter()
-    model = tiny_model()
+    model = tiny_model() if model is None else model
     ids = torch.randint(0, 256, (1, prompt_tokens), generator=torch.Generator().manual_seed(0))
 
     def run(layers_batchable: bool, factory: Callable[[], Policy] = fresh, **class_attributes: Any) -> tuple[dict, list[int]]:

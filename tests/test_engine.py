@@ -267,15 +267,27 @@ def test_decoding_without_eviction_grows_the_cache(model, prompt):
     assert out.step_entries == list(range(65, 74))  # 9 tokens fed back, none evicted
 
 
-def test_sliding_window_models_are_refused(prompt):
+def test_qwen2_sliding_window_layers_keep_their_window(prompt):
+    """Qwen2 with use_sliding_window: its top layer slides (keydiff.cache.sliding), the other is evicted."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    torch.manual_seed(0)
     config = Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True, sliding_window=64,
                          max_window_layers=1)
     model = Qwen2ForCausalLM(config).eval()
-    with pytest.raises(ValueError, match="sliding_attention layers"):
-        prefill(model, prompt, "keydiff", 64, 32)
+    assert torch.allclose(prefill(model, prompt, "full", None, 32).logits, reference_logits(model, prompt), atol=1e-5)
+    state = prefill(model, prompt, "keydiff", 64, 32)
+    assert state.cache.layer_kinds == ["evicted", "sliding"] and state.cache.layer_max_entries == [96, 63 + 32]
+
+
+def test_linear_attention_models_are_refused(prompt):
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    config = Qwen3NextConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                             num_attention_heads=4, num_key_value_heads=2)
+    with pytest.raises(ValueError, match="linear_attention layers"):
+        prefill(Qwen3NextForCausalLM(config).eval(), prompt, "keydiff", 64, 32)
 
 
 def test_qwen2_full_attention_block_prefill_is_exact(prompt):
@@ -317,15 +329,6 @@ def test_flash_attention_2_path_runs_through_flash_attn_func(monkeypatch, prompt
     assert torch.allclose(state.logits, reference, atol=1e-5)
     evicted = prefill(model, prompt, "snapkv", 64, 32)
     assert evicted.max_cache_entries == 96 and generate(model, evicted, 3).token_ids[0]
-
-
-def test_mistral_style_sliding_window_is_refused(prompt):
-    from transformers import MistralConfig, MistralForCausalLM
-
-    config = MistralConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, sliding_window=16)
-    with pytest.raises(ValueError, match="sliding_attention layers"):
-        prefill(MistralForCausalLM(config).eval(), prompt, "full", None, 32)
 
 
 def test_prefill_result_is_a_snapshot_and_decodes_once(model, prompt):

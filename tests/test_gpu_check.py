@@ -42,8 +42,9 @@ def test_gpu_check_quick_on_cpu(tmp_path, capsys):
     cuda_only = {r["check"] for r in skipped if "CUDA" in r["detail"]}
     assert {"flash_attention_2", "FA2 vs SDPA logits", "engine checks", "keydiff.bench.prefill",
             "keydiff.bench.decode"} <= cuda_only
-    # The one other skip allowed: the plain-loop check while keydiff_attention takes no cache argument.
-    assert all("cache argument" in r["detail"] for r in skipped if "CUDA" not in r["detail"])
+    # The other skips allowed: two GPUs (none here), and the plain-loop check while keydiff_attention takes no cache.
+    assert [r["detail"] for r in skipped if r["check"] == "two GPUs"] == ["needs 2+ GPUs: 0 visible"]
+    assert all("cache argument" in r["detail"] for r in skipped if "CUDA" not in r["detail"] and r["check"] != "two GPUs")
     assert "check" in out and "PASS" in out and "SKIP" in out
     assert "stacked = per layer" in passed
     assert written["command"].startswith("python -m keydiff.bench.gpu_check --quick") and "commit" in written["code"]
@@ -79,3 +80,10 @@ def test_benchmark_help_and_tiny_run(tmp_path, capsys, module, extra, columns):
     policies = [r["policy"] for r in results]
     assert "full" in policies and "keydiff" in policies
     assert all(f"\n{p} " in out for p in policies)
+
+
+def test_two_gpu_check_runs_split_over_the_cpu():
+    """The two-GPU row's code, with both halves of the model on the CPU (one placement: one stack)."""
+    row = gpu_check.check_two_gpus(gpu_check.QUICK_SIZES["random-tiny"], ("cpu", "cpu"), "random-tiny", torch.float32)
+    assert row.result == "PASS", row.detail
+    assert "stacks [('cpu', 3)]" in row.detail

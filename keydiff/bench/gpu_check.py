@@ -15,6 +15,10 @@ importable), on a tiny and a mid-size random Llama:
   fast ~ materialized   share of kept (layer, head, position) entries both statistic modes agree on
                    (h2o, tova, snapkv); bf16 rounding may flip near-ties, hence a threshold, not equality
   FA2 vs SDPA      the same weights give the same logits with both kernels
+  two GPUs         (2+ GPUs, else SKIP with the count) the mid-size model's layers split over cuda:0 and cuda:1
+                   (accelerate's dispatch_model, as device_map=auto places them): `full` gives one forward's
+                   logits, each layer's cache lives on its layer's GPU, the stack is one per GPU (no slot for a
+                   layer of the other), the N + B bound holds, and a plain loop yields generate's tokens
 then both benchmarks on Llama-3.2-3B's shape. On CPU the same engine checks run on the tiny model in
 float32 and bfloat16 with sdpa and eager, the CUDA-only rows say SKIP, and the benchmarks run tiny.
 
@@ -256,6 +260,53 @@ def engine_checks(model_name: str, dtype: torch.dtype, attn: str, device: str, s
     return rows
 
 
+def split_over_gpus(model, devices: list[str]):
+    """The model's decoder layers split in contiguous halves over `devices` (embeddings with the first, the
+    final norm and head with the last), as accelerate's device_map=auto places a model too large for one GPU."""
+    from accelerate import dispatch_model
+
+    layers = model.config.num_hidden_layers
+    device_map = {"model.embed_tokens": devices[0], "model.rotary_emb": devices[0], "model.norm": devices[-1],
+                  "lm_head": devices[-1]}
+    for i in range(layers):
+        device_map[f"model.layers.{i}"] = devices[i * len(devices) // layers]
+    return dispatch_model(model, device_map=device_map)
+
+
+def check_two_gpus(sizes: Sizes, devices: tuple[str, ...] = ("cuda:0", "cuda:1"), model_name: str = "random-mid",
+                   dtype: torch.dtype = torch.bfloat16) -> Row:
+    """The mid-size model split over two GPUs (the tests run it split over the CPU twice, one stack expected)."""
+    setting = f"{model_name.removeprefix('random-')} sdpa {short(dtype)}, layers over {' and '.join(devices)}"
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if devices[0].startswith("cuda") and count < 2:
+        return Row("two GPUs", setting, "SKIP", f"needs 2+ GPUs: {count} visible")
+    model = split_over_gpus(common.build_model(model_name, dtype, "sdpa", "cpu"), list(devices))
+    prompt = common.random_prompt(model, sizes.length).to(devices[0])
+    with torch.inference_mode():
+        reference = model(prompt).logits[:, -1].float()
+    failures = []
+    error = relative_error(prefill(model, prompt, "full", None, FULL_CHECK_BLOCK).logits.cpu(), reference.cpu())
+    if error > TOLERANCE[dtype]:
+        failures.append(f"full vs forward {error:.1e}")
+    state = prefill(model, prompt, "keydiff", sizes.budget, sizes.block)
+    cache = state.cache
+    for i, layer in enumerate(cache.layers):
+        expected = next(model.model.layers[i].parameters()).device
+        if layer.keys.device != expected:
+            failures.append(f"layer {i} cache on {layer.keys.device}, layer on {expected}")
+    stacks = sorted((str(s.keys.device), s.count) for s in cache.storages)
+    if len(stacks) != len(set(devices)):
+        failures.append(f"storages {stacks}: expected one stack per GPU")
+    expected_tokens = generate(model, state, sizes.new_tokens).token_ids[0]
+    if cache.max_entries > sizes.budget + sizes.block:
+        failures.append(f"peak {cache.max_entries} > N+B")
+    tokens = plain_greedy_loop(model, prefill(model, prompt, "keydiff", sizes.budget, sizes.block), sizes.new_tokens)
+    if tokens != expected_tokens:
+        failures.append("plain loop tokens differ from generate's")
+    detail = f"full vs forward {error:.1e}; stacks {stacks}; peak {cache.max_entries} <= N+B; loop = generate"
+    return Row("two GPUs", setting, "FAIL" if failures else "PASS", "; ".join(failures) or detail)
+
+
 def flash_attn_status() -> tuple[str, str]:
     """('ok' | 'missing' | 'old', message): FA2 rows run only with flash_attn >= 2.1 (bottom-right causal mask)."""
     try:
@@ -336,6 +387,7 @@ def run_checks(quick: bool) -> list[Row]:
         rows += [Row("engine checks", "mid sdpa/eager/fa2 bf16", "SKIP", "CUDA only: no GPU here"),
                  Row("flash_attention_2", "all", "SKIP", "CUDA only: flash-attn needs a GPU"),
                  Row("FA2 vs SDPA logits", "tiny, mid bf16", "SKIP", "CUDA only: flash-attn needs a GPU")]
+    rows.append(guarded("two GPUs", "mid sdpa bf16", check_two_gpus, sizes["random-mid"]))
     return rows + benchmark_rows(device, quick)
 
 

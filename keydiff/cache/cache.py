@@ -17,8 +17,11 @@ allocated or copied after the first block: only the new entries move.
 Stack. When every layer has the same budget and the policy scores each batch row on its own
 (`Policy.layers_batchable`), every layer lives in one storage (one [layers, batch, ...] allocation, one entry
 count): each layer is a view of its slot, and eviction scores all layers' rows in one call. Otherwise each
-layer has a storage of its own. A layer whose first pass does not fit the stack (other head count or head
-dim) takes buffers of its own, and the stack is split into one storage per layer.
+layer has a storage of its own. With `layer_placements` (each layer's key device and dtype, which the engine
+reads from the model: a model across several GPUs, or layers of other dtypes) there is one stack per placement,
+so no stack holds a slot for a layer that could not use it. A layer whose first pass does not fit its stack
+anyway (other head count or head dim, or an unforeseen placement) takes buffers of its own, and the stack is
+split into one storage per layer.
 
 Head-adaptive budgets. For a policy with `head_adaptive` (AdaKV, keydiff.policies.adakv) the heads of a layer
 share its budget, kv_heads x N in all, and keep different counts: each bounded layer is then a pool of per-head
@@ -38,6 +41,13 @@ follows the kept keys: `get_seq_length()` and the masks then use `next_position(
 Key re-rotation. For a policy with `key_rerotation`, each storage re-applies RoPE to its kept keys after
 each eviction (`Storage.rerotate`, with the inverse frequencies from the model `config` given here).
 
+Sliding windows. A model with sliding-window layers (Gemma 2/3, gpt-oss: `layer_types` in its config) keeps
+transformers' semantics there: such a layer is a `SlidingWindowLayer` (keydiff.cache.sliding) holding at most the
+window less one entry, never evicted, and the policy bounds the full-attention layers. A model whose every layer
+slides (Mistral v0.1) is evicted on top of its window when N < window (its layers are then ordinary evicting
+layers; keydiff's attention function masks each key by its position and the window); with N >= window the
+window already bounds it and its layers are sliding layers (a warning says so).
+
 Eviction. A storage evicts itself when its first layer's next pass arrives (before the new entries are
 written) and `evict()` does it for every storage at once (what the engine calls after every forward pass,
 so after a call each layer holds at most `budget` entries). Either way the policy sees the same entries
@@ -47,6 +57,7 @@ and the same attention statistic, so a plain loop and `keydiff.generate` choose 
 from __future__ import annotations
 
 import copy
+import logging
 import time
 from contextlib import contextmanager
 from typing import Any, Iterator
@@ -57,6 +68,7 @@ from transformers.cache_utils import Cache
 from keydiff.attention import bound_cache
 from keydiff.cache.adaptive import AdaptiveLayer, AdaptiveStorage, PoolStack, evict_stack
 from keydiff.cache.layer import EvictingLayer
+from keydiff.cache.sliding import SlidingWindowLayer, layer_windows
 from keydiff.cache.storage import Storage
 from keydiff.config import STATISTICS_MODES
 from keydiff.policies.base import Policy
@@ -67,6 +79,7 @@ from keydiff.queries import QueryStatistics, rope_frequencies
 # roundings of the cache's dtype (bf16: 6 %), far below the difference between two tokens' values.
 REFED_TOLERANCE = 1e-3
 REFED_ROUNDINGS = 8
+LOG = logging.getLogger(__name__)
 
 
 class EvictingCache(Cache):
@@ -81,7 +94,10 @@ class EvictingCache(Cache):
     runs eager attention and reads its weights (the paper's latency setting). profile=True synchronises the
     GPU around every statistic and eviction so that `timings` are the kernels' time; it slows the run down,
     so never time TTFT with it. config: the model's (text) config, needed only by a policy with
-    `key_rerotation` (the RoPE frequencies the kept keys are re-rotated with).
+    `key_rerotation` (the RoPE frequencies the kept keys are re-rotated with) and by a model with sliding-window
+    layers. layer_placements: where each layer's keys will live, e.g. (device, dtype) per layer
+    (`keydiff.cache.placement.layer_placements(model)`): stacks then group only layers of one placement, so no
+    stack holds a slot a layer on another device or of another dtype could not use (None: one placement).
     """
 
     def __init__(
@@ -95,6 +111,7 @@ class EvictingCache(Cache):
         max_tokens: int | None = None,
         scratch_tokens: int = 0,
         config: Any = None,
+        layer_placements: list[Any] | None = None,
     ):
         if statistics not in STATISTICS_MODES:
             raise ValueError(f"unknown attention statistics mode {statistics!r}; valid: {', '.join(STATISTICS_MODES)}")
@@ -105,6 +122,12 @@ class EvictingCache(Cache):
         self.budget = budget if policy.evicts else None
         self.num_layers, self.block_size, self.max_tokens = num_layers, block_size, max_tokens
         self.scratch_tokens = scratch_tokens  # room for the longest scratch pass (KVzip's reconstruction)
+        if layer_placements is not None and len(layer_placements) != num_layers:
+            raise ValueError(f"layer_placements has {len(layer_placements)} entries for {num_layers} layers")
+        self.placements = list(layer_placements) if layer_placements is not None else [None] * num_layers
+        self.windows = layer_windows(config, num_layers)  # each layer's sliding window (None: full attention)
+        self.sliding = self._sliding_layers()
+        self._first_evicted = next((i for i in range(num_layers) if i not in self.sliding), None)
         super().__init__(layers=self._plan_layers())
         self._storages = self._distinct_storages()
         self.statistics = statistics
@@ -129,11 +152,34 @@ class EvictingCache(Cache):
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         return rope_frequencies(config, head_dim)[0]
 
-    def _plan_layers(self) -> list[EvictingLayer]:
-        """The layers on their storages: one shared stack when the policy and the budgets allow, else one each."""
+    def _sliding_layers(self) -> frozenset[int]:
+        """The layers served by a `SlidingWindowLayer`: every sliding one, except in a model whose every layer
+        slides and whose budget is below the window (evicted on top of the window, see the module)."""
+        windows = [w for w in self.windows if w is not None]
+        if not windows:
+            return frozenset()
+        policy = self.policy
+        if self.contiguous:
+            raise ValueError(f"policy {policy.name!r} re-rotates keys to contiguous positions, which sliding-window "
+                             "attention (by absolute positions) cannot follow")
+        if len(windows) == len(self.windows) and self.budget is not None:
+            if self.budget < min(windows):
+                if policy.head_adaptive:
+                    raise ValueError(f"policy {policy.name!r} has head-adaptive budgets, which keydiff-bench does not "
+                                     "combine with sliding windows (every layer of this model slides)")
+                return frozenset()
+            LOG.warning("every layer has a sliding window of %d tokens, which already bounds the cache at a budget "
+                        "of %d: no eviction (policy %s)", min(windows), self.budget, policy.name)
+        return frozenset(i for i, w in enumerate(self.windows) if w is not None)
+
+    def _plan_layers(self) -> list[EvictingLayer | SlidingWindowLayer]:
+        """The layers on their storages: one shared stack when the policy and the budgets allow, else one each;
+        sliding-window layers on their own (see the module)."""
         policy, count = self.policy, self.num_layers
         # Each layer's own budget N_l (None: never evicted): the policy's layer schedule, uniform by default.
         budgets = [None] * count if self.budget is None else policy.budgets(self.budget, count, self.max_tokens)
+        evicted = [i for i in range(count) if i not in self.sliding]
+        budgets = [b if i in evicted else None for i, b in enumerate(budgets)]
         capacities = [self.max_tokens if b is None else self._bounded_capacity(b, self.block_size, self.max_tokens)
                       for b in budgets]
         if self.scratch_tokens:  # a scratch pass writes after the kept entries and the block
@@ -141,18 +187,47 @@ class EvictingCache(Cache):
         if policy.head_adaptive:  # one pool of per-head segments per bounded layer (capacity: slots per head)
             bounded = tuple(i for i, b in enumerate(budgets) if b is not None)
             shared = len({budgets[i] for i in bounded}) == 1 and len({capacities[i] for i in bounded}) == 1
-            stack = PoolStack(bounded) if bounded and shared and capacities[bounded[0]] is not None else None
-            return [EvictingLayer(b, c, policy.state_names, policy.entry_state, layer_idx=i) if b is None else
-                    AdaptiveLayer(AdaptiveStorage(i, b, c, policy.state_names, policy.entry_state,
-                                                  policy.needs_output_projection, stack), i)
-                    for i, (b, c) in enumerate(zip(budgets, capacities))]
-        stackable = (policy.layers_batchable and budgets[0] is not None and len(set(budgets)) == 1
-                     and capacities[0] is not None and len(set(capacities)) == 1)
-        if stackable:
-            stack = Storage(tuple(range(count)), budgets[0], capacities[0], policy.state_names, policy.entry_state)
-            return [EvictingLayer(budgets[0], capacities[0], layer_idx=i, storage=stack, slot=i) for i in range(count)]
-        return [EvictingLayer(b, c, policy.state_names, policy.entry_state, layer_idx=i)
-                for i, (b, c) in enumerate(zip(budgets, capacities))]
+            stacks = {}
+            if bounded and shared and capacities[bounded[0]] is not None:  # one pool stack per placement
+                for group in self._placement_groups(bounded):
+                    if len(group) > 1:
+                        shared_stack = PoolStack(group)
+                        stacks.update({i: shared_stack for i in group})
+            layers = [EvictingLayer(b, c, policy.state_names, policy.entry_state, layer_idx=i) if b is None else
+                      AdaptiveLayer(AdaptiveStorage(i, b, c, policy.state_names, policy.entry_state,
+                                                    policy.needs_output_projection, stacks.get(i)), i)
+                      for i, (b, c) in enumerate(zip(budgets, capacities))]
+            return self._with_sliding(layers)
+        first = evicted[0] if evicted else None
+        stackable = (first is not None and policy.layers_batchable and budgets[first] is not None
+                     and len({budgets[i] for i in evicted}) == 1 and capacities[first] is not None
+                     and len({capacities[i] for i in evicted}) == 1)
+        layers = [EvictingLayer(b, c, policy.state_names, policy.entry_state, layer_idx=i)
+                  for i, (b, c) in enumerate(zip(budgets, capacities))]
+        if stackable:  # one stack per placement (a layer alone in its placement keeps a storage of its own)
+            for group in self._placement_groups(tuple(evicted)):
+                if len(group) > 1:
+                    stack = Storage(group, budgets[first], capacities[first], policy.state_names, policy.entry_state)
+                    for slot, i in enumerate(group):
+                        layers[i] = EvictingLayer(budgets[first], capacities[first], layer_idx=i, storage=stack, slot=slot)
+        return self._with_sliding(layers)
+
+    def _placement_groups(self, layers: tuple[int, ...]) -> list[tuple[int, ...]]:
+        """`layers` grouped by placement (device and dtype of their keys), each group in layer order."""
+        groups: dict[Any, list[int]] = {}
+        for i in layers:
+            groups.setdefault(self.placements[i], []).append(i)
+        return [tuple(group) for group in groups.values()]
+
+
+    def _with_sliding(self, layers: list) -> list:
+        """`layers` with a `SlidingWindowLayer` in place of each layer the window bounds."""
+        return [SlidingWindowLayer(self.windows[i], i) if i in self.sliding else layer for i, layer in enumerate(layers)]
+
+    @property
+    def evicted_layers(self) -> list[EvictingLayer]:
+        """The layers that live in storages (every layer but the sliding-window ones)."""
+        return [layer for layer in self.layers if not isinstance(layer, SlidingWindowLayer)]
 
     @staticmethod
     def _bounded_capacity(budget: int, block_size: int | None, max_tokens: int | None) -> int | None:
@@ -167,7 +242,7 @@ class EvictingCache(Cache):
 
     def _distinct_storages(self) -> list[Storage]:
         seen: dict[int, Storage] = {}
-        for layer in self.layers:
+        for layer in self.evicted_layers:
             seen.setdefault(id(layer.storage), layer.storage)
         return list(seen.values())
 
@@ -178,19 +253,30 @@ class EvictingCache(Cache):
 
     @property
     def stack(self) -> Storage | None:
-        """The storage every layer shares, or None if the layers evict one by one."""
-        storage = self.layers[0].storage
-        return storage if storage.count == len(self.layers) > 1 else None
+        """The storage every evicted layer shares, or None if the layers evict one by one."""
+        evicted = self.evicted_layers
+        if not evicted:
+            return None
+        storage = evicted[0].storage
+        return storage if storage.count == len(evicted) > 1 else None
 
     # --- the transformers Cache interface -------------------------------------------------------
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         layer = self.layers[layer_idx]
+        if isinstance(layer, SlidingWindowLayer):  # transformers' own sliding-window semantics
+            return layer.update(key_states, value_states)
         storage = layer.storage
         if self._scratch:  # written after the held entries, forgotten when the scratch pass ends
             return layer.update(key_states, value_states)
-        if layer_idx == 0:
+        if self.windows[layer_idx] is not None and bound_cache() is not self:
+            raise RuntimeError(
+                f"layer {layer_idx} is evicted under a sliding window: its entries are in no particular order, so only "
+                "keydiff's attention function masks them right. Run the model inside `with keydiff.keydiff_attention("
+                "model, cache):` (keydiff.prefill and keydiff.generate do)"
+            )
+        if layer_idx == self._first_evicted:
             self._refuse_prompt_fed_again(layer, value_states)
             if self.contiguous:
                 self._pass_position = self.next_position()  # before anything of this pass is written
@@ -337,7 +423,8 @@ class EvictingCache(Cache):
         if self._scratch:
             raise RuntimeError("scratch passes do not nest")
         self._chunk_start = chunk_start
-        seen = [layer.seen for layer in self.layers]
+        seen = [layer.seen for layer in self.evicted_layers]
+        windows = [(layer, layer.snapshot()) for layer in self.layers if isinstance(layer, SlidingWindowLayer)]
         for storage in self._storages:
             storage.begin_scratch()
         self._scratch = True
@@ -347,8 +434,10 @@ class EvictingCache(Cache):
             self._scratch = False
             for storage in self._storages:
                 storage.end_scratch()
-            for layer, tokens in zip(self.layers, seen):
+            for layer, tokens in zip(self.evicted_layers, seen):
                 layer.seen, layer.returned_keys = tokens, None
+            for layer, saved in windows:
+                layer.restore(saved)
 
     def statistic_key_mask(self, layer_idx: int, keys: int) -> torch.Tensor | None:
         """Bool [batch, kv_heads, keys]: the keys the statistic's softmax runs over in this scratch pass (the held
@@ -378,12 +467,24 @@ class EvictingCache(Cache):
         """For a head-adaptive layer, the (start, count) of each head's segment in the pool the layer's `update`
         returned, [batch][head]; None for a layer with dense per-head buffers. The attention function computes
         each head over its segment (and asking tells the layer it did)."""
-        storage = self.layers[layer_idx].storage
+        storage = getattr(self.layers[layer_idx], "storage", None)
         return storage.segments() if isinstance(storage, AdaptiveStorage) else None
+
+    def key_positions(self, layer_idx: int) -> tuple[torch.Tensor, int] | None:
+        """For a layer evicted under a sliding window: (absolute positions [batch, kv_heads, keys] of the keys its
+        `update` returned, the position after the pass's last token), from which the attention function masks
+        each key by the window; None for a layer whose keys are in order (the last ones, as transformers')."""
+        layer = self.layers[layer_idx]
+        if isinstance(layer, SlidingWindowLayer) or self.windows[layer_idx] is None:
+            return None
+        return layer.positions[:, :, : layer.returned_keys.shape[2]], layer.seen
 
     def attention_rows_needed(self, layer_idx: int) -> int | None:
         """How many last query rows of this pass the policy needs attention for: 0 = none, None = all."""
-        storage = self.layers[layer_idx].storage
+        layer = self.layers[layer_idx]
+        if isinstance(layer, SlidingWindowLayer):
+            return 0
+        storage = layer.storage
         rows = self.policy.attention_rows
         if rows == 0 or storage.budget is None or not self._evicting:
             return 0
@@ -399,7 +500,9 @@ class EvictingCache(Cache):
 
     def queries_needed(self, layer_idx: int) -> bool:
         """Whether the attention function must hand this layer's queries over (Expected Attention)."""
-        return self.policy.needs_queries and self.layers[layer_idx].budget is not None and self._evicting
+        layer = self.layers[layer_idx]
+        return (self.policy.needs_queries and layer.budget is not None and self._evicting
+                and not isinstance(layer, SlidingWindowLayer))
 
     def record_queries(self, layer_idx: int, query: torch.Tensor, config) -> None:
         """Add a pass's post-RoPE queries [batch, heads, q, d] (the newest q positions) to the layer's statistics."""
@@ -417,7 +520,7 @@ class EvictingCache(Cache):
         """Whether the attention function must hand this layer's o_proj weight over (CriticalKV): once per layer."""
         layer = self.layers[layer_idx]
         return (self.policy.needs_output_projection and layer.budget is not None
-                and layer.storage.output_projection[layer.slot] is None)
+                and not isinstance(layer, SlidingWindowLayer) and layer.storage.output_projection[layer.slot] is None)
 
     def record_output_projection(self, layer_idx: int, weight: torch.Tensor) -> None:
         """Keep a reference to layer `layer_idx`'s output projection weight [hidden, heads * head_dim]."""
@@ -429,11 +532,14 @@ class EvictingCache(Cache):
         if self.budget is None or not self._evicting:
             return
         with self.timed("eviction_s"):
-            adaptive = [s for s in self._storages if isinstance(s, AdaptiveStorage)]
-            together = bool(adaptive) and evict_stack(adaptive, self.policy)  # all head-adaptive layers in one call
+            stacks: dict[int, list[AdaptiveStorage]] = {}  # head-adaptive layers by pool stack (placement)
+            for storage in self._storages:
+                if isinstance(storage, AdaptiveStorage):
+                    stacks.setdefault(id(storage.stack), []).append(storage)
+            together = {id(s) for group in stacks.values() if evict_stack(group, self.policy) for s in group}
             end = self._rotary_end()
             for storage in self._storages:
-                if not (together and isinstance(storage, AdaptiveStorage)):
+                if id(storage) not in together:  # (each pool stack's layers were evicted in one call above)
                     storage.evict(self.policy, self.inv_freq, end)
 
     def start_generation(self, new_tokens: int, evict: bool = True) -> None:
@@ -458,8 +564,15 @@ class EvictingCache(Cache):
 
     @property
     def layer_budgets(self) -> list[int | None]:
-        """Each layer's budget N_l (None: unbounded)."""
+        """Each layer's budget N_l (None: unbounded); for a sliding-window layer, its window less one (what it holds
+        between passes, as transformers' sliding layers do). A layer holds at most this plus the pass's tokens."""
         return [layer.budget for layer in self.layers]
+
+    @property
+    def layer_kinds(self) -> list[str]:
+        """Each layer's kind: "sliding" (bounded by its window), "evicted" (by its budget) or "full" (unbounded)."""
+        return ["sliding" if isinstance(layer, SlidingWindowLayer) else "full" if layer.budget is None else "evicted"
+                for layer in self.layers]
 
     @property
     def layer_max_entries(self) -> list[int]:
@@ -488,7 +601,8 @@ class EvictingCache(Cache):
     def entries_peak_sum(self) -> int:
         """Sum over layers of each layer's peak entries per KV head (an upper bound of what was held at once),
         scratch passes included."""
-        return sum(max(layer.max_entries, layer.storage.max_scratch_entries) for layer in self.layers)
+        return sum(layer.max_entries if isinstance(layer, SlidingWindowLayer) else
+                   max(layer.max_entries, layer.storage.max_scratch_entries) for layer in self.layers)
 
     @property
     def max_entries(self) -> int:

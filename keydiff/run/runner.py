@@ -137,10 +137,16 @@ def derived_seed(run_seed: int, sample_id: str) -> int:
     return int(digest[:12], 16)
 
 
-def peak_memory_bytes(device: torch.device) -> int:
-    """Peak GPU memory allocated during the sample on CUDA; the process's peak RSS on CPU."""
+def cuda_devices(model: torch.nn.Module) -> list[torch.device]:
+    """The CUDA devices holding the model's parameters (several when model.device_map spreads it over GPUs)."""
+    return sorted({p.device for p in model.parameters() if p.device.type == "cuda"}, key=str)
+
+
+def peak_memory_bytes(device: torch.device, devices: list[torch.device] | None = None) -> int:
+    """Peak GPU memory allocated during the sample on CUDA, summed over `devices` (default: `device`); the
+    process's peak RSS on CPU."""
     if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
+        return int(sum(torch.cuda.max_memory_allocated(d) for d in (devices or [device])))
     scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss is KiB on Linux
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale)
 
@@ -204,8 +210,8 @@ def run_sample(
     prompt = prompt or plan.task.build_prompt(sample, tokenizer, plan.model_cfg.max_length)
     settings = prompt.generation
     device = next(model.parameters()).device
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    for gpu in cuda_devices(model):
+        torch.cuda.reset_peak_memory_stats(gpu)
     state, budget = prefill_sample(plan, model, tokenizer, prompt)
     seed = sample_seed(settings, run_seed, sample)
     out = generate(model, state, **decode_settings(plan, stop_ids, settings, seed))
@@ -240,8 +246,11 @@ def sample_row(plan: RunPlan, model, tokenizer, sample, prompt: Prompt, state, o
     tokens = out.token_ids[0]
     prediction = tokenizer.decode(tokens, skip_special_tokens=True)
     length = len(prompt.input_ids)
-    # Entries per KV head after prefill (head-adaptive layers: their mean over heads; padding is -1).
-    kept = min(int((positions >= 0).sum()) // (positions.shape[0] * positions.shape[1]) for positions in state.kept_positions)
+    # Entries per KV head after prefill (head-adaptive layers: their mean over heads; padding is -1), over the layers
+    # the policy bounds (a hybrid model's sliding-window layers hold their window, whatever the budget).
+    bounded = [p for p, kind in zip(state.kept_positions, state.cache.layer_kinds) if kind != "sliding"]
+    kept = min(int((positions >= 0).sum()) // (positions.shape[0] * positions.shape[1])
+               for positions in bounded or state.kept_positions)
     return {
         "sample_id": sample.id,
         "status": "ok",
@@ -270,7 +279,7 @@ def sample_row(plan: RunPlan, model, tokenizer, sample, prompt: Prompt, state, o
         "kv_cache_bytes": state.cache.kv_cache_bytes,
         # Upper bound of the KV entries held at once: every layer's own peak, summed, in bytes.
         "kv_cache_peak_bytes": state.cache.entries_peak_sum * kv_bytes_per_layer_entry(model),
-        "peak_memory_bytes": peak_memory_bytes(device),
+        "peak_memory_bytes": peak_memory_bytes(device, cuda_devices(model)),
         "seed": seed if settings.do_sample else None,
         "code": code,  # commit (+ "-dirty") that produced this row: a resumed run may span commits
     }

@@ -1,0 +1,174 @@
+"""Long prompts under a fixed bound: prefill peak memory and time per prompt token from L = 4K to 128K.
+
+    python -m keydiff.bench.long_prefill                                  # 4K..128K, keydiff and full, N=1024, B=128
+    python -m keydiff.bench.long_prefill --lengths 4096,8192 --full-max-length 8192 --json results/bench/long.json
+
+Each (policy, L) runs in a fresh interpreter on random weights of SmolLM2-135M's shape (timings and memory depend
+on shapes only; positions beyond its trained 8K context are fine for measuring time and memory, not quality). The
+child builds the model, warms the kernels up with an untimed two-block prefill, resets the memory peak (CPU:
+/proc/self/clear_refs, so VmHWM restarts from the resident model; CUDA: reset_peak_memory_stats), then times one
+prefill of L tokens. Reported per row: VmHWM (CPU) or max allocated (CUDA) of that prefill, with the model's
+weights resident, and the prefill's seconds per prompt token. `full` (every token kept) runs up to
+--full-max-length only: its cache grows with L (46 KiB per token in fp32 here) and its attention with L^2.
+
+Targets (issue 24): at the largest L, peak memory <= 1.10 x and time per token <= 1.25 x their values at the
+smallest L, for the bounded policy. A bound that holds keeps both flat: the cache never exceeds N + B entries per
+layer, and every block attends to at most N + B keys whatever L is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from keydiff import build_policy, prefill
+from keydiff.bench import common
+
+DEFAULT_LENGTHS = "4096,8192,16384,32768,65536,131072"
+TARGETS = {"memory": 1.10, "time_per_token": 1.25}
+
+
+def peak_memory_bytes(device: str) -> int | None:
+    """The run's peak: CUDA max allocated, else VmHWM from /proc/self/status (Linux), else ru_maxrss."""
+    if device == "cuda":
+        return torch.cuda.max_memory_allocated()
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return common.peak_rss_bytes()
+
+
+def build_model(dtype: torch.dtype, attn: str, device: str, length: int):
+    """Random weights, SmolLM2-135M's shape, positions long enough for `length` tokens."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    shape = {**common.SMOLLM2_135M, "max_position_embeddings": max(length, common.SMOLLM2_135M["max_position_embeddings"])}
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM._from_config(LlamaConfig(**shape), attn_implementation=attn, dtype=dtype)
+    return model.eval()
+
+
+def child(args, device: str, dtype: torch.dtype) -> None:
+    """One (policy, L) in this fresh process; prints one JSON line."""
+    model = build_model(dtype, args.attn, device, args.length)
+    prompt = common.random_prompt(model, args.length).to(device)
+    budget = None if args.policy == "full" else args.budget
+    prefill(model, prompt[:, : 2 * args.block_size], build_policy(args.policy), budget, args.block_size)  # warm-up
+    common.release_memory(device)
+    reset = common.reset_peak_rss()
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    state = prefill(model, prompt, build_policy(args.policy), budget, args.block_size)
+    print(json.dumps({"policy": args.policy, "length": args.length, "seconds": state.seconds,
+                      "seconds_per_token": state.seconds / args.length, "peak_memory_bytes": peak_memory_bytes(device),
+                      "peak_is_run_only": reset or device == "cuda", "max_cache_entries": state.max_cache_entries,
+                      "kv_cache_bytes": state.cache.kv_cache_bytes}))
+
+
+def run_all(args) -> list[dict]:
+    lengths = [int(x) for x in args.lengths.split(",")]
+    rows = []
+    for name in args.policies.split(","):
+        for length in lengths:
+            if name == "full" and length > args.full_max_length:
+                rows.append({"policy": name, "length": length, "skipped": f"L > --full-max-length {args.full_max_length}"})
+                continue
+            print(f"  {name} L={length} (fresh process) ...", file=sys.stderr, flush=True)
+            arguments = ["--child", "--policy", name, "--length", str(length), "--budget", str(args.budget),
+                         "--block-size", str(args.block_size), "--attn", args.attn]
+            arguments += ["--dtype", args.dtype] if args.dtype else []
+            arguments += ["--threads", str(args.threads)] if args.threads else []
+            done = common.run_module(__spec__.name, arguments)
+            if done.returncode != 0:
+                rows.append({"policy": name, "length": length, "skipped": f"failed: {done.stderr.strip()[-300:]}"})
+                continue
+            rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    return rows
+
+
+def compare(rows: list[dict], budget: int, block: int) -> list[dict]:
+    """Each measured row's memory and time per token over the same policy's at the smallest measured L."""
+    for row in rows:
+        first = next(r for r in rows if r["policy"] == row["policy"] and "skipped" not in r) if "skipped" not in row else None
+        if first is not None:
+            row["memory_ratio"] = row["peak_memory_bytes"] / first["peak_memory_bytes"]
+            row["time_ratio"] = row["seconds_per_token"] / first["seconds_per_token"]
+    columns = [("policy", 8), ("L", 0), ("peak MiB", 0), ("x at first L", 0), ("ms / token", 0), ("x at first L ", 0),
+               ("peak entries", 0), ("KV MiB", 0)]
+    table = []
+    for r in rows:
+        if "skipped" in r:
+            table.append([r["policy"], str(r["length"]), "-", "-", "-", "-", "-", r["skipped"][:60]])
+            continue
+        table.append([r["policy"], str(r["length"]), f"{r['peak_memory_bytes'] / 2**20:.0f}", f"{r['memory_ratio']:.3f}",
+                      f"{1000 * r['seconds_per_token']:.3f}", f"{r['time_ratio']:.3f}", str(r["max_cache_entries"]),
+                      f"{r['kv_cache_bytes'] / 2**20:.1f}"])
+    common.print_table(columns, table)
+    verdicts = []
+    for name in dict.fromkeys(r["policy"] for r in rows if r["policy"] != "full"):
+        measured = [r for r in rows if r["policy"] == name and "skipped" not in r]
+        if len(measured) < 2:
+            continue
+        last = measured[-1]
+        verdict = {"policy": name, "from": measured[0]["length"], "to": last["length"],
+                   "memory_ratio": last["memory_ratio"], "time_ratio": last["time_ratio"],
+                   "memory_ok": last["memory_ratio"] <= TARGETS["memory"],
+                   "time_ok": last["time_ratio"] <= TARGETS["time_per_token"]}
+        verdicts.append(verdict)
+        print(f"{name} (N={budget}, B={block}) L={verdict['from']} -> {verdict['to']}: peak memory "
+              f"{verdict['memory_ratio']:.3f} x (target <= {TARGETS['memory']}: {'met' if verdict['memory_ok'] else 'NOT met'}), "
+              f"time per token {verdict['time_ratio']:.3f} x (target <= {TARGETS['time_per_token']}: "
+              f"{'met' if verdict['time_ok'] else 'NOT met'})")
+    print("peak: VmHWM (CPU) or CUDA max allocated of the prefill alone, the model's weights resident; "
+          "positions beyond SmolLM2's trained 8K context measure time and memory only")
+    return verdicts
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--policies", default="keydiff,full", help="comma list (default keydiff,full)")
+    parser.add_argument("--lengths", default=DEFAULT_LENGTHS, help=f"prompt lengths L (default {DEFAULT_LENGTHS})")
+    parser.add_argument("--budget", type=int, default=1024, help="entries kept per layer and KV head, N")
+    parser.add_argument("--block-size", type=int, default=128, help="prompt tokens per forward pass, B")
+    parser.add_argument("--full-max-length", type=int, default=16384, help="longest L `full` runs at")
+    parser.add_argument("--dtype", default=None, choices=list(common.DTYPES), help="default: bfloat16 on CUDA, float32 on CPU")
+    parser.add_argument("--attn", default="sdpa", choices=["sdpa", "eager", "flash_attention_2"])
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
+    parser.add_argument("--json", default=None, help="also write the results to this JSON file")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--policy", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--length", type=int, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    names = [p.strip() for p in args.policies.split(",") if p.strip()]
+    common.parse_policies(parser, ",".join(names), args.budget)  # unknown names and bad budgets fail here, in one line
+    try:
+        lengths = [int(x) for x in args.lengths.split(",")]
+    except ValueError:
+        parser.error(f"--lengths must be a comma list of integers, got {args.lengths!r}")
+    if any(length < 2 * args.block_size for length in lengths):
+        parser.error(f"every length must be at least two blocks ({2 * args.block_size} tokens)")
+    device, dtype = common.apply_runtime(args)
+    if args.child:
+        child(args, device, dtype)
+        return
+    started = common.provenance(__spec__.name, argv)
+    setting = common.setting_line(device, dtype, model="random-smollm2", attn=args.attn, L=args.lengths,
+                                  N=args.budget, B=args.block_size, full_max_length=args.full_max_length)
+    print(setting, flush=True)
+    rows = run_all(args)
+    verdicts = compare(rows, args.budget, args.block_size)
+    if args.json:
+        common.write_json(args.json, {"setting": setting, "targets": TARGETS, "results": rows, "verdicts": verdicts,
+                                      "data": {"prompt": "random token ids", "seed": 0}}, started)
+
+
+if __name__ == "__main__":
+    main()

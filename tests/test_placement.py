@@ -1,0 +1,101 @@
+"""Layers whose keys live on other devices or in other dtypes (a model across several GPUs, device_map="auto"):
+each layer's buffers follow its keys, and stacks group layers per placement, with no slot a layer cannot use.
+On CPU the placements differ by dtype: a tiny Llama whose middle layer runs in float64."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from keydiff import build_policy, generate, prefill
+from keydiff.cache import EvictingCache
+from keydiff.cache.adaptive import AdaptiveStorage
+from keydiff.cache.placement import layer_placements
+from keydiff.testing import variant
+from tests.conftest import tiny_llama
+
+
+def mixed_dtype_llama():
+    """Layer 1 in float64 (its input cast in, its output cast back): its keys are float64, the others' float32."""
+    model = tiny_llama()
+    middle = model.model.layers[1].to(torch.float64)
+
+    def cast_in(module, args, kwargs):
+        if "hidden_states" in kwargs:
+            return args, {**kwargs, "hidden_states": kwargs["hidden_states"].double()}
+        return (args[0].double(), *args[1:]), kwargs
+
+    def cast_out(module, args, kwargs, output):
+        return output.float() if torch.is_tensor(output) else (output[0].float(), *output[1:])
+
+    middle.register_forward_pre_hook(cast_in, with_kwargs=True)
+    middle.register_forward_hook(cast_out, with_kwargs=True)
+    return model
+
+
+@pytest.fixture(scope="module")
+def model():
+    return mixed_dtype_llama()
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return torch.randint(0, 256, (1, 300), generator=torch.Generator().manual_seed(1))
+
+
+def slot_bytes(heads, entries, dim, itemsize):
+    return 2 * heads * entries * dim * itemsize  # keys and values of one layer (batch 1)
+
+
+def test_placements_are_read_from_the_attention_modules(model):
+    cpu = torch.device("cpu")
+    assert layer_placements(model, 3) == [(cpu, torch.float32), (cpu, torch.float64), (cpu, torch.float32)]
+    assert layer_placements(model, 4) is None  # not every layer found: one placement, as before
+
+
+def test_stack_groups_layers_per_dtype_without_unused_slots(model, ids):
+    with torch.no_grad():
+        reference = model(ids).logits[:, -1].float()
+    assert torch.allclose(prefill(model, ids, "full", None, 64).logits, reference, atol=1e-5)
+    state = prefill(model, ids, "keydiff", 64, 32)
+    cache = state.cache
+    assert [(s.layers, s.keys.dtype) for s in cache.storages] == [((0, 2), torch.float32), ((1,), torch.float64)]
+    assert cache.layers[0].keys.dtype == torch.float32 and cache.layers[1].keys.dtype == torch.float64
+    # Exactly the slots the layers use: two float32 slots in the stack, one float64 storage, N + B entries each.
+    assert cache.kv_cache_bytes == 2 * slot_bytes(2, 96, 16, 4) + slot_bytes(2, 96, 16, 8)
+    assert cache.allocations == 3
+    # The same choices as layer-by-layer eviction, so grouping changes no output.
+    alone = prefill(model, ids, variant(build_policy("keydiff"), layers_batchable=False), 64, 32)
+    assert all(torch.equal(a, b) for a, b in zip(state.kept_positions, alone.kept_positions))
+    assert generate(model, state, 4).token_ids == generate(model, alone, 4).token_ids
+
+
+def test_without_placements_the_stack_still_splits_for_a_layer_that_does_not_fit(model, ids):
+    """A cache built without placements (one assumed) splits its stack when a layer's keys do not fit, as before:
+    the leaving layer's slot stays allocated, which is what placements avoid."""
+    cache = EvictingCache(build_policy("keydiff"), 64, 3, block_size=32, max_tokens=300)
+    from keydiff import keydiff_attention
+
+    with torch.no_grad(), keydiff_attention(model, cache):
+        model(input_ids=ids[:, :32], past_key_values=cache)
+    assert [s.keys.dtype for s in cache.storages] == [torch.float32, torch.float64, torch.float32]
+    assert cache.kv_cache_bytes == 3 * slot_bytes(2, 96, 16, 4) + slot_bytes(2, 96, 16, 8)
+
+
+def test_head_adaptive_pool_stacks_group_layers_per_dtype(model, ids):
+    policy = build_policy("keydiff", head_budgets="adakv")
+    state = prefill(model, ids, policy, 64, 32)
+    storages = [layer.storage for layer in state.cache.layers]
+    assert all(isinstance(s, AdaptiveStorage) for s in storages)
+    assert storages[0].stack is storages[2].stack and storages[0].stack.layers == (0, 2)
+    assert storages[1].stack is None and storages[1].keys.dtype == torch.float64
+    assert storages[0].in_stack and storages[2].in_stack and storages[0].stack.keys.shape[0] == 2
+    # Head by head, layer by layer (no one-call eviction of the stack): the same choices.
+    alone = prefill(model, ids, variant(build_policy("keydiff", head_budgets="adakv"), chooses_pools=False), 64, 32)
+    assert all(torch.equal(a, b) for a, b in zip(state.kept_positions, alone.kept_positions))
+    assert generate(model, state, 3).token_ids == generate(model, alone, 3).token_ids
+
+
+def test_wrong_number_of_placements_is_refused():
+    with pytest.raises(ValueError, match="layer_placements has 2 entries for 3 layers"):
+        EvictingCache(build_policy("keydiff"), 64, 3, layer_placements=[None, None])
