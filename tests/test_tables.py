@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from pathlib import Path
 
 import pandas as pd
@@ -211,7 +212,9 @@ def test_tables_without_runs_say_so(produced, capsys):
     out, _, written = produced
     make_tables.main(out / "summary.csv", out / "tables2")
     printed = capsys.readouterr().out
-    assert "no results for table10 (run: python run.py experiment=table10" in printed
+    skipped = [line for line in printed.splitlines() if line.startswith("no results yet for ")]
+    assert len(skipped) == 1 and "table10" in skipped[0] and "paper tables (" in skipped[0]  # one line for all
+    assert not re.search(r"_vs_paper: 0 of |\b1 paper cells", printed)
     assert "table10" not in written and not {"table6", "table12", "table14", "table16"} & set(written)
     placeholder = (out / "tables2" / "table10.md").read_text()  # every file exists and says what to run
     assert "no results yet" in placeholder and "python run.py experiment=table10" in placeholder
@@ -588,3 +591,12 @@ def test_standard_errors_are_collected_per_score(produced):
     kd = df[(df.experiment == "table11") & (df.policy == "keydiff") & (df.budget_label == "2k")].iloc[0]
     assert kd["se/lb/narrativeqa"] == pytest.approx(10.0)  # 100 x SE of 0.1, 0.3
     assert kd["se/cr/narrativeqa"] == pytest.approx(0.1) and pd.isna(kd["se/lb/qasper"])  # qasper: one sample
+
+
+def test_counts_take_the_right_number():
+    from keydiff.report.render import plural
+
+    assert [plural(1, "configuration"), plural(2, "configuration"), plural(0, "run")] == \
+        ["1 configuration", "2 configurations", "0 runs"]
+    assert [plural(1, "policy"), plural(3, "policy"), plural(2, "day"), plural(1.0, "paper cell")] == \
+        ["1 policy", "3 policies", "2 days", "1 paper cell"]

@@ -31,7 +31,7 @@ import numpy as np
 import pandas as pd
 
 from keydiff.report.collect import PRIMARY, task_family
-from keydiff.report.render import NA, budget_tokens, count, decimals, format_estimate, latex, markdown_rows, marks
+from keydiff.report.render import NA, budget_tokens, count, decimals, format_estimate, latex, markdown_rows, marks, plural
 from keydiff.report.selection import average_seeds, whole_runs_first
 
 FIXED = {"Model", "B", "Policy", "Budget", "n", "failed", "limit", "seeds", "marks", "kept N/L", "TTFT (s)"}
@@ -162,10 +162,11 @@ def write_generic(df: pd.DataFrame, out: Path) -> list[dict]:
         matrix, every = score_matrix(group), run_rows(group)
         n_subset, n_failed = int(group["subset"].sum()), int(group["num_failed"].sum())
         n_hidden = int(group["superseded"].sum())
-        status = (f"{len(group)} configurations, {int(group['samples'].fillna(0).sum())} samples scored"
-                  + (f", {n_subset} subset runs (§)" if n_subset else "") + (f", {n_failed} failed samples (†)" if n_failed else "")
+        status = (f"{plural(len(group), 'configuration')}, {plural(group['samples'].fillna(0).sum(), 'sample')} scored"
+                  + (f", {plural(n_subset, 'subset run')} (§)" if n_subset else "")
+                  + (f", {plural(n_failed, 'failed sample')} (†)" if n_failed else "")
                   + (f", {int(group['incomplete'].sum())} not complete (~)" if group["incomplete"].any() else "")
-                  + (f", {n_hidden} subset runs not shown (their configuration has a whole-task run)" if n_hidden else ""))
+                  + (f", {plural(n_hidden, 'subset run')} not shown (their configuration has a whole-task run)" if n_hidden else ""))
         title = f"Experiment `{experiment}`, task `{task}`"
         metric = primary_metric(task)
         lines = [f"**{name}**: {title}: {status}.", "",

@@ -118,6 +118,17 @@ def trimmed(value, digits: int = 3) -> str:
     return text.rstrip("0").rstrip(".") if "." in text else text
 
 
+def plural(n, noun: str, many: str | None = None) -> str:
+    """"1 configuration", "2 configurations", "1 policy": a count with its noun in the right number
+    (`many`: an irregular plural; default noun + "s", or "ies" for a consonant + "y")."""
+    n = int(n)
+    if n == 1:
+        return f"1 {noun}"
+    if many is None:
+        many = noun[:-1] + "ies" if noun.endswith("y") and noun[-2:-1] not in "aeiou" else noun + "s"
+    return f"{n} {many}"
+
+
 def count(value) -> str:
     """A count as a whole number; NA if missing."""
     return NA if missing(value) else str(int(round(value)))

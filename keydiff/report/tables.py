@@ -37,7 +37,7 @@ from keydiff.report import index as results_index
 from keydiff.report.collect import add_results_arguments, ensure_summary
 from keydiff.report.selection import load, select
 from keydiff.report.render import (INTERVAL_NOTE, NA, best_mask, budget_tokens, combined_se, format_estimate,
-                                   marks, with_intervals, write_table)
+                                   marks, plural, with_intervals, write_table)
 
 PAPER_DIR = compare.PAPER_DIR
 
@@ -289,12 +289,21 @@ def placeholder(out: Path, name: str, experiments: list[str]) -> None:
     (out / f"{name}.tex").write_text(f"% {name}: no results yet. Run: " + "; ".join(commands) + "\n", encoding="utf-8")
 
 
+def skipped_line(empty: list[str], uncompared: list[str]) -> str:
+    """What had nothing to show, in one line (each placeholder file says what to run)."""
+    if not empty and not uncompared:
+        return "every paper table has results"
+    parts = [f"no results yet for {plural(len(empty), 'paper table')} ({', '.join(empty)})"] if empty else []
+    parts += [f"no paper cell compared in {plural(len(uncompared), 'comparison')}"] if uncompared else []
+    return "; ".join(parts) + " (each table's .md says what to run)"
+
+
 def main(summary: Path, out: Path, paper: Path = PAPER_DIR, index: Path | None = None) -> list[str]:
     """Paper tables, ours-vs-paper comparisons and generic per-experiment tables; then results/README.md
     (`index`, default: the README beside `out`) is regenerated. Returns the names of the tables with data."""
     df = load(summary)
     out.mkdir(parents=True, exist_ok=True)
-    written, entries = [], []
+    written, entries, empty, uncompared = [], [], [], []
     for name, table in TABLES.items():
         experiments = list(table.run)
         if not df.empty and BUILDERS[table.kind](df, out, table):
@@ -302,13 +311,17 @@ def main(summary: Path, out: Path, paper: Path = PAPER_DIR, index: Path | None =
             print(f"{name}: {out / name}.tex, .md")
         else:
             placeholder(out, name, experiments)
-            print(f"no results for {name} (run: " + "; ".join(f"python run.py experiment={e}" for e in experiments) + ")")
+            empty.append(name)
         entries.append({"kind": "paper", "name": name, "path": f"tables/{name}.md", "experiments": experiments,
                         "status": "written" if name in written else "no data yet"})
     for item in compare.write_all(df, out, paper):
         entries.append({"kind": "vs_paper", "name": item["name"], "path": f"tables/{item['name']}.md",
                         "experiments": item["experiments"], "status": item["summary"]})
-        print(f"{item['name']}: {item['cells']} of {item['paper_cells']} paper cells compared")
+        if item["cells"]:
+            print(f"{item['name']}: {item['cells']} of {plural(item['paper_cells'], 'paper cell')} compared")
+        else:
+            uncompared.append(item["name"])
+    print(skipped_line(empty, uncompared))
     for item in generic.write_generic(df, out / "generic"):
         written.append(f"generic/{item['name']}")
         entries.append({"kind": "generic", "name": item["name"], "path": f"tables/{item['path']}",
