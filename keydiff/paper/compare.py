@@ -38,7 +38,8 @@ import pandas as pd
 from keydiff.paper.registry import (COUNT_TOLERANCE, COUNTS, GEN_LENGTH, LLAMA_3B, PROMPT_BINS, RELATIVE_TOLERANCES,
                                     SUITE, TABLES, TOLERANCES, PaperTable, config_name)
 from keydiff.report.selection import select
-from keydiff.report.render import MARKS_LEGEND, NA, budget_tokens, combined_se, half_width, marks, plural, tex_escape, trimmed
+from keydiff.report.render import (MARKS_LEGEND, MIN_INTERVAL_N, NA, TOO_FEW, budget_tokens, combined_se, interval, marks, plural,
+                                   tex_escape, trimmed)
 
 PAPER_DIR = Path(__file__).resolve().parents[2] / "results" / "paper"
 KEY = ["model", "policy", "budget", "block_size", "row", "column", "metric"]
@@ -328,10 +329,26 @@ def cell_marks(row) -> str:
     return marks(row["subset"], row["failed"], row["incomplete"])
 
 
+# The range of each compared metric's per-sample values (keydiff/report/render.py: Wilson inside a range);
+# the others (lengths, latencies, a rank correlation) get mean ± 1.96 SE where they have an SE.
+RANGES = {"score": (0.0, 100.0), "longbench_avg": (0.0, 100.0), "flex": (0.0, 1.0), "exact": (0.0, 1.0),
+          "compression_ratio": (0.0, 1.0), "accuracy": (0.0, 1.0), "recall_difference": (-1.0, 1.0)}
+
+
 def ours_text(row) -> str:
-    """Our value, its 95 % half-width where it has a standard error, and the marks: "10.5 ± 19.6§"."""
-    se = row.get("se", np.nan)
-    spread = f" ± {num(half_width(float(se)))}" if se is not None and pd.notna(se) else ""
+    """Our value, its 95 % interval where it has one, and the marks: "10.5 [2.1, 30.3]§"; "[n too small]"
+    below 5 samples."""
+    se, n = row.get("se", np.nan), row.get("n", np.nan)
+    bounds = RANGES.get(row["metric"])
+    if (se is None or pd.isna(se)) and (bounds is None or n is None or pd.isna(n)):
+        return num(row["value"]) + cell_marks(row)
+    span = interval(float(row["value"]), se, n, bounds)
+    if span is None:
+        spread = f" [{TOO_FEW}]" if not pd.isna(n) and float(n) < MIN_INTERVAL_N else ""
+    elif bounds is not None and not pd.isna(n) and bounds[0] <= row["value"] <= bounds[1]:
+        spread = f" [{num(span[0])}, {num(span[1])}]"
+    else:
+        spread = f" ± {num((span[1] - span[0]) / 2)}"
     return num(row["value"]) + spread + cell_marks(row)
 
 
@@ -385,7 +402,8 @@ def write_comparison(name: str, table: int, merged: pd.DataFrame, stats: dict, e
     head = [f"**{name}_vs_paper**: ours next to the paper's Table {table} ({caption[:140]}{'...' if len(caption) > 140 else ''})",
             "", "Summary: " + summary_line(name, stats, experiments), "",
             f"Marks: {MARKS_LEGEND}; n = samples behind our cell; "
-            "± = half-width of our 95 % confidence interval over samples (docs/experiments.md, \"Uncertainty\"); "
+            "[low, high] = our 95 % confidence interval over samples (Wilson inside the score's range; ± half-width "
+            "for unbounded numbers; \"n too small\" below 5 samples; docs/experiments.md, \"Uncertainty\"); "
             "Δ = ours - paper; ! = outside the tolerance (keydiff/paper/registry.py).", ""]
     table_rows = []
     for _, row in merged.sort_values(["model", "policy", "budget", "block_size", "row", "column", "metric"]).iterrows():
