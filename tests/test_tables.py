@@ -635,3 +635,13 @@ def test_counts_take_the_right_number():
         ["1 configuration", "2 configurations", "0 runs"]
     assert [plural(1, "policy"), plural(3, "policy"), plural(2, "day"), plural(1.0, "paper cell")] == \
         ["1 policy", "3 policies", "2 days", "1 paper cell"]
+
+
+def test_the_results_index_counts_one_run_in_the_singular(tmp_path):
+    from keydiff.report import index
+
+    summary = tmp_path / "summary.csv"
+    pd.DataFrame([{"experiment": "adhoc", "task": "niah_small", "complete": True, "limit": np.nan, "samples": 1,
+                   "num_failed": 0}]).to_csv(summary, index=False)
+    assert index.runs_line(summary).startswith(
+        "1 run in results/summary.csv (1 complete, 0 subset runs, 1 sample scored, 0 failed) over 1 experiment: adhoc")
