@@ -8,15 +8,15 @@
   leaderboard                         kvpress-style: average RULER score vs fraction of the prompt kept (kvpress's
                                       compression ratio on the top axis), one line per method, full cache dashed
   generic/<exp>__<task>__<model>__bs<B>  every experiment (adhoc included) and task: primary score vs
-                                      budget with 95 % error bars, one line (and marker) per policy, slightly
-                                      offset so equal scores stay visible, the full cache as a dashed line
+                                      budget with 95 % error bars, one line per policy at its true budget
+                                      (its own marker and line style), the full cache as a dashed line
                                       with its interval shaded; hollow markers and "§" = subset run
                                       (task.limit), n in the legend; a subset run is never averaged with
                                       the whole-task run of its configuration (generic.runs_of)
 
 Which experiments feed the paper figures: keydiff/paper/registry.py FIGURES; policy names: its DISPLAY_NAMES.
-Error bars (also on the TTFT figures) and intervals: keydiff/report/render.py. Heatmap panels name n and
-mark subset runs §.
+Error bars (also on the TTFT figures) and intervals: keydiff/report/render.py (inside a score's range; none
+below 5 samples). Heatmap cells carry their value, panels name the samples per cell and mark subset runs §.
 
 Every file is written as .png and .pdf, byte-reproducible (Agg backend, fixed style, metadata
 stripped): the same CSV gives the same sha256, so figures can be checked into a paper repository and
