@@ -463,7 +463,7 @@ def keydiff_attention(model: torch.nn.Module, cache: Any = None) -> Iterator[Non
     Any loop over an `EvictingCache` whose policy needs attention (h2o, tova, snapkv) runs inside this:
 
         with keydiff.keydiff_attention(model, cache):
-            out = model(input_ids=next_ids, past_key_values=cache, use_cache=True)
+            out = model(input_ids=next_ids, cache=cache, use_cache=True)
     """
     base = base_implementation(model)
     if base == "flash_attention_2":

@@ -117,10 +117,10 @@ def _forward(
     """One forward pass of `input_ids` after what the cache has seen, then eviction (unless the cache was told
     to keep every generated token). Next-token logits [b, vocab]. `reconstruction`: ids of a pass run in
     between, against the cache, whose entries are discarded (KVzip's scoring pass)."""
-    output = model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    output = model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1)
     if reconstruction is not None:
         with cache.scratch(chunk_start=cache.get_seq_length() - input_ids.shape[1]):
-            model(input_ids=reconstruction, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            model(input_ids=reconstruction, cache=cache, use_cache=True, logits_to_keep=1)
     cache.evict()
     return output.logits[:, -1, :].float()
 

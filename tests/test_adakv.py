@@ -205,9 +205,9 @@ def test_logits_equal_a_per_head_masked_reference_in_prefill_and_decoding(batch,
                 HELD[layer] = [[[p for p in head.tolist() if p >= 0] for head in row] for row in kept] if step else \
                     [[[] for _ in range(2)] for _ in range(batch)]
             with keydiff_attention(model, cache):
-                ours = model(input_ids=block, past_key_values=cache, use_cache=True).logits
+                ours = model(input_ids=block, cache=cache, use_cache=True).logits
             cache.evict()
-            expected = reference(input_ids=block, past_key_values=dense, use_cache=True).logits
+            expected = reference(input_ids=block, cache=dense, use_cache=True).logits
             torch.testing.assert_close(ours, expected, atol=2e-5, rtol=1e-4)
             adapted |= any(c != budget for layer in head_counts(cache) for row in layer for c in row)
             next_ids = ours[:, -1:].argmax(-1)
@@ -308,7 +308,7 @@ def test_bad_values_are_refused_naming_the_valid_ones(params, message):
 def test_running_without_keydiff_attention_is_refused(model):
     cache = EvictingCache(adaptive_policy("keydiff", {}), BUDGET, model.config.num_hidden_layers, block_size=BLOCK)
     with pytest.raises(RuntimeError, match="keydiff_attention"):
-        model(input_ids=prompt_ids()[:, :BLOCK], past_key_values=cache, use_cache=True)
+        model(input_ids=prompt_ids()[:, :BLOCK], cache=cache, use_cache=True)
 
 
 def test_run_statistics_check_each_layer_total_against_kv_heads_times_its_bound():

@@ -46,7 +46,7 @@ def test_capture_matches_eager_weights_and_cache_keys(model, ids, captures):
     for layer, capture in enumerate(captures):
         weights = out.attentions[layer][0]  # [H, L, L]
         assert capture.keys.shape == (2, 120, 16) and capture.queries.shape == (4, 120, 16)
-        torch.testing.assert_close(capture.keys, out.past_key_values.layers[layer].keys[0])
+        torch.testing.assert_close(capture.keys, out.cache.layers[layer].keys[0])
         torch.testing.assert_close(capture.received_sum, weights.sum(dim=1), atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(capture.received_mean, weights.sum(dim=1) / torch.arange(120, 0, -1), atol=1e-6,
                                    rtol=1e-5)

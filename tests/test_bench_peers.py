@@ -115,11 +115,11 @@ def test_pairs_set_our_parameters_to_kvpress_defaults_and_missing_presets_are_no
     assert peers.our_policy(peers.Pair("x", "no_such_preset", "keydiff")) is None
 
 
-def test_every_available_pair_builds_and_a_pyramid_below_the_window_is_reported(tmp_path):
+def test_every_pair_has_its_preset_and_builds_and_a_pyramid_below_the_window_is_reported(tmp_path):
     for pair in peers.PAIRS:
         policy = peers.our_policy(pair)
-        if policy is not None:
-            build_policy(policy[0], **policy[1])
+        assert policy is not None, f"{pair.label}: conf/policy/{pair.ours}.yaml is missing"  # docs/peers.md
+        build_policy(policy[0], **policy[1])
     pyramid = peers.our_policy(next(p for p in peers.PAIRS if p.press == "pyramidkv"))
     assert "window" in peers.budget_problem(pyramid, 128)
     assert peers.budget_problem(pyramid, 2048) is None
@@ -290,6 +290,18 @@ def test_the_kvpress_perf_side_calls_the_model_the_pipeline_way_or_the_readme_wa
     assert peers_runner.kvpress_generate(model, ids, base)["kvpress_call"] == "pipeline"  # the default
     with pytest.raises(ValueError, match="valid: pipeline, readme"):
         peers_runner.kvpress_generate(model, ids, {**base, "kvpress_call": "full"})
+
+
+def test_the_kvpress_side_passes_the_cache_by_the_keyword_the_model_takes(tiny_weights):
+    """kvpress's environment pins transformers < 5.3 (`past_key_values=` only, a `cache=` would be swallowed by
+    **kwargs); the project's >= 5.24 takes `cache=` and warns on the old name."""
+    class Before524(torch.nn.Module):
+        def forward(self, input_ids=None, past_key_values=None, **kwargs):
+            return past_key_values
+
+    assert peers_runner.cache_argument(Before524(), "c") == {"past_key_values": "c"}
+    model = peers_runner.load_model({"model_dir": str(tiny_weights), "dtype": "float32", "device": "cpu"})
+    assert peers_runner.cache_argument(model, "c") == {"cache": "c"}
 
 
 # ---------------------------------------------------------------------------------------------- perf arithmetic

@@ -27,7 +27,7 @@ def plain_greedy_loop(model, state, steps, position_ids: bool):
         if step == steps - 1:
             break
         kwargs = {"position_ids": torch.tensor([[state.prompt_length + step]])} if position_ids else {}
-        out = model(input_ids=token[:, None], past_key_values=state.cache, use_cache=True, **kwargs)
+        out = model(input_ids=token[:, None], cache=state.cache, use_cache=True, **kwargs)
         logits = out.logits[:, -1]
     return tokens
 
@@ -64,10 +64,10 @@ def test_stock_attention_block_after_eviction_is_causal_bottom_right(prompt):
     chunk = prompt[:, 200:215]
     ours = prefill(model, prompt[:, :200], "keydiff", 50, 32)
     with torch.no_grad(), keydiff.keydiff_attention(model, ours.cache):
-        expected = model(input_ids=chunk, past_key_values=ours.cache, use_cache=True).logits
+        expected = model(input_ids=chunk, cache=ours.cache, use_cache=True).logits
     stock = prefill(model, prompt[:, :200], "keydiff", 50, 32)
     with torch.no_grad():
-        got = model(input_ids=chunk, past_key_values=stock.cache, use_cache=True).logits
+        got = model(input_ids=chunk, cache=stock.cache, use_cache=True).logits
     assert torch.allclose(got, expected, atol=1e-5)
 
 
@@ -82,10 +82,10 @@ def test_attention_policy_loop_without_keydiff_attention_says_what_to_do(model, 
 def test_transformers_generate_continues_a_cache_that_holds_all_but_the_last_token(model, prompt, name):
     state = prefill(model, prompt[:, :-1], name, 64, 32)
     with torch.no_grad(), keydiff.keydiff_attention(model, state.cache):
-        out = model.generate(prompt, past_key_values=state.cache, max_new_tokens=8, do_sample=False)
+        out = model.generate(prompt, cache=state.cache, max_new_tokens=8, do_sample=False)
     reference = prefill(model, prompt[:, :-1], name, 64, 32)
     with torch.no_grad(), keydiff.keydiff_attention(model, reference.cache):
-        logits = model(input_ids=prompt[:, -1:], past_key_values=reference.cache, use_cache=True).logits[:, -1]
+        logits = model(input_ids=prompt[:, -1:], cache=reference.cache, use_cache=True).logits[:, -1]
         reference.cache.evict()
     reference.logits, reference.prompt_length = logits, prompt.shape[1]
     expected = generate(model, reference, 8).token_ids[0]
@@ -95,13 +95,13 @@ def test_transformers_generate_continues_a_cache_that_holds_all_but_the_last_tok
 def test_transformers_generate_on_a_cache_holding_the_whole_prompt_is_refused(model, prompt):
     state = prefill(model, prompt, "keydiff", 64, 32)
     with torch.no_grad(), pytest.raises(RuntimeError, match=r"prompt\[:, :-1\]"):
-        model.generate(prompt, past_key_values=state.cache, max_new_tokens=3, do_sample=False)
+        model.generate(prompt, cache=state.cache, max_new_tokens=3, do_sample=False)
 
 
 def test_beam_search_is_refused_with_a_clear_error(model, prompt):
     state = prefill(model, prompt[:, :-1], "keydiff", 64, 32)
     with torch.no_grad(), pytest.raises(RuntimeError, match="beam search"):
-        model.generate(prompt, past_key_values=state.cache, max_new_tokens=3, num_beams=2, do_sample=False)
+        model.generate(prompt, cache=state.cache, max_new_tokens=3, num_beams=2, do_sample=False)
 
 
 @pytest.mark.parametrize("name", ["keydiff", "sink", "tova", "snapkv", "h2o"])
@@ -416,9 +416,9 @@ def test_attention_recognises_only_the_layer_whose_slots_it_reads(model, prompt,
     bound = keydiff.EvictingCache(keydiff.build_policy("tova"), 16, 3, block_size=20, max_tokens=40)
     other = keydiff.EvictingCache(keydiff.build_policy("tova"), 16, 3, block_size=20, max_tokens=40)
     with torch.no_grad(), keydiff.keydiff_attention(model, bound):
-        model(prompt[:, :20], past_key_values=other, use_cache=True)
+        model(prompt[:, :20], cache=other, use_cache=True)
         assert all(layer.attention is None for layer in bound.layers + other.layers)
-        model(prompt[:, :20], past_key_values=bound, use_cache=True)  # 20 entries > 16: TOVA needs its last row
+        model(prompt[:, :20], cache=bound, use_cache=True)  # 20 entries > 16: TOVA needs its last row
     assert [tuple(layer.attention.shape) for layer in bound.layers] == [(1, 2, 20)] * 3
 
 
@@ -431,7 +431,7 @@ def test_a_follow_on_chunk_as_long_as_the_prompt_is_not_mistaken_for_the_prompt_
     model = tiny_llama("sdpa", dtype=dtype)
     state = prefill(model, prompt[:, :100], name, 64, 100)
     with torch.no_grad(), keydiff.keydiff_attention(model, state.cache):
-        logits = model(input_ids=prompt[:, 100:200], past_key_values=state.cache, use_cache=True).logits[:, -1]
+        logits = model(input_ids=prompt[:, 100:200], cache=state.cache, use_cache=True).logits[:, -1]
     state.cache.evict()
     reference = prefill(model, prompt[:, :200], name, 64, 100)
     assert torch.allclose(logits.float(), reference.logits, atol=1e-5 if dtype == torch.float32 else 2e-2)
@@ -439,7 +439,7 @@ def test_a_follow_on_chunk_as_long_as_the_prompt_is_not_mistaken_for_the_prompt_
     # The same 100 tokens fed again right after the prompt are refused (what model.generate would do).
     again = prefill(model, prompt[:, :100], name, 64, 100)
     with torch.no_grad(), keydiff.keydiff_attention(model, again.cache), pytest.raises(RuntimeError, match="fed again"):
-        model(input_ids=prompt[:, :100], past_key_values=again.cache, use_cache=True)
+        model(input_ids=prompt[:, :100], cache=again.cache, use_cache=True)
 
 
 def test_the_engine_sets_no_attribute_on_the_cache(model, prompt, monkeypatch):
@@ -460,3 +460,4 @@ def test_the_engine_sets_no_attribute_on_the_cache(model, prompt, monkeypatch):
         generate(model, state, 4, evict=False)
     written_outside = [name for name in written if not name.startswith("_")]
     assert written_outside == [], written_outside
+

@@ -240,7 +240,7 @@ def test_needs_the_attention_function_for_the_output_projection():
     cache = EvictingCache(build_policy("knorm", critical=True), 8, 3, block_size=8)
     ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        model(input_ids=ids, past_key_values=cache, use_cache=True)
+        model(input_ids=ids, cache=cache, use_cache=True)
         with pytest.raises(RuntimeError, match="needs the layer's output projection"):
             cache.evict()
 

@@ -61,7 +61,7 @@ def test_example_policy_keeps_what_its_score_says(examples_on_path):
     assert isinstance(policy, MyPolicy)
     state = prefill(model, ids, policy, budget=40, block_size=None)
     with torch.no_grad():
-        reference = model(ids, use_cache=True).past_key_values
+        reference = model(ids, use_cache=True).cache
     for layer, kept in enumerate(state.kept_positions):
         norms = reference.layers[layer].values[0].norm(dim=-1)  # [kv_heads, 120]
         for head in range(norms.shape[0]):

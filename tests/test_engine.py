@@ -117,7 +117,7 @@ def test_eager_and_sdpa_models_agree(prompt, name):
 
 def test_attention_policy_without_keydiff_attention_is_an_error(model, prompt):
     cache = keydiff.EvictingCache(build_policy("tova"), 10, 3)
-    model(prompt[:, :20], past_key_values=cache)  # stock sdpa: no statistic
+    model(prompt[:, :20], cache=cache)  # stock sdpa: no statistic
     with pytest.raises(RuntimeError, match="needs attention statistics"):
         cache.evict()
 

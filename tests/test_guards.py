@@ -71,7 +71,7 @@ class StockReference:
             for layer_idx, (keys, values, _) in enumerate(self.entries):
                 cache.update(keys, values, layer_idx)
         position_ids = torch.arange(start, start + q).expand(batch, q)
-        out = self.model(input_ids, past_key_values=cache, position_ids=position_ids, use_cache=True,
+        out = self.model(input_ids, cache=cache, position_ids=position_ids, use_cache=True,
                          output_attentions=True)
         new_positions = torch.arange(start, start + q).expand(batch, KV_HEADS, q)
         entries = []
@@ -405,7 +405,7 @@ def stock_kv_bytes_per_token(model) -> int:
     """Bytes transformers' own DynamicCache spends on one prompt token over all layers: measured, not computed."""
     tokens = 10
     with torch.no_grad():
-        cache = model(torch.zeros(1, tokens, dtype=torch.long), use_cache=True).past_key_values
+        cache = model(torch.zeros(1, tokens, dtype=torch.long), use_cache=True).cache
     total = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
     assert total % tokens == 0
     return total // tokens

@@ -188,9 +188,9 @@ def test_one_block_equals_the_one_shot_kvzip_of_the_paper(tokenizer, length, bud
         state = prefill(sdpa, ids, build_policy("kvzip", scoring_keys=scoring_keys), budget=budget,
                         block_size="inf", tokenizer=tokenizer)
         cache = DynamicCache(config=eager.config)
-        eager(input_ids=ids, past_key_values=cache, use_cache=True)
+        eager(input_ids=ids, cache=cache, use_cache=True)
         repeat = KVzip().reconstruction_input(ids, ids[:, :0], tokenizer)
-        attentions = eager(input_ids=repeat, past_key_values=cache, use_cache=True, output_attentions=True).attentions
+        attentions = eager(input_ids=repeat, cache=cache, use_cache=True, output_attentions=True).attentions
     kv_heads = eager.config.num_key_value_heads
     for layer, weights in enumerate(attentions):  # [1, H, R + L, L + R + L]
         scores = weights[0, :, :, :length].amax(dim=1).view(kv_heads, -1, length).amax(dim=1)  # [kv_heads, L]
@@ -209,7 +209,7 @@ def test_scratch_pass_leaves_the_cache_as_it_was_and_changes_nothing_downstream(
                    layer.positions[:, :, : layer.num_entries].clone()) for layer in cache.layers]
         counts = (cache.get_seq_length(), [layer.num_entries for layer in cache.layers], cache.max_entries)
         with cache.scratch():
-            model(input_ids=probe, past_key_values=cache, use_cache=True)
+            model(input_ids=probe, cache=cache, use_cache=True)
             assert cache.entries_held() == 40 + 37 and cache.get_seq_length() == 100 + 37
         assert (cache.get_seq_length(), [layer.num_entries for layer in cache.layers], cache.max_entries) == counts
         assert cache.max_scratch_entries == 40 + 37
@@ -217,7 +217,7 @@ def test_scratch_pass_leaves_the_cache_as_it_was_and_changes_nothing_downstream(
             n = layer.num_entries
             assert torch.equal(layer.keys[:, :, :n], keys) and torch.equal(layer.values[:, :, :n], values)
             assert torch.equal(layer.positions[:, :, :n], positions)
-        after, untouched = (model(input_ids=follow, past_key_values=s.cache, use_cache=True).logits for s in states)
+        after, untouched = (model(input_ids=follow, cache=s.cache, use_cache=True).logits for s in states)
     assert torch.equal(after, untouched)
 
 

@@ -175,21 +175,24 @@ def test_leaderboard_table_orders_ratios_ranks_methods_and_puts_full_first(summa
     assert scores.loc[("ruler_4k", "m", "128", "KeyDiff")].tolist()[:5] == [40.0, 55.0, 70.0, 80.0, 61.25]
     assert scores.loc[("ruler_4k", "m", "128", "Full"), "1 (r=0)"] == 90.0
     keydiff = text.loc[("ruler_4k", "m", "128", "KeyDiff")]
-    assert keydiff["0.125 (r=0.875)"] == f"40.00 ± {Z95 * 1.0:.2f} (n=5)" and keydiff["1 (r=0)"] == "--"
-    assert keydiff["0.75 (r=0.25)"] == f"80.00 ± {Z95 * 4.0:.2f} (n=5)"
-    assert keydiff["Avg."] == f"61.25 ± {Z95 * 2.5:.2f}"  # the mean of the ratios' SEs (same samples)
-    assert text.loc[("ruler_4k", "m", "128", "SnapKV"), "0.5 (r=0.5)"] == "45.00 ± n/a (n=1)§"
+    # Wilson inside 0-100 at n_eff = p(1 - p) / SE^2: close to 40 ± 1.96 away from the bounds, n per task shown
+    assert keydiff["0.125 (r=0.875)"] == "40.00 [38.06, 41.97] (n=5)" and keydiff["1 (r=0)"] == "--"
+    assert keydiff["0.75 (r=0.25)"] == "80.00 [71.12, 86.66] (n=5)"  # asymmetric near the top of the range
+    assert keydiff["Avg."] == "61.25 [56.26, 66.01]"  # from the mean of the ratios' SEs (same samples)
+    # one sample per task, 13 behind the average, no SE: the widest-spread (0/1) interval over 13 samples
+    assert text.loc[("ruler_4k", "m", "128", "SnapKV"), "0.5 (r=0.5)"] == "45.00 [22.35, 69.93] (n=1)§"
     assert text.loc[("ruler_4k", "m", "128", "Sink"), "0.5 (r=0.5)"].endswith(" (11/13)")
     assert text.loc[("ruler_4k", "m", "128", "Sink"), "Avg."] == "--"
     md = (tmp_path / "leaderboard.md").read_text()
-    assert "**70.00 ± " in md and "**90.00" not in md  # best per column bold; the full cache never
-    assert "| ruler_4k | m | 128 | TOVA | 30.00 ± " in md and "kvpress" in md
+    assert "**70.00 [" in md and "**90.00" not in md  # best per column bold; the full cache never
+    assert "| ruler_4k | m | 128 | TOVA | 30.00 [" in md and "kvpress" in md
     assert r"\toprule" in (tmp_path / "leaderboard.tex").read_text()
     csv = pd.read_csv(tmp_path / "leaderboard.csv")
     assert len(csv) == 11 and set(csv["budget"]) == {*RATIOS, "--"}
     assert np.allclose(csv["kvpress_compression_ratio"], 1 - csv["kept_ratio"])
     assert csv.loc[csv["policy"] == "full", "kept_ratio"].tolist() == [1.0]
-    assert np.allclose(csv["ci95_half_width"].dropna(), Z95 * csv["se"].dropna())
+    assert ((0 <= csv["ci95_low"]) & (csv["ci95_low"] <= csv["ruler_average"]) & (csv["ruler_average"] <= csv["ci95_high"])
+            & (csv["ci95_high"] <= 100)).all()  # every run has one (>= 13 samples), inside the range, around the score
     assert csv.loc[csv["policy"] == "keydiff", "samples_per_task"].tolist() == [5] * 4  # n per task, not 65 rows
     assert csv.loc[csv["policy"] == "keydiff", "samples"].tolist() == [65] * 4
 
@@ -210,16 +213,34 @@ def test_leaderboard_figure_one_line_per_method_ratios_ascending_full_dashed(sum
     assert sorted(bars) == ["KeyDiff", "Sink", "SnapKV", "TOVA"]
     for policy, label in (("keydiff", "KeyDiff"), ("tova", "TOVA")):
         x, y = (np.asarray(v, dtype=float) for v in bars[label].lines[0].get_data())
-        assert list(np.argsort(x)) == [0, 1, 2, 3]  # ascending kept ratio
-        assert np.allclose(np.round(x / 0.125) * 0.125, [0.125, 0.25, 0.5, 0.75]) and list(y) == SCORES[policy]
-        segments = bars[label].lines[2][0].get_segments()  # the 95 % error bars
-        assert np.allclose([s[1][1] - s[0][1] for s in segments], [2 * Z95 * (1.0 + i) for i in range(4)])
-    full = [line for line in ax.get_lines() if line.get_linestyle() == "--"]
+        assert list(x) == [0.125, 0.25, 0.5, 0.75] and list(y) == SCORES[policy]  # at their x: no sideways offset
+        segments = bars[label].lines[2][0].get_segments()  # the 95 % error bars, inside 0-100, around the point
+        assert all(0 <= s[0][1] <= value <= s[1][1] <= 100 for s, value in zip(segments, y))
+    styles = {label: (bars[label].lines[0].get_marker(), str(bars[label].lines[0].get_linestyle())) for label in bars}
+    assert len(set(styles.values())) == len(styles)  # each method its own marker and line style
+    full = [line for line in ax.get_lines() if line.get_linestyle() == "--" and line.get_label().startswith("Full")]
     assert len(full) == 1 and full[0].get_ydata()[0] == 90.0 and full[0].get_label().startswith("Full")
     assert [t.get_text() for t in ax.get_xticklabels()] == ["0.125", "0.25", "0.5", "0.75"]
     top = [child for child in ax.child_axes]
     assert [t.get_text() for t in top[0].get_xticklabels()] == ["0.875", "0.75", "0.5", "0.25"]
     assert "SnapKV §" in bars["SnapKV"].get_label()
+    assert "11/13 tasks" in bars["Sink"].get_label()  # averaged over fewer tasks than its neighbours: said, hollow
+    assert [t.get_text() for t in ax.texts] == ["11/13"]
+
+
+def test_leaderboard_figure_marks_a_full_cache_over_fewer_tasks(summary, tmp_path, monkeypatch):
+    drawn = []
+    monkeypatch.setattr(figures, "save", lambda fig, out, name: drawn.append((fig, name)) or [out / f"{name}.png"])
+    summary = summary.copy()
+    full = summary["policy"] == "full"
+    for i, t in enumerate(TASKS):
+        if i >= 2:
+            summary.loc[full, [f"metrics/tasks/{t}", f"metrics/n/{t}"]] = np.nan
+    figures.leaderboard(summary, tmp_path)
+    ax = drawn[0][0].axes[0]
+    line = next(line for line in ax.get_lines() if line.get_label().startswith("Full"))
+    assert "2/13 tasks" in line.get_label() and line.get_linestyle() == ":"  # not a dashed line beside 13-task points
+    assert "full cache: 2/13 tasks" in [t.get_text() for t in ax.texts]
 
 
 def test_wandb_grid_names_ratio_budgets_by_their_labels():

@@ -156,9 +156,9 @@ def test_expected_attention_without_the_keydiff_attention_function_says_what_to_
     cache = EvictingCache(build_policy("expected_attention"), 16, 3, block_size=8)
     ids = torch.randint(0, 256, (1, 24))
     with torch.no_grad():
-        model(ids[:, :20], past_key_values=cache, use_cache=True)
+        model(ids[:, :20], cache=cache, use_cache=True)
         with pytest.raises(RuntimeError, match="keydiff_attention"):
-            model(ids[:, 20:], past_key_values=cache, use_cache=True)
+            model(ids[:, 20:], cache=cache, use_cache=True)
 
 
 # --------------------------------------------------------------------------- LagKV
@@ -240,7 +240,7 @@ def test_lagkv_block_wise_prefill_keeps_what_the_loop_reference_keeps(model, sco
         assert kept.shape[-1] == 64 and bool((kept[..., :4] == torch.arange(4)).all())
         assert int(kept[..., -1].min()) == 299  # the newest (unscored) partition survives
     with torch.no_grad():
-        plain = model(ids, use_cache=True).past_key_values.layers[0]
+        plain = model(ids, use_cache=True).cache.layers[0]
     reference = lagkv_streaming_reference if scoring == "frozen" else lagkv_rescoring_reference
     for head in range(plain.keys.shape[1]):
         expected = reference(plain.keys[0, head].float(), plain.values[0, head].float(), 64, 32, 4, 16)

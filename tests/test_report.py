@@ -181,7 +181,7 @@ def test_publish_needs_an_entity_and_credentials(tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit, match="no key"):
         make_report.main(["smoke", "--publish", "--entity", "someone"])
     assert make_report.main(["smoke", "--paper", str(tmp_path), "--out", str(tmp_path / "reports")]) == 0
-    assert capsys.readouterr().out.startswith("smoke: 4 panels, 2 policies, 0 run(s) -> ")
+    assert capsys.readouterr().out.startswith("smoke: 4 panels, 2 policies, 0 runs -> ")
     assert json.loads((tmp_path / "reports" / "smoke.json").read_text())["title"] == "keydiff-bench: smoke"
     with pytest.raises(SystemExit):
         make_report.main(["table99", "--runs", str(tmp_path / "runs")])

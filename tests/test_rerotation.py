@@ -222,7 +222,7 @@ def test_contiguous_works_with_stock_attention_and_transformers_masks():
                           config=model.config)
     with torch.no_grad():
         for start in range(0, 64, 16):  # no evict() calls: the cache evicts when the next pass arrives
-            out = model(input_ids=prompt[:, start:start + 16], past_key_values=cache, use_cache=True)
+            out = model(input_ids=prompt[:, start:start + 16], cache=cache, use_cache=True)
     torch.testing.assert_close(out.logits[:, -1].float(), expected, rtol=1e-5, atol=1e-5)
     # 36 held until the next pass evicts, which will then follow the 20 kept keys; 64 tokens seen.
     assert cache.get_seq_length() == 20 and cache.layers[0].num_entries == 36 and cache.layers[0].seen == 64

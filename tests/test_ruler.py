@@ -22,6 +22,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from keydiff.report.render import interval
 from keydiff.tasks.fixture_builders import ruler as ruler_fixture
 from keydiff.tasks.ruler import (
     GENERATOR_VERSION,
@@ -603,14 +604,21 @@ def test_ruler_table(tmp_path):
     header = next(line for line in text.splitlines() if line.startswith("| model |")).strip("| ").split(" | ")
     rows = {r.split(" | ")[1]: dict(zip(header, r.strip("| ").split(" | ")))
             for r in text.splitlines() if r.startswith("| m |")}
-    # no predictions.jsonl: no per-sample scores, no interval
-    assert rows["full"]["avg"] == "90.00 ± n/a" and rows["full"]["haystack"] == "ruler_json" and rows["full"]["qa"] == "file"
+    # no predictions.jsonl, no SE: the average's interval is the widest-spread one over its 26 samples (2 per task),
+    # inside 0-100 (Wilson, keydiff/report/render.py)
+    low, high = interval(90.0, float("nan"), 26, (0.0, 100.0))
+    assert rows["full"]["avg"] == f"90.00 [{low:.2f}, {high:.2f}]" and high <= 100
+    assert rows["full"]["haystack"] == "ruler_json" and rows["full"]["qa"] == "file"
     subset = rows["keydiff"]
     assert subset["haystack"] == "pydoc" and subset["qa"] == "fixture"
-    # 100 x SE: vt 50 (1, 0), cwe 10 (0, 0.2), qa_1 10 (0.3, 0.5; the short 1.0 left out); avg: sqrt(sum SE^2) / 3
-    assert subset["qa_1"] == "40.00 ± 19.60↓1" and subset["qa_2"] == "–↓2" and subset["vt"] == "50.00 ± 98.00"
-    assert subset["avg"] == f"33.33 ± {1.959964 * 2700 ** 0.5 / 3:.2f}§↓3‡ (3/13)"
-    assert rows["tova"]["avg"] == "80.00 ± n/a‡" and rows["tova"]["haystack"] == "unrecorded"
+    # 2 samples per task: too few for an interval (not 50.00 ± 98.00, twice the range)
+    assert subset["qa_1"] == "40.00 [n too small]↓1" and subset["qa_2"] == "–↓2" and subset["vt"] == "50.00 [n too small]"
+    # avg: 100 x SE vt 50 (1, 0), cwe 10 (0, 0.2), qa_1 10 (0.3, 0.5; the short 1.0 left out): sqrt(sum SE^2) / 3,
+    # over the 10 samples of its 5 tasks
+    low, high = interval(33.33, 2700 ** 0.5 / 3, 10, (0.0, 100.0))
+    assert subset["avg"] == f"33.33 [{low:.2f}, {high:.2f}]§↓3‡ (3/13)"
+    low, high = interval(80.0, float("nan"), 26, (0.0, 100.0))
+    assert rows["tova"]["avg"] == f"80.00 [{low:.2f}, {high:.2f}]‡" and rows["tova"]["haystack"] == "unrecorded"
     assert "‡: essay haystack is pydoc prose; QA fixture" in text and "haystack and QA data not recorded" in text
     csv = pd.read_csv(tmp_path / "tables" / "ruler.csv")
     assert list(csv.sort_values("policy")["short"]) == [0, 3, 0]

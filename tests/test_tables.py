@@ -10,8 +10,10 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 import yaml
@@ -24,7 +26,7 @@ from keydiff.paper import registry  # noqa: E402
 from keydiff.report import collect as collect_results  # noqa: E402
 from keydiff.report import figures as make_figures  # noqa: E402
 from keydiff.report import tables as make_tables  # noqa: E402
-from keydiff.report.render import standard_error  # noqa: E402
+from keydiff.report.render import interval, metric_range, standard_error  # noqa: E402
 
 SUITE = registry.SUITE
 LLAMA3B = "llama-3.2-3b-instruct"
@@ -128,8 +130,8 @@ def md_rows(path, table=0):
 
 
 def value(cell: str) -> str:
-    """The value of a "value ± half-width (n=...)" cell (bold marker kept)."""
-    return cell.split(" ±")[0]
+    """The value of a "value [low, high] (n=...)" or "value ± half-width (n=...)" cell (bold marker kept)."""
+    return cell.split(" ±")[0].split(" [")[0]
 
 
 def md_cell(path, row_start, column, table=0):
@@ -162,15 +164,16 @@ def test_longbench_tables_bold_the_best_eviction_method(produced):
     out, _, written = produced
     md = out / "tables" / "table11.md"
     row = (LLAMA3B, "KeyDiff", "2K")
-    assert md_cell(md, row, "NarrativeQA") == "**10.50 ± 19.60 (n=1)**"  # SE over narrativeqa's 2 rows (0.1, 0.3)
-    assert md_cell(md, row, "Qasper") == "11.50 ± n/a (n=1)"  # one sample: no interval
+    assert md_cell(md, row, "NarrativeQA") == "**10.50 [n too small] (n=1)**"  # fewer than 5 samples: no interval
+    assert md_cell(md, row, "Qasper") == "11.50 [n too small] (n=1)"
     assert value(md_cell(md, (LLAMA3B, "TOVA", "2K"), "Qasper")) == "**99.00"
     assert value(md_cell(md, (LLAMA3B, "Full", "--"), "NarrativeQA")) == "50.00"  # higher, but a reference
-    assert md_cell(md, row, "Avg.") == "20.50 ± n/a (n=21)"  # any dataset without an SE: the average has none
+    # any dataset without an SE: no SE for the average; its interval is the widest-spread one over the 21 samples
+    assert md_cell(md, row, "Avg.") == "20.50 [8.54, 41.58] (n=21)"
     assert value(md_cell(md, (LLAMA3B, "TOVA", "2K"), "Avg.")) == f"**{20 + (99 - 11) / 21:.2f}"
     assert not any(r[2] == "4K" for r in md_rows(md)[1:])  # the incomplete run is left out
     tex = (out / "tables" / "table11.tex").read_text()
-    assert r"\textbf{99.00 $\pm$ n/a (n=1)}" in tex and r"\textbf{50.00" not in tex and r"\toprule" in tex
+    assert r"\textbf{99.00 [n too small] (n=1)}" in tex and r"\textbf{50.00" not in tex and r"\toprule" in tex
     assert "95 % confidence interval" in tex
     # Table 1 = English columns of the table11 runs; its average is over those 16 columns only.
     english = [10.5 + i for i, d in enumerate(SUITE) if d in registry.ENGLISH]
@@ -194,13 +197,13 @@ def test_other_tables(produced):
     assert value(md_cell(tables / "table17.md", ("Dense",), "478")) == "0.8"
     assert md_cell(tables / "table18.md", ("0",), "1000") == "-0.10"
     assert md_cell(tables / "table18.md", ("50",), "2000") == "-0.30"
-    # flex of rows 1, 1, 0, 0: SE = sqrt(1/3) / 2, half-width 1.96 SE = 0.566
-    assert md_cell(tables / "table4.md", ("4K", "1024", "KeyDiff + 20%"), "Flex Match") == "**0.500 ± 0.566 (n=4)**"
+    # flex of rows 1, 1, 0, 0: 4 samples, too few for an interval (not 0.500 ± 0.566)
+    assert md_cell(tables / "table4.md", ("4K", "1024", "KeyDiff + 20%"), "Flex Match") == "**0.500 [n too small] (n=4)**"
     assert md_cell(tables / "table4.md", ("4K", "--", "Full"), "Avg. Gen. Length") == "1200"
     # the full run's flex on the two samples over 1024 tokens: 0 and 1, SE 0.5, half-width 0.980
-    assert md_cell(tables / "table5.md", ("4K", "Num Tokens > 1024 (2/2)", "Full"), "Flex") == "0.500 ± 0.980 (n=2)"
+    assert md_cell(tables / "table5.md", ("4K", "Num Tokens > 1024 (2/2)", "Full"), "Flex") == "0.500 [n too small] (n=2)"
     assert value(md_cell(tables / "table9.md", ("NarrativeQA",), "2K")) == "0.20"
-    assert md_cell(tables / "table9.md", ("NarrativeQA",), "2K").startswith("0.20 ± 0.20")  # ratios 0.1, 0.3
+    assert md_cell(tables / "table9.md", ("NarrativeQA",), "2K").startswith("0.20 [n too small]")  # ratios 0.1, 0.3
     assert md_cell(tables / "table8.md", ("NarrativeQA",), ">8K") == "1"
     assert md_cell(tables / "table8.md", ("NarrativeQA",), "Total") == "2"
     assert md_cell(tables / "table8.md", ("Qasper",), "2K-4K") == "1"
@@ -211,7 +214,9 @@ def test_tables_without_runs_say_so(produced, capsys):
     out, _, written = produced
     make_tables.main(out / "summary.csv", out / "tables2")
     printed = capsys.readouterr().out
-    assert "no results for table10 (run: python run.py experiment=table10" in printed
+    skipped = [line for line in printed.splitlines() if line.startswith("no results yet for ")]
+    assert len(skipped) == 1 and "table10" in skipped[0] and "paper tables (" in skipped[0]  # one line for all
+    assert not re.search(r"_vs_paper: 0 of |\b1 paper cells", printed)
     assert "table10" not in written and not {"table6", "table12", "table14", "table16"} & set(written)
     placeholder = (out / "tables2" / "table10.md").read_text()  # every file exists and says what to run
     assert "no results yet" in placeholder and "python run.py experiment=table10" in placeholder
@@ -235,7 +240,7 @@ def test_same_model_cells_show_ours_paper_and_difference(produced):
     out, _, _ = produced
     md = out / "tables" / "table17_vs_paper.md"
     row = (LLAMA3B, LLAMA3B, "tova", "6k")
-    assert md_cell(md, row + ("478",), "Ours") == "0.6" and md_cell(md, row + ("478",), "Paper") == "1"
+    assert md_cell(md, row + ("478",), "Ours") == "0.6 [n too small]" and md_cell(md, row + ("478",), "Paper") == "1"
     assert md_cell(md, row + ("478",), "Δ") == "-0.4!"  # beyond the 0.2 tolerance (one book of five)
     assert md_cell(md, (LLAMA3B, LLAMA3B, "full", "6k", "478"), "Δ") == "-0.2"  # at the tolerance: inside
     text = md.read_text()
@@ -245,9 +250,9 @@ def test_same_model_cells_show_ours_paper_and_difference(produced):
     t1 = out / "tables" / "table1_vs_paper.md"
     cells = md_rows(t1)
     kd = [r for r in cells if r[:5] == [LLAMA3B, LLAMA3B, "keydiff", "2k", "narrativeqa"]]
-    assert kd and kd[0][6:9] == ["10.5 ± 19.6", "18.29", "-7.79!"]  # ours with its 95 % half-width
+    assert kd and kd[0][6:9] == ["10.5 [n too small]", "18.29", "-7.79!"]  # 2 samples: no interval
     # The unfinished table11 run (~) is shown with its difference but not counted.
-    assert md_cell(t1, (LLAMA3B, LLAMA3B, "keydiff", "4k", "narrativeqa"), "Ours") == "70~"
+    assert md_cell(t1, (LLAMA3B, LLAMA3B, "keydiff", "4k", "narrativeqa"), "Ours") == "70 [n too small]~"
     assert "68 of 711 paper cells" in t1.read_text() and "~ 17 cells from runs not complete, shown but not counted" \
         in t1.read_text()
     assert "python run.py experiment=table1_full model=llama-3.1-8b-instruct" in t1.read_text()
@@ -295,16 +300,16 @@ def test_adhoc_subset_sweep_gets_a_generic_table_and_figure(adhoc):
     out, written, figures = adhoc
     assert "generic/adhoc__niah_small" in written
     md = out / "tables" / "generic" / "adhoc__niah_small.md"
-    # recalls 1.0 and 0.5: SE 0.25, 95 % half-width 0.490; 0.5 and 0.25: SE 0.125, half-width 0.245
-    assert md_cell(md, ("smollm2-135m", "128", "keydiff"), "1k") == "0.750 ± 0.490 (n=2)§"
-    assert md_cell(md, ("smollm2-135m", "128", "sink"), "2k") == "0.375 ± 0.245 (n=2)§"
+    # recalls 1.0 and 0.5 (not 0.750 ± 0.490: two samples are too few for an interval)
+    assert md_cell(md, ("smollm2-135m", "128", "keydiff"), "1k") == "0.750 [n too small] (n=2)§"
+    assert md_cell(md, ("smollm2-135m", "128", "sink"), "2k") == "0.375 [n too small] (n=2)§"
     assert md_cell(md, ("smollm2-135m", "128", "sink", "2k"), "limit", table=1) == "2"
-    assert md_cell(md, ("smollm2-135m", "128", "sink", "2k"), "needle_recall (primary)", table=1) == "0.375 ± 0.245 (n=2)"
-    assert md_cell(md, ("smollm2-135m", "128", "sink", "2k"), "kept N/L", table=1) == "0.500 ± 0.000 (n=2)"
+    assert md_cell(md, ("smollm2-135m", "128", "sink", "2k"), "needle_recall (primary)", table=1) == "0.375 [n too small] (n=2)"
+    assert md_cell(md, ("smollm2-135m", "128", "sink", "2k"), "kept N/L", table=1) == "0.500 [n too small] (n=2)"
     assert "needle_recall" not in md_rows(md, table=1)[0]  # the primary score is not repeated
     assert "4 configurations, 8 samples scored, 4 subset runs (§)" in md.read_text()
     tex = (out / "tables" / "generic" / "adhoc__niah_small.tex").read_text()
-    assert r"\toprule" in tex and r"\caption{adhoc / niah\_small" in tex and "0.750 ± 0.490 (n=2)§" in tex
+    assert r"\toprule" in tex and r"\caption{adhoc / niah\_small" in tex and "0.750 [n too small] (n=2)§" in tex
     names = {p.relative_to(out / "figures").as_posix() for p in figures}
     assert "generic/adhoc__niah_small__smollm2-135m__bs128.png" in names
     readme = (out / "README.md").read_text()
@@ -321,13 +326,13 @@ def test_failed_samples_and_other_models_are_marked(adhoc):
     run = df[df.experiment == "table17"].iloc[0]
     assert (run["samples"], run["num_failed"], run["failures/out_of_memory"]) == (4, 1, 1)
     assert md_cell(out / "tables" / "generic" / "table17__phonebook.md", ("smollm2-135m", "128", "keydiff"), "6k") \
-        == "0.500 ± 0.566 (n=4)†1"
+        == "0.500 [n too small] (n=4)†1"
     md = out / "tables" / "table17_vs_paper.md"  # SmolLM2 is not the paper's model: reference only, no difference
-    assert md_cell(md, ("smollm2-135m", LLAMA3B, "keydiff", "6k", "100"), "Ours") == "0.6 ± 0.566†1"
+    assert md_cell(md, ("smollm2-135m", LLAMA3B, "keydiff", "6k", "100"), "Ours") == "0.6 [n too small]†1"
     assert md_cell(md, ("smollm2-135m", LLAMA3B, "keydiff", "6k", "100"), "Paper") == "1"  # the paper's, beside ours
     assert md_cell(md, ("smollm2-135m", LLAMA3B, "keydiff", "6k", "100"), "Δ") == "other model"
     text = md.read_text()
-    assert "0 of 30 paper cells compared" in text and "for reference only" in text and "† 1 cells" in text
+    assert "0 of 30 paper cells compared" in text and "for reference only" in text and "† 1 cell with" in text
     assert "the paper's values for another model, llama-3.2-3b-instruct" in text
     wide = md_rows(md, table=1)  # side by side: the paper's model is named on the row
     assert wide[0][:2] == ["model", "paper_model"] and wide[1][:2] == ["smollm2-135m", LLAMA3B]
@@ -436,13 +441,13 @@ def test_a_subset_run_is_never_averaged_with_the_full_run(mixed):
     out, _ = mixed
     md = out / "tables" / "generic" / "adhoc__niah_small.md"
     kd = ("smollm2-135m", "128", "keydiff")
-    # SE of the six recalls: sd 0.2107 / sqrt(6) = 0.0860, 95 % half-width 0.169
-    assert md_cell(md, kd, "2k") == "0.864 ± 0.169 (n=6)"  # not 0.932 (n=8)§
+    # SE of the six recalls: sd 0.2107 / sqrt(6) = 0.0860; Wilson at n_eff = p(1 - p) / SE^2 = 15.9: inside [0, 1]
+    assert md_cell(md, kd, "2k") == "0.864 [0.626, 0.960] (n=6)"  # not 0.932 (n=8)§
     assert md_cell(md, kd + ("2k",), "seeds", table=1) == "1"
     assert md_cell(md, kd + ("2k",), "limit", table=1) == "--"
     assert md_cell(md, kd + ("2k",), "n (metric)", table=1) == "6"  # a count prints as an integer
     # Only subset runs: the largest limit, marked §.
-    assert md_cell(md, ("smollm2-135m", "128", "sink"), "2k") == "0.250 ± 0.490 (n=4)§"
+    assert md_cell(md, ("smollm2-135m", "128", "sink"), "2k") == "0.250 [n too small] (n=4)§"
     assert md_cell(md, ("smollm2-135m", "128", "sink", "2k"), "limit", table=1) == "4"
     assert "2 subset runs not shown" in md.read_text()
 
@@ -458,6 +463,9 @@ def drawn_figures(monkeypatch, summary, runs, out) -> dict:
                                          if hasattr(c, "lines")]  # error-bar series
         plotted[name + "/title"] = ax.get_title()
         plotted[name + "/titles"] = [a.get_title() for a in fig.axes] + [fig.get_suptitle()]
+        plotted[name + "/texts"] = [[t.get_text() for t in a.texts] for a in fig.axes]
+        plotted[name + "/xticks"] = list(ax.get_xticks())
+        plotted[name + "/layout"] = type(fig.get_layout_engine()).__name__
         return save(fig, where, name)
 
     monkeypatch.setattr(make_figures, "save", keep_axes)
@@ -469,9 +477,35 @@ def test_subset_runs_are_marked_on_heatmaps(produced, fake_runs, monkeypatch, tm
     out, _, _ = produced
     plotted = drawn_figures(monkeypatch, out / "summary.csv", fake_runs, tmp_path)
     smoke = plotted["niah_small_smoke_smollm2-135m_1k_bs128/titles"]  # the smoke run has task.limit=2
-    assert smoke[0] == "KeyDiff § (n=1)" and "§ subset run (task.limit)" in smoke[-1]
+    assert smoke[0] == "KeyDiff § (n=1 over 2 cells)" and "§ subset run (task.limit)" in smoke[-1]
     full = plotted[f"niah_fig6_niah_{LLAMA3B}_6k_bs128/titles"]
-    assert full[:2] == ["Full (n=1)", "KeyDiff (n=1)"] and not any("§" in t for t in full)
+    assert full[:2] == ["Full (n=1 over 4 cells)", "KeyDiff (n=1 over 4 cells)"] and not any("§" in t for t in full)
+    texts = plotted[f"niah_fig6_niah_{LLAMA3B}_6k_bs128/texts"][0]  # every cell says its value, not only a colour
+    assert texts and all(len(t) == 4 and t[1] == "." for t in texts)
+
+
+def test_generic_figures_keep_intervals_in_range_and_points_at_their_budget(mixed, monkeypatch):
+    """Every error bar of every score-vs-budget figure lies inside the score's range (0-1 recall, 0-100 LongBench:
+    never a 95 % bar above 1.0), every point sits at its budget's tick (no sideways offset on a numeric axis),
+    and the layout makes room for the axis labels."""
+    out, runs = mixed
+    plotted = drawn_figures(monkeypatch, out / "summary.csv", runs, out / "figures")
+    names = [k[: -len("/containers")] for k in plotted if k.endswith("/containers") and "__bs" in k]
+    assert names
+    checked = 0
+    for name in names:
+        task = name.split("__")[1]
+        low, high = metric_range("score", task)
+        for _, container in plotted[name + "/containers"]:
+            x, y = (np.asarray(v, dtype=float) for v in container.lines[0].get_data())
+            assert set(x) <= set(plotted[name + "/xticks"]), name  # drawn at the budget, not beside it
+            for segment in (container.lines[2][0].get_segments() if container.lines[2] else []):
+                if not len(segment):  # a point without an interval (fewer than 5 samples)
+                    continue
+                assert low <= segment[0][1] <= segment[1][1] <= high, (name, segment)
+                checked += 1
+        assert plotted[name + "/layout"] == "ConstrainedLayoutEngine"  # the x label is not cut off
+    assert checked
 
 
 def test_the_generic_figure_plots_the_full_run_with_its_interval(mixed, monkeypatch):
@@ -483,7 +517,7 @@ def test_the_generic_figure_plots_the_full_run_with_its_interval(mixed, monkeypa
     series = dict((round(y[0], 6), c) for y, c in plotted[name + "/containers"])
     assert set(series) == {0.864, 0.25}  # never 0.932
     bar = series[0.864].lines[2][0].get_segments()[0]  # the error bar of the full run's point
-    assert [round(v, 3) for v in (bar[0][1], bar[1][1])] == [0.864 - 0.169, 0.864 + 0.169]
+    assert [round(v, 3) for v in (bar[0][1], bar[1][1])] == [0.626, 0.960]  # the table's interval
     assert "§" in plotted[name + "/title"]
 
 
@@ -497,7 +531,7 @@ def test_table9_average_is_over_prompts(tmp_path):
     write_run(runs, "table11", "longbench_full", LLAMA3B, "keydiff", "2k", 128, metrics, rows)
     collect_results.collect(runs, tmp_path / "summary.csv")
     assert make_tables.compression(make_tables.load(tmp_path / "summary.csv"), tmp_path, registry.TABLES["table9"])
-    assert md_cell(tmp_path / "table9.md", ("Average",), "2K").startswith("0.30 ± n/a (n=3)")  # qasper: one prompt
+    assert md_cell(tmp_path / "table9.md", ("Average",), "2K").startswith("0.30 [n too small] (n=3)")  # 3 prompts
 
 
 def test_math500_baseline_is_the_whole_full_run_of_the_experiment(tmp_path):
@@ -538,7 +572,8 @@ def test_interval_arithmetic():
     assert seeds_se([0.3, 0.4]) == pytest.approx(0.35) and math.isnan(seeds_se([0.3, float("nan")]))  # same samples
     mean, se = grouped_mean_se([[1.0, 0.0], [1.0, 1.0, 1.0]], scale=100)  # datasets weigh equally, as averages do
     assert (mean, se) == (pytest.approx(75.0), pytest.approx(25.0))
-    assert format_estimate(0.5, 0.25, 2) == "0.500 ± 0.490 (n=2)" and format_estimate(0.5, float("nan"), 1) == "0.500 ± n/a (n=1)"
+    assert format_estimate(0.5, 0.25, 2) == "0.500 [n too small] (n=2)" and format_estimate(0.5, float("nan")) == "0.500 ± n/a"
+    assert format_estimate(9.0, 0.5, 6) == "9.000 ± 0.980 (n=6)"  # unbounded (a time): mean ± 1.96 SE
     # Seeds of one configuration repeat the same samples: values averaged, n per seed (not summed), the SE the
     # mean of the seeds' SEs (a bound for correlated estimates; not sqrt(2) narrower as for independent ones).
     from keydiff.report import generic as generic_tables
@@ -566,10 +601,13 @@ def test_two_seeds_of_the_same_samples_show_per_seed_n(tmp_path):
     md = tmp_path / "tables" / "generic" / "adhoc__niah_small.md"
     kd = ("smollm2-135m", "128", "keydiff")
     se = (standard_error(FULL_RECALLS) + standard_error(second)) / 2
-    assert md_cell(md, kd, "2k") == f"{(0.864 + 5 / 6) / 2:.3f} ± {1.959964 * se:.3f} (n=6)"  # not n=12
+    mean = (0.864 + 5 / 6) / 2
+    low, high = interval(mean, se, 6, (0.0, 1.0))  # the seeds' SE bound, n per seed
+    assert md_cell(md, kd, "2k") == f"{mean:.3f} [{low:.3f}, {high:.3f}] (n=6)"  # not n=12
     assert md_cell(md, kd + ("2k",), "seeds", table=1) == "2" and md_cell(md, kd + ("2k",), "n", table=1) == "6"
     # kept N/L and TTFT average samples: they carry their interval (seed 1 keeps 0.5 of every prompt: SE 0)
-    assert md_cell(md, kd + ("2k",), "kept N/L", table=1) == f"0.500 ± {1.959964 * standard_error(kept) / 2:.3f} (n=6)"
+    low, high = interval(0.5, standard_error(kept) / 2, 6, (0.0, 1.0))  # kept N/L lives in [0, 1]: Wilson
+    assert md_cell(md, kd + ("2k",), "kept N/L", table=1) == f"0.500 [{low:.3f}, {high:.3f}] (n=6)"
     assert md_cell(md, kd + ("2k",), "TTFT (s)", table=1) == "0.500 ± 0.000 (n=6)"
     assert md_cell(md, kd + ("2k",), "length", table=1) == "4096"  # a length prints as an integer
 
@@ -588,3 +626,22 @@ def test_standard_errors_are_collected_per_score(produced):
     kd = df[(df.experiment == "table11") & (df.policy == "keydiff") & (df.budget_label == "2k")].iloc[0]
     assert kd["se/lb/narrativeqa"] == pytest.approx(10.0)  # 100 x SE of 0.1, 0.3
     assert kd["se/cr/narrativeqa"] == pytest.approx(0.1) and pd.isna(kd["se/lb/qasper"])  # qasper: one sample
+
+
+def test_counts_take_the_right_number():
+    from keydiff.report.render import plural
+
+    assert [plural(1, "configuration"), plural(2, "configuration"), plural(0, "run")] == \
+        ["1 configuration", "2 configurations", "0 runs"]
+    assert [plural(1, "policy"), plural(3, "policy"), plural(2, "day"), plural(1.0, "paper cell")] == \
+        ["1 policy", "3 policies", "2 days", "1 paper cell"]
+
+
+def test_the_results_index_counts_one_run_in_the_singular(tmp_path):
+    from keydiff.report import index
+
+    summary = tmp_path / "summary.csv"
+    pd.DataFrame([{"experiment": "adhoc", "task": "niah_small", "complete": True, "limit": np.nan, "samples": 1,
+                   "num_failed": 0}]).to_csv(summary, index=False)
+    assert index.runs_line(summary).startswith(
+        "1 run in results/summary.csv (1 complete, 0 subset runs, 1 sample scored, 0 failed) over 1 experiment: adhoc")

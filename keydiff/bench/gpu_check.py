@@ -5,7 +5,7 @@ importable), on a tiny and a mid-size random Llama:
   full = forward   `full` block prefill (B = 64) gives the logits of one forward pass (within tolerance)
   N+B bound        every evicting policy: <= N entries after each block's eviction, peak <= N + B
   N >= L = full    every evicting policy with a budget covering the prompt gives full's logits
-  plain loop       a plain greedy loop, model(input_ids=token, past_key_values=state.cache) inside
+  plain loop       a plain greedy loop, model(input_ids=token, cache=state.cache) inside
                    keydiff.keydiff_attention(model, state.cache), yields keydiff.generate's tokens
                    (keydiff, sink, tova, snapkv). SKIP only while keydiff_attention takes no cache.
   stacked = per layer   the stacked cache (all layers evicted in one call) keeps the same entries and
@@ -156,7 +156,7 @@ def plain_greedy_loop(model, state, new_tokens: int) -> list[int]:
             tokens.append(int(token[0]))
             if step == new_tokens - 1:
                 break
-            output = model(input_ids=token[:, None], past_key_values=state.cache, use_cache=True)
+            output = model(input_ids=token[:, None], cache=state.cache, use_cache=True)
             token = output.logits[:, -1].argmax(-1)
     return tokens
 

@@ -19,6 +19,7 @@ check, the kept positions (parity: per layer, per KV head, sorted) or the timing
 from __future__ import annotations
 
 import gc
+import inspect
 import json
 import math
 import resource
@@ -60,6 +61,15 @@ KVPRESS_CALLS = ("pipeline", "readme")
 
 
 # ---------------------------------------------------------------------------------------------- shared
+def cache_argument(model, cache) -> dict[str, Any]:
+    """`{keyword: cache}` for a forward call. transformers 5.24 renamed the model argument `past_key_values` to
+    `cache` (the old name warns there, removal in 5.40); kvpress's environment pins transformers < 5.3, where
+    only `past_key_values` exists and a `cache=` would vanish into **kwargs (the model would build its own
+    cache). This side runs under both (tests run it in the project's environment), so it reads the keyword
+    off the model's forward signature. The project's own code requires >= 5.24 and passes `cache=`."""
+    return {"cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values": cache}
+
+
 def build_press(name: str, compression_ratio: float):
     """The kvpress press called `name` in PRESSES, with the compression ratio set on it (wrappers forward it)."""
     import kvpress
@@ -162,11 +172,11 @@ class KeptRecorder:
         self.kept: dict[int, list[list[int]]] = {}
 
     def before(self, module, args, kwargs, output):
-        cache = kwargs["past_key_values"]
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
         self.full[module.layer_idx] = cache.layers[module.layer_idx].keys[0].detach().clone()
 
     def after(self, module, args, kwargs, output):
-        cache = kwargs["past_key_values"]
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
         full = self.full.pop(module.layer_idx)
         masked = getattr(module, "masked_key_indices", None)
         if masked is not None:
@@ -204,7 +214,8 @@ def kvpress_parity(model, ids: torch.Tensor, spec: dict[str, Any]) -> dict[str, 
     try:
         with press(model):
             hooks += [layer.self_attn.register_forward_hook(recorder.after, with_kwargs=True) for layer in layers]
-            model.model(input_ids=ids, past_key_values=DynamicCache())  # as kvpress's pipeline: the base model
+            # as kvpress's pipeline: the base model
+            model.model(input_ids=ids, **cache_argument(model.model, DynamicCache()))
     finally:
         for hook in hooks:
             hook.remove()
@@ -230,9 +241,9 @@ def kvpress_generate(model, ids: torch.Tensor, spec: dict[str, Any]) -> dict[str
     start = time.perf_counter()
     with press(model):
         if call == "readme":
-            prompt_out = model(input_ids=ids, past_key_values=cache)
+            prompt_out = model(input_ids=ids, **cache_argument(model, cache))
         else:
-            prompt_out = model(input_ids=ids, past_key_values=cache, logits_to_keep=1)
+            prompt_out = model(input_ids=ids, **cache_argument(model, cache), logits_to_keep=1)
     sync(device)
     ttft = time.perf_counter() - start
     entries = cache.get_seq_length()
@@ -241,7 +252,8 @@ def kvpress_generate(model, ids: torch.Tensor, spec: dict[str, Any]) -> dict[str
     start = time.perf_counter()
     for step in range(spec["new_tokens"] - 1):
         position = torch.tensor([[length + step]], device=ids.device)
-        logits = model(input_ids=token, past_key_values=cache, position_ids=position, logits_to_keep=1).logits[:, -1]
+        logits = model(input_ids=token, **cache_argument(model, cache), position_ids=position,
+                       logits_to_keep=1).logits[:, -1]
         token = logits.argmax(-1, keepdim=True)
         tokens.append(token)
     sync(device)

@@ -1,9 +1,9 @@
 """A transformers Cache whose layers stay within a fixed token budget (paper Eq. 6), in preallocated buffers.
 
-`EvictingCache` is an ordinary `transformers.Cache` made of `EvictingLayer`s, so any model that takes
-`past_key_values` can use it unchanged, in any decoding loop:
+`EvictingCache` is an ordinary `transformers.Cache` made of `EvictingLayer`s, so any model that takes a
+cache (`cache=`; `past_key_values=` before transformers 5.24) can use it unchanged, in any decoding loop:
 
-    out = model(input_ids=next_ids, past_key_values=cache, use_cache=True)   # position_ids optional
+    out = model(input_ids=next_ids, cache=cache, use_cache=True)   # position_ids optional
 
 Nobody steers it from outside: it decides what to do from what it is given (the passes written into it,
 `evict()` after a pass, `start_generation(new_tokens, evict=...)` before decoding), keeps its own timings
@@ -298,7 +298,7 @@ class EvictingCache(Cache):
         return layer.update(key_states, value_states, position=self._pass_position if self.contiguous else None)
 
     def _refuse_prompt_fed_again(self, layer: EvictingLayer, value_states: torch.Tensor) -> None:
-        """Refuse the whole prompt fed a second time (what model.generate does when past_key_values covers all
+        """Refuse the whole prompt fed a second time (what model.generate does when its cache covers all
         of input_ids): a pass as long as the consumed prompt whose layer-0 values equal the kept entries' at
         their positions, i.e. the same tokens again. A follow-on chunk of other tokens, of any length, is fine."""
         q, seen = value_states.shape[-2], layer.seen
@@ -312,9 +312,9 @@ class EvictingCache(Cache):
         if float((again.float() - kept.float()).abs().max()) <= tolerance * float(scale):
             raise RuntimeError(
                 "this cache already holds the whole prompt, which is being fed again (what model.generate does when "
-                "past_key_values covers all of input_ids). Continue with keydiff.generate(model, state, ...), or "
+                "its cache covers all of input_ids). Continue with keydiff.generate(model, state, ...), or "
                 "prefill all but the last prompt token: state = keydiff.prefill(model, prompt[:, :-1], ...), then "
-                "model.generate(prompt, past_key_values=state.cache, ...)"
+                "model.generate(prompt, cache=state.cache, ...)"
             )
 
     def _split_stack(self, leaving: EvictingLayer) -> None:

@@ -38,7 +38,8 @@ import pandas as pd
 from keydiff.paper.registry import (COUNT_TOLERANCE, COUNTS, GEN_LENGTH, LLAMA_3B, PROMPT_BINS, RELATIVE_TOLERANCES,
                                     SUITE, TABLES, TOLERANCES, PaperTable, config_name)
 from keydiff.report.selection import select
-from keydiff.report.render import MARKS_LEGEND, NA, budget_tokens, combined_se, half_width, marks, tex_escape, trimmed
+from keydiff.report.render import (MARKS_LEGEND, MIN_INTERVAL_N, NA, TOO_FEW, budget_tokens, combined_se, interval, marks, plural,
+                                   tex_escape, trimmed)
 
 PAPER_DIR = Path(__file__).resolve().parents[2] / "results" / "paper"
 KEY = ["model", "policy", "budget", "block_size", "row", "column", "metric"]
@@ -328,10 +329,26 @@ def cell_marks(row) -> str:
     return marks(row["subset"], row["failed"], row["incomplete"])
 
 
+# The range of each compared metric's per-sample values (keydiff/report/render.py: Wilson inside a range);
+# the others (lengths, latencies, a rank correlation) get mean ± 1.96 SE where they have an SE.
+RANGES = {"score": (0.0, 100.0), "longbench_avg": (0.0, 100.0), "flex": (0.0, 1.0), "exact": (0.0, 1.0),
+          "compression_ratio": (0.0, 1.0), "accuracy": (0.0, 1.0), "recall_difference": (-1.0, 1.0)}
+
+
 def ours_text(row) -> str:
-    """Our value, its 95 % half-width where it has a standard error, and the marks: "10.5 ± 19.6§"."""
-    se = row.get("se", np.nan)
-    spread = f" ± {num(half_width(float(se)))}" if se is not None and pd.notna(se) else ""
+    """Our value, its 95 % interval where it has one, and the marks: "10.5 [2.1, 30.3]§"; "[n too small]"
+    below 5 samples."""
+    se, n = row.get("se", np.nan), row.get("n", np.nan)
+    bounds = RANGES.get(row["metric"])
+    if (se is None or pd.isna(se)) and (bounds is None or n is None or pd.isna(n)):
+        return num(row["value"]) + cell_marks(row)
+    span = interval(float(row["value"]), se, n, bounds)
+    if span is None:
+        spread = f" [{TOO_FEW}]" if not pd.isna(n) and float(n) < MIN_INTERVAL_N else ""
+    elif bounds is not None and not pd.isna(n) and bounds[0] <= row["value"] <= bounds[1]:
+        spread = f" [{num(span[0])}, {num(span[1])}]"
+    else:
+        spread = f" ± {num((span[1] - span[0]) / 2)}"
     return num(row["value"]) + spread + cell_marks(row)
 
 
@@ -339,26 +356,27 @@ num = trimmed  # our cells and the paper's: up to 3 decimals, trailing zeros dro
 
 
 def summary_line(name, stats, experiments) -> str:
-    parts = [f"{stats['cells']} of {stats['paper_cells']} paper cells compared (same model, complete whole-task runs)"]
+    parts = [f"{stats['cells']} of {plural(stats['paper_cells'], 'paper cell')} compared (same model, complete whole-task runs)"]
     if stats["cells"]:
         parts.append("mean abs. difference " + ", ".join(f"{m} {v:.3g}" for m, v in stats["mean_abs_diff"].items()))
         parts.append(f"{stats['outside']} outside tolerance")
     if stats["reference"]:
-        parts.append(f"{stats['reference']} cells of our models {', '.join(m for m in stats['our_models'] if m not in stats['paper_models'])} "
+        parts.append(f"{plural(stats['reference'], 'cell')} of our models {', '.join(m for m in stats['our_models'] if m not in stats['paper_models'])} "
                      f"shown next to the paper's values for another model, {', '.join(stats['reference_models']) or 'values'}, "
                      "for reference only (different model: no difference)")
     if pd.notna(stats["n_min"]):
         parts.append(f"samples per our cell: {num(stats['n_min'], 0)}-{num(stats['n_max'], 0)}")
     if stats["unmatched"]:
-        parts.append(f"{stats['unmatched']} of our cells have no paper value")
+        parts.append(f"{stats['unmatched']} of our cells have no paper value" if stats["unmatched"] != 1
+                     else "1 of our cells has no paper value")
     if stats["failed_cells"]:
-        parts.append(f"† {stats['failed_cells']} cells with failed samples (up to {int(stats['failed'])})")
+        parts.append(f"† {plural(stats['failed_cells'], 'cell')} with failed samples (up to {int(stats['failed'])})")
     if stats["subset_cells"]:
-        parts.append(f"§ {stats['subset_cells']} cells from subset runs (task.limit), shown but not counted")
+        parts.append(f"§ {plural(stats['subset_cells'], 'cell')} from subset runs (task.limit), shown but not counted")
     if stats["incomplete_cells"]:
-        parts.append(f"~ {stats['incomplete_cells']} cells from runs not complete, shown but not counted")
+        parts.append(f"~ {plural(stats['incomplete_cells'], 'cell')} from runs not complete, shown but not counted")
     if stats["garbled"]:
-        parts.append(f"{stats['garbled']} paper cells garbled in the extracted text (results/paper/README.md)")
+        parts.append(f"{plural(stats['garbled'], 'paper cell')} garbled in the extracted text (results/paper/README.md)")
     return "; ".join(parts) + "."
 
 
@@ -384,7 +402,8 @@ def write_comparison(name: str, table: int, merged: pd.DataFrame, stats: dict, e
     head = [f"**{name}_vs_paper**: ours next to the paper's Table {table} ({caption[:140]}{'...' if len(caption) > 140 else ''})",
             "", "Summary: " + summary_line(name, stats, experiments), "",
             f"Marks: {MARKS_LEGEND}; n = samples behind our cell; "
-            "± = half-width of our 95 % confidence interval over samples (docs/experiments.md, \"Uncertainty\"); "
+            "[low, high] = our 95 % confidence interval over samples (Wilson inside the score's range; ± half-width "
+            "for unbounded numbers; \"n too small\" below 5 samples; docs/experiments.md, \"Uncertainty\"); "
             "Δ = ours - paper; ! = outside the tolerance (keydiff/paper/registry.py).", ""]
     table_rows = []
     for _, row in merged.sort_values(["model", "policy", "budget", "block_size", "row", "column", "metric"]).iterrows():
@@ -413,7 +432,7 @@ def write_comparison(name: str, table: int, merged: pd.DataFrame, stats: dict, e
         lines += ["| " + " | ".join(map(str, r)) + " |" for r in wide.reset_index().itertuples(index=False)]
     commands = sorted({command(name, experiments, r) for _, r in stats["missing"].iterrows()})
     if commands:
-        lines += ["", f"To fill the {len(stats['missing'])} paper cells without a run of the same model:", ""]
+        lines += ["", f"To fill the {plural(len(stats['missing']), 'paper cell')} without a run of the same model:", ""]
         lines += [f"    {c}" for c in commands[:60]] + ([f"    ... and {len(commands) - 60} more"] if len(commands) > 60 else [])
     (out / f"{name}_vs_paper.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
     tex_caption = f"Ours vs the paper's Table {table}. " + summary_line(name, stats, experiments)

@@ -8,15 +8,15 @@
   leaderboard                         kvpress-style: average RULER score vs fraction of the prompt kept (kvpress's
                                       compression ratio on the top axis), one line per method, full cache dashed
   generic/<exp>__<task>__<model>__bs<B>  every experiment (adhoc included) and task: primary score vs
-                                      budget with 95 % error bars, one line (and marker) per policy, slightly
-                                      offset so equal scores stay visible, the full cache as a dashed line
+                                      budget with 95 % error bars, one line per policy at its true budget
+                                      (its own marker and line style), the full cache as a dashed line
                                       with its interval shaded; hollow markers and "§" = subset run
                                       (task.limit), n in the legend; a subset run is never averaged with
                                       the whole-task run of its configuration (generic.runs_of)
 
 Which experiments feed the paper figures: keydiff/paper/registry.py FIGURES; policy names: its DISPLAY_NAMES.
-Error bars (also on the TTFT figures) and intervals: keydiff/report/render.py. Heatmap panels name n and
-mark subset runs §.
+Error bars (also on the TTFT figures) and intervals: keydiff/report/render.py (inside a score's range; none
+below 5 samples). Heatmap cells carry their value, panels name the samples per cell and mark subset runs §.
 
 Every file is written as .png and .pdf, byte-reproducible (Agg backend, fixed style, metadata
 stripped): the same CSV gives the same sha256, so figures can be checked into a paper repository and
@@ -43,7 +43,7 @@ from keydiff.report import generic  # noqa: E402
 from keydiff.report import leaderboard as board  # noqa: E402
 from keydiff.report import index as results_index  # noqa: E402
 from keydiff.report.collect import add_results_arguments, ensure_summary, longbench_dataset, read_predictions, task_family  # noqa: E402
-from keydiff.report.render import NA, SUBSET, budget_ratio, budget_tokens, half_width  # noqa: E402
+from keydiff.report.render import NA, SUBSET, budget_ratio, budget_tokens, interval, metric_range  # noqa: E402
 from keydiff.report.selection import load, pick  # noqa: E402
 from keydiff.run.checks import ArgumentParser
 
@@ -60,13 +60,30 @@ def save(fig, out: Path, name: str) -> list[Path]:
 
 
 MARKERS = ["o", "s", "^", "D", "v", "P", "X", "*"]  # one per policy: overlapping series stay visible
-DODGE = 0.02  # horizontal offset between policies, as a fraction of the budget axis
+LINESTYLES = ["-", (0, (5, 2)), (0, (1, 1.5)), (0, (5, 2, 1, 2)), (0, (8, 2, 1, 2, 1, 2))]  # with the marker: a
+# policy's series is told apart by shape and dash, drawn at its true x (no sideways offset on a numeric axis)
 
 
-def errors(runs: pd.DataFrame, column: str) -> np.ndarray:
-    """Half-widths of the 95 % intervals of `column` (NaN: no interval, e.g. one sample)."""
+def style(i: int) -> dict:
+    """Marker and line style of the i-th series (7 markers x 5 dashes before a pair repeats)."""
+    return {"marker": MARKERS[i % len(MARKERS)], "linestyle": LINESTYLES[i % len(LINESTYLES)]}
+
+
+def bounds_of(runs: pd.DataFrame, column: str, bounds) -> list[tuple[float, float] | None]:
+    """The 95 % interval of `column` per run (render.interval: Wilson inside `bounds`, the metric's range;
+    None: no interval, fewer than 5 samples or no SE)."""
     se = runs[f"se/{column}"] if f"se/{column}" in runs.columns else pd.Series(np.nan, index=runs.index)
-    return np.asarray([half_width(float(v)) for v in se], dtype=float)
+    samples = runs["samples"] if "samples" in runs.columns else pd.Series(np.nan, index=runs.index)
+    return [interval(float(v), float(e), n, bounds) if pd.notna(v) else None
+            for v, e, n in zip(runs[column], se, samples)]
+
+
+def errors(runs: pd.DataFrame, column: str, bounds=None) -> np.ndarray:
+    """Error bars [2, k] (below, above) of the 95 % intervals of `column`; NaN where a run has none."""
+    spans = bounds_of(runs, column, bounds)
+    below = [v - s[0] if s else np.nan for v, s in zip(runs[column], spans)]
+    above = [s[1] - v if s else np.nan for v, s in zip(runs[column], spans)]
+    return np.asarray([below, above], dtype=float).reshape(2, len(runs))
 
 
 def subset_mark(run) -> str:
@@ -77,6 +94,12 @@ def subset_mark(run) -> str:
 
 def count(run) -> int:
     return int(run["samples"]) if pd.notna(run.get("samples")) else 0
+
+
+def per_cell(run, cells: int) -> str:
+    """Samples behind each heatmap cell: "n=1 per cell" (the run's n spread over its length x depth cells)."""
+    total = count(run)
+    return f"n={total // cells} per cell" if cells and total % cells == 0 else f"n={total} over {cells} cells"
 
 
 def usable(df, experiment):
@@ -102,10 +125,14 @@ def niah_heatmaps(df, out: Path) -> list[Path]:
                     depths = sorted({int(k[1]) for k in cells})
                     grid = np.array([[cells.get((str(l), str(d)), np.nan) for l in lengths] for d in depths])
                     image = ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto", interpolation="nearest")
+                    for (row, col), value in np.ndenumerate(grid):  # the number, not only a colour
+                        if value == value:
+                            ax.text(col, row, f"{value:.2f}", ha="center", va="center", fontsize=6,
+                                    color="black" if 0.25 < value < 0.85 else "white")
                     ax.set_xticks(range(len(lengths)), [f"{l / 1000:g}k" for l in lengths], rotation=90)
                     ax.set_yticks(range(len(depths)), [str(d) for d in depths])
                     mark = subset_mark(run)
-                    ax.set_title(f"{display_name(run['policy'])}{' ' + mark if mark else ''} (n={count(run)})")
+                    ax.set_title(f"{display_name(run['policy'])}{' ' + mark if mark else ''} ({per_cell(run, len(cells))})")
                     ax.set_xlabel("context length (tokens)")
                 axes[0][0].set_ylabel("needle depth (%)")
                 fig.colorbar(image, ax=list(axes[0]), label="needle recall")
@@ -129,7 +156,7 @@ def ttft(df, out: Path) -> list[Path]:
                 for i, (policy, line) in enumerate(mine[mine["block_size"] == block].groupby("policy")):
                     line = line.sort_values("budget")
                     ax.errorbar(line["budget"], line["mean_ttft_s"], yerr=errors(line, "mean_ttft_s"), capsize=2,
-                                marker=MARKERS[i % len(MARKERS)], label=f"{display_name(policy)}"
+                                **style(i), label=f"{display_name(policy)}"
                                 + ("".join(sorted({subset_mark(r) for _, r in line.iterrows()}))))
                 ax.set_title(f"B = {block}")
                 ax.set_xlabel("KV cache budget (tokens)")
@@ -171,11 +198,11 @@ def prompt_lengths(df, runs_root: Path, out: Path) -> list[Path]:
 
 def score_vs_budget(df, out: Path) -> list[Path]:
     """Score vs budget per policy for whatever ran (subset and incomplete runs included, and marked), with
-    95 % error bars. Configurations are those of the generic tables (generic.runs_of): a subset run
-    is never averaged with the whole-task run of its configuration. Policies get their own marker and a
-    small horizontal offset, so series with equal scores stay visible; the y axis starts at 0. Ratio budgets
-    ("r0.25") get a figure of their own ("...__ratio"), with the fraction of the prompt kept on the x axis;
-    the full cache's line is drawn in both."""
+    95 % error bars (render.interval: inside the score's range; none below 5 samples). Configurations are those
+    of the generic tables (generic.runs_of): a subset run is never averaged with the whole-task run of its
+    configuration. Each policy is drawn at its true budget with its own marker and line style, so series with
+    equal scores stay apart; the y axis starts at 0. Ratio budgets ("r0.25") get a figure of their own
+    ("...__ratio"), with the fraction of the prompt kept on the x axis; the full cache's line is drawn in both."""
     paths = []
     (out / "generic").mkdir(parents=True, exist_ok=True)
     runs = generic.runs_of(df)
@@ -184,48 +211,47 @@ def score_vs_budget(df, out: Path) -> list[Path]:
         full = group["budget_label"] == NA
         if is_ratio.any():
             name = f"{experiment}__{task}__{model}__bs{block}__ratio"
-            paths += score_figure(group[is_ratio | full], budget_ratio, "KV cache budget (fraction of the prompt kept; "
-                                  "policies offset sideways)", out, name, (experiment, task, model, block))
+            paths += score_figure(group[is_ratio | full], budget_ratio, "KV cache budget (fraction of the prompt kept)",
+                                  out, name, (experiment, task, model, block))
         if not is_ratio.any() or (~is_ratio & ~full).any():  # token budgets (or only the full cache) ran
-            paths += score_figure(group[~is_ratio], budget_tokens, "KV cache budget (tokens; policies offset sideways "
-                                  "to stay visible)", out, f"{experiment}__{task}__{model}__bs{block}",
-                                  (experiment, task, model, block))
+            paths += score_figure(group[~is_ratio], budget_tokens, "KV cache budget (tokens)", out,
+                                  f"{experiment}__{task}__{model}__bs{block}", (experiment, task, model, block))
     return paths
 
 
 def score_figure(group, position, xlabel: str, out: Path, name: str, key) -> list[Path]:
     """One score-vs-budget figure: `position` maps a budget label to its x (tokens, or the kept fraction)."""
     experiment, task, model, block = key
-    fig, ax = plt.subplots(figsize=(4.2, 2.8))
-    fig.subplots_adjust(left=0.14, right=0.97, bottom=0.16, top=0.9)  # fixed: no layout engine, fast
+    bounds = metric_range("score", task)
+    fig, ax = plt.subplots(figsize=(4.2, 2.8), layout="constrained")  # constrained: no label is cut off
     budgets = sorted({b for b in group["budget_label"] if b != NA}, key=budget_tokens)
     ticks = [position(b) for b in budgets]
     span = (max(ticks) - min(ticks)) if len(ticks) > 1 else max(ticks, default=1.0)
     lines = list(group[group["budget_label"] != NA].groupby("policy"))
     for i, (policy, line) in enumerate(lines):
         line = line.assign(tokens=line["budget_label"].map(position)).sort_values("tokens")
-        shift = DODGE * span * (i - (len(lines) - 1) / 2)
         n = sorted({int(v) for v in line["samples"].fillna(0)})
         marks = "".join(sorted({subset_mark(r) for _, r in line.iterrows()}))
-        drawn = ax.errorbar(line["tokens"] + shift, line["score"], yerr=errors(line, "score"), capsize=2,
-                            linewidth=1, marker=MARKERS[i % len(MARKERS)],
+        drawn = ax.errorbar(line["tokens"], line["score"], yerr=errors(line, "score", bounds), capsize=2,
+                            linewidth=1, **style(i),
                             label=f"{display_name(policy)}{' ' + marks if marks else ''} "
                                   f"(n={n[0]}{f'-{n[-1]}' if len(n) > 1 else ''} per budget)")
         partial = line[line["subset"] | line["incomplete"]]  # hollow markers: subset or unfinished points
-        ax.plot(partial["tokens"] + shift, partial["score"], linestyle="none", marker=MARKERS[i % len(MARKERS)],
+        ax.plot(partial["tokens"], partial["score"], linestyle="none", marker=style(i)["marker"],
                 color=drawn.lines[0].get_color(), markerfacecolor="white", zorder=3)
     for _, full in group[group["budget_label"] == NA].iterrows():
         ax.axhline(full["score"], color="black", linestyle="--", linewidth=0.8,
                    label=f"{display_name(full['policy'])}{subset_mark(full)} (n={count(full)})")
-        half = errors(pd.DataFrame([full]), "score")[0]
-        if np.isfinite(half):
-            ax.axhspan(full["score"] - half, full["score"] + half, color="black", alpha=0.08, linewidth=0)
+        band = bounds_of(pd.DataFrame([full]), "score", bounds)[0]
+        if band is not None:
+            ax.axhspan(band[0], band[1], color="black", alpha=0.08, linewidth=0)
     ax.set_xticks(ticks, budgets)
-    if len(ticks) == 1:  # one budget: a fixed window around it, or the offsets would fill the whole axis
+    if len(ticks) == 1:  # one budget: a fixed window around it
         ax.set_xlim(ticks[0] - 0.25 * span, ticks[0] + 0.25 * span)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(f"{generic.primary_metric(task)} (95 % CI)")
-    ax.set_ylim(bottom=min(0.0, float(np.nanmin(group["score"])) if group["score"].notna().any() else 0.0))
+    low = min(0.0, float(np.nanmin(group["score"])) if group["score"].notna().any() else 0.0)
+    ax.set_ylim(bottom=low, top=bounds[1] * 1.02 if bounds else None)
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=6)
@@ -236,13 +262,16 @@ def score_figure(group, position, xlabel: str, out: Path, name: str, key) -> lis
 
 def leaderboard(df, out: Path) -> list[Path]:
     """leaderboard.png/.pdf: average RULER score vs the fraction of the prompt kept (kvpress's compression ratio,
-    1 - kept, on the top axis), one line (colour and marker) per method with 95 % error bars, offset sideways
-    within half the smallest gap between ratios; the full cache a dashed line with its interval shaded. One
-    panel per (task, model, B); hollow markers and "§": subset or unfinished runs. The runs of the leaderboard
-    table (keydiff.report.leaderboard.runs)."""
+    1 - kept, on the top axis), one line per method at its true ratio, told apart by colour, marker and line
+    style, with 95 % error bars (Wilson inside 0-100 over the run's samples; none below 5); the full cache a
+    dashed line with its interval shaded. One panel per (task, model, B). Hollow markers: subset or unfinished
+    runs, and points averaged over fewer RULER tasks than the panel's most ("k/13" written beside them); a full
+    cache over fewer tasks is dotted and says "k/13 tasks". The runs of the leaderboard table
+    (keydiff.report.leaderboard.runs)."""
     selected = board.runs(df, registry.TABLES["leaderboard"])
     if selected.empty:
         return []
+    total = len(board.TASKS)
     panels = []
     for (task, model), mine in selected.groupby(["task", "model"], sort=True):
         evicting, full = mine[mine["budget_label"] != NA], mine[mine["budget_label"] == NA]
@@ -252,25 +281,35 @@ def leaderboard(df, out: Path) -> list[Path]:
     for ax, (task, model, block, evicting, full) in zip(axes[0], panels):
         ratios = sorted({float(r) for r in evicting["ratio"]})
         gap = min(np.diff(ratios), default=0.25)
+        most = int(max([*evicting["tasks_scored"], *full["tasks_scored"]], default=0))
         lines = sorted(evicting.groupby("policy"), key=lambda item: display_name(item[0]))
         for i, (policy, line) in enumerate(lines):
             line = line.sort_values("ratio")
-            shift = 0.5 * gap * ((i / (len(lines) - 1)) - 0.5) if len(lines) > 1 else 0.0
             n = sorted({int(v) for v in line["per_task"].fillna(0)})  # samples per RULER task
-            partial = line["subset"] | line["incomplete"]
-            drawn = ax.errorbar(line["ratio"] + shift, line["score"], yerr=errors(line, "score"), capsize=2,
-                                linewidth=1, marker=MARKERS[i % len(MARKERS)], markersize=4,
-                                label=f"{display_name(policy)}{' ' + SUBSET if partial.any() else ''} "
-                                      f"(n={n[0]}{f'-{n[-1]}' if len(n) > 1 else ''})")
-            ax.plot(line.loc[partial, "ratio"] + shift, line.loc[partial, "score"], linestyle="none", markersize=4,
-                    marker=MARKERS[i % len(MARKERS)], color=drawn.lines[0].get_color(), markerfacecolor="white", zorder=3)
+            fewer = line["tasks_scored"] < most
+            partial = line["subset"] | line["incomplete"] | fewer
+            tasks = f", {int(line['tasks_scored'].min())}/{total} tasks" if fewer.any() else ""
+            drawn = ax.errorbar(line["ratio"], line["score"], yerr=errors(line, "score", board.PERCENT), capsize=2,
+                                linewidth=1, markersize=4, **style(i),
+                                label=f"{display_name(policy)}{' ' + SUBSET if (line['subset'] | line['incomplete']).any() else ''} "
+                                      f"(n={n[0]}{f'-{n[-1]}' if len(n) > 1 else ''}{tasks})")
+            ax.plot(line.loc[partial, "ratio"], line.loc[partial, "score"], linestyle="none", markersize=4,
+                    marker=style(i)["marker"], color=drawn.lines[0].get_color(), markerfacecolor="white", zorder=3)
+            for _, point in line[fewer].iterrows():
+                ax.annotate(f"{int(point['tasks_scored'])}/{total}", (point["ratio"], point["score"]), fontsize=5,
+                            xytext=(3, 3), textcoords="offset points", color=drawn.lines[0].get_color())
         for _, run in full.iterrows():
             mark = subset_mark(run)
-            ax.axhline(run["score"], color="black", linestyle="--", linewidth=0.8,
-                       label=f"{display_name(run['policy'])}{' ' + mark if mark else ''} (n={int(run['per_task'])})")
-            half = errors(pd.DataFrame([run]), "score")[0]
-            if np.isfinite(half):
-                ax.axhspan(run["score"] - half, run["score"] + half, color="black", alpha=0.08, linewidth=0)
+            scored = int(run["tasks_scored"])
+            tasks = f", {scored}/{total} tasks" if scored < total else ""
+            ax.axhline(run["score"], color="black", linestyle=":" if scored < most else "--", linewidth=0.8,
+                       label=f"{display_name(run['policy'])}{' ' + mark if mark else ''} (n={int(run['per_task'])}{tasks})")
+            band = bounds_of(pd.DataFrame([run]), "score", board.PERCENT)[0]
+            if band is not None:
+                ax.axhspan(band[0], band[1], color="black", alpha=0.08, linewidth=0)
+            if scored < most:
+                ax.annotate(f"full cache: {scored}/{total} tasks", (1.0, run["score"]), xycoords=("axes fraction", "data"),
+                            ha="right", va="bottom", fontsize=6)
         if ratios:
             ax.set_xticks(ratios, [f"{r:g}" for r in ratios])
             ax.set_xlim(ratios[0] - 0.5 * gap, ratios[-1] + 0.5 * gap)

@@ -7,7 +7,7 @@ results/summary.csv counts, complete or not, subset or not, and says which it is
   <experiment>__<task>.md / .tex  in results/tables/generic/
     1. the task's primary score (named: needle_recall, average, ...) as policy x budget (rows: model, block
        size, policy; one column per budget, "--" = no budget, the full cache), each cell
-       "value ± 95 % half-width (n)" with n the samples scored (keydiff/report/render.py);
+       "value [95 % interval] (n)" with n the samples scored (keydiff/report/render.py);
     2. every configuration as a row with each top-level task metric (and LongBench's per-dataset scores),
        "kept N/L" (the mean fraction of the prompt kept, the paper's compression ratio) and TTFT, n,
        failed samples, task.limit and seeds.
@@ -31,13 +31,15 @@ import numpy as np
 import pandas as pd
 
 from keydiff.report.collect import PRIMARY, task_family
-from keydiff.report.render import NA, budget_tokens, count, decimals, format_estimate, latex, markdown_rows, marks
+from keydiff.report.render import (NA, budget_tokens, count, decimals, format_estimate, latex, markdown_rows, marks,
+                                   metric_range, plural)
 from keydiff.report.selection import average_seeds, whole_runs_first
 
 FIXED = {"Model", "B", "Policy", "Budget", "n", "failed", "limit", "seeds", "marks", "kept N/L", "TTFT (s)"}
 ID = ["experiment", "task", "model", "block_size", "policy", "budget_label"]
-LEGEND = ("value ± half-width of its 95 % confidence interval (1.96 standard errors over the samples; n/a: one "
-          "sample) (n = samples scored, per seed: seeds repeat the same samples); "
+LEGEND = ("value [95 % confidence interval] (Wilson score interval inside the score's range; ± half-width, 1.96 "
+          "standard errors, for times; \"n too small\": fewer than 5 samples) (n = samples scored, per seed: seeds "
+          "repeat the same samples); "
           "§ subset run (task.limit), shown only where no whole-task run of the "
           "same configuration exists; †k: k samples failed; ~ run not complete; -- budget = full cache (no eviction).")
 COUNT_METRICS = re.compile(r"^(n|n_.*|num_.*|.*_count|length)$")  # counts and lengths: printed as integers
@@ -72,7 +74,8 @@ def primary_metric(task: str) -> str:
 
 def estimate(run, column: str = "score") -> str:
     se = run.get(f"se/{column}", np.nan)
-    return format_estimate(run[column], np.nan if se is None else float(se), run["samples"] if pd.notna(run["samples"]) else 0)
+    return format_estimate(run[column], np.nan if se is None else float(se), run["samples"] if pd.notna(run["samples"]) else 0,
+                           bounds=metric_range(column, run["task"]))
 
 
 def run_marks(run) -> str:
@@ -162,10 +165,11 @@ def write_generic(df: pd.DataFrame, out: Path) -> list[dict]:
         matrix, every = score_matrix(group), run_rows(group)
         n_subset, n_failed = int(group["subset"].sum()), int(group["num_failed"].sum())
         n_hidden = int(group["superseded"].sum())
-        status = (f"{len(group)} configurations, {int(group['samples'].fillna(0).sum())} samples scored"
-                  + (f", {n_subset} subset runs (§)" if n_subset else "") + (f", {n_failed} failed samples (†)" if n_failed else "")
+        status = (f"{plural(len(group), 'configuration')}, {plural(group['samples'].fillna(0).sum(), 'sample')} scored"
+                  + (f", {plural(n_subset, 'subset run')} (§)" if n_subset else "")
+                  + (f", {plural(n_failed, 'failed sample')} (†)" if n_failed else "")
                   + (f", {int(group['incomplete'].sum())} not complete (~)" if group["incomplete"].any() else "")
-                  + (f", {n_hidden} subset runs not shown (their configuration has a whole-task run)" if n_hidden else ""))
+                  + (f", {plural(n_hidden, 'subset run')} not shown (their configuration has a whole-task run)" if n_hidden else ""))
         title = f"Experiment `{experiment}`, task `{task}`"
         metric = primary_metric(task)
         lines = [f"**{name}**: {title}: {status}.", "",

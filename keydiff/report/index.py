@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from keydiff.report.render import plural
+
 SECTIONS = [("paper", "Paper tables (from complete, whole-task runs of the paper's experiments)"),
             ("vs_paper", "Ours next to the paper (cell by cell; see results/paper/ for the paper's numbers)"),
             ("generic", "Every experiment and task (whatever ran, subset runs marked §)"),
@@ -38,9 +40,11 @@ def runs_line(summary: Path) -> str:
         return "results/summary.csv holds no runs yet."
     complete = df["complete"].astype(str).eq("True")
     failed = int(pd.to_numeric(df.get("num_failed", pd.Series(dtype=float)), errors="coerce").fillna(0).sum())
-    return (f"{len(df)} runs in results/summary.csv ({int(complete.sum())} complete, {int(df['limit'].notna().sum())} "
-            f"subset runs, {int(pd.to_numeric(df['samples'], errors='coerce').fillna(0).sum())} samples scored, "
-            f"{failed} failed) over {df['experiment'].nunique()} experiments: {', '.join(sorted(map(str, set(df['experiment']))))}.")
+    samples = int(pd.to_numeric(df["samples"], errors="coerce").fillna(0).sum())
+    return (f"{plural(len(df), 'run')} in results/summary.csv ({int(complete.sum())} complete, "
+            f"{plural(df['limit'].notna().sum(), 'subset run')}, {plural(samples, 'sample')} scored, "
+            f"{failed} failed) over {plural(df['experiment'].nunique(), 'experiment')}: "
+            f"{', '.join(sorted(map(str, set(df['experiment']))))}.")
 
 
 def write(root: Path, summary: Path) -> Path:

@@ -11,9 +11,10 @@ keydiff.report.figures draws results/figures/leaderboard.{png,pdf} from the same
 Table: one row per (task, model, B, method): the full cache first (its score in the column "1 (r=0)"), then
 the methods ranked by Avg. (mean over the kept ratios in the table, shown only when every ratio ran completely on
 the same tasks and samples; ties by name); one column
-per kept ratio, headed "kept (r=kvpress compression ratio)". Cells: RULER average x100 "value ± half-width
-(n=samples per task)" (95 % interval, keydiff/report/render.py; Avg.'s interval uses the mean of the ratios'
-standard errors, a bound, since every ratio scores the same samples). Marks: § subset run (task.limit), †k
+per kept ratio, headed "kept (r=kvpress compression ratio)". Cells: RULER average x100 "value [low, high]
+(n=samples per task)" (95 % Wilson interval inside 0-100 over all the samples behind the average,
+keydiff/report/render.py; Avg.'s uses the mean of the ratios' standard errors, a bound, since every ratio
+scores the same samples). Marks: § subset run (task.limit), †k
 failed samples, ~ run not complete, (k/13) tasks scored. Best method per column (within a task, model and B)
 is bold; the full cache is the reference, never bold. The CSV holds the same numbers, one row per run.
 Only ratio budgets enter the leaderboard (a token budget in these experiments is in the generic tables).
@@ -30,11 +31,12 @@ import numpy as np
 import pandas as pd
 
 from keydiff.paper.registry import PaperTable, display_name
-from keydiff.report.render import (INTERVAL_NOTE, NA, best_mask, budget_ratio, format_estimate, half_width, marks,
+from keydiff.report.render import (INTERVAL_NOTE, NA, best_mask, budget_ratio, format_estimate, interval, marks,
                                    seeds_se, trimmed, write_table)
 from keydiff.report.ruler import TASKS
 from keydiff.report.selection import select
 
+PERCENT = (0.0, 100.0)  # a RULER average x100: its interval stays inside
 FULL_COLUMN = "1 (r=0)"  # the full cache keeps the whole prompt: kvpress's no_press, compression ratio 0
 AVERAGE = "Avg."
 
@@ -81,9 +83,11 @@ def runs(df: pd.DataFrame, table: PaperTable) -> pd.DataFrame:
 
 
 def cell(run) -> str:
-    """"61.54 ± 3.21 (n=5)§ (11/13)": the score, its interval, samples per task and the run's marks."""
+    """"61.54 [52.10, 70.20] (n=5)§ (11/13)": the score, its 95 % interval over all the samples behind the
+    average, samples per task and the run's marks."""
     se = run.get("se/score", np.nan)
-    text = format_estimate(float(run["score"]), float(se) if pd.notna(se) else math.nan, run["per_task"], precision=2)
+    text = format_estimate(float(run["score"]), float(se) if pd.notna(se) else math.nan, run["samples"], precision=2,
+                           bounds=PERCENT, shown_n=run["per_task"])
     text += marks(run["subset"], run["num_failed"], run["incomplete"])
     return text + ("" if int(run["tasks_scored"]) == len(TASKS) else f" ({int(run['tasks_scored'])}/{len(TASKS)})")
 
@@ -119,7 +123,9 @@ def layout(selected: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
                 average = float(np.mean(scores)) if averageable(by_ratio, ratios) else np.nan
                 ses = [by_ratio[r].get("se/score", np.nan) if r in by_ratio else np.nan for r in ratios]
                 text = [cell(by_ratio[r]) if r in by_ratio else NA for r in ratios]
-                text.append(NA if np.isnan(average) else format_estimate(average, seeds_se(ses), precision=2)
+                samples = min(float(r["samples"]) for r in by_ratio.values()) if by_ratio else math.nan
+                text.append(NA if np.isnan(average) else format_estimate(average, seeds_se(ses), samples, 2, PERCENT,
+                                                                         shown_n=None)
                             + marks(any(bool(r["subset"]) for r in by_ratio.values()), 0, False))
                 ranked.append((-average if not np.isnan(average) else math.inf, display_name(policy),
                                scores + [average, np.nan], text + [NA]))
@@ -144,11 +150,17 @@ def tidy(selected: pd.DataFrame) -> pd.DataFrame:
         "task": selected["task"], "model": selected["model"], "block_size": selected["block_size"],
         "policy": selected["policy"], "method": selected["policy"].map(display_name),
         "budget": selected["budget_label"], "kept_ratio": ratio, "kvpress_compression_ratio": 1 - ratio,
-        "ruler_average": selected["score"], "se": se, "ci95_half_width": se.map(lambda v: half_width(float(v))),
+        "ruler_average": selected["score"], "se": se, **ci95(selected, se),
         "samples_per_task": selected["per_task"], "samples": selected["samples"], "tasks_scored": selected["tasks_scored"],
         "subset": selected["subset"], "failed": selected["num_failed"].astype(int), "incomplete": selected["incomplete"],
     })
     return frame.sort_values(["task", "model", "block_size", "policy", "kept_ratio"], kind="stable")
+
+
+def ci95(selected: pd.DataFrame, se: pd.Series) -> dict[str, list[float]]:
+    """The CSV's 95 % interval columns (render.interval: Wilson inside 0-100 over the run's samples; NaN below 5)."""
+    bounds = [interval(float(v), float(e), n, PERCENT) for v, e, n in zip(selected["score"], se, selected["samples"])]
+    return {"ci95_low": [b[0] if b else np.nan for b in bounds], "ci95_high": [b[1] if b else np.nan for b in bounds]}
 
 
 def write(df: pd.DataFrame, out: Path, table: PaperTable) -> bool:

@@ -19,9 +19,16 @@ Definitions (documented once, in docs/experiments.md, "Uncertainty"):
                              (task data is fixed by task.seed, most tasks decode greedily), so the seeds
                              score the same samples, and the SE of an average of correlated estimates is
                              at most the mean of their SEs (a conservative bound, not sqrt(k) narrower)
-  95 % interval              mean +- 1.96 SE (normal approximation); shown as "value ± half-width"
-A single sample has no SE (NaN, shown "± n/a"); all samples equal give SE 0: n is always printed beside
-the interval, because with n = 2 an interval of 0 says little.
+  95 % interval, bounded      a score in [lo, hi] (every task score, kept N/L: `metric_range`): the Wilson
+                             score interval of p = (mean - lo) / (hi - lo) at the effective sample size
+                             n_eff = p(1 - p) / SE^2 (about n for 0/1 outcomes; larger for graded scores that
+                             spread less), mapped back. Where the SE is 0 or unknown, n_eff = n: the interval of
+                             the widest-spread score with that mean (a [0, 1] score has variance <= p(1 - p)).
+                             Away from the bounds it is close to mean +- 1.96 SE; near them it stays inside the
+                             range and does not shrink to a point. Shown as "value [low, high]"
+  95 % interval, unbounded   mean +- 1.96 SE (times, token counts); shown as "value ± half-width"
+  n < 5                      no interval ("[n too small]"): neither approximation means anything there
+A single sample has no SE (shown "± n/a" where no n is known); n is always printed beside the interval.
 """
 
 from __future__ import annotations
@@ -80,16 +87,70 @@ def half_width(se: float) -> float:
     return Z95 * se
 
 
-def interval(mean: float, se: float) -> tuple[float, float]:
-    return mean - Z95 * se, mean + Z95 * se
+MIN_INTERVAL_N = 5  # fewer samples: no interval is shown ("n too small")
+TOO_FEW = "n too small"
+UNBOUNDED = re.compile(r"ttft|_s$|tokens|length$|(^|/)n$|count|bytes|entries")  # times, lengths, counts
+PERCENT_FAMILIES = ("longbench", "ruler")  # their scores are 0-100 (round(100 * mean, 2), as the official scorers)
 
 
-def format_estimate(mean: float, se: float, n: int | float | None = None, precision: int = 3) -> str:
-    """"0.864 ± 0.094 (n=6)": the value, the 95 % half-width ("n/a" without an SE) and the samples behind it."""
+def metric_range(column: str, task: str = "") -> tuple[float, float] | None:
+    """The range a metric's per-sample values live in: (0, 100) for LongBench's and RULER's scores, (0, 1) for
+    every other score and for kept N/L; None for times, lengths and counts (no bound above)."""
+    if UNBOUNDED.search(column):
+        return None
+    percent = str(task).startswith(PERCENT_FAMILIES) and (
+        column in ("score", "metrics/average") or column.startswith(("lb/", "metrics/datasets/", "metrics/tasks/")))
+    return (0.0, 100.0) if percent else (0.0, 1.0)
+
+
+def missing_number(value) -> bool:
+    return value is None or (not isinstance(value, str) and bool(pd.isna(value)))
+
+
+def wilson(p: float, n: float) -> tuple[float, float]:
+    """Wilson score 95 % interval of a proportion p observed over n trials; inside [0, 1]."""
+    z2 = Z95 * Z95
+    centre = (p + z2 / (2 * n)) / (1 + z2 / n)
+    half = Z95 / (1 + z2 / n) * math.sqrt(max(p * (1 - p), 0.0) / n + z2 / (4 * n * n))
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def interval(mean: float, se: float, n=None, bounds: tuple[float, float] | None = None) -> tuple[float, float] | None:
+    """The 95 % interval of a mean (docstring above): Wilson inside `bounds`, else mean +- 1.96 SE; None when
+    there is none (n < MIN_INTERVAL_N, or no SE for an unbounded metric)."""
+    if not missing_number(n) and float(n) < MIN_INTERVAL_N:
+        return None
+    if bounds is not None and not missing_number(n) and bounds[0] <= mean <= bounds[1]:
+        low, high = bounds
+        p = (mean - low) / (high - low)
+        spread = math.nan if missing_number(se) else float(se) / (high - low)
+        effective = p * (1 - p) / spread ** 2 if spread > 0 and 0 < p < 1 else float(n)
+        lo, hi = wilson(p, effective)
+        return low + (high - low) * lo, low + (high - low) * hi
+    if missing_number(se):
+        return None
+    return mean - Z95 * float(se), mean + Z95 * float(se)
+
+
+SAME = object()  # format_estimate's shown_n default: print the n the interval uses
+
+
+def format_estimate(mean: float, se: float, n: int | float | None = None, precision: int = 3,
+                    bounds: tuple[float, float] | None = None, shown_n=SAME) -> str:
+    """The value, its 95 % interval and the samples behind it: "0.864 [0.509, 0.972] (n=6)" for a bounded
+    score, "9.874 ± 1.829 (n=6)" for a time, "1.000 [n too small] (n=2)" below 5 samples ("± n/a": no SE).
+    `shown_n`: the n printed when it is not the interval's (samples per task beside an average over tasks;
+    None: none printed)."""
     if mean is None or (isinstance(mean, float) and math.isnan(mean)):
         return NA
-    spread = "n/a" if se is None or math.isnan(float(se)) else f"{half_width(float(se)):.{precision}f}"
-    count = "" if n is None or (isinstance(n, float) and math.isnan(n)) else f" (n={int(n)})"
+    shown = n if shown_n is SAME else shown_n
+    count = "" if missing_number(shown) else f" (n={int(shown)})"
+    if not missing_number(n) and float(n) < MIN_INTERVAL_N:
+        return f"{mean:.{precision}f} [{TOO_FEW}]{count}"
+    if bounds is not None and not missing_number(n) and bounds[0] <= mean <= bounds[1]:
+        lo, hi = interval(mean, se, n, bounds)
+        return f"{mean:.{precision}f} [{lo:.{precision}f}, {hi:.{precision}f}]{count}"
+    spread = "n/a" if missing_number(se) else f"{half_width(float(se)):.{precision}f}"
     return f"{mean:.{precision}f} ± {spread}{count}"
 
 
@@ -116,6 +177,17 @@ def trimmed(value, digits: int = 3) -> str:
         return NA
     text = f"{value:.{digits}f}"
     return text.rstrip("0").rstrip(".") if "." in text else text
+
+
+def plural(n, noun: str, many: str | None = None) -> str:
+    """"1 configuration", "2 configurations", "1 policy": a count with its noun in the right number
+    (`many`: an irregular plural; default noun + "s", or "ies" for a consonant + "y")."""
+    n = int(n)
+    if n == 1:
+        return f"1 {noun}"
+    if many is None:
+        many = noun[:-1] + "ies" if noun.endswith("y") and noun[-2:-1] not in "aeiou" else noun + "s"
+    return f"{n} {many}"
 
 
 def count(value) -> str:
@@ -159,8 +231,9 @@ def budget_tokens(label) -> float:
 # ----------------------------------------------------------------------------- Markdown and LaTeX
 TEX_SPECIAL = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_",
                "{": r"\{", "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}"}
-INTERVAL_NOTE = ("Cells: value ± half-width of the 95 % confidence interval over samples (1.96 standard errors; "
-                 "averages over datasets combine the datasets' errors; docs/experiments.md, \"Uncertainty\"), n = samples.")
+INTERVAL_NOTE = ("Cells: value [95 % confidence interval] over samples (Wilson score interval inside the score's "
+                 "range; \"± half-width\" (1.96 standard errors) for unbounded numbers; no interval below 5 samples: "
+                 "\"n too small\"; docs/experiments.md, \"Uncertainty\"), n = samples.")
 
 
 def tex_escape(text: str) -> str:
@@ -188,25 +261,27 @@ def best_mask(table: pd.DataFrame, groups: list[str] | None, columns, exclude_fu
     return mask
 
 
-def with_intervals(table: pd.DataFrame, se: pd.DataFrame, n: pd.DataFrame, precision: int) -> pd.DataFrame:
-    """The cells as text "value ± half-width (n=...)" (format_estimate); `se` and `n` have the table's
-    shape (NaN where unknown)."""
+def with_intervals(table: pd.DataFrame, se: pd.DataFrame, n: pd.DataFrame, precision: int,
+                   bounds: tuple[float, float] | None = None) -> pd.DataFrame:
+    """The cells as text "value [low, high] (n=...)" (format_estimate; `bounds`: the range of every cell's
+    metric, None if unbounded); `se` and `n` have the table's shape (NaN where unknown)."""
     text = table.astype(object).copy()
     for i in range(table.shape[0]):
         for j in range(table.shape[1]):
             value = table.iat[i, j]
-            text.iat[i, j] = NA if pd.isna(value) else format_estimate(float(value), float(se.iat[i, j]), n.iat[i, j], precision)
+            text.iat[i, j] = NA if pd.isna(value) else format_estimate(float(value), float(se.iat[i, j]), n.iat[i, j],
+                                                                        precision, bounds)
     return text
 
 
 def write_table(table: pd.DataFrame, mask: pd.DataFrame | None, out: Path, name: str, caption: str, precision=2,
-                se: pd.DataFrame | None = None, n: pd.DataFrame | None = None):
+                se: pd.DataFrame | None = None, n: pd.DataFrame | None = None, bounds: tuple[float, float] | None = None):
     """`name`.tex (booktabs, \\textbf on the mask) and `name`.md (**bold**), same numbers in both. With `se`
-    (and `n`), every cell shows its 95 % interval and sample count."""
+    (and `n`), every cell shows its 95 % interval (inside `bounds`, the metric's range) and sample count."""
     mask = mask if mask is not None else pd.DataFrame(False, index=table.index, columns=table.columns)
     if se is not None:
         n = n if n is not None else pd.DataFrame(np.nan, index=table.index, columns=table.columns)
-        table = with_intervals(table, se, n, precision)
+        table = with_intervals(table, se, n, precision, bounds)
         caption = f"{caption} {INTERVAL_NOTE}"
     css = pd.DataFrame(np.where(mask, "textbf:--rwrap;", ""), index=table.index, columns=table.columns)
     styler = table.style.format(precision=precision, na_rep=NA, escape="latex").format_index(escape="latex", axis=0)

@@ -1,9 +1,9 @@
 """RULER results table: one row per run (model x policy x budget x block size x length), one column per
 task with its score (RULER's per-task string match, x100), and the average over the tasks, as in the
-kvpress leaderboard (which plots that average per compression ratio). Each score reads "value ± h": h the
-half-width of its 95 % interval, from the standard errors keydiff.report.collect computes from predictions.jsonl
-(the same function: per task over its samples, the average's combined over the tasks, short samples left
-out as from the scores; keydiff/report/render.py); "± n/a" without per-sample rows (or with one sample).
+kvpress leaderboard (which plots that average per compression ratio). Each score reads "value [low, high]": its
+95 % Wilson interval inside 0-100 (keydiff/report/render.py), from the task's samples and the standard errors
+keydiff.report.collect computes from predictions.jsonl (the same function: per task over its samples, the
+average's combined over the tasks, short samples left out as from the scores); "[n too small]" below 5 samples.
 
 Reads every ``summary.json`` under the runs folder whose task is RULER (keydiff.tasks.ruler) and writes
 ``ruler.md`` and ``ruler.csv`` to the output folder. Marks: ``§`` a subset run (``task.limit`` set; the
@@ -65,6 +65,8 @@ def ruler_rows(runs: Path) -> pd.DataFrame:
             "block_size": summary.get("block_size"),
             "length": cfg["task"]["length"],
             "n": "/".join(map(str, counts)),
+            **{f"n/{task}": (metrics.get("n") or {}).get(task) for task in TASKS},
+            "samples": sum((metrics.get("n") or {}).values()),
             **{task: scores.get(task) for task in TASKS},
             "avg": metrics.get("average"),
             **{f"se/{task}": se.get(f"se/metrics/tasks/{task}") for task in TASKS},
@@ -98,8 +100,10 @@ def to_markdown(df: pd.DataFrame) -> str:
             value = row[column]
             if column in TASKS or column == "avg":
                 error = row[f"se/{column}"]
+                n = row["samples"] if column == "avg" else row[f"n/{column}"]
                 text = "–" if missing(value) else format_estimate(
-                    value, float("nan") if error is None or pd.isna(error) else float(error), precision=2)
+                    value, float("nan") if error is None or pd.isna(error) else float(error), n, 2, (0.0, 100.0),
+                    shown_n=None)
                 if column in TASKS and short.get(column):
                     text += f"↓{short[column]}"
                 if column == "avg" and text != "–":
@@ -114,8 +118,8 @@ def to_markdown(df: pd.DataFrame) -> str:
         if row["not_comparable"] and row["not_comparable"] not in reasons:
             reasons.append(row["not_comparable"])
     notes = ("\nScores: RULER string_match_all (qa: string_match_part) x100 per task; avg = mean over the tasks scored; "
-             "± half-width of the 95 % confidence interval (1.96 standard errors over the samples; avg: the tasks' "
-             "combined; n/a: no per-sample rows or one sample). § subset run (task.limit; n = samples per task), †k failed samples, ↓k samples below 95 % of the length "
+             "[95 % confidence interval] (Wilson inside 0-100; avg: from the tasks' combined standard errors; "
+             "\"n too small\": fewer than 5 samples). § subset run (task.limit; n = samples per task), †k failed samples, ↓k samples below 95 % of the length "
              "(left out of the score), ‡ not comparable to published RULER numbers, (k/13) tasks scored.\n")
     if reasons:
         notes += "‡: " + " | ".join(reasons) + "\n"

@@ -6,8 +6,8 @@ printing anything. Only complete runs of the whole task (no task.limit) count, e
 then the experiments listed with it (Table 1 is a column subset of Table 11, the full rows come from
 the *_full experiments, ...); seeds of the same configuration are averaged. Best eviction method per
 column (within a model / budget group) is bold; the eviction-free rows are references, never bold.
-Every cell that averages samples reads "value ± half-width (n=...)": the 95 % interval over samples
-(keydiff/report/render.py, from the se/<column> standard errors of summary.csv; LongBench cells are
+Every cell that averages samples reads "value [low, high] (n=...)": the 95 % interval over samples, inside
+the score's range (keydiff/report/render.py, from the se/<column> standard errors of summary.csv; LongBench cells are
 per-dataset, their average combines the datasets' errors). Table 18 and the heatmaps hold one sample per
 cell, Table 8 counts prompts: no interval there.
 
@@ -36,8 +36,10 @@ from keydiff.report import index as results_index
 from keydiff.report.collect import add_results_arguments, ensure_summary
 from keydiff.report.selection import load, select
 from keydiff.report.render import (INTERVAL_NOTE, NA, best_mask, budget_tokens, combined_se, format_estimate,
-                                   marks, with_intervals, write_table)
+                                   marks, metric_range, plural, with_intervals, write_table)
 from keydiff.run.checks import ArgumentParser
+
+UNIT, PERCENT = (0.0, 1.0), (0.0, 100.0)  # the range of a score: 0-1, or LongBench's 0-100
 
 PAPER_DIR = compare.PAPER_DIR
 
@@ -72,7 +74,8 @@ def longbench(df, out, table: PaperTable) -> bool:
     frame = pd.DataFrame([v for _, v in rows], index=index, columns=columns)
     groups = ["Model", *(["B"] if by_block else []), "Budget"]
     write_table(frame, best_mask(frame, groups, frame.columns), out, table.name, table.caption,
-                se=pd.DataFrame(errors, index=index, columns=columns), n=pd.DataFrame(counts, index=index, columns=columns))
+                se=pd.DataFrame(errors, index=index, columns=columns), n=pd.DataFrame(counts, index=index, columns=columns),
+                bounds=PERCENT)
     return True
 
 
@@ -95,7 +98,7 @@ def ablation(df, out, table: PaperTable) -> bool:
         shaped[values] = frame
     frame = shaped["avg"]
     write_table(frame, best_mask(frame, None, frame.columns), out, table.name, table.caption, se=shaped["avg_se"],
-                n=shaped["samples"])
+                n=shaped["samples"], bounds=PERCENT)
     return True
 
 
@@ -133,7 +136,7 @@ def compression(df, out, table: PaperTable) -> bool:
         part.index = pd.Index([LONGBENCH.get(d, d) for d in part.index], name="Dataset")
         part.columns = [c.upper() for c in part.columns]
     write_table(frame, None, out, table.name, f"{table.caption} ({model} prompts): "
-                "the fraction of the prompt the cache keeps (kept N/L).", se=se, n=n)
+                "the fraction of the prompt the cache keeps (kept N/L).", se=se, n=n, bounds=UNIT)
     return True
 
 
@@ -188,7 +191,7 @@ def math500(df, out, table: PaperTable) -> bool:
     frame["Avg. Gen. Length"] = frame["Avg. Gen. Length"].round()
     mask = best_mask(frame, ["Max Gen. Length", "Budget"], ["Flex Match", "Exact Match"])
     text = with_intervals(frame[columns[:2]], se[columns[:2]], pd.DataFrame([c for *_, c in rows], index=index,
-                                                                           columns=columns)[columns[:2]], 3)
+                                                                           columns=columns)[columns[:2]], 3, UNIT)
     text["Avg. Gen. Length"] = frame["Avg. Gen. Length"].map(lambda v: NA if pd.isna(v) else str(int(v)))
     write_table(text, mask, out, table.name, f"{table.caption} {INTERVAL_NOTE}", 3)
     return True
@@ -219,7 +222,7 @@ def math500_subsets(df, out, table: PaperTable) -> bool:
     se = pd.DataFrame([r[2] for r in rows], index=index, columns=frame.columns).astype(float)
     n = pd.DataFrame([[r[3]] * 2 for r in rows], index=index, columns=frame.columns)
     write_table(frame, best_mask(frame, ["Max Gen. Length", "Subset"], frame.columns), out, table.name,
-                table.caption, 3, se=se, n=n)
+                table.caption, 3, se=se, n=n, bounds=UNIT)
     return True
 
 
@@ -238,7 +241,7 @@ def phonebook(df, out, table: PaperTable) -> bool:
 
     frame = shaped("metrics/by_size/{}/exact")
     write_table(frame, best_mask(frame, None, frame.columns), out, table.name, table.caption, 1,
-                se=shaped("se/metrics/by_size/{}/exact"), n=shaped("metrics/by_size/{}/n"))
+                se=shaped("se/metrics/by_size/{}/exact"), n=shaped("metrics/by_size/{}/n"), bounds=UNIT)
     return True
 
 
@@ -268,8 +271,8 @@ def smoke(df, out, table: PaperTable) -> bool:
     frame.index.names = ["Task", "Model", "Method", "Budget", "B"]
     mask = best_mask(frame, None, [cols["score"]], exclude_full=False)
     subset = [marks(pd.notna(limit), 0, False) for limit in runs["limit"]]
-    frame[cols["score"]] = [format_estimate(v, e, n, 3) + m
-                            for v, e, n, m in zip(runs["score"], runs["se/score"], runs["samples"], subset)]
+    frame[cols["score"]] = [format_estimate(v, e, n, 3, metric_range("score", task)) + m
+                            for v, e, n, m, task in zip(runs["score"], runs["se/score"], runs["samples"], subset, runs["task"])]
     write_table(frame, mask, out, table.name, f"{table.caption} (§: task.limit applies: not paper numbers). "
                 f"{INTERVAL_NOTE} Kept N/L: mean fraction of the prompt kept, min(N / L, 1) (the paper's compression ratio).", 3)
     return True
@@ -289,12 +292,21 @@ def placeholder(out: Path, name: str, experiments: list[str]) -> None:
     (out / f"{name}.tex").write_text(f"% {name}: no results yet. Run: " + "; ".join(commands) + "\n", encoding="utf-8")
 
 
+def skipped_line(empty: list[str], uncompared: list[str]) -> str:
+    """What had nothing to show, in one line (each placeholder file says what to run)."""
+    if not empty and not uncompared:
+        return "every paper table has results"
+    parts = [f"no results yet for {plural(len(empty), 'paper table')} ({', '.join(empty)})"] if empty else []
+    parts += [f"no paper cell compared in {plural(len(uncompared), 'comparison')}"] if uncompared else []
+    return "; ".join(parts) + " (each table's .md says what to run)"
+
+
 def main(summary: Path, out: Path, paper: Path = PAPER_DIR, index: Path | None = None) -> list[str]:
     """Paper tables, ours-vs-paper comparisons and generic per-experiment tables; then results/README.md
     (`index`, default: the README beside `out`) is regenerated. Returns the names of the tables with data."""
     df = load(summary)
     out.mkdir(parents=True, exist_ok=True)
-    written, entries = [], []
+    written, entries, empty, uncompared = [], [], [], []
     for name, table in TABLES.items():
         experiments = list(table.run)
         if not df.empty and BUILDERS[table.kind](df, out, table):
@@ -302,13 +314,17 @@ def main(summary: Path, out: Path, paper: Path = PAPER_DIR, index: Path | None =
             print(f"{name}: {out / name}.tex, .md")
         else:
             placeholder(out, name, experiments)
-            print(f"no results for {name} (run: " + "; ".join(f"python run.py experiment={e}" for e in experiments) + ")")
+            empty.append(name)
         entries.append({"kind": "paper", "name": name, "path": f"tables/{name}.md", "experiments": experiments,
                         "status": "written" if name in written else "no data yet"})
     for item in compare.write_all(df, out, paper):
         entries.append({"kind": "vs_paper", "name": item["name"], "path": f"tables/{item['name']}.md",
                         "experiments": item["experiments"], "status": item["summary"]})
-        print(f"{item['name']}: {item['cells']} of {item['paper_cells']} paper cells compared")
+        if item["cells"]:
+            print(f"{item['name']}: {item['cells']} of {plural(item['paper_cells'], 'paper cell')} compared")
+        else:
+            uncompared.append(item["name"])
+    print(skipped_line(empty, uncompared))
     for item in generic.write_generic(df, out / "generic"):
         written.append(f"generic/{item['name']}")
         entries.append({"kind": "generic", "name": item["name"], "path": f"tables/{item['path']}",

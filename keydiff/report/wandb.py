@@ -42,7 +42,7 @@ from omegaconf import OmegaConf
 from keydiff.config import budget_label
 from keydiff.paper.reference import paper_values, read_tables
 from keydiff.paper.registry import table_numbers
-from keydiff.report.render import budget_tokens
+from keydiff.report.render import budget_tokens, plural
 from keydiff.run.checks import ArgumentParser
 from keydiff.run.results import is_moved_aside
 from keydiff.run.shards import is_shard_dir
@@ -332,7 +332,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.publish:
             report.save()
             saved = f"; saved: {report.url}"
-        print(f"{grid.name}: {panels} panels, {len(grid.policies)} policies, {grid.runs} run(s) -> {path}{saved}")
+        print(f"{grid.name}: {plural(panels, 'panel')}, {plural(len(grid.policies), 'policy')}, {plural(grid.runs, 'run')} "
+              f"-> {path}{saved}")
     return 0
 
 
