@@ -230,7 +230,7 @@ def generate_batch(
                 positions = torch.tensor([[slot.cache.get_seq_length()] for slot in going], dtype=torch.long,
                                          device=device)
                 batch.rows = [slot.cache for slot in going]
-                output = model(input_ids=ids, position_ids=positions, past_key_values=batch, use_cache=True,
+                output = model(input_ids=ids, position_ids=positions, cache=batch, use_cache=True,
                                logits_to_keep=1)
                 batch.evict()
                 logits = output.logits[:, -1, :].float()

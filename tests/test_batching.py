@@ -153,7 +153,7 @@ def test_batch_cache_refuses_the_models_own_attention(model):
     batch = keydiff.BatchCache(3)
     batch.rows = [prefill(model, prompts()[0], "keydiff", BUDGET, BLOCK).cache]
     with pytest.raises(RuntimeError, match="keydiff_attention"):
-        model(input_ids=torch.tensor([[5]]), position_ids=torch.tensor([[90]]), past_key_values=batch)
+        model(input_ids=torch.tensor([[5]]), position_ids=torch.tensor([[90]]), cache=batch)
 
 
 def test_bad_batches_are_refused(model):

@@ -77,7 +77,7 @@ def test_without_placements_the_stack_still_splits_for_a_layer_that_does_not_fit
     from keydiff import keydiff_attention
 
     with torch.no_grad(), keydiff_attention(model, cache):
-        model(input_ids=ids[:, :32], past_key_values=cache)
+        model(input_ids=ids[:, :32], cache=cache)
     assert [s.keys.dtype for s in cache.storages] == [torch.float32, torch.float64, torch.float32]
     assert cache.kv_cache_bytes == 3 * slot_bytes(2, 96, 16, 4) + slot_bytes(2, 96, 16, 8)
 

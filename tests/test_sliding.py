@@ -99,7 +99,7 @@ def test_plain_decoding_loop_equals_generate(models, ids, architecture, policy):
         for _ in range(6):
             token = logits.argmax(-1)
             tokens.append(int(token))
-            logits = model(input_ids=token[:, None], past_key_values=cache, use_cache=True).logits[:, -1].float()
+            logits = model(input_ids=token[:, None], cache=cache, use_cache=True).logits[:, -1].float()
     assert tokens == expected
 
 
@@ -154,7 +154,7 @@ def test_all_sliding_model_evicts_on_top_of_the_window_below_it(models, ids, cap
         for _ in range(4):
             token = logits.argmax(-1)
             tokens.append(int(token))
-            logits = model(input_ids=token[:, None], past_key_values=cache, use_cache=True).logits[:, -1].float()
+            logits = model(input_ids=token[:, None], cache=cache, use_cache=True).logits[:, -1].float()
     assert tokens == expected
 
 
@@ -165,7 +165,7 @@ def test_window_mask_by_position_equals_the_stock_mask_for_keys_in_order(models,
     assert cache.layer_kinds == ["evicted"] * 4
     with torch.no_grad(), keydiff_attention(model, cache):
         for start in range(0, 30, 16):
-            logits = model(input_ids=ids[:, start:start + 16][:, :30 - start], past_key_values=cache).logits
+            logits = model(input_ids=ids[:, start:start + 16][:, :30 - start], cache=cache).logits
     assert torch.allclose(logits[:, -1], stock_logits(model, ids[:, :30]), atol=1e-5)
 
 
@@ -173,7 +173,7 @@ def test_evicted_window_layers_refuse_stock_attention(models, ids):
     model = models["mistral_sliding"]
     cache = EvictingCache(build_policy("keydiff"), 40, 4, block_size=16, max_tokens=64, config=model.config)
     with pytest.raises(RuntimeError, match="sliding window"), torch.no_grad():
-        model(input_ids=ids[:, :16], past_key_values=cache)
+        model(input_ids=ids[:, :16], cache=cache)
 
 
 def test_contiguous_rerotation_and_sliding_windows_are_refused(models):
@@ -280,7 +280,7 @@ def test_stock_attention_loop_equals_generate_for_an_attention_free_policy(model
         for _ in range(5):
             token = logits.argmax(-1)
             tokens.append(int(token))
-            logits = model(input_ids=token[:, None], past_key_values=cache, use_cache=True).logits[:, -1].float()
+            logits = model(input_ids=token[:, None], cache=cache, use_cache=True).logits[:, -1].float()
     assert tokens == expected
 
 

@@ -67,12 +67,12 @@ def transformers_case(model, prompt, batch: int, args, device: str):
     def run() -> float:
         cache = DynamicCache(config=model.config)
         ids = prompt.expand(batch, -1).to(device)
-        logits = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+        logits = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1).logits
         token = logits[:, -1].argmax(-1, keepdim=True)
         common.sync(device)
         start = time.perf_counter()
         for _ in range(args.new_tokens - 1):
-            logits = model(input_ids=token, past_key_values=cache, use_cache=True).logits
+            logits = model(input_ids=token, cache=cache, use_cache=True).logits
             token = logits[:, -1].argmax(-1, keepdim=True)
         common.sync(device)
         return time.perf_counter() - start
