@@ -6,6 +6,7 @@
 `${policy_label:${.target},${.params}}` names a policy of your own after its class and parameters
 (`my_lab.policies.MyPolicy` with alpha=0.3 -> "MyPolicy-alpha0.3"), so two settings never share a directory.
 `${limit_suffix:${task.limit}}` appends "-limit<N>" to the run directory of a subset run.
+`${protocol_suffix:${query_aware}}` appends "-query-agnostic" to the block-size part of a query_aware=false run.
 """
 
 from __future__ import annotations
@@ -58,6 +59,15 @@ def limit_suffix(limit: int | None) -> str:
     return "" if limit is None else f"-limit{limit}"
 
 
+def protocol_suffix(query_aware: Any) -> str:
+    """"" for the paper's protocol (query_aware=true: the directories of every earlier run), "-query-agnostic"
+    for kvpress's (query_aware=false), so the two never share a run directory. A non-boolean is labelled by its
+    text, for the checks to refuse."""
+    if query_aware is True:
+        return ""
+    return "-query-agnostic" if query_aware is False else re.sub(r"[^A-Za-z0-9_.=+-]+", "_", f"-query_aware{query_aware}")
+
+
 def register_resolvers() -> None:
     if not OmegaConf.has_resolver("budget_label"):
         OmegaConf.register_new_resolver("budget_label", budget_label)
@@ -65,3 +75,5 @@ def register_resolvers() -> None:
         OmegaConf.register_new_resolver("policy_label", policy_label)
     if not OmegaConf.has_resolver("limit_suffix"):
         OmegaConf.register_new_resolver("limit_suffix", limit_suffix)
+    if not OmegaConf.has_resolver("protocol_suffix"):
+        OmegaConf.register_new_resolver("protocol_suffix", protocol_suffix)

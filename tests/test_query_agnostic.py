@@ -226,3 +226,55 @@ def test_niah_and_phonebook_hold_their_question(tokenizer):
         name = sample.fields["prompt"].rsplit("\n", 1)[1]
         assert question_of(tokenizer, prompt).startswith(name)
         assert sample.fields["answer"] in tokenizer.decode(prompt.input_ids[: prompt.context_tokens])
+
+
+# ------------------------------------------------------------------------------------------ runner
+def test_math500_refuses_query_agnostic_in_one_line(no_model_load):
+    from keydiff.run.checks import ConfigError, check_run_config
+    from tests.test_runner import make_cfg
+
+    cfg = make_cfg("task=math500", f"task.data_dir={ROOT / 'tasks/fixtures/math500'}", "query_aware=false")
+    with pytest.raises(ConfigError, match=r"query_aware=false is not valid for task 'math500'.*valid: query_aware=true") as error:
+        check_run_config(cfg)
+    assert "\n" not in str(error.value)
+    with pytest.raises(ConfigError, match="query_aware must be true or false"):
+        check_run_config(make_cfg("query_aware=maybe"))
+
+
+def test_protocol_is_part_of_the_run_directory():
+    from tests.test_runner import make_cfg
+
+    assert make_cfg().run_subdir.endswith("/bs128/seed0")  # the paper's protocol: directories as before
+    assert make_cfg("query_aware=false", "block_size=inf").run_subdir.endswith("/bsinf-query-agnostic/seed0")
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    from keydiff.run import runner
+
+    monkeypatch.setattr(runner, "load_model", lambda *a, **k: (_ for _ in ()).throw(AssertionError("model loaded")))
+
+
+@pytest.mark.real_model
+def test_query_agnostic_run_records_the_protocol(tmp_path):
+    """A phonebook run under query_aware=false: the ratio budget counts the context, every row and the summary
+    record the protocol, the question is held at the first token (kept = N over the context, peak N + held + 1)
+    and the summary's bound allows for it."""
+    import json
+    import math
+
+    from keydiff.run import runner
+    from tests.test_runner import make_cfg
+
+    cfg = make_cfg("task=phonebook", "task.sizes=[30]", "task.books_per_size=2", "policy=snapkv", "budget=r0.5",
+                   "block_size=32", "query_aware=false", "task.max_new_tokens=4")
+    summary = runner.run(cfg, tmp_path / "pb")
+    rows = [json.loads(line) for line in (tmp_path / "pb" / "predictions.jsonl").read_text().splitlines()]
+    assert summary["query_aware"] is False and summary["config"]["query_aware"] is False
+    for row in rows:
+        assert row["query_aware"] is False and row["status"] == "ok"
+        assert row["context_tokens"] + row["held_tokens"] == row["prompt_tokens"] and row["held_tokens"] > 1
+        assert row["budget"] == math.ceil(0.5 * row["context_tokens"])
+        assert row["kept_tokens"] == row["budget"]
+        assert row["max_cache_entries"] == max(row["budget"] + 32, row["budget"] + row["held_tokens"] + 1)
+    assert summary["statistics"]["cache_bound_held"] is True
