@@ -238,7 +238,7 @@ def leaderboard(df, out: Path) -> list[Path]:
     """leaderboard.png/.pdf: average RULER score vs the fraction of the prompt kept (kvpress's compression ratio,
     1 - kept, on the top axis), one line (colour and marker) per method with 95 % error bars, offset sideways
     within half the smallest gap between ratios; the full cache a dashed line with its interval shaded. One
-    panel per (task, model, B); hollow markers and "§": subset or unfinished runs. The runs of the leaderboard
+    panel per (task, model, protocol: kvpress's or bounded, see keydiff.report.leaderboard); hollow markers and "§": subset or unfinished runs. The runs of the leaderboard
     table (keydiff.report.leaderboard.runs)."""
     selected = board.runs(df, registry.TABLES["leaderboard"])
     if selected.empty:
@@ -246,8 +246,8 @@ def leaderboard(df, out: Path) -> list[Path]:
     panels = []
     for (task, model), mine in selected.groupby(["task", "model"], sort=True):
         evicting, full = mine[mine["budget_label"] != NA], mine[mine["budget_label"] == NA]
-        panels += [(task, model, block, evicting[evicting["block_size"] == block], full)
-                   for block in sorted(set(evicting["block_size"]), key=str) or [NA]]
+        panels += [(task, model, block, evicting[evicting["protocol"] == block], full)
+                   for block in sorted(set(evicting["protocol"]), key=str) or [NA]]
     fig, axes = plt.subplots(1, len(panels), figsize=(6.2 * len(panels), 3.6), squeeze=False, layout="constrained")
     for ax, (task, model, block, evicting, full) in zip(axes[0], panels):
         ratios = sorted({float(r) for r in evicting["ratio"]})
@@ -284,7 +284,7 @@ def leaderboard(df, out: Path) -> list[Path]:
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=6, loc="center left", bbox_to_anchor=(1.02, 0.5))
         mark = " (§ subset run: task.limit)" if (evicting["subset"].any() or full["subset"].any()) else ""
-        ax.set_title(f"{task}: {model}, B = {block}{mark}", fontsize=8)
+        ax.set_title(f"{task}: {model}, {block}{mark}", fontsize=8)
     return save(fig, out, "leaderboard")
 
 

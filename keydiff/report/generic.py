@@ -101,11 +101,20 @@ def metric_columns(runs: pd.DataFrame) -> list[str]:
     return top + [c for c in runs.columns if c.startswith("lb/") and runs[c].notna().any()]
 
 
+def block_cells(runs: pd.DataFrame) -> pd.Series:
+    """The "B" column: the block size, with "query-agnostic" added to query_aware=false runs when the runs mix both
+    protocols (their directories' "-query-agnostic"), so that no two rows of a table look alike."""
+    aware = runs["query_aware"].fillna(True).astype(bool) if "query_aware" in runs else pd.Series(True, runs.index)
+    if aware.all():
+        return runs["block_size"]
+    return runs["block_size"].astype(str) + aware.map({True: "", False: " query-agnostic"})
+
+
 def score_matrix(runs: pd.DataFrame) -> pd.DataFrame:
     budgets = sorted(set(runs["budget_label"]), key=budget_tokens)
     rows = {}
-    for _, run in runs.iterrows():
-        key = (run["model"], run["block_size"], run["policy"])
+    for (_, run), block in zip(runs.iterrows(), block_cells(runs)):
+        key = (run["model"], block, run["policy"])
         cell = estimate(run) + run_marks(run)
         rows.setdefault(key, {})[run["budget_label"]] = cell
     table = pd.DataFrame.from_dict(rows, orient="index").reindex(columns=budgets)
@@ -133,7 +142,7 @@ def run_rows(runs: pd.DataFrame) -> pd.DataFrame:
     columns = metric_columns(runs)
     primary = sorted({primary_metric(t) for t in runs["task"]})
     table = pd.DataFrame({
-        "Model": runs["model"], "B": runs["block_size"], "Policy": runs["policy"], "Budget": runs["budget_label"],
+        "Model": runs["model"], "B": block_cells(runs), "Policy": runs["policy"], "Budget": runs["budget_label"],
         "n": sample_counts(runs), "failed": runs["num_failed"].astype(int),
         "limit": runs["limit"].map(lambda v: NA if pd.isna(v) else str(int(v))),
         "seeds": runs["seeds"].astype(int), "marks": runs.apply(run_marks, axis=1),
@@ -142,7 +151,7 @@ def run_rows(runs: pd.DataFrame) -> pd.DataFrame:
            metric_cells(runs, c) for c in columns},
         "kept N/L": sample_means(runs, "mean_compression_ratio"), "TTFT (s)": sample_means(runs, "mean_ttft_s"),
     })
-    order = np.lexsort([runs["budget_label"].map(budget_tokens), runs["policy"], runs["block_size"].astype(str),
+    order = np.lexsort([runs["budget_label"].map(budget_tokens), runs["policy"], block_cells(runs).astype(str),
                         runs["model"]])
     return table.iloc[order].set_index(["Model", "B", "Policy", "Budget"])
 

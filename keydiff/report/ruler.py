@@ -61,6 +61,7 @@ def ruler_rows(runs: Path) -> pd.DataFrame:
             "policy": cfg["policy"]["label"],
             "budget": cfg["budget"]["label"],
             "block_size": summary.get("block_size"),
+            "query_aware": summary.get("query_aware", True),  # runs before the switch were all query-aware
             "length": cfg["task"]["length"],
             "n": "/".join(map(str, counts)),
             **{task: scores.get(task) for task in TASKS},
@@ -87,6 +88,8 @@ def to_markdown(df: pd.DataFrame) -> str:
         return "No RULER runs found (run e.g. `python run.py experiment=ruler task.data_dir=...`).\n"
     df = df.assign(_b=df["budget"].map(budget_tokens)).sort_values(["length", "model", "_b", "policy"])  # full last
     columns = ["model", "policy", "budget", "length", "haystack", "qa", "n", *TASKS, "avg"]
+    if "query_aware" in df and df["query_aware"].nunique() > 1:  # a table that mixes both protocols says which
+        columns.insert(3, "query_aware")
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     reasons: list[str] = []
     for _, row in df.iterrows():
