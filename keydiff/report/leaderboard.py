@@ -45,7 +45,11 @@ AVERAGE = "Avg."
 LEGEND = ("Columns: fraction of the prompt kept (budget.ratio; r = kvpress's compression_ratio = 1 - kept). "
           "Cells: RULER average x100 (13 tasks, string match); Avg. = mean over the kept ratios (all or none, its "
           "interval from the mean of their standard errors: the ratios score the same samples). § subset run "
-          "(task.limit), †k failed samples, ~ run not complete, (k/13) tasks scored; n = samples per task.")
+          "(task.limit), †k failed samples, ~ run not complete, (k/13) tasks scored; n = samples per task. Protocol: "
+          "kvpress's = the context compressed in one pass, nothing evicted while decoding (the numbers to lay beside "
+          "kvpress's leaderboard); bounded = block-wise prefill and eviction after every generated token (a real memory "
+          "bound). Methods compress the context only and get the question afterwards (kvpress's query_aware=false) "
+          "unless marked \"(query-aware)\" (the question compressed with the context).")
 
 
 QUERY_AWARE = " (query-aware)"  # kvpress's label of its query-aware loop's rows
