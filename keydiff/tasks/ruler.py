@@ -15,8 +15,10 @@ and RULER's answer prefix, with its leading space, follows the generation prompt
 templates (``scripts/data/template.py``, e.g. meta-llama3) place it. kvpress splits RULER's inputs at
 "The special magic" / "Answer:", so its user turn ends with that space and its answer prefix has none:
 ``answer_prefix_style: kvpress`` gives that layout. ``chat_template: false`` gives template + answer prefix
-as plain text (RULER's ``base`` template). The runner prefills the whole prompt block-wise, so unlike
-kvpress's leaderboard the question goes through the bounded cache too. Greedy decoding with RULER's
+as plain text (RULER's ``base`` template). The runner prefills the whole prompt block-wise, so the question
+goes through the bounded cache too; ``build_prompt(..., query_aware=False)`` (the run's ``query_aware=false``)
+splits it as kvpress does (the last match of the task's question pattern, ``QUESTION_MARKERS``), context and
+rest tokenised apart, and the runner holds the rest whole up to the first generated token. Greedy decoding with RULER's
 tokens to generate (niah 128, vt 30, cwe 120, fwe 50, qa 32).
 
 Length guard: a sample whose prompt + tokens to generate is below ``MIN_LENGTH_FRACTION`` (95 %) of
