@@ -278,3 +278,19 @@ def test_query_agnostic_run_records_the_protocol(tmp_path):
         assert row["kept_tokens"] == row["budget"]
         assert row["max_cache_entries"] == max(row["budget"] + 32, row["budget"] + row["held_tokens"] + 1)
     assert summary["statistics"]["cache_bound_held"] is True
+
+
+def test_generic_tables_never_average_the_two_protocols():
+    """Two runs of one configuration, one per protocol: two rows, the query-agnostic one's B says so."""
+    import pandas as pd
+
+    from keydiff.report import generic
+
+    base = {"experiment": "adhoc", "task": "ruler_4k", "model": "m", "policy": "keydiff", "policy_name": "keydiff",
+            "budget_label": "r0.5", "block_size": "128", "seed": 0, "limit": float("nan"), "complete": True,
+            "samples": 13, "num_failed": 0, "score": 50.0}
+    frame = pd.DataFrame([{**base, "query_aware": True}, {**base, "query_aware": False, "score": 30.0}])
+    runs = generic.runs_of(frame)
+    assert sorted(zip(runs["block_size"], runs["score"])) == [("128", 50.0), ("128-query-agnostic", 30.0)]
+    older = generic.runs_of(frame.drop(columns="query_aware").iloc[:1])  # summaries before the switch
+    assert older["block_size"].tolist() == ["128"]

@@ -43,6 +43,17 @@ LEGEND = ("value ± half-width of its 95 % confidence interval (1.96 standard er
 COUNT_METRICS = re.compile(r"^(n|n_.*|num_.*|.*_count|length)$")  # counts and lengths: printed as integers
 
 
+def block_cells(df: pd.DataFrame) -> pd.Series:
+    """The "B" of a configuration: the block size, "-query-agnostic" added for query_aware=false runs (as their
+    directories), so that the two protocols are never averaged together and a table or figure that mixes them
+    says which row is which (runs before the switch, and query-aware ones, keep the plain block size)."""
+    block = df["block_size"].fillna(NA)
+    if "query_aware" not in df:
+        return block
+    agnostic = df["query_aware"].astype(str).str.lower().eq("false")
+    return block.where(~agnostic, block.astype(str) + "-query-agnostic")
+
+
 def runs_of(df: pd.DataFrame) -> pd.DataFrame:
     """One row per configuration, seeds averaged (n per seed), with the marks of the runs behind it. Subset
     runs of a configuration that has a whole-task run are left out (`superseded` counts them). Only the
@@ -53,7 +64,7 @@ def runs_of(df: pd.DataFrame) -> pd.DataFrame:
     ses = [f"se/{c}" for c in values if f"se/{c}" in df.columns]
     df = df[[c for c in ID + values + ses if c in df.columns]].assign(
         budget_label=df["budget_label"].where(df["policy_name"] != "full", NA).fillna(NA),
-        block_size=df["block_size"].fillna(NA), subset=df["limit"].notna().astype(float), limit=df["limit"],
+        block_size=block_cells(df), subset=df["limit"].notna().astype(float), limit=df["limit"],
         incomplete=(~df["complete"].astype(str).eq("True")).astype(float),
         samples=pd.to_numeric(df["samples"], errors="coerce"),
         num_failed=pd.to_numeric(df["num_failed"], errors="coerce").fillna(0) if "num_failed" in df else 0.0, seeds=1)
@@ -101,20 +112,11 @@ def metric_columns(runs: pd.DataFrame) -> list[str]:
     return top + [c for c in runs.columns if c.startswith("lb/") and runs[c].notna().any()]
 
 
-def block_cells(runs: pd.DataFrame) -> pd.Series:
-    """The "B" column: the block size, with "query-agnostic" added to query_aware=false runs when the runs mix both
-    protocols (their directories' "-query-agnostic"), so that no two rows of a table look alike."""
-    aware = runs["query_aware"].fillna(True).astype(bool) if "query_aware" in runs else pd.Series(True, runs.index)
-    if aware.all():
-        return runs["block_size"]
-    return runs["block_size"].astype(str) + aware.map({True: "", False: " query-agnostic"})
-
-
 def score_matrix(runs: pd.DataFrame) -> pd.DataFrame:
     budgets = sorted(set(runs["budget_label"]), key=budget_tokens)
     rows = {}
-    for (_, run), block in zip(runs.iterrows(), block_cells(runs)):
-        key = (run["model"], block, run["policy"])
+    for _, run in runs.iterrows():
+        key = (run["model"], run["block_size"], run["policy"])
         cell = estimate(run) + run_marks(run)
         rows.setdefault(key, {})[run["budget_label"]] = cell
     table = pd.DataFrame.from_dict(rows, orient="index").reindex(columns=budgets)
@@ -142,7 +144,7 @@ def run_rows(runs: pd.DataFrame) -> pd.DataFrame:
     columns = metric_columns(runs)
     primary = sorted({primary_metric(t) for t in runs["task"]})
     table = pd.DataFrame({
-        "Model": runs["model"], "B": block_cells(runs), "Policy": runs["policy"], "Budget": runs["budget_label"],
+        "Model": runs["model"], "B": runs["block_size"], "Policy": runs["policy"], "Budget": runs["budget_label"],
         "n": sample_counts(runs), "failed": runs["num_failed"].astype(int),
         "limit": runs["limit"].map(lambda v: NA if pd.isna(v) else str(int(v))),
         "seeds": runs["seeds"].astype(int), "marks": runs.apply(run_marks, axis=1),
@@ -151,7 +153,7 @@ def run_rows(runs: pd.DataFrame) -> pd.DataFrame:
            metric_cells(runs, c) for c in columns},
         "kept N/L": sample_means(runs, "mean_compression_ratio"), "TTFT (s)": sample_means(runs, "mean_ttft_s"),
     })
-    order = np.lexsort([runs["budget_label"].map(budget_tokens), runs["policy"], block_cells(runs).astype(str),
+    order = np.lexsort([runs["budget_label"].map(budget_tokens), runs["policy"], runs["block_size"].astype(str),
                         runs["model"]])
     return table.iloc[order].set_index(["Model", "B", "Policy", "Budget"])
 
