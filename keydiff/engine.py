@@ -32,6 +32,7 @@ caller (runner, benchmarks) runs an untimed warm-up first.
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from dataclasses import dataclass, field
@@ -205,6 +206,41 @@ def prefill(
     return PrefillResult(logits, cache, length, budget if policy.evicts else None, block, seconds,
                          kept_positions=cache.kept_positions(), max_cache_entries=cache.max_entries,
                          max_scratch_entries=cache.max_scratch_entries, held_suffix=held_suffix)
+
+
+def copy_state(state: PrefillResult, model: torch.nn.Module) -> PrefillResult:
+    """An independent copy of a prefilled state: the cache's bounded buffers, positions and policy state (and the
+    policy) copied, the model's weights shared. Decoding or feeding the copy leaves `state` as it was, so one
+    compressed context can answer several questions, none of which sees another's question or answer (kvpress's
+    and SCBench's multi-request mode): `generate(model, hold(model, copy_state(context, model), question), ...)`
+    per question. Costs one copy of the kept entries (N per layer and head), nothing proportional to the prompt."""
+    if state.decoded:
+        raise RuntimeError("this PrefillResult was already decoded (its cache moved on); copy it before decoding")
+    return copy.deepcopy(state, {id(tensor): tensor for tensor in (*model.parameters(), *model.buffers())})
+
+
+@torch.inference_mode()
+def hold(model: torch.nn.Module, state: PrefillResult, input_ids: torch.Tensor) -> PrefillResult:
+    """Feed `input_ids` [batch, S] after a prefilled state in one pass, evicting nothing before the first generated
+    token (what `prefill(held_suffix=S)` does after the context): returns `state` with the new logits, its cache
+    holding every one of the S tokens, `held_suffix` increased by S."""
+    if state.decoded:
+        raise RuntimeError("this PrefillResult was already decoded (its cache moved on); run prefill again")
+    if input_ids.dim() == 1:
+        input_ids = input_ids[None]
+    if input_ids.shape[1] < 1:
+        raise ValueError("hold needs at least one token")
+    device = next(model.parameters()).device
+    with keydiff_attention(model, state.cache):
+        _sync(device)
+        start_time = time.perf_counter()
+        state.logits = _forward(model, state.cache, input_ids.to(device), drop=False)
+        _sync(device)
+        state.seconds += time.perf_counter() - start_time
+    state.held_suffix += input_ids.shape[1]
+    state.kept_positions = state.cache.kept_positions()
+    state.max_cache_entries = max(state.max_cache_entries, state.cache.max_entries)
+    return state
 
 
 def next_token(
