@@ -68,9 +68,11 @@ smoke: $(STAMP)  ## a tiny CPU sweep (2 policies) then its table and figures
 	$(PY) -m keydiff.report.tables
 	$(PY) -m keydiff.report.figures
 
-# POLICIES=keydiff,tova: the leaderboard with these methods only (a smoke); ARGS go to both sweeps.
-leaderboard: $(STAMP)  ## kvpress-style RULER 4K leaderboard (every method x ratio + full), then its table and figure
+# POLICIES=keydiff,tova: the query-agnostic methods run (a smoke); QA_POLICIES=snapkv: the query-aware loop's;
+# ARGS go to every sweep. Each method runs under both protocols (kvpress's, bounded: conf/protocol).
+leaderboard: $(STAMP)  ## kvpress-style RULER 4K leaderboard (every method x ratio x protocol, the query-aware loop, full), then its table and figure
 	$(PY) run.py experiment=leaderboard $(if $(POLICIES),policy=$(POLICIES),) $(ARGS)
+	$(PY) run.py experiment=leaderboard_query_aware $(if $(QA_POLICIES),policy=$(QA_POLICIES),) $(ARGS)
 	$(PY) run.py experiment=leaderboard_full $(ARGS)
 	$(PY) -m keydiff.report.tables
 	$(PY) -m keydiff.report.ruler

@@ -7,6 +7,7 @@
 (`my_lab.policies.MyPolicy` with alpha=0.3 -> "MyPolicy-alpha0.3"), so two settings never share a directory.
 `${limit_suffix:${task.limit}}` appends "-limit<N>" to the run directory of a subset run, and
 `${shard_suffix:${shard}}` "/shards/<i>of<n>" to that of shard i of n of a grid point (keydiff.run.shards).
+`${protocol_suffix:${query_aware}}` appends "-query-agnostic" to the block-size part of a query_aware=false run.
 """
 
 from __future__ import annotations
@@ -68,6 +69,15 @@ def shard_suffix(shard: Any) -> str:
     return "/shards/" + re.sub(r"[^A-Za-z0-9_.=+-]+", "_", str(shard).replace("/", "of", 1))
 
 
+def protocol_suffix(query_aware: Any) -> str:
+    """"" for the paper's protocol (query_aware=true: the directories of every earlier run), "-query-agnostic"
+    for kvpress's (query_aware=false), so the two never share a run directory. A non-boolean is labelled by its
+    text, for the checks to refuse."""
+    if query_aware is True:
+        return ""
+    return "-query-agnostic" if query_aware is False else re.sub(r"[^A-Za-z0-9_.=+-]+", "_", f"-query_aware{query_aware}")
+
+
 def register_resolvers() -> None:
     if not OmegaConf.has_resolver("budget_label"):
         OmegaConf.register_new_resolver("budget_label", budget_label)
@@ -77,3 +87,5 @@ def register_resolvers() -> None:
         OmegaConf.register_new_resolver("limit_suffix", limit_suffix)
     if not OmegaConf.has_resolver("shard_suffix"):
         OmegaConf.register_new_resolver("shard_suffix", shard_suffix)
+    if not OmegaConf.has_resolver("protocol_suffix"):
+        OmegaConf.register_new_resolver("protocol_suffix", protocol_suffix)

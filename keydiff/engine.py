@@ -18,6 +18,13 @@ entries and causally to themselves, its own R + B entries are discarded afterwar
 statistic is what the policy scores by. The cache is planned with room for it: N + B + R + B entries per
 head while it runs (`PrefillResult.max_scratch_entries`).
 
+Held suffix (kvpress's query-agnostic protocol): `held_suffix=S` compresses only the first L - S tokens (the
+context) block by block, then feeds the last S (the question, the end of the user turn, the answer prefix) in
+one pass against the compressed cache and evicts nothing before the first generated token: the policy observes
+that pass, but its entries stay (N + S per head at the first token). Ratio budgets, layer schedules and KVzip's
+reconstruction count the context only. `generate(evict=False)` then keeps them all (kvpress: the question is
+never compressed); `generate(evict=True)` lets the first decoding step's eviction choose among all N + S + 1.
+
 Timing: `seconds` is wall time between two device synchronisations around the forward passes only; the
 attention-implementation switch and the cache's construction are outside it. Nothing here warms up: the
 caller (runner, benchmarks) runs an untimed warm-up first.
@@ -55,6 +62,9 @@ class PrefillResult:
     max_cache_entries: int = 0  # peak entries per layer and KV head during prefill
     max_scratch_entries: int = 0  # peak during reconstruction passes (KVzip: N + B + R + B), else 0
     decoded: bool = False  # set by `generate`: the logits and cache belong to one continuation only
+    # Trailing prompt tokens fed after the compressed context and held whole at the first generated token
+    # (`held_suffix`); `kept_positions` then includes them.
+    held_suffix: int = 0
 
     def fork(self, copies: int) -> list["PrefillResult"]:
         """`copies` independent states to decode from, without running the prefill again: each has its own copy
@@ -112,16 +122,18 @@ def _sync(device: torch.device) -> None:
 
 
 def _forward(
-    model: torch.nn.Module, cache: EvictingCache, input_ids: torch.Tensor, reconstruction: torch.Tensor | None = None
+    model: torch.nn.Module, cache: EvictingCache, input_ids: torch.Tensor, reconstruction: torch.Tensor | None = None,
+    drop: bool = True,
 ) -> torch.Tensor:
     """One forward pass of `input_ids` after what the cache has seen, then eviction (unless the cache was told
     to keep every generated token). Next-token logits [b, vocab]. `reconstruction`: ids of a pass run in
-    between, against the cache, whose entries are discarded (KVzip's scoring pass)."""
+    between, against the cache, whose entries are discarded (KVzip's scoring pass). drop=False: the policy
+    observes the pass but nothing is dropped until the next eviction (a held suffix)."""
     output = model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1)
     if reconstruction is not None:
         with cache.scratch(chunk_start=cache.get_seq_length() - input_ids.shape[1]):
             model(input_ids=reconstruction, cache=cache, use_cache=True, logits_to_keep=1)
-    cache.evict()
+    cache.evict(drop=drop)
     return output.logits[:, -1, :].float()
 
 
@@ -145,13 +157,17 @@ def prefill(
     profile: bool = False,
     on_block: Callable[[EvictingCache], None] | None = None,
     tokenizer=None,
+    held_suffix: int = 0,
 ) -> PrefillResult:
     """Process `input_ids` [batch, L] (no padding) block by block, keeping at most `budget` entries per head.
 
     policy: a Policy or a policy name (built with default hyper-parameters). budget: tokens per layer and
     KV head (ignored by `full`). attention_statistics: "fast" or "materialized" (see keydiff.attention).
-    on_block: called with the cache after each block's eviction (tests use it to check the bound).
+    on_block: called with the cache after each compressed block's eviction (tests use it to check the bound).
     tokenizer: encodes the reconstruction prompt of policies that run one (KVzip; see its fallback without).
+    held_suffix: the last `held_suffix` tokens are not compressed: fed in one pass after the others, they are all
+    held at the first generated token (kvpress's query-agnostic protocol; see the module). 0: the whole prompt
+    goes through block-wise eviction (the paper's protocol).
     """
     policy = build_policy(policy) if isinstance(policy, str) else policy
     check_budget(policy, budget)
@@ -164,26 +180,70 @@ def prefill(
     length = input_ids.shape[1]
     if length < 1:
         raise ValueError("the prompt is empty")
-    step = length if block is None else block
-    reconstructions = reconstruction_inputs(policy, input_ids, step, tokenizer)
+    if isinstance(held_suffix, bool) or int(held_suffix) != held_suffix or not 0 <= held_suffix < length:
+        raise ValueError(f"held_suffix must be an integer in [0, {length - 1}] (at least one prompt token is "
+                         f"compressed), got {held_suffix!r}")
+    held_suffix = int(held_suffix)
+    compressed = length - held_suffix  # the context: what block-wise eviction sees
+    step = compressed if block is None else block
+    context = input_ids[:, :compressed]
+    reconstructions = reconstruction_inputs(policy, context, step, tokenizer)
     scratch = max((ids.shape[1] for ids in reconstructions if ids is not None), default=0)
     cache = EvictingCache(
         policy, budget, model.config.get_text_config().num_hidden_layers, statistics=attention_statistics,
-        profile=profile, block_size=step, max_tokens=length, scratch_tokens=scratch, config=model.config,
+        profile=profile, block_size=max(step, held_suffix + 1) if held_suffix else step, max_tokens=length,
+        scratch_tokens=scratch, config=model.config, compressed_tokens=compressed,
         layer_placements=layer_placements(model, model.config.get_text_config().num_hidden_layers),
     )
     with keydiff_attention(model, cache):
         _sync(device)
         start_time = time.perf_counter()
-        for start, reconstruction in zip(range(0, length, step), reconstructions):
-            logits = _forward(model, cache, input_ids[:, start : start + step], reconstruction)
+        for start, reconstruction in zip(range(0, compressed, step), reconstructions):
+            logits = _forward(model, cache, context[:, start : start + step], reconstruction)
             if on_block is not None:
                 on_block(cache)
+        if held_suffix:
+            logits = _forward(model, cache, input_ids[:, compressed:], drop=False)
         _sync(device)
         seconds = time.perf_counter() - start_time
     return PrefillResult(logits, cache, length, budget if policy.evicts else None, block, seconds,
                          kept_positions=cache.kept_positions(), max_cache_entries=cache.max_entries,
-                         max_scratch_entries=cache.max_scratch_entries)
+                         max_scratch_entries=cache.max_scratch_entries, held_suffix=held_suffix)
+
+
+def copy_state(state: PrefillResult, model: torch.nn.Module) -> PrefillResult:
+    """An independent copy of a prefilled state: the cache's bounded buffers, positions and policy state (and the
+    policy) copied, the model's weights shared. Decoding or feeding the copy leaves `state` as it was, so one
+    compressed context can answer several questions, none of which sees another's question or answer (kvpress's
+    and SCBench's multi-request mode): `generate(model, hold(model, copy_state(context, model), question), ...)`
+    per question. Costs one copy of the kept entries (N per layer and head), nothing proportional to the prompt."""
+    if state.decoded:
+        raise RuntimeError("this PrefillResult was already decoded (its cache moved on); copy it before decoding")
+    return state.fork(1)[0]
+
+
+@torch.inference_mode()
+def hold(model: torch.nn.Module, state: PrefillResult, input_ids: torch.Tensor) -> PrefillResult:
+    """Feed `input_ids` [batch, S] after a prefilled state in one pass, evicting nothing before the first generated
+    token (what `prefill(held_suffix=S)` does after the context): returns `state` with the new logits, its cache
+    holding every one of the S tokens, `held_suffix` increased by S."""
+    if state.decoded:
+        raise RuntimeError("this PrefillResult was already decoded (its cache moved on); run prefill again")
+    if input_ids.dim() == 1:
+        input_ids = input_ids[None]
+    if input_ids.shape[1] < 1:
+        raise ValueError("hold needs at least one token")
+    device = next(model.parameters()).device
+    with keydiff_attention(model, state.cache):
+        _sync(device)
+        start_time = time.perf_counter()
+        state.logits = _forward(model, state.cache, input_ids.to(device), drop=False)
+        _sync(device)
+        state.seconds += time.perf_counter() - start_time
+    state.held_suffix += input_ids.shape[1]
+    state.kept_positions = state.cache.kept_positions()
+    state.max_cache_entries = max(state.max_cache_entries, state.cache.max_entries)
+    return state
 
 
 def next_token(
@@ -221,7 +281,9 @@ def generate(
     """Decode up to `max_new_tokens` tokens from a prefilled state, evicting after every token (B = 1).
 
     evict=False keeps every generated token (the cache grows by up to max_new_tokens), which is what the
-    original SnapKV and KVCache-Factory do: they compress once, after the prompt.
+    original SnapKV and KVCache-Factory do: they compress once, after the prompt. A held suffix
+    (`prefill(held_suffix=S)`) is kept for good with evict=False (kvpress's pipeline), and with evict=True the
+    first decoding step's eviction brings the cache back to N.
 
     A row stops at the first id in `eos_token_ids` (allowed only after `min_new_tokens`). Sampling draws
     from a CPU generator seeded with `seed`, so results do not depend on the device's RNG.

@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -20,7 +21,7 @@ def api_blocks() -> list[str]:
 @pytest.mark.real_model
 def test_the_api_page_runs_as_written(capsys):
     blocks = api_blocks()
-    assert len(blocks) == 3 and "keydiff.load_model(" in blocks[0]
+    assert len(blocks) == 4 and "keydiff.load_model(" in blocks[0]
     namespace: dict = {}
     exec(compile(blocks[0], "docs/api.md: block 1", "exec"), namespace)
     first = capsys.readouterr().out
@@ -49,6 +50,15 @@ def test_the_api_page_runs_as_written(capsys):
         fresh = keydiff.prefill(model, namespace["input_ids"], namespace["policy"], budget=128, block_size=64)
         alone = keydiff.generate(model, fresh, max_new_tokens=8, do_sample=True, temperature=0.7, seed=seed)
         assert samples[seed].token_ids == alone.token_ids
+
+    exec(compile(blocks[3], "docs/api.md: block 4", "exec"), namespace)  # held_suffix
+    held, state = namespace["held"], namespace["state"]
+    length = namespace["context_ids"].shape[1] + held
+    assert 5 < held < 30 and state.held_suffix == held
+    for positions in state.kept_positions:  # the context's 128 and the whole question, every layer and head
+        assert positions.shape[-1] == 128 + held and (positions[..., -held:] == torch.arange(length - held, length)).all()
+    generated = len(namespace["out"].token_ids[0])
+    assert state.cache.entries_held() == 128 + held + generated - 1  # evict=False: nothing dropped since
 
 
 def test_load_model_accepts_a_name_a_hub_id_or_a_folder(tmp_path):

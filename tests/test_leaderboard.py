@@ -38,7 +38,11 @@ def test_leaderboard_sweeps_every_method_at_the_four_kvpress_ratios():
     cfg = compose(["experiment=leaderboard"])
     params = {k: str(v).split(",") for k, v in cfg.hydra.sweeper.params.items()}
     assert cfg.experiment_name == "leaderboard" and cfg.task.name == "ruler_4k" and params["model"] == ["qwen3-8b"]
-    assert cfg.task.answer_prefix_style == "kvpress" and params["block_size"] == ["128"]
+    assert cfg.task.answer_prefix_style == "kvpress" and params["protocol"] == ["kvpress", "bounded"]
+    assert cfg.query_aware is False  # leaderboard.sh L11-21: the query-agnostic methods query-agnostic
+    for protocol, block, decode in (("kvpress", "inf", False), ("bounded", 128, True)):
+        job = compose(["experiment=leaderboard", f"protocol={protocol}"])
+        assert (str(job.block_size), job.decode_eviction) == (str(block), decode)
     assert params["budget"] == RATIOS
     for budget in RATIOS:  # each kept ratio's kvpress compression ratio is 1 - kept
         ratio = compose([f"budget={budget}"]).budget
@@ -59,7 +63,17 @@ def test_leaderboard_full_runs_the_full_cache_once_beside_it():
     assert cfg.experiment_name == "leaderboard_full" and cfg.task.name == "ruler_4k"
     assert params["policy"] == ["full"] and len(params["budget"]) == 1 and params["model"] == ["qwen3-8b"]
     assert cfg.task.answer_prefix_style == "kvpress" and cfg.budget.label == "unbounded"
-    assert registry.TABLES["leaderboard"].reads == ("leaderboard", "leaderboard_full")
+    assert params["protocol"] == ["kvpress"] and cfg.query_aware is False  # kvpress's no_press
+    assert registry.TABLES["leaderboard"].reads == ("leaderboard", "leaderboard_query_aware", "leaderboard_full")
+
+
+def test_leaderboard_query_aware_loop_is_kvpress_s():
+    """leaderboard.sh L41-49: snapkv, adakv_snapkv and chunkkv (finch has no counterpart) with --query_aware."""
+    cfg = compose(["experiment=leaderboard_query_aware"])
+    params = {k: str(v).split(",") for k, v in cfg.hydra.sweeper.params.items()}
+    assert cfg.experiment_name == "leaderboard_query_aware" and cfg.query_aware is True
+    assert params["policy"] == ["snapkv", "adakv_snapkv", "chunkkv"] and params["budget"] == RATIOS
+    assert params["protocol"] == ["kvpress", "bounded"]
 
 
 def test_a_leaderboard_grid_with_a_subset_of_policies_composes_and_passes_the_checks():
@@ -74,13 +88,14 @@ def test_a_leaderboard_grid_with_a_subset_of_policies_composes_and_passes_the_ch
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         points = grid_points(dict(cfg.hydra.sweeper.params), ["model=smollm2-135m", "policy=keydiff,tova",
                                                               "task.data_dir=tasks/fixtures/ruler", "task.limit=1"])
-    assert len(points) == 8
+    assert len(points) == 16
     dirs = set()
     for point in points:
         job = compose(["experiment=leaderboard", *point])
         check_run_config(job)
         dirs.add(job.run_subdir)
-    assert dirs == {f"ruler_4k/smollm2-135m/{p}/{b}/bs128/seed0-limit1" for p in ("keydiff", "tova") for b in RATIOS}
+    assert dirs == {f"ruler_4k/smollm2-135m/{p}/{b}/{bs}-query-agnostic/seed0-limit1" for p in ("keydiff", "tova")
+                    for b in RATIOS for bs in ("bs128", "bsinf")}
 
 
 def test_qwen3_8b_config_is_the_kvpress_leaderboard_model():
@@ -136,16 +151,18 @@ def test_ruler_renders_a_thinking_template_without_thinking():
 
 # ----------------------------------------------------------------------------- table and figure
 def run(policy, budget, score, se, experiment="leaderboard", samples=5, limit=np.nan, tasks=len(TASKS), model="m",
-        block="128", task="ruler_4k", complete=True):
+        block="128", task="ruler_4k", complete=True, query_aware=False, decode_eviction=True):
     row = {"experiment": experiment, "task": task, "model": model, "policy": policy,
            "policy_name": "full" if policy == "full" else policy, "budget_label": "unbounded" if policy == "full" else budget,
            "block_size": block, "seed": 0, "limit": limit, "complete": complete, "samples": samples * tasks,
-           "num_failed": 0, "score": score, "se/score": se}  # samples: rows scored over all tasks, as collect's
+           "num_failed": 0, "score": score, "se/score": se, "query_aware": query_aware,
+           "decode_eviction": decode_eviction}  # samples: rows scored over all tasks, as collect's
     row.update({f"metrics/tasks/{t}": score if i < tasks else np.nan for i, t in enumerate(TASKS)})
     row.update({f"metrics/n/{t}": samples if i < tasks else np.nan for i, t in enumerate(TASKS)})
     return row
 
 
+BOUNDED = "bounded (B=128, decode eviction)"
 SCORES = {"keydiff": [40.0, 55.0, 70.0, 80.0], "tova": [30.0, 60.0, 65.0, 85.0]}  # kept 0.125, 0.25, 0.5, 0.75
 
 
@@ -172,20 +189,20 @@ def test_leaderboard_table_orders_ratios_ranks_methods_and_puts_full_first(summa
     assert list(scores.columns) == ["0.125 (r=0.875)", "0.25 (r=0.75)", "0.5 (r=0.5)", "0.75 (r=0.25)", "Avg.", "1 (r=0)"]
     methods = list(scores.index.get_level_values("Method"))
     assert methods == ["Full", "KeyDiff", "TOVA", "Sink", "SnapKV"]  # full, by Avg. (61.25 > 60), then by name
-    assert scores.loc[("ruler_4k", "m", "128", "KeyDiff")].tolist()[:5] == [40.0, 55.0, 70.0, 80.0, 61.25]
-    assert scores.loc[("ruler_4k", "m", "128", "Full"), "1 (r=0)"] == 90.0
-    keydiff = text.loc[("ruler_4k", "m", "128", "KeyDiff")]
+    assert scores.loc[("ruler_4k", "m", BOUNDED, "KeyDiff")].tolist()[:5] == [40.0, 55.0, 70.0, 80.0, 61.25]
+    assert scores.loc[("ruler_4k", "m", BOUNDED, "Full"), "1 (r=0)"] == 90.0
+    keydiff = text.loc[("ruler_4k", "m", BOUNDED, "KeyDiff")]
     # Wilson inside 0-100 at n_eff = p(1 - p) / SE^2: close to 40 ± 1.96 away from the bounds, n per task shown
     assert keydiff["0.125 (r=0.875)"] == "40.00 [38.06, 41.97] (n=5)" and keydiff["1 (r=0)"] == "--"
     assert keydiff["0.75 (r=0.25)"] == "80.00 [71.12, 86.66] (n=5)"  # asymmetric near the top of the range
     assert keydiff["Avg."] == "61.25 [56.26, 66.01]"  # from the mean of the ratios' SEs (same samples)
     # one sample per task, 13 behind the average, no SE: the widest-spread (0/1) interval over 13 samples
-    assert text.loc[("ruler_4k", "m", "128", "SnapKV"), "0.5 (r=0.5)"] == "45.00 [22.35, 69.93] (n=1)§"
-    assert text.loc[("ruler_4k", "m", "128", "Sink"), "0.5 (r=0.5)"].endswith(" (11/13)")
-    assert text.loc[("ruler_4k", "m", "128", "Sink"), "Avg."] == "--"
+    assert text.loc[("ruler_4k", "m", BOUNDED, "SnapKV"), "0.5 (r=0.5)"] == "45.00 [22.35, 69.93] (n=1)§"
+    assert text.loc[("ruler_4k", "m", BOUNDED, "Sink"), "0.5 (r=0.5)"].endswith(" (11/13)")
+    assert text.loc[("ruler_4k", "m", BOUNDED, "Sink"), "Avg."] == "--"
     md = (tmp_path / "leaderboard.md").read_text()
     assert "**70.00 [" in md and "**90.00" not in md  # best per column bold; the full cache never
-    assert "| ruler_4k | m | 128 | TOVA | 30.00 [" in md and "kvpress" in md
+    assert f"| ruler_4k | m | {BOUNDED} | TOVA | 30.00 [" in md and "kvpress" in md
     assert r"\toprule" in (tmp_path / "leaderboard.tex").read_text()
     csv = pd.read_csv(tmp_path / "leaderboard.csv")
     assert len(csv) == 11 and set(csv["budget"]) == {*RATIOS, "--"}
@@ -272,3 +289,28 @@ def test_the_engine_runs_qwen3s_architecture_exactly(policy):
     if policy != "full":
         state = prefill(model, prompt, policy, 40, 32)
         assert all(p.shape == (1, 2, 40) for p in state.kept_positions) and state.max_cache_entries <= 40 + 32
+
+
+def test_leaderboard_says_which_protocol_and_marks_query_aware_rows(summary, tmp_path, monkeypatch):
+    """kvpress's protocol and the bounded one are separate groups (table) and panels (figure); a query-aware run
+    of the same method, budget and protocol is a row of its own, "(query-aware)", never averaged with the other."""
+    more = pd.DataFrame([run("keydiff", "r0.5", 20.0, 1.0, block="inf", decode_eviction=False),
+                         run("snapkv", "r0.5", 33.0, 1.0, experiment="leaderboard_query_aware", query_aware=True),
+                         run("snapkv", "r0.5", 11.0, 1.0)])
+    frame = pd.concat([summary, more], ignore_index=True)
+    table = registry.TABLES["leaderboard"]
+    scores, _ = leaderboard.layout(leaderboard.runs(frame, table))
+    kvpress = "kvpress's protocol (one pass, no decode eviction)"
+    assert set(scores.index.get_level_values("Protocol")) == {BOUNDED, kvpress}
+    assert scores.loc[("ruler_4k", "m", kvpress, "KeyDiff"), "0.5 (r=0.5)"] == 20.0
+    assert scores.loc[("ruler_4k", "m", BOUNDED, "KeyDiff"), "0.5 (r=0.5)"] == 70.0
+    assert scores.loc[("ruler_4k", "m", BOUNDED, "SnapKV (query-aware)"), "0.5 (r=0.5)"] == 33.0
+    assert scores.loc[("ruler_4k", "m", BOUNDED, "SnapKV"), "0.5 (r=0.5)"] == 11.0
+    assert leaderboard.write(frame, tmp_path, table)
+    csv = pd.read_csv(tmp_path / "leaderboard.csv")
+    assert set(csv["protocol"]) >= {BOUNDED, kvpress}
+    drawn = []
+    monkeypatch.setattr(figures, "save", lambda fig, out, name: drawn.append(fig) or [out / f"{name}.png"])
+    figures.leaderboard(frame, tmp_path)
+    titles = [ax.get_title() for ax in drawn[0].axes if ax.get_title()]
+    assert any(kvpress in t for t in titles) and any(BOUNDED in t for t in titles)

@@ -369,7 +369,7 @@ def test_experiment_composes_to_existing_options(name):
     cfg = compose([f"experiment={name}"])
     assert cfg.experiment_name == name and str(cfg.hydra.mode) == "RunMode.MULTIRUN"
     params = {k: str(v).split(",") for k, v in cfg.hydra.sweeper.params.items()}
-    assert {"policy", "budget", "block_size"} <= set(params)
+    assert {"policy", "budget"} <= set(params) and {"block_size", "protocol"} & set(params)  # protocol sets B
     for group in GROUPS:
         for option in params.get(group, [cfg.hydra.runtime.choices[group]]):
             assert (CONF / group / f"{option}.yaml").is_file(), f"{name}: no conf/{group}/{option}.yaml"

@@ -348,8 +348,10 @@ class AdaptiveStorage:
             output_projection=self.head_output_projection(head),
         )
 
-    def evict(self, policy: Policy, inv_freq: torch.Tensor | None = None, rotary_end: int | None = None) -> None:
-        """Observe the last pass's statistics, then keep T entries per batch row (the policy's `keep_heads`).
+    def evict(self, policy: Policy, inv_freq: torch.Tensor | None = None, rotary_end: int | None = None,
+              drop: bool = True) -> None:
+        """Observe the last pass's statistics, then keep T entries per batch row (the policy's `keep_heads`);
+        drop=False observes only (EvictingCache.evict).
         `inv_freq`/`rotary_end` (key re-rotation, as `Storage.evict`): re-rotation is not supported with
         head-adaptive budgets (build_policy refuses the combination; a policy composed by hand fails here)."""
         if policy.key_rerotation is not None:
@@ -359,7 +361,7 @@ class AdaptiveStorage:
             return
         self.require_served()
         self.initialize_state()
-        over = [row for row, total in enumerate(self.row_totals()) if total > self.total_budget]
+        over = [row for row, total in enumerate(self.row_totals()) if drop and total > self.total_budget]
         recorded = self.attention[0] is not None
         if recorded:
             for row in range(len(self.counts)):

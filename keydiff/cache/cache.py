@@ -93,7 +93,8 @@ class EvictingCache(Cache):
     attention: "fast" computes only the rows they need next to the fused attention kernel, "materialized"
     runs eager attention and reads its weights (the paper's latency setting). profile=True synchronises the
     GPU around every statistic and eviction so that `timings` are the kernels' time; it slows the run down,
-    so never time TTFT with it. config: the model's (text) config, needed only by a policy with
+    so never time TTFT with it. compressed_tokens: the tokens eviction sees, if fewer than max_tokens (a
+    held suffix); a per-layer schedule is sized from them. config: the model's (text) config, needed only by a policy with
     `key_rerotation` (the RoPE frequencies the kept keys are re-rotated with) and by a model with sliding-window
     layers. layer_placements: where each layer's keys will live, e.g. (device, dtype) per layer
     (`keydiff.cache.placement.layer_placements(model)`): stacks then group only layers of one placement, so no
@@ -112,6 +113,7 @@ class EvictingCache(Cache):
         scratch_tokens: int = 0,
         config: Any = None,
         layer_placements: list[Any] | None = None,
+        compressed_tokens: int | None = None,
     ):
         if statistics not in STATISTICS_MODES:
             raise ValueError(f"unknown attention statistics mode {statistics!r}; valid: {', '.join(STATISTICS_MODES)}")
@@ -128,6 +130,9 @@ class EvictingCache(Cache):
         self.windows = layer_windows(config, num_layers)  # each layer's sliding window (None: full attention)
         self.sliding = self._sliding_layers()
         self._first_evicted = next((i for i in range(num_layers) if i not in self.sliding), None)
+        # The tokens eviction sees (a layer schedule is sized from them): the prompt, or its context only when a
+        # suffix is held (keydiff.engine.prefill's held_suffix).
+        self.compressed_tokens = max_tokens if compressed_tokens is None else compressed_tokens
         super().__init__(layers=self._plan_layers())
         self._storages = self._distinct_storages()
         self.statistics = statistics
@@ -138,6 +143,7 @@ class EvictingCache(Cache):
         self._scratch = False  # True inside `scratch()`
         self._chunk_start: int | None = None  # the scratch pass's `chunk_start`
         self._evicting = True  # False after start_generation(evict=False): the generated tokens are all kept
+        self._held = False  # True after evict(drop=False): entries over the budget wait for the next evict()
 
     @staticmethod
     def _rerotation_frequencies(policy: Policy, config: Any) -> torch.Tensor | None:
@@ -177,7 +183,7 @@ class EvictingCache(Cache):
         sliding-window layers on their own (see the module)."""
         policy, count = self.policy, self.num_layers
         # Each layer's own budget N_l (None: never evicted): the policy's layer schedule, uniform by default.
-        budgets = [None] * count if self.budget is None else policy.budgets(self.budget, count, self.max_tokens)
+        budgets = [None] * count if self.budget is None else policy.budgets(self.budget, count, self.compressed_tokens)
         evicted = [i for i in range(count) if i not in self.sliding]
         budgets = [b if i in evicted else None for i, b in enumerate(budgets)]
         capacities = [self.max_tokens if b is None else self._bounded_capacity(b, self.block_size, self.max_tokens)
@@ -292,7 +298,7 @@ class EvictingCache(Cache):
             storage = layer.storage
         # What the previous pass left to do (a plain loop never calls `evict()`): observe and evict now,
         # when the first of the storage's layers starts the next pass.
-        if self._evicting and layer.seen == storage.seen and storage.pending():
+        if self._evicting and not self._held and layer.seen == storage.seen and storage.pending():
             with self.timed("eviction_s"):
                 storage.evict(self.policy, self.inv_freq, self._rotary_end())
         return layer.update(key_states, value_states, position=self._pass_position if self.contiguous else None)
@@ -335,7 +341,7 @@ class EvictingCache(Cache):
         """Empty the cache for a new sequence (fresh storages, as planned at construction)."""
         self.layers = self._plan_layers()
         self._storages = self._distinct_storages()
-        self._evicting, self._decoding, self._scratch = True, False, False
+        self._evicting, self._decoding, self._scratch, self._held = True, False, False, False
         self._pass_position = 0
 
     def fork(self, copies: int) -> list["EvictingCache"]:
@@ -372,8 +378,8 @@ class EvictingCache(Cache):
 
     def _entries_next(self, layer: EvictingLayer) -> int:
         """Entries the layer holds when the next pass starts: after the pending eviction, or all of them once
-        generation keeps every token (start_generation(evict=False))."""
-        return layer.entries_after_eviction() if self._evicting else layer.num_entries
+        generation keeps every token (start_generation(evict=False)) or while a held pass waits (evict(drop=False))."""
+        return layer.entries_after_eviction() if self._evicting and not self._held else layer.num_entries
 
     def _rotary_end(self) -> int | None:
         """Where the kept keys' re-rotated positions end (exclusive): the next token's (contiguous), or None
@@ -390,10 +396,9 @@ class EvictingCache(Cache):
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
         """Keys the next pass attends to and the offset of the first (see EvictingLayer.get_mask_sizes), with
         the kept keys ending right below `next_position()` under contiguous re-rotation."""
-        if not self.contiguous:
-            return super().get_mask_sizes(query_length, layer_idx)
-        kept = self._entries_next(self.layers[layer_idx])
-        return kept + query_length, self.next_position() - kept
+        layer = self.layers[layer_idx]
+        kept = self._entries_next(layer)  # held entries over the budget included (evict(drop=False))
+        return kept + query_length, (self.next_position() if self.contiguous else layer.seen) - kept
 
     # --- timings -------------------------------------------------------------------------------
     def timed(self, name: str) -> "_Timed":
@@ -527,32 +532,39 @@ class EvictingCache(Cache):
         layer = self.layers[layer_idx]
         layer.storage.output_projection[layer.slot] = weight
 
-    def evict(self) -> None:
-        """Let the policy observe the pass just run, then shrink every over-budget layer to `budget`."""
+    def evict(self, drop: bool = True) -> None:
+        """Let the policy observe the pass just run, then shrink every over-budget layer to `budget`.
+
+        drop=False observes only: the entries over the budget are held, and no pass evicts them until the next
+        `evict()` (the engine's `held_suffix`: the question fed after the compressed context stays whole up to
+        the first generated token; the first decoding step's `evict()` then decides, from that step's statistic)."""
         if self.budget is None or not self._evicting:
             return
+        self._held = not drop
         with self.timed("eviction_s"):
             stacks: dict[int, list[AdaptiveStorage]] = {}  # head-adaptive layers by pool stack (placement)
             for storage in self._storages:
                 if isinstance(storage, AdaptiveStorage):
                     stacks.setdefault(id(storage.stack), []).append(storage)
-            together = {id(s) for group in stacks.values() if evict_stack(group, self.policy) for s in group}
+            together = set() if not drop else {  # (each pool stack's layers are evicted in one call)
+                id(s) for group in stacks.values() if evict_stack(group, self.policy) for s in group}
             end = self._rotary_end()
             for storage in self._storages:
-                if id(storage) not in together:  # (each pool stack's layers were evicted in one call above)
-                    storage.evict(self.policy, self.inv_freq, end)
+                if id(storage) not in together:
+                    storage.evict(self.policy, self.inv_freq, end, drop=drop)
 
     def start_generation(self, new_tokens: int, evict: bool = True) -> None:
         """Prepare to decode up to `new_tokens` tokens: with evict=False every generated token is kept (no
         eviction, no statistics from now on), so room for them is made now, in one allocation per storage;
-        layers that never evict grow once here too."""
+        layers that never evict grow once here too. Entries held over the budget (evict(drop=False)) stay: kept
+        for good with evict=False, dropped by the first step's eviction otherwise (room for that step is made)."""
         self._evicting, self._decoding = evict, True
         for storage in self._storages:
             if isinstance(storage, AdaptiveStorage):
-                if not evict:
-                    storage.make_room(new_tokens)
-            elif storage.budget is None or not evict:
-                storage.reserve(storage.entries_after_eviction() + new_tokens)
+                if not evict or self._held:
+                    storage.make_room(1 if evict else new_tokens)
+            elif storage.budget is None or not evict or self._held:
+                storage.reserve(storage.num_entries + (1 if evict and storage.budget is not None else new_tokens))
         for layer in self.layers:
             layer.returned_keys = None  # may hold a released buffer
 

@@ -280,17 +280,18 @@ class Storage:
         """Whether the last pass left something to do: a statistic to observe or entries over the budget."""
         return self.budget is not None and (self.num_entries > self.budget or self.attention.count(None) < self.count)
 
-    def evict(self, policy: Policy, inv_freq: torch.Tensor | None = None, rotary_end: int | None = None) -> None:
+    def evict(self, policy: Policy, inv_freq: torch.Tensor | None = None, rotary_end: int | None = None,
+              drop: bool = True) -> None:
         """Observe the last pass's statistics, then drop entries until at most `budget` remain, in place; then,
         for a policy with `key_rerotation`, re-rotate the kept keys (RoPE inverse frequencies `inv_freq`; see
-        `rerotate` for `rotary_end`)."""
+        `rerotate` for `rotary_end`). drop=False observes only (EvictingCache.evict)."""
         if self.budget is None or self.keys is None:
             self.attention = [None] * self.count
             return
         view = self.view()
         if view.attention is not None:
             policy.observe(view)
-        if self.num_entries > self.budget:
+        if drop and self.num_entries > self.budget:
             if policy.attention_rows != 0 and view.attention is None:
                 raise RuntimeError(
                     f"policy {policy.name!r} needs attention statistics but none were recorded in {self.where()}: "

@@ -143,6 +143,8 @@ def run_record(summary_path: Path, runs: Path) -> dict:
         "budget": summary.get("budget"),
         "budget_label": cfg.get("budget", {}).get("label"),
         "block_size": block_label(summary.get("block_size")),
+        "query_aware": summary.get("query_aware", True),  # runs before the switch were all query-aware
+        "decode_eviction": summary.get("decode_eviction", True),
         "seed": cfg.get("seed"),
         "attention_statistics": summary.get("attention_statistics"),
         "attn_implementation": cfg.get("model", {}).get("attn_implementation"),

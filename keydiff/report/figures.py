@@ -264,7 +264,7 @@ def leaderboard(df, out: Path) -> list[Path]:
     """leaderboard.png/.pdf: average RULER score vs the fraction of the prompt kept (kvpress's compression ratio,
     1 - kept, on the top axis), one line per method at its true ratio, told apart by colour, marker and line
     style, with 95 % error bars (Wilson inside 0-100 over the run's samples; none below 5); the full cache a
-    dashed line with its interval shaded. One panel per (task, model, B). Hollow markers: subset or unfinished
+    dashed line with its interval shaded. One panel per (task, model, protocol: kvpress's or bounded, see keydiff.report.leaderboard). Hollow markers: subset or unfinished
     runs, and points averaged over fewer RULER tasks than the panel's most ("k/13" written beside them); a full
     cache over fewer tasks is dotted and says "k/13 tasks". The runs of the leaderboard table
     (keydiff.report.leaderboard.runs)."""
@@ -275,8 +275,8 @@ def leaderboard(df, out: Path) -> list[Path]:
     panels = []
     for (task, model), mine in selected.groupby(["task", "model"], sort=True):
         evicting, full = mine[mine["budget_label"] != NA], mine[mine["budget_label"] == NA]
-        panels += [(task, model, block, evicting[evicting["block_size"] == block], full)
-                   for block in sorted(set(evicting["block_size"]), key=str) or [NA]]
+        panels += [(task, model, block, evicting[evicting["protocol"] == block], full)
+                   for block in sorted(set(evicting["protocol"]), key=str) or [NA]]
     fig, axes = plt.subplots(1, len(panels), figsize=(6.2 * len(panels), 3.6), squeeze=False, layout="constrained")
     for ax, (task, model, block, evicting, full) in zip(axes[0], panels):
         ratios = sorted({float(r) for r in evicting["ratio"]})
@@ -323,7 +323,7 @@ def leaderboard(df, out: Path) -> list[Path]:
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=6, loc="center left", bbox_to_anchor=(1.02, 0.5))
         mark = " (§ subset run: task.limit)" if (evicting["subset"].any() or full["subset"].any()) else ""
-        ax.set_title(f"{task}: {model}, B = {block}{mark}", fontsize=8)
+        ax.set_title(f"{task}: {model}, {block}{mark}", fontsize=8)
     return save(fig, out, "leaderboard")
 
 

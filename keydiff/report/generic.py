@@ -45,6 +45,17 @@ LEGEND = ("value [95 % confidence interval] (Wilson score interval inside the sc
 COUNT_METRICS = re.compile(r"^(n|n_.*|num_.*|.*_count|length)$")  # counts and lengths: printed as integers
 
 
+def block_cells(df: pd.DataFrame) -> pd.Series:
+    """The "B" of a configuration: the block size, "-query-agnostic" added for query_aware=false runs (as their
+    directories), so that the two protocols are never averaged together and a table or figure that mixes them
+    says which row is which (runs before the switch, and query-aware ones, keep the plain block size)."""
+    block = df["block_size"].fillna(NA)
+    if "query_aware" not in df:
+        return block
+    agnostic = df["query_aware"].astype(str).str.lower().eq("false")
+    return block.where(~agnostic, block.astype(str) + "-query-agnostic")
+
+
 def runs_of(df: pd.DataFrame) -> pd.DataFrame:
     """One row per configuration, seeds averaged (n per seed), with the marks of the runs behind it. Subset
     runs of a configuration that has a whole-task run are left out (`superseded` counts them). Only the
@@ -55,7 +66,7 @@ def runs_of(df: pd.DataFrame) -> pd.DataFrame:
     ses = [f"se/{c}" for c in values if f"se/{c}" in df.columns]
     df = df[[c for c in ID + values + ses if c in df.columns]].assign(
         budget_label=df["budget_label"].where(df["policy_name"] != "full", NA).fillna(NA),
-        block_size=df["block_size"].fillna(NA), subset=df["limit"].notna().astype(float), limit=df["limit"],
+        block_size=block_cells(df), subset=df["limit"].notna().astype(float), limit=df["limit"],
         incomplete=(~df["complete"].astype(str).eq("True")).astype(float),
         samples=pd.to_numeric(df["samples"], errors="coerce"),
         num_failed=pd.to_numeric(df["num_failed"], errors="coerce").fillna(0) if "num_failed" in df else 0.0, seeds=1)

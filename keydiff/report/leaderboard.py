@@ -8,14 +8,20 @@ once. `runs` selects them (registry.TABLES["leaderboard"]: those two experiments
 block size, subset runs included and marked); `write` lays out results/tables/leaderboard.{md,tex,csv} and
 keydiff.report.figures draws results/figures/leaderboard.{png,pdf} from the same selection.
 
-Table: one row per (task, model, B, method): the full cache first (its score in the column "1 (r=0)"), then
+Protocols. kvpress's leaderboard compresses the context alone (query_aware=false) and appends the question; its
+query-aware loop compresses both. Rows of query_aware=true runs are named "<method> (query-aware)" (runs made
+before the switch existed were all query-aware). Each row also says its protocol (`protocol`): "kvpress's
+protocol" (one block, nothing evicted while decoding: the numbers to lay beside kvpress's), "bounded (B=...)"
+(block-wise, eviction after every generated token), or the block size and decode eviction of any other run.
+
+Table: one row per (task, model, protocol, method): the full cache first (its score in the column "1 (r=0)"), then
 the methods ranked by Avg. (mean over the kept ratios in the table, shown only when every ratio ran completely on
 the same tasks and samples; ties by name); one column
 per kept ratio, headed "kept (r=kvpress compression ratio)". Cells: RULER average x100 "value [low, high]
 (n=samples per task)" (95 % Wilson interval inside 0-100 over all the samples behind the average,
 keydiff/report/render.py; Avg.'s uses the mean of the ratios' standard errors, a bound, since every ratio
 scores the same samples). Marks: § subset run (task.limit), †k
-failed samples, ~ run not complete, (k/13) tasks scored. Best method per column (within a task, model and B)
+failed samples, ~ run not complete, (k/13) tasks scored. Best method per column (within a task, model and protocol)
 is bold; the full cache is the reference, never bold. The CSV holds the same numbers, one row per run.
 Only ratio budgets enter the leaderboard (a token budget in these experiments is in the generic tables).
 
@@ -50,7 +56,25 @@ def legend(selected: pd.DataFrame) -> str:
             f"Cells: RULER average x100 ({tasks}; string match); Avg. = mean over the kept ratios, shown only when "
             "every ratio ran completely on the same tasks and samples (its interval from the mean of their "
             "standard errors: the ratios score the same samples). § subset run (task.limit), †k failed samples, "
-            f"~ run not complete, (k/{len(TASKS)}) tasks scored; n = samples per task.")
+            f"~ run not complete, (k/{len(TASKS)}) tasks scored; n = samples per task. Protocol: kvpress's = the "
+            "context compressed in one pass, nothing evicted while decoding (the numbers to lay beside kvpress's "
+            "leaderboard); bounded = block-wise prefill and eviction after every generated token (a real memory "
+            "bound). Methods compress the context only and get the question afterwards (kvpress's query_aware=false) "
+            "unless marked \"(query-aware)\" (the question compressed with the context).")
+
+
+QUERY_AWARE = " (query-aware)"  # kvpress's label of its query-aware loop's rows
+
+
+def protocol_label(block_size, decode_eviction) -> str:
+    """The protocol a run followed, as the table and figure name it (block_size as collect records it)."""
+    one_pass = str(block_size) in ("inf", "None", "nan")
+    evicts = bool(decode_eviction)
+    if one_pass and not evicts:
+        return "kvpress's protocol (one pass, no decode eviction)"
+    if not one_pass and evicts:
+        return f"bounded (B={block_size}, decode eviction)"
+    return f"B={block_size}, decode eviction {'on' if evicts else 'off'}"
 
 
 def ratio_header(ratio: float) -> str:
@@ -66,6 +90,10 @@ def runs(df: pd.DataFrame, table: PaperTable) -> pd.DataFrame:
     picked = df[df["task"].astype(str).str.startswith("ruler")] if len(df) else df
     if picked.empty:
         return pd.DataFrame()
+    # query-aware rows are methods of their own (kvpress's "(query-aware)"), never averaged with query-agnostic ones
+    aware = picked["query_aware"].fillna(True).astype(bool) if "query_aware" in picked else True
+    full = picked["policy"] == "full"
+    picked = picked.assign(policy=picked["policy"].where(~aware | full, picked["policy"] + QUERY_AWARE))
     picked = select(picked, table, by_task=True, limited=True, models=False, budgets=False, block_sizes=False)
     if picked.empty:
         return picked
@@ -75,7 +103,9 @@ def runs(df: pd.DataFrame, table: PaperTable) -> pd.DataFrame:
     counts = [f"metrics/n/{t}" for t in TASKS if f"metrics/n/{t}" in picked.columns]  # samples scored per task
     per_task = picked[counts].max(axis=1) if counts else pd.Series(np.nan, index=picked.index)
     complete = pd.to_numeric(picked["complete"], errors="coerce") if "complete" in picked else pd.Series(1.0, picked.index)
-    return picked.assign(tasks_scored=picked[task_columns].notna().sum(axis=1) if task_columns else 0,
+    decode = picked["decode_eviction"] if "decode_eviction" in picked else pd.Series(True, picked.index)
+    protocols = [protocol_label(b, d) for b, d in zip(picked["block_size"], decode)]
+    return picked.assign(protocol=protocols, tasks_scored=picked[task_columns].notna().sum(axis=1) if task_columns else 0,
                          per_task=per_task.fillna(picked["samples"]),
                          subset=picked["limit"].notna() if "limit" in picked else False,
                          incomplete=complete.fillna(0) < 1,
@@ -108,16 +138,16 @@ def averageable(by_ratio: dict, ratios: list[float]) -> bool:
 
 
 def layout(selected: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """(scores, text): rows (Task, Model, B, Method), full first then ranked by Avg.; columns the kept ratios
-    ascending, Avg., and the full cache's "1 (r=0)"."""
+    """(scores, text): rows (Task, Model, Protocol, Method), full first then ranked by Avg.; columns the kept
+    ratios ascending, Avg., and the full cache's "1 (r=0)"."""
     ratios = sorted({float(r) for r in selected["ratio"].dropna()})
     columns = [ratio_header(r) for r in ratios] + [AVERAGE, FULL_COLUMN]
     rows, values, texts = [], [], []
     for (task, model), mine in selected.groupby(["task", "model"], sort=True):
         evicting, full = mine[mine["budget_label"] != NA], mine[mine["budget_label"] == NA]
-        for block in sorted(set(evicting["block_size"]), key=str) or [NA]:
+        for block in sorted(set(evicting["protocol"]), key=str) or [NA]:
             ranked = []
-            for policy, line in evicting[evicting["block_size"] == block].groupby("policy"):
+            for policy, line in evicting[evicting["protocol"] == block].groupby("policy"):
                 by_ratio = {float(r["ratio"]): r for _, r in line.iterrows()}
                 scores = [by_ratio[r]["score"] if r in by_ratio else np.nan for r in ratios]
                 average = float(np.mean(scores)) if averageable(by_ratio, ratios) else np.nan
@@ -137,7 +167,7 @@ def layout(selected: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
                 rows.append((task, model, block, name))
                 values.append(scores)
                 texts.append(text)
-    index = pd.MultiIndex.from_tuples(rows, names=["Task", "Model", "B", "Method"])
+    index = pd.MultiIndex.from_tuples(rows, names=["Task", "Model", "Protocol", "Method"])
     return (pd.DataFrame(values, index=index, columns=columns, dtype=float),
             pd.DataFrame(texts, index=index, columns=columns))
 
@@ -147,14 +177,15 @@ def tidy(selected: pd.DataFrame) -> pd.DataFrame:
     ratio = selected["ratio"].fillna(1.0)
     se = selected["se/score"] if "se/score" in selected else pd.Series(np.nan, index=selected.index)
     frame = pd.DataFrame({
-        "task": selected["task"], "model": selected["model"], "block_size": selected["block_size"],
+        "task": selected["task"], "model": selected["model"], "protocol": selected["protocol"],
+        "block_size": selected["block_size"],
         "policy": selected["policy"], "method": selected["policy"].map(display_name),
         "budget": selected["budget_label"], "kept_ratio": ratio, "kvpress_compression_ratio": 1 - ratio,
         "ruler_average": selected["score"], "se": se, **ci95(selected, se),
         "samples_per_task": selected["per_task"], "samples": selected["samples"], "tasks_scored": selected["tasks_scored"],
         "subset": selected["subset"], "failed": selected["num_failed"].astype(int), "incomplete": selected["incomplete"],
     })
-    return frame.sort_values(["task", "model", "block_size", "policy", "kept_ratio"], kind="stable")
+    return frame.sort_values(["task", "model", "protocol", "policy", "kept_ratio"], kind="stable")
 
 
 def ci95(selected: pd.DataFrame, se: pd.Series) -> dict[str, list[float]]:
@@ -169,7 +200,7 @@ def write(df: pd.DataFrame, out: Path, table: PaperTable) -> bool:
     if selected.empty:
         return False
     scores, text = layout(selected)
-    mask = best_mask(scores, ["Task", "Model", "B"], [c for c in scores.columns if c != FULL_COLUMN])
+    mask = best_mask(scores, ["Task", "Model", "Protocol"], [c for c in scores.columns if c != FULL_COLUMN])
     write_table(text, mask, out, table.name, f"{table.caption} {legend(selected)} {INTERVAL_NOTE}")
     tidy(selected).to_csv(out / f"{table.name}.csv", index=False, float_format="%.10g", lineterminator="\n")
     return True

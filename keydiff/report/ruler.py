@@ -62,7 +62,8 @@ def ruler_rows(runs: Path) -> pd.DataFrame:
             "model": cfg["model"]["name"],
             "policy": cfg["policy"]["label"],
             "budget": cfg["budget"]["label"],
-            "block_size": summary.get("block_size"),
+            "block_size": summary.get("block_size") or "inf",  # None: the whole prompt (context) as one block
+            "query_aware": summary.get("query_aware", True),  # runs before the switch were all query-aware
             "length": cfg["task"]["length"],
             "n": "/".join(map(str, counts)),
             **{f"n/{task}": (metrics.get("n") or {}).get(task) for task in TASKS},
@@ -91,6 +92,10 @@ def to_markdown(df: pd.DataFrame) -> str:
         return "No RULER runs found (run e.g. `python run.py experiment=ruler task.data_dir=...`).\n"
     df = df.assign(_b=df["budget"].map(budget_tokens)).sort_values(["length", "model", "_b", "policy"])  # full last
     columns = ["model", "policy", "budget", "length", "haystack", "qa", "n", *TASKS, "avg"]
+    if "query_aware" in df and df["query_aware"].nunique(dropna=False) > 1:  # a table that mixes both protocols says which
+        columns.insert(3, "query_aware")
+    if df["block_size"].nunique(dropna=False) > 1:  # e.g. the leaderboard's two protocols (one pass / B = 128)
+        columns.insert(3, "block_size")
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     reasons: list[str] = []
     for _, row in df.iterrows():

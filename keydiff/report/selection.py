@@ -81,7 +81,11 @@ def pick(df, experiments, tasks=None, models=None, policies=None, budgets=None, 
     task_rank = runs["task"].map(list(tasks).index) if tasks is not None and not by_task else 0
     runs = runs.assign(budget_label=runs["budget_label"].where(~full, NA), block_size=runs["block_size"].where(~full, NA),
                        rank=runs["experiment"].map(experiments.index) * 100 + task_rank)
-    key = ["model", "policy", "budget_label", "block_size"] + (["task"] if by_task else [])
+    # the protocol (query_aware, decode_eviction: summaries before them were query-aware and evicted) is part of
+    # a configuration: never averaged across
+    runs = runs.assign(**{k: runs[k].fillna(True).astype(bool) if k in runs else True
+                          for k in ("query_aware", "decode_eviction")})
+    key = ["model", "policy", "budget_label", "block_size", "query_aware", "decode_eviction"] + (["task"] if by_task else [])
     runs = runs[runs["rank"] == runs.groupby(key)["rank"].transform("min")]  # never mix experiments or tasks
     runs = whole_runs_first(runs, key)[0]  # never average a subset run with its whole run
     runs = runs.assign(samples=pd.to_numeric(runs["samples"], errors="coerce"))

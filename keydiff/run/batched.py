@@ -70,7 +70,7 @@ def batched_rows(plan: RunPlan, model, tokenizer, stop_ids, samples: list, cfg: 
         in_flight.clear()
         release_memory()
         if batch_size == 1:  # as at batch 1: the sample is recorded as failed and the run goes on
-            sample, prompt = abandoned[0], plan.task.build_prompt(abandoned[0], tokenizer, plan.model_cfg.max_length)
+            sample, prompt = abandoned[0], plan.build_prompt(abandoned[0], tokenizer)
             log.warning("sample %s ran out of memory at batch 1: recorded as failed", sample.id)
             yield failed_row(plan, sample, prompt, "out_of_memory", out_of_memory, code)
             abandoned = abandoned[1:]
@@ -119,5 +119,5 @@ def _requests(plan: RunPlan, model, tokenizer, stop_ids, pending: deque, cfg: Di
 
 def _same_prompt(plan: RunPlan, tokenizer, sample, prompt):
     """`sample`'s prompt if it has exactly `prompt`'s token ids (so it may share its prefill), else None."""
-    own = plan.task.build_prompt(sample, tokenizer, plan.model_cfg.max_length)
+    own = plan.build_prompt(sample, tokenizer)
     return own if own.input_ids == prompt.input_ids else None

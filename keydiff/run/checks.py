@@ -139,7 +139,7 @@ def check_run_config(cfg: DictConfig, runs_here: bool = True) -> None:
         check_budget_config(cfg.budget)
     if isinstance(cfg.seed, bool) or not isinstance(cfg.seed, int):
         raise ConfigError(f"seed={cfg.seed!r} is not valid; valid: an integer")
-    for key in ("decode_eviction", "overwrite", "retry_failed", "dry_run"):
+    for key in ("decode_eviction", "query_aware", "overwrite", "retry_failed", "dry_run"):
         _check_bool(key, cfg.get(key, False))
     _check_positive_int("threads", cfg.get("threads"), optional=True, hint=" (null: SLURM_CPUS_PER_TASK or torch's default)")
     _check_positive_int("max_prompt_tokens", cfg.get("max_prompt_tokens"), optional=True)
@@ -159,6 +159,7 @@ def check_run_config(cfg: DictConfig, runs_here: bool = True) -> None:
     task = instantiate(cfg.task, _convert_="all")
     task.validate()
     task.check_model(model_cfg.max_length)
+    check_protocol(cfg.get("query_aware", True), task)
     if not cfg.get("dry_run", False):  # a dry run downloads and logs nothing
         if runs_here:
             check_device(model_cfg)
@@ -212,6 +213,14 @@ def drop_whole_task_limit(cfg: DictConfig) -> bool:
     log.info("task.limit=%s covers every sample of task %s: this is the whole run (%s)", limit, cfg.task.get("name"),
              run_dir_of(cfg))
     return True
+
+
+def check_protocol(query_aware: bool, task: Any) -> None:
+    """query_aware=false needs a task whose prompt splits into context and question (`Task.context_split`)."""
+    if not query_aware and getattr(task, "context_split", None) is None:
+        raise ConfigError(f"query_aware=false is not valid for task {task.name!r}: its prompt has no context apart from "
+                          "its question to compress (valid: query_aware=true; tasks with a split: ruler_*, longbench*, "
+                          "niah*, phonebook)")
 
 
 # --------------------------------------------------------------------------------------------- the Hub

@@ -69,6 +69,8 @@ class RunPlan:
     task: Task
     model_cfg: ModelConfig
     ratio: float | None = None  # a ratio budget (budget.ratio): N is set per sample from its prompt length
+    # False: kvpress's query-agnostic protocol (the context compressed, the question held: engine's held_suffix)
+    query_aware: bool = True
 
     def new_policy(self) -> Policy:
         """A fresh policy per sample, so stateful policies (random) do not depend on sample order."""
@@ -77,6 +79,15 @@ class RunPlan:
     @property
     def evicts(self) -> bool:
         return self.budget is not None or self.ratio is not None
+
+    def build_prompt(self, sample, tokenizer) -> Prompt:
+        """The task's prompt for this protocol (query_aware=False asks the task for its context/question split)."""
+        extra = {} if self.query_aware else {"query_aware": False}
+        return self.task.build_prompt(sample, tokenizer, self.model_cfg.max_length, **extra)
+
+    def compressed_tokens(self, prompt: Prompt) -> int:
+        """The tokens eviction sees, what a ratio budget counts: the prompt, or its context (query_aware=False)."""
+        return len(prompt.input_ids) if prompt.context_tokens is None else prompt.context_tokens
 
     def sample_budget(self, prompt_tokens: int) -> int | None:
         """N for a prompt of this length: the token budget, or ceil(ratio x prompt tokens), at least 1."""
@@ -103,7 +114,7 @@ def plan_run(cfg: DictConfig) -> RunPlan:
     model_cfg = ModelConfig.from_dict(OmegaConf.to_container(cfg.model, resolve=True))
     return RunPlan(policy_name, params, int(budget) if policy.evicts and ratio is None else None, block_size,
                    cfg.attention_statistics, cfg.get("decode_eviction", True), task, model_cfg,
-                   None if ratio is None else float(ratio))
+                   None if ratio is None else float(ratio), bool(cfg.get("query_aware", True)))
 
 
 def policy_target(policy_cfg: DictConfig) -> str:
@@ -189,10 +200,11 @@ def load_model_once(model_cfg: ModelConfig):
 def warm_up(plan: RunPlan, model, tokenizer, sample) -> None:
     """One untimed prefill + decode on the start of the first prompt, so that no sample's TTFT carries the
     device's start-up (CUDA context, cuBLAS handles, kernel selection, allocator growth)."""
-    ids = plan.task.build_prompt(sample, tokenizer, plan.model_cfg.max_length).input_ids
+    prompt = plan.build_prompt(sample, tokenizer)
+    ids = prompt.input_ids
     tokens = min(len(ids), 2 * (plan.block_size or 128))
     policy = plan.new_policy()
-    budget = plan.sample_budget(len(ids))  # the first sample's N: the warm-up runs what that sample will run
+    budget = plan.sample_budget(plan.compressed_tokens(prompt))  # the first sample's N: what that sample will run
     if budget is not None and plan.ratio is not None:
         try:
             policy.check(budget)
@@ -207,7 +219,7 @@ def run_sample(
     plan: RunPlan, model, tokenizer, stop_ids: list[int], sample, run_seed: int, code: str | None = None,
     prompt: Prompt | None = None,
 ) -> dict[str, Any]:
-    prompt = prompt or plan.task.build_prompt(sample, tokenizer, plan.model_cfg.max_length)
+    prompt = prompt or plan.build_prompt(sample, tokenizer)
     settings = prompt.generation
     device = next(model.parameters()).device
     for gpu in cuda_devices(model):
@@ -220,9 +232,11 @@ def run_sample(
 
 def prefill_sample(plan: RunPlan, model, tokenizer, prompt: Prompt):
     """The sample's block-wise prefill with a fresh policy and its own N: (PrefillResult, budget)."""
-    budget = plan.sample_budget(len(prompt.input_ids))
+    compressed = plan.compressed_tokens(prompt)
+    held = len(prompt.input_ids) - compressed  # the question, held whole up to the first token (query_aware=False)
+    budget = plan.sample_budget(compressed)
     state = prefill(model, torch.tensor([prompt.input_ids], dtype=torch.long), plan.new_policy(), budget,
-                    plan.block_size, plan.statistics, tokenizer=tokenizer)
+                    plan.block_size, plan.statistics, tokenizer=tokenizer, held_suffix=held)
     return state, budget
 
 
@@ -246,11 +260,14 @@ def sample_row(plan: RunPlan, model, tokenizer, sample, prompt: Prompt, state, o
     tokens = out.token_ids[0]
     prediction = tokenizer.decode(tokens, skip_special_tokens=True)
     length = len(prompt.input_ids)
+    compressed = plan.compressed_tokens(prompt)
+    held = length - compressed  # the question held whole (query_aware=false), else 0
     # Entries per KV head after prefill (head-adaptive layers: their mean over heads; padding is -1), over the layers
-    # the policy bounds (a hybrid model's sliding-window layers hold their window, whatever the budget).
+    # the policy bounds (a hybrid model's sliding-window layers hold their window, whatever the budget), of the
+    # compressed tokens (a held question is all there, every head).
     bounded = [p for p, kind in zip(state.kept_positions, state.cache.layer_kinds) if kind != "sliding"]
     kept = min(int((positions >= 0).sum()) // (positions.shape[0] * positions.shape[1])
-               for positions in bounded or state.kept_positions)
+               for positions in bounded or state.kept_positions) - held
     return {
         "sample_id": sample.id,
         "status": "ok",
@@ -260,7 +277,9 @@ def sample_row(plan: RunPlan, model, tokenizer, sample, prompt: Prompt, state, o
         "prompt_tokens": length,
         "budget": budget,
         "kept_tokens": kept,
-        "compression_ratio": 1.0 if budget is None else min(budget / length, 1.0),
+        "compression_ratio": 1.0 if budget is None else min(budget / compressed, 1.0),
+        "query_aware": plan.query_aware,
+        **({} if plan.query_aware else {"context_tokens": compressed, "held_tokens": held}),
         "ttft_s": state.seconds,
         "decode_s": out.seconds,
         "new_tokens": len(tokens),
@@ -289,7 +308,7 @@ def failed_row(plan: RunPlan, sample, prompt: Prompt, reason: str, message: str,
     """The row of a sample that could not run: why, and how long its prompt was (no scores)."""
     return {"sample_id": sample.id, "status": "failed", "failure_reason": reason, "error": message[:500],
             "info": prompt.info, "prompt_tokens": len(prompt.input_ids),
-            "budget": plan.sample_budget(len(prompt.input_ids)), "code": code}
+            "budget": plan.sample_budget(plan.compressed_tokens(prompt)), "query_aware": plan.query_aware, "code": code}
 
 
 def process_sample(plan: RunPlan, model, tokenizer, stop_ids, sample, cfg: DictConfig, code, signals) -> dict[str, Any]:
@@ -314,11 +333,11 @@ def screen_sample(plan: RunPlan, tokenizer, sample, cfg: DictConfig, code) -> tu
     """The sample's prompt, and its failed row if it must not run (over max_prompt_tokens, or a ratio budget
     whose N the policy refuses), else None."""
     cap = cfg.get("max_prompt_tokens")
-    prompt = plan.task.build_prompt(sample, tokenizer, plan.model_cfg.max_length)
+    prompt = plan.build_prompt(sample, tokenizer)
     if cap is not None and len(prompt.input_ids) > cap:
         return prompt, failed_row(plan, sample, prompt, "max_prompt_tokens",
                                   f"prompt has {len(prompt.input_ids)} tokens > max_prompt_tokens={cap}", code)
-    budget = plan.sample_budget(len(prompt.input_ids))
+    budget = plan.sample_budget(plan.compressed_tokens(prompt))
     if plan.ratio is not None and budget is not None:
         try:
             plan.new_policy().check(budget)
@@ -334,20 +353,27 @@ def run_statistics(rows: list[dict[str, Any]], plan: RunPlan) -> dict[str, Any]:
     n = len(rows)
     bounded = plan.evicts and plan.block_size is not None and plan.decode_eviction
     peak = max(row["max_cache_entries"] for row in rows)
+
+    def room(row: dict[str, Any]) -> int:
+        """Entries a layer may hold over its N_l: a block B, or (query_aware=false) the held question and the
+        first generated token, written before the first decoding step's eviction."""
+        return max(plan.block_size, row.get("held_tokens", 0) + 1) if row.get("held_tokens") else plan.block_size
+
+    extra = max(room(row) for row in rows) if bounded else None
     # The bound is per layer: N_l + B, with N_l the layer's own budget (uniform unless a schedule is set; a
     # PyramidKV schedule capped by a short prompt may differ between samples, so each row is checked).
     per_layer = [row for row in rows if row.get("layer_budgets")]  # rows of older runs have no per-layer record
     budgets = [max((b for b in column if b is not None), default=None) for column in zip(*(r["layer_budgets"] for r in per_layer))]
-    layer_bounds = [None if not bounded or b is None else b + plan.block_size for b in budgets]
+    layer_bounds = [None if not bounded or b is None else b + extra for b in budgets]
     layer_peaks = [max(column) for column in zip(*(r["layer_max_cache_entries"] for r in per_layer))]
-    bound = (max((b for b in layer_bounds if b is not None), default=None) if per_layer else max(r["budget"] for r in rows) + plan.block_size) if bounded else None
+    bound = (max((b for b in layer_bounds if b is not None), default=None) if per_layer else max(r["budget"] for r in rows) + extra) if bounded else None
     held = None if bound is None else (
-        all(b is None or p <= b + plan.block_size for r in per_layer for b, p in zip(r["layer_budgets"], r["layer_max_cache_entries"]))
+        all(b is None or p <= b + room(r) for r in per_layer for b, p in zip(r["layer_budgets"], r["layer_max_cache_entries"]))
         if per_layer else peak <= bound
     )
     # The same bound over all heads of a layer (rows of older runs have no totals): kv_heads x (N_l + B).
     totals = [row for row in per_layer if row.get("layer_max_total_entries")]
-    row_bounds = [[None if not bounded or b is None else h * (b + plan.block_size)
+    row_bounds = [[None if not bounded or b is None else h * (b + room(r))
                    for b, h in zip(r["layer_budgets"], r["layer_kv_heads"])] for r in totals]
     total_bounds = [max((b for b in column if b is not None), default=None) for column in zip(*row_bounds)]
     total_peaks = [max(column) for column in zip(*(r["layer_max_total_entries"] for r in totals))]
@@ -363,7 +389,7 @@ def run_statistics(rows: list[dict[str, Any]], plan: RunPlan) -> dict[str, Any]:
         "mean_decode_s": sum(r["decode_s"] for r in rows) / n,
         "mean_new_tokens": sum(r["new_tokens"] for r in rows) / n,
         "max_cache_entries": peak,
-        "cache_bound": bound,  # max over layers of N_l + B; None when unbounded (full policy or one whole-prompt block)
+        "cache_bound": bound,  # max over layers of N_l + B (query_aware=false: B or held question + 1); None when unbounded
         "cache_bound_held": held,  # every layer's peak <= its own N_l + B
         "layer_budgets": budgets,
         "layer_cache_bounds": layer_bounds,
@@ -473,6 +499,7 @@ def write_summary(cfg, plan: RunPlan, samples, store: ResultStore, record: dict[
         "block_size": plan.block_size,
         "attention_statistics": plan.statistics,
         "decode_eviction": plan.decode_eviction,
+        "query_aware": plan.query_aware,
         "threads": threads,
         "batch_size": int(cfg.get("batch_size", 1)),  # sequences decoding together (1: one sample at a time)
         "max_prompt_tokens": cfg.get("max_prompt_tokens"),

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, ClassVar, Iterator
 
 
 @dataclass
@@ -45,12 +45,19 @@ class Prompt:
     generation: GenerationSettings
     # Facts recorded verbatim in the result row (e.g. whether middle truncation happened, realised depth).
     info: dict[str, Any] = field(default_factory=dict)
+    # Query-agnostic prompts (build_prompt(..., query_aware=False)): the leading ids that are the context, the
+    # part that is compressed; the rest (question, end of the turn, answer prefix) is fed after it, held whole
+    # up to the first generated token. None: the whole prompt is compressed (query_aware=True).
+    context_tokens: int | None = None
 
 
 class Task(ABC):
     """Base class of every benchmark task. Subclasses are dataclasses whose fields come from `conf/task/*.yaml`."""
 
     name: str
+    # Where the task's prompt splits into context and question under query_aware=false (one line, for the docs
+    # and error messages); None: the task has no context apart from its question, and query_aware=false is refused.
+    context_split: ClassVar[str | None] = None
 
     def validate(self) -> None:
         """Check the configuration cheaply, before any model is loaded. Raise ValueError naming valid choices."""
@@ -64,7 +71,11 @@ class Task(ABC):
 
     @abstractmethod
     def build_prompt(self, sample: Sample, tokenizer: Any, max_length: int | None) -> Prompt:
-        """Build the model input. `max_length` is the model's context length used for truncation (None: no limit)."""
+        """Build the model input. `max_length` is the model's context length used for truncation (None: no limit).
+
+        A task with a `context_split` also takes `query_aware=False` (the runner passes it only then): the
+        prompt as kvpress's pipeline tokenises it, the context and the rest encoded apart (`split_encode`),
+        with `Prompt.context_tokens` set."""
 
     @abstractmethod
     def score(self, sample: Sample, prediction: str) -> dict[str, float]:
@@ -111,3 +122,35 @@ def encode_user_turn(tokenizer: Any, text: str, chat: bool = True) -> list[int]:
         )
         return list(tokenizer(rendered, add_special_tokens=False)["input_ids"])
     return list(tokenizer(text)["input_ids"])
+
+
+def render_user_turn(tokenizer: Any, text: str, chat: bool = True, **template_kwargs: Any) -> tuple[str, bool]:
+    """(the rendered string, add_special_tokens) that `encode_user_turn` encodes: `text` as one user turn with the
+    generation prompt, or the text alone (the tokenizer then adds its own special tokens) without a template."""
+    if chat and getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                             add_generation_prompt=True, **template_kwargs), False
+    return text, True
+
+
+def split_encode(tokenizer: Any, rendered: str, split: int, add_special_tokens: bool) -> tuple[list[int], int]:
+    """A query-agnostic prompt as kvpress's pipeline tokenises it (`KVPressTextGenerationPipeline.preprocess`):
+    the rendered text before character `split` (the chat template's prefix and the context) and after it (the
+    question, the end of the turn, the answer prefix) encoded apart, then concatenated. Returns (ids, the
+    number of context ids). The special tokens the tokenizer adds (BOS) go with the context."""
+    if not 0 < split < len(rendered):
+        raise ValueError(f"cannot split a prompt of {len(rendered)} characters at {split}: both context and question "
+                         "must be non-empty")
+    context = list(tokenizer(rendered[:split], add_special_tokens=add_special_tokens)["input_ids"])
+    rest = list(tokenizer(rendered[split:], add_special_tokens=False)["input_ids"])
+    return context + rest, len(context)
+
+
+def locate(rendered: str, text: str, task: str) -> int:
+    """Where `text` (the user turn) starts in `rendered` (the chat template's output); a clear error if the
+    template rewrote it, since the question's place in it is then unknown."""
+    start = rendered.find(text)
+    if start < 0:
+        raise ValueError(f"{task}: the chat template rewrote the user turn, so the question cannot be split from "
+                         "the context (query_aware=false); use query_aware=true or task.chat_template=false")
+    return start

@@ -24,12 +24,13 @@ import re
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, ClassVar, Iterator
 
 import numpy as np
 
 from keydiff.tasks import longbench_metrics as metrics
-from keydiff.tasks.base import GenerationSettings, Prompt, Sample, Task, encode_user_turn
+from keydiff.tasks.base import (GenerationSettings, Prompt, Sample, Task, encode_user_turn, locate, render_user_turn,
+                                 split_encode)
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +117,27 @@ DATASET2PROMPT: dict[str, str] = {
     "lcc": "Please complete the code given below. \n{context}Next line of code:\n",
     "repobench-p": "Please complete the code given below. \n{context}{input}Next line of code:\n",
 }
+
+# Where each template's question part starts (query_aware=false): the text before it is the context, compressed;
+# from it on (question, instruction after the context, answer prefix) is fed after the compressed context. The
+# place is kvpress's (`evaluation/benchmarks/longbench/create_huggingface_dataset.py`: the end of its
+# `context_prefix`, the start of its `question_template`), found in the official template: the last occurrence.
+QUESTION_STARTS: dict[str, str] = {
+    "narrativeqa": "Question: {input}", "qasper": "Question: {input}", "multifieldqa_en": "Question: {input}",
+    "multifieldqa_zh": "问题：{input}", "hotpotqa": "Question: {input}", "2wikimqa": "Question: {input}",
+    "musique": "Question: {input}", "dureader": "问题：{input}",
+    "gov_report": "Now, write a one-page summary of the report.", "qmsum": "Query: {input}",
+    "multi_news": "Now, write a one-page summary of all the news.", "vcsum": "会议总结：",
+    "trec": "{input}", "triviaqa": "{input}", "samsum": "{input}", "lsht": "{input}",
+    "passage_count": "Please enter the final count", "passage_retrieval_en": "{input}",
+    "passage_retrieval_zh": "{input}", "lcc": "Next line of code:", "repobench-p": "{input}",
+}
+
+
+def question_part(dataset: str, record: dict[str, Any]) -> str:
+    """The filled template from its question part on (QUESTION_STARTS): what query_aware=false does not compress."""
+    template = DATASET2PROMPT[dataset]
+    return template[template.rindex(QUESTION_STARTS[dataset]):].format(**record)
 
 
 def dataset_spec(dataset: str) -> DatasetSpec:
@@ -430,13 +452,25 @@ class LongBench(Task):
 
     # ----------------------------------------------------------------------------------- prompts
 
-    def build_prompt(self, sample: Sample, tokenizer: Any, max_length: int | None) -> Prompt:
+    context_split: ClassVar[str | None] = ("per dataset template, where kvpress's question part starts "
+                                           "(QUESTION_STARTS: e.g. \"Question: {input}\", gov_report's \"Now, write\")")
+
+    def build_prompt(self, sample: Sample, tokenizer: Any, max_length: int | None, query_aware: bool = True) -> Prompt:
         dataset: str = sample.fields["dataset"]
         record: dict[str, Any] = sample.fields["record"]
         spec = dataset_spec(dataset)
         prompt, truncated = truncate_middle(DATASET2PROMPT[dataset].format(**record), tokenizer, max_length)
         chat = self.chat_template and spec.chat
         input_ids = encode_user_turn(tokenizer, prompt, chat=chat)
+        context_tokens = None
+        if not query_aware:
+            # The question part is the prompt's end (the middle cut leaves the end whole unless the question is
+            # longer than half of max_length: then what survived of it).
+            question = question_part(dataset, record)
+            kept = next(n for n in range(min(len(question), len(prompt)), -1, -1) if prompt.endswith(question[len(question) - n:]))
+            rendered, add_special = render_user_turn(tokenizer, prompt, chat=chat)
+            split = locate(rendered, prompt, f"LongBench {dataset}") + len(prompt) - kept
+            input_ids, context_tokens = split_encode(tokenizer, rendered, split, add_special)
         generation = GenerationSettings(max_new_tokens=spec.max_new_tokens)
         if dataset == "samsum":
             # pred.py: min_length=context_length+1 and the newline token as an extra EOS.
@@ -449,7 +483,7 @@ class LongBench(Task):
             "language": record.get("language", spec.language),
             "chat_template": bool(chat and getattr(tokenizer, "chat_template", None)),
         }
-        return Prompt(input_ids=input_ids, generation=generation, info=info)
+        return Prompt(input_ids=input_ids, generation=generation, info=info, context_tokens=context_tokens)
 
     # ----------------------------------------------------------------------------------- scoring
 

@@ -48,9 +48,9 @@ import math
 import string
 import unicodedata
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, ClassVar, Iterator
 
-from keydiff.tasks.base import GenerationSettings, Prompt, Sample, Task, encode_user_turn
+from keydiff.tasks.base import GenerationSettings, Prompt, Sample, Task, encode_user_turn, split_encode
 from keydiff.tasks.haystack import Haystack, load_haystack
 
 NEEDLE = "\nThe best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day.\n"
@@ -266,7 +266,10 @@ class NeedleInAHaystack(Task):
             "needle_char_start": char_start,
         }
 
-    def build_prompt(self, sample: Sample, tokenizer: Any, max_length: int | None) -> Prompt:
+    context_split: ClassVar[str | None] = ("the retrieval question: storybook, before \"Based on the content of the "
+                                           "book, Question:\"; gkamradt, before the question's user message")
+
+    def build_prompt(self, sample: Sample, tokenizer: Any, max_length: int | None, query_aware: bool = True) -> Prompt:
         length = int(sample.fields["context_length"])
         depth = int(sample.fields["depth"])
         if max_length is not None and length > max_length:
@@ -300,11 +303,19 @@ class NeedleInAHaystack(Task):
                 needle_pos = start + made["needle_char_start"]
                 question_pos = rendered.find(question, start + len(haystack))
 
+        context_tokens = None
+        if not query_aware:  # kvpress's tokenisation: the context and the question encoded apart
+            if question_pos < 0:
+                raise ValueError("NIAH: the chat template rewrote the prompt, so the question cannot be split from the "
+                                 "context (query_aware=false); use query_aware=true or task.chat=false")
+            input_ids, context_tokens = split_encode(tokenizer, rendered, question_pos, add_special)
         needle_index = question_index = None
         spans = _token_spans(tokenizer, rendered, add_special)
         if spans is not None and len(spans) == len(input_ids):
             needle_index = _token_at(spans, needle_pos) if needle_pos >= 0 else None
             question_index = _token_at(spans, question_pos) if question_pos >= 0 else None
+        if context_tokens is not None:
+            question_index = context_tokens
 
         info = {
             "context_length": length,
@@ -318,7 +329,7 @@ class NeedleInAHaystack(Task):
             "prompt_style": self.prompt_style,
         }
         settings = GenerationSettings(max_new_tokens=self.max_new_tokens, do_sample=False)
-        return Prompt(input_ids=input_ids, generation=settings, info=info)
+        return Prompt(input_ids=input_ids, generation=settings, info=info, context_tokens=context_tokens)
 
     # ------------------------------------------------------------------ scoring
     def score(self, sample: Sample, prediction: str) -> dict[str, float]:

@@ -32,12 +32,13 @@ import random
 import re
 import statistics
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, ClassVar, Iterator
 
 import faker
 from faker.config import AVAILABLE_LOCALES
 
-from keydiff.tasks.base import GenerationSettings, Prompt, Sample, Task, encode_user_turn
+from keydiff.tasks.base import (GenerationSettings, Prompt, Sample, Task, encode_user_turn, locate, render_user_turn,
+                                 split_encode)
 
 DEFAULT_SIZES = [100, 478, 856, 1233, 1611, 1989, 2367, 2744, 3122, 3500]
 # Bump when a change in this module changes the generated books.
@@ -175,9 +176,18 @@ class Phonebook(Task):
             )
         return samples
 
-    def build_prompt(self, sample: Sample, tokenizer: Any, max_length: int | None) -> Prompt:
+    context_split: ClassVar[str | None] = ("the query: the last line, \"{name}:\" (the book and the two few-shot "
+                                           "entries, which are lines of the book, are the context)")
+
+    def build_prompt(self, sample: Sample, tokenizer: Any, max_length: int | None, query_aware: bool = True) -> Prompt:
         fields = sample.fields
         input_ids = encode_user_turn(tokenizer, fields["prompt"], chat=self.chat_template)
+        context_tokens = None
+        if not query_aware:  # the query "{name}:" after the last blank line (build_prompt_text)
+            text = fields["prompt"]
+            rendered, add_special = render_user_turn(tokenizer, text, chat=self.chat_template)
+            split = locate(rendered, text, "phonebook") + text.rindex("\n\n") + 2
+            input_ids, context_tokens = split_encode(tokenizer, rendered, split, add_special)
         info = {
             "size": fields["size"],
             "book": fields["book"],
@@ -188,7 +198,7 @@ class Phonebook(Task):
             "exceeds_max_length": max_length is not None and len(input_ids) > max_length,
         }
         generation = GenerationSettings(max_new_tokens=self.max_new_tokens, do_sample=False)
-        return Prompt(input_ids=input_ids, generation=generation, info=info)
+        return Prompt(input_ids=input_ids, generation=generation, info=info, context_tokens=context_tokens)
 
     def score(self, sample: Sample, prediction: str) -> dict[str, float]:
         """exact: first output line == number (primary, Jelassi); lenient: first 10-digit number == it."""

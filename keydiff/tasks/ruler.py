@@ -15,8 +15,10 @@ and RULER's answer prefix, with its leading space, follows the generation prompt
 templates (``scripts/data/template.py``, e.g. meta-llama3) place it. kvpress splits RULER's inputs at
 "The special magic" / "Answer:", so its user turn ends with that space and its answer prefix has none:
 ``answer_prefix_style: kvpress`` gives that layout. ``chat_template: false`` gives template + answer prefix
-as plain text (RULER's ``base`` template). The runner prefills the whole prompt block-wise, so unlike
-kvpress's leaderboard the question goes through the bounded cache too. Greedy decoding with RULER's
+as plain text (RULER's ``base`` template). The runner prefills the whole prompt block-wise, so the question
+goes through the bounded cache too; ``build_prompt(..., query_aware=False)`` (the run's ``query_aware=false``)
+splits it as kvpress does (the last match of the task's question pattern, ``QUESTION_MARKERS``), context and
+rest tokenised apart, and the runner holds the rest whole up to the first generated token. Greedy decoding with RULER's
 tokens to generate (niah 128, vt 30, cwe 120, fwe 50, qa 32).
 
 Length guard: a sample whose prompt + tokens to generate is below ``MIN_LENGTH_FRACTION`` (95 %) of
@@ -42,9 +44,9 @@ import random
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, ClassVar, Iterator
 
-from keydiff.tasks.base import GenerationSettings, Prompt, Sample, Task
+from keydiff.tasks.base import GenerationSettings, Prompt, Sample, Task, split_encode
 from keydiff.tasks.ruler_generators import (
     QUESTION_MARKERS,
     RULER_COMMIT,
@@ -327,8 +329,11 @@ class Ruler(Task):
         rendered = user_text + answer_prefix
         return list(tokenizer(rendered)["input_ids"]), rendered, True
 
-    def build_prompt(self, sample: Sample, tokenizer: Any, max_length: int | None) -> Prompt:
-        key = (sample.id, id(tokenizer), max_length)
+    context_split: ClassVar[str | None] = ("kvpress's RULER split: before the last match of the task's question "
+                                           "pattern (QUESTION_MARKERS)")
+
+    def build_prompt(self, sample: Sample, tokenizer: Any, max_length: int | None, query_aware: bool = True) -> Prompt:
+        key = (sample.id, id(tokenizer), max_length, query_aware)
         if self._last is not None and self._last[0] == key:
             return self._last[1]
         task, index = sample.fields["task"], int(sample.fields["index"])
@@ -352,11 +357,15 @@ class Ruler(Task):
             raise ValueError(f"RULER {task} at task.length={self.length}: {error}; use a larger length") from None
         user_text, answer_prefix = gen.render(plan, size, example)
         input_ids, rendered, add_special = self.encode(tokenizer, user_text, answer_prefix)
+        marks = list(QUESTION_MARKERS[gen.kind].finditer(rendered))
+        context_tokens = None
+        if not query_aware:  # kvpress's split (the last question match) and tokenisation (context, rest apart);
+            # the haystack size stays the one fitted above, so both protocols ask about the same text
+            input_ids, context_tokens = split_encode(tokenizer, rendered, marks[-1].start(), add_special)
         if max_length is not None and len(input_ids) > max_length:
             raise ValueError(f"RULER {task}: prompt of {len(input_ids)} tokens exceeds the model's max_length {max_length}")
-        marks = list(QUESTION_MARKERS[gen.kind].finditer(rendered))
-        question_index = (len(tokenizer(rendered[: marks[-1].start()], add_special_tokens=add_special)["input_ids"])
-                          if marks else None)
+        question_index = context_tokens if context_tokens is not None else (
+            len(tokenizer(rendered[: marks[-1].start()], add_special_tokens=add_special)["input_ids"]) if marks else None)
         fraction = (len(input_ids) + to_generate) / self.length
         if fraction < MIN_LENGTH_FRACTION:
             log.warning("RULER %s: prompt + %d to generate fill only %.1f %% of task.length=%d (data too small); "
@@ -376,7 +385,8 @@ class Ruler(Task):
             "question_token_index": question_index,
             "answers": list(plan["answers"]),
         }
-        prompt = Prompt(input_ids=input_ids, generation=GenerationSettings(max_new_tokens=to_generate), info=info)
+        prompt = Prompt(input_ids=input_ids, generation=GenerationSettings(max_new_tokens=to_generate), info=info,
+                        context_tokens=context_tokens)
         self._last = (key, prompt)
         return prompt
 

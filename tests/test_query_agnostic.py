@@ -1,0 +1,332 @@
+"""kvpress's query-agnostic protocol (`query_aware=false`): the engine's held suffix, the tasks' context/question
+splits (RULER checked against kvpress's own split rule and pipeline), and the runner's bookkeeping."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from keydiff import available_policies, build_policy, generate, prefill
+from tests.conftest import tiny_llama
+
+EVICTING = [name for name in available_policies() if name != "full"]
+# Head-adaptive, layer-scheduled and chunked variants (conf/policy presets) on top of the built-in names.
+VARIANTS = {
+    "adakv_snapkv": ("snapkv", {"head_budgets": "adakv", "alpha_safeguard": 0.2}),
+    "adakv_keydiff": ("keydiff", {"head_budgets": "adakv", "alpha_safeguard": 0.2}),
+    "snapkv_pyramid": ("snapkv", {"layer_budgets": {"schedule": "pyramid", "beta": 20, "window": 32}}),
+    "chunkkv": ("snapkv", {"window": 32, "kernel_size": 7, "pooling": "avg", "chunk_length": 20, "chunk_scope": "layer"}),
+}
+POLICIES = EVICTING + list(VARIANTS)
+SUFFIX = 37  # longer than the block below, so the suffix is not one more block in disguise
+
+
+def make_policy(name: str):
+    target, params = VARIANTS.get(name, (name, {}))
+    return build_policy(target, **params)
+
+
+def held(positions: torch.Tensor) -> list[set[int]]:
+    """Per KV head of batch row 0, the set of positions held (padding -1 left out)."""
+    return [set(int(p) for p in head if p >= 0) for head in positions[0]]
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_question_is_whole_at_the_first_generated_token(model, prompt, name):
+    """Every token of the held suffix is in every layer and head at the first generated token, and the context
+    was compressed exactly as without a suffix (the suffix evicts nothing of it)."""
+    length, budget, block = prompt.shape[1], 64, 32
+    context = length - SUFFIX
+    state = prefill(model, prompt, make_policy(name), budget, block, held_suffix=SUFFIX)
+    alone = prefill(model, prompt[:, :context], make_policy(name), budget, block)
+    question = set(range(context, length))
+    assert state.held_suffix == SUFFIX
+    for layer, (positions, reference) in enumerate(zip(state.kept_positions, alone.kept_positions)):
+        for head, (kept, ref) in enumerate(zip(held(positions), held(reference))):
+            assert question <= kept, (name, layer, head)
+            if name != "random":  # random draws differ between the two runs
+                assert kept - question == ref, (name, layer, head)
+    # Nothing was dropped after the suffix: the cache holds (context kept) + S per head.
+    assert all(layer.num_entries == min(n, context) + SUFFIX for layer, n in zip(state.cache.layers, state.cache.layer_budgets))
+
+
+@pytest.mark.parametrize("name", ["keydiff", "snapkv", "tova", "h2o", "kvzip"])
+def test_budget_covering_the_context_equals_the_full_forward(model, prompt, name):
+    """N >= context: nothing is evicted, so the logits are the model's on the whole prompt."""
+    state = prefill(model, prompt, make_policy(name), prompt.shape[1] - SUFFIX, 32, held_suffix=SUFFIX)
+    with torch.no_grad():
+        reference = model(prompt).logits[:, -1].float()
+    assert torch.allclose(state.logits, reference, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["keydiff", "snapkv", "adakv_snapkv", "kvzip"])
+def test_held_suffix_goes_at_the_first_decoding_step_or_never(model, prompt, name):
+    """evict=True: the first decoding step's eviction brings every layer back to N (its statistic is that
+    step's); evict=False: the suffix and every generated token stay (kvpress's pipeline)."""
+    budget, steps = 64, 5
+    state = prefill(model, prompt, make_policy(name), budget, 32, held_suffix=SUFFIX)
+    out = generate(model, state, steps, record_steps=True)
+    assert out.step_entries and max(out.step_entries) <= budget
+    assert out.max_cache_entries == budget + SUFFIX + 1  # the first step's token is written before the eviction
+    state = prefill(model, prompt, make_policy(name), budget, 32, held_suffix=SUFFIX)
+    out = generate(model, state, steps, evict=False, record_steps=True)
+    assert out.step_entries == [budget + SUFFIX + i for i in range(1, steps)]
+
+
+def test_held_suffix_equals_the_same_passes_run_by_hand(model, prompt):
+    """The held suffix is one plain pass against the compressed cache: the same logits as feeding it by hand
+    after prefilling the context, with the cache's eviction after it left out."""
+    context = prompt.shape[1] - SUFFIX
+    state = prefill(model, prompt, "keydiff", 64, 32, held_suffix=SUFFIX)
+    by_hand = prefill(model, prompt[:, :context], "keydiff", 64, 32)
+    with torch.no_grad():
+        from keydiff.attention import keydiff_attention
+
+        with keydiff_attention(model, by_hand.cache):
+            logits = model(input_ids=prompt[:, context:], past_key_values=by_hand.cache, use_cache=True).logits
+    assert torch.allclose(state.logits, logits[:, -1].float(), atol=1e-5)
+
+
+def test_held_suffix_must_leave_a_context(model, prompt):
+    with pytest.raises(ValueError, match="held_suffix"):
+        prefill(model, prompt, "keydiff", 64, 32, held_suffix=prompt.shape[1])
+    with pytest.raises(ValueError, match="held_suffix"):
+        prefill(model, prompt, "keydiff", 64, 32, held_suffix=-1)
+
+
+def test_sdpa_and_eager_agree_with_a_held_suffix(prompt):
+    """The masks transformers builds count the held entries (not N): stock attention gives the same logits."""
+    results = []
+    for attn in ("eager", "sdpa"):
+        model = tiny_llama(attn)
+        state = prefill(model, prompt, "keydiff", 64, 32, held_suffix=SUFFIX)
+        out = generate(model, state, 4, evict=False)
+        results.append((state.logits, out.token_ids))
+    assert torch.allclose(results[0][0], results[1][0], atol=1e-4)
+    assert results[0][1] == results[1][1]
+
+
+# ------------------------------------------------------------------------------------------ task splits
+import json  # noqa: E402
+import re  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+KVPRESS = json.loads((ROOT / "tests/data/ruler_pinned/kvpress_question_patterns.json").read_text(encoding="utf-8"))
+KVPRESS_KIND = {"niah": "niah", "variable_tracking": "vt", "common_words_extraction": "cwe",
+                "freq_words_extraction": "fwe", "qa": "qa"}
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    from keydiff.models import ensure_builtin_model
+
+    return AutoTokenizer.from_pretrained(str(ensure_builtin_model("smollm2-135m")), local_files_only=True)
+
+
+def kvpress_split(text: str, kind: str) -> tuple[str, str, str]:
+    """kvpress's `split_context_question` (evaluation/benchmarks/ruler/create_huggingface_dataset.py), from the
+    pinned patterns: the context ends at the last question match, the answer prefix starts at the first answer
+    match after it."""
+    question = re.compile(KVPRESS["QUESTION_PATTERNS"][kind])
+    answer = re.compile(KVPRESS["ANSWER_PATTERNS"][kind])
+    start = list(question.finditer(text))[-1].start()
+    context, rest = text[:start], text[start:]
+    cut = answer.search(rest).start()
+    return context, rest[:cut], rest[cut:]
+
+
+def kvpress_ids(tokenizer, context: str, question: str, answer_prefix: str) -> tuple[list[int], list[int]]:
+    """kvpress's pipeline `preprocess` for one question: the context rendered in the chat template up to a
+    separator, the question + the template's end of turn + the answer prefix, each encoded on its own."""
+    if tokenizer.chat_template is None:
+        context, suffix = (tokenizer.bos_token or "") + context, "\n"
+    else:
+        separator = "#" * (len(context) + 10)
+        rendered = tokenizer.apply_chat_template([{"role": "user", "content": context + separator}],
+                                                 add_generation_prompt=True, tokenize=False, enable_thinking=False)
+        context, suffix = rendered.split(separator)
+    encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    return encode(context), encode(question + suffix + answer_prefix)
+
+
+@pytest.mark.real_model
+def test_ruler_split_is_kvpress_s_rule_on_every_fixture_task(tokenizer):
+    """Every RULER task (QA on the project's fixture): the query-agnostic prompt is, id for id, what kvpress's
+    split rule and pipeline make of RULER's input (kvpress's answer-prefix layout, chat template on)."""
+    from keydiff.tasks.ruler import STANDARD_TASKS, Ruler
+
+    assert tokenizer.chat_template  # the split below is the chat-template path of kvpress's pipeline
+    task = Ruler(length=1024, num_samples=1, data_dir=str(ROOT / "tasks/fixtures/ruler"), answer_prefix_style="kvpress")
+    task.validate()
+    for sample in task.samples():
+        name = sample.fields["task"]
+        prompt = task.build_prompt(sample, tokenizer, None, query_aware=False)
+        aware = task.build_prompt(sample, tokenizer, None)
+        gen, plan = task.generator(name), task.plan(name, 0)
+        example = gen.example(plan, prompt.info["example_size"]) if prompt.info["example_size"] is not None else ""
+        user_text, answer_prefix = gen.render(plan, prompt.info["haystack_size"], example)
+        context, question, prefix = kvpress_split(user_text + answer_prefix, KVPRESS_KIND[gen.kind])
+        assert context and question.strip() and prefix.strip(), name
+        context_ids, question_ids = kvpress_ids(tokenizer, context, question, prefix)
+        assert prompt.context_tokens == len(context_ids), name
+        assert prompt.input_ids == context_ids + question_ids, name
+        assert prompt.info["question_token_index"] == prompt.context_tokens
+        # the same haystack as the query-aware prompt (same fitted size), the same text
+        assert tokenizer.decode(prompt.input_ids) == tokenizer.decode(aware.input_ids), name
+        assert aware.context_tokens is None
+
+
+def question_of(tokenizer, prompt) -> str:
+    return tokenizer.decode(prompt.input_ids[prompt.context_tokens:])
+
+
+@pytest.mark.real_model
+def test_longbench_question_part_is_kvpress_s_per_dataset(tokenizer):
+    """Every fixture dataset: the held part starts where kvpress's question template starts (the question, or the
+    instruction after the context), the context part is the rest, and the text is the query-aware prompt's."""
+    from keydiff.tasks import longbench as lb
+
+    task = lb.LongBench(datasets=list(lb.ALL_21), data_dir=str(ROOT / "tasks/fixtures/longbench"), limit=1)
+    task.validate()
+    for sample in task.samples():
+        dataset, record = sample.fields["dataset"], sample.fields["record"]
+        prompt = task.build_prompt(sample, tokenizer, None, query_aware=False)
+        aware = task.build_prompt(sample, tokenizer, None)
+        question = lb.question_part(dataset, record)
+        held = question_of(tokenizer, prompt)
+        assert held.startswith(question.rstrip(" ")[: max(1, len(question) // 2)]), dataset
+        context = tokenizer.decode(prompt.input_ids[: prompt.context_tokens])
+        assert record["context"] in context and context + held == tokenizer.decode(prompt.input_ids), dataset
+        assert tokenizer.decode(prompt.input_ids) == tokenizer.decode(aware.input_ids), dataset
+    # The middle cut leaves the question whole at the end (a prompt cut to 200 tokens).
+    sample = next(s for s in task.samples() if s.fields["dataset"] == "hotpotqa")
+    prompt = task.build_prompt(sample, tokenizer, 200, query_aware=False)
+    assert question_of(tokenizer, prompt).startswith("Question: " + sample.fields["record"]["input"])
+
+
+@pytest.mark.real_model
+def test_niah_and_phonebook_hold_their_question(tokenizer):
+    from keydiff.tasks.niah import NeedleInAHaystack
+    from keydiff.tasks.phonebook import Phonebook
+
+    for style in ("storybook", "gkamradt"):
+        task = NeedleInAHaystack(context_lengths=[600], depths=[50], prompt_style=style)
+        sample = next(task.samples())
+        prompt = task.build_prompt(sample, tokenizer, 8192, query_aware=False)
+        held = question_of(tokenizer, prompt)
+        assert held.startswith("Based on the content of the book, Question: " if style == "storybook" else task.question)
+        assert task.needle.strip() in tokenizer.decode(prompt.input_ids[: prompt.context_tokens])
+        assert prompt.info["question_token_index"] == prompt.context_tokens
+    task = Phonebook(sizes=[8], books_per_size=1, queries_per_book=2)
+    for sample in task.samples():
+        prompt = task.build_prompt(sample, tokenizer, None, query_aware=False)
+        name = sample.fields["prompt"].rsplit("\n", 1)[1]
+        assert question_of(tokenizer, prompt).startswith(name)
+        assert sample.fields["answer"] in tokenizer.decode(prompt.input_ids[: prompt.context_tokens])
+
+
+# ------------------------------------------------------------------------------------------ runner
+def test_math500_refuses_query_agnostic_in_one_line(no_model_load):
+    from keydiff.run.checks import ConfigError, check_run_config
+    from tests.test_runner import make_cfg
+
+    cfg = make_cfg("task=math500", f"task.data_dir={ROOT / 'tasks/fixtures/math500'}", "query_aware=false")
+    with pytest.raises(ConfigError, match=r"query_aware=false is not valid for task 'math500'.*valid: query_aware=true") as error:
+        check_run_config(cfg)
+    assert "\n" not in str(error.value)
+    with pytest.raises(ConfigError, match="query_aware must be true or false"):
+        check_run_config(make_cfg("query_aware=maybe"))
+
+
+def test_protocol_is_part_of_the_run_directory():
+    from tests.test_runner import make_cfg
+
+    assert make_cfg().run_subdir.endswith("/bs128/seed0")  # the paper's protocol: directories as before
+    assert make_cfg("query_aware=false", "block_size=inf").run_subdir.endswith("/bsinf-query-agnostic/seed0")
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    from keydiff.run import runner
+
+    monkeypatch.setattr(runner, "load_model", lambda *a, **k: (_ for _ in ()).throw(AssertionError("model loaded")))
+
+
+@pytest.mark.real_model
+def test_query_agnostic_run_records_the_protocol(tmp_path):
+    """A phonebook run under query_aware=false: the ratio budget counts the context, every row and the summary
+    record the protocol, the question is held at the first token (kept = N over the context, peak N + held + 1)
+    and the summary's bound allows for it."""
+    import json
+    import math
+
+    from keydiff.run import runner
+    from tests.test_runner import make_cfg
+
+    cfg = make_cfg("task=phonebook", "task.sizes=[30]", "task.books_per_size=2", "policy=snapkv", "budget=r0.5",
+                   "block_size=32", "query_aware=false", "task.max_new_tokens=4")
+    summary = runner.run(cfg, tmp_path / "pb")
+    rows = [json.loads(line) for line in (tmp_path / "pb" / "predictions.jsonl").read_text().splitlines()]
+    assert summary["query_aware"] is False and summary["config"]["query_aware"] is False
+    for row in rows:
+        assert row["query_aware"] is False and row["status"] == "ok"
+        assert row["context_tokens"] + row["held_tokens"] == row["prompt_tokens"] and row["held_tokens"] > 1
+        assert row["budget"] == math.ceil(0.5 * row["context_tokens"])
+        assert row["kept_tokens"] == row["budget"]
+        assert row["max_cache_entries"] == max(row["budget"] + 32, row["budget"] + row["held_tokens"] + 1)
+    assert summary["statistics"]["cache_bound_held"] is True
+
+
+def test_generic_tables_never_average_the_two_protocols():
+    """Two runs of one configuration, one per protocol: two rows, the query-agnostic one's B says so."""
+    import pandas as pd
+
+    from keydiff.report import generic
+
+    base = {"experiment": "adhoc", "task": "ruler_4k", "model": "m", "policy": "keydiff", "policy_name": "keydiff",
+            "budget_label": "r0.5", "block_size": "128", "seed": 0, "limit": float("nan"), "complete": True,
+            "samples": 13, "num_failed": 0, "score": 50.0}
+    frame = pd.DataFrame([{**base, "query_aware": True}, {**base, "query_aware": False, "score": 30.0}])
+    runs = generic.runs_of(frame)
+    assert sorted(zip(runs["block_size"], runs["score"])) == [("128", 50.0), ("128-query-agnostic", 30.0)]
+    older = generic.runs_of(frame.drop(columns="query_aware").iloc[:1])  # summaries before the switch
+    assert older["block_size"].tolist() == ["128"]
+
+
+# ------------------------------------------------------------------------------------------ several questions
+@pytest.mark.parametrize("name", ["keydiff", "snapkv", "h2o", "adakv_snapkv", "kvzip"])
+@pytest.mark.parametrize("evict", [False, True])
+def test_several_questions_over_one_compressed_context_never_leak(model, prompt, name, evict):
+    """One context compressed once, three questions answered from copies of it (multi-request): each answer equals
+    the one from a fresh prefill of context + that question alone, in any order, and the context's state is left
+    as it was, so no question or answer reaches another's cache."""
+    from keydiff import copy_state, hold
+
+    context = prompt[:, :220]
+    generator = torch.Generator().manual_seed(7)
+    questions = [torch.randint(0, 256, (1, n), generator=generator) for n in (9, 23, 40)]
+
+    def fresh(question):
+        state = prefill(model, torch.cat([context, question], dim=1), make_policy(name), 64, 32,
+                        held_suffix=question.shape[1])
+        return generate(model, state, 6, evict=evict).token_ids
+
+    expected = [fresh(q) for q in questions]
+    shared = prefill(model, context, make_policy(name), 64, 32)
+    before = [p.clone() for p in shared.kept_positions], shared.cache.get_seq_length(), shared.cache.entries_held()
+    for order in ([0, 1, 2], [2, 0, 1]):
+        for i in order:
+            state = hold(model, copy_state(shared, model), questions[i])
+            assert state.held_suffix == questions[i].shape[1]
+            assert generate(model, state, 6, evict=evict).token_ids == expected[i], (name, i)
+    assert shared.cache.get_seq_length() == before[1] and shared.cache.entries_held() == before[2]
+    assert all(torch.equal(a, b) for a, b in zip(shared.cache.kept_positions(), before[0]))
+    # A decoded state (its cache holds a question and an answer) can be neither fed another question nor copied.
+    state = hold(model, copy_state(shared, model), questions[0])
+    generate(model, state, 6, evict=evict)
+    for call in (lambda: hold(model, state, questions[1]), lambda: copy_state(state, model)):
+        with pytest.raises(RuntimeError, match="already decoded"):
+            call()
