@@ -12,6 +12,8 @@ importable), on a tiny and a mid-size random Llama:
                    generates the same tokens as layer-by-layer eviction (keydiff, tova, snapkv, h2o); on
                    CUDA batched kernels may round differently, so the kept-set agreement must be >= 0.99,
                    and the tokens identical wherever the kept sets are
+  batch 4 = alone  keydiff.generate_batch decodes four prompts of different lengths (one shorter than N) at
+                   batch 4 into the tokens each gets decoded alone (keydiff, tova, snapkv, full)
   fast ~ materialized   share of kept (layer, head, position) entries both statistic modes agree on
                    (h2o, tova, snapkv); bf16 rounding may flip near-ties, hence a threshold, not equality
   FA2 vs SDPA      the same weights give the same logits with both kernels
@@ -241,6 +243,34 @@ def guarded(check: str, setting: str, fn, *args) -> Row:
         return Row(check, setting, "FAIL", f"{type(error).__name__}: {str(error).splitlines()[0][:200]}")
 
 
+
+BATCH_POLICIES = ("keydiff", "tova", "snapkv", "full")
+
+
+def check_batch_equals_separate(model, prompt, sizes: Sizes, setting) -> Row:
+    """keydiff.generate_batch at batch 4 against each sequence decoded alone: four prompts of different lengths
+    (one shorter than N) per policy, greedy. Prefills run alone and attention runs row by row, so only the
+    batched projections and MLPs can round differently from batch 1 (cuBLAS may pick other kernels for 4 rows
+    than for 1): a FAIL names the sequences whose tokens differ."""
+    lengths = [prompt.shape[1], prompt.shape[1] * 3 // 4, prompt.shape[1] // 2, max(8, sizes.budget // 2)]
+    identical = total = 0
+    failures = []
+    for name in BATCH_POLICIES:
+        states = [prefill(model, prompt[:, :n], name, sizes.budget, sizes.block) for n in lengths]
+        alone = [generate(model, state.fork(1)[0], sizes.new_tokens) for state in states]
+        requests = [keydiff.Request(state, max_new_tokens=sizes.new_tokens, key=i) for i, state in enumerate(states)]
+        batched = dict(keydiff.generate_batch(model, requests, batch_size=len(requests)))
+        for i, single in enumerate(alone):
+            total += 1
+            if batched[i].token_ids == single.token_ids:
+                identical += 1
+                continue
+            failures.append(f"{name} L={lengths[i]}")
+    detail = f"{', '.join(BATCH_POLICIES)} x L={lengths}: {identical}/{total} sequences identical at batch 4"
+    return Row("batch 4 = alone", setting, "PASS" if identical == total else "FAIL",
+               detail + (f"; differ: {', '.join(failures)}" if failures else ""))
+
+
 def engine_checks(model_name: str, dtype: torch.dtype, attn: str, device: str, sizes: Sizes) -> list[Row]:
     setting = f"{model_name.removeprefix('random-')} {attn} {short(dtype)}"
     print(f"  checking {setting} ...", file=sys.stderr, flush=True)
@@ -254,7 +284,8 @@ def engine_checks(model_name: str, dtype: torch.dtype, attn: str, device: str, s
             guarded("N+B bound", setting, check_bound, model, prompt, sizes, setting),
             guarded("N >= L = full", setting, check_large_budget_is_full, model, prompt, sizes, setting, tol),
             guarded("plain loop = generate", setting, check_plain_loop, model, prompt, sizes, setting),
-            guarded("stacked = per layer", setting, check_stacked_equals_layer_by_layer, model, prompt, sizes, setting)]
+            guarded("stacked = per layer", setting, check_stacked_equals_layer_by_layer, model, prompt, sizes, setting),
+            guarded("batch 4 = alone", setting, check_batch_equals_separate, model, prompt, sizes, setting)]
     if dtype == torch.bfloat16 and attn != "eager":  # eager computes both modes from the same weights
         rows.append(guarded("fast ~ materialized", setting, check_statistics_agreement, model, prompt, sizes, setting))
     return rows
