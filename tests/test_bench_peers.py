@@ -215,7 +215,7 @@ def reference_kept(model, ids: torch.Tensor, budget: int) -> list[list[list[int]
 
     cache = DynamicCache()
     with torch.no_grad():
-        model(input_ids=ids, past_key_values=cache, use_cache=True)
+        model(input_ids=ids, cache=cache, use_cache=True)
     kept = []
     for layer in cache.layers:
         keys = layer.keys[0].double()  # [kv_heads, L, d]

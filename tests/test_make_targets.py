@@ -27,7 +27,8 @@ def make(*args: str, cwd: Path = ROOT, timeout: int = 300) -> subprocess.Complet
 
 def one_error_line(result: subprocess.CompletedProcess) -> str:
     """The program's single `error:` line (make adds its own `make: *** ... Error 2` after it)."""
-    lines = [line for line in result.stderr.splitlines() if line.strip() and not line.startswith("make: ***")]
+    lines = [line for line in result.stderr.splitlines()  # make's own "make: ***" ("make[1]: ***" under make test)
+             if line.strip() and not re.match(r"make(\[\d+\])?: \*\*\*", line)]
     assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr[-3000:]
     assert "Traceback" not in result.stdout + result.stderr
     assert not any(line.startswith("usage:") for line in result.stderr.splitlines())  # argparse's usage block
@@ -55,7 +56,7 @@ def test_a_users_mistake_is_one_error_line_and_exit_2(args, expected, tmp_path):
 
 @pytest.mark.parametrize("argv, expected", [
     (["polcy=tova"], "error: polcy is not a config group or key; valid groups: budget, experiment, logger, model, "
-                     "policy, task; valid keys: attention_statistics, block_size,"),
+                     "policy, protocol, task; valid keys: attention_statistics, batch_size, block_size,"),
     (["-m", "polcy=a,b"], "error: polcy is not a config group or key;"),  # a swept typo, before any grid point
     (["model.nme=x"], "error: model.nme is not a key of model; valid: attn_implementation, device, dtype,"),
     (["budget=r0.3"], "error: budget=r0.3 is not valid; valid: 1k, 2k, 3k, 4k, 6k, 8k, r0.1, r0.125, r0.25, r0.5, "

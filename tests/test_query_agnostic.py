@@ -83,7 +83,7 @@ def test_held_suffix_equals_the_same_passes_run_by_hand(model, prompt):
         from keydiff.attention import keydiff_attention
 
         with keydiff_attention(model, by_hand.cache):
-            logits = model(input_ids=prompt[:, context:], past_key_values=by_hand.cache, use_cache=True).logits
+            logits = model(input_ids=prompt[:, context:], cache=by_hand.cache, use_cache=True).logits
     assert torch.allclose(state.logits, logits[:, -1].float(), atol=1e-5)
 
 

@@ -80,9 +80,9 @@ def test_overwrite_then_tables_shows_only_the_new_run(tmp_path, caplog):
     r0125 = frame[frame["budget_label"] == "r0.125"]
     assert r0125["score"].tolist() == [7.69]
     board = (out / "leaderboard.md").read_text()
-    assert "7.69 ± n/a (n=1)§" in board and "28.845" not in board and "50.00 ± n/a (n=1)§ (2/13)" in board
+    assert "7.69 [n too small] (n=1)§" in board and "28.845" not in board and "50.00 [n too small] (n=1)§ (2/13)" in board
     generic = (out / "generic" / "leaderboard__ruler_4k.md").read_text()
-    assert "28.845" not in generic and "| keydiff | 7.690 ± n/a (n=2)§ |" in generic  # n: the new run's 2 samples
+    assert "28.845" not in generic and "| keydiff | 7.690 [n too small] (n=2)§ |" in generic  # n: the new run's 2 samples
     assert "| keydiff | r0.125 | 2 | 0 | 1 | 1 |" in generic  # one seed, not the old run as a second one
     ruler_md = (out / "ruler.md").read_text()
     assert ".old-" not in ruler_md and ruler_md.count("| smollm2-135m | keydiff | r0.125 |") == 1
@@ -148,9 +148,9 @@ def test_an_incomplete_ratio_gives_no_average_and_marks_are_not_doubled():
     rows = [row("keydiff", b, s) for b, s in zip(RATIOS, (10.0, 20.0, 30.0, 40.0))]
     rows += [row("tova", b, s, complete=b != "r0.25") for b, s in zip(RATIOS, (10.0, 25.0, 50.0, 44.0))]
     scores, text, _ = board(rows)
-    assert text.loc[("ruler_4k", "m", "128", "TOVA"), "Avg."] == "--" and np.isnan(scores.loc[("ruler_4k", "m", "128", "TOVA"), "Avg."])
-    assert text.loc[("ruler_4k", "m", "128", "TOVA"), "0.25 (r=0.75)"] == "25.00 ± n/a (n=1)§~ (2/13)"
-    assert text.loc[("ruler_4k", "m", "128", "KeyDiff"), "Avg."] == "25.00 ± n/a§"
+    assert text.loc[("ruler_4k", "m", "bounded (B=128, decode eviction)", "TOVA"), "Avg."] == "--" and np.isnan(scores.loc[("ruler_4k", "m", "bounded (B=128, decode eviction)", "TOVA"), "Avg."])
+    assert text.loc[("ruler_4k", "m", "bounded (B=128, decode eviction)", "TOVA"), "0.25 (r=0.75)"] == "25.00 [n too small] (n=1)§~ (2/13)"
+    assert text.loc[("ruler_4k", "m", "bounded (B=128, decode eviction)", "KeyDiff"), "Avg."] == "25.00 [n too small]§"
     assert list(scores.index.get_level_values("Method")) == ["KeyDiff", "TOVA"]  # TOVA unranked: no average
 
 
