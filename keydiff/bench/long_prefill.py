@@ -35,13 +35,6 @@ def peak_memory_bytes(device: str) -> int | None:
     """The run's peak: CUDA max allocated, else VmHWM from /proc/self/status (Linux), else ru_maxrss."""
     if device == "cuda":
         return torch.cuda.max_memory_allocated()
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
     return common.peak_rss_bytes()
 
 

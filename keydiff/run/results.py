@@ -46,11 +46,15 @@ class ResultWriteError(OSError):
 
 def atomic_write_json(path: Path, data: Any) -> None:
     """Temp file + fsync + rename: the old file stays whole unless the new one was written completely."""
+    atomic_write_bytes(path, json.dumps(data, indent=2, ensure_ascii=False, default=str).encode("utf-8"))
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """`data` to `path` by temp file + fsync + rename (see atomic_write_json)."""
     tmp = path.with_name(f".{path.name}.tmp")
-    text = json.dumps(data, indent=2, ensure_ascii=False, default=str)
     try:
-        with open(tmp, "w", encoding="utf-8") as handle:
-            handle.write(text)
+        with open(tmp, "wb") as handle:
+            handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)

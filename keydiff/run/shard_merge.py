@@ -27,15 +27,14 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from keydiff.run.lock import RunLock, RunLockedError
 from keydiff.run.provenance import timestamp
-from keydiff.run.results import (PREDICTIONS, ConfigMismatchError, ResultStore, ResultWriteError, atomic_write_json,
-                                 is_moved_aside, run_summaries)
+from keydiff.run.results import (PREDICTIONS, ConfigMismatchError, ResultStore, ResultWriteError, atomic_write_bytes,
+                                 atomic_write_json, is_moved_aside, run_summaries)
 from keydiff.run.shards import (MERGE_RECORD, SHARDS, ShardState, describe_shards, is_shard_dir, merge_record,
                                  shard_dirs, shard_states)
 
@@ -153,20 +152,6 @@ class MergedStore(ResultStore):
         return super().write_summary({**summary, "shards": self.merge_record})
 
 
-def write_bytes_atomic(path: Path, data: bytes) -> None:
-    """Temp file + fsync + rename, as keydiff.run.results.atomic_write_json."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        with open(tmp, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except OSError as error:
-        tmp.unlink(missing_ok=True)
-        raise ResultWriteError(error.errno, f"could not write {path} ({error.strerror}); the previous version is intact") from error
-
-
 def point_config(summary: dict[str, Any]) -> dict[str, Any]:
     """A shard's recorded configuration as the unsharded run of its grid point records it."""
     config = dict(summary["config"])
@@ -203,7 +188,7 @@ def write_merge(point: Path, states: list[ShardState], rows: list[dict[str, Any]
         raise ValueError(f"{states[0].path}: its summary's configuration does not give its run_config.json")
     plan = runner.plan_run(cfg)  # before anything is written: a policy or task that cannot be built here stops it
     atomic_write_json(point / SHARDS / MERGE_RECORD, record)  # first: the files below are known as the merge's
-    write_bytes_atomic(point / PREDICTIONS, data)
+    atomic_write_bytes(point / PREDICTIONS, data)
     atomic_write_json(point / RUN_CONFIG, run_config)
     store = MergedStore(point, run_config, {key: record[key] for key in ("count", "predictions_sha256", "merged_at", "shards")})
     samples = [Sample(row["sample_id"], {}) for row in rows]
