@@ -12,7 +12,6 @@ import gc
 import hashlib
 import json
 import os
-import resource
 import shlex
 import subprocess
 import sys
@@ -24,6 +23,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from keydiff import available_policies, build_policy
+from keydiff.run.memory import current_rss_bytes, peak_rss_bytes, reset_peak_rss  # noqa: F401 (the benches' names)
 from keydiff.run.provenance import provenance_record, timestamp
 
 # Llama-3.2-3B(-Instruct), from its public config.json.
@@ -195,49 +195,6 @@ def kv_cache_bytes(cache, model, entries: int, batch: int = 1) -> int:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     itemsize = next(model.parameters()).element_size()
     return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * itemsize * entries * batch
-
-
-def peak_rss_bytes() -> int:
-    """This process's own peak resident set size: VmHWM from /proc/self/status on Linux (the high-water mark
-    that reset_peak_rss resets), else ru_maxrss (KiB on Linux, bytes on macOS). Why not ru_maxrss on Linux: it
-    also holds a maximum that survives execve, so a child started by a parent that holds more memory than
-    the child ever uses reports the parent's peak (keydiff.bench.peers_runner.resident_peak)."""
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024
-
-
-def current_rss_bytes() -> int | None:
-    """Resident set size now (Linux /proc), or None elsewhere."""
-    try:
-        with open("/proc/self/statm") as statm:
-            return int(statm.read().split()[1]) * resource.getpagesize()
-    except OSError:
-        return None
-
-
-def reset_peak_rss() -> bool:
-    """Restart the peak-RSS count from the current RSS, so a later peak is the run's, not the model load's.
-
-    Linux only: freed heap is first returned to the OS (glibc malloc_trim), then writing 5 to
-    /proc/self/clear_refs resets VmHWM, the high-water mark peak_rss_bytes reads. False where unsupported.
-    """
-    gc.collect()
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-        with open("/proc/self/clear_refs", "w") as refs:
-            refs.write("5")
-    except OSError:
-        return False
-    return True
 
 
 def provenance(module: str, argv: list[str] | None = None) -> dict[str, Any]:

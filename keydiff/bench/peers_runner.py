@@ -6,7 +6,8 @@
 Why one file for both sides: the two projects are measured by the same code (model loading, the logits
 check, the clocks, the memory peak), so only the method differs. Why no `keydiff` import at the top: kvpress
 pins transformers < 5.3 and runs in its own environment (`keydiff.bench.peers_env`), where keydiff cannot be
-imported; this file imports only torch and transformers there, and kvpress (side "kvpress") or keydiff
+imported; this file imports only torch and transformers there (and keydiff/run/memory.py, standard library
+only, by its path: the one CPU peak reading), and kvpress (side "kvpress") or keydiff
 (side "keydiff") inside the function that needs it. `-I` keeps the checkout's folders off kvpress's path.
 
 SPEC (written by keydiff.bench.peers): side, mode ("parity" | "perf"), model_dir (a safetensors checkpoint
@@ -19,10 +20,10 @@ check, the kept positions (parity: per layer, per KV head, sorted) or the timing
 from __future__ import annotations
 
 import gc
+import importlib.util
 import inspect
 import json
 import math
-import resource
 import sys
 import time
 from pathlib import Path
@@ -110,38 +111,34 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def load_memory_module():
+    """keydiff/run/memory.py (the project's one reading of a process's resident peak), loaded by its path:
+    kvpress's environment cannot import the keydiff package, and that file needs only the standard library."""
+    path = Path(__file__).resolve().parents[1] / "run" / "memory.py"
+    spec = importlib.util.spec_from_file_location("keydiff_run_memory", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+memory = load_memory_module()
+
+
 def reset_peak(device: str) -> None:
-    """Restart the peak count so that it covers what follows, not the model load (Linux: writing 5 to
-    /proc/self/clear_refs resets VmHWM, after malloc_trim returns freed heap to the OS)."""
+    """Restart the peak count so that it covers what follows, not the model load (CPU: memory.reset_peak_rss,
+    VmHWM after malloc_trim)."""
     gc.collect()
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         return
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-        with open("/proc/self/clear_refs", "w") as refs:
-            refs.write("5")
-    except OSError:
-        pass
+    memory.reset_peak_rss()
 
 
 def resident_peak() -> tuple[int, str]:
-    """This process's own resident high-water mark, in bytes, and what it is: VmHWM from /proc/self/status
-    (Linux), else ru_maxrss. Why not ru_maxrss on Linux: it is the larger of the process's VmHWM and a maximum
-    that survives execve, so a child started (fork/vfork + exec) by a parent that holds 1 GB reports 1 GB
-    whatever it uses itself, and clear_refs does not reset that part; VmHWM is the child's own pages only."""
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024, "vmhwm"
-    except OSError:
-        pass
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return (peak if sys.platform == "darwin" else peak * 1024), "ru_maxrss"
+    """This process's own resident high-water mark, in bytes, and what it is ("vmhwm", or "ru_maxrss" without
+    /proc): keydiff/run/memory.py says why not ru_maxrss, which keeps a parent's peak across execve."""
+    return memory.peak_rss()
 
 
 def peak_bytes(device: str) -> dict[str, Any]:

@@ -7,6 +7,7 @@
     preemption   stopping cleanly on SLURM's signals
     tracking     the Weights & Biases mirror of a run
     provenance   the one record of what produced a result (commit, packages, device, command, time)
+    memory       the process's own resident peak (VmHWM), for the runner's CPU peak and the benchmarks
     sweep        a sweep's grid and where each point stands (no torch)
     status       `python -m keydiff.run.status EXP`: every grid point of an experiment
     shards       a grid point split into jobs (`shard=i/n`): which samples each takes, its manifest

@@ -22,8 +22,6 @@ import gc
 import hashlib
 import logging
 import math
-import resource
-import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -38,7 +36,7 @@ from tqdm.auto import tqdm
 from keydiff.engine import check_budget, generate, prefill, resolve_block_size
 from keydiff.models import ModelConfig, eos_token_ids, load_model, model_provenance
 from keydiff.policies import Policy, build_policy
-from keydiff.run import shards, tracking
+from keydiff.run import memory, shards, tracking
 from keydiff.run.checks import check_run_config
 from keydiff.run.lock import RunLock
 from keydiff.run.preemption import Preempted, StopSignals
@@ -155,11 +153,10 @@ def cuda_devices(model: torch.nn.Module) -> list[torch.device]:
 
 def peak_memory_bytes(device: torch.device, devices: list[torch.device] | None = None) -> int:
     """Peak GPU memory allocated during the sample on CUDA, summed over `devices` (default: `device`); the
-    process's peak RSS on CPU."""
+    process's own peak RSS on CPU (VmHWM: keydiff.run.memory says why not ru_maxrss)."""
     if device.type == "cuda":
         return int(sum(torch.cuda.max_memory_allocated(d) for d in (devices or [device])))
-    scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss is KiB on Linux
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale)
+    return memory.peak_rss_bytes()
 
 
 def kv_bytes_per_layer_entry(model: torch.nn.Module) -> int:

@@ -1,0 +1,69 @@
+"""This process's own resident memory: its peak (VmHWM), a reset of that peak, and its current size.
+
+One reading for every CPU peak the project reports: the runner's `peak_memory_bytes` on CPU and the
+benchmarks' peaks (keydiff.bench.common, long_prefill, peers_runner) all come from here.
+
+Why VmHWM and not `getrusage(RUSAGE_SELF).ru_maxrss`: on Linux ru_maxrss is the larger of the process's
+VmHWM and a maximum that survives `execve` (the kernel copies the forking parent's high-water mark into the
+child's signal struct), and writing 5 to /proc/self/clear_refs resets only VmHWM. So a process started by a
+parent that held 600 MB reports 600 MB in ru_maxrss whatever it uses itself; VmHWM counts its own pages
+only. Where /proc is missing (macOS), ru_maxrss is the only reading (bytes there, KiB on Linux).
+
+Standard library only, and no keydiff import: keydiff.bench.peers_runner loads this file by path in
+kvpress's environment, where the keydiff package cannot be imported.
+"""
+
+from __future__ import annotations
+
+import gc
+import resource
+import sys
+
+VMHWM = "vmhwm"
+RU_MAXRSS = "ru_maxrss"
+
+
+def peak_rss() -> tuple[int, str]:
+    """(bytes, kind): this process's resident high-water mark, from VmHWM in /proc/self/status ("vmhwm"),
+    else from ru_maxrss ("ru_maxrss") where /proc is missing."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024, VMHWM
+    except OSError:
+        pass
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return (peak if sys.platform == "darwin" else peak * 1024), RU_MAXRSS
+
+
+def peak_rss_bytes() -> int:
+    """This process's own peak resident set size in bytes (peak_rss without the kind)."""
+    return peak_rss()[0]
+
+
+def reset_peak_rss() -> bool:
+    """Restart the peak count from the current RSS, so a later peak is what follows, not the model load.
+
+    Linux only: freed heap is first returned to the OS (glibc malloc_trim), then writing 5 to
+    /proc/self/clear_refs resets VmHWM, the high-water mark peak_rss reads. False where unsupported.
+    """
+    gc.collect()
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")
+    except OSError:
+        return False
+    return True
+
+
+def current_rss_bytes() -> int | None:
+    """Resident set size now (Linux /proc), or None elsewhere."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * resource.getpagesize()
+    except OSError:
+        return None

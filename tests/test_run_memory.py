@@ -1,0 +1,42 @@
+"""keydiff.run.memory: the one CPU peak reading (VmHWM) of the runner and the benchmarks."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from keydiff.run import memory
+
+pytestmark = pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="VmHWM needs Linux /proc")
+
+CHECKOUT = Path(__file__).resolve().parents[1]
+RUNNER_CHILD = ("import json, resource, torch; from keydiff.run import memory, runner; "
+                "peak = runner.peak_memory_bytes(torch.device('cpu')); "
+                "print(json.dumps({'runner_peak': peak, 'vmhwm': memory.peak_rss(), "
+                "'ru_maxrss': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))")
+
+
+def test_a_run_started_by_a_parent_holding_memory_reports_its_own_cpu_peak():
+    """The issue's demonstration (parent 613 MB, child's ru_maxrss 613 MB, its VmHWM 65 MB), on the runner:
+    ru_maxrss survives execve, so the runner's CPU `peak_memory_bytes` read from it would be the parent's
+    peak; read from VmHWM it is the child's own (its imports), far below what the parent holds."""
+    held = torch.ones(2 ** 28)  # 1 GiB, every page touched
+    child = json.loads(subprocess.run([sys.executable, "-c", RUNNER_CHILD], capture_output=True, text=True,
+                                      check=True, cwd=CHECKOUT).stdout)
+    assert float(held[-1]) == 1.0
+    assert child["ru_maxrss"] >= 2 ** 30  # the premise: ru_maxrss holds the parent's peak
+    assert child["vmhwm"][1] == memory.VMHWM
+    assert child["runner_peak"] <= child["vmhwm"][0]  # read first, and the same reading
+    assert child["runner_peak"] < child["ru_maxrss"] - 2 ** 29  # not the parent's 1 GiB
+
+
+def test_reset_restarts_the_peak_from_the_current_size():
+    block = torch.ones(2 ** 26)  # 256 MiB, every page touched
+    with_block = memory.peak_rss_bytes()
+    assert with_block >= memory.current_rss_bytes() - 2 ** 20 and with_block >= 2 ** 28
+    del block
+    assert memory.reset_peak_rss()
+    assert memory.peak_rss_bytes() < with_block - 2 ** 27  # the freed 256 MiB no longer counts
