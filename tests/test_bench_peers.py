@@ -320,6 +320,41 @@ def test_medians_and_ratios_ours_over_kvpress():
     assert "| 4096 | keydiff_blockwise | last | 5.00 | 50.0 | 5.00 | 0.25 | 0.25 | 0.25 |" in table
 
 
+def perf_payload(by_length: dict[int, dict[str, tuple[float, float, float]]], threads: int = 2, kind: str = "vmhwm"):
+    """A perf JSON as `main` writes it (the parts `tables` reads): per L and case, one run (TTFT s, s/token, GB)."""
+    samples = {str(L): {case: [{"ttft_s": t, "per_token_s": s, "peak_bytes": gb * 1e9, "peak_kind": kind}]
+                        for case, (t, s, gb) in cases.items()} for L, cases in by_length.items()}
+    return {"shape": "smollm2-135m", "device": "cpu", "threads": threads, "dtype": "float32", "seed": 0,
+            "perf": {"budget": 1024, "block_size": 128, "new_tokens": 16, "samples": samples,
+                     "medians": {L: peers.summarize_perf(cases) for L, cases in samples.items()}}}
+
+
+def test_the_doc_tables_are_rendered_from_the_json_files_and_refuse_mixed_settings(tmp_path, capsys):
+    four = {"kvpress_keydiff": (10.0, 0.060, 1.2), "kvpress_keydiff_full_logits": (11.0, 0.062, 2.4),
+            "keydiff_blockwise": (12.0, 0.066, 0.96), "keydiff_one_block": (9.0, 0.063, 1.32)}
+    long = {"kvpress_keydiff": (300.0, 0.068, 3.0), "kvpress_keydiff_full_logits": (330.0, 0.062, 8.0),
+            "keydiff_blockwise": (100.0, 0.068, 1.0), "keydiff_one_block": (310.0, 0.070, 3.3)}
+    doc, readme = peers.doc_tables([perf_payload({32768: long}), perf_payload({4096: four})])
+    lines = doc.splitlines()
+    assert lines[2].startswith("| 4096 | kvpress KeyDiffPress, pipeline call |")  # sorted by L, whatever the file order
+    assert "| 4096 | ours block-wise, B = 128 | last | 12.00 | 66.0 | 0.96 | 1.20 | 1.10 | 0.80 | 0.40 |" in lines
+    assert "| 32768 | kvpress KeyDiffPress, README call | all L | 330.00 | 62.0 | 8.00 | 1.10 | 0.91 | 2.67 | 1.00 |" in lines
+    assert doc.endswith("peak kinds: vmhwm")
+    assert "| 32,768 | 300.0 → 100.0 s | 0.33 | 3.00 / 8.00 → 1.00 GB | 0.33 / 0.12 | 68.0 → 68.0 |" in readme
+    with pytest.raises(ValueError, match="different settings"):
+        peers.doc_tables([perf_payload({32768: long}, threads=1), perf_payload({4096: four})])
+    with pytest.raises(ValueError, match="more than one file"):
+        peers.doc_tables([perf_payload({4096: four}), perf_payload({4096: four})])
+    assert peers.doc_tables([perf_payload({4096: four}, kind="peak_rss")])[0].endswith("peak kinds: peak_rss")
+    path = tmp_path / "perf.json"
+    path.write_text(json.dumps(perf_payload({4096: four})))
+    peers.main(["tables", str(path)])
+    assert "| 4,096 | 10.0 → 12.0 s | 1.20 |" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        peers.main(["tables", str(tmp_path / "missing.json")])
+    assert "no such file" in capsys.readouterr().err
+
+
 def test_the_perf_cases_are_the_four_with_kvpress_pipeline_as_the_ratio_base():
     assert list(peers.PERF_CASES) == ["kvpress_keydiff", "kvpress_keydiff_full_logits", "keydiff_blockwise",
                                       "keydiff_one_block"]

@@ -5,6 +5,8 @@
     python -m keydiff.bench.peers perf --lengths 4096,16384,32768 --rounds 3 --threads 2
     python -m keydiff.bench.peers perf --cases kvpress_keydiff,keydiff_blockwise     # skip the slow ones
     python -m keydiff.bench.peers all --device cuda --shape llama-3.2-3b     # on a GPU, unchanged
+    python -m keydiff.bench.peers tables results/bench/peers_cpu_4k.json results/bench/peers_cpu_16k_32k.json
+                                                                  # the docs' and README's tables from perf JSON
 
 Both projects load ONE checkpoint: the model config of `--shape` (SmolLM2-135M's by default, from
 keydiff.bench.common), initialised once with `--seed` and saved as safetensors under
@@ -246,6 +248,87 @@ def perf_table(by_length: dict[int, dict[str, dict[str, float]]]) -> str:
     return "\n".join(lines)
 
 
+# ---------------------------------------------------------------------------------------------- doc tables
+DOC_LABELS = {"kvpress_keydiff": "kvpress KeyDiffPress, pipeline call",
+              "kvpress_keydiff_full_logits": "kvpress KeyDiffPress, README call",
+              "keydiff_blockwise": "ours block-wise, B = {block_size}", "keydiff_one_block": "ours one block"}
+README_CASE = "kvpress_keydiff_full_logits"
+SETTING_KEYS = ("shape", "device", "threads", "dtype", "seed")
+PERF_KEYS = ("budget", "block_size", "new_tokens")
+
+
+def merged_medians(payloads: list[dict[str, Any]]) -> tuple[dict[int, dict[str, dict[str, float]]], dict[str, Any]]:
+    """Per length, the medians of every perf JSON given (one --lengths set each), after checking they were
+    measured in one setting; and that setting with the peak kinds found in their samples."""
+    medians: dict[int, dict[str, dict[str, float]]] = {}
+    settings = {(tuple(p[k] for k in SETTING_KEYS), tuple(p["perf"][k] for k in PERF_KEYS)) for p in payloads}
+    if len(settings) != 1:
+        raise ValueError(f"the files were measured in different settings ({', '.join(SETTING_KEYS + PERF_KEYS)}): "
+                         f"{sorted(settings)}")
+    kinds = set()
+    for payload in payloads:
+        for length, by_case in payload["perf"]["medians"].items():
+            if int(length) in medians:
+                raise ValueError(f"L = {length} is in more than one file")
+            medians[int(length)] = by_case
+        kinds |= {run["peak_kind"] for runs in payload["perf"]["samples"].values()
+                  for samples in runs.values() for run in samples}
+    first = payloads[0]
+    return dict(sorted(medians.items())), {**{k: first[k] for k in SETTING_KEYS},
+                                           **{k: first["perf"][k] for k in PERF_KEYS}, "peak_kinds": sorted(kinds)}
+
+
+def doc_tables(payloads: list[dict[str, Any]]) -> tuple[str, str]:
+    """(docs/performance.md's table, README's table) from perf JSON files: every case per L with its ratios
+    over kvpress's pipeline call and, last column, its peak over the README call; README: kvpress's pipeline
+    call -> ours block-wise (and the README call's peak)."""
+    medians, setting = merged_medians(payloads)
+    doc = ["| L | method | prompt logits | TTFT s | decode ms/token | peak GB | TTFT × | decode × | peak × | "
+           "peak × README call |", "|---|---|---|---|---|---|---|---|---|---|"]
+    readme = ["| L | TTFT kvpress → ours | × | peak memory kvpress pipeline / README call → ours | × | "
+              "decode ms/token kvpress → ours |", "|---|---|---|---|---|---|"]
+    for length, by_case in medians.items():
+        ratios = {case: {k: 1.0 for k in by_case[PERF_BASE]} for case in [PERF_BASE] if case in by_case}
+        ratios.update(perf_ratios(by_case))
+        full = by_case.get(README_CASE, {}).get("peak_bytes")
+        for case in (c for c in PERF_CASES if c in by_case):
+            m, r = by_case[case], ratios.get(case, {})
+            doc.append(f"| {length} | {DOC_LABELS[case].format(**setting)} | {PERF_CASES[case].prompt_logits} | "
+                       f"{m['ttft_s']:.2f} | {1000 * m['per_token_s']:.1f} | {m['peak_bytes'] / 1e9:.2f} | "
+                       f"{common.fmt(r.get('ttft_s'), '.2f')} | {common.fmt(r.get('per_token_s'), '.2f')} | "
+                       f"{common.fmt(r.get('peak_bytes'), '.2f')} | "
+                       f"{common.fmt(common.ratio(m['peak_bytes'], full), '.2f')} |")
+        if PERF_BASE in by_case and "keydiff_blockwise" in by_case:
+            base, ours = by_case[PERF_BASE], by_case["keydiff_blockwise"]
+            peaks = f"{base['peak_bytes'] / 1e9:.2f}" + (f" / {full / 1e9:.2f}" if full else "")
+            peak_ratios = f"{ours['peak_bytes'] / base['peak_bytes']:.2f}" + (
+                f" / {ours['peak_bytes'] / full:.2f}" if full else "")
+            readme.append(f"| {length:,} | {base['ttft_s']:.1f} → {ours['ttft_s']:.1f} s | "
+                          f"{ours['ttft_s'] / base['ttft_s']:.2f} | {peaks} → {ours['peak_bytes'] / 1e9:.2f} GB | "
+                          f"{peak_ratios} | {1000 * base['per_token_s']:.1f} → {1000 * ours['per_token_s']:.1f} |")
+    note = (f"shape={setting['shape']} dtype={setting['dtype']} device={setting['device']} threads={setting['threads']} "
+            f"N={setting['budget']} B={setting['block_size']} new_tokens={setting['new_tokens']}; "
+            f"peak kinds: {', '.join(setting['peak_kinds'])}")
+    return "\n".join(doc) + "\n\n" + note, "\n".join(readme)
+
+
+def print_doc_tables(argv: list[str]) -> None:
+    """`python -m keydiff.bench.peers tables A.json [B.json ...]`: the tables of docs/performance.md's
+    "Against kvpress" and README's, rendered from perf JSON files (the medians they hold), ready to paste."""
+    parser = ArgumentParser(prog="python -m keydiff.bench.peers tables", description=print_doc_tables.__doc__)
+    parser.add_argument("files", nargs="+", type=Path, help="perf JSON files of `python -m keydiff.bench.peers`")
+    args = parser.parse_args(argv)
+    missing = [str(f) for f in args.files if not f.is_file()]
+    if missing:
+        parser.error(f"no such file: {', '.join(missing)}")
+    payloads = [json.loads(f.read_text(encoding="utf-8")) for f in args.files]
+    without = [str(f) for f, p in zip(args.files, payloads) if "perf" not in p]
+    if without:
+        parser.error(f"no perf part in {', '.join(without)}")
+    doc, readme = doc_tables(payloads)
+    print(f"docs/performance.md:\n\n{doc}\n\nREADME.md:\n\n{readme}")
+
+
 # ---------------------------------------------------------------------------------------------- processes
 def model_dir(shape: str, dtype: str, seed: int, cache_dir: Path) -> Path:
     """The shared checkpoint of `shape`: built once (random init with `seed`), saved as safetensors, reused."""
@@ -424,6 +507,10 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     from keydiff.models import cache_root
 
+    arguments = sys.argv[1:] if argv is None else argv
+    if arguments[:1] == ["tables"]:
+        print_doc_tables(arguments[1:])
+        return
     args = parse_arguments(argv)
     started = common.provenance(__spec__.name, argv)
     kvpress_python = peers_env.build(args.env, args.torch_spec)
