@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import pytest
 import torch
@@ -16,8 +17,8 @@ from keydiff.cache import EvictingCache
 from keydiff.cache.adaptive import AdaptiveStorage
 from keydiff.engine import generate, prefill
 from keydiff.policies import HeadAdaptive, build_policy
-from keydiff.policies.adakv import adakv_keep
-from keydiff.policies.base import LayerView, score_then_position
+from keydiff.policies.adakv import adakv_keep, relative_scores
+from keydiff.policies.base import LayerView, Policy, score_then_position
 from tests.conftest import tiny_llama
 
 BUDGET, BLOCK, LENGTH = 48, 16, 150
@@ -380,3 +381,64 @@ def test_bf16_decoding_of_head_adaptive_layers_is_as_precise_as_sdpa():
             errors["adaptive"] = max(errors["adaptive"], float((ours.double() - exact).abs().max()))
         assert errors["sdpa"] < 0.02, errors  # the uniform path: bf16 output rounding, float32 inside
         assert errors["adaptive"] <= 1.5 * errors["sdpa"] + 1e-3, errors
+
+
+# --------------------------------------------------------------------------- head_scores: relative
+@dataclass
+class AttentionShare(Policy):
+    """Scores each entry by the attention statistic it received (what SnapKV / H2O / TOVA score, unpooled)."""
+
+    attention_rows: ClassVar[int | None] = None
+
+    def score(self, layer: LayerView) -> torch.Tensor:
+        return layer.attention
+
+
+def attention_head(shares: list[float], rows: int = 4) -> LayerView:
+    """One head of one batch row whose entries received `shares` of each of `rows` query rows' attention."""
+    n = len(shares)
+    attention = torch.tensor(shares, dtype=torch.float32)[None, None] * rows / sum(shares)
+    return LayerView(keys=torch.zeros(1, 1, n, 4), values=torch.zeros(1, 1, n, 4),
+                     positions=torch.arange(n)[None, None], attention=attention, state={}, layers=(0,))
+
+
+@pytest.mark.parametrize("head_scores,same_share", [("raw", False), ("relative", True)])
+def test_relative_head_scores_make_the_split_independent_of_the_heads_counts(head_scores, same_share):
+    """Head B holds twice head A's entries with the same distribution (each of A's entries split in two):
+    its entries receive half the attention each. Raw scores (AdaKV's, kvpress's) give A more than its share;
+    relative scores (each over its head's mean) keep the same fraction of both heads."""
+    weights = [8.0, 7, 6, 5, 4, 3, 2, 1]
+    heads = [attention_head(weights), attention_head([w for w in weights for _ in range(2)])]
+    policy = HeadAdaptive(AttentionShare(), alpha_safeguard=0.0, head_scores=head_scores)
+    kept = [int(mask.sum()) for mask in policy.keep_heads(heads, budget=6)]  # T = 12 of 24
+    assert sum(kept) == 12
+    shares = [kept[0] / 8, kept[1] / 16]
+    assert (shares[0] == shares[1]) == same_share
+    if not same_share:
+        assert shares[0] > shares[1]  # raw: the head that holds fewer entries scores higher per entry
+
+
+def test_relative_scores_score_uniform_attention_one_and_handle_log_scores():
+    uniform = torch.full((1, 1, 5), 4 / 5)  # 4 rows spread evenly over 5 entries
+    assert torch.allclose(relative_scores(uniform, log_scores=False), torch.ones(1, 1, 5))
+    scores = torch.tensor([[[0.5, 0.25, 0.25, 1.0]]])
+    assert torch.allclose(relative_scores(scores.log(), log_scores=True), relative_scores(scores, False).log())
+
+
+def test_head_scores_compose_describe_and_are_refused_where_they_mean_nothing(model):
+    policy = build_policy("snapkv", window=8, head_budgets="adakv", head_scores="relative")
+    assert policy.head_scores == "relative" and not policy.chooses_pools
+    assert build_policy(**policy.describe()).describe() == policy.describe()
+    assert "head_scores" not in build_policy("snapkv", head_budgets="adakv").describe()  # the default: as before
+    with pytest.raises(ValueError, match="head_scores=relative applies to scorers whose scores are attention"):
+        build_policy("keydiff", head_budgets="adakv", head_scores="relative")
+    with pytest.raises(ValueError, match="unknown head_scores 'mean'; valid: raw, relative"):
+        build_policy("snapkv", head_budgets="adakv", head_scores="mean")
+    with pytest.raises(ValueError, match="head_scores applies only to head-adaptive budgets"):
+        build_policy("snapkv", head_scores="relative")
+    ids = prompt_ids()
+    relative = prefill(model, ids, policy, BUDGET, BLOCK)
+    raw = prefill(model, ids, build_policy("snapkv", window=8, head_budgets="adakv"), BUDGET, BLOCK)
+    heads = model.config.num_key_value_heads
+    assert all(sum(layer[0]) <= heads * BUDGET for layer in head_counts(relative.cache))
+    assert head_counts(relative.cache) != head_counts(raw.cache)  # the split moves

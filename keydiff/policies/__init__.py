@@ -4,7 +4,7 @@ Each policy is one small dataclass in its own module; `POLICIES` maps the config
 window and per-layer budgets are wrappers around any of them (`keydiff.policies.wrappers`): `build_policy`
 composes them from the flat parameters the configs use (`window_fraction` / `recent_fraction` where the
 policy names one, `chunk_length` (ChunkKV, `keydiff.policies.chunkkv`), `critical` (CriticalKV, `keydiff.policies.criticalkv`),
-`head_budgets` / `alpha_safeguard` (AdaKV, `keydiff.policies.adakv`), `key_rerotation` (`keydiff.policies.rerotation`)
+`head_budgets` / `alpha_safeguard` / `head_scores` (AdaKV, `keydiff.policies.adakv`), `key_rerotation` (`keydiff.policies.rerotation`)
 and `layer_budgets` for every policy), so the line above is `RecentWindow(KeyDiff(),
 fraction=0.2)`, which Python users may also write themselves.
 A dotted path names a policy written anywhere else (`build_policy("my_lab.policies.MyPolicy", alpha=0.3)`):
@@ -18,7 +18,7 @@ import dataclasses
 import importlib
 from typing import Any
 
-from keydiff.policies.adakv import HEAD_BUDGETS, REROTATION_REFUSED, HeadAdaptive, check_alpha
+from keydiff.policies.adakv import HEAD_BUDGETS, REROTATION_REFUSED, HeadAdaptive, check_alpha, check_head_scores
 from keydiff.policies.base import LayerView, Policy, layer_by_layer
 from keydiff.policies.chunkkv import Chunked
 from keydiff.policies.criticalkv import Critical
@@ -95,11 +95,12 @@ def require_own_dataclass(cls: type[Policy], what: str) -> None:
 def policy_parameters(cls: type[Policy]) -> list[str]:
     """The parameters `build_policy` takes for `cls`: its own fields, the name it gives a recent window (if
     any), then those every policy takes: `chunk_length`/`chunk_scope` (ChunkKV), `critical`/`critical_epsilon`/
-    `first_stage_ratio` (CriticalKV), `head_budgets`/`alpha_safeguard` (AdaKV), `key_rerotation` and `layer_budgets`."""
+    `first_stage_ratio` (CriticalKV), `head_budgets`/`alpha_safeguard`/`head_scores` (AdaKV), `key_rerotation` and
+    `layer_budgets`."""
     own = [f.name for f in dataclasses.fields(cls) if f.init]
     window = [cls.recent_window_parameter] if cls.recent_window_parameter else []
     return own + window + ["chunk_length", "chunk_scope", *CRITICAL_PARAMETERS, "head_budgets", "alpha_safeguard",
-                           "key_rerotation", "layer_budgets"]
+                           "head_scores", "key_rerotation", "layer_budgets"]
 
 
 CRITICAL_PARAMETERS = ("critical", "critical_epsilon", "first_stage_ratio")
@@ -132,7 +133,8 @@ def compose_policy(cls: type[Policy], **params: Any) -> Policy:
     rerotation = rerotation_mode(params.pop("key_rerotation", None))
     head_budgets = params.pop("head_budgets", "uniform")
     alpha = params.pop("alpha_safeguard", None)
-    check_head_budgets(head_budgets, alpha)
+    head_scores = params.pop("head_scores", None)
+    check_head_budgets(head_budgets, alpha, head_scores)
     if head_budgets == "adakv" and rerotation is not None:
         raise ValueError(REROTATION_REFUSED)  # the others are refused by HeadAdaptive itself
     window = cls.recent_window_parameter
@@ -145,7 +147,8 @@ def compose_policy(cls: type[Policy], **params: Any) -> Policy:
         policy = Chunked(policy, chunk_length=chunk_length, scope=chunk_scope)
     policy = critical_wrapper(policy, critical_params)
     if head_budgets == "adakv":
-        policy = HeadAdaptive(policy, alpha_safeguard=0.2 if alpha is None else alpha)
+        policy = HeadAdaptive(policy, alpha_safeguard=0.2 if alpha is None else alpha,
+                              head_scores="raw" if head_scores is None else head_scores)
     if rerotation is not None:
         policy = Rerotated(policy, mode=rerotation)
     if schedule is not None:
@@ -153,10 +156,14 @@ def compose_policy(cls: type[Policy], **params: Any) -> Policy:
     return policy
 
 
-def check_head_budgets(head_budgets: Any, alpha: Any) -> None:
+def check_head_budgets(head_budgets: Any, alpha: Any, head_scores: Any = None) -> None:
     """One-line errors for the flat AdaKV parameters (before any model is loaded)."""
     if head_budgets not in HEAD_BUDGETS:
         raise ValueError(f"unknown head_budgets {head_budgets!r}; valid: {', '.join(HEAD_BUDGETS)}")
+    if head_scores is not None:
+        if head_budgets != "adakv":
+            raise ValueError("head_scores applies only to head-adaptive budgets: set head_budgets=adakv or drop it")
+        check_head_scores(head_scores)
     if alpha is not None:
         if head_budgets != "adakv":
             raise ValueError("alpha_safeguard applies only to head-adaptive budgets: set head_budgets=adakv or drop it")

@@ -14,8 +14,10 @@ are: the scorer's scale must mean the same in every head (kvpress makes the same
 block-wise prefill it does not quite, for attention: the heads hold different counts n_h after the first
 eviction, each query row's attention sums to 1 over its head's n_h + B entries, so a head holding more entries
 gets lower scores per entry and the split leans back towards even at every block (kvpress's one pass scores
-every head over the same L entries). Kept deliberately, as AdaKV defines it (raw scores); documented in
-docs/policies.md, "Heads of different lengths under block-wise prefill". A scorer that scores whole pools (`scores_pools`: KeyDiff)
+every head over the same L entries). The default keeps AdaKV's definition (raw scores, `head_scores="raw"`);
+`head_scores="relative"` divides each head's scores by their mean first (`relative_scores`: uniform attention
+scores 1 in every head, whatever its count), for attention-based scorers only; docs/policies.md, "Heads of
+different lengths under block-wise prefill". A scorer that scores whole pools (`scores_pools`: KeyDiff)
 is asked once for every head of every layer (`drop_pool` -> `adakv_drop_pool`, the same choice; the cache
 then evicts all its layers in one call, keydiff.cache.adaptive.evict_stack).
 
@@ -50,6 +52,7 @@ from keydiff.policies.criticalkv import Critical, critical_scores, first_stage
 from keydiff.policies.wrappers import PolicyWrapper
 
 HEAD_BUDGETS = ("uniform", "adakv")
+HEAD_SCORES = ("raw", "relative")
 FORCED = torch.iinfo(torch.int64).max
 
 
@@ -79,6 +82,28 @@ def refuse_unsupported(scorer: Policy) -> None:
             raise ValueError("chunk_length with head_budgets=adakv is not supported (ChunkKV keeps whole chunks, "
                              "AdaKV splits the budget between heads entry by entry); drop one of them")
         policy = policy.scorer
+
+
+def check_head_scores(head_scores: str, scorer: Policy | None = None) -> None:
+    """One-line ValueError for an unknown `head_scores`, or "relative" over a scorer whose scores are not a
+    share of attention (KeyDiff, K-norm, ...: a mean of them means nothing, and their scale does not depend
+    on a head's count)."""
+    if head_scores not in HEAD_SCORES:
+        raise ValueError(f"unknown head_scores {head_scores!r}; valid: {', '.join(HEAD_SCORES)}")
+    if head_scores == "relative" and scorer is not None and scorer.attention_rows == 0 and not scorer.log_scores:
+        raise ValueError(f"head_scores=relative applies to scorers whose scores are attention (snapkv, tova, h2o, "
+                         f"expected_attention, ...), not to {scorer.unwrapped().name}; drop it or use head_scores=raw")
+
+
+def relative_scores(scores: torch.Tensor, log_scores: bool) -> torch.Tensor:
+    """One head's scores [..., n] over its mean: 1 = the head's average entry, so a head over which attention
+    is uniform scores 1 everywhere whatever its count n (log scores: minus their log-mean-exp). For attention
+    sums (each query row's weights sum to 1 over the head's n entries, so the mean is rows / n) this is the
+    score x n / rows, the count-independent form (head_scores=relative)."""
+    n = scores.shape[-1]
+    if log_scores:
+        return scores - (torch.logsumexp(scores, dim=-1, keepdim=True) - math.log(n))
+    return scores / scores.mean(dim=-1, keepdim=True).clamp_min(torch.finfo(scores.dtype).tiny)
 
 
 def check_alpha(alpha: float) -> None:
@@ -185,10 +210,12 @@ class HeadAdaptive(PolicyWrapper):
     (keydiff.cache.adaptive): `head_adaptive` tells it to."""
 
     alpha_safeguard: float = 0.2
+    head_scores: str = "raw"  # "relative": each head's scores over their mean (relative_scores) before the choice
 
     def __post_init__(self) -> None:
         super().__post_init__()
         refuse_unsupported(self.scorer)
+        check_head_scores(self.head_scores, self.scorer)
 
     @property
     def head_adaptive(self) -> bool:
@@ -215,6 +242,8 @@ class HeadAdaptive(PolicyWrapper):
         scorer = scorer or self.scorer
         protect = scorer.protected(head, budget)
         scores = self.checked(scorer.score(head) if scores is None else scores, head, protect)
+        if self.head_scores == "relative":  # before the protected entries become +inf: they count in the mean
+            scores = relative_scores(scores, scorer.log_scores)
         if protect is not None:
             scores = scores.masked_fill(protect, float("inf"))
         return score_then_position(scores, head.positions)[0, 0], None if protect is None else protect[0, 0]
@@ -223,7 +252,7 @@ class HeadAdaptive(PolicyWrapper):
     def chooses_pools(self) -> bool:
         """Whole pools are chosen on (`drop_pool`) when the wrapped policy scores them (KeyDiff, alone or in a
         window of size 0): not with a window (it protects entries) nor CriticalKV (two stages per head)."""
-        return self.scorer.scores_pools
+        return self.scorer.scores_pools and self.head_scores == "raw"
 
     def drop_pool(self, pool: PoolView, budget: int) -> torch.Tensor:
         scores = self.scorer.score_pool(pool).float()
@@ -270,12 +299,14 @@ class HeadAdaptive(PolicyWrapper):
         return masks
 
     def describe(self) -> dict:
-        """The wrapped policy's description with head_budgets and alpha_safeguard added before `layer_budgets`."""
+        """The wrapped policy's description with head_budgets, alpha_safeguard (and head_scores where not raw)
+        added before `layer_budgets`."""
         described = self.scorer.describe()
         schedule = described.pop("layer_budgets", None)
-        return {**described, "head_budgets": "adakv", "alpha_safeguard": self.alpha_safeguard,
+        relative = {"head_scores": self.head_scores} if self.head_scores != "raw" else {}
+        return {**described, "head_budgets": "adakv", "alpha_safeguard": self.alpha_safeguard, **relative,
                 "layer_budgets": schedule}
 
 
-__all__ = ["HEAD_BUDGETS", "REROTATION_REFUSED", "HeadAdaptive", "adakv_drop_pool", "adakv_keep", "check_alpha", "refuse_unsupported",
-           "safeguard_count"]
+__all__ = ["HEAD_BUDGETS", "HEAD_SCORES", "REROTATION_REFUSED", "HeadAdaptive", "adakv_drop_pool", "adakv_keep",
+           "check_alpha", "check_head_scores", "refuse_unsupported", "relative_scores", "safeguard_count"]
