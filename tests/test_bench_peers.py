@@ -349,7 +349,10 @@ def test_the_doc_tables_are_rendered_from_the_json_files_and_refuse_mixed_settin
     path = tmp_path / "perf.json"
     path.write_text(json.dumps(perf_payload({4096: four})))
     peers.main(["tables", str(path)])
-    assert "| 4,096 | 10.0 → 12.0 s | 1.20 |" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "| 4,096 | 10.0 → 12.0 s | 1.20 |" in printed
+    assert "L=4096: ours block-wise 2.93 ms per prompt token; over kvpress_keydiff: TTFT 1.20, peak 0.80; " \
+           "over kvpress_keydiff_full_logits: TTFT 1.09, peak 0.40" in printed
     with pytest.raises(SystemExit):
         peers.main(["tables", str(tmp_path / "missing.json")])
     assert "no such file" in capsys.readouterr().err

@@ -312,6 +312,27 @@ def doc_tables(payloads: list[dict[str, Any]]) -> tuple[str, str]:
     return "\n".join(doc) + "\n\n" + note, "\n".join(readme)
 
 
+def prose_numbers(payloads: list[dict[str, Any]]) -> str:
+    """The numbers docs/performance.md's paragraphs under the table quote, per L: every case's TTFT range over
+    rounds, ours block-wise in ms per prompt token, and TTFT and peak of ours block-wise over each kvpress call."""
+    medians, _ = merged_medians(payloads)
+    lines = []
+    for payload in payloads:
+        for length, by_case in payload["perf"]["samples"].items():
+            ranges = ", ".join(f"{case} {min(r['ttft_s'] for r in runs):.1f}–{max(r['ttft_s'] for r in runs):.1f} s"
+                               for case, runs in by_case.items() if runs)
+            lines.append(f"L={length}: TTFT over {len(next(iter(by_case.values())))} round(s): {ranges}")
+    for length, by_case in medians.items():
+        ours = by_case.get("keydiff_blockwise")
+        if not ours:
+            continue
+        over = "; ".join(f"over {case}: TTFT {ours['ttft_s'] / by_case[case]['ttft_s']:.2f}, peak "
+                         f"{ours['peak_bytes'] / by_case[case]['peak_bytes']:.2f}" for case in (PERF_BASE, README_CASE)
+                         if case in by_case)
+        lines.append(f"L={length}: ours block-wise {1000 * ours['ttft_s'] / length:.2f} ms per prompt token; {over}")
+    return "\n".join(lines)
+
+
 def print_doc_tables(argv: list[str]) -> None:
     """`python -m keydiff.bench.peers tables A.json [B.json ...]`: the tables of docs/performance.md's
     "Against kvpress" and README's, rendered from perf JSON files (the medians they hold), ready to paste."""
@@ -326,7 +347,7 @@ def print_doc_tables(argv: list[str]) -> None:
     if without:
         parser.error(f"no perf part in {', '.join(without)}")
     doc, readme = doc_tables(payloads)
-    print(f"docs/performance.md:\n\n{doc}\n\nREADME.md:\n\n{readme}")
+    print(f"docs/performance.md:\n\n{doc}\n\nREADME.md:\n\n{readme}\n\nquoted in the prose:\n\n{prose_numbers(payloads)}")
 
 
 # ---------------------------------------------------------------------------------------------- processes
