@@ -21,7 +21,7 @@ copy of the cache), on top of the activations, which dominate only for tiny mode
 --end-to-end: one prompt of L tokens (default 4096, 64 new tokens); `full` keeps all of L, the others
 N. Total time (TTFT + decode) and per-token decode, as ratios to full.
 
---memory-scaling: peak RSS (getrusage ru_maxrss) of prefill + decode at fixed N for each of
+--memory-scaling: peak RSS (VmHWM, keydiff.run.memory; ru_maxrss without /proc) of prefill + decode at fixed N for each of
 --scaling-lengths (default 4096, 16384), each in a fresh subprocess so every peak is that length's own,
 on random-smollm2 (SmolLM2-135M's shape) by default. On Linux the peak is reset after the model is
 built (/proc/self/clear_refs), since building it sets a higher peak than a bounded run ever reaches;
@@ -182,7 +182,7 @@ def rss_child(args, device: str, dtype: torch.dtype) -> None:
     model = common.build_model(args.model, dtype, args.attn, device)
     prompt = common.random_prompt(model, args.length).to(device)
     load_peak = common.peak_rss_bytes()
-    reset = common.reset_peak_rss()  # else ru_maxrss stays at the load's peak whatever the run does
+    reset = common.reset_peak_rss()  # else the peak stays at the load's whatever the run does
     after_load = common.current_rss_bytes()
     name = args.policies
     run_once(model, prompt, name, None if name == "full" else args.budget, args.block_size, args.new_tokens)
@@ -222,7 +222,7 @@ def memory_scaling_mode(names, args) -> list[dict]:
     common.print_table(columns, table)
     scope = ("of prefill + decode only (peak reset after loading)" if all(r["peak_is_run_only"] for r in rows)
              else "of the whole process (this OS cannot reset the peak: loading may set it)")
-    print(f"peak RSS: ru_maxrss {scope}; growth: over the same policy's peak at L={lengths[0]}; "
+    print(f"peak RSS: VmHWM {scope}; growth: over the same policy's peak at L={lengths[0]}; "
           "above load: peak minus the RSS right after loading")
     return rows
 
