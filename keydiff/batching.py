@@ -40,6 +40,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from keydiff.attention import bound_cache, bound_to, keydiff_attention
 from keydiff.cache import EvictingCache
+from keydiff.cache.rowpool import RowPool, grouped_passes
 from keydiff.engine import GenerationResult, PrefillResult, next_token
 
 
@@ -105,10 +106,13 @@ class BatchCache(Cache):
     positions). `evict()` evicts every row as a batch-1 run does after each pass.
     """
 
-    def __init__(self, num_layers: int):
+    def __init__(self, num_layers: int, slots: int = 0):
         super().__init__(layers=[_RowLayer(self, i) for i in range(num_layers)])
         self.rows: list[EvictingCache] = []
+        self.pool = RowPool(slots) if slots > 0 else None  # rows side by side, to run alike rows as one
         self._passes: dict[int, tuple[torch.Tensor, list[tuple[EvictingCache, torch.Tensor, torch.Tensor]]]] = {}
+        self._groups: dict[int, list[tuple[list[int], torch.Tensor, torch.Tensor]]] = {}
+        self._runs: list = []
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
@@ -124,6 +128,10 @@ class BatchCache(Cache):
                 keys, values = cache.update(key_states[row : row + 1], value_states[row : row + 1], layer_idx)
             passes.append((cache, keys, values))
         self._passes[layer_idx] = (key_states, passes)
+        if self.pool is not None:
+            if not self._groups:  # the pass's first layer: every row's count has moved on, group them once
+                self._runs = self.pool.runs(self.rows)
+            self._groups[layer_idx] = grouped_passes(self._runs, self.rows, layer_idx)
         return key_states, value_states
 
     def row_passes(
@@ -134,15 +142,25 @@ class BatchCache(Cache):
         entry = self._passes.get(layer_idx)
         return entry[1] if entry is not None and entry[0] is key else None
 
+    def row_groups(self, layer_idx: int) -> list[tuple[list[int], torch.Tensor, torch.Tensor]]:
+        """For the attention function: the groups of rows of this layer's pass that attend as one (row indices,
+        their keys and values as one tensor each, views of the pool: keydiff.cache.rowpool); rows in no group
+        attend on their own. Asked only after `row_passes` answered."""
+        return self._groups.get(layer_idx, [])
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """The most tokens any row has seen (rows differ: the scheduler passes each row's position_ids)."""
         return self.layers[layer_idx].get_seq_length()
 
     def evict(self) -> None:
-        """Every row observes the pass and evicts, as a batch-1 run does after each pass."""
+        """Every row observes the pass and evicts, as a batch-1 run does after each pass (rows of a pool group
+        in one call, keydiff.cache.rowpool.RowPool.evict)."""
         self._passes.clear()
+        self._groups.clear()
+        done = self.pool.evict(self.rows) if self.pool is not None else set()
         for cache in self.rows:
-            cache.evict()
+            if id(cache) not in done:
+                cache.evict()
 
 
 class _Slot:
@@ -205,8 +223,17 @@ def generate_batch(
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
     source = iter(requests)
     device = next(model.parameters()).device
-    batch = BatchCache(model.config.get_text_config().num_hidden_layers)
+    batch = BatchCache(model.config.get_text_config().num_hidden_layers, slots=batch_size)
     active: list[_Slot] = []
+    try:
+        yield from _decode(model, source, batch, active, batch_size, device)
+    finally:  # (also when the caller stops early or a step fails) every cache gets buffers of its own back
+        batch.pool.leave_all()
+
+
+def _decode(model: torch.nn.Module, source: Iterator[Request], batch: BatchCache, active: list[_Slot],
+            batch_size: int, device: torch.device) -> Iterator[tuple[Any, SequenceResult]]:
+    """generate_batch's loop: fill the free slots, run one step for every going row, hand back the finished."""
     exhausted = False
     while True:
         while not exhausted and len(active) < batch_size:
@@ -215,6 +242,7 @@ def generate_batch(
                 exhausted = True
             else:
                 active.append(_Slot(request))
+                batch.pool.join(active[-1].cache)  # side by side with its neighbours, if its kind allows
         if not active:
             return
         with keydiff_attention(model, batch):
@@ -243,6 +271,7 @@ def generate_batch(
         finished = [slot for slot in active if slot.done]
         for slot in active:
             slot.seconds += chosen if slot.done else step
-        active = going
+        active[:] = going
         for slot in finished:
+            batch.pool.leave(slot.cache)  # before its result is read: its cache owns its buffers again
             yield slot.request.key, slot.result()
