@@ -40,7 +40,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from keydiff.attention import bound_cache, bound_to, keydiff_attention
 from keydiff.cache import EvictingCache
-from keydiff.cache.rowpool import RowPool, grouped_passes
+from keydiff.cache.rowpool import evict_groups, grouped_passes, runs
 from keydiff.engine import GenerationResult, PrefillResult, next_token
 
 
@@ -106,10 +106,10 @@ class BatchCache(Cache):
     positions). `evict()` evicts every row as a batch-1 run does after each pass.
     """
 
-    def __init__(self, num_layers: int, slots: int = 0):
+    def __init__(self, num_layers: int, group_rows: bool = True):
         super().__init__(layers=[_RowLayer(self, i) for i in range(num_layers)])
         self.rows: list[EvictingCache] = []
-        self.pool = RowPool(slots) if slots > 0 else None  # rows side by side, to run alike rows as one
+        self.group_rows = group_rows  # rows side by side with equal counts run as one (keydiff.cache.rowpool)
         self._passes: dict[int, tuple[torch.Tensor, list[tuple[EvictingCache, torch.Tensor, torch.Tensor]]]] = {}
         self._groups: dict[int, list[tuple[list[int], torch.Tensor, torch.Tensor]]] = {}
         self._runs: list = []
@@ -128,9 +128,9 @@ class BatchCache(Cache):
                 keys, values = cache.update(key_states[row : row + 1], value_states[row : row + 1], layer_idx)
             passes.append((cache, keys, values))
         self._passes[layer_idx] = (key_states, passes)
-        if self.pool is not None:
+        if self.group_rows:
             if not self._groups:  # the pass's first layer: every row's count has moved on, group them once
-                self._runs = self.pool.runs(self.rows)
+                self._runs = runs(self.rows)
             self._groups[layer_idx] = grouped_passes(self._runs, self.rows, layer_idx)
         return key_states, value_states
 
@@ -153,11 +153,11 @@ class BatchCache(Cache):
         return self.layers[layer_idx].get_seq_length()
 
     def evict(self) -> None:
-        """Every row observes the pass and evicts, as a batch-1 run does after each pass (rows of a pool group
-        in one call, keydiff.cache.rowpool.RowPool.evict)."""
+        """Every row observes the pass and evicts, as a batch-1 run does after each pass (the rows of a group
+        in one call, keydiff.cache.rowpool.evict_groups)."""
         self._passes.clear()
         self._groups.clear()
-        done = self.pool.evict(self.rows) if self.pool is not None else set()
+        done = evict_groups(self.rows) if self.group_rows else set()
         for cache in self.rows:
             if id(cache) not in done:
                 cache.evict()
@@ -211,29 +211,22 @@ def _sync(device: torch.device) -> None:
 
 @torch.inference_mode()
 def generate_batch(
-    model: torch.nn.Module, requests: Iterable[Request], batch_size: int
+    model: torch.nn.Module, requests: Iterable[Request], batch_size: int, group_rows: bool = True
 ) -> Iterator[tuple[Any, SequenceResult]]:
     """Decode every request, up to `batch_size` at once, refilling a slot as soon as its sequence stops.
 
     Yields (request.key, SequenceResult) in the order the sequences finish. Each sequence decodes exactly as
     `keydiff.generate(model, request.state, ...)` would alone (see the module docstring). `requests` may be a
     lazy iterable: the next one is drawn only when a slot is free, so its prefill runs then, outside the steps.
+    group_rows=False computes every row on its own even where rows could run as one group (the reference the
+    grouped path is tested against, and what a benchmark compares it with).
     """
     if isinstance(batch_size, bool) or int(batch_size) != batch_size or batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
     source = iter(requests)
     device = next(model.parameters()).device
-    batch = BatchCache(model.config.get_text_config().num_hidden_layers, slots=batch_size)
+    batch = BatchCache(model.config.get_text_config().num_hidden_layers, group_rows)
     active: list[_Slot] = []
-    try:
-        yield from _decode(model, source, batch, active, batch_size, device)
-    finally:  # (also when the caller stops early or a step fails) every cache gets buffers of its own back
-        batch.pool.leave_all()
-
-
-def _decode(model: torch.nn.Module, source: Iterator[Request], batch: BatchCache, active: list[_Slot],
-            batch_size: int, device: torch.device) -> Iterator[tuple[Any, SequenceResult]]:
-    """generate_batch's loop: fill the free slots, run one step for every going row, hand back the finished."""
     exhausted = False
     while True:
         while not exhausted and len(active) < batch_size:
@@ -242,7 +235,6 @@ def _decode(model: torch.nn.Module, source: Iterator[Request], batch: BatchCache
                 exhausted = True
             else:
                 active.append(_Slot(request))
-                batch.pool.join(active[-1].cache)  # side by side with its neighbours, if its kind allows
         if not active:
             return
         with keydiff_attention(model, batch):
@@ -271,7 +263,6 @@ def _decode(model: torch.nn.Module, source: Iterator[Request], batch: BatchCache
         finished = [slot for slot in active if slot.done]
         for slot in active:
             slot.seconds += chosen if slot.done else step
-        active[:] = going
+        active = going
         for slot in finished:
-            batch.pool.leave(slot.cache)  # before its result is read: its cache owns its buffers again
             yield slot.request.key, slot.result()

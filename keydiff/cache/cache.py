@@ -68,6 +68,7 @@ from transformers.cache_utils import Cache
 from keydiff.attention import bound_cache
 from keydiff.cache.adaptive import AdaptiveLayer, AdaptiveStorage, PoolStack, evict_stack
 from keydiff.cache.layer import EvictingLayer
+from keydiff.cache.rowpool import own_buffers, place_side_by_side
 from keydiff.cache.sliding import SlidingWindowLayer, layer_windows
 from keydiff.cache.storage import Storage
 from keydiff.config import STATISTICS_MODES
@@ -358,10 +359,18 @@ class EvictingCache(Cache):
             raise ValueError(f"copies must be a positive integer, got {copies!r}")
         shared = {id(weight): weight for storage in self._storages
                   for weight in getattr(storage, "output_projection", []) if weight is not None}
-        forks = [copy.deepcopy(self, dict(shared)) for _ in range(int(copies))]
-        for cache in forks:
+        forks = []
+        for _ in range(int(copies)):
+            cache = copy.deepcopy(self, dict(shared))
             for layer in cache.layers:
                 layer.returned_keys = None  # a copy of some earlier pass's tensor: no attention call will bring it
+            forks.append(cache)
+        # Side by side in one allocation where the policy allows (same memory), so that a batch decodes the
+        # copies' rows as one (keydiff.cache.rowpool); each copy still owns its slot alone.
+        for cache in forks:
+            for storage in cache._storages:
+                own_buffers(storage)  # a copy of a placed stack (a fork of a fork) first gets buffers of its own
+        place_side_by_side(forks)
         return forks
 
     # --- positions (what changes with contiguous key re-rotation) ---------------------------------
@@ -553,6 +562,10 @@ class EvictingCache(Cache):
                 if id(storage) not in together:
                     storage.evict(self.policy, self.inv_freq, end, drop=drop)
 
+    def evicts_next_pass(self) -> bool:
+        """Whether `evict()` would now drop the entries over the budget (bounded, evicting, no held pass)."""
+        return self.budget is not None and self._evicting and not self._held
+
     def start_generation(self, new_tokens: int, evict: bool = True) -> None:
         """Prepare to decode up to `new_tokens` tokens: with evict=False every generated token is kept (no
         eviction, no statistics from now on), so room for them is made now, in one allocation per storage;
@@ -625,10 +638,16 @@ class EvictingCache(Cache):
     def kv_cache_bytes(self) -> int:
         """Bytes the key and value buffers hold (their allocated capacity, every layer): the real footprint.
 
-        Counted per allocation, so a stack is counted whole, including the slots of a layer that has left it.
+        Counted per allocation, so a stack is counted whole, including the slots of a layer that has left it; a
+        stack placed in a block beside other sequences' (forks, keydiff.cache.rowpool) counts its own slot.
         """
         sizes = {}
+        for storage in self._storages:  # a stack placed in a block shared with other sequences: its own slot only
+            if getattr(storage, "block", None) is not None and storage.keys is not None:
+                sizes[storage.keys.data_ptr()] = storage.keys.nbytes + storage.values.nbytes
         for layer in self.layers:
+            if getattr(getattr(layer, "storage", None), "block", None) is not None:
+                continue
             for buffer in (layer.keys, layer.values):
                 if buffer is not None:
                     allocation = buffer.untyped_storage()

@@ -80,6 +80,9 @@ class Storage:
         # While a scratch pass runs (see begin_scratch): (entries, seen, peak) to restore when it ends.
         self.scratch_mark: tuple[int, int, int] | None = None
         self.max_scratch_entries = 0  # peak entries per head during scratch passes (kept + block + scratch)
+        # (RowBlock, slot) when the buffers are a slot of a block shared with other sequences' stacks (forks placed
+        # side by side, keydiff.cache.rowpool); None when they are this storage's own.
+        self.block = None
 
     @property
     def count(self) -> int:
