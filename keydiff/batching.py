@@ -17,6 +17,14 @@ against each row's own cache (keydiff.attention.rowwise_attention), so no row ev
 an entry that is not its own. A sample's tokens therefore do not depend on the batch size or its neighbours,
 beyond the float rounding of batched matrix products.
 
+Rows alike run as one. Forks of one prefill (`state.fork(k)`: the throughput benchmark, Math-500's sampled
+answers) lie side by side in one allocation, each in its own slot (keydiff.cache.rowpool). Where consecutive
+slots hold the same number of entries and the policy scores rows from their entries alone (KeyDiff, K-norm,
+sink, recent, ...), those rows attend in one call per layer and evict in one scoring call per step, each row
+over exactly its own entries (`BatchCache.row_groups`, `rowpool.evict_groups`); every other row (prompts
+prefilled on their own, attention-statistic policies, head-adaptive pools, different counts) runs on its own
+as above. `generate_batch(..., group_rows=False)` runs every row on its own (the tested reference).
+
 Continuous batching. `generate_batch` owns `batch_size` slots. It pulls the next request whenever a slot is
 free (a lazy iterable prefills each prompt only then, alone, so its TTFT is timed as at batch 1) and yields
 each sequence's result as soon as it stops (a stop token or its length limit), then refills the slot.

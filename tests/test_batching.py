@@ -301,3 +301,17 @@ def test_a_group_scores_each_row_over_its_own_entries_only(model):
     for step, (positions, attention) in enumerate(log):
         assert attention is None
         assert torch.equal(positions, torch.cat([own[step] for own in alone]))
+
+
+def test_batch_steps_benchmark_runs_on_tiny_sizes(tmp_path):
+    """Runs, not timings: grouped and per-row step times at each batch, written with provenance."""
+    import json
+
+    from keydiff.bench import batch_steps
+
+    out = tmp_path / "steps.json"
+    batch_steps.main(["--model", "random-tiny", "--length", "64", "--budget", "24", "--block-size", "16",
+                      "--new-tokens", "3", "--batches", "1,2", "--repeats", "1", "--json", str(out)])
+    record = json.loads(out.read_text())
+    assert {(r["batch"], r["group_rows"]) for r in record["results"]} == {(1, True), (1, False), (2, True), (2, False)}
+    assert all(r["step_s"] > 0 for r in record["results"]) and "code" in record
