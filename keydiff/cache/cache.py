@@ -68,7 +68,7 @@ from transformers.cache_utils import Cache
 from keydiff.attention import bound_cache
 from keydiff.cache.adaptive import AdaptiveLayer, AdaptiveStorage, PoolStack, evict_stack
 from keydiff.cache.layer import EvictingLayer
-from keydiff.cache.rowpool import own_buffers, place_side_by_side
+from keydiff.cache.rowpool import RowBlock, own_buffers, poolable
 from keydiff.cache.sliding import SlidingWindowLayer, layer_windows
 from keydiff.cache.storage import Storage
 from keydiff.config import STATISTICS_MODES
@@ -352,25 +352,29 @@ class EvictingCache(Cache):
         statistics and the policy object itself (a stateful policy, e.g. random's generator, continues in each
         copy from where this one stands), so decoding one changes nothing in the others or here; the memory is
         `copies` x `kv_cache_bytes`. Only the model's output-projection weights (read by CriticalKV, never
-        written) stay shared. Refused inside a scratch pass."""
+        written) stay shared. Where the policy allows (keydiff.cache.rowpool.poolable), the copies' stacks lie
+        side by side in one allocation, a slot each, so that a batch decodes them as one group. Refused inside a
+        scratch pass."""
         if self._scratch:
             raise RuntimeError("a cache cannot be forked inside a scratch pass")
         if isinstance(copies, bool) or int(copies) != copies or copies < 1:
             raise ValueError(f"copies must be a positive integer, got {copies!r}")
         shared = {id(weight): weight for storage in self._storages
                   for weight in getattr(storage, "output_projection", []) if weight is not None}
-        forks = []
-        for _ in range(int(copies)):
+        # Side by side in one allocation where the policy allows (same memory), so that a batch decodes the
+        # copies' rows as one (keydiff.cache.rowpool); each copy owns its slot alone. Moved in one at a time, so
+        # the peak is the block and one copy.
+        forks, block = [], None
+        for index in range(int(copies)):
             cache = copy.deepcopy(self, dict(shared))
             for layer in cache.layers:
                 layer.returned_keys = None  # a copy of some earlier pass's tensor: no attention call will bring it
-            forks.append(cache)
-        # Side by side in one allocation where the policy allows (same memory), so that a batch decodes the
-        # copies' rows as one (keydiff.cache.rowpool); each copy still owns its slot alone.
-        for cache in forks:
             for storage in cache._storages:
                 own_buffers(storage)  # a copy of a placed stack (a fork of a fork) first gets buffers of its own
-        place_side_by_side(forks)
+            if copies > 1 and poolable(cache):
+                block = block or RowBlock.like(cache.stack, int(copies))
+                block.take(index, cache.stack)
+            forks.append(cache)
         return forks
 
     # --- positions (what changes with contiguous key re-rotation) ---------------------------------

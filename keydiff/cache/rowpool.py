@@ -11,7 +11,7 @@ stack of 8 rows' keys and values per layer costs ~5x the attention call it would
 a separately prefilled cache into shared memory when it joins a batch (a copy of every kept entry, ~50 ms per
 row for SmolLM2-135M at N = 1,024 on one CPU thread: more than a 16-token decode saves). The copies that exist
 anyway are the ones `EvictingCache.fork` makes (one prefill, many decodes: the throughput benchmark, Math-500's
-sampled answers): `place_side_by_side` puts them into one block [copies, layers, kv_heads, capacity, dim], each
+sampled answers): `RowBlock` puts them into one block [copies, layers, kv_heads, capacity, dim], each
 fork's stack a view of its slot (`Storage.block`), for the same memory as separate copies. A fork owns its slot
 for good (no other cache ever writes there), so nothing moves when it joins or leaves a batch.
 
@@ -65,39 +65,41 @@ class RowBlock:
     def __deepcopy__(self, memo: dict) -> None:
         return None  # a copy of a placed cache (a fork of a fork) gets buffers of its own: not in this block
 
+    @classmethod
+    def like(cls, storage: Storage, slots: int) -> "RowBlock":
+        """An empty block of `slots` slots, each shaped like this stack's buffers."""
+        count = storage.count
+        keys, values, positions, state = empty_buffers(slots * count, storage.keys[0], storage.values[0],
+                                                       storage.capacity, storage.state_names)
 
-def place_side_by_side(caches: list[EvictingCache]) -> None:
-    """Move the stacks of these caches (alike: `poolable`, same shapes) into one block, one slot each, in order:
-    each stack copies its valid entries into its slot and then uses views of it (its own buffers are released)."""
-    if len(caches) < 2 or not all(poolable(cache) for cache in caches):
-        return
-    stacks = [cache.stack for cache in caches]
-    first = stacks[0]
-    shape = (first.keys.shape, first.values.shape, first.keys.dtype, first.values.dtype, first.keys.device,
-             first.state_names, first.budget)
-    if any((s.keys.shape, s.values.shape, s.keys.dtype, s.values.dtype, s.keys.device, s.state_names, s.budget)
-           != shape for s in stacks):
-        return
-    slots, count = len(stacks), first.count
-    keys, values, positions, state = empty_buffers(slots * count, first.keys[0], first.values[0], first.capacity,
-                                                   first.state_names)
+        def split(buffer: torch.Tensor) -> torch.Tensor:
+            return buffer.view(slots, count, *buffer.shape[2:])  # [slots, layers, kv_heads, capacity(, dim)]
 
-    def split(buffer: torch.Tensor) -> torch.Tensor:
-        return buffer.view(slots, count, *buffer.shape[2:])  # [slots, layers, kv_heads, capacity(, dim)]
+        block = cls(split(keys), split(values), split(positions), {name: split(s) for name, s in state.items()})
+        block.budget = storage.budget
+        return block
 
-    block = RowBlock(split(keys), split(values), split(positions), {name: split(s) for name, s in state.items()})
-    for slot, storage in enumerate(stacks):
+    def take(self, slot: int, storage: Storage) -> bool:
+        """Move a stack into `slot`: its valid entries are copied there and it uses views of the slot from now on
+        (its own buffers are released). False, and nothing moves, if its buffers are not shaped like the block's."""
+        keys, values = storage.keys, storage.values
+        if (keys is None or storage.budget != self.budget or tuple(storage.state) != tuple(self.state)
+                or keys.shape[1] != 1 or keys.shape[0] != self.keys.shape[1] or keys.shape[2:] != self.keys.shape[2:]
+                or values.shape[2:] != self.values.shape[2:] or keys.dtype != self.keys.dtype
+                or values.dtype != self.values.dtype or keys.device != self.keys.device):
+            return False
         n = storage.num_entries
-        mine = (block.keys[slot], block.values[slot], block.positions[slot],
-                {name: s[slot] for name, s in block.state.items()})
-        mine[0][:, :, :n].copy_(storage.keys[:, 0, :, :n])
-        mine[1][:, :, :n].copy_(storage.values[:, 0, :, :n])
+        mine = (self.keys[slot], self.values[slot], self.positions[slot],
+                {name: s[slot] for name, s in self.state.items()})  # [layers, kv_heads, capacity(, dim)]
+        mine[0][:, :, :n].copy_(keys[:, 0, :, :n])
+        mine[1][:, :, :n].copy_(values[:, 0, :, :n])
         mine[2][:, :, :n].copy_(storage.positions[:, 0, :, :n])
         for name, s in mine[3].items():
             s[:, :, :n].copy_(storage.state[name][:, 0, :, :n])
         storage.adopt(mine[0].unsqueeze(1), mine[1].unsqueeze(1), mine[2].unsqueeze(1),
                       {name: s.unsqueeze(1) for name, s in mine[3].items()})
-        storage.block = (block, slot)
+        storage.block = (self, slot)
+        return True
 
 
 def own_buffers(storage: Storage) -> None:
