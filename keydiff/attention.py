@@ -411,7 +411,8 @@ def make_attention_function(base: str):
         rows_of = getattr(bound, "row_passes", None)
         passes = None if rows_of is None else rows_of(module.layer_idx, key)
         if passes is not None:  # a batch of sequences with caches of their own (keydiff.batching)
-            groups = bound.row_groups(module.layer_idx)
+            groups_of = getattr(bound, "row_groups", None)
+            groups = groups_of(module.layer_idx) if groups_of is not None else []
             return rowwise_attention(attend, module, query, passes, scaling, kwargs, groups, base), None
         return attend(module, query, key, value, scaling, bound, kwargs), None
 
