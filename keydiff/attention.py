@@ -35,6 +35,9 @@ an explicit boolean mask, so SDPA may still pick its flash kernel. FlashAttentio
 Batches of sequences (keydiff.batching): a bound cache that answers `row_passes(layer_idx, key)` holds one
 evicting cache per batch row; each row is then computed against its own cache's keys and values, that cache
 bound (`rowwise_attention`), so rows of different lengths are never padded and each records its own statistic.
+Rows whose caches lie side by side in one allocation and hold the same count (keydiff.cache.rowpool: policies
+that record nothing from attention) attend as one group in one call (`grouped_attention`): their keys are one
+view of their own entries, nothing padded.
 
 Hybrid and gpt-oss models. What a layer adds to plain causal softmax attention arrives as keyword arguments
 and is honoured on every path (fused, materialised, statistics, head-adaptive segments) through `LogitRules`:
@@ -329,18 +332,46 @@ def decoding_segment_attention(
 
 def rowwise_attention(
     attend, module: torch.nn.Module, query: torch.Tensor, passes: list[tuple[Any, torch.Tensor, torch.Tensor]],
-    scaling: float, kwargs: dict[str, Any],
+    scaling: float, kwargs: dict[str, Any], groups: list[tuple[list[int], torch.Tensor, torch.Tensor]] = (),
+    base: str = "sdpa",
 ) -> torch.Tensor:
     """Attention of a batch whose rows have caches of their own (keydiff.batching.BatchCache): row r's queries
     [1, H, q, d] against exactly the keys and values its own cache returned (`passes[r]`: cache, keys, values),
     with that cache bound while it runs, so its statistics and masks are the ones a batch-1 run records. Rows
     holding different entry counts are never padded to a common length: no row ever scores, keeps or attends to
-    an entry that is not its own. Output [rows, q, H, d]."""
-    outputs = []
+    an entry that is not its own. Output [rows, q, H, d].
+
+    groups: rows whose caches lie side by side and hold the same count (keydiff.cache.rowpool), each as (row
+    indices, their keys and values as one tensor [len(rows), kv_heads, n, d]): each group attends in ONE call
+    (`grouped_attention`), which is what a batch saves over its rows one by one (a kernel launch per row and
+    layer). A group's keys are exactly its rows' own entries, so this is the per-row computation batched."""
+    outputs: list[torch.Tensor | None] = [None] * len(passes)
+    for rows, key, value in groups:
+        if len(rows) == len(passes) and rows == list(range(len(passes))):
+            return grouped_attention(base, module, query, key, value, scaling, kwargs)
+        index = torch.tensor(rows, device=query.device)
+        out = grouped_attention(base, module, query.index_select(0, index), key, value, scaling, kwargs)
+        for j, row in enumerate(rows):
+            outputs[row] = out[j : j + 1]
     for row, (cache, key, value) in enumerate(passes):
-        with bound_to(cache):
-            outputs.append(attend(module, query[row : row + 1], key, value, scaling, cache, kwargs))
+        if outputs[row] is None:
+            with bound_to(cache):
+                outputs[row] = attend(module, query[row : row + 1], key, value, scaling, cache, kwargs)
     return torch.cat(outputs, dim=0)
+
+
+def grouped_attention(
+    base: str, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
+    kwargs: dict[str, Any],
+) -> torch.Tensor:
+    """Rows of several sequences in one call: query [rows, H, q, d] against key/value [rows, kv_heads, n, d], each
+    row its own sequence's n entries (all rows hold n: never padded). Only for rows whose caches record nothing
+    from attention (no statistic, no queries, no output projection; keydiff.cache.rowpool.poolable) and keep their
+    keys in order (no sliding-window positions): the computation `attend` does for such a row, batched."""
+    rules = rules_for(kwargs, query, key)
+    if base == "eager":
+        return eager_attention(module, query, key, value, scaling, rules)[0]
+    return fused_attention(base, module, query, key, value, scaling, rules)
 
 
 @contextmanager
@@ -380,7 +411,9 @@ def make_attention_function(base: str):
         rows_of = getattr(bound, "row_passes", None)
         passes = None if rows_of is None else rows_of(module.layer_idx, key)
         if passes is not None:  # a batch of sequences with caches of their own (keydiff.batching)
-            return rowwise_attention(attend, module, query, passes, scaling, kwargs), None
+            groups_of = getattr(bound, "row_groups", None)
+            groups = groups_of(module.layer_idx) if groups_of is not None else []
+            return rowwise_attention(attend, module, query, passes, scaling, kwargs, groups, base), None
         return attend(module, query, key, value, scaling, bound, kwargs), None
 
     def attend(

@@ -17,6 +17,14 @@ against each row's own cache (keydiff.attention.rowwise_attention), so no row ev
 an entry that is not its own. A sample's tokens therefore do not depend on the batch size or its neighbours,
 beyond the float rounding of batched matrix products.
 
+Rows alike run as one. Forks of one prefill (`state.fork(k)`: the throughput benchmark, Math-500's sampled
+answers) lie side by side in one allocation, each in its own slot (keydiff.cache.rowpool). Where consecutive
+slots hold the same number of entries and the policy scores rows from their entries alone (KeyDiff, K-norm,
+sink, recent, ...), those rows attend in one call per layer and evict in one scoring call per step, each row
+over exactly its own entries (`BatchCache.row_groups`, `rowpool.evict_groups`); every other row (prompts
+prefilled on their own, attention-statistic policies, head-adaptive pools, different counts) runs on its own
+as above. `generate_batch(..., group_rows=False)` runs every row on its own (the tested reference).
+
 Continuous batching. `generate_batch` owns `batch_size` slots. It pulls the next request whenever a slot is
 free (a lazy iterable prefills each prompt only then, alone, so its TTFT is timed as at batch 1) and yields
 each sequence's result as soon as it stops (a stop token or its length limit), then refills the slot.
@@ -40,6 +48,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from keydiff.attention import bound_cache, bound_to, keydiff_attention
 from keydiff.cache import EvictingCache
+from keydiff.cache.rowpool import evict_groups, grouped_passes, runs
 from keydiff.engine import GenerationResult, PrefillResult, next_token
 
 
@@ -105,10 +114,13 @@ class BatchCache(Cache):
     positions). `evict()` evicts every row as a batch-1 run does after each pass.
     """
 
-    def __init__(self, num_layers: int):
+    def __init__(self, num_layers: int, group_rows: bool = True):
         super().__init__(layers=[_RowLayer(self, i) for i in range(num_layers)])
         self.rows: list[EvictingCache] = []
+        self.group_rows = group_rows  # rows side by side with equal counts run as one (keydiff.cache.rowpool)
         self._passes: dict[int, tuple[torch.Tensor, list[tuple[EvictingCache, torch.Tensor, torch.Tensor]]]] = {}
+        self._groups: dict[int, list[tuple[list[int], torch.Tensor, torch.Tensor]]] = {}
+        self._runs: list = []
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
@@ -124,6 +136,10 @@ class BatchCache(Cache):
                 keys, values = cache.update(key_states[row : row + 1], value_states[row : row + 1], layer_idx)
             passes.append((cache, keys, values))
         self._passes[layer_idx] = (key_states, passes)
+        if self.group_rows:
+            if not self._groups:  # the pass's first layer: every row's count has moved on, group them once
+                self._runs = runs(self.rows)
+            self._groups[layer_idx] = grouped_passes(self._runs, self.rows, layer_idx)
         return key_states, value_states
 
     def row_passes(
@@ -134,15 +150,25 @@ class BatchCache(Cache):
         entry = self._passes.get(layer_idx)
         return entry[1] if entry is not None and entry[0] is key else None
 
+    def row_groups(self, layer_idx: int) -> list[tuple[list[int], torch.Tensor, torch.Tensor]]:
+        """For the attention function: the groups of rows of this layer's pass that attend as one (row indices,
+        their keys and values as one tensor each, views of the pool: keydiff.cache.rowpool); rows in no group
+        attend on their own. Asked only after `row_passes` answered."""
+        return self._groups.get(layer_idx, [])
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """The most tokens any row has seen (rows differ: the scheduler passes each row's position_ids)."""
         return self.layers[layer_idx].get_seq_length()
 
     def evict(self) -> None:
-        """Every row observes the pass and evicts, as a batch-1 run does after each pass."""
+        """Every row observes the pass and evicts, as a batch-1 run does after each pass (the rows of a group
+        in one call, keydiff.cache.rowpool.evict_groups)."""
         self._passes.clear()
+        self._groups.clear()
+        done = evict_groups(self.rows) if self.group_rows else set()
         for cache in self.rows:
-            cache.evict()
+            if id(cache) not in done:
+                cache.evict()
 
 
 class _Slot:
@@ -193,19 +219,21 @@ def _sync(device: torch.device) -> None:
 
 @torch.inference_mode()
 def generate_batch(
-    model: torch.nn.Module, requests: Iterable[Request], batch_size: int
+    model: torch.nn.Module, requests: Iterable[Request], batch_size: int, group_rows: bool = True
 ) -> Iterator[tuple[Any, SequenceResult]]:
     """Decode every request, up to `batch_size` at once, refilling a slot as soon as its sequence stops.
 
     Yields (request.key, SequenceResult) in the order the sequences finish. Each sequence decodes exactly as
     `keydiff.generate(model, request.state, ...)` would alone (see the module docstring). `requests` may be a
     lazy iterable: the next one is drawn only when a slot is free, so its prefill runs then, outside the steps.
+    group_rows=False computes every row on its own even where rows could run as one group (the reference the
+    grouped path is tested against, and what a benchmark compares it with).
     """
     if isinstance(batch_size, bool) or int(batch_size) != batch_size or batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
     source = iter(requests)
     device = next(model.parameters()).device
-    batch = BatchCache(model.config.get_text_config().num_hidden_layers)
+    batch = BatchCache(model.config.get_text_config().num_hidden_layers, group_rows)
     active: list[_Slot] = []
     exhausted = False
     while True:

@@ -209,3 +209,109 @@ def test_statistics_modes_kernels_and_no_decode_eviction_batch_like_separate_run
     for key, (tokens, positions) in enumerate(expected):
         assert got[key].token_ids[0] == tokens
         assert same_kept(kept(states[key].cache), positions)
+
+
+# --- rows side by side (keydiff.cache.rowpool): forks of one prefill decode as one group -------------------------
+
+
+def group_sizes(monkeypatch) -> list[int]:
+    """Record the size of every group of rows that attends and evicts as one (keydiff.cache.rowpool.runs)."""
+    import keydiff.batching as batching
+
+    sizes, original = [], batching.runs
+
+    def recording(caches):
+        groups = original(caches)
+        sizes.extend(len(indices) for _, _, indices in groups)
+        return groups
+
+    monkeypatch.setattr(batching, "runs", recording)
+    return sizes
+
+
+def sampled(seed: int, new_tokens: int = 12) -> dict:
+    return {"max_new_tokens": new_tokens, "do_sample": True, "temperature": 0.9, "seed": seed, "eos_token_ids": ()}
+
+
+@pytest.mark.parametrize("name", ["keydiff", "knorm", "sink"])
+def test_forks_lie_side_by_side_and_decode_as_one_group_like_separate_runs(model, name, monkeypatch):
+    """Forks of one prefill share one block, each its own slot (same bytes as a copy each); decoded together they
+    attend and evict as one group and give the tokens and kept positions of per-row decoding and of each decoded
+    alone (rows diverge: each samples with its own seed)."""
+    from keydiff.cache.rowpool import poolable
+
+    state = prefill(model, prompts()[2], build_policy(name), BUDGET, BLOCK)
+    assert poolable(state.cache) and state.cache.stack.block is None
+    expected = []
+    for seed, fork in enumerate(state.fork(4)):
+        expected.append((generate(model, fork, **sampled(seed)).token_ids[0], kept(fork.cache)))
+    sizes = group_sizes(monkeypatch)
+    for group_rows in (True, False):
+        forks = state.fork(4)
+        blocks = [fork.cache.stack.block for fork in forks]
+        assert all(block[0] is blocks[0][0] for block in blocks) and [b[1] for b in blocks] == [0, 1, 2, 3]
+        assert all(f.cache.kv_cache_bytes == state.cache.kv_cache_bytes for f in forks)
+        requests = [keydiff.Request(fork, key=seed, **sampled(seed)) for seed, fork in enumerate(forks)]
+        got = dict(keydiff.generate_batch(model, requests, 4, group_rows=group_rows))
+        for seed, (tokens, positions) in enumerate(expected):
+            assert got[seed].token_ids[0] == tokens, (group_rows, seed)
+            assert same_kept(kept(forks[seed].cache), positions), (group_rows, seed)
+        assert sizes == ([4] * 11 if group_rows else []), group_rows  # one group of four at every pass (11)
+        sizes.clear()
+
+
+def test_a_mixed_batch_groups_only_the_rows_alike(model, monkeypatch):
+    """Two forks of one prompt beside prompts prefilled on their own (one shorter than N) and a policy that needs
+    attention statistics: only the forks group (while their counts are equal), every row decodes as it does
+    alone, and refilled slots keep working."""
+    sizes = group_sizes(monkeypatch)
+    short, other = prompts((23, 61))
+    base = prefill(model, prompts()[0], "keydiff", BUDGET, BLOCK)
+
+    def states():
+        forks = base.fork(3)
+        return [forks[0], prefill(model, short, "keydiff", BUDGET, BLOCK), forks[1],
+                prefill(model, other, "h2o", BUDGET, BLOCK), forks[2]]
+
+    settings = [sampled(1, 9), sampled(2, 14), sampled(3, 30), sampled(4, 6), sampled(5, 11)]
+    expected = [(generate(model, s, **setting).token_ids[0], kept(s.cache)) for s, setting in zip(states(), settings)]
+    batch = states()
+    requests = [keydiff.Request(s, key=i, **setting) for i, (s, setting) in enumerate(zip(batch, settings))]
+    got = dict(keydiff.generate_batch(model, requests, 3))
+    for key, (tokens, positions) in enumerate(expected):
+        assert got[key].token_ids[0] == tokens, key
+        assert same_kept(kept(batch[key].cache), positions), key
+    assert sizes and set(sizes) == {2}  # forks 0 and 1 share slots 0-1 of their block; fork 2 (slot 2) joins later
+
+
+def test_a_group_scores_each_row_over_its_own_entries_only(model):
+    """The grouped eviction's one call sees, row for row, exactly what each sequence's own eviction sees alone:
+    its positions are the sequences' own, concatenated in slot order (nothing padded, nothing of a neighbour's)."""
+    log: list = []
+    state = prefill(model, prompts()[2], logged("keydiff", log), BUDGET, BLOCK)
+    alone = []
+    for seed, fork in enumerate(state.fork(3)):
+        log.clear()
+        generate(model, fork, **sampled(seed, 8))
+        alone.append([positions for positions, _ in log])
+    log.clear()
+    forks = state.fork(3)
+    list(keydiff.generate_batch(model, [keydiff.Request(f, key=s, **sampled(s, 8)) for s, f in enumerate(forks)], 3))
+    assert len(log) == len(alone[0]) > 0
+    for step, (positions, attention) in enumerate(log):
+        assert attention is None
+        assert torch.equal(positions, torch.cat([own[step] for own in alone]))
+
+
+def test_batch_steps_benchmark_runs_on_tiny_sizes(tmp_path):
+    """Runs, not timings: grouped and per-row step times at each batch, written with provenance."""
+    import json
+
+    from keydiff.bench import batch_steps
+
+    out = tmp_path / "steps.json"
+    batch_steps.main(["--model", "random-tiny", "--length", "64", "--budget", "24", "--block-size", "16",
+                      "--new-tokens", "3", "--batches", "1,2", "--repeats", "1", "--json", str(out)])
+    record = json.loads(out.read_text())
+    assert {(r["batch"], r["group_rows"]) for r in record["results"]} == {(1, True), (1, False), (2, True), (2, False)}
+    assert all(r["step_s"] > 0 for r in record["results"]) and "code" in record

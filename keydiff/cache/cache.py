@@ -68,6 +68,7 @@ from transformers.cache_utils import Cache
 from keydiff.attention import bound_cache
 from keydiff.cache.adaptive import AdaptiveLayer, AdaptiveStorage, PoolStack, evict_stack
 from keydiff.cache.layer import EvictingLayer
+from keydiff.cache.rowpool import RowBlock, own_buffers, poolable
 from keydiff.cache.sliding import SlidingWindowLayer, layer_windows
 from keydiff.cache.storage import Storage
 from keydiff.config import STATISTICS_MODES
@@ -351,17 +352,29 @@ class EvictingCache(Cache):
         statistics and the policy object itself (a stateful policy, e.g. random's generator, continues in each
         copy from where this one stands), so decoding one changes nothing in the others or here; the memory is
         `copies` x `kv_cache_bytes`. Only the model's output-projection weights (read by CriticalKV, never
-        written) stay shared. Refused inside a scratch pass."""
+        written) stay shared. Where the policy allows (keydiff.cache.rowpool.poolable), the copies' stacks lie
+        side by side in one allocation, a slot each, so that a batch decodes them as one group. Refused inside a
+        scratch pass."""
         if self._scratch:
             raise RuntimeError("a cache cannot be forked inside a scratch pass")
         if isinstance(copies, bool) or int(copies) != copies or copies < 1:
             raise ValueError(f"copies must be a positive integer, got {copies!r}")
         shared = {id(weight): weight for storage in self._storages
                   for weight in getattr(storage, "output_projection", []) if weight is not None}
-        forks = [copy.deepcopy(self, dict(shared)) for _ in range(int(copies))]
-        for cache in forks:
+        # Side by side in one allocation where the policy allows (same memory), so that a batch decodes the
+        # copies' rows as one (keydiff.cache.rowpool); each copy owns its slot alone. Moved in one at a time, so
+        # the peak is the block and one copy.
+        forks, block = [], None
+        for index in range(int(copies)):
+            cache = copy.deepcopy(self, dict(shared))
             for layer in cache.layers:
                 layer.returned_keys = None  # a copy of some earlier pass's tensor: no attention call will bring it
+            for storage in cache._storages:
+                own_buffers(storage)  # a copy of a placed stack (a fork of a fork) first gets buffers of its own
+            if copies > 1 and poolable(cache):
+                block = block or RowBlock.like(cache.stack, int(copies))
+                block.take(index, cache.stack)
+            forks.append(cache)
         return forks
 
     # --- positions (what changes with contiguous key re-rotation) ---------------------------------
@@ -553,6 +566,10 @@ class EvictingCache(Cache):
                 if id(storage) not in together:
                     storage.evict(self.policy, self.inv_freq, end, drop=drop)
 
+    def evicts_next_pass(self) -> bool:
+        """Whether `evict()` would now drop the entries over the budget (bounded, evicting, no held pass)."""
+        return self.budget is not None and self._evicting and not self._held
+
     def start_generation(self, new_tokens: int, evict: bool = True) -> None:
         """Prepare to decode up to `new_tokens` tokens: with evict=False every generated token is kept (no
         eviction, no statistics from now on), so room for them is made now, in one allocation per storage;
@@ -625,10 +642,16 @@ class EvictingCache(Cache):
     def kv_cache_bytes(self) -> int:
         """Bytes the key and value buffers hold (their allocated capacity, every layer): the real footprint.
 
-        Counted per allocation, so a stack is counted whole, including the slots of a layer that has left it.
+        Counted per allocation, so a stack is counted whole, including the slots of a layer that has left it; a
+        stack placed in a block beside other sequences' (forks, keydiff.cache.rowpool) counts its own slot.
         """
         sizes = {}
+        for storage in self._storages:  # a stack placed in a block shared with other sequences: its own slot only
+            if getattr(storage, "block", None) is not None and storage.keys is not None:
+                sizes[storage.keys.data_ptr()] = storage.keys.nbytes + storage.values.nbytes
         for layer in self.layers:
+            if getattr(getattr(layer, "storage", None), "block", None) is not None:
+                continue
             for buffer in (layer.keys, layer.values):
                 if buffer is not None:
                     allocation = buffer.untyped_storage()

@@ -80,6 +80,9 @@ class Storage:
         # While a scratch pass runs (see begin_scratch): (entries, seen, peak) to restore when it ends.
         self.scratch_mark: tuple[int, int, int] | None = None
         self.max_scratch_entries = 0  # peak entries per head during scratch passes (kept + block + scratch)
+        # (RowBlock, slot) when the buffers are a slot of a block shared with other sequences' stacks (forks placed
+        # side by side, keydiff.cache.rowpool); None when they are this storage's own.
+        self.block = None
 
     @property
     def count(self) -> int:
@@ -333,39 +336,49 @@ class Storage:
         rotary.copy_(target)
 
     def drop(self, dropped: torch.Tensor) -> None:
-        """Remove the entries at `dropped` [rows, kv_heads, excess] by moving surviving tail entries into them.
-
-        With N = budget and n entries, the tail slots N..n-1 are exactly as many as the dropped entries, so
-        every dropped slot below N receives one surviving tail entry: pair the k-th dropped slot with the
-        k-th surviving tail slot (both ascending). Pairs past the survivors land in dropped tail slots.
-        """
-        budget, n = self.budget, self.num_entries
-        tail = n - budget
-        if tail == 1:  # decoding: the one new entry moves into the dropped slot (onto itself if it was dropped)
-            self.move(torch.full_like(dropped, budget), dropped)
-            self.num_entries = budget
-            return
-        dropped = dropped.sort(dim=-1).values
-        # Mark the dropped tail slots; dropped slots below the budget all go to one spare column at the end.
-        column = torch.where(dropped >= budget, dropped - budget, tail)
-        tail_dropped = torch.zeros(*dropped.shape[:2], tail + 1, dtype=torch.uint8, device=dropped.device)
-        tail_dropped.scatter_(-1, column, 1)
-        # Surviving tail slots first (stable: ascending), then the dropped ones.
-        sources = budget + torch.argsort(tail_dropped[..., :tail], dim=-1, stable=True)
-        self.move(sources, dropped)
-        self.num_entries = budget
+        """Remove the entries at `dropped` [rows, kv_heads, excess] (see `drop_entries`)."""
+        drop_entries(self.rows, self.budget, self.num_entries, dropped)
+        self.num_entries = self.budget
 
     def move(self, sources: torch.Tensor, targets: torch.Tensor) -> None:
         """buffer[..., targets] = buffer[..., sources] for every buffer (indices [rows, kv_heads, k])."""
-        rows = self.rows
-        for buffer in (rows["keys"], rows["values"]):
-            src = sources[..., None].expand(-1, -1, -1, buffer.shape[-1])
-            dst = targets[..., None].expand(-1, -1, -1, buffer.shape[-1])
-            buffer.scatter_(2, dst, buffer.gather(2, src))
-        for buffer in (rows["positions"], *rows["state"].values()):
-            buffer.scatter_(2, targets, buffer.gather(2, sources))
+        move_entries(self.rows, sources, targets)
 
     def entries_after_eviction(self) -> int:
         if self.budget is None or self.scratch_mark is not None:  # nothing is evicted during a scratch pass
             return self.num_entries
         return min(self.num_entries, self.budget)
+
+
+def drop_entries(rows: dict, budget: int, n: int, dropped: torch.Tensor) -> None:
+    """Remove the entries at `dropped` [rows, kv_heads, n - budget] from buffers holding n valid entries (`rows`:
+    "keys", "values", "positions", "state" as [rows, kv_heads, capacity(, dim)] views) by moving surviving tail
+    entries into them; afterwards the first `budget` slots hold the kept entries. A function of the buffers
+    alone, so that the rows of several storages lying side by side (keydiff.cache.rowpool) drop in one call.
+
+    With N = budget and n entries, the tail slots N..n-1 are exactly as many as the dropped entries, so
+    every dropped slot below N receives one surviving tail entry: pair the k-th dropped slot with the
+    k-th surviving tail slot (both ascending). Pairs past the survivors land in dropped tail slots.
+    """
+    tail = n - budget
+    if tail == 1:  # decoding: the one new entry moves into the dropped slot (onto itself if it was dropped)
+        move_entries(rows, torch.full_like(dropped, budget), dropped)
+        return
+    dropped = dropped.sort(dim=-1).values
+    # Mark the dropped tail slots; dropped slots below the budget all go to one spare column at the end.
+    column = torch.where(dropped >= budget, dropped - budget, tail)
+    tail_dropped = torch.zeros(*dropped.shape[:2], tail + 1, dtype=torch.uint8, device=dropped.device)
+    tail_dropped.scatter_(-1, column, 1)
+    # Surviving tail slots first (stable: ascending), then the dropped ones.
+    sources = budget + torch.argsort(tail_dropped[..., :tail], dim=-1, stable=True)
+    move_entries(rows, sources, dropped)
+
+
+def move_entries(rows: dict, sources: torch.Tensor, targets: torch.Tensor) -> None:
+    """buffer[..., targets] = buffer[..., sources] for every buffer of `rows` (indices [rows, kv_heads, k])."""
+    for buffer in (rows["keys"], rows["values"]):
+        src = sources[..., None].expand(-1, -1, -1, buffer.shape[-1])
+        dst = targets[..., None].expand(-1, -1, -1, buffer.shape[-1])
+        buffer.scatter_(2, dst, buffer.gather(2, src))
+    for buffer in (rows["positions"], *rows["state"].values()):
+        buffer.scatter_(2, targets, buffer.gather(2, sources))

@@ -1,0 +1,84 @@
+"""Decode step time at batch 1 and k, rows grouped or each on its own: where batching's speed-up goes.
+
+    python -m keydiff.bench.batch_steps --threads 2 --batches 1,8 --policies keydiff
+    python -m keydiff.bench.batch_steps --threads 2 --batches 1,4,8,16 --json results/bench/batch_steps_cpu.json
+
+One prompt of L tokens is prefilled once per policy and forked into `batch` states (forks lie side by side,
+keydiff.cache.rowpool), which decode --new-tokens tokens through keydiff.generate_batch with group_rows on
+(rows holding the same count attend and evict as one group) and off (every row on its own, the reference).
+Reported per (policy, batch, grouping): the median time of one decoding pass (SequenceResult.seconds over its
+passes: the steps alone, no prefill, no fork), its ratio to batch 1 (the issue-22 target: <= 8 / 3.5 = 2.29 at
+batch 8, i.e. >= 3.5x the tokens/s) and the aggregate tokens/s. Take timings on a quiet machine; the ratios of
+one process are a sanity signal under load, not results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+from keydiff import build_policy, prefill
+from keydiff.batching import Request, generate_batch
+from keydiff.bench import common
+
+
+def step_seconds(model, state, batch: int, new_tokens: int, group_rows: bool) -> float:
+    """Seconds per decoding pass of `batch` forks of `state` decoded together (no stop tokens)."""
+    requests = [Request(fork, max_new_tokens=new_tokens, key=i) for i, fork in enumerate(state.fork(batch))]
+    results = dict(generate_batch(model, requests, batch, group_rows=group_rows))
+    return results[0].seconds / (new_tokens - 1)  # the first token comes from the prefill's logits
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    common.add_common_arguments(parser)
+    parser.add_argument("--policies", default="keydiff", help="comma list (default keydiff)")
+    parser.add_argument("--length", type=int, default=4096, help="prompt tokens L")
+    parser.add_argument("--budget", type=int, default=1024, help="entries kept per layer and KV head, N")
+    parser.add_argument("--block-size", type=int, default=128, help="prompt tokens per prefill forward, B")
+    parser.add_argument("--new-tokens", type=int, default=17, help="tokens decoded per sequence (>= 2)")
+    parser.add_argument("--batches", default="1,8", help="batch sizes (the first is the ratios' base)")
+    args = parser.parse_args(argv)
+    started = common.provenance(__spec__.name, argv)
+    if args.new_tokens < 2 or args.repeats < 1:
+        parser.error("--new-tokens must be >= 2 and --repeats >= 1")
+    names = common.parse_policies(parser, args.policies, args.budget)
+    batches = [int(b) for b in args.batches.split(",")]
+    device, dtype = common.apply_runtime(args)
+    args.model = args.model or "smollm2-135m"
+    print(common.setting_line(device, dtype, model=args.model, attn=args.attn, L=args.length, N=args.budget,
+                              B=args.block_size, new_tokens=args.new_tokens, batches=args.batches,
+                              repeats=args.repeats), flush=True)
+    model = common.build_model(args.model, dtype, args.attn, device)
+    prompt = common.random_prompt(model, args.length).to(device)
+    cases, keys = {}, {}
+    for name in names:
+        state = prefill(model, prompt, build_policy(name), None if name == "full" else args.budget, args.block_size)
+        for batch in batches:
+            for grouped in (True, False):
+                label = f"{name} x{batch} {'grouped' if grouped else 'per-row'}"
+                cases[label] = (lambda s=state, b=batch, g=grouped:
+                                step_seconds(model, s, b, args.new_tokens, g))
+                keys[label] = (name, batch, grouped)
+    timings = common.interleaved_rounds(cases, args.repeats, device)
+    rows = []
+    for label, (name, batch, grouped) in keys.items():
+        seconds = statistics.median(timings[label])
+        rows.append({"policy": name, "batch": batch, "group_rows": grouped, "step_s": seconds,
+                     "tokens_per_s": batch / seconds})
+    base = {(r["policy"], r["group_rows"]): r["step_s"] for r in rows if r["batch"] == batches[0]}
+    for row in rows:
+        row["step_vs_batch_" + str(batches[0])] = common.ratio(row["step_s"], base[(row["policy"], row["group_rows"])])
+    common.print_table([("policy", 12), ("batch", 5), ("rows", 8), ("ms/step", 8), ("x step", 7), ("tok/s", 8)],
+                       [[r["policy"], str(r["batch"]), "grouped" if r["group_rows"] else "per-row",
+                         common.fmt(r["step_s"] * 1e3, ".1f"), common.fmt(r["step_vs_batch_" + str(batches[0])], ".2f"),
+                         common.fmt(r["tokens_per_s"], ".1f")] for r in rows], 3)
+    if args.json:
+        common.write_json(args.json, {"results": rows, "prompt": "random token ids (random_prompt, seed 0)",
+                                      "prefill_included": False}, started)
+
+
+if __name__ == "__main__":
+    main()

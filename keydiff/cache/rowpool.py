@@ -1,0 +1,205 @@
+"""Bounded caches of several sequences side by side in one allocation, so that rows alike decode as one.
+
+Why. A batch of sequences (keydiff.batching) keeps one `EvictingCache` per sequence, so that no row ever scores,
+keeps or attends to an entry that is not its own, and computes attention and eviction row by row: a kernel
+launch per row and layer. Rows whose stacks lie side by side in memory and hold the same number of entries can
+run as one tensor instead: one attention call per layer and one scoring call, top-k and move per step, each row
+still computed over exactly its own entries (rows are independent in these kernels; nothing is padded).
+
+Where adjacency comes from. Copying the rows together at every step costs more than it saves (measured: a
+stack of 8 rows' keys and values per layer costs ~5x the attention call it would replace), and so does moving
+a separately prefilled cache into shared memory when it joins a batch (a copy of every kept entry, ~50 ms per
+row for SmolLM2-135M at N = 1,024 on one CPU thread: more than a 16-token decode saves). The copies that exist
+anyway are the ones `EvictingCache.fork` makes (one prefill, many decodes: the throughput benchmark, Math-500's
+sampled answers): `RowBlock` puts them into one block [copies, layers, kv_heads, capacity, dim], each
+fork's stack a view of its slot (`Storage.block`), for the same memory as separate copies. A fork owns its slot
+for good (no other cache ever writes there), so nothing moves when it joins or leaves a batch.
+
+Only what provably scores rows alike is placed (`poolable`): one stack holding every layer (no sliding-window
+layers, no head-adaptive pools, no per-layer budgets), and a policy that scores each row by its own entries
+(`layers_batchable`) from the entries alone: no attention statistic (H2O, TOVA, SnapKV keep their per-row path:
+each must record its own row's statistic), no queries, no output projection, no key re-rotation. Rows group
+only when their slots are consecutive in one block, their counts equal and their policies equal (`runs`);
+every other row decodes on its own, as before.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from keydiff.cache.storage import Storage, drop_entries, empty_buffers
+from keydiff.policies.base import LayerView
+
+if TYPE_CHECKING:
+    from keydiff.cache.cache import EvictingCache
+
+
+def poolable(cache: "EvictingCache") -> bool:
+    """Whether this cache's rows can run grouped with others (see the module): a single stack of every layer and
+    a policy that scores rows alike from their entries alone."""
+    policy, stack = cache.policy, cache.stack
+    return (stack is not None and len(cache.storages) == 1 and stack.keys is not None and stack.budget is not None
+            and stack.keys.shape[1] == 1 and stack.scratch_mark is None and not cache.sliding
+            and all(window is None for window in cache.windows) and policy.layers_batchable
+            and policy.attention_rows == 0 and not policy.needs_queries and not policy.needs_output_projection
+            and policy.key_rerotation is None and not policy.head_adaptive and not policy.needs_reconstruction)
+
+
+@dataclass(eq=False)
+class RowBlock:
+    """Buffers for the stacks of several sequences: keys/values [slots, layers, kv_heads, capacity, dim]."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    positions: torch.Tensor
+    state: dict[str, torch.Tensor]
+
+    def holds(self, storage: Storage, slot: int) -> bool:
+        """Whether the storage still lives in `slot` (it has not grown into buffers of its own since)."""
+        return storage.keys is not None and storage.keys.data_ptr() == self.keys[slot].data_ptr()
+
+    def __deepcopy__(self, memo: dict) -> None:
+        return None  # a copy of a placed cache (a fork of a fork) gets buffers of its own: not in this block
+
+    @classmethod
+    def like(cls, storage: Storage, slots: int) -> "RowBlock":
+        """An empty block of `slots` slots, each shaped like this stack's buffers."""
+        count = storage.count
+        keys, values, positions, state = empty_buffers(slots * count, storage.keys[0], storage.values[0],
+                                                       storage.capacity, storage.state_names)
+
+        def split(buffer: torch.Tensor) -> torch.Tensor:
+            return buffer.view(slots, count, *buffer.shape[2:])  # [slots, layers, kv_heads, capacity(, dim)]
+
+        block = cls(split(keys), split(values), split(positions), {name: split(s) for name, s in state.items()})
+        block.budget = storage.budget
+        return block
+
+    def take(self, slot: int, storage: Storage) -> bool:
+        """Move a stack into `slot`: its valid entries are copied there and it uses views of the slot from now on
+        (its own buffers are released). False, and nothing moves, if its buffers are not shaped like the block's."""
+        keys, values = storage.keys, storage.values
+        if (keys is None or storage.budget != self.budget or tuple(storage.state) != tuple(self.state)
+                or keys.shape[1] != 1 or keys.shape[0] != self.keys.shape[1] or keys.shape[2:] != self.keys.shape[2:]
+                or values.shape[2:] != self.values.shape[2:] or keys.dtype != self.keys.dtype
+                or values.dtype != self.values.dtype or keys.device != self.keys.device):
+            return False
+        n = storage.num_entries
+        mine = (self.keys[slot], self.values[slot], self.positions[slot],
+                {name: s[slot] for name, s in self.state.items()})  # [layers, kv_heads, capacity(, dim)]
+        mine[0][:, :, :n].copy_(keys[:, 0, :, :n])
+        mine[1][:, :, :n].copy_(values[:, 0, :, :n])
+        mine[2][:, :, :n].copy_(storage.positions[:, 0, :, :n])
+        for name, s in mine[3].items():
+            s[:, :, :n].copy_(storage.state[name][:, 0, :, :n])
+        storage.adopt(mine[0].unsqueeze(1), mine[1].unsqueeze(1), mine[2].unsqueeze(1),
+                      {name: s.unsqueeze(1) for name, s in mine[3].items()})
+        storage.block = (self, slot)
+        return True
+
+
+def own_buffers(storage: Storage) -> None:
+    """Give a storage that was copied from a placed one (`RowBlock` copies to None: a fork of a fork) buffers of
+    its own, of its capacity, holding its valid entries (the copy would otherwise keep a whole block's copy)."""
+    if getattr(storage, "block", None) is None or storage.block[0] is not None or storage.keys is None:
+        return
+    n = storage.num_entries
+    keys, values, positions, state = empty_buffers(storage.count, storage.keys[0], storage.values[0],
+                                                   storage.capacity, storage.state_names)
+    keys[..., :n, :] = storage.keys[..., :n, :]
+    values[..., :n, :] = storage.values[..., :n, :]
+    positions[..., :n] = storage.positions[..., :n]
+    for name, buffer in state.items():
+        buffer[..., :n] = storage.state[name][..., :n]
+    storage.adopt(keys, values, positions, state)
+    storage.block = None
+
+
+def runs(caches: list[EvictingCache]) -> list[tuple[RowBlock, int, list[int]]]:
+    """Groups of two or more of `caches` (their indices in the list) that run as one: stacks in consecutive slots
+    of one block, holding equal entry counts, with equal policies; each as (block, first slot, indices in slot
+    order). Rows in no group run on their own."""
+    by_block: dict[int, list[tuple[int, int]]] = {}
+    blocks: dict[int, RowBlock] = {}
+    for index, cache in enumerate(caches):
+        stack = cache.stack if len(cache.storages) == 1 else None
+        placed = getattr(stack, "block", None)
+        if placed is None or placed[0] is None or not placed[0].holds(stack, placed[1]):
+            continue
+        blocks[id(placed[0])] = placed[0]
+        by_block.setdefault(id(placed[0]), []).append((placed[1], index))
+    groups = []
+    for block_id, members in by_block.items():
+        members.sort()
+        run = [members[0]]
+        for slot, index in members[1:] + [(None, None)]:
+            previous = caches[run[-1][1]]
+            if (slot is not None and slot == run[-1][0] + 1
+                    and caches[index].stack.num_entries == previous.stack.num_entries
+                    and caches[index].policy == previous.policy):
+                run.append((slot, index))
+                continue
+            if len(run) > 1:
+                groups.append((blocks[block_id], run[0][0], [i for _, i in run]))
+            run = [(slot, index)]
+    return groups
+
+
+def evict_groups(caches: list[EvictingCache]) -> set[int]:
+    """Evict every group of `caches` that can evict as one (see `runs`; rows over their budget, evicting, no held
+    entries) in one scoring call and one drop; returns the ids of the caches it evicted (the caller evicts the
+    others one by one, `EvictingCache.evict`). Each row is timed its share of the group's eviction."""
+    done: set[int] = set()
+    ready = [cache for cache in caches if cache.evicts_next_pass() and len(cache.storages) == 1
+             and cache.stack is not None and cache.stack.num_entries > cache.stack.budget]
+    for block, first, indices in runs(ready):
+        members = [ready[i] for i in indices]
+        start = time.perf_counter()
+        _evict_group(block, first, members)
+        share = (time.perf_counter() - start) / len(members)
+        for cache in members:
+            cache.timings["eviction_s"] += share
+            done.add(id(cache))
+    return done
+
+
+def _evict_group(block: RowBlock, first: int, members: list[EvictingCache]) -> None:
+    """What `Storage.evict` does for one stack, for consecutive slots at once (rows layer-major within each
+    sequence, sequences in slot order): the policy sees each row's own entries only."""
+    storages = [cache.stack for cache in members]
+    for storage in storages:
+        storage.initialize_state()  # the new entries' policy state, each sequence's own
+    lead = storages[0]
+    count, n, budget = lead.count, lead.num_entries, lead.budget
+    stop, rows = first + len(members), len(members) * count
+
+    def flat(buffer: torch.Tensor) -> torch.Tensor:
+        return buffer[first:stop].reshape(rows, *buffer.shape[2:])  # a view: the slots are consecutive
+
+    buffers = {"keys": flat(block.keys), "values": flat(block.values), "positions": flat(block.positions),
+               "state": {name: flat(s) for name, s in block.state.items()}}
+    view = LayerView(keys=buffers["keys"][:, :, :n], values=buffers["values"][:, :, :n],
+                     positions=buffers["positions"][:, :, :n], attention=None,
+                     state={name: s[:, :, :n] for name, s in buffers["state"].items()},
+                     layers=lead.layers * len(members))
+    drop_entries(buffers, budget, n, members[0].policy.evict_indices(view, budget))
+    for storage in storages:
+        storage.num_entries = budget
+        storage.attention = [None] * count
+
+
+def grouped_passes(groups: list[tuple[RowBlock, int, list[int]]], caches: list[EvictingCache],
+                   layer_idx: int) -> list[tuple[list[int], torch.Tensor, torch.Tensor]]:
+    """For the attention function: the groups (`RowPool.runs` of this pass's rows `caches`) with their keys and
+    values of layer `layer_idx` as one tensor each [rows, kv_heads, n, dim], views of the block (no copy)."""
+    out = []
+    for block, first, indices in groups:
+        lead = caches[indices[0]].stack
+        slot, n = lead.layers.index(layer_idx), lead.num_entries
+        stop = first + len(indices)
+        out.append((indices, block.keys[first:stop, slot, :, :n], block.values[first:stop, slot, :, :n]))
+    return out
