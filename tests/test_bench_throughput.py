@@ -28,7 +28,8 @@ def test_transformers_anchor_records_no_autograd_graph():
     seen = []
     hook = model.register_forward_hook(lambda module, inputs, output: seen.append(output.logits.requires_grad))
     try:
-        result = throughput.transformers_case(model, common.random_prompt(model, 48), 3, tiny_args(), "cpu")()
+        anchor = throughput.transformers_prefill(model, common.random_prompt(model, 48), "cpu")
+        result = throughput.transformers_case(model, anchor, 3, tiny_args(), "cpu")()
     finally:
         hook.remove()
     assert len(seen) == 6 and not any(seen)  # prefill + 5 decoding passes, none recording a graph
@@ -42,7 +43,8 @@ def test_transformers_anchor_memory_is_bounded_by_its_caches():
     model = common.build_model("random-tiny", torch.float32, "sdpa", "cpu")
     prompt = common.random_prompt(model, 2048)
     args = tiny_args(new_tokens=16)
-    run = throughput.with_peak(throughput.transformers_case(model, prompt, 8, args, "cpu"), "cpu")
+    anchor = throughput.transformers_prefill(model, prompt, "cpu")
+    run = throughput.with_peak(throughput.transformers_case(model, anchor, 8, args, "cpu"), "cpu")
     run()  # first call: lazy allocations of the kernels
     before = common.current_rss_bytes()
     result = run()
