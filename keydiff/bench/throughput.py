@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--serving", action="store_true", help="sequences held and tokens/s within --memory-gb")
     parser.add_argument("--memory-gb", type=float, default=4.0, help="memory for the caches (--serving)")
     parser.add_argument("--lengths", default="4096,16384,32768", help="prompt lengths L (--serving)")
-    parser.add_argument("--max-batch", type=int, default=64, help="largest batch actually decoded (--serving)")
+    parser.add_argument("--max-batch", type=int, default=128, help="largest batch actually decoded (--serving)")
     args = parser.parse_args(argv)
     started = common.provenance(__spec__.name, argv)
     if args.new_tokens < 2 or args.repeats < 1:
