@@ -414,3 +414,6 @@ def test_summary_provenance_is_the_one_record(tmp_path, tiny, monkeypatch):
     assert provenance.code_label({"commit": "abc", "dirty": True}) == "abc-dirty"
     assert provenance.code_label({"commit": None, "dirty": None}) is None
     assert time.strptime(summary["written_at"], provenance.TIME_FORMAT)
+    # the sample loop's wall time (batch 1 vs batch 8 comparisons read it) and when the invocation started
+    assert summary["started_at"] == record["time"] and summary["samples_wall_s"] > 0
+    assert runner.run(make_cfg(tmp_path), tmp_path / "run")["samples_wall_s"] is None  # resumed: nothing ran

@@ -10,13 +10,15 @@ decode --new-tokens tokens together through keydiff.generate_batch, evicting aft
 (policy, batch): aggregate decode tokens/s (batch x tokens / wall time of the decode; prefill not included)
 and its ratio to the same policy at batch 1. The `transformers` row is the anchor: the same L-token prompt in
 transformers' own DynamicCache, batch rows decoded by a plain greedy loop (what a transformers user gets from
-a full cache at that batch); `--continuous-batching` adds transformers' `generate_batch` (paged full caches)
-where it runs on the device.
+a full cache at that batch); `--continuous-batching` adds transformers' `generate_batch` (paged full caches,
+its paged cache sized for the run; its decode time is the difference of a --new-tokens run and a 1-token run).
+Every row records the peak memory of its case and, where known, the bytes its caches held.
 
 --serving: for a memory budget for the caches (--memory-gb) and each prompt length in --lengths (default
 4096,16384,32768), how many sequences each policy holds at once (full: L + new tokens entries per layer and KV
-head; bounded: N + 1) and their aggregate steady-state decode tokens/s at that batch (capped by --max-batch;
-the caches are in the state a prefill of L tokens leaves, by one prefill forked; prefill not included).
+head; bounded: N + 1, or what a bounded cache really allocates if more) and their aggregate steady-state decode
+tokens/s at that batch (capped by --max-batch; the caches are in the state a prefill of L tokens leaves, by one
+prefill per policy forked; prefill not included), with the bytes the measured caches held.
 
 Timings are medians over --repeats after one untimed warm-up; take them on a quiet machine.
 """
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 
 import torch
@@ -34,69 +37,128 @@ from keydiff.batching import Request, generate_batch
 from keydiff.bench import common
 
 
-def forked_states(model, prompt: torch.Tensor, name: str, budget: int, block: int, copies: int):
-    """`copies` decode-ready states of one prefill (full keeps every prompt token)."""
-    state = prefill(model, prompt, build_policy(name), None if name == "full" else budget, block)
-    return state.fork(copies)
+def prefilled(model, prompt: torch.Tensor, name: str, budget: int, block: int):
+    """The decode-ready state of one prefill (full keeps every prompt token); cases fork it, never decode it."""
+    return prefill(model, prompt, build_policy(name), None if name == "full" else budget, block)
 
 
-def batched_decode_seconds(model, states, new_tokens: int, device: str) -> float:
-    """Wall time of decoding `new_tokens` tokens for every state together (no stop tokens)."""
+def batched_decode(model, states, new_tokens: int, device: str) -> dict:
+    """Wall time of decoding `new_tokens` tokens for every state together (no stop tokens), and the bytes the
+    decoded caches hold at the end (the sum of the rows' kv_cache_bytes: what the batch's caches took)."""
     requests = [Request(state, max_new_tokens=new_tokens, key=i) for i, state in enumerate(states)]
     common.sync(device)
     start = time.perf_counter()
-    for _ in generate_batch(model, requests, len(requests)):
-        pass
+    cache_bytes = sum(result.kv_cache_bytes for _, result in generate_batch(model, requests, len(requests)))
     common.sync(device)
-    return time.perf_counter() - start
+    return {"seconds": time.perf_counter() - start, "kv_cache_bytes": cache_bytes}
 
 
-def keydiff_case(model, prompt, name: str, batch: int, args, device: str):
-    def run() -> float:
-        states = forked_states(model, prompt, name, args.budget, args.block_size, batch)  # untimed
-        return batched_decode_seconds(model, states, args.new_tokens, device)
+def keydiff_case(model, state, batch: int, args, device: str):
+    def run() -> dict:
+        return batched_decode(model, state.fork(batch), args.new_tokens, device)  # the fork is untimed
 
     return run
 
 
+def with_peak(run, device: str):
+    """`run`, also returning the peak memory of the call ("peak_bytes": VmHWM after a reset on CPU, max allocated
+    on CUDA), so a case that holds more than its caches shows up in the results (reset and read are untimed)."""
+    def measured() -> dict:
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            common.reset_peak_rss()
+        result = run()
+        result["peak_bytes"] = torch.cuda.max_memory_allocated() if device == "cuda" else common.peak_rss_bytes()
+        return result
+
+    return measured
+
+
 @torch.inference_mode()
-def transformers_case(model, prompt, batch: int, args, device: str):
-    """transformers' DynamicCache with the whole prompt, `batch` rows, a plain greedy decode loop."""
+def transformers_prefill(model, prompt, device: str) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+    """The anchor's one prefill: the prompt in one forward into transformers' DynamicCache; its layers' keys and
+    values and the first generated token (every batch size of the anchor decodes from copies of it)."""
     from transformers import DynamicCache
 
-    def run() -> float:
+    cache = DynamicCache(config=model.config)
+    logits = model(input_ids=prompt.to(device), cache=cache, use_cache=True, logits_to_keep=1).logits
+    return [(layer.keys, layer.values) for layer in cache.layers], logits[:, -1].argmax(-1, keepdim=True)
+
+
+def transformers_case(model, prefilled, batch: int, args, device: str):
+    """transformers' DynamicCache with the whole prompt, `batch` rows, a plain greedy decode loop. `prefilled`:
+    transformers_prefill's result, repeated to `batch` rows (untimed; a batch-16 prefill of 4K tokens in one
+    forward needs tens of GB of activations on CPU, and the decode, what is timed, is the same either way)."""
+    from transformers import DynamicCache
+
+    @torch.inference_mode()  # on `run`, which is what executes: without it autograd kept every step's cache
+    def run() -> dict:  # (each torch.cat's inputs, ~24 GB at L=4096 batch 8 with the weights requiring grad)
+        layers, first = prefilled
         cache = DynamicCache(config=model.config)
-        # One row prefilled, then its cache repeated to `batch` rows (a batch-16 prefill of 4K tokens in one
-        # forward needs tens of GB of activations on CPU; the decode, what is timed, is the same either way).
-        logits = model(input_ids=prompt.to(device), cache=cache, use_cache=True, logits_to_keep=1).logits
-        cache.batch_repeat_interleave(batch)
-        token = logits[:, -1].argmax(-1, keepdim=True).expand(batch, -1).contiguous()
+        for index, (keys, values) in enumerate(layers):
+            cache.update(keys.repeat_interleave(batch, 0), values.repeat_interleave(batch, 0), index)
+        token = first.expand(batch, -1).contiguous()
         common.sync(device)
         start = time.perf_counter()
         for _ in range(args.new_tokens - 1):
             logits = model(input_ids=token, cache=cache, use_cache=True).logits
             token = logits[:, -1].argmax(-1, keepdim=True)
         common.sync(device)
-        return time.perf_counter() - start
+        return {"seconds": time.perf_counter() - start, "kv_cache_bytes": sum(
+            layer.keys.numel() * layer.keys.element_size() * 2 for layer in cache.layers)}
 
     return run
+
+
+def paged_cache_config(length: int, new_tokens: int, batch: int):
+    """transformers' ContinuousBatchingConfig with the paged cache sized for `batch` requests of `length` +
+    `new_tokens` tokens. Why: left to itself it sizes the cache at 90% of the free device memory, which on CPU is
+    the host's RAM (psutil): 14 GB allocated and zeroed for a 4-token run of the tiny test model."""
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    page = ContinuousBatchingConfig.page_size
+    pages = -(-(length + new_tokens) // page)  # per request and layer group
+    return ContinuousBatchingConfig(num_blocks=batch * pages + 1)  # tokens per step: transformers' default
 
 
 def continuous_batching_case(model, prompt, batch: int, args, device: str):
-    """transformers' own continuous batching (`model.generate_batch`, paged full caches, no eviction): wall
-    time of `batch` copies of the prompt, prefill and the manager's start-up included (it interleaves prefill
-    and decode, so decode alone cannot be timed from outside)."""
+    """transformers' own continuous batching (`model.generate_batch`, paged full caches, no eviction).
+
+    It interleaves prefill and decode behind a background thread, so its decode cannot be timed from outside;
+    the decode time is taken as the difference of two runs of `batch` copies of the prompt, one generating
+    --new-tokens tokens and one generating 1 (same prefills, same manager start-up): "seconds" is that difference, the decode of new_tokens - 1
+    tokens, and "seconds_with_prefill" the long run's whole wall time."""
     from transformers import GenerationConfig
 
-    def run() -> float:
-        config = GenerationConfig(max_new_tokens=args.new_tokens, do_sample=False, eos_token_id=-1)
+    def timed(new_tokens: int) -> float:
+        config = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1)
         common.sync(device)
         start = time.perf_counter()
-        model.generate_batch([prompt[0].tolist()] * batch, generation_config=config)
+        out = model.generate_batch([prompt[0].tolist()] * batch, generation_config=config,
+                                   continuous_batching_config=paged_cache_config(prompt.shape[-1], new_tokens, batch))
         common.sync(device)
-        return time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        if len(out) != batch or any(len(o.generated_tokens) != new_tokens for o in out.values()):
+            raise RuntimeError(f"transformers' generate_batch returned {len(out)} of {batch} sequences or fewer "
+                               f"than {new_tokens} tokens (see its log)")
+        return seconds
+
+    def run() -> dict:
+        whole = timed(args.new_tokens)
+        return {"seconds": whole - timed(1), "seconds_with_prefill": whole}
 
     return run
+
+
+def continuous_batching_unavailable(device: str) -> str | None:
+    """Why transformers' generate_batch cannot be measured here, or None when it can (it runs on CPU and CUDA
+    in transformers >= 5; older versions lack it)."""
+    try:
+        from transformers.generation.continuous_batching import ContinuousBatchingManager  # noqa: F401
+    except ImportError as error:
+        return f"transformers' continuous batching is not available in this transformers version: {error}"
+    return None
 
 
 def decode_mode(model, prompt, names: list[str], args, device: str) -> list[dict]:
@@ -104,57 +166,88 @@ def decode_mode(model, prompt, names: list[str], args, device: str) -> list[dict
     tokens = args.new_tokens - 1  # decoding passes: the first token comes from the prefill's logits
     cases = {}
     for name in names:
+        state = prefilled(model, prompt, name, args.budget, args.block_size)  # once per policy
         for batch in batches:
-            cases[(name, batch)] = keydiff_case(model, prompt, name, batch, args, device)
+            cases[(name, batch)] = keydiff_case(model, state, batch, args, device)
     if args.transformers:
+        anchor = transformers_prefill(model, prompt, device)  # once, like the policies' prefills
         for batch in batches:
-            cases[("transformers", batch)] = transformers_case(model, prompt, batch, args, device)
+            cases[("transformers", batch)] = transformers_case(model, anchor, batch, args, device)
     if args.continuous_batching:
         for batch in batches:
             cases[("transformers-cb", batch)] = continuous_batching_case(model, prompt, batch, args, device)
-    timings = common.interleaved_rounds({f"{n} x{b}": fn for (n, b), fn in cases.items()}, args.repeats, device)
+    timings = common.interleaved_rounds({f"{n} x{b}": with_peak(fn, device) for (n, b), fn in cases.items()},
+                                        args.repeats, device)
     rows = []
     for (name, batch) in cases:
-        seconds = statistics.median(timings[f"{name} x{batch}"])
-        rows.append({"policy": name, "batch": batch, "seconds": seconds,
-                     "tokens_per_s": batch * (args.new_tokens if name == "transformers-cb" else tokens) / seconds,
-                     "entries": args.length if name in ("full", "transformers", "transformers-cb") else args.budget,
-                     "includes_prefill": name == "transformers-cb"})
+        runs = timings[f"{name} x{batch}"]
+        seconds = statistics.median(r["seconds"] for r in runs)
+        row = {"policy": name, "batch": batch, "seconds": seconds,  # a difference (transformers-cb) may be <= 0:
+               "tokens_per_s": batch * tokens / seconds if seconds > 0 else None,  # noise swamped it, no rate
+               "entries": args.length if name in ("full", "transformers", "transformers-cb") else args.budget,
+               "peak_mib": max(r["peak_bytes"] for r in runs) / (1 << 20)}
+        if "kv_cache_bytes" in runs[0]:
+            row["kv_cache_mib"] = runs[0]["kv_cache_bytes"] / (1 << 20)
+        if "seconds_with_prefill" in runs[0]:  # transformers-cb: decode = long run - 1-token run
+            row["seconds_with_prefill"] = statistics.median(r["seconds_with_prefill"] for r in runs)
+        rows.append(row)
     base = {row["policy"]: row["tokens_per_s"] for row in rows if row["batch"] == batches[0]}
     for row in rows:
         row["speedup_vs_batch_" + str(batches[0])] = common.ratio(row["tokens_per_s"], base.get(row["policy"]))
-    common.print_table([("policy", 16), ("batch", 5), ("tok/s", 8), ("x batch " + str(batches[0]), 10)],
+    common.print_table([("policy", 16), ("batch", 5), ("tok/s", 8), ("x batch " + str(batches[0]), 10),
+                        ("KV MiB", 7), ("peak MiB", 8)],
                        [[r["policy"], str(r["batch"]), common.fmt(r["tokens_per_s"], ".1f"),
-                         common.fmt(r["speedup_vs_batch_" + str(batches[0])], ".2f", "x")] for r in rows], 2)
+                         common.fmt(r["speedup_vs_batch_" + str(batches[0])], ".2f", "x"),
+                         common.fmt(r.get("kv_cache_mib"), ".1f"), common.fmt(r["peak_mib"], ".0f")] for r in rows], 2)
     return rows
 
 
 def serving_mode(model, names: list[str], args, device: str) -> list[dict]:
+    """Per prompt length and policy: one prefill, then `held` sequences' worth of caches by forking it.
+
+    `held` is what fits in --memory-gb: the budget over a sequence's cache bytes, the larger of the issue's entry
+    count (full: L + new tokens; bounded: N + 1, times the bytes of one entry) and what a fork of the prefilled
+    cache really allocates (a bounded cache keeps its prefill capacity, N + B, while decoding). The measured batch
+    is min(held, --max-batch); the bytes its caches hold after the decode (sum of the rows' kv_cache_bytes) are
+    recorded, with their projection to `held` sequences and whether that is within the budget."""
     budget_bytes = args.memory_gb * (1 << 30)
     per_entry = common.kv_cache_bytes(None, model, 1)  # keys + values of one token, every layer and KV head
     rows = []
     for length in [int(x) for x in args.lengths.split(",")]:
         prompt = common.random_prompt(model, length).to(device)
         for name in names:
+            common.release_memory(device)
+            state = prefilled(model, prompt, name, args.budget, args.block_size)  # once per (L, policy)
             entries = length + args.new_tokens if name == "full" else args.budget + 1
-            held = int(budget_bytes // (per_entry * entries))
+            per_sequence = max(per_entry * entries, state.cache.kv_cache_bytes)
+            held = int(budget_bytes // per_sequence)
             batch = min(held, args.max_batch)
-            row = {"L": length, "policy": name, "entries_per_sequence": entries, "sequences_held": held,
-                   "measured_batch": batch, "tokens_per_s": None}
+            row = {"L": length, "policy": name, "entries_per_sequence": entries, "bytes_per_sequence": per_sequence,
+                   "sequences_held": held, "measured_batch": batch, "tokens_per_s": None, "kv_cache_mib": None,
+                   "kv_cache_mib_at_held": None, "within_budget": None}
             if batch >= 1:
-                fn = keydiff_case(model, prompt, name, batch, args, device)
-                times = common.interleaved_rounds({f"{name} L={length} x{batch}": fn}, args.repeats, device)
-                row["tokens_per_s"] = batch * (args.new_tokens - 1) / statistics.median(next(iter(times.values())))
+                fn = with_peak(lambda: batched_decode(model, state.fork(batch), args.new_tokens, device), device)
+                runs = next(iter(common.interleaved_rounds({f"{name} L={length} x{batch}": fn}, args.repeats,
+                                                           device).values()))
+                measured = max(r["kv_cache_bytes"] for r in runs)
+                row.update(tokens_per_s=batch * (args.new_tokens - 1) / statistics.median(r["seconds"] for r in runs),
+                           kv_cache_mib=measured / (1 << 20), kv_cache_mib_at_held=measured / batch * held / (1 << 20),
+                           within_budget=measured / batch * held <= budget_bytes,
+                           peak_mib=max(r["peak_bytes"] for r in runs) / (1 << 20))
+            del state
             rows.append(row)
         full = next((r for r in rows if r["L"] == length and r["policy"] == "full"), None)
         for row in rows:
             if row["L"] == length and full is not None:
                 row["sequences_vs_full"] = common.ratio(row["sequences_held"], full["sequences_held"])
                 row["tokens_per_s_vs_full"] = common.ratio(row["tokens_per_s"], full["tokens_per_s"])
-    common.print_table([("L", 6), ("policy", 10), ("held", 6), ("batch", 6), ("tok/s", 8), ("x full", 7)],
-                       [[str(r["L"]), r["policy"], str(r["sequences_held"]), str(r["measured_batch"]),
-                         common.fmt(r["tokens_per_s"], ".1f"), common.fmt(r.get("tokens_per_s_vs_full"), ".2f", "x")]
-                        for r in rows], 2)
+    common.print_table([("L", 6), ("policy", 10), ("held", 6), ("held x", 7), ("batch", 6), ("tok/s", 8),
+                        ("tok/s x", 7), ("KV MiB", 7), ("at held", 8), ("budget MiB", 10)],
+                       [[str(r["L"]), r["policy"], str(r["sequences_held"]),
+                         common.fmt(r.get("sequences_vs_full"), ".1f", "x"), str(r["measured_batch"]),
+                         common.fmt(r["tokens_per_s"], ".1f"), common.fmt(r.get("tokens_per_s_vs_full"), ".2f", "x"),
+                         common.fmt(r["kv_cache_mib"], ".1f"), common.fmt(r["kv_cache_mib_at_held"], ".1f"),
+                         f"{budget_bytes / (1 << 20):.0f}"] for r in rows], 2)
     return rows
 
 
@@ -175,7 +268,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--serving", action="store_true", help="sequences held and tokens/s within --memory-gb")
     parser.add_argument("--memory-gb", type=float, default=4.0, help="memory for the caches (--serving)")
     parser.add_argument("--lengths", default="4096,16384,32768", help="prompt lengths L (--serving)")
-    parser.add_argument("--max-batch", type=int, default=64, help="largest batch actually decoded (--serving)")
+    parser.add_argument("--max-batch", type=int, default=128, help="largest batch actually decoded (--serving)")
     args = parser.parse_args(argv)
     started = common.provenance(__spec__.name, argv)
     if args.new_tokens < 2 or args.repeats < 1:
@@ -192,6 +285,10 @@ def main(argv: list[str] | None = None) -> None:
                   else {"L": args.length, "batches": args.batches})
     setting = common.setting_line(device, dtype, **fields)
     print(setting, flush=True)
+    cb_note = continuous_batching_unavailable(device) if args.continuous_batching and not args.serving else None
+    if cb_note:
+        print(f"note: --continuous-batching skipped: {cb_note}", file=sys.stderr)
+        args.continuous_batching = False
     model = common.build_model(args.model, dtype, args.attn, device)
     if args.serving:
         rows = serving_mode(model, names, args, device)
@@ -199,7 +296,8 @@ def main(argv: list[str] | None = None) -> None:
     else:
         prompt = common.random_prompt(model, args.length).to(device)
         rows = decode_mode(model, prompt, names, args, device)
-        data = {**common.prompt_record(prompt), "prefill_included": False}
+        data = {**common.prompt_record(prompt), "prefill_included": False,
+                "transformers_continuous_batching": cb_note or ("measured" if args.continuous_batching else "not run")}
     if args.json:
         common.write_json(args.json, {"mode": "serving" if args.serving else "decode", "setting": setting,
                                       "data": data, "results": rows}, started)

@@ -433,6 +433,7 @@ def execute(cfg: DictConfig, plan: RunPlan, samples: list, run_dir: str | Path,
         record = provenance_record()  # code, packages, environment: taken once, when the run starts
         code = code_label(record["code"])  # on every row: a resumed run may span commits
         provenance = None
+        loop_start = None
         try:
             if todo:
                 with signals.interruptible():
@@ -442,6 +443,7 @@ def execute(cfg: DictConfig, plan: RunPlan, samples: list, run_dir: str | Path,
                     stop_ids = eos_token_ids(model, tokenizer)
                     provenance = model_provenance(plan.model_cfg, model)
                     warm_up(plan, model, tokenizer, todo[0])
+                loop_start = time.perf_counter()
                 for row in tqdm(sample_rows(plan, model, tokenizer, stop_ids, todo, cfg, code, signals),
                                 total=len(todo), desc=f"{plan.task.name}/{plan.policy_name}", unit="sample"):
                     row = {**row, "threads": threads}
@@ -450,9 +452,11 @@ def execute(cfg: DictConfig, plan: RunPlan, samples: list, run_dir: str | Path,
                     signals.check()  # a signal during the write stops here, after the row is whole
         except Preempted as stop:
             log.warning("%s: stopping after %d rows; the next start resumes", stop, len(store.rows))
-            write_summary(cfg, plan, samples, store, record, provenance, threads, stopped_by=str(stop))
+            write_summary(cfg, plan, samples, store, record, provenance, threads, stopped_by=str(stop),
+                          samples_wall_s=None if loop_start is None else time.perf_counter() - loop_start)
             raise
-        summary = write_summary(cfg, plan, samples, store, record, provenance, threads)
+        summary = write_summary(cfg, plan, samples, store, record, provenance, threads,
+                                samples_wall_s=None if loop_start is None else time.perf_counter() - loop_start)
         tracker.finish(summary)
     return summary
 
@@ -470,10 +474,12 @@ def sample_rows(plan: RunPlan, model, tokenizer, stop_ids, todo: list, cfg: Dict
 
 
 def write_summary(cfg, plan: RunPlan, samples, store: ResultStore, record: dict[str, Any], provenance, threads: int,
-                  stopped_by: str | None = None, data: dict[str, str] | None = None) -> dict[str, Any]:
+                  stopped_by: str | None = None, data: dict[str, str] | None = None,
+                  samples_wall_s: float | None = None) -> dict[str, Any]:
     """Metrics over the successful samples, plus how many failed and why, and everything needed to reproduce
     (`record`: keydiff.run.provenance.provenance_record, taken when the run started; `data`: the task's
-    data_sources, recorded by the runs a merge of shards reads, keydiff.run.shard_merge)."""
+    data_sources, recorded by the runs a merge of shards reads, keydiff.run.shard_merge; `samples_wall_s`: wall
+    time of this invocation's sample loop, model load and warm-up excluded, None when it ran no sample)."""
     wanted = {s.id for s in samples}
     # In the task's sample order, whatever order the rows were written in (batched runs write them as samples finish).
     by_id = store.latest_rows()
@@ -499,6 +505,8 @@ def write_summary(cfg, plan: RunPlan, samples, store: ResultStore, record: dict[
         "query_aware": plan.query_aware,
         "threads": threads,
         "batch_size": int(cfg.get("batch_size", 1)),  # sequences decoding together (1: one sample at a time)
+        "samples_wall_s": samples_wall_s,  # this invocation only: a resumed run's earlier invocations are not in it
+        "started_at": record.get("time"),  # when this invocation started (before the model load)
         "max_prompt_tokens": cfg.get("max_prompt_tokens"),
         "config": OmegaConf.to_container(cfg, resolve=True),
         "code": {**record["code"], "row_commits": sorted({str(row.get("code")) for row in rows})},

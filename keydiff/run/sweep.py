@@ -13,6 +13,7 @@ missing.
 from __future__ import annotations
 
 import itertools
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
@@ -56,6 +57,7 @@ class PointStatus:
     failed: int  # samples whose latest row records a failure
     total: int | None  # samples the run should have (None: the task's data could not be listed)
     shards: str = ""  # a grid point split into shards: which are complete, which missing (keydiff.run.shards)
+    batch: str = ""  # a run that decoded several sequences at once: its batch_size and per-token time (batched_note)
 
     def describe(self) -> str:
         total = "?" if self.total is None else self.total
@@ -66,6 +68,7 @@ class PointStatus:
         else:
             text = f"{self.state} ({self.done} of {total})"
         text += f", {self.failed} failed" if self.failed and self.state != FAILED else ""
+        text += f"; {self.batch}" if self.batch else ""
         return text + (f"; {self.shards}" if self.shards else "")
 
     @property
@@ -97,7 +100,28 @@ def point_status(run_dir: Path, sample_ids: set[str] | None) -> PointStatus:
     merged = shards.merge_record(run_dir) is not None
     if shards.shard_dirs(run_dir) and (merged or not latest):
         return sharded_status(run_dir, total, merged and state in (COMPLETE, FAILED))
-    return PointStatus(state, done, failed, total)
+    return PointStatus(state, done, failed, total, batch=batched_note(run_dir, latest.values()))
+
+
+def batched_note(run_dir: Path, rows: Iterable[dict]) -> str:
+    """'batch_size 8 (mean 5.0 per pass, 0.548 s/token)' for a run whose sequences decoded together (the summary's
+    batch_size, else the rows' largest mean batch; the rows' mean decode_batch_size and decode_s_per_token),
+    '' for a run at batch 1 (rows without those fields are from before batching: batch 1)."""
+    rows = [row for row in rows if succeeded(row) and "decode_batch_size" in row]
+    sizes = [float(row["decode_batch_size"]) for row in rows]
+    per_token = [float(row["decode_s_per_token"]) for row in rows if row.get("decode_s_per_token")]
+    try:
+        configured = json.loads((Path(run_dir) / "summary.json").read_text(encoding="utf-8")).get("batch_size")
+    except (OSError, ValueError):
+        configured = None
+    largest = configured if configured is not None else (round(max(sizes)) if sizes else 1)
+    if int(largest) <= 1:
+        return ""
+    note = f"batch_size {int(largest)}"
+    if sizes:
+        note += f" (mean {sum(sizes) / len(sizes):.1f} per pass"
+        note += f", {sum(per_token) / len(per_token):.3g} s/token)" if per_token else ")"
+    return note
 
 
 def sharded_status(run_dir: Path, total: int | None, merged: bool) -> PointStatus:

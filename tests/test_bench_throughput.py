@@ -1,0 +1,124 @@
+"""The throughput benchmark's cases and reports at tiny sizes (runs and counts, never timings), and the tool that
+compares two runs of one grid point (batch 1 against batch 8)."""
+
+from __future__ import annotations
+
+import json
+import math
+import types
+
+import pytest
+import torch
+
+from keydiff.bench import common, throughput
+from keydiff.report import compare_runs
+from keydiff.run.sweep import batched_note
+
+
+def tiny_args(**overrides):
+    values = dict(new_tokens=6, budget=16, block_size=16, repeats=1)
+    return types.SimpleNamespace(**{**values, **overrides})
+
+
+def test_transformers_anchor_records_no_autograd_graph():
+    """The DynamicCache anchor's closure runs under inference mode: with autograd on (the weights require grad),
+    every decoding step's torch.cat kept the previous cache alive, 24 GB at L=4096, batch 8 on SmolLM2-135M."""
+    model = common.build_model("random-tiny", torch.float32, "sdpa", "cpu")
+    assert next(model.parameters()).requires_grad  # the condition under which the leak happened
+    seen = []
+    hook = model.register_forward_hook(lambda module, inputs, output: seen.append(output.logits.requires_grad))
+    try:
+        anchor = throughput.transformers_prefill(model, common.random_prompt(model, 48), "cpu")
+        result = throughput.transformers_case(model, anchor, 3, tiny_args(), "cpu")()
+    finally:
+        hook.remove()
+    assert len(seen) == 6 and not any(seen)  # prefill + 5 decoding passes, none recording a graph
+    # what the 3 rows' caches hold at the end: 48 prompt tokens + 5 decoded, every layer, keys and values
+    assert result["kv_cache_bytes"] == common.kv_cache_bytes(None, model, 48 + 5, 3)
+
+
+def test_transformers_anchor_memory_is_bounded_by_its_caches():
+    """Peak memory of the anchor at a size where the old leak (one cache copy kept per step) was 15 x the cache:
+    the peak stays within a few caches' worth."""
+    model = common.build_model("random-tiny", torch.float32, "sdpa", "cpu")
+    prompt = common.random_prompt(model, 2048)
+    args = tiny_args(new_tokens=16)
+    anchor = throughput.transformers_prefill(model, prompt, "cpu")
+    run = throughput.with_peak(throughput.transformers_case(model, anchor, 8, args, "cpu"), "cpu")
+    run()  # first call: lazy allocations of the kernels
+    before = common.current_rss_bytes()
+    result = run()
+    if before is None or not common.reset_peak_rss():
+        pytest.skip("no /proc peak-RSS reset on this platform (VmHWM): the bound cannot be read")
+    cache = result["kv_cache_bytes"]
+    assert result["peak_bytes"] - before < 4 * cache + (64 << 20), (result["peak_bytes"] - before, cache)
+
+
+def test_paged_cache_config_is_sized_for_the_run():
+    """transformers' continuous batching is given a cache for the run, not 90% of the host's RAM."""
+    config = throughput.paged_cache_config(1000, 24, 8)
+    pages = -(-(1000 + 24) // config.page_size)
+    assert config.num_blocks == 8 * pages + 1 and config.max_batch_tokens is None  # None: transformers' default
+
+
+def test_continuous_batching_anchor_runs_on_cpu():
+    """transformers' generate_batch runs on CPU with the sized cache; decode time = long run - 1-token run."""
+    model = common.build_model("random-tiny", torch.float32, "sdpa", "cpu")
+    result = throughput.continuous_batching_case(model, common.random_prompt(model, 40), 2, tiny_args(), "cpu")()
+    assert result["seconds_with_prefill"] > 0 and math.isfinite(result["seconds"])  # a difference: may be tiny
+    assert throughput.continuous_batching_unavailable("cpu") is None
+
+
+def test_serving_counts_full_and_bounded_entries_and_records_the_caches_bytes(tmp_path):
+    """full: L + new tokens entries per sequence; bounded: N + 1 or what its cache really allocates (N + B while
+    decoding); held = budget // bytes per sequence; the measured caches' bytes, projected to `held`, fit."""
+    out = tmp_path / "serving.json"
+    length, budget, block, new = 128, 16, 16, 3
+    memory_gb = 0.0002
+    throughput.main(["--model", "random-tiny", "--serving", "--lengths", str(length), "--memory-gb", str(memory_gb),
+                     "--budget", str(budget), "--block-size", str(block), "--new-tokens", str(new), "--repeats", "1",
+                     "--max-batch", "3", "--policies", "full,keydiff", "--json", str(out)])
+    rows = {r["policy"]: r for r in json.loads(out.read_text())["results"]}
+    model = common.build_model("random-tiny", torch.float32, "sdpa", "cpu")
+    per_entry = common.kv_cache_bytes(None, model, 1)
+    full, bounded = rows["full"], rows["keydiff"]
+    assert full["entries_per_sequence"] == length + new and bounded["entries_per_sequence"] == budget + 1
+    assert full["bytes_per_sequence"] == per_entry * (length + new)
+    assert bounded["bytes_per_sequence"] == per_entry * (budget + block)  # the bounded cache's real capacity
+    budget_bytes = memory_gb * (1 << 30)
+    for row in (full, bounded):
+        assert row["sequences_held"] == int(budget_bytes // row["bytes_per_sequence"])
+        assert row["measured_batch"] == min(row["sequences_held"], 3)
+        assert row["kv_cache_mib"] * (1 << 20) == row["bytes_per_sequence"] * row["measured_batch"]
+        assert row["within_budget"] is True
+    assert bounded["sequences_vs_full"] == bounded["sequences_held"] / full["sequences_held"]
+
+
+def write_run(folder, batch_size, wall, predictions):
+    folder.mkdir(parents=True)
+    (folder / "summary.json").write_text(json.dumps({"batch_size": batch_size, "samples_wall_s": wall}))
+    rows = [{"sample_id": sid, "status": "ok", "prediction": text, "decode_batch_size": float(batch_size),
+             "decode_s_per_token": 0.5} for sid, text in predictions.items()]
+    (folder / "predictions.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+
+def test_compare_runs_reports_the_wall_ratio_and_each_differing_sample(tmp_path, capsys):
+    write_run(tmp_path / "b1", 1, 10.0, {"p#0": "x = 4", "p#1": "the answer is 7", "p#2": "same"})
+    write_run(tmp_path / "b8", 8, 3.0, {"p#0": "x = 4", "p#1": "the answer is 9", "p#2": "same"})
+    record = compare_runs.compare(tmp_path / "b1", tmp_path / "b8")
+    assert record["wall_ratio"] == pytest.approx(0.3) and record["samples"] == 3
+    assert [(d["sample_id"], d["char"], d["a"], d["b"]) for d in record["differing"]] == [("p#1", 14, "7", "9")]
+    assert compare_runs.main([str(tmp_path / "b1"), str(tmp_path / "b8")]) == 0
+    text = capsys.readouterr().out
+    assert "wall time b / a: 0.300" in text and "1 differ" in text and "p#1: char 14" in text
+    write_run(tmp_path / "c8", 8, 3.0, {"p#0": "x = 4", "p#1": "the answer is 7", "p#2": "same"})
+    assert compare_runs.compare(tmp_path / "b1", tmp_path / "c8")["differing"] == []
+    assert compare_runs.main([str(tmp_path / "b1"), str(tmp_path / "missing")]) == 2
+
+
+def test_status_names_the_batch_size_of_a_batched_run(tmp_path):
+    write_run(tmp_path / "b8", 8, 3.0, {"p#0": "a", "p#1": "b"})
+    rows = [json.loads(line) for line in (tmp_path / "b8" / "predictions.jsonl").read_text().splitlines()]
+    assert batched_note(tmp_path / "b8", rows) == "batch_size 8 (mean 8.0 per pass, 0.5 s/token)"
+    write_run(tmp_path / "b1", 1, 3.0, {"p#0": "a"})
+    assert batched_note(tmp_path / "b1", []) == ""
