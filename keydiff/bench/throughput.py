@@ -8,7 +8,10 @@ Default mode. One prompt of L tokens (default 4096) is prefilled once per policy
 the others: N, default 1024) and forked into `batch` independent caches (PrefillResult.fork), which then
 decode --new-tokens tokens together through keydiff.generate_batch, evicting after every token. Reported per
 (policy, batch): aggregate decode tokens/s (batch x tokens / wall time of the decode; prefill not included)
-and its ratio to the same policy at batch 1. The `transformers` row is the anchor: the same L-token prompt in
+and its ratio to the same policy at batch 1. Forks of one prefill lie side by side and, for policies that need
+nothing from attention (KeyDiff, K-norm, sink), attend and evict as one group (keydiff.batching); `--per-row`
+adds "<policy> per-row" cases that decode the same forks row by row, which is what a batch of separately
+prefilled prompts gets. The `transformers` row is the anchor: the same L-token prompt in
 transformers' own DynamicCache, batch rows decoded by a plain greedy loop (what a transformers user gets from
 a full cache at that batch); `--continuous-batching` adds transformers' `generate_batch` (paged full caches,
 its paged cache sized for the run; its decode time is the difference of a --new-tokens run and a 1-token run).
@@ -42,20 +45,21 @@ def prefilled(model, prompt: torch.Tensor, name: str, budget: int, block: int):
     return prefill(model, prompt, build_policy(name), None if name == "full" else budget, block)
 
 
-def batched_decode(model, states, new_tokens: int, device: str) -> dict:
+def batched_decode(model, states, new_tokens: int, device: str, group_rows: bool = True) -> dict:
     """Wall time of decoding `new_tokens` tokens for every state together (no stop tokens), and the bytes the
     decoded caches hold at the end (the sum of the rows' kv_cache_bytes: what the batch's caches took)."""
     requests = [Request(state, max_new_tokens=new_tokens, key=i) for i, state in enumerate(states)]
     common.sync(device)
     start = time.perf_counter()
-    cache_bytes = sum(result.kv_cache_bytes for _, result in generate_batch(model, requests, len(requests)))
+    cache_bytes = sum(result.kv_cache_bytes for _, result in generate_batch(model, requests, len(requests),
+                                                                                     group_rows=group_rows))
     common.sync(device)
     return {"seconds": time.perf_counter() - start, "kv_cache_bytes": cache_bytes}
 
 
-def keydiff_case(model, state, batch: int, args, device: str):
-    def run() -> dict:
-        return batched_decode(model, state.fork(batch), args.new_tokens, device)  # the fork is untimed
+def keydiff_case(model, state, batch: int, args, device: str, group_rows: bool = True):
+    def run() -> dict:  # the fork is untimed
+        return batched_decode(model, state.fork(batch), args.new_tokens, device, group_rows)
 
     return run
 
@@ -169,6 +173,8 @@ def decode_mode(model, prompt, names: list[str], args, device: str) -> list[dict
         state = prefilled(model, prompt, name, args.budget, args.block_size)  # once per policy
         for batch in batches:
             cases[(name, batch)] = keydiff_case(model, state, batch, args, device)
+            if args.per_row and name != "full":  # what separately prefilled prompts get: no grouping
+                cases[(name + " per-row", batch)] = keydiff_case(model, state, batch, args, device, False)
     if args.transformers:
         anchor = transformers_prefill(model, prompt, device)  # once, like the policies' prefills
         for batch in batches:
@@ -261,6 +267,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--block-size", type=int, default=128, help="prompt tokens per prefill forward, B")
     parser.add_argument("--new-tokens", type=int, default=18, help="tokens decoded per sequence")
     parser.add_argument("--batches", default="1,4,8,16", help="batch sizes (the first is the ratios' base)")
+    parser.add_argument("--per-row", action="store_true",
+                        help="also decode each bounded policy with generate_batch(group_rows=False): every row "
+                             "attends and evicts on its own, as separately prefilled prompts do (forks of one "
+                             "prefill, the default cases, attend and evict as one group)")
     parser.add_argument("--no-transformers", dest="transformers", action="store_false",
                         help="skip the DynamicCache anchor")
     parser.add_argument("--continuous-batching", action="store_true",
