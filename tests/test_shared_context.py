@@ -172,6 +172,19 @@ def test_multi_turn_stays_within_the_bound_and_differs_from_multi_request(model,
     assert [r["prompt_tokens"] for r in rows[1:]] != [r["prompt_tokens"] for r in separate[1:]]
 
 
+@pytest.mark.parametrize("mode", ["multi_request", "multi_turn"])
+def test_a_resumed_context_writes_only_its_missing_questions_and_the_same_answers(model, mode):
+    """Questions already written are not written again; the others get the answers a whole run gives (multi_turn
+    replays the conversation, so its later answers still follow the earlier turns)."""
+    task = ToyShared(mode=mode)
+    samples = list(task.samples())
+    shared = task.shared_context(samples, None, None)
+    whole = answer(plan_of(task), model, IdTokenizer(), [0], samples, shared, {s.id for s in samples}, 0, "test")
+    missing = answer(plan_of(task), model, IdTokenizer(), [0], samples, shared, {"c0/q2"}, 0, "test")
+    assert [r["sample_id"] for r in missing] == ["c0/q2"] and missing[0]["prediction"] == whole[2]["prediction"]
+    assert missing[0]["shared_prefill_s"] == missing[0]["context_prefill_s"] > 0  # the context's prefill, counted once
+
+
 def test_follow_up_refuses_an_undecoded_state(model, prompt):
     from keydiff import follow_up
 

@@ -19,7 +19,7 @@ Rows: one per question, the runner's row (keydiff.run.runner.sample_row) for the
 from: context + question (multi_request), the conversation so far (multi_turn: `context_tokens` is everything
 already fed, which went through eviction; `held_tokens` this turn's feed). `ttft_s` is the time from feeding the
 question to its first token's logits; `context_prefill_s` is the context's one prefill (on every row of the
-context, counted once per context in `shared_prefill_s` of its first row). Rows carry `context_mode`.
+context, counted once per context in `shared_prefill_s` of the first row it writes). Rows carry `context_mode`.
 
 What survives: the rows of a context are computed together, interruptibly, and written after (a stop signal
 abandons the context; the resumed run redoes its questions not yet written: multi_turn replays the whole
@@ -102,6 +102,8 @@ def answer(plan: RunPlan, model, tokenizer, stop_ids, samples: list, shared: Sha
     rows, conversation, state = [], list(shared.context_ids), context
     for j, (sample, prompt) in enumerate(zip(samples, shared.questions)):
         if mode == "multi_request":
+            if sample.id not in wanted:
+                continue  # written before (a resumed run): its answer changes no other question's
             state = context if j == len(samples) - 1 else copy_state(context, model)  # the last may use it up
             fed = prompt.input_ids[prompt.context_tokens:]
             asked = prompt
@@ -128,7 +130,7 @@ def answer(plan: RunPlan, model, tokenizer, stop_ids, samples: list, shared: Sha
         if sample.id in wanted:
             row = sample_row(plan, model, tokenizer, sample, asked, state, out, budget, seed, code)
             rows.append({**row, "ttft_s": question_s, "context_prefill_s": prefill_s,
-                         "shared_prefill_s": prefill_s if j == 0 else 0.0, "context_mode": mode})
+                         "shared_prefill_s": 0.0 if rows else prefill_s, "context_mode": mode})
     return rows
 
 
