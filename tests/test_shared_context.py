@@ -242,8 +242,9 @@ def test_task_is_deterministic_and_each_answer_is_in_its_context_once(template):
     assert shared_task(questions=8).plan(1)["keys"][:4] == task.plan(1)["keys"]
     if template:  # a follow-up closes the answer's turn and opens the next one
         assert text(tokenizer, shared.follow_ups[1]).startswith("</s><|user|>What is the special magic number for ")
-        assert text(tokenizer, shared.follow_ups[1]).endswith("</s><|assistant|> The special magic number for "
-                                                               f"{group[1].fields['key']} mentioned in the provided text is")
+        key = group[1].fields["key"]
+        assert text(tokenizer, shared.follow_ups[1]).endswith(
+            f"</s><|assistant|> The special magic number for {key} mentioned in the provided text is")
 
 
 def test_summary_averages_per_question():
@@ -264,8 +265,10 @@ def no_model_load(monkeypatch):
 
 @pytest.mark.parametrize("overrides, message", [
     (["task.mode=chat"], r"task.mode='chat' is not valid; valid: independent, multi_request, multi_turn"),
-    (["task.mode=multi_request"], r"query_aware=true is not valid with task.mode=multi_request.*valid: query_aware=false"),
-    (["task.mode=multi_turn", "query_aware=false", "batch_size=4"], r"batch_size=4 is not valid with task.mode=multi_turn"),
+    (["task.mode=multi_request"],
+     r"query_aware=true is not valid with task.mode=multi_request.*valid: query_aware=false"),
+    (["task.mode=multi_turn", "query_aware=false", "batch_size=4"],
+     r"batch_size=4 is not valid with task.mode=multi_turn"),
     (["task.questions=0"], r"task.questions=0 is not valid; valid: a positive integer"),
 ])
 def test_bad_settings_are_one_line_before_the_model_loads(no_model_load, tmp_path, overrides, message):

@@ -68,7 +68,8 @@ def runs(df: pd.DataFrame, table: PaperTable) -> pd.DataFrame:
         return picked
     columns = [column_of(t, q) for t, q in zip(picked["task"], picked["query_aware"])]
     se = pd.to_numeric(picked["se/score"], errors="coerce") if "se/score" in picked else pd.Series(np.nan, picked.index)
-    complete = pd.to_numeric(picked["complete"], errors="coerce") if "complete" in picked else pd.Series(1.0, picked.index)
+    complete = (pd.to_numeric(picked["complete"], errors="coerce") if "complete" in picked
+                else pd.Series(1.0, picked.index))
     return picked.assign(
         order=[(c[0], c[1]) for c in columns], k=[c[1] for c in columns], column=[c[2] for c in columns],
         percent=100 * pd.to_numeric(picked["score"], errors="coerce"), se_percent=100 * se,
@@ -112,7 +113,8 @@ def legend() -> str:
             "and multi-turn); multi-request k = one compression, k questions each answered from a copy of it; "
             "multi-turn k = one conversation, earlier questions and answers in the same bounded cache. k = needles "
             "(and questions) per context. Cells: string-match score x100 over the questions, n = questions; the full "
-            "cache row is each column's own run. § subset run (task.limit), †k failed questions, ~ run not complete.")
+            "cache row is each column's own run. § subset run (task.limit), †k failed questions, ~ run not "
+            "complete.")
 
 
 def tidy(selected: pd.DataFrame) -> pd.DataFrame:
@@ -126,7 +128,8 @@ def tidy(selected: pd.DataFrame) -> pd.DataFrame:
         "query_aware": selected["query_aware"], "block_size": selected["block_size"],
         "decode_eviction": selected["decode_eviction"], "score": selected["score"],
         "se": pd.to_numeric(selected.get("se/score"), errors="coerce") if "se/score" in selected else math.nan,
-        "ci95_low": [b[0] / 100 if b else np.nan for b in bounds], "ci95_high": [b[1] / 100 if b else np.nan for b in bounds],
+        "ci95_low": [b[0] / 100 if b else np.nan for b in bounds],
+        "ci95_high": [b[1] / 100 if b else np.nan for b in bounds],
         "samples": selected["samples"], "subset": selected["subset"], "failed": selected["num_failed"].astype(int),
         "incomplete": selected["incomplete"], "task": selected["task"],
     })

@@ -221,8 +221,8 @@ def check_protocol(query_aware: bool, task: Any, batch_size: int = 1) -> None:
     (the context is compressed before any question) and runs one context at a time (batch_size=1)."""
     mode = getattr(task, "mode", "independent")
     if mode != "independent" and query_aware:
-        raise ConfigError(f"query_aware=true is not valid with task.mode={mode}: the context is compressed once, before "
-                          "any question (valid: query_aware=false, or task.mode=independent to compress each question "
+        raise ConfigError(f"query_aware=true is not valid with task.mode={mode}: the context is compressed once, "
+                          "before any question (valid: query_aware=false, or task.mode=independent to compress each question "
                           "with the context)")
     if mode != "independent" and batch_size != 1:
         raise ConfigError(f"batch_size={batch_size} is not valid with task.mode={mode}: a context's questions share "

@@ -46,13 +46,15 @@ log = logging.getLogger(__name__)
 SHARED_MODES = ("multi_request", "multi_turn")
 
 
-def shared_rows(plan: RunPlan, model, tokenizer, stop_ids, todo: list, cfg: DictConfig, code, signals) -> Iterator[dict[str, Any]]:
+def shared_rows(plan: RunPlan, model, tokenizer, stop_ids, todo: list, cfg: DictConfig, code,
+                signals) -> Iterator[dict[str, Any]]:
     """Every question's row, context by context (the task's shard groups); each context runs interruptibly and
     its rows are yielded after, so nothing runs while the caller writes a row."""
     task = plan.task
     wanted = {sample.id for sample in todo}
     by_group = {}
-    for sample in task.samples():  # a context's questions in order, also those already written (multi_turn replays them)
+    # a context's questions in order, also those already written (multi_turn replays them)
+    for sample in task.samples():
         by_group.setdefault(task.shard_group(sample), []).append(sample)
     for group, _ in groupby(todo, key=task.shard_group):
         samples = by_group[group]
@@ -61,13 +63,15 @@ def shared_rows(plan: RunPlan, model, tokenizer, stop_ids, todo: list, cfg: Dict
         yield from rows
 
 
-def context_rows(plan: RunPlan, model, tokenizer, stop_ids, samples: list, wanted: set, cfg: DictConfig, code) -> list[dict[str, Any]]:
+def context_rows(plan: RunPlan, model, tokenizer, stop_ids, samples: list, wanted: set, cfg: DictConfig,
+                 code) -> list[dict[str, Any]]:
     """The rows of the wanted questions of one context (out of memory: all of them failed)."""
     shared = plan.task.shared_context(samples, tokenizer, plan.model_cfg.max_length)
     refused = [screen_sample(plan, tokenizer, s, cfg, code)[1] for s in samples]
     if any(refused):
         reason = next(r for r in refused if r)
-        return [r or failed_row(plan, s, p, reason["failure_reason"], f"another question of its context: {reason['error']}", code)
+        why = f"another question of its context: {reason['error']}"
+        return [r or failed_row(plan, s, p, reason["failure_reason"], why, code)
                 for s, p, r in zip(samples, shared.questions, refused) if s.id in wanted]
     out_of_memory = None
     try:

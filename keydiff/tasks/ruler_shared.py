@@ -108,8 +108,10 @@ class RulerShared(Task):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"task.{key}={value!r} is not valid; valid: a positive integer")
         if self.questions > len(DEPTHS):
-            raise ValueError(f"task.questions={self.questions} is not valid; valid: 1 to {len(DEPTHS)} (RULER's depths)")
-        if self.limit is not None and (isinstance(self.limit, bool) or not isinstance(self.limit, int) or self.limit < 1):
+            raise ValueError(f"task.questions={self.questions} is not valid; valid: 1 to {len(DEPTHS)} "
+                             "(RULER's depths)")
+        limit = self.limit
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
             raise ValueError(f"task.limit={self.limit!r} is not valid; valid: null or a positive integer (contexts)")
         if self.max_new_tokens is not None and (not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1):
             raise ValueError(f"task.max_new_tokens={self.max_new_tokens!r} is not valid; valid: null (RULER's 128) "
@@ -211,8 +213,9 @@ class RulerShared(Task):
         to_generate = self.tokens_to_generate()
 
         def measure(size: int) -> int:
-            return max(len(tokenizer(text, add_special_tokens=special)["input_ids"])
-                       for text, special in (self.render(tokenizer, plan, size, key) for key in plan["keys"])) + to_generate
+            prompts = (self.render(tokenizer, plan, size, key) for key in plan["keys"])
+            longest = max(len(tokenizer(text, add_special_tokens=special)["input_ids"]) for text, special in prompts)
+            return longest + to_generate
 
         gen = self.generator()
         try:
@@ -274,7 +277,8 @@ class RulerShared(Task):
         follow_ups = []
         for sample in samples:
             question, prefix = self.question_text(sample.fields["key"])
-            follow_ups.append(list(tokenizer(between + question + after + prefix, add_special_tokens=False)["input_ids"]))
+            turn = between + question + after + prefix
+            follow_ups.append(list(tokenizer(turn, add_special_tokens=False)["input_ids"]))
         return SharedContext(context, prompts, follow_ups)
 
     # ------------------------------------------------------------------ scoring
@@ -288,7 +292,8 @@ class RulerShared(Task):
         scored = [r for r in rows if not (r.get("info") or {}).get("short", False)]
         by_index: dict[int, list[float]] = {}
         for row in scored:
-            by_index.setdefault(int((row.get("info") or {}).get("question_index", 0)), []).append(float(row["scores"]["score"]))
+            index = int((row.get("info") or {}).get("question_index", 0))
+            by_index.setdefault(index, []).append(float(row["scores"]["score"]))
         values = [v for group in by_index.values() for v in group]
         return {
             "score": sum(values) / len(values) if values else None,
@@ -313,7 +318,8 @@ class RulerShared(Task):
                   self.questions, "num_contexts": self.num_contexts, "haystack": self.haystack, "type_k": self.type_k,
                   "type_v": self.type_v, "ruler_commit": RULER_COMMIT}
         label = f"ruler_shared generator v{GENERATOR_VERSION} (NVIDIA/RULER@{RULER_COMMIT[:10]}, seed {self.seed})"
-        sources = {label: hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest(), **wonderwords_sources()}
+        digest = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
+        sources = {label: digest, **wonderwords_sources()}
         if self.haystack == "essay":
             self._essay_words()
             sources.update({f"ruler_shared/essay[{self._essay_kind}]/{k}": v for k, v in self._essay_sources.items()})
