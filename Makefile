@@ -78,10 +78,12 @@ leaderboard: $(STAMP)  ## kvpress-style RULER 4K leaderboard (every method x rat
 	$(PY) -m keydiff.report.ruler
 	$(PY) -m keydiff.report.figures
 
-# POLICIES=keydiff,snapkv: a subset of the methods; ARGS go to every sweep (ARGS="task.limit=2": the first 2 contexts).
+# POLICIES=keydiff,snapkv / BUDGETS=512,1024: a subset of the methods / token budgets (the full cache runs once per
+# column whatever they are); ARGS go to every sweep (ARGS="task.limit=2": the first 2 contexts of every column).
+PROTOCOL_GRID = $(if $(POLICIES),policy=$(POLICIES),) $(if $(BUDGETS),budget.tokens=$(BUDGETS),)
 protocol: $(STAMP)  ## questions over one compressed context: question in prompt, query-agnostic, multi-request / multi-turn k=2,4,8 (shared_ruler_4k), then its table and figure
-	$(PY) run.py experiment=protocol $(if $(POLICIES),policy=$(POLICIES),) $(ARGS)
-	$(PY) run.py experiment=protocol_shared $(if $(POLICIES),policy=$(POLICIES),) $(ARGS)
+	$(PY) run.py experiment=protocol $(PROTOCOL_GRID) $(ARGS)
+	$(PY) run.py experiment=protocol_shared $(PROTOCOL_GRID) $(ARGS)
 	$(PY) run.py experiment=protocol_full $(ARGS)
 	$(PY) run.py experiment=protocol_shared_full $(ARGS)
 	$(PY) -m keydiff.report.tables
