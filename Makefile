@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: help install run test bench bench-decode bench-throughput bench-scoring bench-long bench-peers gpu-check collect smoke leaderboard tables figures figures-runs analysis paper-numbers paper-assets report wandb-sync sweep-local sweep-slurm status clean
+.PHONY: help install run test bench bench-decode bench-throughput bench-scoring bench-long bench-peers gpu-check collect smoke leaderboard protocol tables figures figures-runs analysis paper-numbers paper-assets report wandb-sync sweep-local sweep-slurm status clean
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -76,6 +76,17 @@ leaderboard: $(STAMP)  ## kvpress-style RULER 4K leaderboard (every method x rat
 	$(PY) run.py experiment=leaderboard_full $(ARGS)
 	$(PY) -m keydiff.report.tables
 	$(PY) -m keydiff.report.ruler
+	$(PY) -m keydiff.report.figures
+
+# POLICIES=keydiff,snapkv / BUDGETS=512,1024: a subset of the methods / token budgets (the full cache runs once per
+# column whatever they are); ARGS go to every sweep (ARGS="task.limit=2": the first 2 contexts of every column).
+PROTOCOL_GRID = $(if $(POLICIES),policy=$(POLICIES),) $(if $(BUDGETS),budget.tokens=$(BUDGETS),)
+protocol: $(STAMP)  ## questions over one compressed context: question in prompt, query-agnostic, multi-request / multi-turn k=2,4,8 (shared_ruler_4k), then its table and figure
+	$(PY) run.py experiment=protocol $(PROTOCOL_GRID) $(ARGS)
+	$(PY) run.py experiment=protocol_shared $(PROTOCOL_GRID) $(ARGS)
+	$(PY) run.py experiment=protocol_full $(ARGS)
+	$(PY) run.py experiment=protocol_shared_full $(ARGS)
+	$(PY) -m keydiff.report.tables
 	$(PY) -m keydiff.report.figures
 
 collect: $(STAMP)  ## results/runs/**/summary.json -> results/summary.csv (ARGS=--include-old: also list the runs overwrite=true moved aside)

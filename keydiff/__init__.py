@@ -36,6 +36,7 @@ _EXPORTS = {
     "GenerationResult": "keydiff.engine",
     "PrefillResult": "keydiff.engine",
     "copy_state": "keydiff.engine",
+    "follow_up": "keydiff.engine",
     "generate": "keydiff.engine",
     "hold": "keydiff.engine",
     "prefill": "keydiff.engine",

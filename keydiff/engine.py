@@ -246,6 +246,21 @@ def hold(model: torch.nn.Module, state: PrefillResult, input_ids: torch.Tensor) 
     return state
 
 
+def follow_up(model: torch.nn.Module, state: PrefillResult, input_ids: torch.Tensor) -> PrefillResult:
+    """The next turn of a conversation: feed `input_ids` [batch, S] into the cache of a state `generate` has decoded
+    (its kept context, the held question and the answer so far), held whole up to the next first token as `hold`
+    feeds them, and return a new state to decode from (`seconds`: this feed's time, `held_suffix`: S). The cache
+    is the same object: it stays bounded as the first `generate` left it (evicting while decoding or not), and
+    the decoded state must not be used again. `generate` never feeds the token it stops on: the caller puts it
+    first in `input_ids` if the conversation keeps it (keydiff.run.shared: unless it is a stop token, which the
+    chat template's end of turn replaces)."""
+    if not state.decoded:
+        raise RuntimeError("follow_up continues a decoded state; feed an undecoded one with hold")
+    turn = replace(state, seconds=0.0, held_suffix=0, decoded=False)
+    state.cache = None  # the cache now belongs to the new turn
+    return hold(model, turn, input_ids)
+
+
 def next_token(
     logits: torch.Tensor, do_sample: bool, temperature: float, top_p: float, generator: torch.Generator | None
 ) -> torch.Tensor:

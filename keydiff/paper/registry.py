@@ -102,6 +102,9 @@ def baseline_experiment(experiment: str) -> str:
 MATH_POLICIES = ["full", "keydiff_w20", "snapkv"]
 # every method x kept ratio (query-agnostic), the query-aware loop, then the full cache once
 LEADERBOARD = ("leaderboard", "leaderboard_query_aware", "leaderboard_full")
+# the protocol comparison (keydiff.report.protocol): independent questions under both protocols, the shared-context
+# modes at k = 2, 4, 8, and the full cache for each
+PROTOCOL = ("protocol", "protocol_shared", "protocol_full", "protocol_shared_full")
 PAPER_KEYDIFF = {"keydiff_w20": "keydiff"}  # App. E: the paper's "KeyDiff" of Tables 4-7
 SUBSET = "Math-500 on the samples whose full-cache context exceeds the budget"
 
@@ -184,6 +187,9 @@ TABLES: dict[str, PaperTable] = {t.name: t for t in [
     PaperTable("smoke", None, "smoke", "Smoke sweep", ("smoke",), ("smoke",), block_sizes=()),
     PaperTable("leaderboard", None, "leaderboard", "kvpress-style leaderboard: average RULER score per method and "
                "fraction of the prompt kept.", LEADERBOARD, LEADERBOARD, block_sizes=()),
+    PaperTable("protocol", None, "protocol", "Protocol comparison: several questions over one compressed context "
+               "(shared_ruler_4k, RULER 4K haystacks with k needles, one question per needle).", PROTOCOL, PROTOCOL,
+               block_sizes=()),
 ]}
 
 
@@ -199,6 +205,7 @@ FIGURES = [
     PaperFigure("Figures 7 / 17: TTFT vs budget", "ttft_", ("fig7_ttft", "fig17_ttft_eager")),
     PaperFigure("Figure 18: LongBench prompt lengths", "prompt_lengths_", ("table11_full",)),
     PaperFigure("Leaderboard (kvpress-style): average RULER score vs fraction kept", "leaderboard", LEADERBOARD),
+    PaperFigure("Protocol comparison: score per way of asking about a compressed context", "protocol", PROTOCOL),
 ]
 
 # ----------------------------------------------------------------------------- the comparison

@@ -7,6 +7,9 @@
   prompt_lengths_<model>              Figure 18: prompt-length histogram per LongBench dataset
   leaderboard                         kvpress-style: average RULER score vs fraction of the prompt kept (kvpress's
                                       compression ratio on the top axis), one line per method, full cache dashed
+  protocol                            the protocol comparison: score x100 per way of asking (question in prompt,
+                                      query-agnostic, multi-request / multi-turn k), one panel per budget, one line
+                                      per method, the full cache dashed (keydiff.report.protocol)
   generic/<exp>__<task>__<model>__bs<B>  every experiment (adhoc included) and task: primary score vs
                                       budget with 95 % error bars, one line per policy at its true budget
                                       (its own marker and line style), the full cache as a dashed line
@@ -41,6 +44,7 @@ from keydiff.paper import registry  # noqa: E402
 from keydiff.paper.registry import FIGURES, LONGBENCH, display_name  # noqa: E402
 from keydiff.report import generic  # noqa: E402
 from keydiff.report import leaderboard as board  # noqa: E402
+from keydiff.report import protocol as protocols  # noqa: E402
 from keydiff.report import index as results_index  # noqa: E402
 from keydiff.report.collect import add_results_arguments, ensure_summary, longbench_dataset, read_predictions, task_family  # noqa: E402
 from keydiff.report.render import NA, SUBSET, budget_ratio, budget_tokens, interval, metric_range  # noqa: E402
@@ -327,6 +331,50 @@ def leaderboard(df, out: Path) -> list[Path]:
     return save(fig, out, "leaderboard")
 
 
+def protocol(df, out: Path) -> list[Path]:
+    """protocol.png/.pdf: per model, one panel per budget; x the protocol columns of the protocol table (in its
+    order), y the score x100 with 95 % error bars (Wilson over the questions; none below 5), one line per method (its
+    marker and line style), the full cache (each column's own run) a dashed black line. Hollow markers: subset or
+    unfinished runs. The runs of the protocol table (keydiff.report.protocol.runs)."""
+    selected = protocols.runs(df, registry.TABLES["protocol"])
+    if selected.empty:
+        return []
+    columns = protocols.headers(selected)
+    position = {c: i for i, c in enumerate(columns)}
+    panels = [(model, budget, mine[mine["budget_label"] == budget], mine[mine["budget_label"] == NA])
+              for model, mine in selected.groupby("model", sort=True)
+              for budget in sorted(set(mine["budget_label"]) - {NA}, key=budget_tokens) or [NA]]
+    fig, axes = plt.subplots(1, len(panels), figsize=(max(3.2, 0.55 * len(columns) + 1.2) * len(panels) + 1.6, 3.6),
+                             squeeze=False, layout="constrained")
+    for ax, (model, budget, evicting, full) in zip(axes[0], panels):
+        for i, (policy, line) in enumerate(sorted(evicting.groupby("policy"), key=lambda item: display_name(item[0]))):
+            line = line.assign(x=line["column"].map(position)).sort_values("x")
+            spans = bounds_of(line.assign(value=line["percent"], **{"se/value": line["se_percent"]}), "value",
+                              protocols.PERCENT)
+            yerr = np.asarray([[v - s[0] if s else np.nan for v, s in zip(line["percent"], spans)],
+                               [s[1] - v if s else np.nan for v, s in zip(line["percent"], spans)]], dtype=float)
+            drawn = ax.errorbar(line["x"], line["percent"], yerr=yerr.reshape(2, len(line)), capsize=2, linewidth=1,
+                                markersize=4, label=display_name(policy), **style(i))
+            partial = line["subset"] | line["incomplete"]
+            ax.plot(line.loc[partial, "x"], line.loc[partial, "percent"], linestyle="none", markersize=4,
+                    marker=style(i)["marker"], color=drawn.lines[0].get_color(), markerfacecolor="white", zorder=3)
+        if len(full):
+            full = full.assign(x=full["column"].map(position)).sort_values("x")
+            ax.plot(full["x"], full["percent"], color="black", linestyle="--", linewidth=0.8, marker="_",
+                    label=display_name("full"))
+        ax.set_xticks(range(len(columns)), columns, rotation=35, ha="right")
+        ax.set_ylim(0, 100)
+        ax.set_ylabel("score x100 (95 % CI over questions)")
+        ax.grid(alpha=0.3)
+        n = sorted({int(v) for v in pd.concat([evicting["samples"], full["samples"]]).dropna()})
+        mark = " (§ subset run)" if (evicting["subset"].any() or full["subset"].any()) else ""
+        ax.set_title(f"{model}, N={str(budget).upper()}: n={'-'.join(map(str, n[:1] + n[-1:] if len(n) > 1 else n))} "
+                     f"questions{mark}", fontsize=8)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=6, loc="center left", bbox_to_anchor=(1.02, 0.5))
+    return save(fig, out, "protocol")
+
+
 def index_entries(paths: list[Path], out: Path) -> list[dict]:
     names = sorted({p.relative_to(out).with_suffix("").as_posix() for p in paths})
     entries = []
@@ -351,7 +399,7 @@ def main(summary: Path, runs_root: Path, out: Path) -> list[Path]:
     df = load(summary) if summary.exists() else pd.DataFrame()
     out.mkdir(parents=True, exist_ok=True)
     paths = [] if df.empty else (niah_heatmaps(df, out) + ttft(df, out) + prompt_lengths(df, runs_root, out)
-                                 + score_vs_budget(df, out) + leaderboard(df, out))
+                                 + score_vs_budget(df, out) + leaderboard(df, out) + protocol(df, out))
     for path in paths:
         print(path)
     if not paths:

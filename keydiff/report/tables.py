@@ -31,7 +31,7 @@ import pandas as pd
 
 from keydiff.paper import compare
 from keydiff.paper.registry import GEN_LENGTH, LONGBENCH, PROMPT_BINS, SUITE, TABLES, PaperTable, display_name
-from keydiff.report import generic, leaderboard
+from keydiff.report import generic, leaderboard, protocol
 from keydiff.report import index as results_index
 from keydiff.report.collect import add_results_arguments, ensure_summary
 from keydiff.report.selection import load, select
@@ -281,7 +281,7 @@ def smoke(df, out, table: PaperTable) -> bool:
 BUILDERS = {"longbench": longbench, "ablation": ablation, "compression": compression, "prompt_lengths": prompt_lengths,
             "math500": math500, "math500_subsets": math500_subsets, "phonebook": phonebook,
             "niah_difference": niah_difference, "smoke": smoke,
-            "leaderboard": leaderboard.write}  # the registry's layout kinds
+            "leaderboard": leaderboard.write, "protocol": protocol.write}  # the registry's layout kinds
 
 
 def placeholder(out: Path, name: str, experiments: list[str]) -> None:

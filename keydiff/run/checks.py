@@ -159,7 +159,7 @@ def check_run_config(cfg: DictConfig, runs_here: bool = True) -> None:
     task = instantiate(cfg.task, _convert_="all")
     task.validate()
     task.check_model(model_cfg.max_length)
-    check_protocol(cfg.get("query_aware", True), task)
+    check_protocol(cfg.get("query_aware", True), task, cfg.get("batch_size", 1))
     if not cfg.get("dry_run", False):  # a dry run downloads and logs nothing
         if runs_here:
             check_device(model_cfg)
@@ -215,8 +215,18 @@ def drop_whole_task_limit(cfg: DictConfig) -> bool:
     return True
 
 
-def check_protocol(query_aware: bool, task: Any) -> None:
-    """query_aware=false needs a task whose prompt splits into context and question (`Task.context_split`)."""
+def check_protocol(query_aware: bool, task: Any, batch_size: int = 1) -> None:
+    """query_aware=false needs a task whose prompt splits into context and question (`Task.context_split`); a task
+    whose `mode` asks several questions over one compressed context (keydiff.run.shared) needs query_aware=false
+    (the context is compressed before any question) and runs one context at a time (batch_size=1)."""
+    mode = getattr(task, "mode", "independent")
+    if mode != "independent" and query_aware:
+        raise ConfigError(f"query_aware=true is not valid with task.mode={mode}: the context is compressed once, "
+                          "before any question (valid: query_aware=false, or task.mode=independent to compress each question "
+                          "with the context)")
+    if mode != "independent" and batch_size != 1:
+        raise ConfigError(f"batch_size={batch_size} is not valid with task.mode={mode}: a context's questions share "
+                          "one prefill, one context at a time (valid: batch_size=1)")
     if not query_aware and getattr(task, "context_split", None) is None:
         raise ConfigError(f"query_aware=false is not valid for task {task.name!r}: its prompt has no context apart from "
                           "its question to compress (valid: query_aware=true; tasks with a split: ruler_*, longbench*, "

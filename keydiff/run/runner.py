@@ -462,7 +462,13 @@ def execute(cfg: DictConfig, plan: RunPlan, samples: list, run_dir: str | Path,
 
 
 def sample_rows(plan: RunPlan, model, tokenizer, stop_ids, todo: list, cfg: DictConfig, code, signals):
-    """The rows of the samples to run: one at a time, or `batch_size` decoding together (keydiff.run.batched)."""
+    """The rows of the samples to run: one at a time, or `batch_size` decoding together (keydiff.run.batched), or
+    a task's questions over one compressed context (its `mode`: keydiff.run.shared)."""
+    if plan.task.mode != "independent":  # several questions over one compressed context
+        from keydiff.run.shared import shared_rows  # it builds on this module's sample helpers
+
+        yield from shared_rows(plan, model, tokenizer, stop_ids, todo, cfg, code, signals)
+        return
     batch_size = int(cfg.get("batch_size", 1))
     if batch_size > 1:
         from keydiff.run.batched import batched_rows  # it builds on this module's sample helpers

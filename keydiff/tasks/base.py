@@ -51,6 +51,20 @@ class Prompt:
     context_tokens: int | None = None
 
 
+@dataclass
+class SharedContext:
+    """One context and the questions asked over it (a task whose `mode` shares the context; keydiff.run.shared).
+
+    `questions[j]` is question j's prompt as `build_prompt(..., query_aware=False)` builds it: the context ids
+    followed by the question, the end of the user turn and the answer prefix, with `context_tokens` =
+    len(context_ids). `follow_ups[j]`: the ids that put question j after an earlier answer in one conversation
+    (multi_turn: what closes the answer's turn, the next user turn, the generation prompt, the answer prefix)."""
+
+    context_ids: list[int]
+    questions: list[Prompt]
+    follow_ups: list[list[int]]
+
+
 class Task(ABC):
     """Base class of every benchmark task. Subclasses are dataclasses whose fields come from `conf/task/*.yaml`."""
 
@@ -58,6 +72,10 @@ class Task(ABC):
     # Where the task's prompt splits into context and question under query_aware=false (one line, for the docs
     # and error messages); None: the task has no context apart from its question, and query_aware=false is refused.
     context_split: ClassVar[str | None] = None
+    # How the questions over one context are asked (keydiff.run.shared): "independent" (every sample is its own
+    # prompt, the default), or, for a task whose shard groups are the questions of one context and which builds
+    # `shared_context`, "multi_request" (one compression, each question from a copy of it) or "multi_turn".
+    mode = "independent"
 
     def validate(self) -> None:
         """Check the configuration cheaply, before any model is loaded. Raise ValueError naming valid choices."""
@@ -76,6 +94,11 @@ class Task(ABC):
         A task with a `context_split` also takes `query_aware=False` (the runner passes it only then): the
         prompt as kvpress's pipeline tokenises it, the context and the rest encoded apart (`split_encode`),
         with `Prompt.context_tokens` set."""
+
+    def shared_context(self, samples: list[Sample], tokenizer: Any, max_length: int | None) -> SharedContext:
+        """The context that `samples` (one shard group, in order) share and their question prompts; only tasks
+        with a shared `mode` build it."""
+        raise NotImplementedError(f"task {self.name!r} asks no several questions over one context")
 
     @abstractmethod
     def score(self, sample: Sample, prediction: str) -> dict[str, float]:

@@ -1,0 +1,315 @@
+"""Several questions over one compressed context (keydiff.run.shared, keydiff.tasks.ruler_shared): answers never
+leak between questions (multi_request), a conversation keeps its earlier turns within the bound (multi_turn), one
+question shared equals the independent query-agnostic run, the task's data, and the one-line errors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+import torch
+
+from keydiff import build_policy, generate, prefill
+from keydiff.models import ModelConfig
+from keydiff.run.runner import RunPlan, run_sample
+from keydiff.run.shared import answer
+from keydiff.tasks.base import GenerationSettings, Prompt, Sample, SharedContext, Task
+from tests.conftest import char_tokenizer
+
+CONTEXT, BUDGET, BLOCK, NEW = 220, 64, 32, 6
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class IdTokenizer:
+    """Enough of a tokenizer for the runner's rows: ids decode to their numbers."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
+
+
+@dataclass
+class ToyShared(Task):
+    """One random context and k random questions (ids), with follow-up turns of their own length."""
+
+    name: str = "toy_shared"
+    mode: str = "multi_request"
+    questions: int = 3
+    lengths: list[int] = field(default_factory=lambda: [9, 23, 40])
+    seed: int = 7
+
+    def samples(self) -> Iterator[Sample]:
+        for j in range(self.questions):
+            yield Sample(id=f"c0/q{j}", fields={"question": j})
+
+    def shard_group(self, sample: Sample) -> str:
+        return "c0"
+
+    def _ids(self):
+        generator = torch.Generator().manual_seed(self.seed)
+        context = torch.randint(2, 256, (CONTEXT,), generator=generator).tolist()
+        questions = [torch.randint(2, 256, (n,), generator=generator).tolist() for n in self.lengths[: self.questions]]
+        return context, questions
+
+    def build_prompt(self, sample: Sample, tokenizer: Any, max_length: int | None, query_aware: bool = True) -> Prompt:
+        context, questions = self._ids()
+        question = questions[sample.fields["question"]]
+        # stop ids masked until NEW tokens: every answer has NEW tokens, so the cache sizes are known
+        settings = GenerationSettings(max_new_tokens=NEW, min_new_tokens=NEW)
+        return Prompt(context + question, settings, {"question_index": sample.fields["question"]},
+                      context_tokens=None if query_aware else len(context))
+
+    def shared_context(self, samples, tokenizer, max_length) -> SharedContext:
+        prompts = [self.build_prompt(s, tokenizer, max_length, query_aware=False) for s in samples]
+        _, questions = self._ids()
+        return SharedContext(prompts[0].input_ids[:CONTEXT], prompts, [[1] + q for q in questions])
+
+    def score(self, sample: Sample, prediction: str) -> dict[str, float]:
+        return {"score": 0.0}
+
+
+def plan_of(task: Task, name: str = "keydiff", budget: int | None = BUDGET, evict: bool = True, block=BLOCK) -> RunPlan:
+    return RunPlan(name, {}, budget, block, "fast", evict, task, ModelConfig(max_length=None), query_aware=False)
+
+
+def run_shared(model, task, plan, before=None):
+    samples = list(task.samples())
+    shared = task.shared_context(samples, None, None)
+    return answer(plan, model, IdTokenizer(), [0], samples, shared, {s.id for s in samples}, 0, "test", before)
+
+
+def snapshot(state) -> tuple:
+    """Everything a question could read of a state: tokens seen, per layer the held positions and values."""
+    layers = [layer.held_entries() for layer in state.cache.layers]
+    return state.cache.get_seq_length(), [(p.clone(), v.clone()) for p, v in layers]
+
+
+@pytest.mark.parametrize("name", ["keydiff", "snapkv", "tova", "h2o", "knorm"])
+@pytest.mark.parametrize("evict", [True, False])
+def test_multi_request_feeds_every_question_the_freshly_compressed_context(model, name, evict):
+    """Before each question is fed, its state holds exactly what a fresh compression of the context holds (tokens
+    seen, positions and values of every layer): no earlier question or answer is in it. Each answer equals the
+    independent query-agnostic run of context + that question."""
+    task = ToyShared()
+    plan = plan_of(task, name, evict=evict)
+    context_ids = task.shared_context(list(task.samples()), None, None).context_ids
+    fresh = snapshot(prefill(model, torch.tensor([context_ids]), build_policy(name), BUDGET, BLOCK))
+    seen = []
+
+    def before(j, state):
+        now = snapshot(state)
+        assert now[0] == fresh[0] == CONTEXT, (name, j)
+        for (p, v), (fp, fv) in zip(now[1], fresh[1]):
+            assert torch.equal(p, fp) and torch.equal(v, fv), (name, j)
+            assert int(p.max()) < CONTEXT  # no position of a question or an answer
+        seen.append(j)
+
+    rows = run_shared(model, task, plan, before)
+    assert seen == [0, 1, 2] and [r["sample_id"] for r in rows] == ["c0/q0", "c0/q1", "c0/q2"]
+    independent = plan_of(ToyShared(mode="independent"), name, evict=evict)
+    for sample, row in zip(task.samples(), rows):
+        alone = run_sample(independent, model, IdTokenizer(), [0], sample, 0, "test",
+                           prompt=task.build_prompt(sample, None, None, query_aware=False))
+        assert row["prediction"] == alone["prediction"], (name, sample.id)
+        assert row["held_tokens"] == alone["held_tokens"] and row["kept_tokens"] == alone["kept_tokens"]
+        assert row["context_mode"] == "multi_request" and row["ttft_s"] <= alone["ttft_s"] + row["context_prefill_s"]
+
+
+@pytest.mark.parametrize("name", ["keydiff", "snapkv"])
+def test_multi_request_with_one_question_is_the_independent_query_agnostic_run(model, name):
+    """k = 1: the same prediction and the same row numbers as query_aware=false with the question held."""
+    task = ToyShared(questions=1)
+    row = run_shared(model, task, plan_of(task, name))[0]
+    sample = next(task.samples())
+    alone = run_sample(plan_of(ToyShared(mode="independent", questions=1), name), model, IdTokenizer(), [0], sample, 0,
+                       "test", prompt=task.build_prompt(sample, None, None, query_aware=False))
+    for key in ("prediction", "prompt_tokens", "context_tokens", "held_tokens", "kept_tokens", "budget",
+                "compression_ratio", "max_cache_entries", "new_tokens"):
+        assert row[key] == alone[key], key
+
+
+def test_multi_turn_keeps_earlier_questions_and_answers_when_they_fit(model):
+    """With N above the whole conversation nothing is evicted: before question j the cache holds every position of
+    the context, the earlier questions, their answers and the follow-up token, in one sequence of positions."""
+    task = ToyShared(mode="multi_turn")
+    lengths = []
+
+    def before(j, state):
+        seen = state.cache.get_seq_length()
+        lengths.append(seen)
+        for layer in state.cache.layers:
+            positions = layer.held_entries()[0]
+            assert sorted(set(positions[0, 0].tolist())) == list(range(seen)), j
+
+    rows = run_shared(model, task, plan_of(task, "keydiff", budget=2048))
+    run_shared(model, task, plan_of(task, "keydiff", budget=2048), before)
+    # question 1 comes after the context, question 0 (9 ids) and answer 0 (6 tokens, the last fed with the turn)
+    assert lengths == [CONTEXT, CONTEXT + 9 + NEW - 1, CONTEXT + 9 + NEW + (1 + 23) + NEW - 1]
+    assert [r["held_tokens"] for r in rows] == [9, 1 + 1 + 23, 1 + 1 + 40]  # the answer's last token + the turn
+    assert [r["prompt_tokens"] for r in rows] == [CONTEXT + 9, lengths[1] + 25, lengths[2] + 42]
+
+
+@pytest.mark.parametrize("name", ["keydiff", "snapkv", "h2o"])
+def test_multi_turn_stays_within_the_bound_and_differs_from_multi_request(model, name):
+    """Evicting while decoding, the conversation's cache never holds more than N + max(B, turn + 1) entries per head,
+    though it has seen the context and every turn; a later question's answer is not the multi-request one's
+    because its cache holds (what survived of) the earlier turns."""
+    task = ToyShared(mode="multi_turn")
+    peaks = []
+
+    def before(j, state):
+        assert all(layer.num_entries <= BUDGET for layer in state.cache.layers)  # back to N after each answer
+        peaks.append(state.cache.get_seq_length())
+
+    rows = run_shared(model, task, plan_of(task, name), before)
+    for row in rows:
+        assert row["max_cache_entries"] <= BUDGET + max(BLOCK, row["held_tokens"] + 1)
+        assert row["kept_tokens"] <= BUDGET
+    assert peaks[-1] > CONTEXT + 9 + 23  # it has seen every earlier turn
+    separate = run_shared(model, ToyShared(), plan_of(ToyShared(), name))
+    assert rows[0]["prediction"] == separate[0]["prediction"]  # the first question is asked the same way
+    assert [r["prompt_tokens"] for r in rows[1:]] != [r["prompt_tokens"] for r in separate[1:]]
+
+
+@pytest.mark.parametrize("mode", ["multi_request", "multi_turn"])
+def test_a_resumed_context_writes_only_its_missing_questions_and_the_same_answers(model, mode):
+    """Questions already written are not written again; the others get the answers a whole run gives (multi_turn
+    replays the conversation, so its later answers still follow the earlier turns)."""
+    task = ToyShared(mode=mode)
+    samples = list(task.samples())
+    shared = task.shared_context(samples, None, None)
+    whole = answer(plan_of(task), model, IdTokenizer(), [0], samples, shared, {s.id for s in samples}, 0, "test")
+    missing = answer(plan_of(task), model, IdTokenizer(), [0], samples, shared, {"c0/q2"}, 0, "test")
+    assert [r["sample_id"] for r in missing] == ["c0/q2"] and missing[0]["prediction"] == whole[2]["prediction"]
+    assert missing[0]["shared_prefill_s"] == missing[0]["context_prefill_s"] > 0  # the context's prefill, counted once
+
+
+def test_follow_up_refuses_an_undecoded_state(model, prompt):
+    from keydiff import follow_up
+
+    state = prefill(model, prompt[:, :100], "keydiff", BUDGET, BLOCK)
+    with pytest.raises(RuntimeError, match="continues a decoded state"):
+        follow_up(model, state, prompt[:, 100:110])
+    generate(model, state, 3)
+    turn = follow_up(model, state, prompt[:, 100:110])
+    assert turn.held_suffix == 10 and state.cache is None and not turn.decoded
+
+
+# ------------------------------------------------------------------------------------------ the task
+CHATML = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
+          "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def shared_task(**overrides):
+    from keydiff.tasks.ruler_shared import RulerShared
+
+    return RulerShared(**{"length": 1500, "questions": 4, "num_contexts": 3, **overrides})
+
+
+def text(tokenizer, ids) -> str:
+    """The characters of a char tokenizer's ids (its decode puts spaces between tokens)."""
+    return "".join(tokenizer.convert_ids_to_tokens(ids))
+
+
+@pytest.mark.parametrize("template", [None, CHATML])
+def test_task_is_deterministic_and_each_answer_is_in_its_context_once(template):
+    tokenizer = char_tokenizer(template)
+    task, again = shared_task(), shared_task()
+    task.validate()
+    samples = list(task.samples())
+    assert [s.id for s in samples] == [f"c{c}/q{j}" for c in range(3) for j in range(4)]
+    for c in range(3):
+        group = [s for s in samples if s.fields["context"] == c]
+        shared = task.shared_context(group, tokenizer, None)
+        assert shared == again.shared_context([s for s in again.samples() if s.fields["context"] == c], tokenizer, None)
+        context = text(tokenizer, shared.context_ids)
+        values = [s.fields["answers"][0] for s in group]
+        assert len(set(values)) == 4 and {s.fields["key"] for s in group}.isdisjoint(values)
+        for sample, prompt, follow in zip(group, shared.questions, shared.follow_ups):
+            value, key = sample.fields["answers"][0], sample.fields["key"]
+            assert context.count(value) == 1 and context.count(key) == 1  # its needle, once
+            question = text(tokenizer, prompt.input_ids[prompt.context_tokens:])
+            assert question.startswith("What is the special magic number for " + key) and value not in question
+            assert key in text(tokenizer, follow) and value not in text(tokenizer, follow)
+            assert prompt == task.build_prompt(sample, tokenizer, None, query_aware=False)
+            whole = task.build_prompt(sample, tokenizer, None)
+            assert whole.context_tokens is None and len(whole.input_ids) + 128 <= 1500
+            assert prompt.info["context_id"] == c and prompt.info["questions"] == 4
+        assert task.score(group[0], f" {values[0]}.") == {"score": 1.0}
+        assert task.score(group[0], f" {values[1]}.") == {"score": 0.0}
+    # the first k needles of a context are the same for every k
+    assert shared_task(questions=8).plan(1)["keys"][:4] == task.plan(1)["keys"]
+    if template:  # a follow-up closes the answer's turn and opens the next one
+        assert text(tokenizer, shared.follow_ups[1]).startswith("</s><|user|>What is the special magic number for ")
+        key = group[1].fields["key"]
+        assert text(tokenizer, shared.follow_ups[1]).endswith(
+            f"</s><|assistant|> The special magic number for {key} mentioned in the provided text is")
+
+
+def test_summary_averages_per_question():
+    task = shared_task(questions=2)
+    rows = [{"scores": {"score": s}, "info": {"question_index": j, "context_id": c}}
+            for c, (j, s) in enumerate([(0, 1.0), (1, 0.0), (0, 1.0), (1, 1.0)])]
+    summary = task.summarize(rows)
+    assert summary["score"] == 0.75 and summary["by_question"] == {"0": 1.0, "1": 0.5} and summary["n"] == 4
+
+
+# ------------------------------------------------------------------------------------------ configuration
+@pytest.fixture
+def no_model_load(monkeypatch):
+    from keydiff.run import runner
+
+    monkeypatch.setattr(runner, "load_model", lambda *a, **k: (_ for _ in ()).throw(AssertionError("model loaded")))
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["task.mode=chat"], r"task.mode='chat' is not valid; valid: independent, multi_request, multi_turn"),
+    (["task.mode=multi_request"],
+     r"query_aware=true is not valid with task.mode=multi_request.*valid: query_aware=false"),
+    (["task.mode=multi_turn", "query_aware=false", "batch_size=4"],
+     r"batch_size=4 is not valid with task.mode=multi_turn"),
+    (["task.questions=0"], r"task.questions=0 is not valid; valid: a positive integer"),
+])
+def test_bad_settings_are_one_line_before_the_model_loads(no_model_load, tmp_path, overrides, message):
+    from keydiff.run import runner
+    from tests.test_runner import make_cfg
+
+    cfg = make_cfg("task=shared_ruler_4k", *overrides)
+    with pytest.raises(ValueError, match=message) as error:
+        runner.run(cfg, tmp_path / "run")
+    assert "\n" not in str(error.value) and not (tmp_path / "run").exists()
+
+
+def test_mode_and_k_name_the_run_directory():
+    from tests.test_runner import make_cfg
+
+    cfg = make_cfg("task=shared_ruler_4k", "task.questions=8", "task.mode=multi_turn", "query_aware=false")
+    assert cfg.run_subdir.startswith("shared_ruler_4k-k8-multi_turn/smollm2-135m/keydiff/2k/bs128-query-agnostic/")
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("mode", ["multi_request", "multi_turn"])
+def test_shared_modes_run_end_to_end_on_the_default_model(tmp_path, mode):
+    """A tiny run on SmolLM2-135M: one row per question with its context, index, k and mode; the summary scores
+    per question and the bound held."""
+    import json
+
+    from keydiff.run import runner
+    from tests.test_runner import make_cfg
+
+    cfg = make_cfg("task=shared_ruler_4k", "task.length=1024", "task.questions=2", f"task.mode={mode}",
+                   "task.limit=1", "task.max_new_tokens=12", "query_aware=false", "budget.tokens=256", "block_size=64")
+    summary = runner.run(cfg, tmp_path / mode)
+    rows = [json.loads(line) for line in (tmp_path / mode / "predictions.jsonl").read_text().splitlines()]
+    assert [r["sample_id"] for r in rows] == ["c0/q0", "c0/q1"]
+    for j, row in enumerate(rows):
+        assert row["status"] == "ok" and row["context_mode"] == mode
+        assert row["info"]["context_id"] == 0 and row["info"]["question_index"] == j and row["info"]["questions"] == 2
+        assert row["context_prefill_s"] > 0 and row["kept_tokens"] <= 256
+    assert summary["complete"] and summary["metrics"]["n"] == 2 and summary["metrics"]["mode"] == mode
+    assert summary["statistics"]["cache_bound_held"] is True
+    if mode == "multi_turn":
+        assert rows[1]["prompt_tokens"] > rows[0]["prompt_tokens"] + rows[0]["new_tokens"]
+    again = runner.run(cfg, tmp_path / mode)  # resuming writes nothing new
+    assert again["num_samples"] == 2 and len((tmp_path / mode / "predictions.jsonl").read_text().splitlines()) == 2
