@@ -315,3 +315,19 @@ def test_batch_steps_benchmark_runs_on_tiny_sizes(tmp_path):
     record = json.loads(out.read_text())
     assert {(r["batch"], r["group_rows"]) for r in record["results"]} == {(1, True), (1, False), (2, True), (2, False)}
     assert all(r["step_s"] > 0 for r in record["results"]) and "code" in record
+
+
+def test_a_fork_that_grows_out_of_its_slot_still_counts_the_slot(model):
+    """A placed fork that outgrows its slot (decoding without eviction) gets buffers of its own, but the block keeps
+    its slot allocated until every fork is gone: the forks' kv_cache_bytes must add up to the block plus the new
+    buffers, never less (the review's reproducer: 4 forks, fork 0 decoded 30 tokens with evict=False)."""
+    ids = torch.randint(0, 256, (1, 90), generator=torch.Generator().manual_seed(7))
+    forks = prefill(model, ids, "keydiff", 40, 16).fork(4)
+    block = forks[0].cache.stack.block[0]
+    requests = [keydiff.Request(state, key=i, max_new_tokens=30 if i == 0 else 5, evict=i != 0)
+                for i, state in enumerate(forks)]
+    results = dict(keydiff.generate_batch(model, requests, 4))
+    grown = forks[0].cache.stack
+    assert not block.holds(grown, 0)  # it did grow out of its slot
+    held = block.keys.nbytes + block.values.nbytes + grown.keys.nbytes + grown.values.nbytes
+    assert sum(result.kv_cache_bytes for result in results.values()) == held

@@ -643,12 +643,18 @@ class EvictingCache(Cache):
         """Bytes the key and value buffers hold (their allocated capacity, every layer): the real footprint.
 
         Counted per allocation, so a stack is counted whole, including the slots of a layer that has left it; a
-        stack placed in a block beside other sequences' (forks, keydiff.cache.rowpool) counts its own slot.
+        stack placed in a block beside other sequences' (forks, keydiff.cache.rowpool) counts its own slot, and
+        still counts it after growing into buffers of its own (decoding without eviction, a held suffix): the block
+        keeps the slot allocated until every fork of it is gone.
         """
         sizes = {}
         for storage in self._storages:  # a stack placed in a block shared with other sequences: its own slot only
-            if getattr(storage, "block", None) is not None and storage.keys is not None:
+            placed = getattr(storage, "block", None)
+            if placed is not None and storage.keys is not None:
                 sizes[storage.keys.data_ptr()] = storage.keys.nbytes + storage.values.nbytes
+                block, slot = placed
+                if block is not None and not block.holds(storage, slot):  # grown out of its slot, which the block
+                    sizes[block.keys[slot].data_ptr()] = block.keys[slot].nbytes + block.values[slot].nbytes
         for layer in self.layers:
             if getattr(getattr(layer, "storage", None), "block", None) is not None:
                 continue
