@@ -61,7 +61,7 @@ def read_rows(run_dir: Path) -> list[dict]:
     "args, message",
     [
         (["block_size=abc"], "error: block_size='abc' is not valid; block_size must be a positive integer"),
-        (["-m", "policy=keydiff,keydif"], "policy=keydif is not valid; valid: adakv_criticalkv, adakv_expected_attention, adakv_keydiff, adakv_snapkv, chunkkv"),
+        (["-m", "policy=keydiff,keydif"], "policy=keydif is not valid; valid: adakv_criticalkv, adakv_expected_attention, adakv_keydiff, adakv_snapkv, adakv_snapkv_relative, chunkkv"),
         (["-m", "budget=2k", "block_size=64,0"], "block_size=0 is not valid"),
         (["task.limit=0"], "task.limit=0 is not valid; valid: a positive integer or null"),
         (["-m", "experiment=smoke", "hydra/launcher=slurm", "hydra.launcher.partition=null"],

@@ -82,7 +82,7 @@ def test_label_is_derived_from_class_and_parameters():
         (["policy.target=no_such_lab.policies.MyPolicy"], "cannot import module 'no_such_lab.policies'"),
         (["policy.target=my_policy.NoSuchPolicy"], "module 'my_policy' has no attribute 'NoSuchPolicy'"),
         (["policy.target=collections.OrderedDict"], "is not a subclass of keydiff.policies.Policy"),
-        (["policy.target=my_policy.MyPolicy", "+policy.params.beta=1"], r"no parameter\(s\) beta; valid: alpha, sinks, chunk_length, chunk_scope, critical, critical_epsilon, first_stage_ratio, head_budgets, alpha_safeguard, key_rerotation, layer_budgets"),
+        (["policy.target=my_policy.MyPolicy", "+policy.params.beta=1"], r"no parameter\(s\) beta; valid: alpha, sinks, chunk_length, chunk_scope, critical, critical_epsilon, first_stage_ratio, head_budgets, alpha_safeguard, head_scores, key_rerotation, layer_budgets"),
         (["policy.target=my_policy.MyPolicy", "+policy.params.sinks=4096"], r"sinks \(4096\) must be in"),
         ([], "policy=custom needs policy.target"),
     ],
