@@ -145,6 +145,15 @@ def fit_size(measure: Callable[[int], int], target: int, low: int, high: int | N
     return good
 
 
+def load_essay(haystack_dir: str | None) -> tuple[tuple[str, ...], dict[str, str], str]:
+    """The essay haystack as RULER's niah uses it: its words, its files' hashes (for provenance) and its kind
+    (one loader for every task that builds essay haystacks: ruler, shared_ruler_4k)."""
+    from keydiff.tasks.haystack import load_haystack
+
+    haystack = load_haystack(haystack_dir)
+    return tuple(essay_words(haystack.text)), dict(haystack.sources), haystack.kind
+
+
 def _as_list(tasks: Any) -> list[str] | Any:
     if isinstance(tasks, str):
         return list(PRESETS.get(tasks, [tasks]))
@@ -237,12 +246,7 @@ class Ruler(Task):
 
     def _essay_words(self) -> tuple[str, ...]:
         if self._essay is None:
-            from keydiff.tasks.haystack import load_haystack
-
-            haystack = load_haystack(self.haystack_dir)
-            self._essay = tuple(essay_words(haystack.text))
-            self._essay_sources = dict(haystack.sources)
-            self._essay_kind = haystack.kind
+            self._essay, self._essay_sources, self._essay_kind = load_essay(self.haystack_dir)
         return self._essay
 
     def haystack_of(self, task: str) -> str:

@@ -45,7 +45,8 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Iterator
 
 from keydiff.tasks.base import GenerationSettings, Prompt, Sample, SharedContext, Task, split_encode
-from keydiff.tasks.ruler import GENERATOR_VERSION, MIN_LENGTH_FRACTION, fit_size, postprocess, string_match_all
+from keydiff.tasks.ruler import (GENERATOR_VERSION, MIN_LENGTH_FRACTION, fit_size, load_essay, postprocess,
+                                string_match_all)
 from keydiff.tasks.ruler_generators import (
     DEPTHS,
     NEEDLE,
@@ -53,7 +54,6 @@ from keydiff.tasks.ruler_generators import (
     RULER_COMMIT,
     TEMPLATES,
     Niah,
-    essay_words,
     random_value,
     sub_seed,
     wonderwords_sources,
@@ -130,12 +130,7 @@ class RulerShared(Task):
     # ------------------------------------------------------------------ data
     def _essay_words(self) -> tuple[str, ...]:
         if self._essay is None:
-            from keydiff.tasks.haystack import load_haystack
-
-            haystack = load_haystack(self.haystack_dir)
-            self._essay = tuple(essay_words(haystack.text))
-            self._essay_sources = dict(haystack.sources)
-            self._essay_kind = haystack.kind
+            self._essay, self._essay_sources, self._essay_kind = load_essay(self.haystack_dir)
         return self._essay
 
     def generator(self) -> Niah:
