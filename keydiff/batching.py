@@ -20,10 +20,11 @@ beyond the float rounding of batched matrix products.
 Rows alike run as one. Forks of one prefill (`state.fork(k)`: the throughput benchmark, Math-500's sampled
 answers) lie side by side in one allocation, each in its own slot (keydiff.cache.rowpool). Where consecutive
 slots hold the same number of entries and the policy scores rows from their entries alone (KeyDiff, K-norm,
-sink, recent, ...), those rows attend in one call per layer and evict in one scoring call per step, each row
+sink, recent, ...), those rows are written in one copy and attend in one call per layer and evict in one scoring call per step, each row
 over exactly its own entries (`BatchCache.row_groups`, `rowpool.evict_groups`); every other row (prompts
 prefilled on their own, attention-statistic policies, head-adaptive pools, different counts) runs on its own
-as above. `generate_batch(..., group_rows=False)` runs every row on its own (the tested reference).
+as above. Greedy rows are chosen by one argmax over the step's logits. `generate_batch(..., group_rows=False)`
+runs every row on its own (the tested reference).
 
 Continuous batching. `generate_batch` owns `batch_size` slots. It pulls the next request whenever a slot is
 free (a lazy iterable prefills each prompt only then, alone, so its TTFT is timed as at batch 1) and yields
@@ -48,7 +49,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from keydiff.attention import bound_cache, bound_to, keydiff_attention
 from keydiff.cache import EvictingCache
-from keydiff.cache.rowpool import evict_groups, grouped_passes, runs
+from keydiff.cache.rowpool import evict_groups, grouped_passes, runs, write_groups
 from keydiff.engine import GenerationResult, PrefillResult, next_token
 
 
@@ -130,8 +131,14 @@ class BatchCache(Cache):
                                "(its rows are computed by keydiff's attention function); use keydiff.generate_batch")
         if key_states.shape[0] != len(self.rows):
             raise RuntimeError(f"the pass has {key_states.shape[0]} rows, the batch cache {len(self.rows)}")
+        # After the pass's first layer (every row made room through its own update), a group's rows are written
+        # in one copy; their passes are None: the group attends as one (`row_groups`), never row by row.
+        written = write_groups(self._runs, self.rows, layer_idx, key_states, value_states) if self._groups else ()
         passes = []
         for row, cache in enumerate(self.rows):
+            if row in written:
+                passes.append((cache, None, None))
+                continue
             with bound_to(cache):  # e.g. head-adaptive layers check that their own cache is the bound one
                 keys, values = cache.update(key_states[row : row + 1], value_states[row : row + 1], layer_idx)
             passes.append((cache, keys, values))
@@ -194,12 +201,23 @@ class _Slot:
         self.batch_sizes: list[int] = []
         self.cache.start_generation(request.max_new_tokens, evict=request.evict)
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Whether the next token is the argmax of the logits as they are (greedy, no stop token masked yet):
+        such rows are chosen together, one argmax over the step's logits (`choose_greedy`)."""
+        return not self.request.do_sample and not (len(self.tokens) < self.request.min_new_tokens
+                                                   and len(self.stop_ids))
+
     def choose(self) -> None:
         """Pick the next token from the current logits (as keydiff.generate does at each step)."""
         request, logits = self.request, self.logits
         if len(self.tokens) < request.min_new_tokens and len(self.stop_ids):
             logits = logits.index_fill(-1, self.stop_ids, float("-inf"))
-        token = int(next_token(logits, request.do_sample, request.temperature, request.top_p, self.generator)[0])
+        self.take(int(next_token(logits, request.do_sample, request.temperature, request.top_p, self.generator)[0]))
+
+    def take(self, token: int) -> None:
+        """Append the chosen token and stop on a stop token or the length limit."""
+        request = self.request
         self.tokens.append(token)
         if token in self.stop_set:
             self.done, self.reason = True, "stop"
@@ -210,6 +228,17 @@ class _Slot:
         return SequenceResult([self.tokens], [self.reason], self.seconds, self.cache.max_entries,
                               key=self.request.key, batch_sizes=self.batch_sizes,
                               kv_cache_bytes=self.cache.kv_cache_bytes)
+
+
+def choose_greedy(slots: list[_Slot]) -> None:
+    """The next token of every plainly greedy row in one argmax and one read back (rather than an argmax and a
+    device sync per row): the same tokens, since an argmax of a row does not depend on the rows beside it."""
+    if not slots:
+        return
+    logits = [slot.logits for slot in slots]
+    tokens = torch.cat(logits).argmax(dim=-1).tolist() if len(slots) > 1 else [int(logits[0].argmax(dim=-1)[0])]
+    for slot, token in zip(slots, tokens):
+        slot.take(token)
 
 
 def _sync(device: torch.device) -> None:
@@ -248,8 +277,10 @@ def generate_batch(
         with keydiff_attention(model, batch):
             _sync(device)
             start = time.perf_counter()
+            greedy = [slot for slot in active if not slot.done and slot.plain_greedy]
+            choose_greedy(greedy)
             for slot in active:
-                if not slot.done:
+                if not slot.done and slot not in greedy:
                     slot.choose()
             going = [slot for slot in active if not slot.done]
             chosen = time.perf_counter() - start

@@ -260,6 +260,42 @@ def test_forks_lie_side_by_side_and_decode_as_one_group_like_separate_runs(model
         sizes.clear()
 
 
+def test_forks_in_any_batch_order_are_written_and_chosen_as_alone(model, monkeypatch):
+    """Forks whose batch rows are not in their slots' order (rows 0, 1, 3, 4 hold slots 2, 0, 3, 1) beside a prompt
+    prefilled on its own (row 2): each pass's keys and values of the group go to the block in one copy taken in
+    slot order (rowpool.write_groups), and the greedy rows are chosen by one argmax (batching.choose_greedy)
+    beside a row whose stop token is still masked (min_new_tokens) and a sampled one; every row gives the
+    tokens and kept positions it gets decoded alone."""
+    import keydiff.batching as batching
+
+    state = prefill(model, prompts()[2], build_policy("keydiff"), BUDGET, BLOCK)
+    stop = int(state.logits.argmax())  # the first greedy token: a stop token that min_new_tokens must mask
+    settings = [{"max_new_tokens": 10}, {"max_new_tokens": 12, "eos_token_ids": (stop,), "min_new_tokens": 6},
+                {"max_new_tokens": 13}, sampled(3, 9), {"max_new_tokens": 11}]
+
+    def rows():
+        forks = state.fork(4)
+        return [forks[2], forks[0], prefill(model, prompts()[0], "keydiff", BUDGET, BLOCK), forks[3], forks[1]]
+
+    expected = [(generate(model, s, **setting).token_ids[0], kept(s.cache)) for s, setting in zip(rows(), settings)]
+    assert expected[0][0] != expected[2][0]  # the greedy rows differ: a mix-up of their tokens would show
+    writes, original = [], batching.write_groups
+
+    def recording(groups, caches, layer_idx, keys, values):
+        written = original(groups, caches, layer_idx, keys, values)
+        writes.append([indices for _, _, indices in groups if written.issuperset(indices)])
+        return written
+
+    monkeypatch.setattr(batching, "write_groups", recording)
+    batch = rows()
+    got = dict(keydiff.generate_batch(model, [keydiff.Request(s, key=r, **setting)
+                                              for r, (s, setting) in enumerate(zip(batch, settings))], 5))
+    for r, (tokens, positions) in enumerate(expected):
+        assert got[r].token_ids[0] == tokens, r
+        assert same_kept(kept(batch[r].cache), positions), r
+    assert [1, 4, 0, 3] in writes[0], writes[0]  # slots 0..3 are rows 1, 4, 0, 3: one group, out of batch order
+
+
 def test_a_mixed_batch_groups_only_the_rows_alike(model, monkeypatch):
     """Two forks of one prompt beside prompts prefilled on their own (one shorter than N) and a policy that needs
     attention statistics: only the forks group (while their counts are equal), every row decodes as it does

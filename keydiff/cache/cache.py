@@ -233,8 +233,12 @@ class EvictingCache(Cache):
 
     @property
     def evicted_layers(self) -> list[EvictingLayer]:
-        """The layers that live in storages (every layer but the sliding-window ones)."""
-        return [layer for layer in self.layers if not isinstance(layer, SlidingWindowLayer)]
+        """The layers that live in storages (every layer but the sliding-window ones). Listed once per layer
+        list (`reset` plans a new one): every row of a batch asks at every step. Read it, never change it."""
+        if getattr(self, "_evicted_of", None) is not self.layers:
+            self._evicted = [layer for layer in self.layers if not isinstance(layer, SlidingWindowLayer)]
+            self._evicted_of = self.layers
+        return self._evicted
 
     @staticmethod
     def _bounded_capacity(budget: int, block_size: int | None, max_tokens: int | None) -> int | None:
@@ -303,6 +307,20 @@ class EvictingCache(Cache):
             with self.timed("eviction_s"):
                 storage.evict(self.policy, self.inv_freq, self._rotary_end())
         return layer.update(key_states, value_states, position=self._pass_position if self.contiguous else None)
+
+    def note_written(self, layer_idx: int, q: int) -> None:
+        """Account for a pass of q tokens whose keys and values the caller already wrote into this layer's slot of
+        a `RowBlock` (rows decoding as one group write theirs in one copy: keydiff.cache.rowpool.write_groups):
+        what `update` does for a layer after the pass's first one, without the copy, and returning nothing
+        (`returned_keys` is None: the group's attention reads the block). The first evicted layer of a pass
+        makes room and may evict what the previous pass left, so it always goes through `update`."""
+        layer = self.layers[layer_idx]
+        if (layer_idx == self._first_evicted or self._scratch or not isinstance(layer, EvictingLayer)
+                or layer.seen + q != layer.storage.seen):
+            raise RuntimeError(f"layer {layer_idx}: a pass written by its row group must follow the pass's first "
+                               "layer, written through update (every layer must see every forward pass, in order)")
+        layer.seen += q
+        layer.returned_keys = None
 
     def _refuse_prompt_fed_again(self, layer: EvictingLayer, value_states: torch.Tensor) -> None:
         """Refuse the whole prompt fed a second time (what model.generate does when its cache covers all

@@ -3,7 +3,8 @@
 Why. A batch of sequences (keydiff.batching) keeps one `EvictingCache` per sequence, so that no row ever scores,
 keeps or attends to an entry that is not its own, and computes attention and eviction row by row: a kernel
 launch per row and layer. Rows whose stacks lie side by side in memory and hold the same number of entries can
-run as one tensor instead: one attention call per layer and one scoring call, top-k and move per step, each row
+run as one tensor instead: one copy of the new keys and values and one attention call per layer, and one scoring
+call, top-k and move per step, each row
 still computed over exactly its own entries (rows are independent in these kernels; nothing is padded).
 
 Where adjacency comes from. Copying the rows together at every step costs more than it saves (measured: a
@@ -147,6 +148,34 @@ def runs(caches: list[EvictingCache]) -> list[tuple[RowBlock, int, list[int]]]:
                 groups.append((blocks[block_id], run[0][0], [i for _, i in run]))
             run = [(slot, index)]
     return groups
+
+
+def write_groups(groups: list[tuple[RowBlock, int, list[int]]], caches: list[EvictingCache], layer_idx: int,
+                 key_states: torch.Tensor, value_states: torch.Tensor) -> set[int]:
+    """Write one pass's keys and values [rows, kv_heads, q, dim] of layer `layer_idx` for every group (`runs` of
+    this pass's rows `caches`, taken after the pass's first layer went through each row's `update`) in one copy
+    per group, where a row at a time costs a copy and a call chain per row and layer; returns the row indices
+    written (the caller updates the others one by one). Each row's slot receives exactly what its own `update`
+    would have written there (the group's rows hold equal counts n, so the pass goes to [n - q, n) of every
+    slot), and each cache then accounts for it (`EvictingCache.note_written`)."""
+    written: set[int] = set()
+    q = key_states.shape[-2]
+    for block, first, indices in groups:
+        lead = caches[indices[0]].stack
+        if layer_idx not in lead.layers:
+            continue
+        slot, n, stop = lead.layers.index(layer_idx), lead.num_entries, first + len(indices)
+        if indices == list(range(indices[0], indices[-1] + 1)):
+            keys, values = key_states[indices[0] : indices[-1] + 1], value_states[indices[0] : indices[-1] + 1]
+        else:
+            order = torch.tensor(indices, device=key_states.device)
+            keys, values = key_states.index_select(0, order), value_states.index_select(0, order)
+        block.keys[first:stop, slot, :, n - q : n] = keys
+        block.values[first:stop, slot, :, n - q : n] = values
+        for index in indices:
+            caches[index].note_written(layer_idx, q)
+        written.update(indices)
+    return written
 
 
 def evict_groups(caches: list[EvictingCache]) -> set[int]:
