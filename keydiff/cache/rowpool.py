@@ -3,9 +3,9 @@
 Why. A batch of sequences (keydiff.batching) keeps one `EvictingCache` per sequence, so that no row ever scores,
 keeps or attends to an entry that is not its own, and computes attention and eviction row by row: a kernel
 launch per row and layer. Rows whose stacks lie side by side in memory and hold the same number of entries can
-run as one tensor instead: one copy of the new keys and values and one attention call per layer, and one scoring
-call, top-k and move per step, each row
-still computed over exactly its own entries (rows are independent in these kernels; nothing is padded).
+run as one tensor instead: one copy of the new keys and values and one attention call per layer, and one
+scoring call, top-k and move per step, each row still computed over exactly its own entries (rows are
+independent in these kernels; nothing is padded).
 
 Where adjacency comes from. Copying the rows together at every step costs more than it saves (measured: a
 stack of 8 rows' keys and values per layer costs ~5x the attention call it would replace), and so does moving
