@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from keydiff.cache.storage import Storage, drop_entries, empty_buffers
+from keydiff.cache.storage import ROTARY_STATE, Storage, drop_entries, empty_buffers
 from keydiff.policies.base import LayerView
 
 if TYPE_CHECKING:
@@ -200,8 +200,6 @@ def _evict_group(block: RowBlock, first: int, members: list[EvictingCache]) -> N
     """What `Storage.evict` does for one stack, for consecutive slots at once (rows layer-major within each
     sequence, sequences in slot order): the policy sees each row's own entries only."""
     storages = [cache.stack for cache in members]
-    for storage in storages:
-        storage.initialize_state()  # the new entries' policy state, each sequence's own
     lead = storages[0]
     count, n, budget = lead.count, lead.num_entries, lead.budget
     stop, rows = first + len(members), len(members) * count
@@ -211,6 +209,7 @@ def _evict_group(block: RowBlock, first: int, members: list[EvictingCache]) -> N
 
     buffers = {"keys": flat(block.keys), "values": flat(block.values), "positions": flat(block.positions),
                "state": {name: flat(s) for name, s in block.state.items()}}
+    _initialize_group_state(storages, buffers)
     view = LayerView(keys=buffers["keys"][:, :, :n], values=buffers["values"][:, :, :n],
                      positions=buffers["positions"][:, :, :n], attention=None,
                      state={name: s[:, :, :n] for name, s in buffers["state"].items()},
@@ -219,6 +218,28 @@ def _evict_group(block: RowBlock, first: int, members: list[EvictingCache]) -> N
     for storage in storages:
         storage.num_entries = budget
         storage.attention = [None] * count
+
+
+def _initialize_group_state(storages: list[Storage], buffers: dict) -> None:
+    """The policy state of the entries the group's rows wrote since their last eviction (`Storage.initialize_state`
+    for each row), computed for every row in one call when all wrote the same slots (`fresh`), as they do while
+    decoding together: an entry's state is a function of that entry alone (e.g. KeyDiff's inverse key norm)."""
+    starts = {storage.fresh for storage in storages}
+    lead = storages[0]
+    start, n = next(iter(starts)), lead.num_entries
+    if len(starts) != 1 or start is None or start >= n or lead.entry_state is None:
+        for storage in storages:
+            storage.initialize_state()  # each sequence's own
+        return
+    entries = LayerView(keys=buffers["keys"][:, :, start:n], values=buffers["values"][:, :, start:n],
+                        positions=buffers["positions"][:, :, start:n], attention=None, state={},
+                        layers=lead.layers * len(storages))
+    initial = lead.entry_state(entries)
+    for name, buffer in buffers["state"].items():
+        if name != ROTARY_STATE:
+            buffer[:, :, start:n] = initial.get(name, 0.0)
+    for storage in storages:
+        storage.fresh = None
 
 
 def grouped_passes(groups: list[tuple[RowBlock, int, list[int]]], caches: list[EvictingCache],
