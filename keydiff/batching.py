@@ -246,6 +246,38 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _step(model: torch.nn.Module, batch: BatchCache, active: list[_Slot],
+          device: torch.device) -> tuple[list[_Slot], list[_Slot]]:
+    """One decoding step of every active sequence: choose each one's next token, then one forward pass of those
+    still going (which evicts); returns (still going, stopped). Each row is charged the step's wall time."""
+    _sync(device)
+    start = time.perf_counter()
+    greedy = [slot for slot in active if not slot.done and slot.plain_greedy]
+    choose_greedy(greedy)
+    for slot in active:
+        if not slot.done and slot not in greedy:
+            slot.choose()
+    going = [slot for slot in active if not slot.done]
+    chosen = time.perf_counter() - start
+    if going:
+        ids = torch.tensor([[slot.tokens[-1]] for slot in going], dtype=torch.long, device=device)
+        positions = torch.tensor([[slot.cache.get_seq_length()] for slot in going], dtype=torch.long,
+                                 device=device)
+        batch.rows = [slot.cache for slot in going]
+        output = model(input_ids=ids, position_ids=positions, cache=batch, use_cache=True, logits_to_keep=1)
+        batch.evict()
+        logits = output.logits[:, -1, :].float()
+        for row, slot in enumerate(going):
+            slot.logits = logits[row : row + 1]
+            slot.batch_sizes.append(len(going))
+        batch.rows = []
+    _sync(device)
+    step = time.perf_counter() - start
+    for slot in active:
+        slot.seconds += chosen if slot.done else step
+    return going, [slot for slot in active if slot.done]
+
+
 @torch.inference_mode()
 def generate_batch(
     model: torch.nn.Module, requests: Iterable[Request], batch_size: int, group_rows: bool = True
@@ -274,34 +306,11 @@ def generate_batch(
                 active.append(_Slot(request))
         if not active:
             return
+        finished: list[_Slot] = []
+        # One switch of the attention function for all the steps until a sequence stops (a switch walks every
+        # module); outside it, the caller's code and the next prompts' prefills run with the model as it was.
         with keydiff_attention(model, batch):
-            _sync(device)
-            start = time.perf_counter()
-            greedy = [slot for slot in active if not slot.done and slot.plain_greedy]
-            choose_greedy(greedy)
-            for slot in active:
-                if not slot.done and slot not in greedy:
-                    slot.choose()
-            going = [slot for slot in active if not slot.done]
-            chosen = time.perf_counter() - start
-            if going:
-                ids = torch.tensor([[slot.tokens[-1]] for slot in going], dtype=torch.long, device=device)
-                positions = torch.tensor([[slot.cache.get_seq_length()] for slot in going], dtype=torch.long,
-                                         device=device)
-                batch.rows = [slot.cache for slot in going]
-                output = model(input_ids=ids, position_ids=positions, cache=batch, use_cache=True,
-                               logits_to_keep=1)
-                batch.evict()
-                logits = output.logits[:, -1, :].float()
-                for row, slot in enumerate(going):
-                    slot.logits = logits[row : row + 1]
-                    slot.batch_sizes.append(len(going))
-                batch.rows = []
-            _sync(device)
-            step = time.perf_counter() - start
-        finished = [slot for slot in active if slot.done]
-        for slot in active:
-            slot.seconds += chosen if slot.done else step
-        active = going
+            while active and not finished:
+                active, finished = _step(model, batch, active, device)
         for slot in finished:
             yield slot.request.key, slot.result()

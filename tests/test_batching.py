@@ -367,3 +367,18 @@ def test_a_fork_that_grows_out_of_its_slot_still_counts_the_slot(model):
     assert not block.holds(grown, 0)  # it did grow out of its slot
     held = block.keys.nbytes + block.values.nbytes + grown.keys.nbytes + grown.values.nbytes
     assert sum(result.kv_cache_bytes for result in results.values()) == held
+
+
+def test_between_results_the_model_runs_as_it_was(model):
+    """generate_batch switches the attention function once per run of steps, not per step, and never across a
+    yield: while the caller holds a result, the model has its own implementation and runs with any cache."""
+    original = model.config._attn_implementation
+    state = prefill(model, prompts()[0], "keydiff", BUDGET, BLOCK)
+    requests = [keydiff.Request(fork, max_new_tokens=3 + 2 * i, key=i) for i, fork in enumerate(state.fork(3))]
+    seen = []
+    for key, _ in keydiff.generate_batch(model, requests, 3):
+        assert model.config._attn_implementation == original, key
+        with torch.inference_mode():
+            model(input_ids=prompts()[1])  # a plain forward with a fresh cache of its own
+        seen.append(key)
+    assert seen == [0, 1, 2]
