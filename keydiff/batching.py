@@ -49,7 +49,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from keydiff.attention import bound_cache, bound_to, keydiff_attention
 from keydiff.cache import EvictingCache
-from keydiff.cache.rowpool import evict_groups, grouped_passes, runs, write_groups
+from keydiff.cache.rowpool import JoinPool, evict_groups, grouped_passes, runs, write_groups
 from keydiff.engine import GenerationResult, PrefillResult, next_token
 
 
@@ -280,7 +280,8 @@ def _step(model: torch.nn.Module, batch: BatchCache, active: list[_Slot],
 
 @torch.inference_mode()
 def generate_batch(
-    model: torch.nn.Module, requests: Iterable[Request], batch_size: int, group_rows: bool = True
+    model: torch.nn.Module, requests: Iterable[Request], batch_size: int, group_rows: bool = True,
+    pool_rows: bool | None = None,
 ) -> Iterator[tuple[Any, SequenceResult]]:
     """Decode every request, up to `batch_size` at once, refilling a slot as soon as its sequence stops.
 
@@ -288,13 +289,20 @@ def generate_batch(
     `keydiff.generate(model, request.state, ...)` would alone (see the module docstring). `requests` may be a
     lazy iterable: the next one is drawn only when a slot is free, so its prefill runs then, outside the steps.
     group_rows=False computes every row on its own even where rows could run as one group (the reference the
-    grouped path is tested against, and what a benchmark compares it with).
+    grouped path is tested against, and what a benchmark compares it with). pool_rows: move each joining
+    sequence prefilled on its own into a slot of one shared block (keydiff.cache.rowpool.JoinPool: a copy of its
+    entries in, and one out when a later sequence takes the slot), so that such sequences group like forks;
+    None (default) does so on CUDA devices only, where it pays at any length (docs/performance.md). Outputs are
+    the same either way.
     """
     if isinstance(batch_size, bool) or int(batch_size) != batch_size or batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
     source = iter(requests)
     device = next(model.parameters()).device
     batch = BatchCache(model.config.get_text_config().num_hidden_layers, group_rows)
+    if pool_rows is None:
+        pool_rows = device.type == "cuda"
+    pool = JoinPool(int(batch_size)) if group_rows and pool_rows else None
     active: list[_Slot] = []
     exhausted = False
     while True:
@@ -304,6 +312,8 @@ def generate_batch(
                 exhausted = True
             else:
                 active.append(_Slot(request))
+                if pool is not None:
+                    pool.place(active[-1].cache)
         if not active:
             return
         finished: list[_Slot] = []
@@ -313,4 +323,6 @@ def generate_batch(
             while active and not finished:
                 active, finished = _step(model, batch, active, device)
         for slot in finished:
+            if pool is not None:
+                pool.stop(slot.cache)
             yield slot.request.key, slot.result()

@@ -382,3 +382,46 @@ def test_between_results_the_model_runs_as_it_was(model):
             model(input_ids=prompts()[1])  # a plain forward with a fresh cache of its own
         seen.append(key)
     assert seen == [0, 1, 2]
+
+
+def test_pooled_rows_prefilled_on_their_own_group_and_decode_as_alone(model, monkeypatch):
+    """pool_rows=True moves each joining sequence prefilled on its own into a slot of one block (rowpool.JoinPool):
+    rows holding N entries then attend and evict as one group. Five prompts (one shorter than N, one under h2o,
+    which never pools) through two and then three slots, so slots are reused: every sequence gives the tokens
+    and kept positions it gets alone, also read after the loop (a stopped sequence's entries are copied out
+    before its slot is reused), and the default (None) does not pool on CPU."""
+    lengths = (90, 130, 23, 61, 75)
+    policies = ["keydiff", "keydiff", "keydiff", "h2o", "keydiff"]
+    settings = [sampled(1, 9), sampled(2, 14), sampled(3, 12), sampled(4, 6), sampled(5, 11)]
+
+    def states():
+        return [prefill(model, ids, policy, BUDGET, BLOCK) for ids, policy in zip(prompts(lengths), policies)]
+
+    expected = [(generate(model, s, **setting).token_ids[0], kept(s.cache)) for s, setting in zip(states(), settings)]
+    sizes = group_sizes(monkeypatch)
+    for batch_size, pool_rows in ((2, True), (3, True), (3, None)):
+        batch = states()
+        requests = [keydiff.Request(s, key=i, **setting) for i, (s, setting) in enumerate(zip(batch, settings))]
+        got = dict(keydiff.generate_batch(model, requests, batch_size, pool_rows=pool_rows))
+        for key, (tokens, positions) in enumerate(expected):
+            assert got[key].token_ids[0] == tokens, (batch_size, key)
+            assert same_kept(kept(batch[key].cache), positions), (batch_size, key)
+        if pool_rows:
+            assert sizes and max(sizes) >= 2, batch_size  # separately prefilled rows did group
+        else:
+            assert sizes == [], sizes  # not pooled on CPU by default: nothing lies side by side
+        sizes.clear()
+
+
+def test_join_pool_takes_its_slot_shape_from_a_prompt_of_n_plus_b(model):
+    """A prompt shorter than N + B has a smaller capacity: it neither shapes the pool's slots (later prompts of the
+    usual N + B could then never join) nor joins; the first prompt of N + B shapes them; forks never move."""
+    from keydiff.cache.rowpool import JoinPool
+
+    short, long, other = (prefill(model, ids, "keydiff", BUDGET, BLOCK) for ids in prompts((23, 90, 130)))
+    pool = JoinPool(3)
+    assert not pool.place(short.cache) and pool.block is None
+    assert pool.place(long.cache) and pool.block is not None and long.cache.stack.block == (pool.block, 0)
+    assert pool.place(other.cache) and other.cache.stack.block[1] == 1
+    fork = long.fork(2)[0]
+    assert not pool.place(fork.cache) and fork.cache.stack.block[0] is not pool.block

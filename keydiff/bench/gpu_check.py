@@ -13,7 +13,8 @@ importable), on a tiny and a mid-size random Llama:
                    CUDA batched kernels may round differently, so the kept-set agreement must be >= 0.99,
                    and the tokens identical wherever the kept sets are
   batch 4 = alone  keydiff.generate_batch decodes four prompts of different lengths (one shorter than N) at
-                   batch 4 into the tokens each gets decoded alone (keydiff, tova, snapkv, full)
+                   batch 4 into the tokens each gets decoded alone (keydiff, tova, snapkv, full); on CUDA the
+                   KeyDiff prompts of N + B or more join one block and decode as a group (pool_rows' default)
   fast ~ materialized   share of kept (layer, head, position) entries both statistic modes agree on
                    (h2o, tova, snapkv); bf16 rounding may flip near-ties, hence a threshold, not equality
   FA2 vs SDPA      the same weights give the same logits with both kernels

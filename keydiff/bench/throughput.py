@@ -11,7 +11,9 @@ decode --new-tokens tokens together through keydiff.generate_batch, evicting aft
 and its ratio to the same policy at batch 1. Forks of one prefill lie side by side and, for policies that need
 nothing from attention (KeyDiff, K-norm, sink), attend and evict as one group (keydiff.batching); `--per-row`
 adds "<policy> per-row" cases that decode the same forks row by row, which is what a batch of separately
-prefilled prompts gets. The `transformers` row is the anchor: the same L-token prompt in
+prefilled prompts gets by default on CPU; `--pooled` adds "<policy> pooled" cases: copies in buffers of their own
+(as prompts prefilled apart are) decoded with pool_rows=True, each moved into one block as it joins (that copy
+timed), then grouped like forks (the default on CUDA). The `transformers` row is the anchor: the same L-token prompt in
 transformers' own DynamicCache, batch rows decoded by a plain greedy loop (what a transformers user gets from
 a full cache at that batch); `--continuous-batching` adds transformers' `generate_batch` (paged full caches,
 its paged cache sized for the run; its decode time is the difference of a --new-tokens run and a 1-token run).
@@ -45,14 +47,16 @@ def prefilled(model, prompt: torch.Tensor, name: str, budget: int, block: int):
     return prefill(model, prompt, build_policy(name), None if name == "full" else budget, block)
 
 
-def batched_decode(model, states, new_tokens: int, device: str, group_rows: bool = True) -> dict:
+def batched_decode(model, states, new_tokens: int, device: str, group_rows: bool = True,
+                   pool_rows: bool | None = None) -> dict:
     """Wall time of decoding `new_tokens` tokens for every state together (no stop tokens), and the bytes the
     decoded caches hold at the end (the sum of the rows' kv_cache_bytes: what the batch's caches took)."""
     requests = [Request(state, max_new_tokens=new_tokens, key=i) for i, state in enumerate(states)]
     common.sync(device)
     start = time.perf_counter()
     cache_bytes = sum(result.kv_cache_bytes for _, result in generate_batch(model, requests, len(requests),
-                                                                                     group_rows=group_rows))
+                                                                                     group_rows=group_rows,
+                                                                                     pool_rows=pool_rows))
     common.sync(device)
     return {"seconds": time.perf_counter() - start, "kv_cache_bytes": cache_bytes}
 
@@ -60,6 +64,17 @@ def batched_decode(model, states, new_tokens: int, device: str, group_rows: bool
 def keydiff_case(model, state, batch: int, args, device: str, group_rows: bool = True):
     def run() -> dict:  # the fork is untimed
         return batched_decode(model, state.fork(batch), args.new_tokens, device, group_rows)
+
+    return run
+
+
+def pooled_case(model, state, batch: int, args, device: str):
+    """`batch` copies of the prefilled state, each in buffers of its own as a prompt prefilled alone is (untimed),
+    decoded with pool_rows=True: each joins a slot of one block (one copy of its entries, timed) and the rows
+    group like forks (keydiff.cache.rowpool.JoinPool)."""
+    def run() -> dict:
+        return batched_decode(model, [state.fork(1)[0] for _ in range(batch)], args.new_tokens, device,
+                              pool_rows=True)
 
     return run
 
@@ -175,6 +190,8 @@ def decode_mode(model, prompt, names: list[str], args, device: str) -> list[dict
             cases[(name, batch)] = keydiff_case(model, state, batch, args, device)
             if args.per_row and name != "full":  # what separately prefilled prompts get: no grouping
                 cases[(name + " per-row", batch)] = keydiff_case(model, state, batch, args, device, False)
+            if args.pooled and name != "full":  # separately prefilled prompts moved into one block as they join
+                cases[(name + " pooled", batch)] = pooled_case(model, state, batch, args, device)
     if args.transformers:
         anchor = transformers_prefill(model, prompt, device)  # once, like the policies' prefills
         for batch in batches:
@@ -271,6 +288,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="also decode each bounded policy with generate_batch(group_rows=False): every row "
                              "attends and evicts on its own, as separately prefilled prompts do (forks of one "
                              "prefill, the default cases, attend and evict as one group)")
+    parser.add_argument("--pooled", action="store_true",
+                        help="also decode copies prefilled apart (own buffers) with pool_rows=True: each is moved "
+                             "into one block as it joins (the copy timed) and they group like forks")
     parser.add_argument("--no-transformers", dest="transformers", action="store_false",
                         help="skip the DynamicCache anchor")
     parser.add_argument("--continuous-batching", action="store_true",

@@ -108,6 +108,11 @@ def own_buffers(storage: Storage) -> None:
     its own, of its capacity, holding its valid entries (the copy would otherwise keep a whole block's copy)."""
     if getattr(storage, "block", None) is None or storage.block[0] is not None or storage.keys is None:
         return
+    _copy_out(storage)
+
+
+def _copy_out(storage: Storage) -> None:
+    """Move a storage's valid entries into buffers of its own, of its capacity, and forget its block."""
     n = storage.num_entries
     keys, values, positions, state = empty_buffers(storage.count, storage.keys[0], storage.values[0],
                                                    storage.capacity, storage.state_names)
@@ -118,6 +123,59 @@ def own_buffers(storage: Storage) -> None:
         buffer[..., :n] = storage.state[name][..., :n]
     storage.adopt(keys, values, positions, state)
     storage.block = None
+
+
+class JoinPool:
+    """Slots for sequences prefilled on their own, so that those alike decode as one group like forks
+    (keydiff.batching.generate_batch's `pool_rows`).
+
+    A joining sequence's stack is moved into a free slot (`RowBlock.take`: one copy of its valid entries, its
+    own buffers released); from then on it decodes with its neighbours where `runs` allows (equal counts: every
+    prompt longer than N holds N entries after each step). A stopped sequence keeps its slot until a new one
+    needs it, and only then gets buffers of its own back (one copy), so a finished cache stays readable and a
+    sequence never shares a slot. Worth its two copies when a step's per-row cost outweighs them: on a GPU, where
+    a row's kernel launches dominate a step, always; on a CPU only for long generations (see docs/performance.md).
+    """
+
+    def __init__(self, slots: int):
+        self.block: RowBlock | None = None
+        self.occupants: list[Storage | None] = [None] * slots
+        self.stopped: set[int] = set()
+
+    def place(self, cache: "EvictingCache") -> bool:
+        """Move `cache`'s stack into a slot; False (nothing moves) if it cannot group (`poolable`), is placed
+        already (forks), is shaped unlike the block's slots (a prompt shorter than N + B has a smaller capacity;
+        the block takes its shape from the first prompt with the usual N + B), or no slot is free."""
+        stack = cache.stack
+        if not poolable(cache) or getattr(stack, "block", None) is not None:
+            return False
+        if self.block is None:
+            if cache.block_size is None or stack.capacity != stack.budget + cache.block_size:
+                return False  # slots are shaped after the first prompt of at least N + B tokens (the usual one)
+            self.block = RowBlock.like(stack, len(self.occupants))
+        slot = next((i for i, occupant in enumerate(self.occupants) if occupant is None), None)
+        if slot is None and self.stopped:
+            slot = min(self.stopped)
+        if slot is None:
+            return False
+        previous = self.occupants[slot]
+        if previous is not None:
+            self.stopped.discard(slot)
+            self.occupants[slot] = None
+            if self.block.holds(previous, slot):
+                _copy_out(previous)  # the stopped sequence's cache keeps its entries, in buffers of its own
+            previous.block = None
+        if not self.block.take(slot, stack):
+            return False
+        self.occupants[slot] = stack
+        return True
+
+    def stop(self, cache: "EvictingCache") -> None:
+        """`cache`'s sequence stopped: its slot may be given to the next one (after copying its entries out)."""
+        stack = cache.stack if len(cache.storages) == 1 else None
+        for slot, occupant in enumerate(self.occupants):
+            if occupant is not None and occupant is stack:
+                self.stopped.add(slot)
 
 
 def runs(caches: list[EvictingCache]) -> list[tuple[RowBlock, int, list[int]]]:
