@@ -247,12 +247,13 @@ def test_task_is_deterministic_and_each_answer_is_in_its_context_once(template):
             f"</s><|assistant|> The special magic number for {key} mentioned in the provided text is")
 
 
-def test_summary_averages_per_question():
+def test_summary_averages_per_asking_rank_and_per_depth_rank():
     task = shared_task(questions=2)
-    rows = [{"scores": {"score": s}, "info": {"question_index": j, "context_id": c}}
-            for c, (j, s) in enumerate([(0, 1.0), (1, 0.0), (0, 1.0), (1, 1.0)])]
+    rows = [{"scores": {"score": s}, "info": {"question_index": j, "depth_rank": d, "context_id": c}}
+            for c, (j, d, s) in enumerate([(0, 1, 1.0), (1, 0, 0.0), (0, 0, 1.0), (1, 1, 1.0)])]
     summary = task.summarize(rows)
-    assert summary["score"] == 0.75 and summary["by_question"] == {"0": 1.0, "1": 0.5} and summary["n"] == 4
+    assert summary["score"] == 0.75 and summary["n"] == 4 and "by_question" not in summary
+    assert summary["by_ask_rank"] == {"0": 1.0, "1": 0.5} and summary["by_depth_rank"] == {"0": 0.5, "1": 1.0}
 
 
 # ------------------------------------------------------------------------------------------ configuration
