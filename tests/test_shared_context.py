@@ -286,7 +286,8 @@ def test_every_row_records_the_needle_and_depth_it_asks_about(haystack):
         where = {s.fields["needle"]: context.index(s.fields["answers"][0]) for s in group}
         for sample, prompt in zip(group, shared.questions):
             info = prompt.info
-            assert info["needle_index"] == sample.fields["needle"] and info["question_index"] == sample.fields["question"]
+            assert info["needle_index"] == sample.fields["needle"]
+            assert info["question_index"] == sample.fields["question"]
             assert info["depth_rank"] == sorted(where.values()).index(where[sample.fields["needle"]])
             if haystack == "essay":
                 assert info["depth"] == sorted(task.plan(c)["depths"])[sample.fields["needle"]]
