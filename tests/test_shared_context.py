@@ -247,12 +247,105 @@ def test_task_is_deterministic_and_each_answer_is_in_its_context_once(template):
             f"</s><|assistant|> The special magic number for {key} mentioned in the provided text is")
 
 
-def test_summary_averages_per_question():
+def test_questions_are_asked_in_a_seeded_shuffle_of_the_needles_not_in_depth_order():
+    """The needles sit in key order at ascending depths; the asking order is a shuffle from its own seeded stream,
+    the same on every build, so question 0 is not always the shallowest needle; every needle is asked once and
+    each question's key and value are its needle's."""
+    orders = []
+    for seed in (0, 1, 42):
+        for k in (4, 8):
+            task = shared_task(questions=k, seed=seed, num_contexts=4)
+            for c in range(4):
+                order = task.asking_order(c)
+                assert order == shared_task(questions=k, seed=seed, num_contexts=4).asking_order(c)  # deterministic
+                assert sorted(order) == list(range(k))
+                plan = task.plan(c)
+                group = [s for s in task.samples() if s.fields["context"] == c]
+                assert [s.id for s in group] == [f"c{c}/q{j}" for j in range(k)]
+                assert [s.fields["needle"] for s in group] == order
+                assert [s.fields["key"] for s in group] == [plan["keys"][n] for n in order]
+                assert [s.fields["answers"] for s in group] == [[plan["values"][n]] for n in order]
+                orders.append(order)
+    assert sum(order == sorted(order) for order in orders) == 0  # none of these 24 is the depth order
+    assert len({tuple(order) for order in orders if len(order) == 8}) == 12  # and they differ by seed and context
+    # its own stream: the placement (keys, values, depths) is what it was before the shuffle existed
+    assert shared_task(questions=4).plan(0) == shared_task(questions=4, mode="multi_turn").plan(0)
+
+
+@pytest.mark.parametrize("haystack", ["essay", "noise"])
+def test_every_row_records_the_needle_and_depth_it_asks_about(haystack):
+    """info's needle_index, depth_rank (0: the shallowest, from where the value sits in the context) and depth
+    (RULER's percent, essay); the first question asked is not always the shallowest needle."""
+    tokenizer = char_tokenizer(CHATML)
+    task = shared_task(haystack=haystack, questions=4, num_contexts=3)
+    first_ranks = []
+    for c in range(3):
+        group = [s for s in task.samples() if s.fields["context"] == c]
+        shared = task.shared_context(group, tokenizer, None)
+        context = text(tokenizer, shared.context_ids)
+        where = {s.fields["needle"]: context.index(s.fields["answers"][0]) for s in group}
+        for sample, prompt in zip(group, shared.questions):
+            info = prompt.info
+            assert info["needle_index"] == sample.fields["needle"]
+            assert info["question_index"] == sample.fields["question"]
+            assert info["depth_rank"] == sorted(where.values()).index(where[sample.fields["needle"]])
+            if haystack == "essay":
+                assert info["depth"] == sorted(task.plan(c)["depths"])[sample.fields["needle"]]
+            else:
+                assert info["depth"] is None
+        first_ranks.append(shared.questions[0].info["depth_rank"])
+    assert first_ranks != [0, 0, 0]
+
+
+def test_a_resumed_conversation_replays_the_asking_order(model):
+    """multi_turn over the real task (char tokenizer, tiny model): the conversation goes in the shuffled order,
+    and a resumed context that only misses its last question replays the earlier turns and gives the same answer."""
+    tokenizer = char_tokenizer(CHATML)
+    task = shared_task(mode="multi_turn", max_new_tokens=4)
+    order = task.asking_order(0)
+    assert order != sorted(order)
+    samples = [s for s in task.samples() if s.fields["context"] == 0]
+    shared = task.shared_context(samples, tokenizer, None)
+    plan = plan_of(task, budget=256)
+    whole = answer(plan, model, IdTokenizer(), [0], samples, shared, {s.id for s in samples}, 0, "test")
+    assert [r["info"]["needle_index"] for r in whole] == order and [r["sample_id"] for r in whole] == [
+        s.id for s in samples]
+    assert all(s.fields["key"] in text(tokenizer, f) for s, f in zip(samples[1:], shared.follow_ups[1:]))
+    last = samples[-1].id
+    missing = answer(plan, model, IdTokenizer(), [0], samples, shared, {last}, 0, "test")
+    assert [r["sample_id"] for r in missing] == [last]
+    assert missing[0]["prediction"] == whole[-1]["prediction"] and missing[0]["prompt_tokens"] == whole[-1][
+        "prompt_tokens"]
+
+
+def test_a_multi_turn_conversation_over_max_length_is_refused_in_one_line():
+    """The estimate before the model loads passes (length + (k - 1) x tokens to generate fits); the exact count
+    once the turns are tokenized (first prompt + follow-up turns + k answers) is refused one token over, accepted
+    at the limit, and multi_request (each prompt fits task.length) is not refused."""
+    tokenizer = char_tokenizer(CHATML)
+    task = shared_task(mode="multi_turn")  # length 1500, k = 4, 128 tokens to generate
+    task.check_model(1500 + 3 * 128)
+    samples = [s for s in task.samples() if s.fields["context"] == 0]
+    shared = task.shared_context(samples, tokenizer, None)
+    longest = len(shared.questions[0].input_ids) + sum(len(f) for f in shared.follow_ups[1:]) + 4 * 128
+    assert longest > 1500 + 3 * 128
+    assert task.shared_context(samples, tokenizer, longest) == shared
+    with pytest.raises(ValueError, match=rf"conversation of 4 questions can reach {longest} tokens .*over "
+                                         rf"model.max_length={longest - 1}; use fewer task.questions, a shorter "
+                                         r"task.length or a larger model.max_length") as error:
+        task.shared_context(samples, tokenizer, longest - 1)
+    assert "\n" not in str(error.value)
+    request = shared_task(mode="multi_request")
+    request.shared_context([s for s in request.samples() if s.fields["context"] == 0], tokenizer, longest - 1)
+
+
+def test_summary_averages_per_asking_rank_and_per_depth_rank():
     task = shared_task(questions=2)
-    rows = [{"scores": {"score": s}, "info": {"question_index": j, "context_id": c}}
-            for c, (j, s) in enumerate([(0, 1.0), (1, 0.0), (0, 1.0), (1, 1.0)])]
+    rows = [{"scores": {"score": s}, "info": {"question_index": j, "depth_rank": d, "context_id": c}}
+            for c, (j, d, s) in enumerate([(0, 1, 1.0), (1, 0, 0.0), (0, 0, 1.0), (1, 1, 1.0)])]
     summary = task.summarize(rows)
-    assert summary["score"] == 0.75 and summary["by_question"] == {"0": 1.0, "1": 0.5} and summary["n"] == 4
+    assert summary["score"] == 0.75 and summary["n"] == 4 and "by_question" not in summary
+    assert summary["by_ask_rank"] == {"0": 1.0, "1": 0.5} and summary["by_depth_rank"] == {"0": 0.5, "1": 1.0}
 
 
 # ------------------------------------------------------------------------------------------ configuration
@@ -270,6 +363,10 @@ def no_model_load(monkeypatch):
     (["task.mode=multi_turn", "query_aware=false", "batch_size=4"],
      r"batch_size=4 is not valid with task.mode=multi_turn"),
     (["task.questions=0"], r"task.questions=0 is not valid; valid: a positive integer"),
+    (["task.mode=multi_turn", "query_aware=false", "task.questions=8", "model.max_length=4500"],
+     r"multi-turn conversation of task.questions=8 can reach 4992 tokens before its follow-up turns "
+     r"\(task.length=4096 \+ 7 more answers x 128 new tokens\), over model.max_length=4500; use fewer task.questions, "
+     r"a shorter task.length or a larger model.max_length"),
 ])
 def test_bad_settings_are_one_line_before_the_model_loads(no_model_load, tmp_path, overrides, message):
     from keydiff.run import runner
@@ -279,6 +376,38 @@ def test_bad_settings_are_one_line_before_the_model_loads(no_model_load, tmp_pat
     with pytest.raises(ValueError, match=message) as error:
         runner.run(cfg, tmp_path / "run")
     assert "\n" not in str(error.value) and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("overrides", [[], ["experiment=protocol_shared"]])
+def test_the_default_multi_turn_conversation_fits_before_the_model_loads(overrides):
+    """4K, k = 8, SmolLM2-135M (max_length 8192), RULER's 128 tokens or the protocol experiments' 32: accepted."""
+    from hydra.utils import instantiate
+
+    from keydiff.run.checks import check_run_config
+    from tests.test_runner import make_cfg
+
+    cfg = make_cfg("task=shared_ruler_4k", *overrides, "task.questions=8", "task.mode=multi_turn", "query_aware=false")
+    assert cfg.model.max_length == 8192 and cfg.task.length == 4096
+    check_run_config(cfg)
+    instantiate(cfg.task).check_model(8192)
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("max_new_tokens", [None, 32])
+def test_the_default_multi_turn_conversation_fits_the_default_model_exactly(max_new_tokens):
+    """With SmolLM2's tokenizer, the exact count (first prompt + 7 follow-up turns + 8 answers) at 4K fits 8192."""
+    from transformers import AutoTokenizer
+
+    from keydiff.models import ensure_builtin_model
+    from keydiff.tasks.ruler_shared import RulerShared
+
+    tokenizer = AutoTokenizer.from_pretrained(str(ensure_builtin_model("smollm2-135m")), local_files_only=True)
+    task = RulerShared(questions=8, mode="multi_turn", max_new_tokens=max_new_tokens, limit=1)
+    samples = list(task.samples())
+    shared = task.shared_context(samples, tokenizer, 8192)
+    longest = len(shared.questions[0].input_ids) + sum(len(f) for f in shared.follow_ups[1:]) + 8 * (
+        max_new_tokens or 128)
+    assert 4096 < longest <= 8192
 
 
 def test_mode_and_k_name_the_run_directory():

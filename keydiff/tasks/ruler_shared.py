@@ -8,15 +8,22 @@ most there; this task measures it on the RULER generators, offline.
 Data (keydiff.tasks.ruler_generators, RULER's niah template): context c holds `questions` = k needles
 "One of the special magic numbers for <key> is: <value>." in an essay haystack (niah_multikey_1's layout:
 word keys, 7-digit number values, needles at RULER's depths), fitted, as RULER fits, to the largest haystack whose
-longest prompt (context + one question) plus the tokens to generate is at most `length`. Question j asks for key
-j: "What is the special magic number for <key j> mentioned in the provided text?" with RULER's answer prefix
-after the generation prompt. Keys and values are drawn pairwise from a stream seeded by (seed, length, c), so the
-first k needles of context c are the same for every k, and every value is in its context exactly once. Score:
-RULER's niah metric, string_match_all of the value; the summary's `score` is its mean over the questions
-(0-1, as NIAH's needle_recall; the name does not start with "ruler", so the reports treat it as a 0-1 score).
+longest prompt (context + one question) plus the tokens to generate is at most `length`. Each question asks
+for one needle's key: "What is the special magic number for <key> mentioned in the provided text?" with RULER's
+answer prefix after the generation prompt. Keys and values are drawn pairwise from a stream seeded by
+(seed, length, c), so the first k needles of context c are the same for every k, and every value is in its context
+exactly once. The needles sit in key order at ascending depths, so the questions are asked in a seeded shuffle
+of the needles (`asking_order`: its own stream, seeded by (seed, length, c), not the placement's): question j asks
+for needle order[j], and the asking order no longer tracks depth (a multi-turn conversation does not go front to
+back). Score: RULER's niah metric, string_match_all of the value; the summary's `score` is its mean over the
+questions (0-1, as NIAH's needle_recall; the name does not start with "ruler", so the reports treat it as a 0-1
+score), `by_ask_rank` the same per asking rank j and `by_depth_rank` per the needle's rank by depth (0: the
+shallowest); every row's info records its `question_index` (asking rank), `needle_index`, `depth_rank` and
+`depth` (RULER's depth percent, essay haystack; null otherwise).
 
-Samples are questions (id "c<context>/q<j>", one result row each); the questions of a context form one shard
-group and `task.limit` counts contexts (each brings its k questions). How the k questions are asked, `mode`:
+Samples are questions in asking order (id "c<context>/q<j>", j the asking rank, one result row each); the
+questions of a context form one shard group and `task.limit` counts contexts (each brings its k questions). How
+the k questions are asked, `mode`:
 
   independent    every question its own prompt (context + question): the run's query_aware decides whether the
                  question is compressed with the context (true) or held after it (false, kvpress's protocol);
@@ -26,7 +33,9 @@ group and `task.limit` counts contexts (each brings its k questions). How the k 
                  multi-request mode; keydiff.run.shared orchestrates it);
   multi_turn     one conversation: question j+1 is a new user turn after answer j, fed into the same (bounded,
                  evicting as the protocol says) cache that holds what survived of the context, the earlier
-                 questions and their answers.
+                 questions and their answers. The conversation grows past `length` (context + every turn + k
+                 answers); it is checked against the model's max_length before the model loads (an estimate
+                 from `length`, `check_model`) and exactly once the turns are tokenized (`shared_context`).
 
 Context/question split (query_aware=false and the shared modes): before "What is the special magic", the
 question's start (RULER's split as kvpress makes it, ruler_generators.QUESTION_MARKERS); the chat template's
@@ -123,9 +132,24 @@ class RulerShared(Task):
                 raise ValueError(f"task.{key}={getattr(self, key)!r} is not valid; valid: {', '.join(VALUE_TYPES)}")
 
     def check_model(self, max_length: int | None) -> None:
-        if max_length is not None and self.length > max_length:
+        """task.length against the model's context; in multi_turn also the conversation, without a tokenizer: the
+        fitted prompt (context + first question) is up to length - tokens to generate, and every answer adds up
+        to the tokens to generate, so it can reach length + (k - 1) x tokens to generate before counting the
+        follow-up turns (shared_context counts them exactly)."""
+        if max_length is None:
+            return
+        if self.length > max_length:
             raise ValueError(f"task.length={self.length} exceeds the model's max_length ({max_length}); use a shorter "
                              "length or a model with a longer context")
+        if self.mode == "multi_turn":
+            to_generate = self.tokens_to_generate()
+            longest = self.length + (self.questions - 1) * to_generate
+            if longest > max_length:
+                raise ValueError(
+                    f"{self.name}: a multi-turn conversation of task.questions={self.questions} can reach "
+                    f"{longest} tokens before its follow-up turns (task.length={self.length} + "
+                    f"{self.questions - 1} more answers x {to_generate} new tokens), over model.max_length="
+                    f"{max_length}; use fewer task.questions, a shorter task.length or a larger model.max_length")
 
     # ------------------------------------------------------------------ data
     def _essay_words(self) -> tuple[str, ...]:
@@ -159,15 +183,24 @@ class RulerShared(Task):
             "depths": depths[: self.questions],
         }
 
+    def asking_order(self, context: int) -> list[int]:
+        """The needles of context `context` in the order they are asked: a shuffle from its own stream (seed,
+        length, context), so it depends neither on the placement's draws nor on where the needles sit."""
+        order = list(range(self.questions))
+        random.Random(sub_seed("ruler_shared/asking_order", self.seed, self.length, context)).shuffle(order)
+        return order
+
     def contexts(self) -> int:
         return self.num_contexts if self.limit is None else min(self.num_contexts, self.limit)
 
     def samples(self) -> Iterator[Sample]:
         for context in range(self.contexts()):
             plan = self.plan(context)
-            for j, (key, value) in enumerate(zip(plan["keys"], plan["values"])):
-                yield Sample(id=f"c{context}/q{j}", fields={"context": context, "question": j, "key": key,
-                                                            "answers": [value], "questions": self.questions})
+            for j, needle in enumerate(self.asking_order(context)):
+                yield Sample(id=f"c{context}/q{j}", fields={"context": context, "question": j, "needle": needle,
+                                                            "key": plan["keys"][needle],
+                                                            "answers": [plan["values"][needle]],
+                                                            "questions": self.questions})
 
     def shard_group(self, sample: Sample) -> str:
         """A context's questions stay together (they share its prefill in the shared modes)."""
@@ -199,8 +232,9 @@ class RulerShared(Task):
         return user + prefix, True
 
     def build(self, context: int, tokenizer: Any) -> dict[str, Any]:
-        """Everything about context `context` for this tokenizer: the fitted haystack size, each question's
-        rendered prompt and where the question starts (cached per context)."""
+        """Everything about context `context` for this tokenizer: the fitted haystack size, each needle's question's
+        rendered prompt (in needle order), where the question starts, and each needle's depth rank (0: the
+        shallowest, from where it sits in the rendered context) and RULER depth (essay; cached per context)."""
         cache_key = (context, id(tokenizer))
         if cache_key in self._built:
             return self._built[cache_key]
@@ -221,13 +255,21 @@ class RulerShared(Task):
         splits = [list(QUESTION_MARKERS["niah"].finditer(text))[-1].start() for text, _ in rendered]
         prefixes = {text[:split] for (text, _), split in zip(rendered, splits)}
         assert len(prefixes) == 1, "the context must not depend on the question"
-        built = {"plan": plan, "size": size, "rendered": rendered, "split": splits[0], "special": rendered[0][1]}
+        context_text = rendered[0][0][: splits[0]]
+        starts = [context_text.index(needle) for needle in plan["needles"]]
+        depth_ranks = [sorted(starts).index(start) for start in starts]
+        # essay: needle i is placed at the i-th smallest depth (Niah.context); other haystacks place them at random
+        depths = sorted(plan["depths"]) if self.haystack == "essay" else [None] * len(starts)
+        built = {"plan": plan, "size": size, "rendered": rendered, "split": splits[0], "special": rendered[0][1],
+                 "depth_ranks": depth_ranks, "depths": depths}
         self._built = {cache_key: built}  # one context at a time: the runner asks for a context's questions together
         return built
 
     def info(self, sample: Sample, built: dict[str, Any], prompt_tokens: int) -> dict[str, Any]:
         fraction = (prompt_tokens + self.tokens_to_generate()) / self.length
+        needle = sample.fields["needle"]
         return {"context_id": sample.fields["context"], "question_index": sample.fields["question"],
+                "needle_index": needle, "depth_rank": built["depth_ranks"][needle], "depth": built["depths"][needle],
                 "questions": self.questions, "mode": self.mode, "key": sample.fields["key"],
                 "haystack": self.haystack_kind(), "haystack_size": built["size"], "length": self.length,
                 "length_fraction": round(fraction, 4), "short": fraction < MIN_LENGTH_FRACTION,
@@ -237,7 +279,7 @@ class RulerShared(Task):
         """Question j over its context: the whole prompt (query_aware=True) or context and question tokenised apart
         with `context_tokens` set (query_aware=False, kvpress's split; the shared modes' prompts are these)."""
         built = self.build(sample.fields["context"], tokenizer)
-        text, special = built["rendered"][sample.fields["question"]]
+        text, special = built["rendered"][sample.fields["needle"]]
         if query_aware:
             ids, context_tokens = list(tokenizer(text, add_special_tokens=special)["input_ids"]), None
         else:
@@ -263,8 +305,10 @@ class RulerShared(Task):
         return between, rendered[rendered.index(_QUESTION) + len(_QUESTION):]
 
     def shared_context(self, samples: list[Sample], tokenizer: Any, max_length: int | None) -> SharedContext:
-        """The context of `samples` (questions of one context, in order) and each question's prompt (context +
-        question, as build_prompt(query_aware=False)) and follow-up turn ids (multi_turn)."""
+        """The context of `samples` (questions of one context, in asking order) and each question's prompt
+        (context + question, as build_prompt(query_aware=False)) and follow-up turn ids (multi_turn). In multi_turn,
+        the conversation at its longest (the first prompt, every later follow-up turn, k answers of the tokens to
+        generate) must fit max_length: refused in one line before any question is decoded."""
         prompts = [self.build_prompt(s, tokenizer, max_length, query_aware=False) for s in samples]
         context = prompts[0].input_ids[: prompts[0].context_tokens]
         assert all(p.input_ids[: p.context_tokens] == context for p in prompts)
@@ -274,7 +318,24 @@ class RulerShared(Task):
             question, prefix = self.question_text(sample.fields["key"])
             turn = between + question + after + prefix
             follow_ups.append(list(tokenizer(turn, add_special_tokens=False)["input_ids"]))
+        if self.mode == "multi_turn" and max_length is not None:
+            self.check_conversation(samples[0], len(prompts[0].input_ids), [len(f) for f in follow_ups[1:]],
+                                    max_length)
         return SharedContext(context, prompts, follow_ups)
+
+    def check_conversation(self, first: Sample, first_prompt: int, turns: list[int], max_length: int) -> None:
+        """The multi-turn conversation at its longest (first prompt + follow-up turns + k x tokens to generate;
+        an answer's last token is fed with the next turn, so it is counted with its answer) against max_length."""
+        to_generate = self.tokens_to_generate()
+        answers = (len(turns) + 1) * to_generate
+        longest = first_prompt + sum(turns) + answers
+        if longest > max_length:
+            raise ValueError(
+                f"{self.name} context {first.fields['context']}: the multi-turn conversation of {len(turns) + 1} "
+                f"questions can reach {longest} tokens (context + first question {first_prompt}, {len(turns)} "
+                f"follow-up turns {sum(turns)}, {len(turns) + 1} answers x {to_generate} new tokens {answers}), over "
+                f"model.max_length={max_length}; use fewer task.questions, a shorter task.length or a larger "
+                "model.max_length")
 
     # ------------------------------------------------------------------ scoring
     def score(self, sample: Sample, prediction: str) -> dict[str, float]:
@@ -282,17 +343,15 @@ class RulerShared(Task):
 
     def summarize(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
         """The mean score over the questions (0-1; every context has k questions, so each context weighs the same),
-        the same per question index, counts, k and the mode. Samples flagged short (prompt + tokens to generate
+        the same per asking rank (`by_ask_rank`: 0 = asked first) and per the needle's depth rank (`by_depth_rank`:
+        0 = the shallowest needle), counts, k and the mode. Samples flagged short (prompt + tokens to generate
         under 95 % of the length, as Ruler's) are left out."""
         scored = [r for r in rows if not (r.get("info") or {}).get("short", False)]
-        by_index: dict[int, list[float]] = {}
-        for row in scored:
-            index = int((row.get("info") or {}).get("question_index", 0))
-            by_index.setdefault(index, []).append(float(row["scores"]["score"]))
-        values = [v for group in by_index.values() for v in group]
+        values = [float(r["scores"]["score"]) for r in scored]
         return {
             "score": sum(values) / len(values) if values else None,
-            "by_question": {str(j): sum(v) / len(v) for j, v in sorted(by_index.items())},
+            "by_ask_rank": mean_by(scored, "question_index"),
+            "by_depth_rank": mean_by(scored, "depth_rank"),
             "n": len(values),
             "contexts": len({(r.get("info") or {}).get("context_id") for r in scored}),
             "short": len(rows) - len(scored),
@@ -319,3 +378,13 @@ class RulerShared(Task):
             self._essay_words()
             sources.update({f"ruler_shared/essay[{self._essay_kind}]/{k}": v for k, v in self._essay_sources.items()})
         return sources
+
+
+def mean_by(rows: list[dict[str, Any]], key: str) -> dict[str, float]:
+    """The mean score of `rows` per value of their info's `key` (rows without it are left out)."""
+    groups: dict[int, list[float]] = {}
+    for row in rows:
+        value = (row.get("info") or {}).get(key)
+        if value is not None:
+            groups.setdefault(int(value), []).append(float(row["scores"]["score"]))
+    return {str(k): sum(v) / len(v) for k, v in sorted(groups.items())}
