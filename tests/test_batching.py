@@ -389,7 +389,7 @@ def test_pooled_rows_prefilled_on_their_own_group_and_decode_as_alone(model, mon
     rows holding N entries then attend and evict as one group. Five prompts (one shorter than N, one under h2o,
     which never pools) through two and then three slots, so slots are reused: every sequence gives the tokens
     and kept positions it gets alone, also read after the loop (a stopped sequence's entries are copied out
-    before its slot is reused), and the default (None) does not pool on CPU."""
+    before its slot is reused); pool_rows=False groups nothing (no two of them lie side by side)."""
     lengths = (90, 130, 23, 61, 75)
     policies = ["keydiff", "keydiff", "keydiff", "h2o", "keydiff"]
     settings = [sampled(1, 9), sampled(2, 14), sampled(3, 12), sampled(4, 6), sampled(5, 11)]
@@ -399,7 +399,7 @@ def test_pooled_rows_prefilled_on_their_own_group_and_decode_as_alone(model, mon
 
     expected = [(generate(model, s, **setting).token_ids[0], kept(s.cache)) for s, setting in zip(states(), settings)]
     sizes = group_sizes(monkeypatch)
-    for batch_size, pool_rows in ((2, True), (3, True), (3, None)):
+    for batch_size, pool_rows in ((2, True), (3, True), (3, False)):
         batch = states()
         requests = [keydiff.Request(s, key=i, **setting) for i, (s, setting) in enumerate(zip(batch, settings))]
         got = dict(keydiff.generate_batch(model, requests, batch_size, pool_rows=pool_rows))
@@ -409,7 +409,7 @@ def test_pooled_rows_prefilled_on_their_own_group_and_decode_as_alone(model, mon
         if pool_rows:
             assert sizes and max(sizes) >= 2, batch_size  # separately prefilled rows did group
         else:
-            assert sizes == [], sizes  # not pooled on CPU by default: nothing lies side by side
+            assert sizes == [], sizes  # not pooled: nothing lies side by side
         sizes.clear()
 
 

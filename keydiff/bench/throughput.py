@@ -11,9 +11,9 @@ decode --new-tokens tokens together through keydiff.generate_batch, evicting aft
 and its ratio to the same policy at batch 1. Forks of one prefill lie side by side and, for policies that need
 nothing from attention (KeyDiff, K-norm, sink), attend and evict as one group (keydiff.batching); `--per-row`
 adds "<policy> per-row" cases that decode the same forks row by row, which is what a batch of separately
-prefilled prompts gets by default on CPU; `--pooled` adds "<policy> pooled" cases: copies in buffers of their own
-(as prompts prefilled apart are) decoded with pool_rows=True, each moved into one block as it joins (that copy
-timed), then grouped like forks (the default on CUDA). The `transformers` row is the anchor: the same L-token prompt in
+prefilled prompts got before they were pooled (`pool_rows=False`); `--pooled` adds "<policy> pooled" cases:
+copies in buffers of their own (as prompts prefilled apart are) decoded as generate_batch does by default, each
+moved into one block as it joins (that copy timed), then grouped like forks. The `transformers` row is the anchor: the same L-token prompt in
 transformers' own DynamicCache, batch rows decoded by a plain greedy loop (what a transformers user gets from
 a full cache at that batch); `--continuous-batching` adds transformers' `generate_batch` (paged full caches,
 its paged cache sized for the run; its decode time is the difference of a --new-tokens run and a 1-token run).
@@ -48,7 +48,7 @@ def prefilled(model, prompt: torch.Tensor, name: str, budget: int, block: int):
 
 
 def batched_decode(model, states, new_tokens: int, device: str, group_rows: bool = True,
-                   pool_rows: bool | None = None) -> dict:
+                   pool_rows: bool = True) -> dict:
     """Wall time of decoding `new_tokens` tokens for every state together (no stop tokens), and the bytes the
     decoded caches hold at the end (the sum of the rows' kv_cache_bytes: what the batch's caches took)."""
     requests = [Request(state, max_new_tokens=new_tokens, key=i) for i, state in enumerate(states)]

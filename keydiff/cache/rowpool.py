@@ -133,8 +133,9 @@ class JoinPool:
     own buffers released); from then on it decodes with its neighbours where `runs` allows (equal counts: every
     prompt longer than N holds N entries after each step). A stopped sequence keeps its slot until a new one
     needs it, and only then gets buffers of its own back (one copy), so a finished cache stays readable and a
-    sequence never shares a slot. Worth its two copies when a step's per-row cost outweighs them: on a GPU, where
-    a row's kernel launches dominate a step, always; on a CPU only for long generations (see docs/performance.md).
+    sequence never shares a slot. Worth its two copies when a step's per-row cost outweighs them over the
+    generation: measured on CPU within 16 tokens, and on a GPU, where a row's kernel launches dominate a step,
+    far sooner (docs/performance.md).
     """
 
     def __init__(self, slots: int):
