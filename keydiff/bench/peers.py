@@ -5,7 +5,7 @@
     python -m keydiff.bench.peers perf --lengths 4096,16384,32768 --rounds 3 --threads 2
     python -m keydiff.bench.peers perf --cases kvpress_keydiff,keydiff_blockwise     # skip the slow ones
     python -m keydiff.bench.peers all --device cuda --shape llama-3.2-3b     # on a GPU, unchanged
-    python -m keydiff.bench.peers tables results/bench/peers_cpu_4k.json results/bench/peers_cpu_16k_32k.json
+    python -m keydiff.bench.peers tables results/bench/peers_cpu_4k.json results/bench/peers_cpu_16k_32k_vmhwm.json
                                                                   # the docs' and README's tables from perf JSON
 
 Both projects load ONE checkpoint: the model config of `--shape` (SmolLM2-135M's by default, from
