@@ -18,13 +18,15 @@ an entry that is not its own. A sample's tokens therefore do not depend on the b
 beyond the float rounding of batched matrix products.
 
 Rows alike run as one. Forks of one prefill (`state.fork(k)`: the throughput benchmark, Math-500's sampled
-answers) lie side by side in one allocation, each in its own slot (keydiff.cache.rowpool). Where consecutive
-slots hold the same number of entries and the policy scores rows from their entries alone (KeyDiff, K-norm,
-sink, recent, ...), those rows are written in one copy and attend in one call per layer and evict in one scoring call per step, each row
-over exactly its own entries (`BatchCache.row_groups`, `rowpool.evict_groups`); every other row (prompts
-prefilled on their own, attention-statistic policies, head-adaptive pools, different counts) runs on its own
-as above. Greedy rows are chosen by one argmax over the step's logits. `generate_batch(..., group_rows=False)`
-runs every row on its own (the tested reference).
+answers) lie side by side in one allocation, each in its own slot (keydiff.cache.rowpool), and so do prompts
+prefilled on their own once they join (`pool_rows=True`, the default: each is moved into a slot of one block,
+`rowpool.JoinPool`). Where consecutive slots hold the same number of entries and the policy scores rows from
+their entries alone (KeyDiff, K-norm, sink, recent, ...), those rows are written in one copy and attend in one
+call per layer and evict in one scoring call per step, each row over exactly its own entries
+(`BatchCache.row_groups`, `rowpool.evict_groups`); every other row (attention-statistic policies, head-adaptive
+pools, prompts shorter than N + B, different counts) runs on its own as above. Greedy rows are chosen by one
+argmax over the step's logits. `generate_batch(..., group_rows=False)` runs every row on its own (the tested
+reference).
 
 Continuous batching. `generate_batch` owns `batch_size` slots. It pulls the next request whenever a slot is
 free (a lazy iterable prefills each prompt only then, alone, so its TTFT is timed as at batch 1) and yields
@@ -300,7 +302,7 @@ def generate_batch(
     source = iter(requests)
     device = next(model.parameters()).device
     batch = BatchCache(model.config.get_text_config().num_hidden_layers, group_rows)
-    pool = JoinPool(int(batch_size)) if group_rows and pool_rows else None
+    pool = JoinPool(int(batch_size)) if group_rows and pool_rows and batch_size > 1 else None
     active: list[_Slot] = []
     exhausted = False
     while True:

@@ -111,6 +111,44 @@ def test_out_of_memory_in_a_batch_retries_at_half_the_batch(tmp_path, tiny, monk
     same_rows(expected, rows)
 
 
+def test_the_retry_after_out_of_memory_starts_with_no_block_of_the_failed_batch_alive(tmp_path, tiny, monkeypatch):
+    """A pooled sample's cache is a view of its batch's whole block (rowpool.JoinPool): the runner must hold no
+    finished sample's state when it retries at half the batch, or the old block stays allocated beside the new
+    one, which is the memory the retry is meant to free."""
+    import gc
+
+    from keydiff.cache.rowpool import JoinPool, RowBlock
+
+    real = batched.generate_batch
+    alive, raised = [], []
+
+    def flaky(model, requests, batch_size):
+        if raised:  # the retry starts: which blocks does the failed batch still hold?
+            gc.collect()
+            alive.append([o.keys.shape[0] for o in gc.get_objects() if type(o) is RowBlock])
+        results = real(model, requests, batch_size)
+        yield next(results)
+        if batch_size > 1 and not raised:
+            yield next(results)  # the second sample to finish is a pooled one
+            raised.append(True)
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        yield from results
+
+    monkeypatch.setattr(batched, "generate_batch", flaky)
+    pooled = []
+    original_place = JoinPool.place
+
+    def place(self, cache):
+        placed = original_place(self, cache)
+        pooled.append(placed)
+        return placed
+
+    monkeypatch.setattr(JoinPool, "place", place)
+    summary, _ = run_at(lengths_cfg(tmp_path, "oompin", "batch_size=4"))
+    assert summary["complete"] and any(pooled)  # the failed batch did pool its samples
+    assert alive == [[]], alive
+
+
 def test_out_of_memory_down_to_batch_one_records_the_sample_as_failed(tmp_path, tiny, monkeypatch):
     real = batched.generate_batch
     sizes = []

@@ -415,13 +415,48 @@ def test_pooled_rows_prefilled_on_their_own_group_and_decode_as_alone(model, mon
 
 def test_join_pool_takes_its_slot_shape_from_a_prompt_of_n_plus_b(model):
     """A prompt shorter than N + B has a smaller capacity: it neither shapes the pool's slots (later prompts of the
-    usual N + B could then never join) nor joins; the first prompt of N + B shapes them; forks never move."""
+    usual N + B could then never join) nor joins. The block is allocated only when a second sequence like the
+    first joins while the first decodes (a lone one allocates nothing); both move in. Forks never move."""
     from keydiff.cache.rowpool import JoinPool
 
-    short, long, other = (prefill(model, ids, "keydiff", BUDGET, BLOCK) for ids in prompts((23, 90, 130)))
+    short, long, other, third = (prefill(model, ids, "keydiff", BUDGET, BLOCK) for ids in prompts((23, 90, 130, 61)))
     pool = JoinPool(3)
     assert not pool.place(short.cache) and pool.block is None
-    assert pool.place(long.cache) and pool.block is not None and long.cache.stack.block == (pool.block, 0)
-    assert pool.place(other.cache) and other.cache.stack.block[1] == 1
+    assert not pool.place(long.cache) and pool.block is None  # the first like it: waits for a second
+    assert pool.place(other.cache) and pool.block is not None
+    assert long.cache.stack.block == (pool.block, 0) and other.cache.stack.block == (pool.block, 1)
+    assert pool.place(third.cache) and third.cache.stack.block[1] == 2
     fork = long.fork(2)[0]
     assert not pool.place(fork.cache) and fork.cache.stack.block[0] is not pool.block
+    lone, alone = JoinPool(3), prefill(model, prompts((90,))[0], "keydiff", BUDGET, BLOCK)
+    assert not lone.place(alone.cache)
+    lone.stop(alone.cache)  # it stopped before any other joined: a later one waits for a second in turn
+    assert not lone.place(fork_free(long)) and lone.block is None
+
+
+def fork_free(state):
+    """A copy of a prefilled state's cache in buffers of its own (as a prompt prefilled alone has)."""
+    return state.fork(1)[0].cache
+
+
+def test_neighbours_with_other_policies_never_group(model, monkeypatch):
+    """KeyDiff beside KeyDiff with a recent window (the same buffers and policy state, so they share the block):
+    rows of different policies lie side by side but never attend or evict as one; each gives what it gets alone.
+    At batch 1 nothing is pooled (nothing could group)."""
+    policies = [build_policy("keydiff"), build_policy("keydiff", window_fraction=0.25), build_policy("keydiff")]
+
+    def states():
+        return [prefill(model, ids, policy, BUDGET, BLOCK) for ids, policy in zip(prompts((90, 130, 75)), policies)]
+
+    expected = [(generate(model, s, max_new_tokens=10).token_ids[0], kept(s.cache)) for s in states()]
+    sizes = group_sizes(monkeypatch)
+    batch = states()
+    got = dict(keydiff.generate_batch(model, [keydiff.Request(s, max_new_tokens=10, key=i)
+                                              for i, s in enumerate(batch)], 3))
+    assert all(s.cache.stack.block is not None and s.cache.stack.block[1] == i for i, s in enumerate(batch))
+    assert sizes == [], sizes
+    for key, (tokens, positions) in enumerate(expected):
+        assert got[key].token_ids[0] == tokens and same_kept(kept(batch[key].cache), positions), key
+    alone = states()[0]
+    dict(keydiff.generate_batch(model, [keydiff.Request(alone, max_new_tokens=3)], 1))
+    assert alone.cache.stack.block is None

@@ -8,13 +8,13 @@ scoring call, top-k and move per step, each row still computed over exactly its 
 independent in these kernels; nothing is padded).
 
 Where adjacency comes from. Copying the rows together at every step costs more than it saves (measured: a
-stack of 8 rows' keys and values per layer costs ~5x the attention call it would replace), and so does moving
-a separately prefilled cache into shared memory when it joins a batch (a copy of every kept entry, ~50 ms per
-row for SmolLM2-135M at N = 1,024 on one CPU thread: more than a 16-token decode saves). The copies that exist
-anyway are the ones `EvictingCache.fork` makes (one prefill, many decodes: the throughput benchmark, Math-500's
-sampled answers): `RowBlock` puts them into one block [copies, layers, kv_heads, capacity, dim], each
-fork's stack a view of its slot (`Storage.block`), for the same memory as separate copies. A fork owns its slot
-for good (no other cache ever writes there), so nothing moves when it joins or leaves a batch.
+stack of 8 rows' keys and values per layer costs ~5x the attention call it would replace). Copies made once do
+pay: `EvictingCache.fork` (one prefill, many decodes: the throughput benchmark, Math-500's sampled answers)
+puts its copies into one block [copies, layers, kv_heads, capacity, dim], each fork's stack a view of its slot
+(`Storage.block`), for the same memory as separate copies; and `JoinPool` moves each sequence prefilled on its
+own into a slot of one block when it joins a batch (one copy of its kept entries, which grouping earns back
+within a 16-token generation on CPU). A sequence owns its slot while it lives there (no other cache writes
+there), so nothing moves while it decodes.
 
 Only what provably scores rows alike is placed (`poolable`): one stack holding every layer (no sliding-window
 layers, no head-adaptive pools, no per-layer budgets), and a policy that scores each row by its own entries
@@ -129,31 +129,42 @@ class JoinPool:
     """Slots for sequences prefilled on their own, so that those alike decode as one group like forks
     (keydiff.batching.generate_batch's `pool_rows`).
 
-    A joining sequence's stack is moved into a free slot (`RowBlock.take`: one copy of its valid entries, its
-    own buffers released); from then on it decodes with its neighbours where `runs` allows (equal counts: every
-    prompt longer than N holds N entries after each step). A stopped sequence keeps its slot until a new one
-    needs it, and only then gets buffers of its own back (one copy), so a finished cache stays readable and a
-    sequence never shares a slot. Worth its two copies when a step's per-row cost outweighs them over the
-    generation: measured on CPU within 16 tokens, and on a GPU, where a row's kernel launches dominate a step,
-    far sooner (docs/performance.md).
+    The block of `slots` slots is allocated only when a second sequence that could share it joins while the first
+    is still decoding (so a run whose prompts never match, e.g. ratio budgets giving every prompt its own N,
+    allocates nothing); both then move in. A joining sequence's stack is moved into a free slot (`RowBlock.take`:
+    one copy of its valid entries, its own buffers released); from then on it decodes with its neighbours where
+    `runs` allows (equal counts: every prompt of N + B tokens or more holds N entries after each step). A stopped
+    sequence keeps its slot until a new one needs it, and only then gets buffers of its own back (one copy), so a
+    finished cache stays readable and a sequence never shares a slot. The copies pay for themselves within a
+    16-token generation on CPU and far sooner on a GPU, where a row's kernel launches dominate a step
+    (docs/performance.md). Memory: the block holds all its slots from its first use, while each row's
+    `kv_cache_bytes` counts its own slot, so a block with slots never filled holds more than its rows report.
     """
 
     def __init__(self, slots: int):
+        self.slots = slots
         self.block: RowBlock | None = None
+        self.first: Storage | None = None  # the first sequence that could start a block, while it decodes
         self.occupants: list[Storage | None] = [None] * slots
         self.stopped: set[int] = set()
 
     def place(self, cache: "EvictingCache") -> bool:
         """Move `cache`'s stack into a slot; False (nothing moves) if it cannot group (`poolable`), is placed
         already (forks), is shaped unlike the block's slots (a prompt shorter than N + B has a smaller capacity;
-        the block takes its shape from the first prompt with the usual N + B), or no slot is free."""
+        the block takes its shape from prompts of the usual N + B), no slot is free, or it is the first that
+        could start the block (it waits for a second)."""
         stack = cache.stack
         if not poolable(cache) or getattr(stack, "block", None) is not None:
             return False
         if self.block is None:
             if cache.block_size is None or stack.capacity != stack.budget + cache.block_size:
-                return False  # slots are shaped after the first prompt of at least N + B tokens (the usual one)
-            self.block = RowBlock.like(stack, len(self.occupants))
+                return False  # slots are shaped after prompts of at least N + B tokens (the usual ones)
+            first = self.first
+            if first is None or getattr(first, "block", None) is not None or not _alike(first, stack):
+                self.first = stack  # the block starts when a second one like it joins while this one decodes
+                return False
+            self.block, self.first = RowBlock.like(first, self.slots), None
+            self._move_in(0, first)
         slot = next((i for i, occupant in enumerate(self.occupants) if occupant is None), None)
         if slot is None and self.stopped:
             slot = min(self.stopped)
@@ -166,6 +177,9 @@ class JoinPool:
             if self.block.holds(previous, slot):
                 _copy_out(previous)  # the stopped sequence's cache keeps its entries, in buffers of its own
             previous.block = None
+        return self._move_in(slot, stack)
+
+    def _move_in(self, slot: int, stack: Storage) -> bool:
         if not self.block.take(slot, stack):
             return False
         self.occupants[slot] = stack
@@ -174,9 +188,20 @@ class JoinPool:
     def stop(self, cache: "EvictingCache") -> None:
         """`cache`'s sequence stopped: its slot may be given to the next one (after copying its entries out)."""
         stack = cache.stack if len(cache.storages) == 1 else None
+        if stack is not None and stack is self.first:
+            self.first = None
         for slot, occupant in enumerate(self.occupants):
             if occupant is not None and occupant is stack:
                 self.stopped.add(slot)
+
+
+def _alike(a: Storage, b: Storage) -> bool:
+    """Whether two stacks' buffers have one shape, dtype and device and the same budget and policy state (what
+    `RowBlock.take` requires of a stack to move into a block shaped like the other)."""
+    return (a.keys is not None and b.keys is not None and a.budget == b.budget
+            and tuple(a.state) == tuple(b.state) and a.keys.shape == b.keys.shape
+            and a.values.shape == b.values.shape and a.keys.dtype == b.keys.dtype
+            and a.values.dtype == b.values.dtype and a.keys.device == b.keys.device)
 
 
 def runs(caches: list[EvictingCache]) -> list[tuple[RowBlock, int, list[int]]]:

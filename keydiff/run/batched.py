@@ -61,8 +61,10 @@ def batched_rows(plan: RunPlan, model, tokenizer, stop_ids, samples: list, cfg: 
                 break
             key, out = finished
             sample, prompt, state, budget, seed, shared = in_flight.pop(key)
-            row = sample_row(plan, model, tokenizer, sample, prompt, state, out, budget, seed, code)
-            yield {**row, **batch_record(out, shared)}
+            row = {**sample_row(plan, model, tokenizer, sample, prompt, state, out, budget, seed, code),
+                   **batch_record(out, shared)}
+            state = out = None  # a pooled cache is a view of the batch's whole block: hold none across a retry
+            yield row
         if out_of_memory is None:
             return
         results.close()
