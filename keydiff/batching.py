@@ -237,8 +237,7 @@ def choose_greedy(slots: list[_Slot]) -> None:
     device sync per row): the same tokens, since an argmax of a row does not depend on the rows beside it."""
     if not slots:
         return
-    logits = [slot.logits for slot in slots]
-    tokens = torch.cat(logits).argmax(dim=-1).tolist() if len(slots) > 1 else [int(logits[0].argmax(dim=-1)[0])]
+    tokens = torch.cat([slot.logits for slot in slots]).argmax(dim=-1).tolist()
     for slot, token in zip(slots, tokens):
         slot.take(token)
 

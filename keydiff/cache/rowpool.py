@@ -77,17 +77,14 @@ class RowBlock:
             return buffer.view(slots, count, *buffer.shape[2:])  # [slots, layers, kv_heads, capacity(, dim)]
 
         block = cls(split(keys), split(values), split(positions), {name: split(s) for name, s in state.items()})
-        block.budget = storage.budget
+        block.layout = layout(storage)
         return block
 
     def take(self, slot: int, storage: Storage) -> bool:
         """Move a stack into `slot`: its valid entries are copied there and it uses views of the slot from now on
         (its own buffers are released). False, and nothing moves, if its buffers are not shaped like the block's."""
         keys, values = storage.keys, storage.values
-        if (keys is None or storage.budget != self.budget or tuple(storage.state) != tuple(self.state)
-                or keys.shape[1] != 1 or keys.shape[0] != self.keys.shape[1] or keys.shape[2:] != self.keys.shape[2:]
-                or values.shape[2:] != self.values.shape[2:] or keys.dtype != self.keys.dtype
-                or values.dtype != self.values.dtype or keys.device != self.keys.device):
+        if keys is None or keys.shape[1] != 1 or layout(storage) != self.layout:
             return False
         n = storage.num_entries
         mine = (self.keys[slot], self.values[slot], self.positions[slot],
@@ -101,6 +98,13 @@ class RowBlock:
                       {name: s.unsqueeze(1) for name, s in mine[3].items()})
         storage.block = (self, slot)
         return True
+
+
+def layout(storage: Storage) -> tuple:
+    """What a stack must share with a block's slots to live in one: budget, policy state, buffer shapes (layers,
+    batch, kv_heads, capacity, dim), dtypes and device (`RowBlock.take`, `JoinPool`)."""
+    keys, values = storage.keys, storage.values
+    return (storage.budget, tuple(storage.state), keys.shape, values.shape, keys.dtype, values.dtype, keys.device)
 
 
 def own_buffers(storage: Storage) -> None:
@@ -142,7 +146,6 @@ class JoinPool:
     """
 
     def __init__(self, slots: int):
-        self.slots = slots
         self.block: RowBlock | None = None
         self.first: Storage | None = None  # the first sequence that could start a block, while it decodes
         self.occupants: list[Storage | None] = [None] * slots
@@ -160,10 +163,11 @@ class JoinPool:
             if cache.block_size is None or stack.capacity != stack.budget + cache.block_size:
                 return False  # slots are shaped after prompts of at least N + B tokens (the usual ones)
             first = self.first
-            if first is None or getattr(first, "block", None) is not None or not _alike(first, stack):
+            if (first is None or getattr(first, "block", None) is not None or first.keys is None
+                    or layout(first) != layout(stack)):
                 self.first = stack  # the block starts when a second one like it joins while this one decodes
                 return False
-            self.block, self.first = RowBlock.like(first, self.slots), None
+            self.block, self.first = RowBlock.like(first, len(self.occupants)), None
             self._move_in(0, first)
         slot = next((i for i, occupant in enumerate(self.occupants) if occupant is None), None)
         if slot is None and self.stopped:
@@ -193,15 +197,6 @@ class JoinPool:
         for slot, occupant in enumerate(self.occupants):
             if occupant is not None and occupant is stack:
                 self.stopped.add(slot)
-
-
-def _alike(a: Storage, b: Storage) -> bool:
-    """Whether two stacks' buffers have one shape, dtype and device and the same budget and policy state (what
-    `RowBlock.take` requires of a stack to move into a block shaped like the other)."""
-    return (a.keys is not None and b.keys is not None and a.budget == b.budget
-            and tuple(a.state) == tuple(b.state) and a.keys.shape == b.keys.shape
-            and a.values.shape == b.values.shape and a.keys.dtype == b.keys.dtype
-            and a.values.dtype == b.values.dtype and a.keys.device == b.keys.device)
 
 
 def runs(caches: list[EvictingCache]) -> list[tuple[RowBlock, int, list[int]]]:
