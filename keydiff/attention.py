@@ -32,10 +32,10 @@ keys and values), and a block that attends to kept entries uses SDPA's lower-rig
 an explicit boolean mask, so SDPA may still pick its flash kernel. FlashAttention needs flash-attn >= 2.1
 (2.0 aligned the causal mask top-left, which is wrong for q_len != kv_len); older versions are refused.
 
-Batches of sequences (keydiff.batching): a bound cache that answers `row_passes(layer_idx, key)` holds one
-evicting cache per batch row; each row is then computed against its own cache's keys and values, that cache
-bound (`rowwise_attention`), so rows of different lengths are never padded and each records its own statistic.
-Rows whose caches lie side by side in one allocation and hold the same count (keydiff.cache.rowpool: policies
+Batches of sequences (keydiff.batching): a bound `RowBatch` holds one evicting cache per sequence; each
+sequence's rows are then computed against its own cache's keys and values, that cache bound
+(`rowwise_attention`), so sequences of different lengths are never padded and each records its own statistic.
+Rows whose caches lie side by side in one allocation and hold the same count (keydiff.batching.blocks: policies
 that record nothing from attention) attend as one group in one call (`grouped_attention`): their keys are one
 view of their own entries, nothing padded.
 
@@ -330,34 +330,55 @@ def decoding_segment_attention(
     return torch.stack(outputs)[:, None], statistics if rows != 0 else None
 
 
+class RowBatch:
+    """What the attention functions ask a cache over several sequences' caches (keydiff.batching.rows.BatchCache)
+    when it is the bound one: each sequence's part of a pass and the groups of sequences that attend as one. A
+    base class, so that the attention function recognises such a cache by its type (`isinstance`), and this
+    module needs nothing from the batching package above it."""
+
+    def row_passes(self, layer_idx: int, key: torch.Tensor) -> list[tuple[Any, slice, torch.Tensor, torch.Tensor]] | None:
+        """Each sequence's (cache, its rows of the pass, its keys, its values) for this layer's pass, if `key` is
+        what this cache's `update` returned for it (else None: the model runs with some other cache)."""
+        raise NotImplementedError
+
+    def row_groups(self, layer_idx: int) -> list[tuple[list[int], torch.Tensor, torch.Tensor]]:
+        """Groups of one-row sequences that attend as one: (their row indices, their keys and values as one
+        tensor each). Asked only after `row_passes` answered."""
+        raise NotImplementedError
+
+
 def rowwise_attention(
-    attend, module: torch.nn.Module, query: torch.Tensor, passes: list[tuple[Any, torch.Tensor, torch.Tensor]],
+    attend, module: torch.nn.Module, query: torch.Tensor, passes: list[tuple[Any, slice, torch.Tensor, torch.Tensor]],
     scaling: float, kwargs: dict[str, Any], groups: list[tuple[list[int], torch.Tensor, torch.Tensor]] = (),
     base: str = "sdpa",
 ) -> torch.Tensor:
-    """Attention of a batch whose rows have caches of their own (keydiff.batching.BatchCache): row r's queries
-    [1, H, q, d] against exactly the keys and values its own cache returned (`passes[r]`: cache, keys, values),
-    with that cache bound while it runs, so its statistics and masks are the ones a batch-1 run records. Rows
-    holding different entry counts are never padded to a common length: no row ever scores, keeps or attends to
-    an entry that is not its own. Output [rows, q, H, d].
+    """Attention of a batch whose sequences have caches of their own (`RowBatch`): each sequence's queries
+    [rows, H, q, d] against exactly the keys and values its own cache returned (`passes[i]`: cache, its rows of
+    the batch, keys, values), with that cache bound while it runs, so its statistics and masks are the ones a
+    run of that sequence alone records. Sequences holding different entry counts are never padded to a common
+    length: no row ever scores, keeps or attends to an entry that is not its own. Output [rows, q, H, d].
 
-    groups: rows whose caches lie side by side and hold the same count (keydiff.cache.rowpool), each as (row
-    indices, their keys and values as one tensor [len(rows), kv_heads, n, d]): each group attends in ONE call
-    (`grouped_attention`), which is what a batch saves over its rows one by one (a kernel launch per row and
-    layer). A group's keys are exactly its rows' own entries, so this is the per-row computation batched."""
-    outputs: list[torch.Tensor | None] = [None] * len(passes)
-    for rows, key, value in groups:
-        if len(rows) == len(passes) and rows == list(range(len(passes))):
+    groups: one-row sequences whose caches lie side by side and hold the same count (keydiff.batching.blocks),
+    each as (row indices, their keys and values as one tensor [len(rows), kv_heads, n, d]): each group attends
+    in ONE call (`grouped_attention`), which is what a batch saves over its rows one by one (a kernel launch per
+    row and layer). A group's keys are exactly its rows' own entries, so this is the per-row computation batched."""
+    rows = query.shape[0]
+    outputs: list[torch.Tensor | None] = [None] * rows
+    for members, key, value in groups:
+        if len(members) == rows and members == list(range(rows)):
             return grouped_attention(base, module, query, key, value, scaling, kwargs)
-        index = torch.tensor(rows, device=query.device)
+        index = torch.tensor(members, device=query.device)
         out = grouped_attention(base, module, query.index_select(0, index), key, value, scaling, kwargs)
-        for j, row in enumerate(rows):
+        for j, row in enumerate(members):
             outputs[row] = out[j : j + 1]
-    for row, (cache, key, value) in enumerate(passes):
-        if outputs[row] is None:
+    parts = []
+    for cache, span, key, value in passes:
+        if outputs[span.start] is None:
             with bound_to(cache):
-                outputs[row] = attend(module, query[row : row + 1], key, value, scaling, cache, kwargs)
-    return torch.cat(outputs, dim=0)
+                parts.append(attend(module, query[span], key, value, scaling, cache, kwargs))
+        else:
+            parts.extend(outputs[span])
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 
 
 def grouped_attention(
@@ -366,7 +387,7 @@ def grouped_attention(
 ) -> torch.Tensor:
     """Rows of several sequences in one call: query [rows, H, q, d] against key/value [rows, kv_heads, n, d], each
     row its own sequence's n entries (all rows hold n: never padded). Only for rows whose caches record nothing
-    from attention (no statistic, no queries, no output projection; keydiff.cache.rowpool.poolable) and keep their
+    from attention (no statistic, no queries, no output projection; keydiff.batching.blocks.poolable) and keep their
     keys in order (no sliding-window positions): the computation `attend` does for such a row, batched."""
     rules = rules_for(kwargs, query, key)
     if base == "eager":
@@ -408,11 +429,9 @@ def make_attention_function(base: str):
     ) -> tuple[torch.Tensor, None]:
         scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
         bound = _BOUND_CACHE.get()
-        rows_of = getattr(bound, "row_passes", None)
-        passes = None if rows_of is None else rows_of(module.layer_idx, key)
+        passes = bound.row_passes(module.layer_idx, key) if isinstance(bound, RowBatch) else None
         if passes is not None:  # a batch of sequences with caches of their own (keydiff.batching)
-            groups_of = getattr(bound, "row_groups", None)
-            groups = groups_of(module.layer_idx) if groups_of is not None else []
+            groups = bound.row_groups(module.layer_idx)
             return rowwise_attention(attend, module, query, passes, scaling, kwargs, groups, base), None
         return attend(module, query, key, value, scaling, bound, kwargs), None
 

@@ -40,6 +40,8 @@ from typing import Callable, Sequence
 import torch
 
 from keydiff.attention import keydiff_attention
+from keydiff.batching import GenerationResult, Request, generate_batch, next_token
+from keydiff.batching.blocks import RowBlock, poolable
 from keydiff.cache import EvictingCache
 from keydiff.cache.placement import layer_placements
 from keydiff.cache.sliding import layer_windows
@@ -74,21 +76,18 @@ class PrefillResult:
         tokens). This state stays usable (forking does not decode it)."""
         if self.decoded:
             raise RuntimeError("this PrefillResult was already decoded (its cache moved on); fork before generate")
-        return [replace(self, logits=self.logits.clone(), cache=cache) for cache in self.cache.fork(copies)]
-
-
-@dataclass
-class GenerationResult:
-    """What `generate` returns. `token_ids[row]` is the list of new token ids of batch row `row` (without the
-    prompt, unlike the `.sequences` tensor of transformers' generate; rows may differ in length):
-    `tokenizer.decode(out.token_ids[0], skip_special_tokens=True)` is the first row's text."""
-
-    token_ids: list[list[int]]  # per batch row, generated ids (the stop token included if one was hit)
-    finish_reasons: list[str]  # per batch row: "stop" (a stop token) or "length"
-    seconds: float  # decode wall time (after the first token's logits)
-    max_cache_entries: int
-    # Largest layer size (entries per head) after each step's eviction, if `record_steps` was set.
-    step_entries: list[int] = field(default_factory=list)
+        if isinstance(copies, bool) or int(copies) != copies or copies < 1:
+            raise ValueError(f"copies must be a positive integer, got {copies!r}")
+        # One copy at a time, each moved into its slot of one block where the policy allows (the block manager,
+        # keydiff.batching.blocks: a batch then decodes the forks as one group), so the peak is the block and one copy.
+        caches, block = [], None
+        for slot in range(int(copies)):
+            cache = self.cache.fork(1)[0]
+            if copies > 1 and poolable(cache):
+                block = block or RowBlock.like(cache.stack, int(copies))
+                block.take(slot, cache.stack)
+            caches.append(cache)
+        return [replace(self, logits=self.logits.clone(), cache=cache) for cache in caches]
 
 
 def resolve_block_size(block_size: int | float | str | None) -> int | None:
@@ -261,24 +260,6 @@ def follow_up(model: torch.nn.Module, state: PrefillResult, input_ids: torch.Ten
     return hold(model, turn, input_ids)
 
 
-def next_token(
-    logits: torch.Tensor, do_sample: bool, temperature: float, top_p: float, generator: torch.Generator | None
-) -> torch.Tensor:
-    """Greedy argmax, or sampling with temperature and nucleus (top-p) filtering. logits [batch, vocab]."""
-    if not do_sample:
-        return logits.argmax(dim=-1)
-    probs = torch.softmax(logits / max(temperature, 1e-6), dim=-1)
-    if top_p < 1.0:
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        # Keep the smallest prefix whose mass reaches top_p (the token crossing the threshold included).
-        outside = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p
-        outside[..., 0] = False  # always keep the most likely token (top_p = 0 means greedy-like)
-        sorted_probs = sorted_probs.masked_fill(outside, 0.0)
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
-    samples = torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1)
-    return samples.to(logits.device)
-
-
 @torch.inference_mode()
 def generate(
     model: torch.nn.Module,
@@ -307,36 +288,7 @@ def generate(
     """
     if state.decoded:
         raise RuntimeError("this PrefillResult was already decoded (its cache moved on); run prefill again")
-    state.decoded = True
-    cache, logits = state.cache, state.logits
-    batch = logits.shape[0]
-    device = logits.device
-    stop_set = set(int(i) for i in eos_token_ids)
-    stop_ids = torch.tensor(sorted(stop_set), dtype=torch.long, device=device)
-    generator = torch.Generator().manual_seed(seed) if (do_sample and seed is not None) else None
-    tokens: list[list[int]] = [[] for _ in range(batch)]
-    finished = [False] * batch
-    reasons = ["length"] * batch
-    steps: list[int] = []
-    cache.start_generation(max_new_tokens, evict=evict)  # unbounded layers (full, skipped, evict=False) grow once, here
-    with keydiff_attention(model, cache):
-        _sync(device)
-        start_time = time.perf_counter()
-        for step in range(max_new_tokens):
-            if step < min_new_tokens and len(stop_ids):
-                logits = logits.index_fill(-1, stop_ids, float("-inf"))
-            token = next_token(logits, do_sample, temperature, top_p, generator)
-            for row in range(batch):
-                if finished[row]:
-                    continue
-                tokens[row].append(int(token[row]))
-                if int(token[row]) in stop_set:
-                    finished[row], reasons[row] = True, "stop"
-            if all(finished) or step == max_new_tokens - 1:
-                break
-            logits = _forward(model, cache, token[:, None])
-            if record_steps:
-                steps.append(max(layer.num_entries for layer in cache.layers))
-        _sync(device)
-        seconds = time.perf_counter() - start_time
-    return GenerationResult(tokens, reasons, seconds, cache.max_entries, steps)
+    request = Request(state, max_new_tokens, eos_token_ids, do_sample, temperature, top_p, min_new_tokens, seed,
+                      evict, record_steps=record_steps)
+    (_, out), = generate_batch(model, [request], batch_size=1)
+    return GenerationResult(out.token_ids, out.finish_reasons, out.seconds, out.max_cache_entries, out.step_entries)

@@ -112,12 +112,12 @@ def test_out_of_memory_in_a_batch_retries_at_half_the_batch(tmp_path, tiny, monk
 
 
 def test_the_retry_after_out_of_memory_starts_with_no_block_of_the_failed_batch_alive(tmp_path, tiny, monkeypatch):
-    """A pooled sample's cache is a view of its batch's whole block (rowpool.JoinPool): the runner must hold no
+    """A pooled sample's cache is a view of its batch's whole block (blocks.JoinPool): the runner must hold no
     finished sample's state when it retries at half the batch, or the old block stays allocated beside the new
     one, which is the memory the retry is meant to free."""
     import gc
 
-    from keydiff.cache.rowpool import JoinPool, RowBlock
+    from keydiff.batching.blocks import JoinPool, RowBlock
 
     real = batched.generate_batch
     alive, raised = [], []

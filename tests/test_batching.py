@@ -155,15 +155,26 @@ def test_no_row_ever_scores_an_entry_of_another_row_or_padding(model, name):
 
 def test_batch_cache_refuses_the_models_own_attention(model):
     batch = keydiff.BatchCache(3)
-    batch.rows = [prefill(model, prompts()[0], "keydiff", BUDGET, BLOCK).cache]
+    batch.bind([prefill(model, prompts()[0], "keydiff", BUDGET, BLOCK).cache], [1])
     with pytest.raises(RuntimeError, match="keydiff_attention"):
         model(input_ids=torch.tensor([[5]]), position_ids=torch.tensor([[90]]), cache=batch)
 
 
+def test_a_multi_row_prefill_decodes_as_one_sequence_beside_others(model):
+    """A request whose state holds several rows (one prefill of a [2, L] batch) decodes its rows together, as one
+    sequence, beside a one-row request: each gets what it gets decoded alone (keydiff.generate)."""
+    two = torch.cat([prompts()[0], prompts((90,))[0].flip(-1)])
+    settings = {"max_new_tokens": 7, "eos_token_ids": (3,)}
+    alone_two = generate(model, prefill(model, two, "keydiff", BUDGET, BLOCK), **settings)
+    alone_one = generate(model, prefill(model, prompts()[2], "keydiff", BUDGET, BLOCK), **settings)
+    states = [prefill(model, two, "keydiff", BUDGET, BLOCK), prefill(model, prompts()[2], "keydiff", BUDGET, BLOCK)]
+    got = dict(keydiff.generate_batch(model, [keydiff.Request(s, key=i, **settings) for i, s in enumerate(states)], 2))
+    assert got[0].token_ids == alone_two.token_ids and len(got[0].token_ids) == 2
+    assert got[1].token_ids == alone_one.token_ids
+    assert got[1].batch_sizes[0] == 3  # three rows in the first pass: the two-row sequence and the other
+
+
 def test_bad_batches_are_refused(model):
-    two_rows = prefill(model, torch.cat([prompts()[0]] * 2), "keydiff", BUDGET, BLOCK)
-    with pytest.raises(ValueError, match="one-row prefill"):
-        list(keydiff.generate_batch(model, [keydiff.Request(two_rows, 3)], 2))
     with pytest.raises(ValueError, match="batch_size must be a positive integer"):
         list(keydiff.generate_batch(model, [], 0))
 
@@ -215,21 +226,22 @@ def test_statistics_modes_kernels_and_no_decode_eviction_batch_like_separate_run
         assert same_kept(kept(states[key].cache), positions)
 
 
-# --- rows side by side (keydiff.cache.rowpool): forks of one prefill decode as one group -------------------------
+# --- rows side by side (keydiff.batching.blocks): forks of one prefill decode as one group -----------------------
 
 
 def group_sizes(monkeypatch) -> list[int]:
-    """Record the size of every group of rows that attends and evicts as one (keydiff.cache.rowpool.runs)."""
-    import keydiff.batching as batching
+    """Record the size of every group of rows that attends as one (keydiff.batching.blocks.runs, as the batch cache
+    calls it once per pass)."""
+    import keydiff.batching.rows as rows
 
-    sizes, original = [], batching.runs
+    sizes, original = [], rows.runs
 
-    def recording(caches):
-        groups = original(caches)
-        sizes.extend(len(indices) for _, _, indices in groups)
+    def recording(caches, spans=None):
+        groups = original(caches, spans)
+        sizes.extend(len(group.members) for group in groups)
         return groups
 
-    monkeypatch.setattr(batching, "runs", recording)
+    monkeypatch.setattr(rows, "runs", recording)
     return sizes
 
 
@@ -242,18 +254,19 @@ def test_forks_lie_side_by_side_and_decode_as_one_group_like_separate_runs(model
     """Forks of one prefill share one block, each its own slot (same bytes as a copy each); decoded together they
     attend and evict as one group and give the tokens and kept positions of per-row decoding and of each decoded
     alone (rows diverge: each samples with its own seed)."""
-    from keydiff.cache.rowpool import poolable
+    from keydiff.batching.blocks import poolable
 
     state = prefill(model, prompts()[2], build_policy(name), BUDGET, BLOCK)
-    assert poolable(state.cache) and state.cache.stack.block is None
+    assert poolable(state.cache) and state.cache.stack.placement is None
     expected = []
     for seed, fork in enumerate(state.fork(4)):
         expected.append((generate(model, fork, **sampled(seed)).token_ids[0], kept(fork.cache)))
     sizes = group_sizes(monkeypatch)
     for group_rows in (True, False):
         forks = state.fork(4)
-        blocks = [fork.cache.stack.block for fork in forks]
-        assert all(block[0] is blocks[0][0] for block in blocks) and [b[1] for b in blocks] == [0, 1, 2, 3]
+        placements = [fork.cache.stack.placement for fork in forks]
+        assert all(p.block is placements[0].block and p.resident for p in placements)
+        assert [p.slot for p in placements] == [0, 1, 2, 3]
         assert all(f.cache.kv_cache_bytes == state.cache.kv_cache_bytes for f in forks)
         requests = [keydiff.Request(fork, key=seed, **sampled(seed)) for seed, fork in enumerate(forks)]
         got = dict(keydiff.generate_batch(model, requests, 4, group_rows=group_rows))
@@ -267,10 +280,10 @@ def test_forks_lie_side_by_side_and_decode_as_one_group_like_separate_runs(model
 def test_forks_in_any_batch_order_are_written_and_chosen_as_alone(model, monkeypatch):
     """Forks whose batch rows are not in their slots' order (rows 0, 1, 3, 4 hold slots 2, 0, 3, 1) beside a prompt
     prefilled on its own (row 2): each pass's keys and values of the group go to the block in one copy taken in
-    slot order (rowpool.write_groups), and the greedy rows are chosen by one argmax (batching.choose_greedy)
+    slot order (blocks.write_groups), and the greedy rows are chosen by one argmax (step.choose_greedy)
     beside a row whose stop token is still masked (min_new_tokens) and a sampled one; every row gives the
     tokens and kept positions it gets decoded alone."""
-    import keydiff.batching as batching
+    import keydiff.batching.rows as batching
 
     state = prefill(model, prompts()[2], build_policy("keydiff"), BUDGET, BLOCK)
     stop = int(state.logits.argmax())  # the first greedy token: a stop token that min_new_tokens must mask
@@ -287,7 +300,7 @@ def test_forks_in_any_batch_order_are_written_and_chosen_as_alone(model, monkeyp
 
     def recording(groups, caches, layer_idx, keys, values):
         written = original(groups, caches, layer_idx, keys, values)
-        writes.append([indices for _, _, indices in groups if written.issuperset(indices)])
+        writes.append([group.members for group in groups if written.issuperset(group.members)])
         return written
 
     monkeypatch.setattr(batching, "write_groups", recording)
@@ -363,7 +376,7 @@ def test_a_fork_that_grows_out_of_its_slot_still_counts_the_slot(model):
     buffers, never less (the review's reproducer: 4 forks, fork 0 decoded 30 tokens with evict=False)."""
     ids = torch.randint(0, 256, (1, 90), generator=torch.Generator().manual_seed(7))
     forks = prefill(model, ids, "keydiff", 40, 16).fork(4)
-    block = forks[0].cache.stack.block[0]
+    block = forks[0].cache.stack.placement.block
     requests = [keydiff.Request(state, key=i, max_new_tokens=30 if i == 0 else 5, evict=i != 0)
                 for i, state in enumerate(forks)]
     results = dict(keydiff.generate_batch(model, requests, 4))
@@ -389,7 +402,7 @@ def test_between_results_the_model_runs_as_it_was(model):
 
 
 def test_pooled_rows_prefilled_on_their_own_group_and_decode_as_alone(model, monkeypatch):
-    """pool_rows=True moves each joining sequence prefilled on its own into a slot of one block (rowpool.JoinPool):
+    """pool_rows=True moves each joining sequence prefilled on its own into a slot of one block (blocks.JoinPool):
     rows holding N entries then attend and evict as one group. Five prompts (one shorter than N, one under h2o,
     which never pools) through two and then three slots, so slots are reused: every sequence gives the tokens
     and kept positions it gets alone, also read after the loop (a stopped sequence's entries are copied out
@@ -421,17 +434,18 @@ def test_join_pool_takes_its_slot_shape_from_a_prompt_of_n_plus_b(model):
     """A prompt shorter than N + B has a smaller capacity: it neither shapes the pool's slots (later prompts of the
     usual N + B could then never join) nor joins. The block is allocated only when a second sequence like the
     first joins while the first decodes (a lone one allocates nothing); both move in. Forks never move."""
-    from keydiff.cache.rowpool import JoinPool
+    from keydiff.batching.blocks import JoinPool
 
     short, long, other, third = (prefill(model, ids, "keydiff", BUDGET, BLOCK) for ids in prompts((23, 90, 130, 61)))
     pool = JoinPool(3)
     assert not pool.place(short.cache) and pool.block is None
     assert not pool.place(long.cache) and pool.block is None  # the first like it: waits for a second
     assert pool.place(other.cache) and pool.block is not None
-    assert long.cache.stack.block == (pool.block, 0) and other.cache.stack.block == (pool.block, 1)
-    assert pool.place(third.cache) and third.cache.stack.block[1] == 2
+    assert [(s.cache.stack.placement.block, s.cache.stack.placement.slot) for s in (long, other)] == [
+        (pool.block, 0), (pool.block, 1)]
+    assert pool.place(third.cache) and third.cache.stack.placement.slot == 2
     fork = long.fork(2)[0]
-    assert not pool.place(fork.cache) and fork.cache.stack.block[0] is not pool.block
+    assert not pool.place(fork.cache) and fork.cache.stack.placement.block is not pool.block
     lone, alone = JoinPool(3), prefill(model, prompts((90,))[0], "keydiff", BUDGET, BLOCK)
     assert not lone.place(alone.cache)
     lone.stop(alone.cache)  # it stopped before any other joined: a later one waits for a second in turn
@@ -457,10 +471,10 @@ def test_neighbours_with_other_policies_never_group(model, monkeypatch):
     batch = states()
     got = dict(keydiff.generate_batch(model, [keydiff.Request(s, max_new_tokens=10, key=i)
                                               for i, s in enumerate(batch)], 3))
-    assert all(s.cache.stack.block is not None and s.cache.stack.block[1] == i for i, s in enumerate(batch))
+    assert all(s.cache.stack.placement is not None and s.cache.stack.placement.slot == i for i, s in enumerate(batch))
     assert sizes == [], sizes
     for key, (tokens, positions) in enumerate(expected):
         assert got[key].token_ids[0] == tokens and same_kept(kept(batch[key].cache), positions), key
     alone = states()[0]
     dict(keydiff.generate_batch(model, [keydiff.Request(alone, max_new_tokens=3)], 1))
-    assert alone.cache.stack.block is None
+    assert alone.cache.stack.placement is None

@@ -68,7 +68,6 @@ from transformers.cache_utils import Cache
 from keydiff.attention import bound_cache
 from keydiff.cache.adaptive import AdaptiveLayer, AdaptiveStorage, PoolStack, evict_stack
 from keydiff.cache.layer import EvictingLayer
-from keydiff.cache.rowpool import RowBlock, own_buffers, poolable
 from keydiff.cache.sliding import SlidingWindowLayer, layer_windows
 from keydiff.cache.storage import Storage
 from keydiff.config import STATISTICS_MODES
@@ -310,7 +309,7 @@ class EvictingCache(Cache):
 
     def note_written(self, layer_idx: int, q: int) -> None:
         """Account for a pass of q tokens whose keys and values the caller already wrote into this layer's slot of
-        a `RowBlock` (rows decoding as one group write theirs in one copy: keydiff.cache.rowpool.write_groups):
+        a `RowBlock` (rows decoding as one group write theirs in one copy: keydiff.batching.blocks.write_groups):
         what `update` does for a layer after the pass's first one, without the copy, and returning nothing
         (`returned_keys` is None: the group's attention reads the block). The first evicted layer of a pass
         makes room and may evict what the previous pass left, so it always goes through `update`."""
@@ -366,12 +365,13 @@ class EvictingCache(Cache):
     def fork(self, copies: int) -> list["EvictingCache"]:
         """`copies` independent caches holding exactly what this one holds, without re-running the prompt.
 
-        Each copy owns copies of the buffers (keys, values, positions, per-entry policy state), the recorded
-        statistics and the policy object itself (a stateful policy, e.g. random's generator, continues in each
-        copy from where this one stands), so decoding one changes nothing in the others or here; the memory is
-        `copies` x `kv_cache_bytes`. Only the model's output-projection weights (read by CriticalKV, never
-        written) stay shared. Where the policy allows (keydiff.cache.rowpool.poolable), the copies' stacks lie
-        side by side in one allocation, a slot each, so that a batch decodes them as one group. Refused inside a
+        Each copy owns copies of the buffers (keys, values, positions, per-entry policy state; a storage living in
+        a slot of a block shared with other sequences copies only its valid entries, `Storage.__deepcopy__`), the
+        recorded statistics and the policy object itself (a stateful policy, e.g. random's generator, continues in
+        each copy from where this one stands), so decoding one changes nothing in the others or here; the memory
+        is `copies` x `kv_cache_bytes`. Only the model's output-projection weights (read by CriticalKV, never
+        written) stay shared. Placing the copies side by side, so that a batch decodes them as one group, is the
+        block manager's (keydiff.batching.blocks.side_by_side; `PrefillResult.fork` does both). Refused inside a
         scratch pass."""
         if self._scratch:
             raise RuntimeError("a cache cannot be forked inside a scratch pass")
@@ -379,19 +379,11 @@ class EvictingCache(Cache):
             raise ValueError(f"copies must be a positive integer, got {copies!r}")
         shared = {id(weight): weight for storage in self._storages
                   for weight in getattr(storage, "output_projection", []) if weight is not None}
-        # Side by side in one allocation where the policy allows (same memory), so that a batch decodes the
-        # copies' rows as one (keydiff.cache.rowpool); each copy owns its slot alone. Moved in one at a time, so
-        # the peak is the block and one copy.
-        forks, block = [], None
-        for index in range(int(copies)):
+        forks = []
+        for _ in range(int(copies)):
             cache = copy.deepcopy(self, dict(shared))
             for layer in cache.layers:
                 layer.returned_keys = None  # a copy of some earlier pass's tensor: no attention call will bring it
-            for storage in cache._storages:
-                own_buffers(storage)  # a copy of a placed stack (a fork of a fork) first gets buffers of its own
-            if copies > 1 and poolable(cache):
-                block = block or RowBlock.like(cache.stack, int(copies))
-                block.take(index, cache.stack)
             forks.append(cache)
         return forks
 
@@ -661,20 +653,19 @@ class EvictingCache(Cache):
         """Bytes the key and value buffers hold (their allocated capacity, every layer): the real footprint.
 
         Counted per allocation, so a stack is counted whole, including the slots of a layer that has left it; a
-        stack placed in a block beside other sequences' (forks, keydiff.cache.rowpool) counts its own slot, and
+        stack placed in a block beside other sequences' (forks, keydiff.batching.blocks) counts its own slot, and
         still counts it after growing into buffers of its own (decoding without eviction, a held suffix): the block
         keeps the slot allocated until every fork of it is gone.
         """
         sizes = {}
         for storage in self._storages:  # a stack placed in a block shared with other sequences: its own slot only
-            placed = getattr(storage, "block", None)
-            if placed is not None and storage.keys is not None:
-                sizes[storage.keys.data_ptr()] = storage.keys.nbytes + storage.values.nbytes
-                block, slot = placed
-                if block is not None and not block.holds(storage, slot):  # grown out of its slot, which the block
-                    sizes[block.keys[slot].data_ptr()] = block.keys[slot].nbytes + block.values[slot].nbytes
+            placement = storage.placement
+            if placement is not None and storage.keys is not None:
+                sizes[("slot", id(storage))] = storage.keys.nbytes + storage.values.nbytes  # its slot, or its own buffers
+                if not placement.resident:  # grown out of its slot, which the block keeps allocated for it
+                    sizes[("left", id(placement))] = placement.slot_bytes()
         for layer in self.layers:
-            if getattr(getattr(layer, "storage", None), "block", None) is not None:
+            if isinstance(layer, EvictingLayer) and layer.storage.placement is not None:
                 continue
             for buffer in (layer.keys, layer.values):
                 if buffer is not None:

@@ -17,13 +17,31 @@ order; each carries its absolute position.
 
 from __future__ import annotations
 
-from typing import Callable
+import copy
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
 from keydiff.policies.base import LayerView, Policy
 from keydiff.policies.rerotation import STATE as ROTARY_STATE
 from keydiff.queries import QueryStatistics, rotate
+
+
+@dataclass(eq=False)
+class Placement:
+    """Where a storage's buffers live when they are one slot of a block shared with other sequences' storages
+    (keydiff.batching.blocks): the block, the slot, and whether the storage still lives there. The block manager
+    sets it when it moves a storage in; the storage clears `resident` itself when it grows into buffers of its
+    own. Ownership is this record, never a comparison of data pointers."""
+
+    block: Any
+    slot: int
+    resident: bool = True
+
+    def slot_bytes(self) -> int:
+        """Bytes of the slot's key and value buffers (what the slot keeps allocated for its sequence)."""
+        return self.block.keys[self.slot].nbytes + self.block.values[self.slot].nbytes
 
 
 def empty_buffers(
@@ -80,9 +98,9 @@ class Storage:
         # While a scratch pass runs (see begin_scratch): (entries, seen, peak) to restore when it ends.
         self.scratch_mark: tuple[int, int, int] | None = None
         self.max_scratch_entries = 0  # peak entries per head during scratch passes (kept + block + scratch)
-        # (RowBlock, slot) when the buffers are a slot of a block shared with other sequences' stacks (forks placed
-        # side by side, keydiff.cache.rowpool); None when they are this storage's own.
-        self.block = None
+        # Set when the buffers are a slot of a block shared with other sequences' stacks (keydiff.batching.blocks);
+        # None when they are this storage's own.
+        self.placement: Placement | None = None
 
     @property
     def count(self) -> int:
@@ -105,6 +123,8 @@ class Storage:
                 buffer[..., :n] = self.state[name][..., :n]
         self.adopt(keys, values, positions, state)
         self.allocations += 1
+        if self.placement is not None:
+            self.placement.resident = False  # grown out of its slot into buffers of its own
 
     def adopt(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
               state: dict[str, torch.Tensor]) -> None:
@@ -118,6 +138,36 @@ class Storage:
                      "state": {name: s.view(rows, *s.shape[2:]) for name, s in state.items()}}
         self.slots = [{"keys": keys[i], "values": values[i], "positions": positions[i],
                        "state": {name: s[i] for name, s in state.items()}} for i in range(self.count)]
+
+    def __deepcopy__(self, memo: dict) -> "Storage":
+        """A copy that owns buffers of its own. A storage living in a slot of a shared block copies its valid
+        entries into buffers of its capacity (a deep copy of a view would copy the whole block, and keep that
+        copy alive for as long as the copy lives); any other storage is copied as it is."""
+        cls = type(self)
+        twin = cls.__new__(cls)
+        memo[id(self)] = twin
+        placed = self.placement is not None and self.keys is not None
+        buffers = ("keys", "values", "positions", "state", "rows", "slots")
+        for name, value in self.__dict__.items():
+            if name == "placement" or (placed and name in buffers):
+                continue
+            setattr(twin, name, copy.deepcopy(value, memo))
+        twin.placement = None
+        if placed:
+            twin.adopt(*self.compact_buffers())
+        return twin
+
+    def compact_buffers(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """New buffers of this storage's capacity holding copies of its valid entries (nothing else shares them)."""
+        n = self.num_entries
+        keys, values, positions, state = empty_buffers(self.count, self.keys[0], self.values[0], self.capacity,
+                                                       self.state_names)
+        keys[..., :n, :] = self.keys[..., :n, :]
+        values[..., :n, :] = self.values[..., :n, :]
+        positions[..., :n] = self.positions[..., :n]
+        for name, buffer in state.items():
+            buffer[..., :n] = self.state[name][..., :n]
+        return keys, values, positions, state
 
     def fits(self, key_states: torch.Tensor, value_states: torch.Tensor) -> bool:
         """Whether the buffers can hold these states (batch, heads, head dims, dtype and device all match)."""
@@ -354,7 +404,7 @@ def drop_entries(rows: dict, budget: int, n: int, dropped: torch.Tensor) -> None
     """Remove the entries at `dropped` [rows, kv_heads, n - budget] from buffers holding n valid entries (`rows`:
     "keys", "values", "positions", "state" as [rows, kv_heads, capacity(, dim)] views) by moving surviving tail
     entries into them; afterwards the first `budget` slots hold the kept entries. A function of the buffers
-    alone, so that the rows of several storages lying side by side (keydiff.cache.rowpool) drop in one call.
+    alone, so that the rows of several storages lying side by side (keydiff.batching.blocks) drop in one call.
 
     With N = budget and n entries, the tail slots N..n-1 are exactly as many as the dropped entries, so
     every dropped slot below N receives one surviving tail entry: pair the k-th dropped slot with the

@@ -1,4 +1,4 @@
-"""Bounded caches of several sequences side by side in one allocation, so that rows alike decode as one.
+"""The block manager: where the stacks of several sequences live side by side, so that rows alike decode as one.
 
 Why. A batch of sequences (keydiff.batching) keeps one `EvictingCache` per sequence, so that no row ever scores,
 keeps or attends to an entry that is not its own, and computes attention and eviction row by row: a kernel
@@ -9,12 +9,16 @@ independent in these kernels; nothing is padded).
 
 Where adjacency comes from. Copying the rows together at every step costs more than it saves (measured: a
 stack of 8 rows' keys and values per layer costs ~5x the attention call it would replace). Copies made once do
-pay: `EvictingCache.fork` (one prefill, many decodes: the throughput benchmark, Math-500's sampled answers)
-puts its copies into one block [copies, layers, kv_heads, capacity, dim], each fork's stack a view of its slot
-(`Storage.block`), for the same memory as separate copies; and `JoinPool` moves each sequence prefilled on its
-own into a slot of one block when it joins a batch (one copy of its kept entries, which grouping earns back
-within a 16-token generation on CPU). A sequence owns its slot while it lives there (no other cache writes
-there), so nothing moves while it decodes.
+pay: `PrefillResult.fork` (one prefill, many decodes: the throughput benchmark, Math-500's sampled answers)
+puts the copies of one cache into one block [copies, layers, kv_heads, capacity, dim], each
+copy's stack a view of its slot, for the same memory as separate copies; and `JoinPool` moves each sequence
+prefilled on its own into a slot of one block when it joins a batch (one copy of its kept entries, which
+grouping earns back within a 16-token generation on CPU). A sequence owns its slot while it lives there (no
+other cache writes there), so nothing moves while it decodes.
+
+Ownership is explicit: a stack moved into a slot carries a `Placement` (keydiff.cache.storage) naming the
+block and slot, and clears `resident` itself if it ever grows into buffers of its own; the pool records each
+slot's occupant. Nothing here compares data pointers.
 
 Only what provably scores rows alike is placed (`poolable`): one stack holding every layer (no sliding-window
 layers, no head-adaptive pools, no per-layer budgets), and a policy that scores each row by its own entries
@@ -28,18 +32,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
 
 import torch
 
-from keydiff.cache.storage import ROTARY_STATE, Storage, drop_entries, empty_buffers
+from keydiff.cache import EvictingCache
+from keydiff.cache.storage import ROTARY_STATE, Placement, Storage, drop_entries, empty_buffers
 from keydiff.policies.base import LayerView
 
-if TYPE_CHECKING:
-    from keydiff.cache.cache import EvictingCache
 
-
-def poolable(cache: "EvictingCache") -> bool:
+def poolable(cache: EvictingCache) -> bool:
     """Whether this cache's rows can run grouped with others (see the module): a single stack of every layer and
     a policy that scores rows alike from their entries alone."""
     policy, stack = cache.policy, cache.stack
@@ -60,11 +61,9 @@ class RowBlock:
     state: dict[str, torch.Tensor]
 
     def holds(self, storage: Storage, slot: int) -> bool:
-        """Whether the storage still lives in `slot` (it has not grown into buffers of its own since)."""
-        return storage.keys is not None and storage.keys.data_ptr() == self.keys[slot].data_ptr()
-
-    def __deepcopy__(self, memo: dict) -> None:
-        return None  # a copy of a placed cache (a fork of a fork) gets buffers of its own: not in this block
+        """Whether the storage lives in `slot` of this block (placed there and not grown out since)."""
+        placement = storage.placement
+        return placement is not None and placement.block is self and placement.slot == slot and placement.resident
 
     @classmethod
     def like(cls, storage: Storage, slots: int) -> "RowBlock":
@@ -96,7 +95,7 @@ class RowBlock:
             s[:, :, :n].copy_(storage.state[name][:, 0, :, :n])
         storage.adopt(mine[0].unsqueeze(1), mine[1].unsqueeze(1), mine[2].unsqueeze(1),
                       {name: s.unsqueeze(1) for name, s in mine[3].items()})
-        storage.block = (self, slot)
+        storage.placement = Placement(self, slot)
         return True
 
 
@@ -107,26 +106,10 @@ def layout(storage: Storage) -> tuple:
     return (storage.budget, tuple(storage.state), keys.shape, values.shape, keys.dtype, values.dtype, keys.device)
 
 
-def own_buffers(storage: Storage) -> None:
-    """Give a storage that was copied from a placed one (`RowBlock` copies to None: a fork of a fork) buffers of
-    its own, of its capacity, holding its valid entries (the copy would otherwise keep a whole block's copy)."""
-    if getattr(storage, "block", None) is None or storage.block[0] is not None or storage.keys is None:
-        return
-    _copy_out(storage)
-
-
-def _copy_out(storage: Storage) -> None:
-    """Move a storage's valid entries into buffers of its own, of its capacity, and forget its block."""
-    n = storage.num_entries
-    keys, values, positions, state = empty_buffers(storage.count, storage.keys[0], storage.values[0],
-                                                   storage.capacity, storage.state_names)
-    keys[..., :n, :] = storage.keys[..., :n, :]
-    values[..., :n, :] = storage.values[..., :n, :]
-    positions[..., :n] = storage.positions[..., :n]
-    for name, buffer in state.items():
-        buffer[..., :n] = storage.state[name][..., :n]
-    storage.adopt(keys, values, positions, state)
-    storage.block = None
+def copy_out(storage: Storage) -> None:
+    """Move a storage's valid entries from its slot into buffers of its own, of its capacity, and forget the slot."""
+    storage.adopt(*storage.compact_buffers())
+    storage.placement = None
 
 
 class JoinPool:
@@ -151,20 +134,19 @@ class JoinPool:
         self.occupants: list[Storage | None] = [None] * slots
         self.stopped: set[int] = set()
 
-    def place(self, cache: "EvictingCache") -> bool:
+    def place(self, cache: EvictingCache) -> bool:
         """Move `cache`'s stack into a slot; False (nothing moves) if it cannot group (`poolable`), is placed
         already (forks), is shaped unlike the block's slots (a prompt shorter than N + B has a smaller capacity;
         the block takes its shape from prompts of the usual N + B), no slot is free, or it is the first that
         could start the block (it waits for a second)."""
         stack = cache.stack
-        if not poolable(cache) or getattr(stack, "block", None) is not None:
+        if not poolable(cache) or stack.placement is not None:
             return False
         if self.block is None:
             if cache.block_size is None or stack.capacity != stack.budget + cache.block_size:
                 return False  # slots are shaped after prompts of at least N + B tokens (the usual ones)
             first = self.first
-            if (first is None or getattr(first, "block", None) is not None or first.keys is None
-                    or layout(first) != layout(stack)):
+            if first is None or first.placement is not None or first.keys is None or layout(first) != layout(stack):
                 self.first = stack  # the block starts when a second one like it joins while this one decodes
                 return False
             self.block, self.first = RowBlock.like(first, len(self.occupants)), None
@@ -179,8 +161,8 @@ class JoinPool:
             self.stopped.discard(slot)
             self.occupants[slot] = None
             if self.block.holds(previous, slot):
-                _copy_out(previous)  # the stopped sequence's cache keeps its entries, in buffers of its own
-            previous.block = None
+                copy_out(previous)  # the stopped sequence's cache keeps its entries, in buffers of its own
+            previous.placement = None
         return self._move_in(slot, stack)
 
     def _move_in(self, slot: int, stack: Storage) -> bool:
@@ -189,7 +171,7 @@ class JoinPool:
         self.occupants[slot] = stack
         return True
 
-    def stop(self, cache: "EvictingCache") -> None:
+    def stop(self, cache: EvictingCache) -> None:
         """`cache`'s sequence stopped: its slot may be given to the next one (after copying its entries out)."""
         stack = cache.stack if len(cache.storages) == 1 else None
         if stack is not None and stack is self.first:
@@ -199,19 +181,31 @@ class JoinPool:
                 self.stopped.add(slot)
 
 
-def runs(caches: list[EvictingCache]) -> list[tuple[RowBlock, int, list[int]]]:
-    """Groups of two or more of `caches` (their indices in the list) that run as one: stacks in consecutive slots
-    of one block, holding equal entry counts, with equal policies; each as (block, first slot, indices in slot
-    order). Rows in no group run on their own."""
+@dataclass(frozen=True)
+class Group:
+    """One-row sequences of a pass that run as one: consecutive slots of one block, from `first`; `members` are
+    their indices among the pass's caches, `rows` their rows of the pass (both in slot order)."""
+
+    block: RowBlock
+    first: int
+    members: list[int]
+    rows: list[int]
+
+
+def runs(caches: list[EvictingCache], spans: list[slice] | None = None) -> list[Group]:
+    """Groups of two or more of `caches` that run as one: one-row stacks resident in consecutive slots of one
+    block, holding equal entry counts, with equal policies. spans: each cache's rows of the pass (default: one
+    row each, in order). Caches in no group run on their own."""
+    spans = spans if spans is not None else [slice(i, i + 1) for i in range(len(caches))]
     by_block: dict[int, list[tuple[int, int]]] = {}
     blocks: dict[int, RowBlock] = {}
     for index, cache in enumerate(caches):
         stack = cache.stack if len(cache.storages) == 1 else None
-        placed = getattr(stack, "block", None)
-        if placed is None or placed[0] is None or not placed[0].holds(stack, placed[1]):
+        placement = None if stack is None else stack.placement
+        if placement is None or not placement.resident:
             continue
-        blocks[id(placed[0])] = placed[0]
-        by_block.setdefault(id(placed[0]), []).append((placed[1], index))
+        blocks[id(placement.block)] = placement.block
+        by_block.setdefault(id(placement.block), []).append((placement.slot, index))
     groups = []
     for block_id, members in by_block.items():
         members.sort()
@@ -224,50 +218,54 @@ def runs(caches: list[EvictingCache]) -> list[tuple[RowBlock, int, list[int]]]:
                 run.append((slot, index))
                 continue
             if len(run) > 1:
-                groups.append((blocks[block_id], run[0][0], [i for _, i in run]))
+                indices = [i for _, i in run]
+                groups.append(Group(blocks[block_id], run[0][0], indices, [spans[i].start for i in indices]))
             run = [(slot, index)]
     return groups
 
 
-def write_groups(groups: list[tuple[RowBlock, int, list[int]]], caches: list[EvictingCache], layer_idx: int,
+def write_groups(groups: list[Group], caches: list[EvictingCache], layer_idx: int,
                  key_states: torch.Tensor, value_states: torch.Tensor) -> set[int]:
     """Write one pass's keys and values [rows, kv_heads, q, dim] of layer `layer_idx` for every group (`runs` of
-    this pass's rows `caches`, taken after the pass's first layer went through each row's `update`) in one copy
-    per group, where a row at a time costs a copy and a call chain per row and layer; returns the row indices
-    written (the caller updates the others one by one). Each row's slot receives exactly what its own `update`
-    would have written there (the group's rows hold equal counts n, so the pass goes to [n - q, n) of every
-    slot), and each cache then accounts for it (`EvictingCache.note_written`)."""
+    this pass's `caches`, taken after the pass's first layer went through each cache's `update`) in one copy
+    per group, where a row at a time costs a copy and a call chain per row and layer; returns the indices of the
+    caches written (the caller updates the others one by one). Each row's slot receives exactly what its own
+    `update` would have written there (the group's rows hold equal counts n, so the pass goes to [n - q, n) of
+    every slot), and each cache then accounts for it (`EvictingCache.note_written`)."""
     written: set[int] = set()
     q = key_states.shape[-2]
-    for block, first, indices in groups:
-        lead = caches[indices[0]].stack
+    for group in groups:
+        lead = caches[group.members[0]].stack
         if layer_idx not in lead.layers:
             continue
-        slot, n, stop = lead.layers.index(layer_idx), lead.num_entries, first + len(indices)
-        if indices == list(range(indices[0], indices[-1] + 1)):
-            keys, values = key_states[indices[0] : indices[-1] + 1], value_states[indices[0] : indices[-1] + 1]
+        plane, n, stop = lead.layers.index(layer_idx), lead.num_entries, group.first + len(group.members)
+        rows = group.rows
+        if rows == list(range(rows[0], rows[-1] + 1)):
+            keys, values = key_states[rows[0] : rows[-1] + 1], value_states[rows[0] : rows[-1] + 1]
         else:
-            order = torch.tensor(indices, device=key_states.device)
+            order = torch.tensor(rows, device=key_states.device)
             keys, values = key_states.index_select(0, order), value_states.index_select(0, order)
-        block.keys[first:stop, slot, :, n - q : n] = keys
-        block.values[first:stop, slot, :, n - q : n] = values
-        for index in indices:
+        group.block.keys[group.first:stop, plane, :, n - q : n] = keys
+        group.block.values[group.first:stop, plane, :, n - q : n] = values
+        for index in group.members:
             caches[index].note_written(layer_idx, q)
-        written.update(indices)
+        written.update(group.members)
     return written
 
 
-def evict_groups(caches: list[EvictingCache]) -> set[int]:
-    """Evict every group of `caches` that can evict as one (see `runs`; rows over their budget, evicting, no held
+def evict_groups(caches: list[EvictingCache], spans: list[slice] | None = None) -> set[int]:
+    """Evict every group of `caches` that can evict as one (see `runs`; over their budget, evicting, no held
     entries) in one scoring call and one drop; returns the ids of the caches it evicted (the caller evicts the
-    others one by one, `EvictingCache.evict`). Each row is timed its share of the group's eviction."""
+    others one by one, `EvictingCache.evict`). Each cache is timed its share of the group's eviction."""
     done: set[int] = set()
-    ready = [cache for cache in caches if cache.evicts_next_pass() and len(cache.storages) == 1
-             and cache.stack is not None and cache.stack.num_entries > cache.stack.budget]
-    for block, first, indices in runs(ready):
-        members = [ready[i] for i in indices]
+    spans = spans if spans is not None else [slice(i, i + 1) for i in range(len(caches))]
+    ready = [(cache, span) for cache, span in zip(caches, spans)
+             if cache.evicts_next_pass() and len(cache.storages) == 1 and cache.stack is not None
+             and cache.stack.num_entries > cache.stack.budget]
+    for group in runs([cache for cache, _ in ready], [span for _, span in ready]):
+        members = [ready[i][0] for i in group.members]
         start = time.perf_counter()
-        _evict_group(block, first, members)
+        _evict_group(group.block, group.first, members)
         share = (time.perf_counter() - start) / len(members)
         for cache in members:
             cache.timings["eviction_s"] += share
@@ -321,14 +319,15 @@ def _initialize_group_state(storages: list[Storage], buffers: dict) -> None:
         storage.fresh = None
 
 
-def grouped_passes(groups: list[tuple[RowBlock, int, list[int]]], caches: list[EvictingCache],
+def grouped_passes(groups: list[Group], caches: list[EvictingCache],
                    layer_idx: int) -> list[tuple[list[int], torch.Tensor, torch.Tensor]]:
-    """For the attention function: the groups (`RowPool.runs` of this pass's rows `caches`) with their keys and
-    values of layer `layer_idx` as one tensor each [rows, kv_heads, n, dim], views of the block (no copy)."""
+    """For the attention function: the groups (`runs` of this pass's `caches`) as (their rows of the pass, their
+    keys and values of layer `layer_idx` as one tensor each [rows, kv_heads, n, dim], views of the block: no copy)."""
     out = []
-    for block, first, indices in groups:
-        lead = caches[indices[0]].stack
-        slot, n = lead.layers.index(layer_idx), lead.num_entries
-        stop = first + len(indices)
-        out.append((indices, block.keys[first:stop, slot, :, :n], block.values[first:stop, slot, :, :n]))
+    for group in groups:
+        lead = caches[group.members[0]].stack
+        plane, n = lead.layers.index(layer_idx), lead.num_entries
+        stop = group.first + len(group.members)
+        out.append((group.rows, group.block.keys[group.first:stop, plane, :, :n],
+                    group.block.values[group.first:stop, plane, :, :n]))
     return out
