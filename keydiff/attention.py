@@ -256,7 +256,10 @@ def fused_attention(
         # SDPA's is_causal (top-left) equals bottom-right when q_len == kv_len; one query sees every key.
         output = F.scaled_dot_product_attention(query, key, value, is_causal=q_len > 1, scale=scaling, enable_gqa=gqa)
     else:
-        bias = causal_lower_right(q_len, kv_len)
+        # Compiled (the fixed-shape prefill step's fullgraph check), the same mask as an explicit boolean one: dynamo
+        # cannot build the CausalBias tensor subclass. Eager runs and CUDA graphs keep the bias (SDPA's own kernels).
+        bias = (causal_mask(q_len, kv_len, query.device) if torch.compiler.is_compiling()
+                else causal_lower_right(q_len, kv_len))
         output = F.scaled_dot_product_attention(query, key, value, attn_mask=bias, scale=scaling, enable_gqa=gqa)
     return output.transpose(1, 2).contiguous()
 
@@ -428,7 +431,10 @@ def make_attention_function(base: str):
         **kwargs: Any,
     ) -> tuple[torch.Tensor, None]:
         scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-        bound = _BOUND_CACHE.get()
+        # A compiled forward (the fixed-shape step, keydiff.batching.static) binds nothing and runs the plain fused
+        # kernel; dynamo cannot read a context variable. A compiled loop over a cache whose policy needs attention
+        # statistics would find none recorded and say so at its eviction (Storage.evict).
+        bound = None if torch.compiler.is_compiling() else _BOUND_CACHE.get()
         passes = bound.row_passes(module.layer_idx, key) if isinstance(bound, RowBatch) else None
         if passes is not None:  # a batch of sequences with caches of their own (keydiff.batching)
             groups = bound.row_groups(module.layer_idx)

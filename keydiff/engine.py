@@ -42,6 +42,8 @@ import torch
 from keydiff.attention import keydiff_attention
 from keydiff.batching import GenerationResult, Request, generate_batch, next_token
 from keydiff.batching.blocks import RowBlock, poolable
+from keydiff.batching.static import Rows, StaticStep, eligible
+from keydiff.batching.step import FIXED_SHAPES_DEFAULT
 from keydiff.cache import EvictingCache
 from keydiff.cache.placement import layer_placements
 from keydiff.cache.sliding import layer_windows
@@ -157,6 +159,7 @@ def prefill(
     on_block: Callable[[EvictingCache], None] | None = None,
     tokenizer=None,
     held_suffix: int = 0,
+    fixed_shapes: bool | None = None,
 ) -> PrefillResult:
     """Process `input_ids` [batch, L] (no padding) block by block, keeping at most `budget` entries per head.
 
@@ -167,6 +170,9 @@ def prefill(
     held_suffix: the last `held_suffix` tokens are not compressed: fed in one pass after the others, they are all
     held at the first generated token (kvpress's query-agnostic protocol; see the module). 0: the whole prompt
     goes through block-wise eviction (the paper's protocol).
+    fixed_shapes: once the cache holds N entries, run each full block in fixed shapes (keydiff.batching.static:
+    the block written into entries [N, N + B), attention over all N + B, eviction back to N, in one step that a
+    GPU replays as a CUDA graph); None: the device's default, False: never. The same numbers either way.
     """
     policy = build_policy(policy) if isinstance(policy, str) else policy
     check_budget(policy, budget)
@@ -194,11 +200,20 @@ def prefill(
         scratch_tokens=scratch, config=model.config, compressed_tokens=compressed,
         layer_placements=layer_placements(model, model.config.get_text_config().num_hidden_layers),
     )
+    fixed = None  # the fixed-shape block step, once the cache is full (keydiff.batching.static)
+    fixed_shapes = FIXED_SHAPES_DEFAULT[device.type] if fixed_shapes is None else fixed_shapes
     with keydiff_attention(model, cache):
         _sync(device)
         start_time = time.perf_counter()
         for start, reconstruction in zip(range(0, compressed, step), reconstructions):
-            logits = _forward(model, cache, context[:, start : start + step], reconstruction)
+            block_ids = context[:, start : start + step]
+            if fixed_shapes and reconstruction is None and block_ids.shape[1] == step and eligible([cache], step):
+                fixed = fixed or StaticStep(model, Rows.of_storage(cache.stack), cache.policy, cache.stack.budget, step)
+                positions = torch.arange(start, start + step, device=device).expand(block_ids.shape[0], step)
+                logits = fixed.run(block_ids, positions, fixed.active)
+                cache.note_fixed_step(step)
+            else:
+                logits = _forward(model, cache, block_ids, reconstruction)
             if on_block is not None:
                 on_block(cache)
         if held_suffix:

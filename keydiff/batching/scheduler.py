@@ -21,15 +21,14 @@ import torch
 
 from keydiff.attention import keydiff_attention
 from keydiff.batching.blocks import JoinPool
-from keydiff.batching.rows import BatchCache
 from keydiff.batching.sequence import Request, Sequence, SequenceResult
-from keydiff.batching.step import decode_step
+from keydiff.batching.step import Stepper, decode_step
 
 
 @torch.inference_mode()
 def generate_batch(
     model: torch.nn.Module, requests: Iterable[Request], batch_size: int, group_rows: bool = True,
-    pool_rows: bool = True,
+    pool_rows: bool = True, fixed_shapes: bool | None = None,
 ) -> Iterator[tuple[Any, SequenceResult]]:
     """Decode every request, up to `batch_size` sequences at once, refilling as soon as a sequence stops.
 
@@ -42,13 +41,14 @@ def generate_batch(
     sequence prefilled on its own into a slot of one shared block (keydiff.batching.blocks.JoinPool: a copy of
     its entries in, and one out when a later sequence takes the slot), so that such sequences group like forks
     (measured: the copy pays for itself within a 16-token generation on CPU, and on a GPU, where a row's kernel
-    launches dominate a step, at once; docs/performance.md). Outputs are the same either way.
+    launches dominate a step, at once; docs/performance.md). fixed_shapes: run the step in fixed shapes where every
+    going sequence is full and alike (keydiff.batching.static; None: the device's default, False: never).
+    Outputs are the same either way.
     """
     if isinstance(batch_size, bool) or int(batch_size) != batch_size or batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
     source = iter(requests)
-    device = next(model.parameters()).device
-    batch = BatchCache(model.config.get_text_config().num_hidden_layers, group_rows)
+    stepper = Stepper(model, group_rows, fixed_shapes)
     pool = JoinPool(int(batch_size)) if group_rows and pool_rows and batch_size > 1 else None
     active: list[Sequence] = []
     exhausted = False
@@ -66,9 +66,9 @@ def generate_batch(
         finished: list[Sequence] = []
         # One switch of the attention function for all the steps until a sequence stops (a switch walks every
         # module); outside it, the caller's code and the next prompts' prefills run with the model as it was.
-        with keydiff_attention(model, batch):
+        with keydiff_attention(model, stepper.batch):
             while active and not finished:
-                active, finished = decode_step(model, batch, active, device)
+                active, finished = decode_step(stepper, active)
         for sequence in finished:
             if pool is not None:
                 pool.stop(sequence.cache)

@@ -2,8 +2,11 @@
 which evicts. `keydiff.generate` (one sequence) and `keydiff.generate_batch` (many) both run this step.
 
     sequences pick their tokens    greedy ones in one argmax and one read back, the others one by one
-    one forward pass               the batch cache hands each sequence's rows to its own cache (keydiff.batching.rows)
-    every cache evicts             groups of rows side by side in one call (keydiff.batching.blocks)
+    one forward pass               in fixed shapes where every row is full and alike (keydiff.batching.static:
+                                   compiled or replayed as a CUDA graph), else through the batch cache, which
+                                   hands each sequence's rows to its own cache (keydiff.batching.rows)
+    every cache evicts             in the same pass (fixed shapes), or groups of rows side by side in one call
+                                   (keydiff.batching.blocks) and the others one by one
 
 Timing: every sequence of the step is charged the step's whole wall time (the batch produced its token in that
 time), a sequence that stopped in it only the choice of its last token.
@@ -12,11 +15,13 @@ time), a sequence that stopped in it only the choice of its last token.
 from __future__ import annotations
 
 import time
+import weakref
 
 import torch
 
 from keydiff.batching.rows import BatchCache
 from keydiff.batching.sequence import Sequence
+from keydiff.batching.static import Rows, StaticStep, eligible
 
 
 def sync(device: torch.device) -> None:
@@ -47,37 +52,109 @@ def choose_tokens(active: list[Sequence]) -> None:
             sequence.choose()
 
 
-def forward(model: torch.nn.Module, batch: BatchCache, going: list[Sequence], device: torch.device) -> None:
-    """One forward pass of the sequences' last tokens, each row at its own position, then eviction; each sequence
-    gets its next-token logits."""
-    ids = torch.tensor([[token] for sequence in going for token in sequence.last], dtype=torch.long, device=device)
-    positions = torch.tensor([[sequence.cache.get_seq_length()] for sequence in going for _ in range(sequence.rows)],
-                             dtype=torch.long, device=device)
-    batch.bind([sequence.cache for sequence in going], [sequence.rows for sequence in going])
-    try:
-        output = model(input_ids=ids, position_ids=positions, cache=batch, use_cache=True, logits_to_keep=1)
-        batch.evict()
-        logits = output.logits[:, -1, :].float()
-        for sequence, span in zip(going, batch.spans):
-            sequence.logits = logits[span]
-            sequence.batch_sizes.append(ids.shape[0])
+class Stepper:
+    """What runs a step's forward pass for a set of sequences: the batch cache (any sequences) and, where every
+    going sequence is full and alike, a fixed-shape step over the rows it lives in (keydiff.batching.static),
+    kept per block (or per stack, for a sequence alone) and replayed at every later step.
+
+    fixed_shapes: None picks the device's default (`FIXED_SHAPES_DEFAULT`); False always runs the batch cache
+    (the reference the fixed-shape path is tested against). Outputs are the same either way."""
+
+    def __init__(self, model: torch.nn.Module, group_rows: bool = True, fixed_shapes: bool | None = None):
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.batch = BatchCache(model.config.get_text_config().num_hidden_layers, group_rows)
+        self.fixed_shapes = FIXED_SHAPES_DEFAULT[self.device.type] if fixed_shapes is None else bool(fixed_shapes)
+        self.steps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # block or stack -> StaticStep
+
+    def forward(self, going: list[Sequence]) -> None:
+        """One forward pass of the sequences' last tokens, each row at its own position, then eviction; each
+        sequence gets its next-token logits."""
+        fixed = self.fixed_step(going) if self.fixed_shapes else None
+        if fixed is not None:
+            self.forward_fixed(going, *fixed)
+        else:
+            self.forward_rows(going)
+        rows = sum(sequence.rows for sequence in going)
+        for sequence in going:
+            sequence.batch_sizes.append(rows)
             if sequence.request.record_steps:
                 sequence.step_entries.append(max(layer.num_entries for layer in sequence.cache.layers))
-    finally:
-        batch.release()
+
+    def forward_rows(self, going: list[Sequence]) -> None:
+        """Through the batch cache: every sequence over its own cache."""
+        device, batch = self.device, self.batch
+        ids = torch.tensor([[token] for sequence in going for token in sequence.last], dtype=torch.long, device=device)
+        positions = torch.tensor([[sequence.cache.get_seq_length()] for sequence in going
+                                  for _ in range(sequence.rows)], dtype=torch.long, device=device)
+        batch.bind([sequence.cache for sequence in going], [sequence.rows for sequence in going])
+        try:
+            output = self.model(input_ids=ids, position_ids=positions, cache=batch, use_cache=True, logits_to_keep=1)
+            batch.evict()
+            logits = output.logits[:, -1, :].float()
+            for sequence, span in zip(going, batch.spans):
+                sequence.logits = logits[span]
+        finally:
+            batch.release()
+
+    def fixed_step(self, going: list[Sequence]) -> tuple[StaticStep, list[int]] | None:
+        """The fixed-shape step the going sequences can share, and each one's first row in it; None if they
+        cannot (not all full and alike, or not all in one block / one sequence alone in its own stack)."""
+        caches = [sequence.cache for sequence in going]
+        if not eligible(caches):
+            return None
+        placements = [cache.stack.placement for cache in caches]
+        if all(p is not None and p.resident for p in placements) and len({id(p.block) for p in placements}) == 1:
+            owner, starts = placements[0].block, [p.slot for p in placements]
+            make = lambda: Rows.of_block(owner, caches[0].stack.layers)  # noqa: E731
+        elif len(caches) == 1 and placements[0] is None:
+            owner, starts = caches[0].stack, [0]
+            make = lambda: Rows.of_storage(owner)  # noqa: E731
+        else:
+            return None
+        step = self.steps.get(owner)
+        if step is None or step.source is not owner_keys(owner):
+            step = StaticStep(self.model, make(), caches[0].policy, caches[0].stack.budget)
+            step.source = owner_keys(owner)
+            self.steps[owner] = step
+        return step, starts
+
+    def forward_fixed(self, going: list[Sequence], step: StaticStep, starts: list[int]) -> None:
+        """In fixed shapes: every row of the step's W, those of no going sequence parked (inactive, discarded)."""
+        width = step.rows.width
+        ids, positions, active = [0] * width, [0] * width, [False] * width
+        for sequence, start in zip(going, starts):
+            position = sequence.cache.get_seq_length()
+            for row, token in enumerate(sequence.last):
+                ids[start + row], positions[start + row], active[start + row] = token, position, True
+        device = self.device
+        logits = step.run(torch.tensor(ids, device=device)[:, None], torch.tensor(positions, device=device)[:, None],
+                          torch.tensor(active, device=device))
+        for sequence, start in zip(going, starts):
+            sequence.logits = logits[start : start + sequence.rows]
+            sequence.cache.note_fixed_step(1)
 
 
-def decode_step(model: torch.nn.Module, batch: BatchCache, active: list[Sequence],
-                device: torch.device) -> tuple[list[Sequence], list[Sequence]]:
+def owner_keys(owner) -> torch.Tensor:
+    """The key buffer a fixed-shape step was built on (a stack can move to other buffers: rebuild then)."""
+    return owner.keys
+
+
+# Whether the fixed-shape step runs where it can, by device type (measured: docs/performance.md).
+FIXED_SHAPES_DEFAULT = {"cuda": True, "cpu": True}
+
+
+def decode_step(stepper: Stepper, active: list[Sequence]) -> tuple[list[Sequence], list[Sequence]]:
     """One decoding step of every active sequence: choose each one's next tokens, then one forward pass of those
     still going (which evicts); returns (still going, stopped)."""
+    device = stepper.device
     sync(device)
     start = time.perf_counter()
     choose_tokens(active)
     going = [sequence for sequence in active if not sequence.done]
     chosen = time.perf_counter() - start
     if going:
-        forward(model, batch, going, device)
+        stepper.forward(going)
     sync(device)
     step = time.perf_counter() - start
     for sequence in active:

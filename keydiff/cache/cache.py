@@ -321,6 +321,17 @@ class EvictingCache(Cache):
         layer.seen += q
         layer.returned_keys = None
 
+    def note_fixed_step(self, q: int) -> None:
+        """Account for a pass of q tokens that a fixed-shape step (keydiff.batching.static) wrote into this cache's
+        stack and evicted in the same call: the counts `update` and `evict()` would have moved (tokens seen, peak
+        entries; the kept count stays N). The step already wrote the entries, their positions and state."""
+        stack = self.stack
+        stack.seen += q
+        stack.max_entries = max(stack.max_entries, stack.num_entries + q)
+        for layer in self.evicted_layers:
+            layer.seen += q
+            layer.returned_keys = None
+
     def _refuse_prompt_fed_again(self, layer: EvictingLayer, value_states: torch.Tensor) -> None:
         """Refuse the whole prompt fed a second time (what model.generate does when its cache covers all
         of input_ids): a pass as long as the consumed prompt whose layer-0 values equal the kept entries' at

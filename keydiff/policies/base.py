@@ -204,6 +204,15 @@ class Policy:
         return False
 
     @property
+    def capturable(self) -> bool:
+        """True if `evict_indices` runs from tensors alone once its scores were checked: no value read on the host
+        (.item(), .tolist(), int() of a tensor, a Python branch on a tensor's value) and no shape that depends on
+        values. A decoding step (or prefill block) in fixed shapes can then compile it and a CUDA graph can hold
+        it (keydiff.batching.static); otherwise it runs the ordinary step. False (the safe default) for your own
+        policy unless you set it; tests/test_fixed_shapes.py checks the built-ins' claim (fullgraph compile)."""
+        return False
+
+    @property
     def head_adaptive(self) -> bool:
         """True if the heads of a layer share its budget (AdaKV, keydiff.policies.adakv.HeadAdaptive): the cache
         then holds each layer in a pool of per-head segments and asks `keep_heads` what to keep."""

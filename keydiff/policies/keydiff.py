@@ -84,6 +84,7 @@ class KeyDiff(Policy):
 
     name: ClassVar[str] = "keydiff"
     layers_batchable: ClassVar[bool] = True
+    capturable: ClassVar[bool] = True
     # 1/||k|| of every entry, computed once when the entry is written (initial_state), not at every step.
     state_names: ClassVar[tuple[str, ...]] = ("inv_norm",)
     recent_window_parameter: ClassVar[str | None] = "window_fraction"
@@ -126,6 +127,7 @@ class KeyDiffPairwise(Policy):
 
     name: ClassVar[str] = "keydiff_pairwise"
     layers_batchable: ClassVar[bool] = True
+    capturable: ClassVar[bool] = True
     recent_window_parameter: ClassVar[str | None] = "window_fraction"
 
     def score(self, layer: LayerView) -> torch.Tensor:

@@ -21,6 +21,7 @@ class KNorm(Policy):
 
     name: ClassVar[str] = "knorm"
     layers_batchable: ClassVar[bool] = True
+    capturable: ClassVar[bool] = True
     skip_layers: list[int] = field(default_factory=list)
 
     def compresses_layer(self, layer_idx: int) -> bool:

@@ -16,6 +16,7 @@ class Recent(Policy):
 
     name: ClassVar[str] = "recent"
     layers_batchable: ClassVar[bool] = True
+    capturable: ClassVar[bool] = True
 
     def score(self, layer: LayerView) -> torch.Tensor:
         return layer.positions.float()

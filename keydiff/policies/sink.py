@@ -20,6 +20,7 @@ class Sink(Policy):
 
     name: ClassVar[str] = "sink"
     layers_batchable: ClassVar[bool] = True
+    capturable: ClassVar[bool] = True
     sinks: int = 4
 
     def validate(self, budget: int) -> None:

@@ -167,6 +167,10 @@ class RecentWindow(PolicyWrapper):
     fraction: float = 0.0
 
     @property
+    def capturable(self) -> bool:
+        return self.scorer.capturable  # the window is a k-th value of the positions: tensors alone
+
+    @property
     def parameter(self) -> str:
         """The fraction's name in configs and results: the wrapped policy's own word for it, else recent_fraction."""
         return self.scorer.unwrapped().recent_window_parameter or "recent_fraction"

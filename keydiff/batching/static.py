@@ -1,0 +1,203 @@
+"""The step in fixed shapes: once every row's bounded cache is full, a pass and its eviction touch tensors whose
+shapes never change, so the step can be compiled or captured as a CUDA graph and replayed with no host work.
+
+A full row holds exactly N entries per layer and KV head in a buffer of N + B. A pass of q tokens (q = 1 while
+decoding, q = B for a block of the prompt) writes its keys and values into entries [N, N + q), attends to all
+N + q, and the policy then drops q of them: the surviving new entries move into the dropped slots (exactly what
+`Storage.write` and `Storage.evict` do, in the same order, so the arithmetic and the choices are the same).
+Nothing here reads a tensor's value on the host: the shapes are W rows x (N + q) entries, fixed for the run,
+and the positions come in as a tensor.
+
+Width. The step always runs W rows: every slot of a block of sequences (keydiff.batching.blocks), or the rows of
+one sequence's own stack. Rows with no running sequence compute on whatever their slot holds and are discarded:
+their eviction is masked (the new entry "moves" onto itself), so a stopped sequence's kept entries stay as they
+were, and no row's result depends on another row's content (each kernel is row-independent at a fixed W).
+
+What runs in fixed shapes (`eligible`): one stack holding every layer, policies that score rows from their
+entries alone (keydiff.batching.blocks.poolable) with no value read on the host (`Policy.capturable`: KeyDiff,
+K-norm, sink, recent, with or without a recent window; not LagKV, whose partitions are counted on the host),
+every row holding exactly N entries and evicting after every pass. Everything else (rows still filling, attention-statistic policies,
+head-adaptive pools, decoding without eviction) runs the ordinary step (keydiff.batching.step), uncaptured.
+
+Replay. On a CUDA device `StaticStep.run` captures the step as a CUDA graph at its second call (the first runs
+it eagerly, which also warms up the kernels) and replays it from then on: the same kernels as the eager step, so
+the same numbers. Elsewhere it runs eagerly (a compiled form, `compiled=True`, is what the CPU test uses to
+prove the step has no graph break, i.e. no host synchronisation).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from keydiff.attention import bound_to
+from keydiff.batching.blocks import poolable
+from keydiff.cache import EvictingCache
+from keydiff.cache.storage import ROTARY_STATE, Storage, drop_entries, move_entries
+from keydiff.policies.base import LayerView, Policy
+
+
+def eligible(caches: list[EvictingCache], q: int = 1) -> bool:
+    """Whether every cache can run a pass of q tokens in fixed shapes: poolable, with equal policies, holding
+    exactly N entries with room for N + q, evicting after the pass, nothing pending (see the module)."""
+    if not caches:
+        return False
+    policy = caches[0].policy
+    if not policy.capturable:
+        return False
+    for cache in caches:
+        if not poolable(cache) or cache.policy != policy or not cache.evicts_next_pass() or cache._scratch:
+            return False
+        stack = cache.stack
+        if stack.num_entries != stack.budget or stack.capacity < stack.budget + q or stack.fresh is not None:
+            return False
+    return True
+
+
+@dataclass(frozen=True)
+class Rows:
+    """The buffers a fixed-shape step runs on.
+
+    by_layer: model layer index -> (keys, values) [W, kv_heads, capacity, dim] of that layer for the W rows.
+    buffers: every layer's rows as one batch of rows, {"keys", "values", "positions", "state"} [R, kv_heads,
+    capacity(, dim)] (what `Storage.rows` is for one stack). sequence_of: [R] which of the W rows each of those
+    rows belongs to. layers: the model layer of each of the R rows (for the policy's view)."""
+
+    by_layer: dict[int, tuple[torch.Tensor, torch.Tensor]]
+    buffers: dict[str, Any]
+    sequence_of: torch.Tensor
+    layers: tuple[int, ...]
+    width: int
+
+    @classmethod
+    def of_storage(cls, storage: Storage) -> "Rows":
+        """A stack's own buffers: W = its batch rows (one, or a multi-row prefill's), rows layer-major."""
+        count, width = storage.count, storage.keys.shape[1]
+        by_layer = {layer: (storage.keys[plane], storage.values[plane]) for plane, layer in enumerate(storage.layers)}
+        sequence_of = torch.arange(width, device=storage.keys.device).repeat(count)
+        layers = tuple(layer for layer in storage.layers for _ in range(width))
+        return cls(by_layer, storage.rows, sequence_of, layers, width)
+
+    @classmethod
+    def of_block(cls, block: Any, layers: tuple[int, ...]) -> "Rows":
+        """A block's slots (keydiff.batching.blocks.RowBlock, [W, layers, ...]): W = its slots, rows slot-major."""
+        width, count = block.keys.shape[:2]
+
+        def flat(buffer: torch.Tensor) -> torch.Tensor:
+            return buffer.view(width * count, *buffer.shape[2:])
+
+        by_layer = {layer: (block.keys[:, plane], block.values[:, plane]) for plane, layer in enumerate(layers)}
+        buffers = {"keys": flat(block.keys), "values": flat(block.values), "positions": flat(block.positions),
+                   "state": {name: flat(s) for name, s in block.state.items()}}
+        sequence_of = torch.arange(width, device=block.keys.device).repeat_interleave(count)
+        return cls(by_layer, buffers, sequence_of, layers * width, width)
+
+
+class _FixedLayer(CacheLayerMixin):
+    """One layer of `FixedCache`: writes a pass into entries [N, N + q) of its rows and returns all N + q."""
+
+    is_sliding = False
+    is_compileable = True
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, kept: int):
+        super().__init__()
+        self.keys, self.values, self.kept, self.is_initialized = keys, values, kept, True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        pass
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        stop = self.kept + key_states.shape[-2]
+        self.keys[:, :, self.kept : stop].copy_(key_states)
+        self.values[:, :, self.kept : stop].copy_(value_states)
+        return self.keys[:, :, :stop], self.values[:, :, :stop]
+
+    def get_seq_length(self) -> int:
+        return self.kept
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.kept + query_length, 0
+
+    def get_max_length(self) -> int:
+        return self.kept
+
+
+class FixedCache(Cache):
+    """The transformers Cache a fixed-shape pass runs with: every layer's W rows, N kept entries each."""
+
+    def __init__(self, rows: Rows, kept: int, num_layers: int):
+        super().__init__(layers=[_FixedLayer(*rows.by_layer[i], kept) for i in range(num_layers)])
+
+
+class StaticStep:
+    """One pass of q tokens for the W rows of `rows`, every row holding N = `budget` entries, and the eviction
+    after it, in fixed shapes (see the module). `run(ids, positions, active)` -> next-token logits [W, vocab].
+
+    ids, positions: [W, q] (long); active: [W] bool, the rows whose results are used (the others' eviction is
+    masked: their kept entries do not change). The policy object scores every row (they are equal: `eligible`)."""
+
+    def __init__(self, model: torch.nn.Module, rows: Rows, policy: Policy, budget: int, q: int = 1,
+                 compiled: bool = False):
+        self.model, self.rows, self.policy, self.budget, self.q = model, rows, policy, budget, q
+        self.cache = FixedCache(rows, budget, model.config.get_text_config().num_hidden_layers)
+        device = rows.sequence_of.device
+        self.ids = torch.zeros(rows.width, q, dtype=torch.long, device=device)
+        self.positions = torch.zeros(rows.width, q, dtype=torch.long, device=device)
+        self.active = torch.ones(rows.width, dtype=torch.bool, device=device)
+        self.logits: torch.Tensor | None = None
+        self.calls = 0
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.capture = device.type == "cuda"
+        self.step = torch.compile(self.eager, fullgraph=True, dynamic=False) if compiled else self.eager
+
+    def eager(self, ids: torch.Tensor, positions: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
+        """The pass and its eviction on the given tensors (no host synchronisation, no value-dependent branch). Runs
+        with no cache bound for the keydiff attention function (`run` unbinds it): the plain fused kernel over all
+        N + q entries, what it computes for such rows in the ordinary step."""
+        output = self.model(input_ids=ids, position_ids=positions, cache=self.cache, use_cache=True, logits_to_keep=1)
+        self.evict(positions, active)
+        return output.logits[:, -1, :].float()
+
+    def evict(self, positions: torch.Tensor, active: torch.Tensor) -> None:
+        """What `Storage.write` leaves to eviction and `Storage.evict` does, for all R rows at once: the new
+        entries' positions and policy state, the policy's choice, the survivors moved into the dropped slots."""
+        rows, n, q = self.rows.buffers, self.budget, self.q
+        stop = n + q
+        rows["positions"][:, :, n:stop] = positions[self.rows.sequence_of][:, None, :]
+        new = LayerView(keys=rows["keys"][:, :, n:stop], values=rows["values"][:, :, n:stop],
+                        positions=rows["positions"][:, :, n:stop], attention=None, state={}, layers=self.rows.layers)
+        initial = self.policy.entry_state(new) if self.policy.state_names else {}
+        for name, buffer in rows["state"].items():
+            if name != ROTARY_STATE:
+                buffer[:, :, n:stop] = initial.get(name, 0.0)
+        view = LayerView(keys=rows["keys"][:, :, :stop], values=rows["values"][:, :, :stop],
+                         positions=rows["positions"][:, :, :stop], attention=None,
+                         state={name: s[:, :, :stop] for name, s in rows["state"].items()}, layers=self.rows.layers)
+        dropped = self.policy.evict_indices(view, n)  # [R, kv_heads, q]
+        if q == 1:  # decoding: the new entry moves into the dropped slot; an inactive row's onto itself
+            tail = torch.full_like(dropped, n)
+            move_entries(rows, tail, torch.where(active[self.rows.sequence_of][:, None, None], dropped, tail))
+        else:  # a block: one sequence, every row active
+            drop_entries(rows, n, stop, dropped)
+
+    def run(self, ids: torch.Tensor, positions: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
+        """The step on these inputs (copied into the step's own buffers); next-token logits [W, vocab] (a copy)."""
+        self.ids.copy_(ids)
+        self.positions.copy_(positions)
+        self.active.copy_(active)
+        self.calls += 1
+        with bound_to(None):
+            if self.calls == 1:  # the first call runs eagerly: real work, the warm-up, and the policy's score check
+                return self.eager(self.ids, self.positions, self.active).clone()
+            if not self.capture:
+                return self.step(self.ids, self.positions, self.active).clone()
+            if self.graph is None:
+                self.graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(self.graph):
+                    self.logits = self.step(self.ids, self.positions, self.active)
+        self.graph.replay()
+        return self.logits.clone()

@@ -1,0 +1,179 @@
+"""The one decoding step and its fixed-shape form (keydiff.batching.step, keydiff.batching.static).
+
+What must hold on any machine, GPU or not:
+  * `keydiff.generate` and `keydiff.generate_batch` run the same step function;
+  * the fixed-shape step (decoding, and prefill blocks once the cache is full) gives exactly the tokens, logits,
+    kept positions and bookkeeping of the ordinary step, for every policy it takes;
+  * rows with no running sequence (idle slots of a block) can hold anything: no active row's result changes, and
+    their own kept entries are left as they were;
+  * the step compiles as ONE graph with `fullgraph=True` and is never recompiled across steps: no graph break
+    (so no host synchronisation: no .item(), no branch on a tensor's value) and no shape that changes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import keydiff
+from keydiff import build_policy, generate, prefill
+from keydiff.attention import keydiff_attention
+from keydiff.batching import static
+from keydiff.batching.static import Rows, StaticStep, eligible
+
+BUDGET, BLOCK = 40, 16
+# Every policy the fixed step takes (Policy.capturable), and KeyDiff inside a recent window.
+FIXED = ["keydiff", "keydiff_pairwise", "knorm", "sink", "recent", "keydiff-window"]
+
+
+def policy(name: str):
+    return build_policy("keydiff", window_fraction=0.25) if name == "keydiff-window" else build_policy(name)
+
+
+def prompts(lengths=(90, 130, 61, 75)) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(11)
+    return [torch.randint(0, 256, (1, n), generator=generator) for n in lengths]
+
+
+def kept(cache) -> list[list]:
+    return [positions.tolist() for positions in cache.kept_positions()]
+
+
+def counting(monkeypatch) -> list[tuple[int, int]]:
+    """Record (width, tokens per row) of every fixed-shape step run."""
+    calls, original = [], StaticStep.run
+
+    def run(self, *args):
+        calls.append((self.rows.width, self.q))
+        return original(self, *args)
+
+    monkeypatch.setattr(StaticStep, "run", run)
+    return calls
+
+
+def test_generate_and_generate_batch_run_the_one_step(model, monkeypatch):
+    import keydiff.batching.scheduler as scheduler
+
+    calls, original = [], scheduler.decode_step
+
+    def step(stepper, active):
+        calls.append(len(active))
+        return original(stepper, active)
+
+    monkeypatch.setattr(scheduler, "decode_step", step)
+    generate(model, prefill(model, prompts()[0], "snapkv", BUDGET, BLOCK), 5)
+    assert calls == [1] * 5
+    calls.clear()
+    states = [prefill(model, ids, "snapkv", BUDGET, BLOCK) for ids in prompts()[:2]]
+    dict(keydiff.generate_batch(model, [keydiff.Request(s, 5, key=i) for i, s in enumerate(states)], 2))
+    assert calls == [2] * 5
+
+
+@pytest.mark.parametrize("name", FIXED)
+def test_fixed_shapes_give_what_the_ordinary_step_gives(model, name, monkeypatch):
+    """Prefill (blocks once the cache is full) and decoding of forks (one block), prompts prefilled apart (pooled
+    as they join) and one sequence alone, greedy and sampled: identical tokens, logits, kept positions, peaks and
+    bytes with fixed shapes on and off, and the fixed step did run."""
+    calls = counting(monkeypatch)
+    ids = prompts()[1]
+    on, off = (prefill(model, ids, policy(name), BUDGET, BLOCK, fixed_shapes=f) for f in (True, False))
+    assert calls and all(q == BLOCK for _, q in calls)  # the prefill's full blocks ran in fixed shapes
+    assert torch.equal(on.logits, off.logits) and kept(on.cache) == kept(off.cache)
+    assert on.max_cache_entries == off.max_cache_entries
+
+    def decode(fixed: bool) -> dict:
+        forks = prefill(model, ids, policy(name), BUDGET, BLOCK).fork(3)
+        apart = [prefill(model, p, policy(name), BUDGET, BLOCK) for p in prompts()[2:]]
+        states = forks + apart
+        settings = [{"max_new_tokens": 6 + 2 * i, "do_sample": i % 2 == 1, "seed": i, "eos_token_ids": (3,)}
+                    for i in range(len(states))]
+        requests = [keydiff.Request(s, key=i, **kw) for i, (s, kw) in enumerate(zip(states, settings))]
+        out = dict(keydiff.generate_batch(model, requests, 3, fixed_shapes=fixed))
+        alone = prefill(model, ids, policy(name), BUDGET, BLOCK)
+        single = keydiff.generate_batch(model, [keydiff.Request(alone, 9, key="alone")], 1, fixed_shapes=fixed)
+        out.update(dict(single))
+        caches = {**{i: s.cache for i, s in enumerate(states)}, "alone": alone.cache}
+        return {key: (r.token_ids, r.finish_reasons, r.batch_sizes, r.max_cache_entries, r.kv_cache_bytes,
+                      kept(caches[key]), caches[key].get_seq_length()) for key, r in out.items()}
+
+    calls.clear()
+    with_fixed = decode(True)
+    assert {width for width, q in calls if q == 1} >= {1, 3}  # a block of three slots, and one sequence alone
+    assert with_fixed == decode(False)
+
+
+def test_rows_still_filling_and_statistic_policies_run_the_ordinary_step(model, monkeypatch):
+    calls = counting(monkeypatch)
+    short = prefill(model, prompts((23,))[0], "keydiff", BUDGET, BLOCK)  # holds 23 < N: filling
+    assert not eligible([short.cache])
+    generate(model, short, 30)  # 29 passes; the cache holds N after the 17th, so the last 12 run in fixed shapes
+    assert calls == [(1, 1)] * 12
+    for name in ("snapkv", "lagkv"):  # an attention statistic per row; partitions counted on the host
+        calls.clear()
+        state = prefill(model, prompts()[0], name, BUDGET, BLOCK)
+        assert not eligible([state.cache])
+        generate(model, state, 5)
+        assert calls == [], name
+
+
+def block_of(model, name: str, width: int):
+    """`width` forks of one prefill in one block, and their caches."""
+    forks = prefill(model, prompts()[1], policy(name), BUDGET, BLOCK).fork(width)
+    return forks[0].cache.stack.placement.block, [f.cache for f in forks]
+
+
+def test_junk_in_idle_rows_changes_no_active_row(model):
+    """Two of four slots active: whatever the idle slots hold (zeros, or NaN and huge values), the active rows'
+    logits and entries come out bit for bit the same, and the idle slots' kept entries are left untouched."""
+    results = []
+    for junk in (0.0, float("nan"), 3e38):
+        block, caches = block_of(model, "keydiff", 4)
+        for buffer in (block.keys, block.values):
+            buffer[2:].fill_(junk)
+        idle_before = [buffer[2:, :, :, :BUDGET].clone() for buffer in (block.keys, block.values, block.positions)]
+        step = StaticStep(model, Rows.of_block(block, caches[0].stack.layers), caches[0].policy, BUDGET)
+        with torch.inference_mode(), keydiff_attention(model, None):
+            logits = step.run(torch.tensor([[5], [9], [0], [0]]), torch.full((4, 1), 130),
+                              torch.tensor([True, True, False, False]))
+        for before, buffer in zip(idle_before, (block.keys, block.values, block.positions)):
+            assert torch.equal(before.nan_to_num(), buffer[2:, :, :, :BUDGET].nan_to_num())
+            assert torch.equal(before.isnan(), buffer[2:, :, :, :BUDGET].isnan())
+        results.append((logits[:2].clone(), block.keys[:2, :, :, :BUDGET].clone(),
+                        block.positions[:2, :, :, :BUDGET].clone()))
+    for got in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(got, results[0]))
+
+
+@pytest.mark.parametrize("name", FIXED)
+@pytest.mark.parametrize("q", [1, BLOCK])
+def test_the_step_compiles_as_one_graph_and_never_recompiles(model, name, q):
+    """torch.compile(fullgraph=True) fails on any graph break (a .item(), a Python branch on a tensor's value: what a
+    CUDA graph cannot hold); a CompileCounter counts the graphs: one, for steps at other positions, tokens and
+    active rows (the shapes and guards never change). The compiled step also computes what the eager one does."""
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    width = 1 if q > 1 else 3
+    _, caches = block_of(model, name, 3)
+    eager_block, eager_caches = block_of(model, name, 3)
+    if q > 1:  # a prefill block: one sequence alone in its own stack
+        caches = [prefill(model, prompts()[1], policy(name), BUDGET, BLOCK).cache]
+        eager_caches = [prefill(model, prompts()[1], policy(name), BUDGET, BLOCK).cache]
+    assert eligible(caches, q)
+
+    def rows(cs):
+        return Rows.of_storage(cs[0].stack) if q > 1 else Rows.of_block(cs[0].stack.placement.block, cs[0].stack.layers)
+
+    compiled = StaticStep(model, rows(caches), caches[0].policy, BUDGET, q)
+    compiled.step = torch.compile(compiled.eager, fullgraph=True, dynamic=False, backend=counter)
+    eager = StaticStep(model, rows(eager_caches), eager_caches[0].policy, BUDGET, q)
+    generator = torch.Generator().manual_seed(3)
+    with torch.inference_mode(), keydiff_attention(model, None):
+        for step in range(3):
+            ids = torch.randint(0, 256, (width, q), generator=generator)
+            positions = (130 + step * q + torch.arange(q)).expand(width, q)
+            active = torch.tensor([True, step != 1, True][:width])
+            a, b = compiled.run(ids, positions, active), eager.run(ids, positions, active)
+            torch.testing.assert_close(a, b)
+    assert counter.frame_count == 1, counter.frame_count
