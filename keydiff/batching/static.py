@@ -3,7 +3,7 @@ shapes never change, so the step can be compiled or captured as a CUDA graph and
 
 A full row holds exactly N entries per layer and KV head in a buffer of N + B. A pass of q tokens (q = 1 while
 decoding, q = B for a block of the prompt) writes its keys and values into entries [N, N + q), attends to all
-N + q, and the policy then drops q of them: the surviving new entries move into the dropped slots (exactly what
+N + q, and the policy then drops q of them: the surviving new entries move into the dropped places (exactly what
 `Storage.write` and `Storage.evict` do, in the same order, so the arithmetic and the choices are the same).
 Nothing here reads a tensor's value on the host: the shapes are W rows x (N + q) entries, fixed for the run,
 and the positions come in as a tensor.
@@ -164,7 +164,7 @@ class StaticStep:
 
     def evict(self, positions: torch.Tensor, active: torch.Tensor) -> None:
         """What `Storage.write` leaves to eviction and `Storage.evict` does, for all R rows at once: the new
-        entries' positions and policy state, the policy's choice, the survivors moved into the dropped slots."""
+        entries' positions and policy state, the policy's choice, the survivors moved into the dropped places."""
         rows, n, q = self.rows.buffers, self.budget, self.q
         stop = n + q
         rows["positions"][:, :, n:stop] = positions[self.rows.sequence_of][:, None, :]
@@ -178,7 +178,7 @@ class StaticStep:
                          positions=rows["positions"][:, :, :stop], attention=None,
                          state={name: s[:, :, :stop] for name, s in rows["state"].items()}, layers=self.rows.layers)
         dropped = self.policy.evict_indices(view, n)  # [R, kv_heads, q]
-        if q == 1:  # decoding: the new entry moves into the dropped slot; an inactive row's onto itself
+        if q == 1:  # decoding: the new entry moves into the dropped place; an inactive row's onto itself
             tail = torch.full_like(dropped, n)
             move_entries(rows, tail, torch.where(active[self.rows.sequence_of][:, None, None], dropped, tail))
         else:  # a block: one sequence, every row active

@@ -8,7 +8,7 @@ masks it). Here a layer is one pool instead:
     keys/values [batch, P, dim], positions [batch, P], policy state {name: [batch, P]},   P = kv_heads x (N + B)
 
 the same bytes as the uniform buffers [batch, kv_heads, N + B, dim]. Every (batch row, KV head) owns a
-contiguous segment [start, start + count) of its row, in no fixed order of heads, with free slots after it
+contiguous segment [start, start + count) of its row, in no fixed order of heads, with free cells after it
 up to the next segment (`limit`). What a layer holds is therefore at most T + kv_heads x B entries (T after
 eviction, plus the block being processed), never more, whatever the split between heads.
 
@@ -16,22 +16,22 @@ Writes. A pass's q new entries of each head are appended at the end of that head
 always "kept entries, then the pass's own tokens": attention over one segment with the bottom-right causal
 mask is exact (keydiff.attention computes each head over its own segment, SDPA per batch row and KV head).
 If some head has no room for q more, the row is laid out again first (`relayout`: every segment moved to
-the front of its new place, the free slots shared evenly between heads; a transient gather of one row of
+the front of its new place, the free cells shared evenly between heads; a transient gather of one row of
 one layer). When the pool itself is too small (e.g. keeping every generated token), it grows (counted in
 `allocations`).
 
 Eviction. Each head is viewed on its own (a `LayerView` of batch 1 and one KV head: its entries, its
 attention statistic, its group's slice of the query statistics), the policy's `keep_heads` chooses what
 every head of the row keeps (a global top-k over the row's heads), and each segment is compacted in place:
-its surviving entries past the new count move into the slots of its dropped ones (only moved entries are
+its surviving entries past the new count move into the cells of its dropped ones (only moved entries are
 written, as in keydiff.cache.storage). Decoding (B = 1) runs the same global choice after every token; a
-head that gains an entry uses its free slots, and the row is laid out again only when some head has none
+head that gains an entry uses its free cells, and the row is laid out again only when some head has none
 left (every ~B tokens at most), so the per-token cost is the scoring plus a few moved entries. (Freezing each
 head's count after prefill and replacing in place would need the same per-head scoring and stop adapting.)
 
 All layers at once. The cache gives its bounded head-adaptive layers one allocation (`PoolStack`, each pool a
-slot of it) and, for a scorer that scores whole pools (KeyDiff: `Policy.scores_pools`), evicts every layer in
-one call (`evict_stack` -> `evict_pools`): one slot -> head map for all rows, the policy's `drop_pool` (AdaKV's
+plane of it) and, for a scorer that scores whole pools (KeyDiff: `Policy.scores_pools`), evicts every layer in
+one call (`evict_stack` -> `evict_pools`): one cell -> head map for all rows, the policy's `drop_pool` (AdaKV's
 choice over every row at once) and one gather and scatter per buffer for the same moves as `compact`. Other
 scorers are chosen head by head, layer by layer, as above. A pool that grows leaves the stack.
 
@@ -56,7 +56,7 @@ class PoolStack:
     eviction score, choose and compact every layer's rows in one set of kernels (`evict_pools`), as the uniform
     cache's stack does for dense layers. A decoding step otherwise costs a few dozen small kernels per layer.
 
-    Each layer's `AdaptiveStorage` still owns its segments and counts; only its buffers are views of its slot
+    Each layer's `AdaptiveStorage` still owns its segments and counts; only its buffers are views of its plane
     here (`claim`). A layer whose first pass does not fit (other batch, heads, head dim, dtype) or whose pool
     must grow takes buffers of its own, and the layers are then evicted one by one.
     """
@@ -71,8 +71,8 @@ class PoolStack:
 
     def claim(self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor, per_head: int,
               state_names: tuple[str, ...]) -> tuple | None:
-        """(keys, values, positions, state) of `layer`'s slot for a first pass like `key_states` with `per_head`
-        slots per KV head; the first claim allocates every layer's slot (zero-filled). None if it does not fit."""
+        """(keys, values, positions, state) of `layer`'s plane for a first pass like `key_states` with `per_head`
+        cells per KV head; the first claim allocates every layer's plane (zero-filled). None if it does not fit."""
         batch, heads = key_states.shape[:2]
         shape = (batch, heads, key_states.shape[-1], value_states.shape[-1], key_states.dtype, value_states.dtype,
                  key_states.device, per_head)
@@ -84,8 +84,8 @@ class PoolStack:
             self.shape = shape
         elif shape != self.shape:
             return None
-        slot = self.layers.index(layer)
-        return self.keys[slot], self.values[slot], self.positions[slot], {n: b[slot] for n, b in self.state.items()}
+        plane = self.layers.index(layer)
+        return self.keys[plane], self.values[plane], self.positions[plane], {n: b[plane] for n, b in self.state.items()}
 
     def rows(self) -> list[torch.Tensor]:
         """Every buffer with the layers' rows flattened, [layers x batch, P, ...] (views)."""
@@ -95,7 +95,7 @@ class PoolStack:
 class AdaptiveStorage:
     """The pool of one head-adaptive layer: per-head segments, one entry count per (batch row, KV head).
 
-    budget: N, so the layer keeps kv_heads x N entries in all. capacity: slots per KV head the pool is first
+    budget: N, so the layer keeps kv_heads x N entries in all. capacity: cells per KV head the pool is first
     allocated with (N + B, so the pool is kv_heads x (N + B); None: sized from the first pass).
     """
 
@@ -103,7 +103,7 @@ class AdaptiveStorage:
                  entry_state: Callable[[LayerView], dict[str, torch.Tensor]] | None = None,
                  needs_output_projection: bool = False, stack: PoolStack | None = None):
         self.layers = (layer,)
-        self.stack = stack  # the shared allocation this layer's pool is a slot of, if any (see `in_stack`)
+        self.stack = stack  # the shared allocation this layer's pool is a plane of, if any (see `in_stack`)
         self.in_stack = False
         self.placement = None  # never in a block of other sequences' stacks (keydiff.batching.blocks.poolable)
         self.budget, self.capacity = budget, capacity
@@ -116,9 +116,9 @@ class AdaptiveStorage:
         self.positions: torch.Tensor | None = None  # [batch, P] long
         self.state: dict[str, torch.Tensor] = {}  # name -> [batch, P] float32
         self.heads = 0  # KV heads (known from the first pass)
-        self.starts: list[list[int]] = []  # [batch][head]: first slot of the head's segment
+        self.starts: list[list[int]] = []  # [batch][head]: first cell of the head's segment
         self.counts: list[list[int]] = []  # [batch][head]: entries the head holds
-        self.limits: list[list[int]] = []  # [batch][head]: first slot past the head's free slots
+        self.limits: list[list[int]] = []  # [batch][head]: first cell past the head's free cells
         # The attention statistic of the last pass ([batch][head] -> [count] float32) and the query moments.
         self.attention: list[Any] = [None]
         self.queries: list[Any] = [None]
@@ -173,14 +173,14 @@ class AdaptiveStorage:
 
     # --- layout ---------------------------------------------------------------------------------
     def allocate(self, key_states: torch.Tensor, value_states: torch.Tensor, per_head: int) -> None:
-        """First buffers: `per_head` slots for every KV head, the segments at equal distances."""
+        """First buffers: `per_head` cells for every KV head, the segments at equal distances."""
         batch, heads = key_states.shape[:2]
         self.heads = heads
         claimed = None if self.stack is None else self.stack.claim(self.layers[0], key_states, value_states, per_head,
                                                                    self.state_names)
         if claimed is not None:
             self.keys, self.values, self.positions, self.state = claimed
-        else:  # zero-filled: a free slot's values must be finite (scored with weight 0 by `evict_pools`)
+        else:  # zero-filled: a free cell's values must be finite (scored with weight 0 by `evict_pools`)
             keys, values, positions, state = empty_buffers(1, key_states[:, :1], value_states[:, :1], heads * per_head,
                                                            self.state_names)
             self.keys, self.values, self.positions = keys[0, :, 0].zero_(), values[0, :, 0].zero_(), positions[0, :, 0]
@@ -195,7 +195,7 @@ class AdaptiveStorage:
         return [self.keys, self.values, self.positions, *self.state.values()]
 
     def relayout(self, room: int) -> None:
-        """Lay every row out again: each head's entries at the front of its new segment, the free slots shared
+        """Lay every row out again: each head's entries at the front of its new segment, the free cells shared
         evenly (at least `room` per head; the pool grows, at least doubling, if it cannot give that: only when
         generated tokens are all kept, since a bounded pool, kv_heads x (N + B), holds T plus a block)."""
         heads = self.heads
@@ -227,13 +227,13 @@ class AdaptiveStorage:
             self.starts[row], self.limits[row] = starts, limits
 
     def make_room(self, per_head: int) -> None:
-        """Make sure every head has `per_head` free slots (before decoding that keeps every token)."""
+        """Make sure every head has `per_head` free cells (before decoding that keeps every token)."""
         if self.keys is not None and any(s + c + per_head > lim for sr, cr, lr in zip(self.starts, self.counts, self.limits)
                                          for s, c, lim in zip(sr, cr, lr)):
             self.relayout(per_head)
 
     # --- writes ---------------------------------------------------------------------------------
-    def write(self, slot: int, key_states: torch.Tensor, value_states: torch.Tensor,
+    def write(self, plane: int, key_states: torch.Tensor, value_states: torch.Tensor,
               layer_seen: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Append a pass's q entries [batch, kv_heads, q, dim] to every head's segment; return the pools."""
         batch, heads, q = key_states.shape[:3]
@@ -252,19 +252,19 @@ class AdaptiveStorage:
         first = torch.tensor([[row * pool + s + c for s, c in zip(sr, cr)] for row, (sr, cr)
                               in enumerate(zip(self.starts, self.counts))], device=device)
         if q == 1:  # decoding: a few kernels fewer per layer and token
-            slots = first.view(-1)
+            cells = first.view(-1)
             new_positions = torch.full((batch * heads,), self.seen, device=device)
         else:
-            slots = (first[..., None] + torch.arange(q, device=device)).reshape(-1)  # [batch * heads * q]
+            cells = (first[..., None] + torch.arange(q, device=device)).reshape(-1)  # [batch * heads * q]
             new_positions = torch.arange(self.seen, self.seen + q, device=device).repeat(batch * heads)
-        self.keys.view(batch * pool, -1).index_copy_(0, slots, key_states.reshape(batch * heads * q, -1))
-        self.values.view(batch * pool, -1).index_copy_(0, slots, value_states.reshape(batch * heads * q, -1))
-        self.positions.view(-1).index_copy_(0, slots, new_positions)
+        self.keys.view(batch * pool, -1).index_copy_(0, cells, key_states.reshape(batch * heads * q, -1))
+        self.values.view(batch * pool, -1).index_copy_(0, cells, value_states.reshape(batch * heads * q, -1))
+        self.positions.view(-1).index_copy_(0, cells, new_positions)
         if self.state:
             if self.fresh or (self.needs_output_projection and self.output_projection[0] is None):
                 self.fresh += q  # set by `initialize_state` before the entries are next viewed
             else:  # the usual case: set now, from the pass's own dense states (no gather)
-                self.set_state(slots, key_states, value_states, new_positions.view(batch, heads, q))
+                self.set_state(cells, key_states, value_states, new_positions.view(batch, heads, q))
         self.counts = [[c + q for c in row] for row in self.counts]
         self.seen += q
         self.max_total = max(self.max_total, max(self.row_totals()))
@@ -285,8 +285,8 @@ class AdaptiveStorage:
                 "`with keydiff.keydiff_attention(model, cache):` (keydiff.prefill and keydiff.generate do)"
             )
 
-    def set_state(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
-        """Set the policy state of the entries at `slots` (flat pool indices, row-major [batch, kv_heads, q])
+    def set_state(self, cells: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
+        """Set the policy state of the entries at `cells` (flat pool indices, row-major [batch, kv_heads, q])
         from a dense view of them (keys/values [batch, kv_heads, q, dim], positions [batch, kv_heads, q]): the
         policy's `entry_state` with the layer's whole o_proj weight, so that a function of each entry (KeyDiff's,
         LagKV's, CriticalKV's ||W_o v||_1 per KV group) sees them as it sees a uniform layer's, in one call."""
@@ -297,8 +297,8 @@ class AdaptiveStorage:
                                                  output_projection=self.output_projection[0]))
         for name, buffer in self.state.items():
             value = initial.get(name)
-            fresh = torch.zeros(slots.shape[0], device=slots.device) if value is None else value.reshape(-1).float()
-            buffer.view(-1).index_copy_(0, slots, fresh)
+            fresh = torch.zeros(cells.shape[0], device=cells.device) if value is None else value.reshape(-1).float()
+            buffer.view(-1).index_copy_(0, cells, fresh)
 
     def initialize_state(self) -> None:
         """Set the policy state of the entries whose state `write` deferred: those of a policy that needs the
@@ -313,11 +313,11 @@ class AdaptiveStorage:
         device = self.keys.device
         first = torch.tensor([[row * pool + s + c - fresh for s, c in zip(sr, cr)] for row, (sr, cr)
                               in enumerate(zip(self.starts, self.counts))], device=device)
-        slots = (first[..., None] + torch.arange(fresh, device=device)).reshape(-1)  # [batch * heads * fresh]
+        cells = (first[..., None] + torch.arange(fresh, device=device)).reshape(-1)  # [batch * heads * fresh]
         shape = (batch, self.heads, fresh)
-        self.set_state(slots, self.keys.view(batch * pool, -1).index_select(0, slots).view(*shape, -1),
-                       self.values.view(batch * pool, -1).index_select(0, slots).view(*shape, -1),
-                       self.positions.view(-1).index_select(0, slots).view(shape))
+        self.set_state(cells, self.keys.view(batch * pool, -1).index_select(0, cells).view(*shape, -1),
+                       self.values.view(batch * pool, -1).index_select(0, cells).view(*shape, -1),
+                       self.positions.view(-1).index_select(0, cells).view(shape))
 
     # --- views and eviction -----------------------------------------------------------------------
     def head_output_projection(self, head: int) -> torch.Tensor | None:
@@ -385,7 +385,7 @@ class AdaptiveStorage:
 
     def compact(self, row: int, keep: list[torch.Tensor]) -> None:
         """Keep the entries `keep` marks (bool [count] per head) in place: in each segment, the kept entries
-        past its new count move into its dropped slots below it (k-th such source to the k-th such hole)."""
+        past its new count move into its dropped cells below it (k-th such source to the k-th such hole)."""
         holes, sources, counts = [], [], []
         for start, count, mask in zip(self.starts[row], self.counts[row], keep):
             kept = int(mask.sum())
@@ -427,24 +427,24 @@ def evict_pools(storages: list[AdaptiveStorage], buffers: list[torch.Tensor], po
     the rows of `buffers` (keys, values, positions, then the policy state: [rows, P, ...], one pool size).
 
     The choice is `policy.drop_pool` (AdaKV over whole pools), the moves the same as `compact`'s: in every
-    segment, the k-th surviving entry past the new count moves into the k-th dropped slot below it (one
+    segment, the k-th surviving entry past the new count moves into the k-th dropped cell below it (one
     gather and one scatter per buffer for all rows), so the layout is what row-by-row eviction leaves."""
     keys, values, positions, *states = buffers
     device, (rows, pool_size) = keys.device, keys.shape[:2]
     starts = torch.tensor([row for storage in storages for row in storage.starts], device=device)  # [rows, heads]
     counts = torch.tensor([row for storage in storages for row in storage.counts], device=device)
-    slots = torch.arange(pool_size, device=device)
-    member = (slots >= starts[..., None]) & (slots < (starts + counts)[..., None])  # [rows, heads, P]
+    cells = torch.arange(pool_size, device=device)
+    member = (cells >= starts[..., None]) & (cells < (starts + counts)[..., None])  # [rows, heads, P]
     # Segments lie in head order (`allocate` and `relayout` place them so; compaction never moves a start):
-    # a slot's head is the number of later heads whose segment starts at or before it.
-    owner = (slots >= starts[:, 1:, None]).sum(dim=1)  # [rows, P]
+    # a cell's head is the number of later heads whose segment starts at or before it.
+    owner = (cells >= starts[:, 1:, None]).sum(dim=1)  # [rows, P]
     view = PoolView(keys=keys, positions=positions, state=dict(zip(storages[0].state_names, states)),
                     member=member, owner=owner, counts=counts)
     dropped = policy.drop_pool(view, budget)  # bool [rows, P]
     kept_counts = counts - torch.zeros_like(counts).scatter_add_(1, owner, dropped.long())
-    new_ends = (starts + kept_counts).gather(1, owner)  # each slot's segment's new end
-    holes = (dropped & (slots < new_ends)).view(-1).nonzero().squeeze(1)
-    sources = (view.valid & ~dropped & (slots >= new_ends)).view(-1).nonzero().squeeze(1)
+    new_ends = (starts + kept_counts).gather(1, owner)  # each cell's segment's new end
+    holes = (dropped & (cells < new_ends)).view(-1).nonzero().squeeze(1)
+    sources = (view.valid & ~dropped & (cells >= new_ends)).view(-1).nonzero().squeeze(1)
     if holes.numel():
         for buffer in buffers:
             flat = buffer.view(rows * pool_size, -1) if buffer.dim() == 3 else buffer.view(-1)
@@ -456,7 +456,7 @@ def evict_pools(storages: list[AdaptiveStorage], buffers: list[torch.Tensor], po
 
 def evict_stack(storages: list[AdaptiveStorage], policy: Policy) -> bool:
     """Evict every storage of one `PoolStack` at once (`evict_pools` over all their rows) if it can: all are
-    slots of the same stack, in its order, have been written and chose by pools. False: evict them one by one."""
+    cells of the same stack, in its order, have been written and chose by pools. False: evict them one by one."""
     stack = storages[0].stack if storages else None
     if (stack is None or stack.keys is None or not chooses_pools(policy) or policy.key_rerotation is not None
             or [s.layers[0] for s in storages] != list(stack.layers) or not all(s.in_stack for s in storages)):
@@ -488,7 +488,7 @@ class AdaptiveLayer(EvictingLayer):
 
     @property
     def positions(self) -> torch.Tensor | None:
-        """[batch, P] absolute positions of the pool's slots (valid inside the segments only)."""
+        """[batch, P] absolute positions of the pool's cells (valid inside the segments only)."""
         return self.storage.positions
 
     @property

@@ -16,10 +16,10 @@ allocated or copied after the first block: only the new entries move.
 
 Stack. When every layer has the same budget and the policy scores each batch row on its own
 (`Policy.layers_batchable`), every layer lives in one storage (one [layers, batch, ...] allocation, one entry
-count): each layer is a view of its slot, and eviction scores all layers' rows in one call. Otherwise each
+count): each layer is a view of its plane, and eviction scores all layers' rows in one call. Otherwise each
 layer has a storage of its own. With `layer_placements` (each layer's key device and dtype, which the engine
 reads from the model: a model across several GPUs, or layers of other dtypes) there is one stack per placement,
-so no stack holds a slot for a layer that could not use it. A layer whose first pass does not fit its stack
+so no stack holds a plane for a layer that could not use it. A layer whose first pass does not fit its stack
 anyway (other head count or head dim, or an unforeseen placement) takes buffers of its own, and the stack is
 split into one storage per layer.
 
@@ -27,7 +27,7 @@ Head-adaptive budgets. For a policy with `head_adaptive` (AdaKV, keydiff.policie
 share its budget, kv_heads x N in all, and keep different counts: each bounded layer is then a pool of per-head
 segments of its own (keydiff.cache.adaptive) holding at most that total plus the block, and must run under
 keydiff's attention function, which computes every head over its own segment. With equal budgets the pools
-are slots of one allocation (`PoolStack`), and a policy that chooses on whole pools (AdaKV over KeyDiff)
+are planes of one allocation (`PoolStack`), and a policy that chooses on whole pools (AdaKV over KeyDiff)
 evicts every layer in one call, as the dense stack does.
 
 Position. The cache counts the tokens it has seen, so `get_seq_length()` is the absolute position of the
@@ -98,7 +98,7 @@ class EvictingCache(Cache):
     `key_rerotation` (the RoPE frequencies the kept keys are re-rotated with) and by a model with sliding-window
     layers. layer_placements: where each layer's keys will live, e.g. (device, dtype) per layer
     (`keydiff.cache.placement.layer_placements(model)`): stacks then group only layers of one placement, so no
-    stack holds a slot a layer on another device or of another dtype could not use (None: one placement).
+    stack holds a plane a layer on another device or of another dtype could not use (None: one placement).
     """
 
     def __init__(
@@ -190,7 +190,7 @@ class EvictingCache(Cache):
                       for b in budgets]
         if self.scratch_tokens:  # a scratch pass writes after the kept entries and the block
             capacities = [None if c is None else c + self.scratch_tokens for c in capacities]
-        if policy.head_adaptive:  # one pool of per-head segments per bounded layer (capacity: slots per head)
+        if policy.head_adaptive:  # one pool of per-head segments per bounded layer (capacity: entries per head)
             bounded = tuple(i for i, b in enumerate(budgets) if b is not None)
             shared = len({budgets[i] for i in bounded}) == 1 and len({capacities[i] for i in bounded}) == 1
             stacks = {}
@@ -214,8 +214,8 @@ class EvictingCache(Cache):
             for group in self._placement_groups(tuple(evicted)):
                 if len(group) > 1:
                     stack = Storage(group, budgets[first], capacities[first], policy.state_names, policy.entry_state)
-                    for slot, i in enumerate(group):
-                        layers[i] = EvictingLayer(budgets[first], capacities[first], layer_idx=i, storage=stack, slot=slot)
+                    for plane, i in enumerate(group):
+                        layers[i] = EvictingLayer(budgets[first], capacities[first], layer_idx=i, storage=stack, plane=plane)
         return self._with_sliding(layers)
 
     def _placement_groups(self, layers: tuple[int, ...]) -> list[tuple[int, ...]]:
@@ -308,8 +308,8 @@ class EvictingCache(Cache):
         return layer.update(key_states, value_states, position=self._pass_position if self.contiguous else None)
 
     def note_written(self, layer_idx: int, q: int) -> None:
-        """Account for a pass of q tokens whose keys and values the caller already wrote into this layer's slot of
-        a `RowBlock` (rows decoding as one group write theirs in one copy: keydiff.batching.blocks.write_groups):
+        """Account for a pass of q tokens whose keys and values the caller already wrote into this layer's plane of
+        its block slot (rows decoding as one group write theirs in one copy: keydiff.batching.blocks.write_groups):
         what `update` does for a layer after the pass's first one, without the copy, and returning nothing
         (`returned_keys` is None: the group's attention reads the block). The first evicted layer of a pass
         makes room and may evict what the previous pass left, so it always goes through `update`."""
@@ -354,10 +354,10 @@ class EvictingCache(Cache):
 
     def _split_stack(self, leaving: EvictingLayer) -> None:
         """`leaving` does not fit the stack (other heads or head dim): it gets a storage of its own, and every
-        other layer keeps its slot as a storage of its own (the layers evict one by one from now on)."""
+        other layer keeps its plane as a storage of its own (the layers evict one by one from now on)."""
         stack = leaving.storage
-        for part, slot in zip(stack.split(), range(stack.count)):
-            layer = self.layers[stack.layers[slot]]
+        for part, plane in zip(stack.split(), range(stack.count)):
+            layer = self.layers[stack.layers[plane]]
             if layer is leaving:
                 own = Storage((layer.layer_idx,), stack.budget, stack.capacity, self.policy.state_names,
                               self.policy.entry_state)  # nothing written yet: allocated by its first write
@@ -546,25 +546,25 @@ class EvictingCache(Cache):
     def record_queries(self, layer_idx: int, query: torch.Tensor, config) -> None:
         """Add a pass's post-RoPE queries [batch, heads, q, d] (the newest q positions) to the layer's statistics."""
         layer = self.layers[layer_idx]
-        storage, slot = layer.storage, layer.slot
-        if storage.queries[slot] is None:
+        storage, plane = layer.storage, layer.plane
+        if storage.queries[plane] is None:
             inv_freq, scaling = rope_frequencies(config, query.shape[-1])
             first = self.policy.first_query_position
-            storage.queries[slot] = QueryStatistics(inv_freq.to(query.device), scaling, first)
+            storage.queries[plane] = QueryStatistics(inv_freq.to(query.device), scaling, first)
         # The queries were rotated for their RoPE positions: the absolute ones, or the pass's under contiguous re-rotation.
         start = self._pass_position if self.contiguous else layer.seen - query.shape[2]
-        storage.queries[slot].update(query, start)
+        storage.queries[plane].update(query, start)
 
     def output_projection_needed(self, layer_idx: int) -> bool:
         """Whether the attention function must hand this layer's o_proj weight over (CriticalKV): once per layer."""
         layer = self.layers[layer_idx]
         return (self.policy.needs_output_projection and layer.budget is not None
-                and not isinstance(layer, SlidingWindowLayer) and layer.storage.output_projection[layer.slot] is None)
+                and not isinstance(layer, SlidingWindowLayer) and layer.storage.output_projection[layer.plane] is None)
 
     def record_output_projection(self, layer_idx: int, weight: torch.Tensor) -> None:
         """Keep a reference to layer `layer_idx`'s output projection weight [hidden, heads * head_dim]."""
         layer = self.layers[layer_idx]
-        layer.storage.output_projection[layer.slot] = weight
+        layer.storage.output_projection[layer.plane] = weight
 
     def evict(self, drop: bool = True) -> None:
         """Let the policy observe the pass just run, then shrink every over-budget layer to `budget`.
@@ -663,7 +663,7 @@ class EvictingCache(Cache):
     def kv_cache_bytes(self) -> int:
         """Bytes the key and value buffers hold (their allocated capacity, every layer): the real footprint.
 
-        Counted per allocation, so a stack is counted whole, including the slots of a layer that has left it; a
+        Counted per allocation, so a stack is counted whole, including the planes of a layer that has left it; a
         stack placed in a block beside other sequences' (forks, keydiff.batching.blocks) counts its own slot, and
         still counts it after growing into buffers of its own (decoding without eviction, a held suffix): the block
         keeps the slot allocated until every fork of it is gone.

@@ -1,6 +1,6 @@
-"""One layer of an evicting cache as transformers sees it: a view of its slot in a `Storage`.
+"""One layer of an evicting cache as transformers sees it: a view of its plane in a `Storage`.
 
-The layer keeps only what is its own: which storage and slot hold its entries, how many tokens it has been
+The layer keeps only what is its own: which storage and plane hold its entries, how many tokens it has been
 given (`seen`, the absolute position of its next token, what transformers asks `get_seq_length` for), and the
 key tensor it last returned from `update`, by which the attention function recognises this layer's buffer
 (`returned_keys is key`) rather than some other cache's. Entry counts, buffers and statistics live in the storage.
@@ -27,7 +27,7 @@ def refuse_batch_change(held: int | None, given: int) -> None:
 
 
 class EvictingLayer(CacheLayerMixin):
-    """One layer's bounded cache: a slot of a storage (its own, or the stack every layer shares).
+    """One layer's bounded cache: a plane of a storage (its own, or the stack every layer shares).
 
     Built on its own (`EvictingLayer(budget, capacity, ...)`) it has a storage of its own; `EvictingCache`
     builds its layers on the storages it plans.
@@ -45,55 +45,55 @@ class EvictingLayer(CacheLayerMixin):
         entry_state: Callable[[LayerView], dict[str, torch.Tensor]] | None = None,
         layer_idx: int = 0,
         storage: Storage | None = None,
-        slot: int = 0,
+        plane: int = 0,
     ):
         # CacheLayerMixin.__init__ would assign keys/values, which are views of the storage here.
         self.is_initialized = False
         self.layer_idx = layer_idx
         self.storage = storage if storage is not None else Storage((layer_idx,), budget, capacity, state_names,
                                                                    entry_state)
-        self.slot = slot
+        self.plane = plane
         self.seen = 0  # tokens this layer has been given: the absolute position of the next one
         self.returned_keys: torch.Tensor | None = None  # what the last `update` returned (see module docstring)
         self.earlier_allocations = 0  # allocations of storages this layer has left
 
-    def move_to(self, storage: Storage, slot: int, new_buffers: bool) -> None:
-        """Continue in `storage` at `slot` (new_buffers: its buffers are not the ones this layer had)."""
+    def move_to(self, storage: Storage, plane: int, new_buffers: bool) -> None:
+        """Continue in `storage` at `plane` (new_buffers: its buffers are not the ones this layer had)."""
         if new_buffers:
             self.earlier_allocations += self.storage.allocations
-        self.storage, self.slot = storage, slot
+        self.storage, self.plane = storage, plane
 
     # --- what the storage holds for this layer -------------------------------------------------
-    def _slot(self, name: str) -> torch.Tensor | None:
-        return self.storage.slots[self.slot][name] if self.storage.keys is not None else None
+    def _plane(self, name: str) -> torch.Tensor | None:
+        return self.storage.planes[self.plane][name] if self.storage.keys is not None else None
 
     @property
     def keys(self) -> torch.Tensor | None:
         """[batch, kv_heads, capacity, dim]: this layer's key buffer (valid entries first)."""
-        return self._slot("keys")
+        return self._plane("keys")
 
     @property
     def values(self) -> torch.Tensor | None:
-        return self._slot("values")
+        return self._plane("values")
 
     @property
     def positions(self) -> torch.Tensor | None:
         """[batch, kv_heads, capacity] absolute positions of the entries (long)."""
-        return self._slot("positions")
+        return self._plane("positions")
 
     @property
     def state(self) -> dict[str, torch.Tensor]:
         """Policy state buffers, name -> [batch, kv_heads, capacity] float32."""
-        return self.storage.slots[self.slot]["state"] if self.storage.keys is not None else {}
+        return self.storage.planes[self.plane]["state"] if self.storage.keys is not None else {}
 
     @property
     def attention(self) -> torch.Tensor | None:
         """The attention statistic recorded in the last pass [batch, kv_heads, entries], until eviction uses it."""
-        return self.storage.attention[self.slot]
+        return self.storage.attention[self.plane]
 
     @property
     def queries(self):
-        return self.storage.queries[self.slot]
+        return self.storage.queries[self.plane]
 
     @property
     def budget(self) -> int | None:
@@ -145,7 +145,7 @@ class EvictingLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         keys = self.storage.keys
         refuse_batch_change(None if keys is None else keys.shape[1], key_states.shape[0])
-        keys, values = self.storage.write(self.slot, key_states, value_states, self.seen, position)
+        keys, values = self.storage.write(self.plane, key_states, value_states, self.seen, position)
         self.seen += key_states.shape[-2]
         self.returned_keys = keys
         return keys, values
@@ -157,7 +157,7 @@ class EvictingLayer(CacheLayerMixin):
         """
         if layer_idx is not None and layer_idx != self.layer_idx:
             raise ValueError(f"this is layer {self.layer_idx}, not layer {layer_idx}")
-        return self.storage.view(self.slot)
+        return self.storage.view(self.plane)
 
     def evict(self, policy: Policy, inv_freq: torch.Tensor | None = None) -> None:
         """Observe and evict this layer's storage (with every layer that shares it; `inv_freq`: the RoPE
@@ -165,7 +165,7 @@ class EvictingLayer(CacheLayerMixin):
         self.storage.evict(policy, inv_freq)
 
     def record_attention(self, statistic: torch.Tensor | None) -> None:
-        self.storage.attention[self.slot] = statistic
+        self.storage.attention[self.plane] = statistic
 
     def kept_positions(self) -> torch.Tensor:
         """Absolute positions held, [batch, kv_heads, entries], ascending (a copy)."""
@@ -187,7 +187,7 @@ class EvictingLayer(CacheLayerMixin):
         """Keys the next pass attends to, and the offset that makes transformers' causal mask exact.
 
         The next pass sees the entries left after eviction plus its own q tokens. Its queries sit at absolute
-        positions seen..seen+q-1; an offset of seen - entries maps key slot j to j + offset, so "key <= query"
+        positions seen..seen+q-1; an offset of seen - entries maps key index j to j + offset, so "key <= query"
         means: every kept entry, and the new tokens causally (bottom-right).
         """
         kept = self.entries_after_eviction()

@@ -2,7 +2,7 @@
 
 A model placed across several GPUs (`device_map="auto"`, accelerate's big-model placement) or with layers of other
 dtypes gives its layers' keys on their own devices and in their own dtypes; an `EvictingCache` told so
-(`layer_placements`) stacks only the layers of one placement, so that no stack allocates a slot for a layer that
+(`layer_placements`) stacks only the layers of one placement, so that no stack allocates a plane for a layer that
 could not use it. A layer's keys come from its attention module's key projection (or its first parameter).
 """
 

@@ -1,17 +1,17 @@
 """One owner of a bounded cache's tensors: keys, values, positions and policy state of one or several layers.
 
 A `Storage` holds the buffers of `count` layers as [count, batch, kv_heads, capacity(, dim)] tensors and one
-entry count for all of them: its layers (keydiff.cache.layer) are views of their own slot. With count 1 it is
+entry count for all of them: its layers (keydiff.cache.layer) are views of their own plane (index along count). With count 1 it is
 one layer's cache; with every layer in it (the stack) the layers' entries always move together, so eviction
 treats the storage as one layer whose batch rows are every layer's rows: one scoring call, one top-k and one
 move per buffer per step instead of one per layer (what eviction costs on a small model is launch-bound).
 
-Writes. Within a forward pass every layer of a storage writes its q new entries into the same slots, after
+Writes. Within a forward pass every layer of a storage writes its q new entries at the same indices, after
 the kept ones. The first layer to write in a pass (the one whose token count equals the storage's) makes room
-and advances the count and the positions for all; the others write into the slots it reserved.
+and advances the count and the positions for all; the others write where it made room.
 
 Eviction writes nothing proportional to the cache size: the policy chooses the entries to drop and the
-surviving new entries move into the slots of the dropped old ones. Entries therefore sit in no particular
+surviving new entries move into the places of the dropped old ones. Entries therefore sit in no particular
 order; each carries its absolute position.
 """
 
@@ -61,7 +61,7 @@ def empty_buffers(
 
 
 class Storage:
-    """The buffers of the layers `layers` (model layer indices, one slot each) and their one entry count.
+    """The buffers of the layers `layers` (model layer indices, one plane each) and their one entry count.
 
     budget=None: never evicted (the `full` policy, or layers a policy skips); the buffers then grow
     geometrically. capacity: entries the buffers are first allocated for (None: sized from the first write).
@@ -84,17 +84,17 @@ class Storage:
         self.values: torch.Tensor | None = None
         self.positions: torch.Tensor | None = None  # [count, batch, kv_heads, capacity] long
         self.state: dict[str, torch.Tensor] = {}  # name -> [count, batch, kv_heads, capacity] float32
-        self.slots: list[dict[str, torch.Tensor]] = []  # per slot: views "keys", "values", "positions", "state:<name>"
-        # Per slot: the attention statistic of the last pass [batch, kv_heads, entries] and running query moments.
+        self.planes: list[dict[str, torch.Tensor]] = []  # per plane: views "keys", "values", "positions", "state:<name>"
+        # Per plane: the attention statistic of the last pass [batch, kv_heads, entries] and running query moments.
         self.attention: list[torch.Tensor | None] = [None] * len(self.layers)
         self.queries: list[QueryStatistics | None] = [None] * len(self.layers)
-        # Per slot: the layer's o_proj weight, for policies with `needs_output_projection` (a reference, not a copy).
+        # Per plane: the layer's o_proj weight, for policies with `needs_output_projection` (a reference, not a copy).
         self.output_projection: list[torch.Tensor | None] = [None] * len(self.layers)
-        self.num_entries = 0  # valid entries per layer and KV head (the same for every head and slot)
-        self.seen = 0  # tokens written into the first slot: the absolute position of the next one
+        self.num_entries = 0  # valid entries per layer and KV head (the same for every head and plane)
+        self.seen = 0  # tokens written into the first plane: the absolute position of the next one
         self.max_entries = 0  # peak entries per head ever held
         self.allocations = 0  # buffer (re)allocations (1 when the capacity was right)
-        self.fresh: int | None = None  # first slot whose policy state is not set yet (see initialize_state)
+        self.fresh: int | None = None  # first entry whose policy state is not set yet (see initialize_state)
         # While a scratch pass runs (see begin_scratch): (entries, seen, peak) to restore when it ends.
         self.scratch_mark: tuple[int, int, int] | None = None
         self.max_scratch_entries = 0  # peak entries per head during scratch passes (kept + block + scratch)
@@ -128,15 +128,15 @@ class Storage:
 
     def adopt(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
               state: dict[str, torch.Tensor]) -> None:
-        """Use these [count, batch, ...] tensors as the buffers (and cache each slot's views of them)."""
+        """Use these [count, batch, ...] tensors as the buffers (and cache each plane's views of them)."""
         self.keys, self.values, self.positions, self.state = keys, values, positions, state
         self.capacity = keys.shape[3]
         rows = self.count * keys.shape[1]
-        # The slots seen as one layer whose batch rows are every slot's rows (layer-major, then batch).
+        # The planes seen as one layer whose batch rows are every plane's rows (layer-major, then batch).
         self.rows = {"keys": keys.view(rows, *keys.shape[2:]), "values": values.view(rows, *values.shape[2:]),
                      "positions": positions.view(rows, *positions.shape[2:]),
                      "state": {name: s.view(rows, *s.shape[2:]) for name, s in state.items()}}
-        self.slots = [{"keys": keys[i], "values": values[i], "positions": positions[i],
+        self.planes = [{"keys": keys[i], "values": values[i], "positions": positions[i],
                        "state": {name: s[i] for name, s in state.items()}} for i in range(self.count)]
 
     def __deepcopy__(self, memo: dict) -> "Storage":
@@ -147,7 +147,7 @@ class Storage:
         twin = cls.__new__(cls)
         memo[id(self)] = twin
         placed = self.placement is not None and self.keys is not None
-        buffers = ("keys", "values", "positions", "state", "rows", "slots")
+        buffers = ("keys", "values", "positions", "state", "rows", "planes")
         for name, value in self.__dict__.items():
             if name == "placement" or (placed and name in buffers):
                 continue
@@ -189,16 +189,16 @@ class Storage:
             self.allocate(self.keys[0], self.values[0], entries)
 
     def split(self) -> list["Storage"]:
-        """One storage per slot, each on its slot of these buffers and with these entries: what remains of a
+        """One storage per plane, each on its plane of these buffers and with these entries: what remains of a
         stack when one of its layers needs buffers of its own (its layers then evict one by one)."""
         parts = []
-        for slot, layer in enumerate(self.layers):
+        for plane, layer in enumerate(self.layers):
             part = Storage((layer,), self.budget, self.capacity, self.state_names, self.entry_state)
             if self.keys is not None:
-                part.adopt(self.keys[slot : slot + 1], self.values[slot : slot + 1], self.positions[slot : slot + 1],
-                           {name: s[slot : slot + 1] for name, s in self.state.items()})
-            part.attention, part.queries = [self.attention[slot]], [self.queries[slot]]
-            part.output_projection = [self.output_projection[slot]]
+                part.adopt(self.keys[plane : plane + 1], self.values[plane : plane + 1], self.positions[plane : plane + 1],
+                           {name: s[plane : plane + 1] for name, s in self.state.items()})
+            part.attention, part.queries = [self.attention[plane]], [self.queries[plane]]
+            part.output_projection = [self.output_projection[plane]]
             part.num_entries, part.seen, part.max_entries = self.num_entries, self.seen, self.max_entries
             part.allocations, part.fresh = self.allocations, self.fresh
             part.max_scratch_entries = self.max_scratch_entries
@@ -206,12 +206,12 @@ class Storage:
         return parts
 
     # --- writes -------------------------------------------------------------------------------
-    def write(self, slot: int, key_states: torch.Tensor, value_states: torch.Tensor,
+    def write(self, plane: int, key_states: torch.Tensor, value_states: torch.Tensor,
               layer_seen: int, position: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Write one layer's pass [batch, kv_heads, q, dim] after the kept entries; return its valid entries.
 
         layer_seen: the tokens this layer had been given before the pass. The first layer to write in a pass
-        (layer_seen == seen) makes room and writes the positions for every slot, and, for a policy that
+        (layer_seen == seen) makes room and writes the positions for every plane, and, for a policy that
         re-rotates keys, the RoPE positions the new keys were rotated for (from `position`, default the
         absolute one).
         """
@@ -229,7 +229,7 @@ class Storage:
                 first = self.seen if position is None else position
                 self.state[ROTARY_STATE][..., start:needed] = torch.arange(first, first + q, device=key_states.device)
             if self.state and self.fresh is None:
-                self.fresh = start  # their state is set when the storage is next viewed (once for every slot)
+                self.fresh = start  # their state is set when the storage is next viewed (once for every plane)
             self.num_entries, self.seen = needed, self.seen + q
             self.max_entries = max(self.max_entries, needed)
         elif layer_seen + q == self.seen:
@@ -237,10 +237,10 @@ class Storage:
             start = needed - q
         else:
             raise RuntimeError(
-                f"layer {self.layers[slot]} was given tokens {layer_seen}..{layer_seen + q - 1} while the cache is at "
+                f"layer {self.layers[plane]} was given tokens {layer_seen}..{layer_seen + q - 1} while the cache is at "
                 f"token {self.seen}: every layer must see every forward pass, in order"
             )
-        buffers = self.slots[slot]
+        buffers = self.planes[plane]
         keys, values = buffers["keys"], buffers["values"]
         keys[:, :, start:needed] = key_states
         values[:, :, start:needed] = value_states
@@ -250,7 +250,7 @@ class Storage:
         """Set the policy state of the entries written since the last view: the policy's `entry_state` of a
         view of them, else 0.
 
-        Deferred from `write` to here so that it runs once for every slot (and after the forward pass, so that
+        Deferred from `write` to here so that it runs once for every plane (and after the forward pass, so that
         what the attention function recorded, e.g. the output projection, is there).
         """
         start, n = self.fresh, self.num_entries
@@ -262,7 +262,7 @@ class Storage:
         if self.entry_state is not None:
             entries = LayerView(keys=rows["keys"][:, :, start:n], values=rows["values"][:, :, start:n],
                                 positions=rows["positions"][:, :, start:n], attention=None, state={},
-                                layers=self.layers, output_projection=self.slot_output_projection())
+                                layers=self.layers, output_projection=self.plane_output_projection())
             initial = self.entry_state(entries)
         for name, buffer in rows["state"].items():
             if name != ROTARY_STATE:  # written with the entries (`write`)
@@ -291,17 +291,17 @@ class Storage:
         return None if self.scratch_mark is None else self.scratch_mark[0]
 
     # --- views and eviction -------------------------------------------------------------------
-    def view(self, slot: int | None = None) -> LayerView:
-        """The valid entries as a policy sees them, in buffer order: one slot's, or (None) every slot's rows."""
+    def view(self, plane: int | None = None) -> LayerView:
+        """The valid entries as a policy sees them, in buffer order: one plane's, or (None) every plane's rows."""
         self.initialize_state()
         n = self.num_entries
-        projection = self.slot_output_projection(slot)
-        if slot is None:
+        projection = self.plane_output_projection(plane)
+        if plane is None:
             buffers, layers, queries = self.rows, self.layers, (self.queries[0] if self.count == 1 else None)
             attention = self.attention[0] if self.count == 1 else self.stacked_attention()
         else:
-            buffers, layers = self.slots[slot], (self.layers[slot],)
-            attention, queries = self.attention[slot], self.queries[slot]
+            buffers, layers = self.planes[plane], (self.layers[plane],)
+            attention, queries = self.attention[plane], self.queries[plane]
         return LayerView(
             keys=buffers["keys"][:, :, :n],
             values=buffers["values"][:, :, :n],
@@ -313,14 +313,14 @@ class Storage:
             output_projection=projection,
         )
 
-    def slot_output_projection(self, slot: int | None = None) -> torch.Tensor | None:
-        """The o_proj weight of one slot, or (None) of the storage's only slot; None for a stack's rows."""
-        if slot is None:
+    def plane_output_projection(self, plane: int | None = None) -> torch.Tensor | None:
+        """The o_proj weight of one plane, or (None) of the storage's only plane; None for a stack's rows."""
+        if plane is None:
             return self.output_projection[0] if self.count == 1 else None
-        return self.output_projection[slot]
+        return self.output_projection[plane]
 
     def stacked_attention(self) -> torch.Tensor | None:
-        """Every slot's statistic as one [count * batch, kv_heads, entries] tensor (None if none was recorded)."""
+        """Every plane's statistic as one [count * batch, kv_heads, entries] tensor (None if none was recorded)."""
         recorded = [a is not None for a in self.attention]
         if not any(recorded):
             return None
@@ -403,23 +403,23 @@ class Storage:
 def drop_entries(rows: dict, budget: int, n: int, dropped: torch.Tensor) -> None:
     """Remove the entries at `dropped` [rows, kv_heads, n - budget] from buffers holding n valid entries (`rows`:
     "keys", "values", "positions", "state" as [rows, kv_heads, capacity(, dim)] views) by moving surviving tail
-    entries into them; afterwards the first `budget` slots hold the kept entries. A function of the buffers
+    entries into them; afterwards the first `budget` places hold the kept entries. A function of the buffers
     alone, so that the rows of several storages lying side by side (keydiff.batching.blocks) drop in one call.
 
-    With N = budget and n entries, the tail slots N..n-1 are exactly as many as the dropped entries, so
-    every dropped slot below N receives one surviving tail entry: pair the k-th dropped slot with the
-    k-th surviving tail slot (both ascending). Pairs past the survivors land in dropped tail slots.
+    With N = budget and n entries, the tail places N..n-1 are exactly as many as the dropped entries, so
+    every dropped place below N receives one surviving tail entry: pair the k-th dropped place with the
+    k-th surviving tail place (both ascending). Pairs past the survivors land in dropped tail places.
     """
     tail = n - budget
-    if tail == 1:  # decoding: the one new entry moves into the dropped slot (onto itself if it was dropped)
+    if tail == 1:  # decoding: the one new entry moves into the dropped place (onto itself if it was dropped)
         move_entries(rows, torch.full_like(dropped, budget), dropped)
         return
     dropped = dropped.sort(dim=-1).values
-    # Mark the dropped tail slots; dropped slots below the budget all go to one spare column at the end.
+    # Mark the dropped tail places; dropped places below the budget all go to one spare column at the end.
     column = torch.where(dropped >= budget, dropped - budget, tail)
     tail_dropped = torch.zeros(*dropped.shape[:2], tail + 1, dtype=torch.uint8, device=dropped.device)
     tail_dropped.scatter_(-1, column, 1)
-    # Surviving tail slots first (stable: ascending), then the dropped ones.
+    # Surviving tail places first (stable: ascending), then the dropped ones.
     sources = budget + torch.argsort(tail_dropped[..., :tail], dim=-1, stable=True)
     move_entries(rows, sources, dropped)
 

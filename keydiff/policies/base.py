@@ -16,7 +16,7 @@ running statistics of the layer's queries (`needs_queries`, Expected Attention).
 PyramidKV schedule). The full contract, with an example policy written outside this package, is in
 docs/policies.md ("Your own policy", "The policy contract") and examples/my_policy.py.
 
-Entries are in no particular order (the cache moves new entries into the slots of evicted ones, so that it
+Entries are in no particular order (the cache moves new entries into the places of evicted ones, so that it
 never copies the whole cache): a policy that needs recency or adjacency reads `positions`.
 """
 
@@ -79,24 +79,24 @@ class LayerView:
 @dataclass
 class PoolView:
     """Rows of head-adaptive pools as a policy scores them in one call (keydiff.cache.adaptive): in each row
-    [P slots], every KV head owns a contiguous segment of entries and the other slots are free.
+    [P cells], every KV head owns a contiguous segment of entries and the other cells are free.
 
     A row is one batch row of one layer; the cache stacks the rows of every layer of the same pool size, so a
     decoding step scores all layers at once, as the uniform cache's stack does. Only policies with
-    `scores_pools` are given one; free slots hold finite values (the pools are zero-filled when allocated)
+    `scores_pools` are given one; free cells hold finite values (the pools are zero-filled when allocated)
     and whatever is scored there is ignored.
     """
 
     keys: torch.Tensor  # [rows, P, head_dim], as cached
-    positions: torch.Tensor  # [rows, P] long (free slots: anything)
+    positions: torch.Tensor  # [rows, P] long (free cells: anything)
     state: dict[str, torch.Tensor]  # name -> [rows, P] float32, as in LayerView
-    member: torch.Tensor  # bool [rows, kv_heads, P]: slot p holds an entry of head h
-    owner: torch.Tensor  # long [rows, P]: the head whose entry slot p holds (any head for a free slot)
+    member: torch.Tensor  # bool [rows, kv_heads, P]: cell p holds an entry of head h
+    owner: torch.Tensor  # long [rows, P]: the head whose entry cell p holds (any head for a free cell)
     counts: torch.Tensor  # long [rows, kv_heads]: entries each head holds
 
     @cached_property
     def valid(self) -> torch.Tensor:
-        """bool [rows, P]: the slots that hold an entry (computed once: the selection and the cache both read it)."""
+        """bool [rows, P]: the cells that hold an entry (computed once: the selection and the cache both read it)."""
         return self.member.any(dim=1)
 
 
@@ -401,9 +401,9 @@ def most_recent(layer: LayerView, count: int) -> torch.Tensor:
 
 
 def window_size(fraction: float, budget: int) -> int:
-    """Number of budget slots a `fraction` of the budget reserves for the most recent tokens (floor).
+    """Number of budget entries a `fraction` of the budget reserves for the most recent tokens (floor).
 
-    The epsilon keeps float noise from losing a slot: int(0.57 * 100) is 56, this gives 57.
+    The epsilon keeps float noise from losing an entry: int(0.57 * 100) is 56, this gives 57.
     """
     return math.floor(fraction * budget + 1e-9)
 
@@ -412,7 +412,7 @@ def check_fraction(name: str, value: float, budget: int | None = None) -> None:
     if not 0.0 <= value < 1.0:
         raise ValueError(f"{name} must be in [0, 1), got {value}")
     if budget is not None and value > 0 and window_size(value, budget) == 0:
-        logger.warning("%s=%s of a %d-token budget reserves no slot (floor); the window is empty", name, value, budget)
+        logger.warning("%s=%s of a %d-token budget reserves no entry (floor); the window is empty", name, value, budget)
 
 
 __all__ = ["LayerView", "Policy", "PoolView", "check_scores", "layer_by_layer", "most_recent", "window_size", "check_fraction", "field"]

@@ -3,7 +3,7 @@
 Each forward pass adds the column sums of its attention (every query row of the block, averaged over
 the query heads of each KV group, paper §F.2) to the entry's accumulated score; survivors keep
 accumulating, passes that evict nothing included. The paper gives a recent window to SnapKV only (§F.2),
-so by default no slot is reserved (recent_fraction 0). The original H2O splits the budget between heavy
+so by default no entry is reserved (recent_fraction 0). The original H2O splits the budget between heavy
 hitters and recent tokens in equal shares: `policy=h2o_recent` (recent_fraction 0.5), a RecentWindow around
 this policy (keydiff.policies.wrappers).
 """

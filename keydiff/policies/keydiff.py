@@ -63,8 +63,8 @@ def cosine_to_segment_means(keys: torch.Tensor, pool: PoolView, normalized: bool
                             inv_norms: torch.Tensor) -> torch.Tensor:
     """`cosine_to_mean` for every head of every row of head-adaptive pools at once: cos(k, anchor of its head)
     [rows, P]. keys [rows, P, d] float32; inv_norms [rows, P]. Each head's anchor is a weighted sum over its
-    own slots (weight 0 elsewhere) divided by its count, the same as `cosine_to_mean` on the head alone up to
-    the order of the additions; the free slots' scores mean nothing."""
+    own cells (weight 0 elsewhere) divided by its count, the same as `cosine_to_mean` on the head alone up to
+    the order of the additions; the free cells' scores mean nothing."""
     weights = torch.where(pool.member, inv_norms[:, None, :], 0.0) if normalized else pool.member.to(keys.dtype)
     anchors = (weights @ keys) / pool.counts.clamp_min(1)[..., None].to(keys.dtype)  # [rows, heads, d]
     dots = (keys @ anchors.transpose(1, 2)).gather(2, pool.owner[..., None]).squeeze(2)  # [rows, P]

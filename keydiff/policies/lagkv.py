@@ -24,7 +24,7 @@ newest entries are kept (as the original does). If the budget cannot hold the si
 
 Why this one (issue #9, part 3): it is attention-free (fused kernels, no attention rows), keeps the same
 number of entries in every head (the cache's dense [batch, kv_heads, n] buffers and the N + B bound hold
-as they are; AdaKV's per-head budgets would need padded, masked slots), and it was designed to compress a
+as they are; AdaKV's per-head budgets would need padded, masked cells), and it was designed to compress a
 stream partition by partition, which is what block-wise prefill feeds it.
 
 Defaults: n_sink 4, lag_size 128 (kvpress's LagKVPress; the authors' cache defaults to 16 and 1024).
