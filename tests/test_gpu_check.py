@@ -87,3 +87,33 @@ def test_two_gpu_check_runs_split_over_the_cpu():
     row = gpu_check.check_two_gpus(gpu_check.QUICK_SIZES["random-tiny"], ("cpu", "cpu"), "random-tiny", torch.float32)
     assert row.result == "PASS", row.detail
     assert "stacks [('cpu', 3)]" in row.detail
+
+
+def test_gpu_bench_quick_runs_every_row_group(tmp_path, capsys):
+    """make gpu-bench's every row group at tiny sizes (the code paths the GPU run takes, not its numbers): each
+    writes its rows, with provenance, and the fixed-shape step gives the ordinary step's tokens."""
+    from keydiff.bench import gpu_bench
+
+    torch.set_num_threads(1)
+    out = tmp_path / "bench.json"
+    code = gpu_bench.main(["--quick", "--json", str(out)])
+    record = json.loads(out.read_text())
+    rows = record["rows"]
+    assert code == 0 and not [r for r in rows if "error" in r], capsys.readouterr().out
+    assert {r["row"] for r in rows} == {"decode", "prefill", "exact", "serving"}
+    assert {"keydiff fixed", "keydiff ordinary", "full (ours)", "transformers eager DynamicCache"} <= {
+        r["case"] for r in rows if r["row"] == "decode"}
+    exact = [r for r in rows if r["row"] == "exact"]
+    assert exact and all(r["identical"] == r["of"] for r in exact)  # on CPU every row is exact
+    assert all(r["seconds"] > 0 for r in rows if r["row"] == "prefill")
+    assert "code" in record and record["command"].startswith("python -m keydiff.bench.gpu_bench")
+
+
+def test_gpu_bench_refuses_a_machine_without_cuda_unless_quick(capsys):
+    from keydiff.bench import gpu_bench
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(SystemExit):
+        gpu_bench.main([])
+    assert "no CUDA device here" in capsys.readouterr().err
