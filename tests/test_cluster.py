@@ -416,4 +416,10 @@ def test_summary_provenance_is_the_one_record(tmp_path, tiny, monkeypatch):
     assert time.strptime(summary["written_at"], provenance.TIME_FORMAT)
     # the sample loop's wall time (batch 1 vs batch 8 comparisons read it) and when the invocation started
     assert summary["started_at"] == record["time"] and summary["samples_wall_s"] > 0
-    assert runner.run(make_cfg(tmp_path), tmp_path / "run")["samples_wall_s"] is None  # resumed: nothing ran
+    (entry,) = summary["invocations"]  # the one invocation that computed the rows, named on each of them
+    assert entry["started_at"] == record["time"] and entry["code"] == provenance.code_label(record["code"])
+    assert {row["invocation"] for row in rows_of(tmp_path / "run")} == {entry["id"]}
+    written = json.loads((tmp_path / "run" / "summary.json").read_text())
+    runner.run(make_cfg(tmp_path), tmp_path / "run")  # resumed, nothing to run: the record stays the first's
+    again = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert {key: value for key, value in again.items() if key != "last_checked_at"} == written

@@ -24,7 +24,8 @@ from tests.conftest import LengthsTask
 from tests.test_cluster import make_cfg, rows_of, tiny  # noqa: F401  (tiny: the fixture)
 
 LENGTHS = [30, 100, 45, 70, 20]  # 5 samples, unsorted lengths
-TIMING = {"ttft_s", "decode_s", "peak_memory_bytes"}  # per-sample measurements, not results
+# per-sample measurements, and the invocation that computed the row (keydiff.run.invocations): not results
+TIMING = {"ttft_s", "decode_s", "peak_memory_bytes", "invocation"}
 TIMING_STATISTICS = {"mean_ttft_s", "mean_decode_s", "max_peak_memory_bytes"}
 
 
@@ -135,6 +136,13 @@ def test_shards_merge_to_exactly_the_unsharded_rows_and_metrics(tmp_path, tiny):
     assert json.loads((point / "run_config.json").read_text()) == json.loads(
         (Path(whole["run_dir"]) / "run_config.json").read_text())
     assert [s["shard"] for s in merged["shards"]["shards"]] == ["1/3", "2/3", "3/3"]
+    # every shard's invocation survives the merge, and still names the rows it computed
+    entries = merged["invocations"]
+    assert [e["shard"] for e in entries] == ["1/3", "2/3", "3/3"] and [e["rows"] for e in entries] == [2, 2, 1]
+    assert [e["id"] for e in entries] == [p["invocations"][0]["id"] for p in (parts[1], parts[2], parts[0])]
+    assert {r["invocation"] for r in merged_rows} == {e["id"] for e in entries}
+    assert merged["samples_wall_s"] == pytest.approx(sum(e["samples_wall_s"] for e in entries))
+    assert merged["batch_size"] == 1 and merged["threads"] == parts[0]["threads"]
 
     # a second collect changes nothing; the report has one row for the point, none for its shards
     assert [o.state for o in merge_all(tmp_path / "runs")] == [UP_TO_DATE]

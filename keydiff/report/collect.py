@@ -9,6 +9,10 @@ need predictions.jsonl). Columns:
 
   experiment task model policy policy_name budget budget_label block_size seed  - what ran
   attention_statistics attn_implementation limit complete samples run_dir      - how, how much
+  batch_size invocations     how the rows were computed (summary.json's invocations, keydiff.run.invocations):
+                             the batch size of every invocation that computed rows, or "mixed: 1, 8" when
+                             they differ; how many invocations (empty: a summary from before they were
+                             recorded, whose fields describe only its last invocation)
   num_failed failures/<reason>  samples that failed (out of memory, too long, ...): summary.json's
                              num_failed / failures; runs written before these keys existed count 0
   mean_compression_ratio mean_ttft_s mean_prompt_tokens cache_bound_held       - run statistics
@@ -41,6 +45,7 @@ import pandas as pd
 
 from keydiff.paper.registry import LONGBENCH, baseline_experiment
 from keydiff.report.render import grouped_mean_se, standard_error
+from keydiff.run import invocations
 from keydiff.run.checks import ArgumentParser
 from keydiff.run.results import is_moved_aside, run_summaries, successful_rows
 from keydiff.run.shard_merge import UP_TO_DATE, grid_point_summaries, merge_all
@@ -48,7 +53,8 @@ from keydiff.run.tracking import HEADLINE, flatten
 
 PRIMARY = {family: (metric,) for family, (_, metric) in HEADLINE.items()}  # the `score` column per task family
 ID_COLUMNS = ["experiment", "task", "model", "policy", "policy_name", "budget", "budget_label", "block_size", "seed",
-              "attention_statistics", "attn_implementation", "limit", "complete", "samples", "num_failed",
+              "attention_statistics", "attn_implementation", "batch_size", "invocations", "limit", "complete", "samples",
+              "num_failed",
               "mean_compression_ratio", "mean_ttft_s", "mean_prompt_tokens", "cache_bound_held", "score", "run_dir"]
 
 
@@ -148,6 +154,8 @@ def run_record(summary_path: Path, runs: Path) -> dict:
         "seed": cfg.get("seed"),
         "attention_statistics": summary.get("attention_statistics"),
         "attn_implementation": cfg.get("model", {}).get("attn_implementation"),
+        "batch_size": invocations.batch_size(summary),
+        "invocations": len(summary["invocations"]) if summary.get("invocations") is not None else None,
         "limit": summary.get("limit", cfg.get("task", {}).get("limit")),
         "complete": summary.get("complete"),
         "samples": summary.get("num_samples", stats.get("samples")),  # rows scored (failed ones excluded)

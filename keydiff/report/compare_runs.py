@@ -3,8 +3,11 @@ every prediction is identical, listing each sample that differs.
 
     python -m keydiff.report.compare_runs RUN_DIR_A RUN_DIR_B [--tokenizer smollm2-135m]
 
-Wall time is each summary's `samples_wall_s` (the sample loop of the run's last invocation; model load and
-warm-up excluded; a run resumed after a stop counts only its last invocation, so compare runs made in one go).
+Wall time is the time each run's sample loops took (model load and warm-up excluded), summed over the invocations
+that computed its rows (summary.json's `invocations`, keydiff.run.invocations; a re-run that computed nothing adds
+nothing). No ratio is given, with the reason, where a run's rows were computed at different batch sizes or
+threads, or an invocation recorded no wall time (summaries from before invocations were recorded: a later
+re-run that computed nothing replaced theirs).
 A differing sample is listed with the character offset of its first difference and, with --tokenizer, the
 position of the first differing token. The logit gap at that token needs the model (teacher-force the prompt
 and the common prefix at batch 1); this tool does not load it.
@@ -17,6 +20,8 @@ import json
 import sys
 from pathlib import Path
 from typing import Any
+
+from keydiff.run import invocations
 
 
 def load_run(run_dir: str | Path) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
@@ -52,7 +57,8 @@ def compare(dir_a: str | Path, dir_b: str | Path, tokenizer=None) -> dict[str, A
     differing ones (sample_id, char offset, token position when a tokenizer is given, both texts from there)."""
     summary_a, rows_a = load_run(dir_a)
     summary_b, rows_b = load_run(dir_b)
-    wall_a, wall_b = summary_a.get("samples_wall_s"), summary_b.get("samples_wall_s")
+    side_a, side_b = run_side(dir_a, summary_a), run_side(dir_b, summary_b)
+    wall_a, wall_b = side_a["samples_wall_s"], side_b["samples_wall_s"]
     shared = [sid for sid in rows_a if sid in rows_b]
     differing = []
     for sid in shared:
@@ -63,11 +69,27 @@ def compare(dir_a: str | Path, dir_b: str | Path, tokenizer=None) -> dict[str, A
             if tokenizer is not None:
                 entry["token"] = first_token_difference(tokenizer, text_a, text_b)
             differing.append(entry)
-    return {"a": {"run_dir": str(dir_a), "batch_size": summary_a.get("batch_size"), "samples_wall_s": wall_a},
-            "b": {"run_dir": str(dir_b), "batch_size": summary_b.get("batch_size"), "samples_wall_s": wall_b},
+    return {"a": side_a, "b": side_b,
             "wall_ratio": wall_b / wall_a if wall_a and wall_b is not None else None,
             "samples": len(shared), "only_in_a": len(set(rows_a) - set(rows_b)),
             "only_in_b": len(set(rows_b) - set(rows_a)), "differing": differing}
+
+
+def run_side(run_dir: str | Path, summary: dict[str, Any]) -> dict[str, Any]:
+    """One run's side of the comparison: batch size ("mixed: 1, 8" when its invocations differ), its sample loops'
+    wall time (None, and `wall_note` saying why, where no sum would time one setting) and its invocations."""
+    wall, note = invocations.wall_time(summary)
+    return {"run_dir": str(run_dir), "batch_size": invocations.batch_size(summary), "samples_wall_s": wall,
+            "wall_note": note, "invocations": invocations.recorded(summary)}
+
+
+def describe_invocation(entry: dict[str, Any]) -> str:
+    """'batch 8, threads 2, 3 rows, 4.12 s, started 2026-11-24T10:45:48+0000' (what the text output lists)."""
+    wall = entry.get("samples_wall_s")
+    rows = "? rows" if entry.get("rows") is None else f"{entry['rows']} rows"
+    return (f"batch {entry.get('batch_size')}, threads {entry.get('threads')}, {rows}, "
+            f"{'no wall time' if wall is None else f'{wall:.2f} s'}, started {entry.get('started_at')}"
+            + (f", {entry['source']}" if entry.get("source") != invocations.ITSELF else ""))
 
 
 def load_tokenizer(name: str):
@@ -98,8 +120,13 @@ def main(argv: list[str] | None = None) -> int:
     for side in ("a", "b"):
         run = record[side]
         print(f"{side}: batch_size={run['batch_size']} samples_wall_s={run['samples_wall_s']} {run['run_dir']}")
+        if len(run["invocations"]) > 1:
+            for index, entry in enumerate(run["invocations"], 1):
+                print(f"  invocation {index}: {describe_invocation(entry)}")
     ratio = record["wall_ratio"]
-    print(f"wall time b / a: {'-' if ratio is None else f'{ratio:.3f}'}")
+    why = "; ".join(f"{side}: {record[side]['wall_note']}" for side in ("a", "b") if record[side]["wall_note"])
+    shown = "-" if ratio is None else f"{ratio:.3f}"
+    print(f"wall time b / a: {shown}" + (f" ({why})" if ratio is None and why else ""))
     print(f"samples in both: {record['samples']} (only in a: {record['only_in_a']}, only in b: {record['only_in_b']})")
     if not record["differing"]:
         print("predictions: all identical")

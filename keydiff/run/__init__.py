@@ -3,6 +3,7 @@
     runner       one run: plan (checked before the model loads), prefill + decode every sample, summary
     checks       the one configuration check (torch-free), the command-line check, the Hub probe
     results      the run directory's files: the one predictions reader, append-only rows, atomic summary
+    invocations  which invocation computed which rows (summary.json's `invocations`; no torch)
     lock         one writer per run directory
     preemption   stopping cleanly on SLURM's signals
     tracking     the Weights & Biases mirror of a run

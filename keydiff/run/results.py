@@ -4,8 +4,10 @@ A run directory holds:
   run_config.json    the resolved configuration that produced it (checked on every resume)
   predictions.jsonl  one JSON object per finished sample, appended whole (one write) and fsynced one at a
                      time; a sample that could not run is a row with "status": "failed" (see keydiff.run.runner)
-  summary.json       metrics + provenance (config, git commit, package versions, data hashes),
-                     rewritten atomically (temp file + rename) at the end of every invocation
+  summary.json       metrics + provenance (config, git commit, package versions, data hashes) and the
+                     invocations that wrote the rows (keydiff.run.invocations), rewritten atomically (temp
+                     file + rename) by every invocation that wrote rows; one that wrote none changes only
+                     `last_checked_at` (or writes the summary where it is missing or older than the rows)
   .lock              the one process writing the directory (keydiff.run.lock)
 A crash can at worst leave a partial last line in predictions.jsonl; `ResultStore` drops exactly that
 line on the next start and keeps every complete one. A failed write (full disk, quota) is undone at once:
@@ -177,6 +179,14 @@ class ResultStore:
         path = self.dir / "summary.json"
         atomic_write_json(path, summary)
         return path
+
+    def read_summary(self) -> dict[str, Any] | None:
+        """The summary.json an earlier invocation wrote, or None (none yet, or not readable JSON)."""
+        try:
+            summary = json.loads((self.dir / "summary.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+        return summary if isinstance(summary, dict) else None
 
 
 # ------------------------------------------------------------------------------- the one predictions reader

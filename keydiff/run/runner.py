@@ -13,6 +13,9 @@ A run survives what a cluster does to it:
     (keydiff.run.preemption); the next start resumes.
   * one process writes a run directory at a time (keydiff.run.lock; taken once: here, or by run.py before
     it imports torch).
+  * each invocation that writes rows names itself on them and in summary.json's `invocations` (command, batch
+    size, threads, commit, wall time: keydiff.run.invocations); one that finds nothing to do changes only the
+    summary's `last_checked_at`.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from tqdm.auto import tqdm
 from keydiff.engine import check_budget, generate, prefill, resolve_block_size
 from keydiff.models import ModelConfig, eos_token_ids, load_model, model_provenance
 from keydiff.policies import Policy, build_policy
-from keydiff.run import memory, shards, tracking
+from keydiff.run import invocations, memory, shards, tracking
 from keydiff.run.checks import check_run_config
 from keydiff.run.lock import RunLock
 from keydiff.run.preemption import Preempted, StopSignals
@@ -432,6 +435,7 @@ def execute(cfg: DictConfig, plan: RunPlan, samples: list, run_dir: str | Path,
         tracker = tracking.start(cfg, store.dir, store.rows)
         record = provenance_record()  # code, packages, environment: taken once, when the run starts
         code = code_label(record["code"])  # on every row: a resumed run may span commits
+        invocation = invocations.start(record, int(cfg.get("batch_size", 1)), threads)  # its id goes on every row
         provenance = None
         loop_start = None
         try:
@@ -446,19 +450,24 @@ def execute(cfg: DictConfig, plan: RunPlan, samples: list, run_dir: str | Path,
                 loop_start = time.perf_counter()
                 for row in tqdm(sample_rows(plan, model, tokenizer, stop_ids, todo, cfg, code, signals),
                                 total=len(todo), desc=f"{plan.task.name}/{plan.policy_name}", unit="sample"):
-                    row = {**row, "threads": threads}
+                    row = {**row, "threads": threads, invocations.ROW_KEY: invocation["id"]}
                     store.append(row)
                     tracker.log_row(row)
                     signals.check()  # a signal during the write stops here, after the row is whole
         except Preempted as stop:
             log.warning("%s: stopping after %d rows; the next start resumes", stop, len(store.rows))
-            write_summary(cfg, plan, samples, store, record, provenance, threads, stopped_by=str(stop),
-                          samples_wall_s=None if loop_start is None else time.perf_counter() - loop_start)
+            invocation.update(stopped_by=str(stop), samples_wall_s=seconds_since(loop_start))
+            record_invocation(cfg, plan, samples, store, record, provenance, invocation)
             raise
-        summary = write_summary(cfg, plan, samples, store, record, provenance, threads,
-                                samples_wall_s=None if loop_start is None else time.perf_counter() - loop_start)
+        invocation["samples_wall_s"] = seconds_since(loop_start)
+        summary = record_invocation(cfg, plan, samples, store, record, provenance, invocation)
         tracker.finish(summary)
     return summary
+
+
+def seconds_since(start: float | None) -> float | None:
+    """Wall time of the sample loop started at `start` (time.perf_counter), None when it never started."""
+    return None if start is None else time.perf_counter() - start
 
 
 def sample_rows(plan: RunPlan, model, tokenizer, stop_ids, todo: list, cfg: DictConfig, code, signals):
@@ -479,23 +488,41 @@ def sample_rows(plan: RunPlan, model, tokenizer, stop_ids, todo: list, cfg: Dict
         yield process_sample(plan, model, tokenizer, stop_ids, sample, cfg, code, signals)
 
 
-def write_summary(cfg, plan: RunPlan, samples, store: ResultStore, record: dict[str, Any], provenance, threads: int,
-                  stopped_by: str | None = None, data: dict[str, str] | None = None,
-                  samples_wall_s: float | None = None) -> dict[str, Any]:
-    """Metrics over the successful samples, plus how many failed and why, and everything needed to reproduce
-    (`record`: keydiff.run.provenance.provenance_record, taken when the run started; `data`: the task's
-    data_sources, recorded by the runs a merge of shards reads, keydiff.run.shard_merge; `samples_wall_s`: wall
-    time of this invocation's sample loop, model load and warm-up excluded, None when it ran no sample)."""
+def record_invocation(cfg, plan: RunPlan, samples, store: ResultStore, record: dict[str, Any], provenance,
+                      invocation: dict[str, Any]) -> dict[str, Any]:
+    """summary.json once this invocation ends (or stops): rewritten with its entry appended to the run's
+    invocations when it wrote rows (keydiff.run.invocations). One that wrote none changes nothing but
+    `last_checked_at`, so a re-run that finds every sample done never replaces how the rows were computed
+    (batch size, wall time, command) with its own settings; it writes the summary only where it is missing or
+    older than the rows (a process killed before writing its own)."""
+    previous = store.read_summary()
+    wrote = any(row.get(invocations.ROW_KEY) == invocation["id"] for row in store.rows)
+    if not wrote and previous is not None and invocations.covers(previous, store.rows):
+        summary = {**previous, "last_checked_at": timestamp()}
+        store.write_summary(summary)
+        return summary
+    invocation = {**invocation, "finished_at": timestamp()}
+    return write_summary(cfg, plan, samples, store, record, provenance,
+                         invocations.history(previous, store.rows, invocation))
+
+
+def write_summary(cfg, plan: RunPlan, samples, store: ResultStore, record: dict[str, Any], provenance,
+                  entries: list[dict[str, Any]], data: dict[str, str] | None = None) -> dict[str, Any]:
+    """Metrics over the successful samples, plus how many failed and why, the invocations that computed the
+    rows (`entries`: keydiff.run.invocations.history), and everything needed to reproduce (`record`:
+    keydiff.run.provenance.provenance_record of the invocation writing it; `data`: the task's data_sources,
+    recorded by the runs a merge of shards reads, keydiff.run.shard_merge)."""
     wanted = {s.id for s in samples}
     # In the task's sample order, whatever order the rows were written in (batched runs write them as samples finish).
     by_id = store.latest_rows()
     latest = [by_id[s.id] for s in samples if s.id in by_id]
     rows = [row for row in latest if succeeded(row)]
     failures = Counter(row.get("failure_reason", "unknown") for row in latest if is_failed(row))
+    run = invocations.run_fields(entries)
     summary = {
         "run_dir": str(store.dir),
         "complete": wanted <= store.done_ids,
-        "stopped_by": stopped_by,  # the signal that ended this invocation early, else None
+        "stopped_by": run["stopped_by"],  # the signal that ended the last invocation early, else None
         "limit": cfg.task.get("limit"),  # task.limit of this run; None = every sample
         "num_samples": len(rows),  # samples the metrics cover
         "num_failed": sum(failures.values()),
@@ -509,10 +536,12 @@ def write_summary(cfg, plan: RunPlan, samples, store: ResultStore, record: dict[
         "attention_statistics": plan.statistics,
         "decode_eviction": plan.decode_eviction,
         "query_aware": plan.query_aware,
-        "threads": threads,
-        "batch_size": int(cfg.get("batch_size", 1)),  # sequences decoding together (1: one sample at a time)
-        "samples_wall_s": samples_wall_s,  # this invocation only: a resumed run's earlier invocations are not in it
-        "started_at": record.get("time"),  # when this invocation started (before the model load)
+        # The run's, from its invocations: null where they differ (each invocation lists its own).
+        "threads": run["threads"],
+        "batch_size": run["batch_size"],  # sequences decoding together (1: one sample at a time)
+        "samples_wall_s": run["samples_wall_s"],  # the invocations' sample loops, summed (null: one not recorded)
+        "started_at": run["started_at"],  # when the first invocation started (before its model load)
+        "invocations": entries,  # each invocation that wrote rows; a row's "invocation" names its id
         "max_prompt_tokens": cfg.get("max_prompt_tokens"),
         "config": OmegaConf.to_container(cfg, resolve=True),
         "code": {**record["code"], "row_commits": sorted({str(row.get("code")) for row in rows})},

@@ -11,7 +11,9 @@ sample exactly once), the point's own files are written as an unsharded run writ
   run_config.json    the configuration every shard recorded (`shard` is no part of it)
   summary.json       keydiff.run.runner.write_summary over those rows: metrics and statistics computed exactly
                      as for one unsharded run; code, packages, environment and model of shard 1, data hashes
-                     (equal in every shard), plus "shards": what was merged (each shard's code, host, time)
+                     (equal in every shard), the invocations of every shard (each with its `shard`; their
+                     samples_wall_s summed at the top level: compute time, not elapsed time, as shards run
+                     side by side), plus "shards": what was merged (each shard's code, host, time)
   shards/merged.json the merge record: which shards, and the sha256 of the predictions it wrote
 
 Nothing is merged while a shard is missing or partial: the grid point has no result, so no table or figure
@@ -31,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from keydiff.run import invocations
 from keydiff.run.lock import RunLock, RunLockedError
 from keydiff.run.provenance import timestamp
 from keydiff.run.results import (PREDICTIONS, ConfigMismatchError, ResultStore, ResultWriteError, atomic_write_bytes,
@@ -194,8 +197,12 @@ def write_merge(point: Path, states: list[ShardState], rows: list[dict[str, Any]
     samples = [Sample(row["sample_id"], {}) for row in rows]
     taken = {key: first.get(key) for key in ("packages", "environment")}  # what provenance_record gives a run
     taken["code"] = {key: value for key, value in (first.get("code") or {}).items() if key != "row_commits"}
-    return runner.write_summary(cfg, plan, samples, store, taken, first.get("model"), first.get("threads"),
-                                data=first.get("data"))
+    # Every shard's invocations, each counting the rows it computed among the merged ones (a retried failure's
+    # earlier row stays in its shard's file): the rows' "invocation" ids still name them.
+    entries = [{**entry, "shard": state.shard.spec}
+               for state, summary in zip(states, summaries)
+               for entry in invocations.history(summary, list(state.rows.values()))]
+    return runner.write_summary(cfg, plan, samples, store, taken, first.get("model"), entries, data=first.get("data"))
 
 
 def merge_point(point: Path) -> Outcome:

@@ -23,7 +23,7 @@ from hydra.errors import HydraException
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from keydiff.run import shards
+from keydiff.run import invocations, shards
 from keydiff.run.checks import hub_unreachable
 from keydiff.run.results import is_failed, latest_rows, read_rows, succeeded
 
@@ -104,20 +104,22 @@ def point_status(run_dir: Path, sample_ids: set[str] | None) -> PointStatus:
 
 
 def batched_note(run_dir: Path, rows: Iterable[dict]) -> str:
-    """'batch_size 8 (mean 5.0 per pass, 0.548 s/token)' for a run whose sequences decoded together (the summary's
-    batch_size, else the rows' largest mean batch; the rows' mean decode_batch_size and decode_s_per_token),
-    '' for a run at batch 1 (rows without those fields are from before batching: batch 1)."""
+    """'batch_size 8 (mean 5.0 per pass, 0.548 s/token)' for a run whose sequences decoded together: the batch
+    size of the invocations that computed its rows (summary.json's `invocations`, keydiff.run.invocations;
+    'batch_size mixed: 1, 8' when they differ), else the rows' largest mean batch; the rows' mean decode_batch_size
+    and decode_s_per_token. '' for a run at batch 1 (rows without those fields are from before batching: batch 1)."""
     rows = [row for row in rows if succeeded(row) and "decode_batch_size" in row]
     sizes = [float(row["decode_batch_size"]) for row in rows]
     per_token = [float(row["decode_s_per_token"]) for row in rows if row.get("decode_s_per_token")]
     try:
-        configured = json.loads((Path(run_dir) / "summary.json").read_text(encoding="utf-8")).get("batch_size")
+        summary = json.loads((Path(run_dir) / "summary.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        configured = None
+        summary = None
+    configured = invocations.batch_size(summary if isinstance(summary, dict) else None)
     largest = configured if configured is not None else (round(max(sizes)) if sizes else 1)
-    if int(largest) <= 1:
+    if isinstance(largest, (int, float)) and int(largest) <= 1:
         return ""
-    note = f"batch_size {int(largest)}"
+    note = f"batch_size {largest if isinstance(largest, str) else int(largest)}"
     if sizes:
         note += f" (mean {sum(sizes) / len(sizes):.1f} per pass"
         note += f", {sum(per_token) / len(per_token):.3g} s/token)" if per_token else ")"
