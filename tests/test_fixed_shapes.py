@@ -177,3 +177,25 @@ def test_the_step_compiles_as_one_graph_and_never_recompiles(model, name, q):
             a, b = compiled.run(ids, positions, active), eager.run(ids, positions, active)
             torch.testing.assert_close(a, b)
     assert counter.frame_count == 1, counter.frame_count
+
+
+def test_a_block_whose_going_rows_change_policy_gets_a_step_of_that_policy(model, monkeypatch):
+    """Two plain KeyDiff sequences start a block of two slots and decode in fixed shapes; the short one stops and a
+    KeyDiff sequence in a recent window takes its slot (same buffers); once the other plain one stops, only the
+    windowed row goes, in fixed shapes: it must be evicted by its own policy, not by the step built for the
+    plain rows (which keeps no window). Each gives what it gives alone."""
+    calls = counting(monkeypatch)
+    policies = [build_policy("keydiff"), build_policy("keydiff"), build_policy("keydiff", window_fraction=0.75)]
+    lengths = [10, 3, 24]
+
+    def states():
+        return [prefill(model, ids, p, BUDGET, BLOCK) for ids, p in zip(prompts((90, 75, 130)), policies)]
+
+    expected = [(generate(model, s, n).token_ids[0], kept(s.cache)) for s, n in zip(states(), lengths)]
+    batch = states()
+    got = dict(keydiff.generate_batch(model, [keydiff.Request(s, n, key=i) for i, (s, n) in
+                                              enumerate(zip(batch, lengths))], 2))
+    assert batch[2].cache.stack.placement.slot == 1  # the windowed sequence took the stopped one's slot
+    assert sum(width == 2 for width, _ in calls) > 14  # plain rows, then the windowed row alone, in fixed shapes
+    for key, (tokens, positions) in enumerate(expected):
+        assert got[key].token_ids[0] == tokens and kept(batch[key].cache) == positions, key

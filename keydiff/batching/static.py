@@ -49,7 +49,8 @@ def eligible(caches: list[EvictingCache], q: int = 1) -> bool:
     if not policy.capturable:
         return False
     for cache in caches:
-        if not poolable(cache) or cache.policy != policy or not cache.evicts_next_pass() or cache._scratch:
+        if (not poolable(cache) or cache.policy != policy or not cache.evicts_next_pass() or cache._scratch
+                or cache.profile):  # a profiled run times its statistics and evictions apart: the ordinary step
             return False
         stack = cache.stack
         if stack.num_entries != stack.budget or stack.capacity < stack.budget + q or stack.fresh is not None:

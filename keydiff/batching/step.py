@@ -113,8 +113,11 @@ class Stepper:
         else:
             return None
         step = self.steps.get(owner)
-        if step is None or step.source is not owner_keys(owner):
-            step = StaticStep(self.model, make(), caches[0].policy, caches[0].stack.budget)
+        policy, budget = caches[0].policy, caches[0].stack.budget
+        # Built for these buffers, this policy and N: a stack may have moved to other buffers, and a block's rows
+        # of another policy (a neighbour that joined its slots) may be the ones going now.
+        if step is None or step.source is not owner_keys(owner) or step.policy != policy or step.budget != budget:
+            step = StaticStep(self.model, make(), policy, budget)
             step.source = owner_keys(owner)
             self.steps[owner] = step
         return step, starts
