@@ -71,7 +71,7 @@ def keydiff_case(model, state, batch: int, args, device: str, group_rows: bool =
 def pooled_case(model, state, batch: int, args, device: str):
     """`batch` copies of the prefilled state, each in buffers of its own as a prompt prefilled alone is (untimed),
     decoded with pool_rows=True: each joins a slot of one block (one copy of its entries, timed) and the rows
-    group like forks (keydiff.cache.rowpool.JoinPool)."""
+    group like forks (keydiff.batching.blocks.JoinPool)."""
     def run() -> dict:
         return batched_decode(model, [state.fork(1)[0] for _ in range(batch)], args.new_tokens, device,
                               pool_rows=True)

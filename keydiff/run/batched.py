@@ -111,7 +111,7 @@ def _requests(plan: RunPlan, model, tokenizer, stop_ids, pending: deque, cfg: Di
                 in_flight[member.id] = (member, member_prompt, None, None, None, len(group))
             state, budget = prefill_sample(plan, model, tokenizer, prompt)
             # Every member a fork (not the prefilled state and k - 1 forks), so that all k lie side by side in one
-            # block and decode as one group where the policy allows (keydiff.cache.rowpool).
+            # block and decode as one group where the policy allows (keydiff.batching.blocks).
             states = state.fork(len(group)) if len(group) > 1 else [state]
             forks.extend((member, member_prompt, forked, budget)
                          for (member, member_prompt), forked in zip(group, states))
