@@ -29,6 +29,8 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from keydiff.extras import installed, missing
+
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
 DEVICE_CHOICES = ("auto", "cpu", "cuda", "cuda:<index>", "mps")
@@ -183,12 +185,8 @@ class ModelConfig:
             )
 
         if self.attn_implementation == "flash_attention_2":
-            if importlib.util.find_spec("flash_attn") is None:
-                raise ValueError(
-                    "attn_implementation=flash_attention_2 needs the flash_attn package, which is not "
-                    "importable. Install it on a CUDA machine with `pip install flash-attn --no-build-isolation` "
-                    "(see https://github.com/Dao-AILab/flash-attention), or use attn_implementation=sdpa"
-                )
+            if not installed("flash_attn"):  # on a CUDA machine (https://github.com/Dao-AILab/flash-attention)
+                raise missing("flash", "attn_implementation=flash_attention_2", "flash_attn", "attn_implementation=sdpa")
             if self.dtype not in ("bfloat16", "float16"):
                 raise ValueError("attn_implementation=flash_attention_2 needs dtype bfloat16 or float16")
             if self.device == "cpu" or self.device == "mps":

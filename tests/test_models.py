@@ -82,7 +82,8 @@ def test_flash_attention_needs_flash_attn(monkeypatch):
     )
     cfg = ModelConfig(name="x", path="meta-llama/Llama-3.1-8B-Instruct", dtype="bfloat16",
                       attn_implementation="flash_attention_2")
-    with pytest.raises(ValueError, match="pip install flash-attn"):
+    with pytest.raises(ValueError, match=r"needs the 'flash' extra \(no module flash_attn\): pip install -e "
+                                         r"'\.\[flash\]' --no-build-isolation; or attn_implementation=sdpa"):
         cfg.validate()
 
 
