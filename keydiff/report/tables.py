@@ -136,7 +136,7 @@ def compression(df, out, table: PaperTable) -> bool:
         part.index = pd.Index([LONGBENCH.get(d, d) for d in part.index], name="Dataset")
         part.columns = [c.upper() for c in part.columns]
     write_table(frame, None, out, table.name, f"{table.caption} ({model} prompts): "
-                "the fraction of the prompt the cache keeps (kept N/L).", se=se, n=n, bounds=UNIT)
+                "the fraction of the prompt the cache keeps (kept N/L).", se=se, n=n, bounds=UNIT, measure=True)
     return True
 
 
