@@ -18,16 +18,15 @@ import importlib
 import importlib.util
 from types import ModuleType
 
-# extra -> (what needs it, how to install it beyond `pip install -e '.[extra]'`). The extras themselves (their
-# packages and versions) are listed once, in pyproject.toml.
-EXTRAS: dict[str, tuple[str, str]] = {
-    "report": ("W&B report specifications (python -m keydiff.report.wandb, make report)", ""),
-    "wandb": ("W&B logging (logger=wandb, make wandb-sync)", ""),
-    "slurm": ("the SLURM and joblib Hydra launchers (hydra/launcher=slurm, make sweep-slurm)", ""),
-    "datasets": ("Math-500 from the Hugging Face Hub (task=math500 without task.data_dir)", ""),
-    "levenshtein": ("fuzzywuzzy's python-Levenshtein backend (only to compare code_sim with it; "
-                    "task.fuzzy_backend=levenshtein needs no extra)", ""),
-    "flash": ("attn_implementation=flash_attention_2 (CUDA)", " --no-build-isolation"),
+# The extras of pyproject.toml (their packages are listed there only), what asks for each, and what `pip install`
+# needs beyond `-e '.[extra]'`.
+EXTRAS: dict[str, str] = {
+    "report": "",  # python -m keydiff.report.wandb (make report): W&B report specifications
+    "wandb": "",  # logger=wandb, make wandb-sync
+    "slurm": "",  # hydra/launcher=slurm (submitit), the joblib launcher; make sweep-slurm
+    "datasets": "",  # task=math500 without task.data_dir: MATH-500 from the Hub
+    "levenshtein": "",  # only the tests' comparison with python-Levenshtein (task.fuzzy_backend=levenshtein: rapidfuzz)
+    "flash": " --no-build-isolation",  # attn_implementation=flash_attention_2 (CUDA)
 }
 
 
@@ -39,7 +38,7 @@ def install_command(extra: str) -> str:
     """`pip install -e '.[report]'`: what installs `extra` into this checkout's environment."""
     if extra not in EXTRAS:
         raise ValueError(f"unknown extra {extra!r}; valid: {', '.join(EXTRAS)}")
-    return f"pip install -e '.[{extra}]'{EXTRAS[extra][1]}"
+    return f"pip install -e '.[{extra}]'{EXTRAS[extra]}"
 
 
 def missing(extra: str, what: str, module: str | None = None, otherwise: str = "") -> MissingExtra:

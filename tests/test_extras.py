@@ -118,3 +118,25 @@ def test_levenshtein_backend_needs_no_extra(monkeypatch):
     assert metrics.code_sim_score("return x + 1", "return x + 1", fuzzy_backend="levenshtein") == 1.0
     assert metrics.fuzz_ratio("    return x", "return x", "levenshtein") == 80
     assert metrics.fuzzy_backend_description("levenshtein").startswith("levenshtein (rapidfuzz")
+
+
+def test_a_check_that_fails_unexpectedly_stops_the_run(tmp_path, monkeypatch):
+    """Hydra turns an exception in a callback into a warning and runs the job anyway (how logger=wandb without
+    wandb once ran a sample before failing): any error of the check stops run.py before a run directory exists."""
+    import runpy
+
+    from keydiff.run import checks, runner
+
+    def broken(cfg, **kwargs):
+        raise RuntimeError("a check that broke")
+
+    def load(*args, **kwargs):
+        raise AssertionError("the run started without its check")
+
+    monkeypatch.setattr(checks, "check_run_config", broken)
+    monkeypatch.setattr(runner, "load_model_once", load)  # what an unchecked run would do next (in seconds)
+    monkeypatch.setattr(sys, "argv", ["run.py", f"results_root={tmp_path / 'runs'}", "hydra/hydra_logging=none",
+                                      "hydra/job_logging=none"])
+    with pytest.raises(SystemExit) as stop:
+        runpy.run_path(str(ROOT / "run.py"), run_name="__main__")
+    assert stop.value.code == 1 and not (tmp_path / "runs").exists()

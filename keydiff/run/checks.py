@@ -35,8 +35,8 @@ from typing import Any, NoReturn, Sequence
 
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
+from keydiff import extras
 from keydiff.config import STATISTICS_MODES, ratio_label
-from keydiff.extras import installed, missing
 from keydiff.run.results import run_dir_of
 from keydiff.run.shards import parse_shard
 
@@ -326,11 +326,11 @@ def missing_launcher(error: BaseException) -> str | None:
     """The one line for a Hydra error caused by a launcher whose plugin is not installed, naming the extra; else None."""
     failed = re.search(r"Could not load 'hydra/launcher/([\w-]+)'", str(error))
     plugin = LAUNCHER_PLUGINS.get(failed[1]) if failed else None
-    if plugin is None or installed(plugin):
+    if plugin is None or extras.installed(plugin):
         return None
     asked = re.search(r"In 'hydra/launcher/([\w-]+)'", str(error))  # conf/hydra/launcher/slurm.yaml builds on it
     what = f"hydra/launcher={asked[1]} (Hydra's {failed[1]} launcher)" if asked else f"Hydra's {failed[1]} launcher"
-    return str(missing("slurm", what, plugin))
+    return str(extras.missing("slurm", what, plugin))
 
 
 _ABSENT = object()
@@ -523,4 +523,8 @@ class CheckBeforeStart(Callback):
     (sweeps are checked point by point by the keydiff sweeper before any job starts)."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
-        _check_single_run(config)
+        try:
+            _check_single_run(config)
+        except Exception:  # Hydra only warns about a callback's error and starts the run unchecked: stop here
+            log.exception("the configuration check failed; nothing was run")
+            raise SystemExit(1) from None
