@@ -294,6 +294,8 @@ def ensure_builtin_model(name: str = "smollm2-135m", *, force: bool = False) -> 
         announce_conversion(name, gguf, folder)
         _convert_gguf(name, gguf, tmp)
         os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache may be shared
+        for path in tmp.iterdir():  # and readable by every user of a shared cache, whatever the writer's umask
+            os.chmod(path, 0o644)
         if folder.exists():
             # Move the stale (or concurrently written) folder aside, then swap the new one in.
             stale = Path(tempfile.mkdtemp(prefix=f".{name}.old-", dir=folder.parent))
