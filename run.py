@@ -57,6 +57,25 @@ def summarize_lists(statistics: dict[str, Any]) -> dict[str, Any]:
     return short
 
 
+def budget_note(summary: dict[str, Any]) -> str | None:
+    """One line when the budget never bound: every prompt fit in N and no layer's cache ever exceeded its N_l, so
+    nothing was evicted and the run scores as the full cache would (`budget=8k` on the default task, whose prompts
+    are at most 3,870 tokens). None when something may have been evicted (a sufficient test: the largest cache of
+    any layer and KV head never exceeded the smallest layer budget; without eviction while decoding, the longest
+    prompt did not)."""
+    statistics = summary.get("statistics") or {}
+    budgets = [b for b in statistics.get("layer_budgets") or [summary.get("budget")] if b is not None]
+    if not budgets or not statistics.get("samples") or statistics.get("mean_compression_ratio") != 1.0:
+        return None
+    held = statistics["max_cache_entries"] if summary.get("decode_eviction", True) else statistics["max_prompt_tokens"]
+    if held > min(budgets):
+        return None
+    ratio = summary.get("budget_ratio")
+    budget = f"budget.ratio={ratio}" if ratio is not None else f"budget.tokens={summary['budget']}"
+    return (f"{budget} >= every prompt (longest {statistics['max_prompt_tokens']:,} tokens): nothing was evicted "
+            "(compression 1.0), so this run scores as the full cache; a smaller budget or longer prompts compare policies")
+
+
 def remove_if_empty(run_dir: Path, root: Path) -> None:
     """Undo Hydra's job directory when the run wrote nothing into it, then any parent left empty."""
     run_dir, root = run_dir.absolute(), root.absolute()
@@ -89,6 +108,8 @@ def main(cfg: DictConfig) -> float | None:
         remove_if_empty(run_dir, Path(cfg.results_root))
         exit_with_error(str(error).replace("\n", " | "))
     log.info("metrics: %s", json.dumps(summary["metrics"], default=str)[:2000])
+    if note := budget_note(summary):
+        log.warning(note)
     log.info("statistics: %s", json.dumps(summarize_lists(summary["statistics"]), default=str))
     if summary["num_failed"]:
         log.warning("%d sample(s) failed: %s (recorded; retry_failed=true re-runs them)",

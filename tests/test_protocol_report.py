@@ -69,6 +69,19 @@ def test_table_orders_the_protocol_columns_puts_full_first_and_shows_intervals(s
     assert csv.loc[csv["samples"] < 5, "ci95_low"].isna().all()
 
 
+def test_a_column_where_every_method_scores_zero_has_no_bold_best(tmp_path):
+    """Every method at 0.0 in a column (multi-turn k=8 on a small model): nothing is best there; where two methods
+    tie above a third, both are bold."""
+    rows = [run(policy, "1k", k, mode, aware, score) for policy, scores in
+            (("keydiff", (0.5, 0.0)), ("snapkv", (0.5, 0.0)), ("tova", (0.25, 0.0))) for (k, mode, aware), score in
+            zip(GRID[:1] + GRID[-1:], scores)]
+    assert protocol.write(pd.DataFrame(rows), tmp_path, TABLE)
+    cells = {line.split(" | ")[1]: line.split(" | ")[3:] for line in (tmp_path / "protocol.md").read_text().splitlines()
+             if line.startswith("| m |")}
+    assert [cells[m][0].startswith("**50.0") for m in ("KeyDiff", "SnapKV", "TOVA")] == [True, True, False]
+    assert all(cells[m][1].startswith("0.0 [") for m in ("KeyDiff", "SnapKV", "TOVA")), cells
+
+
 def test_table_waits_for_runs(tmp_path):
     other = pd.DataFrame([{**run("keydiff", "1k", 1, "independent", False, 0.1), "task": "ruler_4k"}])
     assert not protocol.write(other, tmp_path, TABLE) and not (tmp_path / "protocol.md").exists()

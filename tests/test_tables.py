@@ -193,7 +193,8 @@ def test_other_tables(produced):
     out, _, written = produced
     tables = out / "tables"
     assert value(md_cell(tables / "table17.md", ("TOVA",), "478")) == "**0.6"
-    assert value(md_cell(tables / "table17.md", ("KeyDiff",), "100")) == "**1.0"  # ties are all bold
+    # every method at 1.0: no method is best there, none is bold
+    assert [value(md_cell(tables / "table17.md", (m,), "100")) for m in ("KeyDiff", "TOVA")] == ["1.0", "1.0"]
     assert value(md_cell(tables / "table17.md", ("Dense",), "478")) == "0.8"
     assert md_cell(tables / "table18.md", ("0",), "1000") == "-0.10"
     assert md_cell(tables / "table18.md", ("50",), "2000") == "-0.30"
@@ -608,8 +609,64 @@ def test_two_seeds_of_the_same_samples_show_per_seed_n(tmp_path):
     # kept N/L and TTFT average samples: they carry their interval (seed 1 keeps 0.5 of every prompt: SE 0)
     low, high = interval(0.5, standard_error(kept) / 2, 6, (0.0, 1.0))  # kept N/L lives in [0, 1]: Wilson
     assert md_cell(md, kd + ("2k",), "kept N/L", table=1) == f"0.500 [{low:.3f}, {high:.3f}] (n=6)"
-    assert md_cell(md, kd + ("2k",), "TTFT (s)", table=1) == "0.500 ± 0.000 (n=6)"
+    assert md_cell(md, kd + ("2k",), "TTFT (s)", table=1) == "0.500 [constant] (n=6)"  # 0.5 s on every sample
     assert md_cell(md, kd + ("2k",), "length", table=1) == "4096"  # a length prints as an integer
+
+
+def test_a_budget_above_every_prompt_keeps_a_constant_and_scores_read_alike(tmp_path):
+    """budget=8k on the default task (issue #29): kept N/L is 1.0 on every sample, a constant with no interval;
+    six perfect recalls and six ROUGE-1 F1s of 0.999999995 (the rouge package's 1e-8 in a denominator) are the
+    same score, with the same interval, not [0.610, 1.000] beside [1.000, 1.000]."""
+    runs = tmp_path / "runs"
+    rows = [{"sample_id": f"niah/{i}", "scores": {"needle_recall": 1.0, "rouge1": 2 / (2 + 1e-8)}, "ttft_s": 0.5 + i,
+             "compression_ratio": 1.0} for i in range(6)]
+    write_run(runs, "adhoc", "niah_small", "smollm2-135m", "keydiff", "6k", 128,
+              {"needle_recall": 1.0, "rouge1": 2 / (2 + 1e-8)}, rows=rows,
+              extra={"statistics": {"samples": 6, "mean_compression_ratio": 1.0, "mean_ttft_s": 3.0,
+                                    "mean_prompt_tokens": 3500.0, "cache_bound_held": True}})
+    collect_results.collect(runs, tmp_path / "summary.csv")
+    make_tables.main(tmp_path / "summary.csv", tmp_path / "tables")
+    md = tmp_path / "tables" / "generic" / "adhoc__niah_small.md"
+    row = ("smollm2-135m", "128", "keydiff", "6k")
+    low = interval(1.0, 0.0, 6, (0.0, 1.0))[0]
+    assert f"{low:.3f}" == "0.610"
+    assert md_cell(md, row[:3], "6k") == "1.000 [0.610, 1.000] (n=6)"
+    assert md_cell(md, row, "rouge1", table=1) == "1.000 [0.610, 1.000] (n=6)"
+    assert md_cell(md, row, "kept N/L", table=1) == "1.000 [constant] (n=6)"
+    assert md_cell(md, row, "TTFT (s)", table=1).startswith("3.000 ± ")  # it varies: its interval stays
+    assert "constant" in md.read_text().split("\n")[2]  # the legend says what it means
+
+
+def test_intervals_snap_to_a_bound_within_the_tolerance_and_constants_have_none():
+    from keydiff.report.render import TOLERANCE, format_estimate, is_constant
+
+    near = 1 - 5e-9
+    assert interval(near, 1e-17, 6, (0.0, 1.0)) == interval(1.0, 0.0, 6, (0.0, 1.0))  # not [1.000, 1.000]
+    assert interval(100 - 5e-7, 1e-15, 6, (0.0, 100.0)) == interval(100.0, 0.0, 6, (0.0, 100.0))
+    assert interval(1 + 1e-12, 0.0, 6, (0.0, 1.0)) == interval(1.0, 0.0, 6, (0.0, 1.0))  # a float sum past the bound
+    assert interval(1 - 10 * TOLERANCE, 1e-3, 6, (0.0, 1.0)) != interval(1.0, 0.0, 6, (0.0, 1.0))  # a real difference
+    assert interval(1.0, 0.0, 6, (0.0, 1.0), measure=True) is None and interval(0.5, 0.0, 6, None, measure=True) is None
+    assert interval(0.5, 0.1, 6, (0.0, 1.0), measure=True) == interval(0.5, 0.1, 6, (0.0, 1.0))  # it varies
+    assert format_estimate(near, 1e-17, 6, bounds=(0.0, 1.0), measure=True) == "1.000 [constant] (n=6)"
+    assert format_estimate(near, 1e-17, 6, bounds=(0.0, 1.0)) == "1.000 [0.610, 1.000] (n=6)"
+    assert format_estimate(2.0, 0.0, 6, measure=True) == "2.000 [constant] (n=6)"
+    assert format_estimate(2.0, 0.0, 2, measure=True) == "2.000 [n too small] (n=2)"
+    assert format_estimate(2.0, float("nan"), 6, measure=True) == "2.000 ± n/a (n=6)"  # unknown SE: not a constant
+    assert is_constant(0.3, 1e-9, (0.0, 1.0)) and not is_constant(0.3, float("nan")) and not is_constant(0.3, 1e-3)
+
+
+@pytest.mark.parametrize("values, bold", [
+    ([0.0, 0.0, 0.0], [False, False, False]),   # every method 0: no best
+    ([0.5, 0.5, 0.25], [True, True, False]),    # tied at the top, above the rest: both bold
+    ([0.5, 0.5 - 1e-9, 0.25], [True, True, False]),  # within the tolerance: a tie
+    ([0.7, 0.5, 0.25], [True, False, False]),
+    ([0.7, np.nan, np.nan], [False, False, False]),  # one method alone beats nothing
+])
+def test_bold_marks_only_a_best_above_the_rest(values, bold):
+    from keydiff.report.render import best_mask
+
+    table = pd.DataFrame({"Method": ["A", "B", "C", "Full"], "x": values + [0.9]}).set_index("Method")
+    assert best_mask(table, None, ["x"])["x"].tolist() == bold + [False]  # the full cache is a reference
 
 
 def test_longbench_passage_count_score_is_no_count(produced):

@@ -38,8 +38,9 @@ from keydiff.report.selection import average_seeds, whole_runs_first
 FIXED = {"Model", "B", "Policy", "Budget", "n", "failed", "limit", "seeds", "marks", "kept N/L", "TTFT (s)"}
 ID = ["experiment", "task", "model", "block_size", "policy", "budget_label"]
 LEGEND = ("value [95 % confidence interval] (Wilson score interval inside the score's range; ± half-width, 1.96 "
-          "standard errors, for times; \"n too small\": fewer than 5 samples) (n = samples scored, per seed: seeds "
-          "repeat the same samples); "
+          "standard errors, for times; \"n too small\": fewer than 5 samples; \"constant\": kept N/L or a time that is "
+          "the same for every sample, e.g. kept N/L 1.000 where the budget holds every prompt) (n = samples scored, "
+          "per seed: seeds repeat the same samples); "
           "§ subset run (task.limit), shown only where no whole-task run of the "
           "same configuration exists; †k: k samples failed; ~ run not complete; -- budget = full cache (no eviction).")
 COUNT_METRICS = re.compile(r"^(n|n_.*|num_.*|.*_count|length)$")  # counts and lengths: printed as integers
@@ -83,10 +84,12 @@ def primary_metric(task: str) -> str:
     return PRIMARY.get(task_family(str(task)), ("score",))[0]
 
 
-def estimate(run, column: str = "score") -> str:
+def estimate(run, column: str = "score", measure: bool = False) -> str:
+    """`column` of a run as "value [interval] (n)"; `measure`: a measure of the configuration (kept N/L, TTFT), not
+    a score, so no interval where it is the same for every sample (render.format_estimate)."""
     se = run.get(f"se/{column}", np.nan)
     return format_estimate(run[column], np.nan if se is None else float(se), run["samples"] if pd.notna(run["samples"]) else 0,
-                           bounds=metric_range(column, run["task"]))
+                           bounds=metric_range(column, run["task"]), measure=measure)
 
 
 def run_marks(run) -> str:
@@ -134,11 +137,12 @@ def metric_cells(runs: pd.DataFrame, column: str) -> pd.Series:
     return sample_means(runs, column)
 
 
-def sample_means(runs: pd.DataFrame, column: str) -> pd.Series:
-    """A column that averages samples (a metric, kept N/L, TTFT) with its interval where se/<column> was collected."""
+def sample_means(runs: pd.DataFrame, column: str, measure: bool = False) -> pd.Series:
+    """A column that averages samples (a metric, kept N/L, TTFT) with its interval where se/<column> was collected
+    (`measure`: kept N/L, TTFT, whose constant values get none)."""
     if f"se/{column}" not in runs.columns:
         return runs[column].map(decimals)
-    return runs.apply(lambda run: estimate(run, column) if pd.notna(run[column]) else NA, axis=1)
+    return runs.apply(lambda run: estimate(run, column, measure) if pd.notna(run[column]) else NA, axis=1)
 
 
 def run_rows(runs: pd.DataFrame) -> pd.DataFrame:
@@ -154,7 +158,8 @@ def run_rows(runs: pd.DataFrame) -> pd.DataFrame:
         f"{' / '.join(primary)} (primary)": runs.apply(estimate, axis=1),
         **{(c.split("/", 1)[1] if c.split("/", 1)[1] not in FIXED else f"{c.split('/', 1)[1]} (metric)"):
            metric_cells(runs, c) for c in columns},
-        "kept N/L": sample_means(runs, "mean_compression_ratio"), "TTFT (s)": sample_means(runs, "mean_ttft_s"),
+        "kept N/L": sample_means(runs, "mean_compression_ratio", measure=True),
+        "TTFT (s)": sample_means(runs, "mean_ttft_s", measure=True),
     })
     order = np.lexsort([runs["budget_label"].map(budget_tokens), runs["policy"], runs["block_size"].astype(str),
                         runs["model"]])

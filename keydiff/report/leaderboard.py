@@ -22,7 +22,7 @@ per kept ratio, headed "kept (r=kvpress compression ratio)". Cells: RULER averag
 keydiff/report/render.py; Avg.'s uses the mean of the ratios' standard errors, a bound, since every ratio
 scores the same samples). Marks: § subset run (task.limit), †k
 failed samples, ~ run not complete, (k/13) tasks scored. Best method per column (within a task, model and protocol)
-is bold; the full cache is the reference, never bold. The CSV holds the same numbers, one row per run.
+is bold where it is above the rest (render.best_mask: all tied, none); the full cache is the reference, never bold. The CSV holds the same numbers, one row per run.
 Only ratio budgets enter the leaderboard (a token budget in these experiments is in the generic tables).
 
     python -m keydiff.report.tables     (writes it with every other table; make tables / make leaderboard)

@@ -18,7 +18,7 @@ Columns, in this order (k = questions per context = needles in its haystack; one
 Rows (Model, Method, Budget): the full cache first (budget "--"; per column, its own run), then each method per
 budget. Cells: mean string-match score x100 over the questions "value [low, high] (n=questions)", the 95 % Wilson
 interval (keydiff/report/render.py; none below 5 questions); marks § subset run (task.limit), †k failed questions,
-~ run not complete. Best method per column within a model and budget is bold. protocol.csv: one row per run with the
+~ run not complete. Best method per column within a model and budget is bold, where it is above the rest (every method at 0.0: none). protocol.csv: one row per run with the
 numbers behind each cell. keydiff.report.figures draws results/figures/protocol.{png,pdf} from the same selection.
 
     python -m keydiff.report.tables     (writes it with every other table; make tables / make protocol)

@@ -28,6 +28,13 @@ Definitions (documented once, in docs/experiments.md, "Uncertainty"):
                              range and does not shrink to a point. Shown as "value [low, high]"
   95 % interval, unbounded   mean +- 1.96 SE (times, token counts); shown as "value ± half-width"
   n < 5                      no interval ("[n too small]"): neither approximation means anything there
+  constant                   a measure of the configuration, not a score (kept N/L, times: `measure=True`) that is
+                             the same for every sample (SE 0) has no interval ("[constant]"): kept N/L is 1.000 on
+                             every sample when the budget holds every prompt, nothing there is uncertain. A score
+                             with SE 0 keeps the interval of its n (six perfect recalls: 1.000 [0.610, 1.000])
+  tolerance                  means and SEs within TOLERANCE (relative to the range) of a bound or of 0 are taken as
+                             that bound or 0 before the interval is chosen: ROUGE's F1 of a perfect match is
+                             0.999999995 (the rouge package adds 1e-8 to a denominator), which must read as 1
 A single sample has no SE (shown "± n/a" where no n is known); n is always printed beside the interval.
 """
 
@@ -89,6 +96,9 @@ def half_width(se: float) -> float:
 
 MIN_INTERVAL_N = 5  # fewer samples: no interval is shown ("n too small")
 TOO_FEW = "n too small"
+CONSTANT = "constant"  # a measure that is the same for every sample: no interval
+# Relative to a metric's range (unbounded: to max(1, |mean|)): below this a difference is float rounding, not data.
+TOLERANCE = 1e-6
 UNBOUNDED = re.compile(r"ttft|_s$|tokens|length$|(^|/)n$|count|bytes|entries")  # times, lengths, counts
 PERCENT_FAMILIES = ("longbench", "ruler")  # their scores are 0-100 (round(100 * mean, 2), as the official scorers)
 
@@ -115,10 +125,35 @@ def wilson(p: float, n: float) -> tuple[float, float]:
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
-def interval(mean: float, se: float, n=None, bounds: tuple[float, float] | None = None) -> tuple[float, float] | None:
+def scale_of(mean: float, bounds: tuple[float, float] | None) -> float:
+    """What TOLERANCE is relative to: the metric's range, else the size of the mean (at least 1)."""
+    return bounds[1] - bounds[0] if bounds is not None else max(1.0, abs(mean))
+
+
+def snapped(mean: float, se: float, bounds: tuple[float, float] | None) -> tuple[float, float]:
+    """(mean, se) with a mean within TOLERANCE of a bound moved onto it and an SE within TOLERANCE of 0 made 0."""
+    tolerance = TOLERANCE * scale_of(mean, bounds)
+    if bounds is not None:
+        mean = next((bound for bound in bounds if abs(mean - bound) <= tolerance), mean)
+    if not missing_number(se) and abs(float(se)) <= tolerance:
+        se = 0.0
+    return mean, se
+
+
+def is_constant(mean: float, se: float, bounds: tuple[float, float] | None = None) -> bool:
+    """Every sample had the same value (an SE of 0, within TOLERANCE); False when the SE is unknown."""
+    se = snapped(mean, se, bounds)[1]
+    return not missing_number(se) and float(se) == 0.0
+
+
+def interval(mean: float, se: float, n=None, bounds: tuple[float, float] | None = None,
+             measure: bool = False) -> tuple[float, float] | None:
     """The 95 % interval of a mean (docstring above): Wilson inside `bounds`, else mean +- 1.96 SE; None when
-    there is none (n < MIN_INTERVAL_N, or no SE for an unbounded metric)."""
+    there is none (n < MIN_INTERVAL_N, no SE for an unbounded metric, or a `measure` that is constant)."""
     if not missing_number(n) and float(n) < MIN_INTERVAL_N:
+        return None
+    mean, se = snapped(mean, se, bounds)
+    if measure and is_constant(mean, se, bounds):
         return None
     if bounds is not None and not missing_number(n) and bounds[0] <= mean <= bounds[1]:
         low, high = bounds
@@ -136,9 +171,10 @@ SAME = object()  # format_estimate's shown_n default: print the n the interval u
 
 
 def format_estimate(mean: float, se: float, n: int | float | None = None, precision: int = 3,
-                    bounds: tuple[float, float] | None = None, shown_n=SAME) -> str:
+                    bounds: tuple[float, float] | None = None, shown_n=SAME, measure: bool = False) -> str:
     """The value, its 95 % interval and the samples behind it: "0.864 [0.509, 0.972] (n=6)" for a bounded
-    score, "9.874 ± 1.829 (n=6)" for a time, "1.000 [n too small] (n=2)" below 5 samples ("± n/a": no SE).
+    score, "9.874 ± 1.829 (n=6)" for a time, "1.000 [n too small] (n=2)" below 5 samples ("± n/a": no SE),
+    "1.000 [constant] (n=6)" for a `measure` (kept N/L, a time) that is the same for every sample.
     `shown_n`: the n printed when it is not the interval's (samples per task beside an average over tasks;
     None: none printed)."""
     if mean is None or (isinstance(mean, float) and math.isnan(mean)):
@@ -147,6 +183,9 @@ def format_estimate(mean: float, se: float, n: int | float | None = None, precis
     count = "" if missing_number(shown) else f" (n={int(shown)})"
     if not missing_number(n) and float(n) < MIN_INTERVAL_N:
         return f"{mean:.{precision}f} [{TOO_FEW}]{count}"
+    mean, se = snapped(float(mean), se, bounds)
+    if measure and is_constant(mean, se, bounds):
+        return f"{mean:.{precision}f} [{CONSTANT}]{count}"
     if bounds is not None and not missing_number(n) and bounds[0] <= mean <= bounds[1]:
         lo, hi = interval(mean, se, n, bounds)
         return f"{mean:.{precision}f} [{lo:.{precision}f}, {hi:.{precision}f}]{count}"
@@ -233,7 +272,8 @@ TEX_SPECIAL = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#
                "{": r"\{", "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}"}
 INTERVAL_NOTE = ("Cells: value [95 % confidence interval] over samples (Wilson score interval inside the score's "
                  "range; \"± half-width\" (1.96 standard errors) for unbounded numbers; no interval below 5 samples: "
-                 "\"n too small\"; docs/experiments.md, \"Uncertainty\"), n = samples.")
+                 "\"n too small\", nor for a measure such as kept N/L that is the same for every sample: \"constant\"; "
+                 "docs/experiments.md, \"Uncertainty\"), n = samples.")
 
 
 def tex_escape(text: str) -> str:
@@ -248,40 +288,46 @@ def markdown_rows(frame: pd.DataFrame) -> list[str]:
 
 
 def best_mask(table: pd.DataFrame, groups: list[str] | None, columns, exclude_full=True) -> pd.DataFrame:
-    """True where a cell holds the maximum of its column within its group of rows (ties all bold); the
-    eviction-free rows (Method "Full" / "Dense") are references, never bold."""
+    """True where a cell holds the maximum of its column within its group of rows and that maximum is above the
+    rest of the group: cells tied at the top are all bold, but a group whose cells all tie (every method at 0.0)
+    has no best and bolds none, nor does a group of one cell. Values within TOLERANCE (relative to max(1, |best|))
+    of each other tie. The eviction-free rows (Method "Full" / "Dense") are references, never bold."""
     mask = pd.DataFrame(False, index=table.index, columns=table.columns)
     frame = table.reset_index()
     eligible = ~frame["Method"].isin(["Full", "Dense"]) if exclude_full and "Method" in frame else frame.index >= 0
     keys = [frame[g] for g in groups] if groups else [pd.Series(0, index=frame.index)]
     for column in columns:
-        values = frame[column].where(eligible)
-        best = values.groupby(keys).transform("max")
-        mask[column] = ((values == best) & values.notna()).to_numpy()
+        values = pd.to_numeric(frame[column].where(eligible), errors="coerce")
+        best, worst = values.groupby(keys).transform("max"), values.groupby(keys).transform("min")
+        tolerance = TOLERANCE * np.maximum(1.0, best.abs())
+        mask[column] = ((best - values <= tolerance) & (best - worst > tolerance) & values.notna()).to_numpy()
     return mask
 
 
 def with_intervals(table: pd.DataFrame, se: pd.DataFrame, n: pd.DataFrame, precision: int,
-                   bounds: tuple[float, float] | None = None) -> pd.DataFrame:
+                   bounds: tuple[float, float] | None = None, measure: bool = False) -> pd.DataFrame:
     """The cells as text "value [low, high] (n=...)" (format_estimate; `bounds`: the range of every cell's
-    metric, None if unbounded); `se` and `n` have the table's shape (NaN where unknown)."""
+    metric, None if unbounded; `measure`: the cells are measures, not scores); `se` and `n` have the table's
+    shape (NaN where unknown)."""
     text = table.astype(object).copy()
     for i in range(table.shape[0]):
         for j in range(table.shape[1]):
             value = table.iat[i, j]
             text.iat[i, j] = NA if pd.isna(value) else format_estimate(float(value), float(se.iat[i, j]), n.iat[i, j],
-                                                                        precision, bounds)
+                                                                        precision, bounds, measure=measure)
     return text
 
 
 def write_table(table: pd.DataFrame, mask: pd.DataFrame | None, out: Path, name: str, caption: str, precision=2,
-                se: pd.DataFrame | None = None, n: pd.DataFrame | None = None, bounds: tuple[float, float] | None = None):
+                se: pd.DataFrame | None = None, n: pd.DataFrame | None = None, bounds: tuple[float, float] | None = None,
+                measure: bool = False):
     """`name`.tex (booktabs, \\textbf on the mask) and `name`.md (**bold**), same numbers in both. With `se`
-    (and `n`), every cell shows its 95 % interval (inside `bounds`, the metric's range) and sample count."""
+    (and `n`), every cell shows its 95 % interval (inside `bounds`, the metric's range; none for a `measure` that
+    is constant) and sample count."""
     mask = mask if mask is not None else pd.DataFrame(False, index=table.index, columns=table.columns)
     if se is not None:
         n = n if n is not None else pd.DataFrame(np.nan, index=table.index, columns=table.columns)
-        table = with_intervals(table, se, n, precision, bounds)
+        table = with_intervals(table, se, n, precision, bounds, measure)
         caption = f"{caption} {INTERVAL_NOTE}"
     css = pd.DataFrame(np.where(mask, "textbf:--rwrap;", ""), index=table.index, columns=table.columns)
     styler = table.style.format(precision=precision, na_rep=NA, escape="latex").format_index(escape="latex", axis=0)

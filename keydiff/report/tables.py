@@ -5,7 +5,8 @@ from a run, and a table with no runs says so (its .md/.tex name the experiments 
 printing anything. Only complete runs of the whole task (no task.limit) count, except in the smoke table. A table reads its own experiment first and
 then the experiments listed with it (Table 1 is a column subset of Table 11, the full rows come from
 the *_full experiments, ...); seeds of the same configuration are averaged. Best eviction method per
-column (within a model / budget group) is bold; the eviction-free rows are references, never bold.
+column (within a model / budget group) is bold where it is above the rest (keydiff.report.render.best_mask: a
+column where every method ties has no bold); the eviction-free rows are references, never bold.
 Every cell that averages samples reads "value [low, high] (n=...)": the 95 % interval over samples, inside
 the score's range (keydiff/report/render.py, from the se/<column> standard errors of summary.csv; LongBench cells are
 per-dataset, their average combines the datasets' errors). Table 18 and the heatmaps hold one sample per
@@ -136,7 +137,7 @@ def compression(df, out, table: PaperTable) -> bool:
         part.index = pd.Index([LONGBENCH.get(d, d) for d in part.index], name="Dataset")
         part.columns = [c.upper() for c in part.columns]
     write_table(frame, None, out, table.name, f"{table.caption} ({model} prompts): "
-                "the fraction of the prompt the cache keeps (kept N/L).", se=se, n=n, bounds=UNIT)
+                "the fraction of the prompt the cache keeps (kept N/L).", se=se, n=n, bounds=UNIT, measure=True)
     return True
 
 

@@ -40,15 +40,17 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from keydiff.config import budget_label
+from keydiff.extras import MissingExtra, require
 from keydiff.paper.reference import paper_values, read_tables
 from keydiff.paper.registry import table_numbers
 from keydiff.report.render import budget_tokens, plural
-from keydiff.run.checks import ArgumentParser
+from keydiff.run.checks import ArgumentParser, exit_with_error
 from keydiff.run.results import is_moved_aside
 from keydiff.run.shards import is_shard_dir
 from keydiff.run.tracking import headline
 
 ROOT = Path(__file__).resolve().parents[2]
+WHAT = "python -m keydiff.report.wandb (W&B report specifications)"
 
 CONF = ROOT / "conf"
 GRID_AXES = ("model", "policy", "budget", "block_size")
@@ -202,8 +204,7 @@ def paper_table(grid: Grid, model: str, paper_dir: Path) -> str | None:
 
 def runsets(grid: Grid, entity: str, project: str, model: str | None):
     """One run set per policy, selected by the config keys keydiff/run/tracking.py logs."""
-    import wandb_workspaces.reports.v2 as wr
-    from wandb_workspaces import expr
+    wr, expr = reports_api(), require("report", "wandb_workspaces.expr", WHAT)
 
     sets = []
     for policy in grid.policies:
@@ -216,8 +217,13 @@ def runsets(grid: Grid, entity: str, project: str, model: str | None):
     return sets
 
 
+def reports_api():
+    """wandb_workspaces' report model (the 'report' extra; MissingExtra without it)."""
+    return require("report", "wandb_workspaces.reports.v2", WHAT)
+
+
 def main_panels(with_paper: bool) -> list:
-    import wandb_workspaces.reports.v2 as wr
+    wr = reports_api()
 
     budget, score, paper = wr.Config("budget.tokens"), wr.SummaryMetric("score"), wr.SummaryMetric("paper/score")
     panels = [wr.ScatterPlot(title="score vs budget", x=budget, y=score)]
@@ -238,7 +244,7 @@ def main_panels(with_paper: bool) -> list:
 
 def build_report(grid: Grid, entity: str, project: str, paper_dir: Path):
     """The wandb_workspaces Report of one experiment (nothing is sent anywhere)."""
-    import wandb_workspaces.reports.v2 as wr
+    wr = reports_api()
 
     intro = (f"{grid.description}\n\nReproduce: `{grid.command}` with `logger=wandb`. Task `{grid.task}`; "
              f"models {', '.join(grid.models)}; policies {', '.join(grid.policies)}; budgets "
@@ -279,8 +285,7 @@ def outline(report) -> list[str]:
 
 
 def check_credentials() -> None:
-    import wandb
-
+    wandb = require("report", "wandb", f"{WHAT} --publish")
     if not wandb.login(prompt=False, verify=False):
         raise SystemExit("--publish needs W&B credentials: run `wandb login` or set WANDB_API_KEY "
                          "(building without --publish needs none).")
@@ -311,6 +316,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "reports", help="where the specifications go")
     parser.add_argument("--publish", action="store_true", help="save the reports to W&B (needs credentials)")
     args = parser.parse_args(argv)
+    try:  # the extra first: one line and exit status 2, before any file is read or written
+        reports_api()
+        if args.publish:
+            require("report", "wandb", f"{WHAT} --publish")
+    except MissingExtra as error:
+        exit_with_error(str(error))
     with_runs = experiments_with_runs(args.runs)
     names = args.experiments or with_runs
     unknown = sorted(set(names) - set(experiment_stems()) - set(with_runs))

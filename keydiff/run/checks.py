@@ -35,9 +35,10 @@ from typing import Any, NoReturn, Sequence
 
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
+from keydiff import extras
+from keydiff.config import STATISTICS_MODES, ratio_label
 from keydiff.run.results import run_dir_of
 from keydiff.run.shards import parse_shard
-from keydiff.config import STATISTICS_MODES, ratio_label
 
 
 log = logging.getLogger(__name__)
@@ -314,6 +315,24 @@ def describe_error(error: BaseException) -> str:
     return " | ".join(lines[:6]) if lines else type(error).__name__
 
 
+# Hydra launcher configs that conf/hydra/launcher/*.yaml build on -> the plugin module providing them (the 'slurm'
+# extra). Without the plugin Hydra only says that it "could not load" the config.
+LAUNCHER_PLUGINS = {"submitit_slurm": "hydra_plugins.hydra_submitit_launcher",
+                    "submitit_local": "hydra_plugins.hydra_submitit_launcher",
+                    "joblib": "hydra_plugins.hydra_joblib_launcher"}
+
+
+def missing_launcher(error: BaseException) -> str | None:
+    """The one line for a Hydra error caused by a launcher whose plugin is not installed, naming the extra; else None."""
+    failed = re.search(r"Could not load 'hydra/launcher/([\w-]+)'", str(error))
+    plugin = LAUNCHER_PLUGINS.get(failed[1]) if failed else None
+    if plugin is None or extras.installed(plugin):
+        return None
+    asked = re.search(r"In 'hydra/launcher/([\w-]+)'", str(error))  # conf/hydra/launcher/slurm.yaml builds on it
+    what = f"hydra/launcher={asked[1]} (Hydra's {failed[1]} launcher)" if asked else f"Hydra's {failed[1]} launcher"
+    return str(extras.missing("slurm", what, plugin))
+
+
 _ABSENT = object()
 # Hydra's own command-line flags other than -m: with any of them run.py leaves the command line to Hydra.
 RUN_FLAGS = ("-m", "--multirun")
@@ -349,9 +368,35 @@ def check_group_name(conf_dir: Path, group: str, value: str) -> None:
                           f"budget=r0.25 budget.ratio={ratio[1]}")
 
 
-def unknown_key(conf_dir: Path, config_name: str, key: str, overrides: list[str]) -> str:
+def policy_parameters_of(policy: DictConfig) -> list[str] | None:
+    """The parameters the configured policy takes (keydiff.policies.policy_parameters; imports torch, so only for
+    an error's message), or None when its class cannot be imported here."""
+    from keydiff.policies import policy_class, policy_parameters
+
+    try:
+        return policy_parameters(policy_class(policy.get("target") or policy.name))
+    except ValueError:
+        return None
+
+
+def unlisted_parameter(cfg: DictConfig, key: str) -> tuple[bool, list[str] | None]:
+    """(whether `key` is right but must be added with `+` because no config file lists it, the policy's parameters
+    when `key` is a policy parameter): a parameter of the policy (`policy=custom` lists none; one whose class is not
+    importable here is checked when the run is planned), or a model setting a model file leaves out (`model.device_map`)."""
+    from keydiff.models import ModelConfig
+
+    parts = key.split(".")
+    if len(parts) == 3 and parts[:2] == ["policy", "params"]:
+        valid = policy_parameters_of(cfg.policy)
+        return valid is None or parts[2] in valid, valid
+    return len(parts) == 2 and parts[0] == "model" and parts[1] in ModelConfig.__dataclass_fields__, None
+
+
+def unknown_key(conf_dir: Path, config_name: str, key: str, overrides: list[str], line: str | None = None) -> str:
     """The one line for an override of a key that is not in the configuration (`polcy=tova`): the valid
-    config groups and keys at the level of the typo (Hydra would suggest `+polcy=tova`, which adds it)."""
+    config groups and keys at the level of the typo (Hydra would suggest `+polcy=tova`, which adds it). A key
+    that is valid but unlisted (`policy.params.alpha` of a policy of your own) is told to add it: `+` and the
+    override as given (`line`)."""
     from hydra import compose, initialize_config_dir
 
     with initialize_config_dir(str(conf_dir), version_base="1.3"):
@@ -368,6 +413,15 @@ def unknown_key(conf_dir: Path, config_name: str, key: str, overrides: list[str]
         groups = sorted(p.name for p in conf_dir.iterdir() if p.is_dir() and p.name != "hydra" and any(p.glob("*.yaml")))
         return (f"{typo} is not a config group or key; valid groups: {', '.join(groups)}; valid keys: "
                 f"{', '.join(k for k in keys if k not in groups)}")
+    if typo != key:
+        return f"{typo} is not a key of {where}; valid: {', '.join(keys) or 'none'}"
+    unlisted, parameters = unlisted_parameter(cfg, key)
+    if unlisted:
+        return (f"{key} is not a key of {where}; valid: {', '.join(keys) or 'none'} (a key no config file lists is "
+                f"added with +: +{line or key + '=<value>'})")
+    if parameters is not None:
+        return (f"{key} is not a parameter of policy {cfg.policy.get('target') or cfg.policy.name}; valid: "
+                f"{', '.join(parameters)} (add one its config does not list with +: +{where}.<name>=<value>)")
     return f"{typo} is not a key of {where}; valid: {', '.join(keys) or 'none'}"
 
 
@@ -409,17 +463,18 @@ def check_command_line(argv: Sequence[str], conf_dir: str | os.PathLike, config_
         missing = re.match(r"Could not override '([^']+)'", str(error))
         if missing and not missing[1].startswith("hydra."):
             rest = [o for o in fixed if o.split("=", 1)[0] != missing[1]]
+            line = next((o for o in fixed if o.split("=", 1)[0] == missing[1]), None)
             try:
-                exit_with_error(unknown_key(conf_dir, config_name, missing[1], rest))
+                exit_with_error(unknown_key(conf_dir, config_name, missing[1], rest, line))
             except (HydraException, ValueError):
                 pass  # the other overrides fail too: Hydra's message below
-        exit_with_error(describe_error(error))
+        exit_with_error(missing_launcher(error) or describe_error(error))
     for override in overrides:  # a swept key is composed point by point later: a typo in a plain key is caught here
         key = override.key_or_group
         if (override.is_sweep_override() and override.package is None and not override.is_add()
                 and not override.is_force_add() and not override.is_delete() and not key.startswith("hydra")
                 and not (conf_dir / key.split(".")[0]).is_dir() and OmegaConf.select(cfg, key, default=_ABSENT) is _ABSENT):
-            exit_with_error(unknown_key(conf_dir, config_name, key, fixed))
+            exit_with_error(unknown_key(conf_dir, config_name, key, fixed, override.input_line))
     if sweeps and not multirun and str(cfg.hydra.get("mode")) != "RunMode.MULTIRUN":  # an experiment may sweep
         exit_with_error(f"{sweeps[0]} lists several values: add -m to run one job per value (a sweep), or write "
                         "key=[a,b] for a list, key='a,b' for a string")
@@ -468,4 +523,8 @@ class CheckBeforeStart(Callback):
     (sweeps are checked point by point by the keydiff sweeper before any job starts)."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
-        _check_single_run(config)
+        try:
+            _check_single_run(config)
+        except Exception:  # Hydra only warns about a callback's error and starts the run unchecked: stop here
+            log.exception("the configuration check failed; nothing was run")
+            raise SystemExit(1) from None

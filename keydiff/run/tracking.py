@@ -36,6 +36,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from keydiff.extras import require
 from keydiff.paper.reference import paper_values, read_tables, table_numbers
 from keydiff.run.results import atomic_write_json
 
@@ -82,10 +83,7 @@ def check(cfg: DictConfig) -> None:
     mode = effective_mode(settings)
     if mode not in MODES:
         raise ValueError(f"logger.mode {mode!r} is not valid; valid: {', '.join(MODES)}")
-    try:
-        import wandb
-    except ImportError as error:  # pragma: no cover - depends on the environment
-        raise RuntimeError("logger=wandb needs the wandb package: pip install -e '.[wandb]'") from error
+    wandb = require("wandb", "wandb", "logger=wandb")  # MissingExtra, a ValueError: one line before the run
     if mode == "online" and not wandb.login(prompt=False, verify=False):
         raise WandbCredentialsError(
             "logger=wandb with logger.mode=online needs W&B credentials and none were found "

@@ -22,13 +22,13 @@ Result rows: `aggregate` and friends read "sample_id" and "scores" (the runner's
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
+from keydiff.extras import installed, missing, require
 from keydiff.tasks.base import GenerationSettings, Prompt, Sample, Task, encode_user_turn
 from keydiff.tasks.math_answers import score_response
 
@@ -104,8 +104,8 @@ class Math500(Task):
             path = Path(self.data_dir) / DATA_FILE
             if not path.is_file():
                 raise ValueError(f"task.data_dir={self.data_dir!r} has no {DATA_FILE} (MATH-500 layout expected)")
-        elif importlib.util.find_spec("datasets") is None:
-            raise ValueError(_NO_DATASETS)
+        elif not installed("datasets"):
+            raise missing("datasets", module="datasets", **_NO_DATASETS)
 
     def problems(self) -> list[dict[str, Any]]:
         """The problems of this run (after `limit`), loaded once."""
@@ -122,10 +122,7 @@ class Math500(Task):
             rows = [json.loads(line) for line in lines if line.strip()]
             where = str(path)
         else:
-            try:
-                import datasets
-            except ImportError as error:
-                raise RuntimeError(_NO_DATASETS) from error
+            datasets = require("datasets", "datasets", **_NO_DATASETS)
             rows = [dict(row) for row in datasets.load_dataset(HUB_DATASET, split="test")]
             where = f"{HUB_DATASET} (split test)"
         for number, row in enumerate(rows, 1):
@@ -219,10 +216,9 @@ class Math500(Task):
         return summary
 
 
-_NO_DATASETS = (
-    f"Math500 loads {HUB_DATASET} with the `datasets` package, which is not installed: run "
-    "`pip install datasets`, or point task.data_dir at a folder holding test.jsonl in the MATH-500 layout."
-)
+# The error of the missing 'datasets' extra (keydiff.extras.missing): what needs it, and the way without it.
+_NO_DATASETS = dict(what=f"Math500 without task.data_dir (it loads {HUB_DATASET} with the `datasets` package)",
+                    otherwise="task.data_dir=<a folder holding test.jsonl in the MATH-500 layout>")
 
 
 # --------------------------------------------------------------------------------------------

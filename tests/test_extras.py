@@ -1,0 +1,142 @@
+"""keydiff.extras: a feature whose optional extra is not installed ends in one line naming the extra, never in a
+traceback. Each extra of pyproject.toml is tried with its module hidden (`sys.modules[name] = None`, which makes
+importing it fail as if it were not installed): in a fresh process for the commands (run.py, python -m ...), so
+that the exit status and all of stderr are what a user gets."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from keydiff import extras
+from keydiff.extras import MissingExtra, install_command, installed, require
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def hidden(modules: list[str], entry: str, argv: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
+    """Run `entry` (run.py, or -m <module>) with `argv` in a fresh interpreter where `modules` cannot be imported."""
+    run = (f"runpy.run_module({entry[3:]!r}, run_name='__main__', alter_sys=True)" if entry.startswith("-m ")
+           else f"runpy.run_path({entry!r}, run_name='__main__')")
+    code = (f"import runpy, sys\nfor name in {modules!r}:\n    sys.modules[name] = None\n"
+            f"sys.argv = [{entry!r}, *{argv!r}]\n{run}\n")
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**__import__("os").environ, "HYDRA_FULL_ERROR": "0"})
+
+
+def one_line(result: subprocess.CompletedProcess, extra: str) -> str:
+    """The error line of a refused command: exit status 2, no traceback, the extra and its install command named."""
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr and len(lines) == 1, result.stderr[-3000:]
+    assert lines[0].startswith("error: ") and f"needs the {extra!r} extra" in lines[0]
+    assert install_command(extra) in lines[0]
+    return lines[0]
+
+
+def test_every_extra_of_pyproject_is_described_with_its_install_command():
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert set(extras.EXTRAS) == set(declared) - {"dev"}  # dev: the test suite's, it covers the others
+    assert install_command("report") == "pip install -e '.[report]'"
+    assert install_command("flash") == "pip install -e '.[flash]' --no-build-isolation"
+    with pytest.raises(ValueError, match="unknown extra 'wandbb'; valid: report, wandb"):
+        install_command("wandbb")
+
+
+def test_require_names_the_extra_and_the_module_that_is_missing(monkeypatch):
+    assert require("report", "json", "anything").dumps([]) == "[]"  # present: the module itself
+    monkeypatch.setitem(sys.modules, "wandb_workspaces", None)
+    with pytest.raises(MissingExtra) as error:
+        require("report", "wandb_workspaces.reports.v2", "the report", otherwise="nothing else")
+    assert isinstance(error.value, ImportError) and isinstance(error.value, ValueError)  # checks catch ValueError
+    assert str(error.value) == ("the report needs the 'report' extra (no module wandb_workspaces.reports): "
+                                "pip install -e '.[report]'; or nothing else")
+    assert not installed("wandb_workspaces") and not installed("wandb_workspaces.reports") and installed("json")
+
+
+def test_require_lets_other_import_errors_through(tmp_path, monkeypatch):
+    """A package that is there but broken is not a missing extra: its own error is the one to see."""
+    (tmp_path / "broken_extra_module.py").write_text("from json import no_such_name\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ImportError, match="no_such_name") as error:
+        require("report", "broken_extra_module", "the report")
+    assert not isinstance(error.value, MissingExtra)
+
+
+def test_report_without_its_extra(tmp_path):
+    result = hidden(["wandb_workspaces"], "-m keydiff.report.wandb", ["smoke", "--out", str(tmp_path / "reports")],
+                    tmp_path)
+    assert "python -m keydiff.report.wandb" in one_line(result, "report")
+    assert not (tmp_path / "reports").exists()  # refused before anything is written
+
+
+def test_report_without_wandb(tmp_path):
+    """The 'report' extra is wandb and wandb-workspaces: without wandb alone (wandb-workspaces imports it) the same."""
+    result = hidden(["wandb"], "-m keydiff.report.wandb", ["smoke", "--publish", "--entity", "me", "--out",
+                                                            str(tmp_path / "reports")], tmp_path)
+    assert "(no module wandb)" in one_line(result, "report") and not (tmp_path / "reports").exists()
+
+
+def test_wandb_logging_without_its_extra_is_refused_before_the_run(tmp_path):
+    """Before this was a ValueError, Hydra's callback only warned about it and the run went on (a sample ran, then
+    the first row's W&B log raised ModuleNotFoundError): the refusal must come before any run directory exists."""
+    result = hidden(["wandb"], "run.py", ["logger=wandb", "logger.mode=offline", "task.limit=1",
+                                          f"results_root={tmp_path / 'runs'}"], tmp_path)
+    assert "logger=wandb" in one_line(result, "wandb")
+    assert not (tmp_path / "runs").exists()
+
+
+def test_slurm_launcher_without_its_extra(tmp_path):
+    result = hidden(["hydra_plugins.hydra_submitit_launcher", "submitit"], "run.py",
+                    ["-m", "experiment=smoke", "hydra/launcher=slurm", "dry_run=true",
+                     f"results_root={tmp_path / 'runs'}"], tmp_path)
+    assert "hydra/launcher=slurm" in one_line(result, "slurm")
+
+
+def test_math500_from_the_hub_without_datasets(tmp_path):
+    result = hidden(["datasets"], "run.py", ["task=math500", "dry_run=true", f"results_root={tmp_path / 'runs'}"],
+                    tmp_path)
+    assert "task.data_dir=" in one_line(result, "datasets")  # the way without the extra is named too
+
+
+def test_flash_attention_without_its_extra(tmp_path):
+    result = hidden(["flash_attn"], "run.py", ["model.attn_implementation=flash_attention_2", "model.dtype=bfloat16",
+                                               "dry_run=true", f"results_root={tmp_path / 'runs'}"], tmp_path)
+    assert "attn_implementation=sdpa" in one_line(result, "flash")
+
+
+def test_levenshtein_backend_needs_no_extra(monkeypatch):
+    """The 'levenshtein' extra only lets the tests compare with python-Levenshtein: the backend of that name
+    computes its ratio with rapidfuzz (a core dependency), so nothing fails without the extra."""
+    from keydiff.tasks import longbench_metrics as metrics
+
+    monkeypatch.setitem(sys.modules, "Levenshtein", None)
+    assert metrics.code_sim_score("return x + 1", "return x + 1", fuzzy_backend="levenshtein") == 1.0
+    assert metrics.fuzz_ratio("    return x", "return x", "levenshtein") == 80
+    assert metrics.fuzzy_backend_description("levenshtein").startswith("levenshtein (rapidfuzz")
+
+
+def test_a_check_that_fails_unexpectedly_stops_the_run(tmp_path, monkeypatch):
+    """Hydra turns an exception in a callback into a warning and runs the job anyway (how logger=wandb without
+    wandb once ran a sample before failing): any error of the check stops run.py before a run directory exists."""
+    import runpy
+
+    from keydiff.run import checks, runner
+
+    def broken(cfg, **kwargs):
+        raise RuntimeError("a check that broke")
+
+    def load(*args, **kwargs):
+        raise AssertionError("the run started without its check")
+
+    monkeypatch.setattr(checks, "check_run_config", broken)
+    monkeypatch.setattr(runner, "load_model_once", load)  # what an unchecked run would do next (in seconds)
+    monkeypatch.setattr(sys, "argv", ["run.py", f"results_root={tmp_path / 'runs'}", "hydra/hydra_logging=none",
+                                      "hydra/job_logging=none"])
+    with pytest.raises(SystemExit) as stop:
+        runpy.run_path(str(ROOT / "run.py"), run_name="__main__")
+    assert stop.value.code == 1 and not (tmp_path / "runs").exists()
