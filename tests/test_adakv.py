@@ -313,7 +313,8 @@ def test_running_without_keydiff_attention_is_refused(model):
 
 
 def test_run_statistics_check_each_layer_total_against_kv_heads_times_its_bound():
-    from keydiff.run.runner import RunPlan, run_statistics
+    from keydiff.run.plan import RunPlan
+    from keydiff.run.runner import run_statistics
 
     plan = RunPlan("keydiff", {"head_budgets": "adakv"}, 100, 10, "fast", True, None, None)
     row = {"prompt_tokens": 500, "compression_ratio": 0.2, "ttft_s": 1.0, "decode_s": 1.0, "new_tokens": 3,

@@ -20,7 +20,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf, open_dict
 
-from keydiff.run import runner
+from keydiff.run import runner, samples
 from keydiff.run.preemption import Preempted, StopSignals
 from keydiff.run.results import ConfigMismatchError, ResultStore, ResultWriteError
 from keydiff.run.lock import RunLock, RunLockedError
@@ -53,13 +53,13 @@ def tiny(monkeypatch):
     monkeypatch.setattr(runner, "load_model", lambda cfg: (model, tokenizer))
     monkeypatch.setattr(runner, "_LOADED", {})
     calls: list[str] = []
-    real = runner.run_sample
+    real = samples.run_sample
 
-    def counting(plan, model, tokenizer, stop_ids, sample, *args, **kwargs):
+    def counting(ctx, sample, *args, **kwargs):
         calls.append(sample.id)
-        return real(plan, model, tokenizer, stop_ids, sample, *args, **kwargs)
+        return real(ctx, sample, *args, **kwargs)
 
-    monkeypatch.setattr(runner, "run_sample", counting)
+    monkeypatch.setattr(samples, "run_sample", counting)
     return calls
 
 
@@ -69,14 +69,14 @@ def rows_of(run_dir: Path) -> list[dict]:
 
 def inject(monkeypatch, failures: dict[str, BaseException]):
     """Make run_sample raise the given error once for the given sample id."""
-    real = runner.run_sample
+    real = samples.run_sample
 
-    def failing(plan, model, tokenizer, stop_ids, sample, *args, **kwargs):
+    def failing(ctx, sample, *args, **kwargs):
         if sample.id in failures:
             raise failures.pop(sample.id)
-        return real(plan, model, tokenizer, stop_ids, sample, *args, **kwargs)
+        return real(ctx, sample, *args, **kwargs)
 
-    monkeypatch.setattr(runner, "run_sample", failing)
+    monkeypatch.setattr(samples, "run_sample", failing)
 
 
 # --------------------------------------------------------------------------- run identity
@@ -112,7 +112,7 @@ def test_limited_and_full_runs_of_one_point_live_in_separate_directories(tmp_pat
 
 def test_out_of_memory_sample_is_recorded_skipped_on_rerun_and_retried_on_request(tmp_path, tiny, monkeypatch):
     released = []
-    monkeypatch.setattr(runner, "release_memory", lambda: released.append(True))
+    monkeypatch.setattr(samples, "release_memory", lambda: released.append(True))
     inject(monkeypatch, {"len100": torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")})
     run_dir = tmp_path / "run"
     summary = runner.run(make_cfg(tmp_path), run_dir)

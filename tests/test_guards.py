@@ -366,8 +366,9 @@ def runner_cfg(model_dir, *overrides: str, task: dict | None = None):
 
 @pytest.fixture
 def tiny_runner(tmp_path, monkeypatch):
-    """runner.run with the tiny model and the char tokenizer; counts model loads, samples run and prefill calls."""
-    from keydiff.run import runner
+    """runner.run with the tiny model and the char tokenizer; counts model loads, samples run and prefill calls
+    (the runner's warm-up's and the samples')."""
+    from keydiff.run import runner, samples
 
     model = tiny_llama("sdpa")
     model_dir = tmp_path / "tiny-model"
@@ -378,7 +379,7 @@ def tiny_runner(tmp_path, monkeypatch):
         calls["load"] += 1
         return model, char_tokenizer()
 
-    real_prefill = runner.prefill
+    real_prefill = samples.prefill
 
     def counting_prefill(*args, **kwargs):
         calls["prefill"] += 1
@@ -386,14 +387,15 @@ def tiny_runner(tmp_path, monkeypatch):
 
     monkeypatch.setattr(runner, "load_model", load)
     monkeypatch.setattr(runner, "_LOADED", {})
-    real_run_sample = runner.run_sample
+    real_run_sample = samples.run_sample
 
     def counting_run_sample(*args, **kwargs):
         calls["sample"] += 1
         return real_run_sample(*args, **kwargs)
 
     monkeypatch.setattr(runner, "prefill", counting_prefill)
-    monkeypatch.setattr(runner, "run_sample", counting_run_sample)
+    monkeypatch.setattr(samples, "prefill", counting_prefill)
+    monkeypatch.setattr(samples, "run_sample", counting_run_sample)
     return runner, model_dir, calls
 
 
@@ -460,7 +462,7 @@ def test_kv_bytes_per_layer_entry_counts_keys_and_values(dtype, shape):
     head_dim (24 here, not 64 // 4), or the wrong element size; the expected value is measured on a stock
     DynamicCache, not computed from the config as the function under test does.
     """
-    from keydiff.run.runner import kv_bytes_per_layer_entry
+    from keydiff.run.samples import kv_bytes_per_layer_entry
 
     model = tiny_llama("sdpa", **shape).to(dtype)
     assert kv_bytes_per_layer_entry(model) * LAYERS == stock_kv_bytes_per_token(model)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from keydiff.report import collect, compare_runs
-from keydiff.run import invocations, runner
+from keydiff.run import invocations, runner, samples
 from keydiff.run.results import ResultStore, run_dir_of
 from keydiff.run.sweep import point_status
 from tests.test_cluster import make_cfg, rows_of, tiny  # noqa: F401  (tiny: the fixture)
@@ -159,4 +159,4 @@ def test_the_runner_reads_the_cpu_peak_from_vmhwm(monkeypatch):
 
     assert common.peak_rss_bytes is memory.peak_rss_bytes  # one reader, shared
     monkeypatch.setattr(memory, "peak_rss", lambda: (12345, memory.VMHWM))
-    assert runner.peak_memory_bytes(torch.device("cpu")) == 12345
+    assert samples.peak_memory_bytes(torch.device("cpu")) == 12345

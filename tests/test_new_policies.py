@@ -453,7 +453,8 @@ def test_pyramid_per_layer_bound_and_kept_counts_in_a_real_prefill(name, arithme
 
 
 def test_run_statistics_check_each_layer_against_its_own_bound():
-    from keydiff.run.runner import RunPlan, run_statistics
+    from keydiff.run.plan import RunPlan
+    from keydiff.run.runner import run_statistics
 
     plan = RunPlan("keydiff", {}, 100, 10, "fast", True, None, None)
     row = {"prompt_tokens": 500, "compression_ratio": 0.2, "ttft_s": 1.0, "decode_s": 1.0, "new_tokens": 3,

@@ -244,8 +244,8 @@ def test_window_size_floor_is_robust_to_float_noise(caplog):
     from keydiff.policies.base import window_size
 
     assert window_size(0.57, 100) == 57 and window_size(0.29, 100) == 29 and window_size(0.2, 2048) == 409
-    build_policy("keydiff", window_fraction=0.2).validate(4)  # 0.8 slots -> empty window, with a warning
-    assert "reserves no slot" in caplog.text
+    build_policy("keydiff", window_fraction=0.2).validate(4)  # 0.8 entries -> empty window, with a warning
+    assert "reserves no entry" in caplog.text
 
 
 def test_python_composition_is_the_config_form():
@@ -340,7 +340,7 @@ def test_every_policy_config_builds_its_policy_with_its_params(config):
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from keydiff.run.runner import policy_target
+    from keydiff.run.plan import policy_target
 
     with initialize_config_dir(str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=[f"policy={config}"])

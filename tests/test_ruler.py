@@ -484,6 +484,7 @@ def test_missing_qa_data_message_names_the_real_data_first_and_the_fixture_for_a
 
 def test_errors_come_before_the_model_loads(monkeypatch, tmp_path):
     from keydiff.run import runner
+    from keydiff.run.plan import plan_run
     from tests.test_runner import make_cfg
 
     monkeypatch.setattr(runner, "load_model", lambda *a, **k: pytest.fail("the model must not be loaded"))
@@ -495,9 +496,9 @@ def test_errors_come_before_the_model_loads(monkeypatch, tmp_path):
         runner.run(make_cfg("task=ruler_4k", "task.tasks=synthetic", "task.answer_prefix_style=bogus"),
                    tmp_path / "run")
     assert not (tmp_path / "run").exists()
-    assert runner.plan_run(make_cfg("task=ruler_4k", "task.tasks=synthetic",
-                                    "task.answer_prefix_style=kvpress")).task.answer_prefix_style == "kvpress"
-    plan = runner.plan_run(make_cfg("task=ruler_8k", "task.tasks=synthetic"))
+    assert plan_run(make_cfg("task=ruler_4k", "task.tasks=synthetic",
+                             "task.answer_prefix_style=kvpress")).task.answer_prefix_style == "kvpress"
+    plan = plan_run(make_cfg("task=ruler_8k", "task.tasks=synthetic"))
     assert plan.task.length == 8192 and len(plan.task.tasks) == 11
 
 

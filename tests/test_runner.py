@@ -11,6 +11,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from keydiff.run import runner
+from keydiff.run.plan import plan_run
 from keydiff.run.results import ConfigMismatchError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,7 +63,7 @@ def test_bad_values_fail_before_the_model_loads(tmp_path, no_model_load, overrid
 
 
 def test_block_size_inf_is_accepted(no_model_load):
-    assert runner.plan_run(make_cfg("block_size=inf")).block_size is None
+    assert plan_run(make_cfg("block_size=inf")).block_size is None
 
 
 def niah_cfg(*extra: str):
@@ -142,11 +143,11 @@ def test_sequential_runs_reuse_the_loaded_model(monkeypatch):
     calls = []
     monkeypatch.setattr(runner, "load_model", lambda cfg: calls.append(cfg) or ("model", "tokenizer"))
     monkeypatch.setattr(runner, "_LOADED", {})
-    plan = runner.plan_run(make_cfg())
+    plan = plan_run(make_cfg())
     assert runner.load_model_once(plan.model_cfg) == ("model", "tokenizer")
-    runner.load_model_once(runner.plan_run(make_cfg("policy=tova")).model_cfg)
+    runner.load_model_once(plan_run(make_cfg("policy=tova")).model_cfg)
     assert len(calls) == 1
-    runner.load_model_once(runner.plan_run(make_cfg("model.dtype=bfloat16")).model_cfg)
+    runner.load_model_once(plan_run(make_cfg("model.dtype=bfloat16")).model_cfg)
     assert len(calls) == 2
 
 

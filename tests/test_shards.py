@@ -13,7 +13,7 @@ import pytest
 
 from keydiff.config import shard_suffix
 from keydiff.report.collect import collect
-from keydiff.run import runner
+from keydiff.run import runner, samples
 from keydiff.run.checks import ConfigError, check_run_config
 from keydiff.run.results import run_dir_of
 from keydiff.run.shard_merge import MERGED, REFUSED, UP_TO_DATE, WAITING, merge_all, stale_points
@@ -191,7 +191,7 @@ def test_a_shard_rerun_after_the_merge_leaves_the_old_result_out_until_every_sha
     merged_bytes = (point / "predictions.jsonl").read_bytes()
 
     # shard 2 started again from scratch (overwrite=true moves its rows aside) and stopped after one sample
-    real = runner.run_sample
+    real = samples.run_sample
     calls = []
 
     def stop_after_one(*args, **kwargs):
@@ -200,7 +200,7 @@ def test_a_shard_rerun_after_the_merge_leaves_the_old_result_out_until_every_sha
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(runner, "run_sample", stop_after_one)
+    monkeypatch.setattr(samples, "run_sample", stop_after_one)
     with pytest.raises(runner.Preempted):
         run_shard(tmp_path, "2/2", "overwrite=true")
     assert stale_points(tmp_path / "runs") == {point}
@@ -210,7 +210,7 @@ def test_a_shard_rerun_after_the_merge_leaves_the_old_result_out_until_every_sha
     assert status.state == "partial" and status.describe().endswith(
         "1 of 2 shards complete; missing: 2/2 partial (1 of 2); the earlier merged result is out of the tables until then")
 
-    monkeypatch.setattr(runner, "run_sample", real)
+    monkeypatch.setattr(samples, "run_sample", real)
     run_shard(tmp_path, "2/2")
     frame = collect(tmp_path / "runs", tmp_path / "summary.csv")
     assert len(frame) == 1 and frame["samples"].iloc[0] == 5 and stale_points(tmp_path / "runs") == set()

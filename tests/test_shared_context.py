@@ -13,7 +13,8 @@ import torch
 
 from keydiff import build_policy, generate, prefill
 from keydiff.models import ModelConfig
-from keydiff.run.runner import RunPlan, run_sample
+from keydiff.run.plan import RunPlan
+from keydiff.run.samples import RunContext, run_sample
 from keydiff.run.shared import answer
 from keydiff.tasks.base import GenerationSettings, Prompt, Sample, SharedContext, Task
 from tests.conftest import char_tokenizer
@@ -73,10 +74,15 @@ def plan_of(task: Task, name: str = "keydiff", budget: int | None = BUDGET, evic
     return RunPlan(name, {}, budget, block, "fast", evict, task, ModelConfig(max_length=None), query_aware=False)
 
 
+def ctx_of(plan: RunPlan, model) -> RunContext:
+    """The run context these tests run under: the id tokenizer, stop id 0, seed 0, code "test"."""
+    return RunContext(plan, model, IdTokenizer(), [0], "test")
+
+
 def run_shared(model, task, plan, before=None):
     samples = list(task.samples())
     shared = task.shared_context(samples, None, None)
-    return answer(plan, model, IdTokenizer(), [0], samples, shared, {s.id for s in samples}, 0, "test", before)
+    return answer(ctx_of(plan, model), samples, shared, {s.id for s in samples}, before)
 
 
 def snapshot(state) -> tuple:
@@ -109,7 +115,7 @@ def test_multi_request_feeds_every_question_the_freshly_compressed_context(model
     assert seen == [0, 1, 2] and [r["sample_id"] for r in rows] == ["c0/q0", "c0/q1", "c0/q2"]
     independent = plan_of(ToyShared(mode="independent"), name, evict=evict)
     for sample, row in zip(task.samples(), rows):
-        alone = run_sample(independent, model, IdTokenizer(), [0], sample, 0, "test",
+        alone = run_sample(ctx_of(independent, model), sample,
                            prompt=task.build_prompt(sample, None, None, query_aware=False))
         assert row["prediction"] == alone["prediction"], (name, sample.id)
         assert row["held_tokens"] == alone["held_tokens"] and row["kept_tokens"] == alone["kept_tokens"]
@@ -122,8 +128,8 @@ def test_multi_request_with_one_question_is_the_independent_query_agnostic_run(m
     task = ToyShared(questions=1)
     row = run_shared(model, task, plan_of(task, name))[0]
     sample = next(task.samples())
-    alone = run_sample(plan_of(ToyShared(mode="independent", questions=1), name), model, IdTokenizer(), [0], sample, 0,
-                       "test", prompt=task.build_prompt(sample, None, None, query_aware=False))
+    alone = run_sample(ctx_of(plan_of(ToyShared(mode="independent", questions=1), name), model), sample,
+                       prompt=task.build_prompt(sample, None, None, query_aware=False))
     for key in ("prediction", "prompt_tokens", "context_tokens", "held_tokens", "kept_tokens", "budget",
                 "compression_ratio", "max_cache_entries", "new_tokens"):
         assert row[key] == alone[key], key
@@ -179,8 +185,8 @@ def test_a_resumed_context_writes_only_its_missing_questions_and_the_same_answer
     task = ToyShared(mode=mode)
     samples = list(task.samples())
     shared = task.shared_context(samples, None, None)
-    whole = answer(plan_of(task), model, IdTokenizer(), [0], samples, shared, {s.id for s in samples}, 0, "test")
-    missing = answer(plan_of(task), model, IdTokenizer(), [0], samples, shared, {"c0/q2"}, 0, "test")
+    whole = answer(ctx_of(plan_of(task), model), samples, shared, {s.id for s in samples})
+    missing = answer(ctx_of(plan_of(task), model), samples, shared, {"c0/q2"})
     assert [r["sample_id"] for r in missing] == ["c0/q2"] and missing[0]["prediction"] == whole[2]["prediction"]
     assert missing[0]["shared_prefill_s"] == missing[0]["context_prefill_s"] > 0  # the context's prefill, counted once
 
@@ -307,12 +313,12 @@ def test_a_resumed_conversation_replays_the_asking_order(model):
     samples = [s for s in task.samples() if s.fields["context"] == 0]
     shared = task.shared_context(samples, tokenizer, None)
     plan = plan_of(task, budget=256)
-    whole = answer(plan, model, IdTokenizer(), [0], samples, shared, {s.id for s in samples}, 0, "test")
+    whole = answer(ctx_of(plan, model), samples, shared, {s.id for s in samples})
     assert [r["info"]["needle_index"] for r in whole] == order and [r["sample_id"] for r in whole] == [
         s.id for s in samples]
     assert all(s.fields["key"] in text(tokenizer, f) for s, f in zip(samples[1:], shared.follow_ups[1:]))
     last = samples[-1].id
-    missing = answer(plan, model, IdTokenizer(), [0], samples, shared, {last}, 0, "test")
+    missing = answer(ctx_of(plan, model), samples, shared, {last})
     assert [r["sample_id"] for r in missing] == [last]
     assert missing[0]["prediction"] == whole[-1]["prediction"] and missing[0]["prompt_tokens"] == whole[-1][
         "prompt_tokens"]

@@ -13,7 +13,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf, open_dict
 
-from keydiff.run import runner, tracking
+from keydiff.run import runner, samples, tracking
 from keydiff.paper.reference import paper_values, read_tables, table_numbers
 from tests.conftest import char_tokenizer, tiny_llama
 
@@ -87,7 +87,7 @@ def recorded(monkeypatch):
 
 def run_preempted_then_resume(cfg, run_dir, monkeypatch) -> None:
     """First invocation stops at its second sample (as a preempted job would); the second one resumes."""
-    real_run_sample = runner.run_sample
+    real_run_sample = samples.run_sample
     calls = []
 
     def preempted_on_second(*args, **kwargs):
@@ -96,10 +96,10 @@ def run_preempted_then_resume(cfg, run_dir, monkeypatch) -> None:
             raise RuntimeError("preempted")
         return real_run_sample(*args, **kwargs)
 
-    monkeypatch.setattr(runner, "run_sample", preempted_on_second)
+    monkeypatch.setattr(samples, "run_sample", preempted_on_second)
     with pytest.raises(RuntimeError, match="preempted"):
         runner.run(cfg, run_dir)
-    monkeypatch.setattr(runner, "run_sample", real_run_sample)
+    monkeypatch.setattr(samples, "run_sample", real_run_sample)
     runner.run(cfg, run_dir)
 
 

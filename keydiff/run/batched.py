@@ -22,32 +22,28 @@ import logging
 from collections import deque
 from typing import Any, Iterator
 
-from omegaconf import DictConfig
-
 from keydiff.batching import Request, generate_batch
-from keydiff.run.runner import (
-    RunPlan, decode_settings, failed_row, is_out_of_memory, prefill_sample, release_memory, sample_row, sample_seed,
+from keydiff.run.samples import (
+    RunContext, decode_settings, failed_row, is_out_of_memory, prefill_sample, release_memory, sample_row, sample_seed,
     screen_sample,
 )
 
 log = logging.getLogger(__name__)
 
 
-def batched_rows(plan: RunPlan, model, tokenizer, stop_ids, samples: list, cfg: DictConfig, code, signals,
-                 batch_size: int) -> Iterator[dict[str, Any]]:
-    """Every sample's row, in the order the samples finish. Each `next()` runs interruptibly (a stop signal
-    abandons the samples in flight); nothing runs while the caller writes a row."""
+def batched_rows(ctx: RunContext, samples: list) -> Iterator[dict[str, Any]]:
+    """Every sample's row, in the order the samples finish, `ctx.batch_size` decoding at once. Each `next()` runs
+    interruptibly (a stop signal abandons the samples in flight); nothing runs while the caller writes a row."""
     pending = deque(samples)
-    run_seed = int(cfg.seed)
+    batch_size = ctx.batch_size
     while pending:
         ready: deque[dict[str, Any]] = deque()  # rows of samples refused before running (prompt cap, budget)
         in_flight: dict[str, tuple] = {}  # sample id -> (sample, prompt, state, budget, seed, shared)
-        results = generate_batch(model, _requests(plan, model, tokenizer, stop_ids, pending, cfg, code, run_seed,
-                                                  ready, in_flight), batch_size)
+        results = generate_batch(ctx.model, _requests(ctx, pending, ready, in_flight), batch_size)
         out_of_memory = None
         while True:
             try:
-                with signals.interruptible():
+                with ctx.signals.interruptible():
                     finished = next(results, None)
             except Exception as error:  # Preempted is a BaseException and passes through
                 if not is_out_of_memory(error):
@@ -61,8 +57,7 @@ def batched_rows(plan: RunPlan, model, tokenizer, stop_ids, samples: list, cfg: 
                 break
             key, out = finished
             sample, prompt, state, budget, seed, shared = in_flight.pop(key)
-            row = {**sample_row(plan, model, tokenizer, sample, prompt, state, out, budget, seed, code),
-                   **batch_record(out, shared)}
+            row = {**sample_row(ctx, sample, prompt, state, out, budget, seed), **batch_record(out, shared)}
             state = out = None  # a pooled cache is a view of the batch's whole block: hold none across a retry
             yield row
         if out_of_memory is None:
@@ -72,9 +67,9 @@ def batched_rows(plan: RunPlan, model, tokenizer, stop_ids, samples: list, cfg: 
         in_flight.clear()
         release_memory()
         if batch_size == 1:  # as at batch 1: the sample is recorded as failed and the run goes on
-            sample, prompt = abandoned[0], plan.build_prompt(abandoned[0], tokenizer)
+            sample, prompt = abandoned[0], ctx.plan.build_prompt(abandoned[0], ctx.tokenizer)
             log.warning("sample %s ran out of memory at batch 1: recorded as failed", sample.id)
-            yield failed_row(plan, sample, prompt, "out_of_memory", out_of_memory, code)
+            yield failed_row(ctx, sample, prompt, "out_of_memory", out_of_memory)
             abandoned = abandoned[1:]
         else:
             log.warning("out of memory at batch %d: %d samples run again at batch %d", batch_size, len(abandoned),
@@ -92,36 +87,35 @@ def batch_record(out, shared: int) -> dict[str, Any]:
             "prefill_shared": shared}
 
 
-def _requests(plan: RunPlan, model, tokenizer, stop_ids, pending: deque, cfg: DictConfig, code, run_seed: int,
-              ready: deque, in_flight: dict) -> Iterator[Request]:
+def _requests(ctx: RunContext, pending: deque, ready: deque, in_flight: dict) -> Iterator[Request]:
     """The next sample's request whenever the scheduler has a free slot; samples that must not run go to
     `ready` as failed rows; consecutive samples with the same prompt share one prefill (forks)."""
     forks: deque = deque()
     while pending or forks:
         if not forks:
             sample = pending.popleft()
-            prompt, refused = screen_sample(plan, tokenizer, sample, cfg, code)
+            prompt, refused = screen_sample(ctx, sample)
             if refused is not None:
                 ready.append(refused)
                 continue
             group = [(sample, prompt)]
-            while pending and (other := _same_prompt(plan, tokenizer, pending[0], prompt)) is not None:
+            while pending and (other := _same_prompt(ctx, pending[0], prompt)) is not None:
                 group.append((pending.popleft(), other))
             for member, member_prompt in group:  # in flight from now on: abandoned together if memory runs out
                 in_flight[member.id] = (member, member_prompt, None, None, None, len(group))
-            state, budget = prefill_sample(plan, model, tokenizer, prompt)
+            state, budget = prefill_sample(ctx, prompt)
             # Every member a fork (not the prefilled state and k - 1 forks), so that all k lie side by side in one
             # block and decode as one group where the policy allows (keydiff.batching.blocks).
             states = state.fork(len(group)) if len(group) > 1 else [state]
             forks.extend((member, member_prompt, forked, budget)
                          for (member, member_prompt), forked in zip(group, states))
         sample, prompt, state, budget = forks.popleft()
-        seed = sample_seed(prompt.generation, run_seed, sample)
+        seed = sample_seed(prompt.generation, ctx.seed, sample)
         in_flight[sample.id] = (sample, prompt, state, budget, seed, in_flight[sample.id][-1])
-        yield Request(state, key=sample.id, **decode_settings(plan, stop_ids, prompt.generation, seed))
+        yield Request(state, key=sample.id, **decode_settings(ctx, prompt.generation, seed))
 
 
-def _same_prompt(plan: RunPlan, tokenizer, sample, prompt):
+def _same_prompt(ctx: RunContext, sample, prompt):
     """`sample`'s prompt if it has exactly `prompt`'s token ids (so it may share its prefill), else None."""
-    own = plan.build_prompt(sample, tokenizer)
+    own = ctx.plan.build_prompt(sample, ctx.tokenizer)
     return own if own.input_ids == prompt.input_ids else None

@@ -168,7 +168,7 @@ def write_merge(point: Path, states: list[ShardState], rows: list[dict[str, Any]
     """Write the grid point's predictions, configuration and summary from complete, consistent shards."""
     from omegaconf import OmegaConf
 
-    from keydiff.run import runner  # imports torch: only when there is something to merge
+    from keydiff.run import plan as planning, runner  # import torch: only when there is something to merge
     from keydiff.tasks.base import Sample
 
     data = encode(rows)
@@ -187,9 +187,9 @@ def write_merge(point: Path, states: list[ShardState], rows: list[dict[str, Any]
     }
     cfg = OmegaConf.create(point_config(first))
     run_config = read_json(states[0].path / RUN_CONFIG)
-    if runner.result_config(cfg) != run_config:
+    if planning.result_config(cfg) != run_config:
         raise ValueError(f"{states[0].path}: its summary's configuration does not give its run_config.json")
-    plan = runner.plan_run(cfg)  # before anything is written: a policy or task that cannot be built here stops it
+    plan = planning.plan_run(cfg)  # before anything is written: a policy or task that cannot be built here stops it
     atomic_write_json(point / SHARDS / MERGE_RECORD, record)  # first: the files below are known as the merge's
     atomic_write_bytes(point / PREDICTIONS, data)
     atomic_write_json(point / RUN_CONFIG, run_config)

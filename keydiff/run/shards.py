@@ -17,7 +17,7 @@ Where: a shard is an ordinary run directory `<grid point>/shards/<i>of<n>/` (con
 appends it) with its own run_config.json, predictions.jsonl, summary.json, lock, resume and stop-signal
 handling, plus `shard.json`, its manifest: which samples of the grid point it covers (their positions
 among all of them, and a hash of the grid point's whole ordered id list, so that shards of different data
-never merge). `shard` is a non-result key (keydiff.run.runner.NON_RESULT_KEYS): it selects samples, it
+never merge). `shard` is a non-result key (keydiff.run.plan.NON_RESULT_KEYS): it selects samples, it
 does not change what a sample computes, so every shard records the grid point's own configuration.
 
 What is complete: a shard whose every manifest sample has a row (ok or failed, as for a whole run). When

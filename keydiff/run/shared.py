@@ -15,7 +15,7 @@ with the policy's budget (a ratio budget counts the context), as `query_aware=fa
                  (keydiff.engine.follow_up, held the same way); the cache stays bounded as the protocol says
                  (N + B per head with eviction while decoding; without it, it keeps every question and answer).
 
-Rows: one per question, the runner's row (keydiff.run.runner.sample_row) for the prompt the question was answered
+Rows: one per question, the runner's row (keydiff.run.samples.sample_row) for the prompt the question was answered
 from: context + question (multi_request), the conversation so far (multi_turn: `context_tokens` is everything
 already fed, which went through eviction; `held_tokens` this turn's feed). `ttft_s` is the time from feeding the
 question to its first token's logits; `context_prefill_s` is the context's one prefill (on every row of the
@@ -34,11 +34,11 @@ from itertools import groupby
 from typing import Any, Callable, Iterator
 
 import torch
-from omegaconf import DictConfig
 
 from keydiff.engine import PrefillResult, copy_state, follow_up, generate, hold, prefill
-from keydiff.run.runner import (
-    RunPlan, decode_settings, failed_row, is_out_of_memory, release_memory, sample_row, sample_seed, screen_sample,
+from keydiff.run.samples import (
+    RunContext, decode_settings, failed_row, is_out_of_memory, release_memory, sample_row, sample_seed, screen_sample,
+    stop_ids_of,
 )
 from keydiff.tasks.base import Prompt, SharedContext
 
@@ -46,11 +46,10 @@ log = logging.getLogger(__name__)
 SHARED_MODES = ("multi_request", "multi_turn")
 
 
-def shared_rows(plan: RunPlan, model, tokenizer, stop_ids, todo: list, cfg: DictConfig, code,
-                signals) -> Iterator[dict[str, Any]]:
+def shared_rows(ctx: RunContext, todo: list) -> Iterator[dict[str, Any]]:
     """Every question's row, context by context (the task's shard groups); each context runs interruptibly and
     its rows are yielded after, so nothing runs while the caller writes a row."""
-    task = plan.task
+    task = ctx.plan.task
     wanted = {sample.id for sample in todo}
     by_group = {}
     # a context's questions in order, also those already written (multi_turn replays them)
@@ -58,50 +57,52 @@ def shared_rows(plan: RunPlan, model, tokenizer, stop_ids, todo: list, cfg: Dict
         by_group.setdefault(task.shard_group(sample), []).append(sample)
     for group, _ in groupby(todo, key=task.shard_group):
         samples = by_group[group]
-        with signals.interruptible():
-            rows = context_rows(plan, model, tokenizer, stop_ids, samples, wanted, cfg, code)
+        with ctx.signals.interruptible():
+            rows = context_rows(ctx, samples, wanted)
         yield from rows
 
 
-def context_rows(plan: RunPlan, model, tokenizer, stop_ids, samples: list, wanted: set, cfg: DictConfig,
-                 code) -> list[dict[str, Any]]:
+def context_rows(ctx: RunContext, samples: list, wanted: set) -> list[dict[str, Any]]:
     """The rows of the wanted questions of one context (out of memory: all of them failed)."""
-    shared = plan.task.shared_context(samples, tokenizer, plan.model_cfg.max_length)
-    refused = [screen_sample(plan, tokenizer, s, cfg, code)[1] for s in samples]
+    plan = ctx.plan
+    shared = plan.task.shared_context(samples, ctx.tokenizer, plan.model_cfg.max_length)
+    refused = [screen_sample(ctx, s)[1] for s in samples]
     if any(refused):
         reason = next(r for r in refused if r)
         why = f"another question of its context: {reason['error']}"
-        return [r or failed_row(plan, s, p, reason["failure_reason"], why, code)
+        return [r or failed_row(ctx, s, p, reason["failure_reason"], why)
                 for s, p, r in zip(samples, shared.questions, refused) if s.id in wanted]
     out_of_memory = None
     try:
-        return answer(plan, model, tokenizer, stop_ids, samples, shared, wanted, int(cfg.seed), code)
+        return answer(ctx, samples, shared, wanted)
     except Exception as error:  # Preempted is a BaseException and passes through
         if not is_out_of_memory(error):
             raise RuntimeError(f"context of {samples[0].id!r} failed with {type(error).__name__}: {error}") from error
         out_of_memory = f"{type(error).__name__}: {error}"
     release_memory()
     log.warning("context of %s ran out of memory: its questions are recorded as failed", samples[0].id)
-    return [failed_row(plan, s, p, "out_of_memory", out_of_memory, code)
+    return [failed_row(ctx, s, p, "out_of_memory", out_of_memory)
             for s, p in zip(samples, shared.questions) if s.id in wanted]
 
 
-def prefill_context(plan: RunPlan, model, tokenizer, shared: SharedContext) -> tuple[PrefillResult, int | None]:
+def prefill_context(ctx: RunContext, shared: SharedContext) -> tuple[PrefillResult, int | None]:
     """The context's one block-wise prefill and compression (its own N: a ratio budget counts the context)."""
+    plan = ctx.plan
     budget = plan.sample_budget(len(shared.context_ids))
-    state = prefill(model, torch.tensor([shared.context_ids], dtype=torch.long), plan.new_policy(), budget,
-                    plan.block_size, plan.statistics, tokenizer=tokenizer)
+    state = prefill(ctx.model, torch.tensor([shared.context_ids], dtype=torch.long), plan.new_policy(), budget,
+                    plan.block_size, plan.statistics, tokenizer=ctx.tokenizer)
     return state, budget
 
 
-def answer(plan: RunPlan, model, tokenizer, stop_ids, samples: list, shared: SharedContext, wanted: set, run_seed: int,
-           code, before_question: Callable[[int, PrefillResult], None] | None = None) -> list[dict[str, Any]]:
+def answer(ctx: RunContext, samples: list, shared: SharedContext, wanted: set,
+           before_question: Callable[[int, PrefillResult], None] | None = None) -> list[dict[str, Any]]:
     """Prefill the context once, then answer its questions in the task's mode; the rows of the `wanted` ones.
     before_question(j, state): called with the state question j is about to be fed into (tests check it)."""
-    mode = plan.task.mode
+    model = ctx.model
+    mode = ctx.plan.task.mode
     if mode not in SHARED_MODES:
         raise ValueError(f"task.mode={mode!r} shares no context; valid here: {', '.join(SHARED_MODES)}")
-    context, budget = prefill_context(plan, model, tokenizer, shared)
+    context, budget = prefill_context(ctx, shared)
     prefill_s = context.seconds  # before any question is fed (hold adds its time to the state it feeds)
     rows, conversation, state = [], list(shared.context_ids), context
     for j, (sample, prompt) in enumerate(zip(samples, shared.questions)):
@@ -113,7 +114,7 @@ def answer(plan: RunPlan, model, tokenizer, stop_ids, samples: list, shared: Sha
             asked = prompt
         else:
             fed = prompt.input_ids[prompt.context_tokens:] if j == 0 else (
-                ([] if last in stop_ids_of(stop_ids, prompt) else [last]) + shared.follow_ups[j])
+                ([] if last in stop_ids_of(ctx, prompt.generation) else [last]) + shared.follow_ups[j])
             asked = Prompt(conversation + fed, prompt.generation, prompt.info, context_tokens=len(conversation))
         if before_question is not None:
             before_question(j, state)
@@ -125,19 +126,14 @@ def answer(plan: RunPlan, model, tokenizer, stop_ids, samples: list, shared: Sha
             start = state.seconds
             state = hold(model, state, ids)
             question_s = state.seconds - start
-        seed = sample_seed(prompt.generation, run_seed, sample)
-        out = generate(model, state, **decode_settings(plan, stop_ids, prompt.generation, seed))
+        seed = sample_seed(prompt.generation, ctx.seed, sample)
+        out = generate(model, state, **decode_settings(ctx, prompt.generation, seed))
         tokens = out.token_ids[0]
         if mode == "multi_turn":
             conversation = asked.input_ids + tokens[:-1]  # generate feeds every token but the last
             last = tokens[-1]
         if sample.id in wanted:
-            row = sample_row(plan, model, tokenizer, sample, asked, state, out, budget, seed, code)
+            row = sample_row(ctx, sample, asked, state, out, budget, seed)
             rows.append({**row, "ttft_s": question_s, "context_prefill_s": prefill_s,
                          "shared_prefill_s": 0.0 if rows else prefill_s, "context_mode": mode})
     return rows
-
-
-def stop_ids_of(stop_ids, prompt: Prompt) -> set[int]:
-    """The ids that end an answer: the model's and the task's."""
-    return set(stop_ids) | set(prompt.generation.stop_token_ids)
