@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: help install run test bench bench-decode bench-throughput bench-scoring bench-long bench-peers gpu-check gpu-bench collect smoke leaderboard protocol tables figures figures-runs analysis paper-numbers paper-assets report wandb-sync sweep-local sweep-slurm status clean
+.PHONY: help install run test test-quick bench bench-decode bench-throughput bench-threads bench-scoring bench-long bench-peers gpu-check gpu-bench collect smoke leaderboard protocol tables figures figures-runs analysis paper-numbers paper-assets report wandb-sync sweep-local sweep-slurm status clean
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -27,8 +27,15 @@ install: $(STAMP)  ## create .venv with torch, the project and the offline defau
 run: $(STAMP)  ## the default job: SmolLM2-135M, keydiff, budget 2k, B=128, NIAH small grid
 	$(PY) run.py $(ARGS)
 
-test: $(STAMP)  ## the whole offline CPU test suite
-	$(PY) -m pytest -q $(ARGS)
+test: $(STAMP)  ## the whole offline CPU test suite (what CI runs), then its 25 slowest tests
+	$(PY) -m pytest -q --durations=25 $(ARGS)
+
+# The inner loop (docs/testing.md): the engine, the cache, batching and the result files on the tiny model, in
+# this process (no test here loads the real model or starts a Python that imports torch). docs/testing.md names them.
+QUICK_TESTS = tests/test_engine.py tests/test_cache.py tests/test_batching.py tests/test_batched_runs.py \
+	tests/test_cluster.py tests/test_placement.py
+test-quick: $(STAMP)  ## after every change: engine, cache, batching, result files (tiny model, one process; ~2 min)
+	$(PY) -m pytest -q -m "not real_model and not slurm" $(QUICK_TESTS) $(ARGS)
 
 bench: $(STAMP)  ## prefill benchmark: TTFT per policy and the share spent scoring/evicting
 	$(PY) -m keydiff.bench.prefill $(ARGS)
@@ -37,7 +44,12 @@ bench-decode: $(STAMP)  ## decode benchmark: per-token time and allocations at N
 	$(PY) -m keydiff.bench.decode $(ARGS)
 
 bench-throughput: $(STAMP)  ## batched decode tokens/s, full vs KeyDiff at batch 1-16 (ARGS="--serving --memory-gb 4", "--device cuda")
+	@echo "bench-throughput: with the default ARGS about 7 min on a quiet 2-core CPU (from the rates in docs/performance.md),"
+	@echo "  longer beside other work; each prefill and case is announced as it starts, with the time left"
 	$(PY) -m keydiff.bench.throughput $(ARGS)
+
+bench-threads: $(STAMP)  ## CPU threading settings (threads, OMP_WAIT_POLICY) quiet and beside a busy process: run on an otherwise quiet machine
+	$(PY) -m keydiff.bench.threads $(ARGS)
 
 bench-scoring: $(STAMP)  ## Tables 19 and 2: scoring-step time/memory per policy vs N and B (quiet machine; ARGS="--shape llama-3.2-3b")
 	$(PY) -m keydiff.bench.scoring table19 $(ARGS)

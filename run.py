@@ -30,6 +30,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 import keydiff  # noqa: F401  (registers the config resolvers; torch is imported later, on first use)
+from keydiff import openmp
 from keydiff.run.checks import ConfigError, check_command_line, exit_with_error
 from keydiff.run.lock import RunLock, RunLockedError
 from keydiff.run.preemption import Preempted
@@ -98,6 +99,7 @@ def main(cfg: DictConfig) -> float | None:
             return None
         try:
             with RunLock(run_dir, cfg.lock_wait):  # before torch: a second writer is refused in seconds
+                openmp.prepare("run")  # again for jobs that start in main (submitit); a no-op after torch
                 from keydiff.run.runner import run  # imports torch
 
                 summary = run(cfg, run_dir, checked=True, holding_lock=True)  # checked before start
@@ -120,5 +122,6 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
+    openmp.prepare("run")  # first: OpenMP reads its settings when torch loads (a config check may import torch)
     check_command_line(sys.argv[1:], CONF)  # one line and exit status 2 for what Hydra would report at length
     main()

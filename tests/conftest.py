@@ -1,4 +1,9 @@
-"""Shared fixtures: a tiny randomly initialised Llama built from a config (no download, a few MB)."""
+"""Shared fixtures: a tiny randomly initialised Llama built from a config (no download, a few MB).
+
+Before anything imports torch, the tests' OpenMP settings go into the environment where the user set none
+(keydiff.openmp.DEFAULTS["test"]), and every subprocess a test starts inherits them. torch and transformers
+are imported where a fixture needs them, so a file that needs neither (tests/test_docs.py) starts without them.
+"""
 
 from __future__ import annotations
 
@@ -6,14 +11,19 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
+from keydiff import openmp
 from keydiff.tasks.base import GenerationSettings, Prompt, Sample, Task
 
+openmp.prepare("test")  # before torch is imported (none of the imports above does): OpenMP reads it then
 
-def tiny_llama(attn_implementation: str = "sdpa", dtype: torch.dtype = torch.float32, seed: int = 0, **overrides):
-    """3 layers, 4 query heads sharing 2 KV heads (GQA group of 2), head_dim 16, random weights."""
+
+def tiny_llama(attn_implementation: str = "sdpa", dtype=None, seed: int = 0, **overrides):
+    """3 layers, 4 query heads sharing 2 KV heads (GQA group of 2), head_dim 16, random weights (float32 unless
+    `dtype`)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     config = LlamaConfig(**{
         "vocab_size": 256,
         "hidden_size": 64,
@@ -25,7 +35,7 @@ def tiny_llama(attn_implementation: str = "sdpa", dtype: torch.dtype = torch.flo
         **overrides,
     })
     torch.manual_seed(seed)
-    model = LlamaForCausalLM._from_config(config, attn_implementation=attn_implementation, dtype=dtype)
+    model = LlamaForCausalLM._from_config(config, attn_implementation=attn_implementation, dtype=dtype or torch.float32)
     return model.eval()
 
 
@@ -47,6 +57,27 @@ def char_tokenizer(chat_template: str | None = None, special: tuple[str, ...] = 
     return tokenizer
 
 
+# A test is marked `real_model` (pyproject.toml) by its own decorator, or here, by using a fixture that needs the
+# real offline default model (weights or tokenizer), so that `-m "not real_model"` leaves it out as well.
+REAL_MODEL_FIXTURES = ("builtin_tokenizer",)
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if any(name in item.fixturenames for name in REAL_MODEL_FIXTURES):  # the fixtures it uses, transitively
+            item.add_marker(pytest.mark.real_model)
+
+
+@pytest.fixture(scope="session")
+def builtin_tokenizer():
+    """The real default model's tokenizer (SmolLM2-135M-Instruct), converted from its GGUF once per cache."""
+    from transformers import AutoTokenizer
+
+    from keydiff.models import ensure_builtin_model
+
+    return AutoTokenizer.from_pretrained(str(ensure_builtin_model("smollm2-135m")), local_files_only=True)
+
+
 @pytest.fixture(scope="session")
 def model():
     return tiny_llama()
@@ -54,6 +85,8 @@ def model():
 
 @pytest.fixture(scope="session")
 def prompt():
+    import torch
+
     generator = torch.Generator().manual_seed(1)
     return torch.randint(0, 256, (1, 300), generator=generator)
 

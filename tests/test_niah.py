@@ -29,12 +29,8 @@ CONF = Path(__file__).resolve().parents[1] / "conf"
 
 
 @pytest.fixture(scope="session")
-def tokenizer():
-    from transformers import AutoTokenizer
-
-    from keydiff.models import ensure_builtin_model
-
-    return AutoTokenizer.from_pretrained(str(ensure_builtin_model("smollm2-135m")), local_files_only=True)
+def tokenizer(builtin_tokenizer):
+    return builtin_tokenizer  # conftest: it marks the tests that use it real_model
 
 
 @pytest.fixture(scope="session")

@@ -118,12 +118,8 @@ KVPRESS_KIND = {"niah": "niah", "variable_tracking": "vt", "common_words_extract
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    from transformers import AutoTokenizer
-
-    from keydiff.models import ensure_builtin_model
-
-    return AutoTokenizer.from_pretrained(str(ensure_builtin_model("smollm2-135m")), local_files_only=True)
+def tokenizer(builtin_tokenizer):
+    return builtin_tokenizer  # conftest: it marks the tests that use it real_model
 
 
 def kvpress_split(text: str, kind: str) -> tuple[str, str, str]:

@@ -64,12 +64,8 @@ KIND = {Niah: "niah", VariableTracking: "variable_tracking", CommonWords: "commo
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    from transformers import AutoTokenizer
-
-    from keydiff.models import ensure_builtin_model
-
-    return AutoTokenizer.from_pretrained(str(ensure_builtin_model("smollm2-135m")), local_files_only=True)
+def tokenizer(builtin_tokenizer):
+    return builtin_tokenizer  # conftest: it marks the tests that use it real_model
 
 
 def make(**overrides) -> Ruler:

@@ -22,7 +22,7 @@ from typing import Any, Callable
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from keydiff import available_policies, build_policy
+from keydiff import available_policies, build_policy, openmp
 from keydiff.run.memory import current_rss_bytes, peak_rss_bytes, reset_peak_rss  # noqa: F401 (the benches' names)
 from keydiff.run.provenance import provenance_record, timestamp
 
@@ -122,12 +122,14 @@ def parse_policies(parser: argparse.ArgumentParser, text: str | None, budget: in
 
 
 def setting_line(device: str, dtype: torch.dtype | None, **fields) -> str:
-    """One line naming everything a timing depends on: device, threads, dtype and the run's settings."""
+    """One line naming everything a timing depends on: device, threads, dtype, the run's settings and the
+    OpenMP variables torch started with (keydiff.openmp)."""
     hardware = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     parts = [f"device={hardware}", f"threads={torch.get_num_threads()}", f"torch={torch.__version__}"]
     if dtype is not None:
         parts.insert(2, f"dtype={str(dtype).removeprefix('torch.')}")
-    return " ".join(parts + [f"{k}={v}" for k, v in fields.items()])
+    variables = openmp.describe()
+    return " ".join(parts + [f"{k}={v}" for k, v in fields.items()] + ([variables] if variables else []))
 
 
 def random_prompt(model, length: int, seed: int = 0) -> torch.Tensor:
@@ -172,17 +174,58 @@ def interleaved_rounds(cases: dict[str, Callable[[], Any]], repeats: int, device
     one policy and then all of the next puts that drift into the ratio between them; taking one sample
     of each per round spreads it over every policy, and the median over rounds discards the outliers.
     Each case returns its own measurement; memory is released between cases, never inside one.
+    Every run is announced on stderr with the time left (`Progress`): a benchmark of many cases takes minutes.
     """
-    for fn in cases.values():
-        release_memory(device)
-        fn()
+    runs = [("warm-up", name) for name in cases]
+    runs += [(f"round {r + 1}/{repeats}", name) for r in range(repeats) for name in cases]
+    progress = Progress(f"{len(cases)} case(s): one untimed warm-up run of each, then {repeats} timed round(s)",
+                        len(cases))
     results: dict[str, list[Any]] = {name: [] for name in cases}
-    for round_index in range(repeats):
-        for name, fn in cases.items():
-            print(f"  round {round_index + 1}/{repeats}: {name} ...", file=sys.stderr, flush=True)
-            release_memory(device)
-            results[name].append(fn())
+    for index, (phase, name) in enumerate(runs):
+        progress.start(f"{phase}: {name}", [n for _, n in runs[index:]])
+        release_memory(device)
+        measured = cases[name]()
+        progress.done(name)
+        if phase != "warm-up":
+            results[name].append(measured)
     return results
+
+
+def minutes(seconds: float) -> str:
+    """A duration as a person reads it: "40 s", "4.2 min"."""
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.1f} min"
+
+
+class Progress:
+    """Lines on stderr saying which run of a benchmark starts and about how long is left, estimated from the
+    runs timed so far: each pending run costs what the last run of its name took, a name not run yet the mean
+    of those timed (so the estimate says how many of the names it has timed: rough at first, as good as the
+    machine's steadiness once each has run). Why: `make bench-throughput` printed nothing for minutes.
+    """
+
+    def __init__(self, plan: str, names: int):
+        self.took: dict[str, float] = {}
+        self.names = names
+        self.began = time.perf_counter()
+        print(f"  {plan}; the time left is estimated from the first run on", file=sys.stderr, flush=True)
+
+    def left(self, pending: list[str]) -> float | None:
+        """Seconds the `pending` runs (names, this one included) will take; None before any run is timed."""
+        if not self.took:
+            return None
+        mean = sum(self.took.values()) / len(self.took)
+        return sum(self.took.get(name, mean) for name in pending)
+
+    def start(self, label: str, pending: list[str]) -> None:
+        left = self.left(pending)
+        estimate = "" if left is None else f" (about {minutes(left)} left; {len(self.took)} of {self.names} timed)"
+        print(f"  {label} ...{estimate}", file=sys.stderr, flush=True)
+        self.began = time.perf_counter()
+
+    def done(self, name: str) -> float:
+        """Seconds since `start`, kept as the time of `name`'s next run."""
+        self.took[name] = time.perf_counter() - self.began
+        return self.took[name]
 
 
 def kv_cache_bytes(cache, model, entries: int, batch: int = 1) -> int:

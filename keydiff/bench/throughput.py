@@ -25,7 +25,9 @@ head; bounded: N + 1, or what a bounded cache really allocates if more) and thei
 tokens/s at that batch (capped by --max-batch; the caches are in the state a prefill of L tokens leaves, by one
 prefill per policy forked; prefill not included), with the bytes the measured caches held.
 
-Timings are medians over --repeats after one untimed warm-up; take them on a quiet machine.
+Timings are medians over --repeats after one untimed warm-up; take them on a quiet machine. Each step and
+case is announced on stderr as it starts, with the time left estimated from the cases timed so far
+(keydiff.bench.common.Progress).
 """
 
 from __future__ import annotations
@@ -44,7 +46,13 @@ from keydiff.bench import common
 
 def prefilled(model, prompt: torch.Tensor, name: str, budget: int, block: int):
     """The decode-ready state of one prefill (full keeps every prompt token); cases fork it, never decode it."""
+    announce(f"prefill {name}: {prompt.shape[-1]} tokens, once (untimed)")
     return prefill(model, prompt, build_policy(name), None if name == "full" else budget, block)
+
+
+def announce(step: str) -> None:
+    """A step before the timed cases (loading, prefills), on stderr beside the cases' progress lines."""
+    print(f"  {step} ...", file=sys.stderr, flush=True)
 
 
 def batched_decode(model, states, new_tokens: int, device: str, group_rows: bool = True,
@@ -193,6 +201,7 @@ def decode_mode(model, prompt, names: list[str], args, device: str) -> list[dict
             if args.pooled and name != "full":  # separately prefilled prompts moved into one block as they join
                 cases[(name + " pooled", batch)] = pooled_case(model, state, batch, args, device)
     if args.transformers:
+        announce(f"prefill transformers: {prompt.shape[-1]} tokens in one forward, once (untimed)")
         anchor = transformers_prefill(model, prompt, device)  # once, like the policies' prefills
         for batch in batches:
             cases[("transformers", batch)] = transformers_case(model, anchor, batch, args, device)
@@ -319,6 +328,7 @@ def main(argv: list[str] | None = None) -> None:
     if cb_note:
         print(f"note: --continuous-batching skipped: {cb_note}", file=sys.stderr)
         args.continuous_batching = False
+    announce(f"loading {args.model}")
     model = common.build_model(args.model, dtype, args.attn, device)
     if args.serving:
         rows = serving_mode(model, names, args, device)

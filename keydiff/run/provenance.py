@@ -1,5 +1,6 @@
 """The one record of what produced a result: the code's commit (and whether the tree had uncommitted
-changes), the package versions, the platform and device, the CPU threads, the command line and the time.
+changes), the package versions, the platform and device, the CPU threads and OpenMP settings, the command
+line and the time.
 
     from keydiff.run.provenance import provenance_record
     record = provenance_record()       # {"code", "packages", "environment", "command", "time"}
@@ -23,6 +24,8 @@ import time
 from importlib import metadata
 from pathlib import Path
 from typing import Any, Sequence
+
+from keydiff import openmp
 
 # Packages whose versions can change a result (the model stack, the metrics' dependencies, the data tools).
 PACKAGES = ("torch", "transformers", "hydra-core", "accelerate", "gguf", "rouge", "jieba", "fuzzywuzzy",
@@ -76,6 +79,7 @@ def environment(argv: Sequence[str] | None = None) -> dict[str, Any]:
     except ImportError:  # a torch-free caller (e.g. a report): no threads or device to record
         return env
     env["cpu_threads"] = torch.get_num_threads()
+    env["openmp"] = openmp.settings()  # the runtime and the variables it started with (keydiff.openmp)
     if torch.cuda.is_available():
         env["cuda_device"] = torch.cuda.get_device_name()
         env["cuda"] = torch.version.cuda

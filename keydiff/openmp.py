@@ -1,0 +1,96 @@
+"""How this project's processes use the CPU: the OpenMP settings torch's CPU ops run under, chosen per kind
+of process (runs, benchmarks, tests), and the record of them that results carry.
+
+    from keydiff import openmp
+    openmp.prepare("run")         # first thing in an entry point, before anything imports torch
+    openmp.settings()             # what was in effect: {"library", "variables", "set_by_keydiff"}
+
+Why: torch runs its CPU ops on an OpenMP thread pool, and torch's pip wheels bundle GNU OpenMP
+(torch/lib/libgomp.so.1; `OMP_DISPLAY_ENV=verbose python -c "import torch; torch.ones(1)"` shows its
+settings). Between parallel regions libgomp's idle workers spin for GOMP_SPINCOUNT iterations (300,000,
+about 3 ms, when OMP_WAIT_POLICY is unset) before they sleep. On a quiet machine that saves a wake-up; on a
+machine where another process is busy the spinning worker takes a core that its own team or the
+neighbour needs, and each parallel region waits for a team member the scheduler has put aside: issue 29
+measured 2 threads 8-10 x slower than 1 beside one busy process. OMP_WAIT_POLICY=PASSIVE (libgomp: spin
+count 0) makes idle workers sleep at once; OMP_NUM_THREADS sets torch's default thread count. Intel
+OpenMP's KMP_BLOCKTIME does nothing here (no libiomp is loaded); OMP_WAIT_POLICY is the portable setting.
+
+libgomp reads its environment once, when `import torch` loads it, so these are environment defaults set
+before that: `prepare()` puts DEFAULTS[kind] into os.environ, called by run.py (before the runner imports
+torch), keydiff/bench/__init__.py (every `python -m keydiff.bench.<module>` passes there first) and
+tests/conftest.py. A variable the user set is never changed, and neither is OMP_WAIT_POLICY when the user
+set GOMP_SPINCOUNT (the same setting, libgomp's name: GOMP_SPINCOUNT=300000 is libgomp's own default).
+Child processes inherit the result. An explicit thread count (`threads=`, `--threads`) still wins over
+OMP_NUM_THREADS: torch.set_num_threads.
+
+DEFAULTS is the one place to change what runs, benchmarks and tests use; docs/performance.md ("CPU
+threads") says what was measured (`python -m keydiff.bench.threads`).
+
+Importing this module imports neither torch nor anything that does.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, MutableMapping
+
+# The environment each kind of process starts torch with (only where the user set nothing).
+DEFAULTS: dict[str, dict[str, str]] = {
+    "run": {"OMP_WAIT_POLICY": "PASSIVE"},
+    "bench": {"OMP_WAIT_POLICY": "PASSIVE"},
+    "test": {"OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": "1"},  # tiny models: a second thread buys nothing
+}
+# A default is not applied where the user set another name for the same setting.
+SAME_SETTING = {"OMP_WAIT_POLICY": ("GOMP_SPINCOUNT",)}
+# The variables results record when set: OpenMP's, libgomp's, MKL's and Intel OpenMP's (recorded, not used).
+VARIABLES = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_PROC_BIND", "OMP_PLACES", "OMP_DYNAMIC",
+             "GOMP_CPU_AFFINITY", "MKL_NUM_THREADS", "KMP_BLOCKTIME", "KMP_AFFINITY")
+
+_set_by_keydiff: dict[str, str] = {}  # what prepare() put into this process's environment
+
+
+def prepare(kind: str, environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
+    """Put DEFAULTS[kind] into the environment where the user set nothing; returns what it set.
+
+    It sets nothing once torch is imported (the OpenMP runtime has read its settings by then, and a
+    variable set afterwards would only be recorded, not used): an entry point calls it first."""
+    if kind not in DEFAULTS:
+        raise ValueError(f"unknown kind of process {kind!r}; valid: {', '.join(DEFAULTS)}")
+    environ = os.environ if environ is None else environ
+    if "torch" in sys.modules and environ is os.environ:
+        return {}
+    chosen = {name: value for name, value in DEFAULTS[kind].items()
+              if name not in environ and not any(other in environ for other in SAME_SETTING.get(name, ()))}
+    environ.update(chosen)
+    if environ is os.environ:
+        _set_by_keydiff.update(chosen)
+    return chosen
+
+
+def library() -> str | None:
+    """The OpenMP runtime this process has loaded (e.g. "libgomp.so.1"), from /proc/self/maps; None where
+    none is loaded or the platform has no /proc."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8") as maps:
+            names = {line.rsplit("/", 1)[-1].strip() for line in maps if "/" in line}
+    except OSError:
+        return None
+    found = sorted(name for name in names if name.startswith(("libgomp", "libiomp", "libomp")))
+    return ", ".join(found) or None
+
+
+def settings() -> dict[str, Any]:
+    """The threading in effect, for a result's provenance (torch's thread count is recorded beside it):
+    the OpenMP runtime loaded, every variable of VARIABLES that is set, and which of them prepare() set.
+
+    The variables are os.environ's now: what the runtime read when torch loaded, unless the process
+    changed its own environment since."""
+    return {"library": library(),
+            "variables": {name: os.environ[name] for name in VARIABLES if name in os.environ},
+            "set_by_keydiff": sorted(_set_by_keydiff)}
+
+
+def describe() -> str:
+    """The variables in effect as one `NAME=value ...` string ("" when none is set), for a benchmark's setting line."""
+    return " ".join(f"{name}={value}" for name, value in settings()["variables"].items())
