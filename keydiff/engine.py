@@ -288,6 +288,7 @@ def generate(
     seed: int | None = None,
     record_steps: bool = False,
     evict: bool = True,
+    fixed_shapes: bool | None = None,
 ) -> GenerationResult:
     """Decode up to `max_new_tokens` tokens from a prefilled state, evicting after every token (B = 1).
 
@@ -298,6 +299,9 @@ def generate(
 
     A row stops at the first id in `eos_token_ids` (allowed only after `min_new_tokens`). Sampling draws
     from a CPU generator seeded with `seed`, so results do not depend on the device's RNG.
+    fixed_shapes: once the cache holds N entries, decode in fixed shapes (keydiff.batching.static; replayed as a
+    CUDA graph on a GPU); None: the device's default, False: the ordinary step. The same tokens either way.
+    It runs the decoding step keydiff.generate_batch runs, with this one request.
     Returns a GenerationResult: `.token_ids` (per batch row, a list of the new ids), `.finish_reasons`,
     `.seconds`, `.max_cache_entries`.
     """
@@ -305,5 +309,5 @@ def generate(
         raise RuntimeError("this PrefillResult was already decoded (its cache moved on); run prefill again")
     request = Request(state, max_new_tokens, eos_token_ids, do_sample, temperature, top_p, min_new_tokens, seed,
                       evict, record_steps=record_steps)
-    (_, out), = generate_batch(model, [request], batch_size=1)
+    (_, out), = generate_batch(model, [request], batch_size=1, fixed_shapes=fixed_shapes)
     return GenerationResult(out.token_ids, out.finish_reasons, out.seconds, out.max_cache_entries, out.step_entries)

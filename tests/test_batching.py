@@ -227,6 +227,8 @@ def test_statistics_modes_kernels_and_no_decode_eviction_batch_like_separate_run
 
 
 # --- rows side by side (keydiff.batching.blocks): forks of one prefill decode as one group -----------------------
+# Groups are what the ordinary step runs (fixed_shapes=False where a test counts them): where every going row is
+# full and alike, the step runs in fixed shapes instead (tests/test_fixed_shapes.py).
 
 
 def group_sizes(monkeypatch) -> list[int]:
@@ -269,7 +271,7 @@ def test_forks_lie_side_by_side_and_decode_as_one_group_like_separate_runs(model
         assert [p.slot for p in placements] == [0, 1, 2, 3]
         assert all(f.cache.kv_cache_bytes == state.cache.kv_cache_bytes for f in forks)
         requests = [keydiff.Request(fork, key=seed, **sampled(seed)) for seed, fork in enumerate(forks)]
-        got = dict(keydiff.generate_batch(model, requests, 4, group_rows=group_rows))
+        got = dict(keydiff.generate_batch(model, requests, 4, group_rows=group_rows, fixed_shapes=False))
         for seed, (tokens, positions) in enumerate(expected):
             assert got[seed].token_ids[0] == tokens, (group_rows, seed)
             assert same_kept(kept(forks[seed].cache), positions), (group_rows, seed)
@@ -345,11 +347,12 @@ def test_a_group_scores_each_row_over_its_own_entries_only(model):
     alone = []
     for seed, fork in enumerate(state.fork(3)):
         log.clear()
-        generate(model, fork, **sampled(seed, 8))
+        generate(model, fork, **sampled(seed, 8), fixed_shapes=False)  # the ordinary step: one sequence's rows
         alone.append([positions for positions, _ in log])
     log.clear()
     forks = state.fork(3)
-    list(keydiff.generate_batch(model, [keydiff.Request(f, key=s, **sampled(s, 8)) for s, f in enumerate(forks)], 3))
+    list(keydiff.generate_batch(model, [keydiff.Request(f, key=s, **sampled(s, 8)) for s, f in enumerate(forks)], 3,
+                                fixed_shapes=False))
     assert len(log) == len(alone[0]) > 0
     for step, (positions, attention) in enumerate(log):
         assert attention is None
@@ -419,7 +422,7 @@ def test_pooled_rows_prefilled_on_their_own_group_and_decode_as_alone(model, mon
     for batch_size, pool_rows in ((2, True), (3, True), (3, False)):
         batch = states()
         requests = [keydiff.Request(s, key=i, **setting) for i, (s, setting) in enumerate(zip(batch, settings))]
-        got = dict(keydiff.generate_batch(model, requests, batch_size, pool_rows=pool_rows))
+        got = dict(keydiff.generate_batch(model, requests, batch_size, pool_rows=pool_rows, fixed_shapes=False))
         for key, (tokens, positions) in enumerate(expected):
             assert got[key].token_ids[0] == tokens, (batch_size, key)
             assert same_kept(kept(batch[key].cache), positions), (batch_size, key)

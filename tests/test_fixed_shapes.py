@@ -69,11 +69,16 @@ def test_generate_and_generate_batch_run_the_one_step(model, monkeypatch):
     assert calls == [2] * 5
 
 
+@pytest.mark.parametrize("full_width", [False, True], ids=["span", "full-width"])
 @pytest.mark.parametrize("name", FIXED)
-def test_fixed_shapes_give_what_the_ordinary_step_gives(model, name, monkeypatch):
+def test_fixed_shapes_give_what_the_ordinary_step_gives(model, name, full_width, monkeypatch):
     """Prefill (blocks once the cache is full) and decoding of forks (one block), prompts prefilled apart (pooled
     as they join) and one sequence alone, greedy and sampled: identical tokens, logits, kept positions, peaks and
-    bytes with fixed shapes on and off, and the fixed step did run."""
+    bytes with fixed shapes on and off, and the fixed step did run. full-width: every slot of the block runs at
+    every step, idle ones included (what a GPU replays as one CUDA graph), here on the CPU's eager step."""
+    from keydiff.batching import step
+
+    monkeypatch.setitem(step.FULL_WIDTH, "cpu", full_width)
     calls = counting(monkeypatch)
     ids = prompts()[1]
     on, off = (prefill(model, ids, policy(name), BUDGET, BLOCK, fixed_shapes=f) for f in (True, False))
@@ -98,7 +103,8 @@ def test_fixed_shapes_give_what_the_ordinary_step_gives(model, name, monkeypatch
 
     calls.clear()
     with_fixed = decode(True)
-    assert {width for width, q in calls if q == 1} >= {1, 3}  # a block of three slots, and one sequence alone
+    widths = {width for width, q in calls if q == 1}
+    assert widths == ({1, 3} if full_width else {1, 2, 3})  # a block of three slots; one sequence alone
     assert with_fixed == decode(False)
 
 
@@ -180,22 +186,22 @@ def test_the_step_compiles_as_one_graph_and_never_recompiles(model, name, q):
 
 
 def test_a_block_whose_going_rows_change_policy_gets_a_step_of_that_policy(model, monkeypatch):
-    """Two plain KeyDiff sequences start a block of two slots and decode in fixed shapes; the short one stops and a
-    KeyDiff sequence in a recent window takes its slot (same buffers); once the other plain one stops, only the
-    windowed row goes, in fixed shapes: it must be evicted by its own policy, not by the step built for the
-    plain rows (which keeps no window). Each gives what it gives alone."""
+    """Two plain KeyDiff sequences fill a block of two slots and decode in fixed shapes; both stop, and two KeyDiff
+    sequences in a recent window take the same slots (same buffers, same rows): they must be evicted by their own
+    policy, not by the step built for the plain rows (which keeps no window). Each gives what it gives alone."""
     calls = counting(monkeypatch)
-    policies = [build_policy("keydiff"), build_policy("keydiff"), build_policy("keydiff", window_fraction=0.75)]
-    lengths = [10, 3, 24]
+    window = build_policy("keydiff", window_fraction=0.75)
+    policies = [build_policy("keydiff"), build_policy("keydiff"), window, window]
+    lengths = [3, 3, 20, 20]
 
     def states():
-        return [prefill(model, ids, p, BUDGET, BLOCK) for ids, p in zip(prompts((90, 75, 130)), policies)]
+        return [prefill(model, ids, p, BUDGET, BLOCK) for ids, p in zip(prompts((90, 75, 130, 61)), policies)]
 
     expected = [(generate(model, s, n).token_ids[0], kept(s.cache)) for s, n in zip(states(), lengths)]
     batch = states()
     got = dict(keydiff.generate_batch(model, [keydiff.Request(s, n, key=i) for i, (s, n) in
                                               enumerate(zip(batch, lengths))], 2))
-    assert batch[2].cache.stack.placement.slot == 1  # the windowed sequence took the stopped one's slot
-    assert sum(width == 2 for width, _ in calls) > 14  # plain rows, then the windowed row alone, in fixed shapes
+    assert [batch[i].cache.stack.placement.slot for i in (2, 3)] == [0, 1]  # the stopped ones' slots
+    assert sum(width == 2 for width, _ in calls) >= 2 + 19  # plain rows, then the windowed rows, in fixed shapes
     for key, (tokens, positions) in enumerate(expected):
         assert got[key].token_ids[0] == tokens and kept(batch[key].cache) == positions, key

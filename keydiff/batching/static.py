@@ -8,10 +8,13 @@ N + q, and the policy then drops q of them: the surviving new entries move into 
 Nothing here reads a tensor's value on the host: the shapes are W rows x (N + q) entries, fixed for the run,
 and the positions come in as a tensor.
 
-Width. The step always runs W rows: every slot of a block of sequences (keydiff.batching.blocks), or the rows of
-one sequence's own stack. Rows with no running sequence compute on whatever their slot holds and are discarded:
-their eviction is masked (the new entry "moves" onto itself), so a stopped sequence's kept entries stay as they
-were, and no row's result depends on another row's content (each kernel is row-independent at a fixed W).
+Width. The step runs W rows: the slots of a block of sequences (keydiff.batching.blocks), or the rows of one
+sequence's own stack. Where it is replayed as a CUDA graph, W is every slot of the block, for the whole run (one
+graph); elsewhere nothing is gained by a fixed W, so it is the consecutive slots the going sequences span (one
+sequence alone: its own slot). Rows with no running sequence compute on whatever their slot holds and are
+discarded: their eviction is masked (the new entry "moves" onto itself), so a stopped sequence's kept entries
+stay as they were, and no row's result depends on another row's content (each kernel is row-independent at a
+fixed W).
 
 What runs in fixed shapes (`eligible`): one stack holding every layer, policies that score rows from their
 entries alone (keydiff.batching.blocks.poolable) with no value read on the host (`Policy.capturable`: KeyDiff,
@@ -83,14 +86,17 @@ class Rows:
         return cls(by_layer, storage.rows, sequence_of, layers, width)
 
     @classmethod
-    def of_block(cls, block: Any, layers: tuple[int, ...]) -> "Rows":
-        """A block's slots (keydiff.batching.blocks.RowBlock, [W, layers, ...]): W = its slots, rows slot-major."""
-        width, count = block.keys.shape[:2]
+    def of_block(cls, block: Any, layers: tuple[int, ...], first: int = 0, stop: int | None = None) -> "Rows":
+        """Slots [first, stop) of a block (keydiff.batching.blocks.RowBlock, [slots, layers, ...]; default: all of
+        them): W = stop - first, rows slot-major."""
+        stop = block.keys.shape[0] if stop is None else stop
+        width, count = stop - first, block.keys.shape[1]
 
         def flat(buffer: torch.Tensor) -> torch.Tensor:
-            return buffer.view(width * count, *buffer.shape[2:])
+            return buffer[first:stop].view(width * count, *buffer.shape[2:])  # consecutive slots: a view
 
-        by_layer = {layer: (block.keys[:, plane], block.values[:, plane]) for plane, layer in enumerate(layers)}
+        by_layer = {layer: (block.keys[first:stop, plane], block.values[first:stop, plane])
+                    for plane, layer in enumerate(layers)}
         buffers = {"keys": flat(block.keys), "values": flat(block.values), "positions": flat(block.positions),
                    "state": {name: flat(s) for name, s in block.state.items()}}
         sequence_of = torch.arange(width, device=block.keys.device).repeat_interleave(count)

@@ -65,7 +65,9 @@ class Stepper:
         self.device = next(model.parameters()).device
         self.batch = BatchCache(model.config.get_text_config().num_hidden_layers, group_rows)
         self.fixed_shapes = FIXED_SHAPES_DEFAULT[self.device.type] if fixed_shapes is None else bool(fixed_shapes)
-        self.steps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # block or stack -> StaticStep
+        # block or stack -> (what its step was built on: key buffer, first and stop row; the StaticStep)
+        self.steps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.full_width = FULL_WIDTH[self.device.type]
 
     def forward(self, going: list[Sequence]) -> None:
         """One forward pass of the sequences' last tokens, each row at its own position, then eviction; each
@@ -105,21 +107,28 @@ class Stepper:
             return None
         placements = [cache.stack.placement for cache in caches]
         if all(p is not None and p.resident for p in placements) and len({id(p.block) for p in placements}) == 1:
-            owner, starts = placements[0].block, [p.slot for p in placements]
-            make = lambda: Rows.of_block(owner, caches[0].stack.layers)  # noqa: E731
+            block, slots = placements[0].block, [p.slot for p in placements]
+            # A CUDA graph is replayed for every slot of the block (one shape for the run); elsewhere only the
+            # consecutive slots the going sequences span run (idle rows would be work for nothing).
+            first, stop = (0, block.keys.shape[0]) if self.full_width else (min(slots), max(slots) + 1)
+            owner, starts = block, [slot - first for slot in slots]
+            make = lambda: Rows.of_block(block, caches[0].stack.layers, first, stop)  # noqa: E731
+            source = (block.keys, first, stop)
         elif len(caches) == 1 and placements[0] is None:
             owner, starts = caches[0].stack, [0]
             make = lambda: Rows.of_storage(owner)  # noqa: E731
+            source = (owner.keys, 0, owner.keys.shape[1])
         else:
             return None
-        step = self.steps.get(owner)
+        built, step = self.steps.get(owner, (None, None))
         policy, budget = caches[0].policy, caches[0].stack.budget
-        # Built for these buffers, this policy and N: a stack may have moved to other buffers, and a block's rows
-        # of another policy (a neighbour that joined its slots) may be the ones going now.
-        if step is None or step.source is not owner_keys(owner) or step.policy != policy or step.budget != budget:
+        # Built for these buffers and rows, this policy and N: a stack may have moved to other buffers, the going
+        # sequences may span other slots, and a block's rows of another policy (a neighbour that joined its
+        # slots) may be the ones going now.
+        if (step is None or built[0] is not source[0] or built[1:] != source[1:] or step.policy != policy
+                or step.budget != budget):
             step = StaticStep(self.model, make(), policy, budget)
-            step.source = owner_keys(owner)
-            self.steps[owner] = step
+            self.steps[owner] = (source, step)
         return step, starts
 
     def forward_fixed(self, going: list[Sequence], step: StaticStep, starts: list[int]) -> None:
@@ -138,13 +147,11 @@ class Stepper:
             sequence.cache.note_fixed_step(1)
 
 
-def owner_keys(owner) -> torch.Tensor:
-    """The key buffer a fixed-shape step was built on (a stack can move to other buffers: rebuild then)."""
-    return owner.keys
-
-
 # Whether the fixed-shape step runs where it can, by device type (measured: docs/performance.md).
 FIXED_SHAPES_DEFAULT = {"cuda": True, "cpu": True}
+# Whether a block's fixed-shape step always runs every slot (one shape for the run: what a CUDA graph replays),
+# or only the consecutive slots the going sequences span (no graph to keep: idle rows would be work for nothing).
+FULL_WIDTH = {"cuda": True, "cpu": False}
 
 
 def decode_step(stepper: Stepper, active: list[Sequence]) -> tuple[list[Sequence], list[Sequence]]:
