@@ -21,8 +21,10 @@ EXAMPLES = ROOT / "examples"
 
 
 def make_cfg(*overrides: str):
+    from tests.test_runner import OUTSIDE_RESULTS
+
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
-        return compose("config", overrides=list(overrides))
+        return compose("config", overrides=[OUTSIDE_RESULTS, *overrides])
 
 
 @pytest.fixture

@@ -1,7 +1,7 @@
 """Golden outputs: what every policy preset keeps and generates must not change when the code is reshaped.
 
 A refactor changes no output. This file pins, for every preset in conf/policy/ (the built-ins with the
-parameters the paper's experiments use), on the tiny random model of tests/conftest.py:
+parameters the paper's experiments use), on a tiny random Llama (tests/conftest.py's, see `golden_model`):
   * the absolute prompt positions each layer and KV head keeps after block-wise prefill,
   * the greedy tokens generated afterwards (with eviction after every token),
   * the positions kept after decoding and the peak entries per head.
@@ -10,11 +10,24 @@ Recorded values live in tests/golden/engine.json. An intended change of output i
     python -m tests.test_golden --record
 
 and the diff of the JSON file is then part of the commit that changes the output (review it).
+
+The goldens must hold on every CPU, and CPUs differ in the last bit: torch's vector paths (ATEN_CPU_CAPABILITY
+default / avx2 / avx512) round its softmax, and with it everything after the first attention layer,
+differently. So the setting is one where no choice is decided by the last bit (`golden_model`), a test runs
+the goldens on every other path this CPU has, and
+
+    python -m tests.test_golden --sensitivity 1 4 16 64
+
+counts how many choices a perturbation of the scores by that many ULPs changes (docs/testing.md, "Goldens on
+every vector path").
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
+import subprocess
 import sys
 from functools import lru_cache
 from pathlib import Path
@@ -25,6 +38,17 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 GOLDEN = Path(__file__).resolve().parent / "golden" / "engine.json"
 PROMPT_LENGTH, BUDGET, BLOCK_SIZE, NEW_TOKENS = 700, 256, 64, 8  # budget > 2 LagKV partitions
+# Weights of std 0.1: transformers' default 0.02 makes attention all but uniform (logits of std ~0.03), the
+# scores of a head then lie a few hundred ULPs apart, and a perturbation of them by 1 ULP changed 10 of 3,792
+# choices (--sensitivity; none now). A vocabulary larger than the prompt, whose tokens are all different: a
+# token repeated at two positions has the same key before RoPE, so K-norm scores both copies equal up to the
+# rounding of RoPE and of the norm.
+GOLDEN_MODEL = {"initializer_range": 0.1, "vocab_size": 1024}
+# torch's CPU vector paths (ATEN_CPU_CAPABILITY values) and, for the best one a CPU has, the others it has too.
+VECTOR_PATHS = ("default", "avx2", "avx512")
+PATHS_BELOW = {"avx512": ("avx2", "default"), "avx2": ("default",)}
+# Presets whose scores are ranks, positions or seeded draws: nothing rounded in them for --sensitivity to perturb.
+EXACT_SCORES = ("full", "lagkv", "random", "recent", "sink")
 
 
 def policy_presets() -> list[str]:
@@ -43,15 +67,27 @@ def preset(name: str) -> tuple[str, dict]:
     return cfg.policy.name, OmegaConf.to_container(cfg.policy.params, resolve=True) or {}
 
 
-def engine_outputs(name: str) -> dict:
-    from keydiff.engine import generate, prefill
-    from keydiff.policies import build_policy
+def golden_model() -> torch.nn.Module:
     from tests.conftest import tiny_llama
 
-    model = tiny_llama()
-    prompt = torch.randint(0, 256, (1, PROMPT_LENGTH), generator=torch.Generator().manual_seed(1))
+    return tiny_llama(**GOLDEN_MODEL)
+
+
+def golden_prompt() -> torch.Tensor:
+    """[1, PROMPT_LENGTH] distinct token ids in random order."""
+    order = torch.randperm(GOLDEN_MODEL["vocab_size"], generator=torch.Generator().manual_seed(1))
+    return order[:PROMPT_LENGTH][None]
+
+
+def engine_outputs(name: str, policy=None) -> dict:
+    """What the golden pins for preset `name` (run with `policy` instead of the preset's own object if given)."""
+    from keydiff.engine import generate, prefill
+    from keydiff.policies import build_policy
+
+    model = golden_model()
+    prompt = golden_prompt()
     policy_name, params = preset(name)
-    policy = build_policy(policy_name, **params)
+    policy = build_policy(policy_name, **params) if policy is None else policy
     torch.manual_seed(0)
     with torch.no_grad():
         state = prefill(model, prompt, policy, budget=BUDGET, block_size=BLOCK_SIZE)
@@ -72,20 +108,52 @@ def recorded() -> dict:
     return json.loads(GOLDEN.read_text())
 
 
+def differences(name: str, actual: dict, expected: dict) -> list[str]:
+    """What differs between a preset's outputs and its golden, one phrase each (empty: nothing)."""
+    found = [key for key in ("policy", "params", "tokens", "max_cache_entries") if actual[key] != expected[key]]
+    for key in ("kept_after_prefill", "kept_after_decoding"):
+        found += [f"{key} at layer {layer}" for layer, (got, want) in enumerate(zip(actual[key], expected[key], strict=True))
+                  if got != want]
+    return [f"{name}: {what}" for what in found]
+
+
 @pytest.mark.parametrize("name", policy_presets())
 def test_every_policy_preset_keeps_and_generates_what_was_recorded(name):
     expected = recorded().get(name)
     assert expected is not None, f"no golden output for preset {name!r}: record it (python -m tests.test_golden --record)"
-    actual = engine_outputs(name)
-    for key in ("policy", "params", "tokens", "max_cache_entries"):
-        assert actual[key] == expected[key], (name, key)
-    for key in ("kept_after_prefill", "kept_after_decoding"):
-        for layer, (got, want) in enumerate(zip(actual[key], expected[key], strict=True)):
-            assert got == want, f"{name}: {key} differs at layer {layer}"
+    found = differences(name, engine_outputs(name), expected)
+    assert not found, "; ".join(found)
 
 
 def test_golden_file_covers_exactly_the_presets():
     assert sorted(recorded()) == policy_presets()
+
+
+def best_vector_path() -> str:
+    """The path torch takes on this CPU when ATEN_CPU_CAPABILITY does not choose one (its best)."""
+    if "ATEN_CPU_CAPABILITY" not in os.environ:
+        return torch.backends.cpu.get_cpu_capability().lower()
+    env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
+    probe = "import torch; print(torch.backends.cpu.get_cpu_capability())"
+    return subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True,
+                          timeout=120).stdout.strip().lower()
+
+
+@pytest.mark.parametrize("path", [p for p in VECTOR_PATHS if p != torch.backends.cpu.get_cpu_capability().lower()])
+def test_the_goldens_hold_on_every_other_vector_path_this_cpu_has(path):
+    """The tests above ran on this process's path; each other path the CPU has runs them in a child process.
+    (A path the CPU lacks cannot be forced: torch would run instructions the CPU does not have.)"""
+    best = best_vector_path()
+    if path != best and path not in PATHS_BELOW.get(best, ("default",)):
+        pytest.skip(f"this CPU has no {path.upper()} path (torch's best here: {best.upper()})")
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": path, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run([sys.executable, "-m", "tests.test_golden", "--print"], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    child = json.loads(result.stdout.splitlines()[-1])
+    assert child["capability"] == path.upper(), f"asked for {path}, the child ran on {child['capability']}"
+    found = [line for name in policy_presets() for line in differences(name, child["outputs"][name], recorded()[name])]
+    assert not found, f"on torch's {path.upper()} path: " + "; ".join(found)
 
 
 def record() -> None:
@@ -96,7 +164,90 @@ def record() -> None:
     print(f"recorded {len(outputs)} presets in {GOLDEN.relative_to(ROOT)}")
 
 
+def sensitivity(name: str, ulps: float, draws: int = 2) -> tuple[int, int]:
+    """(choices, changed): at every eviction of preset `name` on the golden setting, the choice is made again
+    `draws` times with the scores times (1 + ulps x 2^-23 x u), u uniform in [-1, 1] (about `ulps` float32 ULPs),
+    and compared with the unperturbed one, which the run goes on with. A choice is one KV head's (uniform
+    budgets; one per stacked layer) or one layer's (head-adaptive budgets)."""
+    from keydiff.policies import build_policy
+    from keydiff.policies.wrappers import PolicyWrapper
+    from keydiff.testing import variant
+
+    noise = {"on": False, "generator": torch.Generator().manual_seed(0)}
+    counts = [0, 0]
+
+    def perturbed(scores: torch.Tensor) -> torch.Tensor:
+        if not noise["on"]:
+            return scores
+        u = torch.rand(scores.shape, generator=noise["generator"], dtype=torch.float64) * 2 - 1
+        return (scores.double() * (1 + ulps * 2.0**-23 * u)).to(scores.dtype)
+
+    def again(choose, same) -> None:
+        """Count the choices `choose()` makes differently with perturbed scores; `same(other)`: per choice."""
+        for _ in range(draws):
+            noise["on"] = True
+            try:
+                agree = same(choose())
+            finally:
+                noise["on"] = False
+            counts[0] += agree.numel()
+            counts[1] += int((~agree).sum())
+
+    def evict_indices(self, layer, budget):
+        chosen = super(type(self), self).evict_indices(layer, budget)
+        again(lambda: super(type(self), self).evict_indices(layer, budget),
+              lambda other: (other.sort(dim=-1).values == chosen.sort(dim=-1).values).all(dim=-1))
+        return chosen
+
+    def keep_heads(self, heads, budget):
+        chosen = super(type(self), self).keep_heads(heads, budget)
+        again(lambda: super(type(self), self).keep_heads(heads, budget),
+              lambda other: torch.tensor([all(torch.equal(a, b) for a, b in zip(chosen, other))]))
+        return chosen
+
+    def drop_pool(self, pool, budget):
+        chosen = super(type(self), self).drop_pool(pool, budget)
+        again(lambda: super(type(self), self).drop_pool(pool, budget), lambda other: (other == chosen).all(dim=-1))
+        return chosen
+
+    def rebuilt(policy, scorer):
+        """`policy` with its innermost scorer replaced by `scorer` (each wrapper rebuilt around it)."""
+        if isinstance(policy, PolicyWrapper):
+            return dataclasses.replace(policy, scorer=rebuilt(policy.scorer, scorer))
+        return scorer
+
+    policy_name, params = preset(name)
+    policy = build_policy(policy_name, **params)
+    inner = policy.unwrapped()
+    scorer = variant(inner, score=lambda self, layer: perturbed(type(inner).score(self, layer)),
+                     score_pool=lambda self, pool: perturbed(type(inner).score_pool(self, pool)))
+    choosing = variant(rebuilt(policy, scorer), evict_indices=evict_indices, keep_heads=keep_heads, drop_pool=drop_pool)
+    engine_outputs(name, choosing)
+    return counts[0], counts[1]
+
+
+def print_sensitivity(ulps_list: list[float]) -> None:
+    print(f"choices changed by a perturbation of the scores (golden setting, torch path "
+          f"{torch.backends.cpu.get_cpu_capability()}): " + ", ".join(f"{u:g} ULPs" for u in ulps_list))
+    for name in policy_presets():
+        if preset(name)[0] in EXACT_SCORES:
+            print(f"  {name:28s} exact scores (ranks, positions or seeded draws): not perturbed")
+            continue
+        cells = []
+        for ulps in ulps_list:
+            choices, changed = sensitivity(name, ulps)
+            cells.append(f"{changed:3d} of {choices:4d}")
+        print(f"  {name:28s} " + "   ".join(cells), flush=True)
+
+
 if __name__ == "__main__":
-    if sys.argv[1:] != ["--record"]:
-        sys.exit("usage: python -m tests.test_golden --record")
-    record()
+    arguments = sys.argv[1:]
+    if arguments == ["--record"]:
+        record()
+    elif arguments == ["--print"]:  # the other-path test's child: this path's outputs, as JSON
+        outputs = {name: engine_outputs(name) for name in policy_presets()}
+        print(json.dumps({"capability": torch.backends.cpu.get_cpu_capability(), "outputs": outputs}))
+    elif arguments[:1] == ["--sensitivity"] and len(arguments) > 1:
+        print_sensitivity([float(value) for value in arguments[1:]])
+    else:
+        sys.exit("usage: python -m tests.test_golden --record | --sensitivity ULPS [ULPS ...]")

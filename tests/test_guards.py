@@ -357,7 +357,8 @@ def runner_cfg(model_dir, *overrides: str, task: dict | None = None):
 
     with initialize_config_dir(str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=["model=custom", f"model.path={model_dir}", "model.dtype=float32",
-                                           "model.device=cpu", "model.max_length=4096", *overrides])
+                                           "model.device=cpu", "model.max_length=4096",
+                                           f"results_root={model_dir.parent / 'runs'}", *overrides])  # not the checkout's
     with open_dict(cfg):
         cfg.task = OmegaConf.create({"_target_": "tests.conftest.LengthsTask", "name": "guard_lengths",
                                      "lengths": [30, 100], "max_new_tokens": 4, "limit": None, **(task or {})})

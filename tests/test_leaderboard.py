@@ -28,9 +28,10 @@ def compose(overrides):
     from hydra import initialize_config_dir
 
     import keydiff  # noqa: F401  resolvers
+    from tests.test_runner import OUTSIDE_RESULTS
 
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return hydra_compose("config", overrides=overrides, return_hydra_config=True)
+        return hydra_compose("config", overrides=[OUTSIDE_RESULTS, *overrides], return_hydra_config=True)
 
 
 # ----------------------------------------------------------------------------- configs

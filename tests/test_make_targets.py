@@ -40,7 +40,7 @@ def one_error_line(result: subprocess.CompletedProcess) -> str:
     (["status"], r"which experiment\? make status EXP=<name>.*valid: .*table1"),
     (["status", "EXP=tabel1"], r"experiment=tabel1 is not valid; valid: .*table1"),
     (["status", "EXP=smoke", "ARGS=polcy=tova"], r"polcy is not a config group or key; valid groups: .*policy"),
-    (["report", "ARGS=tabel1"], r"unknown experiment\(s\) tabel1; valid: .*table1"),
+    (["report", "ARGS=tabel1 --runs {tmp}/runs"], r"unknown experiment\(s\) tabel1; valid: .*table1"),
     (["paper-numbers"], r"no paper text given: make paper-numbers TEXT=.*arXiv 2504.15364"),
     (["paper-numbers", "TEXT=/nonexistent/keydiff-paper.txt"], r"/nonexistent/keydiff-paper.txt is not a file.*2504.15364"),
     (["tables", "ARGS=--bogus"], r"unrecognized arguments: --bogus \(usage: python -m keydiff.report.tables --help\)"),
@@ -49,7 +49,7 @@ def one_error_line(result: subprocess.CompletedProcess) -> str:
     (["leaderboard", "POLICIES=keydif"], r"policy=keydif is not valid; valid: .*keydiff"),
 ])
 def test_a_users_mistake_is_one_error_line_and_exit_2(args, expected, tmp_path):
-    result = make(*args)
+    result = make(*(arg.replace("{tmp}", str(tmp_path)) for arg in args))  # {tmp}: not the checkout's results
     assert result.returncode == 2, result.stderr[-3000:]
     assert re.search(expected, one_error_line(result)), result.stderr
 
@@ -72,7 +72,7 @@ def test_run_py_names_the_valid_groups_and_keys(argv, expected, tmp_path):
     assert not list(tmp_path.iterdir())
 
 
-def test_status_without_an_experiment_or_with_a_typo_is_one_line(capsys):
+def test_status_without_an_experiment_or_with_a_typo_is_one_line(capsys, tmp_path):
     from keydiff.run import status
 
     for argv, expected in (([], "which experiment?"), (["tabel1"], "experiment=tabel1 is not valid; valid: "),
@@ -81,7 +81,9 @@ def test_status_without_an_experiment_or_with_a_typo_is_one_line(capsys):
             status.main(argv)
         err = capsys.readouterr().err
         assert stop.value.code == 2 and err.startswith(f"error: {expected}") and err.count("\n") == 1, err
-    assert status.main(["smoke"]) == 0 and "experiment smoke: 2 grid point(s)" in capsys.readouterr().out
+    assert status.main(["smoke", f"results_root={tmp_path}"]) == 0
+    out = capsys.readouterr().out
+    assert "experiment smoke: 2 grid point(s)" in out and "total: 2 not started" in out, out
 
 
 # ------------------------------------------------------------------------------ make report, every preset

@@ -87,7 +87,8 @@ def logged(monkeypatch, tmp_path, run_dir: Path, **config) -> RecordedRun:
     monkeypatch.setattr(wandb, "Table", lambda **kwargs: type("Table", (), {"data": [], "add_data": lambda *a: None})())
     monkeypatch.setenv("WANDB_MODE", "offline")
     summary = json.loads((run_dir / "summary.json").read_text())
-    recorded = {**summary["config"], **config, "logger": {"wandb": True, "paper_dir": str(tmp_path)}}
+    recorded = {**summary["config"], "results_root": str(tmp_path / "runs"), **config,  # not the checkout's
+                "logger": {"wandb": True, "paper_dir": str(tmp_path)}}
     work = tmp_path / "run"
     work.mkdir(exist_ok=True)
     tracker = tracking.start(OmegaConf.create(recorded), work, read_rows(run_dir))
@@ -174,17 +175,18 @@ def test_experiments_build_reports_without_paper_numbers(tmp_path, stem):
 
 
 def test_publish_needs_an_entity_and_credentials(tmp_path, monkeypatch, capsys):
+    runs = ["--runs", str(tmp_path / "runs")]  # never the checkout's results/runs: the user's own runs
     with pytest.raises(SystemExit):
-        make_report.main(["smoke", "--publish"])
+        make_report.main(["smoke", "--publish", *runs])
     assert "--publish needs --entity" in capsys.readouterr().err
     monkeypatch.setattr(make_report, "check_credentials", lambda: (_ for _ in ()).throw(SystemExit("no key")))
     with pytest.raises(SystemExit, match="no key"):
-        make_report.main(["smoke", "--publish", "--entity", "someone"])
-    assert make_report.main(["smoke", "--paper", str(tmp_path), "--out", str(tmp_path / "reports")]) == 0
+        make_report.main(["smoke", "--publish", "--entity", "someone", *runs])
+    assert make_report.main(["smoke", "--paper", str(tmp_path), "--out", str(tmp_path / "reports"), *runs]) == 0
     assert capsys.readouterr().out.startswith("smoke: 4 panels, 2 policies, 0 runs -> ")
     assert json.loads((tmp_path / "reports" / "smoke.json").read_text())["title"] == "keydiff-bench: smoke"
     with pytest.raises(SystemExit):
-        make_report.main(["table99", "--runs", str(tmp_path / "runs")])
+        make_report.main(["table99", *runs])
     assert "valid: fig17_ttft_eager" in capsys.readouterr().err
 
 

@@ -180,8 +180,10 @@ def compose(*overrides: str):
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
+    from tests.test_runner import OUTSIDE_RESULTS
+
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
-        return hydra_compose("config", overrides=list(overrides))
+        return hydra_compose("config", overrides=[OUTSIDE_RESULTS, *overrides])
 
 
 @pytest.mark.parametrize("overrides, covers", [

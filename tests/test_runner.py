@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -15,11 +16,14 @@ from keydiff.run.plan import plan_run
 from keydiff.run.results import ConfigMismatchError
 
 ROOT = Path(__file__).resolve().parents[1]
+# The runs of these tests go where the test says (runner.run(cfg, tmp_path / ...)); results_root is only checked
+# for writability and names W&B runs. Not the checkout's results/runs (the user's runs): a place never created.
+OUTSIDE_RESULTS = f"results_root={Path(tempfile.gettempdir()) / 'keydiff-tests' / 'runs'}"
 
 
 def make_cfg(*overrides: str):
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
-        return compose("config", overrides=list(overrides))
+        return compose("config", overrides=[OUTSIDE_RESULTS, *overrides])
 
 
 @pytest.fixture
@@ -120,6 +124,7 @@ def test_eviction_run_resume_crash_recovery_and_no_overwrite(tmp_path, monkeypat
 @pytest.mark.real_model
 def test_wandb_offline_logging_keeps_files_as_the_source_of_truth(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.chdir(tmp_path)  # wandb reads ./wandb/settings: not the checkout's (the user's `wandb offline`)
     cfg = make_cfg("task=phonebook", "task.sizes=[20]", "task.books_per_size=1", "policy=knorm",
                    "budget.tokens=128", "logger=wandb", "logger.mode=offline")
     summary = runner.run(cfg, tmp_path / "wb")

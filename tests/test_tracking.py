@@ -32,6 +32,9 @@ def isolated_wandb(tmp_path, monkeypatch):
                         "WANDB_DATA_DIR": home / ".data", "NETRC": home / ".netrc"}.items():
         monkeypatch.setenv(name, str(value))
     monkeypatch.setenv("WANDB_SILENT", "true")
+    # wandb reads workspace settings from ./wandb/settings of the working directory (WANDB_DIR is applied only
+    # after them): not the checkout's, where `wandb offline` leaves the user's `mode = offline` (git-ignored).
+    monkeypatch.chdir(tmp_path)
     wandb.teardown()  # forget session credentials and settings of earlier tests
     yield
     wandb.teardown()

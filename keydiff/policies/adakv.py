@@ -16,7 +16,8 @@ eviction, each query row's attention sums to 1 over its head's n_h + B entries, 
 gets lower scores per entry and the split leans back towards even at every block (kvpress's one pass scores
 every head over the same L entries). The default keeps AdaKV's definition (raw scores, `head_scores="raw"`);
 `head_scores="relative"` divides each head's scores by their mean first (`relative_scores`: uniform attention
-scores 1 in every head, whatever its count), for attention-based scorers only; docs/policies.md, "Heads of
+scores 1 in every head, whatever its count; in float64, so the order of a head's entries changes no bit of
+it), for attention-based scorers only; docs/policies.md, "Heads of
 different lengths under block-wise prefill". A scorer that scores whole pools (`scores_pools`: KeyDiff)
 is asked once for every head of every layer (`drop_pool` -> `adakv_drop_pool`, the same choice; the cache
 then evicts all its layers in one call, keydiff.cache.adaptive.evict_stack).
@@ -99,11 +100,17 @@ def relative_scores(scores: torch.Tensor, log_scores: bool) -> torch.Tensor:
     """One head's scores [..., n] over its mean: 1 = the head's average entry, so a head over which attention
     is uniform scores 1 everywhere whatever its count n (log scores: minus their log-mean-exp). For attention
     sums (each query row's weights sum to 1 over the head's n entries, so the mean is rows / n) this is the
-    score x n / rows, the count-independent form (head_scores=relative)."""
+    score x n / rows, the count-independent form (head_scores=relative).
+
+    In float64, rounded once to float32 at the end: the mean of n float32 scores is then (all but) exact
+    whatever order a kernel adds them in, so the relative score is a function of the scores alone, not of
+    the machine's vector width, and the quotient is rounded once, not twice. (The scores themselves can differ
+    by an ULP between machines: docs/testing.md, "Goldens on every vector path".)"""
     n = scores.shape[-1]
+    wide = scores.double()
     if log_scores:
-        return scores - (torch.logsumexp(scores, dim=-1, keepdim=True) - math.log(n))
-    return scores / scores.mean(dim=-1, keepdim=True).clamp_min(torch.finfo(scores.dtype).tiny)
+        return (wide - (torch.logsumexp(wide, dim=-1, keepdim=True) - math.log(n))).float()
+    return (wide / wide.mean(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float64).tiny)).float()
 
 
 def check_alpha(alpha: float) -> None:
