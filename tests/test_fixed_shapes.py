@@ -205,3 +205,18 @@ def test_a_block_whose_going_rows_change_policy_gets_a_step_of_that_policy(model
     assert sum(width == 2 for width, _ in calls) >= 2 + 19  # plain rows, then the windowed rows, in fixed shapes
     for key, (tokens, positions) in enumerate(expected):
         assert got[key].token_ids[0] == tokens and kept(batch[key].cache) == positions, key
+
+
+def test_fixed_step_benchmark_runs_on_tiny_sizes(tmp_path):
+    """Runs, not timings: the ordinary and the fixed-shape step per width, the same tokens, written with provenance."""
+    import json
+
+    from keydiff.bench import fixed_step
+
+    out = tmp_path / "fixed.json"
+    fixed_step.main(["--model", "random-tiny", "--length", "128", "--budget", "32", "--block-size", "16",
+                     "--widths", "1,3", "--steps", "3", "--forms", "ordinary,fixed", "--json", str(out)])
+    record = json.loads(out.read_text())
+    assert {(r["width"], r["form"]) for r in record["results"]} == {(1, "ordinary"), (1, "fixed"), (3, "ordinary"),
+                                                                    (3, "fixed")}
+    assert all(r["same_tokens"] and r["ms_per_step"] > 0 for r in record["results"]) and "code" in record

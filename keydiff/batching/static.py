@@ -63,44 +63,71 @@ def eligible(caches: list[EvictingCache], q: int = 1) -> bool:
 
 @dataclass(frozen=True)
 class Rows:
-    """The buffers a fixed-shape step runs on.
+    """The buffers a fixed-shape step runs on, as the base tensors they live in plus how W rows are cut from them.
 
-    by_layer: model layer index -> (keys, values) [W, kv_heads, capacity, dim] of that layer for the W rows.
-    buffers: every layer's rows as one batch of rows, {"keys", "values", "positions", "state"} [R, kv_heads,
-    capacity(, dim)] (what `Storage.rows` is for one stack). sequence_of: [R] which of the W rows each of those
-    rows belongs to. layers: the model layer of each of the R rows (for the policy's view)."""
+    Only base tensors are kept (a storage's own buffers, or a block's), and every view the step uses is made from
+    them when it is used (`layer`, `buffers`): a compiled step then sees each buffer once, not as several views
+    of one storage (which torch.compile refuses to mutate), and a CUDA graph reads the same addresses.
 
-    by_layer: dict[int, tuple[torch.Tensor, torch.Tensor]]
-    buffers: dict[str, Any]
+    base: {"keys", "values", "positions", "state": {name: ...}}, each [outer, inner, kv_heads, capacity(, dim)]:
+    a storage's [layers, batch, ...] (slot_major False), or a block's [slots, layers, ...] (slot_major True).
+    first, stop: the rows of the batch/slot dimension taken (W = stop - first). planes: the model layer of each
+    plane, in order. sequence_of: [R] which of the W rows each of the R = W x layers rows belongs to."""
+
+    base: dict[str, Any]
+    slot_major: bool
+    first: int
+    stop: int
+    planes: tuple[int, ...]
     sequence_of: torch.Tensor
-    layers: tuple[int, ...]
-    width: int
+
+    @property
+    def width(self) -> int:
+        return self.stop - self.first
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        """The model layer of each of the R rows (the policy's view names them)."""
+        width = self.width
+        if self.slot_major:
+            return self.planes * width
+        return tuple(layer for layer in self.planes for _ in range(width))
+
+    def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(keys, values) [W, kv_heads, capacity, dim] of one model layer's W rows."""
+        plane = self.planes.index(layer_idx)
+        keys, values = self.base["keys"], self.base["values"]
+        if self.slot_major:
+            return keys[self.first:self.stop, plane], values[self.first:self.stop, plane]
+        return keys[plane, self.first:self.stop], values[plane, self.first:self.stop]
+
+    def buffers(self) -> dict[str, Any]:
+        """Every layer's rows as one batch of rows [R, kv_heads, capacity(, dim)] (what `Storage.rows` is)."""
+        def flat(buffer: torch.Tensor) -> torch.Tensor:
+            part = buffer[self.first:self.stop] if self.slot_major else buffer[:, self.first:self.stop]
+            return part.view(-1, *buffer.shape[2:])  # a view: a block's slots are consecutive, a stack is whole
+
+        return {"keys": flat(self.base["keys"]), "values": flat(self.base["values"]),
+                "positions": flat(self.base["positions"]),
+                "state": {name: flat(s) for name, s in self.base["state"].items()}}
 
     @classmethod
     def of_storage(cls, storage: Storage) -> "Rows":
-        """A stack's own buffers: W = its batch rows (one, or a multi-row prefill's), rows layer-major."""
-        count, width = storage.count, storage.keys.shape[1]
-        by_layer = {layer: (storage.keys[plane], storage.values[plane]) for plane, layer in enumerate(storage.layers)}
-        sequence_of = torch.arange(width, device=storage.keys.device).repeat(count)
-        layers = tuple(layer for layer in storage.layers for _ in range(width))
-        return cls(by_layer, storage.rows, sequence_of, layers, width)
+        """A stack's own buffers [layers, batch, ...]: W = its batch rows (one, or a multi-row prefill's), rows
+        layer-major."""
+        width = storage.keys.shape[1]
+        base = {"keys": storage.keys, "values": storage.values, "positions": storage.positions, "state": storage.state}
+        sequence_of = torch.arange(width, device=storage.keys.device).repeat(storage.count)
+        return cls(base, False, 0, width, tuple(storage.layers), sequence_of)
 
     @classmethod
     def of_block(cls, block: Any, layers: tuple[int, ...], first: int = 0, stop: int | None = None) -> "Rows":
         """Slots [first, stop) of a block (keydiff.batching.blocks.RowBlock, [slots, layers, ...]; default: all of
         them): W = stop - first, rows slot-major."""
         stop = block.keys.shape[0] if stop is None else stop
-        width, count = stop - first, block.keys.shape[1]
-
-        def flat(buffer: torch.Tensor) -> torch.Tensor:
-            return buffer[first:stop].view(width * count, *buffer.shape[2:])  # consecutive slots: a view
-
-        by_layer = {layer: (block.keys[first:stop, plane], block.values[first:stop, plane])
-                    for plane, layer in enumerate(layers)}
-        buffers = {"keys": flat(block.keys), "values": flat(block.values), "positions": flat(block.positions),
-                   "state": {name: flat(s) for name, s in block.state.items()}}
-        sequence_of = torch.arange(width, device=block.keys.device).repeat_interleave(count)
-        return cls(by_layer, buffers, sequence_of, layers * width, width)
+        base = {"keys": block.keys, "values": block.values, "positions": block.positions, "state": block.state}
+        sequence_of = torch.arange(stop - first, device=block.keys.device).repeat_interleave(block.keys.shape[1])
+        return cls(base, True, first, stop, tuple(layers), sequence_of)
 
 
 class _FixedLayer(CacheLayerMixin):
@@ -109,19 +136,20 @@ class _FixedLayer(CacheLayerMixin):
     is_sliding = False
     is_compileable = True
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, kept: int):
+    def __init__(self, rows: Rows, layer_idx: int, kept: int):
         super().__init__()
-        self.keys, self.values, self.kept, self.is_initialized = keys, values, kept, True
+        self.rows, self.layer_idx, self.kept, self.is_initialized = rows, layer_idx, kept, True
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         pass
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = self.rows.layer(self.layer_idx)
         stop = self.kept + key_states.shape[-2]
-        self.keys[:, :, self.kept : stop].copy_(key_states)
-        self.values[:, :, self.kept : stop].copy_(value_states)
-        return self.keys[:, :, :stop], self.values[:, :, :stop]
+        keys[:, :, self.kept : stop].copy_(key_states)
+        values[:, :, self.kept : stop].copy_(value_states)
+        return keys[:, :, :stop], values[:, :, :stop]
 
     def get_seq_length(self) -> int:
         return self.kept
@@ -137,7 +165,7 @@ class FixedCache(Cache):
     """The transformers Cache a fixed-shape pass runs with: every layer's W rows, N kept entries each."""
 
     def __init__(self, rows: Rows, kept: int, num_layers: int):
-        super().__init__(layers=[_FixedLayer(*rows.by_layer[i], kept) for i in range(num_layers)])
+        super().__init__(layers=[_FixedLayer(rows, i, kept) for i in range(num_layers)])
 
 
 class StaticStep:
@@ -172,7 +200,7 @@ class StaticStep:
     def evict(self, positions: torch.Tensor, active: torch.Tensor) -> None:
         """What `Storage.write` leaves to eviction and `Storage.evict` does, for all R rows at once: the new
         entries' positions and policy state, the policy's choice, the survivors moved into the dropped places."""
-        rows, n, q = self.rows.buffers, self.budget, self.q
+        rows, n, q = self.rows.buffers(), self.budget, self.q
         stop = n + q
         rows["positions"][:, :, n:stop] = positions[self.rows.sequence_of][:, None, :]
         new = LayerView(keys=rows["keys"][:, :, n:stop], values=rows["values"][:, :, n:stop],

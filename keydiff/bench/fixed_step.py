@@ -1,0 +1,123 @@
+"""The decoding step of full caches, three ways, per step: the ordinary step (keydiff.batching.step through the
+batch cache), the fixed-shape step run eagerly, and the fixed-shape step compiled by torch.compile (inductor).
+
+What it decides: which form a device runs by default (keydiff.batching.step.FIXED_SHAPES_DEFAULT; the fixed-shape
+step is never compiled by default, see docs/performance.md). Each form decodes `--steps` timed steps (after
+`--warm-up` untimed ones: the compile happens there) of W sequences that are forks of one prefill (one block),
+every sequence holding N entries, in --repeats rounds with the forms interleaved; the median per-step time is
+reported, with the median of the per-round ratios to the ordinary step, the warm-up's wall time (what a compile
+costs) and whether the forms gave the same tokens.
+
+    python -m keydiff.bench.fixed_step --model random-smollm2 --threads 2 --widths 1,8 --repeats 5 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+from keydiff import Request, build_policy, generate_batch, prefill
+from keydiff.attention import keydiff_attention
+from keydiff.batching.static import Rows, StaticStep
+from keydiff.bench import common
+
+
+def fixed_form(model, state, width: int, budget: int, compiled: bool, args, device: str) -> dict:
+    """Per-step time of the fixed-shape step over `width` forks (their block; one fork: its own stack)."""
+    forks = state.fork(width)
+    cache = forks[0].cache
+    placement = cache.stack.placement
+    rows = Rows.of_block(placement.block, cache.stack.layers) if placement else Rows.of_storage(cache.stack)
+    step = StaticStep(model, rows, cache.policy, budget, compiled=compiled)
+    ids = state.logits.argmax(-1, keepdim=True).expand(width, 1).to(device)  # the first token, as generate picks it
+    active = torch.ones(width, dtype=torch.bool, device=device)
+    position = state.prompt_length
+    times, tokens = [], []
+    with torch.inference_mode(), keydiff_attention(model, None):
+        start = time.perf_counter()
+        for _ in range(args.warm_up):
+            ids = step.run(ids, torch.full((width, 1), position, device=device), active).argmax(-1, keepdim=True)
+            position += 1
+        common.sync(device)
+        warm = time.perf_counter() - start
+        for _ in range(args.steps):
+            common.sync(device)
+            start = time.perf_counter()
+            ids = step.run(ids, torch.full((width, 1), position, device=device), active).argmax(-1, keepdim=True)
+            common.sync(device)
+            times.append(time.perf_counter() - start)
+            tokens.append(ids[:, 0].tolist())
+            position += 1
+    return {"ms_per_step": 1e3 * statistics.median(times), "warm_up_s": warm, "tokens": tokens}
+
+
+def ordinary_form(model, state, width: int, args, device: str) -> dict:
+    """Per-step time of the ordinary step (fixed_shapes=False) over `width` forks, greedy, no stop tokens: the
+    difference of a run of warm-up + steps + 1 tokens and one of warm-up + 1, over the steps (so its first steps
+    count as the fixed form's warm-up does)."""
+    def decode(tokens: int) -> tuple[float, dict]:
+        requests = [Request(fork, max_new_tokens=tokens, key=i) for i, fork in enumerate(state.fork(width))]
+        common.sync(device)
+        start = time.perf_counter()
+        out = dict(generate_batch(model, requests, width, fixed_shapes=False))
+        common.sync(device)
+        return time.perf_counter() - start, out
+
+    short, _ = decode(args.warm_up + 1)
+    long, out = decode(args.warm_up + args.steps + 1)
+    tokens = [[out[i].token_ids[0][1 + args.warm_up + s] for i in range(width)] for s in range(args.steps)]
+    return {"ms_per_step": 1e3 * (long - short) / args.steps, "tokens": tokens}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    common.add_common_arguments(parser)
+    parser.add_argument("--length", type=int, default=2048)
+    parser.add_argument("--budget", type=int, default=1024)
+    parser.add_argument("--block-size", type=int, default=128)
+    parser.add_argument("--widths", default="1,8", help="sequences decoding together (comma list)")
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--warm-up", type=int, default=3)
+    parser.add_argument("--forms", default="ordinary,fixed,compiled", help="comma list of ordinary, fixed, compiled")
+    args = parser.parse_args(argv)
+    started = common.provenance(__spec__.name, argv)
+    device, dtype = common.apply_runtime(args)
+    model = common.build_model(args.model or "random-smollm2", dtype, args.attn, device)
+    print(common.setting_line(device, dtype, model=args.model or "random-smollm2", L=args.length, N=args.budget),
+          flush=True)
+    prompt = common.random_prompt(model, args.length).to(device)
+    state = prefill(model, prompt, build_policy("keydiff"), args.budget, args.block_size)
+    rows = []
+    forms = args.forms.split(",")
+    for width in [int(w) for w in args.widths.split(",")]:
+        rounds: dict[str, list[dict]] = {form: [] for form in forms}
+        for index in range(args.repeats):  # the forms interleaved, round by round (the machine's speed drifts)
+            for form in forms:
+                print(f"  W={width} {form}, round {index + 1}/{args.repeats} ...", file=sys.stderr, flush=True)
+                common.release_memory(device)
+                rounds[form].append(ordinary_form(model, state, width, args, device) if form == "ordinary" else
+                                    fixed_form(model, state, width, args.budget, form == "compiled", args, device))
+        reference = rounds[forms[0]][0]["tokens"]
+        for form, results in rounds.items():
+            row = {"width": width, "form": form, "ms_per_step": statistics.median(r["ms_per_step"] for r in results),
+                   "per_round_ms": [r["ms_per_step"] for r in results],
+                   "warm_up_s": results[0].get("warm_up_s"),
+                   "same_tokens": all(r["tokens"] == reference for r in results)}
+            if "ordinary" in rounds:  # the median of the per-round ratios: drift cancels within a round
+                row["x_ordinary"] = statistics.median(r["ms_per_step"] / o["ms_per_step"]
+                                                      for r, o in zip(results, rounds["ordinary"]))
+            rows.append(row)
+    common.print_table([("W", 3), ("form", 9), ("ms/step", 8), ("x ordinary", 10), ("warm-up s", 9),
+                        ("same tokens", 11)],
+                       [[str(r["width"]), r["form"], f"{r['ms_per_step']:.1f}", common.fmt(r.get("x_ordinary"), ".3f"),
+                         common.fmt(r["warm_up_s"], ".1f"), str(r["same_tokens"])] for r in rows], 2)
+    if args.json:
+        common.write_json(args.json, {"results": rows, "settings": vars(args)}, started)
+
+
+if __name__ == "__main__":
+    main()
