@@ -1,0 +1,96 @@
+"""The package's shape: no import circle anywhere in keydiff, the decoding core imports nothing above it, and which
+sequence owns which buffers is recorded state, never a comparison of data pointers.
+
+Imports count wherever they are in a file (a function-level import is still an edge: it is how the circle between
+the runner and its batched and shared paths used to be hidden)."""
+
+from __future__ import annotations
+
+import ast
+
+from tests.test_registry import PACKAGE, ROOT, imports, module_name
+
+# Each part of the decoding path, and the parts above it that it must never import (run.py -> runner -> engine ->
+# batching -> cache -> policies / attention).
+ABOVE = {
+    "keydiff.engine": ("keydiff.run",),
+    "keydiff.batching": ("keydiff.engine", "keydiff.run"),
+    "keydiff.cache": ("keydiff.batching", "keydiff.engine", "keydiff.run"),
+    "keydiff.policies": ("keydiff.cache", "keydiff.batching", "keydiff.engine", "keydiff.run"),
+    "keydiff.attention": ("keydiff.cache", "keydiff.batching", "keydiff.engine", "keydiff.run"),
+}
+
+
+def import_graph() -> dict[str, set[str]]:
+    files = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    return {name: imports(path, set(files)) - {name} for name, path in files.items()}
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
+    index, low, on_stack, stack, found, counter = {}, {}, set(), [], [], 0
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = counter
+        counter += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, edges = work[-1]
+            nxt = next(edges, None)
+            if nxt is not None:
+                if nxt not in index:
+                    index[nxt] = low[nxt] = counter
+                    counter += 1
+                    stack.append(nxt)
+                    on_stack.add(nxt)
+                    work.append((nxt, iter(sorted(graph.get(nxt, ())))))
+                elif nxt in on_stack:
+                    low[node] = min(low[node], index[nxt])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_no_module_of_keydiff_is_in_an_import_circle():
+    graph = import_graph()
+    assert "keydiff.batching.scheduler" in graph and "keydiff.run.runner" in graph
+    assert circles(graph) == []
+    # the check sees a circle when there is one
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_the_decoding_core_imports_nothing_above_it():
+    graph = import_graph()
+    upward = sorted((name, target) for name, targets in graph.items() for part, above in ABOVE.items()
+                    if name == part or name.startswith(part + ".")
+                    for target in targets if any(target == a or target.startswith(a + ".") for a in above))
+    assert upward == []
+
+
+def test_ownership_is_never_decided_by_comparing_data_pointers():
+    """The block manager records where a sequence's entries live (Placement); the one data_ptr left counts the bytes
+    of each allocation once in kv_cache_bytes (layers of one stack share an allocation), and decides nothing."""
+    uses = []
+    for path in PACKAGE.rglob("*.py"):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for function in ast.walk(tree):
+            if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for node in ast.walk(function):
+                    if isinstance(node, ast.Attribute) and node.attr == "data_ptr":
+                        uses.append((str(path.relative_to(ROOT)), function.name))
+    assert sorted(set(uses)) == [("keydiff/cache/cache.py", "kv_cache_bytes")]
