@@ -36,7 +36,7 @@ def test_gpu_check_quick_on_cpu(tmp_path, capsys):
     assert code == 0, out
     assert [r for r in rows if r["result"] == "FAIL"] == []
     passed = {r["check"] for r in rows if r["result"] == "PASS"}
-    assert {"full = forward", "N+B bound", "N >= L = full", "fast ~ materialized",
+    assert {"full = forward", "N+B bound", "N >= L = full", "fast ~ materialized", "fixed = ordinary",
             "keydiff.bench.prefill", "keydiff.bench.decode"} <= passed
     skipped = [r for r in rows if r["result"] == "SKIP"]
     cuda_only = {r["check"] for r in skipped if "CUDA" in r["detail"]}
@@ -117,3 +117,10 @@ def test_gpu_bench_refuses_a_machine_without_cuda_unless_quick(capsys):
     with pytest.raises(SystemExit):
         gpu_bench.main([])
     assert "no CUDA device here" in capsys.readouterr().err
+
+
+def test_the_batch_invariance_row_runs_on_a_tiny_model():
+    """The 3B row's code on the tiny model (CPU, fp32: every sequence identical, so PASS; bf16 would be INFO)."""
+    torch.set_num_threads(1)
+    row = gpu_check.check_batch_invariance("random-tiny", torch.float32, "cpu", 4, 5, (96, 160), 48)
+    assert row.result == "PASS" and "keydiff 4/4 identical, full 4/4 identical" in row.detail, row
