@@ -220,3 +220,38 @@ def test_fixed_step_benchmark_runs_on_tiny_sizes(tmp_path):
     assert {(r["width"], r["form"]) for r in record["results"]} == {(1, "ordinary"), (1, "fixed"), (3, "ordinary"),
                                                                     (3, "fixed")}
     assert all(r["same_tokens"] and r["ms_per_step"] > 0 for r in record["results"]) and "code" in record
+
+
+@pytest.mark.parametrize("full_width", [False, True], ids=["span", "full-width"])
+def test_an_idle_slot_holding_more_than_n_entries_is_left_as_it_is(model, full_width, monkeypatch):
+    """Idle slots may hold a sequence's entries beyond N: a held question (held_suffix) not yet decoded, forks of
+    it waiting for a place, a sequence that stopped before its first pass. The fixed step of their neighbours
+    writes only its active rows, so those entries, and every token, are what the ordinary step leaves."""
+    from keydiff.batching import step
+
+    monkeypatch.setitem(step.FULL_WIDTH, "cpu", full_width)
+    generator = torch.Generator().manual_seed(11)
+    ids = [torch.randint(0, 256, (1, n), generator=generator) for n in (130, 90, 100)]
+
+    def stopped_in_the_middle(fixed: bool):
+        a, c = (prefill(model, p, "keydiff", BUDGET, BLOCK) for p in (ids[0], ids[2]))
+        b = prefill(model, ids[1], "keydiff", BUDGET, BLOCK, held_suffix=5)  # holds N + 5 at its first token
+        requests = [keydiff.Request(a, 12, key="a"), keydiff.Request(b, 1, key="b"), keydiff.Request(c, 12, key="c")]
+        out = dict(keydiff.generate_batch(model, requests, 3, fixed_shapes=fixed))
+        assert b.cache.stack.placement.slot == 1 and b.cache.stack.num_entries == BUDGET + 5  # between a and c
+        return kept(b.cache), {key: r.token_ids for key, r in out.items()}
+
+    def held_forks_waiting(fixed: bool):
+        forks = prefill(model, ids[0], "keydiff", BUDGET, BLOCK, held_suffix=6).fork(4)
+        drawn = {}
+
+        def requests():
+            for i, fork in enumerate(forks):
+                drawn[i] = kept(fork.cache)  # what the fork holds when the scheduler draws it
+                yield keydiff.Request(fork, (3, 3, 8, 8)[i], key=i)
+
+        out = dict(keydiff.generate_batch(model, requests(), 2, fixed_shapes=fixed))
+        return drawn, {key: r.token_ids for key, r in out.items()}
+
+    for scenario in (stopped_in_the_middle, held_forks_waiting):
+        assert scenario(True) == scenario(False), scenario.__name__

@@ -130,15 +130,21 @@ class Rows:
         return cls(base, True, first, stop, tuple(layers), sequence_of)
 
 
+def write_active(buffer: torch.Tensor, new: torch.Tensor, active: torch.Tensor) -> None:
+    """buffer = new in the active rows, unchanged in the others (active: bool [rows], broadcast over the rest). An
+    idle slot may hold a sequence's entries beyond N (a held question, decoding without eviction) that must stay."""
+    buffer.copy_(torch.where(active.view(-1, *([1] * (buffer.dim() - 1))), new, buffer))
+
+
 class _FixedLayer(CacheLayerMixin):
-    """One layer of `FixedCache`: writes a pass into entries [N, N + q) of its rows and returns all N + q."""
+    """One layer of `FixedCache`: writes a pass into entries [N, N + q) of its active rows and returns all N + q."""
 
     is_sliding = False
     is_compileable = True
 
-    def __init__(self, rows: Rows, layer_idx: int, kept: int):
+    def __init__(self, rows: Rows, layer_idx: int, kept: int, active: torch.Tensor):
         super().__init__()
-        self.rows, self.layer_idx, self.kept, self.is_initialized = rows, layer_idx, kept, True
+        self.rows, self.layer_idx, self.kept, self.active, self.is_initialized = rows, layer_idx, kept, active, True
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         pass
@@ -147,8 +153,8 @@ class _FixedLayer(CacheLayerMixin):
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         keys, values = self.rows.layer(self.layer_idx)
         stop = self.kept + key_states.shape[-2]
-        keys[:, :, self.kept : stop].copy_(key_states)
-        values[:, :, self.kept : stop].copy_(value_states)
+        write_active(keys[:, :, self.kept : stop], key_states, self.active)
+        write_active(values[:, :, self.kept : stop], value_states, self.active)
         return keys[:, :, :stop], values[:, :, :stop]
 
     def get_seq_length(self) -> int:
@@ -164,8 +170,8 @@ class _FixedLayer(CacheLayerMixin):
 class FixedCache(Cache):
     """The transformers Cache a fixed-shape pass runs with: every layer's W rows, N kept entries each."""
 
-    def __init__(self, rows: Rows, kept: int, num_layers: int):
-        super().__init__(layers=[_FixedLayer(rows, i, kept) for i in range(num_layers)])
+    def __init__(self, rows: Rows, kept: int, num_layers: int, active: torch.Tensor):
+        super().__init__(layers=[_FixedLayer(rows, i, kept, active) for i in range(num_layers)])
 
 
 class StaticStep:
@@ -178,11 +184,11 @@ class StaticStep:
     def __init__(self, model: torch.nn.Module, rows: Rows, policy: Policy, budget: int, q: int = 1,
                  compiled: bool = False):
         self.model, self.rows, self.policy, self.budget, self.q = model, rows, policy, budget, q
-        self.cache = FixedCache(rows, budget, model.config.get_text_config().num_hidden_layers)
         device = rows.sequence_of.device
         self.ids = torch.zeros(rows.width, q, dtype=torch.long, device=device)
         self.positions = torch.zeros(rows.width, q, dtype=torch.long, device=device)
         self.active = torch.ones(rows.width, dtype=torch.bool, device=device)
+        self.cache = FixedCache(rows, budget, model.config.get_text_config().num_hidden_layers, self.active)
         self.logits: torch.Tensor | None = None
         self.calls = 0
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -202,20 +208,24 @@ class StaticStep:
         entries' positions and policy state, the policy's choice, the survivors moved into the dropped places."""
         rows, n, q = self.rows.buffers(), self.budget, self.q
         stop = n + q
-        rows["positions"][:, :, n:stop] = positions[self.rows.sequence_of][:, None, :]
+        row_active = active[self.rows.sequence_of]  # [R]
+        new_positions = positions[self.rows.sequence_of][:, None, :].expand_as(rows["positions"][:, :, n:stop])
+        write_active(rows["positions"][:, :, n:stop], new_positions, row_active)
         new = LayerView(keys=rows["keys"][:, :, n:stop], values=rows["values"][:, :, n:stop],
                         positions=rows["positions"][:, :, n:stop], attention=None, state={}, layers=self.rows.layers)
         initial = self.policy.entry_state(new) if self.policy.state_names else {}
         for name, buffer in rows["state"].items():
             if name != ROTARY_STATE:
-                buffer[:, :, n:stop] = initial.get(name, 0.0)
+                fresh = initial.get(name)
+                fresh = torch.zeros_like(buffer[:, :, n:stop]) if fresh is None else fresh.to(buffer.dtype)
+                write_active(buffer[:, :, n:stop], fresh, row_active)
         view = LayerView(keys=rows["keys"][:, :, :stop], values=rows["values"][:, :, :stop],
                          positions=rows["positions"][:, :, :stop], attention=None,
                          state={name: s[:, :, :stop] for name, s in rows["state"].items()}, layers=self.rows.layers)
         dropped = self.policy.evict_indices(view, n)  # [R, kv_heads, q]
         if q == 1:  # decoding: the new entry moves into the dropped place; an inactive row's onto itself
             tail = torch.full_like(dropped, n)
-            move_entries(rows, tail, torch.where(active[self.rows.sequence_of][:, None, None], dropped, tail))
+            move_entries(rows, tail, torch.where(row_active[:, None, None], dropped, tail))
         else:  # a block: one sequence, every row active
             drop_entries(rows, n, stop, dropped)
 
