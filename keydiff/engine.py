@@ -43,7 +43,7 @@ from keydiff.attention import keydiff_attention
 from keydiff.batching import GenerationResult, Request, generate_batch, next_token
 from keydiff.batching.blocks import RowBlock, poolable
 from keydiff.batching.static import Rows, StaticStep, eligible
-from keydiff.batching.step import FIXED_SHAPES_DEFAULT
+from keydiff.batching.step import fixed_shapes_default
 from keydiff.cache import EvictingCache
 from keydiff.cache.placement import layer_placements
 from keydiff.cache.sliding import layer_windows
@@ -201,7 +201,7 @@ def prefill(
         layer_placements=layer_placements(model, model.config.get_text_config().num_hidden_layers),
     )
     fixed = None  # the fixed-shape block step, once the cache is full (keydiff.batching.static)
-    fixed_shapes = FIXED_SHAPES_DEFAULT[device.type] if fixed_shapes is None else fixed_shapes
+    fixed_shapes = fixed_shapes_default(device) if fixed_shapes is None else fixed_shapes
     with keydiff_attention(model, cache):
         _sync(device)
         start_time = time.perf_counter()

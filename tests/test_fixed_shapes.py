@@ -255,3 +255,26 @@ def test_an_idle_slot_holding_more_than_n_entries_is_left_as_it_is(model, full_w
 
     for scenario in (stopped_in_the_middle, held_forks_waiting):
         assert scenario(True) == scenario(False), scenario.__name__
+
+
+def test_group_rows_false_runs_every_sequence_on_its_own(model, monkeypatch):
+    """generate_batch(group_rows=False) is the per-sequence reference: no fixed step spans two sequences (one going
+    alone still runs in fixed shapes, over its own rows)."""
+    calls = counting(monkeypatch)
+    forks = prefill(model, prompts()[1], "keydiff", BUDGET, BLOCK).fork(3)
+    requests = [keydiff.Request(f, 4 + 3 * i, key=i) for i, f in enumerate(forks)]
+    dict(keydiff.generate_batch(model, requests, 3, group_rows=False))
+    assert calls and {width for width, _ in calls} == {1}
+
+
+def test_a_device_with_no_default_runs_the_ordinary_step():
+    """Only the device types FIXED_SHAPES_DEFAULT lists run the fixed step by default (mps, or anything else:
+    the ordinary step, never a KeyError)."""
+    from keydiff.batching.step import FULL_WIDTH, Stepper, fixed_shapes_default
+
+    assert fixed_shapes_default(torch.device("cpu")) and not fixed_shapes_default(torch.device("mps"))
+    with torch.device("meta"):
+        from tests.conftest import tiny_llama
+        model = tiny_llama()
+    stepper = Stepper(model)
+    assert stepper.fixed_shapes is False and stepper.full_width is False and "meta" not in FULL_WIDTH

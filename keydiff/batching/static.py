@@ -30,6 +30,7 @@ prove the step has no graph break, i.e. no host synchronisation).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +43,8 @@ from keydiff.cache import EvictingCache
 from keydiff.cache.storage import ROTARY_STATE, Storage, drop_entries, move_entries
 from keydiff.policies.base import LayerView, Policy
 
+LOG = logging.getLogger(__name__)
+
 
 def eligible(caches: list[EvictingCache], q: int = 1) -> bool:
     """Whether every cache can run a pass of q tokens in fixed shapes: poolable, with equal policies, holding
@@ -49,7 +52,7 @@ def eligible(caches: list[EvictingCache], q: int = 1) -> bool:
     if not caches:
         return False
     policy = caches[0].policy
-    if not policy.capturable:
+    if not policy.capturable or policy._check_every_call:  # checking every call's scores reads them on the host
         return False
     for cache in caches:
         if (not poolable(cache) or cache.policy != policy or not cache.evicts_next_pass() or cache._scratch
@@ -237,12 +240,38 @@ class StaticStep:
         self.calls += 1
         with bound_to(None):
             if self.calls == 1:  # the first call runs eagerly: real work, the warm-up, and the policy's score check
-                return self.eager(self.ids, self.positions, self.active).clone()
+                return self.warm_up()
             if not self.capture:
                 return self.step(self.ids, self.positions, self.active).clone()
-            if self.graph is None:
-                self.graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(self.graph):
-                    self.logits = self.step(self.ids, self.positions, self.active)
+            if self.graph is None and not self.record():
+                return self.step(self.ids, self.positions, self.active).clone()
         self.graph.replay()
         return self.logits.clone()
+
+    def warm_up(self) -> torch.Tensor:
+        """The first call, eagerly: on a CUDA device on a side stream, as graph capture wants its kernels' first
+        runs (library handles, workspaces) to have happened off the stream it records."""
+        if not self.capture:
+            return self.eager(self.ids, self.positions, self.active).clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            logits = self.eager(self.ids, self.positions, self.active).clone()
+        torch.cuda.current_stream().wait_stream(side)
+        return logits
+
+    def record(self) -> bool:
+        """Capture the step as a CUDA graph (it does not run it: `run` replays it next). False, with a warning, if
+        the capture fails (a host synchronisation in a model's forward or a policy that claims `capturable`
+        wrongly): this step then runs eagerly from now on, with the same results, only slower."""
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                self.logits = self.step(self.ids, self.positions, self.active)
+        except Exception as error:  # noqa: BLE001 - any capture failure: run the same step eagerly
+            LOG.warning("the fixed-shape step could not be captured as a CUDA graph (%s: %s); it runs eagerly",
+                        type(error).__name__, str(error).splitlines()[0][:200])
+            self.capture, self.logits = False, None
+            return False
+        self.graph = graph
+        return True

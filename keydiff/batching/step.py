@@ -64,10 +64,11 @@ class Stepper:
         self.model = model
         self.device = next(model.parameters()).device
         self.batch = BatchCache(model.config.get_text_config().num_hidden_layers, group_rows)
-        self.fixed_shapes = FIXED_SHAPES_DEFAULT[self.device.type] if fixed_shapes is None else bool(fixed_shapes)
+        self.group_rows = group_rows
+        self.fixed_shapes = fixed_shapes_default(self.device) if fixed_shapes is None else bool(fixed_shapes)
         # block or stack -> (what its step was built on: key buffer, first and stop row; the StaticStep)
         self.steps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self.full_width = FULL_WIDTH[self.device.type]
+        self.full_width = FULL_WIDTH.get(self.device.type, False)
 
     def forward(self, going: list[Sequence]) -> None:
         """One forward pass of the sequences' last tokens, each row at its own position, then eviction; each
@@ -103,8 +104,11 @@ class Stepper:
         """The fixed-shape step the going sequences can share, and each one's first row in it; None if they
         cannot (not all full and alike, or not all in one block / one sequence alone in its own stack)."""
         caches = [sequence.cache for sequence in going]
-        if not eligible(caches):
+        if not eligible(caches) or (not self.group_rows and len(caches) > 1):  # group_rows=False: each on its own
             return None
+        for cache in caches:  # a sequence that moved into a block: its own stack's step holds buffers it left
+            if cache.stack.placement is not None:
+                self.steps.pop(cache.stack, None)
         placements = [cache.stack.placement for cache in caches]
         if all(p is not None and p.resident for p in placements) and len({id(p.block) for p in placements}) == 1:
             block, slots = placements[0].block, [p.slot for p in placements]
@@ -147,7 +151,8 @@ class Stepper:
             sequence.cache.note_fixed_step(1)
 
 
-# Whether the fixed-shape step runs where it can, by device type (measured: docs/performance.md).
+# Whether the fixed-shape step runs where it can, by device type (measured: docs/performance.md); a device type
+# not listed (mps, ...) runs the ordinary step.
 FIXED_SHAPES_DEFAULT = {"cuda": True, "cpu": True}
 # Whether a block's fixed-shape step always runs every slot (one shape for the run: what a CUDA graph replays),
 # or only the consecutive slots the going sequences span (no graph to keep: idle rows would be work for nothing).
@@ -170,3 +175,8 @@ def decode_step(stepper: Stepper, active: list[Sequence]) -> tuple[list[Sequence
     for sequence in active:
         sequence.seconds += chosen if sequence.done else step
     return going, [sequence for sequence in active if sequence.done]
+
+
+def fixed_shapes_default(device: torch.device) -> bool:
+    """Whether this device runs the fixed-shape step by default (FIXED_SHAPES_DEFAULT; unlisted: no)."""
+    return FIXED_SHAPES_DEFAULT.get(device.type, False)
