@@ -40,10 +40,9 @@ from typing import Callable, Sequence
 import torch
 
 from keydiff.attention import keydiff_attention
-from keydiff.batching import GenerationResult, Request, generate_batch, next_token
-from keydiff.batching.blocks import RowBlock, poolable
-from keydiff.batching.static import Rows, StaticStep, eligible
-from keydiff.batching.step import fixed_shapes_default
+from keydiff.batching import GenerationResult, Request, generate_batch
+from keydiff.batching.blocks import place_forks
+from keydiff.batching.step import BlockStepper
 from keydiff.cache import EvictingCache
 from keydiff.cache.placement import layer_placements
 from keydiff.cache.sliding import layer_windows
@@ -80,15 +79,9 @@ class PrefillResult:
             raise RuntimeError("this PrefillResult was already decoded (its cache moved on); fork before generate")
         if isinstance(copies, bool) or int(copies) != copies or copies < 1:
             raise ValueError(f"copies must be a positive integer, got {copies!r}")
-        # One copy at a time, each moved into its slot of one block where the policy allows (the block manager,
-        # keydiff.batching.blocks: a batch then decodes the forks as one group), so the peak is the block and one copy.
-        caches, block = [], None
-        for slot in range(int(copies)):
-            cache = self.cache.fork(1)[0]
-            if copies > 1 and poolable(cache):
-                block = block or RowBlock.like(cache.stack, int(copies))
-                block.take(slot, cache.stack)
-            caches.append(cache)
+        # Side by side in one block where the policy allows, made one at a time (the block manager places them:
+        # a batch then decodes the forks as one group).
+        caches = place_forks(lambda: self.cache.fork(1)[0], int(copies))
         return [replace(self, logits=self.logits.clone(), cache=cache) for cache in caches]
 
 
@@ -200,19 +193,14 @@ def prefill(
         scratch_tokens=scratch, config=model.config, compressed_tokens=compressed,
         layer_placements=layer_placements(model, model.config.get_text_config().num_hidden_layers),
     )
-    fixed = None  # the fixed-shape block step, once the cache is full (keydiff.batching.static)
-    fixed_shapes = fixed_shapes_default(device) if fixed_shapes is None else fixed_shapes
+    fixed = BlockStepper(model, cache, step, fixed_shapes)  # full blocks in fixed shapes once the cache is full
     with keydiff_attention(model, cache):
         _sync(device)
         start_time = time.perf_counter()
         for start, reconstruction in zip(range(0, compressed, step), reconstructions):
             block_ids = context[:, start : start + step]
-            if fixed_shapes and reconstruction is None and block_ids.shape[1] == step and eligible([cache], step):
-                fixed = fixed or StaticStep(model, Rows.of_storage(cache.stack), cache.policy, cache.stack.budget, step)
-                positions = torch.arange(start, start + step, device=device).expand(block_ids.shape[0], step)
-                logits = fixed.run(block_ids, positions, fixed.active)
-                cache.note_fixed_step(step)
-            else:
+            logits = fixed.run(block_ids, start) if reconstruction is None else None
+            if logits is None:
                 logits = _forward(model, cache, block_ids, reconstruction)
             if on_block is not None:
                 on_block(cache)

@@ -451,7 +451,7 @@ def test_join_pool_takes_its_slot_shape_from_a_prompt_of_n_plus_b(model):
     assert not pool.place(fork.cache) and fork.cache.stack.placement.block is not pool.block
     lone, alone = JoinPool(3), prefill(model, prompts((90,))[0], "keydiff", BUDGET, BLOCK)
     assert not lone.place(alone.cache)
-    lone.stop(alone.cache)  # it stopped before any other joined: a later one waits for a second in turn
+    lone.leave(alone.cache)  # it stopped before any other joined: a later one waits for a second in turn
     assert not lone.place(fork_free(long)) and lone.block is None
 
 

@@ -7,6 +7,7 @@ Split the way serving engines split it:
     step.py       the decoding step every path runs (keydiff.generate and keydiff.generate_batch alike)
     rows.py       the cache a batched forward pass runs with: each sequence's rows to its own cache
     blocks.py     the block manager: where the stacks of sequences that decode as one group live
+    static.py     the step in fixed shapes once every going cache is full (captured as a CUDA graph on a GPU)
 
 Why one cache per sequence. A batch of bounded caches is cheap to decode together (every sequence holds at
 most N + 1 entries per head), but the sequences hold different numbers of entries (a prompt shorter than N,
@@ -27,7 +28,8 @@ rows from their entries alone (KeyDiff, K-norm, sink, recent, ...), those rows a
 attend in one call per layer and evict in one scoring call per step, each row over exactly its own entries;
 every other sequence (attention-statistic policies, head-adaptive pools, prompts shorter than N + B, different
 counts) runs on its own. `generate_batch(..., group_rows=False)` runs every sequence on its own (the tested
-reference).
+reference). Once every going sequence holds N entries and their policy scores from entries alone, the whole step
+runs in fixed shapes instead (static.py), with the same tokens (`fixed_shapes=False`: never).
 
 Timing: each sequence's `seconds` sums the wall time of the steps it took part in, and `batch_sizes` lists the
 rows of each of its decoding passes, so per-token time can be read at the batch size it ran at.

@@ -31,7 +31,8 @@ every other row decodes on its own, as before.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -53,17 +54,25 @@ def poolable(cache: EvictingCache) -> bool:
 
 @dataclass(eq=False)
 class RowBlock:
-    """Buffers for the stacks of several sequences: keys/values [slots, layers, kv_heads, capacity, dim]."""
+    """Buffers for the stacks of several sequences: keys/values [slots, layers, kv_heads, capacity, dim], and which
+    storage occupies each slot (`occupants`, set by `take`, cleared by `vacate`: the block's own record, which
+    each occupant's `Placement` points back to)."""
 
     keys: torch.Tensor
     values: torch.Tensor
     positions: torch.Tensor
     state: dict[str, torch.Tensor]
+    layout: tuple
+    occupants: list[Storage | None] = field(default_factory=list)
 
     def holds(self, storage: Storage, slot: int) -> bool:
         """Whether the storage lives in `slot` of this block (placed there and not grown out since)."""
         placement = storage.placement
         return placement is not None and placement.block is self and placement.slot == slot and placement.resident
+
+    @property
+    def slots(self) -> int:
+        return self.keys.shape[0]
 
     @classmethod
     def like(cls, storage: Storage, slots: int) -> "RowBlock":
@@ -75,13 +84,15 @@ class RowBlock:
         def split(buffer: torch.Tensor) -> torch.Tensor:
             return buffer.view(slots, count, *buffer.shape[2:])  # [slots, layers, kv_heads, capacity(, dim)]
 
-        block = cls(split(keys), split(values), split(positions), {name: split(s) for name, s in state.items()})
-        block.layout = layout(storage)
-        return block
+        return cls(split(keys), split(values), split(positions), {name: split(s) for name, s in state.items()},
+                   layout(storage), [None] * slots)
 
     def take(self, slot: int, storage: Storage) -> bool:
-        """Move a stack into `slot`: its valid entries are copied there and it uses views of the slot from now on
-        (its own buffers are released). False, and nothing moves, if its buffers are not shaped like the block's."""
+        """Move a stack into a free `slot`: its valid entries are copied there and it uses views of the slot from
+        now on (its own buffers are released). False, and nothing moves, if its buffers are not shaped like the
+        block's."""
+        if self.occupants[slot] is not None:
+            raise RuntimeError(f"slot {slot} of this block is occupied: vacate it first")
         keys, values = storage.keys, storage.values
         if keys is None or keys.shape[1] != 1 or layout(storage) != self.layout:
             return False
@@ -96,7 +107,19 @@ class RowBlock:
         storage.adopt(mine[0].unsqueeze(1), mine[1].unsqueeze(1), mine[2].unsqueeze(1),
                       {name: s.unsqueeze(1) for name, s in mine[3].items()})
         storage.placement = Placement(self, slot)
+        self.occupants[slot] = storage
         return True
+
+    def vacate(self, slot: int) -> None:
+        """Free `slot`: its occupant, if it still lives there, gets buffers of its own holding its entries (one
+        copy: a stopped sequence's cache stays readable), and forgets the slot."""
+        occupant = self.occupants[slot]
+        self.occupants[slot] = None
+        if occupant is None:
+            return
+        if self.holds(occupant, slot):
+            occupant.adopt(*occupant.compact_buffers())
+        occupant.placement = None
 
 
 def layout(storage: Storage) -> tuple:
@@ -106,10 +129,18 @@ def layout(storage: Storage) -> tuple:
     return (storage.budget, tuple(storage.state), keys.shape, values.shape, keys.dtype, values.dtype, keys.device)
 
 
-def copy_out(storage: Storage) -> None:
-    """Move a storage's valid entries from its slot into buffers of its own, of its capacity, and forget the slot."""
-    storage.adopt(*storage.compact_buffers())
-    storage.placement = None
+def place_forks(copy: Callable[[], EvictingCache], count: int) -> list[EvictingCache]:
+    """`count` copies of one cache (`copy()` makes one), side by side in the slots of one new block where they can
+    group (`poolable`), so that a batch decodes them as one; made and moved in one at a time, so the peak is the
+    block and one copy (`PrefillResult.fork`)."""
+    caches, block = [], None
+    for slot in range(count):
+        cache = copy()
+        if count > 1 and poolable(cache):
+            block = block or RowBlock.like(cache.stack, count)
+            block.take(slot, cache.stack)
+        caches.append(cache)
+    return caches
 
 
 class JoinPool:
@@ -121,18 +152,18 @@ class JoinPool:
     allocates nothing); both then move in. A joining sequence's stack is moved into a free slot (`RowBlock.take`:
     one copy of its valid entries, its own buffers released); from then on it decodes with its neighbours where
     `runs` allows (equal counts: every prompt of N + B tokens or more holds N entries after each step). A stopped
-    sequence keeps its slot until a new one needs it, and only then gets buffers of its own back (one copy), so a
-    finished cache stays readable and a sequence never shares a slot. The copies pay for themselves within a
-    16-token generation on CPU and far sooner on a GPU, where a row's kernel launches dominate a step
-    (docs/performance.md). Memory: the block holds all its slots from its first use, while each row's
+    sequence keeps its slot until a new one needs it, and only then gets buffers of its own back (one copy,
+    `RowBlock.vacate`), so a finished cache stays readable and a sequence never shares a slot. The copies pay for
+    themselves within a 16-token generation on CPU and far sooner on a GPU, where a row's kernel launches dominate
+    a step (docs/performance.md). Memory: the block holds all its slots from its first use, while each row's
     `kv_cache_bytes` counts its own slot, so a block with slots never filled holds more than its rows report.
     """
 
     def __init__(self, slots: int):
+        self.slots = slots
         self.block: RowBlock | None = None
-        self.first: Storage | None = None  # the first sequence that could start a block, while it decodes
-        self.occupants: list[Storage | None] = [None] * slots
-        self.stopped: set[int] = set()
+        self.waiting: Storage | None = None  # the first sequence that could start a block, while it decodes
+        self.stopped: set[int] = set()  # slots whose occupant has stopped: the next joining sequence may take one
 
     def place(self, cache: EvictingCache) -> bool:
         """Move `cache`'s stack into a slot; False (nothing moves) if it cannot group (`poolable`), is placed
@@ -145,40 +176,32 @@ class JoinPool:
         if self.block is None:
             if cache.block_size is None or stack.capacity != stack.budget + cache.block_size:
                 return False  # slots are shaped after prompts of at least N + B tokens (the usual ones)
-            first = self.first
-            if first is None or first.placement is not None or first.keys is None or layout(first) != layout(stack):
-                self.first = stack  # the block starts when a second one like it joins while this one decodes
+            waiting = self.waiting
+            if (waiting is None or waiting.placement is not None or waiting.keys is None
+                    or layout(waiting) != layout(stack)):
+                self.waiting = stack  # the block starts when a second one like it joins while this one decodes
                 return False
-            self.block, self.first = RowBlock.like(first, len(self.occupants)), None
-            self._move_in(0, first)
-        slot = next((i for i, occupant in enumerate(self.occupants) if occupant is None), None)
+            self.block, self.waiting = RowBlock.like(waiting, self.slots), None
+            self.block.take(0, waiting)
+        occupants = self.block.occupants
+        slot = next((i for i, occupant in enumerate(occupants) if occupant is None), None)
         if slot is None and self.stopped:
             slot = min(self.stopped)
         if slot is None:
             return False
-        previous = self.occupants[slot]
-        if previous is not None:
-            self.stopped.discard(slot)
-            self.occupants[slot] = None
-            if self.block.holds(previous, slot):
-                copy_out(previous)  # the stopped sequence's cache keeps its entries, in buffers of its own
-            previous.placement = None
-        return self._move_in(slot, stack)
+        self.stopped.discard(slot)
+        self.block.vacate(slot)  # a stopped sequence's entries go to buffers of its own first
+        return self.block.take(slot, stack)
 
-    def _move_in(self, slot: int, stack: Storage) -> bool:
-        if not self.block.take(slot, stack):
-            return False
-        self.occupants[slot] = stack
-        return True
-
-    def stop(self, cache: EvictingCache) -> None:
+    def leave(self, cache: EvictingCache) -> None:
         """`cache`'s sequence stopped: its slot may be given to the next one (after copying its entries out)."""
         stack = cache.stack if len(cache.storages) == 1 else None
-        if stack is not None and stack is self.first:
-            self.first = None
-        for slot, occupant in enumerate(self.occupants):
-            if occupant is not None and occupant is stack:
-                self.stopped.add(slot)
+        if stack is not None and stack is self.waiting:
+            self.waiting = None
+        if self.block is not None:
+            for slot, occupant in enumerate(self.block.occupants):
+                if occupant is not None and occupant is stack:
+                    self.stopped.add(slot)
 
 
 @dataclass(frozen=True)

@@ -71,5 +71,5 @@ def generate_batch(
                 active, finished = decode_step(stepper, active)
         for sequence in finished:
             if pool is not None:
-                pool.stop(sequence.cache)
+                pool.leave(sequence.cache)
             yield sequence.request.key, sequence.result()

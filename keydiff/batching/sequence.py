@@ -94,15 +94,15 @@ class Sequence:
             raise RuntimeError("this PrefillResult was already decoded (its cache moved on); run prefill again or fork")
         state.decoded = True
         self.request, self.cache, self.logits = request, state.cache, state.logits
-        self.rows = state.logits.shape[0]
+        self.row_count = state.logits.shape[0]
         self.stop_set = {int(i) for i in request.eos_token_ids}
         self.stop_ids = torch.tensor(sorted(self.stop_set), dtype=torch.long, device=state.logits.device)
         seeded = request.do_sample and request.seed is not None
         self.generator = torch.Generator().manual_seed(request.seed) if seeded else None
-        self.tokens: list[list[int]] = [[] for _ in range(self.rows)]
+        self.tokens: list[list[int]] = [[] for _ in range(self.row_count)]
         self.last: list[int] = []  # the tokens chosen at the last step, every row's (a stopped row's is fed too)
-        self.stopped = [False] * self.rows
-        self.reasons = ["length"] * self.rows
+        self.stopped = [False] * self.row_count
+        self.reasons = ["length"] * self.row_count
         self.steps = 0  # tokens chosen so far
         self.done = request.max_new_tokens <= 0
         self.seconds = 0.0

@@ -9,9 +9,9 @@ Nothing here reads a tensor's value on the host: the shapes are W rows x (N + q)
 and the positions come in as a tensor.
 
 Width. The step runs W rows: the slots of a block of sequences (keydiff.batching.blocks), or the rows of one
-sequence's own stack. Where it is replayed as a CUDA graph, W is every slot of the block, for the whole run (one
-graph); elsewhere nothing is gained by a fixed W, so it is the consecutive slots the going sequences span (one
-sequence alone: its own slot). Rows with no running sequence compute on whatever their slot holds and are
+sequence's own stack. Where it is replayed as a CUDA graph, W is every slot of the block, for as long as the block
+is decoded by one generate_batch call (one graph, captured once); elsewhere nothing is gained by a fixed W, so it
+is the consecutive slots the going sequences span (one sequence alone: its own slot). Rows with no running sequence compute on whatever their slot holds and are
 discarded: their eviction is masked (the new entry "moves" onto itself), so a stopped sequence's kept entries
 stay as they were, and no row's result depends on another row's content (each kernel is row-independent at a
 fixed W).
@@ -24,8 +24,12 @@ head-adaptive pools, decoding without eviction) runs the ordinary step (keydiff.
 
 Replay. On a CUDA device `StaticStep.run` captures the step as a CUDA graph at its second call (the first runs
 it eagerly, which also warms up the kernels) and replays it from then on: the same kernels as the eager step, so
-the same numbers. Elsewhere it runs eagerly (a compiled form, `compiled=True`, is what the CPU test uses to
-prove the step has no graph break, i.e. no host synchronisation).
+the same numbers. Elsewhere it runs eagerly. `compiled=True` compiles it with torch.compile (fullgraph), which
+keydiff.bench.fixed_step measures (slower on a CPU: docs/performance.md); tests/test_fixed_shapes.py compiles it
+the same way to prove the step has no graph break, i.e. no host synchronisation. The compiled trace differs from
+the eager step in two places the compiler cannot follow (keydiff.attention: no context variable is read, and the
+prefill block's causal mask is an explicit boolean one instead of SDPA's lower-right bias), so what a CUDA graph
+captures (the eager step, the bias included) is checked only on a GPU (make gpu-check's "fixed = ordinary").
 """
 
 from __future__ import annotations

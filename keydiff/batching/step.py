@@ -38,8 +38,8 @@ def choose_greedy(sequences: list[Sequence]) -> None:
     tokens = torch.cat([sequence.logits for sequence in sequences]).argmax(dim=-1).tolist()
     start = 0
     for sequence in sequences:
-        sequence.take(tokens[start : start + sequence.rows])
-        start += sequence.rows
+        sequence.take(tokens[start : start + sequence.row_count])
+        start += sequence.row_count
 
 
 def choose_tokens(active: list[Sequence]) -> None:
@@ -78,7 +78,7 @@ class Stepper:
             self.forward_fixed(going, *fixed)
         else:
             self.forward_rows(going)
-        rows = sum(sequence.rows for sequence in going)
+        rows = sum(sequence.row_count for sequence in going)
         for sequence in going:
             sequence.batch_sizes.append(rows)
             if sequence.request.record_steps:
@@ -89,8 +89,8 @@ class Stepper:
         device, batch = self.device, self.batch
         ids = torch.tensor([[token] for sequence in going for token in sequence.last], dtype=torch.long, device=device)
         positions = torch.tensor([[sequence.cache.get_seq_length()] for sequence in going
-                                  for _ in range(sequence.rows)], dtype=torch.long, device=device)
-        batch.bind([sequence.cache for sequence in going], [sequence.rows for sequence in going])
+                                  for _ in range(sequence.row_count)], dtype=torch.long, device=device)
+        batch.bind([sequence.cache for sequence in going], [sequence.row_count for sequence in going])
         try:
             output = self.model(input_ids=ids, position_ids=positions, cache=batch, use_cache=True, logits_to_keep=1)
             batch.evict()
@@ -147,7 +147,7 @@ class Stepper:
         logits = step.run(torch.tensor(ids, device=device)[:, None], torch.tensor(positions, device=device)[:, None],
                           torch.tensor(active, device=device))
         for sequence, start in zip(going, starts):
-            sequence.logits = logits[start : start + sequence.rows]
+            sequence.logits = logits[start : start + sequence.row_count]
             sequence.cache.note_fixed_step(1)
 
 
@@ -157,6 +157,35 @@ FIXED_SHAPES_DEFAULT = {"cuda": True, "cpu": True}
 # Whether a block's fixed-shape step always runs every slot (one shape for the run: what a CUDA graph replays),
 # or only the consecutive slots the going sequences span (no graph to keep: idle rows would be work for nothing).
 FULL_WIDTH = {"cuda": True, "cpu": False}
+
+
+class BlockStepper:
+    """A prefill's blocks in fixed shapes (keydiff.batching.static) once its cache holds N entries: B new tokens
+    written into entries [N, N + B), attention over all N + B, eviction back to N, in one step that a GPU replays
+    as a CUDA graph. keydiff.engine.prefill asks it for each block (`run`) and runs the ordinary pass where it
+    answers None (blocks while the cache fills, a last shorter block, policies it does not take)."""
+
+    def __init__(self, model: torch.nn.Module, cache, block: int, fixed_shapes: bool | None = None):
+        self.model, self.cache, self.block = model, cache, block
+        device = next(model.parameters()).device
+        self.enabled = fixed_shapes_default(device) if fixed_shapes is None else bool(fixed_shapes)
+        self.step: StaticStep | None = None
+        self.source: torch.Tensor | None = None  # the key buffer the step was built on
+
+    def run(self, ids: torch.Tensor, start: int) -> torch.Tensor | None:
+        """Next-token logits [rows, vocab] after the block `ids` [rows, B] at positions start..start+B-1, run in fixed
+        shapes; None where it cannot run so (the caller runs the ordinary pass)."""
+        cache, q = self.cache, ids.shape[1]
+        if not self.enabled or q != self.block or not eligible([cache], q):
+            return None
+        stack = cache.stack
+        if self.step is None or self.source is not stack.keys:  # built on these buffers (a stack can move)
+            self.step = StaticStep(self.model, Rows.of_storage(stack), cache.policy, stack.budget, q)
+            self.source = stack.keys
+        positions = torch.arange(start, start + q, device=ids.device).expand(ids.shape[0], q)
+        logits = self.step.run(ids, positions, self.step.active)
+        cache.note_fixed_step(q)
+        return logits
 
 
 def decode_step(stepper: Stepper, active: list[Sequence]) -> tuple[list[Sequence], list[Sequence]]:

@@ -27,7 +27,6 @@ numbers.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 import traceback

@@ -25,7 +25,7 @@ importable), on a tiny and a mid-size random Llama:
   FA2 vs SDPA      the same weights give the same logits with both kernels
   two GPUs         (2+ GPUs, else SKIP with the count) the mid-size model's layers split over cuda:0 and cuda:1
                    (accelerate's dispatch_model, as device_map=auto places them): `full` gives one forward's
-                   logits, each layer's cache lives on its layer's GPU, the stack is one per GPU (no slot for a
+                   logits, each layer's cache lives on its layer's GPU, the stack is one per GPU (no plane for a
                    layer of the other), the N + B bound holds, and a plain loop yields generate's tokens
 then both benchmarks on Llama-3.2-3B's shape. On CPU the same engine checks run on the tiny model in
 float32 and bfloat16 with sdpa and eager, the CUDA-only rows say SKIP, and the benchmarks run tiny.

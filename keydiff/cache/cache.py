@@ -241,7 +241,7 @@ class EvictingCache(Cache):
 
     @staticmethod
     def _bounded_capacity(budget: int, block_size: int | None, max_tokens: int | None) -> int | None:
-        """Slots for a layer bounded to `budget`: budget + block (never more than the whole prompt), at least
+        """Entries for a layer bounded to `budget`: budget + block (never more than the whole prompt), at least
         budget + 1 for decoding; None (sized from the first pass) if neither block nor length is known."""
         if not (block_size or max_tokens):
             return None
@@ -382,7 +382,7 @@ class EvictingCache(Cache):
         each copy from where this one stands), so decoding one changes nothing in the others or here; the memory
         is `copies` x `kv_cache_bytes`. Only the model's output-projection weights (read by CriticalKV, never
         written) stay shared. Placing the copies side by side, so that a batch decodes them as one group, is the
-        block manager's (keydiff.batching.blocks.side_by_side; `PrefillResult.fork` does both). Refused inside a
+        block manager's (keydiff.batching.blocks.place_forks; `PrefillResult.fork` does both). Refused inside a
         scratch pass."""
         if self._scratch:
             raise RuntimeError("a cache cannot be forked inside a scratch pass")

@@ -4,7 +4,7 @@ The runner hands its samples here when `batch_size > 1`; each row is the row a b
 sample (same prediction: each sequence keeps its own cache, seed and stop rule), plus how it was batched:
 `decode_batch_size` (the mean batch size of its decoding passes) and `decode_s_per_token` (its decode wall time
 per token, each pass charged whole to every row of the batch). TTFT stays per sample: its prefill runs alone,
-between decoding steps, when a slot frees.
+between decoding steps, when a place in the batch frees.
 
 One prefill, many decodes: consecutive samples with the same prompt (Math-500's responses to one problem)
 are prefilled once and forked (keydiff.engine.PrefillResult.fork), each decoding with its own seed; their rows
@@ -43,7 +43,7 @@ def batched_rows(ctx: RunContext, samples: list) -> Iterator[dict[str, Any]]:
         out_of_memory = None
         while True:
             try:
-                with ctx.signals.interruptible():
+                with ctx.interruptible():
                     finished = next(results, None)
             except Exception as error:  # Preempted is a BaseException and passes through
                 if not is_out_of_memory(error):
@@ -88,7 +88,7 @@ def batch_record(out, shared: int) -> dict[str, Any]:
 
 
 def _requests(ctx: RunContext, pending: deque, ready: deque, in_flight: dict) -> Iterator[Request]:
-    """The next sample's request whenever the scheduler has a free slot; samples that must not run go to
+    """The next sample's request whenever the scheduler has a free place; samples that must not run go to
     `ready` as failed rows; consecutive samples with the same prompt share one prefill (forks)."""
     forks: deque = deque()
     while pending or forks:

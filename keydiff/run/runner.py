@@ -22,7 +22,6 @@ A run survives what a cluster does to it:
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import time
 from collections import Counter

@@ -6,6 +6,7 @@ these, so a sample's row is the same whichever of them ran it.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import hashlib
 import logging
@@ -35,10 +36,14 @@ class RunContext:
     tokenizer: Any
     stop_ids: list[int]
     code: str | None = None
-    signals: StopSignals | None = None
+    signals: StopSignals | None = None  # None: nothing interrupts the samples (an API caller, a test)
     seed: int = 0
     batch_size: int = 1
     prompt_cap: int | None = None
+
+    def interruptible(self):
+        """The block in which a stop signal abandons the sample(s) at once (nothing without `signals`)."""
+        return contextlib.nullcontext() if self.signals is None else self.signals.interruptible()
 
 
 def derived_seed(run_seed: int, sample_id: str) -> int:
@@ -163,7 +168,7 @@ def sample_row(ctx: RunContext, sample, prompt: Prompt, state, out, budget: int 
         # heads share its budget, AdaKV: kv_heads x (N_l + B)).
         "layer_max_total_entries": state.cache.layer_max_total_entries,
         "layer_kv_heads": state.cache.layer_kv_heads,
-        # What the cache's key/value buffers really hold (allocated once per sequence, N + B slots per layer).
+        # What the cache's key/value buffers really hold (allocated once per sequence, N + B entries per layer).
         "kv_cache_bytes": state.cache.kv_cache_bytes,
         # Upper bound of the KV entries held at once: every layer's own peak, summed, in bytes.
         "kv_cache_peak_bytes": state.cache.entries_peak_sum * kv_bytes_per_layer_entry(model),
@@ -185,7 +190,7 @@ def failed_row(ctx: RunContext, sample, prompt: Prompt, reason: str, message: st
 def process_sample(ctx: RunContext, sample) -> dict[str, Any]:
     """Run one sample; out-of-memory and the prompt cap give a failed row, any other error stops the run."""
     out_of_memory = None
-    with ctx.signals.interruptible():
+    with ctx.interruptible():
         prompt, refused = screen_sample(ctx, sample)
         if refused is not None:
             return refused

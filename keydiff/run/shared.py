@@ -57,7 +57,7 @@ def shared_rows(ctx: RunContext, todo: list) -> Iterator[dict[str, Any]]:
         by_group.setdefault(task.shard_group(sample), []).append(sample)
     for group, _ in groupby(todo, key=task.shard_group):
         samples = by_group[group]
-        with ctx.signals.interruptible():
+        with ctx.interruptible():
             rows = context_rows(ctx, samples, wanted)
         yield from rows
 
