@@ -1,5 +1,6 @@
-"""The decoding step of full caches, three ways, per step: the ordinary step (keydiff.batching.step through the
-batch cache), the fixed-shape step run eagerly, and the fixed-shape step compiled by torch.compile (inductor).
+"""The decoding step of full caches, three ways, per step: keydiff.generate_batch with the ordinary step (through the
+batch cache) and with the fixed-shape step run eagerly (the default), and the fixed-shape step alone compiled by
+torch.compile (inductor).
 
 What it decides: which form a device runs by default (keydiff.batching.step.FIXED_SHAPES_DEFAULT; the fixed-shape
 step is never compiled by default, see docs/performance.md). Each form decodes `--steps` timed steps (after
@@ -26,13 +27,14 @@ from keydiff.batching.static import Rows, StaticStep
 from keydiff.bench import common
 
 
-def fixed_form(model, state, width: int, budget: int, compiled: bool, args, device: str) -> dict:
-    """Per-step time of the fixed-shape step over `width` forks (their block; one fork: its own stack)."""
+def compiled_form(model, state, width: int, budget: int, args, device: str) -> dict:
+    """Per-step time of the fixed-shape step compiled by torch.compile over `width` forks (their block; one fork:
+    its own stack), the step alone with its argmax (generate_batch never compiles it)."""
     forks = state.fork(width)
     cache = forks[0].cache
     placement = cache.stack.placement
     rows = Rows.of_block(placement.block, cache.stack.layers) if placement else Rows.of_storage(cache.stack)
-    step = StaticStep(model, rows, cache.policy, budget, compiled=compiled)
+    step = StaticStep(model, rows, cache.policy, budget, compiled=True)
     ids = state.logits.argmax(-1, keepdim=True).expand(width, 1).to(device)  # the first token, as generate picks it
     active = torch.ones(width, dtype=torch.bool, device=device)
     position = state.prompt_length
@@ -55,15 +57,16 @@ def fixed_form(model, state, width: int, budget: int, compiled: bool, args, devi
     return {"ms_per_step": 1e3 * statistics.median(times), "warm_up_s": warm, "tokens": tokens}
 
 
-def ordinary_form(model, state, width: int, args, device: str) -> dict:
-    """Per-step time of the ordinary step (fixed_shapes=False) over `width` forks, greedy, no stop tokens: the
-    difference of a run of warm-up + steps + 1 tokens and one of warm-up + 1, over the steps (so its first steps
-    count as the fixed form's warm-up does)."""
+def decoded_form(model, state, width: int, args, device: str, fixed: bool) -> dict:
+    """Per-step time of keydiff.generate_batch over `width` forks, greedy, no stop tokens, with the ordinary step
+    (fixed=False) or the fixed-shape one: the difference of a run of warm-up + steps + 1 tokens and one of
+    warm-up + 1, over the steps (so the first steps, where the fixed step warms up, are not counted; each step's
+    token choice and bookkeeping are, as a run pays them)."""
     def decode(tokens: int) -> tuple[float, dict]:
         requests = [Request(fork, max_new_tokens=tokens, key=i) for i, fork in enumerate(state.fork(width))]
         common.sync(device)
         start = time.perf_counter()
-        out = dict(generate_batch(model, requests, width, fixed_shapes=False))
+        out = dict(generate_batch(model, requests, width, fixed_shapes=fixed))
         common.sync(device)
         return time.perf_counter() - start, out
 
@@ -99,8 +102,9 @@ def main(argv: list[str] | None = None) -> None:
             for form in forms:
                 print(f"  W={width} {form}, round {index + 1}/{args.repeats} ...", file=sys.stderr, flush=True)
                 common.release_memory(device)
-                rounds[form].append(ordinary_form(model, state, width, args, device) if form == "ordinary" else
-                                    fixed_form(model, state, width, args.budget, form == "compiled", args, device))
+                rounds[form].append(compiled_form(model, state, width, args.budget, args, device)
+                                    if form == "compiled" else
+                                    decoded_form(model, state, width, args, device, fixed=form == "fixed"))
         reference = rounds[forms[0]][0]["tokens"]
         for form, results in rounds.items():
             row = {"width": width, "form": form, "ms_per_step": statistics.median(r["ms_per_step"] for r in results),
