@@ -12,6 +12,7 @@ the batching code.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import keydiff
@@ -104,10 +105,20 @@ def storage_sizes(cache) -> list[int]:
     return sorted(sizes.values())
 
 
-def test_a_copy_of_a_fork_holds_its_own_entries_not_its_block(model):
+def entries(cache) -> tuple[list, list]:
+    """What a cache holds: every layer's kept positions and kept keys."""
+    return ([positions.tolist() for positions in cache.kept_positions()],
+            [layer.keys[:, :, : layer.num_entries].tolist() for layer in cache.layers])
+
+
+@pytest.mark.parametrize("fixed_shapes", [True, False], ids=["fixed", "ordinary"])
+def test_a_copy_of_a_fork_holds_its_own_entries_not_its_block(model, fixed_shapes):
     """Forks lie side by side in one block; a copy of one (copy_state: a fork of a fork) gets buffers of its own of
     one sequence's size, exactly what a copy of the unforked state holds, and none of them is part of the block
-    (the block is not kept alive by the copy, nor a copy of the whole block made for it)."""
+    (the block is not kept alive by the copy, nor a copy of the whole block made for it). The copy then decodes in
+    those buffers of its own, in the fixed-shape step (which runs on the block a placed stack lives in) and the
+    ordinary one: it never writes into the fork's slot nor into any block, and ends holding what the fork holds
+    after the same decode."""
     state = prefill(model, prompts((90,))[0], "keydiff", BUDGET, BLOCK)
     plain = copy_state(state, model)
     forks = state.fork(4)
@@ -119,8 +130,13 @@ def test_a_copy_of_a_fork_holds_its_own_entries_not_its_block(model):
     assert block.nbytes() >= 4 * copy.cache.layers[0].keys.untyped_storage().nbytes()
     start, stop = block.data_ptr(), block.data_ptr() + block.nbytes()
     assert not any(start <= layer.keys.data_ptr() < stop for layer in copy.cache.layers)
-    # the copy decodes like the fork it was copied from, and leaves it as it was
-    assert generate(model, copy, 6).token_ids == generate(model, forks[1], 6).token_ids
+    # the copy decodes like the fork it was copied from, in its own buffers, and leaves the fork as it was
+    fork, before = forks[1].cache, entries(forks[1].cache)
+    out = generate(model, copy, 6, fixed_shapes=fixed_shapes)
+    assert entries(fork) == before
+    assert out.token_ids == generate(model, forks[1], 6, fixed_shapes=fixed_shapes).token_ids
+    assert entries(fork) != before  # the decode moved the fork's entries on (what the copy's must match)
+    assert entries(copy.cache) == entries(fork)
 
 
 # --------------------------------------------------------------------------------- join pool slots
