@@ -47,6 +47,11 @@ logits -> softcap * tanh(logits / softcap)) and `s_aux` (gpt-oss's attention sin
 head in the softmax's denominator, attending to nothing). SDPA and FlashAttention implement neither softcap nor
 sinks, so a layer with either runs the eager computation on the fused path too (these models' own default).
 
+Batch invariance: while keydiff.kernels.batch_invariant's mode is on (the decoding steps of a run with
+batch_invariant=true, on CUDA), `fused_attention` runs that module's fixed-order attention kernel, so a row's
+attention is computed in the same order at any batch size (SDPA's decode kernels may split the keys by batch size).
+Prefill is not under the mode: it runs one sequence at a time, so its kernels see the same shapes at any batch size.
+
 Where the cache comes from: `keydiff_attention(model, cache)` switches the model to these functions and
 binds `cache` for the duration (a context variable, so nothing is stored on the model). The function asks
 the bound cache which statistic it wants only when the keys it was given are the very tensor that cache's
@@ -66,6 +71,8 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import repeat_kv
+
+from keydiff.kernels import batch_invariant
 
 BASE_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
 # Registered names. transformers treats any implementation whose name contains "flash" as a FlashAttention
@@ -233,7 +240,15 @@ def fused_attention(
     rules: LogitRules = LogitRules(),
 ) -> torch.Tensor:
     """Attention output from SDPA or FlashAttention, with the bottom-right causal mask (a sliding window's band
-    through SDPA; a soft cap or sinks through the eager computation, which the fused kernels cannot do)."""
+    through SDPA; a soft cap or sinks through the eager computation, which the fused kernels cannot do).
+
+    Under the batch-invariant mode (keydiff.kernels.batch_invariant, on around decoding steps with
+    batch_invariant=true) plain causal attention runs its fixed-order kernel instead, whatever the base, and a layer
+    with a window, a soft cap or sinks its eager computation, whose products and reductions the mode replaces."""
+    if not torch.compiler.is_compiling() and batch_invariant.enabled(query.device):
+        if rules.fusable and rules.visible is None:
+            return batch_invariant.attention(query, key, value, scaling)
+        return eager_attention(module, query, key, value, scaling, rules)[0]
     if not rules.fusable:
         return eager_attention(module, query, key, value, scaling, rules)[0]
     if rules.visible is not None:

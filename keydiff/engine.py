@@ -277,6 +277,7 @@ def generate(
     record_steps: bool = False,
     evict: bool = True,
     fixed_shapes: bool | None = None,
+    batch_invariant: bool = False,
 ) -> GenerationResult:
     """Decode up to `max_new_tokens` tokens from a prefilled state, evicting after every token (B = 1).
 
@@ -289,6 +290,8 @@ def generate(
     from a CPU generator seeded with `seed`, so results do not depend on the device's RNG.
     fixed_shapes: once the cache holds N entries, decode in fixed shapes (keydiff.batching.static; replayed as a
     CUDA graph on a GPU); None: the device's default, False: the ordinary step. The same tokens either way.
+    batch_invariant: decode with kernels whose reduction order does not depend on the batch (keydiff.kernels.
+    batch_invariant), which a run alone must use to give the tokens of a batch that uses them (a no-op on a CPU).
     It runs the decoding step keydiff.generate_batch runs, with this one request.
     Returns a GenerationResult: `.token_ids` (per batch row, a list of the new ids), `.finish_reasons`,
     `.seconds`, `.max_cache_entries`.
@@ -297,5 +300,6 @@ def generate(
         raise RuntimeError("this PrefillResult was already decoded (its cache moved on); run prefill again")
     request = Request(state, max_new_tokens, eos_token_ids, do_sample, temperature, top_p, min_new_tokens, seed,
                       evict, record_steps=record_steps)
-    (_, out), = generate_batch(model, [request], batch_size=1, fixed_shapes=fixed_shapes)
+    (_, out), = generate_batch(model, [request], batch_size=1, fixed_shapes=fixed_shapes,
+                               batch_invariant=batch_invariant)
     return GenerationResult(out.token_ids, out.finish_reasons, out.seconds, out.max_cache_entries, out.step_entries)

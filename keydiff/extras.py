@@ -27,6 +27,7 @@ EXTRAS: dict[str, str] = {
     "datasets": "",  # task=math500 without task.data_dir: MATH-500 from the Hub
     "levenshtein": "",  # only the tests' comparison with python-Levenshtein (task.fuzzy_backend=levenshtein: rapidfuzz)
     "flash": " --no-build-isolation",  # attn_implementation=flash_attention_2 (CUDA)
+    "triton": "",  # batch_invariant=true's kernels (in torch's CUDA build already); tests/test_batch_invariant.py
 }
 
 

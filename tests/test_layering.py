@@ -11,13 +11,15 @@ import ast
 from tests.test_registry import PACKAGE, ROOT, imports, module_name
 
 # Each part of the decoding path, and the parts above it that it must never import (run.py -> runner -> engine ->
-# batching -> cache -> policies / attention).
+# batching -> cache -> policies / attention -> kernels).
 ABOVE = {
     "keydiff.engine": ("keydiff.run",),
     "keydiff.batching": ("keydiff.engine", "keydiff.run"),
     "keydiff.cache": ("keydiff.batching", "keydiff.engine", "keydiff.run"),
     "keydiff.policies": ("keydiff.cache", "keydiff.batching", "keydiff.engine", "keydiff.run"),
     "keydiff.attention": ("keydiff.cache", "keydiff.batching", "keydiff.engine", "keydiff.run"),
+    "keydiff.kernels": ("keydiff.attention", "keydiff.policies", "keydiff.cache", "keydiff.batching", "keydiff.engine",
+                        "keydiff.run"),
 }
 
 

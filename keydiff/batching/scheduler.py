@@ -28,7 +28,7 @@ from keydiff.batching.step import Stepper, decode_step
 @torch.inference_mode()
 def generate_batch(
     model: torch.nn.Module, requests: Iterable[Request], batch_size: int, group_rows: bool = True,
-    pool_rows: bool = True, fixed_shapes: bool | None = None,
+    pool_rows: bool = True, fixed_shapes: bool | None = None, batch_invariant: bool = False,
 ) -> Iterator[tuple[Any, SequenceResult]]:
     """Decode every request, up to `batch_size` sequences at once, refilling as soon as a sequence stops.
 
@@ -43,12 +43,14 @@ def generate_batch(
     (measured: the copy pays for itself within a 16-token generation on CPU, and on a GPU, where a row's kernel
     launches dominate a step, at once; docs/performance.md). fixed_shapes: run the step in fixed shapes where every
     going sequence is full and alike (keydiff.batching.static; None: the device's default, False: never).
-    Outputs are the same either way.
+    Outputs are the same either way. batch_invariant: the decoding steps (not the prefills, which run alone) use
+    kernels whose reduction order does not depend on the number of rows (keydiff.kernels.batch_invariant), so on a
+    GPU a sequence gets the same tokens at any batch size; a no-op on a CPU, whose kernels already give them.
     """
     if isinstance(batch_size, bool) or int(batch_size) != batch_size or batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
     source = iter(requests)
-    stepper = Stepper(model, group_rows, fixed_shapes)
+    stepper = Stepper(model, group_rows, fixed_shapes, batch_invariant)
     pool = JoinPool(int(batch_size)) if group_rows and pool_rows and batch_size > 1 else None
     active: list[Sequence] = []
     exhausted = False
@@ -66,7 +68,7 @@ def generate_batch(
         finished: list[Sequence] = []
         # One switch of the attention function for all the steps until a sequence stops (a switch walks every
         # module); outside it, the caller's code and the next prompts' prefills run with the model as it was.
-        with keydiff_attention(model, stepper.batch):
+        with keydiff_attention(model, stepper.batch), stepper.invariant():
             while active and not finished:
                 active, finished = decode_step(stepper, active)
         for sequence in finished:

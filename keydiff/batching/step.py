@@ -14,14 +14,17 @@ time), a sequence that stopped in it only the choice of its last token.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import weakref
 
 import torch
 
+from keydiff.attention import base_implementation
 from keydiff.batching.rows import BatchCache
 from keydiff.batching.sequence import Sequence
 from keydiff.batching.static import Rows, StaticStep, eligible
+from keydiff.kernels import batch_invariant
 
 
 def sync(device: torch.device) -> None:
@@ -58,17 +61,31 @@ class Stepper:
     kept per block (or per stack, for a sequence alone) and replayed at every later step.
 
     fixed_shapes: None picks the device's default (`FIXED_SHAPES_DEFAULT`); False always runs the batch cache
-    (the reference the fixed-shape path is tested against). Outputs are the same either way."""
+    (the reference the fixed-shape path is tested against). Outputs are the same either way.
 
-    def __init__(self, model: torch.nn.Module, group_rows: bool = True, fixed_shapes: bool | None = None):
+    batch_invariant: the steps run under keydiff.kernels.batch_invariant's mode (`invariant()`, which the scheduler
+    enters around its decoding steps, so a CUDA graph of the fixed-shape step captures those kernels): a row's
+    matmuls, reductions and attention in an order that does not depend on the rows beside it. A no-op on a CPU,
+    whose kernels already are; refused on devices it has no form for, and with flash_attention_2 (whose decode
+    kernel the mode would replace unasked)."""
+
+    def __init__(self, model: torch.nn.Module, group_rows: bool = True, fixed_shapes: bool | None = None,
+                 batch_invariant: bool = False):
         self.model = model
         self.device = next(model.parameters()).device
+        self.batch_invariant = bool(batch_invariant)
+        if self.batch_invariant:
+            check_batch_invariant(model, self.device)
         self.batch = BatchCache(model.config.get_text_config().num_hidden_layers, group_rows)
         self.group_rows = group_rows
         self.fixed_shapes = fixed_shapes_default(self.device) if fixed_shapes is None else bool(fixed_shapes)
         # block or stack -> (what its step was built on: key buffer, first and stop row; the StaticStep)
         self.steps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.full_width = FULL_WIDTH.get(self.device.type, False)
+
+    def invariant(self):
+        """The context the decoding steps run in: the batch-invariant mode for this device, or nothing."""
+        return batch_invariant.for_device(self.device) if self.batch_invariant else contextlib.nullcontext()
 
     def forward(self, going: list[Sequence]) -> None:
         """One forward pass of the sequences' last tokens, each row at its own position, then eviction; each
@@ -204,6 +221,20 @@ def decode_step(stepper: Stepper, active: list[Sequence]) -> tuple[list[Sequence
     for sequence in active:
         sequence.seconds += chosen if sequence.done else step
     return going, [sequence for sequence in active if sequence.done]
+
+
+def check_batch_invariant(model: torch.nn.Module, device: torch.device) -> None:
+    """Refuse batch_invariant=True where it has no form, in one line: a device it does not run on (or CUDA without
+    triton), a model spread over devices, flash_attention_2 (its split-KV decode kernel is what the mode exists to
+    avoid; under the mode the step would run another kernel than the one asked for)."""
+    batch_invariant.check_device(device)
+    devices = {p.device for p in model.parameters()}
+    if len(devices) > 1:
+        raise ValueError(f"batch_invariant=true runs a model on one device, this one is spread over {len(devices)} "
+                         "(valid: model.device_map=null)")
+    if base_implementation(model) == "flash_attention_2":
+        raise ValueError("batch_invariant=true does not combine with attn_implementation=flash_attention_2 (valid: "
+                         "sdpa, eager)")
 
 
 def fixed_shapes_default(device: torch.device) -> bool:

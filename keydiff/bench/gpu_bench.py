@@ -7,11 +7,14 @@ same process:
   decode     ms per step at batch 1 and 16: KeyDiff with the fixed-shape step (a CUDA graph replayed) and with
              the ordinary step; `full` (ours) at batch 16; transformers' eager DynamicCache loop; transformers'
              StaticCache under torch.compile(mode="reduce-overhead") (its compile time recorded); the bandwidth
-             floor (weights + the rows' entries read once)
+             floor (weights + the rows' entries read once); KeyDiff's fixed-shape step with batch_invariant=True
+             (keydiff.kernels' fixed-order kernels) and its cost against the plain kernels (`x_plain`, steady steps:
+             the number the "default on CUDA at <= 1.15x" rule of docs/performance.md needs)
   prefill    block-wise KeyDiff prefill (N = 2,048) at L = 32K for B = 64, 128, 256, 1,024 and at L = 128K for
              B = 128: seconds and peak GiB beyond the weights, beside one full forward (logits_to_keep=1); B = 128
              at 32K with the ordinary step too
-  exact      the fixed-shape step gives the ordinary step's tokens (batch 1 and 16); batch 16 against each
+  exact      the fixed-shape step gives the ordinary step's tokens (batch 1 and 16); with batch_invariant, the 16
+             forks of one prompt decoded together give the tokens it gets at batch 1; batch 16 against each
              sequence alone for 16 prompts of 1.5K-3K tokens, 64 tokens, KeyDiff N = 512 and full: how many of 16
              identical (bf16: cuBLAS picks kernels by row count; see docs/gpu.md)
   serving    32K prompts, 16 GB for the caches: KeyDiff N = 1,024 sequences held and tokens/s
@@ -75,11 +78,12 @@ def timed(device: str, fn) -> tuple[float, object]:
     return time.perf_counter() - start, out
 
 
-def decode_seconds(model, states, tokens: int, fixed: bool) -> tuple[float, list[list[int]]]:
+def decode_seconds(model, states, tokens: int, fixed: bool, invariant: bool = False) -> tuple[float, list[list[int]]]:
     """Wall time of decoding `tokens` tokens for every state together (no stop tokens), and the tokens."""
     requests = [Request(state, max_new_tokens=tokens, key=i) for i, state in enumerate(states)]
     device = str(next(model.parameters()).device.type)
-    seconds, out = timed(device, lambda: dict(generate_batch(model, requests, len(requests), fixed_shapes=fixed)))
+    seconds, out = timed(device, lambda: dict(generate_batch(model, requests, len(requests), fixed_shapes=fixed,
+                                                             batch_invariant=invariant)))
     return seconds, [out[i].token_ids[0] for i in range(len(states))]
 
 
@@ -119,13 +123,13 @@ def transformers_static_ms(model, prompt, batch: int, tokens: int, device: str) 
     return {"ms_per_step": 1e3 * seconds / (tokens - 1), "compile_s": compile_s}
 
 
-def steady(model, states_of, sizes: Sizes, fixed: bool) -> tuple[dict, list[list[int]]]:
+def steady(model, states_of, sizes: Sizes, fixed: bool, invariant: bool = False) -> tuple[dict, list[list[int]]]:
     """ms per step of decoding `sizes.tokens` and 2 x `sizes.tokens` tokens from fresh forks: `ms_per_step` over
     every step of the longer run (a generate call's first fixed step runs eagerly and the second captures the
     graph: what a call pays), `ms_per_step_steady` from the difference of the two runs (the replayed steps)."""
-    decode_seconds(model, states_of(), 3, fixed)  # warm-up
-    short, _ = decode_seconds(model, states_of(), sizes.tokens, fixed)
-    long, tokens = decode_seconds(model, states_of(), 2 * sizes.tokens, fixed)
+    decode_seconds(model, states_of(), 3, fixed, invariant)  # warm-up (and, with invariant, Triton's compiles)
+    short, _ = decode_seconds(model, states_of(), sizes.tokens, fixed, invariant)
+    long, tokens = decode_seconds(model, states_of(), 2 * sizes.tokens, fixed, invariant)
     return {"ms_per_step": 1e3 * long / (2 * sizes.tokens - 1),
             "ms_per_step_steady": 1e3 * (long - short) / sizes.tokens}, tokens
 
@@ -137,14 +141,25 @@ def decode_rows(model, sizes: Sizes, device: str) -> list[dict]:
     rows, steps = [], sizes.tokens - 1
     state = prefill(model, prompt, build_policy("keydiff"), sizes.budget, sizes.block)
     full = prefill(model, prompt, build_policy("full"), None, sizes.block)
+    invariant_tokens = {}
     for batch in (1, sizes.batch):
-        tokens = {}
+        tokens, steady_ms = {}, {}
         for fixed in (True, False):
             timing, tokens[fixed] = steady(model, lambda: state.fork(batch), sizes, fixed)
+            steady_ms[fixed] = timing["ms_per_step_steady"]
             rows.append({"row": "decode", "case": f"keydiff {'fixed' if fixed else 'ordinary'}", "batch": batch,
                          **timing, "floor_ms": floor_ms(model, batch, sizes.budget + 1)})
         rows.append({"row": "exact", "case": "fixed step = ordinary step, keydiff", "batch": batch,
                      "identical": sum(a == b for a, b in zip(tokens[True], tokens[False])), "of": batch})
+        plain = steady_ms[True]
+        timing, invariant_tokens[batch] = steady(model, lambda: state.fork(batch), sizes, True, invariant=True)
+        rows.append({"row": "decode", "case": "keydiff fixed, batch_invariant", "batch": batch, **timing,
+                     "x_plain": timing["ms_per_step_steady"] / plain if plain > 0 else None,
+                     "floor_ms": floor_ms(model, batch, sizes.budget + 1)})
+    rows.append({"row": "exact", "case": f"batch_invariant: forks at batch {sizes.batch} = batch 1, keydiff",
+                 "batch": sizes.batch,
+                 "identical": sum(t == invariant_tokens[1][0] for t in invariant_tokens[sizes.batch]),
+                 "of": sizes.batch})
     timing, _ = steady(model, lambda: full.fork(sizes.batch), sizes, True)
     rows.append({"row": "decode", "case": "full (ours)", "batch": sizes.batch, **timing,
                  "floor_ms": floor_ms(model, sizes.batch, sizes.length + 2 * sizes.tokens)})
@@ -238,7 +253,8 @@ def serving_rows(model, sizes: Sizes, device: str) -> list[dict]:
 
 
 def print_rows(rows: list[dict]) -> None:
-    keys = ["row", "case", "batch", "L", "B", "ms_per_step", "ms_per_step_steady", "floor_ms", "seconds", "x_largest_block",
+    keys = ["row", "case", "batch", "L", "B", "ms_per_step", "ms_per_step_steady", "x_plain", "floor_ms", "seconds",
+            "x_largest_block",
             "peak_gib_beyond", "identical", "of", "sequences_held", "tokens_per_s", "compile_s", "error"]
     shown = [k for k in keys if any(k in r for r in rows)]
     cell = lambda v: "-" if v is None else f"{v:.3g}" if isinstance(v, float) else str(v)  # noqa: E731

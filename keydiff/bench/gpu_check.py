@@ -19,7 +19,8 @@ importable), on a tiny and a mid-size random Llama:
                    exactly what the ordinary step does: prefill blocks, 4 forks together, one sequence alone
   batch 16 = alone (CUDA, not --quick) Llama-3.2-3B's shape, 16 prompts of 1.5K-3K tokens, 32 tokens, KeyDiff
                    N = 512 and full: in fp32 with TF32 off every sequence identical (PASS/FAIL); in bf16 the
-                   count is INFO (cuBLAS picks kernels by row count; batch-invariant kernels: issue 30)
+                   count is INFO (cuBLAS picks kernels by row count); in bf16 with batch_invariant=True (the
+                   decoding steps on keydiff.kernels' fixed-order kernels) every sequence identical (PASS/FAIL)
   fast ~ materialized   share of kept (layer, head, position) entries both statistic modes agree on
                    (h2o, tova, snapkv); bf16 rounding may flip near-ties, hence a threshold, not equality
   FA2 vs SDPA      the same weights give the same logits with both kernels
@@ -301,11 +302,13 @@ def check_fixed_equals_ordinary(model, prompt, sizes: Sizes, setting) -> Row:
 
 
 def check_batch_invariance(model_name: str, dtype: torch.dtype, device: str, batch: int, tokens: int,
-                           lengths: tuple[int, int], budget: int) -> Row:
+                           lengths: tuple[int, int], budget: int, batch_invariant: bool = False) -> Row:
     """`batch` prompts of `lengths` tokens decoded together against each alone, greedy, KeyDiff (N = budget) and
     full, on a model of a real shape. In float32 with TF32 off every sequence must be identical (the kernels'
     reduction order does not change the result beyond what exact ties could flip); in bfloat16 cuBLAS picks
-    kernels by row count, so the count is reported (INFO) until batch-invariant kernels exist (issue 30)."""
+    kernels by row count, so the count is reported (INFO), unless `batch_invariant` (both the batch and each
+    sequence alone decode on keydiff.kernels' fixed-order kernels), whose claim is that every sequence is identical
+    (PASS/FAIL)."""
     matmul_tf32 = torch.backends.cuda.matmul.allow_tf32 if device == "cuda" else None
     if device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False
@@ -316,10 +319,11 @@ def check_batch_invariance(model_name: str, dtype: torch.dtype, device: str, bat
         prompts = [common.random_prompt(model, n, seed=i).to(device) for i, n in enumerate(sizes)]
         counts = []
         for name, n in (("keydiff", budget), ("full", None)):
-            alone = [generate(model, prefill(model, p, name, n, 128), tokens).token_ids for p in prompts]
+            alone = [generate(model, prefill(model, p, name, n, 128), tokens, batch_invariant=batch_invariant).token_ids
+                     for p in prompts]
             requests = [keydiff.Request(prefill(model, p, name, n, 128), max_new_tokens=tokens, key=i)
                         for i, p in enumerate(prompts)]
-            together = dict(keydiff.generate_batch(model, requests, batch_size=batch))
+            together = dict(keydiff.generate_batch(model, requests, batch_size=batch, batch_invariant=batch_invariant))
             counts.append((name, sum(together[i].token_ids == alone[i] for i in range(batch))))
         del model
     finally:
@@ -329,8 +333,10 @@ def check_batch_invariance(model_name: str, dtype: torch.dtype, device: str, bat
     exact = all(same == batch for _, same in counts)
     detail = f"{batch} prompts of {low}-{high} tokens, {tokens} tokens: " + ", ".join(
         f"{name} {same}/{batch} identical" for name, same in counts)
-    result = ("PASS" if exact else "FAIL") if dtype == torch.float32 else ("PASS" if exact else "INFO")
-    return Row(f"batch {batch} = alone", f"{model_name.removeprefix('random-')} sdpa {short(dtype)}", result, detail)
+    claimed = dtype == torch.float32 or batch_invariant
+    result = ("PASS" if exact else "FAIL") if claimed else ("PASS" if exact else "INFO")
+    setting = f"{model_name.removeprefix('random-')} sdpa {short(dtype)}" + (", batch_invariant" if batch_invariant else "")
+    return Row(f"batch {batch} = alone", setting, result, detail)
 
 
 def engine_checks(model_name: str, dtype: torch.dtype, attn: str, device: str, sizes: Sizes) -> list[Row]:
@@ -486,8 +492,10 @@ def run_checks(quick: bool) -> list[Row]:
         for dtype in (torch.float32, torch.bfloat16):
             rows.append(guarded("batch 16 = alone", f"llama-3.2-3b sdpa {short(dtype)}", check_batch_invariance,
                                 "random-llama-3.2-3b", dtype, device, 16, 32, (1536, 3072), 512))
+        rows.append(guarded("batch 16 = alone", "llama-3.2-3b sdpa bf16, batch_invariant", check_batch_invariance,
+                            "random-llama-3.2-3b", torch.bfloat16, device, 16, 32, (1536, 3072), 512, True))
     else:
-        rows.append(Row("batch 16 = alone", "llama-3.2-3b sdpa fp32/bf16", "SKIP",
+        rows.append(Row("batch 16 = alone", "llama-3.2-3b sdpa fp32/bf16/bf16 batch_invariant", "SKIP",
                         "CUDA only, not --quick (a real model's shape; the engine checks' batch 4 = alone ran above)"))
     return rows + benchmark_rows(device, quick)
 

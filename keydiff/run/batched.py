@@ -39,7 +39,8 @@ def batched_rows(ctx: RunContext, samples: list) -> Iterator[dict[str, Any]]:
     while pending:
         ready: deque[dict[str, Any]] = deque()  # rows of samples refused before running (prompt cap, budget)
         in_flight: dict[str, tuple] = {}  # sample id -> (sample, prompt, state, budget, seed, shared)
-        results = generate_batch(ctx.model, _requests(ctx, pending, ready, in_flight), batch_size)
+        results = generate_batch(ctx.model, _requests(ctx, pending, ready, in_flight), batch_size,
+                                 batch_invariant=ctx.plan.batch_invariant)
         out_of_memory = None
         while True:
             try:

@@ -140,7 +140,7 @@ def check_run_config(cfg: DictConfig, runs_here: bool = True) -> None:
         check_budget_config(cfg.budget)
     if isinstance(cfg.seed, bool) or not isinstance(cfg.seed, int):
         raise ConfigError(f"seed={cfg.seed!r} is not valid; valid: an integer")
-    for key in ("decode_eviction", "query_aware", "overwrite", "retry_failed", "dry_run"):
+    for key in ("decode_eviction", "query_aware", "batch_invariant", "overwrite", "retry_failed", "dry_run"):
         _check_bool(key, cfg.get(key, False))
     _check_positive_int("threads", cfg.get("threads"), optional=True, hint=" (null: SLURM_CPUS_PER_TASK or torch's default)")
     _check_positive_int("max_prompt_tokens", cfg.get("max_prompt_tokens"), optional=True)
@@ -161,11 +161,47 @@ def check_run_config(cfg: DictConfig, runs_here: bool = True) -> None:
     task.validate()
     task.check_model(model_cfg.max_length)
     check_protocol(cfg.get("query_aware", True), task, cfg.get("batch_size", 1))
+    check_batch_invariant(cfg, model_cfg)
     if not cfg.get("dry_run", False):  # a dry run downloads and logs nothing
         if runs_here:
             check_device(model_cfg)
         check_hub_downloads(model_cfg, task)
         tracking.check(cfg)
+
+
+# Policies whose decoding steps use only what keydiff.kernels.batch_invariant makes invariant (matmuls, sums, means,
+# vector norms, attention) or what is invariant as it is (elementwise, softmax, max, topk): read, not measured on
+# a GPU yet (make gpu-check's "batch 16 = alone, batch_invariant" row measures keydiff and full). Not here: AdaKV's
+# relative scores and expected_attention (logsumexp), lagkv (std), the others not yet read; policy=custom.
+BATCH_INVARIANT_POLICIES = ("full", "keydiff", "keydiff_pairwise", "knorm", "sink", "recent", "random", "h2o", "tova",
+                            "snapkv")
+
+
+def check_batch_invariant(cfg: DictConfig, model_cfg) -> None:
+    """batch_invariant=true: the combinations its kernels cover (keydiff.kernels.batch_invariant), else one line.
+    On a CPU it changes nothing (the kernels there already are invariant), so only the combination is checked."""
+    if not cfg.get("batch_invariant", False):
+        return
+    policy = cfg.policy.name
+    if policy not in BATCH_INVARIANT_POLICIES:
+        raise ConfigError(f"batch_invariant=true is not valid with policy={policy}: its scores use reductions the "
+                          f"batch-invariant kernels do not cover (valid: {', '.join(BATCH_INVARIANT_POLICIES)})")
+    params = cfg.policy.get("params") or {}
+    if params.get("head_budgets", "uniform") != "uniform":
+        raise ConfigError("batch_invariant=true is not valid with head-adaptive budgets (policy.params.head_budgets="
+                          f"{params.get('head_budgets')}); valid: head_budgets=uniform")
+    wrappers = [name for name in ("chunk_length", "critical") if params.get(name)]
+    if wrappers:  # ChunkKV's and CriticalKV's scoring is not read for it yet
+        raise ConfigError(f"batch_invariant=true is not valid with policy.params.{wrappers[0]} (ChunkKV / CriticalKV "
+                          "scoring is not covered); valid: without it")
+    if model_cfg.attn_implementation == "flash_attention_2":
+        raise ConfigError("batch_invariant=true is not valid with model.attn_implementation=flash_attention_2 (its "
+                          "split-KV decoding depends on the batch); valid: sdpa, eager")
+    if model_cfg.device == "mps":
+        raise ConfigError("batch_invariant=true is not valid with model.device=mps; valid: cuda (cpu: a no-op)")
+    if model_cfg.device_map is not None:
+        raise ConfigError(f"batch_invariant=true is not valid with model.device_map={model_cfg.device_map}: it runs "
+                          "a model on one device; valid: model.device_map=null")
 
 
 def check_device(model_cfg) -> None:

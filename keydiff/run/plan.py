@@ -41,6 +41,8 @@ class RunPlan:
     ratio: float | None = None  # a ratio budget (budget.ratio): N is set per sample from its prompt length
     # False: kvpress's query-agnostic protocol (the context compressed, the question held: engine's held_suffix)
     query_aware: bool = True
+    # Decoding steps with kernels whose reduction order does not depend on the batch (keydiff.kernels.batch_invariant)
+    batch_invariant: bool = False
 
     def new_policy(self) -> Policy:
         """A fresh policy per sample, so stateful policies (random) do not depend on sample order."""
@@ -84,7 +86,8 @@ def plan_run(cfg: DictConfig) -> RunPlan:
     model_cfg = ModelConfig.from_dict(OmegaConf.to_container(cfg.model, resolve=True))
     return RunPlan(policy_name, params, int(budget) if policy.evicts and ratio is None else None, block_size,
                    cfg.attention_statistics, cfg.get("decode_eviction", True), task, model_cfg,
-                   None if ratio is None else float(ratio), bool(cfg.get("query_aware", True)))
+                   None if ratio is None else float(ratio), bool(cfg.get("query_aware", True)),
+                   bool(cfg.get("batch_invariant", False)))
 
 
 def policy_target(policy_cfg: DictConfig) -> str:
@@ -99,8 +102,12 @@ def result_config(cfg: DictConfig) -> dict[str, Any]:
     """The part of the config that determines the results (what a resumed run must match).
 
     task.limit stays in: ResultStore lets a larger limit extend a run and refuses a smaller one.
+    batch_invariant is in only when true: false computes what every run did before the key existed, so their
+    directories resume as they are, and a run with other kernels (true) never shares a directory with them.
     """
     data = OmegaConf.to_container(cfg, resolve=True)
     for key in NON_RESULT_KEYS:
         data.pop(key, None)
+    if not data.get("batch_invariant", False):
+        data.pop("batch_invariant", None)
     return data

@@ -82,7 +82,7 @@ def warm_up(plan: RunPlan, model, tokenizer, sample) -> None:
             return  # that sample is recorded as failed; nothing to warm up
     state = prefill(model, torch.tensor([ids[:tokens]]), policy, budget, plan.block_size, plan.statistics,
                     tokenizer=tokenizer)
-    generate(model, state, 2, evict=plan.decode_eviction)
+    generate(model, state, 2, evict=plan.decode_eviction, batch_invariant=plan.batch_invariant)
 
 
 def run_statistics(rows: list[dict[str, Any]], plan: RunPlan) -> dict[str, Any]:

@@ -94,7 +94,8 @@ def run_sample(ctx: RunContext, sample, prompt: Prompt | None = None) -> dict[st
         torch.cuda.reset_peak_memory_stats(gpu)
     state, budget = prefill_sample(ctx, prompt)
     seed = sample_seed(prompt.generation, ctx.seed, sample)
-    out = generate(ctx.model, state, **decode_settings(ctx, prompt.generation, seed))
+    out = generate(ctx.model, state, **decode_settings(ctx, prompt.generation, seed),
+                   batch_invariant=ctx.plan.batch_invariant)
     return sample_row(ctx, sample, prompt, state, out, budget, seed)
 
 
