@@ -75,7 +75,7 @@ class Stepper:
         self.device = next(model.parameters()).device
         self.batch_invariant = bool(batch_invariant)
         if self.batch_invariant:
-            check_batch_invariant(model, self.device)
+            check_invariant_model(model, self.device)
         self.batch = BatchCache(model.config.get_text_config().num_hidden_layers, group_rows)
         self.group_rows = group_rows
         self.fixed_shapes = fixed_shapes_default(self.device) if fixed_shapes is None else bool(fixed_shapes)
@@ -223,7 +223,7 @@ def decode_step(stepper: Stepper, active: list[Sequence]) -> tuple[list[Sequence
     return going, [sequence for sequence in active if sequence.done]
 
 
-def check_batch_invariant(model: torch.nn.Module, device: torch.device) -> None:
+def check_invariant_model(model: torch.nn.Module, device: torch.device) -> None:
     """Refuse batch_invariant=True where it has no form, in one line: a device it does not run on (or CUDA without
     triton), a model spread over devices, flash_attention_2 (its split-KV decode kernel is what the mode exists to
     avoid; under the mode the step would run another kernel than the one asked for)."""

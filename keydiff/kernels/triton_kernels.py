@@ -27,6 +27,8 @@ on a machine without a GPU.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -34,13 +36,16 @@ import triton.language as tl
 MATMUL_BLOCK_M, MATMUL_BLOCK_N, MATMUL_BLOCK_K = 16, 32, 64
 ROW_BLOCK = 512
 ATTENTION_BLOCK_N = 64
+# Triton's interpreter multiplies a bf16 / fp16 tile's stored bits in tl.dot (3.8), so there the matmul widens its
+# tiles to float32 first (exact: the products of two bf16 numbers fit in float32); compiled kernels never do.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit(do_not_specialize=["M"])
 def _matmul_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K,
                    stride_ab, stride_am, stride_ak, stride_bb, stride_bk, stride_bn,
                    stride_cb, stride_cm, stride_cn, stride_biasm, stride_biasn, alpha, beta,
-                   HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     tile = tl.program_id(0)
     matrix = tl.program_id(1).to(tl.int64)
@@ -57,6 +62,8 @@ def _matmul_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K,
                     mask=(rows[:, None] < M) & (k[None, :] < K), other=0.0)
         b = tl.load(b_base + k[:, None] * stride_bk + cols[None, :] * stride_bn,
                     mask=(k[:, None] < K) & (cols[None, :] < N), other=0.0)
+        if WIDEN:
+            a, b = a.to(tl.float32), b.to(tl.float32)
         if IEEE:  # float32 operands as float32 (torch's default with TF32 off)
             acc = tl.dot(a, b, acc, input_precision="ieee")
         else:
@@ -96,7 +103,8 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, a
         a3, b3, out, out if bias is None else bias, rows, cols, depth,
         a3.stride(0), a3.stride(1), a3.stride(2), b3.stride(0), b3.stride(1), b3.stride(2),
         out.stride(0), out.stride(1), out.stride(2), bias_strides[0], bias_strides[1], float(alpha), float(beta),
-        HAS_BIAS=bias is not None, IEEE=a.dtype == torch.float32,
+        HAS_BIAS=bias is not None, IEEE=a.dtype == torch.float32 or INTERPRETED,
+        WIDEN=INTERPRETED and a.dtype != torch.float32,
         BLOCK_M=MATMUL_BLOCK_M, BLOCK_N=MATMUL_BLOCK_N, BLOCK_K=MATMUL_BLOCK_K,
     )
     return out if batched else out[0]
