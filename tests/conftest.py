@@ -7,6 +7,7 @@ are imported where a fixture needs them, so a file that needs neither (tests/tes
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -16,6 +17,10 @@ from keydiff import openmp
 from keydiff.tasks.base import GenerationSettings, Prompt, Sample, Task
 
 openmp.prepare("test")  # before torch is imported (none of the imports above does): OpenMP reads it then
+# The tests run on CPU tensors, so Triton kernels (keydiff.kernels: tests/test_batch_invariant.py) run in Triton's
+# interpreter. It must be on before anything imports triton (torch._dynamo does, where triton is installed): @jit
+# decides at import whether it builds an interpreted function.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def tiny_llama(attn_implementation: str = "sdpa", dtype=None, seed: int = 0, **overrides):

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import os
 
-# Before triton is imported (keydiff.kernels imports it on first use): @triton.jit then builds interpreted kernels,
-# which run on CPU tensors. Nothing else in the suite uses triton.
+# Before triton is imported (tests/conftest.py sets it too, before any test module imports torch): @triton.jit then
+# builds interpreted kernels, which run on CPU tensors.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
@@ -29,9 +29,14 @@ from keydiff.testing import tiny_model  # noqa: E402
 
 @pytest.fixture(scope="module")
 def kernels():
-    module = batch_invariant.kernels()
+    from triton.runtime.interpreter import InterpretedFunction
+
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("TRITON_INTERPRET is not 1 in this process: the kernels cannot run on CPU tensors")
+    module = batch_invariant.kernels()
+    if not isinstance(module._matmul_kernel, InterpretedFunction):
+        pytest.fail("triton was imported before TRITON_INTERPRET=1 was set: its kernels are compiled ones, which "
+                    "cannot run on CPU tensors (tests/conftest.py sets it first)")
     return module
 
 
