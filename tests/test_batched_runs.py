@@ -95,9 +95,9 @@ def test_out_of_memory_in_a_batch_retries_at_half_the_batch(tmp_path, tiny, monk
     real = batched.generate_batch
     sizes, raised = [], []
 
-    def flaky(model, requests, batch_size):
+    def flaky(model, requests, batch_size, **options):  # options: batch_invariant
         sizes.append(batch_size)
-        results = real(model, requests, batch_size)
+        results = real(model, requests, batch_size, **options)
         yield next(results)
         if batch_size > 1 and len(raised) < 1:
             raised.append(True)
@@ -122,11 +122,11 @@ def test_the_retry_after_out_of_memory_starts_with_no_block_of_the_failed_batch_
     real = batched.generate_batch
     alive, raised = [], []
 
-    def flaky(model, requests, batch_size):
+    def flaky(model, requests, batch_size, **options):  # options: batch_invariant
         if raised:  # the retry starts: which blocks does the failed batch still hold?
             gc.collect()
             alive.append([o.keys.shape[0] for o in gc.get_objects() if type(o) is RowBlock])
-        results = real(model, requests, batch_size)
+        results = real(model, requests, batch_size, **options)
         yield next(results)
         if batch_size > 1 and not raised:
             yield next(results)  # the second sample to finish is a pooled one
@@ -153,9 +153,9 @@ def test_out_of_memory_down_to_batch_one_records_the_sample_as_failed(tmp_path, 
     real = batched.generate_batch
     sizes = []
 
-    def always(model, requests, batch_size):
+    def always(model, requests, batch_size, **options):  # options: batch_invariant
         sizes.append(batch_size)
-        for key, out in real(model, requests, batch_size):
+        for key, out in real(model, requests, batch_size, **options):
             if key == "len64":
                 raise torch.cuda.OutOfMemoryError("CUDA out of memory")
             yield key, out
@@ -171,8 +171,8 @@ def test_a_stop_signal_in_a_batch_writes_finished_rows_and_the_resume_finishes_t
     _, expected = run_at(lengths_cfg(tmp_path, "b1"))
     real = batched.generate_batch
 
-    def interrupted(model, requests, batch_size):
-        results = real(model, requests, batch_size)
+    def interrupted(model, requests, batch_size, **options):  # options: batch_invariant
+        results = real(model, requests, batch_size, **options)
         yield next(results)
         yield next(results)
         os.kill(os.getpid(), signal.SIGTERM)  # arrives inside the next step (interruptible)
