@@ -20,6 +20,7 @@ from keydiff import build_policy, generate, prefill
 from keydiff.attention import keydiff_attention
 from keydiff.batching import static
 from keydiff.batching.static import Rows, StaticStep, eligible
+from tests.conftest import CORE_POLICIES, extended_unless
 
 BUDGET, BLOCK = 40, 16
 # Every policy the fixed step takes (Policy.capturable), and KeyDiff inside a recent window.
@@ -70,7 +71,7 @@ def test_generate_and_generate_batch_run_the_one_step(model, monkeypatch):
 
 
 @pytest.mark.parametrize("full_width", [False, True], ids=["span", "full-width"])
-@pytest.mark.parametrize("name", FIXED)
+@pytest.mark.parametrize("name", extended_unless(FIXED, lambda name: name in CORE_POLICIES or name == "keydiff-window"))
 def test_fixed_shapes_give_what_the_ordinary_step_gives(model, name, full_width, monkeypatch):
     """Prefill (blocks once the cache is full) and decoding of forks (one block), prompts prefilled apart (pooled
     as they join) and one sequence alone, greedy and sampled: identical tokens, logits, kept positions, peaks and
@@ -150,7 +151,7 @@ def test_junk_in_idle_rows_changes_no_active_row(model):
         assert all(torch.equal(a, b) for a, b in zip(got, results[0]))
 
 
-@pytest.mark.parametrize("name", FIXED)
+@pytest.mark.parametrize("name", extended_unless(FIXED, lambda name: name == "keydiff"))
 @pytest.mark.parametrize("q", [1, BLOCK])
 def test_the_step_compiles_as_one_graph_and_never_recompiles(model, name, q):
     """torch.compile(fullgraph=True) fails on any graph break (a .item(), a Python branch on a tensor's value: what a
@@ -207,6 +208,7 @@ def test_a_block_whose_going_rows_change_policy_gets_a_step_of_that_policy(model
         assert got[key].token_ids[0] == tokens and kept(batch[key].cache) == positions, key
 
 
+@pytest.mark.extended
 def test_fixed_step_benchmark_runs_on_tiny_sizes(tmp_path):
     """Runs, not timings: the ordinary and the fixed-shape step per width, the same tokens, written with provenance."""
     import json
