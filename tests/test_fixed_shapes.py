@@ -8,6 +8,8 @@ What must hold on any machine, GPU or not:
     their own kept entries are left as they were;
   * the step compiles as ONE graph with `fullgraph=True` and is never recompiled across steps: no graph break
     (so no host synchronisation: no .item(), no branch on a tensor's value) and no shape that changes.
+  * a sequence moved from its own stack into a block leaves nothing holding the buffers it left, and a profiled
+    cache (timing statistics and evictions apart) never takes the fixed step.
 """
 
 from __future__ import annotations
@@ -280,3 +282,37 @@ def test_a_device_with_no_default_runs_the_ordinary_step():
         model = tiny_llama()
     stepper = Stepper(model)
     assert stepper.fixed_shapes is False and stepper.full_width is False and "meta" not in FULL_WIDTH
+
+
+def test_a_sequence_that_moves_into_a_block_leaves_its_own_buffers_free(model):
+    """A sequence alone in its own stack runs fixed-shape steps over its own buffers; when a second sequence joins
+    and the pool moves both into one block, nothing may keep the buffers it left alive (the step built on them
+    must go), else a pooled sequence holds its memory twice for the rest of the batch."""
+    import gc
+    import weakref
+
+    generator = torch.Generator().manual_seed(11)
+    ids = [torch.randint(0, 256, (1, n), generator=generator) for n in (90, 75, 130)]
+    a, left = prefill(model, ids[0], "keydiff", BUDGET, BLOCK), []
+
+    def requests():
+        yield keydiff.Request(a, 8, key="a")
+        # h2o never pools and stops at its first token: `a` then decodes alone, in fixed shapes over its own stack
+        yield keydiff.Request(prefill(model, ids[1], "h2o", BUDGET, BLOCK), 1, key="h2o")
+        left.append(weakref.ref(a.cache.stack.keys))  # what `a` decoded in alone, before `c` joins
+        yield keydiff.Request(prefill(model, ids[2], "keydiff", BUDGET, BLOCK), 8, key="c")
+
+    for key, _ in keydiff.generate_batch(model, requests(), 2):
+        if key != "h2o":  # `a` and `c` share the pool's block by now
+            assert a.cache.stack.placement is not None
+            gc.collect()
+            assert left[0]() is None, key
+
+
+def test_a_profiled_run_times_every_eviction_in_the_ordinary_step(model, monkeypatch):
+    """profile=True times statistics and evictions apart (synchronised around each), which the fixed-shape step
+    does inside one call: a profiled cache never takes it, in prefill or decoding."""
+    calls = counting(monkeypatch)
+    state = prefill(model, prompts()[1], "keydiff", BUDGET, BLOCK, profile=True)
+    generate(model, state, 5)
+    assert calls == [] and state.cache.timings["eviction_s"] > 0
