@@ -35,7 +35,7 @@ test: $(STAMP)  ## the whole offline CPU test suite (what CI runs), then its 25 
 QUICK_TESTS = tests/test_engine.py tests/test_cache.py tests/test_batching.py tests/test_fixed_shapes.py \
 	tests/test_golden_batching.py tests/test_batched_runs.py tests/test_cluster.py tests/test_placement.py
 test-quick: $(STAMP)  ## after every change: engine, cache, batching, result files (tiny model, one process; ~2 min)
-	$(PY) -m pytest -q -m "not real_model and not slurm" $(QUICK_TESTS) $(ARGS)
+	$(PY) -m pytest -q -m "not real_model and not slurm and not extended" $(QUICK_TESTS) $(ARGS)
 
 bench: $(STAMP)  ## prefill benchmark: TTFT per policy and the share spent scoring/evicting
 	$(PY) -m keydiff.bench.prefill $(ARGS)

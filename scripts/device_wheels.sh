@@ -6,6 +6,10 @@
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
 #     && export PYTHONPATH=/tmp/site:$PWD && python3 -m keydiff.bench.gpu_bench --json $OUT/gpu_bench.json
 set -euo pipefail
+if [[ "${1:-}" == -h || "${1:-}" == --help ]]; then
+  echo "usage: bash scripts/device_wheels.sh   # builds .whl/ for the GPU machine; then python -m keydiff.bench.gpu_bench there"
+  exit 0
+fi
 cd "$(dirname "$0")/.."
 rm -rf .whl && mkdir -p .whl
 platforms=(--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)

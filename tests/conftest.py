@@ -64,6 +64,19 @@ def char_tokenizer(chat_template: str | None = None, special: tuple[str, ...] = 
 
 # A test is marked `real_model` (pyproject.toml) by its own decorator, or here, by using a fixture that needs the
 # real offline default model (weights or tokenizer), so that `-m "not real_model"` leaves it out as well.
+# make test-quick runs a policy-by-policy check on the paper's methods only; every other case of the same check
+# is marked `extended` (make test runs all of them). One list, so the quick set does not drift file by file.
+CORE_POLICIES = ("full", "keydiff", "h2o", "tova", "snapkv", "sink", "knorm")
+
+
+def extended_unless(cases, core, ids=None) -> list:
+    """`cases` as pytest params, those for which `core(case)` is false marked `extended` (left out of
+    make test-quick, run by make test). A tuple case is unpacked into the test's several arguments."""
+    ids = ids if ids is not None else [None] * len(cases)
+    return [pytest.param(*(case if isinstance(case, tuple) else (case,)), id=id_,
+                         marks=() if core(case) else (pytest.mark.extended,)) for case, id_ in zip(cases, ids)]
+
+
 REAL_MODEL_FIXTURES = ("builtin_tokenizer",)
 
 

@@ -10,6 +10,7 @@ import torch
 
 import keydiff
 from keydiff import available_policies, build_policy, generate, prefill
+from tests.conftest import CORE_POLICIES, extended_unless
 
 BUDGET, BLOCK = 40, 16
 # Every registered policy, plus the wrappers and cache layouts that change how a cache is built.
@@ -23,6 +24,7 @@ VARIANTS = [(name, {}) for name in available_policies()] + [
     ("keydiff", {"critical": True}),
 ]
 IDS = [name + "".join(f"-{k}={v}" for k, v in params.items()) for name, params in VARIANTS]
+CASES = extended_unless(VARIANTS, lambda case: case[0] in CORE_POLICIES and not case[1], IDS)  # test-quick: the core
 
 
 def prompts(lengths=(90, 23, 130, 61)) -> list[torch.Tensor]:
@@ -39,7 +41,7 @@ def same_kept(a, b) -> bool:
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-@pytest.mark.parametrize("name,params", VARIANTS, ids=IDS)
+@pytest.mark.parametrize("name,params", CASES)
 def test_fork_equals_separate_runs(model, name, params):
     ids = prompts()[0]
     state = prefill(model, ids, build_policy(name, **params), BUDGET, BLOCK)
@@ -93,7 +95,7 @@ def settings_of(key: int) -> dict:
             "seed": 100 + key, "eos_token_ids": (3, 17), "min_new_tokens": 2}
 
 
-@pytest.mark.parametrize("name,params", VARIANTS, ids=IDS)
+@pytest.mark.parametrize("name,params", CASES)
 def test_batch_of_four_equals_separate_runs(model, name, params):
     """Every policy at batch 1 and 4 keeps the positions and gives the tokens of separate runs, exactly. Exact here
     because these prompts hold no exactly tied scores: a batched matrix product may round a row's keys ~1e-7
@@ -179,6 +181,7 @@ def test_bad_batches_are_refused(model):
         list(keydiff.generate_batch(model, [], 0))
 
 
+@pytest.mark.extended
 def test_throughput_benchmark_runs_on_tiny_sizes(tmp_path):
     """Runs, not timings: the benchmark's two modes on the tiny random model write their JSON with provenance."""
     import json
@@ -200,7 +203,7 @@ def test_throughput_benchmark_runs_on_tiny_sizes(tmp_path):
 
 
 @pytest.mark.parametrize("attn, statistics", [("eager", "materialized"), ("sdpa", "materialized"), ("eager", "fast")])
-@pytest.mark.parametrize("name", ["h2o", "snapkv", "keydiff"])
+@pytest.mark.parametrize("name", extended_unless(["h2o", "snapkv", "keydiff"], lambda name: name == "h2o"))
 def test_statistics_modes_kernels_and_no_decode_eviction_batch_like_separate_runs(attn, statistics, name):
     """Rows that keep every generated token (evict=False) sit beside rows that evict, under each attention
     kernel and statistics mode: every row still decodes as it does alone."""
@@ -359,6 +362,7 @@ def test_a_group_scores_each_row_over_its_own_entries_only(model):
         assert torch.equal(positions, torch.cat([own[step] for own in alone]))
 
 
+@pytest.mark.extended
 def test_batch_steps_benchmark_runs_on_tiny_sizes(tmp_path):
     """Runs, not timings: grouped and per-row step times at each batch, written with provenance."""
     import json

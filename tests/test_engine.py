@@ -10,7 +10,7 @@ import torch
 
 import keydiff
 from keydiff import available_policies, build_policy, generate, prefill
-from tests.conftest import tiny_llama
+from tests.conftest import CORE_POLICIES, extended_unless, tiny_llama
 
 EVICTING = [name for name in available_policies() if name != "full"]
 
@@ -43,7 +43,7 @@ def test_budget_at_least_prompt_length_equals_full(model, prompt, name):
     assert all(p.shape[-1] == prompt.shape[1] for p in state.kept_positions)
 
 
-@pytest.mark.parametrize("name", EVICTING)
+@pytest.mark.parametrize("name", extended_unless(EVICTING, lambda name: name in CORE_POLICIES))
 @pytest.mark.parametrize("budget, block_size", [(64, 32), (50, 128), (100, 1)])
 def test_bound_n_plus_b_holds_at_every_step(model, prompt, name, budget, block_size):
     seen = []

@@ -8,6 +8,8 @@ What must hold on any machine, GPU or not:
     their own kept entries are left as they were;
   * the step compiles as ONE graph with `fullgraph=True` and is never recompiled across steps: no graph break
     (so no host synchronisation: no .item(), no branch on a tensor's value) and no shape that changes.
+  * a sequence moved from its own stack into a block leaves nothing holding the buffers it left, and a profiled
+    cache (timing statistics and evictions apart) never takes the fixed step.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from keydiff import build_policy, generate, prefill
 from keydiff.attention import keydiff_attention
 from keydiff.batching import static
 from keydiff.batching.static import Rows, StaticStep, eligible
+from tests.conftest import CORE_POLICIES, extended_unless
 
 BUDGET, BLOCK = 40, 16
 # Every policy the fixed step takes (Policy.capturable), and KeyDiff inside a recent window.
@@ -70,7 +73,7 @@ def test_generate_and_generate_batch_run_the_one_step(model, monkeypatch):
 
 
 @pytest.mark.parametrize("full_width", [False, True], ids=["span", "full-width"])
-@pytest.mark.parametrize("name", FIXED)
+@pytest.mark.parametrize("name", extended_unless(FIXED, lambda name: name in CORE_POLICIES or name == "keydiff-window"))
 def test_fixed_shapes_give_what_the_ordinary_step_gives(model, name, full_width, monkeypatch):
     """Prefill (blocks once the cache is full) and decoding of forks (one block), prompts prefilled apart (pooled
     as they join) and one sequence alone, greedy and sampled: identical tokens, logits, kept positions, peaks and
@@ -150,7 +153,7 @@ def test_junk_in_idle_rows_changes_no_active_row(model):
         assert all(torch.equal(a, b) for a, b in zip(got, results[0]))
 
 
-@pytest.mark.parametrize("name", FIXED)
+@pytest.mark.parametrize("name", extended_unless(FIXED, lambda name: name == "keydiff"))
 @pytest.mark.parametrize("q", [1, BLOCK])
 def test_the_step_compiles_as_one_graph_and_never_recompiles(model, name, q):
     """torch.compile(fullgraph=True) fails on any graph break (a .item(), a Python branch on a tensor's value: what a
@@ -207,6 +210,7 @@ def test_a_block_whose_going_rows_change_policy_gets_a_step_of_that_policy(model
         assert got[key].token_ids[0] == tokens and kept(batch[key].cache) == positions, key
 
 
+@pytest.mark.extended
 def test_fixed_step_benchmark_runs_on_tiny_sizes(tmp_path):
     """Runs, not timings: the ordinary and the fixed-shape step per width, the same tokens, written with provenance."""
     import json
@@ -278,3 +282,37 @@ def test_a_device_with_no_default_runs_the_ordinary_step():
         model = tiny_llama()
     stepper = Stepper(model)
     assert stepper.fixed_shapes is False and stepper.full_width is False and "meta" not in FULL_WIDTH
+
+
+def test_a_sequence_that_moves_into_a_block_leaves_its_own_buffers_free(model):
+    """A sequence alone in its own stack runs fixed-shape steps over its own buffers; when a second sequence joins
+    and the pool moves both into one block, nothing may keep the buffers it left alive (the step built on them
+    must go), else a pooled sequence holds its memory twice for the rest of the batch."""
+    import gc
+    import weakref
+
+    generator = torch.Generator().manual_seed(11)
+    ids = [torch.randint(0, 256, (1, n), generator=generator) for n in (90, 75, 130)]
+    a, left = prefill(model, ids[0], "keydiff", BUDGET, BLOCK), []
+
+    def requests():
+        yield keydiff.Request(a, 8, key="a")
+        # h2o never pools and stops at its first token: `a` then decodes alone, in fixed shapes over its own stack
+        yield keydiff.Request(prefill(model, ids[1], "h2o", BUDGET, BLOCK), 1, key="h2o")
+        left.append(weakref.ref(a.cache.stack.keys))  # what `a` decoded in alone, before `c` joins
+        yield keydiff.Request(prefill(model, ids[2], "keydiff", BUDGET, BLOCK), 8, key="c")
+
+    for key, _ in keydiff.generate_batch(model, requests(), 2):
+        if key != "h2o":  # `a` and `c` share the pool's block by now
+            assert a.cache.stack.placement is not None
+            gc.collect()
+            assert left[0]() is None, key
+
+
+def test_a_profiled_run_times_every_eviction_in_the_ordinary_step(model, monkeypatch):
+    """profile=True times statistics and evictions apart (synchronised around each), which the fixed-shape step
+    does inside one call: a profiled cache never takes it, in prefill or decoding."""
+    calls = counting(monkeypatch)
+    state = prefill(model, prompts()[1], "keydiff", BUDGET, BLOCK, profile=True)
+    generate(model, state, 5)
+    assert calls == [] and state.cache.timings["eviction_s"] > 0
