@@ -56,7 +56,7 @@ def test_a_users_mistake_is_one_error_line_and_exit_2(args, expected, tmp_path):
 
 @pytest.mark.parametrize("argv, expected", [
     (["polcy=tova"], "error: polcy is not a config group or key; valid groups: budget, experiment, logger, model, "
-                     "policy, protocol, task; valid keys: attention_statistics, batch_size, block_size,"),
+                     "policy, protocol, task; valid keys: attention_statistics, batch_invariant, batch_size, block_size,"),
     (["-m", "polcy=a,b"], "error: polcy is not a config group or key;"),  # a swept typo, before any grid point
     (["model.nme=x"], "error: model.nme is not a key of model; valid: attn_implementation, device, dtype,"),
     (["budget=r0.3"], "error: budget=r0.3 is not valid; valid: 1k, 2k, 3k, 4k, 6k, 8k, r0.1, r0.125, r0.25, r0.5, "
