@@ -75,9 +75,9 @@ def test_out_of_memory_with_forks_still_waiting_reruns_them_and_completes(tmp_pa
     real = batched.generate_batch
     sizes = []
 
-    def flaky(model, requests, batch_size):
+    def flaky(model, requests, batch_size, **options):  # options: batch_invariant
         sizes.append(batch_size)
-        results = real(model, requests, batch_size)
+        results = real(model, requests, batch_size, **options)
         yield next(results)
         if len(sizes) == 1:
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
