@@ -40,7 +40,7 @@ from typing import Callable, Sequence
 import torch
 
 from keydiff.attention import keydiff_attention
-from keydiff.batching import GenerationResult, Request, generate_batch
+from keydiff.batching import Decoder, GenerationResult, Request
 from keydiff.batching.blocks import place_forks
 from keydiff.batching.step import BlockStepper
 from keydiff.cache import EvictingCache
@@ -278,6 +278,7 @@ def generate(
     evict: bool = True,
     fixed_shapes: bool | None = None,
     batch_invariant: bool = False,
+    decoder: Decoder | None = None,
 ) -> GenerationResult:
     """Decode up to `max_new_tokens` tokens from a prefilled state, evicting after every token (B = 1).
 
@@ -292,7 +293,10 @@ def generate(
     CUDA graph on a GPU); None: the device's default, False: the ordinary step. The same tokens either way.
     batch_invariant: decode with kernels whose reduction order does not depend on the batch (keydiff.kernels.
     batch_invariant), which a run alone must use to give the tokens of a batch that uses them (a no-op on a CPU).
-    It runs the decoding step keydiff.generate_batch runs, with this one request.
+    It runs the decoding step keydiff.generate_batch runs, with this one request. decoder: decode through this
+    keydiff.Decoder (a run's: its arena and captured steps outlive the call, so a GPU captures its step once per
+    run, not once per sample); its own fixed_shapes and batch_invariant then apply. None: a Decoder of width 1
+    for this call.
     Returns a GenerationResult: `.token_ids` (per batch row, a list of the new ids), `.finish_reasons`,
     `.seconds`, `.max_cache_entries`.
     """
@@ -300,6 +304,6 @@ def generate(
         raise RuntimeError("this PrefillResult was already decoded (its cache moved on); run prefill again")
     request = Request(state, max_new_tokens, eos_token_ids, do_sample, temperature, top_p, min_new_tokens, seed,
                       evict, record_steps=record_steps)
-    (_, out), = generate_batch(model, [request], batch_size=1, fixed_shapes=fixed_shapes,
-                               batch_invariant=batch_invariant)
+    decoder = decoder or Decoder(model, 1, fixed_shapes=fixed_shapes, batch_invariant=batch_invariant)
+    (_, out), = decoder.generate([request])
     return GenerationResult(out.token_ids, out.finish_reasons, out.seconds, out.max_cache_entries, out.step_entries)

@@ -21,7 +21,7 @@ def api_blocks() -> list[str]:
 @pytest.mark.real_model
 def test_the_api_page_runs_as_written(capsys):
     blocks = api_blocks()
-    assert len(blocks) == 4 and "keydiff.load_model(" in blocks[0]
+    assert len(blocks) == 5 and "keydiff.load_model(" in blocks[0]
     namespace: dict = {}
     exec(compile(blocks[0], "docs/api.md: block 1", "exec"), namespace)
     first = capsys.readouterr().out
@@ -51,7 +51,13 @@ def test_the_api_page_runs_as_written(capsys):
         alone = keydiff.generate(model, fresh, max_new_tokens=8, do_sample=True, temperature=0.7, seed=seed)
         assert samples[seed].token_ids == alone.token_ids
 
-    exec(compile(blocks[3], "docs/api.md: block 4", "exec"), namespace)  # held_suffix
+    exec(compile(blocks[3], "docs/api.md: block 4", "exec"), namespace)  # a run's Decoder across calls
+    for n, answer in zip((300, 346), namespace["answers"]):
+        fresh = keydiff.prefill(model, namespace["input_ids"][:, :n], namespace["policy"], budget=128, block_size=64)
+        assert answer == keydiff.generate(model, fresh, max_new_tokens=8).token_ids[0]
+    assert namespace["decoder"].widths == [2]
+
+    exec(compile(blocks[4], "docs/api.md: block 5", "exec"), namespace)  # held_suffix
     held, state = namespace["held"], namespace["state"]
     length = namespace["context_ids"].shape[1] + held
     assert 5 < held < 30 and state.held_suffix == held

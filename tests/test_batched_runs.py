@@ -12,6 +12,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf, open_dict
 
+from keydiff.batching import scheduler
 from keydiff.run import batched, runner
 from keydiff.run.preemption import Preempted
 from keydiff.run.results import run_dir_of
@@ -90,51 +91,109 @@ def test_math500_samples_share_one_prefill_and_equal_separate_runs(tmp_path, tin
     assert len({row["prediction"] for row in rows_three.values()}) > 2  # the seeds really differ
 
 
-def test_out_of_memory_in_a_batch_retries_at_half_the_batch(tmp_path, tiny, monkeypatch):
+def spy_widths(monkeypatch) -> list[list[int]]:
+    """Per decoder made, the widths it built its step for, in order (the first, then one per back-off): the
+    warm-up's decoder ([1]), then the run's."""
+    widths, real = [], scheduler.Decoder._build
+
+    def build(self):
+        real(self)
+        if all(known is not self.widths for known in widths):
+            widths.append(self.widths)  # the decoder's own list: its later widths show up in it
+
+    monkeypatch.setattr(scheduler.Decoder, "_build", build)
+    return widths
+
+
+def oom() -> BaseException:
+    return torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+
+def test_out_of_memory_in_a_batch_step_retries_at_half_the_width(tmp_path, tiny, monkeypatch):
+    """The scheduler's back-off (keydiff.batching.scheduler): memory runs out in a step of four sequences; they
+    start again (a new prefill each) at width 2, and every row is the batch-1 row."""
     _, expected = run_at(lengths_cfg(tmp_path, "b1"))
-    real = batched.generate_batch
-    sizes, raised = [], []
+    widths, real, raised = spy_widths(monkeypatch), scheduler.decode_step, []
 
-    def flaky(model, requests, batch_size, **options):  # options: batch_invariant
-        sizes.append(batch_size)
-        results = real(model, requests, batch_size, **options)
-        yield next(results)
-        if batch_size > 1 and len(raised) < 1:
+    def flaky(stepper, active):
+        result = real(stepper, active)  # the step runs, then memory "runs out" mid-batch
+        if len(active) == 4 and not raised and all(sequence.steps >= 2 for sequence in active):
             raised.append(True)
-            next(results)  # the step runs, then memory "runs out" mid-batch
-            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-        yield from results
+            raise oom()
+        return result
 
-    monkeypatch.setattr(batched, "generate_batch", flaky)
+    monkeypatch.setattr(scheduler, "decode_step", flaky)
     summary, rows = run_at(lengths_cfg(tmp_path, "oom", "batch_size=4"))
-    assert sizes == [4, 2] and summary["complete"] and summary["num_failed"] == 0
+    assert raised and widths == [[1], [4, 2]] and summary["complete"] and summary["num_failed"] == 0
+    same_rows(expected, rows)
+    # The record says at which width each row decoded: the run's widths, and W on every row.
+    assert summary["invocations"][-1]["decode_widths"] == [4, 2]
+    assert {row["decode_width"] for row in rows.values()} == {2}  # the four in flight at width 4 all started again
+    assert all(row["decode_width"] == 1 for row in expected.values())
+
+
+def test_out_of_memory_in_a_prefill_retries_at_half_the_width(tmp_path, tiny, monkeypatch):
+    """A prefill that runs out of memory while others decode: the job is started again after the back-off."""
+    _, expected = run_at(lengths_cfg(tmp_path, "b1"))
+    widths, real, raised = spy_widths(monkeypatch), batched.prefill_sample, []
+
+    def flaky(ctx, prompt):
+        if len(prompt.input_ids) > 80 and not raised:  # len100: the second sample, while len30 decodes
+            raised.append(True)
+            raise oom()
+        return real(ctx, prompt)
+
+    monkeypatch.setattr(batched, "prefill_sample", flaky)
+    summary, rows = run_at(lengths_cfg(tmp_path, "oomp", "batch_size=4"))
+    assert raised and widths == [[1], [4, 2]] and summary["complete"] and summary["num_failed"] == 0
+    same_rows(expected, rows)
+
+
+def test_out_of_memory_with_forks_in_flight_prefills_them_again(tmp_path, tiny, monkeypatch):
+    """Math-500's responses share one prefill (forks); abandoned by a back-off, each starts with a prefill of its
+    own, and the rows are those of batch 1 (a fork and a prefill of the same prompt decode alike)."""
+    _, expected = run_at(math_cfg(tmp_path, "m1"))
+    widths, real, raised = spy_widths(monkeypatch), scheduler.decode_step, []
+
+    def flaky(stepper, active):
+        result = real(stepper, active)
+        if len(active) >= 3 and not raised:
+            raised.append(True)
+            raise oom()
+        return result
+
+    monkeypatch.setattr(scheduler, "decode_step", flaky)
+    summary, rows = run_at(math_cfg(tmp_path, "m3oom", "batch_size=4"))
+    assert raised and widths == [[1], [4, 2]] and summary["complete"] and summary["num_failed"] == 0
     same_rows(expected, rows)
 
 
 def test_the_retry_after_out_of_memory_starts_with_no_block_of_the_failed_batch_alive(tmp_path, tiny, monkeypatch):
-    """A pooled sample's cache is a view of its batch's whole block (blocks.JoinPool): the runner must hold no
-    finished sample's state when it retries at half the batch, or the old block stays allocated beside the new
-    one, which is the memory the retry is meant to free."""
+    """A pooled sample's cache is a view of its batch's whole block (blocks.JoinPool): when the back-off builds
+    the smaller width, nothing may hold the failed width's block (no state of an abandoned job, no step, no
+    traceback), or it stays allocated beside the new one, which is the memory the back-off is meant to free."""
     import gc
 
     from keydiff.batching.blocks import JoinPool, RowBlock
 
-    real = batched.generate_batch
-    alive, raised = [], []
+    real_build, real_step, alive, raised = scheduler.Decoder._build, scheduler.decode_step, [], []
 
-    def flaky(model, requests, batch_size, **options):  # options: batch_invariant
-        if raised:  # the retry starts: which blocks does the failed batch still hold?
+    def build(self):
+        if raised:  # the back-off builds the smaller width: which blocks does the failed one still hold?
             gc.collect()
             alive.append([o.keys.shape[0] for o in gc.get_objects() if type(o) is RowBlock])
-        results = real(model, requests, batch_size, **options)
-        yield next(results)
-        if batch_size > 1 and not raised:
-            yield next(results)  # the second sample to finish is a pooled one
-            raised.append(True)
-            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-        yield from results
+        real_build(self)
 
-    monkeypatch.setattr(batched, "generate_batch", flaky)
+    def flaky(stepper, active):
+        result = real_step(stepper, active)
+        pooled_now = [s for s in active if s.cache.stack is not None and s.cache.stack.placement is not None]
+        if len(pooled_now) >= 2 and not raised:
+            raised.append(True)
+            raise oom()
+        return result
+
+    monkeypatch.setattr(scheduler.Decoder, "_build", build)
+    monkeypatch.setattr(scheduler, "decode_step", flaky)
     pooled = []
     original_place = JoinPool.place
 
@@ -145,46 +204,65 @@ def test_the_retry_after_out_of_memory_starts_with_no_block_of_the_failed_batch_
 
     monkeypatch.setattr(JoinPool, "place", place)
     summary, _ = run_at(lengths_cfg(tmp_path, "oompin", "batch_size=4"))
-    assert summary["complete"] and any(pooled)  # the failed batch did pool its samples
+    assert summary["complete"] and any(pooled) and raised  # the failed batch did pool its samples
     assert alive == [[]], alive
 
 
-def test_out_of_memory_down_to_batch_one_records_the_sample_as_failed(tmp_path, tiny, monkeypatch):
-    real = batched.generate_batch
-    sizes = []
+def test_out_of_memory_down_to_width_one_records_the_sample_as_failed(tmp_path, tiny, monkeypatch):
+    _, expected = run_at(lengths_cfg(tmp_path, "b1"))
+    widths, real = spy_widths(monkeypatch), scheduler.decode_step
 
-    def always(model, requests, batch_size, **options):  # options: batch_invariant
-        sizes.append(batch_size)
-        for key, out in real(model, requests, batch_size, **options):
-            if key == "len64":
-                raise torch.cuda.OutOfMemoryError("CUDA out of memory")
-            yield key, out
+    def always(stepper, active):
+        if any(sequence.request.key == "len64" for sequence in active):
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+        return real(stepper, active)
 
-    monkeypatch.setattr(batched, "generate_batch", always)
+    monkeypatch.setattr(scheduler, "decode_step", always)
     summary, rows = run_at(lengths_cfg(tmp_path, "oom1", "batch_size=2"))
-    assert sizes[:2] == [2, 1] and rows["len64"]["status"] == "failed"
-    assert rows["len64"]["failure_reason"] == "out_of_memory"
+    assert widths == [[1], [2, 1]] and rows["len64"]["status"] == "failed"
+    assert rows["len64"]["failure_reason"] == "out_of_memory" and "CUDA out of memory" in rows["len64"]["error"]
     assert summary["num_failed"] == 1 and summary["num_samples"] == len(LENGTHS) - 1
+    same_rows({k: v for k, v in expected.items() if k != "len64"}, {k: v for k, v in rows.items() if k != "len64"})
+
+
+def test_out_of_memory_with_a_plain_request_in_flight_is_raised(monkeypatch):
+    """generate_batch over prefilled states (not jobs) cannot start them again: the error reaches the caller."""
+    import keydiff
+    from tests.conftest import tiny_llama
+
+    model = tiny_llama("sdpa")
+    states = [keydiff.prefill(model, torch.arange(1, 60)[None], keydiff.build_policy("keydiff"), 16, 8)
+              for _ in range(2)]
+
+    def failing(stepper, active):
+        raise oom()
+
+    monkeypatch.setattr(scheduler, "decode_step", failing)
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        list(keydiff.generate_batch(model, [keydiff.Request(s, 4, key=i) for i, s in enumerate(states)], 2))
 
 
 def test_a_stop_signal_in_a_batch_writes_finished_rows_and_the_resume_finishes_the_rest(tmp_path, tiny, monkeypatch):
     _, expected = run_at(lengths_cfg(tmp_path, "b1"))
-    real = batched.generate_batch
+    real = scheduler.Decoder.generate
 
-    def interrupted(model, requests, batch_size, **options):  # options: batch_invariant
-        results = real(model, requests, batch_size, **options)
+    def interrupted(self, requests):
+        results = real(self, requests)
+        if self.width == 1:  # the warm-up's decoder
+            yield from results
+            return
         yield next(results)
         yield next(results)
         os.kill(os.getpid(), signal.SIGTERM)  # arrives inside the next step (interruptible)
         yield from results
 
-    monkeypatch.setattr(batched, "generate_batch", interrupted)
+    monkeypatch.setattr(scheduler.Decoder, "generate", interrupted)
     cfg = lengths_cfg(tmp_path, "stop", "batch_size=4")
     with pytest.raises(Preempted):
         run_at(cfg)
     first = by_id(run_dir_of(cfg))
     assert len(first) == 2
-    monkeypatch.setattr(batched, "generate_batch", real)
+    monkeypatch.setattr(scheduler.Decoder, "generate", real)
     summary, rows = run_at(cfg)
     assert summary["complete"]
     same_rows(expected, rows)

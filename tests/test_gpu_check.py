@@ -41,7 +41,7 @@ def test_gpu_check_quick_on_cpu(tmp_path, capsys):
     skipped = [r for r in rows if r["result"] == "SKIP"]
     cuda_only = {r["check"] for r in skipped if "CUDA" in r["detail"]}
     assert {"flash_attention_2", "FA2 vs SDPA logits", "engine checks", "keydiff.bench.prefill",
-            "keydiff.bench.decode"} <= cuda_only
+            "keydiff.bench.decode", "one graph per run"} <= cuda_only
     # The other skips allowed: two GPUs (none here), and the plain-loop check while keydiff_attention takes no cache.
     assert [r["detail"] for r in skipped if r["check"] == "two GPUs"] == ["needs 2+ GPUs: 0 visible"]
     assert all("cache argument" in r["detail"] for r in skipped if "CUDA" not in r["detail"] and r["check"] != "two GPUs")

@@ -17,7 +17,7 @@ from typing import ClassVar
 import torch
 from omegaconf import OmegaConf, open_dict
 
-from keydiff.run import batched
+from keydiff.batching import scheduler
 from keydiff.run.results import PREDICTIONS
 from keydiff.tasks.base import Prompt, Sample
 from tests.conftest import LengthsTask
@@ -72,20 +72,26 @@ def test_out_of_memory_with_forks_still_waiting_reruns_them_and_completes(tmp_pa
     response is written, one fork is decoding and the third still waits for a slot. Both are run again at batch 1,
     and the run ends complete with batch 1's rows."""
     _, expected = run_at(math_cfg(tmp_path, "m1"))
-    real = batched.generate_batch
-    sizes = []
+    real, seen, raised, widths = scheduler.decode_step, set(), [], []
+    real_build = scheduler.Decoder._build
 
-    def flaky(model, requests, batch_size, **options):  # options: batch_invariant
-        sizes.append(batch_size)
-        results = real(model, requests, batch_size, **options)
-        yield next(results)
-        if len(sizes) == 1:
+    def build(self):
+        real_build(self)
+        if all(known is not self.widths for known in widths):
+            widths.append(self.widths)  # per decoder: the warm-up's, then the run's
+
+    def flaky(stepper, active):
+        keys = {sequence.request.key for sequence in active}
+        if seen and keys - seen and not raised:  # the third response joined: the first was written
+            raised.append(True)
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-        yield from results
+        seen.update(keys)
+        return real(stepper, active)
 
-    monkeypatch.setattr(batched, "generate_batch", flaky)
+    monkeypatch.setattr(scheduler, "decode_step", flaky)
+    monkeypatch.setattr(scheduler.Decoder, "_build", build)
     summary, rows = run_at(math_cfg(tmp_path, "moom", "batch_size=2"))
-    assert sizes == [2, 1]
+    assert raised and widths == [[1], [2, 1]]
     assert summary["complete"] and summary["num_failed"] == 0 and len(rows) == 6
     same_rows(expected, rows)
 

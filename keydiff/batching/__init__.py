@@ -3,7 +3,8 @@ the same thing with one request.
 
 Split the way serving engines split it:
     sequence.py   a request, the token rule (greedy / sampling, stop tokens, min_new_tokens), results
-    scheduler.py  continuous batching: requests in, up to `batch_size` sequences at once, results out
+    scheduler.py  continuous batching: requests in, up to W sequences at once, results out; a run's Decoder
+                  keeps its width, arena and captured steps across calls; out-of-memory back-off
     step.py       the decoding step every path runs (keydiff.generate and keydiff.generate_batch alike)
     rows.py       the cache a batched forward pass runs with: each sequence's rows to its own cache
     blocks.py     the block manager: where the stacks of sequences that decode as one group live
@@ -36,7 +37,8 @@ rows of each of its decoding passes, so per-token time can be read at the batch 
 """
 
 from keydiff.batching.rows import BatchCache
-from keydiff.batching.scheduler import generate_batch
-from keydiff.batching.sequence import GenerationResult, Request, SequenceResult, next_token
+from keydiff.batching.scheduler import Decoder, generate_batch
+from keydiff.batching.sequence import Failure, GenerationResult, Job, Request, SequenceResult, next_token
 
-__all__ = ["BatchCache", "GenerationResult", "Request", "SequenceResult", "generate_batch", "next_token"]
+__all__ = ["BatchCache", "Decoder", "Failure", "GenerationResult", "Job", "Request", "SequenceResult", "generate_batch",
+           "next_token"]

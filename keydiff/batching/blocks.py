@@ -157,10 +157,15 @@ class JoinPool:
     themselves within a 16-token generation on CPU and far sooner on a GPU, where a row's kernel launches dominate
     a step (docs/performance.md). Memory: the block holds all its slots from its first use, while each row's
     `kv_cache_bytes` counts its own slot, so a block with slots never filled holds more than its rows report.
+
+    start_alone: allocate the block for the first sequence that could use it, without waiting for a second. Where
+    the fixed-shape step is replayed as a CUDA graph over every slot of the block (keydiff.batching.step), this
+    makes the block the run's arena: every sequence, alone or not, decodes in it, so one graph serves them all
+    (keydiff.batching.scheduler.Decoder keeps the pool across calls).
     """
 
-    def __init__(self, slots: int):
-        self.slots = slots
+    def __init__(self, slots: int, start_alone: bool = False):
+        self.slots, self.start_alone = slots, start_alone
         self.block: RowBlock | None = None
         self.waiting: Storage | None = None  # the first sequence that could start a block, while it decodes
         self.stopped: set[int] = set()  # slots whose occupant has stopped: the next joining sequence may take one
@@ -171,11 +176,17 @@ class JoinPool:
         the block takes its shape from prompts of the usual N + B), no slot is free, or it is the first that
         could start the block (it waits for a second)."""
         stack = cache.stack
-        if not poolable(cache) or stack.placement is not None:
+        placement = None if stack is None else stack.placement
+        if placement is not None and self.block is not None and placement.block is self.block:
+            self.stopped.discard(placement.slot)  # decoding again in its slot (a follow-up turn): not free
+        if not poolable(cache) or placement is not None:
             return False
         if self.block is None:
             if cache.block_size is None or stack.capacity != stack.budget + cache.block_size:
                 return False  # slots are shaped after prompts of at least N + B tokens (the usual ones)
+            if self.start_alone:
+                self.block, self.waiting = RowBlock.like(stack, self.slots), None
+                return self.block.take(0, stack)
             waiting = self.waiting
             if (waiting is None or waiting.placement is not None or waiting.keys is None
                     or layout(waiting) != layout(stack)):
@@ -192,6 +203,13 @@ class JoinPool:
         self.stopped.discard(slot)
         self.block.vacate(slot)  # a stopped sequence's entries go to buffers of its own first
         return self.block.take(slot, stack)
+
+    def idle(self) -> None:
+        """No sequence decodes any more (a new call of a Decoder starts; one abandoned mid-way, e.g. by a stop
+        signal, left its sequences in their slots): every occupied slot may be given to the next sequence."""
+        if self.block is not None:
+            self.stopped.update(slot for slot, occupant in enumerate(self.block.occupants) if occupant is not None)
+        self.waiting = None
 
     def leave(self, cache: EvictingCache) -> None:
         """`cache`'s sequence stopped: its slot may be given to the next one (after copying its entries out)."""

@@ -1,77 +1,190 @@
-"""The scheduler: requests in, results out, up to `batch_size` sequences decoding at once, a free place refilled
-as soon as a sequence stops (continuous batching).
+"""The scheduler: requests in, results out, up to W sequences decoding at once, a free place refilled as soon as a
+sequence stops (continuous batching), and the back-off when memory runs out.
 
+    decoder = keydiff.Decoder(model, width=8)                # one per run: its width, arena and captured steps
     requests = (keydiff.Request(keydiff.prefill(model, ids, policy, budget=1024), max_new_tokens=64, key=i)
                 for i, ids in enumerate(prompts))            # lazy: a prompt is prefilled when a place frees
-    for key, out in keydiff.generate_batch(model, requests, batch_size=8):
+    for key, out in decoder.generate(requests):
         print(key, tokenizer.decode(out.token_ids[0]))       # in the order the sequences finish
 
-It pulls the next request whenever fewer than `batch_size` sequences run (a lazy iterable prefills each prompt
-only then, alone, so its TTFT is timed as at batch 1), runs the decoding step (keydiff.batching.step) until a
-sequence stops, yields each stopped sequence's result and refills. Prompts prefilled apart join the block
-manager's pool (keydiff.batching.blocks.JoinPool) so that those alike decode as one group, like forks.
-Out-of-memory back-off lives with the caller that knows how to redo its work (keydiff.run.batched).
+`keydiff.generate_batch(model, requests, batch_size)` is `Decoder(model, batch_size).generate(requests)`, and
+`keydiff.generate` is that with one request.
+
+Why a Decoder outlives its calls. A run decodes its samples through many calls (one per sample at batch 1). What
+the step builds is kept across them: the arena (the block of W slots the sequences decode in, keydiff.batching.
+blocks.JoinPool) and the fixed-shape step over it (keydiff.batching.static), which a GPU captures as a CUDA graph
+once and replays for every later sample. So the width W is fixed for the run (`width`; the runner records it
+with every invocation), and the step has one shape per run, not one per call.
+
+Out of memory. Items of `requests` may be `Job`s, requests not yet prefilled (`start()` prefills). When a prefill
+or a step runs out of memory, every sequence in flight is abandoned, memory is released and the width halves
+(the arena and steps of the old width are dropped); the abandoned jobs start again (a new prefill each) before
+any new one. At width 1 the job that ran out is given up: it comes back as a `Failure`, as a sample alone would.
+A plain Request cannot be started again: out of memory with one in flight is raised to the caller.
 """
 
 from __future__ import annotations
 
+import gc
+import logging
+from collections import deque
 from typing import Any, Iterable, Iterator
 
 import torch
 
 from keydiff.attention import keydiff_attention
 from keydiff.batching.blocks import JoinPool
-from keydiff.batching.sequence import Request, Sequence, SequenceResult
+from keydiff.batching.sequence import Failure, Job, Request, Sequence, SequenceResult
 from keydiff.batching.step import Stepper, decode_step
 
+LOG = logging.getLogger(__name__)
 
-@torch.inference_mode()
-def generate_batch(
-    model: torch.nn.Module, requests: Iterable[Request], batch_size: int, group_rows: bool = True,
-    pool_rows: bool = True, fixed_shapes: bool | None = None, batch_invariant: bool = False,
-) -> Iterator[tuple[Any, SequenceResult]]:
-    """Decode every request, up to `batch_size` sequences at once, refilling as soon as a sequence stops.
 
-    Yields (request.key, SequenceResult) in the order the sequences finish. Each sequence decodes exactly as it
-    would alone (keydiff.generate runs this with one request; see keydiff.batching). `requests` may be a lazy
-    iterable: the next one is drawn only when a place is free, so its prefill runs then, outside the steps. A
-    request's state may hold several rows (a multi-row prefill): they decode together, as one sequence.
-    group_rows=False computes every sequence on its own even where rows could run as one group (the reference
-    the grouped path is tested against, and what a benchmark compares it with). pool_rows: move each joining
-    sequence prefilled on its own into a slot of one shared block (keydiff.batching.blocks.JoinPool: a copy of
-    its entries in, and one out when a later sequence takes the slot), so that such sequences group like forks
-    (measured: the copy pays for itself within a 16-token generation on CPU, and on a GPU, where a row's kernel
-    launches dominate a step, at once; docs/performance.md). fixed_shapes: run the step in fixed shapes where every
-    going sequence is full and alike (keydiff.batching.static; None: the device's default, False: never).
-    Outputs are the same either way. batch_invariant: the decoding steps (not the prefills, which run alone) use
-    kernels whose reduction order does not depend on the number of rows (keydiff.kernels.batch_invariant), so on a
-    GPU a sequence gets the same tokens at any batch size; a no-op on a CPU, whose kernels already give them.
+def is_out_of_memory(error: BaseException) -> bool:
+    """CUDA OOM, a Python MemoryError, or a RuntimeError of an allocator that ran out (CPU, MPS, HIP)."""
+    if isinstance(error, (torch.cuda.OutOfMemoryError, MemoryError)):
+        return True
+    text = str(error).lower()
+    return isinstance(error, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text)
+
+
+def release_memory() -> None:
+    """Free what abandoned sequences held (caches, activations) before anything starts again."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+class Decoder:
+    """Decodes requests W at a time (see the module), keeping its arena and fixed-shape steps across calls.
+
+    width: W, the most sequences decoding at once (halved on out of memory: `width` is the current one).
+    group_rows=False computes every sequence on its own even where rows could run as one group (the reference the
+    grouped path is tested against, and what a benchmark compares it with). pool_rows: move each joining sequence
+    prefilled on its own into a slot of the arena (keydiff.batching.blocks.JoinPool: a copy of its entries in, and
+    one out when a later sequence takes the slot), so that such sequences group like forks (measured: the copy
+    pays for itself within a 16-token generation on CPU, and on a GPU, where a row's kernel launches dominate a
+    step, at once; docs/performance.md). Where the device replays the fixed-shape step as a CUDA graph, a sequence
+    alone goes to the arena too, so that every sample of a run replays the one graph. fixed_shapes: run the step
+    in fixed shapes where every going sequence is full and alike (keydiff.batching.static; None: the device's
+    default, False: never). Outputs are the same either way. batch_invariant: the decoding steps (not the
+    prefills, which run alone) use kernels whose reduction order does not depend on the number of rows
+    (keydiff.kernels.batch_invariant), so on a GPU a sequence gets the same tokens at any width; a no-op on a CPU,
+    whose kernels already give them.
     """
-    if isinstance(batch_size, bool) or int(batch_size) != batch_size or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
-    source = iter(requests)
-    stepper = Stepper(model, group_rows, fixed_shapes, batch_invariant)
-    pool = JoinPool(int(batch_size)) if group_rows and pool_rows and batch_size > 1 else None
-    active: list[Sequence] = []
-    exhausted = False
-    while True:
-        while not exhausted and len(active) < batch_size:
-            request = next(source, None)  # may run a prefill (its own keydiff_attention, timed by itself)
-            if request is None:
-                exhausted = True
-            else:
-                active.append(Sequence(request))
-                if pool is not None:
-                    pool.place(active[-1].cache)
-        if not active:
-            return
-        finished: list[Sequence] = []
-        # One switch of the attention function for all the steps until a sequence stops (a switch walks every
-        # module); outside it, the caller's code and the next prompts' prefills run with the model as it was.
-        with keydiff_attention(model, stepper.batch), stepper.invariant():
-            while active and not finished:
-                active, finished = decode_step(stepper, active)
-        for sequence in finished:
-            if pool is not None:
-                pool.leave(sequence.cache)
-            yield sequence.request.key, sequence.result()
+
+    def __init__(self, model: torch.nn.Module, width: int = 1, group_rows: bool = True, pool_rows: bool = True,
+                 fixed_shapes: bool | None = None, batch_invariant: bool = False):
+        if isinstance(width, bool) or int(width) != width or width < 1:
+            raise ValueError(f"batch_size must be a positive integer, got {width!r}")
+        self.model, self.width = model, int(width)
+        self.group_rows, self.pool_rows = group_rows, pool_rows
+        self.options = (fixed_shapes, batch_invariant)
+        self.widths: list[int] = []  # every width it has run at, in order (the first, then each halving)
+        self._build()
+
+    def _build(self) -> None:
+        """The stepper and the arena for the current width (again after a back-off: the old ones are dropped)."""
+        if not self.widths or self.widths[-1] != self.width:
+            self.widths.append(self.width)
+        self.stepper = Stepper(self.model, self.group_rows, *self.options)
+        alone = self.stepper.fixed_shapes and self.stepper.full_width  # a replayed graph: even one sequence pools
+        pooled = self.group_rows and self.pool_rows and (self.width > 1 or alone)
+        self.pool = JoinPool(self.width, start_alone=alone) if pooled else None
+
+    @torch.inference_mode()
+    def generate(self, requests: Iterable[Request | Job]) -> Iterator[tuple[Any, SequenceResult | Failure]]:
+        """Decode every request, up to `width` sequences at once, refilling as soon as a sequence stops.
+
+        Yields (key, SequenceResult) in the order the sequences finish, and (key, Failure) for a job given up at
+        width 1. Each sequence decodes exactly as it would alone. `requests` may be lazy: the next one is drawn
+        only when a place is free (a Job is started then), so its prefill runs outside the steps, alone. A
+        request's state may hold several rows (a multi-row prefill): they decode together, as one sequence."""
+        source = iter(requests)
+        if self.pool is not None:
+            self.pool.idle()  # one call at a time: whatever a former call left in the arena has stopped
+        again: deque = deque()  # jobs abandoned by a back-off: started again before any new one
+        active: list[Sequence] = []
+        exhausted = False
+        while True:
+            out_of_memory = None
+            try:
+                while len(active) < self.width and (again or not exhausted):
+                    item = again.popleft() if again else next(source, None)
+                    if item is None:
+                        exhausted = True
+                        continue
+                    sequence = self._start(item)
+                    active.append(sequence)
+                    if self.pool is not None:
+                        self.pool.place(sequence.cache)
+                if not active:
+                    return
+                finished: list[Sequence] = []
+                # One switch of the attention function for all the steps until a sequence stops (a switch walks
+                # every module); outside it, the caller's code and the next prompts' prefills run as they were.
+                with keydiff_attention(self.model, self.stepper.batch), self.stepper.invariant():
+                    while active and not finished:
+                        active, finished = decode_step(self.stepper, active)
+            except Exception as error:  # noqa: BLE001 - only out of memory is handled; the rest is raised
+                if not is_out_of_memory(error):
+                    raise
+                starting = getattr(error, "job", None)
+                jobs = [sequence.request.job for sequence in active] + ([starting] if starting is not None else [])
+                if any(job is None for job in jobs):
+                    raise  # a plain request in flight: it cannot be started again
+                out_of_memory = f"{type(error).__name__}: {error}"
+            if out_of_memory is not None:  # outside the except block: the traceback (and what it pins) is gone
+                active = finished = sequence = None
+                failures = self._back_off(jobs, out_of_memory)
+                given_up = {id(failure.job) for _, failure in failures}
+                again.extendleft(reversed([job for job in jobs if id(job) not in given_up]))
+                active, jobs = [], None
+                yield from failures
+                continue
+            for sequence in finished:
+                if self.pool is not None:
+                    self.pool.leave(sequence.cache)
+                yield sequence.request.key, sequence.result()
+
+    def _start(self, item: Request | Job) -> Sequence:
+        """A sequence for a request, or for a job once its prefill ran; an out-of-memory error of the prefill
+        carries the job (`error.job`) so that the back-off can start it again."""
+        if isinstance(item, Request):
+            return Sequence(item)
+        try:
+            request = item.start()
+        except Exception as error:  # noqa: BLE001 - tagged and raised on
+            error.job = item
+            raise
+        request.job = item
+        return Sequence(request)
+
+    def _back_off(self, jobs: list[Job], message: str) -> list[tuple[Any, Failure]]:
+        """After out of memory: drop everything of the failed width (the jobs' states, the arena, the steps),
+        release memory, halve the width; at width 1 the job in flight is given up (returned as a failure)."""
+        for job in jobs:
+            job.abandon()
+        self.stepper = self.pool = None
+        release_memory()
+        failures = []
+        if self.width == 1:
+            failures = [(job.key, Failure(job.key, "out_of_memory", message, job)) for job in jobs]
+            for job in jobs:
+                LOG.warning("%s ran out of memory at width 1: given up", job.key)
+        else:
+            LOG.warning("out of memory at width %d: %d sequences start again at width %d", self.width, len(jobs),
+                        self.width // 2)
+            self.width //= 2
+        self._build()
+        return failures
+
+
+def generate_batch(
+    model: torch.nn.Module, requests: Iterable[Request | Job], batch_size: int, group_rows: bool = True,
+    pool_rows: bool = True, fixed_shapes: bool | None = None, batch_invariant: bool = False,
+) -> Iterator[tuple[Any, SequenceResult | Failure]]:
+    """Decode every request, up to `batch_size` sequences at once, with a Decoder of its own (see `Decoder` for
+    the arguments; a run that decodes through many calls keeps one Decoder instead, so that its arena and
+    captured steps are built once)."""
+    yield from Decoder(model, batch_size, group_rows, pool_rows, fixed_shapes, batch_invariant).generate(requests)

@@ -42,6 +42,32 @@ class Request:
     evict: bool = True
     key: Any = None  # the caller's name for it, handed back with the result
     record_steps: bool = False  # record the largest layer size after each step's eviction (`step_entries`)
+    job: "Job | None" = None  # the job that made it (set by the scheduler), which can make it again
+
+
+class Job(Protocol):
+    """A request not yet prefilled: `start()` runs its prefill and returns the Request. The scheduler
+    (keydiff.batching.scheduler) starts a job when a place frees, and again after an out-of-memory back-off
+    abandoned it, so `start()` must be callable more than once (each call a new prefill)."""
+
+    key: Any
+
+    def start(self) -> Request: ...
+
+    def abandon(self) -> None:
+        """Called when a back-off abandons the started job: drop what `start` made (its state), so that its
+        memory is freed before anything starts again."""
+
+
+@dataclass(frozen=True)
+class Failure:
+    """What the scheduler yields for a job it gave up on: out of memory at width 1 (a caller records it as a
+    failed sample, as a sample run alone that ran out would be)."""
+
+    key: Any
+    reason: str  # "out_of_memory"
+    message: str  # the error, as "<type>: <text>"
+    job: Any = None
 
 
 @dataclass

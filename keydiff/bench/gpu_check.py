@@ -17,6 +17,8 @@ importable), on a tiny and a mid-size random Llama:
                    KeyDiff prompts of N + B or more join one block and decode as a group (pool_rows' default)
   fixed = ordinary the fixed-shape step (on CUDA a captured CUDA graph, replayed) keeps, scores and generates
                    exactly what the ordinary step does: prefill blocks, 4 forks together, one sequence alone
+  one graph per run (CUDA) three prompts decoded one call each through one keydiff.Decoder (a run at batch 1)
+                   capture one CUDA graph between them, with the ordinary step's tokens
   batch 16 = alone (CUDA, not --quick) Llama-3.2-3B's shape, 16 prompts of 1.5K-3K tokens, 32 tokens, KeyDiff
                    N = 512 and full: in fp32 with TF32 off every sequence identical (PASS/FAIL); in bf16 the
                    count is INFO (cuBLAS picks kernels by row count); in bf16 with batch_invariant=True (the
@@ -301,6 +303,27 @@ def check_fixed_equals_ordinary(model, prompt, sizes: Sizes, setting) -> Row:
     return Row("fixed = ordinary", setting, "PASS" if ok else "FAIL", detail)
 
 
+def check_one_graph_per_run(model, prompt, sizes: Sizes, setting) -> Row:
+    """A run's Decoder (keydiff.batching.scheduler) keeps its arena and fixed-shape step across its calls: three
+    prompts of different lengths, decoded one call each through one Decoder of width 1 (as a run at batch 1
+    decodes its samples), replay one CUDA graph between them and give the tokens of the ordinary step."""
+    if prompt.device.type != "cuda":
+        return Row("one graph per run", setting, "SKIP", "CUDA only: a CPU captures no graph")
+    decoder, graphs, same = keydiff.Decoder(model, 1), set(), 0
+    for i in range(3):
+        ids = prompt[:, : prompt.shape[1] - 5 * i]  # every one >= N + B: each fills its own N + B slots
+        want = generate(model, prefill(model, ids, "keydiff", sizes.budget, sizes.block), sizes.new_tokens,
+                        fixed_shapes=False).token_ids
+        got = generate(model, prefill(model, ids, "keydiff", sizes.budget, sizes.block), sizes.new_tokens,
+                       decoder=decoder).token_ids
+        same += got == want
+        graphs |= {id(step.graph) for _, step in decoder.stepper.steps.values() if step.graph is not None}
+    ok = same == 3 and len(graphs) == 1
+    return Row("one graph per run", setting, "PASS" if ok else "FAIL",
+               f"3 prompts, one call each: {len(graphs)} CUDA graph(s) captured, {same}/3 sequences identical to "
+               "the ordinary step")
+
+
 def check_batch_invariance(model_name: str, dtype: torch.dtype, device: str, batch: int, tokens: int,
                            lengths: tuple[int, int], budget: int, batch_invariant: bool = False) -> Row:
     """`batch` prompts of `lengths` tokens decoded together against each alone, greedy, KeyDiff (N = budget) and
@@ -354,7 +377,8 @@ def engine_checks(model_name: str, dtype: torch.dtype, attn: str, device: str, s
             guarded("plain loop = generate", setting, check_plain_loop, model, prompt, sizes, setting),
             guarded("stacked = per layer", setting, check_stacked_equals_layer_by_layer, model, prompt, sizes, setting),
             guarded("batch 4 = alone", setting, check_batch_equals_separate, model, prompt, sizes, setting),
-            guarded("fixed = ordinary", setting, check_fixed_equals_ordinary, model, prompt, sizes, setting)]
+            guarded("fixed = ordinary", setting, check_fixed_equals_ordinary, model, prompt, sizes, setting),
+            guarded("one graph per run", setting, check_one_graph_per_run, model, prompt, sizes, setting)]
     if dtype == torch.bfloat16 and attn != "eager":  # eager computes both modes from the same weights
         rows.append(guarded("fast ~ materialized", setting, check_statistics_agreement, model, prompt, sizes, setting))
     return rows

@@ -11,9 +11,10 @@ are prefilled once and forked (keydiff.engine.PrefillResult.fork), each decoding
 record `prefill_shared` (how many samples share that prefill; its TTFT is the one prefill's).
 
 What survives: a stop signal abandons the samples in flight (nothing of theirs is written; the rows already
-yielded are whole) and the resumed run redoes them. Out of memory in a batch step abandons the samples in
-flight and runs them again at half the batch (the rest of the run keeps the smaller batch), down to 1, where
-the one sample in flight is recorded as failed, as at batch 1.
+yielded are whole) and the resumed run redoes them. Out of memory is the scheduler's to handle
+(keydiff.batching.scheduler): each sample is handed to it as a job (`SampleJob`: prefill when started), so it
+abandons the samples in flight, halves the run's width (the rest of the run keeps the smaller one) and starts
+them again, down to width 1, where the one sample in flight comes back as a failure, recorded as at batch 1.
 """
 
 from __future__ import annotations
@@ -22,61 +23,92 @@ import logging
 from collections import deque
 from typing import Any, Iterator
 
-from keydiff.batching import Request, generate_batch
+from keydiff.batching import Failure, Request
 from keydiff.run.samples import (
-    RunContext, decode_settings, failed_row, is_out_of_memory, prefill_sample, release_memory, sample_row, sample_seed,
-    screen_sample,
+    RunContext, decode_settings, failed_row, prefill_sample, sample_row, sample_seed, screen_sample,
 )
 
 log = logging.getLogger(__name__)
 
 
+class SharedPrefill:
+    """The one prefill of consecutive samples with the same prompt, forked once per sample (`take`). A sample
+    taking its state a second time (started again after an out-of-memory back-off) gets a prefill of its own,
+    and the forks not yet taken are dropped (their memory is what the back-off must free), so every later
+    member prefills alone too: a fork and a prefill of the same prompt decode alike."""
+
+    def __init__(self, ctx: RunContext, prompt, members: list[str]):
+        self.ctx, self.prompt, self.members, self.size = ctx, prompt, members, len(members)
+        self.forks: dict[str, Any] | None = None  # member key -> its fork, until taken
+        self.broken = False
+        self.budget = None
+
+    def take(self, key: str):
+        """(state, budget) for member `key`."""
+        if self.forks is None and not self.broken:
+            state, self.budget = prefill_sample(self.ctx, self.prompt)
+            # Every member a fork (not the prefilled state and k - 1 forks), so that all k lie side by side in one
+            # block and decode as one group where the policy allows (keydiff.batching.blocks).
+            self.forks = dict(zip(self.members, state.fork(self.size) if self.size > 1 else [state]))
+        if not self.broken and key in self.forks:
+            return self.forks.pop(key), self.budget
+        self.broken, self.forks = True, {}
+        return prefill_sample(self.ctx, self.prompt)
+
+
+class SampleJob:
+    """One sample for the scheduler (keydiff.batching.Job): `start()` prefills it (or takes its fork of a shared
+    prefill) and returns its Request; what the row needs afterwards stays here."""
+
+    def __init__(self, ctx: RunContext, sample, prompt, shared: SharedPrefill):
+        self.ctx, self.sample, self.prompt, self.shared = ctx, sample, prompt, shared
+        self.key = sample.id
+        self.state = self.budget = self.seed = None
+
+    def start(self) -> Request:
+        self.state = None
+        self.state, self.budget = self.shared.take(self.key)
+        self.seed = sample_seed(self.prompt.generation, self.ctx.seed, self.sample)
+        return Request(self.state, key=self.key, **decode_settings(self.ctx, self.prompt.generation, self.seed))
+
+    def abandon(self) -> None:
+        """Abandoned by a back-off: drop the state (its cache may be a view of the arena the back-off frees)."""
+        self.state = None
+
+    def row(self, out) -> dict[str, Any]:
+        """The sample's row from its result (the state is dropped: a pooled cache is a view of the whole arena)."""
+        row = {**sample_row(self.ctx, self.sample, self.prompt, self.state, out, self.budget, self.seed),
+               **batch_record(out, self.shared.size)}
+        self.state = None
+        return row
+
+
 def batched_rows(ctx: RunContext, samples: list) -> Iterator[dict[str, Any]]:
-    """Every sample's row, in the order the samples finish, `ctx.batch_size` decoding at once. Each `next()` runs
-    interruptibly (a stop signal abandons the samples in flight); nothing runs while the caller writes a row."""
-    pending = deque(samples)
-    batch_size = ctx.batch_size
-    while pending:
-        ready: deque[dict[str, Any]] = deque()  # rows of samples refused before running (prompt cap, budget)
-        in_flight: dict[str, tuple] = {}  # sample id -> (sample, prompt, state, budget, seed, shared)
-        results = generate_batch(ctx.model, _requests(ctx, pending, ready, in_flight), batch_size,
-                                 batch_invariant=ctx.plan.batch_invariant)
-        out_of_memory = None
-        while True:
+    """Every sample's row, in the order the samples finish, up to `ctx.batch_size` decoding at once (the run's
+    decoder, `ctx.decoder`). Each `next()` runs interruptibly (a stop signal abandons the samples in flight);
+    nothing runs while the caller writes a row."""
+    ready: deque[dict[str, Any]] = deque()  # rows of samples refused before running (prompt cap, budget)
+    jobs: dict[str, SampleJob] = {}
+    results = ctx.decoder.generate(_jobs(ctx, deque(samples), ready, jobs))
+    while True:
+        with ctx.interruptible():
             try:
-                with ctx.interruptible():
-                    finished = next(results, None)
+                finished = next(results, None)
             except Exception as error:  # Preempted is a BaseException and passes through
-                if not is_out_of_memory(error):
-                    raise RuntimeError(f"a batch of samples ({', '.join(in_flight)}) failed with "
-                                       f"{type(error).__name__}: {error}") from error
-                out_of_memory = f"{type(error).__name__}: {error}"
-                break
-            while ready:
-                yield ready.popleft()
-            if finished is None:
-                break
-            key, out = finished
-            sample, prompt, state, budget, seed, shared = in_flight.pop(key)
-            row = {**sample_row(ctx, sample, prompt, state, out, budget, seed), **batch_record(out, shared)}
-            state = out = None  # a pooled cache is a view of the batch's whole block: hold none across a retry
-            yield row
-        if out_of_memory is None:
+                raise RuntimeError(f"a batch of samples ({', '.join(jobs)}) failed with "
+                                   f"{type(error).__name__}: {error}") from error
+        while ready:
+            yield ready.popleft()
+        if finished is None:
             return
-        results.close()
-        abandoned = [entry[0] for entry in in_flight.values()]
-        in_flight.clear()
-        release_memory()
-        if batch_size == 1:  # as at batch 1: the sample is recorded as failed and the run goes on
-            sample, prompt = abandoned[0], ctx.plan.build_prompt(abandoned[0], ctx.tokenizer)
-            log.warning("sample %s ran out of memory at batch 1: recorded as failed", sample.id)
-            yield failed_row(ctx, sample, prompt, "out_of_memory", out_of_memory)
-            abandoned = abandoned[1:]
+        key, out = finished
+        job = jobs.pop(key)
+        if isinstance(out, Failure):
+            log.warning("sample %s ran out of memory at batch 1: recorded as failed", key)
+            yield failed_row(ctx, job.sample, job.prompt, out.reason, out.message)
         else:
-            log.warning("out of memory at batch %d: %d samples run again at batch %d", batch_size, len(abandoned),
-                        batch_size // 2)
-            batch_size //= 2
-        pending.extendleft(reversed(abandoned))
+            yield job.row(out)
+        out = finished = None
 
 
 def batch_record(out, shared: int) -> dict[str, Any]:
@@ -88,32 +120,22 @@ def batch_record(out, shared: int) -> dict[str, Any]:
             "prefill_shared": shared}
 
 
-def _requests(ctx: RunContext, pending: deque, ready: deque, in_flight: dict) -> Iterator[Request]:
-    """The next sample's request whenever the scheduler has a free place; samples that must not run go to
-    `ready` as failed rows; consecutive samples with the same prompt share one prefill (forks)."""
-    forks: deque = deque()
-    while pending or forks:
-        if not forks:
-            sample = pending.popleft()
-            prompt, refused = screen_sample(ctx, sample)
-            if refused is not None:
-                ready.append(refused)
-                continue
-            group = [(sample, prompt)]
-            while pending and (other := _same_prompt(ctx, pending[0], prompt)) is not None:
-                group.append((pending.popleft(), other))
-            for member, member_prompt in group:  # in flight from now on: abandoned together if memory runs out
-                in_flight[member.id] = (member, member_prompt, None, None, None, len(group))
-            state, budget = prefill_sample(ctx, prompt)
-            # Every member a fork (not the prefilled state and k - 1 forks), so that all k lie side by side in one
-            # block and decode as one group where the policy allows (keydiff.batching.blocks).
-            states = state.fork(len(group)) if len(group) > 1 else [state]
-            forks.extend((member, member_prompt, forked, budget)
-                         for (member, member_prompt), forked in zip(group, states))
-        sample, prompt, state, budget = forks.popleft()
-        seed = sample_seed(prompt.generation, ctx.seed, sample)
-        in_flight[sample.id] = (sample, prompt, state, budget, seed, in_flight[sample.id][-1])
-        yield Request(state, key=sample.id, **decode_settings(ctx, prompt.generation, seed))
+def _jobs(ctx: RunContext, pending: deque, ready: deque, jobs: dict) -> Iterator[SampleJob]:
+    """The next sample's job whenever the scheduler has a free place; samples that must not run go to `ready` as
+    failed rows; consecutive samples with the same prompt share one prefill (forks)."""
+    while pending:
+        sample = pending.popleft()
+        prompt, refused = screen_sample(ctx, sample)
+        if refused is not None:
+            ready.append(refused)
+            continue
+        group = [(sample, prompt)]
+        while pending and (other := _same_prompt(ctx, pending[0], prompt)) is not None:
+            group.append((pending.popleft(), other))
+        shared = SharedPrefill(ctx, prompt, [member.id for member, _ in group])
+        for member, member_prompt in group:
+            jobs[member.id] = SampleJob(ctx, member, member_prompt, shared)
+            yield jobs[member.id]
 
 
 def _same_prompt(ctx: RunContext, sample, prompt):

@@ -176,6 +176,7 @@ def execute(cfg: DictConfig, plan: RunPlan, samples: list, run_dir: str | Path,
         invocation = invocations.start(record, int(cfg.get("batch_size", 1)), threads)  # its id goes on every row
         provenance = None
         loop_start = None
+        ctx = None
         try:
             if todo:
                 with signals.interruptible():
@@ -196,10 +197,12 @@ def execute(cfg: DictConfig, plan: RunPlan, samples: list, run_dir: str | Path,
                     signals.check()  # a signal during the write stops here, after the row is whole
         except Preempted as stop:
             log.warning("%s: stopping after %d rows; the next start resumes", stop, len(store.rows))
-            invocation.update(stopped_by=str(stop), samples_wall_s=seconds_since(loop_start))
+            invocation.update(stopped_by=str(stop), samples_wall_s=seconds_since(loop_start),
+                              decode_widths=None if ctx is None else list(ctx.decoder.widths))
             record_invocation(cfg, plan, samples, store, record, provenance, invocation)
             raise
-        invocation["samples_wall_s"] = seconds_since(loop_start)
+        invocation.update(samples_wall_s=seconds_since(loop_start),
+                          decode_widths=None if ctx is None else list(ctx.decoder.widths))
         summary = record_invocation(cfg, plan, samples, store, record, provenance, invocation)
         tracker.finish(summary)
     return summary

@@ -7,7 +7,6 @@ these, so a sample's row is the same whichever of them ran it.
 from __future__ import annotations
 
 import contextlib
-import gc
 import hashlib
 import logging
 from dataclasses import dataclass
@@ -15,6 +14,8 @@ from typing import Any
 
 import torch
 
+from keydiff.batching import Decoder
+from keydiff.batching.scheduler import is_out_of_memory, release_memory
 from keydiff.engine import generate, prefill
 from keydiff.run import memory
 from keydiff.run.plan import RunPlan
@@ -29,7 +30,11 @@ class RunContext:
     """What every sample of one invocation is run with, carried as one object (not a configuration and eight
     parameters): the plan, the loaded model and tokenizer, the model's stop ids, the code label every row
     records, the stop signals, the run seed (each sample's own is derived from it), the batch size (sequences
-    decoding together) and the prompt cap (max_prompt_tokens: longer prompts are recorded as failed)."""
+    decoding together) and the prompt cap (max_prompt_tokens: longer prompts are recorded as failed).
+
+    `decoder` is the run's keydiff.Decoder, made here when not given: width W = batch_size, the run's
+    batch_invariant. Every sample of the invocation decodes through it, so the arena and the fixed-shape step it
+    builds (a CUDA graph on a GPU) are built once per run and shape, not once per sample."""
 
     plan: RunPlan
     model: Any
@@ -40,6 +45,12 @@ class RunContext:
     seed: int = 0
     batch_size: int = 1
     prompt_cap: int | None = None
+    decoder: Decoder | None = None
+
+    def __post_init__(self):
+        if self.decoder is None:
+            object.__setattr__(self, "decoder", Decoder(self.model, self.batch_size,
+                                                        batch_invariant=self.plan.batch_invariant))
 
     def interruptible(self):
         """The block in which a stop signal abandons the sample(s) at once (nothing without `signals`)."""
@@ -72,21 +83,6 @@ def kv_bytes_per_layer_entry(model: torch.nn.Module) -> int:
     return 2 * config.num_key_value_heads * head_dim * itemsize
 
 
-def is_out_of_memory(error: BaseException) -> bool:
-    """CUDA OOM, a Python MemoryError, or a RuntimeError of an allocator that ran out (CPU, MPS, HIP)."""
-    if isinstance(error, (torch.cuda.OutOfMemoryError, MemoryError)):
-        return True
-    text = str(error).lower()
-    return isinstance(error, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text)
-
-
-def release_memory() -> None:
-    """Free what an abandoned sample held (its cache, activations) before the next one starts."""
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
 def run_sample(ctx: RunContext, sample, prompt: Prompt | None = None) -> dict[str, Any]:
     """Prefill and decode one sample alone; its result row."""
     prompt = prompt or ctx.plan.build_prompt(sample, ctx.tokenizer)
@@ -94,8 +90,7 @@ def run_sample(ctx: RunContext, sample, prompt: Prompt | None = None) -> dict[st
         torch.cuda.reset_peak_memory_stats(gpu)
     state, budget = prefill_sample(ctx, prompt)
     seed = sample_seed(prompt.generation, ctx.seed, sample)
-    out = generate(ctx.model, state, **decode_settings(ctx, prompt.generation, seed),
-                   batch_invariant=ctx.plan.batch_invariant)
+    out = generate(ctx.model, state, **decode_settings(ctx, prompt.generation, seed), decoder=ctx.decoder)
     return sample_row(ctx, sample, prompt, state, out, budget, seed)
 
 
@@ -175,6 +170,9 @@ def sample_row(ctx: RunContext, sample, prompt: Prompt, state, out, budget: int 
         "kv_cache_peak_bytes": state.cache.entries_peak_sum * kv_bytes_per_layer_entry(model),
         "peak_memory_bytes": peak_memory_bytes(device, cuda_devices(model)),
         "seed": seed if settings.do_sample else None,
+        # W, the width of the decoding step it ran in (keydiff.batching.scheduler.Decoder): batch_size, or less
+        # after an out-of-memory back-off. Tokens do not depend on it on a CPU, nor under batch_invariant on a GPU.
+        "decode_width": ctx.decoder.width,
         "code": ctx.code,  # commit (+ "-dirty") that produced this row: a resumed run may span commits
     }
 

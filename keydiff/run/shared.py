@@ -127,8 +127,7 @@ def answer(ctx: RunContext, samples: list, shared: SharedContext, wanted: set,
             state = hold(model, state, ids)
             question_s = state.seconds - start
         seed = sample_seed(prompt.generation, ctx.seed, sample)
-        out = generate(model, state, **decode_settings(ctx, prompt.generation, seed),
-                       batch_invariant=ctx.plan.batch_invariant)
+        out = generate(model, state, **decode_settings(ctx, prompt.generation, seed), decoder=ctx.decoder)
         tokens = out.token_ids[0]
         if mode == "multi_turn":
             conversation = asked.input_ids + tokens[:-1]  # generate feeds every token but the last

@@ -1,0 +1,99 @@
+"""A run's Decoder (keydiff.batching.scheduler): one width, one arena and one fixed-shape step per shape, kept
+across the calls of a run, so that a GPU captures its step once per run rather than once per sample.
+
+On a CPU the step runs eagerly and a sequence alone decodes in its own stack; where the device replays the
+step as a CUDA graph (step.FULL_WIDTH), every sequence, alone or not, decodes in the arena's slots. The tests
+set FULL_WIDTH for the CPU to check that arrangement here: the same tokens as without a decoder, and one step
+object (one capture on a GPU) for every sample of the run.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import keydiff
+from keydiff import Decoder, build_policy, generate, prefill
+from keydiff.batching import step
+from keydiff.batching.blocks import RowBlock
+from keydiff.batching.static import StaticStep
+from tests.conftest import tiny_llama
+
+BUDGET, BLOCK = 40, 16
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama("sdpa")
+
+
+def prompts(lengths=(90, 130, 75, 101, 88)) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(5)
+    return [torch.randint(0, 256, (1, n), generator=generator) for n in lengths]
+
+
+def built(monkeypatch) -> list[int]:
+    """The width of every StaticStep built (a GPU captures one graph per step object)."""
+    widths, original = [], StaticStep.__init__
+
+    def init(self, model, rows, *args, **kwargs):
+        widths.append(rows.width)
+        original(self, model, rows, *args, **kwargs)
+
+    monkeypatch.setattr(StaticStep, "__init__", init)
+    return widths
+
+
+@pytest.mark.parametrize("width", [1, 2])
+def test_a_run_decoder_builds_one_arena_and_one_step_for_all_its_calls(model, monkeypatch, width):
+    """Five samples, one call each (as a run at batch 1 makes them) or two at a time, through one Decoder with the
+    arena arrangement: the tokens of a decoder-less generate, one RowBlock and one StaticStep for all of them."""
+    expected = [generate(model, prefill(model, ids, "keydiff", BUDGET, BLOCK), 8, fixed_shapes=False).token_ids
+                for ids in prompts()]
+    monkeypatch.setitem(step.FULL_WIDTH, "cpu", True)
+    steps = built(monkeypatch)
+    blocks, original_like = [], RowBlock.like
+
+    def like(storage, slots):
+        blocks.append(slots)
+        return original_like(storage, slots)
+
+    monkeypatch.setattr(RowBlock, "like", staticmethod(like))
+    decoder = Decoder(model, width)
+    got = []
+    for start in range(0, 5, width):
+        states = [prefill(model, ids, "keydiff", BUDGET, BLOCK, fixed_shapes=False) for ids in prompts()[start:start + width]]
+        requests = [keydiff.Request(s, 8, key=start + i) for i, s in enumerate(states)]
+        out = dict(decoder.generate(requests))
+        got += [out[key].token_ids for key in sorted(out)]
+    assert got == expected
+    assert blocks == [width] and steps == [width]  # one arena of W slots, one step over it, for the whole run
+    assert decoder.widths == [width]
+
+
+def test_without_the_arena_arrangement_a_cpu_decoder_keeps_a_sequence_alone_in_its_own_stack(model, monkeypatch):
+    """The CPU default: no graph to replay, so a sequence alone is not copied into an arena (nothing gained)."""
+    monkeypatch.setitem(step.FULL_WIDTH, "cpu", False)
+    decoder = Decoder(model, 1)
+    assert decoder.pool is None
+    state = prefill(model, prompts()[0], "keydiff", BUDGET, BLOCK)
+    generate(model, state, 4, decoder=decoder)
+    assert state.cache.stack.placement is None
+
+
+def test_a_decoder_yields_each_sequence_its_tokens_alone_across_calls_with_other_policies(model, monkeypatch):
+    """Policies of other shapes and kinds through one arena-arranged decoder, one after another: a policy it cannot
+    pool (an attention statistic) and a budget of another shape decode on their own, with their own tokens."""
+    monkeypatch.setitem(step.FULL_WIDTH, "cpu", True)
+    decoder = Decoder(model, 2)
+    cases = [("keydiff", BUDGET), ("snapkv", BUDGET), ("keydiff", 24), ("knorm", BUDGET), ("keydiff", BUDGET)]
+    for (name, budget), ids in zip(cases, prompts()):
+        alone = generate(model, prefill(model, ids, build_policy(name), budget, BLOCK), 7, fixed_shapes=False)
+        state = prefill(model, ids, build_policy(name), budget, BLOCK)
+        assert generate(model, state, 7, decoder=decoder).token_ids == alone.token_ids, (name, budget)
+
+
+def test_the_width_must_be_a_positive_integer(model):
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="batch_size must be a positive integer"):
+            Decoder(model, bad)
