@@ -153,6 +153,7 @@ def prefill(
     tokenizer=None,
     held_suffix: int = 0,
     fixed_shapes: bool | None = None,
+    decoder: Decoder | None = None,
 ) -> PrefillResult:
     """Process `input_ids` [batch, L] (no padding) block by block, keeping at most `budget` entries per head.
 
@@ -166,6 +167,9 @@ def prefill(
     fixed_shapes: once the cache holds N entries, run each full block in fixed shapes (keydiff.batching.static:
     the block written into entries [N, N + B), attention over all N + B, eviction back to N, in one step that a
     GPU replays as a CUDA graph); None: the device's default, False: never. The same numbers either way.
+    decoder: a run's keydiff.Decoder, whose block step (and its slot, where the device replays graphs) serves
+    every prompt of the run, so a GPU captures the block step once per run rather than once per prompt; its own
+    fixed_shapes then applies. None: a block step for this prefill alone.
     """
     policy = build_policy(policy) if isinstance(policy, str) else policy
     check_budget(policy, budget)
@@ -193,17 +197,21 @@ def prefill(
         scratch_tokens=scratch, config=model.config, compressed_tokens=compressed,
         layer_placements=layer_placements(model, model.config.get_text_config().num_hidden_layers),
     )
-    fixed = BlockStepper(model, cache, step, fixed_shapes)  # full blocks in fixed shapes once the cache is full
+    # Full blocks in fixed shapes once the cache is full (a run's block step, or one for this prefill).
+    fixed = decoder.blocks if decoder is not None else BlockStepper(model, fixed_shapes)
     with keydiff_attention(model, cache):
         _sync(device)
         start_time = time.perf_counter()
-        for start, reconstruction in zip(range(0, compressed, step), reconstructions):
-            block_ids = context[:, start : start + step]
-            logits = fixed.run(block_ids, start) if reconstruction is None else None
-            if logits is None:
-                logits = _forward(model, cache, block_ids, reconstruction)
-            if on_block is not None:
-                on_block(cache)
+        try:
+            for start, reconstruction in zip(range(0, compressed, step), reconstructions):
+                block_ids = context[:, start : start + step]
+                logits = fixed.run(cache, block_ids, start, step) if reconstruction is None else None
+                if logits is None:
+                    logits = _forward(model, cache, block_ids, reconstruction)
+                if on_block is not None:
+                    on_block(cache)
+        finally:
+            fixed.finish(cache)  # the stack leaves the run's prefill slot (if it was in one) with its entries
         if held_suffix:
             logits = _forward(model, cache, input_ids[:, compressed:], drop=False)
         _sync(device)

@@ -32,13 +32,13 @@ def prompts(lengths=(90, 130, 75, 101, 88)) -> list[torch.Tensor]:
     return [torch.randint(0, 256, (1, n), generator=generator) for n in lengths]
 
 
-def built(monkeypatch) -> list[int]:
-    """The width of every StaticStep built (a GPU captures one graph per step object)."""
+def built(monkeypatch) -> list[tuple[int, int]]:
+    """(width, tokens per row) of every StaticStep built (a GPU captures one graph per step object)."""
     widths, original = [], StaticStep.__init__
 
     def init(self, model, rows, *args, **kwargs):
-        widths.append(rows.width)
         original(self, model, rows, *args, **kwargs)
+        widths.append((rows.width, self.q))
 
     monkeypatch.setattr(StaticStep, "__init__", init)
     return widths
@@ -62,13 +62,36 @@ def test_a_run_decoder_builds_one_arena_and_one_step_for_all_its_calls(model, mo
     decoder = Decoder(model, width)
     got = []
     for start in range(0, 5, width):
-        states = [prefill(model, ids, "keydiff", BUDGET, BLOCK, fixed_shapes=False) for ids in prompts()[start:start + width]]
+        states = [prefill(model, ids, "keydiff", BUDGET, BLOCK, fixed_shapes=False)
+                  for ids in prompts()[start:start + width]]
         requests = [keydiff.Request(s, 8, key=start + i) for i, s in enumerate(states)]
         out = dict(decoder.generate(requests))
         got += [out[key].token_ids for key in sorted(out)]
     assert got == expected
-    assert blocks == [width] and steps == [width]  # one arena of W slots, one step over it, for the whole run
+    assert blocks == [width] and steps == [(width, 1)]  # one arena of W slots, one step over it, for the whole run
     assert decoder.widths == [width]
+
+
+@pytest.mark.parametrize("arena", [False, True], ids=["own-stack", "slot"])
+def test_a_run_decoder_prefills_every_prompt_with_one_block_step(model, monkeypatch, arena):
+    """Prefills through a run's decoder (prefill(..., decoder=d)): the logits and kept positions of a prefill of
+    its own, one block step built for all the prompts where the slot is kept across them (what a GPU captures
+    once), and each result in buffers of its own afterwards (the slot is free for the next prompt)."""
+    monkeypatch.setitem(step.FULL_WIDTH, "cpu", arena)
+    references = [prefill(model, ids, "keydiff", BUDGET, BLOCK, fixed_shapes=False) for ids in prompts()]
+    tokens = [generate(model, prefill(model, ids, "keydiff", BUDGET, BLOCK), 6, fixed_shapes=False).token_ids
+              for ids in prompts()]
+    steps = built(monkeypatch)
+    decoder = Decoder(model, 1)
+    for ids, reference, expected in zip(prompts(), references, tokens):
+        state = prefill(model, ids, "keydiff", BUDGET, BLOCK, decoder=decoder)
+        assert torch.equal(state.logits, reference.logits)
+        assert all(torch.equal(a, b) for a, b in zip(state.kept_positions, reference.kept_positions))
+        assert state.cache.stack.placement is None  # left the slot with its entries
+        assert generate(model, state, 6, decoder=decoder).token_ids == expected
+    block_steps = [w for w, q in steps if q == BLOCK]
+    # Each prompt's own stack gets a block step of its own; the kept slot, one for all five.
+    assert len(block_steps) == (1 if arena else 5)
 
 
 def test_without_the_arena_arrangement_a_cpu_decoder_keeps_a_sequence_alone_in_its_own_stack(model, monkeypatch):

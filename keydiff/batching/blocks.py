@@ -222,6 +222,34 @@ class JoinPool:
                     self.stopped.add(slot)
 
 
+class PrefillSlot:
+    """The one slot a prefill's stack moves into once it holds N entries, kept across prompts by a run's decoder
+    (keydiff.batching.step.BlockStepper), so that the block step over it is built, and on a GPU captured as a CUDA
+    graph, once per run and shape rather than once per prompt. One copy of the N kept entries in when the stack
+    enters, one out when the prefill ends (`leave`): the prefill's result owns buffers of its own, as any
+    prefill's does. A stack shaped otherwise (another N, another capacity) gets a new slot of its shape."""
+
+    def __init__(self):
+        self.block: RowBlock | None = None
+
+    def enter(self, stack: Storage) -> bool:
+        """Move `stack` into the slot (it may be there already); False if it cannot live in one (nothing moves)."""
+        if self.block is not None and self.block.holds(stack, 0):
+            return True
+        if self.block is not None and self.block.layout != layout(stack):
+            self.block.vacate(0)
+            self.block = None
+        if self.block is None:
+            self.block = RowBlock.like(stack, 1)
+        self.block.vacate(0)  # a prefill that ended without leaving (an error) gets its entries back first
+        return self.block.take(0, stack)
+
+    def leave(self, stack: Storage) -> None:
+        """The prefill of `stack` ended: its entries go to buffers of its own (one copy) if it lives here."""
+        if self.block is not None and self.block.occupants[0] is stack:
+            self.block.vacate(0)
+
+
 @dataclass(frozen=True)
 class Group:
     """One-row sequences of a pass that run as one: consecutive slots of one block, from `first`; `members` are

@@ -35,7 +35,7 @@ import torch
 from keydiff.attention import keydiff_attention
 from keydiff.batching.blocks import JoinPool
 from keydiff.batching.sequence import Failure, Job, Request, Sequence, SequenceResult
-from keydiff.batching.step import Stepper, decode_step
+from keydiff.batching.step import BlockStepper, Stepper, decode_step
 
 LOG = logging.getLogger(__name__)
 
@@ -91,6 +91,9 @@ class Decoder:
         alone = self.stepper.fixed_shapes and self.stepper.full_width  # a replayed graph: even one sequence pools
         pooled = self.group_rows and self.pool_rows and (self.width > 1 or alone)
         self.pool = JoinPool(self.width, start_alone=alone) if pooled else None
+        # The prefills' block step (keydiff.engine.prefill(..., decoder=)): in a slot kept across prompts where
+        # graphs are replayed, so one graph serves every prompt of the run.
+        self.blocks = BlockStepper(self.model, self.options[0], arena=alone)
 
     @torch.inference_mode()
     def generate(self, requests: Iterable[Request | Job]) -> Iterator[tuple[Any, SequenceResult | Failure]]:
@@ -165,7 +168,7 @@ class Decoder:
         release memory, halve the width; at width 1 the job in flight is given up (returned as a failure)."""
         for job in jobs:
             job.abandon()
-        self.stepper = self.pool = None
+        self.stepper = self.pool = self.blocks = None
         release_memory()
         failures = []
         if self.width == 1:

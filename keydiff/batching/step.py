@@ -21,6 +21,7 @@ import weakref
 import torch
 
 from keydiff.attention import base_implementation
+from keydiff.batching.blocks import PrefillSlot
 from keydiff.batching.rows import BatchCache
 from keydiff.batching.sequence import Sequence
 from keydiff.batching.static import Rows, StaticStep, eligible
@@ -180,29 +181,48 @@ class BlockStepper:
     """A prefill's blocks in fixed shapes (keydiff.batching.static) once its cache holds N entries: B new tokens
     written into entries [N, N + B), attention over all N + B, eviction back to N, in one step that a GPU replays
     as a CUDA graph. keydiff.engine.prefill asks it for each block (`run`) and runs the ordinary pass where it
-    answers None (blocks while the cache fills, a last shorter block, policies it does not take)."""
+    answers None (blocks while the cache fills, a last shorter block, policies it does not take), then calls
+    `finish`.
 
-    def __init__(self, model: torch.nn.Module, cache, block: int, fixed_shapes: bool | None = None):
-        self.model, self.cache, self.block = model, cache, block
+    arena: run the blocks in a slot kept across prompts (keydiff.batching.blocks.PrefillSlot) rather than in the
+    prompt's own stack, so that one step (one CUDA graph) serves every prompt of that shape: what a run's
+    keydiff.batching.scheduler.Decoder does where the device replays graphs. Without it (one prefill alone), the
+    step is built on the prompt's own buffers."""
+
+    def __init__(self, model: torch.nn.Module, fixed_shapes: bool | None = None, arena: bool = False):
+        self.model = model
         device = next(model.parameters()).device
         self.enabled = fixed_shapes_default(device) if fixed_shapes is None else bool(fixed_shapes)
+        self.slot = PrefillSlot() if arena else None
         self.step: StaticStep | None = None
-        self.source: torch.Tensor | None = None  # the key buffer the step was built on
+        self.built: tuple | None = None  # what the step was built on: key buffer, q, policy, budget
 
-    def run(self, ids: torch.Tensor, start: int) -> torch.Tensor | None:
-        """Next-token logits [rows, vocab] after the block `ids` [rows, B] at positions start..start+B-1, run in fixed
-        shapes; None where it cannot run so (the caller runs the ordinary pass)."""
-        cache, q = self.cache, ids.shape[1]
-        if not self.enabled or q != self.block or not eligible([cache], q):
+    def run(self, cache, ids: torch.Tensor, start: int, block: int) -> torch.Tensor | None:
+        """Next-token logits [rows, vocab] after the block `ids` [rows, q] at positions start..start+q-1 of `cache`,
+        run in fixed shapes if it is a whole block (q = `block`, the prefill's B); None where it cannot run so
+        (the caller runs the ordinary pass: a last shorter block, a cache still filling, ...)."""
+        q = ids.shape[1]
+        if not self.enabled or q != block or not eligible([cache], q):
             return None
         stack = cache.stack
-        if self.step is None or self.source is not stack.keys:  # built on these buffers (a stack can move)
-            self.step = StaticStep(self.model, Rows.of_storage(stack), cache.policy, stack.budget, q)
-            self.source = stack.keys
+        if self.slot is not None and self.slot.enter(stack):
+            block = self.slot.block
+            source, make = block.keys, lambda: Rows.of_block(block, stack.layers)  # noqa: E731
+        else:
+            source, make = stack.keys, lambda: Rows.of_storage(stack)  # noqa: E731
+        built = (source, q, cache.policy, stack.budget)
+        # Built for these buffers (a stack can move), this block length, policy and N.
+        if self.step is None or self.built[0] is not source or self.built[1:] != built[1:]:
+            self.step, self.built = StaticStep(self.model, make(), cache.policy, stack.budget, q), built
         positions = torch.arange(start, start + q, device=ids.device).expand(ids.shape[0], q)
         logits = self.step.run(ids, positions, self.step.active)
         cache.note_fixed_step(q)
         return logits
+
+    def finish(self, cache) -> None:
+        """The prefill of `cache` ended (or failed): its stack leaves the arena's slot with its entries."""
+        if self.slot is not None and cache.stack is not None:
+            self.slot.leave(cache.stack)
 
 
 def decode_step(stepper: Stepper, active: list[Sequence]) -> tuple[list[Sequence], list[Sequence]]:

@@ -17,8 +17,9 @@ importable), on a tiny and a mid-size random Llama:
                    KeyDiff prompts of N + B or more join one block and decode as a group (pool_rows' default)
   fixed = ordinary the fixed-shape step (on CUDA a captured CUDA graph, replayed) keeps, scores and generates
                    exactly what the ordinary step does: prefill blocks, 4 forks together, one sequence alone
-  one graph per run (CUDA) three prompts decoded one call each through one keydiff.Decoder (a run at batch 1)
-                   capture one CUDA graph between them, with the ordinary step's tokens
+  one graph per run (CUDA) three prompts prefilled and decoded one call each through one keydiff.Decoder (a
+                   run at batch 1) capture one decode and one prefill-block CUDA graph between them, with the
+                   ordinary step's logits and tokens
   batch 16 = alone (CUDA, not --quick) Llama-3.2-3B's shape, 16 prompts of 1.5K-3K tokens, 32 tokens, KeyDiff
                    N = 512 and full: in fp32 with TF32 off every sequence identical (PASS/FAIL); in bf16 the
                    count is INFO (cuBLAS picks kernels by row count); in bf16 with batch_invariant=True (the
@@ -304,24 +305,27 @@ def check_fixed_equals_ordinary(model, prompt, sizes: Sizes, setting) -> Row:
 
 
 def check_one_graph_per_run(model, prompt, sizes: Sizes, setting) -> Row:
-    """A run's Decoder (keydiff.batching.scheduler) keeps its arena and fixed-shape step across its calls: three
-    prompts of different lengths, decoded one call each through one Decoder of width 1 (as a run at batch 1
-    decodes its samples), replay one CUDA graph between them and give the tokens of the ordinary step."""
+    """A run's Decoder (keydiff.batching.scheduler) keeps its arena, its prefill slot and their fixed-shape steps
+    across its calls: three prompts of different lengths, prefilled and decoded one call each through one Decoder
+    of width 1 (as a run at batch 1 does its samples), replay one decode graph and one block graph between them
+    and give the ordinary step's logits and tokens."""
     if prompt.device.type != "cuda":
         return Row("one graph per run", setting, "SKIP", "CUDA only: a CPU captures no graph")
-    decoder, graphs, same = keydiff.Decoder(model, 1), set(), 0
+    decoder, decode_graphs, block_graphs, same = keydiff.Decoder(model, 1), set(), set(), 0
     for i in range(3):
         ids = prompt[:, : prompt.shape[1] - 5 * i]  # every one >= N + B: each fills its own N + B slots
-        want = generate(model, prefill(model, ids, "keydiff", sizes.budget, sizes.block), sizes.new_tokens,
-                        fixed_shapes=False).token_ids
-        got = generate(model, prefill(model, ids, "keydiff", sizes.budget, sizes.block), sizes.new_tokens,
-                       decoder=decoder).token_ids
-        same += got == want
-        graphs |= {id(step.graph) for _, step in decoder.stepper.steps.values() if step.graph is not None}
-    ok = same == 3 and len(graphs) == 1
+        reference = prefill(model, ids, "keydiff", sizes.budget, sizes.block, fixed_shapes=False)
+        want = (reference.logits, generate(model, reference, sizes.new_tokens, fixed_shapes=False).token_ids)
+        state = prefill(model, ids, "keydiff", sizes.budget, sizes.block, decoder=decoder)
+        got = (state.logits, generate(model, state, sizes.new_tokens, decoder=decoder).token_ids)
+        same += torch.equal(got[0], want[0]) and got[1] == want[1]
+        decode_graphs |= {id(step.graph) for _, step in decoder.stepper.steps.values() if step.graph is not None}
+        if decoder.blocks.step is not None and decoder.blocks.step.graph is not None:
+            block_graphs.add(id(decoder.blocks.step.graph))
+    ok = same == 3 and len(decode_graphs) == 1 and len(block_graphs) == 1
     return Row("one graph per run", setting, "PASS" if ok else "FAIL",
-               f"3 prompts, one call each: {len(graphs)} CUDA graph(s) captured, {same}/3 sequences identical to "
-               "the ordinary step")
+               f"3 prompts, one call each: {len(decode_graphs)} decode and {len(block_graphs)} prefill-block CUDA "
+               f"graph(s) captured, {same}/3 identical to the ordinary step (prefill logits, tokens)")
 
 
 def check_batch_invariance(model_name: str, dtype: torch.dtype, device: str, batch: int, tokens: int,

@@ -90,7 +90,7 @@ def prefill_context(ctx: RunContext, shared: SharedContext) -> tuple[PrefillResu
     plan = ctx.plan
     budget = plan.sample_budget(len(shared.context_ids))
     state = prefill(ctx.model, torch.tensor([shared.context_ids], dtype=torch.long), plan.new_policy(), budget,
-                    plan.block_size, plan.statistics, tokenizer=ctx.tokenizer)
+                    plan.block_size, plan.statistics, tokenizer=ctx.tokenizer, decoder=ctx.decoder)
     return state, budget
 
 
