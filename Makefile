@@ -33,7 +33,7 @@ test: $(STAMP)  ## the whole offline CPU test suite (what CI runs), then its 25 
 # The inner loop (docs/testing.md): the engine, the cache, batching and the result files on the tiny model, in
 # this process (no test here loads the real model or starts a Python that imports torch). docs/testing.md names them.
 QUICK_TESTS = tests/test_engine.py tests/test_cache.py tests/test_batching.py tests/test_fixed_shapes.py \
-	tests/test_golden_batching.py tests/test_batched_runs.py tests/test_cluster.py tests/test_placement.py
+	tests/test_golden_batching.py tests/test_batched_runs.py tests/test_cluster.py tests/test_placement.py tests/test_decoder.py
 test-quick: $(STAMP)  ## after every change: engine, cache, batching, result files (tiny model, one process; ~2 min)
 	$(PY) -m pytest -q -m "not real_model and not slurm and not extended" $(QUICK_TESTS) $(ARGS)
 
