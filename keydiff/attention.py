@@ -47,6 +47,12 @@ logits -> softcap * tanh(logits / softcap)) and `s_aux` (gpt-oss's attention sin
 head in the softmax's denominator, attending to nothing). SDPA and FlashAttention implement neither softcap nor
 sinks, so a layer with either runs the eager computation on the fused path too (these models' own default).
 
+Steps that bind no cache. The fixed-shape step (keydiff.batching.static) runs compiled or as a CUDA graph, where no
+context variable can be read: its layers attend with the plain fused kernel, and for a policy that scores from
+attention it passes a `StatisticBuffer` as the model call's keyword argument `keydiff_statistic` (transformers
+hands a forward call's extra keyword arguments to the attention function), into which each layer writes the
+statistic `attend` would have recorded for it ("fast" statistics), in fixed shapes.
+
 Batch invariance: while keydiff.kernels.batch_invariant's mode is on (the decoding steps of a run with
 batch_invariant=true, on CUDA), `fused_attention` runs that module's fixed-order attention kernel, so a row's
 attention is computed in the same order at any batch size (SDPA's decode kernels may split the keys by batch size).
@@ -63,7 +69,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import torch
@@ -80,6 +86,7 @@ BASE_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
 REGISTERED = {"sdpa": "keydiff_sdpa", "eager": "keydiff_eager", "flash_attention_2": "keydiff_fa2"}
 STATISTIC_CHUNK_ELEMENTS = 1 << 26  # ~256 MB of float32 scores per chunk
 MIN_FLASH_ATTN = (2, 1)  # bottom-right causal alignment for q_len != kv_len
+STATISTIC_KWARG = "keydiff_statistic"  # the model call's keyword argument a fixed-shape step passes (StatisticBuffer)
 # The evicting cache the attention functions serve, bound by `keydiff_attention(model, cache)`.
 _BOUND_CACHE: ContextVar[Any] = ContextVar("keydiff_bound_cache", default=None)
 
@@ -413,6 +420,51 @@ def grouped_attention(
     return fused_attention(base, module, query, key, value, scaling, rules)
 
 
+@dataclass(frozen=True, eq=False)
+class StatisticBuffer:
+    """Where a step that binds no cache wants every layer's attention statistic: the fixed-shape step
+    (keydiff.batching.static), compiled or captured as a CUDA graph, can read no context variable and no value on
+    the host, so it hands this to the model call as the keyword argument `STATISTIC_KWARG` (transformers forwards a
+    forward call's extra keyword arguments to the attention function) and reads the buffer at its eviction.
+
+    buffer: float32 [planes, W, kv_heads, keys] (slot_major: [W, planes, ...]), preallocated, one plane per model
+    layer in `planes`' order. rows, reduction: what `attention_statistic` computes (the policy's attention_rows and
+    attention_reduction)."""
+
+    buffer: torch.Tensor
+    planes: tuple[int, ...]
+    slot_major: bool
+    rows: int | None
+    reduction: str
+    written: set[int] = field(default_factory=set)  # the layers that wrote, in eager calls (the step's first check)
+
+    def write(self, layer_idx: int, statistic: torch.Tensor) -> None:
+        """Copy one layer's statistic [W, kv_heads, keys] into its plane (views made here, from the one buffer)."""
+        plane = self.planes.index(layer_idx)
+        (self.buffer[:, plane] if self.slot_major else self.buffer[plane]).copy_(statistic)
+        if not torch.compiler.is_compiling():
+            self.written.add(layer_idx)
+
+
+def buffered_attention(
+    base: str, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
+    target: StatisticBuffer, kwargs: dict[str, Any],
+) -> torch.Tensor:
+    """What `attend` computes for rows whose cache needs `target`'s statistic ("fast" statistics: the output from
+    the fused kernel, or from the eager one for an eager model, the statistic beside it), the statistic written
+    into `target` instead of recorded through a cache. Every layer of such a step needs it: each is evicting, full,
+    and no sliding window (keydiff.batching.static.eligible)."""
+    rules = rules_for(kwargs, query, key)
+    if base == "eager":
+        output, weights = eager_attention(module, query, key, value, scaling, rules)
+        statistic = statistic_from_weights(weights, key.shape[1], target.rows, target.reduction)
+    else:
+        output = fused_attention(base, module, query, key, value, scaling, rules)
+        statistic = attention_statistic(query, key, scaling, target.rows, target.reduction, rules=rules)
+    target.write(module.layer_idx, statistic)
+    return output
+
+
 @contextmanager
 def bound_to(cache: Any) -> Iterator[None]:
     """Bind `cache` for the attention functions for the duration, without switching the model's implementation
@@ -446,6 +498,9 @@ def make_attention_function(base: str):
         **kwargs: Any,
     ) -> tuple[torch.Tensor, None]:
         scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+        target = kwargs.get(STATISTIC_KWARG)
+        if target is not None:  # a fixed-shape step of a policy that scores from attention (StatisticBuffer)
+            return buffered_attention(base, module, query, key, value, scaling, target, kwargs), None
         # A compiled forward (the fixed-shape step, keydiff.batching.static) binds nothing and runs the plain fused
         # kernel; dynamo cannot read a context variable. A compiled loop over a cache whose policy needs attention
         # statistics would find none recorded and say so at its eviction (Storage.evict).

@@ -25,12 +25,19 @@ from keydiff.batching.static import Rows, StaticStep, eligible
 from tests.conftest import CORE_POLICIES, extended_unless
 
 BUDGET, BLOCK = 40, 16
-# Every policy the fixed step takes (Policy.capturable), and KeyDiff inside a recent window.
-FIXED = ["keydiff", "keydiff_pairwise", "knorm", "sink", "recent", "keydiff-window"]
+# Every policy the fixed step takes (Policy.capturable), and KeyDiff and H2O inside a recent window.
+FIXED = ["keydiff", "keydiff_pairwise", "knorm", "sink", "recent", "keydiff-window", "h2o", "tova", "snapkv",
+         "h2o-window"]
+# Those that score from an attention statistic: never placed in a block, so in fixed shapes only as one sequence alone.
+STATISTIC = ("h2o", "tova", "snapkv", "h2o-window")
 
 
 def policy(name: str):
-    return build_policy("keydiff", window_fraction=0.25) if name == "keydiff-window" else build_policy(name)
+    if name == "keydiff-window":
+        return build_policy("keydiff", window_fraction=0.25)
+    if name == "h2o-window":
+        return build_policy("h2o", recent_fraction=0.5)
+    return build_policy(name)
 
 
 def prompts(lengths=(90, 130, 61, 75)) -> list[torch.Tensor]:
@@ -40,6 +47,24 @@ def prompts(lengths=(90, 130, 61, 75)) -> list[torch.Tensor]:
 
 def kept(cache) -> list[list]:
     return [positions.tolist() for positions in cache.kept_positions()]
+
+
+def kept_state(cache) -> dict[str, torch.Tensor]:
+    """The policy state of the kept entries (H2O's accumulated attention, KeyDiff's inverse norms), in position
+    order: what the next evictions score, so equal kept positions alone would not show a statistic gone wrong."""
+    stack = cache.stack
+    n = stack.num_entries
+    order = stack.positions[..., :n].argsort(dim=-1)
+    return {name: state[..., :n].gather(-1, order).clone() for name, state in stack.state.items()}
+
+
+def same_states(a: dict, b: dict, exact: bool = True) -> bool:
+    """Equal `kept_state`s (bit for bit, or else to float32 rounding), for every key of two {key: kept_state}."""
+    if a.keys() != b.keys() or any(a[key].keys() != b[key].keys() for key in a):
+        return False
+    if exact:
+        return all(torch.equal(a[key][name], b[key][name]) for key in a for name in a[key])
+    return all(torch.allclose(a[key][name], b[key][name], rtol=1e-6, atol=0) for key in a for name in a[key])
 
 
 def counting(monkeypatch) -> list[tuple[int, int]]:
@@ -78,7 +103,9 @@ def test_fixed_shapes_give_what_the_ordinary_step_gives(model, name, full_width,
     """Prefill (blocks once the cache is full) and decoding of forks (one block), prompts prefilled apart (pooled
     as they join) and one sequence alone, greedy and sampled: identical tokens, logits, kept positions, peaks and
     bytes with fixed shapes on and off, and the fixed step did run. full-width: every slot of the block runs at
-    every step, idle ones included (what a GPU replays as one CUDA graph), here on the CPU's eager step."""
+    every step, idle ones included (what a GPU replays as one CUDA graph), here on the CPU's eager step. A policy
+    that scores from attention is never placed in a block: its sequences run in fixed shapes only when one goes alone
+    (the batch's last, and the sequence alone), with the statistic computed inside the step."""
     from keydiff.batching import step
 
     monkeypatch.setitem(step.FULL_WIDTH, "cpu", full_width)
@@ -87,9 +114,10 @@ def test_fixed_shapes_give_what_the_ordinary_step_gives(model, name, full_width,
     on, off = (prefill(model, ids, policy(name), BUDGET, BLOCK, fixed_shapes=f) for f in (True, False))
     assert calls and all(q == BLOCK for _, q in calls)  # the prefill's full blocks ran in fixed shapes
     assert torch.equal(on.logits, off.logits) and kept(on.cache) == kept(off.cache)
+    assert same_states({0: kept_state(on.cache)}, {0: kept_state(off.cache)})
     assert on.max_cache_entries == off.max_cache_entries
 
-    def decode(fixed: bool) -> dict:
+    def decode(fixed: bool) -> tuple[dict, dict]:
         forks = prefill(model, ids, policy(name), BUDGET, BLOCK).fork(3)
         apart = [prefill(model, p, policy(name), BUDGET, BLOCK) for p in prompts()[2:]]
         states = forks + apart
@@ -101,59 +129,115 @@ def test_fixed_shapes_give_what_the_ordinary_step_gives(model, name, full_width,
         single = keydiff.generate_batch(model, [keydiff.Request(alone, 9, key="alone")], 1, fixed_shapes=fixed)
         out.update(dict(single))
         caches = {**{i: s.cache for i, s in enumerate(states)}, "alone": alone.cache}
-        return {key: (r.token_ids, r.finish_reasons, r.batch_sizes, r.max_cache_entries, r.kv_cache_bytes,
-                      kept(caches[key]), caches[key].get_seq_length()) for key, r in out.items()}
+        return ({key: (r.token_ids, r.finish_reasons, r.batch_sizes, r.max_cache_entries, r.kv_cache_bytes,
+                       kept(caches[key]), caches[key].get_seq_length()) for key, r in out.items()},
+                {key: kept_state(cache) for key, cache in caches.items()})
 
     calls.clear()
-    with_fixed = decode(True)
+    with_fixed, fixed_states = decode(True)
     widths = {width for width, q in calls if q == 1}
-    assert widths == ({1, 3} if full_width else {1, 2, 3})  # a block of three slots; one sequence alone
-    assert with_fixed == decode(False)
+    if name in STATISTIC:
+        assert widths == {1}  # one sequence alone, over its own stack
+    else:
+        assert widths == ({1, 3} if full_width else {1, 2, 3})  # a block of three slots; one sequence alone
+    ordinary, ordinary_states = decode(False)
+    assert with_fixed == ordinary
+    # At full width a new entry's state (KeyDiff's inverse key norm) is computed over all W rows of the block, idle
+    # ones included, where the ordinary step computes it over its group's rows: the CPU's norm may round the last
+    # bit otherwise (seen: 1 ulp; the choices and tokens above are still the same). Everywhere else, bit for bit.
+    assert same_states(fixed_states, ordinary_states, exact=not (full_width and name not in STATISTIC))
 
 
-def test_rows_still_filling_and_statistic_policies_run_the_ordinary_step(model, monkeypatch):
+@pytest.mark.parametrize("name", extended_unless(["h2o", "snapkv"], lambda name: name == "h2o"))
+def test_an_eager_model_takes_the_statistic_from_its_weights_in_fixed_shapes_too(name, monkeypatch):
+    """With attn_implementation=eager the ordinary step reads the statistic from the materialised weights; the fixed
+    step does the same: prefill blocks and decoding alone give the same logits, kept entries, state and tokens."""
+    from tests.conftest import tiny_llama
+
+    calls = counting(monkeypatch)
+    model = tiny_llama("eager")
+    on, off = (prefill(model, prompts()[1], name, BUDGET, BLOCK, fixed_shapes=f) for f in (True, False))
+    tokens = [generate(model, state, 8, fixed_shapes=state is on).token_ids for state in (on, off)]
+    assert {q for _, q in calls} == {1, BLOCK} and tokens[0] == tokens[1]
+    assert torch.equal(on.logits, off.logits) and kept(on.cache) == kept(off.cache)
+    assert same_states({0: kept_state(on.cache)}, {0: kept_state(off.cache)})
+
+
+def test_rows_still_filling_materialized_statistics_and_lagkv_run_the_ordinary_step(model, monkeypatch):
     calls = counting(monkeypatch)
     short = prefill(model, prompts((23,))[0], "keydiff", BUDGET, BLOCK)  # holds 23 < N: filling
     assert not eligible([short.cache])
     generate(model, short, 30)  # 29 passes; the cache holds N after the 17th, so the last 12 run in fixed shapes
     assert calls == [(1, 1)] * 12
-    for name in ("snapkv", "lagkv"):  # an attention statistic per row; partitions counted on the host
+    # materialised attention weights (the eager path, the paper's latency setting); partitions counted on the host
+    for name, statistics in (("snapkv", "materialized"), ("h2o", "materialized"), ("lagkv", "fast")):
         calls.clear()
-        state = prefill(model, prompts()[0], name, BUDGET, BLOCK)
-        assert not eligible([state.cache])
+        state = prefill(model, prompts()[0], name, BUDGET, BLOCK, attention_statistics=statistics)
+        assert not eligible([state.cache]) and calls == [], name
         generate(model, state, 5)
         assert calls == [], name
+    state = prefill(model, prompts()[0], "snapkv", BUDGET, BLOCK)  # the same policy with "fast" statistics
+    assert eligible([state.cache])
+
+
+def test_a_statistic_policy_runs_in_fixed_shapes_only_where_every_layer_writes_its_statistic(model, monkeypatch):
+    """The statistic is written by keydiff's attention function: a step run with another attention implementation,
+    or on a model whose forward does not hand keyword arguments on to its attention function (here: layer 1's
+    write lost), would evict on a stale buffer, so it is refused instead, before anything is evicted."""
+    from keydiff.attention import StatisticBuffer
+
+    state = prefill(model, prompts()[1], "tova", BUDGET, BLOCK)
+    before = kept(state.cache)
+    step = StaticStep(model, Rows.of_storage(state.cache.stack), state.cache.policy, BUDGET)
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="keydiff_attention"):
+        step.run(torch.tensor([[5]]), torch.tensor([[130]]), torch.tensor([True]))
+    write = StatisticBuffer.write
+    monkeypatch.setattr(StatisticBuffer, "write", lambda self, layer, s: None if layer == 1 else write(self, layer, s))
+    step = StaticStep(model, Rows.of_storage(state.cache.stack), state.cache.policy, BUDGET)
+    with torch.inference_mode(), keydiff_attention(model, None), pytest.raises(RuntimeError, match=r"layers \[1\]"):
+        step.run(torch.tensor([[5]]), torch.tensor([[130]]), torch.tensor([True]))
+    assert kept(state.cache) == before
 
 
 def block_of(model, name: str, width: int):
-    """`width` forks of one prefill in one block, and their caches."""
+    """`width` forks of one prefill in one block, and their caches. The forks of a policy that scores from attention
+    are never placed (keydiff.batching.blocks.poolable): here they are moved into a block by hand, to check the
+    step itself on W rows, idle ones included."""
+    from keydiff.batching.blocks import RowBlock
+
     forks = prefill(model, prompts()[1], policy(name), BUDGET, BLOCK).fork(width)
-    return forks[0].cache.stack.placement.block, [f.cache for f in forks]
+    caches = [f.cache for f in forks]
+    if caches[0].stack.placement is None:
+        block = RowBlock.like(caches[0].stack, width)
+        assert all(block.take(slot, cache.stack) for slot, cache in enumerate(caches))
+    return caches[0].stack.placement.block, caches
 
 
-def test_junk_in_idle_rows_changes_no_active_row(model):
+@pytest.mark.parametrize("name", ["keydiff", "h2o"])
+def test_junk_in_idle_rows_changes_no_active_row(model, name):
     """Two of four slots active: whatever the idle slots hold (zeros, or NaN and huge values), the active rows'
-    logits and entries come out bit for bit the same, and the idle slots' kept entries are left untouched."""
+    logits and entries come out bit for bit the same, and the idle slots' kept entries are left untouched, policy
+    state included (H2O accumulates every row's statistic into it: an idle row's observation is discarded)."""
     results = []
     for junk in (0.0, float("nan"), 3e38):
-        block, caches = block_of(model, "keydiff", 4)
+        block, caches = block_of(model, name, 4)
         for buffer in (block.keys, block.values):
             buffer[2:].fill_(junk)
-        idle_before = [buffer[2:, :, :, :BUDGET].clone() for buffer in (block.keys, block.values, block.positions)]
+        buffers = (block.keys, block.values, block.positions, *block.state.values())
+        idle_before = [buffer[2:, :, :, :BUDGET].clone() for buffer in buffers]
         step = StaticStep(model, Rows.of_block(block, caches[0].stack.layers), caches[0].policy, BUDGET)
         with torch.inference_mode(), keydiff_attention(model, None):
             logits = step.run(torch.tensor([[5], [9], [0], [0]]), torch.full((4, 1), 130),
                               torch.tensor([True, True, False, False]))
-        for before, buffer in zip(idle_before, (block.keys, block.values, block.positions)):
+        for before, buffer in zip(idle_before, buffers):
             assert torch.equal(before.nan_to_num(), buffer[2:, :, :, :BUDGET].nan_to_num())
             assert torch.equal(before.isnan(), buffer[2:, :, :, :BUDGET].isnan())
-        results.append((logits[:2].clone(), block.keys[:2, :, :, :BUDGET].clone(),
-                        block.positions[:2, :, :, :BUDGET].clone()))
+        results.append((logits[:2].clone(), *(buffer[:2, :, :, :BUDGET].clone() for buffer in buffers)))
     for got in results[1:]:
         assert all(torch.equal(a, b) for a, b in zip(got, results[0]))
 
 
-@pytest.mark.parametrize("name", extended_unless(FIXED, lambda name: name == "keydiff"))
+@pytest.mark.parametrize("name", extended_unless(FIXED, lambda name: name in ("keydiff", "h2o")))
 @pytest.mark.parametrize("q", [1, BLOCK])
 def test_the_step_compiles_as_one_graph_and_never_recompiles(model, name, q):
     """torch.compile(fullgraph=True) fails on any graph break (a .item(), a Python branch on a tensor's value: what a

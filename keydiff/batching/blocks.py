@@ -41,14 +41,17 @@ from keydiff.cache.storage import ROTARY_STATE, Placement, Storage, drop_entries
 from keydiff.policies.base import LayerView
 
 
-def poolable(cache: EvictingCache) -> bool:
+def poolable(cache: EvictingCache, statistic: bool = False) -> bool:
     """Whether this cache's rows can run grouped with others (see the module): a single stack of every layer and
-    a policy that scores rows alike from their entries alone."""
+    a policy that scores rows alike from their entries alone. statistic=True admits a policy that scores from an
+    attention statistic too, which the fixed-shape step computes for its rows itself (keydiff.batching.static);
+    such a cache is still never placed in a block, where the ordinary step's groups would record none."""
     policy, stack = cache.policy, cache.stack
     return (stack is not None and len(cache.storages) == 1 and stack.keys is not None and stack.budget is not None
             and stack.keys.shape[1] == 1 and stack.scratch_mark is None and not cache.sliding
             and all(window is None for window in cache.windows) and policy.layers_batchable
-            and policy.attention_rows == 0 and not policy.needs_queries and not policy.needs_output_projection
+            and (statistic or policy.attention_rows == 0) and not policy.needs_queries
+            and not policy.needs_output_projection
             and policy.key_rerotation is None and not policy.head_adaptive and not policy.needs_reconstruction)
 
 

@@ -16,11 +16,27 @@ discarded: their eviction is masked (the new entry "moves" onto itself), so a st
 stay as they were, and no row's result depends on another row's content (each kernel is row-independent at a
 fixed W).
 
-What runs in fixed shapes (`eligible`): one stack holding every layer, policies that score rows from their
-entries alone (keydiff.batching.blocks.poolable) with no value read on the host (`Policy.capturable`: KeyDiff,
-K-norm, sink, recent, with or without a recent window; not LagKV, whose partitions are counted on the host),
-every row holding exactly N entries and evicting after every pass. Everything else (rows still filling, attention-statistic policies,
-head-adaptive pools, decoding without eviction) runs the ordinary step (keydiff.batching.step), uncaptured.
+What runs in fixed shapes (`eligible`): one stack holding every layer, policies that score rows alike
+(keydiff.batching.blocks.poolable) with no value read on the host (`Policy.capturable`: KeyDiff, K-norm, sink,
+recent, H2O, TOVA, SnapKV, with or without a recent window), every row holding exactly N entries and evicting
+after every pass. Everything else runs the ordinary step (keydiff.batching.step), uncaptured: rows still filling,
+policies that read a value on the host (LagKV and ChunkKV size their partitions and chunks from the positions held;
+random does not claim it), head-adaptive pools (AdaKV: each head's segment has a length chosen by value),
+policies scored layer by layer (Expected Attention's running query statistics, CriticalKV's output projections)
+or through a reconstruction pass (KVzip), per-layer budgets and sliding-window layers (no one stack), decoding
+without eviction, profiled runs, and attention statistics in "materialized" mode (below).
+
+Attention statistics (H2O, TOVA, SnapKV). The ordinary step records each layer's statistic through the cache bound
+for the attention function; here no cache is bound (a compiled or captured step reads no context variable), so
+the step hands the model call a `StatisticBuffer` (keydiff.attention): every layer writes the statistic of its
+W rows over all N + q entries into a buffer allocated once, beside the fused kernel's output, exactly as `attend`
+computes it in "fast" mode (TOVA: the last query row; SnapKV: the last min(window, q) rows, so one while decoding;
+H2O: every row, accumulated into its per-entry state by `observe`, as `Storage.evict` does before choosing). An
+idle row's state is left as it was. Such caches are never placed in a block (the ordinary step's groups record no
+statistic: keydiff.batching.blocks), so they run in fixed shapes as one sequence alone, over its own stack
+(decoding, and full prefill blocks). "materialized" mode (the eager weights, the paper's latency setting) stays
+on the ordinary step: its point is the eager path's cost, and the step would need each cache's mode threaded
+through keydiff.batching.step.
 
 Replay. On a CUDA device `StaticStep.run` captures the step as a CUDA graph at its second call (the first runs
 it eagerly, which also warms up the kernels) and replays it from then on: the same kernels as the eager step, so
@@ -41,7 +57,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from keydiff.attention import bound_to
+from keydiff.attention import REGISTERED, STATISTIC_KWARG, StatisticBuffer, bound_to
 from keydiff.batching.blocks import poolable
 from keydiff.cache import EvictingCache
 from keydiff.cache.storage import ROTARY_STATE, Storage, drop_entries, move_entries
@@ -51,16 +67,20 @@ LOG = logging.getLogger(__name__)
 
 
 def eligible(caches: list[EvictingCache], q: int = 1) -> bool:
-    """Whether every cache can run a pass of q tokens in fixed shapes: poolable, with equal policies, holding
-    exactly N entries with room for N + q, evicting after the pass, nothing pending (see the module)."""
+    """Whether every cache can run a pass of q tokens in fixed shapes: poolable (an attention statistic allowed,
+    in "fast" mode), with equal policies, holding exactly N entries with room for N + q, evicting after the pass,
+    nothing pending (see the module)."""
     if not caches:
         return False
     policy = caches[0].policy
     if not policy.capturable or policy._check_every_call:  # checking every call's scores reads them on the host
         return False
+    statistic = policy.attention_rows != 0
     for cache in caches:
-        if (not poolable(cache) or cache.policy != policy or not cache.evicts_next_pass() or cache._scratch
+        if (not poolable(cache, statistic) or cache.policy != policy or not cache.evicts_next_pass() or cache._scratch
                 or cache.profile):  # a profiled run times its statistics and evictions apart: the ordinary step
+            return False
+        if statistic and cache.statistics != "fast":  # materialised weights: the ordinary step (see the module)
             return False
         stack = cache.stack
         if stack.num_entries != stack.budget or stack.capacity < stack.budget + q or stack.fresh is not None:
@@ -137,6 +157,15 @@ class Rows:
         return cls(base, True, first, stop, tuple(layers), sequence_of)
 
 
+def statistic_buffer(rows: Rows, policy: Policy, keys: int) -> StatisticBuffer:
+    """A float32 buffer for every layer's statistic over `keys` entries, laid out like the rows' buffers ([layers, W,
+    ...] for a stack, [W, layers, ...] for a block), so that it flattens to the R rows in the order eviction sees."""
+    kv_heads, planes = rows.base["keys"].shape[2], len(rows.planes)
+    shape = (rows.width, planes) if rows.slot_major else (planes, rows.width)
+    buffer = torch.zeros(*shape, kv_heads, keys, dtype=torch.float32, device=rows.sequence_of.device)
+    return StatisticBuffer(buffer, rows.planes, rows.slot_major, policy.attention_rows, policy.attention_reduction)
+
+
 def write_active(buffer: torch.Tensor, new: torch.Tensor, active: torch.Tensor) -> None:
     """buffer = new in the active rows, unchanged in the others (active: bool [rows], broadcast over the rest). An
     idle slot may hold a sequence's entries beyond N (a held question, decoding without eviction) that must stay."""
@@ -196,6 +225,10 @@ class StaticStep:
         self.positions = torch.zeros(rows.width, q, dtype=torch.long, device=device)
         self.active = torch.ones(rows.width, dtype=torch.bool, device=device)
         self.cache = FixedCache(rows, budget, model.config.get_text_config().num_hidden_layers, self.active)
+        # A policy that scores from attention: each layer's statistic over its N + q entries, written by the
+        # attention function into a buffer allocated once (keydiff.attention.StatisticBuffer).
+        self.statistic = None if policy.attention_rows == 0 else statistic_buffer(rows, policy, budget + q)
+        self.model_kwargs = {} if self.statistic is None else {STATISTIC_KWARG: self.statistic}
         self.logits: torch.Tensor | None = None
         self.calls = 0
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -205,14 +238,22 @@ class StaticStep:
     def eager(self, ids: torch.Tensor, positions: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
         """The pass and its eviction on the given tensors (no host synchronisation, no value-dependent branch). Runs
         with no cache bound for the keydiff attention function (`run` unbinds it): the plain fused kernel over all
-        N + q entries, what it computes for such rows in the ordinary step."""
-        output = self.model(input_ids=ids, position_ids=positions, cache=self.cache, use_cache=True, logits_to_keep=1)
+        N + q entries, what it computes for such rows in the ordinary step, and for a policy that scores from
+        attention each layer's statistic beside it, written into `statistic` (see the module)."""
+        logits = self.forward(ids, positions)
         self.evict(positions, active)
+        return logits
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The pass alone: the new entries written, next-token logits [W, vocab] (float32), the statistic if any."""
+        output = self.model(input_ids=ids, position_ids=positions, cache=self.cache, use_cache=True, logits_to_keep=1,
+                            **self.model_kwargs)
         return output.logits[:, -1, :].float()
 
     def evict(self, positions: torch.Tensor, active: torch.Tensor) -> None:
         """What `Storage.write` leaves to eviction and `Storage.evict` does, for all R rows at once: the new
-        entries' positions and policy state, the policy's choice, the survivors moved into the dropped places."""
+        entries' positions and policy state, the policy's observation of the pass's statistic (if it reads one),
+        the policy's choice, the survivors moved into the dropped places."""
         rows, n, q = self.rows.buffers(), self.budget, self.q
         stop = n + q
         row_active = active[self.rows.sequence_of]  # [R]
@@ -226,9 +267,18 @@ class StaticStep:
                 fresh = initial.get(name)
                 fresh = torch.zeros_like(buffer[:, :, n:stop]) if fresh is None else fresh.to(buffer.dtype)
                 write_active(buffer[:, :, n:stop], fresh, row_active)
+        state = {name: s[:, :, :stop] for name, s in rows["state"].items()}
+        attention = None
+        if self.statistic is not None:  # [R, kv_heads, N + q], rows in the order of the buffers'
+            attention = self.statistic.buffer.view(-1, *self.statistic.buffer.shape[2:])
+            state = {name: s.clone() for name, s in state.items()}  # observed apart: an idle row's state stays
         view = LayerView(keys=rows["keys"][:, :, :stop], values=rows["values"][:, :, :stop],
-                         positions=rows["positions"][:, :, :stop], attention=None,
-                         state={name: s[:, :, :stop] for name, s in rows["state"].items()}, layers=self.rows.layers)
+                         positions=rows["positions"][:, :, :stop], attention=attention, state=state,
+                         layers=self.rows.layers)
+        if attention is not None:  # what Storage.evict does first: the policy observes the pass (H2O accumulates)
+            self.policy.observe(view)
+            for name, buffer in rows["state"].items():
+                write_active(buffer[:, :, :stop], view.state[name], row_active)
         dropped = self.policy.evict_indices(view, n)  # [R, kv_heads, q]
         if q == 1:  # decoding: the new entry moves into the dropped place; an inactive row's onto itself
             tail = torch.full_like(dropped, n)
@@ -238,12 +288,16 @@ class StaticStep:
 
     def run(self, ids: torch.Tensor, positions: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
         """The step on these inputs (copied into the step's own buffers); next-token logits [W, vocab] (a copy)."""
+        if self.statistic is not None and self.model.config._attn_implementation not in REGISTERED.values():
+            raise RuntimeError(f"policy {self.policy.name!r} needs attention statistics, which only keydiff's "
+                               "attention function writes: run the step inside `with keydiff.keydiff_attention(model, "
+                               "...):`")
         self.ids.copy_(ids)
         self.positions.copy_(positions)
         self.active.copy_(active)
         self.calls += 1
         with bound_to(None):
-            if self.calls == 1:  # the first call runs eagerly: real work, the warm-up, and the policy's score check
+            if self.calls == 1:  # the first runs eagerly: real work, the warm-up, the score and statistic checks
                 return self.warm_up()
             if not self.capture:
                 return self.step(self.ids, self.positions, self.active).clone()
@@ -256,13 +310,26 @@ class StaticStep:
         """The first call, eagerly: on a CUDA device on a side stream, as graph capture wants its kernels' first
         runs (library handles, workspaces) to have happened off the stream it records."""
         if not self.capture:
-            return self.eager(self.ids, self.positions, self.active).clone()
+            return self.first_call()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            logits = self.eager(self.ids, self.positions, self.active).clone()
+            logits = self.first_call()
         torch.cuda.current_stream().wait_stream(side)
         return logits
+
+    def first_call(self) -> torch.Tensor:
+        """The eager step, checking between the pass and the eviction that every layer wrote its statistic: a
+        model whose forward does not hand keyword arguments on to its attention function would otherwise evict on
+        a stale buffer. Refused before anything is evicted (the cache still holds its N entries)."""
+        logits = self.forward(self.ids, self.positions)
+        missing = [] if self.statistic is None else sorted(set(self.rows.planes) - self.statistic.written)
+        if missing:
+            raise RuntimeError(f"policy {self.policy.name!r}: layers {missing} wrote no attention statistic in the "
+                               "fixed-shape step (the model's forward does not pass keyword arguments to its attention "
+                               "function); run it with fixed_shapes=False")
+        self.evict(self.positions, self.active)
+        return logits.clone()
 
     def record(self) -> bool:
         """Capture the step as a CUDA graph (it does not run it: `run` replays it next). False, with a warning, if

@@ -17,6 +17,8 @@ importable), on a tiny and a mid-size random Llama:
                    KeyDiff prompts of N + B or more join one block and decode as a group (pool_rows' default)
   fixed = ordinary the fixed-shape step (on CUDA a captured CUDA graph, replayed) keeps, scores and generates
                    exactly what the ordinary step does: prefill blocks, 4 forks together, one sequence alone
+                   (keydiff); prefill blocks and one sequence alone, the statistic computed in the step (tova,
+                   snapkv, h2o)
   one graph per run (CUDA) three prompts prefilled and decoded one call each through one keydiff.Decoder (a
                    run at batch 1) capture one decode and one prefill-block CUDA graph between them, with the
                    ordinary step's logits and tokens
@@ -281,11 +283,15 @@ def check_batch_equals_separate(model, prompt, sizes: Sizes, setting) -> Row:
                detail + (f"; differ: {', '.join(failures)}" if failures else ""))
 
 
+STATISTIC_FIXED = ("tova", "snapkv", "h2o")  # in fixed shapes as one sequence alone (never pooled into a block)
+
+
 def check_fixed_equals_ordinary(model, prompt, sizes: Sizes, setting) -> Row:
     """The fixed-shape step (keydiff.batching.static: on CUDA captured as a CUDA graph at its second call and
     replayed) against the ordinary step, for KeyDiff: a prefill (its full blocks in fixed shapes) keeps the same
-    positions with the same logits, and 4 forks decoded together, and one alone, give the same tokens. The graph
-    replays the eager step's kernels, so the numbers must be bit-identical."""
+    positions with the same logits, and 4 forks decoded together, and one alone, give the same tokens; for the
+    attention-statistic policies (their statistic written inside the step), a prefill and one sequence alone. The
+    graph replays the eager step's kernels, so the numbers must be bit-identical."""
     on, off = (prefill(model, prompt, "keydiff", sizes.budget, sizes.block, fixed_shapes=f) for f in (True, False))
     kept_same = all(torch.equal(a, b) for a, b in zip(on.kept_positions, off.kept_positions))
     logits_same = torch.equal(on.logits, off.logits)
@@ -301,7 +307,18 @@ def check_fixed_equals_ordinary(model, prompt, sizes: Sizes, setting) -> Row:
     ok = kept_same and logits_same and same == 5
     detail = (f"prefill: kept {'=' if kept_same else '!='}, logits {'=' if logits_same else '!='}; "
               f"decode: {same}/5 sequences identical (4 forks together, 1 alone)")
-    return Row("fixed = ordinary", setting, "PASS" if ok else "FAIL", detail)
+    differ = []
+    for name in STATISTIC_FIXED:
+        on, off = (prefill(model, prompt, name, sizes.budget, sizes.block, fixed_shapes=f) for f in (True, False))
+        equal = (all(torch.equal(a, b) for a, b in zip(on.kept_positions, off.kept_positions))
+                 and torch.equal(on.logits, off.logits)
+                 and generate(model, on, sizes.new_tokens, fixed_shapes=True).token_ids
+                 == generate(model, off, sizes.new_tokens, fixed_shapes=False).token_ids)
+        if not equal:
+            differ.append(name)
+    detail += (f"; {', '.join(STATISTIC_FIXED)} (prefill, 1 alone): "
+               + (f"differ: {', '.join(differ)}" if differ else "identical"))
+    return Row("fixed = ordinary", setting, "PASS" if ok and not differ else "FAIL", detail)
 
 
 def check_one_graph_per_run(model, prompt, sizes: Sizes, setting) -> Row:

@@ -205,11 +205,12 @@ class Policy:
 
     @property
     def capturable(self) -> bool:
-        """True if `evict_indices` runs from tensors alone once its scores were checked: no value read on the host
-        (.item(), .tolist(), int() of a tensor, a Python branch on a tensor's value) and no shape that depends on
-        values. A decoding step (or prefill block) in fixed shapes can then compile it and a CUDA graph can hold
-        it (keydiff.batching.static); otherwise it runs the ordinary step. False (the safe default) for your own
-        policy unless you set it; tests/test_fixed_shapes.py checks the built-ins' claim (fullgraph compile)."""
+        """True if `evict_indices` (and `observe`, for a policy that reads attention) runs from tensors alone once
+        its scores were checked: no value read on the host (.item(), .tolist(), int() of a tensor, a Python branch
+        on a tensor's value) and no shape that depends on values. A decoding step (or prefill block) in fixed shapes
+        can then compile it and a CUDA graph can hold it (keydiff.batching.static); otherwise it runs the ordinary
+        step. False (the safe default) for your own policy unless you set it; tests/test_fixed_shapes.py checks the
+        built-ins' claim (fullgraph compile)."""
         return False
 
     @property

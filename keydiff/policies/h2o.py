@@ -25,6 +25,7 @@ class H2O(Policy):
     name: ClassVar[str] = "h2o"
     layers_batchable: ClassVar[bool] = True
     attention_rows: ClassVar[int | None] = None
+    capturable: ClassVar[bool] = True
     observes_every_step: ClassVar[bool] = True
     state_names: ClassVar[tuple[str, ...]] = ("h2o",)
     recent_window_parameter: ClassVar[str | None] = "recent_fraction"

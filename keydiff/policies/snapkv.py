@@ -29,6 +29,7 @@ POOLINGS = ("avg", "max")
 class SnapKV(Policy):
     name: ClassVar[str] = "snapkv"
     layers_batchable: ClassVar[bool] = True
+    capturable: ClassVar[bool] = True
     window: int = 32
     kernel_size: int = 7
     pooling: str = "avg"

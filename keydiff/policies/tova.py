@@ -23,6 +23,7 @@ class TOVA(Policy):
     name: ClassVar[str] = "tova"
     layers_batchable: ClassVar[bool] = True
     attention_rows: ClassVar[int | None] = 1
+    capturable: ClassVar[bool] = True
     heads: str = "group"
 
     def validate(self, budget: int) -> None:
