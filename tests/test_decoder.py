@@ -94,6 +94,27 @@ def test_a_run_decoder_prefills_every_prompt_with_one_block_step(model, monkeypa
     assert len(block_steps) == (1 if arena else 5)
 
 
+@pytest.mark.parametrize("name", ["h2o", "tova", "snapkv"])
+def test_attention_statistic_policies_replay_one_step_per_run_at_width_one(model, monkeypatch, name):
+    """At width 1 the arena takes attention-statistic policies too (one slot never forms a group): three prompts,
+    one call each, decode on one fixed-shape step, with the ordinary step's tokens and kept positions."""
+    expected = []
+    for ids in prompts()[:3]:
+        state = prefill(model, ids, name, BUDGET, BLOCK, fixed_shapes=False)
+        expected.append((generate(model, state, 8, fixed_shapes=False).token_ids,
+                         [p.tolist() for p in state.cache.kept_positions()]))
+    monkeypatch.setitem(step.FULL_WIDTH, "cpu", True)
+    steps = built(monkeypatch)
+    decoder = Decoder(model, 1)
+    got = []
+    for ids in prompts()[:3]:
+        state = prefill(model, ids, name, BUDGET, BLOCK, decoder=decoder)
+        got.append((generate(model, state, 8, decoder=decoder).token_ids,
+                    [p.tolist() for p in state.cache.kept_positions()]))
+    assert got == expected
+    assert [w for w, q in steps if q == 1] == [1]  # one decode step for the three prompts
+
+
 def test_without_the_arena_arrangement_a_cpu_decoder_keeps_a_sequence_alone_in_its_own_stack(model, monkeypatch):
     """The CPU default: no graph to replay, so a sequence alone is not copied into an arena (nothing gained)."""
     monkeypatch.setitem(step.FULL_WIDTH, "cpu", False)

@@ -45,7 +45,8 @@ def poolable(cache: EvictingCache, statistic: bool = False) -> bool:
     """Whether this cache's rows can run grouped with others (see the module): a single stack of every layer and
     a policy that scores rows alike from their entries alone. statistic=True admits a policy that scores from an
     attention statistic too, which the fixed-shape step computes for its rows itself (keydiff.batching.static);
-    such a cache is still never placed in a block, where the ordinary step's groups would record none."""
+    such a cache is placed only in a block of one slot (a run's arena at width 1, JoinPool), never where the
+    ordinary step's groups of rows would record none."""
     policy, stack = cache.policy, cache.stack
     return (stack is not None and len(cache.storages) == 1 and stack.keys is not None and stack.budget is not None
             and stack.keys.shape[1] == 1 and stack.scratch_mark is None and not cache.sliding
@@ -182,7 +183,9 @@ class JoinPool:
         placement = None if stack is None else stack.placement
         if placement is not None and self.block is not None and placement.block is self.block:
             self.stopped.discard(placement.slot)  # decoding again in its slot (a follow-up turn): not free
-        if not poolable(cache) or placement is not None:
+        # A one-slot pool (a run's arena at width 1) takes attention-statistic policies too: one slot never forms a
+        # group (`runs` needs two), so the ordinary step still computes each one's statistic row by row.
+        if not poolable(cache, statistic=self.slots == 1) or placement is not None:
             return False
         if self.block is None:
             if cache.block_size is None or stack.capacity != stack.budget + cache.block_size:
