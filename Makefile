@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: help install run test test-quick bench bench-decode bench-throughput bench-threads bench-scoring bench-long bench-peers gpu-check gpu-bench collect smoke leaderboard protocol tables figures figures-runs analysis paper-numbers paper-assets report wandb-sync sweep-local sweep-slurm status clean
+.PHONY: help install run test test-quick bench bench-decode bench-throughput bench-threads bench-scoring bench-long bench-peers gpu-check gpu-bench gpu-hours collect smoke leaderboard protocol tables figures figures-runs analysis paper-numbers paper-assets report wandb-sync sweep-local sweep-slurm status clean
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -66,6 +66,9 @@ gpu-check: $(STAMP)  ## run first on a new (GPU) machine: engine exactness per a
 
 gpu-bench: $(STAMP)  ## every GPU row of the decode/prefill targets in ~8 min (3B shape, bf16): results/bench/gpu_bench.json
 	$(PY) -m keydiff.bench.gpu_bench --json results/bench/gpu_bench.json $(ARGS)
+
+gpu-hours: $(STAMP)  ## GPU-hours of every paper experiment from measured GPU rates (docs/gpu.md); ARGS="--rates results/bench/gpu_bench.json"
+	$(PY) -m keydiff.report.gpu_hours $(ARGS)
 
 # ONLY_MISSING=1: launch only the grid points that are not complete (see `make status`).
 SWEEP_ONLY_MISSING = $(if $(ONLY_MISSING),only_missing=true,)

@@ -107,6 +107,20 @@ def test_gpu_bench_quick_runs_every_row_group(tmp_path, capsys):
     assert exact and all(r["identical"] == r["of"] for r in exact)  # on CPU every row is exact
     assert all(r["seconds"] > 0 for r in rows if r["row"] == "prefill")
     assert "code" in record and record["command"].startswith("python -m keydiff.bench.gpu_bench")
+    # make gpu-hours reads this format: the --quick rows are refused as rates, and the same rows marked as the
+    # full run's give every rate it takes from them (the rows' names and keys are the ones it looks for)
+    from keydiff.report import gpu_hours
+
+    with pytest.raises(gpu_hours.RatesError, match="not --quick"):
+        gpu_hours.load_rates(out)
+    record["device"], record["sizes"]["model"] = "cuda", gpu_hours.MEASURED
+    for row in rows:
+        if row["row"] == "decode" and "ms_per_step_steady" in row:
+            row["ms_per_step_steady"] = abs(row["ms_per_step_steady"]) + 1.0  # tiny sizes: the difference is noise
+    out.write_text(json.dumps(record))
+    rates = gpu_hours.load_rates(out)
+    assert set(rates.decode) == set(rates.prefill) == {"ordinary", "fixed"}
+    assert set(rates.speedup["grouped"]) == set(rates.speedup["full"]) == {record["sizes"]["batch"]}
 
 
 def test_gpu_bench_refuses_a_machine_without_cuda_unless_quick(capsys):
