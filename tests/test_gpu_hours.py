@@ -63,7 +63,7 @@ def test_hours_are_samples_times_prefill_plus_decode_over_the_speedup(tmp_path):
     assert gh.batches(rates) == [8, 16]
 
 
-def test_a_fixed_step_and_grouped_rows_apply_to_the_capturable_policies_only(tmp_path):
+def test_a_fixed_step_applies_to_the_capturable_policies_and_grouped_rows_to_the_pooled_only(tmp_path):
     record = copy.deepcopy(HAND)
     record["prefill_tokens_per_s"]["fixed"] = {"value": 4000, "source": "hand"}
     record["decode_ms_per_token"]["fixed"] = {"value": 10, "source": "hand"}
@@ -72,7 +72,10 @@ def test_a_fixed_step_and_grouped_rows_apply_to_the_capturable_policies_only(tmp
     # keydiff and sink: the fixed step, no ratio (measured on the ordinary step), grouped: 10 x (0.5 + 1 / 8)
     for policy in ("keydiff", "sink", "knorm"):
         assert gh.point_seconds(TASK, SMALL, policy, rates, 16) == pytest.approx(10 * (0.5 + 1.0 / 8))
-    assert gh.point_seconds(TASK, SMALL, "tova", rates, 16) == pytest.approx(10 * (4.0 + 2 * 1.5 / 5))
+    # tova: the fixed step where it runs alone (its prefill; its decoding at batch 1), with its ratios; batched, its
+    # rows decode on the ordinary step, per row: 10 x (2000 / 4000 x 2.0 + 100 x 20 ms x 1.5 / 5)
+    assert gh.point_seconds(TASK, SMALL, "tova", rates, 16) == pytest.approx(10 * (1.0 + 2 * 1.5 / 5))
+    assert gh.point_seconds(TASK, SMALL, "tova", rates, 1) == pytest.approx(10 * (1.0 + 1.0 * 1.5))
     assert gh.batches(rates) == [16]  # 'grouped' was measured at 16 only
 
 

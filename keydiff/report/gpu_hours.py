@@ -50,13 +50,17 @@ WEIGHTS_GB = {
     "deepseek-r1-distill-llama-8b": 16.1,
     "deepseek-r1-distill-qwen-7b": 15.2,
 }
-# Policy.capturable (keydiff/policies): these run the fixed-shape step where the rates have one, and their rows
-# pool into one block (keydiff.batching.blocks.poolable). TOVA, SnapKV and H2O (attention statistics) and full
-# (no eviction) run the ordinary step, each row on its own.
-CAPTURABLE = frozenset({"keydiff", "keydiff_window10", "keydiff_window20", "keydiff_pairwise", "keydiff_median",
-                        "keydiff_dot", "keydiff_euclidean", "sink", "knorm"})
+# Policies that score from their entries alone: they run the fixed-shape step where the rates have one, and their
+# rows pool into one block at any batch (keydiff.batching.blocks.poolable), timed as KeyDiff's.
+POOLED = frozenset({"keydiff", "keydiff_window10", "keydiff_window20", "keydiff_pairwise", "keydiff_median",
+                    "keydiff_dot", "keydiff_euclidean", "sink", "knorm"})
+# Policy.capturable (keydiff/policies): POOLED, and TOVA, SnapKV and H2O, whose attention statistic the fixed-shape
+# step computes itself for a sequence alone (batch 1); batched, their rows decode each on its own, on the ordinary
+# step, and their cost against KeyDiff's is gpu-check's ratio (measured on the ordinary step) on either step.
+# full (no eviction) runs the ordinary step.
+CAPTURABLE = POOLED | {"h2o", "tova", "snapkv"}
 # The policy whose measured cost ratio stands for each of its variants (the same class, other parameters).
-MEASURED_AS = {name: "keydiff" for name in CAPTURABLE if name.startswith("keydiff")}
+MEASURED_AS = {name: "keydiff" for name in POOLED if name.startswith("keydiff")}
 STEPS = ("ordinary", "fixed")
 KINDS = ("grouped", "per row", "full")  # how a batch's rows decode (Rates.speedup)
 
@@ -181,12 +185,13 @@ class Rates:
     def kind(self, policy: str) -> str:
         if policy == "full":
             return "full"
-        return "grouped" if policy in CAPTURABLE and "grouped" in self.speedup else "per row"
+        return "grouped" if policy in POOLED and "grouped" in self.speedup else "per row"
 
     def factors(self, policy: str) -> tuple[float, float]:
         """(prefill, decode) cost against KeyDiff's: gpu-check's ratios, which were measured on the ordinary step
-        (a capturable policy on the fixed step is timed as KeyDiff's fixed step)."""
-        if self.step(policy) == "fixed":
+        (a policy of POOLED on the fixed step is timed as KeyDiff's fixed step; an attention-statistic one keeps its
+        ratio, an assumption until gpu-bench times it)."""
+        if self.step(policy) == "fixed" and policy in POOLED:
             return 1.0, 1.0
         name = MEASURED_AS.get(policy, policy)
         found = []
@@ -322,8 +327,11 @@ def point_seconds(task: Task, model: str, policy: str, rates: Rates, batch: int)
     prefill_factor, decode_factor = rates.factors(policy)
     scale = WEIGHTS_GB[model] / WEIGHTS_GB[MEASURED]
     speedup = 1.0 if batch == 1 else rates.speedup[kind][batch].value
+    # Batched, an attention-statistic policy's rows decode each on its own, on the ordinary step (its prefill, alone,
+    # takes the fixed step).
+    decode_step = step if batch == 1 or policy in POOLED else "ordinary"
     prefill_s = task.prompt / rates.prefill[step].value * prefill_factor
-    decode_s = task.generated * rates.decode[step].value / 1000 * decode_factor / speedup
+    decode_s = task.generated * rates.decode[decode_step].value / 1000 * decode_factor / speedup
     return task.samples * scale * (prefill_s + decode_s)
 
 
@@ -407,9 +415,10 @@ def note_lines(rates: Rates) -> list[str]:
         "a step is bound by the host (kernel launches: the ordinary step spent 3.7 of its 26.7 ms per token on the "
         "GPU in issue #30's H200 run), its time grows with the layers, not the bytes, so the 7-8B rows are an upper "
         "bound.",
-        f"KeyDiff and its variants, sink and K-norm run {captured}, and {pooled}; TOVA, SnapKV and H2O run the "
-        "ordinary step row by row, full with its own speed-up; on the ordinary step each policy is KeyDiff's time "
-        "x its ratio above (KeyDiff's variants: 1).",
+        f"KeyDiff and its variants, sink and K-norm run {captured}, and {pooled}; TOVA, SnapKV and H2O run "
+        f"{captured} alone (prefill, decoding at batch 1) and the ordinary step row by row when batched, full with "
+        "its own speed-up; each policy is KeyDiff's time x its ratio above (KeyDiff's variants: 1; on the fixed "
+        "step the pooled ones: 1).",
         "Prefill at B = 128's rate everywhere (table10 runs B = inf, table13 B = 64 and 256, the TTFT figures "
         "B = 64-256 with flash_attention_2 or eager); samples are prefilled one at a time, batched or not.",
         "Workloads (samples per grid point, mean prompt + generated tokens): " + "; ".join(
