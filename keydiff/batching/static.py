@@ -9,10 +9,11 @@ Nothing here reads a tensor's value on the host: the shapes are W rows x (N + q)
 and the positions come in as a tensor.
 
 Width. The step runs W rows: the slots of a block of sequences (keydiff.batching.blocks), or the rows of one
-sequence's own stack. Where it is replayed as a CUDA graph, W is every slot of the block, for as long as the block
-is decoded by one generate_batch call (one graph, captured once); elsewhere nothing is gained by a fixed W, so it
-is the consecutive slots the going sequences span (one sequence alone: its own slot). Rows with no running sequence compute on whatever their slot holds and are
-discarded: their eviction is masked (the new entry "moves" onto itself), so a stopped sequence's kept entries
+sequence's own stack. Where it is replayed as a CUDA graph, W is every slot of the block: the arena a run's
+keydiff.batching.scheduler.Decoder keeps across its calls (one graph per run and shape, captured once; a prefill's
+full blocks likewise run in a slot the decoder keeps); elsewhere nothing is gained by a fixed W, so it is the
+consecutive slots the going sequences span (one sequence alone: its own slot). Rows with no running sequence
+compute on whatever their slot holds and are discarded: their eviction is masked (the new entry "moves" onto itself), so a stopped sequence's kept entries
 stay as they were, and no row's result depends on another row's content (each kernel is row-independent at a
 fixed W).
 
