@@ -168,8 +168,8 @@ def prefill(
     the block written into entries [N, N + B), attention over all N + B, eviction back to N, in one step that a
     GPU replays as a CUDA graph); None: the device's default, False: never. The same numbers either way.
     decoder: a run's keydiff.Decoder, whose block step (and its slot, where the device replays graphs) serves
-    every prompt of the run, so a GPU captures the block step once per run rather than once per prompt; its own
-    fixed_shapes then applies. None: a block step for this prefill alone.
+    every prompt of the run, so a GPU captures the block step once per run rather than once per prompt; it runs
+    with its own fixed_shapes (passing another is an error). None: a block step for this prefill alone.
     """
     policy = build_policy(policy) if isinstance(policy, str) else policy
     check_budget(policy, budget)
@@ -198,6 +198,8 @@ def prefill(
         layer_placements=layer_placements(model, model.config.get_text_config().num_hidden_layers),
     )
     # Full blocks in fixed shapes once the cache is full (a run's block step, or one for this prefill).
+    if decoder is not None:
+        decoder.check_options(fixed_shapes)
     fixed = decoder.blocks if decoder is not None else BlockStepper(model, fixed_shapes)
     with keydiff_attention(model, cache):
         _sync(device)
@@ -210,8 +212,10 @@ def prefill(
                     logits = _forward(model, cache, block_ids, reconstruction)
                 if on_block is not None:
                     on_block(cache)
-        finally:
-            fixed.finish(cache)  # the stack leaves the run's prefill slot (if it was in one) with its entries
+        except BaseException:
+            fixed.finish(cache, failed=True)  # discarded: the slot is freed without copying (OOM may unwind)
+            raise
+        fixed.finish(cache)  # the stack leaves the run's prefill slot (if it was in one) with its entries
         if held_suffix:
             logits = _forward(model, cache, input_ids[:, compressed:], drop=False)
         _sync(device)
@@ -303,8 +307,8 @@ def generate(
     batch_invariant), which a run alone must use to give the tokens of a batch that uses them (a no-op on a CPU).
     It runs the decoding step keydiff.generate_batch runs, with this one request. decoder: decode through this
     keydiff.Decoder (a run's: its arena and captured steps outlive the call, so a GPU captures its step once per
-    run, not once per sample); its own fixed_shapes and batch_invariant then apply. None: a Decoder of width 1
-    for this call.
+    run, not once per sample); it decodes with its own fixed_shapes and batch_invariant (passing others is an
+    error). None: a Decoder of width 1 for this call.
     Returns a GenerationResult: `.token_ids` (per batch row, a list of the new ids), `.finish_reasons`,
     `.seconds`, `.max_cache_entries`.
     """
@@ -312,6 +316,9 @@ def generate(
         raise RuntimeError("this PrefillResult was already decoded (its cache moved on); run prefill again")
     request = Request(state, max_new_tokens, eos_token_ids, do_sample, temperature, top_p, min_new_tokens, seed,
                       evict, record_steps=record_steps)
-    decoder = decoder or Decoder(model, 1, fixed_shapes=fixed_shapes, batch_invariant=batch_invariant)
+    if decoder is None:
+        decoder = Decoder(model, 1, fixed_shapes=fixed_shapes, batch_invariant=batch_invariant)
+    else:
+        decoder.check_options(fixed_shapes, batch_invariant)
     (_, out), = decoder.generate([request])
     return GenerationResult(out.token_ids, out.finish_reasons, out.seconds, out.max_cache_entries, out.step_entries)

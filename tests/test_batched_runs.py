@@ -93,7 +93,7 @@ def test_math500_samples_share_one_prefill_and_equal_separate_runs(tmp_path, tin
 
 def spy_widths(monkeypatch) -> list[list[int]]:
     """Per decoder made, the widths it built its step for, in order (the first, then one per back-off): the
-    warm-up's decoder ([1]), then the run's."""
+    run's decoder, then the warm-up's ([1]: on a CPU it decodes apart)."""
     widths, real = [], scheduler.Decoder._build
 
     def build(self):
@@ -124,7 +124,7 @@ def test_out_of_memory_in_a_batch_step_retries_at_half_the_width(tmp_path, tiny,
 
     monkeypatch.setattr(scheduler, "decode_step", flaky)
     summary, rows = run_at(lengths_cfg(tmp_path, "oom", "batch_size=4"))
-    assert raised and widths == [[1], [4, 2]] and summary["complete"] and summary["num_failed"] == 0
+    assert raised and widths == [[4, 2], [1]] and summary["complete"] and summary["num_failed"] == 0
     same_rows(expected, rows)
     # The record says at which width each row decoded: the run's widths, and W on every row.
     assert summary["invocations"][-1]["decode_widths"] == [4, 2]
@@ -145,7 +145,7 @@ def test_out_of_memory_in_a_prefill_retries_at_half_the_width(tmp_path, tiny, mo
 
     monkeypatch.setattr(batched, "prefill_sample", flaky)
     summary, rows = run_at(lengths_cfg(tmp_path, "oomp", "batch_size=4"))
-    assert raised and widths == [[1], [4, 2]] and summary["complete"] and summary["num_failed"] == 0
+    assert raised and widths == [[4, 2], [1]] and summary["complete"] and summary["num_failed"] == 0
     same_rows(expected, rows)
 
 
@@ -164,7 +164,7 @@ def test_out_of_memory_with_forks_in_flight_prefills_them_again(tmp_path, tiny, 
 
     monkeypatch.setattr(scheduler, "decode_step", flaky)
     summary, rows = run_at(math_cfg(tmp_path, "m3oom", "batch_size=4"))
-    assert raised and widths == [[1], [4, 2]] and summary["complete"] and summary["num_failed"] == 0
+    assert raised and widths == [[4, 2], [1]] and summary["complete"] and summary["num_failed"] == 0
     same_rows(expected, rows)
 
 
@@ -208,6 +208,37 @@ def test_the_retry_after_out_of_memory_starts_with_no_block_of_the_failed_batch_
     assert alive == [[]], alive
 
 
+def test_the_retry_after_out_of_memory_holds_no_fork_not_yet_taken(tmp_path, tiny, monkeypatch):
+    """Math-500, 3 responses sharing one prefill (forks in one block of 3 slots), width 2: the third fork waits
+    while two decode. When memory runs out there, the waiting fork is dropped too (its block is part of what the
+    back-off frees), and the responses start again, each with a prefill of its own."""
+    import gc
+
+    from keydiff.batching.blocks import RowBlock
+
+    _, expected = run_at(math_cfg(tmp_path, "m1"))
+    real_build, real_step, alive, raised = scheduler.Decoder._build, scheduler.decode_step, [], []
+
+    def build(self):
+        if raised:  # the back-off builds the smaller width
+            gc.collect()
+            alive.append([o.keys.shape[0] for o in gc.get_objects() if type(o) is RowBlock])
+        real_build(self)
+
+    def flaky(stepper, active):
+        result = real_step(stepper, active)
+        if len(active) == 2 and not raised:
+            raised.append(True)
+            raise oom()
+        return result
+
+    monkeypatch.setattr(scheduler.Decoder, "_build", build)
+    monkeypatch.setattr(scheduler, "decode_step", flaky)
+    summary, rows = run_at(math_cfg(tmp_path, "m2oom", "batch_size=2"))
+    assert raised and summary["complete"] and alive == [[]], alive
+    same_rows(expected, rows)
+
+
 def test_out_of_memory_down_to_width_one_records_the_sample_as_failed(tmp_path, tiny, monkeypatch):
     _, expected = run_at(lengths_cfg(tmp_path, "b1"))
     widths, real = spy_widths(monkeypatch), scheduler.decode_step
@@ -219,7 +250,7 @@ def test_out_of_memory_down_to_width_one_records_the_sample_as_failed(tmp_path, 
 
     monkeypatch.setattr(scheduler, "decode_step", always)
     summary, rows = run_at(lengths_cfg(tmp_path, "oom1", "batch_size=2"))
-    assert widths == [[1], [2, 1]] and rows["len64"]["status"] == "failed"
+    assert widths == [[2, 1], [1]] and rows["len64"]["status"] == "failed"
     assert rows["len64"]["failure_reason"] == "out_of_memory" and "CUDA out of memory" in rows["len64"]["error"]
     assert summary["num_failed"] == 1 and summary["num_samples"] == len(LENGTHS) - 1
     same_rows({k: v for k, v in expected.items() if k != "len64"}, {k: v for k, v in rows.items() if k != "len64"})

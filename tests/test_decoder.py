@@ -139,5 +139,116 @@ def test_a_decoder_yields_each_sequence_its_tokens_alone_across_calls_with_other
 
 def test_the_width_must_be_a_positive_integer(model):
     for bad in (0, -1, 1.5, True):
-        with pytest.raises(ValueError, match="batch_size must be a positive integer"):
+        with pytest.raises(ValueError, match=r"the width \(batch_size\) must be a positive integer"):
             Decoder(model, bad)
+
+
+def counting_runs(monkeypatch) -> list[tuple[int, int]]:
+    """(width, tokens per row) of every fixed-shape step run."""
+    calls, original = [], StaticStep.run
+
+    def run(self, *args):
+        calls.append((self.rows.width, self.q))
+        return original(self, *args)
+
+    monkeypatch.setattr(StaticStep, "run", run)
+    return calls
+
+
+def test_forks_move_into_the_arena_and_decode_on_its_one_step(model, monkeypatch):
+    """Math-500's case: forks of two prompts (each prompt's forks in a block of their own) decode together through
+    an arena-arranged decoder: they move into the arena's slots, run its one fixed-shape step, and give the
+    tokens each gets alone."""
+    ids = prompts()[:2]
+    alone = [generate(model, prefill(model, p, "keydiff", BUDGET, BLOCK), 6, fixed_shapes=False).token_ids for p in ids]
+    monkeypatch.setitem(step.FULL_WIDTH, "cpu", True)
+    steps, runs = built(monkeypatch), counting_runs(monkeypatch)
+    forks = [fork for p in ids for fork in prefill(model, p, "keydiff", BUDGET, BLOCK).fork(2)]
+    out = dict(Decoder(model, 4).generate([keydiff.Request(f, 6, key=i) for i, f in enumerate(forks)]))
+    assert [out[i].token_ids for i in range(4)] == [alone[0], alone[0], alone[1], alone[1]]
+    assert [s for s in steps if s[1] == 1] == [(4, 1)] and runs.count((4, 1)) >= 4  # one step over the 4-slot arena
+
+
+def test_a_follow_up_that_outgrows_its_arena_slot_decodes_in_fixed_shapes_again(model, monkeypatch):
+    """A second turn fed into a decoded cache that lives in the arena: more tokens than its slot holds move it
+    to buffers of its own (a larger capacity, so it cannot move back); the next call frees the slot and the
+    sequence runs the fixed step on its own buffers once it holds N again, with the tokens of the same
+    conversation decoded without a decoder."""
+    def conversation(decoder) -> list:
+        state = prefill(model, prompts()[0], "keydiff", BUDGET, BLOCK)
+        first = generate(model, state, 5, fixed_shapes=None if decoder else False, decoder=decoder).token_ids
+        turn = keydiff.follow_up(model, state, torch.arange(3, 33)[None])  # 30 tokens > the slot's B = 16 spare
+        second = generate(model, turn, 8, fixed_shapes=None if decoder else False, decoder=decoder).token_ids
+        return [first, second]
+
+    expected = conversation(None)
+    monkeypatch.setitem(step.FULL_WIDTH, "cpu", True)
+    runs = counting_runs(monkeypatch)
+    decoder = Decoder(model, 1)
+    got = conversation(decoder)
+    assert got == expected
+    assert decoder.pool.block.occupants[0] is None  # the slot it grew out of is free again
+    assert runs.count((1, 1)) >= 4 + 6  # turn 1: 4 fixed passes; turn 2: all but its first (which evicts to N)
+
+
+def test_a_decoder_interrupted_mid_call_decodes_the_next_call_as_a_fresh_one(model, monkeypatch):
+    """A BaseException (a stop signal, Ctrl-C) inside a call leaves sequences in the arena; the decoder's next
+    call treats them as stopped and gives each new sequence its tokens alone."""
+    import keydiff.batching.scheduler as scheduler
+
+    monkeypatch.setitem(step.FULL_WIDTH, "cpu", True)
+    expected = [generate(model, prefill(model, p, "keydiff", BUDGET, BLOCK), 6, fixed_shapes=False).token_ids
+                for p in prompts()[2:4]]
+    decoder, real, calls = Decoder(model, 2), scheduler.decode_step, []
+
+    def interrupted(stepper, active):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(stepper, active)
+
+    monkeypatch.setattr(scheduler, "decode_step", interrupted)
+    states = [prefill(model, p, "keydiff", BUDGET, BLOCK) for p in prompts()[:2]]
+    with pytest.raises(KeyboardInterrupt):
+        list(decoder.generate([keydiff.Request(s, 6, key=i) for i, s in enumerate(states)]))
+    monkeypatch.setattr(scheduler, "decode_step", real)
+    states = [prefill(model, p, "keydiff", BUDGET, BLOCK) for p in prompts()[2:4]]
+    out = dict(decoder.generate([keydiff.Request(s, 6, key=i) for i, s in enumerate(states)]))
+    assert [out[0].token_ids, out[1].token_ids] == expected
+
+
+def test_a_prefill_that_fails_in_the_slot_frees_it_without_copying(model, monkeypatch):
+    """Out of memory in a prefill's full block (in the decoder's slot): the slot is freed with no copy of the
+    discarded entries, and the next prompt's prefill gives the logits of a prefill of its own."""
+    from keydiff.batching import blocks
+
+    monkeypatch.setitem(step.FULL_WIDTH, "cpu", True)
+    decoder, real, raised = Decoder(model, 1), StaticStep.run, []
+
+    def failing(self, *args):
+        if self.q == BLOCK and not raised:
+            raised.append(True)
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+        return real(self, *args)
+
+    monkeypatch.setattr(StaticStep, "run", failing)
+    vacated, original_vacate = [], blocks.RowBlock.vacate
+    monkeypatch.setattr(blocks.RowBlock, "vacate", lambda self, slot: (vacated.append(self.occupants[slot]),
+                                                                       original_vacate(self, slot))[1])
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        prefill(model, prompts()[1], "keydiff", BUDGET, BLOCK, decoder=decoder)
+    assert raised and decoder.blocks.slot.block.occupants[0] is None and not any(vacated)  # freed, nothing copied
+    reference = prefill(model, prompts()[2], "keydiff", BUDGET, BLOCK, fixed_shapes=False)
+    state = prefill(model, prompts()[2], "keydiff", BUDGET, BLOCK, decoder=decoder)
+    assert torch.equal(state.logits, reference.logits)
+
+
+def test_a_decoder_refuses_options_it_does_not_run_with(model):
+    decoder = Decoder(model, 1, fixed_shapes=False)
+    state = prefill(model, prompts()[0], "keydiff", BUDGET, BLOCK)
+    with pytest.raises(ValueError, match="fixed_shapes=True, but the decoder runs fixed_shapes=False"):
+        generate(model, state, 3, fixed_shapes=True, decoder=decoder)
+    with pytest.raises(ValueError, match="batch_invariant=True, but the decoder runs without it"):
+        generate(model, state, 3, batch_invariant=True, decoder=decoder)
+    with pytest.raises(ValueError, match="fixed_shapes=True, but the decoder runs fixed_shapes=False"):
+        prefill(model, prompts()[0], "keydiff", BUDGET, BLOCK, fixed_shapes=True, decoder=decoder)

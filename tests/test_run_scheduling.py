@@ -78,7 +78,7 @@ def test_out_of_memory_with_forks_still_waiting_reruns_them_and_completes(tmp_pa
     def build(self):
         real_build(self)
         if all(known is not self.widths for known in widths):
-            widths.append(self.widths)  # per decoder: the warm-up's, then the run's
+            widths.append(self.widths)  # per decoder: the run's, then the warm-up's
 
     def flaky(stepper, active):
         keys = {sequence.request.key for sequence in active}
@@ -91,7 +91,7 @@ def test_out_of_memory_with_forks_still_waiting_reruns_them_and_completes(tmp_pa
     monkeypatch.setattr(scheduler, "decode_step", flaky)
     monkeypatch.setattr(scheduler.Decoder, "_build", build)
     summary, rows = run_at(math_cfg(tmp_path, "moom", "batch_size=2"))
-    assert raised and widths == [[1], [2, 1]]
+    assert raised and widths == [[2, 1], [1]]
     assert summary["complete"] and summary["num_failed"] == 0 and len(rows) == 6
     same_rows(expected, rows)
 

@@ -151,9 +151,9 @@ class JoinPool:
     """Slots for sequences prefilled on their own, so that those alike decode as one group like forks
     (keydiff.batching.generate_batch's `pool_rows`).
 
-    The block of `slots` slots is allocated only when a second sequence that could share it joins while the first
-    is still decoding (so a run whose prompts never match, e.g. ratio budgets giving every prompt its own N,
-    allocates nothing); both then move in. A joining sequence's stack is moved into a free slot (`RowBlock.take`:
+    The block of `slots` slots is allocated only when a second sequence that could share it joins while the
+    first is still decoding (so a run whose prompts never match, e.g. ratio budgets giving every prompt its own N,
+    allocates nothing); both then move in (with start_alone, below: at the first). A joining sequence's stack is moved into a free slot (`RowBlock.take`:
     one copy of its valid entries, its own buffers released); from then on it decodes with its neighbours where
     `runs` allows (equal counts: every prompt of N + B tokens or more holds N entries after each step). A stopped
     sequence keeps its slot until a new one needs it, and only then gets buffers of its own back (one copy,
@@ -162,10 +162,12 @@ class JoinPool:
     a step (docs/performance.md). Memory: the block holds all its slots from its first use, while each row's
     `kv_cache_bytes` counts its own slot, so a block with slots never filled holds more than its rows report.
 
-    start_alone: allocate the block for the first sequence that could use it, without waiting for a second. Where
-    the fixed-shape step is replayed as a CUDA graph over every slot of the block (keydiff.batching.step), this
-    makes the block the run's arena: every sequence, alone or not, decodes in it, so one graph serves them all
-    (keydiff.batching.scheduler.Decoder keeps the pool across calls).
+    start_alone: the arena arrangement, where the fixed-shape step is replayed as a CUDA graph over every slot of
+    the block (keydiff.batching.step) and keydiff.batching.scheduler.Decoder keeps the pool across its calls. The
+    block is allocated for the first sequence that could use it (batch 1 included), and forks of one prefill
+    (which `place_forks` put in a block of their own) move into its slots too (one copy each), so that every
+    sequence of the run's shape decodes in one block and one graph serves them all. Prompts shaped otherwise (a
+    ratio budget's other N, a capacity other than N + B) decode on their own.
     """
 
     def __init__(self, slots: int, start_alone: bool = False):
@@ -182,10 +184,19 @@ class JoinPool:
         stack = cache.stack
         placement = None if stack is None else stack.placement
         if placement is not None and self.block is not None and placement.block is self.block:
-            self.stopped.discard(placement.slot)  # decoding again in its slot (a follow-up turn): not free
+            if placement.resident:
+                self.stopped.discard(placement.slot)  # decoding again in its slot (a follow-up turn): not free
+                return True
+            # It grew out of its slot (a follow-up turn fed more than the slot holds): the slot is free, and the
+            # stack may move into one again like any other.
+            self.block.occupants[placement.slot] = None
+            self.stopped.discard(placement.slot)
+            stack.placement = placement = None
+        # Forks in a block of their own move into the arena (start_alone); elsewhere they stay where they are.
+        movable = placement is None or (self.start_alone and placement.resident)
         # A one-slot pool (a run's arena at width 1) takes attention-statistic policies too: one slot never forms a
         # group (`runs` needs two), so the ordinary step still computes each one's statistic row by row.
-        if not poolable(cache, statistic=self.slots == 1) or placement is not None:
+        if not poolable(cache, statistic=self.slots == 1) or not movable:
             return False
         if self.block is None:
             if cache.block_size is None or stack.capacity != stack.budget + cache.block_size:
@@ -239,21 +250,28 @@ class PrefillSlot:
         self.block: RowBlock | None = None
 
     def enter(self, stack: Storage) -> bool:
-        """Move `stack` into the slot (it may be there already); False if it cannot live in one (nothing moves)."""
+        """Move `stack` into the slot (it may be there already); False if it cannot live in one, or is shaped unlike
+        the slot (another N or capacity, e.g. a ratio budget's: it runs in its own buffers, with no copies, and
+        the slot keeps the run's usual shape). Nothing moves then."""
         if self.block is not None and self.block.holds(stack, 0):
             return True
-        if self.block is not None and self.block.layout != layout(stack):
-            self.block.vacate(0)
-            self.block = None
         if self.block is None:
             self.block = RowBlock.like(stack, 1)
-        self.block.vacate(0)  # a prefill that ended without leaving (an error) gets its entries back first
+        elif self.block.layout != layout(stack):
+            return False
+        self.block.vacate(0)  # a prefill that ended without leaving gets its entries back first
         return self.block.take(0, stack)
 
-    def leave(self, stack: Storage) -> None:
-        """The prefill of `stack` ended: its entries go to buffers of its own (one copy) if it lives here."""
-        if self.block is not None and self.block.occupants[0] is stack:
+    def leave(self, stack: Storage, keep_entries: bool = True) -> None:
+        """The prefill of `stack` ended: its entries go to buffers of its own (one copy) if it lives here;
+        keep_entries=False (a failed prefill, discarded) frees the slot without copying them."""
+        if self.block is None or self.block.occupants[0] is not stack:
+            return
+        if keep_entries:
             self.block.vacate(0)
+        else:
+            self.block.occupants[0] = None
+            stack.placement = None
 
 
 @dataclass(frozen=True)

@@ -76,11 +76,32 @@ class Decoder:
     def __init__(self, model: torch.nn.Module, width: int = 1, group_rows: bool = True, pool_rows: bool = True,
                  fixed_shapes: bool | None = None, batch_invariant: bool = False):
         if isinstance(width, bool) or int(width) != width or width < 1:
-            raise ValueError(f"batch_size must be a positive integer, got {width!r}")
+            raise ValueError(f"the width (batch_size) must be a positive integer, got {width!r}")
         self.model, self.width = model, int(width)
         self.group_rows, self.pool_rows = group_rows, pool_rows
         self.options = (fixed_shapes, batch_invariant)
         self.widths: list[int] = []  # every width it has run at, in order (the first, then each halving)
+        self._build()
+
+    def check_options(self, fixed_shapes: bool | None = None, batch_invariant: bool = False) -> None:
+        """Refuse a call's fixed_shapes / batch_invariant that the decoder does not run with (keydiff.generate and
+        keydiff.prefill with `decoder=` run with the decoder's own); the calls' defaults (None, False) pass."""
+        if fixed_shapes is not None and bool(fixed_shapes) != self.stepper.fixed_shapes:
+            raise ValueError(f"fixed_shapes={fixed_shapes!r}, but the decoder runs fixed_shapes="
+                             f"{self.stepper.fixed_shapes}: make the Decoder with it, or pass no decoder")
+        if batch_invariant and not self.options[1]:
+            raise ValueError("batch_invariant=True, but the decoder runs without it: make the Decoder with "
+                             "batch_invariant=True, or pass no decoder")
+
+    @property
+    def replays_graphs(self) -> bool:
+        """Whether its fixed-shape steps are replayed as CUDA graphs over the arena (the device's arrangement)."""
+        return self.stepper.fixed_shapes and self.stepper.full_width
+
+    def reset(self) -> None:
+        """Drop the arena, the slot and the steps (rebuilt empty at the same width): after a caller handled an
+        error of its own call (a sample at batch 1 that ran out of memory), nothing of that sequence stays."""
+        self.stepper = self.pool = self.blocks = None
         self._build()
 
     def _build(self) -> None:
@@ -88,7 +109,7 @@ class Decoder:
         if not self.widths or self.widths[-1] != self.width:
             self.widths.append(self.width)
         self.stepper = Stepper(self.model, self.group_rows, *self.options)
-        alone = self.stepper.fixed_shapes and self.stepper.full_width  # a replayed graph: even one sequence pools
+        alone = self.replays_graphs  # a replayed graph: even one sequence pools
         pooled = self.group_rows and self.pool_rows and (self.width > 1 or alone)
         self.pool = JoinPool(self.width, start_alone=alone) if pooled else None
         # The prefills' block step (keydiff.engine.prefill(..., decoder=)): in a slot kept across prompts where
@@ -169,18 +190,19 @@ class Decoder:
         for job in jobs:
             job.abandon()
         self.stepper = self.pool = self.blocks = None
-        release_memory()
-        failures = []
-        if self.width == 1:
-            failures = [(job.key, Failure(job.key, "out_of_memory", message, job)) for job in jobs]
-            for job in jobs:
-                LOG.warning("%s ran out of memory at width 1: given up", job.key)
-        else:
-            LOG.warning("out of memory at width %d: %d sequences start again at width %d", self.width, len(jobs),
-                        self.width // 2)
-            self.width //= 2
-        self._build()
-        return failures
+        failed_width = self.width
+        try:
+            release_memory()
+        finally:  # even if interrupted here, the decoder stays usable
+            self.width = max(1, failed_width // 2)
+            self._build()
+        if failed_width > 1:
+            LOG.warning("out of memory at width %d: %d sequences start again at width %d", failed_width, len(jobs),
+                        self.width)
+            return []
+        for job in jobs:
+            LOG.warning("%s ran out of memory at width 1: given up", job.key)
+        return [(job.key, Failure(job.key, "out_of_memory", message, job)) for job in jobs]
 
 
 def generate_batch(
@@ -190,4 +212,6 @@ def generate_batch(
     """Decode every request, up to `batch_size` sequences at once, with a Decoder of its own (see `Decoder` for
     the arguments; a run that decodes through many calls keeps one Decoder instead, so that its arena and
     captured steps are built once)."""
+    if isinstance(batch_size, bool) or int(batch_size) != batch_size or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
     yield from Decoder(model, batch_size, group_rows, pool_rows, fixed_shapes, batch_invariant).generate(requests)

@@ -340,7 +340,9 @@ class StaticStep:
         try:
             with torch.cuda.graph(graph):
                 self.logits = self.step(self.ids, self.positions, self.active)
-        except Exception as error:  # noqa: BLE001 - any capture failure: run the same step eagerly
+        except Exception as error:  # noqa: BLE001 - any capture failure but out of memory: run the step eagerly
+            if isinstance(error, (torch.cuda.OutOfMemoryError, MemoryError)) or "out of memory" in str(error).lower():
+                raise  # not the step's fault: the caller's back-off (or failed row) handles it; capture next time
             LOG.warning("the fixed-shape step could not be captured as a CUDA graph (%s: %s); it runs eagerly",
                         type(error).__name__, str(error).splitlines()[0][:200])
             self.capture, self.logits = False, None

@@ -136,7 +136,7 @@ class Stepper:
             owner, starts = block, [slot - first for slot in slots]
             make = lambda: Rows.of_block(block, caches[0].stack.layers, first, stop)  # noqa: E731
             source = (block.keys, first, stop)
-        elif len(caches) == 1 and placements[0] is None:
+        elif len(caches) == 1 and (placements[0] is None or not placements[0].resident):  # in its own buffers
             owner, starts = caches[0].stack, [0]
             make = lambda: Rows.of_storage(owner)  # noqa: E731
             source = (owner.keys, 0, owner.keys.shape[1])
@@ -219,10 +219,14 @@ class BlockStepper:
         cache.note_fixed_step(q)
         return logits
 
-    def finish(self, cache) -> None:
-        """The prefill of `cache` ended (or failed): its stack leaves the arena's slot with its entries."""
-        if self.slot is not None and cache.stack is not None:
-            self.slot.leave(cache.stack)
+    def finish(self, cache, failed: bool = False) -> None:
+        """The prefill of `cache` ended: its stack leaves the arena's slot with its entries (failed: without them,
+        nothing is copied while an error such as out of memory unwinds: the prefill is discarded). Without a
+        slot, the step built on the prompt's own buffers is dropped, so that it holds none of them."""
+        if self.slot is None:
+            self.step = self.built = None
+        elif cache.stack is not None:
+            self.slot.leave(cache.stack, keep_entries=not failed)
 
 
 def decode_step(stepper: Stepper, active: list[Sequence]) -> tuple[list[Sequence], list[Sequence]]:

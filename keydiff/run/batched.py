@@ -43,6 +43,11 @@ class SharedPrefill:
         self.broken = False
         self.budget = None
 
+    def abandon(self) -> None:
+        """A back-off abandoned a member: the forks not yet taken are dropped now (their memory is part of what
+        the back-off frees), and every member still to start prefills alone."""
+        self.broken, self.forks = True, {}
+
     def take(self, key: str):
         """(state, budget) for member `key`."""
         if self.forks is None and not self.broken:
@@ -72,8 +77,10 @@ class SampleJob:
         return Request(self.state, key=self.key, **decode_settings(self.ctx, self.prompt.generation, self.seed))
 
     def abandon(self) -> None:
-        """Abandoned by a back-off: drop the state (its cache may be a view of the arena the back-off frees)."""
+        """Abandoned by a back-off: drop the state (its cache may be a view of the arena the back-off frees) and
+        the shared prefill's forks not yet taken."""
         self.state = None
+        self.shared.abandon()
 
     def row(self, out) -> dict[str, Any]:
         """The sample's row from its result (the state is dropped: a pooled cache is a view of the whole arena)."""

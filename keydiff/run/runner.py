@@ -67,12 +67,15 @@ def load_model_once(model_cfg: ModelConfig):
     return _LOADED["value"]
 
 
-def warm_up(plan: RunPlan, model, tokenizer, sample) -> None:
+def warm_up(ctx: RunContext, sample) -> None:
     """One untimed prefill + decode on the start of the first prompt, so that no sample's TTFT carries the
-    device's start-up (CUDA context, cuBLAS handles, kernel selection, allocator growth)."""
+    device's start-up (CUDA context, cuBLAS handles, kernel selection, allocator growth). Where the run's decoder
+    replays CUDA graphs, through that decoder and long enough (N + 3B tokens, 3 decoded) to capture its block and
+    decode steps, which every sample then replays: the first sample's times carry no capture either."""
+    plan, model, tokenizer = ctx.plan, ctx.model, ctx.tokenizer
     prompt = plan.build_prompt(sample, tokenizer)
     ids = prompt.input_ids
-    tokens = min(len(ids), 2 * (plan.block_size or 128))
+    block = plan.block_size or 128
     policy = plan.new_policy()
     budget = plan.sample_budget(plan.compressed_tokens(prompt))  # the first sample's N: what that sample will run
     if budget is not None and plan.ratio is not None:
@@ -80,9 +83,13 @@ def warm_up(plan: RunPlan, model, tokenizer, sample) -> None:
             policy.check(budget)
         except ValueError:
             return  # that sample is recorded as failed; nothing to warm up
+    captures = ctx.decoder.replays_graphs and budget is not None and plan.block_size is not None
+    tokens = min(len(ids), budget + 3 * block if captures else 2 * block)
+    decoder = ctx.decoder if captures else None
     state = prefill(model, torch.tensor([ids[:tokens]]), policy, budget, plan.block_size, plan.statistics,
-                    tokenizer=tokenizer)
-    generate(model, state, 2, evict=plan.decode_eviction, batch_invariant=plan.batch_invariant)
+                    tokenizer=tokenizer, decoder=decoder)
+    generate(model, state, 3 if captures else 2, evict=plan.decode_eviction, batch_invariant=plan.batch_invariant,
+             decoder=decoder)
 
 
 def run_statistics(rows: list[dict[str, Any]], plan: RunPlan) -> dict[str, Any]:
@@ -185,9 +192,9 @@ def execute(cfg: DictConfig, plan: RunPlan, samples: list, run_dir: str | Path,
                     log.info("model loaded in %.1f s", time.perf_counter() - load_start)
                     stop_ids = eos_token_ids(model, tokenizer)
                     provenance = model_provenance(plan.model_cfg, model)
-                    warm_up(plan, model, tokenizer, todo[0])
-                ctx = RunContext(plan, model, tokenizer, stop_ids, code, signals, int(cfg.seed),
-                                 int(cfg.get("batch_size", 1)), cfg.get("max_prompt_tokens"))
+                    ctx = RunContext(plan, model, tokenizer, stop_ids, code, signals, int(cfg.seed),
+                                     int(cfg.get("batch_size", 1)), cfg.get("max_prompt_tokens"))
+                    warm_up(ctx, todo[0])
                 loop_start = time.perf_counter()
                 for row in tqdm(sample_rows(ctx, todo),
                                 total=len(todo), desc=f"{plan.task.name}/{plan.policy_name}", unit="sample"):

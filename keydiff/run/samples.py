@@ -199,6 +199,7 @@ def process_sample(ctx: RunContext, sample) -> dict[str, Any]:
             if not is_out_of_memory(error):
                 raise RuntimeError(f"sample {sample.id!r} failed with {type(error).__name__}: {error}") from error
             out_of_memory = f"{type(error).__name__}: {error}"
+    ctx.decoder.reset()  # nothing of the failed sample stays in the decoder's arena or steps
     release_memory()  # outside the except block, once the traceback (and the tensors it pins) is gone
     log.warning("sample %s ran out of memory (%d prompt tokens): recorded as failed", sample.id, len(prompt.input_ids))
     return failed_row(ctx, sample, prompt, "out_of_memory", out_of_memory)
