@@ -115,6 +115,20 @@ def test_attention_statistic_policies_replay_one_step_per_run_at_width_one(model
     assert [w for w, q in steps if q == 1] == [1]  # one decode step for the three prompts
 
 
+def test_a_prompt_shaped_unlike_the_slot_leaves_the_slots_step_in_place(model, monkeypatch):
+    """A prompt of another N (as a ratio budget gives) runs its blocks on its own buffers with a step of its own,
+    dropped when its prefill ends; the slot's step, built for the run's shape, serves the prompts after it."""
+    monkeypatch.setitem(step.FULL_WIDTH, "cpu", True)
+    steps = built(monkeypatch)
+    decoder = Decoder(model, 1)
+    for ids, budget in zip(prompts()[:3], (BUDGET, 24, BUDGET)):
+        reference = prefill(model, ids, "keydiff", budget, BLOCK, fixed_shapes=False)
+        state = prefill(model, ids, "keydiff", budget, BLOCK, decoder=decoder)
+        assert torch.equal(state.logits, reference.logits)
+        assert decoder.blocks.own is None  # the other shape's step holds none of its buffers after its prefill
+    assert [q for _, q in steps] == [BLOCK, BLOCK]  # the slot's (once) and the other shape's
+
+
 def test_without_the_arena_arrangement_a_cpu_decoder_keeps_a_sequence_alone_in_its_own_stack(model, monkeypatch):
     """The CPU default: no graph to replay, so a sequence alone is not copied into an arena (nothing gained)."""
     monkeypatch.setitem(step.FULL_WIDTH, "cpu", False)

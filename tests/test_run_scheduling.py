@@ -68,9 +68,11 @@ def test_prompts_of_equal_length_but_other_tokens_never_share_a_prefill(tmp_path
 
 
 def test_out_of_memory_with_forks_still_waiting_reruns_them_and_completes(tmp_path, tiny, monkeypatch):
-    """Math-500, 3 responses per problem sharing one prefill, batch 2: when memory runs out after the first
-    response is written, one fork is decoding and the third still waits for a slot. Both are run again at batch 1,
-    and the run ends complete with batch 1's rows."""
+    """Math-500, 3 responses per problem sharing one prefill, batch 2: memory runs out at the first step with a
+    sequence that joined after the first ones were written (here the first two finish together, so the third
+    response and the second problem's first join, its other two forks still waiting). The abandoned ones and the
+    waiting forks start again at batch 1, each with a prefill of its own, and the run ends complete with batch 1's
+    rows."""
     _, expected = run_at(math_cfg(tmp_path, "m1"))
     real, seen, raised, widths = scheduler.decode_step, set(), [], []
     real_build = scheduler.Decoder._build
@@ -81,7 +83,7 @@ def test_out_of_memory_with_forks_still_waiting_reruns_them_and_completes(tmp_pa
             widths.append(self.widths)  # per decoder: the run's, then the warm-up's
 
     def flaky(stepper, active):
-        keys = {sequence.request.key for sequence in active}
+        keys = {sequence.request.key for sequence in active} - {None}  # None: the warm-up's sequence
         if seen and keys - seen and not raised:  # the third response joined: the first was written
             raised.append(True)
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
@@ -94,6 +96,10 @@ def test_out_of_memory_with_forks_still_waiting_reruns_them_and_completes(tmp_pa
     assert raised and widths == [[2, 1], [1]]
     assert summary["complete"] and summary["num_failed"] == 0 and len(rows) == 6
     same_rows(expected, rows)
+    # The first two responses were written from the shared prefill; the third and the second problem's three
+    # (one abandoned, two forks dropped while waiting) were prefilled each alone.
+    shared = {key: row["prefill_shared"] for key, row in rows.items()}
+    assert sorted(shared.values()) == [1, 1, 1, 1, 3, 3], shared
 
 
 # --------------------------------------------------------------------------------- shards

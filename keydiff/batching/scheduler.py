@@ -189,9 +189,9 @@ class Decoder:
         release memory, halve the width; at width 1 the job in flight is given up (returned as a failure)."""
         for job in jobs:
             job.abandon()
-        self.stepper = self.pool = self.blocks = None
         failed_width = self.width
         try:
+            self.stepper = self.pool = self.blocks = None
             release_memory()
         finally:  # even if interrupted here, the decoder stays usable
             self.width = max(1, failed_width // 2)

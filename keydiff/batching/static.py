@@ -211,6 +211,16 @@ class FixedCache(Cache):
         super().__init__(layers=[_FixedLayer(rows, i, kept, active) for i in range(num_layers)])
 
 
+def out_of_memory(error: BaseException | None) -> bool:
+    """Whether an error is, or was raised while handling, running out of memory (a capture that runs out ends
+    in capture_end's own CUDA error, with the out-of-memory error as its context)."""
+    while error is not None:
+        if isinstance(error, (torch.cuda.OutOfMemoryError, MemoryError)) or "out of memory" in str(error).lower():
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
 class StaticStep:
     """One pass of q tokens for the W rows of `rows`, every row holding N = `budget` entries, and the eviction
     after it, in fixed shapes (see the module). `run(ids, positions, active)` -> next-token logits [W, vocab].
@@ -341,7 +351,7 @@ class StaticStep:
             with torch.cuda.graph(graph):
                 self.logits = self.step(self.ids, self.positions, self.active)
         except Exception as error:  # noqa: BLE001 - any capture failure but out of memory: run the step eagerly
-            if isinstance(error, (torch.cuda.OutOfMemoryError, MemoryError)) or "out of memory" in str(error).lower():
+            if out_of_memory(error):
                 raise  # not the step's fault: the caller's back-off (or failed row) handles it; capture next time
             LOG.warning("the fixed-shape step could not be captured as a CUDA graph (%s: %s); it runs eagerly",
                         type(error).__name__, str(error).splitlines()[0][:200])

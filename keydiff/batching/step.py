@@ -125,7 +125,7 @@ class Stepper:
         if not eligible(caches) or (not self.group_rows and len(caches) > 1):  # group_rows=False: each on its own
             return None
         for cache in caches:  # a sequence that moved into a block: its own stack's step holds buffers it left
-            if cache.stack.placement is not None:
+            if cache.stack.placement is not None and cache.stack.placement.resident:
                 self.steps.pop(cache.stack, None)
         placements = [cache.stack.placement for cache in caches]
         if all(p is not None and p.resident for p in placements) and len({id(p.block) for p in placements}) == 1:
@@ -194,8 +194,10 @@ class BlockStepper:
         device = next(model.parameters()).device
         self.enabled = fixed_shapes_default(device) if fixed_shapes is None else bool(fixed_shapes)
         self.slot = PrefillSlot() if arena else None
-        self.step: StaticStep | None = None
-        self.built: tuple | None = None  # what the step was built on: key buffer, q, policy, budget
+        # The step over the slot (kept across prompts: one graph per run) and, for a prompt in its own buffers
+        # (no slot, or one shaped unlike the slot's), the step over those (dropped when its prefill ends).
+        self.kept: tuple[tuple, StaticStep] | None = None
+        self.own: tuple[tuple, StaticStep] | None = None
 
     def run(self, cache, ids: torch.Tensor, start: int, block: int) -> torch.Tensor | None:
         """Next-token logits [rows, vocab] after the block `ids` [rows, q] at positions start..start+q-1 of `cache`,
@@ -205,27 +207,40 @@ class BlockStepper:
         if not self.enabled or q != block or not eligible([cache], q):
             return None
         stack = cache.stack
-        if self.slot is not None and self.slot.enter(stack):
+        in_slot = self.slot is not None and self.slot.enter(stack)
+        if in_slot:
             block = self.slot.block
             source, make = block.keys, lambda: Rows.of_block(block, stack.layers)  # noqa: E731
         else:
             source, make = stack.keys, lambda: Rows.of_storage(stack)  # noqa: E731
         built = (source, q, cache.policy, stack.budget)
+        held = self.kept if in_slot else self.own
         # Built for these buffers (a stack can move), this block length, policy and N.
-        if self.step is None or self.built[0] is not source or self.built[1:] != built[1:]:
-            self.step, self.built = StaticStep(self.model, make(), cache.policy, stack.budget, q), built
+        if held is None or held[0][0] is not source or held[0][1:] != built[1:]:
+            held = (built, StaticStep(self.model, make(), cache.policy, stack.budget, q))
+            if in_slot:
+                self.kept = held
+            else:
+                self.own = held
+        step = held[1]
         positions = torch.arange(start, start + q, device=ids.device).expand(ids.shape[0], q)
-        logits = self.step.run(ids, positions, self.step.active)
+        logits = step.run(ids, positions, step.active)
         cache.note_fixed_step(q)
         return logits
+
+    @property
+    def step(self) -> StaticStep | None:
+        """The step over the kept slot (what a GPU replays for every prompt of the run), else the last prompt's own."""
+        held = self.kept or self.own
+        return None if held is None else held[1]
 
     def finish(self, cache, failed: bool = False) -> None:
         """The prefill of `cache` ended: its stack leaves the arena's slot with its entries (failed: without them,
         nothing is copied while an error such as out of memory unwinds: the prefill is discarded). Without a
-        slot, the step built on the prompt's own buffers is dropped, so that it holds none of them."""
-        if self.slot is None:
-            self.step = self.built = None
-        elif cache.stack is not None:
+        slot (or in buffers of its own), the step built on the prompt's own buffers is dropped, so that it holds
+        none of them."""
+        self.own = None
+        if self.slot is not None and cache.stack is not None:
             self.slot.leave(cache.stack, keep_entries=not failed)
 
 

@@ -49,16 +49,16 @@ class SharedPrefill:
         self.broken, self.forks = True, {}
 
     def take(self, key: str):
-        """(state, budget) for member `key`."""
+        """(state, budget, how many samples share that state's prefill) for member `key`."""
         if self.forks is None and not self.broken:
             state, self.budget = prefill_sample(self.ctx, self.prompt)
             # Every member a fork (not the prefilled state and k - 1 forks), so that all k lie side by side in one
             # block and decode as one group where the policy allows (keydiff.batching.blocks).
             self.forks = dict(zip(self.members, state.fork(self.size) if self.size > 1 else [state]))
         if not self.broken and key in self.forks:
-            return self.forks.pop(key), self.budget
+            return self.forks.pop(key), self.budget, self.size
         self.broken, self.forks = True, {}
-        return prefill_sample(self.ctx, self.prompt)
+        return (*prefill_sample(self.ctx, self.prompt), 1)
 
 
 class SampleJob:
@@ -69,10 +69,11 @@ class SampleJob:
         self.ctx, self.sample, self.prompt, self.shared = ctx, sample, prompt, shared
         self.key = sample.id
         self.state = self.budget = self.seed = None
+        self.shared_by = 1  # how many samples share the prefill its state came from (`prefill_shared`)
 
     def start(self) -> Request:
         self.state = None
-        self.state, self.budget = self.shared.take(self.key)
+        self.state, self.budget, self.shared_by = self.shared.take(self.key)
         self.seed = sample_seed(self.prompt.generation, self.ctx.seed, self.sample)
         return Request(self.state, key=self.key, **decode_settings(self.ctx, self.prompt.generation, self.seed))
 
@@ -85,7 +86,7 @@ class SampleJob:
     def row(self, out) -> dict[str, Any]:
         """The sample's row from its result (the state is dropped: a pooled cache is a view of the whole arena)."""
         row = {**sample_row(self.ctx, self.sample, self.prompt, self.state, out, self.budget, self.seed),
-               **batch_record(out, self.shared.size)}
+               **batch_record(out, self.shared_by)}
         self.state = None
         return row
 

@@ -79,6 +79,7 @@ def context_rows(ctx: RunContext, samples: list, wanted: set) -> list[dict[str, 
         if not is_out_of_memory(error):
             raise RuntimeError(f"context of {samples[0].id!r} failed with {type(error).__name__}: {error}") from error
         out_of_memory = f"{type(error).__name__}: {error}"
+    ctx.decoder.reset()  # nothing of the failed context stays in the decoder's arena or steps
     release_memory()
     log.warning("context of %s ran out of memory: its questions are recorded as failed", samples[0].id)
     return [failed_row(ctx, s, p, "out_of_memory", out_of_memory)
