@@ -308,6 +308,9 @@ def test_fixed_step_benchmark_runs_on_tiny_sizes(tmp_path):
     assert {(r["width"], r["form"]) for r in record["results"]} == {(1, "ordinary"), (1, "fixed"), (3, "ordinary"),
                                                                     (3, "fixed")}
     assert all(r["same_tokens"] and r["ms_per_step"] > 0 for r in record["results"]) and "code" in record
+    assert all(r["floor_ms"] == max(r["bandwidth_floor_ms"], r["compute_floor_ms"]) > 0
+               and r["x_floor"] == pytest.approx(r["ms_per_step"] / r["floor_ms"]) for r in record["results"])
+    assert record["device_rates"]["bandwidth_source"].startswith("measured")
 
 
 @pytest.mark.parametrize("full_width", [False, True], ids=["span", "full-width"])

@@ -7,7 +7,9 @@ step is never compiled by default, see docs/performance.md). Each form decodes `
 `--warm-up` untimed ones: the compile happens there) of W sequences that are forks of one prefill (one block),
 every sequence holding N entries, in --repeats rounds with the forms interleaved; the median per-step time is
 reported, with the median of the per-round ratios to the ordinary step, the warm-up's wall time (what a compile
-costs) and whether the forms gave the same tokens.
+costs), whether the forms gave the same tokens, and the step's floor on this device (keydiff.bench.floor: the
+weights and the W rows' N + 1 entries read once at the measured bandwidth, or the FLOPs at the measured matmul
+rate, whichever is larger) with each form's time over it.
 
     python -m keydiff.bench.fixed_step --model random-smollm2 --threads 2 --widths 1,8 --repeats 5 --json out.json
 """
@@ -24,7 +26,7 @@ import torch
 from keydiff import Request, build_policy, generate_batch, prefill
 from keydiff.attention import keydiff_attention
 from keydiff.batching.static import Rows, StaticStep
-from keydiff.bench import common
+from keydiff.bench import common, floor
 
 
 def compiled_form(model, state, width: int, budget: int, args, device: str) -> dict:
@@ -94,6 +96,9 @@ def main(argv: list[str] | None = None) -> None:
           flush=True)
     prompt = common.random_prompt(model, args.length).to(device)
     state = prefill(model, prompt, build_policy("keydiff"), args.budget, args.block_size)
+    rates = floor.measure(device, dtype)
+    print(f"  bandwidth {rates.bandwidth / 1e9:.1f} GB/s ({rates.bandwidth_source}), matmul "
+          f"{rates.matmul_flops / 1e9:.1f} GFLOP/s ({rates.dtype})", file=sys.stderr, flush=True)
     rows = []
     forms = args.forms.split(",")
     for width in [int(w) for w in args.widths.split(",")]:
@@ -110,17 +115,22 @@ def main(argv: list[str] | None = None) -> None:
             row = {"width": width, "form": form, "ms_per_step": statistics.median(r["ms_per_step"] for r in results),
                    "per_round_ms": [r["ms_per_step"] for r in results],
                    "warm_up_s": results[0].get("warm_up_s"),
-                   "same_tokens": all(r["tokens"] == reference for r in results)}
+                   "same_tokens": all(r["tokens"] == reference for r in results),
+                   **floor.floor_ms(model, width, args.budget + 1, rates)}
+            row["x_floor"] = common.ratio(row["ms_per_step"], row["floor_ms"])
             if "ordinary" in rounds:  # the median of the per-round ratios: drift cancels within a round
                 row["x_ordinary"] = statistics.median(r["ms_per_step"] / o["ms_per_step"]
                                                       for r, o in zip(results, rounds["ordinary"]))
             rows.append(row)
     common.print_table([("W", 3), ("form", 9), ("ms/step", 8), ("x ordinary", 10), ("warm-up s", 9),
-                        ("same tokens", 11)],
+                        ("same tokens", 11), ("floor ms", 8), ("bandwidth / compute", 19), ("x floor", 7)],
                        [[str(r["width"]), r["form"], f"{r['ms_per_step']:.1f}", common.fmt(r.get("x_ordinary"), ".3f"),
-                         common.fmt(r["warm_up_s"], ".1f"), str(r["same_tokens"])] for r in rows], 2)
+                         common.fmt(r["warm_up_s"], ".1f"), str(r["same_tokens"]), common.fmt(r["floor_ms"], ".1f"),
+                         f"{common.fmt(r['bandwidth_floor_ms'], '.1f')} / {common.fmt(r['compute_floor_ms'], '.1f')}",
+                         common.fmt(r["x_floor"], ".2f")] for r in rows], 2)
     if args.json:
-        common.write_json(args.json, {"results": rows, "settings": vars(args)}, started)
+        common.write_json(args.json, {"results": rows, "settings": vars(args), "device_rates": rates.record()},
+                          started)
 
 
 if __name__ == "__main__":

@@ -6,10 +6,13 @@ same process:
 
   decode     ms per step at batch 1 and 16: KeyDiff with the fixed-shape step (a CUDA graph replayed) and with
              the ordinary step; `full` (ours) at batch 16; transformers' eager DynamicCache loop; transformers'
-             StaticCache under torch.compile(mode="reduce-overhead") (its compile time recorded); the bandwidth
-             floor (weights + the rows' entries read once); KeyDiff's fixed-shape step with batch_invariant=True
-             (keydiff.kernels' fixed-order kernels) and its cost against the plain kernels (`x_plain`, steady steps:
-             the number the "default on CUDA at <= 1.15x" rule of docs/performance.md needs)
+             StaticCache under torch.compile(mode="reduce-overhead") (its compile time recorded); the floor
+             (keydiff.bench.floor: weights + the rows' entries read once at the vendor's bandwidth, or the FLOPs at
+             the measured matmul rate if larger; the rates are the row "device rates"); a run's own path at batch
+             1, one keydiff.Decoder across calls (what a sample pays after the first, and the graphs captured);
+             KeyDiff's fixed-shape step with batch_invariant=True (keydiff.kernels' fixed-order kernels) and its
+             cost against the plain kernels (`x_plain`, steady steps: the number the "default on CUDA at <= 1.15x"
+             rule of docs/performance.md needs)
   prefill    block-wise KeyDiff prefill (N = 2,048) at L = 32K for B = 64, 128, 256, 1,024 and at L = 128K for
              B = 128: seconds and peak GiB beyond the weights, beside one full forward (logits_to_keep=1); B = 128
              at 32K with the ordinary step too
@@ -30,6 +33,7 @@ numbers.
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 import traceback
@@ -37,12 +41,8 @@ from dataclasses import dataclass
 
 import torch
 
-from keydiff import Request, build_policy, generate, generate_batch, prefill
-from keydiff.bench import common
-
-# Memory bandwidth by device name, for the floor (bytes per second; the vendor's figure).
-BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12}
-
+from keydiff import Decoder, Request, build_policy, generate, generate_batch, prefill
+from keydiff.bench import common, floor
 
 @dataclass(frozen=True)
 class Sizes:
@@ -66,6 +66,8 @@ class Sizes:
 
 FULL = Sizes("random-llama-3.2-3b", 4096, 1024, 128, 32, 16, (32768, 131072), 2048, (64, 128, 256, 1024),
              (1536, 3072), 512, 64, 32768, 16.0, 16, True)
+# The floor's rates measured small on a CPU (--quick): the tests run them; a CPU's numbers mean nothing here.
+CPU_RATES = {"read_mib": 64, "matmul_size": 256, "repeats": 2}
 QUICK = Sizes("random-tiny", 256, 64, 16, 6, 4, (512, 1024), 64, (16, 32, 64), (96, 160), 32, 8, 512, 0.002, 4,
               False)  # B = 16 is in the sweep, as the paper's B = 128 is in FULL's
 
@@ -85,18 +87,6 @@ def decode_seconds(model, states, tokens: int, fixed: bool, invariant: bool = Fa
     seconds, out = timed(device, lambda: dict(generate_batch(model, requests, len(requests), fixed_shapes=fixed,
                                                              batch_invariant=invariant)))
     return seconds, [out[i].token_ids[0] for i in range(len(states))]
-
-
-def floor_ms(model, rows: int, entries: int) -> float | None:
-    """Reading the weights and the rows' cache entries once, at the device's memory bandwidth (ms)."""
-    if not torch.cuda.is_available():
-        return None
-    name = torch.cuda.get_device_name()
-    bandwidth = next((bw for key, bw in BANDWIDTH.items() if key in name), None)
-    if bandwidth is None:
-        return None
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    return 1e3 * (weights + common.kv_cache_bytes(None, model, entries, rows)) / bandwidth
 
 
 def transformers_static_ms(model, prompt, batch: int, tokens: int, device: str) -> dict:
@@ -134,12 +124,38 @@ def steady(model, states_of, sizes: Sizes, fixed: bool, invariant: bool = False)
             "ms_per_step_steady": 1e3 * (long - short) / sizes.tokens}, tokens
 
 
+def decoder_rows(model, state, sizes: Sizes, device: str, floor_ms: float | None) -> list[dict]:
+    """A run's own path at batch 1: one keydiff.Decoder kept across calls (the runner's RunContext.decoder), each
+    call a fresh fork of the prompt decoding `sizes.tokens` tokens, as each sample of a run does. The first call
+    captures the decode graph; `ms_per_step` is the median of the next calls' whole time per step (first steps,
+    the move into the arena and the bookkeeping included: what every later sample pays), `first_call_ms_per_step`
+    the first call's, and `graphs` the decode graphs the decoder captured over all calls (1 where it replays)."""
+    decoder, seconds, graphs = Decoder(model, 1), [], []
+    for _ in range(4):
+        fork = state.fork(1)[0]
+        seconds.append(timed(device, lambda: generate(model, fork, sizes.tokens, decoder=decoder))[0])
+        for _, step in decoder.stepper.steps.values():
+            if step.graph is not None and all(step.graph is not known for known in graphs):
+                graphs.append(step.graph)  # kept, not their ids: a freed graph's id may be reused
+    per_step = [1e3 * s / (sizes.tokens - 1) for s in seconds]
+    return [{"row": "decode", "case": "keydiff, one decoder across calls", "batch": 1,
+             "ms_per_step": statistics.median(per_step[1:]), "first_call_ms_per_step": per_step[0],
+             "graphs": len(graphs), "floor_ms": floor_ms}]
+
+
 def decode_rows(model, sizes: Sizes, device: str) -> list[dict]:
     from keydiff.bench.throughput import transformers_case, transformers_prefill
 
     prompt = common.random_prompt(model, sizes.length).to(device)
-    rows, steps = [], sizes.tokens - 1
+    steps = sizes.tokens - 1
+    rates = floor.measure(device, next(model.parameters()).dtype, **({} if device == "cuda" else CPU_RATES))
+    rows = [{"row": "decode", "case": "device rates", **rates.record()}]
+
+    def floor_ms(batch: int, entries: int) -> float | None:
+        return floor.floor_ms(model, batch, entries, rates)["floor_ms"]
+
     state = prefill(model, prompt, build_policy("keydiff"), sizes.budget, sizes.block)
+    rows += decoder_rows(model, state, sizes, device, floor_ms(1, sizes.budget + 1))
     full = prefill(model, prompt, build_policy("full"), None, sizes.block)
     invariant_tokens = {}
     for batch in (1, sizes.batch):
@@ -148,21 +164,21 @@ def decode_rows(model, sizes: Sizes, device: str) -> list[dict]:
             timing, tokens[fixed] = steady(model, lambda: state.fork(batch), sizes, fixed)
             steady_ms[fixed] = timing["ms_per_step_steady"]
             rows.append({"row": "decode", "case": f"keydiff {'fixed' if fixed else 'ordinary'}", "batch": batch,
-                         **timing, "floor_ms": floor_ms(model, batch, sizes.budget + 1)})
+                         **timing, "floor_ms": floor_ms(batch, sizes.budget + 1)})
         rows.append({"row": "exact", "case": "fixed step = ordinary step, keydiff", "batch": batch,
                      "identical": sum(a == b for a, b in zip(tokens[True], tokens[False])), "of": batch})
         plain = steady_ms[True]
         timing, invariant_tokens[batch] = steady(model, lambda: state.fork(batch), sizes, True, invariant=True)
         rows.append({"row": "decode", "case": "keydiff fixed, batch_invariant", "batch": batch, **timing,
                      "x_plain": timing["ms_per_step_steady"] / plain if plain > 0 else None,
-                     "floor_ms": floor_ms(model, batch, sizes.budget + 1)})
+                     "floor_ms": floor_ms(batch, sizes.budget + 1)})
     rows.append({"row": "exact", "case": f"batch_invariant: forks at batch {sizes.batch} = batch 1, keydiff",
                  "batch": sizes.batch,
                  "identical": sum(t == invariant_tokens[1][0] for t in invariant_tokens[sizes.batch]),
                  "of": sizes.batch})
     timing, _ = steady(model, lambda: full.fork(sizes.batch), sizes, True)
     rows.append({"row": "decode", "case": "full (ours)", "batch": sizes.batch, **timing,
-                 "floor_ms": floor_ms(model, sizes.batch, sizes.length + 2 * sizes.tokens)})
+                 "floor_ms": floor_ms(sizes.batch, sizes.length + 2 * sizes.tokens)})
     del full, state
     common.release_memory(device)
     anchor = transformers_prefill(model, prompt, device)
@@ -255,7 +271,7 @@ def serving_rows(model, sizes: Sizes, device: str) -> list[dict]:
 def print_rows(rows: list[dict]) -> None:
     keys = ["row", "case", "batch", "L", "B", "ms_per_step", "ms_per_step_steady", "x_plain", "floor_ms", "seconds",
             "x_largest_block",
-            "peak_gib_beyond", "identical", "of", "sequences_held", "tokens_per_s", "compile_s", "error"]
+            "peak_gib_beyond", "first_call_ms_per_step", "graphs", "identical", "of", "sequences_held", "tokens_per_s", "compile_s", "error"]
     shown = [k for k in keys if any(k in r for r in rows)]
     cell = lambda v: "-" if v is None else f"{v:.3g}" if isinstance(v, float) else str(v)  # noqa: E731
     common.print_table([(k, 0) for k in shown], [[cell(r.get(k)) for k in shown] for r in rows], text_columns=2)
