@@ -1,6 +1,7 @@
 """The decoding step of full caches, three ways, per step: keydiff.generate_batch with the ordinary step (through the
 batch cache) and with the fixed-shape step run eagerly (the default), and the fixed-shape step alone compiled by
-torch.compile (inductor).
+torch.compile (inductor); beside them, with `--forms ...,model`, the model's own forward over a transformers cache
+of N entries (no eviction, no harness: how much of a step is the model pass itself).
 
 What it decides: which form a device runs by default (keydiff.batching.step.FIXED_SHAPES_DEFAULT; the fixed-shape
 step is never compiled by default, see docs/performance.md). Each form decodes `--steps` timed steps (after
@@ -27,6 +28,9 @@ from keydiff import Request, build_policy, generate_batch, prefill
 from keydiff.attention import keydiff_attention
 from keydiff.batching.static import Rows, StaticStep
 from keydiff.bench import common, floor
+
+
+FORMS = ("ordinary", "fixed", "compiled", "model")
 
 
 def compiled_form(model, state, width: int, budget: int, args, device: str) -> dict:
@@ -59,6 +63,29 @@ def compiled_form(model, state, width: int, budget: int, args, device: str) -> d
     return {"ms_per_step": 1e3 * statistics.median(times), "warm_up_s": warm, "tokens": tokens}
 
 
+def model_form(model, prompt, width: int, budget: int, args, device: str) -> dict:
+    """Per-step time of the model's own forward alone over a transformers DynamicCache that holds the prompt's first
+    N entries (W copies), greedy: the model pass every form's step contains, with no eviction and no harness (the
+    anchor for how much of a step is the model itself; its cache grows by one entry a step, N + 1 at the first)."""
+    from transformers import DynamicCache
+
+    ids = prompt[:, :budget].expand(width, -1).contiguous()
+    cache = DynamicCache(config=model.config)
+    times, tokens = [], []
+    with torch.inference_mode():
+        token = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1].argmax(
+            -1, keepdim=True)
+        for index in range(args.warm_up + args.steps):
+            common.sync(device)
+            start = time.perf_counter()
+            token = model(input_ids=token, cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+            common.sync(device)
+            if index >= args.warm_up:
+                times.append(time.perf_counter() - start)
+                tokens.append(token[:, 0].tolist())
+    return {"ms_per_step": 1e3 * statistics.median(times), "tokens": tokens}
+
+
 def decoded_form(model, state, width: int, args, device: str, fixed: bool) -> dict:
     """Per-step time of keydiff.generate_batch over `width` forks, greedy, no stop tokens, with the ordinary step
     (fixed=False) or the fixed-shape one: the difference of a run of warm-up + steps + 1 tokens and one of
@@ -87,8 +114,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--widths", default="1,8", help="sequences decoding together (comma list)")
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--warm-up", type=int, default=3)
-    parser.add_argument("--forms", default="ordinary,fixed,compiled", help="comma list of ordinary, fixed, compiled")
+    parser.add_argument("--forms", default="ordinary,fixed,compiled",
+                        help="comma list of ordinary, fixed, compiled, model (the model's forward alone, no eviction)")
     args = parser.parse_args(argv)
+    forms = [form.strip() for form in args.forms.split(",") if form.strip()]
+    unknown = [form for form in forms if form not in FORMS]
+    if unknown or not [form for form in forms if form != "model"]:
+        parser.error(f"--forms {args.forms!r}: valid forms are {', '.join(FORMS)}, at least one besides model")
     started = common.provenance(__spec__.name, argv)
     device, dtype = common.apply_runtime(args)
     model = common.build_model(args.model or "random-smollm2", dtype, args.attn, device)
@@ -97,10 +129,9 @@ def main(argv: list[str] | None = None) -> None:
     prompt = common.random_prompt(model, args.length).to(device)
     state = prefill(model, prompt, build_policy("keydiff"), args.budget, args.block_size)
     rates = floor.measure(device, dtype)
-    print(f"  bandwidth {rates.bandwidth / 1e9:.1f} GB/s ({rates.bandwidth_source}), matmul "
+    print(f"  bandwidth {common.fmt(rates.bandwidth and rates.bandwidth / 1e9, '.1f')} GB/s ({rates.bandwidth_source}), matmul "
           f"{rates.matmul_flops / 1e9:.1f} GFLOP/s ({rates.dtype})", file=sys.stderr, flush=True)
     rows = []
-    forms = args.forms.split(",")
     for width in [int(w) for w in args.widths.split(",")]:
         rounds: dict[str, list[dict]] = {form: [] for form in forms}
         for index in range(args.repeats):  # the forms interleaved, round by round (the machine's speed drifts)
@@ -109,13 +140,16 @@ def main(argv: list[str] | None = None) -> None:
                 common.release_memory(device)
                 rounds[form].append(compiled_form(model, state, width, args.budget, args, device)
                                     if form == "compiled" else
+                                    model_form(model, prompt, width, args.budget, args, device)
+                                    if form == "model" else
                                     decoded_form(model, state, width, args, device, fixed=form == "fixed"))
-        reference = rounds[forms[0]][0]["tokens"]
+        reference = rounds[next(form for form in forms if form != "model")][0]["tokens"]
         for form, results in rounds.items():
             row = {"width": width, "form": form, "ms_per_step": statistics.median(r["ms_per_step"] for r in results),
                    "per_round_ms": [r["ms_per_step"] for r in results],
                    "warm_up_s": results[0].get("warm_up_s"),
-                   "same_tokens": all(r["tokens"] == reference for r in results),
+                   # the model alone decodes another cache (no eviction), so its tokens are its own
+                   "same_tokens": None if form == "model" else all(r["tokens"] == reference for r in results),
                    **floor.floor_ms(model, width, args.budget + 1, rates)}
             row["x_floor"] = common.ratio(row["ms_per_step"], row["floor_ms"])
             if "ordinary" in rounds:  # the median of the per-round ratios: drift cancels within a round
@@ -125,7 +159,7 @@ def main(argv: list[str] | None = None) -> None:
     common.print_table([("W", 3), ("form", 9), ("ms/step", 8), ("x ordinary", 10), ("warm-up s", 9),
                         ("same tokens", 11), ("floor ms", 8), ("bandwidth / compute", 19), ("x floor", 7)],
                        [[str(r["width"]), r["form"], f"{r['ms_per_step']:.1f}", common.fmt(r.get("x_ordinary"), ".3f"),
-                         common.fmt(r["warm_up_s"], ".1f"), str(r["same_tokens"]), common.fmt(r["floor_ms"], ".1f"),
+                         common.fmt(r["warm_up_s"], ".1f"), "-" if r["same_tokens"] is None else str(r["same_tokens"]), common.fmt(r["floor_ms"], ".1f"),
                          f"{common.fmt(r['bandwidth_floor_ms'], '.1f')} / {common.fmt(r['compute_floor_ms'], '.1f')}",
                          common.fmt(r["x_floor"], ".2f")] for r in rows], 2)
     if args.json:
