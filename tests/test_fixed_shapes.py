@@ -7,7 +7,8 @@ What must hold on any machine, GPU or not:
   * rows with no running sequence (idle slots of a block) can hold anything: no active row's result changes, and
     their own kept entries are left as they were;
   * the step compiles as ONE graph with `fullgraph=True` and is never recompiled across steps: no graph break
-    (so no host synchronisation: no .item(), no branch on a tensor's value) and no shape that changes.
+    (no branch on a tensor's value), no value read out of a tensor (.item(), int(), float(): a host
+    synchronisation, which fullgraph captures rather than refuses) and no shape that changes.
   * a sequence moved from its own stack into a block leaves nothing holding the buffers it left, and a profiled
     cache (timing statistics and evictions apart) never takes the fixed step.
 """
@@ -240,13 +241,26 @@ def test_junk_in_idle_rows_changes_no_active_row(model, name):
 @pytest.mark.parametrize("name", extended_unless(FIXED, lambda name: name in ("keydiff", "h2o")))
 @pytest.mark.parametrize("q", [1, BLOCK])
 def test_the_step_compiles_as_one_graph_and_never_recompiles(model, name, q):
-    """torch.compile(fullgraph=True) fails on any graph break (a .item(), a Python branch on a tensor's value: what a
-    CUDA graph cannot hold); a CompileCounter counts the graphs: one, for steps at other positions, tokens and
-    active rows (the shapes and guards never change). The compiled step also computes what the eager one does."""
+    """torch.compile(fullgraph=True) fails on any graph break (a Python branch on a tensor's value: what a CUDA graph
+    cannot hold). A value read out of a tensor (.item(), int(t), float(t): a host synchronisation, which a CUDA graph
+    cannot hold either) is no graph break there: under fullgraph dynamo captures it as a symbolic scalar (torch 2.13:
+    capture_scalar_outputs is on with fullgraph), so the backend refuses any symbolic scalar or size in the graph
+    (with dynamic=False every real size is a constant). A CompileCounter counts the graphs: one, for steps at other
+    positions, tokens and active rows (the shapes and guards never change). The compiled step also computes what
+    the eager one does."""
     from torch._dynamo.testing import CompileCounter
 
     torch._dynamo.reset()
-    counter = CompileCounter()
+    counter, reads = CompileCounter(), []
+
+    def backend(graph, example_inputs):
+        for node in graph.graph.nodes:
+            value = node.meta.get("example_value")
+            for v in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)) or (
+                        isinstance(v, torch.Tensor) and not all(isinstance(size, int) for size in v.shape)):
+                    reads.append(node.format_node())
+        return counter(graph, example_inputs)
     width = 1 if q > 1 else 3
     _, caches = block_of(model, name, 3)
     eager_block, eager_caches = block_of(model, name, 3)
@@ -259,7 +273,7 @@ def test_the_step_compiles_as_one_graph_and_never_recompiles(model, name, q):
         return Rows.of_storage(cs[0].stack) if q > 1 else Rows.of_block(cs[0].stack.placement.block, cs[0].stack.layers)
 
     compiled = StaticStep(model, rows(caches), caches[0].policy, BUDGET, q)
-    compiled.step = torch.compile(compiled.eager, fullgraph=True, dynamic=False, backend=counter)
+    compiled.step = torch.compile(compiled.eager, fullgraph=True, dynamic=False, backend=backend)
     eager = StaticStep(model, rows(eager_caches), eager_caches[0].policy, BUDGET, q)
     generator = torch.Generator().manual_seed(3)
     with torch.inference_mode(), keydiff_attention(model, None):
@@ -270,6 +284,7 @@ def test_the_step_compiles_as_one_graph_and_never_recompiles(model, name, q):
             a, b = compiled.run(ids, positions, active), eager.run(ids, positions, active)
             torch.testing.assert_close(a, b)
     assert counter.frame_count == 1, counter.frame_count
+    assert reads == [], reads  # a value read on the host inside the step
 
 
 def test_a_block_whose_going_rows_change_policy_gets_a_step_of_that_policy(model, monkeypatch):
