@@ -336,8 +336,18 @@ def test_fixed_step_benchmark_runs_on_tiny_sizes(tmp_path):
 def test_an_idle_slot_holding_more_than_n_entries_is_left_as_it_is(model, full_width, monkeypatch):
     """Idle slots may hold a sequence's entries beyond N: a held question (held_suffix) not yet decoded, forks of
     it waiting for a place, a sequence that stopped before its first pass. The fixed step of their neighbours
-    writes only its active rows, so those entries, and every token, are what the ordinary step leaves."""
+    writes only its active rows, so those entries (positions, keys and values, the ones beyond N included: the
+    step writes its new entry at index N of every row it runs), and every token, are what the ordinary step leaves."""
     from keydiff.batching import step
+
+    def entries(cache) -> tuple[list, list, list]:
+        """Every entry the cache's stack holds, in position order: positions, keys, values (bit for bit)."""
+        stack = cache.stack
+        positions = stack.positions[..., :stack.num_entries]
+        order = positions.argsort(dim=-1)
+        along = order[..., None].expand(*order.shape, stack.keys.shape[-1])
+        return (positions.gather(-1, order).tolist(), stack.keys[..., :stack.num_entries, :].gather(-2, along).tolist(),
+                stack.values[..., :stack.num_entries, :].gather(-2, along).tolist())
 
     monkeypatch.setitem(step.FULL_WIDTH, "cpu", full_width)
     generator = torch.Generator().manual_seed(11)
@@ -349,7 +359,7 @@ def test_an_idle_slot_holding_more_than_n_entries_is_left_as_it_is(model, full_w
         requests = [keydiff.Request(a, 12, key="a"), keydiff.Request(b, 1, key="b"), keydiff.Request(c, 12, key="c")]
         out = dict(keydiff.generate_batch(model, requests, 3, fixed_shapes=fixed))
         assert b.cache.stack.placement.slot == 1 and b.cache.stack.num_entries == BUDGET + 5  # between a and c
-        return kept(b.cache), {key: r.token_ids for key, r in out.items()}
+        return entries(b.cache), {key: r.token_ids for key, r in out.items()}
 
     def held_forks_waiting(fixed: bool):
         forks = prefill(model, ids[0], "keydiff", BUDGET, BLOCK, held_suffix=6).fork(4)
@@ -357,7 +367,7 @@ def test_an_idle_slot_holding_more_than_n_entries_is_left_as_it_is(model, full_w
 
         def requests():
             for i, fork in enumerate(forks):
-                drawn[i] = kept(fork.cache)  # what the fork holds when the scheduler draws it
+                drawn[i] = entries(fork.cache)  # what the fork holds when the scheduler draws it
                 yield keydiff.Request(fork, (3, 3, 8, 8)[i], key=i)
 
         out = dict(keydiff.generate_batch(model, requests(), 2, fixed_shapes=fixed))
