@@ -18,6 +18,7 @@ from keydiff.batching import step
 from keydiff.batching.blocks import RowBlock
 from keydiff.batching.static import StaticStep
 from tests.conftest import tiny_llama
+from tests.test_batched_runs import lengths_cfg, run_at, tiny  # noqa: F401 - tiny: the runner's model fixture
 
 BUDGET, BLOCK = 40, 16
 
@@ -70,6 +71,26 @@ def test_a_run_decoder_builds_one_arena_and_one_step_for_all_its_calls(model, mo
     assert got == expected
     assert blocks == [width] and steps == [(width, 1)]  # one arena of W slots, one step over it, for the whole run
     assert decoder.widths == [width]
+
+
+
+def test_a_batch_one_run_decodes_every_sample_through_the_runs_decoder(tmp_path, tiny, monkeypatch):
+    """The Decoder keeps its step across calls (above) only if the run hands every sample to it: a batch-1 run of six
+    prompts through keydiff.run, with the arena arrangement (what a GPU replays), builds one decode step and one
+    block step over the arena for all of them, warm-up included, not one per sample (a sample decoded with a
+    Decoder of its own gives the same rows, so only this count shows it)."""
+    monkeypatch.setitem(step.FULL_WIDTH, "cpu", True)
+    steps, original = [], StaticStep.__init__
+
+    def init(self, model, rows, *args, **kwargs):
+        original(self, model, rows, *args, **kwargs)
+        steps.append((self.q, rows.slot_major))
+
+    monkeypatch.setattr(StaticStep, "__init__", init)
+    summary, rows = run_at(lengths_cfg(tmp_path, "b1"))
+    assert summary["complete"] and len(rows) == 6
+    # block_size=16; prompts of 20, 30 and 47 tokens (< N + B = 64) are shaped unlike the slots and decode apart
+    assert sorted(q for q, in_arena in steps if in_arena) == [1, 16], steps
 
 
 @pytest.mark.parametrize("arena", [False, True], ids=["own-stack", "slot"])
