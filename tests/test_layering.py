@@ -2,7 +2,8 @@
 sequence owns which buffers is recorded state, never a comparison of data pointers.
 
 Imports count wherever they are in a file (a function-level import is still an edge: it is how the circle between
-the runner and its batched and shared paths used to be hidden)."""
+the runner and its batched and shared paths used to be hidden), and a relative import as the module it names; a
+data_ptr counts wherever it is (a module-level lambda, a getattr by name)."""
 
 from __future__ import annotations
 
@@ -88,11 +89,17 @@ def test_ownership_is_never_decided_by_comparing_data_pointers():
     """The block manager records where a sequence's entries live (Placement); the one data_ptr left counts the bytes
     of each allocation once in kv_cache_bytes (layers of one stack share an allocation), and decides nothing."""
     uses = []
+
+    def visit(node: ast.AST, path: str, where: str) -> None:  # where: the innermost function, or the module's body
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                visit(child, path, child.name)
+                continue
+            if (isinstance(child, ast.Attribute) and child.attr == "data_ptr") or (
+                    isinstance(child, ast.Constant) and child.value == "data_ptr"):  # getattr(t, "data_ptr")
+                uses.append((path, where))
+            visit(child, path, where)
+
     for path in PACKAGE.rglob("*.py"):
-        tree = ast.parse(path.read_text(encoding="utf-8"))
-        for function in ast.walk(tree):
-            if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                for node in ast.walk(function):
-                    if isinstance(node, ast.Attribute) and node.attr == "data_ptr":
-                        uses.append((str(path.relative_to(ROOT)), function.name))
+        visit(ast.parse(path.read_text(encoding="utf-8")), str(path.relative_to(ROOT)), "<module>")
     assert sorted(set(uses)) == [("keydiff/cache/cache.py", "kv_cache_bytes")]

@@ -125,14 +125,20 @@ def module_name(path: Path) -> str:
 
 
 def imports(path: Path, modules: set[str]) -> set[str]:
-    """keydiff modules a file imports anywhere in it (`from keydiff.report import generic` counts as the module)."""
+    """keydiff modules a file imports anywhere in it (`from keydiff.report import generic` counts as the module; a
+    relative import counts as the absolute one it names, `from ..batching import blocks` in keydiff/cache/x.py as
+    keydiff.batching.blocks)."""
     found = set()
+    package = module_name(path).split(".")[: None if path.name == "__init__.py" else -1]
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.Import):
             found |= {alias.name for alias in node.names if alias.name in modules}
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and node.module.startswith("keydiff"):
-            subs = {f"{node.module}.{alias.name}" for alias in node.names} & modules
-            found |= subs or ({node.module} & modules)
+        elif isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            module = ".".join(base + ([node.module] if node.module else []))
+            if module.startswith("keydiff"):
+                subs = {f"{module}.{alias.name}" for alias in node.names} & modules
+                found |= subs or ({module} & modules)
     return found
 
 
