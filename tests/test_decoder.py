@@ -73,7 +73,6 @@ def test_a_run_decoder_builds_one_arena_and_one_step_for_all_its_calls(model, mo
     assert decoder.widths == [width]
 
 
-
 def test_a_batch_one_run_decodes_every_sample_through_the_runs_decoder(tmp_path, tiny, monkeypatch):
     """The Decoder keeps its step across calls (above) only if the run hands every sample to it: a batch-1 run of six
     prompts through keydiff.run, with the arena arrangement (what a GPU replays), builds one decode step and one

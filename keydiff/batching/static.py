@@ -39,15 +39,15 @@ statistic: keydiff.batching.blocks), so they run in fixed shapes as one sequence
 on the ordinary step: its point is the eager path's cost, and the step would need each cache's mode threaded
 through keydiff.batching.step.
 
-Replay. On a CUDA device `StaticStep.run` captures the step as a CUDA graph at its second call (the first runs
-it eagerly, which also warms up the kernels) and replays it from then on: the same kernels as the eager step, so
-the same numbers. Elsewhere it runs eagerly. `compiled=True` compiles it with torch.compile (fullgraph), which
-keydiff.bench.fixed_step measures (slower on a CPU: docs/performance.md); tests/test_fixed_shapes.py compiles it
-the same way to prove the step has no graph break and reads no value out of a tensor (which fullgraph would capture,
-not refuse), i.e. no host synchronisation. The compiled trace differs from
-the eager step in two places the compiler cannot follow (keydiff.attention: no context variable is read, and the
-prefill block's causal mask is an explicit boolean one instead of SDPA's lower-right bias), so what a CUDA graph
-captures (the eager step, the bias included) is checked only on a GPU (make gpu-check's "fixed = ordinary").
+Replay. On a CUDA device `StaticStep.run` captures the step as a CUDA graph at its second call (the first runs it
+eagerly, which also warms up the kernels) and replays it from then on: the same kernels as the eager step, so the
+same numbers. Elsewhere it runs eagerly. `compiled=True` compiles it with torch.compile (fullgraph), which
+keydiff.bench.fixed_step measures (slower on a CPU: docs/performance.md); tests/test_fixed_shapes.py compiles it the
+same way to prove the step has no graph break and reads no value out of a tensor (which fullgraph would capture, not
+refuse), i.e. no host synchronisation. The compiled trace differs from the eager step in two places the compiler
+cannot follow (keydiff.attention: no context variable is read, and the prefill block's causal mask is an explicit
+boolean one instead of SDPA's lower-right bias), so what a CUDA graph captures (the eager step, the bias included)
+is checked only on a GPU (make gpu-check's "fixed = ordinary").
 """
 
 from __future__ import annotations
