@@ -92,6 +92,49 @@ def test_a_batch_one_run_decodes_every_sample_through_the_runs_decoder(tmp_path,
     assert sorted(q for q, in_arena in steps if in_arena) == [1, 16], steps
 
 
+def test_a_run_records_its_graph_captures_and_runs_a_step_that_cannot_be_captured_eagerly(tmp_path, tiny,
+                                                                                             monkeypatch):
+    """A capture that fails for a reason other than memory (a host synchronisation in a model's forward, say) leaves
+    that step eager for the rest of the run: the same rows, slower. The run's record says so (summary.json's
+    invocation `decode_graphs`), so its timings are not read as the replayed step's. CUDA's capture is stood in for
+    on the CPU: the steps try to capture (as on CUDA) and `torch.cuda.graph` refuses, as it does a host read."""
+    from tests.test_batched_runs import same_rows
+
+    monkeypatch.setitem(step.FULL_WIDTH, "cpu", True)
+    plain, plain_rows = run_at(lengths_cfg(tmp_path, "plain"))
+    assert plain["invocations"][-1]["decode_graphs"] == {"captured": 0, "failed": 0, "reasons": []}  # CPU: none
+
+    original = StaticStep.__init__
+
+    def init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        self.capture = True  # as on a CUDA device
+
+    class Refused:
+        def __init__(self, graph):
+            pass
+
+        def __enter__(self):
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(StaticStep, "__init__", init)
+    monkeypatch.setattr(StaticStep, "warm_up", StaticStep.first_call)  # no CUDA side stream on a CPU
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: object())
+    monkeypatch.setattr(torch.cuda, "graph", Refused)
+    summary, rows = run_at(lengths_cfg(tmp_path, "refused"))
+    same_rows(plain_rows, rows)
+    graphs = summary["invocations"][-1]["decode_graphs"]
+    # every step the run built tried once: the arena's decode step, the prefill slot's block step, and the own
+    # steps of the prompts shaped unlike the slots (N <= length < N + B); each distinct reason listed once
+    assert graphs["captured"] == 0 and graphs["failed"] >= 2, graphs
+    assert all(reason.endswith("RuntimeError: operation not permitted when stream is capturing")
+               for reason in graphs["reasons"])
+    assert sorted(reason.split(",")[0] for reason in graphs["reasons"]) == ["q=1", "q=16"], graphs
+
+
 @pytest.mark.parametrize("arena", [False, True], ids=["own-stack", "slot"])
 def test_a_run_decoder_prefills_every_prompt_with_one_block_step(model, monkeypatch, arena):
     """Prefills through a run's decoder (prefill(..., decoder=d)): the logits and kept positions of a prefill of

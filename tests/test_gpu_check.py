@@ -112,7 +112,8 @@ def test_gpu_bench_quick_runs_every_row_group(tmp_path, capsys):
     assert len(ours) == 8 and all(r["floor_ms"] > 0 for r in ours)
     across, = [r for r in rows if r["case"] == "keydiff, one decoder across calls"]
     assert across["ms_per_step"] > 0 and across["first_call_ms_per_step"] > 0
-    assert across["graphs"] == 0  # a CPU replays no graph (gpu-check's "one graph per run" row counts CUDA's)
+    assert across["graphs"] == 0 and across["capture_failures"] == []  # a CPU captures no graph (gpu-check's
+    # "one graph per run" row counts CUDA's)
     assert "code" in record and record["command"].startswith("python -m keydiff.bench.gpu_bench")
     # make gpu-hours reads this format: the --quick rows are refused as rates, and the same rows marked as the
     # full run's give every rate it takes from them (the rows' names and keys are the ones it looks for)

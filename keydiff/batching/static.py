@@ -53,7 +53,7 @@ is checked only on a GPU (make gpu-check's "fixed = ordinary").
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -222,16 +222,37 @@ def out_of_memory(error: BaseException | None) -> bool:
     return False
 
 
+@dataclass
+class Graphs:
+    """The CUDA graphs a run's fixed-shape steps captured, and why a capture failed (that step then runs eagerly:
+    the same results, only slower). Kept by the run's keydiff.Decoder across its steps and back-offs, and written
+    into the run's record, so a run whose steps were not replayed says so beside its timings."""
+
+    captured: int = 0
+    failed: int = 0
+    reasons: list[str] = field(default_factory=list)  # each distinct one once (a step per sample may fail alike)
+
+    def fail(self, reason: str) -> None:
+        self.failed += 1
+        if reason not in self.reasons:
+            self.reasons.append(reason)
+
+    def record(self) -> dict[str, Any]:
+        return {"captured": self.captured, "failed": self.failed, "reasons": list(self.reasons)}
+
+
 class StaticStep:
     """One pass of q tokens for the W rows of `rows`, every row holding N = `budget` entries, and the eviction
     after it, in fixed shapes (see the module). `run(ids, positions, active)` -> next-token logits [W, vocab].
 
     ids, positions: [W, q] (long); active: [W] bool, the rows whose results are used (the others' eviction is
-    masked: their kept entries do not change). The policy object scores every row (they are equal: `eligible`)."""
+    masked: their kept entries do not change). The policy object scores every row (they are equal: `eligible`).
+    graphs: where its capture is counted (a run's tally; its own otherwise)."""
 
     def __init__(self, model: torch.nn.Module, rows: Rows, policy: Policy, budget: int, q: int = 1,
-                 compiled: bool = False):
+                 compiled: bool = False, graphs: Graphs | None = None):
         self.model, self.rows, self.policy, self.budget, self.q = model, rows, policy, budget, q
+        self.graphs = graphs if graphs is not None else Graphs()
         device = rows.sequence_of.device
         self.ids = torch.zeros(rows.width, q, dtype=torch.long, device=device)
         self.positions = torch.zeros(rows.width, q, dtype=torch.long, device=device)
@@ -354,9 +375,11 @@ class StaticStep:
         except Exception as error:  # noqa: BLE001 - any capture failure but out of memory: run the step eagerly
             if out_of_memory(error):
                 raise  # not the step's fault: the caller's back-off (or failed row) handles it; capture next time
-            LOG.warning("the fixed-shape step could not be captured as a CUDA graph (%s: %s); it runs eagerly",
-                        type(error).__name__, str(error).splitlines()[0][:200])
+            reason = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:200]}"
+            LOG.warning("the fixed-shape step could not be captured as a CUDA graph (%s); it runs eagerly", reason)
+            self.graphs.fail(f"q={self.q}, W={self.rows.width}, {self.policy.name}: {reason}")
             self.capture, self.logits = False, None
             return False
         self.graph = graph
+        self.graphs.captured += 1
         return True

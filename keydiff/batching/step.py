@@ -24,7 +24,7 @@ from keydiff.attention import base_implementation
 from keydiff.batching.blocks import PrefillSlot
 from keydiff.batching.rows import BatchCache
 from keydiff.batching.sequence import Sequence
-from keydiff.batching.static import Rows, StaticStep, eligible
+from keydiff.batching.static import Graphs, Rows, StaticStep, eligible
 from keydiff.kernels import batch_invariant
 
 
@@ -71,8 +71,9 @@ class Stepper:
     kernel the mode would replace unasked)."""
 
     def __init__(self, model: torch.nn.Module, group_rows: bool = True, fixed_shapes: bool | None = None,
-                 batch_invariant: bool = False):
+                 batch_invariant: bool = False, graphs: Graphs | None = None):
         self.model = model
+        self.graphs = graphs if graphs is not None else Graphs()  # its steps' CUDA-graph captures
         self.device = next(model.parameters()).device
         self.batch_invariant = bool(batch_invariant)
         if self.batch_invariant:
@@ -149,7 +150,7 @@ class Stepper:
         # slots) may be the ones going now.
         if (step is None or built[0] is not source[0] or built[1:] != source[1:] or step.policy != policy
                 or step.budget != budget):
-            step = StaticStep(self.model, make(), policy, budget)
+            step = StaticStep(self.model, make(), policy, budget, graphs=self.graphs)
             self.steps[owner] = (source, step)
         return step, starts
 
@@ -189,8 +190,10 @@ class BlockStepper:
     keydiff.batching.scheduler.Decoder does where the device replays graphs. Without it (one prefill alone), the
     step is built on the prompt's own buffers."""
 
-    def __init__(self, model: torch.nn.Module, fixed_shapes: bool | None = None, arena: bool = False):
+    def __init__(self, model: torch.nn.Module, fixed_shapes: bool | None = None, arena: bool = False,
+                 graphs: Graphs | None = None):
         self.model = model
+        self.graphs = graphs if graphs is not None else Graphs()  # its steps' CUDA-graph captures
         device = next(model.parameters()).device
         self.enabled = fixed_shapes_default(device) if fixed_shapes is None else bool(fixed_shapes)
         self.slot = PrefillSlot() if arena else None
@@ -217,7 +220,7 @@ class BlockStepper:
         held = self.kept if in_slot else self.own
         # Built for these buffers (a stack can move), this block length, policy and N.
         if held is None or held[0][0] is not source or held[0][1:] != built[1:]:
-            held = (built, StaticStep(self.model, make(), cache.policy, stack.budget, q))
+            held = (built, StaticStep(self.model, make(), cache.policy, stack.budget, q, graphs=self.graphs))
             if in_slot:
                 self.kept = held
             else:

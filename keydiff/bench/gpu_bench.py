@@ -129,7 +129,8 @@ def decoder_rows(model, state, sizes: Sizes, device: str, floor_ms: float | None
     call a fresh fork of the prompt decoding `sizes.tokens` tokens, as each sample of a run does. The first call
     captures the decode graph; `ms_per_step` is the median of the next calls' whole time per step (first steps,
     the move into the arena and the bookkeeping included: what every later sample pays), `first_call_ms_per_step`
-    the first call's, and `graphs` the decode graphs the decoder captured over all calls (1 where it replays)."""
+    the first call's, `graphs` the decode graphs the decoder captured over all calls (1 where it replays), and
+    `capture_failures` why a capture failed (its step then ran eagerly), if one did."""
     decoder, seconds, graphs = Decoder(model, 1), [], []
     for _ in range(4):
         fork = state.fork(1)[0]
@@ -140,7 +141,7 @@ def decoder_rows(model, state, sizes: Sizes, device: str, floor_ms: float | None
     per_step = [1e3 * s / (sizes.tokens - 1) for s in seconds]
     return [{"row": "decode", "case": "keydiff, one decoder across calls", "batch": 1,
              "ms_per_step": statistics.median(per_step[1:]), "first_call_ms_per_step": per_step[0],
-             "graphs": len(graphs), "floor_ms": floor_ms}]
+             "graphs": len(graphs), "capture_failures": decoder.graphs.reasons, "floor_ms": floor_ms}]
 
 
 def decode_rows(model, sizes: Sizes, device: str) -> list[dict]:

@@ -348,7 +348,8 @@ def check_one_graph_per_run(model, prompt, sizes: Sizes, setting) -> Row:
     ok = same == 3 and len(decode_graphs) == 1 and len(block_graphs) == 1
     return Row("one graph per run", setting, "PASS" if ok else "FAIL",
                f"3 prompts, one call each: {len(decode_graphs)} decode and {len(block_graphs)} prefill-block CUDA "
-               f"graph(s) captured, {same}/3 identical to the ordinary step (prefill logits, tokens)")
+               f"graph(s) captured, {same}/3 identical to the ordinary step (prefill logits, tokens)"
+               + (f"; captures failed: {decoder.graphs.reasons}" if decoder.graphs.failed else ""))
 
 
 def check_batch_invariance(model_name: str, dtype: torch.dtype, device: str, batch: int, tokens: int,

@@ -10,7 +10,9 @@ the record says how each row was computed, not how the latest command was set:
     merge reorders them);
   * summary.json lists the invocations that wrote rows, oldest first, each with started_at, finished_at (when
     it wrote the summary), argv, batch_size, decode_widths (the widths W its decoding step ran at: batch_size,
-    then one more per out-of-memory back-off; keydiff.batching.scheduler), threads, code (commit, "-dirty" with
+    then one more per out-of-memory back-off; keydiff.batching.scheduler), decode_graphs (the CUDA graphs its
+    fixed-shape steps captured, and the captures that failed, whose step then ran eagerly: {"captured": n,
+    "failed": m, "reasons": [each distinct reason]}; none on a CPU), threads, code (commit, "-dirty" with
     uncommitted changes),
     samples_wall_s (its sample loop, model load and warm-up excluded), stopped_by, and `rows`: how many rows of
     the directory's predictions.jsonl name it (a retried failure's earlier row included); a merged grid point
@@ -47,7 +49,7 @@ def start(record: dict[str, Any], batch_size: int, threads: int | None) -> dict[
     """The entry of an invocation starting now (`record`: keydiff.run.provenance.provenance_record)."""
     return {"id": uuid.uuid4().hex[:12], "source": ITSELF, "started_at": record.get("time"), "finished_at": None,
             "argv": (record.get("environment") or {}).get("argv"), "batch_size": batch_size, "decode_widths": None,
-            "threads": threads,
+            "decode_graphs": None, "threads": threads,
             "code": code_label(record.get("code") or {}), "samples_wall_s": None, "stopped_by": None, "rows": 0}
 
 

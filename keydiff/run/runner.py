@@ -205,14 +205,22 @@ def execute(cfg: DictConfig, plan: RunPlan, samples: list, run_dir: str | Path,
         except Preempted as stop:
             log.warning("%s: stopping after %d rows; the next start resumes", stop, len(store.rows))
             invocation.update(stopped_by=str(stop), samples_wall_s=seconds_since(loop_start),
-                              decode_widths=None if ctx is None else list(ctx.decoder.widths))
+                              **decoding_record(ctx))
             record_invocation(cfg, plan, samples, store, record, provenance, invocation)
             raise
-        invocation.update(samples_wall_s=seconds_since(loop_start),
-                          decode_widths=None if ctx is None else list(ctx.decoder.widths))
+        invocation.update(samples_wall_s=seconds_since(loop_start), **decoding_record(ctx))
         summary = record_invocation(cfg, plan, samples, store, record, provenance, invocation)
         tracker.finish(summary)
     return summary
+
+
+def decoding_record(ctx: RunContext | None) -> dict[str, Any]:
+    """How the invocation's decoding ran, for its entry in summary.json: the widths W its decoder ran at, and the
+    CUDA graphs its fixed-shape steps captured, with how many captures failed and why (that step then ran eagerly,
+    so its timings are the eager step's). None where no sample ran."""
+    if ctx is None:
+        return {"decode_widths": None, "decode_graphs": None}
+    return {"decode_widths": list(ctx.decoder.widths), "decode_graphs": ctx.decoder.graphs.record()}
 
 
 def seconds_since(start: float | None) -> float | None:
