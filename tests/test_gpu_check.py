@@ -89,58 +89,6 @@ def test_two_gpu_check_runs_split_over_the_cpu():
     assert "stacks [('cpu', 3)]" in row.detail
 
 
-def test_gpu_bench_quick_runs_every_row_group(tmp_path, capsys):
-    """make gpu-bench's every row group at tiny sizes (the code paths the GPU run takes, not its numbers): each
-    writes its rows, with provenance, and the fixed-shape step gives the ordinary step's tokens."""
-    from keydiff.bench import gpu_bench
-
-    torch.set_num_threads(1)
-    out = tmp_path / "bench.json"
-    code = gpu_bench.main(["--quick", "--json", str(out)])
-    record = json.loads(out.read_text())
-    rows = record["rows"]
-    assert code == 0 and not [r for r in rows if "error" in r], capsys.readouterr().out
-    assert {r["row"] for r in rows} == {"decode", "prefill", "exact", "serving"}
-    assert {"keydiff fixed", "keydiff ordinary", "full (ours)", "transformers eager DynamicCache"} <= {
-        r["case"] for r in rows if r["row"] == "decode"}
-    exact = [r for r in rows if r["row"] == "exact"]
-    assert exact and all(r["identical"] == r["of"] for r in exact)  # on CPU every row is exact
-    assert all(r["seconds"] > 0 for r in rows if r["row"] == "prefill")
-    rates, = [r for r in rows if r["case"] == "device rates"]
-    assert rates["bandwidth"] > 0 and rates["matmul_flops"] > 0
-    ours = [r for r in rows if r["row"] == "decode" and r["case"].startswith(("keydiff", "full"))]
-    assert len(ours) == 8 and all(r["floor_ms"] > 0 for r in ours)
-    across, = [r for r in rows if r["case"] == "keydiff, one decoder across calls"]
-    assert across["ms_per_step"] > 0 and across["first_call_ms_per_step"] > 0
-    assert across["graphs"] == 0 and across["capture_failures"] == []  # a CPU captures no graph (gpu-check's
-    # "one graph per run" row counts CUDA's)
-    assert "code" in record and record["command"].startswith("python -m keydiff.bench.gpu_bench")
-    # make gpu-hours reads this format: the --quick rows are refused as rates, and the same rows marked as the
-    # full run's give every rate it takes from them (the rows' names and keys are the ones it looks for)
-    from keydiff.report import gpu_hours
-
-    with pytest.raises(gpu_hours.RatesError, match="not --quick"):
-        gpu_hours.load_rates(out)
-    record["device"], record["sizes"]["model"] = "cuda", gpu_hours.MEASURED
-    for row in rows:
-        if row["row"] == "decode" and "ms_per_step_steady" in row:
-            row["ms_per_step_steady"] = abs(row["ms_per_step_steady"]) + 1.0  # tiny sizes: the difference is noise
-    out.write_text(json.dumps(record))
-    rates = gpu_hours.load_rates(out)
-    assert set(rates.decode) == set(rates.prefill) == {"ordinary", "fixed"}
-    assert set(rates.speedup["grouped"]) == set(rates.speedup["full"]) == {record["sizes"]["batch"]}
-
-
-def test_gpu_bench_refuses_a_machine_without_cuda_unless_quick(capsys):
-    from keydiff.bench import gpu_bench
-
-    if torch.cuda.is_available():
-        pytest.skip("this machine has CUDA")
-    with pytest.raises(SystemExit):
-        gpu_bench.main([])
-    assert "no CUDA device here" in capsys.readouterr().err
-
-
 def test_the_batch_invariance_row_runs_on_a_tiny_model():
     """The 3B row's code on the tiny model (CPU, fp32: every sequence identical, so PASS; bf16 would be INFO)."""
     torch.set_num_threads(1)

@@ -254,12 +254,41 @@ def provenance(module: str, argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def write_json(path: str | Path, payload: dict[str, Any], started: dict[str, Any]) -> Path:
-    """Write results with their provenance (`provenance()` at the start) and the end time, creating the folder."""
+    """Write results with their provenance (`provenance()` at the start) and the end time, creating the folder.
+    Written to a temporary file and moved into place, so a run killed while writing keeps the previous file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     record = {**payload, **started, "time": timestamp()}
-    path.write_text(json.dumps(record, indent=2, default=str) + "\n", encoding="utf-8")
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(record, indent=2, default=str) + "\n", encoding="utf-8")
+    os.replace(partial, path)
     return path
+
+
+def first_line(error: BaseException, limit: int = 300) -> str:
+    """An exception as one line: its type and its message's first line (what a failed row records)."""
+    return f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"[:limit]
+
+
+class RowLog:
+    """The rows of a command that measures for minutes (make gpu-bench, make gpu-check), kept as each finishes:
+    `add` prints the row as one line (`line(row)`) and rewrites the JSON (if `path`) with every row so far, so a
+    failure or a kill keeps every row finished before it. `payload()` gives the JSON's other fields."""
+
+    def __init__(self, path: str | Path | None, started: dict[str, Any], payload: Callable[[], dict[str, Any]],
+                 line: Callable[[dict[str, Any]], str]):
+        self.path, self.started, self.payload, self.line = path, started, payload, line
+        self.rows: list[dict[str, Any]] = []
+
+    def add(self, row: dict[str, Any]) -> dict[str, Any]:
+        self.rows.append(row)
+        print(self.line(row), flush=True)
+        self.write()
+        return row
+
+    def write(self) -> None:
+        if self.path:
+            write_json(self.path, {**self.payload(), "rows": self.rows}, self.started)
 
 
 def ratio(value: float | None, base: float | None) -> float | None:

@@ -20,12 +20,19 @@ same process:
              forks of one prompt decoded together give the tokens it gets at batch 1; batch 16 against each
              sequence alone for 16 prompts of 1.5K-3K tokens, 64 tokens, KeyDiff N = 512 and full: how many of 16
              identical (bf16: cuBLAS picks kernels by row count; see docs/gpu.md)
-  serving    32K prompts, 16 GB for the caches: KeyDiff N = 1,024 sequences held and tokens/s
+  serving    32K prompts, 16 GB for the caches and the decode graph's memory pool: KeyDiff N = 1,024 sequences held
+             and tokens/s
 
-Rows run in that order and each is written to the JSON as soon as it is done, so a run cut short keeps what it
-measured; a row that fails records its error and the others go on; `--deadline` skips what would start after it.
-On a machine without CUDA, `--quick` runs every row at tiny sizes (what the tests do): the code paths, not the
-numbers.
+Each timing is given twice where a step is captured: per call as a user's first call pays it (`first_call_*`: a
+fresh keydiff.Decoder, its eager warm-up step and its capture included, `capture_s` the capture alone) and at
+steady state (one Decoder kept across calls, as a run keeps it: `ms_per_step`, `seconds`, `tokens_per_s`;
+`ms_per_step_steady` the replayed steps alone). `graph_pool_bytes` is what the captured graphs' memory pools hold.
+
+The rows are those of `planned_rows(sizes)`, in that order, whatever happens: each is printed and written to the
+JSON as soon as it is done, so a run cut short keeps what it measured; a row that fails is written with its error
+(type and first line) and the rest of its group as skipped; `--deadline` skips the groups that would start after
+it, each row written as skipped. On a machine without CUDA, `--quick` runs every row at tiny sizes, with CPU stand-ins
+for what a CPU lacks (CUDA graphs, reduce-overhead compilation): the code paths, not the numbers.
 
     python -m keydiff.bench.gpu_bench [--quick] [--json results/bench/gpu_bench.json] [--deadline 450]
 """
@@ -33,16 +40,19 @@ numbers.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
 import traceback
 from dataclasses import dataclass
+from typing import Callable, Iterator
 
 import torch
 
 from keydiff import Decoder, Request, build_policy, generate, generate_batch, prefill
 from keydiff.bench import common, floor
+
 
 @dataclass(frozen=True)
 class Sizes:
@@ -54,22 +64,66 @@ class Sizes:
     batch: int  # the large batch
     prefill_lengths: tuple[int, int]  # (the B sweep's L, the long L)
     prefill_budget: int
-    prefill_blocks: tuple[int, ...]
+    prefill_blocks: tuple[int, ...]  # the sweep's B, `block` among them
     exact_lengths: tuple[int, int]  # the batch-invariance prompts' range
     exact_budget: int
     exact_tokens: int
     serving_length: int
     serving_gb: float
     serving_tokens: int
-    compile_anchor: bool
 
 
 FULL = Sizes("random-llama-3.2-3b", 4096, 1024, 128, 32, 16, (32768, 131072), 2048, (64, 128, 256, 1024),
-             (1536, 3072), 512, 64, 32768, 16.0, 16, True)
+             (1536, 3072), 512, 64, 32768, 16.0, 16)
 # The floor's rates measured small on a CPU (--quick): the tests run them; a CPU's numbers mean nothing here.
 CPU_RATES = {"read_mib": 64, "matmul_size": 256, "repeats": 2}
-QUICK = Sizes("random-tiny", 256, 64, 16, 6, 4, (512, 1024), 64, (16, 32, 64), (96, 160), 32, 8, 512, 0.002, 4,
-              False)  # B = 16 is in the sweep, as the paper's B = 128 is in FULL's
+# The same rows as FULL's (planned_rows): as many prefill blocks, `block` second among them as FULL's B = 128.
+QUICK = Sizes("random-tiny", 256, 64, 16, 6, 4, (512, 1024), 64, (8, 16, 32, 64), (96, 160), 32, 8, 512, 0.002, 4)
+GROUPS = ("decode", "prefill", "exact", "serving")
+STATIC_CASE = "transformers StaticCache + compile(reduce-overhead)"
+IDENTITY = ("row", "case", "batch", "L", "B")  # the fields that name a row (the others are its measurements)
+
+
+def planned_rows(sizes: Sizes) -> list[tuple[str, dict]]:
+    """(group, the row's identity) for every row a run of these sizes writes, in order: the same list on CUDA and
+    under --quick on a CPU, whatever fails (a failed row keeps its identity, with its error)."""
+    big, sweep, long = sizes.batch, *sizes.prefill_lengths
+    decode = [{"row": "decode", "case": "device rates"},
+              {"row": "decode", "case": "keydiff, one decoder across calls", "batch": 1}]
+    for batch in (1, big):
+        decode += [{"row": "decode", "case": "keydiff fixed", "batch": batch},
+                   {"row": "decode", "case": "keydiff ordinary", "batch": batch},
+                   {"row": "exact", "case": "fixed step = ordinary step, keydiff", "batch": batch},
+                   {"row": "decode", "case": "keydiff fixed, batch_invariant", "batch": batch}]
+    decode += [{"row": "exact", "case": f"batch_invariant: forks at batch {big} = batch 1, keydiff", "batch": big},
+               {"row": "decode", "case": "full (ours)", "batch": big}]
+    decode += [{"row": "decode", "case": "transformers eager DynamicCache", "batch": b} for b in (1, big)]
+    decode += [{"row": "decode", "case": STATIC_CASE, "batch": b} for b in (1, big)]
+    prefill_ = []
+    for length, blocks in ((sweep, sizes.prefill_blocks), (long, (sizes.block,))):
+        for block in blocks:
+            steps = ("fixed", "ordinary") if block == sizes.block and length == sweep else ("fixed",)
+            prefill_ += [{"row": "prefill", "case": f"keydiff {step}", "L": length, "B": block} for step in steps]
+        prefill_.append({"row": "prefill", "case": "one full forward", "L": length})
+    exact = [{"row": "exact", "case": f"batch {big} = alone, {name}", "batch": big} for name in ("keydiff", "full")]
+    serving = [{"row": "serving", "case": "keydiff", "L": sizes.serving_length}]
+    return ([("decode", r) for r in decode] + [("prefill", r) for r in prefill_] + [("exact", r) for r in exact]
+            + [("serving", r) for r in serving])
+
+
+def identity(row: dict) -> dict:
+    return {k: row[k] for k in IDENTITY if k in row}
+
+
+def cpu_stand_ins(device: str):
+    """On a CPU, keydiff.batching.static's stand-in for CUDA graph capture (the steps capture and replay there as
+    on CUDA, so --quick runs the lines a GPU runs); nothing on CUDA, or where the stand-in does not exist."""
+    if device == "cuda":
+        return contextlib.nullcontext()
+    from keydiff.batching import static
+
+    stand_in = getattr(static, "stand_in_graphs", None)
+    return stand_in() if stand_in is not None else contextlib.nullcontext()
 
 
 def timed(device: str, fn) -> tuple[float, object]:
@@ -80,26 +134,82 @@ def timed(device: str, fn) -> tuple[float, object]:
     return time.perf_counter() - start, out
 
 
-def decode_seconds(model, states, tokens: int, fixed: bool, invariant: bool = False) -> tuple[float, list[list[int]]]:
-    """Wall time of decoding `tokens` tokens for every state together (no stop tokens), and the tokens."""
+def decoder_graphs(decoder: Decoder) -> list:
+    """The graphs a decoder's steps hold now: its decode steps' and its prefill-block step's."""
+    steps = [step for _, step in decoder.stepper.steps.values()]
+    if decoder.blocks.step is not None:
+        steps.append(decoder.blocks.step)
+    return [step.graph for step in steps if step.graph is not None]
+
+
+def pool_bytes(graphs: list) -> int:
+    """Bytes the graphs' private memory pools hold, each pool once: on CUDA the allocator's segments of each pool
+    (torch.cuda.memory_snapshot); 0 elsewhere. For a keydiff.batching whose Graphs does not count them itself."""
+    if not torch.cuda.is_available():
+        return 0
+    pools = {tuple(g.pool()) for g in graphs if isinstance(g, torch.cuda.CUDAGraph)}
+    return sum(int(s["total_size"]) for s in torch.cuda.memory_snapshot()
+               if tuple(s.get("segment_pool_id", ())) in pools)
+
+
+def graph_record(decoder: Decoder) -> dict:
+    """What a decoder's captures cost: graphs captured, the seconds spent capturing and warming up for it, the
+    bytes the graph pool holds (keydiff.batching.static.Graphs' counts: on CUDA the reserved memory each capture
+    added, under the CPU stand-in the bytes its captures allocated), and why a capture failed, if one did."""
+    record = decoder.graphs.record()
+    held = record.get("pool_bytes")
+    return {"graphs": record["captured"], "capture_s": record.get("capture_s"), "warm_up_s": record.get("warm_up_s"),
+            "graph_pool_bytes": held if held is not None else pool_bytes(decoder_graphs(decoder)),
+            "capture_failures": record["reasons"]}
+
+
+def decode_seconds(model, states, tokens: int, decoder: Decoder) -> tuple[float, list[list[int]]]:
+    """Wall time of decoding `tokens` tokens for every state together through `decoder` (no stop tokens), and
+    the tokens."""
     requests = [Request(state, max_new_tokens=tokens, key=i) for i, state in enumerate(states)]
     device = str(next(model.parameters()).device.type)
-    seconds, out = timed(device, lambda: dict(generate_batch(model, requests, len(requests), fixed_shapes=fixed,
-                                                             batch_invariant=invariant)))
+    seconds, out = timed(device, lambda: dict(decoder.generate(requests)))
     return seconds, [out[i].token_ids[0] for i in range(len(states))]
 
 
+def steady(model, states_of, sizes: Sizes, fixed: bool, invariant: bool = False) -> tuple[dict, list[list[int]]]:
+    """ms per step of decoding forks (`states_of()`, fresh each call) through one Decoder, after an untimed
+    warm-up of the process (first kernels, Triton's compiles) through another: `first_call_ms_per_step` the fresh
+    decoder's first call of `sizes.tokens` tokens (its eager first step and its capture included: what a user's
+    first call pays), then on the same decoder `ms_per_step` a call of 2 x `sizes.tokens` tokens (what every later
+    call pays) and `ms_per_step_steady` its difference with a call of `sizes.tokens` (the replayed steps alone)."""
+    width = len(states_of())
+    options = dict(fixed_shapes=fixed, batch_invariant=invariant)
+    decode_seconds(model, states_of(), 3, Decoder(model, width, **options))
+    decoder = Decoder(model, width, **options)
+    first, _ = decode_seconds(model, states_of(), sizes.tokens, decoder)
+    graphs = graph_record(decoder)
+    short, _ = decode_seconds(model, states_of(), sizes.tokens, decoder)
+    long, tokens = decode_seconds(model, states_of(), 2 * sizes.tokens, decoder)
+    return {"ms_per_step": 1e3 * long / (2 * sizes.tokens - 1),
+            "ms_per_step_steady": 1e3 * (long - short) / sizes.tokens,
+            "first_call_ms_per_step": 1e3 * first / (sizes.tokens - 1), **graphs}, tokens
+
+
+def compile_options(device: str) -> dict:
+    """torch.compile's options for the StaticCache anchor: reduce-overhead (CUDA graphs) on CUDA; on a CPU, which
+    has no CUDA graphs, the same fullgraph trace run eagerly (backend="eager": the lines and the graph, in
+    seconds rather than inductor's minutes)."""
+    return {"mode": "reduce-overhead"} if device == "cuda" else {"backend": "eager"}
+
+
 def transformers_static_ms(model, prompt, batch: int, tokens: int, device: str) -> dict:
-    """transformers' StaticCache decode under torch.compile(mode="reduce-overhead"): ms per step after compiling
-    (the prompt prefilled uncompiled, batch copies of it), and the compile (first two steps) time."""
+    """transformers' StaticCache decode under torch.compile(fullgraph=True, `compile_options`): ms per step after
+    compiling (the prompt prefilled uncompiled, batch copies of it), and the compile (first two steps) time."""
     from transformers import StaticCache
 
     cache = StaticCache(config=model.config, max_cache_len=prompt.shape[1] + tokens + 2)
     ids = prompt.expand(batch, -1).to(device)
     with torch.inference_mode():
         logits = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1).logits
+    options = compile_options(device)
     step = torch.compile(lambda token, position: model(input_ids=token, position_ids=position, cache=cache,
-                                                        use_cache=True).logits, mode="reduce-overhead", fullgraph=True)
+                                                        use_cache=True).logits, fullgraph=True, **options)
     token = logits[:, -1].argmax(-1, keepdim=True)
     position = torch.full((batch, 1), prompt.shape[1], device=device)
 
@@ -108,23 +218,18 @@ def transformers_static_ms(model, prompt, batch: int, tokens: int, device: str) 
             out = step(token, position)[:, -1].argmax(-1, keepdim=True).clone()
         return out, position + 1
 
-    compile_s, (token, position) = timed(device, lambda: one(*one(token, position)))
-    seconds, _ = timed(device, lambda: [token := one(token, position + i)[0] for i in range(tokens - 1)])
-    return {"ms_per_step": 1e3 * seconds / (tokens - 1), "compile_s": compile_s}
+    def loop(token, position, steps: int):
+        for _ in range(steps):
+            token, position = one(token, position)
+        return token, position
+
+    compile_s, (token, position) = timed(device, lambda: loop(token, position, 2))
+    seconds, _ = timed(device, lambda: loop(token, position, tokens - 1))
+    return {"ms_per_step": 1e3 * seconds / (tokens - 1), "compile_s": compile_s,
+            "compile": ", ".join(f"{k}={v}" for k, v in options.items())}
 
 
-def steady(model, states_of, sizes: Sizes, fixed: bool, invariant: bool = False) -> tuple[dict, list[list[int]]]:
-    """ms per step of decoding `sizes.tokens` and 2 x `sizes.tokens` tokens from fresh forks: `ms_per_step` over
-    every step of the longer run (a generate call's first fixed step runs eagerly and the second captures the
-    graph: what a call pays), `ms_per_step_steady` from the difference of the two runs (the replayed steps)."""
-    decode_seconds(model, states_of(), 3, fixed, invariant)  # warm-up (and, with invariant, Triton's compiles)
-    short, _ = decode_seconds(model, states_of(), sizes.tokens, fixed, invariant)
-    long, tokens = decode_seconds(model, states_of(), 2 * sizes.tokens, fixed, invariant)
-    return {"ms_per_step": 1e3 * long / (2 * sizes.tokens - 1),
-            "ms_per_step_steady": 1e3 * (long - short) / sizes.tokens}, tokens
-
-
-def decoder_rows(model, state, sizes: Sizes, device: str, floor_ms: float | None) -> list[dict]:
+def decoder_rows(model, state, sizes: Sizes, device: str, floor_ms: float | None) -> Iterator[dict]:
     """A run's own path at batch 1: one keydiff.Decoder kept across calls (the runner's RunContext.decoder), each
     call a fresh fork of the prompt decoding `sizes.tokens` tokens, as each sample of a run does. The first call
     captures the decode graph; `ms_per_step` is the median of the next calls' whole time per step (first steps,
@@ -135,28 +240,28 @@ def decoder_rows(model, state, sizes: Sizes, device: str, floor_ms: float | None
     for _ in range(4):
         fork = state.fork(1)[0]
         seconds.append(timed(device, lambda: generate(model, fork, sizes.tokens, decoder=decoder))[0])
-        for _, step in decoder.stepper.steps.values():
-            if step.graph is not None and all(step.graph is not known for known in graphs):
-                graphs.append(step.graph)  # kept, not their ids: a freed graph's id may be reused
+        for graph in decoder_graphs(decoder):
+            if all(graph is not known for known in graphs):
+                graphs.append(graph)  # kept, not their ids: a freed graph's id may be reused
     per_step = [1e3 * s / (sizes.tokens - 1) for s in seconds]
-    return [{"row": "decode", "case": "keydiff, one decoder across calls", "batch": 1,
-             "ms_per_step": statistics.median(per_step[1:]), "first_call_ms_per_step": per_step[0],
-             "graphs": len(graphs), "capture_failures": decoder.graphs.reasons, "floor_ms": floor_ms}]
+    yield {"row": "decode", "case": "keydiff, one decoder across calls", "batch": 1,
+           "ms_per_step": statistics.median(per_step[1:]), "first_call_ms_per_step": per_step[0],
+           **graph_record(decoder), "graphs": len(graphs), "floor_ms": floor_ms}
 
 
-def decode_rows(model, sizes: Sizes, device: str) -> list[dict]:
+def decode_rows(model, sizes: Sizes, device: str) -> Iterator[dict]:
     from keydiff.bench.throughput import transformers_case, transformers_prefill
 
     prompt = common.random_prompt(model, sizes.length).to(device)
     steps = sizes.tokens - 1
     rates = floor.measure(device, next(model.parameters()).dtype, **({} if device == "cuda" else CPU_RATES))
-    rows = [{"row": "decode", "case": "device rates", **rates.record()}]
+    yield {"row": "decode", "case": "device rates", **rates.record()}
 
     def floor_ms(batch: int, entries: int) -> float | None:
         return floor.floor_ms(model, batch, entries, rates)["floor_ms"]
 
     state = prefill(model, prompt, build_policy("keydiff"), sizes.budget, sizes.block)
-    rows += decoder_rows(model, state, sizes, device, floor_ms(1, sizes.budget + 1))
+    yield from decoder_rows(model, state, sizes, device, floor_ms(1, sizes.budget + 1))
     full = prefill(model, prompt, build_policy("full"), None, sizes.block)
     invariant_tokens = {}
     for batch in (1, sizes.batch):
@@ -164,44 +269,47 @@ def decode_rows(model, sizes: Sizes, device: str) -> list[dict]:
         for fixed in (True, False):
             timing, tokens[fixed] = steady(model, lambda: state.fork(batch), sizes, fixed)
             steady_ms[fixed] = timing["ms_per_step_steady"]
-            rows.append({"row": "decode", "case": f"keydiff {'fixed' if fixed else 'ordinary'}", "batch": batch,
-                         **timing, "floor_ms": floor_ms(batch, sizes.budget + 1)})
-        rows.append({"row": "exact", "case": "fixed step = ordinary step, keydiff", "batch": batch,
-                     "identical": sum(a == b for a, b in zip(tokens[True], tokens[False])), "of": batch})
+            yield {"row": "decode", "case": f"keydiff {'fixed' if fixed else 'ordinary'}", "batch": batch,
+                   **timing, "tokens_per_s": per_second(batch, timing["ms_per_step"]),
+                   "floor_ms": floor_ms(batch, sizes.budget + 1)}
+        yield {"row": "exact", "case": "fixed step = ordinary step, keydiff", "batch": batch,
+               "identical": sum(a == b for a, b in zip(tokens[True], tokens[False])), "of": batch}
         plain = steady_ms[True]
         timing, invariant_tokens[batch] = steady(model, lambda: state.fork(batch), sizes, True, invariant=True)
-        rows.append({"row": "decode", "case": "keydiff fixed, batch_invariant", "batch": batch, **timing,
-                     "x_plain": timing["ms_per_step_steady"] / plain if plain > 0 else None,
-                     "floor_ms": floor_ms(batch, sizes.budget + 1)})
-    rows.append({"row": "exact", "case": f"batch_invariant: forks at batch {sizes.batch} = batch 1, keydiff",
-                 "batch": sizes.batch,
-                 "identical": sum(t == invariant_tokens[1][0] for t in invariant_tokens[sizes.batch]),
-                 "of": sizes.batch})
+        yield {"row": "decode", "case": "keydiff fixed, batch_invariant", "batch": batch, **timing,
+               "x_plain": timing["ms_per_step_steady"] / plain if plain > 0 else None,
+               "floor_ms": floor_ms(batch, sizes.budget + 1)}
+    yield {"row": "exact", "case": f"batch_invariant: forks at batch {sizes.batch} = batch 1, keydiff",
+           "batch": sizes.batch, "identical": sum(t == invariant_tokens[1][0] for t in invariant_tokens[sizes.batch]),
+           "of": sizes.batch}
     timing, _ = steady(model, lambda: full.fork(sizes.batch), sizes, True)
-    rows.append({"row": "decode", "case": "full (ours)", "batch": sizes.batch, **timing,
-                 "floor_ms": floor_ms(sizes.batch, sizes.length + 2 * sizes.tokens)})
+    yield {"row": "decode", "case": "full (ours)", "batch": sizes.batch, **timing,
+           "tokens_per_s": per_second(sizes.batch, timing["ms_per_step"]),
+           "floor_ms": floor_ms(sizes.batch, sizes.length + 2 * sizes.tokens)}
     del full, state
-    common.release_memory(device)
+    release_memory(device)
     anchor = transformers_prefill(model, prompt, device)
     args = argparse.Namespace(new_tokens=sizes.tokens)
     for batch in (1, sizes.batch):
         run = transformers_case(model, anchor, batch, args, device)
         run()
-        rows.append({"row": "decode", "case": "transformers eager DynamicCache", "batch": batch,
-                     "ms_per_step": 1e3 * run()["seconds"] / steps})
+        yield {"row": "decode", "case": "transformers eager DynamicCache", "batch": batch,
+               "ms_per_step": 1e3 * run()["seconds"] / steps}
     del anchor
-    common.release_memory(device)
-    if sizes.compile_anchor and device == "cuda":
-        for batch in (1, sizes.batch):
-            rows.append({"row": "decode", "case": "transformers StaticCache + compile(reduce-overhead)", "batch": batch,
-                         **transformers_static_ms(model, prompt, batch, sizes.tokens, device)})
-            common.release_memory(device)
-    return rows
+    release_memory(device)
+    for batch in (1, sizes.batch):
+        yield {"row": "decode", "case": STATIC_CASE, "batch": batch,
+               **transformers_static_ms(model, prompt, batch, sizes.tokens, device)}
+        release_memory(device)
+
+
+def per_second(sequences: int, ms_per_step: float) -> float | None:
+    return 1e3 * sequences / ms_per_step if ms_per_step > 0 else None
 
 
 def peak_beyond(device: str, fn) -> tuple[float, float | None]:
     """(seconds, peak GiB allocated beyond what was allocated before) of fn()."""
-    common.release_memory(device)
+    release_memory(device)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
@@ -211,39 +319,52 @@ def peak_beyond(device: str, fn) -> tuple[float, float | None]:
     return seconds, peak
 
 
-def prefill_rows(model, sizes: Sizes, device: str) -> list[dict]:
-    rows = []
+def prefill_timing(model, prompt, sizes: Sizes, block: int, fixed: bool, device: str) -> dict:
+    """A prompt's block-wise KeyDiff prefill through one Decoder, twice: `first_call_seconds` (a fresh decoder: the
+    block step's eager warm-up and capture included, what a user's first prompt pays; its peak memory beyond what
+    was allocated before is `peak_gib_beyond`), then `seconds` (the same decoder again, its step replayed: what every
+    later prompt of a run pays)."""
+    decoder = Decoder(model, 1, fixed_shapes=fixed)
+
+    def run():
+        return prefill(model, prompt, build_policy("keydiff"), sizes.prefill_budget, block, decoder=decoder)
+
+    first, peak = peak_beyond(device, run)
+    graphs = graph_record(decoder)
+    seconds, _ = peak_beyond(device, run)
+    return {"seconds": seconds, "first_call_seconds": first, "peak_gib_beyond": peak, **graphs}
+
+
+def prefill_rows(model, sizes: Sizes, device: str) -> Iterator[dict]:
     sweep, long = sizes.prefill_lengths
-    policy = lambda: build_policy("keydiff")  # noqa: E731
-    prefill(model, common.random_prompt(model, 4 * sizes.prefill_budget).to(device), policy(), sizes.prefill_budget,
-            sizes.block)  # warm-up
+    prefill(model, common.random_prompt(model, 4 * sizes.prefill_budget).to(device), build_policy("keydiff"),
+            sizes.prefill_budget, sizes.block)  # warm-up
+    by_block: dict[int, dict] = {}
     for length, blocks in ((sweep, sizes.prefill_blocks), (long, (sizes.block,))):
         prompt = common.random_prompt(model, length).to(device)
         for block in blocks:
             for fixed in ((True, False) if block == sizes.block and length == sweep else (True,)):
-                seconds, peak = peak_beyond(device, lambda: prefill(model, prompt, policy(), sizes.prefill_budget,
-                                                                    block, fixed_shapes=fixed))
-                rows.append({"row": "prefill", "case": f"keydiff {'fixed' if fixed else 'ordinary'}", "L": length,
-                             "N": sizes.prefill_budget, "B": block, "seconds": seconds, "peak_gib_beyond": peak})
+                row = {"row": "prefill", "case": f"keydiff {'fixed' if fixed else 'ordinary'}", "L": length,
+                       "N": sizes.prefill_budget, "B": block,
+                       **prefill_timing(model, prompt, sizes, block, fixed, device)}
+                if fixed and length == sweep:
+                    by_block[block] = row
+                    if len(by_block) == len(sizes.prefill_blocks):  # each sweep row against the largest block's
+                        largest = by_block[max(by_block)]["seconds"]  # (rows written already: rewritten with it)
+                        for measured in by_block.values():
+                            measured["x_largest_block"] = measured["seconds"] / largest
+                yield row
         with torch.inference_mode():
             seconds, peak = peak_beyond(device, lambda: model(input_ids=prompt, logits_to_keep=1).logits)
-        rows.append({"row": "prefill", "case": "one full forward", "L": length, "seconds": seconds,
-                     "peak_gib_beyond": peak})
-        common.release_memory(device)
-    by_block = {r["B"]: r["seconds"] for r in rows if r.get("L") == sweep and r["case"] == "keydiff fixed"}
-    largest = max(by_block)
-    for row in rows:
-        if row.get("L") == sweep and row["case"] == "keydiff fixed":
-            row["x_largest_block"] = row["seconds"] / by_block[largest]
-    return rows
+        yield {"row": "prefill", "case": "one full forward", "L": length, "seconds": seconds, "peak_gib_beyond": peak}
+        release_memory(device)
 
 
-def invariance_rows(model, sizes: Sizes, device: str) -> list[dict]:
+def invariance_rows(model, sizes: Sizes, device: str) -> Iterator[dict]:
     """Batch `sizes.batch` against each sequence alone, greedy: identical sequences out of the batch."""
     low, high = sizes.exact_lengths
     lengths = torch.linspace(low, high, sizes.batch).round().long().tolist()
     prompts = [common.random_prompt(model, n, seed=i).to(device) for i, n in enumerate(lengths)]
-    rows = []
     for name, budget in (("keydiff", sizes.exact_budget), ("full", None)):
         def states():
             return [prefill(model, p, build_policy(name), budget, sizes.block) for p in prompts]
@@ -252,44 +373,119 @@ def invariance_rows(model, sizes: Sizes, device: str) -> list[dict]:
         requests = [Request(s, max_new_tokens=sizes.exact_tokens, key=i) for i, s in enumerate(states())]
         together = dict(generate_batch(model, requests, sizes.batch))
         same = sum(together[i].token_ids[0] == alone[i] for i in range(len(prompts)))
-        rows.append({"row": "exact", "case": f"batch {sizes.batch} = alone, {name}", "batch": sizes.batch,
-                     "identical": same, "of": len(prompts), "tokens": sizes.exact_tokens})
-        common.release_memory(device)
-    return rows
+        yield {"row": "exact", "case": f"batch {sizes.batch} = alone, {name}", "batch": sizes.batch,
+               "identical": same, "of": len(prompts), "tokens": sizes.exact_tokens}
+        release_memory(device)
 
 
-def serving_rows(model, sizes: Sizes, device: str) -> list[dict]:
+def serving_rows(model, sizes: Sizes, device: str) -> Iterator[dict]:
+    """KeyDiff sequences of `serving_length`-token prompts held in `serving_gb`, counting each sequence's cache and
+    its share of the decode graph's memory pool (measured at width min(batch, held) first: the pool grows with the
+    width), then decoded together through one Decoder: the first call (capture included) and a later one."""
     prompt = common.random_prompt(model, sizes.serving_length).to(device)
     state = prefill(model, prompt, build_policy("keydiff"), sizes.budget, sizes.block)
-    held = int(sizes.serving_gb * (1 << 30) // state.cache.kv_cache_bytes)
-    decode_seconds(model, state.fork(held), 3, True)
-    seconds, _ = decode_seconds(model, state.fork(held), sizes.serving_tokens, True)
-    return [{"row": "serving", "case": "keydiff", "L": sizes.serving_length, "N": sizes.budget,
-             "memory_gb": sizes.serving_gb, "sequences_held": held,
-             "tokens_per_s": held * (sizes.serving_tokens - 1) / seconds}]
+    memory = sizes.serving_gb * (1 << 30)
+    cache_bytes = state.cache.kv_cache_bytes
+    probe = max(1, min(sizes.batch, int(memory // cache_bytes)))
+    decoder = Decoder(model, probe)
+    decode_seconds(model, state.fork(probe), 3, decoder)
+    graph_bytes = graph_record(decoder)["graph_pool_bytes"] / probe
+    del decoder
+    release_memory(device)
+    held = max(1, int(memory // (cache_bytes + graph_bytes)))
+    decoder = Decoder(model, held)
+    first, _ = decode_seconds(model, state.fork(held), sizes.serving_tokens, decoder)
+    graphs = graph_record(decoder)
+    seconds, _ = decode_seconds(model, state.fork(held), sizes.serving_tokens, decoder)
+    steps = sizes.serving_tokens - 1
+    yield {"row": "serving", "case": "keydiff", "L": sizes.serving_length, "N": sizes.budget,
+           "memory_gb": sizes.serving_gb, "sequences_held": held, "cache_bytes_per_sequence": cache_bytes,
+           "graph_bytes_per_sequence": graph_bytes, **graphs,
+           "fits": held * cache_bytes + graphs["graph_pool_bytes"] <= memory,
+           "tokens_per_s": held * steps / seconds, "first_call_tokens_per_s": held * steps / first,
+           "ms_per_step": 1e3 * seconds / steps, "first_call_ms_per_step": 1e3 * first / steps}
+
+
+ROWS: dict[str, Callable[..., Iterator[dict]]] = {"decode": decode_rows, "prefill": prefill_rows,
+                                                  "exact": invariance_rows, "serving": serving_rows}
+COLUMNS = ["row", "case", "batch", "L", "B", "ms_per_step", "ms_per_step_steady", "first_call_ms_per_step",
+           "x_plain", "floor_ms", "seconds", "first_call_seconds", "x_largest_block", "peak_gib_beyond", "capture_s",
+           "warm_up_s",
+           "graphs", "graph_pool_bytes", "identical", "of", "sequences_held", "tokens_per_s",
+           "first_call_tokens_per_s", "compile_s", "error"]
+
+
+def cell(value) -> str:
+    return "-" if value is None else f"{value:.3g}" if isinstance(value, float) else str(value)
+
+
+def row_line(row: dict) -> str:
+    """One finished row as one line (printed as it finishes; the table comes at the end)."""
+    return "  ".join(f"{k}={cell(row[k])}" if k not in ("row", "case") else str(row[k]) for k in COLUMNS if k in row)
 
 
 def print_rows(rows: list[dict]) -> None:
-    keys = ["row", "case", "batch", "L", "B", "ms_per_step", "ms_per_step_steady", "x_plain", "floor_ms", "seconds",
-            "x_largest_block",
-            "peak_gib_beyond", "first_call_ms_per_step", "graphs", "identical", "of", "sequences_held", "tokens_per_s", "compile_s", "error"]
-    shown = [k for k in keys if any(k in r for r in rows)]
-    cell = lambda v: "-" if v is None else f"{v:.3g}" if isinstance(v, float) else str(v)  # noqa: E731
+    shown = [k for k in COLUMNS if any(k in r for r in rows)]
     common.print_table([(k, 0) for k in shown], [[cell(r.get(k)) for k in shown] for r in rows], text_columns=2)
 
 
-def main(argv: list[str] | None = None) -> int:
+CLEANUP_ERRORS: list[str] = []
+
+
+def release_memory(device: str) -> None:
+    """common.release_memory, whose failure (an allocator left mid-capture by a failed capture asserts in
+    empty_cache) is kept, to be written as a row, instead of ending the run."""
+    try:
+        common.release_memory(device)
+    except Exception as error:  # noqa: BLE001 - reported as a row by `run_group`
+        CLEANUP_ERRORS.append(common.first_line(error))
+
+
+def run_group(group: str, planned: list[dict], make_rows: Callable[[], Iterator[dict]], log: common.RowLog,
+              on_row: Callable[[dict], None] | None = None) -> None:
+    """Log the group's rows as they come; the first failure is logged at the row it failed on (its identity, the
+    error's type and first line, the group) and the group's later rows as skipped. on_row: called with each row
+    before it is logged; what it raises is raised in the group where the row was made (the tests' way to fail a
+    group in its middle, or to stop the run there as a kill would)."""
+    done = 0
+    try:
+        rows = make_rows()
+        for row in rows:
+            if done >= len(planned) or identity(row) != planned[done]:
+                raise RuntimeError(f"row {identity(row)} is not the one planned: "
+                                   f"{planned[done] if done < len(planned) else 'none'}")
+            if on_row is not None:
+                try:
+                    on_row(row)
+                except BaseException as error:  # noqa: BLE001 - raised where the row was made
+                    rows.throw(error)
+            log.add(row)
+            done += 1
+    except Exception as error:  # noqa: BLE001 - one row's failure must not lose the rows measured before it
+        traceback.print_exc()
+        if done < len(planned):
+            log.add({**planned[done], "group": group, "error": common.first_line(error)})
+            for later in planned[done + 1:]:
+                log.add({**later, "error": f"skipped: {planned[done]['case']!r} failed before it", "skipped": True})
+        else:
+            log.add({"row": group, "case": "failed", "group": group, "error": common.first_line(error)})
+    release_memory(log.payload()["device"])
+    while CLEANUP_ERRORS:
+        log.add({"row": group, "case": "release_memory", "group": group, "error": CLEANUP_ERRORS.pop(0)})
+
+
+def main(argv: list[str] | None = None, on_row: Callable[[dict], None] | None = None) -> int:
+    """on_row: see `run_group` (tests only)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny sizes (any device): the code paths, not numbers")
     parser.add_argument("--json", default=None, help="write the rows and their provenance here, after every row")
     parser.add_argument("--deadline", type=float, default=450.0, help="seconds after which no new row group starts")
-    parser.add_argument("--rows", default="decode,prefill,exact,serving", help="which row groups, in this order")
+    parser.add_argument("--rows", default=",".join(GROUPS), help="which row groups, in this order")
     args = parser.parse_args(argv)
-    groups = {"decode": decode_rows, "prefill": prefill_rows, "exact": invariance_rows, "serving": serving_rows}
     chosen = [g.strip() for g in args.rows.split(",") if g.strip()]
-    unknown = [g for g in chosen if g not in groups]
+    unknown = [g for g in chosen if g not in ROWS]
     if unknown:
-        parser.error(f"unknown row groups {unknown}; valid: {', '.join(groups)}")
+        parser.error(f"unknown row groups {unknown}; valid: {', '.join(GROUPS)}")
     started = common.provenance(__spec__.name, argv)
     device = common.device_name()
     if device != "cuda" and not args.quick:
@@ -299,25 +495,23 @@ def main(argv: list[str] | None = None) -> int:
     begin = time.perf_counter()
     model = common.build_model(sizes.model, dtype, "sdpa", device)
     print(common.setting_line(device, dtype, model=sizes.model, quick=args.quick), flush=True)
-    rows: list[dict] = []
+    log = common.RowLog(args.json, started, lambda: {"device": device, "sizes": sizes.__dict__,
+                                                     "wall_s": time.perf_counter() - begin}, row_line)
+    planned = planned_rows(sizes)
     for group in chosen:
+        rows = [r for g, r in planned if g == group]
         elapsed = time.perf_counter() - begin
         if elapsed > args.deadline:
-            rows.append({"row": group, "case": "skipped", "error": f"deadline: {elapsed:.0f} s > {args.deadline:.0f} s"})
+            for row in rows:
+                log.add({**row, "error": f"skipped: deadline {args.deadline:.0f} s passed ({elapsed:.0f} s)",
+                         "skipped": True})
             continue
         print(f"{group} ... ({elapsed:.0f} s so far)", file=sys.stderr, flush=True)
-        try:
-            with torch.inference_mode():
-                rows += groups[group](model, sizes, device)
-        except Exception as error:  # one group's failure must not lose the others' numbers
-            traceback.print_exc()
-            rows.append({"row": group, "case": "failed", "error": f"{type(error).__name__}: {error}"[:300]})
-        common.release_memory(device)
-        if args.json:
-            common.write_json(args.json, {"device": device, "sizes": sizes.__dict__, "rows": rows,
-                                          "wall_s": time.perf_counter() - begin}, started)
-    print_rows(rows)
-    return 1 if any("error" in r for r in rows) else 0
+        with torch.inference_mode(), cpu_stand_ins(device):
+            run_group(group, rows, lambda: ROWS[group](model, sizes, device), log, on_row)
+    log.write()
+    print_rows(log.rows)
+    return 1 if any("error" in r for r in log.rows) else 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,173 @@
+"""make gpu-bench at tiny sizes on a CPU (`--quick`): every row a GPU run writes runs its code here first, with
+stand-ins for what a CPU lacks, and every row measured is kept whatever fails after it.
+
+One --quick run (a module fixture, about 20 s) feeds the checks of its rows; the failure tests run one row group.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from keydiff.bench import common, gpu_bench
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    """One `gpu_bench --quick` run: (exit code, the JSON written, its path)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    out = tmp_path_factory.mktemp("bench") / "bench.json"
+    try:
+        code = gpu_bench.main(["--quick", "--json", str(out)])
+    finally:
+        torch.set_num_threads(threads)
+    return code, json.loads(out.read_text()), out
+
+
+def roles(rows: list[dict], sizes: gpu_bench.Sizes) -> list[tuple]:
+    """Rows' identities with each size replaced by the name of the size it is (a quick and a full run compared)."""
+    lengths = dict(zip(sizes.prefill_lengths, ("sweep length", "long length")))
+    blocks = {b: f"block {i}" for i, b in enumerate(sizes.prefill_blocks)}
+    named = []
+    for row in rows:
+        values = {"batch": {1: "1", sizes.batch: "large batch"}.get(row.get("batch"), row.get("batch")),
+                  "L": "serving length" if row["row"] == "serving" else lengths.get(row.get("L"), row.get("L")),
+                  "B": blocks.get(row.get("B"), row.get("B"))}
+        named.append((row["row"], row["case"].replace(f"batch {sizes.batch}", "batch <large>"),
+                      *(f"{k}={values[k]}" for k in ("batch", "L", "B") if k in row)))
+    return named
+
+
+def test_the_quick_json_lists_exactly_the_full_runs_rows(quick):
+    code, record, _ = quick
+    rows = record["rows"]
+    assert code == 0 and not [r for r in rows if "error" in r], [r for r in rows if "error" in r]
+    assert [gpu_bench.identity(r) for r in rows] == [r for _, r in gpu_bench.planned_rows(gpu_bench.QUICK)]
+    full = [r for _, r in gpu_bench.planned_rows(gpu_bench.FULL)]
+    assert roles(rows, gpu_bench.QUICK) == roles(full, gpu_bench.FULL)
+    assert len(full) == len(rows) == 27
+
+
+def test_the_static_cache_anchor_gives_a_number_on_cpu(quick):
+    """The compile anchor's decode loop (a walrus in a lambda raised NameError there, on CUDA only) runs here,
+    under torch.compile's eager backend in place of reduce-overhead."""
+    static = [r for r in quick[1]["rows"] if r["case"] == gpu_bench.STATIC_CASE]
+    assert [r["batch"] for r in static] == [1, gpu_bench.QUICK.batch]
+    assert all(r["ms_per_step"] > 0 and r["compile_s"] > 0 and r["compile"] == "backend=eager" for r in static)
+
+
+def test_timings_per_call_and_at_steady_state_and_graph_memory(quick):
+    rows = quick[1]["rows"]
+    captured = [r for r in rows if r["row"] in ("decode", "prefill", "serving") and r["case"].startswith("keydiff")]
+    assert captured and all({"capture_s", "warm_up_s", "graph_pool_bytes", "graphs"} <= set(r) for r in captured)
+    decode = [r for r in rows if r["row"] == "decode" and r["case"].startswith(("keydiff", "full"))]
+    assert all(r["first_call_ms_per_step"] > 0 and r["ms_per_step"] > 0 for r in decode)
+    prefill = [r for r in rows if r["row"] == "prefill" and r["case"].startswith("keydiff")]
+    assert all(r["first_call_seconds"] > 0 and r["seconds"] > 0 for r in prefill)
+    serving, = [r for r in rows if r["row"] == "serving"]
+    assert serving["tokens_per_s"] > 0 and serving["first_call_tokens_per_s"] > 0 and serving["fits"]
+    memory = gpu_bench.QUICK.serving_gb * (1 << 30)
+    per_sequence = serving["cache_bytes_per_sequence"] + serving["graph_bytes_per_sequence"]
+    assert serving["sequences_held"] == int(memory // per_sequence)
+
+
+def test_quick_rows_and_the_gpu_hours_reader(quick, tmp_path):
+    """make gpu-hours reads this format: the --quick rows are refused as rates, and the same rows marked as the
+    full run's give every rate it takes from them (the rows' names and keys are the ones it looks for)."""
+    from keydiff.report import gpu_hours
+
+    _, record, path = quick
+    rows = record["rows"]
+    exact = [r for r in rows if r["row"] == "exact"]
+    assert exact and all(r["identical"] == r["of"] for r in exact)  # on CPU every row is exact
+    rates, = [r for r in rows if r["case"] == "device rates"]
+    assert rates["bandwidth"] > 0 and rates["matmul_flops"] > 0
+    ours = [r for r in rows if r["row"] == "decode" and r["case"].startswith(("keydiff", "full"))]
+    assert len(ours) == 8 and all(r["floor_ms"] > 0 for r in ours)
+    assert "code" in record and record["command"].startswith("python -m keydiff.bench.gpu_bench")
+    with pytest.raises(gpu_hours.RatesError, match="not --quick"):
+        gpu_hours.load_rates(path)
+    record = json.loads(json.dumps(record))
+    record["device"], record["sizes"]["model"] = "cuda", gpu_hours.MEASURED
+    for row in record["rows"]:
+        if row["row"] == "decode" and "ms_per_step_steady" in row:
+            row["ms_per_step_steady"] = abs(row["ms_per_step_steady"]) + 1.0  # tiny sizes: the difference is noise
+    out = tmp_path / "full.json"
+    out.write_text(json.dumps(record))
+    rates = gpu_hours.load_rates(out)
+    assert set(rates.decode) == set(rates.prefill) == {"ordinary", "fixed"}
+    assert set(rates.speedup["grouped"]) == set(rates.speedup["full"]) == {record["sizes"]["batch"]}
+
+
+def prefill_planned() -> list[dict]:
+    return [r for g, r in gpu_bench.planned_rows(gpu_bench.QUICK) if g == "prefill"]
+
+
+def fail_at(case: str, error: BaseException):
+    def on_row(row: dict) -> None:
+        if row["case"] == case:
+            raise error
+    return on_row
+
+
+def test_a_failure_in_a_group_keeps_the_rows_before_it_and_is_a_row(tmp_path):
+    torch.set_num_threads(1)
+    out = tmp_path / "bench.json"
+    error = ValueError("the third row broke\nsecond line of the message")
+    code = gpu_bench.main(["--quick", "--rows", "prefill", "--json", str(out)], on_row=fail_at("keydiff ordinary", error))
+    rows = json.loads(out.read_text())["rows"]
+    assert code == 1
+    assert [gpu_bench.identity(r) for r in rows] == prefill_planned()  # every planned row, in its place
+    assert all(r["seconds"] > 0 and "error" not in r for r in rows[:2])  # measured before the failure: kept
+    failed = rows[2]
+    assert failed["case"] == "keydiff ordinary" and failed["group"] == "prefill"
+    assert failed["error"] == "ValueError: the third row broke"
+    assert all(r["skipped"] and "'keydiff ordinary' failed before it" in r["error"] for r in rows[3:])
+
+
+def test_a_kill_keeps_every_row_written_before_it(tmp_path):
+    """Rows are written one at a time: a run stopped in the middle of a group (as by a kill) keeps the rows
+    finished before, in the JSON."""
+    torch.set_num_threads(1)
+    out = tmp_path / "bench.json"
+    with pytest.raises(KeyboardInterrupt):
+        gpu_bench.main(["--quick", "--rows", "prefill", "--json", str(out)],
+                       on_row=fail_at("keydiff ordinary", KeyboardInterrupt()))
+    rows = json.loads(out.read_text())["rows"]
+    assert [gpu_bench.identity(r) for r in rows] == prefill_planned()[:2] and all(r["seconds"] > 0 for r in rows)
+
+
+def test_a_failing_release_of_memory_is_a_row_and_the_run_goes_on(tmp_path, monkeypatch):
+    def refuse(device):
+        raise RuntimeError("captures_underway.empty() INTERNAL ASSERT FAILED\nat CUDACachingAllocator.cpp")
+
+    torch.set_num_threads(1)
+    monkeypatch.setattr(common, "release_memory", refuse)
+    out = tmp_path / "bench.json"
+    assert gpu_bench.main(["--quick", "--rows", "exact,serving", "--json", str(out)]) == 1
+    rows = json.loads(out.read_text())["rows"]
+    measured = [r for r in rows if r["case"] != "release_memory"]
+    assert [r["row"] for r in measured] == ["exact", "exact", "serving"] and not [r for r in measured if "error" in r]
+    releases = [r for r in rows if r["case"] == "release_memory"]
+    assert {r["group"] for r in releases} == {"exact", "serving"}
+    assert all(r["error"] == "RuntimeError: captures_underway.empty() INTERNAL ASSERT FAILED" for r in releases)
+
+
+def test_the_deadline_skips_rows_as_rows(tmp_path):
+    out = tmp_path / "bench.json"
+    assert gpu_bench.main(["--quick", "--rows", "exact", "--deadline", "0", "--json", str(out)]) == 1
+    rows = json.loads(out.read_text())["rows"]
+    assert [gpu_bench.identity(r) for r in rows] == [r for g, r in gpu_bench.planned_rows(gpu_bench.QUICK)
+                                                      if g == "exact"]
+    assert all(r["skipped"] and r["error"].startswith("skipped: deadline 0 s passed") for r in rows)
+
+
+def test_gpu_bench_refuses_a_machine_without_cuda_unless_quick(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(SystemExit):
+        gpu_bench.main([])
+    assert "no CUDA device here" in capsys.readouterr().err
