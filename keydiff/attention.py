@@ -68,6 +68,7 @@ layer returned from its `update` (`cache.owns`), and records through the cache's
 from __future__ import annotations
 
 from contextlib import contextmanager
+from functools import lru_cache
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, Iterator
@@ -281,9 +282,16 @@ def fused_attention(
         # Compiled (the fixed-shape prefill step's fullgraph check), the same mask as an explicit boolean one: dynamo
         # cannot build the CausalBias tensor subclass. Eager runs and CUDA graphs keep the bias (SDPA's own kernels).
         bias = (causal_mask(q_len, kv_len, query.device) if torch.compiler.is_compiling()
-                else causal_lower_right(q_len, kv_len))
+                else lower_right_bias(q_len, kv_len))
         output = F.scaled_dot_product_attention(query, key, value, attn_mask=bias, scale=scaling, enable_gqa=gqa)
     return output.transpose(1, 2).contiguous()
+
+
+@lru_cache(maxsize=64)
+def lower_right_bias(q_len: int, kv_len: int) -> torch.Tensor:
+    """SDPA's bottom-right causal bias: only its shape, so one object per shape serves every call (a graph capture,
+    and its CPU stand-in's recording, then builds no tensor subclass inside the capture)."""
+    return causal_lower_right(q_len, kv_len)
 
 
 def segment_attention(

@@ -16,7 +16,7 @@ import keydiff
 from keydiff import Decoder, build_policy, generate, prefill
 from keydiff.batching import step
 from keydiff.batching.blocks import RowBlock
-from keydiff.batching.static import StaticStep
+from keydiff.batching.static import StaticStep, stand_in_graphs
 from tests.conftest import tiny_llama
 from tests.test_batched_runs import lengths_cfg, run_at, tiny  # noqa: F401 - tiny: the runner's model fixture
 
@@ -92,47 +92,32 @@ def test_a_batch_one_run_decodes_every_sample_through_the_runs_decoder(tmp_path,
     assert sorted(q for q, in_arena in steps if in_arena) == [1, 16], steps
 
 
-def test_a_run_records_its_graph_captures_and_runs_a_step_that_cannot_be_captured_eagerly(tmp_path, tiny,
-                                                                                             monkeypatch):
-    """A capture that fails for a reason other than memory (a host synchronisation in a model's forward, say) leaves
-    that step eager for the rest of the run: the same rows, slower. The run's record says so (summary.json's
-    invocation `decode_graphs`), so its timings are not read as the replayed step's. CUDA's capture is stood in for
-    on the CPU: the steps try to capture (as on CUDA) and `torch.cuda.graph` refuses, as it does a host read."""
+def test_a_run_records_its_graph_captures_and_runs_a_step_that_cannot_be_captured_eagerly(tmp_path, tiny):
+    """A capture that fails for a reason other than memory (here at capture_end, as CUDA refuses a capture at its
+    end) stops the run's capturing: every later step runs eagerly, the same rows, slower. The run's record says so
+    (summary.json's invocation `decode_graphs`), so its timings are not read as the replayed step's. CUDA is stood
+    in for on the CPU (keydiff.batching.graphs.stand_in_graphs): the steps warm up, capture and replay as on CUDA."""
     from tests.test_batched_runs import same_rows
 
-    monkeypatch.setitem(step.FULL_WIDTH, "cpu", True)
     plain, plain_rows = run_at(lengths_cfg(tmp_path, "plain"))
-    assert plain["invocations"][-1]["decode_graphs"] == {"captured": 0, "failed": 0, "reasons": []}  # CPU: none
-
-    original = StaticStep.__init__
-
-    def init(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        self.capture = True  # as on a CUDA device
-
-    class Refused:
-        def __init__(self, graph):
-            pass
-
-        def __enter__(self):
-            raise RuntimeError("operation not permitted when stream is capturing")
-
-        def __exit__(self, *exc):
-            return False
-
-    monkeypatch.setattr(StaticStep, "__init__", init)
-    monkeypatch.setattr(StaticStep, "warm_up", StaticStep.first_call)  # no CUDA side stream on a CPU
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: object())
-    monkeypatch.setattr(torch.cuda, "graph", Refused)
-    summary, rows = run_at(lengths_cfg(tmp_path, "refused"))
+    assert plain["invocations"][-1]["decode_graphs"] == {"captured": 0, "failed": 0, "reasons": [], "stopped": False,
+                                                         "capture_s": 0.0, "warm_up_s": 0.0, "pool_bytes": 0}
+    with stand_in_graphs() as cuda:
+        captured, captured_rows = run_at(lengths_cfg(tmp_path, "captured"))
+    same_rows(plain_rows, captured_rows)
+    graphs = captured["invocations"][-1]["decode_graphs"]
+    assert graphs["captured"] >= 2 and graphs["failed"] == 0 and graphs["capture_s"] > 0, graphs
+    assert graphs["pool_bytes"] == sum(capture["bytes"] for capture in cuda.captures) > 0
+    assert cuda.replays > 0 and cuda.clean()
+    with stand_in_graphs(fail="end") as cuda:
+        summary, rows = run_at(lengths_cfg(tmp_path, "refused"))
     same_rows(plain_rows, rows)
     graphs = summary["invocations"][-1]["decode_graphs"]
-    # every step the run built tried once: the arena's decode step, the prefill slot's block step, and the own
-    # steps of the prompts shaped unlike the slots (N <= length < N + B); each distinct reason listed once
-    assert graphs["captured"] == 0 and graphs["failed"] >= 2, graphs
-    assert all(reason.endswith("RuntimeError: operation not permitted when stream is capturing")
-               for reason in graphs["reasons"])
-    assert sorted(reason.split(",")[0] for reason in graphs["reasons"]) == ["q=1", "q=16"], graphs
+    # the first capture fails and the run captures nothing after it (one try, one reason), replays nothing
+    assert graphs["captured"] == 0 and graphs["failed"] == 1 and graphs["stopped"], graphs
+    assert len(cuda.captures) == 1 and cuda.replays == 0 and cuda.clean(), cuda.captures
+    assert [reason.split(": ", 1)[1] for reason in graphs["reasons"]] == [
+        "RuntimeError: CUDA error: operation failed due to a previous error during capture (stand-in)"]
 
 
 @pytest.mark.parametrize("arena", [False, True], ids=["own-stack", "slot"])

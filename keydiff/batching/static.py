@@ -41,17 +41,21 @@ through keydiff.batching.step.
 
 Replay. On a CUDA device `StaticStep.run` captures the step as a CUDA graph at its second call (the first runs it
 eagerly, which also warms up the kernels) and replays it from then on: the same kernels as the eager step, so the
-same numbers. Elsewhere it runs eagerly. `compiled=True` compiles it with torch.compile (fullgraph), which
+same numbers. It reaches CUDA only through keydiff.batching.graphs (streams, the capture, the pool, each bound to
+the model's device), so that under `stand_in_graphs()` a CPU runs the same capture code against a recording
+stand-in, which captures, replays and fails as CUDA would (tests, and the benchmarks' --quick runs); elsewhere
+it runs eagerly. `compiled=True` compiles it with torch.compile (fullgraph), which
 keydiff.bench.fixed_step measures (slower on a CPU: docs/performance.md); tests/test_fixed_shapes.py compiles it the
 same way to prove the step has no graph break and reads no value out of a tensor (which fullgraph would capture, not
 refuse), i.e. no host synchronisation. The compiled trace differs from the eager step in two places the compiler
 cannot follow (keydiff.attention: no context variable is read, and the prefill block's causal mask is an explicit
 boolean one instead of SDPA's lower-right bias), so what a CUDA graph captures (the eager step, the bias included)
-is checked only on a GPU (make gpu-check's "fixed = ordinary").
+is checked on a GPU (make gpu-check's "fixed = ordinary") and, with the stand-in, on a CPU.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -61,6 +65,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from keydiff.attention import REGISTERED, STATISTIC_KWARG, StatisticBuffer, bound_to
 from keydiff.batching.blocks import poolable
+from keydiff.batching.graphs import CudaCalls, calls_for, stand_in_graphs, timed  # noqa: F401 - re-exported
 from keydiff.cache import EvictingCache
 from keydiff.cache.storage import ROTARY_STATE, Storage, drop_entries, move_entries
 from keydiff.policies.base import LayerView, Policy
@@ -224,21 +229,46 @@ def out_of_memory(error: BaseException | None) -> bool:
 
 @dataclass
 class Graphs:
-    """The CUDA graphs a run's fixed-shape steps captured, and why a capture failed (that step then runs eagerly:
-    the same results, only slower). Kept by the run's keydiff.Decoder across its steps and back-offs, and written
-    into the run's record, so a run whose steps were not replayed says so beside its timings."""
+    """The CUDA graphs a run's fixed-shape steps captured, and why a capture failed. Kept by the run's
+    keydiff.Decoder across its steps and back-offs, and written into the run's record (`record()`: summary.json's
+    decode_graphs), so a run whose steps were not replayed says so beside its timings.
+
+    After one failed capture the run stops capturing (`stopped`): every step runs eagerly from then on (the same
+    results, only slower), with one warning; a capture that failed may have left the device in a state no later
+    capture should meet. capture_s: seconds spent making the graphs, apart from any timing of the steps: each
+    graph's warm-up (the eager first call on a side stream, `warm_up_s` of it) and capture. pool_bytes: what the
+    captures added to the graph pool (CUDA: reserved memory grown across each capture; the CPU stand-in: the bytes
+    its captures allocated). Every graph of the run shares one pool and one capture stream per device (`stream`)."""
 
     captured: int = 0
     failed: int = 0
-    reasons: list[str] = field(default_factory=list)  # each distinct one once (a step per sample may fail alike)
+    reasons: list[str] = field(default_factory=list)  # each distinct one once
+    stopped: bool = False
+    capture_s: float = 0.0
+    warm_up_s: float = 0.0
+    pool_bytes: int = 0
+    _resources: dict = field(default_factory=dict, repr=False, compare=False)
 
     def fail(self, reason: str) -> None:
         self.failed += 1
+        if not self.stopped:
+            LOG.warning("a fixed-shape step could not be captured as a CUDA graph (%s); the run captures no more "
+                        "graphs and runs its fixed-shape steps eagerly", reason)
+        self.stopped = True
         if reason not in self.reasons:
             self.reasons.append(reason)
 
+    def stream_and_pool(self, calls: CudaCalls, device: torch.device) -> tuple[Any, Any]:
+        """The run's capture stream and graph pool on `device` (made on it, once)."""
+        key = (calls.name, str(device))
+        if key not in self._resources:
+            self._resources[key] = (calls.stream(device), calls.pool(device))
+        return self._resources[key]
+
     def record(self) -> dict[str, Any]:
-        return {"captured": self.captured, "failed": self.failed, "reasons": list(self.reasons)}
+        return {"captured": self.captured, "failed": self.failed, "reasons": list(self.reasons),
+                "stopped": self.stopped, "capture_s": round(self.capture_s, 6), "warm_up_s": round(self.warm_up_s, 6),
+                "pool_bytes": self.pool_bytes}
 
 
 class StaticStep:
@@ -265,7 +295,11 @@ class StaticStep:
         self.logits: torch.Tensor | None = None
         self.calls = 0
         self.graph: torch.cuda.CUDAGraph | None = None
-        self.capture = device.type == "cuda"
+        self.device = device
+        # The CUDA calls it captures through (torch.cuda's; on a CPU, the stand-in's where one is active), bound
+        # to the model's device, not the current one.
+        self.cuda = calls_for(device)
+        self.capture = self.cuda is not None
         self.step = torch.compile(self.eager, fullgraph=True, dynamic=False) if compiled else self.eager
 
     def eager(self, ids: torch.Tensor, positions: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
@@ -332,23 +366,30 @@ class StaticStep:
         with bound_to(None):
             if self.calls == 1:  # the first runs eagerly: real work, the warm-up, the score and statistic checks
                 return self.warm_up()
-            if not self.capture:
-                return self.step(self.ids, self.positions, self.active).clone()
-            if self.graph is None and not self.record():
+            if self.graph is None and not (self.capture and not self.graphs.stopped and self.record()):
                 return self.step(self.ids, self.positions, self.active).clone()
         self.graph.replay()
         return self.logits.clone()
 
     def warm_up(self) -> torch.Tensor:
-        """The first call, eagerly: on a CUDA device on a side stream, as graph capture wants its kernels' first
-        runs (library handles, workspaces) to have happened off the stream it records."""
-        if not self.capture:
+        """The first call, eagerly: where it will be captured, on a side stream of the model's device, as graph
+        capture wants its kernels' first runs (library handles, workspaces) to have happened off the stream it
+        records. The logits, made on the side stream, are marked as used on the current one (record_stream), so
+        that the allocator does not hand their memory to the side stream's next work while they are read."""
+        if not self.capture or self.graphs.stopped:
             return self.first_call()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
+        calls, device = self.cuda, self.device
+        start = timed(calls, device)
+        current = calls.current_stream(device)
+        side = calls.stream(device)
+        side.wait_stream(current)
+        with calls.use(side):
             logits = self.first_call()
-        torch.cuda.current_stream().wait_stream(side)
+        current.wait_stream(side)
+        calls.record_stream(logits, current)
+        seconds = timed(calls, device) - start
+        self.graphs.warm_up_s += seconds
+        self.graphs.capture_s += seconds
         return logits
 
     def first_call(self) -> torch.Tensor:
@@ -365,21 +406,41 @@ class StaticStep:
         return logits.clone()
 
     def record(self) -> bool:
-        """Capture the step as a CUDA graph (it does not run it: `run` replays it next). False, with a warning, if
-        the capture fails (a host synchronisation in a model's forward or a policy that claims `capturable`
-        wrongly): this step then runs eagerly from now on, with the same results, only slower."""
-        graph = torch.cuda.CUDAGraph()
+        """Capture the step as a CUDA graph (it does not run it: `run` replays it next), on the run's capture stream
+        and into its graph pool, both on the model's device; begin and end in try/finally, so that whatever fails,
+        the capture is ended, the stream context exited and the allocator no longer routes into the pool. False if
+        the capture fails (a host synchronisation in a model's forward, a policy that claims `capturable`
+        wrongly): the run then captures no more (`Graphs.fail`) and this step runs eagerly, with the same results
+        (a capture runs nothing, so the eager step that follows applies the step's writes once)."""
+        calls, device = self.cuda, self.device
+        stream, pool = self.graphs.stream_and_pool(calls, device)
+        graph = calls.graph()
+        start = timed(calls, device)
+        before = calls.reserved(device)
         try:
-            with torch.cuda.graph(graph):
-                self.logits = self.step(self.ids, self.positions, self.active)
+            try:
+                with calls.use(stream):
+                    graph.capture_begin(pool=pool)
+                    try:
+                        logits = self.step(self.ids, self.positions, self.active)
+                    except BaseException:
+                        with contextlib.suppress(Exception):  # the capture's own error is the one raised
+                            graph.capture_end()
+                        raise
+                    graph.capture_end()
+            except BaseException:
+                calls.end_pool(device, pool)
+                raise
         except Exception as error:  # noqa: BLE001 - any capture failure but out of memory: run the step eagerly
+            self.graphs.capture_s += timed(calls, device) - start
             if out_of_memory(error):
                 raise  # not the step's fault: the caller's back-off (or failed row) handles it; capture next time
             reason = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:200]}"
-            LOG.warning("the fixed-shape step could not be captured as a CUDA graph (%s); it runs eagerly", reason)
             self.graphs.fail(f"q={self.q}, W={self.rows.width}, {self.policy.name}: {reason}")
-            self.capture, self.logits = False, None
+            self.logits = None
             return False
-        self.graph = graph
+        self.graphs.capture_s += timed(calls, device) - start
+        self.graphs.pool_bytes += max(0, calls.reserved(device) - before)
+        self.graph, self.logits = graph, logits
         self.graphs.captured += 1
         return True

@@ -22,6 +22,7 @@ import torch
 
 from keydiff.attention import base_implementation
 from keydiff.batching.blocks import PrefillSlot
+from keydiff.batching.graphs import calls_for
 from keydiff.batching.rows import BatchCache
 from keydiff.batching.sequence import Sequence
 from keydiff.batching.static import Graphs, Rows, StaticStep, eligible
@@ -83,7 +84,8 @@ class Stepper:
         self.fixed_shapes = fixed_shapes_default(self.device) if fixed_shapes is None else bool(fixed_shapes)
         # block or stack -> (what its step was built on: key buffer, first and stop row; the StaticStep)
         self.steps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self.full_width = FULL_WIDTH.get(self.device.type, False)
+        # where graphs are captured (CUDA, or a CPU under keydiff.batching.graphs.stand_in_graphs), the CUDA layout
+        self.full_width = FULL_WIDTH.get(self.device.type, False) or calls_for(self.device) is not None
 
     def invariant(self):
         """The context the decoding steps run in: the batch-invariant mode for this device, or nothing."""

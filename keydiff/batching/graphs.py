@@ -1,0 +1,368 @@
+"""CUDA graph capture for the fixed-shape step (keydiff.batching.static), through a small set of CUDA calls that a
+CPU can stand in for.
+
+`CudaCalls` is torch.cuda itself: streams, the current stream, a device guard, synchronisation, CUDAGraph, graph
+pools, reserved memory. The step reaches CUDA only through such an object, so that under `stand_in_graphs()`
+a CPU runs exactly the capture code a GPU runs (side-stream warm-up, capture on an explicit stream bound to the
+model's device, begin and end in try/finally, replay) against `StandIn`, which records what it was asked:
+
+    from keydiff.batching.static import stand_in_graphs
+    with stand_in_graphs() as cuda:              # CPU models now warm up, capture and replay as on CUDA
+        ...                                      # run a Decoder, a prefill, the runner, a benchmark
+    cuda.captures       # one dict per capture: device, stream, pool, bytes allocated, error (if it failed)
+    cuda.streams        # every stream made: (device, id)
+    cuda.clean()        # no capture underway, every device back on its default stream, no pool left routed
+
+A stand-in capture does not run the step (a CUDA capture records kernels, it runs none): every operation inside
+it is recorded (a torch dispatch mode) and every write it makes to memory that existed before the capture is
+undone at its end; `replay()` runs the recorded operations again on the same tensors, as a graph replays its
+kernels on the same addresses. Tensors allocated inside a capture are the graph's pool: their bytes are
+counted (an upper bound: the CUDA allocator reuses a block freed within the capture) and, being the pool's
+until replay, hold NaN after it. Reading a value on the host inside a capture, or an operation whose output
+shape depends on values, raises as CUDA does ("operation not permitted when stream is capturing").
+
+Options: `model_device` / `current_device` name the devices the CPU stands for (a model on "cuda:1" while the
+current device is "cuda:0": a stream made without a device lands on the current one, as torch.cuda's does);
+`fail="end"` makes capture_end raise (a capture CUDA refuses at its end), `fail="inside"` makes the first
+operation of a capture raise (a host read); `fixed_allocator=False` (the default) leaves the allocator routing
+into the pool after a failed capture_end, as torch builds without the capture_end fix do, so only code that
+ends the routing itself leaves the stand-in clean.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+from torch.utils import _pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+CAPTURING = "operation not permitted when stream is capturing"
+
+
+class CudaCalls:
+    """The CUDA calls a capture makes, each bound to the device it is given (torch.cuda's own)."""
+
+    name = "cuda"
+
+    def stream(self, device: torch.device) -> Any:
+        return torch.cuda.Stream(device=device)
+
+    def current_stream(self, device: torch.device) -> Any:
+        return torch.cuda.current_stream(device)
+
+    def use(self, stream: Any) -> Any:
+        """The context in which `stream` is current (and its device the current device)."""
+        return torch.cuda.stream(stream)
+
+    def guard(self, device: torch.device) -> Any:
+        return torch.cuda.device(device)
+
+    def synchronize(self, device: torch.device) -> None:
+        torch.cuda.synchronize(device)
+
+    def graph(self) -> Any:
+        return torch.cuda.CUDAGraph()
+
+    def pool(self, device: torch.device) -> Any:
+        with torch.cuda.device(device):
+            return torch.cuda.graph_pool_handle()
+
+    def reserved(self, device: torch.device) -> int:
+        return torch.cuda.memory_reserved(device)
+
+    def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
+        tensor.record_stream(stream)
+
+    def end_pool(self, device: torch.device, pool: Any) -> None:
+        """After a failed capture: stop routing the device's allocations into the capture's pool, which torch
+        builds without the capture_end fix leave on (their next empty_cache then asserts). Refused harmlessly
+        where capture_end already ended it."""
+        end = getattr(torch.cuda.memory, "_cuda_endAllocateToPool", None)
+        if end is None:
+            return
+        with contextlib.suppress(Exception):
+            end(torch.cuda._utils._get_device_index(device, optional=True), pool)
+
+
+CUDA = CudaCalls()
+_STAND_IN: list["StandIn"] = []  # the active stand-in, if any (innermost last)
+
+
+def calls_for(device: torch.device) -> CudaCalls | None:
+    """The CUDA calls a step on `device` captures through: torch.cuda's on a CUDA device, the active stand-in on a
+    CPU, None where nothing is captured."""
+    if device.type == "cuda":
+        return CUDA
+    if device.type == "cpu" and _STAND_IN:
+        return _STAND_IN[-1]
+    return None
+
+
+@contextlib.contextmanager
+def stand_in_graphs(model_device: str = "cuda:0", current_device: str = "cuda:0", fail: str | None = None,
+                    fixed_allocator: bool = False) -> Iterator["StandIn"]:
+    """Within it, a CPU step captures and replays CUDA graphs through `StandIn` (see the module), which it yields."""
+    if fail not in (None, "end", "inside"):
+        raise ValueError(f"fail={fail!r} is not valid; valid: None, 'end', 'inside'")
+    stand_in = StandIn(model_device, current_device, fail, fixed_allocator)
+    _STAND_IN.append(stand_in)
+    try:
+        yield stand_in
+    finally:
+        _STAND_IN.remove(stand_in)
+
+
+_ids = itertools.count(1)
+
+
+@dataclass(eq=False)
+class StandInStream:
+    """A stream of the stand-in: the device it was made on, and the streams it was told to wait for."""
+
+    device: str
+    id: int = field(default_factory=lambda: next(_ids))
+    default: bool = False
+    waited_for: list[int] = field(default_factory=list)
+
+    def wait_stream(self, other: "StandInStream") -> None:
+        self.waited_for.append(other.id)
+
+
+class StandIn(CudaCalls):
+    """Stands in for CUDA on a CPU and records what a capture was asked (see the module)."""
+
+    name = "stand-in"
+
+    def __init__(self, model_device: str, current_device: str, fail: str | None, fixed_allocator: bool):
+        self.model_device, self.current_device = model_device, current_device
+        self.fail, self.fixed_allocator = fail, fixed_allocator
+        self.defaults: dict[str, StandInStream] = {}
+        self.current: dict[str, StandInStream] = {}  # each device's current stream
+        self.streams: list[tuple[str, int]] = []  # every stream made: (device, id)
+        self.captures: list[dict[str, Any]] = []
+        self.capturing: StandInStream | None = None  # the stream a capture is underway on
+        self.routed: list[Any] = []  # pools the allocator still routes allocations into
+        self.recorded_streams: list[tuple[torch.Tensor, int]] = []  # record_stream calls: (tensor, stream id)
+        self.replays = 0
+        self.synchronized: list[str] = []
+
+    def device_name(self, device: torch.device | str | None) -> str:
+        """The CUDA device a CPU device stands for: the model's (None: the current device)."""
+        if device is None:
+            return self.current_device
+        device = torch.device(device)
+        return self.model_device if device.type == "cpu" else str(device)
+
+    def default_stream(self, name: str) -> StandInStream:
+        if name not in self.defaults:
+            self.defaults[name] = StandInStream(name, default=True)
+        return self.defaults[name]
+
+    def stream(self, device: torch.device | None = None) -> StandInStream:
+        made = StandInStream(self.device_name(device))
+        self.streams.append((made.device, made.id))
+        return made
+
+    def current_stream(self, device: torch.device | None = None) -> StandInStream:
+        name = self.device_name(device)
+        return self.current.get(name) or self.default_stream(name)
+
+    @contextlib.contextmanager
+    def use(self, stream: StandInStream) -> Iterator[None]:
+        """As torch.cuda.stream: the stream current on its device, and its device the current device."""
+        before, before_device = self.current.get(stream.device), self.current_device
+        self.current[stream.device], self.current_device = stream, stream.device
+        try:
+            yield
+        finally:
+            self.current_device = before_device
+            if before is None:
+                self.current.pop(stream.device, None)
+            else:
+                self.current[stream.device] = before
+
+    @contextlib.contextmanager
+    def guard(self, device: torch.device) -> Iterator[None]:
+        before, self.current_device = self.current_device, self.device_name(device)
+        try:
+            yield
+        finally:
+            self.current_device = before
+
+    def synchronize(self, device: torch.device | None = None) -> None:
+        self.synchronized.append(self.device_name(device))
+
+    def graph(self) -> "StandInGraph":
+        return StandInGraph(self)
+
+    def pool(self, device: torch.device | None = None) -> tuple[int, int]:
+        return (0, next(_ids))
+
+    def reserved(self, device: torch.device | None = None) -> int:
+        return sum(capture["bytes"] for capture in self.captures)
+
+    def record_stream(self, tensor: torch.Tensor, stream: StandInStream) -> None:
+        self.recorded_streams.append((tensor, stream.id))
+
+    def end_pool(self, device: torch.device, pool: Any) -> None:
+        if pool in self.routed:
+            self.routed.remove(pool)
+
+    def clean(self) -> bool:
+        """No capture underway, every device on its default stream, the allocator routing into no pool."""
+        return self.capturing is None and not self.current and not self.routed
+
+
+class StandInGraph:
+    """A CUDAGraph of the stand-in: capture_begin/capture_end record every operation between them (undoing their
+    writes to memory that existed before), `replay` runs them again."""
+
+    def __init__(self, calls: StandIn):
+        self.calls = calls
+        self.recorder: _Recorder | None = None
+        self.record: dict[str, Any] | None = None
+        self.operations: list[tuple] | None = None
+
+    def capture_begin(self, pool: Any = None, capture_error_mode: str = "global") -> None:
+        calls = self.calls
+        if calls.capturing is not None:
+            raise RuntimeError("a capture is already underway")
+        stream = calls.current_stream(None)  # as CUDA: the current device's current stream
+        if stream.default:
+            raise RuntimeError("CUDA graphs must be captured on a non-default stream")
+        self.record = {"device": stream.device, "stream": stream.id, "pool": pool, "bytes": 0, "allocations": [],
+                       "error": None}
+        calls.captures.append(self.record)
+        calls.capturing = stream
+        calls.routed.append(pool)
+        # Kernels on the model's device are captured only if the capture stream is on that device; elsewhere
+        # they run at once (what a capture on another device than the tensors' does).
+        self.recorder = _Recorder(calls.fail == "inside") if stream.device == calls.model_device else None
+        if self.recorder is not None:
+            self.recorder.__enter__()
+
+    def capture_end(self) -> None:
+        calls, recorder = self.calls, self.recorder
+        if calls.current_stream(None) is not calls.capturing:
+            raise RuntimeError("Capture must end on the same stream it began on.")
+        self.recorder = None
+        if recorder is not None:
+            recorder.__exit__(None, None, None)
+            recorder.undo()
+            self.operations = recorder.operations
+            self.record["bytes"] = recorder.bytes
+            self.record["allocations"] = recorder.allocations
+        else:
+            self.operations = []
+        calls.capturing = None
+        if calls.fail == "end":
+            self.operations = None
+            self.record["error"] = "end"
+            if calls.fixed_allocator:
+                calls.routed.remove(self.record["pool"])
+            raise RuntimeError("CUDA error: operation failed due to a previous error during capture (stand-in)")
+        calls.routed.remove(self.record["pool"])
+
+    def replay(self) -> None:
+        if self.operations is None:
+            raise RuntimeError("replay of a graph that was not captured")
+        self.calls.replays += 1
+        with torch.inference_mode():
+            for func, args, kwargs, result, fresh in self.operations:
+                again = func(*args, **kwargs)
+                if fresh:
+                    old, new = _pytree.tree_leaves(result), _pytree.tree_leaves(again)
+                    for index in fresh:
+                        old[index].copy_(new[index])
+
+    def pool(self) -> Any:
+        return None if self.record is None else self.record["pool"]
+
+
+def _reads_values(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether an operation reads a value on the host or sizes its output by values (a host synchronisation, which
+    a CUDA capture refuses). Indexing is so only with boolean masks; with integer indices its shape is fixed."""
+    tags = getattr(func, "tags", ())
+    if torch.Tag.data_dependent_output in tags:
+        return True
+    if torch.Tag.dynamic_output_shape not in tags:
+        return False
+    if func.name().startswith(("aten::index", "aten::_index_put_impl")):
+        indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
+        return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices or ())
+    return True
+
+
+def _written(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors an operation writes into (its schema's mutable arguments)."""
+    written = []
+    for index, argument in enumerate(func._schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        value = args[index] if index < len(args) else kwargs.get(argument.name)
+        written += [t for t in _pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+    return written
+
+
+class _Recorder(TorchDispatchMode):
+    """Runs and records every operation of a stand-in capture; keeps the first contents of each storage it writes
+    that existed before the capture, to restore them at the end (`undo`)."""
+
+    def __init__(self, fail_inside: bool):
+        super().__init__()
+        self.fail_inside = fail_inside
+        self.operations: list[tuple] = []
+        self.fresh: set[int] = set()  # storages allocated inside the capture (data pointers)
+        self.saved: dict[int, tuple[Any, Any]] = {}
+        self.bytes = 0
+        self.allocations: list[tuple[tuple[int, ...], torch.dtype]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.fail_inside or _reads_values(func, args, kwargs):
+            raise RuntimeError(f"{CAPTURING} (stand-in: {func})")
+        for tensor in _written(func, args, kwargs):
+            storage = tensor.untyped_storage()
+            key = storage.data_ptr()
+            if key not in self.fresh and key not in self.saved and storage.nbytes():
+                self.saved[key] = (storage, storage.clone())
+        result = func(*args, **kwargs)
+        leaves = _pytree.tree_leaves(result)
+        fresh = []
+        # An output is new memory unless it shares an input's: a schema's alias annotation says "may alias" (to,
+        # reshape: a copy or a view), and an unannotated output may still be a view (_unsafe_view).
+        inputs = {t.untyped_storage().data_ptr() for t in _pytree.tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor)}
+        for index, leaf in enumerate(leaves):
+            if isinstance(leaf, torch.Tensor) and leaf.untyped_storage().data_ptr() not in inputs:
+                fresh.append(index)
+                storage = leaf.untyped_storage()
+                if storage.data_ptr() not in self.fresh:
+                    self.fresh.add(storage.data_ptr())
+                    self.bytes += storage.nbytes()
+                    self.allocations.append((tuple(leaf.shape), leaf.dtype))
+        self.operations.append((func, args, kwargs, result, fresh))
+        return result
+
+    @torch.inference_mode()
+    def undo(self) -> None:
+        """Restore what the capture overwrote, and leave the pool's tensors as a graph leaves them: unset."""
+        for storage, copy in self.saved.values():
+            storage.copy_(copy)
+        self.saved.clear()
+        for *_, result, fresh in self.operations:
+            leaves = _pytree.tree_leaves(result)
+            for index in fresh:
+                if leaves[index].is_floating_point():
+                    leaves[index].fill_(float("nan"))
+
+
+def timed(calls: CudaCalls, device: torch.device) -> float:
+    """A clock reading after the device's queued work (a capture's or warm-up's time covers its kernels)."""
+    calls.synchronize(device)
+    return time.perf_counter()
