@@ -317,7 +317,7 @@ class _Recorder(TorchDispatchMode):
         super().__init__()
         self.fail_inside = fail_inside
         self.operations: list[tuple] = []
-        self.fresh: set[int] = set()  # storages allocated inside the capture (data pointers)
+        self.fresh: set[int] = set()  # storages allocated inside the capture (their StorageImpl, `_cdata`)
         self.saved: dict[int, tuple[Any, Any]] = {}
         self.bytes = 0
         self.allocations: list[tuple[tuple[int, ...], torch.dtype]] = []
@@ -328,7 +328,7 @@ class _Recorder(TorchDispatchMode):
             raise RuntimeError(f"{CAPTURING} (stand-in: {func})")
         for tensor in _written(func, args, kwargs):
             storage = tensor.untyped_storage()
-            key = storage.data_ptr()
+            key = storage._cdata
             if key not in self.fresh and key not in self.saved and storage.nbytes():
                 self.saved[key] = (storage, storage.clone())
         result = func(*args, **kwargs)
@@ -336,14 +336,14 @@ class _Recorder(TorchDispatchMode):
         fresh = []
         # An output is new memory unless it shares an input's: a schema's alias annotation says "may alias" (to,
         # reshape: a copy or a view), and an unannotated output may still be a view (_unsafe_view).
-        inputs = {t.untyped_storage().data_ptr() for t in _pytree.tree_leaves((args, kwargs))
+        inputs = {t.untyped_storage()._cdata for t in _pytree.tree_leaves((args, kwargs))
                   if isinstance(t, torch.Tensor)}
         for index, leaf in enumerate(leaves):
-            if isinstance(leaf, torch.Tensor) and leaf.untyped_storage().data_ptr() not in inputs:
+            if isinstance(leaf, torch.Tensor) and leaf.untyped_storage()._cdata not in inputs:
                 fresh.append(index)
                 storage = leaf.untyped_storage()
-                if storage.data_ptr() not in self.fresh:
-                    self.fresh.add(storage.data_ptr())
+                if storage._cdata not in self.fresh:
+                    self.fresh.add(storage._cdata)
                     self.bytes += storage.nbytes()
                     self.allocations.append((tuple(leaf.shape), leaf.dtype))
         self.operations.append((func, args, kwargs, result, fresh))
