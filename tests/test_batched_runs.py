@@ -83,7 +83,7 @@ def test_math500_samples_share_one_prefill_and_equal_separate_runs(tmp_path, tin
     same_rows(rows_one, rows_three)
     assert len(rows_three) == 6 and all(row["prefill_shared"] == 3 for row in rows_three.values())
     assert json.dumps(one["metrics"]) == json.dumps(three["metrics"])
-    assert len({row["seed"] for row in rows_three.values()}) == 3  # one seed per response index, as at batch 1
+    assert len({row["sampling_seed"] for row in rows_three.values()}) == 3  # one seed per response index, as at batch 1
     problems = {}
     for row in rows_three.values():  # the three responses of a problem share its one prefill (one TTFT)
         problems.setdefault(row["info"]["unique_id"], set()).add(row["ttft_s"])

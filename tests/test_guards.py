@@ -427,7 +427,7 @@ def hand_peak_entries(length: int, budget: int, block: int, fed_back: int) -> in
 
 
 def kv_bytes_of(row: dict) -> int:
-    present = [key for key in ("kv_cache_peak_bytes", "kv_cache_bytes") if key in row]
+    present = [key for key in ("kv_cache_held_peak_bytes", "kv_cache_allocated_bytes") if key in row]
     assert present, f"no KV byte count in the row: {sorted(row)}"
     return row[present[0]]
 
@@ -444,14 +444,14 @@ def test_runner_rows_cap_compression_and_count_keys_and_values(tmp_path, tiny_ru
         row = rows[f"len{length}"]
         assert row["prompt_tokens"] == length and row["new_tokens"] == new_tokens
         assert row["kept_tokens"] == min(length, budget)
-        assert row["compression_ratio"] == pytest.approx(min(budget / length, 1.0))  # a short prompt is not "compressed" > 1
+        assert row["kept_ratio"] == pytest.approx(min(budget / length, 1.0))  # a short prompt is not "compressed" > 1
         peak = hand_peak_entries(length, budget, block, new_tokens - 1)
         assert row["max_cache_entries"] == peak
         assert kv_bytes_of(row) == LAYERS * peak * per_layer_entry
-    assert rows["len30"]["compression_ratio"] == 1.0
+    assert rows["len30"]["kept_ratio"] == 1.0
     stats = summary["statistics"]
-    assert stats["mean_compression_ratio"] == pytest.approx((1.0 + budget / 100) / 2)
-    assert stats["mean_compression_ratio"] <= 1.0
+    assert stats["mean_kept_ratio"] == pytest.approx((1.0 + budget / 100) / 2)
+    assert stats["mean_kept_ratio"] <= 1.0
 
 
 @pytest.mark.parametrize("shape", [{}, {"num_key_value_heads": 1, "head_dim": 24}], ids=["gqa", "mqa_head_dim_24"])

@@ -80,7 +80,7 @@ def test_runner_sets_budget_per_sample_and_holds_bound(tmp_path, tiny_runner):
         row = rows[f"len{length}"]
         assert row["status"] == "ok" and row["budget"] == budget
         assert row["kept_tokens"] == budget
-        assert row["compression_ratio"] == pytest.approx(budget / length)
+        assert row["kept_ratio"] == pytest.approx(budget / length)
         assert row["max_cache_entries"] == hand_peak_entries(length, budget, block, new_tokens - 1)
         assert row["max_cache_entries"] <= budget + block
         assert set(row["layer_budgets"]) == {budget}

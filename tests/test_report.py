@@ -44,7 +44,7 @@ def test_table1_report_holds_the_comparison_panels_and_the_paper_reference(tmp_p
                                                         ("model.name", "llama-3.1-8b-instruct"), ("policy.label", "keydiff")}
     assert panel_titles(main) == ["score vs budget", "paper: score vs budget", "ours vs paper (diagonal = reproduced)",
                                   "score and paper score, per budget", "TTFT vs block size",
-                                  "compression ratio vs budget", "running score (per written row)"]
+                                  "kept ratio vs budget", "running score (per written row)"]
     # The paper's values as a table in the report; the model the CSV does not cover gets no paper panels.
     markdown = [block.text for block in report.blocks if type(block).__name__ == "MarkdownBlock"]
     assert any("| keydiff | 128 | 44.33 | – | – | 49.03 |" in text for text in markdown)
@@ -169,7 +169,7 @@ def test_experiments_build_reports_without_paper_numbers(tmp_path, stem):
     grids = [block for block in report.blocks if hasattr(block, "panels")]
     assert len(grids) == len(grid.models) * (2 if grid.datasets else 1)
     main = grids[0]
-    assert panel_titles(main) == ["score vs budget", "TTFT vs block size", "compression ratio vs budget",
+    assert panel_titles(main) == ["score vs budget", "TTFT vs block size", "kept ratio vs budget",
                                   "running score (per written row)"]  # no paper panels without paper numbers
     assert [runset.name for runset in main.runsets] == grid.policies
 

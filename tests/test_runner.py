@@ -80,7 +80,7 @@ def test_full_policy_retrieves_the_needle_end_to_end(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "full" / "predictions.jsonl").read_text().splitlines()]
     assert len(rows) == 1 and rows[0]["scores"]["needle_recall"] == 1.0, rows[0]["prediction"]
     assert summary["complete"] is True  # complete with respect to the configured limit
-    assert summary["statistics"]["mean_compression_ratio"] == 1.0
+    assert summary["statistics"]["mean_kept_ratio"] == 1.0
     assert summary["code"]["commit"] and summary["packages"]["transformers"]
     assert rows[0]["code"].startswith(summary["code"]["commit"]) and len(summary["code"]["row_commits"]) == 1
     assert summary["model"] and summary["data"]  # provenance: model source/hash and haystack sha256
@@ -94,7 +94,7 @@ def test_eviction_run_resume_crash_recovery_and_no_overwrite(tmp_path, monkeypat
     stats = first["statistics"]
     assert stats["max_cache_entries"] == 320 and stats["cache_bound"] == 320 and stats["cache_bound_held"]
     row = json.loads((run_dir / "predictions.jsonl").read_text().splitlines()[0])
-    assert row["kept_tokens"] == 256 and row["compression_ratio"] == pytest.approx(256 / row["prompt_tokens"])
+    assert row["kept_tokens"] == 256 and row["kept_ratio"] == pytest.approx(256 / row["prompt_tokens"])
     assert row["ttft_s"] > 0 and row["new_tokens"] > 0
 
     # A crash mid-write leaves a partial line: it is dropped, the complete line is kept.

@@ -131,7 +131,7 @@ def test_multi_request_with_one_question_is_the_independent_query_agnostic_run(m
     alone = run_sample(ctx_of(plan_of(ToyShared(mode="independent", questions=1), name), model), sample,
                        prompt=task.build_prompt(sample, None, None, query_aware=False))
     for key in ("prediction", "prompt_tokens", "context_tokens", "held_tokens", "kept_tokens", "budget",
-                "compression_ratio", "max_cache_entries", "new_tokens"):
+                "kept_ratio", "max_cache_entries", "new_tokens", "degenerate"):
         assert row[key] == alone[key], key
 
 

@@ -411,7 +411,7 @@ def test_predictions_count_the_latest_successful_row_per_sample(tmp_path):
     (tmp_path / "predictions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"sample_id": "e"')
     before = (tmp_path / "predictions.jsonl").read_bytes()
     got = collect_results.read_predictions(tmp_path)
-    assert {r["sample_id"]: r["compression_ratio"] for r in got} == {"a": 0.5, "c": 0.25, "d": 0.75}
+    assert {r["sample_id"]: r["kept_ratio"] for r in got} == {"a": 0.5, "c": 0.25, "d": 0.75}  # old name read
     assert (tmp_path / "predictions.jsonl").read_bytes() == before  # a reader never cuts a running job's last line
 
 

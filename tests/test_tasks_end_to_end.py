@@ -46,7 +46,7 @@ def test_math500_on_the_fixture(tmp_path):
     summary = runner.run(cfg, tmp_path / "math")
     rows = rows_of(tmp_path / "math")
     assert len(rows) == 2 and rows[0]["sample_id"].endswith("#0") and rows[1]["sample_id"].endswith("#1")
-    assert rows[0]["seed"] is not None and rows[0]["seed"] != rows[1]["seed"]  # sampled decoding, seeded
+    assert rows[0]["sampling_seed"] is not None and rows[0]["sampling_seed"] != rows[1]["sampling_seed"]  # sampled decoding, seeded
     assert all(set(r["scores"]) >= {"exact", "flex", "has_answer"} for r in rows)
     assert 0.0 <= summary["metrics"]["exact"] <= 1.0
 

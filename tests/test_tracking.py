@@ -149,10 +149,10 @@ def test_history_per_row_summary_names_and_config_keys(tmp_path, tiny, recorded)
         == ("custom", "keydiff", 16, 8)
     rows = [data for _, data in run.history if "sample/index" in data]
     assert [row["sample/prompt_tokens"] for row in rows] == [30, 40, 50]
-    assert all({"sample/ttft_s", "sample/compression_ratio", "sample/chars", "running/ttft_s"} <= set(row) for row in rows)
+    assert all({"sample/ttft_s", "sample/kept_ratio", "sample/chars", "running/ttft_s"} <= set(row) for row in rows)
     assert rows[-1]["running/ttft_s"] == pytest.approx(summary["statistics"]["mean_ttft_s"])
     assert run.summary["metrics/chars"] == summary["metrics"]["chars"]
-    assert run.summary["statistics/mean_compression_ratio"] == summary["statistics"]["mean_compression_ratio"]
+    assert run.summary["statistics/mean_kept_ratio"] == summary["statistics"]["mean_kept_ratio"]
     assert run.summary["samples"] == 3 and run.summary["complete"] is True and run.summary["limit"] == 0
     assert not any(key.startswith("paper/") for key in run.summary)  # no results/paper here: no reference
 

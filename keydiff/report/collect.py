@@ -15,7 +15,14 @@ need predictions.jsonl). Columns:
                              recorded, whose fields describe only its last invocation)
   num_failed failures/<reason>  samples that failed (out of memory, too long, ...): summary.json's
                              num_failed / failures; runs written before these keys existed count 0
-  mean_compression_ratio mean_ttft_s mean_prompt_tokens cache_bound_held       - run statistics
+  mean_kept_ratio mean_ttft_s mean_prompt_tokens cache_bound_held              - run statistics (kept ratio:
+                             the share of the prompt kept, min(N / L, 1); kvpress's compression_ratio is 1 - it)
+  max_new_tokens             the task's generation cap (task.max_new_tokens; empty where the task sets it per
+                             sample): runs that differ in it are different configurations
+  nothing_evicted            True when an evicting policy's budget never bound (every prompt fit in N and no
+                             layer's cache ever exceeded its budget): the run scores as the full cache would
+  degenerate                 samples whose output collapsed into one repeated n-gram (predictions.jsonl's
+                             `degenerate`, keydiff.tasks.degenerate); empty for runs written before it existed
   score                      the task's primary metric (LongBench average, NIAH needle_recall,
                              Math-500 flex, Phonebook exact)
   metrics/<path>             every numeric task metric, nested dicts flattened with "/"
@@ -26,7 +33,7 @@ need predictions.jsonl). Columns:
   se/<column>                standard error of that column's mean over the run's samples (score,
                              metrics/<score>, lb/<dataset>, cr/<dataset>, metrics/tasks/<task>,
                              metrics/by_size/<size>/exact, metrics/avg_new_tokens, subset/[full_]flex|exact,
-                             mean_ttft_s, mean_compression_ratio), from predictions.jsonl; the 95 %
+                             mean_ttft_s, mean_kept_ratio), from predictions.jsonl; the 95 %
                              intervals of every table and figure come from it (keydiff/report/render.py)
 
 Runs that overwrite=true moved aside (`<run dir>.old-<time>`) are history: never collected, so never averaged
@@ -47,15 +54,15 @@ from keydiff.paper.registry import LONGBENCH, baseline_experiment
 from keydiff.report.render import grouped_mean_se, standard_error
 from keydiff.run import invocations
 from keydiff.run.checks import ArgumentParser
-from keydiff.run.results import is_moved_aside, run_summaries, successful_rows
+from keydiff.run.results import RENAMED_STATISTICS, current_names, is_moved_aside, run_summaries, successful_rows
 from keydiff.run.shard_merge import UP_TO_DATE, grid_point_summaries, merge_all
 from keydiff.run.tracking import HEADLINE, flatten
 
 PRIMARY = {family: (metric,) for family, (_, metric) in HEADLINE.items()}  # the `score` column per task family
 ID_COLUMNS = ["experiment", "task", "model", "policy", "policy_name", "budget", "budget_label", "block_size", "seed",
               "attention_statistics", "attn_implementation", "batch_size", "invocations", "limit", "complete", "samples",
-              "num_failed",
-              "mean_compression_ratio", "mean_ttft_s", "mean_prompt_tokens", "cache_bound_held", "score", "run_dir"]
+              "num_failed", "max_new_tokens", "nothing_evicted", "degenerate",
+              "mean_kept_ratio", "mean_ttft_s", "mean_prompt_tokens", "cache_bound_held", "score", "run_dir"]
 
 
 def task_family(task: str) -> str:
@@ -94,7 +101,7 @@ def standard_errors(family: str, rows: list[dict], metrics: dict) -> dict[str, f
     """
     scored = [r for r in rows if isinstance(r.get("scores"), dict)]
     out: dict[str, float] = {}
-    pairs = [("mean_ttft_s", "ttft_s"), ("mean_compression_ratio", "compression_ratio")]
+    pairs = [("mean_ttft_s", "ttft_s"), ("mean_kept_ratio", "kept_ratio")]
     pairs += [("metrics/avg_new_tokens", "new_tokens")] if family == "math500" else []
     for column, key in pairs:
         values = [float(r[key]) for r in rows if isinstance(r.get(key), (int, float))]
@@ -114,8 +121,8 @@ def standard_errors(family: str, rows: list[dict], metrics: dict) -> dict[str, f
         if family == "longbench":  # cr/<dataset>: Table 9's compression ratios
             ratios: dict[str, list[float]] = {}
             for r in rows:
-                if isinstance(r.get("compression_ratio"), (int, float)):
-                    ratios.setdefault(longbench_dataset(r), []).append(float(r["compression_ratio"]))
+                if isinstance(r.get("kept_ratio"), (int, float)):
+                    ratios.setdefault(longbench_dataset(r), []).append(float(r["kept_ratio"]))
             out.update({f"se/cr/{g}": standard_error(v) for g, v in ratios.items()})
         out["se/score"] = grouped_mean_se(list(groups.values()), scale=100)[1]
         return out
@@ -134,9 +141,27 @@ def standard_errors(family: str, rows: list[dict], metrics: dict) -> dict[str, f
     return out
 
 
+def nothing_evicted(summary: dict) -> bool:
+    """An evicting policy whose budget never bound: every prompt fit in N (mean kept ratio 1) and no layer's cache
+    ever held more than the smallest layer budget (without eviction while decoding: the longest prompt did not), so
+    nothing was evicted and the run scores as the full cache would. False for the full cache (no budget). The
+    runner records it as summary.json's `nothing_evicted`; summaries written before that are judged here alike."""
+    if summary.get("nothing_evicted") is not None:
+        return bool(summary["nothing_evicted"])
+    statistics = current_names(summary.get("statistics") or {}, RENAMED_STATISTICS)
+    budgets = [b for b in statistics.get("layer_budgets") or [summary.get("budget")] if b is not None]
+    if not budgets or not statistics.get("samples") or statistics.get("mean_kept_ratio") != 1.0:
+        return False
+    if (summary.get("config") or {}).get("policy", {}).get("name") == "full":
+        return False
+    held = statistics.get("max_cache_entries") if summary.get("decode_eviction", True) else statistics.get("max_prompt_tokens")
+    return held is not None and held <= min(budgets)
+
+
 def run_record(summary_path: Path, runs: Path) -> dict:
     summary = json.loads(summary_path.read_text(encoding="utf-8"))
-    cfg, stats, metrics = summary.get("config", {}), summary.get("statistics", {}), summary.get("metrics", {}) or {}
+    cfg, metrics = summary.get("config", {}), summary.get("metrics", {}) or {}
+    stats = current_names(summary.get("statistics") or {}, RENAMED_STATISTICS)  # older runs: the old names
     run_dir = summary_path.parent
     task = cfg.get("task", {}).get("name") or run_dir.relative_to(runs).parts[1]
     family = task_family(task)
@@ -160,7 +185,10 @@ def run_record(summary_path: Path, runs: Path) -> dict:
         "complete": summary.get("complete"),
         "samples": summary.get("num_samples", stats.get("samples")),  # rows scored (failed ones excluded)
         "num_failed": summary.get("num_failed") or 0,
-        "mean_compression_ratio": stats.get("mean_compression_ratio"),
+        "max_new_tokens": cfg.get("task", {}).get("max_new_tokens"),
+        "nothing_evicted": nothing_evicted(summary),
+        "degenerate": None,  # from the rows, below
+        "mean_kept_ratio": stats.get("mean_kept_ratio"),
         "mean_ttft_s": stats.get("mean_ttft_s"),
         "mean_prompt_tokens": stats.get("mean_prompt_tokens"),
         "cache_bound_held": stats.get("cache_bound_held"),
@@ -171,12 +199,14 @@ def run_record(summary_path: Path, runs: Path) -> dict:
     record.update({f"metrics/{k}": float(v) for k, v in flatten(metrics).items()})
     record.update({f"failures/{k}": float(v) for k, v in flatten(summary.get("failures") or {}).items()})
     rows = read_predictions(run_dir)
+    flags = [bool(row["degenerate"]) for row in rows if "degenerate" in row]
+    record["degenerate"] = sum(flags) if flags else None  # None: rows written before the flag existed
     record.update(standard_errors(family, rows, metrics))
     if family == "longbench":
         record.update({f"lb/{k}": v for k, v in longbench_scores(metrics).items()})
         ratios = {}
         for row in rows:
-            ratios.setdefault(longbench_dataset(row), []).append(row["compression_ratio"])
+            ratios.setdefault(longbench_dataset(row), []).append(row["kept_ratio"])
         record.update({f"cr/{k}": sum(v) / len(v) for k, v in ratios.items()})
     return record
 

@@ -15,7 +15,10 @@
                                       (its own marker and line style), the full cache as a dashed line
                                       with its interval shaded; hollow markers and "§" = subset run
                                       (task.limit), n in the legend; a subset run is never averaged with
-                                      the whole-task run of its configuration (generic.runs_of)
+                                      the whole-task run of its configuration (generic.runs_of); "∅" beside
+                                      a point whose budget held every prompt (nothing evicted); runs of
+                                      different task.max_new_tokens are separate lines, labelled with it
+Each policy has one colour (and marker and dash) in every figure, keyed by its label (POLICY_COLORS).
 
 Which experiments feed the paper figures: keydiff/paper/registry.py FIGURES; policy names: its DISPLAY_NAMES.
 Error bars (also on the TTFT figures) and intervals: keydiff/report/render.py (inside a score's range; none
@@ -31,6 +34,7 @@ diffed. Like the tables, only complete runs of the whole task count, except for 
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import matplotlib
@@ -47,7 +51,7 @@ from keydiff.report import leaderboard as board  # noqa: E402
 from keydiff.report import protocol as protocols  # noqa: E402
 from keydiff.report import index as results_index  # noqa: E402
 from keydiff.report.collect import add_results_arguments, ensure_summary, longbench_dataset, read_predictions, task_family  # noqa: E402
-from keydiff.report.render import NA, SUBSET, budget_ratio, budget_tokens, interval, metric_range  # noqa: E402
+from keydiff.report.render import NA, NOTHING_EVICTED, SUBSET, budget_ratio, budget_tokens, interval, metric_range  # noqa: E402
 from keydiff.report.selection import load, pick  # noqa: E402
 from keydiff.run.checks import ArgumentParser
 
@@ -63,14 +67,33 @@ def save(fig, out: Path, name: str) -> list[Path]:
     return paths
 
 
-MARKERS = ["o", "s", "^", "D", "v", "P", "X", "*"]  # one per policy: overlapping series stay visible
-LINESTYLES = ["-", (0, (5, 2)), (0, (1, 1.5)), (0, (5, 2, 1, 2)), (0, (8, 2, 1, 2, 1, 2))]  # with the marker: a
-# policy's series is told apart by shape and dash, drawn at its true x (no sideways offset on a numeric axis)
+MARKERS = ["o", "s", "^", "D", "v", "P", "X", "*"]  # with the colour and dash: overlapping series stay visible
+LINESTYLES = ["-", (0, (5, 2)), (0, (1, 1.5)), (0, (5, 2, 1, 2)), (0, (8, 2, 1, 2, 1, 2))]  # a policy's series is
+# told apart by colour, shape and dash, drawn at its true x (no sideways offset on a numeric axis)
+# One colour per policy label in every figure, whatever else a figure shows: the common policies by hand, any other
+# label by a hash of its name into the rest of the palette (stable across figures and runs).
+POLICY_COLORS = {"keydiff": "#1f77b4", "snapkv": "#ff7f0e", "tova": "#2ca02c", "h2o": "#d62728", "sink": "#9467bd",
+                 "knorm": "#8c564b", "h2o_recent": "#e377c2", "random": "#7f7f7f", "recent": "#bcbd22",
+                 "expected_attention": "#17becf", "full": "#000000"}
+SPARE_COLORS = ["#aec7e8", "#ffbb78", "#98df8a", "#ff9896", "#c5b0d5", "#c49c94", "#f7b6d2", "#dbdb8d", "#9edae5",
+                "#393b79", "#637939", "#8c6d31", "#843c39", "#7b4173", "#3182bd", "#e6550d", "#31a354", "#756bb1"]
 
 
-def style(i: int) -> dict:
-    """Marker and line style of the i-th series (7 markers x 5 dashes before a pair repeats)."""
-    return {"marker": MARKERS[i % len(MARKERS)], "linestyle": LINESTYLES[i % len(LINESTYLES)]}
+def _stable_index(name: str, size: int) -> int:
+    return int(hashlib.sha256(str(name).encode()).hexdigest(), 16) % size
+
+
+def policy_color(policy: str) -> str:
+    """The colour of a policy label, the same in every figure (not the order in which policies appear)."""
+    return POLICY_COLORS.get(str(policy)) or SPARE_COLORS[_stable_index(policy, len(SPARE_COLORS))]
+
+
+def style(policy: str) -> dict:
+    """Colour, marker and line style of a policy's series: keyed by its label, so the same in every figure."""
+    known = list(POLICY_COLORS)
+    i = known.index(policy) if policy in known else _stable_index(policy, len(MARKERS) * len(LINESTYLES))
+    return {"color": policy_color(policy), "marker": MARKERS[i % len(MARKERS)],
+            "linestyle": LINESTYLES[i % len(LINESTYLES)]}
 
 
 def bounds_of(runs: pd.DataFrame, column: str, bounds) -> list[tuple[float, float] | None]:
@@ -107,7 +130,9 @@ def per_cell(run, cells: int) -> str:
 
 
 def usable(df, experiment):
-    return pick(df, [experiment], limited=experiment == "smoke")
+    """An experiment's configurations as the generic tables show them: the whole-task run, else its subset run
+    (marked § in the figure)."""
+    return pick(df, [experiment], limited=True)
 
 
 def niah_heatmaps(df, out: Path) -> list[Path]:
@@ -157,10 +182,10 @@ def ttft(df, out: Path) -> list[Path]:
             fig, axes = plt.subplots(1, len(blocks), figsize=(3 * len(blocks), 2.6), sharey=True, squeeze=False,
                                      layout="constrained")
             for ax, block in zip(axes[0], blocks):
-                for i, (policy, line) in enumerate(mine[mine["block_size"] == block].groupby("policy")):
+                for policy, line in mine[mine["block_size"] == block].groupby("policy"):
                     line = line.sort_values("budget")
                     ax.errorbar(line["budget"], line["mean_ttft_s"], yerr=errors(line, "mean_ttft_s"), capsize=2,
-                                **style(i), label=f"{display_name(policy)}"
+                                **style(policy), label=f"{display_name(policy)}"
                                 + ("".join(sorted({subset_mark(r) for _, r in line.iterrows()}))))
                 ax.set_title(f"B = {block}")
                 ax.set_xlabel("KV cache budget (tokens)")
@@ -232,17 +257,20 @@ def score_figure(group, position, xlabel: str, out: Path, name: str, key) -> lis
     ticks = [position(b) for b in budgets]
     span = (max(ticks) - min(ticks)) if len(ticks) > 1 else max(ticks, default=1.0)
     lines = list(group[group["budget_label"] != NA].groupby("policy"))
-    for i, (policy, line) in enumerate(lines):
+    for policy, line in lines:
         line = line.assign(tokens=line["budget_label"].map(position)).sort_values("tokens")
         n = sorted({int(v) for v in line["samples"].fillna(0)})
         marks = "".join(sorted({subset_mark(r) for _, r in line.iterrows()}))
         drawn = ax.errorbar(line["tokens"], line["score"], yerr=errors(line, "score", bounds), capsize=2,
-                            linewidth=1, **style(i),
+                            linewidth=1, **style(policy),
                             label=f"{display_name(policy)}{' ' + marks if marks else ''} "
                                   f"(n={n[0]}{f'-{n[-1]}' if len(n) > 1 else ''} per budget)")
         partial = line[line["subset"] | line["incomplete"]]  # hollow markers: subset or unfinished points
-        ax.plot(partial["tokens"], partial["score"], linestyle="none", marker=style(i)["marker"],
+        ax.plot(partial["tokens"], partial["score"], linestyle="none", marker=style(policy)["marker"],
                 color=drawn.lines[0].get_color(), markerfacecolor="white", zorder=3)
+        for _, point in line[line["nothing_evicted"]].iterrows():  # the budget held every prompt: the full cache
+            ax.annotate(NOTHING_EVICTED, (point["tokens"], point["score"]), xytext=(4, -8), textcoords="offset points",
+                        fontsize=7, color=drawn.lines[0].get_color())
     for _, full in group[group["budget_label"] == NA].iterrows():
         ax.axhline(full["score"], color="black", linestyle="--", linewidth=0.8,
                    label=f"{display_name(full['policy'])}{subset_mark(full)} (n={count(full)})")
@@ -260,6 +288,8 @@ def score_figure(group, position, xlabel: str, out: Path, name: str, key) -> lis
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=6)
     mark = " (§ subset run: task.limit)" if group["subset"].any() else ""
+    if group["nothing_evicted"].any():
+        mark += f"\n{NOTHING_EVICTED} nothing evicted: the budget held every prompt (scores as the full cache)"
     ax.set_title(f"{experiment} / {task}: {model}, B = {block}{mark}", fontsize=7)
     return save(fig, out / "generic", name)
 
@@ -287,18 +317,18 @@ def leaderboard(df, out: Path) -> list[Path]:
         gap = min(np.diff(ratios), default=0.25)
         most = int(max([*evicting["tasks_scored"], *full["tasks_scored"]], default=0))
         lines = sorted(evicting.groupby("policy"), key=lambda item: display_name(item[0]))
-        for i, (policy, line) in enumerate(lines):
+        for policy, line in lines:
             line = line.sort_values("ratio")
             n = sorted({int(v) for v in line["per_task"].fillna(0)})  # samples per RULER task
             fewer = line["tasks_scored"] < most
             partial = line["subset"] | line["incomplete"] | fewer
             tasks = f", {int(line['tasks_scored'].min())}/{total} tasks" if fewer.any() else ""
             drawn = ax.errorbar(line["ratio"], line["score"], yerr=errors(line, "score", board.PERCENT), capsize=2,
-                                linewidth=1, markersize=4, **style(i),
+                                linewidth=1, markersize=4, **style(policy),
                                 label=f"{display_name(policy)}{' ' + SUBSET if (line['subset'] | line['incomplete']).any() else ''} "
                                       f"(n={n[0]}{f'-{n[-1]}' if len(n) > 1 else ''}{tasks})")
             ax.plot(line.loc[partial, "ratio"], line.loc[partial, "score"], linestyle="none", markersize=4,
-                    marker=style(i)["marker"], color=drawn.lines[0].get_color(), markerfacecolor="white", zorder=3)
+                    marker=style(policy)["marker"], color=drawn.lines[0].get_color(), markerfacecolor="white", zorder=3)
             for _, point in line[fewer].iterrows():
                 ax.annotate(f"{int(point['tasks_scored'])}/{total}", (point["ratio"], point["score"]), fontsize=5,
                             xytext=(3, 3), textcoords="offset points", color=drawn.lines[0].get_color())
@@ -347,17 +377,17 @@ def protocol(df, out: Path) -> list[Path]:
     fig, axes = plt.subplots(1, len(panels), figsize=(max(3.2, 0.55 * len(columns) + 1.2) * len(panels) + 1.6, 3.6),
                              squeeze=False, layout="constrained")
     for ax, (model, budget, evicting, full) in zip(axes[0], panels):
-        for i, (policy, line) in enumerate(sorted(evicting.groupby("policy"), key=lambda item: display_name(item[0]))):
+        for policy, line in sorted(evicting.groupby("policy"), key=lambda item: display_name(item[0])):
             line = line.assign(x=line["column"].map(position)).sort_values("x")
             spans = bounds_of(line.assign(value=line["percent"], **{"se/value": line["se_percent"]}), "value",
                               protocols.PERCENT)
             yerr = np.asarray([[v - s[0] if s else np.nan for v, s in zip(line["percent"], spans)],
                                [s[1] - v if s else np.nan for v, s in zip(line["percent"], spans)]], dtype=float)
             drawn = ax.errorbar(line["x"], line["percent"], yerr=yerr.reshape(2, len(line)), capsize=2, linewidth=1,
-                                markersize=4, label=display_name(policy), **style(i))
+                                markersize=4, label=display_name(policy), **style(policy))
             partial = line["subset"] | line["incomplete"]
             ax.plot(line.loc[partial, "x"], line.loc[partial, "percent"], linestyle="none", markersize=4,
-                    marker=style(i)["marker"], color=drawn.lines[0].get_color(), markerfacecolor="white", zorder=3)
+                    marker=style(policy)["marker"], color=drawn.lines[0].get_color(), markerfacecolor="white", zorder=3)
         if len(full):
             full = full.assign(x=full["column"].map(position)).sort_values("x")
             ax.plot(full["x"], full["percent"], color="black", linestyle="--", linewidth=0.8, marker="_",

@@ -16,7 +16,12 @@ A subset run (task.limit) is never averaged with the whole-task run of the same 
 reuses that run's first samples. A configuration shows its whole-task run when it has one, else its
 subset run of the largest limit, marked §; the status line counts the subset runs left out.
 Marks (also in each file's legend): § subset run (task.limit set), †k k samples failed (out of memory,
-prompt too long, ...: see failures/* in summary.csv), ~ run not complete (still running or stopped).
+prompt too long, ...: see failures/* in summary.csv), ~ run not complete (still running or stopped), ∅ nothing
+was evicted (the budget held every prompt: the run is the full cache). Runs whose task.max_new_tokens differ
+are different configurations: where a table mixes them, each policy is labelled with its own
+("keydiff [max_new_tokens=20]") and the status line says so. "collapsed" counts the outputs that degenerated
+into one repeated n-gram (keydiff.tasks.degenerate; they score 0 like a wrong answer), "k/n"; "--" for runs
+written before the flag existed.
 Seeds of one configuration are averaged as repeated measures of the same samples (the run seed only seeds
 sampling; task data is fixed by task.seed): n is the per-seed n (a range "5–6" when seeds scored different
 numbers), the standard error the mean of the seeds' (keydiff.report.render.seeds_se), "seeds" counts them.
@@ -31,18 +36,19 @@ import numpy as np
 import pandas as pd
 
 from keydiff.report.collect import PRIMARY, task_family
-from keydiff.report.render import (NA, budget_tokens, count, decimals, format_estimate, latex, markdown_rows, marks,
-                                   metric_range, plural)
+from keydiff.report.render import (NA, NOTHING_EVICTED, budget_tokens, count, decimals, format_estimate, latex,
+                                   markdown_rows, marks, metric_range, plural)
 from keydiff.report.selection import average_seeds, whole_runs_first
 
-FIXED = {"Model", "B", "Policy", "Budget", "n", "failed", "limit", "seeds", "marks", "kept N/L", "TTFT (s)"}
-ID = ["experiment", "task", "model", "block_size", "policy", "budget_label"]
+FIXED = {"Model", "B", "Policy", "Budget", "n", "failed", "limit", "seeds", "marks", "collapsed", "kept N/L", "TTFT (s)"}
+ID = ["experiment", "task", "model", "block_size", "policy", "budget_label", "max_new_tokens"]
 LEGEND = ("value [95 % confidence interval] (Wilson score interval inside the score's range; ± half-width, 1.96 "
           "standard errors, for times; \"n too small\": fewer than 5 samples; \"constant\": kept N/L or a time that is "
           "the same for every sample, e.g. kept N/L 1.000 where the budget holds every prompt) (n = samples scored, "
           "per seed: seeds repeat the same samples); "
           "§ subset run (task.limit), shown only where no whole-task run of the "
-          "same configuration exists; †k: k samples failed; ~ run not complete; -- budget = full cache (no eviction).")
+          "same configuration exists; †k: k samples failed; ~ run not complete; ∅ nothing evicted (the budget held every "
+          "prompt: scores as the full cache); -- budget = full cache (no eviction).")
 COUNT_METRICS = re.compile(r"^(n|n_.*|num_.*|.*_count|length)$")  # counts and lengths: printed as integers
 
 
@@ -62,10 +68,16 @@ def runs_of(df: pd.DataFrame) -> pd.DataFrame:
     runs of a configuration that has a whole-task run are left out (`superseded` counts them). Only the
     columns the generic tables show are kept (top-level task metrics, LongBench per-dataset scores)."""
     shown = [c for c in df.columns if (c.startswith("metrics/") and c.count("/") == 1) or c.startswith("lb/")]
-    base = ["score", "mean_compression_ratio", "mean_ttft_s", "budget"]
+    base = ["score", "mean_kept_ratio", "mean_ttft_s", "budget"]
     values = [c for c in base + shown if c in df.columns]
     ses = [f"se/{c}" for c in values if f"se/{c}" in df.columns]
+    if "max_new_tokens" not in df:  # a summary.csv collected before the column existed
+        df = df.assign(max_new_tokens=np.nan)
+    flags = {k: df[k].astype(str).eq("True").astype(float) if k in df else 0.0 for k in ("nothing_evicted",)}
+    collapsed = pd.to_numeric(df["degenerate"], errors="coerce") if "degenerate" in df else np.nan
     df = df[[c for c in ID + values + ses if c in df.columns]].assign(
+        **flags, degenerate=collapsed,
+        max_new_tokens=pd.to_numeric(df["max_new_tokens"], errors="coerce").fillna(-1),  # -1: none (groupable)
         budget_label=df["budget_label"].where(df["policy_name"] != "full", NA).fillna(NA),
         block_size=block_cells(df), subset=df["limit"].notna().astype(float), limit=df["limit"],
         incomplete=(~df["complete"].astype(str).eq("True")).astype(float),
@@ -73,10 +85,29 @@ def runs_of(df: pd.DataFrame) -> pd.DataFrame:
         num_failed=pd.to_numeric(df["num_failed"], errors="coerce").fillna(0) if "num_failed" in df else 0.0, seeds=1)
     kept, superseded = whole_runs_first(df, ID)
     runs = average_seeds(kept.assign(limit=pd.to_numeric(kept["limit"], errors="coerce")), ID)
-    runs = runs.assign(subset=runs["subset"] > 0, incomplete=runs["incomplete"] > 0)
+    runs = runs.assign(subset=runs["subset"] > 0, incomplete=runs["incomplete"] > 0,
+                       nothing_evicted=runs["nothing_evicted"] > 0)
     hidden = superseded.groupby(ID, dropna=False).size().rename("superseded").reset_index()
     runs = runs.merge(hidden, on=ID, how="left") if len(hidden) else runs.assign(superseded=0)
-    return runs.assign(superseded=runs["superseded"].fillna(0).astype(int))
+    runs = runs.assign(superseded=runs["superseded"].fillna(0).astype(int))
+    return label_generation(runs)
+
+
+def label_generation(runs: pd.DataFrame) -> pd.DataFrame:
+    """Where one (experiment, task) holds runs of different task.max_new_tokens, each policy label names its own
+    ("keydiff [max_new_tokens=20]"), so that a table row or a figure line never stands for two generation settings;
+    `generation_settings` lists the values (empty where they agree)."""
+    def label(group: pd.DataFrame) -> pd.DataFrame:
+        values = sorted(set(group["max_new_tokens"]))
+        if len(values) < 2:
+            return group.assign(generation_settings="")
+        named = group["max_new_tokens"].map(lambda v: "none" if v < 0 else str(int(v)))
+        return group.assign(policy=group["policy"] + " [max_new_tokens=" + named + "]",
+                            generation_settings=", ".join("none" if v < 0 else str(int(v)) for v in values))
+    if runs.empty:
+        return runs.assign(generation_settings="")
+    parts = [label(group) for _, group in runs.groupby(["experiment", "task"], sort=False)]
+    return pd.concat(parts).loc[runs.index]
 
 
 def primary_metric(task: str) -> str:
@@ -93,7 +124,14 @@ def estimate(run, column: str = "score", measure: bool = False) -> str:
 
 
 def run_marks(run) -> str:
-    return marks(run["subset"], run["num_failed"], run["incomplete"])
+    return marks(run["subset"], run["num_failed"], run["incomplete"], bool(run.get("nothing_evicted", False)))
+
+
+def collapsed(run) -> str:
+    """"k/n": outputs that degenerated into one repeated n-gram, of the samples scored; "--": not recorded."""
+    if pd.isna(run.get("degenerate", np.nan)):
+        return NA
+    return f"{int(round(run['degenerate']))}/{int(run['samples']) if pd.notna(run['samples']) else 0}"
 
 
 def sample_count(run) -> str:
@@ -155,10 +193,11 @@ def run_rows(runs: pd.DataFrame) -> pd.DataFrame:
         "n": sample_counts(runs), "failed": runs["num_failed"].astype(int),
         "limit": runs["limit"].map(lambda v: NA if pd.isna(v) else str(int(v))),
         "seeds": runs["seeds"].astype(int), "marks": runs.apply(run_marks, axis=1),
+        "collapsed": runs.apply(collapsed, axis=1),
         f"{' / '.join(primary)} (primary)": runs.apply(estimate, axis=1),
         **{(c.split("/", 1)[1] if c.split("/", 1)[1] not in FIXED else f"{c.split('/', 1)[1]} (metric)"):
            metric_cells(runs, c) for c in columns},
-        "kept N/L": sample_means(runs, "mean_compression_ratio", measure=True),
+        "kept N/L": sample_means(runs, "mean_kept_ratio", measure=True),
         "TTFT (s)": sample_means(runs, "mean_ttft_s", measure=True),
     })
     order = np.lexsort([runs["budget_label"].map(budget_tokens), runs["policy"], runs["block_size"].astype(str),
@@ -185,7 +224,13 @@ def write_generic(df: pd.DataFrame, out: Path) -> list[dict]:
                   + (f", {plural(n_subset, 'subset run')} (§)" if n_subset else "")
                   + (f", {plural(n_failed, 'failed sample')} (†)" if n_failed else "")
                   + (f", {int(group['incomplete'].sum())} not complete (~)" if group["incomplete"].any() else "")
-                  + (f", {plural(n_hidden, 'subset run')} not shown (their configuration has a whole-task run)" if n_hidden else ""))
+                  + (f", {plural(n_hidden, 'subset run')} not shown (their configuration has a whole-task run)" if n_hidden else "")
+                  + (f", {plural(int(group['nothing_evicted'].sum()), 'run')} evicted nothing ({NOTHING_EVICTED})"
+                     if group["nothing_evicted"].any() else "")
+                  + (f", {int(round(group['degenerate'].sum()))} of {int(group.loc[group['degenerate'].notna(), 'samples'].sum())} "
+                     "outputs collapsed into a repeated n-gram" if group["degenerate"].fillna(0).sum() > 0 else "")
+                  + (f", generation settings differ (task.max_new_tokens {group['generation_settings'].iloc[0]}: "
+                     "each policy labelled with its own)" if group["generation_settings"].ne("").any() else ""))
         title = f"Experiment `{experiment}`, task `{task}`"
         metric = primary_metric(task)
         lines = [f"**{name}**: {title}: {status}.", "",

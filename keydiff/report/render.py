@@ -236,14 +236,15 @@ def count(value) -> str:
 
 # ----------------------------------------------------------------------------- marks and order
 SUBSET, FAILED, INCOMPLETE = "§", "†", "~"  # task.limit set; k samples failed (†k); run not complete
+NOTHING_EVICTED = "∅"  # the budget held every prompt and the cache never outgrew it: the run is the full cache
 MARKS_LEGEND = "§ subset run (task.limit), †k k samples failed, ~ run not complete"
 
 
-def marks(subset, failed, incomplete) -> str:
-    """"§†2~": the marks of a cell's run(s); `failed` is a sample count (0 or NaN: none)."""
+def marks(subset, failed, incomplete, nothing_evicted=False) -> str:
+    """"§†2~∅": the marks of a cell's run(s); `failed` is a sample count (0 or NaN: none)."""
     out = SUBSET if subset else ""
     out += f"{FAILED}{int(failed)}" if not missing(failed) and failed else ""
-    return out + (INCOMPLETE if incomplete else "")
+    return out + (INCOMPLETE if incomplete else "") + (NOTHING_EVICTED if nothing_evicted else "")
 
 
 RATIO_KEY = 1e9  # ratio labels sort after every token budget: RATIO_KEY x (1 + ratio)

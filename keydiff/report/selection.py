@@ -52,9 +52,15 @@ def average_seeds(df: pd.DataFrame, key: list[str], sums=("num_failed", "seeds")
     return out.reset_index()
 
 
+# summary.csv columns renamed so that each says what it is (old -> current): a CSV collected before is read under
+# the current names.
+RENAMED_COLUMNS = {"mean_compression_ratio": "mean_kept_ratio", "se/mean_compression_ratio": "se/mean_kept_ratio"}
+
+
 def load(summary: Path) -> pd.DataFrame:
     # .copy() de-fragments the wide frame (hundreds of metric columns) once, up front.
-    return pd.read_csv(summary, dtype={"block_size": str, "budget_label": str, "policy": str, "model": str}).copy()
+    frame = pd.read_csv(summary, dtype={"block_size": str, "budget_label": str, "policy": str, "model": str})
+    return frame.rename(columns={k: v for k, v in RENAMED_COLUMNS.items() if v not in frame}).copy()
 
 
 def pick(df, experiments, tasks=None, models=None, policies=None, budgets=None, block_sizes=None,

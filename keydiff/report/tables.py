@@ -266,7 +266,7 @@ def smoke(df, out, table: PaperTable) -> bool:
     if runs.empty:
         return False
     metric = " / ".join(sorted({generic.primary_metric(t) for t in runs["task"]}))
-    cols = {"score": f"Score ({metric})", "mean_compression_ratio": "Kept N/L", "mean_ttft_s": "TTFT (s)"}
+    cols = {"score": f"Score ({metric})", "mean_kept_ratio": "Kept N/L", "mean_ttft_s": "TTFT (s)"}
     runs = runs.reindex(columns=list(runs.columns) + [c for c in ("se/score", "limit") if c not in runs.columns])
     frame = runs.set_index(["task", "model", "policy", "budget_label", "block_size"])[list(cols)].rename(columns=cols)
     frame.index.names = ["Task", "Model", "Method", "Budget", "B"]

@@ -9,7 +9,7 @@ them) with:
   ours vs paper                one point per grid point; points on the diagonal reproduced the paper
   score and paper, per budget  bars of `score` and `paper/score` grouped by budget label
   TTFT vs block size           summary statistics/mean_ttft_s against config block_size
-  compression ratio vs budget  summary statistics/mean_compression_ratio
+  kept ratio vs budget  summary statistics/mean_kept_ratio
   running score                history running/score per row (watch a run while it runs)
 plus, for LongBench, one score-vs-budget panel per dataset, and the paper's values as a Markdown table
 (results/paper/table<N>.csv; absent files are fine).
@@ -236,7 +236,7 @@ def main_panels(with_paper: bool) -> list:
         ]
     panels += [
         wr.ScatterPlot(title="TTFT vs block size", x=wr.Config("block_size"), y=wr.SummaryMetric("statistics/mean_ttft_s")),
-        wr.ScatterPlot(title="compression ratio vs budget", x=budget, y=wr.SummaryMetric("statistics/mean_compression_ratio")),
+        wr.ScatterPlot(title="kept ratio vs budget", x=budget, y=wr.SummaryMetric("statistics/mean_kept_ratio")),
         wr.LinePlot(title="running score (per written row)", x="Step", y=["running/score"]),
     ]
     return panels

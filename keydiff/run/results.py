@@ -79,6 +79,38 @@ def _without_limit(config: dict[str, Any]) -> dict[str, Any]:
     return {**config, "task": task} if "task" in config else config
 
 
+def holds_a_run(run_dir: str | os.PathLike) -> bool:
+    """`run_dir` holds results (rows or the configuration that produced them): what overwrite=true moves aside."""
+    run_dir = Path(run_dir)
+    return (run_dir / PREDICTIONS).exists() or (run_dir / "run_config.json").exists()
+
+
+def move_aside(run_dir: str | os.PathLike, keep_hydra: str | None = None) -> Path:
+    """overwrite=true: every file of `run_dir` moves into the sibling `<run dir>.old-<time>`, nothing is deleted;
+    only the lock and Hydra's files of the invocation doing the move stay (`keep_hydra`: its folder under the run
+    directory, e.g. ".hydra/20261207-101500-000001"; None: the whole .hydra folder stays). Returns the folder."""
+    run_dir = Path(run_dir)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    backup = run_dir.with_name(f"{run_dir.name}.old-{stamp}")
+    suffix = 1
+    while backup.exists():  # two overwrites within one second
+        backup, suffix = run_dir.with_name(f"{run_dir.name}.old-{stamp}-{suffix}"), suffix + 1
+    backup.mkdir(parents=True)
+    for path in list(run_dir.iterdir()):
+        if path.name == ".lock" or (path.name == ".hydra" and keep_hydra is None):
+            continue
+        if path.name == ".hydra" and path.is_dir():  # earlier invocations' Hydra files go with their rows
+            for inner in list(path.iterdir()):
+                if (run_dir / keep_hydra).resolve() != inner.resolve():
+                    (backup / ".hydra").mkdir(exist_ok=True)
+                    inner.rename(backup / ".hydra" / inner.name)
+            continue
+        path.rename(backup / path.name)
+    log.warning("overwrite=true: the old run was moved to %s (kept as history: never collected, averaged or "
+                "listed in tables)", backup)
+    return backup
+
+
 class ResultStore:
     """Append-only per-sample rows plus an atomic summary, in one run directory."""
 
@@ -87,7 +119,7 @@ class ResultStore:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.predictions = self.dir / PREDICTIONS
         self.config_path = self.dir / "run_config.json"
-        if overwrite and (self.predictions.exists() or self.config_path.exists()):
+        if overwrite and holds_a_run(self.dir):
             self._move_aside()
         if self.config_path.exists():
             previous = json.loads(self.config_path.read_text(encoding="utf-8"))
@@ -120,17 +152,7 @@ class ResultStore:
 
     def _move_aside(self) -> None:
         """overwrite=true never deletes: the old files move into a timestamped sibling folder."""
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        backup = self.dir.with_name(f"{self.dir.name}.old-{stamp}")
-        suffix = 1
-        while backup.exists():  # two overwrites within one second
-            backup, suffix = self.dir.with_name(f"{self.dir.name}.old-{stamp}-{suffix}"), suffix + 1
-        backup.mkdir(parents=True)
-        for path in list(self.dir.iterdir()):
-            if path.name not in (".hydra", ".lock"):
-                path.rename(backup / path.name)
-        log.warning("overwrite=true: the old run was moved to %s (kept as history: never collected, averaged or "
-                    "listed in tables)", backup)
+        move_aside(self.dir)
 
     def _load_rows(self) -> list[dict[str, Any]]:
         """The complete rows; a partial last line (a crash mid-write) is cut off the file here."""
@@ -251,5 +273,29 @@ def latest_rows(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 
 def successful_rows(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
-    """The latest row of every sample whose latest row succeeded: what a run's metrics are computed from."""
-    return [row for row in latest_rows(read_rows(run_dir)).values() if succeeded(row)]
+    """The latest row of every sample whose latest row succeeded: what a run's metrics are computed from
+    (fields under their current names: `current_names`)."""
+    return [current_names(row) for row in latest_rows(read_rows(run_dir)).values() if succeeded(row)]
+
+
+# Fields renamed so that each says what it is (old name -> name written now). Files written before keep the old
+# names on disk (predictions.jsonl is never rewritten); their readers see the current names.
+RENAMED_ROW_FIELDS = {
+    "compression_ratio": "kept_ratio",                   # the share of the prompt kept, min(N / L, 1)
+    "kv_cache_bytes": "kv_cache_allocated_bytes",        # the cache's buffers as allocated
+    "kv_cache_peak_bytes": "kv_cache_held_peak_bytes",   # the entries held at once, at most
+    "seed": "sampling_seed",                             # the seed of sampled decoding; null when greedy
+}
+RENAMED_STATISTICS = {
+    "mean_compression_ratio": "mean_kept_ratio",
+    "max_kv_cache_bytes": "max_kv_cache_allocated_bytes",
+    "max_kv_cache_peak_bytes": "max_kv_cache_held_peak_bytes",
+}
+
+
+def current_names(record: dict[str, Any], renamed: dict[str, str] = RENAMED_ROW_FIELDS) -> dict[str, Any]:
+    """`record` (a row, or summary.json's statistics with RENAMED_STATISTICS) with old field names replaced by
+    the current ones, in place in the key order; a record already written with current names is returned as is."""
+    if not any(key in renamed for key in record):
+        return record
+    return {renamed.get(key, key) if renamed.get(key) not in record else key: value for key, value in record.items()}

@@ -21,6 +21,7 @@ from keydiff.run import memory
 from keydiff.run.plan import RunPlan
 from keydiff.run.preemption import StopSignals
 from keydiff.tasks.base import Prompt
+from keydiff.tasks.degenerate import is_degenerate
 
 log = logging.getLogger(__name__)
 
@@ -147,13 +148,16 @@ def sample_row(ctx: RunContext, sample, prompt: Prompt, state, out, budget: int 
         "prompt_tokens": length,
         "budget": budget,
         "kept_tokens": kept,
-        "compression_ratio": 1.0 if budget is None else min(budget / compressed, 1.0),
+        # The share of the compressed prompt kept, min(N / L, 1): kvpress's compression_ratio is 1 minus this.
+        "kept_ratio": 1.0 if budget is None else min(budget / compressed, 1.0),
         "query_aware": plan.query_aware,
         **({} if plan.query_aware else {"context_tokens": compressed, "held_tokens": held}),
         "ttft_s": state.seconds,
         "decode_s": out.seconds,
         "new_tokens": len(tokens),
         "finish_reason": out.finish_reasons[0],
+        # The output collapsed into one repeated n-gram (keydiff.tasks.degenerate; the stop token left out).
+        "degenerate": is_degenerate(tokens[:-1] if out.finish_reasons[0] == "stop" else tokens),
         "max_cache_entries": out.max_cache_entries,
         # Per layer: its budget N_l (a schedule such as PyramidKV makes them differ) and its peak entries per head.
         "layer_budgets": state.cache.layer_budgets,
@@ -164,12 +168,13 @@ def sample_row(ctx: RunContext, sample, prompt: Prompt, state, out, budget: int 
         # heads share its budget, AdaKV: kv_heads x (N_l + B)).
         "layer_max_total_entries": state.cache.layer_max_total_entries,
         "layer_kv_heads": state.cache.layer_kv_heads,
-        # What the cache's key/value buffers really hold (allocated once per sequence, N + B entries per layer).
-        "kv_cache_bytes": state.cache.kv_cache_bytes,
-        # Upper bound of the KV entries held at once: every layer's own peak, summed, in bytes.
-        "kv_cache_peak_bytes": state.cache.entries_peak_sum * kv_bytes_per_layer_entry(model),
+        # Bytes of the cache's key/value buffers as allocated (once per sequence, N + B entries per layer).
+        "kv_cache_allocated_bytes": state.cache.kv_cache_bytes,
+        # Bytes of the entries held at once, at most: every layer's own peak entries, summed (<= allocated).
+        "kv_cache_held_peak_bytes": state.cache.entries_peak_sum * kv_bytes_per_layer_entry(model),
         "peak_memory_bytes": peak_memory_bytes(device, cuda_devices(model)),
-        "seed": seed if settings.do_sample else None,
+        # The seed of sampled decoding; null for greedy decoding, which uses none (the run's `seed` is in summary.json).
+        "sampling_seed": seed if settings.do_sample else None,
         # W, the width of the decoding step it ran in (keydiff.batching.scheduler.Decoder): batch_size, or less
         # after an out-of-memory back-off. Tokens do not depend on it on a CPU, nor under batch_invariant on a GPU.
         "decode_width": ctx.decoder.width,

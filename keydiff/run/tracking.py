@@ -18,7 +18,7 @@ What each W&B run holds (the names the report's panels read):
   config      the resolved Hydra config (model.name, policy.label, policy.name, budget.tokens, budget.label,
               block_size, task.name, task.limit, experiment_name, ...) plus run_dir.
   history     one step per row, step = the row's index in predictions.jsonl (so resumes never repeat or skip a
-              step): sample/<score name>, sample/ttft_s, sample/prompt_tokens, sample/compression_ratio, ...,
+              step): sample/<score name>, sample/ttft_s, sample/prompt_tokens, sample/kept_ratio, ...,
               sample/failed, running/score (mean headline score so far), running/ttft_s; and every
               TABLE_EVERY rows the incrementally logged table `samples` (id, status, score, prediction, ...).
   summary     score (the task's headline metric, as results/summary.csv's `score`), metrics/<path> (every
@@ -38,7 +38,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from keydiff.extras import require
 from keydiff.paper.reference import paper_values, read_tables, table_numbers
-from keydiff.run.results import atomic_write_json
+from keydiff.run.results import RENAMED_STATISTICS, atomic_write_json, current_names
 
 MODES = ("online", "offline", "disabled")
 MARKER = "wandb_run.json"  # in the run directory: W&B run id, rows logged so far, whether finish() ran
@@ -47,9 +47,9 @@ TABLE_EVERY = 10  # rows per increment of the `samples` table (every row would m
 # choice: keydiff/report/collect.py derives the `score` column of results/summary.csv from it.
 HEADLINE = {"longbench": ("score", "average"), "niah": ("needle_recall", "needle_recall"),
             "math500": ("flex", "flex"), "phonebook": ("exact", "exact"), "ruler": ("score", "average")}
-ROW_NUMBERS = ("prompt_tokens", "kept_tokens", "compression_ratio", "ttft_s", "decode_s", "new_tokens",
-               "max_cache_entries", "kv_cache_bytes", "peak_memory_bytes")
-TABLE_COLUMNS = ["index", "sample_id", "status", "score", "prompt_tokens", "compression_ratio", "ttft_s",
+ROW_NUMBERS = ("prompt_tokens", "kept_tokens", "kept_ratio", "ttft_s", "decode_s", "new_tokens",
+               "max_cache_entries", "kv_cache_allocated_bytes", "peak_memory_bytes")
+TABLE_COLUMNS = ["index", "sample_id", "status", "score", "prompt_tokens", "kept_ratio", "ttft_s",
                  "new_tokens", "prediction"]
 
 
@@ -123,7 +123,7 @@ def flatten(data: Any, prefix: str = "") -> dict[str, float]:
 def summary_scalars(summary: dict[str, Any], task_name: str, paper: dict[str, float]) -> dict[str, Any]:
     """The W&B summary of a run, named as documented at the top of this module."""
     metrics = summary.get("metrics") or {}
-    statistics = summary.get("statistics") or {}
+    statistics = current_names(summary.get("statistics") or {}, RENAMED_STATISTICS)
     top = metrics.get(headline(task_name)[1])
     scalars: dict[str, Any] = {
         **({"score": top} if _number(top) else {}),
@@ -203,6 +203,7 @@ class WandbTracker:
         """History step `index` (the row's position in predictions.jsonl) and, every TABLE_EVERY rows, the table."""
         if self.run is None:
             self._open()
+        row = current_names(row)  # a resumed run's rows of an older version under the current names
         index = self.logged
         score = self._accumulate(row)
         data: dict[str, Any] = {"sample/index": index, "sample/failed": int(row.get("status", "ok") != "ok")}
@@ -210,7 +211,7 @@ class WandbTracker:
         data.update({f"sample/{key}": value for key, value in (row.get("scores") or {}).items() if _number(value)})
         data.update({f"running/{key}": total / n for key, (total, n) in self.totals.items() if n})
         self.table.add_data(index, str(row.get("sample_id")), row.get("status", "ok"), score,
-                            row.get("prompt_tokens"), row.get("compression_ratio"), row.get("ttft_s"),
+                            row.get("prompt_tokens"), row.get("kept_ratio"), row.get("ttft_s"),
                             row.get("new_tokens"), str(row.get("prediction", ""))[:2000])
         if len(self.table.data) % TABLE_EVERY == 0:
             data["samples"] = self.table
