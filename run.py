@@ -66,7 +66,7 @@ def budget_note(summary: dict[str, Any]) -> str | None:
     prompt did not)."""
     statistics = summary.get("statistics") or {}
     budgets = [b for b in statistics.get("layer_budgets") or [summary.get("budget")] if b is not None]
-    if not budgets or not statistics.get("samples") or statistics.get("mean_compression_ratio") != 1.0:
+    if not budgets or not statistics.get("samples") or statistics.get("mean_kept_ratio", statistics.get("mean_compression_ratio")) != 1.0:
         return None
     held = statistics["max_cache_entries"] if summary.get("decode_eviction", True) else statistics["max_prompt_tokens"]
     if held > min(budgets):
