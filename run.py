@@ -12,12 +12,18 @@ unknown choice, key or `budget=2048`), the configuration once, before any run di
 run, by the sweeper in hydra_plugins/keydiff_sweeper for every grid point of a sweep), and a run that must
 download from an unreachable Hub is refused in seconds. The run directory's lock is taken here, once,
 before the runner (torch) is imported, so a second writer is refused in seconds. User errors print one
-line, `error: ...`, exit status 2, and leave no run directory behind. A stop signal (SIGTERM/SIGUSR1/SIGUSR2) ends the run after its last
-whole row and hands the signal on (keydiff.run.preemption): exit status 128 + signal, or submitit's requeue.
+line, `error: ...`, exit status 2, and leave no run directory behind. A stop signal (SIGTERM/SIGUSR1/SIGUSR2, and
+Ctrl-C: SIGINT) ends the run after its last whole row, says in one line how many samples are done, and hands the
+signal on (keydiff.run.preemption): exit status 128 + signal (130 for Ctrl-C), or submitit's requeue.
+
+What it leaves beside the results: run.log, opened once the directory is settled (after overwrite=true moved an
+old run aside: keydiff.run.logfile), one line per sample; each invocation's Hydra files in `.hydra/<time>/`,
+named by its entry in summary.json, or removed when it computed no row. It ends with the metrics as a small table.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import shutil
@@ -31,10 +37,13 @@ from omegaconf import DictConfig
 
 import keydiff  # noqa: F401  (registers the config resolvers; torch is imported later, on first use)
 from keydiff import openmp
+from keydiff.run import logfile
 from keydiff.run.checks import ConfigError, check_command_line, exit_with_error
+from keydiff.run.eviction import budget_note  # noqa: F401  (run.budget_note: the closing line)
 from keydiff.run.lock import RunLock, RunLockedError
 from keydiff.run.preemption import Preempted
-from keydiff.run.results import ConfigMismatchError, ResultWriteError, run_dir_of
+from keydiff.run.progress import short
+from keydiff.run.results import ConfigMismatchError, ResultWriteError, holds_a_run, move_aside, run_dir_of
 
 log = logging.getLogger("keydiff")
 HYDRA_ONLY = {".hydra", "run.log"}  # what Hydra writes into a job directory before our code runs
@@ -58,25 +67,6 @@ def summarize_lists(statistics: dict[str, Any]) -> dict[str, Any]:
     return short
 
 
-def budget_note(summary: dict[str, Any]) -> str | None:
-    """One line when the budget never bound: every prompt fit in N and no layer's cache ever exceeded its N_l, so
-    nothing was evicted and the run scores as the full cache would (`budget=8k` on the default task, whose prompts
-    are at most 3,870 tokens). None when something may have been evicted (a sufficient test: the largest cache of
-    any layer and KV head never exceeded the smallest layer budget; without eviction while decoding, the longest
-    prompt did not)."""
-    statistics = summary.get("statistics") or {}
-    budgets = [b for b in statistics.get("layer_budgets") or [summary.get("budget")] if b is not None]
-    if not budgets or not statistics.get("samples") or statistics.get("mean_kept_ratio", statistics.get("mean_compression_ratio")) != 1.0:
-        return None
-    held = statistics["max_cache_entries"] if summary.get("decode_eviction", True) else statistics["max_prompt_tokens"]
-    if held > min(budgets):
-        return None
-    ratio = summary.get("budget_ratio")
-    budget = f"budget.ratio={ratio}" if ratio is not None else f"budget.tokens={summary['budget']}"
-    return (f"{budget} >= every prompt (longest {statistics['max_prompt_tokens']:,} tokens): nothing was evicted "
-            "(compression 1.0), so this run scores as the full cache; a smaller budget or longer prompts compare policies")
-
-
 def remove_if_empty(run_dir: Path, root: Path) -> None:
     """Undo Hydra's job directory when the run wrote nothing into it, then any parent left empty."""
     run_dir, root = run_dir.absolute(), root.absolute()
@@ -89,9 +79,57 @@ def remove_if_empty(run_dir: Path, root: Path) -> None:
         parent.rmdir()
 
 
+def hydra_files(run_dir: Path) -> str | None:
+    """This invocation's folder of Hydra files (hydra.output_subdir, one per invocation), relative to the run
+    directory; None where Hydra writes none there."""
+    subdir = HydraConfig.get().output_subdir
+    return None if subdir is None or not (run_dir / str(subdir)).is_dir() else Path(str(subdir)).as_posix()
+
+
+def drop_unrecorded_hydra_files(run_dir: Path, files: str | None) -> None:
+    """An invocation that computed no row leaves no Hydra files: they would say how rows were computed (a
+    `batch_size=4` in overrides.yaml) when summary.json's invocations hold no row of theirs."""
+    if files is None or not (run_dir / files).is_dir():
+        return
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        summary = {}
+    listed = summary.get("invocations") if isinstance(summary, dict) else None
+    if not any(entry.get("hydra_files") == files for entry in listed or []):
+        shutil.rmtree(run_dir / files, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            (run_dir / files).parent.rmdir()  # .hydra itself, when it held nothing else
+
+
+def format_metrics(metrics: dict[str, Any], indent: str = "  ") -> str:
+    """The metrics as a small two-column table, numbers to 4 significant digits; a nested metric (by length,
+    by depth, ...) on one row as `key: value` pairs."""
+    def value(item: Any) -> str:
+        if isinstance(item, dict):
+            return ", ".join(f"{key}: {value(inner) if not isinstance(inner, dict) else '{' + value(inner) + '}'}"
+                             for key, inner in item.items())
+        return short(item)
+
+    if not metrics:
+        return f"{indent}(no successful sample)"
+    width = max(len(str(key)) for key in metrics)
+    return "\n".join(f"{indent}{str(key):<{width}}  {value(item)}" for key, item in metrics.items())
+
+
+def rounded(data: Any) -> Any:
+    """`data` with every float to 4 significant digits (the log line; summary.json keeps the full values)."""
+    if isinstance(data, dict):
+        return {key: rounded(item) for key, item in data.items()}
+    if isinstance(data, list):
+        return [rounded(item) for item in data]
+    return float(f"{data:.4g}") if isinstance(data, float) else data
+
+
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> float | None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
+    files = hydra_files(run_dir)
     try:
         if cfg.dry_run:  # a sweep's dry run never launches jobs; kept for launchers that bypass the sweeper
             print(f"dry run: would write {run_dir_of(cfg)}; nothing is run")
@@ -99,20 +137,35 @@ def main(cfg: DictConfig) -> float | None:
             return None
         try:
             with RunLock(run_dir, cfg.lock_wait):  # before torch: a second writer is refused in seconds
+                if cfg.overwrite and holds_a_run(run_dir):
+                    move_aside(run_dir, keep_hydra=files)  # the old run.log too: before this invocation's opens
+                logfile.release()  # run.log, in the directory as it now stays
                 openmp.prepare("run")  # again for jobs that start in main (submitit); a no-op after torch
                 from keydiff.run.runner import run  # imports torch
 
-                summary = run(cfg, run_dir, checked=True, holding_lock=True)  # checked before start
+                summary = run(cfg, run_dir, checked=True, holding_lock=True,  # checked before start
+                              invocation_fields=None if files is None else {"hydra_files": files})
         except Preempted as stop:
-            log.warning("%s after writing every finished row; re-run the same command to resume", stop)
+            drop_unrecorded_hydra_files(run_dir, files)
+            log.warning("%s after writing every finished row (%s, summary.json written); re-run the same command "
+                        "to resume", stop, stop.progress or "no sample done")
             stop.deliver()
+        except KeyboardInterrupt:  # Ctrl-C before the run's own handler was installed (loading torch, the task)
+            drop_unrecorded_hydra_files(run_dir, files)
+            remove_if_empty(run_dir, Path(cfg.results_root))
+            log.warning("interrupted (SIGINT) before any sample ran; every row written before is kept: re-run the "
+                        "same command to start or resume")
+            sys.exit(130)
     except (ConfigError, ValueError, ConfigMismatchError, RunLockedError, ResultWriteError) as error:
+        drop_unrecorded_hydra_files(run_dir, files)
         remove_if_empty(run_dir, Path(cfg.results_root))
         exit_with_error(str(error).replace("\n", " | "))
-    log.info("metrics: %s", json.dumps(summary["metrics"], default=str)[:2000])
+    drop_unrecorded_hydra_files(run_dir, files)
+    statistics = summary["statistics"]
+    log.info("metrics (%s samples):\n%s", statistics.get("samples", 0), format_metrics(summary["metrics"]))
     if note := budget_note(summary):
         log.warning(note)
-    log.info("statistics: %s", json.dumps(summarize_lists(summary["statistics"]), default=str))
+    log.info("statistics: %s", json.dumps(rounded(summarize_lists(statistics)), default=str))
     if summary["num_failed"]:
         log.warning("%d sample(s) failed: %s (recorded; retry_failed=true re-runs them)",
                     summary["num_failed"], summary["failures"])
@@ -122,6 +175,11 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
-    openmp.prepare("run")  # first: OpenMP reads its settings when torch loads (a config check may import torch)
-    check_command_line(sys.argv[1:], CONF)  # one line and exit status 2 for what Hydra would report at length
-    main()
+    try:
+        openmp.prepare("run")  # first: OpenMP reads its settings when torch loads (a config check may import torch)
+        check_command_line(sys.argv[1:], CONF)  # one line and exit status 2 for what Hydra would report at length
+        main()
+    except KeyboardInterrupt:  # Ctrl-C while Hydra composes, or between the jobs of a sweep
+        print("interrupted (SIGINT); every row written before is kept: re-run the same command to resume",
+              file=sys.stderr)
+        sys.exit(130)

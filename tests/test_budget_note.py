@@ -43,8 +43,10 @@ def test_a_budget_above_every_prompt_says_nothing_was_evicted(checkpoint, tmp_pa
     longest = summary["statistics"]["max_prompt_tokens"]
     assert 300 <= longest < 4096 and summary["statistics"]["mean_kept_ratio"] == 1.0
     assert run.budget_note(summary) == (
-        f"budget.tokens=4096 >= every prompt (longest {longest:,} tokens): nothing was evicted (compression 1.0), "
-        "so this run scores as the full cache; a smaller budget or longer prompts compare policies")
+        f"budget.tokens=4096 >= every prompt (longest {longest:,} tokens): nothing was evicted "
+        "(every prompt kept whole), so this run scores as the full cache; a smaller budget or longer prompts compare "
+        "policies")
+    assert summary["nothing_evicted"] is True  # what the report marks
 
 
 @pytest.mark.parametrize("more", [("budget.tokens=128",), ("policy=full",)])
@@ -52,6 +54,7 @@ def test_no_line_where_something_was_evicted_or_no_budget_applies(checkpoint, tm
     monkeypatch.setattr(runner, "_LOADED", {})
     summary = summary_of(checkpoint, tmp_path, *more)
     assert run.budget_note(summary) is None
+    assert summary["nothing_evicted"] is (None if more == ("policy=full",) else False)
 
 
 def test_decoding_past_the_budget_is_eviction(checkpoint, tmp_path, monkeypatch):

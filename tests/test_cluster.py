@@ -338,6 +338,22 @@ def test_preempted_hands_the_signal_to_the_previous_handler():
     assert seen == [signal.SIGUSR2] and exited.value.code == 128 + signal.SIGUSR2
 
 
+def test_ctrl_c_under_pythons_own_handler_exits_130_without_a_traceback():
+    """Python's SIGINT handler would raise KeyboardInterrupt (a traceback): the run exits with status 130 instead;
+    another handler is handed the signal as for SIGTERM."""
+    with pytest.raises(SystemExit) as exited:
+        Preempted(signal.SIGINT, signal.default_int_handler).deliver()
+    assert exited.value.code == 130
+    seen = []
+    with pytest.raises(SystemExit):
+        Preempted(signal.SIGINT, lambda signum, frame: seen.append(signum)).deliver()
+    assert seen == [signal.SIGINT]
+    with StopSignals() as signals:
+        os.kill(os.getpid(), signal.SIGINT)  # noted, as SIGTERM is, while not interruptible
+        assert signals.received == signal.SIGINT
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
 # --------------------------------------------------------------------------- one reader, one grid, one record
 
 

@@ -139,6 +139,36 @@ def test_second_writer_is_refused_and_sigterm_then_rerun_loses_and_duplicates_no
     assert json.loads((run_dir / "summary.json").read_text())["complete"] is True
 
 
+def test_ctrl_c_keeps_the_rows_writes_the_summary_and_says_how_to_resume(tmp_path, tiny_model_dir):
+    """SIGINT (Ctrl-C) after the first row is handled as SIGTERM is: rows and summary kept, one line saying how
+    many samples are done and that the same command resumes, exit status 130, no KeyboardInterrupt traceback."""
+    args = [*model_args(tiny_model_dir), "task.context_lengths=[400,800]", "task.depths=[0,25,50,75,100]",
+            f"results_root={tmp_path / 'runs'}", "experiment_name=int"]
+    run_dir = tmp_path / "runs/int/niah_small/custom/keydiff/2k/bs128/seed0"
+    child = subprocess.Popen([sys.executable, "run.py", *args], cwd=ROOT, env=child_env(),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        predictions, deadline = run_dir / "predictions.jsonl", time.time() + 240
+        while (not predictions.exists() or not predictions.read_text().count("\n")) and time.time() < deadline:
+            time.sleep(0.05)
+        child.send_signal(signal.SIGINT)
+        stdout, stderr = child.communicate(timeout=120)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    assert child.returncode == 130, stderr
+    assert "Traceback" not in stderr + stdout and "KeyboardInterrupt" not in stderr + stdout
+    written = read_rows(run_dir)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert 1 <= len(written) < 10 and summary["stopped_by"] == "stopped by SIGINT" and not summary["complete"]
+    lines = [line for line in stdout.splitlines() if "stopped by SIGINT" in line]
+    assert len(lines) == 1 and lines[0].endswith(
+        f"stopped by SIGINT after writing every finished row ({len(written)} of 10 samples done, summary.json "
+        "written); re-run the same command to resume")
+    resumed = run_py(*args)
+    assert resumed.returncode == 0 and f"10 samples, {len(written)} already done" in resumed.stdout
+
+
 # --------------------------------------------------------------------------- SLURM through submitit, fake executables
 
 

@@ -14,6 +14,8 @@ until all of that passed. Then
                      sbatch script and array size; nothing is run or submitted;
   only_missing=true  drops points that are complete (or have only recorded failures), so a re-submitted
                      sweep asks SLURM only for what is left (with shard=all/n: the shards not complete).
+A sweep that launched jobs ends with a recap, one line per job (status, samples done, headline metric, run
+directory; keydiff.run.sweep.recap), printed also when a job failed or the sweep was stopped.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from keydiff.run.checks import ConfigError, check_run_config, describe_error, drop_whole_task_limit, exit_with_error
 from keydiff.run.results import run_dir_of
-from keydiff.run.sweep import grid_points, point_status, sample_ids
+from keydiff.run.sweep import ENDED, grid_points, point_status, recap, sample_ids
 
 log = logging.getLogger(__name__)
 PARTITION_HINT = ("needs a partition: set slurm.partition in conf/local/default.yaml (see conf/local.example.yaml), "
@@ -225,13 +227,18 @@ class KeydiffSweeper(Sweeper):
         sweep_dir = Path(self.config.hydra.sweep.dir)
         sweep_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
-        returns, first = [], 0
-        for batch in chunks(points, self.max_batch_size):
-            results = self.launcher.launch(batch, initial_job_idx=first)
-            for result in results:
-                _ = result.return_value  # re-raises a failed job's exception
-            first += len(batch)
-            returns.append(results)
+        returns, first, finished = [], 0, []
+        ENDED.clear()
+        try:
+            for batch in chunks(points, self.max_batch_size):
+                results = self.launcher.launch(batch, initial_job_idx=first)
+                finished.extend(results)
+                for result in results:
+                    _ = result.return_value  # re-raises a failed job's exception
+                first += len(batch)
+                returns.append(results)
+        finally:  # also when a job failed or the sweep was stopped: what ran, and where
+            print("\n".join(recap(configs, finished)), flush=True)
         return returns
 
     def _print_dry_run(self, points, configs) -> None:

@@ -14,11 +14,13 @@ the record says how each row was computed, not how the latest command was set:
     fixed-shape steps captured, and the captures that failed, whose step then ran eagerly: {"captured": n,
     "failed": m, "reasons": [each distinct reason]}; none on a CPU), threads, code (commit, "-dirty" with
     uncommitted changes),
-    samples_wall_s (its sample loop, model load and warm-up excluded), stopped_by, and `rows`: how many rows of
+    samples_wall_s (its sample loop, model load and warm-up excluded), stopped_by, hydra_files (run.py: the
+    folder of its Hydra files, `.hydra/<time>`, its config.yaml and overrides.yaml), and `rows`: how many rows of
     the directory's predictions.jsonl name it (a retried failure's earlier row included); a merged grid point
     lists every shard's invocations, each with its `shard` (keydiff.run.shard_merge);
   * an invocation that writes no row is not listed and leaves summary.json as it was but for `last_checked_at`
-    (keydiff.run.runner.record_invocation); the top-level batch_size, threads, samples_wall_s and started_at
+    (keydiff.run.runner.record_invocation), and no Hydra files (run.py removes its folder); a setting of it
+    that would have changed how rows are computed is named in one line (`no_effect`); the top-level batch_size, threads, samples_wall_s and started_at
     are the run's, computed from the list (`run_fields`).
 
 Where an entry came from (`source`):
@@ -99,6 +101,26 @@ def covers(summary: dict[str, Any], rows: list[dict[str, Any]]) -> bool:
         latest = {row.get("sample_id") for row in rows}
         return (summary.get("num_samples") or 0) + (summary.get("num_failed") or 0) == len(latest)
     return history(summary, rows) == summary["invocations"]
+
+
+def no_effect(summary: dict[str, Any] | None, settings: dict[str, Any]) -> str | None:
+    """One line for an invocation that found every sample done, naming its `settings` (how rows would be
+    computed: batch_size, threads, max_prompt_tokens; None: not set) whose value differs from what the recorded
+    invocations computed the rows with, and how to compare them; None when there is none."""
+    entries = recorded(summary)
+    if not entries:
+        return None
+    differ = []
+    for key, value in settings.items():
+        used = [(summary or {}).get(key)] if key == "max_prompt_tokens" else [entry.get(key) for entry in entries]
+        if (value is not None or key == "max_prompt_tokens") and any(other != value for other in used):
+            differ.append((key, value, describe(used)))
+    if not differ:
+        return None
+    names = " and ".join(f"{key}={'null' if value is None else value}" for key, value, _ in differ)
+    before = ", ".join(f"{key} {'null' if used is None else used}" for key, _, used in differ)
+    return (f"every sample is already done, so {names} had no effect (the rows were computed with {before}); "
+            "to compare, run the same command with another results_root=<folder>")
 
 
 def common(values: Iterable[Any]) -> Any:

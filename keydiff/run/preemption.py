@@ -1,4 +1,5 @@
-"""Stopping cleanly on SIGTERM / SIGUSR1 / SIGUSR2 (what SLURM sends before it kills or requeues a job).
+"""Stopping cleanly on SIGTERM / SIGUSR1 / SIGUSR2 (what SLURM sends before it kills or requeues a job) and on
+SIGINT (Ctrl-C), all alike.
 
 While a sample runs, the signal abandons it at once (`Preempted` is raised in the main thread, like
 KeyboardInterrupt): nothing of that sample is written, and it runs again on the next start. While a row or
@@ -8,7 +9,9 @@ So every row on disk is whole and no sample is lost or written twice.
 After the runner has written its summary, `Preempted.deliver()` (called by run.py) hands the signal on to
 whoever handled it before us: under submitit that is its handler, which requeues the job (SIGUSR2) or logs
 (SIGTERM), then the process exits with status 128 + signal number (143 for SIGTERM); with the default
-disposition the process re-raises the signal on itself and dies of it, as it would have without us.
+disposition the process re-raises the signal on itself and dies of it, as it would have without us. Ctrl-C
+under Python's own SIGINT handler (which would raise KeyboardInterrupt and print a traceback) exits with
+status 130, as a shell reports an interrupted command.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import signal
 import sys
 from typing import Any, Iterator
 
-SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGUSR1", "SIGUSR2") if hasattr(signal, name))
+SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT") if hasattr(signal, name))
 
 
 class Preempted(BaseException):
@@ -29,9 +32,12 @@ class Preempted(BaseException):
         super().__init__(f"stopped by {signal.Signals(signum).name}")
         self.signum = signum
         self.previous = previous
+        self.progress = ""  # set by the runner: "<done> of <total> samples done"
 
     def deliver(self) -> None:
         """Hand the signal to the handler that was installed before ours, then exit."""
+        if self.signum == signal.SIGINT and self.previous in (signal.default_int_handler, None):
+            sys.exit(128 + self.signum)  # Python's handler would raise KeyboardInterrupt: a traceback, no more
         if callable(self.previous):
             self.previous(self.signum, None)  # submitit: checkpoint + requeue, may exit itself
             sys.exit(128 + self.signum)

@@ -79,6 +79,38 @@ def _without_limit(config: dict[str, Any]) -> dict[str, Any]:
     return {**config, "task": task} if "task" in config else config
 
 
+def holds_a_run(run_dir: str | os.PathLike) -> bool:
+    """`run_dir` holds results (rows or the configuration that produced them): what overwrite=true moves aside."""
+    run_dir = Path(run_dir)
+    return (run_dir / PREDICTIONS).exists() or (run_dir / "run_config.json").exists()
+
+
+def move_aside(run_dir: str | os.PathLike, keep_hydra: str | None = None) -> Path:
+    """overwrite=true: every file of `run_dir` moves into the sibling `<run dir>.old-<time>`, nothing is deleted;
+    only the lock and Hydra's files of the invocation doing the move stay (`keep_hydra`: its folder under the run
+    directory, e.g. ".hydra/20261207-101500-000001"; None: the whole .hydra folder stays). Returns the folder."""
+    run_dir = Path(run_dir)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    backup = run_dir.with_name(f"{run_dir.name}.old-{stamp}")
+    suffix = 1
+    while backup.exists():  # two overwrites within one second
+        backup, suffix = run_dir.with_name(f"{run_dir.name}.old-{stamp}-{suffix}"), suffix + 1
+    backup.mkdir(parents=True)
+    for path in list(run_dir.iterdir()):
+        if path.name == ".lock" or (path.name == ".hydra" and keep_hydra is None):
+            continue
+        if path.name == ".hydra" and path.is_dir():  # earlier invocations' Hydra files go with their rows
+            for inner in list(path.iterdir()):
+                if (run_dir / keep_hydra).resolve() != inner.resolve():
+                    (backup / ".hydra").mkdir(exist_ok=True)
+                    inner.rename(backup / ".hydra" / inner.name)
+            continue
+        path.rename(backup / path.name)
+    log.warning("overwrite=true: the old run was moved to %s (kept as history: never collected, averaged or "
+                "listed in tables)", backup)
+    return backup
+
+
 class ResultStore:
     """Append-only per-sample rows plus an atomic summary, in one run directory."""
 
@@ -87,7 +119,7 @@ class ResultStore:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.predictions = self.dir / PREDICTIONS
         self.config_path = self.dir / "run_config.json"
-        if overwrite and (self.predictions.exists() or self.config_path.exists()):
+        if overwrite and holds_a_run(self.dir):
             self._move_aside()
         if self.config_path.exists():
             previous = json.loads(self.config_path.read_text(encoding="utf-8"))
@@ -120,17 +152,7 @@ class ResultStore:
 
     def _move_aside(self) -> None:
         """overwrite=true never deletes: the old files move into a timestamped sibling folder."""
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        backup = self.dir.with_name(f"{self.dir.name}.old-{stamp}")
-        suffix = 1
-        while backup.exists():  # two overwrites within one second
-            backup, suffix = self.dir.with_name(f"{self.dir.name}.old-{stamp}-{suffix}"), suffix + 1
-        backup.mkdir(parents=True)
-        for path in list(self.dir.iterdir()):
-            if path.name not in (".hydra", ".lock"):
-                path.rename(backup / path.name)
-        log.warning("overwrite=true: the old run was moved to %s (kept as history: never collected, averaged or "
-                    "listed in tables)", backup)
+        move_aside(self.dir)
 
     def _load_rows(self) -> list[dict[str, Any]]:
         """The complete rows; a partial last line (a crash mid-write) is cut off the file here."""

@@ -10,8 +10,8 @@ A run survives what a cluster does to it:
   * a sample that runs out of memory (CUDA OOM, or a prompt over `max_prompt_tokens`) is written as a
     failed row (status, failure_reason, prompt_tokens), memory is released and the run goes on; a re-run
     skips recorded failures unless `retry_failed=true`. Any other error stops the run naming the sample.
-  * SIGTERM / SIGUSR1 / SIGUSR2 abandon the current sample and stop after writing the summary
-    (keydiff.run.preemption); the next start resumes.
+  * SIGTERM / SIGUSR1 / SIGUSR2 / SIGINT (Ctrl-C) abandon the current sample and stop after writing the
+    summary (keydiff.run.preemption); the next start resumes.
   * one process writes a run directory at a time (keydiff.run.lock; taken once: here, or by run.py before
     it imports torch).
   * each invocation that writes rows names itself on them and in summary.json's `invocations` (command, batch
@@ -30,16 +30,17 @@ from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
-from tqdm.auto import tqdm
 
 from keydiff.engine import generate, prefill
 from keydiff.models import ModelConfig, eos_token_ids, load_model, model_provenance
 from keydiff.run import invocations, shards, tracking
 from keydiff.run.batched import batched_rows
 from keydiff.run.checks import check_run_config
+from keydiff.run.eviction import nothing_evicted
 from keydiff.run.lock import RunLock
 from keydiff.run.plan import RunPlan, plan_run, result_config
 from keydiff.run.preemption import Preempted, StopSignals
+from keydiff.run.progress import Progress
 from keydiff.run.provenance import code_label, provenance_record, timestamp
 from keydiff.run.results import ResultStore, current_names, is_failed, succeeded
 from keydiff.run.samples import RunContext, process_sample
@@ -150,11 +151,13 @@ def run_statistics(rows: list[dict[str, Any]], plan: RunPlan) -> dict[str, Any]:
     }
 
 
-def run(cfg: DictConfig, run_dir: str | Path, *, checked: bool = False, holding_lock: bool = False) -> dict[str, Any]:
+def run(cfg: DictConfig, run_dir: str | Path, *, checked: bool = False, holding_lock: bool = False,
+        invocation_fields: dict[str, Any] | None = None) -> dict[str, Any]:
     """Execute (or resume) one run into `run_dir` and return its summary.
 
     checked: the caller has run check_run_config on `cfg` (run.py: Hydra's callback or the sweeper did);
-    holding_lock: the caller holds `run_dir`'s RunLock (run.py takes it before importing torch).
+    holding_lock: the caller holds `run_dir`'s RunLock (run.py takes it before importing torch);
+    invocation_fields: added to this invocation's entry in summary.json (run.py: where its Hydra files are).
     Raises Preempted (after writing the summary) when a stop signal arrived; run.py hands it on.
     """
     if not checked:
@@ -163,11 +166,11 @@ def run(cfg: DictConfig, run_dir: str | Path, *, checked: bool = False, holding_
     samples = list(plan.task.samples())  # data problems surface before a run directory is created
     selection = shards.select(shards.parse_shard(cfg.get("shard")), samples, plan.task.shard_group)
     with contextlib.nullcontext() if holding_lock else RunLock(run_dir, cfg.get("lock_wait", 0)):
-        return execute(cfg, plan, selection.samples, run_dir, selection)
+        return execute(cfg, plan, selection.samples, run_dir, selection, invocation_fields)
 
 
 def execute(cfg: DictConfig, plan: RunPlan, samples: list, run_dir: str | Path,
-            selection: shards.Selection | None = None) -> dict[str, Any]:
+            selection: shards.Selection | None = None, invocation_fields: dict[str, Any] | None = None) -> dict[str, Any]:
     """The run itself, with `run_dir` locked by the caller: resume, model, every sample, summary.
     `selection`: a shard's samples (keydiff.run.shards), whose manifest goes beside its rows."""
     with StopSignals() as signals:
@@ -182,6 +185,11 @@ def execute(cfg: DictConfig, plan: RunPlan, samples: list, run_dir: str | Path,
         record = provenance_record()  # code, packages, environment: taken once, when the run starts
         code = code_label(record["code"])  # on every row: a resumed run may span commits
         invocation = invocations.start(record, int(cfg.get("batch_size", 1)), threads)  # its id goes on every row
+        invocation.update(invocation_fields or {})
+        if not todo and (note := invocations.no_effect(store.read_summary(), {
+                "batch_size": int(cfg.get("batch_size", 1)), "threads": threads if cfg.get("threads") else None,
+                "max_prompt_tokens": cfg.get("max_prompt_tokens")})):
+            log.warning(note)  # e.g. batch_size=4 on a finished run: nothing computed at batch 4
         provenance = None
         loop_start = None
         ctx = None
@@ -197,14 +205,16 @@ def execute(cfg: DictConfig, plan: RunPlan, samples: list, run_dir: str | Path,
                                      int(cfg.get("batch_size", 1)), cfg.get("max_prompt_tokens"))
                     warm_up(ctx, todo[0])
                 loop_start = time.perf_counter()
-                for row in tqdm(sample_rows(ctx, todo),
-                                total=len(todo), desc=f"{plan.task.name}/{plan.policy_name}", unit="sample"):
-                    row = {**row, "threads": threads, invocations.ROW_KEY: invocation["id"]}
-                    store.append(row)
-                    tracker.log_row(row)
-                    signals.check()  # a signal during the write stops here, after the row is whole
+                with Progress(len(todo), f"{plan.task.name}/{plan.policy_name}",
+                              tracking.headline(plan.task.name)[0]) as progress:
+                    for row in sample_rows(ctx, todo):
+                        row = {**row, "threads": threads, invocations.ROW_KEY: invocation["id"]}
+                        store.append(row)
+                        tracker.log_row(row)
+                        progress.done(row)
+                        signals.check()  # a signal during the write stops here, after the row is whole
         except Preempted as stop:
-            log.warning("%s: stopping after %d rows; the next start resumes", stop, len(store.rows))
+            stop.progress = f"{len(store.done_ids & {s.id for s in samples})} of {len(samples)} samples done"
             invocation.update(stopped_by=str(stop), samples_wall_s=seconds_since(loop_start),
                               **decoding_record(ctx))
             record_invocation(cfg, plan, samples, store, record, provenance, invocation)
@@ -304,5 +314,6 @@ def write_summary(cfg, plan: RunPlan, samples, store: ResultStore, record: dict[
         "data": plan.task.data_sources() if data is None else data,
         "written_at": timestamp(),
     }
+    summary["nothing_evicted"] = nothing_evicted(summary)  # the budget never bound: scores as the full cache
     store.write_summary(summary)
     return summary

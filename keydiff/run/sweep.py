@@ -7,7 +7,7 @@ Hydra's public override parser); its run directory is `<results_root>/<experimen
 exactly where run.py writes it. A point's progress is read with keydiff.run.results' predictions reader.
 A grid point split into shards (`shard=i/n`, keydiff.run.shards): `shard=all/n` is expanded here into its n
 jobs, a shard's expected samples are its own, and a whole point whose shards are on disk says which are
-missing.
+missing. A sweep ends with `recap`: one line per job, its status, headline metric and run directory.
 """
 
 from __future__ import annotations
@@ -20,12 +20,13 @@ from typing import Iterable
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
+from hydra.experimental.callback import Callback
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from keydiff.run import invocations, shards
+from keydiff.run import invocations, shards, tracking
 from keydiff.run.checks import hub_unreachable
-from keydiff.run.results import is_failed, latest_rows, read_rows, succeeded
+from keydiff.run.results import is_failed, latest_rows, read_rows, run_dir_of, succeeded
 
 NOT_STARTED, PARTIAL, FAILED, COMPLETE = "not started", "partial", "failed samples", "complete"
 
@@ -175,3 +176,61 @@ def sample_ids(cfg: DictConfig) -> set[str] | None:
         return None
     selection = shards.select(shards.parse_shard(cfg.get("shard")), listing, lambda listed: listed.group)
     return {listed.id for listed in selection.samples}
+
+
+def headline_value(run_dir: Path, task_name: str) -> str:
+    """'needle_recall 0.8333': the task's headline metric from the run's summary.json ('' where none)."""
+    try:
+        summary = json.loads((Path(run_dir) / "summary.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return ""
+    name = tracking.headline(task_name)[1]
+    value = (summary.get("metrics") or {}).get(name) if isinstance(summary, dict) else None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return ""
+    return f"{name} {value:.4g}" + (" (nothing evicted)" if summary.get("nothing_evicted") else "")
+
+
+ENDED: dict[str, object] = {}  # run directory -> the JobReturn of a job that ended in this process (RecordEnd)
+
+
+class RecordEnd(Callback):
+    """`hydra.callbacks.recap`: keeps each job's JobReturn as the job ends, for the sweep's recap. A launcher that
+    runs the jobs in this process returns none of them until all have run, so a sweep stopped midway (a failed
+    job's exit, Ctrl-C) would otherwise know no job's outcome."""
+
+    def on_job_end(self, config: DictConfig, job_return, **kwargs) -> None:
+        ENDED[str(run_dir_of(config))] = job_return
+
+
+def job_status(result) -> str:
+    """A launched job's outcome from its Hydra JobReturn (None: the sweep stopped before the job ended)."""
+    if result is None:
+        return "stopped"
+    if getattr(result.status, "name", "") == "COMPLETED":
+        return "ok"
+    try:
+        error = result.return_value  # re-raises the job's exception
+    except BaseException as raised:  # noqa: BLE001  (any failure of the job is reported, not raised here)
+        error = raised
+    return f"failed: {' '.join(str(error).split())[:160] or type(error).__name__}"
+
+
+def recap(configs: list[DictConfig], results: list) -> list[str]:
+    """The lines that end a sweep: per job, its outcome (`results`: the launcher's JobReturns, in the jobs'
+    order; else the one RecordEnd kept; else "stopped" for the job the sweep stopped in and "not run" after it),
+    where its run stands on disk, its headline metric and its run directory."""
+    rows, stopped = [], False
+    for index, cfg in enumerate(configs):
+        run_dir = run_dir_of(cfg)
+        result = results[index] if index < len(results) else ENDED.get(str(run_dir))
+        status = "not run" if result is None and stopped else job_status(result)  # in-process jobs run in order
+        stopped = stopped or result is None
+        state = point_status(run_dir, sample_ids(cfg)).describe()
+        rows.append((f"#{index}", status, state, headline_value(run_dir, str(cfg.task.name)), str(run_dir)))
+    header = ("job", "status", "samples", "headline", "directory")
+    widths = [max(len(row[column]) for row in [header, *rows]) for column in range(len(header) - 1)]
+    lines = [f"sweep recap: {sum(1 for row in rows if row[1] == 'ok')} of {len(rows)} jobs ok"]
+    for row in [header, *rows]:
+        lines.append("  " + "  ".join(f"{cell:<{width}}" for cell, width in zip(row, widths)) + "  " + row[-1])
+    return lines

@@ -1,0 +1,36 @@
+"""Whether a run's budget ever bound: a run that evicted nothing scores as the full cache would, whatever its
+policy, and says so (run.py's closing line; summary.json's `nothing_evicted`, which the report marks). Standard
+library only: it reads a summary."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def nothing_evicted(summary: dict[str, Any]) -> bool | None:
+    """True when the budget never bound: every prompt was kept whole (kept ratio 1.0) and no layer's cache ever
+    exceeded the smallest layer budget (without eviction while decoding: the longest prompt did not), a
+    sufficient test that nothing was evicted. False when something may have been evicted; None when no budget
+    applies (the full cache) or no sample succeeded."""
+    statistics = summary.get("statistics") or {}
+    budgets = [b for b in statistics.get("layer_budgets") or [summary.get("budget")] if b is not None]
+    if not budgets or not statistics.get("samples"):
+        return None
+    kept = statistics.get("mean_kept_ratio", statistics.get("mean_compression_ratio"))  # older summaries
+    if kept != 1.0:
+        return False
+    held = statistics["max_cache_entries"] if summary.get("decode_eviction", True) else statistics["max_prompt_tokens"]
+    return held <= min(budgets)
+
+
+def budget_note(summary: dict[str, Any]) -> str | None:
+    """One line when the budget never bound (`nothing_evicted`): e.g. `budget=8k` on the default task, whose
+    prompts are at most 3,870 tokens; None otherwise."""
+    if not nothing_evicted(summary):
+        return None
+    statistics = summary["statistics"]
+    ratio = summary.get("budget_ratio")
+    budget = f"budget.ratio={ratio}" if ratio is not None else f"budget.tokens={summary['budget']}"
+    return (f"{budget} >= every prompt (longest {statistics['max_prompt_tokens']:,} tokens): nothing was evicted "
+            "(every prompt kept whole), so this run scores as the full cache; a smaller budget or longer prompts "
+            "compare policies")
