@@ -296,3 +296,33 @@ def test_table3_on_longbench_prompts(tmp_path, tiny_checkpoint):
     # Middle-truncated by the task (the raw prompts hold > 2000 characters = tokens here; the char tokenizer's
     # decode spaces tokens out, so the re-encoded prompt is longer than 80).
     assert all(s["tokens"] < 400 for s in table["data"]["samples"])
+
+
+def test_table3_shows_the_paper_beside_ours_with_a_caveat():
+    """Table 3's Markdown: each layer's rho of ours beside the paper's (results/paper/table3.csv), the model and
+    setting of each, and a caveat line when the models differ."""
+    import csv
+
+    from omegaconf import OmegaConf
+
+    paper, (mean, std) = table3.paper_table3()
+    stored = {r["column"]: float(r["value"]) for r in csv.DictReader(table3.PAPER_CSV.open())}
+    assert paper == [stored[f"layer{i}"] for i in range(1, 25)] and (mean, std) == (stored["avg"], stored["std"])
+    assert paper[0] == 0.8997 and paper[-1] == 0.8950  # layer 1 and layer 24 of the paper's table
+    rhos = pd.DataFrame([{"sample": "s", "layer": layer, "head": head, "rho": 0.01 * layer + 0.001 * head}
+                         for layer in range(1, 31) for head in range(3)])  # 30 layers, as SmolLM2-135M
+    per_layer, per_head, overall = table3.summarize(rhos)
+    cfg = OmegaConf.create({"model": {"name": "smollm2-135m"}, "length": 2048, "anchor": "mean", "attention": "mean_received"})
+    data = {"source": "longbench", "dataset": "musique", "samples": ["musique/0"]}
+    text = table3.markdown(cfg, per_layer, per_head, overall, data)
+    layers = text.split("Per query head")[0]
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.strip("|").split("|")] for line in layers.splitlines()
+            if line.startswith("| ") and not line.startswith("| layer")}
+    assert rows["1"] == ["1", "0.0110 +- 0.0008", "3", "0.8997"]  # ours and the paper's layer 1 on one row
+    assert rows["24"][-1] == "0.8950" and rows["30"][-1] == "--"  # past the paper's 24 columns: ours alone
+    assert rows["mean of layers"][-1] == "0.94 +- 0.02"
+    assert "Caveat: different models and settings. Ours: smollm2-135m" in text
+    assert "Llama-3.2-3B-Instruct, LongBench MuSiQue" in text and "| rho, paper (llama-3.2-3b-instruct) |" in text
+    same = table3.markdown(OmegaConf.merge(cfg, {"model": {"name": "llama-3.2-3b-instruct"}}), per_layer, per_head,
+                           overall, data)
+    assert "Caveat: different models" not in same and "Same model as the paper" in same

@@ -16,7 +16,9 @@ Writes <tables_dir>/table3_spearman.{md,csv,json} (the JSON holds the provenance
 
 from __future__ import annotations
 
+import csv
 import sys
+from pathlib import Path
 
 import pandas as pd
 import torch
@@ -27,10 +29,19 @@ from keydiff.bench.common import CHECKOUT, provenance, write_json
 from keydiff.capture import capture_prompt
 from keydiff.models import load_model
 
-# Table 3 of the paper (Llama-3.2-3B-Instruct, LongBench MuSiQue), "Layer" 1..24, then mean +- std.
-PAPER_TABLE3 = [0.8997, 0.9561, 0.9332, 0.9496, 0.9517, 0.9484, 0.9587, 0.9578, 0.9534, 0.9570, 0.9628, 0.9554,
-                0.9658, 0.9578, 0.9477, 0.9538, 0.9280, 0.9373, 0.9328, 0.9340, 0.9311, 0.9140, 0.9060, 0.8950]
-PAPER_TABLE3_MEAN_STD = (0.94, 0.02)
+# Table 3 of the paper: its model and setting, and where its numbers are kept (results/paper/table3.csv).
+PAPER_MODEL = "llama-3.2-3b-instruct"
+PAPER_SETTING = ("Llama-3.2-3B-Instruct, LongBench MuSiQue; 24 columns labelled layer 1..24, although the model has "
+                 "28 layers and 24 query heads; the attention compared is not stated")
+PAPER_CSV = CHECKOUT / "results" / "paper" / "table3.csv"
+
+
+def paper_table3(path: Path = PAPER_CSV) -> tuple[list[float], tuple[float, float]]:
+    """The paper's per-column rho (columns "layer1".."layer24", in order) and its (mean, std) cell."""
+    rows = [r for r in csv.DictReader(path.open(encoding="utf-8")) if r["metric"] == "spearman_rho"]
+    layers = sorted((int(r["column"][len("layer"):]), float(r["value"])) for r in rows if r["column_kind"] == "layer")
+    cells = {r["column"]: float(r["value"]) for r in rows if r["column_kind"] != "layer"}
+    return [value for _, value in layers], (cells["avg"], cells["std"])
 
 
 def measure(cfg, model, prompt_list) -> pd.DataFrame:
@@ -58,22 +69,33 @@ def summarize(rhos: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame, tuple[flo
 
 
 def markdown(cfg, per_layer, per_head, overall, data) -> str:
+    """Ours beside the paper, layer by layer, with the model and setting of each and a caveat line."""
     source = data.get("dataset", data.get("description", data["source"]))
-    lines = [f"# Table 3: Spearman rho(-cos(k, anchor), attention received), {cfg.model.name}",
-             "",
-             f"{len(data['samples'])} prompt(s) of up to {cfg.length} tokens from {data['source']} ({source}); "
-             f"anchor `{cfg.anchor}`, attention `{cfg.attention}`. Mean +- std over query heads and prompts.",
-             "", "| layer | rho (ours) | n |", "|---:|---:|---:|"]
-    row_line = lambda key, row: f"| {key} | {row['mean']:.4f} +- {row['std']:.4f} | {int(row['n'])} |"  # noqa: E731
-    lines += [row_line(layer, row) for layer, row in per_layer.iterrows()]
-    lines += [f"| mean of layers | {overall[0]:.4f} +- {overall[1]:.4f} | {len(per_layer)} |", "",
+    paper, (paper_mean, paper_std) = paper_table3()
+    ours = (f"{cfg.model.name}, {len(data['samples'])} prompt(s) of up to {cfg.length} tokens from {data['source']} "
+            f"({source}), anchor `{cfg.anchor}`, attention `{cfg.attention}`")
+    same = cfg.model.name == PAPER_MODEL
+    caveat = ("Same model as the paper; the prompts, their number and the attention compared may still differ."
+              if same else
+              f"Caveat: different models and settings. Ours: {ours}. The paper's: {PAPER_SETTING}. The columns are "
+              "side by side for reference, not a reproduction; run `make analysis ANALYSIS_ARGS=\"model="
+              f"{PAPER_MODEL}\"` for the paper's model.")
+    lines = ["# Table 3: Spearman rho(-cos(k, anchor), attention received), ours beside the paper's", "",
+             f"Ours: {ours}; mean +- std over query heads and prompts.",
+             f"Paper: {PAPER_SETTING}.", "", caveat, "",
+             f"| layer | rho, ours ({cfg.model.name}) | n | rho, paper ({PAPER_MODEL}) |", "|---:|---:|---:|---:|"]
+    layers = sorted(set(per_layer.index) | set(range(1, len(paper) + 1)))
+    for layer in layers:
+        row = per_layer.loc[layer] if layer in per_layer.index else None
+        mine = f"{row['mean']:.4f} +- {row['std']:.4f} | {int(row['n'])}" if row is not None else "-- | --"
+        theirs = f"{paper[layer - 1]:.4f}" if layer <= len(paper) else "--"
+        lines.append(f"| {layer} | {mine} | {theirs} |")
+    lines += [f"| mean of layers | {overall[0]:.4f} +- {overall[1]:.4f} | {len(per_layer)} | "
+              f"{paper_mean:.2f} +- {paper_std:.2f} |", "",
               "Per query head (mean over layers and prompts):", "", "| head | rho | n |", "|---:|---:|---:|"]
+    row_line = lambda key, row: f"| {key} | {row['mean']:.4f} +- {row['std']:.4f} | {int(row['n'])} |"  # noqa: E731
     lines += [row_line(head, row) for head, row in per_head.iterrows()]
-    lines += ["", "Paper (Llama-3.2-3B-Instruct, MuSiQue; 24 columns labelled layer 1..24, although the model has "
-              "28 layers and 24 query heads):", "", "| " + " | ".join(str(i) for i in range(1, 25)) + " | mean |",
-              "|" + "---:|" * 25, "| " + " | ".join(f"{v:.4f}" for v in PAPER_TABLE3)
-              + f" | {PAPER_TABLE3_MEAN_STD[0]:.2f} +- {PAPER_TABLE3_MEAN_STD[1]:.2f} |", ""]
-    return "\n".join(lines)
+    return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str]) -> None:
@@ -96,8 +118,8 @@ def main(argv: list[str]) -> None:
     record["results"] = {"per_layer": per_layer.reset_index().to_dict("records"),
                          "per_head": per_head.reset_index().to_dict("records"),
                          "mean_of_layers": overall[0], "std_of_layers": overall[1],
-                         "paper": {"per_column": PAPER_TABLE3, "mean": PAPER_TABLE3_MEAN_STD[0],
-                                   "std": PAPER_TABLE3_MEAN_STD[1]}}
+                         "paper": {"per_column": paper_table3()[0], "mean": paper_table3()[1][0],
+                                   "std": paper_table3()[1][1], "model": PAPER_MODEL, "setting": PAPER_SETTING}}
     write_json(paths[2], record, started)
     print(paths[0].read_text(encoding="utf-8").split("\n\nPer query head")[0])
     print("wrote " + ", ".join(str(p) for p in paths))
