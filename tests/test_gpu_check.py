@@ -41,11 +41,24 @@ def test_gpu_check_quick_on_cpu(tmp_path, capsys):
     skipped = [r for r in rows if r["result"] == "SKIP"]
     cuda_only = {r["check"] for r in skipped if "CUDA" in r["detail"]}
     assert {"flash_attention_2", "FA2 vs SDPA logits", "engine checks", "keydiff.bench.prefill",
-            "keydiff.bench.decode", "one graph per run"} <= cuda_only
+            "keydiff.bench.decode"} <= cuda_only
+    # The rows a GPU runs with CUDA graphs or at a real model's shape run here too: graphs stood in for, tiny sizes.
+    graphs = [r for r in rows if r["check"] == "one graph per run"]
+    assert len(graphs) == 4 and all(r["result"] == "PASS" and "stood in for" in r["detail"] for r in graphs)
+    assert [r["result"] for r in rows if r["check"] == "batch 16 = alone"] == ["PASS"] * 3
+    needle, = [r for r in rows if r["check"] == "needle alone = in a batch"]
+    control, = [r for r in rows if r["check"] == "needle control (mode off)"]
+    assert needle["result"] == "PASS" and control["result"] == "INFO" and "proves nothing" in control["detail"]
+    for row in (needle, control):
+        assert {k: row["record"][k] for k in ("gpu", "driver", "cuda", "triton")} == dict.fromkeys(
+            ("gpu", "driver", "cuda", "triton"))
+        assert row["record"]["torch"] == torch.__version__ and row["record"]["seed"] == gpu_check.NEEDLE_SEED
+        assert f"at position {row['record']['position']} of 16" in row["detail"]
     # The other skips allowed: two GPUs (none here), and the plain-loop check while keydiff_attention takes no cache.
     assert [r["detail"] for r in skipped if r["check"] == "two GPUs"] == ["needs 2+ GPUs: 0 visible"]
     assert all("cache argument" in r["detail"] for r in skipped if "CUDA" not in r["detail"] and r["check"] != "two GPUs")
     assert "check" in out and "PASS" in out and "SKIP" in out
+    assert "  PASS  full = forward  [tiny sdpa fp32]" in out.split("\ncheck ")[0]  # each row printed as it is done
     assert "stacked = per layer" in passed
     assert written["command"].startswith("python -m keydiff.bench.gpu_check --quick") and "commit" in written["code"]
 
@@ -87,6 +100,47 @@ def test_two_gpu_check_runs_split_over_the_cpu():
     row = gpu_check.check_two_gpus(gpu_check.QUICK_SIZES["random-tiny"], ("cpu", "cpu"), "random-tiny", torch.float32)
     assert row.result == "PASS", row.detail
     assert "stacks [('cpu', 3)]" in row.detail
+
+
+def test_rows_are_written_as_they_finish_and_a_crash_is_a_row(tmp_path, monkeypatch):
+    """A check that crashes outside every guard (as a kill would, anywhere) keeps the rows finished before it."""
+    def checks(quick):
+        yield gpu_check.Row("first", "tiny", "PASS", "done before the crash")
+        raise MemoryError("the machine ran out\nsecond line")
+
+    monkeypatch.setattr(gpu_check, "checks", checks)
+    out = tmp_path / "check.json"
+    assert gpu_check.main(["--quick", "--json", str(out)]) == 1
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["check"], r["result"], r["detail"]) for r in rows] == [
+        ("first", "PASS", "done before the crash"), ("gpu_check", "FAIL", "MemoryError: the machine ran out")]
+
+
+def test_the_deadline_stops_the_checks_with_a_row(tmp_path):
+    out = tmp_path / "check.json"
+    assert gpu_check.main(["--quick", "--threads", "1", "--deadline", "0", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["check"] for r in rows] == ["full = forward", "deadline"]
+    assert rows[1]["result"] == "SKIP" and "after 'full = forward' [tiny sdpa fp32]: the later checks" in rows[1]["detail"]
+
+
+@pytest.mark.parametrize("differ_on, differ_off, result, control", [
+    (False, False, "PASS", "proves nothing"),
+    (False, True, "PASS", "can fail and means something"),
+    (True, True, "FAIL", "can fail and means something"),
+])
+def test_the_needle_rows_say_what_they_prove(monkeypatch, differ_on, differ_off, result, control):
+    """The needle row fails when the needle's tokens in the batch differ from alone; the control says whether
+    the mode off changes them (if not, the check proves nothing on that machine)."""
+    def outputs(model, needle, others, position, sizes, batch_invariant):
+        differ = differ_on if batch_invariant else differ_off
+        return [[[1, 2]], [[3, 4]]], [[[1, 2]], [[3, 5] if differ else [3, 4]]]
+
+    monkeypatch.setattr(gpu_check, "needle_outputs", outputs)
+    needle, off = gpu_check.check_needle(gpu_check.QUICK_NEEDLE, "cpu", seed=7)
+    assert needle.result == result and off.result == "INFO" and control in off.detail
+    assert needle.record["identical"] == [True, not differ_on] and off.record["proves_nothing"] == (not differ_off)
+    assert needle.record["position"] == off.record["position"] == __import__("random").Random(7).randrange(16)
 
 
 def test_the_batch_invariance_row_runs_on_a_tiny_model():

@@ -19,13 +19,18 @@ importable), on a tiny and a mid-size random Llama:
                    exactly what the ordinary step does: prefill blocks, 4 forks together, one sequence alone
                    (keydiff); prefill blocks and one sequence alone, the statistic computed in the step (tova,
                    snapkv, h2o)
-  one graph per run (CUDA) three prompts prefilled and decoded one call each through one keydiff.Decoder (a
-                   run at batch 1) capture one decode and one prefill-block CUDA graph between them, with the
-                   ordinary step's logits and tokens
-  batch 16 = alone (CUDA, not --quick) Llama-3.2-3B's shape, 16 prompts of 1.5K-3K tokens, 32 tokens, KeyDiff
-                   N = 512 and full: in fp32 with TF32 off every sequence identical (PASS/FAIL); in bf16 the
-                   count is INFO (cuBLAS picks kernels by row count); in bf16 with batch_invariant=True (the
-                   decoding steps on keydiff.kernels' fixed-order kernels) every sequence identical (PASS/FAIL)
+  one graph per run three prompts prefilled and decoded one call each through one keydiff.Decoder (a run at
+                   batch 1) capture one decode and one prefill-block CUDA graph between them, with the ordinary
+                   step's logits and tokens (on a CPU under keydiff.batching.static's stand-in for CUDA graphs)
+  batch 16 = alone Llama-3.2-3B's shape (CUDA, not --quick; else the tiny model), 16 prompts of 1.5K-3K tokens,
+                   32 tokens, KeyDiff N = 512 and full: in fp32 with TF32 off every sequence identical (PASS/FAIL);
+                   in bf16 the count is INFO (cuBLAS picks kernels by row count); in bf16 with batch_invariant=True
+                   (the decoding steps on keydiff.kernels' fixed-order kernels) every sequence identical (PASS/FAIL)
+  needle alone = in a batch   (batch invariance as vLLM checks it) a needle prompt decoded alone and at a random
+                   (seeded, recorded) position among 15 others, greedy and sampled, with batch_invariant=True:
+                   identical tokens (PASS/FAIL); the control with the mode off (INFO) says whether the outputs
+                   differ there, and if they do not, that the check proves nothing on that machine; both record the
+                   GPU, driver, CUDA, torch and Triton versions
   fast ~ materialized   share of kept (layer, head, position) entries both statistic modes agree on
                    (h2o, tova, snapkv); bf16 rounding may flip near-ties, hence a threshold, not equality
   FA2 vs SDPA      the same weights give the same logits with both kernels
@@ -34,7 +39,9 @@ importable), on a tiny and a mid-size random Llama:
                    logits, each layer's cache lives on its layer's GPU, the stack is one per GPU (no plane for a
                    layer of the other), the N + B bound holds, and a plain loop yields generate's tokens
 then both benchmarks on Llama-3.2-3B's shape. On CPU the same engine checks run on the tiny model in
-float32 and bfloat16 with sdpa and eager, the CUDA-only rows say SKIP, and the benchmarks run tiny.
+float32 and bfloat16 with sdpa and eager, the rows that need flash-attn, a mid-size model or two GPUs say SKIP,
+and the benchmarks run tiny. Each row is printed and written to the JSON as it finishes (a crash is a FAIL row,
+the rows before it kept); the table comes at the end.
 
 Tolerances compare max |a - b| to max |reference logit| (random weights give small logits, so an
 absolute tolerance would mean nothing): 1e-4 in float32; in bfloat16 5e-2. Measured on CPU with the
@@ -42,7 +49,7 @@ mid-size model in bf16: block vs single forward 9e-3 (rounding), eviction at N =
 top-left-aligned causal mask (what flash-attn < 2.1 does when queries < keys) 0.5-1.
 Exit status 1 if any row FAILs. --quick shrinks every size (the test suite runs it on CPU).
 
-    python -m keydiff.bench.gpu_check [--quick] [--threads 1] [--json check.json]
+    python -m keydiff.bench.gpu_check [--quick] [--threads 1] [--json check.json] [--deadline 420]
 """
 
 from __future__ import annotations
@@ -50,10 +57,14 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import random
+import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -82,6 +93,7 @@ class Row:
     setting: str
     result: str  # PASS | FAIL | SKIP | INFO (a measurement with no pass mark yet: it fails nothing)
     detail: str
+    record: dict | None = None  # what the row ran on, where it says more than its detail (the needle rows)
 
 
 @dataclass
@@ -252,7 +264,7 @@ def guarded(check: str, setting: str, fn, *args) -> Row:
     try:
         return fn(*args)
     except Exception as error:  # noqa: BLE001 - report every failure as a row
-        return Row(check, setting, "FAIL", f"{type(error).__name__}: {str(error).splitlines()[0][:200]}")
+        return Row(check, setting, "FAIL", common.first_line(error, 240))
 
 
 
@@ -321,13 +333,21 @@ def check_fixed_equals_ordinary(model, prompt, sizes: Sizes, setting) -> Row:
     return Row("fixed = ordinary", setting, "PASS" if ok and not differ else "FAIL", detail)
 
 
-def check_one_graph_per_run(model, prompt, sizes: Sizes, setting) -> Row:
+def check_one_graph_per_run(model, prompt, sizes: Sizes, setting, stood_in: bool = False) -> Row:
     """A run's Decoder (keydiff.batching.scheduler) keeps its arena, its prefill slot and their fixed-shape steps
     across its calls: three prompts of different lengths, prefilled and decoded one call each through one Decoder
     of width 1 (as a run at batch 1 does its samples), replay one decode graph and one block graph between them
     and give the ordinary step's logits and tokens."""
-    if prompt.device.type != "cuda":
-        return Row("one graph per run", setting, "SKIP", "CUDA only: a CPU captures no graph")
+    if prompt.device.type != "cuda" and not stood_in:  # a CPU captures through keydiff.batching.static's stand-in for CUDA graphs
+        from keydiff.batching import static
+
+        stand_in = getattr(static, "stand_in_graphs", None)
+        if stand_in is None:
+            return Row("one graph per run", setting, "SKIP", "CUDA only: a CPU captures no graph")
+        with stand_in():
+            row = check_one_graph_per_run(model, prompt, sizes, setting, stood_in=True)
+        row.detail += " (CUDA graphs stood in for on the CPU)"
+        return row
     # The graphs themselves are kept (not their ids: a freed graph's id may be reused by the next one).
     decoder, decode_graphs, block_graphs, same = keydiff.Decoder(model, 1), [], [], 0
 
@@ -390,26 +410,126 @@ def check_batch_invariance(model_name: str, dtype: torch.dtype, device: str, bat
     return Row(f"batch {batch} = alone", setting, result, detail)
 
 
-def engine_checks(model_name: str, dtype: torch.dtype, attn: str, device: str, sizes: Sizes) -> list[Row]:
+def versions() -> dict:
+    """What a batch-invariance result depends on: the GPU, its driver, CUDA, torch and Triton (None on a CPU)."""
+    cuda = torch.cuda.is_available()
+    driver = None
+    if cuda:
+        try:
+            driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                    capture_output=True, text=True, timeout=30).stdout.strip().splitlines()[0]
+        except (OSError, IndexError, subprocess.SubprocessError):
+            driver = None
+    triton = None
+    if cuda:
+        try:
+            import triton as triton_module
+
+            triton = triton_module.__version__
+        except ImportError:
+            pass
+    return {"gpu": torch.cuda.get_device_name() if cuda else None, "driver": driver,
+            "cuda": torch.version.cuda if cuda else None, "torch": torch.__version__, "triton": triton}
+
+
+@dataclass(frozen=True)
+class Needle:
+    """The needle checks' sizes: a prompt of `length` tokens decoded alone and among `others` prompts of `lengths`
+    tokens, `tokens` tokens, KeyDiff N = `budget`."""
+    model: str
+    dtype: torch.dtype
+    others: int
+    length: int
+    lengths: tuple[int, int]
+    tokens: int
+    budget: int
+
+
+NEEDLE = Needle("random-llama-3.2-3b", torch.bfloat16, 15, 2048, (1536, 3072), 32, 512)
+QUICK_NEEDLE = Needle("random-tiny", torch.float32, 15, 128, (96, 160), 6, 48)
+NEEDLE_SEED = 36
+# check_batch_invariance's (model, batch, tokens, prompt lengths, N): on CUDA, and on a CPU or under --quick.
+BATCH16 = ("random-llama-3.2-3b", 16, 32, (1536, 3072), 512)
+QUICK_BATCH16 = ("random-tiny", 16, 5, (96, 160), 48)  # the needle's position among the others is drawn with it (and recorded)
+
+
+def needle_outputs(model, needle, others: list, position: int, sizes: Needle,
+                   batch_invariant: bool) -> tuple[list, list]:
+    """The needle's tokens decoded alone and at `position` among `others` (prefilled states, forked for each
+    decode), each greedy and sampled (temperature 1, a fixed seed: a draw near a boundary turns on the logits' last
+    bits): ([greedy, sampled] alone, [greedy, sampled] together)."""
+    def requests(states: list, sample: bool) -> list:
+        return [keydiff.Request(s.fork(1)[0], max_new_tokens=sizes.tokens, key=i, do_sample=sample,
+                                seed=NEEDLE_SEED if sample else None) for i, s in enumerate(states)]
+
+    batch = others[:position] + [needle] + others[position:]
+    alone, together = [], []
+    for sample in (False, True):
+        (_, single), = keydiff.generate_batch(model, requests([needle], sample), 1, batch_invariant=batch_invariant)
+        alone.append(single.token_ids)
+        out = dict(keydiff.generate_batch(model, requests(batch, sample), len(batch), batch_invariant=batch_invariant))
+        together.append(out[position].token_ids)
+    return alone, together
+
+
+def check_needle(sizes: Needle, device: str, seed: int = NEEDLE_SEED) -> list[Row]:
+    """Batch invariance as vLLM checks it: one needle prompt decoded alone and at a random (seeded, recorded)
+    position among `sizes.others` other prompts, with batch_invariant=True (its tokens, greedy and sampled, must
+    be identical: PASS/FAIL), and the same with the mode off, a negative control (INFO): if the outputs do not
+    differ with it off either, the first row proves nothing on this machine, and the control says so. Each row
+    records the versions it ran on (`versions`)."""
+    model = common.build_model(sizes.model, sizes.dtype, "sdpa", device)
+    low, high = sizes.lengths
+    lengths = torch.linspace(low, high, sizes.others).round().long().tolist()
+    def prefilled(length: int, seed: int):
+        return prefill(model, common.random_prompt(model, length, seed=seed).to(device), "keydiff", sizes.budget, 128)
+
+    others = [prefilled(n, i) for i, n in enumerate(lengths)]
+    needle = prefilled(sizes.length, 1000)
+    position = random.Random(seed).randrange(sizes.others + 1)
+    setting = f"{sizes.model.removeprefix('random-')} sdpa {short(sizes.dtype)}, keydiff N={sizes.budget}"
+    record = {"seed": seed, "position": position, "batch": sizes.others + 1, "tokens": sizes.tokens,
+              "needle_length": sizes.length, "other_lengths": [low, high], **versions()}
+    what = (f"a needle of {sizes.length} tokens alone and at position {position} of {sizes.others + 1} "
+            f"(seed {seed}), {sizes.tokens} tokens greedy and sampled")
+    rows = []
+    same = {}
+    for invariant in (True, False):
+        alone, together = needle_outputs(model, needle, others, position, sizes, invariant)
+        same[invariant] = [a == t for a, t in zip(alone, together)]
+    on, off = all(same[True]), all(same[False])
+    rows.append(Row("needle alone = in a batch", setting + ", batch_invariant", "PASS" if on else "FAIL",
+                    f"{what}: {'identical' if on else 'differ (greedy, sampled: ' + str(same[True]) + ')'}",
+                    {**record, "batch_invariant": True, "identical": same[True]}))
+    control = ("differ: the mode off changes the needle's output here, so the check above can fail and means "
+               "something" if not off else "identical with the mode off too: on this machine the batch_invariant "
+               "check proves nothing")
+    rows.append(Row("needle control (mode off)", setting, "INFO", f"{what}: {control}",
+                    {**record, "batch_invariant": False, "identical": same[False], "proves_nothing": off}))
+    del model
+    return rows
+
+
+def engine_checks(model_name: str, dtype: torch.dtype, attn: str, device: str, sizes: Sizes) -> Iterator[Row]:
     setting = f"{model_name.removeprefix('random-')} {attn} {short(dtype)}"
     print(f"  checking {setting} ...", file=sys.stderr, flush=True)
     try:
         model = common.build_model(model_name, dtype, attn, device)
     except Exception as error:  # noqa: BLE001 - e.g. a flash-attn that cannot load: one FAIL row, go on
-        return [Row("engine checks", setting, "FAIL", f"cannot build the model: {type(error).__name__}: {error}"[:240])]
+        yield Row("engine checks", setting, "FAIL", f"cannot build the model: {common.first_line(error, 200)}")
+        return
     prompt = common.random_prompt(model, sizes.length).to(device)
     tol = TOLERANCE[dtype]
-    rows = [guarded("full = forward", setting, check_full_equals_forward, model, prompt, setting, tol),
-            guarded("N+B bound", setting, check_bound, model, prompt, sizes, setting),
-            guarded("N >= L = full", setting, check_large_budget_is_full, model, prompt, sizes, setting, tol),
-            guarded("plain loop = generate", setting, check_plain_loop, model, prompt, sizes, setting),
-            guarded("stacked = per layer", setting, check_stacked_equals_layer_by_layer, model, prompt, sizes, setting),
-            guarded("batch 4 = alone", setting, check_batch_equals_separate, model, prompt, sizes, setting),
-            guarded("fixed = ordinary", setting, check_fixed_equals_ordinary, model, prompt, sizes, setting),
-            guarded("one graph per run", setting, check_one_graph_per_run, model, prompt, sizes, setting)]
+    yield guarded("full = forward", setting, check_full_equals_forward, model, prompt, setting, tol)
+    yield guarded("N+B bound", setting, check_bound, model, prompt, sizes, setting)
+    yield guarded("N >= L = full", setting, check_large_budget_is_full, model, prompt, sizes, setting, tol)
+    yield guarded("plain loop = generate", setting, check_plain_loop, model, prompt, sizes, setting)
+    yield guarded("stacked = per layer", setting, check_stacked_equals_layer_by_layer, model, prompt, sizes, setting)
+    yield guarded("batch 4 = alone", setting, check_batch_equals_separate, model, prompt, sizes, setting)
+    yield guarded("fixed = ordinary", setting, check_fixed_equals_ordinary, model, prompt, sizes, setting)
+    yield guarded("one graph per run", setting, check_one_graph_per_run, model, prompt, sizes, setting)
     if dtype == torch.bfloat16 and attn != "eager":  # eager computes both modes from the same weights
-        rows.append(guarded("fast ~ materialized", setting, check_statistics_agreement, model, prompt, sizes, setting))
-    return rows
+        yield guarded("fast ~ materialized", setting, check_statistics_agreement, model, prompt, sizes, setting)
 
 
 def split_over_gpus(model, devices: list[str]):
@@ -494,62 +614,65 @@ def benchmark_row(module: str, label: str, arguments: list[str]) -> Row:
     return Row(module, label, "PASS" if ok else "FAIL", summary)
 
 
-def benchmark_rows(device: str, quick: bool) -> list[Row]:
+def benchmark_rows(device: str, quick: bool) -> Iterator[Row]:
     tiny = ["--model", "random-tiny", "--length", "128", "--budget", "40", "--block-size", "16", "--repeats", "1",
             "--threads", "1"]  # a smoke run: one thread cannot be stalled by a busy machine
-    rows = []
     if device != "cuda" or quick:
-        rows += [benchmark_row(PREFILL, "random-tiny, tiny sizes", tiny + ["--reference"]),
-                 benchmark_row(DECODE, "random-tiny, tiny sizes",
-                               tiny + ["--new-tokens", "4", "--profile-tokens", "3"])]
+        yield benchmark_row(PREFILL, "random-tiny, tiny sizes", tiny + ["--reference"])
+        yield benchmark_row(DECODE, "random-tiny, tiny sizes", tiny + ["--new-tokens", "4", "--profile-tokens", "3"])
     if device != "cuda":
-        rows += [Row(module, "random-llama-3.2-3b", "SKIP", "CUDA only: no GPU here (ran tiny sizes above)")
-                 for module in (PREFILL, DECODE)]
+        for module in (PREFILL, DECODE):
+            yield Row(module, "random-llama-3.2-3b", "SKIP", "CUDA only: no GPU here (ran tiny sizes above)")
     elif quick:
-        rows += [Row(module, "random-llama-3.2-3b", "SKIP", "--quick: tiny sizes only")
-                 for module in (PREFILL, DECODE)]
+        for module in (PREFILL, DECODE):
+            yield Row(module, "random-llama-3.2-3b", "SKIP", "--quick: tiny sizes only")
     else:
         big = ["--model", "random-llama-3.2-3b", "--dtype", "bfloat16", "--repeats", "3"]
-        rows += [benchmark_row(PREFILL, "3b bf16 L=8192 N=2048 B=128",
-                               big + ["--length", "8192", "--budget", "2048", "--block-size", "128", "--reference"]),
-                 benchmark_row(DECODE, "3b bf16 L=4096 N=1024 32 tokens",
-                               big + ["--length", "4096", "--budget", "1024", "--new-tokens", "32"])]
-    return rows
+        yield benchmark_row(PREFILL, "3b bf16 L=8192 N=2048 B=128",
+                            big + ["--length", "8192", "--budget", "2048", "--block-size", "128", "--reference"])
+        yield benchmark_row(DECODE, "3b bf16 L=4096 N=1024 32 tokens",
+                            big + ["--length", "4096", "--budget", "1024", "--new-tokens", "32"])
 
 
-def run_checks(quick: bool) -> list[Row]:
+def checks(quick: bool) -> Iterator[Row]:
+    """Every row, each as soon as it is done (main writes it at once)."""
     device = common.device_name()
     sizes = QUICK_SIZES if quick else SIZES
-    rows: list[Row] = []
     if device == "cuda":
         status, message = flash_attn_status()
         attns = ["sdpa", "eager"] + (["flash_attention_2"] if status == "ok" else [])
         if status != "ok":
-            rows.append(Row("flash_attention_2", "all", "FAIL" if status == "old" else "SKIP", message))
+            yield Row("flash_attention_2", "all", "FAIL" if status == "old" else "SKIP", message)
         for model_name in ("random-tiny", "random-mid"):
             for attn in attns:
-                rows += engine_checks(model_name, torch.bfloat16, attn, device, sizes[model_name])
+                yield from engine_checks(model_name, torch.bfloat16, attn, device, sizes[model_name])
             if status == "ok":
-                rows.append(guarded("FA2 vs SDPA logits", model_name, check_flash_against_sdpa, model_name,
-                                    sizes[model_name], torch.bfloat16))
+                yield guarded("FA2 vs SDPA logits", model_name, check_flash_against_sdpa, model_name,
+                              sizes[model_name], torch.bfloat16)
     else:
         for dtype in (torch.float32, torch.bfloat16):
             for attn in ("sdpa", "eager"):
-                rows += engine_checks("random-tiny", dtype, attn, device, sizes["random-tiny"])
-        rows += [Row("engine checks", "mid sdpa/eager/fa2 bf16", "SKIP", "CUDA only: no GPU here"),
-                 Row("flash_attention_2", "all", "SKIP", "CUDA only: flash-attn needs a GPU"),
-                 Row("FA2 vs SDPA logits", "tiny, mid bf16", "SKIP", "CUDA only: flash-attn needs a GPU")]
-    rows.append(guarded("two GPUs", "mid sdpa bf16", check_two_gpus, sizes["random-mid"]))
-    if device == "cuda" and not quick:  # a real model's shape: 16 prompts of 1.5K-3K tokens, fp32 then bf16
-        for dtype in (torch.float32, torch.bfloat16):
-            rows.append(guarded("batch 16 = alone", f"llama-3.2-3b sdpa {short(dtype)}", check_batch_invariance,
-                                "random-llama-3.2-3b", dtype, device, 16, 32, (1536, 3072), 512))
-        rows.append(guarded("batch 16 = alone", "llama-3.2-3b sdpa bf16, batch_invariant", check_batch_invariance,
-                            "random-llama-3.2-3b", torch.bfloat16, device, 16, 32, (1536, 3072), 512, True))
-    else:
-        rows.append(Row("batch 16 = alone", "llama-3.2-3b sdpa fp32/bf16/bf16 batch_invariant", "SKIP",
-                        "CUDA only, not --quick (a real model's shape; the engine checks' batch 4 = alone ran above)"))
-    return rows + benchmark_rows(device, quick)
+                yield from engine_checks("random-tiny", dtype, attn, device, sizes["random-tiny"])
+        yield Row("engine checks", "mid sdpa/eager/fa2 bf16", "SKIP", "CUDA only: no GPU here")
+        yield Row("flash_attention_2", "all", "SKIP", "CUDA only: flash-attn needs a GPU")
+        yield Row("FA2 vs SDPA logits", "tiny, mid bf16", "SKIP", "CUDA only: flash-attn needs a GPU")
+    yield guarded("two GPUs", "mid sdpa bf16", check_two_gpus, sizes["random-mid"])
+    # A real model's shape on CUDA: 16 prompts of 1.5K-3K tokens, fp32, bf16, bf16 batch_invariant; elsewhere and
+    # under --quick the same rows on the tiny model (the code paths; a CPU's kernels are batch-invariant already).
+    model_name, *shape = (BATCH16 if device == "cuda" and not quick else QUICK_BATCH16)
+    for dtype, invariant in ((torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)):
+        setting = f"{model_name.removeprefix('random-')} sdpa {short(dtype)}" + (", batch_invariant" if invariant else "")
+        yield guarded("batch 16 = alone", setting, check_batch_invariance, model_name, dtype, device, *shape, invariant)
+    needle = QUICK_NEEDLE if quick or device != "cuda" else NEEDLE
+    try:
+        yield from check_needle(needle, device)
+    except Exception as error:  # noqa: BLE001 - a crashing check is a FAIL row
+        yield Row("needle alone = in a batch", needle.model, "FAIL", common.first_line(error, 240))
+    yield from benchmark_rows(device, quick)
+
+
+def run_checks(quick: bool) -> list[Row]:
+    return list(checks(quick))
 
 
 def print_rows(rows: list[Row]) -> None:
@@ -557,11 +680,18 @@ def print_rows(rows: list[Row]) -> None:
                        [[r.check, r.setting, r.result, r.detail] for r in rows], text_columns=4)
 
 
+def row_line(row: dict) -> str:
+    return f"  {row['result']:<4}  {row['check']}  [{row['setting']}]  {row['detail']}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny sizes everywhere (what the tests run)")
-    parser.add_argument("--json", default=None, help="also write the rows and the environment to this file")
+    parser.add_argument("--json", default=None, help="also write the rows and the environment to this file, after "
+                                                     "every row")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads for the engine checks")
+    parser.add_argument("--deadline", type=float, default=None,
+                        help="seconds after which no new check starts (the rest: one SKIP row); default: none")
     args = parser.parse_args(argv)
     started = common.provenance(__spec__.name, argv)
     if args.threads:
@@ -569,15 +699,25 @@ def main(argv: list[str] | None = None) -> int:
     device = common.device_name()
     print(common.setting_line(device, None, transformers=__import__("transformers").__version__, quick=args.quick),
           flush=True)
-    rows = run_checks(args.quick)
+    payload = {"device": device, "torch": torch.__version__, "flash_attn": flash_attn_status()[1], "quick": args.quick}
+    log = common.RowLog(args.json, started, lambda: payload, row_line)
+    begin = time.perf_counter()
+    try:
+        for row in checks(args.quick):
+            log.add(asdict(row))
+            elapsed = time.perf_counter() - begin
+            if args.deadline is not None and elapsed > args.deadline:
+                log.add(asdict(Row("deadline", f"{args.deadline:.0f} s", "SKIP",
+                                   f"{elapsed:.0f} s passed after '{row.check}' [{row.setting}]: the later checks "
+                                   "did not run")))
+                break
+    except Exception as error:  # noqa: BLE001 - outside every guarded check: one FAIL row, the rows before kept
+        log.add(asdict(Row("gpu_check", "the run", "FAIL", common.first_line(error, 240))))
+    rows = [Row(**r) for r in log.rows]
     print_rows(rows)
     failed = [r for r in rows if r.result == "FAIL"]
     counts = {k: sum(r.result == k for r in rows) for k in ("PASS", "FAIL", "SKIP", "INFO")}
     print(" ".join(f"{k} {v}" for k, v in counts.items()) + (" -> FAILED" if failed else " -> OK"))
-    if args.json:
-        common.write_json(args.json, {"device": device, "torch": torch.__version__,
-                                      "flash_attn": flash_attn_status()[1], "quick": args.quick,
-                                      "rows": [asdict(r) for r in rows]}, started)
     return 1 if failed else 0
 
 
