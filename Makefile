@@ -62,8 +62,8 @@ bench-long: $(STAMP)  ## prompts of 4K..128K under N=1024: prefill peak memory a
 bench-peers: $(STAMP)  ## side by side with kvpress on identical random weights: kept-set parity, TTFT/decode/memory (builds .venv-kvpress once; ARGS="parity --length 512")
 	$(PY) -m keydiff.bench.peers --torch-spec "$(TORCH_SPEC)" $(ARGS)
 
-gpu-check: $(STAMP)  ## run first on a new (GPU) machine: engine exactness per attention kernel, then both benchmarks
-	$(PY) -m keydiff.bench.gpu_check $(ARGS)
+gpu-check: $(STAMP)  ## run first on a new (GPU) machine: engine exactness per attention kernel, then both benchmarks: results/bench/gpu_check.json
+	$(PY) -m keydiff.bench.gpu_check --json results/bench/gpu_check.json $(ARGS)
 
 gpu-bench: $(STAMP)  ## every GPU row of the decode/prefill targets in ~8 min (3B shape, bf16): results/bench/gpu_bench.json
 	$(PY) -m keydiff.bench.gpu_bench --json results/bench/gpu_bench.json $(ARGS)
