@@ -8,7 +8,8 @@ the number of outputs too, and SDPA's decode kernels may split the keys across b
 small. Each choice is exact arithmetic in another order: a few ulps, and in bfloat16 that flips greedy tokens.
 
 Here every choice is fixed for every call:
-- `matmul`: tiles of MATMUL_BLOCK_M x MATMUL_BLOCK_N outputs, one program per tile (and per batch matrix), K
+- `matmul`: tiles of MATMUL_BLOCK_M x MATMUL_BLOCK_N outputs, one program per tile and batch matrix (all on the
+  grid's first axis: keydiff.kernels.launch, which also binds every launch to its tensors' device), K
   walked from 0 upwards in steps of MATMUL_BLOCK_K into one float32 accumulator (no split-K), the bias added after;
   row i of the output is computed by the same instructions in the same order whatever M is (M is not even
   specialised on: `do_not_specialize`).
@@ -33,6 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
+from keydiff.kernels import launch
+
 MATMUL_BLOCK_M, MATMUL_BLOCK_N, MATMUL_BLOCK_K = 16, 32, 64
 ROW_BLOCK = 512
 ATTENTION_BLOCK_N = 64
@@ -47,9 +50,11 @@ def _matmul_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K,
                    stride_cb, stride_cm, stride_cn, stride_biasm, stride_biasn, alpha, beta,
                    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    tile = tl.program_id(0)
-    matrix = tl.program_id(1).to(tl.int64)
     tiles_n = tl.cdiv(N, BLOCK_N)
+    tiles = tl.cdiv(M, BLOCK_M) * tiles_n
+    program = tl.program_id(0)  # matrix x tiles + tile, all on the first axis (keydiff.kernels.launch)
+    tile = program % tiles
+    matrix = (program // tiles).to(tl.int64)
     rows = (tile // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = (tile % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
     steps = tl.arange(0, BLOCK_K)
@@ -98,15 +103,15 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, a
     if bias is not None:
         bias = bias.expand(rows, cols)
         bias_strides = bias.stride()
-    grid = (triton.cdiv(rows, MATMUL_BLOCK_M) * triton.cdiv(cols, MATMUL_BLOCK_N), matrices)
-    _matmul_kernel[grid](
-        a3, b3, out, out if bias is None else bias, rows, cols, depth,
-        a3.stride(0), a3.stride(1), a3.stride(2), b3.stride(0), b3.stride(1), b3.stride(2),
-        out.stride(0), out.stride(1), out.stride(2), bias_strides[0], bias_strides[1], float(alpha), float(beta),
-        HAS_BIAS=bias is not None, IEEE=a.dtype == torch.float32 or INTERPRETED,
-        WIDEN=INTERPRETED and a.dtype != torch.float32,
-        BLOCK_M=MATMUL_BLOCK_M, BLOCK_N=MATMUL_BLOCK_N, BLOCK_K=MATMUL_BLOCK_K,
-    )
+    with launch.on_device(out):
+        _matmul_kernel[launch.matmul_grid(rows, cols, matrices, MATMUL_BLOCK_M, MATMUL_BLOCK_N)](
+            a3, b3, out, out if bias is None else bias, rows, cols, depth,
+            a3.stride(0), a3.stride(1), a3.stride(2), b3.stride(0), b3.stride(1), b3.stride(2),
+            out.stride(0), out.stride(1), out.stride(2), bias_strides[0], bias_strides[1], float(alpha), float(beta),
+            HAS_BIAS=bias is not None, IEEE=a.dtype == torch.float32 or INTERPRETED,
+            WIDEN=INTERPRETED and a.dtype != torch.float32,
+            BLOCK_M=MATMUL_BLOCK_M, BLOCK_N=MATMUL_BLOCK_N, BLOCK_K=MATMUL_BLOCK_K,
+        )
     return out if batched else out[0]
 
 
@@ -142,8 +147,9 @@ def row_sums(x: torch.Tensor, absolute: bool = False, square: bool = False) -> t
         return out
     if depth == 0:
         return out.zero_()
-    _row_sum_kernel[(rows,)](x, out, depth, x.stride(0), ABSOLUTE=absolute, SQUARE=square, DOUBLE=double,
-                             BLOCK=ROW_BLOCK)
+    with launch.on_device(out):
+        _row_sum_kernel[launch.row_grid(rows)](x, out, depth, x.stride(0), ABSOLUTE=absolute, SQUARE=square,
+                                               DOUBLE=double, BLOCK=ROW_BLOCK)
     return out
 
 
@@ -198,9 +204,10 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale
     out = torch.empty((batch, q_len, heads, dim), dtype=query.dtype, device=query.device)
     if out.numel() == 0:
         return out
-    _attention_kernel[(batch * q_len, heads)](
-        query, key, value, out, q_len, kv_len, heads // kv_heads, float(scale),
-        *query.stride(), *key.stride(), *value.stride(), *out.stride(),
-        HEAD_DIM=dim, BLOCK_D=triton.next_power_of_2(dim), BLOCK_N=ATTENTION_BLOCK_N,
-    )
+    with launch.on_device(out):
+        _attention_kernel[launch.attention_grid(batch, q_len, heads)](
+            query, key, value, out, q_len, kv_len, heads // kv_heads, float(scale),
+            *query.stride(), *key.stride(), *value.stride(), *out.stride(),
+            HEAD_DIM=dim, BLOCK_D=triton.next_power_of_2(dim), BLOCK_N=ATTENTION_BLOCK_N,
+        )
     return out

@@ -9,7 +9,7 @@ anchor both rank keys identically, because sum_j cos(k_i, k_j) = n * cos(k_i, me
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Callable, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -37,8 +37,32 @@ def keydiff_anchor(keys: torch.Tensor, anchor: str) -> torch.Tensor:
 
 
 def inverse_key_norms(keys: torch.Tensor) -> torch.Tensor:
-    """1 / max(||k||, 1e-8) per entry [batch, kv_heads, n], in float32."""
-    return torch.linalg.vector_norm(keys.float(), dim=-1).clamp_min(1e-8).reciprocal()
+    """1 / max(||k||, 1e-8) per entry [batch, kv_heads, n], in float32 (accumulated in float32 without a float32
+    copy of the keys on a GPU, whose reduction kernels widen half precision as they read it)."""
+    return torch.linalg.vector_norm(keys, dim=-1, dtype=torch.float32).clamp_min(1e-8).reciprocal()
+
+
+# Half-precision keys are scored in float32 this many slices of (row, KV head) pairs at a time (`in_float32`).
+FLOAT_SLICES = 16
+
+
+def in_float32(score: Callable[..., torch.Tensor], keys: torch.Tensor, *per_entry: torch.Tensor | None) -> torch.Tensor:
+    """score(keys, *per_entry) [batch, kv_heads, n] with the keys in float32: float32 keys as they are; half
+    precision widened one slice of (row, head) pairs at a time (up to FLOAT_SLICES slices of at least two pairs), so
+    that no float32 copy of every key exists at once. A copy of all of them would be about twice the half-precision keys, and a CUDA graph
+    of the step keeps its largest transient in its memory pool for as long as the graph lives. `score` must score
+    each (row, head) from its own entries alone (every KeyDiff score does), so the slices give what the whole
+    would, in the same float32 arithmetic. per_entry: tensors [batch, kv_heads, n] (or None) sliced alike."""
+    batch, heads = keys.shape[:2]
+    slices = min(FLOAT_SLICES, batch * heads // 2)  # at least two pairs a slice: a batch of one is folded to a
+    if keys.dtype == torch.float32 or slices < 2:  # plain matrix product, summed in another order than a batch's
+        return score(keys.float(), *per_entry)
+    # flatten: a view (a cache's keys are a slice of the entries of whole (row, head) planes)
+    split = [keys.flatten(0, 1).tensor_split(slices)] + [
+        [None] * slices if e is None else e.flatten(0, 1).tensor_split(slices) for e in per_entry]
+    parts = [score(part[:, None].float(), *[None if e is None else e[:, None] for e in entries])
+             for part, *entries in zip(*split)]
+    return torch.cat(parts).view(batch, heads, *parts[0].shape[2:])
 
 
 def cosine_to_mean(keys: torch.Tensor, normalized: bool, inv_norms: torch.Tensor | None = None) -> torch.Tensor:
@@ -110,9 +134,14 @@ class KeyDiff(Policy):
                                         pool.state["inv_norm"])
 
     def score(self, layer: LayerView) -> torch.Tensor:
-        keys = layer.keys.float()  # a no-op for float32; half precision is scored in float32 (a transient copy)
+        # in float32: half precision a slice at a time (in_float32), float32 as it is
         if self.metric == "cosine" and self.anchor in ("normalized_mean", "mean"):
-            return -cosine_to_mean(keys, self.anchor == "normalized_mean", layer.state.get("inv_norm"))
+            normalized = self.anchor == "normalized_mean"
+            return in_float32(lambda keys, inv: -cosine_to_mean(keys, normalized, inv), layer.keys,
+                              layer.state.get("inv_norm"))
+        return in_float32(self.score_to_anchor, layer.keys)
+
+    def score_to_anchor(self, keys: torch.Tensor) -> torch.Tensor:
         anchor = keydiff_anchor(keys, self.anchor)
         if self.metric == "cosine":
             return -F.cosine_similarity(keys, anchor, dim=-1, eps=1e-8)
@@ -131,5 +160,8 @@ class KeyDiffPairwise(Policy):
     recent_window_parameter: ClassVar[str | None] = "window_fraction"
 
     def score(self, layer: LayerView) -> torch.Tensor:
-        unit = F.normalize(layer.keys.float(), dim=-1)
-        return -(unit @ unit.transpose(-1, -2)).sum(dim=-1)
+        def pairwise(keys: torch.Tensor) -> torch.Tensor:
+            unit = F.normalize(keys, dim=-1)
+            return -(unit @ unit.transpose(-1, -2)).sum(dim=-1)
+
+        return in_float32(pairwise, layer.keys)

@@ -34,4 +34,5 @@ class KNorm(Policy):
         return layer_idx not in self.skip_layers
 
     def score(self, layer: LayerView) -> torch.Tensor:
-        return -layer.keys.float().norm(dim=-1)
+        # accumulated in float32 without a float32 copy of the keys on a GPU (its reduction kernels widen as they read)
+        return -torch.linalg.vector_norm(layer.keys, dim=-1, dtype=torch.float32)
