@@ -15,8 +15,7 @@ import torch
 from keydiff.bench import gpu_check
 
 # One thread: tiny models gain nothing from more, and a busy machine then cannot stall them.
-TINY = ["--model", "random-tiny", "--length", "64", "--budget", "16", "--block-size", "8", "--repeats", "1",
-        "--threads", "1"]
+TINY = ["--model", "random-tiny", "--length", "64", "--budget", "16", "--block-size", "8", "--threads", "1"]
 
 
 @pytest.fixture(autouse=True)
@@ -78,7 +77,7 @@ def test_benchmark_help_and_tiny_run(tmp_path, capsys, module, extra, columns):
     with pytest.raises(SystemExit) as exit_info:
         entry.main(["--help"])
     assert exit_info.value.code == 0 and "--threads" in capsys.readouterr().out
-    entry.main(TINY + extra + ["--json", str(tmp_path / "out.json")])
+    entry.main(TINY + ["--repeats", "1"] + extra + ["--json", str(tmp_path / "out.json")])
     out = capsys.readouterr().out
     first = out.splitlines()[0]
     assert first.startswith("device=") and "threads=" in first and "dtype=" in first
@@ -93,6 +92,20 @@ def test_benchmark_help_and_tiny_run(tmp_path, capsys, module, extra, columns):
     policies = [r["policy"] for r in results]
     assert "full" in policies and "keydiff" in policies
     assert all(f"\n{p} " in out for p in policies)
+
+
+def test_the_decode_benchmark_times_the_steady_state(tmp_path):
+    """gpu-check's ms/token (keydiff.bench.decode) runs each policy through one Decoder across its warm-up and
+    rounds: with CUDA graphs stood in for on the CPU, KeyDiff's block step and decode step are captured once, in
+    the untimed warm-up, not in each of the 3 timed rounds (10 captures then), plus once each by the untimed
+    allocation pass; `full` captures nothing."""
+    from keydiff.batching.static import stand_in_graphs
+    from keydiff.bench import decode
+
+    with stand_in_graphs() as cuda:
+        decode.main(TINY + ["--repeats", "3", "--new-tokens", "4", "--profile-tokens", "3", "--policies",
+                            "full,keydiff", "--json", str(tmp_path / "decode.json")])
+    assert len(cuda.captures) == 4 and not [c for c in cuda.captures if c.get("error")]
 
 
 def test_two_gpu_check_runs_split_over_the_cpu():

@@ -6,6 +6,8 @@
 
 Every mode warms each policy up once, untimed, then times --repeats rounds in which each policy runs once
 in turn (keydiff.bench.common.interleaved_rounds), so drift in the machine's speed does not bias the ratios.
+Each policy runs through one keydiff.Decoder across its warm-up and rounds, as a run does across its samples, so
+the steps captured as CUDA graphs on a GPU are captured in the warm-up: the times are the steady state.
 
 Default mode. Every evicting policy prefills L prompt tokens at budget N and then decodes, evicting
 after every token (B = 1). `full` prefills exactly N prompt tokens and decodes without eviction, so it
@@ -38,15 +40,16 @@ import sys
 
 import torch
 
-from keydiff import build_policy, generate, prefill
+from keydiff import Decoder, build_policy, generate, prefill
 from keydiff.bench import common
 from keydiff.run.checks import ArgumentParser
 
 
-def run_once(model, prompt, name: str, budget: int | None, block: int, new_tokens: int):
-    """Prefill then decode exactly `new_tokens` tokens with eviction after every one (no stop token)."""
-    state = prefill(model, prompt, build_policy(name), budget, block)
-    result = generate(model, state, new_tokens, eos_token_ids=(), evict=True)
+def run_once(model, prompt, name: str, budget: int | None, block: int, new_tokens: int, decoder=None):
+    """Prefill then decode exactly `new_tokens` tokens with eviction after every one (no stop token), through
+    `decoder` if given (a keydiff.Decoder kept across calls, as a run keeps one)."""
+    state = prefill(model, prompt, build_policy(name), budget, block, decoder=decoder)
+    result = generate(model, state, new_tokens, eos_token_ids=(), evict=True, decoder=decoder)
     assert len(result.token_ids[0]) == new_tokens
     return state, result
 
@@ -73,9 +76,9 @@ def allocated_bytes(fn, device: str) -> dict[str, int]:
     return totals
 
 
-def timed_run(model, prompt, name: str, budget: int | None, args) -> dict:
+def timed_run(model, prompt, name: str, budget: int | None, args, decoder=None) -> dict:
     """One prefill + decode: its TTFT, its decode time per step and the peak entries."""
-    state, result = run_once(model, prompt, name, budget, args.block_size, args.new_tokens)
+    state, result = run_once(model, prompt, name, budget, args.block_size, args.new_tokens, decoder)
     return {"ttft_s": state.seconds, "per_token_s": result.seconds / (args.new_tokens - 1),
             "peak_entries": result.max_cache_entries}
 
@@ -108,8 +111,12 @@ def measure_all(model, cases: dict[str, tuple[torch.Tensor, int | None]], args, 
                 eviction_times: bool = False) -> list[dict]:
     """cases: policy -> (prompt, budget). Warm-up, timed rounds (interleaved), then the allocation passes
     (and, with eviction_times, the profiled passes that split a step's time)."""
+    # One Decoder per policy across its warm-up and rounds, as a run keeps one across its samples: the steps a
+    # GPU captures as CUDA graphs are captured in the warm-up, so the timed rounds are the steady state.
+    decoders = {name: Decoder(model, 1) for name in cases}
     runs = common.interleaved_rounds(
-        {name: (lambda name=name, p=p, b=b: timed_run(model, p, name, b, args)) for name, (p, b) in cases.items()},
+        {name: (lambda name=name, p=p, b=b: timed_run(model, p, name, b, args, decoders[name]))
+         for name, (p, b) in cases.items()},
         args.repeats, device)
     rows = []
     for name, (prompt, budget) in cases.items():
