@@ -162,7 +162,8 @@ def main(cfg: DictConfig) -> float | None:
         exit_with_error(str(error).replace("\n", " | "))
     drop_unrecorded_hydra_files(run_dir, files)
     statistics = summary["statistics"]
-    log.info("metrics (%s samples):\n%s", statistics.get("samples", 0), format_metrics(summary["metrics"]))
+    samples = statistics.get("samples", 0)
+    log.info("metrics (%d sample%s):\n%s", samples, "" if samples == 1 else "s", format_metrics(summary["metrics"]))
     if note := budget_note(summary):
         log.warning(note)
     log.info("statistics: %s", json.dumps(rounded(summarize_lists(statistics)), default=str))
