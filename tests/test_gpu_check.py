@@ -108,6 +108,17 @@ def test_the_decode_benchmark_times_the_steady_state(tmp_path):
     assert len(cuda.captures) == 4 and not [c for c in cuda.captures if c.get("error")]
 
 
+def test_the_prefill_benchmark_times_the_steady_state(tmp_path):
+    """gpu-check's TTFT (keydiff.bench.prefill): one Decoder per policy across warm-up and rounds, so with CUDA
+    graphs stood in for, KeyDiff's block step is captured once, in the warm-up (4 captures over 3 rounds before)."""
+    from keydiff.batching.static import stand_in_graphs
+    from keydiff.bench import prefill as prefill_bench
+
+    with stand_in_graphs() as cuda:
+        prefill_bench.main(TINY + ["--repeats", "3", "--policies", "keydiff", "--json", str(tmp_path / "p.json")])
+    assert len(cuda.captures) == 1 and not cuda.captures[0].get("error")
+
+
 def test_two_gpu_check_runs_split_over_the_cpu():
     """The two-GPU row's code, with both halves of the model on the CPU (one placement: one stack)."""
     row = gpu_check.check_two_gpus(gpu_check.QUICK_SIZES["random-tiny"], ("cpu", "cpu"), "random-tiny", torch.float32)
