@@ -170,6 +170,25 @@ def test_the_deadline_skips_rows_as_rows(tmp_path):
     assert all(r["skipped"] and r["error"].startswith("skipped: deadline 0 s passed") for r in rows)
 
 
+def test_the_deadline_stops_a_group_between_rows(tmp_path):
+    """A row that ends after the deadline is kept; the group's rows not started yet are written as skipped, and
+    the group's code stops there (none of its later work runs)."""
+    planned = [{"row": "decode", "case": c} for c in ("a", "b", "c")]
+    ran = []
+
+    def rows():
+        for row in planned:
+            ran.append(row["case"])
+            yield {**row, "ms_per_step": 1.0}
+
+    out = tmp_path / "rows.json"
+    log = common.RowLog(out, {}, lambda: {"device": "cpu"}, gpu_bench.row_line)
+    gpu_bench.run_group("decode", planned, rows, log, deadline=lambda: "deadline 1 s passed (2 s)" if ran else None)
+    written = json.loads(out.read_text())["rows"]
+    assert ran == ["a"] and written[0] == {"row": "decode", "case": "a", "ms_per_step": 1.0}
+    assert written[1:] == [{**r, "error": "skipped: deadline 1 s passed (2 s)", "skipped": True} for r in planned[1:]]
+
+
 def test_gpu_bench_refuses_a_machine_without_cuda_unless_quick(capsys):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")

@@ -30,8 +30,8 @@ steady state (one Decoder kept across calls, as a run keeps it: `ms_per_step`, `
 
 The rows are those of `planned_rows(sizes)`, in that order, whatever happens: each is printed and written to the
 JSON as soon as it is done, so a run cut short keeps what it measured; a row that fails is written with its error
-(type and first line) and the rest of its group as skipped; `--deadline` skips the groups that would start after
-it, each row written as skipped. On a machine without CUDA, `--quick` runs every row at tiny sizes, with CPU stand-ins
+(type and first line) and the rest of its group as skipped; `--deadline` skips the rows that would start after
+it, each written as skipped. On a machine without CUDA, `--quick` runs every row at tiny sizes, with CPU stand-ins
 for what a CPU lacks (CUDA graphs, reduce-overhead compilation): the code paths, not the numbers.
 
     python -m keydiff.bench.gpu_bench [--quick] [--json results/bench/gpu_bench.json] [--deadline 450]
@@ -442,11 +442,12 @@ def release_memory(device: str) -> None:
 
 
 def run_group(group: str, planned: list[dict], make_rows: Callable[[], Iterator[dict]], log: common.RowLog,
-              on_row: Callable[[dict], None] | None = None) -> None:
+              on_row: Callable[[dict], None] | None = None, deadline: Callable[[], str | None] = lambda: None) -> None:
     """Log the group's rows as they come; the first failure is logged at the row it failed on (its identity, the
-    error's type and first line, the group) and the group's later rows as skipped. on_row: called with each row
-    before it is logged; what it raises is raised in the group where the row was made (the tests' way to fail a
-    group in its middle, or to stop the run there as a kill would)."""
+    error's type and first line, the group) and the group's later rows as skipped, as are the rows left when
+    `deadline()` says why no new row may start. on_row: called with each row before it is logged; what it raises
+    is raised in the group where the row was made (the tests' way to fail a group in its middle, or to stop the
+    run there as a kill would)."""
     done = 0
     try:
         rows = make_rows()
@@ -461,6 +462,12 @@ def run_group(group: str, planned: list[dict], make_rows: Callable[[], Iterator[
                     rows.throw(error)
             log.add(row)
             done += 1
+            late = deadline() if done < len(planned) else None
+            if late:
+                rows.close()
+                for later in planned[done:]:
+                    log.add({**later, "error": f"skipped: {late}", "skipped": True})
+                break
     except Exception as error:  # noqa: BLE001 - one row's failure must not lose the rows measured before it
         traceback.print_exc()
         if done < len(planned):
@@ -479,7 +486,7 @@ def main(argv: list[str] | None = None, on_row: Callable[[dict], None] | None = 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny sizes (any device): the code paths, not numbers")
     parser.add_argument("--json", default=None, help="write the rows and their provenance here, after every row")
-    parser.add_argument("--deadline", type=float, default=450.0, help="seconds after which no new row group starts")
+    parser.add_argument("--deadline", type=float, default=450.0, help="seconds after which no new row starts")
     parser.add_argument("--rows", default=",".join(GROUPS), help="which row groups, in this order")
     args = parser.parse_args(argv)
     chosen = [g.strip() for g in args.rows.split(",") if g.strip()]
@@ -498,17 +505,19 @@ def main(argv: list[str] | None = None, on_row: Callable[[dict], None] | None = 
     log = common.RowLog(args.json, started, lambda: {"device": device, "sizes": sizes.__dict__,
                                                      "wall_s": time.perf_counter() - begin}, row_line)
     planned = planned_rows(sizes)
+    def late() -> str | None:
+        elapsed = time.perf_counter() - begin
+        return f"deadline {args.deadline:.0f} s passed ({elapsed:.0f} s)" if elapsed > args.deadline else None
+
     for group in chosen:
         rows = [r for g, r in planned if g == group]
-        elapsed = time.perf_counter() - begin
-        if elapsed > args.deadline:
+        if late():
             for row in rows:
-                log.add({**row, "error": f"skipped: deadline {args.deadline:.0f} s passed ({elapsed:.0f} s)",
-                         "skipped": True})
+                log.add({**row, "error": f"skipped: {late()}", "skipped": True})
             continue
-        print(f"{group} ... ({elapsed:.0f} s so far)", file=sys.stderr, flush=True)
+        print(f"{group} ... ({time.perf_counter() - begin:.0f} s so far)", file=sys.stderr, flush=True)
         with torch.inference_mode(), cpu_stand_ins(device):
-            run_group(group, rows, lambda: ROWS[group](model, sizes, device), log, on_row)
+            run_group(group, rows, lambda: ROWS[group](model, sizes, device), log, on_row, late)
     log.write()
     print_rows(log.rows)
     return 1 if any("error" in r for r in log.rows) else 0
