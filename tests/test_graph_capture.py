@@ -17,6 +17,7 @@ from keydiff.batching.static import stand_in_graphs
 from keydiff.policies.base import LayerView
 from keydiff.policies.keydiff import KeyDiff, cosine_to_mean, inverse_key_norms
 from tests.conftest import tiny_llama
+from tests.test_batched_runs import tiny  # noqa: F401 - the runner's model fixture
 
 BUDGET, BLOCK = 40, 16
 
@@ -183,3 +184,29 @@ def test_the_stand_in_options_are_checked():
         with stand_in_graphs(fail="begin"):
             pass
     assert keydiff.batching.graphs.calls_for(torch.device("cpu")) is None  # none outside the context
+
+
+def test_a_runs_graphs_are_captured_in_its_warm_up_and_a_row_that_paid_for_one_says_so(tmp_path, tiny, monkeypatch):
+    """A batch-1 run whose first prompt (30 tokens) is shorter than N + 3B: the warm-up still captures the run's
+    block and decode graphs through the run's decoder (its prompt repeated), so the first sample's TTFT carries no
+    capture. A later sample that makes a graph of its own (the 47-token prompt decodes in its own buffers, shaped
+    unlike the arena's slots) carries that capture in its times, and its row says so (`capture_s`); summary.json's
+    decode_graphs has every capture's cost, the warm-up's included."""
+    import keydiff.run.runner as runner
+    from tests.test_batched_runs import lengths_cfg, run_at
+
+    started = []
+    real = runner.process_sample
+
+    def process_sample(ctx, sample):
+        started.append(len(cuda.captures))
+        return real(ctx, sample)
+
+    monkeypatch.setattr(runner, "process_sample", process_sample)
+    with stand_in_graphs() as cuda:
+        summary, rows = run_at(lengths_cfg(tmp_path, "warm"))
+    graphs = summary["invocations"][-1]["decode_graphs"]
+    assert started[0] == 2 and graphs["captured"] == len(cuda.captures) == 3, (started, graphs)
+    paid = {row["prompt_tokens"]: row["capture_s"] for row in rows.values() if "capture_s" in row}
+    assert list(paid) == [47] and paid[47] > 0, paid
+    assert 0 < paid[47] < graphs["capture_s"]  # the rest: the warm-up's, in no sample's times

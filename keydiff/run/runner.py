@@ -85,6 +85,8 @@ def warm_up(ctx: RunContext, sample) -> None:
         except ValueError:
             return  # that sample is recorded as failed; nothing to warm up
     captures = ctx.decoder.replays_graphs and budget is not None and plan.block_size is not None
+    if captures and 0 < len(ids) < budget + 3 * block:  # a short first prompt, repeated: its steps capture all the same
+        ids = list(ids) * -(-(budget + 3 * block) // len(ids))
     tokens = min(len(ids), budget + 3 * block if captures else 2 * block)
     decoder = ctx.decoder if captures else None
     state = prefill(model, torch.tensor([ids[:tokens]]), policy, budget, plan.block_size, plan.statistics,
@@ -207,8 +209,11 @@ def execute(cfg: DictConfig, plan: RunPlan, samples: list, run_dir: str | Path,
                 loop_start = time.perf_counter()
                 with Progress(len(todo), f"{plan.task.name}/{plan.policy_name}",
                               tracking.headline(plan.task.name)[0]) as progress:
+                    made = ctx.decoder.graphs.capture_s if ctx is not None else 0.0  # graphs made so far
                     for row in sample_rows(ctx, todo):
-                        row = {**row, "threads": threads, invocations.ROW_KEY: invocation["id"]}
+                        paid, made = ctx.decoder.graphs.capture_s - made, ctx.decoder.graphs.capture_s
+                        row = {**row, "threads": threads, invocations.ROW_KEY: invocation["id"],
+                               **({"capture_s": round(paid, 6)} if paid else {})}  # graphs its times include
                         store.append(row)
                         tracker.log_row(row)
                         progress.done(row)
