@@ -180,3 +180,13 @@ def test_unreleased_records_are_written_at_close_unless_the_directory_is_gone(tm
             shutil.rmtree(folder)
         handler.close()
     assert (kept / "run.log").read_text() == "refused\n" and not gone.exists()
+
+
+def test_progress_on_a_terminal_draws_the_bar_and_still_logs_each_sample(caplog, capsys):
+    row = {"sample_id": "a", "scores": {"exact": 1.0}, "prompt_tokens": 10, "ttft_s": 0.5, "new_tokens": 3}
+    with caplog.at_level(logging.INFO, logger="keydiff.run.progress"):
+        with Progress(1, "phonebook/keydiff", "exact", terminal=True) as progress:
+            progress.done(row)
+    assert [r.getMessage() for r in caplog.records] == [
+        "sample 1/1 a: exact 1, 10 prompt tokens, TTFT 0.5 s, 3 new tokens"]
+    assert "phonebook/keydiff: 100%" in capsys.readouterr().err

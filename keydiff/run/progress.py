@@ -14,9 +14,6 @@ import logging
 import sys
 from typing import Any
 
-from tqdm.auto import tqdm
-from tqdm.contrib.logging import logging_redirect_tqdm
-
 log = logging.getLogger(__name__)
 
 
@@ -65,6 +62,9 @@ class Progress:
 
     def __enter__(self) -> "Progress":
         if self.terminal:
+            from tqdm.auto import tqdm  # here: run.py imports this module before it checks anything
+            from tqdm.contrib.logging import logging_redirect_tqdm
+
             self._stack.enter_context(logging_redirect_tqdm())
             self.bar = self._stack.enter_context(tqdm(total=self.total, desc=self.description, unit="sample"))
         return self

@@ -24,7 +24,7 @@ from hydra.experimental.callback import Callback
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from keydiff.run import invocations, shards, tracking
+from keydiff.run import invocations, shards
 from keydiff.run.checks import hub_unreachable
 from keydiff.run.results import is_failed, latest_rows, read_rows, run_dir_of, succeeded
 
@@ -184,7 +184,9 @@ def headline_value(run_dir: Path, task_name: str) -> str:
         summary = json.loads((Path(run_dir) / "summary.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return ""
-    name = tracking.headline(task_name)[1]
+    from keydiff.run.tracking import headline  # numpy, through the paper's tables: not at every start of run.py
+
+    name = headline(task_name)[1]
     value = (summary.get("metrics") or {}).get(name) if isinstance(summary, dict) else None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return ""
