@@ -12,7 +12,8 @@ import pytest
 import yaml
 
 from keydiff.tasks.base import Sample, encode_user_turn
-from keydiff.tasks.haystack import directory_haystack, is_prose_paragraph, prose_paragraphs, pydoc_haystack
+from keydiff.tasks.haystack import (PINNED, PINNED_SHA256, directory_haystack, is_prose_paragraph, load_haystack,
+                                    prose_paragraphs, pydoc_haystack)
 from keydiff.tasks.niah import (
     ANSWER,
     NEEDLE,
@@ -124,7 +125,38 @@ def test_pydoc_haystack():
     assert haystack.sources == {"pydoc_data/topics.py": hashlib.sha256(source.read_bytes()).hexdigest()}
     assert len(haystack.text.split()) > 20000
     assert "::=" not in haystack.text and ">>>" not in haystack.text
-    assert NeedleInAHaystack().data_sources() == haystack.sources
+    assert NeedleInAHaystack(haystack_source="interpreter").data_sources() == haystack.sources  # the old source
+    assert load_haystack(None, "interpreter").kind == "pydoc"
+
+
+def test_the_default_haystack_is_pinned_in_the_repository_with_its_licence():
+    """The same bytes on every Python (3.11-3.13): the repository's file, checked against its sha256, named with
+    its hash in the run's data sources, with the PSF licence notice beside it."""
+    data = PINNED.read_bytes()
+    assert hashlib.sha256(data).hexdigest() == PINNED_SHA256 == "a92bd30d61cfb0874b98a666bb37dda4c055a6eaaa524331393cc9d9ab03c473"
+    haystack = load_haystack(None)
+    assert haystack.kind == "pydoc_pinned" and haystack.text.encode("utf-8") == data
+    assert haystack.sources == {"keydiff/tasks/data/pydoc_prose.txt": PINNED_SHA256}
+    assert NeedleInAHaystack().data_sources() == haystack.sources  # what summary.json's "data" records
+    assert len(haystack.text.split()) > 25000 and "::=" not in haystack.text
+    notice = (PINNED.parent / "pydoc_prose.LICENSE.txt").read_text(encoding="utf-8")
+    assert "PYTHON SOFTWARE FOUNDATION LICENSE VERSION 2" in notice and "Python Software Foundation;" in notice
+    assert PINNED_SHA256 in notice
+
+
+def test_a_changed_pinned_haystack_is_refused(tmp_path, monkeypatch):
+    from keydiff.tasks import haystack as haystack_module
+
+    changed = tmp_path / "pydoc_prose.txt"
+    changed.write_bytes(PINNED.read_bytes() + b" ")
+    monkeypatch.setattr(haystack_module, "PINNED", changed)
+    with pytest.raises(RuntimeError, match="not the pinned"):
+        load_haystack(None)
+
+
+def test_an_unknown_haystack_source_is_refused_in_one_line():
+    with pytest.raises(ValueError, match=r"task.haystack_source='python' is not valid; valid: pinned, interpreter"):
+        NeedleInAHaystack(haystack_source="python").validate()
 
 
 @pytest.fixture()
@@ -320,3 +352,17 @@ def test_real_model_finds_the_needle_without_eviction():
     scores = task.score(sample, prediction)
     assert scores["needle_recall"] == 1.0, prediction
     assert scores["accuracy"] == 1.0
+
+
+def test_runs_from_before_the_pinned_haystack_resume_with_the_interpreter_source():
+    """A run directory written before task.haystack_source existed read the interpreter's prose: its config is
+    what `task.haystack_source=interpreter` gives, so that resumes it; the pinned default is another
+    configuration (the resume check shows the difference)."""
+    from omegaconf import OmegaConf
+
+    from keydiff.run.plan import result_config
+
+    old = {"seed": 0, "task": {"name": "niah_small", "haystack_dir": None, "limit": None}}
+    with_source = lambda source: {**old, "task": {**old["task"], "haystack_source": source}}  # noqa: E731
+    assert result_config(OmegaConf.create(with_source("interpreter"))) == old
+    assert result_config(OmegaConf.create(with_source("pinned")))["task"]["haystack_source"] == "pinned"

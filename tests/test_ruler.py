@@ -540,7 +540,7 @@ def test_haystack_source_in_rows_and_summary(tmp_path):
             {"sample_id": "niah_single_1/0", "scores": {"score": 1.0}, "info": {}}]
     default = make(tasks=["niah_single_1", "niah_single_2"])
     summary = default.summarize(rows)
-    assert summary["haystack"] == {"niah_single_1": "noise", "niah_single_2": "essay:pydoc"}
+    assert summary["haystack"] == {"niah_single_1": "noise", "niah_single_2": "essay:pydoc_pinned"}
     assert summary["comparable_to_published"] is False and "pydoc" in summary["not_comparable"][0]
     assert summary["ruler_commit"] == RULER_COMMIT
     assert make(tasks=["niah_single_1"]).summarize(rows[1:])["comparable_to_published"] is True  # no essay task

@@ -19,6 +19,7 @@ from keydiff.bench.common import CHECKOUT
 from keydiff.models import ModelConfig, model_provenance
 from keydiff.policies import build_policy
 from keydiff.policies.keydiff import ANCHORS
+from keydiff.tasks.haystack import HAYSTACK_SOURCES
 
 SOURCES = ("haystack", "longbench")
 STYLE = {"svg.hashsalt": "keydiff", "font.size": 8, "axes.titlesize": 9, "figure.dpi": 100, "savefig.dpi": 150}
@@ -41,6 +42,9 @@ def check_config(cfg: DictConfig, eviction: bool) -> ModelConfig:
         positive(key)
     if cfg.data.source not in SOURCES:
         raise ValueError(f"data.source {cfg.data.source!r} is not valid; valid: {', '.join(SOURCES)}")
+    source = cfg.data.get("haystack_source", "pinned")
+    if source not in HAYSTACK_SOURCES:
+        raise ValueError(f"data.haystack_source {source!r} is not valid; valid: {', '.join(HAYSTACK_SOURCES)}")
     if cfg.anchor not in ANCHORS:
         raise ValueError(f"anchor {cfg.anchor!r} is not valid; valid: {', '.join(ANCHORS)}")
     if cfg.attention not in ATTENTION_TARGETS:
@@ -79,7 +83,7 @@ def haystack_prompts(cfg: DictConfig, tokenizer) -> tuple[list[tuple[str, torch.
     """`samples` non-overlapping windows of `length` tokens of the haystack prose, each led by BOS if any."""
     from keydiff.tasks.haystack import load_haystack
 
-    haystack = load_haystack(cfg.data.haystack_dir)
+    haystack = load_haystack(cfg.data.haystack_dir, cfg.data.get("haystack_source", "pinned"))
     ids = tokenizer(haystack.text, add_special_tokens=False)["input_ids"]
     bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
     body = cfg.length - len(bos)
@@ -93,10 +97,12 @@ def haystack_prompts(cfg: DictConfig, tokenizer) -> tuple[list[tuple[str, torch.
 
 
 def haystack_label(haystack_dir: str | None, sources: dict[str, str], kind: str = "txt_dir") -> str:
-    """The haystack named by what it is, not where it lies on this machine: the default is the running
+    """The haystack named by what it is, not where it lies on this machine: the pinned pydoc prose, or the running
     interpreter's pydoc_data.topics (its content changes between Python versions, hence the version); RULER's
     essay file by its file name; a folder of .txt files by its own name and file count (the sha256 of every
     file is in `sources`). `kind` is keydiff.tasks.haystack.Haystack.kind."""
+    if haystack_dir is None and kind == "pydoc_pinned":
+        return "pydoc_data.topics prose (pinned, CPython 3.11.7)"
     if haystack_dir is None:
         return f"pydoc_data.topics prose (Python {platform.python_version()})"
     if kind == "ruler_json":

@@ -104,10 +104,14 @@ def result_config(cfg: DictConfig) -> dict[str, Any]:
     task.limit stays in: ResultStore lets a larger limit extend a run and refuses a smaller one.
     batch_invariant is in only when true: false computes what every run did before the key existed, so their
     directories resume as they are, and a run with other kernels (true) never shares a directory with them.
+    task.haystack_source is in unless "interpreter", the haystack runs read before the key existed.
     """
     data = OmegaConf.to_container(cfg, resolve=True)
     for key in NON_RESULT_KEYS:
         data.pop(key, None)
     if not data.get("batch_invariant", False):
         data.pop("batch_invariant", None)
+    task = data.get("task")
+    if isinstance(task, dict) and task.get("haystack_source") == "interpreter":  # what runs before the key read:
+        data["task"] = {k: v for k, v in task.items() if k != "haystack_source"}  # their directories resume with it
     return data

@@ -1,18 +1,22 @@
 """Offline haystack text for needle-in-a-haystack style tasks.
 
-No prose is stored in this repository. The default haystack is built at run time from the running
-interpreter's ``pydoc_data/topics.py`` (plain-text renderings of the Python Language Reference, PSF-2.0
-licensed), filtered down to prose paragraphs; its sha256 goes into the run's data sources because its
-content differs between interpreter builds. A user-supplied folder of ``.txt`` files (for example the
-Paul Graham essays used by gkamradt) can be used instead, or the ``PaulGrahamEssays.json`` that RULER's
-``scripts/data/synthetic/json/download_paulgraham_essay.py`` writes (its ``text`` field, as RULER reads it),
-given as the file or as a folder that holds it.
+The default haystack (``haystack_source="pinned"``) is ``keydiff/tasks/data/pydoc_prose.txt``: the prose
+paragraphs of CPython 3.11.7's ``pydoc_data/topics.py`` (plain-text renderings of the Python Language
+Reference, PSF-2.0 licensed; the notice is ``keydiff/tasks/data/pydoc_prose.LICENSE.txt``), kept in the
+repository so that every Python gives the same prompts; its sha256 is checked when it is read.
+``haystack_source="interpreter"`` builds the same kind of text from the running interpreter's
+``pydoc_data/topics.py`` instead, whose content differs between Python builds (and so do the prompts).
 
-``Haystack.kind`` names the source in results: ``pydoc`` (the built-in prose, not the text RULER or
-gkamradt use), ``txt_dir`` or ``ruler_json``.
+A user-supplied folder of ``.txt`` files (for example the Paul Graham essays used by gkamradt) can be used
+instead, or the ``PaulGrahamEssays.json`` that RULER's ``scripts/data/synthetic/json/download_paulgraham_essay.py``
+writes (its ``text`` field, as RULER reads it), given as the file or as a folder that holds it.
 
-Python Software Foundation License notice: the default haystack is derived at run time from
-pydoc_data/topics.py, Copyright (c) 2001 Python Software Foundation; All Rights Reserved.
+``Haystack.kind`` names the source in results: ``pydoc_pinned`` (the pinned prose), ``pydoc`` (the running
+interpreter's prose; neither is the text RULER or gkamradt use), ``txt_dir`` or ``ruler_json``; ``sources``
+maps each file read to its sha256.
+
+Python Software Foundation License notice: the pinned haystack is derived from pydoc_data/topics.py,
+Copyright (c) 2001-2023 Python Software Foundation; All Rights Reserved (keydiff/tasks/data/pydoc_prose.LICENSE.txt).
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ class Haystack:
     text: str
     sources: dict[str, str]
     description: str
-    kind: str = "txt_dir"  # "pydoc", "txt_dir" or "ruler_json"
+    kind: str = "txt_dir"  # "pydoc_pinned", "pydoc", "txt_dir" or "ruler_json"
 
 
 def _sha256_bytes(data: bytes) -> str:
@@ -73,6 +77,24 @@ def prose_paragraphs(text: str) -> list[str]:
             paragraphs.append(" ".join(" ".join(part.split()) for part in block))
         block = []
     return paragraphs
+
+
+PINNED = Path(__file__).resolve().parent / "data" / "pydoc_prose.txt"
+PINNED_NAME = "keydiff/tasks/data/pydoc_prose.txt"
+PINNED_SHA256 = "a92bd30d61cfb0874b98a666bb37dda4c055a6eaaa524331393cc9d9ab03c473"
+HAYSTACK_SOURCES = ("pinned", "interpreter")  # the default haystack: the repository's text, or this Python's
+
+
+def pinned_haystack() -> Haystack:
+    """The repository's prose (pydoc_data/topics.py of CPython 3.11.7, filtered as `pydoc_haystack` does), the
+    same bytes on every Python; refused if its sha256 is not PINNED_SHA256 (the file was changed)."""
+    data = PINNED.read_bytes()
+    digest = _sha256_bytes(data)
+    if digest != PINNED_SHA256:
+        raise RuntimeError(f"{PINNED_NAME} has sha256 {digest}, not the pinned {PINNED_SHA256}: restore it "
+                           "(git checkout) or choose another haystack (task.haystack_dir)")
+    return Haystack(text=data.decode("utf-8"), sources={PINNED_NAME: digest},
+                    description="prose of CPython 3.11.7's pydoc_data/topics.py (pinned)", kind="pydoc_pinned")
 
 
 def pydoc_haystack() -> Haystack:
@@ -135,5 +157,14 @@ def directory_haystack(folder: str | Path) -> Haystack:
     return Haystack(text=text, sources=sources, description=f"{len(files)} .txt files of {root}")
 
 
-def load_haystack(haystack_dir: str | None) -> Haystack:
-    return pydoc_haystack() if haystack_dir is None else directory_haystack(haystack_dir)
+def check_source(source: str) -> None:
+    if source not in HAYSTACK_SOURCES:
+        raise ValueError(f"task.haystack_source={source!r} is not valid; valid: {', '.join(HAYSTACK_SOURCES)}")
+
+
+def load_haystack(haystack_dir: str | None, source: str = "pinned") -> Haystack:
+    """`haystack_dir`'s text when given, else the default haystack of `source` (HAYSTACK_SOURCES)."""
+    if haystack_dir is not None:
+        return directory_haystack(haystack_dir)
+    check_source(source)
+    return pinned_haystack() if source == "pinned" else pydoc_haystack()

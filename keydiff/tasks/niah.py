@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Iterator
 
 from keydiff.tasks.base import GenerationSettings, Prompt, Sample, Task, encode_user_turn, split_encode
-from keydiff.tasks.haystack import Haystack, load_haystack
+from keydiff.tasks.haystack import Haystack, check_source, load_haystack
 
 NEEDLE = "\nThe best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day.\n"
 QUESTION = "What is the best thing to do in San Francisco?"
@@ -128,9 +128,11 @@ class NeedleInAHaystack(Task):
     name: str = "niah"
     context_lengths: list[int] = field(default_factory=paper_context_lengths)
     depths: list[int] = field(default_factory=paper_depths)
-    # Folder of .txt files (sorted, repeated until long enough); None builds the haystack from the prose
-    # of the running interpreter's pydoc_data/topics.py.
+    # Folder of .txt files (sorted, repeated until long enough); None: the default haystack of `haystack_source`,
+    # "pinned" (the repository's prose of CPython 3.11.7's pydoc_data/topics.py, the same on every Python) or
+    # "interpreter" (the running interpreter's pydoc_data/topics.py, which differs between Python builds).
     haystack_dir: str | None = None
+    haystack_source: str = "pinned"
     prompt_style: str = "storybook"
     chat: bool = True
     recall_compat: str = "normalized"
@@ -179,6 +181,7 @@ class NeedleInAHaystack(Task):
             raise ValueError(f"niah.limit must be null or a non-negative integer, got {self.limit!r}")
         if not self.needle.strip() or not self.question.strip() or not normalize_words(self.answer):
             raise ValueError("niah.needle, niah.question and niah.answer must be non-empty")
+        check_source(self.haystack_source)
         if self.haystack_dir is not None:
             from pathlib import Path
 
@@ -199,7 +202,7 @@ class NeedleInAHaystack(Task):
     # ------------------------------------------------------------------ data
     def haystack(self) -> Haystack:
         if self._haystack is None:
-            self._haystack = load_haystack(self.haystack_dir)
+            self._haystack = load_haystack(self.haystack_dir, self.haystack_source)
         return self._haystack
 
     def data_sources(self) -> dict[str, str]:

@@ -160,12 +160,13 @@ def fit_size(measure: Callable[[int], int], target: int, low: int, high: int | N
     return good
 
 
-def load_essay(haystack_dir: str | None) -> tuple[tuple[str, ...], dict[str, str], str]:
+def load_essay(haystack_dir: str | None, source: str = "pinned") -> tuple[tuple[str, ...], dict[str, str], str]:
     """The essay haystack as RULER's niah uses it: its words, its files' hashes (for provenance) and its kind
-    (one loader for every task that builds essay haystacks: ruler, shared_ruler_4k)."""
+    (one loader for every task that builds essay haystacks: ruler, shared_ruler_4k). `source`: the default
+    haystack's (keydiff.tasks.haystack.HAYSTACK_SOURCES), where `haystack_dir` is None."""
     from keydiff.tasks.haystack import load_haystack
 
-    haystack = load_haystack(haystack_dir)
+    haystack = load_haystack(haystack_dir, source)
     return tuple(essay_words(haystack.text)), dict(haystack.sources), haystack.kind
 
 
@@ -190,6 +191,7 @@ class Ruler(Task):
     limit: int | None = None
     seed: int = 42  # RULER's default random_seed
     haystack_dir: str | None = None  # essay haystack: .txt folder or RULER's PaulGrahamEssays.json; None: pydoc prose
+    haystack_source: str = "pinned"  # the pydoc prose: "pinned" (the repository's) or "interpreter" (this Python's)
     data_dir: str | None = None  # folder with squad.json and hotpotqa.json, for qa_1 / qa_2
     chat_template: bool = True
     answer_prefix_style: str = "ruler"  # "ruler": " The special..." after the generation prompt; "kvpress"
@@ -227,9 +229,10 @@ class Ruler(Task):
         if self.answer_prefix_style not in ANSWER_PREFIX_STYLES:
             raise ValueError(f"task.answer_prefix_style={self.answer_prefix_style!r} is not valid; choose one of "
                              f"{list(ANSWER_PREFIX_STYLES)}")
-        if self.haystack_dir is not None:
-            from keydiff.tasks.haystack import RULER_ESSAYS
+        from keydiff.tasks.haystack import RULER_ESSAYS, check_source
 
+        check_source(self.haystack_source)
+        if self.haystack_dir is not None:
             path = Path(self.haystack_dir).expanduser()
             usable = (path.is_file() and path.suffix == ".json") or (
                 path.is_dir() and (any(p.suffix == ".txt" for p in path.iterdir()) or (path / RULER_ESSAYS).is_file()))
@@ -262,11 +265,11 @@ class Ruler(Task):
 
     def _essay_words(self) -> tuple[str, ...]:
         if self._essay is None:
-            self._essay, self._essay_sources, self._essay_kind = load_essay(self.haystack_dir)
+            self._essay, self._essay_sources, self._essay_kind = load_essay(self.haystack_dir, self.haystack_source)
         return self._essay
 
     def haystack_of(self, task: str) -> str:
-        """What fills `task`'s context: the essay haystack's kind (pydoc / txt_dir / ruler_json), RULER's
+        """What fills `task`'s context: the essay haystack's kind (pydoc_pinned / pydoc / txt_dir / ruler_json), RULER's
         noise or needle lines, the word list, coded words, or the QA data (with "fixture" for the project's)."""
         cls, kwargs = SPECS[task]
         if cls is Niah:
@@ -285,7 +288,7 @@ class Ruler(Task):
         """Why scores over `tasks` cannot be set beside published RULER numbers (empty: nothing known)."""
         kinds = {self.haystack_of(t) for t in tasks}
         reasons = []
-        if "essay:pydoc" in kinds:
+        if any(k.startswith("essay:pydoc") for k in kinds):
             reasons.append("essay haystack is pydoc prose, not Paul Graham essays (set task.haystack_dir)")
         if any(k.endswith(":fixture") for k in kinds):
             reasons.append("QA ran on the project's made-up fixture, not SQuAD/HotpotQA")

@@ -97,6 +97,7 @@ class RulerShared(Task):
     type_k: str = "words"
     type_v: str = "numbers"
     haystack_dir: str | None = None  # essay: a folder of .txt essays or RULER's PaulGrahamEssays.json; None: pydoc
+    haystack_source: str = "pinned"  # the pydoc prose: "pinned" (the repository's) or "interpreter" (this Python's)
     chat_template: bool = True
     max_new_tokens: int | None = None  # None: RULER's niah tokens to generate (128)
 
@@ -125,6 +126,9 @@ class RulerShared(Task):
         if self.max_new_tokens is not None and (not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1):
             raise ValueError(f"task.max_new_tokens={self.max_new_tokens!r} is not valid; valid: null (RULER's 128) "
                              "or a positive integer")
+        from keydiff.tasks.haystack import check_source
+
+        check_source(self.haystack_source)
         if self.haystack not in HAYSTACKS:
             raise ValueError(f"task.haystack={self.haystack!r} is not valid; valid: {', '.join(HAYSTACKS)}")
         for key in ("type_k", "type_v"):
@@ -154,7 +158,7 @@ class RulerShared(Task):
     # ------------------------------------------------------------------ data
     def _essay_words(self) -> tuple[str, ...]:
         if self._essay is None:
-            self._essay, self._essay_sources, self._essay_kind = load_essay(self.haystack_dir)
+            self._essay, self._essay_sources, self._essay_kind = load_essay(self.haystack_dir, self.haystack_source)
         return self._essay
 
     def generator(self) -> Niah:
