@@ -23,11 +23,25 @@ named by its entry in summary.json, or removed when it computed no row. It ends 
 
 from __future__ import annotations
 
+import sys
+
+
+def interrupted(kind, value, traceback) -> None:
+    """Ctrl-C while Python imports or Hydra composes (before any handler of ours): one line, not a traceback."""
+    if issubclass(kind, KeyboardInterrupt):
+        print("interrupted (SIGINT) before the run started; nothing was written", file=sys.stderr)
+    else:
+        sys.__excepthook__(kind, value, traceback)
+
+
+if __name__ == "__main__":
+    sys.excepthook = interrupted  # first: the imports below take seconds
+
+# The imports come after the hook above, so that Ctrl-C during them prints one line.
 import contextlib
 import json
 import logging
 import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -151,10 +165,10 @@ def main(cfg: DictConfig) -> float | None:
                         "to resume", stop, stop.progress or "no sample done")
             stop.deliver()
         except KeyboardInterrupt:  # Ctrl-C before the run's own handler was installed (loading torch, the task)
-            drop_unrecorded_hydra_files(run_dir, files)
-            remove_if_empty(run_dir, Path(cfg.results_root))
             log.warning("interrupted (SIGINT) before any sample ran; every row written before is kept: re-run the "
                         "same command to start or resume")
+            drop_unrecorded_hydra_files(run_dir, files)
+            remove_if_empty(run_dir, Path(cfg.results_root))
             sys.exit(130)
     except (ConfigError, ValueError, ConfigMismatchError, RunLockedError, ResultWriteError) as error:
         drop_unrecorded_hydra_files(run_dir, files)

@@ -190,3 +190,32 @@ def test_progress_on_a_terminal_draws_the_bar_and_still_logs_each_sample(caplog,
     assert [r.getMessage() for r in caplog.records] == [
         "sample 1/1 a: exact 1, 10 prompt tokens, TTFT 0.5 s, 3 new tokens"]
     assert "phonebook/keydiff: 100%" in capsys.readouterr().err
+
+
+def test_ctrl_c_before_the_first_sample_is_one_line_exit_130_and_no_directory(tmp_path, monkeypatch, caplog):
+    """Ctrl-C while torch loads or the task is read (before the run's own handler): one line, exit status 130,
+    and the run directory Hydra created is gone again; during the imports, the hook prints one line."""
+    import runpy
+    import sys
+
+    from keydiff.run import runner
+
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runner, "run", interrupt)
+    monkeypatch.setattr(sys, "argv", ["run.py", f"results_root={tmp_path / 'runs'}", "hydra/hydra_logging=none",
+                                      "hydra/job_logging=none"])
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # run.py's hook: undone after the test
+    with caplog.at_level(logging.INFO, logger="keydiff"), pytest.raises(SystemExit) as exited:
+        runpy.run_path(str(Path(run.__file__)), run_name="__main__")
+    assert exited.value.code == 130
+    assert [r.getMessage() for r in caplog.records if "SIGINT" in r.getMessage()] == [
+        "interrupted (SIGINT) before any sample ran; every row written before is kept: re-run the same command to "
+        "start or resume"]
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").rglob("*"))
+
+
+def test_ctrl_c_during_the_imports_prints_one_line(capsys):
+    run.interrupted(KeyboardInterrupt, KeyboardInterrupt(), None)
+    assert capsys.readouterr().err == "interrupted (SIGINT) before the run started; nothing was written\n"

@@ -6,7 +6,8 @@ the move would go on writing this invocation's lines into the moved-aside log. S
 `HeldFileHandler` (conf/hydra/job_logging/keydiff.yaml): it keeps the records it gets until run.py calls
 `release()`, under the run's lock and after any move, and then writes them, and every later one, to run.log.
 A process that ends before releasing (a refused configuration) writes them at exit, unless its run directory
-is gone (removed because the invocation wrote nothing into it). Standard library only.
+is gone (removed because the invocation wrote nothing into it); records after such a removal are dropped
+(the console has them). Standard library only.
 """
 
 from __future__ import annotations
@@ -25,17 +26,18 @@ class HeldFileHandler(logging.FileHandler):
         self.released = False
 
     def emit(self, record: logging.LogRecord) -> None:
-        if self.released:
-            super().emit(record)
-        else:
+        if not self.released:
             self.held.append(record)
+        elif self.stream is not None or os.path.isdir(os.path.dirname(self.baseFilename)):
+            super().emit(record)
+        # else: the run directory was removed (the invocation wrote nothing): the console has the line
 
     def settle(self) -> None:
         """Open the file where it is now and write what was held. (Not `release`: that is Handler's lock.)"""
         self.released = True
         held, self.held = self.held, []
         for record in held:
-            super().emit(record)
+            self.emit(record)
 
     def close(self) -> None:
         if not self.released and self.held and os.path.isdir(os.path.dirname(self.baseFilename)):
