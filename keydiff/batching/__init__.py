@@ -9,6 +9,7 @@ Split the way serving engines split it:
     rows.py       the cache a batched forward pass runs with: each sequence's rows to its own cache
     blocks.py     the block manager: where the stacks of sequences that decode as one group live
     static.py     the step in fixed shapes once every going cache is full (captured as a CUDA graph on a GPU)
+    graphs.py     the CUDA calls a capture makes, bound to the model's device, and their CPU stand-in
 
 Why one cache per sequence. A batch of bounded caches is cheap to decode together (every sequence holds at
 most N + 1 entries per head), but the sequences hold different numbers of entries (a prompt shorter than N,

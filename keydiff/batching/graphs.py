@@ -9,9 +9,15 @@ model's device, begin and end in try/finally, replay) against `StandIn`, which r
     from keydiff.batching.static import stand_in_graphs
     with stand_in_graphs() as cuda:              # CPU models now warm up, capture and replay as on CUDA
         ...                                      # run a Decoder, a prefill, the runner, a benchmark
-    cuda.captures       # one dict per capture: device, stream, pool, bytes allocated, error (if it failed)
+    cuda.captures       # one dict per capture: device, stream, pool, bytes and allocations (shape, dtype) made
+                        # inside it, error ("end" where capture_end failed)
     cuda.streams        # every stream made: (device, id)
+    cuda.replays        # how many replays ran
+    cuda.recorded_streams   # record_stream calls: (tensor, stream id)
     cuda.clean()        # no capture underway, every device back on its default stream, no pool left routed
+
+Under it a Decoder on a CPU also takes the arrangement of a device that replays graphs (keydiff.batching.step:
+every sequence decodes in the arena, a prefill's blocks in the run's slot), so its rows are those CUDA runs.
 
 A stand-in capture does not run the step (a CUDA capture records kernels, it runs none): every operation inside
 it is recorded (a torch dispatch mode) and every write it makes to memory that existed before the capture is
@@ -19,7 +25,8 @@ undone at its end; `replay()` runs the recorded operations again on the same ten
 kernels on the same addresses. Tensors allocated inside a capture are the graph's pool: their bytes are
 counted (an upper bound: the CUDA allocator reuses a block freed within the capture) and, being the pool's
 until replay, hold NaN after it. Reading a value on the host inside a capture, or an operation whose output
-shape depends on values, raises as CUDA does ("operation not permitted when stream is capturing").
+shape depends on values, raises as CUDA does ("operation not permitted when stream is capturing"). A step compiled
+with torch.compile is not captured under the stand-in (torch.compile does not trace under a dispatch mode).
 
 Options: `model_device` / `current_device` name the devices the CPU stands for (a model on "cuda:1" while the
 current device is "cuda:0": a stream made without a device lands on the current one, as torch.cuda's does);
@@ -48,6 +55,7 @@ class CudaCalls:
     """The CUDA calls a capture makes, each bound to the device it is given (torch.cuda's own)."""
 
     name = "cuda"
+    records_compiled = True  # a torch.compile'd step can be captured
 
     def stream(self, device: torch.device) -> Any:
         return torch.cuda.Stream(device=device)
@@ -137,6 +145,7 @@ class StandIn(CudaCalls):
     """Stands in for CUDA on a CPU and records what a capture was asked (see the module)."""
 
     name = "stand-in"
+    records_compiled = False  # torch.compile does not trace under the recording dispatch mode
 
     def __init__(self, model_device: str, current_device: str, fail: str | None, fixed_allocator: bool):
         self.model_device, self.current_device = model_device, current_device
@@ -248,8 +257,7 @@ class StandInGraph:
 
     def capture_end(self) -> None:
         calls, recorder = self.calls, self.recorder
-        if calls.current_stream(None) is not calls.capturing:
-            raise RuntimeError("Capture must end on the same stream it began on.")
+        on_its_stream = calls.current_stream(None) is calls.capturing
         self.recorder = None
         if recorder is not None:
             recorder.__exit__(None, None, None)
@@ -260,6 +268,9 @@ class StandInGraph:
         else:
             self.operations = []
         calls.capturing = None
+        if not on_its_stream:
+            self.operations = None
+            raise RuntimeError("Capture must end on the same stream it began on.")
         if calls.fail == "end":
             self.operations = None
             self.record["error"] = "end"

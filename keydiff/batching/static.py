@@ -299,7 +299,9 @@ class StaticStep:
         # The CUDA calls it captures through (torch.cuda's; on a CPU, the stand-in's where one is active), bound
         # to the model's device, not the current one.
         self.cuda = calls_for(device)
-        self.capture = self.cuda is not None
+        # (a compiled step is captured on CUDA; the CPU stand-in, which records through a dispatch mode that
+        # torch.compile does not trace under, runs it uncaptured)
+        self.capture = self.cuda is not None and (not compiled or self.cuda.records_compiled)
         self.step = torch.compile(self.eager, fullgraph=True, dynamic=False) if compiled else self.eager
 
     def eager(self, ids: torch.Tensor, positions: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
