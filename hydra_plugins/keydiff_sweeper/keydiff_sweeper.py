@@ -238,7 +238,10 @@ class KeydiffSweeper(Sweeper):
                 first += len(batch)
                 returns.append(results)
         finally:  # also when a job failed or the sweep was stopped: what ran, and where
-            print("\n".join(recap(configs, finished)), flush=True)
+            try:
+                print("\n".join(recap(configs, finished)), flush=True)
+            except Exception as error:  # noqa: BLE001  (the recap never hides how the sweep itself ended)
+                print(f"sweep recap: not available ({type(error).__name__}: {error})", flush=True)
         return returns
 
     def _print_dry_run(self, points, configs) -> None:
