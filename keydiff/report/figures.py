@@ -289,7 +289,7 @@ def score_figure(group, position, xlabel: str, out: Path, name: str, key) -> lis
         ax.legend(fontsize=6)
     mark = " (§ subset run: task.limit)" if group["subset"].any() else ""
     if group["nothing_evicted"].any():
-        mark += f"\n{NOTHING_EVICTED} nothing evicted: the budget held every prompt (scores as the full cache)"
+        mark += f"\n{NOTHING_EVICTED} nothing evicted: budget >= every prompt (= the full cache)"
     ax.set_title(f"{experiment} / {task}: {model}, B = {block}{mark}", fontsize=7)
     return save(fig, out / "generic", name)
 
