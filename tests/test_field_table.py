@@ -42,7 +42,7 @@ def test_the_field_table_lists_every_field_a_run_writes(tmp_path, tiny_runner):
     assert {"mean_kept_ratio", "max_kv_cache_allocated_bytes", "max_kv_cache_held_peak_bytes"} <= written["statistics"]
     optional = {"row": {"failure_reason", "error", "context_tokens", "held_tokens", "max_scratch_entries",
                         "decode_batch_size", "decode_s_per_token", "prefill_shared", "context_prefill_s",
-                        "shared_prefill_s", "context_mode"},
+                        "shared_prefill_s", "context_mode", "capture_s"},
                 "summary": {"last_checked_at"}, "statistics": {"max_scratch_entries"}}
     for kind in table:
         assert table[kind] - written[kind] <= optional[kind], f"{kind}: documented, never written: " \
