@@ -413,7 +413,7 @@ def note_lines(rates: Rates) -> list[str]:
         "Extrapolated, not measured: every model is timed as the measured 3B shape scaled by its weight bytes "
         f"({scales}): decoding reads every weight once per step and prefill's FLOPs grow with the parameters. Where "
         "a step is bound by the host (kernel launches: the ordinary step spent 3.7 of its 26.7 ms per token on the "
-        "GPU in issue #30's H200 run), its time grows with the layers, not the bytes, so the 7-8B rows are an upper "
+        "GPU in the measured H200 run), its time grows with the layers, not the bytes, so the 7-8B rows are an upper "
         "bound.",
         f"KeyDiff and its variants, sink and K-norm run {captured}, and {pooled}; TOVA, SnapKV and H2O run "
         f"{captured} alone (prefill, decoding at batch 1) and the ordinary step row by row when batched, full with "
