@@ -5,11 +5,14 @@
     results      the run directory's files: the one predictions reader, append-only rows, atomic summary
     invocations  which invocation computed which rows (summary.json's `invocations`; no torch)
     lock         one writer per run directory
-    preemption   stopping cleanly on SLURM's signals
+    preemption   stopping cleanly on SLURM's signals and Ctrl-C
+    progress     the sample loop's progress: a bar on a terminal, one log line per sample
+    logfile      run.log, opened once the run directory is settled (after overwrite=true's move)
+    eviction     whether a run's budget ever bound (summary.json's `nothing_evicted`)
     tracking     the Weights & Biases mirror of a run
     provenance   the one record of what produced a result (commit, packages, device, command, time)
     memory       the process's own resident peak (VmHWM), for the runner's CPU peak and the benchmarks
-    sweep        a sweep's grid and where each point stands (no torch)
+    sweep        a sweep's grid, where each point stands, and its closing recap (no torch)
     status       `python -m keydiff.run.status EXP`: every grid point of an experiment
     shards       a grid point split into jobs (`shard=i/n`): which samples each takes, its manifest
     shard_merge  complete shards -> the grid point's result, exactly as one unsharded run (by collect)
