@@ -11,8 +11,8 @@ Reads every ``summary.json`` under the runs folder whose task is RULER (keydiff.
 prompt filled less than 95 % of the length (left out of the score; on a task cell and, summed, on avg),
 ``‡`` an average not comparable to published RULER numbers (pydoc haystack instead of the Paul Graham
 essays, the project's QA fixture, or a run that predates this record), and ``(k/13)`` when not all 13
-standard tasks were scored. The ``haystack`` column names the essay haystack (``pydoc``, ``txt_dir``,
-``ruler_json``) and ``qa`` the QA data (``file`` or ``fixture``).
+standard tasks were scored. The ``haystack`` column names the essay haystack (``pydoc_pinned``, the
+repository's pydoc prose; ``pydoc``, the running interpreter's; ``txt_dir``; ``ruler_json``) and ``qa`` the QA data (``file`` or ``fixture``).
 
     python -m keydiff.report.ruler [--runs results/runs] [--out results/tables]
 """
