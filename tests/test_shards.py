@@ -121,6 +121,9 @@ def test_shards_merge_to_exactly_the_unsharded_rows_and_metrics(tmp_path, tiny):
     assert sorted(len(rows_of(Path(p["run_dir"]))) for p in parts) == [1, 2, 2]  # 5 samples, round robin
     point = run_dir_of(cfg_for(tmp_path))
     assert Path(parts[1]["run_dir"]) == point / "shards" / "1of3"
+    first = json.loads((point / "shards" / "1of3" / "summary.json").read_text())
+    first["invocations"][0]["hydra_files"] = ".hydra/20261207-010203-000004"  # as run.py records them
+    (point / "shards" / "1of3" / "summary.json").write_text(json.dumps(first))
     assert [o.state for o in merge_all(tmp_path / "runs")] == [MERGED]
 
     merged_rows, whole_rows = rows_of(point), rows_of(Path(whole["run_dir"]))
@@ -140,6 +143,7 @@ def test_shards_merge_to_exactly_the_unsharded_rows_and_metrics(tmp_path, tiny):
     entries = merged["invocations"]
     assert [e["shard"] for e in entries] == ["1/3", "2/3", "3/3"] and [e["rows"] for e in entries] == [2, 2, 1]
     assert [e["id"] for e in entries] == [p["invocations"][0]["id"] for p in (parts[1], parts[2], parts[0])]
+    assert [e.get("hydra_files") for e in entries] == ["shards/1of3/.hydra/20261207-010203-000004", None, None]
     assert {r["invocation"] for r in merged_rows} == {e["id"] for e in entries}
     assert merged["samples_wall_s"] == pytest.approx(sum(e["samples_wall_s"] for e in entries))
     assert merged["batch_size"] == 1 and merged["threads"] == parts[0]["threads"]

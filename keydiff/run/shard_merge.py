@@ -199,7 +199,10 @@ def write_merge(point: Path, states: list[ShardState], rows: list[dict[str, Any]
     taken["code"] = {key: value for key, value in (first.get("code") or {}).items() if key != "row_commits"}
     # Every shard's invocations, each counting the rows it computed among the merged ones (a retried failure's
     # earlier row stays in its shard's file): the rows' "invocation" ids still name them.
-    entries = [{**entry, "shard": state.shard.spec}
+    # A shard invocation's Hydra files (run.py's `hydra_files`) are named from the grid point, where they now sit.
+    entries = [{**entry, "shard": state.shard.spec,
+                **({"hydra_files": f"{state.path.relative_to(point).as_posix()}/{entry['hydra_files']}"}
+                   if entry.get("hydra_files") else {})}
                for state, summary in zip(states, summaries)
                for entry in invocations.history(summary, list(state.rows.values()))]
     return runner.write_summary(cfg, plan, samples, store, taken, first.get("model"), entries, data=first.get("data"))
