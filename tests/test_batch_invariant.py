@@ -131,6 +131,18 @@ def test_the_mode_replaces_the_operators_and_only_while_it_is_on(kernels):
     assert batch_invariant.calls == after
 
 
+def test_a_half_precision_norm_in_float32_gives_the_bits_of_widening_first(kernels):
+    """vector_norm(x, dtype=float32) of bf16 x (KeyDiff's inverse key norms, K-norm): the row-sum kernel widens as it
+    reads, the same bits as widening first, with no float32 copy of x."""
+    torch.manual_seed(4)
+    x = torch.randn(12, 3, 40).to(torch.bfloat16)
+    with batch_invariant.mode("CPU"):
+        for order in (2, 1):
+            got = torch.linalg.vector_norm(x, order, dim=-1, dtype=torch.float32)
+            assert got.dtype == torch.float32
+            assert torch.equal(got, torch.linalg.vector_norm(x.float(), order, dim=-1)), order
+
+
 def test_the_attention_functions_route_to_the_invariant_kernel(kernels):
     """A forward of the tiny model with keydiff's attention functions under the mode: every matmul, mean and attention
     through the invariant kernels, logits close to the plain forward's."""

@@ -178,11 +178,15 @@ def _mean(x: torch.Tensor, dim: Any, keepdim: bool = False, *, dtype: torch.dtyp
 def _vector_norm(x: torch.Tensor, ord: Any = 2, dim: Any = None, keepdim: bool = False, *,
                  dtype: torch.dtype | None = None) -> torch.Tensor:
     calls["linalg_vector_norm"] += 1
-    if dtype is not None:
+    order = float(ord)
+    # Half precision summed in float32: the row-sum kernel widens each element as it reads it (exactly what a cast
+    # first gives), so no float32 copy of x is made (a CUDA graph's pool would keep it).
+    widened = dtype == torch.float32 and x.dtype in (torch.float16, torch.bfloat16) and order in (1.0, 2.0)
+    if dtype is not None and not widened:
         x = x.to(dtype)
     if not x.dtype.is_floating_point:
         raise NotImplementedError(f"the batch-invariant vector norm takes real floating tensors, got {x.dtype}")
-    order = float(ord)
+    out_dtype = dtype or x.dtype
     flat, kept, dims = _rows(x, dim)
     if order == 2:
         norms = kernels().row_sums(flat, square=True).sqrt()
@@ -194,7 +198,7 @@ def _vector_norm(x: torch.Tensor, ord: Any = 2, dim: Any = None, keepdim: bool =
         norms = kernels().row_sums((flat != 0).to(flat.dtype))
     else:
         norms = kernels().row_sums(flat.abs().pow(order)).pow(1.0 / order)
-    return _shaped(norms.to(x.dtype), x, kept, dims, keepdim)
+    return _shaped(norms.to(out_dtype), x, kept, dims, keepdim)
 
 
 IMPLEMENTATIONS = {"mm": _mm, "addmm": _addmm, "bmm": _bmm, "mean.dim": _mean, "sum.dim_IntList": _sum,
