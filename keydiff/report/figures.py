@@ -83,15 +83,25 @@ def _stable_index(name: str, size: int) -> int:
     return int(hashlib.sha256(str(name).encode()).hexdigest(), 16) % size
 
 
+def base_label(policy: str) -> str:
+    """The policy label without the setting a table adds to it ("keydiff [max_new_tokens=20]" -> "keydiff")."""
+    return str(policy).split(" [", 1)[0]
+
+
 def policy_color(policy: str) -> str:
-    """The colour of a policy label, the same in every figure (not the order in which policies appear)."""
-    return POLICY_COLORS.get(str(policy)) or SPARE_COLORS[_stable_index(policy, len(SPARE_COLORS))]
+    """The colour of a policy label, the same in every figure (not the order in which policies appear), also
+    where the label carries a generation setting (keydiff.report.generic.label_generation)."""
+    policy = base_label(policy)
+    return POLICY_COLORS.get(policy) or SPARE_COLORS[_stable_index(policy, len(SPARE_COLORS))]
 
 
 def style(policy: str) -> dict:
-    """Colour, marker and line style of a policy's series: keyed by its label, so the same in every figure."""
-    known = list(POLICY_COLORS)
-    i = known.index(policy) if policy in known else _stable_index(policy, len(MARKERS) * len(LINESTYLES))
+    """Colour, marker and line style of a policy's series: keyed by its label, so the same in every figure; the
+    settings of one policy (its label with " [max_new_tokens=...]") share its colour and differ in marker and dash."""
+    known, base = list(POLICY_COLORS), base_label(policy)
+    i = known.index(base) if base in known else _stable_index(base, len(MARKERS) * len(LINESTYLES))
+    if policy != base:
+        i += 1 + _stable_index(policy, len(MARKERS) * len(LINESTYLES) - 1)
     return {"color": policy_color(policy), "marker": MARKERS[i % len(MARKERS)],
             "linestyle": LINESTYLES[i % len(LINESTYLES)]}
 
