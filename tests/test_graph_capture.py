@@ -179,6 +179,25 @@ def test_a_stand_in_capture_refuses_a_host_read_as_cuda_does(model):
         assert x.tolist() == [2, 2, 2] and cuda.clean()
 
 
+@pytest.mark.parametrize("read", ["item", "tolist", "numpy", "cpu", "bool"])
+def test_every_host_read_is_refused_inside_a_stand_in_capture(read):
+    """A CPU tensor serves tolist, numpy and cpu without reaching the dispatcher; on CUDA each is a copy to the host
+    that a capture refuses, so the stand-in refuses them too (else a step reading one passes on a CPU, then fails to
+    capture on the first GPU)."""
+    from keydiff.batching import graphs
+
+    x = torch.arange(4.0)
+    with stand_in_graphs() as cuda:
+        graph = cuda.graph()
+        with cuda.use(cuda.stream(torch.device("cpu"))):
+            graph.capture_begin(pool=cuda.pool())
+            with pytest.raises(RuntimeError, match=graphs.CAPTURING):
+                bool(x[1]) if read == "bool" else x[1].item() if read == "item" else getattr(x, read)()
+            graph.capture_end()
+        assert cuda.clean()
+    assert x.tolist() == [0.0, 1.0, 2.0, 3.0] and x.cpu() is x  # outside a capture: read as usual
+
+
 def test_the_stand_in_options_are_checked():
     with pytest.raises(ValueError, match="valid: None, 'end', 'inside'"):
         with stand_in_graphs(fail="begin"):

@@ -24,8 +24,8 @@ it is recorded (a torch dispatch mode) and every write it makes to memory that e
 undone at its end; `replay()` runs the recorded operations again on the same tensors, as a graph replays its
 kernels on the same addresses. Tensors allocated inside a capture are the graph's pool: their bytes are
 counted (an upper bound: the CUDA allocator reuses a block freed within the capture) and, being the pool's
-until replay, hold NaN after it. Reading a value on the host inside a capture, or an operation whose output
-shape depends on values, raises as CUDA does ("operation not permitted when stream is capturing"). A step compiled
+until replay, hold NaN after it. Reading a value on the host inside a capture (item, bool, tolist, numpy, cpu),
+or an operation whose output shape depends on values, raises as CUDA does ("operation not permitted when stream is capturing"). A step compiled
 with torch.compile is not captured under the stand-in (torch.compile does not trace under a dispatch mode).
 
 Options: `model_device` / `current_device` name the devices the CPU stands for (a model on "cuda:1" while the
@@ -46,6 +46,7 @@ from typing import Any, Iterator
 
 import torch
 from torch.utils import _pytree
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 CAPTURING = "operation not permitted when stream is capturing"
@@ -320,9 +321,22 @@ def _written(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     return written
 
 
+class _HostReads(TorchFunctionMode):
+    """Refuses, inside a stand-in capture, the host reads a CPU tensor serves without reaching the dispatcher:
+    `tolist`, `numpy` and `cpu` (on CUDA a copy to the host and a synchronisation, which a capture refuses)."""
+
+    REFUSED = ("tolist", "numpy", "cpu", "__array__")
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if any(func is getattr(torch.Tensor, name) for name in self.REFUSED):
+            raise RuntimeError(f"{CAPTURING} (stand-in: Tensor.{func.__name__})")
+        return func(*args, **(kwargs or {}))
+
+
 class _Recorder(TorchDispatchMode):
     """Runs and records every operation of a stand-in capture; keeps the first contents of each storage it writes
-    that existed before the capture, to restore them at the end (`undo`)."""
+    that existed before the capture, to restore them at the end (`undo`). Host reads that never reach the
+    dispatcher are refused beside it (`_HostReads`)."""
 
     def __init__(self, fail_inside: bool):
         super().__init__()
@@ -332,6 +346,17 @@ class _Recorder(TorchDispatchMode):
         self.saved: dict[int, tuple[Any, Any]] = {}
         self.bytes = 0
         self.allocations: list[tuple[tuple[int, ...], torch.dtype]] = []
+
+    def __enter__(self):
+        self.host_reads = _HostReads()
+        self.host_reads.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self.host_reads.__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
