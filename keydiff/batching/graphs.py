@@ -25,8 +25,9 @@ undone at its end; `replay()` runs the recorded operations again on the same ten
 kernels on the same addresses. Tensors allocated inside a capture are the graph's pool: their bytes are
 counted (an upper bound: the CUDA allocator reuses a block freed within the capture) and, being the pool's
 until replay, hold NaN after it. Reading a value on the host inside a capture (item, bool, tolist, numpy, cpu),
-or an operation whose output shape depends on values, raises as CUDA does ("operation not permitted when stream is capturing"). A step compiled
-with torch.compile is not captured under the stand-in (torch.compile does not trace under a dispatch mode).
+or an operation whose output shape depends on values, raises as CUDA does ("operation not permitted when stream
+is capturing"). A step compiled with torch.compile is not captured under the stand-in (torch.compile does not
+trace under a dispatch mode).
 
 Options: `model_device` / `current_device` name the devices the CPU stands for (a model on "cuda:1" while the
 current device is "cuda:0": a stream made without a device lands on the current one, as torch.cuda's does);
