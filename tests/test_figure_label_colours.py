@@ -1,6 +1,6 @@
 """A policy keeps its colour in every figure even where its label carries a setting: where a figure mixes runs of
 different task.max_new_tokens, each line is labelled "keydiff [max_new_tokens=20]" (keydiff.report.generic), and
-that line is still KeyDiff's colour; the two settings of one policy differ by marker and dash."""
+that line is still KeyDiff's colour and name; the two settings of one policy differ by marker and dash."""
 
 from __future__ import annotations
 
@@ -28,3 +28,7 @@ def test_a_policy_labelled_with_its_generation_setting_keeps_its_colour(tmp_path
     assert {line.get_color() for line in keydiff} == {make_figures.policy_color("keydiff")}
     assert h2o[0].get_color() == make_figures.policy_color("h2o")
     assert keydiff[0].get_marker() != keydiff[1].get_marker() or keydiff[0].get_linestyle() != keydiff[1].get_linestyle()
+    # and its printed name, as in every other figure
+    legend = plotted[f"adhoc__niah_small__{SMOL}__bs128"]
+    assert sum(t.startswith("KeyDiff [max_new_tokens=") for t in legend) == 2, legend
+    assert sum(t.startswith("H2O [max_new_tokens=50]") for t in legend) == 1, legend

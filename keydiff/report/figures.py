@@ -45,7 +45,8 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from keydiff.paper import registry  # noqa: E402
-from keydiff.paper.registry import FIGURES, LONGBENCH, display_name  # noqa: E402
+from keydiff.paper.registry import FIGURES, LONGBENCH  # noqa: E402
+from keydiff.paper.registry import display_name as registry_name  # noqa: E402
 from keydiff.report import generic  # noqa: E402
 from keydiff.report import leaderboard as board  # noqa: E402
 from keydiff.report import protocol as protocols  # noqa: E402
@@ -86,6 +87,12 @@ def _stable_index(name: str, size: int) -> int:
 def base_label(policy: str) -> str:
     """The policy label without the setting a table adds to it ("keydiff [max_new_tokens=20]" -> "keydiff")."""
     return str(policy).split(" [", 1)[0]
+
+
+def display_name(policy: str) -> str:
+    """The printed name of a policy label ("keydiff" -> "KeyDiff"), the setting a table adds to it kept after it."""
+    base = base_label(policy)
+    return registry_name(base) + str(policy)[len(base):]
 
 
 def policy_color(policy: str) -> str:
