@@ -90,6 +90,29 @@ def test_a_run_shares_one_capture_stream_and_one_pool_between_its_graphs(model):
     assert decoder.graphs.pool_bytes == sum(capture["bytes"] for capture in cuda.captures) > 0
 
 
+def test_a_run_whose_graphs_were_all_released_captures_into_a_new_pool(model):
+    """After Decoder.reset() (a sample out of memory) or a back-off, every graph of the run's pool is released. CUDA's
+    allocator may still hold that pool, with no user (until an empty_cache finds all of its blocks free, which a
+    cuBLAS workspace made inside a capture prevents), and a capture that names it then fails an internal assert: the
+    run would stop capturing for good. The next capture goes into a new pool; while a graph lives, its pool is
+    shared."""
+    import gc
+
+    with stand_in_graphs() as cuda:
+        decoder = Decoder(model, 1)
+        for ids in prompts((90, 130)):
+            generate(model, prefill(model, ids, "keydiff", BUDGET, BLOCK, decoder=decoder), 8, decoder=decoder)
+        before = len(cuda.captures)
+        decoder.reset()
+        gc.collect()
+        for ids in prompts((130, 90)):
+            generate(model, prefill(model, ids, "keydiff", BUDGET, BLOCK, decoder=decoder), 8, decoder=decoder)
+    record = decoder.graphs.record()
+    assert before == 2 and record["failed"] == 0 and record["captured"] == 4 and not record["stopped"], record
+    pools = [capture["pool"] for capture in cuda.captures]
+    assert pools[0] == pools[1] != pools[2] == pools[3], pools
+
+
 @pytest.mark.parametrize("fail", ["end", "inside"])
 @pytest.mark.parametrize("name", ["keydiff", "h2o"])
 def test_a_failed_capture_stops_the_runs_capturing_applies_each_write_once_and_leaves_the_process_clean(

@@ -14,6 +14,8 @@ model's device, begin and end in try/finally, replay) against `StandIn`, which r
     cuda.streams        # every stream made: (device, id)
     cuda.replays        # how many replays ran
     cuda.recorded_streams   # record_stream calls: (tensor, stream id)
+    cuda.pool_users     # graphs alive per pool; a capture into a pool whose graphs were all released fails, as
+                        # CUDA's allocator may fail it (an internal assert) while it still holds that pool
     cuda.clean()        # no capture underway, every device back on its default stream, no pool left routed
 
 Under it a Decoder on a CPU also takes the arrangement of a device that replays graphs (keydiff.batching.step:
@@ -161,6 +163,9 @@ class StandIn(CudaCalls):
         self.recorded_streams: list[tuple[torch.Tensor, int]] = []  # record_stream calls: (tensor, stream id)
         self.replays = 0
         self.synchronized: list[str] = []
+        # graphs alive per pool given to a capture (the allocator's use count: a failed capture never gives its
+        # use back, as CUDA's does not)
+        self.pool_users: dict[Any, int] = {}
 
     def device_name(self, device: torch.device | str | None) -> str:
         """The CUDA device a CPU device stands for: the model's (None: the current device)."""
@@ -246,6 +251,11 @@ class StandInGraph:
         stream = calls.current_stream(None)  # as CUDA: the current device's current stream
         if stream.default:
             raise RuntimeError("CUDA graphs must be captured on a non-default stream")
+        if pool is not None:  # CUDA's allocator shares a pool with live graphs only (create_or_incref_pool)
+            if calls.pool_users.get(pool, 1) == 0:
+                raise RuntimeError("INTERNAL ASSERT FAILED: use_count > 0 (stand-in: every graph of this pool was "
+                                   "released; the allocator may still hold the pool, and shares it with no capture)")
+            calls.pool_users[pool] = calls.pool_users.get(pool, 0) + 1
         self.record = {"device": stream.device, "stream": stream.id, "pool": pool, "bytes": 0, "allocations": [],
                        "error": None}
         calls.captures.append(self.record)
@@ -280,6 +290,12 @@ class StandInGraph:
                 calls.routed.remove(self.record["pool"])
             raise RuntimeError("CUDA error: operation failed due to a previous error during capture (stand-in)")
         calls.routed.remove(self.record["pool"])
+
+    def __del__(self) -> None:
+        # a captured graph gives its pool's use back when it is released (CUDAGraph::reset); a failed one does not
+        pool = None if self.record is None else self.record["pool"]
+        if self.operations is not None and pool is not None and pool in self.calls.pool_users:
+            self.calls.pool_users[pool] -= 1
 
     def replay(self) -> None:
         if self.operations is None:

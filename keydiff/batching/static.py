@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -238,7 +239,8 @@ class Graphs:
     capture should meet. capture_s: seconds spent making the graphs, apart from any timing of the steps: each
     graph's warm-up (the eager first call on a side stream, `warm_up_s` of it) and capture. pool_bytes: what the
     captures added to the graph pool (CUDA: reserved memory grown across each capture; the CPU stand-in: the bytes
-    its captures allocated). Every graph of the run shares one pool and one capture stream per device (`stream`)."""
+    its captures allocated). Every graph of the run shares one capture stream per device and one pool, made anew
+    once all of its graphs were released (`stream_and_pool`)."""
 
     captured: int = 0
     failed: int = 0
@@ -248,6 +250,7 @@ class Graphs:
     warm_up_s: float = 0.0
     pool_bytes: int = 0
     _resources: dict = field(default_factory=dict, repr=False, compare=False)
+    _alive: dict = field(default_factory=dict, repr=False, compare=False)  # the graphs in each pool (weakly)
 
     def fail(self, reason: str) -> None:
         self.failed += 1
@@ -259,11 +262,19 @@ class Graphs:
             self.reasons.append(reason)
 
     def stream_and_pool(self, calls: CudaCalls, device: torch.device) -> tuple[Any, Any]:
-        """The run's capture stream and graph pool on `device` (made on it, once)."""
+        """The run's capture stream and graph pool on `device` (made on it: the stream once, the pool again once
+        every graph captured into it was released, after a back-off or Decoder.reset(): CUDA's allocator may still
+        hold a pool with no graph left, and fails an internal assert when a capture names it)."""
         key = (calls.name, str(device))
         if key not in self._resources:
             self._resources[key] = (calls.stream(device), calls.pool(device))
+        elif not self._alive.get(key):
+            self._resources[key] = (self._resources[key][0], calls.pool(device))
         return self._resources[key]
+
+    def captured_into(self, calls: CudaCalls, device: torch.device, graph: Any) -> None:
+        """Count `graph` among the live graphs of the run's pool on `device` (until it is released)."""
+        self._alive.setdefault((calls.name, str(device)), weakref.WeakSet()).add(graph)
 
     def record(self) -> dict[str, Any]:
         return {"captured": self.captured, "failed": self.failed, "reasons": list(self.reasons),
@@ -445,4 +456,5 @@ class StaticStep:
         self.graphs.pool_bytes += max(0, calls.reserved(device) - before)
         self.graph, self.logits = graph, logits
         self.graphs.captured += 1
+        self.graphs.captured_into(calls, device, graph)
         return True
