@@ -27,7 +27,8 @@ def test_a_policy_labelled_with_its_generation_setting_keeps_its_colour(tmp_path
     assert len(keydiff) == 2 and len(h2o) == 1, list(lines)
     assert {line.get_color() for line in keydiff} == {make_figures.policy_color("keydiff")}
     assert h2o[0].get_color() == make_figures.policy_color("h2o")
-    assert keydiff[0].get_marker() != keydiff[1].get_marker() or keydiff[0].get_linestyle() != keydiff[1].get_linestyle()
+    first, second = keydiff
+    assert first.get_marker() != second.get_marker() or first.get_linestyle() != second.get_linestyle()
     # and its printed name, as in every other figure
     legend = plotted[f"adhoc__niah_small__{SMOL}__bs128"]
     assert sum(t.startswith("KeyDiff [max_new_tokens=") for t in legend) == 2, legend

@@ -128,8 +128,8 @@ class ResultStore:
                 raise ConfigMismatchError(
                     f"{self.dir} holds results of a different configuration:\n  " + "\n  ".join(differences)
                     + "\nUse another experiment_name / policy.label, or overwrite=true to move the old run aside."
-                    + ("\nA run written before the pinned haystack read this Python's: task.haystack_source=interpreter "
-                       "resumes it." if any(d.startswith("task.haystack_source: '<missing>'") for d in differences)
+                    + ("\nA run written before the pinned haystack read this Python's: "
+                       "task.haystack_source=interpreter resumes it." if any(d.startswith("task.haystack_source: '<missing>'") for d in differences)
                        else "")
                 )
             self._check_limit(previous, run_config)
