@@ -147,10 +147,13 @@ def test_the_warm_ups_logits_are_marked_used_on_the_stream_that_reads_them(model
     assert sorted(tuple(t.shape) for t, _ in cuda.recorded_streams) == [(1, 256), (1, 256)]
 
 
-def test_a_capture_of_a_half_precision_cache_holds_no_float32_copy_of_every_key():
+def test_a_capture_of_a_half_precision_cache_holds_no_float32_copy_of_every_key(monkeypatch):
     """KeyDiff and K-norm score half-precision keys in float32. A float32 copy of every key made inside the
     capture stays in the graph's pool (about twice the half-precision keys): the capture's allocations hold none
-    as large as half of them."""
+    as large as half of them. The tiny cache stands for a large one: slices of at most 1 KiB of float32 keys."""
+    import keydiff.policies.keydiff as keydiff_policy
+
+    monkeypatch.setattr(keydiff_policy, "FLOAT_SLICE_BYTES", 1 << 10)
     model = tiny_llama("sdpa", dtype=torch.bfloat16)
     config = model.config
     head_dim = config.hidden_size // config.num_attention_heads
@@ -165,7 +168,28 @@ def test_a_capture_of_a_half_precision_cache_holds_no_float32_copy_of_every_key(
         assert not wide, (name, wide)
 
 
-def test_half_precision_keys_are_scored_in_float32_slices_as_a_whole_copy_would_score_them():
+def test_half_precision_keys_are_sliced_only_where_their_float32_copy_is_large():
+    """One score (a few kernels) while the float32 copy of the keys fits FLOAT_SLICE_BYTES; beyond it, slices
+    that each fit, up to FLOAT_SLICES of at least two (row, head) pairs."""
+    from keydiff.policies.keydiff import FLOAT_SLICE_BYTES, FLOAT_SLICES, float_slices
+
+    def keys(rows, n=1025, heads=8, dim=128):  # Llama-3.2-3B's KV heads and head size, N = 1,024 plus one
+        return torch.empty(rows, heads, n, dim, dtype=torch.bfloat16, device="meta")
+
+    assert float_slices(keys(28)) == 2  # batch 1, 28 layers: 118 MB of float32 keys
+    assert float_slices(keys(4)) == 1  # 17 MB
+    wide = keys(16 * 28)  # batch 16: 1.9 GB
+    assert float_slices(wide) == FLOAT_SLICES
+    assert float_slices(keys(1, heads=2)) == 1  # one pair of two: never split
+    for rows in (28, 64, 100):
+        count = float_slices(keys(rows))
+        assert count == FLOAT_SLICES or keys(rows).numel() * 4 / count <= FLOAT_SLICE_BYTES * (1 + 1 / rows)
+
+
+def test_half_precision_keys_are_scored_in_float32_slices_as_a_whole_copy_would_score_them(monkeypatch):
+    import keydiff.policies.keydiff as keydiff_policy
+
+    monkeypatch.setattr(keydiff_policy, "FLOAT_SLICE_BYTES", 1 << 10)  # the tiny keys in slices, as a large cache's
     generator = torch.Generator().manual_seed(0)
     keys = torch.randn(6, 2, 41, 16, generator=generator).to(torch.bfloat16)
     inv = inverse_key_norms(keys)

@@ -379,6 +379,14 @@ def layer_by_layer(policy: Policy) -> Policy:
     return unstacked(**{f.name: getattr(policy, f.name) for f in fields(policy) if f.init})
 
 
+def float32_norms(keys: torch.Tensor) -> torch.Tensor:
+    """||k|| per entry [..., n] in float32. Half precision is widened by the reduction as it reads (no float32 copy
+    of every key, which a CUDA graph's pool would keep); other dtypes are cast to float32 first, as scores are."""
+    if keys.dtype in (torch.float16, torch.bfloat16):
+        return torch.linalg.vector_norm(keys, dim=-1, dtype=torch.float32)
+    return torch.linalg.vector_norm(keys.float(), dim=-1)
+
+
 def score_then_position(scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """One int64 key per entry ordered by float32 score, then by position: unique, so top-k has no ties.
 

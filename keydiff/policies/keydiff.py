@@ -14,7 +14,7 @@ from typing import Callable, ClassVar
 import torch
 import torch.nn.functional as F
 
-from keydiff.policies.base import LayerView, Policy, PoolView
+from keydiff.policies.base import LayerView, Policy, PoolView, float32_norms
 
 ANCHORS = ("normalized_mean", "mean", "median")
 METRICS = ("cosine", "dot", "euclidean")
@@ -39,23 +39,35 @@ def keydiff_anchor(keys: torch.Tensor, anchor: str) -> torch.Tensor:
 def inverse_key_norms(keys: torch.Tensor) -> torch.Tensor:
     """1 / max(||k||, 1e-8) per entry [batch, kv_heads, n], in float32 (accumulated in float32 without a float32
     copy of the keys on a GPU, whose reduction kernels widen half precision as they read it)."""
-    return torch.linalg.vector_norm(keys, dim=-1, dtype=torch.float32).clamp_min(1e-8).reciprocal()
+    return float32_norms(keys).clamp_min(1e-8).reciprocal()
 
 
-# Half-precision keys are scored in float32 this many slices of (row, KV head) pairs at a time (`in_float32`).
+# Half-precision keys are scored in float32 in slices of (row, KV head) pairs whose float32 copy stays under
+# FLOAT_SLICE_BYTES, at most FLOAT_SLICES of them (`in_float32`): a whole copy bounded, few kernels per score.
+FLOAT_SLICE_BYTES = 64 << 20
 FLOAT_SLICES = 16
+
+
+def float_slices(keys: torch.Tensor) -> int:
+    """How many slices `in_float32` scores half-precision `keys` [batch, kv_heads, n, d] in: 1 while their float32
+    copy fits FLOAT_SLICE_BYTES (one score, no slicing), else enough for each slice's copy to fit, up to FLOAT_SLICES
+    and at least two (row, head) pairs a slice (a batch of one is folded to a plain matrix product, summed in another
+    order than a batch's)."""
+    pairs = keys.shape[0] * keys.shape[1]
+    wanted = -(-keys.numel() * 4 // FLOAT_SLICE_BYTES)
+    return max(1, min(wanted, FLOAT_SLICES, pairs // 2))
 
 
 def in_float32(score: Callable[..., torch.Tensor], keys: torch.Tensor, *per_entry: torch.Tensor | None) -> torch.Tensor:
     """score(keys, *per_entry) [batch, kv_heads, n] with the keys in float32: float32 keys as they are; half
-    precision widened one slice of (row, head) pairs at a time (up to FLOAT_SLICES slices of at least two pairs), so
-    that no float32 copy of every key exists at once. A copy of all of them would be about twice the half-precision keys, and a CUDA graph
-    of the step keeps its largest transient in its memory pool for as long as the graph lives. `score` must score
-    each (row, head) from its own entries alone (every KeyDiff score does), so the slices give what the whole
-    would, in the same float32 arithmetic. per_entry: tensors [batch, kv_heads, n] (or None) sliced alike."""
+    precision widened one slice of (row, head) pairs at a time (`float_slices`), so that no float32 copy of every
+    key of a large cache exists at once: a CUDA graph of the step keeps its largest transient in its memory pool for
+    as long as the graph lives. `score` must score each (row, head) from its own entries alone (every KeyDiff score
+    does), so the slices give what the whole would, in the same float32 arithmetic. per_entry: tensors [batch,
+    kv_heads, n] (or None) sliced alike."""
     batch, heads = keys.shape[:2]
-    slices = min(FLOAT_SLICES, batch * heads // 2)  # at least two pairs a slice: a batch of one is folded to a
-    if keys.dtype == torch.float32 or slices < 2:  # plain matrix product, summed in another order than a batch's
+    slices = 1 if keys.dtype not in (torch.float16, torch.bfloat16) else float_slices(keys)
+    if slices < 2:
         return score(keys.float(), *per_entry)
     # flatten: a view (a cache's keys are a slice of the entries of whole (row, head) planes)
     split = [keys.flatten(0, 1).tensor_split(slices)] + [

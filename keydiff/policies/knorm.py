@@ -18,7 +18,7 @@ from typing import ClassVar
 
 import torch
 
-from keydiff.policies.base import LayerView, Policy
+from keydiff.policies.base import LayerView, Policy, float32_norms
 
 
 @dataclass
@@ -34,5 +34,4 @@ class KNorm(Policy):
         return layer_idx not in self.skip_layers
 
     def score(self, layer: LayerView) -> torch.Tensor:
-        # accumulated in float32 without a float32 copy of the keys on a GPU (its reduction kernels widen as they read)
-        return -torch.linalg.vector_norm(layer.keys, dim=-1, dtype=torch.float32)
+        return -float32_norms(layer.keys)
