@@ -195,3 +195,14 @@ def test_gpu_bench_refuses_a_machine_without_cuda_unless_quick(capsys):
     with pytest.raises(SystemExit):
         gpu_bench.main([])
     assert "no CUDA device here" in capsys.readouterr().err
+
+
+def test_a_failed_capture_is_said_and_fails_the_run(tmp_path, capsys):
+    """A capture that fails leaves its steps eager: the same tokens, other timings. The run says so under its table
+    and exits 1, so that no fixed-step timing is read as a replayed graph's."""
+    out = tmp_path / "bench.json"
+    code = gpu_bench.main(["--quick", "--rows", "decode", "--json", str(out)], capture_fail="end")
+    printed = capsys.readouterr().out
+    rows = json.loads(out.read_text())["rows"]
+    assert code == 1 and "capture failed, its steps ran eagerly" in printed
+    assert any(r.get("capture_failures") for r in rows) and not any("error" in r for r in rows)

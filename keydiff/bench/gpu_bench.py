@@ -115,15 +115,15 @@ def identity(row: dict) -> dict:
     return {k: row[k] for k in IDENTITY if k in row}
 
 
-def cpu_stand_ins(device: str):
+def cpu_stand_ins(device: str, fail: str | None = None):
     """On a CPU, keydiff.batching.static's stand-in for CUDA graph capture (the steps capture and replay there as
-    on CUDA, so --quick runs the lines a GPU runs); nothing on CUDA, or where the stand-in does not exist."""
+    on CUDA, so --quick runs the lines a GPU runs; `fail`: its captures fail so, as the tests ask); nothing on
+    CUDA."""
     if device == "cuda":
         return contextlib.nullcontext()
-    from keydiff.batching import static
+    from keydiff.batching.static import stand_in_graphs
 
-    stand_in = getattr(static, "stand_in_graphs", None)
-    return stand_in() if stand_in is not None else contextlib.nullcontext()
+    return stand_in_graphs(fail=fail)
 
 
 def timed(device: str, fn) -> tuple[float, object]:
@@ -481,8 +481,11 @@ def run_group(group: str, planned: list[dict], make_rows: Callable[[], Iterator[
         log.add({"row": group, "case": "release_memory", "group": group, "error": CLEANUP_ERRORS.pop(0)})
 
 
-def main(argv: list[str] | None = None, on_row: Callable[[dict], None] | None = None) -> int:
-    """on_row: see `run_group` (tests only)."""
+def main(argv: list[str] | None = None, on_row: Callable[[dict], None] | None = None,
+         capture_fail: str | None = None) -> int:
+    """on_row: see `run_group`; capture_fail: the CPU stand-in's captures fail so ("end", "inside"). Tests only.
+    Exit status 1 where a row failed or a capture failed (its steps then ran eagerly: timings not of replayed
+    graphs)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny sizes (any device): the code paths, not numbers")
     parser.add_argument("--json", default=None, help="write the rows and their provenance here, after every row")
@@ -516,11 +519,14 @@ def main(argv: list[str] | None = None, on_row: Callable[[dict], None] | None = 
                 log.add({**row, "error": f"skipped: {late()}", "skipped": True})
             continue
         print(f"{group} ... ({time.perf_counter() - begin:.0f} s so far)", file=sys.stderr, flush=True)
-        with torch.inference_mode(), cpu_stand_ins(device):
+        with torch.inference_mode(), cpu_stand_ins(device, capture_fail):
             run_group(group, rows, lambda: ROWS[group](model, sizes, device), log, on_row, late)
     log.write()
     print_rows(log.rows)
-    return 1 if any("error" in r for r in log.rows) else 0
+    failed = sorted({reason for row in log.rows for reason in row.get("capture_failures") or ()})
+    for reason in failed:
+        print(f"capture failed, its steps ran eagerly (those rows time no replayed graph): {reason}", flush=True)
+    return 1 if failed or any("error" in r for r in log.rows) else 0
 
 
 if __name__ == "__main__":
