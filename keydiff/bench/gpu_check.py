@@ -57,6 +57,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import logging
 import random
 import subprocess
 import sys
@@ -684,6 +685,30 @@ def row_line(row: dict) -> str:
     return f"  {row['result']:<4}  {row['check']}  [{row['setting']}]  {row['detail']}"
 
 
+class HeldWarnings(logging.Handler):
+    """keydiff's warnings while the checks run (a policy run without its tokenizer, a budget too small for its
+    window: expected of checks that run every policy on made-up prompts), held so that they do not split the
+    table, then printed after it, each distinct one once."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: dict[str, None] = {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.setdefault(record.getMessage())
+
+    def __enter__(self) -> "HeldWarnings":
+        package = logging.getLogger("keydiff")
+        self.propagated, package.propagate = package.propagate, False
+        package.addHandler(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        package = logging.getLogger("keydiff")
+        package.removeHandler(self)
+        package.propagate = self.propagated
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny sizes everywhere (what the tests run)")
@@ -702,6 +727,23 @@ def main(argv: list[str] | None = None) -> int:
     payload = {"device": device, "torch": torch.__version__, "flash_attn": flash_attn_status()[1], "quick": args.quick}
     log = common.RowLog(args.json, started, lambda: payload, row_line)
     begin = time.perf_counter()
+    with HeldWarnings() as warned:
+        run_checks(args, log, begin)
+    rows = [Row(**r) for r in log.rows]
+    print_rows(rows)
+    if warned.lines:
+        print(f"warnings while checking ({len(warned.lines)}, each once):")
+        for line in warned.lines:
+            print(f"  {line}")
+    failed = [r for r in rows if r.result == "FAIL"]
+    counts = {k: sum(r.result == k for r in rows) for k in ("PASS", "FAIL", "SKIP", "INFO")}
+    print(" ".join(f"{k} {v}" for k, v in counts.items()) + (" -> FAILED" if failed else " -> OK"))
+    return 1 if failed else 0
+
+
+def run_checks(args: argparse.Namespace, log: common.RowLog, begin: float) -> None:
+    """Every check's row into `log` as it finishes, until the deadline; a crash outside every guarded check is one
+    FAIL row, the rows before it kept."""
     try:
         for row in checks(args.quick):
             log.add(asdict(row))
@@ -713,12 +755,6 @@ def main(argv: list[str] | None = None) -> int:
                 break
     except Exception as error:  # noqa: BLE001 - outside every guarded check: one FAIL row, the rows before kept
         log.add(asdict(Row("gpu_check", "the run", "FAIL", common.first_line(error, 240))))
-    rows = [Row(**r) for r in log.rows]
-    print_rows(rows)
-    failed = [r for r in rows if r.result == "FAIL"]
-    counts = {k: sum(r.result == k for r in rows) for k in ("PASS", "FAIL", "SKIP", "INFO")}
-    print(" ".join(f"{k} {v}" for k, v in counts.items()) + (" -> FAILED" if failed else " -> OK"))
-    return 1 if failed else 0
 
 
 if __name__ == "__main__":
