@@ -50,7 +50,7 @@ bench-throughput: $(STAMP)  ## batched decode tokens/s, full vs KeyDiff at batch
 	$(PY) -m keydiff.bench.throughput $(ARGS)
 
 bench-threads: $(STAMP)  ## CPU threading settings (threads, OMP_WAIT_POLICY) quiet and beside a busy process: run on an otherwise quiet machine
-	$(PY) -m keydiff.bench.threads $(ARGS)
+	$(PY) scripts/bench_threads.py $(ARGS)
 
 bench-scoring: $(STAMP)  ## Tables 19 and 2: scoring-step time/memory per policy vs N and B (quiet machine; ARGS="--shape llama-3.2-3b")
 	$(PY) -m keydiff.bench.scoring table19 $(ARGS)
@@ -123,7 +123,7 @@ figures-runs: $(STAMP)  ## the figures from results/runs only (heatmaps, TTFT, p
 	$(PY) -m keydiff.report.figures $(ARGS)
 
 paper-numbers: $(STAMP)  ## re-transcribe results/paper/*.csv from the paper's text: TEXT=keydiff-paper.txt (arXiv 2504.15364, as plain text)
-	$(PY) -m keydiff.paper.transcribe $(if $(TEXT),--text "$(TEXT)",) $(ARGS)
+	$(PY) scripts/transcribe_paper.py $(if $(TEXT),--text "$(TEXT)",) $(ARGS)
 
 analysis: $(STAMP)  ## Figures 2, 4/5, 8-16 and Table 3 measured on the default model (ANALYSIS_ARGS="model=... length=4096")
 	@echo "analysis: loading the model ($(or $(ANALYSIS_ARGS),default model SmolLM2-135M; 2 prompts x 2048 tokens)) to measure"

@@ -3,7 +3,7 @@
 `${budget_label:${.tokens}}` names a budget after its token count (2048 -> "2k", 6144 -> "6k",
 3000 -> "3000"), so `budget.tokens=3000` can never write into a directory labelled "2k"; a ratio budget
 (`budget.ratio=0.25`, N = ceil(0.25 x prompt tokens) per sample) is labelled "r0.25", never like a token budget.
-`${policy_label:${.target},${.params}}` names a policy of your own after its class and parameters
+`${custom_policy_label:${.target},${.params}}` names a policy of your own after its class and parameters
 (`my_lab.policies.MyPolicy` with alpha=0.3 -> "MyPolicy-alpha0.3"), so two settings never share a directory.
 `${limit_suffix:${task.limit}}` appends "-limit<N>" to the run directory of a subset run, and
 `${shard_suffix:${shard}}` "/shards/<i>of<n>" to that of shard i of n of a grid point (keydiff.run.shards).
@@ -39,7 +39,7 @@ def ratio_label(ratio: Any) -> str:
     return re.sub(r"[^A-Za-z0-9_.=+-]+", "_", f"r{ratio}")
 
 
-def policy_label(target: str | None, params: Any = None) -> str:
+def custom_policy_label(target: str | None, params: Any = None) -> str:
     """Directory label for a policy class given by dotted path: the class name, then key+value per parameter."""
     if not target:
         return "custom"
@@ -79,13 +79,7 @@ def protocol_suffix(query_aware: Any) -> str:
 
 
 def register_resolvers() -> None:
-    if not OmegaConf.has_resolver("budget_label"):
-        OmegaConf.register_new_resolver("budget_label", budget_label)
-    if not OmegaConf.has_resolver("policy_label"):
-        OmegaConf.register_new_resolver("policy_label", policy_label)
-    if not OmegaConf.has_resolver("limit_suffix"):
-        OmegaConf.register_new_resolver("limit_suffix", limit_suffix)
-    if not OmegaConf.has_resolver("shard_suffix"):
-        OmegaConf.register_new_resolver("shard_suffix", shard_suffix)
-    if not OmegaConf.has_resolver("protocol_suffix"):
-        OmegaConf.register_new_resolver("protocol_suffix", protocol_suffix)
+    """Each resolver above under its own name (the configs' `${name:...}`), once per process."""
+    for resolver in (budget_label, custom_policy_label, limit_suffix, shard_suffix, protocol_suffix):
+        if not OmegaConf.has_resolver(resolver.__name__):
+            OmegaConf.register_new_resolver(resolver.__name__, resolver)

@@ -46,6 +46,7 @@ from keydiff.batching.step import BlockStepper
 from keydiff.cache import EvictingCache
 from keydiff.cache.placement import layer_placements
 from keydiff.cache.sliding import layer_windows
+from keydiff.device import sync
 from keydiff.policies import Policy, build_policy
 
 
@@ -108,11 +109,6 @@ def check_model_supported(model: torch.nn.Module) -> None:
     """Full-attention and sliding-window layers only (keydiff.cache.sliding): linear-attention, chunked or shared
     layers need cache rules of their own, refused in one line."""
     layer_windows(model.config)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _forward(
@@ -202,7 +198,7 @@ def prefill(
         decoder.check_options(fixed_shapes)
     fixed = decoder.blocks if decoder is not None else BlockStepper(model, fixed_shapes)
     with keydiff_attention(model, cache):
-        _sync(device)
+        sync(device)
         start_time = time.perf_counter()
         try:
             for start, reconstruction in zip(range(0, compressed, step), reconstructions):
@@ -218,7 +214,7 @@ def prefill(
         fixed.finish(cache)  # the stack leaves the run's prefill slot (if it was in one) with its entries
         if held_suffix:
             logits = _forward(model, cache, input_ids[:, compressed:], drop=False)
-        _sync(device)
+        sync(device)
         seconds = time.perf_counter() - start_time
     return PrefillResult(logits, cache, length, budget if policy.evicts else None, block, seconds,
                          kept_positions=cache.kept_positions(), max_cache_entries=cache.max_entries,
@@ -249,10 +245,10 @@ def hold(model: torch.nn.Module, state: PrefillResult, input_ids: torch.Tensor) 
         raise ValueError("hold needs at least one token")
     device = next(model.parameters()).device
     with keydiff_attention(model, state.cache):
-        _sync(device)
+        sync(device)
         start_time = time.perf_counter()
         state.logits = _forward(model, state.cache, input_ids.to(device), drop=False)
-        _sync(device)
+        sync(device)
         state.seconds += time.perf_counter() - start_time
     state.held_suffix += input_ids.shape[1]
     state.kept_positions = state.cache.kept_positions()

@@ -24,7 +24,7 @@ Child processes inherit the result. An explicit thread count (`threads=`, `--thr
 OMP_NUM_THREADS: torch.set_num_threads.
 
 DEFAULTS is the one place to change what runs, benchmarks and tests use; docs/performance.md ("CPU
-threads") says what was measured (`python -m keydiff.bench.threads`).
+threads") says what was measured (`scripts/bench_threads.py`).
 
 Importing this module imports neither torch nor anything that does.
 """

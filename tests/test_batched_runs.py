@@ -13,6 +13,7 @@ import torch
 from omegaconf import OmegaConf, open_dict
 
 from keydiff.batching import scheduler
+from keydiff.device import out_of_memory
 from keydiff.run import batched, runner
 from keydiff.run.preemption import Preempted
 from keydiff.run.results import run_dir_of
@@ -107,6 +108,32 @@ def spy_widths(monkeypatch) -> list[list[int]]:
 
 def oom() -> BaseException:
     return torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+
+def raised_while_handling(first: BaseException, then: BaseException) -> BaseException:
+    try:
+        try:
+            raise first
+        except BaseException:
+            raise then
+    except BaseException as error:
+        return error
+
+
+def test_the_one_out_of_memory_rule_reads_an_error_and_what_it_was_raised_from_or_while_handling():
+    """Every back-off and failed row asks keydiff.device.out_of_memory: CUDA's error, MemoryError, an allocator's
+    RuntimeError, or any error whose cause or context is one (a capture that ran out ends in capture_end's own
+    error); any other error is a bug, not out of memory."""
+    assert out_of_memory(oom()) and out_of_memory(MemoryError())
+    assert out_of_memory(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 GB"))
+    assert out_of_memory(RuntimeError("MPS backend out of memory"))
+    assert out_of_memory(raised_while_handling(oom(), RuntimeError("CUDA error: operation failed during capture")))
+    cause = RuntimeError("wrapped")
+    cause.__cause__ = MemoryError()
+    assert out_of_memory(cause)
+    assert not out_of_memory(ValueError("out of memory"))  # not an allocator's error
+    assert not out_of_memory(raised_while_handling(KeyError("x"), RuntimeError("index out of range")))
+    assert not out_of_memory(None)
 
 
 def test_out_of_memory_in_a_batch_step_retries_at_half_the_width(tmp_path, tiny, monkeypatch):

@@ -14,7 +14,7 @@ from hydra import compose, initialize_config_dir
 
 from keydiff import build_policy, prefill
 from keydiff.run import runner
-from keydiff.config import policy_label
+from keydiff.config import custom_policy_label
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -74,8 +74,8 @@ def test_example_policy_keeps_what_its_score_says(examples_on_path):
 def test_label_is_derived_from_class_and_parameters():
     cfg = make_cfg("policy=custom", "policy.target=my_lab.policies.MyPolicy", "+policy.params.alpha=0.3")
     assert cfg.policy.label == "MyPolicy-alpha0.3" and "/MyPolicy-alpha0.3/2k/" in cfg.run_subdir
-    assert policy_label("a.B", {"beta": [1, 2], "alpha": 0.5}) == "B-alpha0.5-beta_1_2_"
-    assert policy_label("a.B", {}) != policy_label("a.B", {"alpha": 0.5})
+    assert custom_policy_label("a.B", {"beta": [1, 2], "alpha": 0.5}) == "B-alpha0.5-beta_1_2_"
+    assert custom_policy_label("a.B", {}) != custom_policy_label("a.B", {"alpha": 0.5})
 
 
 @pytest.mark.parametrize(

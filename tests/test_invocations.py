@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from keydiff.report import collect, compare_runs
-from keydiff.run import invocations, runner, samples
+from keydiff.run import invocations, runner
 from keydiff.run.results import ResultStore, run_dir_of
 from keydiff.run.sweep import point_status
 from tests.test_cluster import make_cfg, rows_of, tiny  # noqa: F401  (tiny: the fixture)
@@ -157,6 +157,6 @@ def test_the_runner_reads_the_cpu_peak_from_vmhwm(monkeypatch):
     from keydiff.bench import common
     from keydiff.run import memory
 
-    assert common.peak_rss_bytes is memory.peak_rss_bytes  # one reader, shared
+    assert common.peak_rss_bytes is memory.peak_rss_bytes and common.peak_memory is memory.peak_memory  # shared
     monkeypatch.setattr(memory, "peak_rss", lambda: (12345, memory.VMHWM))
-    assert samples.peak_memory_bytes(torch.device("cpu")) == 12345
+    assert memory.peak_memory(torch.device("cpu")) == (12345, memory.VMHWM)

@@ -87,7 +87,7 @@ def test_provenance_records_the_runtime_and_its_variables(monkeypatch):
 
 
 def test_each_setting_starts_with_its_own_variables_only(monkeypatch):
-    from keydiff.bench import threads
+    from scripts import bench_threads as threads
 
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")  # this process's own default must not leak into a setting
     monkeypatch.setenv("KMP_BLOCKTIME", "0")
@@ -99,7 +99,7 @@ def test_each_setting_starts_with_its_own_variables_only(monkeypatch):
 
 
 def test_the_model_workload_times_a_prefill_and_a_batched_decode():
-    from keydiff.bench import threads
+    from scripts import bench_threads as threads
 
     args = types.SimpleNamespace(model="random-tiny", length=96, budget=32, block_size=16, batch=2, new_tokens=3,
                                  loop=False)
@@ -110,7 +110,7 @@ def test_the_model_workload_times_a_prefill_and_a_batched_decode():
 
 
 def test_a_busy_neighbour_runs_until_stopped():
-    from keydiff.bench import threads
+    from scripts import bench_threads as threads
 
     neighbour = threads.start_neighbour("busy", [], dict(os.environ), timeout=10)
     try:
@@ -123,7 +123,7 @@ def test_a_busy_neighbour_runs_until_stopped():
 
 
 def test_medians_per_setting_and_neighbour_and_a_timed_out_cell():
-    from keydiff.bench import threads
+    from scripts import bench_threads as threads
 
     cells = [{"workload": "tests", "setting": "1 thread", "neighbour": "none", "result": {"wall_s": s}}
              for s in (3.0, 1.0, 2.0)]
@@ -133,7 +133,7 @@ def test_medians_per_setting_and_neighbour_and_a_timed_out_cell():
 
 
 def test_bad_workloads_and_neighbours_are_refused_naming_the_valid_ones(capsys):
-    from keydiff.bench import threads
+    from scripts import bench_threads as threads
 
     for argv, expected in ((["--workloads", "modle"], "--workloads modle: valid: model, tests"),
                            (["--neighbours", "noisy"], "--neighbours noisy: valid: none, busy, same"),

@@ -301,7 +301,7 @@ def test_the_checks_catch_a_shifted_and_a_blanked_row(tmp_path):
 def test_csvs_are_what_the_transcriber_makes_from_the_text(tmp_path):
     if not TEXT.exists():
         pytest.skip(f"reference text not present at {TEXT} (set KEYDIFF_PAPER_TEXT)")
-    from keydiff.paper import transcribe as transcribe_paper
+    from scripts import transcribe_paper
 
     tables, captions = transcribe_paper.build(TEXT)
     transcribe_paper.write(tables, captions, tmp_path)

@@ -168,7 +168,7 @@ def test_report_and_paper_have_no_import_cycle_and_nothing_edits_sys_path():
 
 
 @pytest.mark.parametrize("module", ["keydiff.report.collect", "keydiff.report.tables", "keydiff.report.figures",
-                                    "keydiff.report.ruler", "keydiff.report.wandb", "keydiff.paper.transcribe"])
+                                    "keydiff.report.ruler", "keydiff.report.wandb"])
 def test_every_entry_point_runs_as_a_module(module):
     """`python -m <module> --help` works (the Makefile calls this form) without touching results/."""
     result = subprocess.run([sys.executable, "-m", module, "--help"], cwd=ROOT, capture_output=True, text=True,

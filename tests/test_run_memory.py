@@ -13,8 +13,8 @@ from keydiff.run import memory
 pytestmark = pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="VmHWM needs Linux /proc")
 
 CHECKOUT = Path(__file__).resolve().parents[1]
-RUNNER_CHILD = ("import json, resource, torch; from keydiff.run import memory, samples; "
-                "peak = samples.peak_memory_bytes(torch.device('cpu')); "
+RUNNER_CHILD = ("import json, resource, torch; from keydiff.run import memory; "
+                "peak = memory.peak_memory(torch.device('cpu'))[0]; "
                 "print(json.dumps({'runner_peak': peak, 'vmhwm': memory.peak_rss(), "
                 "'ru_maxrss': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))")
 

@@ -1,5 +1,5 @@
 """The SLURM path against a real scheduler (issue 24 section 4): a one-node cluster on this machine
-(keydiff.run.local_slurm: munged, slurmctld, slurmd, partition `debug`, no accounting), started here if it is
+(scripts/local_slurm.py: munged, slurmctld, slurmd, partition `debug`, no accounting), started here if it is
 not running; every test is skipped, with the reason, where none can be started (no root, no slurm-wlm).
 
 Each test submits run.py sweeps of the tiny random Llama (tests/test_cluster_processes.py) through
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.slurm
 @pytest.fixture(scope="module")
 def cluster() -> None:
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="pip install -e '.[slurm]'")
-    started = subprocess.run([sys.executable, "-m", "keydiff.run.local_slurm", "start"], cwd=ROOT,
+    started = subprocess.run([sys.executable, "scripts/local_slurm.py", "start"], cwd=ROOT,
                              capture_output=True, text=True, timeout=180)
     if started.returncode != 0:
         pytest.skip(started.stderr.strip().splitlines()[-1] if started.stderr.strip() else "no local SLURM cluster")
@@ -163,7 +163,7 @@ def test_a_partition_that_does_not_exist_fails_before_submitting(cluster, tmp_pa
 
 def test_the_local_cluster_never_touches_a_configuration_it_did_not_write(tmp_path, monkeypatch):
     """Runs anywhere (no cluster needed): a machine with its own slurm.conf is refused in one line."""
-    from keydiff.run import local_slurm
+    from scripts import local_slurm
 
     foreign = tmp_path / "slurm.conf"
     foreign.write_text("ClusterName=production\n")

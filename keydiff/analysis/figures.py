@@ -43,11 +43,12 @@ from keydiff.analysis.common import (  # noqa: E402
     STYLE, config_from_command_line, figure_title, inputs_record, prompts, save_figure, titled,
 )
 from keydiff.analysis.statistics import (  # noqa: E402
-    cosine_to_mean, expand_to_query_heads, fit_pca, keydiff_score, log_volume, mean_cosine, pairwise_cosine,
+    expand_to_query_heads, fit_pca, keydiff_score, log_volume, mean_cosine, pairwise_cosine,
     project, scaled_heads, top_key_query_cosine,
 )
 from keydiff.bench.common import CHECKOUT, provenance, write_json  # noqa: E402
 from keydiff.capture import capture_prompt, trace_eviction  # noqa: E402
+from keydiff.policies.keydiff import cosine_to_mean  # noqa: E402
 from keydiff.models import load_model  # noqa: E402
 from keydiff.paper.registry import display_name  # noqa: E402
 
@@ -174,8 +175,9 @@ def per_layer_boxes(ax, values: list[np.ndarray], ylabel: str) -> None:
 
 def figure13(captures):
     fig, axes = plt.subplots(2, 1, figsize=(7.0, 4.6), layout="constrained", sharex=True)
-    per_layer_boxes(axes[0], [cosine_to_mean(c.keys).flatten().numpy() for c in captures], "cos(key, mean key)")
-    per_layer_boxes(axes[1], [cosine_to_mean(c.queries).flatten().numpy() for c in captures], "cos(query, mean query)")
+    for ax, kind, field in zip(axes, ("key", "query"), ("keys", "queries")):
+        cosines = [cosine_to_mean(getattr(c, field).float(), normalized=False).flatten().numpy() for c in captures]
+        per_layer_boxes(ax, cosines, f"cos({kind}, mean {kind})")
     axes[1].set_xlabel("layer (all heads and tokens)")
     return fig
 
@@ -279,8 +281,8 @@ def main(argv: list[str]) -> None:
     logdet_arrays = {p: np.array(v) for p, v in logdets.items()}
     paths += save(figure12(logdet_arrays, label), "fig12_logdet", pooled)
 
-    key_cos = torch.cat([cosine_to_mean(c.keys).flatten() for c in captures])
-    query_cos = torch.cat([cosine_to_mean(c.queries).flatten() for c in captures])
+    key_cos = torch.cat([cosine_to_mean(c.keys.float(), normalized=False).flatten() for c in captures])
+    query_cos = torch.cat([cosine_to_mean(c.queries.float(), normalized=False).flatten() for c in captures])
     key_norms = torch.cat([c.keys.norm(dim=-1).flatten() for c in captures])
     query_norms = torch.cat([c.queries.norm(dim=-1).flatten() for c in captures])
     results = {

@@ -7,7 +7,8 @@ any leading batch of heads:
 * Figures 4/5, 8-11: `fit_pca` / `project` (a 2-D PCA by SVD of the centred points).
 * Figure 12: `log_volume` = log det(K K^T) of a retained cache, in float64 through slogdet (see there
   for why the default is the pseudo-determinant, which needs no regulariser).
-* Figures 13-16: `cosine_to_mean`, `mean_cosine`, `top_keydiff_key` (norms are plain `vector_norm`).
+* Figures 13-16: `cosine_to_mean` (keydiff.policies.keydiff's), `mean_cosine`, `top_keydiff_key` (norms are plain
+  `vector_norm`).
 * Table 3: `spearman` (average ranks for ties, Pearson of ranks) between the KeyDiff score
   (`keydiff_score`: -cos(k, anchor)) and the attention each key receives.
 """
@@ -42,12 +43,6 @@ def pairwise_cosine(x: torch.Tensor) -> torch.Tensor:
     """[..., n, d] -> [..., n, n] cosine similarity of every pair of rows."""
     unit = F.normalize(x.float(), dim=-1, eps=1e-8)
     return unit @ unit.transpose(-1, -2)
-
-
-def cosine_to_mean(x: torch.Tensor) -> torch.Tensor:
-    """[..., n, d] -> [..., n] cosine of each row with the mean row (raw mean, Figure 13)."""
-    x = x.float()
-    return F.cosine_similarity(x, x.mean(dim=-2, keepdim=True), dim=-1, eps=1e-8)
 
 
 def keydiff_score(keys: torch.Tensor, anchor: str = "normalized_mean") -> torch.Tensor:

@@ -25,7 +25,6 @@ A plain Request cannot be started again: out of memory with one in flight is rai
 
 from __future__ import annotations
 
-import gc
 import logging
 from collections import deque
 from typing import Any, Iterable, Iterator
@@ -37,23 +36,9 @@ from keydiff.batching.blocks import JoinPool
 from keydiff.batching.sequence import Failure, Job, Request, Sequence, SequenceResult
 from keydiff.batching.static import Graphs
 from keydiff.batching.step import BlockStepper, Stepper, decode_step
+from keydiff.device import out_of_memory, release_memory
 
 LOG = logging.getLogger(__name__)
-
-
-def is_out_of_memory(error: BaseException) -> bool:
-    """CUDA OOM, a Python MemoryError, or a RuntimeError of an allocator that ran out (CPU, MPS, HIP)."""
-    if isinstance(error, (torch.cuda.OutOfMemoryError, MemoryError)):
-        return True
-    text = str(error).lower()
-    return isinstance(error, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text)
-
-
-def release_memory() -> None:
-    """Free what abandoned sequences held (caches, activations) before anything starts again."""
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 class Decoder:
@@ -133,7 +118,7 @@ class Decoder:
         active: list[Sequence] = []
         exhausted = False
         while True:
-            out_of_memory = None
+            oom = None
             try:
                 while len(active) < self.width and (again or not exhausted):
                     item = again.popleft() if again else next(source, None)
@@ -153,16 +138,16 @@ class Decoder:
                     while active and not finished:
                         active, finished = decode_step(self.stepper, active)
             except Exception as error:  # noqa: BLE001 - only out of memory is handled; the rest is raised
-                if not is_out_of_memory(error):
+                if not out_of_memory(error):
                     raise
                 starting = getattr(error, "job", None)
                 jobs = [sequence.request.job for sequence in active] + ([starting] if starting is not None else [])
                 if any(job is None for job in jobs):
                     raise  # a plain request in flight: it cannot be started again
-                out_of_memory = f"{type(error).__name__}: {error}"
-            if out_of_memory is not None:  # outside the except block: the traceback (and what it pins) is gone
+                oom = f"{type(error).__name__}: {error}"
+            if oom is not None:  # outside the except block: the traceback (and what it pins) is gone
                 active = finished = sequence = None
-                failures = self._back_off(jobs, out_of_memory)
+                failures = self._back_off(jobs, oom)
                 given_up = {id(failure.job) for _, failure in failures}
                 again.extendleft(reversed([job for job in jobs if id(job) not in given_up]))
                 active, jobs = [], None

@@ -69,6 +69,7 @@ from keydiff.batching.blocks import poolable
 from keydiff.batching.graphs import CudaCalls, calls_for, stand_in_graphs, timed  # noqa: F401 - re-exported
 from keydiff.cache import EvictingCache
 from keydiff.cache.storage import ROTARY_STATE, Storage, drop_entries, move_entries
+from keydiff.device import out_of_memory
 from keydiff.policies.base import LayerView, Policy
 
 LOG = logging.getLogger(__name__)
@@ -216,16 +217,6 @@ class FixedCache(Cache):
 
     def __init__(self, rows: Rows, kept: int, num_layers: int, active: torch.Tensor):
         super().__init__(layers=[_FixedLayer(rows, i, kept, active) for i in range(num_layers)])
-
-
-def out_of_memory(error: BaseException | None) -> bool:
-    """Whether an error is, or was raised while handling, running out of memory (a capture that runs out ends
-    in capture_end's own CUDA error, with the out-of-memory error as its context)."""
-    while error is not None:
-        if isinstance(error, (torch.cuda.OutOfMemoryError, MemoryError)) or "out of memory" in str(error).lower():
-            return True
-        error = error.__cause__ or error.__context__
-    return False
 
 
 @dataclass

@@ -26,13 +26,8 @@ from keydiff.batching.graphs import calls_for
 from keydiff.batching.rows import BatchCache
 from keydiff.batching.sequence import Sequence
 from keydiff.batching.static import Graphs, Rows, StaticStep, eligible
+from keydiff.device import sync
 from keydiff.kernels import batch_invariant
-
-
-def sync(device: torch.device) -> None:
-    """Wait for the device (timings cover the kernels, not only their launch)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def choose_greedy(sequences: list[Sequence]) -> None:

@@ -4,8 +4,6 @@
 * ``decode``: per-token decode time and allocations at N vs full (``make bench-decode``).
 * ``scoring``: the scoring step alone vs N and B, the paper's Tables 19 and 2 (``make bench-scoring``).
 * ``gpu_check``: engine exactness per attention kernel, then both benchmarks (``make gpu-check``).
-* ``threads``: TTFT and batched decode under each CPU threading setting, quiet and beside a busy process
-  (``make bench-threads``; the defaults it informs are keydiff.openmp.DEFAULTS).
 * ``common``: model shapes, device and memory helpers, and the provenance record they all write.
 
 Every ``python -m keydiff.bench.<module>`` imports this package first, before the module imports torch:

@@ -8,7 +8,6 @@ shapes, not on weight values, so they stand in for the real checkpoints on machi
 from __future__ import annotations
 
 import argparse
-import gc
 import hashlib
 import json
 import os
@@ -23,7 +22,10 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from keydiff import available_policies, build_policy, openmp
-from keydiff.run.memory import current_rss_bytes, peak_rss_bytes, reset_peak_rss  # noqa: F401 (the benches' names)
+from keydiff.device import release_memory, sync  # noqa: F401 (the benches' names)
+from keydiff.run.memory import (  # noqa: F401 (the benches' names)
+    current_rss_bytes, peak_memory, peak_rss_bytes, reset_peak, reset_peak_rss,
+)
 from keydiff.run.provenance import provenance_record, timestamp
 
 # Llama-3.2-3B(-Instruct), from its public config.json.
@@ -153,18 +155,6 @@ def run_module(module: str, arguments: list[str]) -> subprocess.CompletedProcess
     path = os.pathsep.join(filter(None, [str(CHECKOUT), os.environ.get("PYTHONPATH")]))
     return subprocess.run([sys.executable, "-m", module, *arguments], capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": path})
-
-
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def release_memory(device: str) -> None:
-    """Drop freed tensors between policies (never inside a timed loop: it would time the allocator)."""
-    gc.collect()
-    if device == "cuda":
-        torch.cuda.empty_cache()
 
 
 def interleaved_rounds(cases: dict[str, Callable[[], Any]], repeats: int, device: str) -> dict[str, list[Any]]:

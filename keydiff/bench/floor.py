@@ -20,6 +20,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from keydiff.device import sync
+
 # Memory bandwidth by GPU name (bytes per second; the vendor's figure).
 GPU_BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12}
 
@@ -38,12 +40,10 @@ class DeviceRates:
 def _best_seconds(fn, repeats: int, device: str) -> float:
     best = float("inf")
     for _ in range(repeats):
-        if device == "cuda":
-            torch.cuda.synchronize()
+        sync(device)
         start = time.perf_counter()
         fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
+        sync(device)
         best = min(best, time.perf_counter() - start)
     return best
 

@@ -31,13 +31,6 @@ DEFAULT_LENGTHS = "4096,8192,16384,32768,65536,131072"
 TARGETS = {"memory": 1.10, "time_per_token": 1.25}
 
 
-def peak_memory_bytes(device: str) -> int | None:
-    """The run's peak: CUDA max allocated, else VmHWM from /proc/self/status (Linux), else ru_maxrss."""
-    if device == "cuda":
-        return torch.cuda.max_memory_allocated()
-    return common.peak_rss_bytes()
-
-
 def build_model(dtype: torch.dtype, attn: str, device: str, length: int):
     """Random weights, SmolLM2-135M's shape, positions long enough for `length` tokens."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -56,13 +49,11 @@ def child(args, device: str, dtype: torch.dtype) -> None:
     budget = None if args.policy == "full" else args.budget
     prefill(model, prompt[:, : 2 * args.block_size], build_policy(args.policy), budget, args.block_size)  # warm-up
     common.release_memory(device)
-    reset = common.reset_peak_rss()
-    if device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
+    reset = common.reset_peak(device)
     state = prefill(model, prompt, build_policy(args.policy), budget, args.block_size)
     print(json.dumps({"policy": args.policy, "length": args.length, "seconds": state.seconds,
-                      "seconds_per_token": state.seconds / args.length, "peak_memory_bytes": peak_memory_bytes(device),
-                      "peak_is_run_only": reset or device == "cuda", "max_cache_entries": state.max_cache_entries,
+                      "seconds_per_token": state.seconds / args.length, "peak_memory_bytes": common.peak_memory(device)[0],
+                      "peak_is_run_only": reset, "max_cache_entries": state.max_cache_entries,
                       "kv_cache_bytes": state.cache.kv_cache_bytes}))
 
 

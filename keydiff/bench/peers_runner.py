@@ -6,9 +6,9 @@
 Why one file for both sides: the two projects are measured by the same code (model loading, the logits
 check, the clocks, the memory peak), so only the method differs. Why no `keydiff` import at the top: kvpress
 pins transformers < 5.3 and runs in its own environment (`keydiff.bench.peers_env`), where keydiff cannot be
-imported; this file imports only torch and transformers there (and keydiff/run/memory.py, standard library
-only, by its path: the one CPU peak reading), and kvpress (side "kvpress") or keydiff
-(side "keydiff") inside the function that needs it. `-I` keeps the checkout's folders off kvpress's path.
+imported; this file imports only torch and transformers there (and, by their paths, keydiff/device.py and
+keydiff/run/memory.py, which import no keydiff: the one sync and peak reading), and kvpress (side "kvpress")
+or keydiff (side "keydiff") inside the function that needs it. `-I` keeps the checkout's folders off kvpress's path.
 
 SPEC (written by keydiff.bench.peers): side, mode ("parity" | "perf"), model_dir (a safetensors checkpoint
 both sides load), dtype, device, threads, prompt_file (JSON list of token ids), budget N, and per mode:
@@ -19,7 +19,6 @@ check, the kept positions (parity: per layer, per KV head, sorted) or the timing
 
 from __future__ import annotations
 
-import gc
 import importlib.util
 import inspect
 import json
@@ -106,46 +105,29 @@ def load_model(spec: dict[str, Any]):
     return model.to(spec["device"]).eval()
 
 
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-def load_memory_module():
-    """keydiff/run/memory.py (the project's one reading of a process's resident peak), loaded by its path:
-    kvpress's environment cannot import the keydiff package, and that file needs only the standard library."""
-    path = Path(__file__).resolve().parents[1] / "run" / "memory.py"
-    spec = importlib.util.spec_from_file_location("keydiff_run_memory", path)
+def load_by_path(relative: str):
+    """A keydiff file that imports no keydiff (keydiff/device.py, keydiff/run/memory.py), loaded by its path:
+    kvpress's environment cannot import the keydiff package."""
+    path = Path(__file__).resolve().parents[1] / relative
+    spec = importlib.util.spec_from_file_location(f"keydiff_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-memory = load_memory_module()
+device_calls = load_by_path("device.py")
+memory = load_by_path("run/memory.py")
+sync = device_calls.sync
 
 
 def reset_peak(device: str) -> None:
-    """Restart the peak count so that it covers what follows, not the model load (CPU: memory.reset_peak_rss,
-    VmHWM after malloc_trim)."""
-    gc.collect()
-    if device.startswith("cuda"):
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        return
-    memory.reset_peak_rss()
-
-
-def resident_peak() -> tuple[int, str]:
-    """This process's own resident high-water mark, in bytes, and what it is ("vmhwm", or "ru_maxrss" without
-    /proc): keydiff/run/memory.py says why not ru_maxrss, which keeps a parent's peak across execve."""
-    return memory.peak_rss()
+    """Restart the peak count so that it covers what follows, not the model load."""
+    device_calls.release_memory(device)
+    memory.reset_peak(device)
 
 
 def peak_bytes(device: str) -> dict[str, Any]:
-    if device.startswith("cuda"):
-        return {"peak_bytes": torch.cuda.max_memory_allocated(), "peak_kind": "cuda_max_allocated"}
-    peak, kind = resident_peak()
-    return {"peak_bytes": peak, "peak_kind": kind}
+    return dict(zip(("peak_bytes", "peak_kind"), memory.peak_memory(device)))
 
 
 @torch.inference_mode()

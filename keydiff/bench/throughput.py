@@ -91,12 +91,9 @@ def with_peak(run, device: str):
     """`run`, also returning the peak memory of the call ("peak_bytes": VmHWM after a reset on CPU, max allocated
     on CUDA), so a case that holds more than its caches shows up in the results (reset and read are untimed)."""
     def measured() -> dict:
-        if device == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        else:
-            common.reset_peak_rss()
+        common.reset_peak(device)
         result = run()
-        result["peak_bytes"] = torch.cuda.max_memory_allocated() if device == "cuda" else common.peak_rss_bytes()
+        result["peak_bytes"] = common.peak_memory(device)[0]
         return result
 
     return measured

@@ -113,15 +113,7 @@ class Storage:
     def allocate(self, key_states: torch.Tensor, value_states: torch.Tensor, capacity: int) -> None:
         """(Re)allocate every buffer for `capacity` entries, carrying the valid entries over; the old buffers
         are released (nothing else holds them)."""
-        keys, values, positions, state = empty_buffers(self.count, key_states, value_states, capacity, self.state_names)
-        n = self.num_entries
-        if n:
-            keys[..., :n, :] = self.keys[..., :n, :]
-            values[..., :n, :] = self.values[..., :n, :]
-            positions[..., :n] = self.positions[..., :n]
-            for name, buffer in state.items():
-                buffer[..., :n] = self.state[name][..., :n]
-        self.adopt(keys, values, positions, state)
+        self.adopt(*self.copied_into(empty_buffers(self.count, key_states, value_states, capacity, self.state_names)))
         self.allocations += 1
         if self.placement is not None:
             self.placement.resident = False  # grown out of its slot into buffers of its own
@@ -159,15 +151,21 @@ class Storage:
 
     def compact_buffers(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         """New buffers of this storage's capacity holding copies of its valid entries (nothing else shares them)."""
+        return self.copied_into(empty_buffers(self.count, self.keys[0], self.values[0], self.capacity,
+                                              self.state_names))
+
+    def copied_into(self, buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """`buffers` (keys, values, positions, state) with this storage's valid entries copied to their front."""
+        keys, values, positions, state = buffers
         n = self.num_entries
-        keys, values, positions, state = empty_buffers(self.count, self.keys[0], self.values[0], self.capacity,
-                                                       self.state_names)
-        keys[..., :n, :] = self.keys[..., :n, :]
-        values[..., :n, :] = self.values[..., :n, :]
-        positions[..., :n] = self.positions[..., :n]
-        for name, buffer in state.items():
-            buffer[..., :n] = self.state[name][..., :n]
-        return keys, values, positions, state
+        if n:
+            keys[..., :n, :] = self.keys[..., :n, :]
+            values[..., :n, :] = self.values[..., :n, :]
+            positions[..., :n] = self.positions[..., :n]
+            for name, buffer in state.items():
+                buffer[..., :n] = self.state[name][..., :n]
+        return buffers
 
     def fits(self, key_states: torch.Tensor, value_states: torch.Tensor) -> bool:
         """Whether the buffers can hold these states (batch, heads, head dims, dtype and device all match)."""

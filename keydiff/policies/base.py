@@ -333,7 +333,7 @@ class Policy:
         return {"name": self.name, **{f.name: getattr(self, f.name) for f in fields(self) if f.init}, "layer_budgets": None}
 
 
-def policy_label(policy: Policy) -> str:
+def policy_error_name(policy: Policy) -> str:
     """How errors name a policy: its config name, or its class's dotted path for a policy of your own (a
     subclass of a built-in inherits the built-in's name, so the path is given with it). A wrapper is named
     by the policy it wraps."""
@@ -351,7 +351,7 @@ def check_scores(policy: Policy, scores: torch.Tensor, layer: LayerView, protect
     expected = tuple(layer.positions.shape)
     if tuple(scores.shape) != expected:
         raise RuntimeError(
-            f"policy {policy_label(policy)!r}: score() returned shape {list(scores.shape)}; expected "
+            f"policy {policy_error_name(policy)!r}: score() returned shape {list(scores.shape)}; expected "
             f"[batch, kv_heads, n] = {list(expected)}, one score per cached entry"
         )
     bad = ~torch.isfinite(scores)
@@ -360,7 +360,7 @@ def check_scores(policy: Policy, scores: torch.Tensor, layer: LayerView, protect
     count = int(bad.sum())
     if count:
         raise RuntimeError(
-            f"policy {policy_label(policy)!r}: score() returned {count} NaN/inf value(s) for entries that are not "
+            f"policy {policy_error_name(policy)!r}: score() returned {count} NaN/inf value(s) for entries that are not "
             "protected; scores must be finite (mark entries that must stay with `protected`)"
         )
 

@@ -78,7 +78,8 @@ def in_float32(score: Callable[..., torch.Tensor], keys: torch.Tensor, *per_entr
 
 
 def cosine_to_mean(keys: torch.Tensor, normalized: bool, inv_norms: torch.Tensor | None = None) -> torch.Tensor:
-    """cos(k_i, anchor) [batch, kv_heads, n] with the mean (of unit keys if `normalized`) as anchor.
+    """cos(k_i, anchor) [..., n] of keys [..., n, d] ([batch, kv_heads, n] for a cache; any leading shape, as the
+    analyses' Figure 13 uses it) with the mean (of unit keys if `normalized`) as anchor.
 
     The same numbers as F.cosine_similarity(keys, keydiff_anchor(keys, ...)) up to rounding, computed from
     the inverse key norms (`inv_norms`, cached per entry by the cache, or computed here) and two
@@ -88,10 +89,10 @@ def cosine_to_mean(keys: torch.Tensor, normalized: bool, inv_norms: torch.Tensor
     if inv_norms is None:
         inv_norms = inverse_key_norms(keys)
     if normalized:
-        anchor = (inv_norms[:, :, None, :] @ keys) / keys.shape[2]  # [b, h, 1, d]
+        anchor = (inv_norms[..., None, :] @ keys) / keys.shape[-2]  # [..., 1, d]
     else:
-        anchor = keys.mean(dim=2, keepdim=True)
-    dots = (keys @ anchor.transpose(-1, -2)).squeeze(-1)  # [b, h, n]
+        anchor = keys.mean(dim=-2, keepdim=True)
+    dots = (keys @ anchor.transpose(-1, -2)).squeeze(-1)  # [..., n]
     return dots * inv_norms / torch.linalg.vector_norm(anchor, dim=-1).clamp_min(1e-8)
 
 

@@ -113,7 +113,8 @@ def metric_range(column: str, task: str = "") -> tuple[float, float] | None:
     return (0.0, 100.0) if percent else (0.0, 1.0)
 
 
-def missing_number(value) -> bool:
+def missing(value) -> bool:
+    """None, NaN or NA: a cell with no number (a string, even "", is text, not missing)."""
     return value is None or (not isinstance(value, str) and bool(pd.isna(value)))
 
 
@@ -135,7 +136,7 @@ def snapped(mean: float, se: float, bounds: tuple[float, float] | None) -> tuple
     tolerance = TOLERANCE * scale_of(mean, bounds)
     if bounds is not None:
         mean = next((bound for bound in bounds if abs(mean - bound) <= tolerance), mean)
-    if not missing_number(se) and abs(float(se)) <= tolerance:
+    if not missing(se) and abs(float(se)) <= tolerance:
         se = 0.0
     return mean, se
 
@@ -143,26 +144,26 @@ def snapped(mean: float, se: float, bounds: tuple[float, float] | None) -> tuple
 def is_constant(mean: float, se: float, bounds: tuple[float, float] | None = None) -> bool:
     """Every sample had the same value (an SE of 0, within TOLERANCE); False when the SE is unknown."""
     se = snapped(mean, se, bounds)[1]
-    return not missing_number(se) and float(se) == 0.0
+    return not missing(se) and float(se) == 0.0
 
 
 def interval(mean: float, se: float, n=None, bounds: tuple[float, float] | None = None,
              measure: bool = False) -> tuple[float, float] | None:
     """The 95 % interval of a mean (docstring above): Wilson inside `bounds`, else mean +- 1.96 SE; None when
     there is none (n < MIN_INTERVAL_N, no SE for an unbounded metric, or a `measure` that is constant)."""
-    if not missing_number(n) and float(n) < MIN_INTERVAL_N:
+    if not missing(n) and float(n) < MIN_INTERVAL_N:
         return None
     mean, se = snapped(mean, se, bounds)
     if measure and is_constant(mean, se, bounds):
         return None
-    if bounds is not None and not missing_number(n) and bounds[0] <= mean <= bounds[1]:
+    if bounds is not None and not missing(n) and bounds[0] <= mean <= bounds[1]:
         low, high = bounds
         p = (mean - low) / (high - low)
-        spread = math.nan if missing_number(se) else float(se) / (high - low)
+        spread = math.nan if missing(se) else float(se) / (high - low)
         effective = p * (1 - p) / spread ** 2 if spread > 0 and 0 < p < 1 else float(n)
         lo, hi = wilson(p, effective)
         return low + (high - low) * lo, low + (high - low) * hi
-    if missing_number(se):
+    if missing(se):
         return None
     return mean - Z95 * float(se), mean + Z95 * float(se)
 
@@ -180,24 +181,20 @@ def format_estimate(mean: float, se: float, n: int | float | None = None, precis
     if mean is None or (isinstance(mean, float) and math.isnan(mean)):
         return NA
     shown = n if shown_n is SAME else shown_n
-    count = "" if missing_number(shown) else f" (n={int(shown)})"
-    if not missing_number(n) and float(n) < MIN_INTERVAL_N:
+    count = "" if missing(shown) else f" (n={int(shown)})"
+    if not missing(n) and float(n) < MIN_INTERVAL_N:
         return f"{mean:.{precision}f} [{TOO_FEW}]{count}"
     mean, se = snapped(float(mean), se, bounds)
     if measure and is_constant(mean, se, bounds):
         return f"{mean:.{precision}f} [{CONSTANT}]{count}"
-    if bounds is not None and not missing_number(n) and bounds[0] <= mean <= bounds[1]:
+    if bounds is not None and not missing(n) and bounds[0] <= mean <= bounds[1]:
         lo, hi = interval(mean, se, n, bounds)
         return f"{mean:.{precision}f} [{lo:.{precision}f}, {hi:.{precision}f}]{count}"
-    spread = "n/a" if missing_number(se) else f"{half_width(float(se)):.{precision}f}"
+    spread = "n/a" if missing(se) else f"{half_width(float(se)):.{precision}f}"
     return f"{mean:.{precision}f} ± {spread}{count}"
 
 
 # ----------------------------------------------------------------------------- numbers
-def missing(value) -> bool:
-    return value is None or (not isinstance(value, str) and bool(pd.isna(value)))
-
-
 def number(value, precision: int = 2) -> str:
     """A table cell: floats with `precision` decimals, anything else (counts, text) as it is, NA if missing."""
     if missing(value):

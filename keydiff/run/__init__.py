@@ -11,7 +11,7 @@
     eviction     whether a run's budget ever bound (summary.json's `nothing_evicted`)
     tracking     the Weights & Biases mirror of a run
     provenance   the one record of what produced a result (commit, packages, device, command, time)
-    memory       the process's own resident peak (VmHWM), for the runner's CPU peak and the benchmarks
+    memory       a run's peak memory (CUDA's allocator, else the process's own VmHWM), for runner and benchmarks
     sweep        a sweep's grid, where each point stands, and its closing recap (no torch)
     status       `python -m keydiff.run.status EXP`: every grid point of an experiment
     shards       a grid point split into jobs (`shard=i/n`): which samples each takes, its manifest

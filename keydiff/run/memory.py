@@ -1,7 +1,8 @@
-"""This process's own resident memory: its peak (VmHWM), a reset of that peak, and its current size.
+"""A run's peak memory (CUDA's max allocated, else this process's resident peak, VmHWM), a reset of that peak, and
+the process's current size.
 
-One reading for every CPU peak the project reports: the runner's `peak_memory_bytes` on CPU and the
-benchmarks' peaks (keydiff.bench.common, long_prefill, peers_runner) all come from here.
+One reading for every peak the project reports: the runner's `peak_memory_bytes` and the benchmarks' peaks
+(keydiff.bench.common, long_prefill, throughput, peers_runner) all come from here.
 
 Why VmHWM and not `getrusage(RUSAGE_SELF).ru_maxrss`: on Linux ru_maxrss is the larger of the process's
 VmHWM and a maximum that survives `execve` (the kernel copies the forking parent's high-water mark into the
@@ -9,8 +10,8 @@ child's signal struct), and writing 5 to /proc/self/clear_refs resets only VmHWM
 parent that held 600 MB reports 600 MB in ru_maxrss whatever it uses itself; VmHWM counts its own pages
 only. Where /proc is missing (macOS), ru_maxrss is the only reading (bytes there, KiB on Linux).
 
-Standard library only, and no keydiff import: keydiff.bench.peers_runner loads this file by path in
-kvpress's environment, where the keydiff package cannot be imported.
+No keydiff import, and torch only inside the device-aware functions: keydiff.bench.peers_runner loads this file
+by path in kvpress's environment, where the keydiff package cannot be imported.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import sys
 
 VMHWM = "vmhwm"
 RU_MAXRSS = "ru_maxrss"
+CUDA_MAX_ALLOCATED = "cuda_max_allocated"
 
 
 def peak_rss() -> tuple[int, str]:
@@ -67,3 +69,24 @@ def current_rss_bytes() -> int | None:
             return int(statm.read().split()[1]) * resource.getpagesize()
     except OSError:
         return None
+
+
+def reset_peak(device) -> bool:
+    """Restart `device`'s peak count (CUDA: its allocator's peak statistics; CPU: reset_peak_rss), so that a later
+    peak_memory covers what follows, not the model load. False where the CPU's cannot be reset."""
+    import torch
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return True
+    return reset_peak_rss()
+
+
+def peak_memory(device, devices: list | None = None) -> tuple[int, str]:
+    """(bytes, kind): on CUDA the allocator's peak summed over `devices` (default: `device`), "cuda_max_allocated";
+    on CPU this process's resident peak (peak_rss)."""
+    import torch
+
+    if torch.device(device).type == "cuda":
+        return int(sum(torch.cuda.max_memory_allocated(d) for d in (devices or [device]))), CUDA_MAX_ALLOCATED
+    return peak_rss()

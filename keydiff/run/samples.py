@@ -10,12 +10,12 @@ import contextlib
 import hashlib
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import torch
 
 from keydiff.batching import Decoder
-from keydiff.batching.scheduler import is_out_of_memory, release_memory
+from keydiff.device import out_of_memory, release_memory
 from keydiff.engine import generate, prefill
 from keydiff.run import memory
 from keydiff.run.plan import RunPlan
@@ -24,6 +24,7 @@ from keydiff.tasks.base import Prompt
 from keydiff.tasks.degenerate import is_degenerate
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -66,14 +67,6 @@ def derived_seed(run_seed: int, sample_id: str) -> int:
 def cuda_devices(model: torch.nn.Module) -> list[torch.device]:
     """The CUDA devices holding the model's parameters (several when model.device_map spreads it over GPUs)."""
     return sorted({p.device for p in model.parameters() if p.device.type == "cuda"}, key=str)
-
-
-def peak_memory_bytes(device: torch.device, devices: list[torch.device] | None = None) -> int:
-    """Peak GPU memory allocated during the sample on CUDA, summed over `devices` (default: `device`); the
-    process's own peak RSS on CPU (VmHWM: keydiff.run.memory says why not ru_maxrss)."""
-    if device.type == "cuda":
-        return int(sum(torch.cuda.max_memory_allocated(d) for d in (devices or [device])))
-    return memory.peak_rss_bytes()
 
 
 def kv_bytes_per_layer_entry(model: torch.nn.Module) -> int:
@@ -172,7 +165,7 @@ def sample_row(ctx: RunContext, sample, prompt: Prompt, state, out, budget: int 
         "kv_cache_allocated_bytes": state.cache.kv_cache_bytes,
         # Bytes of the entries held at once, at most: every layer's own peak entries, summed (<= allocated).
         "kv_cache_held_peak_bytes": state.cache.entries_peak_sum * kv_bytes_per_layer_entry(model),
-        "peak_memory_bytes": peak_memory_bytes(device, cuda_devices(model)),
+        "peak_memory_bytes": memory.peak_memory(device, cuda_devices(model))[0],
         # The seed of sampled decoding; null for greedy decoding, which uses none (the run's `seed` is in summary.json).
         "sampling_seed": seed if settings.do_sample else None,
         # W, the width of the decoding step it ran in (keydiff.batching.scheduler.Decoder): batch_size, or less
@@ -193,21 +186,30 @@ def failed_row(ctx: RunContext, sample, prompt: Prompt, reason: str, message: st
 
 def process_sample(ctx: RunContext, sample) -> dict[str, Any]:
     """Run one sample; out-of-memory and the prompt cap give a failed row, any other error stops the run."""
-    out_of_memory = None
     with ctx.interruptible():
         prompt, refused = screen_sample(ctx, sample)
         if refused is not None:
             return refused
-        try:
-            return run_sample(ctx, sample, prompt=prompt)
-        except Exception as error:  # Preempted is a BaseException and passes through
-            if not is_out_of_memory(error):
-                raise RuntimeError(f"sample {sample.id!r} failed with {type(error).__name__}: {error}") from error
-            out_of_memory = f"{type(error).__name__}: {error}"
-    ctx.decoder.reset()  # nothing of the failed sample stays in the decoder's arena or steps
-    release_memory()  # outside the except block, once the traceback (and the tensors it pins) is gone
+        row, oom = unless_out_of_memory(ctx, f"sample {sample.id!r}", lambda: run_sample(ctx, sample, prompt=prompt))
+    if oom is None:
+        return row
     log.warning("sample %s ran out of memory (%d prompt tokens): recorded as failed", sample.id, len(prompt.input_ids))
-    return failed_row(ctx, sample, prompt, "out_of_memory", out_of_memory)
+    return failed_row(ctx, sample, prompt, "out_of_memory", oom)
+
+
+def unless_out_of_memory(ctx: RunContext, what: str, call: Callable[[], T]) -> tuple[T | None, str | None]:
+    """(call(), None); or, where it ran out of memory, (None, the error) once nothing of it stays in the decoder's
+    arena or steps and memory is released (outside the except block, once the traceback and the tensors it pins
+    are gone). Any other error stops the run, naming `what`."""
+    try:
+        return call(), None
+    except Exception as error:  # Preempted is a BaseException and passes through
+        if not out_of_memory(error):
+            raise RuntimeError(f"{what} failed with {type(error).__name__}: {error}") from error
+        oom = f"{type(error).__name__}: {error}"
+    ctx.decoder.reset()
+    release_memory()
+    return None, oom
 
 
 def screen_sample(ctx: RunContext, sample) -> tuple[Prompt, dict[str, Any] | None]:

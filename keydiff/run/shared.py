@@ -37,8 +37,8 @@ import torch
 
 from keydiff.engine import PrefillResult, copy_state, follow_up, generate, hold, prefill
 from keydiff.run.samples import (
-    RunContext, decode_settings, failed_row, is_out_of_memory, release_memory, sample_row, sample_seed, screen_sample,
-    stop_ids_of,
+    RunContext, decode_settings, failed_row, sample_row, sample_seed, screen_sample, stop_ids_of,
+    unless_out_of_memory,
 )
 from keydiff.tasks.base import Prompt, SharedContext
 
@@ -72,17 +72,12 @@ def context_rows(ctx: RunContext, samples: list, wanted: set) -> list[dict[str, 
         why = f"another question of its context: {reason['error']}"
         return [r or failed_row(ctx, s, p, reason["failure_reason"], why)
                 for s, p, r in zip(samples, shared.questions, refused) if s.id in wanted]
-    out_of_memory = None
-    try:
-        return answer(ctx, samples, shared, wanted)
-    except Exception as error:  # Preempted is a BaseException and passes through
-        if not is_out_of_memory(error):
-            raise RuntimeError(f"context of {samples[0].id!r} failed with {type(error).__name__}: {error}") from error
-        out_of_memory = f"{type(error).__name__}: {error}"
-    ctx.decoder.reset()  # nothing of the failed context stays in the decoder's arena or steps
-    release_memory()
+    what = f"context of {samples[0].id!r}"
+    rows, oom = unless_out_of_memory(ctx, what, lambda: answer(ctx, samples, shared, wanted))
+    if oom is None:
+        return rows
     log.warning("context of %s ran out of memory: its questions are recorded as failed", samples[0].id)
-    return [failed_row(ctx, s, p, "out_of_memory", out_of_memory)
+    return [failed_row(ctx, s, p, "out_of_memory", oom)
             for s, p in zip(samples, shared.questions) if s.id in wanted]
 
 

@@ -1,9 +1,10 @@
+#!/usr/bin/env python3
 """CPU threading settings measured against each other, on a quiet machine and beside a busy process: the
 measurement keydiff.openmp.DEFAULTS (what runs, benchmarks and tests start torch with) is chosen from.
 
-    python -m keydiff.bench.threads                          # every setting x every neighbour, both workloads
-    python -m keydiff.bench.threads --workloads model --repeats 3
-    python -m keydiff.bench.threads --quick                  # tiny sizes: checks the script end to end (minutes)
+    python scripts/bench_threads.py                          # every setting x every neighbour, both workloads
+    python scripts/bench_threads.py --workloads model --repeats 3
+    python scripts/bench_threads.py --quick                  # tiny sizes: checks the script end to end (minutes)
 
 Settings (T: the CPUs this process may use, --threads to choose another): T threads with libgomp's own wait
 (GOMP_SPINCOUNT=300000: what torch does when OMP_WAIT_POLICY is unset), T threads with OMP_WAIT_POLICY=PASSIVE
@@ -117,7 +118,7 @@ def worker(args) -> None:
 
 
 def worker_command(args, workload: str, loop: bool) -> list[str]:
-    command = [sys.executable, "-m", "keydiff.bench.threads", "--worker", workload, "--model", args.model,
+    command = [sys.executable, str(Path(__file__).resolve()), "--worker", workload, "--model", args.model,
                "--length", str(args.length), "--budget", str(args.budget), "--block-size", str(args.block_size),
                "--batch", str(args.batch), "--new-tokens", str(args.new_tokens), "--tests", args.tests]
     return command + (["--loop"] if loop else [])
@@ -239,7 +240,7 @@ def main(argv: list[str] | None = None) -> None:
     missing = [t for t in args.tests.split(",") if not (common.CHECKOUT / t.split("::")[0]).exists()]
     if "tests" in workloads and missing:
         parser.error(f"--tests {','.join(missing)}: no such file under {common.CHECKOUT}")
-    started = common.provenance(__spec__.name, argv)
+    started = common.provenance("scripts.bench_threads", argv)
     compared = settings(args.threads)
     plan = [(w, n, s) for _ in range(args.repeats) for w in workloads for n in neighbours for s in compared]
     print(f"model workload: {args.model}, L={args.length}, KeyDiff N={args.budget}, B={args.block_size}, batch "

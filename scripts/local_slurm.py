@@ -1,8 +1,9 @@
+#!/usr/bin/env python3
 """A one-node SLURM cluster on this machine, for CI and the real-scheduler tests (tests/test_slurm_real.py).
 
-    python -m keydiff.run.local_slurm start    # idempotent: exits 0 once `sinfo` shows the node idle
-    python -m keydiff.run.local_slurm status
-    python -m keydiff.run.local_slurm stop
+    python scripts/local_slurm.py start    # idempotent: exits 0 once `sinfo` shows the node idle
+    python scripts/local_slurm.py status
+    python scripts/local_slurm.py stop
 
 It needs root and Debian's packages (`apt-get install -y slurm-wlm munge`, SLURM 22.05). `start` writes a
 minimal configuration (one node, this host, with its CPUs and memory; one `debug` partition; no accounting; requests the node cannot meet are refused by sbatch, as on most clusters;
@@ -26,6 +27,7 @@ from pathlib import Path
 
 CONF = Path("/etc/slurm/slurm.conf")
 STATE = Path("/var/lib/keydiff-slurm")
+# The first line of every configuration written here (its old module name kept: earlier ones are still ours).
 MARK = "# written by keydiff.run.local_slurm (one-node test cluster); delete to manage it yourself"
 PARTITION = "debug"
 NEEDED = ("munged", "slurmctld", "slurmd", "sinfo", "sbatch", "srun", "scontrol")

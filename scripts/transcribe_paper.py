@@ -1,3 +1,4 @@
+#!/usr/bin/env python3
 """Transcribe the KeyDiff paper's published numbers (Tables 1, 3-19) from its extracted text into results/paper/.
 
 Why a script and not hand-typed CSVs: every number then comes from one line of the reference text, named
@@ -15,7 +16,7 @@ Row identities (model, method, budget) of the LongBench tables come from the lin
 extracted layout is too scrambled to tell which method a line belongs to (most of Table 10, Table 13),
 the lines are not attributed at all and results/paper/README.md lists them.
 
-    python -m keydiff.paper.transcribe --text keydiff-paper.txt [--out results/paper]     # make paper-numbers TEXT=...
+    python scripts/transcribe_paper.py --text keydiff-paper.txt [--out results/paper]     # make paper-numbers TEXT=...
 
 The text is not in the repository: download the paper (arXiv 2504.15364) and extract its text (HOW_TO_GET_TEXT).
 """
@@ -497,7 +498,7 @@ def write(tables, captions, out: Path) -> None:
 README = """# The KeyDiff paper's published numbers
 
 Every number of Tables 1 and 3-19 of the KeyDiff paper (arXiv 2504.15364, NeurIPS version), transcribed by
-`keydiff/paper/transcribe.py` from the extracted text `../shared/reference/keydiff-paper.txt` (line numbers
+`scripts/transcribe_paper.py` from the extracted text `../shared/reference/keydiff-paper.txt` (line numbers
 below refer to it) and checked by `tests/test_paper_numbers.py` against what the paper derives from them.
 
 * `table<N>.csv`, one row per cell: `table, model, policy, budget, block_size, row, column, column_kind,
@@ -640,7 +641,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.text is None or not Path(args.text).is_file():
         given = "no paper text given" if args.text is None else f"{args.text} is not a file"
         exit_with_error(f"{given}: make paper-numbers TEXT=path/to/keydiff-paper.txt "
-                        f"(python -m keydiff.paper.transcribe --text PATH). {HOW_TO_GET_TEXT}")
+                        f"(python scripts/transcribe_paper.py --text PATH). {HOW_TO_GET_TEXT}")
     tables, captions = build(args.text)
     write(tables, captions, args.out)
     (args.out / "README.md").write_text(readme(tables), encoding="utf-8")
