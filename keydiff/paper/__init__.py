@@ -1,2 +1,3 @@
 """The paper: which experiments feed which of its tables (registry), its published values (reference, read
-from results/paper/*.csv, written by transcribe), and our numbers next to them (compare)."""
+from results/paper/*.csv, written by transcribe). It imports nothing above it: our numbers go next to the
+paper's in keydiff.report.against_paper."""
