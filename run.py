@@ -52,7 +52,8 @@ from omegaconf import DictConfig
 import keydiff  # noqa: F401  (registers the config resolvers; torch is imported later, on first use)
 from keydiff import openmp
 from keydiff.run import logfile
-from keydiff.run.checks import ConfigError, check_command_line, exit_with_error
+from keydiff.cli import exit_with_error
+from keydiff.run.checks import ConfigError, check_command_line
 from keydiff.run.eviction import budget_note  # noqa: F401  (run.budget_note: the closing line)
 from keydiff.run.lock import RunLock, RunLockedError
 from keydiff.run.preemption import Preempted

@@ -9,7 +9,7 @@ extra to install, in one line, not end in a ModuleNotFoundError traceback from d
 `MissingExtra` is both an ImportError (what happened) and a ValueError (what the project's configuration checks
 catch: run.py, the sweeper and the Hydra callback print a ValueError as `error: ...` before any run directory
 exists), so `logger=wandb` or `task=math500` without their package is refused like any other bad setting.
-Command-line tools catch it in their `main` and exit with its line (keydiff.run.checks.exit_with_error).
+Command-line tools catch it in their `main` and exit with its line (keydiff.cli.exit_with_error).
 """
 
 from __future__ import annotations

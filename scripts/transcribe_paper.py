@@ -29,9 +29,9 @@ import re
 from collections import Counter
 from pathlib import Path
 
+from keydiff.cli import ArgumentParser, exit_with_error
 from keydiff.paper.registry import BUDGETS as PAPER_BUDGETS
 from keydiff.paper.registry import ENGLISH, LLAMA_R1, LLAMAS, QWEN_R1, SUITE
-from keydiff.run.checks import ArgumentParser, exit_with_error
 
 # results/paper/*.csv in the repository were transcribed from one plain-text extraction of the PDF; another
 # extractor lays tables out differently, and rows it scrambles are reported as garbled, never guessed.

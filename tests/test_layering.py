@@ -19,6 +19,7 @@ ABOVE = {
     "keydiff.cache": ("keydiff.batching", "keydiff.engine", "keydiff.run"),
     "keydiff.policies": ("keydiff.cache", "keydiff.batching", "keydiff.engine", "keydiff.run"),
     "keydiff.attention": ("keydiff.cache", "keydiff.batching", "keydiff.engine", "keydiff.run"),
+    "keydiff.paper": ("keydiff.report", "keydiff.run", "keydiff.bench"),
     "keydiff.kernels": ("keydiff.attention", "keydiff.policies", "keydiff.cache", "keydiff.batching", "keydiff.engine",
                         "keydiff.run"),
 }

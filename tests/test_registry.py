@@ -15,7 +15,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from keydiff.paper import compare, registry
+from keydiff.paper import registry
+from keydiff.report import against_paper as compare
 from keydiff.report import collect, figures, render, tables
 from keydiff.report import wandb as wandb_report
 from tests.test_tables import LLAMA3B, longbench_scores, md_cell, write_run

@@ -21,7 +21,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 CONF = ROOT / "conf"
 
-from keydiff.paper import compare as paper_compare  # noqa: E402
+from keydiff.report import against_paper as paper_compare  # noqa: E402
 from keydiff.paper import registry  # noqa: E402
 from keydiff.report import collect as collect_results  # noqa: E402
 from keydiff.report import figures as make_figures  # noqa: E402

@@ -34,7 +34,8 @@ from hydra.plugins.sweeper import Sweeper
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf
 
-from keydiff.run.checks import ConfigError, check_run_config, describe_error, drop_whole_task_limit, exit_with_error
+from keydiff.cli import exit_with_error
+from keydiff.run.checks import ConfigError, check_run_config, describe_error, drop_whole_task_limit
 from keydiff.run.results import run_dir_of
 from keydiff.run.sweep import ENDED, grid_points, point_status, recap, sample_ids
 

@@ -1,10 +1,20 @@
 """Benchmarks and the GPU self-check, each runnable as ``python -m keydiff.bench.<module>``.
 
-* ``prefill``: time to first token per policy, and the share spent scoring/evicting (``make bench``).
-* ``decode``: per-token decode time and allocations at N vs full (``make bench-decode``).
-* ``scoring``: the scoring step alone vs N and B, the paper's Tables 19 and 2 (``make bench-scoring``).
-* ``gpu_check``: engine exactness per attention kernel, then both benchmarks (``make gpu-check``).
-* ``common``: model shapes, device and memory helpers, and the provenance record they all write.
+    prefill       time to first token per policy, and the share spent scoring/evicting (``make bench``)
+    decode        per-token decode time and allocations at N vs full (``make bench-decode``)
+    scoring       the scoring step alone vs N and B, the paper's Tables 19 and 2 (``make bench-scoring``)
+    throughput    decode tokens/s of many sequences at once, bounded vs full (``make bench-throughput``)
+    batch_steps   decode step time at batch 1 and k, rows grouped or each alone
+    fixed_step    the decoding step of full caches: ordinary, fixed-shape, compiled, against its floor
+    floor         the least time any implementation could take for a decoding step on this device
+    adaptive      head-adaptive budgets (AdaKV) against the uniform policy: memory and time per token
+    long_prefill  prefill peak memory and time per prompt token from L = 4K to 128K under a fixed bound
+    peers         side by side with kvpress: kept-position parity, then speed and memory (``make bench-peers``)
+    peers_env     the separate kvpress environment (`.venv-kvpress`) it runs in
+    peers_runner  one measurement of ``peers``, in a fresh process, for either project
+    gpu_check     engine exactness per attention kernel on this device, then both benchmarks (``make gpu-check``)
+    gpu_bench     every GPU row of the step's targets in one command (``make gpu-bench``)
+    common        model shapes, device and memory helpers, and the provenance record they all write
 
 Every ``python -m keydiff.bench.<module>`` imports this package first, before the module imports torch:
 the one place where the benchmarks' OpenMP settings can be set in time (keydiff.openmp).

@@ -28,7 +28,7 @@ import torch
 
 from keydiff import build_policy, generate, prefill
 from keydiff.bench import common
-from keydiff.run.checks import ArgumentParser
+from keydiff.cli import ArgumentParser
 
 BYTES_TARGET, DECODE_TARGET = 1.05, 1.25
 

@@ -42,7 +42,7 @@ import torch
 
 from keydiff import Decoder, build_policy, generate, prefill
 from keydiff.bench import common
-from keydiff.run.checks import ArgumentParser
+from keydiff.cli import ArgumentParser
 
 
 def run_once(model, prompt, name: str, budget: int | None, block: int, new_tokens: int, decoder=None):

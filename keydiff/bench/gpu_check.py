@@ -73,7 +73,7 @@ import keydiff
 from keydiff import available_policies, generate, prefill
 from keydiff.bench import common
 from keydiff.config import STATISTICS_MODES
-from keydiff.run.checks import ArgumentParser
+from keydiff.cli import ArgumentParser
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
 # Fast vs materialized kept-set agreement required in bf16. Random weights give near-uniform attention, so

@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from keydiff.bench import common, peers_env
-from keydiff.run.checks import ArgumentParser
+from keydiff.cli import ArgumentParser
 
 RUNNER = Path(__file__).with_name("peers_runner.py")
 CONF = common.CHECKOUT / "conf" / "policy"

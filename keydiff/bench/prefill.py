@@ -32,7 +32,7 @@ import torch
 from keydiff import Decoder, build_policy, prefill
 from keydiff.bench import common
 from keydiff.config import STATISTICS_MODES
-from keydiff.run.checks import ArgumentParser
+from keydiff.cli import ArgumentParser
 
 
 def prefill_run(model, prompt, name: str, args, profile: bool, decoder=None):

@@ -37,7 +37,7 @@ from keydiff.bench import common
 from keydiff.config import STATISTICS_MODES
 from keydiff.policies import build_policy
 from keydiff.policies.base import LayerView
-from keydiff.run.checks import ArgumentParser
+from keydiff.cli import ArgumentParser
 
 SHAPES = {"smollm2-135m": common.SMOLLM2_135M, "llama-3.2-3b": common.LLAMA_3_2_3B, "tiny": common.TINY}
 POLICIES = ("keydiff", "tova", "h2o", "snapkv", "sink")

@@ -1,6 +1,12 @@
-"""The evicting KV cache: `Storage` owns the tensors and the entry count (of one layer, or of every layer
-stacked), `EvictingLayer` is one layer's view of it as transformers sees a layer, `EvictingCache` the
-transformers Cache that plans the storages and evicts. See keydiff.cache.cache for the design."""
+"""The evicting KV cache.
+
+    cache.py      EvictingCache: the transformers Cache that plans the storages and evicts (the design)
+    layer.py      EvictingLayer: one layer as transformers sees it, a view of its plane in a Storage
+    storage.py    Storage: the tensors and the entry count of one layer, or of every layer stacked
+    adaptive.py   head-adaptive budgets (AdaKV): a pool of per-head segments holding at most the layer's total
+    sliding.py    sliding-window layers of hybrid models: bounded by their window, never evicted
+    placement.py  where each layer's keys will live (device, dtype), read from the model before any pass
+"""
 
 from keydiff.cache.cache import EvictingCache
 from keydiff.cache.layer import EvictingLayer

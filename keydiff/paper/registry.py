@@ -2,7 +2,7 @@
 models, budgets, block sizes and datasets, the table's layout kind, and how policies are named.
 
 Why one registry: the tables (keydiff.report.tables), the cell-by-cell comparison with the paper
-(keydiff.paper.compare), the figures index (keydiff.report.figures) and the W&B reports
+(keydiff.report.against_paper), the figures index (keydiff.report.figures) and the W&B reports
 (keydiff.report.wandb, through keydiff.paper.reference) all read this module, so adding an experiment to a
 table, or renaming a policy, is one edit here.
 
@@ -209,7 +209,7 @@ FIGURES = [
 ]
 
 # ----------------------------------------------------------------------------- the comparison
-# |ours - paper| above these is "outside" (keydiff.paper.compare's docstring says why each).
+# |ours - paper| above these is "outside" (keydiff.report.against_paper's docstring says why each).
 TOLERANCES = {"score": 2.0, "longbench_avg": 1.0, "flex": 0.03, "exact": 0.03, "compression_ratio": 0.03,
               "accuracy": 0.2, "recall_difference": 0.1, "spearman_rho": 0.05}
 RELATIVE_TOLERANCES = {"avg_gen_length": 0.10, "relative_latency": 0.5}  # fractions of the paper's value

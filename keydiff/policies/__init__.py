@@ -10,6 +10,26 @@ fraction=0.2)`, which Python users may also write themselves.
 A dotted path names a policy written anywhere else (`build_policy("my_lab.policies.MyPolicy", alpha=0.3)`):
 the module is imported and the class must subclass `Policy` and be a @dataclass itself (what
 `policy=custom policy.target=...` runs). `keydiff.testing.check_policy` checks a class against the contract.
+
+    base         what a policy is (Policy, LayerView), and layer_by_layer, the reference of a stacked choice
+    full         no eviction (the baseline)
+    keydiff      KeyDiff (paper §3.2) and its pairwise form
+    knorm        L2-norm of the keys
+    sink         StreamingLLM: the first tokens plus the most recent
+    recent       the most recent tokens only
+    h2o          H2O: accumulated attention
+    tova         TOVA: the last query's attention
+    snapkv       SnapKV, block by block
+    random       seeded random eviction (a floor)
+    lagkv        LagKV: each chunk scored against the next
+    chunkkv      ChunkKV: whole chunks of consecutive positions
+    kvzip        KVzip: query-agnostic, with a context reconstruction pass
+    expected_attention  Expected Attention: the attention future queries will pay
+    criticalkv   CriticalKV: output-aware scores
+    adakv        AdaKV: head-adaptive budgets within a layer
+    wrappers     a recent window and per-layer budgets around any policy
+    layer_budgets  how a budget is split across layers (uniform, PyramidKV)
+    rerotation   key re-rotation after eviction
 """
 
 from __future__ import annotations

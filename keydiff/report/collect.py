@@ -53,7 +53,7 @@ import pandas as pd
 from keydiff.paper.registry import LONGBENCH, baseline_experiment
 from keydiff.report.render import grouped_mean_se, standard_error
 from keydiff.run import invocations
-from keydiff.run.checks import ArgumentParser
+from keydiff.cli import ArgumentParser
 from keydiff.run.results import RENAMED_STATISTICS, current_names, is_moved_aside, run_summaries, successful_rows
 from keydiff.run.shard_merge import UP_TO_DATE, grid_point_summaries, merge_all
 from keydiff.run.tracking import HEADLINE, flatten

@@ -54,7 +54,7 @@ from keydiff.report import index as results_index  # noqa: E402
 from keydiff.report.collect import add_results_arguments, ensure_summary, longbench_dataset, read_predictions, task_family  # noqa: E402
 from keydiff.report.render import NA, NOTHING_EVICTED, SUBSET, budget_ratio, budget_tokens, interval, metric_range  # noqa: E402
 from keydiff.report.selection import load, pick  # noqa: E402
-from keydiff.run.checks import ArgumentParser
+from keydiff.cli import ArgumentParser
 
 STYLE = {"svg.hashsalt": "keydiff", "font.size": 8, "axes.titlesize": 9, "figure.dpi": 100, "savefig.dpi": 150}
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from keydiff.run.checks import ArgumentParser, exit_with_error
+from keydiff.cli import ArgumentParser, exit_with_error
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_RATES = ROOT / "results" / "bench" / "gpu_rates_h200.json"

@@ -28,7 +28,7 @@ import pandas as pd
 from keydiff.report.collect import read_predictions, standard_errors
 from keydiff.run.shard_merge import grid_point_summaries, stale_points
 from keydiff.report.render import budget_tokens, decimals, format_estimate, marks, missing
-from keydiff.run.checks import ArgumentParser
+from keydiff.cli import ArgumentParser
 
 TASKS = ("niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2",
          "niah_multikey_3", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe", "qa_1", "qa_2")

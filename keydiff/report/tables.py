@@ -14,7 +14,7 @@ cell, Table 8 counts prompts: no interval there.
 
 Which experiments, policies, models, budgets and datasets feed each table: keydiff/paper/registry.py (one
 declaration per table; the builders below lay out what it selects). Beside them: <table>_vs_paper (ours
-next to results/paper/, keydiff/paper/compare.py), generic/ (every experiment and task, whatever ran:
+next to results/paper/, keydiff/report/against_paper.py), generic/ (every experiment and task, whatever ran:
 keydiff/report/generic.py) and the index results/README.md (keydiff/report/index.py).
 
     python -m keydiff.report.tables [--summary results/summary.csv] [--out results/tables]
@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from keydiff.paper import compare
+from keydiff.report import against_paper as compare
 from keydiff.paper.registry import GEN_LENGTH, LONGBENCH, PROMPT_BINS, SUITE, TABLES, PaperTable, display_name
 from keydiff.report import generic, leaderboard, protocol
 from keydiff.report import index as results_index
@@ -38,7 +38,7 @@ from keydiff.report.collect import add_results_arguments, ensure_summary
 from keydiff.report.selection import load, select
 from keydiff.report.render import (INTERVAL_NOTE, NA, best_mask, budget_tokens, combined_se, format_estimate,
                                    marks, metric_range, plural, with_intervals, write_table)
-from keydiff.run.checks import ArgumentParser
+from keydiff.cli import ArgumentParser
 
 UNIT, PERCENT = (0.0, 1.0), (0.0, 100.0)  # the range of a score: 0-1, or LongBench's 0-100
 
@@ -128,7 +128,7 @@ def compression(df, out, table: PaperTable) -> bool:
     frame = per_dataset("cr/").dropna(how="all")
     se, n = per_dataset("se/cr/").reindex(frame.index), per_dataset("metrics/num_samples/").reindex(frame.index)
     # The paper's average is over prompts (§F.3: "0.31 ... indicates 69% of input prompts are compressed"), as
-    # in keydiff.paper.compare: datasets weighted by their prompts, the SE sqrt(sum (n_d / n * SE_d)^2).
+    # in keydiff.report.against_paper: datasets weighted by their prompts, the SE sqrt(sum (n_d / n * SE_d)^2).
     total = n.sum(axis=0, min_count=len(n))
     frame.loc["Average"] = (frame * n).sum(axis=0, min_count=len(n)) / total
     se.loc["Average"] = np.sqrt(((n / total * se) ** 2).sum(axis=0, min_count=len(n)))

@@ -44,7 +44,7 @@ from keydiff.extras import MissingExtra, require
 from keydiff.paper.reference import paper_values, read_tables
 from keydiff.paper.registry import table_numbers
 from keydiff.report.render import budget_tokens, plural
-from keydiff.run.checks import ArgumentParser, exit_with_error
+from keydiff.cli import ArgumentParser, exit_with_error
 from keydiff.run.results import is_moved_aside
 from keydiff.run.shards import is_shard_dir
 from keydiff.run.tracking import headline

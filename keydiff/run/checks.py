@@ -14,28 +14,27 @@ own constraints) is checked by the runner's `plan_run`, still before the model i
 
 A task.limit at or above the task's size selects every sample: `drop_whole_task_limit` makes it null before
 the run directory is named (single runs here, sweeps in the sweeper), so it is the whole run's directory.
-`ArgumentParser` gives the project's other command-line tools (the make targets) the same one-line errors.
+keydiff.cli gives the project's other command-line tools (the make targets) the same one-line errors.
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
 import itertools
 import logging
 import os
 import re
 import ssl
-import sys
 import threading
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any, NoReturn, Sequence
+from typing import Any, Sequence
 
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from keydiff import extras
+from keydiff.cli import exit_with_error
 from keydiff.config import STATISTICS_MODES, ratio_label
 from keydiff.run.results import run_dir_of
 from keydiff.run.shards import parse_shard
@@ -514,26 +513,6 @@ def check_command_line(argv: Sequence[str], conf_dir: str | os.PathLike, config_
     if sweeps and not multirun and str(cfg.hydra.get("mode")) != "RunMode.MULTIRUN":  # an experiment may sweep
         exit_with_error(f"{sweeps[0]} lists several values: add -m to run one job per value (a sweep), or write "
                         "key=[a,b] for a list, key='a,b' for a string")
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    """argparse for the project's command-line tools (the make targets): a user's mistake is run.py's one line,
-    `error: <message>`, and exit status 2, not a usage block followed by the message."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        main = getattr(sys.modules.get("__main__"), "__spec__", None)  # `python -m keydiff.x`: name the module
-        if "prog" not in kwargs and main is not None and main.name.startswith("keydiff"):
-            kwargs["prog"] = f"python -m {main.name}"
-        super().__init__(*args, **kwargs)
-
-    def error(self, message: str) -> NoReturn:
-        exit_with_error(f"{message} (usage: {self.prog} --help)")
-
-
-def exit_with_error(message: str, code: int = 2) -> NoReturn:
-    """Print `error: <message>` on stderr and exit: user errors get one line, not a traceback."""
-    print(f"error: {message}", file=sys.stderr, flush=True)
-    raise SystemExit(code)
 
 
 def _check_single_run(config: DictConfig) -> None:

@@ -27,8 +27,8 @@ from hydra.errors import HydraException
 from omegaconf import OmegaConf
 
 import keydiff  # noqa: F401  (config resolvers)
-from keydiff.run.checks import (ArgumentParser, check_command_line, describe_error, drop_whole_task_limit,
-                                exit_with_error)
+from keydiff.cli import ArgumentParser, exit_with_error
+from keydiff.run.checks import check_command_line, describe_error, drop_whole_task_limit
 from keydiff.run.results import run_dir_of
 from keydiff.run.sweep import PointStatus, grid_points, point_status, sample_ids
 
