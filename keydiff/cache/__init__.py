@@ -1,11 +1,11 @@
-"""The evicting KV cache.
+"""The evicting KV cache (design: docs/design/cache.md).
 
-    cache.py      EvictingCache: the transformers Cache that plans the storages and evicts (the design)
+    cache.py      EvictingCache: the transformers Cache that plans the storages and evicts
     layer.py      EvictingLayer: one layer as transformers sees it, a view of its plane in a Storage
     storage.py    Storage: the tensors and the entry count of one layer, or of every layer stacked
-    adaptive.py   head-adaptive budgets (AdaKV): a pool of per-head segments holding at most the layer's total
+    adaptive.py   head-adaptive budgets (AdaKV): a pool of per-head segments
     sliding.py    sliding-window layers of hybrid models: bounded by their window, never evicted
-    placement.py  where each layer's keys will live (device, dtype), read from the model before any pass
+    placement.py  where each layer's keys will live (device, dtype)
 """
 
 from keydiff.cache.cache import EvictingCache

@@ -1,42 +1,11 @@
 """One layer with head-adaptive budgets (AdaKV): a pool of per-head segments that holds at most the layer's total.
 
-With head-adaptive budgets (keydiff.policies.adakv) the heads of a layer keep different numbers of entries,
-T = kv_heads x N in all. Dense [batch, kv_heads, entries, dim] buffers would have to be as long as the
-largest head, i.e. hold up to kv_heads x T entries (and kvpress's `AdaKVPress` keeps the whole prompt and
-masks it). Here a layer is one pool instead:
+Each (batch row, KV head) owns a contiguous segment of a [batch, P, dim] pool, P = kv_heads x (N + B), so a
+layer holds at most kv_heads x N entries after eviction whatever the split between heads. `PoolStack` puts
+every bounded pool in one allocation so a pool-scoring policy evicts all layers in one call (`evict_pools`).
+Such a layer must run under `keydiff.keydiff_attention(model, cache)`.
 
-    keys/values [batch, P, dim], positions [batch, P], policy state {name: [batch, P]},   P = kv_heads x (N + B)
-
-the same bytes as the uniform buffers [batch, kv_heads, N + B, dim]. Every (batch row, KV head) owns a
-contiguous segment [start, start + count) of its row, in no fixed order of heads, with free cells after it
-up to the next segment (`limit`). What a layer holds is therefore at most T + kv_heads x B entries (T after
-eviction, plus the block being processed), never more, whatever the split between heads.
-
-Writes. A pass's q new entries of each head are appended at the end of that head's segment, so a segment is
-always "kept entries, then the pass's own tokens": attention over one segment with the bottom-right causal
-mask is exact (keydiff.attention computes each head over its own segment, SDPA per batch row and KV head).
-If some head has no room for q more, the row is laid out again first (`relayout`: every segment moved to
-the front of its new place, the free cells shared evenly between heads; a transient gather of one row of
-one layer). When the pool itself is too small (e.g. keeping every generated token), it grows (counted in
-`allocations`).
-
-Eviction. Each head is viewed on its own (a `LayerView` of batch 1 and one KV head: its entries, its
-attention statistic, its group's slice of the query statistics), the policy's `keep_heads` chooses what
-every head of the row keeps (a global top-k over the row's heads), and each segment is compacted in place:
-its surviving entries past the new count move into the cells of its dropped ones (only moved entries are
-written, as in keydiff.cache.storage). Decoding (B = 1) runs the same global choice after every token; a
-head that gains an entry uses its free cells, and the row is laid out again only when some head has none
-left (every ~B tokens at most), so the per-token cost is the scoring plus a few moved entries. (Freezing each
-head's count after prefill and replacing in place would need the same per-head scoring and stop adapting.)
-
-All layers at once. The cache gives its bounded head-adaptive layers one allocation (`PoolStack`, each pool a
-plane of it) and, for a scorer that scores whole pools (KeyDiff: `Policy.scores_pools`), evicts every layer in
-one call (`evict_stack` -> `evict_pools`): one cell -> head map for all rows, the policy's `drop_pool` (AdaKV's
-choice over every row at once) and one gather and scatter per buffer for the same moves as `compact`. Other
-scorers are chosen head by head, layer by layer, as above. A pool that grows leaves the stack.
-
-A pool is not what transformers' own attention functions expect: such a layer must run under
-`keydiff.keydiff_attention(model, cache)` (the cache refuses otherwise).
+Design: docs/design/cache.md#head-adaptive-budgets-adaptivepy
 """
 
 from __future__ import annotations
@@ -52,13 +21,9 @@ from keydiff.policies.base import LayerView, Policy, PoolView
 
 
 class PoolStack:
-    """The pools of several head-adaptive layers in one allocation, [layers, batch, P, ...]: what lets one
-    eviction score, choose and compact every layer's rows in one set of kernels (`evict_pools`), as the uniform
-    cache's stack does for dense layers. A decoding step otherwise costs a few dozen small kernels per layer.
-
-    Each layer's `AdaptiveStorage` still owns its segments and counts; only its buffers are views of its plane
-    here (`claim`). A layer whose first pass does not fit (other batch, heads, head dim, dtype) or whose pool
-    must grow takes buffers of its own, and the layers are then evicted one by one.
+    """The pools of several head-adaptive layers in one allocation, [layers, batch, P, ...], so one eviction
+    scores, chooses and compacts every layer's rows at once (`evict_pools`). Each `AdaptiveStorage` still owns its
+    segments and counts; a layer that does not fit or must grow takes buffers of its own.
     """
 
     def __init__(self, layers: tuple[int, ...]):
@@ -71,8 +36,7 @@ class PoolStack:
 
     def claim(self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor, per_head: int,
               state_names: tuple[str, ...]) -> tuple | None:
-        """(keys, values, positions, state) of `layer`'s plane for a first pass like `key_states` with `per_head`
-        cells per KV head; the first claim allocates every layer's plane (zero-filled). None if it does not fit."""
+        """Buffers of `layer`'s plane for a first pass like `key_states` (the first claim allocates all); None if it does not fit."""
         batch, heads = key_states.shape[:2]
         shape = (batch, heads, key_states.shape[-1], value_states.shape[-1], key_states.dtype, value_states.dtype,
                  key_states.device, per_head)
@@ -95,8 +59,7 @@ class PoolStack:
 class AdaptiveStorage:
     """The pool of one head-adaptive layer: per-head segments, one entry count per (batch row, KV head).
 
-    budget: N, so the layer keeps kv_heads x N entries in all. capacity: cells per KV head the pool is first
-    allocated with (N + B, so the pool is kv_heads x (N + B); None: sized from the first pass).
+    budget: N (the layer keeps kv_heads x N). capacity: cells per KV head first allocated (None: from the first pass).
     """
 
     def __init__(self, layer: int, budget: int, capacity: int | None, state_names: tuple[str, ...] = (),
@@ -156,8 +119,7 @@ class AdaptiveStorage:
 
     @property
     def num_entries(self) -> int:
-        """Entries per KV head averaged over the heads (the fullest batch row's), rounded up: <= N exactly when
-        the layer holds no more than its total, so comparisons with the budget mean what they do elsewhere."""
+        """Entries per KV head averaged over heads (fullest row), rounded up: <= N exactly when within the total."""
         return math.ceil(max(self.row_totals(), default=0) / self.heads) if self.heads else 0
 
     @property
@@ -195,9 +157,7 @@ class AdaptiveStorage:
         return [self.keys, self.values, self.positions, *self.state.values()]
 
     def relayout(self, room: int) -> None:
-        """Lay every row out again: each head's entries at the front of its new segment, the free cells shared
-        evenly (at least `room` per head; the pool grows, at least doubling, if it cannot give that: only when
-        generated tokens are all kept, since a bounded pool, kv_heads x (N + B), holds T plus a block)."""
+        """Lay every row out again: each head's entries at the front of its new segment, at least `room` free cells each."""
         heads = self.heads
         needed = max(self.row_totals()) + heads * room
         if needed > self.pool:  # grow (at least double): new buffers, the valid entries copied over
@@ -272,8 +232,7 @@ class AdaptiveStorage:
         return self.keys, self.values
 
     def segments(self) -> list[list[tuple[int, int]]]:
-        """(start, count) of every head's segment, [batch][head]: what keydiff's attention function computes
-        each head over. Asking marks the pass as served by it (the check in `require_served`)."""
+        """(start, count) of every head's segment, [batch][head]; asking marks the pass served (`require_served`)."""
         self.served = True
         return [list(zip(sr, cr)) for sr, cr in zip(self.starts, self.counts)]
 
@@ -286,10 +245,9 @@ class AdaptiveStorage:
             )
 
     def set_state(self, cells: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
-        """Set the policy state of the entries at `cells` (flat pool indices, row-major [batch, kv_heads, q])
-        from a dense view of them (keys/values [batch, kv_heads, q, dim], positions [batch, kv_heads, q]): the
-        policy's `entry_state` with the layer's whole o_proj weight, so that a function of each entry (KeyDiff's,
-        LagKV's, CriticalKV's ||W_o v||_1 per KV group) sees them as it sees a uniform layer's, in one call."""
+        """Set the policy state of the entries at `cells` (flat pool indices) from a dense view of them, with the
+        layer's whole o_proj weight, so `entry_state` sees them as for a uniform layer.
+        """
         initial = {}
         if self.entry_state is not None:
             initial = self.entry_state(LayerView(keys=keys, values=values, positions=positions, attention=None,
@@ -301,11 +259,7 @@ class AdaptiveStorage:
             buffer.view(-1).index_copy_(0, cells, fresh)
 
     def initialize_state(self) -> None:
-        """Set the policy state of the entries whose state `write` deferred: those of a policy that needs the
-        output projection, written before the attention function first recorded it (the layer's first pass).
-        Every head got the same passes, so they are the last `fresh` of every segment (relayout keeps a
-        segment's order; nothing is compacted before this runs): gathered into one dense view for `set_state`.
-        """
+        """Set the state `write` deferred (policies needing o_proj): the last `fresh` entries of every segment."""
         fresh, self.fresh = self.fresh, 0
         if not fresh or self.keys is None:
             return
@@ -321,9 +275,7 @@ class AdaptiveStorage:
 
     # --- views and eviction -----------------------------------------------------------------------
     def head_output_projection(self, head: int) -> torch.Tensor | None:
-        """The o_proj columns of KV head `head`'s group of query heads (query head j reads KV head
-        j // groups, transformers' repeat_kv): what a one-head view's `output_projection` is, so that a policy
-        mapping heads as for a dense layer (keydiff.policies.criticalkv.output_norms) reads this head's."""
+        """The o_proj columns of KV head `head`'s group of query heads (transformers' repeat_kv mapping)."""
         weight = self.output_projection[0]
         if weight is None:
             return None
@@ -352,9 +304,8 @@ class AdaptiveStorage:
     def evict(self, policy: Policy, inv_freq: torch.Tensor | None = None, rotary_end: int | None = None,
               drop: bool = True) -> None:
         """Observe the last pass's statistics, then keep T entries per batch row (the policy's `keep_heads`);
-        drop=False observes only (EvictingCache.evict).
-        `inv_freq`/`rotary_end` (key re-rotation, as `Storage.evict`): re-rotation is not supported with
-        head-adaptive budgets (build_policy refuses the combination; a policy composed by hand fails here)."""
+        drop=False observes only. Key re-rotation is not supported here.
+        """
         if policy.key_rerotation is not None:
             raise RuntimeError(f"{self.where()}: key re-rotation is not supported with head-adaptive budgets")
         if self.keys is None:
@@ -384,8 +335,7 @@ class AdaptiveStorage:
         self.attention = [None]
 
     def compact(self, row: int, keep: list[torch.Tensor]) -> None:
-        """Keep the entries `keep` marks (bool [count] per head) in place: in each segment, the kept entries
-        past its new count move into its dropped cells below it (k-th such source to the k-th such hole)."""
+        """Keep the entries `keep` marks in place: kept entries past each segment's new count fill its dropped cells."""
         holes, sources, counts = [], [], []
         for start, count, mask in zip(self.starts[row], self.counts[row], keep):
             kept = int(mask.sum())
@@ -417,18 +367,14 @@ class AdaptiveStorage:
 
 
 def chooses_pools(policy: Policy) -> bool:
-    """Whether `policy` chooses on whole pools (`evict_pools`): a head-adaptive policy whose scorer scores pools
-    and needs no attention or query statistics (KeyDiff, kept out of every wrapper but HeadAdaptive)."""
+    """Whether `policy` chooses on whole pools: head-adaptive, pool-scoring, needing no attention or query statistics."""
     return policy.chooses_pools and policy.attention_rows == 0 and not policy.needs_queries
 
 
 def evict_pools(storages: list[AdaptiveStorage], buffers: list[torch.Tensor], policy: Policy, budget: int) -> None:
-    """Choose and compact the rows of `storages` in one set of kernels: each storage's batch rows, in order, are
-    the rows of `buffers` (keys, values, positions, then the policy state: [rows, P, ...], one pool size).
-
-    The choice is `policy.drop_pool` (AdaKV over whole pools), the moves the same as `compact`'s: in every
-    segment, the k-th surviving entry past the new count moves into the k-th dropped cell below it (one
-    gather and one scatter per buffer for all rows), so the layout is what row-by-row eviction leaves."""
+    """Choose and compact the rows of `storages` in one set of kernels (`buffers`: keys, values, positions,
+    state as [rows, P, ...]), with `policy.drop_pool` and the same moves as `compact`.
+    """
     keys, values, positions, *states = buffers
     device, (rows, pool_size) = keys.device, keys.shape[:2]
     starts = torch.tensor([row for storage in storages for row in storage.starts], device=device)  # [rows, heads]
@@ -455,8 +401,7 @@ def evict_pools(storages: list[AdaptiveStorage], buffers: list[torch.Tensor], po
 
 
 def evict_stack(storages: list[AdaptiveStorage], policy: Policy) -> bool:
-    """Evict every storage of one `PoolStack` at once (`evict_pools` over all their rows) if it can: all are
-    cells of the same stack, in its order, have been written and chose by pools. False: evict them one by one."""
+    """Evict every storage of one `PoolStack` at once if possible; False: evict them one by one."""
     stack = storages[0].stack if storages else None
     if (stack is None or stack.keys is None or not chooses_pools(policy) or policy.key_rerotation is not None
             or [s.layers[0] for s in storages] != list(stack.layers) or not all(s.in_stack for s in storages)):

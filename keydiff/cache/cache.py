@@ -1,57 +1,12 @@
 """A transformers Cache whose layers stay within a fixed token budget (paper Eq. 6), in preallocated buffers.
 
-`EvictingCache` is an ordinary `transformers.Cache` made of `EvictingLayer`s, so any model that takes a
-cache (`cache=`; `past_key_values=` before transformers 5.24) can use it unchanged, in any decoding loop:
+`EvictingCache` is an ordinary `transformers.Cache`, usable by any model in any decoding loop. It plans the
+storages (one stack when the policy and budgets allow), evicts after each pass or when `evict()` is called,
+counts tokens seen (`get_seq_length`) apart from entries held (`entries_held`), and tells the attention
+function what to record. Head-adaptive layers are pools (adaptive.py); sliding-window layers keep
+transformers' semantics (sliding.py).
 
-    out = model(input_ids=next_ids, cache=cache, use_cache=True)   # position_ids optional
-
-Nobody steers it from outside: it decides what to do from what it is given (the passes written into it,
-`evict()` after a pass, `start_generation(new_tokens, evict=...)` before decoding), keeps its own timings
-(`timed`), and tells the attention function what to record through public methods.
-
-Memory. Buffers are allocated once per sequence by a `Storage` (keydiff.cache.storage): keys, values,
-absolute positions and the policy's per-entry state, with room for `budget + block_size` entries (a prefill
-block, or one token while decoding, on top of the kept entries). Nothing proportional to the cache size is
-allocated or copied after the first block: only the new entries move.
-
-Stack. When every layer has the same budget and the policy scores each batch row on its own
-(`Policy.layers_batchable`), every layer lives in one storage (one [layers, batch, ...] allocation, one entry
-count): each layer is a view of its plane, and eviction scores all layers' rows in one call. Otherwise each
-layer has a storage of its own. With `layer_placements` (each layer's key device and dtype, which the engine
-reads from the model: a model across several GPUs, or layers of other dtypes) there is one stack per placement,
-so no stack holds a plane for a layer that could not use it. A layer whose first pass does not fit its stack
-anyway (other head count or head dim, or an unforeseen placement) takes buffers of its own, and the stack is
-split into one storage per layer.
-
-Head-adaptive budgets. For a policy with `head_adaptive` (AdaKV, keydiff.policies.adakv) the heads of a layer
-share its budget, kv_heads x N in all, and keep different counts: each bounded layer is then a pool of per-head
-segments of its own (keydiff.cache.adaptive) holding at most that total plus the block, and must run under
-keydiff's attention function, which computes every head over its own segment. With equal budgets the pools
-are planes of one allocation (`PoolStack`), and a policy that chooses on whole pools (AdaKV over KeyDiff)
-evicts every layer in one call, as the dense stack does.
-
-Position. The cache counts the tokens it has seen, so `get_seq_length()` is the absolute position of the
-next token (what transformers relies on: `cache_position` and `position_ids` when none are given, and
-`generate`'s slicing of the prompt) while `entries_held()` is what a layer holds: after prefill of 3058
-tokens with N = 1024, 3058 and 1024. Masks for transformers' own attention functions are sized from it
-(`get_mask_sizes`), so attention-free policies work with stock sdpa/eager/FlashAttention too. The one
-exception is contiguous key re-rotation (keydiff.policies.rerotation), where the next token's position
-follows the kept keys: `get_seq_length()` and the masks then use `next_position()`.
-
-Key re-rotation. For a policy with `key_rerotation`, each storage re-applies RoPE to its kept keys after
-each eviction (`Storage.rerotate`, with the inverse frequencies from the model `config` given here).
-
-Sliding windows. A model with sliding-window layers (Gemma 2/3, gpt-oss: `layer_types` in its config) keeps
-transformers' semantics there: such a layer is a `SlidingWindowLayer` (keydiff.cache.sliding) holding at most the
-window less one entry, never evicted, and the policy bounds the full-attention layers. A model whose every layer
-slides (Mistral v0.1) is evicted on top of its window when N < window (its layers are then ordinary evicting
-layers; keydiff's attention function masks each key by its position and the window); with N >= window the
-window already bounds it and its layers are sliding layers (a warning says so).
-
-Eviction. A storage evicts itself when its first layer's next pass arrives (before the new entries are
-written) and `evict()` does it for every storage at once (what the engine calls after every forward pass,
-so after a call each layer holds at most `budget` entries). Either way the policy sees the same entries
-and the same attention statistic, so a plain loop and `keydiff.generate` choose the same tokens.
+Design: docs/design/cache.md
 """
 
 from __future__ import annotations
@@ -85,20 +40,9 @@ LOG = logging.getLogger(__name__)
 class EvictingCache(Cache):
     """KV cache bounded to `budget` entries per layer and KV head, in buffers allocated once per sequence.
 
-    budget=None means no bound (the `full` policy). block_size: the largest pass expected (the prefill
-    block); bounded layers hold budget + block_size entries. max_tokens: the prompt's length (what the
-    sequence is expected to reach), which sizes unbounded layers; when given, feeding the same prompt again
-    once it has been consumed is refused (see `update`). Buffers grow (and say so in `allocations`) only if a
-    pass or a sequence outgrows them. `statistics` chooses how attention-based policies get their
-    attention: "fast" computes only the rows they need next to the fused attention kernel, "materialized"
-    runs eager attention and reads its weights (the paper's latency setting). profile=True synchronises the
-    GPU around every statistic and eviction so that `timings` are the kernels' time; it slows the run down,
-    so never time TTFT with it. compressed_tokens: the tokens eviction sees, if fewer than max_tokens (a
-    held suffix); a per-layer schedule is sized from them. config: the model's (text) config, needed only by a policy with
-    `key_rerotation` (the RoPE frequencies the kept keys are re-rotated with) and by a model with sliding-window
-    layers. layer_placements: where each layer's keys will live, e.g. (device, dtype) per layer
-    (`keydiff.cache.placement.layer_placements(model)`): stacks then group only layers of one placement, so no
-    stack holds a plane a layer on another device or of another dtype could not use (None: one placement).
+    budget=None: unbounded. block_size: the largest pass (bounded layers hold budget + block_size). max_tokens:
+    the prompt's length. statistics: "fast" or "materialized". profile: synchronise around statistics and
+    eviction (kernel timings). config and layer_placements: see docs/design/cache.md#the-cache.
     """
 
     def __init__(
@@ -147,8 +91,7 @@ class EvictingCache(Cache):
 
     @staticmethod
     def _rerotation_frequencies(policy: Policy, config: Any) -> torch.Tensor | None:
-        """RoPE inverse frequencies (float64) for a policy that re-rotates keys, from the model config as
-        transformers computes them (scaled RoPE types included); None for every other policy."""
+        """RoPE inverse frequencies (float64) for a re-rotating policy, from the model config; else None."""
         if policy.key_rerotation is None or not policy.evicts:
             return None
         if config is None:
@@ -159,8 +102,7 @@ class EvictingCache(Cache):
         return rope_frequencies(config, head_dim)[0]
 
     def _sliding_layers(self) -> frozenset[int]:
-        """The layers served by a `SlidingWindowLayer`: every sliding one, except in a model whose every layer
-        slides and whose budget is below the window (evicted on top of the window, see the module)."""
+        """The layers served by a `SlidingWindowLayer` (see docs/design/cache.md#sliding-window-layers-slidingpy)."""
         windows = [w for w in self.windows if w is not None]
         if not windows:
             return frozenset()
@@ -179,8 +121,7 @@ class EvictingCache(Cache):
         return frozenset(i for i, w in enumerate(self.windows) if w is not None)
 
     def _plan_layers(self) -> list[EvictingLayer | SlidingWindowLayer]:
-        """The layers on their storages: one shared stack when the policy and the budgets allow, else one each;
-        sliding-window layers on their own (see the module)."""
+        """The layers on their storages: one shared stack when the policy and budgets allow, else one each."""
         policy, count = self.policy, self.num_layers
         # Each layer's own budget N_l (None: never evicted): the policy's layer schedule, uniform by default.
         budgets = [None] * count if self.budget is None else policy.budgets(self.budget, count, self.compressed_tokens)
@@ -232,8 +173,7 @@ class EvictingCache(Cache):
 
     @property
     def evicted_layers(self) -> list[EvictingLayer]:
-        """The layers that live in storages (every layer but the sliding-window ones). Listed once per layer
-        list (`reset` plans a new one): every row of a batch asks at every step. Read it, never change it."""
+        """The layers that live in storages (all but sliding-window ones); cached per layer list, read-only."""
         if getattr(self, "_evicted_of", None) is not self.layers:
             self._evicted = [layer for layer in self.layers if not isinstance(layer, SlidingWindowLayer)]
             self._evicted_of = self.layers
@@ -241,8 +181,7 @@ class EvictingCache(Cache):
 
     @staticmethod
     def _bounded_capacity(budget: int, block_size: int | None, max_tokens: int | None) -> int | None:
-        """Entries for a layer bounded to `budget`: budget + block (never more than the whole prompt), at least
-        budget + 1 for decoding; None (sized from the first pass) if neither block nor length is known."""
+        """Entries for a layer bounded to `budget`: budget + block (at most the prompt), at least budget + 1; None if unknown."""
         if not (block_size or max_tokens):
             return None
         capacity = budget + (block_size or max_tokens)
@@ -308,11 +247,9 @@ class EvictingCache(Cache):
         return layer.update(key_states, value_states, position=self._pass_position if self.contiguous else None)
 
     def note_written(self, layer_idx: int, q: int) -> None:
-        """Account for a pass of q tokens whose keys and values the caller already wrote into this layer's plane of
-        its block slot (rows decoding as one group write theirs in one copy: keydiff.batching.blocks.write_groups):
-        what `update` does for a layer after the pass's first one, without the copy, and returning nothing
-        (`returned_keys` is None: the group's attention reads the block). The first evicted layer of a pass
-        makes room and may evict what the previous pass left, so it always goes through `update`."""
+        """Account for a pass of q tokens whose keys and values the caller already wrote into this layer's block slot
+        (keydiff.batching.blocks.write_groups): `update` without the copy, returning nothing.
+        """
         layer = self.layers[layer_idx]
         if (layer_idx == self._first_evicted or self._scratch or not isinstance(layer, EvictingLayer)
                 or layer.seen + q != layer.storage.seen):
@@ -322,9 +259,7 @@ class EvictingCache(Cache):
         layer.returned_keys = None
 
     def note_fixed_step(self, q: int) -> None:
-        """Account for a pass of q tokens that a fixed-shape step (keydiff.batching.static) wrote into this cache's
-        stack and evicted in the same call: the counts `update` and `evict()` would have moved (tokens seen, peak
-        entries; the kept count stays N). The step already wrote the entries, their positions and state."""
+        """Account for a pass a fixed-shape step (keydiff.batching.static) wrote and evicted itself: tokens seen, peaks."""
         stack = self.stack
         stack.seen += q
         stack.max_entries = max(stack.max_entries, stack.num_entries + q)
@@ -333,9 +268,7 @@ class EvictingCache(Cache):
             layer.returned_keys = None
 
     def _refuse_prompt_fed_again(self, layer: EvictingLayer, value_states: torch.Tensor) -> None:
-        """Refuse the whole prompt fed a second time (what model.generate does when its cache covers all
-        of input_ids): a pass as long as the consumed prompt whose layer-0 values equal the kept entries' at
-        their positions, i.e. the same tokens again. A follow-on chunk of other tokens, of any length, is fine."""
+        """Refuse the whole consumed prompt fed a second time (what model.generate does when its cache covers it)."""
         q, seen = value_states.shape[-2], layer.seen
         if self.max_tokens is None or seen != self.max_tokens or q != seen or layer.num_entries == 0:
             return
@@ -353,8 +286,7 @@ class EvictingCache(Cache):
             )
 
     def _split_stack(self, leaving: EvictingLayer) -> None:
-        """`leaving` does not fit the stack (other heads or head dim): it gets a storage of its own, and every
-        other layer keeps its plane as a storage of its own (the layers evict one by one from now on)."""
+        """Give `leaving` (which does not fit the stack) a storage of its own, and every other layer its plane as one."""
         stack = leaving.storage
         for part, plane in zip(stack.split(), range(stack.count)):
             layer = self.layers[stack.layers[plane]]
@@ -376,14 +308,9 @@ class EvictingCache(Cache):
     def fork(self, copies: int) -> list["EvictingCache"]:
         """`copies` independent caches holding exactly what this one holds, without re-running the prompt.
 
-        Each copy owns copies of the buffers (keys, values, positions, per-entry policy state; a storage living in
-        a slot of a block shared with other sequences copies only its valid entries, `Storage.__deepcopy__`), the
-        recorded statistics and the policy object itself (a stateful policy, e.g. random's generator, continues in
-        each copy from where this one stands), so decoding one changes nothing in the others or here; the memory
-        is `copies` x `kv_cache_bytes`. Only the model's output-projection weights (read by CriticalKV, never
-        written) stay shared. Placing the copies side by side, so that a batch decodes them as one group, is the
-        block manager's (keydiff.batching.blocks.place_forks; `PrefillResult.fork` does both). Refused inside a
-        scratch pass."""
+        Each owns its buffers, statistics and policy object; only o_proj weights stay shared. Refused inside a
+        scratch pass. See docs/design/cache.md#scratch-passes-and-forks.
+        """
         if self._scratch:
             raise RuntimeError("a cache cannot be forked inside a scratch pass")
         if isinstance(copies, bool) or int(copies) != copies or copies < 1:
@@ -400,9 +327,7 @@ class EvictingCache(Cache):
 
     # --- positions (what changes with contiguous key re-rotation) ---------------------------------
     def next_position(self) -> int:
-        """The RoPE position the next token gets: the tokens seen (its absolute position), except under
-        contiguous key re-rotation, where it follows the kept keys: the most entries any layer holds once
-        the pending eviction is done (layers with fewer sit right-aligned below it). Mid-pass, the pass's own."""
+        """The RoPE position of the next token: tokens seen, or under contiguous re-rotation the kept keys' end."""
         first = self.layers[0]
         if not self.contiguous:
             return first.seen
@@ -411,33 +336,28 @@ class EvictingCache(Cache):
         return max(self._entries_next(layer) for layer in self.layers)
 
     def _entries_next(self, layer: EvictingLayer) -> int:
-        """Entries the layer holds when the next pass starts: after the pending eviction, or all of them once
-        generation keeps every token (start_generation(evict=False)) or while a held pass waits (evict(drop=False))."""
+        """Entries the layer holds when the next pass starts (after the pending eviction, unless none will run)."""
         return layer.entries_after_eviction() if self._evicting and not self._held else layer.num_entries
 
     def _rotary_end(self) -> int | None:
-        """Where the kept keys' re-rotated positions end (exclusive): the next token's (contiguous), or None
-        ("absolute": 0..n-1 whatever the next token's position)."""
+        """Where re-rotated kept keys end (exclusive): the next token's position, or None for 0..n-1."""
         return self.next_position() if self.contiguous else None
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        """What transformers derives the next positions from: the tokens seen (see the module), or, under
-        contiguous key re-rotation, `next_position()`."""
+        """The tokens seen (the next absolute position), or `next_position()` under contiguous re-rotation."""
         if self.contiguous:
             return self.next_position()
         return super().get_seq_length(layer_idx)
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
-        """Keys the next pass attends to and the offset of the first (see EvictingLayer.get_mask_sizes), with
-        the kept keys ending right below `next_position()` under contiguous re-rotation."""
+        """Keys the next pass attends to and the offset of the first (see EvictingLayer.get_mask_sizes)."""
         layer = self.layers[layer_idx]
         kept = self._entries_next(layer)  # held entries over the budget included (evict(drop=False))
         return kept + query_length, (self.next_position() if self.contiguous else layer.seen) - kept
 
     # --- timings -------------------------------------------------------------------------------
     def timed(self, name: str) -> "_Timed":
-        """`with cache.timed("statistics_s"):` adds the block's wall time to `timings[name]` (the GPU synchronised
-        around it when profiling)."""
+        """`with cache.timed("statistics_s"):` adds the block's wall time to `timings[name]`."""
         return _Timed(self, name)
 
     def _clock(self) -> float:
@@ -451,13 +371,8 @@ class EvictingCache(Cache):
     def scratch(self, chunk_start: int | None = None) -> Iterator[None]:
         """`with cache.scratch(): model(...)` runs passes whose entries are not kept (KVzip's reconstruction).
 
-        Their keys and values are written after the held entries (the pass attends to the held entries and
-        causally to itself) and forgotten on exit: entries, positions, tokens seen and `max_entries` are what
-        they were before (`max_scratch_entries` records the peak during the pass). Nothing is evicted inside;
-        a policy that needs reconstruction gets the pass's statistic for the held entries, observed at the
-        next `evict()`. Room for the pass is planned with `scratch_tokens` (else the buffers grow).
-        chunk_start: the first position of the tokens the pass reconstructs (the policy may score only those,
-        `Policy.reconstruction_keys`).
+        chunk_start: the first position of the tokens the pass reconstructs. See
+        docs/design/cache.md#scratch-passes-and-forks.
         """
         if self._scratch:
             raise RuntimeError("scratch passes do not nest")
@@ -479,8 +394,7 @@ class EvictingCache(Cache):
                 layer.restore(saved)
 
     def statistic_key_mask(self, layer_idx: int, keys: int) -> torch.Tensor | None:
-        """Bool [batch, kv_heads, keys]: the keys the statistic's softmax runs over in this scratch pass (the held
-        entries the policy names, then every entry of the pass itself), or None for all of them."""
+        """Bool [batch, kv_heads, keys]: the keys the statistic's softmax covers in this scratch pass, or None for all."""
         if not self._scratch:
             return None
         layer = self.layers[layer_idx]
@@ -498,21 +412,16 @@ class EvictingCache(Cache):
 
     # --- what the engine and the attention function use ------------------------------------------
     def owns(self, layer_idx: int, key: torch.Tensor) -> bool:
-        """Whether `key` is exactly what this cache's layer returned from its last `update` (the attention
-        function checks before recording: keys of some other cache are not this layer's)."""
+        """Whether `key` is exactly what this cache's layer returned from its last `update`."""
         return self.layers[layer_idx].returned_keys is key
 
     def head_segments(self, layer_idx: int) -> list[list[tuple[int, int]]] | None:
-        """For a head-adaptive layer, the (start, count) of each head's segment in the pool the layer's `update`
-        returned, [batch][head]; None for a layer with dense per-head buffers. The attention function computes
-        each head over its segment (and asking tells the layer it did)."""
+        """For a head-adaptive layer, (start, count) of each head's pool segment, [batch][head]; else None."""
         storage = getattr(self.layers[layer_idx], "storage", None)
         return storage.segments() if isinstance(storage, AdaptiveStorage) else None
 
     def key_positions(self, layer_idx: int) -> tuple[torch.Tensor, int] | None:
-        """For a layer evicted under a sliding window: (absolute positions [batch, kv_heads, keys] of the keys its
-        `update` returned, the position after the pass's last token), from which the attention function masks
-        each key by the window; None for a layer whose keys are in order (the last ones, as transformers')."""
+        """For a layer evicted under a sliding window: (key positions [batch, kv_heads, keys], next position); else None."""
         layer = self.layers[layer_idx]
         if isinstance(layer, SlidingWindowLayer) or self.windows[layer_idx] is None:
             return None
@@ -562,16 +471,15 @@ class EvictingCache(Cache):
                 and not isinstance(layer, SlidingWindowLayer) and layer.storage.output_projection[layer.plane] is None)
 
     def record_output_projection(self, layer_idx: int, weight: torch.Tensor) -> None:
-        """Keep a reference to layer `layer_idx`'s output projection weight [hidden, heads * head_dim]."""
+        """Keep a reference to layer `layer_idx`'s o_proj weight [hidden, heads * head_dim]."""
         layer = self.layers[layer_idx]
         layer.storage.output_projection[layer.plane] = weight
 
     def evict(self, drop: bool = True) -> None:
         """Let the policy observe the pass just run, then shrink every over-budget layer to `budget`.
 
-        drop=False observes only: the entries over the budget are held, and no pass evicts them until the next
-        `evict()` (the engine's `held_suffix`: the question fed after the compressed context stays whole up to
-        the first generated token; the first decoding step's `evict()` then decides, from that step's statistic)."""
+        drop=False observes only: entries over the budget are held until the next `evict()`.
+        """
         if self.budget is None or not self._evicting:
             return
         self._held = not drop
@@ -592,10 +500,9 @@ class EvictingCache(Cache):
         return self.budget is not None and self._evicting and not self._held
 
     def start_generation(self, new_tokens: int, evict: bool = True) -> None:
-        """Prepare to decode up to `new_tokens` tokens: with evict=False every generated token is kept (no
-        eviction, no statistics from now on), so room for them is made now, in one allocation per storage;
-        layers that never evict grow once here too. Entries held over the budget (evict(drop=False)) stay: kept
-        for good with evict=False, dropped by the first step's eviction otherwise (room for that step is made)."""
+        """Prepare to decode up to `new_tokens` tokens, making room now. evict=False keeps every generated token
+        (no eviction or statistics from now on), and held entries stay for good.
+        """
         self._evicting, self._decoding = evict, True
         for storage in self._storages:
             if isinstance(storage, AdaptiveStorage):
@@ -608,14 +515,12 @@ class EvictingCache(Cache):
 
     # --- what the cache holds --------------------------------------------------------------------
     def entries_held(self, layer_idx: int = 0) -> int:
-        """Entries per KV head that layer `layer_idx` holds now: at most its budget after `evict()` (one pass
-        more before it). Not `get_seq_length()`, which counts the tokens seen, as transformers needs."""
+        """Entries per KV head layer `layer_idx` holds now (not `get_seq_length()`, the tokens seen)."""
         return self.layers[layer_idx].num_entries
 
     @property
     def layer_budgets(self) -> list[int | None]:
-        """Each layer's budget N_l (None: unbounded); for a sliding-window layer, its window less one (what it holds
-        between passes, as transformers' sliding layers do). A layer holds at most this plus the pass's tokens."""
+        """Each layer's budget N_l (None: unbounded; a sliding layer: its window less one)."""
         return [layer.budget for layer in self.layers]
 
     @property
@@ -631,8 +536,7 @@ class EvictingCache(Cache):
 
     @property
     def layer_max_total_entries(self) -> list[int]:
-        """Each layer's peak entries over all its KV heads (per batch row): for head-adaptive layers the bounded
-        quantity (<= kv_heads x (N_l + B)), for the others kv_heads x their peak per head."""
+        """Each layer's peak entries over all its KV heads (per batch row)."""
         return [layer.max_total_entries for layer in self.layers]
 
     @property
@@ -642,15 +546,14 @@ class EvictingCache(Cache):
                                               layer.keys.shape[1]) for layer in self.layers]
 
     def kept_positions(self) -> list[torch.Tensor]:
-        """Absolute positions held, one LongTensor [batch, kv_heads, entries] per layer, ascending (copies). A
-        head-adaptive layer's heads hold different counts: its tensor is as wide as the fullest head, the
-        others padded with -1 at the end (count a head's entries as `(positions >= 0).sum(-1)`)."""
+        """Absolute positions held, one LongTensor [batch, kv_heads, entries] per layer, ascending (copies);
+        head-adaptive layers pad shorter heads with -1.
+        """
         return [layer.kept_positions() for layer in self.layers]
 
     @property
     def entries_peak_sum(self) -> int:
-        """Sum over layers of each layer's peak entries per KV head (an upper bound of what was held at once),
-        scratch passes included."""
+        """Sum over layers of each layer's peak entries per KV head, scratch passes included."""
         return sum(layer.max_entries if isinstance(layer, SlidingWindowLayer) else
                    max(layer.max_entries, layer.storage.max_scratch_entries) for layer in self.layers)
 
@@ -661,13 +564,7 @@ class EvictingCache(Cache):
 
     @property
     def kv_cache_bytes(self) -> int:
-        """Bytes the key and value buffers hold (their allocated capacity, every layer): the real footprint.
-
-        Counted per allocation, so a stack is counted whole, including the planes of a layer that has left it; a
-        stack placed in a block beside other sequences' (forks, keydiff.batching.blocks) counts its own slot, and
-        still counts it after growing into buffers of its own (decoding without eviction, a held suffix): the block
-        keeps the slot allocated until every fork of it is gone.
-        """
+        """Bytes the key and value buffers hold (allocated capacity, every layer; see docs/design/cache.md#memory)."""
         sizes = {}
         for storage in self._storages:  # a stack placed in a block shared with other sequences: its own slot only
             placement = storage.placement
@@ -691,7 +588,7 @@ class EvictingCache(Cache):
 
 
 class _Timed:
-    """The context manager `EvictingCache.timed` returns (a class, not a generator: it runs per layer and step)."""
+    """The context manager `EvictingCache.timed` returns (a class: it runs per layer and step)."""
 
     __slots__ = ("cache", "name", "start")
 

@@ -1,9 +1,7 @@
 """One layer of an evicting cache as transformers sees it: a view of its plane in a `Storage`.
 
-The layer keeps only what is its own: which storage and plane hold its entries, how many tokens it has been
-given (`seen`, the absolute position of its next token, what transformers asks `get_seq_length` for), and the
-key tensor it last returned from `update`, by which the attention function recognises this layer's buffer
-(`returned_keys is key`) rather than some other cache's. Entry counts, buffers and statistics live in the storage.
+It keeps its storage and plane, the tokens it has seen, and the key tensor it last returned from `update`
+(how the attention function recognises its buffer); counts, buffers and statistics live in the storage.
 """
 
 from __future__ import annotations
@@ -27,11 +25,7 @@ def refuse_batch_change(held: int | None, given: int) -> None:
 
 
 class EvictingLayer(CacheLayerMixin):
-    """One layer's bounded cache: a plane of a storage (its own, or the stack every layer shares).
-
-    Built on its own (`EvictingLayer(budget, capacity, ...)`) it has a storage of its own; `EvictingCache`
-    builds its layers on the storages it plans.
-    """
+    """One layer's bounded cache: a plane of a storage (its own when built alone, or the shared stack)."""
 
     is_sliding = False
     is_compileable = False
@@ -138,9 +132,8 @@ class EvictingLayer(CacheLayerMixin):
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, position: int | None = None, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write a pass's keys/values [batch, kv_heads, q, dim] after the kept entries; return the valid ones.
-
-        position: the RoPE position the pass's first token was rotated for (key re-rotation; default: the
-        tokens seen, i.e. its absolute position)."""
+        position: the RoPE position of the pass's first token (key re-rotation; default: tokens seen).
+        """
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         keys = self.storage.keys
@@ -151,17 +144,13 @@ class EvictingLayer(CacheLayerMixin):
         return keys, values
 
     def view(self, layer_idx: int | None = None) -> LayerView:
-        """This layer's valid entries as a policy sees them (views into the buffers, in buffer order).
-
-        layer_idx, if given, must be this layer's own index (callers looping over `cache.layers` pass it).
-        """
+        """This layer's valid entries as a policy sees them (views, buffer order); `layer_idx` must be its own."""
         if layer_idx is not None and layer_idx != self.layer_idx:
             raise ValueError(f"this is layer {self.layer_idx}, not layer {layer_idx}")
         return self.storage.view(self.plane)
 
     def evict(self, policy: Policy, inv_freq: torch.Tensor | None = None) -> None:
-        """Observe and evict this layer's storage (with every layer that shares it; `inv_freq`: the RoPE
-        frequencies a policy with key_rerotation needs)."""
+        """Observe and evict this layer's storage (and every layer sharing it)."""
         self.storage.evict(policy, inv_freq)
 
     def record_attention(self, statistic: torch.Tensor | None) -> None:
@@ -184,11 +173,8 @@ class EvictingLayer(CacheLayerMixin):
         return self.storage.entries_after_eviction()
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        """Keys the next pass attends to, and the offset that makes transformers' causal mask exact.
-
-        The next pass sees the entries left after eviction plus its own q tokens. Its queries sit at absolute
-        positions seen..seen+q-1; an offset of seen - entries maps key index j to j + offset, so "key <= query"
-        means: every kept entry, and the new tokens causally (bottom-right).
+        """Keys the next pass attends to, and the offset that makes transformers' causal mask exact: seen - entries
+        maps key j to position j + offset, so every kept entry and the new tokens causally are visible.
         """
         kept = self.entries_after_eviction()
         return kept + query_length, self.seen - kept

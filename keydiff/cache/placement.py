@@ -1,9 +1,7 @@
 """Where each layer's keys will live, read from the model before any pass: (device, dtype) per attention layer.
 
-A model placed across several GPUs (`device_map="auto"`, accelerate's big-model placement) or with layers of other
-dtypes gives its layers' keys on their own devices and in their own dtypes; an `EvictingCache` told so
-(`layer_placements`) stacks only the layers of one placement, so that no stack allocates a plane for a layer that
-could not use it. A layer's keys come from its attention module's key projection (or its first parameter).
+An `EvictingCache` given these (`layer_placements`) stacks only layers of one placement (models across GPUs,
+mixed dtypes). Design: docs/design/cache.md#storages-and-the-stack
 """
 
 from __future__ import annotations
@@ -14,8 +12,7 @@ import torch
 
 
 def layer_placements(model: torch.nn.Module, num_layers: int) -> list[tuple[Any, Any]] | None:
-    """(device, dtype) of each attention layer's parameters, by `layer_idx`; None if the model's attention modules
-    cannot all be found (the cache then plans one placement and splits a stack a layer does not fit)."""
+    """(device, dtype) of each attention layer's parameters, by `layer_idx`; None if not all can be found."""
     found: dict[int, tuple[Any, Any]] = {}
     fallback: dict[int, tuple[Any, Any]] = {}
     for module in model.modules():

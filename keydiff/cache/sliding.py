@@ -1,13 +1,9 @@
 """Sliding-window layers of hybrid models (Gemma 2/3, gpt-oss, Mistral v0.1): bounded by their window, never evicted.
 
-A sliding layer's queries see only the last `window` positions, so transformers' own sliding cache layer keeps the
-last window - 1 entries after each pass (a pass of q tokens sees at most window - 1 + q). `SlidingWindowLayer` is
-that layer (transformers' `DynamicSlidingWindowLayer`, its semantics unchanged) with what an evicting cache reports
-for each layer: entries held and their peak, positions, allocations. The policy never sees it; eviction applies to
-the full-attention layers, each bounded by N + B. Unlike the evicting layers' storages, it concatenates each pass
-onto its window as transformers does (a copy of at most window - 1 + q entries per pass).
+`SlidingWindowLayer` is transformers' `DynamicSlidingWindowLayer` (semantics unchanged) plus the per-layer
+figures an evicting cache reports; `layer_windows(config)` reads each layer's kind as transformers does.
 
-`layer_windows(config)` reads each layer's kind from a model config as transformers' own caches do.
+Design: docs/design/cache.md#sliding-window-layers-slidingpy
 """
 
 from __future__ import annotations
@@ -22,8 +18,7 @@ SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 def layer_windows(config: Any, num_layers: int | None = None) -> list[int | None]:
-    """Each layer's sliding window (None: full attention), from a model config (its text config for a multimodal
-    one); with no config, `num_layers` full-attention layers. Other layer kinds are refused in one line."""
+    """Each layer's sliding window (None: full attention) from a model config; with none, `num_layers` full layers."""
     if config is None:
         return [None] * (num_layers or 0)
     config = config.get_text_config() if hasattr(config, "get_text_config") else config

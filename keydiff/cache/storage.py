@@ -1,18 +1,10 @@
 """One owner of a bounded cache's tensors: keys, values, positions and policy state of one or several layers.
 
-A `Storage` holds the buffers of `count` layers as [count, batch, kv_heads, capacity(, dim)] tensors and one
-entry count for all of them: its layers (keydiff.cache.layer) are views of their own plane (index along count). With count 1 it is
-one layer's cache; with every layer in it (the stack) the layers' entries always move together, so eviction
-treats the storage as one layer whose batch rows are every layer's rows: one scoring call, one top-k and one
-move per buffer per step instead of one per layer (what eviction costs on a small model is launch-bound).
+A `Storage` holds `count` layers as [count, batch, kv_heads, capacity(, dim)] tensors with one entry count;
+its layers (keydiff.cache.layer) are views of their planes. Eviction moves surviving new entries into the
+places of dropped ones, so entries sit in no order and each carries its absolute position.
 
-Writes. Within a forward pass every layer of a storage writes its q new entries at the same indices, after
-the kept ones. The first layer to write in a pass (the one whose token count equals the storage's) makes room
-and advances the count and the positions for all; the others write where it made room.
-
-Eviction writes nothing proportional to the cache size: the policy chooses the entries to drop and the
-surviving new entries move into the places of the dropped old ones. Entries therefore sit in no particular
-order; each carries its absolute position.
+Design: docs/design/cache.md#storages-and-the-stack
 """
 
 from __future__ import annotations
@@ -30,10 +22,9 @@ from keydiff.queries import QueryStatistics, rotate
 
 @dataclass(eq=False)
 class Placement:
-    """Where a storage's buffers live when they are one slot of a block shared with other sequences' storages
-    (keydiff.batching.blocks): the block, the slot, and whether the storage still lives there. The block manager
-    sets it when it moves a storage in; the storage clears `resident` itself when it grows into buffers of its
-    own. Ownership is this record, never a comparison of data pointers."""
+    """Where a storage's buffers live when they are one slot of a block shared with other sequences'
+    (keydiff.batching.blocks): the block, the slot, and whether the storage still lives there.
+    """
 
     block: Any
     slot: int
@@ -47,9 +38,7 @@ class Placement:
 def empty_buffers(
     count: int, key_states: torch.Tensor, value_states: torch.Tensor, capacity: int, state_names: tuple[str, ...],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """Keys, values, positions and policy-state buffers [count, batch, kv_heads, capacity(, dim)], shaped like
-    these states. Ordinary tensors even under inference mode, so that a loop the user runs later under plain
-    `no_grad` can still write into them."""
+    """Keys, values, positions and state buffers [count, batch, kv_heads, capacity(, dim)], shaped like these states."""
     batch, heads = key_states.shape[:2]
     shape = (count, batch, heads, capacity)
     with torch.inference_mode(False):
@@ -61,10 +50,9 @@ def empty_buffers(
 
 
 class Storage:
-    """The buffers of the layers `layers` (model layer indices, one plane each) and their one entry count.
+    """The buffers of the layers `layers` (one plane each) and their one entry count.
 
-    budget=None: never evicted (the `full` policy, or layers a policy skips); the buffers then grow
-    geometrically. capacity: entries the buffers are first allocated for (None: sized from the first write).
+    budget=None: never evicted (buffers grow geometrically). capacity: first allocation (None: from the first write).
     """
 
     def __init__(
@@ -111,8 +99,7 @@ class Storage:
 
     # --- buffers ------------------------------------------------------------------------------
     def allocate(self, key_states: torch.Tensor, value_states: torch.Tensor, capacity: int) -> None:
-        """(Re)allocate every buffer for `capacity` entries, carrying the valid entries over; the old buffers
-        are released (nothing else holds them)."""
+        """(Re)allocate every buffer for `capacity` entries, carrying the valid entries over."""
         self.adopt(*self.copied_into(empty_buffers(self.count, key_states, value_states, capacity, self.state_names)))
         self.allocations += 1
         if self.placement is not None:
@@ -132,9 +119,7 @@ class Storage:
                        "state": {name: s[i] for name, s in state.items()}} for i in range(self.count)]
 
     def __deepcopy__(self, memo: dict) -> "Storage":
-        """A copy that owns buffers of its own. A storage living in a slot of a shared block copies its valid
-        entries into buffers of its capacity (a deep copy of a view would copy the whole block, and keep that
-        copy alive for as long as the copy lives); any other storage is copied as it is."""
+        """A copy owning its buffers; a storage in a shared block's slot copies only its valid entries."""
         cls = type(self)
         twin = cls.__new__(cls)
         memo[id(self)] = twin
@@ -187,8 +172,7 @@ class Storage:
             self.allocate(self.keys[0], self.values[0], entries)
 
     def split(self) -> list["Storage"]:
-        """One storage per plane, each on its plane of these buffers and with these entries: what remains of a
-        stack when one of its layers needs buffers of its own (its layers then evict one by one)."""
+        """One storage per plane on these buffers: what remains of a stack when a layer needs buffers of its own."""
         parts = []
         for plane, layer in enumerate(self.layers):
             part = Storage((layer,), self.budget, self.capacity, self.state_names, self.entry_state)
@@ -208,10 +192,8 @@ class Storage:
               layer_seen: int, position: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Write one layer's pass [batch, kv_heads, q, dim] after the kept entries; return its valid entries.
 
-        layer_seen: the tokens this layer had been given before the pass. The first layer to write in a pass
-        (layer_seen == seen) makes room and writes the positions for every plane, and, for a policy that
-        re-rotates keys, the RoPE positions the new keys were rotated for (from `position`, default the
-        absolute one).
+        layer_seen: the tokens this layer had seen before. The first layer to write in a pass makes room and
+        writes the positions (and, for key re-rotation, the RoPE positions from `position`) for every plane.
         """
         q = key_states.shape[-2]
         if layer_seen == self.seen:
@@ -245,12 +227,7 @@ class Storage:
         return keys[:, :, :needed], values[:, :, :needed]
 
     def initialize_state(self) -> None:
-        """Set the policy state of the entries written since the last view: the policy's `entry_state` of a
-        view of them, else 0.
-
-        Deferred from `write` to here so that it runs once for every plane (and after the forward pass, so that
-        what the attention function recorded, e.g. the output projection, is there).
-        """
+        """Set the policy state of entries written since the last view (the policy's `entry_state`, else 0)."""
         start, n = self.fresh, self.num_entries
         self.fresh = None
         if start is None or start >= n:
@@ -268,9 +245,7 @@ class Storage:
 
     # --- scratch passes ------------------------------------------------------------------------
     def begin_scratch(self) -> None:
-        """Start a pass whose entries are written after the held ones and forgotten by `end_scratch` (KVzip's
-        reconstruction pass): nothing is evicted meanwhile, and the statistic it records covers the held
-        entries only (`scratch_kept`)."""
+        """Start a pass whose entries are written after the held ones and forgotten by `end_scratch`."""
         if self.scratch_mark is not None:
             raise RuntimeError(f"{self.where()} is already running a scratch pass")
         self.initialize_state()  # the held entries' state is set now; the scratch entries never get any
@@ -333,9 +308,9 @@ class Storage:
 
     def evict(self, policy: Policy, inv_freq: torch.Tensor | None = None, rotary_end: int | None = None,
               drop: bool = True) -> None:
-        """Observe the last pass's statistics, then drop entries until at most `budget` remain, in place; then,
-        for a policy with `key_rerotation`, re-rotate the kept keys (RoPE inverse frequencies `inv_freq`; see
-        `rerotate` for `rotary_end`). drop=False observes only (EvictingCache.evict)."""
+        """Observe the last pass's statistics, then drop entries until at most `budget` remain, in place, and
+        re-rotate kept keys for a `key_rerotation` policy. drop=False observes only.
+        """
         if self.budget is None or self.keys is None:
             self.attention = [None] * self.count
             return
@@ -364,11 +339,9 @@ class Storage:
         self.attention = [None] * self.count
 
     def rerotate(self, inv_freq: torch.Tensor, end: int | None = None) -> None:
-        """Re-apply RoPE so that each head's kept keys sit at contiguous positions in the order of their
-        absolute positions (keydiff.policies.rerotation): 0..n-1, or end-n..end-1 when `end` is given (the
-        contiguous mode: the next token's position). A key rotated for position r (state "rotary_position") is
-        rotated by the angle of (target - r). Angles in float64, the product in float32, cast back to the
-        cache's dtype; values, positions and the other state are untouched."""
+        """Re-apply RoPE so each head's kept keys sit at contiguous positions in order of their absolute positions:
+        0..n-1, or end-n..end-1 when `end` is given (docs/design/cache.md#position).
+        """
         n = self.num_entries
         offset = 0 if end is None else end - n
         positions = self.rows["positions"][:, :, :n]
@@ -399,14 +372,10 @@ class Storage:
 
 
 def drop_entries(rows: dict, budget: int, n: int, dropped: torch.Tensor) -> None:
-    """Remove the entries at `dropped` [rows, kv_heads, n - budget] from buffers holding n valid entries (`rows`:
-    "keys", "values", "positions", "state" as [rows, kv_heads, capacity(, dim)] views) by moving surviving tail
-    entries into them; afterwards the first `budget` places hold the kept entries. A function of the buffers
-    alone, so that the rows of several storages lying side by side (keydiff.batching.blocks) drop in one call.
+    """Remove the entries at `dropped` [rows, kv_heads, n - budget] by moving surviving tail entries into them.
 
-    With N = budget and n entries, the tail places N..n-1 are exactly as many as the dropped entries, so
-    every dropped place below N receives one surviving tail entry: pair the k-th dropped place with the
-    k-th surviving tail place (both ascending). Pairs past the survivors land in dropped tail places.
+    `rows` maps "keys", "values", "positions", "state" to [rows, kv_heads, capacity(, dim)] views; afterwards the
+    first `budget` places hold the kept entries (docs/design/cache.md#eviction).
     """
     tail = n - budget
     if tail == 1:  # decoding: the one new entry moves into the dropped place (onto itself if it was dropped)
