@@ -1,20 +1,10 @@
 """A run's samples decoded `batch_size` at a time (keydiff.batching), written as each one finishes.
 
-The runner hands its samples here when `batch_size > 1`; each row is the row a batch-1 run writes for the
-sample (same prediction: each sequence keeps its own cache, seed and stop rule), plus how it was batched:
-`decode_batch_size` (the mean batch size of its decoding passes) and `decode_s_per_token` (its decode wall time
-per token, each pass charged whole to every row of the batch). TTFT stays per sample: its prefill runs alone,
-between decoding steps, when a place in the batch frees.
+Each row is the row a batch-1 run writes for the sample, plus how it was batched (`decode_batch_size`,
+`decode_s_per_token`); samples with the same prompt share one prefill. Out of memory halves the width
+(keydiff.batching.scheduler).
 
-One prefill, many decodes: consecutive samples with the same prompt (Math-500's responses to one problem)
-are prefilled once and forked (keydiff.engine.PrefillResult.fork), each decoding with its own seed; their rows
-record `prefill_shared` (how many samples share that prefill; its TTFT is the one prefill's).
-
-What survives: a stop signal abandons the samples in flight (nothing of theirs is written; the rows already
-yielded are whole) and the resumed run redoes them. Out of memory is the scheduler's to handle
-(keydiff.batching.scheduler): each sample is handed to it as a job (`SampleJob`: prefill when started), so it
-abandons the samples in flight, halves the run's width (the rest of the run keeps the smaller one) and starts
-them again, down to width 1, where the one sample in flight comes back as a failure, recorded as at batch 1.
+Design: docs/design/runs.md#batched-decoding
 """
 
 from __future__ import annotations

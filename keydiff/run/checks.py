@@ -1,20 +1,11 @@
 """Checks of a run's configuration that need neither the model nor a run directory.
 
-run.py first composes its command line as Hydra will (`check_command_line`: an unknown choice or key, or
-`budget=2048`, is one line instead of Hydra's report). Then `check_run_config`, the one check of a run's
-configuration, runs exactly once per run, before any directory is created:
-  * a single run: Hydra's `CheckBeforeStart` callback (conf/config.yaml, hydra.callbacks.check);
-  * a sweep: the keydiff sweeper, for every grid point before the first job starts;
-  * the Python API: `keydiff.run.runner.run(cfg, run_dir)` (unless told the caller checked).
-A typo fails with one line that names the key, the value and what is valid. A run that would download a
-model or data from an unreachable Hugging Face Hub is refused the same way (`check_hub_downloads`), and so
-is W&B logging that cannot work (keydiff.run.tracking.check), and an explicit model.device this machine
-lacks (`check_device`). What needs the policy classes (policy parameters, the budget against the policy's
-own constraints) is checked by the runner's `plan_run`, still before the model is loaded.
+`check_command_line` composes run.py's command line as Hydra will; `check_run_config`, the one check of a
+run's configuration, runs exactly once per run before any directory is created (Hydra callback, sweeper, or
+the Python API), and fails a typo with one line naming the key, the value and what is valid. Also here: the
+Hub probe, the device check and `drop_whole_task_limit`.
 
-A task.limit at or above the task's size selects every sample: `drop_whole_task_limit` makes it null before
-the run directory is named (single runs here, sweeps in the sweeper), so it is the whole run's directory.
-keydiff.cli gives the project's other command-line tools (the make targets) the same one-line errors.
+Design: docs/design/runs.md#one-run
 """
 
 from __future__ import annotations

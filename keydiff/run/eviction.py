@@ -1,6 +1,6 @@
-"""Whether a run's budget ever bound: a run that evicted nothing scores as the full cache would, whatever its
-policy, and says so (run.py's closing line; summary.json's `nothing_evicted`, which the report marks). Standard
-library only: it reads a summary."""
+"""Whether a run's budget ever bound (summary.json's `nothing_evicted`): a run that evicted nothing scores as
+the full cache would. Standard library only.
+"""
 
 from __future__ import annotations
 

@@ -1,38 +1,9 @@
 """Which invocation computed which rows of a run: summary.json's `invocations`, one entry per invocation that
-wrote rows into the run directory.
+wrote rows into the run directory (a run may be resumed, extended or retried by several). Each invocation's
+`id` is written on every row it appends; the entries say how those rows were computed (command, batch size,
+decode widths, threads, commit, wall time). Standard library only: the report and `make status` read it.
 
-A run directory may be filled by several invocations: a run stopped and resumed, extended with a larger
-task.limit, re-run with retry_failed=true, each with its own command line, batch size, threads and commit. So
-the record says how each row was computed, not how the latest command was set:
-
-  * every invocation gets an `id` (12 hex digits) that it writes on each row it appends (the row's
-    `"invocation"`): that field is what attributes a row to its invocation (rows stay attributed when a shard
-    merge reorders them);
-  * summary.json lists the invocations that wrote rows, oldest first, each with started_at, finished_at (when
-    it wrote the summary), argv, batch_size, decode_widths (the widths W its decoding step ran at: batch_size,
-    then one more per out-of-memory back-off; keydiff.batching.scheduler), decode_graphs (the CUDA graphs its
-    fixed-shape steps captured, and the captures that failed, whose step then ran eagerly: {"captured": n,
-    "failed": m, "reasons": [each distinct reason]}; none on a CPU), threads, code (commit, "-dirty" with
-    uncommitted changes),
-    samples_wall_s (its sample loop, model load and warm-up excluded), stopped_by, hydra_files (run.py: the
-    folder of its Hydra files, `.hydra/<time>`, its config.yaml and overrides.yaml), and `rows`: how many rows of
-    the directory's predictions.jsonl name it (a retried failure's earlier row included); a merged grid point
-    lists every shard's invocations, each with its `shard` (keydiff.run.shard_merge);
-  * an invocation that writes no row is not listed and leaves summary.json as it was but for `last_checked_at`
-    (keydiff.run.runner.record_invocation), and no Hydra files (run.py removes its folder); a setting of it
-    that would have changed how rows are computed is named in one line (`no_effect`); the top-level batch_size, threads, samples_wall_s and started_at
-    are the run's, computed from the list (`run_fields`).
-
-Where an entry came from (`source`):
-  invocation      written by the invocation itself, when it finished or stopped;
-  summary fields  a summary.json written before invocations were recorded: its top-level fields, read as one
-                  invocation (id null; its rows have no "invocation" field). Those summaries were rewritten by
-                  every invocation, so they describe the last one (after a re-run that computed
-                  nothing: that re-run's command, and no wall time);
-  rows            an invocation whose process ended before it wrote summary.json (killed): only what its rows
-                  record (code, threads).
-
-Standard library only (no torch): the report and `make status` read it.
+Design: docs/design/runs.md#invocations
 """
 
 from __future__ import annotations

@@ -1,15 +1,8 @@
-"""One writer per run directory: a lock file naming its holder.
+"""One writer per run directory: a lock file (`<run_dir>/.lock`, created atomically) naming its host, pid and
+start time. A second process waits `lock_wait` seconds, then refuses naming the holder; a lock whose
+process is gone from this host is stale and taken over.
 
-Two processes on the same grid point (the same sweep launched twice, a retried array task while the old
-one still runs) would interleave rows and both rewrite summary.json. The first creates `<run_dir>/.lock`
-atomically (O_CREAT | O_EXCL) holding its host, pid and start time; a second one waits up to `lock_wait`
-seconds and then refuses with a message naming the holder. A lock whose pid no longer exists on this host
-is stale (a killed job) and is taken over. A lock held from another host cannot be checked from here: it
-is reported with its start time, and the message says how to remove it if that job is known to be gone.
-A run takes the lock once: run.py before importing torch (so a second process is refused within
-seconds), or keydiff.run.runner.run for API callers. A lock naming this host and this process's pid that
-this process does not hold is stale too (an earlier process that had the same pid, e.g. in a restarted
-container); one this process holds is refused (a run inside a run).
+Design: docs/design/runs.md#the-lock
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
-"""A run directory's run.log, opened only once the directory is settled.
+"""A run directory's run.log, opened only once the directory is settled: `HeldFileHandler` keeps its records
+until run.py calls `release()` (after `overwrite=true` has moved the old run aside), so no line goes to the
+moved-aside log. Standard library only.
 
-Hydra opens its job log file (`<run dir>/run.log`) before run.py runs. With `overwrite=true` the old run's files,
-its run.log included, are then moved aside (keydiff.run.results.move_aside), and a file handler opened before
-the move would go on writing this invocation's lines into the moved-aside log. So the job's file handler is
-`HeldFileHandler` (conf/hydra/job_logging/keydiff.yaml): it keeps the records it gets until run.py calls
-`release()`, under the run's lock and after any move, and then writes them, and every later one, to run.log.
-A process that ends before releasing (a refused configuration) writes them at exit, unless its run directory
-is gone (removed because the invocation wrote nothing into it); records after such a removal are dropped
-(the console has them). Standard library only.
+Design: docs/design/runs.md#run-directories-and-resume
 """
 
 from __future__ import annotations

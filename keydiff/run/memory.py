@@ -1,17 +1,9 @@
-"""A run's peak memory (CUDA's max allocated, else this process's resident peak, VmHWM), a reset of that peak, and
-the process's current size.
+"""A run's peak memory (CUDA's max allocated, else this process's resident peak, VmHWM: not ru_maxrss, which
+inherits a parent's peak), a reset of that peak, and the process's current size. The one reading for the
+runner's and the benchmarks' peaks. No keydiff import and torch only inside functions:
+keydiff.bench.peers_runner loads this file by path.
 
-One reading for every peak the project reports: the runner's `peak_memory_bytes` and the benchmarks' peaks
-(keydiff.bench.common, long_prefill, throughput, peers_runner) all come from here.
-
-Why VmHWM and not `getrusage(RUSAGE_SELF).ru_maxrss`: on Linux ru_maxrss is the larger of the process's
-VmHWM and a maximum that survives `execve` (the kernel copies the forking parent's high-water mark into the
-child's signal struct), and writing 5 to /proc/self/clear_refs resets only VmHWM. So a process started by a
-parent that held 600 MB reports 600 MB in ru_maxrss whatever it uses itself; VmHWM counts its own pages
-only. Where /proc is missing (macOS), ru_maxrss is the only reading (bytes there, KiB on Linux).
-
-No keydiff import, and torch only inside the device-aware functions: keydiff.bench.peers_runner loads this file
-by path in kvpress's environment, where the keydiff package cannot be imported.
+Design: docs/design/runs.md#peak-memory
 """
 
 from __future__ import annotations

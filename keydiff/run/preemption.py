@@ -1,17 +1,10 @@
-"""Stopping cleanly on SIGTERM / SIGUSR1 / SIGUSR2 (what SLURM sends before it kills or requeues a job) and on
-SIGINT (Ctrl-C), all alike.
+"""Stopping cleanly on SIGTERM / SIGUSR1 / SIGUSR2 (SLURM's warnings) and SIGINT (Ctrl-C), all alike.
 
-While a sample runs, the signal abandons it at once (`Preempted` is raised in the main thread, like
-KeyboardInterrupt): nothing of that sample is written, and it runs again on the next start. While a row or
-the summary is being written the signal only takes note; the write completes and the run stops right after.
-So every row on disk is whole and no sample is lost or written twice.
+A signal abandons the running sample at once (`Preempted`), but lets a row or summary write complete, so
+every row on disk is whole; after the summary, `Preempted.deliver()` hands the signal on to the previous
+handler (submitit's requeue, or the default disposition).
 
-After the runner has written its summary, `Preempted.deliver()` (called by run.py) hands the signal on to
-whoever handled it before us: under submitit that is its handler, which requeues the job (SIGUSR2) or logs
-(SIGTERM), then the process exits with status 128 + signal number (143 for SIGTERM); with the default
-disposition the process re-raises the signal on itself and dies of it, as it would have without us. Ctrl-C
-under Python's own SIGINT handler (which would raise KeyboardInterrupt and print a traceback) exits with
-status 130, as a shell reports an interrupted command.
+Design: docs/design/runs.md#preemption
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""Progress of a run's sample loop: a bar on a terminal, one log line per sample everywhere.
+"""Progress of a run's sample loop: a tqdm bar only when stderr is a terminal (in a log file it would be one
+long line), and one INFO log line per finished sample everywhere.
 
-A tqdm bar redraws itself with carriage returns; written to a file (a SLURM log, `2>&1 | tee`, the GPU pool's
-.gpu-logs) it becomes one long line of `\\r` runs. So the bar is drawn only when stderr, where tqdm writes, is a
-terminal, and every finished sample is also one INFO line of the `keydiff.run.progress` logger (Hydra's run.log
-and the console): while the bar is drawn, console log lines go through tqdm (its public
-`logging_redirect_tqdm`), so they print above the bar instead of through it.
+Design: docs/design/runs.md#run-directories-and-resume
 """
 
 from __future__ import annotations

@@ -1,16 +1,8 @@
-"""The one record of what produced a result: the code's commit (and whether the tree had uncommitted
-changes), the package versions, the platform and device, the CPU threads and OpenMP settings, the command
-line and the time.
+"""The one record of what produced a result: commit (and uncommitted changes), package versions, platform,
+device, threads and OpenMP settings, command line and time (`provenance_record()`). Imports neither torch
+nor hydra.
 
-    from keydiff.run.provenance import provenance_record
-    record = provenance_record()       # {"code", "packages", "environment", "command", "time"}
-
-A run's summary.json stores `code`, `packages` and `environment` of this record under those names (the
-runner takes it once, when the run starts; `code` gains the commits of the rows, see keydiff.run.runner).
-Benchmarks and analyses store the same record, so every result file names its commit under "code".
-
-Importing this module imports neither torch nor hydra; `environment()` looks torch up only when called
-(threads and CUDA device), and leaves those out where torch is not installed.
+Design: docs/design/runs.md#provenance
 """
 
 from __future__ import annotations

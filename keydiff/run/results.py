@@ -1,19 +1,9 @@
-"""Result files of one run, written so that nothing is ever lost or silently overwritten.
+"""Result files of one run (run_config.json, predictions.jsonl, summary.json), written so that nothing is ever
+lost or silently overwritten: rows appended whole and fsynced, the summary replaced atomically, a partial
+last line dropped on resume, a failed write cut back. Every reader of predictions.jsonl goes through
+`read_rows` / `successful_rows`.
 
-A run directory holds:
-  run_config.json    the resolved configuration that produced it (checked on every resume)
-  predictions.jsonl  one JSON object per finished sample, appended whole (one write) and fsynced one at a
-                     time; a sample that could not run is a row with "status": "failed" (see keydiff.run.runner)
-  summary.json       metrics + provenance (config, git commit, package versions, data hashes) and the
-                     invocations that wrote the rows (keydiff.run.invocations), rewritten atomically (temp
-                     file + rename) by every invocation that wrote rows; one that wrote none changes only
-                     `last_checked_at` (or writes the summary where it is missing or older than the rows)
-  .lock              the one process writing the directory (keydiff.run.lock)
-A crash can at worst leave a partial last line in predictions.jsonl; `ResultStore` drops exactly that
-line on the next start and keeps every complete one. A failed write (full disk, quota) is undone at once:
-the file is cut back to its last complete line and `ResultWriteError` stops the run. Every reader of
-predictions.jsonl (resume, sweep status, the report's collect) goes through `read_rows` /
-`successful_rows` at the end of this module.
+Design: docs/design/runs.md#run-directories-and-resume
 """
 
 from __future__ import annotations

@@ -1,22 +1,10 @@
 """One run: check everything, load the model, prefill + decode every sample, write the results.
 
-Order matters: every configuration error (policy, budget, block size, task, model) is raised before the
-model is loaded, so a typo in a sweep fails in a second rather than after minutes of loading. The
-configuration is checked once (keydiff.run.checks.check_run_config: by run.py's Hydra callback or sweeper,
-or here for API callers); `plan_run` (keydiff.run.plan) adds what needs the policy classes. Each sample is
-run as keydiff.run.samples runs one, with what the invocation carries for all of them (`RunContext`).
+Every configuration error is raised before the model loads. A run survives a cluster: an out-of-memory
+sample becomes a failed row, a stop signal ends it after the summary and the next start resumes, one process
+writes a directory at a time, and each invocation that writes rows is recorded in summary.json.
 
-A run survives what a cluster does to it:
-  * a sample that runs out of memory (CUDA OOM, or a prompt over `max_prompt_tokens`) is written as a
-    failed row (status, failure_reason, prompt_tokens), memory is released and the run goes on; a re-run
-    skips recorded failures unless `retry_failed=true`. Any other error stops the run naming the sample.
-  * SIGTERM / SIGUSR1 / SIGUSR2 / SIGINT (Ctrl-C) abandon the current sample and stop after writing the
-    summary (keydiff.run.preemption); the next start resumes.
-  * one process writes a run directory at a time (keydiff.run.lock; taken once: here, or by run.py before
-    it imports torch).
-  * each invocation that writes rows names itself on them and in summary.json's `invocations` (command, batch
-    size, threads, commit, wall time: keydiff.run.invocations); one that finds nothing to do changes only the
-    summary's `last_checked_at`.
+Design: docs/design/runs.md#one-run
 """
 
 from __future__ import annotations

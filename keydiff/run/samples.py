@@ -1,7 +1,6 @@
-"""One sample of a run: what every sample of an invocation is run with (`RunContext`), its prompt screened, its
-prefill and decode, and its result row (or failed row). The runner (one sample at a time), keydiff.run.batched
-(`batch_size` decoding together) and keydiff.run.shared (questions over one compressed context) all build on
-these, so a sample's row is the same whichever of them ran it.
+"""One sample of a run: what every sample of an invocation runs with (`RunContext`), its prompt screened,
+prefill and decode, and its row (or failed row). The runner, keydiff.run.batched and keydiff.run.shared all
+build on it, so a row is the same whichever ran it.
 """
 
 from __future__ import annotations

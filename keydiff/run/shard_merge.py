@@ -2,26 +2,11 @@
 
     python -m keydiff.run.shard_merge [--runs results/runs]     # `make collect` does this first
 
-For every grid point with shards on disk (`<point>/shards/<i>of<n>/`, keydiff.run.shards) whose shards
-1..n are all complete and agree (the same configuration, data and sample list; their manifests cover every
-sample exactly once), the point's own files are written as an unsharded run writes them:
+The point's predictions.jsonl, run_config.json and summary.json are written exactly as one unsharded run
+writes them (plus shards/merged.json); nothing is merged while a shard is missing or partial, and a point
+holding a run of its own is never overwritten.
 
-  predictions.jsonl  the latest row of every sample, in the task's sample order (a retried failure's earlier
-                     rows stay in its shard's file)
-  run_config.json    the configuration every shard recorded (`shard` is no part of it)
-  summary.json       keydiff.run.runner.write_summary over those rows: metrics and statistics computed exactly
-                     as for one unsharded run; code, packages, environment and model of shard 1, data hashes
-                     (equal in every shard), the invocations of every shard (each with its `shard`; their
-                     samples_wall_s summed at the top level: compute time, not elapsed time, as shards run
-                     side by side), plus "shards": what was merged (each shard's code, host, time)
-  shards/merged.json the merge record: which shards, and the sha256 of the predictions it wrote
-
-Nothing is merged while a shard is missing or partial: the grid point has no result, so no table or figure
-shows it (the paper tables take complete runs only; the generic ones show what exists). A point that holds
-a run of its own (run unsharded into the same directory) is never overwritten: its shards are left unmerged,
-with a message. A merged result the shards no longer give (a shard re-run with overwrite=true, now partial)
-is left on disk but out of the tables (`stale`) until the shards are complete again and the merge is redone.
-The merged files are derived data: a new merge replaces them (the shards keep every row).
+Design: docs/design/runs.md#merging-shards
 """
 
 from __future__ import annotations

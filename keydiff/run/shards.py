@@ -1,29 +1,10 @@
-"""Grid points larger than one job: a run's samples split into n shards, each an ordinary run of its own.
+"""Grid points larger than one job: a run's samples split into n shards (`shard=i/n`), each an ordinary run.
 
-    python run.py shard=2/8 ...          # shard 2 of 8 of this grid point
-    python run.py -m shard=all/8 ...     # a sweep: every grid point as 8 jobs, shard=1/8 ... 8/8
-                                         # (the keydiff sweeper expands all/n; one SLURM array task each)
+Shard i of n takes every n-th group of samples (`Task.shard_group`) starting with the i-th, round robin so
+every shard gets the same mix of lengths and datasets. A shard lives in `<grid point>/shards/<i>of<n>/` with
+`shard.json`, its manifest. This module needs neither torch nor a model.
 
-Which samples a shard takes: shard i of n takes every n-th *group* of samples, starting with the i-th, in
-the task's own sample order (group g, counted from 0, goes to shard g mod n + 1). Round robin rather than
-contiguous ranges because tasks list their samples length-major or dataset by dataset (NIAH, LongBench,
-RULER): contiguous ranges would give one shard every long prompt and one dataset (its job would need the
-longest time limit and fail alone), round robin gives every shard the same mix, so the array tasks finish
-together. It is also stable when `task.limit` grows (the first groups keep their shards). A group is what
-`Task.shard_group` names: every sample alone by default; Math-500's sampled responses to one problem stay
-together (one prefill of the problem serves them all).
-
-Where: a shard is an ordinary run directory `<grid point>/shards/<i>of<n>/` (conf/config.yaml's run_subdir
-appends it) with its own run_config.json, predictions.jsonl, summary.json, lock, resume and stop-signal
-handling, plus `shard.json`, its manifest: which samples of the grid point it covers (their positions
-among all of them, and a hash of the grid point's whole ordered id list, so that shards of different data
-never merge). `shard` is a non-result key (keydiff.run.plan.NON_RESULT_KEYS): it selects samples, it
-does not change what a sample computes, so every shard records the grid point's own configuration.
-
-What is complete: a shard whose every manifest sample has a row (ok or failed, as for a whole run). When
-every shard of a count n is complete, keydiff.run.shard_merge writes the grid point's result (called by
-keydiff.report.collect); `make status` shows which shards are missing (keydiff.run.sweep).
-This module needs neither torch nor a model.
+Design: docs/design/runs.md#shards
 """
 
 from __future__ import annotations

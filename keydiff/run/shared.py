@@ -1,30 +1,11 @@
 """Several questions over one compressed context: a task's `multi_request` and `multi_turn` modes.
 
-The runner hands its samples here when the task's `mode` shares the context (keydiff.tasks.ruler_shared; the
-samples are questions, the questions of one context one shard group). Per context, the task builds the context
-ids and each question's prompt (`Task.shared_context`); the context is prefilled block-wise and compressed ONCE,
-with the policy's budget (a ratio budget counts the context), as `query_aware=false` compresses it. Then:
+Per context the task builds the context and each question's prompt (`Task.shared_context`); the context is
+prefilled and compressed once, then each question is answered against a copy of that state (multi_request)
+or as the next turn of one conversation in one cache (multi_turn). One row per question, written after its
+context is done.
 
-  multi_request  each question (the question, the end of the user turn, the answer prefix) is fed against a copy
-                 of that compressed state (keydiff.engine.copy_state + hold: held whole up to its first generated
-                 token) and decoded as the run's protocol says; the compressed state itself is never fed, so no
-                 question or answer reaches another's cache. With one question it is the independent
-                 query_aware=false run, token for token (one prefill of context + question with a held suffix).
-  multi_turn     one conversation in one cache: question 1 is fed as above, then each answer's last token (unless
-                 it is a stop token, which the chat template's end of turn replaces) and the next question's turn
-                 (keydiff.engine.follow_up, held the same way); the cache stays bounded as the protocol says
-                 (N + B per head with eviction while decoding; without it, it keeps every question and answer).
-
-Rows: one per question, the runner's row (keydiff.run.samples.sample_row) for the prompt the question was answered
-from: context + question (multi_request), the conversation so far (multi_turn: `context_tokens` is everything
-already fed, which went through eviction; `held_tokens` this turn's feed). `ttft_s` is the time from feeding the
-question to its first token's logits; `context_prefill_s` is the context's one prefill (on every row of the
-context, counted once per context in `shared_prefill_s` of the first row it writes). Rows carry `context_mode`.
-
-What survives: the rows of a context are computed together, interruptibly, and written after (a stop signal
-abandons the context; the resumed run redoes its questions not yet written: multi_turn replays the whole
-conversation and writes only the missing rows). Out of memory records every missing question of the context as
-failed.
+Design: docs/design/runs.md#shared-contexts
 """
 
 from __future__ import annotations

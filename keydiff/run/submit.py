@@ -1,14 +1,10 @@
-"""Submit an experiment to SLURM and say whether the submission worked (`make sweep-slurm EXP=...`).
-
-hydra-submitit-launcher's process waits for the whole array, so it has to run in the background; but then its
-failures (no SLURM, a partition that does not exist, sbatch refusing the script) would only reach its log.
-This module checks the whole grid first (run.py's dry run, which here also asks `sinfo` for the partition),
-starts the submitting process detached with its output in a log file, and waits until either submitit has
-recorded the submitted array (its `<job>_submitted.pkl` files under `<sweep dir>/.submitit/`: it writes them
-only after `sbatch` answered with a job id) or the process has ended. It exits 0 with the job id and the log,
-or with status 2 (a configuration error, one `error:` line) or 1 (the submission failed: the log's last error).
+"""Submit an experiment to SLURM and say whether the submission worked (`make sweep-slurm EXP=...`): checks the
+grid, starts submitit detached and waits for its job id. Exit 0 with the job id, 2 for a configuration
+error, 1 when the submission failed.
 
     python -m keydiff.run.submit table1 [--only-missing] [--dry-run] [--log PATH] [override ...]
+
+Design: docs/design/runs.md#submitting-to-slurm
 """
 
 from __future__ import annotations

@@ -1,29 +1,10 @@
 """Weights & Biases mirror of one run: live per-sample rows, a consistently named summary, and exactly one
-W&B run per run directory, however often the run is resumed.
+W&B run per run directory, however often the run is resumed. The run directory's files stay the record.
 
-The run directory's files stay the record (predictions.jsonl, summary.json); W&B mirrors them so that a long
-sweep can be watched and compared in a dashboard (python -m keydiff.report.wandb). The runner makes four calls:
+The runner calls `check(cfg)` (within the config check), `start(cfg, run_dir, rows)`, `Tracker.log_row(row)`
+after each appended row and `Tracker.finish(summary)` after summary.json is written.
 
-    tracking.check(cfg)                              # part of the config check (keydiff.run.checks), before
-                                                     # any work: bad mode, missing package or credentials
-    tracker = tracking.start(cfg, run_dir, rows)     # the runner: rows already in predictions.jsonl
-    tracker.log_row(row)                             # after each row is appended to predictions.jsonl
-    tracker.finish(summary)                          # after summary.json is written
-
-What each W&B run holds (the names the report's panels read):
-  id          derived from the run directory's path under results_root (plus the number of `overwrite=true`
-              generations moved aside), so a resumed or re-run grid point continues the same W&B run
-              (resume="allow"); a re-run that finds nothing new to log does not open W&B at all.
-  group       experiment_name; job_type = task name; name = run_subdir; tags = policy, budget, model, bs<B>.
-  config      the resolved Hydra config (model.name, policy.label, policy.name, budget.tokens, budget.label,
-              block_size, task.name, task.limit, experiment_name, ...) plus run_dir.
-  history     one step per row, step = the row's index in predictions.jsonl (so resumes never repeat or skip a
-              step): sample/<score name>, sample/ttft_s, sample/prompt_tokens, sample/kept_ratio, ...,
-              sample/failed, running/score (mean headline score so far), running/ttft_s; and every
-              TABLE_EVERY rows the incrementally logged table `samples` (id, status, score, prediction, ...).
-  summary     score (the task's headline metric, as results/summary.csv's `score`), metrics/<path> (every
-              numeric task metric), statistics/<key> (run statistics), paper/<key> (the paper's value of the
-              same key, where results/paper/ has one), samples, complete, limit.
+Design: docs/design/runs.md#weights--biases
 """
 
 from __future__ import annotations
