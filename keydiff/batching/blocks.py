@@ -1,31 +1,11 @@
 """The block manager: where the stacks of several sequences live side by side, so that rows alike decode as one.
 
-Why. A batch of sequences (keydiff.batching) keeps one `EvictingCache` per sequence, so that no row ever scores,
-keeps or attends to an entry that is not its own, and computes attention and eviction row by row: a kernel
-launch per row and layer. Rows whose stacks lie side by side in memory and hold the same number of entries can
-run as one tensor instead: one copy of the new keys and values and one attention call per layer, and one
-scoring call, top-k and move per step, each row still computed over exactly its own entries (rows are
-independent in these kernels; nothing is padded).
+Rows in consecutive slots of one block, with equal counts and policies, are written, attended and evicted in
+one call per layer or step, each over exactly its own entries. Blocks come from forks (`place_forks`), from
+sequences joining a batch (`JoinPool`) and from a run's prefill slot (`PrefillSlot`); ownership is the
+storage's `Placement`, never a pointer comparison.
 
-Where adjacency comes from. Copying the rows together at every step costs more than it saves (measured: a
-stack of 8 rows' keys and values per layer costs ~5x the attention call it would replace). Copies made once do
-pay: `PrefillResult.fork` (one prefill, many decodes: the throughput benchmark, Math-500's sampled answers)
-puts the copies of one cache into one block [copies, layers, kv_heads, capacity, dim], each
-copy's stack a view of its slot, for the same memory as separate copies; and `JoinPool` moves each sequence
-prefilled on its own into a slot of one block when it joins a batch (one copy of its kept entries, which
-grouping earns back within a 16-token generation on CPU). A sequence owns its slot while it lives there (no
-other cache writes there), so nothing moves while it decodes.
-
-Ownership is explicit: a stack moved into a slot carries a `Placement` (keydiff.cache.storage) naming the
-block and slot, and clears `resident` itself if it ever grows into buffers of its own; the pool records each
-slot's occupant. Nothing here compares data pointers.
-
-Only what provably scores rows alike is placed (`poolable`): one stack holding every layer (no sliding-window
-layers, no head-adaptive pools, no per-layer budgets), and a policy that scores each row by its own entries
-(`layers_batchable`) from the entries alone: no attention statistic (H2O, TOVA, SnapKV keep their per-row path:
-each must record its own row's statistic), no queries, no output projection, no key re-rotation. Rows group
-only when their slots are consecutive in one block, their counts equal and their policies equal (`runs`);
-every other row decodes on its own, as before.
+Design: docs/design/decode.md#rows-alike-run-as-one-blockspy
 """
 
 from __future__ import annotations
@@ -42,11 +22,9 @@ from keydiff.policies.base import LayerView
 
 
 def poolable(cache: EvictingCache, statistic: bool = False) -> bool:
-    """Whether this cache's rows can run grouped with others (see the module): a single stack of every layer and
-    a policy that scores rows alike from their entries alone. statistic=True admits a policy that scores from an
-    attention statistic too, which the fixed-shape step computes for its rows itself (keydiff.batching.static);
-    such a cache is placed only in a block of one slot (a run's arena at width 1, JoinPool), never where the
-    ordinary step's groups of rows would record none."""
+    """Whether this cache's rows can run grouped with others: one stack of every layer and a policy scoring rows
+    alike from their entries alone. statistic=True also admits attention-statistic policies (one-slot blocks only).
+    """
     policy, stack = cache.policy, cache.stack
     return (stack is not None and len(cache.storages) == 1 and stack.keys is not None and stack.budget is not None
             and stack.keys.shape[1] == 1 and stack.scratch_mark is None and not cache.sliding
@@ -58,9 +36,9 @@ def poolable(cache: EvictingCache, statistic: bool = False) -> bool:
 
 @dataclass(eq=False)
 class RowBlock:
-    """Buffers for the stacks of several sequences: keys/values [slots, layers, kv_heads, capacity, dim], and which
-    storage occupies each slot (`occupants`, set by `take`, cleared by `vacate`: the block's own record, which
-    each occupant's `Placement` points back to)."""
+    """Buffers for the stacks of several sequences: keys/values [slots, layers, kv_heads, capacity, dim], and
+    the storage occupying each slot (`occupants`, set by `take`, cleared by `vacate`).
+    """
 
     keys: torch.Tensor
     values: torch.Tensor
@@ -92,9 +70,7 @@ class RowBlock:
                    layout(storage), [None] * slots)
 
     def take(self, slot: int, storage: Storage) -> bool:
-        """Move a stack into a free `slot`: its valid entries are copied there and it uses views of the slot from
-        now on (its own buffers are released). False, and nothing moves, if its buffers are not shaped like the
-        block's."""
+        """Move a stack into a free `slot` (its valid entries copied, its own buffers released); False if shaped unlike the block."""
         if self.occupants[slot] is not None:
             raise RuntimeError(f"slot {slot} of this block is occupied: vacate it first")
         keys, values = storage.keys, storage.values
@@ -115,8 +91,7 @@ class RowBlock:
         return True
 
     def vacate(self, slot: int) -> None:
-        """Free `slot`: its occupant, if it still lives there, gets buffers of its own holding its entries (one
-        copy: a stopped sequence's cache stays readable), and forgets the slot."""
+        """Free `slot`: its occupant, if still there, gets buffers of its own holding its entries (one copy)."""
         occupant = self.occupants[slot]
         self.occupants[slot] = None
         if occupant is None:
@@ -127,16 +102,13 @@ class RowBlock:
 
 
 def layout(storage: Storage) -> tuple:
-    """What a stack must share with a block's slots to live in one: budget, policy state, buffer shapes (layers,
-    batch, kv_heads, capacity, dim), dtypes and device (`RowBlock.take`, `JoinPool`)."""
+    """What a stack must share with a block's slots to live in one: budget, state, buffer shapes, dtypes, device."""
     keys, values = storage.keys, storage.values
     return (storage.budget, tuple(storage.state), keys.shape, values.shape, keys.dtype, values.dtype, keys.device)
 
 
 def place_forks(copy: Callable[[], EvictingCache], count: int) -> list[EvictingCache]:
-    """`count` copies of one cache (`copy()` makes one), side by side in the slots of one new block where they can
-    group (`poolable`), so that a batch decodes them as one; made and moved in one at a time, so the peak is the
-    block and one copy (`PrefillResult.fork`)."""
+    """`count` copies of one cache side by side in one new block where they can group, moved in one at a time."""
     caches, block = [], None
     for slot in range(count):
         cache = copy()
@@ -148,26 +120,10 @@ def place_forks(copy: Callable[[], EvictingCache], count: int) -> list[EvictingC
 
 
 class JoinPool:
-    """Slots for sequences prefilled on their own, so that those alike decode as one group like forks
-    (keydiff.batching.generate_batch's `pool_rows`).
+    """Slots for sequences prefilled on their own, so that those alike decode as one group like forks (`pool_rows`).
 
-    The block of `slots` slots is allocated only when a second sequence that could share it joins while the
-    first is still decoding (so a run whose prompts never match, e.g. ratio budgets giving every prompt its own N,
-    allocates nothing); both then move in (with start_alone, below: at the first). A joining sequence's stack is moved into a free slot (`RowBlock.take`:
-    one copy of its valid entries, its own buffers released); from then on it decodes with its neighbours where
-    `runs` allows (equal counts: every prompt of N + B tokens or more holds N entries after each step). A stopped
-    sequence keeps its slot until a new one needs it, and only then gets buffers of its own back (one copy,
-    `RowBlock.vacate`), so a finished cache stays readable and a sequence never shares a slot. The copies pay for
-    themselves within a 16-token generation on CPU and far sooner on a GPU, where a row's kernel launches dominate
-    a step (docs/performance.md). Memory: the block holds all its slots from its first use, while each row's
-    `kv_cache_bytes` counts its own slot, so a block with slots never filled holds more than its rows report.
-
-    start_alone: the arena arrangement, where the fixed-shape step is replayed as a CUDA graph over every slot of
-    the block (keydiff.batching.step) and keydiff.batching.scheduler.Decoder keeps the pool across its calls. The
-    block is allocated for the first sequence that could use it (batch 1 included), and forks of one prefill
-    (which `place_forks` put in a block of their own) move into its slots too (one copy each), so that every
-    sequence of the run's shape decodes in one block and one graph serves them all. Prompts shaped otherwise (a
-    ratio budget's other N, a capacity other than N + B) decode on their own.
+    The block is allocated when a second sequence that could share it joins (start_alone: the arena, for the
+    first); a stopped sequence keeps its slot until a new one needs it. See docs/design/decode.md.
     """
 
     def __init__(self, slots: int, start_alone: bool = False):
@@ -177,10 +133,7 @@ class JoinPool:
         self.stopped: set[int] = set()  # slots whose occupant has stopped: the next joining sequence may take one
 
     def place(self, cache: EvictingCache) -> bool:
-        """Move `cache`'s stack into a slot; False (nothing moves) if it cannot group (`poolable`), is placed
-        already (forks), is shaped unlike the block's slots (a prompt shorter than N + B has a smaller capacity;
-        the block takes its shape from prompts of the usual N + B), no slot is free, or it is the first that
-        could start the block (it waits for a second)."""
+        """Move `cache`'s stack into a slot; False (nothing moves) if it cannot group, is placed, does not fit, or must wait."""
         stack = cache.stack
         placement = None if stack is None else stack.placement
         if placement is not None and self.block is not None and placement.block is self.block:
@@ -222,8 +175,7 @@ class JoinPool:
         return self.block.take(slot, stack)
 
     def idle(self) -> None:
-        """No sequence decodes any more (a new call of a Decoder starts; one abandoned mid-way, e.g. by a stop
-        signal, left its sequences in their slots): every occupied slot may be given to the next sequence."""
+        """No sequence decodes any more: every occupied slot may be given to the next sequence."""
         if self.block is not None:
             self.stopped.update(slot for slot, occupant in enumerate(self.block.occupants) if occupant is not None)
         self.waiting = None
@@ -240,19 +192,15 @@ class JoinPool:
 
 
 class PrefillSlot:
-    """The one slot a prefill's stack moves into once it holds N entries, kept across prompts by a run's decoder
-    (keydiff.batching.step.BlockStepper), so that the block step over it is built, and on a GPU captured as a CUDA
-    graph, once per run and shape rather than once per prompt. One copy of the N kept entries in when the stack
-    enters, one out when the prefill ends (`leave`): the prefill's result owns buffers of its own, as any
-    prefill's does. A stack shaped otherwise (another N, another capacity) gets a new slot of its shape."""
+    """The one slot a prefill's stack moves into once it holds N entries, kept across prompts by a run's decoder so
+    the block step (a CUDA graph on a GPU) is built once per run and shape; one copy in, one out (`leave`).
+    """
 
     def __init__(self):
         self.block: RowBlock | None = None
 
     def enter(self, stack: Storage) -> bool:
-        """Move `stack` into the slot (it may be there already); False if it cannot live in one, or is shaped unlike
-        the slot (another N or capacity, e.g. a ratio budget's: it runs in its own buffers, with no copies, and
-        the slot keeps the run's usual shape). Nothing moves then."""
+        """Move `stack` into the slot (it may be there already); False, nothing moved, if it cannot live there or is shaped otherwise."""
         if self.block is not None and self.block.holds(stack, 0):
             return True
         if self.block is None:
@@ -263,8 +211,7 @@ class PrefillSlot:
         return self.block.take(0, stack)
 
     def leave(self, stack: Storage, keep_entries: bool = True) -> None:
-        """The prefill of `stack` ended: its entries go to buffers of its own (one copy) if it lives here;
-        keep_entries=False (a failed prefill, discarded) frees the slot without copying them."""
+        """The prefill of `stack` ended: its entries go to buffers of its own; keep_entries=False frees the slot without copying."""
         if self.block is None or self.block.occupants[0] is not stack:
             return
         if keep_entries:
@@ -276,8 +223,7 @@ class PrefillSlot:
 
 @dataclass(frozen=True)
 class Group:
-    """One-row sequences of a pass that run as one: consecutive slots of one block, from `first`; `members` are
-    their indices among the pass's caches, `rows` their rows of the pass (both in slot order)."""
+    """One-row sequences of a pass that run as one: consecutive slots from `first`; `members` and `rows` in slot order."""
 
     block: RowBlock
     first: int
@@ -286,9 +232,7 @@ class Group:
 
 
 def runs(caches: list[EvictingCache], spans: list[slice] | None = None) -> list[Group]:
-    """Groups of two or more of `caches` that run as one: one-row stacks resident in consecutive slots of one
-    block, holding equal entry counts, with equal policies. spans: each cache's rows of the pass (default: one
-    row each, in order). Caches in no group run on their own."""
+    """Groups of two or more of `caches` that run as one (consecutive resident slots, equal counts and policies); spans: each cache's rows."""
     spans = spans if spans is not None else [slice(i, i + 1) for i in range(len(caches))]
     by_block: dict[int, list[tuple[int, int]]] = {}
     blocks: dict[int, RowBlock] = {}
@@ -319,12 +263,9 @@ def runs(caches: list[EvictingCache], spans: list[slice] | None = None) -> list[
 
 def write_groups(groups: list[Group], caches: list[EvictingCache], layer_idx: int,
                  key_states: torch.Tensor, value_states: torch.Tensor) -> set[int]:
-    """Write one pass's keys and values [rows, kv_heads, q, dim] of layer `layer_idx` for every group (`runs` of
-    this pass's `caches`, taken after the pass's first layer went through each cache's `update`) in one copy
-    per group, where a row at a time costs a copy and a call chain per row and layer; returns the indices of the
-    caches written (the caller updates the others one by one). Each row's slot receives exactly what its own
-    `update` would have written there (the group's rows hold equal counts n, so the pass goes to [n - q, n) of
-    every slot), and each cache then accounts for it (`EvictingCache.note_written`)."""
+    """Write one pass's keys and values [rows, kv_heads, q, dim] of layer `layer_idx` for every group in one copy;
+    return the indices of the caches written (each then accounts via `EvictingCache.note_written`).
+    """
     written: set[int] = set()
     q = key_states.shape[-2]
     for group in groups:
@@ -347,9 +288,7 @@ def write_groups(groups: list[Group], caches: list[EvictingCache], layer_idx: in
 
 
 def evict_groups(caches: list[EvictingCache], spans: list[slice] | None = None) -> set[int]:
-    """Evict every group of `caches` that can evict as one (see `runs`; over their budget, evicting, no held
-    entries) in one scoring call and one drop; returns the ids of the caches it evicted (the caller evicts the
-    others one by one, `EvictingCache.evict`). Each cache is timed its share of the group's eviction."""
+    """Evict every group of `caches` that can evict as one, in one scoring call and drop; return the ids evicted."""
     done: set[int] = set()
     spans = spans if spans is not None else [slice(i, i + 1) for i in range(len(caches))]
     ready = [(cache, span) for cache, span in zip(caches, spans)
@@ -367,8 +306,7 @@ def evict_groups(caches: list[EvictingCache], spans: list[slice] | None = None) 
 
 
 def _evict_group(block: RowBlock, first: int, members: list[EvictingCache]) -> None:
-    """What `Storage.evict` does for one stack, for consecutive slots at once (rows layer-major within each
-    sequence, sequences in slot order): the policy sees each row's own entries only."""
+    """What `Storage.evict` does for one stack, for consecutive slots at once (each row sees its own entries only)."""
     storages = [cache.stack for cache in members]
     lead = storages[0]
     count, n, budget = lead.count, lead.num_entries, lead.budget
@@ -391,9 +329,7 @@ def _evict_group(block: RowBlock, first: int, members: list[EvictingCache]) -> N
 
 
 def _initialize_group_state(storages: list[Storage], buffers: dict) -> None:
-    """The policy state of the entries the group's rows wrote since their last eviction (`Storage.initialize_state`
-    for each row), computed for every row in one call when all wrote the same slots (`fresh`), as they do while
-    decoding together: an entry's state is a function of that entry alone (e.g. KeyDiff's inverse key norm)."""
+    """The policy state of the entries the group wrote since its last eviction, in one call when all wrote the same slots."""
     starts = {storage.fresh for storage in storages}
     lead = storages[0]
     start, n = next(iter(starts)), lead.num_entries
@@ -414,8 +350,7 @@ def _initialize_group_state(storages: list[Storage], buffers: dict) -> None:
 
 def grouped_passes(groups: list[Group], caches: list[EvictingCache],
                    layer_idx: int) -> list[tuple[list[int], torch.Tensor, torch.Tensor]]:
-    """For the attention function: the groups (`runs` of this pass's `caches`) as (their rows of the pass, their
-    keys and values of layer `layer_idx` as one tensor each [rows, kv_heads, n, dim], views of the block: no copy)."""
+    """For the attention function: each group's rows and its layer's keys and values [rows, kv_heads, n, dim] (block views)."""
     out = []
     for group in groups:
         lead = caches[group.members[0]].stack

@@ -1,42 +1,11 @@
 """CUDA graph capture for the fixed-shape step (keydiff.batching.static), through a small set of CUDA calls that a
 CPU can stand in for.
 
-`CudaCalls` is torch.cuda itself: streams, the current stream, a device guard, synchronisation, CUDAGraph, graph
-pools, reserved memory. The step reaches CUDA only through such an object, so that under `stand_in_graphs()`
-a CPU runs exactly the capture code a GPU runs (side-stream warm-up, capture on an explicit stream bound to the
-model's device, begin and end in try/finally, replay) against `StandIn`, which records what it was asked:
+`CudaCalls` is torch.cuda itself; under `stand_in_graphs()` a CPU runs exactly the capture code a GPU runs
+against `StandIn`, which records captures, streams, replays and pool users, refuses host reads inside a
+capture as CUDA does, and replays the recorded operations on the same tensors.
 
-    from keydiff.batching.static import stand_in_graphs
-    with stand_in_graphs() as cuda:              # CPU models now warm up, capture and replay as on CUDA
-        ...                                      # run a Decoder, a prefill, the runner, a benchmark
-    cuda.captures       # one dict per capture: device, stream, pool, bytes and allocations (shape, dtype) made
-                        # inside it, error ("end" where capture_end failed)
-    cuda.streams        # every stream made: (device, id)
-    cuda.replays        # how many replays ran
-    cuda.recorded_streams   # record_stream calls: (tensor, stream id)
-    cuda.pool_users     # graphs alive per pool; a capture into a pool whose graphs were all released fails, as
-                        # CUDA's allocator may fail it (an internal assert) while it still holds that pool
-    cuda.clean()        # no capture underway, every device back on its default stream, no pool left routed
-
-Under it a Decoder on a CPU also takes the arrangement of a device that replays graphs (keydiff.batching.step:
-every sequence decodes in the arena, a prefill's blocks in the run's slot), so its rows are those CUDA runs.
-
-A stand-in capture does not run the step (a CUDA capture records kernels, it runs none): every operation inside
-it is recorded (a torch dispatch mode) and every write it makes to memory that existed before the capture is
-undone at its end; `replay()` runs the recorded operations again on the same tensors, as a graph replays its
-kernels on the same addresses. Tensors allocated inside a capture are the graph's pool: their bytes are
-counted (an upper bound: the CUDA allocator reuses a block freed within the capture) and, being the pool's
-until replay, hold NaN after it. Reading a value on the host inside a capture (item, bool, tolist, numpy, cpu),
-or an operation whose output shape depends on values, raises as CUDA does ("operation not permitted when stream
-is capturing"). A step compiled with torch.compile is not captured under the stand-in (torch.compile does not
-trace under a dispatch mode).
-
-Options: `model_device` / `current_device` name the devices the CPU stands for (a model on "cuda:1" while the
-current device is "cuda:0": a stream made without a device lands on the current one, as torch.cuda's does);
-`fail="end"` makes capture_end raise (a capture CUDA refuses at its end), `fail="inside"` makes the first
-operation of a capture raise (a host read); `fixed_allocator=False` (the default) leaves the allocator routing
-into the pool after a failed capture_end, as torch builds without the capture_end fix do, so only code that
-ends the routing itself leaves the stand-in clean.
+Design: docs/design/decode.md#the-cuda-stand-in-graphspy
 """
 
 from __future__ import annotations
@@ -91,9 +60,7 @@ class CudaCalls:
         tensor.record_stream(stream)
 
     def end_pool(self, device: torch.device, pool: Any) -> None:
-        """After a failed capture: stop routing the device's allocations into the capture's pool, which torch
-        builds without the capture_end fix leave on (their next empty_cache then asserts). Refused harmlessly
-        where capture_end already ended it."""
+        """After a failed capture: stop routing the device's allocations into the capture's pool (torch builds without the capture_end fix leave it on)."""
         end = getattr(torch.cuda.memory, "_cuda_endAllocateToPool", None)
         if end is None:
             return
@@ -351,9 +318,7 @@ class _HostReads(TorchFunctionMode):
 
 
 class _Recorder(TorchDispatchMode):
-    """Runs and records every operation of a stand-in capture; keeps the first contents of each storage it writes
-    that existed before the capture, to restore them at the end (`undo`). Host reads that never reach the
-    dispatcher are refused beside it (`_HostReads`)."""
+    """Runs and records every operation of a stand-in capture, keeping pre-existing storages' first contents to restore (`undo`)."""
 
     def __init__(self, fail_inside: bool):
         super().__init__()

@@ -1,10 +1,7 @@
 """The cache a batched forward pass runs with: the rows of several sequences, each sequence in a cache of its own.
 
-`BatchCache` is what the model sees for one decoding step of several sequences (the model runner's view, in
-serving terms): a transformers `Cache` whose `update` hands each sequence's rows of the pass to that sequence's
-own `EvictingCache`, and whose attention is computed per sequence over exactly that cache's entries
-(keydiff.attention.rowwise_attention), or per group of one-row sequences lying side by side in one block
-(keydiff.batching.blocks). It holds no entries itself and lives for one pass at a time (`bind`).
+`BatchCache` hands each sequence's rows to its own `EvictingCache`; attention runs per sequence (or per group
+of side-by-side rows). It holds no entries and lives for one pass. Design: docs/design/decode.md
 """
 
 from __future__ import annotations
@@ -48,13 +45,8 @@ class _RowLayer(CacheLayerMixin):
 
 
 class BatchCache(Cache, RowBatch):
-    """A transformers Cache over the sequences of one pass, each an `EvictingCache` of its own (`caches`, with
-    `spans[i]` its rows of the pass: one row, or a multi-row prefill's rows).
-
-    `update` hands sequence i's rows of the keys and values to its cache and remembers what each returned; the
-    keydiff attention function asks `row_passes` for them and computes every sequence over its own entries. It
-    runs only inside `keydiff_attention(model, batch_cache)`, and needs `position_ids` per row (sequences sit at
-    different positions). `evict()` evicts every sequence as a run of it alone does after each pass.
+    """A transformers Cache over the sequences of one pass (`caches`, `spans[i]` their rows). It runs only inside
+    `keydiff_attention(model, batch_cache)` and needs `position_ids` per row; `evict()` evicts every sequence.
     """
 
     def __init__(self, num_layers: int, group_rows: bool = True):

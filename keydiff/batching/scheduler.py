@@ -1,26 +1,11 @@
 """The scheduler: requests in, results out, up to W sequences decoding at once, a free place refilled as soon as a
-sequence stops (continuous batching), and the back-off when memory runs out.
+sequence stops (continuous batching), and the back-off when memory runs out (the width halves).
 
-    decoder = keydiff.Decoder(model, width=8)                # one per run: its width, arena and captured steps
-    requests = (keydiff.Request(keydiff.prefill(model, ids, policy, budget=1024), max_new_tokens=64, key=i)
-                for i, ids in enumerate(prompts))            # lazy: a prompt is prefilled when a place frees
-    for key, out in decoder.generate(requests):
-        print(key, tokenizer.decode(out.token_ids[0]))       # in the order the sequences finish
+    decoder = keydiff.Decoder(model, width=8)      # one per run: its width, arena and captured steps
+    for key, out in decoder.generate(requests):   # requests may be lazy; results in finishing order
+        ...
 
-`keydiff.generate_batch(model, requests, batch_size)` is `Decoder(model, batch_size).generate(requests)`, and
-`keydiff.generate` is that with one request.
-
-Why a Decoder outlives its calls. A run decodes its samples through many calls (one per sample at batch 1). What
-the step builds is kept across them: the arena (the block of W slots the sequences decode in, keydiff.batching.
-blocks.JoinPool) and the fixed-shape step over it (keydiff.batching.static), which a GPU captures as a CUDA graph
-once and replays for every later sample. So the width W is fixed for the run (`width`; the runner records it
-with every invocation), and the step has one shape per run, not one per call.
-
-Out of memory. Items of `requests` may be `Job`s, requests not yet prefilled (`start()` prefills). When a prefill
-or a step runs out of memory, every sequence in flight is abandoned, memory is released and the width halves
-(the arena and steps of the old width are dropped); the abandoned jobs start again (a new prefill each) before
-any new one. At width 1 the job that ran out is given up: it comes back as a `Failure`, as a sample alone would.
-A plain Request cannot be started again: out of memory with one in flight is raised to the caller.
+Design: docs/design/decode.md#the-scheduler-schedulerpy
 """
 
 from __future__ import annotations
@@ -42,21 +27,11 @@ LOG = logging.getLogger(__name__)
 
 
 class Decoder:
-    """Decodes requests W at a time (see the module), keeping its arena and fixed-shape steps across calls.
+    """Decodes requests W at a time, keeping its arena and fixed-shape steps across calls.
 
-    width: W, the most sequences decoding at once (halved on out of memory: `width` is the current one).
-    group_rows=False computes every sequence on its own even where rows could run as one group (the reference the
-    grouped path is tested against, and what a benchmark compares it with). pool_rows: move each joining sequence
-    prefilled on its own into a slot of the arena (keydiff.batching.blocks.JoinPool: a copy of its entries in, and
-    one out when a later sequence takes the slot), so that such sequences group like forks (measured: the copy
-    pays for itself within a 16-token generation on CPU, and on a GPU, where a row's kernel launches dominate a
-    step, at once; docs/performance.md). Where the device replays the fixed-shape step as a CUDA graph, a sequence
-    alone goes to the arena too, so that every sample of a run replays the one graph. fixed_shapes: run the step
-    in fixed shapes where every going sequence is full and alike (keydiff.batching.static; None: the device's
-    default, False: never). Outputs are the same either way. batch_invariant: the decoding steps (not the
-    prefills, which run alone) use kernels whose reduction order does not depend on the number of rows
-    (keydiff.kernels.batch_invariant), so on a GPU a sequence gets the same tokens at any width; a no-op on a CPU,
-    whose kernels already give them.
+    width: W (halved on out of memory). group_rows=False: every sequence alone (the reference). pool_rows: move
+    joining sequences into arena slots. fixed_shapes: None = device default, False = never. batch_invariant:
+    width-independent kernels for the decoding steps. Outputs are the same either way.
     """
 
     def __init__(self, model: torch.nn.Module, width: int = 1, group_rows: bool = True, pool_rows: bool = True,
@@ -107,10 +82,9 @@ class Decoder:
     def generate(self, requests: Iterable[Request | Job]) -> Iterator[tuple[Any, SequenceResult | Failure]]:
         """Decode every request, up to `width` sequences at once, refilling as soon as a sequence stops.
 
-        Yields (key, SequenceResult) in the order the sequences finish, and (key, Failure) for a job given up at
-        width 1. Each sequence decodes exactly as it would alone. `requests` may be lazy: the next one is drawn
-        only when a place is free (a Job is started then), so its prefill runs outside the steps, alone. A
-        request's state may hold several rows (a multi-row prefill): they decode together, as one sequence."""
+        Yields (key, SequenceResult) in finishing order, and (key, Failure) for a job given up at width 1. `requests`
+        may be lazy: the next is drawn only when a place is free.
+        """
         source = iter(requests)
         if self.pool is not None:
             self.pool.idle()  # one call at a time: whatever a former call left in the arena has stopped
@@ -196,9 +170,7 @@ def generate_batch(
     model: torch.nn.Module, requests: Iterable[Request | Job], batch_size: int, group_rows: bool = True,
     pool_rows: bool = True, fixed_shapes: bool | None = None, batch_invariant: bool = False,
 ) -> Iterator[tuple[Any, SequenceResult | Failure]]:
-    """Decode every request, up to `batch_size` sequences at once, with a Decoder of its own (see `Decoder` for
-    the arguments; a run that decodes through many calls keeps one Decoder instead, so that its arena and
-    captured steps are built once)."""
+    """Decode every request, up to `batch_size` at once, with a Decoder of its own (see `Decoder`)."""
     if isinstance(batch_size, bool) or int(batch_size) != batch_size or batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
     yield from Decoder(model, batch_size, group_rows, pool_rows, fixed_shapes, batch_invariant).generate(requests)

@@ -1,11 +1,6 @@
 """One decoding sequence: what it was asked (`Request`), how it picks its next token and when it stops
-(`Sequence`), and what it returns (`GenerationResult`, `SequenceResult`).
-
-The token rule lives here once, for `keydiff.generate` and `keydiff.generate_batch` alike: greedy argmax, or
-sampling with temperature and nucleus filtering from a CPU generator seeded per sequence (results do not depend
-on the device's RNG); stop tokens are masked until `min_new_tokens` tokens were chosen; a row stops at its first
-stop token or at `max_new_tokens`. A sequence is the state of one prefill: one row, or the rows of a multi-row
-prefill, which decode together until every row has stopped (a stopped row's tokens are no longer recorded).
+(`Sequence`), and what it returns (`GenerationResult`, `SequenceResult`). The token rule lives here once:
+greedy or seeded CPU sampling, stop tokens masked until `min_new_tokens`. Design: docs/design/decode.md
 """
 
 from __future__ import annotations
@@ -46,9 +41,7 @@ class Request:
 
 
 class Job(Protocol):
-    """A request not yet prefilled: `start()` runs its prefill and returns the Request. The scheduler
-    (keydiff.batching.scheduler) starts a job when a place frees, and again after an out-of-memory back-off
-    abandoned it, so `start()` must be callable more than once (each call a new prefill)."""
+    """A request not yet prefilled: `start()` runs its prefill (callable again after an out-of-memory back-off)."""
 
     key: Any
 
@@ -72,9 +65,9 @@ class Failure:
 
 @dataclass
 class GenerationResult:
-    """What `generate` returns. `token_ids[row]` is the list of new token ids of batch row `row` (without the
-    prompt, unlike the `.sequences` tensor of transformers' generate; rows may differ in length):
-    `tokenizer.decode(out.token_ids[0], skip_special_tokens=True)` is the first row's text."""
+    """What `generate` returns: `token_ids[row]` are batch row `row`'s new token ids, without the prompt
+    (`tokenizer.decode(out.token_ids[0], skip_special_tokens=True)` is the first row's text).
+    """
 
     token_ids: list[list[int]]  # per batch row, generated ids (the stop token included if one was hit)
     finish_reasons: list[str]  # per batch row: "stop" (a stop token) or "length"

@@ -1,56 +1,11 @@
 """The step in fixed shapes: once every row's bounded cache is full, a pass and its eviction touch tensors whose
 shapes never change, so the step can be compiled or captured as a CUDA graph and replayed with no host work.
 
-A full row holds exactly N entries per layer and KV head in a buffer of N + B. A pass of q tokens (q = 1 while
-decoding, q = B for a block of the prompt) writes its keys and values into entries [N, N + q), attends to all
-N + q, and the policy then drops q of them: the surviving new entries move into the dropped places (exactly what
-`Storage.write` and `Storage.evict` do, in the same order, so the arithmetic and the choices are the same).
-Nothing here reads a tensor's value on the host: the shapes are W rows x (N + q) entries, fixed for the run,
-and the positions come in as a tensor.
+A full row holds N entries in a buffer of N + B; a pass of q tokens writes [N, N + q), attends to all N + q and
+drops q, as `Storage.write` and `Storage.evict` do. `eligible` says which caches and policies qualify;
+`StaticStep` runs, captures and replays the step (through keydiff.batching.graphs, so a CPU stand-in can too).
 
-Width. The step runs W rows: the slots of a block of sequences (keydiff.batching.blocks), or the rows of one
-sequence's own stack. Where it is replayed as a CUDA graph, W is every slot of the block: the arena a run's
-keydiff.batching.scheduler.Decoder keeps across its calls (one graph per run and shape, captured once; a prefill's
-full blocks likewise run in a slot the decoder keeps); elsewhere nothing is gained by a fixed W, so it is the
-consecutive slots the going sequences span (one sequence alone: its own slot). Rows with no running sequence
-compute on whatever their slot holds and are discarded: their eviction is masked (the new entry "moves" onto itself), so a stopped sequence's kept entries
-stay as they were, and no row's result depends on another row's content (each kernel is row-independent at a
-fixed W).
-
-What runs in fixed shapes (`eligible`): one stack holding every layer, policies that score rows alike
-(keydiff.batching.blocks.poolable) with no value read on the host (`Policy.capturable`: KeyDiff, K-norm, sink,
-recent, H2O, TOVA, SnapKV, with or without a recent window), every row holding exactly N entries and evicting
-after every pass. Everything else runs the ordinary step (keydiff.batching.step), uncaptured: rows still filling,
-policies that read a value on the host (LagKV and ChunkKV size their partitions and chunks from the positions held;
-random does not claim it), head-adaptive pools (AdaKV: each head's segment has a length chosen by value),
-policies scored layer by layer (Expected Attention's running query statistics, CriticalKV's output projections)
-or through a reconstruction pass (KVzip), per-layer budgets and sliding-window layers (no one stack), decoding
-without eviction, profiled runs, and attention statistics in "materialized" mode (below).
-
-Attention statistics (H2O, TOVA, SnapKV). The ordinary step records each layer's statistic through the cache bound
-for the attention function; here no cache is bound (a compiled or captured step reads no context variable), so
-the step hands the model call a `StatisticBuffer` (keydiff.attention): every layer writes the statistic of its
-W rows over all N + q entries into a buffer allocated once, beside the fused kernel's output, exactly as `attend`
-computes it in "fast" mode (TOVA: the last query row; SnapKV: the last min(window, q) rows, so one while decoding;
-H2O: every row, accumulated into its per-entry state by `observe`, as `Storage.evict` does before choosing). An
-idle row's state is left as it was. Such caches are never placed in a block (the ordinary step's groups record no
-statistic: keydiff.batching.blocks), so they run in fixed shapes as one sequence alone, over its own stack
-(decoding, and full prefill blocks). "materialized" mode (the eager weights, the paper's latency setting) stays
-on the ordinary step: its point is the eager path's cost, and the step would need each cache's mode threaded
-through keydiff.batching.step.
-
-Replay. On a CUDA device `StaticStep.run` captures the step as a CUDA graph at its second call (the first runs it
-eagerly, which also warms up the kernels) and replays it from then on: the same kernels as the eager step, so the
-same numbers. It reaches CUDA only through keydiff.batching.graphs (streams, the capture, the pool, each bound to
-the model's device), so that under `stand_in_graphs()` a CPU runs the same capture code against a recording
-stand-in, which captures, replays and fails as CUDA would (tests, and the benchmarks' --quick runs); elsewhere
-it runs eagerly. `compiled=True` compiles it with torch.compile (fullgraph), which
-keydiff.bench.fixed_step measures (slower on a CPU: docs/performance.md); tests/test_fixed_shapes.py compiles it the
-same way to prove the step has no graph break and reads no value out of a tensor (which fullgraph would capture, not
-refuse), i.e. no host synchronisation. The compiled trace differs from the eager step in two places the compiler
-cannot follow (keydiff.attention: no context variable is read, and the prefill block's causal mask is an explicit
-boolean one instead of SDPA's lower-right bias), so what a CUDA graph captures (the eager step, the bias included)
-is checked on a GPU (make gpu-check's "fixed = ordinary") and, with the stand-in, on a CPU.
+Design: docs/design/decode.md#fixed-shapes-staticpy
 """
 
 from __future__ import annotations
@@ -76,9 +31,9 @@ LOG = logging.getLogger(__name__)
 
 
 def eligible(caches: list[EvictingCache], q: int = 1) -> bool:
-    """Whether every cache can run a pass of q tokens in fixed shapes: poolable (an attention statistic allowed,
-    in "fast" mode), with equal policies, holding exactly N entries with room for N + q, evicting after the pass,
-    nothing pending (see the module)."""
+    """Whether every cache can run a pass of q tokens in fixed shapes: poolable, equal policies, exactly N entries
+    with room for N + q, evicting after the pass, nothing pending.
+    """
     if not caches:
         return False
     policy = caches[0].policy
@@ -99,16 +54,13 @@ def eligible(caches: list[EvictingCache], q: int = 1) -> bool:
 
 @dataclass(frozen=True)
 class Rows:
-    """The buffers a fixed-shape step runs on, as the base tensors they live in plus how W rows are cut from them.
+    """The buffers a fixed-shape step runs on: base tensors plus how W rows are cut from them (views made when used,
+    so torch.compile sees each buffer once and a CUDA graph reads the same addresses).
 
-    Only base tensors are kept (a storage's own buffers, or a block's), and every view the step uses is made from
-    them when it is used (`layer`, `buffers`): a compiled step then sees each buffer once, not as several views
-    of one storage (which torch.compile refuses to mutate), and a CUDA graph reads the same addresses.
-
-    base: {"keys", "values", "positions", "state": {name: ...}}, each [outer, inner, kv_heads, capacity(, dim)]:
-    a storage's [layers, batch, ...] (slot_major False), or a block's [slots, layers, ...] (slot_major True).
-    first, stop: the rows of the batch/slot dimension taken (W = stop - first). planes: the model layer of each
-    plane, in order. sequence_of: [R] which of the W rows each of the R = W x layers rows belongs to."""
+    base: {"keys", "values", "positions", "state": {...}}, each [outer, inner, kv_heads, capacity(, dim)] (a
+    storage's [layers, batch, ...] or a block's [slots, layers, ...], `slot_major`). first, stop: the W rows taken.
+    planes: each plane's model layer. sequence_of: [R] which of the W rows each of the R = W x layers rows is.
+    """
 
     base: dict[str, Any]
     slot_major: bool
@@ -149,8 +101,7 @@ class Rows:
 
     @classmethod
     def of_storage(cls, storage: Storage) -> "Rows":
-        """A stack's own buffers [layers, batch, ...]: W = its batch rows (one, or a multi-row prefill's), rows
-        layer-major."""
+        """A stack's own buffers [layers, batch, ...]: W = its batch rows, rows layer-major."""
         width = storage.keys.shape[1]
         base = {"keys": storage.keys, "values": storage.values, "positions": storage.positions, "state": storage.state}
         sequence_of = torch.arange(width, device=storage.keys.device).repeat(storage.count)
@@ -158,8 +109,7 @@ class Rows:
 
     @classmethod
     def of_block(cls, block: Any, layers: tuple[int, ...], first: int = 0, stop: int | None = None) -> "Rows":
-        """Slots [first, stop) of a block (keydiff.batching.blocks.RowBlock, [slots, layers, ...]; default: all of
-        them): W = stop - first, rows slot-major."""
+        """Slots [first, stop) of a block (RowBlock, [slots, layers, ...]; default all): rows slot-major."""
         stop = block.keys.shape[0] if stop is None else stop
         base = {"keys": block.keys, "values": block.values, "positions": block.positions, "state": block.state}
         sequence_of = torch.arange(stop - first, device=block.keys.device).repeat_interleave(block.keys.shape[1])
@@ -167,8 +117,7 @@ class Rows:
 
 
 def statistic_buffer(rows: Rows, policy: Policy, keys: int) -> StatisticBuffer:
-    """A float32 buffer for every layer's statistic over `keys` entries, laid out like the rows' buffers ([layers, W,
-    ...] for a stack, [W, layers, ...] for a block), so that it flattens to the R rows in the order eviction sees."""
+    """A float32 buffer for every layer's statistic over `keys` entries, laid out so it flattens to the R rows."""
     kv_heads, planes = rows.base["keys"].shape[2], len(rows.planes)
     shape = (rows.width, planes) if rows.slot_major else (planes, rows.width)
     buffer = torch.zeros(*shape, kv_heads, keys, dtype=torch.float32, device=rows.sequence_of.device)
@@ -176,8 +125,7 @@ def statistic_buffer(rows: Rows, policy: Policy, keys: int) -> StatisticBuffer:
 
 
 def write_active(buffer: torch.Tensor, new: torch.Tensor, active: torch.Tensor) -> None:
-    """buffer = new in the active rows, unchanged in the others (active: bool [rows], broadcast over the rest). An
-    idle slot may hold a sequence's entries beyond N (a held question, decoding without eviction) that must stay."""
+    """buffer = new in the active rows (bool [rows]), unchanged in the others (an idle slot's entries must stay)."""
     buffer.copy_(torch.where(active.view(-1, *([1] * (buffer.dim() - 1))), new, buffer))
 
 
@@ -221,17 +169,10 @@ class FixedCache(Cache):
 
 @dataclass
 class Graphs:
-    """The CUDA graphs a run's fixed-shape steps captured, and why a capture failed. Kept by the run's
-    keydiff.Decoder across its steps and back-offs, and written into the run's record (`record()`: summary.json's
-    decode_graphs), so a run whose steps were not replayed says so beside its timings.
-
-    After one failed capture the run stops capturing (`stopped`): every step runs eagerly from then on (the same
-    results, only slower), with one warning; a capture that failed may have left the device in a state no later
-    capture should meet. capture_s: seconds spent making the graphs, apart from any timing of the steps: each
-    graph's warm-up (the eager first call on a side stream, `warm_up_s` of it) and capture. pool_bytes: what the
-    captures added to the graph pool (CUDA: reserved memory grown across each capture; the CPU stand-in: the bytes
-    its captures allocated). Every graph of the run shares one capture stream per device and one pool, made anew
-    once all of its graphs were released (`stream_and_pool`)."""
+    """The CUDA graphs a run's fixed-shape steps captured, and why a capture failed; kept by the run's Decoder and
+    written into summary.json's decode_graphs (`record()`). After one failed capture the run stops capturing
+    (`stopped`) and runs eagerly, with the same results.
+    """
 
     captured: int = 0
     failed: int = 0
@@ -253,9 +194,9 @@ class Graphs:
             self.reasons.append(reason)
 
     def stream_and_pool(self, calls: CudaCalls, device: torch.device) -> tuple[Any, Any]:
-        """The run's capture stream and graph pool on `device` (made on it: the stream once, the pool again once
-        every graph captured into it was released, after a back-off or Decoder.reset(): CUDA's allocator may still
-        hold a pool with no graph left, and fails an internal assert when a capture names it)."""
+        """The run's capture stream and graph pool on `device`; the pool is made anew once every graph captured into it
+        was released (CUDA's allocator can assert on a pool with no graph left).
+        """
         key = (calls.name, str(device))
         if key not in self._resources:
             self._resources[key] = (calls.stream(device), calls.pool(device))
@@ -274,12 +215,10 @@ class Graphs:
 
 
 class StaticStep:
-    """One pass of q tokens for the W rows of `rows`, every row holding N = `budget` entries, and the eviction
-    after it, in fixed shapes (see the module). `run(ids, positions, active)` -> next-token logits [W, vocab].
-
-    ids, positions: [W, q] (long); active: [W] bool, the rows whose results are used (the others' eviction is
-    masked: their kept entries do not change). The policy object scores every row (they are equal: `eligible`).
-    graphs: where its capture is counted (a run's tally; its own otherwise)."""
+    """One pass of q tokens for the W rows of `rows` (each at N = `budget` entries) and the eviction after it, in
+    fixed shapes. `run(ids, positions, active)` -> next-token logits [W, vocab]; ids, positions: [W, q] long;
+    active: [W] bool, the rows whose results are used (the others' eviction is masked).
+    """
 
     def __init__(self, model: torch.nn.Module, rows: Rows, policy: Policy, budget: int, q: int = 1,
                  compiled: bool = False, graphs: Graphs | None = None):
@@ -307,10 +246,9 @@ class StaticStep:
         self.step = torch.compile(self.eager, fullgraph=True, dynamic=False) if compiled else self.eager
 
     def eager(self, ids: torch.Tensor, positions: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
-        """The pass and its eviction on the given tensors (no host synchronisation, no value-dependent branch). Runs
-        with no cache bound for the keydiff attention function (`run` unbinds it): the plain fused kernel over all
-        N + q entries, what it computes for such rows in the ordinary step, and for a policy that scores from
-        attention each layer's statistic beside it, written into `statistic` (see the module)."""
+        """The pass and its eviction on the given tensors (no host synchronisation), with no cache bound for the
+        attention function; an attention-scoring policy's statistic is written into `statistic`.
+        """
         logits = self.forward(ids, positions)
         self.evict(positions, active)
         return logits
@@ -322,9 +260,7 @@ class StaticStep:
         return output.logits[:, -1, :].float()
 
     def evict(self, positions: torch.Tensor, active: torch.Tensor) -> None:
-        """What `Storage.write` leaves to eviction and `Storage.evict` does, for all R rows at once: the new
-        entries' positions and policy state, the policy's observation of the pass's statistic (if it reads one),
-        the policy's choice, the survivors moved into the dropped places."""
+        """What `Storage.write` leaves to eviction and `Storage.evict` does, for all R rows at once."""
         rows, n, q = self.rows.buffers(), self.budget, self.q
         stop = n + q
         row_active = active[self.rows.sequence_of]  # [R]
@@ -376,10 +312,9 @@ class StaticStep:
         return self.logits.clone()
 
     def warm_up(self) -> torch.Tensor:
-        """The first call, eagerly: where it will be captured, on a side stream of the model's device, as graph
-        capture wants its kernels' first runs (library handles, workspaces) to have happened off the stream it
-        records. The logits, made on the side stream, are marked as used on the current one (record_stream), so
-        that the allocator does not hand their memory to the side stream's next work while they are read."""
+        """The first call, eagerly, on a side stream of the model's device (graph capture wants its kernels' first runs
+        off the stream it records); the logits are marked used on the current stream (record_stream).
+        """
         if not self.capture or self.graphs.stopped:
             return self.first_call()
         calls, device = self.cuda, self.device
@@ -397,9 +332,7 @@ class StaticStep:
         return logits
 
     def first_call(self) -> torch.Tensor:
-        """The eager step, checking between the pass and the eviction that every layer wrote its statistic: a
-        model whose forward does not hand keyword arguments on to its attention function would otherwise evict on
-        a stale buffer. Refused before anything is evicted (the cache still holds its N entries)."""
+        """The eager step, checking before eviction that every layer wrote its statistic (refused otherwise)."""
         logits = self.forward(self.ids, self.positions)
         missing = [] if self.statistic is None else sorted(set(self.rows.planes) - self.statistic.written)
         if missing:
@@ -410,12 +343,9 @@ class StaticStep:
         return logits.clone()
 
     def record(self) -> bool:
-        """Capture the step as a CUDA graph (it does not run it: `run` replays it next), on the run's capture stream
-        and into its graph pool, both on the model's device; begin and end in try/finally, so that whatever fails,
-        the capture is ended, the stream context exited and the allocator no longer routes into the pool. False if
-        the capture fails (a host synchronisation in a model's forward, a policy that claims `capturable`
-        wrongly): the run then captures no more (`Graphs.fail`) and this step runs eagerly, with the same results
-        (a capture runs nothing, so the eager step that follows applies the step's writes once)."""
+        """Capture the step as a CUDA graph on the run's stream and pool, begin and end in try/finally. False if the
+        capture fails: the run then captures no more (`Graphs.fail`) and this step runs eagerly.
+        """
         calls, device = self.cuda, self.device
         stream, pool = self.graphs.stream_and_pool(calls, device)
         graph = calls.graph()

@@ -1,15 +1,8 @@
 """The decoding step: every running sequence picks its next token, then one forward pass of those still going,
-which evicts. `keydiff.generate` (one sequence) and `keydiff.generate_batch` (many) both run this step.
+which evicts. `keydiff.generate` and `keydiff.generate_batch` both run it; the pass runs in fixed shapes where
+every row is full and alike (keydiff.batching.static), else through the batch cache (keydiff.batching.rows).
 
-    sequences pick their tokens    greedy ones in one argmax and one read back, the others one by one
-    one forward pass               in fixed shapes where every row is full and alike (keydiff.batching.static:
-                                   compiled or replayed as a CUDA graph), else through the batch cache, which
-                                   hands each sequence's rows to its own cache (keydiff.batching.rows)
-    every cache evicts             in the same pass (fixed shapes), or groups of rows side by side in one call
-                                   (keydiff.batching.blocks) and the others one by one
-
-Timing: every sequence of the step is charged the step's whole wall time (the batch produced its token in that
-time), a sequence that stopped in it only the choice of its last token.
+Design: docs/design/decode.md#the-step-steppy
 """
 
 from __future__ import annotations
@@ -53,18 +46,10 @@ def choose_tokens(active: list[Sequence]) -> None:
 
 
 class Stepper:
-    """What runs a step's forward pass for a set of sequences: the batch cache (any sequences) and, where every
-    going sequence is full and alike, a fixed-shape step over the rows it lives in (keydiff.batching.static),
-    kept per block (or per stack, for a sequence alone) and replayed at every later step.
-
-    fixed_shapes: None picks the device's default (`FIXED_SHAPES_DEFAULT`); False always runs the batch cache
-    (the reference the fixed-shape path is tested against). Outputs are the same either way.
-
-    batch_invariant: the steps run under keydiff.kernels.batch_invariant's mode (`invariant()`, which the scheduler
-    enters around its decoding steps, so a CUDA graph of the fixed-shape step captures those kernels): a row's
-    matmuls, reductions and attention in an order that does not depend on the rows beside it. A no-op on a CPU,
-    whose kernels already are; refused on devices it has no form for, and with flash_attention_2 (whose decode
-    kernel the mode would replace unasked)."""
+    """What runs a step's forward pass: the batch cache, or, where every going sequence is full and alike, a
+    fixed-shape step kept per block (or stack) and replayed. fixed_shapes: None = device default, False = never.
+    batch_invariant: run under keydiff.kernels.batch_invariant's mode. Outputs are the same either way.
+    """
 
     def __init__(self, model: torch.nn.Module, group_rows: bool = True, fixed_shapes: bool | None = None,
                  batch_invariant: bool = False, graphs: Graphs | None = None):
@@ -176,16 +161,10 @@ FULL_WIDTH = {"cuda": True, "cpu": False}
 
 
 class BlockStepper:
-    """A prefill's blocks in fixed shapes (keydiff.batching.static) once its cache holds N entries: B new tokens
-    written into entries [N, N + B), attention over all N + B, eviction back to N, in one step that a GPU replays
-    as a CUDA graph. keydiff.engine.prefill asks it for each block (`run`) and runs the ordinary pass where it
-    answers None (blocks while the cache fills, a last shorter block, policies it does not take), then calls
-    `finish`.
-
-    arena: run the blocks in a slot kept across prompts (keydiff.batching.blocks.PrefillSlot) rather than in the
-    prompt's own stack, so that one step (one CUDA graph) serves every prompt of that shape: what a run's
-    keydiff.batching.scheduler.Decoder does where the device replays graphs. Without it (one prefill alone), the
-    step is built on the prompt's own buffers."""
+    """A prefill's blocks in fixed shapes once its cache holds N entries (replayed as a CUDA graph on a GPU).
+    keydiff.engine.prefill asks `run` per block and runs the ordinary pass where it answers None, then `finish`.
+    arena: run in a slot kept across prompts (keydiff.batching.blocks.PrefillSlot).
+    """
 
     def __init__(self, model: torch.nn.Module, fixed_shapes: bool | None = None, arena: bool = False,
                  graphs: Graphs | None = None):
@@ -200,9 +179,7 @@ class BlockStepper:
         self.own: tuple[tuple, StaticStep] | None = None
 
     def run(self, cache, ids: torch.Tensor, start: int, block: int) -> torch.Tensor | None:
-        """Next-token logits [rows, vocab] after the block `ids` [rows, q] at positions start..start+q-1 of `cache`,
-        run in fixed shapes if it is a whole block (q = `block`, the prefill's B); None where it cannot run so
-        (the caller runs the ordinary pass: a last shorter block, a cache still filling, ...)."""
+        """Next-token logits [rows, vocab] after the block `ids` [rows, q] at `start`, in fixed shapes; None if it cannot."""
         q = ids.shape[1]
         if not self.enabled or q != block or not eligible([cache], q):
             return None
@@ -235,10 +212,7 @@ class BlockStepper:
         return None if held is None else held[1]
 
     def finish(self, cache, failed: bool = False) -> None:
-        """The prefill of `cache` ended: its stack leaves the arena's slot with its entries (failed: without them,
-        nothing is copied while an error such as out of memory unwinds: the prefill is discarded). Without a
-        slot (or in buffers of its own), the step built on the prompt's own buffers is dropped, so that it holds
-        none of them."""
+        """The prefill of `cache` ended: leave the arena's slot (with its entries unless failed) or drop the step on its buffers."""
         self.own = None
         if self.slot is not None and cache.stack is not None:
             self.slot.leave(cache.stack, keep_entries=not failed)
@@ -263,9 +237,7 @@ def decode_step(stepper: Stepper, active: list[Sequence]) -> tuple[list[Sequence
 
 
 def check_invariant_model(model: torch.nn.Module, device: torch.device) -> None:
-    """Refuse batch_invariant=True where it has no form, in one line: a device it does not run on (or CUDA without
-    triton), a model spread over devices, flash_attention_2 (its split-KV decode kernel is what the mode exists to
-    avoid; under the mode the step would run another kernel than the one asked for)."""
+    """Refuse batch_invariant=True in one line where it has no form (device, spread model, flash_attention_2)."""
     batch_invariant.check_device(device)
     devices = {p.device for p in model.parameters()}
     if len(devices) > 1:
