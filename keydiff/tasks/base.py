@@ -1,9 +1,7 @@
-"""The contract between a benchmark task and the runner.
+"""The contract between a benchmark task and the runner: data -> `Sample`s, sample + tokenizer -> `Prompt`,
+prediction -> scores. The runner owns everything in between, so a task never touches the model or cache.
 
-A task turns its data into `Sample`s, a sample plus a tokenizer into a `Prompt` (token ids and the
-decoding settings of the official protocol), and a decoded prediction into scores. The runner owns
-everything in between (block-wise prefill, eviction, decoding, timing, result files), so a task never
-touches the model or the cache.
+Design: docs/design/tasks.md#the-contract
 """
 
 from __future__ import annotations

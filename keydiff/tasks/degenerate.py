@@ -1,16 +1,7 @@
-"""Collapsed (degenerate) generations: an output that is mostly one token or one short n-gram repeated.
+"""Collapsed (degenerate) generations: an output that is mostly one token or one short n-gram repeated back to
+back, flagged so a table can say how many of a run's zeros are collapses rather than wrong answers.
 
-A collapsed output (``TheTheThe...``) scores 0 on every task, like a wrong answer; the flag lets a table say
-how many of a run's zeros are collapses rather than wrong answers. The definition, on the generated token
-ids (the stop token excluded):
-
-* the output has at least ``MIN_TOKENS`` (8) tokens, and
-* for some n in 1..``MAX_N`` (4), one contiguous stretch of it is a single n-gram repeated back to back at
-  least ``MIN_REPEATS`` (3) times, and that stretch covers at least ``MIN_COVERAGE`` (50 %) of the tokens.
-
-``TheTheThe`` (n = 1), ``the cat the cat the cat ...`` (n = 2) and a run of newlines are degenerate; a
-sentence whose most frequent word is "the" is not (the repetition must be contiguous), nor is a short
-answer (``42``, fewer than 8 tokens).
+Design: docs/design/tasks.md#degenerate-generations
 """
 
 from __future__ import annotations

@@ -1,22 +1,9 @@
-"""Offline haystack text for needle-in-a-haystack style tasks.
+"""Offline haystack text for needle-in-a-haystack style tasks: by default the pinned prose of CPython 3.11.7's
+pydoc_data/topics.py (keydiff/tasks/data/pydoc_prose.txt, sha256 checked; PSF licence notice in
+pydoc_prose.LICENSE.txt), or the running interpreter's, a folder of .txt files, or RULER's
+PaulGrahamEssays.json. `Haystack.kind` names the source in results.
 
-The default haystack (``haystack_source="pinned"``) is ``keydiff/tasks/data/pydoc_prose.txt``: the prose
-paragraphs of CPython 3.11.7's ``pydoc_data/topics.py`` (plain-text renderings of the Python Language
-Reference, PSF-2.0 licensed; the notice is ``keydiff/tasks/data/pydoc_prose.LICENSE.txt``), kept in the
-repository so that every Python gives the same prompts; its sha256 is checked when it is read.
-``haystack_source="interpreter"`` builds the same kind of text from the running interpreter's
-``pydoc_data/topics.py`` instead, whose content differs between Python builds (and so do the prompts).
-
-A user-supplied folder of ``.txt`` files (for example the Paul Graham essays used by gkamradt) can be used
-instead, or the ``PaulGrahamEssays.json`` that RULER's ``scripts/data/synthetic/json/download_paulgraham_essay.py``
-writes (its ``text`` field, as RULER reads it), given as the file or as a folder that holds it.
-
-``Haystack.kind`` names the source in results: ``pydoc_pinned`` (the pinned prose), ``pydoc`` (the running
-interpreter's prose; neither is the text RULER or gkamradt use), ``txt_dir`` or ``ruler_json``; ``sources``
-maps each file read to its sha256.
-
-Python Software Foundation License notice: the pinned haystack is derived from pydoc_data/topics.py,
-Copyright (c) 2001-2023 Python Software Foundation; All Rights Reserved (keydiff/tasks/data/pydoc_prose.LICENSE.txt).
+Design: docs/design/tasks.md#the-haystack
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
-"""LongBench v1 (and LongBench-E), following the official `LongBench/pred.py` and `eval.py` exactly.
+"""LongBench v1 (and LongBench-E), following the official `LongBench/pred.py` and `eval.py` exactly: the
+dataset's template, middle truncation to `max_length` with BOS, the chat template except for few-shot and
+code datasets, greedy decoding. Data: `data.zip` of `THUDM/LongBench`, read directly and hashed.
 
-Protocol per sample (official order): fill the dataset's template with `str.format(**record)`, cut the
-middle of the prompt to `max_length` tokens (counted with BOS, as `tokenizer(prompt)` does), apply the
-chat template except for the few-shot and code datasets, then encode. Greedy decoding with the dataset's
-`max_new_tokens`; samsum also stops at the first newline. The raw decoded text is scored: the few-shot
-datasets keep only its first line, and the per-sample score is the max over the gold answers.
-
-The data are the jsonl files of `data.zip` in the HF dataset repo `THUDM/LongBench`. The repo is a
-loading-script dataset that `datasets>=4` cannot load, so the files are read directly and hashed.
+Design: docs/design/tasks.md#longbench
 """
 
 # The prompt templates below are one string per line on purpose: they are data copied verbatim.

@@ -1,25 +1,9 @@
-"""The LongBench v1 metrics, behaving exactly like the official `LongBench/metrics.py`.
+"""The LongBench v1 metrics, behaving exactly like the official `LongBench/metrics.py`, quirks included
+(published numbers come from it): ROUGE-L's RecursionError -> 0.0 at the official stack depth, the
+classification list-mutation skip, code_sim's line pick, and fuzzywuzzy's `ratio` with an explicit backend
+(`difflib`, the official one, or `levenshtein`).
 
-Published LongBench numbers come from that file, quirks included, so every quirk is kept on purpose:
-
-* English F1 normalises with ASCII punctuation only; Chinese F1 segments the raw strings with jieba.
-* ROUGE-L is the PyPI `rouge` 1.0.1 package (not Google's `rouge-score`). Its LCS backtrace is
-  recursive, so long sentences without an ASCII '.' raise `RecursionError`, which the official bare
-  `except` turns into 0.0. Where that happens depends on the caller's stack depth, so the call is made
-  on a fresh thread whose stack is padded to the depth the official `python eval.py` has (see
-  `_rouge_l_f`); the outcome then does not depend on how deep inside the harness we are.
-* Classification is a case-sensitive substring match and removes items from a list while iterating it,
-  which skips the item after each removed one.
-* Code similarity takes the first line without a backtick, '#' or '//' (leading whitespace kept) and
-  scores it with fuzzywuzzy's integer `ratio`.
-
-fuzzywuzzy picks its backend at import time: python-Levenshtein if importable, else `difflib`. The
-official requirements lack python-Levenshtein, so "difflib" is the official behaviour and the default
-here. "levenshtein" reproduces fuzzywuzzy with python-Levenshtein >= 0.20 installed (as in
-KVCache-Factory's requirements): python-Levenshtein's `ratio` is `rapidfuzz.distance.Indel
-.normalized_similarity`, which is what is called here. Both backends are implemented in this module
-(not by importing fuzzywuzzy), so the choice is explicit and does not depend on what happens to be
-installed; `fuzzy_backend_description` names the one used so a run can record it.
+Design: docs/design/tasks.md#longbench
 """
 
 from __future__ import annotations

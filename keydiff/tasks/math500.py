@@ -1,22 +1,8 @@
-"""Math-500 with the DeepSeek-R1 prompt and sampled decoding, as in KeyDiff Appendix E (Tables 4-7).
+"""Math-500 with the DeepSeek-R1 prompt and sampled decoding, as in KeyDiff Appendix E (Tables 4-7): 5 sampled
+responses per problem (T = top-p = 0.95), Exact and Flex Match (keydiff.tasks.math_answers), and the subset
+analysis of samples whose length exceeds the budget.
 
-Protocol (tasks.md section 2.4):
-* Data: `HuggingFaceH4/MATH-500`, split `test` (500 problems), or an offline copy in the same layout.
-* Prompt: no system prompt; one user turn `problem + "\\nPlease reason step by step, and put your final
-  answer within \\boxed{}."` through the model's chat template; the response must start with
-  `<think>\\n` (DeepSeek-R1 usage recommendations), which we append when the template does not.
-* Decoding: `num_samples` (5) sampled responses per problem, temperature 0.95, top-p 0.95, and
-  `max_new_tokens` 4096 / 8192 / 32768. The paper's prose says "4096, 6144, and 32,786" while its
-  tables say 4K / 8K / 32K; we follow the tables (presets `math500`, `math500_8k`, `math500_32k`).
-* Scores: Exact and Flex Match, see `keydiff.tasks.math_answers`. The paper reports "the average of
-  accuracies over the random samples"; with the same number of samples per problem this equals the
-  mean over all (problem, sample) rows, which `aggregate` returns.
-* Subset analysis (Tables 5 and 7): metrics on the samples whose prompt + generated length exceeds
-  the cache budget N, i.e. where eviction actually happened. See `subset_exceeding`.
-
-Result rows: `aggregate` and friends read "sample_id" and "scores" (the runner's row), and
-"new_tokens", "finish_reason", "prompt_tokens", "budget" from the row itself or, failing that, from its
-"info" dict. "finish_reason" == "length" means the generation hit `max_new_tokens`.
+Design: docs/design/tasks.md#math-500
 """
 
 from __future__ import annotations

@@ -1,17 +1,8 @@
-"""Answer extraction and the two Math-500 scores ("Exact Match" and "Flex Match").
+"""Answer extraction and the two Math-500 scores: Exact Match (the last boxed answer after `</think>`,
+normalised as the MATH reference scorer does) and Flex Match (Exact, or math-verify's symbolic check).
+Pure functions.
 
-The KeyDiff paper reports both columns (Tables 4-7) without defining them. We follow the reading in
-tasks.md section 2.4:
-
-* Exact Match: the last `\\boxed{...}` (or `\\fbox{...}`) of the answer region, normalised the way the
-  MATH benchmark's reference scorer does it (Hendrycks et al. `strip_string` / `is_equiv`), must equal
-  the normalised reference answer. No box means 0.
-* Flex Match: Exact, or `math_verify.verify(parse("$answer$"), parse(region))`. math-verify extracts
-  the boxed answer first and otherwise falls back to the last LaTeX / plain expression, and compares
-  symbolically, so Flex >= Exact by construction.
-
-The answer region is the text after the last `</think>`, or the whole output when the model never
-closed its reasoning (e.g. it ran into `max_new_tokens`). Everything here is a pure function.
+Design: docs/design/tasks.md#math-500
 """
 
 from __future__ import annotations

@@ -1,45 +1,8 @@
-"""Needle-in-a-Haystack (tasks.md §1.4).
+"""Needle-in-a-Haystack: per (context length, depth), the needle inserted gkamradt-style at a sentence boundary
+of the haystack, in the storybook or gkamradt prompt; scored by `needle_recall` (KeyDiff Table 18's
+"recall"), `accuracy` and ROUGE-1 with the PyPI `rouge` package.
 
-Per (context length L, depth d): the haystack (repeated until long enough) is cut to
-``L - buffer - len(needle)`` tokens, the needle is inserted gkamradt-style at ``int(len * d / 100)``,
-walking back to the nearest sentence boundary (a token whose decoded text, right-stripped, ends with
-"."), so haystack + needle is exactly ``L - buffer`` tokens; depth 0 puts the needle first, depth 100
-last. The token ids are decoded back to text and wrapped in the prompt.
-
-Prompt styles:
-
-* ``storybook`` (default; FranxYao / KVCache-Factory / kvpress lineage), one user turn:
-  ``This is a very long story book: <book> {haystack} </book>.\\n`` +
-  ``Based on the content of the book, Question: {question}\\nAnswer:``
-* ``gkamradt``: gkamradt's OpenAI-provider messages (system line, the haystack as a user message, the
-  question as a second user message); consecutive user turns are merged when a chat template
-  rejects them.
-
-Both go through the tokenizer's chat template when it has one (``chat: false`` disables it); the
-storybook prompt is encoded with `encode_user_turn`, the multi-message gkamradt one renders the template
-itself with the same BOS rule. A context length above the model's ``max_length`` is an error.
-
-``Prompt.info`` holds ``context_length``, ``depth``, ``realised_depth`` (100 * insertion token / haystack
-tokens before insertion), ``needle_token_index`` and ``question_token_index`` (index in ``input_ids`` of
-the first token of the needle sentence and of the question segment; None if the tokenizer has no
-offsets), ``insertion_token``, ``haystack_tokens`` (haystack + needle = L - buffer), ``prompt_tokens``
-and ``prompt_style``.
-
-Scores per sample:
-
-* ``needle_recall`` (primary, the "recall" of KeyDiff Table 18): the fraction of the distinct answer
-  words ("eat a sandwich and sit in dolores park on a sunny day", 11 words) present in the prediction,
-  both lowercased with punctuation replaced by spaces. ``recall_compat: kvcache-factory`` gives
-  KVCache-Factory's raw variant: ``set(pred.lower().split()) & set(answer.lower().split())`` over
-  ``len(set(answer.lower().split()))``, with the answer's final period kept (so "day." must match
-  exactly).
-* ``accuracy``: 1 when ``needle_recall`` is 1, else 0.
-* ``rouge1`` / ``rouge1_recall``: ROUGE-1 F and ROUGE-1 recall of the needle sentence (reference)
-  against the prediction, computed with the PyPI ``rouge`` 1.0.1 package (``Rouge(metrics=["rouge-1"])``:
-  no stemming, case-sensitive whitespace tokens, "." split as sentence ends; an empty prediction scores
-  0). Its F equals kvpress's NIAH ``rouge-1 f``; ``rouge1_recall`` equals kvpress's ``p`` (kvpress
-  passes the needle as the hypothesis). FranxYao / KVCache-Factory use ``rouge-score`` with stemming
-  instead, so their ROUGE values are not directly comparable.
+Design: docs/design/tasks.md#needle-in-a-haystack
 """
 
 from __future__ import annotations

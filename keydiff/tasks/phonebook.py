@@ -1,26 +1,8 @@
-"""Phonebook lookup (Jelassi et al. 2024, "Repeat After Me"), as in KeyDiff Appendix H.1 / Table 17.
+"""Phonebook lookup (Jelassi et al. 2024, "Repeat After Me"), as in KeyDiff Appendix H.1 / Table 17: a book of
+`size` `"{name}: {phone}"` lines, two few-shot entries and a query name; scored by exact match of the first
+output line. Every book depends only on (seed, size, book index).
 
-A book is `size` lines `"{name}: {phone}"`. The prompt is the original format (tasks.md 3.1/3.3):
-
-    <book, one entry per line>\\n\\n<few-shot entry 1>\\n<few-shot entry 2>\\n\\n<query name>:
-
-and the answer is the query's phone number, decoded greedily; the score is exact match of the first
-output line (stripped), as in Jelassi's `phone_book_evaluation`. A lenient secondary score checks the
-first 10-digit number anywhere in the output.
-
-Choices where the paper is silent (tasks.md 3.2/3.3/7):
-* Queries per book: Table 17's values are multiples of 0.2 over 5 books, so one query per book
-  (`queries_per_book=1`); raise it for tighter estimates.
-* Raw completion (`chat_template=False`, as Jelassi's base models) by default; `chat_template=True`
-  wraps the whole prompt in one user turn of the model's chat template.
-* Names: Faker (fixed locale, seeded per book) instead of the `names` package, with duplicates
-  rejected so every query is unambiguous (the original allows duplicates). Phone numbers follow the
-  original: 10 digits, first digit 6-9, and are also unique within a book.
-* Book sizes: `np.round(np.linspace(100, 3500, 10))`, the sizes of Table 17.
-
-Every book depends only on (seed, size, book index), so changing `sizes` or `queries_per_book` never
-changes the other books. Faker does not promise identical output across versions, which is why
-`data_sources` records its version.
+Design: docs/design/tasks.md#phonebook
 """
 
 from __future__ import annotations

@@ -1,38 +1,10 @@
 """RULER (Hsieh et al. 2024, NVIDIA/RULER): the 13 tasks of the kvpress leaderboard, generated offline.
 
-Tasks (RULER ``scripts/synthetic.yaml``): niah_single_1/2/3, niah_multikey_1/2/3, niah_multivalue,
-niah_multiquery, vt, cwe, fwe, qa_1 (SQuAD), qa_2 (HotpotQA). Generators: ruler_generators.py and
-ruler_qa.py. Every sample depends only on (task.seed, task name, task.length, sample index): its gold
-answer is drawn first, without the tokenizer; the prompt then takes the largest haystack for which
-``prompt tokens + tokens to generate <= task.length`` (RULER's rule), found by binary search with the
-model's own tokenizer and chat template.
+Every sample depends only on (task.seed, task name, task.length, index); its prompt takes the largest
+haystack with prompt + tokens to generate <= task.length, found with the model's tokenizer. Scores are
+RULER's string_match_all / string_match_part, x100 per task; samples too short for the length are left out.
 
-Pinned revision: NVIDIA/RULER @ ``RULER_COMMIT`` (ruler_generators.py), the repository's head; templates,
-layouts and sizes follow it (tasks/README.md lists where the 2024 code kvpress's data came from differs).
-
-Prompt: the task template (context, then the question) is one user turn of the model's chat template,
-and RULER's answer prefix, with its leading space, follows the generation prompt, as RULER's own chat
-templates (``scripts/data/template.py``, e.g. meta-llama3) place it. kvpress splits RULER's inputs at
-"The special magic" / "Answer:", so its user turn ends with that space and its answer prefix has none:
-``answer_prefix_style: kvpress`` gives that layout. ``chat_template: false`` gives template + answer prefix
-as plain text (RULER's ``base`` template). The runner prefills the whole prompt block-wise, so the question
-goes through the bounded cache too; ``build_prompt(..., query_aware=False)`` (the run's ``query_aware=false``)
-splits it as kvpress does (the last match of the task's question pattern, ``QUESTION_MARKERS``), context and
-rest tokenised apart, and the runner holds the rest whole up to the first generated token. Greedy decoding with RULER's
-tokens to generate (niah 128, vt 30, cwe 120, fwe 50, qa 32).
-
-Length guard: a sample whose prompt + tokens to generate is below ``MIN_LENGTH_FRACTION`` (95 %) of
-``task.length`` (data too small to fill it) is flagged ``info.short``, logged, and kept out of the task
-scores and the average; the summary counts such samples per task (``short``).
-
-Provenance: every prediction row names its haystack (``info.haystack``); the summary records the essay
-haystack's kind (``pydoc``: the built-in prose, not RULER's Paul Graham essays) and whether QA ran on the
-project's fixture, and ``comparable_to_published`` is false (with the reasons) when either holds.
-
-Scores (RULER ``scripts/eval/synthetic/constants.py``): the prediction is stripped and control characters
-become newlines; ``string_match_all`` = share of the gold strings contained in it (case-insensitive) for
-niah/vt/cwe/fwe, ``string_match_part`` = 1 if any gold string is contained, for qa. A task's score is
-``round(100 * mean, 2)``; the RULER score is the mean over the tasks run.
+Design: docs/design/tasks.md#ruler
 """
 
 from __future__ import annotations

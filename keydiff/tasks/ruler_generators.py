@@ -1,25 +1,9 @@
-"""RULER's synthetic task generators (NVIDIA/RULER ``scripts/data/synthetic``), written for this project.
+"""RULER's synthetic task generators (NVIDIA/RULER scripts/data/synthetic at `RULER_COMMIT`), written for this
+project. Each works in two steps so the gold answer never depends on the tokenizer: `plan(rng)` draws what
+the answer depends on, `render(plan, size)` builds the text for a haystack of `size` units and returns
+`(user_text, answer_prefix)`.
 
-Every generator works in two steps so that the gold answer never depends on the tokenizer:
-
-* ``plan(rng)`` draws everything the answer depends on (keys, values, variable chains, the common or
-  frequent words, needle depths), independent of the haystack size;
-* ``render(plan, size)`` builds the prompt text for a haystack of ``size`` units (essay words, noise
-  lines, distractor needles, list words, coded words), drawing positions and fillers from a stream
-  seeded by the plan's seed and ``size`` only. The task searches the largest size that fits its
-  token budget (keydiff/tasks/ruler.py).
-
-``render`` returns ``(user_text, answer_prefix)``: the task template filled with context and question,
-and RULER's answer prefix (with its leading space), which the prompt places right after the model's
-generation prompt, as RULER's own chat templates do (keydiff/tasks/ruler.py).
-
-Pinned revision: NVIDIA/RULER @ ``RULER_COMMIT`` (templates, layouts, sizes; tests/data/ruler_pinned holds the
-texts transcribed from it and tests/test_ruler.py compares them). Differences from that code, all documented
-in tasks/README.md: sentences of the essay haystack are split with a regex rather than nltk's punkt model
-(which needs a download); word keys draw an adjective and a noun independently (uniform over pairs) rather
-than from the sorted set of all 6.2M ``adj-noun`` strings (which differs only where two pairs spell the same
-string); distractor needles never reuse a real key; random draws use this project's seeded streams, so
-samples are RULER-distributed but not RULER's byte-identical samples.
+Design: docs/design/tasks.md#ruler
 """
 
 # The templates below are data copied verbatim from RULER's constants.py at RULER_COMMIT.

@@ -1,20 +1,8 @@
-"""RULER's QA tasks: qa_1 on SQuAD (v2.0 dev in RULER), qa_2 on HotpotQA (dev, distractor setting).
+"""RULER's QA tasks: qa_1 on SQuAD, qa_2 on HotpotQA, from the official JSON files in `task.data_dir`, built as
+RULER's qa.py builds them (gold documents plus shuffled distractors). The project's made-up fixture is
+recognised by its sha256 and reported as such.
 
-The data are the official JSON files, read from ``task.data_dir``: ``squad.json`` (or ``dev-v2.0.json`` /
-``dev-v1.1.json``) and ``hotpotqa.json`` (or ``hotpot_dev_distractor_v1.json``), the names RULER's
-download script gives them first. The project ships a small made-up fixture in the same formats
-(``tasks/fixtures/ruler``) for tests.
-
-As in RULER's ``qa.py``: documents are de-duplicated and sorted; SQuAD keeps only answerable questions,
-its gold document is the question's paragraph and the other paragraphs of the same article come first
-among the distractors; a HotpotQA question's gold documents are all of its (title, sentences)
-paragraphs. Sample ``i`` asks question ``i`` in file order; its haystack is its gold documents plus
-distractors up to ``size`` documents, shuffled, each written as ``Document {i}:\\n{document}``. When
-``size`` reaches the number of documents, all documents are repeated in sorted order and cut to ``size``
-(RULER's rule at the pinned revision; with the full SQuAD / HotpotQA dev sets this never happens up to 32K).
-
-The project's made-up fixture is recognised by its sha256 (``FIXTURE_SHA256``) and reported as such, so
-that its results are never mistaken for RULER's.
+Design: docs/design/tasks.md#ruler
 """
 
 from __future__ import annotations

@@ -1,48 +1,9 @@
-"""Several questions over one context: a RULER multi-key haystack holding k needles, one question per needle.
+"""Several questions over one context: a RULER multi-key haystack holding k needles, one question per needle,
+asked independently, as separate requests from one compressed context (multi_request) or as one
+conversation (multi_turn). It measures what KeyDiff's question-free scoring is for: one long context
+compressed once and asked several questions.
 
-Why: KeyDiff never needs the question to choose what to keep, which matters most where one long context is
-compressed once and asked several questions (chat over a document, a cached prefix reused by many requests). The
-literature (KVzip, SCBench) reports that methods scoring with the question's attention (SnapKV, TOVA, H2O) lose
-most there; this task measures it on the RULER generators, offline.
-
-Data (keydiff.tasks.ruler_generators, RULER's niah template): context c holds `questions` = k needles
-"One of the special magic numbers for <key> is: <value>." in an essay haystack (niah_multikey_1's layout:
-word keys, 7-digit number values, needles at RULER's depths), fitted, as RULER fits, to the largest haystack whose
-longest prompt (context + one question) plus the tokens to generate is at most `length`. Each question asks
-for one needle's key: "What is the special magic number for <key> mentioned in the provided text?" with RULER's
-answer prefix after the generation prompt. Keys and values are drawn pairwise from a stream seeded by
-(seed, length, c), so the first k needles of context c are the same for every k, and every value is in its context
-exactly once. The needles sit in key order at ascending depths, so the questions are asked in a seeded shuffle
-of the needles (`asking_order`: its own stream, seeded by (seed, length, c), not the placement's): question j asks
-for needle order[j], and the asking order no longer tracks depth (a multi-turn conversation does not go front to
-back). Score: RULER's niah metric, string_match_all of the value; the summary's `score` is its mean over the
-questions (0-1, as NIAH's needle_recall; the name does not start with "ruler", so the reports treat it as a 0-1
-score), `by_ask_rank` the same per asking rank j and `by_depth_rank` per the needle's rank by depth (0: the
-shallowest); every row's info records its `question_index` (asking rank), `needle_index`, `depth_rank` and
-`depth` (RULER's depth percent, essay haystack; null otherwise).
-
-Samples are questions in asking order (id "c<context>/q<j>", j the asking rank, one result row each); the
-questions of a context form one shard group and `task.limit` counts contexts (each brings its k questions). How
-the k questions are asked, `mode`:
-
-  independent    every question its own prompt (context + question): the run's query_aware decides whether the
-                 question is compressed with the context (true) or held after it (false, kvpress's protocol);
-  multi_request  the context is prefilled and compressed once; every question (with the end of the user turn
-                 and the answer prefix, held as under query_aware=false) is answered from a copy of that
-                 compressed state, so no answer reaches another question's cache (kvpress's and SCBench's
-                 multi-request mode; keydiff.run.shared orchestrates it);
-  multi_turn     one conversation: question j+1 is a new user turn after answer j, fed into the same (bounded,
-                 evicting as the protocol says) cache that holds what survived of the context, the earlier
-                 questions and their answers. The conversation grows past `length` (context + every turn + k
-                 answers); it is checked against the model's max_length before the model loads (an estimate
-                 from `length`, `check_model`) and exactly once the turns are tokenized (`shared_context`).
-
-Context/question split (query_aware=false and the shared modes): before "What is the special magic", the
-question's start (RULER's split as kvpress makes it, ruler_generators.QUESTION_MARKERS); the chat template's
-prefix, the instructions and the haystack are the context, the rest (question, end of the turn, generation prompt,
-answer prefix) is held. A follow-up turn (multi_turn) is the chat template's text between an assistant answer and
-the next user content, the question, the generation prompt and the answer prefix, found by rendering a two-turn
-conversation with placeholders (`turn_texts`).
+Design: docs/design/tasks.md#several-questions-over-one-context
 """
 
 from __future__ import annotations
