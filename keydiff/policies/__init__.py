@@ -1,15 +1,8 @@
 """Eviction policies, built by name: `build_policy("keydiff", window_fraction=0.2)`.
 
-Each policy is one small dataclass in its own module; `POLICIES` maps the config name to the class. A recent
-window and per-layer budgets are wrappers around any of them (`keydiff.policies.wrappers`): `build_policy`
-composes them from the flat parameters the configs use (`window_fraction` / `recent_fraction` where the
-policy names one, `chunk_length` (ChunkKV, `keydiff.policies.chunkkv`), `critical` (CriticalKV, `keydiff.policies.criticalkv`),
-`head_budgets` / `alpha_safeguard` / `head_scores` (AdaKV, `keydiff.policies.adakv`), `key_rerotation` (`keydiff.policies.rerotation`)
-and `layer_budgets` for every policy), so the line above is `RecentWindow(KeyDiff(),
-fraction=0.2)`, which Python users may also write themselves.
-A dotted path names a policy written anywhere else (`build_policy("my_lab.policies.MyPolicy", alpha=0.3)`):
-the module is imported and the class must subclass `Policy` and be a @dataclass itself (what
-`policy=custom policy.target=...` runs). `keydiff.testing.check_policy` checks a class against the contract.
+Each policy is one small dataclass in its own module; `POLICIES` maps config names to classes, and a dotted
+path names a policy written elsewhere. `build_policy` composes wrappers (recent window, ChunkKV, CriticalKV,
+AdaKV, key re-rotation, layer budgets) from the configs' flat parameters. Design: docs/design/policies.md
 
     base         what a policy is (Policy, LayerView), and layer_by_layer, the reference of a stacked choice
     full         no eviction (the baseline)
@@ -69,11 +62,7 @@ def available_policies() -> list[str]:
 
 
 def policy_class(name: str) -> type[Policy]:
-    """The class for a built-in name, or for a dotted path `package.module.Class` (imported here).
-
-    Raises ValueError saying which part is wrong: unknown name, missing module, missing class, not a Policy,
-    a class (its own or one it inherits from) without its own @dataclass.
-    """
+    """The class for a built-in name or a dotted path `package.module.Class`; ValueError saying which part is wrong."""
     if name in POLICIES:
         return POLICIES[name]
     if "." not in name:
@@ -98,9 +87,7 @@ def policy_class(name: str) -> type[Policy]:
 
 
 def require_own_dataclass(cls: type[Policy], what: str) -> None:
-    """Raise ValueError (starting with `what`) unless `cls` and every Policy class it inherits from is
-    decorated with @dataclass itself: is_dataclass() is true for any subclass of one, so each class's own
-    decoration is checked. Used for dotted paths and for classes handed to keydiff.testing.check_policy."""
+    """Raise ValueError (starting with `what`) unless `cls` and every Policy class it inherits from is itself a @dataclass."""
     undecorated = [
         klass.__qualname__ for klass in cls.__mro__
         if issubclass(klass, Policy) and "__dataclass_fields__" not in vars(klass)
@@ -113,10 +100,7 @@ def require_own_dataclass(cls: type[Policy], what: str) -> None:
 
 
 def policy_parameters(cls: type[Policy]) -> list[str]:
-    """The parameters `build_policy` takes for `cls`: its own fields, the name it gives a recent window (if
-    any), then those every policy takes: `chunk_length`/`chunk_scope` (ChunkKV), `critical`/`critical_epsilon`/
-    `first_stage_ratio` (CriticalKV), `head_budgets`/`alpha_safeguard`/`head_scores` (AdaKV), `key_rerotation` and
-    `layer_budgets`."""
+    """The parameters `build_policy` takes for `cls`: its fields, its window name (if any), then every policy's wrapper parameters."""
     own = [f.name for f in dataclasses.fields(cls) if f.init]
     window = [cls.recent_window_parameter] if cls.recent_window_parameter else []
     return own + window + ["chunk_length", "chunk_scope", *CRITICAL_PARAMETERS, "head_budgets", "alpha_safeguard",
@@ -127,8 +111,7 @@ CRITICAL_PARAMETERS = ("critical", "critical_epsilon", "first_stage_ratio")
 
 
 def critical_wrapper(policy: Policy, params: dict[str, Any]) -> Policy:
-    """`policy` in a Critical wrapper when `critical` is true (its parameters popped from `params`); its epsilon
-    or ratio without `critical: true` is an error (they would be ignored silently)."""
+    """`policy` in a Critical wrapper when `critical` is true; its epsilon or ratio without `critical: true` is an error."""
     critical = params.pop("critical", False)
     options = {name: params.pop(name) for name in CRITICAL_PARAMETERS[1:] if name in params}
     if not isinstance(critical, bool):
@@ -141,11 +124,7 @@ def critical_wrapper(policy: Policy, params: dict[str, Any]) -> Policy:
 
 
 def compose_policy(cls: type[Policy], **params: Any) -> Policy:
-    """`cls` built with its own parameters, in the wrappers the others name: RecentWindow (always, for a class
-    that names a window parameter, so that its fraction is recorded even when 0), Chunked (when a
-    chunk_length is given: ChunkKV), Critical (critical: true: CriticalKV), HeadAdaptive (head_budgets "adakv":
-    AdaKV, with alpha_safeguard), Rerotated (key_rerotation: true) and
-    LayerBudgets (when a schedule is given), innermost first."""
+    """`cls` built with its own parameters inside the wrappers the others name, innermost first (docs/design/policies.md)."""
     params = dict(params)
     schedule = params.pop("layer_budgets", None)
     chunk_length = params.pop("chunk_length", None)
@@ -191,10 +170,7 @@ def check_head_budgets(head_budgets: Any, alpha: Any, head_scores: Any = None) -
 
 
 def build_policy(name: str, **params: Any) -> Policy:
-    """Instantiate the policy called `name` (built-in name or dotted path) with hyper-parameters `params`.
-
-    Raises ValueError naming the valid policies or the valid parameters of this policy.
-    """
+    """Instantiate the policy `name` (built-in or dotted path) with `params`; ValueError naming the valid policies or parameters."""
     cls = policy_class(name)
     valid = policy_parameters(cls)
     unknown = sorted(set(params) - set(valid))

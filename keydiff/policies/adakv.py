@@ -1,42 +1,10 @@
 """Head-adaptive budgets (AdaKV, Feng et al. 2024, arXiv 2407.11550): the heads of a layer share its budget.
 
-`HeadAdaptive(scorer, alpha_safeguard=0.2)` wraps any scoring policy. A layer's budget is a total,
-T = kv_heads x N, not N per KV head: after each pass the layer keeps the T entries with the highest scores
-over all its heads together (per batch row), so a head whose scores are high keeps more than N and one whose
-scores are low keeps fewer. AdaKV's safeguard: each head first keeps its own top floor(alpha_safeguard x N)
-entries whatever the other heads score (kvpress's `AdaKVPress` default 0.2). Entries the wrapped policy
-protects (sinks, SnapKV's observation window, a RecentWindow) are always kept, as in the uniform form.
+`HeadAdaptive(scorer, alpha_safeguard=0.2)` wraps any scoring policy: a layer keeps its T = kv_heads x N best
+entries over all heads together (per batch row), each head first keeping its own top floor(alpha x N), and
+protected entries always. Ties: score, then position (newer kept), then head (lower kept).
 
-Scores. Each head is scored on its own (`LayerView` of one batch row and one KV head: its own entries, its
-attention statistic, its slice of the query statistics), so a per-head quantity such as KeyDiff's anchor is
-the mean over that head's entries, as in the uniform form. Scores of different heads are compared as they
-are: the scorer's scale must mean the same in every head (kvpress makes the same assumption). Under
-block-wise prefill it does not quite, for attention: the heads hold different counts n_h after the first
-eviction, each query row's attention sums to 1 over its head's n_h + B entries, so a head holding more entries
-gets lower scores per entry and the split leans back towards even at every block (kvpress's one pass scores
-every head over the same L entries). The default keeps AdaKV's definition (raw scores, `head_scores="raw"`);
-`head_scores="relative"` divides each head's scores by their mean first (`relative_scores`: uniform attention
-scores 1 in every head, whatever its count; in float64, so the order of a head's entries changes no bit of
-it), for attention-based scorers only; docs/policies.md, "Heads of
-different lengths under block-wise prefill". A scorer that scores whole pools (`scores_pools`: KeyDiff)
-is asked once for every head of every layer (`drop_pool` -> `adakv_drop_pool`, the same choice; the cache
-then evicts all its layers in one call, keydiff.cache.adaptive.evict_stack).
-
-Order. Every entry gets one key: its score (float32), then its position (the newer kept first, as
-`Policy.evict_indices`), then its head (the lower head index kept first): `adakv_keep` keeps the forced
-entries (protected, safeguard) and then the best others up to T. With alpha_safeguard = 1 every head keeps
-exactly its own top N, the uniform policy's choice. Memory: the cache holds head-adaptive layers in a pool
-with one segment per head (keydiff.cache.adaptive), so at most T entries (+ kv_heads x the block) are held.
-
-With CriticalKV (`HeadAdaptive(Critical(scorer))`, kvpress's `CriticalAdaKVPress`): the head counts are chosen
-over the wrapped scorer's RAW scores, then each head runs CriticalKV's two stages within its count
-(`keep_heads_critical`). Refused (one-line ValueError when built, `refuse_unsupported`): KVzip, ChunkKV and key
-re-rotation (see docs/policies.md, "With CriticalKV and other options").
-
-Differences from kvpress's `AdaKVPress` (read, not copied): kvpress keeps every entry in the cache and masks
-the pruned ones in its attention patch (no memory is freed); it takes the safeguard as int(alpha x N); ties
-are broken by torch.topk's order. Here the dropped entries are removed, ties are deterministic, the safeguard
-is floor(alpha x N) (the same for these inputs) and eviction runs after every block and generated token.
+Design: docs/design/policies.md#adakv-adakvpy
 """
 
 from __future__ import annotations
@@ -67,11 +35,7 @@ REROTATION_REFUSED = ("key_rerotation with head_budgets=adakv is not supported (
 
 
 def refuse_unsupported(scorer: Policy) -> None:
-    """One-line ValueError for what head-adaptive budgets cannot wrap: a policy with reconstruction passes
-    (KVzip: its scratch passes write after a layer's dense entries, which a pool of per-head segments does not
-    have), ChunkKV (it keeps whole chunks, by default one set per layer; AdaKV splits a layer's budget entry by
-    entry between heads, and a one-head view would silently turn chunk_scope=layer into head), and key
-    re-rotation (not implemented over per-head segments)."""
+    """One-line ValueError for what head-adaptive budgets cannot wrap: KVzip, ChunkKV and key re-rotation."""
     if scorer.needs_reconstruction:
         raise ValueError(f"{scorer.unwrapped().name} with head_budgets=adakv is not supported (its reconstruction "
                          "passes need dense per-head buffers); drop one of them")
@@ -86,9 +50,7 @@ def refuse_unsupported(scorer: Policy) -> None:
 
 
 def check_head_scores(head_scores: str, scorer: Policy | None = None) -> None:
-    """One-line ValueError for an unknown `head_scores`, or "relative" over a scorer whose scores are not a
-    share of attention (KeyDiff, K-norm, ...: a mean of them means nothing, and their scale does not depend
-    on a head's count)."""
+    """One-line ValueError for an unknown `head_scores`, or "relative" over a scorer whose scores are not attention shares."""
     if head_scores not in HEAD_SCORES:
         raise ValueError(f"unknown head_scores {head_scores!r}; valid: {', '.join(HEAD_SCORES)}")
     if head_scores == "relative" and scorer is not None and scorer.attention_rows == 0 and not scorer.log_scores:
@@ -97,15 +59,9 @@ def check_head_scores(head_scores: str, scorer: Policy | None = None) -> None:
 
 
 def relative_scores(scores: torch.Tensor, log_scores: bool) -> torch.Tensor:
-    """One head's scores [..., n] over its mean: 1 = the head's average entry, so a head over which attention
-    is uniform scores 1 everywhere whatever its count n (log scores: minus their log-mean-exp). For attention
-    sums (each query row's weights sum to 1 over the head's n entries, so the mean is rows / n) this is the
-    score x n / rows, the count-independent form (head_scores=relative).
-
-    In float64, rounded once to float32 at the end: the mean of n float32 scores is then (all but) exact
-    whatever order a kernel adds them in, so the relative score is a function of the scores alone, not of
-    the machine's vector width, and the quotient is rounded once, not twice. (The scores themselves can differ
-    by an ULP between machines: docs/testing.md, "Goldens on every vector path".)"""
+    """One head's scores [..., n] over its mean (log scores: minus their log-mean-exp), so uniform attention scores 1
+    whatever the head's count (head_scores=relative). In float64, rounded once to float32.
+    """
     n = scores.shape[-1]
     wide = scores.double()
     if log_scores:
@@ -122,10 +78,8 @@ def adakv_keep(keys: list[torch.Tensor], protected: list[torch.Tensor | None], b
                alpha: float) -> list[torch.Tensor]:
     """Which entries each head of one batch row keeps: bool masks [n_h], one per head.
 
-    keys: per head, int64 order keys [n_h] (higher = keep first; unique within a head: score then position).
-    protected: per head, bool [n_h] of entries always kept, or None. budget: N, so the layer keeps T = heads x N
-    in all (everything if it holds no more). Each head's top floor(alpha x N) by key and its protected entries
-    are kept first; the rest of T goes to the highest keys of all heads, ties to the lower head index.
+    keys: per head, int64 order keys [n_h] (higher = keep). protected: per head, bool [n_h] or None. budget: N
+    (T = heads x N kept in all). Safeguard and protected first, then the highest keys of all heads.
     """
     heads = len(keys)
     total = heads * budget
@@ -170,12 +124,7 @@ def adakv_keep(keys: list[torch.Tensor], protected: list[torch.Tensor | None], b
 
 def adakv_drop_pool(keys: torch.Tensor, pool: PoolView, budget: int, alpha: float) -> torch.Tensor:
     """`adakv_keep` for every row of head-adaptive pools at once: bool [rows, P] of the entries dropped.
-
-    keys: int64 order keys [rows, P] (higher = keep first; unique within a head). A row holding more than
-    T = kv_heads x N drops its `excess` lowest keys but those its heads must keep: a head's own top
-    floor(alpha x N) where the safeguard can bind (as `adakv_keep`, a head that cannot lose that many needs no
-    mark). Equal keys of different heads: the higher head's dropped first. No protected entries (pool scorers
-    protect none). The same choice as `adakv_keep` on each row's heads, in a fixed number of kernels.
+    keys: int64 order keys [rows, P]; the same choice as `adakv_keep`, in a fixed number of kernels.
     """
     member, owner, valid = pool.member, pool.owner, pool.valid
     rows, heads = pool.counts.shape
@@ -212,9 +161,7 @@ def adakv_drop_pool(keys: torch.Tensor, pool: PoolView, budget: int, alpha: floa
 
 @dataclass
 class HeadAdaptive(PolicyWrapper):
-    """The heads of each layer share its budget T = kv_heads x N (AdaKV); each keeps at least
-    floor(alpha_safeguard x N) of its own best entries. The cache stores such layers head by head
-    (keydiff.cache.adaptive): `head_adaptive` tells it to."""
+    """The heads of each layer share its budget T = kv_heads x N (AdaKV), each keeping at least floor(alpha_safeguard x N)."""
 
     alpha_safeguard: float = 0.2
     head_scores: str = "raw"  # "relative": each head's scores over their mean (relative_scores) before the choice
@@ -273,15 +220,9 @@ class HeadAdaptive(PolicyWrapper):
         return adakv_keep([k for k, _ in ordered], [p for _, p in ordered], budget, self.alpha_safeguard)
 
     def keep_heads_critical(self, heads: list[LayerView], budget: int) -> list[torch.Tensor]:
-        """AdaKV form of CriticalKV (kvpress's `CriticalAdaKVPress`): each head's count N_h is AdaKV's choice
-        over the RAW scores of the scorer CriticalKV wraps (its protected entries and the safeguard forced);
-        then, within each head, CriticalKV's two stages fill N_h: stage 1 keeps what the scorer protects and
-        its floor(first_stage_ratio x N_h) best raw scores, stage 2 the best (score + epsilon) x ||W_o v||_1
-        of the rest (ties by position, newer first, as everywhere). The head's safeguard entries (its top
-        floor(alpha x N) raw) are kept as well: kvpress gives them the largest score in both stages, so stage 1
-        keeps the top max(floor(first_stage_ratio x N_h), floor(alpha x N)) raw scores. The counts are
-        `adakv_keep`'s, ties included (equal raw scores at the split: the newer position, then the lower head),
-        so they equal plain AdaKV's; kvpress leaves such a tie to torch.topk's order (docs/peers.md)."""
+        """AdaKV form of CriticalKV (kvpress's `CriticalAdaKVPress`): head counts N_h from AdaKV over the RAW scores,
+        then CriticalKV's two stages within each head, its safeguard entries kept too (docs/design/policies.md).
+        """
         critical = self.scorer
         inner = critical.scorer
         raw = [inner.score(head) for head in heads]

@@ -1,23 +1,11 @@
 """What an eviction policy is: a scoring rule over the entries of one layer's cache.
 
-A policy sees one layer at a time (`LayerView`) and answers one question: which entries of each KV head
-to drop so that `budget` remain. Most policies only implement `score` (higher = keep); `protected` marks
-entries that are always kept (sinks); `observe` lets a policy carry per-entry state across
-steps (H2O's accumulated attention) in buffers the cache allocates for the names in `state_names`, each
-entry starting from `initial_state` (0 unless the policy says otherwise). The
-cache (`keydiff.cache`) calls `observe` after every forward pass that recorded attention and
-`evict_indices` whenever a layer holds more than its budget.
+A policy sees one layer at a time (`LayerView`) and says which entries of each KV head to drop so that
+`budget` remain: most implement only `score` (higher = keep), some `protected` and `observe`. Its
+capabilities (properties of `Policy`) say what it needs from the cache and the engine. Entries are in no
+particular order: a policy needing recency reads `positions`. User guide: docs/policies.md.
 
-What a policy may ask the engine for (its capabilities, see `Policy`): attention rows (`attention_rows`,
-computed beside the fused kernel, summed or maxed: `attention_reduction`), an extra reconstruction pass per
-prefill block whose entries are not kept (`needs_reconstruction`, KVzip), per-entry state (`state_names`),
-running statistics of the layer's queries (`needs_queries`, Expected Attention). What any policy can be given from outside, by a wrapper
-(`keydiff.policies.wrappers`): a recent window (`RecentWindow`) and per-layer budgets (`LayerBudgets`, e.g. a
-PyramidKV schedule). The full contract, with an example policy written outside this package, is in
-docs/policies.md ("Your own policy", "The policy contract") and examples/my_policy.py.
-
-Entries are in no particular order (the cache moves new entries into the places of evicted ones, so that it
-never copies the whole cache): a policy that needs recency or adjacency reads `positions`.
+Design: docs/design/policies.md#what-a-policy-is-basepy
 """
 
 from __future__ import annotations
@@ -68,8 +56,7 @@ class LayerView:
 
     @property
     def layer_idx(self) -> int:
-        """The one layer this view holds; an error if it stacks several (a policy that reads it must leave
-        `layers_batchable` False)."""
+        """The one layer this view holds; an error if it stacks several (such a policy is not `layers_batchable`)."""
         if len(self.layers) != 1:
             raise RuntimeError(f"this view stacks layers {self.layers[0]}..{self.layers[-1]}: a policy that reads "
                                "layer_idx must not set layers_batchable")
@@ -78,13 +65,8 @@ class LayerView:
 
 @dataclass
 class PoolView:
-    """Rows of head-adaptive pools as a policy scores them in one call (keydiff.cache.adaptive): in each row
-    [P cells], every KV head owns a contiguous segment of entries and the other cells are free.
-
-    A row is one batch row of one layer; the cache stacks the rows of every layer of the same pool size, so a
-    decoding step scores all layers at once, as the uniform cache's stack does. Only policies with
-    `scores_pools` are given one; free cells hold finite values (the pools are zero-filled when allocated)
-    and whatever is scored there is ignored.
+    """Rows of head-adaptive pools as a policy scores them in one call (keydiff.cache.adaptive): each row [P cells]
+    holds one contiguous segment per KV head; free cells hold finite values whose scores are ignored.
     """
 
     keys: torch.Tensor  # [rows, P, head_dim], as cached
@@ -104,15 +86,9 @@ class PoolView:
 class Policy:
     """Base class: keep the `budget` highest-scoring entries of every KV head, plus nothing else.
 
-    Subclasses are small dataclasses; their fields are the policy's hyper-parameters (set from Hydra). A recent
-    window and a per-layer budget schedule are not parameters of each policy but wrappers around any of them
-    (`keydiff.policies.wrappers`: `LayerBudgets(RecentWindow(KeyDiff(), fraction=0.2), schedule=...)`).
-
-    Capabilities, what the policy asks of the cache and the engine, are the properties below. A class states
-    each of its answers once: as a class attribute (`attention_rows: ClassVar[int | None] = None`) or, where the
-    answer follows a hyper-parameter, as a property of its own (SnapKV's `attention_rows` is its window). A
-    wrapper forwards the wrapped policy's. Read them from an instance: on a class that does not state one
-    itself, the attribute is this base class's property object.
+    Subclasses are small dataclasses whose fields are hyper-parameters. A recent window and per-layer budgets are
+    wrappers (keydiff.policies.wrappers). Capabilities are the properties below: state each once, as a class
+    attribute or a property; read them from an instance (docs/design/policies.md#capabilities).
     """
 
     @property
@@ -123,32 +99,25 @@ class Policy:
 
     @property
     def attention_rows(self) -> int | None:
-        """Which query rows' attention the policy needs: 0 = none (attention-free), k = the last k rows of each
-        forward pass, None = every row (column sums)."""
+        """Which query rows' attention the policy needs: 0 = none, k = the last k rows of each pass, None = every row."""
         return 0
 
     @property
     def attention_reduction(self) -> str:
-        """How those rows' attention is reduced per entry: "sum" (over rows; mean over the KV group's query
-        heads) or "max" (over rows and the group's heads: KVzip)."""
+        """How those rows' attention is reduced per entry: "sum" (over rows; mean over the group's heads) or "max"."""
         return "sum"
 
     @property
     def needs_reconstruction(self) -> bool:
-        """True if the engine must run a reconstruction pass after each prefill block (KVzip): the input of
-        `reconstruction_input`, run against the cache in `cache.scratch()` (its entries are discarded), whose
-        attention statistic is what `observe` sees before the block's eviction."""
+        """True if the engine must run a reconstruction pass (`reconstruction_input`, in `cache.scratch()`) after each prefill block (KVzip)."""
         return False
 
     def reconstruction_input(self, block: torch.Tensor, previous: torch.Tensor, tokenizer) -> torch.Tensor:
-        """Token ids [batch, R + B] of the reconstruction pass for prefill block `block` [batch, B]; `previous`
-        is the block before it ([batch, 0] for the first). Only for policies that need reconstruction."""
+        """Token ids [batch, R + B] of the reconstruction pass for prefill block `block` [batch, B] (`previous`: the block before)."""
         raise NotImplementedError(f"{type(self).__qualname__} runs no reconstruction pass")
 
     def reconstruction_keys(self, positions: torch.Tensor, chunk_start: int | None) -> torch.Tensor | None:
-        """Bool [batch, kv_heads, n]: the held entries (absolute `positions`) whose attention the reconstruction
-        pass's softmax runs over, besides the pass's own; None: all of them. chunk_start: the first position
-        of the block being reconstructed."""
+        """Bool [batch, kv_heads, n]: the held entries the reconstruction pass's softmax covers besides its own; None: all."""
         return None
 
     @property
@@ -183,40 +152,31 @@ class Policy:
 
     @property
     def key_rerotation(self) -> str | None:
-        """None, or how the cache re-applies RoPE to the kept keys after each eviction ("contiguous": right below
-        the next token's, as kvpress's pipeline; "absolute": at 0..n-1, new tokens at their absolute positions;
-        see keydiff.policies.rerotation)."""
+        """None, or how the cache re-applies RoPE to kept keys after eviction: "contiguous" or "absolute" (keydiff.policies.rerotation)."""
         return None
 
     @property
     def log_scores(self) -> bool:
-        """True if `score` returns the logarithm of a non-negative importance (Expected Attention): what a
-        wrapper that rescales scores (CriticalKV) needs to know to combine them."""
+        """True if `score` returns the log of a non-negative importance (Expected Attention), for rescaling wrappers."""
         return False
 
     @property
     def layers_batchable(self) -> bool:
-        """True if every batch row of a view is scored the same way, by its own entries only, whatever its layer
-        (no layer_idx, no per-layer queries, no random draws, no reduction across rows). The cache may then
-        evict all its layers in one call, their rows stacked along the batch dimension (`LayerView.layers`
-        names them): one set of kernel launches per step instead of one per layer. False (the safe default) for your own policy
-        unless you set it; `keydiff.testing.check_policy` checks the claim (stacked == layer by layer)."""
+        """True if every batch row of a view is scored alike from its own entries, so the cache may evict all layers in
+        one call. False (safe default) unless set; `keydiff.testing.check_policy` checks the claim.
+        """
         return False
 
     @property
     def capturable(self) -> bool:
-        """True if `evict_indices` (and `observe`, for a policy that reads attention) runs from tensors alone once
-        its scores were checked: no value read on the host (.item(), .tolist(), int() of a tensor, a Python branch
-        on a tensor's value) and no shape that depends on values. A decoding step (or prefill block) in fixed shapes
-        can then compile it and a CUDA graph can hold it (keydiff.batching.static); otherwise it runs the ordinary
-        step. False (the safe default) for your own policy unless you set it; tests/test_fixed_shapes.py checks the
-        built-ins' claim (fullgraph compile)."""
+        """True if `evict_indices` (and `observe`) read no value on the host and make no value-dependent shape, so a
+        fixed-shape step can compile or capture it. False (safe default) unless set.
+        """
         return False
 
     @property
     def head_adaptive(self) -> bool:
-        """True if the heads of a layer share its budget (AdaKV, keydiff.policies.adakv.HeadAdaptive): the cache
-        then holds each layer in a pool of per-head segments and asks `keep_heads` what to keep."""
+        """True if the heads of a layer share its budget (AdaKV): the cache then keeps per-head pools and asks `keep_heads`."""
         return False
 
     def keep_heads(self, heads: list[LayerView], budget: int) -> list[torch.Tensor]:
@@ -225,26 +185,20 @@ class Policy:
 
     @property
     def chooses_pools(self) -> bool:
-        """True if a head-adaptive policy chooses on whole pools (`drop_pool`) rather than head by head
-        (`keep_heads`): the cache then evicts all its head-adaptive layers in one call. False by default."""
+        """True if a head-adaptive policy chooses on whole pools (`drop_pool`) rather than head by head. False by default."""
         return False
 
     def drop_pool(self, pool: PoolView, budget: int) -> torch.Tensor:
-        """For a policy with `chooses_pools`: bool [rows, P], the entries of every row of `pool` to drop, the
-        choice `keep_heads` would make on the row's heads (budget: N, the row keeps kv_heads x N in all)."""
+        """For `chooses_pools`: bool [rows, P], the entries of every row of `pool` to drop (`keep_heads`' choice; budget: N)."""
         raise NotImplementedError(f"policy {self.name!r} does not choose on head-adaptive pools")
 
     @property
     def scores_pools(self) -> bool:
-        """True if the policy scores head-adaptive pools directly (`score_pool`): every head of every row in one
-        call, each head's score depending on its own entries only. Only attention-free policies that protect no
-        entry can: the head-adaptive cache then chooses for all its layers at once. False by default (the cache
-        scores such a policy head by head, `keep_heads`)."""
+        """True if the policy scores head-adaptive pools directly (`score_pool`), each head from its own entries. False by default."""
         return False
 
     def score_pool(self, pool: PoolView) -> torch.Tensor:
-        """Scores [rows, P] float32 of every entry of `pool` (higher = keep), each as `score` gives it on a view
-        of its head alone, up to rounding. Only for policies with `scores_pools`."""
+        """Scores [rows, P] float32 of every entry of `pool`, as `score` gives them on each head alone. Only with `scores_pools`."""
         raise NotImplementedError(f"policy {self.name!r} does not score head-adaptive pools")
 
     # True: check the scores at every eviction, not only at the policy object's first (keydiff.testing).
@@ -257,8 +211,7 @@ class Policy:
         """Raise ValueError if the hyper-parameters cannot work with `budget` (called before model loading)."""
 
     def check(self, budget: int) -> None:
-        """Everything `validate` checks, for the budget of the whole cache (a LayerBudgets wrapper checks the
-        smallest budget any layer gets)."""
+        """Everything `validate` checks, for the whole cache's budget (LayerBudgets checks the smallest layer budget)."""
         self.validate(budget)
 
     def compresses_layer(self, layer_idx: int) -> bool:
@@ -274,19 +227,13 @@ class Policy:
         return self
 
     def initial_state(self, keys: torch.Tensor) -> dict[str, torch.Tensor]:
-        """State of newly written entries, {name: [batch, kv_heads, q]}, from their keys [batch, kv_heads, q, dim].
-
-        Called once per entry: the cache writes new entries, then sets their state from this the next time
-        the layer is viewed (before `observe` and `score`; for a stacked cache, on all layers' new rows in
-        one call). Names left out start at 0. A policy caches per-entry quantities here (KeyDiff: the
-        inverse key norm) so that scoring does not recompute them for the whole cache at every step.
+        """State of newly written entries, {name: [batch, kv_heads, q]}, from their keys [batch, kv_heads, q, dim];
+        set once per entry before `observe` and `score`. Names left out start at 0.
         """
         return {}
 
     def entry_state(self, entries: LayerView) -> dict[str, torch.Tensor]:
-        """State of newly written entries from a view of them (keys, values, positions, output_projection;
-        no attention, no state). What the cache calls; by default `initial_state(entries.keys)`. A policy
-        whose per-entry quantity needs more than the keys (CriticalKV: ||W_o v||_1) overrides this instead."""
+        """State of newly written entries from a view of them (keys, values, positions, output_projection); default `initial_state(keys)`."""
         return self.initial_state(entries.keys)
 
     def observe(self, layer: LayerView) -> None:
@@ -302,10 +249,7 @@ class Policy:
 
     def evict_indices(self, layer: LayerView, budget: int) -> torch.Tensor:
         """Indices [batch, kv_heads, n - budget] of the entries to drop: the lowest scores, never a protected one.
-
-        Ties are broken by position (the older entry goes first), so the choice never depends on where the
-        cache happens to store an entry, nor on the device's top-k. The first call checks the scores
-        (`check_scores`): a wrong shape or a NaN/inf would otherwise be ordered silently.
+        Ties go by position (older first); the first call checks the scores (`check_scores`).
         """
         scores = self.score(layer)
         protect = self.protected(layer, budget)
@@ -328,15 +272,12 @@ class Policy:
         return torch.arange(n, device=keep.device).expand(batch, heads, n)[keep].view(batch, heads, budget)
 
     def describe(self) -> dict:
-        """Name and hyper-parameters, for result files: what `build_policy(**describe())` takes to build it
-        again (`layer_budgets` None: the uniform budget; a LayerBudgets wrapper gives its schedule)."""
+        """Name and hyper-parameters for result files: what `build_policy(**describe())` takes to build it again."""
         return {"name": self.name, **{f.name: getattr(self, f.name) for f in fields(self) if f.init}, "layer_budgets": None}
 
 
 def policy_error_name(policy: Policy) -> str:
-    """How errors name a policy: its config name, or its class's dotted path for a policy of your own (a
-    subclass of a built-in inherits the built-in's name, so the path is given with it). A wrapper is named
-    by the policy it wraps."""
+    """How errors name a policy: its config name, or its class's dotted path for one of your own (wrappers: the wrapped one)."""
     policy = policy.unwrapped()
     cls, name = type(policy), policy.name
     owner = next(klass for klass in cls.__mro__ if "name" in vars(klass))  # where `name` was set
@@ -346,8 +287,7 @@ def policy_error_name(policy: Policy) -> str:
 
 
 def check_scores(policy: Policy, scores: torch.Tensor, layer: LayerView, protect: torch.Tensor | None) -> None:
-    """Raise RuntimeError naming the policy if `scores` is not [batch, kv_heads, n] or holds NaN/inf for an
-    entry that is not protected (protected entries are kept whatever their score, so -inf there is harmless)."""
+    """Raise RuntimeError naming the policy if `scores` is not [batch, kv_heads, n] or holds NaN/inf for an unprotected entry."""
     expected = tuple(layer.positions.shape)
     if tuple(scores.shape) != expected:
         raise RuntimeError(
@@ -366,10 +306,8 @@ def check_scores(policy: Policy, scores: torch.Tensor, layer: LayerView, protect
 
 
 def layer_by_layer(policy: Policy) -> Policy:
-    """The same policy (class behaviour and parameters) with `layers_batchable` False.
-
-    The cache then evicts each layer on its own: the reference a stacked cache's choices are checked against
-    (tests, keydiff.bench.gpu_check), and what a subclass reading `layer_idx` needs.
+    """The same policy (class behaviour and parameters) with `layers_batchable` False: the reference stacked
+    choices are checked against.
     """
     if not policy.layers_batchable:
         return policy
@@ -380,19 +318,14 @@ def layer_by_layer(policy: Policy) -> Policy:
 
 
 def float32_norms(keys: torch.Tensor) -> torch.Tensor:
-    """||k|| per entry [..., n] in float32. Half precision is widened by the reduction as it reads (no float32 copy
-    of every key, which a CUDA graph's pool would keep); other dtypes are cast to float32 first, as scores are."""
+    """||k|| per entry [..., n] in float32, half precision widened inside the reduction (no float32 copy of the keys)."""
     if keys.dtype in (torch.float16, torch.bfloat16):
         return torch.linalg.vector_norm(keys, dim=-1, dtype=torch.float32)
     return torch.linalg.vector_norm(keys.float(), dim=-1)
 
 
 def score_then_position(scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """One int64 key per entry ordered by float32 score, then by position: unique, so top-k has no ties.
-
-    The float's bits become an order-preserving int32 (negative floats have their magnitude bits flipped),
-    shifted above the position (positions < 2**31).
-    """
+    """One unique int64 key per entry ordered by float32 score, then position, so top-k has no ties."""
     bits = (scores.float() + 0.0).view(torch.int32)  # + 0.0 turns -0.0 into 0.0 (and is a fresh tensor)
     ordered = (bits >> 31).bitwise_and_(0x7FFFFFFF).bitwise_xor_(bits)
     return ordered.to(torch.int64).bitwise_left_shift_(32).bitwise_or_(positions)
@@ -410,10 +343,7 @@ def most_recent(layer: LayerView, count: int) -> torch.Tensor:
 
 
 def window_size(fraction: float, budget: int) -> int:
-    """Number of budget entries a `fraction` of the budget reserves for the most recent tokens (floor).
-
-    The epsilon keeps float noise from losing an entry: int(0.57 * 100) is 56, this gives 57.
-    """
+    """Budget entries a `fraction` reserves for the most recent tokens (floor, with an epsilon against float noise)."""
     return math.floor(fraction * budget + 1e-9)
 
 

@@ -1,47 +1,11 @@
-"""CriticalKV (Feng et al. 2025, arXiv 2502.03805, "Identify Critical KV Cache in LLM Inference from an Output
-Perturbation Perspective"): rescale any scorer's scores by how much an entry can move the attention output.
+"""CriticalKV (Feng et al. 2025, arXiv 2502.03805): rescale any scorer's scores by how much an entry can move the
+attention output.
 
-An entry's contribution to the layer's output is its attention weight times W_o v, the value projected through
-the output-projection rows of the query head reading it; the paper bounds the perturbation from dropping it by
-attention x ||W_o v||_1. `Critical(scorer)` selects in two stages, with each KV head's budget N:
+`Critical(scorer)` keeps floor(first_stage_ratio x N) entries by the scorer's scores, then fills the budget
+by (score + epsilon) x ||W_o v||_1 (computed once per entry, state "wov_l1"). Negative scores are shifted,
+log scores combined in the log domain. W_o is per layer, so it evicts layer by layer.
 
-1. the floor(first_stage_ratio x N) entries with the highest scores of the wrapped scorer are kept (entries the
-   scorer protects, e.g. SnapKV's observation window or a RecentWindow, rank first here, as kvpress's presses
-   give them the largest score), together with everything the scorer protects;
-2. the rest of the budget goes to the highest (score + epsilon) x ||W_o v||_1, where ||W_o v||_1 is the L1 norm
-   of v through each query head's slice of o_proj (o_proj.weight[:, h*d:(h+1)*d]), averaged over the query
-   heads of the entry's KV group (as kvpress's `CriticalKVPress.vwl1norm`).
-
-Defaults are the paper's and kvpress's: epsilon 1e-4, first_stage_ratio 0.5. epsilon is added to ONE query's
-attention, as in the paper and kvpress (SnapKVPress averages its window's rows); our attention statistic SUMS
-the rows a scorer asks for (SnapKV: min(window, block length), 1 while decoding), so for such a scorer epsilon
-is multiplied by that row count (`scaled_epsilon`), which ranks exactly as (mean + epsilon) x norm. H2O's
-cumulative sum over every query so far has no such count (and no kvpress counterpart): epsilon stays as given. ||W_o v||_1 is per entry and
-fixed (the value and the layer's weights never change), so it is computed once when the entry is written
-(`entry_state`, state "wov_l1") and moved with the entry; the weight reaches the policy through the cache
-(`needs_output_projection`: the attention function hands `module.o_proj.weight` to
-`EvictingCache.record_output_projection`, the storage keeps it per layer, `LayerView.output_projection`).
-
-Scores that can be negative. The rescaling assumes a non-negative importance (attention, as in the paper):
-multiplying a negative score by a larger norm would LOWER it, reversing the method's meaning. So, per KV head,
-a head whose scores reach below 0 is first shifted by its minimum (score - min(0, min score)): an order-
-preserving shift after which the least important entry scores 0 and epsilon keeps it from vanishing. Non-
-negative scorers (SnapKV, H2O, TOVA: attention) are left as they are, i.e. exactly kvpress's formula. KeyDiff's
--cos in [-1, 1] becomes 1 - cos + (its head's offset), in [0, 2]. A scorer that returns a logarithm
-(`log_scores`: Expected Attention) is combined in the log domain: log(exp(score) + epsilon) + log ||W_o v||_1,
-the same order as (exp(score) + epsilon) x ||W_o v||_1. kvpress wraps ExpectedAttentionPress with
-use_vnorm=False (the norm would count twice); a warning says so here too.
-
-Differences from kvpress: the budget is this cache's N per KV head at every eviction of block-wise prefill and
-decoding (kvpress compresses once, keeping int(ratio x (1 - compression_ratio) x length) in stage 1); stage 1
-is taken with ties broken by position like every top-k here. W_o is per layer, so `layers_batchable` is False
-(each layer is scored with its own weight).
-
-AdaKV form (kvpress's `CriticalAdaKVPress`; `HeadAdaptive(Critical(...))`, preset adakv_criticalkv): head
-budgets are first chosen by AdaKV's global top-k over the layer's RAW scores (with the alpha safeguard), then
-both stages run per KV head with that head's budget N_h (stage 1: floor(first_stage_ratio x N_h), the head's
-safeguard entries kept too): keydiff.policies.adakv.HeadAdaptive.keep_heads_critical, on one-head views whose
-`output_projection` is that KV head's group of o_proj columns.
+Design: docs/design/policies.md#criticalkv-criticalkvpy
 """
 
 from __future__ import annotations
@@ -66,10 +30,8 @@ NORM_CHUNK_ELEMENTS = 1 << 24  # float32 elements of W_o v computed at once (64 
 def output_norms(values: torch.Tensor, output_projection: torch.Tensor) -> torch.Tensor:
     """||W_o^h v||_1 averaged over the query heads h of each KV group: float32 [batch, kv_heads, n].
 
-    values [batch, kv_heads, n, head_dim]; output_projection [hidden, heads * head_dim] (nn.Linear's weight:
-    the output is attn @ weight.T, so query head h's rows of W_o^T are weight[:, h*d:(h+1)*d].T). Query head h
-    reads KV head h // groups (transformers' repeat_kv). Every head in one batched product, in chunks of
-    entries so that W_o v ([batch, heads, chunk, hidden]) stays below NORM_CHUNK_ELEMENTS.
+    values [batch, kv_heads, n, head_dim]; output_projection [hidden, heads * head_dim] (nn.Linear's weight).
+    Computed in chunks of entries so W_o v stays below NORM_CHUNK_ELEMENTS.
     """
     batch, kv_heads, n, dim = values.shape
     hidden = output_projection.shape[0]
@@ -91,9 +53,9 @@ def output_norms(values: torch.Tensor, output_projection: torch.Tensor) -> torch
 
 def critical_scores(scores: torch.Tensor, norms: torch.Tensor, epsilon: float | torch.Tensor,
                     log_scores: bool) -> torch.Tensor:
-    """Stage 2: (score + epsilon) x norm per entry, with the shift (or log domain) described in the module.
-    epsilon: one number, or (linear scores only) a tensor broadcast against the scores, e.g. one per head.
-    Non-finite scores (allowed only for protected entries) are returned as they are."""
+    """Stage 2: (score + epsilon) x norm per entry, shifted (or in the log domain) as the design page says. epsilon:
+    a number, or (linear scores) a tensor broadcast against the scores. Non-finite scores are returned as they are.
+    """
     scores = scores.float()
     finite = torch.isfinite(scores)
     if log_scores:
@@ -191,13 +153,9 @@ class Critical(PolicyWrapper):
                                self.scorer.log_scores)
 
     def scaled_epsilon(self, layer: LayerView) -> float | torch.Tensor:
-        """epsilon on the scale of the scorer's scores: x the number of query rows they sum, for a scorer
-        whose score sums the attention of its last `attention_rows` queries (SnapKV's window, TOVA's 1 row).
-
-        The paper's and kvpress's epsilon is added to one query's attention (kvpress's SnapKVPress averages its
-        window); our statistic sums the rows, so the same epsilon would weigh `rows` times less. Each row's
-        softmax sums to 1 over the keys the view holds, so the statistic's total per head is the row count
-        (min(window, block length); 1 while decoding). float32 [batch, kv_heads, 1], or the plain epsilon."""
+        """epsilon on the scale of the scorer's scores: x the number of query rows they sum (SnapKV's window, TOVA's
+        1 row), since the paper adds it to one query's attention. float32 [batch, kv_heads, 1], or the plain epsilon.
+        """
         rows = self.scorer.attention_rows
         if (self.scorer.log_scores or layer.attention is None or not isinstance(rows, int) or rows <= 1
                 or self.scorer.attention_reduction != "sum"):

@@ -1,32 +1,10 @@
 """Expected Attention (Devoto, Jeblick, Jégou 2025, arXiv 2510.00636): the attention future queries will pay.
 
-Queries are modelled as Gaussian: the pre-RoPE queries seen so far in this layer (every query at a position
->= n_sink, collected by the attention function, keydiff.queries) give a mean mu and covariance Sigma per
-query head. A query at future position t is R_t q, so over the next `n_future_positions` positions the
-method uses the averaged rotation R = mean_t R_t: mu' = R mu, Sigma' = R Sigma R^T. For a Gaussian query
-E[exp(q·k / sqrt(d))] = exp(mu'·k / sqrt(d) + k^T Sigma' k / (2d)); a softmax over the layer's entries turns
-it into expected attention per query head, averaged over the heads of each KV group, then scaled by the
-value norm, (score + epsilon) * ||v|| (the entry's expected contribution to the output); `score` returns
-its logarithm (same order, no float32 underflow). The first n_sink
-positions are never scored and always kept.
+Queries are modelled as Gaussian (running mean and covariance of the layer's pre-RoPE queries, keydiff.queries),
+rotated over the next `n_future_positions`; each entry's expected attention, scaled by ||v||, is its score
+(returned as a logarithm). The first n_sink positions are always kept. Attention-free for the kernel.
 
-Defaults are the paper's / its reference implementation's (kvpress ExpectedAttentionPress): n_future_positions
-512, n_sink 4, use_covariance and use_vnorm on, epsilon 0. Deviations, forced by true block-wise prefill:
-* the statistics cover every query seen so far (all previous blocks, then generated tokens), and the future
-  window starts at the next position; the one-shot original takes the whole prompt's hidden states once.
-  (Its decoding mode uses a buffer of recent hidden states instead; not implemented.)
-* the softmax is over the entries the layer holds at that eviction (the N kept so far plus the new block,
-  N + B), not over the whole prompt as in the one-shot original. Within one query head the order is the same
-  either way, but the per-head normalisers differ, so the group average (and epsilon's weight against it)
-  can rank entries differently from a one-shot pass over the same keys.
-* every KV head keeps N entries (the cache's dense per-head layout): the single-press form, kvpress's
-  `ExpectedAttentionPress` on its own. kvpress's evaluation registry entry named `expected_attention` is not
-  that: it is `AdaKVPress(ExpectedAttentionPress(epsilon=1e-2))`, head-adaptive budgets (as in the paper's
-  headline runs) with epsilon 0.01: `head_budgets: adakv` (keydiff.policies.adakv), the preset
-  adakv_expected_attention; `epsilon=0.01` alone is an option.
-* the queries come from the attention function (post-RoPE, un-rotated here), not re-projected from hidden
-  states, so the same code serves every model with q_proj/qk-norm variants alike.
-Attention-free with respect to the kernel: no attention weights are needed, so fused SDPA/FlashAttention run.
+Design: docs/design/policies.md#expected-attention-expected_attentionpy
 """
 
 from __future__ import annotations

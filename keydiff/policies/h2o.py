@@ -1,11 +1,7 @@
 """H2O (Zhang et al. 2023), as the KeyDiff paper states it (§A.1): phi(A) = A_prev + A^T 1.
 
-Each forward pass adds the column sums of its attention (every query row of the block, averaged over
-the query heads of each KV group, paper §F.2) to the entry's accumulated score; survivors keep
-accumulating, passes that evict nothing included. The paper gives a recent window to SnapKV only (§F.2),
-so by default no entry is reserved (recent_fraction 0). The original H2O splits the budget between heavy
-hitters and recent tokens in equal shares: `policy=h2o_recent` (recent_fraction 0.5), a RecentWindow around
-this policy (keydiff.policies.wrappers).
+Each pass adds its attention's column sums to every entry's accumulated score. No recent window by default;
+`policy=h2o_recent` is the original's equal split. Design: docs/design/policies.md#h2o-h2opy
 """
 
 from __future__ import annotations

@@ -49,22 +49,16 @@ FLOAT_SLICES = 16
 
 
 def float_slices(keys: torch.Tensor) -> int:
-    """How many slices `in_float32` scores half-precision `keys` [batch, kv_heads, n, d] in: 1 while their float32
-    copy fits FLOAT_SLICE_BYTES (one score, no slicing), else enough for each slice's copy to fit, up to FLOAT_SLICES
-    and at least two (row, head) pairs a slice (a batch of one is folded to a plain matrix product, summed in another
-    order than a batch's)."""
+    """How many slices `in_float32` scores half-precision `keys` in: 1 while their float32 copy fits FLOAT_SLICE_BYTES, else more."""
     pairs = keys.shape[0] * keys.shape[1]
     wanted = -(-keys.numel() * 4 // FLOAT_SLICE_BYTES)
     return max(1, min(wanted, FLOAT_SLICES, pairs // 2))
 
 
 def in_float32(score: Callable[..., torch.Tensor], keys: torch.Tensor, *per_entry: torch.Tensor | None) -> torch.Tensor:
-    """score(keys, *per_entry) [batch, kv_heads, n] with the keys in float32: float32 keys as they are; half
-    precision widened one slice of (row, head) pairs at a time (`float_slices`), so that no float32 copy of every
-    key of a large cache exists at once: a CUDA graph of the step keeps its largest transient in its memory pool for
-    as long as the graph lives. `score` must score each (row, head) from its own entries alone (every KeyDiff score
-    does), so the slices give what the whole would, in the same float32 arithmetic. per_entry: tensors [batch,
-    kv_heads, n] (or None) sliced alike."""
+    """score(keys, *per_entry) [batch, kv_heads, n] with the keys in float32, half precision widened a slice of (row,
+    head) pairs at a time so no float32 copy of the whole cache exists (a CUDA graph's pool would keep it).
+    """
     batch, heads = keys.shape[:2]
     slices = 1 if keys.dtype not in (torch.float16, torch.bfloat16) else float_slices(keys)
     if slices < 2:
@@ -78,13 +72,8 @@ def in_float32(score: Callable[..., torch.Tensor], keys: torch.Tensor, *per_entr
 
 
 def cosine_to_mean(keys: torch.Tensor, normalized: bool, inv_norms: torch.Tensor | None = None) -> torch.Tensor:
-    """cos(k_i, anchor) [..., n] of keys [..., n, d] ([batch, kv_heads, n] for a cache; any leading shape, as the
-    analyses' Figure 13 uses it) with the mean (of unit keys if `normalized`) as anchor.
-
-    The same numbers as F.cosine_similarity(keys, keydiff_anchor(keys, ...)) up to rounding, computed from
-    the inverse key norms (`inv_norms`, cached per entry by the cache, or computed here) and two
-    matrix-vector products, so nothing the size of the keys is allocated and the keys are read twice (the
-    cache is scored at every decoding step).
+    """cos(k_i, anchor) [..., n] of keys [..., n, d] with the mean (of unit keys if `normalized`) as anchor, from
+    the inverse key norms and two matrix-vector products (nothing the size of the keys is allocated).
     """
     if inv_norms is None:
         inv_norms = inverse_key_norms(keys)
@@ -98,10 +87,7 @@ def cosine_to_mean(keys: torch.Tensor, normalized: bool, inv_norms: torch.Tensor
 
 def cosine_to_segment_means(keys: torch.Tensor, pool: PoolView, normalized: bool,
                             inv_norms: torch.Tensor) -> torch.Tensor:
-    """`cosine_to_mean` for every head of every row of head-adaptive pools at once: cos(k, anchor of its head)
-    [rows, P]. keys [rows, P, d] float32; inv_norms [rows, P]. Each head's anchor is a weighted sum over its
-    own cells (weight 0 elsewhere) divided by its count, the same as `cosine_to_mean` on the head alone up to
-    the order of the additions; the free cells' scores mean nothing."""
+    """`cosine_to_mean` for every head of every row of head-adaptive pools at once: [rows, P] (free cells mean nothing)."""
     weights = torch.where(pool.member, inv_norms[:, None, :], 0.0) if normalized else pool.member.to(keys.dtype)
     anchors = (weights @ keys) / pool.counts.clamp_min(1)[..., None].to(keys.dtype)  # [rows, heads, d]
     dots = (keys @ anchors.transpose(1, 2)).gather(2, pool.owner[..., None]).squeeze(2)  # [rows, P]
@@ -111,12 +97,8 @@ def cosine_to_segment_means(keys: torch.Tensor, pool: PoolView, normalized: bool
 
 @dataclass
 class KeyDiff(Policy):
-    """Keep the keys most dissimilar to the anchor.
-
-    metric (Table 16): cosine (default) scores -cos(k, anchor); dot scores -k·anchor; euclidean scores
-    ||k - anchor||. The sliding window of Table 14 and §E (`window_fraction`: that share of the budget always
-    holds the most recent tokens and KeyDiff chooses the rest, the anchor still being the mean over every key in
-    the cache) is a RecentWindow around this policy (keydiff.policies.wrappers).
+    """Keep the keys most dissimilar to the anchor. metric (Table 16): cosine (default, -cos), dot (-k·anchor) or
+    euclidean (||k - anchor||). The sliding window of Table 14 is a RecentWindow around it (`window_fraction`).
     """
 
     name: ClassVar[str] = "keydiff"

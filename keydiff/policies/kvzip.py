@@ -1,50 +1,11 @@
-"""KVzip (Kim et al. 2025, "KVzip: Query-Agnostic KV Cache Compression with Context Reconstruction").
+"""KVzip (Kim et al. 2025): query-agnostic KV cache compression with context reconstruction.
 
-The paper scores the context's cache by asking the model to repeat the context: after prefill, the model is
-teacher-forced on [repeat prompt + the context], and an entry's importance is the largest attention it
-receives from any of those reconstruction queries, over the query heads of its KV group (kvpress: amax over
-group and rows). Entries the model needs to rebuild its input are the ones worth keeping, whatever the
-question will be (query-agnostic, like KeyDiff).
+An entry's score is the largest attention it receives while the model repeats the context. Here the engine
+runs one reconstruction pass per prefill block ([repeat prompt + that block], inside `cache.scratch()`), and
+each held entry keeps the running maximum (per-entry state); decoding updates it too. Loops of your own must
+call `cache.start_generation`.
 
-Memory-bounded form (this harness: block-wise prefill, N entries per head). The one-shot form needs the whole
-context's cache. Here the engine runs one reconstruction pass per prefill block, after the block is written
-and before its eviction: [repeat prompt + that block's tokens], against the N kept + B new entries and
-causally to itself, inside `cache.scratch()`, so its R + B entries are not kept (the cache holds
-N + B + R + B entries per head while it runs). Every held entry's score is the running maximum of the
-attention it has received in these passes (per-entry state), the new entries getting theirs now; then the
-cache evicts to N. One extra forward pass per block: about twice the prefill's compute. With one block
-(block_size=inf) it is the paper's one-shot KVzip with the whole context as one chunk.
-
-Prompts (kvpress's, data): the first block is repeated after "\\n\\nRepeat the previous context exactly.";
-each later block after "\\n\\nRepeat the part of the previous context exactly, starting with" + the last
-`context_overlap` (8) tokens of the block before, as kvpress does for its 2,048-token chunks; then a suffix
-(the chat template's assistant opening if the tokenizer has one, else "\\n", as kvpress derives it).
-Without a tokenizer (prefill(..., tokenizer=None), e.g. the offline test model) the pass is the block's
-tokens alone, and a warning says so.
-
-Differences from kvpress's KVzipPress: the softmax runs over every entry the pass attends to, the paper's
-definition (kvpress, like the authors' code, restricts it to the sinks + the chunk + the repeated chunk, which
-is the same when there is one chunk; `scoring_keys="chunk"` does that here, with the block as the chunk: each
-entry is then scored by its own block's pass only, as kvpress scores each chunk once); the budget is uniform
-per KV head (kvpress selects a global top-k over layers and heads: head- and layer-adaptive budgets); the first `n_sink` positions are always kept (kvpress gives them the top score
-only when they belong to a chat-template prefix).
-
-What is reconstructed (against kvpress's KVzipPress, kvzip_press.py `prepare`/`_perform_kvzip_compression`):
-kvpress reconstructs the context after the chat template's prefix (`prefix_length`), in 2,048-token chunks;
-the prefix's entries get no score there (0, the first n_sink 1). Here every prefill block is reconstructed
-whole, so the first block repeats the template's prefix too (`reconstruct_prefix=False` leaves it out when
-the prompt opens with it, as kvpress; its entries are still scored by the attention the passes give them,
-not set to 0). The question: under `query_aware=false` (kvpress's leaderboard protocol) it is fed after the
-compressed context and never reconstructed, as in kvpress; under `query_aware=true` (the paper's protocol,
-the default) it is in the last block with the end of the user turn and the answer prefix, and that block's
-pass repeats all of it (kvpress's `--query_aware` reconstructs the question, part of its context there, but
-not the end of the turn or the answer prefix, which it feeds afterwards).
-
-Decoding: no reconstruction. Each generated token's query attention updates the running maximum (its own
-entry starts with the attention its query gives itself) and the cache keeps evicting by it; with
-generate(evict=False) the generated tokens are all kept, as in kvpress. Decoding statistics start with
-`cache.start_generation` (keydiff.generate calls it): a loop of your own must call it too, or new tokens,
-never scored, are the first evicted.
+Design: docs/design/policies.md#kvzip-kvzippy
 """
 
 from __future__ import annotations

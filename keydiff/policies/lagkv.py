@@ -1,34 +1,10 @@
 """LagKV (Liang et al. 2025, arXiv 2504.04704): score each chunk of the cache against the chunk after it.
 
-The entries after the `n_sink` sinks, in position order, are cut into partitions of `lag_size`. Partition p
-is scored with partition p + 1 as its reference ("lag"): every key (and value) is min-max normalised with
-the reference's per-channel min and max, the standard deviation over channels measures how much it stands
-out, a softmax over the partition turns that into a distribution, and the key and value scores are averaged.
-Within a partition only the rank counts (the original's default, non cross-scoring): score = rank / lag_size,
-so every partition loses its least informative entries in turn. The last full partition plus the partial one
-after it have no reference yet: they rank above every scored entry (newest first). Sinks are always kept.
+Entries after the `n_sink` sinks are cut into partitions of `lag_size`; each is scored by min-max normalising
+against the next one and ranked within itself. `scoring="frozen"` (default, the authors' streaming method)
+scores each raw partition once; `"rescore"` re-partitions the survivors at every eviction.
 
-Two ways to apply it to a cache that is evicted again and again (`scoring`):
-* `frozen` (default; the authors' streaming method, AI-Lab-China-Merchants-Bank/LagKV lag_kv.py): each
-  partition of raw (never scored) entries is scored once, against its raw next partition, and its ranks are
-  then frozen in per-entry state (`lag_rank`, -1 while unscored). The raw tail is cut into partitions from
-  its oldest entry on, as the original cuts the uncompressed part after its compressed prefix, so scoring
-  lazily at each eviction gives the partitions and references the original gives eagerly. The original keeps
-  a fixed ratio of every partition; under a budget N the lowest frozen ranks across partitions go first
-  (ties: older first), the budget-driven reading kvpress's rank scoring also uses.
-* `rescore` (the first version here): at every eviction the surviving entries, in position order, are cut
-  into partitions again and every partition is re-scored against the (already thinned) next one.
-With nothing evicted yet the two coincide. With fewer than two full partitions nothing can be scored and the
-newest entries are kept (as the original does). If the budget cannot hold the sinks plus the raw tail (up to
-2 lag_size - 1 entries), the oldest raw entries are dropped by recency before they are ever scored.
-
-Why this one (issue #9, part 3): it is attention-free (fused kernels, no attention rows), keeps the same
-number of entries in every head (the cache's dense [batch, kv_heads, n] buffers and the N + B bound hold
-as they are; AdaKV's per-head budgets would need padded, masked cells), and it was designed to compress a
-stream partition by partition, which is what block-wise prefill feeds it.
-
-Defaults: n_sink 4, lag_size 128 (kvpress's LagKVPress; the authors' cache defaults to 16 and 1024).
-Degenerate references (max = min) are clamped.
+Design: docs/design/policies.md#lagkv-lagkvpy
 """
 
 from __future__ import annotations
@@ -98,20 +74,16 @@ class LagKV(Policy):
         return self._score_frozen(layer) if self.scoring == "frozen" else self._score_again(layer)
 
     def _score_frozen(self, layer: LayerView) -> torch.Tensor:
-        """Score the partitions of raw entries that now have a raw successor, freeze their ranks, return all ranks.
-
-        Each batch row on its own: its raw entries (not sinks, never scored) in position order, cut into
-        partitions from the oldest; every full partition but the last is scored against the next one.
-        """
+        """Score the raw partitions that now have a raw successor, freeze their ranks, return all ranks (per batch row)."""
         ranks = layer.state["lag_rank"]
         raw = (ranks < 0) & (layer.positions >= self.n_sink)
         self._rank_partitions(layer, raw, ranks)
         return torch.where(ranks >= 0, ranks, recency(layer.positions))
 
     def _rank_partitions(self, layer: LayerView, members: torch.Tensor, ranks: torch.Tensor) -> None:
-        """Write into `ranks` the rank of each entry of `members` (bool [b, h, n]) that lies in a full partition
-        with a full successor, per row: the row's members in position order, cut into partitions of lag_size
-        from the oldest, each scored against the next. Other entries of `ranks` are left as they are."""
+        """Write into `ranks` the rank of each entry of `members` (bool [b, h, n]) in a full partition with a full
+        successor (per row, position order, from the oldest); other entries are left as they are.
+        """
         positions = layer.positions
         full = members.sum(dim=-1) // self.lag_size  # [b, h] full partitions per row
         chunks = int(full.max())  # the widest row sets the tensor shape; each row is masked to its own count
@@ -139,10 +111,7 @@ class LagKV(Policy):
         return ranks.reshape(batch, heads, -1)
 
     def _score_again(self, layer: LayerView) -> torch.Tensor:
-        """`rescore`: the survivors, in position order, re-partitioned and re-scored at every eviction.
-
-        Unscored entries (the tail; every entry if a row has fewer than two partitions) get 1 + recency,
-        above every rank; the sinks too (they are protected anyway)."""
+        """`rescore`: the survivors re-partitioned and re-scored; unscored entries (and sinks) get 1 + recency."""
         scores = recency(layer.positions)
         self._rank_partitions(layer, layer.positions >= self.n_sink, scores)
         return scores

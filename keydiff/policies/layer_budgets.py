@@ -1,24 +1,10 @@
-"""How a budget N is split across layers: uniform (every layer N) or a PyramidKV schedule.
+"""How a budget N is split across layers: uniform (every layer N) or a PyramidKV schedule (Cai et al. 2024).
 
-PyramidKV (Cai et al. 2024, arXiv 2406.02069, §3.3) gives lower layers more entries and higher layers fewer,
-in an arithmetic sequence with the same total as the uniform budget: the top layer gets (N - w) / beta,
-the bottom layer 2(N - w) - (N - w) / beta, each layer also keeps `w` (KVCache-Factory's observation
-window, added to every layer). beta = 20 is the paper's and KVCache-Factory's default.
+The pyramid gives lower layers more entries in an arithmetic sequence; `arithmetic="exact"` (default) keeps
+the total at m x N, `"kvcache_factory"` reproduces KVCache-Factory's integer arithmetic (which overshoots).
+Configured as `layer_budgets: {schedule: pyramid, beta: 20, window: 0, arithmetic: exact}`.
 
-Two arithmetics (`layer_budgets.arithmetic`), read against the reference code:
-* `exact` (default): the sequence above rounded by largest remainders, so the total is exactly m x N; when
-  the bottom layer would exceed the prompt (L - w) it is capped at L - w and the top layer lifted to keep
-  the total (a capped pyramid, as kvpress's PyramidKVPress does); uniform only if that is not ordered.
-* `kvcache_factory`: KVCache-Factory's integer arithmetic (pyramidkv/pyramidkv_utils.py, PyramidKVCluster,
-  what the PyramidKV paper's numbers came from): top = (N - w) // beta, step = (bottom - top) // (m - 1),
-  layer l keeps bottom - l x step (+ w). The floored step lifts every layer above the exact sequence, so
-  the total *overshoots* m x N (N = 2048, w = 0, 32 layers: 65,808 against 65,536; top layer 119 against
-  102.4). A prompt shorter than 2(N - w) gets the uniform budget N in every layer (KVCache-Factory's
-  fallback); its cap (bottom layer > L - w) is applied the same way as above.
-
-Any scoring policy takes a schedule through its `layer_budgets` parameter (conf/policy/*_pyramid*.yaml):
-`{schedule: pyramid, beta: 20, window: 0, arithmetic: exact}`. Each layer is then bounded by its own budget:
-it holds at most N_l + B entries per KV head, and results record N_l per layer.
+Design: docs/design/policies.md#layer-budgets-pyramidkv-layer_budgetspy
 """
 
 from __future__ import annotations
@@ -56,11 +42,7 @@ def check_layer_budgets(spec: dict[str, Any] | None) -> None:
 
 
 def smallest_layer_budget(spec: dict[str, Any] | None, budget: int) -> int:
-    """The smallest budget any layer can get (what policies validate against before the model is loaded).
-
-    Both arithmetics give the top layer at least w + floor((N - w) / beta): a cap only lifts it, and
-    KVCache-Factory's floored step leaves it at or above its floored share.
-    """
+    """The smallest budget any layer can get (what policies validate before loading): at least w + floor((N - w) / beta)."""
     if spec is None or spec.get("schedule", "uniform") == "uniform":
         return budget
     window = spec.get("window", 0)
@@ -68,8 +50,7 @@ def smallest_layer_budget(spec: dict[str, Any] | None, budget: int) -> int:
 
 
 def split_budget(spec: dict[str, Any] | None, budget: int, num_layers: int, prompt_length: int | None = None) -> list[int]:
-    """Per-layer budgets [num_layers]: uniform (every layer `budget`) or the pyramid, whose sum is num_layers x
-    budget for `exact` and overshoots it for `kvcache_factory` (see the module docstring)."""
+    """Per-layer budgets [num_layers]: uniform or the pyramid (summing to num_layers x budget for `exact`)."""
     check_layer_budgets(spec)
     if spec is None or spec.get("schedule", "uniform") == "uniform" or num_layers == 1:
         return [budget] * num_layers
@@ -92,12 +73,8 @@ def split_budget(spec: dict[str, Any] | None, budget: int, num_layers: int, prom
 
 
 def kvcache_factory_split(budget: int, window: int, beta: float, num_layers: int, prompt_length: int | None) -> list[int]:
-    """KVCache-Factory's per-layer budgets (PyramidKVCluster.update_kv): floored top share and floored step.
-
-    Its total exceeds num_layers x budget (see the module docstring). With the prompt length unknown the
-    prompt is taken to be long (no cap, no fallback). A prompt shorter than 2(N - w) gets N everywhere
-    (KVCache-Factory compresses such a prompt to N - w + w = N in every layer, or keeps it whole if it is
-    shorter than N, which a budget of N leaves untouched too).
+    """KVCache-Factory's per-layer budgets (PyramidKVCluster.update_kv): floored top share and step. An unknown
+    prompt length is taken as long; a prompt shorter than 2(N - w) gets N everywhere.
     """
     share = budget - window
     if prompt_length is not None and prompt_length < max(2 * share, budget):

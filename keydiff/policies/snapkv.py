@@ -1,15 +1,8 @@
 """SnapKV (Li et al. 2024) applied block by block, as the KeyDiff paper runs it (§F.2).
 
-The last `window` queries of each block (fewer if the block is shorter, one while decoding) form the
-observation window. Each cached entry outside the window is scored by the attention those queries give
-it (summed over the window, averaged over the query heads of its KV group), smoothed along the cache
-with a pooling kernel (paper: average, kernel 7; SnapKV's LongBench configs: max); the `window` most
-recent entries are always kept, so the budget includes the window. The original compresses once, after
-the whole prompt; here it runs after every block and every generated token like every other policy.
-
-The window is SnapKV's own parameter, not a RecentWindow wrapper: it is a number of queries (the attention
-rows the policy asks for), the entries before it are what those queries score and pool, and the window's own
-entries are kept because they are the observers; a RecentWindow is a share of the budget around any scorer.
+The last `window` queries of each block score the entries before them (attention summed over the window,
+averaged over the KV group, pooled along the cache); the window's own entries are always kept. The window is
+SnapKV's own parameter, not a RecentWindow. Design: docs/design/policies.md#snapkv-snapkvpy
 """
 
 from __future__ import annotations

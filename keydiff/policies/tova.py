@@ -1,9 +1,7 @@
 """TOVA (Oren et al. 2024): keep the entries the last query attends to most (phi(A) = A_{-1,:}).
 
-After each block only its last query row decides. `heads="group"` (default, paper §F.2) averages that
-row over the query heads of each KV group and selects per KV head; `heads="layer"` is the original
-implementation, which averages over all query heads and keeps one token set per layer. Like the
-original, the newest token itself may be evicted.
+`heads="group"` (default) selects per KV head; `heads="layer"` is the original's one set per layer.
+Design: docs/design/policies.md#tova-tovapy
 """
 
 from __future__ import annotations

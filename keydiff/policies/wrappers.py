@@ -1,26 +1,12 @@
 """Behaviour any policy can be given from outside, as a wrapper around it (as kvpress composes presses).
 
-* `RecentWindow(policy, fraction)`: the most recent `floor(fraction x budget)` entries of every KV head are
-  always kept; the wrapped policy chooses the rest (its scores still cover every entry: KeyDiff's anchor is the
-  mean over the whole cache, Table 14). H2O's original split (recent_fraction 0.5) is the same wrapper.
-* `LayerBudgets(policy, schedule)`: each layer gets its own budget from a schedule (`keydiff.policies.
-  layer_budgets`: uniform, or PyramidKV's pyramid), with the same total; the wrapped policy scores as before.
+`RecentWindow(policy, fraction)` always keeps the most recent floor(fraction x budget) entries per KV head;
+`LayerBudgets(policy, schedule)` gives each layer its own budget. A wrapper forwards the wrapped policy's
+capabilities and state; eviction runs in the outermost object.
 
     LayerBudgets(RecentWindow(KeyDiff(), fraction=0.2), schedule={"schedule": "pyramid", "beta": 20})
 
-A wrapper is a Policy: it forwards the wrapped policy's capabilities (attention rows, state, query statistics,
-layers_batchable...), its state and observations, and adds only its own part. Eviction itself runs in the
-outermost object (`Policy.evict_indices`: score, protected, top-k), so what wraps a wrapper (a check, a
-recorder) sees every call. A policy that overrides `evict_indices` itself cannot be wrapped: the wrapper
-would go round it.
-
-SnapKV's window is not a RecentWindow: it is the observation window, a number of queries whose attention
-scores the entries before it, and those queries' own entries are what SnapKV keeps (paper §F.2); it is a
-count tied to the scoring rows, not a share of the budget, so it stays SnapKV's own parameter.
-
-`build_policy` composes them from the flat parameters the configs use: `build_policy("keydiff",
-window_fraction=0.2, layer_budgets={...})` is the line above, and `describe()` gives those flat parameters
-back (results are recorded and found by them).
+Design: docs/design/policies.md#building-and-composing-__init__py-wrapperspy
 """
 
 from __future__ import annotations
@@ -124,8 +110,7 @@ class PolicyWrapper(Policy):
         return self.scorer.unwrapped()
 
     def check_parameters(self, budget: int) -> None:
-        """Raise ValueError if this wrapper's own parameters cannot work with `budget` (default: nothing to
-        check); `validate` and `check` run it, then the wrapped policy's."""
+        """Raise ValueError if this wrapper's own parameters cannot work with `budget` (default: nothing to check)."""
 
     def validate(self, budget: int) -> None:
         self.check_parameters(budget)
@@ -203,8 +188,7 @@ class RecentWindow(PolicyWrapper):
 
 @dataclass
 class LayerBudgets(PolicyWrapper):
-    """Split the budget across layers by `schedule` ({schedule: pyramid, beta: 20, window: 0, arithmetic: exact};
-    see keydiff.policies.layer_budgets); every layer is then bounded by its own budget N_l (+ the block)."""
+    """Split the budget across layers by `schedule` (keydiff.policies.layer_budgets); each layer is bounded by its N_l."""
 
     schedule: dict[str, Any] | None = None
 
