@@ -37,10 +37,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
-
 from keydiff.config import budget_label
 from keydiff.extras import MissingExtra, require
+from keydiff.grids import experiment_grid, experiments, grid_axes
 from keydiff.paper.reference import paper_values, read_tables
 from keydiff.paper.registry import table_numbers
 from keydiff.report.render import budget_tokens, plural
@@ -53,7 +52,6 @@ ROOT = Path(__file__).resolve().parents[2]
 WHAT = "python -m keydiff.report.wandb (W&B report specifications)"
 
 CONF = ROOT / "conf"
-GRID_AXES = ("model", "policy", "budget", "block_size")
 
 
 @dataclass
@@ -86,35 +84,32 @@ class Grid:
 
 
 def load_grid(stem: str) -> Grid:
-    """Compose conf/experiment/<stem>.yaml (offline, nothing is run) and read its sweep axes."""
+    """conf/experiment/<stem>.yaml's sweep axes (keydiff.grids) and its composed config (offline, nothing is run)."""
     from hydra import compose, initialize_config_dir
 
-    import keydiff  # noqa: F401  registers the budget_label resolver
-
+    axes = grid_axes(experiment_grid(stem))
     with initialize_config_dir(str(CONF), version_base="1.3"):
         cfg = compose("config", overrides=[f"experiment={stem}"], return_hydra_config=True)
-        params = OmegaConf.to_container(cfg.hydra.sweeper.params) or {}
-        axes = {axis: [v.strip() for v in str(params[axis]).split(",")] if axis in params else None for axis in GRID_AXES}
 
         def composed(group: str, choice: str):
             """A preset as the runner gets it: composed with its `defaults:` (adakv_keydiff extends keydiff)."""
             return compose("config", overrides=[f"experiment={stem}", f"{group}={choice}"])[group]
 
-        policy_files = [composed("policy", p) for p in axes["policy"]] if axes["policy"] else [cfg.policy]
-        files = [composed("budget", b) for b in axes["budget"] or []]
+        policy_files = [composed("policy", p) for p in axes["policy"]] if "policy" in axes else [cfg.policy]
+        files = [composed("budget", b) for b in axes.get("budget", [])]
     budgets = [budget_label(f.tokens, f.get("ratio")) for f in files] if files else [str(cfg.budget.label)]  # r0.25 too
     text = (CONF / "experiment" / f"{stem}.yaml").read_text(encoding="utf-8").splitlines()
     comments = [line.lstrip("# ").strip() for line in text if line.startswith("#") and "@package" not in line]
     task = str(cfg.task.name)
     datasets = list(cfg.task.get("datasets") or []) if task.startswith("longbench") else []
     return Grid(stem, str(cfg.experiment_name), comments[0] if comments else stem, task,
-                axes["model"] or [str(cfg.model.name)], [str(p.label) for p in policy_files],
+                axes.get("model") or [str(cfg.model.name)], [str(p.label) for p in policy_files],
                 [str(p.name) for p in policy_files], budgets,
-                axes["block_size"] or [str(cfg.block_size)], datasets)
+                axes.get("block_size") or [str(cfg.block_size)], datasets)
 
 
 def experiment_stems() -> list[str]:
-    return sorted(path.stem for path in (CONF / "experiment").glob("*.yaml"))
+    return experiments()
 
 
 def recorded_configs(experiment_dir: Path) -> list[dict[str, Any]]:

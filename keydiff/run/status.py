@@ -3,8 +3,8 @@
     python -m keydiff.run.status table1                 # or: make status EXP=table1
     python -m keydiff.run.status smoke results_root=/scratch/me/runs policy=keydiff,tova
 
-The grid comes from the experiment's config exactly as run.py's sweeper expands it (conf/experiment/<EXP>.yaml
-axes plus any extra overrides); each point's expected samples come from its task (data listed, no model
+The grid comes from keydiff.grids, exactly as run.py's sweeper expands it (conf/experiment/<EXP>.yaml axes
+plus any extra overrides); each point's expected samples come from its task (data listed, no model
 loaded), its progress from the rows in its run directory. `make sweep-slurm EXP=... ONLY_MISSING=1`
 submits the points that are not complete (or `make sweep-local ... ONLY_MISSING=1`).
 
@@ -21,31 +21,22 @@ from collections import Counter
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
-from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
-from omegaconf import OmegaConf
 
 import keydiff  # noqa: F401  (config resolvers)
 from keydiff.cli import ArgumentParser, exit_with_error
+from keydiff.grids import CONF, experiment_grid, experiments
 from keydiff.run.checks import check_command_line, describe_error, drop_whole_task_limit
 from keydiff.run.results import run_dir_of
-from keydiff.run.sweep import PointStatus, grid_points, point_status, sample_ids
-
-CONF = Path(__file__).resolve().parents[2] / "conf"  # the repository's Hydra configs, as run.py reads them
+from keydiff.run.sweep import PointStatus, expand_shards, point_status, sample_ids
 
 
 def experiment_status(experiment: str, overrides: list[str]) -> list[tuple[list[str], Path, PointStatus]]:
-    """Every grid point of `experiment` (plus `overrides`): its overrides, run directory and status."""
-    arguments = [f"experiment={experiment}", *overrides]
+    """Every grid point of `experiment` (plus `overrides`; keydiff.grids): its overrides, run directory and status."""
+    points = experiment_grid(experiment, expand_shards(overrides))
+    result = []
     with initialize_config_dir(str(CONF), version_base="1.3"):
-        parsed = OverridesParser.create().parse_overrides(arguments)
-        fixed = [o.input_line for o in parsed if not o.is_sweep_override()]
-        master = compose("config", overrides=fixed, return_hydra_config=True)
-        params = OmegaConf.to_container(master.hydra.sweeper.params or {}, resolve=False)
-        loader = GlobalHydra.instance().config_loader()
-        result = []
-        for point in grid_points(params, arguments, loader):
+        for point in points:
             cfg = compose("config", overrides=point)
             drop_whole_task_limit(cfg)  # a limit covering the whole task runs into the whole run's directory
             run_dir = run_dir_of(cfg)
@@ -60,10 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("experiment", nargs="?", help="conf/experiment/<name>.yaml")
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides, as given to run.py")
     args = parser.parse_args(argv)
-    experiments = sorted(path.stem for path in (CONF / "experiment").glob("*.yaml"))
     if not args.experiment:
         exit_with_error(f"which experiment? make status EXP=<name> (python -m keydiff.run.status <name>); "
-                        f"valid: {', '.join(experiments)}")
+                        f"valid: {', '.join(experiments())}")
     # the command line as run.py checks it: an unknown experiment or key is one line naming the valid ones
     check_command_line(["-m", f"experiment={args.experiment}", *args.overrides], CONF)
     try:

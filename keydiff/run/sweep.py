@@ -2,8 +2,8 @@
 
 Used by the sweeper (hydra_plugins/keydiff_sweeper: checks every point before launching, dry_run,
 only_missing) and by `python -m keydiff.run.status` (`make status EXP=table1`). A grid point is the list of
-overrides one job gets, the same grid in the same order as Hydra's BasicSweeper (`grid_points`, built on
-Hydra's public override parser); its run directory is `<results_root>/<experiment_name>/<run_subdir>`,
+overrides one job gets, the grid keydiff.grids computes for every experiment (`grid_points`: Hydra's
+BasicSweeper's, in its order); its run directory is `<results_root>/<experiment_name>/<run_subdir>`,
 exactly where run.py writes it. A point's progress is read with keydiff.run.results' predictions reader.
 A grid point split into shards (`shard=i/n`, keydiff.run.shards): `shard=all/n` is expanded here into its n
 jobs, a shard's expected samples are its own, and a whole point whose shards are on disk says which are
@@ -12,18 +12,17 @@ missing. A sweep ends with `recap`: one line per job, its status, headline metri
 
 from __future__ import annotations
 
-import itertools
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra.errors import HydraException
 from hydra.experimental.callback import Callback
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
+from keydiff import grids
 from keydiff.run import invocations, shards
 from keydiff.run.checks import hub_unreachable
 from keydiff.run.results import is_failed, latest_rows, read_rows, run_dir_of, succeeded
@@ -32,23 +31,24 @@ NOT_STARTED, PARTIAL, FAILED, COMPLETE = "not started", "partial", "failed sampl
 
 
 def grid_points(params: dict[str, str] | None, arguments: Iterable[str], config_loader=None) -> list[list[str]]:
-    """Every job's overrides: `hydra.sweeper.params` (an experiment's axes) combined with the command line."""
+    """Every job's overrides: `hydra.sweeper.params` (an experiment's axes) combined with the command line, as
+    keydiff.grids computes every grid (BasicSweeper's), `shard=all/n` expanded into its n jobs."""
     combined = [f"{key}={value}" for key, value in (params or {}).items()] + list(arguments)
-    overrides = OverridesParser.create(config_loader=config_loader).parse_overrides(combined)
-    axes: dict[str, list[str]] = {}  # a key given twice keeps its first place and its last values
-    for override in overrides:
-        key = override.get_key_element()
-        if not override.is_sweep_override():
-            axes[key] = [f"{key}={override.get_value_element_as_str()}"]
-        elif override.is_discrete_sweep():
-            axes[key] = [f"{key}={value}" for value in override.sweep_string_iterator()]
-        else:
-            raise HydraException(f"the keydiff sweeper does not support the sweep {override.input_line!r} "
-                                 f"({override.value_type.name}); list the values: key=a,b,c or key=range(...)")
-        if key == "shard":  # shard=all/8: one job per shard, shard=1/8 ... shard=8/8
-            values = [value.split("=", 1)[1] for value in axes[key]]
-            axes[key] = list(dict.fromkeys(f"{key}={each}" for value in values for each in shards.expand_all(value) or [value]))
-    return [list(point) for point in itertools.product(*axes.values())]
+    return grids.sweep_points(expand_shards(combined), config_loader)
+
+
+def expand_shards(overrides: Iterable[str]) -> list[str]:
+    """`shard=all/8` -> `shard=1/8,...,8/8`: one job per shard (keydiff.run.shards), each shard once."""
+    expanded = []
+    for text in overrides:
+        if text.split("=", 1)[0] == "shard":
+            override = OverridesParser.create().parse_override(text)
+            values = (list(override.sweep_string_iterator()) if override.is_discrete_sweep()
+                      else [override.get_value_element_as_str()])
+            jobs = list(dict.fromkeys(each for value in values for each in shards.expand_all(value) or [value]))
+            text = f"shard={','.join(jobs)}" if jobs != values else text
+        expanded.append(text)
+    return expanded
 
 
 @dataclass
