@@ -1,68 +1,12 @@
 """Attention functions registered with transformers' `AttentionInterface` (keydiff_sdpa/_eager/_fa2).
 
-They do two jobs the stock functions cannot:
-1. Masks. Layers of an evicting cache hold `n` kept past entries plus the `q` new tokens, and every kept
-   entry is in the past, so the right mask is causal aligned to the bottom-right corner. It is derived
-   here from each layer's own key length (layers may differ, e.g. L2-norm's skip layers), so the model's
-   mask is not used. Batches are never padded.
-2. Attention statistics for attention-based policies (H2O, TOVA, SnapKV). In "fast" mode the output
-   comes from the fused kernel (SDPA or FlashAttention) and only the statistic the policy needs is
-   computed beside it: the last query row (TOVA), the last w rows (SnapKV) or the column sums of all
-   rows (H2O), in row chunks so memory stays O(chunk x keys). In "materialized" mode the eager path
-   computes the full weight matrix and the statistic is read from it, as in the paper's latency runs.
+They derive the bottom-right causal mask from each layer's own key length, and compute the attention
+statistic an attention-based policy needs beside the fused kernel ("fast") or from eager weights
+("materialized"). `keydiff_attention(model, cache)` switches the model to them and binds the cache; they
+also serve head-adaptive pools, batches of per-sequence caches, sliding windows, soft caps, sinks and the
+fixed-shape step (`StatisticBuffer`).
 
-Queries. For policies that predict future attention (Expected Attention), the function also hands each
-pass's queries to the cache, which keeps their running pre-RoPE mean and covariance (keydiff.queries).
-Output projection. For policies that weigh values by the layer's output projection (CriticalKV), it hands
-`module.o_proj.weight` to the cache once per layer (`record_output_projection`).
-
-The statistic is: for each key, the softmax attention it receives summed over the requested query rows
-and averaged over the query heads that share its KV head (paper §F.2), shape [batch, kv_heads, keys].
-
-Head-adaptive layers (AdaKV, keydiff.cache.adaptive) hand over a pool [batch, P, dim] in which each (batch row,
-KV head) owns a segment of its own length, its kept entries then the pass's new ones (`cache.head_segments`).
-Each head is computed over its own segment: one SDPA (or FlashAttention, or eager) call per batch row and KV
-head with the group's query heads and the segment's bottom-right causal mask, exact on every device; while
-decoding (one query) each head is two small products over its segment instead (an SDPA call costs more), in
-float32 whatever the model's dtype, so a bf16 model decodes head-adaptive layers as precisely as SDPA does.
-The statistic and the query statistics are per head as well. Dense layers keep the one-call path below.
-
-Fast kernels stay fast: grouped-query attention goes to SDPA with `enable_gqa` (no repeat_kv copy of the
-keys and values), and a block that attends to kept entries uses SDPA's lower-right causal bias rather than
-an explicit boolean mask, so SDPA may still pick its flash kernel. FlashAttention needs flash-attn >= 2.1
-(2.0 aligned the causal mask top-left, which is wrong for q_len != kv_len); older versions are refused.
-
-Batches of sequences (keydiff.batching): a bound `RowBatch` holds one evicting cache per sequence; each
-sequence's rows are then computed against its own cache's keys and values, that cache bound
-(`rowwise_attention`), so sequences of different lengths are never padded and each records its own statistic.
-Rows whose caches lie side by side in one allocation and hold the same count (keydiff.batching.blocks: policies
-that record nothing from attention) attend as one group in one call (`grouped_attention`): their keys are one
-view of their own entries, nothing padded.
-
-Hybrid and gpt-oss models. What a layer adds to plain causal softmax attention arrives as keyword arguments
-and is honoured on every path (fused, materialised, statistics, head-adaptive segments) through `LogitRules`:
-`sliding_window` (a query sees the last `window` positions only: the causal mask becomes a band, by key index
-for keys in order, by each key's recorded position for a layer evicted under a window), `softcap` (Gemma 2:
-logits -> softcap * tanh(logits / softcap)) and `s_aux` (gpt-oss's attention sinks: a learned logit per query
-head in the softmax's denominator, attending to nothing). SDPA and FlashAttention implement neither softcap nor
-sinks, so a layer with either runs the eager computation on the fused path too (these models' own default).
-
-Steps that bind no cache. The fixed-shape step (keydiff.batching.static) runs compiled or as a CUDA graph, where no
-context variable can be read: its layers attend with the plain fused kernel, and for a policy that scores from
-attention it passes a `StatisticBuffer` as the model call's keyword argument `keydiff_statistic` (transformers
-hands a forward call's extra keyword arguments to the attention function), into which each layer writes the
-statistic `attend` would have recorded for it ("fast" statistics), in fixed shapes.
-
-Batch invariance: while keydiff.kernels.batch_invariant's mode is on (the decoding steps of a run with
-batch_invariant=true, on CUDA), `fused_attention` runs that module's fixed-order attention kernel, so a row's
-attention is computed in the same order at any batch size (SDPA's decode kernels may split the keys by batch size).
-Prefill is not under the mode: it runs one sequence at a time, so its kernels see the same shapes at any batch size.
-
-Where the cache comes from: `keydiff_attention(model, cache)` switches the model to these functions and
-binds `cache` for the duration (a context variable, so nothing is stored on the model). The function asks
-the bound cache which statistic it wants only when the keys it was given are the very tensor that cache's
-layer returned from its `update` (`cache.owns`), and records through the cache's public methods (`timed`,
-`record_attention`, `record_queries`, `record_output_projection`).
+Design: docs/design/cache.md#the-attention-functions-keydiffattentionpy
 """
 
 from __future__ import annotations
@@ -103,8 +47,7 @@ def causal_mask(
 
 @dataclass(frozen=True)
 class LogitRules:
-    """What a layer adds to causal softmax attention (see the module): a visibility mask replacing the causal one
-    (sliding windows), a logit soft cap (Gemma 2), attention sinks (gpt-oss). `LogitRules()` is plain attention."""
+    """What a layer adds to causal softmax attention: a sliding-window mask, a logit soft cap (Gemma 2), sinks (gpt-oss)."""
 
     visible: torch.Tensor | None = None  # bool [batch or 1, kv_heads or 1, q, kv]: which keys each query row sees
     softcap: float | None = None
@@ -126,9 +69,7 @@ class LogitRules:
         return logits if self.softcap is None else torch.tanh(logits / self.softcap) * self.softcap
 
     def softmax(self, logits: torch.Tensor, head_dim: int, trailing: int = 2) -> torch.Tensor:
-        """float32 softmax over the last dim, with the sinks (one per query head: the dims from `head_dim` up to
-        the last `trailing` ones; [b, H, q, kv]: dim 1; [b, H_kv, g, q, kv]: dims 1-2; [g, kv]: 0, trailing 1)
-        in the denominator."""
+        """float32 softmax over the last dim with the sinks (one per query head, at dims `head_dim`..-`trailing`) in the denominator."""
         logits = logits.float()
         if self.sinks is None:
             return torch.softmax(logits, dim=-1)
@@ -141,8 +82,7 @@ class LogitRules:
 
 def rules_for(kwargs: dict[str, Any], query: torch.Tensor, key: torch.Tensor,
               key_positions: tuple[torch.Tensor, int] | None = None) -> LogitRules:
-    """The `LogitRules` of a layer from the attention function's keyword arguments; key_positions (from the
-    cache, for keys out of order): each key's absolute position and the position after the pass's last query."""
+    """The `LogitRules` of a layer from the attention kwargs; key_positions: each key's position and the pass's end, for keys out of order."""
     window, softcap, sinks = kwargs.get("sliding_window"), kwargs.get("softcap"), kwargs.get("s_aux")
     visible = None
     if window is not None:
@@ -167,12 +107,8 @@ def attention_statistic(
 ) -> torch.Tensor:
     """Attention received by each key from the last `rows` query rows (None: all), group-averaged.
 
-    query [b, H, q, d], key [b, H_kv, kv, d] -> float32 [b, H_kv, kv]. Logits in the model's dtype, softmax
-    in float32 over the causal (bottom-right) visible keys, summed over rows, averaged over the H/H_kv
-    heads of each group. Grouped queries multiply their KV head directly (no repeat_kv copy).
-    reduction="max": the maximum over those rows and the group's heads instead (KVzip's score).
-    key_mask (bool [b, H_kv, kv]): the softmax runs over these keys only (KVzip's chunked scoring).
-    rules: a sliding window's mask, a soft cap, sinks (see `LogitRules`).
+    query [b, H, q, d], key [b, H_kv, kv, d] -> float32 [b, H_kv, kv]; softmax in float32 over the visible keys.
+    reduction="max": the maximum over rows and heads (KVzip). key_mask [b, H_kv, kv]: the softmax's keys.
     """
     batch, heads, q_len, dim = query.shape
     kv_heads, kv_len = key.shape[1], key.shape[2]
@@ -208,8 +144,7 @@ def attention_statistic(
 def statistic_from_weights(
     weights: torch.Tensor, kv_heads: int, rows: int | None, reduction: str = "sum", key_mask: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """The same statistic read from materialised attention weights [b, H, q, kv] (with a key_mask: renormalised
-    over those keys, which is the softmax over them)."""
+    """The same statistic read from materialised weights [b, H, q, kv] (renormalised over `key_mask` if given)."""
     batch, heads, q_len, kv_len = weights.shape
     first = 0 if rows is None else max(q_len - rows, 0)
     if key_mask is not None:
@@ -226,8 +161,7 @@ def eager_attention(
     module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
     rules: LogitRules = LogitRules(),
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain attention with materialised weights (float32 softmax cast back, like transformers' eager); `rules`
-    (a window, a soft cap, sinks) as transformers' Gemma 2 / gpt-oss eager functions apply them."""
+    """Plain attention with materialised weights (float32 softmax cast back, like transformers' eager), with `rules`."""
     groups = query.shape[1] // key.shape[1]
     keys, values = repeat_kv(key, groups), repeat_kv(value, groups)
     weights = rules.cap(torch.matmul(query, keys.transpose(2, 3)) * scaling)
@@ -247,12 +181,9 @@ def fused_attention(
     base: str, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
     rules: LogitRules = LogitRules(),
 ) -> torch.Tensor:
-    """Attention output from SDPA or FlashAttention, with the bottom-right causal mask (a sliding window's band
-    through SDPA; a soft cap or sinks through the eager computation, which the fused kernels cannot do).
-
-    Under the batch-invariant mode (keydiff.kernels.batch_invariant, on around decoding steps with
-    batch_invariant=true) plain causal attention runs its fixed-order kernel instead, whatever the base, and a layer
-    with a window, a soft cap or sinks its eager computation, whose products and reductions the mode replaces."""
+    """Attention output from SDPA or FlashAttention with the bottom-right causal mask (a soft cap or sinks go
+    through the eager computation); under the batch-invariant mode, its fixed-order kernel.
+    """
     if not torch.compiler.is_compiling() and batch_invariant.enabled(query.device):
         if rules.fusable and rules.visible is None:
             return batch_invariant.attention(query, key, value, scaling)
@@ -289,8 +220,7 @@ def fused_attention(
 
 @lru_cache(maxsize=64)
 def lower_right_bias(q_len: int, kv_len: int) -> torch.Tensor:
-    """SDPA's bottom-right causal bias: only its shape, so one object per shape serves every call (a graph capture,
-    and its CPU stand-in's recording, then builds no tensor subclass inside the capture)."""
+    """SDPA's bottom-right causal bias, one object per shape (nothing built inside a graph capture)."""
     return causal_lower_right(q_len, kv_len)
 
 
@@ -298,11 +228,10 @@ def segment_attention(
     base: str, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
     segments: list[list[tuple[int, int]]], rows: int | None, materialize: bool, rules: LogitRules = LogitRules(),
 ) -> tuple[torch.Tensor, list[list[torch.Tensor]] | None]:
-    """Attention of a head-adaptive layer: every KV head over its own segment [start, start + count) of the pool.
+    """Attention of a head-adaptive layer: every KV head over its own pool segment.
 
-    query [batch, H, q, d]; key/value pools [batch, P, d]; segments [batch][kv_head] -> (start, count), the last
-    q entries of each segment being this pass's tokens. Returns the output [batch, q, H, d] and, if rows != 0,
-    the statistic per head ([batch][kv_head] -> float32 [count]), as `attention_statistic` defines it.
+    query [batch, H, q, d]; pools [batch, P, d]; segments [batch][kv_head] -> (start, count). Returns the output
+    [batch, q, H, d] and, if rows != 0, the statistic per head ([batch][kv_head] -> float32 [count]).
     """
     kv_heads = len(segments[0])
     groups = query.shape[1] // kv_heads
@@ -334,16 +263,9 @@ def decoding_segment_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
     segments: list[list[tuple[int, int]]], rows: int | None, rules: LogitRules = LogitRules(),
 ) -> tuple[torch.Tensor, list[list[torch.Tensor]] | None]:
-    """`segment_attention` for one query (decoding): each KV head's group of query heads against its own
-    segment (a query sees all of it) in two small products. Plain products rather than SDPA: one SDPA call
-    costs more than the products for a single query, and a masked product over the whole pool computes every
-    query head against every head's entries (kv_heads x the work).
-
-    Precision as SDPA's: both products take float32 operands and accumulate in float32, the softmax is float32,
-    and only the output is rounded to the model's dtype. In bfloat16, products in bf16 would round Q·Kᵀ (logits
-    of ~100 with q/k of std 3 and d = 128, so steps of 0.5 before scaling) and the softmax weights to bf16:
-    on such data the error against float64 was 0.03–0.1 against SDPA's 0.005–0.008 (tested). In float32 nothing
-    changes (the casts are no-ops)."""
+    """`segment_attention` for one query: each KV head's group against its own segment in two small products, in
+    float32 (as precise as SDPA in bf16), cheaper than an SDPA call per head.
+    """
     batch, heads, _, dim = query.shape
     kv_heads = len(segments[0])
     groups = heads // kv_heads
@@ -364,19 +286,16 @@ def decoding_segment_attention(
 
 
 class RowBatch:
-    """What the attention functions ask a cache over several sequences' caches (keydiff.batching.rows.BatchCache)
-    when it is the bound one: each sequence's part of a pass and the groups of sequences that attend as one. A
-    base class, so that the attention function recognises such a cache by its type (`isinstance`), and this
-    module needs nothing from the batching package above it."""
+    """What the attention functions ask of a cache over several sequences' caches (BatchCache): each sequence's
+    part of a pass and the groups that attend as one. A base class so this module imports nothing from batching.
+    """
 
     def row_passes(self, layer_idx: int, key: torch.Tensor) -> list[tuple[Any, slice, torch.Tensor, torch.Tensor]] | None:
-        """Each sequence's (cache, its rows of the pass, its keys, its values) for this layer's pass, if `key` is
-        what this cache's `update` returned for it (else None: the model runs with some other cache)."""
+        """Each sequence's (cache, rows, keys, values) for this layer's pass if `key` is what `update` returned; else None."""
         raise NotImplementedError
 
     def row_groups(self, layer_idx: int) -> list[tuple[list[int], torch.Tensor, torch.Tensor]]:
-        """Groups of one-row sequences that attend as one: (their row indices, their keys and values as one
-        tensor each). Asked only after `row_passes` answered."""
+        """Groups of one-row sequences that attend as one: (row indices, their keys and values as one tensor each)."""
         raise NotImplementedError
 
 
@@ -385,16 +304,9 @@ def rowwise_attention(
     scaling: float, kwargs: dict[str, Any], groups: list[tuple[list[int], torch.Tensor, torch.Tensor]] = (),
     base: str = "sdpa",
 ) -> torch.Tensor:
-    """Attention of a batch whose sequences have caches of their own (`RowBatch`): each sequence's queries
-    [rows, H, q, d] against exactly the keys and values its own cache returned (`passes[i]`: cache, its rows of
-    the batch, keys, values), with that cache bound while it runs, so its statistics and masks are the ones a
-    run of that sequence alone records. Sequences holding different entry counts are never padded to a common
-    length: no row ever scores, keeps or attends to an entry that is not its own. Output [rows, q, H, d].
-
-    groups: one-row sequences whose caches lie side by side and hold the same count (keydiff.batching.blocks),
-    each as (row indices, their keys and values as one tensor [len(rows), kv_heads, n, d]): each group attends
-    in ONE call (`grouped_attention`), which is what a batch saves over its rows one by one (a kernel launch per
-    row and layer). A group's keys are exactly its rows' own entries, so this is the per-row computation batched."""
+    """Attention of a batch whose sequences have caches of their own: each sequence's queries against exactly its
+    own cache's keys and values, that cache bound, never padded; `groups` attend in one call each. Output [rows, q, H, d].
+    """
     rows = query.shape[0]
     outputs: list[torch.Tensor | None] = [None] * rows
     for members, key, value in groups:
@@ -419,9 +331,8 @@ def grouped_attention(
     kwargs: dict[str, Any],
 ) -> torch.Tensor:
     """Rows of several sequences in one call: query [rows, H, q, d] against key/value [rows, kv_heads, n, d], each
-    row its own sequence's n entries (all rows hold n: never padded). Only for rows whose caches record nothing
-    from attention (no statistic, no queries, no output projection; keydiff.batching.blocks.poolable) and keep their
-    keys in order (no sliding-window positions): the computation `attend` does for such a row, batched."""
+    row its own n entries; only for rows that record nothing from attention and keep keys in order.
+    """
     rules = rules_for(kwargs, query, key)
     if base == "eager":
         return eager_attention(module, query, key, value, scaling, rules)[0]
@@ -430,14 +341,10 @@ def grouped_attention(
 
 @dataclass(frozen=True, eq=False)
 class StatisticBuffer:
-    """Where a step that binds no cache wants every layer's attention statistic: the fixed-shape step
-    (keydiff.batching.static), compiled or captured as a CUDA graph, can read no context variable and no value on
-    the host, so it hands this to the model call as the keyword argument `STATISTIC_KWARG` (transformers forwards a
-    forward call's extra keyword arguments to the attention function) and reads the buffer at its eviction.
-
-    buffer: float32 [planes, W, kv_heads, keys] (slot_major: [W, planes, ...]), preallocated, one plane per model
-    layer in `planes`' order. rows, reduction: what `attention_statistic` computes (the policy's attention_rows and
-    attention_reduction)."""
+    """Where a step that binds no cache (the fixed-shape step) wants every layer's statistic, passed as the keyword
+    argument `STATISTIC_KWARG`. buffer: float32 [planes, W, kv_heads, keys] (slot_major: [W, planes, ...]);
+    rows, reduction: as `attention_statistic`.
+    """
 
     buffer: torch.Tensor
     planes: tuple[int, ...]
@@ -458,10 +365,7 @@ def buffered_attention(
     base: str, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
     target: StatisticBuffer, kwargs: dict[str, Any],
 ) -> torch.Tensor:
-    """What `attend` computes for rows whose cache needs `target`'s statistic ("fast" statistics: the output from
-    the fused kernel, or from the eager one for an eager model, the statistic beside it), the statistic written
-    into `target` instead of recorded through a cache. Every layer of such a step needs it: each is evicting, full,
-    and no sliding window (keydiff.batching.static.eligible)."""
+    """What `attend` computes for rows needing `target`'s statistic, the statistic written into `target` instead of a cache."""
     rules = rules_for(kwargs, query, key)
     if base == "eager":
         output, weights = eager_attention(module, query, key, value, scaling, rules)
@@ -475,8 +379,7 @@ def buffered_attention(
 
 @contextmanager
 def bound_to(cache: Any) -> Iterator[None]:
-    """Bind `cache` for the attention functions for the duration, without switching the model's implementation
-    (a batch cache hands each row's pass to that row's own cache this way)."""
+    """Bind `cache` for the attention functions for the duration, without switching the model's implementation."""
     token = _BOUND_CACHE.set(cache)
     try:
         yield
@@ -595,8 +498,6 @@ def check_flash_attn_version(version: str) -> None:
 @contextmanager
 def keydiff_attention(model: torch.nn.Module, cache: Any = None) -> Iterator[None]:
     """Run the model with its keydiff attention function (and `cache` bound for statistics), then restore it.
-
-    Any loop over an `EvictingCache` whose policy needs attention (h2o, tova, snapkv) runs inside this:
 
         with keydiff.keydiff_attention(model, cache):
             out = model(input_ids=next_ids, cache=cache, use_cache=True)

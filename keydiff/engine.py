@@ -1,33 +1,11 @@
 """Block prompt processing (paper §2.4, Eq. 6) and decoding with eviction after every token.
 
-    cache = {}
-    for each block X_i of B prompt tokens:
-        run the model on X_i against the cache   (the block sees <= N kept entries + itself)
-        cache <- policy_N(cache + X_i's keys/values)
-    then generate with B = 1, evicting after every token.
+`prefill` runs the prompt block by block against a bounded cache (tokens at their absolute positions, a
+reconstruction pass per block for KVzip, an optional held suffix); `generate` decodes from the result;
+`copy_state`, `hold` and `follow_up` serve several questions or turns over one compressed context.
+Timings cover the forward passes only; callers warm up.
 
-Tokens enter with their absolute position in the sequence: the cache counts the tokens it has seen and
-transformers derives position_ids from that, so RoPE rotates each key by where its token really is, never
-by its index in the shrunken cache. Block size None (or math.inf) processes the whole prompt at once and
-evicts afterwards (paper Table 10): the same loop with one block.
-
-Reconstruction (KVzip, a policy with `needs_reconstruction`): after each block is written and before its
-eviction, the engine runs one more pass, the policy's `reconstruction_input` for that block ("repeat the
-previous context" + the block's tokens), inside `cache.scratch()`: its queries attend to the N + B held
-entries and causally to themselves, its own R + B entries are discarded afterwards, and its attention
-statistic is what the policy scores by. The cache is planned with room for it: N + B + R + B entries per
-head while it runs (`PrefillResult.max_scratch_entries`).
-
-Held suffix (kvpress's query-agnostic protocol): `held_suffix=S` compresses only the first L - S tokens (the
-context) block by block, then feeds the last S (the question, the end of the user turn, the answer prefix) in
-one pass against the compressed cache and evicts nothing before the first generated token: the policy observes
-that pass, but its entries stay (N + S per head at the first token). Ratio budgets, layer schedules and KVzip's
-reconstruction count the context only. `generate(evict=False)` then keeps them all (kvpress: the question is
-never compressed); `generate(evict=True)` lets the first decoding step's eviction choose among all N + S + 1.
-
-Timing: `seconds` is wall time between two device synchronisations around the forward passes only; the
-attention-implementation switch and the cache's construction are outside it. Nothing here warms up: the
-caller (runner, benchmarks) runs an untimed warm-up first.
+Design: docs/design/decode.md#the-engine-keydiffenginepy
 """
 
 from __future__ import annotations
@@ -71,11 +49,9 @@ class PrefillResult:
     held_suffix: int = 0
 
     def fork(self, copies: int) -> list["PrefillResult"]:
-        """`copies` independent states to decode from, without running the prefill again: each has its own copy
-        of the bounded cache (keydiff.EvictingCache.fork; memory `copies` x `cache.kv_cache_bytes`) and of the
-        logits, and shares the read-only snapshot fields (kept_positions, seconds: the one prefill's time).
-        Decoding a fork gives what a separate prefill and decode of the same prompt give (same seed, same
-        tokens). This state stays usable (forking does not decode it)."""
+        """`copies` independent states to decode from without prefilling again: each its own cache copy
+        (EvictingCache.fork) and logits, placed to decode as one group. This state stays usable.
+        """
         if self.decoded:
             raise RuntimeError("this PrefillResult was already decoded (its cache moved on); fork before generate")
         if isinstance(copies, bool) or int(copies) != copies or copies < 1:
@@ -106,8 +82,7 @@ def check_budget(policy: Policy, budget: int | None) -> None:
 
 
 def check_model_supported(model: torch.nn.Module) -> None:
-    """Full-attention and sliding-window layers only (keydiff.cache.sliding): linear-attention, chunked or shared
-    layers need cache rules of their own, refused in one line."""
+    """Full-attention and sliding-window layers only; linear-attention, chunked or shared layers are refused in one line."""
     layer_windows(model.config)
 
 
@@ -115,10 +90,9 @@ def _forward(
     model: torch.nn.Module, cache: EvictingCache, input_ids: torch.Tensor, reconstruction: torch.Tensor | None = None,
     drop: bool = True,
 ) -> torch.Tensor:
-    """One forward pass of `input_ids` after what the cache has seen, then eviction (unless the cache was told
-    to keep every generated token). Next-token logits [b, vocab]. `reconstruction`: ids of a pass run in
-    between, against the cache, whose entries are discarded (KVzip's scoring pass). drop=False: the policy
-    observes the pass but nothing is dropped until the next eviction (a held suffix)."""
+    """One forward pass of `input_ids` after what the cache has seen, then eviction; next-token logits [b, vocab].
+    reconstruction: ids of a scratch pass run in between (KVzip). drop=False: observe only (a held suffix).
+    """
     output = model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1)
     if reconstruction is not None:
         with cache.scratch(chunk_start=cache.get_seq_length() - input_ids.shape[1]):
@@ -153,19 +127,11 @@ def prefill(
 ) -> PrefillResult:
     """Process `input_ids` [batch, L] (no padding) block by block, keeping at most `budget` entries per head.
 
-    policy: a Policy or a policy name (built with default hyper-parameters). budget: tokens per layer and
-    KV head (ignored by `full`). attention_statistics: "fast" or "materialized" (see keydiff.attention).
-    on_block: called with the cache after each compressed block's eviction (tests use it to check the bound).
-    tokenizer: encodes the reconstruction prompt of policies that run one (KVzip; see its fallback without).
-    held_suffix: the last `held_suffix` tokens are not compressed: fed in one pass after the others, they are all
-    held at the first generated token (kvpress's query-agnostic protocol; see the module). 0: the whole prompt
-    goes through block-wise eviction (the paper's protocol).
-    fixed_shapes: once the cache holds N entries, run each full block in fixed shapes (keydiff.batching.static:
-    the block written into entries [N, N + B), attention over all N + B, eviction back to N, in one step that a
-    GPU replays as a CUDA graph); None: the device's default, False: never. The same numbers either way.
-    decoder: a run's keydiff.Decoder, whose block step (and its slot, where the device replays graphs) serves
-    every prompt of the run, so a GPU captures the block step once per run rather than once per prompt; it runs
-    with its own fixed_shapes (passing another is an error). None: a block step for this prefill alone.
+    policy: a Policy or a name. budget: tokens per layer and KV head. attention_statistics: "fast" or
+    "materialized". on_block: called with the cache after each block's eviction. tokenizer: for a policy's
+    reconstruction prompt (KVzip). held_suffix: last tokens fed whole after the rest, held to the first
+    generated token (0: the paper's protocol). fixed_shapes: full blocks in fixed shapes (None: device default,
+    False: never). decoder: a run's keydiff.Decoder, whose block step serves every prompt of the run.
     """
     policy = build_policy(policy) if isinstance(policy, str) else policy
     check_budget(policy, budget)
@@ -222,11 +188,10 @@ def prefill(
 
 
 def copy_state(state: PrefillResult, model: torch.nn.Module) -> PrefillResult:
-    """An independent copy of a prefilled state: the cache's bounded buffers, positions and policy state (and the
-    policy) copied, the model's weights shared. Decoding or feeding the copy leaves `state` as it was, so one
-    compressed context can answer several questions, none of which sees another's question or answer (kvpress's
-    and SCBench's multi-request mode): `generate(model, hold(model, copy_state(context, model), question), ...)`
-    per question. Costs one copy of the kept entries (N per layer and head), nothing proportional to the prompt."""
+    """An independent copy of a prefilled state (cache buffers, positions, policy state and policy; weights shared),
+    so one compressed context can answer several questions: `generate(model, hold(model, copy_state(context,
+    model), question), ...)` per question.
+    """
     if state.decoded:
         raise RuntimeError("this PrefillResult was already decoded (its cache moved on); copy it before decoding")
     return state.fork(1)[0]
@@ -234,9 +199,7 @@ def copy_state(state: PrefillResult, model: torch.nn.Module) -> PrefillResult:
 
 @torch.inference_mode()
 def hold(model: torch.nn.Module, state: PrefillResult, input_ids: torch.Tensor) -> PrefillResult:
-    """Feed `input_ids` [batch, S] after a prefilled state in one pass, evicting nothing before the first generated
-    token (what `prefill(held_suffix=S)` does after the context): returns `state` with the new logits, its cache
-    holding every one of the S tokens, `held_suffix` increased by S."""
+    """Feed `input_ids` [batch, S] after a prefilled state in one pass, evicting nothing before the first generated token."""
     if state.decoded:
         raise RuntimeError("this PrefillResult was already decoded (its cache moved on); run prefill again")
     if input_ids.dim() == 1:
@@ -257,13 +220,10 @@ def hold(model: torch.nn.Module, state: PrefillResult, input_ids: torch.Tensor) 
 
 
 def follow_up(model: torch.nn.Module, state: PrefillResult, input_ids: torch.Tensor) -> PrefillResult:
-    """The next turn of a conversation: feed `input_ids` [batch, S] into the cache of a state `generate` has decoded
-    (its kept context, the held question and the answer so far), held whole up to the next first token as `hold`
-    feeds them, and return a new state to decode from (`seconds`: this feed's time, `held_suffix`: S). The cache
-    is the same object: it stays bounded as the first `generate` left it (evicting while decoding or not), and
-    the decoded state must not be used again. `generate` never feeds the token it stops on: the caller puts it
-    first in `input_ids` if the conversation keeps it (keydiff.run.shared: unless it is a stop token, which the
-    chat template's end of turn replaces)."""
+    """The next turn: feed `input_ids` [batch, S] into the cache of a state `generate` decoded, held whole up to the next
+    first token, and return a new state (the old one must not be used again). `generate` never feeds the token it
+    stops on: put it first in `input_ids` if the conversation keeps it.
+    """
     if not state.decoded:
         raise RuntimeError("follow_up continues a decoded state; feed an undecoded one with hold")
     turn = replace(state, seconds=0.0, held_suffix=0, decoded=False)
@@ -290,23 +250,10 @@ def generate(
 ) -> GenerationResult:
     """Decode up to `max_new_tokens` tokens from a prefilled state, evicting after every token (B = 1).
 
-    evict=False keeps every generated token (the cache grows by up to max_new_tokens), which is what the
-    original SnapKV and KVCache-Factory do: they compress once, after the prompt. A held suffix
-    (`prefill(held_suffix=S)`) is kept for good with evict=False (kvpress's pipeline), and with evict=True the
-    first decoding step's eviction brings the cache back to N.
-
-    A row stops at the first id in `eos_token_ids` (allowed only after `min_new_tokens`). Sampling draws
-    from a CPU generator seeded with `seed`, so results do not depend on the device's RNG.
-    fixed_shapes: once the cache holds N entries, decode in fixed shapes (keydiff.batching.static; replayed as a
-    CUDA graph on a GPU); None: the device's default, False: the ordinary step. The same tokens either way.
-    batch_invariant: decode with kernels whose reduction order does not depend on the batch (keydiff.kernels.
-    batch_invariant), which a run alone must use to give the tokens of a batch that uses them (a no-op on a CPU).
-    It runs the decoding step keydiff.generate_batch runs, with this one request. decoder: decode through this
-    keydiff.Decoder (a run's: its arena and captured steps outlive the call, so a GPU captures its step once per
-    run, not once per sample); it decodes with its own fixed_shapes and batch_invariant (passing others is an
-    error). None: a Decoder of width 1 for this call.
-    Returns a GenerationResult: `.token_ids` (per batch row, a list of the new ids), `.finish_reasons`,
-    `.seconds`, `.max_cache_entries`.
+    evict=False keeps every generated token. A row stops at its first `eos_token_ids` id (after `min_new_tokens`);
+    sampling uses a CPU generator seeded with `seed`. fixed_shapes, batch_invariant: as `Decoder`'s. decoder: a
+    run's keydiff.Decoder (None: one of width 1). Returns a GenerationResult (`.token_ids` per row,
+    `.finish_reasons`, `.seconds`, `.max_cache_entries`).
     """
     if state.decoded:
         raise RuntimeError("this PrefillResult was already decoded (its cache moved on); run prefill again")
