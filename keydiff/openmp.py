@@ -1,32 +1,14 @@
-"""How this project's processes use the CPU: the OpenMP settings torch's CPU ops run under, chosen per kind
-of process (runs, benchmarks, tests), and the record of them that results carry.
+"""How this project's processes use the CPU: the OpenMP settings torch's CPU ops run under, chosen per kind of
+process (runs, benchmarks, tests), and the record of them that results carry.
 
-    from keydiff import openmp
-    openmp.prepare("run")         # first thing in an entry point, before anything imports torch
-    openmp.settings()             # what was in effect: {"library", "variables", "set_by_keydiff"}
+    openmp.prepare("run")    # first thing in an entry point, before anything imports torch
+    openmp.settings()        # what was in effect: {"library", "variables", "set_by_keydiff"}
 
-Why: torch runs its CPU ops on an OpenMP thread pool, and torch's pip wheels bundle GNU OpenMP
-(torch/lib/libgomp.so.1; `OMP_DISPLAY_ENV=verbose python -c "import torch; torch.ones(1)"` shows its
-settings). Between parallel regions libgomp's idle workers spin for GOMP_SPINCOUNT iterations (300,000,
-about 3 ms, when OMP_WAIT_POLICY is unset) before they sleep. On a quiet machine that saves a wake-up; on a
-machine where another process is busy the spinning worker takes a core that its own team or the
-neighbour needs, and each parallel region waits for a team member the scheduler has put aside: issue 29
-measured 2 threads 8-10 x slower than 1 beside one busy process. OMP_WAIT_POLICY=PASSIVE (libgomp: spin
-count 0) makes idle workers sleep at once; OMP_NUM_THREADS sets torch's default thread count. Intel
-OpenMP's KMP_BLOCKTIME does nothing here (no libiomp is loaded); OMP_WAIT_POLICY is the portable setting.
+libgomp reads its environment once, when torch loads it, so `prepare()` puts DEFAULTS[kind] (the one place
+to change them) into os.environ first; a variable the user set is never changed. OMP_WAIT_POLICY=PASSIVE
+keeps idle workers from spinning on a core a busy neighbour needs. Imports nothing that imports torch.
 
-libgomp reads its environment once, when `import torch` loads it, so these are environment defaults set
-before that: `prepare()` puts DEFAULTS[kind] into os.environ, called by run.py (before the runner imports
-torch), keydiff/bench/__init__.py (every `python -m keydiff.bench.<module>` passes there first) and
-tests/conftest.py. A variable the user set is never changed, and neither is OMP_WAIT_POLICY when the user
-set GOMP_SPINCOUNT (the same setting, libgomp's name: GOMP_SPINCOUNT=300000 is libgomp's own default).
-Child processes inherit the result. An explicit thread count (`threads=`, `--threads`) still wins over
-OMP_NUM_THREADS: torch.set_num_threads.
-
-DEFAULTS is the one place to change what runs, benchmarks and tests use; docs/performance.md ("CPU
-threads") says what was measured (`scripts/bench_threads.py`).
-
-Importing this module imports neither torch nor anything that does.
+Design: docs/performance.md#cpu-threads
 """
 
 from __future__ import annotations

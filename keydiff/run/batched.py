@@ -22,10 +22,9 @@ log = logging.getLogger(__name__)
 
 
 class SharedPrefill:
-    """The one prefill of consecutive samples with the same prompt, forked once per sample (`take`). A sample
-    taking its state a second time (started again after an out-of-memory back-off) gets a prefill of its own,
-    and the forks not yet taken are dropped (their memory is what the back-off must free), so every later
-    member prefills alone too: a fork and a prefill of the same prompt decode alike."""
+    """The one prefill of consecutive samples with the same prompt, forked once per sample (`take`). A sample taking
+    its state again (restarted after an out-of-memory back-off) prefills alone, and the untaken forks are dropped
+    (their memory is what the back-off must free), so every later member prefills alone too."""
 
     def __init__(self, ctx: RunContext, prompt, members: list[str]):
         self.ctx, self.prompt, self.members, self.size = ctx, prompt, members, len(members)
@@ -82,9 +81,8 @@ class SampleJob:
 
 
 def batched_rows(ctx: RunContext, samples: list) -> Iterator[dict[str, Any]]:
-    """Every sample's row, in the order the samples finish, up to `ctx.batch_size` decoding at once (the run's
-    decoder, `ctx.decoder`). Each `next()` runs interruptibly (a stop signal abandons the samples in flight);
-    nothing runs while the caller writes a row."""
+    """Every sample's row, in the order they finish, up to `ctx.batch_size` decoding at once through `ctx.decoder`;
+    each `next()` runs interruptibly, and nothing runs while the caller writes a row."""
     ready: deque[dict[str, Any]] = deque()  # rows of samples refused before running (prompt cap, budget)
     jobs: dict[str, SampleJob] = {}
     results = ctx.decoder.generate(_jobs(ctx, deque(samples), ready, jobs))

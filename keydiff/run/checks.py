@@ -210,9 +210,8 @@ def check_device(model_cfg) -> None:
 
 
 def limit_covers_task(cfg: DictConfig) -> bool:
-    """task.limit selects every sample of the task (a limit at or above its size): the run is the whole run.
-    Compared by sample ids, so it holds for every task's meaning of limit (samples, problems, per dataset).
-    False when the data cannot be listed here (the limit then stays as given)."""
+    """Whether task.limit selects every sample of the task (compared by sample ids, whatever limit means for the
+    task); False when the data cannot be listed here."""
     from hydra.errors import HydraException
     from hydra.utils import instantiate
 
@@ -276,11 +275,8 @@ def hub_unreachable() -> str | None:
 
 
 def probe_endpoint(endpoint: str, timeout: float = HUB_PROBE_SECONDS) -> str | None:
-    """None if `endpoint` answers an HTTP request within `timeout` seconds (any status), else why not.
-
-    huggingface_hub itself retries a dead connection for tens of seconds; one request with a hard time
-    limit (in a thread, so that a hanging DNS lookup counts too) tells the same in seconds.
-    """
+    """None if `endpoint` answers an HTTP request within `timeout` seconds (any status), else why not: one request
+    with a hard limit (in a thread, so a hanging DNS lookup counts) instead of huggingface_hub's long retries."""
     endpoint = endpoint.rstrip("/")
     outcome: list[str | None] = []
 
@@ -369,9 +365,8 @@ def group_options(conf_dir: Path, group: str) -> list[str]:
 
 
 def check_group_value(conf_dir: Path, group: str, value: Any) -> None:
-    """A config group takes a file name; Hydra reads `budget=2048` as the number 2048 and fails with a
-    traceback, so a value that is not a name is refused here, naming the names (and, for a budget, the key
-    that takes a token count)."""
+    """Refuse a config group value that is not a file name (Hydra reads `budget=2048` as a number and fails with a
+    traceback), naming the names (and, for a budget, the key that takes a token count)."""
     if value is None or isinstance(value, (str, list)):
         return
     options = group_options(conf_dir, group)
@@ -419,10 +414,8 @@ def unlisted_parameter(cfg: DictConfig, key: str) -> tuple[bool, list[str] | Non
 
 
 def unknown_key(conf_dir: Path, config_name: str, key: str, overrides: list[str], line: str | None = None) -> str:
-    """The one line for an override of a key that is not in the configuration (`polcy=tova`): the valid
-    config groups and keys at the level of the typo (Hydra would suggest `+polcy=tova`, which adds it). A key
-    that is valid but unlisted (`policy.params.alpha` of a policy of your own) is told to add it: `+` and the
-    override as given (`line`)."""
+    """The one line for an override of a key not in the configuration (`polcy=tova`): the valid groups and keys at
+    the typo's level; a valid but unlisted key (`policy.params.alpha` of your own policy) is told to add `+`."""
     from hydra import compose, initialize_config_dir
 
     with initialize_config_dir(str(conf_dir), version_base="1.3"):
@@ -452,12 +445,9 @@ def unknown_key(conf_dir: Path, config_name: str, key: str, overrides: list[str]
 
 
 def check_command_line(argv: Sequence[str], conf_dir: str | os.PathLike, config_name: str = "config") -> None:
-    """Compose the configuration from the command line as Hydra will, before Hydra does, so that an unknown
-    choice (`policy=keydif`), an unknown key or a number given to a group (`budget=2048`) is one line and
-    exit status 2 instead of Hydra's multi-line report (status 1). Values that sweep (`policy=a,b`) are
-    checked as names here and composed point by point later, by the keydiff sweeper, as Hydra does; several
-    values in a run that is no sweep (no -m, no experiment with hydra.mode=MULTIRUN) are one line too.
-    Commands with other Hydra flags (--cfg, --help, --config-name, ...) are left to Hydra as they are."""
+    """Compose the configuration from the command line as Hydra will, before Hydra does, so an unknown choice or
+    key, or a number given to a group (`budget=2048`), is one line and exit status 2. Sweep values are checked
+    as names here and composed point by point by the sweeper; other Hydra flags (--cfg, --help, ...) go to Hydra."""
     from hydra import compose, initialize_config_dir
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.core.override_parser.types import Transformer, ValueType

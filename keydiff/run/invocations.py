@@ -43,9 +43,8 @@ def recorded(summary: dict[str, Any] | None) -> list[dict[str, Any]]:
 
 def history(summary: dict[str, Any] | None, rows: list[dict[str, Any]],
             current: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-    """The invocations behind `rows` (a directory's predictions, in file order): those `summary` records, then
-    any whose rows it does not know (a process killed before its summary), then `current` if it wrote a row;
-    each with `rows` counted from `rows`."""
+    """The invocations behind `rows` (in file order): those `summary` records, then any killed before their summary,
+    then `current` if it wrote a row; each with its row count."""
     counts = Counter(row.get(ROW_KEY) for row in rows)
     entries = recorded(summary)
     known = {entry["id"] for entry in entries} | ({current["id"]} if current else set())
@@ -101,9 +100,8 @@ def common(values: Iterable[Any]) -> Any:
 
 
 def run_fields(entries: list[dict[str, Any]]) -> dict[str, Any]:
-    """summary.json's top-level fields of the run, from its invocations: batch_size and threads (null when the
-    invocations differ or one is unknown: see `invocations`), samples_wall_s (the sum of the invocations' sample
-    loops; null when one has none recorded), started_at (the first invocation's) and stopped_by (the last's)."""
+    """summary.json's top-level run fields from its invocations: batch_size and threads (null when they differ or
+    one is unknown), samples_wall_s (their sum), started_at (the first's) and stopped_by (the last's)."""
     walls = [entry.get("samples_wall_s") for entry in entries]
     return {"batch_size": common(entry.get("batch_size") for entry in entries),
             "threads": common(entry.get("threads") for entry in entries),

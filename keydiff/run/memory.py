@@ -37,11 +37,8 @@ def peak_rss_bytes() -> int:
 
 
 def reset_peak_rss() -> bool:
-    """Restart the peak count from the current RSS, so a later peak is what follows, not the model load.
-
-    Linux only: freed heap is first returned to the OS (glibc malloc_trim), then writing 5 to
-    /proc/self/clear_refs resets VmHWM, the high-water mark peak_rss reads. False where unsupported.
-    """
+    """Restart the peak count from the current RSS (Linux: malloc_trim, then 5 to /proc/self/clear_refs resets
+    VmHWM), so a later peak is what follows, not the model load. False where unsupported."""
     gc.collect()
     try:
         import ctypes

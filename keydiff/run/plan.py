@@ -99,13 +99,9 @@ def policy_target(policy_cfg: DictConfig) -> str:
 
 
 def result_config(cfg: DictConfig) -> dict[str, Any]:
-    """The part of the config that determines the results (what a resumed run must match).
-
-    task.limit stays in: ResultStore lets a larger limit extend a run and refuses a smaller one.
-    batch_invariant is in only when true: false computes what every run did before the key existed, so their
-    directories resume as they are, and a run with other kernels (true) never shares a directory with them.
-    task.haystack_source is in unless "interpreter", the haystack runs read before the key existed.
-    """
+    """The part of the config that determines the results: what a resumed run must match. task.limit stays in (a
+    larger limit extends a run); batch_invariant only when true and task.haystack_source unless "interpreter", so
+    directories written before those keys existed resume as they are."""
     data = OmegaConf.to_container(cfg, resolve=True)
     for key in NON_RESULT_KEYS:
         data.pop(key, None)

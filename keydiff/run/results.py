@@ -76,9 +76,8 @@ def holds_a_run(run_dir: str | os.PathLike) -> bool:
 
 
 def move_aside(run_dir: str | os.PathLike, keep_hydra: str | None = None) -> Path:
-    """overwrite=true: every file of `run_dir` moves into the sibling `<run dir>.old-<time>`, nothing is deleted;
-    only the lock and Hydra's files of the invocation doing the move stay (`keep_hydra`: its folder under the run
-    directory, e.g. ".hydra/20261207-101500-000001"; None: the whole .hydra folder stays). Returns the folder."""
+    """overwrite=true: move every file of `run_dir` into the sibling `<run dir>.old-<time>` (nothing deleted), but
+    the lock and this invocation's Hydra folder (`keep_hydra`; None keeps all of .hydra). Returns the folder."""
     run_dir = Path(run_dir)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     backup = run_dir.with_name(f"{run_dir.name}.old-{stamp}")

@@ -57,10 +57,8 @@ def load_model_once(model_cfg: ModelConfig):
 
 
 def warm_up(ctx: RunContext, sample) -> None:
-    """One untimed prefill + decode on the start of the first prompt, so that no sample's TTFT carries the
-    device's start-up (CUDA context, cuBLAS handles, kernel selection, allocator growth). Where the run's decoder
-    replays CUDA graphs, through that decoder and long enough (N + 3B tokens, 3 decoded) to capture its block and
-    decode steps, which every sample then replays: the first sample's times carry no capture either."""
+    """One untimed prefill + decode on the start of the first prompt, so no sample's TTFT carries the device's
+    start-up, nor (where the decoder replays CUDA graphs) the capture of its block and decode steps."""
     plan, model, tokenizer = ctx.plan, ctx.model, ctx.tokenizer
     prompt = plan.build_prompt(sample, tokenizer)
     ids = prompt.input_ids
@@ -143,13 +141,9 @@ def run_statistics(rows: list[dict[str, Any]], plan: RunPlan) -> dict[str, Any]:
 
 def run(cfg: DictConfig, run_dir: str | Path, *, checked: bool = False, holding_lock: bool = False,
         invocation_fields: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Execute (or resume) one run into `run_dir` and return its summary.
-
-    checked: the caller has run check_run_config on `cfg` (run.py: Hydra's callback or the sweeper did);
-    holding_lock: the caller holds `run_dir`'s RunLock (run.py takes it before importing torch);
-    invocation_fields: added to this invocation's entry in summary.json (run.py: where its Hydra files are).
-    Raises Preempted (after writing the summary) when a stop signal arrived; run.py hands it on.
-    """
+    """Execute (or resume) one run into `run_dir` and return its summary; raises Preempted after writing the
+    summary when a stop signal arrived. `checked`: the caller ran check_run_config; `holding_lock`: the caller
+    holds the RunLock; `invocation_fields`: added to this invocation's summary entry."""
     if not checked:
         check_run_config(cfg)
     plan = plan_run(cfg)
@@ -219,9 +213,8 @@ def execute(cfg: DictConfig, plan: RunPlan, samples: list, run_dir: str | Path,
 
 
 def decoding_record(ctx: RunContext | None) -> dict[str, Any]:
-    """How the invocation's decoding ran, for its entry in summary.json: the widths W its decoder ran at, and the
-    CUDA graphs its fixed-shape steps captured, with how many captures failed and why (that step then ran eagerly,
-    so its timings are the eager step's). None where no sample ran."""
+    """How the invocation's decoding ran, for its summary entry: the widths its decoder ran at and the CUDA graphs
+    captured or failed (with why); None where no sample ran."""
     if ctx is None:
         return {"decode_widths": None, "decode_graphs": None}
     return {"decode_widths": list(ctx.decoder.widths), "decode_graphs": ctx.decoder.graphs.record()}
@@ -246,11 +239,8 @@ def sample_rows(ctx: RunContext, todo: list):
 
 def record_invocation(cfg, plan: RunPlan, samples, store: ResultStore, record: dict[str, Any], provenance,
                       invocation: dict[str, Any]) -> dict[str, Any]:
-    """summary.json once this invocation ends (or stops): rewritten with its entry appended to the run's
-    invocations when it wrote rows (keydiff.run.invocations). One that wrote none changes nothing but
-    `last_checked_at`, so a re-run that finds every sample done never replaces how the rows were computed
-    (batch size, wall time, command) with its own settings; it writes the summary only where it is missing or
-    older than the rows (a process killed before writing its own)."""
+    """Rewrite summary.json once this invocation ends or stops, its entry appended when it wrote rows; one that
+    wrote none changes only `last_checked_at` (or writes a missing or stale summary)."""
     previous = store.read_summary()
     wrote = any(row.get(invocations.ROW_KEY) == invocation["id"] for row in store.rows)
     if not wrote and previous is not None and invocations.covers(previous, store.rows):
@@ -264,10 +254,8 @@ def record_invocation(cfg, plan: RunPlan, samples, store: ResultStore, record: d
 
 def write_summary(cfg, plan: RunPlan, samples, store: ResultStore, record: dict[str, Any], provenance,
                   entries: list[dict[str, Any]], data: dict[str, str] | None = None) -> dict[str, Any]:
-    """Metrics over the successful samples, plus how many failed and why, the invocations that computed the
-    rows (`entries`: keydiff.run.invocations.history), and everything needed to reproduce (`record`:
-    keydiff.run.provenance.provenance_record of the invocation writing it; `data`: the task's data_sources,
-    recorded by the runs a merge of shards reads, keydiff.run.shard_merge)."""
+    """Write summary.json: metrics over the successful samples, the failures and why, the invocations behind the
+    rows (`entries`), the provenance `record` and the task's `data` sources."""
     wanted = {s.id for s in samples}
     # In the task's sample order, whatever order the rows were written in (batched runs write them as samples finish).
     by_id = store.latest_rows()

@@ -28,14 +28,9 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class RunContext:
-    """What every sample of one invocation is run with, carried as one object (not a configuration and eight
-    parameters): the plan, the loaded model and tokenizer, the model's stop ids, the code label every row
-    records, the stop signals, the run seed (each sample's own is derived from it), the batch size (sequences
-    decoding together) and the prompt cap (max_prompt_tokens: longer prompts are recorded as failed).
-
-    `decoder` is the run's keydiff.Decoder, made here when not given: width W = batch_size, the run's
-    batch_invariant. Every sample of the invocation decodes through it, so the arena and the fixed-shape step it
-    builds (a CUDA graph on a GPU) are built once per run and shape, not once per sample."""
+    """What every sample of one invocation is run with: the plan, model and tokenizer, stop ids, code label, stop
+    signals, run seed, batch size, prompt cap (max_prompt_tokens) and the run's `decoder` (made here when not
+    given), so its arena and fixed-shape steps are built once per run and shape, not once per sample."""
 
     plan: RunPlan
     model: Any
