@@ -268,11 +268,8 @@ def _conversion_is_current(folder: Path, gguf: Path) -> bool:
 
 
 def ensure_builtin_model(name: str = "smollm2-135m", *, force: bool = False) -> Path:
-    """Return the folder of the converted builtin model, converting its GGUF once if needed.
-
-    The conversion is written to a temporary sibling folder and renamed into place, so an interrupted
-    conversion never leaves a partial folder behind.
-    """
+    """Return the folder of the converted builtin model, converting its GGUF once if needed (into a temporary
+    sibling renamed into place, so an interrupted conversion leaves no partial folder)."""
     if name not in BUILTIN_MODELS:
         raise ValueError(f"unknown builtin model {name!r}; builtin models: {sorted(BUILTIN_MODELS)}")
     gguf = locate_builtin_gguf(name)
@@ -307,9 +304,8 @@ def ensure_builtin_model(name: str = "smollm2-135m", *, force: bool = False) -> 
 
 
 def announce_conversion(name: str, gguf: Path, folder: Path) -> None:
-    """One line on stderr before the conversion: the first run (or load) of a builtin model spends tens of seconds
-    and writes hundreds of MB into the cache, which should not happen in silence. Printed, not logged, so that it
-    is seen in a notebook or an analysis script as well as in a run (where logging is configured)."""
+    """One line on stderr before a builtin model's conversion (tens of seconds, hundreds of MB into the cache),
+    printed rather than logged so a notebook shows it too."""
     size = BUILTIN_MODELS[name].converted_size
     print(f"converting the builtin model {name} ({gguf.name}) to float32 safetensors in {folder}: once per cache "
           f"({size + ', ' if size else ''}tens of seconds); later loads read that folder", file=sys.stderr, flush=True)
@@ -403,11 +399,8 @@ def model_config(model: "ModelConfig | str", **settings: Any) -> ModelConfig:
 
 @contextlib.contextmanager
 def quiet_weight_loading():
-    """Without transformers' own progress bars while the block runs: `from_pretrained` draws a "Loading weights"
-    bar on every load, a screenful of carriage returns in every run's log (the runner logs "model loaded in X s").
-    It goes through transformers' public tqdm hook (`transformers.utils.logging.set_tqdm_hook`, as its own serving
-    CLI uses it), restored afterwards; the Hub's download bars are huggingface_hub's and stay (a first download of
-    a large model takes minutes), and so do the bars of a builtin model's one conversion."""
+    """Without transformers' "Loading weights" bars while the block runs (a screenful of carriage returns in every
+    run's log), through its public tqdm hook (`set_tqdm_hook`), restored afterwards; download bars stay."""
     from transformers.utils import logging as transformers_logging
 
     previous = transformers_logging.set_tqdm_hook(lambda factory, args, kwargs: factory(*args, **{**kwargs, "disable": True}))
@@ -420,11 +413,9 @@ def quiet_weight_loading():
 def load_model(model: "ModelConfig | str" = "smollm2-135m", **settings: Any) -> tuple[Any, Any]:
     """Load (model, tokenizer): the model in eval mode on its device with its attn_implementation.
 
-        model, tokenizer = keydiff.load_model("smollm2-135m")          # the offline default (float32, CPU/CUDA)
         model, tokenizer = keydiff.load_model("meta-llama/Llama-3.1-8B-Instruct", dtype="bfloat16")
 
-    `model` is a builtin name, a Hub id, a checkpoint folder or a ModelConfig; `settings` are ModelConfig
-    fields (dtype, attn_implementation, device, revision, trust_remote_code).
+    `model` is a builtin name, a Hub id, a checkpoint folder or a ModelConfig; `settings` are ModelConfig fields.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -462,12 +453,9 @@ def load_model(model: "ModelConfig | str" = "smollm2-135m", **settings: Any) -> 
 
 
 def eos_token_ids(model: Any, tokenizer: Any) -> list[int]:
-    """Every token id that should end generation, in a stable order without duplicates.
-
-    Collects the generation config's `eos_token_id` (an int or a list), the model config's, the
-    tokenizer's, and the chat end-of-turn markers of `END_OF_TURN_TOKENS` that the tokenizer has as
-    special tokens (Llama-3 needs both <|eot_id|> and <|end_of_text|>).
-    """
+    """Every token id that should end generation, in a stable order without duplicates: the generation config's,
+    the model config's and the tokenizer's eos ids, and the end-of-turn markers of `END_OF_TURN_TOKENS` the
+    tokenizer has as special tokens (Llama-3 needs both <|eot_id|> and <|end_of_text|>)."""
     ids: list[int] = []
 
     def add(value: Any) -> None:
@@ -499,12 +487,8 @@ def eos_token_ids(model: Any, tokenizer: Any) -> list[int]:
 
 # ---------------------------------------------------------------------------------------- provenance
 def model_provenance(cfg: ModelConfig, model: Any | None = None) -> dict[str, Any]:
-    """Where the weights came from, for result files.
-
-    builtin: the package, GGUF file and its sha256 (from the conversion record); Hub: the id, the
-    requested revision and the resolved commit when the loaded model is given; local folder: the
-    absolute path, the sha256 of its config.json and the names and sizes of its weight files.
-    """
+    """Where the weights came from, for result files: builtin (package, GGUF and its sha256), Hub (id, requested
+    revision, resolved commit when the model is given) or local folder (path, config.json's sha256, weight files)."""
     info: dict[str, Any] = {
         "name": cfg.name,
         "path": cfg.path,

@@ -33,10 +33,8 @@ _set_by_keydiff: dict[str, str] = {}  # what prepare() put into this process's e
 
 
 def prepare(kind: str, environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
-    """Put DEFAULTS[kind] into the environment where the user set nothing; returns what it set.
-
-    It sets nothing once torch is imported (the OpenMP runtime has read its settings by then, and a
-    variable set afterwards would only be recorded, not used): an entry point calls it first."""
+    """Put DEFAULTS[kind] into the environment where the user set nothing; returns what it set. Sets nothing once
+    torch is imported (OpenMP has read its settings by then): an entry point calls it first."""
     if kind not in DEFAULTS:
         raise ValueError(f"unknown kind of process {kind!r}; valid: {', '.join(DEFAULTS)}")
     environ = os.environ if environ is None else environ
@@ -63,11 +61,8 @@ def library() -> str | None:
 
 
 def settings() -> dict[str, Any]:
-    """The threading in effect, for a result's provenance (torch's thread count is recorded beside it):
-    the OpenMP runtime loaded, every variable of VARIABLES that is set, and which of them prepare() set.
-
-    The variables are os.environ's now: what the runtime read when torch loaded, unless the process
-    changed its own environment since."""
+    """The threading in effect, for a result's provenance: the OpenMP runtime loaded, every variable of VARIABLES
+    that is set (os.environ's now), and which of them prepare() set."""
     return {"library": library(),
             "variables": {name: os.environ[name] for name in VARIABLES if name in os.environ},
             "set_by_keydiff": sorted(_set_by_keydiff)}
