@@ -1,20 +1,12 @@
 """What the analyses look at: per-layer keys, queries and attention of a prompt, and what an eviction run kept.
 
-Two capture points, both through public extension points (nothing in transformers is patched):
-
-* `capture_prompt(model, input_ids)` runs the whole prompt once, without eviction, with an attention
-  function registered in transformers' `AttentionInterface` ("keydiff_capture"). The function computes the
-  layer's output with SDPA (so the forward pass is the model's own) and records, beside it, the keys and
-  queries as the attention sees them (post-RoPE, post any q/k norm) and the attention each key receives,
-  reduced on the fly so that no L x L matrix per layer is kept: column sums over all query rows, the last
-  query row, and the full weights of the first `window` tokens (Figure 2).
-* `trace_eviction(model, input_ids, policy, budget, block_size)` runs the project's own block-wise prefill
-  (`keydiff.engine.prefill`) with a subclass of the policy whose `evict_indices` also records the keys and
-  positions it drops. Its choices are the policy's own (tested against a plain run); retained entries come
-  from the final cache. With eviction, keys of layers > 0 depend on the policy (later layers see a pruned
-  cache), so each policy's trace holds its own keys.
-
-Only batch size 1 is supported; tensors are returned as float32 on the CPU.
+* `capture_prompt` runs the whole prompt without eviction under an attention function registered in
+  transformers' `AttentionInterface` ("keydiff_capture"): SDPA computes the output, and beside it the function
+  records post-RoPE keys and queries and, reduced on the fly (no L x L matrix kept), column sums, the last
+  query row and the first `window` tokens' weights (Figure 2).
+* `trace_eviction` runs `keydiff.engine.prefill` with a subclass of the policy that also records what it
+  drops; retained entries come from the final cache. Each policy's trace holds its own keys.
+Batch size 1 only; tensors are returned as float32 on the CPU.
 """
 
 from __future__ import annotations
@@ -54,10 +46,7 @@ class LayerCapture:
 
     @property
     def received_mean(self) -> torch.Tensor:
-        """[H, L] attention each key receives averaged over the query rows that see it (L - j rows for key j).
-
-        Column sums favour early keys, which more queries see; the mean removes that causal bias.
-        """
+        """[H, L] attention each key receives averaged over the L - j query rows that see it (removes the causal bias)."""
         length = self.received_sum.shape[-1]
         visible = torch.arange(length, 0, -1, dtype=torch.float32)
         return self.received_sum / visible
@@ -125,10 +114,7 @@ def _capturing(model: torch.nn.Module, recorder: _Recorder) -> Iterator[None]:
 def capture_prompt(
     model: torch.nn.Module, input_ids: torch.Tensor, window: int = 64, layers: list[int] | None = None
 ) -> list[LayerCapture | None]:
-    """Keys, queries and attention statistics of every layer (or of `layers`) for one prompt [1, L] or [L].
-
-    Returns one entry per layer, None for layers not asked for.
-    """
+    """Keys, queries and attention statistics of every layer (or of `layers`; None for others) for one prompt [1, L] or [L]."""
     check_model_supported(model)
     input_ids = input_ids[None] if input_ids.dim() == 1 else input_ids
     if input_ids.shape[0] != 1:
@@ -158,11 +144,8 @@ class LayerTrace:
 
 
 def recording_policy(policy: Policy, layers: set[int] | None = None) -> Policy:
-    """The same policy (same class behaviour and hyper-parameters) that also records what it evicts.
-
-    A subclass created on the fly overrides only `evict_indices`: it calls the policy's own, then copies the
-    dropped keys and positions (batch row 0) into `recorded[layer]` as (keys [H_kv, e, d], positions [H_kv, e]).
-    It needs each layer's index, so it asks the cache to evict layer by layer (`layers_batchable` False).
+    """The same policy that also records, per layer, the keys [H_kv, e, d] and positions [H_kv, e] it drops (batch
+    row 0) into `recorded`; it evicts layer by layer (`layers_batchable` False).
     """
     cls = type(layer_by_layer(policy))
 
@@ -191,10 +174,7 @@ def trace_eviction(
     layers: list[int] | None = None,
     attention_statistics: str = "fast",
 ) -> list[LayerTrace | None]:
-    """Block-wise prefill of one prompt under `policy` at `budget`; per layer what was retained and evicted.
-
-    Returns one entry per layer (None for layers not asked for).
-    """
+    """Block-wise prefill of one prompt under `policy` at `budget`; per layer (None if not asked) what was retained and evicted."""
     policy = build_policy(policy) if isinstance(policy, str) else policy
     input_ids = input_ids[None] if input_ids.dim() == 1 else input_ids
     if input_ids.shape[0] != 1:

@@ -1,15 +1,9 @@
 """Running statistics of a layer's queries, before RoPE, for policies that predict future attention.
 
-The attention function sees each pass's queries after RoPE, [batch, heads, q, head_dim], at the absolute
-positions the cache knows. `QueryStatistics` undoes the rotation (RoPE is a rotation per frequency pair,
-times the model's `attention_scaling`) and accumulates the first two moments of every query at a position
->= `first_position`, in float64, so that the mean and covariance of all queries seen so far are exact and
-cost O(heads x head_dim²) memory whatever the sequence length. Expected Attention (keydiff.policies.
-expected_attention) reads them through `LayerView.queries`.
-
-RoPE layout: transformers' half-split convention (dimension i pairs with i + head_dim/2), the one every
-Llama/Qwen/Mistral model in transformers uses; frequencies come from the model config through
-transformers' public `ROPE_INIT_FUNCTIONS`, so scaled RoPE variants (llama3, yarn, linear) are covered.
+`QueryStatistics` undoes RoPE on each pass's post-RoPE queries (transformers' half-split layout, frequencies
+from the config via `ROPE_INIT_FUNCTIONS`, scaled variants included) and accumulates their first two moments
+in float64, exact and O(heads x head_dim²) whatever the length. Expected Attention reads them
+(`LayerView.queries`).
 """
 
 from __future__ import annotations
@@ -45,11 +39,7 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 def mean_rotation(inv_freq: torch.Tensor, scaling: float, start: int, count: int) -> torch.Tensor:
-    """The RoPE matrix averaged over positions start..start+count-1: [d, d] float64, scaling included.
-
-    RoPE at position t is block-diagonal in the (i, i + d/2) pairs with [[cos, -sin], [sin, cos]] of t*inv_freq_i,
-    so the average has the same structure with the averaged cosines and sines.
-    """
+    """The RoPE matrix averaged over positions start..start+count-1: [d, d] float64, scaling included."""
     positions = torch.arange(start, start + count, dtype=torch.float64, device=inv_freq.device)
     angles = positions[:, None] * inv_freq[None, :]
     cos, sin = angles.cos().mean(dim=0), angles.sin().mean(dim=0)
@@ -65,10 +55,8 @@ def mean_rotation(inv_freq: torch.Tensor, scaling: float, start: int, count: int
 
 @dataclass
 class QueryStatistics:
-    """First and second moments of a layer's pre-RoPE queries at positions >= first_position, per query head.
-
-    count: queries accumulated; total [batch, heads, d] and outer [batch, heads, d, d] are float64 sums.
-    next_position: the absolute position of the next query (where future queries start).
+    """First and second moments of a layer's pre-RoPE queries at positions >= first_position, per query head:
+    count, total [batch, heads, d] and outer [batch, heads, d, d] (float64 sums), next_position.
     """
 
     inv_freq: torch.Tensor  # [d/2] float64
@@ -108,8 +96,7 @@ class QueryStatistics:
         return self.outer / self.count - mean[..., :, None] * mean[..., None, :]
 
     def heads(self, row: int, first: int, count: int) -> "QueryStatistics":
-        """The statistics of query heads first..first+count-1 of batch row `row` (views, batch 1): what a view of
-        one KV head sees (its group's query heads), for head-adaptive layers (keydiff.cache.adaptive)."""
+        """The statistics of query heads first..first+count-1 of batch row `row` (views): one KV head's group."""
         part = slice(first, first + count)
         total = None if self.total is None else self.total[row : row + 1, part]
         outer = None if self.outer is None else self.outer[row : row + 1, part]

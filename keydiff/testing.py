@@ -1,21 +1,11 @@
 """Check an eviction policy against the contract in one line: `keydiff.testing.check_policy(MyPolicy, alpha=0.3)`.
 
-The policy is a class, a built-in name or dotted path (built as `build_policy` builds it, wrappers included), or
-a policy object, composed or not (`check_policy(RecentWindow(MyPolicy(), fraction=0.2))`; each run gets a copy).
-
-Runs the policy on a tiny randomly initialised Llama (3 layers, GQA, built from a config: no download, about a
-second) with a budget smaller than the prompt, through block-wise prefill and a few decoding steps, and checks
-what the cache and the results rely on:
-* scores: every call returns one finite score per entry ([batch, kv_heads, n]; NaN/inf allowed only where
-  `protected` keeps the entry anyway);
-* the bound: every layer holds at most N_l + B entries per KV head at any time and exactly N_l at the end;
-* determinism: a second run with a fresh policy object keeps the same positions and generates the same tokens;
-* `layers_batchable`: if the policy claims it, the stacked cache (all layers evicted in one call) keeps exactly
-  what layer-by-layer eviction keeps. The cache stacks only layers of one budget, so with per-layer budgets
-  this comparison runs with uniform ones (layer_budgets=None); a policy whose parameters leave a layer never
-  evicted (skip_layers) cannot stack at all, and the summary says so (batchable_checked False).
-* a class passed in must be a @dataclass itself (as `policy.target=` requires), its parents included.
-A failure raises `PolicyCheckError` saying which property broke; success returns a short summary dict.
+The policy is a class, a built-in name or dotted path, or a policy object (each run gets a copy). It runs on
+a tiny random Llama (no download) with a budget below the prompt, through block-wise prefill and a few
+decoding steps, and checks: one finite score per unprotected entry, the N_l + B bound (exactly N_l at the
+end), determinism, a `layers_batchable` claim (stacked == layer by layer, with uniform budgets; not
+checkable with never-evicted layers), and that classes are @dataclasses themselves. A failure raises
+`PolicyCheckError` naming the property; success returns a summary. User guide: docs/policies.md.
 """
 
 from __future__ import annotations
@@ -52,10 +42,9 @@ HYBRID_ARCHITECTURES = ("gemma2", "gemma3", "gpt_oss", "mistral_sliding")
 
 
 def tiny_hybrid_model(architecture: str, window: int = 48, seed: int = 0) -> torch.nn.Module:
-    """A tiny random model with sliding-window layers (4 layers alternating sliding and full attention, 4 query
-    heads over 2 KV heads, head_dim 16; `mistral_sliding`: every layer slides, as Mistral v0.1), float32, in the
-    model's default attention implementation (eager for Gemma 2 and gpt-oss). gpt-oss's attention sinks are
-    drawn at random (they start at zero), so that they matter."""
+    """A tiny random float32 model with sliding-window layers (4 layers alternating sliding and full; `mistral_sliding`:
+    every layer slides), in its default attention implementation; gpt-oss's sinks are drawn at random.
+    """
     import transformers
 
     shape = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
@@ -139,13 +128,9 @@ def check_policy(
     model: torch.nn.Module | None = None,
     **params: Any,
 ) -> dict:
-    """Check `policy` (a Policy subclass, a built-in name or a dotted path, built with `params`; or a policy
-    object, e.g. a composed one) against the contract; see the module.
-
-    budget, prompt_tokens, block_size, new_tokens: the run (the budget must be below the prompt length so that
-    the policy evicts). deterministic=False skips the same-choices-twice check (a policy that draws without
-    a seed). model: the model to run on (default `tiny_model()`; e.g. `tiny_hybrid_model("gemma3")`, whose
-    sliding-window layers are bounded by their window, checked as N_l = window - 1). Raises PolicyCheckError (or the policy's own ValueError for bad parameters); returns a summary.
+    """Check `policy` (a Policy subclass, built-in name or dotted path built with `params`, or a policy object) against
+    the contract. budget must be below prompt_tokens. deterministic=False skips the repeat check. model: default
+    `tiny_model()`. Raises PolicyCheckError (or the policy's ValueError); returns a summary.
     """
     fresh = policy_factory(policy, params)
     if budget >= prompt_tokens:
@@ -216,8 +201,7 @@ def policy_factory(policy: type[Policy] | str | Policy, params: dict[str, Any]) 
 
 
 def uniform_factory(policy: type[Policy] | str | Policy, params: dict[str, Any]) -> Callable[[], Policy]:
-    """The same policy with one budget for every layer (its LayerBudgets schedule left out): what the stacked
-    comparison needs, since the cache stacks layers only when their budgets are equal."""
+    """The same policy with one budget for every layer, for the stacked comparison (stacks need equal budgets)."""
     if isinstance(policy, Policy):
         def strip(p: Policy) -> Policy:
             return strip(p.scorer) if isinstance(p, LayerBudgets) else p

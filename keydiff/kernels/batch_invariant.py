@@ -1,29 +1,13 @@
-"""The batch-invariant mode: while it is on, the matmuls, row reductions and decode attention of a device run
-kernels whose reduction order does not depend on the number of rows (keydiff.kernels.triton_kernels), so a
-sequence decoded in a batch of 16 gets the bits it gets decoded alone.
+"""The batch-invariant mode: while on, a device's matmuls, row reductions and decode attention run kernels whose
+reduction order does not depend on the number of rows, so a sequence decoded in a batch gets the bits it gets
+alone.
 
-    with batch_invariant.mode("CUDA"):          # what keydiff.batching.step does around the decoding steps
+    with batch_invariant.mode("CUDA"):          # what keydiff.batching.step does around decoding steps
         logits = model(input_ids=ids, cache=cache).logits
 
-How. `mode` registers implementations of aten::mm, aten::addmm, aten::bmm, aten::mean.dim, aten::sum.dim_IntList
-and aten::linalg_vector_norm for one dispatch key through `torch.library.Library("aten", "IMPL")`, torch's public
-extension point for giving an operator a kernel, and removes them on exit: nothing of torch or transformers is
-patched, and every caller of those operators (linear layers, RMSNorm's mean, the policies' norms and products,
-transformers' attention code) gets the invariant kernel while the mode is on. Attention does not go through one
-aten operator, so keydiff.attention asks `enabled(device)` and calls `attention` itself (decode and any query
-count with the bottom-right causal mask); a layer with a sliding window, a soft cap or sinks runs its eager
-computation instead, which is made of the operators above and softmax.
-
-What it leaves as it is, and why that is invariant: elementwise operators, softmax (one row at a time in torch's
-kernels, whose launch depends on the row's length, not on the row count), argmax / max / topk / sort (exact).
-What no step of the mode may use, because they reduce in an order it does not fix, is refused before a run by
-keydiff.run.checks (flash_attention_2's split-KV decoding, head-adaptive budgets, the policies whose scores use
-logsumexp, std or cumsum).
-
-Where it runs. On CUDA (`DEVICE_KEYS`). On a CPU a run needs nothing: torch's CPU kernels already give each row
-the same bits at any batch size (tests/test_golden_batching.py), so the mode is a no-op there (None). The tests
-register the kernels for the CPU key explicitly and run them in Triton's interpreter. Other devices (mps) are
-refused. Triton is imported on first use, so importing this module costs nothing.
+Kernels are registered for aten operators through `torch.library` (nothing is patched); on a CPU the
+mode is not needed (its kernels already are invariant).
+Design: docs/design/decode.md#batch-invariant-kernels-keydiffkernels
 """
 
 from __future__ import annotations
@@ -83,8 +67,7 @@ def _key_of(device: torch.device) -> str:
 
 @contextmanager
 def mode(dispatch_key: str = "CUDA") -> Iterator[None]:
-    """Register the invariant kernels for `dispatch_key` ("CUDA"; "CPU" in tests, under TRITON_INTERPRET=1) for the
-    duration; nested uses of one key register once."""
+    """Register the invariant kernels for `dispatch_key` ("CUDA"; "CPU" in tests) for the duration; nested uses register once."""
     if _active.get(dispatch_key, 0):
         _active[dispatch_key] += 1
         try:
@@ -107,8 +90,7 @@ def mode(dispatch_key: str = "CUDA") -> Iterator[None]:
 
 
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
-    """Invariant attention [B, q, H, d] of query [B, H, q, d] over key/value [B, H_kv, n, d], bottom-right causal
-    (keydiff.kernels.triton_kernels.attention)."""
+    """Invariant attention [B, q, H, d] of query [B, H, q, d] over key/value [B, H_kv, n, d], bottom-right causal."""
     calls["attention"] += 1
     return kernels().attention(query, key, value, scale)
 
@@ -129,8 +111,7 @@ def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _rows(x: torch.Tensor, dim: Any) -> tuple[torch.Tensor, list[int], list[int]]:
-    """x with the reduced dims last, as [rows, reduced] (a copy where the dims were not last already), and the
-    kept and reduced dims. dim None or empty: every dim (torch's meaning for these operators)."""
+    """x as [rows, reduced] with the reduced dims last (a copy if needed), and the kept and reduced dims (None: every dim)."""
     if x.dim() == 0:
         return x.reshape(1, 1), [], []
     dims = list(range(x.dim())) if dim is None or len(dim) == 0 else sorted({d % x.dim() for d in dim})

@@ -1,16 +1,6 @@
-"""How the Triton kernels of keydiff.kernels.triton_kernels are launched: their grids, within CUDA's limits, and
-the device each launch is bound to. Plain Python (no triton), so that a machine without a GPU or triton checks it.
-
-Grids. CUDA allows 2^31 - 1 programs along a grid's first axis and 65,535 along the second and third. A batched
-matmul has one program per output tile and per matrix, and KeyDiff's batched products under batch_invariant have
-W x layers x KV heads matrices (65,536 at W = 256 on a 32-layer model with 8 KV heads), so the matmul puts tiles
-and matrices together on the first axis (program = matrix x tiles + tile). Attention keeps the query heads on the
-second axis (a model has far fewer than 65,535). `check_grid` refuses a grid past the limits in one line rather
-than letting CUDA fail at launch.
-
-Device. Triton launches on the current CUDA device's current stream, and a model may live on another device than
-the current one (model.device=cuda:1 with nothing calling set_device); every launch runs inside `on_device(x)`, the
-device of the tensors it reads.
+"""How the Triton kernels of keydiff.kernels.triton_kernels are launched: grids within CUDA's limits (`check_grid`)
+and each launch bound to its tensors' device (`on_device`). Plain Python, checked without a GPU.
+Design: docs/design/decode.md#batch-invariant-kernels-keydiffkernels
 """
 
 from __future__ import annotations

@@ -1,29 +1,11 @@
-"""Triton kernels whose reduction order does not depend on how many rows a call has (what keydiff.kernels.
-batch_invariant registers in place of torch's matmul, row reductions and decode attention).
+"""Triton kernels whose reduction order does not depend on how many rows a call has (what
+keydiff.kernels.batch_invariant registers in place of torch's matmul, row reductions and decode attention).
 
-Why torch's own kernels are not: cuBLAS chooses a matmul kernel by the problem's shape, M (the rows) included, and
-some of its kernels split K across thread blocks (split-K) or tile it differently, so row i of `x @ w` is summed
-in another order when x has 16 rows than when it has 1. torch's reductions pick their launch configuration from
-the number of outputs too, and SDPA's decode kernels may split the keys across blocks (split-KV) when the batch is
-small. Each choice is exact arithmetic in another order: a few ulps, and in bfloat16 that flips greedy tokens.
+`matmul` walks K in fixed tiles into one float32 accumulator (no split-K), `row_sums` reads each row in order,
+`attention` visits keys in order with an online softmax (no split-KV). Only stable triton.language calls, so
+Triton's interpreter runs them on CPU (TRITON_INTERPRET=1).
 
-Here every choice is fixed for every call:
-- `matmul`: tiles of MATMUL_BLOCK_M x MATMUL_BLOCK_N outputs, one program per tile and batch matrix (all on the
-  grid's first axis: keydiff.kernels.launch, which also binds every launch to its tensors' device), K
-  walked from 0 upwards in steps of MATMUL_BLOCK_K into one float32 accumulator (no split-K), the bias added after;
-  row i of the output is computed by the same instructions in the same order whatever M is (M is not even
-  specialised on: `do_not_specialize`).
-- `row_sums`: one program per row, the row read in chunks of ROW_BLOCK in order, summed element-wise into a
-  chunk-wide float32 (float64 for float64) accumulator, then that accumulator reduced once.
-- `attention`: one program per (batch row, query row, query head), the keys visited in chunks of ATTENTION_BLOCK_N
-  in order with an online softmax in float32 (no split over the keys); grouped-query attention by index.
-The tile sizes are chosen for decoding (M of 1 to a few dozen rows); they are not tuned, and what they cost
-against cuBLAS and SDPA is what `make gpu-bench` measures (docs/performance.md).
-
-Only stable triton.language calls are used (load/store with masks, dot, sum, max, exp, where, arange, program_id),
-so the Triton that ships with torch's CUDA build runs them, and so does Triton's interpreter on CPU tensors
-(TRITON_INTERPRET=1, set before this module is imported), which is how tests/test_batch_invariant.py checks them
-on a machine without a GPU.
+Design: docs/design/decode.md#batch-invariant-kernels-keydiffkernels
 """
 
 from __future__ import annotations
@@ -84,9 +66,9 @@ def _matmul_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K,
 
 def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, alpha: float = 1.0,
            beta: float = 1.0) -> torch.Tensor:
-    """alpha * (a @ b) + beta * bias in fixed tiles: a [M, K] @ b [K, N] -> [M, N], or batched a [B, M, K] @
-    b [B, K, N] -> [B, M, N] (one program per tile and matrix); bias broadcastable to [M, N] (2-D only). Any
-    strides; the output is new, contiguous, of a's dtype."""
+    """alpha * (a @ b) + beta * bias in fixed tiles: [M, K] @ [K, N] -> [M, N], or batched [B, M, K] @ [B, K, N];
+    bias broadcastable to [M, N] (2-D only). Any strides; the output is new, contiguous, of a's dtype.
+    """
     batched = a.dim() == 3
     a3, b3 = (a, b) if batched else (a[None], b[None])
     matrices, rows, depth = a3.shape
@@ -194,9 +176,9 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, q_len, kv_len, groups, scale,
 
 
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
-    """Softmax attention of query [B, H, q, d] over key/value [B, H_kv, n, d] (H a multiple of H_kv), each query
-    row i seeing keys 0 .. n - q + i (the bottom-right causal mask; one query, decoding, sees all n). Softmax in
-    float32. Returns [B, q, H, d] (the layout transformers' attention functions return), of the query's dtype."""
+    """Softmax attention of query [B, H, q, d] over key/value [B, H_kv, n, d], bottom-right causal, softmax in
+    float32. Returns [B, q, H, d], of the query's dtype.
+    """
     batch, heads, q_len, dim = query.shape
     kv_heads, kv_len = key.shape[1], key.shape[2]
     if kv_len < q_len:
