@@ -2,7 +2,7 @@
 
 The arithmetic on hand-made rates against a hand computation, a `make gpu-bench` JSON read (a fake in its
 format; tests/test_gpu_check.py feeds the real --quick output through the same reader), the stored H200 rates
-against the measurements they were read from, the workloads against conf/experiment and the paper, and bad input
+against the measurements they were read from, each grid point's workload against the task it composes and the paper, and bad input
 as one `error:` line naming what is missing."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from keydiff import grids
 from keydiff.report import gpu_hours as gh
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,10 +56,11 @@ def test_hours_are_samples_times_prefill_plus_decode_over_the_speedup(tmp_path):
     with pytest.raises(gh.RatesError, match=r"no prefill ratio for policy 'snapkv'.*has: full, keydiff, tova"):
         seconds(SMALL, "snapkv", 1)
 
-    grid = gh.Experiment("hand", (TASK,), (SMALL, LARGE), ("keydiff", "tova"), ("2k", "4k"))
+    points = tuple((TASK, m, p) for m in (SMALL, LARGE) for p in ("keydiff", "tova") for _budget in ("2k", "4k"))
+    grid = gh.Experiment("hand", points)
     by_hand = 2 * sum(seconds(m, p, 16) for m in (SMALL, LARGE) for p in ("keydiff", "tova")) / 3600
-    assert len(grid.points()) == 8 and gh.experiment_hours(grid, rates, 16) == pytest.approx(by_hand)
-    timing = gh.Experiment("ttft", (TASK,), (SMALL,), ("keydiff",), ("2k",), batch_1_only=True)
+    assert len(grid.points) == 8 and gh.experiment_hours(grid, rates, 16) == pytest.approx(by_hand)
+    timing = gh.Experiment("ttft", ((TASK, SMALL, "keydiff"),), batch_1_only=True)
     assert gh.experiment_hours(timing, rates, 16) == gh.experiment_hours(timing, rates, 1) == pytest.approx(40 / 3600)
     assert gh.batches(rates) == [8, 16]
 
@@ -210,40 +212,51 @@ def test_the_command_imports_no_torch():
 
 
 # ------------------------------------------------------------------------------------ the workloads' sources
-def composed(experiment: str):
+# LongBench v1's test sets: 200 samples each but these (LONGBENCH_NOTE)
+LONGBENCH_SIZES = {"multifieldqa_en": 150, "lcc": 500, "repobench-p": 500}
+
+
+@pytest.mark.parametrize("name", gh.PAPER_EXPERIMENTS)
+def test_each_grid_point_is_its_conf_experiments_with_the_workload_of_the_task_it_composes(name):
     from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
 
-    import keydiff  # noqa: F401  (config resolvers)
-
-    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=[f"experiment={experiment}"], return_hydra_config=True)
-    params = {k: [v.strip() for v in str(value).split(",")]
-              for k, value in (OmegaConf.to_container(cfg.hydra.sweeper.params) or {}).items()}
-    return cfg, params
-
-
-@pytest.mark.parametrize("experiment", gh.EXPERIMENTS, ids=lambda e: e.name)
-def test_each_grid_is_its_conf_experiment(experiment):
-    cfg, params = composed(experiment.name)
-    assert list(experiment.models) == params["model"] and list(experiment.policies) == params["policy"]
-    assert list(experiment.budgets) == params["budget"] and list(experiment.blocks) == params["block_size"]
-    assert [t.name for t in experiment.tasks] == params.get("task", [str(cfg.task.name)])
+    points = grids.experiment_grid(name)
+    experiment = gh.experiment(name)
+    assert len(experiment.points) == len(points) and experiment.name == name
+    for point, (task, model, policy) in zip(points, experiment.points):
+        axes = dict(o.split("=", 1) for o in point)
+        assert (model, policy) == (axes["model"], axes["policy"]) and task.name == axes.get("task", task.name)
     for task in experiment.tasks:
-        if task.datasets is not None:
-            assert len(cfg.task.datasets) == task.datasets
+        task_axis = [f"task={task.name}"] if "task" in grids.grid_axes(points) else []
+        with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+            cfg = compose("config", overrides=[f"experiment={name}", *task_axis]).task
+        assert str(cfg.name) == task.name
+        if task.name.startswith("longbench"):
+            assert task.samples == sum(LONGBENCH_SIZES.get(d, 200) for d in cfg.datasets)
+        if task.name.startswith("math500"):
+            assert task.samples == 500 * cfg.num_samples
         if task.name == "niah":
-            lengths, depths = list(cfg.task.context_lengths), list(cfg.task.depths)
+            lengths, depths = list(cfg.context_lengths), list(cfg.depths)
             assert (task.samples, task.prompt) == (len(lengths) * len(depths), round(sum(lengths) / len(lengths)))
         if task.name == "phonebook":
-            assert task.samples == len(cfg.task.sizes) * cfg.task.books_per_size * cfg.task.queries_per_book
-    assert experiment.batch_1_only == experiment.name.startswith(("fig7", "fig17"))
-    assert all(m in gh.WEIGHTS_GB for m in experiment.models)
+            assert task.samples == len(cfg.sizes) * cfg.books_per_size * cfg.queries_per_book
+    assert experiment.batch_1_only == name.startswith(("fig7", "fig17"))
+    assert all(m in gh.WEIGHTS_GB for _, m, _ in experiment.points)
+
+
+def test_a_task_without_a_workload_is_an_error_naming_the_workloads():
+    from omegaconf import OmegaConf
+
+    niah_8 = OmegaConf.create({"name": "niah", "context_lengths": [8192], "depths": [0, 50]})
+    with pytest.raises(ValueError, match=r"no workload for task 'niah' as composed here; workloads: LongBench \(16\)"):
+        gh.workload(niah_8)
+    assert gh.workload(OmegaConf.create({"name": "niah", "context_lengths": [16384], "depths": [0, 1, 2, 3, 4]})) \
+        == gh.NIAH_16K
 
 
 def test_every_paper_experiment_is_in_the_table():
     stems = {p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml")}
-    assert {s for s in stems if re.match(r"(table|fig)\d", s)} == {e.name for e in gh.EXPERIMENTS}
+    assert {s for s in stems if re.match(r"(table|fig)\d", s)} == set(gh.PAPER_EXPERIMENTS)
 
 
 def test_math500_lengths_are_the_papers_mean_generation_lengths():
@@ -270,7 +283,7 @@ def test_the_capturable_set_is_the_policies_claim():
 
     from keydiff import build_policy
 
-    names = {p for e in gh.EXPERIMENTS for p in e.policies}
+    names = {p for e in gh.paper_experiments() for _, _, p in e.points}
     for name in sorted(names):
         spec = OmegaConf.load(ROOT / "conf" / "policy" / f"{name}.yaml")
         policy = build_policy(str(spec.name), **dict(spec.get("params") or {}))

@@ -20,9 +20,10 @@ shape's: decoding is memory-bound (time per token grows with the bytes read) and
 grow with the parameters). That is an extrapolation, not a measurement, and where the measured step is bound
 by the host (kernel launches, as before the fixed-shape step) it overstates the 7-8B models' time.
 
-Workloads (prompt and generated tokens) are the explicit data below, each saying where it comes from;
-tests/test_gpu_hours.py checks the grids against conf/experiment and the Math-500 lengths against the paper's.
-Imports no torch: it runs anywhere in a second.
+The grids are conf/experiment's (keydiff.grids); each point's workload (samples, prompt and generated tokens) is
+the explicit data below, picked by the task the point composes and saying where it comes from;
+tests/test_gpu_hours.py checks the workloads against the composed tasks and the Math-500 lengths against the
+paper's. Imports no torch: it runs anywhere, without a GPU or a model.
 """
 
 from __future__ import annotations
@@ -30,10 +31,12 @@ from __future__ import annotations
 import json
 import sys
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 from keydiff.cli import ArgumentParser, exit_with_error
+from keydiff.grids import CONF, experiment_grid
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_RATES = ROOT / "results" / "bench" / "gpu_rates_h200.json"
@@ -96,53 +99,66 @@ PHONEBOOK = Task("phonebook", "phonebook", 50, 36000, 20, "10 book sizes x 5 boo
                  "~36K prompt tokens (earlier docs' assumption for the mean book); capped at 20 generated")
 
 
+WORKLOADS = (LONGBENCH_16, LONGBENCH_21, LONGBENCH_20, MATH_4K, MATH_8K, MATH_32K, NIAH, NIAH_16K, PHONEBOOK)
+# The paper's experiments in the table's order (their grids: conf/experiment, through keydiff.grids).
+PAPER_EXPERIMENTS = ("table1", "table1_full", "table10", "table11", "table11_full", "table12", "table12_full",
+                     "table13", "table14", "table15", "table16", "table4_gen4k", "table4_gen8k", "table4_gen32k",
+                     "table4_full", "fig6_niah", "fig7_ttft", "fig17_ttft_eager", "table17")
+BATCH_1_ONLY = frozenset({"fig7_ttft", "fig17_ttft_eager"})  # timing runs (TTFT): batch 1 whatever the others do
+
+
+def workload(task: Any) -> Task:
+    """The workload of a composed task config: by its name, LongBench's by its number of datasets, NIAH's by its
+    number of prompts (lengths x depths)."""
+    def fits(candidate: Task) -> bool:
+        if candidate.name != str(task.name):
+            return False
+        if candidate.datasets is not None:
+            return len(task.datasets) == candidate.datasets
+        if candidate.name == "niah":
+            return len(task.context_lengths) * len(task.depths) == candidate.samples
+        return True
+
+    found = [candidate for candidate in WORKLOADS if fits(candidate)]
+    if len(found) != 1:
+        raise ValueError(f"no workload for task {task.name!r} as composed here; workloads: "
+                         f"{', '.join(t.label for t in WORKLOADS)}")
+    return found[0]
+
+
 @dataclass(frozen=True)
 class Experiment:
-    """One conf/experiment file's grid (hydra.sweeper.params), as the test compares it."""
+    """One experiment's grid points (keydiff.grids) as the estimate times them: (task, model, policy) each."""
 
     name: str
-    tasks: tuple[Task, ...]
-    models: tuple[str, ...]
-    policies: tuple[str, ...]
-    budgets: tuple[str, ...]
-    blocks: tuple[str, ...] = ("128",)
-    batch_1_only: bool = False  # timing runs (TTFT): they run at batch 1 whatever the others do
+    points: tuple[tuple[Task, str, str], ...]
+    batch_1_only: bool = False
 
-    def points(self) -> list[tuple[Task, str, str]]:
-        """(task, model, policy) of every grid point; budgets and block sizes repeat them."""
-        repeat = len(self.budgets) * len(self.blocks)
-        return [(t, m, p) for t in self.tasks for m in self.models for p in self.policies for _ in range(repeat)]
+    @property
+    def tasks(self) -> tuple[Task, ...]:
+        return tuple(dict.fromkeys(task for task, _, _ in self.points))
 
 
-LLAMAS = ("llama-3.1-8b-instruct", "llama-3.2-3b-instruct")
-QWENS = ("qwen2.5-7b-instruct", "qwen2.5-3b-instruct")
-DISTILLS = ("deepseek-r1-distill-llama-8b", "deepseek-r1-distill-qwen-7b")
-LLAMA_3B = ("llama-3.2-3b-instruct",)
-BASELINES = ("keydiff", "tova", "snapkv", "sink", "h2o")
-BUDGETS = ("2k", "4k", "6k", "8k")
-EXPERIMENTS = (
-    Experiment("table1", (LONGBENCH_16,), LLAMAS, BASELINES, BUDGETS),
-    Experiment("table1_full", (LONGBENCH_16,), LLAMAS, ("full",), ("8k",)),
-    Experiment("table10", (LONGBENCH_20,), LLAMAS, BASELINES, BUDGETS, ("inf",)),
-    Experiment("table11", (LONGBENCH_21,), LLAMAS, BASELINES + ("knorm",), BUDGETS),
-    Experiment("table11_full", (LONGBENCH_21,), LLAMAS, ("full",), ("8k",)),
-    Experiment("table12", (LONGBENCH_21,), QWENS, BASELINES, BUDGETS),
-    Experiment("table12_full", (LONGBENCH_21,), QWENS, ("full",), ("8k",)),
-    Experiment("table13", (LONGBENCH_21,), LLAMA_3B, BASELINES, BUDGETS, ("64", "256")),
-    Experiment("table14", (LONGBENCH_21,), LLAMAS, ("keydiff_window10", "keydiff_window20"), BUDGETS),
-    Experiment("table15", (LONGBENCH_21,), LLAMA_3B, ("keydiff", "keydiff_pairwise", "keydiff_median"), BUDGETS),
-    Experiment("table16", (LONGBENCH_21,), LLAMA_3B, ("keydiff", "keydiff_dot", "keydiff_euclidean"), BUDGETS),
-    Experiment("table4_gen4k", (MATH_4K,), DISTILLS, ("keydiff_window20", "snapkv"), ("1k", "2k")),
-    Experiment("table4_gen8k", (MATH_8K,), DISTILLS, ("keydiff_window20", "snapkv"), ("2k", "4k")),
-    Experiment("table4_gen32k", (MATH_32K,), DISTILLS, ("keydiff_window20", "snapkv"), ("2k", "4k", "8k")),
-    Experiment("table4_full", (MATH_4K, MATH_8K, MATH_32K), DISTILLS, ("full",), ("8k",)),
-    Experiment("fig6_niah", (NIAH,), LLAMA_3B, ("full", "keydiff", "tova", "snapkv", "sink"), ("6k",)),
-    Experiment("fig7_ttft", (NIAH_16K,), LLAMA_3B, ("keydiff", "tova", "snapkv"), BUDGETS, ("64", "128", "256"),
-               batch_1_only=True),
-    Experiment("fig17_ttft_eager", (NIAH_16K,), LLAMA_3B, ("keydiff", "tova", "snapkv"), BUDGETS,
-               ("64", "128", "256"), batch_1_only=True),
-    Experiment("table17", (PHONEBOOK,), LLAMA_3B, ("full", "keydiff", "tova"), ("6k",)),
-)
+def experiment(name: str) -> Experiment:
+    """conf/experiment/<name>.yaml's grid, each point's workload read from the task it composes."""
+    from hydra import compose, initialize_config_dir
+
+    points, composed = [], {}
+    for point in experiment_grid(name):
+        key = tuple(o for o in point if o.split("=", 1)[0] in ("experiment", "task") or o.startswith("task."))
+        if key not in composed:
+            with initialize_config_dir(str(CONF), version_base="1.3"):
+                composed[key] = compose("config", overrides=list(key), return_hydra_config=True)
+        cfg = composed[key]
+        axes = dict(o.split("=", 1) for o in point)
+        choices = cfg.hydra.runtime.choices
+        points.append((workload(cfg.task), axes.get("model", choices.model), axes.get("policy", choices.policy)))
+    return Experiment(name, tuple(points), name in BATCH_1_ONLY)
+
+
+@lru_cache(maxsize=1)
+def paper_experiments() -> tuple[Experiment, ...]:
+    return tuple(experiment(name) for name in PAPER_EXPERIMENTS)
 
 
 # ----------------------------------------------------------------------------------------------------- rates
@@ -337,12 +353,12 @@ def point_seconds(task: Task, model: str, policy: str, rates: Rates, batch: int)
 
 def experiment_hours(experiment: Experiment, rates: Rates, batch: int) -> float:
     batch = 1 if experiment.batch_1_only else batch
-    return sum(point_seconds(t, m, p, rates, batch) for t, m, p in experiment.points()) / 3600
+    return sum(point_seconds(t, m, p, rates, batch) for t, m, p in experiment.points) / 3600
 
 
 def batches(rates: Rates) -> list[int]:
     """The batch sizes every way of decoding the experiments use was measured at."""
-    kinds = {rates.kind(p) for e in EXPERIMENTS if not e.batch_1_only for _, _, p in e.points()}
+    kinds = {rates.kind(p) for e in paper_experiments() if not e.batch_1_only for _, _, p in e.points}
     return sorted(set.intersection(*(set(rates.speedup[kind]) for kind in kinds)))
 
 
@@ -367,16 +383,16 @@ def table_lines(rates: Rates) -> list[str]:
              + " | ".join(f"batch {b}" for b in sizes) + " |",
              "|---|---|---|---|---|" + "---|" * len(sizes)]
     totals = [0.0] * (1 + len(sizes))
-    for experiment in EXPERIMENTS:
+    for experiment in paper_experiments():
         hours = [experiment_hours(experiment, rates, b) for b in (1, *sizes)]
         totals = [t + h for t, h in zip(totals, hours)]
         tasks = " / ".join(dict.fromkeys(t.label for t in experiment.tasks))
         samples = " / ".join(dict.fromkeys(f"{t.samples:,}" for t in experiment.tasks))
         shown = [hours_text(hours[0])] + [hours_text(h) + (" (batch 1)" if experiment.batch_1_only else "")
                                           for h in hours[1:]]
-        lines.append(f"| `{experiment.name}` | {tasks} | {len(experiment.points())} | {samples} | "
+        lines.append(f"| `{experiment.name}` | {tasks} | {len(experiment.points)} | {samples} | "
                      + " | ".join(shown) + " |")
-    points = sum(len(e.points()) for e in EXPERIMENTS)
+    points = sum(len(e.points) for e in paper_experiments())
     lines.append(f"| all | | {points} | | " + " | ".join(f"**{hours_text(t)}**" for t in totals) + " |")
     return lines
 
@@ -401,7 +417,7 @@ def rate_lines(rates: Rates) -> list[str]:
 def note_lines(rates: Rates) -> list[str]:
     scales = ", ".join(f"{m} x{gb / WEIGHTS_GB[MEASURED]:.2f}" for m, gb in WEIGHTS_GB.items() if m != MEASURED)
     by_source: dict[str, list[Task]] = {}
-    for task in dict.fromkeys(t for e in EXPERIMENTS for t in e.tasks):
+    for task in dict.fromkeys(t for e in paper_experiments() for t in e.tasks):
         by_source.setdefault(task.source, []).append(task)
     captured = ("the fixed-shape step (captured)" if "fixed" in rates.decode
                 else "the ordinary step (these rates have no fixed-shape step)")
