@@ -304,12 +304,9 @@ def _download_data_zip(cache_dir: Path) -> None:
 
 @dataclass
 class LongBench(Task):
-    """LongBench v1 (or LongBench-E with `longbench_e`) over the chosen datasets.
-
-    Data: `data_dir` (a folder with the official jsonl files, or `data.zip`) is read offline; without it
-    `data.zip` is downloaded once into `cache_dir`, its sha256 is written to a manifest next to it
-    (trust on first use) and checked on every later use; `sha256`, when set, pins the zip's hash.
-    """
+    """LongBench v1 (or LongBench-E with `longbench_e`) over the chosen datasets. `data_dir` (official jsonl files or
+    `data.zip`) is read offline; else `data.zip` is downloaded once into `cache_dir`, its sha256 written to a
+    manifest (trust on first use) and checked on every later use; `sha256` pins the hash."""
 
     name: str = "longbench"
     datasets: list[str] = field(default_factory=lambda: list(ENGLISH_16))

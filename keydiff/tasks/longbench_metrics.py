@@ -86,11 +86,8 @@ def qa_f1_zh_score(prediction: str, ground_truth: str, **_: Any) -> float:
 
 
 class _OfficialStackThread(threading.Thread):
-    """Runs `Rouge().get_scores` with exactly `frames_above` Python frames below it on a fresh stack.
-
-    `run` recurses into itself until the stack is as deep as the official script's was when it
-    called `get_scores`, so the recursion limit bites at the same sentence lengths as officially.
-    """
+    """Runs `Rouge().get_scores` with exactly `frames_above` Python frames below it on a fresh stack, so the
+    recursion limit bites at the same sentence lengths as in the official script."""
 
     def __init__(self, hypothesis: str, reference: str, frames_above: int) -> None:
         super().__init__(name="longbench-rouge", daemon=True)
@@ -151,12 +148,9 @@ def rouge_zh_score(prediction: str, ground_truth: str, **_: Any) -> float:
 
 
 def classification_score(prediction: str, ground_truth: str, *, all_classes: list[str], **_: Any) -> float:
-    """1/len(matches) if the gold class is among the classes found (as substrings) in the prediction.
-
-    Classes that are substrings of the gold class (but not equal to it) are meant to be dropped, but
-    the official loop removes from the list it iterates, so the item after each removal is skipped
-    and may survive. Reproduced by doing literally the same.
-    """
+    """1/len(matches) if the gold class is among the classes found (as substrings) in the prediction. Classes that
+    are substrings of the gold are meant to be dropped, but the official loop removes from the list it iterates,
+    skipping the item after each removal: reproduced literally."""
     em_match_list = [class_name for class_name in all_classes if class_name in prediction]
     for match_term in em_match_list:  # mutating while iterating: the skip is intended (official)
         if match_term in ground_truth and match_term != ground_truth:

@@ -188,12 +188,8 @@ class Math500(Task):
         return score_response(prediction, sample.fields["answer"])
 
     def summarize(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
-        """`aggregate(rows)`, plus the same metrics on the rows whose own context exceeded the run's
-        budget (`exceeding_budget`) when every row carries the same numeric "budget".
-
-        That subset uses this run's own lengths; the paper's Tables 5/7 use the full-cache run's
-        lengths instead, which needs two runs: see `ids_exceeding` and `subset_by_ids`.
-        """
+        """`aggregate(rows)`, plus the same metrics on the rows whose own context exceeded the run's budget
+        (`exceeding_budget`) when every row carries the same numeric "budget" (the paper's subset: `ids_exceeding`)."""
         summary = aggregate(rows)
         budgets = {_row_value(row, "budget") for row in rows}
         if len(budgets) == 1 and isinstance(next(iter(budgets)), int):
@@ -230,14 +226,9 @@ def _context_length(row: dict[str, Any]) -> int:
 
 
 def aggregate(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Math-500 metrics of a set of result rows.
-
-    exact / flex: mean over all rows (= mean over sample indices of per-index accuracy when every
-    problem has the same number of samples); exact_std / flex_std: standard deviation (n-1) of the
-    per-index accuracies; avg_new_tokens: mean generated length; truncation_rate: share of rows with
-    finish_reason "length"; no_answer_rate: share without a box; n_samples, n_problems.
-    Length metrics are None when the rows do not carry the fields.
-    """
+    """Math-500 metrics of a set of result rows: exact / flex (mean over all rows), exact_std / flex_std (std, n-1,
+    of the per-sample-index accuracies), avg_new_tokens, truncation_rate (finish_reason "length"),
+    no_answer_rate (no box), n_samples, n_problems; length metrics None when the rows lack the fields."""
     result: dict[str, Any] = {
         "n_samples": len(rows),
         "n_problems": len({problem_id(row["sample_id"]) for row in rows}),
@@ -259,18 +250,11 @@ def aggregate(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def ids_exceeding(rows: Iterable[dict[str, Any]], budget: int, unit: str = "sample") -> set[str]:
-    """Sample ids of the rows whose context (prompt_tokens + new_tokens) exceeds `budget` tokens.
-
-    The paper's Tables 5/7 select the subset by the FULL-cache run's lengths ("cases where the context
-    length of the baseline method exceeds the available KV cache budget") and then score every method
-    on it: `ids = ids_exceeding(full_rows, N)`, then `aggregate(subset_by_ids(method_rows, ids))`.
-
-    The tables count problems ("497/500 samples"), so their unit may be the problem; which rule made
-    a problem count is not stated. `unit` picks one:
-      "sample"       each response on its own (default: eviction is a per-response event);
-      "problem_any"  every response of a problem where at least one response exceeds the budget;
-      "problem_mean" every response of a problem whose mean context length exceeds the budget.
-    """
+    """Sample ids of the rows whose context (prompt_tokens + new_tokens) exceeds `budget` tokens. The paper's
+    Tables 5/7 select the subset by the full-cache run's lengths and score every method on it:
+    `aggregate(subset_by_ids(method_rows, ids_exceeding(full_rows, N)))`. The tables count problems without
+    saying which rule made one count, so `unit` picks: "sample" (default: eviction is per response),
+    "problem_any" (every response of a problem where one exceeds) or "problem_mean" (mean length exceeds)."""
     if unit not in SUBSET_UNITS:
         raise ValueError(f"unit must be one of {list(SUBSET_UNITS)}, got {unit!r}")
     rows = list(rows)
@@ -292,9 +276,6 @@ def subset_by_ids(rows: Iterable[dict[str, Any]], ids: set[str]) -> list[dict[st
 
 
 def subset_exceeding(rows: list[dict[str, Any]], budget: int, unit: str = "sample") -> list[dict[str, Any]]:
-    """The rows of this run whose own context exceeds `budget`; see `ids_exceeding` for `unit`.
-
-    Note: the paper's Tables 5/7 choose the subset by the full-cache run's lengths, not each method's
-    own; use `subset_by_ids(rows, ids_exceeding(full_rows, budget))` to reproduce them.
-    """
+    """The rows of this run whose own context exceeds `budget` (`unit` as in `ids_exceeding`); the paper's
+    subset uses the full-cache run's lengths instead: `subset_by_ids(rows, ids_exceeding(full_rows, budget))`."""
     return subset_by_ids(rows, ids_exceeding(rows, budget, unit))

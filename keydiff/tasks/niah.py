@@ -309,12 +309,8 @@ class NeedleInAHaystack(Task):
         }
 
     def summarize(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
-        """Means of every score, plus per-cell tables for heatmaps.
-
-        ``<score>_by_cell[str(length)][str(depth)]`` is the mean of that score over the rows of the cell
-        (string keys so that the table survives a JSON round trip); ``needle_recall_by_length`` and
-        ``needle_recall_by_depth`` are the marginal means.
-        """
+        """Means of every score, plus per-cell tables for heatmaps: ``<score>_by_cell[str(length)][str(depth)]``
+        (string keys survive JSON) and the marginal ``needle_recall_by_length`` / ``needle_recall_by_depth``."""
         summary: dict[str, Any] = dict(super().summarize(rows))
         summary["n"] = len(rows)
         cells: dict[str, dict[str, dict[str, list[float]]]] = {}

@@ -41,11 +41,8 @@ def _faker(locale: str) -> faker.Faker:
 
 
 def generate_book(size: int, seed: int, locale: str = "en_US") -> list[tuple[str, str]]:
-    """`size` (name, phone) pairs with unique full names and unique phone numbers.
-
-    Names are Faker's `first_name() + " " + last_name()` for `locale`; phone numbers are 10 digits
-    whose first digit is 6-9 (the original generator's format), drawn from `random.Random(seed)`.
-    """
+    """`size` (name, phone) pairs with unique full names (Faker's first + last name for `locale`) and unique
+    10-digit phone numbers whose first digit is 6-9 (the original format), drawn from `random.Random(seed)`."""
     fake = _faker(locale)
     fake.seed_instance(seed)
     rng = random.Random(seed)
@@ -80,12 +77,8 @@ def first_line(prediction: str) -> str:
 
 @dataclass
 class Phonebook(Task):
-    """Synthetic phonebook lookup over `sizes` x `books_per_size` books x `queries_per_book` queries.
-
-    Samples come book-major (book 0 of every size, then book 1, ...), so `limit`, which keeps the first
-    `limit` samples, still covers every size. Prompts are never truncated: cutting the book would remove
-    the answer, and the runner's cache eviction is what is under test.
-    """
+    """Synthetic phonebook lookup over `sizes` x `books_per_size` books x `queries_per_book` queries. Samples come
+    book-major, so `limit` still covers every size; prompts are never truncated (that would cut the answer)."""
 
     name: str = "phonebook"
     limit: int | None = None

@@ -150,11 +150,8 @@ def _as_list(tasks: Any) -> list[str] | Any:
 
 @dataclass
 class Ruler(Task):
-    """RULER at one target length (tokens, generation included), `num_samples` samples per task.
-
-    Samples run index-major (sample 0 of every task, then sample 1, ...), so a partial run covers every
-    task; `limit` keeps the first `limit` samples of each task.
-    """
+    """RULER at one target length (tokens, generation included), `num_samples` samples per task, index-major (sample
+    0 of every task, then 1, ...), so a partial run covers every task; `limit` keeps the first of each task."""
 
     name: str = "ruler_4k"
     length: int = 4096
