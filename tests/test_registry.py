@@ -112,6 +112,28 @@ def test_policy_labels_map_to_their_config_files():
     assert set(registry.DISPLAY_NAMES) <= set(configs)  # every named policy is a label some config file runs
 
 
+@pytest.mark.parametrize("table", [t for t in registry.TABLES.values() if t.models or t.policies],
+                         ids=lambda t: t.name)
+def test_what_a_table_shows_is_run_by_its_experiments_grids(table):
+    """The registry keeps each table's layout (paper order, the columns it shows); the grids are conf/experiment's
+    (keydiff.grids): every model, policy and block size a table shows is run by one of its experiments, and its
+    own experiment runs only budgets and block sizes the table has columns for."""
+    from keydiff import grids
+
+    labels = {stem: label for label, stem in registry.policy_configs().items()}
+    run = [grids.grid_axes(grids.experiment_grid(name)) for name in table.run]
+    ran = {axis: {value for axes in run for value in axes.get(axis, [])} for axis in ("model", "policy", "block_size")}
+    ran["policy"] = {labels.get(stem, stem) for stem in ran["policy"]}
+    assert set(table.models or []) <= ran["model"]
+    assert set(table.policies or []) <= ran["policy"]
+    assert set(table.block_sizes) <= ran["block_size"]
+    own = run[0]
+    if table.budgets:
+        assert set(own.get("budget", [])) <= set(table.budgets)
+    if table.block_sizes:
+        assert set(own.get("block_size", [])) <= set(table.block_sizes)
+
+
 def test_budget_labels_sort_by_tokens_everywhere():
     labels = ["8k", "unbounded", "512", "--", "2k", "1k", "1.5k"]
     assert sorted(labels, key=render.budget_tokens) == ["--", "512", "1k", "1.5k", "2k", "8k", "unbounded"]
