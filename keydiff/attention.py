@@ -105,11 +105,8 @@ def attention_statistic(
     query: torch.Tensor, key: torch.Tensor, scaling: float, rows: int | None, reduction: str = "sum",
     key_mask: torch.Tensor | None = None, rules: LogitRules = LogitRules(),
 ) -> torch.Tensor:
-    """Attention received by each key from the last `rows` query rows (None: all), group-averaged.
-
-    query [b, H, q, d], key [b, H_kv, kv, d] -> float32 [b, H_kv, kv]; softmax in float32 over the visible keys.
-    reduction="max": the maximum over rows and heads (KVzip). key_mask [b, H_kv, kv]: the softmax's keys.
-    """
+    """Attention received by each key from the last `rows` query rows (None: all), group-averaged: query [b, H, q, d],
+    key [b, H_kv, kv, d] -> float32 [b, H_kv, kv]. reduction="max": KVzip's maximum. key_mask: the softmax's keys."""
     batch, heads, q_len, dim = query.shape
     kv_heads, kv_len = key.shape[1], key.shape[2]
     groups = heads // kv_heads
@@ -182,8 +179,7 @@ def fused_attention(
     rules: LogitRules = LogitRules(),
 ) -> torch.Tensor:
     """Attention output from SDPA or FlashAttention with the bottom-right causal mask (a soft cap or sinks go
-    through the eager computation); under the batch-invariant mode, its fixed-order kernel.
-    """
+    through the eager computation); under the batch-invariant mode, its fixed-order kernel."""
     if not torch.compiler.is_compiling() and batch_invariant.enabled(query.device):
         if rules.fusable and rules.visible is None:
             return batch_invariant.attention(query, key, value, scaling)
@@ -228,11 +224,9 @@ def segment_attention(
     base: str, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
     segments: list[list[tuple[int, int]]], rows: int | None, materialize: bool, rules: LogitRules = LogitRules(),
 ) -> tuple[torch.Tensor, list[list[torch.Tensor]] | None]:
-    """Attention of a head-adaptive layer: every KV head over its own pool segment.
-
-    query [batch, H, q, d]; pools [batch, P, d]; segments [batch][kv_head] -> (start, count). Returns the output
-    [batch, q, H, d] and, if rows != 0, the statistic per head ([batch][kv_head] -> float32 [count]).
-    """
+    """Attention of a head-adaptive layer, every KV head over its own pool segment: query [batch, H, q, d], pools
+    [batch, P, d], segments [batch][kv_head] -> (start, count). Returns the output [batch, q, H, d] and, if
+    rows != 0, the statistic per head ([batch][kv_head] -> float32 [count])."""
     kv_heads = len(segments[0])
     groups = query.shape[1] // kv_heads
     if query.shape[2] == 1:
@@ -264,8 +258,7 @@ def decoding_segment_attention(
     segments: list[list[tuple[int, int]]], rows: int | None, rules: LogitRules = LogitRules(),
 ) -> tuple[torch.Tensor, list[list[torch.Tensor]] | None]:
     """`segment_attention` for one query: each KV head's group against its own segment in two small products, in
-    float32 (as precise as SDPA in bf16), cheaper than an SDPA call per head.
-    """
+    float32 (as precise as SDPA in bf16), cheaper than an SDPA call per head."""
     batch, heads, _, dim = query.shape
     kv_heads = len(segments[0])
     groups = heads // kv_heads
@@ -287,8 +280,7 @@ def decoding_segment_attention(
 
 class RowBatch:
     """What the attention functions ask of a cache over several sequences' caches (BatchCache): each sequence's
-    part of a pass and the groups that attend as one. A base class so this module imports nothing from batching.
-    """
+    part of a pass and the groups that attend as one. A base class so this module imports nothing from batching."""
 
     def row_passes(self, layer_idx: int, key: torch.Tensor) -> list[tuple[Any, slice, torch.Tensor, torch.Tensor]] | None:
         """Each sequence's (cache, rows, keys, values) for this layer's pass if `key` is what `update` returned; else None."""
@@ -331,8 +323,7 @@ def grouped_attention(
     kwargs: dict[str, Any],
 ) -> torch.Tensor:
     """Rows of several sequences in one call: query [rows, H, q, d] against key/value [rows, kv_heads, n, d], each
-    row its own n entries; only for rows that record nothing from attention and keep keys in order.
-    """
+    row its own n entries; only for rows that record nothing from attention and keep keys in order."""
     rules = rules_for(kwargs, query, key)
     if base == "eager":
         return eager_attention(module, query, key, value, scaling, rules)[0]
@@ -343,8 +334,7 @@ def grouped_attention(
 class StatisticBuffer:
     """Where a step that binds no cache (the fixed-shape step) wants every layer's statistic, passed as the keyword
     argument `STATISTIC_KWARG`. buffer: float32 [planes, W, kv_heads, keys] (slot_major: [W, planes, ...]);
-    rows, reduction: as `attention_statistic`.
-    """
+    rows, reduction: as `attention_statistic`."""
 
     buffer: torch.Tensor
     planes: tuple[int, ...]

@@ -50,8 +50,7 @@ class PrefillResult:
 
     def fork(self, copies: int) -> list["PrefillResult"]:
         """`copies` independent states to decode from without prefilling again: each its own cache copy
-        (EvictingCache.fork) and logits, placed to decode as one group. This state stays usable.
-        """
+        (EvictingCache.fork) and logits, placed to decode as one group. This state stays usable."""
         if self.decoded:
             raise RuntimeError("this PrefillResult was already decoded (its cache moved on); fork before generate")
         if isinstance(copies, bool) or int(copies) != copies or copies < 1:
@@ -91,8 +90,7 @@ def _forward(
     drop: bool = True,
 ) -> torch.Tensor:
     """One forward pass of `input_ids` after what the cache has seen, then eviction; next-token logits [b, vocab].
-    reconstruction: ids of a scratch pass run in between (KVzip). drop=False: observe only (a held suffix).
-    """
+    reconstruction: ids of a scratch pass run in between (KVzip). drop=False: observe only (a held suffix)."""
     output = model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1)
     if reconstruction is not None:
         with cache.scratch(chunk_start=cache.get_seq_length() - input_ids.shape[1]):
@@ -190,8 +188,7 @@ def prefill(
 def copy_state(state: PrefillResult, model: torch.nn.Module) -> PrefillResult:
     """An independent copy of a prefilled state (cache buffers, positions, policy state and policy; weights shared),
     so one compressed context can answer several questions: `generate(model, hold(model, copy_state(context,
-    model), question), ...)` per question.
-    """
+    model), question), ...)` per question."""
     if state.decoded:
         raise RuntimeError("this PrefillResult was already decoded (its cache moved on); copy it before decoding")
     return state.fork(1)[0]
@@ -222,8 +219,7 @@ def hold(model: torch.nn.Module, state: PrefillResult, input_ids: torch.Tensor) 
 def follow_up(model: torch.nn.Module, state: PrefillResult, input_ids: torch.Tensor) -> PrefillResult:
     """The next turn: feed `input_ids` [batch, S] into the cache of a state `generate` decoded, held whole up to the next
     first token, and return a new state (the old one must not be used again). `generate` never feeds the token it
-    stops on: put it first in `input_ids` if the conversation keeps it.
-    """
+    stops on: put it first in `input_ids` if the conversation keeps it."""
     if not state.decoded:
         raise RuntimeError("follow_up continues a decoded state; feed an undecoded one with hold")
     turn = replace(state, seconds=0.0, held_suffix=0, decoded=False)

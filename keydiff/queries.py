@@ -56,8 +56,7 @@ def mean_rotation(inv_freq: torch.Tensor, scaling: float, start: int, count: int
 @dataclass
 class QueryStatistics:
     """First and second moments of a layer's pre-RoPE queries at positions >= first_position, per query head:
-    count, total [batch, heads, d] and outer [batch, heads, d, d] (float64 sums), next_position.
-    """
+    count, total [batch, heads, d] and outer [batch, heads, d, d] (float64 sums), next_position."""
 
     inv_freq: torch.Tensor  # [d/2] float64
     scaling: float

@@ -43,8 +43,7 @@ HYBRID_ARCHITECTURES = ("gemma2", "gemma3", "gpt_oss", "mistral_sliding")
 
 def tiny_hybrid_model(architecture: str, window: int = 48, seed: int = 0) -> torch.nn.Module:
     """A tiny random float32 model with sliding-window layers (4 layers alternating sliding and full; `mistral_sliding`:
-    every layer slides), in its default attention implementation; gpt-oss's sinks are drawn at random.
-    """
+    every layer slides), in its default attention implementation; gpt-oss's sinks are drawn at random."""
     import transformers
 
     shape = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
@@ -130,8 +129,7 @@ def check_policy(
 ) -> dict:
     """Check `policy` (a Policy subclass, built-in name or dotted path built with `params`, or a policy object) against
     the contract. budget must be below prompt_tokens. deterministic=False skips the repeat check. model: default
-    `tiny_model()`. Raises PolicyCheckError (or the policy's ValueError); returns a summary.
-    """
+    `tiny_model()`. Raises PolicyCheckError (or the policy's ValueError); returns a summary."""
     fresh = policy_factory(policy, params)
     if budget >= prompt_tokens:
         raise ValueError(f"budget ({budget}) must be smaller than prompt_tokens ({prompt_tokens}) for the policy to evict")

@@ -23,8 +23,7 @@ from keydiff.policies.base import LayerView
 
 def poolable(cache: EvictingCache, statistic: bool = False) -> bool:
     """Whether this cache's rows can run grouped with others: one stack of every layer and a policy scoring rows
-    alike from their entries alone. statistic=True also admits attention-statistic policies (one-slot blocks only).
-    """
+    alike from their entries alone. statistic=True also admits attention-statistic policies (one-slot blocks only)."""
     policy, stack = cache.policy, cache.stack
     return (stack is not None and len(cache.storages) == 1 and stack.keys is not None and stack.budget is not None
             and stack.keys.shape[1] == 1 and stack.scratch_mark is None and not cache.sliding
@@ -37,8 +36,7 @@ def poolable(cache: EvictingCache, statistic: bool = False) -> bool:
 @dataclass(eq=False)
 class RowBlock:
     """Buffers for the stacks of several sequences: keys/values [slots, layers, kv_heads, capacity, dim], and
-    the storage occupying each slot (`occupants`, set by `take`, cleared by `vacate`).
-    """
+    the storage occupying each slot (`occupants`, set by `take`, cleared by `vacate`)."""
 
     keys: torch.Tensor
     values: torch.Tensor
@@ -193,8 +191,7 @@ class JoinPool:
 
 class PrefillSlot:
     """The one slot a prefill's stack moves into once it holds N entries, kept across prompts by a run's decoder so
-    the block step (a CUDA graph on a GPU) is built once per run and shape; one copy in, one out (`leave`).
-    """
+    the block step (a CUDA graph on a GPU) is built once per run and shape; one copy in, one out (`leave`)."""
 
     def __init__(self):
         self.block: RowBlock | None = None
@@ -264,8 +261,7 @@ def runs(caches: list[EvictingCache], spans: list[slice] | None = None) -> list[
 def write_groups(groups: list[Group], caches: list[EvictingCache], layer_idx: int,
                  key_states: torch.Tensor, value_states: torch.Tensor) -> set[int]:
     """Write one pass's keys and values [rows, kv_heads, q, dim] of layer `layer_idx` for every group in one copy;
-    return the indices of the caches written (each then accounts via `EvictingCache.note_written`).
-    """
+    return the indices of the caches written (each then accounts via `EvictingCache.note_written`)."""
     written: set[int] = set()
     q = key_states.shape[-2]
     for group in groups:

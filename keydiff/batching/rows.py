@@ -46,8 +46,7 @@ class _RowLayer(CacheLayerMixin):
 
 class BatchCache(Cache, RowBatch):
     """A transformers Cache over the sequences of one pass (`caches`, `spans[i]` their rows). It runs only inside
-    `keydiff_attention(model, batch_cache)` and needs `position_ids` per row; `evict()` evicts every sequence.
-    """
+    `keydiff_attention(model, batch_cache)` and needs `position_ids` per row; `evict()` evicts every sequence."""
 
     def __init__(self, num_layers: int, group_rows: bool = True):
         super().__init__(layers=[_RowLayer(self, i) for i in range(num_layers)])

@@ -80,11 +80,8 @@ class Decoder:
 
     @torch.inference_mode()
     def generate(self, requests: Iterable[Request | Job]) -> Iterator[tuple[Any, SequenceResult | Failure]]:
-        """Decode every request, up to `width` sequences at once, refilling as soon as a sequence stops.
-
-        Yields (key, SequenceResult) in finishing order, and (key, Failure) for a job given up at width 1. `requests`
-        may be lazy: the next is drawn only when a place is free.
-        """
+        """Decode every request, up to `width` at once, refilling as soon as a sequence stops. Yields (key,
+        SequenceResult) in finishing order, and (key, Failure) for a job given up at width 1; `requests` may be lazy."""
         source = iter(requests)
         if self.pool is not None:
             self.pool.idle()  # one call at a time: whatever a former call left in the arena has stopped

@@ -1,7 +1,6 @@
 """One decoding sequence: what it was asked (`Request`), how it picks its next token and when it stops
 (`Sequence`), and what it returns (`GenerationResult`, `SequenceResult`). The token rule lives here once:
-greedy or seeded CPU sampling, stop tokens masked until `min_new_tokens`. Design: docs/design/decode.md
-"""
+greedy or seeded CPU sampling, stop tokens masked until `min_new_tokens`. Design: docs/design/decode.md"""
 
 from __future__ import annotations
 
@@ -66,8 +65,7 @@ class Failure:
 @dataclass
 class GenerationResult:
     """What `generate` returns: `token_ids[row]` are batch row `row`'s new token ids, without the prompt
-    (`tokenizer.decode(out.token_ids[0], skip_special_tokens=True)` is the first row's text).
-    """
+    (`tokenizer.decode(out.token_ids[0], skip_special_tokens=True)` is the first row's text)."""
 
     token_ids: list[list[int]]  # per batch row, generated ids (the stop token included if one was hit)
     finish_reasons: list[str]  # per batch row: "stop" (a stop token) or "length"

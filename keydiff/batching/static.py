@@ -32,8 +32,7 @@ LOG = logging.getLogger(__name__)
 
 def eligible(caches: list[EvictingCache], q: int = 1) -> bool:
     """Whether every cache can run a pass of q tokens in fixed shapes: poolable, equal policies, exactly N entries
-    with room for N + q, evicting after the pass, nothing pending.
-    """
+    with room for N + q, evicting after the pass, nothing pending."""
     if not caches:
         return False
     policy = caches[0].policy
@@ -55,12 +54,8 @@ def eligible(caches: list[EvictingCache], q: int = 1) -> bool:
 @dataclass(frozen=True)
 class Rows:
     """The buffers a fixed-shape step runs on: base tensors plus how W rows are cut from them (views made when used,
-    so torch.compile sees each buffer once and a CUDA graph reads the same addresses).
-
-    base: {"keys", "values", "positions", "state": {...}}, each [outer, inner, kv_heads, capacity(, dim)] (a
-    storage's [layers, batch, ...] or a block's [slots, layers, ...], `slot_major`). first, stop: the W rows taken.
-    planes: each plane's model layer. sequence_of: [R] which of the W rows each of the R = W x layers rows is.
-    """
+    so torch.compile sees each buffer once). base: keys, values, positions, state as [outer, inner, kv_heads,
+    capacity(, dim)]; first, stop: the W rows; planes: each plane's layer; sequence_of: [R] each row's sequence."""
 
     base: dict[str, Any]
     slot_major: bool
@@ -171,8 +166,7 @@ class FixedCache(Cache):
 class Graphs:
     """The CUDA graphs a run's fixed-shape steps captured, and why a capture failed; kept by the run's Decoder and
     written into summary.json's decode_graphs (`record()`). After one failed capture the run stops capturing
-    (`stopped`) and runs eagerly, with the same results.
-    """
+    (`stopped`) and runs eagerly, with the same results."""
 
     captured: int = 0
     failed: int = 0
@@ -195,8 +189,7 @@ class Graphs:
 
     def stream_and_pool(self, calls: CudaCalls, device: torch.device) -> tuple[Any, Any]:
         """The run's capture stream and graph pool on `device`; the pool is made anew once every graph captured into it
-        was released (CUDA's allocator can assert on a pool with no graph left).
-        """
+        was released (CUDA's allocator can assert on a pool with no graph left)."""
         key = (calls.name, str(device))
         if key not in self._resources:
             self._resources[key] = (calls.stream(device), calls.pool(device))
@@ -217,8 +210,7 @@ class Graphs:
 class StaticStep:
     """One pass of q tokens for the W rows of `rows` (each at N = `budget` entries) and the eviction after it, in
     fixed shapes. `run(ids, positions, active)` -> next-token logits [W, vocab]; ids, positions: [W, q] long;
-    active: [W] bool, the rows whose results are used (the others' eviction is masked).
-    """
+    active: [W] bool, the rows whose results are used (the others' eviction is masked)."""
 
     def __init__(self, model: torch.nn.Module, rows: Rows, policy: Policy, budget: int, q: int = 1,
                  compiled: bool = False, graphs: Graphs | None = None):
@@ -247,8 +239,7 @@ class StaticStep:
 
     def eager(self, ids: torch.Tensor, positions: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
         """The pass and its eviction on the given tensors (no host synchronisation), with no cache bound for the
-        attention function; an attention-scoring policy's statistic is written into `statistic`.
-        """
+        attention function; an attention-scoring policy's statistic is written into `statistic`."""
         logits = self.forward(ids, positions)
         self.evict(positions, active)
         return logits
@@ -313,8 +304,7 @@ class StaticStep:
 
     def warm_up(self) -> torch.Tensor:
         """The first call, eagerly, on a side stream of the model's device (graph capture wants its kernels' first runs
-        off the stream it records); the logits are marked used on the current stream (record_stream).
-        """
+        off the stream it records); the logits are marked used on the current stream (record_stream)."""
         if not self.capture or self.graphs.stopped:
             return self.first_call()
         calls, device = self.cuda, self.device
@@ -344,8 +334,7 @@ class StaticStep:
 
     def record(self) -> bool:
         """Capture the step as a CUDA graph on the run's stream and pool, begin and end in try/finally. False if the
-        capture fails: the run then captures no more (`Graphs.fail`) and this step runs eagerly.
-        """
+        capture fails: the run then captures no more (`Graphs.fail`) and this step runs eagerly."""
         calls, device = self.cuda, self.device
         stream, pool = self.graphs.stream_and_pool(calls, device)
         graph = calls.graph()

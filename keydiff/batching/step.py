@@ -48,8 +48,7 @@ def choose_tokens(active: list[Sequence]) -> None:
 class Stepper:
     """What runs a step's forward pass: the batch cache, or, where every going sequence is full and alike, a
     fixed-shape step kept per block (or stack) and replayed. fixed_shapes: None = device default, False = never.
-    batch_invariant: run under keydiff.kernels.batch_invariant's mode. Outputs are the same either way.
-    """
+    batch_invariant: run under keydiff.kernels.batch_invariant's mode. Outputs are the same either way."""
 
     def __init__(self, model: torch.nn.Module, group_rows: bool = True, fixed_shapes: bool | None = None,
                  batch_invariant: bool = False, graphs: Graphs | None = None):
@@ -163,8 +162,7 @@ FULL_WIDTH = {"cuda": True, "cpu": False}
 class BlockStepper:
     """A prefill's blocks in fixed shapes once its cache holds N entries (replayed as a CUDA graph on a GPU).
     keydiff.engine.prefill asks `run` per block and runs the ordinary pass where it answers None, then `finish`.
-    arena: run in a slot kept across prompts (keydiff.batching.blocks.PrefillSlot).
-    """
+    arena: run in a slot kept across prompts (keydiff.batching.blocks.PrefillSlot)."""
 
     def __init__(self, model: torch.nn.Module, fixed_shapes: bool | None = None, arena: bool = False,
                  graphs: Graphs | None = None):

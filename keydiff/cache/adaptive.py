@@ -23,8 +23,7 @@ from keydiff.policies.base import LayerView, Policy, PoolView
 class PoolStack:
     """The pools of several head-adaptive layers in one allocation, [layers, batch, P, ...], so one eviction
     scores, chooses and compacts every layer's rows at once (`evict_pools`). Each `AdaptiveStorage` still owns its
-    segments and counts; a layer that does not fit or must grow takes buffers of its own.
-    """
+    segments and counts; a layer that does not fit or must grow takes buffers of its own."""
 
     def __init__(self, layers: tuple[int, ...]):
         self.layers = layers
@@ -246,8 +245,7 @@ class AdaptiveStorage:
 
     def set_state(self, cells: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
         """Set the policy state of the entries at `cells` (flat pool indices) from a dense view of them, with the
-        layer's whole o_proj weight, so `entry_state` sees them as for a uniform layer.
-        """
+        layer's whole o_proj weight, so `entry_state` sees them as for a uniform layer."""
         initial = {}
         if self.entry_state is not None:
             initial = self.entry_state(LayerView(keys=keys, values=values, positions=positions, attention=None,
@@ -304,8 +302,7 @@ class AdaptiveStorage:
     def evict(self, policy: Policy, inv_freq: torch.Tensor | None = None, rotary_end: int | None = None,
               drop: bool = True) -> None:
         """Observe the last pass's statistics, then keep T entries per batch row (the policy's `keep_heads`);
-        drop=False observes only. Key re-rotation is not supported here.
-        """
+        drop=False observes only. Key re-rotation is not supported here."""
         if policy.key_rerotation is not None:
             raise RuntimeError(f"{self.where()}: key re-rotation is not supported with head-adaptive budgets")
         if self.keys is None:
@@ -373,8 +370,7 @@ def chooses_pools(policy: Policy) -> bool:
 
 def evict_pools(storages: list[AdaptiveStorage], buffers: list[torch.Tensor], policy: Policy, budget: int) -> None:
     """Choose and compact the rows of `storages` in one set of kernels (`buffers`: keys, values, positions,
-    state as [rows, P, ...]), with `policy.drop_pool` and the same moves as `compact`.
-    """
+    state as [rows, P, ...]), with `policy.drop_pool` and the same moves as `compact`."""
     keys, values, positions, *states = buffers
     device, (rows, pool_size) = keys.device, keys.shape[:2]
     starts = torch.tensor([row for storage in storages for row in storage.starts], device=device)  # [rows, heads]

@@ -248,8 +248,7 @@ class EvictingCache(Cache):
 
     def note_written(self, layer_idx: int, q: int) -> None:
         """Account for a pass of q tokens whose keys and values the caller already wrote into this layer's block slot
-        (keydiff.batching.blocks.write_groups): `update` without the copy, returning nothing.
-        """
+        (keydiff.batching.blocks.write_groups): `update` without the copy, returning nothing."""
         layer = self.layers[layer_idx]
         if (layer_idx == self._first_evicted or self._scratch or not isinstance(layer, EvictingLayer)
                 or layer.seen + q != layer.storage.seen):
@@ -306,11 +305,8 @@ class EvictingCache(Cache):
         self._pass_position = 0
 
     def fork(self, copies: int) -> list["EvictingCache"]:
-        """`copies` independent caches holding exactly what this one holds, without re-running the prompt.
-
-        Each owns its buffers, statistics and policy object; only o_proj weights stay shared. Refused inside a
-        scratch pass. See docs/design/cache.md#scratch-passes-and-forks.
-        """
+        """`copies` independent caches holding exactly what this one holds, without re-running the prompt: each owns
+        its buffers, statistics and policy object (o_proj weights stay shared). Refused inside a scratch pass."""
         if self._scratch:
             raise RuntimeError("a cache cannot be forked inside a scratch pass")
         if isinstance(copies, bool) or int(copies) != copies or copies < 1:
@@ -369,11 +365,8 @@ class EvictingCache(Cache):
     # --- scratch passes --------------------------------------------------------------------------
     @contextmanager
     def scratch(self, chunk_start: int | None = None) -> Iterator[None]:
-        """`with cache.scratch(): model(...)` runs passes whose entries are not kept (KVzip's reconstruction).
-
-        chunk_start: the first position of the tokens the pass reconstructs. See
-        docs/design/cache.md#scratch-passes-and-forks.
-        """
+        """`with cache.scratch(): model(...)` runs passes whose entries are not kept (KVzip's reconstruction);
+        chunk_start: the first position of the tokens the pass reconstructs."""
         if self._scratch:
             raise RuntimeError("scratch passes do not nest")
         self._chunk_start = chunk_start
@@ -477,9 +470,7 @@ class EvictingCache(Cache):
 
     def evict(self, drop: bool = True) -> None:
         """Let the policy observe the pass just run, then shrink every over-budget layer to `budget`.
-
-        drop=False observes only: entries over the budget are held until the next `evict()`.
-        """
+        drop=False observes only: entries over the budget are held until the next `evict()`."""
         if self.budget is None or not self._evicting:
             return
         self._held = not drop
@@ -501,8 +492,7 @@ class EvictingCache(Cache):
 
     def start_generation(self, new_tokens: int, evict: bool = True) -> None:
         """Prepare to decode up to `new_tokens` tokens, making room now. evict=False keeps every generated token
-        (no eviction or statistics from now on), and held entries stay for good.
-        """
+        (no eviction or statistics from now on), and held entries stay for good."""
         self._evicting, self._decoding = evict, True
         for storage in self._storages:
             if isinstance(storage, AdaptiveStorage):
@@ -547,8 +537,7 @@ class EvictingCache(Cache):
 
     def kept_positions(self) -> list[torch.Tensor]:
         """Absolute positions held, one LongTensor [batch, kv_heads, entries] per layer, ascending (copies);
-        head-adaptive layers pad shorter heads with -1.
-        """
+        head-adaptive layers pad shorter heads with -1."""
         return [layer.kept_positions() for layer in self.layers]
 
     @property

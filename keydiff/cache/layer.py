@@ -132,8 +132,7 @@ class EvictingLayer(CacheLayerMixin):
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, position: int | None = None, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write a pass's keys/values [batch, kv_heads, q, dim] after the kept entries; return the valid ones.
-        position: the RoPE position of the pass's first token (key re-rotation; default: tokens seen).
-        """
+        position: the RoPE position of the pass's first token (key re-rotation; default: tokens seen)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         keys = self.storage.keys
@@ -174,8 +173,7 @@ class EvictingLayer(CacheLayerMixin):
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         """Keys the next pass attends to, and the offset that makes transformers' causal mask exact: seen - entries
-        maps key j to position j + offset, so every kept entry and the new tokens causally are visible.
-        """
+        maps key j to position j + offset, so every kept entry and the new tokens causally are visible."""
         kept = self.entries_after_eviction()
         return kept + query_length, self.seen - kept
 

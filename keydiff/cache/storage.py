@@ -23,8 +23,7 @@ from keydiff.queries import QueryStatistics, rotate
 @dataclass(eq=False)
 class Placement:
     """Where a storage's buffers live when they are one slot of a block shared with other sequences'
-    (keydiff.batching.blocks): the block, the slot, and whether the storage still lives there.
-    """
+    (keydiff.batching.blocks): the block, the slot, and whether the storage still lives there."""
 
     block: Any
     slot: int
@@ -50,10 +49,8 @@ def empty_buffers(
 
 
 class Storage:
-    """The buffers of the layers `layers` (one plane each) and their one entry count.
-
-    budget=None: never evicted (buffers grow geometrically). capacity: first allocation (None: from the first write).
-    """
+    """The buffers of the layers `layers` (one plane each) and their one entry count. budget=None: never evicted
+    (buffers grow geometrically). capacity: first allocation (None: from the first write)."""
 
     def __init__(
         self,
@@ -191,10 +188,7 @@ class Storage:
     def write(self, plane: int, key_states: torch.Tensor, value_states: torch.Tensor,
               layer_seen: int, position: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Write one layer's pass [batch, kv_heads, q, dim] after the kept entries; return its valid entries.
-
-        layer_seen: the tokens this layer had seen before. The first layer to write in a pass makes room and
-        writes the positions (and, for key re-rotation, the RoPE positions from `position`) for every plane.
-        """
+        The first layer of a pass (layer_seen == seen) makes room and writes positions for every plane."""
         q = key_states.shape[-2]
         if layer_seen == self.seen:
             start = self.num_entries
@@ -309,8 +303,7 @@ class Storage:
     def evict(self, policy: Policy, inv_freq: torch.Tensor | None = None, rotary_end: int | None = None,
               drop: bool = True) -> None:
         """Observe the last pass's statistics, then drop entries until at most `budget` remain, in place, and
-        re-rotate kept keys for a `key_rerotation` policy. drop=False observes only.
-        """
+        re-rotate kept keys for a `key_rerotation` policy. drop=False observes only."""
         if self.budget is None or self.keys is None:
             self.attention = [None] * self.count
             return
@@ -340,8 +333,7 @@ class Storage:
 
     def rerotate(self, inv_freq: torch.Tensor, end: int | None = None) -> None:
         """Re-apply RoPE so each head's kept keys sit at contiguous positions in order of their absolute positions:
-        0..n-1, or end-n..end-1 when `end` is given (docs/design/cache.md#position).
-        """
+        0..n-1, or end-n..end-1 when `end` is given (docs/design/cache.md#position)."""
         n = self.num_entries
         offset = 0 if end is None else end - n
         positions = self.rows["positions"][:, :, :n]
@@ -372,11 +364,8 @@ class Storage:
 
 
 def drop_entries(rows: dict, budget: int, n: int, dropped: torch.Tensor) -> None:
-    """Remove the entries at `dropped` [rows, kv_heads, n - budget] by moving surviving tail entries into them.
-
-    `rows` maps "keys", "values", "positions", "state" to [rows, kv_heads, capacity(, dim)] views; afterwards the
-    first `budget` places hold the kept entries (docs/design/cache.md#eviction).
-    """
+    """Remove the entries at `dropped` [rows, kv_heads, n - budget] by moving surviving tail entries into them, in
+    `rows`' buffers ("keys", "values", "positions", "state"); the first `budget` places then hold the kept ones."""
     tail = n - budget
     if tail == 1:  # decoding: the one new entry moves into the dropped place (onto itself if it was dropped)
         move_entries(rows, torch.full_like(dropped, budget), dropped)

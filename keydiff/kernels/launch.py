@@ -1,7 +1,6 @@
 """How the Triton kernels of keydiff.kernels.triton_kernels are launched: grids within CUDA's limits (`check_grid`)
 and each launch bound to its tensors' device (`on_device`). Plain Python, checked without a GPU.
-Design: docs/design/decode.md#batch-invariant-kernels-keydiffkernels
-"""
+Design: docs/design/decode.md#batch-invariant-kernels-keydiffkernels"""
 
 from __future__ import annotations
 

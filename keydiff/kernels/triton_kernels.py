@@ -67,8 +67,7 @@ def _matmul_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K,
 def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, alpha: float = 1.0,
            beta: float = 1.0) -> torch.Tensor:
     """alpha * (a @ b) + beta * bias in fixed tiles: [M, K] @ [K, N] -> [M, N], or batched [B, M, K] @ [B, K, N];
-    bias broadcastable to [M, N] (2-D only). Any strides; the output is new, contiguous, of a's dtype.
-    """
+    bias broadcastable to [M, N] (2-D only). Any strides; the output is new, contiguous, of a's dtype."""
     batched = a.dim() == 3
     a3, b3 = (a, b) if batched else (a[None], b[None])
     matrices, rows, depth = a3.shape
@@ -177,8 +176,7 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, q_len, kv_len, groups, scale,
 
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
     """Softmax attention of query [B, H, q, d] over key/value [B, H_kv, n, d], bottom-right causal, softmax in
-    float32. Returns [B, q, H, d], of the query's dtype.
-    """
+    float32. Returns [B, q, H, d], of the query's dtype."""
     batch, heads, q_len, dim = query.shape
     kv_heads, kv_len = key.shape[1], key.shape[2]
     if kv_len < q_len:

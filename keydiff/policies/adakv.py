@@ -60,8 +60,7 @@ def check_head_scores(head_scores: str, scorer: Policy | None = None) -> None:
 
 def relative_scores(scores: torch.Tensor, log_scores: bool) -> torch.Tensor:
     """One head's scores [..., n] over its mean (log scores: minus their log-mean-exp), so uniform attention scores 1
-    whatever the head's count (head_scores=relative). In float64, rounded once to float32.
-    """
+    whatever the head's count (head_scores=relative). In float64, rounded once to float32."""
     n = scores.shape[-1]
     wide = scores.double()
     if log_scores:
@@ -124,8 +123,7 @@ def adakv_keep(keys: list[torch.Tensor], protected: list[torch.Tensor | None], b
 
 def adakv_drop_pool(keys: torch.Tensor, pool: PoolView, budget: int, alpha: float) -> torch.Tensor:
     """`adakv_keep` for every row of head-adaptive pools at once: bool [rows, P] of the entries dropped.
-    keys: int64 order keys [rows, P]; the same choice as `adakv_keep`, in a fixed number of kernels.
-    """
+    keys: int64 order keys [rows, P]; the same choice as `adakv_keep`, in a fixed number of kernels."""
     member, owner, valid = pool.member, pool.owner, pool.valid
     rows, heads = pool.counts.shape
     counts = pool.counts.tolist()
@@ -221,8 +219,7 @@ class HeadAdaptive(PolicyWrapper):
 
     def keep_heads_critical(self, heads: list[LayerView], budget: int) -> list[torch.Tensor]:
         """AdaKV form of CriticalKV (kvpress's `CriticalAdaKVPress`): head counts N_h from AdaKV over the RAW scores,
-        then CriticalKV's two stages within each head, its safeguard entries kept too (docs/design/policies.md).
-        """
+        then CriticalKV's two stages within each head, its safeguard entries kept too (docs/design/policies.md)."""
         critical = self.scorer
         inner = critical.scorer
         raw = [inner.score(head) for head in heads]

@@ -66,8 +66,7 @@ class LayerView:
 @dataclass
 class PoolView:
     """Rows of head-adaptive pools as a policy scores them in one call (keydiff.cache.adaptive): each row [P cells]
-    holds one contiguous segment per KV head; free cells hold finite values whose scores are ignored.
-    """
+    holds one contiguous segment per KV head; free cells hold finite values whose scores are ignored."""
 
     keys: torch.Tensor  # [rows, P, head_dim], as cached
     positions: torch.Tensor  # [rows, P] long (free cells: anything)
@@ -163,15 +162,13 @@ class Policy:
     @property
     def layers_batchable(self) -> bool:
         """True if every batch row of a view is scored alike from its own entries, so the cache may evict all layers in
-        one call. False (safe default) unless set; `keydiff.testing.check_policy` checks the claim.
-        """
+        one call. False (safe default) unless set; `keydiff.testing.check_policy` checks the claim."""
         return False
 
     @property
     def capturable(self) -> bool:
         """True if `evict_indices` (and `observe`) read no value on the host and make no value-dependent shape, so a
-        fixed-shape step can compile or capture it. False (safe default) unless set.
-        """
+        fixed-shape step can compile or capture it. False (safe default) unless set."""
         return False
 
     @property
@@ -228,8 +225,7 @@ class Policy:
 
     def initial_state(self, keys: torch.Tensor) -> dict[str, torch.Tensor]:
         """State of newly written entries, {name: [batch, kv_heads, q]}, from their keys [batch, kv_heads, q, dim];
-        set once per entry before `observe` and `score`. Names left out start at 0.
-        """
+        set once per entry before `observe` and `score`. Names left out start at 0."""
         return {}
 
     def entry_state(self, entries: LayerView) -> dict[str, torch.Tensor]:
@@ -249,8 +245,7 @@ class Policy:
 
     def evict_indices(self, layer: LayerView, budget: int) -> torch.Tensor:
         """Indices [batch, kv_heads, n - budget] of the entries to drop: the lowest scores, never a protected one.
-        Ties go by position (older first); the first call checks the scores (`check_scores`).
-        """
+        Ties go by position (older first); the first call checks the scores (`check_scores`)."""
         scores = self.score(layer)
         protect = self.protected(layer, budget)
         if self._check_every_call or not self.__dict__.get("_scores_checked"):  # a check costs a device sync
@@ -307,8 +302,7 @@ def check_scores(policy: Policy, scores: torch.Tensor, layer: LayerView, protect
 
 def layer_by_layer(policy: Policy) -> Policy:
     """The same policy (class behaviour and parameters) with `layers_batchable` False: the reference stacked
-    choices are checked against.
-    """
+    choices are checked against."""
     if not policy.layers_batchable:
         return policy
     cls = type(policy)

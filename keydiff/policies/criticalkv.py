@@ -54,8 +54,7 @@ def output_norms(values: torch.Tensor, output_projection: torch.Tensor) -> torch
 def critical_scores(scores: torch.Tensor, norms: torch.Tensor, epsilon: float | torch.Tensor,
                     log_scores: bool) -> torch.Tensor:
     """Stage 2: (score + epsilon) x norm per entry, shifted (or in the log domain) as the design page says. epsilon:
-    a number, or (linear scores) a tensor broadcast against the scores. Non-finite scores are returned as they are.
-    """
+    a number, or (linear scores) a tensor broadcast against the scores. Non-finite scores are returned as they are."""
     scores = scores.float()
     finite = torch.isfinite(scores)
     if log_scores:
@@ -154,8 +153,7 @@ class Critical(PolicyWrapper):
 
     def scaled_epsilon(self, layer: LayerView) -> float | torch.Tensor:
         """epsilon on the scale of the scorer's scores: x the number of query rows they sum (SnapKV's window, TOVA's
-        1 row), since the paper adds it to one query's attention. float32 [batch, kv_heads, 1], or the plain epsilon.
-        """
+        1 row), since the paper adds it to one query's attention. float32 [batch, kv_heads, 1], or the plain epsilon."""
         rows = self.scorer.attention_rows
         if (self.scorer.log_scores or layer.attention is None or not isinstance(rows, int) or rows <= 1
                 or self.scorer.attention_reduction != "sum"):

@@ -57,8 +57,7 @@ def float_slices(keys: torch.Tensor) -> int:
 
 def in_float32(score: Callable[..., torch.Tensor], keys: torch.Tensor, *per_entry: torch.Tensor | None) -> torch.Tensor:
     """score(keys, *per_entry) [batch, kv_heads, n] with the keys in float32, half precision widened a slice of (row,
-    head) pairs at a time so no float32 copy of the whole cache exists (a CUDA graph's pool would keep it).
-    """
+    head) pairs at a time so no float32 copy of the whole cache exists (a CUDA graph's pool would keep it)."""
     batch, heads = keys.shape[:2]
     slices = 1 if keys.dtype not in (torch.float16, torch.bfloat16) else float_slices(keys)
     if slices < 2:
@@ -73,8 +72,7 @@ def in_float32(score: Callable[..., torch.Tensor], keys: torch.Tensor, *per_entr
 
 def cosine_to_mean(keys: torch.Tensor, normalized: bool, inv_norms: torch.Tensor | None = None) -> torch.Tensor:
     """cos(k_i, anchor) [..., n] of keys [..., n, d] with the mean (of unit keys if `normalized`) as anchor, from
-    the inverse key norms and two matrix-vector products (nothing the size of the keys is allocated).
-    """
+    the inverse key norms and two matrix-vector products (nothing the size of the keys is allocated)."""
     if inv_norms is None:
         inv_norms = inverse_key_norms(keys)
     if normalized:
@@ -98,8 +96,7 @@ def cosine_to_segment_means(keys: torch.Tensor, pool: PoolView, normalized: bool
 @dataclass
 class KeyDiff(Policy):
     """Keep the keys most dissimilar to the anchor. metric (Table 16): cosine (default, -cos), dot (-k·anchor) or
-    euclidean (||k - anchor||). The sliding window of Table 14 is a RecentWindow around it (`window_fraction`).
-    """
+    euclidean (||k - anchor||). The sliding window of Table 14 is a RecentWindow around it (`window_fraction`)."""
 
     name: ClassVar[str] = "keydiff"
     layers_batchable: ClassVar[bool] = True

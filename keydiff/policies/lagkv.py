@@ -82,8 +82,7 @@ class LagKV(Policy):
 
     def _rank_partitions(self, layer: LayerView, members: torch.Tensor, ranks: torch.Tensor) -> None:
         """Write into `ranks` the rank of each entry of `members` (bool [b, h, n]) in a full partition with a full
-        successor (per row, position order, from the oldest); other entries are left as they are.
-        """
+        successor (per row, position order, from the oldest); other entries are left as they are."""
         positions = layer.positions
         full = members.sum(dim=-1) // self.lag_size  # [b, h] full partitions per row
         chunks = int(full.max())  # the widest row sets the tensor shape; each row is masked to its own count

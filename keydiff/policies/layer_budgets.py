@@ -74,8 +74,7 @@ def split_budget(spec: dict[str, Any] | None, budget: int, num_layers: int, prom
 
 def kvcache_factory_split(budget: int, window: int, beta: float, num_layers: int, prompt_length: int | None) -> list[int]:
     """KVCache-Factory's per-layer budgets (PyramidKVCluster.update_kv): floored top share and step. An unknown
-    prompt length is taken as long; a prompt shorter than 2(N - w) gets N everywhere.
-    """
+    prompt length is taken as long; a prompt shorter than 2(N - w) gets N everywhere."""
     share = budget - window
     if prompt_length is not None and prompt_length < max(2 * share, budget):
         return [budget] * num_layers
