@@ -1,30 +1,13 @@
 """The paper's analysis figures, measured on a real model and real text, into results/figures/analysis/.
 
-  fig02_key_cosine_attention        Figure 2: pairwise key cosine next to one head's attention (first `window` tokens)
-  fig04_pca_keys_queries            Figure 4: PCA of one head's keys and queries, top KeyDiff keys, mean key/query
-  fig11_pca_keys_queries            Figure 11: the same for every chosen (layer, head)
-  fig05/08/09/10_pca_retained_*     Figures 5, 8-10: PCA of the keys retained vs evicted by each policy after a
-                                    block-wise prefill at `budget` (the engine's real choices), (d) retained only
-  fig12_logdet                      Figure 12: log det(K K^T) of the retained cache per policy, over prompts x
-                                    layers x KV heads (pseudo-determinant by default: see
-                                    keydiff.analysis.statistics.log_volume)
-  fig13_cosine_to_mean              Figure 13: cosine of keys / queries with their mean, per layer
-  fig14_mean_key_query_cosine       Figure 14: cos(mean key, mean query) per layer and query head
-  fig15_norms                       Figure 15: key and query L2 norms per layer
-  fig16_top_key_mean_query          Figure 16: cos(top KeyDiff key, mean query) per layer and head, next to the
-                                    median key's
-  summary.json                      the numbers behind the figures (and each figure's title), with provenance
-                                    (config, commit, model, data)
-
-Every figure is titled with what it measured: model, prompt source (a package and version, e.g.
-"pydoc_data.topics prose (Python 3.11.2)", or "LongBench narrativeqa": never a path of this machine),
-prompts x length, and for the eviction figures the budget N and block size B.
-
-The (layer, KV head) pairs default to the paper's Llama-3.2-3B choices scaled to the model's depth; the
-PCA basis of Figures 5, 8-10 is fitted on the keys of the same prompt without eviction, so the panels of
-all policies share axes. Figures 2, 4, 5, 8-11, 13-16 use the first prompt; Figure 12 pools all.
+Figures 2 (key cosine vs attention), 4 and 11 (PCA of keys and queries), 5 and 8-10 (PCA of retained vs evicted
+keys per policy after a block-wise prefill), 12 (log det of the retained cache), 13-16 (cosines to the mean,
+norms, top KeyDiff key vs mean query), and summary.json with the numbers and their provenance. Each figure is
+titled with its model, prompt source, prompts x length and, for eviction figures, N and B.
 
     python -m keydiff.analysis.figures [model=...] [length=2048] [cache_budget=512] [samples=2] [data.source=longbench]
+
+Design: docs/design/reports.md#figures-reportfigures-analysisfigures
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """The statistics behind the paper's analysis figures and Table 3, on captured keys, queries and attention.
 
-All functions take plain tensors (from `keydiff.capture`) with the token axis second to last and work on
-any leading batch of heads:
+Plain tensors (from `keydiff.capture`), token axis second to last, any leading batch of heads: `pairwise_cosine`
+(Figure 2), `fit_pca` / `project` (Figures 4/5, 8-11), `log_volume` (Figure 12), `cosine_to_mean`,
+`mean_cosine`, `top_keydiff_key` (Figures 13-16), `spearman` and `keydiff_score` (Table 3).
 
-* Figure 2: `pairwise_cosine` of keys, next to attention weights.
-* Figures 4/5, 8-11: `fit_pca` / `project` (a 2-D PCA by SVD of the centred points).
-* Figure 12: `log_volume` = log det(K K^T) of a retained cache, in float64 through slogdet (see there
-  for why the default is the pseudo-determinant, which needs no regulariser).
-* Figures 13-16: `cosine_to_mean` (keydiff.policies.keydiff's), `mean_cosine`, `top_keydiff_key` (norms are plain
-  `vector_norm`).
-* Table 3: `spearman` (average ranks for ties, Pearson of ranks) between the KeyDiff score
-  (`keydiff_score`: -cos(k, anchor)) and the attention each key receives.
+Design: docs/design/reports.md#figures-reportfigures-analysisfigures
 """
 
 from __future__ import annotations
@@ -115,16 +109,11 @@ def project(points: torch.Tensor, pca: PCA) -> torch.Tensor:
 
 
 def log_volume(keys: torch.Tensor, normalize: bool = False, ridge: float = 0.0) -> torch.Tensor:
-    """log det(K K^T) of a cache K [..., n, d] (Figure 12), computed in float64 with slogdet.
+    """log det(K K^T) of a cache K [..., n, d] (Figure 12), in float64 with slogdet; returns [...].
 
-    K K^T is n x n of rank <= d, so for n > d (any realistic cache: N = 2048 keys of dimension 64-128) its
-    determinant is exactly 0 and its log is -inf. The default (ridge = 0) therefore returns the log
-    *pseudo*-determinant, the sum of the logs of its nonzero eigenvalues: log det(K^T K) when n >= d (the
-    same nonzero spectrum, d x d and well conditioned), log det(K K^T) when n < d. It is the log squared
-    volume of the parallelotope the keys span, and needs no regulariser. ridge > 0 gives the literal
-    definition with a ridge, log det(K K^T + ridge * I_n), which is finite but dominated by (n - d) log ridge.
-    normalize=True uses unit keys (direction only). Returns [...]: -inf where slogdet finds a zero or negative
-    determinant; a numerically singular cache gets a very negative finite value (rounding), as with any slogdet.
+    For n > d, K K^T is singular, so ridge = 0 (the default) gives the log pseudo-determinant (log det(K^T K) when
+    n >= d): the log squared volume the keys span, with no regulariser. ridge > 0 gives log det(K K^T + ridge I).
+    normalize=True uses unit keys. -inf where slogdet finds a zero or negative determinant.
     """
     k = keys.double()
     if normalize:

@@ -1,17 +1,13 @@
 """Table 3: per-layer Spearman rho between negative key cosine similarity and the attention each key receives.
 
-For every prompt, layer and query head: the KeyDiff score -cos(k_i, anchor) of every key of the prompt
-(its KV head's keys; with the default anchor this ranks keys exactly as -sum_j cos(k_i, k_j)) against
-the attention key i receives from that query head. Which attention is not stated in the paper; the
-default `attention=mean_received` averages over the query rows that see the key (column sum / (L - i),
-free of the causal bias towards early keys), `column_sum` is H2O's accumulated attention and `last_row`
-TOVA's. Per layer: mean +- std over query heads and prompts; the last line: mean +- std of the layer
-means (the paper's "Mean +- Std" cell). Also per query head, since the paper's table has 24 columns while
-Llama-3.2-3B has 28 layers and 24 query heads.
+Per prompt, layer and query head: the KeyDiff score -cos(k_i, anchor) against the attention key i receives
+(`attention=mean_received` by default; `column_sum` is H2O's, `last_row` TOVA's). Per layer mean +- std over
+heads and prompts, the mean of the layer means, and per query head.
 
     python -m keydiff.analysis.table3 [model=...] [samples=4] [length=2048] [data.source=longbench]
 
 Writes <tables_dir>/table3_spearman.{md,csv,json} (the JSON holds the provenance).
+Design: docs/design/reports.md#figures-reportfigures-analysisfigures
 """
 
 from __future__ import annotations

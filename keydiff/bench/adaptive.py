@@ -3,18 +3,10 @@
     python -m keydiff.bench.adaptive                         # random SmolLM2-135M shape, L 4096, N 1024, B 128
     python -m keydiff.bench.adaptive --scorer snapkv --threads 2 --json out/adaptive.json
 
-For one scorer (default keydiff), the uniform policy (N entries per KV head) and its head-adaptive form
-(`head_budgets: adakv`: the heads of a layer share kv_heads x N) prefill the same L-token prompt in blocks of
-B and decode --new-tokens tokens, evicting after every one. Reported per policy:
-  * kv_cache_bytes: what the cache's key/value buffers hold (`EvictingCache.kv_cache_bytes`). The adaptive
-    cache's pools are kv_heads x (N + B) entries per layer, the uniform buffers' size; kvpress's masked
-    AdaKV keeps the whole prompt instead.
-  * peak RSS of prefill + decode alone, each policy in a fresh process (the peak is reset after the model is
-    built, as keydiff.bench.decode --memory-scaling does), and the peak above the RSS right after loading.
-  * TTFT and decode ms per token: medians over --repeats interleaved rounds in one process
-    (keydiff.bench.common.interleaved_rounds), with the median of the per-round ratios.
-Targets checked and printed (the issue's): bytes <= 1.05 x uniform, decode <= 1.25 x uniform. Timings on a
-shared machine are indicative.
+Per policy: kv_cache_bytes, peak RSS (fresh process each), TTFT and decode ms per token; targets checked and
+printed: bytes <= 1.05 x uniform, decode <= 1.25 x uniform. Timings on a shared machine are indicative.
+
+Design: docs/design/benchmarks.md#prefill-decode-throughput
 """
 
 from __future__ import annotations

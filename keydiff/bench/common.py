@@ -160,11 +160,8 @@ def run_module(module: str, arguments: list[str]) -> subprocess.CompletedProcess
 def interleaved_rounds(cases: dict[str, Callable[[], Any]], repeats: int, device: str) -> dict[str, list[Any]]:
     """Run every case once untimed (warm-up), then `repeats` rounds in which each case runs once, in turn.
 
-    Why rounds: on a shared or throttling machine the speed drifts over minutes. Measuring all repeats of
-    one policy and then all of the next puts that drift into the ratio between them; taking one sample
-    of each per round spreads it over every policy, and the median over rounds discards the outliers.
-    Each case returns its own measurement; memory is released between cases, never inside one.
-    Every run is announced on stderr with the time left (`Progress`): a benchmark of many cases takes minutes.
+    Rounds spread the machine's speed drift over every case instead of into their ratios. Each case returns its own
+    measurement; memory is released between cases. Each run is announced on stderr (`Progress`).
     """
     runs = [("warm-up", name) for name in cases]
     runs += [(f"round {r + 1}/{repeats}", name) for r in range(repeats) for name in cases]
@@ -187,10 +184,9 @@ def minutes(seconds: float) -> str:
 
 
 class Progress:
-    """Lines on stderr saying which run of a benchmark starts and about how long is left, estimated from the
-    runs timed so far: each pending run costs what the last run of its name took, a name not run yet the mean
-    of those timed (so the estimate says how many of the names it has timed: rough at first, as good as the
-    machine's steadiness once each has run). Why: `make bench-throughput` printed nothing for minutes.
+    """Lines on stderr saying which run of a benchmark starts and about how long is left.
+
+    Each pending run costs what the last run of its name took; a name not run yet, the mean of those timed.
     """
 
     def __init__(self, plan: str, names: int):
@@ -231,10 +227,9 @@ def kv_cache_bytes(cache, model, entries: int, batch: int = 1) -> int:
 
 
 def provenance(module: str, argv: list[str] | None = None) -> dict[str, Any]:
-    """What produced a benchmark's or an analysis's numbers, taken when it starts: the run summaries' record
-    (keydiff.run.provenance: "code", "packages", "environment") with the command line as `python -m module
-    args` (sys.argv's arguments when `argv` is None) and the start time. `write_json` adds the end time.
-    Pass the entry point's `__spec__.name`, which names the module however it was started.
+    """What produced a benchmark's or an analysis's numbers, taken when it starts: keydiff.run.provenance's record,
+    the command line as `python -m module args` and the start time (`write_json` adds the end time). Pass the entry
+    point's `__spec__.name`, which names the module however it was started.
     """
     arguments = sys.argv[1:] if argv is None else list(argv)
     record = provenance_record([module, *arguments])

@@ -4,31 +4,12 @@
     python -m keydiff.bench.decode --model random-llama-3.2-3b --end-to-end   # TTFT + decode, L = 4096
     python -m keydiff.bench.decode --memory-scaling                        # peak RSS at L = 4096 vs 16384
 
-Every mode warms each policy up once, untimed, then times --repeats rounds in which each policy runs once
-in turn (keydiff.bench.common.interleaved_rounds), so drift in the machine's speed does not bias the ratios.
-Each policy runs through one keydiff.Decoder across its warm-up and rounds, as a run does across its samples, so
-the steps captured as CUDA graphs on a GPU are captured in the warm-up: the times are the steady state.
+Default: evicting policies prefill L tokens at budget N and decode with B = 1; `full` prefills exactly N tokens,
+so the ratio is the price of evicting, not of a longer context. Per policy: median ms per token, TTFT, and bytes
+allocated per token from a separate profiled pass ("x KV": over the cache's key/value bytes). --end-to-end:
+TTFT + decode, full keeping all of L. --memory-scaling: peak RSS per length, each in a fresh process.
 
-Default mode. Every evicting policy prefills L prompt tokens at budget N and then decodes, evicting
-after every token (B = 1). `full` prefills exactly N prompt tokens and decodes without eviction, so it
-attends to the same N-entry cache: the ratio is the price of evicting, not of a longer context. Per
-policy: median ms per decoded token over --repeats (decode wall time / (new_tokens - 1) forward steps;
-one untimed warm-up first), TTFT, and - from a separate untimed pass of --profile-tokens tokens under
-torch.profiler(profile_memory=True) - the bytes allocated per decoded token: the sum of the sizes of
-every allocation event (the profiler's raw "[memory]" records with nbytes > 0; frees are ignored) on
-the model's device, divided by the forward steps. "x KV" divides that by the bytes of the cache's
-key/value buffers: 1 or more means each token allocates a whole cache's worth (a gather or concatenation
-copy of the cache), on top of the activations, which dominate only for tiny models.
-
---end-to-end: one prompt of L tokens (default 4096, 64 new tokens); `full` keeps all of L, the others
-N. Total time (TTFT + decode) and per-token decode, as ratios to full.
-
---memory-scaling: peak RSS (VmHWM, keydiff.run.memory; ru_maxrss without /proc) of prefill + decode at fixed N for each of
---scaling-lengths (default 4096, 16384), each in a fresh subprocess so every peak is that length's own,
-on random-smollm2 (SmolLM2-135M's shape) by default. On Linux the peak is reset after the model is
-built (/proc/self/clear_refs), since building it sets a higher peak than a bounded run ever reaches;
-the load peak is printed beside it. A bounded cache should make the growth small; full's grows.
-Generation never stops at an end-of-sequence token, so exactly --new-tokens tokens are produced.
+Design: docs/design/benchmarks.md#prefill-decode-throughput
 """
 
 from __future__ import annotations

@@ -1,18 +1,13 @@
-"""The decoding step of full caches, three ways, per step: keydiff.generate_batch with the ordinary step (through the
-batch cache) and with the fixed-shape step run eagerly (the default), and the fixed-shape step alone compiled by
-torch.compile (inductor); beside them, with `--forms ...,model`, the model's own forward over a transformers cache
-of N entries (no eviction, no harness: how much of a step is the model pass itself).
+"""The decoding step of full caches, per form: ordinary, fixed-shape eager, fixed-shape under torch.compile.
 
-What it decides: which form a device runs by default (keydiff.batching.step.FIXED_SHAPES_DEFAULT; the fixed-shape
-step is never compiled by default, see docs/performance.md). Each form decodes `--steps` timed steps (after
-`--warm-up` untimed ones: the compile happens there) of W sequences that are forks of one prefill (one block),
-every sequence holding N entries, in --repeats rounds with the forms interleaved; the median per-step time is
-reported, with the median of the per-round ratios to the ordinary step, the warm-up's wall time (what a compile
-costs), whether the forms gave the same tokens, and the step's floor on this device (keydiff.bench.floor: the
-weights and the W rows' N + 1 entries read once at the measured bandwidth, or the FLOPs at the measured matmul
-rate, whichever is larger) with each form's time over it.
+Decides which form a device runs by default (keydiff.batching.step.FIXED_SHAPES_DEFAULT). W forks of one
+prefill decode --steps timed steps in interleaved rounds; reported: median per-step time, ratio to the ordinary
+step, warm-up wall time (a compile's cost), token agreement and time over the step's floor (keydiff.bench.floor).
+`--forms ...,model` adds the model's own forward over a transformers cache of N entries.
 
     python -m keydiff.bench.fixed_step --model random-smollm2 --threads 2 --widths 1,8 --repeats 5 --json out.json
+
+Design: docs/design/benchmarks.md#prefill-decode-throughput
 """
 
 from __future__ import annotations

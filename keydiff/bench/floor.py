@@ -1,16 +1,10 @@
 """The floor of a decoding step: the least time any implementation could take on this device.
 
-A step of W rows against E cache entries per row must at least read every weight once and every row's keys and
-values once (memory-bound: bytes / bandwidth), and do its multiply-adds (compute-bound: FLOPs / matmul rate). The
-floor is the larger of the two. The step's measured time over its floor says how much is left to gain, and where:
-a step near the bandwidth floor gains nothing from fewer host calls, one far above both is bound by its host work
-or its kernels (issue 30: 26.7 ms per token at batch 1 on an H200, for a floor of 1.4 ms).
+The larger of reading every weight and every row's keys and values once (bytes / bandwidth) and doing the
+multiply-adds (FLOPs / matmul rate). GPU bandwidth is the vendor's figure by device name; CPU bandwidth and the
+matmul rate are measured here.
 
-Where the numbers come from:
-  GPU bandwidth: the vendor's figure by device name (an upper bound: the floor is optimistic).
-  CPU bandwidth: measured here, the best of a few full reads (`sum`) of a tensor far larger than the caches, with
-                 the process's threads.
-  matmul rate:   measured here on the device, the best of a few square matmuls in the model's dtype.
+Design: docs/design/benchmarks.md#the-floor-of-a-step-floor
 """
 
 from __future__ import annotations

@@ -1,40 +1,14 @@
 """Every GPU row of the step's targets in one command (`make gpu-bench`), within about 8 minutes on an H100/H200.
 
-On a random model of Llama-3.2-3B's shape in bfloat16 with sdpa (no download: shapes, not weights, set speed),
-greedy, L = 4,096, N = 1,024, B = 128 unless a row says otherwise, each row beside its anchors measured in the
-same process:
-
-  decode     ms per step at batch 1 and 16: KeyDiff with the fixed-shape step (a CUDA graph replayed) and with
-             the ordinary step; `full` (ours) at batch 16; transformers' eager DynamicCache loop; transformers'
-             StaticCache under torch.compile(mode="reduce-overhead") (its compile time recorded); the floor
-             (keydiff.bench.floor: weights + the rows' entries read once at the vendor's bandwidth, or the FLOPs at
-             the measured matmul rate if larger; the rates are the row "device rates"); a run's own path at batch
-             1, one keydiff.Decoder across calls (what a sample pays after the first, and the graphs captured);
-             KeyDiff's fixed-shape step with batch_invariant=True (keydiff.kernels' fixed-order kernels) and its
-             cost against the plain kernels (`x_plain`, steady steps: the number the "default on CUDA at <= 1.15x"
-             rule of docs/performance.md needs)
-  prefill    block-wise KeyDiff prefill (N = 2,048) at L = 32K for B = 64, 128, 256, 1,024 and at L = 128K for
-             B = 128: seconds and peak GiB beyond the weights, beside one full forward (logits_to_keep=1); B = 128
-             at 32K with the ordinary step too
-  exact      the fixed-shape step gives the ordinary step's tokens (batch 1 and 16); with batch_invariant, the 16
-             forks of one prompt decoded together give the tokens it gets at batch 1; batch 16 against each
-             sequence alone for 16 prompts of 1.5K-3K tokens, 64 tokens, KeyDiff N = 512 and full: how many of 16
-             identical (bf16: cuBLAS picks kernels by row count; see docs/gpu.md)
-  serving    32K prompts, 16 GB for the caches and the decode graph's memory pool: KeyDiff N = 1,024 sequences held
-             and tokens/s
-
-Each timing is given twice where a step is captured: per call as a user's first call pays it (`first_call_*`: a
-fresh keydiff.Decoder, its eager warm-up step and its capture included, `capture_s` the capture alone) and at
-steady state (one Decoder kept across calls, as a run keeps it: `ms_per_step`, `seconds`, `tokens_per_s`;
-`ms_per_step_steady` the replayed steps alone). `graph_pool_bytes` is what the captured graphs' memory pools hold.
-
-The rows are those of `planned_rows(sizes)`, in that order, whatever happens: each is printed and written to the
-JSON as soon as it is done, so a run cut short keeps what it measured; a row that fails is written with its error
-(type and first line) and the rest of its group as skipped; `--deadline` skips the rows that would start after
-it, each written as skipped. On a machine without CUDA, `--quick` runs every row at tiny sizes, with CPU stand-ins
-for what a CPU lacks (CUDA graphs, reduce-overhead compilation): the code paths, not the numbers.
+Groups decode, prefill, exact and serving, on a random model of Llama-3.2-3B's shape in bfloat16 (L = 4,096,
+N = 1,024, B = 128 unless a row says otherwise), each row beside its anchors measured in the same process.
+Captured steps are timed as a first call pays them (`first_call_*`) and at steady state (`ms_per_step`). The
+rows of `planned_rows(sizes)` are always written, in order, each as soon as it is done (failed or past
+--deadline: written as such). Without CUDA, --quick runs every row tiny with CPU stand-ins: code paths only.
 
     python -m keydiff.bench.gpu_bench [--quick] [--json results/bench/gpu_bench.json] [--deadline 450]
+
+Design: docs/design/benchmarks.md#every-gpu-row-in-one-command-gpu_bench
 """
 
 from __future__ import annotations
@@ -173,11 +147,10 @@ def decode_seconds(model, states, tokens: int, decoder: Decoder) -> tuple[float,
 
 
 def steady(model, states_of, sizes: Sizes, fixed: bool, invariant: bool = False) -> tuple[dict, list[list[int]]]:
-    """ms per step of decoding forks (`states_of()`, fresh each call) through one Decoder, after an untimed
-    warm-up of the process (first kernels, Triton's compiles) through another: `first_call_ms_per_step` the fresh
-    decoder's first call of `sizes.tokens` tokens (its eager first step and its capture included: what a user's
-    first call pays), then on the same decoder `ms_per_step` a call of 2 x `sizes.tokens` tokens (what every later
-    call pays) and `ms_per_step_steady` its difference with a call of `sizes.tokens` (the replayed steps alone)."""
+    """ms per step of decoding forks (`states_of()`, fresh each call) through one Decoder, after an untimed warm-up
+    through another: `first_call_ms_per_step` (a fresh decoder's first call, capture included), `ms_per_step` (a
+    later call of 2 x `sizes.tokens`), `ms_per_step_steady` (its difference with a call of `sizes.tokens`).
+    """
     width = len(states_of())
     options = dict(fixed_shapes=fixed, batch_invariant=invariant)
     decode_seconds(model, states_of(), 3, Decoder(model, width, **options))
@@ -230,12 +203,11 @@ def transformers_static_ms(model, prompt, batch: int, tokens: int, device: str) 
 
 
 def decoder_rows(model, state, sizes: Sizes, device: str, floor_ms: float | None) -> Iterator[dict]:
-    """A run's own path at batch 1: one keydiff.Decoder kept across calls (the runner's RunContext.decoder), each
-    call a fresh fork of the prompt decoding `sizes.tokens` tokens, as each sample of a run does. The first call
-    captures the decode graph; `ms_per_step` is the median of the next calls' whole time per step (first steps,
-    the move into the arena and the bookkeeping included: what every later sample pays), `first_call_ms_per_step`
-    the first call's, `graphs` the decode graphs the decoder captured over all calls (1 where it replays), and
-    `capture_failures` why a capture failed (its step then ran eagerly), if one did."""
+    """A run's own path at batch 1: one keydiff.Decoder kept across calls, each a fresh fork of the prompt.
+
+    `ms_per_step`: median of the calls after the first (everything a later sample pays); `first_call_ms_per_step`;
+    `graphs` captured over all calls (1 where it replays); `capture_failures` why a capture failed, if one did.
+    """
     decoder, seconds, graphs = Decoder(model, 1), [], []
     for _ in range(4):
         fork = state.fork(1)[0]
@@ -443,11 +415,10 @@ def release_memory(device: str) -> None:
 
 def run_group(group: str, planned: list[dict], make_rows: Callable[[], Iterator[dict]], log: common.RowLog,
               on_row: Callable[[dict], None] | None = None, deadline: Callable[[], str | None] = lambda: None) -> None:
-    """Log the group's rows as they come; the first failure is logged at the row it failed on (its identity, the
-    error's type and first line, the group) and the group's later rows as skipped, as are the rows left when
-    `deadline()` says why no new row may start. on_row: called with each row before it is logged; what it raises
-    is raised in the group where the row was made (the tests' way to fail a group in its middle, or to stop the
-    run there as a kill would)."""
+    """Log the group's rows as they come; the first failure at its row (identity, error type and first line) and the
+    later rows as skipped, as are those left when `deadline()` stops new rows. on_row sees each row before it is
+    logged; what it raises is raised in the group (the tests' way to fail or stop a group in its middle).
+    """
     done = 0
     try:
         rows = make_rows()

@@ -1,55 +1,15 @@
 """Self-check to run first on a new machine (`make gpu-check`): is the engine exact here, and does it run?
 
-On CUDA, in bfloat16, for attention sdpa, eager and flash_attention_2 (when flash_attn >= 2.1 is
-importable), on a tiny and a mid-size random Llama:
-  full = forward   `full` block prefill (B = 64) gives the logits of one forward pass (within tolerance)
-  N+B bound        every evicting policy: <= N entries after each block's eviction, peak <= N + B
-  N >= L = full    every evicting policy with a budget covering the prompt gives full's logits
-  plain loop       a plain greedy loop, model(input_ids=token, cache=state.cache) inside
-                   keydiff.keydiff_attention(model, state.cache), yields keydiff.generate's tokens
-                   (keydiff, sink, tova, snapkv). SKIP only while keydiff_attention takes no cache.
-  stacked = per layer   the stacked cache (all layers evicted in one call) keeps the same entries and
-                   generates the same tokens as layer-by-layer eviction (keydiff, tova, snapkv, h2o); on
-                   CUDA batched kernels may round differently, so the kept-set agreement must be >= 0.99,
-                   and the tokens identical wherever the kept sets are
-  batch 4 = alone  keydiff.generate_batch decodes four prompts of different lengths (one shorter than N) at
-                   batch 4 into the tokens each gets decoded alone (keydiff, tova, snapkv, full); on CUDA the
-                   KeyDiff prompts of N + B or more join one block and decode as a group (pool_rows' default)
-  fixed = ordinary the fixed-shape step (on CUDA a captured CUDA graph, replayed) keeps, scores and generates
-                   exactly what the ordinary step does: prefill blocks, 4 forks together, one sequence alone
-                   (keydiff); prefill blocks and one sequence alone, the statistic computed in the step (tova,
-                   snapkv, h2o)
-  one graph per run three prompts prefilled and decoded one call each through one keydiff.Decoder (a run at
-                   batch 1) capture one decode and one prefill-block CUDA graph between them, with the ordinary
-                   step's logits and tokens (on a CPU under keydiff.batching.static's stand-in for CUDA graphs)
-  batch 16 = alone Llama-3.2-3B's shape (CUDA, not --quick; else the tiny model), 16 prompts of 1.5K-3K tokens,
-                   32 tokens, KeyDiff N = 512 and full: in fp32 with TF32 off every sequence identical (PASS/FAIL);
-                   in bf16 the count is INFO (cuBLAS picks kernels by row count); in bf16 with batch_invariant=True
-                   (the decoding steps on keydiff.kernels' fixed-order kernels) every sequence identical (PASS/FAIL)
-  needle alone = in a batch   (batch invariance as vLLM checks it) a needle prompt decoded alone and at a random
-                   (seeded, recorded) position among 15 others, greedy and sampled, with batch_invariant=True:
-                   identical tokens (PASS/FAIL); the control with the mode off (INFO) says whether the outputs
-                   differ there, and if they do not, that the check proves nothing on that machine; both record the
-                   GPU, driver, CUDA, torch and Triton versions
-  fast ~ materialized   share of kept (layer, head, position) entries both statistic modes agree on
-                   (h2o, tova, snapkv); bf16 rounding may flip near-ties, hence a threshold, not equality
-  FA2 vs SDPA      the same weights give the same logits with both kernels
-  two GPUs         (2+ GPUs, else SKIP with the count) the mid-size model's layers split over cuda:0 and cuda:1
-                   (accelerate's dispatch_model, as device_map=auto places them): `full` gives one forward's
-                   logits, each layer's cache lives on its layer's GPU, the stack is one per GPU (no plane for a
-                   layer of the other), the N + B bound holds, and a plain loop yields generate's tokens
-then both benchmarks on Llama-3.2-3B's shape. On CPU the same engine checks run on the tiny model in
-float32 and bfloat16 with sdpa and eager, the rows that need flash-attn, a mid-size model or two GPUs say SKIP,
-and the benchmarks run tiny. Each row is printed and written to the JSON as it finishes (a crash is a FAIL row,
-the rows before it kept); the table comes at the end.
-
-Tolerances compare max |a - b| to max |reference logit| (random weights give small logits, so an
-absolute tolerance would mean nothing): 1e-4 in float32; in bfloat16 5e-2. Measured on CPU with the
-mid-size model in bf16: block vs single forward 9e-3 (rounding), eviction at N = L/4 0.9, and a
-top-left-aligned causal mask (what flash-attn < 2.1 does when queries < keys) 0.5-1.
-Exit status 1 if any row FAILs. --quick shrinks every size (the test suite runs it on CPU).
+Rows (PASS/FAIL/INFO/SKIP): full = forward, N+B bound, N >= L = full, plain loop, stacked = per layer,
+batch 4 = alone, fixed = ordinary, one graph per run, batch 16 = alone, needle alone = in a batch,
+fast ~ materialized, FA2 vs SDPA, two GPUs; then both benchmarks on Llama-3.2-3B's shape. On CUDA in bf16 for
+each attention kernel on a tiny and a mid-size random Llama; on CPU the tiny model, the rest SKIP. Logits are
+compared relative to max |reference logit| (1e-4 in float32, 5e-2 in bfloat16). Each row is written to the JSON
+as it finishes. Exit status 1 if any row FAILs; --quick shrinks every size (the tests run it on CPU).
 
     python -m keydiff.bench.gpu_check [--quick] [--threads 1] [--json check.json] [--deadline 420]
+
+Design: docs/design/benchmarks.md#the-self-check-gpu_check
 """
 
 from __future__ import annotations
@@ -300,11 +260,10 @@ STATISTIC_FIXED = ("tova", "snapkv", "h2o")  # in fixed shapes as one sequence a
 
 
 def check_fixed_equals_ordinary(model, prompt, sizes: Sizes, setting) -> Row:
-    """The fixed-shape step (keydiff.batching.static: on CUDA captured as a CUDA graph at its second call and
-    replayed) against the ordinary step, for KeyDiff: a prefill (its full blocks in fixed shapes) keeps the same
-    positions with the same logits, and 4 forks decoded together, and one alone, give the same tokens; for the
-    attention-statistic policies (their statistic written inside the step), a prefill and one sequence alone. The
-    graph replays the eager step's kernels, so the numbers must be bit-identical."""
+    """The fixed-shape step (keydiff.batching.static; on CUDA a replayed CUDA graph) against the ordinary step:
+    same kept positions, logits and tokens, bit for bit (the graph replays the eager step's kernels). KeyDiff:
+    prefill, 4 forks, one alone; attention-statistic policies: prefill and one alone.
+    """
     on, off = (prefill(model, prompt, "keydiff", sizes.budget, sizes.block, fixed_shapes=f) for f in (True, False))
     kept_same = all(torch.equal(a, b) for a, b in zip(on.kept_positions, off.kept_positions))
     logits_same = torch.equal(on.logits, off.logits)
@@ -375,12 +334,10 @@ def check_one_graph_per_run(model, prompt, sizes: Sizes, setting, stood_in: bool
 
 def check_batch_invariance(model_name: str, dtype: torch.dtype, device: str, batch: int, tokens: int,
                            lengths: tuple[int, int], budget: int, batch_invariant: bool = False) -> Row:
-    """`batch` prompts of `lengths` tokens decoded together against each alone, greedy, KeyDiff (N = budget) and
-    full, on a model of a real shape. In float32 with TF32 off every sequence must be identical (the kernels'
-    reduction order does not change the result beyond what exact ties could flip); in bfloat16 cuBLAS picks
-    kernels by row count, so the count is reported (INFO), unless `batch_invariant` (both the batch and each
-    sequence alone decode on keydiff.kernels' fixed-order kernels), whose claim is that every sequence is identical
-    (PASS/FAIL)."""
+    """`batch` prompts decoded together against each alone (greedy; KeyDiff at N = budget, and full) on a real shape.
+
+    fp32 with TF32 off: all identical (PASS/FAIL); bf16: a count (INFO); bf16 with `batch_invariant`: all identical.
+    """
     matmul_tf32 = torch.backends.cuda.matmul.allow_tf32 if device == "cuda" else None
     if device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False
@@ -474,11 +431,10 @@ def needle_outputs(model, needle, others: list, position: int, sizes: Needle,
 
 
 def check_needle(sizes: Needle, device: str, seed: int = NEEDLE_SEED) -> list[Row]:
-    """Batch invariance as vLLM checks it: one needle prompt decoded alone and at a random (seeded, recorded)
-    position among `sizes.others` other prompts, with batch_invariant=True (its tokens, greedy and sampled, must
-    be identical: PASS/FAIL), and the same with the mode off, a negative control (INFO): if the outputs do not
-    differ with it off either, the first row proves nothing on this machine, and the control says so. Each row
-    records the versions it ran on (`versions`)."""
+    """Batch invariance as vLLM checks it: a needle prompt alone and at a seeded random position among
+    `sizes.others` prompts with batch_invariant=True (PASS/FAIL), and the same with the mode off as a negative
+    control (INFO); each row records its `versions`.
+    """
     model = common.build_model(sizes.model, sizes.dtype, "sdpa", device)
     low, high = sizes.lengths
     lengths = torch.linspace(low, high, sizes.others).round().long().tolist()

@@ -3,17 +3,11 @@
     python -m keydiff.bench.long_prefill                                  # 4K..128K, keydiff and full, N=1024, B=128
     python -m keydiff.bench.long_prefill --lengths 4096,8192 --full-max-length 8192 --json results/bench/long.json
 
-Each (policy, L) runs in a fresh interpreter on random weights of SmolLM2-135M's shape (timings and memory depend
-on shapes only; positions beyond its trained 8K context are fine for measuring time and memory, not quality). The
-child builds the model, warms the kernels up with an untimed two-block prefill, resets the memory peak (CPU:
-/proc/self/clear_refs, so VmHWM restarts from the resident model; CUDA: reset_peak_memory_stats), then times one
-prefill of L tokens. Reported per row: VmHWM (CPU) or max allocated (CUDA) of that prefill, with the model's
-weights resident, and the prefill's seconds per prompt token. `full` (every token kept) runs up to
---full-max-length only: its cache grows with L (46 KiB per token in fp32 here) and its attention with L^2.
+Each (policy, L) runs in a fresh interpreter on random weights of SmolLM2-135M's shape. Targets for the bounded
+policy: at the largest L, peak memory <= 1.10 x and time per token <= 1.25 x the smallest L's. `full` runs up to
+--full-max-length only.
 
-Targets (issue 24): at the largest L, peak memory <= 1.10 x and time per token <= 1.25 x their values at the
-smallest L, for the bounded policy. A bound that holds keeps both flat: the cache never exceeds N + B entries per
-layer, and every block attends to at most N + B keys whatever L is.
+Design: docs/design/benchmarks.md#prefill-decode-throughput
 """
 
 from __future__ import annotations

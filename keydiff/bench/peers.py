@@ -8,32 +8,11 @@
     python -m keydiff.bench.peers tables results/bench/peers_cpu_4k.json results/bench/peers_cpu_16k_32k_vmhwm.json
                                                                   # the docs' and README's tables from perf JSON
 
-Both projects load ONE checkpoint: the model config of `--shape` (SmolLM2-135M's by default, from
-keydiff.bench.common), initialised once with `--seed` and saved as safetensors under
-`$KEYDIFF_CACHE/peers/` (or `--cache-dir`); every run prints the largest difference between the two sides'
-logits on the same short input, which must be ~0 (same weights, same kernels).
+Both sides load one saved checkpoint and each measurement runs in a fresh process (keydiff/bench/peers_runner.py):
+kvpress's in `.venv-kvpress` (keydiff.bench.peers_env), ours here. The JSON (--json) holds every value with its
+provenance. Why a pair can differ: docs/peers.md.
 
-Every measurement runs in a fresh process (keydiff/bench/peers_runner.py): kvpress's with the python of
-`.venv-kvpress` (kvpress 0.5.5 pins transformers < 5.3; keydiff.bench.peers_env builds it), ours with this
-interpreter. So memory peaks never mix and neither project's imports touch the other.
-
-parity: the whole prompt as ONE block (block size = L, what kvpress does), the same prompt ids and budget N
-(kvpress: compression_ratio r = 1 - N/L, the fraction it removes), for each pair in PAIRS. Per pair: the mean
-over layers of the layer's overlap (sum over KV heads of |ours ∩ theirs| / the larger of the two kept
-counts: |ours ∩ theirs| / N when both keep N per head), the smallest per-head overlap, whether every set is
-identical, and the entries each side keeps. Pairs whose policy is not in this checkout print "not available
-yet". docs/peers.md says why a pair can differ.
-
-perf: for each L in --lengths at N = --budget, the cases of PERF_CASES (--cases picks some): kvpress's
-KeyDiffPress called as its pipeline calls the model (one forward of the prompt under the press, no logits
-beyond the last position, then greedy decoding, no further eviction) and as its README calls it
-(`model(input_ids=ids, past_key_values=cache)`: logits for every prompt position, held until decoding ends),
-ours block-wise (B = --block-size, evicting after every token), ours with the prompt as one block. Each
-child warms up on a short prompt, resets its peak, then times TTFT and --new-tokens decode steps; peak
-memory = CUDA max allocated (GPU) or the child's own peak RSS (CPU: VmHWM after a clear_refs reset; not
-ru_maxrss, which keeps the parent's peak across execve). --rounds interleaved rounds (every case once per
-round, in turn), medians reported, ratios case / kvpress pipeline.
-The JSON (--json) holds every value with its provenance.
+Design: docs/design/benchmarks.md#against-kvpress-peers-peers_runner-peers_env
 """
 
 from __future__ import annotations

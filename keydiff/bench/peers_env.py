@@ -3,17 +3,11 @@
     python -m keydiff.bench.peers_env                 # build it if it is not complete, print its python
     python -m keydiff.bench.peers_env --dry-run       # only show what pip would install (nothing is written)
 
-Why a separate environment: kvpress 0.5.5 pins transformers < 5.3, this project runs transformers 5.x
-above that, and the two cannot share one interpreter. The environment is a plain venv beside `.venv`
-(never inside it, and `.venv` is never touched). Order matters: torch is installed FIRST from
-`--torch-spec` (default torch==2.13.0, the same release as `.venv`; on a CPU machine whose pip finds a
-local CPU wheel that is the small one, while any looser spec lets kvpress's `torch<3` pull gigabytes of
-CUDA wheels), then kvpress==0.5.5 without extras (its `eval` extra is evaluation-only). On a GPU machine
-pass the torch spec that matches its CUDA (`make bench-peers TORCH_SPEC="torch==2.13.0 --index-url ..."`: the
-first word is the requirement, the rest goes to pip with it), or keep the default.
+kvpress pins an older transformers than this project's, so it gets a plain venv beside `.venv`: torch first from
+--torch-spec (on a GPU machine, the spec matching its CUDA), then kvpress without extras. A `.complete` marker is
+written last; an interrupted build is redone.
 
-A marker file (`.complete`, holding the versions installed) is written last: a build that was
-interrupted has none and is redone from scratch, a complete one is reused as it is.
+Design: docs/design/benchmarks.md#against-kvpress-peers-peers_runner-peers_env
 """
 
 from __future__ import annotations

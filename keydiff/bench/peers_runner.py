@@ -3,18 +3,12 @@
     <.venv-kvpress>/bin/python -I keydiff/bench/peers_runner.py SPEC.json OUT.json    # kvpress's side
     <.venv>/bin/python -m keydiff.bench.peers_runner SPEC.json OUT.json               # this project's side
 
-Why one file for both sides: the two projects are measured by the same code (model loading, the logits
-check, the clocks, the memory peak), so only the method differs. Why no `keydiff` import at the top: kvpress
-pins transformers < 5.3 and runs in its own environment (`keydiff.bench.peers_env`), where keydiff cannot be
-imported; this file imports only torch and transformers there (and, by their paths, keydiff/device.py and
-keydiff/run/memory.py, which import no keydiff: the one sync and peak reading), and kvpress (side "kvpress")
-or keydiff (side "keydiff") inside the function that needs it. `-I` keeps the checkout's folders off kvpress's path.
+One file so both sides are measured by the same code; no `keydiff` import at the top, since keydiff cannot be
+imported in kvpress's environment (keydiff/device.py and keydiff/run/memory.py are loaded by path). SPEC is
+written by keydiff.bench.peers; OUT holds the logits check and the kept positions (parity) or the timings and
+memory peak (perf).
 
-SPEC (written by keydiff.bench.peers): side, mode ("parity" | "perf"), model_dir (a safetensors checkpoint
-both sides load), dtype, device, threads, prompt_file (JSON list of token ids), budget N, and per mode:
-parity: press (a PRESSES name) or policy + params (ours); perf: kvpress_call (kvpress's side: one of
-KVPRESS_CALLS), block_size (ours; None: one block), new_tokens, warmup_tokens. OUT: JSON with the logits
-check, the kept positions (parity: per layer, per KV head, sorted) or the timings and the peak memory (perf).
+Design: docs/design/benchmarks.md#against-kvpress-peers-peers_runner-peers_env
 """
 
 from __future__ import annotations

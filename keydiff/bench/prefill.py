@@ -5,19 +5,11 @@
     python -m keydiff.bench.prefill --attn eager --statistics materialized   # the paper's eager setting
     python -m keydiff.bench.prefill --policies full --block-size 4096 --length 4096 --reference
 
-How it measures, and why:
-* TTFT is the median of --repeats unprofiled runs (profile=False). Every policy first gets one untimed
-  warm-up run, so kernels, allocator pools, lazy initialisation and (through one keydiff.Decoder per policy, kept
-  as a run keeps one) the capture of the block step as a CUDA graph are not in the timed runs; then the
-  repeats run in rounds, each policy once per round in turn (keydiff.bench.common.interleaved_rounds), so that
-  drift in the machine's speed is shared by all policies instead of biasing their ratios.
-* The shares spent computing attention statistics and scoring/evicting come from one SEPARATE run with
-  profile=True (which synchronises the GPU around each statistic and eviction, and so slows the run);
-  they are shares of that profiled run's own time, never of the unprofiled TTFT.
-* --reference times a plain transformers forward of the same prompt, model(prompt, logits_to_keep=1),
-  with the model's own attention and its own DynamicCache: `full` with B = L should cost about the same,
-  so the ratio shows the engine's overhead.
-`random-*` models have public architectures with random weights (no download).
+TTFT is the median of unprofiled interleaved rounds after an untimed warm-up; the statistics and eviction shares
+come from one separate profiled run. --reference times a plain transformers forward of the same prompt, which
+`full` with B = L should match. `random-*` models have public architectures with random weights (no download).
+
+Design: docs/design/benchmarks.md#prefill-decode-throughput
 """
 
 from __future__ import annotations

@@ -5,20 +5,11 @@
     # options: --shape smollm2-135m|llama-3.2-3b|tiny  --device auto|cpu|cuda  --dtype  --threads  --repeats
     #          --warmup  --statistics fast|materialized  --policies  --block-size  --sizes / --budgets --blocks
 
-What is timed: one layer's eviction decision after a block, exactly what the cache runs (keydiff.cache):
-the attention statistic the policy needs (none for KeyDiff and sink; TOVA the last query row, SnapKV the
-last `window` rows, H2O every row's column sums), computed from the block's queries and the N + B cached
-keys with `keydiff.attention.attention_statistic` ("fast") or read from precomputed weights
-(`materialized`, the paper's eager setting, where attention weights exist anyway), then the policy's
-`observe` and `evict_indices` (score, protected entries, top-k). Not timed: the layer's attention output,
-moving the kept entries. Inputs are random tensors of the model's head shape (timings depend on shapes
-only), one layer, batch 1.
+Times one layer's eviction decision after a block as the cache runs it (the statistic the policy needs, then
+`observe` and `evict_indices`), on random tensors of the model's head shape; median with interquartile range,
+peak memory from a separate run. Output files carry a device tag and are rewritten on each run.
 
-How: --warmup untimed runs, then --repeats runs each between two device synchronisations (CUDA); the
-median is reported with the interquartile range. Peak memory is measured in a separate, untimed run:
-CUDA: max_memory_allocated above what was allocated before; CPU: the torch profiler's allocation events
-(profile_memory=True), the running sum's maximum. The machine should be otherwise idle: results name the
-device, dtype, threads and torch version. Output files carry a device tag and are rewritten on each run.
+Design: docs/design/benchmarks.md#prefill-decode-throughput
 """
 
 from __future__ import annotations

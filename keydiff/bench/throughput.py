@@ -4,30 +4,12 @@
     python -m keydiff.bench.throughput --serving --memory-gb 4       # sequences held and tokens/s in 4 GB
     python -m keydiff.bench.throughput --device cuda --json results/bench/throughput_cuda.json
 
-Default mode. One prompt of L tokens (default 4096) is prefilled once per policy (`full`: all L entries;
-the others: N, default 1024) and forked into `batch` independent caches (PrefillResult.fork), which then
-decode --new-tokens tokens together through keydiff.generate_batch, evicting after every token. Reported per
-(policy, batch): aggregate decode tokens/s (batch x tokens / wall time of the decode; prefill not included)
-and its ratio to the same policy at batch 1. Forks of one prefill lie side by side and, for policies that need
-nothing from attention (KeyDiff, K-norm, sink), attend and evict as one group (keydiff.batching); `--per-row`
-adds "<policy> per-row" cases that decode the same forks row by row, which is what a batch of separately
-prefilled prompts got before they were pooled (`pool_rows=False`); `--pooled` adds "<policy> pooled" cases:
-copies in buffers of their own (as prompts prefilled apart are) decoded as generate_batch does by default, each
-moved into one block as it joins (that copy timed), then grouped like forks. The `transformers` row is the anchor: the same L-token prompt in
-transformers' own DynamicCache, batch rows decoded by a plain greedy loop (what a transformers user gets from
-a full cache at that batch); `--continuous-batching` adds transformers' `generate_batch` (paged full caches,
-its paged cache sized for the run; its decode time is the difference of a --new-tokens run and a 1-token run).
-Every row records the peak memory of its case and, where known, the bytes its caches held.
+Default: one prompt prefilled per policy and forked into `batch` caches decoded together (generate_batch), with
+transformers' DynamicCache loop as the anchor; --per-row, --pooled and --continuous-batching add cases.
+--serving: how many sequences each policy holds in --memory-gb and their tokens/s. Medians over --repeats after
+one untimed warm-up; prefill not included.
 
---serving: for a memory budget for the caches (--memory-gb) and each prompt length in --lengths (default
-4096,16384,32768), how many sequences each policy holds at once (full: L + new tokens entries per layer and KV
-head; bounded: N + 1, or what a bounded cache really allocates if more) and their aggregate steady-state decode
-tokens/s at that batch (capped by --max-batch; the caches are in the state a prefill of L tokens leaves, by one
-prefill per policy forked; prefill not included), with the bytes the measured caches held.
-
-Timings are medians over --repeats after one untimed warm-up; take them on a quiet machine. Each step and
-case is announced on stderr as it starts, with the time left estimated from the cases timed so far
-(keydiff.bench.common.Progress).
+Design: docs/design/benchmarks.md#prefill-decode-throughput
 """
 
 from __future__ import annotations
@@ -149,10 +131,9 @@ def paged_cache_config(length: int, new_tokens: int, batch: int):
 def continuous_batching_case(model, prompt, batch: int, args, device: str):
     """transformers' own continuous batching (`model.generate_batch`, paged full caches, no eviction).
 
-    It interleaves prefill and decode behind a background thread, so its decode cannot be timed from outside;
-    the decode time is taken as the difference of two runs of `batch` copies of the prompt, one generating
-    --new-tokens tokens and one generating 1 (same prefills, same manager start-up): "seconds" is that difference, the decode of new_tokens - 1
-    tokens, and "seconds_with_prefill" the long run's whole wall time."""
+    Its decode runs behind a background thread, so "seconds" is the difference of a --new-tokens run and a 1-token run
+    (the decode of new_tokens - 1 tokens); "seconds_with_prefill" the long run's wall time.
+    """
     from transformers import GenerationConfig
 
     def timed(new_tokens: int) -> float:
@@ -234,11 +215,9 @@ def decode_mode(model, prompt, names: list[str], args, device: str) -> list[dict
 def serving_mode(model, names: list[str], args, device: str) -> list[dict]:
     """Per prompt length and policy: one prefill, then `held` sequences' worth of caches by forking it.
 
-    `held` is what fits in --memory-gb: the budget over a sequence's cache bytes, the larger of the issue's entry
-    count (full: L + new tokens; bounded: N + 1, times the bytes of one entry) and what a fork of the prefilled
-    cache really allocates (a bounded cache keeps its prefill capacity, N + B, while decoding). The measured batch
-    is min(held, --max-batch); the bytes its caches hold after the decode (sum of the rows' kv_cache_bytes) are
-    recorded, with their projection to `held` sequences and whether that is within the budget."""
+    `held` = --memory-gb over a sequence's cache bytes (the larger of the entry count and what a fork really allocates);
+    the measured batch is min(held, --max-batch), with its caches' bytes, their projection to `held` and the verdict.
+    """
     budget_bytes = args.memory_gb * (1 << 30)
     per_entry = common.kv_cache_bytes(None, model, 1)  # keys + values of one token, every layer and KV head
     rows = []

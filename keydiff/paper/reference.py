@@ -1,17 +1,10 @@
 """The paper's published value for one grid point, read from results/paper/*.csv (written by the tables work).
 
-Why here: W&B panels can only draw what the runs carry, so each run's W&B summary gets `paper/<key>` beside
-our `<key>` (`paper/score` next to `score`, `paper/metrics/datasets/qasper` next to
-`metrics/datasets/qasper`), and the report draws them side by side. The CSV files are optional: without
-them, or for a grid point the paper does not report, there is simply no `paper/` key.
+Each run's W&B summary gets `paper/<key>` beside our `<key>` (W&B panels draw only what runs carry); without the
+CSVs, or for a point the paper does not report, there is no `paper/` key. CSV columns: table, model, policy,
+budget, block_size, row, column, column_kind, metric, value, samples, samples_total, note.
 
-CSV columns (one row per published cell): table, model, policy, budget, block_size, row, column,
-column_kind, metric, value, samples, samples_total, note. `table` is the paper's table number,
-`model`/`policy`/`budget`/`block_size` use this project's names (model config name, policy label, budget
-label such as "2k", block size or "inf"); an empty field means the table does not vary it. `column` is a
-LongBench dataset, "avg" (the table's average, the one spelling) or a setting such as "4K", and
-`column_kind` says which (dataset, average, generation_length, ...); an empty `value` is a cell the
-extracted text garbles (results/paper/README.md).
+Design: docs/design/reports.md#against-the-paper-reportagainst_paper
 """
 
 from __future__ import annotations
@@ -45,12 +38,9 @@ def paper_values(rows: list[dict[str, str]], *, model: str, policy: str, budget_
                  block_size: Any, experiment_name: str, primary: str, policy_name: str | None = None) -> dict[str, float]:
     """Our summary key -> the paper's value, for the cells of `rows` that describe this grid point.
 
-    The policy is matched by its label (keydiff_w20), else by its name (keydiff: the paper's Table 4 calls
-    its windowed KeyDiff plain "KeyDiff"). `primary` is the task's headline metric name (LongBench
-    "average", Math-500 "flex", ...): the paper's "avg" column, or its `primary` metric, becomes `score`; a
-    LongBench dataset column becomes `metrics/datasets/<dataset>`. A table with settings as columns
-    (Table 4: 4K/8K/32K generation lengths) is matched through the experiment name (table4_gen8k -> "8K");
-    anything still ambiguous is left out.
+    The policy matches by label, else by name (Table 4's "KeyDiff" is our keydiff_w20). The "avg" column or the
+    `primary` metric becomes `score`, a LongBench dataset `metrics/datasets/<dataset>`; setting columns (Table 4's
+    4K/8K/32K) match through the experiment name; anything still ambiguous is left out.
     """
     block = "inf" if block_size in (None, "inf") else str(block_size)
     cell = [row for row in rows if _matches(row.get("model"), model) and _matches(row.get("budget"), budget_label)

@@ -1,26 +1,12 @@
 """The one declaration of the paper's tables and figures: which experiments feed each, with which policies,
 models, budgets, block sizes and datasets, the table's layout kind, and how policies are named.
 
-Why one registry: the tables (keydiff.report.tables), the cell-by-cell comparison with the paper
-(keydiff.report.against_paper), the figures index (keydiff.report.figures) and the W&B reports
-(keydiff.report.wandb, through keydiff.paper.reference) all read this module, so adding an experiment to a
-table, or renaming a policy, is one edit here.
+The tables, the comparison with the paper, the figures and the W&B reports all read it, so adding an experiment
+to a table or renaming a policy is one edit here. `PaperTable` (fields: reads, run, fill, tasks, models,
+policies, budgets, block_sizes, datasets, needs, paper_labels), `TOLERANCES` per metric, `DISPLAY_NAMES` per
+policy label.
 
-Fields of a `PaperTable`:
-  reads        experiments whose runs fill the table, in priority order (a configuration is taken from the
-               first experiment that has it: Table 1 falls back to Table 11's runs, the full rows come from
-               the *_full experiments)
-  run          the experiments to run when the table is still empty (its placeholder and the results index)
-  fill         (evicting, full) experiment of the `python run.py` lines that fill missing paper cells
-               ("table4_gen": the generation length of the cell picks table4_gen4k / 8k / 32k)
-  tasks        task names in priority order (longbench_full before its English view longbench)
-  models, policies, budgets, block_sizes, datasets: the grid the table shows (None, or no block
-               sizes: any)
-  needs        the table is written only when a run of one of these policies has scores (default: any policy
-               but full)
-  paper_labels our policy label -> the paper's name for it in this table (App. E's "KeyDiff" of Tables 4-7
-               is KeyDiff with a 20 % recent window, our keydiff_w20)
-Tolerances of the comparison are per metric (`TOLERANCES`), display names per policy label (`DISPLAY_NAMES`).
+Design: docs/design/reports.md#paper-tables-reporttables-and-the-registry-paperregistry
 """
 
 from __future__ import annotations
@@ -209,7 +195,7 @@ FIGURES = [
 ]
 
 # ----------------------------------------------------------------------------- the comparison
-# |ours - paper| above these is "outside" (keydiff.report.against_paper's docstring says why each).
+# |ours - paper| above these is "outside" (docs/design/reports.md#against-the-paper-reportagainst_paper says why each).
 TOLERANCES = {"score": 2.0, "longbench_avg": 1.0, "flex": 0.03, "exact": 0.03, "compression_ratio": 0.03,
               "accuracy": 0.2, "recall_difference": 0.1, "spearman_rho": 0.05}
 RELATIVE_TOLERANCES = {"avg_gen_length": 0.10, "relative_latency": 0.5}  # fractions of the paper's value

@@ -1,31 +1,13 @@
 """Our numbers next to the paper's, cell by cell: results/tables/<table>_vs_paper.md / .tex.
 
-Why a long (one line per cell) layout: the same code then serves every table, whatever its shape, and each
-line carries what a reviewer needs to judge it: ours, the paper's value (results/paper/*.csv), the
-difference, how many samples stand behind our cell and marks for failed samples (†k), subset runs
-(§, task.limit) and runs that are not complete (~). A summary line per table gives the mean absolute
-difference, the cells outside the tolerance below, the sample counts, and the paper cells we have no run
-for, with the `python run.py experiment=...` commands that fill them.
-
-Only the same model is compared. When our runs use another model (the offline default SmolLM2 is none
-of the paper's), the paper's values are shown beside ours for reference, with no difference, and the
-summary says so. Tables whose paper model is not named (Table 9) match any model; Table 8's counts use
-the Llama-2 tokenizer, so they are always reference-only.
-
-Tolerances (|ours - paper| above them is "outside"), chosen from what legitimately moves a cell between
-two faithful implementations (bf16 kernels, generation ties, data revisions, sampling):
-  LongBench dataset score / row average (0-100)   2.0 points
-  LongBench full-suite average (Tables 15, 16)    1.0 point
-  Math-500 flex / exact (5 samples x 500)         0.03 (about 3 standard errors)
-  Math-500 average generation length              10 % of the paper's value
-  compression ratio (Table 9)                     0.03
-  prompt-length bin counts (Table 8)              10 prompts
-  phonebook accuracy (Table 17)                   0.2 (one book of five)
-  NIAH recall difference (Table 18)               0.1
-  Spearman rho (Table 3), relative latency (19)   0.05, 50 % (for the analysis scripts)
-(the values: keydiff/paper/registry.py TOLERANCES; which runs feed each table: its TABLES)
+One line per cell (ours, the paper's value from results/paper/*.csv, the difference, our samples, marks) and a
+summary line per table (mean |difference|, cells outside tolerance, the commands that fill missing cells). Only
+the same model is compared; other models get the paper's values for reference. Tolerances:
+keydiff/paper/registry.py TOLERANCES, which runs feed each table: its TABLES.
 
     python -m keydiff.report.tables     writes every comparison (this module has no command line)
+
+Design: docs/design/reports.md#against-the-paper-reportagainst_paper
 """
 
 from __future__ import annotations

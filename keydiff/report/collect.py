@@ -1,45 +1,13 @@
 """Collect every run under results/runs into one tidy file, results/summary.csv (one row per run).
 
-A grid point split into shards (`shard=i/n`) is merged into its result first, once every shard is complete
-(keydiff.run.shard_merge); a shard's own summary is never a row, so a partly run point has no row at all.
-
-Why a single CSV: tables and figures read only this file, so `make tables figures` works from a
-committed summary.csv on a laptop without the run directories (only the prompt-length histograms
-need predictions.jsonl). Columns:
-
-  experiment task model policy policy_name budget budget_label block_size seed  - what ran
-  attention_statistics attn_implementation limit complete samples run_dir      - how, how much
-  batch_size invocations     how the rows were computed (summary.json's invocations, keydiff.run.invocations):
-                             the batch size of every invocation that computed rows, or "mixed: 1, 8" when
-                             they differ; how many invocations (empty: a summary from before they were
-                             recorded, whose fields describe only its last invocation)
-  num_failed failures/<reason>  samples that failed (out of memory, too long, ...): summary.json's
-                             num_failed / failures; runs written before these keys existed count 0
-  mean_kept_ratio mean_ttft_s mean_prompt_tokens cache_bound_held              - run statistics (kept ratio:
-                             the share of the prompt kept, min(N / L, 1); kvpress's compression_ratio is 1 - it)
-  max_new_tokens             the task's generation cap (task.max_new_tokens; empty where the task sets it per
-                             sample): runs that differ in it are different configurations
-  nothing_evicted            True when an evicting policy's budget never bound (every prompt fit in N and no
-                             layer's cache ever exceeded its budget): the run scores as the full cache would
-  degenerate                 samples whose output collapsed into one repeated n-gram (predictions.jsonl's
-                             `degenerate`, keydiff.tasks.degenerate); empty for runs written before it existed
-  score                      the task's primary metric (LongBench average, NIAH needle_recall,
-                             Math-500 flex, Phonebook exact)
-  metrics/<path>             every numeric task metric, nested dicts flattened with "/"
-  lb/<dataset>               LongBench official per-dataset score (summary["metrics"]["datasets"])
-  cr/<dataset>               LongBench per-dataset mean compression ratio (Table 9, from predictions)
-  subset/*                   Math-500 only: metrics on the samples whose full-cache context exceeds
-                             this run's budget, for this run and for the full run (Tables 5 and 7)
-  se/<column>                standard error of that column's mean over the run's samples (score,
-                             metrics/<score>, lb/<dataset>, cr/<dataset>, metrics/tasks/<task>,
-                             metrics/by_size/<size>/exact, metrics/avg_new_tokens, subset/[full_]flex|exact,
-                             mean_ttft_s, mean_kept_ratio), from predictions.jsonl; the 95 %
-                             intervals of every table and figure come from it (keydiff/report/render.py)
-
-Runs that overwrite=true moved aside (`<run dir>.old-<time>`) are history: never collected, so never averaged
-or listed in a table; `--include-old` lists them (and only lists them).
+Tables and figures read only this file, so they work from a committed summary.csv without the run directories.
+Shards of a grid point are merged once all are complete; runs moved aside by overwrite=true are never collected
+(`--include-old` lists them). Columns include what ran, run statistics, every metric (`metrics/<path>`), and
+`se/<column>`, the standard error every interval is drawn from.
 
     python -m keydiff.report.collect [--runs results/runs] [--out results/summary.csv] [--include-old]
+
+Design: docs/design/reports.md#one-csv-reportcollect
 """
 
 from __future__ import annotations
@@ -94,10 +62,8 @@ def block_label(block_size) -> str:
 def standard_errors(family: str, rows: list[dict], metrics: dict) -> dict[str, float]:
     """`se/<column>` for the columns that average this run's samples, from their per-sample values.
 
-    LongBench and RULER average per-dataset (per-task) scores of 0-100: their SE is grouped and scaled
-    (keydiff.report.render.grouped_mean_se); every other task's score is a plain mean of per-sample scores.
-    RULER's samples flagged `info.short` are left out, as Ruler.summarize leaves them out of the scores, so
-    a task whose samples are all short has no group (and no SE), as it has no score.
+    LongBench and RULER scores are grouped per dataset / task (render.grouped_mean_se); RULER's `info.short` samples
+    are left out, as from the scores.
     """
     scored = [r for r in rows if isinstance(r.get("scores"), dict)]
     out: dict[str, float] = {}

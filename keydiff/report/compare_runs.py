@@ -1,16 +1,12 @@
-"""Two runs of one grid point side by side, e.g. batch_size=1 against batch_size=8: wall-time ratio and whether
-every prediction is identical, listing each sample that differs.
+"""Two runs of one grid point side by side (e.g. batch_size=1 against 8): wall-time ratio and identical predictions?
 
     python -m keydiff.report.compare_runs RUN_DIR_A RUN_DIR_B [--tokenizer smollm2-135m]
 
-Wall time is the time each run's sample loops took (model load and warm-up excluded), summed over the invocations
-that computed its rows (summary.json's `invocations`, keydiff.run.invocations; a re-run that computed nothing adds
-nothing). No ratio is given, with the reason, where a run's rows were computed at different batch sizes or
-threads, or an invocation recorded no wall time (summaries from before invocations were recorded: a later
-re-run that computed nothing replaced theirs).
-A differing sample is listed with the character offset of its first difference and, with --tokenizer, the
-position of the first differing token. The logit gap at that token needs the model (teacher-force the prompt
-and the common prefix at batch 1); this tool does not load it.
+Wall time is the runs' sample loops, summed over the invocations that computed rows; no ratio (with the reason)
+where rows came from different batch sizes or threads. A differing sample is listed with the offset of its first
+difference (with --tokenizer, the first differing token).
+
+Design: docs/design/reports.md#comparing-two-runs-reportcompare_runs
 """
 
 from __future__ import annotations

@@ -1,35 +1,15 @@
 """Paper figures from results/summary.csv (prompt lengths: from the runs' predictions.jsonl) into results/figures/.
 
-  <niah task>_<exp>_<model>_<budget>_bs<B>   Figures 6 / 19: needle recall over context length x needle
-                                      depth, one panel per policy (the experiment's full runs first)
-  ttft_<exp>_<model>                  Figures 7 / 17: mean time to first token vs budget, one panel per
-                                      block size, one line per policy (experiments whose name has "ttft")
-  prompt_lengths_<model>              Figure 18: prompt-length histogram per LongBench dataset
-  leaderboard                         kvpress-style: average RULER score vs fraction of the prompt kept (kvpress's
-                                      compression ratio on the top axis), one line per method, full cache dashed
-  protocol                            the protocol comparison: score x100 per way of asking (question in prompt,
-                                      query-agnostic, multi-request / multi-turn k), one panel per budget, one line
-                                      per method, the full cache dashed (keydiff.report.protocol)
-  generic/<exp>__<task>__<model>__bs<B>  every experiment (adhoc included) and task: primary score vs
-                                      budget with 95 % error bars, one line per policy at its true budget
-                                      (its own marker and line style), the full cache as a dashed line
-                                      with its interval shaded; hollow markers and "§" = subset run
-                                      (task.limit), n in the legend; a subset run is never averaged with
-                                      the whole-task run of its configuration (generic.runs_of); "∅" beside
-                                      a point whose budget held every prompt (nothing evicted); runs of
-                                      different task.max_new_tokens are separate lines, labelled with it
-Each policy has one colour (and marker and dash) in every figure, keyed by its label (POLICY_COLORS).
-
-Which experiments feed the paper figures: keydiff/paper/registry.py FIGURES; policy names: its DISPLAY_NAMES.
-Error bars (also on the TTFT figures) and intervals: keydiff/report/render.py (inside a score's range; none
-below 5 samples). Heatmap cells carry their value, panels name the samples per cell and mark subset runs §.
-
-Every file is written as .png and .pdf, byte-reproducible (Agg backend, fixed style, metadata
-stripped): the same CSV gives the same sha256, so figures can be checked into a paper repository and
-diffed. Like the tables, only complete runs of the whole task count, except for the smoke experiment.
+NIAH heatmaps (Figures 6 / 19), TTFT vs budget (Figures 7 / 17), prompt-length histograms (Figure 18), the
+kvpress-style leaderboard, the protocol comparison, and generic/ score-vs-budget plots for every experiment and
+task (95 % error bars, subset runs hollow and marked §). Each policy keeps one colour, marker and dash in every
+figure (POLICY_COLORS). Which experiments feed each: keydiff/paper/registry.py FIGURES. Files are .png and .pdf,
+byte-reproducible.
 
     python -m keydiff.report.figures [--summary results/summary.csv] [--out results/figures]
                                      [--runs results/runs] [--collect]
+
+Design: docs/design/reports.md#figures-reportfigures-analysisfigures
 """
 
 from __future__ import annotations
@@ -243,12 +223,10 @@ def prompt_lengths(df, runs_root: Path, out: Path) -> list[Path]:
 
 
 def score_vs_budget(df, out: Path) -> list[Path]:
-    """Score vs budget per policy for whatever ran (subset and incomplete runs included, and marked), with
-    95 % error bars (render.interval: inside the score's range; none below 5 samples). Configurations are those
-    of the generic tables (generic.runs_of): a subset run is never averaged with the whole-task run of its
-    configuration. Each policy is drawn at its true budget with its own marker and line style, so series with
-    equal scores stay apart; the y axis starts at 0. Ratio budgets ("r0.25") get a figure of their own
-    ("...__ratio"), with the fraction of the prompt kept on the x axis; the full cache's line is drawn in both."""
+    """Score vs budget per policy for whatever ran (the generic tables' configurations, subset and incomplete runs
+    marked), with 95 % error bars, each policy at its true budget with its own marker and dash, y from 0. Ratio
+    budgets ("r0.25") get a figure of their own ("...__ratio"); the full cache's line is in both.
+    """
     paths = []
     (out / "generic").mkdir(parents=True, exist_ok=True)
     runs = generic.runs_of(df)
@@ -312,13 +290,10 @@ def score_figure(group, position, xlabel: str, out: Path, name: str, key) -> lis
 
 
 def leaderboard(df, out: Path) -> list[Path]:
-    """leaderboard.png/.pdf: average RULER score vs the fraction of the prompt kept (kvpress's compression ratio,
-    1 - kept, on the top axis), one line per method at its true ratio, told apart by colour, marker and line
-    style, with 95 % error bars (Wilson inside 0-100 over the run's samples; none below 5); the full cache a
-    dashed line with its interval shaded. One panel per (task, model, protocol: kvpress's or bounded, see keydiff.report.leaderboard). Hollow markers: subset or unfinished
-    runs, and points averaged over fewer RULER tasks than the panel's most ("k/13" written beside them); a full
-    cache over fewer tasks is dotted and says "k/13 tasks". The runs of the leaderboard table
-    (keydiff.report.leaderboard.runs)."""
+    """leaderboard.png/.pdf: average RULER score vs fraction of the prompt kept (kvpress's ratio on the top axis), one
+    line per method with 95 % error bars, the full cache dashed and shaded; one panel per (task, model, protocol).
+    Hollow markers: subset or unfinished runs, or fewer RULER tasks than the panel's most ("k/13").
+    """
     selected = board.runs(df, registry.TABLES["leaderboard"])
     if selected.empty:
         return []

@@ -1,30 +1,12 @@
 """Generic tables for the ordinary research loop: whatever ran, per experiment (``adhoc`` included) and task.
 
-Why: the paper tables only take complete runs of named paper experiments over whole tasks, so a sweep like
-``python run.py -m policy=keydiff,sink budget=1k,2k task.limit=2`` appears in none of them. Here every run in
-results/summary.csv counts, complete or not, subset or not, and says which it is:
+The paper tables take only complete whole-task runs of paper experiments; here every run in results/summary.csv
+counts and says what it is. results/tables/generic/<experiment>__<task>.md / .tex hold the primary score as
+policy x budget ("value [95 % interval] (n)") and every configuration as a row with each metric. A subset run is
+never averaged with its configuration's whole-task run; marks § subset, †k failed, ~ not complete, ∅ nothing
+evicted; seeds are averaged as repeated measures of the same samples.
 
-  <experiment>__<task>.md / .tex  in results/tables/generic/
-    1. the task's primary score (named: needle_recall, average, ...) as policy x budget (rows: model, block
-       size, policy; one column per budget, "--" = no budget, the full cache), each cell
-       "value [95 % interval] (n)" with n the samples scored (keydiff/report/render.py);
-    2. every configuration as a row with each top-level task metric (and LongBench's per-dataset scores),
-       "kept N/L" (the mean fraction of the prompt kept, the paper's compression ratio) and TTFT, n,
-       failed samples, task.limit and seeds.
-
-A subset run (task.limit) is never averaged with the whole-task run of the same configuration: it
-reuses that run's first samples. A configuration shows its whole-task run when it has one, else its
-subset run of the largest limit, marked §; the status line counts the subset runs left out.
-Marks (also in each file's legend): § subset run (task.limit set), †k k samples failed (out of memory,
-prompt too long, ...: see failures/* in summary.csv), ~ run not complete (still running or stopped), ∅ nothing
-was evicted (the budget held every prompt: the run is the full cache). Runs whose task.max_new_tokens differ
-are different configurations: where a table mixes them, each policy is labelled with its own
-("keydiff [max_new_tokens=20]") and the status line says so. "collapsed" counts the outputs that degenerated
-into one repeated n-gram (keydiff.tasks.degenerate; they score 0 like a wrong answer), "k/n"; "--" for runs
-written before the flag existed.
-Seeds of one configuration are averaged as repeated measures of the same samples (the run seed only seeds
-sampling; task data is fixed by task.seed): n is the per-seed n (a range "5–6" when seeds scored different
-numbers), the standard error the mean of the seeds' (keydiff.report.render.seeds_se), "seeds" counts them.
+Design: docs/design/reports.md#generic-tables-reportgeneric
 """
 
 from __future__ import annotations

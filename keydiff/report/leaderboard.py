@@ -1,31 +1,13 @@
 """The kvpress-style leaderboard: average RULER score vs the fraction of the prompt kept, one line per method.
 
-Why its own table: kvpress's leaderboard (evaluation/leaderboard.sh, shown in an HF Space) compares presses by
-the RULER 4K average at compression ratios 0.25 / 0.5 / 0.75 / 0.875 next to no_press. experiment=leaderboard
-runs that grid here with ratio budgets (budget=r0.25 keeps N = ceil(0.25 x prompt tokens); kvpress's
-compression ratio is the fraction removed, r = 1 - 0.25 = 0.75) and experiment=leaderboard_full the full cache
-once. `runs` selects them (registry.TABLES["leaderboard"]: those two experiments, any RULER task, model and
-block size, subset runs included and marked); `write` lays out results/tables/leaderboard.{md,tex,csv} and
-keydiff.report.figures draws results/figures/leaderboard.{png,pdf} from the same selection.
-
-Protocols. kvpress's leaderboard compresses the context alone (query_aware=false) and appends the question; its
-query-aware loop compresses both. Rows of query_aware=true runs are named "<method> (query-aware)" (runs made
-before the switch existed were all query-aware). Each row also says its protocol (`protocol`): "kvpress's
-protocol" (one block, nothing evicted while decoding: the numbers to lay beside kvpress's), "bounded (B=...)"
-(block-wise, eviction after every generated token), or the block size and decode eviction of any other run.
-
-Table: one row per (task, model, protocol, method): the full cache first (its score in the column "1 (r=0)"), then
-the methods ranked by Avg. (mean over the kept ratios in the table, shown only when every ratio ran completely on
-the same tasks and samples; ties by name); one column
-per kept ratio, headed "kept (r=kvpress compression ratio)". Cells: RULER average x100 "value [low, high]
-(n=samples per task)" (95 % Wilson interval inside 0-100 over all the samples behind the average,
-keydiff/report/render.py; Avg.'s uses the mean of the ratios' standard errors, a bound, since every ratio
-scores the same samples). Marks: § subset run (task.limit), †k
-failed samples, ~ run not complete, (k/13) tasks scored. Best method per column (within a task, model and protocol)
-is bold where it is above the rest (render.best_mask: all tied, none); the full cache is the reference, never bold. The CSV holds the same numbers, one row per run.
-Only ratio budgets enter the leaderboard (a token budget in these experiments is in the generic tables).
+`runs` selects experiment=leaderboard (ratio budgets, budget=r0.25 keeps a quarter of the prompt) and
+leaderboard_full (registry.TABLES["leaderboard"]); `write` lays out results/tables/leaderboard.{md,tex,csv}: one
+row per (task, model, protocol, method), the full cache first, methods ranked by Avg., one column per kept ratio,
+cells RULER average x100 "value [low, high] (n=...)". keydiff.report.figures draws the same selection.
 
     python -m keydiff.report.tables     (writes it with every other table; make tables / make leaderboard)
+
+Design: docs/design/reports.md#leaderboard-and-protocol-comparison-reportleaderboard-reportprotocol
 """
 
 from __future__ import annotations

@@ -1,27 +1,13 @@
 """The protocol comparison: one score per method and budget under each way of asking about a compressed context.
 
-Why its own table: the KeyDiff paper compresses the question with the context; kvpress's leaderboard compresses
-the context alone; a served document is compressed once and asked several questions, in separate requests or in
-one conversation. Query-aware methods (SnapKV, TOVA, H2O) score entries with the question's attention, so the
-literature (KVzip, SCBench) predicts they lose more than key-only ones (KeyDiff, K-norm) once the question is
-unseen. experiment=protocol (+ protocol_shared, protocol_full, protocol_shared_full) runs the task
-shared_ruler_4k (keydiff.tasks.ruler_shared) so; this table lays it out.
-
-Columns, in this order (k = questions per context = needles in its haystack; one run each):
-  question in prompt     task.mode=independent, query_aware=true: context + question compressed together
-  query-agnostic         task.mode=independent, query_aware=false: context compressed, question held after it (the
-                         same as multi-request and multi-turn with k = 1: one question, one compression)
-  multi-request k=K      the context compressed once, each of K questions answered from a copy of that state
-  multi-turn k=K         one conversation: question j+1 after answer j in the same bounded cache
-(independent runs at k > 1 get a column of their own, "question in prompt k=K" / "query-agnostic k=K").
-
-Rows (Model, Method, Budget): the full cache first (budget "--"; per column, its own run), then each method per
-budget. Cells: mean string-match score x100 over the questions "value [low, high] (n=questions)", the 95 % Wilson
-interval (keydiff/report/render.py; none below 5 questions); marks § subset run (task.limit), †k failed questions,
-~ run not complete. Best method per column within a model and budget is bold, where it is above the rest (every method at 0.0: none). protocol.csv: one row per run with the
-numbers behind each cell. keydiff.report.figures draws results/figures/protocol.{png,pdf} from the same selection.
+Lays out experiment=protocol (+ protocol_shared, protocol_full, protocol_shared_full) on shared_ruler_4k:
+columns question in prompt, query-agnostic, multi-request k=K, multi-turn k=K; rows the full cache, then each
+method per budget; cells mean string-match x100 "value [low, high] (n=questions)". protocol.csv holds one row
+per run; keydiff.report.figures draws the same selection.
 
     python -m keydiff.report.tables     (writes it with every other table; make tables / make protocol)
+
+Design: docs/design/reports.md#leaderboard-and-protocol-comparison-reportleaderboard-reportprotocol
 """
 
 from __future__ import annotations

@@ -1,41 +1,12 @@
 """How every table, comparison and figure shows a number: intervals, formats, marks, budget order, md/tex.
 
-One module so that each of these is defined once: the 95 % interval from a standard error, the way a
-number is printed ("--" when missing), the marks of a subset / failed / unfinished run, the order of
-budget labels, LaTeX escaping, and the writing of a table as Markdown and booktabs LaTeX.
+One module so that each is defined once: the 95 % interval from a standard error (`combined_se` for a mean of
+groups, `seeds_se` for a mean over seeds; Wilson inside a score's range, else mean +- 1.96 SE; none below 5
+samples or for a constant), how a number prints ("--" when missing), the marks of a subset / failed / unfinished
+run, the order of budget labels, LaTeX escaping, and a table as Markdown and booktabs LaTeX. Standard errors, not
+a bootstrap, because tables read only results/summary.csv. The definitions: docs/experiments.md, "Uncertainty".
 
-Why the standard error and not a bootstrap: tables and figures read only results/summary.csv, and a cell
-often combines estimates (LongBench's average is the mean of 21 dataset scores, a configuration run with
-several seeds is the mean of their scores). Standard errors of independent estimates combine exactly
-(`combined_se`), those of repeated measures of the same samples are bounded (`seeds_se`), so each run
-stores one number per score and every table and figure derives its interval from it the same way; a
-bootstrap would need the per-sample scores at table time.
-
-Definitions (documented once, in docs/experiments.md, "Uncertainty"):
-  SE of a plain mean         the sample standard deviation (with n - 1) divided by sqrt(n), per-sample scores
-  SE of a mean of groups     sqrt(sum of the groups' SE^2) / G (LongBench's and RULER's average over
-                             datasets / tasks, each group weighted equally as their averages do)
-  SE of a mean over seeds    the mean of the seeds' SEs, n the per-seed n: the run seed only seeds sampling
-                             (task data is fixed by task.seed, most tasks decode greedily), so the seeds
-                             score the same samples, and the SE of an average of correlated estimates is
-                             at most the mean of their SEs (a conservative bound, not sqrt(k) narrower)
-  95 % interval, bounded      a score in [lo, hi] (every task score, kept N/L: `metric_range`): the Wilson
-                             score interval of p = (mean - lo) / (hi - lo) at the effective sample size
-                             n_eff = p(1 - p) / SE^2 (about n for 0/1 outcomes; larger for graded scores that
-                             spread less), mapped back. Where the SE is 0 or unknown, n_eff = n: the interval of
-                             the widest-spread score with that mean (a [0, 1] score has variance <= p(1 - p)).
-                             Away from the bounds it is close to mean +- 1.96 SE; near them it stays inside the
-                             range and does not shrink to a point. Shown as "value [low, high]"
-  95 % interval, unbounded   mean +- 1.96 SE (times, token counts); shown as "value ± half-width"
-  n < 5                      no interval ("[n too small]"): neither approximation means anything there
-  constant                   a measure of the configuration, not a score (kept N/L, times: `measure=True`) that is
-                             the same for every sample (SE 0) has no interval ("[constant]"): kept N/L is 1.000 on
-                             every sample when the budget holds every prompt, nothing there is uncertain. A score
-                             with SE 0 keeps the interval of its n (six perfect recalls: 1.000 [0.610, 1.000])
-  tolerance                  means and SEs within TOLERANCE (relative to the range) of a bound or of 0 are taken as
-                             that bound or 0 before the interval is chosen: ROUGE's F1 of a perfect match is
-                             0.999999995 (the rouge package adds 1e-8 to a denominator), which must read as 1
-A single sample has no SE (shown "± n/a" where no n is known); n is always printed beside the interval.
+Design: docs/design/reports.md#intervals-formats-and-marks-reportrender
 """
 
 from __future__ import annotations
@@ -149,8 +120,9 @@ def is_constant(mean: float, se: float, bounds: tuple[float, float] | None = Non
 
 def interval(mean: float, se: float, n=None, bounds: tuple[float, float] | None = None,
              measure: bool = False) -> tuple[float, float] | None:
-    """The 95 % interval of a mean (docstring above): Wilson inside `bounds`, else mean +- 1.96 SE; None when
-    there is none (n < MIN_INTERVAL_N, no SE for an unbounded metric, or a `measure` that is constant)."""
+    """The 95 % interval of a mean (docs/experiments.md, "Uncertainty"): Wilson inside `bounds`, else
+    mean +- 1.96 SE; None when there is none (n < MIN_INTERVAL_N, no SE for an unbounded metric, or a constant
+    `measure`)."""
     if not missing(n) and float(n) < MIN_INTERVAL_N:
         return None
     mean, se = snapped(mean, se, bounds)

@@ -1,20 +1,13 @@
-"""RULER results table: one row per run (model x policy x budget x block size x length), one column per
-task with its score (RULER's per-task string match, x100), and the average over the tasks, as in the
-kvpress leaderboard (which plots that average per compression ratio). Each score reads "value [low, high]": its
-95 % Wilson interval inside 0-100 (keydiff/report/render.py), from the task's samples and the standard errors
-keydiff.report.collect computes from predictions.jsonl (the same function: per task over its samples, the
-average's combined over the tasks, short samples left out as from the scores); "[n too small]" below 5 samples.
+"""RULER results table: one row per run, one column per task (string match x100) and their average.
 
-Reads every ``summary.json`` under the runs folder whose task is RULER (keydiff.tasks.ruler) and writes
-``ruler.md`` and ``ruler.csv`` to the output folder. Marks: ``§`` a subset run (``task.limit`` set; the
-``n`` column gives samples per task), ``†k`` k failed samples (runner failure rows), ``↓k`` k samples whose
-prompt filled less than 95 % of the length (left out of the score; on a task cell and, summed, on avg),
-``‡`` an average not comparable to published RULER numbers (pydoc haystack instead of the Paul Graham
-essays, the project's QA fixture, or a run that predates this record), and ``(k/13)`` when not all 13
-standard tasks were scored. The ``haystack`` column names the essay haystack (``pydoc_pinned``, the
-repository's pydoc prose; ``pydoc``, the running interpreter's; ``txt_dir``; ``ruler_json``) and ``qa`` the QA data (``file`` or ``fixture``).
+Reads every RULER summary.json under the runs folder and writes ruler.md and ruler.csv. Each score reads
+"value [low, high]" (95 % Wilson interval, keydiff/report/render.py). Marks: § subset run, †k failed samples,
+↓k samples whose prompt filled under 95 % of the length (left out), ‡ an average not comparable to published
+RULER numbers, (k/13) tasks scored; `haystack` and `qa` name the data used.
 
     python -m keydiff.report.ruler [--runs results/runs] [--out results/tables]
+
+Design: docs/design/reports.md#leaderboard-and-protocol-comparison-reportleaderboard-reportprotocol
 """
 
 from __future__ import annotations

@@ -65,11 +65,10 @@ def load(summary: Path) -> pd.DataFrame:
 
 def pick(df, experiments, tasks=None, models=None, policies=None, budgets=None, block_sizes=None,
          by_task=True, limited=False):
-    """One row per (model, policy, budget, block size[, task]), seeds averaged (repeated measures of the
-    same samples: n per seed, standard errors the mean of the seeds': average_seeds), from the first listed experiment (then the first listed task) that has it. With
-    `limited`, a configuration's subset runs count only when it has no whole-task run. `full` ignores budget and block size (it
-    evicts nothing). by_task=False merges tasks that are views of one benchmark (longbench = the English
-    columns of longbench_full)."""
+    """One row per (model, policy, budget, block size[, task]), seeds averaged (average_seeds), from the first listed
+    experiment (then task) that has it. `limited`: subset runs count only without a whole-task run. `full` ignores
+    budget and block size; by_task=False merges views of one benchmark (longbench = longbench_full's English).
+    """
     runs = df[df["experiment"].isin(experiments)].copy()  # a compact copy: the CSV has hundreds of columns
     runs = runs if tasks is None else runs[runs["task"].isin(tasks)]
     runs = runs if limited else runs[runs["complete"].astype(str).eq("True") & runs["limit"].isna()]

@@ -1,26 +1,14 @@
 """Every paper table that results/summary.csv can fill, as LaTeX (.tex) and Markdown (.md) in results/tables/.
 
-Why this shape: the CSV is the only input (see keydiff/report/collect.py), every number in a table is a number
-from a run, and a table with no runs says so (its .md/.tex name the experiments to run) instead of
-printing anything. Only complete runs of the whole task (no task.limit) count, except in the smoke table. A table reads its own experiment first and
-then the experiments listed with it (Table 1 is a column subset of Table 11, the full rows come from
-the *_full experiments, ...); seeds of the same configuration are averaged. Best eviction method per
-column (within a model / budget group) is bold where it is above the rest (keydiff.report.render.best_mask: a
-column where every method ties has no bold); the eviction-free rows are references, never bold.
-Every cell that averages samples reads "value [low, high] (n=...)": the 95 % interval over samples, inside
-the score's range (keydiff/report/render.py, from the se/<column> standard errors of summary.csv; LongBench cells are
-per-dataset, their average combines the datasets' errors). Table 18 and the heatmaps hold one sample per
-cell, Table 8 counts prompts: no interval there.
-
-Which experiments, policies, models, budgets and datasets feed each table: keydiff/paper/registry.py (one
-declaration per table; the builders below lay out what it selects). Beside them: <table>_vs_paper (ours
-next to results/paper/, keydiff/report/against_paper.py), generic/ (every experiment and task, whatever ran:
-keydiff/report/generic.py) and the index results/README.md (keydiff/report/index.py).
+Every number is a number from a run; a table with no runs names the experiments to run. Only complete runs of
+the whole task count, except in the smoke table. What feeds each table: keydiff/paper/registry.py. Also writes
+<table>_vs_paper (keydiff.report.against_paper), generic/ (keydiff.report.generic), the leaderboard, the protocol
+comparison and the index results/README.md (keydiff.report.index).
 
     python -m keydiff.report.tables [--summary results/summary.csv] [--out results/tables]
                                     [--runs results/runs] [--collect] [--paper results/paper]
-The CSV is (re)collected from --runs first when --collect is given, when it is missing, or when a run
-finished after it was written. The .tex files need \\usepackage{booktabs,multirow}.
+
+Design: docs/design/reports.md#paper-tables-reporttables-and-the-registry-paperregistry
 """
 
 from __future__ import annotations
