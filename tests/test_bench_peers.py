@@ -19,6 +19,9 @@ from keydiff import build_policy, prefill
 from keydiff.bench import common, peers, peers_runner
 
 
+pytestmark = pytest.mark.unit
+
+
 # ---------------------------------------------------------------------------------------------- overlap
 def test_identical_sets_give_overlap_one_whatever_the_order():
     result = peers.overlap([[1, 2, 3], [4, 5, 6]], [[3, 2, 1], [6, 4, 5]])
@@ -177,6 +180,7 @@ def test_per_head_positions_drops_padding_and_sorts():
     assert peers_runner.per_head_positions(layer) == [[1, 5], [0, 2, 3]]
 
 
+@pytest.mark.slow
 def test_the_kvpress_side_of_the_runner_imports_no_keydiff():
     code = ("import importlib.util, sys; spec = importlib.util.spec_from_file_location('runner', sys.argv[1]); "
             "module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module); "
@@ -225,6 +229,7 @@ def reference_kept(model, ids: torch.Tensor, budget: int) -> list[list[list[int]
     return kept
 
 
+@pytest.mark.integration
 def test_our_parity_side_keeps_what_keydiff_keeps_over_the_whole_prompt_in_one_pass(tiny_weights, tmp_path):
     """Our parity side is kvpress's one-pass setting: the kept positions equal an independent ranking of the
     full model's keys (a block size slipping into the parity call, or another policy, changes them)."""
@@ -238,6 +243,8 @@ def test_our_parity_side_keeps_what_keydiff_keeps_over_the_whole_prompt_in_one_p
     assert [[sorted(h.tolist()) for h in layer[0]] for layer in blockwise.kept_positions] != out["kept"]
 
 
+@pytest.mark.integration
+@pytest.mark.extended
 def test_our_perf_side_times_prefill_and_decode_and_reports_a_peak(tiny_weights, tmp_path):
     out = peers_runner.run(spec(tiny_weights, tmp_path, 96, mode="perf", budget=32, block_size=16, new_tokens=4,
                                 warmup_tokens=40))
@@ -253,6 +260,7 @@ PEAK_CHILD = ("import importlib.util, json, resource, sys; spec = importlib.util
               "'ru_maxrss': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="VmHWM needs Linux /proc")
 def test_a_child_started_by_a_parent_holding_memory_reports_its_own_peak_not_the_parents():
     """ru_maxrss survives execve (and clear_refs does not reset it): a child started by a parent that holds
@@ -273,6 +281,7 @@ class NoPress:
         return contextlib.nullcontext()
 
 
+@pytest.mark.integration
 def test_the_kvpress_perf_side_calls_the_model_the_pipeline_way_or_the_readme_way(tiny_weights, tmp_path, monkeypatch):
     monkeypatch.setattr(peers_runner, "build_press", lambda name, ratio: NoPress())
     model = peers_runner.load_model({"model_dir": str(tiny_weights), "dtype": "float32", "device": "cpu"})
@@ -430,6 +439,7 @@ def fake_child(side, spec, work, kvpress_python):
             "policy_repr": "Q()"}
 
 
+@pytest.mark.slow
 def test_main_writes_every_value_with_provenance_and_never_overwrites(tmp_path, monkeypatch, capsys):
     env = tmp_path / "env"
     env.mkdir()
@@ -489,6 +499,7 @@ def test_the_kvpress_environment_is_reused_when_complete_and_never_the_projects_
         peers_env.build(Path(sys.prefix))
 
 
+@pytest.mark.slow
 def test_cases_pick_what_runs_and_a_bad_name_stops_before_anything_is_built(tmp_path, monkeypatch, capsys):
     env = tmp_path / "env"
     env.mkdir()

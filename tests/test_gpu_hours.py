@@ -19,6 +19,8 @@ import pytest
 
 from keydiff.report import gpu_hours as gh
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "results" / "bench"
 
@@ -202,6 +204,7 @@ def test_a_missing_or_broken_file_is_one_error_line(tmp_path, capsys):
         assert len(err.strip().splitlines()) == 1 and re.search(expected, err), err
 
 
+@pytest.mark.slow
 def test_the_command_imports_no_torch():
     code = ("import sys\nfrom keydiff.report import gpu_hours\ngpu_hours.main([])\n"
             "assert 'torch' not in sys.modules, 'torch imported'\n")

@@ -19,6 +19,8 @@ from keydiff.policies.keydiff import KeyDiff, cosine_to_mean, inverse_key_norms
 from tests.conftest import tiny_llama
 from tests.test_batched_runs import tiny  # noqa: F401 - the runner's model fixture
 
+pytestmark = pytest.mark.integration
+
 BUDGET, BLOCK = 40, 16
 
 
@@ -55,6 +57,7 @@ def eager(model, monkeypatch):
     return run
 
 
+@pytest.mark.extended
 def test_a_run_captures_replays_and_gives_the_eager_tokens(model, eager):
     expected = eager("keydiff")
     with stand_in_graphs() as cuda:
@@ -66,6 +69,7 @@ def test_a_run_captures_replays_and_gives_the_eager_tokens(model, eager):
     assert record["capture_s"] >= record["warm_up_s"] > 0
 
 
+@pytest.mark.extended
 def test_a_model_on_another_device_than_the_current_one_captures_on_its_own(model, eager):
     """A model on cuda:1 while the current device is cuda:0 (nothing calls set_device): the warm-up's side stream, the
     capture stream and the capture are all on cuda:1. A capture stream on the current device would capture nothing
@@ -79,6 +83,7 @@ def test_a_model_on_another_device_than_the_current_one_captures_on_its_own(mode
     assert got == expected and decoder.graphs.captured == 2 and cuda.clean()
 
 
+@pytest.mark.extended
 def test_a_run_shares_one_capture_stream_and_one_pool_between_its_graphs(model):
     """The decode and the prefill-block graphs of a run go into one graph pool, on one capture stream (each graph's
     output is read right after its replay, so one pool serves both), and the run records the bytes they hold."""
@@ -90,6 +95,7 @@ def test_a_run_shares_one_capture_stream_and_one_pool_between_its_graphs(model):
     assert decoder.graphs.pool_bytes == sum(capture["bytes"] for capture in cuda.captures) > 0
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("fail", ["end", "inside"])
 @pytest.mark.parametrize("name", ["keydiff", "h2o"])
 def test_a_failed_capture_stops_the_runs_capturing_applies_each_write_once_and_leaves_the_process_clean(
@@ -124,6 +130,7 @@ def test_the_warm_ups_logits_are_marked_used_on_the_stream_that_reads_them(model
     assert sorted(tuple(t.shape) for t, _ in cuda.recorded_streams) == [(1, 256), (1, 256)]
 
 
+@pytest.mark.extended
 def test_a_capture_of_a_half_precision_cache_holds_no_float32_copy_of_every_key():
     """KeyDiff and K-norm score half-precision keys in float32. A float32 copy of every key made inside the
     capture stays in the graph's pool (about twice the half-precision keys): the capture's allocations hold none
@@ -142,6 +149,7 @@ def test_a_capture_of_a_half_precision_cache_holds_no_float32_copy_of_every_key(
         assert not wide, (name, wide)
 
 
+@pytest.mark.unit
 def test_half_precision_keys_are_scored_in_float32_slices_as_a_whole_copy_would_score_them():
     generator = torch.Generator().manual_seed(0)
     keys = torch.randn(6, 2, 41, 16, generator=generator).to(torch.bfloat16)
@@ -155,6 +163,7 @@ def test_half_precision_keys_are_scored_in_float32_slices_as_a_whole_copy_would_
         assert torch.equal(policy.score(view), policy.score_to_anchor(keys.float())), (anchor, metric)
 
 
+@pytest.mark.unit
 def test_a_stand_in_capture_refuses_a_host_read_as_cuda_does(model):
     """What makes the stand-in a check of capturability: reading a value on the host inside a capture raises."""
     from keydiff.batching import graphs
@@ -179,6 +188,7 @@ def test_a_stand_in_capture_refuses_a_host_read_as_cuda_does(model):
         assert x.tolist() == [2, 2, 2] and cuda.clean()
 
 
+@pytest.mark.unit
 def test_the_stand_in_options_are_checked():
     with pytest.raises(ValueError, match="valid: None, 'end', 'inside'"):
         with stand_in_graphs(fail="begin"):
@@ -186,6 +196,7 @@ def test_the_stand_in_options_are_checked():
     assert keydiff.batching.graphs.calls_for(torch.device("cpu")) is None  # none outside the context
 
 
+@pytest.mark.extended
 def test_a_runs_graphs_are_captured_in_its_warm_up_and_a_row_that_paid_for_one_says_so(tmp_path, tiny, monkeypatch):
     """A batch-1 run whose first prompt (30 tokens) is shorter than N + 3B: the warm-up still captures the run's
     block and decode graphs through the run's decoder (its prompt repeated), so the first sample's TTFT carries no

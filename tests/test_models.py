@@ -31,6 +31,8 @@ from keydiff.models import (
     sha256_file,
 )
 
+pytestmark = pytest.mark.unit
+
 CONF = Path(__file__).resolve().parents[1] / "conf" / "model"
 
 
@@ -150,6 +152,7 @@ def test_failed_conversion_leaves_nothing(monkeypatch, tmp_path):
     assert list((tmp_path / "models").iterdir()) == []
 
 
+@pytest.mark.extended
 def test_the_one_conversion_is_announced_in_one_line(monkeypatch, tmp_path, capsys):
     """The first use of the builtin model converts it (tens of seconds, 517 MB into the cache): one line says so
     before it starts; a later use, which only reads the folder, prints nothing."""

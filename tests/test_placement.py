@@ -15,6 +15,9 @@ from keydiff.testing import variant
 from tests.conftest import tiny_llama
 
 
+pytestmark = pytest.mark.integration
+
+
 def mixed_dtype_llama():
     """Layer 1 in float64 (its input cast in, its output cast back): its keys are float64, the others' float32."""
     model = tiny_llama()
@@ -47,6 +50,7 @@ def slot_bytes(heads, entries, dim, itemsize):
     return 2 * heads * entries * dim * itemsize  # keys and values of one layer (batch 1)
 
 
+@pytest.mark.unit
 def test_placements_are_read_from_the_attention_modules(model):
     cpu = torch.device("cpu")
     assert layer_placements(model, 3) == [(cpu, torch.float32), (cpu, torch.float64), (cpu, torch.float32)]
@@ -82,6 +86,7 @@ def test_without_placements_the_stack_still_splits_for_a_layer_that_does_not_fit
     assert cache.kv_cache_bytes == 3 * slot_bytes(2, 96, 16, 4) + slot_bytes(2, 96, 16, 8)
 
 
+@pytest.mark.extended
 def test_head_adaptive_pool_stacks_group_layers_per_dtype(model, ids):
     policy = build_policy("keydiff", head_budgets="adakv")
     state = prefill(model, ids, policy, 64, 32)
@@ -96,6 +101,7 @@ def test_head_adaptive_pool_stacks_group_layers_per_dtype(model, ids):
     assert generate(model, state, 3).token_ids == generate(model, alone, 3).token_ids
 
 
+@pytest.mark.unit
 def test_wrong_number_of_placements_is_refused():
     with pytest.raises(ValueError, match="layer_placements has 2 entries for 3 layers"):
         EvictingCache(build_policy("keydiff"), 64, 3, layer_placements=[None, None])
