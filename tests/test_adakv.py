@@ -280,6 +280,7 @@ def test_every_head_keeps_at_least_its_safeguard(model):
     assert fewest_held(model, alpha) >= math.floor(alpha * BUDGET + 1e-9) == unguarded + 1
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("name,params", [("keydiff", {}), ("keydiff", {"window_fraction": 0.25}), ("snapkv", {"window": 8}),
                                          ("sink", {"sinks": 4})])
 def test_alpha_one_keeps_exactly_what_the_uniform_policy_keeps(model, name, params):

@@ -124,6 +124,7 @@ def test_spearman_against_brute_force():
     assert brute_ranks([2.0, 1.0, 2.0]) == [2.5, 1.0, 2.5]
 
 
+@pytest.mark.integration
 def test_table3_statistic_against_pairwise_cosine(captures):
     """Table 3 per head = Spearman(-row sums of pairwise key cosine, attention), computed the slow way."""
     capture = captures[1]

@@ -39,6 +39,7 @@ def test_combinations_its_kernels_do_not_cover_are_refused_in_one_line(overrides
     check_run_config(make_cfg(*overrides))  # without the key the same run is valid
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("model, message", [
     (dict(attn_implementation="flash_attention_2", dtype="bfloat16"), r"flash_attention_2 .*valid: sdpa, eager"),
     (dict(device="mps"), r"model.device=mps; valid: cuda \(cpu: a no-op\)"),

@@ -167,6 +167,7 @@ def test_batch_cache_refuses_the_models_own_attention(model):
         model(input_ids=torch.tensor([[5]]), position_ids=torch.tensor([[90]]), cache=batch)
 
 
+@pytest.mark.extended
 def test_a_multi_row_prefill_decodes_as_one_sequence_beside_others(model):
     """A request whose state holds several rows (one prefill of a [2, L] batch) decodes its rows together, as one
     sequence, beside a one-row request: each gets what it gets decoded alone (keydiff.generate)."""
@@ -181,7 +182,6 @@ def test_a_multi_row_prefill_decodes_as_one_sequence_beside_others(model):
     assert got[1].batch_sizes[0] == 3  # three rows in the first pass: the two-row sequence and the other
 
 
-@pytest.mark.unit
 def test_bad_batches_are_refused(model):
     with pytest.raises(ValueError, match="batch_size must be a positive integer"):
         list(keydiff.generate_batch(model, [], 0))
@@ -352,6 +352,7 @@ def test_a_mixed_batch_groups_only_the_rows_alike(model, monkeypatch):
     assert sizes and set(sizes) == {2}  # forks 0 and 1 share slots 0-1 of their block; fork 2 (slot 2) joins later
 
 
+@pytest.mark.extended
 def test_a_group_scores_each_row_over_its_own_entries_only(model):
     """The grouped eviction's one call sees, row for row, exactly what each sequence's own eviction sees alone:
     its positions are the sequences' own, concatenated in slot order (nothing padded, nothing of a neighbour's)."""
@@ -387,6 +388,7 @@ def test_batch_steps_benchmark_runs_on_tiny_sizes(tmp_path):
     assert all(r["step_s"] > 0 for r in record["results"]) and "code" in record
 
 
+@pytest.mark.extended
 def test_a_fork_that_grows_out_of_its_slot_still_counts_the_slot(model):
     """A placed fork that outgrows its slot (decoding without eviction) gets buffers of its own, but the block keeps
     its slot allocated until every fork is gone: the forks' kv_cache_bytes must add up to the block plus the new

@@ -118,6 +118,7 @@ def test_pairs_set_our_parameters_to_kvpress_defaults_and_missing_presets_are_no
     assert peers.our_policy(peers.Pair("x", "no_such_preset", "keydiff")) is None
 
 
+@pytest.mark.extended
 def test_every_pair_has_its_preset_and_builds_and_a_pyramid_below_the_window_is_reported(tmp_path):
     for pair in peers.PAIRS:
         policy = peers.our_policy(pair)
@@ -196,6 +197,7 @@ def tiny_weights(tmp_path_factory):
     return peers.model_dir("tiny", "float32", 0, tmp_path_factory.mktemp("peers-weights"))
 
 
+@pytest.mark.integration
 def test_weights_are_built_once_and_reused(tiny_weights):
     stamp = (tiny_weights / "model.safetensors").stat().st_mtime_ns
     assert peers.model_dir("tiny", "float32", 0, tiny_weights.parent) == tiny_weights
@@ -301,6 +303,7 @@ def test_the_kvpress_perf_side_calls_the_model_the_pipeline_way_or_the_readme_wa
         peers_runner.kvpress_generate(model, ids, {**base, "kvpress_call": "full"})
 
 
+@pytest.mark.integration
 def test_the_kvpress_side_passes_the_cache_by_the_keyword_the_model_takes(tiny_weights):
     """kvpress's environment pins transformers < 5.3 (`past_key_values=` only, a `cache=` would be swallowed by
     **kwargs); the project's >= 5.24 takes `cache=` and warns on the old name."""
@@ -338,6 +341,7 @@ def perf_payload(by_length: dict[int, dict[str, tuple[float, float, float]]], th
                      "medians": {L: peers.summarize_perf(cases) for L, cases in samples.items()}}}
 
 
+@pytest.mark.extended
 def test_the_doc_tables_are_rendered_from_the_json_files_and_refuse_mixed_settings(tmp_path, capsys):
     four = {"kvpress_keydiff": (10.0, 0.060, 1.2), "kvpress_keydiff_full_logits": (11.0, 0.062, 2.4),
             "keydiff_blockwise": (12.0, 0.066, 0.96), "keydiff_one_block": (9.0, 0.063, 1.32)}

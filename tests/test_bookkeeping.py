@@ -65,6 +65,7 @@ def test_batch_sizes_count_only_the_rows_of_each_pass(model):
 # --------------------------------------------------------------------------------- held suffix
 
 
+@pytest.mark.extended
 def test_a_follow_up_turn_reports_its_own_suffix_only(model, prompt):
     """A state prefilled with a held suffix of 20, decoded, then fed a 10-token follow-up: the new turn holds 10
     (what it fed), not the earlier 20 as well; `hold` on an undecoded state adds to what it holds."""

@@ -321,6 +321,7 @@ def test_stale_lock_of_a_dead_process_is_taken_over(tmp_path):
         RunLock(tmp_path / "run").acquire()
 
 
+@pytest.mark.integration
 @pytest.mark.extended
 def test_run_refuses_a_directory_another_process_writes(tmp_path, tiny):
     (tmp_path / "run").mkdir()

@@ -123,6 +123,7 @@ def test_every_eviction_matches_the_brute_force_reference(name, params):
         assert record["kept"] == expected, f"layer {record['layer']}: CriticalKV kept other entries than the reference"
 
 
+@pytest.mark.extended
 def test_first_stage_entries_are_always_kept():
     """The floor(ratio x budget) best entries by the scorer's own scores survive every eviction, even when their
     output norm is tiny: stage 2 never competes with them."""
@@ -138,6 +139,7 @@ def test_first_stage_entries_are_always_kept():
             assert best <= set(record["kept"][0][h])
 
 
+@pytest.mark.extended
 def test_stage_two_changes_the_choice():
     """Critical keeps other entries than its scorer alone (otherwise the reference test would prove little)."""
     model = tiny_llama()

@@ -208,7 +208,6 @@ def test_a_decoder_yields_each_sequence_its_tokens_alone_across_calls_with_other
         assert generate(model, state, 7, decoder=decoder).token_ids == alone.token_ids, (name, budget)
 
 
-@pytest.mark.unit
 def test_the_width_must_be_a_positive_integer(model):
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match=r"the width \(batch_size\) must be a positive integer"):

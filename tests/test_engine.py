@@ -83,6 +83,7 @@ def test_whole_prompt_block_is_one_forward_then_eviction(model, prompt):
     assert torch.allclose(state.logits, reference_logits(model, prompt), atol=1e-5)  # eviction after the forward
 
 
+@pytest.mark.extended
 def test_kept_keys_keep_their_absolute_rope_position(model, prompt):
     """Layer-0 keys depend only on token and position, so kept keys must equal the full run's at those positions."""
     full = prefill(model, prompt, "full", None, None)
@@ -108,6 +109,7 @@ def test_decoding_positions_continue_after_the_prompt(model, prompt):
     assert state.cache.kept_positions()[0][0, 0, -4:].tolist() == [L, L + 1, L + 2, L + 3]
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("name", ["h2o", "tova", "snapkv"])
 def test_fast_and_materialized_statistics_choose_the_same_tokens(model, prompt, name):
     fast = prefill(model, prompt, name, 70, 40, attention_statistics="fast")
@@ -142,6 +144,7 @@ def test_greedy_full_generation_equals_transformers_generate(model, prompt):
     assert out.token_ids[0] == ref[0, prompt.shape[1] :].tolist()
 
 
+@pytest.mark.extended
 def test_stop_tokens_min_new_tokens_and_length(model, prompt):
     state = prefill(model, prompt, "full", None, 128)
     first = generate(model, prefill(model, prompt, "full", None, 128), 3).token_ids[0][0]
@@ -212,6 +215,7 @@ def float64_scores(name: str, keys, positions, attention, accumulated) -> torch.
     return torch.empty_like(pooled).scatter_(-1, order, pooled)
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("name", ["keydiff", "snapkv", "h2o"])
 def test_low_precision_runs_within_bound_and_scores_in_float32(prompt, dtype, name):
@@ -258,7 +262,6 @@ def test_knorm_skip_layers_keep_everything_there(model, prompt):
     assert state.kept_positions[1].shape[-1] == 50
 
 
-@pytest.mark.unit
 @pytest.mark.parametrize(
     "kwargs, message",
     [
@@ -275,12 +278,14 @@ def test_bad_engine_arguments(model, prompt, kwargs, message):
         prefill(model, prompt, "keydiff", **args)
 
 
+@pytest.mark.extended
 def test_decoding_without_eviction_grows_the_cache(model, prompt):
     state = prefill(model, prompt, "snapkv", 64, 32)
     out = generate(model, state, 10, evict=False, record_steps=True)
     assert out.step_entries == list(range(65, 74))  # 9 tokens fed back, none evicted
 
 
+@pytest.mark.extended
 def test_qwen2_sliding_window_layers_keep_their_window(prompt):
     """Qwen2 with use_sliding_window: its top layer slides (keydiff.cache.sliding), the other is evicted."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -366,6 +371,7 @@ def test_top_p_zero_keeps_the_most_likely_token():
     assert draws == {1}
 
 
+@pytest.mark.extended
 def test_decoding_without_eviction_computes_no_statistics(model, prompt):
     state = prefill(model, prompt, "tova", 64, 32)
     before = state.cache.timings["statistics_s"]

@@ -153,6 +153,7 @@ def test_fixed_shapes_give_what_the_ordinary_step_gives(model, name, full_width,
     assert same_states(fixed_states, ordinary_states, exact=not (full_width and name not in STATISTIC))
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("name", extended_unless(["h2o", "snapkv"], lambda name: name == "h2o"))
 def test_an_eager_model_takes_the_statistic_from_its_weights_in_fixed_shapes_too(name, monkeypatch):
     """With attn_implementation=eager the ordinary step reads the statistic from the materialised weights; the fixed
@@ -219,6 +220,7 @@ def block_of(model, name: str, width: int):
     return caches[0].stack.placement.block, caches
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("name", ["keydiff", "h2o"])
 def test_junk_in_idle_rows_changes_no_active_row(model, name):
     """Two of four slots active: whatever the idle slots hold (zeros, or NaN and huge values), the active rows'
@@ -385,6 +387,7 @@ def test_an_idle_slot_holding_more_than_n_entries_is_left_as_it_is(model, full_w
         assert scenario(True) == scenario(False), scenario.__name__
 
 
+@pytest.mark.extended
 def test_group_rows_false_runs_every_sequence_on_its_own(model, monkeypatch):
     """generate_batch(group_rows=False) is the per-sequence reference: no fixed step spans two sequences (one going
     alone still runs in fixed shapes, over its own rows)."""

@@ -56,6 +56,8 @@ def test_the_quick_json_lists_exactly_the_full_runs_rows(quick):
     assert len(full) == len(rows) == 27
 
 
+@pytest.mark.integration
+@pytest.mark.extended
 def test_the_static_cache_anchor_gives_a_number_on_cpu(quick):
     """The compile anchor's decode loop (a walrus in a lambda raised NameError there, on CUDA only) runs here,
     under torch.compile's eager backend in place of reduce-overhead."""
@@ -64,6 +66,8 @@ def test_the_static_cache_anchor_gives_a_number_on_cpu(quick):
     assert all(r["ms_per_step"] > 0 and r["compile_s"] > 0 and r["compile"] == "backend=eager" for r in static)
 
 
+@pytest.mark.integration
+@pytest.mark.extended
 def test_timings_per_call_and_at_steady_state_and_graph_memory(quick):
     rows = quick[1]["rows"]
     captured = [r for r in rows if r["row"] in ("decode", "prefill", "serving") and r["case"].startswith("keydiff")]
@@ -84,6 +88,8 @@ def test_timings_per_call_and_at_steady_state_and_graph_memory(quick):
     assert serving["sequences_held"] == int(memory // per_sequence)
 
 
+@pytest.mark.integration
+@pytest.mark.extended
 def test_quick_rows_and_the_gpu_hours_reader(quick, tmp_path):
     """make gpu-hours reads this format: the --quick rows are refused as rates, and the same rows marked as the
     full run's give every rate it takes from them (the rows' names and keys are the ones it looks for)."""

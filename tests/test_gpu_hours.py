@@ -226,6 +226,7 @@ def composed(experiment: str):
     return cfg, params
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("experiment", gh.EXPERIMENTS, ids=lambda e: e.name)
 def test_each_grid_is_its_conf_experiment(experiment):
     cfg, params = composed(experiment.name)

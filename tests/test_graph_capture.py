@@ -163,7 +163,6 @@ def test_half_precision_keys_are_scored_in_float32_slices_as_a_whole_copy_would_
         assert torch.equal(policy.score(view), policy.score_to_anchor(keys.float())), (anchor, metric)
 
 
-@pytest.mark.unit
 def test_a_stand_in_capture_refuses_a_host_read_as_cuda_does(model):
     """What makes the stand-in a check of capturability: reading a value on the host inside a capture raises."""
     from keydiff.batching import graphs

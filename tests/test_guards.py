@@ -247,6 +247,7 @@ def test_snapkv_average_pooling_is_the_zero_padded_mean_over_the_prefix():
 # --------------------------------------------------------------------------- 1-3. attention policies vs stock transformers
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("statistics", ["fast", "materialized"])
 @pytest.mark.parametrize(
     "name, params, scorer",
@@ -280,6 +281,7 @@ def test_h2o_accumulates_under_budget_passes_with_one_late_eviction(engine_model
 # --------------------------------------------------------------------------- 7. decoding positions after eviction
 
 
+@pytest.mark.extended
 def test_greedy_decoding_after_eviction_matches_stock_transformers(engine_model, reference_model):
     """Sink policy (kept set known by rule), eviction after every decoded token; keys compared by position."""
     length, budget, block, sinks, new_tokens = 120, 40, 32, 4, 8
@@ -550,6 +552,7 @@ def precision_prompts():
     return random_prompt(PRECISION_SETUP["length"], seed=21, batch=PRECISION_SETUP["batch"])
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("name, params", PRECISION_POLICIES, ids=[p[0] for p in PRECISION_POLICIES])
 def test_low_precision_prefill_agrees_with_float32(engine_model, precision_prompts, dtype, name, params):

@@ -106,6 +106,7 @@ def recorded_config(experiment: str, policy: str, budget: str) -> dict:
 
 
 @pytest.mark.unit
+@pytest.mark.extended
 def test_make_report_with_runs_of_every_preset(tmp_path, capsys):
     """`make report` exited 1 (ConfigAttributeError: Missing key name) once runs of adakv_* or snapkv_pyramid
     existed: their preset files hold only `defaults:` and a label. Runs of every policy preset, in the

@@ -175,6 +175,7 @@ def test_the_one_conversion_is_announced_in_one_line(monkeypatch, tmp_path, caps
     assert ensure_builtin_model("smollm2-135m") == folder and capsys.readouterr().err == ""
 
 
+@pytest.mark.extended
 def test_loading_draws_no_progress_bar(tmp_path, capfd):
     """transformers draws "Loading weights" on every from_pretrained; load_model silences its bars for its own load
     only (transformers' tqdm hook, restored afterwards)."""
@@ -345,6 +346,7 @@ def test_missing_package_fails_at_validation_before_loading(monkeypatch):
         cfg.validate()
 
 
+@pytest.mark.extended
 def test_device_map_is_validated_and_reaches_from_pretrained(tmp_path, monkeypatch):
     """model.device_map=auto: accelerate's placement (every visible GPU; here, the CPU), each layer's cache beside it."""
     import transformers

@@ -40,6 +40,7 @@ def model():
 # --------------------------------------------------------------------------- query statistics and RoPE
 
 
+@pytest.mark.integration
 def test_query_statistics_undo_rope_and_match_brute_moments(model):
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(1, 4, 40, HEAD_DIM, generator=generator, dtype=torch.float64) + 0.5  # pre-RoPE queries
@@ -56,6 +57,7 @@ def test_query_statistics_undo_rope_and_match_brute_moments(model):
     assert torch.allclose(stats.covariance(), brute_cov, atol=1e-5)
 
 
+@pytest.mark.integration
 def test_mean_rotation_is_the_average_of_the_models_rope_matrices(model):
     inv_freq, scaling = rope_frequencies(model.config, HEAD_DIM)
     brute = sum(rope_matrix(model, t) for t in range(100, 130)) / 30
@@ -97,6 +99,7 @@ def expected_attention_reference(model, keys, values, positions, x, next_positio
     return out
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("epsilon", [0.0, 0.05])
 def test_expected_attention_matches_loop_reference(model, epsilon):
     generator = torch.Generator().manual_seed(1)
@@ -141,6 +144,7 @@ def test_expected_attention_statistics_in_a_real_prefill_are_the_pre_rope_querie
 
 
 @pytest.mark.integration
+@pytest.mark.extended
 def test_expected_attention_runs_block_wise_within_the_bound_and_keeps_sinks(model):
     ids = torch.randint(0, 256, (1, 300), generator=torch.Generator().manual_seed(3))
     peaks = []

@@ -103,6 +103,7 @@ def test_every_table_is_there_with_its_caption_and_tidy_schema():
     assert captions.set_index("table").loc[18, "caption"].startswith("Recall difference (KEYDIFF-Full)")
 
 
+@pytest.mark.extended
 def test_non_empty_cells_per_table_match_the_stated_counts():
     check_counts()
     readme = (PAPER / "README.md").read_text()

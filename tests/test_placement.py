@@ -50,13 +50,13 @@ def slot_bytes(heads, entries, dim, itemsize):
     return 2 * heads * entries * dim * itemsize  # keys and values of one layer (batch 1)
 
 
-@pytest.mark.unit
 def test_placements_are_read_from_the_attention_modules(model):
     cpu = torch.device("cpu")
     assert layer_placements(model, 3) == [(cpu, torch.float32), (cpu, torch.float64), (cpu, torch.float32)]
     assert layer_placements(model, 4) is None  # not every layer found: one placement, as before
 
 
+@pytest.mark.extended
 def test_stack_groups_layers_per_dtype_without_unused_slots(model, ids):
     with torch.no_grad():
         reference = model(ids).logits[:, -1].float()

@@ -77,6 +77,7 @@ def test_held_suffix_goes_at_the_first_decoding_step_or_never(model, prompt, nam
     assert out.step_entries == [budget + SUFFIX + i for i in range(1, steps)]
 
 
+@pytest.mark.extended
 def test_held_suffix_equals_the_same_passes_run_by_hand(model, prompt):
     """The held suffix is one plain pass against the compressed cache: the same logits as feeding it by hand
     after prefilling the context, with the cache's eviction after it left out."""
@@ -91,7 +92,6 @@ def test_held_suffix_equals_the_same_passes_run_by_hand(model, prompt):
     assert torch.allclose(state.logits, logits[:, -1].float(), atol=1e-5)
 
 
-@pytest.mark.unit
 def test_held_suffix_must_leave_a_context(model, prompt):
     with pytest.raises(ValueError, match="held_suffix"):
         prefill(model, prompt, "keydiff", 64, 32, held_suffix=prompt.shape[1])

@@ -93,6 +93,7 @@ def test_rerotated_keys_equal_keys_recomputed_at_their_new_positions(rope, name,
             handle.remove()
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("mode, schedule", [("absolute", None), ("contiguous", None),
                                             ("contiguous", {"schedule": "pyramid", "beta": 4, "window": 0})])
 def test_at_every_eviction_each_key_is_the_models_key_at_its_recorded_position(mode, schedule):

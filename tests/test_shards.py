@@ -253,6 +253,7 @@ def test_shards_that_disagree_are_not_merged(tmp_path, tiny):
     assert len(collect(tmp_path / "runs", tmp_path / "summary.csv")) == 0
 
 
+@pytest.mark.integration
 @pytest.mark.extended
 def test_a_shard_with_no_samples_is_complete_at_once(tmp_path, tiny):
     summary = run_shard(tmp_path, "7/7", limit=3)

@@ -396,6 +396,7 @@ def test_bad_settings_are_one_line_before_the_model_loads(no_model_load, tmp_pat
 
 
 @pytest.mark.unit
+@pytest.mark.extended
 @pytest.mark.parametrize("overrides", [[], ["experiment=protocol_shared"]])
 def test_the_default_multi_turn_conversation_fits_before_the_model_loads(overrides):
     """4K, k = 8, SmolLM2-135M (max_length 8192), RULER's 128 tokens or the protocol experiments' 32: accepted."""

@@ -91,6 +91,7 @@ def test_block_crossing_the_window_edge_is_exact(models, ids, architecture):
     assert torch.allclose(reference, stock_logits(model, ids), atol=1e-5)
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("architecture", HYBRID)
 @pytest.mark.parametrize("policy", ["keydiff", "snapkv"])
 def test_plain_decoding_loop_equals_generate(models, ids, architecture, policy):
@@ -182,14 +183,12 @@ def test_evicted_window_layers_refuse_stock_attention(models, ids):
         model(input_ids=ids[:, :16], cache=cache)
 
 
-@pytest.mark.unit
 def test_contiguous_rerotation_and_sliding_windows_are_refused(models):
     policy = build_policy("keydiff", key_rerotation="contiguous")
     with pytest.raises(ValueError, match="sliding-window"):
         EvictingCache(policy, 64, 4, block_size=32, config=models["gemma3"].config)
 
 
-@pytest.mark.unit
 def test_head_adaptive_under_an_every_layer_window_is_refused(models, ids):
     with pytest.raises(ValueError, match="head-adaptive"):
         prefill(models["mistral_sliding"], ids, build_policy("snapkv", head_budgets="adakv"), 40, 16)
@@ -246,6 +245,7 @@ def test_run_py_on_a_saved_random_gemma3(tmp_path, monkeypatch):
     assert [row["kept_tokens"] for row in rows] == [budget]  # the full-attention layers' entries, not the window's
 
 
+@pytest.mark.extended
 def test_multimodal_gemma3_checkpoint_runs_text_prompts(ids):
     """google/gemma-3-*-it load as Gemma3ForConditionalGeneration (a SigLIP tower beside the text model): its text
     layers are served the same way (their layer kinds come from the text config)."""

@@ -126,7 +126,6 @@ def test_resumed_run_continues_one_wandb_run_and_a_finished_rerun_opens_none(tmp
     assert marker == {**marker, "id": tracking.run_id(cfg, run_dir), "logged_rows": 3, "finished": True}
 
 
-@pytest.mark.unit
 @pytest.mark.extended
 def test_run_id_is_stable_per_directory_and_changes_with_overwrite(tmp_path, tiny):
     cfg = make_cfg(tmp_path, tiny)
@@ -213,7 +212,6 @@ def test_two_offline_invocations_write_one_wandb_run_id(tmp_path, tiny, isolated
     assert json.loads((run_dir / tracking.MARKER).read_text())["finished"] is True
 
 
-@pytest.mark.unit
 @pytest.mark.extended
 def test_online_without_credentials_fails_before_any_work(tmp_path, tiny, isolated_wandb, monkeypatch):
     monkeypatch.setattr(runner, "load_model", lambda cfg: pytest.fail("loaded the model"))
