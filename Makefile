@@ -29,11 +29,12 @@ run: $(STAMP)  ## the default job: SmolLM2-135M, keydiff, budget 2k, B=128, NIAH
 	$(PY) run.py $(ARGS)
 
 test: $(STAMP)  ## the whole offline CPU test suite, every tier in parallel (what CI runs), then its 25 slowest tests
-	$(PY) -m pytest -q -n $(JOBS) --dist loadgroup --durations=25 $(ARGS)
+	$(PY) -m pytest -q -n $(JOBS) --dist loadfile --durations=25 $(ARGS)
 
 # The tiers (docs/testing.md): unit (no model, no subprocess), integration (the tiny model, in this process), slow
-# (the real model, subprocesses, real SLURM). JOBS: pytest-xdist workers of make test (tests of one xdist_group, such
-# as the real-SLURM ones, run in one worker). make test-quick: unit and the core integration tests, in this process.
+# (the real model, subprocesses, real SLURM). JOBS: pytest-xdist workers of make test; each test file runs in one
+# worker (--dist loadfile), so the real-SLURM tests share the cluster one at a time (--dist loadgroup does not group
+# under pytest 9.2). make test-quick: unit and the core integration tests, in this process.
 JOBS ?= auto
 
 test-quick: $(STAMP)  ## after every change: unit tests and the core integration tests (tiny model, one process)

@@ -51,7 +51,8 @@ def test_every_collected_test_is_in_exactly_one_tier(tmp_path):
     assert not real, real[:10]
     device = [test for test, names in marks.items() if "device" in names]
     assert len(device) >= 3 and not [test for test in device if "slow" in marks[test]], device
-    assert all("xdist_group" in marks[test] for test in marks if "slurm" in marks[test])  # one worker for the cluster
+    slurm = {test.split("::")[0] for test, names in marks.items() if "slurm" in names}
+    assert slurm == {"tests/test_slurm_real.py"}, slurm  # make test runs a file in one worker: one cluster, one at a time
 
 
 @pytest.mark.slow
@@ -88,4 +89,4 @@ def test_the_make_targets_select_by_tier_markers():
     quick = re.search(r"^test-quick:.*\n\t(.*)$", makefile, re.M).group(1)
     assert '-m "(unit or integration) and not extended"' in quick and "tests/" not in quick, quick
     full = re.search(r"^test:.*\n\t(.*)$", makefile, re.M).group(1)
-    assert "-n $(JOBS) --dist loadgroup" in full and "--durations=25" in full and " -m \"" not in full, full  # every tier
+    assert "-n $(JOBS) --dist loadfile" in full and "--durations=25" in full and " -m \"" not in full, full  # every tier
