@@ -28,15 +28,17 @@ install: $(STAMP)  ## create .venv with torch, the project and the offline defau
 run: $(STAMP)  ## the default job: SmolLM2-135M, keydiff, budget 2k, B=128, NIAH small grid
 	$(PY) run.py $(ARGS)
 
-test: $(STAMP)  ## the whole offline CPU test suite (what CI runs), then its 25 slowest tests
-	$(PY) -m pytest -q --durations=25 $(ARGS)
+test: $(STAMP)  ## the whole offline CPU test suite, every tier in parallel (what CI runs), then its 25 slowest tests
+	$(PY) -m pytest -q -n $(JOBS) --dist loadfile --durations=25 $(ARGS)
 
-# The inner loop (docs/testing.md): the engine, the cache, batching and the result files on the tiny model, in
-# this process (no test here loads the real model or starts a Python that imports torch). docs/testing.md names them.
-QUICK_TESTS = tests/test_engine.py tests/test_cache.py tests/test_batching.py tests/test_fixed_shapes.py \
-	tests/test_golden_batching.py tests/test_batched_runs.py tests/test_cluster.py tests/test_placement.py tests/test_decoder.py
-test-quick: $(STAMP)  ## after every change: engine, cache, batching, result files (tiny model, one process; ~2 min)
-	$(PY) -m pytest -q -m "not real_model and not slurm and not extended" $(QUICK_TESTS) $(ARGS)
+# The tiers (docs/testing.md): unit (no model, no subprocess), integration (the tiny model, in this process), slow
+# (the real model, subprocesses, real SLURM). JOBS: pytest-xdist workers of make test; each test file runs in one
+# worker (--dist loadfile), so the real-SLURM tests share the cluster one at a time (--dist loadgroup does not group
+# under pytest 9.2). make test-quick: unit and the core integration tests, in this process.
+JOBS ?= auto
+
+test-quick: $(STAMP)  ## after every change: unit tests and the core integration tests (tiny model, one process)
+	$(PY) -m pytest -q -m "(unit or integration) and not extended" $(ARGS)
 
 bench: $(STAMP)  ## prefill benchmark: TTFT per policy and the share spent scoring/evicting
 	$(PY) -m keydiff.bench.prefill $(ARGS)

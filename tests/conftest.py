@@ -79,11 +79,63 @@ def extended_unless(cases, core, ids=None) -> list:
 
 REAL_MODEL_FIXTURES = ("builtin_tokenizer",)
 
+# Every test is in exactly one tier (pyproject.toml's markers; docs/testing.md): `unit`, `integration` or `slow`.
+# A test file names its tier in `pytestmark`; a test of another tier in it says so in its own decorator, which
+# wins. A test that uses the real model or the real scheduler is `slow` whatever its file says. `device` (any
+# tier but slow) may be added: the test takes its device from the `device` fixture (pytest --device).
+TIERS = ("unit", "integration", "slow")
+SLOW_MARKS = ("real_model", "slurm")
 
-def pytest_collection_modifyitems(items):
+
+def pytest_addoption(parser):
+    parser.addoption("--device", default="cpu",
+                     help="the device the tests marked `device` run on (torch device string: cpu, cuda, cuda:1)")
+
+
+@pytest.fixture(scope="session")
+def device(request):
+    """The torch device of a `device` test: pytest's --device (default cpu)."""
+    import torch
+
+    return torch.device(request.config.getoption("--device"))
+
+
+def tier_of(item) -> tuple[str | None, str]:
+    """(the item's tier, the problem) with its markers as written: the nearest node's tier mark wins (the test's,
+    then its class's, then its module's); a real-model or real-SLURM test is slow."""
+    slow = next((name for name in SLOW_MARKS if item.get_closest_marker(name)), None)
+    for node in reversed(item.listchain()):
+        marked = {mark.name for mark in node.own_markers if mark.name in TIERS}
+        if len(marked) > 1:
+            return None, f"marked {' and '.join(sorted(marked))}: one tier only"
+        if marked:
+            tier = marked.pop()
+            if slow and tier != "slow" and node is item:
+                return None, f"marked {tier} but {slow}: slow"
+            return ("slow" if slow else tier), ""
+    return ("slow", "") if slow else (None, f"no tier: mark its file (pytestmark) or itself {', '.join(TIERS)}")
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects and before xdist reads xdist_group
+def pytest_collection_modifyitems(config, items):
+    problems, parents = [], set()
     for item in items:
         if any(name in item.fixturenames for name in REAL_MODEL_FIXTURES):  # the fixtures it uses, transitively
             item.add_marker(pytest.mark.real_model)
+        tier, problem = tier_of(item)
+        if problem:
+            problems.append(f"{item.nodeid}: {problem}")
+            continue
+        if item.get_closest_marker("device") and tier == "slow":
+            problems.append(f"{item.nodeid}: marked device but slow: a device test runs in this process, on no real model")
+        if not any(mark.name == tier for mark in item.own_markers):
+            item.add_marker(getattr(pytest.mark, tier))
+        parents.update(node for node in item.listchain() if node is not item)
+    for node in parents:  # each test now holds its one tier itself; -m reads the markers of every node above it
+        node.own_markers[:] = [mark for mark in node.own_markers if mark.name not in TIERS]
+    if problems:
+        raise pytest.UsageError("tests not in exactly one tier (unit, integration, slow; tests/conftest.py):\n  "
+                                + "\n  ".join(problems[:20]) + (f"\n  ... {len(problems) - 20} more" if len(problems) > 20 else ""))
 
 
 @pytest.fixture(scope="session")
@@ -99,6 +151,12 @@ def builtin_tokenizer():
 @pytest.fixture(scope="session")
 def model():
     return tiny_llama()
+
+
+@pytest.fixture(scope="session")
+def device_model(device):
+    """The `model` fixture's tiny Llama on the `device` tests' device (a copy of its own: `model` stays on CPU)."""
+    return tiny_llama().to(device)
 
 
 @pytest.fixture(scope="session")

@@ -21,6 +21,8 @@ from keydiff.policies.adakv import adakv_keep, relative_scores
 from keydiff.policies.base import LayerView, Policy, score_then_position
 from tests.conftest import tiny_llama
 
+pytestmark = pytest.mark.integration
+
 BUDGET, BLOCK, LENGTH = 48, 16, 150
 SCORERS = [("keydiff", {}), ("keydiff", {"window_fraction": 0.25}), ("snapkv", {"window": 8}),
            ("expected_attention", {"epsilon": 0.01, "n_future_positions": 64}), ("sink", {"sinks": 4})]
@@ -105,6 +107,8 @@ def prompt_ids(batch=1, length=LENGTH, seed=1):
 
 
 # --------------------------------------------------------------------------- selection
+@pytest.mark.unit
+@pytest.mark.extended
 def test_adakv_keep_equals_the_loops_with_ties_across_heads():
     """Random scores with many equal values (ties within and across heads) and protected entries."""
     g = torch.Generator().manual_seed(0)
@@ -180,6 +184,7 @@ def per_head_reference_attention(module, query, key, value, attention_mask, scal
 AttentionInterface.register("adakv_reference", per_head_reference_attention)
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("batch,name,params,budget,sized", [
     (1, "keydiff", {}, BUDGET, True), (2, "snapkv", {"window": 8}, BUDGET, True),
     (1, "expected_attention", {"epsilon": 0.01}, BUDGET, True),
@@ -217,6 +222,7 @@ def test_logits_equal_a_per_head_masked_reference_in_prefill_and_decoding(batch,
 
 
 # --------------------------------------------------------------------------- memory bound
+@pytest.mark.extended
 @pytest.mark.parametrize("batch", [1, 2])
 def test_held_entries_never_exceed_the_layer_total_plus_the_block(model, batch):
     policy = adaptive_policy("keydiff", {"window_fraction": 0.1})
@@ -242,6 +248,7 @@ def test_held_entries_never_exceed_the_layer_total_plus_the_block(model, batch):
     assert state.cache.allocations == uniform.cache.allocations == len(state.cache.layers)  # one pool per layer
 
 
+@pytest.mark.extended
 def test_keeping_every_generated_token_grows_the_pool_once(model):
     state = prefill(model, prompt_ids(), adaptive_policy("keydiff", {}), BUDGET, BLOCK)
     before = head_counts(state.cache)
@@ -265,6 +272,7 @@ def fewest_held(model, alpha: float) -> int:
     return min(fewest)
 
 
+@pytest.mark.extended
 def test_every_head_keeps_at_least_its_safeguard(model):
     unguarded = fewest_held(model, 0.0)
     assert unguarded < BUDGET  # some head gave entries away
@@ -272,6 +280,7 @@ def test_every_head_keeps_at_least_its_safeguard(model):
     assert fewest_held(model, alpha) >= math.floor(alpha * BUDGET + 1e-9) == unguarded + 1
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("name,params", [("keydiff", {}), ("keydiff", {"window_fraction": 0.25}), ("snapkv", {"window": 8}),
                                          ("sink", {"sinks": 4})])
 def test_alpha_one_keeps_exactly_what_the_uniform_policy_keeps(model, name, params):
@@ -283,6 +292,7 @@ def test_alpha_one_keeps_exactly_what_the_uniform_policy_keeps(model, name, para
 
 
 # --------------------------------------------------------------------------- configuration and errors
+@pytest.mark.unit
 def test_flat_parameters_compose_and_describe():
     policy = build_policy("snapkv", window=8, head_budgets="adakv", alpha_safeguard=0.3)
     assert policy.head_adaptive and isinstance(policy, HeadAdaptive) and policy.alpha_safeguard == 0.3
@@ -295,6 +305,7 @@ def test_flat_parameters_compose_and_describe():
     assert pyramid.head_adaptive and pyramid.describe()["layer_budgets"] == {"schedule": "pyramid", "beta": 20}
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("params,message", [
     ({"head_budgets": "adakv", "alpha_safeguard": 1.5}, r"alpha_safeguard must be a number in \[0, 1\]"),
     ({"head_budgets": "adakv", "alpha_safeguard": -0.1}, r"alpha_safeguard must be a number in \[0, 1\]"),
@@ -312,6 +323,7 @@ def test_running_without_keydiff_attention_is_refused(model):
         model(input_ids=prompt_ids()[:, :BLOCK], cache=cache, use_cache=True)
 
 
+@pytest.mark.unit
 def test_run_statistics_check_each_layer_total_against_kv_heads_times_its_bound():
     from keydiff.run.plan import RunPlan
     from keydiff.run.runner import run_statistics
@@ -328,6 +340,7 @@ def test_run_statistics_check_each_layer_total_against_kv_heads_times_its_bound(
     assert run_statistics([broken], plan)["cache_bound_held"] is False
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("rows", [0, 8])
 def test_decoding_attention_over_the_pool_equals_one_call_per_segment(rows):
     """The one-query path (per batch row and KV head, two products over that head's own segment) against
@@ -356,6 +369,8 @@ def test_decoding_attention_over_the_pool_equals_one_call_per_segment(rows):
     assert (statistic is None) == (rows == 0)
 
 
+@pytest.mark.unit
+@pytest.mark.extended
 def test_bf16_decoding_of_head_adaptive_layers_is_as_precise_as_sdpa():
     """Against float64 on synthetic bf16 data (d = 128, n = 4,096 and 3,000 entries per head, q/k of std 3:
     logits ~100), the head-adaptive decoding path (keydiff.attention.decoding_segment_attention) and the uniform
@@ -403,6 +418,7 @@ def attention_head(shares: list[float], rows: int = 4) -> LayerView:
                      positions=torch.arange(n)[None, None], attention=attention, state={}, layers=(0,))
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("head_scores,same_share", [("raw", False), ("relative", True)])
 def test_relative_head_scores_make_the_split_independent_of_the_heads_counts(head_scores, same_share):
     """Head B holds twice head A's entries with the same distribution (each of A's entries split in two):
@@ -419,6 +435,7 @@ def test_relative_head_scores_make_the_split_independent_of_the_heads_counts(hea
         assert shares[0] > shares[1]  # raw: the head that holds fewer entries scores higher per entry
 
 
+@pytest.mark.unit
 def test_relative_scores_score_uniform_attention_one_and_handle_log_scores():
     uniform = torch.full((1, 1, 5), 4 / 5)  # 4 rows spread evenly over 5 entries
     assert torch.allclose(relative_scores(uniform, log_scores=False), torch.ones(1, 1, 5))
@@ -426,6 +443,7 @@ def test_relative_scores_score_uniform_attention_one_and_handle_log_scores():
     assert torch.allclose(relative_scores(scores.log(), log_scores=True), relative_scores(scores, False).log())
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("log_scores", [False, True])
 def test_relative_scores_do_not_depend_on_the_order_of_a_heads_entries(log_scores):
     """The cache holds a head's entries in no particular order, and machines add in different orders: the
@@ -439,6 +457,7 @@ def test_relative_scores_do_not_depend_on_the_order_of_a_heads_entries(log_score
         assert torch.equal(relative_scores(scores[..., order], log_scores), relative_scores(scores, log_scores)[..., order])
 
 
+@pytest.mark.extended
 def test_head_scores_compose_describe_and_are_refused_where_they_mean_nothing(model):
     policy = build_policy("snapkv", window=8, head_budgets="adakv", head_scores="relative")
     assert policy.head_scores == "relative" and not policy.chooses_pools

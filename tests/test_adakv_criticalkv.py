@@ -19,6 +19,8 @@ from tests.test_adakv import brute_force_keep, head_counts, prompt_ids
 from tests.conftest import tiny_llama
 from tests.test_criticalkv import brute_force_norms
 
+pytestmark = pytest.mark.integration
+
 BUDGET, BLOCK = 48, 16
 
 
@@ -78,6 +80,7 @@ class CheckedCriticalAdaptive(HeadAdaptive):
         return masks
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("name,params,alpha", [("snapkv", {"window": 8}, 0.2), ("keydiff", {}, 0.2),
                                                ("h2o", {"recent_fraction": 0.25}, 0.2), ("snapkv", {"window": 8}, 0.6)])
 def test_every_eviction_of_a_blockwise_prefill_is_the_brute_force_choice(model, name, params, alpha):
@@ -100,6 +103,7 @@ def test_every_eviction_of_a_blockwise_prefill_is_the_brute_force_choice(model, 
     assert len(compared) >= (length - 2 * BUDGET) // BLOCK  # every block past the layer's total evicted
 
 
+@pytest.mark.extended
 def test_a_non_square_output_projection_gives_each_head_its_own_columns():
     """head_dim 8 with hidden 64: o_proj is [64, 32], so a KV head's columns are 32 / kv_heads wide (its group's
     query heads x head_dim), not hidden / kv_heads. Every other test model's o_proj is square."""
@@ -110,6 +114,7 @@ def test_a_non_square_output_projection_gives_each_head_its_own_columns():
     assert len(policy.choices) >= model.config.num_hidden_layers * ((150 - 2 * BUDGET) // BLOCK)
 
 
+@pytest.mark.extended
 def test_batch_rows_are_chosen_row_by_row_against_the_loops(model):
     """Batch 2 (different prompts): every row's choice, and its entries' ||W_o v||_1 (set from one view of all
     rows and heads), checked against the loops at every eviction of prefill and decoding."""
@@ -121,6 +126,7 @@ def test_batch_rows_are_chosen_row_by_row_against_the_loops(model):
     assert all(sum(row) == 2 * BUDGET for layer in head_counts(state.cache) for row in layer)
 
 
+@pytest.mark.extended
 def test_the_preset_differs_from_both_parents(model):
     """adakv_criticalkv's config builds HeadAdaptive(Critical(SnapKV)); its kept sets differ from plain AdaKV-SnapKV
     (stage 2 matters) and its heads keep different counts (the budgets are shared), all within the total."""
@@ -140,6 +146,8 @@ def test_the_preset_differs_from_both_parents(model):
     assert any(len(set(layer)) > 1 for layer in counts)
 
 
+@pytest.mark.unit
+@pytest.mark.extended
 def test_scores_tied_across_heads_follow_the_adakv_tie_rule():
     """Scores from a few values (exact ties within and across heads, at the head-budget boundary too) and norms
     from a few values (ties in stage 2): each head's count is AdaKV's choice (equal scores: the newer position
@@ -179,6 +187,7 @@ def test_scores_tied_across_heads_follow_the_adakv_tie_rule():
         assert sum(map(len, actual)) == min(heads * budget, sum(v.positions.shape[-1] for v in views))
 
 
+@pytest.mark.extended
 def test_decoding_keeps_the_layer_total(model):
     policy = build_policy("snapkv", window=8, critical=True, head_budgets="adakv")
     state = prefill(model, prompt_ids(), policy, BUDGET, BLOCK)
@@ -188,6 +197,7 @@ def test_decoding_keeps_the_layer_total(model):
 
 
 # --------------------------------------------------------------------------- combinations
+@pytest.mark.unit
 @pytest.mark.parametrize("params,message", [
     ({"key_rerotation": True}, "key_rerotation with head_budgets=adakv"),
     ({"key_rerotation": "contiguous"}, "key_rerotation with head_budgets=adakv"),
@@ -200,6 +210,7 @@ def test_key_rerotation_with_head_budgets_is_refused_in_one_line(params, message
     build_policy("keydiff", head_budgets="adakv")
 
 
+@pytest.mark.unit
 def test_kvzip_with_head_budgets_is_refused_in_one_line():
     with pytest.raises(ValueError, match="kvzip with head_budgets=adakv") as error:
         build_policy("kvzip", head_budgets="adakv")
@@ -207,6 +218,7 @@ def test_kvzip_with_head_budgets_is_refused_in_one_line():
     build_policy("kvzip")
 
 
+@pytest.mark.unit
 def test_chunkkv_with_head_budgets_is_refused_in_one_line():
     with pytest.raises(ValueError, match="chunk_length with head_budgets=adakv") as error:
         build_policy("snapkv", chunk_length=20, head_budgets="adakv")
@@ -223,6 +235,7 @@ def test_rerotation_composed_by_hand_around_head_budgets_fails_clearly(model):
         prefill(model, prompt_ids(), policy, BUDGET, BLOCK)
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("name,params", [("snapkv", {"window": 8, "critical": True}), ("keydiff", {})])
 def test_check_policy_runs_head_adaptive_policies(name, params):
     """keydiff.testing.check_policy counts head-adaptive evictions (keep_heads) and checks the layer bound."""

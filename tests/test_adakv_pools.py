@@ -9,6 +9,7 @@ leaves the stack and still works; the pool scores of KeyDiff are the per-head sc
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from keydiff import build_policy, generate, prefill
@@ -16,6 +17,8 @@ from keydiff.cache import adaptive
 from keydiff.policies.adakv import FORCED, adakv_drop_pool, adakv_keep
 from keydiff.policies.base import LayerView, PoolView, score_then_position
 from tests.conftest import tiny_llama
+
+pytestmark = pytest.mark.unit
 
 BUDGET, BLOCK, LENGTH = 48, 16, 150
 
@@ -43,6 +46,7 @@ def pool_of(counts: list[list[int]], gap: int, generator: torch.Generator, dim: 
                     member=member, owner=owner, counts=counts_t)
 
 
+@pytest.mark.extended
 def test_pooled_selection_equals_adakv_keep_with_ties_and_binding_safeguards():
     g = torch.Generator().manual_seed(0)
     for trial in range(60):
@@ -97,6 +101,8 @@ def run(model, ids, policy, new_tokens=6, evict=True):
     return state, out
 
 
+@pytest.mark.integration
+@pytest.mark.extended
 def test_all_layers_are_evicted_in_one_call_and_keep_what_layer_by_layer_keeps(monkeypatch):
     model = tiny_llama()
     ids = torch.randint(0, 256, (2, LENGTH), generator=torch.Generator().manual_seed(3))
@@ -123,6 +129,8 @@ def test_all_layers_are_evicted_in_one_call_and_keep_what_layer_by_layer_keeps(m
     assert together[1].token_ids == alone[1].token_ids
 
 
+@pytest.mark.integration
+@pytest.mark.extended
 def test_keeping_generated_tokens_grows_a_pool_out_of_the_stack():
     model = tiny_llama()
     ids = torch.randint(0, 256, (1, LENGTH), generator=torch.Generator().manual_seed(4))

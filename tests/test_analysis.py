@@ -26,6 +26,8 @@ from keydiff.capture import capture_prompt, recording_policy, trace_eviction
 from keydiff.bench import scoring
 from tests.conftest import char_tokenizer, tiny_llama
 
+pytestmark = pytest.mark.unit
+
 POLICIES = ["sink", "tova", "keydiff", "h2o", "snapkv", "knorm"]
 
 
@@ -39,6 +41,7 @@ def captures(model, ids):
     return capture_prompt(model, ids, window=16)
 
 
+@pytest.mark.integration
 def test_capture_matches_eager_weights_and_cache_keys(model, ids, captures):
     eager = tiny_llama("eager")
     with torch.no_grad():
@@ -61,6 +64,7 @@ def test_capture_matches_eager_weights_and_cache_keys(model, ids, captures):
     assert model.config._attn_implementation == "sdpa"
 
 
+@pytest.mark.integration
 def test_capture_selected_layers_and_bad_input(model, ids):
     only = capture_prompt(model, ids, layers=[1])
     assert only[0] is None and only[2] is None and only[1].keys.shape == (2, 120, 16)
@@ -70,6 +74,7 @@ def test_capture_selected_layers_and_bad_input(model, ids):
         capture_prompt(model, ids.expand(2, -1))
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("policy", POLICIES)
 def test_trace_retains_what_the_engine_keeps(model, ids, captures, policy):
     budget, block = 40, 16
@@ -119,6 +124,7 @@ def test_spearman_against_brute_force():
     assert brute_ranks([2.0, 1.0, 2.0]) == [2.5, 1.0, 2.5]
 
 
+@pytest.mark.integration
 def test_table3_statistic_against_pairwise_cosine(captures):
     """Table 3 per head = Spearman(-row sums of pairwise key cosine, attention), computed the slow way."""
     capture = captures[1]
@@ -180,6 +186,7 @@ def restore_threads():
     torch.set_num_threads(threads)
 
 
+@pytest.mark.extended
 def test_scoring_latency_tables_at_tiny_sizes(restore_threads, tmp_path):
     tiny = ["--shape", "tiny", "--repeats", "2", "--warmup", "1", "--block-size", "8", "--threads", "1",
             "--out", str(tmp_path / "tables"), "--figures", str(tmp_path / "figures")]
@@ -218,6 +225,8 @@ def test_ruler_essay_haystack_is_named_as_such(tmp_path):
     assert len(prompts) == 2 and data["description"] == "RULER's PaulGrahamEssays.json"
 
 
+@pytest.mark.integration
+@pytest.mark.extended
 def test_analysis_entry_points_end_to_end(tmp_path, tiny_checkpoint):
     prose = tmp_path / "haystack"
     prose.mkdir()
@@ -254,6 +263,7 @@ def test_analysis_entry_points_end_to_end(tmp_path, tiny_checkpoint):
     assert len(titles) == 8 + 4
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("override, message", [
     ("data.source=web", "data.source 'web' is not valid; valid: haystack, longbench"),
     ("cache_budget=4096", "must be smaller than length"),
@@ -283,6 +293,8 @@ def test_future_attention_rejects_bad_input_before_loading(monkeypatch, capsys, 
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
+@pytest.mark.integration
+@pytest.mark.extended
 def test_table3_on_longbench_prompts(tmp_path, tiny_checkpoint):
     data = Path(__file__).resolve().parent.parent / "tasks" / "fixtures" / "longbench" / "data"
     table3.main([

@@ -26,6 +26,9 @@ import keydiff  # noqa: E402
 from keydiff.kernels import batch_invariant  # noqa: E402
 from keydiff.testing import tiny_model  # noqa: E402
 
+# The Triton interpreter is slow: integration, outside make test-quick.
+pytestmark = [pytest.mark.integration, pytest.mark.extended]
+
 
 @pytest.fixture(scope="module")
 def kernels():

@@ -16,6 +16,9 @@ from keydiff.testing import tiny_model
 from tests.test_runner import make_cfg
 
 
+pytestmark = [pytest.mark.unit, pytest.mark.extended]
+
+
 def test_batch_invariant_is_a_checked_top_level_key():
     assert make_cfg().batch_invariant is False
     check_run_config(make_cfg("batch_invariant=true"))  # keydiff, sdpa, cpu: valid
@@ -36,6 +39,7 @@ def test_combinations_its_kernels_do_not_cover_are_refused_in_one_line(overrides
     check_run_config(make_cfg(*overrides))  # without the key the same run is valid
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("model, message", [
     (dict(attn_implementation="flash_attention_2", dtype="bfloat16"), r"flash_attention_2 .*valid: sdpa, eager"),
     (dict(device="mps"), r"model.device=mps; valid: cuda \(cpu: a no-op\)"),
@@ -55,6 +59,7 @@ def test_the_key_reaches_the_plan_and_the_run_identity_only_when_true():
     assert "batch_invariant" not in result_config(make_cfg())  # as every run directory written before the key
 
 
+@pytest.mark.integration
 def test_on_a_cpu_batch_invariant_changes_no_token():
     model = tiny_model()
     prompts = [torch.randint(0, 256, (1, n), generator=torch.Generator().manual_seed(n)) for n in (30, 45)]

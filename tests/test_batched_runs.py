@@ -20,6 +20,8 @@ from keydiff.run.results import run_dir_of
 from tests.conftest import char_tokenizer, tiny_llama
 from tests.test_cluster import make_cfg, rows_of
 
+pytestmark = [pytest.mark.integration, pytest.mark.extended]
+
 LENGTHS = [30, 100, 20, 64, 47, 81]  # 20 and 30 < N = 48; six samples through four slots: slots are refilled
 SAME = ("prediction", "scores", "prompt_tokens", "budget", "kept_tokens", "new_tokens", "finish_reason",
         "max_cache_entries", "layer_max_cache_entries", "seed", "status")
@@ -331,6 +333,7 @@ def test_a_stop_signal_in_a_batch_writes_finished_rows_and_the_resume_finishes_t
     assert {rows[key]["invocation"] for key in first} == {stopped["id"]} and summary["stopped_by"] is None
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("overrides, message", [
     (["batch_size=0"], "batch_size=0 is not valid"),
     (["batch_size=2", "experiment_name=fig7_ttft"], "latency experiments time each sample alone"),

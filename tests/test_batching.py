@@ -12,6 +12,8 @@ import keydiff
 from keydiff import available_policies, build_policy, generate, prefill
 from tests.conftest import CORE_POLICIES, extended_unless
 
+pytestmark = pytest.mark.integration
+
 BUDGET, BLOCK = 40, 16
 # Every registered policy, plus the wrappers and cache layouts that change how a cache is built.
 VARIANTS = [(name, {}) for name in available_policies()] + [
@@ -41,6 +43,7 @@ def same_kept(a, b) -> bool:
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("name,params", CASES)
 def test_fork_equals_separate_runs(model, name, params):
     ids = prompts()[0]
@@ -95,6 +98,7 @@ def settings_of(key: int) -> dict:
             "seed": 100 + key, "eos_token_ids": (3, 17), "min_new_tokens": 2}
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("name,params", CASES)
 def test_batch_of_four_equals_separate_runs(model, name, params):
     """Every policy at batch 1 and 4 keeps the positions and gives the tokens of separate runs, exactly. Exact here
@@ -126,6 +130,7 @@ def logged(name: str, log: list):
         **{f.name: getattr(policy, f.name) for f in dataclasses.fields(policy) if f.init})
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("name", ["h2o", "keydiff"])
 def test_no_row_ever_scores_an_entry_of_another_row_or_padding(model, name):
     """Each sequence's evictions see exactly the entries a batch-1 run sees: its own positions, once each, all
@@ -162,6 +167,7 @@ def test_batch_cache_refuses_the_models_own_attention(model):
         model(input_ids=torch.tensor([[5]]), position_ids=torch.tensor([[90]]), cache=batch)
 
 
+@pytest.mark.extended
 def test_a_multi_row_prefill_decodes_as_one_sequence_beside_others(model):
     """A request whose state holds several rows (one prefill of a [2, L] batch) decodes its rows together, as one
     sequence, beside a one-row request: each gets what it gets decoded alone (keydiff.generate)."""
@@ -202,6 +208,7 @@ def test_throughput_benchmark_runs_on_tiny_sizes(tmp_path):
     assert rows["keydiff"]["sequences_held"] > rows["full"]["sequences_held"] >= 1
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("attn, statistics", [("eager", "materialized"), ("sdpa", "materialized"), ("eager", "fast")])
 @pytest.mark.parametrize("name", extended_unless(["h2o", "snapkv", "keydiff"], lambda name: name == "h2o"))
 def test_statistics_modes_kernels_and_no_decode_eviction_batch_like_separate_runs(attn, statistics, name):
@@ -254,6 +261,7 @@ def sampled(seed: int, new_tokens: int = 12) -> dict:
     return {"max_new_tokens": new_tokens, "do_sample": True, "temperature": 0.9, "seed": seed, "eos_token_ids": ()}
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("name", ["keydiff", "knorm", "sink"])
 def test_forks_lie_side_by_side_and_decode_as_one_group_like_separate_runs(model, name, monkeypatch):
     """Forks of one prefill share one block, each its own slot (same bytes as a copy each); decoded together they
@@ -282,6 +290,7 @@ def test_forks_lie_side_by_side_and_decode_as_one_group_like_separate_runs(model
         sizes.clear()
 
 
+@pytest.mark.extended
 def test_forks_in_any_batch_order_are_written_and_chosen_as_alone(model, monkeypatch):
     """Forks whose batch rows are not in their slots' order (rows 0, 1, 3, 4 hold slots 2, 0, 3, 1) beside a prompt
     prefilled on its own (row 2): each pass's keys and values of the group go to the block in one copy taken in
@@ -318,6 +327,7 @@ def test_forks_in_any_batch_order_are_written_and_chosen_as_alone(model, monkeyp
     assert [1, 4, 0, 3] in writes[0], writes[0]  # slots 0..3 are rows 1, 4, 0, 3: one group, out of batch order
 
 
+@pytest.mark.extended
 def test_a_mixed_batch_groups_only_the_rows_alike(model, monkeypatch):
     """Two forks of one prompt beside prompts prefilled on their own (one shorter than N) and a policy that needs
     attention statistics: only the forks group (while their counts are equal), every row decodes as it does
@@ -342,6 +352,7 @@ def test_a_mixed_batch_groups_only_the_rows_alike(model, monkeypatch):
     assert sizes and set(sizes) == {2}  # forks 0 and 1 share slots 0-1 of their block; fork 2 (slot 2) joins later
 
 
+@pytest.mark.extended
 def test_a_group_scores_each_row_over_its_own_entries_only(model):
     """The grouped eviction's one call sees, row for row, exactly what each sequence's own eviction sees alone:
     its positions are the sequences' own, concatenated in slot order (nothing padded, nothing of a neighbour's)."""
@@ -377,6 +388,7 @@ def test_batch_steps_benchmark_runs_on_tiny_sizes(tmp_path):
     assert all(r["step_s"] > 0 for r in record["results"]) and "code" in record
 
 
+@pytest.mark.extended
 def test_a_fork_that_grows_out_of_its_slot_still_counts_the_slot(model):
     """A placed fork that outgrows its slot (decoding without eviction) gets buffers of its own, but the block keeps
     its slot allocated until every fork is gone: the forks' kv_cache_bytes must add up to the block plus the new
@@ -408,6 +420,7 @@ def test_between_results_the_model_runs_as_it_was(model):
     assert seen == [0, 1, 2]
 
 
+@pytest.mark.extended
 def test_pooled_rows_prefilled_on_their_own_group_and_decode_as_alone(model, monkeypatch):
     """pool_rows=True moves each joining sequence prefilled on its own into a slot of one block (blocks.JoinPool):
     rows holding N entries then attend and evict as one group. Five prompts (one shorter than N, one under h2o,
@@ -464,6 +477,7 @@ def fork_free(state):
     return state.fork(1)[0].cache
 
 
+@pytest.mark.extended
 def test_neighbours_with_other_policies_never_group(model, monkeypatch):
     """KeyDiff beside KeyDiff with a recent window (the same buffers and policy state, so they share the block):
     rows of different policies lie side by side but never attend or evict as one; each gives what it gets alone.

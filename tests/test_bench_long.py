@@ -8,6 +8,9 @@ import pytest
 from keydiff.bench import common, long_prefill
 
 
+pytestmark = pytest.mark.unit
+
+
 def row(policy, length, peak, seconds):
     return {"policy": policy, "length": length, "peak_memory_bytes": peak, "seconds_per_token": seconds,
             "max_cache_entries": 1152, "kv_cache_bytes": 1 << 20}

@@ -19,6 +19,9 @@ from keydiff import build_policy, prefill
 from keydiff.bench import common, peers, peers_runner
 
 
+pytestmark = pytest.mark.unit
+
+
 # ---------------------------------------------------------------------------------------------- overlap
 def test_identical_sets_give_overlap_one_whatever_the_order():
     result = peers.overlap([[1, 2, 3], [4, 5, 6]], [[3, 2, 1], [6, 4, 5]])
@@ -115,6 +118,7 @@ def test_pairs_set_our_parameters_to_kvpress_defaults_and_missing_presets_are_no
     assert peers.our_policy(peers.Pair("x", "no_such_preset", "keydiff")) is None
 
 
+@pytest.mark.extended
 def test_every_pair_has_its_preset_and_builds_and_a_pyramid_below_the_window_is_reported(tmp_path):
     for pair in peers.PAIRS:
         policy = peers.our_policy(pair)
@@ -177,6 +181,7 @@ def test_per_head_positions_drops_padding_and_sorts():
     assert peers_runner.per_head_positions(layer) == [[1, 5], [0, 2, 3]]
 
 
+@pytest.mark.slow
 def test_the_kvpress_side_of_the_runner_imports_no_keydiff():
     code = ("import importlib.util, sys; spec = importlib.util.spec_from_file_location('runner', sys.argv[1]); "
             "module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module); "
@@ -192,6 +197,7 @@ def tiny_weights(tmp_path_factory):
     return peers.model_dir("tiny", "float32", 0, tmp_path_factory.mktemp("peers-weights"))
 
 
+@pytest.mark.integration
 def test_weights_are_built_once_and_reused(tiny_weights):
     stamp = (tiny_weights / "model.safetensors").stat().st_mtime_ns
     assert peers.model_dir("tiny", "float32", 0, tiny_weights.parent) == tiny_weights
@@ -225,6 +231,7 @@ def reference_kept(model, ids: torch.Tensor, budget: int) -> list[list[list[int]
     return kept
 
 
+@pytest.mark.integration
 def test_our_parity_side_keeps_what_keydiff_keeps_over_the_whole_prompt_in_one_pass(tiny_weights, tmp_path):
     """Our parity side is kvpress's one-pass setting: the kept positions equal an independent ranking of the
     full model's keys (a block size slipping into the parity call, or another policy, changes them)."""
@@ -238,6 +245,8 @@ def test_our_parity_side_keeps_what_keydiff_keeps_over_the_whole_prompt_in_one_p
     assert [[sorted(h.tolist()) for h in layer[0]] for layer in blockwise.kept_positions] != out["kept"]
 
 
+@pytest.mark.integration
+@pytest.mark.extended
 def test_our_perf_side_times_prefill_and_decode_and_reports_a_peak(tiny_weights, tmp_path):
     out = peers_runner.run(spec(tiny_weights, tmp_path, 96, mode="perf", budget=32, block_size=16, new_tokens=4,
                                 warmup_tokens=40))
@@ -253,6 +262,7 @@ PEAK_CHILD = ("import importlib.util, json, resource, sys; spec = importlib.util
               "'ru_maxrss': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="VmHWM needs Linux /proc")
 def test_a_child_started_by_a_parent_holding_memory_reports_its_own_peak_not_the_parents():
     """ru_maxrss survives execve (and clear_refs does not reset it): a child started by a parent that holds
@@ -273,6 +283,7 @@ class NoPress:
         return contextlib.nullcontext()
 
 
+@pytest.mark.integration
 def test_the_kvpress_perf_side_calls_the_model_the_pipeline_way_or_the_readme_way(tiny_weights, tmp_path, monkeypatch):
     monkeypatch.setattr(peers_runner, "build_press", lambda name, ratio: NoPress())
     model = peers_runner.load_model({"model_dir": str(tiny_weights), "dtype": "float32", "device": "cpu"})
@@ -292,6 +303,7 @@ def test_the_kvpress_perf_side_calls_the_model_the_pipeline_way_or_the_readme_wa
         peers_runner.kvpress_generate(model, ids, {**base, "kvpress_call": "full"})
 
 
+@pytest.mark.integration
 def test_the_kvpress_side_passes_the_cache_by_the_keyword_the_model_takes(tiny_weights):
     """kvpress's environment pins transformers < 5.3 (`past_key_values=` only, a `cache=` would be swallowed by
     **kwargs); the project's >= 5.24 takes `cache=` and warns on the old name."""
@@ -329,6 +341,7 @@ def perf_payload(by_length: dict[int, dict[str, tuple[float, float, float]]], th
                      "medians": {L: peers.summarize_perf(cases) for L, cases in samples.items()}}}
 
 
+@pytest.mark.extended
 def test_the_doc_tables_are_rendered_from_the_json_files_and_refuse_mixed_settings(tmp_path, capsys):
     four = {"kvpress_keydiff": (10.0, 0.060, 1.2), "kvpress_keydiff_full_logits": (11.0, 0.062, 2.4),
             "keydiff_blockwise": (12.0, 0.066, 0.96), "keydiff_one_block": (9.0, 0.063, 1.32)}
@@ -430,6 +443,7 @@ def fake_child(side, spec, work, kvpress_python):
             "policy_repr": "Q()"}
 
 
+@pytest.mark.slow
 def test_main_writes_every_value_with_provenance_and_never_overwrites(tmp_path, monkeypatch, capsys):
     env = tmp_path / "env"
     env.mkdir()
@@ -489,6 +503,7 @@ def test_the_kvpress_environment_is_reused_when_complete_and_never_the_projects_
         peers_env.build(Path(sys.prefix))
 
 
+@pytest.mark.slow
 def test_cases_pick_what_runs_and_a_bad_name_stops_before_anything_is_built(tmp_path, monkeypatch, capsys):
     env = tmp_path / "env"
     env.mkdir()

@@ -15,6 +15,9 @@ from keydiff.report import compare_runs
 from keydiff.run.sweep import batched_note
 
 
+pytestmark = pytest.mark.integration
+
+
 def tiny_args(**overrides):
     values = dict(new_tokens=6, budget=16, block_size=16, repeats=1)
     return types.SimpleNamespace(**{**values, **overrides})
@@ -37,6 +40,7 @@ def test_transformers_anchor_records_no_autograd_graph():
     assert result["kv_cache_bytes"] == common.kv_cache_bytes(None, model, 48 + 5, 3)
 
 
+@pytest.mark.extended
 def test_transformers_anchor_memory_is_bounded_by_its_caches():
     """Peak memory of the anchor at a size where the old leak (one cache copy kept per step) was 15 x the cache:
     the peak stays within a few caches' worth."""
@@ -54,6 +58,7 @@ def test_transformers_anchor_memory_is_bounded_by_its_caches():
     assert result["peak_bytes"] - before < 4 * cache + (64 << 20), (result["peak_bytes"] - before, cache)
 
 
+@pytest.mark.unit
 def test_paged_cache_config_is_sized_for_the_run():
     """transformers' continuous batching is given a cache for the run, not 90% of the host's RAM."""
     config = throughput.paged_cache_config(1000, 24, 8)
@@ -61,6 +66,7 @@ def test_paged_cache_config_is_sized_for_the_run():
     assert config.num_blocks == 8 * pages + 1 and config.max_batch_tokens is None  # None: transformers' default
 
 
+@pytest.mark.extended
 def test_continuous_batching_anchor_runs_on_cpu():
     """transformers' generate_batch runs on CPU with the sized cache; decode time = long run - 1-token run."""
     model = common.build_model("random-tiny", torch.float32, "sdpa", "cpu")
@@ -69,6 +75,7 @@ def test_continuous_batching_anchor_runs_on_cpu():
     assert throughput.continuous_batching_unavailable("cpu") is None
 
 
+@pytest.mark.extended
 def test_serving_counts_full_and_bounded_entries_and_records_the_caches_bytes(tmp_path):
     """full: L + new tokens entries per sequence; bounded: N + 1 or what its cache really allocates (N + B while
     decoding); held = budget // bytes per sequence; the measured caches' bytes, projected to `held`, fit."""
@@ -102,6 +109,7 @@ def write_run(folder, batch_size, wall, predictions):
     (folder / "predictions.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
 
 
+@pytest.mark.unit
 def test_compare_runs_reports_the_wall_ratio_and_each_differing_sample(tmp_path, capsys):
     write_run(tmp_path / "b1", 1, 10.0, {"p#0": "x = 4", "p#1": "the answer is 7", "p#2": "same"})
     write_run(tmp_path / "b8", 8, 3.0, {"p#0": "x = 4", "p#1": "the answer is 9", "p#2": "same"})
@@ -116,6 +124,7 @@ def test_compare_runs_reports_the_wall_ratio_and_each_differing_sample(tmp_path,
     assert compare_runs.main([str(tmp_path / "b1"), str(tmp_path / "missing")]) == 2
 
 
+@pytest.mark.unit
 def test_status_names_the_batch_size_of_a_batched_run(tmp_path):
     write_run(tmp_path / "b8", 8, 3.0, {"p#0": "a", "p#1": "b"})
     rows = [json.loads(line) for line in (tmp_path / "b8" / "predictions.jsonl").read_text().splitlines()]

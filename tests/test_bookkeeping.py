@@ -19,6 +19,8 @@ import keydiff
 from keydiff import build_policy, copy_state, follow_up, generate, prefill
 from keydiff.run.batched import batch_record
 
+pytestmark = pytest.mark.integration
+
 BUDGET, BLOCK = 40, 16  # N + B = 56: prompts of 56 tokens or more share the join pool's slot shape
 
 
@@ -40,6 +42,7 @@ def allocation(cache) -> int:
 # --------------------------------------------------------------------------------- batch sizes
 
 
+@pytest.mark.extended
 def test_batch_sizes_count_only_the_rows_of_each_pass(model):
     """`batch_sizes` lists the rows of each decoding pass a sequence took part in: a row that takes its last token
     in a step stops there and is not in that step's pass. Three forks of 2, 4 and 6 tokens at batch 3 (a sequence
@@ -62,6 +65,7 @@ def test_batch_sizes_count_only_the_rows_of_each_pass(model):
 # --------------------------------------------------------------------------------- held suffix
 
 
+@pytest.mark.extended
 def test_a_follow_up_turn_reports_its_own_suffix_only(model, prompt):
     """A state prefilled with a held suffix of 20, decoded, then fed a 10-token follow-up: the new turn holds 10
     (what it fed), not the earlier 20 as well; `hold` on an undecoded state adds to what it holds."""
@@ -75,6 +79,7 @@ def test_a_follow_up_turn_reports_its_own_suffix_only(model, prompt):
     assert again.held_suffix == 30
 
 
+@pytest.mark.extended
 def test_a_held_suffix_longer_than_the_block_decodes_in_the_buffers_of_its_prefill(model, prompt):
     """The cache is planned for N + S + 1 entries (the suffix and the first generated token, written before the
     first decoding step's eviction): decoding allocates nothing and moves nothing, at batch 1 and in a batch."""
@@ -142,6 +147,7 @@ def test_a_copy_of_a_fork_holds_its_own_entries_not_its_block(model, fixed_shape
 # --------------------------------------------------------------------------------- join pool slots
 
 
+@pytest.mark.extended
 def test_a_freed_join_pool_slot_is_reused_so_later_prompts_group(model):
     """Batch 2, four prompts of N + B tokens or more decoding the same number of tokens: the first two share the
     pool's block; when they stop, the next two take their slots (one block again), so they too decode as one
@@ -162,6 +168,7 @@ def test_a_freed_join_pool_slot_is_reused_so_later_prompts_group(model):
     assert seen[0] == seen[1] and seen[2] == seen[3]  # each pair in one allocation: they grouped
 
 
+@pytest.mark.extended
 def test_a_decoding_sequence_keeps_its_slot_until_it_stops(model):
     """A sequence in the join pool owns its slot while it decodes: no later sequence is handed it (the first would
     be copied out mid-decode). Batch 2, sequences stopping at different steps so that slots free one at a time

@@ -15,6 +15,8 @@ from keydiff.run import runner
 from tests.conftest import char_tokenizer, tiny_llama
 from tests.test_runner import make_cfg
 
+pytestmark = [pytest.mark.integration, pytest.mark.extended]
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

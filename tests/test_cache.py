@@ -14,6 +14,8 @@ from keydiff import generate, prefill
 from keydiff.attention import check_flash_attn_version
 from tests.conftest import tiny_llama
 
+pytestmark = pytest.mark.integration
+
 ATTENTION_FREE = ["keydiff", "sink", "knorm", "recent", "random"]
 ATTENTION_BASED = ["tova", "snapkv", "h2o"]
 
@@ -32,6 +34,7 @@ def plain_greedy_loop(model, state, steps, position_ids: bool):
     return tokens
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("position_ids", [False, True])
 @pytest.mark.parametrize("name", ATTENTION_FREE + ATTENTION_BASED + ["full"])
 def test_plain_model_loop_equals_keydiff_generate(model, prompt, name, position_ids):
@@ -46,6 +49,7 @@ def test_plain_model_loop_equals_keydiff_generate(model, prompt, name, position_
     assert max(layer.num_entries for layer in state.cache.layers) == (64 if name != "full" else 311)
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("name", ATTENTION_FREE)
 def test_attention_free_policies_work_with_the_models_own_attention(prompt, name):
     """No keydiff attention at all: transformers' sdpa/eager masks are sized from the cache."""
@@ -78,6 +82,7 @@ def test_attention_policy_loop_without_keydiff_attention_says_what_to_do(model, 
         plain_greedy_loop(model, state, 4, position_ids=False)
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("name", ["keydiff", "tova", "full"])
 def test_transformers_generate_continues_a_cache_that_holds_all_but_the_last_token(model, prompt, name):
     state = prefill(model, prompt[:, :-1], name, 64, 32)
@@ -146,6 +151,7 @@ def test_cache_counts_positions_itself(model, prompt):
     assert sorted(state.cache.layers[1].view(1).positions[0, 0].tolist())[-3:] == [300, 301, 302]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("version, ok", [("2.0.9", False), ("1.0.0", False), ("2.1.0", True), ("2.6.3", True),
                                          ("2.7.4.post1", True), ("3.0.0b1", True)])
 def test_flash_attn_version_check(version, ok):
@@ -156,6 +162,7 @@ def test_flash_attn_version_check(version, ok):
             check_flash_attn_version(version)
 
 
+@pytest.mark.unit
 def test_old_flash_attn_is_refused_before_running(monkeypatch, prompt):
     monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(flash_attn_func=None, __version__="2.0.4"))
     model = tiny_llama("sdpa")
@@ -184,6 +191,7 @@ def brute_force_keep(name: str, held: dict[int, list], budget: int) -> set[int]:
     return set(ranked[:budget])
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("stacked", [True, False], ids=["stacked", "layer_by_layer"])
 @pytest.mark.parametrize("name", ["keydiff", "h2o", "sink"])
 @pytest.mark.parametrize("excess", [1, 5])
@@ -238,6 +246,7 @@ def test_in_place_eviction_keeps_exactly_the_policys_choice_with_its_rows(name, 
                         assert view.state["inv_norm"][0, head, slot].item() == pytest.approx(inverse_norm, rel=1e-6)
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_keydiff_caches_each_entrys_inverse_key_norm_when_it_is_written(prompt, dtype):
     """Every held entry's cached `inv_norm` is 1 / ||its key||, after evictions moved entries around.
@@ -267,6 +276,7 @@ def layer_by_layer(name: str) -> keydiff.Policy:
     return policy
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("name", BATCHABLE)
 def test_stacked_eviction_keeps_what_layer_by_layer_eviction_keeps(model, prompt, name):
     stacked = prefill(model, prompt, name, 64, 32)
@@ -307,12 +317,14 @@ def test_stacked_cache_scores_every_layer_in_one_call_per_step(model, prompt):
                for layer in state.cache.layers)
 
 
+@pytest.mark.extended
 def test_policies_that_are_not_batchable_keep_a_buffer_per_layer(model, prompt):
     for policy in ("random", keydiff.build_policy("keydiff", layer_budgets={"schedule": "pyramid", "beta": 2})):
         state = prefill(model, prompt, policy, 64, 32)
         assert state.cache.stack is None and not any(layer.stacked for layer in state.cache.layers)
 
 
+@pytest.mark.unit
 def test_a_layer_unlike_the_first_leaves_the_stack_and_eviction_goes_layer_by_layer():
     from keydiff.cache import EvictingCache
 
@@ -344,6 +356,7 @@ def viewing(policy: keydiff.Policy) -> keydiff.Policy:
     return recorder
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("name", BATCHABLE)
 def test_stacked_rows_stay_with_their_layer_and_batch_row(model, name):
     """Two different prompts in one batch: the stack's rows are layer-major, then batch (as torch.cat orders the statistics).
@@ -379,6 +392,7 @@ def test_layers_a_policy_never_evicts_are_not_stacked(model, prompt):
     assert [layer.num_entries for layer in state.cache.layers] == [prompt.shape[1]] * 3
 
 
+@pytest.mark.extended
 def test_decoding_without_eviction_grows_the_whole_stack_and_releases_the_old_one(model, prompt):
     state = prefill(model, prompt, "keydiff", 64, 32)
     old_storage = state.cache.layers[0].keys.untyped_storage().data_ptr()

@@ -14,6 +14,8 @@ from keydiff.policies.knorm import KNorm
 from keydiff.testing import PolicyCheckError, check_policy, run_once, tiny_model
 from tests.conftest import tiny_llama
 
+pytestmark = pytest.mark.integration
+
 PYRAMID = {"schedule": "pyramid", "beta": 4, "window": 0}
 
 # Non-default settings worth checking on their own: LagKV with partitions that fit the check's budget (both
@@ -42,6 +44,7 @@ def scorer(name: str) -> Policy:
     return POLICIES[name](**FITS_A_PYRAMID.get(name, {}))
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("name", sorted(POLICIES))
 def test_every_builtin_policy_passes_check_policy(name):
     policy = build_policy(name)
@@ -52,6 +55,7 @@ def test_every_builtin_policy_passes_check_policy(name):
     assert summary["stacked"] == summary["batchable_checked"] == policy.layers_batchable
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("name, params", VARIANTS, ids=[f"{n}-{'-'.join(map(str, p))}" for n, p in VARIANTS])
 def test_builtin_variants_pass_check_policy(name, params):
     summary = check_policy(name, **params)
@@ -61,6 +65,7 @@ def test_builtin_variants_pass_check_policy(name, params):
     assert summary["batchable_checked"] == (build_policy(name, **params).layers_batchable and not never_stacks)
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("name", sorted(POLICIES))
 def test_every_builtin_policy_passes_check_policy_inside_a_recent_window(name):
     """The wrapper forwards layers_batchable: a batchable policy in a window is still run stacked and checked
@@ -71,6 +76,7 @@ def test_every_builtin_policy_passes_check_policy_inside_a_recent_window(name):
     assert summary["stacked"] == POLICIES[name]().layers_batchable
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("name", sorted(POLICIES))
 def test_every_builtin_policy_passes_check_policy_with_pyramid_layer_budgets(name):
     policy = LayerBudgets(RecentWindow(scorer(name), fraction=0.25), schedule=PYRAMID)
@@ -84,6 +90,7 @@ CAPABILITIES = ("name", "attention_rows", "observes_every_step", "evicts", "stat
 UNUSUAL = {"snapkv": {"window": 5}, "expected_attention": {"n_sink": 6}, "lagkv": {"scoring": "rescore"}}
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name", sorted(POLICIES))
 def test_wrappers_answer_every_capability_as_the_wrapped_policy(name):
     plain = POLICIES[name](**UNUSUAL.get(name, {}))
@@ -92,6 +99,7 @@ def test_wrappers_answer_every_capability_as_the_wrapped_policy(name):
     assert wrapped.unwrapped() is plain
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("name", sorted(POLICIES))
 def test_wrappers_change_nothing_they_do_not_add(name):
     """A zero window and a uniform schedule around a policy keep and generate exactly what the policy keeps on its
@@ -172,6 +180,7 @@ def test_broken_policies_fail_check_policy_saying_why(policy, message):
         check_policy(policy)
 
 
+@pytest.mark.extended
 def test_a_wrapper_forwards_a_false_claim_and_the_check_still_catches_it():
     wrapped = LayerBudgets(RecentWindow(CrossLayer(), fraction=0.25), schedule={"schedule": "uniform"})
     assert wrapped.layers_batchable
@@ -187,6 +196,7 @@ class OwnEviction(KNorm):
         return super().evict_indices(layer, budget)
 
 
+@pytest.mark.unit
 def test_a_policy_with_its_own_evict_indices_cannot_be_wrapped():
     with pytest.raises(TypeError, match="RecentWindow cannot wrap OwnEviction: it overrides evict_indices"):
         RecentWindow(OwnEviction(), fraction=0.2)
@@ -194,6 +204,7 @@ def test_a_policy_with_its_own_evict_indices_cannot_be_wrapped():
         LayerBudgets(OwnEviction(), schedule=None)
 
 
+@pytest.mark.extended
 def test_cross_layer_policy_fails_under_pyramid_budgets_too():
     """Pyramid budgets keep the cache from stacking; the batchable comparison must still run stacked."""
     with pytest.raises(PolicyCheckError, match=r"layer-by-layer eviction \(it claims layers_batchable\)"):
@@ -204,6 +215,7 @@ class Undecorated(KNorm):  # no @dataclass of its own: its field is no parameter
     alpha: float = 0.5
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("params", [{}, {"alpha": 0.3}])
 def test_undecorated_class_is_refused_as_run_py_refuses_it(params):
     with pytest.raises(ValueError, match=r"policy class tests.test_check_policy.Undecorated: Undecorated must be "
@@ -211,6 +223,7 @@ def test_undecorated_class_is_refused_as_run_py_refuses_it(params):
         check_policy(Undecorated, **params)
 
 
+@pytest.mark.extended
 def test_infinite_scores_of_protected_entries_pass():
     assert check_policy(ProtectedInfinity)["evictions"] > 0
 
@@ -230,6 +243,7 @@ def test_bad_scores_fail_on_first_use_naming_the_policy(model):
     assert prefill(model, ids, build_policy("knorm"), budget=40, block_size=20).max_cache_entries == 60
 
 
+@pytest.mark.unit
 def test_check_policy_rejects_a_budget_that_never_evicts():
     with pytest.raises(ValueError, match="must be smaller than prompt_tokens"):
         check_policy("keydiff", budget=200, prompt_tokens=100)

@@ -11,6 +11,9 @@ from keydiff.policies import Chunked, KNorm, SnapKV, build_policy
 from keydiff.policies.base import LayerView, Policy
 
 
+pytestmark = pytest.mark.unit
+
+
 def reference_keep(scores, protect, positions, budget, chunk_length, scope="layer") -> list[list[list[int]]]:
     """Kept positions per (row, head), by loops: protected entries stay; the other slots go to whole chunks
     (positions // chunk_length) by the sum of their entries' scores (an infinite score counts 0) over the
@@ -107,6 +110,8 @@ class ReferenceChecked(Chunked):
         return drop
 
 
+@pytest.mark.integration
+@pytest.mark.extended
 def test_block_wise_prefill_matches_the_reference_at_every_eviction():
     from keydiff.engine import generate, prefill
     from tests.conftest import tiny_llama
@@ -119,6 +124,8 @@ def test_block_wise_prefill_matches_the_reference_at_every_eviction():
     assert policy.checked >= 8  # evictions after blocks and tokens were all compared
 
 
+@pytest.mark.integration
+@pytest.mark.extended
 @pytest.mark.parametrize("name,params", [("snapkv", {"window": 8}), ("keydiff", {"window_fraction": 0.2})])
 def test_chunk_length_one_is_the_wrapped_scorer(name, params):
     from keydiff.engine import generate, prefill
@@ -142,6 +149,8 @@ def test_chunks_change_the_choice():
     assert kept_positions(Chunked(SnapKV(window=8), 20), layer, 41) != kept_positions(SnapKV(window=8), layer, 41)
 
 
+@pytest.mark.integration
+@pytest.mark.extended
 def test_check_policy_passes():
     from keydiff.testing import check_policy
 

@@ -27,6 +27,8 @@ from keydiff.run.lock import RunLock, RunLockedError
 from keydiff.run.results import run_dir_of
 from tests.conftest import char_tokenizer, tiny_llama
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -82,6 +84,8 @@ def inject(monkeypatch, failures: dict[str, BaseException]):
 # --------------------------------------------------------------------------- run identity
 
 
+@pytest.mark.integration
+@pytest.mark.extended
 def test_limited_and_full_runs_of_one_point_live_in_separate_directories(tmp_path, tiny):
     full_cfg, limited_cfg = make_cfg(tmp_path), make_cfg(tmp_path, task={"limit": 1})
     full_dir, limited_dir = run_dir_of(full_cfg), run_dir_of(limited_cfg)
@@ -110,6 +114,8 @@ def test_limited_and_full_runs_of_one_point_live_in_separate_directories(tmp_pat
 # --------------------------------------------------------------------------- failure rows
 
 
+@pytest.mark.integration
+@pytest.mark.extended
 def test_out_of_memory_sample_is_recorded_skipped_on_rerun_and_retried_on_request(tmp_path, tiny, monkeypatch):
     released = []
     monkeypatch.setattr(samples, "release_memory", lambda: released.append(True))
@@ -141,6 +147,8 @@ def test_out_of_memory_sample_is_recorded_skipped_on_rerun_and_retried_on_reques
     assert retried["num_samples"] == 2 and retried["num_failed"] == 0 and retried["failures"] == {}
 
 
+@pytest.mark.integration
+@pytest.mark.extended
 def test_prompt_cap_and_generic_out_of_memory_errors_become_failed_rows(tmp_path, tiny, monkeypatch):
     summary = runner.run(make_cfg(tmp_path, "max_prompt_tokens=50"), tmp_path / "cap")
     assert tiny == ["len30"]  # the capped sample never reaches the model
@@ -153,6 +161,8 @@ def test_prompt_cap_and_generic_out_of_memory_errors_become_failed_rows(tmp_path
     assert summary["failures"] == {"out_of_memory": 1} and summary["num_samples"] == 1
 
 
+@pytest.mark.integration
+@pytest.mark.extended
 def test_a_prompt_of_exactly_max_prompt_tokens_runs_one_token_more_does_not(tmp_path, tiny):
     """The cap is a maximum: a prompt of exactly N tokens runs, N + 1 is recorded as failed."""
     at_cap = runner.run(make_cfg(tmp_path, "max_prompt_tokens=100"), tmp_path / "at")
@@ -163,6 +173,8 @@ def test_a_prompt_of_exactly_max_prompt_tokens_runs_one_token_more_does_not(tmp_
     assert rows_of(tmp_path / "below")[1]["error"] == "prompt has 100 tokens > max_prompt_tokens=99"
 
 
+@pytest.mark.integration
+@pytest.mark.extended
 def test_any_other_error_stops_the_run_naming_the_sample(tmp_path, tiny, monkeypatch):
     inject(monkeypatch, {"len100": IndexError("index 7 is out of bounds")})
     with pytest.raises(RuntimeError, match="sample 'len100' failed with IndexError: index 7"):
@@ -170,6 +182,8 @@ def test_any_other_error_stops_the_run_naming_the_sample(tmp_path, tiny, monkeyp
     assert [r["sample_id"] for r in rows_of(tmp_path / "run")] == ["len30"]  # written rows are kept
 
 
+@pytest.mark.integration
+@pytest.mark.extended
 def test_threads_come_from_the_config_or_slurm_and_are_recorded(tmp_path, tiny, monkeypatch):
     before = torch.get_num_threads()
     try:
@@ -186,6 +200,8 @@ def test_threads_come_from_the_config_or_slurm_and_are_recorded(tmp_path, tiny, 
 # --------------------------------------------------------------------------- full disk
 
 
+@pytest.mark.integration
+@pytest.mark.extended
 def test_full_disk_stops_without_corrupting_what_was_written(tmp_path, tiny, monkeypatch):
     import keydiff.run.results as results
 
@@ -292,6 +308,7 @@ def test_a_lock_naming_this_pid_that_this_process_does_not_hold_is_stale(tmp_pat
     assert not lock.exists()
 
 
+@pytest.mark.slow
 def test_stale_lock_of_a_dead_process_is_taken_over(tmp_path):
     lock = tmp_path / "run" / ".lock"
     lock.parent.mkdir()
@@ -304,6 +321,8 @@ def test_stale_lock_of_a_dead_process_is_taken_over(tmp_path):
         RunLock(tmp_path / "run").acquire()
 
 
+@pytest.mark.integration
+@pytest.mark.extended
 def test_run_refuses_a_directory_another_process_writes(tmp_path, tiny):
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / ".lock").write_text(json.dumps({"host": "gpu-node-7", "pid": 4242, "started": "now"}))
@@ -401,6 +420,7 @@ def test_the_sweep_grid_is_hydras_basic_sweeper_grid(arguments):
     assert grid_points(params, arguments) == expected and len(expected) > 1
 
 
+@pytest.mark.slow
 def test_summary_provenance_is_the_one_record(tmp_path, tiny, monkeypatch):
     """summary.json's code / packages / environment are keydiff.run.provenance's record (same keys as
     before the record existed, so tables keep reading them), and every row names the commit.

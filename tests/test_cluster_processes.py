@@ -19,6 +19,8 @@ import pytest
 
 from tests.conftest import char_tokenizer, tiny_llama
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 FAKE_SLURM = ROOT / "tests" / "fake_slurm"
 
@@ -224,6 +226,7 @@ def test_slurm_sweep_through_submitit_matches_a_local_sweep_and_resubmits_only_m
 # --------------------------------------------------------------------------- make status
 
 
+@pytest.mark.unit
 def test_status_lists_every_point_of_an_experiment(tmp_path):
     from keydiff.run.status import experiment_status
 

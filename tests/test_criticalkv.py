@@ -15,6 +15,8 @@ from keydiff.policies.criticalkv import STATE, critical_scores, output_norms
 from keydiff.testing import check_policy, variant
 from tests.conftest import tiny_llama
 
+pytestmark = pytest.mark.integration
+
 BUDGET, BLOCK, LENGTH = 40, 16, 150
 
 
@@ -94,6 +96,7 @@ def recorded_run(policy: Critical, model, prompt, new_tokens=6):
     return records
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("name, params", [
     ("snapkv", {}),  # attention scores (non-negative): kvpress's formula as it is
     ("snapkv", {"critical_epsilon": 0.05}),  # epsilon per query row weighs: 16 rows per prefill block, 1 decoding
@@ -120,6 +123,7 @@ def test_every_eviction_matches_the_brute_force_reference(name, params):
         assert record["kept"] == expected, f"layer {record['layer']}: CriticalKV kept other entries than the reference"
 
 
+@pytest.mark.extended
 def test_first_stage_entries_are_always_kept():
     """The floor(ratio x budget) best entries by the scorer's own scores survive every eviction, even when their
     output norm is tiny: stage 2 never competes with them."""
@@ -135,6 +139,7 @@ def test_first_stage_entries_are_always_kept():
             assert best <= set(record["kept"][0][h])
 
 
+@pytest.mark.extended
 def test_stage_two_changes_the_choice():
     """Critical keeps other entries than its scorer alone (otherwise the reference test would prove little)."""
     model = tiny_llama()
@@ -144,6 +149,7 @@ def test_stage_two_changes_the_choice():
     assert any(not torch.equal(a, b) for a, b in zip(plain, critical))
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("chunk_elements", [1 << 24, 2 * 6 * 20 * 3])  # one product, or chunks of 3 entries
 def test_output_norms_against_loops_with_grouped_heads(chunk_elements, monkeypatch):
     import keydiff.policies.criticalkv as criticalkv
@@ -157,6 +163,7 @@ def test_output_norms_against_loops_with_grouped_heads(chunk_elements, monkeypat
         output_norms(values, torch.randn(20, 5 * 8))
 
 
+@pytest.mark.unit
 def test_epsilon_is_added_per_query_row_as_in_kvpress():
     """kvpress (and the paper) add epsilon to ONE query's attention: SnapKVPress averages its window's rows, our
     statistic sums them. Critical must rank (mean + eps) x norm, i.e. score (sum + rows x eps) x norm; with eps
@@ -182,6 +189,7 @@ def test_epsilon_is_added_per_query_row_as_in_kvpress():
     torch.testing.assert_close(policy.score(one)[..., :prefix], (weights[:, :, 0, :prefix] + 0.05) * norms[..., :prefix])
 
 
+@pytest.mark.unit
 def test_negative_scores_are_shifted_so_a_larger_norm_never_lowers_an_entry():
     scores = torch.tensor([[[-0.9, -0.2, 0.3]]])
     low, high = critical_scores(scores, torch.ones(1, 1, 3), 1e-4, False), critical_scores(scores, torch.full((1, 1, 3), 2.0), 1e-4, False)
@@ -196,6 +204,7 @@ def test_negative_scores_are_shifted_so_a_larger_norm_never_lowers_an_entry():
     torch.testing.assert_close(critical_scores(logs, torch.tensor([[[2.0, 0.5]]]), 0.01, True), expected)
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("name, params", [
     ("snapkv", {"critical": True}),
     ("keydiff", {"critical": True, "window_fraction": 0.2}),
@@ -207,6 +216,7 @@ def test_check_policy_passes(name, params):
     assert summary["evictions"] > 0 and not summary["stacked"]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("params, message", [
     ({"critical": True, "first_stage_ratio": 1.5}, r"first_stage_ratio must be in \[0, 1\], got 1.5"),
     ({"critical": True, "critical_epsilon": -1e-3}, "critical_epsilon must be >= 0"),
@@ -221,6 +231,7 @@ def test_bad_values_fail_with_one_clear_line(params, message):
     assert "\n" not in str(error.value)
 
 
+@pytest.mark.unit
 def test_describe_round_trips_and_leaves_plain_policies_alone():
     policy = build_policy("keydiff", window_fraction=0.1, critical=True, critical_epsilon=1e-3, first_stage_ratio=0.25)
     described = policy.describe()
@@ -245,6 +256,7 @@ def test_needs_the_attention_function_for_the_output_projection():
             cache.evict()
 
 
+@pytest.mark.unit
 def test_stage_one_with_per_head_counts_for_head_budgets():
     """The AdaKV form picks stage 1 per KV head with that head's count: the first count_h of each head's ranking."""
     from keydiff.policies.criticalkv import first_stage

@@ -16,6 +16,8 @@ from keydiff import build_policy, prefill
 from keydiff.run import runner
 from keydiff.config import custom_policy_label
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 
@@ -53,6 +55,7 @@ def test_example_policy_runs_end_to_end_through_run_py_from_outside_the_package(
     assert row["kept_tokens"] == 128 and row["prompt_tokens"] > 128  # it really evicted
 
 
+@pytest.mark.integration
 def test_example_policy_keeps_what_its_score_says(examples_on_path):
     """One block, one eviction: the sinks plus the largest value norms of a plain forward's cache (brute force)."""
     from my_policy import MyPolicy
@@ -71,6 +74,7 @@ def test_example_policy_keeps_what_its_score_says(examples_on_path):
             assert kept[0, head].tolist() == sorted([0, 1] + ranked[:38])
 
 
+@pytest.mark.extended
 def test_label_is_derived_from_class_and_parameters():
     cfg = make_cfg("policy=custom", "policy.target=my_lab.policies.MyPolicy", "+policy.params.alpha=0.3")
     assert cfg.policy.label == "MyPolicy-alpha0.3" and "/MyPolicy-alpha0.3/2k/" in cfg.run_subdir
@@ -78,6 +82,7 @@ def test_label_is_derived_from_class_and_parameters():
     assert custom_policy_label("a.B", {}) != custom_policy_label("a.B", {"alpha": 0.5})
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize(
     "overrides, message",
     [
@@ -122,6 +127,7 @@ def test_a_subclass_without_its_own_dataclass_decorator_is_named(tmp_path, monke
                               "window_fraction": 0.1, "layer_budgets": None}
 
 
+@pytest.mark.integration
 def test_example_policy_passes_check_policy_as_the_readme_shows(examples_on_path):
     from my_policy import MyPolicy
 
@@ -131,6 +137,7 @@ def test_example_policy_passes_check_policy_as_the_readme_shows(examples_on_path
     assert summary["policy"] == "my_policy.MyPolicy" and summary["evictions"] > 0 and not summary["stacked"]
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("argv, expected", [
     # the README's custom policy without `+`: the line says how to add the parameter, with the value as given
     (["policy=custom", "policy.target=my_policy.MyPolicy", "policy.params.alpha=0.3"],
@@ -158,6 +165,7 @@ def test_an_unlisted_key_is_told_to_use_plus(examples_on_path, capsys, argv, exp
         assert "+policy.params.beta" not in err
 
 
+@pytest.mark.extended
 def test_a_typo_gets_no_plus_hint(capsys):
     from keydiff.run.checks import check_command_line
 

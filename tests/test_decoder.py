@@ -20,6 +20,8 @@ from keydiff.batching.static import StaticStep, stand_in_graphs
 from tests.conftest import tiny_llama
 from tests.test_batched_runs import lengths_cfg, run_at, tiny  # noqa: F401 - tiny: the runner's model fixture
 
+pytestmark = pytest.mark.integration
+
 BUDGET, BLOCK = 40, 16
 
 
@@ -45,6 +47,7 @@ def built(monkeypatch) -> list[tuple[int, int]]:
     return widths
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("width", [1, 2])
 def test_a_run_decoder_builds_one_arena_and_one_step_for_all_its_calls(model, monkeypatch, width):
     """Five samples, one call each (as a run at batch 1 makes them) or two at a time, through one Decoder with the
@@ -73,6 +76,7 @@ def test_a_run_decoder_builds_one_arena_and_one_step_for_all_its_calls(model, mo
     assert decoder.widths == [width]
 
 
+@pytest.mark.extended
 def test_a_batch_one_run_decodes_every_sample_through_the_runs_decoder(tmp_path, tiny, monkeypatch):
     """The Decoder keeps its step across calls (above) only if the run hands every sample to it: a batch-1 run of six
     prompts through keydiff.run, with the arena arrangement (what a GPU replays), builds one decode step and one
@@ -92,6 +96,7 @@ def test_a_batch_one_run_decodes_every_sample_through_the_runs_decoder(tmp_path,
     assert sorted(q for q, in_arena in steps if in_arena) == [1, 16], steps
 
 
+@pytest.mark.extended
 def test_a_run_records_its_graph_captures_and_runs_a_step_that_cannot_be_captured_eagerly(tmp_path, tiny):
     """A capture that fails for a reason other than memory (here at capture_end, as CUDA refuses a capture at its
     end) stops the run's capturing: every later step runs eagerly, the same rows, slower. The run's record says so
@@ -120,6 +125,7 @@ def test_a_run_records_its_graph_captures_and_runs_a_step_that_cannot_be_capture
         "RuntimeError: CUDA error: operation failed due to a previous error during capture (stand-in)"]
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("arena", [False, True], ids=["own-stack", "slot"])
 def test_a_run_decoder_prefills_every_prompt_with_one_block_step(model, monkeypatch, arena):
     """Prefills through a run's decoder (prefill(..., decoder=d)): the logits and kept positions of a prefill of
@@ -142,6 +148,7 @@ def test_a_run_decoder_prefills_every_prompt_with_one_block_step(model, monkeypa
     assert len(block_steps) == (1 if arena else 5)
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("name", ["h2o", "tova", "snapkv"])
 def test_attention_statistic_policies_replay_one_step_per_run_at_width_one(model, monkeypatch, name):
     """At width 1 the arena takes attention-statistic policies too (one slot never forms a group): three prompts,
@@ -163,6 +170,7 @@ def test_attention_statistic_policies_replay_one_step_per_run_at_width_one(model
     assert [w for w, q in steps if q == 1] == [1]  # one decode step for the three prompts
 
 
+@pytest.mark.extended
 def test_a_prompt_shaped_unlike_the_slot_leaves_the_slots_step_in_place(model, monkeypatch):
     """A prompt of another N (as a ratio budget gives) runs its blocks on its own buffers with a step of its own,
     dropped when its prefill ends; the slot's step, built for the run's shape, serves the prompts after it."""
@@ -187,6 +195,7 @@ def test_without_the_arena_arrangement_a_cpu_decoder_keeps_a_sequence_alone_in_i
     assert state.cache.stack.placement is None
 
 
+@pytest.mark.extended
 def test_a_decoder_yields_each_sequence_its_tokens_alone_across_calls_with_other_policies(model, monkeypatch):
     """Policies of other shapes and kinds through one arena-arranged decoder, one after another: a policy it cannot
     pool (an attention statistic) and a budget of another shape decode on their own, with their own tokens."""
@@ -217,6 +226,7 @@ def counting_runs(monkeypatch) -> list[tuple[int, int]]:
     return calls
 
 
+@pytest.mark.extended
 def test_forks_move_into_the_arena_and_decode_on_its_one_step(model, monkeypatch):
     """Math-500's case: forks of two prompts (each prompt's forks in a block of their own) decode together through
     an arena-arranged decoder: they move into the arena's slots, run its one fixed-shape step, and give the
@@ -231,6 +241,7 @@ def test_forks_move_into_the_arena_and_decode_on_its_one_step(model, monkeypatch
     assert [s for s in steps if s[1] == 1] == [(4, 1)] and runs.count((4, 1)) >= 4  # one step over the 4-slot arena
 
 
+@pytest.mark.extended
 def test_a_follow_up_that_outgrows_its_arena_slot_decodes_in_fixed_shapes_again(model, monkeypatch):
     """A second turn fed into a decoded cache that lives in the arena: more tokens than its slot holds move it
     to buffers of its own (a larger capacity, so it cannot move back); the next call frees the slot and the
@@ -253,6 +264,7 @@ def test_a_follow_up_that_outgrows_its_arena_slot_decodes_in_fixed_shapes_again(
     assert runs.count((1, 1)) >= 4 + 6  # turn 1: 4 fixed passes; turn 2: all but its first (which evicts to N)
 
 
+@pytest.mark.extended
 def test_a_decoder_interrupted_mid_call_decodes_the_next_call_as_a_fresh_one(model, monkeypatch):
     """A BaseException (a stop signal, Ctrl-C) inside a call leaves sequences in the arena; the decoder's next
     call treats them as stopped and gives each new sequence its tokens alone."""

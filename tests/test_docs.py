@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 README_LIMIT_BYTES = 12 * 1024

@@ -12,6 +12,8 @@ import keydiff
 from keydiff import available_policies, build_policy, generate, prefill
 from tests.conftest import CORE_POLICIES, extended_unless, tiny_llama
 
+pytestmark = pytest.mark.integration
+
 EVICTING = [name for name in available_policies() if name != "full"]
 
 
@@ -20,13 +22,17 @@ def reference_logits(model, prompt):
         return model(prompt).logits[:, -1].float()
 
 
+@pytest.mark.extended
+@pytest.mark.device
 @pytest.mark.parametrize("block_size", [1, 5, 64, 128, None])
-def test_full_block_prefill_equals_single_forward(model, prompt, block_size):
+def test_full_block_prefill_equals_single_forward(device_model, prompt, device, block_size):
+    model, prompt = device_model, prompt.to(device)
     state = prefill(model, prompt, "full", None, block_size)
     assert torch.allclose(state.logits, reference_logits(model, prompt), atol=1e-5)
     assert state.max_cache_entries == prompt.shape[1]
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 @pytest.mark.parametrize("block_size", [3, 100])
 def test_full_block_prefill_equals_single_forward_per_attention(attn, block_size, prompt):
@@ -36,8 +42,10 @@ def test_full_block_prefill_equals_single_forward_per_attention(attn, block_size
     assert model.config._attn_implementation == attn  # restored after the run
 
 
+@pytest.mark.device
 @pytest.mark.parametrize("name", EVICTING)
-def test_budget_at_least_prompt_length_equals_full(model, prompt, name):
+def test_budget_at_least_prompt_length_equals_full(device_model, prompt, device, name):
+    model, prompt = device_model, prompt.to(device)
     state = prefill(model, prompt, name, prompt.shape[1], 64)
     assert torch.allclose(state.logits, reference_logits(model, prompt), atol=1e-5)
     assert all(p.shape[-1] == prompt.shape[1] for p in state.kept_positions)
@@ -45,7 +53,9 @@ def test_budget_at_least_prompt_length_equals_full(model, prompt, name):
 
 @pytest.mark.parametrize("name", extended_unless(EVICTING, lambda name: name in CORE_POLICIES))
 @pytest.mark.parametrize("budget, block_size", [(64, 32), (50, 128), (100, 1)])
-def test_bound_n_plus_b_holds_at_every_step(model, prompt, name, budget, block_size):
+@pytest.mark.device
+def test_bound_n_plus_b_holds_at_every_step(device_model, prompt, device, name, budget, block_size):
+    model, prompt = device_model, prompt.to(device)
     seen = []
 
     def check(cache):
@@ -73,6 +83,7 @@ def test_whole_prompt_block_is_one_forward_then_eviction(model, prompt):
     assert torch.allclose(state.logits, reference_logits(model, prompt), atol=1e-5)  # eviction after the forward
 
 
+@pytest.mark.extended
 def test_kept_keys_keep_their_absolute_rope_position(model, prompt):
     """Layer-0 keys depend only on token and position, so kept keys must equal the full run's at those positions."""
     full = prefill(model, prompt, "full", None, None)
@@ -98,6 +109,7 @@ def test_decoding_positions_continue_after_the_prompt(model, prompt):
     assert state.cache.kept_positions()[0][0, 0, -4:].tolist() == [L, L + 1, L + 2, L + 3]
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("name", ["h2o", "tova", "snapkv"])
 def test_fast_and_materialized_statistics_choose_the_same_tokens(model, prompt, name):
     fast = prefill(model, prompt, name, 70, 40, attention_statistics="fast")
@@ -107,6 +119,7 @@ def test_fast_and_materialized_statistics_choose_the_same_tokens(model, prompt, 
     assert torch.allclose(fast.logits, materialized.logits, atol=1e-4)
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("name", ["keydiff", "h2o", "snapkv"])
 def test_eager_and_sdpa_models_agree(prompt, name):
     a = prefill(tiny_llama("sdpa"), prompt, name, 80, 32)
@@ -122,6 +135,7 @@ def test_attention_policy_without_keydiff_attention_is_an_error(model, prompt):
         cache.evict()
 
 
+@pytest.mark.extended
 def test_greedy_full_generation_equals_transformers_generate(model, prompt):
     state = prefill(model, prompt, "full", None, 50)
     out = generate(model, state, 15)
@@ -130,6 +144,7 @@ def test_greedy_full_generation_equals_transformers_generate(model, prompt):
     assert out.token_ids[0] == ref[0, prompt.shape[1] :].tolist()
 
 
+@pytest.mark.extended
 def test_stop_tokens_min_new_tokens_and_length(model, prompt):
     state = prefill(model, prompt, "full", None, 128)
     first = generate(model, prefill(model, prompt, "full", None, 128), 3).token_ids[0][0]
@@ -139,6 +154,7 @@ def test_stop_tokens_min_new_tokens_and_length(model, prompt):
     assert forced.token_ids[0][0] != first and len(forced.token_ids[0]) >= 2
 
 
+@pytest.mark.extended
 def test_sampling_is_seeded(model, prompt):
     def sample(seed):
         state = prefill(model, prompt, "keydiff", 64, 64)
@@ -199,6 +215,7 @@ def float64_scores(name: str, keys, positions, attention, accumulated) -> torch.
     return torch.empty_like(pooled).scatter_(-1, order, pooled)
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("name", ["keydiff", "snapkv", "h2o"])
 def test_low_precision_runs_within_bound_and_scores_in_float32(prompt, dtype, name):
@@ -261,12 +278,14 @@ def test_bad_engine_arguments(model, prompt, kwargs, message):
         prefill(model, prompt, "keydiff", **args)
 
 
+@pytest.mark.extended
 def test_decoding_without_eviction_grows_the_cache(model, prompt):
     state = prefill(model, prompt, "snapkv", 64, 32)
     out = generate(model, state, 10, evict=False, record_steps=True)
     assert out.step_entries == list(range(65, 74))  # 9 tokens fed back, none evicted
 
 
+@pytest.mark.extended
 def test_qwen2_sliding_window_layers_keep_their_window(prompt):
     """Qwen2 with use_sliding_window: its top layer slides (keydiff.cache.sliding), the other is evicted."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -281,6 +300,8 @@ def test_qwen2_sliding_window_layers_keep_their_window(prompt):
     assert state.cache.layer_kinds == ["evicted", "sliding"] and state.cache.layer_max_entries == [96, 63 + 32]
 
 
+@pytest.mark.unit
+@pytest.mark.extended
 def test_linear_attention_models_are_refused(prompt):
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
@@ -311,6 +332,7 @@ def fake_flash_attn_func(q, k, v, softmax_scale, causal):
     return out
 
 
+@pytest.mark.extended
 def test_flash_attention_2_path_runs_through_flash_attn_func(monkeypatch, prompt):
     import sys
     import types
@@ -340,6 +362,7 @@ def test_prefill_result_is_a_snapshot_and_decodes_once(model, prompt):
         generate(model, state, 3)
 
 
+@pytest.mark.unit
 def test_top_p_zero_keeps_the_most_likely_token():
     from keydiff.batching import next_token
 
@@ -348,6 +371,7 @@ def test_top_p_zero_keeps_the_most_likely_token():
     assert draws == {1}
 
 
+@pytest.mark.extended
 def test_decoding_without_eviction_computes_no_statistics(model, prompt):
     state = prefill(model, prompt, "tova", 64, 32)
     before = state.cache.timings["statistics_s"]

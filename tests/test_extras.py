@@ -15,6 +15,8 @@ import pytest
 from keydiff import extras
 from keydiff.extras import MissingExtra, install_command, installed, require
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -38,6 +40,7 @@ def one_line(result: subprocess.CompletedProcess, extra: str) -> str:
     return lines[0]
 
 
+@pytest.mark.unit
 def test_every_extra_of_pyproject_is_described_with_its_install_command():
     declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert set(extras.EXTRAS) == set(declared) - {"dev"}  # dev: the test suite's, it covers the others
@@ -47,6 +50,7 @@ def test_every_extra_of_pyproject_is_described_with_its_install_command():
         install_command("wandbb")
 
 
+@pytest.mark.unit
 def test_require_names_the_extra_and_the_module_that_is_missing(monkeypatch):
     assert require("report", "json", "anything").dumps([]) == "[]"  # present: the module itself
     monkeypatch.setitem(sys.modules, "wandb_workspaces", None)
@@ -58,6 +62,7 @@ def test_require_names_the_extra_and_the_module_that_is_missing(monkeypatch):
     assert not installed("wandb_workspaces") and not installed("wandb_workspaces.reports") and installed("json")
 
 
+@pytest.mark.unit
 def test_require_lets_other_import_errors_through(tmp_path, monkeypatch):
     """A package that is there but broken is not a missing extra: its own error is the one to see."""
     (tmp_path / "broken_extra_module.py").write_text("from json import no_such_name\n")
@@ -109,6 +114,7 @@ def test_flash_attention_without_its_extra(tmp_path):
     assert "attn_implementation=sdpa" in one_line(result, "flash")
 
 
+@pytest.mark.unit
 def test_levenshtein_backend_needs_no_extra(monkeypatch):
     """The 'levenshtein' extra only lets the tests compare with python-Levenshtein: the backend of that name
     computes its ratio with rapidfuzz (a core dependency), so nothing fails without the extra."""
@@ -120,6 +126,8 @@ def test_levenshtein_backend_needs_no_extra(monkeypatch):
     assert metrics.fuzzy_backend_description("levenshtein").startswith("levenshtein (rapidfuzz")
 
 
+@pytest.mark.unit
+@pytest.mark.extended
 def test_a_check_that_fails_unexpectedly_stops_the_run(tmp_path, monkeypatch):
     """Hydra turns an exception in a callback into a warning and runs the job anyway (how logger=wandb without
     wandb once ran a sample before failing): any error of the check stops run.py before a run directory exists."""

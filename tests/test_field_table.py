@@ -6,7 +6,11 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 from tests.test_guards import read_rows, runner_cfg, tiny_runner  # noqa: F401 (tiny_runner: a fixture)
+
+pytestmark = [pytest.mark.integration, pytest.mark.extended]
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "experiments.md"
 

@@ -4,10 +4,14 @@ that line is still KeyDiff's colour and name; the two settings of one policy dif
 
 from __future__ import annotations
 
+import pytest
+
 from keydiff.report import collect as collect_results
 from keydiff.report import figures as make_figures
 from tests.test_report_marks import SMOL, niah_point
 from tests.test_tables import drawn_figures, niah_rows, write_run
+
+pytestmark = pytest.mark.unit
 
 
 def test_a_policy_labelled_with_its_generation_setting_keeps_its_colour(tmp_path, monkeypatch):

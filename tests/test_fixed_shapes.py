@@ -25,6 +25,8 @@ from keydiff.batching import static
 from keydiff.batching.static import Rows, StaticStep, eligible
 from tests.conftest import CORE_POLICIES, extended_unless
 
+pytestmark = pytest.mark.integration
+
 BUDGET, BLOCK = 40, 16
 # Every policy the fixed step takes (Policy.capturable), and KeyDiff and H2O inside a recent window.
 FIXED = ["keydiff", "keydiff_pairwise", "knorm", "sink", "recent", "keydiff-window", "h2o", "tova", "snapkv",
@@ -80,6 +82,7 @@ def counting(monkeypatch) -> list[tuple[int, int]]:
     return calls
 
 
+@pytest.mark.extended
 def test_generate_and_generate_batch_run_the_one_step(model, monkeypatch):
     import keydiff.batching.scheduler as scheduler
 
@@ -98,6 +101,7 @@ def test_generate_and_generate_batch_run_the_one_step(model, monkeypatch):
     assert calls == [2] * 5
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("full_width", [False, True], ids=["span", "full-width"])
 @pytest.mark.parametrize("name", extended_unless(FIXED, lambda name: name in CORE_POLICIES or name == "keydiff-window"))
 def test_fixed_shapes_give_what_the_ordinary_step_gives(model, name, full_width, monkeypatch):
@@ -149,6 +153,7 @@ def test_fixed_shapes_give_what_the_ordinary_step_gives(model, name, full_width,
     assert same_states(fixed_states, ordinary_states, exact=not (full_width and name not in STATISTIC))
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("name", extended_unless(["h2o", "snapkv"], lambda name: name == "h2o"))
 def test_an_eager_model_takes_the_statistic_from_its_weights_in_fixed_shapes_too(name, monkeypatch):
     """With attn_implementation=eager the ordinary step reads the statistic from the materialised weights; the fixed
@@ -164,6 +169,7 @@ def test_an_eager_model_takes_the_statistic_from_its_weights_in_fixed_shapes_too
     assert same_states({0: kept_state(on.cache)}, {0: kept_state(off.cache)})
 
 
+@pytest.mark.extended
 def test_rows_still_filling_materialized_statistics_and_lagkv_run_the_ordinary_step(model, monkeypatch):
     calls = counting(monkeypatch)
     short = prefill(model, prompts((23,))[0], "keydiff", BUDGET, BLOCK)  # holds 23 < N: filling
@@ -214,6 +220,7 @@ def block_of(model, name: str, width: int):
     return caches[0].stack.placement.block, caches
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("name", ["keydiff", "h2o"])
 def test_junk_in_idle_rows_changes_no_active_row(model, name):
     """Two of four slots active: whatever the idle slots hold (zeros, or NaN and huge values), the active rows'
@@ -238,6 +245,7 @@ def test_junk_in_idle_rows_changes_no_active_row(model, name):
         assert all(torch.equal(a, b) for a, b in zip(got, results[0]))
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("name", extended_unless(FIXED, lambda name: name in ("keydiff", "h2o")))
 @pytest.mark.parametrize("q", [1, BLOCK])
 def test_the_step_compiles_as_one_graph_and_never_recompiles(model, name, q):
@@ -287,6 +295,7 @@ def test_the_step_compiles_as_one_graph_and_never_recompiles(model, name, q):
     assert reads == [], reads  # a value read on the host inside the step
 
 
+@pytest.mark.extended
 def test_a_block_whose_going_rows_change_policy_gets_a_step_of_that_policy(model, monkeypatch):
     """Two plain KeyDiff sequences fill a block of two slots and decode in fixed shapes; both stop, and two KeyDiff
     sequences in a recent window take the same slots (same buffers, same rows): they must be evicted by their own
@@ -332,6 +341,7 @@ def test_fixed_step_benchmark_runs_on_tiny_sizes(tmp_path):
         fixed_step.main(["--model", "random-tiny", "--forms", "fixed,graph"])
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("full_width", [False, True], ids=["span", "full-width"])
 def test_an_idle_slot_holding_more_than_n_entries_is_left_as_it_is(model, full_width, monkeypatch):
     """Idle slots may hold a sequence's entries beyond N: a held question (held_suffix) not yet decoded, forks of
@@ -377,6 +387,7 @@ def test_an_idle_slot_holding_more_than_n_entries_is_left_as_it_is(model, full_w
         assert scenario(True) == scenario(False), scenario.__name__
 
 
+@pytest.mark.extended
 def test_group_rows_false_runs_every_sequence_on_its_own(model, monkeypatch):
     """generate_batch(group_rows=False) is the per-sequence reference: no fixed step spans two sequences (one going
     alone still runs in fixed shapes, over its own rows)."""
@@ -387,6 +398,7 @@ def test_group_rows_false_runs_every_sequence_on_its_own(model, monkeypatch):
     assert calls and {width for width, _ in calls} == {1}
 
 
+@pytest.mark.unit
 def test_a_device_with_no_default_runs_the_ordinary_step():
     """Only the device types FIXED_SHAPES_DEFAULT lists run the fixed step by default (mps, or anything else:
     the ordinary step, never a KeyError)."""
@@ -400,6 +412,7 @@ def test_a_device_with_no_default_runs_the_ordinary_step():
     assert stepper.fixed_shapes is False and stepper.full_width is False and "meta" not in FULL_WIDTH
 
 
+@pytest.mark.extended
 def test_a_sequence_that_moves_into_a_block_leaves_its_own_buffers_free(model):
     """A sequence alone in its own stack runs fixed-shape steps over its own buffers; when a second sequence joins
     and the pool moves both into one block, nothing may keep the buffers it left alive (the step built on them

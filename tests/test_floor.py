@@ -7,6 +7,9 @@ from tests.conftest import tiny_llama
 from keydiff.bench import floor
 
 
+pytestmark = pytest.mark.integration
+
+
 def counted_step_flops(model, entries: int, rows: int) -> int:
     """FLOPs torch's own counter sees in one decoding step of `rows` sequences whose cache then holds `entries`
     entries (eager attention, so attention is matmuls the counter counts)."""
@@ -34,6 +37,7 @@ def test_step_flops_match_torch_flop_counter(tied, rows):
     assert floor.step_flops(model, rows, entries) != pytest.approx(floor.step_flops(model, rows, 2 * entries), rel=1e-3)
 
 
+@pytest.mark.unit
 def test_step_bytes_are_the_weights_once_and_each_rows_entries():
     model = tiny_llama()
     weights = sum(p.numel() * 4 for p in model.parameters())
@@ -42,6 +46,7 @@ def test_step_bytes_are_the_weights_once_and_each_rows_entries():
     assert floor.step_bytes(model, 8, 100) == weights + 8 * 100 * per_entry
 
 
+@pytest.mark.unit
 def test_the_floor_is_the_larger_bound_and_names_an_unknown_rate():
     model = tiny_llama()
     slow_memory = floor.DeviceRates(1e6, "test", 1e15, "float32")
@@ -54,6 +59,7 @@ def test_the_floor_is_the_larger_bound_and_names_an_unknown_rate():
     assert unknown["bandwidth_floor_ms"] is None and unknown["floor_ms"] == unknown["compute_floor_ms"]
 
 
+@pytest.mark.unit
 def test_a_cpu_measures_its_own_rates():
     rates = floor.measure("cpu", torch.float32, read_mib=16, matmul_size=128, repeats=2)
     assert rates.bandwidth > 0 and rates.matmul_flops > 0 and rates.bandwidth_source.startswith("measured")

@@ -35,6 +35,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.integration
+
 ROOT = Path(__file__).resolve().parent.parent
 GOLDEN = Path(__file__).resolve().parent / "golden" / "engine.json"
 PROMPT_LENGTH, BUDGET, BLOCK_SIZE, NEW_TOKENS = 700, 256, 64, 8  # budget > 2 LagKV partitions
@@ -117,6 +119,7 @@ def differences(name: str, actual: dict, expected: dict) -> list[str]:
     return [f"{name}: {what}" for what in found]
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("name", policy_presets())
 def test_every_policy_preset_keeps_and_generates_what_was_recorded(name):
     expected = recorded().get(name)
@@ -125,6 +128,7 @@ def test_every_policy_preset_keeps_and_generates_what_was_recorded(name):
     assert not found, "; ".join(found)
 
 
+@pytest.mark.unit
 def test_golden_file_covers_exactly_the_presets():
     assert sorted(recorded()) == policy_presets()
 
@@ -139,6 +143,7 @@ def best_vector_path() -> str:
                           timeout=120).stdout.strip().lower()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", [p for p in VECTOR_PATHS if p != torch.backends.cpu.get_cpu_capability().lower()])
 def test_the_goldens_hold_on_every_other_vector_path_this_cpu_has(path):
     """The tests above ran on this process's path; each other path the CPU has runs them in a child process.

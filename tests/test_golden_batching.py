@@ -27,6 +27,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.integration
+
 ROOT = Path(__file__).resolve().parent.parent
 GOLDEN = Path(__file__).resolve().parent / "golden" / "batching.json"
 BUDGET, BLOCK = 40, 16
@@ -84,6 +86,7 @@ def recorded() -> dict:
     return json.loads(GOLDEN.read_text())
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_batched_decoding_gives_what_was_recorded(case):
     expected = recorded()[case]
@@ -98,6 +101,7 @@ def test_batched_decoding_gives_what_was_recorded(case):
                 assert a == b, f"{case} {mode} sequence {key}: kept positions differ at layer {layer}"
 
 
+@pytest.mark.unit
 def test_golden_file_covers_the_cases():
     assert sorted(recorded()) == sorted(CASES)
 

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parent.parent
 RUNS = Path(__file__).resolve().parent / "golden" / "runs"
 GOLDEN = Path(__file__).resolve().parent / "golden" / "reports"

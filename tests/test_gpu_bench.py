@@ -14,6 +14,9 @@ import torch
 from keydiff.bench import common, gpu_bench
 
 
+pytestmark = pytest.mark.unit
+
+
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
     """One `gpu_bench --quick` run: (exit code, the JSON written, its path)."""
@@ -41,6 +44,8 @@ def roles(rows: list[dict], sizes: gpu_bench.Sizes) -> list[tuple]:
     return named
 
 
+@pytest.mark.integration
+@pytest.mark.extended
 def test_the_quick_json_lists_exactly_the_full_runs_rows(quick):
     code, record, _ = quick
     rows = record["rows"]
@@ -51,6 +56,8 @@ def test_the_quick_json_lists_exactly_the_full_runs_rows(quick):
     assert len(full) == len(rows) == 27
 
 
+@pytest.mark.integration
+@pytest.mark.extended
 def test_the_static_cache_anchor_gives_a_number_on_cpu(quick):
     """The compile anchor's decode loop (a walrus in a lambda raised NameError there, on CUDA only) runs here,
     under torch.compile's eager backend in place of reduce-overhead."""
@@ -59,6 +66,8 @@ def test_the_static_cache_anchor_gives_a_number_on_cpu(quick):
     assert all(r["ms_per_step"] > 0 and r["compile_s"] > 0 and r["compile"] == "backend=eager" for r in static)
 
 
+@pytest.mark.integration
+@pytest.mark.extended
 def test_timings_per_call_and_at_steady_state_and_graph_memory(quick):
     rows = quick[1]["rows"]
     captured = [r for r in rows if r["row"] in ("decode", "prefill", "serving") and r["case"].startswith("keydiff")]
@@ -79,6 +88,8 @@ def test_timings_per_call_and_at_steady_state_and_graph_memory(quick):
     assert serving["sequences_held"] == int(memory // per_sequence)
 
 
+@pytest.mark.integration
+@pytest.mark.extended
 def test_quick_rows_and_the_gpu_hours_reader(quick, tmp_path):
     """make gpu-hours reads this format: the --quick rows are refused as rates, and the same rows marked as the
     full run's give every rate it takes from them (the rows' names and keys are the ones it looks for)."""
@@ -118,6 +129,8 @@ def fail_at(case: str, error: BaseException):
     return on_row
 
 
+@pytest.mark.integration
+@pytest.mark.extended
 def test_a_failure_in_a_group_keeps_the_rows_before_it_and_is_a_row(tmp_path):
     torch.set_num_threads(1)
     out = tmp_path / "bench.json"
@@ -133,6 +146,8 @@ def test_a_failure_in_a_group_keeps_the_rows_before_it_and_is_a_row(tmp_path):
     assert all(r["skipped"] and "'keydiff ordinary' failed before it" in r["error"] for r in rows[3:])
 
 
+@pytest.mark.integration
+@pytest.mark.extended
 def test_a_kill_keeps_every_row_written_before_it(tmp_path):
     """Rows are written one at a time: a run stopped in the middle of a group (as by a kill) keeps the rows
     finished before, in the JSON."""
@@ -145,6 +160,8 @@ def test_a_kill_keeps_every_row_written_before_it(tmp_path):
     assert [gpu_bench.identity(r) for r in rows] == prefill_planned()[:2] and all(r["seconds"] > 0 for r in rows)
 
 
+@pytest.mark.integration
+@pytest.mark.extended
 def test_a_failing_release_of_memory_is_a_row_and_the_run_goes_on(tmp_path, monkeypatch):
     def refuse(device):
         raise RuntimeError("captures_underway.empty() INTERNAL ASSERT FAILED\nat CUDACachingAllocator.cpp")
@@ -170,6 +187,7 @@ def test_the_deadline_skips_rows_as_rows(tmp_path):
     assert all(r["skipped"] and r["error"].startswith("skipped: deadline 0 s passed") for r in rows)
 
 
+@pytest.mark.extended
 def test_the_deadline_stops_a_group_between_rows(tmp_path):
     """A row that ends after the deadline is kept; the group's rows not started yet are written as skipped, and
     the group's code stops there (none of its later work runs)."""

@@ -14,6 +14,8 @@ import torch
 
 from keydiff.bench import gpu_check
 
+pytestmark = pytest.mark.integration
+
 # One thread: tiny models gain nothing from more, and a busy machine then cannot stall them.
 TINY = ["--model", "random-tiny", "--length", "64", "--budget", "16", "--block-size", "8", "--threads", "1"]
 
@@ -26,6 +28,7 @@ def restore_threads():
     torch.set_num_threads(threads)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU table; on CUDA run make gpu-check")
 def test_gpu_check_quick_on_cpu(tmp_path, capsys):
     code = gpu_check.main(["--quick", "--threads", "1", "--json", str(tmp_path / "check.json")])
@@ -65,6 +68,7 @@ def test_gpu_check_quick_on_cpu(tmp_path, capsys):
     assert written["command"].startswith("python -m keydiff.bench.gpu_check --quick") and "commit" in written["code"]
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("module, extra, columns", [
     ("keydiff.bench.prefill", ["--reference"],
      ["TTFT s (median)", "x full", "x ref", "stats % (prof.)", "evict % (prof.)"]),
@@ -97,6 +101,7 @@ def test_benchmark_help_and_tiny_run(tmp_path, capsys, module, extra, columns):
     assert all(f"\n{p} " in out for p in policies)
 
 
+@pytest.mark.extended
 def test_the_decode_benchmark_times_the_steady_state(tmp_path):
     """gpu-check's ms/token (keydiff.bench.decode) runs each policy through one Decoder across its warm-up and
     rounds: with CUDA graphs stood in for on the CPU, KeyDiff's block step and decode step are captured once, in
@@ -111,6 +116,7 @@ def test_the_decode_benchmark_times_the_steady_state(tmp_path):
     assert len(cuda.captures) == 4 and not [c for c in cuda.captures if c.get("error")]
 
 
+@pytest.mark.extended
 def test_the_prefill_benchmark_times_the_steady_state(tmp_path):
     """gpu-check's TTFT (keydiff.bench.prefill): one Decoder per policy across warm-up and rounds, so with CUDA
     graphs stood in for, KeyDiff's block step is captured once, in the warm-up (4 captures over 3 rounds before)."""
@@ -129,6 +135,7 @@ def test_two_gpu_check_runs_split_over_the_cpu():
     assert "stacks [('cpu', 3)]" in row.detail
 
 
+@pytest.mark.unit
 def test_rows_are_written_as_they_finish_and_a_crash_is_a_row(tmp_path, monkeypatch):
     """A check that crashes outside every guard (as a kill would, anywhere) keeps the rows finished before it."""
     def checks(quick):
@@ -170,6 +177,7 @@ def test_the_needle_rows_say_what_they_prove(monkeypatch, differ_on, differ_off,
     assert needle.record["position"] == off.record["position"] == __import__("random").Random(7).randrange(16)
 
 
+@pytest.mark.extended
 def test_the_batch_invariance_row_runs_on_a_tiny_model():
     """The 3B row's code on the tiny model (CPU, fp32: every sequence identical, so PASS; bf16 would be INFO)."""
     torch.set_num_threads(1)

@@ -20,6 +20,8 @@ import pytest
 from keydiff import grids
 from keydiff.report import gpu_hours as gh
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "results" / "bench"
 
@@ -204,6 +206,7 @@ def test_a_missing_or_broken_file_is_one_error_line(tmp_path, capsys):
         assert len(err.strip().splitlines()) == 1 and re.search(expected, err), err
 
 
+@pytest.mark.slow
 def test_the_command_imports_no_torch():
     code = ("import sys\nfrom keydiff.report import gpu_hours\ngpu_hours.main([])\n"
             "assert 'torch' not in sys.modules, 'torch imported'\n")
@@ -216,6 +219,7 @@ def test_the_command_imports_no_torch():
 LONGBENCH_SIZES = {"multifieldqa_en": 150, "lcc": 500, "repobench-p": 500}
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("name", gh.PAPER_EXPERIMENTS)
 def test_each_grid_point_is_its_conf_experiments_with_the_workload_of_the_task_it_composes(name):
     from hydra import compose, initialize_config_dir

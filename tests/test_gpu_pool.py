@@ -21,6 +21,9 @@ from hydra_plugins.keydiff_sweeper.gpu_launcher import GpuPoolLauncher, run_on_d
 from tests.test_cluster_processes import ROOT, child_env, files_under, run_py
 
 
+pytestmark = pytest.mark.slow
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA GPUs")
 @pytest.mark.parametrize("how", ["run.py", "make"])
 def test_gpus_on_a_cpu_machine_are_refused_in_one_line_before_anything_runs(tmp_path, how):
@@ -37,6 +40,7 @@ def test_gpus_on_a_cpu_machine_are_refused_in_one_line_before_anything_runs(tmp_
     assert "Traceback" not in result.stderr and files_under(tmp_path / "runs") == []
 
 
+@pytest.mark.unit
 def test_run_on_devices_runs_every_job_with_at_most_one_per_device():
     busy: Counter = Counter()
     most: Counter = Counter()

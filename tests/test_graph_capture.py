@@ -19,6 +19,8 @@ from keydiff.policies.keydiff import KeyDiff, cosine_to_mean, inverse_key_norms
 from tests.conftest import tiny_llama
 from tests.test_batched_runs import tiny  # noqa: F401 - the runner's model fixture
 
+pytestmark = pytest.mark.integration
+
 BUDGET, BLOCK = 40, 16
 
 
@@ -55,6 +57,7 @@ def eager(model, monkeypatch):
     return run
 
 
+@pytest.mark.extended
 def test_a_run_captures_replays_and_gives_the_eager_tokens(model, eager):
     expected = eager("keydiff")
     with stand_in_graphs() as cuda:
@@ -66,6 +69,7 @@ def test_a_run_captures_replays_and_gives_the_eager_tokens(model, eager):
     assert record["capture_s"] >= record["warm_up_s"] > 0
 
 
+@pytest.mark.extended
 def test_a_model_on_another_device_than_the_current_one_captures_on_its_own(model, eager):
     """A model on cuda:1 while the current device is cuda:0 (nothing calls set_device): the warm-up's side stream, the
     capture stream and the capture are all on cuda:1. A capture stream on the current device would capture nothing
@@ -79,6 +83,7 @@ def test_a_model_on_another_device_than_the_current_one_captures_on_its_own(mode
     assert got == expected and decoder.graphs.captured == 2 and cuda.clean()
 
 
+@pytest.mark.extended
 def test_a_run_shares_one_capture_stream_and_one_pool_between_its_graphs(model):
     """The decode and the prefill-block graphs of a run go into one graph pool, on one capture stream (each graph's
     output is read right after its replay, so one pool serves both), and the run records the bytes they hold."""
@@ -113,6 +118,7 @@ def test_a_run_whose_graphs_were_all_released_captures_into_a_new_pool(model):
     assert pools[0] == pools[1] != pools[2] == pools[3], pools
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("fail", ["end", "inside"])
 @pytest.mark.parametrize("name", ["keydiff", "h2o"])
 def test_a_failed_capture_stops_the_runs_capturing_applies_each_write_once_and_leaves_the_process_clean(
@@ -147,6 +153,7 @@ def test_the_warm_ups_logits_are_marked_used_on_the_stream_that_reads_them(model
     assert sorted(tuple(t.shape) for t, _ in cuda.recorded_streams) == [(1, 256), (1, 256)]
 
 
+@pytest.mark.extended
 def test_a_capture_of_a_half_precision_cache_holds_no_float32_copy_of_every_key(monkeypatch):
     """KeyDiff and K-norm score half-precision keys in float32. A float32 copy of every key made inside the
     capture stays in the graph's pool (about twice the half-precision keys): the capture's allocations hold none
@@ -168,6 +175,7 @@ def test_a_capture_of_a_half_precision_cache_holds_no_float32_copy_of_every_key(
         assert not wide, (name, wide)
 
 
+@pytest.mark.unit
 def test_half_precision_keys_are_sliced_only_where_their_float32_copy_is_large():
     """One score (a few kernels) while the float32 copy of the keys fits FLOAT_SLICE_BYTES; beyond it, slices
     that each fit, up to FLOAT_SLICES of at least two (row, head) pairs."""
@@ -186,6 +194,7 @@ def test_half_precision_keys_are_sliced_only_where_their_float32_copy_is_large()
         assert count == FLOAT_SLICES or keys(rows).numel() * 4 / count <= FLOAT_SLICE_BYTES * (1 + 1 / rows)
 
 
+@pytest.mark.unit
 def test_half_precision_keys_are_scored_in_float32_slices_as_a_whole_copy_would_score_them(monkeypatch):
     import keydiff.policies.keydiff as keydiff_policy
 
@@ -226,6 +235,7 @@ def test_a_stand_in_capture_refuses_a_host_read_as_cuda_does(model):
         assert x.tolist() == [2, 2, 2] and cuda.clean()
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("read", ["item", "tolist", "numpy", "cpu", "bool"])
 def test_every_host_read_is_refused_inside_a_stand_in_capture(read):
     """A CPU tensor serves tolist, numpy and cpu without reaching the dispatcher; on CUDA each is a copy to the host
@@ -245,6 +255,7 @@ def test_every_host_read_is_refused_inside_a_stand_in_capture(read):
     assert x.tolist() == [0.0, 1.0, 2.0, 3.0] and x.cpu() is x  # outside a capture: read as usual
 
 
+@pytest.mark.unit
 def test_the_stand_in_options_are_checked():
     with pytest.raises(ValueError, match="valid: None, 'end', 'inside'"):
         with stand_in_graphs(fail="begin"):
@@ -252,6 +263,7 @@ def test_the_stand_in_options_are_checked():
     assert keydiff.batching.graphs.calls_for(torch.device("cpu")) is None  # none outside the context
 
 
+@pytest.mark.extended
 def test_a_runs_graphs_are_captured_in_its_warm_up_and_a_row_that_paid_for_one_says_so(tmp_path, tiny, monkeypatch):
     """A batch-1 run whose first prompt (30 tokens) is shorter than N + 3B: the warm-up still captures the run's
     block and decode graphs through the run's decoder (its prompt repeated), so the first sample's TTFT carries no

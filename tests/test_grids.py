@@ -18,6 +18,8 @@ from hydra.errors import HydraException
 
 from keydiff import grids
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = json.loads((ROOT / "tests" / "golden" / "experiment_grids.json").read_text(encoding="utf-8"))
 
@@ -45,6 +47,7 @@ def test_a_sweep_other_than_a_list_is_one_error_naming_the_forms():
         grids.sweep_points(["seed=interval(0,1)"])
 
 
+@pytest.mark.slow
 def test_the_module_imports_no_torch():
     code = ("import sys\nfrom keydiff import grids\nassert grids.experiment_grid('smoke')\n"
             "assert 'torch' not in sys.modules, 'torch imported'\n")

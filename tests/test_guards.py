@@ -31,6 +31,8 @@ from keydiff.policies import LayerView
 from keydiff.policies.h2o import H2O
 from tests.conftest import char_tokenizer, tiny_llama
 
+pytestmark = pytest.mark.integration
+
 LAYERS, KV_HEADS, HEAD_DIM = 3, 2, 16  # tests/conftest.py tiny_llama (checked by the engine_model fixture)
 
 
@@ -215,6 +217,7 @@ def snapkv_view(attention: list[float]) -> LayerView:
                      torch.tensor(attention)[slots].view(1, 1, n), {}, 0)
 
 
+@pytest.mark.unit
 def test_snapkv_max_pooling_keeps_the_neighbourhood_of_a_peak():
     # Prefix entries 0..9, window = entries 10, 11. A single peak at 2 and a plateau at 6..9.
     view = snapkv_view([0.0, 0.0, 0.9, 0.0, 0.0, 0.0, 0.5, 0.5, 0.5, 0.5, 0.1, 0.1])
@@ -224,6 +227,7 @@ def test_snapkv_max_pooling_keeps_the_neighbourhood_of_a_peak():
     assert kept[0, 0].tolist() == [101, 102, 103, 110, 111]
 
 
+@pytest.mark.unit
 def test_snapkv_average_pooling_is_the_zero_padded_mean_over_the_prefix():
     """SnapKV's avg_pool1d(kernel, padding=kernel // 2): sum of the neighbours inside the prefix / kernel.
 
@@ -243,6 +247,7 @@ def test_snapkv_average_pooling_is_the_zero_padded_mean_over_the_prefix():
 # --------------------------------------------------------------------------- 1-3. attention policies vs stock transformers
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("statistics", ["fast", "materialized"])
 @pytest.mark.parametrize(
     "name, params, scorer",
@@ -263,6 +268,7 @@ def test_attention_policies_match_stock_transformers_blockwise(engine_model, ref
     assert evictions == 6 * LAYERS
 
 
+@pytest.mark.extended
 def test_h2o_accumulates_under_budget_passes_with_one_late_eviction(engine_model, reference_model):
     """Nine passes of 10 under a budget of 90, then one evicting pass: the first nine decide most of the score."""
     prompt = random_prompt(100, seed=5)
@@ -275,6 +281,7 @@ def test_h2o_accumulates_under_budget_passes_with_one_late_eviction(engine_model
 # --------------------------------------------------------------------------- 7. decoding positions after eviction
 
 
+@pytest.mark.extended
 def test_greedy_decoding_after_eviction_matches_stock_transformers(engine_model, reference_model):
     """Sink policy (kept set known by rule), eviction after every decoded token; keys compared by position."""
     length, budget, block, sinks, new_tokens = 120, 40, 32, 4, 8
@@ -319,6 +326,7 @@ def test_greedy_decoding_after_eviction_matches_stock_transformers(engine_model,
 # --------------------------------------------------------------------------- 4. top-p nucleus
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("top_p, nucleus", [(0.7, {0, 1}), (0.85, {0, 1, 2}), (0.97, {0, 1, 2, 3}), (0.4, {0})])
 def test_top_p_samples_exactly_the_nucleus(top_p, nucleus):
     """probs [0.5, 0.3, 0.15, 0.05]: the nucleus is the smallest prefix whose mass reaches top_p, crossing token included."""
@@ -342,6 +350,7 @@ def test_top_p_samples_exactly_the_nucleus(top_p, nucleus):
         assert abs(frequency - float(probs[rank]) / mass) < 0.07, (rank, frequency)
 
 
+@pytest.mark.unit
 def test_top_p_one_and_greedy_are_unfiltered():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     drawn = {int(next_token(logits, True, 1.0, 1.0, torch.Generator().manual_seed(s))) for s in range(300)}
@@ -432,6 +441,7 @@ def kv_bytes_of(row: dict) -> int:
     return row[present[0]]
 
 
+@pytest.mark.extended
 def test_runner_rows_cap_compression_and_count_keys_and_values(tmp_path, tiny_runner):
     runner, model_dir, _ = tiny_runner
     budget, block, new_tokens = 48, 16, 4
@@ -469,6 +479,7 @@ def test_kv_bytes_per_layer_entry_counts_keys_and_values(dtype, shape):
     assert kv_bytes_per_layer_entry(model) * LAYERS == stock_kv_bytes_per_token(model)
 
 
+@pytest.mark.extended
 def test_resume_never_reruns_finished_samples(tmp_path, tiny_runner):
     runner, model_dir, calls = tiny_runner
     overrides = ("policy=tova", "budget.tokens=48", "block_size=16")
@@ -541,6 +552,7 @@ def precision_prompts():
     return random_prompt(PRECISION_SETUP["length"], seed=21, batch=PRECISION_SETUP["batch"])
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("name, params", PRECISION_POLICIES, ids=[p[0] for p in PRECISION_POLICIES])
 def test_low_precision_prefill_agrees_with_float32(engine_model, precision_prompts, dtype, name, params):
@@ -582,6 +594,7 @@ class ObservedH2O(H2O):
         super().observe(layer)
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("statistics", ["fast", "materialized"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_h2o_accumulates_in_float32_in_low_precision_models(precision_prompts, dtype, statistics):

@@ -9,6 +9,8 @@ import pytest
 
 from keydiff.run.results import ConfigMismatchError, ResultStore
 
+pytestmark = pytest.mark.unit
+
 
 def test_a_run_from_before_the_pinned_haystack_is_told_how_to_resume(tmp_path):
     old = {"task": {"name": "niah_small", "limit": 2}, "policy": {"name": "keydiff"}}

@@ -17,6 +17,8 @@ import pytest
 
 from keydiff.run.checks import probe_endpoint
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 QUICK_S = 3.0  # a typo is reported within this many seconds
 HUB_S = 10.0  # an unreachable Hub within this many
@@ -102,6 +104,7 @@ def test_a_model_in_the_local_hub_cache_needs_no_hub(tmp_path):
     assert result.stdout.strip() == "[False, True, False]", result.stderr
 
 
+@pytest.mark.unit
 def test_the_hub_probe_tells_answering_refusing_and_silent_endpoints_apart(monkeypatch):
     for name in PROXY_VARIABLES:
         monkeypatch.delenv(name, raising=False)
@@ -168,6 +171,7 @@ def test_an_experiment_that_sweeps_takes_sweep_values_without_m(tmp_path):
     assert "dry run: 4 grid point(s)" in result.stdout and not (tmp_path / "runs").exists()
 
 
+@pytest.mark.unit
 def test_longbench_needs_the_hub_only_without_local_data(tmp_path):
     from keydiff.tasks.longbench import LongBench
 

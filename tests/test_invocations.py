@@ -16,6 +16,9 @@ from keydiff.run.sweep import point_status
 from tests.test_cluster import make_cfg, rows_of, tiny  # noqa: F401  (tiny: the fixture)
 
 
+pytestmark = pytest.mark.integration
+
+
 def summary_of(run_dir: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
 
@@ -32,6 +35,7 @@ def no_model(monkeypatch):
     return loader
 
 
+@pytest.mark.extended
 def test_a_no_op_rerun_keeps_the_record_and_a_resume_lists_both_invocations(tmp_path, tiny, monkeypatch, capsys):
     """The issue's sequence: a batch-1 run of 1 sample, `task.limit=1 batch_size=8` (nothing to do), then the run
     extended to both samples at batch 2."""
@@ -101,6 +105,7 @@ def test_a_no_op_rerun_keeps_the_record_and_a_resume_lists_both_invocations(tmp_
     assert without_last_checked(summary_of(run_dir)) == without_last_checked(before)
 
 
+@pytest.mark.extended
 def test_an_old_summary_is_read_as_one_invocation_and_a_resume_appends_to_it(tmp_path, tiny):
     """Runs written before invocations were recorded: their top-level fields are one invocation (its rows carry
     no id); resuming such a run keeps that entry and appends its own."""
@@ -124,6 +129,7 @@ def test_an_old_summary_is_read_as_one_invocation_and_a_resume_appends_to_it(tmp
     assert [row.get("invocation") for row in rows_of(run_dir)] == [None, second["id"]]
 
 
+@pytest.mark.extended
 def test_rows_of_a_process_killed_before_its_summary_are_recorded_by_the_next_invocation(tmp_path, tiny, monkeypatch):
     """A re-run that computes nothing rewrites a summary older than the rows: the killed invocation is listed
     from what its rows record, rather than its rows being left out of the summary."""
@@ -150,6 +156,7 @@ def test_rows_of_a_process_killed_before_its_summary_are_recorded_by_the_next_in
     assert compare_runs.run_side(run_dir, summary)["wall_note"] == "1 of 2 invocations recorded no wall time (rows)"
 
 
+@pytest.mark.unit
 def test_the_runner_reads_the_cpu_peak_from_vmhwm(monkeypatch):
     """The per-row CPU peak is keydiff.run.memory's (VmHWM), the benchmarks' reader, not ru_maxrss."""
     import torch

@@ -13,6 +13,8 @@ import torch
 
 from keydiff.kernels import launch
 
+pytestmark = pytest.mark.unit
+
 KERNELS = Path(launch.__file__).with_name("triton_kernels.py")
 MATMUL_BLOCKS = (16, 32)  # triton_kernels.MATMUL_BLOCK_M, MATMUL_BLOCK_N (read from its source below: no triton)
 

@@ -25,6 +25,8 @@ from keydiff.policies import KVzip, build_policy
 from keydiff.policies.kvzip import FIRST_PROMPT, NEXT_PROMPT
 from tests.conftest import char_tokenizer, tiny_llama
 
+pytestmark = pytest.mark.integration
+
 N_SINK = 4
 
 
@@ -115,6 +117,7 @@ def tokenizer():
     return char_tokenizer()
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("scoring_keys", ["cache", "chunk"])
 @pytest.mark.parametrize("budget, block", [(40, 16), (24, 32)])
 def test_kept_sets_equal_the_brute_force_reference_at_every_eviction(tokenizer, budget, block, scoring_keys):
@@ -142,6 +145,7 @@ def test_kept_sets_equal_the_brute_force_reference_at_every_eviction(tokenizer, 
         assert engine_kept(state.cache) == reference.kept()
 
 
+@pytest.mark.unit
 def test_reconstruction_input_is_kvpress_prompt_then_block(tokenizer):
     policy = KVzip()
     ids = prompt_ids(40)
@@ -156,6 +160,7 @@ def test_reconstruction_input_is_kvpress_prompt_then_block(tokenizer):
         encode("</u><a>") + ids[0, :5].tolist()  # the chat template's assistant opening, as kvpress derives it
 
 
+@pytest.mark.unit
 def test_reconstruct_prefix_false_leaves_the_chat_templates_prefix_out_as_kvpress():
     """kvpress reconstructs the context after the template's prefix (its prefix_length): with
     reconstruct_prefix=False the first block's pass repeats only what follows the prefix; later blocks and a
@@ -236,6 +241,7 @@ def test_bound_kept_entries_and_scratch_entries(tokenizer):
     assert state.cache.layers[0].capacity == budget + block + longest
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("reduction", ["sum", "max"])
 def test_statistic_beside_the_kernel_equals_the_materialised_one_in_chunks(monkeypatch, reduction, masked):
@@ -266,6 +272,7 @@ def test_materialized_statistics_keep_what_fast_keeps(tokenizer, scoring_keys):
     assert all(torch.equal(a, b) for a, b in zip(*kept))
 
 
+@pytest.mark.unit
 def test_without_a_tokenizer_the_pass_is_the_block_alone_and_bad_parameters_fail_early(caplog):
     ids = prompt_ids(20)
     assert torch.equal(KVzip().reconstruction_input(ids, ids[:, :0], None), ids)

@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import ast
 
+import pytest
+
 from tests.test_registry import PACKAGE, ROOT, imports, module_name
+
+pytestmark = [pytest.mark.unit, pytest.mark.extended]
 
 # Each part of the decoding path, and the parts above it that it must never import (run.py -> runner -> engine ->
 # batching -> cache -> policies / attention -> kernels).

@@ -17,6 +17,8 @@ from keydiff.report import figures, leaderboard
 from keydiff.report.render import Z95
 from keydiff.report.ruler import TASKS
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
 RATIOS = ["r0.125", "r0.25", "r0.5", "r0.75"]
@@ -35,6 +37,7 @@ def compose(overrides):
 
 
 # ----------------------------------------------------------------------------- configs
+@pytest.mark.extended
 def test_leaderboard_sweeps_every_method_at_the_four_kvpress_ratios():
     cfg = compose(["experiment=leaderboard"])
     params = {k: str(v).split(",") for k, v in cfg.hydra.sweeper.params.items()}
@@ -58,6 +61,7 @@ def test_leaderboard_sweeps_every_method_at_the_four_kvpress_ratios():
         assert (CONF / "policy" / f"{policy}.yaml").is_file(), policy
 
 
+@pytest.mark.extended
 def test_leaderboard_full_runs_the_full_cache_once_beside_it():
     cfg = compose(["experiment=leaderboard_full"])
     params = {k: str(v).split(",") for k, v in cfg.hydra.sweeper.params.items()}
@@ -68,6 +72,7 @@ def test_leaderboard_full_runs_the_full_cache_once_beside_it():
     assert registry.TABLES["leaderboard"].reads == ("leaderboard", "leaderboard_query_aware", "leaderboard_full")
 
 
+@pytest.mark.extended
 def test_leaderboard_query_aware_loop_is_kvpress_s():
     """leaderboard.sh L41-49: snapkv, adakv_snapkv and chunkkv (finch has no counterpart) with --query_aware."""
     cfg = compose(["experiment=leaderboard_query_aware"])
@@ -77,6 +82,7 @@ def test_leaderboard_query_aware_loop_is_kvpress_s():
     assert params["protocol"] == ["kvpress", "bounded"]
 
 
+@pytest.mark.extended
 def test_a_leaderboard_grid_with_a_subset_of_policies_composes_and_passes_the_checks():
     """Until the adaptive methods land, the grid runs with the policies given on the command line: every point
     composes, passes check_run_config (no model loaded) and writes to its own ratio directory."""
@@ -99,6 +105,7 @@ def test_a_leaderboard_grid_with_a_subset_of_policies_composes_and_passes_the_ch
                     for b in RATIOS for bs in ("bs128", "bsinf")}
 
 
+@pytest.mark.extended
 def test_qwen3_8b_config_is_the_kvpress_leaderboard_model():
     from keydiff.models import ModelConfig
 
@@ -112,6 +119,7 @@ def test_qwen3_8b_config_is_the_kvpress_leaderboard_model():
     assert Qwen3Config().max_position_embeddings >= model.max_length
 
 
+@pytest.mark.slow
 def test_qwen3_8b_offline_is_the_one_line_hub_error(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_"))}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1")
@@ -183,6 +191,7 @@ def summary():
     return frame
 
 
+@pytest.mark.extended
 def test_leaderboard_table_orders_ratios_ranks_methods_and_puts_full_first(summary, tmp_path):
     table = registry.TABLES["leaderboard"]
     assert leaderboard.write(summary, tmp_path, table)
@@ -221,6 +230,7 @@ def test_leaderboard_table_waits_for_runs(tmp_path):
     assert not (tmp_path / "leaderboard.md").exists()
 
 
+@pytest.mark.extended
 def test_leaderboard_figure_one_line_per_method_ratios_ascending_full_dashed(summary, tmp_path, monkeypatch):
     drawn = []
     monkeypatch.setattr(figures, "save", lambda fig, out, name: drawn.append((fig, name)) or [out / f"{name}.png"])
@@ -246,6 +256,7 @@ def test_leaderboard_figure_one_line_per_method_ratios_ascending_full_dashed(sum
     assert [t.get_text() for t in ax.texts] == ["11/13"]
 
 
+@pytest.mark.extended
 def test_leaderboard_figure_marks_a_full_cache_over_fewer_tasks(summary, tmp_path, monkeypatch):
     drawn = []
     monkeypatch.setattr(figures, "save", lambda fig, out, name: drawn.append((fig, name)) or [out / f"{name}.png"])
@@ -261,6 +272,7 @@ def test_leaderboard_figure_marks_a_full_cache_over_fewer_tasks(summary, tmp_pat
     assert "full cache: 2/13 tasks" in [t.get_text() for t in ax.texts]
 
 
+@pytest.mark.extended
 def test_wandb_grid_names_ratio_budgets_by_their_labels():
     """The W&B report of a ratio experiment lists "r0.5", not the "none" of a budget without tokens."""
     from keydiff.report import wandb
@@ -269,6 +281,7 @@ def test_wandb_grid_names_ratio_budgets_by_their_labels():
     assert wandb.load_grid("smoke").budgets == ["1k"]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("policy", ["full", "keydiff", "snapkv", "expected_attention", "tova"])
 def test_the_engine_runs_qwen3s_architecture_exactly(policy):
     """qwen3-8b cannot be downloaded here; a tiny random Qwen3 (q/k RMS norms before RoPE) stands in: block-wise
@@ -292,6 +305,7 @@ def test_the_engine_runs_qwen3s_architecture_exactly(policy):
         assert all(p.shape == (1, 2, 40) for p in state.kept_positions) and state.max_cache_entries <= 40 + 32
 
 
+@pytest.mark.extended
 def test_leaderboard_says_which_protocol_and_marks_query_aware_rows(summary, tmp_path, monkeypatch):
     """kvpress's protocol and the bounded one are separate groups (table) and panels (figure); a query-aware run
     of the same method, budget and protocol is a row of its own, "(query-aware)", never averaged with the other."""

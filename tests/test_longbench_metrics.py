@@ -18,6 +18,9 @@ from keydiff.tasks.longbench import (
 )
 
 
+pytestmark = pytest.mark.unit
+
+
 def words(n: int) -> str:
     """'w0 w1 ... w{n-1}': n distinct words, no '.'."""
     return " ".join(f"w{i}" for i in range(n))
@@ -50,6 +53,7 @@ def test_qa_f1_score():
 # ------------------------------------------------------------------------------------ Chinese F1
 
 
+@pytest.mark.extended
 def test_qa_f1_zh_score():
     # jieba 0.42.1: "晚上九点。" -> [晚上, 九点, 。]; normalised -> [晚上, 九点, ""]; empty dropped -> [晚上, 九点]
     # gold "九点" -> [九点]; common 1: P = 1/2, R = 1, F1 = 1/(3/2) = 2/3

@@ -20,6 +20,8 @@ from keydiff.tasks import longbench as lb
 from keydiff.tasks.fixture_builders import longbench as fixture_builder
 from keydiff.tasks.base import Sample
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = ROOT / "tasks" / "fixtures" / "longbench"
 

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 needs_make = pytest.mark.skipif(shutil.which("make") is None, reason="GNU make is not installed on this machine")
 
@@ -73,6 +75,7 @@ def test_run_py_names_the_valid_groups_and_keys(argv, expected, tmp_path):
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.unit
 def test_status_without_an_experiment_or_with_a_typo_is_one_line(capsys, tmp_path):
     from keydiff.run import status
 
@@ -102,6 +105,8 @@ def recorded_config(experiment: str, policy: str, budget: str) -> dict:
         return OmegaConf.to_container(compose("config", overrides=overrides), resolve=True)
 
 
+@pytest.mark.unit
+@pytest.mark.extended
 def test_make_report_with_runs_of_every_preset(tmp_path, capsys):
     """`make report` exited 1 (ConfigAttributeError: Missing key name) once runs of adakv_* or snapkv_pyramid
     existed: their preset files hold only `defaults:` and a label. Runs of every policy preset, in the

@@ -32,6 +32,8 @@ from keydiff.tasks.math_answers import (
 from keydiff.tasks.fixture_builders import math500 as math500_fixture
 from tests.conftest import char_tokenizer
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = ROOT / "tasks" / "fixtures" / "math500"
 
@@ -226,6 +228,7 @@ def test_prompt_with_chat_template_and_think():
     assert text_of(tokenizer, prompt.input_ids) == f"<|user|>{body}<|assistant|>"
 
 
+@pytest.mark.extended
 def test_score_uses_the_reference_answer():
     task = Math500(data_dir=str(FIXTURE))
     interval = [s for s in task.samples() if s.id.startswith("fixture/intermediate_algebra/3.json")][0]
@@ -324,6 +327,7 @@ def test_subset_units_and_ids():
 # ---- configs -------------------------------------------------------------------------------------
 
 
+@pytest.mark.extended
 def test_configs_compose(tmp_path):
     from hydra import compose, initialize_config_dir
     from hydra.utils import instantiate

@@ -31,6 +31,8 @@ from keydiff.models import (
     sha256_file,
 )
 
+pytestmark = pytest.mark.unit
+
 CONF = Path(__file__).resolve().parents[1] / "conf" / "model"
 
 
@@ -150,6 +152,7 @@ def test_failed_conversion_leaves_nothing(monkeypatch, tmp_path):
     assert list((tmp_path / "models").iterdir()) == []
 
 
+@pytest.mark.extended
 def test_the_one_conversion_is_announced_in_one_line(monkeypatch, tmp_path, capsys):
     """The first use of the builtin model converts it (tens of seconds, 517 MB into the cache): one line says so
     before it starts; a later use, which only reads the folder, prints nothing."""
@@ -172,6 +175,7 @@ def test_the_one_conversion_is_announced_in_one_line(monkeypatch, tmp_path, caps
     assert ensure_builtin_model("smollm2-135m") == folder and capsys.readouterr().err == ""
 
 
+@pytest.mark.extended
 def test_loading_draws_no_progress_bar(tmp_path, capfd):
     """transformers draws "Loading weights" on every from_pretrained; load_model silences its bars for its own load
     only (transformers' tqdm hook, restored afterwards)."""
@@ -342,6 +346,7 @@ def test_missing_package_fails_at_validation_before_loading(monkeypatch):
         cfg.validate()
 
 
+@pytest.mark.extended
 def test_device_map_is_validated_and_reaches_from_pretrained(tmp_path, monkeypatch):
     """model.device_map=auto: accelerate's placement (every visible GPU; here, the CPU), each layer's cache beside it."""
     import transformers

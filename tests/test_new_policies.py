@@ -14,6 +14,8 @@ from keydiff.policies.layer_budgets import smallest_layer_budget, split_budget
 from keydiff.queries import QueryStatistics, mean_rotation, rope_frequencies
 from tests.conftest import tiny_llama
 
+pytestmark = pytest.mark.unit
+
 HEAD_DIM = 16
 
 
@@ -38,6 +40,7 @@ def model():
 # --------------------------------------------------------------------------- query statistics and RoPE
 
 
+@pytest.mark.integration
 def test_query_statistics_undo_rope_and_match_brute_moments(model):
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(1, 4, 40, HEAD_DIM, generator=generator, dtype=torch.float64) + 0.5  # pre-RoPE queries
@@ -54,6 +57,7 @@ def test_query_statistics_undo_rope_and_match_brute_moments(model):
     assert torch.allclose(stats.covariance(), brute_cov, atol=1e-5)
 
 
+@pytest.mark.integration
 def test_mean_rotation_is_the_average_of_the_models_rope_matrices(model):
     inv_freq, scaling = rope_frequencies(model.config, HEAD_DIM)
     brute = sum(rope_matrix(model, t) for t in range(100, 130)) / 30
@@ -95,6 +99,7 @@ def expected_attention_reference(model, keys, values, positions, x, next_positio
     return out
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("epsilon", [0.0, 0.05])
 def test_expected_attention_matches_loop_reference(model, epsilon):
     generator = torch.Generator().manual_seed(1)
@@ -118,6 +123,7 @@ def test_expected_attention_matches_loop_reference(model, epsilon):
         assert kept[0, h].tolist() == sorted(order[:budget])
 
 
+@pytest.mark.integration
 def test_expected_attention_statistics_in_a_real_prefill_are_the_pre_rope_queries(model):
     """No eviction (budget >= L): the engine's per-layer statistics equal the q_proj outputs of one plain forward."""
     ids = torch.randint(0, 256, (1, 90), generator=torch.Generator().manual_seed(2))
@@ -137,6 +143,8 @@ def test_expected_attention_statistics_in_a_real_prefill_are_the_pre_rope_querie
         assert torch.allclose(layer.queries.mean(), x.mean(dim=2), atol=1e-4)
 
 
+@pytest.mark.integration
+@pytest.mark.extended
 def test_expected_attention_runs_block_wise_within_the_bound_and_keeps_sinks(model):
     ids = torch.randint(0, 256, (1, 300), generator=torch.Generator().manual_seed(3))
     peaks = []
@@ -150,6 +158,7 @@ def test_expected_attention_runs_block_wise_within_the_bound_and_keeps_sinks(mod
     assert out.max_cache_entries == 96 and state.cache.layer_max_entries == [64 + 32] * 3  # decoding adds one at a time
 
 
+@pytest.mark.integration
 def test_expected_attention_without_the_keydiff_attention_function_says_what_to_do(model):
     from keydiff import EvictingCache
 
@@ -229,6 +238,8 @@ def lagkv_rescoring_reference(keys, values, budget, block, n_sink, lag):
     return entries
 
 
+@pytest.mark.integration
+@pytest.mark.extended
 @pytest.mark.parametrize("scoring", ["frozen", "rescore"])
 def test_lagkv_block_wise_prefill_keeps_what_the_loop_reference_keeps(model, scoring):
     """Layer 0's keys and values do not depend on what was evicted (they are projections of the embeddings), so
@@ -423,6 +434,8 @@ def test_layer_budget_errors_name_the_key_and_the_choices():
         build_policy("snapkv", layer_budgets={"schedule": "pyramid", "beta": 20}).check(256)
 
 
+@pytest.mark.integration
+@pytest.mark.extended
 @pytest.mark.parametrize("name, arithmetic", [("keydiff", "exact"), ("snapkv", "exact"), ("keydiff", "kvcache_factory")])
 def test_pyramid_per_layer_bound_and_kept_counts_in_a_real_prefill(name, arithmetic):
     model = tiny_llama(num_hidden_layers=5)

@@ -26,6 +26,8 @@ from keydiff.tasks.niah import (
     rouge1_scores,
 )
 
+pytestmark = pytest.mark.unit
+
 CONF = Path(__file__).resolve().parents[1] / "conf"
 
 
@@ -56,6 +58,7 @@ def test_paper_grid():
     assert (task.max_new_tokens, task.buffer, task.prompt_style) == (50, 200, "storybook")
 
 
+@pytest.mark.extended
 def test_yaml_grids():
     from hydra import compose, initialize_config_dir
     from hydra.utils import instantiate

@@ -16,6 +16,8 @@ import pytest
 
 from keydiff import openmp
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -49,6 +51,7 @@ def test_nothing_is_set_once_torch_is_loaded(monkeypatch):
     assert openmp.prepare("run") == {} and "OMP_WAIT_POLICY" not in os.environ
 
 
+@pytest.mark.slow
 def test_prepare_before_torch_reaches_libgomp():
     """What libgomp itself read (OMP_DISPLAY_ENV), in a fresh interpreter: PASSIVE is a spin count of 0; a
     GOMP_SPINCOUNT the user set is left as it is."""
@@ -98,6 +101,7 @@ def test_each_setting_starts_with_its_own_variables_only(monkeypatch):
     assert env["PYTHONPATH"].split(os.pathsep)[0] == str(ROOT)
 
 
+@pytest.mark.integration
 def test_the_model_workload_times_a_prefill_and_a_batched_decode():
     from scripts import bench_threads as threads
 
@@ -109,6 +113,7 @@ def test_the_model_workload_times_a_prefill_and_a_batched_decode():
     assert result["threads"] >= 1 and "variables" in result["openmp"]
 
 
+@pytest.mark.slow
 def test_a_busy_neighbour_runs_until_stopped():
     from scripts import bench_threads as threads
 
@@ -146,6 +151,7 @@ def test_bad_workloads_and_neighbours_are_refused_naming_the_valid_ones(capsys):
 # ------------------------------------------------------------------------------ progress of a long benchmark
 
 
+@pytest.mark.extended
 def test_rounds_announce_every_run_with_the_time_left(capsys):
     from keydiff.bench import common
 

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.unit
+
 PACKAGE = Path(__file__).resolve().parents[1] / "keydiff"
 PACKAGES = sorted(p.parent for p in PACKAGE.glob("*/__init__.py"))
 

@@ -19,6 +19,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parent.parent
 PAPER = ROOT / "results" / "paper"
 TEXT = Path(os.environ.get("KEYDIFF_PAPER_TEXT", ROOT.parent / "shared" / "reference" / "keydiff-paper.txt"))
@@ -83,6 +85,7 @@ def check_table14_repeats_table1(t1: pd.DataFrame, t14: pd.DataFrame) -> int:
 
 
 # ----------------------------------------------------------------------------- shape, schema, counts
+@pytest.mark.extended
 def test_every_table_is_there_with_its_caption_and_tidy_schema():
     captions = pd.read_csv(PAPER / "captions.csv")
     assert list(captions["table"]) == TABLES
@@ -100,6 +103,7 @@ def test_every_table_is_there_with_its_caption_and_tidy_schema():
     assert captions.set_index("table").loc[18, "caption"].startswith("Recall difference (KEYDIFF-Full)")
 
 
+@pytest.mark.extended
 def test_non_empty_cells_per_table_match_the_stated_counts():
     check_counts()
     readme = (PAPER / "README.md").read_text()
@@ -110,6 +114,7 @@ def test_non_empty_cells_per_table_match_the_stated_counts():
         assert table(n)["note"].str.contains("recovered:").sum() == RECOVERED.get(n, 0), n
 
 
+@pytest.mark.extended
 def test_notes_say_why_a_cell_is_empty_recovered_or_flagged():
     readme = (PAPER / "README.md").read_text()
     for n in TABLES:
@@ -267,6 +272,7 @@ def test_small_grids():
 
 
 # ----------------------------------------------------------------------------- the checks can fail
+@pytest.mark.extended
 def test_the_checks_catch_a_shifted_and_a_blanked_row(tmp_path):
     """Plant what a transcription slip looks like and watch the checks above fail: a Table 14 row shifted
     by one column, a Table 1 row whose English cells no longer repeat in Table 14, and a row blanked as

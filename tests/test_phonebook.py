@@ -12,6 +12,8 @@ import pytest
 from keydiff.tasks.phonebook import DEFAULT_SIZES, Phonebook, book_seed, first_line, generate_book
 from tests.conftest import char_tokenizer
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[1]
 ENTRY = re.compile(r"^([^:\n]+): ([6-9]\d{9})$")
 
@@ -26,6 +28,7 @@ def test_default_sizes_are_the_papers():
     assert DEFAULT_SIZES[:3] == [100, 478, 856] and DEFAULT_SIZES[-1] == 3500
 
 
+@pytest.mark.extended
 def test_book_is_deterministic_and_unique():
     book = generate_book(3500, seed=123)
     assert generate_book(3500, seed=123) == book

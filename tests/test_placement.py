@@ -15,6 +15,9 @@ from keydiff.testing import variant
 from tests.conftest import tiny_llama
 
 
+pytestmark = pytest.mark.integration
+
+
 def mixed_dtype_llama():
     """Layer 1 in float64 (its input cast in, its output cast back): its keys are float64, the others' float32."""
     model = tiny_llama()
@@ -53,6 +56,7 @@ def test_placements_are_read_from_the_attention_modules(model):
     assert layer_placements(model, 4) is None  # not every layer found: one placement, as before
 
 
+@pytest.mark.extended
 def test_stack_groups_layers_per_dtype_without_unused_slots(model, ids):
     with torch.no_grad():
         reference = model(ids).logits[:, -1].float()
@@ -82,6 +86,7 @@ def test_without_placements_the_stack_still_splits_for_a_layer_that_does_not_fit
     assert cache.kv_cache_bytes == 3 * slot_bytes(2, 96, 16, 4) + slot_bytes(2, 96, 16, 8)
 
 
+@pytest.mark.extended
 def test_head_adaptive_pool_stacks_group_layers_per_dtype(model, ids):
     policy = build_policy("keydiff", head_budgets="adakv")
     state = prefill(model, ids, policy, 64, 32)
@@ -96,6 +101,7 @@ def test_head_adaptive_pool_stacks_group_layers_per_dtype(model, ids):
     assert generate(model, state, 3).token_ids == generate(model, alone, 3).token_ids
 
 
+@pytest.mark.unit
 def test_wrong_number_of_placements_is_refused():
     with pytest.raises(ValueError, match="layer_placements has 2 entries for 3 layers"):
         EvictingCache(build_policy("keydiff"), 64, 3, layer_placements=[None, None])

@@ -13,6 +13,9 @@ from keydiff.attention import attention_statistic, eager_attention, statistic_fr
 from keydiff.policies import LayerView
 
 
+pytestmark = pytest.mark.unit
+
+
 def make_view(keys, attention=None, positions=None, values=None):
     b, h, n, _ = keys.shape
     if positions is None:
@@ -334,6 +337,7 @@ def test_score_then_position_orders_by_score_then_position():
 CONF_POLICIES = sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "conf" / "policy").glob("*.yaml") if p.stem != "custom")
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("config", CONF_POLICIES)
 def test_every_policy_config_builds_its_policy_with_its_params(config):
     """Each conf/policy/*.yaml composes (defaults merged) into a policy whose parameters are the file's."""
@@ -350,6 +354,7 @@ def test_every_policy_config_builds_its_policy_with_its_params(config):
     assert {k: policy.describe()[k] for k in params} == params
 
 
+@pytest.mark.extended
 def test_lagkv_configs_say_which_scoring():
     from hydra import compose, initialize_config_dir
 

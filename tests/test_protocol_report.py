@@ -10,6 +10,8 @@ import pytest
 from keydiff.paper import registry
 from keydiff.report import figures, protocol
 
+pytestmark = pytest.mark.unit
+
 TABLE = registry.TABLES["protocol"]
 COLUMNS = ["question in prompt", "query-agnostic", "multi-request k=2", "multi-request k=8", "multi-turn k=2",
            "multi-turn k=8"]
@@ -45,6 +47,7 @@ def summary():
     return pd.DataFrame(rows)
 
 
+@pytest.mark.extended
 def test_table_orders_the_protocol_columns_puts_full_first_and_shows_intervals(summary, tmp_path):
     assert protocol.write(summary, tmp_path, TABLE)
     scores, text = protocol.layout(protocol.runs(summary, TABLE))
@@ -69,6 +72,7 @@ def test_table_orders_the_protocol_columns_puts_full_first_and_shows_intervals(s
     assert csv.loc[csv["samples"] < 5, "ci95_low"].isna().all()
 
 
+@pytest.mark.extended
 def test_a_column_where_every_method_scores_zero_has_no_bold_best(tmp_path):
     """Every method at 0.0 in a column (multi-turn k=8 on a small model): nothing is best there; where two methods
     tie above a third, both are bold."""
@@ -94,6 +98,7 @@ def test_columns_name_every_mode_and_k():
     assert protocol.column_of("ruler_4k", False) is None
 
 
+@pytest.mark.extended
 def test_figure_one_panel_per_budget_one_line_per_method_full_dashed(summary, tmp_path, monkeypatch):
     drawn = []
     monkeypatch.setattr(figures, "save", lambda fig, out, name: drawn.append((fig, name)) or [out / f"{name}.png"])
@@ -114,6 +119,7 @@ def test_figure_one_panel_per_budget_one_line_per_method_full_dashed(summary, tm
     assert len(full) == 1 and list(full[0].get_ydata()) == [90.0] * 6
 
 
+@pytest.mark.extended
 def test_experiments_sweep_the_protocols_methods_and_budgets():
     from tests.test_leaderboard import compose
 

@@ -9,6 +9,8 @@ import torch
 from keydiff import available_policies, build_policy, generate, prefill
 from tests.conftest import tiny_llama
 
+pytestmark = pytest.mark.integration
+
 EVICTING = [name for name in available_policies() if name != "full"]
 # Head-adaptive, layer-scheduled and chunked variants (conf/policy presets) on top of the built-in names.
 VARIANTS = {
@@ -31,6 +33,7 @@ def held(positions: torch.Tensor) -> list[set[int]]:
     return [set(int(p) for p in head if p >= 0) for head in positions[0]]
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("name", POLICIES)
 def test_question_is_whole_at_the_first_generated_token(model, prompt, name):
     """Every token of the held suffix is in every layer and head at the first generated token, and the context
@@ -59,6 +62,7 @@ def test_budget_covering_the_context_equals_the_full_forward(model, prompt, name
     assert torch.allclose(state.logits, reference, atol=1e-5)
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("name", ["keydiff", "snapkv", "adakv_snapkv", "kvzip"])
 def test_held_suffix_goes_at_the_first_decoding_step_or_never(model, prompt, name):
     """evict=True: the first decoding step's eviction brings every layer back to N (its statistic is that
@@ -73,6 +77,7 @@ def test_held_suffix_goes_at_the_first_decoding_step_or_never(model, prompt, nam
     assert out.step_entries == [budget + SUFFIX + i for i in range(1, steps)]
 
 
+@pytest.mark.extended
 def test_held_suffix_equals_the_same_passes_run_by_hand(model, prompt):
     """The held suffix is one plain pass against the compressed cache: the same logits as feeding it by hand
     after prefilling the context, with the cache's eviction after it left out."""
@@ -94,6 +99,7 @@ def test_held_suffix_must_leave_a_context(model, prompt):
         prefill(model, prompt, "keydiff", 64, 32, held_suffix=-1)
 
 
+@pytest.mark.extended
 def test_sdpa_and_eager_agree_with_a_held_suffix(prompt):
     """The masks transformers builds count the held entries (not N): stock attention gives the same logits."""
     results = []
@@ -225,6 +231,8 @@ def test_niah_and_phonebook_hold_their_question(tokenizer):
 
 
 # ------------------------------------------------------------------------------------------ runner
+@pytest.mark.unit
+@pytest.mark.extended
 def test_math500_refuses_query_agnostic_in_one_line(no_model_load):
     from keydiff.run.checks import ConfigError, check_run_config
     from tests.test_runner import make_cfg
@@ -237,6 +245,8 @@ def test_math500_refuses_query_agnostic_in_one_line(no_model_load):
         check_run_config(make_cfg("query_aware=maybe"))
 
 
+@pytest.mark.unit
+@pytest.mark.extended
 def test_protocol_is_part_of_the_run_directory():
     from tests.test_runner import make_cfg
 
@@ -276,6 +286,7 @@ def test_query_agnostic_run_records_the_protocol(tmp_path):
     assert summary["statistics"]["cache_bound_held"] is True
 
 
+@pytest.mark.unit
 def test_generic_tables_never_average_the_two_protocols():
     """Two runs of one configuration, one per protocol: two rows, the query-agnostic one's B says so."""
     import pandas as pd
@@ -293,6 +304,7 @@ def test_generic_tables_never_average_the_two_protocols():
 
 
 # ------------------------------------------------------------------------------------------ several questions
+@pytest.mark.extended
 @pytest.mark.parametrize("name", ["keydiff", "snapkv", "h2o", "adakv_snapkv", "kvzip"])
 @pytest.mark.parametrize("evict", [False, True])
 def test_several_questions_over_one_compressed_context_never_leak(model, prompt, name, evict):

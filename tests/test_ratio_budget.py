@@ -19,6 +19,9 @@ from tests.test_inputs import ROOT, assert_one_line_error, run_py
 from tests.test_tables import LLAMA3B, md_cell, md_rows, value
 
 
+pytestmark = pytest.mark.unit
+
+
 def compose_budget(*overrides: str):
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
         return compose("config", overrides=list(overrides))
@@ -31,6 +34,7 @@ def test_ratio_labels_differ_from_token_labels():
     assert budget_ratio("r0.25") == 0.25 and budget_ratio("2k") is None and budget_ratio("--") is None
 
 
+@pytest.mark.extended
 def test_ratio_config_sets_label_and_run_directory():
     cfg = compose_budget("budget=r0.25")
     assert cfg.budget.tokens is None and cfg.budget.ratio == 0.25 and cfg.budget.label == "r0.25"
@@ -41,6 +45,7 @@ def test_ratio_config_sets_label_and_run_directory():
     assert compose_budget("budget=2k").budget.get("ratio") is None  # token budgets are unchanged
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("overrides, message", [
     (["budget.ratio=0"], "budget.ratio=0 is not valid"),
     (["budget.ratio=1.5"], "0 < ratio <= 1"),
@@ -54,6 +59,7 @@ def test_bad_ratio_is_refused(overrides, message):
         check_budget_config(compose_budget("budget=r0.25", *overrides).budget)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, expected", [
     (["budget=r0.25", "budget.ratio=0"], "budget.ratio=0 is not valid; valid: a number with 0 < ratio <= 1"),
     (["budget=r0.25", "budget.ratio=2"], "budget.ratio=2 is not valid"),
@@ -69,6 +75,8 @@ def test_bad_ratio_on_the_command_line(tmp_path, args, expected):
 
 
 # ------------------------------------------------------------------------------------------ runner
+@pytest.mark.integration
+@pytest.mark.extended
 def test_runner_sets_budget_per_sample_and_holds_bound(tmp_path, tiny_runner):
     """Prompts of 30 and 100 tokens at ratio 0.5: N = 15 and 50, recorded per row, cache within N + B."""
     runner, model_dir, _ = tiny_runner
@@ -89,6 +97,8 @@ def test_runner_sets_budget_per_sample_and_holds_bound(tmp_path, tiny_runner):
     assert summary["budget"] is None and summary["budget_ratio"] == 0.5
 
 
+@pytest.mark.integration
+@pytest.mark.extended
 def test_runner_odd_lengths_round_up(tmp_path, tiny_runner):
     runner, model_dir, _ = tiny_runner
     cfg = runner_cfg(model_dir, "policy=tova", "budget=r0.25", "block_size=8", task={"lengths": [31, 9]})
@@ -98,6 +108,8 @@ def test_runner_odd_lengths_round_up(tmp_path, tiny_runner):
     assert rows["len9"]["budget"] == 3
 
 
+@pytest.mark.integration
+@pytest.mark.extended
 def test_sample_whose_n_the_policy_refuses_is_recorded_as_failed(tmp_path, tiny_runner):
     """StreamingLLM with 8 sink tokens cannot keep N = 3 (a 10-token prompt at 0.25): that sample fails
     clearly ("budget_too_small"), the long one runs."""
@@ -139,6 +151,7 @@ def write_run(runs, experiment, task, policy, label, tokens, ratio, recalls, mod
     (run_dir / "summary.json").write_text(json.dumps(summary))
 
 
+@pytest.mark.extended
 def test_generic_table_and_figure_with_ratio_runs_paper_tables_ignore_them(tmp_path):
     runs = tmp_path / "runs"
     for label, tokens, ratio, recalls in [("r0.5", None, 0.5, [1.0, 0.5]), ("2k", 2048, None, [1.0, 1.0]),
@@ -163,6 +176,8 @@ def test_generic_table_and_figure_with_ratio_runs_paper_tables_ignore_them(tmp_p
     assert "r0.5" not in (out / "tables" / "table17.md").read_text()
 
 
+@pytest.mark.integration
+@pytest.mark.extended
 def test_adaptive_budget_total_follows_each_sample_n(tmp_path, tiny_runner):
     """PyramidKV at ratio 0.5: each sample's layer budgets total layers x its own N (40 and 100)."""
     runner, model_dir, _ = tiny_runner

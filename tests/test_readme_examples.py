@@ -13,6 +13,8 @@ import pytest
 from keydiff.run.plan import plan_run
 from tests.test_runner import make_cfg
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -21,6 +21,8 @@ from keydiff.report import collect, figures, render, tables
 from keydiff.report import wandb as wandb_report
 from tests.test_tables import LLAMA3B, longbench_scores, md_cell, write_run
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "keydiff"
 
@@ -38,6 +40,7 @@ def build(tmp_path: Path) -> Path:
     return out / "tables"
 
 
+@pytest.mark.extended
 def test_the_registry_decides_which_runs_fill_a_table_and_its_comparison(tmp_path, monkeypatch):
     """Runs of an experiment the registry does not list for Table 17 fill nothing; listing it there (one
     edit) makes the table, its comparison with the paper and the results index take them."""
@@ -59,6 +62,7 @@ def test_the_registry_decides_which_runs_fill_a_table_and_its_comparison(tmp_pat
     assert entries[("vs_paper", "table17_vs_paper")]["experiments"] == ["phonebook_rerun"]
 
 
+@pytest.mark.extended
 def test_the_registry_decides_a_tables_policies_and_display_names(tmp_path, monkeypatch):
     """knorm is "L2-norm" wherever it is printed; a policy the registry does not list for a table is left out."""
     runs = tmp_path / "runs"
@@ -165,6 +169,7 @@ def imports(path: Path, modules: set[str]) -> set[str]:
     return found
 
 
+@pytest.mark.extended
 def test_report_and_paper_have_no_import_cycle_and_nothing_edits_sys_path():
     files = {module_name(p): p for p in PACKAGE.rglob("*.py")}
     graph = {name: imports(path, set(files)) - {name} for name, path in files.items()}
@@ -190,6 +195,7 @@ def test_report_and_paper_have_no_import_cycle_and_nothing_edits_sys_path():
     assert edits == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("module", ["keydiff.report.collect", "keydiff.report.tables", "keydiff.report.figures",
                                     "keydiff.report.ruler", "keydiff.report.wandb"])
 def test_every_entry_point_runs_as_a_module(module):

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("wandb_workspaces")
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # wandb_workspaces' own pydantic v1 validators
+pytestmark = [pytest.mark.unit, pytest.mark.extended, pytest.mark.filterwarnings('ignore::DeprecationWarning')]
 from wandb_workspaces import expr  # noqa: E402
 
 from keydiff.report import wandb as make_report  # noqa: E402

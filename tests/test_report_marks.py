@@ -18,6 +18,8 @@ from keydiff.run.results import RENAMED_ROW_FIELDS, RENAMED_STATISTICS
 from keydiff.tasks.degenerate import is_degenerate
 from tests.test_tables import drawn_figures, md_cell, md_rows, niah_rows, write_run
 
+pytestmark = pytest.mark.unit
+
 GOLDEN_RUNS = Path(__file__).resolve().parent / "golden" / "runs"
 SMOL = "smollm2-135m"
 
@@ -57,6 +59,7 @@ def collected(tmp_path):
     return tmp_path / "tables" / "generic" / "adhoc__niah_small.md"
 
 
+@pytest.mark.extended
 def test_collapsed_outputs_are_counted_per_run(tmp_path):
     rows = [row | {"degenerate": flag} for row, flag in zip(niah_rows([0.0, 0.0, 1.0, 0.0]), [True, True, False, False])]
     write_run(**niah_point(tmp_path / "runs"), metrics={"needle_recall": 0.25}, rows=rows)
@@ -70,6 +73,7 @@ def test_collapsed_outputs_are_counted_per_run(tmp_path):
     assert "2 of 4 outputs collapsed into a repeated n-gram" in md.read_text().splitlines()[0]
 
 
+@pytest.mark.extended
 def test_a_run_that_evicted_nothing_is_marked_in_tables_and_figures(tmp_path, monkeypatch):
     runs = tmp_path / "runs"
     nothing = {"statistics": {"samples": 2, "mean_kept_ratio": 1.0, "mean_ttft_s": 0.5, "mean_prompt_tokens": 2869.0,
@@ -92,6 +96,7 @@ def test_a_run_that_evicted_nothing_is_marked_in_tables_and_figures(tmp_path, mo
     assert plotted[name + "/texts"][0] == ["∅"] and "nothing evicted" in plotted[name + "/title"]
 
 
+@pytest.mark.extended
 def test_runs_of_other_generation_settings_are_told_apart(tmp_path, monkeypatch):
     runs = tmp_path / "runs"
     for new_tokens, seed, recall in [(50, 0, 1.0), (20, 1, 0.0)]:  # seed: two directories of one configuration
@@ -110,12 +115,14 @@ def test_runs_of_other_generation_settings_are_told_apart(tmp_path, monkeypatch)
     assert sum("max_new_tokens=20" in t for t in legend) == 1 and sum("max_new_tokens=50" in t for t in legend) == 1
 
 
+@pytest.mark.extended
 def test_one_setting_keeps_the_plain_policy_label(tmp_path):
     write_run(**niah_point(tmp_path / "runs"), metrics={"needle_recall": 1.0}, rows=niah_rows([1.0]))
     md = collected(tmp_path)
     assert md_cell(md, (SMOL, "128", "keydiff"), "2k").startswith("1.000")
 
 
+@pytest.mark.extended
 def test_each_policy_keeps_its_colour_whatever_else_is_drawn(tmp_path, monkeypatch):
     runs = tmp_path / "runs"
     for label in ("keydiff", "tova"):
@@ -134,6 +141,7 @@ def test_each_policy_keeps_its_colour_whatever_else_is_drawn(tmp_path, monkeypat
     assert make_figures.policy_color("my_policy") == make_figures.policy_color("my_policy")  # any label: stable
 
 
+@pytest.mark.extended
 def test_a_subset_run_is_drawn_on_the_heatmap_of_any_experiment(tmp_path, monkeypatch):
     """The adhoc heatmap shows a subset run (marked §) where its configuration has no whole-task run, as the smoke
     heatmap and the tables do."""
@@ -164,6 +172,7 @@ def rewrite_with_current_names(source: Path, target: Path) -> None:
         path.write_text(json.dumps(summary), encoding="utf-8")
 
 
+@pytest.mark.extended
 def test_runs_written_with_the_old_field_names_give_the_same_tables(tmp_path):
     old_names = b"".join(p.read_bytes() for p in GOLDEN_RUNS.rglob("*.json*"))
     assert b'"compression_ratio"' in old_names and b'"mean_compression_ratio"' in old_names  # the old names
@@ -180,6 +189,7 @@ def test_runs_written_with_the_old_field_names_give_the_same_tables(tmp_path):
         assert path.read_bytes() == (tmp_path / "tables_new" / path.relative_to(tmp_path / "tables_old")).read_bytes()
 
 
+@pytest.mark.extended
 def test_a_summary_csv_collected_before_the_renames_is_read_under_the_new_names(tmp_path):
     frame = collect_results.collect(GOLDEN_RUNS, tmp_path / "summary.csv")
     renamed = {"mean_kept_ratio": "mean_compression_ratio", "se/mean_kept_ratio": "se/mean_compression_ratio"}

@@ -18,6 +18,8 @@ from keydiff.policies.rerotation import STATE
 from keydiff.testing import check_policy, variant
 from tests.conftest import tiny_llama
 
+pytestmark = pytest.mark.integration
+
 BUDGET, BLOCK, LENGTH, NEW_TOKENS = 40, 16, 150, 6
 ROPES = {
     "default": {},
@@ -91,6 +93,7 @@ def test_rerotated_keys_equal_keys_recomputed_at_their_new_positions(rope, name,
             handle.remove()
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("mode, schedule", [("absolute", None), ("contiguous", None),
                                             ("contiguous", {"schedule": "pyramid", "beta": 4, "window": 0})])
 def test_at_every_eviction_each_key_is_the_models_key_at_its_recorded_position(mode, schedule):
@@ -176,6 +179,7 @@ def run(model, prompt, policy, budget=BUDGET):
     return logits, kept, generate(model, state, NEW_TOKENS).token_ids
 
 
+@pytest.mark.extended
 def test_off_changes_nothing():
     model = tiny_llama()
     prompt = torch.randint(0, 256, (1, LENGTH), generator=torch.Generator().manual_seed(6))
@@ -189,6 +193,7 @@ def test_off_changes_nothing():
         assert all(torch.equal(a, b) for a, b in zip(kept, plain_kept))
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("mode", ["absolute", "contiguous"])
 def test_on_changes_results_once_something_was_evicted(mode):
     model = tiny_llama()
@@ -228,6 +233,7 @@ def test_contiguous_works_with_stock_attention_and_transformers_masks():
     assert cache.get_seq_length() == 20 and cache.layers[0].num_entries == 36 and cache.layers[0].seen == 64
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("mode", ["absolute", "contiguous"])
 @pytest.mark.parametrize("name, params", [
     ("keydiff", {}),  # stacked: every layer re-rotated in one call, compared with layer by layer
@@ -243,6 +249,7 @@ def test_check_policy_passes(name, params, mode):
         assert summary["stacked"] and summary["batchable_checked"]
 
 
+@pytest.mark.unit
 def test_describe_only_when_set_and_round_trips():
     policy = build_policy("keydiff", key_rerotation=True, layer_budgets={"schedule": "pyramid", "beta": 4, "window": 0})
     described = policy.describe()
@@ -252,6 +259,7 @@ def test_describe_only_when_set_and_round_trips():
     assert build_policy("snapkv", key_rerotation="absolute").describe()["key_rerotation"] == "absolute"
 
 
+@pytest.mark.unit
 def test_bad_values_fail_clearly_before_the_model():
     with pytest.raises(ValueError, match="key_rerotation must be true, false or one of contiguous, absolute, got 'sideways'"):
         build_policy("keydiff", key_rerotation="sideways")

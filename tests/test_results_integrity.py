@@ -19,6 +19,8 @@ from keydiff.report import collect, leaderboard, ruler, tables
 from keydiff.report.ruler import TASKS
 from keydiff.run.results import ResultStore, is_moved_aside, run_summaries
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE_TASKS = ("niah_single_1", "qa_2")  # the reduced leaderboard smoke: two tasks, task.limit=1
 
@@ -50,6 +52,7 @@ def point(runs: Path, policy: str, budget: str) -> Path:
 
 
 # ------------------------------------------------------------------------------ overwrite, then tables
+@pytest.mark.extended
 def test_overwrite_then_tables_shows_only_the_new_run(tmp_path, caplog):
     """The issue's sequence: the leaderboard smoke, re-run with overwrite=true, then `make tables`. The old
     run (50.00) is moved aside, and the log says where; the tables show the new run (7.69) alone, n=1."""
@@ -186,6 +189,7 @@ def compose(*overrides: str):
         return hydra_compose("config", overrides=[OUTSIDE_RESULTS, *overrides])
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("overrides, covers", [
     (["task.limit=6"], True), (["task.limit=99"], True), (["task.limit=5"], False),  # niah_small: 6 samples
     (["task=phonebook", "task.sizes=[20]", "task.books_per_size=2", "task.limit=2"], True),
@@ -203,6 +207,7 @@ def test_a_limit_covers_the_task_when_it_selects_every_sample(overrides, covers)
     assert str(cfg.run_subdir).endswith("seed0") is covers
 
 
+@pytest.mark.slow
 def test_limit_at_or_above_the_sample_count_is_the_whole_runs_directory(tmp_path):
     """`task.limit=99` on the 6-sample default task writes the whole run's `seed0` (a dry run says so), and a
     sweep over limits 99 and 6 runs that point once; `make status` shows the same directory."""
@@ -236,6 +241,7 @@ def test_a_limit_above_the_sample_count_reuses_the_whole_run(tmp_path):
 
 
 # ------------------------------------------------------------------------------ device refused, no directory
+@pytest.mark.slow
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has CUDA: model.device=cuda is valid here")
 def test_a_missing_device_is_refused_before_any_directory_exists(tmp_path):
     """`model.device=cuda` without a GPU: one error line, exit 2, no run directory, so the corrected command
@@ -249,6 +255,7 @@ def test_a_missing_device_is_refused_before_any_directory_exists(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.extended
 def test_a_slurm_sweep_leaves_the_device_to_the_node():
     """The login node that submits a SLURM array has no GPU: its points are checked without the device."""
     from keydiff.run.checks import check_run_config

@@ -54,6 +54,8 @@ from keydiff.tasks.ruler_generators import (
 )
 from keydiff.tasks.ruler_qa import DOCUMENT, FIXTURE_SHA256, QA
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = ROOT / "tasks/fixtures/ruler"
 PINNED = ROOT / "tests/data/ruler_pinned"
@@ -478,6 +480,7 @@ def test_missing_qa_data_message_names_the_real_data_first_and_the_fixture_for_a
     Ruler(tasks=["qa_1"], data_dir="tasks/fixtures/ruler").validate()  # what it names works
 
 
+@pytest.mark.extended
 def test_errors_come_before_the_model_loads(monkeypatch, tmp_path):
     from keydiff.run import runner
     from keydiff.run.plan import plan_run

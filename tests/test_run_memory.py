@@ -10,7 +10,7 @@ import torch
 
 from keydiff.run import memory
 
-pytestmark = pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="VmHWM needs Linux /proc")
+pytestmark = [pytest.mark.slow, pytest.mark.extended, pytest.mark.skipif(not Path('/proc/self/status').exists(), reason='VmHWM needs Linux /proc')]
 
 CHECKOUT = Path(__file__).resolve().parents[1]
 RUNNER_CHILD = ("import json, resource, torch; from keydiff.run import memory; "
@@ -33,6 +33,7 @@ def test_a_run_started_by_a_parent_holding_memory_reports_its_own_cpu_peak():
     assert child["runner_peak"] < child["ru_maxrss"] - 2 ** 29  # not the parent's 1 GiB
 
 
+@pytest.mark.unit
 def test_reset_restarts_the_peak_from_the_current_size():
     block = torch.ones(2 ** 26)  # 256 MiB, every page touched
     with_block = memory.peak_rss_bytes()

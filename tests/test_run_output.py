@@ -23,6 +23,8 @@ from keydiff.run.progress import Progress, sample_line
 from keydiff.run.results import move_aside
 from tests.test_cluster_processes import model_args, run_py, tiny_model_dir  # noqa: F401  (fixture)
 
+pytestmark = pytest.mark.unit
+
 TASK = ["task=niah_small", "task.context_lengths=[400]", "task.depths=[0,50,100]", "experiment_name=out"]
 
 
@@ -30,6 +32,7 @@ def run_dir(root: Path, policy: str = "keydiff", limit: int = 2) -> Path:
     return root / "out" / "niah_small" / "custom" / policy / "2k" / "bs128" / f"seed0-limit{limit}"
 
 
+@pytest.mark.slow
 def test_logs_hydra_files_and_overwrite_across_invocations(tmp_path, tiny_model_dir):  # noqa: F811
     root = tmp_path / "runs"
     args = [*model_args(tiny_model_dir), *TASK, "task.limit=2", f"results_root={root}"]
@@ -73,6 +76,7 @@ def test_logs_hydra_files_and_overwrite_across_invocations(tmp_path, tiny_model_
         p.relative_to(directory).as_posix() for p in (directory / ".hydra").iterdir()]
 
 
+@pytest.mark.slow
 def test_a_sweep_ends_with_a_recap_per_job(tmp_path, tiny_model_dir):  # noqa: F811
     root = tmp_path / "runs"
     result = run_py("-m", "policy=keydiff,tova", *model_args(tiny_model_dir), *TASK, "task.limit=1",
@@ -192,6 +196,7 @@ def test_progress_on_a_terminal_draws_the_bar_and_still_logs_each_sample(caplog,
     assert "phonebook/keydiff: 100%" in capsys.readouterr().err
 
 
+@pytest.mark.extended
 def test_ctrl_c_before_the_first_sample_is_one_line_exit_130_and_no_directory(tmp_path, monkeypatch, caplog):
     """Ctrl-C while torch loads or the task is read (before the run's own handler): one line, exit status 130,
     and the run directory Hydra created is gone again; during the imports, the hook prints one line."""

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
+import pytest
 import torch
 from omegaconf import OmegaConf, open_dict
 
@@ -25,8 +26,11 @@ from tests.test_batched_runs import math_cfg, run_at, same_rows, tiny  # noqa: F
 from tests.test_cluster import make_cfg
 from tests.test_shared_context import ToyShared
 
+pytestmark = pytest.mark.integration
+
 
 # --------------------------------------------------------------------------------- shared prefills
+
 
 
 @dataclass
@@ -53,6 +57,7 @@ def twins_cfg(tmp_path, name: str, *overrides: str):
                           "max_new_tokens": 6})
 
 
+@pytest.mark.extended
 def test_prompts_of_equal_length_but_other_tokens_never_share_a_prefill(tmp_path, tiny):
     """Consecutive samples share one prefill only if their prompts are the same tokens: twins of one length with
     different text are prefilled each on its own at batch 2 (`prefill_shared` 1) and write batch 1's rows."""
@@ -67,6 +72,7 @@ def test_prompts_of_equal_length_but_other_tokens_never_share_a_prefill(tmp_path
 # --------------------------------------------------------------------------------- out of memory with forks
 
 
+@pytest.mark.extended
 def test_out_of_memory_with_forks_still_waiting_reruns_them_and_completes(tmp_path, tiny, monkeypatch):
     """Math-500, 3 responses per problem sharing one prefill, batch 2: memory runs out at the first step with a
     sequence that joined after the first ones were written (here the first two finish together, so the third
@@ -105,6 +111,7 @@ def test_out_of_memory_with_forks_still_waiting_reruns_them_and_completes(tmp_pa
 # --------------------------------------------------------------------------------- shards
 
 
+@pytest.mark.extended
 def test_a_math500_shard_run_keeps_every_problems_responses_together(tmp_path, tiny):
     """shard=i/2 of Math-500 (2 problems x 3 responses) through the runner: each shard writes whole problems, all
     three responses of each (one prefill serves them), and the two shards cover the six samples once."""
@@ -137,6 +144,7 @@ def toy_cfg(tmp_path, name: str):
     return cfg
 
 
+@pytest.mark.extended
 def test_a_resumed_conversation_missing_only_its_last_question_replays_the_earlier_turns(tmp_path, tiny):
     """multi_turn (ToyConversation: a 220-token context, questions of 9, 23 and 40 tokens,
     6-token answers) run whole, then resumed after losing its last row: the resumed run writes that row alone, from
@@ -159,6 +167,7 @@ def test_a_resumed_conversation_missing_only_its_last_question_replays_the_earli
 # --------------------------------------------------------------------------------- asking order
 
 
+@pytest.mark.unit
 def test_the_asking_order_of_a_few_contexts_is_pinned():
     """The questions of a context are asked in a shuffle from a stream of its own (ruler_shared.asking_order):
     pinned here for the default task (4K, seed 42) with 4 and 8 questions, so that drawing it from another stream

@@ -15,6 +15,8 @@ from keydiff.run import runner
 from keydiff.run.plan import plan_run
 from keydiff.run.results import ConfigMismatchError
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[1]
 # The runs of these tests go where the test says (runner.run(cfg, tmp_path / ...)); results_root is only checked
 # for writability and names W&B runs. Not the checkout's results/runs (the user's runs): a place never created.
@@ -34,6 +36,7 @@ def no_model_load(monkeypatch):
     monkeypatch.setattr(runner, "load_model", fail)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "override, expected",
     [("policy=keydif", ["keydiff", "snapkv", "tova"]), ("budget=5k", ["3k", "8k"]),
@@ -46,6 +49,7 @@ def test_unknown_group_choice_lists_valid_names(override, expected):
         assert name in result.stderr + result.stdout
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize(
     "overrides, message",
     [
@@ -66,6 +70,7 @@ def test_bad_values_fail_before_the_model_loads(tmp_path, no_model_load, overrid
         runner.run(make_cfg(*overrides), tmp_path / "run")
 
 
+@pytest.mark.extended
 def test_block_size_inf_is_accepted(no_model_load):
     assert plan_run(make_cfg("block_size=inf")).block_size is None
 
@@ -133,17 +138,20 @@ def test_wandb_offline_logging_keeps_files_as_the_source_of_truth(tmp_path, monk
     assert len(runs) == 1 and list(runs[0].glob("run-*.wandb"))
 
 
+@pytest.mark.extended
 def test_budget_label_follows_the_tokens():
     assert make_cfg("budget=6k").budget.label == "6k"
     cfg = make_cfg("budget=2k", "budget.tokens=3000")
     assert cfg.budget.label == "3000" and "/3000/bs128/" in cfg.run_subdir
 
 
+@pytest.mark.extended
 def test_decode_eviction_must_be_boolean(no_model_load, tmp_path):
     with pytest.raises(ValueError, match="decode_eviction must be true or false"):
         runner.run(make_cfg("decode_eviction=sometimes"), tmp_path)
 
 
+@pytest.mark.extended
 def test_sequential_runs_reuse_the_loaded_model(monkeypatch):
     calls = []
     monkeypatch.setattr(runner, "load_model", lambda cfg: calls.append(cfg) or ("model", "tokenizer"))
@@ -168,6 +176,8 @@ def test_the_statistics_log_line_summarises_per_layer_lists():
         "layer_cache_bounds": "2176..2176 over 30 layers (2 unbounded)", "short": [1, 2]}
 
 
+@pytest.mark.integration
+@pytest.mark.extended
 @pytest.mark.parametrize("sweep", [False, True])
 def test_run_py_checks_the_config_once_and_takes_the_lock_once_per_run(tmp_path, monkeypatch, sweep):
     """run.py in this process, through Hydra (its callback for a single run; the keydiff sweeper and the basic

@@ -11,11 +11,14 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = sorted(path for path in (ROOT / "scripts").iterdir() if path.suffix in (".py", ".sh"))
 TOOLS = {"transcribe_paper.py", "local_slurm.py", "bench_threads.py"}
 
 
+@pytest.mark.unit
 def test_the_scripts_folder_holds_the_commands_the_design_names():
     names = {path.name for path in SCRIPTS}
     assert {"make_tables.py", "make_figures.py", "sweep_slurm.sh", "bench_peers.sh", "gpu_check.py"} | TOOLS <= names

@@ -23,6 +23,8 @@ from keydiff.tasks.base import GenerationSettings, Prompt, Sample
 from tests.conftest import LengthsTask
 from tests.test_cluster import make_cfg, rows_of, tiny  # noqa: F401  (tiny: the fixture)
 
+pytestmark = pytest.mark.unit
+
 LENGTHS = [30, 100, 45, 70, 20]  # 5 samples, unsorted lengths
 # per-sample measurements, and the invocation that computed the row (keydiff.run.invocations): not results
 TIMING = {"ttft_s", "decode_s", "peak_memory_bytes", "invocation"}
@@ -115,6 +117,8 @@ def test_the_sweep_expands_all_n_into_one_job_per_shard():
 # --------------------------------------------------------------------------- merge == unsharded
 
 
+@pytest.mark.integration
+@pytest.mark.extended
 def test_shards_merge_to_exactly_the_unsharded_rows_and_metrics(tmp_path, tiny):
     whole = run_shard(tmp_path, None, experiment="whole")
     parts = [run_shard(tmp_path, f"{i}/3") for i in (3, 1, 2)]  # any order
@@ -164,6 +168,8 @@ def test_shards_merge_to_exactly_the_unsharded_rows_and_metrics(tmp_path, tiny):
 # --------------------------------------------------------------------------- missing shards
 
 
+@pytest.mark.integration
+@pytest.mark.extended
 def test_a_missing_shard_means_no_result_status_names_it_and_tables_never_see_it(tmp_path, tiny):
     for spec in ("1/3", "3/3"):
         run_shard(tmp_path, spec)
@@ -187,6 +193,8 @@ def test_a_missing_shard_means_no_result_status_names_it_and_tables_never_see_it
     assert point_status(point, sample_ids(cfg_for(tmp_path))).describe() == "complete (5 of 5); 3 of 3 shards complete, merged"
 
 
+@pytest.mark.integration
+@pytest.mark.extended
 def test_a_shard_rerun_after_the_merge_leaves_the_old_result_out_until_every_shard_is_complete(tmp_path, tiny, monkeypatch):
     for spec in ("1/2", "2/2"):
         run_shard(tmp_path, spec)
@@ -220,6 +228,8 @@ def test_a_shard_rerun_after_the_merge_leaves_the_old_result_out_until_every_sha
     assert len(frame) == 1 and frame["samples"].iloc[0] == 5 and stale_points(tmp_path / "runs") == set()
 
 
+@pytest.mark.integration
+@pytest.mark.extended
 def test_a_point_holding_a_run_of_its_own_is_never_overwritten_by_a_merge(tmp_path, tiny):
     own = run_shard(tmp_path, None, limit=2)  # an unsharded subset run ...
     point = Path(own["run_dir"])
@@ -233,6 +243,8 @@ def test_a_point_holding_a_run_of_its_own_is_never_overwritten_by_a_merge(tmp_pa
     assert len(frame) == 1 and frame["samples"].iloc[0] == own["num_samples"] == 2
 
 
+@pytest.mark.integration
+@pytest.mark.extended
 def test_shards_that_disagree_are_not_merged(tmp_path, tiny):
     run_shard(tmp_path, "1/2", limit=2)
     run_shard(tmp_path, "2/2", "decode_eviction=false", limit=2)  # same directory layout, another configuration
@@ -241,6 +253,8 @@ def test_shards_that_disagree_are_not_merged(tmp_path, tiny):
     assert len(collect(tmp_path / "runs", tmp_path / "summary.csv")) == 0
 
 
+@pytest.mark.integration
+@pytest.mark.extended
 def test_a_shard_with_no_samples_is_complete_at_once(tmp_path, tiny):
     summary = run_shard(tmp_path, "7/7", limit=3)
     assert summary["complete"] and summary["num_samples"] == 0 and tiny == []
@@ -261,6 +275,7 @@ def fake_shard(point: Path, spec: str, ids: list[str], positions: list[int], tot
     folder.joinpath("predictions.jsonl").write_text("".join(json.dumps({"sample_id": i, "status": "ok"}) + "\n" for i in rows))
 
 
+@pytest.mark.extended
 def test_status_shows_the_shards_of_a_grid_point_complete_and_missing(tmp_path):
     from keydiff.run.status import experiment_status
 
@@ -276,6 +291,7 @@ def test_status_shows_the_shards_of_a_grid_point_complete_and_missing(tmp_path):
                          "policy=tova shard=1/2": "not started", "policy=tova shard=2/2": "not started"}
 
 
+@pytest.mark.slow
 def test_only_missing_resubmits_missing_shards_and_refuses_to_run_a_sharded_point_whole(tmp_path):
     from tests.test_cluster_processes import child_env, run_py
 
@@ -294,6 +310,7 @@ def test_only_missing_resubmits_missing_shards_and_refuses_to_run_a_sharded_poin
         "error: grid point [policy=keydiff budget=1k block_size=128 experiment=smoke") and "is split into shards (1 of 2 shards complete; missing: 2/2 not started): re-submit with the same shard=all/<n>" in whole.stderr
 
 
+@pytest.mark.slow
 def test_a_shard_all_sweep_through_run_py_merges_into_the_unsharded_run(tmp_path):
     """End to end through Hydra: `run.py -m shard=all/2` writes each shard into its directory (run.py's own lock
     and job directory), collect merges them, and the point equals an unsharded run.py run."""

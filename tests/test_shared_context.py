@@ -19,6 +19,8 @@ from keydiff.run.shared import answer
 from keydiff.tasks.base import GenerationSettings, Prompt, Sample, SharedContext, Task
 from tests.conftest import char_tokenizer
 
+pytestmark = pytest.mark.integration
+
 CONTEXT, BUDGET, BLOCK, NEW = 220, 64, 32, 6
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -218,6 +220,8 @@ def text(tokenizer, ids) -> str:
     return "".join(tokenizer.convert_ids_to_tokens(ids))
 
 
+@pytest.mark.unit
+@pytest.mark.extended
 @pytest.mark.parametrize("template", [None, CHATML])
 def test_task_is_deterministic_and_each_answer_is_in_its_context_once(template):
     tokenizer = char_tokenizer(template)
@@ -253,6 +257,7 @@ def test_task_is_deterministic_and_each_answer_is_in_its_context_once(template):
             f"</s><|assistant|> The special magic number for {key} mentioned in the provided text is")
 
 
+@pytest.mark.unit
 def test_questions_are_asked_in_a_seeded_shuffle_of_the_needles_not_in_depth_order():
     """The needles sit in key order at ascending depths; the asking order is a shuffle from its own seeded stream,
     the same on every build, so question 0 is not always the shallowest needle; every needle is asked once and
@@ -278,6 +283,7 @@ def test_questions_are_asked_in_a_seeded_shuffle_of_the_needles_not_in_depth_ord
     assert shared_task(questions=4).plan(0) == shared_task(questions=4, mode="multi_turn").plan(0)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("haystack", ["essay", "noise"])
 def test_every_row_records_the_needle_and_depth_it_asks_about(haystack):
     """info's needle_index, depth_rank (0: the shallowest, from where the value sits in the context) and depth
@@ -303,6 +309,7 @@ def test_every_row_records_the_needle_and_depth_it_asks_about(haystack):
     assert first_ranks != [0, 0, 0]
 
 
+@pytest.mark.extended
 def test_a_resumed_conversation_replays_the_asking_order(model):
     """multi_turn over the real task (char tokenizer, tiny model): the conversation goes in the shuffled order,
     and a resumed context that only misses its last question replays the earlier turns and gives the same answer."""
@@ -324,6 +331,7 @@ def test_a_resumed_conversation_replays_the_asking_order(model):
         "prompt_tokens"]
 
 
+@pytest.mark.unit
 def test_a_multi_turn_conversation_over_max_length_is_refused_in_one_line():
     """The estimate before the model loads passes (length + (k - 1) x tokens to generate fits); the exact count
     once the turns are tokenized (first prompt + follow-up turns + k answers) is refused one token over, accepted
@@ -345,6 +353,7 @@ def test_a_multi_turn_conversation_over_max_length_is_refused_in_one_line():
     request.shared_context([s for s in request.samples() if s.fields["context"] == 0], tokenizer, longest - 1)
 
 
+@pytest.mark.unit
 def test_summary_averages_per_asking_rank_and_per_depth_rank():
     task = shared_task(questions=2)
     rows = [{"scores": {"score": s}, "info": {"question_index": j, "depth_rank": d, "context_id": c}}
@@ -362,6 +371,8 @@ def no_model_load(monkeypatch):
     monkeypatch.setattr(runner, "load_model", lambda *a, **k: (_ for _ in ()).throw(AssertionError("model loaded")))
 
 
+@pytest.mark.unit
+@pytest.mark.extended
 @pytest.mark.parametrize("overrides, message", [
     (["task.mode=chat"], r"task.mode='chat' is not valid; valid: independent, multi_request, multi_turn"),
     (["task.mode=multi_request"],
@@ -384,6 +395,8 @@ def test_bad_settings_are_one_line_before_the_model_loads(no_model_load, tmp_pat
     assert "\n" not in str(error.value) and not (tmp_path / "run").exists()
 
 
+@pytest.mark.unit
+@pytest.mark.extended
 @pytest.mark.parametrize("overrides", [[], ["experiment=protocol_shared"]])
 def test_the_default_multi_turn_conversation_fits_before_the_model_loads(overrides):
     """4K, k = 8, SmolLM2-135M (max_length 8192), RULER's 128 tokens or the protocol experiments' 32: accepted."""
@@ -416,6 +429,7 @@ def test_the_default_multi_turn_conversation_fits_the_default_model_exactly(max_
     assert 4096 < longest <= 8192
 
 
+@pytest.mark.unit
 def test_mode_and_k_name_the_run_directory():
     from tests.test_runner import make_cfg
 

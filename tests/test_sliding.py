@@ -13,6 +13,8 @@ from keydiff.attention import LogitRules, attention_statistic, eager_attention, 
 from keydiff.cache import EvictingCache
 from keydiff.testing import HYBRID_ARCHITECTURES, check_policy, tiny_hybrid_model
 
+pytestmark = pytest.mark.integration
+
 WINDOW = 48
 HYBRID = ("gemma2", "gemma3", "gpt_oss")
 
@@ -77,6 +79,7 @@ def test_bound_holds_per_layer_kind(models, ids, architecture, policy):
     assert torch.equal(sliding[0, 0], torch.arange(ids.shape[1] + 4 - (WINDOW - 1), ids.shape[1] + 4))
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("architecture", HYBRID)
 def test_block_crossing_the_window_edge_is_exact(models, ids, architecture):
     """Blocks of 20 and 37 cross the 48-token window's edge at different offsets: `full` equals one pass."""
@@ -88,6 +91,7 @@ def test_block_crossing_the_window_edge_is_exact(models, ids, architecture):
     assert torch.allclose(reference, stock_logits(model, ids), atol=1e-5)
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("architecture", HYBRID)
 @pytest.mark.parametrize("policy", ["keydiff", "snapkv"])
 def test_plain_decoding_loop_equals_generate(models, ids, architecture, policy):
@@ -103,6 +107,7 @@ def test_plain_decoding_loop_equals_generate(models, ids, architecture, policy):
     assert tokens == expected
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("statistics", ["fast", "materialized"])
 def test_gpt_oss_sinks_and_head_adaptive_layers(models, ids, statistics):
     """Sinks on both statistics paths and in head-adaptive (AdaKV) pools: with N >= L every path equals the stock
@@ -119,6 +124,7 @@ def test_gpt_oss_sinks_and_head_adaptive_layers(models, ids, statistics):
     assert generate(model, prefill(model, ids, adaptive, 64, 32, attention_statistics=statistics), 3).token_ids[0]
 
 
+@pytest.mark.unit
 def test_sink_statistic_matches_the_materialised_weights():
     torch.manual_seed(0)
     query, key = torch.randn(1, 4, 5, 8), torch.randn(1, 2, 9, 8)
@@ -130,6 +136,7 @@ def test_sink_statistic_matches_the_materialised_weights():
     assert not torch.allclose(fast, attention_statistic(query, key, 0.3, None), atol=1e-3)
 
 
+@pytest.mark.extended
 def test_all_sliding_model_evicts_on_top_of_the_window_below_it(models, ids, caplog):
     model = models["mistral_sliding"]
     with caplog.at_level(logging.WARNING, logger="keydiff.cache.cache"):
@@ -187,6 +194,7 @@ def test_head_adaptive_under_an_every_layer_window_is_refused(models, ids):
         prefill(models["mistral_sliding"], ids, build_policy("snapkv", head_budgets="adakv"), 40, 16)
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("architecture", HYBRID_ARCHITECTURES)
 def test_check_policy_runs_on_hybrid_models(models, architecture):
     summary = check_policy("keydiff", model=models[architecture], budget=40, prompt_tokens=160, block_size=16)
@@ -202,6 +210,7 @@ def test_scratch_passes_leave_sliding_layers_as_they_were(models, ids):
     assert generate(model, state, 3).token_ids[0]
 
 
+@pytest.mark.extended
 def test_run_py_on_a_saved_random_gemma3(tmp_path, monkeypatch):
     """`python run.py model=custom model.path=<tiny Gemma 3 folder> policy=keydiff` end to end: the summary records
     each layer's bound (window less one, or N) and finds it held."""
@@ -236,6 +245,7 @@ def test_run_py_on_a_saved_random_gemma3(tmp_path, monkeypatch):
     assert [row["kept_tokens"] for row in rows] == [budget]  # the full-attention layers' entries, not the window's
 
 
+@pytest.mark.extended
 def test_multimodal_gemma3_checkpoint_runs_text_prompts(ids):
     """google/gemma-3-*-it load as Gemma3ForConditionalGeneration (a SigLIP tower beside the text model): its text
     layers are served the same way (their layer kinds come from the text config)."""
@@ -256,6 +266,7 @@ def test_multimodal_gemma3_checkpoint_runs_text_prompts(ids):
     assert state.cache.layer_max_entries == [WINDOW - 1 + 32, 96] * 2
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("config_name, layers, window, full", [
     ("Gemma3TextConfig", 34, 1024, 5), ("Gemma3TextConfig", 48, 1024, 8), ("GptOssConfig", 24, 128, 12)])
 def test_real_layer_patterns_behind_the_memory_rows(config_name, layers, window, full):
@@ -268,6 +279,7 @@ def test_real_layer_patterns_behind_the_memory_rows(config_name, layers, window,
     assert windows.count(None) == full and set(windows) - {None} == {window}
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("architecture", HYBRID)
 def test_stock_attention_loop_equals_generate_for_an_attention_free_policy(models, ids, architecture):
     """Without keydiff's attention function, transformers sizes each layer kind's mask from the cache (the sliding
@@ -284,6 +296,7 @@ def test_stock_attention_loop_equals_generate_for_an_attention_free_policy(model
     assert tokens == expected
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("architecture", ["gpt_oss", "gemma2"])
 def test_fast_statistics_path_with_sinks_or_softcap_equals_the_materialised_one(ids, monkeypatch, architecture):
     """gpt-oss and Gemma 2 run eager (materialised weights) unless on FlashAttention: there the statistic comes from

@@ -21,7 +21,7 @@ import pytest
 
 from tests.test_cluster_processes import ROOT, child_env, model_args, read_rows, run_py, tiny_model_dir  # noqa: F401
 
-pytestmark = pytest.mark.slurm
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("slurm"), pytest.mark.slurm]
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,9 @@ import pytest
 from tests.test_cluster_processes import FAKE_SLURM, ROOT, child_env, model_args, tiny_model_dir  # noqa: F401
 
 
+pytestmark = pytest.mark.slow
+
+
 def fake_env(tmp_path: Path, **extra: str) -> dict[str, str]:
     return child_env(PATH=f"{FAKE_SLURM}{os.pathsep}{os.environ['PATH']}", FAKE_SLURM_DIR=str(tmp_path / "slurm"),
                      FAKE_SLURM_PYTHON=sys.executable, **extra)

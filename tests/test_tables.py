@@ -18,6 +18,8 @@ import pandas as pd
 import pytest
 import yaml
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parent.parent
 CONF = ROOT / "conf"
 
@@ -142,6 +144,7 @@ def md_cell(path, row_start, column, table=0):
     return matches[0][col]
 
 
+@pytest.mark.extended
 def test_summary_csv_holds_the_numbers(produced):
     out, _, _ = produced
     df = pd.read_csv(out / "summary.csv", dtype={"block_size": str})
@@ -211,6 +214,7 @@ def test_other_tables(produced):
     assert "smoke" in written
 
 
+@pytest.mark.extended
 def test_tables_without_runs_say_so(produced, capsys):
     out, _, written = produced
     make_tables.main(out / "summary.csv", out / "tables2")
@@ -224,6 +228,7 @@ def test_tables_without_runs_say_so(produced, capsys):
     assert "no results yet" in (out / "tables2" / "table10.tex").read_text()
 
 
+@pytest.mark.extended
 def test_figures_are_byte_reproducible(produced, fake_runs):
     out, _, _ = produced
     first = make_figures.main(out / "summary.csv", fake_runs, out / "fig1")
@@ -297,6 +302,7 @@ def adhoc(tmp_path_factory):
     return out, written, figures
 
 
+@pytest.mark.extended
 def test_adhoc_subset_sweep_gets_a_generic_table_and_figure(adhoc):
     out, written, figures = adhoc
     assert "generic/adhoc__niah_small" in written
@@ -339,6 +345,7 @@ def test_failed_samples_and_other_models_are_marked(adhoc):
     assert wide[0][:2] == ["model", "paper_model"] and wide[1][:2] == ["smollm2-135m", LLAMA3B]
 
 
+@pytest.mark.extended
 def test_nothing_run_yet_still_writes_every_file(tmp_path):
     frame = collect_results.collect(tmp_path / "runs", tmp_path / "summary.csv")
     assert frame.empty
@@ -365,6 +372,7 @@ def compose(overrides):
         return hydra_compose("config", overrides=overrides, return_hydra_config=True)
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("name", EXPERIMENTS)
 def test_experiment_composes_to_existing_options(name):
     cfg = compose([f"experiment={name}"])
@@ -387,6 +395,7 @@ def test_experiment_composes_to_existing_options(name):
         assert job.run_subdir.startswith(f"{job.task.name}/{job.model.name}/{job.policy.label}/")
 
 
+@pytest.mark.extended
 def test_slurm_launcher_composes(monkeypatch):
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
     from omegaconf import OmegaConf
@@ -438,6 +447,7 @@ def mixed(tmp_path_factory):
     return out, runs
 
 
+@pytest.mark.extended
 def test_a_subset_run_is_never_averaged_with_the_full_run(mixed):
     out, _ = mixed
     md = out / "tables" / "generic" / "adhoc__niah_small.md"
@@ -474,6 +484,7 @@ def drawn_figures(monkeypatch, summary, runs, out) -> dict:
     return plotted
 
 
+@pytest.mark.extended
 def test_subset_runs_are_marked_on_heatmaps(produced, fake_runs, monkeypatch, tmp_path):
     out, _, _ = produced
     plotted = drawn_figures(monkeypatch, out / "summary.csv", fake_runs, tmp_path)
@@ -485,6 +496,7 @@ def test_subset_runs_are_marked_on_heatmaps(produced, fake_runs, monkeypatch, tm
     assert texts and all(len(t) == 4 and t[1] == "." for t in texts)
 
 
+@pytest.mark.extended
 def test_generic_figures_keep_intervals_in_range_and_points_at_their_budget(mixed, monkeypatch):
     """Every error bar of every score-vs-budget figure lies inside the score's range (0-1 recall, 0-100 LongBench:
     never a 95 % bar above 1.0), every point sits at its budget's tick (no sideways offset on a numeric axis),
@@ -509,6 +521,7 @@ def test_generic_figures_keep_intervals_in_range_and_points_at_their_budget(mixe
     assert checked
 
 
+@pytest.mark.extended
 def test_the_generic_figure_plots_the_full_run_with_its_interval(mixed, monkeypatch):
     out, runs = mixed
     plotted = drawn_figures(monkeypatch, out / "summary.csv", runs, out / "figures")
@@ -588,6 +601,7 @@ def test_interval_arithmetic():
     assert generic_tables.sample_count(row) == "5–6"  # seeds that scored different numbers say so
 
 
+@pytest.mark.extended
 def test_two_seeds_of_the_same_samples_show_per_seed_n(tmp_path):
     runs = tmp_path / "runs"
     point = dict(runs=runs, experiment="adhoc", task="niah_small", model="smollm2-135m", label="keydiff",
@@ -613,6 +627,7 @@ def test_two_seeds_of_the_same_samples_show_per_seed_n(tmp_path):
     assert md_cell(md, kd + ("2k",), "length", table=1) == "4096"  # a length prints as an integer
 
 
+@pytest.mark.extended
 def test_a_budget_above_every_prompt_keeps_a_constant_and_scores_read_alike(tmp_path):
     """budget=8k on the default task (issue #29): kept N/L is 1.0 on every sample, a constant with no interval;
     six perfect recalls and six ROUGE-1 F1s of 0.999999995 (the rouge package's 1e-8 in a denominator) are the

@@ -15,7 +15,7 @@ from keydiff.run import runner
 from tests.test_runner import make_cfg
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.real_model
+pytestmark = [pytest.mark.slow, pytest.mark.real_model]
 
 
 def rows_of(run_dir: Path) -> list[dict]:

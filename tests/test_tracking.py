@@ -17,6 +17,8 @@ from keydiff.run import runner, samples, tracking
 from keydiff.paper.reference import paper_values, read_tables, table_numbers
 from tests.conftest import char_tokenizer, tiny_llama
 
+pytestmark = pytest.mark.integration
+
 wandb = pytest.importorskip("wandb")
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -106,6 +108,7 @@ def run_preempted_then_resume(cfg, run_dir, monkeypatch) -> None:
     runner.run(cfg, run_dir)
 
 
+@pytest.mark.extended
 def test_resumed_run_continues_one_wandb_run_and_a_finished_rerun_opens_none(tmp_path, tiny, recorded, monkeypatch):
     cfg = make_cfg(tmp_path, tiny)
     run_dir = tmp_path / "runs" / "tracked" / "point"
@@ -123,6 +126,7 @@ def test_resumed_run_continues_one_wandb_run_and_a_finished_rerun_opens_none(tmp
     assert marker == {**marker, "id": tracking.run_id(cfg, run_dir), "logged_rows": 3, "finished": True}
 
 
+@pytest.mark.extended
 def test_run_id_is_stable_per_directory_and_changes_with_overwrite(tmp_path, tiny):
     cfg = make_cfg(tmp_path, tiny)
     point = tmp_path / "runs" / "tracked" / "a" / "seed0"
@@ -138,6 +142,7 @@ def test_run_id_is_stable_per_directory_and_changes_with_overwrite(tmp_path, tin
     assert tracking.run_id(cfg, point) == first + "-g1"
 
 
+@pytest.mark.extended
 def test_history_per_row_summary_names_and_config_keys(tmp_path, tiny, recorded):
     cfg = make_cfg(tmp_path, tiny)
     summary = runner.run(cfg, tmp_path / "runs" / "tracked" / "p")
@@ -157,6 +162,7 @@ def test_history_per_row_summary_names_and_config_keys(tmp_path, tiny, recorded)
     assert not any(key.startswith("paper/") for key in run.summary)  # no results/paper here: no reference
 
 
+@pytest.mark.unit
 def test_summary_headline_and_paper_values_beside_ours(tmp_path):
     paper = tmp_path / "paper"
     paper.mkdir()
@@ -193,6 +199,7 @@ def test_summary_headline_and_paper_values_beside_ours(tmp_path):
     assert tracking.headline("math500_8k") == ("flex", "flex") and tracking.headline("niah_small")[1] == "needle_recall"
 
 
+@pytest.mark.extended
 def test_two_offline_invocations_write_one_wandb_run_id(tmp_path, tiny, isolated_wandb, monkeypatch):
     cfg = make_cfg(tmp_path, tiny, "logger.mode=offline")
     with open_dict(cfg):
@@ -205,6 +212,7 @@ def test_two_offline_invocations_write_one_wandb_run_id(tmp_path, tiny, isolated
     assert json.loads((run_dir / tracking.MARKER).read_text())["finished"] is True
 
 
+@pytest.mark.extended
 def test_online_without_credentials_fails_before_any_work(tmp_path, tiny, isolated_wandb, monkeypatch):
     monkeypatch.setattr(runner, "load_model", lambda cfg: pytest.fail("loaded the model"))
     cfg = make_cfg(tmp_path, tiny, "logger.mode=online")
