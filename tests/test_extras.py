@@ -54,6 +54,8 @@ def test_every_extra_of_pyproject_is_described_with_its_install_command():
 def test_require_names_the_extra_and_the_module_that_is_missing(monkeypatch):
     assert require("report", "json", "anything").dumps([]) == "[]"  # present: the module itself
     monkeypatch.setitem(sys.modules, "wandb_workspaces", None)
+    for name in [name for name in sys.modules if name.startswith("wandb_workspaces.")]:  # imported by an earlier test
+        monkeypatch.delitem(sys.modules, name)  # in this process (make report's): the import would find it there
     with pytest.raises(MissingExtra) as error:
         require("report", "wandb_workspaces.reports.v2", "the report", otherwise="nothing else")
     assert isinstance(error.value, ImportError) and isinstance(error.value, ValueError)  # checks catch ValueError
