@@ -56,6 +56,13 @@ def read_rows(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "predictions.jsonl").read_text().splitlines()]
 
 
+def wait_for_a_row(run_dir: Path, deadline: float) -> None:
+    """Until the run has written its first whole row (or the deadline passes)."""
+    predictions = run_dir / "predictions.jsonl"
+    while (not predictions.exists() or not predictions.read_text().count("\n")) and time.time() < deadline:
+        time.sleep(0.05)
+
+
 # --------------------------------------------------------------------------- fast, clean failure
 
 
@@ -118,9 +125,7 @@ def test_second_writer_is_refused_and_sigterm_then_rerun_loses_and_duplicates_no
         assert second.returncode == 2, second.stderr
         assert f"host {socket.gethostname()}, pid {first.pid}" in second.stderr.splitlines()[-1]
 
-        predictions = run_dir / "predictions.jsonl"
-        while (not predictions.exists() or not predictions.read_text().count("\n")) and time.time() < deadline:
-            time.sleep(0.1)
+        wait_for_a_row(run_dir, deadline)
         first.send_signal(signal.SIGTERM)
         stdout, stderr = first.communicate(timeout=120)
     finally:
@@ -150,9 +155,7 @@ def test_ctrl_c_keeps_the_rows_writes_the_summary_and_says_how_to_resume(tmp_pat
     child = subprocess.Popen([sys.executable, "run.py", *args], cwd=ROOT, env=child_env(),
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        predictions, deadline = run_dir / "predictions.jsonl", time.time() + 240
-        while (not predictions.exists() or not predictions.read_text().count("\n")) and time.time() < deadline:
-            time.sleep(0.05)
+        wait_for_a_row(run_dir, time.time() + 240)
         child.send_signal(signal.SIGINT)
         stdout, stderr = child.communicate(timeout=120)
     finally:
@@ -261,10 +264,7 @@ def test_usr2_under_submitit_requeues_and_the_requeued_task_resumes(tmp_path, ti
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     run_dir = root / "pre/niah_small/custom/keydiff/2k/bs128/seed0"
     try:
-        deadline = time.time() + 240
-        predictions = run_dir / "predictions.jsonl"
-        while (not predictions.exists() or not predictions.read_text().count("\n")) and time.time() < deadline:
-            time.sleep(0.1)
+        wait_for_a_row(run_dir, time.time() + 240)
         os.kill(int((state / "pid_1000").read_text()), signal.SIGUSR2)
         stdout, stderr = submitting.communicate(timeout=400)
     finally:

@@ -108,33 +108,13 @@ def timed(device: str, fn) -> tuple[float, object]:
     return time.perf_counter() - start, out
 
 
-def decoder_graphs(decoder: Decoder) -> list:
-    """The graphs a decoder's steps hold now: its decode steps' and its prefill-block step's."""
-    steps = [step for _, step in decoder.stepper.steps.values()]
-    if decoder.blocks.step is not None:
-        steps.append(decoder.blocks.step)
-    return [step.graph for step in steps if step.graph is not None]
-
-
-def pool_bytes(graphs: list) -> int:
-    """Bytes the graphs' private memory pools hold, each pool once: on CUDA the allocator's segments of each pool
-    (torch.cuda.memory_snapshot); 0 elsewhere. For a keydiff.batching whose Graphs does not count them itself."""
-    if not torch.cuda.is_available():
-        return 0
-    pools = {tuple(g.pool()) for g in graphs if isinstance(g, torch.cuda.CUDAGraph)}
-    return sum(int(s["total_size"]) for s in torch.cuda.memory_snapshot()
-               if tuple(s.get("segment_pool_id", ())) in pools)
-
-
 def graph_record(decoder: Decoder) -> dict:
     """What a decoder's captures cost: graphs captured, the seconds spent capturing and warming up for it, the
     bytes the graph pool holds (keydiff.batching.static.Graphs' counts: on CUDA the reserved memory each capture
     added, under the CPU stand-in the bytes its captures allocated), and why a capture failed, if one did."""
     record = decoder.graphs.record()
-    held = record.get("pool_bytes")
-    return {"graphs": record["captured"], "capture_s": record.get("capture_s"), "warm_up_s": record.get("warm_up_s"),
-            "graph_pool_bytes": held if held is not None else pool_bytes(decoder_graphs(decoder)),
-            "capture_failures": record["reasons"]}
+    return {"graphs": record["captured"], "capture_s": record["capture_s"], "warm_up_s": record["warm_up_s"],
+            "graph_pool_bytes": record["pool_bytes"], "capture_failures": record["reasons"]}
 
 
 def decode_seconds(model, states, tokens: int, decoder: Decoder) -> tuple[float, list[list[int]]]:
@@ -208,17 +188,14 @@ def decoder_rows(model, state, sizes: Sizes, device: str, floor_ms: float | None
     `ms_per_step`: median of the calls after the first (everything a later sample pays); `first_call_ms_per_step`;
     `graphs` captured over all calls (1 where it replays); `capture_failures` why a capture failed, if one did.
     """
-    decoder, seconds, graphs = Decoder(model, 1), [], []
+    decoder, seconds = Decoder(model, 1), []
     for _ in range(4):
         fork = state.fork(1)[0]
         seconds.append(timed(device, lambda: generate(model, fork, sizes.tokens, decoder=decoder))[0])
-        for graph in decoder_graphs(decoder):
-            if all(graph is not known for known in graphs):
-                graphs.append(graph)  # kept, not their ids: a freed graph's id may be reused
     per_step = [1e3 * s / (sizes.tokens - 1) for s in seconds]
     yield {"row": "decode", "case": "keydiff, one decoder across calls", "batch": 1,
            "ms_per_step": statistics.median(per_step[1:]), "first_call_ms_per_step": per_step[0],
-           **graph_record(decoder), "graphs": len(graphs), "floor_ms": floor_ms}
+           **graph_record(decoder), "floor_ms": floor_ms}
 
 
 def decode_rows(model, sizes: Sizes, device: str) -> Iterator[dict]:

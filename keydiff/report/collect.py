@@ -20,8 +20,8 @@ import pandas as pd
 
 from keydiff.paper.registry import LONGBENCH, baseline_experiment
 from keydiff.report.render import grouped_mean_se, standard_error
-from keydiff.run import invocations
 from keydiff.cli import ArgumentParser
+from keydiff.run import eviction, invocations
 from keydiff.run.results import RENAMED_STATISTICS, current_names, is_moved_aside, run_summaries, successful_rows
 from keydiff.run.shard_merge import UP_TO_DATE, grid_point_summaries, merge_all
 from keydiff.run.tracking import HEADLINE, flatten
@@ -108,20 +108,10 @@ def standard_errors(family: str, rows: list[dict], metrics: dict) -> dict[str, f
 
 
 def nothing_evicted(summary: dict) -> bool:
-    """An evicting policy whose budget never bound: every prompt fit in N (mean kept ratio 1) and no layer's cache
-    ever held more than the smallest layer budget (without eviction while decoding: the longest prompt did not), so
-    nothing was evicted and the run scores as the full cache would. False for the full cache (no budget). The
-    runner records it as summary.json's `nothing_evicted`; summaries written before that are judged here alike."""
-    if summary.get("nothing_evicted") is not None:
-        return bool(summary["nothing_evicted"])
-    statistics = current_names(summary.get("statistics") or {}, RENAMED_STATISTICS)
-    budgets = [b for b in statistics.get("layer_budgets") or [summary.get("budget")] if b is not None]
-    if not budgets or not statistics.get("samples") or statistics.get("mean_kept_ratio") != 1.0:
-        return False
-    if (summary.get("config") or {}).get("policy", {}).get("name") == "full":
-        return False
-    held = statistics.get("max_cache_entries") if summary.get("decode_eviction", True) else statistics.get("max_prompt_tokens")
-    return held is not None and held <= min(budgets)
+    """An evicting policy whose budget never bound (the run scores as the full cache would): summary.json's
+    `nothing_evicted`, or for summaries written before it, the runner's rule (keydiff.run.eviction)."""
+    recorded = summary.get("nothing_evicted")
+    return bool(recorded if recorded is not None else eviction.nothing_evicted(summary))
 
 
 def run_record(summary_path: Path, runs: Path) -> dict:

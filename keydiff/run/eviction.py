@@ -11,16 +11,18 @@ def nothing_evicted(summary: dict[str, Any]) -> bool | None:
     """True when the budget never bound: every prompt was kept whole (kept ratio 1.0) and no layer's cache ever
     exceeded the smallest layer budget (without eviction while decoding: the longest prompt did not), a
     sufficient test that nothing was evicted. False when something may have been evicted; None when no budget
-    applies (the full cache) or no sample succeeded."""
+    applies (the full cache) or no sample succeeded. Summaries written before the runner recorded it are judged
+    alike (keydiff.report.collect)."""
     statistics = summary.get("statistics") or {}
     budgets = [b for b in statistics.get("layer_budgets") or [summary.get("budget")] if b is not None]
-    if not budgets or not statistics.get("samples"):
+    full = (summary.get("config") or {}).get("policy", {}).get("name") == "full"
+    if not budgets or not statistics.get("samples") or full:
         return None
     kept = statistics.get("mean_kept_ratio", statistics.get("mean_compression_ratio"))  # older summaries
     if kept != 1.0:
         return False
-    held = statistics["max_cache_entries"] if summary.get("decode_eviction", True) else statistics["max_prompt_tokens"]
-    return held <= min(budgets)
+    held = statistics.get("max_cache_entries" if summary.get("decode_eviction", True) else "max_prompt_tokens")
+    return held is not None and held <= min(budgets)
 
 
 def budget_note(summary: dict[str, Any]) -> str | None:
