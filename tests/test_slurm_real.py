@@ -127,10 +127,10 @@ def test_time_limit_signal_stops_after_the_last_whole_row_and_submitit_requeues_
     USR2 at once: the run stops after its last whole row and submitit requeues the job. The requeued
     attempt gets its 10 minutes back (else it would be signalled at once too) and completes the run."""
     root = tmp_path / "runs"
-    samples = 4 * 26  # enough rows to still be running 30 s after the first one on a fast machine
+    samples = 4 * 51  # enough rows to still be running when SLURM's timer fires (up to 60 s) on a fast machine
     process = subprocess.Popen(
         [sys.executable, "run.py", "-m", "task.context_lengths=[400,800,1200,1600]",
-         f"task.depths=[{','.join(str(d) for d in range(0, 101, 4))}]", "experiment_name=timeout",
+         f"task.depths=[{','.join(str(d) for d in range(0, 101, 2))}]", "experiment_name=timeout",
          *slurm_args(tmp_path, tiny_model_dir, "hydra.launcher.timeout_min=10", "hydra.launcher.signal_delay_s=300")],
         cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     run_dir = root / "timeout/niah_small/custom/keydiff/2k/bs128/seed0"
