@@ -8,6 +8,7 @@ are imported where a fixture needs them, so a file that needs neither (tests/tes
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -17,10 +18,6 @@ from keydiff import openmp
 from keydiff.tasks.base import GenerationSettings, Prompt, Sample, Task
 
 openmp.prepare("test")  # before torch is imported (none of the imports above does): OpenMP reads it then
-# The tests run on CPU tensors, so Triton kernels (keydiff.kernels: tests/test_batch_invariant.py) run in Triton's
-# interpreter. It must be on before anything imports triton (torch._dynamo does, where triton is installed): @jit
-# decides at import whether it builds an interpreted function.
-os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def tiny_llama(attn_implementation: str = "sdpa", dtype=None, seed: int = 0, **overrides):
@@ -90,6 +87,17 @@ SLOW_MARKS = ("real_model", "slurm")
 def pytest_addoption(parser):
     parser.addoption("--device", default="cpu",
                      help="the device the tests marked `device` run on (torch device string: cpu, cuda, cuda:1)")
+
+
+def pytest_configure(config):
+    """On a CPU, Triton kernels (keydiff.kernels: tests/test_batch_invariant.py) run on CPU tensors in Triton's
+    interpreter; on a GPU (--device cuda) they must be compiled. keydiff.kernels reads TRITON_INTERPRET when it
+    is imported, after this (no test module is imported yet, and nothing here imports torch or triton)."""
+    device = config.getoption("--device")
+    if not re.fullmatch(r"(cpu|cuda|mps|xpu)(:\d+)?", device):
+        raise pytest.UsageError(f"--device {device!r} is not a device; valid: cpu, cuda, cuda:N, mps, xpu")
+    if device.startswith("cpu"):
+        os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

@@ -1,23 +1,40 @@
-"""The GPU self-check and the benchmarks, run tiny on CPU: a cluster user's first command must work.
+"""The GPU self-check (keydiff.bench.gpu_check: the environment, then the suite's device tests as rows) and the
+benchmarks, run tiny on CPU: a cluster user's first command must work.
 
-Entry points are imported and their main() called in this process (no interpreter start-up per run);
-only the self-check's own benchmark rows start subprocesses (`python -m`), as on a real machine.
+Entry points are imported and their main() called in this process (no interpreter start-up per run); the
+self-check's whole run starts one interpreter (it runs pytest in its process, as on a real machine).
 """
 
 from __future__ import annotations
 
 import importlib
 import json
+import re
+import subprocess
+import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
+from _pytest.reports import TestReport
 
-from keydiff.bench import gpu_check
+from keydiff.bench import common, gpu_check
 
 pytestmark = pytest.mark.integration
 
 # One thread: tiny models gain nothing from more, and a busy machine then cannot stall them.
 TINY = ["--model", "random-tiny", "--length", "64", "--budget", "16", "--block-size", "8", "--threads", "1"]
+# The device machine has no hydra: the whole self-check runs with it unimportable.
+NO_HYDRA = """
+import sys
+class NoHydra:
+    def find_spec(self, name, path=None, target=None):
+        if name.split('.')[0] == 'hydra':
+            raise ImportError('hydra is not installed on the device machine')
+sys.meta_path.insert(0, NoHydra())
+from keydiff.bench import gpu_check
+sys.exit(gpu_check.main(sys.argv[1:]))
+"""
 
 
 @pytest.fixture(autouse=True)
@@ -29,43 +46,108 @@ def restore_threads():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU table; on CUDA run make gpu-check")
-def test_gpu_check_quick_on_cpu(tmp_path, capsys):
-    code = gpu_check.main(["--quick", "--threads", "1", "--json", str(tmp_path / "check.json")])
-    out, err = capsys.readouterr()
-    # the policies' warnings (kvzip without a tokenizer, lagkv's small budgets) come once each, after the table
-    assert "kvzip: no tokenizer" not in err and "kvzip: no tokenizer" not in out.split("warnings while checking")[0]
-    assert out.count("kvzip: no tokenizer") == 1
-    written = json.loads((tmp_path / "check.json").read_text())
-    rows = written["rows"]
-    assert code == 0, out
-    assert [r for r in rows if r["result"] == "FAIL"] == []
-    passed = {r["check"] for r in rows if r["result"] == "PASS"}
-    assert {"full = forward", "N+B bound", "N >= L = full", "fast ~ materialized", "fixed = ordinary",
-            "keydiff.bench.prefill", "keydiff.bench.decode"} <= passed
-    skipped = [r for r in rows if r["result"] == "SKIP"]
-    cuda_only = {r["check"] for r in skipped if "CUDA" in r["detail"]}
-    assert {"flash_attention_2", "FA2 vs SDPA logits", "engine checks", "keydiff.bench.prefill",
-            "keydiff.bench.decode"} <= cuda_only
-    # The rows a GPU runs with CUDA graphs or at a real model's shape run here too: graphs stood in for, tiny sizes.
-    graphs = [r for r in rows if r["check"] == "one graph per run"]
-    assert len(graphs) == 4 and all(r["result"] == "PASS" and "stood in for" in r["detail"] for r in graphs)
-    assert [r["result"] for r in rows if r["check"] == "batch 16 = alone"] == ["PASS"] * 3
-    needle, = [r for r in rows if r["check"] == "needle alone = in a batch"]
-    control, = [r for r in rows if r["check"] == "needle control (mode off)"]
-    assert needle["result"] == "PASS" and control["result"] == "INFO" and "proves nothing" in control["detail"]
-    for row in (needle, control):
-        assert {k: row["record"][k] for k in ("gpu", "driver", "cuda", "triton")} == dict.fromkeys(
-            ("gpu", "driver", "cuda", "triton"))
-        assert row["record"]["torch"] == torch.__version__ and row["record"]["seed"] == gpu_check.NEEDLE_SEED
-        assert f"at position {row['record']['position']} of 16" in row["detail"]
-    # The other skips allowed: two GPUs (none here), and the plain-loop check while keydiff_attention takes no cache.
-    assert [r["detail"] for r in skipped if r["check"] == "two GPUs"] == ["needs 2+ GPUs: 0 visible"]
-    assert all("cache argument" in r["detail"] for r in skipped if "CUDA" not in r["detail"] and r["check"] != "two GPUs")
-    assert "check" in out and "PASS" in out and "SKIP" in out
-    assert "  PASS  full = forward  [tiny sdpa fp32]" in out.split("\ncheck ")[0]  # each row printed as it is done
-    assert "stacked = per layer" in passed
-    assert written["command"].startswith("python -m keydiff.bench.gpu_check --quick") and "commit" in written["code"]
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU run; on CUDA run make gpu-check")
+def test_the_self_check_reports_the_machine_then_runs_the_device_tests_without_hydra(tmp_path):
+    """A subset of the device tests (-k), so the run's plumbing is checked in seconds: the environment lines, one
+    row per test in the JSON (PASS with its detail, SKIP with its reason), the table, the exit status."""
+    out = tmp_path / "check.json"
+    done = subprocess.run([sys.executable, "-c", NO_HYDRA, "--device", "cpu", "--threads", "1", "--json", str(out),
+                           "--", "-k", "equals_one_forward or flash_attention_2 or single_forward"],
+                          cwd=common.CHECKOUT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("device=cpu threads=1 torch=") and "transformers=" in lines[0]
+    assert lines[1].startswith("  gpu: None, gpus: 0, driver: None, cuda: None") and "kernels: ['sdpa', 'eager']" in lines[1]
+    assert lines[2] == "pytest -m device --device cpu " + " ".join(gpu_check.DEVICE_TESTS) + " -k " + \
+        "equals_one_forward or flash_attention_2 or single_forward"
+    assert re.search(r"^PASS 9 FAIL 0 SKIP 2 -> OK; rows in .*check.json$", done.stdout, re.M), done.stdout[-2000:]
+    written = json.loads(out.read_text())
+    assert written["machine"]["torch"] == torch.__version__ and written["machine"]["gpu"] is None
+    assert written["counts"] == {"PASS": 9, "FAIL": 0, "SKIP": 2}
+    assert written["command"].startswith("python -m keydiff.bench.gpu_check --device cpu") and "commit" in written["code"]
+    rows = {(r["check"], r["setting"]): r for r in written["rows"]}
+    forward = rows["test_full_block_prefill_equals_one_forward", "tiny-eager-bf16"]
+    assert forward["result"] == "PASS" and forward["detail"].startswith("B=64, L=160: rel. max |diff|")
+    assert forward["test"] == "tests/test_device_invariants.py::test_full_block_prefill_equals_one_forward[tiny-eager-bf16]"
+    flash = [r for (check, _), r in rows.items() if check == "test_flash_attention_2_gives_sdpas_logits"]
+    assert [(r["result"], r["detail"]) for r in flash] == [("SKIP", "flash_attention_2 runs on CUDA only")] * 2
+    assert {setting for check, setting in rows if check == "test_full_block_prefill_equals_single_forward"} == {
+        "1", "5", "64", "128", "None"}  # tests/test_engine.py's device tests run too
+    assert f"test_full_block_prefill_equals_one_forward{' ' * 4}" in done.stdout  # the table
+
+
+def report(nodeid: str, when: str, outcome: str, longrepr=None, properties=()) -> TestReport:
+    return TestReport(nodeid, ("f.py", 1, "t"), {}, outcome, longrepr, when, user_properties=list(properties),
+                      duration=0.5)
+
+
+@pytest.mark.unit
+def test_each_test_is_one_row_written_when_its_last_phase_is_reported(tmp_path):
+    """A failed call is a FAIL row with its error's first line, a failed teardown fails a passed test, a skip is a
+    SKIP row with its reason, a pass keeps its recorded detail; each row is in the JSON once reported."""
+    out = tmp_path / "rows.json"
+    rows = gpu_check.Rows(str(out), common.provenance("keydiff.bench.gpu_check", []), {"machine": {}})
+    crash = SimpleNamespace(reprcrash=SimpleNamespace(message="AssertionError: differ: keydiff\nassert 4 == 5"))
+    a, b, c = "t.py::test_a[tiny-sdpa-bf16]", "t.py::test_b", "t.py::test_c[mid]"
+    rows.pytest_runtest_logreport(report(a, "setup", "passed"))
+    rows.pytest_runtest_logreport(report(a, "call", "failed", crash, [("detail", "4/5 identical")]))
+    assert not out.exists()  # not before its teardown
+    rows.pytest_runtest_logreport(report(a, "teardown", "passed"))
+    assert json.loads(out.read_text())["rows"][0]["result"] == "FAIL"
+    rows.pytest_runtest_logreport(report(b, "setup", "passed"))
+    rows.pytest_runtest_logreport(report(b, "call", "passed", properties=[("detail", "ok"), ("position", 3)]))
+    rows.pytest_runtest_logreport(report(b, "teardown", "failed", crash))
+    rows.pytest_runtest_logreport(report(c, "setup", "skipped", ("t.py", 9, "Skipped: needs 2+ GPUs: 1 visible")))
+    rows.pytest_runtest_logreport(report(c, "teardown", "passed"))
+    written = json.loads(out.read_text())
+    assert [(r["check"], r["setting"], r["result"], r["detail"], r["record"]) for r in written["rows"]] == [
+        ("test_a", "tiny-sdpa-bf16", "FAIL", "call: AssertionError: differ: keydiff", None),
+        ("test_b", "", "FAIL", "teardown: AssertionError: differ: keydiff", {"position": 3}),
+        ("test_c", "mid", "SKIP", "needs 2+ GPUs: 1 visible", None)]
+    assert written["counts"] == {"PASS": 0, "FAIL": 2, "SKIP": 1} and written["rows"][0]["seconds"] == 1.5
+
+
+@pytest.mark.unit
+def test_after_the_deadline_no_test_starts():
+    """Rows' setup hook skips every test once the deadline has passed (the run's later rows: SKIP, not started)."""
+    on_time = gpu_check.Rows(None, {}, {}, deadline=600)
+    on_time.pytest_runtest_setup(None)
+    late = gpu_check.Rows(None, {}, {}, deadline=0)
+    with pytest.raises(pytest.skip.Exception, match=r"deadline: \d+ s passed \(0 s allowed\), not started"):
+        late.pytest_runtest_setup(None)
+
+
+@pytest.mark.unit
+def test_every_file_with_device_tests_is_one_the_self_check_runs():
+    """gpu_check collects only DEVICE_TESTS (the device machine lacks the other tests' imports): a file that marks
+    a test `device` elsewhere would be left out of make gpu-check."""
+    tests = common.CHECKOUT / "tests"
+    marked = sorted(f"tests/{path.name}" for path in tests.glob("test_*.py")
+                    if re.search(r"pytest\.mark\.device\b", path.read_text()))
+    assert marked == sorted(gpu_check.DEVICE_TESTS)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("device, message", [
+    ("cdua", "--device 'cdua' is not a device; valid: cpu, cuda, cuda:N"),
+    ("meta", "--device meta: the checks run on cpu or cuda; valid: cpu, cuda, cuda:N"),
+    pytest.param("cuda", "--device cuda: no CUDA device is visible here; valid: cpu",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is visible")),
+])
+def test_a_device_this_machine_lacks_is_one_line_before_anything_runs(capsys, device, message):
+    with pytest.raises(SystemExit) as exit_info:
+        gpu_check.main(["--device", device])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.strip().splitlines() == [
+        f"error: {message} (usage: python -m keydiff.bench.gpu_check --help)"], err
+
+
+@pytest.mark.unit
+def test_the_environment_names_what_the_results_depend_on():
+    found = gpu_check.environment(torch.device("cpu"))
+    assert found["torch"] == torch.__version__ and found["kernels"] == ["sdpa", "eager"]
+    assert {k: found[k] for k in ("gpu", "driver", "cuda", "triton")} == dict.fromkeys(("gpu", "driver", "cuda", "triton"))
+    assert found["transformers"] == importlib.import_module("transformers").__version__
 
 
 @pytest.mark.extended
@@ -103,7 +185,7 @@ def test_benchmark_help_and_tiny_run(tmp_path, capsys, module, extra, columns):
 
 @pytest.mark.extended
 def test_the_decode_benchmark_times_the_steady_state(tmp_path):
-    """gpu-check's ms/token (keydiff.bench.decode) runs each policy through one Decoder across its warm-up and
+    """The decode benchmark (keydiff.bench.decode) runs each policy through one Decoder across its warm-up and
     rounds: with CUDA graphs stood in for on the CPU, KeyDiff's block step and decode step are captured once, in
     the untimed warm-up, not in each of the 3 timed rounds (10 captures then), plus once each by the untimed
     allocation pass; `full` captures nothing."""
@@ -118,7 +200,7 @@ def test_the_decode_benchmark_times_the_steady_state(tmp_path):
 
 @pytest.mark.extended
 def test_the_prefill_benchmark_times_the_steady_state(tmp_path):
-    """gpu-check's TTFT (keydiff.bench.prefill): one Decoder per policy across warm-up and rounds, so with CUDA
+    """The prefill benchmark (keydiff.bench.prefill): one Decoder per policy across warm-up and rounds, so with CUDA
     graphs stood in for, KeyDiff's block step is captured once, in the warm-up (4 captures over 3 rounds before)."""
     from keydiff.batching.static import stand_in_graphs
     from keydiff.bench import prefill as prefill_bench
@@ -126,60 +208,3 @@ def test_the_prefill_benchmark_times_the_steady_state(tmp_path):
     with stand_in_graphs() as cuda:
         prefill_bench.main(TINY + ["--repeats", "3", "--policies", "keydiff", "--json", str(tmp_path / "p.json")])
     assert len(cuda.captures) == 1 and not cuda.captures[0].get("error")
-
-
-def test_two_gpu_check_runs_split_over_the_cpu():
-    """The two-GPU row's code, with both halves of the model on the CPU (one placement: one stack)."""
-    row = gpu_check.check_two_gpus(gpu_check.QUICK_SIZES["random-tiny"], ("cpu", "cpu"), "random-tiny", torch.float32)
-    assert row.result == "PASS", row.detail
-    assert "stacks [('cpu', 3)]" in row.detail
-
-
-@pytest.mark.unit
-def test_rows_are_written_as_they_finish_and_a_crash_is_a_row(tmp_path, monkeypatch):
-    """A check that crashes outside every guard (as a kill would, anywhere) keeps the rows finished before it."""
-    def checks(quick):
-        yield gpu_check.Row("first", "tiny", "PASS", "done before the crash")
-        raise MemoryError("the machine ran out\nsecond line")
-
-    monkeypatch.setattr(gpu_check, "checks", checks)
-    out = tmp_path / "check.json"
-    assert gpu_check.main(["--quick", "--json", str(out)]) == 1
-    rows = json.loads(out.read_text())["rows"]
-    assert [(r["check"], r["result"], r["detail"]) for r in rows] == [
-        ("first", "PASS", "done before the crash"), ("gpu_check", "FAIL", "MemoryError: the machine ran out")]
-
-
-def test_the_deadline_stops_the_checks_with_a_row(tmp_path):
-    out = tmp_path / "check.json"
-    assert gpu_check.main(["--quick", "--threads", "1", "--deadline", "0", "--json", str(out)]) == 0
-    rows = json.loads(out.read_text())["rows"]
-    assert [r["check"] for r in rows] == ["full = forward", "deadline"]
-    assert rows[1]["result"] == "SKIP" and "after 'full = forward' [tiny sdpa fp32]: the later checks" in rows[1]["detail"]
-
-
-@pytest.mark.parametrize("differ_on, differ_off, result, control", [
-    (False, False, "PASS", "proves nothing"),
-    (False, True, "PASS", "can fail and means something"),
-    (True, True, "FAIL", "can fail and means something"),
-])
-def test_the_needle_rows_say_what_they_prove(monkeypatch, differ_on, differ_off, result, control):
-    """The needle row fails when the needle's tokens in the batch differ from alone; the control says whether
-    the mode off changes them (if not, the check proves nothing on that machine)."""
-    def outputs(model, needle, others, position, sizes, batch_invariant):
-        differ = differ_on if batch_invariant else differ_off
-        return [[[1, 2]], [[3, 4]]], [[[1, 2]], [[3, 5] if differ else [3, 4]]]
-
-    monkeypatch.setattr(gpu_check, "needle_outputs", outputs)
-    needle, off = gpu_check.check_needle(gpu_check.QUICK_NEEDLE, "cpu", seed=7)
-    assert needle.result == result and off.result == "INFO" and control in off.detail
-    assert needle.record["identical"] == [True, not differ_on] and off.record["proves_nothing"] == (not differ_off)
-    assert needle.record["position"] == off.record["position"] == __import__("random").Random(7).randrange(16)
-
-
-@pytest.mark.extended
-def test_the_batch_invariance_row_runs_on_a_tiny_model():
-    """The 3B row's code on the tiny model (CPU, fp32: every sequence identical, so PASS; bf16 would be INFO)."""
-    torch.set_num_threads(1)
-    row = gpu_check.check_batch_invariance("random-tiny", torch.float32, "cpu", 4, 5, (96, 160), 48)
-    assert row.result == "PASS" and "keydiff 4/4 identical, full 4/4 identical" in row.detail, row
