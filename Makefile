@@ -64,7 +64,7 @@ bench-long: $(STAMP)  ## prompts of 4K..128K under N=1024: prefill peak memory a
 bench-peers: $(STAMP)  ## side by side with kvpress on identical random weights: kept-set parity, TTFT/decode/memory (builds .venv-kvpress once; ARGS="parity --length 512")
 	$(PY) -m keydiff.bench.peers --torch-spec "$(TORCH_SPEC)" $(ARGS)
 
-gpu-check: $(STAMP)  ## run first on a new (GPU) machine: engine exactness per attention kernel, then both benchmarks: results/bench/gpu_check.json
+gpu-check: $(STAMP)  ## run first on a new (GPU) machine: the environment, then the device tests (pytest -m device --device cuda; cpu without a GPU): results/bench/gpu_check.json
 	$(PY) -m keydiff.bench.gpu_check --json results/bench/gpu_check.json $(ARGS)
 
 gpu-bench: $(STAMP)  ## every GPU row of the decode/prefill targets in ~8 min (3B shape, bf16): results/bench/gpu_bench.json

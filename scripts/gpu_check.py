@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Run first on a new (GPU) machine: engine exactness per attention kernel, then both benchmarks
-(what `make gpu-check` runs; docs/gpu.md).
+"""Run first on a new (GPU) machine: the environment, then the test suite's device tests on it (engine exactness
+per attention kernel; what `make gpu-check` runs; docs/gpu.md).
 
     python scripts/gpu_check.py [--help for the options]
 """

@@ -9,7 +9,7 @@ recorded), written as soon as the test finishes, so a run that is cut off keeps 
 
     python -m keydiff.bench.gpu_check [--device cuda] [--json check.json] [--deadline 420] [--threads 1] [-- PYTEST_ARGS]
 
-Design: docs/design/benchmarks.md#the-self-check-gpu_check
+What each test checks: docs/gpu.md#what-make-gpu-check-checks
 """
 
 from __future__ import annotations
@@ -168,9 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     print("  " + ", ".join(f"{key}: {found[key]}" for key in ("gpu", "gpus", "driver", "cuda", "triton", "flash_attn",
                                                               "kernels")), flush=True)
     rows = Rows(args.json, started, {"machine": found}, args.deadline)
-    options = ["-m", "device", "--device", str(device), "-p", "no:cacheprovider", "-p", "no:anyio", "-p", "no:hydra_pytest",
-               "-q", "--no-header", "-rfEs",
-               "--tb=short", f"--rootdir={common.CHECKOUT}", *args.pytest_args]
+    # No plugin from an entry point (hydra's, xdist's: the device machine has neither), no cache folder written.
+    options = ["-m", "device", "--device", str(device), "--disable-plugin-autoload", "-p", "no:cacheprovider", "-q",
+               "--no-header", "-rfEs", "--tb=short", f"--rootdir={common.CHECKOUT}", *args.pytest_args]
     print("pytest -m device --device " + " ".join([str(device), *DEVICE_TESTS, *args.pytest_args]), flush=True)
     code = int(pytest.main([*map(str, tests), *options], plugins=[rows]))
     common.print_table([("check", 0), ("setting", 0), ("result", 0), ("detail", 0)],
