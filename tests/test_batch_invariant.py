@@ -4,8 +4,8 @@ that registers them for a dispatch key, and the key's path from the configuratio
 A CPU has no use for them (its kernels already give each row the same bits at any batch size: test_golden_batching),
 so here they run in Triton's interpreter on CPU tensors, registered for the CPU dispatch key explicitly. That checks
 what they compute (against torch in float32) and that row i of a call's result does not depend on how many rows the
-call has nor on what the other rows hold; what a GPU's compiled kernels do is `make gpu-check`'s row "batch 16 =
-alone, batch_invariant" (bf16, Llama-3.2-3B's shape). Tiny shapes only: the interpreter runs each program in Python.
+call has nor on what the other rows hold; what a GPU's compiled kernels do is checked by `make gpu-check` (tests/test_device_invariants.py, batch 16 =
+alone with batch_invariant, bf16, Llama-3.2-3B's shape). Tiny shapes only: the interpreter runs each program in Python.
 """
 
 from __future__ import annotations
