@@ -151,6 +151,30 @@ def test_decode_eviction_must_be_boolean(no_model_load, tmp_path):
         runner.run(make_cfg("decode_eviction=sometimes"), tmp_path)
 
 
+# One value each rule of keydiff.run.checks.VALUES refuses, in the table's order.
+REFUSED_VALUES = ["block_size=abc", "attention_statistics=weights", "seed=1.5", "decode_eviction=1",
+                  "query_aware=maybe", "batch_invariant=null", "overwrite=yes", "retry_failed=0", "dry_run=maybe",
+                  "threads=0", "max_prompt_tokens=-1", "batch_size=2.0", "lock_wait=-1", "task.limit=0",
+                  "budget.tokens=0", "budget=r0.25 budget.ratio=2"]
+
+
+def test_every_value_rule_is_exercised():
+    from keydiff.run.checks import VALUES
+
+    assert [override.split()[-1].split("=")[0] for override in REFUSED_VALUES] == list(VALUES)
+
+
+@pytest.mark.parametrize("override", REFUSED_VALUES)
+def test_a_refused_value_is_one_line_naming_the_valid_values(override):
+    from keydiff.run.checks import ConfigError, check_run_config
+
+    with pytest.raises(ConfigError) as error:
+        check_run_config(make_cfg(*override.split()))
+    line = str(error.value)
+    assert "\n" not in line and line.startswith(override.split()[-1].split("=")[0]), line
+    assert "valid: " in line or " must be " in line, line  # what is valid
+
+
 @pytest.mark.extended
 def test_sequential_runs_reuse_the_loaded_model(monkeypatch):
     calls = []

@@ -20,7 +20,7 @@ import threading
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
@@ -38,46 +38,48 @@ class ConfigError(ValueError):
     """A configuration value is not valid. The message names the key and the valid values."""
 
 
-def _positive_int(value: Any) -> bool:
+def _positive(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
-def _check_positive_int(key: str, value: Any, *, optional: bool, hint: str = "") -> None:
-    if value is None and optional:
-        return
-    if not _positive_int(value):
-        valid = "a positive integer" + (" or null" if optional else "") + hint
-        raise ConfigError(f"{key}={value!r} is not valid; valid: {valid}")
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+_ABSENT = object()
+NOT_VALID = "{key}={value!r} is not valid; valid: "
+POSITIVE = NOT_VALID + "a positive integer"
+# key -> (whether a value is valid, the one line refusing it): the values one test of type and range settles, in
+# the order they are checked. A table, not a Hydra structured config: a schema would add or reorder keys in the
+# recorded config (budget.ratio, model.device_map), refuse conf/local's own keys and coerce 1 or "yes" to true.
+VALUES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "block_size": (lambda v: _positive(v) or str(v).lower() in ("inf", "infinity", "none"),
+                   "{key}={value!r} is not valid; block_size must be a positive integer (paper: 64, 128, 256) or inf "
+                   "(the whole prompt as one block)"),
+    "attention_statistics": (lambda v: v in STATISTICS_MODES, NOT_VALID + ", ".join(STATISTICS_MODES)),
+    "seed": (lambda v: isinstance(v, int) and not isinstance(v, bool), NOT_VALID + "an integer"),
+    **dict.fromkeys(("decode_eviction", "query_aware", "batch_invariant", "overwrite", "retry_failed", "dry_run"),
+                    (lambda v: isinstance(v, bool), "{key} must be true or false, got {value!r}")),
+    "threads": (lambda v: v is None or _positive(v),
+                POSITIVE + " or null (null: SLURM_CPUS_PER_TASK or torch's default)"),
+    "max_prompt_tokens": (lambda v: v is None or _positive(v), POSITIVE + " or null"),
+    "batch_size": (_positive, POSITIVE + " (1: one sample at a time)"),
+    "lock_wait": (lambda v: _number(v) and v >= 0, NOT_VALID + "seconds >= 0 (0: refuse at once)"),
+    "task.limit": (lambda v: v is None or _positive(v), POSITIVE + " or null (null: every sample)"),
+    "budget.tokens": (_positive, POSITIVE + " (budget must be a positive integer number of tokens, or budget=r0.25 "
+                                            "for a ratio)"),
+    "budget.ratio": (lambda v: _number(v) and 0 < v <= 1, NOT_VALID + "a number with 0 < ratio <= 1 (the fraction of "
+                                                                      "the prompt kept, e.g. budget=r0.25)"),
+}
 # Experiments that time a sample's latency alone (TTFT): decoding neighbours would share the machine with it.
 LATENCY_EXPERIMENTS = ("fig7_ttft", "fig17_ttft_eager")
 
 
-def check_batch_size(cfg: DictConfig) -> None:
-    """batch_size: a positive integer; the latency experiments keep batch 1."""
-    batch_size = cfg.get("batch_size", 1)
-    _check_positive_int("batch_size", batch_size, optional=False, hint=" (1: one sample at a time)")
-    if batch_size > 1 and cfg.get("experiment_name") in LATENCY_EXPERIMENTS:
-        raise ConfigError(f"batch_size={batch_size} is not valid for experiment={cfg.experiment_name}: latency "
-                          "experiments time each sample alone; valid: batch_size=1")
-
-
-def _check_bool(key: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise ConfigError(f"{key} must be true or false, got {value!r}")
-
-
-def check_block_size(value: Any) -> None:
-    if isinstance(value, str) and value.lower() in ("inf", "infinity", "none"):
-        return
-    if value is None or (isinstance(value, float) and value == float("inf")):
-        return
-    if not _positive_int(value):
-        raise ConfigError(
-            f"block_size={value!r} is not valid; block_size must be a positive integer (paper: 64, 128, 256) "
-            "or inf (the whole prompt as one block)"
-        )
+def check_value(key: str, value: Any) -> None:
+    """Refuse a value its rule in VALUES does not accept, with that rule's one line."""
+    accepts, message = VALUES[key]
+    if not accepts(value):
+        raise ConfigError(message.format(key=key, value=value))
 
 
 def check_budget_config(budget: DictConfig) -> None:
@@ -85,15 +87,11 @@ def check_budget_config(budget: DictConfig) -> None:
     per sample, 0 < ratio <= 1), never both."""
     ratio = budget.get("ratio")
     if ratio is None:
-        _check_positive_int("budget.tokens", budget.tokens, optional=False,
-                            hint=" (budget must be a positive integer number of tokens, or budget=r0.25 for a ratio)")
-        return
+        return check_value("budget.tokens", budget.tokens)
     if budget.get("tokens") is not None:
         raise ConfigError(f"budget.tokens={budget.tokens!r} and budget.ratio={ratio!r} are both set; valid: exactly "
                           "one of them (budget.tokens=null for a ratio budget)")
-    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
-        raise ConfigError(f"budget.ratio={ratio!r} is not valid; valid: a number with 0 < ratio <= 1 "
-                          "(the fraction of the prompt kept, e.g. budget=r0.25)")
+    check_value("budget.ratio", ratio)
     if budget.get("label") != ratio_label(ratio):  # e.g. +budget.ratio on a token budget file: label "none"
         raise ConfigError(f"budget.label={budget.get('label')!r} is not valid for budget.ratio={ratio}; valid: "
                           f"{ratio_label(ratio)!r} (start from a ratio budget: budget=r0.25 budget.ratio={ratio})")
@@ -121,24 +119,14 @@ def check_run_config(cfg: DictConfig, runs_here: bool = True) -> None:
     from keydiff.models import ModelConfig
     from keydiff.run import tracking
 
-    check_block_size(cfg.block_size)
-    if cfg.attention_statistics not in STATISTICS_MODES:
-        raise ConfigError(
-            f"attention_statistics={cfg.attention_statistics!r} is not valid; valid: {', '.join(STATISTICS_MODES)}"
-        )
+    for key in (key for key in VALUES if not key.startswith("budget.")):  # the budget's: check_budget_config
+        if (value := OmegaConf.select(cfg, key, default=_ABSENT)) is not _ABSENT:  # absent: the run's default
+            check_value(key, value)
+    if cfg.get("batch_size", 1) > 1 and cfg.get("experiment_name") in LATENCY_EXPERIMENTS:
+        raise ConfigError(f"batch_size={cfg.batch_size} is not valid for experiment={cfg.experiment_name}: latency "
+                          "experiments time each sample alone; valid: batch_size=1")
     if cfg.policy.name != "full":
         check_budget_config(cfg.budget)
-    if isinstance(cfg.seed, bool) or not isinstance(cfg.seed, int):
-        raise ConfigError(f"seed={cfg.seed!r} is not valid; valid: an integer")
-    for key in ("decode_eviction", "query_aware", "batch_invariant", "overwrite", "retry_failed", "dry_run"):
-        _check_bool(key, cfg.get(key, False))
-    _check_positive_int("threads", cfg.get("threads"), optional=True, hint=" (null: SLURM_CPUS_PER_TASK or torch's default)")
-    _check_positive_int("max_prompt_tokens", cfg.get("max_prompt_tokens"), optional=True)
-    check_batch_size(cfg)
-    lock_wait = cfg.get("lock_wait", 0)
-    if isinstance(lock_wait, bool) or not isinstance(lock_wait, (int, float)) or lock_wait < 0:
-        raise ConfigError(f"lock_wait={lock_wait!r} is not valid; valid: seconds >= 0 (0: refuse at once)")
-    _check_positive_int("task.limit", cfg.task.get("limit"), optional=True, hint=" (null: every sample)")
     try:
         parse_shard(cfg.get("shard"))
     except ValueError as error:
@@ -355,7 +343,6 @@ def missing_launcher(error: BaseException) -> str | None:
     return str(extras.missing("slurm", what, plugin))
 
 
-_ABSENT = object()
 # Hydra's own command-line flags other than -m: with any of them run.py leaves the command line to Hydra.
 RUN_FLAGS = ("-m", "--multirun")
 
@@ -364,29 +351,22 @@ def group_options(conf_dir: Path, group: str) -> list[str]:
     return sorted(path.stem for path in (conf_dir / group).glob("*.yaml"))
 
 
-def check_group_value(conf_dir: Path, group: str, value: Any) -> None:
-    """Refuse a config group value that is not a file name (Hydra reads `budget=2048` as a number and fails with a
-    traceback), naming the names (and, for a budget, the key that takes a token count)."""
-    if value is None or isinstance(value, (str, list)):
+def check_group_choice(conf_dir: Path, group: str, value: Any) -> None:
+    """Refuse a group value Hydra would refuse without listing the names, naming them and how to give any token
+    count or ratio: a number (`budget=2048`: Hydra's traceback) or a ratio no budget file names (`budget=r0.3`)."""
+    if value is None or isinstance(value, list):
         return
+    ratio = re.fullmatch(r"r(\d*\.?\d+)", value) if group == "budget" and isinstance(value, str) else None
     options = group_options(conf_dir, group)
-    valid = ", ".join(options)
-    if group == "budget":
-        tokens = value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
-        named = f"budget={tokens // 1024}k" if tokens and tokens % 1024 == 0 and f"{tokens // 1024}k" in options else None
-        valid += (f", or a token count: budget.tokens={tokens if tokens else '<positive integer>'}"
-                  + (f" (the same as {named})" if named else ""))
-    raise ConfigError(f"{group}={value} is not valid; valid: {valid}")
-
-
-def check_group_name(conf_dir: Path, group: str, value: str) -> None:
-    """`budget=r0.3` names no file: list the presets and say how to give any ratio (as `budget=3000` is told
-    how to give any token count)."""
-    ratio = re.fullmatch(r"r(\d*\.?\d+)", value) if group == "budget" else None
-    options = group_options(conf_dir, group)
-    if ratio and value not in options:
-        raise ConfigError(f"budget={value} is not valid; valid: {', '.join(options)}, or any ratio: "
-                          f"budget=r0.25 budget.ratio={ratio[1]}")
+    if isinstance(value, str) and (ratio is None or value in options):
+        return  # a name: Hydra lists the names when no file has it
+    hint = f", or any ratio: budget=r0.25 budget.ratio={ratio[1]}" if ratio else ""
+    if group == "budget" and not ratio:
+        tokens = value if _positive(value) else None
+        named = f"{tokens // 1024}k" if tokens and tokens % 1024 == 0 and f"{tokens // 1024}k" in options else None
+        hint = (f", or a token count: budget.tokens={tokens if tokens else '<positive integer>'}"
+                + (f" (the same as budget={named})" if named else ""))
+    raise ConfigError(f"{group}={value} is not valid; valid: {', '.join(options)}{hint}")
 
 
 def policy_parameters_of(policy: DictConfig) -> list[str] | None:
@@ -468,9 +448,7 @@ def check_command_line(argv: Sequence[str], conf_dir: str | os.PathLike, config_
             values = (override.sweep_iterator(transformer=Transformer.identity) if override.is_sweep_override()
                       else [override.value()])
             for value in values:
-                check_group_value(conf_dir, group, value)
-                if isinstance(value, str):
-                    check_group_name(conf_dir, group, value)
+                check_group_choice(conf_dir, group, value)
         sweeps = [o.input_line for o in overrides if o.is_sweep_override()]
         fixed = [o.input_line for o in overrides if not o.is_sweep_override()]  # as Hydra composes a sweep
         with initialize_config_dir(str(conf_dir), version_base="1.3"):
