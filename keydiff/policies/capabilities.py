@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import fields
 from pathlib import Path
 
+from keydiff.policies.base import Needs
+
 PATH = Path(__file__).resolve().with_name("capabilities.json")
-FLAGS = ("attention_rows", "attention_reduction", "needs_reconstruction", "observes_every_step", "evicts", "state_names",
-         "needs_queries", "first_query_position", "needs_output_projection", "key_rerotation", "log_scores",
-         "layers_batchable", "capturable", "head_adaptive", "chooses_pools", "scores_pools")
+DERIVED = ("capturable", "chooses_pools", "groupable")  # Needs' properties, written for the readers without torch
 
 
 def preset_policies() -> dict[str, tuple[str, dict]]:
@@ -40,15 +41,16 @@ def preset_policies() -> dict[str, tuple[str, dict]]:
 
 
 def capabilities() -> dict[str, dict]:
-    """preset -> {"policy": its name, flag: value, ...}."""
+    """preset -> {"policy": its name, each Needs field and derived property: its value}."""
     from keydiff.policies import build_policy
 
     table = {}
     for preset, (name, params) in preset_policies().items():
         policy = build_policy(name, **params)
+        needs = policy.needs
         row = {"policy": name}
-        for flag in FLAGS:
-            value = getattr(policy, flag)
+        for flag in [f.name for f in fields(Needs)] + list(DERIVED):
+            value = getattr(needs, flag)
             row[flag] = list(value) if isinstance(value, tuple) else value
         table[preset] = row
     return table
