@@ -16,16 +16,21 @@ and check_policy takes the composed object too (`check_policy(policy)`); from th
 """
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
-from keydiff.policies import LayerView, Policy
+from keydiff.policies import LayerView, Needs, Policy
 
 
 @dataclass
 class MyPolicy(Policy):
     """Keep the entries with the largest values, nudged towards recent ones; never evict the first `sinks`."""
 
+    # What it needs from the cache and the engine, in one place (every default is the safe answer; check_policy
+    # checks both claims): each batch row is scored from its own entries alone (so the cache may evict all layers in
+    # one call, their rows stacked), with tensors alone (no host read: the fixed-shape step may capture it).
+    needs: ClassVar[Needs] = Needs(rows_alike=True, host_reads=False)
     alpha: float = 0.3  # weight of recency against the value norm
     sinks: int = 4
 
@@ -34,7 +39,7 @@ class MyPolicy(Policy):
             raise ValueError(f"sinks ({self.sinks}) must be in [0, budget={budget})")
 
     def score(self, layer: LayerView) -> torch.Tensor:  # [batch, kv_heads, n]; the highest budget are kept
-        recency = layer.positions.float() / (layer.positions.max() + 1)
+        recency = layer.positions.float() / (layer.positions.amax(dim=(1, 2), keepdim=True) + 1)  # per row
         return layer.values.float().norm(dim=-1) + self.alpha * recency
 
     def protected(self, layer: LayerView, budget: int) -> torch.Tensor | None:  # always kept

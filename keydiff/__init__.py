@@ -40,6 +40,7 @@ _EXPORTS = {
     "prefill": "keydiff.engine",
     "resolve_block_size": "keydiff.engine",
     "POLICIES": "keydiff.policies",
+    "Needs": "keydiff.policies",
     "Policy": "keydiff.policies",
     "available_policies": "keydiff.policies",
     "build_policy": "keydiff.policies",

@@ -145,7 +145,7 @@ class LayerTrace:
 
 def recording_policy(policy: Policy, layers: set[int] | None = None) -> Policy:
     """The same policy that also records, per layer, the keys [H_kv, e, d] and positions [H_kv, e] it drops (batch
-    row 0) into `recorded`; it evicts layer by layer (`layers_batchable` False)."""
+    row 0) into `recorded`; it evicts layer by layer (`needs.rows_alike` False)."""
     cls = type(layer_by_layer(policy))
 
     def evict_indices(self, layer, budget):

@@ -73,7 +73,7 @@ def resolve_block_size(block_size: int | float | str | None) -> int | None:
 
 
 def check_budget(policy: Policy, budget: int | None) -> None:
-    if not policy.evicts:
+    if not policy.needs.evicts:
         return
     if budget is None or isinstance(budget, bool) or int(budget) != budget or budget < 1:
         raise ValueError(f"budget must be a positive integer number of tokens for policy {policy.name!r}, got {budget!r}")
@@ -102,7 +102,7 @@ def _forward(
 def reconstruction_inputs(policy: Policy, input_ids: torch.Tensor, step: int, tokenizer) -> list[torch.Tensor | None]:
     """Per prefill block, the ids of its reconstruction pass (None for every block if the policy runs none)."""
     starts = range(0, input_ids.shape[1], step)
-    if not policy.needs_reconstruction:
+    if not policy.needs.reconstruction:
         return [None] * len(starts)
     return [policy.reconstruction_input(input_ids[:, start : start + step], input_ids[:, max(start - step, 0) : start],
                                         tokenizer).to(input_ids.device) for start in starts]
@@ -180,7 +180,7 @@ def prefill(
             logits = _forward(model, cache, input_ids[:, compressed:], drop=False)
         sync(device)
         seconds = time.perf_counter() - start_time
-    return PrefillResult(logits, cache, length, budget if policy.evicts else None, block, seconds,
+    return PrefillResult(logits, cache, length, budget if policy.needs.evicts else None, block, seconds,
                          kept_positions=cache.kept_positions(), max_cache_entries=cache.max_entries,
                          max_scratch_entries=cache.max_scratch_entries, held_suffix=held_suffix)
 

@@ -3,8 +3,9 @@
 The policy is a class, a built-in name or dotted path, or a policy object (each run gets a copy). It runs on
 a tiny random Llama (no download) with a budget below the prompt, through block-wise prefill and a few
 decoding steps, and checks: one finite score per unprotected entry, the N_l + B bound (exactly N_l at the
-end), determinism, a `layers_batchable` claim (stacked == layer by layer, with uniform budgets; not
-checkable with never-evicted layers), and that classes are @dataclasses themselves. A failure raises
+end), determinism, a `needs.rows_alike` claim (stacked == layer by layer, with uniform budgets; not checkable
+with never-evicted layers), a `needs.capturable` claim (the fixed-shape step captured, CUDA graphs stood in for on
+the CPU, gives the same), and that classes are @dataclasses themselves. A failure raises
 `PolicyCheckError` naming the property; success returns a summary. User guide: docs/policies.md.
 """
 
@@ -13,7 +14,7 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Callable
-from dataclasses import fields
+from dataclasses import fields, replace
 from typing import Any
 
 import torch
@@ -78,8 +79,9 @@ def variant(policy: Policy, **class_attributes: Any) -> Policy:
     return sub(**{f.name: getattr(policy, f.name) for f in fields(policy) if f.init})
 
 
-def counting(policy: Policy, layers_batchable: bool, **class_attributes: Any) -> tuple[Policy, list[int]]:
-    """A variant that checks its scores at every eviction (not only the first) and counts the evictions."""
+def counting(policy: Policy, rows_alike: bool, **needs: Any) -> tuple[Policy, list[int]]:
+    """A variant that checks its scores at every eviction (not only the first) and counts the evictions; its needs
+    are the policy's with `rows_alike` and `needs` (Needs fields) set."""
     calls: list[int] = []
 
     def evict_indices(self: Policy, layer: LayerView, budget: int) -> torch.Tensor:
@@ -94,18 +96,20 @@ def counting(policy: Policy, layers_batchable: bool, **class_attributes: Any) ->
         calls.append(int((pool.counts.sum(dim=1) - pool.counts.shape[1] * budget).clamp_min(0).sum()))
         return super(type(self), self).drop_pool(pool, budget)
 
-    checked = variant(policy, layers_batchable=layers_batchable, _check_every_call=True, evict_indices=evict_indices,
-                      keep_heads=keep_heads, drop_pool=drop_pool, **class_attributes)
+    checked = variant(policy, needs=replace(policy.needs, rows_alike=rows_alike, **needs), _check_every_call=True,
+                      evict_indices=evict_indices, keep_heads=keep_heads, drop_pool=drop_pool)
     return checked, calls
 
 
 def run_once(
-    policy: Policy, model: torch.nn.Module, ids: torch.Tensor, budget: int, block_size: int, new_tokens: int
+    policy: Policy, model: torch.nn.Module, ids: torch.Tensor, budget: int, block_size: int, new_tokens: int,
+    decoder=None,
 ) -> dict:
-    """Prefill and decode once; what the checks compare (kept positions, tokens, per-layer entries)."""
-    state = prefill(model, ids, policy, budget=budget, block_size=block_size)
+    """Prefill and decode once (through `decoder`, a keydiff.batching.Decoder, if given); what the checks compare
+    (kept positions, tokens, per-layer entries)."""
+    state = prefill(model, ids, policy, budget=budget, block_size=block_size, decoder=decoder)
     stacked = state.cache.stack is not None
-    out = generate(model, state, new_tokens)
+    out = generate(model, state, new_tokens, decoder=decoder)
     return {
         "kept": [kept.clone() for kept in state.cache.kept_positions()],
         "tokens": out.token_ids,
@@ -140,15 +144,15 @@ def check_policy(
     model = tiny_model() if model is None else model
     ids = torch.randint(0, 256, (1, prompt_tokens), generator=torch.Generator().manual_seed(0))
 
-    def run(layers_batchable: bool, factory: Callable[[], Policy] = fresh, **class_attributes: Any) -> tuple[dict, list[int]]:
-        checked, calls = counting(factory(), layers_batchable, **class_attributes)
+    def run(rows_alike: bool, factory: Callable[[], Policy] = fresh, **needs: Any) -> tuple[dict, list[int]]:
+        checked, calls = counting(factory(), rows_alike, **needs)
         try:
             return run_once(checked, model, ids, budget, block_size, new_tokens), calls
         except RuntimeError as error:  # check_scores names the checked subclass's policy: say which check it was
             raise PolicyCheckError(f"{name}: {error}") from error
 
-    first, calls = run(base.layers_batchable)
-    if base.evicts:
+    first, calls = run(base.needs.rows_alike)
+    if base.needs.evicts:
         if not calls:
             raise PolicyCheckError(f"{name}: never evicted a {prompt_tokens}-token prompt under a budget of {budget}")
         for layer, (layer_budget, peak, held) in enumerate(zip(first["budgets"], first["max_entries"], first["entries"])):
@@ -160,29 +164,54 @@ def check_policy(
                     f"peak {peak} entries per head, {held} held at the end (expected exactly {layer_budget})"
                 )
     if deterministic:
-        second, _ = run(base.layers_batchable)
+        second, _ = run(base.needs.rows_alike)
         compare(name, "a second run with a fresh policy object", first, second)
     batchable_checked = False
-    if base.layers_batchable:
+    if base.needs.rows_alike:
         # The cache stacks layers only when every layer has the same budget: with per-layer budgets (a pyramid)
         # the comparison would be layer-by-layer against layer-by-layer, so it then runs with uniform budgets.
         uniform = fresh if first["stacked"] else uniform_factory(policy, params)
         stacked = first if first["stacked"] else run(True, uniform)[0]
         if not stacked["stacked"] and None not in stacked["budgets"]:
-            raise PolicyCheckError(f"{name}: claims layers_batchable but the cache did not stack its layers "
+            raise PolicyCheckError(f"{name}: claims needs.rows_alike but the cache did not stack its layers "
                                    "(uniform budgets), so stacked eviction could not be compared")
         if stacked["stacked"]:  # else some layer is never evicted (e.g. skip_layers): the cache never stacks
             unstacked, _ = run(False, uniform)
-            compare(name, "layer-by-layer eviction (it claims layers_batchable)", stacked, unstacked)
+            compare(name, "layer-by-layer eviction (it claims needs.rows_alike)", stacked, unstacked)
             batchable_checked = True
+    captured_checked = False
+    if base.needs.capturable and first["stacked"]:  # the fixed-shape step takes only a stacked cache
+        captured, graphs = run_captured(fresh(), model, ids, budget, block_size, new_tokens)
+        if graphs["failed"] or graphs["stopped"] or not graphs["captured"]:
+            raise PolicyCheckError(
+                f"{name}: claims needs.capturable but its eviction could not be captured in a CUDA graph (stood in "
+                f"for on the CPU): {graphs['reasons'] or 'no step was captured'}; a host read (.item(), .tolist(), "
+                "int() of a tensor, a branch on a value) or a value-dependent shape does that: set host_reads=True")
+        compare(name, "the captured fixed-shape step (it claims needs.capturable)", first, captured)
+        captured_checked = True
     pools_checked = False
-    if base.chooses_pools:  # head-adaptive, all layers' pools chosen at once: as head by head (`keep_heads`)
-        per_head, _ = run(base.layers_batchable, chooses_pools=False)
+    if base.needs.chooses_pools:  # head-adaptive, all layers' pools chosen at once: as head by head (`keep_heads`)
+        per_head, _ = run(base.needs.rows_alike, segment_scores=False)
         compare(name, "head-by-head choice (it chooses on whole pools)", first, per_head)
         pools_checked = True
     return {"policy": name, "budget": budget, "layer_budgets": first["budgets"], "evictions": len(calls),
             "stacked": first["stacked"], "batchable_checked": batchable_checked, "pools_checked": pools_checked,
+            "captured_checked": captured_checked,
             "seconds": round(time.perf_counter() - start, 2)}
+
+
+def run_captured(policy: Policy, model: torch.nn.Module, ids: torch.Tensor, budget: int, block_size: int,
+                 new_tokens: int) -> tuple[dict, dict]:
+    """`run_once` through one Decoder with CUDA graphs stood in for on the CPU (keydiff.batching.graphs): its
+    fixed-shape steps are captured, and a host read inside a capture fails it, as on a GPU. The run, and the
+    graphs' record (captured, failed, reasons, stopped)."""
+    from keydiff.batching import Decoder
+    from keydiff.batching.graphs import stand_in_graphs
+
+    decoder = Decoder(model, 1)
+    with stand_in_graphs():
+        run = run_once(policy, model, ids, budget, block_size, new_tokens, decoder=decoder)
+    return run, decoder.graphs.record()
 
 
 def policy_factory(policy: type[Policy] | str | Policy, params: dict[str, Any]) -> Callable[[], Policy]:

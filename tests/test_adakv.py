@@ -18,7 +18,7 @@ from keydiff.cache.adaptive import AdaptiveStorage
 from keydiff.engine import generate, prefill
 from keydiff.policies import HeadAdaptive, build_policy
 from keydiff.policies.adakv import adakv_keep, relative_scores
-from keydiff.policies.base import LayerView, Policy, score_then_position
+from keydiff.policies.base import LayerView, Needs, Policy, score_then_position
 from tests.conftest import tiny_llama
 
 pytestmark = pytest.mark.integration
@@ -295,14 +295,14 @@ def test_alpha_one_keeps_exactly_what_the_uniform_policy_keeps(model, name, para
 @pytest.mark.unit
 def test_flat_parameters_compose_and_describe():
     policy = build_policy("snapkv", window=8, head_budgets="adakv", alpha_safeguard=0.3)
-    assert policy.head_adaptive and isinstance(policy, HeadAdaptive) and policy.alpha_safeguard == 0.3
+    assert policy.needs.head_adaptive and isinstance(policy, HeadAdaptive) and policy.alpha_safeguard == 0.3
     described = policy.describe()
     assert described["head_budgets"] == "adakv" and described["alpha_safeguard"] == 0.3
     assert build_policy(**described).describe() == described
     assert "head_budgets" not in build_policy("snapkv").describe()
-    assert not build_policy("snapkv", head_budgets="uniform").head_adaptive
+    assert not build_policy("snapkv", head_budgets="uniform").needs.head_adaptive
     pyramid = build_policy("keydiff", head_budgets="adakv", layer_budgets={"schedule": "pyramid", "beta": 20})
-    assert pyramid.head_adaptive and pyramid.describe()["layer_budgets"] == {"schedule": "pyramid", "beta": 20}
+    assert pyramid.needs.head_adaptive and pyramid.describe()["layer_budgets"] == {"schedule": "pyramid", "beta": 20}
 
 
 @pytest.mark.unit
@@ -404,7 +404,7 @@ def test_bf16_decoding_of_head_adaptive_layers_is_as_precise_as_sdpa():
 class AttentionShare(Policy):
     """Scores each entry by the attention statistic it received (what SnapKV / H2O / TOVA score, unpooled)."""
 
-    attention_rows: ClassVar[int | None] = None
+    needs: ClassVar[Needs] = Needs(attention_rows=None)
 
     def score(self, layer: LayerView) -> torch.Tensor:
         return layer.attention
@@ -460,7 +460,7 @@ def test_relative_scores_do_not_depend_on_the_order_of_a_heads_entries(log_score
 @pytest.mark.extended
 def test_head_scores_compose_describe_and_are_refused_where_they_mean_nothing(model):
     policy = build_policy("snapkv", window=8, head_budgets="adakv", head_scores="relative")
-    assert policy.head_scores == "relative" and not policy.chooses_pools
+    assert policy.head_scores == "relative" and not policy.needs.chooses_pools
     assert build_policy(**policy.describe()).describe() == policy.describe()
     assert "head_scores" not in build_policy("snapkv", head_budgets="adakv").describe()  # the default: as before
     with pytest.raises(ValueError, match="head_scores=relative applies to scorers whose scores are attention"):

@@ -97,7 +97,7 @@ def test_recording_policy_keeps_class_and_parameters():
     policy = build_policy("keydiff", window_fraction=0.2, anchor="mean")
     recorder = recording_policy(policy)
     assert isinstance(recorder, type(policy)) and recorder.describe() == policy.describe()
-    assert recording_policy(build_policy("snapkv", window=8)).attention_rows == 8
+    assert recording_policy(build_policy("snapkv", window=8)).needs.attention_rows == 8
 
 
 def brute_ranks(values: list[float]) -> list[float]:

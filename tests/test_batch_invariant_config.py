@@ -27,7 +27,7 @@ def test_batch_invariant_is_a_checked_top_level_key():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["policy=lagkv"], r"policy=lagkv: its scores use reductions .*\(valid: full, keydiff, "),
+    (["policy=lagkv"], r"policy=lagkv: its scores use reductions .*\(valid: full, h2o, keydiff, "),
     (["policy=expected_attention"], r"policy=expected_attention"),
     (["policy=adakv_keydiff"], r"head-adaptive budgets \(policy.params.head_budgets=adakv\); valid: head_budgets=uniform"),
     (["policy=chunkkv"], r"policy.params.chunk_length .*valid: without it"),

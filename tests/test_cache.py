@@ -218,7 +218,7 @@ def test_in_place_eviction_keeps_exactly_the_policys_choice_with_its_rows(name, 
             for head in range(heads):
                 for i in range(new):
                     held[layer_idx][head][seen + i] = [keys[0, head, i], values[0, head, i], 0.0]
-        if policy.attention_rows != 0:  # H2O: the attention the pass "gave" every held entry
+        if policy.needs.attention_rows != 0:  # H2O: the attention the pass "gave" every held entry
             for layer_idx in range(layers):
                 positions = cache.layers[layer_idx].view(layer_idx).positions
                 attention = torch.rand(positions.shape, generator=generator)
@@ -272,7 +272,7 @@ BATCHABLE = ["keydiff", "keydiff_pairwise", "sink", "knorm", "recent", "tova", "
 def layer_by_layer(name: str) -> keydiff.Policy:
     """The same policy, forbidden to evict its layers together: the reference for the stacked path."""
     policy = keydiff.policies.layer_by_layer(keydiff.build_policy(name))
-    assert not policy.layers_batchable and policy.name == name
+    assert not policy.needs.rows_alike and policy.name == name
     return policy
 
 

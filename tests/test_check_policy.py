@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from keydiff import build_policy, prefill
-from keydiff.policies import POLICIES, LayerBudgets, LayerView, Policy, RecentWindow
+from keydiff.policies import POLICIES, LayerBudgets, LayerView, Needs, Policy, RecentWindow
 from keydiff.policies.knorm import KNorm
 from keydiff.testing import PolicyCheckError, check_policy, run_once, tiny_model
 from tests.conftest import tiny_llama
@@ -50,9 +50,10 @@ def test_every_builtin_policy_passes_check_policy(name):
     policy = build_policy(name)
     summary = check_policy(POLICIES[name])
     assert summary["policy"] == name
-    assert summary["evictions"] > 0 or not policy.evicts
-    # A policy that claims layers_batchable was really run stacked (and compared with layer-by-layer).
-    assert summary["stacked"] == summary["batchable_checked"] == policy.layers_batchable
+    assert summary["evictions"] > 0 or not policy.needs.evicts
+    # A policy that claims needs.rows_alike was really run stacked (and compared with layer-by-layer).
+    assert summary["stacked"] == summary["batchable_checked"] == policy.needs.rows_alike
+    assert summary["captured_checked"] == (policy.needs.capturable and summary["stacked"])
 
 
 @pytest.mark.extended
@@ -60,20 +61,20 @@ def test_every_builtin_policy_passes_check_policy(name):
 def test_builtin_variants_pass_check_policy(name, params):
     summary = check_policy(name, **params)
     assert summary["evictions"] > 0
-    # pyramid budgets never stack; the layers_batchable comparison then runs stacked with uniform budgets
+    # pyramid budgets never stack; the rows_alike comparison then runs stacked with uniform budgets
     never_stacks = name == "knorm" and params.get("skip_layers")  # a layer never evicted: no stack at all
-    assert summary["batchable_checked"] == (build_policy(name, **params).layers_batchable and not never_stacks)
+    assert summary["batchable_checked"] == (build_policy(name, **params).needs.rows_alike and not never_stacks)
 
 
 @pytest.mark.extended
 @pytest.mark.parametrize("name", sorted(POLICIES))
 def test_every_builtin_policy_passes_check_policy_inside_a_recent_window(name):
-    """The wrapper forwards layers_batchable: a batchable policy in a window is still run stacked and checked
+    """The wrapper forwards needs.rows_alike: a policy with rows alike in a window is still run stacked and checked
     against layer-by-layer eviction."""
     policy = RecentWindow(scorer(name), fraction=0.25)
     summary = check_policy(policy)
     assert summary["policy"] == name and (summary["evictions"] > 0 or name == "full")
-    assert summary["stacked"] == POLICIES[name]().layers_batchable
+    assert summary["stacked"] == POLICIES[name]().needs.rows_alike
 
 
 @pytest.mark.extended
@@ -85,8 +86,7 @@ def test_every_builtin_policy_passes_check_policy_with_pyramid_layer_budgets(nam
     assert not summary["stacked"]  # layers with budgets of their own are never stacked
 
 
-CAPABILITIES = ("name", "attention_rows", "observes_every_step", "evicts", "state_names", "needs_queries",
-                "first_query_position", "layers_batchable")
+CAPABILITIES = ("attention_rows", "every_pass", "evicts", "state", "queries", "queries_from", "rows_alike")
 UNUSUAL = {"snapkv": {"window": 5}, "expected_attention": {"n_sink": 6}, "lagkv": {"scoring": "rescore"}}
 
 
@@ -95,7 +95,8 @@ UNUSUAL = {"snapkv": {"window": 5}, "expected_attention": {"n_sink": 6}, "lagkv"
 def test_wrappers_answer_every_capability_as_the_wrapped_policy(name):
     plain = POLICIES[name](**UNUSUAL.get(name, {}))
     wrapped = LayerBudgets(RecentWindow(plain, fraction=0.3), schedule=PYRAMID)
-    assert {c: getattr(wrapped, c) for c in CAPABILITIES} == {c: getattr(plain, c) for c in CAPABILITIES}
+    assert wrapped.name == plain.name
+    assert {c: getattr(wrapped.needs, c) for c in CAPABILITIES} == {c: getattr(plain.needs, c) for c in CAPABILITIES}
     assert wrapped.unwrapped() is plain
 
 
@@ -104,8 +105,8 @@ def test_wrappers_answer_every_capability_as_the_wrapped_policy(name):
 def test_wrappers_change_nothing_they_do_not_add(name):
     """A zero window and a uniform schedule around a policy keep and generate exactly what the policy keeps on its
     own, stacked the same way: its capabilities, state and observations reach the cache through the wrappers
-    (H2O whose attention_rows or observes_every_step were not forwarded would see other attention; Expected
-    Attention without first_query_position would count the sinks' queries)."""
+    (H2O whose attention_rows or every_pass were not forwarded would see other attention; Expected Attention
+    without queries_from would count the sinks' queries)."""
     model = tiny_model()
     ids = torch.randint(0, 256, (1, 160), generator=torch.Generator().manual_seed(1))
     alone = run_once(scorer(name), model, ids, 48, 16, 4)
@@ -120,9 +121,9 @@ def test_wrappers_change_nothing_they_do_not_add(name):
 
 @dataclass
 class CrossLayer(Policy):
-    """Claims layers_batchable but reduces over the batch rows (= over layers when the cache stacks them)."""
+    """Claims needs.rows_alike but reduces over the batch rows (= over layers when the cache stacks them)."""
 
-    layers_batchable: ClassVar[bool] = True
+    needs: ClassVar[Needs] = Needs(rows_alike=True)
 
     def score(self, layer: LayerView) -> torch.Tensor:
         first = layer.keys[..., 0].float()
@@ -141,6 +142,14 @@ class NaNScores(KNorm):
 class InfiniteScores(KNorm):
     def score(self, layer: LayerView) -> torch.Tensor:
         return super().score(layer).masked_fill(layer.positions == 20, float("-inf"))
+
+
+@dataclass
+class HostRead(KNorm):
+    """Claims needs.capturable (KNorm's) but reads a value on the host at every eviction."""
+
+    def score(self, layer: LayerView) -> torch.Tensor:
+        return super().score(layer) / float(layer.keys.abs().max())
 
 
 @dataclass
@@ -169,8 +178,10 @@ class ProtectedInfinity(KNorm):
 
 
 @pytest.mark.parametrize("policy, message", [
-    (CrossLayer, r"layer-by-layer eviction \(it claims layers_batchable\) kept other positions"),
+    (CrossLayer, r"layer-by-layer eviction \(it claims needs.rows_alike\) kept other positions"),
     (NaNScores, r"NaN/inf value\(s\) for entries that are not protected"),
+    (HostRead, r"claims needs.capturable but its eviction could not be captured in a CUDA graph \(stood in for on "
+               r"the CPU\): .*set host_reads=True"),
     (InfiniteScores, r"'tests.test_check_policy.InfiniteScores \(knorm subclass\)': score\(\) returned 6 NaN/inf"),
     (WrongShape, r"returned shape \[1, \d+\]; expected \[batch, kv_heads, n\]"),
     (Unseeded, "a second run with a fresh policy object kept other positions"),
@@ -183,8 +194,8 @@ def test_broken_policies_fail_check_policy_saying_why(policy, message):
 @pytest.mark.extended
 def test_a_wrapper_forwards_a_false_claim_and_the_check_still_catches_it():
     wrapped = LayerBudgets(RecentWindow(CrossLayer(), fraction=0.25), schedule={"schedule": "uniform"})
-    assert wrapped.layers_batchable
-    with pytest.raises(PolicyCheckError, match=r"layer-by-layer eviction \(it claims layers_batchable\) kept other"):
+    assert wrapped.needs.rows_alike
+    with pytest.raises(PolicyCheckError, match=r"layer-by-layer eviction \(it claims needs.rows_alike\) kept other"):
         check_policy(wrapped)
 
 
@@ -207,7 +218,7 @@ def test_a_policy_with_its_own_evict_indices_cannot_be_wrapped():
 @pytest.mark.extended
 def test_cross_layer_policy_fails_under_pyramid_budgets_too():
     """Pyramid budgets keep the cache from stacking; the batchable comparison must still run stacked."""
-    with pytest.raises(PolicyCheckError, match=r"layer-by-layer eviction \(it claims layers_batchable\)"):
+    with pytest.raises(PolicyCheckError, match=r"layer-by-layer eviction \(it claims needs.rows_alike\)"):
         check_policy(CrossLayer, layer_budgets=PYRAMID)
 
 

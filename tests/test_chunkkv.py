@@ -164,7 +164,7 @@ def test_build_and_describe_round_trip():
     described = policy.describe()
     assert described["chunk_length"] == 20 and list(described)[-3:] == ["chunk_length", "chunk_scope", "layer_budgets"]
     assert build_policy(**described).describe() == described
-    assert policy.layers_batchable and policy.attention_rows == 32
+    assert policy.needs.rows_alike and policy.needs.attention_rows == 32
 
 
 @pytest.mark.parametrize("bad", [0, -3, 2.5, True])

@@ -65,7 +65,7 @@ def reference_kept(raw, protect, norms, positions, budget, ratio, epsilon, log_s
 def query_rows(policy: Critical, positions: torch.Tensor) -> int:
     """How many query rows an attention-sum scorer's raw scores add up at this eviction (1 for the others):
     SnapKV's window rows of the block just run (min(window, block length)), one row while decoding, TOVA one."""
-    window = policy.scorer.attention_rows
+    window = policy.scorer.needs.attention_rows
     if not isinstance(window, int) or window <= 1:
         return 1
     newest = int(positions.max())
@@ -119,7 +119,7 @@ def test_every_eviction_matches_the_brute_force_reference(name, params):
         torch.testing.assert_close(record["norms"].double(), expected_norms, rtol=1e-5, atol=1e-6)
         expected = reference_kept(record["raw"], record["protect"], record["norms"], record["positions"], record["budget"],
                                   policy.first_stage_ratio, policy.epsilon * query_rows(policy, record["positions"]),
-                                  policy.scorer.log_scores)
+                                  policy.scorer.needs.log_scores)
         assert record["kept"] == expected, f"layer {record['layer']}: CriticalKV kept other entries than the reference"
 
 

@@ -28,7 +28,7 @@ from tests.conftest import CORE_POLICIES, extended_unless
 pytestmark = pytest.mark.integration
 
 BUDGET, BLOCK = 40, 16
-# Every policy the fixed step takes (Policy.capturable), and KeyDiff and H2O inside a recent window.
+# Every policy the fixed step takes (Needs.capturable), and KeyDiff and H2O inside a recent window.
 FIXED = ["keydiff", "keydiff_pairwise", "knorm", "sink", "recent", "keydiff-window", "h2o", "tova", "snapkv",
          "h2o-window"]
 # Those that score from an attention statistic: never placed in a block, so in fixed shapes only as one sequence alone.

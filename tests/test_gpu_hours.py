@@ -291,4 +291,4 @@ def test_the_capturable_set_is_the_policies_claim():
     for name in sorted(names):
         spec = OmegaConf.load(ROOT / "conf" / "policy" / f"{name}.yaml")
         policy = build_policy(str(spec.name), **dict(spec.get("params") or {}))
-        assert policy.capturable == (name in gh.CAPTURABLE), name
+        assert policy.needs.capturable == gh.capturable(name), name

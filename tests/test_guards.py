@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import ClassVar
 
@@ -586,7 +586,7 @@ def test_fast_and_materialized_statistics_agree_in_bf16(precision_prompts, name,
 class ObservedH2O(H2O):
     """H2O that keeps a copy of every statistic it adds up, by layer (so it evicts layer by layer)."""
 
-    layers_batchable: ClassVar[bool] = False
+    needs: ClassVar[Needs] = replace(H2O.needs, rows_alike=False)
     observed: list = field(default_factory=list, kw_only=True, repr=False)
 
     def observe(self, layer: LayerView) -> None:

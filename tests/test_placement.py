@@ -4,6 +4,8 @@ On CPU the placements differ by dtype: a tiny Llama whose middle layer runs in f
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -69,7 +71,8 @@ def test_stack_groups_layers_per_dtype_without_unused_slots(model, ids):
     assert cache.kv_cache_bytes == 2 * slot_bytes(2, 96, 16, 4) + slot_bytes(2, 96, 16, 8)
     assert cache.allocations == 3
     # The same choices as layer-by-layer eviction, so grouping changes no output.
-    alone = prefill(model, ids, variant(build_policy("keydiff"), layers_batchable=False), 64, 32)
+    policy = build_policy("keydiff")
+    alone = prefill(model, ids, variant(policy, needs=replace(policy.needs, rows_alike=False)), 64, 32)
     assert all(torch.equal(a, b) for a, b in zip(state.kept_positions, alone.kept_positions))
     assert generate(model, state, 4).token_ids == generate(model, alone, 4).token_ids
 
@@ -96,7 +99,7 @@ def test_head_adaptive_pool_stacks_group_layers_per_dtype(model, ids):
     assert storages[1].stack is None and storages[1].keys.dtype == torch.float64
     assert storages[0].in_stack and storages[2].in_stack and storages[0].stack.keys.shape[0] == 2
     # Head by head, layer by layer (no one-call eviction of the stack): the same choices.
-    alone = prefill(model, ids, variant(build_policy("keydiff", head_budgets="adakv"), chooses_pools=False), 64, 32)
+    alone = prefill(model, ids, variant(policy, needs=replace(policy.needs, segment_scores=False)), 64, 32)
     assert all(torch.equal(a, b) for a, b in zip(state.kept_positions, alone.kept_positions))
     assert generate(model, state, 3).token_ids == generate(model, alone, 3).token_ids
 

@@ -287,9 +287,9 @@ def test_recent_window_adds_to_what_the_policy_protects():
 
 def test_snapkv_rows_follow_the_window():
     policy = build_policy("snapkv", window=16)
-    assert policy.attention_rows == 16
+    assert policy.needs.attention_rows == 16
     policy.window = 8
-    assert policy.attention_rows == 8
+    assert policy.needs.attention_rows == 8
 
 
 @pytest.mark.parametrize(

@@ -7,6 +7,8 @@ something was evicted."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
@@ -117,7 +119,7 @@ def test_at_every_eviction_each_key_is_the_models_key_at_its_recorded_position(m
         return super(type(self), self).evict_indices(layer, budget)
 
     policy = build_policy("keydiff", key_rerotation=mode, layer_budgets=schedule)
-    recording = variant(policy, evict_indices=evict_indices, layers_batchable=False)  # one layer per view
+    recording = variant(policy, evict_indices=evict_indices, needs=replace(policy.needs, rows_alike=False))  # one layer per view
     try:
         state = prefill(model, prompt, recording, budget=BUDGET, block_size=BLOCK)
         budgets = state.cache.layer_budgets
@@ -185,8 +187,8 @@ def test_off_changes_nothing():
     prompt = torch.randint(0, 256, (1, LENGTH), generator=torch.Generator().manual_seed(6))
     for name in ("keydiff", "snapkv", "expected_attention"):
         off = build_policy(name, key_rerotation=False)
-        assert off.key_rerotation is None and off.describe() == build_policy(name).describe()
-        assert STATE not in off.state_names
+        assert off.needs.key_rerotation is None and off.describe() == build_policy(name).describe()
+        assert STATE not in off.needs.state
         plain_logits, plain_kept, plain_tokens = run(model, prompt, build_policy(name))
         logits, kept, tokens = run(model, prompt, off)
         assert torch.equal(logits, plain_logits) and tokens == plain_tokens
@@ -279,7 +281,7 @@ def test_true_is_kvpress_pipeline_layout_kept_keys_at_0_to_n_and_the_question_ri
     model = tiny_llama()
     prompt = torch.randint(0, 256, (1, LENGTH), generator=torch.Generator().manual_seed(5))
     policy = build_policy("keydiff", key_rerotation=True)
-    assert policy.key_rerotation == "contiguous"
+    assert policy.needs.key_rerotation == "contiguous"
     state = prefill(model, prompt, policy, budget=BUDGET, block_size=BLOCK)
     for layer in state.cache.layers:
         ranks = layer.positions[:, :, :BUDGET].argsort(dim=-1).argsort(dim=-1)

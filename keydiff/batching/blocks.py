@@ -27,10 +27,10 @@ def poolable(cache: EvictingCache, statistic: bool = False) -> bool:
     policy, stack = cache.policy, cache.stack
     return (stack is not None and len(cache.storages) == 1 and stack.keys is not None and stack.budget is not None
             and stack.keys.shape[1] == 1 and stack.scratch_mark is None and not cache.sliding
-            and all(window is None for window in cache.windows) and policy.layers_batchable
-            and (statistic or policy.attention_rows == 0) and not policy.needs_queries
-            and not policy.needs_output_projection
-            and policy.key_rerotation is None and not policy.head_adaptive and not policy.needs_reconstruction)
+            and all(window is None for window in cache.windows) and policy.needs.rows_alike
+            and (statistic or policy.needs.attention_rows == 0) and not policy.needs.queries
+            and not policy.needs.output_projection
+            and policy.needs.key_rerotation is None and not policy.needs.head_adaptive and not policy.needs.reconstruction)
 
 
 @dataclass(eq=False)

@@ -36,9 +36,9 @@ def eligible(caches: list[EvictingCache], q: int = 1) -> bool:
     if not caches:
         return False
     policy = caches[0].policy
-    if not policy.capturable or policy._check_every_call:  # checking every call's scores reads them on the host
+    if not policy.needs.capturable or policy._check_every_call:  # checking every call's scores reads them on the host
         return False
-    statistic = policy.attention_rows != 0
+    statistic = policy.needs.attention_rows != 0
     for cache in caches:
         if (not poolable(cache, statistic) or cache.policy != policy or not cache.evicts_next_pass() or cache._scratch
                 or cache.profile):  # a profiled run times its statistics and evictions apart: the ordinary step
@@ -116,7 +116,7 @@ def statistic_buffer(rows: Rows, policy: Policy, keys: int) -> StatisticBuffer:
     kv_heads, planes = rows.base["keys"].shape[2], len(rows.planes)
     shape = (rows.width, planes) if rows.slot_major else (planes, rows.width)
     buffer = torch.zeros(*shape, kv_heads, keys, dtype=torch.float32, device=rows.sequence_of.device)
-    return StatisticBuffer(buffer, rows.planes, rows.slot_major, policy.attention_rows, policy.attention_reduction)
+    return StatisticBuffer(buffer, rows.planes, rows.slot_major, policy.needs.attention_rows, policy.needs.attention_reduction)
 
 
 def write_active(buffer: torch.Tensor, new: torch.Tensor, active: torch.Tensor) -> None:
@@ -223,7 +223,7 @@ class StaticStep:
         self.cache = FixedCache(rows, budget, model.config.get_text_config().num_hidden_layers, self.active)
         # A policy that scores from attention: each layer's statistic over its N + q entries, written by the
         # attention function into a buffer allocated once (keydiff.attention.StatisticBuffer).
-        self.statistic = None if policy.attention_rows == 0 else statistic_buffer(rows, policy, budget + q)
+        self.statistic = None if policy.needs.attention_rows == 0 else statistic_buffer(rows, policy, budget + q)
         self.model_kwargs = {} if self.statistic is None else {STATISTIC_KWARG: self.statistic}
         self.logits: torch.Tensor | None = None
         self.calls = 0
@@ -259,7 +259,7 @@ class StaticStep:
         write_active(rows["positions"][:, :, n:stop], new_positions, row_active)
         new = LayerView(keys=rows["keys"][:, :, n:stop], values=rows["values"][:, :, n:stop],
                         positions=rows["positions"][:, :, n:stop], attention=None, state={}, layers=self.rows.layers)
-        initial = self.policy.entry_state(new) if self.policy.state_names else {}
+        initial = self.policy.entry_state(new) if self.policy.needs.state else {}
         for name, buffer in rows["state"].items():
             if name != ROTARY_STATE:
                 fresh = initial.get(name)

@@ -70,8 +70,8 @@ class ScoringStep:
         self.keys = torch.randn(1, kv_heads, n, dim, generator=generator).to(device, dtype)
         self.queries = torch.randn(1, heads, block, dim, generator=generator).to(device, dtype)
         self.positions = torch.arange(n, device=device).expand(1, kv_heads, n).contiguous()
-        self.state = {name: torch.zeros(1, kv_heads, n, device=device) for name in self.policy.state_names}
-        self.rows = self.policy.attention_rows
+        self.state = {name: torch.zeros(1, kv_heads, n, device=device) for name in self.policy.needs.state}
+        self.rows = self.policy.needs.attention_rows
         self.scaling = dim ** -0.5
         self.weights = None
         if self.rows != 0 and statistics_mode == "materialized":

@@ -303,7 +303,7 @@ class AdaptiveStorage:
               drop: bool = True) -> None:
         """Observe the last pass's statistics, then keep T entries per batch row (the policy's `keep_heads`);
         drop=False observes only. Key re-rotation is not supported here."""
-        if policy.key_rerotation is not None:
+        if policy.needs.key_rerotation is not None:
             raise RuntimeError(f"{self.where()}: key re-rotation is not supported with head-adaptive budgets")
         if self.keys is None:
             self.attention = [None]
@@ -317,10 +317,10 @@ class AdaptiveStorage:
                 for head in range(self.heads):
                     policy.observe(self.view_head(row, head))
         if over:
-            if policy.attention_rows != 0 and not recorded:
+            if policy.needs.attention_rows != 0 and not recorded:
                 raise RuntimeError(f"policy {policy.name!r} needs attention statistics but none were recorded in "
                                    f"{self.where()}: run the model inside `with keydiff.keydiff_attention(model, cache):`")
-            if policy.needs_queries and self.queries[0] is None:
+            if policy.needs.queries and self.queries[0] is None:
                 raise RuntimeError(f"policy {policy.name!r} needs query statistics but none were recorded in "
                                    f"{self.where()}: run the model inside `with keydiff.keydiff_attention(model, cache):`")
             if chooses_pools(policy):
@@ -365,7 +365,7 @@ class AdaptiveStorage:
 
 def chooses_pools(policy: Policy) -> bool:
     """Whether `policy` chooses on whole pools: head-adaptive, pool-scoring, needing no attention or query statistics."""
-    return policy.chooses_pools and policy.attention_rows == 0 and not policy.needs_queries
+    return policy.needs.chooses_pools and policy.needs.attention_rows == 0 and not policy.needs.queries
 
 
 def evict_pools(storages: list[AdaptiveStorage], buffers: list[torch.Tensor], policy: Policy, budget: int) -> None:
@@ -399,7 +399,7 @@ def evict_pools(storages: list[AdaptiveStorage], buffers: list[torch.Tensor], po
 def evict_stack(storages: list[AdaptiveStorage], policy: Policy) -> bool:
     """Evict every storage of one `PoolStack` at once if possible; False: evict them one by one."""
     stack = storages[0].stack if storages else None
-    if (stack is None or stack.keys is None or not chooses_pools(policy) or policy.key_rerotation is not None
+    if (stack is None or stack.keys is None or not chooses_pools(policy) or policy.needs.key_rerotation is not None
             or [s.layers[0] for s in storages] != list(stack.layers) or not all(s.in_stack for s in storages)):
         return False  # (the cache plans a stack only for layers of one budget; `in_stack`: written into it)
     for storage in storages:

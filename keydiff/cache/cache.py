@@ -63,9 +63,9 @@ class EvictingCache(Cache):
             raise ValueError(f"unknown attention statistics mode {statistics!r}; valid: {', '.join(STATISTICS_MODES)}")
         self.policy = policy
         self.inv_freq = self._rerotation_frequencies(policy, config)
-        self.contiguous = policy.key_rerotation == "contiguous" and policy.evicts
+        self.contiguous = policy.needs.key_rerotation == "contiguous" and policy.needs.evicts
         self._pass_position = 0  # contiguous re-rotation: the RoPE position of the current pass's first token
-        self.budget = budget if policy.evicts else None
+        self.budget = budget if policy.needs.evicts else None
         self.num_layers, self.block_size, self.max_tokens = num_layers, block_size, max_tokens
         self.scratch_tokens = scratch_tokens  # room for the longest scratch pass (KVzip's reconstruction)
         if layer_placements is not None and len(layer_placements) != num_layers:
@@ -82,7 +82,7 @@ class EvictingCache(Cache):
         self.statistics = statistics
         self.profile = profile
         self.timings = {"statistics_s": 0.0, "eviction_s": 0.0}
-        self.attention_reduction = policy.attention_reduction  # "sum" or "max" (see keydiff.attention)
+        self.attention_reduction = policy.needs.attention_reduction  # "sum" or "max" (see keydiff.attention)
         self._decoding = False  # True after start_generation
         self._scratch = False  # True inside `scratch()`
         self._chunk_start: int | None = None  # the scratch pass's `chunk_start`
@@ -92,7 +92,7 @@ class EvictingCache(Cache):
     @staticmethod
     def _rerotation_frequencies(policy: Policy, config: Any) -> torch.Tensor | None:
         """RoPE inverse frequencies (float64) for a re-rotating policy, from the model config; else None."""
-        if policy.key_rerotation is None or not policy.evicts:
+        if policy.needs.key_rerotation is None or not policy.needs.evicts:
             return None
         if config is None:
             raise ValueError(f"policy {policy.name!r} re-rotates keys (key_rerotation): build the cache with "
@@ -112,7 +112,7 @@ class EvictingCache(Cache):
                              "attention (by absolute positions) cannot follow")
         if len(windows) == len(self.windows) and self.budget is not None:
             if self.budget < min(windows):
-                if policy.head_adaptive:
+                if policy.needs.head_adaptive:
                     raise ValueError(f"policy {policy.name!r} has head-adaptive budgets, which keydiff-bench does not "
                                      "combine with sliding windows (every layer of this model slides)")
                 return frozenset()
@@ -131,7 +131,7 @@ class EvictingCache(Cache):
                       for b in budgets]
         if self.scratch_tokens:  # a scratch pass writes after the kept entries and the block
             capacities = [None if c is None else c + self.scratch_tokens for c in capacities]
-        if policy.head_adaptive:  # one pool of per-head segments per bounded layer (capacity: entries per head)
+        if policy.needs.head_adaptive:  # one pool of per-head segments per bounded layer (capacity: entries per head)
             bounded = tuple(i for i, b in enumerate(budgets) if b is not None)
             shared = len({budgets[i] for i in bounded}) == 1 and len({capacities[i] for i in bounded}) == 1
             stacks = {}
@@ -140,21 +140,21 @@ class EvictingCache(Cache):
                     if len(group) > 1:
                         shared_stack = PoolStack(group)
                         stacks.update({i: shared_stack for i in group})
-            layers = [EvictingLayer(b, c, policy.state_names, policy.entry_state, layer_idx=i) if b is None else
-                      AdaptiveLayer(AdaptiveStorage(i, b, c, policy.state_names, policy.entry_state,
-                                                    policy.needs_output_projection, stacks.get(i)), i)
+            layers = [EvictingLayer(b, c, policy.needs.state, policy.entry_state, layer_idx=i) if b is None else
+                      AdaptiveLayer(AdaptiveStorage(i, b, c, policy.needs.state, policy.entry_state,
+                                                    policy.needs.output_projection, stacks.get(i)), i)
                       for i, (b, c) in enumerate(zip(budgets, capacities))]
             return self._with_sliding(layers)
         first = evicted[0] if evicted else None
-        stackable = (first is not None and policy.layers_batchable and budgets[first] is not None
+        stackable = (first is not None and policy.needs.rows_alike and budgets[first] is not None
                      and len({budgets[i] for i in evicted}) == 1 and capacities[first] is not None
                      and len({capacities[i] for i in evicted}) == 1)
-        layers = [EvictingLayer(b, c, policy.state_names, policy.entry_state, layer_idx=i)
+        layers = [EvictingLayer(b, c, policy.needs.state, policy.entry_state, layer_idx=i)
                   for i, (b, c) in enumerate(zip(budgets, capacities))]
         if stackable:  # one stack per placement (a layer alone in its placement keeps a storage of its own)
             for group in self._placement_groups(tuple(evicted)):
                 if len(group) > 1:
-                    stack = Storage(group, budgets[first], capacities[first], policy.state_names, policy.entry_state)
+                    stack = Storage(group, budgets[first], capacities[first], policy.needs.state, policy.entry_state)
                     for plane, i in enumerate(group):
                         layers[i] = EvictingLayer(budgets[first], capacities[first], layer_idx=i, storage=stack, plane=plane)
         return self._with_sliding(layers)
@@ -290,7 +290,7 @@ class EvictingCache(Cache):
         for part, plane in zip(stack.split(), range(stack.count)):
             layer = self.layers[stack.layers[plane]]
             if layer is leaving:
-                own = Storage((layer.layer_idx,), stack.budget, stack.capacity, self.policy.state_names,
+                own = Storage((layer.layer_idx,), stack.budget, stack.capacity, self.policy.needs.state,
                               self.policy.entry_state)  # nothing written yet: allocated by its first write
                 layer.move_to(own, 0, new_buffers=True)
             else:
@@ -426,12 +426,12 @@ class EvictingCache(Cache):
         if isinstance(layer, SlidingWindowLayer):
             return 0
         storage = layer.storage
-        rows = self.policy.attention_rows
+        rows = self.policy.needs.attention_rows
         if rows == 0 or storage.budget is None or not self._evicting:
             return 0
-        if self.policy.needs_reconstruction and not (self._scratch or self._decoding):
+        if self.policy.needs.reconstruction and not (self._scratch or self._decoding):
             return 0  # a prefill block's own queries: only its reconstruction pass (and decoding) scores
-        if not self.policy.observes_every_step and storage.num_entries <= storage.budget:
+        if not self.policy.needs.every_pass and storage.num_entries <= storage.budget:
             return 0  # nothing will be evicted after this pass, so the statistic would be wasted
         return rows
 
@@ -442,7 +442,7 @@ class EvictingCache(Cache):
     def queries_needed(self, layer_idx: int) -> bool:
         """Whether the attention function must hand this layer's queries over (Expected Attention)."""
         layer = self.layers[layer_idx]
-        return (self.policy.needs_queries and layer.budget is not None and self._evicting
+        return (self.policy.needs.queries and layer.budget is not None and self._evicting
                 and not isinstance(layer, SlidingWindowLayer))
 
     def record_queries(self, layer_idx: int, query: torch.Tensor, config) -> None:
@@ -451,7 +451,7 @@ class EvictingCache(Cache):
         storage, plane = layer.storage, layer.plane
         if storage.queries[plane] is None:
             inv_freq, scaling = rope_frequencies(config, query.shape[-1])
-            first = self.policy.first_query_position
+            first = self.policy.needs.queries_from
             storage.queries[plane] = QueryStatistics(inv_freq.to(query.device), scaling, first)
         # The queries were rotated for their RoPE positions: the absolute ones, or the pass's under contiguous re-rotation.
         start = self._pass_position if self.contiguous else layer.seen - query.shape[2]
@@ -460,7 +460,7 @@ class EvictingCache(Cache):
     def output_projection_needed(self, layer_idx: int) -> bool:
         """Whether the attention function must hand this layer's o_proj weight over (CriticalKV): once per layer."""
         layer = self.layers[layer_idx]
-        return (self.policy.needs_output_projection and layer.budget is not None
+        return (self.policy.needs.output_projection and layer.budget is not None
                 and not isinstance(layer, SlidingWindowLayer) and layer.storage.output_projection[layer.plane] is None)
 
     def record_output_projection(self, layer_idx: int, weight: torch.Tensor) -> None:

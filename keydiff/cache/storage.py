@@ -311,20 +311,20 @@ class Storage:
         if view.attention is not None:
             policy.observe(view)
         if drop and self.num_entries > self.budget:
-            if policy.attention_rows != 0 and view.attention is None:
+            if policy.needs.attention_rows != 0 and view.attention is None:
                 raise RuntimeError(
                     f"policy {policy.name!r} needs attention statistics but none were recorded in {self.where()}: "
                     "run the model inside `with keydiff.keydiff_attention(model, cache):` (keydiff.prefill and "
                     "keydiff.generate do this for you)"
                 )
-            if policy.needs_queries and view.queries is None:
+            if policy.needs.queries and view.queries is None:
                 raise RuntimeError(
                     f"policy {policy.name!r} needs query statistics but none were recorded in {self.where()}: run the "
                     "model inside `with keydiff.keydiff_attention(model, cache):` (keydiff.prefill and "
                     "keydiff.generate do)"
                 )
             self.drop(policy.evict_indices(view, self.budget))
-            if policy.key_rerotation is not None:
+            if policy.needs.key_rerotation is not None:
                 if inv_freq is None:
                     raise RuntimeError(f"policy {policy.name!r} re-rotates keys but the cache was given no RoPE "
                                        "frequencies: build EvictingCache(..., config=model.config)")

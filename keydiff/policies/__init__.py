@@ -4,7 +4,7 @@ Each policy is one small dataclass in its own module; `POLICIES` maps config nam
 path names a policy written elsewhere. `build_policy` composes wrappers (recent window, ChunkKV, CriticalKV,
 AdaKV, key re-rotation, layer budgets) from the configs' flat parameters. Design: docs/design/policies.md
 
-    base         what a policy is (Policy, LayerView), and layer_by_layer, the reference of a stacked choice
+    base         what a policy is (Policy, Needs, LayerView), and layer_by_layer, the reference of a stacked choice
     full         no eviction (the baseline)
     keydiff      KeyDiff (paper §3.2) and its pairwise form
     knorm        L2-norm of the keys
@@ -23,6 +23,7 @@ AdaKV, key re-rotation, layer budgets) from the configs' flat parameters. Design
     wrappers     a recent window and per-layer budgets around any policy
     layer_budgets  how a budget is split across layers (uniform, PyramidKV)
     rerotation   key re-rotation after eviction
+    capabilities every preset's needs as data (capabilities.json), for the modules that import no torch
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import importlib
 from typing import Any
 
 from keydiff.policies.adakv import HEAD_BUDGETS, REROTATION_REFUSED, HeadAdaptive, check_alpha, check_head_scores
-from keydiff.policies.base import LayerView, Policy, layer_by_layer
+from keydiff.policies.base import LayerView, Needs, Policy, layer_by_layer
 from keydiff.policies.chunkkv import Chunked
 from keydiff.policies.criticalkv import Critical
 from keydiff.policies.expected_attention import ExpectedAttention
@@ -181,5 +182,5 @@ def build_policy(name: str, **params: Any) -> Policy:
     return compose_policy(cls, **params)
 
 
-__all__ = ["POLICIES", "Chunked", "Critical", "HeadAdaptive", "LayerBudgets", "Rerotated", "LayerView", "Policy", "PolicyWrapper", "RecentWindow", "available_policies", "build_policy",
+__all__ = ["POLICIES", "Chunked", "Critical", "HeadAdaptive", "LayerBudgets", "Rerotated", "LayerView", "Needs", "Policy", "PolicyWrapper", "RecentWindow", "available_policies", "build_policy",
            "compose_policy", "layer_by_layer", "policy_class", "policy_parameters", "require_own_dataclass"] + [c.__name__ for c in POLICIES.values()]

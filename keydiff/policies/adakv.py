@@ -10,11 +10,11 @@ Design: docs/design/policies.md#adakv-adakvpy
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from keydiff.policies.base import LayerView, Policy, PoolView, check_scores, score_then_position
+from keydiff.policies.base import LayerView, Needs, Policy, PoolView, check_scores, score_then_position
 from keydiff.policies.chunkkv import Chunked
 from keydiff.policies.criticalkv import STATE as CRITICAL_STATE
 from keydiff.policies.criticalkv import Critical, critical_scores, first_stage
@@ -36,10 +36,10 @@ REROTATION_REFUSED = ("key_rerotation with head_budgets=adakv is not supported (
 
 def refuse_unsupported(scorer: Policy) -> None:
     """One-line ValueError for what head-adaptive budgets cannot wrap: KVzip, ChunkKV and key re-rotation."""
-    if scorer.needs_reconstruction:
+    if scorer.needs.reconstruction:
         raise ValueError(f"{scorer.unwrapped().name} with head_budgets=adakv is not supported (its reconstruction "
                          "passes need dense per-head buffers); drop one of them")
-    if scorer.key_rerotation is not None:
+    if scorer.needs.key_rerotation is not None:
         raise ValueError(REROTATION_REFUSED)
     policy = scorer
     while isinstance(policy, PolicyWrapper):
@@ -53,7 +53,8 @@ def check_head_scores(head_scores: str, scorer: Policy | None = None) -> None:
     """One-line ValueError for an unknown `head_scores`, or "relative" over a scorer whose scores are not attention shares."""
     if head_scores not in HEAD_SCORES:
         raise ValueError(f"unknown head_scores {head_scores!r}; valid: {', '.join(HEAD_SCORES)}")
-    if head_scores == "relative" and scorer is not None and scorer.attention_rows == 0 and not scorer.log_scores:
+    needs = None if scorer is None else scorer.needs
+    if head_scores == "relative" and needs is not None and needs.attention_rows == 0 and not needs.log_scores:
         raise ValueError(f"head_scores=relative applies to scorers whose scores are attention (snapkv, tova, h2o, "
                          f"expected_attention, ...), not to {scorer.unwrapped().name}; drop it or use head_scores=raw")
 
@@ -170,12 +171,13 @@ class HeadAdaptive(PolicyWrapper):
         check_head_scores(self.head_scores, self.scorer)
 
     @property
-    def head_adaptive(self) -> bool:
-        return True
-
-    @property
-    def layers_batchable(self) -> bool:
-        return False  # each layer has a pool of its own; never stacked
+    def needs(self) -> Needs:
+        """Head-adaptive, each layer a pool of its own (never stacked); whole pools are chosen on (`drop_pool`)
+        when the wrapped policy scores them (KeyDiff, alone or in a window of size 0) and the scores are raw: not
+        with a window (it protects entries) nor CriticalKV (two stages per head). Relative scores are not read for
+        the batch-invariant kernels."""
+        return replace(super().needs, head_adaptive=True, rows_alike=False, batch_invariant=False,
+                       segment_scores=self.scorer.needs.segment_scores and self.head_scores == "raw")
 
     def check_parameters(self, budget: int | None = None) -> None:
         check_alpha(self.alpha_safeguard)
@@ -195,16 +197,10 @@ class HeadAdaptive(PolicyWrapper):
         protect = scorer.protected(head, budget)
         scores = self.checked(scorer.score(head) if scores is None else scores, head, protect)
         if self.head_scores == "relative":  # before the protected entries become +inf: they count in the mean
-            scores = relative_scores(scores, scorer.log_scores)
+            scores = relative_scores(scores, scorer.needs.log_scores)
         if protect is not None:
             scores = scores.masked_fill(protect, float("inf"))
         return score_then_position(scores, head.positions)[0, 0], None if protect is None else protect[0, 0]
-
-    @property
-    def chooses_pools(self) -> bool:
-        """Whole pools are chosen on (`drop_pool`) when the wrapped policy scores them (KeyDiff, alone or in a
-        window of size 0): not with a window (it protects entries) nor CriticalKV (two stages per head)."""
-        return self.scorer.scores_pools and self.head_scores == "raw"
 
     def drop_pool(self, pool: PoolView, budget: int) -> torch.Tensor:
         scores = self.scorer.score_pool(pool).float()
@@ -237,7 +233,8 @@ class HeadAdaptive(PolicyWrapper):
             stage_one = first_stage(scores, head.positions, protect, first)
             if protect is not None:
                 stage_one |= protect
-            rescaled = critical_scores(scores, head.state[CRITICAL_STATE], critical.scaled_epsilon(head), inner.log_scores)
+            rescaled = critical_scores(scores, head.state[CRITICAL_STATE], critical.scaled_epsilon(head),
+                                       inner.needs.log_scores)
             keys = score_then_position(rescaled.float().masked_fill(stage_one, float("inf")), head.positions)[0, 0]
             keep = torch.zeros(n, dtype=torch.bool, device=keys.device)
             masks.append(keep.index_fill_(0, torch.topk(keys, count).indices, True))

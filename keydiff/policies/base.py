@@ -1,8 +1,8 @@
 """What an eviction policy is: a scoring rule over the entries of one layer's cache.
 
 A policy sees one layer at a time (`LayerView`) and says which entries of each KV head to drop so that
-`budget` remain: most implement only `score` (higher = keep), some `protected` and `observe`. Its
-capabilities (properties of `Policy`) say what it needs from the cache and the engine. Entries are in no
+`budget` remain: most implement only `score` (higher = keep), some `protected` and `observe`. Its `needs`
+(a `Needs`) say what it needs from the cache and the engine. Entries are in no
 particular order: a policy needing recency reads `positions`. User guide: docs/policies.md.
 
 Design: docs/design/policies.md#what-a-policy-is-basepy
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from functools import cached_property
 from typing import ClassVar
 
@@ -33,18 +33,18 @@ class LayerView:
     # Attention statistic of the forward pass that just ran: for each entry, the attention it received,
     # summed over the query rows the policy asked for and averaged over the query heads of its KV group.
     attention: torch.Tensor | None  # [batch, kv_heads, n] float32, or None if the policy asked for none
-    # Per-entry policy state [batch, kv_heads, n], one view per name in the policy's `state_names`; new
+    # Per-entry policy state [batch, kv_heads, n], one view per name in the policy's `needs.state`; new
     # entries start at 0. Update it in place (`state["h2o"].add_(...)`): it lives in the cache's buffers.
     state: dict[str, torch.Tensor]
     # The model layers whose rows the view holds, layer-major: one layer, or several when the cache scores
-    # them in one call (their rows stacked along the batch dimension, see `Policy.layers_batchable`). An int
+    # them in one call (their rows stacked along the batch dimension, see `Needs.rows_alike`). An int
     # is taken as that one layer.
     layers: tuple[int, ...]
     # Running mean/covariance of this layer's pre-RoPE queries (every pass so far), for policies with
-    # `needs_queries`; None otherwise.
+    # `needs.queries`; None otherwise.
     queries: QueryStatistics | None = None
     # The layer's attention output projection (o_proj.weight, [hidden, heads * head_dim], as the model holds it),
-    # for policies with `needs_output_projection` (CriticalKV); None otherwise and in stacked views.
+    # for policies with `needs.output_projection` (CriticalKV); None otherwise and in stacked views.
     output_projection: torch.Tensor | None = None
 
     def __post_init__(self):
@@ -56,10 +56,10 @@ class LayerView:
 
     @property
     def layer_idx(self) -> int:
-        """The one layer this view holds; an error if it stacks several (such a policy is not `layers_batchable`)."""
+        """The one layer this view holds; an error if it stacks several (such a policy's rows are not alike)."""
         if len(self.layers) != 1:
             raise RuntimeError(f"this view stacks layers {self.layers[0]}..{self.layers[-1]}: a policy that reads "
-                               "layer_idx must not set layers_batchable")
+                               "layer_idx must not set needs.rows_alike")
         return self.layers[0]
 
 
@@ -81,35 +81,122 @@ class PoolView:
         return self.member.any(dim=1)
 
 
+@dataclass(frozen=True)
+class Needs:
+    """What a policy needs from the cache, the attention function and the engine, declared in one place.
+
+    A policy class states it once: `needs: ClassVar[Needs] = Needs(rows_alike=True)`, or, where an answer follows
+    a hyper-parameter, a `needs` property returning one (SnapKV's attention rows are its window). Read it from an
+    instance: `policy.needs.attention_rows`. Every default is the safe answer. Design: docs/design/policies.md
+    """
+
+    # Which query rows' attention the policy reads (LayerView.attention): 0 none, k the last k rows of each pass,
+    # None every row; reduced per entry by "sum" (over rows; mean over the KV group's heads) or "max".
+    attention_rows: int | None = 0
+    attention_reduction: str = "sum"
+    every_pass: bool = False  # `observe` sees every forward pass's attention, even one that evicts nothing
+    # The engine runs a reconstruction pass (`reconstruction_input`, inside `cache.scratch()`) after each prefill
+    # block (KVzip).
+    reconstruction: bool = False
+    # Reads LayerView.queries: running statistics of the layer's pre-RoPE queries, from position `queries_from` on.
+    queries: bool = False
+    queries_from: int = 0
+    output_projection: bool = False  # reads LayerView.output_projection, the layer's o_proj weight (CriticalKV)
+    state: tuple[str, ...] = ()  # names of the per-entry float32 state buffers the cache allocates (LayerView.state)
+    # None, or how the cache re-applies RoPE to kept keys after eviction: "contiguous" or "absolute" (rerotation.py)
+    key_rerotation: str | None = None
+    # False: `evict_indices` (and `observe`) read no value on the host and make no value-dependent shape, so a
+    # fixed-shape step may compile or capture them (`capturable`).
+    host_reads: bool = True
+    # Every batch row of a view is scored alike from its own entries, so the cache may stack all layers and evict
+    # them in one call; keydiff.testing.check_policy checks the claim.
+    rows_alike: bool = False
+    head_adaptive: bool = False  # a layer's heads share its budget (AdaKV): per-head segments, `keep_heads`
+    # Scores whole head-adaptive pools at once (`score_pool`); on a head-adaptive policy: chooses on them
+    # (`drop_pool`, see `chooses_pools`).
+    segment_scores: bool = False
+    log_scores: bool = False  # `score` returns the log of a non-negative importance (Expected Attention)
+    evicts: bool = True  # False only for the no-eviction baseline
+    # Its scores use only what keydiff.kernels.batch_invariant makes invariant (matmuls, sums, means, norms,
+    # attention) or what is invariant as it is (elementwise, softmax, max, topk): read, not measured on a GPU.
+    batch_invariant: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.state, tuple):
+            object.__setattr__(self, "state", tuple(self.state))
+        if self.attention_reduction not in REDUCTIONS:
+            raise ValueError(f"Needs.attention_reduction {self.attention_reduction!r} is not valid; valid: "
+                             f"{', '.join(REDUCTIONS)}")
+        rows = self.attention_rows
+        if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 0):
+            raise ValueError(f"Needs.attention_rows must be None (every row) or an int >= 0, got {rows!r}")
+
+    @property
+    def capturable(self) -> bool:
+        """A fixed-shape step may compile or capture the policy's eviction (no host reads)."""
+        return not self.host_reads
+
+    @property
+    def chooses_pools(self) -> bool:
+        """A head-adaptive policy that chooses on whole pools (`drop_pool`) rather than head by head."""
+        return self.head_adaptive and self.segment_scores
+
+    @property
+    def groupable(self) -> bool:
+        """Rows of several sequences may be evicted as one (keydiff.batching.blocks.poolable's policy half): rows
+        alike, and nothing but the entries read (no attention, queries, output projection, re-rotation, segments)."""
+        return (self.rows_alike and self.attention_rows == 0 and not self.queries and not self.output_projection
+                and self.key_rerotation is None and not self.head_adaptive and not self.reconstruction)
+
+
+REDUCTIONS = ("sum", "max")
+# The capability attributes a policy stated one by one before `needs`: their `Needs` field (or what replaced them).
+LEGACY = {"attention_rows": "attention_rows", "attention_reduction": "attention_reduction",
+          "needs_reconstruction": "reconstruction", "observes_every_step": "every_pass", "evicts": "evicts",
+          "state_names": "state", "needs_queries": "queries", "first_query_position": "queries_from",
+          "needs_output_projection": "output_projection", "key_rerotation": "key_rerotation",
+          "log_scores": "log_scores", "layers_batchable": "rows_alike", "capturable": "host_reads=False",
+          "head_adaptive": "head_adaptive", "chooses_pools": "head_adaptive and segment_scores",
+          "scores_pools": "segment_scores"}
+
+
 @dataclass
 class Policy:
     """Base class: keep the `budget` highest-scoring entries of every KV head, plus nothing else.
 
     Subclasses are small dataclasses whose fields are hyper-parameters. A recent window and per-layer budgets are
-    wrappers (keydiff.policies.wrappers). Capabilities are the properties below: state each once, as a class
-    attribute or a property; read them from an instance (docs/design/policies.md#capabilities).
+    wrappers (keydiff.policies.wrappers). What a policy needs from the cache and the engine is its `needs` (a
+    `Needs`), declared once per class (docs/design/policies.md#capabilities).
     """
+
+    needs: ClassVar[Needs] = Needs()
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        """Refuse a capability stated the old way (one attribute each), which the cache would no longer read."""
+        super().__init_subclass__(**kwargs)
+        legacy = [name for name in LEGACY if name in vars(cls)]
+        if legacy:
+            name = legacy[0]
+            raise TypeError(f"{cls.__qualname__}.{name}: capabilities are declared in one place now: declare "
+                            f"needs = Needs(...) ({name} is Needs.{LEGACY[name]}); valid fields: "
+                            f"{', '.join(f.name for f in fields(Needs))}")
+        declared = vars(cls).get("needs")
+        if declared is not None and not isinstance(declared, (Needs, property)):
+            raise TypeError(f"{cls.__qualname__}.needs must be a keydiff.policies.Needs (or a property returning one), "
+                            f"got {type(declared).__name__}")
+        if isinstance(declared, property):
+            cls.needs = remembered(declared.fget)
+
+    def __setattr__(self, name: str, value) -> None:
+        """Set the attribute and forget the `needs` a property computed (they may follow it)."""
+        object.__setattr__(self, name, value)
+        self.__dict__.pop("_needs", None)
 
     @property
     def name(self) -> str:
         """The config name (a built-in states its own); a policy of your own is named by its class's dotted path."""
         cls = type(self)
         return f"{cls.__module__}.{cls.__qualname__}"
-
-    @property
-    def attention_rows(self) -> int | None:
-        """Which query rows' attention the policy needs: 0 = none, k = the last k rows of each pass, None = every row."""
-        return 0
-
-    @property
-    def attention_reduction(self) -> str:
-        """How those rows' attention is reduced per entry: "sum" (over rows; mean over the group's heads) or "max"."""
-        return "sum"
-
-    @property
-    def needs_reconstruction(self) -> bool:
-        """True if the engine must run a reconstruction pass (`reconstruction_input`, in `cache.scratch()`) after each prefill block (KVzip)."""
-        return False
 
     def reconstruction_input(self, block: torch.Tensor, previous: torch.Tensor, tokenizer) -> torch.Tensor:
         """Token ids [batch, R + B] of the reconstruction pass for prefill block `block` [batch, B] (`previous`: the block before)."""
@@ -119,83 +206,16 @@ class Policy:
         """Bool [batch, kv_heads, n]: the held entries the reconstruction pass's softmax covers besides its own; None: all."""
         return None
 
-    @property
-    def observes_every_step(self) -> bool:
-        """True if `observe` must see the attention of every forward pass, even those that evict nothing."""
-        return False
-
-    @property
-    def evicts(self) -> bool:
-        """False only for the no-eviction baseline."""
-        return True
-
-    @property
-    def state_names(self) -> tuple[str, ...]:
-        """Names of the per-entry state buffers `observe` updates (LayerView.state), allocated by the cache."""
-        return ()
-
-    @property
-    def needs_queries(self) -> bool:
-        """True if the policy reads `LayerView.queries` (running statistics of the layer's pre-RoPE queries)."""
-        return False
-
-    @property
-    def first_query_position(self) -> int:
-        """Queries at positions below this are left out of those statistics (Expected Attention: the sinks)."""
-        return 0
-
-    @property
-    def needs_output_projection(self) -> bool:
-        """True if the policy reads `LayerView.output_projection` (the layer's o_proj weight; CriticalKV)."""
-        return False
-
-    @property
-    def key_rerotation(self) -> str | None:
-        """None, or how the cache re-applies RoPE to kept keys after eviction: "contiguous" or "absolute" (keydiff.policies.rerotation)."""
-        return None
-
-    @property
-    def log_scores(self) -> bool:
-        """True if `score` returns the log of a non-negative importance (Expected Attention), for rescaling wrappers."""
-        return False
-
-    @property
-    def layers_batchable(self) -> bool:
-        """True if every batch row of a view is scored alike from its own entries, so the cache may evict all layers in
-        one call. False (safe default) unless set; `keydiff.testing.check_policy` checks the claim."""
-        return False
-
-    @property
-    def capturable(self) -> bool:
-        """True if `evict_indices` (and `observe`) read no value on the host and make no value-dependent shape, so a
-        fixed-shape step can compile or capture it. False (safe default) unless set."""
-        return False
-
-    @property
-    def head_adaptive(self) -> bool:
-        """True if the heads of a layer share its budget (AdaKV): the cache then keeps per-head pools and asks `keep_heads`."""
-        return False
-
     def keep_heads(self, heads: list[LayerView], budget: int) -> list[torch.Tensor]:
         """For a head-adaptive policy: bool masks of the entries each head of one batch row keeps."""
         raise NotImplementedError(f"policy {self.name!r} does not share a layer's budget between its heads")
 
-    @property
-    def chooses_pools(self) -> bool:
-        """True if a head-adaptive policy chooses on whole pools (`drop_pool`) rather than head by head. False by default."""
-        return False
-
     def drop_pool(self, pool: PoolView, budget: int) -> torch.Tensor:
-        """For `chooses_pools`: bool [rows, P], the entries of every row of `pool` to drop (`keep_heads`' choice; budget: N)."""
+        """For `needs.chooses_pools`: bool [rows, P], the entries of every row of `pool` to drop (`keep_heads`' choice; budget: N)."""
         raise NotImplementedError(f"policy {self.name!r} does not choose on head-adaptive pools")
 
-    @property
-    def scores_pools(self) -> bool:
-        """True if the policy scores head-adaptive pools directly (`score_pool`), each head from its own entries. False by default."""
-        return False
-
     def score_pool(self, pool: PoolView) -> torch.Tensor:
-        """Scores [rows, P] float32 of every entry of `pool`, as `score` gives them on each head alone. Only with `scores_pools`."""
+        """Scores [rows, P] float32 of every entry of `pool`, as `score` gives them on each head alone. Only with `needs.segment_scores`."""
         raise NotImplementedError(f"policy {self.name!r} does not score head-adaptive pools")
 
     # True: check the scores at every eviction, not only at the policy object's first (keydiff.testing).
@@ -271,6 +291,27 @@ class Policy:
         return {"name": self.name, **{f.name: getattr(self, f.name) for f in fields(self) if f.init}, "layer_budgets": None}
 
 
+def remembered(compute):
+    """A `needs` property computed once per policy object, again after one of its attributes is set (Policy.__setattr__)
+    or, for a wrapper, once its scorer's needs change: the cache reads it per layer and pass, and a `replace` chain
+    through the wrappers would cost a Needs per level at every read. Each class's property keeps its own answer
+    (`super().needs` is another; kept by name, so a policy object still pickles)."""
+    key = f"{compute.__module__}.{compute.__qualname__}"
+
+    def needs(self: Policy) -> Needs:
+        scorer = self.__dict__.get("scorer")
+        inner = None if scorer is None else scorer.needs
+        answers = self.__dict__.setdefault("_needs", {})
+        known = answers.get(key)
+        if known is not None and known[0] is inner:
+            return known[1]
+        value = compute(self)
+        answers[key] = (inner, value)
+        return value
+
+    return property(needs, doc=compute.__doc__)
+
+
 def policy_error_name(policy: Policy) -> str:
     """How errors name a policy: its config name, or its class's dotted path for one of your own (wrappers: the wrapped one)."""
     policy = policy.unwrapped()
@@ -301,13 +342,13 @@ def check_scores(policy: Policy, scores: torch.Tensor, layer: LayerView, protect
 
 
 def layer_by_layer(policy: Policy) -> Policy:
-    """The same policy (class behaviour and parameters) with `layers_batchable` False: the reference stacked
+    """The same policy (class behaviour and parameters) with `needs.rows_alike` False: the reference stacked
     choices are checked against."""
-    if not policy.layers_batchable:
+    if not policy.needs.rows_alike:
         return policy
     cls = type(policy)
     names = {"__module__": cls.__module__, "__qualname__": cls.__qualname__}  # named (in errors) as the class itself
-    unstacked = type(f"LayerByLayer{cls.__name__}", (cls,), {"layers_batchable": False, **names})
+    unstacked = type(f"LayerByLayer{cls.__name__}", (cls,), {"needs": replace(policy.needs, rows_alike=False), **names})
     return unstacked(**{f.name: getattr(policy, f.name) for f in fields(policy) if f.init})
 
 
@@ -348,4 +389,4 @@ def check_fraction(name: str, value: float, budget: int | None = None) -> None:
         logger.warning("%s=%s of a %d-token budget reserves no entry (floor); the window is empty", name, value, budget)
 
 
-__all__ = ["LayerView", "Policy", "PoolView", "check_scores", "layer_by_layer", "most_recent", "window_size", "check_fraction", "field"]
+__all__ = ["LayerView", "Needs", "Policy", "PoolView", "check_scores", "layer_by_layer", "most_recent", "window_size", "check_fraction", "field"]

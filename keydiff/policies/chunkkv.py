@@ -9,11 +9,11 @@ Design: docs/design/policies.md#chunkkv-chunkkvpy
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from keydiff.policies.base import LayerView
+from keydiff.policies.base import LayerView, Needs
 from keydiff.policies.wrappers import PolicyWrapper
 
 
@@ -38,6 +38,11 @@ class Chunked(PolicyWrapper):
 
     chunk_length: int = 20
     scope: str = "layer"
+
+    @property
+    def needs(self) -> Needs:
+        """The wrapped policy's (chunk sums are read on the host); its scoring is not read for the batch-invariant kernels."""
+        return replace(super().needs, batch_invariant=False)
 
     def check_parameters(self, budget: int | None = None) -> None:
         if isinstance(self.chunk_length, bool) or not isinstance(self.chunk_length, int) or self.chunk_length < 1:

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from keydiff.policies.base import LayerView, score_then_position
+from keydiff.policies.base import LayerView, Needs, score_then_position
 from keydiff.policies.wrappers import PolicyWrapper
 
 logger = logging.getLogger(__name__)
@@ -104,16 +104,12 @@ class Critical(PolicyWrapper):
                            "ExpectedAttentionPress(use_vnorm=False)); set use_vnorm: false", inner.name)
 
     @property
-    def needs_output_projection(self) -> bool:
-        return True
-
-    @property
-    def state_names(self) -> tuple[str, ...]:
-        return (*self.scorer.state_names, STATE)
-
-    @property
-    def layers_batchable(self) -> bool:
-        return False  # each layer is scored with its own o_proj weight
+    def needs(self) -> Needs:
+        """The output projection, and ||W_o v||_1 per entry; each layer is scored with its own o_proj weight (never
+        stacked). Its scoring is not read for the batch-invariant kernels."""
+        inner = super().needs
+        return replace(inner, output_projection=True, state=(*inner.state, STATE), rows_alike=False,
+                       batch_invariant=False)
 
     def check_parameters(self, budget: int | None = None) -> None:
         for name, value in (("critical_epsilon", self.epsilon), ("first_stage_ratio", self.first_stage_ratio)):
@@ -149,14 +145,15 @@ class Critical(PolicyWrapper):
 
     def score(self, layer: LayerView) -> torch.Tensor:
         return critical_scores(self.scorer_scores(layer), layer.state[STATE], self.scaled_epsilon(layer),
-                               self.scorer.log_scores)
+                               self.scorer.needs.log_scores)
 
     def scaled_epsilon(self, layer: LayerView) -> float | torch.Tensor:
         """epsilon on the scale of the scorer's scores: x the number of query rows they sum (SnapKV's window, TOVA's
         1 row), since the paper adds it to one query's attention. float32 [batch, kv_heads, 1], or the plain epsilon."""
-        rows = self.scorer.attention_rows
-        if (self.scorer.log_scores or layer.attention is None or not isinstance(rows, int) or rows <= 1
-                or self.scorer.attention_reduction != "sum"):
+        needs = self.scorer.needs
+        rows = needs.attention_rows
+        if (needs.log_scores or layer.attention is None or not isinstance(rows, int) or rows <= 1
+                or needs.attention_reduction != "sum"):
             return self.epsilon
         counted = layer.attention.float().sum(dim=-1, keepdim=True).round().clamp(1, rows)
         return self.epsilon * counted

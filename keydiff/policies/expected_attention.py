@@ -15,15 +15,13 @@ from typing import ClassVar
 
 import torch
 
-from keydiff.policies.base import LayerView, Policy
+from keydiff.policies.base import LayerView, Needs, Policy
 from keydiff.queries import mean_rotation
 
 
 @dataclass
 class ExpectedAttention(Policy):
     name: ClassVar[str] = "expected_attention"
-    needs_queries: ClassVar[bool] = True
-    log_scores: ClassVar[bool] = True  # score() is log((expected attention + epsilon) x ||v||)
     n_future_positions: int = 512
     n_sink: int = 4
     use_covariance: bool = True
@@ -31,9 +29,10 @@ class ExpectedAttention(Policy):
     epsilon: float = 0.0
 
     @property
-    def first_query_position(self) -> int:
-        """Queries of the sink positions are outliers: left out of the statistics (as in the original)."""
-        return self.n_sink
+    def needs(self) -> Needs:
+        """The queries' statistics, without the sink positions' queries (outliers, left out as in the original);
+        score() is log((expected attention + epsilon) x ||v||)."""
+        return Needs(queries=True, queries_from=self.n_sink, log_scores=True)
 
     def validate(self, budget: int) -> None:
         if self.n_future_positions < 1:

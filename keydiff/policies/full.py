@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import torch
 
-from keydiff.policies.base import LayerView, Policy
+from keydiff.policies.base import LayerView, Needs, Policy
 
 
 @dataclass
@@ -15,7 +15,7 @@ class Full(Policy):
     """No eviction. Block-wise prefill with this policy equals one ordinary forward pass."""
 
     name: ClassVar[str] = "full"
-    evicts: ClassVar[bool] = False
+    needs: ClassVar[Needs] = Needs(evicts=False, batch_invariant=True)
 
     def score(self, layer: LayerView) -> torch.Tensor:
         raise RuntimeError("the full policy never evicts")

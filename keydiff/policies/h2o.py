@@ -11,7 +11,7 @@ from typing import ClassVar
 
 import torch
 
-from keydiff.policies.base import LayerView, Policy
+from keydiff.policies.base import LayerView, Needs, Policy
 
 
 @dataclass
@@ -19,11 +19,8 @@ class H2O(Policy):
     """Heavy hitters by accumulated attention (its configs' `recent_fraction` is a RecentWindow around it)."""
 
     name: ClassVar[str] = "h2o"
-    layers_batchable: ClassVar[bool] = True
-    attention_rows: ClassVar[int | None] = None
-    capturable: ClassVar[bool] = True
-    observes_every_step: ClassVar[bool] = True
-    state_names: ClassVar[tuple[str, ...]] = ("h2o",)
+    needs: ClassVar[Needs] = Needs(attention_rows=None, every_pass=True, state=("h2o",), host_reads=False,
+                                   rows_alike=True, batch_invariant=True)
     recent_window_parameter: ClassVar[str | None] = "recent_fraction"
 
     def observe(self, layer: LayerView) -> None:

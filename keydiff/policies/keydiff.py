@@ -14,7 +14,7 @@ from typing import Callable, ClassVar
 import torch
 import torch.nn.functional as F
 
-from keydiff.policies.base import LayerView, Policy, PoolView, float32_norms
+from keydiff.policies.base import LayerView, Needs, Policy, PoolView, float32_norms
 
 ANCHORS = ("normalized_mean", "mean", "median")
 METRICS = ("cosine", "dot", "euclidean")
@@ -99,10 +99,6 @@ class KeyDiff(Policy):
     euclidean (||k - anchor||). The sliding window of Table 14 is a RecentWindow around it (`window_fraction`)."""
 
     name: ClassVar[str] = "keydiff"
-    layers_batchable: ClassVar[bool] = True
-    capturable: ClassVar[bool] = True
-    # 1/||k|| of every entry, computed once when the entry is written (initial_state), not at every step.
-    state_names: ClassVar[tuple[str, ...]] = ("inv_norm",)
     recent_window_parameter: ClassVar[str | None] = "window_fraction"
     anchor: str = "normalized_mean"
     metric: str = "cosine"
@@ -117,9 +113,11 @@ class KeyDiff(Policy):
         return {"inv_norm": inverse_key_norms(keys)}
 
     @property
-    def scores_pools(self) -> bool:
-        """The cosine to a mean anchor is scored on whole head-adaptive pools (`cosine_to_segment_means`)."""
-        return self.metric == "cosine" and self.anchor in ("normalized_mean", "mean")
+    def needs(self) -> Needs:
+        """1/||k|| of every entry is state, computed once when the entry is written (initial_state), not at every
+        step; the cosine to a mean anchor is scored on whole head-adaptive pools (`cosine_to_segment_means`)."""
+        return Needs(state=("inv_norm",), host_reads=False, rows_alike=True, batch_invariant=True,
+                     segment_scores=self.metric == "cosine" and self.anchor in ("normalized_mean", "mean"))
 
     def score_pool(self, pool: PoolView) -> torch.Tensor:
         return -cosine_to_segment_means(pool.keys.float(), pool, self.anchor == "normalized_mean",
@@ -147,8 +145,7 @@ class KeyDiffPairwise(Policy):
     """Eq. 7 verbatim: score_i = -sum_j cos(k_i, k_j). O(n²) time and memory; a reference for Eq. 8."""
 
     name: ClassVar[str] = "keydiff_pairwise"
-    layers_batchable: ClassVar[bool] = True
-    capturable: ClassVar[bool] = True
+    needs: ClassVar[Needs] = Needs(host_reads=False, rows_alike=True, batch_invariant=True)
     recent_window_parameter: ClassVar[str | None] = "window_fraction"
 
     def score(self, layer: LayerView) -> torch.Tensor:

@@ -11,7 +11,7 @@ from typing import ClassVar
 
 import torch
 
-from keydiff.policies.base import LayerView, Policy, float32_norms
+from keydiff.policies.base import LayerView, Needs, Policy, float32_norms
 
 
 @dataclass
@@ -19,8 +19,7 @@ class KNorm(Policy):
     """Score = -||k||_2 per entry and KV head (RoPE is a rotation, so pre/post-RoPE norms are equal)."""
 
     name: ClassVar[str] = "knorm"
-    layers_batchable: ClassVar[bool] = True
-    capturable: ClassVar[bool] = True
+    needs: ClassVar[Needs] = Needs(host_reads=False, rows_alike=True, batch_invariant=True)
     skip_layers: list[int] = field(default_factory=list)
 
     def compresses_layer(self, layer_idx: int) -> bool:

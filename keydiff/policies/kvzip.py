@@ -16,7 +16,7 @@ from typing import ClassVar
 
 import torch
 
-from keydiff.policies.base import LayerView, Policy
+from keydiff.policies.base import LayerView, Needs, Policy
 
 logger = logging.getLogger(__name__)
 
@@ -52,12 +52,9 @@ class KVzip(Policy):
     """Keep the entries that receive the most attention (max over rows and group heads) from reconstruction passes."""
 
     name: ClassVar[str] = "kvzip"
-    layers_batchable: ClassVar[bool] = True
-    attention_rows: ClassVar[int | None] = None  # every row of the reconstruction pass
-    attention_reduction: ClassVar[str] = "max"
-    needs_reconstruction: ClassVar[bool] = True
-    observes_every_step: ClassVar[bool] = True  # the running max needs every pass
-    state_names: ClassVar[tuple[str, ...]] = ("kvzip",)
+    # Every row of the reconstruction pass, max-reduced; the running max needs every pass.
+    needs: ClassVar[Needs] = Needs(attention_rows=None, attention_reduction="max", every_pass=True, reconstruction=True,
+                                   state=("kvzip",), rows_alike=True)
     n_sink: int = 4  # first positions always kept (kvpress n_sink)
     context_overlap: int = 8  # previous block's tokens quoted in a later block's prompt (kvpress prev_postfix_size)
     suffix: str | None = None  # text before the repeated tokens; None: from the chat template ("\n" without one)

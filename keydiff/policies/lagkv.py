@@ -15,7 +15,7 @@ from typing import ClassVar
 
 import torch
 
-from keydiff.policies.base import LayerView, Policy
+from keydiff.policies.base import LayerView, Needs, Policy
 
 logger = logging.getLogger(__name__)
 
@@ -40,17 +40,16 @@ def lag_relative_scores(states: torch.Tensor, lag: int) -> torch.Tensor:
 @dataclass
 class LagKV(Policy):
     name: ClassVar[str] = "lagkv"
-    # Every reduction is per batch row (per layer and head when the cache stacks its layers): the sinks counted,
-    # the partitions cut and the recency scaled within each row (keydiff.testing.check_policy verifies it).
-    layers_batchable: ClassVar[bool] = True
     n_sink: int = 4
     lag_size: int = 128
     scoring: str = "frozen"  # frozen (the authors' streaming method) | rescore (re-partition the survivors)
 
     @property
-    def state_names(self) -> tuple[str, ...]:
-        """Frozen scoring keeps each entry's rank within its partition (UNSCORED until it is scored)."""
-        return ("lag_rank",) if self.scoring == "frozen" else ()
+    def needs(self) -> Needs:
+        """Every reduction is per batch row (per layer and head when the cache stacks its layers): the sinks counted,
+        the partitions cut and the recency scaled within each row (keydiff.testing.check_policy verifies it). Frozen
+        scoring keeps each entry's rank within its partition (UNSCORED until it is scored)."""
+        return Needs(rows_alike=True, state=("lag_rank",) if self.scoring == "frozen" else ())
 
     def initial_state(self, keys: torch.Tensor) -> dict[str, torch.Tensor]:
         if self.scoring != "frozen":

@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import torch
 
-from keydiff.policies.base import LayerView, Policy
+from keydiff.policies.base import LayerView, Needs, Policy
 
 
 @dataclass
@@ -15,6 +15,7 @@ class Random(Policy):
     """Keep a uniformly random subset of `budget` entries per head. Same seed and inputs, same choices."""
 
     name: ClassVar[str] = "random"
+    needs: ClassVar[Needs] = Needs(batch_invariant=True)
     seed: int = 0
     _generator: torch.Generator | None = field(default=None, init=False, repr=False, compare=False)
 

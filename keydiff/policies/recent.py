@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import torch
 
-from keydiff.policies.base import LayerView, Policy
+from keydiff.policies.base import LayerView, Needs, Policy
 
 
 @dataclass
@@ -15,8 +15,7 @@ class Recent(Policy):
     """Keep the `budget` most recent tokens."""
 
     name: ClassVar[str] = "recent"
-    layers_batchable: ClassVar[bool] = True
-    capturable: ClassVar[bool] = True
+    needs: ClassVar[Needs] = Needs(host_reads=False, rows_alike=True, batch_invariant=True)
 
     def score(self, layer: LayerView) -> torch.Tensor:
         return layer.positions.float()

@@ -1,7 +1,7 @@
 """Key re-rotation (as kvpress's `KeyRerotationPress`): after every eviction the kept keys of each KV head are
 re-rotated to contiguous positions, in the order of their original positions.
 
-`Rerotated(policy, mode)` only asks the cache (`key_rerotation`), which owns the tensors
+`Rerotated(policy, mode)` only asks the cache (`needs.key_rerotation`), which owns the tensors
 (keydiff.cache.storage.Storage.rerotate). Flat parameter `key_rerotation`: false, true or "contiguous"
 (the next tokens follow the kept keys, kvpress's pipeline), or "absolute" (they keep their positions).
 
@@ -10,8 +10,9 @@ Design: docs/design/policies.md#key-re-rotation-rerotationpy
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from keydiff.policies.base import Needs
 from keydiff.policies.wrappers import PolicyWrapper
 
 STATE = "rotary_position"  # the position each cached key is currently rotated for
@@ -51,12 +52,10 @@ class Rerotated(PolicyWrapper):
             raise ValueError(f"key_rerotation must be true, false or one of {', '.join(MODES)}, got {self.mode!r}")
 
     @property
-    def key_rerotation(self) -> str | None:
-        return self.mode
-
-    @property
-    def state_names(self) -> tuple[str, ...]:
-        return (*self.scorer.state_names, STATE)
+    def needs(self) -> Needs:
+        """The re-rotation mode, and the position each kept key is rotated for (state STATE)."""
+        inner = super().needs
+        return replace(inner, key_rerotation=self.mode, state=(*inner.state, STATE))
 
     def describe(self) -> dict:
         described = self.scorer.describe()

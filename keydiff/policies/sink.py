@@ -11,7 +11,7 @@ from typing import ClassVar
 
 import torch
 
-from keydiff.policies.base import LayerView, Policy
+from keydiff.policies.base import LayerView, Needs, Policy
 
 
 @dataclass
@@ -19,8 +19,7 @@ class Sink(Policy):
     """Keep positions < `sinks` (default 4, as the paper and the original) and the most recent tokens."""
 
     name: ClassVar[str] = "sink"
-    layers_batchable: ClassVar[bool] = True
-    capturable: ClassVar[bool] = True
+    needs: ClassVar[Needs] = Needs(host_reads=False, rows_alike=True, batch_invariant=True)
     sinks: int = 4
 
     def validate(self, budget: int) -> None:

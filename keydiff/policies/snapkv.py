@@ -13,7 +13,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from keydiff.policies.base import LayerView, Policy, most_recent
+from keydiff.policies.base import LayerView, Needs, Policy, most_recent
 
 POOLINGS = ("avg", "max")
 
@@ -21,16 +21,14 @@ POOLINGS = ("avg", "max")
 @dataclass
 class SnapKV(Policy):
     name: ClassVar[str] = "snapkv"
-    layers_batchable: ClassVar[bool] = True
-    capturable: ClassVar[bool] = True
     window: int = 32
     kernel_size: int = 7
     pooling: str = "avg"
 
     @property
-    def attention_rows(self) -> int:
+    def needs(self) -> Needs:
         """The observation window decides how many query rows the attention function must score."""
-        return self.window
+        return Needs(attention_rows=self.window, host_reads=False, rows_alike=True, batch_invariant=True)
 
     def validate(self, budget: int) -> None:
         if self.pooling not in POOLINGS:

@@ -11,7 +11,7 @@ from typing import ClassVar
 
 import torch
 
-from keydiff.policies.base import LayerView, Policy
+from keydiff.policies.base import LayerView, Needs, Policy
 
 HEAD_MODES = ("group", "layer")
 
@@ -19,9 +19,7 @@ HEAD_MODES = ("group", "layer")
 @dataclass
 class TOVA(Policy):
     name: ClassVar[str] = "tova"
-    layers_batchable: ClassVar[bool] = True
-    attention_rows: ClassVar[int | None] = 1
-    capturable: ClassVar[bool] = True
+    needs: ClassVar[Needs] = Needs(attention_rows=1, host_reads=False, rows_alike=True, batch_invariant=True)
     heads: str = "group"
 
     def validate(self, budget: int) -> None:

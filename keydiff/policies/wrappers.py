@@ -1,8 +1,8 @@
 """Behaviour any policy can be given from outside, as a wrapper around it (as kvpress composes presses).
 
 `RecentWindow(policy, fraction)` always keeps the most recent floor(fraction x budget) entries per KV head;
-`LayerBudgets(policy, schedule)` gives each layer its own budget. A wrapper forwards the wrapped policy's
-capabilities and state; eviction runs in the outermost object.
+`LayerBudgets(policy, schedule)` gives each layer its own budget. A wrapper's `needs` are the wrapped policy's
+(with what it changes), and it forwards its state; eviction runs in the outermost object.
 
     LayerBudgets(RecentWindow(KeyDiff(), fraction=0.2), schedule={"schedule": "pyramid", "beta": 20})
 
@@ -11,12 +11,12 @@ Design: docs/design/policies.md#building-and-composing-__init__py-wrapperspy
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
-from keydiff.policies.base import LayerView, Policy, PoolView, check_fraction, most_recent, window_size
+from keydiff.policies.base import LayerView, Needs, Policy, PoolView, check_fraction, most_recent, window_size
 from keydiff.policies.layer_budgets import check_layer_budgets, smallest_layer_budget, split_budget
 
 
@@ -39,20 +39,12 @@ class PolicyWrapper(Policy):
         return self.scorer.name
 
     @property
-    def attention_rows(self) -> int | None:
-        return self.scorer.attention_rows
-
-    @property
-    def observes_every_step(self) -> bool:
-        return self.scorer.observes_every_step
-
-    @property
-    def attention_reduction(self) -> str:
-        return self.scorer.attention_reduction
-
-    @property
-    def needs_reconstruction(self) -> bool:
-        return self.scorer.needs_reconstruction
+    def needs(self) -> Needs:
+        """The wrapped policy's needs, less two it cannot vouch for: a wrapper may change the scores, so it counts
+        as reading them on the host (RecentWindow says otherwise) and scores no pools (a head-adaptive policy's
+        choice on them is kept). A subclass adds its own with `replace(super().needs, ...)`."""
+        inner = self.scorer.needs
+        return replace(inner, host_reads=True, segment_scores=inner.segment_scores and inner.head_adaptive)
 
     def reconstruction_input(self, block: torch.Tensor, previous: torch.Tensor, tokenizer) -> torch.Tensor:
         return self.scorer.reconstruction_input(block, previous, tokenizer)
@@ -60,48 +52,8 @@ class PolicyWrapper(Policy):
     def reconstruction_keys(self, positions: torch.Tensor, chunk_start: int | None) -> torch.Tensor | None:
         return self.scorer.reconstruction_keys(positions, chunk_start)
 
-    @property
-    def evicts(self) -> bool:
-        return self.scorer.evicts
-
-    @property
-    def state_names(self) -> tuple[str, ...]:
-        return self.scorer.state_names
-
-    @property
-    def needs_queries(self) -> bool:
-        return self.scorer.needs_queries
-
-    @property
-    def first_query_position(self) -> int:
-        return self.scorer.first_query_position
-
-    @property
-    def needs_output_projection(self) -> bool:
-        return self.scorer.needs_output_projection
-
-    @property
-    def key_rerotation(self) -> str | None:
-        return self.scorer.key_rerotation
-
-    @property
-    def log_scores(self) -> bool:
-        return self.scorer.log_scores
-
-    @property
-    def layers_batchable(self) -> bool:
-        return self.scorer.layers_batchable
-
-    @property
-    def head_adaptive(self) -> bool:
-        return self.scorer.head_adaptive
-
     def keep_heads(self, heads: list[LayerView], budget: int) -> list[torch.Tensor]:
         return self.scorer.keep_heads(heads, budget)
-
-    @property
-    def chooses_pools(self) -> bool:
-        return self.scorer.chooses_pools
 
     def drop_pool(self, pool: PoolView, budget: int) -> torch.Tensor:
         return self.scorer.drop_pool(pool, budget)
@@ -152,8 +104,12 @@ class RecentWindow(PolicyWrapper):
     fraction: float = 0.0
 
     @property
-    def capturable(self) -> bool:
-        return self.scorer.capturable  # the window is a k-th value of the positions: tensors alone
+    def needs(self) -> Needs:
+        """The wrapped policy's, capturable too (the window is a k-th value of the positions: tensors alone); with no
+        window (fraction 0, the presets' default) nothing is protected, so it scores pools as the wrapped policy does."""
+        inner = self.scorer.needs
+        return replace(super().needs, host_reads=inner.host_reads,
+                       segment_scores=self.fraction == 0 and inner.segment_scores)
 
     @property
     def parameter(self) -> str:
@@ -170,11 +126,6 @@ class RecentWindow(PolicyWrapper):
             return inner
         recent = most_recent(layer, count)
         return recent if inner is None else recent | inner
-
-    @property
-    def scores_pools(self) -> bool:
-        """With no window (fraction 0, the presets' default) nothing is protected: the wrapped policy's pools."""
-        return self.fraction == 0 and self.scorer.scores_pools
 
     def score_pool(self, pool: PoolView) -> torch.Tensor:
         return self.scorer.score_pool(pool)

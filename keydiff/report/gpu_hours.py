@@ -53,17 +53,35 @@ WEIGHTS_GB = {
     "deepseek-r1-distill-llama-8b": 16.1,
     "deepseek-r1-distill-qwen-7b": 15.2,
 }
-# Policies that score from their entries alone: they run the fixed-shape step where the rates have one, and their
-# rows pool into one block at any batch (keydiff.batching.blocks.poolable), timed as KeyDiff's.
-POOLED = frozenset({"keydiff", "keydiff_window10", "keydiff_window20", "keydiff_pairwise", "keydiff_median",
-                    "keydiff_dot", "keydiff_euclidean", "sink", "knorm"})
-# Policy.capturable (keydiff/policies): POOLED, and TOVA, SnapKV and H2O, whose attention statistic the fixed-shape
-# step computes itself for a sequence alone (batch 1); batched, their rows decode each on its own, on the ordinary
-# step, and their cost against KeyDiff's is gpu-check's ratio (measured on the ordinary step) on either step.
-# full (no eviction) runs the ordinary step.
-CAPTURABLE = POOLED | {"h2o", "tova", "snapkv"}
-# The policy whose measured cost ratio stands for each of its variants (the same class, other parameters).
-MEASURED_AS = {name: "keydiff" for name in POOLED if name.startswith("keydiff")}
+# Every conf/policy preset's needs (keydiff.policies.capabilities), read as data: importing the policies needs torch.
+CAPABILITIES = Path(__file__).resolve().parents[1] / "policies" / "capabilities.json"
+
+
+@lru_cache(maxsize=None)
+def preset_needs() -> dict[str, dict[str, Any]]:
+    return json.loads(CAPABILITIES.read_text(encoding="utf-8"))
+
+
+def capturable(policy: str) -> bool:
+    """Needs.capturable: the preset runs the fixed-shape step where the rates have one. Besides `pooled` ones: TOVA,
+    SnapKV and H2O, whose attention statistic the fixed-shape step computes itself for a sequence alone (batch 1);
+    batched, their rows decode each on its own, on the ordinary step, and their cost against KeyDiff's is gpu-check's
+    ratio (measured on the ordinary step) on either step. full (no eviction) runs the ordinary step."""
+    return bool(preset_needs().get(policy, {}).get("capturable"))
+
+
+def pooled(policy: str) -> bool:
+    """Capturable and Needs.groupable: the preset scores from its entries alone, so its rows pool into one block at
+    any batch (keydiff.batching.blocks.poolable), timed as KeyDiff's."""
+    return capturable(policy) and bool(preset_needs()[policy]["groupable"])
+
+
+def measured_as(policy: str) -> str:
+    """The policy whose measured cost ratio stands for this one: KeyDiff for its pooled variants (the same class,
+    other parameters), else itself."""
+    return "keydiff" if pooled(policy) and policy.startswith("keydiff") else policy
+
+
 STEPS = ("ordinary", "fixed")
 KINDS = ("grouped", "per row", "full")  # how a batch's rows decode (Rates.speedup)
 
@@ -196,20 +214,20 @@ class Rates:
     borrowed: list[str] = field(default_factory=list)  # what came from another rates file (and which)
 
     def step(self, policy: str) -> str:
-        return "fixed" if policy in CAPTURABLE and "fixed" in self.decode else "ordinary"
+        return "fixed" if capturable(policy) and "fixed" in self.decode else "ordinary"
 
     def kind(self, policy: str) -> str:
         if policy == "full":
             return "full"
-        return "grouped" if policy in POOLED and "grouped" in self.speedup else "per row"
+        return "grouped" if pooled(policy) and "grouped" in self.speedup else "per row"
 
     def factors(self, policy: str) -> tuple[float, float]:
         """(prefill, decode) cost against KeyDiff's: gpu-check's ratios, which were measured on the ordinary step
-        (a policy of POOLED on the fixed step is timed as KeyDiff's fixed step; an attention-statistic one keeps its
+        (a `pooled` policy on the fixed step is timed as KeyDiff's fixed step; an attention-statistic one keeps its
         ratio, an assumption until gpu-bench times it)."""
-        if self.step(policy) == "fixed" and policy in POOLED:
+        if self.step(policy) == "fixed" and pooled(policy):
             return 1.0, 1.0
-        name = MEASURED_AS.get(policy, policy)
+        name = measured_as(policy)
         found = []
         for phase in ("prefill", "decode"):
             ratios = self.ratios[phase]
@@ -345,7 +363,7 @@ def point_seconds(task: Task, model: str, policy: str, rates: Rates, batch: int)
     speedup = 1.0 if batch == 1 else rates.speedup[kind][batch].value
     # Batched, an attention-statistic policy's rows decode each on its own, on the ordinary step (its prefill, alone,
     # takes the fixed step).
-    decode_step = step if batch == 1 or policy in POOLED else "ordinary"
+    decode_step = step if batch == 1 or pooled(policy) else "ordinary"
     prefill_s = task.prompt / rates.prefill[step].value * prefill_factor
     decode_s = task.generated * rates.decode[decode_step].value / 1000 * decode_factor / speedup
     return task.samples * scale * (prefill_s + decode_s)

@@ -147,12 +147,17 @@ def check_run_config(cfg: DictConfig, runs_here: bool = True) -> None:
         tracking.check(cfg)
 
 
-# Policies whose decoding steps use only what keydiff.kernels.batch_invariant makes invariant (matmuls, sums, means,
-# vector norms, attention) or what is invariant as it is (elementwise, softmax, max, topk): read, not measured on
-# a GPU yet (make gpu-check's "batch 16 = alone, batch_invariant" row measures keydiff and full). Not here: AdaKV's
-# relative scores and expected_attention (logsumexp), lagkv (std), the others not yet read; policy=custom.
-BATCH_INVARIANT_POLICIES = ("full", "keydiff", "keydiff_pairwise", "knorm", "sink", "recent", "random", "h2o", "tova",
-                            "snapkv")
+@functools.lru_cache(maxsize=None)
+def batch_invariant_policies() -> tuple[str, ...]:
+    """The policies whose decoding steps use only what keydiff.kernels.batch_invariant makes invariant: those with a
+    preset declaring Needs.batch_invariant, read from keydiff/policies/capabilities.json (importing the policies
+    needs torch). Read, not measured on a GPU yet (make gpu-check's "batch 16 = alone, batch_invariant" row measures
+    keydiff and full). Not among them: expected_attention (logsumexp), lagkv (std), kvzip; policy=custom."""
+    import json
+
+    path = Path(__file__).resolve().parents[1] / "policies" / "capabilities.json"
+    table = json.loads(path.read_text(encoding="utf-8"))
+    return tuple(sorted({row["policy"] for row in table.values() if row["batch_invariant"]}))
 
 
 def check_batch_invariant(cfg: DictConfig, model_cfg) -> None:
@@ -161,9 +166,9 @@ def check_batch_invariant(cfg: DictConfig, model_cfg) -> None:
     if not cfg.get("batch_invariant", False):
         return
     policy = cfg.policy.name
-    if policy not in BATCH_INVARIANT_POLICIES:
+    if policy not in batch_invariant_policies():
         raise ConfigError(f"batch_invariant=true is not valid with policy={policy}: its scores use reductions the "
-                          f"batch-invariant kernels do not cover (valid: {', '.join(BATCH_INVARIANT_POLICIES)})")
+                          f"batch-invariant kernels do not cover (valid: {', '.join(batch_invariant_policies())})")
     params = cfg.policy.get("params") or {}
     if params.get("head_budgets", "uniform") != "uniform":
         raise ConfigError("batch_invariant=true is not valid with head-adaptive budgets (policy.params.head_budgets="

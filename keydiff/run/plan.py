@@ -77,14 +77,14 @@ def plan_run(cfg: DictConfig) -> RunPlan:
     policy = build_policy(policy_name, **params)
     # A ratio budget's N is known per sample only: the policy's own constraints are checked against each
     # sample's N (process_sample records a sample whose N they refuse as failed, "budget_too_small").
-    ratio = cfg.budget.get("ratio") if policy.evicts else None
+    ratio = cfg.budget.get("ratio") if policy.needs.evicts else None
     budget = cfg.budget.tokens
     if ratio is None:
         check_budget(policy, budget)
     block_size = resolve_block_size(cfg.block_size)
     task = instantiate(cfg.task, _convert_="all")
     model_cfg = ModelConfig.from_dict(OmegaConf.to_container(cfg.model, resolve=True))
-    return RunPlan(policy_name, params, int(budget) if policy.evicts and ratio is None else None, block_size,
+    return RunPlan(policy_name, params, int(budget) if policy.needs.evicts and ratio is None else None, block_size,
                    cfg.attention_statistics, cfg.get("decode_eviction", True), task, model_cfg,
                    None if ratio is None else float(ratio), bool(cfg.get("query_aware", True)),
                    bool(cfg.get("batch_invariant", False)))

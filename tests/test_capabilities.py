@@ -1,0 +1,104 @@
+"""A policy's needs, declared in one place (keydiff.policies.base.Needs), and keydiff/policies/capabilities.json, the
+presets' needs as data for the modules that import no torch: the file is fresh (regenerated, it is the same bytes,
+as the goldens are), a capability stated the old way is refused in one line, and the hand-kept lists it replaced
+are what it derives."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields, replace
+from typing import ClassVar
+
+import pytest
+import torch
+
+from keydiff.policies import POLICIES, LayerBudgets, LayerView, Needs, Policy, RecentWindow, build_policy
+from keydiff.policies import capabilities
+
+pytestmark = pytest.mark.unit
+
+
+def test_capabilities_json_is_fresh():
+    """Regenerate it with `python -m keydiff.policies.capabilities --write` after a policy's needs change."""
+    assert capabilities.render(capabilities.capabilities()) == capabilities.PATH.read_text(encoding="utf-8")
+
+
+def test_every_preset_row_is_its_policys_needs():
+    table = json.loads(capabilities.PATH.read_text(encoding="utf-8"))
+    assert "custom" not in table and {"keydiff", "adakv_keydiff", "kvzip", "full"} <= set(table)
+    names = [f.name for f in fields(Needs)]
+    assert list(table["keydiff"]) == ["policy", *names, "capturable", "chooses_pools", "groupable"]
+    assert table["snapkv"]["attention_rows"] == 32 and table["tova"]["attention_rows"] == 1
+    assert table["keydiff"]["segment_scores"] and not table["keydiff_window10"]["segment_scores"]
+    assert table["adakv_keydiff"]["chooses_pools"] and not table["adakv_snapkv"]["chooses_pools"]
+    assert [p for p, row in table.items() if row["groupable"] and row["capturable"]] == [
+        "keydiff", "keydiff_dot", "keydiff_euclidean", "keydiff_median", "keydiff_pairwise", "keydiff_rawmean",
+        "keydiff_window10", "keydiff_window20", "knorm", "recent", "sink"]
+
+
+def test_the_batch_invariant_policies_are_the_presets_claim():
+    from keydiff.run.checks import batch_invariant_policies
+
+    assert batch_invariant_policies() == ("full", "h2o", "keydiff", "keydiff_pairwise", "knorm", "random", "recent",
+                                          "sink", "snapkv", "tova")
+    assert all(POLICIES[name]().needs.batch_invariant == (name in batch_invariant_policies()) for name in POLICIES)
+
+
+@pytest.mark.parametrize("legacy, field", [
+    ("layers_batchable", "rows_alike"), ("attention_rows", "attention_rows"), ("state_names", "state"),
+    ("capturable", "host_reads=False"), ("observes_every_step", "every_pass")])
+def test_a_capability_stated_the_old_way_is_refused_in_one_line(legacy, field):
+    """A custom policy written before `needs` would otherwise run with its flags silently ignored."""
+    with pytest.raises(TypeError) as error:
+        type("OldStyle", (Policy,), {legacy: True, "__qualname__": "OldStyle"})
+    message = str(error.value)
+    assert "\n" not in message and message.startswith(f"OldStyle.{legacy}: ")
+    assert "declare needs = Needs(...)" in message and f"is Needs.{field})" in message
+    assert "valid fields: attention_rows, attention_reduction, every_pass," in message
+
+
+def test_needs_must_be_a_needs_and_its_values_valid():
+    with pytest.raises(TypeError, match="Bad.needs must be a keydiff.policies.Needs"):
+        type("Bad", (Policy,), {"needs": {"rows_alike": True}, "__qualname__": "Bad"})
+    with pytest.raises(ValueError, match="attention_reduction 'mean' is not valid; valid: sum, max"):
+        Needs(attention_reduction="mean")
+    with pytest.raises(ValueError, match="attention_rows must be None"):
+        Needs(attention_rows=-1)
+    assert Needs(state=["a"]).state == ("a",)  # a list is kept as a tuple: Needs stays hashable
+
+
+@dataclass
+class Alike(Policy):
+    needs: ClassVar[Needs] = Needs(rows_alike=True, host_reads=False)
+
+    def score(self, layer: LayerView) -> torch.Tensor:
+        return layer.positions.float()
+
+
+@dataclass
+class NotAlike(Alike):
+    needs: ClassVar[Needs] = replace(Alike.needs, rows_alike=False)
+
+
+def test_a_subclass_replaces_its_parents_needs_and_wrappers_derive_theirs():
+    assert NotAlike().needs == Needs(host_reads=False) and Alike().needs.groupable
+    window = RecentWindow(Alike(), fraction=0.2)
+    assert window.needs == Alike.needs  # a window is capturable when the wrapped policy is
+    assert LayerBudgets(window, schedule=None).needs == replace(Alike.needs, host_reads=True)
+    kvzip = LayerBudgets(build_policy("kvzip"), schedule=None)
+    assert kvzip.needs.reconstruction and kvzip.needs.state == ("kvzip",) and not kvzip.needs.groupable
+    rerotated = build_policy("keydiff", key_rerotation=True, critical=True)
+    assert rerotated.needs.state == ("inv_norm", "wov_l1", "rotary_position") and not rerotated.needs.rows_alike
+
+
+def test_needs_follow_a_parameter_set_after_building_even_inside_wrappers():
+    """A `needs` property is remembered per object (the cache reads it per layer and pass) and computed again once an
+    attribute of the policy, or of a policy it wraps, is set."""
+    policy = build_policy("keydiff", window_fraction=0.0, head_budgets="adakv", layer_budgets={"schedule": "uniform"})
+    assert policy.needs.chooses_pools and policy.needs is policy.needs
+    policy.scorer.scorer.scorer.metric = "dot"  # LayerBudgets > HeadAdaptive > RecentWindow > KeyDiff
+    assert not policy.needs.chooses_pools
+    policy.scorer.scorer.scorer.metric = "cosine"
+    assert policy.needs.chooses_pools
+    policy.scorer.head_scores = "relative"
+    assert not policy.needs.chooses_pools
