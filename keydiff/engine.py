@@ -2,7 +2,9 @@
 
 `prefill` runs the prompt block by block against a bounded cache (tokens at their absolute positions, a
 reconstruction pass per block for KVzip, an optional held suffix); `generate` decodes from the result;
-`copy_state`, `hold` and `follow_up` serve several questions or turns over one compressed context.
+`copy_state`, `feed` and `follow_up` serve several questions or turns over one compressed context. Each call's
+settings are one object: `PrefillOptions` for `prefill`, the decoder's `Request` for `generate`; keywords name
+its fields.
 Timings cover the forward passes only; callers warm up.
 
 Design: docs/design/decode.md#the-engine-keydiffenginepy
@@ -12,8 +14,8 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field, replace
-from typing import Callable, Sequence
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -59,6 +61,45 @@ class PrefillResult:
         # a batch then decodes the forks as one group).
         caches = place_forks(lambda: self.cache.fork(1)[0], int(copies))
         return [replace(self, logits=self.logits.clone(), cache=cache) for cache in caches]
+
+
+@dataclass(frozen=True)
+class PrefillOptions:
+    """How `prefill` runs a prompt: everything besides the model, the prompt, the policy and the budget. A run
+    builds one and passes it to every prefill (`prefill(..., options=...)`); keywords of the call replace fields."""
+
+    block_size: int | float | str | None = 128  # B; None, math.inf or "inf": the whole prompt as one block
+    attention_statistics: str = "fast"  # "fast" or "materialized"
+    profile: bool = False  # time the cache's phases (the cache's `timed`)
+    on_block: Callable[[EvictingCache], None] | None = None  # called with the cache after each block's eviction
+    tokenizer: Any = None  # for a policy's reconstruction prompt (KVzip)
+    # The last tokens, fed whole after the rest and held to the first generated token (0: the paper's protocol).
+    held_suffix: int = 0
+    fixed_shapes: bool | None = None  # full blocks in fixed shapes (None: the device's default, False: never)
+    decoder: Decoder | None = None  # a run's keydiff.Decoder, whose block step serves every prompt of the run
+
+
+class _FromOptions:
+    """The default of `prefill`'s positional block_size: the options' own (128 unless they say otherwise)."""
+
+    def __repr__(self) -> str:
+        return "options.block_size"
+
+
+_FROM_OPTIONS = _FromOptions()
+PREFILL_SETTINGS = tuple(f.name for f in fields(PrefillOptions))
+# What `generate` takes: a Request's decode settings (not its state, the caller's key or the scheduler's job), and
+# the decoder's own settings.
+REQUEST_SETTINGS = tuple(f.name for f in fields(Request) if f.name not in ("state", "key", "job"))
+DECODER_SETTINGS = ("fixed_shapes", "batch_invariant", "decoder")
+
+
+def check_settings(call: str, settings: dict, valid: Sequence[str]) -> None:
+    """Refuse keywords that are no setting of `call`, in one line that names the valid ones."""
+    unknown = [name for name in settings if name not in valid]
+    if unknown:
+        raise TypeError(f"{call}() got unknown setting{'s' if len(unknown) > 1 else ''} "
+                        f"{', '.join(map(repr, unknown))}; valid: {', '.join(valid)}")
 
 
 def resolve_block_size(block_size: int | float | str | None) -> int | None:
@@ -114,27 +155,26 @@ def prefill(
     input_ids: torch.Tensor,
     policy: Policy | str,
     budget: int | None,
-    block_size: int | float | str | None = 128,
-    attention_statistics: str = "fast",
-    profile: bool = False,
-    on_block: Callable[[EvictingCache], None] | None = None,
-    tokenizer=None,
-    held_suffix: int = 0,
-    fixed_shapes: bool | None = None,
-    decoder: Decoder | None = None,
+    block_size: int | float | str | None = _FROM_OPTIONS,
+    *,
+    options: PrefillOptions | None = None,
+    **settings: Any,
 ) -> PrefillResult:
     """Process `input_ids` [batch, L] (no padding) block by block, keeping at most `budget` entries per head.
 
-    policy: a Policy or a name. budget: tokens per layer and KV head. attention_statistics: "fast" or
-    "materialized". on_block: called with the cache after each block's eviction. tokenizer: for a policy's
-    reconstruction prompt (KVzip). held_suffix: last tokens fed whole after the rest, held to the first
-    generated token (0: the paper's protocol). fixed_shapes: full blocks in fixed shapes (None: device default,
-    False: never). decoder: a run's keydiff.Decoder, whose block step serves every prompt of the run.
+    policy: a Policy or a name. budget: tokens per layer and KV head. options: a PrefillOptions (None: its
+    defaults); block_size and keywords (`held_suffix=20`, ...) replace its fields, an unknown one is refused.
     """
+    if options is not None and not isinstance(options, PrefillOptions):
+        raise TypeError(f"options must be a keydiff.PrefillOptions, got {type(options).__name__}")
+    check_settings("prefill", settings, PREFILL_SETTINGS)
+    if block_size is not _FROM_OPTIONS:
+        settings["block_size"] = block_size
+    options = replace(options or PrefillOptions(), **settings)
     policy = build_policy(policy) if isinstance(policy, str) else policy
     check_budget(policy, budget)
     check_model_supported(model)
-    block = resolve_block_size(block_size)
+    block = resolve_block_size(options.block_size)
     if input_ids.dim() == 1:
         input_ids = input_ids[None]
     device = next(model.parameters()).device
@@ -142,6 +182,7 @@ def prefill(
     length = input_ids.shape[1]
     if length < 1:
         raise ValueError("the prompt is empty")
+    held_suffix = options.held_suffix
     if isinstance(held_suffix, bool) or int(held_suffix) != held_suffix or not 0 <= held_suffix < length:
         raise ValueError(f"held_suffix must be an integer in [0, {length - 1}] (at least one prompt token is "
                          f"compressed), got {held_suffix!r}")
@@ -149,18 +190,19 @@ def prefill(
     compressed = length - held_suffix  # the context: what block-wise eviction sees
     step = compressed if block is None else block
     context = input_ids[:, :compressed]
-    reconstructions = reconstruction_inputs(policy, context, step, tokenizer)
+    reconstructions = reconstruction_inputs(policy, context, step, options.tokenizer)
     scratch = max((ids.shape[1] for ids in reconstructions if ids is not None), default=0)
     cache = EvictingCache(
-        policy, budget, model.config.get_text_config().num_hidden_layers, statistics=attention_statistics,
-        profile=profile, block_size=max(step, held_suffix + 1) if held_suffix else step, max_tokens=length,
+        policy, budget, model.config.get_text_config().num_hidden_layers, statistics=options.attention_statistics,
+        profile=options.profile, block_size=max(step, held_suffix + 1) if held_suffix else step, max_tokens=length,
         scratch_tokens=scratch, config=model.config, compressed_tokens=compressed,
         layer_placements=layer_placements(model, model.config.get_text_config().num_hidden_layers),
     )
     # Full blocks in fixed shapes once the cache is full (a run's block step, or one for this prefill).
+    decoder = options.decoder
     if decoder is not None:
-        decoder.check_options(fixed_shapes)
-    fixed = decoder.blocks if decoder is not None else BlockStepper(model, fixed_shapes)
+        decoder.check_options(options.fixed_shapes)
+    fixed = decoder.blocks if decoder is not None else BlockStepper(model, options.fixed_shapes)
     with keydiff_attention(model, cache):
         sync(device)
         start_time = time.perf_counter()
@@ -170,8 +212,8 @@ def prefill(
                 logits = fixed.run(cache, block_ids, start, step) if reconstruction is None else None
                 if logits is None:
                     logits = _forward(model, cache, block_ids, reconstruction)
-                if on_block is not None:
-                    on_block(cache)
+                if options.on_block is not None:
+                    options.on_block(cache)
         except BaseException:
             fixed.finish(cache, failed=True)  # discarded: the slot is freed without copying (OOM may unwind)
             raise
@@ -187,7 +229,7 @@ def prefill(
 
 def copy_state(state: PrefillResult, model: torch.nn.Module) -> PrefillResult:
     """An independent copy of a prefilled state (cache buffers, positions, policy state and policy; weights shared),
-    so one compressed context can answer several questions: `generate(model, hold(model, copy_state(context,
+    so one compressed context can answer several questions: `generate(model, feed(model, copy_state(context,
     model), question), ...)` per question."""
     if state.decoded:
         raise RuntimeError("this PrefillResult was already decoded (its cache moved on); copy it before decoding")
@@ -195,14 +237,15 @@ def copy_state(state: PrefillResult, model: torch.nn.Module) -> PrefillResult:
 
 
 @torch.inference_mode()
-def hold(model: torch.nn.Module, state: PrefillResult, input_ids: torch.Tensor) -> PrefillResult:
-    """Feed `input_ids` [batch, S] after a prefilled state in one pass, evicting nothing before the first generated token."""
+def feed(model: torch.nn.Module, state: PrefillResult, input_ids: torch.Tensor) -> PrefillResult:
+    """Feed `input_ids` [batch, S] after a prefilled state in one pass, evicting nothing: they are held whole until
+    the first generated token (a held suffix fed later, as `prefill`'s held_suffix feeds it at once)."""
     if state.decoded:
         raise RuntimeError("this PrefillResult was already decoded (its cache moved on); run prefill again")
     if input_ids.dim() == 1:
         input_ids = input_ids[None]
     if input_ids.shape[1] < 1:
-        raise ValueError("hold needs at least one token")
+        raise ValueError("feed needs at least one token")
     device = next(model.parameters()).device
     with keydiff_attention(model, state.cache):
         sync(device)
@@ -221,40 +264,43 @@ def follow_up(model: torch.nn.Module, state: PrefillResult, input_ids: torch.Ten
     first token, and return a new state (the old one must not be used again). `generate` never feeds the token it
     stops on: put it first in `input_ids` if the conversation keeps it."""
     if not state.decoded:
-        raise RuntimeError("follow_up continues a decoded state; feed an undecoded one with hold")
+        raise RuntimeError("follow_up continues a decoded state; an undecoded one takes feed")
     turn = replace(state, seconds=0.0, held_suffix=0, decoded=False)
     state.cache = None  # the cache now belongs to the new turn
-    return hold(model, turn, input_ids)
+    return feed(model, turn, input_ids)
 
 
 @torch.inference_mode()
 def generate(
     model: torch.nn.Module,
-    state: PrefillResult,
-    max_new_tokens: int,
-    eos_token_ids: Sequence[int] = (),
-    do_sample: bool = False,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    min_new_tokens: int = 0,
-    seed: int | None = None,
-    record_steps: bool = False,
-    evict: bool = True,
+    state: PrefillResult | Request,
+    max_new_tokens: int | None = None,
+    *,
     fixed_shapes: bool | None = None,
     batch_invariant: bool = False,
     decoder: Decoder | None = None,
+    **settings: Any,
 ) -> GenerationResult:
     """Decode up to `max_new_tokens` tokens from a prefilled state, evicting after every token (B = 1).
 
-    evict=False keeps every generated token. A row stops at its first `eos_token_ids` id (after `min_new_tokens`);
-    sampling uses a CPU generator seeded with `seed`. fixed_shapes, batch_invariant: as `Decoder`'s. decoder: a
-    run's keydiff.Decoder (None: one of width 1). Returns a GenerationResult (`.token_ids` per row,
-    `.finish_reasons`, `.seconds`, `.max_cache_entries`).
+    The decode settings are a keydiff.Request's: `generate(model, Request(state, 64, ...))`, or the state and
+    keywords that build one (max_new_tokens, eos_token_ids, do_sample, temperature, top_p, min_new_tokens, seed,
+    evict, record_steps; given with a Request they replace its fields). evict=False keeps every generated token. A
+    row stops at its first `eos_token_ids` id (after `min_new_tokens`); sampling uses a CPU generator seeded with
+    `seed`. fixed_shapes, batch_invariant: as `Decoder`'s. decoder: a run's keydiff.Decoder (None: one of width
+    1). Returns a GenerationResult (`.token_ids` per row, `.finish_reasons`, `.seconds`, `.max_cache_entries`).
     """
-    if state.decoded:
+    check_settings("generate", settings, REQUEST_SETTINGS + DECODER_SETTINGS)
+    if max_new_tokens is not None:
+        settings["max_new_tokens"] = max_new_tokens
+    if isinstance(state, Request):
+        request = replace(state, **settings)
+    elif "max_new_tokens" not in settings:
+        raise TypeError("generate() needs max_new_tokens (or a keydiff.Request that has it)")
+    else:
+        request = Request(state, **settings)
+    if request.state.decoded:
         raise RuntimeError("this PrefillResult was already decoded (its cache moved on); run prefill again")
-    request = Request(state, max_new_tokens, eos_token_ids, do_sample, temperature, top_p, min_new_tokens, seed,
-                      evict, record_steps=record_steps)
     if decoder is None:
         decoder = Decoder(model, 1, fixed_shapes=fixed_shapes, batch_invariant=batch_invariant)
     else:

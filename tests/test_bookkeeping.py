@@ -68,13 +68,13 @@ def test_batch_sizes_count_only_the_rows_of_each_pass(model):
 @pytest.mark.extended
 def test_a_follow_up_turn_reports_its_own_suffix_only(model, prompt):
     """A state prefilled with a held suffix of 20, decoded, then fed a 10-token follow-up: the new turn holds 10
-    (what it fed), not the earlier 20 as well; `hold` on an undecoded state adds to what it holds."""
+    (what it fed), not the earlier 20 as well; `feed` on an undecoded state adds to what it holds."""
     state = prefill(model, prompt[:, :150], "keydiff", BUDGET, BLOCK, held_suffix=20)
     assert state.held_suffix == 20
     generate(model, state, 4)
     turn = follow_up(model, state, prompt[:, 150:160])
     assert turn.held_suffix == 10 and not turn.decoded
-    again = keydiff.hold(model, prefill(model, prompt[:, :150], "keydiff", BUDGET, BLOCK, held_suffix=20),
+    again = keydiff.feed(model, prefill(model, prompt[:, :150], "keydiff", BUDGET, BLOCK, held_suffix=20),
                          prompt[:, 150:160])
     assert again.held_suffix == 30
 

@@ -278,6 +278,45 @@ def test_bad_engine_arguments(model, prompt, kwargs, message):
         prefill(model, prompt, "keydiff", **args)
 
 
+@pytest.mark.unit
+def test_an_unknown_setting_is_refused_in_one_line_naming_the_valid_ones():
+    """Before anything runs (no model needed): a misspelt keyword, options of another type, no max_new_tokens."""
+    settings = "block_size, attention_statistics, profile, on_block, tokenizer, held_suffix, fixed_shapes, decoder"
+    with pytest.raises(TypeError) as error:
+        prefill(None, None, "keydiff", 10, blok_size=8)
+    assert str(error.value) == f"prefill() got unknown setting 'blok_size'; valid: {settings}"
+    with pytest.raises(TypeError, match=r"^generate\(\) got unknown settings 'temprature', 'eos_token_id'; valid: "
+                                        r"max_new_tokens, eos_token_ids, do_sample, temperature, top_p, "
+                                        r"min_new_tokens, seed, evict, record_steps, fixed_shapes, batch_invariant, "
+                                        r"decoder$"):
+        generate(None, None, 4, temprature=0.5, eos_token_id=2)
+    with pytest.raises(TypeError, match="^options must be a keydiff.PrefillOptions, got dict$"):
+        prefill(None, None, "keydiff", 10, options={"block_size": 8})
+    with pytest.raises(TypeError, match="needs max_new_tokens"):
+        generate(None, None, eos_token_ids=[2])
+
+
+def test_options_objects_and_keywords_run_the_same(model, prompt):
+    """prefill(..., options=PrefillOptions(...)) is the keyword call; block_size and keywords replace the options'
+    fields; generate(model, Request(state, ...)) is generate(model, state, ...), whose keywords replace fields."""
+    from keydiff import PrefillOptions, Request
+
+    settings = dict(held_suffix=10, attention_statistics="materialized")
+    by_keywords = prefill(model, prompt, "keydiff", 40, 16, **settings)
+    by_options = prefill(model, prompt, "keydiff", 40, options=PrefillOptions(block_size=16, **settings))
+    replaced = prefill(model, prompt, "keydiff", 40, 16, options=PrefillOptions(block_size=99, held_suffix=3),
+                       held_suffix=10, attention_statistics="materialized")
+    for state in (by_options, replaced):
+        assert (state.block_size, state.held_suffix) == (16, 10)
+        assert torch.equal(state.logits, by_keywords.logits)
+        assert all(torch.equal(a, b) for a, b in zip(state.kept_positions, by_keywords.kept_positions))
+    sampling = dict(do_sample=True, temperature=0.7, seed=3)
+    expected = generate(model, by_keywords, 6, **sampling).token_ids
+    assert generate(model, Request(by_options, 6, **sampling)).token_ids == expected
+    assert generate(model, Request(replaced, 99, seed=0), max_new_tokens=6, do_sample=True, temperature=0.7,
+                    seed=3).token_ids == expected
+
+
 @pytest.mark.extended
 def test_decoding_without_eviction_grows_the_cache(model, prompt):
     state = prefill(model, prompt, "snapkv", 64, 32)

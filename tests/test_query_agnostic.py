@@ -311,7 +311,7 @@ def test_several_questions_over_one_compressed_context_never_leak(model, prompt,
     """One context compressed once, three questions answered from copies of it (multi-request): each answer equals
     the one from a fresh prefill of context + that question alone, in any order, and the context's state is left
     as it was, so no question or answer reaches another's cache."""
-    from keydiff import copy_state, hold
+    from keydiff import copy_state, feed
 
     context = prompt[:, :220]
     generator = torch.Generator().manual_seed(7)
@@ -327,14 +327,14 @@ def test_several_questions_over_one_compressed_context_never_leak(model, prompt,
     before = [p.clone() for p in shared.kept_positions], shared.cache.get_seq_length(), shared.cache.entries_held()
     for order in ([0, 1, 2], [2, 0, 1]):
         for i in order:
-            state = hold(model, copy_state(shared, model), questions[i])
+            state = feed(model, copy_state(shared, model), questions[i])
             assert state.held_suffix == questions[i].shape[1]
             assert generate(model, state, 6, evict=evict).token_ids == expected[i], (name, i)
     assert shared.cache.get_seq_length() == before[1] and shared.cache.entries_held() == before[2]
     assert all(torch.equal(a, b) for a, b in zip(shared.cache.kept_positions(), before[0]))
     # A decoded state (its cache holds a question and an answer) can be neither fed another question nor copied.
-    state = hold(model, copy_state(shared, model), questions[0])
+    state = feed(model, copy_state(shared, model), questions[0])
     generate(model, state, 6, evict=evict)
-    for call in (lambda: hold(model, state, questions[1]), lambda: copy_state(state, model)):
+    for call in (lambda: feed(model, state, questions[1]), lambda: copy_state(state, model)):
         with pytest.raises(RuntimeError, match="already decoded"):
             call()

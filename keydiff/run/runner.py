@@ -75,8 +75,8 @@ def warm_up(ctx: RunContext, sample) -> None:
         ids = list(ids) * -(-(budget + 3 * block) // len(ids))
     tokens = min(len(ids), budget + 3 * block if captures else 2 * block)
     decoder = ctx.decoder if captures else None
-    state = prefill(model, torch.tensor([ids[:tokens]]), policy, budget, plan.block_size, plan.statistics,
-                    tokenizer=tokenizer, decoder=decoder)
+    state = prefill(model, torch.tensor([ids[:tokens]]), policy, budget, plan.block_size,
+                    attention_statistics=plan.statistics, tokenizer=tokenizer, decoder=decoder)
     generate(model, state, 3 if captures else 2, evict=plan.decode_eviction, batch_invariant=plan.batch_invariant,
              decoder=decoder)
 

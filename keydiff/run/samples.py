@@ -89,7 +89,8 @@ def prefill_sample(ctx: RunContext, prompt: Prompt):
     held = len(prompt.input_ids) - compressed  # the question, held whole up to the first token (query_aware=False)
     budget = plan.sample_budget(compressed)
     state = prefill(ctx.model, torch.tensor([prompt.input_ids], dtype=torch.long), plan.new_policy(), budget,
-                    plan.block_size, plan.statistics, tokenizer=ctx.tokenizer, held_suffix=held, decoder=ctx.decoder)
+                    plan.block_size, attention_statistics=plan.statistics, tokenizer=ctx.tokenizer, held_suffix=held,
+                    decoder=ctx.decoder)
     return state, budget
 
 

@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from keydiff.engine import PrefillResult, copy_state, follow_up, generate, hold, prefill
+from keydiff.engine import PrefillResult, copy_state, feed, follow_up, generate, prefill
 from keydiff.run.samples import (
     RunContext, decode_settings, failed_row, sample_row, sample_seed, screen_sample, stop_ids_of,
     unless_out_of_memory,
@@ -67,7 +67,7 @@ def prefill_context(ctx: RunContext, shared: SharedContext) -> tuple[PrefillResu
     plan = ctx.plan
     budget = plan.sample_budget(len(shared.context_ids))
     state = prefill(ctx.model, torch.tensor([shared.context_ids], dtype=torch.long), plan.new_policy(), budget,
-                    plan.block_size, plan.statistics, tokenizer=ctx.tokenizer, decoder=ctx.decoder)
+                    plan.block_size, attention_statistics=plan.statistics, tokenizer=ctx.tokenizer, decoder=ctx.decoder)
     return state, budget
 
 
@@ -80,7 +80,7 @@ def answer(ctx: RunContext, samples: list, shared: SharedContext, wanted: set,
     if mode not in SHARED_MODES:
         raise ValueError(f"task.mode={mode!r} shares no context; valid here: {', '.join(SHARED_MODES)}")
     context, budget = prefill_context(ctx, shared)
-    prefill_s = context.seconds  # before any question is fed (hold adds its time to the state it feeds)
+    prefill_s = context.seconds  # before any question is fed (feed adds its time to the state it feeds)
     rows, conversation, state = [], list(shared.context_ids), context
     for j, (sample, prompt) in enumerate(zip(samples, shared.questions)):
         if mode == "multi_request":
@@ -101,7 +101,7 @@ def answer(ctx: RunContext, samples: list, shared: SharedContext, wanted: set,
             question_s = state.seconds
         else:
             start = state.seconds
-            state = hold(model, state, ids)
+            state = feed(model, state, ids)
             question_s = state.seconds - start
         seed = sample_seed(prompt.generation, ctx.seed, sample)
         out = generate(model, state, **decode_settings(ctx, prompt.generation, seed), decoder=ctx.decoder)
