@@ -12,16 +12,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import Any, Callable
 
 import torch
 
 from keydiff.cache import EvictingCache
 from keydiff.cache.storage import ROTARY_STATE, Placement, Storage, drop_entries, empty_buffers
 from keydiff.policies.base import LayerView
-
-if TYPE_CHECKING:
-    from keydiff.batching.static import StepStats
 
 
 def poolable(cache: EvictingCache, statistic: bool = False) -> bool:
@@ -123,11 +120,11 @@ def place_forks(copy: Callable[[], EvictingCache], count: int) -> list[EvictingC
 
 
 class _Counted:
-    """An arena block's keeper that counts, in its decoder's record (`stats`, if any), the blocks it makes and the
-    copies into and out of their slots."""
+    """An arena block's keeper that counts, in its decoder's record (`stats`, a keydiff.batching.static.StepStats,
+    if any), the blocks it makes and the copies into and out of their slots."""
 
     block: RowBlock | None
-    stats: StepStats | None
+    stats: Any
 
     def _made(self) -> None:
         if self.stats is not None:
@@ -151,7 +148,7 @@ class JoinPool(_Counted):
     first); a stopped sequence keeps its slot until a new one needs it. See docs/design/decode.md.
     """
 
-    def __init__(self, slots: int, start_alone: bool = False, stats: StepStats | None = None):
+    def __init__(self, slots: int, start_alone: bool = False, stats: Any = None):
         self.slots, self.start_alone = slots, start_alone
         self.stats = stats  # the decoder's record: blocks made, copies into and out of slots
         self.block: RowBlock | None = None
@@ -223,7 +220,7 @@ class PrefillSlot(_Counted):
     """The one slot a prefill's stack moves into once it holds N entries, kept across prompts by a run's decoder so
     the block step (a CUDA graph on a GPU) is built once per run and shape; one copy in, one out (`leave`)."""
 
-    def __init__(self, stats: StepStats | None = None):
+    def __init__(self, stats: Any = None):
         self.block: RowBlock | None = None
         self.stats = stats  # the decoder's record: blocks made, copies into and out of the slot
 
