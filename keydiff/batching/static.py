@@ -181,7 +181,7 @@ class StepStats:
     pool_bytes: int = 0
     built: list[tuple[int, int]] = field(default_factory=list)  # (W, q) of every fixed-shape step built, in order
     runs: Counter = field(default_factory=Counter)  # (W, q) -> fixed-shape step runs
-    arenas: list[int] = field(default_factory=list)  # slots of every arena block made (the join pool's, the prefill slot's)
+    arenas: list[int] = field(default_factory=list)  # slots of every arena block made (join pool, prefill slot)
     slot_copies_in: int = 0  # stacks copied into an arena slot
     slot_copies_out: int = 0  # stacks copied out of one (a stopped sequence's entries, a prefill leaving its slot)
     steps: int = 0  # decoding steps (forward passes of the going sequences)
