@@ -167,6 +167,54 @@ def device_model(device):
     return tiny_llama().to(device)
 
 
+def out_of_memory_error() -> BaseException:
+    """What CUDA raises when memory runs out (the error every back-off and failed row reads)."""
+    import torch
+
+    return torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+
+@dataclass
+class Injected:
+    """What an `inject_oom` injector did: the calls it saw and the errors it raised."""
+
+    calls: int = 0
+    raised: int = 0
+
+
+@pytest.fixture
+def inject_oom(monkeypatch):
+    """Out of memory raised inside a decoder's work through its documented seams, one fixture for every test:
+    `inject_oom(when)` wraps keydiff.batching.scheduler.decode_step (`when(active)`, the step's sequences);
+    at="prefill" wraps keydiff.run.batched.prefill_sample (`when(prompt)`). after=True raises after the real call
+    (memory running out once the step ran), else instead of it; `times` raises at most (None: every time `when`
+    holds); `error` makes the error (default: CUDA's out of memory). Returns the `Injected` counts."""
+    def inject(when, at: str = "step", after: bool = False, times: int | None = 1,
+               error=out_of_memory_error) -> Injected:
+        if at == "step":
+            from keydiff.batching import scheduler as owner
+            name = "decode_step"
+        elif at == "prefill":
+            from keydiff.run import batched as owner
+            name = "prefill_sample"
+        else:
+            raise ValueError(f"at={at!r} is not valid; valid: 'step', 'prefill'")
+        real, injected = getattr(owner, name), Injected()
+
+        def injecting(*args):
+            injected.calls += 1
+            result = real(*args) if after else None
+            if (times is None or injected.raised < times) and when(args[-1]):
+                injected.raised += 1
+                raise error()
+            return result if after else real(*args)
+
+        monkeypatch.setattr(owner, name, injecting)
+        return injected
+
+    return inject
+
+
 @pytest.fixture(scope="session")
 def prompt():
     import torch

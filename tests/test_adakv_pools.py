@@ -103,27 +103,25 @@ def run(model, ids, policy, new_tokens=6, evict=True):
 
 @pytest.mark.integration
 @pytest.mark.extended
+def pool_evictions(cache) -> list[dict[int, int]]:
+    """Per layer, {layers chosen in one pool eviction: such evictions} (AdaptiveStorage.pool_evictions)."""
+    return [dict(layer.storage.pool_evictions) for layer in cache.layers]
+
+
 def test_all_layers_are_evicted_in_one_call_and_keep_what_layer_by_layer_keeps(monkeypatch):
     model = tiny_llama()
     ids = torch.randint(0, 256, (2, LENGTH), generator=torch.Generator().manual_seed(3))
-    calls = []
-    original = adaptive.evict_pools
-
-    def counted(storages, buffers, policy, budget):
-        calls.append(len(storages))
-        return original(storages, buffers, policy, budget)
-
-    monkeypatch.setattr(adaptive, "evict_pools", counted)
     together = run(model, ids, build_policy("keydiff", head_budgets="adakv"))
-    assert calls and set(calls) == {3}  # every eviction: the 3 layers' pools at once
+    counts = pool_evictions(together[0].cache)
+    assert counts[0] and all(c == counts[0] and set(c) == {3} for c in counts)  # every eviction: the 3 layers at once
     stack = together[0].cache.layers[0].storage.stack
     assert all(layer.storage.in_stack and layer.storage.stack is stack for layer in together[0].cache.layers)
     assert stack.keys.shape[:2] == (3, 2)  # [layers, batch, P, dim]: one allocation
-    # the same run with the stack refused: each layer's pool evicted on its own
-    calls.clear()
+    # the same run with the stack refused (no layer fits it): each layer's pool evicted on its own
     monkeypatch.setattr(adaptive.PoolStack, "claim", lambda *args, **kwargs: None)
     alone = run(model, ids, build_policy("keydiff", head_budgets="adakv"))
-    assert calls and set(calls) == {1}
+    counts = pool_evictions(alone[0].cache)
+    assert counts[0] and all(c == counts[0] and set(c) == {1} for c in counts)
     for ours, theirs in zip(together[0].cache.kept_positions(), alone[0].cache.kept_positions()):
         assert torch.equal(ours, theirs)
     assert together[1].token_ids == alone[1].token_ids

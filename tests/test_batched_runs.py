@@ -3,10 +3,13 @@ responses sharing one prefill, and out-of-memory and stop signals inside a batch
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import signal
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import torch
@@ -14,10 +17,10 @@ from omegaconf import OmegaConf, open_dict
 
 from keydiff.batching import scheduler
 from keydiff.device import out_of_memory
-from keydiff.run import batched, runner
+from keydiff.run import runner
 from keydiff.run.preemption import Preempted
 from keydiff.run.results import run_dir_of
-from tests.conftest import char_tokenizer, tiny_llama
+from tests.conftest import char_tokenizer, out_of_memory_error, tiny_llama
 from tests.test_cluster import make_cfg, rows_of
 
 pytestmark = [pytest.mark.integration, pytest.mark.extended]
@@ -94,24 +97,6 @@ def test_math500_samples_share_one_prefill_and_equal_separate_runs(tmp_path, tin
     assert len({row["prediction"] for row in rows_three.values()}) > 2  # the seeds really differ
 
 
-def spy_widths(monkeypatch) -> list[list[int]]:
-    """Per decoder made, the widths it built its step for, in order (the first, then one per back-off): the
-    run's decoder, then the warm-up's ([1]: on a CPU it decodes apart)."""
-    widths, real = [], scheduler.Decoder._build
-
-    def build(self):
-        real(self)
-        if all(known is not self.widths for known in widths):
-            widths.append(self.widths)  # the decoder's own list: its later widths show up in it
-
-    monkeypatch.setattr(scheduler.Decoder, "_build", build)
-    return widths
-
-
-def oom() -> BaseException:
-    return torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-
-
 def raised_while_handling(first: BaseException, then: BaseException) -> BaseException:
     try:
         try:
@@ -126,10 +111,10 @@ def test_the_one_out_of_memory_rule_reads_an_error_and_what_it_was_raised_from_o
     """Every back-off and failed row asks keydiff.device.out_of_memory: CUDA's error, MemoryError, an allocator's
     RuntimeError, or any error whose cause or context is one (a capture that ran out ends in capture_end's own
     error); any other error is a bug, not out of memory."""
-    assert out_of_memory(oom()) and out_of_memory(MemoryError())
+    assert out_of_memory(out_of_memory_error()) and out_of_memory(MemoryError())
     assert out_of_memory(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 GB"))
     assert out_of_memory(RuntimeError("MPS backend out of memory"))
-    assert out_of_memory(raised_while_handling(oom(), RuntimeError("CUDA error: operation failed during capture")))
+    assert out_of_memory(raised_while_handling(out_of_memory_error(), RuntimeError("CUDA error: operation failed during capture")))
     cause = RuntimeError("wrapped")
     cause.__cause__ = MemoryError()
     assert out_of_memory(cause)
@@ -138,22 +123,15 @@ def test_the_one_out_of_memory_rule_reads_an_error_and_what_it_was_raised_from_o
     assert not out_of_memory(None)
 
 
-def test_out_of_memory_in_a_batch_step_retries_at_half_the_width(tmp_path, tiny, monkeypatch):
+def test_out_of_memory_in_a_batch_step_retries_at_half_the_width(tmp_path, tiny, inject_oom):
     """The scheduler's back-off (keydiff.batching.scheduler): memory runs out in a step of four sequences; they
     start again (a new prefill each) at width 2, and every row is the batch-1 row."""
     _, expected = run_at(lengths_cfg(tmp_path, "b1"))
-    widths, real, raised = spy_widths(monkeypatch), scheduler.decode_step, []
-
-    def flaky(stepper, active):
-        result = real(stepper, active)  # the step runs, then memory "runs out" mid-batch
-        if len(active) == 4 and not raised and all(sequence.steps >= 2 for sequence in active):
-            raised.append(True)
-            raise oom()
-        return result
-
-    monkeypatch.setattr(scheduler, "decode_step", flaky)
+    # the step runs, then memory "runs out" mid-batch
+    injected = inject_oom(lambda active: len(active) == 4 and all(sequence.steps >= 2 for sequence in active),
+                          after=True)
     summary, rows = run_at(lengths_cfg(tmp_path, "oom", "batch_size=4"))
-    assert raised and widths == [[4, 2], [1]] and summary["complete"] and summary["num_failed"] == 0
+    assert injected.raised and summary["complete"] and summary["num_failed"] == 0
     same_rows(expected, rows)
     # The record says at which width each row decoded: the run's widths, and W on every row.
     assert summary["invocations"][-1]["decode_widths"] == [4, 2]
@@ -161,143 +139,97 @@ def test_out_of_memory_in_a_batch_step_retries_at_half_the_width(tmp_path, tiny,
     assert all(row["decode_width"] == 1 for row in expected.values())
 
 
-def test_out_of_memory_in_a_prefill_retries_at_half_the_width(tmp_path, tiny, monkeypatch):
+def test_out_of_memory_in_a_prefill_retries_at_half_the_width(tmp_path, tiny, inject_oom):
     """A prefill that runs out of memory while others decode: the job is started again after the back-off."""
     _, expected = run_at(lengths_cfg(tmp_path, "b1"))
-    widths, real, raised = spy_widths(monkeypatch), batched.prefill_sample, []
-
-    def flaky(ctx, prompt):
-        if len(prompt.input_ids) > 80 and not raised:  # len100: the second sample, while len30 decodes
-            raised.append(True)
-            raise oom()
-        return real(ctx, prompt)
-
-    monkeypatch.setattr(batched, "prefill_sample", flaky)
+    # len100: the second sample, while len30 decodes
+    injected = inject_oom(lambda prompt: len(prompt.input_ids) > 80, at="prefill")
     summary, rows = run_at(lengths_cfg(tmp_path, "oomp", "batch_size=4"))
-    assert raised and widths == [[4, 2], [1]] and summary["complete"] and summary["num_failed"] == 0
+    assert injected.raised and summary["complete"] and summary["num_failed"] == 0
+    assert summary["invocations"][-1]["decode_widths"] == [4, 2]
     same_rows(expected, rows)
 
 
-def test_out_of_memory_with_forks_in_flight_prefills_them_again(tmp_path, tiny, monkeypatch):
+def test_out_of_memory_with_forks_in_flight_prefills_them_again(tmp_path, tiny, inject_oom):
     """Math-500's responses share one prefill (forks); abandoned by a back-off, each starts with a prefill of its
     own, and the rows are those of batch 1 (a fork and a prefill of the same prompt decode alike)."""
     _, expected = run_at(math_cfg(tmp_path, "m1"))
-    widths, real, raised = spy_widths(monkeypatch), scheduler.decode_step, []
-
-    def flaky(stepper, active):
-        result = real(stepper, active)
-        if len(active) >= 3 and not raised:
-            raised.append(True)
-            raise oom()
-        return result
-
-    monkeypatch.setattr(scheduler, "decode_step", flaky)
+    injected = inject_oom(lambda active: len(active) >= 3, after=True)
     summary, rows = run_at(math_cfg(tmp_path, "m3oom", "batch_size=4"))
-    assert raised and widths == [[4, 2], [1]] and summary["complete"] and summary["num_failed"] == 0
+    assert injected.raised and summary["complete"] and summary["num_failed"] == 0
+    assert summary["invocations"][-1]["decode_widths"] == [4, 2]
     same_rows(expected, rows)
 
 
-def test_the_retry_after_out_of_memory_starts_with_no_block_of_the_failed_batch_alive(tmp_path, tiny, monkeypatch):
-    """A pooled sample's cache is a view of its batch's whole block (blocks.JoinPool): when the back-off builds
-    the smaller width, nothing may hold the failed width's block (no state of an abandoned job, no step, no
-    traceback), or it stays allocated beside the new one, which is the memory the back-off is meant to free."""
-    import gc
-
-    from keydiff.batching.blocks import JoinPool, RowBlock
-
-    real_build, real_step, alive, raised = scheduler.Decoder._build, scheduler.decode_step, [], []
-
-    def build(self):
-        if raised:  # the back-off builds the smaller width: which blocks does the failed one still hold?
-            gc.collect()
-            alive.append([o.keys.shape[0] for o in gc.get_objects() if type(o) is RowBlock])
-        real_build(self)
-
-    def flaky(stepper, active):
-        result = real_step(stepper, active)
-        pooled_now = [s for s in active if s.cache.stack is not None and s.cache.stack.placement is not None]
-        if len(pooled_now) >= 2 and not raised:
-            raised.append(True)
-            raise oom()
-        return result
-
-    monkeypatch.setattr(scheduler.Decoder, "_build", build)
-    monkeypatch.setattr(scheduler, "decode_step", flaky)
-    pooled = []
-    original_place = JoinPool.place
-
-    def place(self, cache):
-        placed = original_place(self, cache)
-        pooled.append(placed)
-        return placed
-
-    monkeypatch.setattr(JoinPool, "place", place)
-    summary, _ = run_at(lengths_cfg(tmp_path, "oompin", "batch_size=4"))
-    assert summary["complete"] and any(pooled) and raised  # the failed batch did pool its samples
-    assert alive == [[]], alive
-
-
-def test_the_retry_after_out_of_memory_holds_no_fork_not_yet_taken(tmp_path, tiny, monkeypatch):
-    """Math-500, 3 responses sharing one prefill (forks in one block of 3 slots), width 2: the third fork waits
-    while two decode. When memory runs out there, the waiting fork is dropped too (its block is part of what the
-    back-off frees), and the responses start again, each with a prefill of its own."""
+@contextlib.contextmanager
+def blocks_alive_at_the_back_off() -> Iterator[list[list[int]]]:
+    """The slots of every block alive when the back-off has built the smaller width (its warning, logged then): by
+    then nothing of the failed width may hold a block, or it stays allocated beside the new width's."""
     import gc
 
     from keydiff.batching.blocks import RowBlock
 
+    alive: list[list[int]] = []
+
+    class Probe(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.getMessage().startswith("out of memory at width"):
+                gc.collect()
+                alive.append([block.slots for block in gc.get_objects() if type(block) is RowBlock])
+
+    logger, probe = logging.getLogger(scheduler.__name__), Probe(logging.WARNING)
+    logger.addHandler(probe)
+    try:
+        yield alive
+    finally:
+        logger.removeHandler(probe)
+
+
+def test_the_retry_after_out_of_memory_starts_with_no_block_of_the_failed_batch_alive(tmp_path, tiny, inject_oom):
+    """A pooled sample's cache is a view of its batch's whole block (blocks.JoinPool): when the back-off builds
+    the smaller width, nothing may hold the failed width's block (no state of an abandoned job, no step, no
+    traceback), or it stays allocated beside the new one, which is the memory the back-off is meant to free."""
+    def pooled(active) -> bool:
+        return len([s for s in active if s.cache.stack is not None and s.cache.stack.placement is not None]) >= 2
+
+    step = inject_oom(pooled, after=True)
+    with blocks_alive_at_the_back_off() as alive:
+        summary, _ = run_at(lengths_cfg(tmp_path, "oompin", "batch_size=4"))
+    steps = summary["invocations"][-1]["decode_steps"]
+    assert summary["complete"] and step.raised and steps["arenas"][0] == 4 and steps["slot_copies_in"] >= 2
+    assert alive == [[]], alive  # the failed batch did pool its samples (above); nothing holds its block
+
+
+def test_the_retry_after_out_of_memory_holds_no_fork_not_yet_taken(tmp_path, tiny, inject_oom):
+    """Math-500, 3 responses sharing one prefill (forks in one block of 3 slots), width 2: the third fork waits
+    while two decode. When memory runs out there, the waiting fork is dropped too (its block is part of what the
+    back-off frees), and the responses start again, each with a prefill of its own."""
     _, expected = run_at(math_cfg(tmp_path, "m1"))
-    real_build, real_step, alive, raised = scheduler.Decoder._build, scheduler.decode_step, [], []
-
-    def build(self):
-        if raised:  # the back-off builds the smaller width
-            gc.collect()
-            alive.append([o.keys.shape[0] for o in gc.get_objects() if type(o) is RowBlock])
-        real_build(self)
-
-    def flaky(stepper, active):
-        result = real_step(stepper, active)
-        if len(active) == 2 and not raised:
-            raised.append(True)
-            raise oom()
-        return result
-
-    monkeypatch.setattr(scheduler.Decoder, "_build", build)
-    monkeypatch.setattr(scheduler, "decode_step", flaky)
-    summary, rows = run_at(math_cfg(tmp_path, "m2oom", "batch_size=2"))
-    assert raised and summary["complete"] and alive == [[]], alive
+    step = inject_oom(lambda active: len(active) == 2, after=True)
+    with blocks_alive_at_the_back_off() as alive:
+        summary, rows = run_at(math_cfg(tmp_path, "m2oom", "batch_size=2"))
+    assert step.raised and summary["complete"] and alive == [[]], alive
     same_rows(expected, rows)
 
 
-def test_out_of_memory_down_to_width_one_records_the_sample_as_failed(tmp_path, tiny, monkeypatch):
+def test_out_of_memory_down_to_width_one_records_the_sample_as_failed(tmp_path, tiny, inject_oom):
     _, expected = run_at(lengths_cfg(tmp_path, "b1"))
-    widths, real = spy_widths(monkeypatch), scheduler.decode_step
-
-    def always(stepper, active):
-        if any(sequence.request.key == "len64" for sequence in active):
-            raise torch.cuda.OutOfMemoryError("CUDA out of memory")
-        return real(stepper, active)
-
-    monkeypatch.setattr(scheduler, "decode_step", always)
+    inject_oom(lambda active: any(sequence.request.key == "len64" for sequence in active), times=None)
     summary, rows = run_at(lengths_cfg(tmp_path, "oom1", "batch_size=2"))
-    assert widths == [[2, 1], [1]] and rows["len64"]["status"] == "failed"
+    assert summary["invocations"][-1]["decode_widths"] == [2, 1] and rows["len64"]["status"] == "failed"
     assert rows["len64"]["failure_reason"] == "out_of_memory" and "CUDA out of memory" in rows["len64"]["error"]
     assert summary["num_failed"] == 1 and summary["num_samples"] == len(LENGTHS) - 1
     same_rows({k: v for k, v in expected.items() if k != "len64"}, {k: v for k, v in rows.items() if k != "len64"})
 
 
-def test_out_of_memory_with_a_plain_request_in_flight_is_raised(monkeypatch):
+def test_out_of_memory_with_a_plain_request_in_flight_is_raised(inject_oom):
     """generate_batch over prefilled states (not jobs) cannot start them again: the error reaches the caller."""
     import keydiff
-    from tests.conftest import tiny_llama
 
     model = tiny_llama("sdpa")
     states = [keydiff.prefill(model, torch.arange(1, 60)[None], keydiff.build_policy("keydiff"), 16, 8)
               for _ in range(2)]
-
-    def failing(stepper, active):
-        raise oom()
-
-    monkeypatch.setattr(scheduler, "decode_step", failing)
+    inject_oom(lambda active: True)
     with pytest.raises(torch.cuda.OutOfMemoryError):
         list(keydiff.generate_batch(model, [keydiff.Request(s, 4, key=i) for i, s in enumerate(states)], 2))
 

@@ -241,20 +241,11 @@ def test_statistics_modes_kernels_and_no_decode_eviction_batch_like_separate_run
 # full and alike, the step runs in fixed shapes instead (tests/test_fixed_shapes.py).
 
 
-def group_sizes(monkeypatch) -> list[int]:
-    """Record the size of every group of rows that attends as one (keydiff.batching.blocks.runs, as the batch cache
-    calls it once per pass)."""
-    import keydiff.batching.rows as rows
-
-    sizes, original = [], rows.runs
-
-    def recording(caches, spans=None):
-        groups = original(caches, spans)
-        sizes.extend(len(group.members) for group in groups)
-        return groups
-
-    monkeypatch.setattr(rows, "runs", recording)
-    return sizes
+def decoded(model, requests, width: int, **options) -> tuple[dict, "keydiff.Decoder"]:
+    """generate_batch's results through a Decoder of its own, and the decoder: its `stats.group_sizes` count the
+    groups of rows that attended as one in its ordinary passes (rows -> groups)."""
+    decoder = keydiff.Decoder(model, width, **options)
+    return dict(decoder.generate(requests)), decoder
 
 
 def sampled(seed: int, new_tokens: int = 12) -> dict:
@@ -263,7 +254,7 @@ def sampled(seed: int, new_tokens: int = 12) -> dict:
 
 @pytest.mark.extended
 @pytest.mark.parametrize("name", ["keydiff", "knorm", "sink"])
-def test_forks_lie_side_by_side_and_decode_as_one_group_like_separate_runs(model, name, monkeypatch):
+def test_forks_lie_side_by_side_and_decode_as_one_group_like_separate_runs(model, name):
     """Forks of one prefill share one block, each its own slot (same bytes as a copy each); decoded together they
     attend and evict as one group and give the tokens and kept positions of per-row decoding and of each decoded
     alone (rows diverge: each samples with its own seed)."""
@@ -274,7 +265,6 @@ def test_forks_lie_side_by_side_and_decode_as_one_group_like_separate_runs(model
     expected = []
     for seed, fork in enumerate(state.fork(4)):
         expected.append((generate(model, fork, **sampled(seed)).token_ids[0], kept(fork.cache)))
-    sizes = group_sizes(monkeypatch)
     for group_rows in (True, False):
         forks = state.fork(4)
         placements = [fork.cache.stack.placement for fork in forks]
@@ -282,23 +272,21 @@ def test_forks_lie_side_by_side_and_decode_as_one_group_like_separate_runs(model
         assert [p.slot for p in placements] == [0, 1, 2, 3]
         assert all(f.cache.kv_cache_bytes == state.cache.kv_cache_bytes for f in forks)
         requests = [keydiff.Request(fork, key=seed, **sampled(seed)) for seed, fork in enumerate(forks)]
-        got = dict(keydiff.generate_batch(model, requests, 4, group_rows=group_rows, fixed_shapes=False))
+        got, decoder = decoded(model, requests, 4, group_rows=group_rows, fixed_shapes=False)
         for seed, (tokens, positions) in enumerate(expected):
             assert got[seed].token_ids[0] == tokens, (group_rows, seed)
             assert same_kept(kept(forks[seed].cache), positions), (group_rows, seed)
-        assert sizes == ([4] * 11 if group_rows else []), group_rows  # one group of four at every pass (11)
-        sizes.clear()
+        sizes = decoder.stats.group_sizes  # one group of four at every pass (11)
+        assert sizes == ({4: 11} if group_rows else {}), group_rows
 
 
 @pytest.mark.extended
-def test_forks_in_any_batch_order_are_written_and_chosen_as_alone(model, monkeypatch):
+def test_forks_in_any_batch_order_are_written_and_chosen_as_alone(model):
     """Forks whose batch rows are not in their slots' order (rows 0, 1, 3, 4 hold slots 2, 0, 3, 1) beside a prompt
     prefilled on its own (row 2): each pass's keys and values of the group go to the block in one copy taken in
     slot order (blocks.write_groups), and the greedy rows are chosen by one argmax (step.choose_greedy)
     beside a row whose stop token is still masked (min_new_tokens) and a sampled one; every row gives the
     tokens and kept positions it gets decoded alone."""
-    import keydiff.batching.rows as batching
-
     state = prefill(model, prompts()[2], build_policy("keydiff"), BUDGET, BLOCK)
     stop = int(state.logits.argmax())  # the first greedy token: a stop token that min_new_tokens must mask
     settings = [{"max_new_tokens": 10}, {"max_new_tokens": 12, "eos_token_ids": (stop,), "min_new_tokens": 6},
@@ -310,29 +298,23 @@ def test_forks_in_any_batch_order_are_written_and_chosen_as_alone(model, monkeyp
 
     expected = [(generate(model, s, **setting).token_ids[0], kept(s.cache)) for s, setting in zip(rows(), settings)]
     assert expected[0][0] != expected[2][0]  # the greedy rows differ: a mix-up of their tokens would show
-    writes, original = [], batching.write_groups
-
-    def recording(groups, caches, layer_idx, keys, values):
-        written = original(groups, caches, layer_idx, keys, values)
-        writes.append([group.members for group in groups if written.issuperset(group.members)])
-        return written
-
-    monkeypatch.setattr(batching, "write_groups", recording)
     batch = rows()
-    got = dict(keydiff.generate_batch(model, [keydiff.Request(s, key=r, **setting)
-                                              for r, (s, setting) in enumerate(zip(batch, settings))], 5))
+    decoder = keydiff.Decoder(model, 5)
+    decoder.stats.groups = []  # keep every ordinary pass's groups
+    got = dict(decoder.generate([keydiff.Request(s, key=r, **setting)
+                                 for r, (s, setting) in enumerate(zip(batch, settings))]))
     for r, (tokens, positions) in enumerate(expected):
         assert got[r].token_ids[0] == tokens, r
         assert same_kept(kept(batch[r].cache), positions), r
-    assert [1, 4, 0, 3] in writes[0], writes[0]  # slots 0..3 are rows 1, 4, 0, 3: one group, out of batch order
+    first = decoder.stats.groups[0]
+    assert [1, 4, 0, 3] in first, first  # slots 0..3 are rows 1, 4, 0, 3: one group, out of batch order
 
 
 @pytest.mark.extended
-def test_a_mixed_batch_groups_only_the_rows_alike(model, monkeypatch):
+def test_a_mixed_batch_groups_only_the_rows_alike(model):
     """Two forks of one prompt beside prompts prefilled on their own (one shorter than N) and a policy that needs
     attention statistics: only the forks group (while their counts are equal), every row decodes as it does
     alone, and refilled slots keep working."""
-    sizes = group_sizes(monkeypatch)
     short, other = prompts((23, 61))
     base = prefill(model, prompts()[0], "keydiff", BUDGET, BLOCK)
 
@@ -345,11 +327,12 @@ def test_a_mixed_batch_groups_only_the_rows_alike(model, monkeypatch):
     expected = [(generate(model, s, **setting).token_ids[0], kept(s.cache)) for s, setting in zip(states(), settings)]
     batch = states()
     requests = [keydiff.Request(s, key=i, **setting) for i, (s, setting) in enumerate(zip(batch, settings))]
-    got = dict(keydiff.generate_batch(model, requests, 3))
+    got, decoder = decoded(model, requests, 3)
     for key, (tokens, positions) in enumerate(expected):
         assert got[key].token_ids[0] == tokens, key
         assert same_kept(kept(batch[key].cache), positions), key
-    assert sizes and set(sizes) == {2}  # forks 0 and 1 share slots 0-1 of their block; fork 2 (slot 2) joins later
+    sizes = decoder.stats.group_sizes
+    assert sizes and set(sizes) == {2}, sizes  # forks 0 and 1 share slots 0-1 of their block; fork 2 (slot 2) joins later
 
 
 @pytest.mark.extended
@@ -421,7 +404,7 @@ def test_between_results_the_model_runs_as_it_was(model):
 
 
 @pytest.mark.extended
-def test_pooled_rows_prefilled_on_their_own_group_and_decode_as_alone(model, monkeypatch):
+def test_pooled_rows_prefilled_on_their_own_group_and_decode_as_alone(model):
     """pool_rows=True moves each joining sequence prefilled on its own into a slot of one block (blocks.JoinPool):
     rows holding N entries then attend and evict as one group. Five prompts (one shorter than N, one under h2o,
     which never pools) through two and then three slots, so slots are reused: every sequence gives the tokens
@@ -435,19 +418,18 @@ def test_pooled_rows_prefilled_on_their_own_group_and_decode_as_alone(model, mon
         return [prefill(model, ids, policy, BUDGET, BLOCK) for ids, policy in zip(prompts(lengths), policies)]
 
     expected = [(generate(model, s, **setting).token_ids[0], kept(s.cache)) for s, setting in zip(states(), settings)]
-    sizes = group_sizes(monkeypatch)
     for batch_size, pool_rows in ((2, True), (3, True), (3, False)):
         batch = states()
         requests = [keydiff.Request(s, key=i, **setting) for i, (s, setting) in enumerate(zip(batch, settings))]
-        got = dict(keydiff.generate_batch(model, requests, batch_size, pool_rows=pool_rows, fixed_shapes=False))
+        got, decoder = decoded(model, requests, batch_size, pool_rows=pool_rows, fixed_shapes=False)
         for key, (tokens, positions) in enumerate(expected):
             assert got[key].token_ids[0] == tokens, (batch_size, key)
             assert same_kept(kept(batch[key].cache), positions), (batch_size, key)
+        sizes = decoder.stats.group_sizes
         if pool_rows:
             assert sizes and max(sizes) >= 2, batch_size  # separately prefilled rows did group
         else:
-            assert sizes == [], sizes  # not pooled: nothing lies side by side
-        sizes.clear()
+            assert not sizes, sizes  # not pooled: nothing lies side by side
 
 
 def test_join_pool_takes_its_slot_shape_from_a_prompt_of_n_plus_b(model):
@@ -478,7 +460,7 @@ def fork_free(state):
 
 
 @pytest.mark.extended
-def test_neighbours_with_other_policies_never_group(model, monkeypatch):
+def test_neighbours_with_other_policies_never_group(model):
     """KeyDiff beside KeyDiff with a recent window (the same buffers and policy state, so they share the block):
     rows of different policies lie side by side but never attend or evict as one; each gives what it gets alone.
     At batch 1 nothing is pooled (nothing could group)."""
@@ -488,12 +470,10 @@ def test_neighbours_with_other_policies_never_group(model, monkeypatch):
         return [prefill(model, ids, policy, BUDGET, BLOCK) for ids, policy in zip(prompts((90, 130, 75)), policies)]
 
     expected = [(generate(model, s, max_new_tokens=10).token_ids[0], kept(s.cache)) for s in states()]
-    sizes = group_sizes(monkeypatch)
     batch = states()
-    got = dict(keydiff.generate_batch(model, [keydiff.Request(s, max_new_tokens=10, key=i)
-                                              for i, s in enumerate(batch)], 3))
+    got, decoder = decoded(model, [keydiff.Request(s, max_new_tokens=10, key=i) for i, s in enumerate(batch)], 3)
     assert all(s.cache.stack.placement is not None and s.cache.stack.placement.slot == i for i, s in enumerate(batch))
-    assert sizes == [], sizes
+    assert not decoder.stats.group_sizes, decoder.stats.group_sizes
     for key, (tokens, positions) in enumerate(expected):
         assert got[key].token_ids[0] == tokens and same_kept(kept(batch[key].cache), positions), key
     alone = states()[0]

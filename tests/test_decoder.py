@@ -9,15 +9,17 @@ object (one capture on a GPU) for every sample of the run.
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
 import keydiff
 from keydiff import Decoder, build_policy, generate, prefill
 from keydiff.batching import step
-from keydiff.batching.blocks import RowBlock
-from keydiff.batching.static import StaticStep, stand_in_graphs
-from tests.conftest import tiny_llama
+from keydiff.batching.static import stand_in_graphs
+from tests.conftest import out_of_memory_error, tiny_llama
 from tests.test_batched_runs import lengths_cfg, run_at, tiny  # noqa: F401 - tiny: the runner's model fixture
 
 pytestmark = pytest.mark.integration
@@ -35,34 +37,15 @@ def prompts(lengths=(90, 130, 75, 101, 88)) -> list[torch.Tensor]:
     return [torch.randint(0, 256, (1, n), generator=generator) for n in lengths]
 
 
-def built(monkeypatch) -> list[tuple[int, int]]:
-    """(width, tokens per row) of every StaticStep built (a GPU captures one graph per step object)."""
-    widths, original = [], StaticStep.__init__
-
-    def init(self, model, rows, *args, **kwargs):
-        original(self, model, rows, *args, **kwargs)
-        widths.append((rows.width, self.q))
-
-    monkeypatch.setattr(StaticStep, "__init__", init)
-    return widths
-
-
 @pytest.mark.extended
 @pytest.mark.parametrize("width", [1, 2])
 def test_a_run_decoder_builds_one_arena_and_one_step_for_all_its_calls(model, monkeypatch, width):
     """Five samples, one call each (as a run at batch 1 makes them) or two at a time, through one Decoder with the
-    arena arrangement: the tokens of a decoder-less generate, one RowBlock and one StaticStep for all of them."""
+    arena arrangement: the tokens of a decoder-less generate, one arena block and one fixed-shape step for all of
+    them (`decoder.stats`: a GPU captures one graph per step built)."""
     expected = [generate(model, prefill(model, ids, "keydiff", BUDGET, BLOCK), 8, fixed_shapes=False).token_ids
                 for ids in prompts()]
     monkeypatch.setitem(step.FULL_WIDTH, "cpu", True)
-    steps = built(monkeypatch)
-    blocks, original_like = [], RowBlock.like
-
-    def like(storage, slots):
-        blocks.append(slots)
-        return original_like(storage, slots)
-
-    monkeypatch.setattr(RowBlock, "like", staticmethod(like))
     decoder = Decoder(model, width)
     got = []
     for start in range(0, 5, width):
@@ -72,7 +55,8 @@ def test_a_run_decoder_builds_one_arena_and_one_step_for_all_its_calls(model, mo
         out = dict(decoder.generate(requests))
         got += [out[key].token_ids for key in sorted(out)]
     assert got == expected
-    assert blocks == [width] and steps == [(width, 1)]  # one arena of W slots, one step over it, for the whole run
+    # one arena of W slots, one step over it, for the whole run
+    assert decoder.stats.arenas == [width] and decoder.stats.built == [(width, 1)]
     assert decoder.widths == [width]
 
 
@@ -83,17 +67,13 @@ def test_a_batch_one_run_decodes_every_sample_through_the_runs_decoder(tmp_path,
     block step over the arena for all of them, warm-up included, not one per sample (a sample decoded with a
     Decoder of its own gives the same rows, so only this count shows it)."""
     monkeypatch.setitem(step.FULL_WIDTH, "cpu", True)
-    steps, original = [], StaticStep.__init__
-
-    def init(self, model, rows, *args, **kwargs):
-        original(self, model, rows, *args, **kwargs)
-        steps.append((self.q, rows.slot_major))
-
-    monkeypatch.setattr(StaticStep, "__init__", init)
     summary, rows = run_at(lengths_cfg(tmp_path, "b1"))
     assert summary["complete"] and len(rows) == 6
-    # block_size=16; prompts of 20, 30 and 47 tokens (< N + B = 64) are shaped unlike the slots and decode apart
-    assert sorted(q for q, in_arena in steps if in_arena) == [1, 16], steps
+    steps = summary["invocations"][-1]["decode_steps"]  # the run's decoder (keydiff.batching.static.StepStats)
+    # block_size=16: the prefill slot's block step and the arena's decode step, each built once for the run; the
+    # prompt of 47 tokens (< N + B = 64) is shaped unlike the slots and decodes apart, over its own stack (20 and 30
+    # never hold N). One arena block each for the prefills and the decoding.
+    assert steps["built"] == [[1, BLOCK], [1, 1], [1, 1]] and steps["arenas"] == [1, 1], steps
 
 
 @pytest.mark.extended
@@ -135,7 +115,6 @@ def test_a_run_decoder_prefills_every_prompt_with_one_block_step(model, monkeypa
     references = [prefill(model, ids, "keydiff", BUDGET, BLOCK, fixed_shapes=False) for ids in prompts()]
     tokens = [generate(model, prefill(model, ids, "keydiff", BUDGET, BLOCK), 6, fixed_shapes=False).token_ids
               for ids in prompts()]
-    steps = built(monkeypatch)
     decoder = Decoder(model, 1)
     for ids, reference, expected in zip(prompts(), references, tokens):
         state = prefill(model, ids, "keydiff", BUDGET, BLOCK, decoder=decoder)
@@ -143,7 +122,7 @@ def test_a_run_decoder_prefills_every_prompt_with_one_block_step(model, monkeypa
         assert all(torch.equal(a, b) for a, b in zip(state.kept_positions, reference.kept_positions))
         assert state.cache.stack.placement is None  # left the slot with its entries
         assert generate(model, state, 6, decoder=decoder).token_ids == expected
-    block_steps = [w for w, q in steps if q == BLOCK]
+    block_steps = [w for w, q in decoder.stats.built if q == BLOCK]
     # Each prompt's own stack gets a block step of its own; the kept slot, one for all five.
     assert len(block_steps) == (1 if arena else 5)
 
@@ -159,7 +138,6 @@ def test_attention_statistic_policies_replay_one_step_per_run_at_width_one(model
         expected.append((generate(model, state, 8, fixed_shapes=False).token_ids,
                          [p.tolist() for p in state.cache.kept_positions()]))
     monkeypatch.setitem(step.FULL_WIDTH, "cpu", True)
-    steps = built(monkeypatch)
     decoder = Decoder(model, 1)
     got = []
     for ids in prompts()[:3]:
@@ -167,7 +145,7 @@ def test_attention_statistic_policies_replay_one_step_per_run_at_width_one(model
         got.append((generate(model, state, 8, decoder=decoder).token_ids,
                     [p.tolist() for p in state.cache.kept_positions()]))
     assert got == expected
-    assert [w for w, q in steps if q == 1] == [1]  # one decode step for the three prompts
+    assert [w for w, q in decoder.stats.built if q == 1] == [1]  # one decode step for the three prompts
 
 
 @pytest.mark.extended
@@ -175,24 +153,27 @@ def test_a_prompt_shaped_unlike_the_slot_leaves_the_slots_step_in_place(model, m
     """A prompt of another N (as a ratio budget gives) runs its blocks on its own buffers with a step of its own,
     dropped when its prefill ends; the slot's step, built for the run's shape, serves the prompts after it."""
     monkeypatch.setitem(step.FULL_WIDTH, "cpu", True)
-    steps = built(monkeypatch)
     decoder = Decoder(model, 1)
     for ids, budget in zip(prompts()[:3], (BUDGET, 24, BUDGET)):
         reference = prefill(model, ids, "keydiff", budget, BLOCK, fixed_shapes=False)
         state = prefill(model, ids, "keydiff", budget, BLOCK, decoder=decoder)
         assert torch.equal(state.logits, reference.logits)
-        assert decoder.blocks.own is None  # the other shape's step holds none of its buffers after its prefill
-    assert [q for _, q in steps] == [BLOCK, BLOCK]  # the slot's (once) and the other shape's
+        # the other shape's step holds none of its buffers after its prefill: with the state gone, they are freed
+        keys = weakref.ref(state.cache.stack.keys)
+        del state
+        gc.collect()
+        assert keys() is None, budget
+    assert [q for _, q in decoder.stats.built] == [BLOCK, BLOCK]  # the slot's (once) and the other shape's
 
 
 def test_without_the_arena_arrangement_a_cpu_decoder_keeps_a_sequence_alone_in_its_own_stack(model, monkeypatch):
     """The CPU default: no graph to replay, so a sequence alone is not copied into an arena (nothing gained)."""
     monkeypatch.setitem(step.FULL_WIDTH, "cpu", False)
     decoder = Decoder(model, 1)
-    assert decoder.pool is None
     state = prefill(model, prompts()[0], "keydiff", BUDGET, BLOCK)
     generate(model, state, 4, decoder=decoder)
-    assert state.cache.stack.placement is None
+    assert decoder.stats.arenas == [] and decoder.stats.slot_copies_in == 0  # no arena, nothing copied into one
+    assert decoder.stats.built == [(1, 1)]  # the fixed step over its own stack
 
 
 @pytest.mark.extended
@@ -214,18 +195,6 @@ def test_the_width_must_be_a_positive_integer(model):
             Decoder(model, bad)
 
 
-def counting_runs(monkeypatch) -> list[tuple[int, int]]:
-    """(width, tokens per row) of every fixed-shape step run."""
-    calls, original = [], StaticStep.run
-
-    def run(self, *args):
-        calls.append((self.rows.width, self.q))
-        return original(self, *args)
-
-    monkeypatch.setattr(StaticStep, "run", run)
-    return calls
-
-
 @pytest.mark.extended
 def test_forks_move_into_the_arena_and_decode_on_its_one_step(model, monkeypatch):
     """Math-500's case: forks of two prompts (each prompt's forks in a block of their own) decode together through
@@ -234,11 +203,13 @@ def test_forks_move_into_the_arena_and_decode_on_its_one_step(model, monkeypatch
     ids = prompts()[:2]
     alone = [generate(model, prefill(model, p, "keydiff", BUDGET, BLOCK), 6, fixed_shapes=False).token_ids for p in ids]
     monkeypatch.setitem(step.FULL_WIDTH, "cpu", True)
-    steps, runs = built(monkeypatch), counting_runs(monkeypatch)
     forks = [fork for p in ids for fork in prefill(model, p, "keydiff", BUDGET, BLOCK).fork(2)]
-    out = dict(Decoder(model, 4).generate([keydiff.Request(f, 6, key=i) for i, f in enumerate(forks)]))
+    decoder = Decoder(model, 4)
+    out = dict(decoder.generate([keydiff.Request(f, 6, key=i) for i, f in enumerate(forks)]))
     assert [out[i].token_ids for i in range(4)] == [alone[0], alone[0], alone[1], alone[1]]
-    assert [s for s in steps if s[1] == 1] == [(4, 1)] and runs.count((4, 1)) >= 4  # one step over the 4-slot arena
+    # one step over the 4-slot arena, the forks copied into its slots
+    assert decoder.stats.built == [(4, 1)] and decoder.stats.runs[4, 1] >= 4 and decoder.stats.arenas == [4]
+    assert decoder.stats.slot_copies_in == 4
 
 
 @pytest.mark.extended
@@ -256,36 +227,26 @@ def test_a_follow_up_that_outgrows_its_arena_slot_decodes_in_fixed_shapes_again(
 
     expected = conversation(None)
     monkeypatch.setitem(step.FULL_WIDTH, "cpu", True)
-    runs = counting_runs(monkeypatch)
     decoder = Decoder(model, 1)
     got = conversation(decoder)
     assert got == expected
     assert decoder.pool.block.occupants[0] is None  # the slot it grew out of is free again
-    assert runs.count((1, 1)) >= 4 + 6  # turn 1: 4 fixed passes; turn 2: all but its first (which evicts to N)
+    assert decoder.stats.runs[1, 1] >= 4 + 6  # turn 1: 4 fixed passes; turn 2: all but its first (which evicts to N)
 
 
 @pytest.mark.extended
-def test_a_decoder_interrupted_mid_call_decodes_the_next_call_as_a_fresh_one(model, monkeypatch):
+def test_a_decoder_interrupted_mid_call_decodes_the_next_call_as_a_fresh_one(model, monkeypatch, inject_oom):
     """A BaseException (a stop signal, Ctrl-C) inside a call leaves sequences in the arena; the decoder's next
     call treats them as stopped and gives each new sequence its tokens alone."""
-    import keydiff.batching.scheduler as scheduler
-
     monkeypatch.setitem(step.FULL_WIDTH, "cpu", True)
     expected = [generate(model, prefill(model, p, "keydiff", BUDGET, BLOCK), 6, fixed_shapes=False).token_ids
                 for p in prompts()[2:4]]
-    decoder, real, calls = Decoder(model, 2), scheduler.decode_step, []
-
-    def interrupted(stepper, active):
-        calls.append(1)
-        if len(calls) == 3:
-            raise KeyboardInterrupt
-        return real(stepper, active)
-
-    monkeypatch.setattr(scheduler, "decode_step", interrupted)
+    decoder = Decoder(model, 2)
+    interrupt = inject_oom(lambda active: interrupt.calls == 3, error=KeyboardInterrupt)  # once, at the third step
     states = [prefill(model, p, "keydiff", BUDGET, BLOCK) for p in prompts()[:2]]
     with pytest.raises(KeyboardInterrupt):
         list(decoder.generate([keydiff.Request(s, 6, key=i) for i, s in enumerate(states)]))
-    monkeypatch.setattr(scheduler, "decode_step", real)
+    assert interrupt.raised == 1
     states = [prefill(model, p, "keydiff", BUDGET, BLOCK) for p in prompts()[2:4]]
     out = dict(decoder.generate([keydiff.Request(s, 6, key=i) for i, s in enumerate(states)]))
     assert [out[0].token_ids, out[1].token_ids] == expected
@@ -294,24 +255,22 @@ def test_a_decoder_interrupted_mid_call_decodes_the_next_call_as_a_fresh_one(mod
 def test_a_prefill_that_fails_in_the_slot_frees_it_without_copying(model, monkeypatch):
     """Out of memory in a prefill's full block (in the decoder's slot): the slot is freed with no copy of the
     discarded entries, and the next prompt's prefill gives the logits of a prefill of its own."""
-    from keydiff.batching import blocks
-
     monkeypatch.setitem(step.FULL_WIDTH, "cpu", True)
-    decoder, real, raised = Decoder(model, 1), StaticStep.run, []
+    decoder, raised = Decoder(model, 1), []
 
-    def failing(self, *args):
-        if self.q == BLOCK and not raised:
+    def failing(module, args):  # the model's first pass once the stack is in the slot: its full block's
+        if decoder.stats.slot_copies_in == 1 and not raised:
             raised.append(True)
-            raise torch.cuda.OutOfMemoryError("CUDA out of memory")
-        return real(self, *args)
+            raise out_of_memory_error()
 
-    monkeypatch.setattr(StaticStep, "run", failing)
-    vacated, original_vacate = [], blocks.RowBlock.vacate
-    monkeypatch.setattr(blocks.RowBlock, "vacate", lambda self, slot: (vacated.append(self.occupants[slot]),
-                                                                       original_vacate(self, slot))[1])
-    with pytest.raises(torch.cuda.OutOfMemoryError):
-        prefill(model, prompts()[1], "keydiff", BUDGET, BLOCK, decoder=decoder)
-    assert raised and decoder.blocks.slot.block.occupants[0] is None and not any(vacated)  # freed, nothing copied
+    hook = model.register_forward_pre_hook(failing)
+    try:
+        with pytest.raises(torch.cuda.OutOfMemoryError):
+            prefill(model, prompts()[1], "keydiff", BUDGET, BLOCK, decoder=decoder)
+    finally:
+        hook.remove()
+    assert raised and decoder.stats.arenas == [1] and decoder.stats.slot_copies_out == 0  # nothing copied out
+    assert decoder.blocks.slot.block.occupants[0] is None  # the slot is free
     reference = prefill(model, prompts()[2], "keydiff", BUDGET, BLOCK, fixed_shapes=False)
     state = prefill(model, prompts()[2], "keydiff", BUDGET, BLOCK, decoder=decoder)
     assert torch.equal(state.logits, reference.logits)

@@ -15,6 +15,8 @@ What must hold on any machine, GPU or not:
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 
@@ -70,16 +72,11 @@ def same_states(a: dict, b: dict, exact: bool = True) -> bool:
     return all(torch.allclose(a[key][name], b[key][name], rtol=1e-6, atol=0) for key in a for name in a[key])
 
 
-def counting(monkeypatch) -> list[tuple[int, int]]:
-    """Record (width, tokens per row) of every fixed-shape step run."""
-    calls, original = [], StaticStep.run
-
-    def run(self, *args):
-        calls.append((self.rows.width, self.q))
-        return original(self, *args)
-
-    monkeypatch.setattr(StaticStep, "run", run)
-    return calls
+def decoded(model, requests, width: int, **options) -> tuple[dict, keydiff.Decoder]:
+    """generate_batch's results through a Decoder of its own, and the decoder: `stats.runs` counts its fixed-shape
+    steps run, per (width, tokens per row)."""
+    decoder = keydiff.Decoder(model, width, **options)
+    return dict(decoder.generate(requests)), decoder
 
 
 @pytest.mark.extended
@@ -113,14 +110,18 @@ def test_fixed_shapes_give_what_the_ordinary_step_gives(model, name, full_width,
     (the batch's last, and the sequence alone), with the statistic computed inside the step."""
     from keydiff.batching import step
 
-    monkeypatch.setitem(step.FULL_WIDTH, "cpu", full_width)
-    calls = counting(monkeypatch)
     ids = prompts()[1]
-    on, off = (prefill(model, ids, policy(name), BUDGET, BLOCK, fixed_shapes=f) for f in (True, False))
-    assert calls and all(q == BLOCK for _, q in calls)  # the prefill's full blocks ran in fixed shapes
+    prefills = keydiff.Decoder(model, 1)  # made before the arrangement changes: it prefills over the prompt's stack
+    on = prefill(model, ids, policy(name), BUDGET, BLOCK, decoder=prefills)
+    off = prefill(model, ids, policy(name), BUDGET, BLOCK, fixed_shapes=False)
+    runs = prefills.stats.runs  # the prefill's full blocks ran in fixed shapes
+    assert runs and all(q == BLOCK for _, q in runs) and prefills.stats.arenas == [], runs
+    monkeypatch.setitem(step.FULL_WIDTH, "cpu", full_width)
     assert torch.equal(on.logits, off.logits) and kept(on.cache) == kept(off.cache)
     assert same_states({0: kept_state(on.cache)}, {0: kept_state(off.cache)})
     assert on.max_cache_entries == off.max_cache_entries
+
+    runs = Counter()
 
     def decode(fixed: bool) -> tuple[dict, dict]:
         forks = prefill(model, ids, policy(name), BUDGET, BLOCK).fork(3)
@@ -129,24 +130,25 @@ def test_fixed_shapes_give_what_the_ordinary_step_gives(model, name, full_width,
         settings = [{"max_new_tokens": 6 + 2 * i, "do_sample": i % 2 == 1, "seed": i, "eos_token_ids": (3,)}
                     for i in range(len(states))]
         requests = [keydiff.Request(s, key=i, **kw) for i, (s, kw) in enumerate(zip(states, settings))]
-        out = dict(keydiff.generate_batch(model, requests, 3, fixed_shapes=fixed))
+        out, batch = decoded(model, requests, 3, fixed_shapes=fixed)
         alone = prefill(model, ids, policy(name), BUDGET, BLOCK)
-        single = keydiff.generate_batch(model, [keydiff.Request(alone, 9, key="alone")], 1, fixed_shapes=fixed)
-        out.update(dict(single))
+        single, one = decoded(model, [keydiff.Request(alone, 9, key="alone")], 1, fixed_shapes=fixed)
+        out.update(single)
+        runs.update(batch.stats.runs + one.stats.runs)
         caches = {**{i: s.cache for i, s in enumerate(states)}, "alone": alone.cache}
         return ({key: (r.token_ids, r.finish_reasons, r.batch_sizes, r.max_cache_entries, r.kv_cache_bytes,
                        kept(caches[key]), caches[key].get_seq_length()) for key, r in out.items()},
                 {key: kept_state(cache) for key, cache in caches.items()})
 
-    calls.clear()
     with_fixed, fixed_states = decode(True)
-    widths = {width for width, q in calls if q == 1}
+    widths = {width for width, q in runs if q == 1}
     if name in STATISTIC:
         assert widths == {1}  # one sequence alone, over its own stack
     else:
         assert widths == ({1, 3} if full_width else {1, 2, 3})  # a block of three slots; one sequence alone
+    runs.clear()
     ordinary, ordinary_states = decode(False)
-    assert with_fixed == ordinary
+    assert with_fixed == ordinary and not runs
     # At full width a new entry's state (KeyDiff's inverse key norm) is computed over all W rows of the block, idle
     # ones included, where the ordinary step computes it over its group's rows: the CPU's norm may round the last
     # bit otherwise (seen: 1 ulp; the choices and tokens above are still the same). Everywhere else, bit for bit.
@@ -155,34 +157,35 @@ def test_fixed_shapes_give_what_the_ordinary_step_gives(model, name, full_width,
 
 @pytest.mark.extended
 @pytest.mark.parametrize("name", extended_unless(["h2o", "snapkv"], lambda name: name == "h2o"))
-def test_an_eager_model_takes_the_statistic_from_its_weights_in_fixed_shapes_too(name, monkeypatch):
+def test_an_eager_model_takes_the_statistic_from_its_weights_in_fixed_shapes_too(name):
     """With attn_implementation=eager the ordinary step reads the statistic from the materialised weights; the fixed
     step does the same: prefill blocks and decoding alone give the same logits, kept entries, state and tokens."""
     from tests.conftest import tiny_llama
 
-    calls = counting(monkeypatch)
     model = tiny_llama("eager")
-    on, off = (prefill(model, prompts()[1], name, BUDGET, BLOCK, fixed_shapes=f) for f in (True, False))
-    tokens = [generate(model, state, 8, fixed_shapes=state is on).token_ids for state in (on, off)]
-    assert {q for _, q in calls} == {1, BLOCK} and tokens[0] == tokens[1]
+    decoder = keydiff.Decoder(model, 1)
+    on = prefill(model, prompts()[1], name, BUDGET, BLOCK, decoder=decoder)
+    off = prefill(model, prompts()[1], name, BUDGET, BLOCK, fixed_shapes=False)
+    tokens = [generate(model, on, 8, decoder=decoder).token_ids, generate(model, off, 8, fixed_shapes=False).token_ids]
+    assert {q for _, q in decoder.stats.runs} == {1, BLOCK} and tokens[0] == tokens[1]
     assert torch.equal(on.logits, off.logits) and kept(on.cache) == kept(off.cache)
     assert same_states({0: kept_state(on.cache)}, {0: kept_state(off.cache)})
 
 
 @pytest.mark.extended
-def test_rows_still_filling_materialized_statistics_and_lagkv_run_the_ordinary_step(model, monkeypatch):
-    calls = counting(monkeypatch)
-    short = prefill(model, prompts((23,))[0], "keydiff", BUDGET, BLOCK)  # holds 23 < N: filling
+def test_rows_still_filling_materialized_statistics_and_lagkv_run_the_ordinary_step(model):
+    decoder = keydiff.Decoder(model, 1)
+    short = prefill(model, prompts((23,))[0], "keydiff", BUDGET, BLOCK, decoder=decoder)  # holds 23 < N: filling
     assert not eligible([short.cache])
-    generate(model, short, 30)  # 29 passes; the cache holds N after the 17th, so the last 12 run in fixed shapes
-    assert calls == [(1, 1)] * 12
+    generate(model, short, 30, decoder=decoder)  # 29 passes; the cache holds N after the 17th: the last 12 fixed
+    assert decoder.stats.runs == {(1, 1): 12} and decoder.stats.built == [(1, 1)]
     # materialised attention weights (the eager path, the paper's latency setting); partitions counted on the host
     for name, statistics in (("snapkv", "materialized"), ("h2o", "materialized"), ("lagkv", "fast")):
-        calls.clear()
-        state = prefill(model, prompts()[0], name, BUDGET, BLOCK, attention_statistics=statistics)
-        assert not eligible([state.cache]) and calls == [], name
-        generate(model, state, 5)
-        assert calls == [], name
+        decoder = keydiff.Decoder(model, 1)
+        state = prefill(model, prompts()[0], name, BUDGET, BLOCK, attention_statistics=statistics, decoder=decoder)
+        assert not eligible([state.cache]) and not decoder.stats.runs, name
+        generate(model, state, 5, decoder=decoder)
+        assert not decoder.stats.runs and not decoder.stats.built, name
     state = prefill(model, prompts()[0], "snapkv", BUDGET, BLOCK)  # the same policy with "fast" statistics
     assert eligible([state.cache])
 
@@ -296,11 +299,10 @@ def test_the_step_compiles_as_one_graph_and_never_recompiles(model, name, q):
 
 
 @pytest.mark.extended
-def test_a_block_whose_going_rows_change_policy_gets_a_step_of_that_policy(model, monkeypatch):
+def test_a_block_whose_going_rows_change_policy_gets_a_step_of_that_policy(model):
     """Two plain KeyDiff sequences fill a block of two slots and decode in fixed shapes; both stop, and two KeyDiff
     sequences in a recent window take the same slots (same buffers, same rows): they must be evicted by their own
     policy, not by the step built for the plain rows (which keeps no window). Each gives what it gives alone."""
-    calls = counting(monkeypatch)
     window = build_policy("keydiff", window_fraction=0.75)
     policies = [build_policy("keydiff"), build_policy("keydiff"), window, window]
     lengths = [3, 3, 20, 20]
@@ -310,10 +312,10 @@ def test_a_block_whose_going_rows_change_policy_gets_a_step_of_that_policy(model
 
     expected = [(generate(model, s, n).token_ids[0], kept(s.cache)) for s, n in zip(states(), lengths)]
     batch = states()
-    got = dict(keydiff.generate_batch(model, [keydiff.Request(s, n, key=i) for i, (s, n) in
-                                              enumerate(zip(batch, lengths))], 2))
+    got, decoder = decoded(model, [keydiff.Request(s, n, key=i) for i, (s, n) in enumerate(zip(batch, lengths))], 2)
     assert [batch[i].cache.stack.placement.slot for i in (2, 3)] == [0, 1]  # the stopped ones' slots
-    assert sum(width == 2 for width, _ in calls) >= 2 + 19  # plain rows, then the windowed rows, in fixed shapes
+    assert decoder.stats.runs[2, 1] >= 2 + 19  # plain rows, then the windowed rows, in fixed shapes
+    assert decoder.stats.built == [(2, 1), (2, 1)]  # a step for the plain rows, then one of the windowed rows' policy
     for key, (tokens, positions) in enumerate(expected):
         assert got[key].token_ids[0] == tokens and kept(batch[key].cache) == positions, key
 
@@ -388,14 +390,14 @@ def test_an_idle_slot_holding_more_than_n_entries_is_left_as_it_is(model, full_w
 
 
 @pytest.mark.extended
-def test_group_rows_false_runs_every_sequence_on_its_own(model, monkeypatch):
+def test_group_rows_false_runs_every_sequence_on_its_own(model):
     """generate_batch(group_rows=False) is the per-sequence reference: no fixed step spans two sequences (one going
     alone still runs in fixed shapes, over its own rows)."""
-    calls = counting(monkeypatch)
     forks = prefill(model, prompts()[1], "keydiff", BUDGET, BLOCK).fork(3)
     requests = [keydiff.Request(f, 4 + 3 * i, key=i) for i, f in enumerate(forks)]
-    dict(keydiff.generate_batch(model, requests, 3, group_rows=False))
-    assert calls and {width for width, _ in calls} == {1}
+    _, decoder = decoded(model, requests, 3, group_rows=False)
+    runs = decoder.stats.runs
+    assert runs and {width for width, _ in runs} == {1}, runs
 
 
 @pytest.mark.unit
@@ -438,10 +440,10 @@ def test_a_sequence_that_moves_into_a_block_leaves_its_own_buffers_free(model):
             assert left[0]() is None, key
 
 
-def test_a_profiled_run_times_every_eviction_in_the_ordinary_step(model, monkeypatch):
+def test_a_profiled_run_times_every_eviction_in_the_ordinary_step(model):
     """profile=True times statistics and evictions apart (synchronised around each), which the fixed-shape step
     does inside one call: a profiled cache never takes it, in prefill or decoding."""
-    calls = counting(monkeypatch)
-    state = prefill(model, prompts()[1], "keydiff", BUDGET, BLOCK, profile=True)
-    generate(model, state, 5)
-    assert calls == [] and state.cache.timings["eviction_s"] > 0
+    decoder = keydiff.Decoder(model, 1)
+    state = prefill(model, prompts()[1], "keydiff", BUDGET, BLOCK, profile=True, decoder=decoder)
+    generate(model, state, 5, decoder=decoder)
+    assert not decoder.stats.runs and not decoder.stats.built and state.cache.timings["eviction_s"] > 0

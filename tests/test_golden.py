@@ -4,7 +4,8 @@ A refactor changes no output. This file pins, for every preset in conf/policy/ (
 parameters the paper's experiments use), on a tiny random Llama (tests/conftest.py's, see `golden_model`):
   * the absolute prompt positions each layer and KV head keeps after block-wise prefill,
   * the greedy tokens generated afterwards (with eviction after every token),
-  * the positions kept after decoding and the peak entries per head.
+  * the positions kept after decoding and the peak entries per head,
+  * what the cache reports after decoding (`CACHE_REPORTS`: its bytes, allocations and peaks, KVzip's scratch pass).
 Recorded values live in tests/golden/engine.json. An intended change of output is recorded again with
 
     python -m tests.test_golden --record
@@ -51,6 +52,8 @@ VECTOR_PATHS = ("default", "avx2", "avx512")
 PATHS_BELOW = {"avx512": ("avx2", "default"), "avx2": ("default",)}
 # Presets whose scores are ranks, positions or seeded draws: nothing rounded in them for --sensitivity to perturb.
 EXACT_SCORES = ("full", "lagkv", "random", "recent", "sink")
+# What the EvictingCache reports after decoding, under its own names (a refactor of its memory keeps them).
+CACHE_REPORTS = ("kv_cache_bytes", "allocations", "entries_peak_sum", "max_scratch_entries")
 
 
 def policy_presets() -> list[str]:
@@ -102,6 +105,7 @@ def engine_outputs(name: str, policy=None) -> dict:
         "tokens": out.token_ids,
         "kept_after_decoding": [p.tolist() for p in state.cache.kept_positions()],
         "max_cache_entries": [state.max_cache_entries, out.max_cache_entries],
+        **{name: getattr(state.cache, name) for name in CACHE_REPORTS},
     }
 
 
@@ -112,7 +116,8 @@ def recorded() -> dict:
 
 def differences(name: str, actual: dict, expected: dict) -> list[str]:
     """What differs between a preset's outputs and its golden, one phrase each (empty: nothing)."""
-    found = [key for key in ("policy", "params", "tokens", "max_cache_entries") if actual[key] != expected[key]]
+    found = [key for key in ("policy", "params", "tokens", "max_cache_entries", *CACHE_REPORTS)
+             if actual[key] != expected.get(key)]
     for key in ("kept_after_prefill", "kept_after_decoding"):
         found += [f"{key} at layer {layer}" for layer, (got, want) in enumerate(zip(actual[key], expected[key], strict=True))
                   if got != want]

@@ -15,10 +15,8 @@ from pathlib import Path
 from typing import ClassVar
 
 import pytest
-import torch
 from omegaconf import OmegaConf, open_dict
 
-from keydiff.batching import scheduler
 from keydiff.run.results import PREDICTIONS
 from keydiff.tasks.base import Prompt, Sample
 from tests.conftest import LengthsTask
@@ -73,33 +71,25 @@ def test_prompts_of_equal_length_but_other_tokens_never_share_a_prefill(tmp_path
 
 
 @pytest.mark.extended
-def test_out_of_memory_with_forks_still_waiting_reruns_them_and_completes(tmp_path, tiny, monkeypatch):
+def test_out_of_memory_with_forks_still_waiting_reruns_them_and_completes(tmp_path, tiny, inject_oom):
     """Math-500, 3 responses per problem sharing one prefill, batch 2: memory runs out at the first step with a
     sequence that joined after the first ones were written (here the first two finish together, so the third
     response and the second problem's first join, its other two forks still waiting). The abandoned ones and the
     waiting forks start again at batch 1, each with a prefill of its own, and the run ends complete with batch 1's
     rows."""
     _, expected = run_at(math_cfg(tmp_path, "m1"))
-    real, seen, raised, widths = scheduler.decode_step, set(), [], []
-    real_build = scheduler.Decoder._build
+    seen = set()
 
-    def build(self):
-        real_build(self)
-        if all(known is not self.widths for known in widths):
-            widths.append(self.widths)  # per decoder: the run's, then the warm-up's
-
-    def flaky(stepper, active):
+    def joined(active) -> bool:
         keys = {sequence.request.key for sequence in active} - {None}  # None: the warm-up's sequence
-        if seen and keys - seen and not raised:  # the third response joined: the first was written
-            raised.append(True)
-            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        if seen and keys - seen:  # the third response joined: the first was written
+            return True
         seen.update(keys)
-        return real(stepper, active)
+        return False
 
-    monkeypatch.setattr(scheduler, "decode_step", flaky)
-    monkeypatch.setattr(scheduler.Decoder, "_build", build)
+    injected = inject_oom(joined)
     summary, rows = run_at(math_cfg(tmp_path, "moom", "batch_size=2"))
-    assert raised and widths == [[2, 1], [1]]
+    assert injected.raised and summary["invocations"][-1]["decode_widths"] == [2, 1]
     assert summary["complete"] and summary["num_failed"] == 0 and len(rows) == 6
     same_rows(expected, rows)
     # The first two responses were written from the shared prefill; the third and the second problem's three

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -88,15 +88,17 @@ class RowBlock:
         self.occupants[slot] = storage
         return True
 
-    def vacate(self, slot: int) -> None:
-        """Free `slot`: its occupant, if still there, gets buffers of its own holding its entries (one copy)."""
+    def vacate(self, slot: int) -> bool:
+        """Free `slot`: its occupant, if still there, gets buffers of its own holding its entries (one copy; True)."""
         occupant = self.occupants[slot]
         self.occupants[slot] = None
         if occupant is None:
-            return
-        if self.holds(occupant, slot):
+            return False
+        copied = self.holds(occupant, slot)
+        if copied:
             occupant.adopt(*occupant.compact_buffers())
         occupant.placement = None
+        return copied
 
 
 def layout(storage: Storage) -> tuple:
@@ -117,15 +119,38 @@ def place_forks(copy: Callable[[], EvictingCache], count: int) -> list[EvictingC
     return caches
 
 
-class JoinPool:
+class _Counted:
+    """An arena block's keeper that counts, in its decoder's record (`stats`, a keydiff.batching.static.StepStats,
+    if any), the blocks it makes and the copies into and out of their slots."""
+
+    block: RowBlock | None
+    stats: Any
+
+    def _made(self) -> None:
+        if self.stats is not None:
+            self.stats.arenas.append(self.block.slots)
+
+    def _take(self, slot: int, stack: Storage) -> bool:
+        taken = self.block.take(slot, stack)
+        if taken and self.stats is not None:
+            self.stats.slot_copies_in += 1
+        return taken
+
+    def _vacate(self, slot: int) -> None:
+        if self.block.vacate(slot) and self.stats is not None:
+            self.stats.slot_copies_out += 1
+
+
+class JoinPool(_Counted):
     """Slots for sequences prefilled on their own, so that those alike decode as one group like forks (`pool_rows`).
 
     The block is allocated when a second sequence that could share it joins (start_alone: the arena, for the
     first); a stopped sequence keeps its slot until a new one needs it. See docs/design/decode.md.
     """
 
-    def __init__(self, slots: int, start_alone: bool = False):
+    def __init__(self, slots: int, start_alone: bool = False, stats: Any = None):
         self.slots, self.start_alone = slots, start_alone
+        self.stats = stats  # the decoder's record: blocks made, copies into and out of slots
         self.block: RowBlock | None = None
         self.waiting: Storage | None = None  # the first sequence that could start a block, while it decodes
         self.stopped: set[int] = set()  # slots whose occupant has stopped: the next joining sequence may take one
@@ -154,14 +179,16 @@ class JoinPool:
                 return False  # slots are shaped after prompts of at least N + B tokens (the usual ones)
             if self.start_alone:
                 self.block, self.waiting = RowBlock.like(stack, self.slots), None
-                return self.block.take(0, stack)
+                self._made()
+                return self._take(0, stack)
             waiting = self.waiting
             if (waiting is None or waiting.placement is not None or waiting.keys is None
                     or layout(waiting) != layout(stack)):
                 self.waiting = stack  # the block starts when a second one like it joins while this one decodes
                 return False
             self.block, self.waiting = RowBlock.like(waiting, self.slots), None
-            self.block.take(0, waiting)
+            self._made()
+            self._take(0, waiting)
         occupants = self.block.occupants
         slot = next((i for i, occupant in enumerate(occupants) if occupant is None), None)
         if slot is None and self.stopped:
@@ -169,8 +196,8 @@ class JoinPool:
         if slot is None:
             return False
         self.stopped.discard(slot)
-        self.block.vacate(slot)  # a stopped sequence's entries go to buffers of its own first
-        return self.block.take(slot, stack)
+        self._vacate(slot)  # a stopped sequence's entries go to buffers of its own first
+        return self._take(slot, stack)
 
     def idle(self) -> None:
         """No sequence decodes any more: every occupied slot may be given to the next sequence."""
@@ -189,12 +216,13 @@ class JoinPool:
                     self.stopped.add(slot)
 
 
-class PrefillSlot:
+class PrefillSlot(_Counted):
     """The one slot a prefill's stack moves into once it holds N entries, kept across prompts by a run's decoder so
     the block step (a CUDA graph on a GPU) is built once per run and shape; one copy in, one out (`leave`)."""
 
-    def __init__(self):
+    def __init__(self, stats: Any = None):
         self.block: RowBlock | None = None
+        self.stats = stats  # the decoder's record: blocks made, copies into and out of the slot
 
     def enter(self, stack: Storage) -> bool:
         """Move `stack` into the slot (it may be there already); False, nothing moved, if it cannot live there or is shaped otherwise."""
@@ -202,17 +230,18 @@ class PrefillSlot:
             return True
         if self.block is None:
             self.block = RowBlock.like(stack, 1)
+            self._made()
         elif self.block.layout != layout(stack):
             return False
-        self.block.vacate(0)  # a prefill that ended without leaving gets its entries back first
-        return self.block.take(0, stack)
+        self._vacate(0)  # a prefill that ended without leaving gets its entries back first
+        return self._take(0, stack)
 
     def leave(self, stack: Storage, keep_entries: bool = True) -> None:
         """The prefill of `stack` ended: its entries go to buffers of its own; keep_entries=False frees the slot without copying."""
         if self.block is None or self.block.occupants[0] is not stack:
             return
         if keep_entries:
-            self.block.vacate(0)
+            self._vacate(0)
         else:
             self.block.occupants[0] = None
             stack.placement = None

@@ -98,6 +98,11 @@ class BatchCache(Cache, RowBatch):
             self._groups[layer_idx] = grouped_passes(self._runs, self.caches, layer_idx)
         return key_states, value_states
 
+    @property
+    def groups(self) -> list:
+        """The pass's groups of rows that run as one (keydiff.batching.blocks.Group), found at its first layer."""
+        return self._runs
+
     def row_passes(self, layer_idx: int, key: torch.Tensor):
         entry = self._passes.get(layer_idx)
         return entry[1] if entry is not None and entry[0] is key else None

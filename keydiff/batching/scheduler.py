@@ -19,7 +19,7 @@ import torch
 from keydiff.attention import keydiff_attention
 from keydiff.batching.blocks import JoinPool
 from keydiff.batching.sequence import Failure, Job, Request, Sequence, SequenceResult
-from keydiff.batching.static import Graphs
+from keydiff.batching.static import StepStats
 from keydiff.batching.step import BlockStepper, Stepper, decode_step
 from keydiff.device import out_of_memory, release_memory
 
@@ -42,7 +42,8 @@ class Decoder:
         self.group_rows, self.pool_rows = group_rows, pool_rows
         self.options = (fixed_shapes, batch_invariant)
         self.widths: list[int] = []  # every width it has run at, in order (the first, then each halving)
-        self.graphs = Graphs()  # every CUDA graph its steps captured, and the captures that failed, at any width
+        # What its steps did at any width: the steps built and run, arena blocks, CUDA graphs captured or failed.
+        self.stats = StepStats()
         self._build()
 
     def check_options(self, fixed_shapes: bool | None = None, batch_invariant: bool = False) -> None:
@@ -54,6 +55,11 @@ class Decoder:
         if batch_invariant and not self.options[1]:
             raise ValueError("batch_invariant=True, but the decoder runs without it: make the Decoder with "
                              "batch_invariant=True, or pass no decoder")
+
+    @property
+    def graphs(self) -> StepStats:
+        """Its record of CUDA-graph captures (summary.json's decode_graphs): `stats`, which holds them."""
+        return self.stats
 
     @property
     def replays_graphs(self) -> bool:
@@ -70,13 +76,13 @@ class Decoder:
         """The stepper and the arena for the current width (again after a back-off: the old ones are dropped)."""
         if not self.widths or self.widths[-1] != self.width:
             self.widths.append(self.width)
-        self.stepper = Stepper(self.model, self.group_rows, *self.options, graphs=self.graphs)
+        self.stepper = Stepper(self.model, self.group_rows, *self.options, stats=self.stats)
         alone = self.replays_graphs  # a replayed graph: even one sequence pools
         pooled = self.group_rows and self.pool_rows and (self.width > 1 or alone)
-        self.pool = JoinPool(self.width, start_alone=alone) if pooled else None
+        self.pool = JoinPool(self.width, start_alone=alone, stats=self.stats) if pooled else None
         # The prefills' block step (keydiff.engine.prefill(..., decoder=)): in a slot kept across prompts where
         # graphs are replayed, so one graph serves every prompt of the run.
-        self.blocks = BlockStepper(self.model, self.options[0], arena=alone, graphs=self.graphs)
+        self.blocks = BlockStepper(self.model, self.options[0], arena=alone, stats=self.stats)
 
     @torch.inference_mode()
     def generate(self, requests: Iterable[Request | Job]) -> Iterator[tuple[Any, SequenceResult | Failure]]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import weakref
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -163,10 +164,13 @@ class FixedCache(Cache):
 
 
 @dataclass
-class Graphs:
-    """The CUDA graphs a run's fixed-shape steps captured, and why a capture failed; kept by the run's Decoder and
-    written into summary.json's decode_graphs (`record()`). After one failed capture the run stops capturing
-    (`stopped`) and runs eagerly, with the same results."""
+class StepStats:
+    """What a run's decoding steps did, kept by the run's Decoder (`decoder.stats`) for the run and read by the run's
+    record and by tests in place of spies. Plain Python counts, updated on the host (no device read).
+
+    The CUDA graphs its fixed-shape steps captured, and why a capture failed: summary.json's decode_graphs
+    (`record()`). After one failed capture the run stops capturing (`stopped`) and runs eagerly, with the same
+    results. The steps themselves: summary.json's decode_steps (`steps_record()`)."""
 
     captured: int = 0
     failed: int = 0
@@ -175,8 +179,24 @@ class Graphs:
     capture_s: float = 0.0
     warm_up_s: float = 0.0
     pool_bytes: int = 0
+    built: list[tuple[int, int]] = field(default_factory=list)  # (W, q) of every fixed-shape step built, in order
+    runs: Counter = field(default_factory=Counter)  # (W, q) -> fixed-shape step runs
+    arenas: list[int] = field(default_factory=list)  # slots of every arena block made (join pool, prefill slot)
+    slot_copies_in: int = 0  # stacks copied into an arena slot
+    slot_copies_out: int = 0  # stacks copied out of one (a stopped sequence's entries, a prefill leaving its slot)
+    steps: int = 0  # decoding steps (forward passes of the going sequences)
+    group_sizes: Counter = field(default_factory=Counter)  # rows per group of an ordinary pass -> groups
+    # Per ordinary pass, its groups' members (batch indices, in slot order); None: not kept (set it to [] to keep
+    # them: a run's decoder would keep one list per pass).
+    groups: list[list[list[int]]] | None = None
     _resources: dict = field(default_factory=dict, repr=False, compare=False)
     _alive: dict = field(default_factory=dict, repr=False, compare=False)  # the graphs in each pool (weakly)
+
+    def grouped(self, groups: list[list[int]]) -> None:
+        """Count an ordinary pass's groups (each one's members in slot order)."""
+        self.group_sizes.update(len(members) for members in groups)
+        if self.groups is not None:
+            self.groups.append(groups)
 
     def fail(self, reason: str) -> None:
         self.failed += 1
@@ -206,6 +226,12 @@ class Graphs:
                 "stopped": self.stopped, "capture_s": round(self.capture_s, 6), "warm_up_s": round(self.warm_up_s, 6),
                 "pool_bytes": self.pool_bytes}
 
+    def steps_record(self) -> dict[str, Any]:
+        """The fixed-shape steps built and run, the arena blocks made and the copies into and out of their slots."""
+        return {"built": [list(key) for key in self.built], "runs": [[*key, n] for key, n in sorted(self.runs.items())],
+                "arenas": list(self.arenas), "slot_copies_in": self.slot_copies_in,
+                "slot_copies_out": self.slot_copies_out, "steps": self.steps}
+
 
 class StaticStep:
     """One pass of q tokens for the W rows of `rows` (each at N = `budget` entries) and the eviction after it, in
@@ -213,9 +239,9 @@ class StaticStep:
     active: [W] bool, the rows whose results are used (the others' eviction is masked)."""
 
     def __init__(self, model: torch.nn.Module, rows: Rows, policy: Policy, budget: int, q: int = 1,
-                 compiled: bool = False, graphs: Graphs | None = None):
+                 compiled: bool = False, graphs: StepStats | None = None):
         self.model, self.rows, self.policy, self.budget, self.q = model, rows, policy, budget, q
-        self.graphs = graphs if graphs is not None else Graphs()
+        self.graphs = graphs if graphs is not None else StepStats()  # the run's record
         device = rows.sequence_of.device
         self.ids = torch.zeros(rows.width, q, dtype=torch.long, device=device)
         self.positions = torch.zeros(rows.width, q, dtype=torch.long, device=device)
@@ -334,7 +360,7 @@ class StaticStep:
 
     def record(self) -> bool:
         """Capture the step as a CUDA graph on the run's stream and pool, begin and end in try/finally. False if the
-        capture fails: the run then captures no more (`Graphs.fail`) and this step runs eagerly."""
+        capture fails: the run then captures no more (`StepStats.fail`) and this step runs eagerly."""
         calls, device = self.cuda, self.device
         stream, pool = self.graphs.stream_and_pool(calls, device)
         graph = calls.graph()

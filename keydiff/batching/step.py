@@ -18,7 +18,7 @@ from keydiff.batching.blocks import PrefillSlot
 from keydiff.batching.graphs import calls_for
 from keydiff.batching.rows import BatchCache
 from keydiff.batching.sequence import Sequence
-from keydiff.batching.static import Graphs, Rows, StaticStep, eligible
+from keydiff.batching.static import Rows, StaticStep, StepStats, eligible
 from keydiff.device import sync
 from keydiff.kernels import batch_invariant
 
@@ -51,9 +51,9 @@ class Stepper:
     batch_invariant: run under keydiff.kernels.batch_invariant's mode. Outputs are the same either way."""
 
     def __init__(self, model: torch.nn.Module, group_rows: bool = True, fixed_shapes: bool | None = None,
-                 batch_invariant: bool = False, graphs: Graphs | None = None):
+                 batch_invariant: bool = False, stats: StepStats | None = None):
         self.model = model
-        self.graphs = graphs if graphs is not None else Graphs()  # its steps' CUDA-graph captures
+        self.stats = stats if stats is not None else StepStats()  # what its steps did (captures included)
         self.device = next(model.parameters()).device
         self.batch_invariant = bool(batch_invariant)
         if self.batch_invariant:
@@ -79,6 +79,7 @@ class Stepper:
         else:
             self.forward_rows(going)
         rows = sum(sequence.row_count for sequence in going)
+        self.stats.steps += 1
         for sequence in going:
             sequence.batch_sizes.append(rows)
             if sequence.request.record_steps:
@@ -93,6 +94,8 @@ class Stepper:
         batch.bind([sequence.cache for sequence in going], [sequence.row_count for sequence in going])
         try:
             output = self.model(input_ids=ids, position_ids=positions, cache=batch, use_cache=True, logits_to_keep=1)
+            if batch.group_rows:
+                self.stats.grouped([group.members for group in batch.groups])
             batch.evict()
             logits = output.logits[:, -1, :].float()
             for sequence, span in zip(going, batch.spans):
@@ -131,7 +134,8 @@ class Stepper:
         # slots) may be the ones going now.
         if (step is None or built[0] is not source[0] or built[1:] != source[1:] or step.policy != policy
                 or step.budget != budget):
-            step = StaticStep(self.model, make(), policy, budget, graphs=self.graphs)
+            step = StaticStep(self.model, make(), policy, budget, graphs=self.stats)
+            self.stats.built.append((step.rows.width, step.q))
             self.steps[owner] = (source, step)
         return step, starts
 
@@ -146,6 +150,7 @@ class Stepper:
         device = self.device
         logits = step.run(torch.tensor(ids, device=device)[:, None], torch.tensor(positions, device=device)[:, None],
                           torch.tensor(active, device=device))
+        self.stats.runs[width, 1] += 1
         for sequence, start in zip(going, starts):
             sequence.logits = logits[start : start + sequence.row_count]
             sequence.cache.note_fixed_step(1)
@@ -165,12 +170,12 @@ class BlockStepper:
     arena: run in a slot kept across prompts (keydiff.batching.blocks.PrefillSlot)."""
 
     def __init__(self, model: torch.nn.Module, fixed_shapes: bool | None = None, arena: bool = False,
-                 graphs: Graphs | None = None):
+                 stats: StepStats | None = None):
         self.model = model
-        self.graphs = graphs if graphs is not None else Graphs()  # its steps' CUDA-graph captures
+        self.stats = stats if stats is not None else StepStats()  # what its steps did (captures included)
         device = next(model.parameters()).device
         self.enabled = fixed_shapes_default(device) if fixed_shapes is None else bool(fixed_shapes)
-        self.slot = PrefillSlot() if arena else None
+        self.slot = PrefillSlot(self.stats) if arena else None
         # The step over the slot (kept across prompts: one graph per run) and, for a prompt in its own buffers
         # (no slot, or one shaped unlike the slot's), the step over those (dropped when its prefill ends).
         self.kept: tuple[tuple, StaticStep] | None = None
@@ -192,7 +197,8 @@ class BlockStepper:
         held = self.kept if in_slot else self.own
         # Built for these buffers (a stack can move), this block length, policy and N.
         if held is None or held[0][0] is not source or held[0][1:] != built[1:]:
-            held = (built, StaticStep(self.model, make(), cache.policy, stack.budget, q, graphs=self.graphs))
+            held = (built, StaticStep(self.model, make(), cache.policy, stack.budget, q, graphs=self.stats))
+            self.stats.built.append((held[1].rows.width, q))
             if in_slot:
                 self.kept = held
             else:
@@ -200,6 +206,7 @@ class BlockStepper:
         step = held[1]
         positions = torch.arange(start, start + q, device=ids.device).expand(ids.shape[0], q)
         logits = step.run(ids, positions, step.active)
+        self.stats.runs[step.rows.width, q] += 1
         cache.note_fixed_step(q)
         return logits
 

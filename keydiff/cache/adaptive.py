@@ -11,6 +11,7 @@ Design: docs/design/cache.md#head-adaptive-budgets-adaptivepy
 from __future__ import annotations
 
 import math
+from collections import Counter
 from typing import Any, Callable
 
 import torch
@@ -87,6 +88,7 @@ class AdaptiveStorage:
         self.seen = 0
         self.max_total = 0  # peak entries held by one batch row of the layer (all heads), during a pass included
         self.allocations = 0
+        self.pool_evictions: Counter = Counter()  # layers chosen in one `evict_pools` call -> calls with this layer
         self.served = True  # whether keydiff's attention function computed the last pass (see `segments`)
 
     count = 1
@@ -394,6 +396,7 @@ def evict_pools(storages: list[AdaptiveStorage], buffers: list[torch.Tensor], po
     kept = kept_counts.tolist()
     for storage in storages:
         storage.counts, kept = kept[: len(storage.counts)], kept[len(storage.counts):]
+        storage.pool_evictions[len(storages)] += 1
 
 
 def evict_stack(storages: list[AdaptiveStorage], policy: Policy) -> bool:

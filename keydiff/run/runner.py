@@ -213,11 +213,13 @@ def execute(cfg: DictConfig, plan: RunPlan, samples: list, run_dir: str | Path,
 
 
 def decoding_record(ctx: RunContext | None) -> dict[str, Any]:
-    """How the invocation's decoding ran, for its summary entry: the widths its decoder ran at and the CUDA graphs
-    captured or failed (with why); None where no sample ran."""
+    """How the invocation's decoding ran, for its summary entry: the widths its decoder ran at, the CUDA graphs
+    captured or failed (with why) and the steps it built and ran; None where no sample ran."""
     if ctx is None:
-        return {"decode_widths": None, "decode_graphs": None}
-    return {"decode_widths": list(ctx.decoder.widths), "decode_graphs": ctx.decoder.graphs.record()}
+        return {"decode_widths": None, "decode_graphs": None, "decode_steps": None}
+    stats = ctx.decoder.stats
+    return {"decode_widths": list(ctx.decoder.widths), "decode_graphs": stats.record(),
+            "decode_steps": stats.steps_record()}
 
 
 def seconds_since(start: float | None) -> float | None:
