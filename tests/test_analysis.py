@@ -1,8 +1,5 @@
-"""The analysis library (keydiff.capture, keydiff.analysis) and its entry points, on the tiny random Llama.
-
-Capture is checked against transformers' own eager attention weights and DynamicCache keys; eviction
-traces against what the engine keeps; each statistic against a brute-force reference.
-"""
+"""keydiff.capture / keydiff.analysis on the tiny Llama: capture against eager weights and DynamicCache keys,
+traces against what the engine keeps, each statistic against a brute-force reference."""
 
 from __future__ import annotations
 
@@ -311,8 +308,7 @@ def test_table3_on_longbench_prompts(tmp_path, tiny_checkpoint):
 
 
 def test_table3_shows_the_paper_beside_ours_with_a_caveat():
-    """Table 3's Markdown: each layer's rho of ours beside the paper's (results/paper/table3.csv), the model and
-    setting of each, and a caveat line when the models differ."""
+    """Table 3's Markdown: ours beside the paper's rho per layer, each model and setting, a caveat when models differ."""
     import csv
 
     from omegaconf import OmegaConf

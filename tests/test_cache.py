@@ -97,16 +97,12 @@ def test_transformers_generate_continues_a_cache_that_holds_all_but_the_last_tok
     assert out[0, prompt.shape[1] :].tolist() == expected
 
 
-def test_transformers_generate_on_a_cache_holding_the_whole_prompt_is_refused(model, prompt):
-    state = prefill(model, prompt, "keydiff", 64, 32)
-    with torch.no_grad(), pytest.raises(RuntimeError, match=r"prompt\[:, :-1\]"):
-        model.generate(prompt, cache=state.cache, max_new_tokens=3, do_sample=False)
-
-
-def test_beam_search_is_refused_with_a_clear_error(model, prompt):
-    state = prefill(model, prompt[:, :-1], "keydiff", 64, 32)
-    with torch.no_grad(), pytest.raises(RuntimeError, match="beam search"):
-        model.generate(prompt, cache=state.cache, max_new_tokens=3, num_beams=2, do_sample=False)
+@pytest.mark.parametrize("end, beams, message", [(None, 1, r"prompt\[:, :-1\]"), (-1, 2, "beam search")],
+                         ids=["whole_prompt_cached", "beam_search"])
+def test_transformers_generate_refusals_say_why(model, prompt, end, beams, message):
+    state = prefill(model, prompt[:, :end], "keydiff", 64, 32)
+    with torch.no_grad(), pytest.raises(RuntimeError, match=message):
+        model.generate(prompt, cache=state.cache, max_new_tokens=3, num_beams=beams, do_sample=False)
 
 
 @pytest.mark.parametrize("name", ["keydiff", "sink", "tova", "snapkv", "h2o"])
@@ -172,12 +168,8 @@ def test_old_flash_attn_is_refused_before_running(monkeypatch, prompt):
 
 
 def brute_force_keep(name: str, held: dict[int, list], budget: int) -> set[int]:
-    """Positions the default `name` policy keeps from one head's `held` {position: [key, value, attention sum]}.
-
-    Written from the papers' definitions, not from the policy code: KeyDiff by Eq. 7 (keep the keys whose
-    summed cosine similarity to all held keys is lowest; Eq. 8, which the policy computes, ranks the same),
-    StreamingLLM by its rule (4 sinks, then the most recent), H2O by the attention each entry has received.
-    """
+    """Positions the default `name` policy keeps from one head's `held` {position: [key, value, attention sum]},
+    from the papers' definitions (KeyDiff Eq. 7, StreamingLLM's sinks + recent, H2O's received attention)."""
     positions = sorted(held)
     if name == "keydiff":
         keys = torch.stack([held[p][0] for p in positions]).double()
@@ -196,13 +188,7 @@ def brute_force_keep(name: str, held: dict[int, list], budget: int) -> set[int]:
 @pytest.mark.parametrize("name", ["keydiff", "h2o", "sink"])
 @pytest.mark.parametrize("excess", [1, 5])
 def test_in_place_eviction_keeps_exactly_the_policys_choice_with_its_rows(name, excess, stacked):
-    """The decoding fast path (one new entry) and the general path move keys, values, positions and state together.
-
-    Catches: eviction keeping a wrong set (e.g. the highest-scored entries dropped instead of the lowest, a
-    new entry moved into the wrong slot), and rows that lose their key, value or state on the way. The
-    expected set is brute-forced from what the test itself wrote (keys, values, attention per position), not
-    from the policy's `keep_indices`/`evict_indices`: a bug there would be shared by both sides.
-    """
+    """Both eviction paths keep the brute-forced set, each row with its own key, value and state."""
     from keydiff.cache import EvictingCache
 
     budget, layers, heads, dim = 20, 2, 2, 8
@@ -249,12 +235,7 @@ def test_in_place_eviction_keeps_exactly_the_policys_choice_with_its_rows(name, 
 @pytest.mark.extended
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_keydiff_caches_each_entrys_inverse_key_norm_when_it_is_written(prompt, dtype):
-    """Every held entry's cached `inv_norm` is 1 / ||its key||, after evictions moved entries around.
-
-    Catches: a wrong value stored (the norm instead of its inverse, the norm taken in bfloat16, another
-    entry's norm) and a state that does not move with its key. The expected value is computed here in
-    float64 from the cached key itself, not by `inverse_key_norms`, the helper that produced the state.
-    """
+    """Every held entry's cached `inv_norm` is 1 / ||its key|| (float64 from the cached key) after evictions."""
     model = tiny_llama("sdpa", dtype=dtype)
     state = prefill(model, prompt, "keydiff", 40, 16)
     generate(model, state, 6)
@@ -359,13 +340,7 @@ def viewing(policy: keydiff.Policy) -> keydiff.Policy:
 @pytest.mark.extended
 @pytest.mark.parametrize("name", BATCHABLE)
 def test_stacked_rows_stay_with_their_layer_and_batch_row(model, name):
-    """Two different prompts in one batch: the stack's rows are layer-major, then batch (as torch.cat orders the statistics).
-
-    Catches a layer (or batch row) mix-up in the stack for every batchable policy. For an attention-free policy a
-    consistent swap of two layers' slices changes no kept set (each row is scored on its own), so comparing
-    outputs alone cannot see it; the views the policy is handed can: row l * batch + b of every stacked view
-    must hold exactly what layer l, row b is handed when the same run evicts layer by layer.
-    """
+    """Stacked view row l * batch + b holds exactly what layer l, row b is handed when evicting layer by layer."""
     batch = torch.randint(0, 256, (2, 200), generator=torch.Generator().manual_seed(7))
     stacked_policy = viewing(keydiff.build_policy(name))
     reference_policy = viewing(layer_by_layer(name))
@@ -408,13 +383,7 @@ def test_decoding_without_eviction_grows_the_whole_stack_and_releases_the_old_on
 
 @pytest.mark.parametrize("name", ["tova", layer_by_layer("tova")], ids=["stacked", "layer_by_layer"])
 def test_attention_recognises_only_the_layer_whose_slots_it_reads(model, prompt, name):
-    """The attention function records a statistic only for keys that are the bound cache's own layer.
-
-    Positive cases are what the attention function is really handed: the keys `cache.update` returns for that
-    layer (a prefix view of its buffer), so a cache that returned a copy would fail here, not only later.
-    Negative cases: another layer's keys (in a stacked cache, the same storage), a copy of the layer's own keys,
-    and, through a real forward, a model run with another cache while this one is bound (nothing recorded).
-    """
+    """cache.owns accepts only the keys update returned for that layer; a model run on another cache records nothing."""
     cache = keydiff.EvictingCache(keydiff.build_policy(name) if isinstance(name, str) else name, 16, 3,
                                   block_size=20, max_tokens=40)
     generator = torch.Generator().manual_seed(0)
@@ -439,9 +408,7 @@ def test_attention_recognises_only_the_layer_whose_slots_it_reads(model, prompt,
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("name", ["keydiff", "tova"])
 def test_a_follow_on_chunk_as_long_as_the_prompt_is_not_mistaken_for_the_prompt_fed_again(prompt, name, dtype):
-    """After a 100-token prefill, 100 new tokens are a continuation: the same as prefilling all 200 in blocks of
-    100. Only the same 100 tokens again (what model.generate feeds when the cache covers its whole input) are
-    refused, in bf16 too (where recomputed values differ by a rounding)."""
+    """100 new tokens after a 100-token prefill continue it (as one 200-token prefill); the same 100 again are refused."""
     model = tiny_llama("sdpa", dtype=dtype)
     state = prefill(model, prompt[:, :100], name, 64, 100)
     with torch.no_grad(), keydiff.keydiff_attention(model, state.cache):

@@ -1,6 +1,4 @@
-"""Sweeps that survive a cluster, in process with a tiny random model (issue #8): run identity (task.limit),
-per-sample failure rows (out of memory, prompt cap, retry_failed), bugs still stop the run, threads,
-a full disk, the run-directory lock and the stop-signal guard."""
+"""Sweeps that survive a cluster (tiny random model): run identity, failure rows, threads, full disk, lock, signals."""
 
 from __future__ import annotations
 
@@ -245,13 +243,7 @@ def dead_pid() -> int:
 
 
 def test_second_writer_is_refused_naming_the_holder_and_may_wait(tmp_path):
-    """A second writer is refused with the holder named; with lock_wait it waits while the holder lives and
-    takes the lock once it is released. Deterministic: the holder is released only after the waiter has seen it
-    (an event), and the waiter is checked to have left the live holder's lock alone while it waited.
-
-    Catches a waiter that refuses at once despite lock_wait, one that takes over a live holder's lock, and one
-    that never notices the release (it would still be waiting after 30 s).
-    """
+    """A second writer is refused naming the holder; with lock_wait it waits, leaves the live lock alone, then takes it."""
 
     class WatchedLock(RunLock):
         """A RunLock that says when it has read a live holder's record (then it is waiting, or refusing)."""
@@ -297,9 +289,7 @@ def test_second_writer_is_refused_naming_the_holder_and_may_wait(tmp_path):
 
 
 def test_a_lock_naming_this_pid_that_this_process_does_not_hold_is_stale(tmp_path):
-    """An earlier process with the same pid (a restarted container) left its lock: taken over, not waited on.
-    Catches a lock that treats its own pid as a live holder (a resumed job would be refused forever) and one
-    that treats it as already held (it would never write its own record, nor remove the lock at the end)."""
+    """A lock naming this pid that this process does not hold (a restarted container) is taken over and removed."""
     lock = tmp_path / "run" / ".lock"
     lock.parent.mkdir()
     lock.write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "started": "before a restart"}))
@@ -358,8 +348,7 @@ def test_preempted_hands_the_signal_to_the_previous_handler():
 
 
 def test_ctrl_c_under_pythons_own_handler_exits_130_without_a_traceback():
-    """Python's SIGINT handler would raise KeyboardInterrupt (a traceback): the run exits with status 130 instead;
-    another handler is handed the signal as for SIGTERM."""
+    """SIGINT under Python's handler exits 130 (no traceback); another handler is handed the signal."""
     with pytest.raises(SystemExit) as exited:
         Preempted(signal.SIGINT, signal.default_int_handler).deliver()
     assert exited.value.code == 130
@@ -377,9 +366,7 @@ def test_ctrl_c_under_pythons_own_handler_exits_130_without_a_traceback():
 
 
 def test_every_reader_of_predictions_agrees_on_a_crashed_and_retried_file(tmp_path):
-    """The runner's resume (ResultStore), the sweep's status and successful_rows (the report's collect) read
-    predictions.jsonl with one reader: rows up to the partial last line, the latest row per sample.
-    Catches a reader that keeps a partial line, drops a complete one, or counts a superseded failure."""
+    """Resume, sweep status and successful_rows read rows up to a partial last line, the latest row per sample."""
     from keydiff.run.results import read_rows, successful_rows
     from keydiff.run.sweep import point_status
 
@@ -407,8 +394,7 @@ def test_every_reader_of_predictions_agrees_on_a_crashed_and_retried_file(tmp_pa
     ["task.limit=2", "+policy.params.window_fraction=0.1,0.2", "~logger"],
 ])
 def test_the_sweep_grid_is_hydras_basic_sweeper_grid(arguments):
-    """grid_points is built on Hydra's public override parser; Hydra's own BasicSweeper (internal, used here
-    only as the oracle) must give the same points in the same order (job numbers and dry-run listings)."""
+    """grid_points gives Hydra's BasicSweeper's points in its order."""
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
@@ -422,9 +408,7 @@ def test_the_sweep_grid_is_hydras_basic_sweeper_grid(arguments):
 
 @pytest.mark.slow
 def test_summary_provenance_is_the_one_record(tmp_path, tiny, monkeypatch):
-    """summary.json's code / packages / environment are keydiff.run.provenance's record (same keys as
-    before the record existed, so tables keep reading them), and every row names the commit.
-    Catches a runner that builds its own provenance, or a record whose keys drift from summary.json's."""
+    """summary.json's code / packages / environment are provenance_record's, and every row names the commit."""
     from keydiff.run import provenance
 
     taken = []

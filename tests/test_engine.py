@@ -219,16 +219,8 @@ def float64_scores(name: str, keys, positions, attention, accumulated) -> torch.
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("name", ["keydiff", "snapkv", "h2o"])
 def test_low_precision_runs_within_bound_and_scores_in_float32(prompt, dtype, name):
-    """bf16/fp16 models: exactly N + B entries at the peak, N after every block, and every eviction drops entries
-    whose float64 score (recomputed here from the keys, attention and positions the policy was handed) is no
-    higher than any kept one's.
-
-    Catches a policy that loses its ranking in low precision (KeyDiff's score returned in bf16, so that ties fall
-    to position order; SnapKV pooling in bf16/fp16; KeyDiff's cached inverse norms kept in the model's dtype) or
-    that is silently replaced (e.g. by the most recent tokens), which a bound alone cannot see: any evicting
-    policy stays within N + B. H2O's choices here follow position (see tests/test_guards.py), so its sums in
-    low precision are checked there (test_h2o_accumulates_in_float32_in_low_precision_models).
-    """
+    """bf16/fp16: N + B at the peak, N after each block, and every eviction drops no entry whose float64 score
+    (recomputed from what the policy was handed) beats a kept one's. H2O's low-precision sums: tests/test_guards.py."""
     model = tiny_llama("sdpa", dtype=dtype)
     policy = logging_policy(name)
     budget, block = 64, 32
@@ -324,16 +316,18 @@ def test_decoding_without_eviction_grows_the_cache(model, prompt):
     assert out.step_entries == list(range(65, 74))  # 9 tokens fed back, none evicted
 
 
-@pytest.mark.extended
-def test_qwen2_sliding_window_layers_keep_their_window(prompt):
-    """Qwen2 with use_sliding_window: its top layer slides (keydiff.cache.sliding), the other is evicted."""
+def tiny_qwen2(**overrides):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True, sliding_window=64,
-                         max_window_layers=1)
-    model = Qwen2ForCausalLM(config).eval()
+    return Qwen2ForCausalLM(Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, **overrides)).eval()
+
+
+@pytest.mark.extended
+def test_qwen2_sliding_window_layers_keep_their_window(prompt):
+    """Qwen2 with use_sliding_window: its top layer slides (keydiff.cache.sliding), the other is evicted."""
+    model = tiny_qwen2(use_sliding_window=True, sliding_window=64, max_window_layers=1)
     assert torch.allclose(prefill(model, prompt, "full", None, 32).logits, reference_logits(model, prompt), atol=1e-5)
     state = prefill(model, prompt, "keydiff", 64, 32)
     assert state.cache.layer_kinds == ["evicted", "sliding"] and state.cache.layer_max_entries == [96, 63 + 32]
@@ -351,12 +345,7 @@ def test_linear_attention_models_are_refused(prompt):
 
 
 def test_qwen2_full_attention_block_prefill_is_exact(prompt):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2)  # q/k/v biases, like Qwen2.5
-    model = Qwen2ForCausalLM(config).eval()
+    model = tiny_qwen2()  # q/k/v biases, like Qwen2.5
     state = prefill(model, prompt, "full", None, 64)
     assert torch.allclose(state.logits, reference_logits(model, prompt), atol=1e-5)
     assert prefill(model, prompt, "tova", 50, 64).max_cache_entries == 114

@@ -1,5 +1,4 @@
-"""experiment=leaderboard (issue #16 §5): the kvpress-shaped grid, the qwen3-8b model config, and the leaderboard
-table and figure built from synthetic runs (keydiff.report.leaderboard, keydiff.report.figures.leaderboard)."""
+"""experiment=leaderboard: the kvpress-shaped grid, the qwen3-8b config, and the leaderboard table and figure."""
 
 from __future__ import annotations
 
@@ -84,8 +83,7 @@ def test_leaderboard_query_aware_loop_is_kvpress_s():
 
 @pytest.mark.extended
 def test_a_leaderboard_grid_with_a_subset_of_policies_composes_and_passes_the_checks():
-    """Until the adaptive methods land, the grid runs with the policies given on the command line: every point
-    composes, passes check_run_config (no model loaded) and writes to its own ratio directory."""
+    """With policies given on the command line, every grid point composes, passes check_run_config, has its own directory."""
     from hydra import initialize_config_dir
 
     from keydiff.run.checks import check_run_config
@@ -133,8 +131,7 @@ def test_qwen3_8b_offline_is_the_one_line_hub_error(tmp_path):
 
 
 def test_ruler_renders_a_thinking_template_without_thinking():
-    """Qwen3's template thinks unless enable_thinking=False; RULER passes it (kvpress does), so the answer prefix
-    follows an empty think block. A template that does not know the flag renders as before."""
+    """RULER passes enable_thinking=False (an empty think block before the prefix); other templates render as before."""
     from keydiff.tasks.ruler import Ruler
 
     class Tokenizer:
@@ -284,8 +281,7 @@ def test_wandb_grid_names_ratio_budgets_by_their_labels():
 @pytest.mark.integration
 @pytest.mark.parametrize("policy", ["full", "keydiff", "snapkv", "expected_attention", "tova"])
 def test_the_engine_runs_qwen3s_architecture_exactly(policy):
-    """qwen3-8b cannot be downloaded here; a tiny random Qwen3 (q/k RMS norms before RoPE) stands in: block-wise
-    prefill with a budget that holds the prompt equals one forward pass, and a small budget keeps N per head."""
+    """A tiny random Qwen3 (q/k norms before RoPE): N >= L prefill equals one forward; a small budget keeps N per head."""
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -307,8 +303,7 @@ def test_the_engine_runs_qwen3s_architecture_exactly(policy):
 
 @pytest.mark.extended
 def test_leaderboard_says_which_protocol_and_marks_query_aware_rows(summary, tmp_path, monkeypatch):
-    """kvpress's protocol and the bounded one are separate groups (table) and panels (figure); a query-aware run
-    of the same method, budget and protocol is a row of its own, "(query-aware)", never averaged with the other."""
+    """Protocols are separate groups and panels; a query-aware run is its own "(query-aware)" row, never averaged."""
     more = pd.DataFrame([run("keydiff", "r0.5", 20.0, 1.0, block="inf", decode_eviction=False),
                          run("snapkv", "r0.5", 33.0, 1.0, experiment="leaderboard_query_aware", query_aware=True),
                          run("snapkv", "r0.5", 11.0, 1.0)])

@@ -30,9 +30,7 @@ def words(n: int) -> str:
 
 
 def test_normalize_answer_ascii_punctuation_articles_whitespace():
-    # lower -> "the  well-known, café's  1,000 answer!"
-    # drop ASCII punctuation -> "the  wellknown cafés  1000 answer"
-    # articles -> "   wellknown cafés  1000 answer" ; whitespace -> "wellknown cafés 1000 answer" (accent kept)
+    # lower, drop ASCII punctuation, drop articles, squeeze whitespace (the accent stays)
     assert m.normalize_answer("The  Well-known, Café's  1,000 answer!") == "wellknown cafés 1000 answer"
     # Curly quotes and the em dash are not ASCII punctuation: kept.
     assert m.normalize_answer("“Yes”") == "“yes”"
@@ -99,10 +97,8 @@ def test_rouge_score_empty_hypothesis_is_zero():
 
 
 def _recursion_cases() -> tuple[float, float]:
-    # ref "w0" (1 word) against a hyp of N distinct words with no '.': _recon walks (1,N), (1,N-1), ..., (1,1),
-    # (0,0): N+1 nested calls above 9 frames (<module>, scorer, rouge_score, get_scores, _get_avg_scores,
-    # lambda, rouge_l_summary_level, _union_lcs, _recon_lcs). CPython fails once the depth exceeds 1000, so
-    # N = 990 (depth 1000) works and N = 991 (depth 1001) gives RecursionError -> 0.0, as in `python eval.py`.
+    # ref "w0" against N distinct words: _recon_lcs nests N + 1 calls above eval.py's 9 frames, so N = 990
+    # (depth 1000) works and N = 991 hits CPython's limit: RecursionError -> 0.0, as in `python eval.py`.
     return m.rouge_score(words(990), "w0"), m.rouge_score(words(991), "w0")
 
 
@@ -141,9 +137,7 @@ def test_rouge_zh_score_fails_one_word_earlier():
 
 
 def test_classification_list_mutation_skip_bug():
-    # All three classes are substrings of the prediction: [Other, location, Other location].
-    # Loop: "Other" is in gold and != gold -> removed; the iterator moves on to index 1, now
-    # "Other location" (so "location" is skipped and survives). Final [location, Other location]: 1/2.
+    # Removing "Other" while iterating skips "location", which survives: [location, Other location] -> 1/2.
     classes = ["Other", "location", "Other location"]
     assert m.classification_score("Other location", "Other location", all_classes=classes) == 0.5
 
@@ -215,10 +209,8 @@ def test_fuzz_ratio_rounds_half_even():
 
 
 def test_fuzzy_backends_differ_on_autojunk():
-    # gold = 249*"x" + "z" (250 chars >= 200): difflib's autojunk marks "x" (249 > 250//100 + 1 = 3 times)
-    # as popular, so no match can start on it; "z" is not in the prediction and the prediction starts
-    # with "y", so no match is extended from (0, 0) either: 0 matches -> 0.
-    # Indel distance: delete "y", insert "z" = 2 -> 1 - 2/500 = 0.996 -> 99.6 -> 100 -> 1.0.
+    # difflib's autojunk marks "x" popular in the 250-char gold: 0 matches -> 0.
+    # Indel distance 2 (delete "y", insert "z"): 1 - 2/500 -> 99.6 -> 100 -> 1.0.
     prediction, gold = "y" + "x" * 249, "x" * 249 + "z"
     assert m.code_sim_score(prediction, gold, fuzzy_backend="difflib") == 0.0
     assert m.code_sim_score(prediction, gold, fuzzy_backend="levenshtein") == 1.0

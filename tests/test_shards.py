@@ -1,6 +1,4 @@
-"""Grid points larger than one job (issue #22, part 3): `shard=i/n` runs a deterministic subset of a grid point's
-samples into its own run directory; shards merge into exactly the unsharded run's rows and metrics, only when
-every shard is complete; status names the missing shards; a partly run point never reaches the tables."""
+"""shard=i/n: deterministic sample subsets that merge into exactly the unsharded run, only when all are complete."""
 
 from __future__ import annotations
 
@@ -312,8 +310,7 @@ def test_only_missing_resubmits_missing_shards_and_refuses_to_run_a_sharded_poin
 
 @pytest.mark.slow
 def test_a_shard_all_sweep_through_run_py_merges_into_the_unsharded_run(tmp_path):
-    """End to end through Hydra: `run.py -m shard=all/2` writes each shard into its directory (run.py's own lock
-    and job directory), collect merges them, and the point equals an unsharded run.py run."""
+    """run.py -m shard=all/2 writes each shard to its directory; collect merges them into the unsharded run."""
     from tests.conftest import char_tokenizer, tiny_llama
     from tests.test_cluster_processes import model_args, read_rows as rows_in, run_py
 

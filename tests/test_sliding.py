@@ -3,6 +3,7 @@ random Gemma 2, Gemma 3 (text), gpt-oss and an every-layer-sliding Mistral (keyd
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import pytest
@@ -32,6 +33,17 @@ def ids():
 def stock_logits(model, ids):
     with torch.no_grad():
         return model(ids).logits[:, -1].float()
+
+
+def loop_tokens(model, state, steps, bound=True):
+    """A plain greedy loop through model(...) on the state's cache, with keydiff's attention or the model's own."""
+    cache, logits, tokens = state.cache, state.logits, []
+    with torch.no_grad(), (keydiff_attention(model, cache) if bound else contextlib.nullcontext()):
+        for _ in range(steps):
+            token = logits.argmax(-1)
+            tokens.append(int(token))
+            logits = model(input_ids=token[:, None], cache=cache, use_cache=True).logits[:, -1].float()
+    return tokens
 
 
 def stock_tokens(model, ids, new_tokens):
@@ -97,21 +109,13 @@ def test_block_crossing_the_window_edge_is_exact(models, ids, architecture):
 def test_plain_decoding_loop_equals_generate(models, ids, architecture, policy):
     model = models[architecture]
     expected = generate(model, prefill(model, ids, policy, 64, 32), 6).token_ids[0]
-    state = prefill(model, ids, policy, 64, 32)
-    cache, logits, tokens = state.cache, state.logits, []
-    with torch.no_grad(), keydiff_attention(model, cache):
-        for _ in range(6):
-            token = logits.argmax(-1)
-            tokens.append(int(token))
-            logits = model(input_ids=token[:, None], cache=cache, use_cache=True).logits[:, -1].float()
-    assert tokens == expected
+    assert loop_tokens(model, prefill(model, ids, policy, 64, 32), 6) == expected
 
 
 @pytest.mark.extended
 @pytest.mark.parametrize("statistics", ["fast", "materialized"])
 def test_gpt_oss_sinks_and_head_adaptive_layers(models, ids, statistics):
-    """Sinks on both statistics paths and in head-adaptive (AdaKV) pools: with N >= L every path equals the stock
-    model (whose eager attention adds the sinks); under a budget the two statistics paths keep the same entries."""
+    """gpt-oss sinks, both statistics paths, AdaKV pools: N >= L equals the stock model; under a budget both paths agree."""
     model = models["gpt_oss"]
     assert any(float(layer.self_attn.sinks.detach().abs().max()) > 0.1 for layer in model.model.layers)
     adaptive = build_policy("snapkv", head_budgets="adakv")
@@ -155,14 +159,7 @@ def test_all_sliding_model_evicts_on_top_of_the_window_below_it(models, ids, cap
     for positions in short.kept_positions:
         assert positions.shape[-1] == 40
     loop_state = prefill(model, ids[:, :150], "keydiff", 40, 16)
-    expected = generate(model, short, 4).token_ids[0]
-    cache, logits, tokens = loop_state.cache, loop_state.logits, []
-    with torch.no_grad(), keydiff_attention(model, cache):
-        for _ in range(4):
-            token = logits.argmax(-1)
-            tokens.append(int(token))
-            logits = model(input_ids=token[:, None], cache=cache, use_cache=True).logits[:, -1].float()
-    assert tokens == expected
+    assert loop_tokens(model, loop_state, 4) == generate(model, short, 4).token_ids[0]
 
 
 def test_window_mask_by_position_equals_the_stock_mask_for_keys_in_order(models, ids):
@@ -212,8 +209,7 @@ def test_scratch_passes_leave_sliding_layers_as_they_were(models, ids):
 
 @pytest.mark.extended
 def test_run_py_on_a_saved_random_gemma3(tmp_path, monkeypatch):
-    """`python run.py model=custom model.path=<tiny Gemma 3 folder> policy=keydiff` end to end: the summary records
-    each layer's bound (window less one, or N) and finds it held."""
+    """run.py on a saved tiny Gemma 3: the summary records each layer's bound (window less one, or N), held."""
     import json
     import runpy
     import sys
@@ -247,8 +243,7 @@ def test_run_py_on_a_saved_random_gemma3(tmp_path, monkeypatch):
 
 @pytest.mark.extended
 def test_multimodal_gemma3_checkpoint_runs_text_prompts(ids):
-    """google/gemma-3-*-it load as Gemma3ForConditionalGeneration (a SigLIP tower beside the text model): its text
-    layers are served the same way (their layer kinds come from the text config)."""
+    """Gemma3ForConditionalGeneration (text + SigLIP) serves its text layers by the text config's layer kinds."""
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 
     text = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
@@ -282,26 +277,16 @@ def test_real_layer_patterns_behind_the_memory_rows(config_name, layers, window,
 @pytest.mark.extended
 @pytest.mark.parametrize("architecture", HYBRID)
 def test_stock_attention_loop_equals_generate_for_an_attention_free_policy(models, ids, architecture):
-    """Without keydiff's attention function, transformers sizes each layer kind's mask from the cache (the sliding
-    layers' from their window, the evicted layers' from their kept entries): the same tokens as keydiff.generate."""
+    """Without keydiff's attention, transformers sizes each layer kind's mask from the cache: generate's tokens."""
     model = models[architecture]
     expected = generate(model, prefill(model, ids, "keydiff", 64, 32), 5).token_ids[0]
-    state = prefill(model, ids, "keydiff", 64, 32)
-    cache, logits, tokens = state.cache, state.logits, []
-    with torch.no_grad():
-        for _ in range(5):
-            token = logits.argmax(-1)
-            tokens.append(int(token))
-            logits = model(input_ids=token[:, None], cache=cache, use_cache=True).logits[:, -1].float()
-    assert tokens == expected
+    assert loop_tokens(model, prefill(model, ids, "keydiff", 64, 32), 5, bound=False) == expected
 
 
 @pytest.mark.extended
 @pytest.mark.parametrize("architecture", ["gpt_oss", "gemma2"])
 def test_fast_statistics_path_with_sinks_or_softcap_equals_the_materialised_one(ids, monkeypatch, architecture):
-    """gpt-oss and Gemma 2 run eager (materialised weights) unless on FlashAttention: there the statistic comes from
-    the fast path (`attention_statistic` with the sinks or the soft cap), beside the eager output they need; it
-    keeps the same entries."""
+    """On FlashAttention, gpt-oss / Gemma 2's fast statistic (sinks, soft cap) keeps what the materialised one keeps."""
     import sys
     import types
 

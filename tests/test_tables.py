@@ -1,9 +1,4 @@
-"""collect -> tables -> figures on a fake results tree, and every conf/experiment/*.yaml against conf/.
-
-The fake runs carry made-up numbers chosen so that each assertion checks one thing: the number reaches
-the CSV and the table unchanged, the best eviction method (never the full baseline) is bold, nothing
-appears for tables without runs, and two figure runs give identical bytes.
-"""
+"""collect -> tables -> figures on a fake results tree (made-up numbers, one check each), and conf/experiment/*.yaml."""
 
 from __future__ import annotations
 
@@ -283,8 +278,7 @@ def test_same_model_cells_show_ours_paper_and_difference(produced):
 
 @pytest.fixture(scope="module")
 def adhoc(tmp_path_factory):
-    """What a new user does first: python run.py -m policy=keydiff,sink budget=1k,2k task.limit=2, plus a
-    Table 17 run on the default model in which one sample ran out of memory."""
+    """python run.py -m policy=keydiff,sink budget=1k,2k task.limit=2, plus a Table 17 run with one sample out of memory."""
     runs = tmp_path_factory.mktemp("adhoc") / "runs"
     for label, score in [("keydiff", 0.75), ("sink", 0.25)]:
         for budget in ["1k", "2k"]:
@@ -430,8 +424,7 @@ FULL_RECALLS = [1.0, 1.0, 1.0, 1.0, 0.6, 0.584]  # mean 0.864 (the default job: 
 
 @pytest.fixture(scope="module")
 def mixed(tmp_path_factory):
-    """Issue #14's sequence: the default job (python run.py: adhoc, niah_small, keydiff 2k, 6 samples), then
-    python run.py task.limit=2 on the same point, which re-scores the first two samples in seed0-limit2/."""
+    """The default job (6 samples), then task.limit=2 on the same point (seed0-limit2/), and a subset-only point."""
     runs = tmp_path_factory.mktemp("mixed") / "runs"
     point = dict(runs=runs, experiment="adhoc", task="niah_small", model="smollm2-135m", label="keydiff",
                  budget_label="2k", block=128)
@@ -498,9 +491,7 @@ def test_subset_runs_are_marked_on_heatmaps(produced, fake_runs, monkeypatch, tm
 
 @pytest.mark.extended
 def test_generic_figures_keep_intervals_in_range_and_points_at_their_budget(mixed, monkeypatch):
-    """Every error bar of every score-vs-budget figure lies inside the score's range (0-1 recall, 0-100 LongBench:
-    never a 95 % bar above 1.0), every point sits at its budget's tick (no sideways offset on a numeric axis),
-    and the layout makes room for the axis labels."""
+    """Every error bar lies in the score's range, every point at its budget's tick, with room for the axis labels."""
     out, runs = mixed
     plotted = drawn_figures(monkeypatch, out / "summary.csv", runs, out / "figures")
     names = [k[: -len("/containers")] for k in plotted if k.endswith("/containers") and "__bs" in k]
@@ -536,8 +527,7 @@ def test_the_generic_figure_plots_the_full_run_with_its_interval(mixed, monkeypa
 
 
 def test_table9_average_is_over_prompts(tmp_path):
-    """As the paper's (and table9_vs_paper's): 2 narrativeqa prompts (0.1, 0.3) and 1 qasper (0.5) average 0.30,
-    not the mean of the dataset means (0.35)."""
+    """Table 9's average is over prompts (0.1, 0.3, 0.5: 0.30), not over dataset means (0.35)."""
     runs = tmp_path / "runs"
     rows = [{"sample_id": f"{d}/{k}", "info": {"dataset": d}, "compression_ratio": c, "scores": {"score": c}}
             for d, k, c in [("narrativeqa", 0, 0.1), ("narrativeqa", 1, 0.3), ("qasper", 0, 0.5)]]
@@ -549,8 +539,7 @@ def test_table9_average_is_over_prompts(tmp_path):
 
 
 def test_math500_baseline_is_the_whole_full_run_of_the_experiment(tmp_path):
-    """A full-cache subset run (sorted first: "adhoc" < "table4_full", "seed0-limit2" < "seed0/") never becomes
-    the Tables 5/7 baseline: the whole run of table4_full does; an adhoc run takes adhoc's full run only."""
+    """Tables 5/7's baseline is table4_full's whole run, never a subset run; adhoc takes adhoc's full run."""
     runs = tmp_path / "runs"
     whole = math_rows([1, 0, 1, 1], [500, 1500, 800, 2000])  # contexts 600, 1600, 900, 2100
     few = math_rows([0, 0], [2000, 2000])
@@ -568,8 +557,7 @@ def test_math500_baseline_is_the_whole_full_run_of_the_experiment(tmp_path):
 
 
 def test_ruler_standard_errors_leave_short_samples_out():
-    """As Ruler.summarize: a short sample counts in no task's SE, and a task with only short samples adds no
-    group to the average's SE (it has no score)."""
+    """A short sample counts in no task's SE; a task of only short samples adds no group to the average's SE."""
     rows = [{"sample_id": f"vt/{i}", "scores": {"score": s}, "info": {"short": short}}
             for i, (s, short) in enumerate([(1.0, False), (0.0, False), (1.0, True)])]
     rows.append({"sample_id": "qa_1/0", "scores": {"score": 1.0}, "info": {"short": True}})
@@ -629,9 +617,7 @@ def test_two_seeds_of_the_same_samples_show_per_seed_n(tmp_path):
 
 @pytest.mark.extended
 def test_a_budget_above_every_prompt_keeps_a_constant_and_scores_read_alike(tmp_path):
-    """budget=8k on the default task (issue #29): kept N/L is 1.0 on every sample, a constant with no interval;
-    six perfect recalls and six ROUGE-1 F1s of 0.999999995 (the rouge package's 1e-8 in a denominator) are the
-    same score, with the same interval, not [0.610, 1.000] beside [1.000, 1.000]."""
+    """A constant kept N/L has no interval; perfect recalls and ROUGE-1 F1s of 0.999999995 read as the same score."""
     runs = tmp_path / "runs"
     rows = [{"sample_id": f"niah/{i}", "scores": {"needle_recall": 1.0, "rouge1": 2 / (2 + 1e-8)}, "ttft_s": 0.5 + i,
              "compression_ratio": 1.0} for i in range(6)]
