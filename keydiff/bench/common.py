@@ -7,7 +7,6 @@ shapes, not on weight values, so they stand in for the real checkpoints on machi
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -64,15 +63,6 @@ def default_dtype(device: str) -> torch.dtype:
     return torch.bfloat16 if device == "cuda" else torch.float32
 
 
-def apply_runtime(args: argparse.Namespace) -> tuple[str, torch.dtype]:
-    """Set --threads (if given) and return the device and the dtype (--dtype, else the device's default):
-    what every benchmark does first with add_common_arguments' options."""
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = device_name()
-    return device, DTYPES[args.dtype] if args.dtype else default_dtype(device)
-
-
 def build_model(name: str, dtype: torch.dtype, attn: str, device: str, seed: int = 0):
     """A random model from RANDOM_MODELS, or a real one through keydiff.models (smollm2-135m, hub ids)."""
     if name in RANDOM_MODELS:
@@ -90,27 +80,16 @@ def build_model(name: str, dtype: torch.dtype, attn: str, device: str, seed: int
     return load_model(cfg)[0]
 
 
-def add_common_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options every benchmark takes: model, dtype, attention, threads, repeats, JSON output."""
-    parser.add_argument("--model", default=None,
-                        help="smollm2-135m | random-tiny | random-smollm2 | random-llama-3.2-3b | hub id/path")
-    parser.add_argument("--dtype", default=None, choices=list(DTYPES), help="default: bfloat16 on CUDA, float32 on CPU")
-    parser.add_argument("--attn", default="sdpa", choices=["sdpa", "eager", "flash_attention_2"])
-    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per policy (the median is reported)")
-    parser.add_argument("--json", default=None, help="also write the results to this JSON file")
-
-
-def parse_policies(parser: argparse.ArgumentParser, text: str | None, budget: int) -> list[str]:
+def parse_policies(text: str | None, budget: int, default: str = DEFAULT_POLICIES) -> list[str]:
     """Policy names from a comma list, each validated against the budget before any model is loaded.
 
-    text=None means the default list, from which policies that cannot run at this budget (SnapKV's
-    32-token window needs N > 32) are dropped with a note; a policy asked for by name fails instead.
+    text=None means `default`, from which policies that cannot run at this budget (SnapKV's 32-token window
+    needs N > 32) are dropped with a note; a policy asked for by name raises ValueError (one line) instead.
     """
-    names = [p.strip() for p in (text or DEFAULT_POLICIES).split(",") if p.strip()]
+    names = [p.strip() for p in (text or default).split(",") if p.strip()]
     unknown = [p for p in names if p not in available_policies()]
     if unknown:
-        parser.error(f"unknown policies {unknown}; valid: {', '.join(available_policies())}")
+        raise ValueError(f"unknown policies {unknown}; valid: {', '.join(available_policies())}")
     valid = []
     for name in names:
         try:
@@ -118,7 +97,7 @@ def parse_policies(parser: argparse.ArgumentParser, text: str | None, budget: in
             valid.append(name)
         except ValueError as error:
             if text is not None:
-                parser.error(f"{name}: {error}")
+                raise ValueError(f"{name}: {error}") from None
             print(f"note: {name} skipped: {error}", file=sys.stderr)
     return valid
 
@@ -157,16 +136,35 @@ def run_module(module: str, arguments: list[str]) -> subprocess.CompletedProcess
                           env={**os.environ, "PYTHONPATH": path})
 
 
-def interleaved_rounds(cases: dict[str, Callable[[], Any]], repeats: int, device: str) -> dict[str, list[Any]]:
-    """Run every case once untimed (warm-up), then `repeats` rounds in which each case runs once, in turn.
+def timed(device: str, fn: Callable[[], Any]) -> tuple[float, Any]:
+    """Seconds fn() takes, the device synchronised before and after (so they count its queued work), and its result:
+    the one timer of every benchmark."""
+    sync(device)
+    start = time.perf_counter()
+    out = fn()
+    sync(device)
+    return time.perf_counter() - start, out
+
+
+def timings(device: str, fn: Callable[[], Any], repeats: int, warm_up: int = 0) -> list[float]:
+    """Seconds of `repeats` timed calls of fn() (`timed`), after `warm_up` untimed ones."""
+    for _ in range(warm_up):
+        fn()
+    return [timed(device, fn)[0] for _ in range(repeats)]
+
+
+def interleaved_rounds(cases: dict[str, Callable[[], Any]], repeats: int, device: str,
+                       warm_up: bool = True) -> dict[str, list[Any]]:
+    """Run every case once untimed (warm-up, unless warm_up=False: a case that warms up itself), then `repeats`
+    rounds in which each case runs once, in turn.
 
     Rounds spread the machine's speed drift over every case instead of into their ratios. Each case returns its own
     measurement; memory is released between cases. Each run is announced on stderr (`Progress`).
     """
-    runs = [("warm-up", name) for name in cases]
+    runs = [("warm-up", name) for name in cases] if warm_up else []
     runs += [(f"round {r + 1}/{repeats}", name) for r in range(repeats) for name in cases]
-    progress = Progress(f"{len(cases)} case(s): one untimed warm-up run of each, then {repeats} timed round(s)",
-                        len(cases))
+    plan = "one untimed warm-up run of each, then " if warm_up else ""
+    progress = Progress(f"{len(cases)} case(s): {plan}{repeats} timed round(s)", len(cases))
     results: dict[str, list[Any]] = {name: [] for name in cases}
     for index, (phase, name) in enumerate(runs):
         progress.start(f"{phase}: {name}", [n for _, n in runs[index:]])

@@ -25,7 +25,8 @@ from typing import Callable, Iterator
 import torch
 
 from keydiff import Decoder, Request, build_policy, generate, generate_batch, prefill
-from keydiff.bench import common, floor
+from keydiff.bench import common, floor, runner
+from keydiff.bench.common import timed
 
 
 @dataclass(frozen=True)
@@ -98,14 +99,6 @@ def cpu_stand_ins(device: str, fail: str | None = None):
     from keydiff.batching.static import stand_in_graphs
 
     return stand_in_graphs(fail=fail)
-
-
-def timed(device: str, fn) -> tuple[float, object]:
-    common.sync(device)
-    start = time.perf_counter()
-    out = fn()
-    common.sync(device)
-    return time.perf_counter() - start, out
 
 
 def graph_record(decoder: Decoder) -> dict:
@@ -429,32 +422,27 @@ def run_group(group: str, planned: list[dict], make_rows: Callable[[], Iterator[
         log.add({"row": group, "case": "release_memory", "group": group, "error": CLEANUP_ERRORS.pop(0)})
 
 
-def main(argv: list[str] | None = None, on_row: Callable[[dict], None] | None = None,
-         capture_fail: str | None = None) -> int:
+def check(args) -> None:
+    unknown = [g for g in (g.strip() for g in args.rows.split(",")) if g and g not in ROWS]
+    if unknown:
+        raise ValueError(f"unknown row groups {unknown}; valid: {', '.join(GROUPS)}")
+    if common.device_name() != "cuda" and not args.quick:
+        raise ValueError("no CUDA device here: the GPU rows need one (--quick runs them at tiny sizes anywhere)")
+
+
+def run(args, on_row: Callable[[dict], None] | None = None, capture_fail: str | None = None) -> int:
     """on_row: see `run_group`; capture_fail: the CPU stand-in's captures fail so ("end", "inside"). Tests only.
     Exit status 1 where a row failed or a capture failed (its steps then ran eagerly: timings not of replayed
     graphs)."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="tiny sizes (any device): the code paths, not numbers")
-    parser.add_argument("--json", default=None, help="write the rows and their provenance here, after every row")
-    parser.add_argument("--deadline", type=float, default=450.0, help="seconds after which no new row starts")
-    parser.add_argument("--rows", default=",".join(GROUPS), help="which row groups, in this order")
-    args = parser.parse_args(argv)
     chosen = [g.strip() for g in args.rows.split(",") if g.strip()]
-    unknown = [g for g in chosen if g not in ROWS]
-    if unknown:
-        parser.error(f"unknown row groups {unknown}; valid: {', '.join(GROUPS)}")
-    started = common.provenance(__spec__.name, argv)
     device = common.device_name()
-    if device != "cuda" and not args.quick:
-        parser.error("no CUDA device here: the GPU rows need one (--quick runs them at tiny sizes anywhere)")
     sizes = QUICK if args.quick else FULL
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     begin = time.perf_counter()
     model = common.build_model(sizes.model, dtype, "sdpa", device)
     print(common.setting_line(device, dtype, model=sizes.model, quick=args.quick), flush=True)
-    log = common.RowLog(args.json, started, lambda: {"device": device, "sizes": sizes.__dict__,
-                                                     "wall_s": time.perf_counter() - begin}, row_line)
+    log = common.RowLog(args.json, args.started, lambda: {"device": device, "sizes": sizes.__dict__,
+                                                          "wall_s": time.perf_counter() - begin}, row_line)
     planned = planned_rows(sizes)
     def late() -> str | None:
         elapsed = time.perf_counter() - begin
@@ -477,5 +465,15 @@ def main(argv: list[str] | None = None, on_row: Callable[[dict], None] | None = 
     return 1 if failed or any("error" in r for r in log.rows) else 0
 
 
+CASE = runner.Case("gpu_bench", run, __doc__, ("json",), check=check, options=(
+    runner.option("--quick", action="store_true", help="tiny sizes (any device): the code paths, not numbers"),
+    runner.option("--deadline", type=float, default=450.0, help="seconds after which no new row starts"),
+    runner.option("--rows", default=",".join(GROUPS), help="which row groups, in this order")))
+
+
+def main(argv: list[str] | None = None, **hooks) -> int:
+    return runner.main(argv, CASE, __spec__.name, **hooks)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    runner.command(main)

@@ -18,17 +18,15 @@ import argparse
 import json
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 from keydiff.attention import attention_statistic, statistic_from_weights
-from keydiff.bench import common
+from keydiff.bench import common, runner
 from keydiff.config import STATISTICS_MODES
 from keydiff.policies import build_policy
 from keydiff.policies.base import LayerView
-from keydiff.cli import ArgumentParser
 
 SHAPES = {"smollm2-135m": common.SMOLLM2_135M, "llama-3.2-3b": common.LLAMA_3_2_3B, "tiny": common.TINY}
 POLICIES = ("keydiff", "tova", "h2o", "snapkv", "sink")
@@ -94,16 +92,7 @@ class ScoringStep:
 
 
 def time_step(step: ScoringStep, device: str, warmup: int, repeats: int) -> dict:
-    for _ in range(warmup):
-        step()
-    common.sync(device)
-    times = []
-    for _ in range(repeats):
-        common.sync(device)
-        start = time.perf_counter()
-        step()
-        common.sync(device)
-        times.append(time.perf_counter() - start)
+    times = common.timings(device, step, repeats, warmup)
     quartiles = statistics.quantiles(times, n=4) if len(times) > 1 else [times[0]] * 3
     return {"median_s": statistics.median(times), "q1_s": quartiles[0], "q3_s": quartiles[2], "repeats": repeats}
 
@@ -279,54 +268,48 @@ def int_list(text: str) -> list[int]:
     return values
 
 
-def main(argv: list[str] | None = None) -> list[Path]:
-    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("table", choices=["table19", "table2"])
-    parser.add_argument("--shape", default="smollm2-135m", choices=list(SHAPES),
-                        help="head shape (query/KV heads, dim)")
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    parser.add_argument("--dtype", default=None, choices=list(common.DTYPES),
-                        help="default: bfloat16 on CUDA, else float32")
-    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--repeats", type=int, default=31)
-    parser.add_argument("--statistics", default="fast", choices=STATISTICS_MODES)
-    parser.add_argument("--policies", type=lambda t: [p.strip() for p in t.split(",") if p.strip()], default=None,
-                        help=f"comma list from {', '.join(POLICIES)}")
-    parser.add_argument("--block-size", type=int, default=128, help="B (the block scored with the cache)")
-    parser.add_argument("--sizes", type=int_list, default=PAPER_SIZES, help="table19: cache sizes N")
-    parser.add_argument("--budget", type=int, default=2048, help="table2: N of the sweep over B")
-    parser.add_argument("--budgets", type=int_list, default=[256, 512, 1024, 2048, 4096, 8192], help="table2: N sweep")
-    parser.add_argument("--blocks", type=int_list, default=[16, 32, 64, 128, 256, 512, 1024], help="table2: B sweep")
-    parser.add_argument("--out", default=str(common.CHECKOUT / "results" / "tables"))
-    parser.add_argument("--figures", default=str(common.CHECKOUT / "results" / "figures" / "analysis"))
-    args = parser.parse_args(argv)
-    started = common.provenance(__spec__.name, argv)
+def check(args) -> None:
+    args.policies = [p.strip() for p in args.policies.split(",") if p.strip()] if args.policies else None
     unknown = [p for p in args.policies or [] if p not in POLICIES]
     if unknown:
-        parser.error(f"unknown policies {unknown}; valid: {', '.join(POLICIES)}")
-    if args.warmup < 0 or args.repeats < 1 or args.block_size < 1 or args.budget < 1:
-        parser.error("--warmup must be >= 0; --repeats, --block-size and --budget >= 1")
+        raise ValueError(f"unknown policies {unknown}; valid: {', '.join(POLICIES)}")
+    if args.warmup < 0 or args.block_size < 1 or args.budget < 1:
+        raise ValueError("--warmup must be >= 0; --repeats, --block-size and --budget >= 1")
     smallest = min(args.sizes + args.budgets + [args.budget])
     for policy in args.policies or POLICIES:  # SnapKV's window must fit the smallest budget
         try:
             build_policy(policy).validate(smallest)
         except ValueError as error:
-            parser.error(f"{policy} at N = {smallest}: {error}")
-    device = common.device_name() if args.device == "auto" else args.device
-    if device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda but CUDA is not available")
-    dtype = common.DTYPES[args.dtype] if args.dtype else common.default_dtype(device)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+            raise ValueError(f"{policy} at N = {smallest}: {error}") from None
+
+
+def run(args) -> list[Path]:
     with torch.inference_mode():
         if args.table == "table19":
-            paths = table19(args, device, dtype, Path(args.out), started)
+            paths = table19(args, args.device, args.torch_dtype, Path(args.out), args.started)
         else:
-            paths = table2(args, device, dtype, Path(args.out), Path(args.figures), started)
+            paths = table2(args, args.device, args.torch_dtype, Path(args.out), Path(args.figures), args.started)
     print("wrote " + ", ".join(str(p) for p in paths))
     return paths
 
 
+CASE = runner.Case("scoring", run, __doc__, ("dtype", "threads", "device", "repeats", "block_size", "budget"),
+                   check=check, defaults={"repeats": 31, "budget": 2048}, options=(
+    runner.option("table", choices=["table19", "table2"]),
+    runner.option("--shape", default="smollm2-135m", choices=list(SHAPES), help="head shape (query/KV heads, dim)"),
+    runner.option("--warmup", type=int, default=5),
+    runner.option("--statistics", default="fast", choices=STATISTICS_MODES),
+    runner.option("--policies", default=None, help=f"comma list from {', '.join(POLICIES)}"),
+    runner.option("--sizes", type=int_list, default=PAPER_SIZES, help="table19: cache sizes N"),
+    runner.option("--budgets", type=int_list, default=[256, 512, 1024, 2048, 4096, 8192], help="table2: N sweep"),
+    runner.option("--blocks", type=int_list, default=[16, 32, 64, 128, 256, 512, 1024], help="table2: B sweep"),
+    runner.option("--out", default=str(common.CHECKOUT / "results" / "tables")),
+    runner.option("--figures", default=str(common.CHECKOUT / "results" / "figures" / "analysis"))))
+
+
+def main(argv: list[str] | None = None) -> list[Path]:
+    return runner.main(argv, CASE, __spec__.name)
+
+
 if __name__ == "__main__":
-    main()
+    runner.command(main)
