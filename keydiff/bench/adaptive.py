@@ -38,10 +38,7 @@ def rss_child(args) -> dict:
     """One form (args.form) in this fresh process: peak RSS of prefill + decode alone."""
     model = common.build_model(args.model, args.torch_dtype, args.attn, args.device)
     prompt = common.random_prompt(model, args.length).to(args.device)
-    reset = common.reset_peak_rss()
-    after_load = common.current_rss_bytes()
-    run_once(model, prompt, args, args.form == "adakv")
-    return {"peak_rss_bytes": common.peak_rss_bytes(), "rss_after_load_bytes": after_load, "peak_is_run_only": reset}
+    return common.rss_of(lambda: run_once(model, prompt, args, args.form == "adakv"))
 
 
 def check(args) -> None:
@@ -110,9 +107,4 @@ CASE = runner.Case("adaptive", run, __doc__, runner.RUN + ("new_tokens",) + runn
     runner.option("--alpha-safeguard", type=float, default=0.2)))
 
 
-def main(argv: list[str] | None = None):
-    return runner.main(argv, CASE, __spec__.name)
-
-
-if __name__ == "__main__":
-    runner.command(main)
+main = runner.entry(CASE, __spec__.name, __name__)  # `python -m keydiff.bench.adaptive`: this case

@@ -65,9 +65,4 @@ CASE = runner.Case("batch_steps", run, __doc__, runner.RUN + ("policies", "new_t
     runner.option("--batches", default="1,8", help="batch sizes (the first is the ratios' base)"),))
 
 
-def main(argv: list[str] | None = None):
-    return runner.main(argv, CASE, __spec__.name)
-
-
-if __name__ == "__main__":
-    runner.command(main)
+main = runner.entry(CASE, __spec__.name, __name__)  # `python -m keydiff.bench.batch_steps`: this case

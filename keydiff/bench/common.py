@@ -63,13 +63,15 @@ def default_dtype(device: str) -> torch.dtype:
     return torch.bfloat16 if device == "cuda" else torch.float32
 
 
-def build_model(name: str, dtype: torch.dtype, attn: str, device: str, seed: int = 0):
-    """A random model from RANDOM_MODELS, or a real one through keydiff.models (smollm2-135m, hub ids)."""
+def build_model(name: str, dtype: torch.dtype, attn: str, device: str, seed: int = 0, positions: int = 0):
+    """A random model from RANDOM_MODELS (its positions extended to `positions` where that is more), or a real one
+    through keydiff.models (smollm2-135m, hub ids)."""
     if name in RANDOM_MODELS:
+        shape = RANDOM_MODELS[name]
         torch.manual_seed(seed)
         with torch.device(device):
-            model = LlamaForCausalLM._from_config(LlamaConfig(**RANDOM_MODELS[name]), attn_implementation=attn,
-                                                  dtype=dtype)
+            config = LlamaConfig(**{**shape, "max_position_embeddings": max(positions, shape["max_position_embeddings"])})
+            model = LlamaForCausalLM._from_config(config, attn_implementation=attn, dtype=dtype)
         return model.eval()
     from keydiff.models import ModelConfig, load_model
 
@@ -153,6 +155,15 @@ def timings(device: str, fn: Callable[[], Any], repeats: int, warm_up: int = 0) 
     return [timed(device, fn)[0] for _ in range(repeats)]
 
 
+def rss_of(fn: Callable[[], Any]) -> dict[str, Any]:
+    """The peak RSS (VmHWM) of fn()'s run alone where this OS can reset the peak (`peak_is_run_only`; else of the
+    whole process), and the RSS before it: what a child of `runner.measure_in_child` reports of itself."""
+    reset = reset_peak_rss()
+    before = current_rss_bytes()
+    fn()
+    return {"peak_rss_bytes": peak_rss_bytes(), "rss_after_load_bytes": before, "peak_is_run_only": reset}
+
+
 def interleaved_rounds(cases: dict[str, Callable[[], Any]], repeats: int, device: str,
                        warm_up: bool = True) -> dict[str, list[Any]]:
     """Run every case once untimed (warm-up, unless warm_up=False: a case that warms up itself), then `repeats`
@@ -219,9 +230,14 @@ def kv_cache_bytes(cache, model, entries: int, batch: int = 1) -> int:
     if own is not None:
         return int(own)
     config = model.config.get_text_config()
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     itemsize = next(model.parameters()).element_size()
-    return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * itemsize * entries * batch
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim(config) * itemsize * entries * batch
+
+
+def head_dim(config) -> int:
+    """A (text) model config's or a RANDOM_MODELS shape's head dimension."""
+    get = config.get if isinstance(config, dict) else lambda key: getattr(config, key, None)
+    return get("head_dim") or get("hidden_size") // get("num_attention_heads")
 
 
 def provenance(module: str, argv: list[str] | None = None) -> dict[str, Any]:

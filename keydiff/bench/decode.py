@@ -166,15 +166,12 @@ def rss_child(args) -> dict:
     """One policy at one length in this fresh process: peak RSS of loading, then of prefill + decode alone."""
     model = common.build_model(args.model, args.torch_dtype, args.attn, args.device)
     prompt = common.random_prompt(model, args.length).to(args.device)
-    load_peak = common.peak_rss_bytes()
-    reset = common.reset_peak_rss()  # else the peak stays at the load's whatever the run does
-    after_load = common.current_rss_bytes()
-    name = args.policies
-    run_once(model, prompt, name, None if name == "full" else args.budget, args.block_size, args.new_tokens)
+    load_peak, name = common.peak_rss_bytes(), args.policies
+    budget = None if name == "full" else args.budget
+    peaks = common.rss_of(lambda: run_once(model, prompt, name, budget, args.block_size, args.new_tokens))
     cuda_peak = torch.cuda.max_memory_allocated() if args.device.startswith("cuda") else None
-    return {"policy": name, "length": args.length, "load_peak_rss_bytes": load_peak,
-            "rss_after_load_bytes": after_load, "peak_rss_bytes": common.peak_rss_bytes(),
-            "peak_is_run_only": reset, "cuda_peak_allocated_bytes": cuda_peak}
+    return {"policy": name, "length": args.length, "load_peak_rss_bytes": load_peak, **peaks,
+            "cuda_peak_allocated_bytes": cuda_peak}
 
 
 def memory_scaling_mode(names, args) -> list[dict]:
@@ -247,9 +244,4 @@ CASE = runner.Case("decode", run, __doc__, runner.RUN + ("policies", "new_tokens
     runner.option("--scaling-lengths", default="4096,16384", help="prompt lengths for --memory-scaling")))
 
 
-def main(argv: list[str] | None = None):
-    return runner.main(argv, CASE, __spec__.name)
-
-
-if __name__ == "__main__":
-    runner.command(main)
+main = runner.entry(CASE, __spec__.name, __name__)  # `python -m keydiff.bench.decode`: this case

@@ -150,9 +150,4 @@ CASE = runner.Case("fixed_step", run, __doc__, runner.RUN + runner.SIZES, check=
                   help="comma list of ordinary, fixed, compiled, model (the model's forward alone, no eviction)")))
 
 
-def main(argv: list[str] | None = None):
-    return runner.main(argv, CASE, __spec__.name)
-
-
-if __name__ == "__main__":
-    runner.command(main)
+main = runner.entry(CASE, __spec__.name, __name__)  # `python -m keydiff.bench.fixed_step`: this case

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from keydiff.bench.common import timings
+from keydiff.bench.common import head_dim, kv_cache_bytes, timings
 
 # Memory bandwidth by GPU name (bytes per second; the vendor's figure).
 GPU_BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12}
@@ -52,11 +52,8 @@ def measure(device: str, dtype: torch.dtype, read_mib: int = 1024, matmul_size: 
 
 def step_bytes(model, rows: int, entries: int) -> int:
     """What one decoding step must read: every weight once, and each row's keys and values (`entries` per row)."""
-    config = model.config.get_text_config()
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    itemsize = next(model.parameters()).element_size()
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    return weights + 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * itemsize * entries * rows
+    return weights + kv_cache_bytes(None, model, entries, rows)
 
 
 def step_flops(model, rows: int, entries: int) -> int:
@@ -64,11 +61,10 @@ def step_flops(model, rows: int, entries: int) -> int:
     embedding is a lookup, so it counts only where it is also the output layer, tied), and attention's scores and
     weighted sum over `entries` keys for every query head."""
     config = model.config.get_text_config()
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     matrices = sum(p.numel() for p in model.parameters() if p.dim() >= 2)
     if not getattr(config, "tie_word_embeddings", False):
         matrices -= model.get_input_embeddings().weight.numel()
-    attention = 2 * config.num_hidden_layers * config.num_attention_heads * head_dim * entries
+    attention = 2 * config.num_hidden_layers * config.num_attention_heads * head_dim(config) * entries
     return 2 * rows * (matrices + attention)
 
 

@@ -26,7 +26,6 @@ import torch
 
 from keydiff import Decoder, Request, build_policy, generate, generate_batch, prefill
 from keydiff.bench import common, floor, runner
-from keydiff.bench.common import timed
 
 
 @dataclass(frozen=True)
@@ -115,7 +114,7 @@ def decode_seconds(model, states, tokens: int, decoder: Decoder) -> tuple[float,
     the tokens."""
     requests = [Request(state, max_new_tokens=tokens, key=i) for i, state in enumerate(states)]
     device = str(next(model.parameters()).device.type)
-    seconds, out = timed(device, lambda: dict(decoder.generate(requests)))
+    seconds, out = common.timed(device, lambda: dict(decoder.generate(requests)))
     return seconds, [out[i].token_ids[0] for i in range(len(states))]
 
 
@@ -169,8 +168,8 @@ def transformers_static_ms(model, prompt, batch: int, tokens: int, device: str) 
             token, position = one(token, position)
         return token, position
 
-    compile_s, (token, position) = timed(device, lambda: loop(token, position, 2))
-    seconds, _ = timed(device, lambda: loop(token, position, tokens - 1))
+    compile_s, (token, position) = common.timed(device, lambda: loop(token, position, 2))
+    seconds, _ = common.timed(device, lambda: loop(token, position, tokens - 1))
     return {"ms_per_step": 1e3 * seconds / (tokens - 1), "compile_s": compile_s,
             "compile": ", ".join(f"{k}={v}" for k, v in options.items())}
 
@@ -184,7 +183,7 @@ def decoder_rows(model, state, sizes: Sizes, device: str, floor_ms: float | None
     decoder, seconds = Decoder(model, 1), []
     for _ in range(4):
         fork = state.fork(1)[0]
-        seconds.append(timed(device, lambda: generate(model, fork, sizes.tokens, decoder=decoder))[0])
+        seconds.append(common.timed(device, lambda: generate(model, fork, sizes.tokens, decoder=decoder))[0])
     per_step = [1e3 * s / (sizes.tokens - 1) for s in seconds]
     yield {"row": "decode", "case": "keydiff, one decoder across calls", "batch": 1,
            "ms_per_step": statistics.median(per_step[1:]), "first_call_ms_per_step": per_step[0],
@@ -255,7 +254,7 @@ def peak_beyond(device: str, fn) -> tuple[float, float | None]:
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-    seconds, out = timed(device, fn)
+    seconds, out = common.timed(device, fn)
     del out
     peak = (torch.cuda.max_memory_allocated() - base) / (1 << 30) if device == "cuda" else None
     return seconds, peak
@@ -471,9 +470,4 @@ CASE = runner.Case("gpu_bench", run, __doc__, ("json",), check=check, options=(
     runner.option("--rows", default=",".join(GROUPS), help="which row groups, in this order")))
 
 
-def main(argv: list[str] | None = None, **hooks) -> int:
-    return runner.main(argv, CASE, __spec__.name, **hooks)
-
-
-if __name__ == "__main__":
-    runner.command(main)
+main = runner.entry(CASE, __spec__.name, __name__)  # `python -m keydiff.bench.gpu_bench`: this case

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import sys
 
-import torch
-
 from keydiff import build_policy, prefill
 from keydiff.bench import common, runner
 
@@ -23,21 +21,10 @@ DEFAULT_LENGTHS = "4096,8192,16384,32768,65536,131072"
 TARGETS = {"memory": 1.10, "time_per_token": 1.25}
 
 
-def build_model(dtype: torch.dtype, attn: str, device: str, length: int):
-    """Random weights, SmolLM2-135M's shape, positions long enough for `length` tokens."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    shape = {**common.SMOLLM2_135M, "max_position_embeddings": max(length, common.SMOLLM2_135M["max_position_embeddings"])}
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = LlamaForCausalLM._from_config(LlamaConfig(**shape), attn_implementation=attn, dtype=dtype)
-    return model.eval()
-
-
 def child(args) -> dict:
     """One (args.policy, args.length) in this fresh process."""
     device = args.device
-    model = build_model(args.torch_dtype, args.attn, device, args.length)
+    model = common.build_model("random-smollm2", args.torch_dtype, args.attn, device, positions=args.length)
     prompt = common.random_prompt(model, args.length).to(device)
     budget = None if args.policy == "full" else args.budget
     prefill(model, prompt[:, : 2 * args.block_size], build_policy(args.policy), budget, args.block_size)  # warm-up
@@ -128,9 +115,4 @@ CASE = runner.Case("long_prefill", run, __doc__, ("dtype", "attn", "threads", "d
     defaults={"policies": "keydiff,full"})
 
 
-def main(argv: list[str] | None = None):
-    return runner.main(argv, CASE, __spec__.name)
-
-
-if __name__ == "__main__":
-    runner.command(main)
+main = runner.entry(CASE, __spec__.name, __name__)  # `python -m keydiff.bench.long_prefill`: this case

@@ -545,9 +545,4 @@ CASE = runner.Case("peers", run, __doc__, ("dtype", "threads", "device", "json",
     runner.option("--dry-run", action="store_true", help="env: show what pip would install; write nothing")))
 
 
-def main(argv: list[str] | None = None) -> None:
-    return runner.main(argv, CASE, __spec__.name)
-
-
-if __name__ == "__main__":
-    runner.command(main)
+main = runner.entry(CASE, __spec__.name, __name__)  # `python -m keydiff.bench.peers`: this case

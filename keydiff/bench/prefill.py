@@ -106,9 +106,4 @@ CASE = runner.Case("prefill", run, __doc__, runner.RUN + ("policies",) + runner.
     defaults={"model": "smollm2-135m"})
 
 
-def main(argv: list[str] | None = None):
-    return runner.main(argv, CASE, __spec__.name)
-
-
-if __name__ == "__main__":
-    runner.command(main)
+main = runner.entry(CASE, __spec__.name, __name__)  # `python -m keydiff.bench.prefill`: this case

@@ -147,9 +147,20 @@ def main(argv: list[str] | None = None, case: Case | None = None, module: str | 
 
 
 def command(main_function: Callable[[], Any]) -> None:
-    """A module's `__main__`: exit with its run's status (0 unless it returned a number)."""
+    """A command's end: exit with its run's status (0 unless it returned a number)."""
     result = main_function()
     sys.exit(result if isinstance(result, int) else 0)
+
+
+def entry(case: Case, module: str, name: str) -> Callable[..., Any]:
+    """A case module's `main(argv=None, **hooks)`: its case under its own command, `python -m <module>`; run as
+    that command (name "__main__"), it runs at once."""
+    def module_main(argv: list[str] | None = None, **hooks: Any) -> Any:
+        return main(argv, case, module, **hooks)
+
+    if name == "__main__":
+        command(module_main)
+    return module_main
 
 
 def measure_in_child(case: str, args: argparse.Namespace, keep_failure: bool = False, **changes: Any) -> dict:

@@ -51,8 +51,7 @@ COMPLEXITY = {
 def shape_of(name: str) -> tuple[int, int, int]:
     """(query heads, KV heads, head_dim) of a SHAPES entry."""
     config = SHAPES[name]
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    return config["num_attention_heads"], config["num_key_value_heads"], head_dim
+    return config["num_attention_heads"], config["num_key_value_heads"], common.head_dim(config)
 
 
 class ScoringStep:
@@ -176,14 +175,20 @@ def table19(args, device, dtype, out: Path, started: dict) -> list[Path]:
         "Paper (Android smartphone, FP16, normalised by KeyDiff at 512 KVs):", "",
         "| method | " + " | ".join(str(n) for n in PAPER_SIZES) + " |", "|---|" + "---:|" * len(PAPER_SIZES),
         *paper, ""])
-    paths = [out / f"table19_scoring_latency_{tag}.{ext}" for ext in ("md", "csv", "json")]
-    out.mkdir(parents=True, exist_ok=True)
-    paths[0].write_text(text, encoding="utf-8")
     import pandas as pd
 
-    pd.DataFrame(rows).to_csv(paths[1], index=False)
-    common.write_json(paths[2], {**info, "block_size": args.block_size, "results": rows,
-                                 "paper": {"sizes": PAPER_SIZES, "relative": PAPER_TABLE19}}, started)
+    return write_table(out / f"table19_scoring_latency_{tag}", text, pd.DataFrame(rows), started,
+                       {**info, "block_size": args.block_size, "results": rows,
+                        "paper": {"sizes": PAPER_SIZES, "relative": PAPER_TABLE19}})
+
+
+def write_table(stem: Path, text: str, frame, started: dict, payload: dict) -> list[Path]:
+    """A table as markdown (`text`, also printed), CSV (`frame`) and JSON (`payload` with its provenance)."""
+    paths = [stem.with_name(f"{stem.name}.{ext}") for ext in ("md", "csv", "json")]
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    paths[0].write_text(text, encoding="utf-8")
+    frame.to_csv(paths[1], index=False)
+    common.write_json(paths[2], payload, started)
     print(text)
     return paths
 
@@ -246,19 +251,13 @@ def table2(args, device, dtype, out: Path, figures: Path, started: dict) -> list
     axes[0][0].legend(fontsize=7, title="measured (solid)\nstated, scaled (dashed)", title_fontsize=7)
     fig.suptitle(f"scoring step per layer: {setting(args, device, dtype)['setting']}", fontsize=7)
     tag = device_tag(device)
-    out.mkdir(parents=True, exist_ok=True)
     figures.mkdir(parents=True, exist_ok=True)
-    paths = [out / f"table2_complexity_{tag}.{ext}" for ext in ("md", "csv", "json")]
-    paths += [figures / f"table2_complexity_{tag}.png"]
-    fig.savefig(paths[3], metadata={"Software": None})
+    fig.savefig(figures / f"table2_complexity_{tag}.png", metadata={"Software": None})
     plt.close(fig)
-    text = "\n".join(lines) + "\n"
-    paths[0].write_text(text, encoding="utf-8")
-    df.to_csv(paths[1], index=False)
-    common.write_json(paths[2], {**setting(args, device, dtype), "budget": args.budget,
-                                 "block_size": args.block_size, "results": df.to_dict("records")}, started)
-    print(text)
-    return paths
+    paths = write_table(out / f"table2_complexity_{tag}", "\n".join(lines) + "\n", df, started,
+                        {**setting(args, device, dtype), "budget": args.budget, "block_size": args.block_size,
+                         "results": df.to_dict("records")})
+    return paths + [figures / f"table2_complexity_{tag}.png"]
 
 
 def int_list(text: str) -> list[int]:
@@ -307,9 +306,4 @@ CASE = runner.Case("scoring", run, __doc__, ("dtype", "threads", "device", "repe
     runner.option("--figures", default=str(common.CHECKOUT / "results" / "figures" / "analysis"))))
 
 
-def main(argv: list[str] | None = None) -> list[Path]:
-    return runner.main(argv, CASE, __spec__.name)
-
-
-if __name__ == "__main__":
-    runner.command(main)
+main = runner.entry(CASE, __spec__.name, __name__)  # `python -m keydiff.bench.scoring`: this case

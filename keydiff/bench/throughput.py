@@ -293,9 +293,4 @@ CASE = runner.Case("throughput", run, __doc__, runner.RUN + ("policies", "new_to
     runner.option("--max-batch", type=int, default=128, help="largest batch actually decoded (--serving)")))
 
 
-def main(argv: list[str] | None = None):
-    return runner.main(argv, CASE, __spec__.name)
-
-
-if __name__ == "__main__":
-    runner.command(main)
+main = runner.entry(CASE, __spec__.name, __name__)  # `python -m keydiff.bench.throughput`: this case
