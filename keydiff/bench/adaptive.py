@@ -1,7 +1,7 @@
 """Head-adaptive budgets (AdaKV) against the uniform policy: memory held and time per decoded token.
 
-    python -m keydiff.bench.adaptive                         # random SmolLM2-135M shape, L 4096, N 1024, B 128
-    python -m keydiff.bench.adaptive --scorer snapkv --threads 2 --json out/adaptive.json
+    python -m keydiff.bench adaptive                         # random SmolLM2-135M shape, L 4096, N 1024, B 128
+    python -m keydiff.bench adaptive --scorer snapkv --threads 2 --json out/adaptive.json
 
 Per policy: kv_cache_bytes, peak RSS (fresh process each), TTFT and decode ms per token; targets checked and
 printed: bytes <= 1.05 x uniform, decode <= 1.25 x uniform. Timings on a shared machine are indicative.
@@ -36,8 +36,7 @@ def run_once(model, prompt, args, adaptive: bool) -> dict:
 
 def rss_child(args) -> dict:
     """One form (args.form) in this fresh process: peak RSS of prefill + decode alone."""
-    model = common.build_model(args.model, args.torch_dtype, args.attn, args.device)
-    prompt = common.random_prompt(model, args.length).to(args.device)
+    model, prompt = common.model_and_prompt(args)
     return common.rss_of(lambda: run_once(model, prompt, args, args.form == "adakv"))
 
 
@@ -57,8 +56,7 @@ def run(args) -> dict:
     for name, adaptive in names.items():
         print(f"  peak RSS: {name} (fresh process) ...", file=sys.stderr, flush=True)
         memory[name] = runner.measure_in_child("adaptive", args, form=name)
-    model = common.build_model(args.model, dtype, args.attn, device)
-    prompt = common.random_prompt(model, args.length).to(device)
+    model, prompt = common.model_and_prompt(args)
     runs = common.interleaved_rounds(
         {name: (lambda adaptive=adaptive: run_once(model, prompt, args, adaptive)) for name, adaptive in names.items()},
         args.repeats, device)
@@ -107,4 +105,4 @@ CASE = runner.Case("adaptive", run, __doc__, runner.RUN + ("new_tokens",) + runn
     runner.option("--alpha-safeguard", type=float, default=0.2)))
 
 
-main = runner.entry(CASE, __spec__.name, __name__)  # `python -m keydiff.bench.adaptive`: this case
+main = runner.entry(CASE, __spec__.name, __name__)  # `python -m keydiff.bench adaptive`: this case

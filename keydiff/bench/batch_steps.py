@@ -1,7 +1,7 @@
 """Decode step time at batch 1 and k, rows grouped or each on its own: where batching's speed-up goes.
 
-    python -m keydiff.bench.batch_steps --threads 2 --batches 1,8 --policies keydiff
-    python -m keydiff.bench.batch_steps --threads 2 --batches 1,4,8,16 --json results/bench/batch_steps_cpu.json
+    python -m keydiff.bench batch_steps --threads 2 --batches 1,8 --policies keydiff
+    python -m keydiff.bench batch_steps --threads 2 --batches 1,4,8,16 --json results/bench/batch_steps_cpu.json
 
 Forks of one prefill decode through keydiff.generate_batch with group_rows on (rows holding the same count
 attend and evict as one group) and off (each row alone, the reference). Per (policy, batch, grouping): the median
@@ -33,8 +33,7 @@ def run(args) -> dict:
     print(common.setting_line(device, dtype, model=args.model, attn=args.attn, L=args.length, N=args.budget,
                               B=args.block_size, new_tokens=args.new_tokens, batches=args.batches,
                               repeats=args.repeats), flush=True)
-    model = common.build_model(args.model, dtype, args.attn, device)
-    prompt = common.random_prompt(model, args.length).to(device)
+    model, prompt = common.model_and_prompt(args)
     cases, keys = {}, {}
     for name in names:
         state = prefill(model, prompt, build_policy(name), None if name == "full" else args.budget, args.block_size)
@@ -65,4 +64,4 @@ CASE = runner.Case("batch_steps", run, __doc__, runner.RUN + ("policies", "new_t
     runner.option("--batches", default="1,8", help="batch sizes (the first is the ratios' base)"),))
 
 
-main = runner.entry(CASE, __spec__.name, __name__)  # `python -m keydiff.bench.batch_steps`: this case
+main = runner.entry(CASE, __spec__.name, __name__)  # `python -m keydiff.bench batch_steps`: this case

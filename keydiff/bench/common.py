@@ -82,6 +82,13 @@ def build_model(name: str, dtype: torch.dtype, attn: str, device: str, seed: int
     return load_model(cfg)[0]
 
 
+def model_and_prompt(args, name: str | None = None, positions: int = 0) -> tuple[Any, torch.Tensor]:
+    """A case's model (`name`, else --model; --dtype and --attn, on its device) and a random prompt of --length
+    tokens (`random_prompt`, seed 0) there."""
+    model = build_model(name or args.model, args.torch_dtype, args.attn, args.device, positions=positions)
+    return model, random_prompt(model, args.length).to(args.device)
+
+
 def parse_policies(text: str | None, budget: int, default: str = DEFAULT_POLICIES) -> list[str]:
     """Policy names from a comma list, each validated against the budget before any model is loaded.
 

@@ -1,8 +1,8 @@
 """Decode benchmark: the cost of evicting after every generated token, next to plain decoding.
 
-    python -m keydiff.bench.decode --model random-smollm2                  # per-token decode at N = 1024
-    python -m keydiff.bench.decode --model random-llama-3.2-3b --end-to-end   # TTFT + decode, L = 4096
-    python -m keydiff.bench.decode --memory-scaling                        # peak RSS at L = 4096 vs 16384
+    python -m keydiff.bench decode --model random-smollm2                  # per-token decode at N = 1024
+    python -m keydiff.bench decode --model random-llama-3.2-3b --end-to-end   # TTFT + decode, L = 4096
+    python -m keydiff.bench decode --memory-scaling                        # peak RSS at L = 4096 vs 16384
 
 Default: evicting policies prefill L tokens at budget N and decode with B = 1; `full` prefills exactly N tokens,
 so the ratio is the price of evicting, not of a longer context. Per policy: median ms per token, TTFT, and bytes
@@ -164,8 +164,7 @@ def end_to_end_mode(model, prompt, names, args, device) -> list[dict]:
 
 def rss_child(args) -> dict:
     """One policy at one length in this fresh process: peak RSS of loading, then of prefill + decode alone."""
-    model = common.build_model(args.model, args.torch_dtype, args.attn, args.device)
-    prompt = common.random_prompt(model, args.length).to(args.device)
+    model, prompt = common.model_and_prompt(args)
     load_peak, name = common.peak_rss_bytes(), args.policies
     budget = None if name == "full" else args.budget
     peaks = common.rss_of(lambda: run_once(model, prompt, name, budget, args.block_size, args.new_tokens))
@@ -213,8 +212,7 @@ def run(args) -> dict:
     if args.memory_scaling:
         rows = memory_scaling_mode(names, args)
     else:
-        model = common.build_model(args.model, dtype, args.attn, device)
-        prompt = common.random_prompt(model, args.length).to(device)
+        model, prompt = common.model_and_prompt(args)
         data = common.prompt_record(prompt)
         rows = (end_to_end_mode if args.end_to_end else decode_mode)(model, prompt, names, args, device)
     mode = "end-to-end" if args.end_to_end else "memory-scaling" if args.memory_scaling else "decode"
@@ -244,4 +242,4 @@ CASE = runner.Case("decode", run, __doc__, runner.RUN + ("policies", "new_tokens
     runner.option("--scaling-lengths", default="4096,16384", help="prompt lengths for --memory-scaling")))
 
 
-main = runner.entry(CASE, __spec__.name, __name__)  # `python -m keydiff.bench.decode`: this case
+main = runner.entry(CASE, __spec__.name, __name__)  # `python -m keydiff.bench decode`: this case

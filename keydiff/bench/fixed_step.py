@@ -5,7 +5,7 @@ prefill decode --steps timed steps in interleaved rounds; reported: median per-s
 step, warm-up wall time (a compile's cost), token agreement and time over the step's floor (keydiff.bench.floor).
 `--forms ...,model` adds the model's own forward over a transformers cache of N entries.
 
-    python -m keydiff.bench.fixed_step --model random-smollm2 --threads 2 --widths 1,8 --repeats 5 --json out.json
+    python -m keydiff.bench fixed_step --model random-smollm2 --threads 2 --widths 1,8 --repeats 5 --json out.json
 
 Design: docs/design/benchmarks.md#prefill-decode-throughput
 """
@@ -101,10 +101,8 @@ def check(args) -> None:
 
 def run(args) -> dict:
     forms, device, dtype = args.form_list, args.device, args.torch_dtype
-    model = common.build_model(args.model, dtype, args.attn, device)
-    print(common.setting_line(device, dtype, model=args.model, L=args.length, N=args.budget),
-          flush=True)
-    prompt = common.random_prompt(model, args.length).to(device)
+    model, prompt = common.model_and_prompt(args)
+    print(common.setting_line(device, dtype, model=args.model, L=args.length, N=args.budget), flush=True)
     state = prefill(model, prompt, build_policy("keydiff"), args.budget, args.block_size)
     rates = floor.measure(device, dtype)
     print(f"  bandwidth {common.fmt(rates.bandwidth and rates.bandwidth / 1e9, '.1f')} GB/s ({rates.bandwidth_source}), matmul "
@@ -150,4 +148,4 @@ CASE = runner.Case("fixed_step", run, __doc__, runner.RUN + runner.SIZES, check=
                   help="comma list of ordinary, fixed, compiled, model (the model's forward alone, no eviction)")))
 
 
-main = runner.entry(CASE, __spec__.name, __name__)  # `python -m keydiff.bench.fixed_step`: this case
+main = runner.entry(CASE, __spec__.name, __name__)  # `python -m keydiff.bench fixed_step`: this case

@@ -6,7 +6,7 @@ Captured steps are timed as a first call pays them (`first_call_*`) and at stead
 rows of `planned_rows(sizes)` are always written, in order, each as soon as it is done (failed or past
 --deadline: written as such). Without CUDA, --quick runs every row tiny with CPU stand-ins: code paths only.
 
-    python -m keydiff.bench.gpu_bench [--quick] [--json results/bench/gpu_bench.json] [--deadline 450]
+    python -m keydiff.bench gpu_bench [--quick] [--json results/bench/gpu_bench.json] [--deadline 450]
 
 Design: docs/design/benchmarks.md#every-gpu-row-in-one-command-gpu_bench
 """
@@ -470,4 +470,4 @@ CASE = runner.Case("gpu_bench", run, __doc__, ("json",), check=check, options=(
     runner.option("--rows", default=",".join(GROUPS), help="which row groups, in this order")))
 
 
-main = runner.entry(CASE, __spec__.name, __name__)  # `python -m keydiff.bench.gpu_bench`: this case
+main = runner.entry(CASE, __spec__.name, __name__)  # `python -m keydiff.bench gpu_bench`: this case

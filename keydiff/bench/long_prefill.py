@@ -1,7 +1,7 @@
 """Long prompts under a fixed bound: prefill peak memory and time per prompt token from L = 4K to 128K.
 
-    python -m keydiff.bench.long_prefill                                  # 4K..128K, keydiff and full, N=1024, B=128
-    python -m keydiff.bench.long_prefill --lengths 4096,8192 --full-max-length 8192 --json results/bench/long.json
+    python -m keydiff.bench long_prefill                                  # 4K..128K, keydiff and full, N=1024, B=128
+    python -m keydiff.bench long_prefill --lengths 4096,8192 --full-max-length 8192 --json results/bench/long.json
 
 Each (policy, L) runs in a fresh interpreter on random weights of SmolLM2-135M's shape. Targets for the bounded
 policy: at the largest L, peak memory <= 1.10 x and time per token <= 1.25 x the smallest L's. `full` runs up to
@@ -24,8 +24,7 @@ TARGETS = {"memory": 1.10, "time_per_token": 1.25}
 def child(args) -> dict:
     """One (args.policy, args.length) in this fresh process."""
     device = args.device
-    model = common.build_model("random-smollm2", args.torch_dtype, args.attn, device, positions=args.length)
-    prompt = common.random_prompt(model, args.length).to(device)
+    model, prompt = common.model_and_prompt(args, "random-smollm2", positions=args.length)
     budget = None if args.policy == "full" else args.budget
     prefill(model, prompt[:, : 2 * args.block_size], build_policy(args.policy), budget, args.block_size)  # warm-up
     common.release_memory(device)
@@ -115,4 +114,4 @@ CASE = runner.Case("long_prefill", run, __doc__, ("dtype", "attn", "threads", "d
     defaults={"policies": "keydiff,full"})
 
 
-main = runner.entry(CASE, __spec__.name, __name__)  # `python -m keydiff.bench.long_prefill`: this case
+main = runner.entry(CASE, __spec__.name, __name__)  # `python -m keydiff.bench long_prefill`: this case

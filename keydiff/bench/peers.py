@@ -1,11 +1,11 @@
 """Side by side with NVIDIA's kvpress on identical random weights: kept positions (parity) and speed/memory.
 
     make bench-peers                                              # builds .venv-kvpress once, then both parts
-    python -m keydiff.bench.peers parity --length 512 --budget 128
-    python -m keydiff.bench.peers perf --lengths 4096,16384,32768 --rounds 3 --threads 2
-    python -m keydiff.bench.peers perf --cases kvpress_keydiff,keydiff_blockwise     # skip the slow ones
-    python -m keydiff.bench.peers all --device cuda --shape llama-3.2-3b     # on a GPU, unchanged
-    python -m keydiff.bench.peers tables results/bench/peers_cpu_4k.json results/bench/peers_cpu_16k_32k_vmhwm.json
+    python -m keydiff.bench peers parity --length 512 --budget 128
+    python -m keydiff.bench peers perf --lengths 4096,16384,32768 --rounds 3 --threads 2
+    python -m keydiff.bench peers perf --cases kvpress_keydiff,keydiff_blockwise     # skip the slow ones
+    python -m keydiff.bench peers all --device cuda --shape llama-3.2-3b     # on a GPU, unchanged
+    python -m keydiff.bench peers tables results/bench/peers_cpu_4k.json results/bench/peers_cpu_16k_32k_vmhwm.json
                                                                   # the docs' and README's tables from perf JSON
 
 Both sides load one saved checkpoint and each measurement runs in a fresh process (keydiff/bench/peers_runner.py):
@@ -197,6 +197,13 @@ def perf_ratios(medians: dict[str, dict[str, float]], base: str = PERF_BASE) -> 
             for case, values in medians.items() if case != base}
 
 
+def table_row(length: int, label: str, case: str, m: dict[str, float], r: dict[str, float | None]) -> str:
+    """One case's row at one L: its medians `m` and their ratios `r` over the base case's."""
+    return (f"| {length} | {label} | {PERF_CASES[case].prompt_logits} | {m['ttft_s']:.2f} | "
+            f"{1000 * m['per_token_s']:.1f} | {m['peak_bytes'] / 1e9:.2f} | {common.fmt(r.get('ttft_s'), '.2f')} | "
+            f"{common.fmt(r.get('per_token_s'), '.2f')} | {common.fmt(r.get('peak_bytes'), '.2f')} |")
+
+
 def perf_table(by_length: dict[int, dict[str, dict[str, float]]]) -> str:
     """Markdown: per length and case, the medians and the ratios case / kvpress pipeline, then a note on
     the two kvpress calls (the "prompt logits" column: which positions the prompt forward computes logits for)."""
@@ -207,11 +214,7 @@ def perf_table(by_length: dict[int, dict[str, dict[str, float]]]) -> str:
         ratios = perf_ratios(medians)
         for case, m in medians.items():
             cases.add(case)
-            r = ratios.get(case, {})
-            lines.append(f"| {length} | {case} | {PERF_CASES[case].prompt_logits} | {m['ttft_s']:.2f} | "
-                         f"{1000 * m['per_token_s']:.1f} | {m['peak_bytes'] / 1e9:.2f} | "
-                         f"{common.fmt(r.get('ttft_s'), '.2f')} | {common.fmt(r.get('per_token_s'), '.2f')} | "
-                         f"{common.fmt(r.get('peak_bytes'), '.2f')} |")
+            lines.append(table_row(length, case, case, m, ratios.get(case, {})))
     lines.append("")
     if PERF_BASE in cases:
         lines.append(f"Ratios: × {PERF_BASE}, kvpress's KeyDiffPress called as its pipeline calls the model "
@@ -269,12 +272,9 @@ def doc_tables(payloads: list[dict[str, Any]]) -> tuple[str, str]:
         ratios.update(perf_ratios(by_case))
         full = by_case.get(README_CASE, {}).get("peak_bytes")
         for case in (c for c in PERF_CASES if c in by_case):
-            m, r = by_case[case], ratios.get(case, {})
-            doc.append(f"| {length} | {DOC_LABELS[case].format(**setting)} | {PERF_CASES[case].prompt_logits} | "
-                       f"{m['ttft_s']:.2f} | {1000 * m['per_token_s']:.1f} | {m['peak_bytes'] / 1e9:.2f} | "
-                       f"{common.fmt(r.get('ttft_s'), '.2f')} | {common.fmt(r.get('per_token_s'), '.2f')} | "
-                       f"{common.fmt(r.get('peak_bytes'), '.2f')} | "
-                       f"{common.fmt(common.ratio(m['peak_bytes'], full), '.2f')} |")
+            m = by_case[case]
+            doc.append(table_row(length, DOC_LABELS[case].format(**setting), case, m, ratios.get(case, {}))
+                       + f" {common.fmt(common.ratio(m['peak_bytes'], full), '.2f')} |")
         if PERF_BASE in by_case and "keydiff_blockwise" in by_case:
             base, ours = by_case[PERF_BASE], by_case["keydiff_blockwise"]
             peaks = f"{base['peak_bytes'] / 1e9:.2f}" + (f" / {full / 1e9:.2f}" if full else "")
@@ -311,7 +311,7 @@ def prose_numbers(payloads: list[dict[str, Any]]) -> str:
 
 
 def print_doc_tables(files: list[Path]) -> None:
-    """`python -m keydiff.bench.peers tables A.json [B.json ...]`: the tables of docs/performance.md's
+    """`python -m keydiff.bench peers tables A.json [B.json ...]`: the tables of docs/performance.md's
     "Against kvpress" and README's, rendered from perf JSON files (the medians they hold), ready to paste."""
     payloads = [json.loads(f.read_text(encoding="utf-8")) for f in files]
     doc, readme = doc_tables(payloads)
@@ -545,4 +545,4 @@ CASE = runner.Case("peers", run, __doc__, ("dtype", "threads", "device", "json",
     runner.option("--dry-run", action="store_true", help="env: show what pip would install; write nothing")))
 
 
-main = runner.entry(CASE, __spec__.name, __name__)  # `python -m keydiff.bench.peers`: this case
+main = runner.entry(CASE, __spec__.name, __name__)  # `python -m keydiff.bench peers`: this case

@@ -90,6 +90,6 @@ def build(env: Path = DEFAULT_ENV, torch_spec: str = TORCH_SPEC, kvpress_spec: s
 
 
 if __name__ == "__main__":  # as `python -m keydiff.bench peers env [options]`
-    from keydiff.bench import peers, runner
+    from keydiff.bench import runner
 
-    runner.command(lambda: peers.main(["env", *sys.argv[1:]]))
+    runner.command(lambda: runner.main(["peers", "env", *sys.argv[1:]]))

@@ -1,9 +1,9 @@
 """Prefill benchmark: time to first token (TTFT) per policy at one (prompt length L, budget N, block size B).
 
-    python -m keydiff.bench.prefill                                   # CPU: the offline default model
-    python -m keydiff.bench.prefill --model random-llama-3.2-3b --dtype bfloat16 --length 8192 --budget 2048
-    python -m keydiff.bench.prefill --attn eager --statistics materialized   # the paper's eager setting
-    python -m keydiff.bench.prefill --policies full --block-size 4096 --length 4096 --reference
+    python -m keydiff.bench prefill                                   # CPU: the offline default model
+    python -m keydiff.bench prefill --model random-llama-3.2-3b --dtype bfloat16 --length 8192 --budget 2048
+    python -m keydiff.bench prefill --attn eager --statistics materialized   # the paper's eager setting
+    python -m keydiff.bench prefill --policies full --block-size 4096 --length 4096 --reference
 
 TTFT is the median of unprofiled interleaved rounds after an untimed warm-up; the statistics and eviction shares
 come from one separate profiled run. --reference times a plain transformers forward of the same prompt, which
@@ -60,8 +60,7 @@ def profiled_shares(model, prompt, name: str, args) -> dict:
 
 def run(args) -> dict:
     names, device, dtype = args.names, args.device, args.torch_dtype
-    model = common.build_model(args.model, dtype, args.attn, device)
-    prompt = common.random_prompt(model, args.length).to(device)
+    model, prompt = common.model_and_prompt(args)
     setting = common.setting_line(device, dtype, model=args.model, attn=args.attn, statistics=args.statistics,
                                   L=args.length, N=args.budget, B=args.block_size, repeats=args.repeats)
     print(setting, flush=True)
@@ -106,4 +105,4 @@ CASE = runner.Case("prefill", run, __doc__, runner.RUN + ("policies",) + runner.
     defaults={"model": "smollm2-135m"})
 
 
-main = runner.entry(CASE, __spec__.name, __name__)  # `python -m keydiff.bench.prefill`: this case
+main = runner.entry(CASE, __spec__.name, __name__)  # `python -m keydiff.bench prefill`: this case

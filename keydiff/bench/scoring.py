@@ -1,7 +1,7 @@
 """Tables 19 and 2: time (and memory) of the eviction scoring step alone, per policy, vs N and B.
 
-    python -m keydiff.bench.scoring table19     # latency vs cache size 512..8192, / KeyDiff at 512, + paper (Android)
-    python -m keydiff.bench.scoring table2      # time and peak memory vs N and vs B, log-log, + stated complexities
+    python -m keydiff.bench scoring table19     # latency vs cache size 512..8192, / KeyDiff at 512, + paper (Android)
+    python -m keydiff.bench scoring table2      # time and peak memory vs N and vs B, log-log, + stated complexities
     # options: --shape smollm2-135m|llama-3.2-3b|tiny  --device auto|cpu|cuda  --dtype  --threads  --repeats
     #          --warmup  --statistics fast|materialized  --policies  --block-size  --sizes / --budgets --blocks
 
@@ -306,4 +306,4 @@ CASE = runner.Case("scoring", run, __doc__, ("dtype", "threads", "device", "repe
     runner.option("--figures", default=str(common.CHECKOUT / "results" / "figures" / "analysis"))))
 
 
-main = runner.entry(CASE, __spec__.name, __name__)  # `python -m keydiff.bench.scoring`: this case
+main = runner.entry(CASE, __spec__.name, __name__)  # `python -m keydiff.bench scoring`: this case

@@ -1,8 +1,8 @@
 """Throughput benchmark: decode tokens/s of many sequences at once (keydiff.batching), bounded vs full caches.
 
-    python -m keydiff.bench.throughput                               # tokens/s at batch 1, 4, 8, 16
-    python -m keydiff.bench.throughput --serving --memory-gb 4       # sequences held and tokens/s in 4 GB
-    python -m keydiff.bench.throughput --device cuda --json results/bench/throughput_cuda.json
+    python -m keydiff.bench throughput                               # tokens/s at batch 1, 4, 8, 16
+    python -m keydiff.bench throughput --serving --memory-gb 4       # sequences held and tokens/s in 4 GB
+    python -m keydiff.bench throughput --device cuda --json results/bench/throughput_cuda.json
 
 Default: one prompt prefilled per policy and forked into `batch` caches decoded together (generate_batch), with
 transformers' DynamicCache loop as the anchor; --per-row, --pooled and --continuous-batching add cases.
@@ -293,4 +293,4 @@ CASE = runner.Case("throughput", run, __doc__, runner.RUN + ("policies", "new_to
     runner.option("--max-batch", type=int, default=128, help="largest batch actually decoded (--serving)")))
 
 
-main = runner.entry(CASE, __spec__.name, __name__)  # `python -m keydiff.bench.throughput`: this case
+main = runner.entry(CASE, __spec__.name, __name__)  # `python -m keydiff.bench throughput`: this case
