@@ -8,6 +8,8 @@ Default: evicting policies prefill L tokens at budget N and decode with B = 1; `
 so the ratio is the price of evicting, not of a longer context. Per policy: median ms per token, TTFT, and bytes
 allocated per token from a separate profiled pass ("x KV": over the cache's key/value bytes). --end-to-end:
 TTFT + decode, full keeping all of L. --memory-scaling: peak RSS per length, each in a fresh process.
+Defaults by mode: L 2048 (end-to-end 4096), 32 new tokens (end-to-end 64, memory scaling 8), model smollm2-135m
+(memory scaling: random-smollm2, policy keydiff).
 
 Design: docs/design/benchmarks.md#prefill-decode-throughput
 """
