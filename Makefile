@@ -40,35 +40,42 @@ JOBS ?= auto
 test-quick: $(STAMP)  ## after every change: unit tests and the core integration tests (tiny model, one process)
 	$(PY) -m pytest -q -m "(unit or integration) and not extended" $(ARGS)
 
-bench: $(STAMP)  ## prefill benchmark: TTFT per policy and the share spent scoring/evicting
-	$(PY) -m keydiff.bench.prefill $(ARGS)
+# The benchmarks: one runner, `python -m keydiff.bench CASE [options]` (CASE: prefill, decode, throughput, batch_steps,
+# fixed_step, adaptive, long_prefill, scoring, peers, gpu_bench; `python -m keydiff.bench CASE --help`).
+CASE ?= prefill
+
+bench: $(STAMP)  ## one benchmark case (CASE=prefill: TTFT per policy and the share spent scoring/evicting; CASE=decode, ...)
+	$(PY) -m keydiff.bench $(CASE) $(ARGS)
 
 bench-decode: $(STAMP)  ## decode benchmark: per-token time and allocations at N vs full (--end-to-end, --memory-scaling)
-	$(PY) -m keydiff.bench.decode $(ARGS)
+	$(PY) -m keydiff.bench decode $(ARGS)
 
 bench-throughput: $(STAMP)  ## batched decode tokens/s, full vs KeyDiff at batch 1-16 (ARGS="--serving --memory-gb 4", "--device cuda")
 	@echo "bench-throughput: with the default ARGS about 7 min on a quiet 2-core CPU (from the rates in docs/performance.md),"
 	@echo "  longer beside other work; each prefill and case is announced as it starts, with the time left"
-	$(PY) -m keydiff.bench.throughput $(ARGS)
+	$(PY) -m keydiff.bench throughput $(ARGS)
 
 bench-threads: $(STAMP)  ## CPU threading settings (threads, OMP_WAIT_POLICY) quiet and beside a busy process: run on an otherwise quiet machine
 	$(PY) scripts/bench_threads.py $(ARGS)
 
 bench-scoring: $(STAMP)  ## Tables 19 and 2: scoring-step time/memory per policy vs N and B (quiet machine; ARGS="--shape llama-3.2-3b")
-	$(PY) -m keydiff.bench.scoring table19 $(ARGS)
-	$(PY) -m keydiff.bench.scoring table2 $(ARGS)
+	$(PY) -m keydiff.bench scoring table19 $(ARGS)
+	$(PY) -m keydiff.bench scoring table2 $(ARGS)
 
 bench-long: $(STAMP)  ## prompts of 4K..128K under N=1024: prefill peak memory and time per token vs L, beside full (fresh process per point)
-	$(PY) -m keydiff.bench.long_prefill $(ARGS)
+	$(PY) -m keydiff.bench long_prefill $(ARGS)
 
 bench-peers: $(STAMP)  ## side by side with kvpress on identical random weights: kept-set parity, TTFT/decode/memory (builds .venv-kvpress once; ARGS="parity --length 512")
-	$(PY) -m keydiff.bench.peers --torch-spec "$(TORCH_SPEC)" $(ARGS)
+	$(PY) -m keydiff.bench peers --torch-spec "$(TORCH_SPEC)" $(ARGS)
 
 gpu-check: $(STAMP)  ## run first on a new (GPU) machine: the environment, then the device tests (pytest -m device --device cuda; cpu without a GPU): results/bench/gpu_check.json
 	$(PY) -m keydiff.bench.gpu_check --json results/bench/gpu_check.json $(ARGS)
 
+# gpu-bench's row groups, run in this order by the gpu_bench case (one model, one JSON written row by row).
+GPU_ROWS ?= decode,prefill,exact,serving
+
 gpu-bench: $(STAMP)  ## every GPU row of the decode/prefill targets in ~8 min (3B shape, bf16): results/bench/gpu_bench.json
-	$(PY) -m keydiff.bench.gpu_bench --json results/bench/gpu_bench.json $(ARGS)
+	$(PY) -m keydiff.bench gpu_bench --rows $(GPU_ROWS) --json results/bench/gpu_bench.json $(ARGS)
 
 gpu-hours: $(STAMP)  ## GPU-hours of every paper experiment from measured GPU rates (docs/gpu.md); ARGS="--rates results/bench/gpu_bench.json"
 	$(PY) -m keydiff.report.gpu_hours $(ARGS)

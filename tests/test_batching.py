@@ -188,27 +188,6 @@ def test_bad_batches_are_refused(model):
 
 
 @pytest.mark.extended
-def test_throughput_benchmark_runs_on_tiny_sizes(tmp_path):
-    """Runs, not timings: the benchmark's two modes on the tiny random model write their JSON with provenance."""
-    import json
-
-    from keydiff.bench import throughput
-
-    out = tmp_path / "tp.json"
-    throughput.main(["--model", "random-tiny", "--length", "64", "--budget", "24", "--block-size", "16",
-                     "--new-tokens", "3", "--batches", "1,2", "--repeats", "1", "--json", str(out)])
-    record = json.loads(out.read_text())
-    assert {(r["policy"], r["batch"]) for r in record["results"]} == {
-        (p, b) for p in ("full", "keydiff", "transformers") for b in (1, 2)}
-    assert record["command"].startswith("python -m keydiff.bench.throughput") and "code" in record
-    throughput.main(["--model", "random-tiny", "--serving", "--lengths", "64", "--memory-gb", "0.0001", "--budget",
-                     "16", "--block-size", "16", "--new-tokens", "3", "--repeats", "1", "--max-batch", "4",
-                     "--json", str(out)])
-    rows = {r["policy"]: r for r in json.loads(out.read_text())["results"]}
-    assert rows["keydiff"]["sequences_held"] > rows["full"]["sequences_held"] >= 1
-
-
-@pytest.mark.extended
 @pytest.mark.parametrize("attn, statistics", [("eager", "materialized"), ("sdpa", "materialized"), ("eager", "fast")])
 @pytest.mark.parametrize("name", extended_unless(["h2o", "snapkv", "keydiff"], lambda name: name == "h2o"))
 def test_statistics_modes_kernels_and_no_decode_eviction_batch_like_separate_runs(attn, statistics, name):
@@ -354,21 +333,6 @@ def test_a_group_scores_each_row_over_its_own_entries_only(model):
     for step, (positions, attention) in enumerate(log):
         assert attention is None
         assert torch.equal(positions, torch.cat([own[step] for own in alone]))
-
-
-@pytest.mark.extended
-def test_batch_steps_benchmark_runs_on_tiny_sizes(tmp_path):
-    """Runs, not timings: grouped and per-row step times at each batch, written with provenance."""
-    import json
-
-    from keydiff.bench import batch_steps
-
-    out = tmp_path / "steps.json"
-    batch_steps.main(["--model", "random-tiny", "--length", "64", "--budget", "24", "--block-size", "16",
-                      "--new-tokens", "3", "--batches", "1,2", "--repeats", "1", "--json", str(out)])
-    record = json.loads(out.read_text())
-    assert {(r["batch"], r["group_rows"]) for r in record["results"]} == {(1, True), (1, False), (2, True), (2, False)}
-    assert all(r["step_s"] > 0 for r in record["results"]) and "code" in record
 
 
 @pytest.mark.extended

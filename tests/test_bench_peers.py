@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from keydiff import build_policy, prefill
-from keydiff.bench import common, peers, peers_runner
+from keydiff.bench import common, peers, peers_runner, runner
 
 
 pytestmark = pytest.mark.unit
@@ -418,13 +418,13 @@ def test_the_table_shows_both_kvpress_rows_with_ratios_over_the_pipeline_call():
 ])
 def test_bad_arguments_fail_with_one_line_naming_the_choices(argv, message, capsys):
     with pytest.raises(SystemExit):
-        peers.parse_arguments(argv)
+        runner.parse(peers.CASE, argv)
     assert message in capsys.readouterr().err
 
 
 def test_cases_default_to_all_four_and_keep_the_tables_order():
-    assert peers.parse_arguments(["perf"]).cases == list(peers.PERF_CASES)
-    picked = peers.parse_arguments(["perf", "--cases", "keydiff_blockwise, kvpress_keydiff,keydiff_blockwise"])
+    assert runner.parse(peers.CASE, ["perf"]).cases == list(peers.PERF_CASES)
+    picked = runner.parse(peers.CASE, ["perf", "--cases", "keydiff_blockwise, kvpress_keydiff,keydiff_blockwise"])
     assert picked.cases == ["kvpress_keydiff", "keydiff_blockwise"]
 
 

@@ -321,29 +321,6 @@ def test_a_block_whose_going_rows_change_policy_gets_a_step_of_that_policy(model
 
 
 @pytest.mark.extended
-def test_fixed_step_benchmark_runs_on_tiny_sizes(tmp_path):
-    """Runs, not timings: the ordinary and the fixed-shape step per width, the same tokens, written with provenance."""
-    import json
-
-    from keydiff.bench import fixed_step
-
-    out = tmp_path / "fixed.json"
-    fixed_step.main(["--model", "random-tiny", "--length", "128", "--budget", "32", "--block-size", "16",
-                     "--widths", "1,3", "--steps", "3", "--forms", "ordinary,fixed,model", "--json", str(out)])
-    record = json.loads(out.read_text())
-    assert {(r["width"], r["form"]) for r in record["results"]} == {
-        (w, form) for w in (1, 3) for form in ("ordinary", "fixed", "model")}
-    ours = [r for r in record["results"] if r["form"] != "model"]
-    assert all(r["same_tokens"] and r["ms_per_step"] > 0 for r in ours) and "code" in record
-    assert all(r["same_tokens"] is None and r["ms_per_step"] > 0 for r in record["results"] if r["form"] == "model")
-    assert all(r["floor_ms"] == max(r["bandwidth_floor_ms"], r["compute_floor_ms"]) > 0
-               and r["x_floor"] == pytest.approx(r["ms_per_step"] / r["floor_ms"]) for r in record["results"])
-    assert record["device_rates"]["bandwidth_source"].startswith("measured")
-    with pytest.raises(SystemExit):  # refused before any model is built
-        fixed_step.main(["--model", "random-tiny", "--forms", "fixed,graph"])
-
-
-@pytest.mark.extended
 @pytest.mark.parametrize("full_width", [False, True], ids=["span", "full-width"])
 def test_an_idle_slot_holding_more_than_n_entries_is_left_as_it_is(model, full_width, monkeypatch):
     """Idle slots may hold a sequence's entries beyond N: a held question (held_suffix) not yet decoded, forks of

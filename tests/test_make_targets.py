@@ -50,6 +50,8 @@ def one_error_line(result: subprocess.CompletedProcess) -> str:
     (["smoke", "ARGS=budget=r0.3"], r"budget=r0.3 is not valid; valid: .*r0.25.*budget.ratio=0.3"),
     (["leaderboard", "POLICIES=keydif"], r"policy=keydif is not valid; valid: .*keydiff"),
     (["gpu-hours", "ARGS=--rates {tmp}/gpu_bench.json"], r"gpu_bench\.json: no such file \(a rates file such as "),
+    (["bench", "CASE=decod"], r"unknown case 'decod'; valid: prefill, decode, throughput"),
+    (["bench-decode", "ARGS=--end-to-end --memory-scaling"], r"--end-to-end and --memory-scaling are two modes"),
 ])
 def test_a_users_mistake_is_one_error_line_and_exit_2(args, expected, tmp_path):
     result = make(*(arg.replace("{tmp}", str(tmp_path)) for arg in args))  # {tmp}: not the checkout's results

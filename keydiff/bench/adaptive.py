@@ -1,7 +1,7 @@
 """Head-adaptive budgets (AdaKV) against the uniform policy: memory held and time per decoded token.
 
-    python -m keydiff.bench.adaptive                         # random SmolLM2-135M shape, L 4096, N 1024, B 128
-    python -m keydiff.bench.adaptive --scorer snapkv --threads 2 --json out/adaptive.json
+    python -m keydiff.bench adaptive                         # random SmolLM2-135M shape, L 4096, N 1024, B 128
+    python -m keydiff.bench adaptive --scorer snapkv --threads 2 --json out/adaptive.json
 
 Per policy: kv_cache_bytes, peak RSS (fresh process each), TTFT and decode ms per token; targets checked and
 printed: bytes <= 1.05 x uniform, decode <= 1.25 x uniform. Timings on a shared machine are indicative.
@@ -11,16 +11,11 @@ Design: docs/design/benchmarks.md#prefill-decode-throughput
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import sys
 
-import torch
-
 from keydiff import build_policy, generate, prefill
-from keydiff.bench import common
-from keydiff.cli import ArgumentParser
+from keydiff.bench import common, runner
 
 BYTES_TARGET, DECODE_TARGET = 1.05, 1.25
 
@@ -39,54 +34,19 @@ def run_once(model, prompt, args, adaptive: bool) -> dict:
             "max_total_entries": max(state.cache.layer_max_total_entries)}
 
 
-def rss_child(args, device: str, dtype: torch.dtype) -> None:
-    """One policy in a fresh process: peak RSS of prefill + decode alone. Prints JSON."""
-    model = common.build_model(args.model, dtype, args.attn, device)
-    prompt = common.random_prompt(model, args.length).to(device)
-    reset = common.reset_peak_rss()
-    after_load = common.current_rss_bytes()
-    run_once(model, prompt, args, args.rss_child == "adakv")
-    print(json.dumps({"peak_rss_bytes": common.peak_rss_bytes(), "rss_after_load_bytes": after_load,
-                      "peak_is_run_only": reset}))
+def rss_child(args) -> dict:
+    """One form (args.form) in this fresh process: peak RSS of prefill + decode alone."""
+    model, prompt = common.model_and_prompt(args)
+    return common.rss_of(lambda: run_once(model, prompt, args, args.form == "adakv"))
 
 
-def peak_rss(args, adaptive: bool) -> dict:
-    arguments = ["--rss-child", "adakv" if adaptive else "uniform", "--model", args.model, "--scorer", args.scorer,
-                 "--length", str(args.length), "--budget", str(args.budget), "--block-size", str(args.block_size),
-                 "--new-tokens", str(args.new_tokens), "--alpha-safeguard", str(args.alpha_safeguard),
-                 "--attn", args.attn]
-    arguments += ["--dtype", args.dtype] if args.dtype else []
-    arguments += ["--threads", str(args.threads)] if args.threads else []
-    done = common.run_module(__spec__.name, arguments)
-    if done.returncode != 0:
-        sys.exit(f"peak RSS child failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+def check(args) -> None:
+    for adaptive in (False, True):  # bad values fail here, before any model is built
+        build_policy(args.scorer, **policy_params(args, adaptive)).check(args.budget)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    common.add_common_arguments(parser)
-    parser.add_argument("--scorer", default="keydiff", help="the policy whose scores drive both forms")
-    parser.add_argument("--alpha-safeguard", type=float, default=0.2)
-    parser.add_argument("--length", type=int, default=4096, help="prompt tokens L")
-    parser.add_argument("--budget", type=int, default=1024, help="entries per KV head N (adaptive: kv_heads x N per layer)")
-    parser.add_argument("--block-size", type=int, default=128, help="prompt tokens per prefill forward, B")
-    parser.add_argument("--new-tokens", type=int, default=32, help="tokens decoded (evicting after every one)")
-    parser.add_argument("--rss-child", choices=["uniform", "adakv"], default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    started = common.provenance(__spec__.name, argv)
-    args.model = args.model or "random-smollm2"
-    if args.new_tokens < 2 or args.repeats < 1:
-        parser.error("--new-tokens must be >= 2, --repeats >= 1")
-    try:  # bad values fail here, before any model is built
-        for adaptive in (False, True):
-            build_policy(args.scorer, **policy_params(args, adaptive)).check(args.budget)
-    except ValueError as error:
-        parser.error(str(error))
-    device, dtype = common.apply_runtime(args)
-    if args.rss_child:
-        return rss_child(args, device, dtype)
-
+def run(args) -> dict:
+    device, dtype = args.device, args.torch_dtype
     setting = common.setting_line(device, dtype, model=args.model, scorer=args.scorer, L=args.length, N=args.budget,
                                   B=args.block_size, new_tokens=args.new_tokens, repeats=args.repeats,
                                   alpha_safeguard=args.alpha_safeguard)
@@ -95,9 +55,8 @@ def main(argv: list[str] | None = None) -> None:
     memory = {}
     for name, adaptive in names.items():
         print(f"  peak RSS: {name} (fresh process) ...", file=sys.stderr, flush=True)
-        memory[name] = peak_rss(args, adaptive)
-    model = common.build_model(args.model, dtype, args.attn, device)
-    prompt = common.random_prompt(model, args.length).to(device)
+        memory[name] = runner.measure_in_child("adaptive", args, form=name)
+    model, prompt = common.model_and_prompt(args)
     runs = common.interleaved_rounds(
         {name: (lambda adaptive=adaptive: run_once(model, prompt, args, adaptive)) for name, adaptive in names.items()},
         args.repeats, device)
@@ -137,10 +96,13 @@ def main(argv: list[str] | None = None) -> None:
           f"{'met' if summary['decode_target_met'] else 'NOT met'})")
     print(f"peak RSS: each policy in a fresh process, prefill + decode only; times: medians over {args.repeats} "
           "interleaved rounds (indicative on a shared machine)")
-    if args.json:
-        common.write_json(args.json, {"setting": setting, "data": common.prompt_record(prompt), "results": rows,
-                                      "summary": summary}, started)
+    return {"setting": setting, "data": common.prompt_record(prompt), "results": rows, "summary": summary}
 
 
-if __name__ == "__main__":
-    main()
+CASE = runner.Case("adaptive", run, __doc__, runner.RUN + ("new_tokens",) + runner.SIZES, check=check,
+                   child=rss_child, defaults={"model": "random-smollm2"}, options=(
+    runner.option("--scorer", default="keydiff", help="the policy whose scores drive both forms"),
+    runner.option("--alpha-safeguard", type=float, default=0.2)))
+
+
+main = runner.entry(CASE, __spec__.name, __name__)  # `python -m keydiff.bench adaptive`: this case

@@ -1,7 +1,7 @@
 """Decode step time at batch 1 and k, rows grouped or each on its own: where batching's speed-up goes.
 
-    python -m keydiff.bench.batch_steps --threads 2 --batches 1,8 --policies keydiff
-    python -m keydiff.bench.batch_steps --threads 2 --batches 1,4,8,16 --json results/bench/batch_steps_cpu.json
+    python -m keydiff.bench batch_steps --threads 2 --batches 1,8 --policies keydiff
+    python -m keydiff.bench batch_steps --threads 2 --batches 1,4,8,16 --json results/bench/batch_steps_cpu.json
 
 Forks of one prefill decode through keydiff.generate_batch with group_rows on (rows holding the same count
 attend and evict as one group) and off (each row alone, the reference). Per (policy, batch, grouping): the median
@@ -13,14 +13,11 @@ Design: docs/design/benchmarks.md#prefill-decode-throughput
 
 from __future__ import annotations
 
-import argparse
 import statistics
-
-import torch
 
 from keydiff import build_policy, prefill
 from keydiff.batching import Request, generate_batch
-from keydiff.bench import common
+from keydiff.bench import common, runner
 
 
 def step_seconds(model, state, batch: int, new_tokens: int, group_rows: bool) -> float:
@@ -30,28 +27,13 @@ def step_seconds(model, state, batch: int, new_tokens: int, group_rows: bool) ->
     return results[0].seconds / (new_tokens - 1)  # the first token comes from the prefill's logits
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    common.add_common_arguments(parser)
-    parser.add_argument("--policies", default="keydiff", help="comma list (default keydiff)")
-    parser.add_argument("--length", type=int, default=4096, help="prompt tokens L")
-    parser.add_argument("--budget", type=int, default=1024, help="entries kept per layer and KV head, N")
-    parser.add_argument("--block-size", type=int, default=128, help="prompt tokens per prefill forward, B")
-    parser.add_argument("--new-tokens", type=int, default=17, help="tokens decoded per sequence (>= 2)")
-    parser.add_argument("--batches", default="1,8", help="batch sizes (the first is the ratios' base)")
-    args = parser.parse_args(argv)
-    started = common.provenance(__spec__.name, argv)
-    if args.new_tokens < 2 or args.repeats < 1:
-        parser.error("--new-tokens must be >= 2 and --repeats >= 1")
-    names = common.parse_policies(parser, args.policies, args.budget)
+def run(args) -> dict:
+    names, device, dtype = args.names, args.device, args.torch_dtype
     batches = [int(b) for b in args.batches.split(",")]
-    device, dtype = common.apply_runtime(args)
-    args.model = args.model or "smollm2-135m"
     print(common.setting_line(device, dtype, model=args.model, attn=args.attn, L=args.length, N=args.budget,
                               B=args.block_size, new_tokens=args.new_tokens, batches=args.batches,
                               repeats=args.repeats), flush=True)
-    model = common.build_model(args.model, dtype, args.attn, device)
-    prompt = common.random_prompt(model, args.length).to(device)
+    model, prompt = common.model_and_prompt(args)
     cases, keys = {}, {}
     for name in names:
         state = prefill(model, prompt, build_policy(name), None if name == "full" else args.budget, args.block_size)
@@ -74,10 +56,12 @@ def main(argv: list[str] | None = None) -> None:
                        [[r["policy"], str(r["batch"]), "grouped" if r["group_rows"] else "per-row",
                          common.fmt(r["step_s"] * 1e3, ".1f"), common.fmt(r["step_vs_batch_" + str(batches[0])], ".2f"),
                          common.fmt(r["tokens_per_s"], ".1f")] for r in rows], 3)
-    if args.json:
-        common.write_json(args.json, {"results": rows, "prompt": "random token ids (random_prompt, seed 0)",
-                                      "prefill_included": False}, started)
+    return {"results": rows, "prompt": "random token ids (random_prompt, seed 0)", "prefill_included": False}
 
 
-if __name__ == "__main__":
-    main()
+CASE = runner.Case("batch_steps", run, __doc__, runner.RUN + ("policies", "new_tokens") + runner.SIZES,
+                   defaults={"model": "smollm2-135m", "policies": "keydiff", "new_tokens": 17}, options=(
+    runner.option("--batches", default="1,8", help="batch sizes (the first is the ratios' base)"),))
+
+
+main = runner.entry(CASE, __spec__.name, __name__)  # `python -m keydiff.bench batch_steps`: this case

@@ -7,7 +7,6 @@ shapes, not on weight values, so they stand in for the real checkpoints on machi
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -64,22 +63,15 @@ def default_dtype(device: str) -> torch.dtype:
     return torch.bfloat16 if device == "cuda" else torch.float32
 
 
-def apply_runtime(args: argparse.Namespace) -> tuple[str, torch.dtype]:
-    """Set --threads (if given) and return the device and the dtype (--dtype, else the device's default):
-    what every benchmark does first with add_common_arguments' options."""
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = device_name()
-    return device, DTYPES[args.dtype] if args.dtype else default_dtype(device)
-
-
-def build_model(name: str, dtype: torch.dtype, attn: str, device: str, seed: int = 0):
-    """A random model from RANDOM_MODELS, or a real one through keydiff.models (smollm2-135m, hub ids)."""
+def build_model(name: str, dtype: torch.dtype, attn: str, device: str, seed: int = 0, positions: int = 0):
+    """A random model from RANDOM_MODELS (its positions extended to `positions` where that is more), or a real one
+    through keydiff.models (smollm2-135m, hub ids)."""
     if name in RANDOM_MODELS:
+        shape = RANDOM_MODELS[name]
         torch.manual_seed(seed)
         with torch.device(device):
-            model = LlamaForCausalLM._from_config(LlamaConfig(**RANDOM_MODELS[name]), attn_implementation=attn,
-                                                  dtype=dtype)
+            config = LlamaConfig(**{**shape, "max_position_embeddings": max(positions, shape["max_position_embeddings"])})
+            model = LlamaForCausalLM._from_config(config, attn_implementation=attn, dtype=dtype)
         return model.eval()
     from keydiff.models import ModelConfig, load_model
 
@@ -90,27 +82,23 @@ def build_model(name: str, dtype: torch.dtype, attn: str, device: str, seed: int
     return load_model(cfg)[0]
 
 
-def add_common_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options every benchmark takes: model, dtype, attention, threads, repeats, JSON output."""
-    parser.add_argument("--model", default=None,
-                        help="smollm2-135m | random-tiny | random-smollm2 | random-llama-3.2-3b | hub id/path")
-    parser.add_argument("--dtype", default=None, choices=list(DTYPES), help="default: bfloat16 on CUDA, float32 on CPU")
-    parser.add_argument("--attn", default="sdpa", choices=["sdpa", "eager", "flash_attention_2"])
-    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per policy (the median is reported)")
-    parser.add_argument("--json", default=None, help="also write the results to this JSON file")
+def model_and_prompt(args, name: str | None = None, positions: int = 0) -> tuple[Any, torch.Tensor]:
+    """A case's model (`name`, else --model; --dtype and --attn, on its device) and a random prompt of --length
+    tokens (`random_prompt`, seed 0) there."""
+    model = build_model(name or args.model, args.torch_dtype, args.attn, args.device, positions=positions)
+    return model, random_prompt(model, args.length).to(args.device)
 
 
-def parse_policies(parser: argparse.ArgumentParser, text: str | None, budget: int) -> list[str]:
+def parse_policies(text: str | None, budget: int, default: str = DEFAULT_POLICIES) -> list[str]:
     """Policy names from a comma list, each validated against the budget before any model is loaded.
 
-    text=None means the default list, from which policies that cannot run at this budget (SnapKV's
-    32-token window needs N > 32) are dropped with a note; a policy asked for by name fails instead.
+    text=None means `default`, from which policies that cannot run at this budget (SnapKV's 32-token window
+    needs N > 32) are dropped with a note; a policy asked for by name raises ValueError (one line) instead.
     """
-    names = [p.strip() for p in (text or DEFAULT_POLICIES).split(",") if p.strip()]
+    names = [p.strip() for p in (text or default).split(",") if p.strip()]
     unknown = [p for p in names if p not in available_policies()]
     if unknown:
-        parser.error(f"unknown policies {unknown}; valid: {', '.join(available_policies())}")
+        raise ValueError(f"unknown policies {unknown}; valid: {', '.join(available_policies())}")
     valid = []
     for name in names:
         try:
@@ -118,7 +106,7 @@ def parse_policies(parser: argparse.ArgumentParser, text: str | None, budget: in
             valid.append(name)
         except ValueError as error:
             if text is not None:
-                parser.error(f"{name}: {error}")
+                raise ValueError(f"{name}: {error}") from None
             print(f"note: {name} skipped: {error}", file=sys.stderr)
     return valid
 
@@ -157,16 +145,44 @@ def run_module(module: str, arguments: list[str]) -> subprocess.CompletedProcess
                           env={**os.environ, "PYTHONPATH": path})
 
 
-def interleaved_rounds(cases: dict[str, Callable[[], Any]], repeats: int, device: str) -> dict[str, list[Any]]:
-    """Run every case once untimed (warm-up), then `repeats` rounds in which each case runs once, in turn.
+def timed(device: str, fn: Callable[[], Any]) -> tuple[float, Any]:
+    """Seconds fn() takes, the device synchronised before and after (so they count its queued work), and its result:
+    the one timer of every benchmark."""
+    sync(device)
+    start = time.perf_counter()
+    out = fn()
+    sync(device)
+    return time.perf_counter() - start, out
+
+
+def timings(device: str, fn: Callable[[], Any], repeats: int, warm_up: int = 0) -> list[float]:
+    """Seconds of `repeats` timed calls of fn() (`timed`), after `warm_up` untimed ones."""
+    for _ in range(warm_up):
+        fn()
+    return [timed(device, fn)[0] for _ in range(repeats)]
+
+
+def rss_of(fn: Callable[[], Any]) -> dict[str, Any]:
+    """The peak RSS (VmHWM) of fn()'s run alone where this OS can reset the peak (`peak_is_run_only`; else of the
+    whole process), and the RSS before it: what a child of `runner.measure_in_child` reports of itself."""
+    reset = reset_peak_rss()
+    before = current_rss_bytes()
+    fn()
+    return {"peak_rss_bytes": peak_rss_bytes(), "rss_after_load_bytes": before, "peak_is_run_only": reset}
+
+
+def interleaved_rounds(cases: dict[str, Callable[[], Any]], repeats: int, device: str,
+                       warm_up: bool = True) -> dict[str, list[Any]]:
+    """Run every case once untimed (warm-up, unless warm_up=False: a case that warms up itself), then `repeats`
+    rounds in which each case runs once, in turn.
 
     Rounds spread the machine's speed drift over every case instead of into their ratios. Each case returns its own
     measurement; memory is released between cases. Each run is announced on stderr (`Progress`).
     """
-    runs = [("warm-up", name) for name in cases]
+    runs = [("warm-up", name) for name in cases] if warm_up else []
     runs += [(f"round {r + 1}/{repeats}", name) for r in range(repeats) for name in cases]
-    progress = Progress(f"{len(cases)} case(s): one untimed warm-up run of each, then {repeats} timed round(s)",
-                        len(cases))
+    plan = "one untimed warm-up run of each, then " if warm_up else ""
+    progress = Progress(f"{len(cases)} case(s): {plan}{repeats} timed round(s)", len(cases))
     results: dict[str, list[Any]] = {name: [] for name in cases}
     for index, (phase, name) in enumerate(runs):
         progress.start(f"{phase}: {name}", [n for _, n in runs[index:]])
@@ -221,9 +237,14 @@ def kv_cache_bytes(cache, model, entries: int, batch: int = 1) -> int:
     if own is not None:
         return int(own)
     config = model.config.get_text_config()
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     itemsize = next(model.parameters()).element_size()
-    return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * itemsize * entries * batch
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim(config) * itemsize * entries * batch
+
+
+def head_dim(config) -> int:
+    """A (text) model config's or a RANDOM_MODELS shape's head dimension."""
+    get = config.get if isinstance(config, dict) else lambda key: getattr(config, key, None)
+    return get("head_dim") or get("hidden_size") // get("num_attention_heads")
 
 
 def provenance(module: str, argv: list[str] | None = None) -> dict[str, Any]:

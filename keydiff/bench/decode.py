@@ -1,29 +1,28 @@
 """Decode benchmark: the cost of evicting after every generated token, next to plain decoding.
 
-    python -m keydiff.bench.decode --model random-smollm2                  # per-token decode at N = 1024
-    python -m keydiff.bench.decode --model random-llama-3.2-3b --end-to-end   # TTFT + decode, L = 4096
-    python -m keydiff.bench.decode --memory-scaling                        # peak RSS at L = 4096 vs 16384
+    python -m keydiff.bench decode --model random-smollm2                  # per-token decode at N = 1024
+    python -m keydiff.bench decode --model random-llama-3.2-3b --end-to-end   # TTFT + decode, L = 4096
+    python -m keydiff.bench decode --memory-scaling                        # peak RSS at L = 4096 vs 16384
 
 Default: evicting policies prefill L tokens at budget N and decode with B = 1; `full` prefills exactly N tokens,
 so the ratio is the price of evicting, not of a longer context. Per policy: median ms per token, TTFT, and bytes
 allocated per token from a separate profiled pass ("x KV": over the cache's key/value bytes). --end-to-end:
 TTFT + decode, full keeping all of L. --memory-scaling: peak RSS per length, each in a fresh process.
+Defaults by mode: L 2048 (end-to-end 4096), 32 new tokens (end-to-end 64, memory scaling 8), model smollm2-135m
+(memory scaling: random-smollm2, policy keydiff).
 
 Design: docs/design/benchmarks.md#prefill-decode-throughput
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import sys
 
 import torch
 
 from keydiff import Decoder, build_policy, generate, prefill
-from keydiff.bench import common
-from keydiff.cli import ArgumentParser
+from keydiff.bench import common, runner
 
 
 def run_once(model, prompt, name: str, budget: int | None, block: int, new_tokens: int, decoder=None):
@@ -165,19 +164,15 @@ def end_to_end_mode(model, prompt, names, args, device) -> list[dict]:
     return rows
 
 
-def rss_child(args, device: str, dtype: torch.dtype) -> None:
-    """One length in a fresh process: peak RSS of loading, then of prefill + decode alone. Prints JSON."""
-    model = common.build_model(args.model, dtype, args.attn, device)
-    prompt = common.random_prompt(model, args.length).to(device)
-    load_peak = common.peak_rss_bytes()
-    reset = common.reset_peak_rss()  # else the peak stays at the load's whatever the run does
-    after_load = common.current_rss_bytes()
-    name = args.policies
-    run_once(model, prompt, name, None if name == "full" else args.budget, args.block_size, args.new_tokens)
-    cuda_peak = torch.cuda.max_memory_allocated() if device == "cuda" else None
-    print(json.dumps({"policy": name, "length": args.length, "load_peak_rss_bytes": load_peak,
-                      "rss_after_load_bytes": after_load, "peak_rss_bytes": common.peak_rss_bytes(),
-                      "peak_is_run_only": reset, "cuda_peak_allocated_bytes": cuda_peak}))
+def rss_child(args) -> dict:
+    """One policy at one length in this fresh process: peak RSS of loading, then of prefill + decode alone."""
+    model, prompt = common.model_and_prompt(args)
+    load_peak, name = common.peak_rss_bytes(), args.policies
+    budget = None if name == "full" else args.budget
+    peaks = common.rss_of(lambda: run_once(model, prompt, name, budget, args.block_size, args.new_tokens))
+    cuda_peak = torch.cuda.max_memory_allocated() if args.device.startswith("cuda") else None
+    return {"policy": name, "length": args.length, "load_peak_rss_bytes": load_peak, **peaks,
+            "cuda_peak_allocated_bytes": cuda_peak}
 
 
 def memory_scaling_mode(names, args) -> list[dict]:
@@ -187,15 +182,7 @@ def memory_scaling_mode(names, args) -> list[dict]:
     for name in names:
         for length in lengths:
             print(f"  {name} L={length} (fresh process) ...", file=sys.stderr, flush=True)
-            arguments = ["--rss-child", "--model", args.model, "--policies", name, "--length", str(length),
-                         "--budget", str(args.budget), "--block-size", str(args.block_size),
-                         "--new-tokens", str(args.new_tokens), "--attn", args.attn]
-            arguments += ["--dtype", args.dtype] if args.dtype else []
-            arguments += ["--threads", str(args.threads)] if args.threads else []
-            done = common.run_module(__spec__.name, arguments)
-            if done.returncode != 0:
-                sys.exit(f"{name} L={length} failed:\n{done.stderr[-3000:]}")
-            rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+            rows.append(runner.measure_in_child("decode", args, policies=name, length=length))
     columns = [("policy", 10), ("L", 0), ("N", 0), ("load peak MiB", 0), ("after load MiB", 0), ("peak RSS MiB", 0),
                ("growth", 0), ("above load MiB", 0), ("CUDA peak MiB", 0)]
     mib = lambda value: common.fmt(None if value is None else value / 2**20, ".0f")
@@ -215,37 +202,8 @@ def memory_scaling_mode(names, args) -> list[dict]:
     return rows
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    common.add_common_arguments(parser)
-    parser.add_argument("--policies", default=None,
-                        help=f"comma list (default {common.DEFAULT_POLICIES}; keydiff with --memory-scaling)")
-    parser.add_argument("--length", type=int, default=None, help="prompt tokens L (default 2048; 4096 end-to-end)")
-    parser.add_argument("--budget", type=int, default=1024, help="entries kept per layer and KV head, N")
-    parser.add_argument("--block-size", type=int, default=128, help="prompt tokens per prefill forward, B")
-    parser.add_argument("--new-tokens", type=int, default=None, help="tokens generated (default 32; 64 end-to-end)")
-    parser.add_argument("--profile-tokens", type=int, default=5, help="tokens decoded in the allocation pass")
-    mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--end-to-end", action="store_true", help="TTFT + decode on one prompt: full (all L) vs N")
-    mode.add_argument("--memory-scaling", action="store_true", help="peak RSS per prompt length, fresh processes")
-    parser.add_argument("--scaling-lengths", default="4096,16384", help="prompt lengths for --memory-scaling")
-    parser.add_argument("--rss-child", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    started = common.provenance(__spec__.name, argv)
-    args.length = args.length or (4096 if args.end_to_end else 2048)
-    args.new_tokens = args.new_tokens or (64 if args.end_to_end else 8 if args.memory_scaling else 32)
-    args.model = args.model or ("random-smollm2" if args.memory_scaling else "smollm2-135m")
-    if args.new_tokens < 2 or args.profile_tokens < 2 or args.repeats < 1:
-        parser.error("--new-tokens and --profile-tokens must be >= 2, --repeats >= 1")
-    if args.memory_scaling and args.policies is None:
-        args.policies = "keydiff"
-    names = common.parse_policies(parser, args.policies, args.budget)
-    if not args.end_to_end and not args.memory_scaling and args.length < args.budget:
-        parser.error("--length must be >= --budget: full decodes from the first N prompt tokens")
-    device, dtype = common.apply_runtime(args)
-    if args.rss_child:
-        return rss_child(args, device, dtype)
-
+def run(args) -> dict:
+    names, device, dtype = args.names, args.device, args.torch_dtype
     fields = dict(model=args.model, attn=args.attn, L=args.length, N=args.budget, B=args.block_size,
                   new_tokens=args.new_tokens, repeats=args.repeats)
     if args.memory_scaling:
@@ -256,14 +214,34 @@ def main(argv: list[str] | None = None) -> None:
     if args.memory_scaling:
         rows = memory_scaling_mode(names, args)
     else:
-        model = common.build_model(args.model, dtype, args.attn, device)
-        prompt = common.random_prompt(model, args.length).to(device)
+        model, prompt = common.model_and_prompt(args)
         data = common.prompt_record(prompt)
         rows = (end_to_end_mode if args.end_to_end else decode_mode)(model, prompt, names, args, device)
-    if args.json:
-        mode_name = "end-to-end" if args.end_to_end else "memory-scaling" if args.memory_scaling else "decode"
-        common.write_json(args.json, {"mode": mode_name, "setting": setting, "data": data, "results": rows}, started)
+    mode = "end-to-end" if args.end_to_end else "memory-scaling" if args.memory_scaling else "decode"
+    return {"mode": mode, "setting": setting, "data": data, "results": rows}
 
 
-if __name__ == "__main__":
-    main()
+def check(args) -> None:
+    """Defaults that depend on the mode; the combinations that cannot run."""
+    if args.end_to_end and args.memory_scaling:
+        raise ValueError("--end-to-end and --memory-scaling are two modes: choose one")
+    args.length = args.length or (4096 if args.end_to_end else 2048)
+    args.new_tokens = args.new_tokens or (64 if args.end_to_end else 8 if args.memory_scaling else 32)
+    args.model = args.model or ("random-smollm2" if args.memory_scaling else "smollm2-135m")
+    if args.new_tokens < 2 or args.profile_tokens < 2:
+        raise ValueError("--new-tokens and --profile-tokens must be >= 2")
+    if args.memory_scaling and args.policies is None:
+        args.policies = "keydiff"
+    if not args.end_to_end and not args.memory_scaling and args.length < args.budget:
+        raise ValueError("--length must be >= --budget: full decodes from the first N prompt tokens")
+
+
+CASE = runner.Case("decode", run, __doc__, runner.RUN + ("policies", "new_tokens") + runner.SIZES, check=check,
+                   child=rss_child, defaults={"length": None, "new_tokens": None}, options=(
+    runner.option("--profile-tokens", type=int, default=5, help="tokens decoded in the allocation pass"),
+    runner.option("--end-to-end", action="store_true", help="TTFT + decode on one prompt: full (all L) vs N"),
+    runner.option("--memory-scaling", action="store_true", help="peak RSS per prompt length, fresh processes"),
+    runner.option("--scaling-lengths", default="4096,16384", help="prompt lengths for --memory-scaling")))
+
+
+main = runner.entry(CASE, __spec__.name, __name__)  # `python -m keydiff.bench decode`: this case

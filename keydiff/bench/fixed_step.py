@@ -5,24 +5,22 @@ prefill decode --steps timed steps in interleaved rounds; reported: median per-s
 step, warm-up wall time (a compile's cost), token agreement and time over the step's floor (keydiff.bench.floor).
 `--forms ...,model` adds the model's own forward over a transformers cache of N entries.
 
-    python -m keydiff.bench.fixed_step --model random-smollm2 --threads 2 --widths 1,8 --repeats 5 --json out.json
+    python -m keydiff.bench fixed_step --model random-smollm2 --threads 2 --widths 1,8 --repeats 5 --json out.json
 
 Design: docs/design/benchmarks.md#prefill-decode-throughput
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
-import time
 
 import torch
 
 from keydiff import Request, build_policy, generate_batch, prefill
 from keydiff.attention import keydiff_attention
 from keydiff.batching.static import Rows, StaticStep
-from keydiff.bench import common, floor
+from keydiff.bench import common, floor, runner
 
 
 FORMS = ("ordinary", "fixed", "compiled", "model")
@@ -39,23 +37,23 @@ def compiled_form(model, state, width: int, budget: int, args, device: str) -> d
     ids = state.logits.argmax(-1, keepdim=True).expand(width, 1).to(device)  # the first token, as generate picks it
     active = torch.ones(width, dtype=torch.bool, device=device)
     position = state.prompt_length
-    times, tokens = [], []
+
+    def one() -> torch.Tensor:
+        nonlocal ids, position
+        ids = step.run(ids, torch.full((width, 1), position, device=device), active).argmax(-1, keepdim=True)
+        position += 1
+        return ids[:, 0]
+
     with torch.inference_mode(), keydiff_attention(model, None):
-        start = time.perf_counter()
-        for _ in range(args.warm_up):
-            ids = step.run(ids, torch.full((width, 1), position, device=device), active).argmax(-1, keepdim=True)
-            position += 1
-        common.sync(device)
-        warm = time.perf_counter() - start
-        for _ in range(args.steps):
-            common.sync(device)
-            start = time.perf_counter()
-            ids = step.run(ids, torch.full((width, 1), position, device=device), active).argmax(-1, keepdim=True)
-            common.sync(device)
-            times.append(time.perf_counter() - start)
-            tokens.append(ids[:, 0].tolist())
-            position += 1
+        warm = common.timed(device, lambda: [one() for _ in range(args.warm_up)])[0]
+        times, tokens = steps_timed(device, one, args.steps)
     return {"ms_per_step": 1e3 * statistics.median(times), "warm_up_s": warm, "tokens": tokens}
+
+
+def steps_timed(device: str, step, count: int) -> tuple[list[float], list[list[int]]]:
+    """Seconds of each of `count` calls of step() (`common.timed`) and the tokens each returned."""
+    runs = [common.timed(device, step) for _ in range(count)]
+    return [seconds for seconds, _ in runs], [token.tolist() for _, token in runs]
 
 
 def model_form(model, prompt, width: int, budget: int, args, device: str) -> dict:
@@ -66,18 +64,17 @@ def model_form(model, prompt, width: int, budget: int, args, device: str) -> dic
 
     ids = prompt[:, :budget].expand(width, -1).contiguous()
     cache = DynamicCache(config=model.config)
-    times, tokens = [], []
     with torch.inference_mode():
         token = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1].argmax(
             -1, keepdim=True)
-        for index in range(args.warm_up + args.steps):
-            common.sync(device)
-            start = time.perf_counter()
+
+        def one() -> torch.Tensor:
+            nonlocal token
             token = model(input_ids=token, cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
-            common.sync(device)
-            if index >= args.warm_up:
-                times.append(time.perf_counter() - start)
-                tokens.append(token[:, 0].tolist())
+            return token[:, 0]
+
+        steps_timed(device, one, args.warm_up)
+        times, tokens = steps_timed(device, one, args.steps)
     return {"ms_per_step": 1e3 * statistics.median(times), "tokens": tokens}
 
 
@@ -88,11 +85,7 @@ def decoded_form(model, state, width: int, args, device: str, fixed: bool) -> di
     token choice and bookkeeping are, as a run pays them)."""
     def decode(tokens: int) -> tuple[float, dict]:
         requests = [Request(fork, max_new_tokens=tokens, key=i) for i, fork in enumerate(state.fork(width))]
-        common.sync(device)
-        start = time.perf_counter()
-        out = dict(generate_batch(model, requests, width, fixed_shapes=fixed))
-        common.sync(device)
-        return time.perf_counter() - start, out
+        return common.timed(device, lambda: dict(generate_batch(model, requests, width, fixed_shapes=fixed)))
 
     short, _ = decode(args.warm_up + 1)
     long, out = decode(args.warm_up + args.steps + 1)
@@ -100,44 +93,29 @@ def decoded_form(model, state, width: int, args, device: str, fixed: bool) -> di
     return {"ms_per_step": 1e3 * (long - short) / args.steps, "tokens": tokens}
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    common.add_common_arguments(parser)
-    parser.add_argument("--length", type=int, default=2048)
-    parser.add_argument("--budget", type=int, default=1024)
-    parser.add_argument("--block-size", type=int, default=128)
-    parser.add_argument("--widths", default="1,8", help="sequences decoding together (comma list)")
-    parser.add_argument("--steps", type=int, default=16)
-    parser.add_argument("--warm-up", type=int, default=3)
-    parser.add_argument("--forms", default="ordinary,fixed,compiled",
-                        help="comma list of ordinary, fixed, compiled, model (the model's forward alone, no eviction)")
-    args = parser.parse_args(argv)
-    forms = [form.strip() for form in args.forms.split(",") if form.strip()]
-    unknown = [form for form in forms if form not in FORMS]
-    if unknown or not [form for form in forms if form != "model"]:
-        parser.error(f"--forms {args.forms!r}: valid forms are {', '.join(FORMS)}, at least one besides model")
-    started = common.provenance(__spec__.name, argv)
-    device, dtype = common.apply_runtime(args)
-    model = common.build_model(args.model or "random-smollm2", dtype, args.attn, device)
-    print(common.setting_line(device, dtype, model=args.model or "random-smollm2", L=args.length, N=args.budget),
-          flush=True)
-    prompt = common.random_prompt(model, args.length).to(device)
+def check(args) -> None:
+    args.form_list = [form.strip() for form in args.forms.split(",") if form.strip()]
+    if set(args.form_list) - set(FORMS) or set(args.form_list) <= {"model"}:
+        raise ValueError(f"--forms {args.forms!r}: valid forms are {', '.join(FORMS)}, at least one besides model")
+
+
+def run(args) -> dict:
+    forms, device, dtype = args.form_list, args.device, args.torch_dtype
+    model, prompt = common.model_and_prompt(args)
+    print(common.setting_line(device, dtype, model=args.model, L=args.length, N=args.budget), flush=True)
     state = prefill(model, prompt, build_policy("keydiff"), args.budget, args.block_size)
     rates = floor.measure(device, dtype)
     print(f"  bandwidth {common.fmt(rates.bandwidth and rates.bandwidth / 1e9, '.1f')} GB/s ({rates.bandwidth_source}), matmul "
           f"{rates.matmul_flops / 1e9:.1f} GFLOP/s ({rates.dtype})", file=sys.stderr, flush=True)
     rows = []
     for width in [int(w) for w in args.widths.split(",")]:
-        rounds: dict[str, list[dict]] = {form: [] for form in forms}
-        for index in range(args.repeats):  # the forms interleaved, round by round (the machine's speed drifts)
-            for form in forms:
-                print(f"  W={width} {form}, round {index + 1}/{args.repeats} ...", file=sys.stderr, flush=True)
-                common.release_memory(device)
-                rounds[form].append(compiled_form(model, state, width, args.budget, args, device)
-                                    if form == "compiled" else
-                                    model_form(model, prompt, width, args.budget, args, device)
-                                    if form == "model" else
-                                    decoded_form(model, state, width, args, device, fixed=form == "fixed"))
+        measure = {form: (lambda form=form: compiled_form(model, state, width, args.budget, args, device)
+                          if form == "compiled" else model_form(model, prompt, width, args.budget, args, device)
+                          if form == "model" else decoded_form(model, state, width, args, device, form == "fixed"))
+                   for form in forms}  # interleaved, round by round (the machine's speed drifts); each warms up
+        rounds = common.interleaved_rounds({f"W={width} {form}": fn for form, fn in measure.items()}, args.repeats,
+                                           device, warm_up=False)
+        rounds = {form: rounds[f"W={width} {form}"] for form in forms}
         reference = rounds[next(form for form in forms if form != "model")][0]["tokens"]
         for form, results in rounds.items():
             row = {"width": width, "form": form, "ms_per_step": statistics.median(r["ms_per_step"] for r in results),
@@ -157,10 +135,17 @@ def main(argv: list[str] | None = None) -> None:
                          common.fmt(r["warm_up_s"], ".1f"), "-" if r["same_tokens"] is None else str(r["same_tokens"]), common.fmt(r["floor_ms"], ".1f"),
                          f"{common.fmt(r['bandwidth_floor_ms'], '.1f')} / {common.fmt(r['compute_floor_ms'], '.1f')}",
                          common.fmt(r["x_floor"], ".2f")] for r in rows], 2)
-    if args.json:
-        common.write_json(args.json, {"results": rows, "settings": vars(args), "device_rates": rates.record()},
-                          started)
+    settings = {k: v for k, v in vars(args).items() if k not in ("started", "torch_dtype", "form_list")}
+    return {"results": rows, "settings": settings, "device_rates": rates.record()}
 
 
-if __name__ == "__main__":
-    main()
+CASE = runner.Case("fixed_step", run, __doc__, runner.RUN + runner.SIZES, check=check,
+                   defaults={"model": "random-smollm2", "length": 2048}, options=(
+    runner.option("--widths", default="1,8", help="sequences decoding together (comma list)"),
+    runner.option("--steps", type=int, default=16),
+    runner.option("--warm-up", type=int, default=3),
+    runner.option("--forms", default="ordinary,fixed,compiled",
+                  help="comma list of ordinary, fixed, compiled, model (the model's forward alone, no eviction)")))
+
+
+main = runner.entry(CASE, __spec__.name, __name__)  # `python -m keydiff.bench fixed_step`: this case

@@ -9,12 +9,11 @@ Design: docs/design/benchmarks.md#the-floor-of-a-step-floor
 
 from __future__ import annotations
 
-import time
 from dataclasses import asdict, dataclass
 
 import torch
 
-from keydiff.device import sync
+from keydiff.bench.common import head_dim, kv_cache_bytes, timings
 
 # Memory bandwidth by GPU name (bytes per second; the vendor's figure).
 GPU_BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12}
@@ -31,17 +30,6 @@ class DeviceRates:
         return asdict(self)
 
 
-def _best_seconds(fn, repeats: int, device: str) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        sync(device)
-        start = time.perf_counter()
-        fn()
-        sync(device)
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
 def measure(device: str, dtype: torch.dtype, read_mib: int = 1024, matmul_size: int | None = None,
             repeats: int = 5) -> DeviceRates:
     """The device's bandwidth and matmul rate (see the module for their sources). read_mib: the CPU read's size;
@@ -53,23 +41,19 @@ def measure(device: str, dtype: torch.dtype, read_mib: int = 1024, matmul_size: 
         source = f"vendor figure for {name}" if bandwidth is not None else f"unknown GPU {name}: no figure"
     else:
         data = torch.ones(read_mib * (1 << 20) // 4, dtype=torch.float32, device=device)
-        bandwidth = data.numel() * 4 / _best_seconds(lambda: data.sum(), repeats, device)
+        bandwidth = data.numel() * 4 / min(timings(device, data.sum, repeats))
         source = f"measured: best of {repeats} sums over {read_mib} MiB, {torch.get_num_threads()} threads"
         del data
     a = torch.randn(matmul_size, matmul_size, dtype=dtype, device=device)
     b = torch.randn(matmul_size, matmul_size, dtype=dtype, device=device)
-    a @ b  # first call: library setup
-    seconds = _best_seconds(lambda: a @ b, repeats, device)
+    seconds = min(timings(device, lambda: a @ b, repeats, warm_up=1))  # the untimed first call: library setup
     return DeviceRates(bandwidth, source, 2 * matmul_size ** 3 / seconds, str(dtype).removeprefix("torch."))
 
 
 def step_bytes(model, rows: int, entries: int) -> int:
     """What one decoding step must read: every weight once, and each row's keys and values (`entries` per row)."""
-    config = model.config.get_text_config()
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    itemsize = next(model.parameters()).element_size()
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    return weights + 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * itemsize * entries * rows
+    return weights + kv_cache_bytes(None, model, entries, rows)
 
 
 def step_flops(model, rows: int, entries: int) -> int:
@@ -77,11 +61,10 @@ def step_flops(model, rows: int, entries: int) -> int:
     embedding is a lookup, so it counts only where it is also the output layer, tied), and attention's scores and
     weighted sum over `entries` keys for every query head."""
     config = model.config.get_text_config()
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     matrices = sum(p.numel() for p in model.parameters() if p.dim() >= 2)
     if not getattr(config, "tie_word_embeddings", False):
         matrices -= model.get_input_embeddings().weight.numel()
-    attention = 2 * config.num_hidden_layers * config.num_attention_heads * head_dim * entries
+    attention = 2 * config.num_hidden_layers * config.num_attention_heads * head_dim(config) * entries
     return 2 * rows * (matrices + attention)
 
 

@@ -6,7 +6,7 @@ Captured steps are timed as a first call pays them (`first_call_*`) and at stead
 rows of `planned_rows(sizes)` are always written, in order, each as soon as it is done (failed or past
 --deadline: written as such). Without CUDA, --quick runs every row tiny with CPU stand-ins: code paths only.
 
-    python -m keydiff.bench.gpu_bench [--quick] [--json results/bench/gpu_bench.json] [--deadline 450]
+    python -m keydiff.bench gpu_bench [--quick] [--json results/bench/gpu_bench.json] [--deadline 450]
 
 Design: docs/design/benchmarks.md#every-gpu-row-in-one-command-gpu_bench
 """
@@ -25,7 +25,7 @@ from typing import Callable, Iterator
 import torch
 
 from keydiff import Decoder, Request, build_policy, generate, generate_batch, prefill
-from keydiff.bench import common, floor
+from keydiff.bench import common, floor, runner
 
 
 @dataclass(frozen=True)
@@ -100,14 +100,6 @@ def cpu_stand_ins(device: str, fail: str | None = None):
     return stand_in_graphs(fail=fail)
 
 
-def timed(device: str, fn) -> tuple[float, object]:
-    common.sync(device)
-    start = time.perf_counter()
-    out = fn()
-    common.sync(device)
-    return time.perf_counter() - start, out
-
-
 def graph_record(decoder: Decoder) -> dict:
     """What a decoder's captures cost: graphs captured, the seconds spent capturing and warming up for it, the
     bytes the graph pool holds (keydiff.batching.static.Graphs' counts: on CUDA the reserved memory each capture
@@ -122,7 +114,7 @@ def decode_seconds(model, states, tokens: int, decoder: Decoder) -> tuple[float,
     the tokens."""
     requests = [Request(state, max_new_tokens=tokens, key=i) for i, state in enumerate(states)]
     device = str(next(model.parameters()).device.type)
-    seconds, out = timed(device, lambda: dict(decoder.generate(requests)))
+    seconds, out = common.timed(device, lambda: dict(decoder.generate(requests)))
     return seconds, [out[i].token_ids[0] for i in range(len(states))]
 
 
@@ -176,8 +168,8 @@ def transformers_static_ms(model, prompt, batch: int, tokens: int, device: str) 
             token, position = one(token, position)
         return token, position
 
-    compile_s, (token, position) = timed(device, lambda: loop(token, position, 2))
-    seconds, _ = timed(device, lambda: loop(token, position, tokens - 1))
+    compile_s, (token, position) = common.timed(device, lambda: loop(token, position, 2))
+    seconds, _ = common.timed(device, lambda: loop(token, position, tokens - 1))
     return {"ms_per_step": 1e3 * seconds / (tokens - 1), "compile_s": compile_s,
             "compile": ", ".join(f"{k}={v}" for k, v in options.items())}
 
@@ -191,7 +183,7 @@ def decoder_rows(model, state, sizes: Sizes, device: str, floor_ms: float | None
     decoder, seconds = Decoder(model, 1), []
     for _ in range(4):
         fork = state.fork(1)[0]
-        seconds.append(timed(device, lambda: generate(model, fork, sizes.tokens, decoder=decoder))[0])
+        seconds.append(common.timed(device, lambda: generate(model, fork, sizes.tokens, decoder=decoder))[0])
     per_step = [1e3 * s / (sizes.tokens - 1) for s in seconds]
     yield {"row": "decode", "case": "keydiff, one decoder across calls", "batch": 1,
            "ms_per_step": statistics.median(per_step[1:]), "first_call_ms_per_step": per_step[0],
@@ -262,7 +254,7 @@ def peak_beyond(device: str, fn) -> tuple[float, float | None]:
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-    seconds, out = timed(device, fn)
+    seconds, out = common.timed(device, fn)
     del out
     peak = (torch.cuda.max_memory_allocated() - base) / (1 << 30) if device == "cuda" else None
     return seconds, peak
@@ -429,32 +421,27 @@ def run_group(group: str, planned: list[dict], make_rows: Callable[[], Iterator[
         log.add({"row": group, "case": "release_memory", "group": group, "error": CLEANUP_ERRORS.pop(0)})
 
 
-def main(argv: list[str] | None = None, on_row: Callable[[dict], None] | None = None,
-         capture_fail: str | None = None) -> int:
+def check(args) -> None:
+    unknown = [g for g in (g.strip() for g in args.rows.split(",")) if g and g not in ROWS]
+    if unknown:
+        raise ValueError(f"unknown row groups {unknown}; valid: {', '.join(GROUPS)}")
+    if common.device_name() != "cuda" and not args.quick:
+        raise ValueError("no CUDA device here: the GPU rows need one (--quick runs them at tiny sizes anywhere)")
+
+
+def run(args, on_row: Callable[[dict], None] | None = None, capture_fail: str | None = None) -> int:
     """on_row: see `run_group`; capture_fail: the CPU stand-in's captures fail so ("end", "inside"). Tests only.
     Exit status 1 where a row failed or a capture failed (its steps then ran eagerly: timings not of replayed
     graphs)."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="tiny sizes (any device): the code paths, not numbers")
-    parser.add_argument("--json", default=None, help="write the rows and their provenance here, after every row")
-    parser.add_argument("--deadline", type=float, default=450.0, help="seconds after which no new row starts")
-    parser.add_argument("--rows", default=",".join(GROUPS), help="which row groups, in this order")
-    args = parser.parse_args(argv)
     chosen = [g.strip() for g in args.rows.split(",") if g.strip()]
-    unknown = [g for g in chosen if g not in ROWS]
-    if unknown:
-        parser.error(f"unknown row groups {unknown}; valid: {', '.join(GROUPS)}")
-    started = common.provenance(__spec__.name, argv)
     device = common.device_name()
-    if device != "cuda" and not args.quick:
-        parser.error("no CUDA device here: the GPU rows need one (--quick runs them at tiny sizes anywhere)")
     sizes = QUICK if args.quick else FULL
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     begin = time.perf_counter()
     model = common.build_model(sizes.model, dtype, "sdpa", device)
     print(common.setting_line(device, dtype, model=sizes.model, quick=args.quick), flush=True)
-    log = common.RowLog(args.json, started, lambda: {"device": device, "sizes": sizes.__dict__,
-                                                     "wall_s": time.perf_counter() - begin}, row_line)
+    log = common.RowLog(args.json, args.started, lambda: {"device": device, "sizes": sizes.__dict__,
+                                                          "wall_s": time.perf_counter() - begin}, row_line)
     planned = planned_rows(sizes)
     def late() -> str | None:
         elapsed = time.perf_counter() - begin
@@ -477,5 +464,10 @@ def main(argv: list[str] | None = None, on_row: Callable[[dict], None] | None = 
     return 1 if failed or any("error" in r for r in log.rows) else 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+CASE = runner.Case("gpu_bench", run, __doc__, ("json",), check=check, options=(
+    runner.option("--quick", action="store_true", help="tiny sizes (any device): the code paths, not numbers"),
+    runner.option("--deadline", type=float, default=450.0, help="seconds after which no new row starts"),
+    runner.option("--rows", default=",".join(GROUPS), help="which row groups, in this order")))
+
+
+main = runner.entry(CASE, __spec__.name, __name__)  # `python -m keydiff.bench gpu_bench`: this case

@@ -1,7 +1,7 @@
 """Long prompts under a fixed bound: prefill peak memory and time per prompt token from L = 4K to 128K.
 
-    python -m keydiff.bench.long_prefill                                  # 4K..128K, keydiff and full, N=1024, B=128
-    python -m keydiff.bench.long_prefill --lengths 4096,8192 --full-max-length 8192 --json results/bench/long.json
+    python -m keydiff.bench long_prefill                                  # 4K..128K, keydiff and full, N=1024, B=128
+    python -m keydiff.bench long_prefill --lengths 4096,8192 --full-max-length 8192 --json results/bench/long.json
 
 Each (policy, L) runs in a fresh interpreter on random weights of SmolLM2-135M's shape. Targets for the bounded
 policy: at the largest L, peak memory <= 1.10 x and time per token <= 1.25 x the smallest L's. `full` runs up to
@@ -12,63 +12,41 @@ Design: docs/design/benchmarks.md#prefill-decode-throughput
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 
-import torch
-
 from keydiff import build_policy, prefill
-from keydiff.bench import common
+from keydiff.bench import common, runner
 
 DEFAULT_LENGTHS = "4096,8192,16384,32768,65536,131072"
 TARGETS = {"memory": 1.10, "time_per_token": 1.25}
 
 
-def build_model(dtype: torch.dtype, attn: str, device: str, length: int):
-    """Random weights, SmolLM2-135M's shape, positions long enough for `length` tokens."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    shape = {**common.SMOLLM2_135M, "max_position_embeddings": max(length, common.SMOLLM2_135M["max_position_embeddings"])}
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = LlamaForCausalLM._from_config(LlamaConfig(**shape), attn_implementation=attn, dtype=dtype)
-    return model.eval()
-
-
-def child(args, device: str, dtype: torch.dtype) -> None:
-    """One (policy, L) in this fresh process; prints one JSON line."""
-    model = build_model(dtype, args.attn, device, args.length)
-    prompt = common.random_prompt(model, args.length).to(device)
+def child(args) -> dict:
+    """One (args.policy, args.length) in this fresh process."""
+    device = args.device
+    model, prompt = common.model_and_prompt(args, "random-smollm2", positions=args.length)
     budget = None if args.policy == "full" else args.budget
     prefill(model, prompt[:, : 2 * args.block_size], build_policy(args.policy), budget, args.block_size)  # warm-up
     common.release_memory(device)
     reset = common.reset_peak(device)
     state = prefill(model, prompt, build_policy(args.policy), budget, args.block_size)
-    print(json.dumps({"policy": args.policy, "length": args.length, "seconds": state.seconds,
-                      "seconds_per_token": state.seconds / args.length, "peak_memory_bytes": common.peak_memory(device)[0],
-                      "peak_is_run_only": reset, "max_cache_entries": state.max_cache_entries,
-                      "kv_cache_bytes": state.cache.kv_cache_bytes}))
+    return {"policy": args.policy, "length": args.length, "seconds": state.seconds,
+            "seconds_per_token": state.seconds / args.length, "peak_memory_bytes": common.peak_memory(device)[0],
+            "peak_is_run_only": reset, "max_cache_entries": state.max_cache_entries,
+            "kv_cache_bytes": state.cache.kv_cache_bytes}
 
 
 def run_all(args) -> list[dict]:
-    lengths = [int(x) for x in args.lengths.split(",")]
     rows = []
-    for name in args.policies.split(","):
-        for length in lengths:
+    for name in args.names:
+        for length in args.length_list:
             if name == "full" and length > args.full_max_length:
                 rows.append({"policy": name, "length": length, "skipped": f"L > --full-max-length {args.full_max_length}"})
                 continue
             print(f"  {name} L={length} (fresh process) ...", file=sys.stderr, flush=True)
-            arguments = ["--child", "--policy", name, "--length", str(length), "--budget", str(args.budget),
-                         "--block-size", str(args.block_size), "--attn", args.attn]
-            arguments += ["--dtype", args.dtype] if args.dtype else []
-            arguments += ["--threads", str(args.threads)] if args.threads else []
-            done = common.run_module(__spec__.name, arguments)
-            if done.returncode != 0:
-                rows.append({"policy": name, "length": length, "skipped": f"failed: {done.stderr.strip()[-300:]}"})
-                continue
-            rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+            row = runner.measure_in_child("long_prefill", args, keep_failure=True, policy=name, length=length)
+            rows.append({"policy": name, "length": length, "skipped": f"failed: {row['failed']}"} if "failed" in row
+                        else row)
     return rows
 
 
@@ -110,43 +88,30 @@ def compare(rows: list[dict], budget: int, block: int) -> list[dict]:
     return verdicts
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--policies", default="keydiff,full", help="comma list (default keydiff,full)")
-    parser.add_argument("--lengths", default=DEFAULT_LENGTHS, help=f"prompt lengths L (default {DEFAULT_LENGTHS})")
-    parser.add_argument("--budget", type=int, default=1024, help="entries kept per layer and KV head, N")
-    parser.add_argument("--block-size", type=int, default=128, help="prompt tokens per forward pass, B")
-    parser.add_argument("--full-max-length", type=int, default=16384, help="longest L `full` runs at")
-    parser.add_argument("--dtype", default=None, choices=list(common.DTYPES), help="default: bfloat16 on CUDA, float32 on CPU")
-    parser.add_argument("--attn", default="sdpa", choices=["sdpa", "eager", "flash_attention_2"])
-    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
-    parser.add_argument("--json", default=None, help="also write the results to this JSON file")
-    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--policy", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--length", type=int, default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    names = [p.strip() for p in args.policies.split(",") if p.strip()]
-    common.parse_policies(parser, ",".join(names), args.budget)  # unknown names and bad budgets fail here, in one line
+def check(args) -> None:
     try:
-        lengths = [int(x) for x in args.lengths.split(",")]
+        args.length_list = [int(x) for x in args.lengths.split(",")]
     except ValueError:
-        parser.error(f"--lengths must be a comma list of integers, got {args.lengths!r}")
-    if any(length < 2 * args.block_size for length in lengths):
-        parser.error(f"every length must be at least two blocks ({2 * args.block_size} tokens)")
-    device, dtype = common.apply_runtime(args)
-    if args.child:
-        child(args, device, dtype)
-        return
-    started = common.provenance(__spec__.name, argv)
-    setting = common.setting_line(device, dtype, model="random-smollm2", attn=args.attn, L=args.lengths,
-                                  N=args.budget, B=args.block_size, full_max_length=args.full_max_length)
+        raise ValueError(f"--lengths must be a comma list of integers, got {args.lengths!r}") from None
+    if any(length < 2 * args.block_size for length in args.length_list):
+        raise ValueError(f"every length must be at least two blocks ({2 * args.block_size} tokens)")
+
+
+def run(args) -> dict:
+    setting = common.setting_line(args.device, args.torch_dtype, model="random-smollm2", attn=args.attn,
+                                  L=args.lengths, N=args.budget, B=args.block_size, full_max_length=args.full_max_length)
     print(setting, flush=True)
     rows = run_all(args)
     verdicts = compare(rows, args.budget, args.block_size)
-    if args.json:
-        common.write_json(args.json, {"setting": setting, "targets": TARGETS, "results": rows, "verdicts": verdicts,
-                                      "data": {"prompt": "random token ids", "seed": 0}}, started)
+    return {"setting": setting, "targets": TARGETS, "results": rows, "verdicts": verdicts,
+            "data": {"prompt": "random token ids", "seed": 0}}
 
 
-if __name__ == "__main__":
-    main()
+CASE = runner.Case("long_prefill", run, __doc__, ("dtype", "attn", "threads", "device", "json", "policies", "budget",
+                                                   "block_size"), check=check, child=child, options=(
+    runner.option("--lengths", default=DEFAULT_LENGTHS, help=f"prompt lengths L (default {DEFAULT_LENGTHS})"),
+    runner.option("--full-max-length", type=int, default=16384, help="longest L `full` runs at")),
+    defaults={"policies": "keydiff,full"})
+
+
+main = runner.entry(CASE, __spec__.name, __name__)  # `python -m keydiff.bench long_prefill`: this case

@@ -1,11 +1,11 @@
 """Side by side with NVIDIA's kvpress on identical random weights: kept positions (parity) and speed/memory.
 
     make bench-peers                                              # builds .venv-kvpress once, then both parts
-    python -m keydiff.bench.peers parity --length 512 --budget 128
-    python -m keydiff.bench.peers perf --lengths 4096,16384,32768 --rounds 3 --threads 2
-    python -m keydiff.bench.peers perf --cases kvpress_keydiff,keydiff_blockwise     # skip the slow ones
-    python -m keydiff.bench.peers all --device cuda --shape llama-3.2-3b     # on a GPU, unchanged
-    python -m keydiff.bench.peers tables results/bench/peers_cpu_4k.json results/bench/peers_cpu_16k_32k_vmhwm.json
+    python -m keydiff.bench peers parity --length 512 --budget 128
+    python -m keydiff.bench peers perf --lengths 4096,16384,32768 --rounds 3 --threads 2
+    python -m keydiff.bench peers perf --cases kvpress_keydiff,keydiff_blockwise     # skip the slow ones
+    python -m keydiff.bench peers all --device cuda --shape llama-3.2-3b     # on a GPU, unchanged
+    python -m keydiff.bench peers tables results/bench/peers_cpu_4k.json results/bench/peers_cpu_16k_32k_vmhwm.json
                                                                   # the docs' and README's tables from perf JSON
 
 Both sides load one saved checkpoint and each measurement runs in a fresh process (keydiff/bench/peers_runner.py):
@@ -17,7 +17,6 @@ Design: docs/design/benchmarks.md#against-kvpress-peers-peers_runner-peers_env
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -30,8 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from keydiff.bench import common, peers_env
-from keydiff.cli import ArgumentParser
+from keydiff.bench import common, peers_env, runner
 
 RUNNER = Path(__file__).with_name("peers_runner.py")
 CONF = common.CHECKOUT / "conf" / "policy"
@@ -199,6 +197,13 @@ def perf_ratios(medians: dict[str, dict[str, float]], base: str = PERF_BASE) -> 
             for case, values in medians.items() if case != base}
 
 
+def table_row(length: int, label: str, case: str, m: dict[str, float], r: dict[str, float | None]) -> str:
+    """One case's row at one L: its medians `m` and their ratios `r` over the base case's."""
+    return (f"| {length} | {label} | {PERF_CASES[case].prompt_logits} | {m['ttft_s']:.2f} | "
+            f"{1000 * m['per_token_s']:.1f} | {m['peak_bytes'] / 1e9:.2f} | {common.fmt(r.get('ttft_s'), '.2f')} | "
+            f"{common.fmt(r.get('per_token_s'), '.2f')} | {common.fmt(r.get('peak_bytes'), '.2f')} |")
+
+
 def perf_table(by_length: dict[int, dict[str, dict[str, float]]]) -> str:
     """Markdown: per length and case, the medians and the ratios case / kvpress pipeline, then a note on
     the two kvpress calls (the "prompt logits" column: which positions the prompt forward computes logits for)."""
@@ -209,11 +214,7 @@ def perf_table(by_length: dict[int, dict[str, dict[str, float]]]) -> str:
         ratios = perf_ratios(medians)
         for case, m in medians.items():
             cases.add(case)
-            r = ratios.get(case, {})
-            lines.append(f"| {length} | {case} | {PERF_CASES[case].prompt_logits} | {m['ttft_s']:.2f} | "
-                         f"{1000 * m['per_token_s']:.1f} | {m['peak_bytes'] / 1e9:.2f} | "
-                         f"{common.fmt(r.get('ttft_s'), '.2f')} | {common.fmt(r.get('per_token_s'), '.2f')} | "
-                         f"{common.fmt(r.get('peak_bytes'), '.2f')} |")
+            lines.append(table_row(length, case, case, m, ratios.get(case, {})))
     lines.append("")
     if PERF_BASE in cases:
         lines.append(f"Ratios: × {PERF_BASE}, kvpress's KeyDiffPress called as its pipeline calls the model "
@@ -271,12 +272,9 @@ def doc_tables(payloads: list[dict[str, Any]]) -> tuple[str, str]:
         ratios.update(perf_ratios(by_case))
         full = by_case.get(README_CASE, {}).get("peak_bytes")
         for case in (c for c in PERF_CASES if c in by_case):
-            m, r = by_case[case], ratios.get(case, {})
-            doc.append(f"| {length} | {DOC_LABELS[case].format(**setting)} | {PERF_CASES[case].prompt_logits} | "
-                       f"{m['ttft_s']:.2f} | {1000 * m['per_token_s']:.1f} | {m['peak_bytes'] / 1e9:.2f} | "
-                       f"{common.fmt(r.get('ttft_s'), '.2f')} | {common.fmt(r.get('per_token_s'), '.2f')} | "
-                       f"{common.fmt(r.get('peak_bytes'), '.2f')} | "
-                       f"{common.fmt(common.ratio(m['peak_bytes'], full), '.2f')} |")
+            m = by_case[case]
+            doc.append(table_row(length, DOC_LABELS[case].format(**setting), case, m, ratios.get(case, {}))
+                       + f" {common.fmt(common.ratio(m['peak_bytes'], full), '.2f')} |")
         if PERF_BASE in by_case and "keydiff_blockwise" in by_case:
             base, ours = by_case[PERF_BASE], by_case["keydiff_blockwise"]
             peaks = f"{base['peak_bytes'] / 1e9:.2f}" + (f" / {full / 1e9:.2f}" if full else "")
@@ -312,19 +310,10 @@ def prose_numbers(payloads: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def print_doc_tables(argv: list[str]) -> None:
-    """`python -m keydiff.bench.peers tables A.json [B.json ...]`: the tables of docs/performance.md's
+def print_doc_tables(files: list[Path]) -> None:
+    """`python -m keydiff.bench peers tables A.json [B.json ...]`: the tables of docs/performance.md's
     "Against kvpress" and README's, rendered from perf JSON files (the medians they hold), ready to paste."""
-    parser = ArgumentParser(prog="python -m keydiff.bench.peers tables", description=print_doc_tables.__doc__)
-    parser.add_argument("files", nargs="+", type=Path, help="perf JSON files of `python -m keydiff.bench.peers`")
-    args = parser.parse_args(argv)
-    missing = [str(f) for f in args.files if not f.is_file()]
-    if missing:
-        parser.error(f"no such file: {', '.join(missing)}")
-    payloads = [json.loads(f.read_text(encoding="utf-8")) for f in args.files]
-    without = [str(f) for f, p in zip(args.files, payloads) if "perf" not in p]
-    if without:
-        parser.error(f"no perf part in {', '.join(without)}")
+    payloads = [json.loads(f.read_text(encoding="utf-8")) for f in files]
     doc, readme = doc_tables(payloads)
     print(f"docs/performance.md:\n\n{doc}\n\nREADME.md:\n\n{readme}\n\nquoted in the prose:\n\n{prose_numbers(payloads)}")
 
@@ -449,71 +438,55 @@ def ratio_budget(ratio: float, length: int) -> int:
     return max(1, math.ceil(ratio * length))
 
 
-def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
-    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("part", nargs="?", default="all", choices=["parity", "perf", "all"])
-    parser.add_argument("--shape", default="smollm2-135m", choices=sorted(SHAPES))
-    parser.add_argument("--device", default="cpu", help="cpu | cuda | cuda:<index>")
-    parser.add_argument("--dtype", default=None, choices=list(common.DTYPES), help="default: bfloat16 on CUDA, else float32")
-    parser.add_argument("--threads", type=int, default=2, help="torch threads in every child (default 2)")
-    parser.add_argument("--seed", type=int, default=0, help="weights and prompt ids")
-    parser.add_argument("--length", type=int, default=512, help="parity: prompt tokens L")
-    parser.add_argument("--budget", type=int, default=None, help="N (default: 128 for parity, 1024 for perf)")
-    parser.add_argument("--ratio", type=float, default=None, help="parity: N = ceil(ratio x L) instead of --budget")
-    parser.add_argument("--pairs", default=None, help="parity: comma list of our presets or kvpress names (default all)")
-    parser.add_argument("--lengths", default="4096,16384,32768", help="perf: comma list of prompt lengths")
-    parser.add_argument("--cases", default=",".join(PERF_CASES),
-                        help=f"perf: comma list of cases (default all: {', '.join(PERF_CASES)})")
-    parser.add_argument("--block-size", type=int, default=128, help="perf: B of our block-wise case")
-    parser.add_argument("--new-tokens", type=int, default=16, help="perf: tokens decoded (per-token time over n - 1 steps)")
-    parser.add_argument("--rounds", type=int, default=3, help="perf: interleaved rounds (medians reported)")
-    parser.add_argument("--cache-dir", type=Path, default=None, help="weights folder (default $KEYDIFF_CACHE/peers)")
-    parser.add_argument("--env", type=Path, default=peers_env.DEFAULT_ENV, help="the kvpress environment")
-    parser.add_argument("--torch-spec", default=peers_env.TORCH_SPEC, help="torch for a new kvpress environment")
-    parser.add_argument("--json", type=Path, default=None,
-                        help="where the results go (default results/bench/peers-<UTC time>.json; never overwritten)")
-    args = parser.parse_args(argv)
+def check(args) -> None:
+    """The arguments' combinations; the defaults that depend on the part and the device."""
+    if args.part == "tables":
+        missing = [str(f) for f in args.files if not f.is_file()]
+        if not args.files or missing:
+            raise ValueError(f"tables: name perf JSON files; no such file: {', '.join(missing) or '(none named)'}")
+        without = [str(f) for f in args.files if "perf" not in json.loads(f.read_text(encoding="utf-8"))]
+        if without:
+            raise ValueError(f"no perf part in {', '.join(without)}")
+        return
+    if args.files:
+        raise ValueError(f"files are named only by the tables part, not by {args.part}")
     try:
         args.lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
     except ValueError:
-        parser.error(f"--lengths must be a comma list of integers, got {args.lengths!r}")
+        raise ValueError(f"--lengths must be a comma list of integers, got {args.lengths!r}") from None
     args.pairs = [p.strip() for p in args.pairs.split(",")] if args.pairs else None
     cases = {c.strip() for c in args.cases.split(",") if c.strip()}
     if cases - set(PERF_CASES):
-        parser.error(f"unknown cases {sorted(cases - set(PERF_CASES))}; valid: {', '.join(PERF_CASES)}")
+        raise ValueError(f"unknown cases {sorted(cases - set(PERF_CASES))}; valid: {', '.join(PERF_CASES)}")
     if not cases:
-        parser.error(f"--cases names no case; valid: {', '.join(PERF_CASES)}")
+        raise ValueError(f"--cases names no case; valid: {', '.join(PERF_CASES)}")
     args.cases = [c for c in PERF_CASES if c in cases]  # the table's order, whatever the order given
     known = {p.ours for p in PAIRS} | {p.press for p in PAIRS}
     if args.pairs and set(args.pairs) - known:
-        parser.error(f"unknown pairs {sorted(set(args.pairs) - known)}; valid: {', '.join(sorted(known))}")
-    if not (args.device == "cpu" or args.device.startswith("cuda")):
-        parser.error(f"--device {args.device!r} is not valid; valid: cpu, cuda, cuda:<index>")
+        raise ValueError(f"unknown pairs {sorted(set(args.pairs) - known)}; valid: {', '.join(sorted(known))}")
     if args.ratio is not None and not 0 < args.ratio <= 1:
-        parser.error(f"--ratio must be in (0, 1], got {args.ratio}")
-    if args.rounds < 1 or args.threads < 1 or args.new_tokens < 2:
-        parser.error("--rounds and --threads must be >= 1, --new-tokens >= 2")
+        raise ValueError(f"--ratio must be in (0, 1], got {args.ratio}")
+    if args.rounds < 1 or args.threads < 1:
+        raise ValueError("--rounds and --threads must be >= 1")
     perf_budget = args.budget or 1024
     if args.part in ("perf", "all") and any(L <= perf_budget for L in args.lengths):
-        parser.error(f"every --lengths value must exceed the budget N = {perf_budget}")
-    if args.json is None:
-        args.json = Path("results/bench") / time.strftime("peers-%Y%m%dT%H%M%SZ.json", time.gmtime())
-    if args.json.exists():
-        parser.error(f"--json {args.json} exists; name a new file (results are never overwritten)")
+        raise ValueError(f"every --lengths value must exceed the budget N = {perf_budget}")
+    args.json = Path(args.json or Path("results/bench") / time.strftime("peers-%Y%m%dT%H%M%SZ.json", time.gmtime()))
+    if args.json.exists() and args.part != "env":
+        raise ValueError(f"--json {args.json} exists; name a new file (results are never overwritten)")
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
-    return args
 
 
-def main(argv: list[str] | None = None) -> None:
+def run(args) -> None:
     from keydiff.models import cache_root
 
-    arguments = sys.argv[1:] if argv is None else argv
-    if arguments[:1] == ["tables"]:
-        print_doc_tables(arguments[1:])
-        return
-    args = parse_arguments(argv)
-    started = common.provenance(__spec__.name, argv)
-    kvpress_python = peers_env.build(args.env, args.torch_spec)
+    if args.part == "tables":
+        return print_doc_tables(args.files)
+    if args.part == "env":
+        return print(peers_env.build(args.env, args.torch_spec, args.kvpress_spec, args.dry_run))
+    started = args.started
+    kvpress = args.part != "perf" or any(PERF_CASES[c].side == "kvpress" for c in args.cases)
+    kvpress_python = peers_env.build(args.env, args.torch_spec) if kvpress else None
     cache_dir = args.cache_dir or cache_root() / "peers"
     cache_dir.mkdir(parents=True, exist_ok=True)
     folder = model_dir(args.shape, args.dtype, args.seed, cache_dir)
@@ -524,7 +497,8 @@ def main(argv: list[str] | None = None) -> None:
     print(setting, flush=True)
     payload: dict[str, Any] = {"setting": setting, "shape": args.shape, "device": args.device,
                                "threads": args.threads, "dtype": args.dtype, "seed": args.seed,
-                               "kvpress_env": (args.env / peers_env.MARKER).read_text().strip()}
+                               "kvpress_env": (args.env / peers_env.MARKER).read_text().strip() if kvpress
+                               else "not used: --cases of ours only"}
     with tempfile.TemporaryDirectory(prefix="keydiff-peers-") as tmp:
         work = Path(tmp)
         if args.part in ("parity", "all"):
@@ -548,5 +522,27 @@ def main(argv: list[str] | None = None) -> None:
     print(f"wrote {common.write_json(args.json, payload, started)}")
 
 
-if __name__ == "__main__":
-    main()
+CASE = runner.Case("peers", run, __doc__, ("dtype", "threads", "device", "json", "length", "budget", "block_size",
+                                           "new_tokens"), check=check,
+                   defaults={"threads": 2, "device": "cpu", "length": 512, "budget": None, "new_tokens": 16}, options=(
+    runner.option("part", nargs="?", default="all", choices=["parity", "perf", "all", "tables", "env"],
+                  help="parity, perf or all (both); tables: the docs' tables from perf JSON files; env: build the "
+                       "kvpress environment (keydiff.bench.peers_env) and print its python"),
+    runner.option("files", nargs="*", type=Path, help="tables: perf JSON files of this command"),
+    runner.option("--shape", default="smollm2-135m", choices=sorted(SHAPES)),
+    runner.option("--seed", type=int, default=0, help="weights and prompt ids"),
+    runner.option("--ratio", type=float, default=None, help="parity: N = ceil(ratio x L) instead of --budget"),
+    runner.option("--pairs", default=None, help="parity: comma list of our presets or kvpress names (default all)"),
+    runner.option("--lengths", default="4096,16384,32768", help="perf: comma list of prompt lengths"),
+    runner.option("--cases", default=",".join(PERF_CASES),
+                  help=f"perf: comma list of cases (default all: {', '.join(PERF_CASES)}); ours alone need no "
+                       "kvpress environment"),
+    runner.option("--rounds", type=int, default=3, help="perf: interleaved rounds (medians reported)"),
+    runner.option("--cache-dir", type=Path, default=None, help="weights folder (default $KEYDIFF_CACHE/peers)"),
+    runner.option("--env", type=Path, default=peers_env.DEFAULT_ENV, help="the kvpress environment"),
+    runner.option("--torch-spec", default=peers_env.TORCH_SPEC, help="torch for a new kvpress environment"),
+    runner.option("--kvpress-spec", default=peers_env.KVPRESS_SPEC, help="env: kvpress for a new environment"),
+    runner.option("--dry-run", action="store_true", help="env: show what pip would install; write nothing")))
+
+
+main = runner.entry(CASE, __spec__.name, __name__)  # `python -m keydiff.bench peers`: this case

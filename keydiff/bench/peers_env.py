@@ -1,7 +1,7 @@
 """The separate environment that `make bench-peers` runs kvpress in: `.venv-kvpress`, built once.
 
-    python -m keydiff.bench.peers_env                 # build it if it is not complete, print its python
-    python -m keydiff.bench.peers_env --dry-run       # only show what pip would install (nothing is written)
+    python -m keydiff.bench peers env                 # build it if it is not complete, print its python
+    python -m keydiff.bench peers env --dry-run       # only show what pip would install (nothing is written)
 
 kvpress pins an older transformers than this project's, so it gets a plain venv beside `.venv`: torch first from
 --torch-spec (on a GPU machine, the spec matching its CUDA), then kvpress without extras. A `.complete` marker is
@@ -12,7 +12,6 @@ Design: docs/design/benchmarks.md#against-kvpress-peers-peers_runner-peers_env
 
 from __future__ import annotations
 
-import argparse
 import json
 import shlex
 import shutil
@@ -90,15 +89,7 @@ def build(env: Path = DEFAULT_ENV, torch_spec: str = TORCH_SPEC, kvpress_spec: s
     return env_python(env)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--env", type=Path, default=DEFAULT_ENV, help=f"where (default {DEFAULT_ENV})")
-    parser.add_argument("--torch-spec", default=TORCH_SPEC, help="installed first (default %(default)s)")
-    parser.add_argument("--kvpress-spec", default=KVPRESS_SPEC, help="default %(default)s")
-    parser.add_argument("--dry-run", action="store_true", help="show what pip would install; write nothing")
-    args = parser.parse_args(argv)
-    print(build(args.env, args.torch_spec, args.kvpress_spec, args.dry_run))
+if __name__ == "__main__":  # as `python -m keydiff.bench peers env [options]`
+    from keydiff.bench import runner
 
-
-if __name__ == "__main__":
-    main()
+    runner.command(lambda: runner.main(["peers", "env", *sys.argv[1:]]))

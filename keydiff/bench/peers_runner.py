@@ -1,4 +1,4 @@
-"""One measurement of `python -m keydiff.bench.peers`, in a fresh process, for either project.
+"""One measurement of `python -m keydiff.bench peers`, in a fresh process, for either project.
 
     <.venv-kvpress>/bin/python -I keydiff/bench/peers_runner.py SPEC.json OUT.json    # kvpress's side
     <.venv>/bin/python -m keydiff.bench.peers_runner SPEC.json OUT.json               # this project's side

@@ -1,9 +1,9 @@
 """Prefill benchmark: time to first token (TTFT) per policy at one (prompt length L, budget N, block size B).
 
-    python -m keydiff.bench.prefill                                   # CPU: the offline default model
-    python -m keydiff.bench.prefill --model random-llama-3.2-3b --dtype bfloat16 --length 8192 --budget 2048
-    python -m keydiff.bench.prefill --attn eager --statistics materialized   # the paper's eager setting
-    python -m keydiff.bench.prefill --policies full --block-size 4096 --length 4096 --reference
+    python -m keydiff.bench prefill                                   # CPU: the offline default model
+    python -m keydiff.bench prefill --model random-llama-3.2-3b --dtype bfloat16 --length 8192 --budget 2048
+    python -m keydiff.bench prefill --attn eager --statistics materialized   # the paper's eager setting
+    python -m keydiff.bench prefill --policies full --block-size 4096 --length 4096 --reference
 
 TTFT is the median of unprofiled interleaved rounds after an untimed warm-up; the statistics and eviction shares
 come from one separate profiled run. --reference times a plain transformers forward of the same prompt, which
@@ -14,17 +14,14 @@ Design: docs/design/benchmarks.md#prefill-decode-throughput
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
-import time
 
 import torch
 
 from keydiff import Decoder, build_policy, prefill
-from keydiff.bench import common
+from keydiff.bench import common, runner
 from keydiff.config import STATISTICS_MODES
-from keydiff.cli import ArgumentParser
 
 
 def prefill_run(model, prompt, name: str, args, profile: bool, decoder=None):
@@ -32,7 +29,7 @@ def prefill_run(model, prompt, name: str, args, profile: bool, decoder=None):
                    attention_statistics=args.statistics, profile=profile, decoder=decoder)
 
 
-def timed_policy_run(model, prompt, name: str, args, device: str, decoder=None) -> dict:
+def timed_policy_run(model, prompt, name: str, args, decoder=None) -> dict:
     """One unprofiled prefill (through `decoder`, kept across runs, if given): its TTFT and what its cache held."""
     state = prefill_run(model, prompt, name, args, profile=False, decoder=decoder)
     kept = max(p.shape[-1] for p in state.kept_positions)
@@ -43,11 +40,7 @@ def timed_policy_run(model, prompt, name: str, args, device: str, decoder=None) 
 @torch.inference_mode()
 def timed_reference_run(model, prompt, device: str) -> dict:
     """A plain transformers prefill: one forward of the whole prompt, logits of the last position only."""
-    common.sync(device)
-    start = time.perf_counter()
-    model(prompt, logits_to_keep=1)
-    common.sync(device)
-    return {"ttft_s": time.perf_counter() - start}
+    return {"ttft_s": common.timed(device, lambda: model(prompt, logits_to_keep=1))[0]}
 
 
 def summarize(name: str, runs: list[dict]) -> dict:
@@ -65,25 +58,10 @@ def profiled_shares(model, prompt, name: str, args) -> dict:
             "eviction_share": timings["eviction_s"] / profiled.seconds}
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    common.add_common_arguments(parser)
-    parser.add_argument("--policies", default=None, help=f"comma list (default {common.DEFAULT_POLICIES})")
-    parser.add_argument("--length", type=int, default=4096, help="prompt tokens L")
-    parser.add_argument("--budget", type=int, default=1024, help="entries kept per layer and KV head, N")
-    parser.add_argument("--block-size", type=int, default=128, help="prompt tokens per forward pass, B")
-    parser.add_argument("--statistics", default="fast", choices=STATISTICS_MODES)
-    parser.add_argument("--reference", action="store_true", help="also time a plain transformers forward")
-    args = parser.parse_args(argv)
-    started = common.provenance(__spec__.name, argv)
-    if args.repeats < 1:
-        parser.error("--repeats must be >= 1")
-    names = common.parse_policies(parser, args.policies, args.budget)
-    device, dtype = common.apply_runtime(args)
-    model_name = args.model or "smollm2-135m"
-    model = common.build_model(model_name, dtype, args.attn, device)
-    prompt = common.random_prompt(model, args.length).to(device)
-    setting = common.setting_line(device, dtype, model=model_name, attn=args.attn, statistics=args.statistics,
+def run(args) -> dict:
+    names, device, dtype = args.names, args.device, args.torch_dtype
+    model, prompt = common.model_and_prompt(args)
+    setting = common.setting_line(device, dtype, model=args.model, attn=args.attn, statistics=args.statistics,
                                   L=args.length, N=args.budget, B=args.block_size, repeats=args.repeats)
     print(setting, flush=True)
 
@@ -92,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
     # GPU captures as a CUDA graph is captured in the warm-up, so the timed rounds are the steady state.
     decoders = {name: Decoder(model, 1) for name in names}
     for name in names:
-        cases[name] = lambda name=name: timed_policy_run(model, prompt, name, args, device, decoders[name])
+        cases[name] = lambda name=name: timed_policy_run(model, prompt, name, args, decoders[name])
     runs = common.interleaved_rounds(cases, args.repeats, device)
     rows = [summarize(name, runs[name]) for name in cases]
     for row in rows:
@@ -118,9 +96,13 @@ def main(argv: list[str] | None = None) -> None:
     common.print_table(columns, table)
     print("x full / x ref: median TTFT over full's / the plain forward's; stats/evict %: shares of a separate "
           "profiled run (profile=True), not of the TTFT.")
-    if args.json:
-        common.write_json(args.json, {"setting": setting, "data": common.prompt_record(prompt), "results": rows}, started)
+    return {"setting": setting, "data": common.prompt_record(prompt), "results": rows}
 
 
-if __name__ == "__main__":
-    main()
+CASE = runner.Case("prefill", run, __doc__, runner.RUN + ("policies",) + runner.SIZES, options=(
+    runner.option("--statistics", default="fast", choices=STATISTICS_MODES),
+    runner.option("--reference", action="store_true", help="also time a plain transformers forward")),
+    defaults={"model": "smollm2-135m"})
+
+
+main = runner.entry(CASE, __spec__.name, __name__)  # `python -m keydiff.bench prefill`: this case

@@ -1,7 +1,7 @@
 """Tables 19 and 2: time (and memory) of the eviction scoring step alone, per policy, vs N and B.
 
-    python -m keydiff.bench.scoring table19     # latency vs cache size 512..8192, / KeyDiff at 512, + paper (Android)
-    python -m keydiff.bench.scoring table2      # time and peak memory vs N and vs B, log-log, + stated complexities
+    python -m keydiff.bench scoring table19     # latency vs cache size 512..8192, / KeyDiff at 512, + paper (Android)
+    python -m keydiff.bench scoring table2      # time and peak memory vs N and vs B, log-log, + stated complexities
     # options: --shape smollm2-135m|llama-3.2-3b|tiny  --device auto|cpu|cuda  --dtype  --threads  --repeats
     #          --warmup  --statistics fast|materialized  --policies  --block-size  --sizes / --budgets --blocks
 
@@ -18,17 +18,15 @@ import argparse
 import json
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 from keydiff.attention import attention_statistic, statistic_from_weights
-from keydiff.bench import common
+from keydiff.bench import common, runner
 from keydiff.config import STATISTICS_MODES
 from keydiff.policies import build_policy
 from keydiff.policies.base import LayerView
-from keydiff.cli import ArgumentParser
 
 SHAPES = {"smollm2-135m": common.SMOLLM2_135M, "llama-3.2-3b": common.LLAMA_3_2_3B, "tiny": common.TINY}
 POLICIES = ("keydiff", "tova", "h2o", "snapkv", "sink")
@@ -53,8 +51,7 @@ COMPLEXITY = {
 def shape_of(name: str) -> tuple[int, int, int]:
     """(query heads, KV heads, head_dim) of a SHAPES entry."""
     config = SHAPES[name]
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    return config["num_attention_heads"], config["num_key_value_heads"], head_dim
+    return config["num_attention_heads"], config["num_key_value_heads"], common.head_dim(config)
 
 
 class ScoringStep:
@@ -94,16 +91,7 @@ class ScoringStep:
 
 
 def time_step(step: ScoringStep, device: str, warmup: int, repeats: int) -> dict:
-    for _ in range(warmup):
-        step()
-    common.sync(device)
-    times = []
-    for _ in range(repeats):
-        common.sync(device)
-        start = time.perf_counter()
-        step()
-        common.sync(device)
-        times.append(time.perf_counter() - start)
+    times = common.timings(device, step, repeats, warmup)
     quartiles = statistics.quantiles(times, n=4) if len(times) > 1 else [times[0]] * 3
     return {"median_s": statistics.median(times), "q1_s": quartiles[0], "q3_s": quartiles[2], "repeats": repeats}
 
@@ -187,14 +175,20 @@ def table19(args, device, dtype, out: Path, started: dict) -> list[Path]:
         "Paper (Android smartphone, FP16, normalised by KeyDiff at 512 KVs):", "",
         "| method | " + " | ".join(str(n) for n in PAPER_SIZES) + " |", "|---|" + "---:|" * len(PAPER_SIZES),
         *paper, ""])
-    paths = [out / f"table19_scoring_latency_{tag}.{ext}" for ext in ("md", "csv", "json")]
-    out.mkdir(parents=True, exist_ok=True)
-    paths[0].write_text(text, encoding="utf-8")
     import pandas as pd
 
-    pd.DataFrame(rows).to_csv(paths[1], index=False)
-    common.write_json(paths[2], {**info, "block_size": args.block_size, "results": rows,
-                                 "paper": {"sizes": PAPER_SIZES, "relative": PAPER_TABLE19}}, started)
+    return write_table(out / f"table19_scoring_latency_{tag}", text, pd.DataFrame(rows), started,
+                       {**info, "block_size": args.block_size, "results": rows,
+                        "paper": {"sizes": PAPER_SIZES, "relative": PAPER_TABLE19}})
+
+
+def write_table(stem: Path, text: str, frame, started: dict, payload: dict) -> list[Path]:
+    """A table as markdown (`text`, also printed), CSV (`frame`) and JSON (`payload` with its provenance)."""
+    paths = [stem.with_name(f"{stem.name}.{ext}") for ext in ("md", "csv", "json")]
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    paths[0].write_text(text, encoding="utf-8")
+    frame.to_csv(paths[1], index=False)
+    common.write_json(paths[2], payload, started)
     print(text)
     return paths
 
@@ -257,19 +251,13 @@ def table2(args, device, dtype, out: Path, figures: Path, started: dict) -> list
     axes[0][0].legend(fontsize=7, title="measured (solid)\nstated, scaled (dashed)", title_fontsize=7)
     fig.suptitle(f"scoring step per layer: {setting(args, device, dtype)['setting']}", fontsize=7)
     tag = device_tag(device)
-    out.mkdir(parents=True, exist_ok=True)
     figures.mkdir(parents=True, exist_ok=True)
-    paths = [out / f"table2_complexity_{tag}.{ext}" for ext in ("md", "csv", "json")]
-    paths += [figures / f"table2_complexity_{tag}.png"]
-    fig.savefig(paths[3], metadata={"Software": None})
+    fig.savefig(figures / f"table2_complexity_{tag}.png", metadata={"Software": None})
     plt.close(fig)
-    text = "\n".join(lines) + "\n"
-    paths[0].write_text(text, encoding="utf-8")
-    df.to_csv(paths[1], index=False)
-    common.write_json(paths[2], {**setting(args, device, dtype), "budget": args.budget,
-                                 "block_size": args.block_size, "results": df.to_dict("records")}, started)
-    print(text)
-    return paths
+    paths = write_table(out / f"table2_complexity_{tag}", "\n".join(lines) + "\n", df, started,
+                        {**setting(args, device, dtype), "budget": args.budget, "block_size": args.block_size,
+                         "results": df.to_dict("records")})
+    return paths + [figures / f"table2_complexity_{tag}.png"]
 
 
 def int_list(text: str) -> list[int]:
@@ -279,54 +267,43 @@ def int_list(text: str) -> list[int]:
     return values
 
 
-def main(argv: list[str] | None = None) -> list[Path]:
-    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("table", choices=["table19", "table2"])
-    parser.add_argument("--shape", default="smollm2-135m", choices=list(SHAPES),
-                        help="head shape (query/KV heads, dim)")
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    parser.add_argument("--dtype", default=None, choices=list(common.DTYPES),
-                        help="default: bfloat16 on CUDA, else float32")
-    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--repeats", type=int, default=31)
-    parser.add_argument("--statistics", default="fast", choices=STATISTICS_MODES)
-    parser.add_argument("--policies", type=lambda t: [p.strip() for p in t.split(",") if p.strip()], default=None,
-                        help=f"comma list from {', '.join(POLICIES)}")
-    parser.add_argument("--block-size", type=int, default=128, help="B (the block scored with the cache)")
-    parser.add_argument("--sizes", type=int_list, default=PAPER_SIZES, help="table19: cache sizes N")
-    parser.add_argument("--budget", type=int, default=2048, help="table2: N of the sweep over B")
-    parser.add_argument("--budgets", type=int_list, default=[256, 512, 1024, 2048, 4096, 8192], help="table2: N sweep")
-    parser.add_argument("--blocks", type=int_list, default=[16, 32, 64, 128, 256, 512, 1024], help="table2: B sweep")
-    parser.add_argument("--out", default=str(common.CHECKOUT / "results" / "tables"))
-    parser.add_argument("--figures", default=str(common.CHECKOUT / "results" / "figures" / "analysis"))
-    args = parser.parse_args(argv)
-    started = common.provenance(__spec__.name, argv)
+def check(args) -> None:
+    args.policies = [p.strip() for p in args.policies.split(",") if p.strip()] if args.policies else None
     unknown = [p for p in args.policies or [] if p not in POLICIES]
     if unknown:
-        parser.error(f"unknown policies {unknown}; valid: {', '.join(POLICIES)}")
-    if args.warmup < 0 or args.repeats < 1 or args.block_size < 1 or args.budget < 1:
-        parser.error("--warmup must be >= 0; --repeats, --block-size and --budget >= 1")
+        raise ValueError(f"unknown policies {unknown}; valid: {', '.join(POLICIES)}")
+    if args.warmup < 0 or args.block_size < 1 or args.budget < 1:
+        raise ValueError("--warmup must be >= 0; --repeats, --block-size and --budget >= 1")
     smallest = min(args.sizes + args.budgets + [args.budget])
     for policy in args.policies or POLICIES:  # SnapKV's window must fit the smallest budget
         try:
             build_policy(policy).validate(smallest)
         except ValueError as error:
-            parser.error(f"{policy} at N = {smallest}: {error}")
-    device = common.device_name() if args.device == "auto" else args.device
-    if device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda but CUDA is not available")
-    dtype = common.DTYPES[args.dtype] if args.dtype else common.default_dtype(device)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+            raise ValueError(f"{policy} at N = {smallest}: {error}") from None
+
+
+def run(args) -> list[Path]:
     with torch.inference_mode():
         if args.table == "table19":
-            paths = table19(args, device, dtype, Path(args.out), started)
+            paths = table19(args, args.device, args.torch_dtype, Path(args.out), args.started)
         else:
-            paths = table2(args, device, dtype, Path(args.out), Path(args.figures), started)
+            paths = table2(args, args.device, args.torch_dtype, Path(args.out), Path(args.figures), args.started)
     print("wrote " + ", ".join(str(p) for p in paths))
     return paths
 
 
-if __name__ == "__main__":
-    main()
+CASE = runner.Case("scoring", run, __doc__, ("dtype", "threads", "device", "repeats", "block_size", "budget"),
+                   check=check, defaults={"repeats": 31, "budget": 2048}, options=(
+    runner.option("table", choices=["table19", "table2"]),
+    runner.option("--shape", default="smollm2-135m", choices=list(SHAPES), help="head shape (query/KV heads, dim)"),
+    runner.option("--warmup", type=int, default=5),
+    runner.option("--statistics", default="fast", choices=STATISTICS_MODES),
+    runner.option("--policies", default=None, help=f"comma list from {', '.join(POLICIES)}"),
+    runner.option("--sizes", type=int_list, default=PAPER_SIZES, help="table19: cache sizes N"),
+    runner.option("--budgets", type=int_list, default=[256, 512, 1024, 2048, 4096, 8192], help="table2: N sweep"),
+    runner.option("--blocks", type=int_list, default=[16, 32, 64, 128, 256, 512, 1024], help="table2: B sweep"),
+    runner.option("--out", default=str(common.CHECKOUT / "results" / "tables")),
+    runner.option("--figures", default=str(common.CHECKOUT / "results" / "figures" / "analysis"))))
+
+
+main = runner.entry(CASE, __spec__.name, __name__)  # `python -m keydiff.bench scoring`: this case

@@ -1,8 +1,8 @@
 """Throughput benchmark: decode tokens/s of many sequences at once (keydiff.batching), bounded vs full caches.
 
-    python -m keydiff.bench.throughput                               # tokens/s at batch 1, 4, 8, 16
-    python -m keydiff.bench.throughput --serving --memory-gb 4       # sequences held and tokens/s in 4 GB
-    python -m keydiff.bench.throughput --device cuda --json results/bench/throughput_cuda.json
+    python -m keydiff.bench throughput                               # tokens/s at batch 1, 4, 8, 16
+    python -m keydiff.bench throughput --serving --memory-gb 4       # sequences held and tokens/s in 4 GB
+    python -m keydiff.bench throughput --device cuda --json results/bench/throughput_cuda.json
 
 Default: one prompt prefilled per policy and forked into `batch` caches decoded together (generate_batch), with
 transformers' DynamicCache loop as the anchor; --per-row, --pooled and --continuous-batching add cases.
@@ -14,16 +14,14 @@ Design: docs/design/benchmarks.md#prefill-decode-throughput
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
-import time
 
 import torch
 
 from keydiff import build_policy, prefill
 from keydiff.batching import Request, generate_batch
-from keydiff.bench import common
+from keydiff.bench import common, runner
 
 
 def prefilled(model, prompt: torch.Tensor, name: str, budget: int, block: int):
@@ -42,13 +40,9 @@ def batched_decode(model, states, new_tokens: int, device: str, group_rows: bool
     """Wall time of decoding `new_tokens` tokens for every state together (no stop tokens), and the bytes the
     decoded caches hold at the end (the sum of the rows' kv_cache_bytes: what the batch's caches took)."""
     requests = [Request(state, max_new_tokens=new_tokens, key=i) for i, state in enumerate(states)]
-    common.sync(device)
-    start = time.perf_counter()
-    cache_bytes = sum(result.kv_cache_bytes for _, result in generate_batch(model, requests, len(requests),
-                                                                                     group_rows=group_rows,
-                                                                                     pool_rows=pool_rows))
-    common.sync(device)
-    return {"seconds": time.perf_counter() - start, "kv_cache_bytes": cache_bytes}
+    seconds, results = common.timed(device, lambda: list(generate_batch(model, requests, len(requests),
+                                                                        group_rows=group_rows, pool_rows=pool_rows)))
+    return {"seconds": seconds, "kv_cache_bytes": sum(result.kv_cache_bytes for _, result in results)}
 
 
 def keydiff_case(model, state, batch: int, args, device: str, group_rows: bool = True):
@@ -105,13 +99,12 @@ def transformers_case(model, prefilled, batch: int, args, device: str):
         for index, (keys, values) in enumerate(layers):
             cache.update(keys.repeat_interleave(batch, 0), values.repeat_interleave(batch, 0), index)
         token = first.expand(batch, -1).contiguous()
-        common.sync(device)
-        start = time.perf_counter()
-        for _ in range(args.new_tokens - 1):
-            logits = model(input_ids=token, cache=cache, use_cache=True).logits
-            token = logits[:, -1].argmax(-1, keepdim=True)
-        common.sync(device)
-        return {"seconds": time.perf_counter() - start, "kv_cache_bytes": sum(
+
+        def steps(token):
+            for _ in range(args.new_tokens - 1):
+                token = model(input_ids=token, cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+
+        return {"seconds": common.timed(device, lambda: steps(token))[0], "kv_cache_bytes": sum(
             layer.keys.numel() * layer.keys.element_size() * 2 for layer in cache.layers)}
 
     return run
@@ -138,12 +131,9 @@ def continuous_batching_case(model, prompt, batch: int, args, device: str):
 
     def timed(new_tokens: int) -> float:
         config = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1)
-        common.sync(device)
-        start = time.perf_counter()
-        out = model.generate_batch([prompt[0].tolist()] * batch, generation_config=config,
-                                   continuous_batching_config=paged_cache_config(prompt.shape[-1], new_tokens, batch))
-        common.sync(device)
-        seconds = time.perf_counter() - start
+        seconds, out = common.timed(device, lambda: model.generate_batch(
+            [prompt[0].tolist()] * batch, generation_config=config,
+            continuous_batching_config=paged_cache_config(prompt.shape[-1], new_tokens, batch)))
         if len(out) != batch or any(len(o.generated_tokens) != new_tokens for o in out.values()):
             raise RuntimeError(f"transformers' generate_batch returned {len(out)} of {batch} sequences or fewer "
                                f"than {new_tokens} tokens (see its log)")
@@ -259,41 +249,8 @@ def serving_mode(model, names: list[str], args, device: str) -> list[dict]:
     return rows
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    common.add_common_arguments(parser)
-    parser.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when available")
-    parser.add_argument("--policies", default="full,keydiff", help="comma list (default full,keydiff)")
-    parser.add_argument("--length", type=int, default=4096, help="prompt tokens L")
-    parser.add_argument("--budget", type=int, default=1024, help="entries kept per layer and KV head, N")
-    parser.add_argument("--block-size", type=int, default=128, help="prompt tokens per prefill forward, B")
-    parser.add_argument("--new-tokens", type=int, default=18, help="tokens decoded per sequence")
-    parser.add_argument("--batches", default="1,4,8,16", help="batch sizes (the first is the ratios' base)")
-    parser.add_argument("--per-row", action="store_true",
-                        help="also decode each bounded policy with generate_batch(group_rows=False): every row "
-                             "attends and evicts on its own, as separately prefilled prompts do (forks of one "
-                             "prefill, the default cases, attend and evict as one group)")
-    parser.add_argument("--pooled", action="store_true",
-                        help="also decode copies prefilled apart (own buffers) with pool_rows=True: each is moved "
-                             "into one block as it joins (the copy timed) and they group like forks")
-    parser.add_argument("--no-transformers", dest="transformers", action="store_false",
-                        help="skip the DynamicCache anchor")
-    parser.add_argument("--continuous-batching", action="store_true",
-                        help="also time transformers' generate_batch (paged full caches; prefill included)")
-    parser.add_argument("--serving", action="store_true", help="sequences held and tokens/s within --memory-gb")
-    parser.add_argument("--memory-gb", type=float, default=4.0, help="memory for the caches (--serving)")
-    parser.add_argument("--lengths", default="4096,16384,32768", help="prompt lengths L (--serving)")
-    parser.add_argument("--max-batch", type=int, default=128, help="largest batch actually decoded (--serving)")
-    args = parser.parse_args(argv)
-    started = common.provenance(__spec__.name, argv)
-    if args.new_tokens < 2 or args.repeats < 1:
-        parser.error("--new-tokens must be >= 2 and --repeats >= 1")
-    names = common.parse_policies(parser, args.policies, args.budget)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: no CUDA device is available")
-    device, dtype = common.apply_runtime(args)
-    device = args.device or device
-    args.model = args.model or "smollm2-135m"
+def run(args) -> dict:
+    names, device, dtype = args.names, args.device, args.torch_dtype
     fields = dict(model=args.model, attn=args.attn, N=args.budget, B=args.block_size, new_tokens=args.new_tokens,
                   repeats=args.repeats)
     fields.update({"lengths": args.lengths, "memory_gb": args.memory_gb} if args.serving
@@ -314,10 +271,26 @@ def main(argv: list[str] | None = None) -> None:
         rows = decode_mode(model, prompt, names, args, device)
         data = {**common.prompt_record(prompt), "prefill_included": False,
                 "transformers_continuous_batching": cb_note or ("measured" if args.continuous_batching else "not run")}
-    if args.json:
-        common.write_json(args.json, {"mode": "serving" if args.serving else "decode", "setting": setting,
-                                      "data": data, "results": rows}, started)
+    return {"mode": "serving" if args.serving else "decode", "setting": setting, "data": data, "results": rows}
 
 
-if __name__ == "__main__":
-    main()
+CASE = runner.Case("throughput", run, __doc__, runner.RUN + ("policies", "new_tokens") + runner.SIZES,
+                   defaults={"model": "smollm2-135m", "policies": "full,keydiff", "new_tokens": 18}, options=(
+    runner.option("--batches", default="1,4,8,16", help="batch sizes (the first is the ratios' base)"),
+    runner.option("--per-row", action="store_true",
+                  help="also decode each bounded policy with generate_batch(group_rows=False): every row attends and "
+                       "evicts on its own, as separately prefilled prompts do (forks of one prefill, the default "
+                       "cases, attend and evict as one group)"),
+    runner.option("--pooled", action="store_true",
+                  help="also decode copies prefilled apart (own buffers) with pool_rows=True: each is moved into one "
+                       "block as it joins (the copy timed) and they group like forks"),
+    runner.option("--no-transformers", dest="transformers", action="store_false", help="skip the DynamicCache anchor"),
+    runner.option("--continuous-batching", action="store_true",
+                  help="also time transformers' generate_batch (paged full caches; prefill included)"),
+    runner.option("--serving", action="store_true", help="sequences held and tokens/s within --memory-gb"),
+    runner.option("--memory-gb", type=float, default=4.0, help="memory for the caches (--serving)"),
+    runner.option("--lengths", default="4096,16384,32768", help="prompt lengths L (--serving)"),
+    runner.option("--max-batch", type=int, default=128, help="largest batch actually decoded (--serving)")))
+
+
+main = runner.entry(CASE, __spec__.name, __name__)  # `python -m keydiff.bench throughput`: this case

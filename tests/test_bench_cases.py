@@ -1,0 +1,188 @@
+"""Every benchmark case of `python -m keydiff.bench CASE` runs at tiny sizes on the tiny random model (runs and
+counts, never timings), through the one runner: its JSON carries the results and the command that produced them.
+A case added to keydiff.bench.runner.CASES without a tiny run here fails `test_every_case_has_a_tiny_run`."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from keydiff.bench import runner
+
+pytestmark = [pytest.mark.integration, pytest.mark.extended]
+
+TINY = ["--model", "random-tiny", "--threads", "1", "--repeats", "1"]
+SMALL = ["--length", "64", "--budget", "24", "--block-size", "16", "--new-tokens", "3"]
+
+
+def prefill(record):
+    assert [r["policy"] for r in record["results"]] == ["reference", "full", "keydiff"]
+    assert all(r["ttft_median_s"] > 0 for r in record["results"])
+
+
+def policies_and_batches(record, policies, batches):
+    assert {(r["policy"], r["batch"]) for r in record["results"]} == {(p, b) for p in policies for b in batches}
+
+
+def decode_rows(record):
+    assert [r["policy"] for r in record["results"]] == ["full", "keydiff"]
+    assert all(r["decode_ms_per_token"] > 0 and r["alloc_bytes_per_token"] > 0 for r in record["results"])
+
+
+def memory_scaling(record):
+    """Each (policy, L) measured in its own process, its peak read after loading (VmHWM reset)."""
+    rows = record["results"]
+    assert [(r["policy"], r["length"]) for r in rows] == [("keydiff", 64), ("keydiff", 96)]
+    assert all(r["peak_rss_bytes"] >= r["rss_after_load_bytes"] > 0 for r in rows)
+
+
+def batch_steps(record):
+    assert {(r["batch"], r["group_rows"]) for r in record["results"]} == {(1, True), (1, False), (2, True), (2, False)}
+    assert all(r["step_s"] > 0 for r in record["results"])
+
+
+def fixed_step(record):
+    """The ordinary and the fixed-shape step per width: the same tokens; the model alone beside them."""
+    assert {(r["width"], r["form"]) for r in record["results"]} == {
+        (w, form) for w in (1, 3) for form in ("ordinary", "fixed", "model")}
+    ours = [r for r in record["results"] if r["form"] != "model"]
+    assert all(r["same_tokens"] and r["ms_per_step"] > 0 for r in ours)
+    assert all(r["same_tokens"] is None and r["ms_per_step"] > 0 for r in record["results"] if r["form"] == "model")
+    assert all(r["floor_ms"] == max(r["bandwidth_floor_ms"], r["compute_floor_ms"]) > 0
+               and r["x_floor"] == pytest.approx(r["ms_per_step"] / r["floor_ms"]) for r in record["results"])
+    assert record["device_rates"]["bandwidth_source"].startswith("measured")
+
+
+def adaptive(record):
+    uniform, adakv = record["results"]
+    assert (uniform["form"], adakv["form"]) == ("uniform", "adakv") and record["summary"]["bytes_ratio"] > 0
+    assert all(r["peak_rss_bytes"] > 0 and r["peak_is_run_only"] is not None for r in record["results"])
+
+
+def long_prefill(record):
+    rows = record["results"]
+    assert [(r["policy"], r["length"], "skipped" in r) for r in rows] == [
+        ("keydiff", 64, False), ("keydiff", 128, False), ("full", 64, False), ("full", 128, True)]
+    assert record["verdicts"][0]["policy"] == "keydiff" and rows[1]["memory_ratio"] > 0
+
+
+def scoring(record):
+    assert {r["policy"] for r in record["results"]} == {"keydiff", "tova"} and len(record["results"]) == 4
+    assert all(r["median_s"] > 0 and r["peak_bytes"] > 0 for r in record["results"])
+
+
+def peers(record):
+    """Our side alone: no kvpress environment needed."""
+    assert set(record["perf"]["samples"]["64"]) == {"keydiff_blockwise", "keydiff_one_block"}
+    assert record["kvpress_env"].startswith("not used")
+
+
+def gpu_bench(record):
+    assert [r["case"] for r in record["rows"]] == ["batch 4 = alone, keydiff", "batch 4 = alone, full"]
+
+
+# (case, arguments, JSON file name, what the JSON must hold); slow: the case starts processes of its own.
+RUNS = [
+    ("prefill", TINY + ["--length", "128", "--budget", "40", "--block-size", "16", "--policies", "full,keydiff",
+                        "--reference"], "out.json", prefill),
+    ("decode", TINY + SMALL + ["--profile-tokens", "3", "--policies", "full,keydiff"], "out.json", decode_rows),
+    ("decode", TINY + SMALL + ["--end-to-end", "--profile-tokens", "3", "--policies", "full,keydiff"], "out.json",
+     decode_rows),
+    pytest.param("decode", TINY + SMALL + ["--memory-scaling", "--scaling-lengths", "64,96"], "out.json",
+                 memory_scaling, marks=pytest.mark.slow, id="decode-memory-scaling"),
+    ("throughput", TINY + SMALL + ["--batches", "1,2", "--per-row", "--pooled"], "out.json",
+     lambda r: policies_and_batches(r, ("full", "keydiff", "keydiff per-row", "keydiff pooled", "transformers"), (1, 2))),
+    ("batch_steps", TINY + SMALL + ["--batches", "1,2"], "out.json", batch_steps),
+    ("fixed_step", TINY + ["--length", "128", "--budget", "32", "--block-size", "16", "--widths", "1,3", "--steps", "3",
+                           "--warm-up", "1", "--forms", "ordinary,fixed,model"], "out.json", fixed_step),
+    pytest.param("adaptive", TINY + ["--length", "96", "--budget", "16", "--block-size", "16", "--new-tokens", "3"],
+                 "out.json", adaptive, marks=pytest.mark.slow, id="adaptive"),
+    pytest.param("long_prefill", ["--threads", "1", "--lengths", "64,128", "--budget", "16", "--block-size", "32",
+                                  "--full-max-length", "64"], "out.json", long_prefill, marks=pytest.mark.slow,
+                 id="long_prefill"),
+    ("scoring", ["table19", "--shape", "tiny", "--sizes", "48,96", "--policies", "keydiff,tova", "--repeats", "2",
+                 "--warmup", "1", "--block-size", "8", "--threads", "1", "--out", "{tmp}", "--figures", "{tmp}"],
+     "table19_scoring_latency_cpu.json", scoring),
+    pytest.param("peers", ["perf", "--shape", "tiny", "--lengths", "64", "--budget", "8", "--block-size", "16",
+                           "--new-tokens", "3", "--rounds", "1", "--threads", "1", "--cases",
+                           "keydiff_blockwise,keydiff_one_block", "--cache-dir", "{tmp}"], "out.json", peers,
+                 marks=pytest.mark.slow, id="peers"),
+    ("gpu_bench", ["--quick", "--rows", "exact"], "out.json", gpu_bench),
+]
+
+
+@pytest.fixture
+def one_thread():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("case, arguments, written, holds", RUNS)
+def test_each_case_runs_at_tiny_sizes(case, arguments, written, holds, tmp_path, capsys, one_thread):
+    arguments = [a.replace("{tmp}", str(tmp_path)) for a in arguments]
+    if written == "out.json":
+        arguments += ["--json", str(tmp_path / written)]
+    status = runner.main([case, *arguments])
+    assert status in (None, 0) or isinstance(status, list), status  # scoring returns the paths it wrote
+    record = json.loads((tmp_path / written).read_text())
+    holds(record)
+    assert record["command"].startswith(f"python -m keydiff.bench {case} ")
+    assert set(record["code"]) == {"commit", "dirty"} and record["started"] <= record["time"]
+    assert "Traceback" not in capsys.readouterr().err
+
+
+@pytest.mark.unit
+def test_every_case_has_a_tiny_run():
+    ran = {run.values[0] if hasattr(run, "values") else run[0] for run in RUNS}
+    assert ran == set(runner.CASES)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("case", runner.CASES)
+def test_each_case_takes_only_the_shared_options_it_declares(case, capsys):
+    """`--help` lists the case's options; a shared option it does not use (here --attn where a case declares none)
+    is refused in one line, as a typo is, rather than accepted and ignored."""
+    spec = runner.load(case)
+    with pytest.raises(SystemExit) as stop:
+        runner.main([case, "--help"])
+    out = capsys.readouterr().out
+    assert stop.value.code == 0 and out.startswith(f"usage: python -m keydiff.bench {case}")
+    own = {flags[0] for flags, _ in spec.options}
+    for name, (flags, _) in runner.SHARED.items():
+        if flags[0] not in own:
+            assert bool(re.search(rf"{flags[0]}(?![\w-])", out)) == (name in spec.shared), (name, case)
+    with pytest.raises(SystemExit) as stop:
+        runner.main([case, *(["table19"] if case == "scoring" else []), "--no-such-option"])
+    assert stop.value.code == 2 and capsys.readouterr().err.startswith("error: unrecognized arguments")
+
+
+@pytest.mark.unit
+def test_a_wrong_case_or_value_is_one_line_before_anything_runs(capsys):
+    for argv, message in ((["decod"], "error: unknown case 'decod'; valid: prefill, decode,"),
+                          (["decode", "--end-to-end", "--memory-scaling"], "error: --end-to-end and --memory-scaling"),
+                          (["prefill", "--policies", "keydif"], "error: unknown policies ['keydif']; valid:"),
+                          (["throughput", "--device", "tpu"], "error: --device 'tpu' is not valid; valid: cpu, cuda"),
+                          (["batch_steps", "--new-tokens", "1"], "error: --repeats must be >= 1 and --new-tokens >= 2"),
+                          (["fixed_step", "--forms", "fixed,graph"], "error: --forms 'fixed,graph': valid forms")):
+        with pytest.raises(SystemExit) as stop:
+            runner.main(argv)
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and err.startswith(message) and err.count("\n") == 1, err
+
+
+@pytest.mark.slow
+def test_a_modules_own_command_runs_its_case_and_is_recorded_as_typed(tmp_path):
+    """`python -m keydiff.bench.batch_steps ...` (the command lines of old) runs the same case, recorded as typed."""
+    from keydiff.bench import common
+
+    out = tmp_path / "steps.json"
+    done = common.run_module("keydiff.bench.batch_steps", TINY + SMALL + ["--batches", "1", "--json", str(out)])
+    assert done.returncode == 0, done.stderr[-2000:]
+    record = json.loads(out.read_text())
+    assert record["command"].startswith("python -m keydiff.bench.batch_steps --model random-tiny")
+    batch_steps_rows = {(r["batch"], r["group_rows"]) for r in record["results"]}
+    assert batch_steps_rows == {(1, True), (1, False)}
