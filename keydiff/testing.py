@@ -211,7 +211,7 @@ def run_captured(policy: Policy, model: torch.nn.Module, ids: torch.Tensor, budg
     decoder = Decoder(model, 1)
     with stand_in_graphs():
         run = run_once(policy, model, ids, budget, block_size, new_tokens, decoder=decoder)
-    return run, decoder.graphs.record()
+    return run, decoder.stats.record()
 
 
 def policy_factory(policy: type[Policy] | str | Policy, params: dict[str, Any]) -> Callable[[], Policy]:

@@ -316,7 +316,7 @@ def test_one_decoder_captures_one_graph_per_step_across_its_calls(engine, device
     detail = (f"3 prompts, one call each: {len(decode_graphs)} decode and {len(block_graphs)} prefill-block graph(s) "
               f"captured, {same}/3 identical to the ordinary step"
               + ("" if device.type == "cuda" else " (CUDA graphs stood in for)")
-              + (f"; captures failed: {decoder.graphs.reasons}" if decoder.graphs.failed else ""))
+              + (f"; captures failed: {decoder.stats.reasons}" if decoder.stats.failed else ""))
     record_property("detail", detail)
     assert same == 3 and len(decode_graphs) == 1 and len(block_graphs) == 1, detail
 

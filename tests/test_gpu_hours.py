@@ -1,7 +1,7 @@
 """keydiff/report/gpu_hours.py (`make gpu-hours`): the GPU hours of the paper's experiments from measured GPU rates.
 
 The arithmetic on hand-made rates against a hand computation, a `make gpu-bench` JSON read (a fake in its
-format; tests/test_gpu_check.py feeds the real --quick output through the same reader), the stored H200 rates
+format), the stored H200 rates
 against the measurements they were read from, each grid point's workload against the task it composes and the paper, and bad input
 as one `error:` line naming what is missing."""
 

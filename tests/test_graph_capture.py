@@ -63,7 +63,7 @@ def test_a_run_captures_replays_and_gives_the_eager_tokens(model, eager):
     with stand_in_graphs() as cuda:
         *got, decoder = through_decoder(model, "keydiff")
     assert got == expected
-    record = decoder.graphs.record()
+    record = decoder.stats.record()
     assert record["captured"] == 2 and record["failed"] == 0 and not record["stopped"]  # one decode, one block graph
     assert cuda.replays > 10 and cuda.clean()
     assert record["capture_s"] >= record["warm_up_s"] > 0
@@ -80,7 +80,7 @@ def test_a_model_on_another_device_than_the_current_one_captures_on_its_own(mode
         *got, decoder = through_decoder(model, "keydiff")
     assert {device for device, _ in cuda.streams} == {"cuda:1"} and len(cuda.streams) >= 3, cuda.streams
     assert [capture["device"] for capture in cuda.captures] == ["cuda:1", "cuda:1"]
-    assert got == expected and decoder.graphs.captured == 2 and cuda.clean()
+    assert got == expected and decoder.stats.captured == 2 and cuda.clean()
 
 
 @pytest.mark.extended
@@ -92,7 +92,7 @@ def test_a_run_shares_one_capture_stream_and_one_pool_between_its_graphs(model):
     assert len(cuda.captures) == 2
     assert len({capture["pool"] for capture in cuda.captures}) == 1 and cuda.captures[0]["pool"] is not None
     assert len({capture["stream"] for capture in cuda.captures}) == 1
-    assert decoder.graphs.pool_bytes == sum(capture["bytes"] for capture in cuda.captures) > 0
+    assert decoder.stats.pool_bytes == sum(capture["bytes"] for capture in cuda.captures) > 0
 
 
 def test_a_run_whose_graphs_were_all_released_captures_into_a_new_pool(model):
@@ -112,7 +112,7 @@ def test_a_run_whose_graphs_were_all_released_captures_into_a_new_pool(model):
         gc.collect()
         for ids in prompts((130, 90)):
             generate(model, prefill(model, ids, "keydiff", BUDGET, BLOCK, decoder=decoder), 8, decoder=decoder)
-    record = decoder.graphs.record()
+    record = decoder.stats.record()
     assert before == 2 and record["failed"] == 0 and record["captured"] == 4 and not record["stopped"], record
     pools = [capture["pool"] for capture in cuda.captures]
     assert pools[0] == pools[1] != pools[2] == pools[3], pools
@@ -136,7 +136,7 @@ def test_a_failed_capture_stops_the_runs_capturing_applies_each_write_once_and_l
     assert got == expected
     assert cuda.clean(), (cuda.capturing, cuda.current, cuda.routed)
     assert len(cuda.captures) == 1 and cuda.replays == 0
-    record = decoder.graphs.record()
+    record = decoder.stats.record()
     assert record["captured"] == 0 and record["failed"] == 1 and record["stopped"] and len(record["reasons"]) == 1
     warnings = [r for r in caplog.records if "could not be captured" in r.getMessage()]
     assert len(warnings) == 1

@@ -57,11 +57,6 @@ class Decoder:
                              "batch_invariant=True, or pass no decoder")
 
     @property
-    def graphs(self) -> StepStats:
-        """Its record of CUDA-graph captures (summary.json's decode_graphs): `stats`, which holds them."""
-        return self.stats
-
-    @property
     def replays_graphs(self) -> bool:
         """Whether its fixed-shape steps are replayed as CUDA graphs over the arena (the device's arrangement)."""
         return self.stepper.fixed_shapes and self.stepper.full_width

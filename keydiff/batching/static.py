@@ -239,9 +239,9 @@ class StaticStep:
     active: [W] bool, the rows whose results are used (the others' eviction is masked)."""
 
     def __init__(self, model: torch.nn.Module, rows: Rows, policy: Policy, budget: int, q: int = 1,
-                 compiled: bool = False, graphs: StepStats | None = None):
+                 compiled: bool = False, stats: StepStats | None = None):
         self.model, self.rows, self.policy, self.budget, self.q = model, rows, policy, budget, q
-        self.graphs = graphs if graphs is not None else StepStats()  # the run's record
+        self.stats = stats if stats is not None else StepStats()  # the run's record
         device = rows.sequence_of.device
         self.ids = torch.zeros(rows.width, q, dtype=torch.long, device=device)
         self.positions = torch.zeros(rows.width, q, dtype=torch.long, device=device)
@@ -323,7 +323,7 @@ class StaticStep:
         with bound_to(None):
             if self.calls == 1:  # the first runs eagerly: real work, the warm-up, the score and statistic checks
                 return self.warm_up()
-            if self.graph is None and not (self.capture and not self.graphs.stopped and self.record()):
+            if self.graph is None and not (self.capture and not self.stats.stopped and self.record()):
                 return self.step(self.ids, self.positions, self.active).clone()
         self.graph.replay()
         return self.logits.clone()
@@ -331,7 +331,7 @@ class StaticStep:
     def warm_up(self) -> torch.Tensor:
         """The first call, eagerly, on a side stream of the model's device (graph capture wants its kernels' first runs
         off the stream it records); the logits are marked used on the current stream (record_stream)."""
-        if not self.capture or self.graphs.stopped:
+        if not self.capture or self.stats.stopped:
             return self.first_call()
         calls, device = self.cuda, self.device
         start = timed(calls, device)
@@ -343,8 +343,8 @@ class StaticStep:
         current.wait_stream(side)
         calls.record_stream(logits, current)
         seconds = timed(calls, device) - start
-        self.graphs.warm_up_s += seconds
-        self.graphs.capture_s += seconds
+        self.stats.warm_up_s += seconds
+        self.stats.capture_s += seconds
         return logits
 
     def first_call(self) -> torch.Tensor:
@@ -362,7 +362,7 @@ class StaticStep:
         """Capture the step as a CUDA graph on the run's stream and pool, begin and end in try/finally. False if the
         capture fails: the run then captures no more (`StepStats.fail`) and this step runs eagerly."""
         calls, device = self.cuda, self.device
-        stream, pool = self.graphs.stream_and_pool(calls, device)
+        stream, pool = self.stats.stream_and_pool(calls, device)
         graph = calls.graph()
         start = timed(calls, device)
         before = calls.reserved(device)
@@ -381,16 +381,16 @@ class StaticStep:
                 calls.end_pool(device, pool)
                 raise
         except Exception as error:  # noqa: BLE001 - any capture failure but out of memory: run the step eagerly
-            self.graphs.capture_s += timed(calls, device) - start
+            self.stats.capture_s += timed(calls, device) - start
             if out_of_memory(error):
                 raise  # not the step's fault: the caller's back-off (or failed row) handles it; capture next time
             reason = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:200]}"
-            self.graphs.fail(f"q={self.q}, W={self.rows.width}, {self.policy.name}: {reason}")
+            self.stats.fail(f"q={self.q}, W={self.rows.width}, {self.policy.name}: {reason}")
             self.logits = None
             return False
-        self.graphs.capture_s += timed(calls, device) - start
-        self.graphs.pool_bytes += max(0, calls.reserved(device) - before)
+        self.stats.capture_s += timed(calls, device) - start
+        self.stats.pool_bytes += max(0, calls.reserved(device) - before)
         self.graph, self.logits = graph, logits
-        self.graphs.captured += 1
-        self.graphs.captured_into(calls, device, graph)
+        self.stats.captured += 1
+        self.stats.captured_into(calls, device, graph)
         return True

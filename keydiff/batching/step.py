@@ -134,7 +134,7 @@ class Stepper:
         # slots) may be the ones going now.
         if (step is None or built[0] is not source[0] or built[1:] != source[1:] or step.policy != policy
                 or step.budget != budget):
-            step = StaticStep(self.model, make(), policy, budget, graphs=self.stats)
+            step = StaticStep(self.model, make(), policy, budget, stats=self.stats)
             self.stats.built.append((step.rows.width, step.q))
             self.steps[owner] = (source, step)
         return step, starts
@@ -197,7 +197,7 @@ class BlockStepper:
         held = self.kept if in_slot else self.own
         # Built for these buffers (a stack can move), this block length, policy and N.
         if held is None or held[0][0] is not source or held[0][1:] != built[1:]:
-            held = (built, StaticStep(self.model, make(), cache.policy, stack.budget, q, graphs=self.stats))
+            held = (built, StaticStep(self.model, make(), cache.policy, stack.budget, q, stats=self.stats))
             self.stats.built.append((held[1].rows.width, q))
             if in_slot:
                 self.kept = held

@@ -16,7 +16,7 @@
     peers_env     the separate kvpress environment (`.venv-kvpress`) it runs in
     peers_runner  one measurement of ``peers``, in a fresh process, for either project
     gpu_bench     every GPU row of the step's targets in one command (``make gpu-bench``)
-    gpu_check     engine exactness per attention kernel on this device, then both benchmarks (``make gpu-check``)
+    gpu_check     the machine, then the suite's device tests on it (``make gpu-check``)
     common        model shapes, device and memory helpers, the one timer, and the provenance record they all write
 
 Every ``python -m keydiff.bench ...`` imports this package first, before the module imports torch: the one place

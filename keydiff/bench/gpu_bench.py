@@ -102,9 +102,9 @@ def cpu_stand_ins(device: str, fail: str | None = None):
 
 def graph_record(decoder: Decoder) -> dict:
     """What a decoder's captures cost: graphs captured, the seconds spent capturing and warming up for it, the
-    bytes the graph pool holds (keydiff.batching.static.Graphs' counts: on CUDA the reserved memory each capture
+    bytes the graph pool holds (keydiff.batching.static.StepStats' counts: on CUDA the reserved memory each capture
     added, under the CPU stand-in the bytes its captures allocated), and why a capture failed, if one did."""
-    record = decoder.graphs.record()
+    record = decoder.stats.record()
     return {"graphs": record["captured"], "capture_s": record["capture_s"], "warm_up_s": record["warm_up_s"],
             "graph_pool_bytes": record["pool_bytes"], "capture_failures": record["reasons"]}
 

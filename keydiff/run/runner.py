@@ -191,9 +191,9 @@ def execute(cfg: DictConfig, plan: RunPlan, samples: list, run_dir: str | Path,
                 loop_start = time.perf_counter()
                 with Progress(len(todo), f"{plan.task.name}/{plan.policy_name}",
                               tracking.headline(plan.task.name)[0]) as progress:
-                    made = ctx.decoder.graphs.capture_s if ctx is not None else 0.0  # graphs made so far
+                    made = ctx.decoder.stats.capture_s if ctx is not None else 0.0  # graphs made so far
                     for row in sample_rows(ctx, todo):
-                        paid, made = ctx.decoder.graphs.capture_s - made, ctx.decoder.graphs.capture_s
+                        paid, made = ctx.decoder.stats.capture_s - made, ctx.decoder.stats.capture_s
                         row = {**row, "threads": threads, invocations.ROW_KEY: invocation["id"],
                                **({"capture_s": round(paid, 6)} if paid else {})}  # graphs its times include
                         store.append(row)
