@@ -44,6 +44,7 @@ EXTRA = {  # compositions no preset reaches: (policy, parameters)
     "criticalkv_snapkv_epsilon": ("snapkv", {"window": 8, "critical": True, "critical_epsilon": 0.05}),  # x rows
     "criticalkv_expected_attention": ("expected_attention", {"critical": True, "use_vnorm": False}),  # log scores
     "adakv_criticalkv_h2o": ("h2o", {"recent_fraction": 0.25, "critical": True, "head_budgets": "adakv"}),
+    "adakv_criticalkv_keydiff": ("keydiff", {"critical": True, "head_budgets": "adakv"}),
     "adakv_criticalkv_alpha": ("snapkv", {"window": 8, "critical": True, "head_budgets": "adakv", "alpha_safeguard": 0.6}),
     "adakv_keydiff_window": ("keydiff", {"window_fraction": 0.25, "head_budgets": "adakv"}),
     "adakv_sink": ("sink", {"sinks": 4, "head_budgets": "adakv", "alpha_safeguard": 0.0}),
