@@ -86,16 +86,6 @@ def test_chunks_change_the_choice():
     assert kept_positions(Chunked(SnapKV(window=8), 20), layer, 41) != kept_positions(SnapKV(window=8), layer, 41)
 
 
-@pytest.mark.integration
-@pytest.mark.extended
-def test_check_policy_passes():
-    from keydiff.testing import check_policy
-
-    check_policy("snapkv", window=8, chunk_length=20)
-    check_policy(Chunked(KNorm(), chunk_length=7))
-    check_policy("keydiff", window_fraction=0.2, chunk_length=5, layer_budgets={"schedule": "pyramid", "beta": 4})
-
-
 def test_build_and_describe_round_trip():
     policy = build_policy("snapkv", window=32, chunk_length=20, layer_budgets={"schedule": "pyramid", "beta": 20})
     described = policy.describe()

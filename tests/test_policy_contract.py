@@ -42,10 +42,14 @@ EXTRA = {  # compositions no preset reaches: (policy, parameters)
     "criticalkv_keydiff_window": ("keydiff", {"critical": True, "window_fraction": 0.2}),  # negative scores, a window
     "criticalkv_tova": ("tova", {"critical": True, "critical_epsilon": 0.01, "first_stage_ratio": 0.25}),
     "criticalkv_snapkv_epsilon": ("snapkv", {"window": 8, "critical": True, "critical_epsilon": 0.05}),  # x rows
+    "criticalkv_keydiff_pyramid": ("keydiff", {"critical": True, "layer_budgets": {"schedule": "pyramid", "beta": 4}}),
+    "chunkkv_keydiff_window_pyramid": ("keydiff", {"window_fraction": 0.2, "chunk_length": 5,
+                                                  "layer_budgets": {"schedule": "pyramid", "beta": 4}}),
     "criticalkv_expected_attention": ("expected_attention", {"critical": True, "use_vnorm": False}),  # log scores
     "adakv_criticalkv_h2o": ("h2o", {"recent_fraction": 0.25, "critical": True, "head_budgets": "adakv"}),
     "adakv_criticalkv_keydiff": ("keydiff", {"critical": True, "head_budgets": "adakv"}),
     "adakv_criticalkv_alpha": ("snapkv", {"window": 8, "critical": True, "head_budgets": "adakv", "alpha_safeguard": 0.6}),
+    "adakv_snapkv_pyramid": ("snapkv", {"window": 8, "head_budgets": "adakv", "layer_budgets": {"schedule": "pyramid", "beta": 4}}),
     "adakv_keydiff_window": ("keydiff", {"window_fraction": 0.25, "head_budgets": "adakv"}),
     "adakv_sink": ("sink", {"sinks": 4, "head_budgets": "adakv", "alpha_safeguard": 0.0}),
     "chunkkv_head_pyramid": ("knorm", {"chunk_length": 7, "chunk_scope": "head",
@@ -155,9 +159,15 @@ def epsilon_rows(scorer, newest: int, log: dict) -> int:
     return 1 if log["decoding"] else min(rows, newest % BLOCK + 1)
 
 
+def within_budgets(policy):
+    """The policy inside per-layer budgets (the cache hands each layer its own budget)."""
+    return within_budgets(policy.scorer) if isinstance(policy, LayerBudgets) else policy
+
+
 def head_choices(policy, views: list[LayerView], budget: int, model, log: dict) -> list[list[int]]:
     """The kept positions of each head of one batch row by loops. views: one per head (head-adaptive), or one of
     the row's heads together (chunks and TOVA's layer mode read across heads)."""
+    policy = within_budgets(policy)
     adaptive = isinstance(policy, HeadAdaptive)
     scorer = policy.scorer if adaptive else policy
     critical = isinstance(scorer, Critical)
@@ -254,7 +264,7 @@ def held(positions: torch.Tensor) -> list[list[int]]:
 def check_held(cache, log: dict, policy, length: int) -> None:
     """The cache holds the last choice of every layer, within N_l + B, and exactly N_l (T = kv_heads x N_l) once
     the prompt is longer."""
-    adaptive = isinstance(policy, HeadAdaptive)
+    adaptive = isinstance(within_budgets(policy), HeadAdaptive)
     for layer, (positions, budget) in enumerate(zip(cache.kept_positions(), cache.layer_budgets)):
         heads = held(positions)
         if budget is None or length <= budget:
