@@ -47,26 +47,6 @@ def test_batch_rows_are_chosen_row_by_row_against_the_loops(model):
     assert all(sum(row) == 2 * BUDGET for layer in head_counts(state.cache) for row in layer)
 
 
-@pytest.mark.extended
-def test_the_preset_differs_from_both_parents(model):
-    """adakv_criticalkv's config builds HeadAdaptive(Critical(SnapKV)); its kept sets differ from plain AdaKV-SnapKV
-    (stage 2 matters) and its heads keep different counts (the budgets are shared), all within the total."""
-    from tests.test_golden import preset
-
-    name, params = preset("adakv_criticalkv")
-    assert (name, params["window"], params["critical"], params["head_budgets"]) == ("snapkv", 32, True, "adakv")
-    policy = build_policy(name, **params)
-    assert type(policy).__name__ == "HeadAdaptive" and type(policy.scorer).__name__ == "Critical"
-    params = {"window": 8, "kernel_size": 7, "pooling": "avg"}
-    critical = prefill(model, prompt_ids(), build_policy("snapkv", critical=True, head_budgets="adakv", **params),
-                       BUDGET, BLOCK)
-    plain = prefill(model, prompt_ids(), build_policy("snapkv", head_budgets="adakv", **params), BUDGET, BLOCK)
-    assert any(not torch.equal(a, b) for a, b in zip(critical.cache.kept_positions(), plain.cache.kept_positions()))
-    counts = [layer[0] for layer in head_counts(critical.cache)]
-    assert all(sum(layer) == 2 * BUDGET for layer in counts)
-    assert any(len(set(layer)) > 1 for layer in counts)
-
-
 @pytest.mark.unit
 @pytest.mark.extended
 def test_scores_tied_across_heads_follow_the_adakv_tie_rule():

@@ -80,12 +80,6 @@ def test_chunk_length_one_is_the_wrapped_scorer(name, params):
     assert outputs[0] == outputs[1]
 
 
-def test_chunks_change_the_choice():
-    """chunk_length 20 keeps different positions from SnapKV alone (the wrapper is not a no-op)."""
-    layer = random_view(0)
-    assert kept_positions(Chunked(SnapKV(window=8), 20), layer, 41) != kept_positions(SnapKV(window=8), layer, 41)
-
-
 def test_build_and_describe_round_trip():
     policy = build_policy("snapkv", window=32, chunk_length=20, layer_budgets={"schedule": "pyramid", "beta": 20})
     described = policy.describe()

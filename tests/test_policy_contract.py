@@ -261,16 +261,22 @@ def held(positions: torch.Tensor) -> list[list[int]]:
     return [sorted(p for p in head if p >= 0) for head in positions[0].tolist()]
 
 
+def holds_choices(cache, log: dict) -> None:
+    """Every layer that has evicted holds exactly its last choice (every pass evicts once the cache is full)."""
+    for layer, positions in enumerate(cache.kept_positions()):
+        assert layer not in log["last"] or held(positions) == log["last"][layer], f"layer {layer}: not its choice"
+
+
 def check_held(cache, log: dict, policy, length: int) -> None:
     """The cache holds the last choice of every layer, within N_l + B, and exactly N_l (T = kv_heads x N_l) once
     the prompt is longer."""
     adaptive = isinstance(within_budgets(policy), HeadAdaptive)
+    holds_choices(cache, log)
     for layer, (positions, budget) in enumerate(zip(cache.kept_positions(), cache.layer_budgets)):
         heads = held(positions)
         if budget is None or length <= budget:
             assert heads == [list(range(length))] * len(heads) and layer not in log["last"], f"layer {layer} evicted"
             continue
-        assert layer not in log["last"] or heads == log["last"][layer], f"layer {layer} holds another set than chosen"
         assert sum(map(len, heads)) == len(heads) * budget and (adaptive or {len(h) for h in heads} == {budget})
         assert cache.layer_max_total_entries[layer] <= len(heads) * (budget + BLOCK), f"layer {layer} broke N + B"
         assert adaptive or cache.layer_max_entries[layer] <= budget + BLOCK, f"layer {layer} broke N + B"
@@ -284,7 +290,7 @@ def run(model, name: str, path: str, lengths=LENGTHS) -> list[dict]:
     runs = []
     for ids in prompts(lengths):
         policy, log = recorded(build_policy(target, **params), model)
-        state = prefill(model, ids, policy, BUDGET, BLOCK, fixed_shapes=fixed)
+        state = prefill(model, ids, policy, BUDGET, BLOCK, fixed_shapes=fixed, on_block=lambda c, log=log: holds_choices(c, log))
         check_held(state.cache, log, policy, ids.shape[1])
         log["decoding"] = True
         runs.append((state, log, policy, [p.clone() for p in state.kept_positions]))
