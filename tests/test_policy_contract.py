@@ -56,8 +56,6 @@ EXTRA = {  # compositions no preset reaches: (policy, parameters)
                                        "layer_budgets": {"schedule": "pyramid", "beta": 4}}),
     "kvzip_chunk": ("kvzip", {"scoring_keys": "chunk"}),
 }
-NAMES = policy_presets() + list(EXTRA)
-CASES = extended_unless(NAMES, lambda name: name in CORE_POLICIES)
 SEEDED_DRAWS = ("random",)  # scores drawn afresh at every call: a second call (the reference's) draws others
 
 
@@ -66,9 +64,12 @@ def spec(name: str) -> tuple[str, dict]:
 
 
 def needs(policy, capability: str):
-    """The one place these tests read a policy's capability (attention_rows, log_scores, ...)."""
+    """The one place these tests read a policy's capability (attention_rows, log_scores, capturable, ...)."""
     return getattr(policy, capability)
 
+
+NAMES = policy_presets() + list(EXTRA)
+CASES = extended_unless(NAMES, lambda name: name in CORE_POLICIES)
 
 def prompts(lengths=LENGTHS) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(7)
@@ -247,8 +248,7 @@ def recorded(policy, model) -> tuple:
                 compare(got, views, budget, row, 0)
         return dropped
 
-    return variant(policy, _check_every_call=True, evict_indices=evict_indices, keep_heads=keep_heads,
-                   drop_pool=drop_pool), log
+    return variant(policy, evict_indices=evict_indices, keep_heads=keep_heads, drop_pool=drop_pool), log
 
 
 def name_of(policy) -> str:
@@ -309,30 +309,25 @@ def run(model, name: str, path: str, lengths=LENGTHS) -> list[dict]:
     return results
 
 
-ALONE: dict = {}
-
-
-def alone(model, name: str) -> list[dict]:
-    if name not in ALONE:
-        ALONE[name] = run(model, name, "ordinary")
-        assert name in SEEDED_DRAWS or name == "full" or ALONE[name][0]["checked"] >= 3 * (LENGTHS[0] - BUDGET) // BLOCK
-    return ALONE[name]
-
-
 def same_run(a: dict, b: dict) -> bool:
     return (torch.equal(a["logits"], b["logits"]) and a["tokens"] == b["tokens"]
             and all(torch.equal(x, y) for key in ("prefilled", "decoded") for x, y in zip(a[key], b[key])))
 
 
 # --------------------------------------------------------------------------- the contract
-@pytest.mark.parametrize("path", ["fixed", "grouped"])
 @pytest.mark.parametrize("name", CASES)
-def test_every_choice_is_the_brute_force_one_within_the_bound_and_alone_equals_every_path(model, name, path):
-    expected = alone(model, name)
-    got = run(model, name, path)
-    assert name in SEEDED_DRAWS or name == "full" or got[0]["checked"], f"{name}: no choice checked on the {path} path"
-    for index, (a, b) in enumerate(zip(expected, got)):
-        assert same_run(a, b), f"{name}: prompt {index} on the {path} path differs from the ordinary step alone"
+def test_every_choice_is_the_brute_force_one_within_the_bound_and_alone_equals_every_path(model, name):
+    """The ordinary step alone, then the fixed-shape step (where the policy takes it: elsewhere fixed_shapes=True
+    runs the ordinary step) and three sequences decoded as a group: every choice checked on each, the same results."""
+    target, params = spec(name)
+    evicts = name not in SEEDED_DRAWS and name != "full"
+    alone = run(model, name, "ordinary")
+    assert not evicts or alone[0]["checked"] >= 3 * (LENGTHS[0] - BUDGET) // BLOCK
+    for path in ("fixed", "grouped") if needs(build_policy(target, **params), "capturable") else ("grouped",):
+        got = run(model, name, path)
+        assert not evicts or got[0]["checked"], f"{name}: no choice checked on the {path} path"
+        for index, (a, b) in enumerate(zip(alone, got)):
+            assert same_run(a, b), f"{name}: prompt {index} on the {path} path differs from the ordinary step alone"
 
 
 @pytest.mark.parametrize("name", CASES)
