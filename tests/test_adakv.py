@@ -1,5 +1,5 @@
-"""Head-adaptive budgets (AdaKV): selection against plain loops, exact attention over per-head segments, the
-per-layer memory bound, the safeguard, and clear errors."""
+"""Head-adaptive budgets (AdaKV): selection against plain loops (every eviction of a real prefill: the contract of
+tests/test_policy_contract.py), exact attention over per-head segments, the pools, the safeguard, clear errors."""
 
 from __future__ import annotations
 

@@ -209,7 +209,7 @@ def recorded(policy, model) -> tuple:
     """`policy` as a variant that checks every choice against the loops as it is made; (variant, log). log: per
     layer the last choice (row 0's heads), the number of choices checked, and whether decoding has begun."""
     log = {"last": {}, "checked": 0, "decoding": False}
-    check = name_of(policy) not in SEEDED_DRAWS
+    check = policy.unwrapped().name not in SEEDED_DRAWS
 
     def compare(got: list, views: list[LayerView], budget: int, layer: int, row: int) -> None:
         if check:
@@ -249,10 +249,6 @@ def recorded(policy, model) -> tuple:
         return dropped
 
     return variant(policy, evict_indices=evict_indices, keep_heads=keep_heads, drop_pool=drop_pool), log
-
-
-def name_of(policy) -> str:
-    return policy.unwrapped().name
 
 
 # --------------------------------------------------------------------------- the paths
