@@ -1,5 +1,5 @@
-"""Head-adaptive budgets (AdaKV): selection against plain loops, exact attention over per-head segments, the
-per-layer memory bound, the safeguard, and clear errors."""
+"""Head-adaptive budgets (AdaKV): selection against plain loops (every eviction of a real prefill: the contract of
+tests/test_policy_contract.py), exact attention over per-head segments, the pools, the safeguard, clear errors."""
 
 from __future__ import annotations
 
@@ -20,82 +20,15 @@ from keydiff.policies import HeadAdaptive, build_policy
 from keydiff.policies.adakv import adakv_keep, relative_scores
 from keydiff.policies.base import LayerView, Needs, Policy, score_then_position
 from tests.conftest import tiny_llama
+from tests.test_policy_contract import adakv_counts, choose
 
 pytestmark = pytest.mark.integration
 
 BUDGET, BLOCK, LENGTH = 48, 16, 150
-SCORERS = [("keydiff", {}), ("keydiff", {"window_fraction": 0.25}), ("snapkv", {"window": 8}),
-           ("expected_attention", {"epsilon": 0.01, "n_future_positions": 64}), ("sink", {"sinks": 4})]
 
 
-def brute_force_keep(scores, protected, positions, budget, alpha) -> list[list[int]]:
-    """Kept positions per head of one batch row, by loops: every head's protected entries and its own top
-    floor(alpha x N) (by score, then position) first; then the best entries of all heads by (score, position,
-    lower head first) until T = heads x N are kept (all of them if there are no more)."""
-    heads = len(scores)
-    total = heads * budget
-    safe = math.floor(alpha * budget + 1e-9)
-    entries = []  # (forced, score, position, -head)
-    for h in range(heads):
-        masked = [float("inf") if p else s for s, p in zip(scores[h], protected[h])]
-        order = sorted(range(len(masked)), key=lambda i: (masked[i], positions[h][i]), reverse=True)
-        forced = set(order[:safe]) | {i for i, p in enumerate(protected[h]) if p}
-        entries += [(i in forced, masked[i], positions[h][i], -h) for i in range(len(masked))]
-    kept = sorted(entries, reverse=True)[:total]
-    return [sorted(pos for f, s, pos, negh in kept if -negh == h) for h in range(heads)]
-
-
-def one_head_views(policy, heads: list[LayerView]):
-    """(scores, protected, positions) per head as Python lists, from the policy the wrapper wraps."""
-    scorer = policy.scorer
-    scores, protected, positions = [], [], []
-    for view in heads:
-        scores.append(scorer.score(view)[0, 0].float().tolist())
-        protect = scorer.protected(view, BUDGET)
-        positions.append(view.positions[0, 0].tolist())
-        protected.append([False] * len(positions[-1]) if protect is None else protect[0, 0].tolist())
-    return scores, protected, positions
-
-
-@dataclass
-class CheckedAdaptive(HeadAdaptive):
-    """HeadAdaptive that checks every choice against `brute_force_keep` and records what it kept."""
-
-    choices: list | None = None
-
-    def keep_heads(self, heads, budget):
-        masks = super().keep_heads(heads, budget)
-        scores, protected, positions = one_head_views(self, heads)
-        expected = brute_force_keep(scores, protected, positions, budget, self.alpha_safeguard)
-        actual = [sorted(view.positions[0, 0][mask].tolist()) for view, mask in zip(heads, masks)]
-        assert actual == expected
-        self.choices.append(actual)
-        return masks
-
-    def drop_pool(self, pool, budget):
-        """The pooled choice (all rows of all layers at once) against the loops, row by row: each row's heads
-        cut out of the pool as one-head views and scored by the wrapped policy's own `score`."""
-        dropped = super().drop_pool(pool, budget)
-        for row in range(pool.keys.shape[0]):
-            heads, kept = [], []
-            for head in range(pool.member.shape[1]):
-                slots = pool.member[row, head].nonzero().squeeze(1)
-                heads.append(LayerView(keys=pool.keys[row, slots][None, None], values=pool.keys[row, slots][None, None],
-                                       positions=pool.positions[row, slots][None, None], attention=None,
-                                       state={n: b[row, slots][None, None] for n, b in pool.state.items()}, layers=(0,)))
-                kept.append(sorted(pool.positions[row, slots][~dropped[row, slots]].tolist()))
-            scores, protected, positions = one_head_views(self, heads)
-            assert kept == brute_force_keep(scores, protected, positions, budget, self.alpha_safeguard)
-            if sum(map(len, positions)) > len(positions) * budget:  # the row evicted
-                self.choices.append(kept)
-        return dropped
-
-
-def adaptive_policy(name, params, alpha=0.2, checked=False):
-    inner = build_policy(name, **params)
-    if checked:
-        return CheckedAdaptive(inner, alpha_safeguard=alpha, choices=[])
-    return HeadAdaptive(inner, alpha_safeguard=alpha)
+def adaptive_policy(name, params, alpha=0.2):
+    return HeadAdaptive(build_policy(name, **params), alpha_safeguard=alpha)
 
 
 def head_counts(cache) -> list[list[list[int]]]:
@@ -123,29 +56,10 @@ def test_adakv_keep_equals_the_loops_with_ties_across_heads():
                 for s, p, pos in zip(scores, protected, positions)]
         masks = adakv_keep(keys, protected, budget, alpha)
         actual = [sorted(pos[m].tolist()) for pos, m in zip(positions, masks)]
-        expected = brute_force_keep([s.tolist() for s in scores], [p.tolist() for p in protected],
-                                    [p.tolist() for p in positions], budget, alpha)
+        lists = [s.tolist() for s in scores], [p.tolist() for p in protected], [p.tolist() for p in positions]
+        expected = choose(*lists, adakv_counts(*lists, budget, alpha))
         assert actual == expected
         assert sum(map(len, actual)) == min(sum(counts), heads * budget)
-
-
-@pytest.mark.parametrize("name,params", SCORERS)
-def test_every_eviction_of_a_blockwise_prefill_is_the_brute_force_choice(model, name, params):
-    policy = adaptive_policy(name, params, checked=True)
-    compared = []
-
-    def after_block(cache):
-        """The cache holds exactly what was chosen: after a block that evicted, each layer's kept positions
-        are its choice (one choice per layer and block, in layer order)."""
-        if len(policy.choices) > 3 * len(compared):
-            chosen = policy.choices[3 * len(compared):]
-            assert len(chosen) == 3
-            for layer, choice in zip(cache.kept_positions(), chosen):
-                assert [[p for p in head if p >= 0] for head in layer[0].tolist()] == choice
-            compared.append(True)
-
-    prefill(model, prompt_ids(), policy, BUDGET, BLOCK, on_block=after_block)
-    assert len(compared) >= (LENGTH - 2 * BUDGET) // BLOCK  # every block past the layer's total evicted
 
 
 def test_the_heads_really_keep_different_counts(model):

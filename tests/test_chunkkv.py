@@ -1,4 +1,5 @@
-"""ChunkKV (keydiff.policies.chunkkv.Chunked) against a brute-force reference written as plain loops."""
+"""ChunkKV (keydiff.policies.chunkkv.Chunked) against the brute-force loops of tests/test_policy_contract.py (which
+also checks every eviction of a real prefill): whole chunks, scopes, exact sums, parameters."""
 
 from __future__ import annotations
 
@@ -9,45 +10,10 @@ import torch
 
 from keydiff.policies import Chunked, KNorm, SnapKV, build_policy
 from keydiff.policies.base import LayerView, Policy
+from tests.test_policy_contract import choose, scores_and_protected
 
 
 pytestmark = pytest.mark.unit
-
-
-def reference_keep(scores, protect, positions, budget, chunk_length, scope="layer") -> list[list[list[int]]]:
-    """Kept positions per (row, head), by loops: protected entries stay; the other slots go to whole chunks
-    (positions // chunk_length) by the sum of their entries' scores (an infinite score counts 0) over the
-    head's entries (scope "head") or over every head's entries of the row (scope "layer"), best chunk first,
-    a tie to the newer chunk, and within a chunk to the newest entries."""
-    def finite(s: float) -> float:
-        return s if abs(s) != float("inf") else 0.0
-
-    kept = []
-    for b in range(positions.shape[0]):
-        row = []
-        layer_sums: dict[int, float] = {}
-        for h in range(positions.shape[1]):
-            for p, s in zip(positions[b, h].tolist(), scores[b, h].double().tolist()):
-                layer_sums[p // chunk_length] = layer_sums.get(p // chunk_length, 0.0) + finite(s)
-        for h in range(positions.shape[1]):
-            pos = [int(p) for p in positions[b, h]]
-            score = [float(s) for s in scores[b, h].double()]
-            prot = [bool(p) for p in protect[b, h]] if protect is not None else [False] * len(pos)
-            sums: dict[int, float] = {}
-            for p, s in zip(pos, score):
-                sums[p // chunk_length] = sums.get(p // chunk_length, 0.0) + finite(s)
-            if scope == "layer":
-                sums = {c: layer_sums[c] for c in sums}
-            keep = [p for p, pr in zip(pos, prot) if pr]
-            free = budget - len(keep)
-            for chunk in sorted(sums, key=lambda c: (sums[c], c), reverse=True):
-                members = sorted((p for p, pr in zip(pos, prot) if not pr and p // chunk_length == chunk), reverse=True)
-                take = members[:max(free, 0)]
-                keep += take
-                free -= len(take)
-            row.append(sorted(keep))
-        kept.append(row)
-    return kept
 
 
 def kept_positions(policy, layer, budget) -> list[list[list[int]]]:
@@ -70,8 +36,8 @@ def random_view(seed: int, batch=2, heads=3, n=97, span=400) -> LayerView:
 def test_random_views_keep_what_the_reference_keeps(seed, chunk_length, scorer, scope):
     layer, budget = random_view(seed), 41
     policy = Chunked(scorer, chunk_length=chunk_length, scope=scope)
-    expected = reference_keep(scorer.score(layer), scorer.protected(layer, budget), layer.positions, budget,
-                              chunk_length, scope)
+    scores, protected = scores_and_protected(policy, layer, budget)  # the chunk sums by loops
+    expected = [choose(*row, [budget] * len(row[0])) for row in zip(scores, protected, layer.positions.tolist())]
     assert kept_positions(policy, layer, budget) == expected
 
 
@@ -95,35 +61,6 @@ def test_whole_chunks_are_kept_and_only_one_is_cut():
             assert sum(c not in (0, length) for c in counts) == 1 and sorted(counts)[-4:] == [length] * 4
 
 
-@dataclass
-class ReferenceChecked(Chunked):
-    """Chunked that checks every eviction of a real prefill against the brute-force reference."""
-
-    def evict_indices(self, layer: LayerView, budget: int) -> torch.Tensor:
-        drop = super().evict_indices(layer, budget)
-        keep = torch.ones_like(layer.positions, dtype=torch.bool).scatter_(-1, drop, False)
-        got = [[sorted(layer.positions[b, h][keep[b, h]].tolist()) for h in range(keep.shape[1])] for b in range(keep.shape[0])]
-        scores = self.scorer.score(layer)
-        assert got == reference_keep(scores, self.scorer.protected(layer, budget), layer.positions, budget,
-                                     self.chunk_length, self.scope)
-        self.__dict__["checked"] = self.__dict__.get("checked", 0) + 1
-        return drop
-
-
-@pytest.mark.integration
-@pytest.mark.extended
-def test_block_wise_prefill_matches_the_reference_at_every_eviction():
-    from keydiff.engine import generate, prefill
-    from tests.conftest import tiny_llama
-
-    model, policy = tiny_llama(), ReferenceChecked(SnapKV(window=8), chunk_length=5)
-    prompt = torch.randint(0, 256, (1, 300), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        state = prefill(model, prompt, policy, budget=64, block_size=32)
-        generate(model, state, max_new_tokens=3)
-    assert policy.checked >= 8  # evictions after blocks and tokens were all compared
-
-
 @pytest.mark.integration
 @pytest.mark.extended
 @pytest.mark.parametrize("name,params", [("snapkv", {"window": 8}), ("keydiff", {"window_fraction": 0.2})])
@@ -141,22 +78,6 @@ def test_chunk_length_one_is_the_wrapped_scorer(name, params):
             kept = [p.sort(dim=-1).values.tolist() for p in state.kept_positions]
             outputs.append((kept, generate(model, state, max_new_tokens=4).token_ids))
     assert outputs[0] == outputs[1]
-
-
-def test_chunks_change_the_choice():
-    """chunk_length 20 keeps different positions from SnapKV alone (the wrapper is not a no-op)."""
-    layer = random_view(0)
-    assert kept_positions(Chunked(SnapKV(window=8), 20), layer, 41) != kept_positions(SnapKV(window=8), layer, 41)
-
-
-@pytest.mark.integration
-@pytest.mark.extended
-def test_check_policy_passes():
-    from keydiff.testing import check_policy
-
-    check_policy("snapkv", window=8, chunk_length=20)
-    check_policy(Chunked(KNorm(), chunk_length=7))
-    check_policy("keydiff", window_fraction=0.2, chunk_length=5, layer_budgets={"schedule": "pyramid", "beta": 4})
 
 
 def test_build_and_describe_round_trip():

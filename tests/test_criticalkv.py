@@ -1,152 +1,19 @@
-"""CriticalKV (keydiff.policies.criticalkv.Critical) against a brute-force reference written as plain loops, at
-every eviction of a real block-wise prefill and decoding on the tiny model."""
+"""CriticalKV (keydiff.policies.criticalkv.Critical): its formula (||W_o v||_1, epsilon per query row, shifted and
+log scores, stage 1 per head), parameters and errors. Every eviction of a real prefill and decoding is checked
+against plain loops by tests/test_policy_contract.py."""
 
 from __future__ import annotations
-
-import math
 
 import pytest
 import torch
 
-from keydiff.engine import generate, prefill
-from keydiff.policies import Critical, build_policy
+from keydiff.policies import build_policy
 from keydiff.policies.base import LayerView
 from keydiff.policies.criticalkv import STATE, critical_scores, output_norms
-from keydiff.testing import check_policy, variant
 from tests.conftest import tiny_llama
+from tests.test_policy_contract import loop_norms
 
 pytestmark = pytest.mark.integration
-
-BUDGET, BLOCK, LENGTH = 40, 16, 150
-
-
-def brute_force_norms(values: torch.Tensor, weight: torch.Tensor, heads: int) -> torch.Tensor:
-    """||W_o^h v||_1 averaged over the query heads of each KV group, one head and one entry at a time."""
-    batch, kv_heads, n, dim = values.shape
-    groups = heads // kv_heads
-    out = torch.zeros(batch, kv_heads, n, dtype=torch.float64)
-    for b in range(batch):
-        for j in range(kv_heads):
-            for e in range(n):
-                total = 0.0
-                for h in range(j * groups, (j + 1) * groups):  # the query heads reading KV head j (repeat_kv)
-                    rows = weight[:, h * dim:(h + 1) * dim].double()  # o_proj's input columns of head h
-                    total += float((rows @ values[b, j, e].double()).abs().sum())
-                out[b, j, e] = total / groups
-    return out
-
-
-def reference_kept(raw, protect, norms, positions, budget, ratio, epsilon, log_scores=False) -> list[list[list[int]]]:
-    """Kept positions per (row, head) by loops: protected entries; then the floor(ratio x budget) best raw scores
-    (protected ranked first, ties to the newer position); then the best (score' + eps) x norm until the budget
-    (eps: the epsilon on the raw scores' scale, see `query_rows`)."""
-    kept = []
-    for b in range(positions.shape[0]):
-        row = []
-        for h in range(positions.shape[1]):
-            pos = positions[b, h].tolist()
-            score = raw[b, h].float().tolist()
-            prot = protect[b, h].tolist() if protect is not None else [False] * len(pos)
-            norm = norms[b, h].tolist()
-            order = sorted(range(len(pos)), key=lambda i: (prot[i], score[i], pos[i]), reverse=True)
-            stage_one = set(order[:math.floor(ratio * budget + 1e-9)]) | {i for i in range(len(pos)) if prot[i]}
-            shift = min(0.0, min(s for s in score if math.isfinite(s)))
-            def rescaled(i):
-                if log_scores:
-                    return math.log(math.exp(score[i]) + epsilon) + math.log(norm[i])
-                return (score[i] - shift + epsilon) * norm[i]
-            rest = sorted((i for i in range(len(pos)) if i not in stage_one), key=lambda i: (rescaled(i), pos[i]), reverse=True)
-            keep = list(stage_one) + rest[:budget - len(stage_one)]
-            row.append(sorted(pos[i] for i in keep))
-        kept.append(row)
-    return kept
-
-
-def query_rows(policy: Critical, positions: torch.Tensor) -> int:
-    """How many query rows an attention-sum scorer's raw scores add up at this eviction (1 for the others):
-    SnapKV's window rows of the block just run (min(window, block length)), one row while decoding, TOVA one."""
-    window = policy.scorer.needs.attention_rows
-    if not isinstance(window, int) or window <= 1:
-        return 1
-    newest = int(positions.max())
-    block_length = newest % BLOCK + 1 if newest < LENGTH else 1  # prefill blocks of BLOCK from 0, then decoding
-    return min(window, block_length)
-
-
-def recorded_run(policy: Critical, model, prompt, new_tokens=6):
-    """Run prefill + decoding with a variant of `policy` that records, at every eviction, what the policy saw and
-    what it kept (all tensors copied)."""
-    records = []
-
-    def evict_indices(self, layer: LayerView, budget: int) -> torch.Tensor:
-        raw = self.scorer.score(layer).clone()
-        protect = self.scorer.protected(layer, budget)
-        dropped = super(type(self), self).evict_indices(layer, budget)
-        keep = torch.ones_like(layer.positions, dtype=torch.bool).scatter_(-1, dropped, False)
-        kept = [[sorted(layer.positions[b, h][keep[b, h]].tolist()) for h in range(keep.shape[1])]
-                for b in range(keep.shape[0])]
-        records.append({"layer": layer.layer_idx, "values": layer.values.clone(), "positions": layer.positions.clone(),
-                        "raw": raw, "protect": None if protect is None else protect.clone(),
-                        "norms": layer.state[STATE].clone(), "budget": budget, "kept": kept})
-        return dropped
-
-    recording = variant(policy, evict_indices=evict_indices)
-    state = prefill(model, prompt, recording, budget=BUDGET, block_size=BLOCK)
-    generate(model, state, new_tokens)
-    return records
-
-
-@pytest.mark.extended
-@pytest.mark.parametrize("name, params", [
-    ("snapkv", {}),  # attention scores (non-negative): kvpress's formula as it is
-    ("snapkv", {"critical_epsilon": 0.05}),  # epsilon per query row weighs: 16 rows per prefill block, 1 decoding
-    ("keydiff", {"window_fraction": 0.2}),  # negative scores (-cos), a recent window protected
-    ("tova", {"critical_epsilon": 0.01, "first_stage_ratio": 0.25}),
-    ("expected_attention", {"use_vnorm": False}),  # log scores
-])
-def test_every_eviction_matches_the_brute_force_reference(name, params):
-    model = tiny_llama()
-    prompt = torch.randint(0, 256, (1, LENGTH), generator=torch.Generator().manual_seed(3))
-    policy = build_policy(name, critical=True, **params)
-    records = recorded_run(policy, model, prompt)
-    layers = model.model.layers
-    heads = model.config.num_attention_heads
-    block_ends = [min(end, LENGTH) for end in range(BLOCK, LENGTH + BLOCK, BLOCK)]
-    assert len(records) == 3 * (sum(end > BUDGET for end in block_ends) + 5)  # per layer: every over-full block, 5 decoded tokens
-    for record in records:
-        weight = layers[record["layer"]].self_attn.o_proj.weight.detach()
-        expected_norms = brute_force_norms(record["values"], weight, heads)
-        torch.testing.assert_close(record["norms"].double(), expected_norms, rtol=1e-5, atol=1e-6)
-        expected = reference_kept(record["raw"], record["protect"], record["norms"], record["positions"], record["budget"],
-                                  policy.first_stage_ratio, policy.epsilon * query_rows(policy, record["positions"]),
-                                  policy.scorer.needs.log_scores)
-        assert record["kept"] == expected, f"layer {record['layer']}: CriticalKV kept other entries than the reference"
-
-
-@pytest.mark.extended
-def test_first_stage_entries_are_always_kept():
-    """The floor(ratio x budget) best entries by the scorer's own scores survive every eviction, even when their
-    output norm is tiny: stage 2 never competes with them."""
-    model = tiny_llama()
-    prompt = torch.randint(0, 256, (1, LENGTH), generator=torch.Generator().manual_seed(4))
-    records = recorded_run(build_policy("keydiff", critical=True, first_stage_ratio=0.5), model, prompt)
-    for record in records:
-        raw, positions = record["raw"], record["positions"]
-        count = math.floor(0.5 * record["budget"])
-        for h in range(raw.shape[1]):
-            order = sorted(range(raw.shape[2]), key=lambda i: (float(raw[0, h, i]), int(positions[0, h, i])), reverse=True)
-            best = {int(positions[0, h, i]) for i in order[:count]}
-            assert best <= set(record["kept"][0][h])
-
-
-@pytest.mark.extended
-def test_stage_two_changes_the_choice():
-    """Critical keeps other entries than its scorer alone (otherwise the reference test would prove little)."""
-    model = tiny_llama()
-    prompt = torch.randint(0, 256, (1, LENGTH), generator=torch.Generator().manual_seed(3))
-    plain = prefill(model, prompt, build_policy("snapkv"), budget=BUDGET, block_size=BLOCK).kept_positions
-    critical = prefill(model, prompt, build_policy("snapkv", critical=True), budget=BUDGET, block_size=BLOCK).kept_positions
-    assert any(not torch.equal(a, b) for a, b in zip(plain, critical))
 
 
 @pytest.mark.unit
@@ -158,7 +25,8 @@ def test_output_norms_against_loops_with_grouped_heads(chunk_elements, monkeypat
     g = torch.Generator().manual_seed(0)
     values = torch.randn(2, 3, 7, 8, generator=g)
     weight = torch.randn(20, 6 * 8, generator=g)  # 6 query heads over 3 KV heads
-    torch.testing.assert_close(output_norms(values, weight).double(), brute_force_norms(values, weight, 6), rtol=1e-5, atol=1e-6)
+    loops = torch.stack([torch.stack([loop_norms(values[b, j], weight, 2, j) for j in range(3)]) for b in range(2)])
+    torch.testing.assert_close(output_norms(values, weight).double(), loops, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="does not match values"):
         output_norms(values, torch.randn(20, 5 * 8))
 
@@ -202,18 +70,6 @@ def test_negative_scores_are_shifted_so_a_larger_norm_never_lowers_an_entry():
     logs = torch.tensor([[[-5.0, -1.0]]])
     expected = torch.log((logs.exp() + 0.01) * torch.tensor([[[2.0, 0.5]]]))
     torch.testing.assert_close(critical_scores(logs, torch.tensor([[[2.0, 0.5]]]), 0.01, True), expected)
-
-
-@pytest.mark.extended
-@pytest.mark.parametrize("name, params", [
-    ("snapkv", {"critical": True}),
-    ("keydiff", {"critical": True, "window_fraction": 0.2}),
-    ("h2o", {"critical": True, "recent_fraction": 0.5}),
-    ("keydiff", {"critical": True, "layer_budgets": {"schedule": "pyramid", "beta": 4, "window": 0}}),
-])
-def test_check_policy_passes(name, params):
-    summary = check_policy(name, **params)
-    assert summary["evictions"] > 0 and not summary["stacked"]
 
 
 @pytest.mark.unit

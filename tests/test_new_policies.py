@@ -1,4 +1,5 @@
-"""Expected Attention, LagKV and PyramidKV layer budgets against brute-force references (loops, explicit matrices)."""
+"""Expected Attention, LagKV and PyramidKV layer budgets against brute-force references (loops, explicit matrices).
+Their choices in a real prefill, and the N_l + B bound, are checked by tests/test_policy_contract.py."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from keydiff import build_policy, generate, prefill
+from keydiff import build_policy, prefill
 from keydiff.policies import LayerView
 from keydiff.policies.layer_budgets import smallest_layer_budget, split_budget
 from keydiff.queries import QueryStatistics, mean_rotation, rope_frequencies
@@ -144,21 +145,6 @@ def test_expected_attention_statistics_in_a_real_prefill_are_the_pre_rope_querie
 
 
 @pytest.mark.integration
-@pytest.mark.extended
-def test_expected_attention_runs_block_wise_within_the_bound_and_keeps_sinks(model):
-    ids = torch.randint(0, 256, (1, 300), generator=torch.Generator().manual_seed(3))
-    peaks = []
-    state = prefill(model, ids, build_policy("expected_attention"), budget=64, block_size=32,
-                    on_block=lambda cache: peaks.append(max(layer.num_entries for layer in cache.layers)))
-    assert max(peaks) == 64  # after every block's eviction: exactly the budget
-    assert state.cache.layer_budgets == [64] * 3 and state.cache.layer_max_entries == [64 + 32] * 3  # N + B, reached
-    for kept in state.kept_positions:
-        assert kept.shape[-1] == 64 and bool((kept[..., :4] == torch.arange(4)).all())
-    out = generate(model, state, 4)
-    assert out.max_cache_entries == 96 and state.cache.layer_max_entries == [64 + 32] * 3  # decoding adds one at a time
-
-
-@pytest.mark.integration
 def test_expected_attention_without_the_keydiff_attention_function_says_what_to_do(model):
     from keydiff import EvictingCache
 
@@ -220,42 +206,6 @@ def test_lagkv_matches_loop_reference_in_any_buffer_order(n):
     for h in range(2):
         order = sorted(range(n), key=lambda i: (-float(reference[0, h, i]), -int(positions[0, h, i])))
         assert kept[0, h].tolist() == sorted(order[:budget])
-
-
-def lagkv_rescoring_reference(keys, values, budget, block, n_sink, lag):
-    """LagKV `rescore` streamed as a loop, one head: after each block, the survivors are scored again from
-    scratch by the per-view loop reference (`lagkv_reference`) and the lowest (score, older first) go."""
-    entries = []
-    for start in range(0, keys.shape[0], block):
-        entries += range(start, min(start + block, keys.shape[0]))
-        if len(entries) <= budget:
-            continue
-        positions = torch.tensor(entries)
-        scores = lagkv_reference(keys[positions][None, None], values[positions][None, None], positions[None, None],
-                                 n_sink, lag)[0, 0]
-        ranked = sorted(range(len(entries)), key=lambda i: (-float(scores[i]), -entries[i]))  # kept first
-        entries = sorted(entries[i] for i in ranked[:budget])
-    return entries
-
-
-@pytest.mark.integration
-@pytest.mark.extended
-@pytest.mark.parametrize("scoring", ["frozen", "rescore"])
-def test_lagkv_block_wise_prefill_keeps_what_the_loop_reference_keeps(model, scoring):
-    """Layer 0's keys and values do not depend on what was evicted (they are projections of the embeddings), so
-    its choices in a real block-wise prefill are those of the loop references fed a plain forward's keys."""
-    ids = torch.randint(0, 256, (1, 300), generator=torch.Generator().manual_seed(5))
-    state = prefill(model, ids, build_policy("lagkv", lag_size=16, scoring=scoring), budget=64, block_size=32)
-    assert state.cache.layer_budgets == [64] * 3 and state.cache.layer_max_entries == [64 + 32] * 3  # N + B, reached
-    for kept in state.kept_positions:
-        assert kept.shape[-1] == 64 and bool((kept[..., :4] == torch.arange(4)).all())
-        assert int(kept[..., -1].min()) == 299  # the newest (unscored) partition survives
-    with torch.no_grad():
-        plain = model(ids, use_cache=True).cache.layers[0]
-    reference = lagkv_streaming_reference if scoring == "frozen" else lagkv_rescoring_reference
-    for head in range(plain.keys.shape[1]):
-        expected = reference(plain.keys[0, head].float(), plain.values[0, head].float(), 64, 32, 4, 16)
-        assert state.kept_positions[0][0, head].tolist() == expected
 
 
 def lagkv_streaming_reference(keys, values, budget, block, n_sink, lag):
@@ -437,7 +387,7 @@ def test_layer_budget_errors_name_the_key_and_the_choices():
 @pytest.mark.integration
 @pytest.mark.extended
 @pytest.mark.parametrize("name, arithmetic", [("keydiff", "exact"), ("snapkv", "exact"), ("keydiff", "kvcache_factory")])
-def test_pyramid_per_layer_bound_and_kept_counts_in_a_real_prefill(name, arithmetic):
+def test_pyramid_budgets_and_kept_counts_in_a_real_prefill(name, arithmetic):
     model = tiny_llama(num_hidden_layers=5)
     spec = {"schedule": "pyramid", "beta": 4, "window": 32 if name == "snapkv" else 0, "arithmetic": arithmetic}
     policy = build_policy(name, layer_budgets=spec)
@@ -450,19 +400,10 @@ def test_pyramid_per_layer_bound_and_kept_counts_in_a_real_prefill(name, arithme
                ("keydiff", "kvcache_factory"): [105, 83, 61, 39, 17]}
     assert expected == by_hand[name, arithmetic]
     assert (sum(expected) == 5 * budget) == (arithmetic == "exact") and len(set(expected)) == 5
-
-    def check(cache):
-        for layer, layer_budget in zip(cache.layers, expected):
-            assert layer.budget == layer_budget and layer.num_entries <= layer_budget
-            assert layer.max_entries <= layer_budget + block
-
     ids = torch.randint(0, 256, (1, 300), generator=torch.Generator().manual_seed(6))
-    state = prefill(model, ids, policy, budget=budget, block_size=block, on_block=check)
-    assert [kept.shape[-1] for kept in state.kept_positions] == expected
-    assert state.cache.layer_budgets == expected
+    state = prefill(model, ids, policy, budget=budget, block_size=block)  # the bound: tests/test_policy_contract.py
+    assert [kept.shape[-1] for kept in state.kept_positions] == expected == state.cache.layer_budgets
     assert state.cache.layer_max_entries == [b + block for b in expected]
-    generate(model, state, 3)
-    assert state.cache.layer_max_entries == [b + block for b in expected]  # decoding adds one at a time
 
 
 def test_run_statistics_check_each_layer_against_its_own_bound():
