@@ -1,9 +1,11 @@
-"""keydiff.cache.evict, the one eviction of dense rows (a storage's, a block group's, the fixed-shape step's).
+"""keydiff.cache.evict, the eviction of dense rows (a storage's, a block group's, the fixed-shape step's) and of
+head-adaptive pools.
 
-What is checked: nothing else in keydiff/ asks a policy which dense entries to drop (`evict_indices`), outside the
-policies themselves and the tools that wrap them; with `active` given, idle rows keep their entries and their
-state (H2O observes on a copy, written back to active rows only) while active rows evict exactly as they do
-without a mask. Whole runs through each caller are compared in test_fixed_shapes.py and test_batching.py.
+What is checked: nothing else in keydiff/ asks a policy what to drop (`evict_indices`, `keep_heads`,
+`drop_pool`), outside the policies themselves and the tools that wrap them; with `active` given, idle rows keep
+their entries and their state (H2O observes on a copy, written back to active rows only) while active rows evict
+exactly as they do without a mask. Whole runs through each caller are compared in test_fixed_shapes.py and
+test_batching.py; the head-adaptive eviction in test_adakv.py and test_adakv_pools.py.
 """
 
 import ast
@@ -35,9 +37,9 @@ def choice_calls(names: tuple[str, ...]) -> list[str]:
     return calls
 
 
-def test_only_evict_asks_a_policy_which_dense_entries_to_drop():
-    calls = choice_calls(("evict_indices",))
-    assert len(calls) == 1 and calls[0].startswith("cache/evict.py:"), calls
+def test_only_the_eviction_asks_a_policy_what_to_drop():
+    calls = choice_calls(("evict_indices", "keep_heads", "drop_pool"))
+    assert calls and all(call.startswith("cache/evict.py:") for call in calls), calls
 
 
 def block(slots: int, layers: int, heads: int, capacity: int, dim: int) -> SimpleNamespace:

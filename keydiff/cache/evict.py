@@ -1,11 +1,12 @@
-"""The eviction of dense rows: one function for a storage, a group of block slots and the fixed-shape step.
+"""The eviction: `evict` for dense rows (a storage's, a group of block slots', the fixed-shape step's) and
+`evict_segments` for head-adaptive pools; the only places outside the policies that ask a policy what to drop.
 
-Rows of one or several layers and sequences are cut from base tensors (`Rows`) and seen as one batch of rows
+Dense rows of one or several layers and sequences are cut from base tensors (`Rows`) and seen as one batch of rows
 [R, kv_heads, capacity(, dim)]. `evict` sets the new entries' policy state (`init_fresh`), lets the policy observe
-the pass, asks it which entries to drop (the only such call for dense rows) and moves the survivors into their
-places (`drop_entries`), then re-rotates kept keys for a `key_rerotation` policy. It reads nothing on the host and
-branches only on Python ints and None, so the fixed-shape step runs it inside a compiled / captured region; the
-entry counts are the caller's.
+the pass, asks it which entries to drop and moves the survivors into their places (`drop_entries`), then
+re-rotates kept keys for a `key_rerotation` policy. It reads nothing on the host and branches only on Python ints
+and None, so the fixed-shape step runs it inside a compiled / captured region; the entry counts are the caller's.
+`evict_segments` does the same for pools of per-head segments (keydiff.cache.adaptive), one move for every row.
 
 Design: docs/design/cache.md#eviction-evictpy
 """
@@ -17,7 +18,7 @@ from typing import Any, Callable
 
 import torch
 
-from keydiff.policies.base import LayerView, Policy
+from keydiff.policies.base import LayerView, Policy, PoolView
 from keydiff.policies.rerotation import STATE as ROTARY_STATE
 from keydiff.queries import QueryStatistics, rotate
 
@@ -55,7 +56,7 @@ class Rows:
         return keys[plane, self.first:self.stop], values[plane, self.first:self.stop]
 
     def buffers(self) -> dict[str, Any]:
-        """Every layer's rows as one batch of rows [R, kv_heads, capacity(, dim)]: "keys", "values", "positions", "state"."""
+        """Every layer's rows as one batch [R, kv_heads, capacity(, dim)]: "keys", "values", "positions", "state"."""
         def flat(buffer: torch.Tensor) -> torch.Tensor:
             part = buffer[self.first:self.stop] if self.slot_major else buffer[:, self.first:self.stop]
             return part.view(-1, *buffer.shape[2:])  # a view: a block's slots are consecutive, a stack is whole
@@ -162,10 +163,11 @@ def evict(rows: Rows, n: int, budget: int, policy: Policy, signals: Signals = NO
             "keydiff.generate do)"
         )
     dropped = policy.evict_indices(view, budget)  # [R, kv_heads, n - budget]
-    if active is not None and n - budget == 1:  # decoding: the new entry moves into the dropped place; an idle row's onto itself
+    if active is not None and n - budget == 1:
+        # decoding in fixed shapes: the new entry moves into the dropped place, an idle row's onto itself
         tail = torch.full_like(dropped, budget)
         move_entries(buffers, tail, torch.where(active[:, None, None], dropped, tail))
-    else:  # (a fixed-shape block step: one sequence, every row active)
+    else:  # (with `active` given: a block step of one sequence, every row active)
         drop_entries(buffers, budget, n, dropped)
     if policy.key_rerotation is not None:
         if inv_freq is None:
@@ -218,5 +220,89 @@ def move_entries(rows: dict, sources: torch.Tensor, targets: torch.Tensor) -> No
         buffer.scatter_(2, targets, buffer.gather(2, sources))
 
 
-__all__ = ["NO_SIGNALS", "Rows", "Signals", "drop_entries", "evict", "init_fresh", "move_entries", "rerotate",
-           "write_active"]
+def chooses_pools(policy: Policy) -> bool:
+    """Whether `policy` chooses on whole pools (`drop_pool`): head-adaptive, pool-scoring, needing no attention or
+    query statistics."""
+    return policy.chooses_pools and policy.attention_rows == 0 and not policy.needs_queries
+
+
+def evict_segments(storages: list, policy: Policy, drop: bool = True, buffers: list[torch.Tensor] | None = None
+                   ) -> None:
+    """Evict head-adaptive pools (keydiff.cache.adaptive.AdaptiveStorage: per-head segments, counts on the host):
+    observe each head, then keep T = kv_heads x N entries in every row over it, with one move for all rows.
+    buffers: keys, values, positions, state as [rows, P, ...] holding every storage's rows (a PoolStack's
+    layers); None: the one storage's own. drop=False observes only. Key re-rotation is refused."""
+    first = storages[0]
+    if policy.key_rerotation is not None:
+        raise RuntimeError(f"{first.where()}: key re-rotation is not supported with head-adaptive budgets")
+    if buffers is None:
+        if first.keys is None:
+            first.attention = [None]
+            return
+        buffers = first.buffers()
+    for storage in storages:
+        storage.require_served()
+        storage.initialize_state()
+        if storage.attention[0] is not None:
+            for row in range(len(storage.counts)):
+                for head in range(storage.heads):
+                    policy.observe(storage.view_head(row, head))
+    over = [[row for row, total in enumerate(storage.row_totals()) if drop and total > storage.total_budget]
+            for storage in storages]
+    if any(over):
+        for storage in storages:
+            if policy.attention_rows != 0 and storage.attention[0] is None:
+                raise RuntimeError(f"policy {policy.name!r} needs attention statistics but none were recorded in "
+                                   f"{storage.where()}: run the model inside `with keydiff.keydiff_attention(model, "
+                                   "cache):`")
+            if policy.needs_queries and storage.queries[0] is None:
+                raise RuntimeError(f"policy {policy.name!r} needs query statistics but none were recorded in "
+                                   f"{storage.where()}: run the model inside `with keydiff.keydiff_attention(model, "
+                                   "cache):`")
+        drop_segments(storages, over, buffers, policy)
+    for storage in storages:
+        storage.attention = [None]
+
+
+def drop_segments(storages: list, over: list[list[int]], buffers: list[torch.Tensor], policy: Policy) -> None:
+    """Drop what the policy chooses in the rows `over` of each storage (whole pools: every row) and move the kept
+    entries past each segment's new end into its dropped cells (the k-th dropped cell below the end receives the
+    k-th kept entry past it; segments are disjoint and in head order, so one flat pairing serves every row)."""
+    keys, values, positions, *states = buffers
+    device, (rows, pool_size) = keys.device, keys.shape[:2]
+    starts = torch.tensor([row for storage in storages for row in storage.starts], device=device)  # [rows, heads]
+    counts = torch.tensor([row for storage in storages for row in storage.counts], device=device)
+    cells = torch.arange(pool_size, device=device)
+    member = (cells >= starts[..., None]) & (cells < (starts + counts)[..., None])  # [rows, heads, P]
+    # Segments lie in head order (`allocate` and `relayout` place them so; compaction never moves a start):
+    # a cell's head is the number of later heads whose segment starts at or before it.
+    owner = (cells >= starts[:, 1:, None]).sum(dim=1)  # [rows, P]
+    view = PoolView(keys=keys, positions=positions, state=dict(zip(storages[0].state_names, states)),
+                    member=member, owner=owner, counts=counts)
+    if chooses_pools(policy):
+        dropped = policy.drop_pool(view, storages[0].budget)  # bool [rows, P]
+    else:  # head by head: each row over its total, its heads' views at once
+        dropped = torch.zeros(rows, pool_size, dtype=torch.bool, device=device)
+        offset = 0
+        for storage, rows_over in zip(storages, over):
+            for row in rows_over:
+                keep = policy.keep_heads([storage.view_head(row, head) for head in range(storage.heads)],
+                                         storage.budget)
+                for start, count, mask in zip(storage.starts[row], storage.counts[row], keep):
+                    dropped[offset + row, start:start + count] = ~mask
+            offset += len(storage.counts)
+    kept_counts = counts - torch.zeros_like(counts).scatter_add_(1, owner, dropped.long())
+    new_ends = (starts + kept_counts).gather(1, owner)  # each cell's segment's new end
+    holes = (dropped & (cells < new_ends)).view(-1).nonzero().squeeze(1)
+    sources = (view.valid & ~dropped & (cells >= new_ends)).view(-1).nonzero().squeeze(1)
+    if holes.numel():
+        for buffer in buffers:
+            flat = buffer.view(rows * pool_size, -1) if buffer.dim() == 3 else buffer.view(-1)
+            flat.index_copy_(0, holes, flat.index_select(0, sources))
+    kept = kept_counts.tolist()
+    for storage in storages:
+        storage.counts, kept = kept[: len(storage.counts)], kept[len(storage.counts):]
+
+
+__all__ = ["NO_SIGNALS", "Rows", "Signals", "chooses_pools", "drop_entries", "drop_segments", "evict",
+           "evict_segments", "init_fresh", "move_entries", "rerotate", "write_active"]
