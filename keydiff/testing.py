@@ -90,8 +90,9 @@ def counting(policy: Policy, layers_batchable: bool, **class_attributes: Any) ->
         calls.append(sum(head.positions.shape[-1] for head in heads) - len(heads) * budget)
         return super(type(self), self).keep_heads(heads, budget)
 
-    def drop_pool(self: Policy, pool, budget: int) -> torch.Tensor:  # head-adaptive, whole pools at once
-        calls.append(int((pool.counts.sum(dim=1) - pool.counts.shape[1] * budget).clamp_min(0).sum()))
+    def drop_pool(self: Policy, pool, budget: int) -> torch.Tensor:  # head-adaptive (head by head: keep_heads counts)
+        if self.chooses_pools:  # whole pools at once
+            calls.append(int((pool.counts.sum(dim=1) - pool.counts.shape[1] * budget).clamp_min(0).sum()))
         return super(type(self), self).drop_pool(pool, budget)
 
     checked = variant(policy, layers_batchable=layers_batchable, _check_every_call=True, evict_indices=evict_indices,

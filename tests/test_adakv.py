@@ -76,6 +76,8 @@ class CheckedAdaptive(HeadAdaptive):
         """The pooled choice (all rows of all layers at once) against the loops, row by row: each row's heads
         cut out of the pool as one-head views and scored by the wrapped policy's own `score`."""
         dropped = super().drop_pool(pool, budget)
+        if not self.chooses_pools:  # head by head: every row's choice was checked by `keep_heads`
+            return dropped
         for row in range(pool.keys.shape[0]):
             heads, kept = [], []
             for head in range(pool.member.shape[1]):

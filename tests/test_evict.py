@@ -33,13 +33,15 @@ def choice_calls(names: tuple[str, ...]) -> list[str]:
             continue
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in names:
-                calls.append(f"{relative.as_posix()}:{node.lineno}")
+                calls.append(f"{relative.as_posix()}:{node.lineno} {node.func.attr}")
     return calls
 
 
-def test_only_the_eviction_asks_a_policy_what_to_drop():
+def test_the_eviction_asks_a_policy_what_to_drop_in_two_places_only():
+    """`evict` for dense rows, `drop_segments` for head-adaptive pools (head by head: the policy's own `drop_pool`)."""
     calls = choice_calls(("evict_indices", "keep_heads", "drop_pool"))
-    assert calls and all(call.startswith("cache/evict.py:") for call in calls), calls
+    assert [call.split(":")[0] for call in calls] == ["cache/evict.py"] * 2, calls
+    assert sorted(call.split()[-1] for call in calls) == ["drop_pool", "evict_indices"], calls
 
 
 def block(slots: int, layers: int, heads: int, capacity: int, dim: int) -> SimpleNamespace:

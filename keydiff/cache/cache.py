@@ -22,12 +22,12 @@ from transformers.cache_utils import Cache
 
 from keydiff.attention import bound_cache
 from keydiff.cache.adaptive import AdaptiveLayer, AdaptiveStorage, PoolStack
-from keydiff.cache.evict import chooses_pools, evict_segments
+from keydiff.cache.evict import evict_segments
 from keydiff.cache.layer import EvictingLayer
 from keydiff.cache.sliding import SlidingWindowLayer, layer_windows
 from keydiff.cache.storage import Storage
 from keydiff.config import STATISTICS_MODES
-from keydiff.policies.base import Policy
+from keydiff.policies.base import Policy, chooses_whole_pools
 from keydiff.queries import QueryStatistics, rope_frequencies
 
 # How close (relative to the largest value) a pass's layer-0 values must be to the kept ones to count as the
@@ -477,7 +477,7 @@ class EvictingCache(Cache):
         self._held = not drop
         with self.timed("eviction_s"):
             together = set()  # head-adaptive layers evicted with the rest of their pool stack, in one call
-            if drop and chooses_pools(self.policy) and self.policy.key_rerotation is None:
+            if drop and chooses_whole_pools(self.policy) and self.policy.key_rerotation is None:
                 stacks: dict[int, list[AdaptiveStorage]] = {}
                 for storage in self._storages:
                     if isinstance(storage, AdaptiveStorage) and storage.stack is not None:

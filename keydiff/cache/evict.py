@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import torch
 
-from keydiff.policies.base import LayerView, Policy, PoolView
+from keydiff.policies.base import LayerView, Policy, PoolView, chooses_whole_pools
 from keydiff.policies.rerotation import STATE as ROTARY_STATE
 from keydiff.queries import QueryStatistics, rotate
 
@@ -220,12 +220,6 @@ def move_entries(rows: dict, sources: torch.Tensor, targets: torch.Tensor) -> No
         buffer.scatter_(2, targets, buffer.gather(2, sources))
 
 
-def chooses_pools(policy: Policy) -> bool:
-    """Whether `policy` chooses on whole pools (`drop_pool`): head-adaptive, pool-scoring, needing no attention or
-    query statistics."""
-    return policy.chooses_pools and policy.attention_rows == 0 and not policy.needs_queries
-
-
 def evict_segments(storages: list, policy: Policy, drop: bool = True, buffers: list[torch.Tensor] | None = None
                    ) -> None:
     """Evict head-adaptive pools (keydiff.cache.adaptive.AdaptiveStorage: per-head segments, counts on the host):
@@ -247,9 +241,7 @@ def evict_segments(storages: list, policy: Policy, drop: bool = True, buffers: l
             for row in range(len(storage.counts)):
                 for head in range(storage.heads):
                     policy.observe(storage.view_head(row, head))
-    over = [[row for row, total in enumerate(storage.row_totals()) if drop and total > storage.total_budget]
-            for storage in storages]
-    if any(over):
+    if drop and any(total > storage.total_budget for storage in storages for total in storage.row_totals()):
         for storage in storages:
             if policy.attention_rows != 0 and storage.attention[0] is None:
                 raise RuntimeError(f"policy {policy.name!r} needs attention statistics but none were recorded in "
@@ -259,40 +251,33 @@ def evict_segments(storages: list, policy: Policy, drop: bool = True, buffers: l
                 raise RuntimeError(f"policy {policy.name!r} needs query statistics but none were recorded in "
                                    f"{storage.where()}: run the model inside `with keydiff.keydiff_attention(model, "
                                    "cache):`")
-        drop_segments(storages, over, buffers, policy)
+        drop_segments(storages, buffers, policy)
     for storage in storages:
         storage.attention = [None]
 
 
-def drop_segments(storages: list, over: list[list[int]], buffers: list[torch.Tensor], policy: Policy) -> None:
-    """Drop what the policy chooses in the rows `over` of each storage (whole pools: every row) and move the kept
-    entries past each segment's new end into its dropped cells (the k-th dropped cell below the end receives the
-    k-th kept entry past it; segments are disjoint and in head order, so one flat pairing serves every row)."""
+def drop_segments(storages: list, buffers: list[torch.Tensor], policy: Policy) -> None:
+    """Drop what the policy's `drop_pool` chooses in every row (each over its total: whole pools at once, or head by
+    head with `keep_heads`) and move the kept entries past each segment's new end into its dropped cells (the k-th
+    dropped cell below the end receives the k-th kept entry past it; segments are disjoint and in head order, so
+    one flat pairing serves every row)."""
     keys, values, positions, *states = buffers
     device, (rows, pool_size) = keys.device, keys.shape[:2]
-    starts = torch.tensor([row for storage in storages for row in storage.starts], device=device)  # [rows, heads]
+    starts = [row for storage in storages for row in storage.starts]  # [rows][heads]
     counts = torch.tensor([row for storage in storages for row in storage.counts], device=device)
     cells = torch.arange(pool_size, device=device)
-    member = (cells >= starts[..., None]) & (cells < (starts + counts)[..., None])  # [rows, heads, P]
+    first = torch.tensor(starts, device=device)
+    member = (cells >= first[..., None]) & (cells < (first + counts)[..., None])  # [rows, heads, P]
     # Segments lie in head order (`allocate` and `relayout` place them so; compaction never moves a start):
     # a cell's head is the number of later heads whose segment starts at or before it.
-    owner = (cells >= starts[:, 1:, None]).sum(dim=1)  # [rows, P]
+    owner = (cells >= first[:, 1:, None]).sum(dim=1)  # [rows, P]
+    rows_of = [(storage, row) for storage in storages for row in range(len(storage.counts))]
     view = PoolView(keys=keys, positions=positions, state=dict(zip(storages[0].state_names, states)),
-                    member=member, owner=owner, counts=counts)
-    if chooses_pools(policy):
-        dropped = policy.drop_pool(view, storages[0].budget)  # bool [rows, P]
-    else:  # head by head: each row over its total, its heads' views at once
-        dropped = torch.zeros(rows, pool_size, dtype=torch.bool, device=device)
-        offset = 0
-        for storage, rows_over in zip(storages, over):
-            for row in rows_over:
-                keep = policy.keep_heads([storage.view_head(row, head) for head in range(storage.heads)],
-                                         storage.budget)
-                for start, count, mask in zip(storage.starts[row], storage.counts[row], keep):
-                    dropped[offset + row, start:start + count] = ~mask
-            offset += len(storage.counts)
+                    member=member, owner=owner, counts=counts, starts=starts,
+                    head=lambda row, head: rows_of[row][0].view_head(rows_of[row][1], head))
+    dropped = policy.drop_pool(view, storages[0].budget)  # bool [rows, P]
     kept_counts = counts - torch.zeros_like(counts).scatter_add_(1, owner, dropped.long())
-    new_ends = (starts + kept_counts).gather(1, owner)  # each cell's segment's new end
+    new_ends = (first + kept_counts).gather(1, owner)  # each cell's segment's new end
     holes = (dropped & (cells < new_ends)).view(-1).nonzero().squeeze(1)
     sources = (view.valid & ~dropped & (cells >= new_ends)).view(-1).nonzero().squeeze(1)
     if holes.numel():
@@ -304,5 +289,5 @@ def drop_segments(storages: list, over: list[list[int]], buffers: list[torch.Ten
         storage.counts, kept = kept[: len(storage.counts)], kept[len(storage.counts):]
 
 
-__all__ = ["NO_SIGNALS", "Rows", "Signals", "chooses_pools", "drop_entries", "drop_segments", "evict",
-           "evict_segments", "init_fresh", "move_entries", "rerotate", "write_active"]
+__all__ = ["NO_SIGNALS", "Rows", "Signals", "drop_entries", "drop_segments", "evict", "evict_segments", "init_fresh",
+           "move_entries", "rerotate", "write_active"]
