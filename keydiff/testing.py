@@ -21,6 +21,7 @@ import torch
 
 from keydiff.engine import generate, prefill
 from keydiff.policies import LayerBudgets, LayerView, Policy, compose_policy, policy_class, require_own_dataclass
+from keydiff.policies.base import chooses_whole_pools
 
 
 class PolicyCheckError(AssertionError):
@@ -92,8 +93,9 @@ def counting(policy: Policy, rows_alike: bool, **needs: Any) -> tuple[Policy, li
         calls.append(sum(head.positions.shape[-1] for head in heads) - len(heads) * budget)
         return super(type(self), self).keep_heads(heads, budget)
 
-    def drop_pool(self: Policy, pool, budget: int) -> torch.Tensor:  # head-adaptive, whole pools at once
-        calls.append(int((pool.counts.sum(dim=1) - pool.counts.shape[1] * budget).clamp_min(0).sum()))
+    def drop_pool(self: Policy, pool, budget: int) -> torch.Tensor:  # head-adaptive (head by head: keep_heads counts)
+        if chooses_whole_pools(self):  # whole pools at once
+            calls.append(int((pool.counts.sum(dim=1) - pool.counts.shape[1] * budget).clamp_min(0).sum()))
         return super(type(self), self).drop_pool(pool, budget)
 
     checked = variant(policy, needs=replace(policy.needs, rows_alike=rows_alike, **needs), _check_every_call=True,

@@ -1,4 +1,4 @@
-"""Head-adaptive eviction over whole pools (keydiff.cache.adaptive.evict_pools / evict_stack, AdaKV's
+"""Head-adaptive eviction over whole pools (keydiff.cache.evict.evict_segments over a PoolStack, AdaKV's
 `drop_pool`): the choice AdaKV makes head by head, for every layer at once, in one allocation.
 
 What is checked: the pooled selection (`adakv_drop_pool`) equals `adakv_keep` on random keys with ties and
@@ -16,6 +16,7 @@ from keydiff import build_policy, generate, prefill
 from keydiff.cache import adaptive
 from keydiff.policies.adakv import FORCED, adakv_drop_pool, adakv_keep
 from keydiff.policies.base import LayerView, PoolView, score_then_position
+from keydiff.testing import variant
 from tests.conftest import tiny_llama
 
 pytestmark = pytest.mark.unit
@@ -103,25 +104,28 @@ def run(model, ids, policy, new_tokens=6, evict=True):
 
 @pytest.mark.integration
 @pytest.mark.extended
-def pool_evictions(cache) -> list[dict[int, int]]:
-    """Per layer, {layers chosen in one pool eviction: such evictions} (AdaptiveStorage.pool_evictions)."""
-    return [dict(layer.storage.pool_evictions) for layer in cache.layers]
-
-
 def test_all_layers_are_evicted_in_one_call_and_keep_what_layer_by_layer_keeps(monkeypatch):
     model = tiny_llama()
     ids = torch.randint(0, 256, (2, LENGTH), generator=torch.Generator().manual_seed(3))
-    together = run(model, ids, build_policy("keydiff", head_budgets="adakv"))
-    counts = pool_evictions(together[0].cache)
-    assert counts[0] and all(c == counts[0] and set(c) == {3} for c in counts)  # every eviction: the 3 layers at once
+    calls = []
+
+    def counted(self, pool, budget):  # the rows of every pool chosen in one call
+        calls.append(pool.keys.shape[0])
+        return super(type(self), self).drop_pool(pool, budget)
+
+    def counting():
+        return variant(build_policy("keydiff", head_budgets="adakv"), drop_pool=counted)
+
+    together = run(model, ids, counting())
+    assert calls and set(calls) == {3 * 2}  # every eviction: the 3 layers' pools (2 rows each) at once
     stack = together[0].cache.layers[0].storage.stack
     assert all(layer.storage.in_stack and layer.storage.stack is stack for layer in together[0].cache.layers)
     assert stack.keys.shape[:2] == (3, 2)  # [layers, batch, P, dim]: one allocation
     # the same run with the stack refused (no layer fits it): each layer's pool evicted on its own
     monkeypatch.setattr(adaptive.PoolStack, "claim", lambda *args, **kwargs: None)
-    alone = run(model, ids, build_policy("keydiff", head_budgets="adakv"))
-    counts = pool_evictions(alone[0].cache)
-    assert counts[0] and all(c == counts[0] and set(c) == {1} for c in counts)
+    calls.clear()
+    alone = run(model, ids, counting())
+    assert calls and set(calls) == {2}
     for ours, theirs in zip(together[0].cache.kept_positions(), alone[0].cache.kept_positions()):
         assert torch.equal(ours, theirs)
     assert together[1].token_ids == alone[1].token_ids

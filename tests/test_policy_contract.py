@@ -29,6 +29,7 @@ from keydiff import build_policy, generate, generate_batch, prefill
 from keydiff.batching import Request
 from keydiff.policies import Chunked, Critical, HeadAdaptive, LayerBudgets, LayerView, RecentWindow
 from keydiff.policies.adakv import relative_scores
+from keydiff.policies.base import chooses_whole_pools
 from keydiff.policies.criticalkv import STATE
 from keydiff.testing import variant
 from tests.conftest import CORE_POLICIES, extended_unless
@@ -234,8 +235,11 @@ def recorded(policy, model) -> tuple:
         return masks
 
     def drop_pool(self, pool, budget: int) -> torch.Tensor:
-        """Every row of the pools (layer-major, one sequence: row = layer) cut into one-head views."""
+        """Every row of the pools (layer-major, one sequence: row = layer) cut into one-head views; a head-by-head
+        choice (the default `drop_pool`) was checked by `keep_heads`."""
         dropped = super(type(self), self).drop_pool(pool, budget)
+        if not chooses_whole_pools(self):
+            return dropped
         for row in range(pool.keys.shape[0]):
             views, got = [], []
             for head in range(pool.member.shape[1]):

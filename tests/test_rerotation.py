@@ -1,4 +1,4 @@
-"""Key re-rotation (keydiff.policies.rerotation, done by keydiff.cache.storage.Storage.rerotate): the kept keys
+"""Key re-rotation (keydiff.policies.rerotation, done by keydiff.cache.evict.rerotate): the kept keys
 equal the model's own keys recomputed from the pre-RoPE keys (k_proj's output, captured by a forward hook) at
 their new positions (right below the next token's under "contiguous" = true, kvpress's pipeline; 0..n-1 under
 "absolute"), and at every eviction every cached key is the model's key at the position the cache records for it

@@ -17,8 +17,8 @@ from typing import Any, Callable
 import torch
 
 from keydiff.cache import EvictingCache
-from keydiff.cache.storage import ROTARY_STATE, Placement, Storage, drop_entries, empty_buffers
-from keydiff.policies.base import LayerView
+from keydiff.cache.evict import Rows, evict
+from keydiff.cache.storage import Placement, Storage, empty_buffers
 
 
 def poolable(cache: EvictingCache, statistic: bool = False) -> bool:
@@ -331,46 +331,24 @@ def evict_groups(caches: list[EvictingCache], spans: list[slice] | None = None) 
 
 
 def _evict_group(block: RowBlock, first: int, members: list[EvictingCache]) -> None:
-    """What `Storage.evict` does for one stack, for consecutive slots at once (each row sees its own entries only)."""
+    """What `Storage.evict` does for one stack, for consecutive slots at once (each row sees its own entries only).
+    The new entries' state is set in the same call when every member wrote the same places, else each member's own."""
     storages = [cache.stack for cache in members]
     lead = storages[0]
-    count, n, budget = lead.count, lead.num_entries, lead.budget
-    stop, rows = first + len(members), len(members) * count
-
-    def flat(buffer: torch.Tensor) -> torch.Tensor:
-        return buffer[first:stop].reshape(rows, *buffer.shape[2:])  # a view: the slots are consecutive
-
-    buffers = {"keys": flat(block.keys), "values": flat(block.values), "positions": flat(block.positions),
-               "state": {name: flat(s) for name, s in block.state.items()}}
-    _initialize_group_state(storages, buffers)
-    view = LayerView(keys=buffers["keys"][:, :, :n], values=buffers["values"][:, :, :n],
-                     positions=buffers["positions"][:, :, :n], attention=None,
-                     state={name: s[:, :, :n] for name, s in buffers["state"].items()},
-                     layers=lead.layers * len(members))
-    drop_entries(buffers, budget, n, members[0].policy.evict_indices(view, budget))
-    for storage in storages:
-        storage.num_entries = budget
-        storage.attention = [None] * count
-
-
-def _initialize_group_state(storages: list[Storage], buffers: dict) -> None:
-    """The policy state of the entries the group wrote since its last eviction, in one call when all wrote the same slots."""
     starts = {storage.fresh for storage in storages}
-    lead = storages[0]
-    start, n = next(iter(starts)), lead.num_entries
-    if len(starts) != 1 or start is None or start >= n or lead.entry_state is None:
+    if len(starts) == 1:
+        fresh = lead.fresh
+        for storage in storages:
+            storage.fresh = None
+    else:
+        fresh = None
         for storage in storages:
             storage.initialize_state()  # each sequence's own
-        return
-    entries = LayerView(keys=buffers["keys"][:, :, start:n], values=buffers["values"][:, :, start:n],
-                        positions=buffers["positions"][:, :, start:n], attention=None, state={},
-                        layers=lead.layers * len(storages))
-    initial = lead.entry_state(entries)
-    for name, buffer in buffers["state"].items():
-        if name != ROTARY_STATE:
-            buffer[:, :, start:n] = initial.get(name, 0.0)
+    rows = Rows.of_block(block, lead.layers, first, first + len(members))
+    evict(rows, lead.num_entries, lead.budget, members[0].policy, fresh=fresh, where=lead.where())
     for storage in storages:
-        storage.fresh = None
+        storage.num_entries = lead.budget
+        storage.attention = [None] * lead.count
 
 
 def grouped_passes(groups: list[Group], caches: list[EvictingCache],

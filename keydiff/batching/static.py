@@ -24,9 +24,9 @@ from keydiff.attention import REGISTERED, STATISTIC_KWARG, StatisticBuffer, boun
 from keydiff.batching.blocks import poolable
 from keydiff.batching.graphs import CudaCalls, calls_for, stand_in_graphs, timed  # noqa: F401 - re-exported
 from keydiff.cache import EvictingCache
-from keydiff.cache.storage import ROTARY_STATE, Storage, drop_entries, move_entries
+from keydiff.cache.evict import Rows, Signals, evict, write_active
 from keydiff.device import out_of_memory
-from keydiff.policies.base import LayerView, Policy
+from keydiff.policies.base import Policy
 
 LOG = logging.getLogger(__name__)
 
@@ -52,77 +52,12 @@ def eligible(caches: list[EvictingCache], q: int = 1) -> bool:
     return True
 
 
-@dataclass(frozen=True)
-class Rows:
-    """The buffers a fixed-shape step runs on: base tensors plus how W rows are cut from them (views made when used,
-    so torch.compile sees each buffer once). base: keys, values, positions, state as [outer, inner, kv_heads,
-    capacity(, dim)]; first, stop: the W rows; planes: each plane's layer; sequence_of: [R] each row's sequence."""
-
-    base: dict[str, Any]
-    slot_major: bool
-    first: int
-    stop: int
-    planes: tuple[int, ...]
-    sequence_of: torch.Tensor
-
-    @property
-    def width(self) -> int:
-        return self.stop - self.first
-
-    @property
-    def layers(self) -> tuple[int, ...]:
-        """The model layer of each of the R rows (the policy's view names them)."""
-        width = self.width
-        if self.slot_major:
-            return self.planes * width
-        return tuple(layer for layer in self.planes for _ in range(width))
-
-    def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(keys, values) [W, kv_heads, capacity, dim] of one model layer's W rows."""
-        plane = self.planes.index(layer_idx)
-        keys, values = self.base["keys"], self.base["values"]
-        if self.slot_major:
-            return keys[self.first:self.stop, plane], values[self.first:self.stop, plane]
-        return keys[plane, self.first:self.stop], values[plane, self.first:self.stop]
-
-    def buffers(self) -> dict[str, Any]:
-        """Every layer's rows as one batch of rows [R, kv_heads, capacity(, dim)] (what `Storage.rows` is)."""
-        def flat(buffer: torch.Tensor) -> torch.Tensor:
-            part = buffer[self.first:self.stop] if self.slot_major else buffer[:, self.first:self.stop]
-            return part.view(-1, *buffer.shape[2:])  # a view: a block's slots are consecutive, a stack is whole
-
-        return {"keys": flat(self.base["keys"]), "values": flat(self.base["values"]),
-                "positions": flat(self.base["positions"]),
-                "state": {name: flat(s) for name, s in self.base["state"].items()}}
-
-    @classmethod
-    def of_storage(cls, storage: Storage) -> "Rows":
-        """A stack's own buffers [layers, batch, ...]: W = its batch rows, rows layer-major."""
-        width = storage.keys.shape[1]
-        base = {"keys": storage.keys, "values": storage.values, "positions": storage.positions, "state": storage.state}
-        sequence_of = torch.arange(width, device=storage.keys.device).repeat(storage.count)
-        return cls(base, False, 0, width, tuple(storage.layers), sequence_of)
-
-    @classmethod
-    def of_block(cls, block: Any, layers: tuple[int, ...], first: int = 0, stop: int | None = None) -> "Rows":
-        """Slots [first, stop) of a block (RowBlock, [slots, layers, ...]; default all): rows slot-major."""
-        stop = block.keys.shape[0] if stop is None else stop
-        base = {"keys": block.keys, "values": block.values, "positions": block.positions, "state": block.state}
-        sequence_of = torch.arange(stop - first, device=block.keys.device).repeat_interleave(block.keys.shape[1])
-        return cls(base, True, first, stop, tuple(layers), sequence_of)
-
-
 def statistic_buffer(rows: Rows, policy: Policy, keys: int) -> StatisticBuffer:
     """A float32 buffer for every layer's statistic over `keys` entries, laid out so it flattens to the R rows."""
     kv_heads, planes = rows.base["keys"].shape[2], len(rows.planes)
     shape = (rows.width, planes) if rows.slot_major else (planes, rows.width)
     buffer = torch.zeros(*shape, kv_heads, keys, dtype=torch.float32, device=rows.sequence_of.device)
     return StatisticBuffer(buffer, rows.planes, rows.slot_major, policy.needs.attention_rows, policy.needs.attention_reduction)
-
-
-def write_active(buffer: torch.Tensor, new: torch.Tensor, active: torch.Tensor) -> None:
-    """buffer = new in the active rows (bool [rows]), unchanged in the others (an idle slot's entries must stay)."""
-    buffer.copy_(torch.where(active.view(-1, *([1] * (buffer.dim() - 1))), new, buffer))
 
 
 class _FixedLayer(CacheLayerMixin):
@@ -277,38 +212,18 @@ class StaticStep:
         return output.logits[:, -1, :].float()
 
     def evict(self, positions: torch.Tensor, active: torch.Tensor) -> None:
-        """What `Storage.write` leaves to eviction and `Storage.evict` does, for all R rows at once."""
-        rows, n, q = self.rows.buffers(), self.budget, self.q
-        stop = n + q
+        """What `Storage.write` leaves to eviction (the new entries' positions), then `Storage.evict`'s eviction
+        for all R rows at once (keydiff.cache.evict.evict), the idle rows' masked."""
+        n, stop = self.budget, self.budget + self.q
         row_active = active[self.rows.sequence_of]  # [R]
+        rows = self.rows.buffers()
         new_positions = positions[self.rows.sequence_of][:, None, :].expand_as(rows["positions"][:, :, n:stop])
         write_active(rows["positions"][:, :, n:stop], new_positions, row_active)
-        new = LayerView(keys=rows["keys"][:, :, n:stop], values=rows["values"][:, :, n:stop],
-                        positions=rows["positions"][:, :, n:stop], attention=None, state={}, layers=self.rows.layers)
-        initial = self.policy.entry_state(new) if self.policy.needs.state else {}
-        for name, buffer in rows["state"].items():
-            if name != ROTARY_STATE:
-                fresh = initial.get(name)
-                fresh = torch.zeros_like(buffer[:, :, n:stop]) if fresh is None else fresh.to(buffer.dtype)
-                write_active(buffer[:, :, n:stop], fresh, row_active)
-        state = {name: s[:, :, :stop] for name, s in rows["state"].items()}
         attention = None
         if self.statistic is not None:  # [R, kv_heads, N + q], rows in the order of the buffers'
             attention = self.statistic.buffer.view(-1, *self.statistic.buffer.shape[2:])
-            state = {name: s.clone() for name, s in state.items()}  # observed apart: an idle row's state stays
-        view = LayerView(keys=rows["keys"][:, :, :stop], values=rows["values"][:, :, :stop],
-                         positions=rows["positions"][:, :, :stop], attention=attention, state=state,
-                         layers=self.rows.layers)
-        if attention is not None:  # what Storage.evict does first: the policy observes the pass (H2O accumulates)
-            self.policy.observe(view)
-            for name, buffer in rows["state"].items():
-                write_active(buffer[:, :, :stop], view.state[name], row_active)
-        dropped = self.policy.evict_indices(view, n)  # [R, kv_heads, q]
-        if q == 1:  # decoding: the new entry moves into the dropped place; an inactive row's onto itself
-            tail = torch.full_like(dropped, n)
-            move_entries(rows, tail, torch.where(row_active[:, None, None], dropped, tail))
-        else:  # a block: one sequence, every row active
-            drop_entries(rows, n, stop, dropped)
+        evict(self.rows, stop, n, self.policy, Signals(attention), fresh=n, active=row_active,
+              where="the fixed-shape step")
 
     def run(self, ids: torch.Tensor, positions: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
         """The step on these inputs (copied into the step's own buffers); next-token logits [W, vocab] (a copy)."""

@@ -3,6 +3,7 @@
     cache.py      EvictingCache: the transformers Cache that plans the storages and evicts
     layer.py      EvictingLayer: one layer as transformers sees it, a view of its plane in a Storage
     storage.py    Storage: the tensors and the entry count of one layer, or of every layer stacked
+    evict.py      the eviction: of dense rows (a storage's, a block group's, the fixed-shape step's) and of pools
     adaptive.py   head-adaptive budgets (AdaKV): a pool of per-head segments
     sliding.py    sliding-window layers of hybrid models: bounded by their window, never evicted
     placement.py  where each layer's keys will live (device, dtype)

@@ -2,7 +2,8 @@
 
 Each (batch row, KV head) owns a contiguous segment of a [batch, P, dim] pool, P = kv_heads x (N + B), so a
 layer holds at most kv_heads x N entries after eviction whatever the split between heads. `PoolStack` puts
-every bounded pool in one allocation so a pool-scoring policy evicts all layers in one call (`evict_pools`).
+every bounded pool in one allocation so a pool-scoring policy evicts all layers in one call
+(keydiff.cache.evict.evict_segments).
 Such a layer must run under `keydiff.keydiff_attention(model, cache)`.
 
 Design: docs/design/cache.md#head-adaptive-budgets-adaptivepy
@@ -11,19 +12,19 @@ Design: docs/design/cache.md#head-adaptive-budgets-adaptivepy
 from __future__ import annotations
 
 import math
-from collections import Counter
 from typing import Any, Callable
 
 import torch
 
+from keydiff.cache.evict import evict_segments
 from keydiff.cache.layer import EvictingLayer, refuse_batch_change
 from keydiff.cache.storage import empty_buffers
-from keydiff.policies.base import LayerView, Policy, PoolView
+from keydiff.policies.base import LayerView, Policy
 
 
 class PoolStack:
     """The pools of several head-adaptive layers in one allocation, [layers, batch, P, ...], so one eviction
-    scores, chooses and compacts every layer's rows at once (`evict_pools`). Each `AdaptiveStorage` still owns its
+    scores, chooses and compacts every layer's rows at once (keydiff.cache.evict.evict_segments). Each `AdaptiveStorage` still owns its
     segments and counts; a layer that does not fit or must grow takes buffers of its own."""
 
     def __init__(self, layers: tuple[int, ...]):
@@ -54,6 +55,12 @@ class PoolStack:
     def rows(self) -> list[torch.Tensor]:
         """Every buffer with the layers' rows flattened, [layers x batch, P, ...] (views)."""
         return [buffer.flatten(0, 1) for buffer in (self.keys, self.values, self.positions, *self.state.values())]
+
+    def holds(self, storages: list["AdaptiveStorage"]) -> bool:
+        """Whether `storages` are this stack's layers, in order, each written into it: `rows()` then holds every
+        row of theirs (the cache plans a stack only for layers of one budget)."""
+        return (self.keys is not None and [s.layers[0] for s in storages] == list(self.layers)
+                and all(s.in_stack for s in storages))
 
 
 class AdaptiveStorage:
@@ -88,7 +95,6 @@ class AdaptiveStorage:
         self.seen = 0
         self.max_total = 0  # peak entries held by one batch row of the layer (all heads), during a pass included
         self.allocations = 0
-        self.pool_evictions: Counter = Counter()  # layers chosen in one `evict_pools` call -> calls with this layer
         self.served = True  # whether keydiff's attention function computed the last pass (see `segments`)
 
     count = 1
@@ -143,7 +149,7 @@ class AdaptiveStorage:
                                                                    self.state_names)
         if claimed is not None:
             self.keys, self.values, self.positions, self.state = claimed
-        else:  # zero-filled: a free cell's values must be finite (scored with weight 0 by `evict_pools`)
+        else:  # zero-filled: a free cell's values must be finite (scored with weight 0 by `drop_segments`)
             keys, values, positions, state = empty_buffers(1, key_states[:, :1], value_states[:, :1], heads * per_head,
                                                            self.state_names)
             self.keys, self.values, self.positions = keys[0, :, 0].zero_(), values[0, :, 0].zero_(), positions[0, :, 0]
@@ -303,51 +309,9 @@ class AdaptiveStorage:
 
     def evict(self, policy: Policy, inv_freq: torch.Tensor | None = None, rotary_end: int | None = None,
               drop: bool = True) -> None:
-        """Observe the last pass's statistics, then keep T entries per batch row (the policy's `keep_heads`);
+        """Observe the last pass's statistics, then keep T entries per batch row (keydiff.cache.evict.evict_segments);
         drop=False observes only. Key re-rotation is not supported here."""
-        if policy.needs.key_rerotation is not None:
-            raise RuntimeError(f"{self.where()}: key re-rotation is not supported with head-adaptive budgets")
-        if self.keys is None:
-            self.attention = [None]
-            return
-        self.require_served()
-        self.initialize_state()
-        over = [row for row, total in enumerate(self.row_totals()) if drop and total > self.total_budget]
-        recorded = self.attention[0] is not None
-        if recorded:
-            for row in range(len(self.counts)):
-                for head in range(self.heads):
-                    policy.observe(self.view_head(row, head))
-        if over:
-            if policy.needs.attention_rows != 0 and not recorded:
-                raise RuntimeError(f"policy {policy.name!r} needs attention statistics but none were recorded in "
-                                   f"{self.where()}: run the model inside `with keydiff.keydiff_attention(model, cache):`")
-            if policy.needs.queries and self.queries[0] is None:
-                raise RuntimeError(f"policy {policy.name!r} needs query statistics but none were recorded in "
-                                   f"{self.where()}: run the model inside `with keydiff.keydiff_attention(model, cache):`")
-            if chooses_pools(policy):
-                evict_pools([self], self.buffers(), policy, self.budget)
-            else:
-                for row in over:
-                    keep = policy.keep_heads([self.view_head(row, head) for head in range(self.heads)], self.budget)
-                    self.compact(row, keep)
-        self.attention = [None]
-
-    def compact(self, row: int, keep: list[torch.Tensor]) -> None:
-        """Keep the entries `keep` marks in place: kept entries past each segment's new count fill its dropped cells."""
-        holes, sources, counts = [], [], []
-        for start, count, mask in zip(self.starts[row], self.counts[row], keep):
-            kept = int(mask.sum())
-            counts.append(kept)
-            if kept < count:  # a head that kept everything moves nothing
-                holes.append(start + (~mask[:kept]).nonzero().squeeze(1))
-                sources.append(start + kept + mask[kept:].nonzero().squeeze(1))
-        if holes:
-            holes, sources = torch.cat(holes), torch.cat(sources)
-            if holes.numel():
-                for buffer in self.buffers():
-                    buffer[row].index_copy_(0, holes, buffer[row].index_select(0, sources))
-        self.counts[row] = counts
+        evict_segments([self], policy, drop)
 
     def kept_positions(self) -> torch.Tensor:
         """Positions held, [batch, kv_heads, most any head holds], ascending per head, padded with -1 at the end."""
@@ -363,56 +327,6 @@ class AdaptiveStorage:
     def head_counts(self) -> list[list[int]]:
         """Entries each head holds, [batch][head] (copies)."""
         return [list(row) for row in self.counts]
-
-
-def chooses_pools(policy: Policy) -> bool:
-    """Whether `policy` chooses on whole pools: head-adaptive, pool-scoring, needing no attention or query statistics."""
-    return policy.needs.chooses_pools and policy.needs.attention_rows == 0 and not policy.needs.queries
-
-
-def evict_pools(storages: list[AdaptiveStorage], buffers: list[torch.Tensor], policy: Policy, budget: int) -> None:
-    """Choose and compact the rows of `storages` in one set of kernels (`buffers`: keys, values, positions,
-    state as [rows, P, ...]), with `policy.drop_pool` and the same moves as `compact`."""
-    keys, values, positions, *states = buffers
-    device, (rows, pool_size) = keys.device, keys.shape[:2]
-    starts = torch.tensor([row for storage in storages for row in storage.starts], device=device)  # [rows, heads]
-    counts = torch.tensor([row for storage in storages for row in storage.counts], device=device)
-    cells = torch.arange(pool_size, device=device)
-    member = (cells >= starts[..., None]) & (cells < (starts + counts)[..., None])  # [rows, heads, P]
-    # Segments lie in head order (`allocate` and `relayout` place them so; compaction never moves a start):
-    # a cell's head is the number of later heads whose segment starts at or before it.
-    owner = (cells >= starts[:, 1:, None]).sum(dim=1)  # [rows, P]
-    view = PoolView(keys=keys, positions=positions, state=dict(zip(storages[0].state_names, states)),
-                    member=member, owner=owner, counts=counts)
-    dropped = policy.drop_pool(view, budget)  # bool [rows, P]
-    kept_counts = counts - torch.zeros_like(counts).scatter_add_(1, owner, dropped.long())
-    new_ends = (starts + kept_counts).gather(1, owner)  # each cell's segment's new end
-    holes = (dropped & (cells < new_ends)).view(-1).nonzero().squeeze(1)
-    sources = (view.valid & ~dropped & (cells >= new_ends)).view(-1).nonzero().squeeze(1)
-    if holes.numel():
-        for buffer in buffers:
-            flat = buffer.view(rows * pool_size, -1) if buffer.dim() == 3 else buffer.view(-1)
-            flat.index_copy_(0, holes, flat.index_select(0, sources))
-    kept = kept_counts.tolist()
-    for storage in storages:
-        storage.counts, kept = kept[: len(storage.counts)], kept[len(storage.counts):]
-        storage.pool_evictions[len(storages)] += 1
-
-
-def evict_stack(storages: list[AdaptiveStorage], policy: Policy) -> bool:
-    """Evict every storage of one `PoolStack` at once if possible; False: evict them one by one."""
-    stack = storages[0].stack if storages else None
-    if (stack is None or stack.keys is None or not chooses_pools(policy) or policy.needs.key_rerotation is not None
-            or [s.layers[0] for s in storages] != list(stack.layers) or not all(s.in_stack for s in storages)):
-        return False  # (the cache plans a stack only for layers of one budget; `in_stack`: written into it)
-    for storage in storages:
-        storage.require_served()
-        storage.initialize_state()
-    if any(total > storage.total_budget for storage in storages for total in storage.row_totals()):
-        evict_pools(storages, stack.rows(), policy, storages[0].budget)
-    for storage in storages:
-        storage.attention = [None]
-    return True
 
 
 class AdaptiveLayer(EvictingLayer):
@@ -475,4 +389,4 @@ class AdaptiveLayer(EvictingLayer):
         self.seen, self.returned_keys, self.earlier_allocations, self.is_initialized = 0, None, 0, False
 
 
-__all__ = ["AdaptiveLayer", "AdaptiveStorage", "PoolStack", "chooses_pools", "evict_pools", "evict_stack"]
+__all__ = ["AdaptiveLayer", "AdaptiveStorage", "PoolStack"]

@@ -21,12 +21,13 @@ import torch
 from transformers.cache_utils import Cache
 
 from keydiff.attention import bound_cache
-from keydiff.cache.adaptive import AdaptiveLayer, AdaptiveStorage, PoolStack, evict_stack
+from keydiff.cache.adaptive import AdaptiveLayer, AdaptiveStorage, PoolStack
+from keydiff.cache.evict import evict_segments
 from keydiff.cache.layer import EvictingLayer
 from keydiff.cache.sliding import SlidingWindowLayer, layer_windows
 from keydiff.cache.storage import Storage
 from keydiff.config import STATISTICS_MODES
-from keydiff.policies.base import Policy
+from keydiff.policies.base import Policy, chooses_whole_pools
 from keydiff.queries import QueryStatistics, rope_frequencies
 
 # How close (relative to the largest value) a pass's layer-0 values must be to the kept ones to count as the
@@ -475,12 +476,16 @@ class EvictingCache(Cache):
             return
         self._held = not drop
         with self.timed("eviction_s"):
-            stacks: dict[int, list[AdaptiveStorage]] = {}  # head-adaptive layers by pool stack (placement)
-            for storage in self._storages:
-                if isinstance(storage, AdaptiveStorage):
-                    stacks.setdefault(id(storage.stack), []).append(storage)
-            together = set() if not drop else {  # (each pool stack's layers are evicted in one call)
-                id(s) for group in stacks.values() if evict_stack(group, self.policy) for s in group}
+            together = set()  # head-adaptive layers evicted with the rest of their pool stack, in one call
+            if drop and chooses_whole_pools(self.policy) and self.policy.needs.key_rerotation is None:
+                stacks: dict[int, list[AdaptiveStorage]] = {}
+                for storage in self._storages:
+                    if isinstance(storage, AdaptiveStorage) and storage.stack is not None:
+                        stacks.setdefault(id(storage.stack), []).append(storage)
+                for group in stacks.values():
+                    if group[0].stack.holds(group):
+                        evict_segments(group, self.policy, buffers=group[0].stack.rows())
+                        together.update(id(storage) for storage in group)
             end = self._rotary_end()
             for storage in self._storages:
                 if id(storage) not in together:

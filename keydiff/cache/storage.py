@@ -15,9 +15,10 @@ from typing import Any, Callable
 
 import torch
 
+from keydiff.cache.evict import Rows, Signals, evict, init_fresh
 from keydiff.policies.base import LayerView, Policy
 from keydiff.policies.rerotation import STATE as ROTARY_STATE
-from keydiff.queries import QueryStatistics, rotate
+from keydiff.queries import QueryStatistics
 
 
 @dataclass(eq=False)
@@ -107,11 +108,9 @@ class Storage:
         """Use these [count, batch, ...] tensors as the buffers (and cache each plane's views of them)."""
         self.keys, self.values, self.positions, self.state = keys, values, positions, state
         self.capacity = keys.shape[3]
-        rows = self.count * keys.shape[1]
         # The planes seen as one layer whose batch rows are every plane's rows (layer-major, then batch).
-        self.rows = {"keys": keys.view(rows, *keys.shape[2:]), "values": values.view(rows, *values.shape[2:]),
-                     "positions": positions.view(rows, *positions.shape[2:]),
-                     "state": {name: s.view(rows, *s.shape[2:]) for name, s in state.items()}}
+        self.flat = Rows.of_storage(self)
+        self.rows = self.flat.buffers()
         self.planes = [{"keys": keys[i], "values": values[i], "positions": positions[i],
                        "state": {name: s[i] for name, s in state.items()}} for i in range(self.count)]
 
@@ -121,7 +120,7 @@ class Storage:
         twin = cls.__new__(cls)
         memo[id(self)] = twin
         placed = self.placement is not None and self.keys is not None
-        buffers = ("keys", "values", "positions", "state", "rows", "planes")
+        buffers = ("keys", "values", "positions", "state", "flat", "rows", "planes")
         for name, value in self.__dict__.items():
             if name == "placement" or (placed and name in buffers):
                 continue
@@ -221,21 +220,11 @@ class Storage:
         return keys[:, :, :needed], values[:, :, :needed]
 
     def initialize_state(self) -> None:
-        """Set the policy state of entries written since the last view (the policy's `entry_state`, else 0)."""
-        start, n = self.fresh, self.num_entries
-        self.fresh = None
-        if start is None or start >= n:
-            return
-        rows = self.rows
-        initial = {}
-        if self.entry_state is not None:
-            entries = LayerView(keys=rows["keys"][:, :, start:n], values=rows["values"][:, :, start:n],
-                                positions=rows["positions"][:, :, start:n], attention=None, state={},
-                                layers=self.layers, output_projection=self.plane_output_projection())
-            initial = self.entry_state(entries)
-        for name, buffer in rows["state"].items():
-            if name != ROTARY_STATE:  # written with the entries (`write`)
-                buffer[:, :, start:n] = initial.get(name, 0.0)
+        """Set the policy state of entries written since the last view (keydiff.cache.evict.init_fresh)."""
+        start, self.fresh = self.fresh, None
+        if start is not None and start < self.num_entries:
+            init_fresh(self.rows, start, self.num_entries, self.entry_state, self.layers,
+                       output_projection=self.plane_output_projection())
 
     # --- scratch passes ------------------------------------------------------------------------
     def begin_scratch(self) -> None:
@@ -303,88 +292,20 @@ class Storage:
     def evict(self, policy: Policy, inv_freq: torch.Tensor | None = None, rotary_end: int | None = None,
               drop: bool = True) -> None:
         """Observe the last pass's statistics, then drop entries until at most `budget` remain, in place, and
-        re-rotate kept keys for a `key_rerotation` policy. drop=False observes only."""
+        re-rotate kept keys for a `key_rerotation` policy (keydiff.cache.evict.evict). drop=False observes only."""
         if self.budget is None or self.keys is None:
             self.attention = [None] * self.count
             return
-        view = self.view()
-        if view.attention is not None:
-            policy.observe(view)
-        if drop and self.num_entries > self.budget:
-            if policy.needs.attention_rows != 0 and view.attention is None:
-                raise RuntimeError(
-                    f"policy {policy.name!r} needs attention statistics but none were recorded in {self.where()}: "
-                    "run the model inside `with keydiff.keydiff_attention(model, cache):` (keydiff.prefill and "
-                    "keydiff.generate do this for you)"
-                )
-            if policy.needs.queries and view.queries is None:
-                raise RuntimeError(
-                    f"policy {policy.name!r} needs query statistics but none were recorded in {self.where()}: run the "
-                    "model inside `with keydiff.keydiff_attention(model, cache):` (keydiff.prefill and "
-                    "keydiff.generate do)"
-                )
-            self.drop(policy.evict_indices(view, self.budget))
-            if policy.needs.key_rerotation is not None:
-                if inv_freq is None:
-                    raise RuntimeError(f"policy {policy.name!r} re-rotates keys but the cache was given no RoPE "
-                                       "frequencies: build EvictingCache(..., config=model.config)")
-                self.rerotate(inv_freq, rotary_end)
+        attention = self.attention[0] if self.count == 1 else self.stacked_attention()
+        signals = Signals(attention, self.queries[0] if self.count == 1 else None, self.plane_output_projection())
+        n, fresh, self.fresh = self.num_entries, self.fresh, None
+        evict(self.flat, n, self.budget, policy, signals, fresh=fresh, drop=drop, inv_freq=inv_freq,
+              rotary_end=rotary_end, where=self.where())
+        if drop and n > self.budget:
+            self.num_entries = self.budget
         self.attention = [None] * self.count
-
-    def rerotate(self, inv_freq: torch.Tensor, end: int | None = None) -> None:
-        """Re-apply RoPE so each head's kept keys sit at contiguous positions in order of their absolute positions:
-        0..n-1, or end-n..end-1 when `end` is given (docs/design/cache.md#position)."""
-        n = self.num_entries
-        offset = 0 if end is None else end - n
-        positions = self.rows["positions"][:, :, :n]
-        rotary = self.rows["state"][ROTARY_STATE][:, :, :n]
-        keys = self.rows["keys"][:, :, :n]
-        order = positions.argsort(dim=-1)
-        ranks = torch.arange(offset, offset + n, device=order.device).expand_as(order)
-        target = torch.empty_like(order).scatter_(-1, order, ranks)
-        delta = (target - rotary.long()).double()
-        angles = delta[..., None] * inv_freq.to(device=keys.device, dtype=torch.float64)  # [rows, heads, n, d/2]
-        rotated = rotate(keys.float(), angles.cos().float(), angles.sin().float())
-        keys.copy_(rotated.to(keys.dtype))
-        rotary.copy_(target)
-
-    def drop(self, dropped: torch.Tensor) -> None:
-        """Remove the entries at `dropped` [rows, kv_heads, excess] (see `drop_entries`)."""
-        drop_entries(self.rows, self.budget, self.num_entries, dropped)
-        self.num_entries = self.budget
-
-    def move(self, sources: torch.Tensor, targets: torch.Tensor) -> None:
-        """buffer[..., targets] = buffer[..., sources] for every buffer (indices [rows, kv_heads, k])."""
-        move_entries(self.rows, sources, targets)
 
     def entries_after_eviction(self) -> int:
         if self.budget is None or self.scratch_mark is not None:  # nothing is evicted during a scratch pass
             return self.num_entries
         return min(self.num_entries, self.budget)
-
-
-def drop_entries(rows: dict, budget: int, n: int, dropped: torch.Tensor) -> None:
-    """Remove the entries at `dropped` [rows, kv_heads, n - budget] by moving surviving tail entries into them, in
-    `rows`' buffers ("keys", "values", "positions", "state"); the first `budget` places then hold the kept ones."""
-    tail = n - budget
-    if tail == 1:  # decoding: the one new entry moves into the dropped place (onto itself if it was dropped)
-        move_entries(rows, torch.full_like(dropped, budget), dropped)
-        return
-    dropped = dropped.sort(dim=-1).values
-    # Mark the dropped tail places; dropped places below the budget all go to one spare column at the end.
-    column = torch.where(dropped >= budget, dropped - budget, tail)
-    tail_dropped = torch.zeros(*dropped.shape[:2], tail + 1, dtype=torch.uint8, device=dropped.device)
-    tail_dropped.scatter_(-1, column, 1)
-    # Surviving tail places first (stable: ascending), then the dropped ones.
-    sources = budget + torch.argsort(tail_dropped[..., :tail], dim=-1, stable=True)
-    move_entries(rows, sources, dropped)
-
-
-def move_entries(rows: dict, sources: torch.Tensor, targets: torch.Tensor) -> None:
-    """buffer[..., targets] = buffer[..., sources] for every buffer of `rows` (indices [rows, kv_heads, k])."""
-    for buffer in (rows["keys"], rows["values"]):
-        src = sources[..., None].expand(-1, -1, -1, buffer.shape[-1])
-        dst = targets[..., None].expand(-1, -1, -1, buffer.shape[-1])
-        buffer.scatter_(2, dst, buffer.gather(2, src))
-    for buffer in (rows["positions"], *rows["state"].values()):
-        buffer.scatter_(2, targets, buffer.gather(2, sources))

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from keydiff.policies.base import LayerView, Needs, Policy, PoolView, check_scores, score_then_position
+from keydiff.policies.base import LayerView, Needs, Policy, PoolView, check_scores, chooses_whole_pools, score_then_position
 from keydiff.policies.chunkkv import Chunked
 from keydiff.policies.criticalkv import STATE as CRITICAL_STATE
 from keydiff.policies.criticalkv import Critical, critical_scores, first_stage
@@ -203,6 +203,8 @@ class HeadAdaptive(PolicyWrapper):
         return score_then_position(scores, head.positions)[0, 0], None if protect is None else protect[0, 0]
 
     def drop_pool(self, pool: PoolView, budget: int) -> torch.Tensor:
+        if not chooses_whole_pools(self):
+            return Policy.drop_pool(self, pool, budget)  # head by head (`keep_heads`)
         scores = self.scorer.score_pool(pool).float()
         return adakv_drop_pool(score_then_position(scores, pool.positions), pool, budget, self.alpha_safeguard)
 

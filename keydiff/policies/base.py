@@ -14,7 +14,7 @@ import logging
 import math
 from dataclasses import dataclass, field, fields, replace
 from functools import cached_property
-from typing import ClassVar
+from typing import Callable, ClassVar
 
 import torch
 
@@ -74,6 +74,10 @@ class PoolView:
     member: torch.Tensor  # bool [rows, kv_heads, P]: cell p holds an entry of head h
     owner: torch.Tensor  # long [rows, P]: the head whose entry cell p holds (any head for a free cell)
     counts: torch.Tensor  # long [rows, kv_heads]: entries each head holds
+    # For a choice head by head (`Policy.drop_pool`'s default): each head's first cell, [rows][kv_heads], and
+    # (row, head) -> that head's entries as the cache's one-head view (batch 1, its own statistics).
+    starts: list[list[int]] | None = None
+    head: Callable[[int, int], LayerView] | None = None
 
     @cached_property
     def valid(self) -> torch.Tensor:
@@ -160,6 +164,12 @@ LEGACY = {"attention_rows": "attention_rows", "attention_reduction": "attention_
           "scores_pools": "segment_scores"}
 
 
+def chooses_whole_pools(policy: "Policy") -> bool:
+    """Whether `drop_pool` chooses on whole pools (a head-adaptive, pool-scoring policy needing no attention or query
+    statistics) rather than head by head (`keep_heads` per row, `Policy.drop_pool`'s default)."""
+    return policy.needs.chooses_pools and policy.needs.attention_rows == 0 and not policy.needs.queries
+
+
 @dataclass
 class Policy:
     """Base class: keep the `budget` highest-scoring entries of every KV head, plus nothing else.
@@ -211,8 +221,17 @@ class Policy:
         raise NotImplementedError(f"policy {self.name!r} does not share a layer's budget between its heads")
 
     def drop_pool(self, pool: PoolView, budget: int) -> torch.Tensor:
-        """For `needs.chooses_pools`: bool [rows, P], the entries of every row of `pool` to drop (`keep_heads`' choice; budget: N)."""
-        raise NotImplementedError(f"policy {self.name!r} does not choose on head-adaptive pools")
+        """For a head-adaptive policy: bool [rows, P], the entries of every row of `pool` to drop (budget: N). What
+        the cache asks; by default head by head, `keep_heads` for each row over kv_heads x N (`needs.chooses_pools`
+        policies choose on the whole pool at once)."""
+        dropped = torch.zeros_like(pool.owner, dtype=torch.bool)
+        heads = pool.counts.shape[1]
+        for row, counts in enumerate(pool.counts.tolist()):
+            if sum(counts) > heads * budget:
+                keep = self.keep_heads([pool.head(row, head) for head in range(heads)], budget)
+                for start, count, mask in zip(pool.starts[row], counts, keep):
+                    dropped[row, start:start + count] = ~mask
+        return dropped
 
     def score_pool(self, pool: PoolView) -> torch.Tensor:
         """Scores [rows, P] float32 of every entry of `pool`, as `score` gives them on each head alone. Only with `needs.segment_scores`."""

@@ -2,7 +2,7 @@
 re-rotated to contiguous positions, in the order of their original positions.
 
 `Rerotated(policy, mode)` only asks the cache (`needs.key_rerotation`), which owns the tensors
-(keydiff.cache.storage.Storage.rerotate). Flat parameter `key_rerotation`: false, true or "contiguous"
+(keydiff.cache.evict.rerotate). Flat parameter `key_rerotation`: false, true or "contiguous"
 (the next tokens follow the kept keys, kvpress's pipeline), or "absolute" (they keep their positions).
 
 Design: docs/design/policies.md#key-re-rotation-rerotationpy

@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from keydiff.policies.base import LayerView, Needs, Policy, PoolView, check_fraction, most_recent, window_size
+from keydiff.policies.base import (LayerView, Needs, Policy, PoolView, check_fraction, chooses_whole_pools, most_recent,
+                                   window_size)
 from keydiff.policies.layer_budgets import check_layer_budgets, smallest_layer_budget, split_budget
 
 
@@ -56,6 +57,8 @@ class PolicyWrapper(Policy):
         return self.scorer.keep_heads(heads, budget)
 
     def drop_pool(self, pool: PoolView, budget: int) -> torch.Tensor:
+        if not chooses_whole_pools(self):
+            return Policy.drop_pool(self, pool, budget)  # head by head, through this object's `keep_heads`
         return self.scorer.drop_pool(pool, budget)
 
     def unwrapped(self) -> Policy:
