@@ -12,7 +12,6 @@ Design: docs/design/cache.md
 from __future__ import annotations
 
 import copy
-import logging
 import time
 from contextlib import contextmanager
 from typing import Any, Iterator
@@ -21,9 +20,10 @@ import torch
 from transformers.cache_utils import Cache
 
 from keydiff.attention import bound_cache
-from keydiff.cache.adaptive import AdaptiveLayer, AdaptiveStorage, PoolStack, evict_stack
+from keydiff.cache.adaptive import AdaptiveLayer, AdaptiveStorage, evict_stack
 from keydiff.cache.layer import EvictingLayer
-from keydiff.cache.sliding import SlidingWindowLayer, layer_windows
+from keydiff.cache.plan import distinct_storages, plan_memory
+from keydiff.cache.sliding import SlidingWindowLayer
 from keydiff.cache.storage import Storage
 from keydiff.config import STATISTICS_MODES
 from keydiff.policies.base import Policy
@@ -34,7 +34,6 @@ from keydiff.queries import QueryStatistics, rope_frequencies
 # roundings of the cache's dtype (bf16: 6 %), far below the difference between two tokens' values.
 REFED_TOLERANCE = 1e-3
 REFED_ROUNDINGS = 8
-LOG = logging.getLogger(__name__)
 
 
 class EvictingCache(Cache):
@@ -62,23 +61,16 @@ class EvictingCache(Cache):
         if statistics not in STATISTICS_MODES:
             raise ValueError(f"unknown attention statistics mode {statistics!r}; valid: {', '.join(STATISTICS_MODES)}")
         self.policy = policy
-        self.inv_freq = self._rerotation_frequencies(policy, config)
-        self.contiguous = policy.needs.key_rerotation == "contiguous" and policy.needs.evicts
+        self.plan = plan_memory(policy, budget, num_layers, block_size, max_tokens, scratch_tokens, layer_placements,
+                                config, compressed_tokens)
+        self.inv_freq, self.contiguous, self.budget = self.plan.inv_freq, self.plan.contiguous, self.plan.budget
         self._pass_position = 0  # contiguous re-rotation: the RoPE position of the current pass's first token
-        self.budget = budget if policy.needs.evicts else None
         self.num_layers, self.block_size, self.max_tokens = num_layers, block_size, max_tokens
         self.scratch_tokens = scratch_tokens  # room for the longest scratch pass (KVzip's reconstruction)
-        if layer_placements is not None and len(layer_placements) != num_layers:
-            raise ValueError(f"layer_placements has {len(layer_placements)} entries for {num_layers} layers")
-        self.placements = list(layer_placements) if layer_placements is not None else [None] * num_layers
-        self.windows = layer_windows(config, num_layers)  # each layer's sliding window (None: full attention)
-        self.sliding = self._sliding_layers()
-        self._first_evicted = next((i for i in range(num_layers) if i not in self.sliding), None)
-        # The tokens eviction sees (a layer schedule is sized from them): the prompt, or its context only when a
-        # suffix is held (keydiff.engine.prefill's held_suffix).
-        self.compressed_tokens = max_tokens if compressed_tokens is None else compressed_tokens
-        super().__init__(layers=self._plan_layers())
-        self._storages = self._distinct_storages()
+        self.windows, self.sliding = list(self.plan.windows), self.plan.sliding  # sliding windows (None: full attention)
+        self._first_evicted = self.plan.first_evicted
+        super().__init__(layers=self.plan.build(policy))
+        self._storages = distinct_storages(self.layers)
         self.statistics = statistics
         self.profile = profile
         self.timings = {"statistics_s": 0.0, "eviction_s": 0.0}
@@ -89,88 +81,6 @@ class EvictingCache(Cache):
         self._evicting = True  # False after start_generation(evict=False): the generated tokens are all kept
         self._held = False  # True after evict(drop=False): entries over the budget wait for the next evict()
 
-    @staticmethod
-    def _rerotation_frequencies(policy: Policy, config: Any) -> torch.Tensor | None:
-        """RoPE inverse frequencies (float64) for a re-rotating policy, from the model config; else None."""
-        if policy.needs.key_rerotation is None or not policy.needs.evicts:
-            return None
-        if config is None:
-            raise ValueError(f"policy {policy.name!r} re-rotates keys (key_rerotation): build the cache with "
-                             "config=model.config so that it knows the model's RoPE frequencies")
-        config = config.get_text_config() if hasattr(config, "get_text_config") else config
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        return rope_frequencies(config, head_dim)[0]
-
-    def _sliding_layers(self) -> frozenset[int]:
-        """The layers served by a `SlidingWindowLayer` (see docs/design/cache.md#sliding-window-layers-slidingpy)."""
-        windows = [w for w in self.windows if w is not None]
-        if not windows:
-            return frozenset()
-        policy = self.policy
-        if self.contiguous:
-            raise ValueError(f"policy {policy.name!r} re-rotates keys to contiguous positions, which sliding-window "
-                             "attention (by absolute positions) cannot follow")
-        if len(windows) == len(self.windows) and self.budget is not None:
-            if self.budget < min(windows):
-                if policy.needs.head_adaptive:
-                    raise ValueError(f"policy {policy.name!r} has head-adaptive budgets, which keydiff-bench does not "
-                                     "combine with sliding windows (every layer of this model slides)")
-                return frozenset()
-            LOG.warning("every layer has a sliding window of %d tokens, which already bounds the cache at a budget "
-                        "of %d: no eviction (policy %s)", min(windows), self.budget, policy.name)
-        return frozenset(i for i, w in enumerate(self.windows) if w is not None)
-
-    def _plan_layers(self) -> list[EvictingLayer | SlidingWindowLayer]:
-        """The layers on their storages: one shared stack when the policy and budgets allow, else one each."""
-        policy, count = self.policy, self.num_layers
-        # Each layer's own budget N_l (None: never evicted): the policy's layer schedule, uniform by default.
-        budgets = [None] * count if self.budget is None else policy.budgets(self.budget, count, self.compressed_tokens)
-        evicted = [i for i in range(count) if i not in self.sliding]
-        budgets = [b if i in evicted else None for i, b in enumerate(budgets)]
-        capacities = [self.max_tokens if b is None else self._bounded_capacity(b, self.block_size, self.max_tokens)
-                      for b in budgets]
-        if self.scratch_tokens:  # a scratch pass writes after the kept entries and the block
-            capacities = [None if c is None else c + self.scratch_tokens for c in capacities]
-        if policy.needs.head_adaptive:  # one pool of per-head segments per bounded layer (capacity: entries per head)
-            bounded = tuple(i for i, b in enumerate(budgets) if b is not None)
-            shared = len({budgets[i] for i in bounded}) == 1 and len({capacities[i] for i in bounded}) == 1
-            stacks = {}
-            if bounded and shared and capacities[bounded[0]] is not None:  # one pool stack per placement
-                for group in self._placement_groups(bounded):
-                    if len(group) > 1:
-                        shared_stack = PoolStack(group)
-                        stacks.update({i: shared_stack for i in group})
-            layers = [EvictingLayer(b, c, policy.needs.state, policy.entry_state, layer_idx=i) if b is None else
-                      AdaptiveLayer(AdaptiveStorage(i, b, c, policy.needs.state, policy.entry_state,
-                                                    policy.needs.output_projection, stacks.get(i)), i)
-                      for i, (b, c) in enumerate(zip(budgets, capacities))]
-            return self._with_sliding(layers)
-        first = evicted[0] if evicted else None
-        stackable = (first is not None and policy.needs.rows_alike and budgets[first] is not None
-                     and len({budgets[i] for i in evicted}) == 1 and capacities[first] is not None
-                     and len({capacities[i] for i in evicted}) == 1)
-        layers = [EvictingLayer(b, c, policy.needs.state, policy.entry_state, layer_idx=i)
-                  for i, (b, c) in enumerate(zip(budgets, capacities))]
-        if stackable:  # one stack per placement (a layer alone in its placement keeps a storage of its own)
-            for group in self._placement_groups(tuple(evicted)):
-                if len(group) > 1:
-                    stack = Storage(group, budgets[first], capacities[first], policy.needs.state, policy.entry_state)
-                    for plane, i in enumerate(group):
-                        layers[i] = EvictingLayer(budgets[first], capacities[first], layer_idx=i, storage=stack, plane=plane)
-        return self._with_sliding(layers)
-
-    def _placement_groups(self, layers: tuple[int, ...]) -> list[tuple[int, ...]]:
-        """`layers` grouped by placement (device and dtype of their keys), each group in layer order."""
-        groups: dict[Any, list[int]] = {}
-        for i in layers:
-            groups.setdefault(self.placements[i], []).append(i)
-        return [tuple(group) for group in groups.values()]
-
-
-    def _with_sliding(self, layers: list) -> list:
-        """`layers` with a `SlidingWindowLayer` in place of each layer the window bounds."""
-        return [SlidingWindowLayer(self.windows[i], i) if i in self.sliding else layer for i, layer in enumerate(layers)]
-
     @property
     def evicted_layers(self) -> list[EvictingLayer]:
         """The layers that live in storages (all but sliding-window ones); cached per layer list, read-only."""
@@ -178,22 +88,6 @@ class EvictingCache(Cache):
             self._evicted = [layer for layer in self.layers if not isinstance(layer, SlidingWindowLayer)]
             self._evicted_of = self.layers
         return self._evicted
-
-    @staticmethod
-    def _bounded_capacity(budget: int, block_size: int | None, max_tokens: int | None) -> int | None:
-        """Entries for a layer bounded to `budget`: budget + block (at most the prompt), at least budget + 1; None if unknown."""
-        if not (block_size or max_tokens):
-            return None
-        capacity = budget + (block_size or max_tokens)
-        if max_tokens is not None:
-            capacity = min(capacity, max_tokens)
-        return max(capacity, budget + 1)
-
-    def _distinct_storages(self) -> list[Storage]:
-        seen: dict[int, Storage] = {}
-        for layer in self.evicted_layers:
-            seen.setdefault(id(layer.storage), layer.storage)
-        return list(seen.values())
 
     @property
     def storages(self) -> list[Storage]:
@@ -295,12 +189,12 @@ class EvictingCache(Cache):
                 layer.move_to(own, 0, new_buffers=True)
             else:
                 layer.move_to(part, 0, new_buffers=False)
-        self._storages = self._distinct_storages()
+        self._storages = distinct_storages(self.layers)
 
     def reset(self) -> None:
         """Empty the cache for a new sequence (fresh storages, as planned at construction)."""
-        self.layers = self._plan_layers()
-        self._storages = self._distinct_storages()
+        self.layers = self.plan.build(self.policy)
+        self._storages = distinct_storages(self.layers)
         self._evicting, self._decoding, self._scratch, self._held = True, False, False, False
         self._pass_position = 0
 
