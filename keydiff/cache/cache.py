@@ -19,7 +19,7 @@ from typing import Any, Iterator
 import torch
 from transformers.cache_utils import Cache
 
-from keydiff.attention import bound_cache
+from keydiff.attention import LayerBinding, StatisticSink, bound_cache
 from keydiff.cache.adaptive import AdaptiveLayer, AdaptiveStorage, evict_stack
 from keydiff.cache.layer import EvictingLayer
 from keydiff.cache.plan import distinct_storages, plan_memory
@@ -74,6 +74,7 @@ class EvictingCache(Cache):
         self.statistics = statistics
         self.profile = profile
         self.timings = {"statistics_s": 0.0, "eviction_s": 0.0}
+        self.sink = CacheSink(self)  # where the attention function leaves statistics, queries and o_proj weights
         self.attention_reduction = policy.needs.attention_reduction  # "sum" or "max" (see keydiff.attention)
         self._decoding = False  # True after start_generation
         self._scratch = False  # True inside `scratch()`
@@ -280,87 +281,38 @@ class EvictingCache(Cache):
             for layer, saved in windows:
                 layer.restore(saved)
 
-    def statistic_key_mask(self, layer_idx: int, keys: int) -> torch.Tensor | None:
-        """Bool [batch, kv_heads, keys]: the keys the statistic's softmax covers in this scratch pass, or None for all."""
-        if not self._scratch:
-            return None
-        layer = self.layers[layer_idx]
-        kept = layer.storage.scratch_kept
-        chosen = self.policy.reconstruction_keys(layer.positions[:, :, :kept], self._chunk_start)
-        if chosen is None:
-            return None
-        own = torch.ones(*chosen.shape[:2], keys - kept, dtype=torch.bool, device=chosen.device)
-        return torch.cat([chosen, own], dim=-1)
-
     @property
     def max_scratch_entries(self) -> int:
         """Peak entries any layer held for one KV head during scratch passes (0 if none ran)."""
         return max((storage.max_scratch_entries for storage in self._storages), default=0)
 
-    # --- what the engine and the attention function use ------------------------------------------
-    def owns(self, layer_idx: int, key: torch.Tensor) -> bool:
-        """Whether `key` is exactly what this cache's layer returned from its last `update`."""
-        return self.layers[layer_idx].returned_keys is key
-
-    def head_segments(self, layer_idx: int) -> list[list[tuple[int, int]]] | None:
-        """For a head-adaptive layer, (start, count) of each head's pool segment, [batch][head]; else None."""
-        storage = getattr(self.layers[layer_idx], "storage", None)
-        return storage.segments() if isinstance(storage, AdaptiveStorage) else None
-
-    def key_positions(self, layer_idx: int) -> tuple[torch.Tensor, int] | None:
-        """For a layer evicted under a sliding window: (key positions [batch, kv_heads, keys], next position); else None."""
+    # --- what the attention function asks ------------------------------------------------------------
+    def for_layer(self, layer_idx: int, key: torch.Tensor) -> LayerBinding | None:
+        """What the attention function records for this layer's pass, or None if `key` is not exactly what this
+        cache's layer returned from its last `update` (the model runs with another cache: plain attention)."""
         layer = self.layers[layer_idx]
-        if isinstance(layer, SlidingWindowLayer) or self.windows[layer_idx] is None:
+        if layer.returned_keys is not key:
             return None
-        return layer.positions[:, :, : layer.returned_keys.shape[2]], layer.seen
-
-    def attention_rows_needed(self, layer_idx: int) -> int | None:
-        """How many last query rows of this pass the policy needs attention for: 0 = none, None = all."""
-        layer = self.layers[layer_idx]
+        needs = self.policy.needs
         if isinstance(layer, SlidingWindowLayer):
-            return 0
+            return LayerBinding(self.sink, 0, self.attention_reduction)
         storage = layer.storage
-        rows = self.policy.needs.attention_rows
-        if rows == 0 or storage.budget is None or not self._evicting:
-            return 0
-        if self.policy.needs.reconstruction and not (self._scratch or self._decoding):
-            return 0  # a prefill block's own queries: only its reconstruction pass (and decoding) scores
-        if not self.policy.needs.every_pass and storage.num_entries <= storage.budget:
-            return 0  # nothing will be evicted after this pass, so the statistic would be wasted
-        return rows
-
-    def record_attention(self, layer_idx: int, statistic: torch.Tensor) -> None:
-        kept = self.layers[layer_idx].storage.scratch_kept
-        self.layers[layer_idx].record_attention(statistic if kept is None else statistic[..., :kept])
-
-    def queries_needed(self, layer_idx: int) -> bool:
-        """Whether the attention function must hand this layer's queries over (Expected Attention)."""
-        layer = self.layers[layer_idx]
-        return (self.policy.needs.queries and layer.budget is not None and self._evicting
-                and not isinstance(layer, SlidingWindowLayer))
-
-    def record_queries(self, layer_idx: int, query: torch.Tensor, config) -> None:
-        """Add a pass's post-RoPE queries [batch, heads, q, d] (the newest q positions) to the layer's statistics."""
-        layer = self.layers[layer_idx]
-        storage, plane = layer.storage, layer.plane
-        if storage.queries[plane] is None:
-            inv_freq, scaling = rope_frequencies(config, query.shape[-1])
-            first = self.policy.needs.queries_from
-            storage.queries[plane] = QueryStatistics(inv_freq.to(query.device), scaling, first)
-        # The queries were rotated for their RoPE positions: the absolute ones, or the pass's under contiguous re-rotation.
-        start = self._pass_position if self.contiguous else layer.seen - query.shape[2]
-        storage.queries[plane].update(query, start)
-
-    def output_projection_needed(self, layer_idx: int) -> bool:
-        """Whether the attention function must hand this layer's o_proj weight over (CriticalKV): once per layer."""
-        layer = self.layers[layer_idx]
-        return (self.policy.needs.output_projection and layer.budget is not None
-                and not isinstance(layer, SlidingWindowLayer) and layer.storage.output_projection[layer.plane] is None)
-
-    def record_output_projection(self, layer_idx: int, weight: torch.Tensor) -> None:
-        """Keep a reference to layer `layer_idx`'s o_proj weight [hidden, heads * head_dim]."""
-        layer = self.layers[layer_idx]
-        layer.storage.output_projection[layer.plane] = weight
+        bounded = storage.budget is not None
+        rows = needs.attention_rows
+        if rows == 0 or not bounded or not self._evicting:
+            rows = 0
+        elif needs.reconstruction and not (self._scratch or self._decoding):
+            rows = 0  # a prefill block's own queries: only its reconstruction pass (and decoding) scores
+        elif not needs.every_pass and storage.num_entries <= storage.budget:
+            rows = 0  # nothing will be evicted after this pass, so the statistic would be wasted
+        positions = None
+        if self.windows[layer_idx] is not None:  # evicted under a sliding window: the keys' positions, out of order
+            positions = layer.positions[:, :, : key.shape[2]], layer.seen
+        return LayerBinding(
+            self.sink, rows, self.attention_reduction, self.statistics == "materialized", positions,
+            storage.segments() if isinstance(storage, AdaptiveStorage) else None,  # asking marks the pass served
+            needs.queries and bounded and self._evicting,
+            needs.output_projection and bounded and storage.output_projection[layer.plane] is None)
 
     def evict(self, drop: bool = True) -> None:
         """Let the policy observe the pass just run, then shrink every over-budget layer to `budget`.
@@ -483,3 +435,50 @@ class _Timed:
 
     def __exit__(self, *exc_info: Any) -> None:
         self.cache.timings[self.name] += self.cache._clock() - self.start
+
+
+class CacheSink(StatisticSink):
+    """Where the attention function leaves what `EvictingCache`'s policy scores from, in the layers' storages."""
+
+    __slots__ = ("cache",)
+
+    def __init__(self, cache: EvictingCache):
+        self.cache = cache
+
+    def write(self, layer_idx: int, statistic: torch.Tensor) -> None:
+        """Keep the statistic over the held entries (a scratch pass's own keys are not kept)."""
+        layer = self.cache.layers[layer_idx]
+        kept = layer.storage.scratch_kept
+        layer.record_attention(statistic if kept is None else statistic[..., :kept])
+
+    def record_queries(self, layer_idx: int, query: torch.Tensor, config: Any) -> None:
+        cache = self.cache
+        layer = cache.layers[layer_idx]
+        storage, plane = layer.storage, layer.plane
+        if storage.queries[plane] is None:
+            inv_freq, scaling = rope_frequencies(config, query.shape[-1])
+            first = cache.policy.needs.queries_from
+            storage.queries[plane] = QueryStatistics(inv_freq.to(query.device), scaling, first)
+        # The queries were rotated for their RoPE positions: the absolute ones, or the pass's under contiguous re-rotation.
+        start = cache._pass_position if cache.contiguous else layer.seen - query.shape[2]
+        storage.queries[plane].update(query, start)
+
+    def record_output_projection(self, layer_idx: int, weight: torch.Tensor) -> None:
+        layer = self.cache.layers[layer_idx]
+        layer.storage.output_projection[layer.plane] = weight
+
+    def key_mask(self, layer_idx: int, keys: int) -> torch.Tensor | None:
+        """In a scratch pass, the held keys the policy reconstructs from and the pass's own; else None (all keys)."""
+        cache = self.cache
+        if not cache._scratch:
+            return None
+        layer = cache.layers[layer_idx]
+        kept = layer.storage.scratch_kept
+        chosen = cache.policy.reconstruction_keys(layer.positions[:, :, :kept], cache._chunk_start)
+        if chosen is None:
+            return None
+        own = torch.ones(*chosen.shape[:2], keys - kept, dtype=torch.bool, device=chosen.device)
+        return torch.cat([chosen, own], dim=-1)
+
+    def timed(self, name: str) -> "_Timed":
+        return self.cache.timed(name)
