@@ -383,7 +383,7 @@ def test_decoding_without_eviction_grows_the_whole_stack_and_releases_the_old_on
 
 @pytest.mark.parametrize("name", ["tova", layer_by_layer("tova")], ids=["stacked", "layer_by_layer"])
 def test_attention_recognises_only_the_layer_whose_slots_it_reads(model, prompt, name):
-    """cache.for_layer binds only the keys update returned for that layer; a model run on another cache records nothing."""
+    """cache.for_layer binds only the keys update returned for that layer; a model on another cache records nothing."""
     cache = keydiff.EvictingCache(keydiff.build_policy(name) if isinstance(name, str) else name, 16, 3,
                                   block_size=20, max_tokens=40)
     generator = torch.Generator().manual_seed(0)

@@ -67,10 +67,11 @@ class EvictingCache(Cache):
         self._pass_position = 0  # contiguous re-rotation: the RoPE position of the current pass's first token
         self.num_layers, self.block_size, self.max_tokens = num_layers, block_size, max_tokens
         self.scratch_tokens = scratch_tokens  # room for the longest scratch pass (KVzip's reconstruction)
-        self.windows, self.sliding = list(self.plan.windows), self.plan.sliding  # sliding windows (None: full attention)
+        self.windows, self.sliding = list(self.plan.windows), self.plan.sliding  # each layer's window (None: none)
         self._first_evicted = self.plan.first_evicted
         super().__init__(layers=self.plan.build(policy))
         self._storages = distinct_storages(self.layers)
+        self.evicted_layers = evicted_layers(self.layers)  # the layers that live in storages (read-only)
         self.statistics = statistics
         self.profile = profile
         self.timings = {"statistics_s": 0.0, "eviction_s": 0.0}
@@ -81,14 +82,6 @@ class EvictingCache(Cache):
         self._chunk_start: int | None = None  # the scratch pass's `chunk_start`
         self._evicting = True  # False after start_generation(evict=False): the generated tokens are all kept
         self._held = False  # True after evict(drop=False): entries over the budget wait for the next evict()
-
-    @property
-    def evicted_layers(self) -> list[EvictingLayer]:
-        """The layers that live in storages (all but sliding-window ones); cached per layer list, read-only."""
-        if getattr(self, "_evicted_of", None) is not self.layers:
-            self._evicted = [layer for layer in self.layers if not isinstance(layer, SlidingWindowLayer)]
-            self._evicted_of = self.layers
-        return self._evicted
 
     @property
     def storages(self) -> list[Storage]:
@@ -121,7 +114,7 @@ class EvictingCache(Cache):
                 "model, cache):` (keydiff.prefill and keydiff.generate do)"
             )
         if layer_idx == self._first_evicted:
-            self._refuse_prompt_fed_again(layer, value_states)
+            refuse_prompt_fed_again(layer, value_states, self.max_tokens)
             if self.contiguous:
                 self._pass_position = self.next_position()  # before anything of this pass is written
         if isinstance(storage, AdaptiveStorage) and bound_cache() is not self:
@@ -132,7 +125,8 @@ class EvictingCache(Cache):
             )
         joining = storage.count > 1 and storage.keys is not None and layer.seen == 0
         if joining and not storage.fits(key_states, value_states):
-            self._split_stack(layer)
+            split_stack(self.layers, layer, self.policy)
+            self._storages = distinct_storages(self.layers)
             storage = layer.storage
         # What the previous pass left to do (a plain loop never calls `evict()`): observe and evict now,
         # when the first of the storage's layers starts the next pass.
@@ -161,41 +155,11 @@ class EvictingCache(Cache):
             layer.seen += q
             layer.returned_keys = None
 
-    def _refuse_prompt_fed_again(self, layer: EvictingLayer, value_states: torch.Tensor) -> None:
-        """Refuse the whole consumed prompt fed a second time (what model.generate does when its cache covers it)."""
-        q, seen = value_states.shape[-2], layer.seen
-        if self.max_tokens is None or seen != self.max_tokens or q != seen or layer.num_entries == 0:
-            return
-        positions, kept = layer.held_entries()
-        value_states = value_states[: positions.shape[0], : positions.shape[1]]
-        again = value_states.gather(2, positions[..., None].expand(-1, -1, -1, value_states.shape[-1]))
-        tolerance = max(REFED_TOLERANCE, REFED_ROUNDINGS * torch.finfo(kept.dtype).eps)
-        scale = kept.abs().max().float().clamp_min(1e-6)
-        if float((again.float() - kept.float()).abs().max()) <= tolerance * float(scale):
-            raise RuntimeError(
-                "this cache already holds the whole prompt, which is being fed again (what model.generate does when "
-                "its cache covers all of input_ids). Continue with keydiff.generate(model, state, ...), or "
-                "prefill all but the last prompt token: state = keydiff.prefill(model, prompt[:, :-1], ...), then "
-                "model.generate(prompt, cache=state.cache, ...)"
-            )
-
-    def _split_stack(self, leaving: EvictingLayer) -> None:
-        """Give `leaving` (which does not fit the stack) a storage of its own, and every other layer its plane as one."""
-        stack = leaving.storage
-        for part, plane in zip(stack.split(), range(stack.count)):
-            layer = self.layers[stack.layers[plane]]
-            if layer is leaving:
-                own = Storage((layer.layer_idx,), stack.budget, stack.capacity, self.policy.needs.state,
-                              self.policy.entry_state)  # nothing written yet: allocated by its first write
-                layer.move_to(own, 0, new_buffers=True)
-            else:
-                layer.move_to(part, 0, new_buffers=False)
-        self._storages = distinct_storages(self.layers)
-
     def reset(self) -> None:
         """Empty the cache for a new sequence (fresh storages, as planned at construction)."""
         self.layers = self.plan.build(self.policy)
         self._storages = distinct_storages(self.layers)
+        self.evicted_layers = evicted_layers(self.layers)
         self._evicting, self._decoding, self._scratch, self._held = True, False, False, False
         self._pass_position = 0
 
@@ -224,11 +188,7 @@ class EvictingCache(Cache):
             return first.seen
         if any(layer.seen != first.seen for layer in self.layers):  # a pass is under way
             return self._pass_position
-        return max(self._entries_next(layer) for layer in self.layers)
-
-    def _entries_next(self, layer: EvictingLayer) -> int:
-        """Entries the layer holds when the next pass starts (after the pending eviction, unless none will run)."""
-        return layer.entries_after_eviction() if self._evicting and not self._held else layer.num_entries
+        return max(entries_next(layer, self._evicting and not self._held) for layer in self.layers)
 
     def _rotary_end(self) -> int | None:
         """Where re-rotated kept keys end (exclusive): the next token's position, or None for 0..n-1."""
@@ -243,19 +203,13 @@ class EvictingCache(Cache):
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
         """Keys the next pass attends to and the offset of the first (see EvictingLayer.get_mask_sizes)."""
         layer = self.layers[layer_idx]
-        kept = self._entries_next(layer)  # held entries over the budget included (evict(drop=False))
+        kept = entries_next(layer, self._evicting and not self._held)  # held entries (evict(drop=False)) included
         return kept + query_length, (self.next_position() if self.contiguous else layer.seen) - kept
 
     # --- timings -------------------------------------------------------------------------------
     def timed(self, name: str) -> "_Timed":
         """`with cache.timed("statistics_s"):` adds the block's wall time to `timings[name]`."""
         return _Timed(self, name)
-
-    def _clock(self) -> float:
-        """Wall time; synchronises the GPU first when profiling so the time is the kernels' time."""
-        if self.profile and torch.cuda.is_available():
-            torch.cuda.synchronize()
-        return time.perf_counter()
 
     # --- scratch passes --------------------------------------------------------------------------
     @contextmanager
@@ -431,10 +385,16 @@ class _Timed:
         self.cache, self.name = cache, name
 
     def __enter__(self) -> None:
-        self.start = self.cache._clock()
+        self.start = self.clock()
 
     def __exit__(self, *exc_info: Any) -> None:
-        self.cache.timings[self.name] += self.cache._clock() - self.start
+        self.cache.timings[self.name] += self.clock() - self.start
+
+    def clock(self) -> float:
+        """Wall time; synchronises the GPU first when profiling so the time is the kernels' time."""
+        if self.cache.profile and torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return time.perf_counter()
 
 
 class CacheSink(StatisticSink):
@@ -449,7 +409,7 @@ class CacheSink(StatisticSink):
         """Keep the statistic over the held entries (a scratch pass's own keys are not kept)."""
         layer = self.cache.layers[layer_idx]
         kept = layer.storage.scratch_kept
-        layer.record_attention(statistic if kept is None else statistic[..., :kept])
+        layer.storage.attention[layer.plane] = statistic if kept is None else statistic[..., :kept]
 
     def record_queries(self, layer_idx: int, query: torch.Tensor, config: Any) -> None:
         cache = self.cache
@@ -482,3 +442,47 @@ class CacheSink(StatisticSink):
 
     def timed(self, name: str) -> "_Timed":
         return self.cache.timed(name)
+
+
+def refuse_prompt_fed_again(layer: EvictingLayer, value_states: torch.Tensor, max_tokens: int | None) -> None:
+    """Refuse the whole consumed prompt (`max_tokens`) fed a second time (what model.generate does when its cache
+    covers it): layer 0's values match the kept ones."""
+    q, seen = value_states.shape[-2], layer.seen
+    if max_tokens is None or seen != max_tokens or q != seen or layer.num_entries == 0:
+        return
+    positions, kept = layer.held_entries()
+    value_states = value_states[: positions.shape[0], : positions.shape[1]]
+    again = value_states.gather(2, positions[..., None].expand(-1, -1, -1, value_states.shape[-1]))
+    tolerance = max(REFED_TOLERANCE, REFED_ROUNDINGS * torch.finfo(kept.dtype).eps)
+    scale = kept.abs().max().float().clamp_min(1e-6)
+    if float((again.float() - kept.float()).abs().max()) <= tolerance * float(scale):
+        raise RuntimeError(
+            "this cache already holds the whole prompt, which is being fed again (what model.generate does when "
+            "its cache covers all of input_ids). Continue with keydiff.generate(model, state, ...), or "
+            "prefill all but the last prompt token: state = keydiff.prefill(model, prompt[:, :-1], ...), then "
+            "model.generate(prompt, cache=state.cache, ...)"
+        )
+
+
+def split_stack(layers: list, leaving: EvictingLayer, policy: Policy) -> None:
+    """Give `leaving` (which does not fit its stack) a storage of its own, and every other layer of the stack its
+    plane as one."""
+    stack = leaving.storage
+    for part, plane in zip(stack.split(), range(stack.count)):
+        layer = layers[stack.layers[plane]]
+        if layer is leaving:
+            own = Storage((layer.layer_idx,), stack.budget, stack.capacity, policy.needs.state,
+                          policy.entry_state)  # nothing written yet: allocated by its first write
+            layer.move_to(own, 0, new_buffers=True)
+        else:
+            layer.move_to(part, 0, new_buffers=False)
+
+
+def entries_next(layer: EvictingLayer, evicting: bool) -> int:
+    """Entries the layer holds when the next pass starts (after the pending eviction, unless none will run)."""
+    return layer.entries_after_eviction() if evicting else layer.num_entries
+
+
+def evicted_layers(layers: list) -> list[EvictingLayer]:
+    """The layers that live in storages (all but sliding-window ones)."""
+    return [layer for layer in layers if not isinstance(layer, SlidingWindowLayer)]

@@ -64,7 +64,8 @@ class MemoryPlan:
                 stack = Storage(group, budget, capacity, needs.state, state)
                 for plane, i in enumerate(group):
                     layers[i] = EvictingLayer(budget, capacity, layer_idx=i, storage=stack, plane=plane)
-        return [SlidingWindowLayer(self.windows[i], i) if i in self.sliding else layer for i, layer in enumerate(layers)]
+        return [SlidingWindowLayer(self.windows[i], i) if i in self.sliding else layer
+                for i, layer in enumerate(layers)]
 
 
 def plan_memory(
