@@ -1,10 +1,10 @@
 """A transformers Cache whose layers stay within a fixed token budget (paper Eq. 6), in preallocated buffers.
 
-`EvictingCache` is an ordinary `transformers.Cache`, usable by any model in any decoding loop. It plans the
-storages (one stack when the policy and budgets allow), evicts after each pass or when `evict()` is called,
-counts tokens seen (`get_seq_length`) apart from entries held (`entries_held`), and tells the attention
-function what to record. Head-adaptive layers are pools (adaptive.py); sliding-window layers keep
-transformers' semantics (sliding.py).
+`EvictingCache` is an ordinary `transformers.Cache`, usable by any model in any decoding loop. It builds its
+layers from a memory plan (plan.py: one stack when the policy and budgets allow), evicts after each pass or when
+`evict()` is called, counts tokens seen (`get_seq_length`) apart from entries held (`entries_held`), and tells
+the attention function what to record for a layer's pass (`for_layer`). Head-adaptive layers are pools
+(adaptive.py); sliding-window layers keep transformers' semantics (sliding.py).
 
 Design: docs/design/cache.md
 """
