@@ -11,7 +11,7 @@ Design: docs/design/cache.md#the-attention-functions-keydiffattentionpy
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from functools import lru_cache
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -312,7 +312,8 @@ def rowwise_attention(
     for cache, span, key, value in passes:
         if outputs[span.start] is None:
             with bound_to(cache):
-                parts.append(attend(module, query[span], key, value, scaling, cache, kwargs))
+                parts.append(attend(module, query[span], key, value, scaling, cache.for_layer(module.layer_idx, key),
+                                    kwargs))
         else:
             parts.extend(outputs[span])
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
@@ -322,19 +323,62 @@ def grouped_attention(
     base: str, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
     kwargs: dict[str, Any],
 ) -> torch.Tensor:
-    """Rows of several sequences in one call: query [rows, H, q, d] against key/value [rows, kv_heads, n, d], each
-    row its own n entries; only for rows that record nothing from attention and keep keys in order."""
+    """Attention that records nothing, keys in order: a pass on no bound cache, or rows of several sequences in one
+    call: query [rows, H, q, d] against key/value [rows, kv_heads, n, d], each row its own n entries."""
     rules = rules_for(kwargs, query, key)
     if base == "eager":
         return eager_attention(module, query, key, value, scaling, rules)[0]
     return fused_attention(base, module, query, key, value, scaling, rules)
 
 
+class StatisticSink:
+    """Where a layer's pass leaves what its cache's policy scores from: the attention statistic (`write`), the
+    queries and the o_proj weight. A sink that takes only statistics (`StatisticBuffer`) keeps these defaults."""
+
+    def write(self, layer_idx: int, statistic: torch.Tensor) -> None:
+        """Keep layer `layer_idx`'s attention statistic [batch, kv_heads, keys] of this pass."""
+        raise NotImplementedError
+
+    def record_queries(self, layer_idx: int, query: torch.Tensor, config: Any) -> None:
+        """Add a pass's post-RoPE queries [batch, heads, q, d] to the layer's query statistics (Expected Attention)."""
+        raise NotImplementedError(f"{type(self).__name__} takes no queries")
+
+    def record_output_projection(self, layer_idx: int, weight: torch.Tensor) -> None:
+        """Keep a reference to the layer's o_proj weight [hidden, heads * head_dim] (CriticalKV)."""
+        raise NotImplementedError(f"{type(self).__name__} takes no o_proj weight")
+
+    def key_mask(self, layer_idx: int, keys: int) -> torch.Tensor | None:
+        """Bool [batch, kv_heads, keys]: the keys the statistic's softmax covers (KVzip's scratch pass); None: all."""
+        return None
+
+    def timed(self, name: str) -> Any:
+        """A context manager timing the statistic (a profiled cache adds it to its timings); here: nothing."""
+        return nullcontext()
+
+
+class LayerBinding:
+    """What the attention function needs for one layer's pass, asked of the cache once (`EvictingCache.for_layer`):
+    rows: the last query rows to record attention for (0: none, None: all); reduction: "sum" or "max";
+    materialize: statistics from eager weights; key_positions: (positions, end) of a layer evicted under a sliding
+    window; segments: a head-adaptive layer's (start, count) per [batch][head]; wants_queries and
+    wants_output_projection: hand them to the sink."""
+
+    __slots__ = ("sink", "rows", "reduction", "materialize", "key_positions", "segments", "wants_queries",
+                 "wants_output_projection")
+
+    def __init__(self, sink: StatisticSink, rows: int | None, reduction: str, materialize: bool = False,
+                 key_positions: tuple[torch.Tensor, int] | None = None, segments: list | None = None,
+                 wants_queries: bool = False, wants_output_projection: bool = False):
+        self.sink, self.rows, self.reduction, self.materialize = sink, rows, reduction, materialize
+        self.key_positions, self.segments = key_positions, segments
+        self.wants_queries, self.wants_output_projection = wants_queries, wants_output_projection
+
+
 @dataclass(frozen=True, eq=False)
-class StatisticBuffer:
+class StatisticBuffer(StatisticSink):
     """Where a step that binds no cache (the fixed-shape step) wants every layer's statistic, passed as the keyword
     argument `STATISTIC_KWARG`. buffer: float32 [planes, W, kv_heads, keys] (slot_major: [W, planes, ...]);
-    rows, reduction: as `attention_statistic`."""
+    rows, reduction: as `attention_statistic`. `binding` is every layer's (made once: the step is compiled)."""
 
     buffer: torch.Tensor
     planes: tuple[int, ...]
@@ -342,6 +386,10 @@ class StatisticBuffer:
     rows: int | None
     reduction: str
     written: set[int] = field(default_factory=set)  # the layers that wrote, in eager calls (the step's first check)
+    binding: LayerBinding = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "binding", LayerBinding(self, self.rows, self.reduction))
 
     def write(self, layer_idx: int, statistic: torch.Tensor) -> None:
         """Copy one layer's statistic [W, kv_heads, keys] into its plane (views made here, from the one buffer)."""
@@ -349,22 +397,6 @@ class StatisticBuffer:
         (self.buffer[:, plane] if self.slot_major else self.buffer[plane]).copy_(statistic)
         if not torch.compiler.is_compiling():
             self.written.add(layer_idx)
-
-
-def buffered_attention(
-    base: str, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
-    target: StatisticBuffer, kwargs: dict[str, Any],
-) -> torch.Tensor:
-    """What `attend` computes for rows needing `target`'s statistic, the statistic written into `target` instead of a cache."""
-    rules = rules_for(kwargs, query, key)
-    if base == "eager":
-        output, weights = eager_attention(module, query, key, value, scaling, rules)
-        statistic = statistic_from_weights(weights, key.shape[1], target.rows, target.reduction)
-    else:
-        output = fused_attention(base, module, query, key, value, scaling, rules)
-        statistic = attention_statistic(query, key, scaling, target.rows, target.reduction, rules=rules)
-    target.write(module.layer_idx, statistic)
-    return output
 
 
 @contextmanager
@@ -401,7 +433,7 @@ def make_attention_function(base: str):
         scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
         target = kwargs.get(STATISTIC_KWARG)
         if target is not None:  # a fixed-shape step of a policy that scores from attention (StatisticBuffer)
-            return buffered_attention(base, module, query, key, value, scaling, target, kwargs), None
+            return attend(module, query, key, value, scaling, target.binding, kwargs), None
         # A compiled forward (the fixed-shape step, keydiff.batching.static) binds nothing and runs the plain fused
         # kernel; dynamo cannot read a context variable. A compiled loop over a cache whose policy needs attention
         # statistics would find none recorded and say so at its eviction (Storage.evict).
@@ -410,44 +442,43 @@ def make_attention_function(base: str):
         if passes is not None:  # a batch of sequences with caches of their own (keydiff.batching)
             groups = bound.row_groups(module.layer_idx)
             return rowwise_attention(attend, module, query, passes, scaling, kwargs, groups, base), None
-        return attend(module, query, key, value, scaling, bound, kwargs), None
+        binding = None if bound is None else bound.for_layer(module.layer_idx, key)
+        return attend(module, query, key, value, scaling, binding, kwargs), None
 
     def attend(
         module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
-        evicting_cache: Any, kwargs: dict[str, Any],
+        binding: LayerBinding | None, kwargs: dict[str, Any],
     ) -> torch.Tensor:
-        if evicting_cache is not None and not evicting_cache.owns(module.layer_idx, key):
-            evicting_cache = None  # the model runs with some other cache: plain attention
-        positions = None
-        if evicting_cache is not None and kwargs.get("sliding_window") is not None:
-            positions = evicting_cache.key_positions(module.layer_idx)
+        """One layer's attention; with a binding (None: the model runs with some other cache), what it records."""
+        if binding is None:
+            return grouped_attention(base, module, query, key, value, scaling, kwargs)
+        layer_idx, sink = module.layer_idx, binding.sink
+        positions = binding.key_positions if kwargs.get("sliding_window") is not None else None
         rules = rules_for(kwargs, query, key, positions)
-        rows = 0 if evicting_cache is None else evicting_cache.attention_rows_needed(module.layer_idx)
-        if evicting_cache is not None and evicting_cache.queries_needed(module.layer_idx):
-            evicting_cache.record_queries(module.layer_idx, query, module.config)
-        if evicting_cache is not None and evicting_cache.output_projection_needed(module.layer_idx):
-            evicting_cache.record_output_projection(module.layer_idx, module.o_proj.weight)
-        materialize = base == "eager" or (rows != 0 and evicting_cache.statistics == "materialized")
-        segments = None if evicting_cache is None else evicting_cache.head_segments(module.layer_idx)
-        if segments is not None:
-            output, statistic = segment_attention(base, module, query, key, value, scaling, segments, rows, materialize,
-                                                  rules)
+        rows = binding.rows
+        if binding.wants_queries:
+            sink.record_queries(layer_idx, query, module.config)
+        if binding.wants_output_projection:
+            sink.record_output_projection(layer_idx, module.o_proj.weight)
+        materialize = base == "eager" or (rows != 0 and binding.materialize)
+        if binding.segments is not None:
+            output, statistic = segment_attention(base, module, query, key, value, scaling, binding.segments, rows,
+                                                  materialize, rules)
             if rows != 0:
-                evicting_cache.record_attention(module.layer_idx, statistic)
+                sink.write(layer_idx, statistic)
             return output
         if materialize:
             output, weights = eager_attention(module, query, key, value, scaling, rules)
         else:
             output = fused_attention(base, module, query, key, value, scaling, rules)
         if rows != 0:
-            with evicting_cache.timed("statistics_s"):
-                reduction = evicting_cache.attention_reduction
-                key_mask = evicting_cache.statistic_key_mask(module.layer_idx, key.shape[2])
+            with sink.timed("statistics_s"):
+                key_mask = sink.key_mask(layer_idx, key.shape[2])
                 if materialize:
-                    statistic = statistic_from_weights(weights, key.shape[1], rows, reduction, key_mask)
+                    statistic = statistic_from_weights(weights, key.shape[1], rows, binding.reduction, key_mask)
                 else:
-                    statistic = attention_statistic(query, key, scaling, rows, reduction, key_mask, rules)
-            evicting_cache.record_attention(module.layer_idx, statistic)
+                    statistic = attention_statistic(query, key, scaling, rows, binding.reduction, key_mask, rules)
+            sink.write(layer_idx, statistic)
         return output
 
     attention.__name__ = f"{REGISTERED[base]}_attention"

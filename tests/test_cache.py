@@ -208,7 +208,7 @@ def test_in_place_eviction_keeps_exactly_the_policys_choice_with_its_rows(name, 
             for layer_idx in range(layers):
                 positions = cache.layers[layer_idx].view(layer_idx).positions
                 attention = torch.rand(positions.shape, generator=generator)
-                cache.record_attention(layer_idx, attention)
+                cache.sink.write(layer_idx, attention)
                 for head in range(heads):
                     for slot, position in enumerate(positions[0, head].tolist()):
                         held[layer_idx][head][position][2] += float(attention[0, head, slot])
@@ -383,19 +383,19 @@ def test_decoding_without_eviction_grows_the_whole_stack_and_releases_the_old_on
 
 @pytest.mark.parametrize("name", ["tova", layer_by_layer("tova")], ids=["stacked", "layer_by_layer"])
 def test_attention_recognises_only_the_layer_whose_slots_it_reads(model, prompt, name):
-    """cache.owns accepts only the keys update returned for that layer; a model run on another cache records nothing."""
+    """cache.for_layer binds only the keys update returned for that layer; a model on another cache records nothing."""
     cache = keydiff.EvictingCache(keydiff.build_policy(name) if isinstance(name, str) else name, 16, 3,
                                   block_size=20, max_tokens=40)
     generator = torch.Generator().manual_seed(0)
     handed = [cache.update(*torch.randn(2, 1, 2, 20, 16, generator=generator), layer_idx)[0] for layer_idx in range(3)]
     assert (cache.stack is not None) == isinstance(name, str)
     for layer_idx, keys in enumerate(handed):
-        assert cache.owns(layer_idx, keys), f"layer {layer_idx} does not recognise its own keys"
-        assert not cache.owns(layer_idx, keys.clone())
+        assert cache.for_layer(layer_idx, keys) is not None, f"layer {layer_idx} does not recognise its own keys"
+        assert cache.for_layer(layer_idx, keys.clone()) is None
         # The same slots seen through another tensor (what a pointer comparison accepts) are not what it was handed.
-        assert not cache.owns(layer_idx, cache.layers[layer_idx].keys[:, :, : keys.shape[2]])
+        assert cache.for_layer(layer_idx, cache.layers[layer_idx].keys[:, :, : keys.shape[2]]) is None
         for other in set(range(3)) - {layer_idx}:
-            assert not cache.owns(other, keys), f"layer {other} claims layer {layer_idx}'s keys"
+            assert cache.for_layer(other, keys) is None, f"layer {other} claims layer {layer_idx}'s keys"
     bound = keydiff.EvictingCache(keydiff.build_policy("tova"), 16, 3, block_size=20, max_tokens=40)
     other = keydiff.EvictingCache(keydiff.build_policy("tova"), 16, 3, block_size=20, max_tokens=40)
     with torch.no_grad(), keydiff.keydiff_attention(model, bound):

@@ -1,6 +1,7 @@
 """The evicting KV cache (design: docs/design/cache.md).
 
-    cache.py      EvictingCache: the transformers Cache that plans the storages and evicts
+    cache.py      EvictingCache: the transformers Cache over the planned layers; evicts, tells attention what to record
+    plan.py       plan_memory: each layer's budget, capacity and kind, and which layers share a storage (pure)
     layer.py      EvictingLayer: one layer as transformers sees it, a view of its plane in a Storage
     storage.py    Storage: the tensors and the entry count of one layer, or of every layer stacked
     evict.py      the eviction: of dense rows (a storage's, a block group's, the fixed-shape step's) and of pools

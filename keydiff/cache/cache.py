@@ -1,10 +1,10 @@
 """A transformers Cache whose layers stay within a fixed token budget (paper Eq. 6), in preallocated buffers.
 
-`EvictingCache` is an ordinary `transformers.Cache`, usable by any model in any decoding loop. It plans the
-storages (one stack when the policy and budgets allow), evicts after each pass or when `evict()` is called,
-counts tokens seen (`get_seq_length`) apart from entries held (`entries_held`), and tells the attention
-function what to record. Head-adaptive layers are pools (adaptive.py); sliding-window layers keep
-transformers' semantics (sliding.py).
+`EvictingCache` is an ordinary `transformers.Cache`, usable by any model in any decoding loop. It builds its
+layers from a memory plan (plan.py: one stack when the policy and budgets allow), evicts after each pass or when
+`evict()` is called, counts tokens seen (`get_seq_length`) apart from entries held (`entries_held`), and tells
+the attention function what to record for a layer's pass (`for_layer`). Head-adaptive layers are pools
+(adaptive.py); sliding-window layers keep transformers' semantics (sliding.py).
 
 Design: docs/design/cache.md
 """
@@ -12,7 +12,6 @@ Design: docs/design/cache.md
 from __future__ import annotations
 
 import copy
-import logging
 import time
 from contextlib import contextmanager
 from typing import Any, Iterator
@@ -20,11 +19,12 @@ from typing import Any, Iterator
 import torch
 from transformers.cache_utils import Cache
 
-from keydiff.attention import bound_cache
-from keydiff.cache.adaptive import AdaptiveLayer, AdaptiveStorage, PoolStack
+from keydiff.attention import LayerBinding, StatisticSink, bound_cache
+from keydiff.cache.adaptive import AdaptiveLayer, AdaptiveStorage
 from keydiff.cache.evict import evict_segments
 from keydiff.cache.layer import EvictingLayer
-from keydiff.cache.sliding import SlidingWindowLayer, layer_windows
+from keydiff.cache.plan import distinct_storages, plan_memory
+from keydiff.cache.sliding import SlidingWindowLayer
 from keydiff.cache.storage import Storage
 from keydiff.config import STATISTICS_MODES
 from keydiff.policies.base import Policy, chooses_whole_pools
@@ -35,7 +35,6 @@ from keydiff.queries import QueryStatistics, rope_frequencies
 # roundings of the cache's dtype (bf16: 6 %), far below the difference between two tokens' values.
 REFED_TOLERANCE = 1e-3
 REFED_ROUNDINGS = 8
-LOG = logging.getLogger(__name__)
 
 
 class EvictingCache(Cache):
@@ -63,138 +62,27 @@ class EvictingCache(Cache):
         if statistics not in STATISTICS_MODES:
             raise ValueError(f"unknown attention statistics mode {statistics!r}; valid: {', '.join(STATISTICS_MODES)}")
         self.policy = policy
-        self.inv_freq = self._rerotation_frequencies(policy, config)
-        self.contiguous = policy.needs.key_rerotation == "contiguous" and policy.needs.evicts
+        self.plan = plan_memory(policy, budget, num_layers, block_size, max_tokens, scratch_tokens, layer_placements,
+                                config, compressed_tokens)
+        self.inv_freq, self.contiguous, self.budget = self.plan.inv_freq, self.plan.contiguous, self.plan.budget
         self._pass_position = 0  # contiguous re-rotation: the RoPE position of the current pass's first token
-        self.budget = budget if policy.needs.evicts else None
         self.num_layers, self.block_size, self.max_tokens = num_layers, block_size, max_tokens
         self.scratch_tokens = scratch_tokens  # room for the longest scratch pass (KVzip's reconstruction)
-        if layer_placements is not None and len(layer_placements) != num_layers:
-            raise ValueError(f"layer_placements has {len(layer_placements)} entries for {num_layers} layers")
-        self.placements = list(layer_placements) if layer_placements is not None else [None] * num_layers
-        self.windows = layer_windows(config, num_layers)  # each layer's sliding window (None: full attention)
-        self.sliding = self._sliding_layers()
-        self._first_evicted = next((i for i in range(num_layers) if i not in self.sliding), None)
-        # The tokens eviction sees (a layer schedule is sized from them): the prompt, or its context only when a
-        # suffix is held (keydiff.engine.prefill's held_suffix).
-        self.compressed_tokens = max_tokens if compressed_tokens is None else compressed_tokens
-        super().__init__(layers=self._plan_layers())
-        self._storages = self._distinct_storages()
+        self.windows, self.sliding = list(self.plan.windows), self.plan.sliding  # each layer's window (None: none)
+        self._first_evicted = self.plan.first_evicted
+        super().__init__(layers=self.plan.build(policy))
+        self._storages = distinct_storages(self.layers)
+        self.evicted_layers = evicted_layers(self.layers)  # the layers that live in storages (read-only)
         self.statistics = statistics
         self.profile = profile
         self.timings = {"statistics_s": 0.0, "eviction_s": 0.0}
+        self.sink = CacheSink(self)  # where the attention function leaves statistics, queries and o_proj weights
         self.attention_reduction = policy.needs.attention_reduction  # "sum" or "max" (see keydiff.attention)
         self._decoding = False  # True after start_generation
         self._scratch = False  # True inside `scratch()`
         self._chunk_start: int | None = None  # the scratch pass's `chunk_start`
         self._evicting = True  # False after start_generation(evict=False): the generated tokens are all kept
         self._held = False  # True after evict(drop=False): entries over the budget wait for the next evict()
-
-    @staticmethod
-    def _rerotation_frequencies(policy: Policy, config: Any) -> torch.Tensor | None:
-        """RoPE inverse frequencies (float64) for a re-rotating policy, from the model config; else None."""
-        if policy.needs.key_rerotation is None or not policy.needs.evicts:
-            return None
-        if config is None:
-            raise ValueError(f"policy {policy.name!r} re-rotates keys (key_rerotation): build the cache with "
-                             "config=model.config so that it knows the model's RoPE frequencies")
-        config = config.get_text_config() if hasattr(config, "get_text_config") else config
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        return rope_frequencies(config, head_dim)[0]
-
-    def _sliding_layers(self) -> frozenset[int]:
-        """The layers served by a `SlidingWindowLayer` (see docs/design/cache.md#sliding-window-layers-slidingpy)."""
-        windows = [w for w in self.windows if w is not None]
-        if not windows:
-            return frozenset()
-        policy = self.policy
-        if self.contiguous:
-            raise ValueError(f"policy {policy.name!r} re-rotates keys to contiguous positions, which sliding-window "
-                             "attention (by absolute positions) cannot follow")
-        if len(windows) == len(self.windows) and self.budget is not None:
-            if self.budget < min(windows):
-                if policy.needs.head_adaptive:
-                    raise ValueError(f"policy {policy.name!r} has head-adaptive budgets, which keydiff-bench does not "
-                                     "combine with sliding windows (every layer of this model slides)")
-                return frozenset()
-            LOG.warning("every layer has a sliding window of %d tokens, which already bounds the cache at a budget "
-                        "of %d: no eviction (policy %s)", min(windows), self.budget, policy.name)
-        return frozenset(i for i, w in enumerate(self.windows) if w is not None)
-
-    def _plan_layers(self) -> list[EvictingLayer | SlidingWindowLayer]:
-        """The layers on their storages: one shared stack when the policy and budgets allow, else one each."""
-        policy, count = self.policy, self.num_layers
-        # Each layer's own budget N_l (None: never evicted): the policy's layer schedule, uniform by default.
-        budgets = [None] * count if self.budget is None else policy.budgets(self.budget, count, self.compressed_tokens)
-        evicted = [i for i in range(count) if i not in self.sliding]
-        budgets = [b if i in evicted else None for i, b in enumerate(budgets)]
-        capacities = [self.max_tokens if b is None else self._bounded_capacity(b, self.block_size, self.max_tokens)
-                      for b in budgets]
-        if self.scratch_tokens:  # a scratch pass writes after the kept entries and the block
-            capacities = [None if c is None else c + self.scratch_tokens for c in capacities]
-        if policy.needs.head_adaptive:  # one pool of per-head segments per bounded layer (capacity: entries per head)
-            bounded = tuple(i for i, b in enumerate(budgets) if b is not None)
-            shared = len({budgets[i] for i in bounded}) == 1 and len({capacities[i] for i in bounded}) == 1
-            stacks = {}
-            if bounded and shared and capacities[bounded[0]] is not None:  # one pool stack per placement
-                for group in self._placement_groups(bounded):
-                    if len(group) > 1:
-                        shared_stack = PoolStack(group)
-                        stacks.update({i: shared_stack for i in group})
-            layers = [EvictingLayer(b, c, policy.needs.state, policy.entry_state, layer_idx=i) if b is None else
-                      AdaptiveLayer(AdaptiveStorage(i, b, c, policy.needs.state, policy.entry_state,
-                                                    policy.needs.output_projection, stacks.get(i)), i)
-                      for i, (b, c) in enumerate(zip(budgets, capacities))]
-            return self._with_sliding(layers)
-        first = evicted[0] if evicted else None
-        stackable = (first is not None and policy.needs.rows_alike and budgets[first] is not None
-                     and len({budgets[i] for i in evicted}) == 1 and capacities[first] is not None
-                     and len({capacities[i] for i in evicted}) == 1)
-        layers = [EvictingLayer(b, c, policy.needs.state, policy.entry_state, layer_idx=i)
-                  for i, (b, c) in enumerate(zip(budgets, capacities))]
-        if stackable:  # one stack per placement (a layer alone in its placement keeps a storage of its own)
-            for group in self._placement_groups(tuple(evicted)):
-                if len(group) > 1:
-                    stack = Storage(group, budgets[first], capacities[first], policy.needs.state, policy.entry_state)
-                    for plane, i in enumerate(group):
-                        layers[i] = EvictingLayer(budgets[first], capacities[first], layer_idx=i, storage=stack, plane=plane)
-        return self._with_sliding(layers)
-
-    def _placement_groups(self, layers: tuple[int, ...]) -> list[tuple[int, ...]]:
-        """`layers` grouped by placement (device and dtype of their keys), each group in layer order."""
-        groups: dict[Any, list[int]] = {}
-        for i in layers:
-            groups.setdefault(self.placements[i], []).append(i)
-        return [tuple(group) for group in groups.values()]
-
-
-    def _with_sliding(self, layers: list) -> list:
-        """`layers` with a `SlidingWindowLayer` in place of each layer the window bounds."""
-        return [SlidingWindowLayer(self.windows[i], i) if i in self.sliding else layer for i, layer in enumerate(layers)]
-
-    @property
-    def evicted_layers(self) -> list[EvictingLayer]:
-        """The layers that live in storages (all but sliding-window ones); cached per layer list, read-only."""
-        if getattr(self, "_evicted_of", None) is not self.layers:
-            self._evicted = [layer for layer in self.layers if not isinstance(layer, SlidingWindowLayer)]
-            self._evicted_of = self.layers
-        return self._evicted
-
-    @staticmethod
-    def _bounded_capacity(budget: int, block_size: int | None, max_tokens: int | None) -> int | None:
-        """Entries for a layer bounded to `budget`: budget + block (at most the prompt), at least budget + 1; None if unknown."""
-        if not (block_size or max_tokens):
-            return None
-        capacity = budget + (block_size or max_tokens)
-        if max_tokens is not None:
-            capacity = min(capacity, max_tokens)
-        return max(capacity, budget + 1)
-
-    def _distinct_storages(self) -> list[Storage]:
-        seen: dict[int, Storage] = {}
-        for layer in self.evicted_layers:
-            seen.setdefault(id(layer.storage), layer.storage)
-        return list(seen.values())
 
     @property
     def storages(self) -> list[Storage]:
@@ -227,7 +115,7 @@ class EvictingCache(Cache):
                 "model, cache):` (keydiff.prefill and keydiff.generate do)"
             )
         if layer_idx == self._first_evicted:
-            self._refuse_prompt_fed_again(layer, value_states)
+            refuse_prompt_fed_again(layer, value_states, self.max_tokens)
             if self.contiguous:
                 self._pass_position = self.next_position()  # before anything of this pass is written
         if isinstance(storage, AdaptiveStorage) and bound_cache() is not self:
@@ -238,7 +126,8 @@ class EvictingCache(Cache):
             )
         joining = storage.count > 1 and storage.keys is not None and layer.seen == 0
         if joining and not storage.fits(key_states, value_states):
-            self._split_stack(layer)
+            split_stack(self.layers, layer, self.policy)
+            self._storages = distinct_storages(self.layers)
             storage = layer.storage
         # What the previous pass left to do (a plain loop never calls `evict()`): observe and evict now,
         # when the first of the storage's layers starts the next pass.
@@ -267,41 +156,11 @@ class EvictingCache(Cache):
             layer.seen += q
             layer.returned_keys = None
 
-    def _refuse_prompt_fed_again(self, layer: EvictingLayer, value_states: torch.Tensor) -> None:
-        """Refuse the whole consumed prompt fed a second time (what model.generate does when its cache covers it)."""
-        q, seen = value_states.shape[-2], layer.seen
-        if self.max_tokens is None or seen != self.max_tokens or q != seen or layer.num_entries == 0:
-            return
-        positions, kept = layer.held_entries()
-        value_states = value_states[: positions.shape[0], : positions.shape[1]]
-        again = value_states.gather(2, positions[..., None].expand(-1, -1, -1, value_states.shape[-1]))
-        tolerance = max(REFED_TOLERANCE, REFED_ROUNDINGS * torch.finfo(kept.dtype).eps)
-        scale = kept.abs().max().float().clamp_min(1e-6)
-        if float((again.float() - kept.float()).abs().max()) <= tolerance * float(scale):
-            raise RuntimeError(
-                "this cache already holds the whole prompt, which is being fed again (what model.generate does when "
-                "its cache covers all of input_ids). Continue with keydiff.generate(model, state, ...), or "
-                "prefill all but the last prompt token: state = keydiff.prefill(model, prompt[:, :-1], ...), then "
-                "model.generate(prompt, cache=state.cache, ...)"
-            )
-
-    def _split_stack(self, leaving: EvictingLayer) -> None:
-        """Give `leaving` (which does not fit the stack) a storage of its own, and every other layer its plane as one."""
-        stack = leaving.storage
-        for part, plane in zip(stack.split(), range(stack.count)):
-            layer = self.layers[stack.layers[plane]]
-            if layer is leaving:
-                own = Storage((layer.layer_idx,), stack.budget, stack.capacity, self.policy.needs.state,
-                              self.policy.entry_state)  # nothing written yet: allocated by its first write
-                layer.move_to(own, 0, new_buffers=True)
-            else:
-                layer.move_to(part, 0, new_buffers=False)
-        self._storages = self._distinct_storages()
-
     def reset(self) -> None:
         """Empty the cache for a new sequence (fresh storages, as planned at construction)."""
-        self.layers = self._plan_layers()
-        self._storages = self._distinct_storages()
+        self.layers = self.plan.build(self.policy)
+        self._storages = distinct_storages(self.layers)
+        self.evicted_layers = evicted_layers(self.layers)
         self._evicting, self._decoding, self._scratch, self._held = True, False, False, False
         self._pass_position = 0
 
@@ -330,11 +189,7 @@ class EvictingCache(Cache):
             return first.seen
         if any(layer.seen != first.seen for layer in self.layers):  # a pass is under way
             return self._pass_position
-        return max(self._entries_next(layer) for layer in self.layers)
-
-    def _entries_next(self, layer: EvictingLayer) -> int:
-        """Entries the layer holds when the next pass starts (after the pending eviction, unless none will run)."""
-        return layer.entries_after_eviction() if self._evicting and not self._held else layer.num_entries
+        return max(entries_next(layer, self._evicting and not self._held) for layer in self.layers)
 
     def _rotary_end(self) -> int | None:
         """Where re-rotated kept keys end (exclusive): the next token's position, or None for 0..n-1."""
@@ -349,19 +204,13 @@ class EvictingCache(Cache):
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
         """Keys the next pass attends to and the offset of the first (see EvictingLayer.get_mask_sizes)."""
         layer = self.layers[layer_idx]
-        kept = self._entries_next(layer)  # held entries over the budget included (evict(drop=False))
+        kept = entries_next(layer, self._evicting and not self._held)  # held entries (evict(drop=False)) included
         return kept + query_length, (self.next_position() if self.contiguous else layer.seen) - kept
 
     # --- timings -------------------------------------------------------------------------------
     def timed(self, name: str) -> "_Timed":
         """`with cache.timed("statistics_s"):` adds the block's wall time to `timings[name]`."""
         return _Timed(self, name)
-
-    def _clock(self) -> float:
-        """Wall time; synchronises the GPU first when profiling so the time is the kernels' time."""
-        if self.profile and torch.cuda.is_available():
-            torch.cuda.synchronize()
-        return time.perf_counter()
 
     # --- scratch passes --------------------------------------------------------------------------
     @contextmanager
@@ -387,87 +236,38 @@ class EvictingCache(Cache):
             for layer, saved in windows:
                 layer.restore(saved)
 
-    def statistic_key_mask(self, layer_idx: int, keys: int) -> torch.Tensor | None:
-        """Bool [batch, kv_heads, keys]: the keys the statistic's softmax covers in this scratch pass, or None for all."""
-        if not self._scratch:
-            return None
-        layer = self.layers[layer_idx]
-        kept = layer.storage.scratch_kept
-        chosen = self.policy.reconstruction_keys(layer.positions[:, :, :kept], self._chunk_start)
-        if chosen is None:
-            return None
-        own = torch.ones(*chosen.shape[:2], keys - kept, dtype=torch.bool, device=chosen.device)
-        return torch.cat([chosen, own], dim=-1)
-
     @property
     def max_scratch_entries(self) -> int:
         """Peak entries any layer held for one KV head during scratch passes (0 if none ran)."""
         return max((storage.max_scratch_entries for storage in self._storages), default=0)
 
-    # --- what the engine and the attention function use ------------------------------------------
-    def owns(self, layer_idx: int, key: torch.Tensor) -> bool:
-        """Whether `key` is exactly what this cache's layer returned from its last `update`."""
-        return self.layers[layer_idx].returned_keys is key
-
-    def head_segments(self, layer_idx: int) -> list[list[tuple[int, int]]] | None:
-        """For a head-adaptive layer, (start, count) of each head's pool segment, [batch][head]; else None."""
-        storage = getattr(self.layers[layer_idx], "storage", None)
-        return storage.segments() if isinstance(storage, AdaptiveStorage) else None
-
-    def key_positions(self, layer_idx: int) -> tuple[torch.Tensor, int] | None:
-        """For a layer evicted under a sliding window: (key positions [batch, kv_heads, keys], next position); else None."""
+    # --- what the attention function asks ------------------------------------------------------------
+    def for_layer(self, layer_idx: int, key: torch.Tensor) -> LayerBinding | None:
+        """What the attention function records for this layer's pass, or None if `key` is not exactly what this
+        cache's layer returned from its last `update` (the model runs with another cache: plain attention)."""
         layer = self.layers[layer_idx]
-        if isinstance(layer, SlidingWindowLayer) or self.windows[layer_idx] is None:
+        if layer.returned_keys is not key:
             return None
-        return layer.positions[:, :, : layer.returned_keys.shape[2]], layer.seen
-
-    def attention_rows_needed(self, layer_idx: int) -> int | None:
-        """How many last query rows of this pass the policy needs attention for: 0 = none, None = all."""
-        layer = self.layers[layer_idx]
+        needs = self.policy.needs
         if isinstance(layer, SlidingWindowLayer):
-            return 0
+            return LayerBinding(self.sink, 0, self.attention_reduction)
         storage = layer.storage
-        rows = self.policy.needs.attention_rows
-        if rows == 0 or storage.budget is None or not self._evicting:
-            return 0
-        if self.policy.needs.reconstruction and not (self._scratch or self._decoding):
-            return 0  # a prefill block's own queries: only its reconstruction pass (and decoding) scores
-        if not self.policy.needs.every_pass and storage.num_entries <= storage.budget:
-            return 0  # nothing will be evicted after this pass, so the statistic would be wasted
-        return rows
-
-    def record_attention(self, layer_idx: int, statistic: torch.Tensor) -> None:
-        kept = self.layers[layer_idx].storage.scratch_kept
-        self.layers[layer_idx].record_attention(statistic if kept is None else statistic[..., :kept])
-
-    def queries_needed(self, layer_idx: int) -> bool:
-        """Whether the attention function must hand this layer's queries over (Expected Attention)."""
-        layer = self.layers[layer_idx]
-        return (self.policy.needs.queries and layer.budget is not None and self._evicting
-                and not isinstance(layer, SlidingWindowLayer))
-
-    def record_queries(self, layer_idx: int, query: torch.Tensor, config) -> None:
-        """Add a pass's post-RoPE queries [batch, heads, q, d] (the newest q positions) to the layer's statistics."""
-        layer = self.layers[layer_idx]
-        storage, plane = layer.storage, layer.plane
-        if storage.queries[plane] is None:
-            inv_freq, scaling = rope_frequencies(config, query.shape[-1])
-            first = self.policy.needs.queries_from
-            storage.queries[plane] = QueryStatistics(inv_freq.to(query.device), scaling, first)
-        # The queries were rotated for their RoPE positions: the absolute ones, or the pass's under contiguous re-rotation.
-        start = self._pass_position if self.contiguous else layer.seen - query.shape[2]
-        storage.queries[plane].update(query, start)
-
-    def output_projection_needed(self, layer_idx: int) -> bool:
-        """Whether the attention function must hand this layer's o_proj weight over (CriticalKV): once per layer."""
-        layer = self.layers[layer_idx]
-        return (self.policy.needs.output_projection and layer.budget is not None
-                and not isinstance(layer, SlidingWindowLayer) and layer.storage.output_projection[layer.plane] is None)
-
-    def record_output_projection(self, layer_idx: int, weight: torch.Tensor) -> None:
-        """Keep a reference to layer `layer_idx`'s o_proj weight [hidden, heads * head_dim]."""
-        layer = self.layers[layer_idx]
-        layer.storage.output_projection[layer.plane] = weight
+        bounded = storage.budget is not None
+        rows = needs.attention_rows
+        if rows == 0 or not bounded or not self._evicting:
+            rows = 0
+        elif needs.reconstruction and not (self._scratch or self._decoding):
+            rows = 0  # a prefill block's own queries: only its reconstruction pass (and decoding) scores
+        elif not needs.every_pass and storage.num_entries <= storage.budget:
+            rows = 0  # nothing will be evicted after this pass, so the statistic would be wasted
+        positions = None
+        if self.windows[layer_idx] is not None:  # evicted under a sliding window: the keys' positions, out of order
+            positions = layer.positions[:, :, : key.shape[2]], layer.seen
+        return LayerBinding(
+            self.sink, rows, self.attention_reduction, self.statistics == "materialized", positions,
+            storage.segments() if isinstance(storage, AdaptiveStorage) else None,  # asking marks the pass served
+            needs.queries and bounded and self._evicting,
+            needs.output_projection and bounded and storage.output_projection[layer.plane] is None)
 
     def evict(self, drop: bool = True) -> None:
         """Let the policy observe the pass just run, then shrink every over-budget layer to `budget`.
@@ -590,7 +390,104 @@ class _Timed:
         self.cache, self.name = cache, name
 
     def __enter__(self) -> None:
-        self.start = self.cache._clock()
+        self.start = self.clock()
 
     def __exit__(self, *exc_info: Any) -> None:
-        self.cache.timings[self.name] += self.cache._clock() - self.start
+        self.cache.timings[self.name] += self.clock() - self.start
+
+    def clock(self) -> float:
+        """Wall time; synchronises the GPU first when profiling so the time is the kernels' time."""
+        if self.cache.profile and torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+
+class CacheSink(StatisticSink):
+    """Where the attention function leaves what `EvictingCache`'s policy scores from, in the layers' storages."""
+
+    __slots__ = ("cache",)
+
+    def __init__(self, cache: EvictingCache):
+        self.cache = cache
+
+    def write(self, layer_idx: int, statistic: torch.Tensor) -> None:
+        """Keep the statistic over the held entries (a scratch pass's own keys are not kept)."""
+        layer = self.cache.layers[layer_idx]
+        kept = layer.storage.scratch_kept
+        layer.storage.attention[layer.plane] = statistic if kept is None else statistic[..., :kept]
+
+    def record_queries(self, layer_idx: int, query: torch.Tensor, config: Any) -> None:
+        cache = self.cache
+        layer = cache.layers[layer_idx]
+        storage, plane = layer.storage, layer.plane
+        if storage.queries[plane] is None:
+            inv_freq, scaling = rope_frequencies(config, query.shape[-1])
+            first = cache.policy.needs.queries_from
+            storage.queries[plane] = QueryStatistics(inv_freq.to(query.device), scaling, first)
+        # The queries were rotated for their RoPE positions: the absolute ones, or the pass's under contiguous re-rotation.
+        start = cache._pass_position if cache.contiguous else layer.seen - query.shape[2]
+        storage.queries[plane].update(query, start)
+
+    def record_output_projection(self, layer_idx: int, weight: torch.Tensor) -> None:
+        layer = self.cache.layers[layer_idx]
+        layer.storage.output_projection[layer.plane] = weight
+
+    def key_mask(self, layer_idx: int, keys: int) -> torch.Tensor | None:
+        """In a scratch pass, the held keys the policy reconstructs from and the pass's own; else None (all keys)."""
+        cache = self.cache
+        if not cache._scratch:
+            return None
+        layer = cache.layers[layer_idx]
+        kept = layer.storage.scratch_kept
+        chosen = cache.policy.reconstruction_keys(layer.positions[:, :, :kept], cache._chunk_start)
+        if chosen is None:
+            return None
+        own = torch.ones(*chosen.shape[:2], keys - kept, dtype=torch.bool, device=chosen.device)
+        return torch.cat([chosen, own], dim=-1)
+
+    def timed(self, name: str) -> "_Timed":
+        return self.cache.timed(name)
+
+
+def refuse_prompt_fed_again(layer: EvictingLayer, value_states: torch.Tensor, max_tokens: int | None) -> None:
+    """Refuse the whole consumed prompt (`max_tokens`) fed a second time (what model.generate does when its cache
+    covers it): layer 0's values match the kept ones."""
+    q, seen = value_states.shape[-2], layer.seen
+    if max_tokens is None or seen != max_tokens or q != seen or layer.num_entries == 0:
+        return
+    positions, kept = layer.held_entries()
+    value_states = value_states[: positions.shape[0], : positions.shape[1]]
+    again = value_states.gather(2, positions[..., None].expand(-1, -1, -1, value_states.shape[-1]))
+    tolerance = max(REFED_TOLERANCE, REFED_ROUNDINGS * torch.finfo(kept.dtype).eps)
+    scale = kept.abs().max().float().clamp_min(1e-6)
+    if float((again.float() - kept.float()).abs().max()) <= tolerance * float(scale):
+        raise RuntimeError(
+            "this cache already holds the whole prompt, which is being fed again (what model.generate does when "
+            "its cache covers all of input_ids). Continue with keydiff.generate(model, state, ...), or "
+            "prefill all but the last prompt token: state = keydiff.prefill(model, prompt[:, :-1], ...), then "
+            "model.generate(prompt, cache=state.cache, ...)"
+        )
+
+
+def split_stack(layers: list, leaving: EvictingLayer, policy: Policy) -> None:
+    """Give `leaving` (which does not fit its stack) a storage of its own, and every other layer of the stack its
+    plane as one."""
+    stack = leaving.storage
+    for part, plane in zip(stack.split(), range(stack.count)):
+        layer = layers[stack.layers[plane]]
+        if layer is leaving:
+            own = Storage((layer.layer_idx,), stack.budget, stack.capacity, policy.needs.state,
+                          policy.entry_state)  # nothing written yet: allocated by its first write
+            layer.move_to(own, 0, new_buffers=True)
+        else:
+            layer.move_to(part, 0, new_buffers=False)
+
+
+def entries_next(layer: EvictingLayer, evicting: bool) -> int:
+    """Entries the layer holds when the next pass starts (after the pending eviction, unless none will run)."""
+    return layer.entries_after_eviction() if evicting else layer.num_entries
+
+
+def evicted_layers(layers: list) -> list[EvictingLayer]:
+    """The layers that live in storages (all but sliding-window ones)."""
+    return [layer for layer in layers if not isinstance(layer, SlidingWindowLayer)]

@@ -12,7 +12,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from keydiff.cache.storage import Storage
-from keydiff.policies.base import LayerView, Policy
+from keydiff.policies.base import LayerView
 
 
 def refuse_batch_change(held: int | None, given: int) -> None:
@@ -58,22 +58,19 @@ class EvictingLayer(CacheLayerMixin):
         self.storage, self.plane = storage, plane
 
     # --- what the storage holds for this layer -------------------------------------------------
-    def _plane(self, name: str) -> torch.Tensor | None:
-        return self.storage.planes[self.plane][name] if self.storage.keys is not None else None
-
     @property
     def keys(self) -> torch.Tensor | None:
         """[batch, kv_heads, capacity, dim]: this layer's key buffer (valid entries first)."""
-        return self._plane("keys")
+        return self.storage.planes[self.plane]["keys"] if self.storage.keys is not None else None
 
     @property
     def values(self) -> torch.Tensor | None:
-        return self._plane("values")
+        return self.storage.planes[self.plane]["values"] if self.storage.keys is not None else None
 
     @property
     def positions(self) -> torch.Tensor | None:
         """[batch, kv_heads, capacity] absolute positions of the entries (long)."""
-        return self._plane("positions")
+        return self.storage.planes[self.plane]["positions"] if self.storage.keys is not None else None
 
     @property
     def state(self) -> dict[str, torch.Tensor]:
@@ -147,13 +144,6 @@ class EvictingLayer(CacheLayerMixin):
         if layer_idx is not None and layer_idx != self.layer_idx:
             raise ValueError(f"this is layer {self.layer_idx}, not layer {layer_idx}")
         return self.storage.view(self.plane)
-
-    def evict(self, policy: Policy, inv_freq: torch.Tensor | None = None) -> None:
-        """Observe and evict this layer's storage (and every layer sharing it)."""
-        self.storage.evict(policy, inv_freq)
-
-    def record_attention(self, statistic: torch.Tensor | None) -> None:
-        self.storage.attention[self.plane] = statistic
 
     def kept_positions(self) -> torch.Tensor:
         """Absolute positions held, [batch, kv_heads, entries], ascending (a copy)."""
