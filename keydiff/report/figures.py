@@ -1,14 +1,9 @@
 """Paper figures from results/summary.csv (prompt lengths: from the runs' predictions.jsonl) into results/figures/.
 
-NIAH heatmaps (Figures 6 / 19), TTFT vs budget (Figures 7 / 17), prompt-length histograms (Figure 18), the
-kvpress-style leaderboard, the protocol comparison, and generic/ score-vs-budget plots for every experiment and
-task (95 % error bars, subset runs hollow and marked §). Each policy keeps one colour, marker and dash in every
-figure (POLICY_COLORS). Which experiments feed each: keydiff/paper/registry.py FIGURES. Files are .png and .pdf,
-byte-reproducible.
-
     python -m keydiff.report.figures [--summary results/summary.csv] [--out results/figures]
                                      [--runs results/runs] [--collect]
 
+Which experiments feed each: keydiff/paper/registry.py FIGURES.
 Design: docs/design/reports.md#figures-reportfigures-analysisfigures
 """
 
