@@ -1,10 +1,7 @@
 """The block manager: where the stacks of several sequences live side by side, so that rows alike decode as one.
 
-Rows in consecutive slots of one block, with equal counts and policies, are written, attended and evicted in
-one call per layer or step, each over exactly its own entries. Blocks come from forks (`place_forks`), from
-sequences joining a batch (`JoinPool`) and from a run's prefill slot (`PrefillSlot`); ownership is the
-storage's `Placement`, never a pointer comparison.
-
+Blocks come from forks (`place_forks`), from sequences joining a batch (`JoinPool`) and from a run's prefill slot
+(`PrefillSlot`); ownership is the storage's `Placement`.
 Design: docs/design/decode.md#rows-alike-run-as-one-blockspy
 """
 

@@ -1,10 +1,7 @@
 """The step in fixed shapes: once every row's bounded cache is full, a pass and its eviction touch tensors whose
 shapes never change, so the step can be compiled or captured as a CUDA graph and replayed with no host work.
 
-A full row holds N entries in a buffer of N + B; a pass of q tokens writes [N, N + q), attends to all N + q and
-drops q, as `Storage.write` and `Storage.evict` do. `eligible` says which caches and policies qualify;
-`StaticStep` runs, captures and replays the step (through keydiff.batching.graphs, so a CPU stand-in can too).
-
+`eligible` says which caches and policies qualify; `StaticStep` runs, captures and replays the step.
 Design: docs/design/decode.md#fixed-shapes-staticpy
 """
 

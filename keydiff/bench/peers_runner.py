@@ -3,11 +3,8 @@
     <.venv-kvpress>/bin/python -I keydiff/bench/peers_runner.py SPEC.json OUT.json    # kvpress's side
     <.venv>/bin/python -m keydiff.bench.peers_runner SPEC.json OUT.json               # this project's side
 
-One file so both sides are measured by the same code; no `keydiff` import at the top, since keydiff cannot be
-imported in kvpress's environment (keydiff/device.py and keydiff/run/memory.py are loaded by path). SPEC is
-written by keydiff.bench.peers; OUT holds the logits check and the kept positions (parity) or the timings and
-memory peak (perf).
-
+No `keydiff` import at the top: keydiff cannot be imported in kvpress's environment (keydiff/device.py and
+keydiff/run/memory.py are loaded by path).
 Design: docs/design/benchmarks.md#against-kvpress-peers-peers_runner-peers_env
 """
 

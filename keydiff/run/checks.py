@@ -1,10 +1,7 @@
 """Checks of a run's configuration that need neither the model nor a run directory.
 
-`check_command_line` composes run.py's command line as Hydra will; `check_run_config`, the one check of a
-run's configuration, runs exactly once per run before any directory is created (Hydra callback, sweeper, or
-the Python API), and fails a typo with one line naming the key, the value and what is valid. Also here: the
-Hub probe, the device check and `drop_whole_task_limit`.
-
+`check_command_line` (run.py's command line, composed as Hydra will) and `check_run_config` (once per run, before
+any directory is created); also the Hub probe, the device check and `drop_whole_task_limit`.
 Design: docs/design/runs.md#one-run
 """
 

@@ -1,13 +1,8 @@
 """The grid of a sweep and where each of its points stands, computed without torch or any model.
 
-Used by the sweeper (hydra_plugins/keydiff_sweeper: checks every point before launching, dry_run,
-only_missing) and by `python -m keydiff.run.status` (`make status EXP=table1`). A grid point is the list of
-overrides one job gets, the grid keydiff.grids computes for every experiment (`grid_points`: Hydra's
-BasicSweeper's, in its order); its run directory is `<results_root>/<experiment_name>/<run_subdir>`,
-exactly where run.py writes it. A point's progress is read with keydiff.run.results' predictions reader.
-A grid point split into shards (`shard=i/n`, keydiff.run.shards): `shard=all/n` is expanded here into its n
-jobs, a shard's expected samples are its own, and a whole point whose shards are on disk says which are
-missing. A sweep ends with `recap`: one line per job, its status, headline metric and run directory.
+Used by the sweeper (hydra_plugins/keydiff_sweeper) and by `python -m keydiff.run.status`. The points are
+keydiff.grids' (`grid_points`); a point's run directory is `<results_root>/<experiment_name>/<run_subdir>`, as
+run.py writes it; `shard=all/n` expands into its n jobs. A sweep ends with `recap`: one line per job.
 """
 
 from __future__ import annotations
