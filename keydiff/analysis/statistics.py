@@ -1,9 +1,6 @@
 """The statistics behind the paper's analysis figures and Table 3, on captured keys, queries and attention.
 
-Plain tensors (from `keydiff.capture`), token axis second to last, any leading batch of heads: `pairwise_cosine`
-(Figure 2), `fit_pca` / `project` (Figures 4/5, 8-11), `log_volume` (Figure 12), `cosine_to_mean`,
-`mean_cosine`, `top_keydiff_key` (Figures 13-16), `spearman` and `keydiff_score` (Table 3).
-
+Plain tensors (from `keydiff.capture`), token axis second to last, any leading batch of heads.
 Design: docs/design/reports.md#figures-reportfigures-analysisfigures
 """
 

@@ -1,11 +1,8 @@
 """What an eviction policy is: a scoring rule over the entries of one layer's cache.
 
-A policy sees one layer at a time (`LayerView`) and says which entries of each KV head to drop so that
-`budget` remain: most implement only `score` (higher = keep), some `protected` and `observe`. Its `needs`
-(a `Needs`) say what it needs from the cache and the engine. Entries are in no
-particular order: a policy needing recency reads `positions`. User guide: docs/policies.md.
-
-Design: docs/design/policies.md#what-a-policy-is-basepy
+A policy sees one layer at a time (`LayerView`, entries in no particular order) and says which entries of each
+KV head to drop so that `budget` remain; its `needs` (a `Needs`) say what it needs from the cache and the engine.
+User guide: docs/policies.md. Design: docs/design/policies.md#what-a-policy-is-basepy
 """
 
 from __future__ import annotations
@@ -174,9 +171,7 @@ def chooses_whole_pools(policy: "Policy") -> bool:
 class Policy:
     """Base class: keep the `budget` highest-scoring entries of every KV head, plus nothing else.
 
-    Subclasses are small dataclasses whose fields are hyper-parameters. A recent window and per-layer budgets are
-    wrappers (keydiff.policies.wrappers). What a policy needs from the cache and the engine is its `needs` (a
-    `Needs`), declared once per class (docs/design/policies.md#capabilities).
+    Subclasses are small dataclasses whose fields are hyper-parameters; `needs` is declared once per class.
     """
 
     needs: ClassVar[Needs] = Needs()

@@ -349,10 +349,8 @@ def leaderboard(df, out: Path) -> list[Path]:
 
 
 def protocol(df, out: Path) -> list[Path]:
-    """protocol.png/.pdf: per model, one panel per budget; x the protocol columns of the protocol table (in its
-    order), y the score x100 with 95 % error bars (Wilson over the questions; none below 5), one line per method (its
-    marker and line style), the full cache (each column's own run) a dashed black line. Hollow markers: subset or
-    unfinished runs. The runs of the protocol table (keydiff.report.protocol.runs)."""
+    """protocol.png/.pdf: per model, one panel per budget; x the protocol table's columns, y the score x100 with 95 %
+    error bars, one line per method, the full cache dashed black; the runs of keydiff.report.protocol.runs."""
     selected = protocols.runs(df, registry.TABLES["protocol"])
     if selected.empty:
         return []

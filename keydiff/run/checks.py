@@ -146,10 +146,8 @@ def check_run_config(cfg: DictConfig, runs_here: bool = True) -> None:
 
 @functools.lru_cache(maxsize=None)
 def batch_invariant_policies() -> tuple[str, ...]:
-    """The policies whose decoding steps use only what keydiff.kernels.batch_invariant makes invariant: those with a
-    preset declaring Needs.batch_invariant, read from keydiff/policies/capabilities.json (importing the policies
-    needs torch). Read, not measured on a GPU yet (make gpu-check's "batch 16 = alone, batch_invariant" row measures
-    keydiff and full). Not among them: expected_attention (logsumexp), lagkv (std), kvzip; policy=custom."""
+    """The policies whose decoding steps use only what keydiff.kernels.batch_invariant makes invariant: presets
+    declaring Needs.batch_invariant in keydiff/policies/capabilities.json (importing the policies needs torch)."""
     import json
 
     path = Path(__file__).resolve().parents[1] / "policies" / "capabilities.json"

@@ -1,6 +1,4 @@
-"""LongBench v1 (and LongBench-E), following the official `LongBench/pred.py` and `eval.py` exactly: the
-dataset's template, middle truncation to `max_length` with BOS, the chat template except for few-shot and
-code datasets, greedy decoding. Data: `data.zip` of `THUDM/LongBench`, read directly and hashed.
+"""LongBench v1 (and LongBench-E), following the official `LongBench/pred.py` and `eval.py` exactly.
 
 Design: docs/design/tasks.md#longbench
 """
