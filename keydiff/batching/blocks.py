@@ -142,8 +142,7 @@ class JoinPool(_Counted):
     """Slots for sequences prefilled on their own, so that those alike decode as one group like forks (`pool_rows`).
 
     The block is allocated when a second sequence that could share it joins (start_alone: the arena, for the
-    first); a stopped sequence keeps its slot until a new one needs it. See docs/design/decode.md.
-    """
+    first); a stopped sequence keeps its slot until a new one needs it."""
 
     def __init__(self, slots: int, start_alone: bool = False, stats: Any = None):
         self.slots, self.start_alone = slots, start_alone

@@ -21,9 +21,8 @@ from typing import Any
 
 import torch
 
-# kvpress presses by the name the pair table (keydiff.bench.peers.PAIRS) uses: (class, keyword arguments),
-# a nested tuple being a wrapped press. Parameters are kvpress's defaults unless written here; its evaluation
-# registry (evaluation/evaluate_registry.py) names some of them the same way.
+# kvpress presses by the name keydiff.bench.peers.PAIRS uses: (class, keyword arguments), a nested tuple being a
+# wrapped press; parameters are kvpress's defaults unless written here.
 PRESSES: dict[str, tuple] = {
     "keydiff": ("KeyDiffPress", {}),
     "knorm": ("KnormPress", {}),

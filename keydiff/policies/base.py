@@ -84,11 +84,9 @@ class PoolView:
 
 @dataclass(frozen=True)
 class Needs:
-    """What a policy needs from the cache, the attention function and the engine, declared in one place.
-
-    A policy class states it once: `needs: ClassVar[Needs] = Needs(rows_alike=True)`, or, where an answer follows
-    a hyper-parameter, a `needs` property returning one (SnapKV's attention rows are its window). Read it from an
-    instance: `policy.needs.attention_rows`. Every default is the safe answer. Design: docs/design/policies.md
+    """What a policy needs from the cache, the attention function and the engine, declared once per class
+    (`needs: ClassVar[Needs] = Needs(rows_alike=True)`, or a `needs` property). Every default is the safe answer.
+    Design: docs/design/policies.md#capabilities
     """
 
     # Which query rows' attention the policy reads (LayerView.attention): 0 none, k the last k rows of each pass,

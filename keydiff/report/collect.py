@@ -55,11 +55,8 @@ def block_label(block_size) -> str:
 
 
 def standard_errors(family: str, rows: list[dict], metrics: dict) -> dict[str, float]:
-    """`se/<column>` for the columns that average this run's samples, from their per-sample values.
-
-    LongBench and RULER scores are grouped per dataset / task (render.grouped_mean_se); RULER's `info.short` samples
-    are left out, as from the scores.
-    """
+    """`se/<column>` for the columns that average this run's samples, from their per-sample values: LongBench and
+    RULER scores grouped per dataset / task (render.grouped_mean_se), RULER's `info.short` samples left out."""
     scored = [r for r in rows if isinstance(r.get("scores"), dict)]
     out: dict[str, float] = {}
     pairs = [("mean_ttft_s", "ttft_s"), ("mean_kept_ratio", "kept_ratio")]

@@ -46,10 +46,8 @@ def preset_needs() -> dict[str, dict[str, Any]]:
 
 
 def capturable(policy: str) -> bool:
-    """Needs.capturable: the preset runs the fixed-shape step where the rates have one. Besides `pooled` ones: TOVA,
-    SnapKV and H2O, whose attention statistic the fixed-shape step computes itself for a sequence alone (batch 1);
-    batched, their rows decode each on its own, on the ordinary step, and their cost against KeyDiff's is gpu-check's
-    ratio (measured on the ordinary step) on either step. full (no eviction) runs the ordinary step."""
+    """Needs.capturable: the preset runs the fixed-shape step where the rates have one (besides `pooled` ones: TOVA,
+    SnapKV and H2O at batch 1; batched, their rows decode each alone on the ordinary step). full never does."""
     return bool(preset_needs().get(policy, {}).get("capturable"))
 
 

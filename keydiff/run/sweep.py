@@ -100,10 +100,8 @@ def point_status(run_dir: Path, sample_ids: set[str] | None) -> PointStatus:
 
 
 def batched_note(run_dir: Path, rows: Iterable[dict]) -> str:
-    """'batch_size 8 (mean 5.0 per pass, 0.548 s/token)' for a run whose sequences decoded together: the batch
-    size of the invocations that computed its rows (summary.json's `invocations`, keydiff.run.invocations;
-    'batch_size mixed: 1, 8' when they differ), else the rows' largest mean batch; the rows' mean decode_batch_size
-    and decode_s_per_token. '' for a run at batch 1 (rows without those fields are from before batching: batch 1)."""
+    """'batch_size 8 (mean 5.0 per pass, 0.548 s/token)' for a run whose sequences decoded together (the batch size
+    of its invocations, else the rows' largest mean batch); '' for a run at batch 1 or rows without those fields."""
     rows = [row for row in rows if succeeded(row) and "decode_batch_size" in row]
     sizes = [float(row["decode_batch_size"]) for row in rows]
     per_token = [float(row["decode_s_per_token"]) for row in rows if row.get("decode_s_per_token")]
