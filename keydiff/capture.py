@@ -2,10 +2,8 @@
 
 * `capture_prompt` runs the whole prompt without eviction under an attention function registered in
   transformers' `AttentionInterface` ("keydiff_capture"): SDPA computes the output, and beside it the function
-  records post-RoPE keys and queries and, reduced on the fly (no L x L matrix kept), column sums, the last
-  query row and the first `window` tokens' weights (Figure 2).
-* `trace_eviction` runs `keydiff.engine.prefill` with a subclass of the policy that also records what it
-  drops; retained entries come from the final cache. Each policy's trace holds its own keys.
+  records post-RoPE keys and queries and attention reduced on the fly (no L x L matrix kept).
+* `trace_eviction` runs `keydiff.engine.prefill` with a subclass of the policy that also records what it drops.
 Batch size 1 only; tensors are returned as float32 on the CPU.
 """
 

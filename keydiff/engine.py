@@ -1,13 +1,8 @@
 """Block prompt processing (paper §2.4, Eq. 6) and decoding with eviction after every token.
 
-`prefill` runs the prompt block by block against a bounded cache (tokens at their absolute positions, a
-reconstruction pass per block for KVzip, an optional held suffix); `generate` decodes from the result;
-`copy_state`, `feed` and `follow_up` serve several questions or turns over one compressed context. Each call's
-settings are one object: `PrefillOptions` for `prefill`, the decoder's `Request` for `generate`; keywords name
-its fields.
-Timings cover the forward passes only; callers warm up.
-
-Design: docs/design/decode.md#the-engine-keydiffenginepy
+`prefill` (settings: `PrefillOptions`) and `generate` (settings: the decoder's `Request`); `copy_state`, `feed`
+and `follow_up` serve several questions or turns over one compressed context. Timings cover the forward passes
+only; callers warm up. Design: docs/design/decode.md#the-engine-keydiffenginepy
 """
 
 from __future__ import annotations

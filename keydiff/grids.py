@@ -1,12 +1,8 @@
 """Every experiment's grid of jobs, read from conf/experiment through Hydra's compose API.
 
-The one place a grid is computed: the sweeper and `make status` (keydiff.run.sweep, keydiff.run.status), the W&B
-reports (keydiff.report.wandb), the GPU-hours estimate (keydiff.report.gpu_hours) and the paper registry's checks
-all take their points from here, so a grid is declared once, in its conf/experiment file. A point is the list of
-overrides one job gets (`experiment=<name>` among them), in the order Hydra's BasicSweeper launches the jobs: its
-own override parser and its own product (BasicSweeper.split_arguments), not a copy of them. Imports only Hydra and
-OmegaConf (no torch; the package's import registers its config resolvers), so every layer, keydiff.paper
-included, may use it.
+The one place a grid is computed (sweeper, `make status`, W&B reports, GPU hours, the paper registry's checks), in
+the order Hydra's BasicSweeper launches the jobs, with its own parser and product. Imports only Hydra and
+OmegaConf (no torch), so every layer may use it.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -526,6 +526,3 @@ def model_provenance(cfg: ModelConfig, model: Any | None = None) -> dict[str, An
         info.update(source="hub", revision=cfg.revision, commit=commit)
     return info
 
-
-def config_dict(cfg: ModelConfig) -> dict[str, Any]:
-    return asdict(cfg)

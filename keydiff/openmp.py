@@ -4,11 +4,8 @@ process (runs, benchmarks, tests), and the record of them that results carry.
     openmp.prepare("run")    # first thing in an entry point, before anything imports torch
     openmp.settings()        # what was in effect: {"library", "variables", "set_by_keydiff"}
 
-libgomp reads its environment once, when torch loads it, so `prepare()` puts DEFAULTS[kind] (the one place
-to change them) into os.environ first; a variable the user set is never changed. OMP_WAIT_POLICY=PASSIVE
-keeps idle workers from spinning on a core a busy neighbour needs. Imports nothing that imports torch.
-
-Design: docs/performance.md#cpu-threads
+libgomp reads its environment once, when torch loads it; a variable the user set is never changed. Imports
+nothing that imports torch. Design: docs/performance.md#cpu-threads
 """
 
 from __future__ import annotations

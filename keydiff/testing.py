@@ -1,12 +1,8 @@
 """Check an eviction policy against the contract in one line: `keydiff.testing.check_policy(MyPolicy, alpha=0.3)`.
 
-The policy is a class, a built-in name or dotted path, or a policy object (each run gets a copy). It runs on
-a tiny random Llama (no download) with a budget below the prompt, through block-wise prefill and a few
-decoding steps, and checks: one finite score per unprotected entry, the N_l + B bound (exactly N_l at the
-end), determinism, a `needs.rows_alike` claim (stacked == layer by layer, with uniform budgets; not checkable
-with never-evicted layers), a `needs.capturable` claim (the fixed-shape step captured, CUDA graphs stood in for on
-the CPU, gives the same), and that classes are @dataclasses themselves. A failure raises
-`PolicyCheckError` naming the property; success returns a summary. User guide: docs/policies.md.
+Runs the policy on a tiny random Llama (no download) through block-wise prefill and a few decoding steps and
+checks its scores, the N_l + B bound, determinism and its `needs` claims. A failure raises `PolicyCheckError`
+naming the property. The contract, in full: docs/policies.md.
 """
 
 from __future__ import annotations

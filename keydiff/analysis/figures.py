@@ -1,10 +1,5 @@
 """The paper's analysis figures, measured on a real model and real text, into results/figures/analysis/.
 
-Figures 2 (key cosine vs attention), 4 and 11 (PCA of keys and queries), 5 and 8-10 (PCA of retained vs evicted
-keys per policy after a block-wise prefill), 12 (log det of the retained cache), 13-16 (cosines to the mean,
-norms, top KeyDiff key vs mean query), and summary.json with the numbers and their provenance. Each figure is
-titled with its model, prompt source, prompts x length and, for eviction figures, N and B.
-
     python -m keydiff.analysis.figures [model=...] [length=2048] [cache_budget=512] [samples=2] [data.source=longbench]
 
 Design: docs/design/reports.md#figures-reportfigures-analysisfigures

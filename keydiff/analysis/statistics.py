@@ -1,9 +1,6 @@
 """The statistics behind the paper's analysis figures and Table 3, on captured keys, queries and attention.
 
-Plain tensors (from `keydiff.capture`), token axis second to last, any leading batch of heads: `pairwise_cosine`
-(Figure 2), `fit_pca` / `project` (Figures 4/5, 8-11), `log_volume` (Figure 12), `cosine_to_mean`,
-`mean_cosine`, `top_keydiff_key` (Figures 13-16), `spearman` and `keydiff_score` (Table 3).
-
+Plain tensors (from `keydiff.capture`), token axis second to last, any leading batch of heads.
 Design: docs/design/reports.md#figures-reportfigures-analysisfigures
 """
 
@@ -24,11 +21,8 @@ PAPER_NUM_LAYERS = 28
 
 
 def scaled_heads(num_layers: int, kv_heads: int) -> dict[str, tuple[int, int]]:
-    """The paper's PCA (layer, KV head) choices mapped onto a model of another depth and width.
-
-    Layer l of 28 becomes round(l * (num_layers - 1) / 27); head h becomes h mod kv_heads. On
-    Llama-3.2-3B this is the identity.
-    """
+    """The paper's PCA (layer, KV head) choices mapped onto a model of another depth and width (layers scaled and
+    rounded, heads mod kv_heads): the identity on Llama-3.2-3B."""
     scale = (num_layers - 1) / (PAPER_NUM_LAYERS - 1)
     return {name: (round(layer * scale), head % kv_heads) for name, (layer, head) in PAPER_PCA_HEADS.items()}
 
@@ -40,11 +34,8 @@ def pairwise_cosine(x: torch.Tensor) -> torch.Tensor:
 
 
 def keydiff_score(keys: torch.Tensor, anchor: str = "normalized_mean") -> torch.Tensor:
-    """[..., n, d] -> [..., n] KeyDiff's score -cos(k_i, anchor) (Eq. 8; higher = more distinct, kept first).
-
-    With the default anchor (mean of unit keys) this ranks keys exactly as Eq. 7's negative row sums of the
-    pairwise cosine matrix, so it is "negative key cosine similarity" in either reading.
-    """
+    """[..., n, d] -> [..., n] KeyDiff's score -cos(k_i, anchor) (Eq. 8; higher = more distinct, kept first); with
+    the default anchor it ranks keys as Eq. 7's negative row sums of the pairwise cosine matrix."""
     if anchor not in ANCHORS:
         raise ValueError(f"unknown anchor {anchor!r}; valid: {', '.join(ANCHORS)}")
     keys = keys.float()

@@ -1,12 +1,8 @@
 """Table 3: per-layer Spearman rho between negative key cosine similarity and the attention each key receives.
 
-Per prompt, layer and query head: the KeyDiff score -cos(k_i, anchor) against the attention key i receives
-(`attention=mean_received` by default; `column_sum` is H2O's, `last_row` TOVA's). Per layer mean +- std over
-heads and prompts, the mean of the layer means, and per query head.
-
     python -m keydiff.analysis.table3 [model=...] [samples=4] [length=2048] [data.source=longbench]
 
-Writes <tables_dir>/table3_spearman.{md,csv,json} (the JSON holds the provenance).
+Writes <tables_dir>/table3_spearman.{md,csv,json}.
 Design: docs/design/reports.md#figures-reportfigures-analysisfigures
 """
 

@@ -1,10 +1,7 @@
 """The block manager: where the stacks of several sequences live side by side, so that rows alike decode as one.
 
-Rows in consecutive slots of one block, with equal counts and policies, are written, attended and evicted in
-one call per layer or step, each over exactly its own entries. Blocks come from forks (`place_forks`), from
-sequences joining a batch (`JoinPool`) and from a run's prefill slot (`PrefillSlot`); ownership is the
-storage's `Placement`, never a pointer comparison.
-
+Blocks come from forks (`place_forks`), from sequences joining a batch (`JoinPool`) and from a run's prefill slot
+(`PrefillSlot`); ownership is the storage's `Placement`.
 Design: docs/design/decode.md#rows-alike-run-as-one-blockspy
 """
 
@@ -145,8 +142,7 @@ class JoinPool(_Counted):
     """Slots for sequences prefilled on their own, so that those alike decode as one group like forks (`pool_rows`).
 
     The block is allocated when a second sequence that could share it joins (start_alone: the arena, for the
-    first); a stopped sequence keeps its slot until a new one needs it. See docs/design/decode.md.
-    """
+    first); a stopped sequence keeps its slot until a new one needs it."""
 
     def __init__(self, slots: int, start_alone: bool = False, stats: Any = None):
         self.slots, self.start_alone = slots, start_alone

@@ -1,11 +1,6 @@
 """CUDA graph capture for the fixed-shape step (keydiff.batching.static), through a small set of CUDA calls that a
-CPU can stand in for.
-
-`CudaCalls` is torch.cuda itself; under `stand_in_graphs()` a CPU runs exactly the capture code a GPU runs
-against `StandIn`, which records captures, streams, replays and pool users, refuses host reads inside a
-capture as CUDA does, and replays the recorded operations on the same tensors.
-
-Design: docs/design/decode.md#the-cuda-stand-in-graphspy
+CPU can stand in for: `CudaCalls` is torch.cuda itself; under `stand_in_graphs()` a CPU runs the same capture code
+against `StandIn`. Design: docs/design/decode.md#the-cuda-stand-in-graphspy
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
 """The scheduler: requests in, results out, up to W sequences decoding at once, a free place refilled as soon as a
 sequence stops (continuous batching), and the back-off when memory runs out (the width halves).
 
-    decoder = keydiff.Decoder(model, width=8)      # one per run: its width, arena and captured steps
-    for key, out in decoder.generate(requests):   # requests may be lazy; results in finishing order
-        ...
-
 Design: docs/design/decode.md#the-scheduler-schedulerpy
 """
 

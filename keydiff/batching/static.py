@@ -1,10 +1,7 @@
 """The step in fixed shapes: once every row's bounded cache is full, a pass and its eviction touch tensors whose
 shapes never change, so the step can be compiled or captured as a CUDA graph and replayed with no host work.
 
-A full row holds N entries in a buffer of N + B; a pass of q tokens writes [N, N + q), attends to all N + q and
-drops q, as `Storage.write` and `Storage.evict` do. `eligible` says which caches and policies qualify;
-`StaticStep` runs, captures and replays the step (through keydiff.batching.graphs, so a CPU stand-in can too).
-
+`eligible` says which caches and policies qualify; `StaticStep` runs, captures and replays the step.
 Design: docs/design/decode.md#fixed-shapes-staticpy
 """
 
@@ -100,12 +97,9 @@ class FixedCache(Cache):
 
 @dataclass
 class StepStats:
-    """What a run's decoding steps did, kept by the run's Decoder (`decoder.stats`) for the run and read by the run's
-    record and by tests in place of spies. Plain Python counts, updated on the host (no device read).
-
-    The CUDA graphs its fixed-shape steps captured, and why a capture failed: summary.json's decode_graphs
-    (`record()`). After one failed capture the run stops capturing (`stopped`) and runs eagerly, with the same
-    results. The steps themselves: summary.json's decode_steps (`steps_record()`)."""
+    """What a run's decoding steps did (`decoder.stats`), as plain host counts: summary.json's decode_graphs
+    (`record()`) and decode_steps (`steps_record()`). After one failed capture the run stops capturing
+    (`stopped`) and runs eagerly, with the same results."""
 
     captured: int = 0
     failed: int = 0

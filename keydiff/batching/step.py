@@ -1,8 +1,6 @@
 """The decoding step: every running sequence picks its next token, then one forward pass of those still going,
-which evicts. `keydiff.generate` and `keydiff.generate_batch` both run it; the pass runs in fixed shapes where
-every row is full and alike (keydiff.batching.static), else through the batch cache (keydiff.batching.rows).
-
-Design: docs/design/decode.md#the-step-steppy
+which evicts; in fixed shapes where every row is full and alike (keydiff.batching.static), else through the batch
+cache (keydiff.batching.rows). Design: docs/design/decode.md#the-step-steppy
 """
 
 from __future__ import annotations

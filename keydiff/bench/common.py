@@ -1,8 +1,8 @@
 """What the benchmarks, the GPU self-check and the analyses share: model shapes, the device setting,
 memory, and the one provenance record (`provenance`, `write_json`) every JSON output of them carries.
 
-Random models are built from public architecture configs (no download): speed and memory depend on
-shapes, not on weight values, so they stand in for the real checkpoints on machines without them.
+Random models (public architecture configs, no download) stand in for real checkpoints: speed and memory depend
+on shapes, not weights.
 """
 
 from __future__ import annotations
@@ -173,12 +173,9 @@ def rss_of(fn: Callable[[], Any]) -> dict[str, Any]:
 
 def interleaved_rounds(cases: dict[str, Callable[[], Any]], repeats: int, device: str,
                        warm_up: bool = True) -> dict[str, list[Any]]:
-    """Run every case once untimed (warm-up, unless warm_up=False: a case that warms up itself), then `repeats`
-    rounds in which each case runs once, in turn.
-
-    Rounds spread the machine's speed drift over every case instead of into their ratios. Each case returns its own
-    measurement; memory is released between cases. Each run is announced on stderr (`Progress`).
-    """
+    """Run every case once untimed (unless warm_up=False), then `repeats` rounds in which each case runs once, in
+    turn: rounds spread the machine's speed drift over every case instead of into their ratios. Memory is released
+    between cases."""
     runs = [("warm-up", name) for name in cases] if warm_up else []
     runs += [(f"round {r + 1}/{repeats}", name) for r in range(repeats) for name in cases]
     plan = "one untimed warm-up run of each, then " if warm_up else ""

@@ -26,9 +26,8 @@ import torch
 from keydiff.bench import common
 from keydiff.cli import ArgumentParser
 
-# Every test file that holds tests marked `device` (tests/test_gpu_check.py checks that none is missing): only
-# these are collected, so the device machine needs none of the other tests' imports (hydra). In this order: the
-# quick exactness checks first, Llama-3.2-3B's shape last (what a --deadline leaves out).
+# Every test file with tests marked `device` (tests/test_gpu_check.py checks none is missing), so the device machine
+# needs none of the other tests' imports; quick exactness checks first, Llama-3.2-3B's shape last.
 DEVICE_TESTS = ("tests/test_engine.py", "tests/test_device_invariants.py")
 
 

@@ -3,10 +3,6 @@
     python -m keydiff.bench peers env                 # build it if it is not complete, print its python
     python -m keydiff.bench peers env --dry-run       # only show what pip would install (nothing is written)
 
-kvpress pins an older transformers than this project's, so it gets a plain venv beside `.venv`: torch first from
---torch-spec (on a GPU machine, the spec matching its CUDA), then kvpress without extras. A `.complete` marker is
-written last; an interrupted build is redone.
-
 Design: docs/design/benchmarks.md#against-kvpress-peers-peers_runner-peers_env
 """
 

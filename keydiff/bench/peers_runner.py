@@ -3,11 +3,8 @@
     <.venv-kvpress>/bin/python -I keydiff/bench/peers_runner.py SPEC.json OUT.json    # kvpress's side
     <.venv>/bin/python -m keydiff.bench.peers_runner SPEC.json OUT.json               # this project's side
 
-One file so both sides are measured by the same code; no `keydiff` import at the top, since keydiff cannot be
-imported in kvpress's environment (keydiff/device.py and keydiff/run/memory.py are loaded by path). SPEC is
-written by keydiff.bench.peers; OUT holds the logits check and the kept positions (parity) or the timings and
-memory peak (perf).
-
+No `keydiff` import at the top: keydiff cannot be imported in kvpress's environment (keydiff/device.py and
+keydiff/run/memory.py are loaded by path).
 Design: docs/design/benchmarks.md#against-kvpress-peers-peers_runner-peers_env
 """
 
@@ -24,9 +21,8 @@ from typing import Any
 
 import torch
 
-# kvpress presses by the name the pair table (keydiff.bench.peers.PAIRS) uses: (class, keyword arguments),
-# a nested tuple being a wrapped press. Parameters are kvpress's defaults unless written here; its evaluation
-# registry (evaluation/evaluate_registry.py) names some of them the same way.
+# kvpress presses by the name keydiff.bench.peers.PAIRS uses: (class, keyword arguments), a nested tuple being a
+# wrapped press; parameters are kvpress's defaults unless written here.
 PRESSES: dict[str, tuple] = {
     "keydiff": ("KeyDiffPress", {}),
     "knorm": ("KnormPress", {}),
@@ -46,21 +42,15 @@ PRESSES: dict[str, tuple] = {
 }
 
 
-# How the kvpress side calls the model over the prompt (under the press). "pipeline": as kvpress's
-# pipeline, which runs the base model over the context, so no [L, vocab] logits exist (here:
-# logits_to_keep=1, the same memory). "readme": the call of kvpress's README, `with press(model):
-# model(input_ids=ids, past_key_values=cache)`, a CausalLM forward that returns logits for EVERY prompt
-# position ([L, vocab], 6.4 GB in fp32 at L = 32K for a 49K vocabulary), held as a user's `out` would be.
+# How the kvpress side calls the model over the prompt (under the press): "pipeline" as kvpress's pipeline (no
+# [L, vocab] logits: logits_to_keep=1); "readme" as kvpress's README, logits for every prompt position, held.
 KVPRESS_CALLS = ("pipeline", "readme")
 
 
 # ---------------------------------------------------------------------------------------------- shared
 def cache_argument(model, cache) -> dict[str, Any]:
-    """`{keyword: cache}` for a forward call. transformers 5.24 renamed the model argument `past_key_values` to
-    `cache` (the old name warns there, removal in 5.40); kvpress's environment pins transformers < 5.3, where
-    only `past_key_values` exists and a `cache=` would vanish into **kwargs (the model would build its own
-    cache). This side runs under both (tests run it in the project's environment), so it reads the keyword
-    off the model's forward signature. The project's own code requires >= 5.24 and passes `cache=`."""
+    """`{keyword: cache}` for a forward call: `cache` where the model's forward takes it (transformers >= 5.24),
+    else `past_key_values` (kvpress's pinned transformers, where `cache=` would vanish into **kwargs)."""
     return {"cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values": cache}
 
 

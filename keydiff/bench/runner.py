@@ -1,12 +1,8 @@
 """The one benchmark runner: `python -m keydiff.bench CASE [options]` (`make bench CASE=...`).
 
-Each benchmark module holds one `Case`: the shared options it takes (SHARED, defined and parsed here once for
-every case), its own options and defaults, a check of their combination and its run. The runner parses, sets the
-threads, device and dtype, runs the case and writes what it returns to --json with its provenance.
-`measure_in_child` runs a case's `child` measurement in a fresh `python -m keydiff.bench` process: a memory peak
-this process's history cannot touch. `python -m keydiff.bench.<module>` runs that module's case the same way.
-
-Design: docs/design/benchmarks.md#one-runner-runner
+Each benchmark module holds one `Case` (its shared and own options, a check, its run); the runner parses, sets
+threads, device and dtype, runs it and writes --json with provenance. `measure_in_child` runs a case's `child`
+in a fresh process, for memory peaks. Design: docs/design/benchmarks.md#one-runner-runner
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
 """One layer with head-adaptive budgets (AdaKV): a pool of per-head segments that holds at most the layer's total.
 
-Each (batch row, KV head) owns a contiguous segment of a [batch, P, dim] pool, P = kv_heads x (N + B), so a
-layer holds at most kv_heads x N entries after eviction whatever the split between heads. `PoolStack` puts
-every bounded pool in one allocation so a pool-scoring policy evicts all layers in one call
-(keydiff.cache.evict.evict_segments).
+`PoolStack` puts every bounded pool in one allocation so a pool-scoring policy evicts all layers in one call.
 Such a layer must run under `keydiff.keydiff_attention(model, cache)`.
-
 Design: docs/design/cache.md#head-adaptive-budgets-adaptivepy
 """
 

@@ -1,8 +1,6 @@
 """Sliding-window layers of hybrid models (Gemma 2/3, gpt-oss, Mistral v0.1): bounded by their window, never evicted.
 
-`SlidingWindowLayer` is transformers' `DynamicSlidingWindowLayer` (semantics unchanged) plus the per-layer
-figures an evicting cache reports; `layer_windows(config)` reads each layer's kind as transformers does.
-
+`SlidingWindowLayer` is transformers' `DynamicSlidingWindowLayer` plus the figures an evicting cache reports.
 Design: docs/design/cache.md#sliding-window-layers-slidingpy
 """
 

@@ -1,10 +1,7 @@
 """One owner of a bounded cache's tensors: keys, values, positions and policy state of one or several layers.
 
 A `Storage` holds `count` layers as [count, batch, kv_heads, capacity(, dim)] tensors with one entry count;
-its layers (keydiff.cache.layer) are views of their planes. Eviction moves surviving new entries into the
-places of dropped ones, so entries sit in no order and each carries its absolute position.
-
-Design: docs/design/cache.md#storages-and-the-stack
+entries sit in no order and each carries its absolute position. Design: docs/design/cache.md#storages-and-the-stack
 """
 
 from __future__ import annotations

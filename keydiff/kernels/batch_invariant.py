@@ -5,8 +5,7 @@ alone.
     with batch_invariant.mode("CUDA"):          # what keydiff.batching.step does around decoding steps
         logits = model(input_ids=ids, cache=cache).logits
 
-Kernels are registered for aten operators through `torch.library` (nothing is patched); on a CPU the
-mode is not needed (its kernels already are invariant).
+Kernels are registered through `torch.library` (nothing is patched); a CPU does not need the mode.
 Design: docs/design/decode.md#batch-invariant-kernels-keydiffkernels
 """
 

@@ -1,10 +1,7 @@
 """Triton kernels whose reduction order does not depend on how many rows a call has (what
 keydiff.kernels.batch_invariant registers in place of torch's matmul, row reductions and decode attention).
 
-`matmul` walks K in fixed tiles into one float32 accumulator (no split-K), `row_sums` reads each row in order,
-`attention` visits keys in order with an online softmax (no split-KV). Only stable triton.language calls, so
-Triton's interpreter runs them on CPU (TRITON_INTERPRET=1).
-
+Only stable triton.language calls, so Triton's interpreter runs them on CPU (TRITON_INTERPRET=1).
 Design: docs/design/decode.md#batch-invariant-kernels-keydiffkernels
 """
 

@@ -1,9 +1,6 @@
 """The paper's published value for one grid point, read from results/paper/*.csv (written by the tables work).
 
-Each run's W&B summary gets `paper/<key>` beside our `<key>` (W&B panels draw only what runs carry); without the
-CSVs, or for a point the paper does not report, there is no `paper/` key. CSV columns: table, model, policy,
-budget, block_size, row, column, column_kind, metric, value, samples, samples_total, note.
-
+Each run's W&B summary gets `paper/<key>` beside our `<key>`, where the paper reports one.
 Design: docs/design/reports.md#against-the-paper-reportagainst_paper
 """
 

@@ -1,11 +1,8 @@
 """The one declaration of the paper's tables and figures: which experiments feed each, with which policies,
 models, budgets, block sizes and datasets, the table's layout kind, and how policies are named.
 
-The tables, the comparison with the paper, the figures and the W&B reports all read it, so adding an experiment
-to a table or renaming a policy is one edit here. `PaperTable` (fields: reads, run, fill, tasks, models,
-policies, budgets, block_sizes, datasets, needs, paper_labels), `TOLERANCES` per metric, `DISPLAY_NAMES` per
-policy label.
-
+Read by the tables, the comparison with the paper, the figures and the W&B reports, so adding an experiment to a
+table or renaming a policy is one edit here (`PaperTable`, `TOLERANCES`, `DISPLAY_NAMES`).
 Design: docs/design/reports.md#paper-tables-reporttables-and-the-registry-paperregistry
 """
 

@@ -1,9 +1,6 @@
 """Head-adaptive budgets (AdaKV, Feng et al. 2024, arXiv 2407.11550): the heads of a layer share its budget.
 
-`HeadAdaptive(scorer, alpha_safeguard=0.2)` wraps any scoring policy: a layer keeps its T = kv_heads x N best
-entries over all heads together (per batch row), each head first keeping its own top floor(alpha x N), and
-protected entries always. Ties: score, then position (newer kept), then head (lower kept).
-
+`HeadAdaptive(scorer, alpha_safeguard=0.2)` wraps any scoring policy.
 Design: docs/design/policies.md#adakv-adakvpy
 """
 

@@ -1,11 +1,8 @@
 """What an eviction policy is: a scoring rule over the entries of one layer's cache.
 
-A policy sees one layer at a time (`LayerView`) and says which entries of each KV head to drop so that
-`budget` remain: most implement only `score` (higher = keep), some `protected` and `observe`. Its `needs`
-(a `Needs`) say what it needs from the cache and the engine. Entries are in no
-particular order: a policy needing recency reads `positions`. User guide: docs/policies.md.
-
-Design: docs/design/policies.md#what-a-policy-is-basepy
+A policy sees one layer at a time (`LayerView`, entries in no particular order) and says which entries of each
+KV head to drop so that `budget` remain; its `needs` (a `Needs`) say what it needs from the cache and the engine.
+User guide: docs/policies.md. Design: docs/design/policies.md#what-a-policy-is-basepy
 """
 
 from __future__ import annotations
@@ -87,11 +84,9 @@ class PoolView:
 
 @dataclass(frozen=True)
 class Needs:
-    """What a policy needs from the cache, the attention function and the engine, declared in one place.
-
-    A policy class states it once: `needs: ClassVar[Needs] = Needs(rows_alike=True)`, or, where an answer follows
-    a hyper-parameter, a `needs` property returning one (SnapKV's attention rows are its window). Read it from an
-    instance: `policy.needs.attention_rows`. Every default is the safe answer. Design: docs/design/policies.md
+    """What a policy needs from the cache, the attention function and the engine, declared once per class
+    (`needs: ClassVar[Needs] = Needs(rows_alike=True)`, or a `needs` property). Every default is the safe answer.
+    Design: docs/design/policies.md#capabilities
     """
 
     # Which query rows' attention the policy reads (LayerView.attention): 0 none, k the last k rows of each pass,
@@ -174,9 +169,7 @@ def chooses_whole_pools(policy: "Policy") -> bool:
 class Policy:
     """Base class: keep the `budget` highest-scoring entries of every KV head, plus nothing else.
 
-    Subclasses are small dataclasses whose fields are hyper-parameters. A recent window and per-layer budgets are
-    wrappers (keydiff.policies.wrappers). What a policy needs from the cache and the engine is its `needs` (a
-    `Needs`), declared once per class (docs/design/policies.md#capabilities).
+    Subclasses are small dataclasses whose fields are hyper-parameters; `needs` is declared once per class.
     """
 
     needs: ClassVar[Needs] = Needs()

@@ -3,10 +3,8 @@
     python -m keydiff.policies.capabilities --write     # rewrite the file after a policy's capabilities change
     python -m keydiff.policies.capabilities             # print it
 
-Why: modules that must not import torch (keydiff.run.checks, keydiff.report.gpu_hours) read which presets are
-batch-invariant, capturable or grouped from this file instead of keeping lists by hand; a test checks the file is
-fresh, as the goldens are. Each preset is composed as a run composes it (`policy=<preset>`, its default parameters)
-and built with build_policy; `custom` names no class and is left out.
+Modules that must not import torch (keydiff.run.checks, keydiff.report.gpu_hours) read it; a test checks it is
+fresh. Design: docs/design/policies.md#capabilities
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
 """CriticalKV (Feng et al. 2025, arXiv 2502.03805): rescale any scorer's scores by how much an entry can move the
-attention output.
-
-`Critical(scorer)` keeps floor(first_stage_ratio x N) entries by the scorer's scores, then fills the budget
-by (score + epsilon) x ||W_o v||_1 (computed once per entry, state "wov_l1"). Negative scores are shifted,
-log scores combined in the log domain. W_o is per layer, so it evicts layer by layer.
+attention output. `Critical(scorer)`; W_o is per layer, so it evicts layer by layer.
 
 Design: docs/design/policies.md#criticalkv-criticalkvpy
 """

@@ -1,10 +1,7 @@
 """Expected Attention (Devoto, Jeblick, Jégou 2025, arXiv 2510.00636): the attention future queries will pay.
 
-Queries are modelled as Gaussian (running mean and covariance of the layer's pre-RoPE queries, keydiff.queries),
-rotated over the next `n_future_positions`; each entry's expected attention, scaled by ||v||, is its score
-(returned as a logarithm). The first n_sink positions are always kept. Attention-free for the kernel.
-
-Design: docs/design/policies.md#expected-attention-expected_attentionpy
+Queries are modelled as Gaussian (keydiff.queries); each entry's expected attention, scaled by ||v||, is its
+score. Design: docs/design/policies.md#expected-attention-expected_attentionpy
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """KeyDiff (paper §3.2): keep the keys least similar to the other keys of the cache.
 
-Eq. 8 scores each key by its negative cosine similarity to an anchor, the mean of the L2-normalised
-keys in the cache being evicted, and keeps the N highest. `KeyDiffPairwise` is the exact O(n²)
-objective of Eq. 7 (negative row sums of the pairwise cosine-similarity matrix); with the default
-anchor both rank keys identically, because sum_j cos(k_i, k_j) = n * cos(k_i, mean(k̂)) * ||mean(k̂)||.
+Eq. 8's anchor score, and `KeyDiffPairwise`, Eq. 7's exact O(n²) form (the same ranking with the default anchor).
+Design: docs/design/policies.md#keydiff-keydiffpy
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """KVzip (Kim et al. 2025): query-agnostic KV cache compression with context reconstruction.
 
-An entry's score is the largest attention it receives while the model repeats the context. Here the engine
-runs one reconstruction pass per prefill block ([repeat prompt + that block], inside `cache.scratch()`), and
-each held entry keeps the running maximum (per-entry state); decoding updates it too. Loops of your own must
-call `cache.start_generation`.
-
+An entry's score is the largest attention it receives while the model repeats the context (one reconstruction
+pass per prefill block). Loops of your own must call `cache.start_generation`.
 Design: docs/design/policies.md#kvzip-kvzippy
 """
 

@@ -1,9 +1,6 @@
 """LagKV (Liang et al. 2025, arXiv 2504.04704): score each chunk of the cache against the chunk after it.
 
-Entries after the `n_sink` sinks are cut into partitions of `lag_size`; each is scored by min-max normalising
-against the next one and ranked within itself. `scoring="frozen"` (default, the authors' streaming method)
-scores each raw partition once; `"rescore"` re-partitions the survivors at every eviction.
-
+`scoring="frozen"` (default, the authors' streaming method) or `"rescore"`.
 Design: docs/design/policies.md#lagkv-lagkvpy
 """
 

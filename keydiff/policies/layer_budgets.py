@@ -1,9 +1,6 @@
 """How a budget N is split across layers: uniform (every layer N) or a PyramidKV schedule (Cai et al. 2024).
 
-The pyramid gives lower layers more entries in an arithmetic sequence; `arithmetic="exact"` (default) keeps
-the total at m x N, `"kvcache_factory"` reproduces KVCache-Factory's integer arithmetic (which overshoots).
 Configured as `layer_budgets: {schedule: pyramid, beta: 20, window: 0, arithmetic: exact}`.
-
 Design: docs/design/policies.md#layer-budgets-pyramidkv-layer_budgetspy
 """
 

@@ -1,9 +1,6 @@
 """Key re-rotation (as kvpress's `KeyRerotationPress`): after every eviction the kept keys of each KV head are
-re-rotated to contiguous positions, in the order of their original positions.
-
-`Rerotated(policy, mode)` only asks the cache (`needs.key_rerotation`), which owns the tensors
-(keydiff.cache.evict.rerotate). Flat parameter `key_rerotation`: false, true or "contiguous"
-(the next tokens follow the kept keys, kvpress's pipeline), or "absolute" (they keep their positions).
+re-rotated to contiguous positions, in the order of their original positions. `Rerotated(policy, mode)` only asks
+the cache (`needs.key_rerotation`), which owns the tensors.
 
 Design: docs/design/policies.md#key-re-rotation-rerotationpy
 """

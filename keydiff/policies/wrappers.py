@@ -1,9 +1,5 @@
 """Behaviour any policy can be given from outside, as a wrapper around it (as kvpress composes presses).
 
-`RecentWindow(policy, fraction)` always keeps the most recent floor(fraction x budget) entries per KV head;
-`LayerBudgets(policy, schedule)` gives each layer its own budget. A wrapper's `needs` are the wrapped policy's
-(with what it changes), and it forwards its state; eviction runs in the outermost object.
-
     LayerBudgets(RecentWindow(KeyDiff(), fraction=0.2), schedule={"schedule": "pyramid", "beta": 20})
 
 Design: docs/design/policies.md#building-and-composing-__init__py-wrapperspy

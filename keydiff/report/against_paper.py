@@ -1,12 +1,7 @@
 """Our numbers next to the paper's, cell by cell: results/tables/<table>_vs_paper.md / .tex.
 
-One line per cell (ours, the paper's value from results/paper/*.csv, the difference, our samples, marks) and a
-summary line per table (mean |difference|, cells outside tolerance, the commands that fill missing cells). Only
-the same model is compared; other models get the paper's values for reference. Tolerances:
-keydiff/paper/registry.py TOLERANCES, which runs feed each table: its TABLES.
-
-    python -m keydiff.report.tables     writes every comparison (this module has no command line)
-
+One line per cell and a summary line per table; written by `python -m keydiff.report.tables` (no command line of
+its own). Tolerances and what feeds each table: keydiff/paper/registry.py.
 Design: docs/design/reports.md#against-the-paper-reportagainst_paper
 """
 

@@ -1,13 +1,8 @@
 """Collect every run under results/runs into one tidy file, results/summary.csv (one row per run).
 
-Tables and figures read only this file, so they work from a committed summary.csv without the run directories.
-Shards of a grid point are merged once all are complete; runs moved aside by overwrite=true are never collected
-(`--include-old` lists them). Columns include what ran, run statistics, every metric (`metrics/<path>`), and
-`se/<column>`, the standard error every interval is drawn from.
-
     python -m keydiff.report.collect [--runs results/runs] [--out results/summary.csv] [--include-old]
 
-Design: docs/design/reports.md#one-csv-reportcollect
+Columns and merging of shards: docs/design/reports.md#one-csv-reportcollect
 """
 
 from __future__ import annotations
@@ -60,11 +55,8 @@ def block_label(block_size) -> str:
 
 
 def standard_errors(family: str, rows: list[dict], metrics: dict) -> dict[str, float]:
-    """`se/<column>` for the columns that average this run's samples, from their per-sample values.
-
-    LongBench and RULER scores are grouped per dataset / task (render.grouped_mean_se); RULER's `info.short` samples
-    are left out, as from the scores.
-    """
+    """`se/<column>` for the columns that average this run's samples, from their per-sample values: LongBench and
+    RULER scores grouped per dataset / task (render.grouped_mean_se), RULER's `info.short` samples left out."""
     scored = [r for r in rows if isinstance(r.get("scores"), dict)]
     out: dict[str, float] = {}
     pairs = [("mean_ttft_s", "ttft_s"), ("mean_kept_ratio", "kept_ratio")]

@@ -1,14 +1,9 @@
 """Paper figures from results/summary.csv (prompt lengths: from the runs' predictions.jsonl) into results/figures/.
 
-NIAH heatmaps (Figures 6 / 19), TTFT vs budget (Figures 7 / 17), prompt-length histograms (Figure 18), the
-kvpress-style leaderboard, the protocol comparison, and generic/ score-vs-budget plots for every experiment and
-task (95 % error bars, subset runs hollow and marked §). Each policy keeps one colour, marker and dash in every
-figure (POLICY_COLORS). Which experiments feed each: keydiff/paper/registry.py FIGURES. Files are .png and .pdf,
-byte-reproducible.
-
     python -m keydiff.report.figures [--summary results/summary.csv] [--out results/figures]
                                      [--runs results/runs] [--collect]
 
+Which experiments feed each: keydiff/paper/registry.py FIGURES.
 Design: docs/design/reports.md#figures-reportfigures-analysisfigures
 """
 
@@ -49,10 +44,9 @@ def save(fig, out: Path, name: str) -> list[Path]:
 
 
 MARKERS = ["o", "s", "^", "D", "v", "P", "X", "*"]  # with the colour and dash: overlapping series stay visible
-LINESTYLES = ["-", (0, (5, 2)), (0, (1, 1.5)), (0, (5, 2, 1, 2)), (0, (8, 2, 1, 2, 1, 2))]  # a policy's series is
-# told apart by colour, shape and dash, drawn at its true x (no sideways offset on a numeric axis)
-# One colour per policy label in every figure, whatever else a figure shows: the common policies by hand, any other
-# label by a hash of its name into the rest of the palette (stable across figures and runs).
+LINESTYLES = ["-", (0, (5, 2)), (0, (1, 1.5)), (0, (5, 2, 1, 2)), (0, (8, 2, 1, 2, 1, 2))]
+# One colour per policy label in every figure: the common policies by hand, any other label by a hash of its name
+# into the rest of the palette (stable across figures and runs).
 POLICY_COLORS = {"keydiff": "#1f77b4", "snapkv": "#ff7f0e", "tova": "#2ca02c", "h2o": "#d62728", "sink": "#9467bd",
                  "knorm": "#8c564b", "h2o_recent": "#e377c2", "random": "#7f7f7f", "recent": "#bcbd22",
                  "expected_attention": "#17becf", "full": "#000000"}
@@ -223,10 +217,8 @@ def prompt_lengths(df, runs_root: Path, out: Path) -> list[Path]:
 
 
 def score_vs_budget(df, out: Path) -> list[Path]:
-    """Score vs budget per policy for whatever ran (the generic tables' configurations, subset and incomplete runs
-    marked), with 95 % error bars, each policy at its true budget with its own marker and dash, y from 0. Ratio
-    budgets ("r0.25") get a figure of their own ("...__ratio"); the full cache's line is in both.
-    """
+    """Score vs budget per policy for whatever ran (the generic tables' configurations), with 95 % error bars. Ratio
+    budgets ("r0.25") get a figure of their own ("...__ratio"); the full cache's line is in both."""
     paths = []
     (out / "generic").mkdir(parents=True, exist_ok=True)
     runs = generic.runs_of(df)
@@ -290,10 +282,8 @@ def score_figure(group, position, xlabel: str, out: Path, name: str, key) -> lis
 
 
 def leaderboard(df, out: Path) -> list[Path]:
-    """leaderboard.png/.pdf: average RULER score vs fraction of the prompt kept (kvpress's ratio on the top axis), one
-    line per method with 95 % error bars, the full cache dashed and shaded; one panel per (task, model, protocol).
-    Hollow markers: subset or unfinished runs, or fewer RULER tasks than the panel's most ("k/13").
-    """
+    """leaderboard.png/.pdf: average RULER score vs fraction of the prompt kept, one line per method with 95 % error
+    bars; one panel per (task, model, protocol). Hollow markers: subset or unfinished runs, or fewer RULER tasks."""
     selected = board.runs(df, registry.TABLES["leaderboard"])
     if selected.empty:
         return []
@@ -354,10 +344,8 @@ def leaderboard(df, out: Path) -> list[Path]:
 
 
 def protocol(df, out: Path) -> list[Path]:
-    """protocol.png/.pdf: per model, one panel per budget; x the protocol columns of the protocol table (in its
-    order), y the score x100 with 95 % error bars (Wilson over the questions; none below 5), one line per method (its
-    marker and line style), the full cache (each column's own run) a dashed black line. Hollow markers: subset or
-    unfinished runs. The runs of the protocol table (keydiff.report.protocol.runs)."""
+    """protocol.png/.pdf: per model, one panel per budget; x the protocol table's columns, y the score x100 with 95 %
+    error bars, one line per method, the full cache dashed black; the runs of keydiff.report.protocol.runs."""
     selected = protocols.runs(df, registry.TABLES["protocol"])
     if selected.empty:
         return []

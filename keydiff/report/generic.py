@@ -1,11 +1,6 @@
 """Generic tables for the ordinary research loop: whatever ran, per experiment (``adhoc`` included) and task.
 
-The paper tables take only complete whole-task runs of paper experiments; here every run in results/summary.csv
-counts and says what it is. results/tables/generic/<experiment>__<task>.md / .tex hold the primary score as
-policy x budget ("value [95 % interval] (n)") and every configuration as a row with each metric. A subset run is
-never averaged with its configuration's whole-task run; marks § subset, †k failed, ~ not complete, ∅ nothing
-evicted; seeds are averaged as repeated measures of the same samples.
-
+Every run in results/summary.csv counts and says what it is: results/tables/generic/<experiment>__<task>.md / .tex.
 Design: docs/design/reports.md#generic-tables-reportgeneric
 """
 

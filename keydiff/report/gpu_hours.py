@@ -2,28 +2,11 @@
 
     python -m keydiff.report.gpu_hours [--rates results/bench/gpu_bench.json]
 
-Why: the hours in docs/gpu.md were scaled from CPU throughput ratios. Here they are computed from what a GPU
-measured, so a new `make gpu-bench` result re-derives the whole table in one command. The default rates
-(results/bench/gpu_rates_h200.json) are the H200 measurements of this project, each naming the measurement it
-comes from; `--rates` takes such a file or a `make gpu-bench` JSON, whose rows replace the rates they measure
-(the rest still come from the default file, and the output says which is which).
-
-One grid point's time: its samples are prefilled one at a time (a batch waits while a joining prompt is
-prefilled) and decode `batch` at a time, so
-
-    seconds = samples x scale x (prompt / prefill rate x p  +  generated x ms per token / 1000 x d / speed-up)
-
-with the prefill rate (prompt tokens/s at the paper's B = 128) and ms per token (batch 1) of the step the
-policy runs, p and d the policy's cost against KeyDiff's on that step, and speed-up the batch's tokens/s over
-batch 1 for the way its rows decode (see `Rates`). scale is the model's weight bytes over the measured 3B
-shape's: decoding is memory-bound (time per token grows with the bytes read) and prefill compute-bound (FLOPs
-grow with the parameters). That is an extrapolation, not a measurement, and where the measured step is bound
-by the host (kernel launches, as before the fixed-shape step) it overstates the 7-8B models' time.
-
-The grids are conf/experiment's (keydiff.grids); each point's workload (samples, prompt and generated tokens) is
-the explicit data below, picked by the task the point composes and saying where it comes from;
-tests/test_gpu_hours.py checks the workloads against the composed tasks and the Math-500 lengths against the
-paper's. Imports no torch: it runs anywhere, without a GPU or a model.
+The default rates (results/bench/gpu_rates_h200.json) name the measurement each comes from; `--rates` takes such a
+file or a `make gpu-bench` JSON, whose rows replace the rates they measure. One grid point takes samples x scale x
+(prompt / prefill rate x p + generated x ms per token / 1000 x d / speed-up) (see `Rates`); scale extrapolates
+from the 3B shape by weight bytes. The grids are keydiff.grids'; the workloads are the data below. Imports no
+torch. The formula, its assumptions and the table: docs/gpu.md#devices-kernels-memory-and-gpu-hours
 """
 
 from __future__ import annotations
@@ -63,10 +46,8 @@ def preset_needs() -> dict[str, dict[str, Any]]:
 
 
 def capturable(policy: str) -> bool:
-    """Needs.capturable: the preset runs the fixed-shape step where the rates have one. Besides `pooled` ones: TOVA,
-    SnapKV and H2O, whose attention statistic the fixed-shape step computes itself for a sequence alone (batch 1);
-    batched, their rows decode each on its own, on the ordinary step, and their cost against KeyDiff's is gpu-check's
-    ratio (measured on the ordinary step) on either step. full (no eviction) runs the ordinary step."""
+    """Needs.capturable: the preset runs the fixed-shape step where the rates have one (besides `pooled` ones: TOVA,
+    SnapKV and H2O at batch 1; batched, their rows decode each alone on the ordinary step). full never does."""
     return bool(preset_needs().get(policy, {}).get("capturable"))
 
 

@@ -1,12 +1,7 @@
 """The kvpress-style leaderboard: average RULER score vs the fraction of the prompt kept, one line per method.
 
-`runs` selects experiment=leaderboard (ratio budgets, budget=r0.25 keeps a quarter of the prompt) and
-leaderboard_full (registry.TABLES["leaderboard"]); `write` lays out results/tables/leaderboard.{md,tex,csv}: one
-row per (task, model, protocol, method), the full cache first, methods ranked by Avg., one column per kept ratio,
-cells RULER average x100 "value [low, high] (n=...)". keydiff.report.figures draws the same selection.
-
-    python -m keydiff.report.tables     (writes it with every other table; make tables / make leaderboard)
-
+`runs` selects the runs (registry.TABLES["leaderboard"]); `write` lays out results/tables/leaderboard.{md,tex,csv}.
+Written by `python -m keydiff.report.tables`; keydiff.report.figures draws the same selection.
 Design: docs/design/reports.md#leaderboard-and-protocol-comparison-reportleaderboard-reportprotocol
 """
 

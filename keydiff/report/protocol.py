@@ -1,12 +1,6 @@
 """The protocol comparison: one score per method and budget under each way of asking about a compressed context.
 
-Lays out experiment=protocol (+ protocol_shared, protocol_full, protocol_shared_full) on shared_ruler_4k:
-columns question in prompt, query-agnostic, multi-request k=K, multi-turn k=K; rows the full cache, then each
-method per budget; cells mean string-match x100 "value [low, high] (n=questions)". protocol.csv holds one row
-per run; keydiff.report.figures draws the same selection.
-
-    python -m keydiff.report.tables     (writes it with every other table; make tables / make protocol)
-
+Written by `python -m keydiff.report.tables`; keydiff.report.figures draws the same selection.
 Design: docs/design/reports.md#leaderboard-and-protocol-comparison-reportleaderboard-reportprotocol
 """
 

@@ -1,11 +1,6 @@
 """How every table, comparison and figure shows a number: intervals, formats, marks, budget order, md/tex.
 
-One module so that each is defined once: the 95 % interval from a standard error (`combined_se` for a mean of
-groups, `seeds_se` for a mean over seeds; Wilson inside a score's range, else mean +- 1.96 SE; none below 5
-samples or for a constant), how a number prints ("--" when missing), the marks of a subset / failed / unfinished
-run, the order of budget labels, LaTeX escaping, and a table as Markdown and booktabs LaTeX. Standard errors, not
-a bootstrap, because tables read only results/summary.csv. The definitions: docs/experiments.md, "Uncertainty".
-
+One module so that each is defined once. The definitions: docs/experiments.md, "Uncertainty".
 Design: docs/design/reports.md#intervals-formats-and-marks-reportrender
 """
 

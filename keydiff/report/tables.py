@@ -1,9 +1,6 @@
 """Every paper table that results/summary.csv can fill, as LaTeX (.tex) and Markdown (.md) in results/tables/.
 
-Every number is a number from a run; a table with no runs names the experiments to run. Only complete runs of
-the whole task count, except in the smoke table. What feeds each table: keydiff/paper/registry.py. Also writes
-<table>_vs_paper (keydiff.report.against_paper), generic/ (keydiff.report.generic), the leaderboard, the protocol
-comparison and the index results/README.md (keydiff.report.index).
+Also writes the comparisons with the paper, generic/, the leaderboard, the protocol comparison and the index.
 
     python -m keydiff.report.tables [--summary results/summary.csv] [--out results/tables]
                                     [--runs results/runs] [--collect] [--paper results/paper]

@@ -1,30 +1,11 @@
 """One W&B report per experiment (conf/experiment/*.yaml), built with wandb-workspaces from the same configs
 that define the sweeps, so a dashboard always shows the grid that was run.
 
-Each report holds, per model of the grid, one panel grid whose run sets are the experiment's policies
-(runs are found by their config: experiment_name, model.name, policy.label, as keydiff/run/tracking.py logs
-them) with:
-  score vs budget              summary `score` (the task's headline metric) against config budget.tokens
-  paper: score vs budget       the paper's value of the same cell (summary `paper/score`), where one exists
-  ours vs paper                one point per grid point; points on the diagonal reproduced the paper
-  score and paper, per budget  bars of `score` and `paper/score` grouped by budget label
-  TTFT vs block size           summary statistics/mean_ttft_s against config block_size
-  kept ratio vs budget  summary statistics/mean_kept_ratio
-  running score                history running/score per row (watch a run while it runs)
-plus, for LongBench, one score-vs-budget panel per dataset, and the paper's values as a Markdown table
-(results/paper/table<N>.csv; absent files are fine).
-
-Building the report objects needs no network and no account (tested in tests/test_report.py); `--publish`
-saves them to W&B and needs credentials (`wandb login` or WANDB_API_KEY).
-
-Each report's specification is written to `results/reports/<experiment>.json` (its grid, a readable outline
-of its blocks and panels, and the W&B report model), and one line per report is printed. Without names,
-every experiment that has runs under the results root gets a report: those of conf/experiment/ from their
-grid, any other (`adhoc`, or your own `experiment_name`) from the configurations its runs recorded, one
-report per task (`<experiment>__<task>.json`, run sets filtered by task as well).
+Per model of the grid, one panel grid whose run sets are the experiment's policies (found by the config
+keydiff/run/tracking.py logs); the panels and the files written: docs/wandb.md. Building needs no network or
+account; `--publish` saves to W&B. Each specification goes to `results/reports/<experiment>[__<task>].json`.
 
     python -m keydiff.report.wandb                          # every experiment with runs (adhoc included)
-    python -m keydiff.report.wandb table1 smoke             # these experiments, with or without runs
     python -m keydiff.report.wandb table1 --publish --entity ME [--project keydiff-bench]
 
 Which paper table an experiment is compared with, and how policies are named: keydiff/paper/registry.py.

@@ -1,10 +1,6 @@
 """A run's samples decoded `batch_size` at a time (keydiff.batching), written as each one finishes.
 
-Each row is the row a batch-1 run writes for the sample, plus how it was batched (`decode_batch_size`,
-`decode_s_per_token`); samples with the same prompt share one prefill. Out of memory halves the width
-(keydiff.batching.scheduler).
-
-Design: docs/design/runs.md#batched-decoding
+Each row is the row a batch-1 run writes, plus how it was batched. Design: docs/design/runs.md#batched-decoding
 """
 
 from __future__ import annotations

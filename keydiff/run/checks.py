@@ -1,10 +1,7 @@
 """Checks of a run's configuration that need neither the model nor a run directory.
 
-`check_command_line` composes run.py's command line as Hydra will; `check_run_config`, the one check of a
-run's configuration, runs exactly once per run before any directory is created (Hydra callback, sweeper, or
-the Python API), and fails a typo with one line naming the key, the value and what is valid. Also here: the
-Hub probe, the device check and `drop_whole_task_limit`.
-
+`check_command_line` (run.py's command line, composed as Hydra will) and `check_run_config` (once per run, before
+any directory is created); also the Hub probe, the device check and `drop_whole_task_limit`.
 Design: docs/design/runs.md#one-run
 """
 
@@ -149,10 +146,8 @@ def check_run_config(cfg: DictConfig, runs_here: bool = True) -> None:
 
 @functools.lru_cache(maxsize=None)
 def batch_invariant_policies() -> tuple[str, ...]:
-    """The policies whose decoding steps use only what keydiff.kernels.batch_invariant makes invariant: those with a
-    preset declaring Needs.batch_invariant, read from keydiff/policies/capabilities.json (importing the policies
-    needs torch). Read, not measured on a GPU yet (make gpu-check's "batch 16 = alone, batch_invariant" row measures
-    keydiff and full). Not among them: expected_attention (logsumexp), lagkv (std), kvzip; policy=custom."""
+    """The policies whose decoding steps use only what keydiff.kernels.batch_invariant makes invariant: presets
+    declaring Needs.batch_invariant in keydiff/policies/capabilities.json (importing the policies needs torch)."""
     import json
 
     path = Path(__file__).resolve().parents[1] / "policies" / "capabilities.json"

@@ -8,11 +8,9 @@ from typing import Any
 
 
 def nothing_evicted(summary: dict[str, Any]) -> bool | None:
-    """True when the budget never bound: every prompt was kept whole (kept ratio 1.0) and no layer's cache ever
-    exceeded the smallest layer budget (without eviction while decoding: the longest prompt did not), a
-    sufficient test that nothing was evicted. False when something may have been evicted; None when no budget
-    applies (the full cache) or no sample succeeded. Summaries written before the runner recorded it are judged
-    alike (keydiff.report.collect)."""
+    """True when the budget never bound: every prompt was kept whole and no layer's cache ever exceeded the
+    smallest layer budget (a sufficient test). False when something may have been evicted; None when no budget
+    applies (the full cache) or no sample succeeded."""
     statistics = summary.get("statistics") or {}
     budgets = [b for b in statistics.get("layer_budgets") or [summary.get("budget")] if b is not None]
     full = (summary.get("config") or {}).get("policy", {}).get("name") == "full"

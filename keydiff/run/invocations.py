@@ -1,7 +1,5 @@
 """Which invocation computed which rows of a run: summary.json's `invocations`, one entry per invocation that
-wrote rows into the run directory (a run may be resumed, extended or retried by several). Each invocation's
-`id` is written on every row it appends; the entries say how those rows were computed (command, batch size,
-decode widths, threads, commit, wall time). Standard library only: the report and `make status` read it.
+wrote rows into the run directory. Standard library only: the report and `make status` read it.
 
 Design: docs/design/runs.md#invocations
 """

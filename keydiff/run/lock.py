@@ -1,8 +1,5 @@
 """One writer per run directory: a lock file (`<run_dir>/.lock`, created atomically) naming its host, pid and
-start time. A second process waits `lock_wait` seconds, then refuses naming the holder; a lock whose
-process is gone from this host is stale and taken over.
-
-Design: docs/design/runs.md#the-lock
+start time; a stale one is taken over. Design: docs/design/runs.md#the-lock
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""A run directory's run.log, opened only once the directory is settled: `HeldFileHandler` keeps its records
-until run.py calls `release()` (after `overwrite=true` has moved the old run aside), so no line goes to the
-moved-aside log. Standard library only.
-
-Design: docs/design/runs.md#run-directories-and-resume
+"""A run directory's run.log, opened only once the directory is settled (`HeldFileHandler`), so no line goes to
+a moved-aside log. Standard library only. Design: docs/design/runs.md#run-directories-and-resume
 """
 
 from __future__ import annotations

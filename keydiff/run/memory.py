@@ -1,9 +1,6 @@
 """A run's peak memory (CUDA's max allocated, else this process's resident peak, VmHWM: not ru_maxrss, which
-inherits a parent's peak), a reset of that peak, and the process's current size. The one reading for the
-runner's and the benchmarks' peaks. No keydiff import and torch only inside functions:
-keydiff.bench.peers_runner loads this file by path.
-
-Design: docs/design/runs.md#peak-memory
+inherits a parent's peak), a reset of that peak, and the process's current size. No keydiff import and torch
+only inside functions: keydiff.bench.peers_runner loads this file by path. Design: docs/design/runs.md#peak-memory
 """
 
 from __future__ import annotations

@@ -17,10 +17,8 @@ from keydiff.models import ModelConfig
 from keydiff.policies import Policy, build_policy
 from keydiff.tasks.base import Prompt, Task
 
-# Keys that do not change what a run computes, so changing them never blocks resuming a run directory.
-# (max_prompt_tokens only decides which samples are recorded as failed; failures are counted in the summary.)
-# (shard only selects which of the grid point's samples a directory holds: every shard records the grid point's
-# configuration, keydiff.run.shards.)
+# Keys that do not change what a run computes, so changing them never blocks resuming a run directory
+# (max_prompt_tokens only decides which samples fail; shard only which of the grid point's samples a directory holds).
 NON_RESULT_KEYS = ("overwrite", "logger", "results_root", "experiment_name", "run_subdir", "slurm", "threads",
                    "batch_size", "max_prompt_tokens", "retry_failed", "lock_wait", "dry_run", "only_missing",
                    "shard")

@@ -1,10 +1,7 @@
 """Stopping cleanly on SIGTERM / SIGUSR1 / SIGUSR2 (SLURM's warnings) and SIGINT (Ctrl-C), all alike.
 
-A signal abandons the running sample at once (`Preempted`), but lets a row or summary write complete, so
-every row on disk is whole; after the summary, `Preempted.deliver()` hands the signal on to the previous
-handler (submitit's requeue, or the default disposition).
-
-Design: docs/design/runs.md#preemption
+A signal abandons the running sample (`Preempted`) but lets a write complete; `Preempted.deliver()` then hands
+it to the previous handler. Design: docs/design/runs.md#preemption
 """
 
 from __future__ import annotations

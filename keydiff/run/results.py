@@ -1,7 +1,5 @@
 """Result files of one run (run_config.json, predictions.jsonl, summary.json), written so that nothing is ever
-lost or silently overwritten: rows appended whole and fsynced, the summary replaced atomically, a partial
-last line dropped on resume, a failed write cut back. Every reader of predictions.jsonl goes through
-`read_rows` / `successful_rows`.
+lost or silently overwritten. Every reader of predictions.jsonl goes through `read_rows` / `successful_rows`.
 
 Design: docs/design/runs.md#run-directories-and-resume
 """

@@ -1,10 +1,6 @@
 """One run: check everything, load the model, prefill + decode every sample, write the results.
 
-Every configuration error is raised before the model loads. A run survives a cluster: an out-of-memory
-sample becomes a failed row, a stop signal ends it after the summary and the next start resumes, one process
-writes a directory at a time, and each invocation that writes rows is recorded in summary.json.
-
-Design: docs/design/runs.md#one-run
+Every configuration error is raised before the model loads. Design: docs/design/runs.md#one-run
 """
 
 from __future__ import annotations

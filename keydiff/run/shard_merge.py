@@ -2,11 +2,7 @@
 
     python -m keydiff.run.shard_merge [--runs results/runs]     # `make collect` does this first
 
-The point's predictions.jsonl, run_config.json and summary.json are written exactly as one unsharded run
-writes them (plus shards/merged.json); nothing is merged while a shard is missing or partial, and a point
-holding a run of its own is never overwritten.
-
-Design: docs/design/runs.md#merging-shards
+Written exactly as one unsharded run writes it. Design: docs/design/runs.md#merging-shards
 """
 
 from __future__ import annotations

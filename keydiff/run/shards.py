@@ -1,10 +1,7 @@
 """Grid points larger than one job: a run's samples split into n shards (`shard=i/n`), each an ordinary run.
 
-Shard i of n takes every n-th group of samples (`Task.shard_group`) starting with the i-th, round robin so
-every shard gets the same mix of lengths and datasets. A shard lives in `<grid point>/shards/<i>of<n>/` with
-`shard.json`, its manifest. This module needs neither torch nor a model.
-
-Design: docs/design/runs.md#shards
+Round robin over `Task.shard_group`; a shard lives in `<grid point>/shards/<i>of<n>/` with its manifest
+`shard.json`. Needs neither torch nor a model. Design: docs/design/runs.md#shards
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
 """Several questions over one compressed context: a task's `multi_request` and `multi_turn` modes.
 
-Per context the task builds the context and each question's prompt (`Task.shared_context`); the context is
-prefilled and compressed once, then each question is answered against a copy of that state (multi_request)
-or as the next turn of one conversation in one cache (multi_turn). One row per question, written after its
-context is done.
-
-Design: docs/design/runs.md#shared-contexts
+The context is prefilled and compressed once; one row per question. Design: docs/design/runs.md#shared-contexts
 """
 
 from __future__ import annotations

@@ -3,14 +3,8 @@
     python -m keydiff.run.status table1                 # or: make status EXP=table1
     python -m keydiff.run.status smoke results_root=/scratch/me/runs policy=keydiff,tova
 
-The grid comes from keydiff.grids, exactly as run.py's sweeper expands it (conf/experiment/<EXP>.yaml axes
-plus any extra overrides); each point's expected samples come from its task (data listed, no model
-loaded), its progress from the rows in its run directory. `make sweep-slurm EXP=... ONLY_MISSING=1`
-submits the points that are not complete (or `make sweep-local ... ONLY_MISSING=1`).
-
-A grid point split into shards (`shard=i/n`, keydiff.run.shards) shows which shards are complete and which
-are missing, and whether the complete ones are merged yet (`make collect`); `ARGS="shard=all/8"` lists every
-shard as a point of its own instead.
+The grid is keydiff.grids' (as run.py's sweeper expands it); shards (`shard=i/n`) show which are complete,
+missing or merged. Resubmitting what is not complete, and shards: docs/cluster.md.
 """
 
 from __future__ import annotations

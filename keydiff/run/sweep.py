@@ -1,13 +1,8 @@
 """The grid of a sweep and where each of its points stands, computed without torch or any model.
 
-Used by the sweeper (hydra_plugins/keydiff_sweeper: checks every point before launching, dry_run,
-only_missing) and by `python -m keydiff.run.status` (`make status EXP=table1`). A grid point is the list of
-overrides one job gets, the grid keydiff.grids computes for every experiment (`grid_points`: Hydra's
-BasicSweeper's, in its order); its run directory is `<results_root>/<experiment_name>/<run_subdir>`,
-exactly where run.py writes it. A point's progress is read with keydiff.run.results' predictions reader.
-A grid point split into shards (`shard=i/n`, keydiff.run.shards): `shard=all/n` is expanded here into its n
-jobs, a shard's expected samples are its own, and a whole point whose shards are on disk says which are
-missing. A sweep ends with `recap`: one line per job, its status, headline metric and run directory.
+Used by the sweeper (hydra_plugins/keydiff_sweeper) and by `python -m keydiff.run.status`. The points are
+keydiff.grids' (`grid_points`); a point's run directory is `<results_root>/<experiment_name>/<run_subdir>`, as
+run.py writes it; `shard=all/n` expands into its n jobs. A sweep ends with `recap`: one line per job.
 """
 
 from __future__ import annotations
@@ -105,10 +100,8 @@ def point_status(run_dir: Path, sample_ids: set[str] | None) -> PointStatus:
 
 
 def batched_note(run_dir: Path, rows: Iterable[dict]) -> str:
-    """'batch_size 8 (mean 5.0 per pass, 0.548 s/token)' for a run whose sequences decoded together: the batch
-    size of the invocations that computed its rows (summary.json's `invocations`, keydiff.run.invocations;
-    'batch_size mixed: 1, 8' when they differ), else the rows' largest mean batch; the rows' mean decode_batch_size
-    and decode_s_per_token. '' for a run at batch 1 (rows without those fields are from before batching: batch 1)."""
+    """'batch_size 8 (mean 5.0 per pass, 0.548 s/token)' for a run whose sequences decoded together (the batch size
+    of its invocations, else the rows' largest mean batch); '' for a run at batch 1 or rows without those fields."""
     rows = [row for row in rows if succeeded(row) and "decode_batch_size" in row]
     sizes = [float(row["decode_batch_size"]) for row in rows]
     per_token = [float(row["decode_s_per_token"]) for row in rows if row.get("decode_s_per_token")]

@@ -1,9 +1,5 @@
 """Weights & Biases mirror of one run: live per-sample rows, a consistently named summary, and exactly one
 W&B run per run directory, however often the run is resumed. The run directory's files stay the record.
-
-The runner calls `check(cfg)` (within the config check), `start(cfg, run_dir, rows)`, `Tracker.log_row(row)`
-after each appended row and `Tracker.finish(summary)` after summary.json is written.
-
 Design: docs/design/runs.md#weights--biases
 """
 

@@ -1,7 +1,5 @@
 """Offline haystack text for needle-in-a-haystack style tasks: by default the pinned prose of CPython 3.11.7's
-pydoc_data/topics.py (keydiff/tasks/data/pydoc_prose.txt, sha256 checked; PSF licence notice in
-pydoc_prose.LICENSE.txt), or the running interpreter's, a folder of .txt files, or RULER's
-PaulGrahamEssays.json. `Haystack.kind` names the source in results.
+pydoc_data/topics.py (sha256 checked); `Haystack.kind` names the source in results.
 
 Design: docs/design/tasks.md#the-haystack
 """

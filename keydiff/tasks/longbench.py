@@ -1,6 +1,4 @@
-"""LongBench v1 (and LongBench-E), following the official `LongBench/pred.py` and `eval.py` exactly: the
-dataset's template, middle truncation to `max_length` with BOS, the chat template except for few-shot and
-code datasets, greedy decoding. Data: `data.zip` of `THUDM/LongBench`, read directly and hashed.
+"""LongBench v1 (and LongBench-E), following the official `LongBench/pred.py` and `eval.py` exactly.
 
 Design: docs/design/tasks.md#longbench
 """
@@ -524,9 +522,8 @@ PROMPT_LENGTH_BINS = (("<=2K", 2048), ("2K-4K", 4096), ("4K-6K", 6144), ("6K-8K"
 def prompt_statistics(rows: list[dict[str, Any]], order: list[str]) -> dict[str, Any]:
     """Per dataset: prompt-token histogram (Table 8, Figure 18) and mean compression ratio (Table 9).
 
-    Uses the runner's row fields `prompt_tokens` and `kept_ratio` (= min(N / L, 1), the share kept, which Table 9
-    calls the compression ratio; rows of older runs name it `compression_ratio`); rows without them (e.g.
-    hand-made) are skipped. The ratio "average" is the mean over datasets, as Table 9's.
+    Uses the rows' `prompt_tokens` and `kept_ratio` (Table 9's compression ratio; older rows: `compression_ratio`);
+    rows without them are skipped. The ratio "average" is the mean over datasets, as Table 9's.
     """
     lengths: dict[str, list[int]] = {}
     ratios: dict[str, list[float]] = {}

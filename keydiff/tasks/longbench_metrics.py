@@ -1,9 +1,5 @@
 """The LongBench v1 metrics, behaving exactly like the official `LongBench/metrics.py`, quirks included
-(published numbers come from it): ROUGE-L's RecursionError -> 0.0 at the official stack depth, the
-classification list-mutation skip, code_sim's line pick, and fuzzywuzzy's `ratio` with an explicit backend
-(`difflib`, the official one, or `levenshtein`).
-
-Design: docs/design/tasks.md#longbench
+(published numbers come from it). Design: docs/design/tasks.md#longbench
 """
 
 from __future__ import annotations

@@ -1,6 +1,4 @@
-"""Math-500 with the DeepSeek-R1 prompt and sampled decoding, as in KeyDiff Appendix E (Tables 4-7): 5 sampled
-responses per problem (T = top-p = 0.95), Exact and Flex Match (keydiff.tasks.math_answers), and the subset
-analysis of samples whose length exceeds the budget.
+"""Math-500 with the DeepSeek-R1 prompt and sampled decoding, as in KeyDiff Appendix E (Tables 4-7).
 
 Design: docs/design/tasks.md#math-500
 """
@@ -203,9 +201,7 @@ _NO_DATASETS = dict(what=f"Math500 without task.data_dir (it loads {HUB_DATASET}
                     otherwise="task.data_dir=<a folder holding test.jsonl in the MATH-500 layout>")
 
 
-# --------------------------------------------------------------------------------------------
-# Aggregation over result rows (used by summarize and by the tables script)
-# --------------------------------------------------------------------------------------------
+# --- Aggregation over result rows (used by summarize and by the tables script) ---
 
 
 def _row_value(row: dict[str, Any], key: str) -> Any:

@@ -15,9 +15,7 @@ THINK_END = "</think>"
 _BOX_COMMANDS = ("\\boxed", "\\fbox")
 
 
-# --------------------------------------------------------------------------------------------
-# Extraction
-# --------------------------------------------------------------------------------------------
+# --- Extraction ---
 
 
 def answer_region(text: str) -> str:
@@ -73,9 +71,7 @@ def extract_boxed_answer(response: str) -> str | None:
     return None if boxed is None else unbox(boxed)
 
 
-# --------------------------------------------------------------------------------------------
-# Exact Match: MATH reference normalisation
-# --------------------------------------------------------------------------------------------
+# --- Exact Match: MATH reference normalisation ---
 
 
 class _NormalisationError(ValueError):
@@ -182,9 +178,7 @@ def exact_match(response: str, reference: str) -> bool:
     return predicted is not None and is_equiv(predicted, reference)
 
 
-# --------------------------------------------------------------------------------------------
-# Flex Match: math-verify
-# --------------------------------------------------------------------------------------------
+# --- Flex Match: math-verify ---
 
 
 def _timeout() -> int | None:

@@ -1,6 +1,4 @@
-"""Needle-in-a-Haystack: per (context length, depth), the needle inserted gkamradt-style at a sentence boundary
-of the haystack, in the storybook or gkamradt prompt; scored by `needle_recall` (KeyDiff Table 18's
-"recall"), `accuracy` and ROUGE-1 with the PyPI `rouge` package.
+"""Needle-in-a-Haystack: per (context length, depth), a needle inserted gkamradt-style, scored by `needle_recall`.
 
 Design: docs/design/tasks.md#needle-in-a-haystack
 """

@@ -1,6 +1,4 @@
-"""Phonebook lookup (Jelassi et al. 2024, "Repeat After Me"), as in KeyDiff Appendix H.1 / Table 17: a book of
-`size` `"{name}: {phone}"` lines, two few-shot entries and a query name; scored by exact match of the first
-output line. Every book depends only on (seed, size, book index).
+"""Phonebook lookup (Jelassi et al. 2024, "Repeat After Me"), as in KeyDiff Appendix H.1 / Table 17.
 
 Design: docs/design/tasks.md#phonebook
 """

@@ -1,9 +1,5 @@
 """RULER (Hsieh et al. 2024, NVIDIA/RULER): the 13 tasks of the kvpress leaderboard, generated offline.
 
-Every sample depends only on (task.seed, task name, task.length, index); its prompt takes the largest
-haystack with prompt + tokens to generate <= task.length, found with the model's tokenizer. Scores are
-RULER's string_match_all / string_match_part, x100 per task; samples too short for the length are left out.
-
 Design: docs/design/tasks.md#ruler
 """
 

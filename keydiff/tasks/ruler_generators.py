@@ -1,9 +1,6 @@
 """RULER's synthetic task generators (NVIDIA/RULER scripts/data/synthetic at `RULER_COMMIT`), written for this
-project. Each works in two steps so the gold answer never depends on the tokenizer: `plan(rng)` draws what
-the answer depends on, `render(plan, size)` builds the text for a haystack of `size` units and returns
-`(user_text, answer_prefix)`.
-
-Design: docs/design/tasks.md#ruler
+project. `plan(rng)` draws what the answer depends on and `render(plan, size)` builds the text, so the gold
+answer never depends on the tokenizer. Design: docs/design/tasks.md#ruler
 """
 
 # The templates below are data copied verbatim from RULER's constants.py at RULER_COMMIT.

@@ -1,7 +1,5 @@
 """Several questions over one context: a RULER multi-key haystack holding k needles, one question per needle,
-asked independently, as separate requests from one compressed context (multi_request) or as one
-conversation (multi_turn). It measures what KeyDiff's question-free scoring is for: one long context
-compressed once and asked several questions.
+asked as separate requests from one compressed context (multi_request) or as one conversation (multi_turn).
 
 Design: docs/design/tasks.md#several-questions-over-one-context
 """
