@@ -35,21 +35,6 @@ def plain_greedy_loop(model, state, steps, position_ids: bool):
 
 
 @pytest.mark.extended
-@pytest.mark.parametrize("position_ids", [False, True])
-@pytest.mark.parametrize("name", ATTENTION_FREE + ATTENTION_BASED + ["full"])
-def test_plain_model_loop_equals_keydiff_generate(model, prompt, name, position_ids):
-    expected = generate(model, prefill(model, prompt, name, 64, 32), 12).token_ids[0]
-    state = prefill(model, prompt, name, 64, 32)
-    with torch.no_grad(), keydiff.keydiff_attention(model, state.cache):
-        tokens = plain_greedy_loop(model, state, 12, position_ids)
-    assert tokens == expected
-    # Each layer evicts at the start of its next pass, so between calls it holds N + 1; evict() settles it.
-    assert max(layer.num_entries for layer in state.cache.layers) == (65 if name != "full" else 311)
-    state.cache.evict()
-    assert max(layer.num_entries for layer in state.cache.layers) == (64 if name != "full" else 311)
-
-
-@pytest.mark.extended
 @pytest.mark.parametrize("name", ATTENTION_FREE)
 def test_attention_free_policies_work_with_the_models_own_attention(prompt, name):
     """No keydiff attention at all: transformers' sdpa/eager masks are sized from the cache."""
@@ -255,25 +240,6 @@ def layer_by_layer(name: str) -> keydiff.Policy:
     policy = keydiff.policies.layer_by_layer(keydiff.build_policy(name))
     assert not policy.needs.rows_alike and policy.name == name
     return policy
-
-
-@pytest.mark.extended
-@pytest.mark.parametrize("name", BATCHABLE)
-def test_stacked_eviction_keeps_what_layer_by_layer_eviction_keeps(model, prompt, name):
-    stacked = prefill(model, prompt, name, 64, 32)
-    reference = prefill(model, prompt, layer_by_layer(name), 64, 32)
-    assert stacked.cache.stack is not None and reference.cache.stack is None
-    assert all(torch.equal(a, b) for a, b in zip(stacked.kept_positions, reference.kept_positions))
-    assert torch.equal(stacked.logits, reference.logits)
-    tokens = generate(model, stacked, 10).token_ids
-    assert tokens == generate(model, reference, 10).token_ids
-    for a, b in zip(stacked.cache.kept_positions(), reference.cache.kept_positions()):
-        assert torch.equal(a, b)
-    for a, b in zip(stacked.cache.layers, reference.cache.layers):
-        for name_ in a.state:  # the state travels with its entries (H2O's sums, KeyDiff's inverse norms)
-            order_a, order_b = a.positions[..., : a.num_entries].argsort(-1), b.positions[..., : b.num_entries].argsort(-1)
-            assert torch.equal(a.state[name_][..., : a.num_entries].gather(-1, order_a),
-                               b.state[name_][..., : b.num_entries].gather(-1, order_b))
 
 
 class CountingKeyDiff(keydiff.policies.KeyDiff):

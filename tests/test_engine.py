@@ -22,35 +22,6 @@ def reference_logits(model, prompt):
         return model(prompt).logits[:, -1].float()
 
 
-@pytest.mark.extended
-@pytest.mark.device
-@pytest.mark.parametrize("block_size", [1, 5, 64, 128, None])
-def test_full_block_prefill_equals_single_forward(device_model, prompt, device, block_size):
-    model, prompt = device_model, prompt.to(device)
-    state = prefill(model, prompt, "full", None, block_size)
-    assert torch.allclose(state.logits, reference_logits(model, prompt), atol=1e-5)
-    assert state.max_cache_entries == prompt.shape[1]
-
-
-@pytest.mark.extended
-@pytest.mark.parametrize("attn", ["eager", "sdpa"])
-@pytest.mark.parametrize("block_size", [3, 100])
-def test_full_block_prefill_equals_single_forward_per_attention(attn, block_size, prompt):
-    model = tiny_llama(attn)
-    state = prefill(model, prompt, "full", None, block_size)
-    assert torch.allclose(state.logits, reference_logits(model, prompt), atol=1e-5)
-    assert model.config._attn_implementation == attn  # restored after the run
-
-
-@pytest.mark.device
-@pytest.mark.parametrize("name", EVICTING)
-def test_budget_at_least_prompt_length_equals_full(device_model, prompt, device, name):
-    model, prompt = device_model, prompt.to(device)
-    state = prefill(model, prompt, name, prompt.shape[1], 64)
-    assert torch.allclose(state.logits, reference_logits(model, prompt), atol=1e-5)
-    assert all(p.shape[-1] == prompt.shape[1] for p in state.kept_positions)
-
-
 @pytest.mark.parametrize("name", extended_unless(EVICTING, lambda name: name in CORE_POLICIES))
 @pytest.mark.parametrize("budget, block_size", [(64, 32), (50, 128), (100, 1)])
 @pytest.mark.device
@@ -107,16 +78,6 @@ def test_decoding_positions_continue_after_the_prompt(model, prompt):
     # 4 decode forwards happened (the 5th token is never fed back): positions L..L+3 are now newest.
     L = prompt.shape[1]
     assert state.cache.kept_positions()[0][0, 0, -4:].tolist() == [L, L + 1, L + 2, L + 3]
-
-
-@pytest.mark.extended
-@pytest.mark.parametrize("name", ["h2o", "tova", "snapkv"])
-def test_fast_and_materialized_statistics_choose_the_same_tokens(model, prompt, name):
-    fast = prefill(model, prompt, name, 70, 40, attention_statistics="fast")
-    materialized = prefill(model, prompt, name, 70, 40, attention_statistics="materialized")
-    for a, b in zip(fast.kept_positions, materialized.kept_positions):
-        assert torch.equal(a, b)
-    assert torch.allclose(fast.logits, materialized.logits, atol=1e-4)
 
 
 @pytest.mark.extended

@@ -50,30 +50,31 @@ def restore_threads():
 def test_the_self_check_reports_the_machine_then_runs_the_device_tests_without_hydra(tmp_path):
     """A subset of the device tests (-k), so the run's plumbing is checked in seconds: the environment lines, one
     row per test in the JSON (PASS with its detail, SKIP with its reason), the table, the exit status."""
+    K = "equals_one_forward or flash_attention_2 or (bound_n_plus_b and 64-32-keydiff and not keydiff_)"
     out = tmp_path / "check.json"
     done = subprocess.run([sys.executable, "-c", NO_HYDRA, "--device", "cpu", "--threads", "1", "--json", str(out),
-                           "--", "-k", "equals_one_forward or flash_attention_2 or single_forward"],
+                           "--", "-k", K],
                           cwd=common.CHECKOUT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     lines = done.stdout.splitlines()
     assert lines[0].startswith("device=cpu threads=1 torch=") and "transformers=" in lines[0]
     assert lines[1].startswith("  gpu: None, gpus: 0, driver: None, cuda: None") and "kernels: ['sdpa', 'eager']" in lines[1]
     assert lines[2] == "pytest -m device --device cpu " + " ".join(gpu_check.DEVICE_TESTS) + " -k " + \
-        "equals_one_forward or flash_attention_2 or single_forward"
-    assert re.search(r"^PASS 9 FAIL 0 SKIP 2 -> OK; rows in .*check.json$", done.stdout, re.M), done.stdout[-2000:]
+        K
+    assert re.search(r"^PASS 5 FAIL 0 SKIP 2 -> OK; rows in .*check.json$", done.stdout, re.M), done.stdout[-2000:]
     written = json.loads(out.read_text())
     assert written["machine"]["torch"] == torch.__version__ and written["machine"]["gpu"] is None
-    assert written["counts"] == {"PASS": 9, "FAIL": 0, "SKIP": 2}
+    assert written["counts"] == {"PASS": 5, "FAIL": 0, "SKIP": 2}
     assert written["command"].startswith("python -m keydiff.bench.gpu_check --device cpu") and "commit" in written["code"]
     rows = {(r["check"], r["setting"]): r for r in written["rows"]}
     forward = rows["test_full_block_prefill_equals_one_forward", "tiny-eager-bf16"]
-    assert forward["result"] == "PASS" and forward["detail"].startswith("B=64, L=160: rel. max |diff|")
+    assert forward["result"] == "PASS" and forward["detail"].startswith("L=160: rel. max |diff|")
     assert forward["test"] == "tests/test_device_invariants.py::test_full_block_prefill_equals_one_forward[tiny-eager-bf16]"
     flash = [r for (check, _), r in rows.items() if check == "test_flash_attention_2_gives_sdpas_logits"]
     assert [(r["result"], r["detail"]) for r in flash] == [("SKIP", "flash_attention_2 runs on CUDA only")] * 2
-    assert {setting for check, setting in rows if check == "test_full_block_prefill_equals_single_forward"} == {
-        "1", "5", "64", "128", "None"}  # tests/test_engine.py's device tests run too
-    assert f"test_full_block_prefill_equals_one_forward{' ' * 4}" in done.stdout  # the table
+    assert {setting for check, setting in rows if check == "test_bound_n_plus_b_holds_at_every_step"} == {
+        "64-32-keydiff"}  # tests/test_engine.py's device tests run too
+    assert f"test_full_block_prefill_equals_one_forward{' ' * 2}" in done.stdout  # the table
 
 
 def report(nodeid: str, when: str, outcome: str, longrepr=None, properties=()) -> TestReport:

@@ -41,6 +41,7 @@ BUDGET, BLOCK, NEW = 64, 16, 5
 LENGTHS = (150, 97, 40)  # the last one below N: never evicted
 EXTRA = {  # compositions no preset reaches: (policy, parameters)
     "criticalkv_keydiff_window": ("keydiff", {"critical": True, "window_fraction": 0.2}),  # negative scores, a window
+    "keydiff_window_half": ("keydiff", {"window_fraction": 0.5}),  # presets: 0.1, 0.2
     "criticalkv_tova": ("tova", {"critical": True, "critical_epsilon": 0.01, "first_stage_ratio": 0.25}),
     "criticalkv_snapkv_epsilon": ("snapkv", {"window": 8, "critical": True, "critical_epsilon": 0.05}),  # x rows
     "criticalkv_keydiff_pyramid": ("keydiff", {"critical": True, "layer_budgets": {"schedule": "pyramid", "beta": 4}}),
