@@ -57,9 +57,22 @@ WEIGHTS_GB = {
 CAPABILITIES = Path(__file__).resolve().parents[1] / "policies" / "capabilities.json"
 
 
-@lru_cache(maxsize=None)
-def preset_needs() -> dict[str, dict[str, Any]]:
+@lru_cache(maxsize=1)
+def file_needs() -> dict[str, dict[str, Any]]:
     return json.loads(CAPABILITIES.read_text(encoding="utf-8"))
+
+
+@lru_cache(maxsize=None)
+def preset_needs(policy: str) -> dict[str, Any]:
+    """The preset's row of capabilities.json ({} for a name no conf/policy file has). A preset the file lacks (a
+    policy added since it was written) is computed, which imports the policies (torch); the presets the paper's
+    experiments run are in the file (tests/test_capabilities.py), so the command itself imports none."""
+    table = file_needs()
+    if policy in table or policy == "custom" or not (CONF / "policy" / f"{policy}.yaml").exists():
+        return table.get(policy, {})
+    from keydiff.policies.capabilities import capabilities
+
+    return capabilities([policy])[policy]
 
 
 def capturable(policy: str) -> bool:
@@ -67,13 +80,13 @@ def capturable(policy: str) -> bool:
     SnapKV and H2O, whose attention statistic the fixed-shape step computes itself for a sequence alone (batch 1);
     batched, their rows decode each on its own, on the ordinary step, and their cost against KeyDiff's is gpu-check's
     ratio (measured on the ordinary step) on either step. full (no eviction) runs the ordinary step."""
-    return bool(preset_needs().get(policy, {}).get("capturable"))
+    return bool(preset_needs(policy).get("capturable"))
 
 
 def pooled(policy: str) -> bool:
     """Capturable and Needs.groupable: the preset scores from its entries alone, so its rows pool into one block at
     any batch (keydiff.batching.blocks.poolable), timed as KeyDiff's."""
-    return capturable(policy) and bool(preset_needs()[policy]["groupable"])
+    return capturable(policy) and bool(preset_needs(policy)["groupable"])
 
 
 def measured_as(policy: str) -> str:
