@@ -1,6 +1,7 @@
 """A policy's needs, declared in one place (keydiff.policies.base.Needs), and keydiff/policies/capabilities.json, the
-presets' needs as data for the modules that import no torch: the file is fresh (regenerated, it is the same bytes,
-as the goldens are), a capability stated the old way is refused in one line, and the hand-kept lists it replaced
+presets' needs as data for the modules that import no torch: every row it holds is fresh (regenerated, it is the
+same bytes, as the goldens are), it holds every preset the paper's experiments run, one it lacks is computed on
+demand, a capability stated the old way is refused in one line, and the hand-kept lists it replaced
 are what it derives."""
 
 from __future__ import annotations
@@ -18,9 +19,53 @@ from keydiff.policies import capabilities
 pytestmark = pytest.mark.unit
 
 
-def test_capabilities_json_is_fresh():
-    """Regenerate it with `python -m keydiff.policies.capabilities --write` after a policy's needs change."""
-    assert capabilities.render(capabilities.capabilities()) == capabilities.PATH.read_text(encoding="utf-8")
+def test_every_row_of_capabilities_json_is_fresh():
+    """Regenerate it with `python -m keydiff.policies.capabilities --write` after a policy's needs change: every row
+    it holds is its preset's needs now, one line each in the order --write writes."""
+    text = capabilities.PATH.read_text(encoding="utf-8")
+    assert capabilities.render(capabilities.capabilities(list(json.loads(text)))) == text
+
+
+def test_capabilities_json_holds_every_preset_the_experiments_run():
+    """A preset the file lacks is computed on demand (a new policy need not rewrite it); those the paper's
+    experiments run are read from it, without torch (tests/test_gpu_hours.py)."""
+    from tests.test_golden import experiment_presets
+
+    table = json.loads(capabilities.PATH.read_text(encoding="utf-8"))
+    assert {"keydiff", "snapkv", "adakv_criticalkv"} <= experiment_presets()
+    assert not sorted(experiment_presets() - set(table)), "python -m keydiff.policies.capabilities --write"
+    assert set(table) <= set(capabilities.preset_names())
+
+
+@pytest.fixture
+def a_file_lacking(tmp_path, monkeypatch):
+    """capabilities.json less some rows, as both torch-free readers read it."""
+    from keydiff.report import gpu_hours
+    from keydiff.run import checks
+
+    def lacking(*presets: str) -> dict:
+        table = json.loads(capabilities.PATH.read_text(encoding="utf-8"))
+        path = tmp_path / "capabilities.json"
+        path.write_text(json.dumps({p: row for p, row in table.items() if p not in presets}), encoding="utf-8")
+        for module in (gpu_hours, checks):
+            monkeypatch.setattr(module, "CAPABILITIES", path)
+        for cached in (gpu_hours.file_needs, gpu_hours.preset_needs, checks.batch_invariant_policies):
+            cached.cache_clear()
+        return table
+
+    yield lacking
+    monkeypatch.undo()
+    for cached in (gpu_hours.file_needs, gpu_hours.preset_needs, checks.batch_invariant_policies):
+        cached.cache_clear()
+
+
+def test_a_preset_the_file_lacks_is_computed_on_demand(a_file_lacking):
+    from keydiff.report.gpu_hours import pooled, preset_needs
+    from keydiff.run.checks import batch_invariant_policies
+
+    table = a_file_lacking("knorm", "tova")
+    assert {preset: preset_needs(preset) for preset in table} == table and pooled("knorm") and not pooled("tova")
+    assert {"knorm", "tova"} <= set(batch_invariant_policies())
 
 
 def test_every_preset_row_is_its_policys_needs():
@@ -39,8 +84,9 @@ def test_every_preset_row_is_its_policys_needs():
 def test_the_batch_invariant_policies_are_the_presets_claim():
     from keydiff.run.checks import batch_invariant_policies
 
-    assert batch_invariant_policies() == ("full", "h2o", "keydiff", "keydiff_pairwise", "knorm", "random", "recent",
-                                          "sink", "snapkv", "tova")
+    assert {"full", "h2o", "keydiff", "keydiff_pairwise", "knorm", "random", "recent", "sink", "snapkv",
+            "tova"} <= set(batch_invariant_policies())
+    assert not {"expected_attention", "lagkv", "kvzip"} & set(batch_invariant_policies())
     assert all(POLICIES[name]().needs.batch_invariant == (name in batch_invariant_policies()) for name in POLICIES)
 
 

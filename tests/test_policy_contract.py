@@ -33,7 +33,7 @@ from keydiff.policies.base import chooses_whole_pools
 from keydiff.policies.criticalkv import STATE
 from keydiff.testing import variant
 from tests.conftest import CORE_POLICIES, extended_unless
-from tests.test_golden import policy_presets, preset
+from tests.test_golden import policy_presets, preset, recorded as goldens
 
 pytestmark = pytest.mark.integration
 
@@ -345,10 +345,10 @@ def test_a_budget_covering_the_prompt_is_the_full_cache(model, name):
 
 
 @pytest.mark.extended
-@pytest.mark.parametrize("name", policy_presets())
+@pytest.mark.parametrize("name", sorted(goldens()))  # every recorded preset (test_golden says which)
 def test_the_golden_holds_on_the_ordinary_step(name):
     """tests/golden/engine.json was recorded on the CPU's default step (fixed shapes where the policy allows)."""
-    from tests.test_golden import BLOCK_SIZE, BUDGET as GOLDEN_BUDGET, NEW_TOKENS, golden_model, golden_prompt, recorded as goldens
+    from tests.test_golden import BLOCK_SIZE, BUDGET as GOLDEN_BUDGET, NEW_TOKENS, golden_model, golden_prompt
 
     target, params = preset(name)
     model, expected = golden_model(), goldens()[name]

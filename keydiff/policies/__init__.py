@@ -5,57 +5,42 @@ path names a policy written elsewhere. `build_policy` composes wrappers (recent 
 AdaKV, key re-rotation, layer budgets) from the configs' flat parameters. Design: docs/design/policies.md
 
     base         what a policy is (Policy, Needs, LayerView), and layer_by_layer, the reference of a stacked choice
-    full         no eviction (the baseline)
-    keydiff      KeyDiff (paper §3.2) and its pairwise form
-    knorm        L2-norm of the keys
-    sink         StreamingLLM: the first tokens plus the most recent
-    recent       the most recent tokens only
-    h2o          H2O: accumulated attention
-    tova         TOVA: the last query's attention
-    snapkv       SnapKV, block by block
-    random       seeded random eviction (a floor)
-    lagkv        LagKV: each chunk scored against the next
-    chunkkv      ChunkKV: whole chunks of consecutive positions
-    kvzip        KVzip: query-agnostic, with a context reconstruction pass
-    expected_attention  Expected Attention: the attention future queries will pay
-    criticalkv   CriticalKV: output-aware scores
-    adakv        AdaKV: head-adaptive budgets within a layer
     wrappers     a recent window and per-layer budgets around any policy
+    chunkkv      ChunkKV: whole chunks of consecutive positions, around any policy
+    criticalkv   CriticalKV: output-aware scores, around any policy
+    adakv        AdaKV: head-adaptive budgets within a layer, around any policy
     layer_budgets  how a budget is split across layers (uniform, PyramidKV)
     rerotation   key re-rotation after eviction
     capabilities every preset's needs as data (capabilities.json), for the modules that import no torch
+
+Every other module is one policy, named by its conf/policy file: a class there stating its config `name` registers
+itself (`Policy.__init_subclass__`) and this package imports each module of its folder, so a new policy is its
+module, its conf/policy/<name>.yaml and its test (docs/policies.md#adding-a-built-in-policy); the built-ins are
+`available_policies()`, described in docs/policies.md's table.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
+import pkgutil
 from typing import Any
 
 from keydiff.policies.adakv import HEAD_BUDGETS, REROTATION_REFUSED, HeadAdaptive, check_alpha, check_head_scores
-from keydiff.policies.base import LayerView, Needs, Policy, layer_by_layer
+from keydiff.policies.base import BUILT_IN, LayerView, Needs, Policy, layer_by_layer
 from keydiff.policies.chunkkv import Chunked
 from keydiff.policies.criticalkv import Critical
-from keydiff.policies.expected_attention import ExpectedAttention
-from keydiff.policies.full import Full
-from keydiff.policies.h2o import H2O
-from keydiff.policies.keydiff import KeyDiff, KeyDiffPairwise
-from keydiff.policies.knorm import KNorm
-from keydiff.policies.kvzip import KVzip
-from keydiff.policies.lagkv import LagKV
-from keydiff.policies.random import Random
-from keydiff.policies.recent import Recent
 from keydiff.policies.rerotation import Rerotated, rerotation_mode
-from keydiff.policies.sink import Sink
-from keydiff.policies.snapkv import SnapKV
-from keydiff.policies.tova import TOVA
 from keydiff.policies.wrappers import LayerBudgets, PolicyWrapper, RecentWindow
 
-POLICIES: dict[str, type[Policy]] = {
-    cls.name: cls
-    for cls in (Full, KeyDiff, KeyDiffPairwise, Sink, H2O, TOVA, SnapKV, KNorm, Random, Recent, ExpectedAttention, LagKV,
-                KVzip)
-}
+COMMANDS = ("capabilities",)  # run as `python -m`, not imported here (runpy warns about a module imported before)
+for _module in pkgutil.iter_modules(__path__):
+    if _module.name not in COMMANDS:
+        importlib.import_module(f"{__name__}.{_module.name}")
+del _module
+
+POLICIES: dict[str, type[Policy]] = dict(sorted(BUILT_IN.items()))
+globals().update({cls.__name__: cls for cls in POLICIES.values()})  # keydiff.policies.KNorm, as every name here
 
 
 def available_policies() -> list[str]:

@@ -175,7 +175,8 @@ class Policy:
     needs: ClassVar[Needs] = Needs()
 
     def __init_subclass__(cls, **kwargs) -> None:
-        """Refuse a capability stated the old way (one attribute each), which the cache would no longer read."""
+        """Refuse a capability stated the old way (one attribute each), which the cache would no longer read; record
+        a built-in by its config name (`register`)."""
         super().__init_subclass__(**kwargs)
         legacy = [name for name in LEGACY if name in vars(cls)]
         if legacy:
@@ -189,6 +190,7 @@ class Policy:
                             f"got {type(declared).__name__}")
         if isinstance(declared, property):
             cls.needs = remembered(declared.fget)
+        register(cls)
 
     def __setattr__(self, name: str, value) -> None:
         """Set the attribute and forget the `needs` a property computed (they may follow it)."""
@@ -301,6 +303,24 @@ class Policy:
     def describe(self) -> dict:
         """Name and hyper-parameters for result files: what `build_policy(**describe())` takes to build it again."""
         return {"name": self.name, **{f.name: getattr(self, f.name) for f in fields(self) if f.init}, "layer_budgets": None}
+
+
+# The built-in policies by config name: each class of a module of keydiff.policies that states its own `name`
+# (keydiff.policies imports every module of its folder; its POLICIES is this, not a list kept by hand).
+BUILT_IN: dict[str, type[Policy]] = {}
+
+
+def register(cls: type[Policy]) -> None:
+    """Record `cls` as a built-in if it states its config name in a module of keydiff.policies (a policy of your
+    own, elsewhere, is named by its dotted path); a name two built-ins state is refused, naming both."""
+    name = vars(cls).get("name")
+    if not isinstance(name, str) or not cls.__module__.startswith(f"{__package__}."):
+        return
+    known = BUILT_IN.setdefault(name, cls)
+    where = [f"{klass.__module__}.{klass.__qualname__}" for klass in (known, cls)]
+    if where[0] != where[1]:
+        raise TypeError(f"{where[1]}.name {name!r} is already {where[0]}'s; a built-in policy's config name is its own")
+    BUILT_IN[name] = cls  # the same class defined again (a module reloaded)
 
 
 def remembered(compute):

@@ -3,8 +3,9 @@
     python -m keydiff.policies.capabilities --write     # rewrite the file after a policy's capabilities change
     python -m keydiff.policies.capabilities             # print it
 
-Modules that must not import torch (keydiff.run.checks, keydiff.report.gpu_hours) read it; a test checks it is
-fresh. Design: docs/design/policies.md#capabilities
+Modules that must not import torch (keydiff.run.checks, keydiff.report.gpu_hours) read it; a preset the file
+lacks (a policy added since it was written) they compute on demand, importing the policies. A test checks every
+row it holds and that it holds every preset the paper's experiments run. Design: docs/design/policies.md#capabilities
 """
 
 from __future__ import annotations
@@ -20,30 +21,36 @@ PATH = Path(__file__).resolve().with_name("capabilities.json")
 DERIVED = ("capturable", "chooses_pools", "groupable")  # Needs' properties, written for the readers without torch
 
 
-def preset_policies() -> dict[str, tuple[str, dict]]:
-    """preset -> (policy name, parameters) for every conf/policy preset but `custom`, composed through Hydra."""
+def preset_names() -> list[str]:
+    """Every conf/policy preset but `custom`, sorted."""
+    from keydiff.grids import CONF
+
+    return sorted(path.stem for path in (CONF / "policy").glob("*.yaml") if path.stem != "custom")
+
+
+def preset_policies(presets: list[str] | None = None) -> dict[str, tuple[str, dict]]:
+    """preset -> (policy name, parameters) for `presets` (None: every one), composed through Hydra."""
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
     from keydiff.grids import CONF
 
-    presets = {}
+    table = {}
     with initialize_config_dir(str(CONF), version_base="1.3"):
-        for path in sorted((CONF / "policy").glob("*.yaml")):
-            if path.stem == "custom":
-                continue
-            policy = compose("config", overrides=[f"policy={path.stem}"]).policy
+        for preset in preset_names() if presets is None else presets:
+            policy = compose("config", overrides=[f"policy={preset}"]).policy
             params = OmegaConf.to_container(policy.get("params"), resolve=True) or {}
-            presets[path.stem] = (str(policy.name), params)
-    return presets
+            table[preset] = (str(policy.name), params)
+    return table
 
 
-def capabilities() -> dict[str, dict]:
-    """preset -> {"policy": its name, each Needs field and derived property: its value}."""
+def capabilities(presets: list[str] | None = None) -> dict[str, dict]:
+    """preset -> {"policy": its name, each Needs field and derived property: its value}, for `presets` (None: every
+    one)."""
     from keydiff.policies import build_policy
 
     table = {}
-    for preset, (name, params) in preset_policies().items():
+    for preset, (name, params) in preset_policies(presets).items():
         policy = build_policy(name, **params)
         needs = policy.needs
         row = {"policy": name}
@@ -52,6 +59,12 @@ def capabilities() -> dict[str, dict]:
             row[flag] = list(value) if isinstance(value, tuple) else value
         table[preset] = row
     return table
+
+
+def completed(table: dict[str, dict]) -> dict[str, dict]:
+    """The file's rows (`table`) and a row computed now for each preset it lacks, as `--write` would write it."""
+    missing = [preset for preset in preset_names() if preset not in table]
+    return {**table, **capabilities(missing)} if missing else table
 
 
 def render(table: dict[str, dict]) -> str:

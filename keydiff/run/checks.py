@@ -144,14 +144,23 @@ def check_run_config(cfg: DictConfig, runs_here: bool = True) -> None:
         tracking.check(cfg)
 
 
+# Every conf/policy preset's needs (keydiff.policies.capabilities), read as data: importing the policies needs torch.
+CAPABILITIES = Path(__file__).resolve().parents[1] / "policies" / "capabilities.json"
+POLICY_PRESETS = Path(__file__).resolve().parents[2] / "conf" / "policy"
+
+
 @functools.lru_cache(maxsize=None)
 def batch_invariant_policies() -> tuple[str, ...]:
     """The policies whose decoding steps use only what keydiff.kernels.batch_invariant makes invariant: presets
-    declaring Needs.batch_invariant in keydiff/policies/capabilities.json (importing the policies needs torch)."""
+    declaring Needs.batch_invariant in keydiff/policies/capabilities.json (importing the policies needs torch); a
+    preset the file lacks (a policy added since) is computed, importing them."""
     import json
 
-    path = Path(__file__).resolve().parents[1] / "policies" / "capabilities.json"
-    table = json.loads(path.read_text(encoding="utf-8"))
+    table = json.loads(CAPABILITIES.read_text(encoding="utf-8"))
+    if any(path.stem not in table and path.stem != "custom" for path in POLICY_PRESETS.glob("*.yaml")):
+        from keydiff.policies.capabilities import completed
+
+        table = completed(table)
     return tuple(sorted({row["policy"] for row in table.values() if row["batch_invariant"]}))
 
 
