@@ -65,7 +65,7 @@ def environment(device: torch.device) -> dict[str, Any]:
     status, flash = flash_attn_status()
     return {"device": str(device), "gpu": torch.cuda.get_device_name(device) if cuda else None,
             "gpus": torch.cuda.device_count() if cuda else 0, "driver": driver,
-            "cuda": torch.version.cuda if cuda else None, "torch": torch.__version__,
+            "cuda": torch.version.cuda if cuda else None, "torch": str(torch.__version__),
             "transformers": version("transformers"), "triton": version("triton") if cuda else None,
             "flash_attn": flash,
             "kernels": ["sdpa", "eager"] + (["flash_attention_2"] if cuda and status == "ok" else [])}
