@@ -5,9 +5,9 @@ The token tests (tests/test_batching.py) compare every sequence with decoding it
 guard against leaves the tokens as they are (issue #29, part 4): a stopped row counted in a step's batch size,
 a follow-up turn reporting the earlier suffix too, a copy of a fork pinning a copy of the fork's whole block, a
 held suffix planned one entry short (the first decoding step reallocates), a freed join-pool slot never reused,
-and a slot still in use handed to a second sequence (the first is copied out while it decodes). They read public
-fields only (results, `kv_cache_bytes`, `allocations`, a layer's buffers), so they hold across a refactor of
-the batching code.
+and a slot still in use (a decoding sequence's, a follow-up turn's) handed to a second sequence (the first is
+copied out while it decodes). They read public fields only (results, `kv_cache_bytes`, `allocations`, a layer's
+buffers, `decoder.stats`), so they hold across a refactor of the batching code.
 """
 
 from __future__ import annotations
@@ -194,3 +194,26 @@ def test_a_decoding_sequence_keeps_its_slot_until_it_stops(model):
     assert sorted(finished) == list(range(len(lengths)))
     assert all(len(set(seen)) == 1 for seen in places.values()), places
     assert len({allocation(states[k].cache) for k in (2, 4)}) == 1  # slots were reused: the late ones share a block
+
+
+@pytest.mark.extended
+def test_a_follow_up_turn_keeps_its_slot_while_a_new_sequence_joins(model):
+    """A follow-up turn that decodes again in its join-pool slot owns it like any decoding sequence. One run
+    decoder at batch 2: a and b decode together (a in one slot, b in the other); then a's follow-up turn decodes
+    while a new prompt c joins with every slot occupied (the turn's, and stopped b's). c must take b's slot: b is
+    copied out, c copied in, and the turn's entries stay where they were until it stops, in one block with c (they
+    group). Handed the turn's slot instead, c would copy the running turn out mid-decode."""
+    a_ids, b_ids, c_ids = prompts((90, 130, 75))
+    decoder = keydiff.Decoder(model, 2)
+    a, b = (prefill(model, ids, "keydiff", BUDGET, BLOCK) for ids in (a_ids, b_ids))
+    dict(decoder.generate([keydiff.Request(a, max_new_tokens=4, key="a"), keydiff.Request(b, max_new_tokens=4,
+                                                                                          key="b")]))
+    turn = follow_up(model, a, torch.randint(0, 256, (1, 3), generator=torch.Generator().manual_seed(8)))
+    c = prefill(model, c_ids, "keydiff", BUDGET, BLOCK)
+    before, copies = where(turn.cache), (decoder.stats.slot_copies_in, decoder.stats.slot_copies_out)
+    seen = []
+    for key, _ in decoder.generate([keydiff.Request(turn, max_new_tokens=6, key="turn"),
+                                    keydiff.Request(c, max_new_tokens=4, key="c")]):
+        seen.append((key, where(turn.cache) == before, allocation(c.cache) == allocation(turn.cache)))
+    assert seen == [("c", True, True), ("turn", True, True)]
+    assert (decoder.stats.slot_copies_in - copies[0], decoder.stats.slot_copies_out - copies[1]) == (1, 1)

@@ -173,12 +173,23 @@ def test_an_eager_model_takes_the_statistic_from_its_weights_in_fixed_shapes_too
 
 
 @pytest.mark.extended
-def test_rows_still_filling_materialized_statistics_and_lagkv_run_the_ordinary_step(model):
+def test_rows_still_filling_materialized_statistics_and_lagkv_run_the_ordinary_step(model, monkeypatch):
     decoder = keydiff.Decoder(model, 1)
     short = prefill(model, prompts((23,))[0], "keydiff", BUDGET, BLOCK, decoder=decoder)  # holds 23 < N: filling
     assert not eligible([short.cache])
     generate(model, short, 30, decoder=decoder)  # 29 passes; the cache holds N after the 17th: the last 12 fixed
     assert decoder.stats.runs == {(1, 1): 12} and decoder.stats.built == [(1, 1)]
+    # keydiff.generate with no decoder makes its own with the device's default (fixed_shapes=None; CPU: fixed)
+    made = []
+
+    class Kept(keydiff.Decoder):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(keydiff.engine, "Decoder", Kept)
+    generate(model, prefill(model, prompts((23,))[0], "keydiff", BUDGET, BLOCK), 30)
+    assert [d.stats.runs for d in made] == [{(1, 1): 12}]
     # materialised attention weights (the eager path, the paper's latency setting); partitions counted on the host
     for name, statistics in (("snapkv", "materialized"), ("h2o", "materialized"), ("lagkv", "fast")):
         decoder = keydiff.Decoder(model, 1)
