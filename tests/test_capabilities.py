@@ -19,6 +19,7 @@ from keydiff.policies import capabilities
 pytestmark = pytest.mark.unit
 
 
+@pytest.mark.extended  # seconds: composes every preset / runs a whole benchmark; make test runs it
 def test_every_row_of_capabilities_json_is_fresh():
     """Regenerate it with `python -m keydiff.policies.capabilities --write` after a policy's needs change: every row
     it holds is its preset's needs now, one line each in the order --write writes."""
@@ -26,6 +27,7 @@ def test_every_row_of_capabilities_json_is_fresh():
     assert capabilities.render(capabilities.capabilities(list(json.loads(text)))) == text
 
 
+@pytest.mark.extended  # seconds: composes every preset / runs a whole benchmark; make test runs it
 def test_capabilities_json_holds_every_preset_the_experiments_run():
     """A preset the file lacks is computed on demand (a new policy need not rewrite it); those the paper's
     experiments run are read from it, without torch (tests/test_gpu_hours.py)."""

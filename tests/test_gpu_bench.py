@@ -215,6 +215,7 @@ def test_gpu_bench_refuses_a_machine_without_cuda_unless_quick(capsys):
     assert "no CUDA device here" in capsys.readouterr().err
 
 
+@pytest.mark.extended  # seconds: composes every preset / runs a whole benchmark; make test runs it
 def test_a_failed_capture_is_said_and_fails_the_run(tmp_path, capsys):
     """A capture that fails leaves its steps eager: the same tokens, other timings. The run says so under its table
     and exits 1, so that no fixed-step timing is read as a replayed graph's."""

@@ -43,6 +43,7 @@ def write(path: Path, record: dict) -> Path:
     return path
 
 
+@pytest.mark.extended  # seconds: composes every preset / runs a whole benchmark; make test runs it
 def test_hours_are_samples_times_prefill_plus_decode_over_the_speedup(tmp_path):
     rates = gh.load_rates(write(tmp_path / "rates.json", HAND))
     seconds = lambda model, policy, batch: gh.point_seconds(TASK, model, policy, rates, batch)  # noqa: E731
