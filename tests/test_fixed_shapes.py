@@ -24,7 +24,8 @@ import keydiff
 from keydiff import build_policy, generate, prefill
 from keydiff.attention import keydiff_attention
 from keydiff.batching import static
-from keydiff.batching.static import Rows, StaticStep, eligible
+from keydiff.batching.static import StaticStep, eligible
+from keydiff.cache.evict import Rows
 from tests.conftest import CORE_POLICIES, extended_unless
 
 pytestmark = pytest.mark.integration

@@ -16,7 +16,8 @@ from keydiff.batching.blocks import PrefillSlot
 from keydiff.batching.graphs import calls_for
 from keydiff.batching.rows import BatchCache
 from keydiff.batching.sequence import Sequence
-from keydiff.batching.static import Rows, StaticStep, StepStats, eligible
+from keydiff.batching.static import StaticStep, StepStats, eligible
+from keydiff.cache.evict import Rows
 from keydiff.device import sync
 from keydiff.kernels import batch_invariant
 

@@ -19,7 +19,8 @@ import torch
 
 from keydiff import Request, build_policy, generate_batch, prefill
 from keydiff.attention import keydiff_attention
-from keydiff.batching.static import Rows, StaticStep
+from keydiff.batching.static import StaticStep
+from keydiff.cache.evict import Rows
 from keydiff.bench import common, floor, runner
 
 

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import torch
 
-from keydiff.policies.base import LayerView, Policy, PoolView, chooses_whole_pools
+from keydiff.policies.base import LayerView, Policy, PoolView
 from keydiff.policies.rerotation import STATE as ROTARY_STATE
 from keydiff.queries import QueryStatistics, rotate
 

@@ -20,7 +20,7 @@ import pandas as pd
 
 from keydiff.report.collect import read_predictions, standard_errors
 from keydiff.run.shard_merge import grid_point_summaries, stale_points
-from keydiff.report.render import budget_tokens, decimals, format_estimate, marks, missing
+from keydiff.report.render import budget_tokens, format_estimate, marks, missing
 from keydiff.cli import ArgumentParser
 
 TASKS = ("niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2",
