@@ -19,7 +19,7 @@ from typing import Any, Iterator
 
 import torch
 
-# The dispatch key the mode registers for, by device type; None: no kernels needed (CPU: already invariant).
+# The dispatch key the mode registers for, by device type; None: the mode has no kernels there (CPU).
 DEVICE_KEYS: dict[str, str | None] = {"cuda": "CUDA", "cpu": None}
 # The aten operators the mode replaces (overload names as torch.library spells them).
 OPERATORS = ("mm", "addmm", "bmm", "mean.dim", "sum.dim_IntList", "linalg_vector_norm")
@@ -39,7 +39,7 @@ def check_device(device: torch.device) -> None:
     """Refuse a device the mode has no form for, in one line (a CUDA device also needs triton)."""
     if device.type not in DEVICE_KEYS:
         raise ValueError(f"batch_invariant=true does not run on {device.type} (valid devices: "
-                         f"{', '.join(DEVICE_KEYS)}; on cpu it is a no-op: its kernels are already batch-invariant)")
+                         f"{', '.join(DEVICE_KEYS)}; on cpu it is a no-op: it has no CPU kernels)")
     if DEVICE_KEYS[device.type] is not None:
         try:
             import triton  # noqa: F401

@@ -166,7 +166,7 @@ def batch_invariant_policies() -> tuple[str, ...]:
 
 def check_batch_invariant(cfg: DictConfig, model_cfg) -> None:
     """batch_invariant=true: the combinations its kernels cover (keydiff.kernels.batch_invariant), else one line.
-    On a CPU it changes nothing (the kernels there already are invariant), so only the combination is checked."""
+    On a CPU it changes nothing (the mode has no CPU kernels), so only the combination is checked."""
     if not cfg.get("batch_invariant", False):
         return
     policy = cfg.policy.name

@@ -164,7 +164,8 @@ def sample_row(ctx: RunContext, sample, prompt: Prompt, state, out, budget: int 
         # The seed of sampled decoding; null for greedy decoding, which uses none (the run's `seed` is in summary.json).
         "sampling_seed": seed if settings.do_sample else None,
         # W, the width of the decoding step it ran in (keydiff.batching.scheduler.Decoder): batch_size, or less
-        # after an out-of-memory back-off. Tokens do not depend on it on a CPU, nor under batch_invariant on a GPU.
+        # after an out-of-memory back-off. Under batch_invariant on a GPU tokens do not depend on it (not guaranteed
+        # bitwise on a CPU, whose matmuls round by row count; equal in every tested case).
         "decode_width": ctx.decoder.width,
         "code": ctx.code,  # commit (+ "-dirty") that produced this row: a resumed run may span commits
     }
