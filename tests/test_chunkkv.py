@@ -88,14 +88,6 @@ def test_build_and_describe_round_trip():
     assert policy.needs.rows_alike and policy.needs.attention_rows == 32
 
 
-@pytest.mark.parametrize("params, message", [({"chunk_length": bad}, "chunk_length must be a positive integer")
-                                            for bad in (0, -3, 2.5, True)]
-                         + [({"chunk_length": 20, "chunk_scope": "batch"}, "chunk_scope must be one of layer, head")])
-def test_bad_chunk_length_or_scope_is_refused(params, message):
-    with pytest.raises(ValueError, match=message):
-        build_policy("knorm", **params).check(64)
-
-
 @dataclass
 class GivenScores(Policy):
     """Scores each entry by the view's `attention` (the test sets it): the wrapped scorer the tests control."""
