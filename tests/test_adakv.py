@@ -219,10 +219,19 @@ def test_flat_parameters_compose_and_describe():
     assert pyramid.needs.head_adaptive and pyramid.describe()["layer_budgets"] == {"schedule": "pyramid", "beta": 20}
 
 
-def test_running_without_keydiff_attention_is_refused(model):
-    cache = EvictingCache(adaptive_policy("keydiff", {}), BUDGET, model.config.num_hidden_layers, block_size=BLOCK)
-    with pytest.raises(RuntimeError, match="keydiff_attention"):
-        model(input_ids=prompt_ids()[:, :BLOCK], cache=cache, use_cache=True)
+@pytest.mark.parametrize("name, params, message", [
+    ("keydiff", {"head_budgets": "adakv"}, "keydiff_attention"),  # per-head segments
+    ("expected_attention", {}, "keydiff_attention"),  # the pre-RoPE queries
+    ("knorm", {"critical": True}, "needs the layer's output projection"),  # o_proj: not a silent zero norm
+])
+def test_a_policy_that_needs_keydiff_attention_is_refused_without_it(model, name, params, message):
+    """Without keydiff_attention bound nobody hands over what the policy reads: a clear error at the first pass or
+    eviction that needs it."""
+    cache = EvictingCache(build_policy(name, **params), 8, model.config.num_hidden_layers, block_size=8)
+    with torch.no_grad(), pytest.raises(RuntimeError, match=message):
+        for start in range(0, 24, 8):
+            model(input_ids=prompt_ids()[:, start:start + 8], cache=cache, use_cache=True)
+            cache.evict()
 
 
 @pytest.mark.unit

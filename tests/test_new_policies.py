@@ -144,18 +144,6 @@ def test_expected_attention_statistics_in_a_real_prefill_are_the_pre_rope_querie
         assert torch.allclose(layer.queries.mean(), x.mean(dim=2), atol=1e-4)
 
 
-@pytest.mark.integration
-def test_expected_attention_without_the_keydiff_attention_function_says_what_to_do(model):
-    from keydiff import EvictingCache
-
-    cache = EvictingCache(build_policy("expected_attention"), 16, 3, block_size=8)
-    ids = torch.randint(0, 256, (1, 24))
-    with torch.no_grad():
-        model(ids[:, :20], cache=cache, use_cache=True)
-        with pytest.raises(RuntimeError, match="keydiff_attention"):
-            model(ids[:, 20:], cache=cache, use_cache=True)
-
-
 # --------------------------------------------------------------------------- LagKV
 
 
