@@ -91,32 +91,17 @@ def test_scores_tied_across_heads_follow_the_adakv_tie_rule():
 
 # --------------------------------------------------------------------------- combinations
 @pytest.mark.unit
-@pytest.mark.parametrize("params,message", [
-    ({"key_rerotation": True}, "key_rerotation with head_budgets=adakv"),
-    ({"key_rerotation": "contiguous"}, "key_rerotation with head_budgets=adakv"),
+@pytest.mark.parametrize("name, params, message", [
+    ("keydiff", {"key_rerotation": True}, "key_rerotation with head_budgets=adakv"),
+    ("keydiff", {"key_rerotation": "contiguous"}, "key_rerotation with head_budgets=adakv"),
+    ("kvzip", {}, "kvzip with head_budgets=adakv"),
+    ("snapkv", {"chunk_length": 20}, "chunk_length with head_budgets=adakv"),
 ])
-def test_key_rerotation_with_head_budgets_is_refused_in_one_line(params, message):
+def test_head_budgets_with_rerotation_kvzip_or_chunks_are_refused_in_one_line(name, params, message):
     with pytest.raises(ValueError, match=message) as error:
-        build_policy("keydiff", head_budgets="adakv", **params)
+        build_policy(name, head_budgets="adakv", **params)
     assert "\n" not in str(error.value)
-    build_policy("keydiff", **params)  # each alone is fine
-    build_policy("keydiff", head_budgets="adakv")
-
-
-@pytest.mark.unit
-def test_kvzip_with_head_budgets_is_refused_in_one_line():
-    with pytest.raises(ValueError, match="kvzip with head_budgets=adakv") as error:
-        build_policy("kvzip", head_budgets="adakv")
-    assert "\n" not in str(error.value)
-    build_policy("kvzip")
-
-
-@pytest.mark.unit
-def test_chunkkv_with_head_budgets_is_refused_in_one_line():
-    with pytest.raises(ValueError, match="chunk_length with head_budgets=adakv") as error:
-        build_policy("snapkv", chunk_length=20, head_budgets="adakv")
-    assert "\n" not in str(error.value)
-    build_policy("snapkv", chunk_length=20)
+    build_policy(name, **params)  # each alone is fine
 
 
 def test_rerotation_composed_by_hand_around_head_budgets_fails_clearly(model):

@@ -317,21 +317,6 @@ def test_the_kvpress_side_passes_the_cache_by_the_keyword_the_model_takes(tiny_w
 
 
 # ---------------------------------------------------------------------------------------------- perf arithmetic
-def test_medians_and_ratios_ours_over_kvpress():
-    runs = lambda *ttft: [{"ttft_s": t, "per_token_s": t / 100, "peak_bytes": 1e9 * t} for t in ttft]
-    medians = peers.summarize_perf({"kvpress_keydiff": runs(10, 30, 20), "keydiff_blockwise": runs(5, 4, 6),
-                                    "keydiff_one_block": []})
-    assert medians["kvpress_keydiff"]["ttft_s"] == 20 and medians["keydiff_blockwise"]["ttft_s"] == 5
-    assert "keydiff_one_block" not in medians  # no runs, no row
-    ratios = peers.perf_ratios(medians)
-    assert set(ratios) == {"keydiff_blockwise"}
-    assert ratios["keydiff_blockwise"]["ttft_s"] == pytest.approx(0.25)
-    assert ratios["keydiff_blockwise"]["peak_bytes"] == pytest.approx(0.25)
-    assert peers.perf_ratios({"keydiff_blockwise": medians["keydiff_blockwise"]})["keydiff_blockwise"]["ttft_s"] is None
-    table = peers.perf_table({4096: medians})
-    assert "| 4096 | keydiff_blockwise | last | 5.00 | 50.0 | 5.00 | 0.25 | 0.25 | 0.25 |" in table
-
-
 def perf_payload(by_length: dict[int, dict[str, tuple[float, float, float]]], threads: int = 2, kind: str = "vmhwm"):
     """A perf JSON as `main` writes it (the parts `tables` reads): per L and case, one run (TTFT s, s/token, GB)."""
     samples = {str(L): {case: [{"ttft_s": t, "per_token_s": s, "peak_bytes": gb * 1e9, "peak_kind": kind}]
@@ -381,9 +366,11 @@ def test_the_perf_cases_are_the_four_with_kvpress_pipeline_as_the_ratio_base():
     assert {c.side for c in peers.PERF_CASES.values()} == {"kvpress", "keydiff"}
 
 
-def test_the_table_shows_both_kvpress_rows_with_ratios_over_the_pipeline_call():
+def test_medians_and_the_table_of_both_kvpress_rows_with_ratios_over_the_pipeline_call():
     run = lambda ttft, token, gb: [{"ttft_s": ttft, "per_token_s": token, "peak_bytes": gb * 1e9}]
-    medians = peers.summarize_perf({"kvpress_keydiff": run(10.0, 0.060, 1.2),
+    assert peers.summarize_perf({"keydiff_one_block": []}) == {}  # no runs, no row
+    medians = peers.summarize_perf({"kvpress_keydiff": run(30.0, 0.090, 2.0) + run(10.0, 0.060, 1.2)
+                                                       + run(5.0, 0.030, 0.5),  # each value's own median
                                     "kvpress_keydiff_full_logits": run(11.0, 0.060, 1.92),
                                     "keydiff_blockwise": run(9.0, 0.054, 0.96),
                                     "keydiff_one_block": run(10.0, 0.066, 1.32)})
@@ -401,6 +388,7 @@ def test_the_table_shows_both_kvpress_rows_with_ratios_over_the_pipeline_call():
     without = peers.perf_table({4096: {k: v for k, v in medians.items() if k != "kvpress_keydiff"}})
     assert "| 4096 | keydiff_blockwise | last | 9.00 | 54.0 | 0.96 | - | - | - |" in without
     assert "No ratios" in without and "Ratios: ×" not in without
+    assert peers.perf_ratios({"keydiff_blockwise": medians["keydiff_blockwise"]})["keydiff_blockwise"]["ttft_s"] is None
 
 
 # ---------------------------------------------------------------------------------------------- arguments and output

@@ -185,27 +185,18 @@ def test_benchmark_help_and_tiny_run(tmp_path, capsys, module, extra, columns):
 
 
 @pytest.mark.extended
-def test_the_decode_benchmark_times_the_steady_state(tmp_path):
-    """The decode benchmark (keydiff.bench.decode) runs each policy through one Decoder across its warm-up and
-    rounds: with CUDA graphs stood in for on the CPU, KeyDiff's block step and decode step are captured once, in
-    the untimed warm-up, not in each of the 3 timed rounds (10 captures then), plus once each by the untimed
-    allocation pass; `full` captures nothing."""
+@pytest.mark.parametrize("module, extra, captures", [
+    # decode: KeyDiff's block step and decode step, once each in the warm-up and once each in the untimed
+    # allocation pass (not per timed round: 10 captures over 3 rounds then); full captures nothing
+    ("decode", ["--new-tokens", "4", "--profile-tokens", "3", "--policies", "full,keydiff"], 4),
+    ("prefill", ["--policies", "keydiff"], 1),  # KeyDiff's block step, once in the warm-up (4 over 3 rounds before)
+])
+def test_each_benchmark_times_the_steady_state(tmp_path, module, extra, captures):
+    """The decode and prefill benchmarks run each policy through one Decoder across warm-up and rounds: with CUDA
+    graphs stood in for on the CPU, a step is captured in the untimed warm-up, not in each timed round."""
     from keydiff.batching.static import stand_in_graphs
-    from keydiff.bench import decode
 
     with stand_in_graphs() as cuda:
-        decode.main(TINY + ["--repeats", "3", "--new-tokens", "4", "--profile-tokens", "3", "--policies",
-                            "full,keydiff", "--json", str(tmp_path / "decode.json")])
-    assert len(cuda.captures) == 4 and not [c for c in cuda.captures if c.get("error")]
-
-
-@pytest.mark.extended
-def test_the_prefill_benchmark_times_the_steady_state(tmp_path):
-    """The prefill benchmark (keydiff.bench.prefill): one Decoder per policy across warm-up and rounds, so with CUDA
-    graphs stood in for, KeyDiff's block step is captured once, in the warm-up (4 captures over 3 rounds before)."""
-    from keydiff.batching.static import stand_in_graphs
-    from keydiff.bench import prefill as prefill_bench
-
-    with stand_in_graphs() as cuda:
-        prefill_bench.main(TINY + ["--repeats", "3", "--policies", "keydiff", "--json", str(tmp_path / "p.json")])
-    assert len(cuda.captures) == 1 and not cuda.captures[0].get("error")
+        importlib.import_module(f"keydiff.bench.{module}").main(
+            TINY + ["--repeats", "3", *extra, "--json", str(tmp_path / "out.json")])
+    assert len(cuda.captures) == captures and not [c for c in cuda.captures if c.get("error")]

@@ -268,16 +268,6 @@ def test_attention_policies_match_stock_transformers_blockwise(engine_model, ref
     assert evictions == 6 * LAYERS
 
 
-@pytest.mark.extended
-def test_h2o_accumulates_under_budget_passes_with_one_late_eviction(engine_model, reference_model):
-    """Nine passes of 10 under a budget of 90, then one evicting pass: the first nine decide most of the score."""
-    prompt = random_prompt(100, seed=5)
-    state, _, evictions = check_prefill_against_reference(
-        engine_model, reference_model, prompt, build_policy("h2o", recent_fraction=0.0), 90, 10, h2o_scores(100)
-    )
-    assert evictions == LAYERS and all(p.shape[-1] == 90 for p in state.kept_positions)
-
-
 # --------------------------------------------------------------------------- 7. decoding positions after eviction
 
 

@@ -273,15 +273,9 @@ def test_materialized_statistics_keep_what_fast_keeps(tokenizer, scoring_keys):
 
 
 @pytest.mark.unit
-def test_without_a_tokenizer_the_pass_is_the_block_alone_and_bad_parameters_fail_early(caplog):
+def test_without_a_tokenizer_the_pass_is_the_block_alone():
     ids = prompt_ids(20)
     assert torch.equal(KVzip().reconstruction_input(ids, ids[:, :0], None), ids)
-    with pytest.raises(ValueError, match="n_sink"):
-        build_policy("kvzip", n_sink=8).check(8)
-    with pytest.raises(ValueError, match="context_overlap"):
-        build_policy("kvzip", context_overlap=-1).check(32)
-    with pytest.raises(ValueError, match="valid: cache, chunk"):
-        build_policy("kvzip", scoring_keys="block").check(32)
 
 
 @pytest.mark.real_model

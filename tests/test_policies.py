@@ -141,17 +141,6 @@ def test_tova_layer_mode_shares_one_set_per_layer():
     assert grouped[0, 1].tolist() == brute_topk(attention[0, 1].tolist(), 4)
 
 
-def test_snapkv_average_pools_prefix_and_keeps_window():
-    attention = torch.tensor([[[0.0, 0.0, 0.9, 0.0, 0.0, 0.0, 0.0, 0.3, 0.2, 0.1]]])
-    policy = build_policy("snapkv", window=2, kernel_size=3, pooling="avg")
-    view = make_view(torch.randn(1, 1, 10, 4), attention=attention)
-    # prefix = entries 0..7, zero-padded average over 3 neighbours:
-    # [0, .3, .3, .3, 0, 0, .1, .1]; window = entries 8, 9 always kept.
-    expected = torch.tensor([0.0, 0.3, 0.3, 0.3, 0.0, 0.0, 0.1, 0.1, 0.2, 0.1])
-    assert torch.allclose(policy.score(view)[0, 0], expected, atol=1e-6)
-    assert policy.keep_indices(view, 5)[0, 0].tolist() == [1, 2, 3, 8, 9]
-
-
 def test_random_is_seeded():
     view = make_view(torch.randn(1, 2, 30, 4))
     a = build_policy("random", seed=7).keep_indices(view, 10)
@@ -182,48 +171,71 @@ def test_gqa_statistic_matches_per_head_loop(rows, q_len):
             assert abs(got[0, kv_head, j].item() - total / 2) < 1e-5
 
 
-@pytest.mark.parametrize("rows", [1, 32, None])
-def test_fast_statistic_equals_materialized_weights(rows):
+@pytest.mark.parametrize("dtype, rows, tol", [(torch.float32, 1, 1e-5), (torch.float32, 32, 1e-5),
+                                             (torch.float32, None, 1e-5), (torch.bfloat16, None, 2e-2),
+                                             (torch.float16, None, 2e-2)])
+def test_fast_statistic_equals_materialized_weights(dtype, rows, tol):
     g = torch.Generator().manual_seed(9)
-    query, key = torch.randn(2, 6, 40, 16, generator=g), torch.randn(2, 3, 90, 16, generator=g)
-    module = torch.nn.Module()
-    _, weights = eager_attention(module, query, key, key, 0.25)
-    assert torch.allclose(attention_statistic(query, key, 0.25, rows), statistic_from_weights(weights, 3, rows), atol=1e-5)
-
-
-def test_build_policy_errors_name_the_valid_choices():
-    with pytest.raises(ValueError, match="valid policies: expected_attention, full, h2o, keydiff"):
-        build_policy("keydif")
-    with pytest.raises(ValueError, match="valid: anchor, metric, window_fraction"):
-        build_policy("keydiff", windw=0.1)
-
-
-@pytest.mark.parametrize(
-    "name, params, budget, message",
-    [
-        ("keydiff", {"window_fraction": 1.0}, 100, r"window_fraction must be in \[0, 1\)"),
-        ("keydiff", {"window_fraction": -0.1}, 100, r"window_fraction must be in \[0, 1\)"),
-        ("keydiff", {"anchor": "mode"}, 100, "valid: normalized_mean, mean, median"),
-        ("keydiff", {"metric": "l1"}, 100, "valid: cosine, dot, euclidean"),
-        ("sink", {"sinks": 8}, 8, "must be smaller than the budget"),
-        ("snapkv", {"window": 64}, 64, "smaller than the budget"),
-        ("snapkv", {"kernel_size": 4}, 64, "positive odd"),
-        ("h2o", {"recent_fraction": 1.5}, 64, "recent_fraction"),
-        ("tova", {"heads": "all"}, 64, "valid: group, layer"),
-    ],
-)
-def test_invalid_hyper_parameters(name, params, budget, message):
-    with pytest.raises(ValueError, match=message):
-        build_policy(name, **params).validate(budget)
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_fast_statistic_matches_materialized_in_low_precision(dtype):
-    g = torch.Generator().manual_seed(11)
-    query, key = torch.randn(1, 6, 32, 16, generator=g).to(dtype), torch.randn(1, 3, 70, 16, generator=g).to(dtype)
+    query, key = torch.randn(2, 6, 40, 16, generator=g).to(dtype), torch.randn(2, 3, 90, 16, generator=g).to(dtype)
     _, weights = eager_attention(torch.nn.Module(), query, key, key, 0.25)
-    fast = attention_statistic(query, key, 0.25, None)
-    assert torch.allclose(fast, statistic_from_weights(weights, 3, None), atol=2e-2, rtol=2e-2)
+    fast, materialized = attention_statistic(query, key, 0.25, rows), statistic_from_weights(weights, 3, rows)
+    assert torch.allclose(fast, materialized, atol=tol, rtol=tol)
+
+
+# Every refused parameter value, one row each: (policy, parameters, budget, message). Budget None: refused when
+# the policy is built; otherwise by check(budget), before any model loads. Each error is one line.
+REFUSED = [
+    ("keydif", {}, None, "valid policies: expected_attention, full, h2o, keydiff"),
+    ("keydiff", {"windw": 0.1}, None, "valid: anchor, metric, window_fraction"),
+    ("keydiff", {"window_fraction": 1.0}, 100, r"window_fraction must be in \[0, 1\)"),
+    ("keydiff", {"window_fraction": -0.1}, 100, r"window_fraction must be in \[0, 1\)"),
+    ("keydiff", {"anchor": "mode"}, 100, "valid: normalized_mean, mean, median"),
+    ("keydiff", {"metric": "l1"}, 100, "valid: cosine, dot, euclidean"),
+    ("sink", {"sinks": 8}, 8, "must be smaller than the budget"),
+    ("snapkv", {"window": 64}, 64, "smaller than the budget"),
+    ("snapkv", {"kernel_size": 4}, 64, "positive odd"),
+    ("h2o", {"recent_fraction": 1.5}, 64, "recent_fraction"),
+    ("tova", {"heads": "all"}, 64, "valid: group, layer"),
+    ("keydiff", {"head_budgets": "adakv", "alpha_safeguard": 1.5}, None, r"alpha_safeguard must be a number in \[0, 1\]"),
+    ("keydiff", {"head_budgets": "adakv", "alpha_safeguard": -0.1}, None, r"alpha_safeguard must be a number in \[0, 1\]"),
+    ("keydiff", {"head_budgets": "per_head"}, None, r"unknown head_budgets 'per_head'; valid: uniform, adakv"),
+    ("keydiff", {"alpha_safeguard": 0.2}, None, r"alpha_safeguard applies only to head-adaptive budgets"),
+    ("keydiff", {"head_budgets": "adakv", "head_scores": "relative"}, None,
+     "head_scores=relative applies to scorers whose scores are attention"),
+    ("snapkv", {"head_budgets": "adakv", "head_scores": "mean"}, None, "unknown head_scores 'mean'; valid: raw, relative"),
+    ("snapkv", {"head_scores": "relative"}, None, "head_scores applies only to head-adaptive budgets"),
+    ("snapkv", {"critical": True, "first_stage_ratio": 1.5}, None, r"first_stage_ratio must be in \[0, 1\], got 1.5"),
+    ("snapkv", {"critical": True, "critical_epsilon": -1e-3}, None, "critical_epsilon must be >= 0"),
+    ("snapkv", {"critical": True, "critical_epsilon": "small"}, None, "critical_epsilon must be a finite number"),
+    ("snapkv", {"critical": "yes"}, None, "critical must be true or false"),
+    ("snapkv", {"first_stage_ratio": 0.3}, None, "first_stage_ratio given without critical: true"),
+    ("snapkv", {"critical_eps": 0.1}, None,
+     r"no parameter\(s\) critical_eps; valid: .*critical, critical_epsilon, first_stage_ratio"),
+    *[("knorm", {"chunk_length": bad}, 64, "chunk_length must be a positive integer") for bad in (0, -3, 2.5, True)],
+    ("knorm", {"chunk_length": 20, "chunk_scope": "batch"}, 64, "chunk_scope must be one of layer, head"),
+    ("keydiff", {"layer_budgets": {"schedule": "pyramidal"}}, 256, "valid: uniform, pyramid"),
+    ("keydiff", {"layer_budgets": {"schedule": "pyramid", "alpha": 1}}, 256, "valid: schedule, beta, window, arithmetic"),
+    ("keydiff", {"layer_budgets": {"schedule": "pyramid", "arithmetic": "floor"}}, 256, "valid: exact, kvcache_factory"),
+    # SnapKV's window against the top layer's budget
+    ("snapkv", {"layer_budgets": {"schedule": "pyramid", "beta": 20}}, 256, "smaller than the budget"),
+    ("lagkv", {"scoring": "stream"}, 256, "valid: frozen, rescore"),
+    ("kvzip", {"n_sink": 8}, 8, "n_sink"),
+    ("kvzip", {"context_overlap": -1}, 32, "context_overlap"),
+    ("kvzip", {"scoring_keys": "block"}, 32, "valid: cache, chunk"),
+    ("keydiff", {"key_rerotation": "sideways"}, None,
+     "key_rerotation must be true, false or one of contiguous, absolute, got 'sideways'"),
+    ("keydiff", {"key_rerotation": "kvpress"}, None,
+     "'kvpress' was withdrawn: kvpress's pipeline continues after the kept keys"),
+]
+
+
+@pytest.mark.parametrize("name, params, budget, message", REFUSED)
+def test_a_refused_parameter_is_one_line_naming_what_is_valid(name, params, budget, message):
+    with pytest.raises(ValueError, match=message) as error:
+        policy = build_policy(name, **params)
+        if budget is not None:
+            policy.check(budget)
+    assert "\n" not in str(error.value)
 
 
 def test_window_size_floor_is_robust_to_float_noise(caplog):

@@ -97,29 +97,34 @@ def test_a_run_that_evicted_nothing_is_marked_in_tables_and_figures(tmp_path, mo
 
 
 @pytest.mark.extended
-def test_runs_of_other_generation_settings_are_told_apart(tmp_path, monkeypatch):
+def test_runs_of_other_generation_settings_are_told_apart_and_keep_their_policys_colour(tmp_path, monkeypatch):
+    """Each setting its own row and line, labelled "keydiff [max_new_tokens=20]" (keydiff.report.generic), never
+    averaged as seeds; each line keeps its policy's colour and printed name, the settings differ by marker or dash."""
     runs = tmp_path / "runs"
-    for new_tokens, seed, recall in [(50, 0, 1.0), (20, 1, 0.0)]:  # seed: two directories of one configuration
-        write_run(**niah_point(runs), metrics={"needle_recall": recall}, rows=niah_rows([recall]), seed=seed,
+    for label, new_tokens, seed, recall in [("keydiff", 50, 0, 1.0), ("keydiff", 20, 1, 0.0), ("h2o", 50, 0, 0.0)]:
+        write_run(**niah_point(runs, label=label), metrics={"needle_recall": recall}, rows=niah_rows([recall]),
+                  seed=seed,  # seed: two directories of one configuration
                   extra={"config": {"experiment_name": "adhoc", "seed": seed, "block_size": 128,
                                     "task": {"name": "niah_small", "limit": None, "max_new_tokens": new_tokens},
-                                    "model": {"name": SMOL}, "policy": {"name": "keydiff", "label": "keydiff"},
+                                    "model": {"name": SMOL}, "policy": {"name": label, "label": label},
                                     "budget": {"tokens": 2048, "label": "2k"}}})
     md = collected(tmp_path)
-    # two rows, each named by its setting, never one row averaging the two settings as seeds
     assert md_cell(md, (SMOL, "128", "keydiff [max_new_tokens=20]"), "2k").startswith("0.000")
     assert md_cell(md, (SMOL, "128", "keydiff [max_new_tokens=50]"), "2k").startswith("1.000")
     assert "generation settings differ (task.max_new_tokens 20, 50" in md.read_text().splitlines()[0]
     plotted = drawn_figures(monkeypatch, tmp_path / "summary.csv", runs, tmp_path / "figures")
     legend = plotted[f"adhoc__niah_small__{SMOL}__bs128"]
-    assert sum("max_new_tokens=20" in t for t in legend) == 1 and sum("max_new_tokens=50" in t for t in legend) == 1
-
-
-@pytest.mark.extended
-def test_one_setting_keeps_the_plain_policy_label(tmp_path):
-    write_run(**niah_point(tmp_path / "runs"), metrics={"needle_recall": 1.0}, rows=niah_rows([1.0]))
-    md = collected(tmp_path)
-    assert md_cell(md, (SMOL, "128", "keydiff"), "2k").startswith("1.000")
+    assert sum(t.startswith("KeyDiff [max_new_tokens=20]") for t in legend) == 1, legend
+    assert sum(t.startswith("KeyDiff [max_new_tokens=50]") for t in legend) == 1, legend
+    assert sum(t.startswith("H2O [max_new_tokens=50]") for t in legend) == 1, legend
+    lines = {c.get_label(): c.lines[0] for _, c in plotted[f"adhoc__niah_small__{SMOL}__bs128/containers"]}
+    keydiff = [line for label, line in lines.items() if "max_new_tokens" in label and "h2o" not in label.lower()]
+    h2o = [line for label, line in lines.items() if "h2o" in label.lower()]
+    assert len(keydiff) == 2 and len(h2o) == 1, list(lines)
+    assert {line.get_color() for line in keydiff} == {make_figures.policy_color("keydiff")}
+    assert h2o[0].get_color() == make_figures.policy_color("h2o")
+    first, second = keydiff
+    assert first.get_marker() != second.get_marker() or first.get_linestyle() != second.get_linestyle()
 
 
 @pytest.mark.extended

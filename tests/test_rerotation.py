@@ -262,11 +262,7 @@ def test_describe_only_when_set_and_round_trips():
 
 
 @pytest.mark.unit
-def test_bad_values_fail_clearly_before_the_model():
-    with pytest.raises(ValueError, match="key_rerotation must be true, false or one of contiguous, absolute, got 'sideways'"):
-        build_policy("keydiff", key_rerotation="sideways")
-    with pytest.raises(ValueError, match="'kvpress' was withdrawn: kvpress's pipeline continues after the kept keys"):
-        build_policy("keydiff", key_rerotation="kvpress")
+def test_a_cache_without_the_models_rope_or_with_a_dynamic_one_is_refused():
     with pytest.raises(ValueError, match="build the cache with config=model.config"):
         EvictingCache(build_policy("keydiff", key_rerotation=True), 8, 3, block_size=8)
     dynamic = tiny_llama(rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}).config

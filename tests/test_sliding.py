@@ -105,11 +105,13 @@ def test_block_crossing_the_window_edge_is_exact(models, ids, architecture):
 
 @pytest.mark.extended
 @pytest.mark.parametrize("architecture", HYBRID)
-@pytest.mark.parametrize("policy", ["keydiff", "snapkv"])
-def test_plain_decoding_loop_equals_generate(models, ids, architecture, policy):
+@pytest.mark.parametrize("policy, bound", [("keydiff", True), ("snapkv", True), ("keydiff", False)])
+def test_plain_decoding_loop_equals_generate(models, ids, architecture, policy, bound):
+    """A plain greedy loop over the cache gives generate's tokens, with keydiff's attention or, for an attention-free
+    policy, without it (transformers then sizes each layer kind's mask from the cache)."""
     model = models[architecture]
     expected = generate(model, prefill(model, ids, policy, 64, 32), 6).token_ids[0]
-    assert loop_tokens(model, prefill(model, ids, policy, 64, 32), 6) == expected
+    assert loop_tokens(model, prefill(model, ids, policy, 64, 32), 6, bound=bound) == expected
 
 
 @pytest.mark.extended
@@ -272,15 +274,6 @@ def test_real_layer_patterns_behind_the_memory_rows(config_name, layers, window,
 
     windows = layer_windows(getattr(transformers, config_name)(num_hidden_layers=layers, sliding_window=window))
     assert windows.count(None) == full and set(windows) - {None} == {window}
-
-
-@pytest.mark.extended
-@pytest.mark.parametrize("architecture", HYBRID)
-def test_stock_attention_loop_equals_generate_for_an_attention_free_policy(models, ids, architecture):
-    """Without keydiff's attention, transformers sizes each layer kind's mask from the cache: generate's tokens."""
-    model = models[architecture]
-    expected = generate(model, prefill(model, ids, "keydiff", 64, 32), 5).token_ids[0]
-    assert loop_tokens(model, prefill(model, ids, "keydiff", 64, 32), 5, bound=False) == expected
 
 
 @pytest.mark.extended
