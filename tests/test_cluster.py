@@ -162,7 +162,6 @@ def test_prompt_cap_and_generic_out_of_memory_errors_become_failed_rows(tmp_path
 @pytest.mark.integration
 @pytest.mark.extended
 def test_a_prompt_of_exactly_max_prompt_tokens_runs_one_token_more_does_not(tmp_path, tiny):
-    """The cap is a maximum: a prompt of exactly N tokens runs, N + 1 is recorded as failed."""
     at_cap = runner.run(make_cfg(tmp_path, "max_prompt_tokens=100"), tmp_path / "at")
     assert tiny == ["len30", "len100"] and at_cap["failures"] == {} and at_cap["num_samples"] == 2
     tiny.clear()
@@ -394,7 +393,6 @@ def test_every_reader_of_predictions_agrees_on_a_crashed_and_retried_file(tmp_pa
     ["task.limit=2", "+policy.params.window_fraction=0.1,0.2", "~logger"],
 ])
 def test_the_sweep_grid_is_hydras_basic_sweeper_grid(arguments):
-    """grid_points gives Hydra's BasicSweeper's points in its order."""
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
 

@@ -110,7 +110,15 @@ def test_dry_run_prints_the_grid_and_the_slurm_job_script_without_submitting(tmp
 # --------------------------------------------------------------------------- lock + SIGTERM + resume
 
 
-def test_second_writer_is_refused_and_sigterm_then_rerun_loses_and_duplicates_nothing(tmp_path, tiny_model_dir):
+@pytest.mark.parametrize("signum, status", [(signal.SIGTERM, -signal.SIGTERM), (signal.SIGINT, 130)],
+                         ids=["SIGTERM", "SIGINT"])
+def test_a_second_writer_is_refused_and_a_stop_then_a_rerun_loses_and_duplicates_nothing(tmp_path, tiny_model_dir,
+                                                                                        signum, status):
+    """While a run holds its directory a second writer is refused, naming it. SIGTERM (a scheduler's stop) or
+    SIGINT (Ctrl-C) after the first row: rows and summary kept, one line saying how many samples are done and that
+    the same command resumes, no traceback; SIGTERM is re-raised with its default action ("killed by SIGTERM"),
+    SIGINT exits 130. The re-run loses and duplicates nothing."""
+    name = signal.Signals(signum).name
     args = [*model_args(tiny_model_dir), "task.context_lengths=[400,800]", "task.depths=[0,25,50,75,100]",
             f"results_root={tmp_path / 'runs'}", "experiment_name=sig"]
     run_dir = tmp_path / "runs/sig/niah_small/custom/keydiff/2k/bs128/seed0"
@@ -120,58 +128,33 @@ def test_second_writer_is_refused_and_sigterm_then_rerun_loses_and_duplicates_no
         deadline = time.time() + 240
         while not (run_dir / ".lock").exists() and time.time() < deadline and first.poll() is None:
             time.sleep(0.2)
-        # Same grid point while the first one runs: refused at once, naming the holder.
         second = run_py(*args)
         assert second.returncode == 2, second.stderr
         assert f"host {socket.gethostname()}, pid {first.pid}" in second.stderr.splitlines()[-1]
 
         wait_for_a_row(run_dir, deadline)
-        first.send_signal(signal.SIGTERM)
+        first.send_signal(signum)
         stdout, stderr = first.communicate(timeout=120)
     finally:
         if first.poll() is None:
             first.kill()
-    assert first.returncode == -signal.SIGTERM, stderr  # re-raised with the default action: "killed by SIGTERM"
-    assert "stopped by SIGTERM after writing every finished row" in stdout  # Hydra logs to stdout
+    assert first.returncode == status, stderr
+    assert "Traceback" not in stderr + stdout and "KeyboardInterrupt" not in stderr + stdout
     written = read_rows(run_dir)  # every line parses: no partial row
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert 1 <= len(written) < 10 and summary["stopped_by"] == "stopped by SIGTERM" and not summary["complete"]
+    assert 1 <= len(written) < 10 and summary["stopped_by"] == f"stopped by {name}" and not summary["complete"]
     assert summary["num_samples"] == len(written) and not (run_dir / ".lock").exists()
+    lines = [line for line in stdout.splitlines() if f"stopped by {name}" in line]  # Hydra logs to stdout
+    assert len(lines) == 1 and lines[0].endswith(
+        f"stopped by {name} after writing every finished row ({len(written)} of 10 samples done, summary.json "
+        "written); re-run the same command to resume")
 
     resumed = run_py(*args)
-    assert resumed.returncode == 0, resumed.stderr
+    assert resumed.returncode == 0 and f"10 samples, {len(written)} already done" in resumed.stdout, resumed.stderr
     rows = read_rows(run_dir)
     ids = [row["sample_id"] for row in rows]
     assert rows[: len(written)] == written and len(ids) == len(set(ids)) == 10
     assert json.loads((run_dir / "summary.json").read_text())["complete"] is True
-
-
-def test_ctrl_c_keeps_the_rows_writes_the_summary_and_says_how_to_resume(tmp_path, tiny_model_dir):
-    """SIGINT (Ctrl-C) after the first row is handled as SIGTERM is: rows and summary kept, one line saying how
-    many samples are done and that the same command resumes, exit status 130, no KeyboardInterrupt traceback."""
-    args = [*model_args(tiny_model_dir), "task.context_lengths=[400,800]", "task.depths=[0,25,50,75,100]",
-            f"results_root={tmp_path / 'runs'}", "experiment_name=int"]
-    run_dir = tmp_path / "runs/int/niah_small/custom/keydiff/2k/bs128/seed0"
-    child = subprocess.Popen([sys.executable, "run.py", *args], cwd=ROOT, env=child_env(),
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        wait_for_a_row(run_dir, time.time() + 240)
-        child.send_signal(signal.SIGINT)
-        stdout, stderr = child.communicate(timeout=120)
-    finally:
-        if child.poll() is None:
-            child.kill()
-    assert child.returncode == 130, stderr
-    assert "Traceback" not in stderr + stdout and "KeyboardInterrupt" not in stderr + stdout
-    written = read_rows(run_dir)
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert 1 <= len(written) < 10 and summary["stopped_by"] == "stopped by SIGINT" and not summary["complete"]
-    lines = [line for line in stdout.splitlines() if "stopped by SIGINT" in line]
-    assert len(lines) == 1 and lines[0].endswith(
-        f"stopped by SIGINT after writing every finished row ({len(written)} of 10 samples done, summary.json "
-        "written); re-run the same command to resume")
-    resumed = run_py(*args)
-    assert resumed.returncode == 0 and f"10 samples, {len(written)} already done" in resumed.stdout
 
 
 # --------------------------------------------------------------------------- SLURM through submitit, fake executables

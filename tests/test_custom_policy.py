@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 
 from keydiff import build_policy, prefill
 from keydiff.run import runner
 from keydiff.config import custom_policy_label
+from tests.test_runner import make_cfg, no_model_load  # noqa: F401  (no_model_load: the fixture)
 
 pytestmark = pytest.mark.unit
 
@@ -22,21 +22,9 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 
 
-def make_cfg(*overrides: str):
-    from tests.test_runner import OUTSIDE_RESULTS
-
-    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
-        return compose("config", overrides=[OUTSIDE_RESULTS, *overrides])
-
-
 @pytest.fixture
 def examples_on_path(monkeypatch):
     monkeypatch.syspath_prepend(str(EXAMPLES))
-
-
-@pytest.fixture
-def no_model_load(monkeypatch):
-    monkeypatch.setattr(runner, "load_model", lambda *a, **k: pytest.fail("the model must not be loaded"))
 
 
 @pytest.mark.real_model

@@ -74,46 +74,34 @@ def test_require_lets_other_import_errors_through(tmp_path, monkeypatch):
     assert not isinstance(error.value, MissingExtra)
 
 
-def test_report_without_its_extra(tmp_path):
-    result = hidden(["wandb_workspaces"], "-m keydiff.report.wandb", ["smoke", "--out", str(tmp_path / "reports")],
-                    tmp_path)
-    assert "python -m keydiff.report.wandb" in one_line(result, "report")
-    assert not (tmp_path / "reports").exists()  # refused before anything is written
+# (hidden modules, entry, arguments, extra, what the line names besides); {out} is where nothing may appear.
+# Without wandb alone (wandb-workspaces imports it) the report is refused as without its whole extra. Before
+# logger=wandb was a ValueError, Hydra's callback only warned and the run went on (a sample ran, then the first
+# row's W&B log raised ModuleNotFoundError): the refusal must come before any run directory exists.
+WITHOUT_EXTRA = [
+    (["wandb_workspaces"], "-m keydiff.report.wandb", ["smoke", "--out", "{out}"], "report",
+     "python -m keydiff.report.wandb"),
+    (["wandb"], "-m keydiff.report.wandb", ["smoke", "--publish", "--entity", "me", "--out", "{out}"], "report",
+     "(no module wandb)"),
+    (["wandb"], "run.py", ["logger=wandb", "logger.mode=offline", "task.limit=1", "results_root={out}"], "wandb",
+     "logger=wandb"),
+    (["hydra_plugins.hydra_submitit_launcher", "submitit"], "run.py",
+     ["-m", "experiment=smoke", "hydra/launcher=slurm", "dry_run=true", "results_root={out}"], "slurm",
+     "hydra/launcher=slurm"),
+    (["datasets"], "run.py", ["task=math500", "dry_run=true", "results_root={out}"], "datasets",
+     "task.data_dir="),  # the way without the extra is named too
+    (["flash_attn"], "run.py", ["model.attn_implementation=flash_attention_2", "model.dtype=bfloat16", "dry_run=true",
+                                "results_root={out}"], "flash", "attn_implementation=sdpa"),
+]
 
 
-def test_report_without_wandb(tmp_path):
-    """The 'report' extra is wandb and wandb-workspaces: without wandb alone (wandb-workspaces imports it) the same."""
-    result = hidden(["wandb"], "-m keydiff.report.wandb", ["smoke", "--publish", "--entity", "me", "--out",
-                                                            str(tmp_path / "reports")], tmp_path)
-    assert "(no module wandb)" in one_line(result, "report") and not (tmp_path / "reports").exists()
-
-
-def test_wandb_logging_without_its_extra_is_refused_before_the_run(tmp_path):
-    """Before this was a ValueError, Hydra's callback only warned about it and the run went on (a sample ran, then
-    the first row's W&B log raised ModuleNotFoundError): the refusal must come before any run directory exists."""
-    result = hidden(["wandb"], "run.py", ["logger=wandb", "logger.mode=offline", "task.limit=1",
-                                          f"results_root={tmp_path / 'runs'}"], tmp_path)
-    assert "logger=wandb" in one_line(result, "wandb")
-    assert not (tmp_path / "runs").exists()
-
-
-def test_slurm_launcher_without_its_extra(tmp_path):
-    result = hidden(["hydra_plugins.hydra_submitit_launcher", "submitit"], "run.py",
-                    ["-m", "experiment=smoke", "hydra/launcher=slurm", "dry_run=true",
-                     f"results_root={tmp_path / 'runs'}"], tmp_path)
-    assert "hydra/launcher=slurm" in one_line(result, "slurm")
-
-
-def test_math500_from_the_hub_without_datasets(tmp_path):
-    result = hidden(["datasets"], "run.py", ["task=math500", "dry_run=true", f"results_root={tmp_path / 'runs'}"],
-                    tmp_path)
-    assert "task.data_dir=" in one_line(result, "datasets")  # the way without the extra is named too
-
-
-def test_flash_attention_without_its_extra(tmp_path):
-    result = hidden(["flash_attn"], "run.py", ["model.attn_implementation=flash_attention_2", "model.dtype=bfloat16",
-                                               "dry_run=true", f"results_root={tmp_path / 'runs'}"], tmp_path)
-    assert "attn_implementation=sdpa" in one_line(result, "flash")
+@pytest.mark.parametrize("modules, entry, argv, extra, named", WITHOUT_EXTRA,
+                         ids=["report", "report-wandb", "logger-wandb", "slurm", "math500-datasets", "flash"])
+def test_a_feature_without_its_extra_is_one_line_and_writes_nothing(tmp_path, modules, entry, argv, extra, named):
+    out = tmp_path / "out"
+    result = hidden(modules, entry, [a.format(out=out) for a in argv], tmp_path)
+    assert named in one_line(result, extra)
+    assert not out.exists()  # refused before anything is written
 
 
 @pytest.mark.unit

@@ -126,6 +126,7 @@ def test_is_equiv():
 
 
 # ---- Exact vs Flex (tasks.md 2.4 table) -------------------------------------------------------
+BOX_IN_CLOSED_REASONING = "<think>\\boxed{\\frac12}</think>I give up."  # no answer: has_answer 0, as without a box
 
 
 @pytest.mark.parametrize(
@@ -142,7 +143,7 @@ def test_is_equiv():
         ("\\frac{1}{4}", "\\boxed{0.25}", 0, 1),
         ("\\frac{1}{2}", "\\boxed{0.5}", 1, 1),
         ("\\frac{1}{2}", "\\boxed{\\frac{1}{3}}", 0, 0),
-        ("\\frac{1}{2}", "<think>\\boxed{\\frac12}</think>I give up.", 0, 0),
+        ("\\frac{1}{2}", BOX_IN_CLOSED_REASONING, 0, 0),
         # math-verify reads close boxes as the set {1, 2}: Flex falls back on Exact's last box
         ("2", "first \\boxed{1}, then \\boxed{2}", 1, 1),
         ("1", "first \\boxed{1}, then \\boxed{2}", 0, 0),
@@ -154,11 +155,7 @@ def test_exact_and_flex(gold, response, exact, flex):
     scores = score_response(response, gold)
     assert scores["exact"] == exact and scores["flex"] == flex
     assert scores["flex"] >= scores["exact"]
-
-
-def test_has_answer_flag():
-    assert score_response("\\boxed{1}", "1")["has_answer"] == 1.0
-    assert score_response("the answer is 1", "1")["has_answer"] == 0.0
+    assert scores["has_answer"] == (0.0 if response in ("the answer is 10", BOX_IN_CLOSED_REASONING) else 1.0)
 
 
 # ---- samples, prompts, seeds -------------------------------------------------------------------

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from keydiff.tasks.phonebook import DEFAULT_SIZES, Phonebook, book_seed, first_line, generate_book
+from keydiff.tasks.phonebook import DEFAULT_SIZES, Phonebook, book_seed, generate_book
 from tests.conftest import char_tokenizer
 
 pytestmark = pytest.mark.unit
@@ -100,6 +100,7 @@ def test_build_prompt_raw_completion():
     ("prediction", "exact", "lenient"),
     [
         (" 6123456789\nAlice Smith: 7000000000", 1, 1),
+        ("  6123456789 \nrest", 1, 1),  # the first line, stripped on both sides
         ("6123456789", 1, 1),
         ("6123456789 is the number", 0, 1),
         ("\n6123456789", 0, 1),
@@ -113,10 +114,6 @@ def test_score_first_line_exact_match(prediction, exact, lenient):
     sample = next(iter(task.samples()))
     sample.fields["answer"] = "6123456789"
     assert task.score(sample, prediction) == {"exact": exact, "lenient": lenient}
-
-
-def test_first_line():
-    assert first_line("  123 \nrest") == "123"
 
 
 def test_summarize_per_size():

@@ -72,11 +72,7 @@ def make(**overrides) -> Ruler:
 
 
 # ------------------------------------------------------------------------------------------ definitions
-def test_the_13_standard_tasks_and_presets():
-    assert STANDARD_TASKS == (
-        "niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2", "niah_multikey_3",
-        "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe", "qa_1", "qa_2",
-    )  # fmt: skip
+def test_presets_and_their_configs():
     assert PRESETS["all"] == STANDARD_TASKS and "qa_1" not in SYNTHETIC and len(SYNTHETIC) == 11
     for k in (4, 8, 16, 32):
         text = (ROOT / f"conf/task/ruler_{k}k.yaml").read_text()
@@ -456,10 +452,6 @@ def test_summarize_rounds_per_task_then_averages():
 def test_config_errors_name_valid_choices(overrides, message):
     with pytest.raises(ValueError, match=message):
         Ruler(**{"data_dir": str(FIXTURE), **overrides}).validate()
-
-
-def test_synthetic_preset_needs_no_data():
-    Ruler(tasks="synthetic").validate()
 
 
 def test_missing_qa_data_message_names_the_real_data_first_and_the_fixture_for_a_smoke_only(monkeypatch):

@@ -63,6 +63,7 @@ def test_unknown_group_choice_lists_valid_names(override, expected):
         (["model.dtype=float8"], "model.dtype"),
         (["task.depths=[150]"], "depths"),
         (["task=niah"], r"exceed the model's max_length \(8192\)"),
+        (["decode_eviction=sometimes"], "decode_eviction must be true or false"),
     ],
 )
 def test_bad_values_fail_before_the_model_loads(tmp_path, no_model_load, overrides, message):
@@ -126,29 +127,11 @@ def test_eviction_run_resume_crash_recovery_and_no_overwrite(tmp_path, monkeypat
     assert len(backups) == 1 and len((backups[0] / "predictions.jsonl").read_text().splitlines()) == 2
 
 
-@pytest.mark.real_model
-def test_wandb_offline_logging_keeps_files_as_the_source_of_truth(tmp_path, monkeypatch):
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    monkeypatch.chdir(tmp_path)  # wandb reads ./wandb/settings: not the checkout's (the user's `wandb offline`)
-    cfg = make_cfg("task=phonebook", "task.sizes=[20]", "task.books_per_size=1", "policy=knorm",
-                   "budget.tokens=128", "logger=wandb", "logger.mode=offline")
-    summary = runner.run(cfg, tmp_path / "wb")
-    assert (tmp_path / "wb" / "predictions.jsonl").exists() and summary["statistics"]["samples"] == 1
-    runs = list((tmp_path / "wb" / "wandb").glob("offline-run-*"))
-    assert len(runs) == 1 and list(runs[0].glob("run-*.wandb"))
-
-
 @pytest.mark.extended
 def test_budget_label_follows_the_tokens():
     assert make_cfg("budget=6k").budget.label == "6k"
     cfg = make_cfg("budget=2k", "budget.tokens=3000")
     assert cfg.budget.label == "3000" and "/3000/bs128/" in cfg.run_subdir
-
-
-@pytest.mark.extended
-def test_decode_eviction_must_be_boolean(no_model_load, tmp_path):
-    with pytest.raises(ValueError, match="decode_eviction must be true or false"):
-        runner.run(make_cfg("decode_eviction=sometimes"), tmp_path)
 
 
 # One value each rule of keydiff.run.checks.VALUES refuses, in the table's order.

@@ -6,20 +6,16 @@ follows each task's protocol, scores land in the result files and the summaries 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
 from keydiff.run import runner
+from tests.test_cluster import rows_of
 from tests.test_runner import make_cfg
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.slow, pytest.mark.real_model]
-
-
-def rows_of(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "predictions.jsonl").read_text().splitlines()]
 
 
 def test_longbench_on_the_fixture(tmp_path):

@@ -10,12 +10,11 @@ import re
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf, open_dict
 
 from keydiff.run import runner, samples, tracking
 from keydiff.paper.reference import paper_values, read_tables, table_numbers
-from tests.conftest import char_tokenizer, tiny_llama
+from tests.test_cluster import make_cfg as cluster_cfg, tiny  # noqa: F401  (tiny: the fixture)
 
 pytestmark = pytest.mark.integration
 
@@ -42,28 +41,11 @@ def isolated_wandb(tmp_path, monkeypatch):
     wandb.teardown()
 
 
-@pytest.fixture
-def tiny(tmp_path, monkeypatch):
-    """runner.run with a tiny random Llama and a char tokenizer (no model files loaded)."""
-    model = tiny_llama("sdpa")
-    model_dir = tmp_path / "tiny-model"
-    model.config.save_pretrained(model_dir)
-    monkeypatch.setattr(runner, "load_model", lambda cfg: (model, char_tokenizer()))
-    monkeypatch.setattr(runner, "_LOADED", {})
-    return model_dir
-
-
-def make_cfg(tmp_path, model_dir, *overrides: str):
-    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=["model=custom", f"model.path={model_dir}", "model.dtype=float32",
-                                           "model.device=cpu", "model.max_length=4096", "policy=keydiff",
-                                           "budget.tokens=16", "block_size=8", "logger=wandb",
-                                           f"results_root={tmp_path / 'runs'}", "experiment_name=tracked",
-                                           f"logger.paper_dir={tmp_path / 'paper'}", *overrides])
-    with open_dict(cfg):
-        cfg.task = OmegaConf.create({"_target_": "tests.conftest.LengthsTask", "name": "guard_lengths",
-                                     "lengths": [30, 40, 50], "max_new_tokens": 2, "limit": None})
-    return cfg
+def make_cfg(tmp_path, *overrides: str):
+    """tests.test_cluster's run of the tiny model, logged to W&B: three prompts, two new tokens each."""
+    return cluster_cfg(tmp_path, "budget.tokens=16", "block_size=8", "logger=wandb", "experiment_name=tracked",
+                       f"logger.paper_dir={tmp_path / 'paper'}", *overrides,
+                       task={"lengths": [30, 40, 50], "max_new_tokens": 2})
 
 
 class RecordedRun:
@@ -110,7 +92,7 @@ def run_preempted_then_resume(cfg, run_dir, monkeypatch) -> None:
 
 @pytest.mark.extended
 def test_resumed_run_continues_one_wandb_run_and_a_finished_rerun_opens_none(tmp_path, tiny, recorded, monkeypatch):
-    cfg = make_cfg(tmp_path, tiny)
+    cfg = make_cfg(tmp_path)
     run_dir = tmp_path / "runs" / "tracked" / "point"
     run_preempted_then_resume(cfg, run_dir, monkeypatch)  # rows 0, then 1 and 2
     runner.run(cfg, run_dir)  # nothing to do: W&B must not be opened
@@ -128,15 +110,18 @@ def test_resumed_run_continues_one_wandb_run_and_a_finished_rerun_opens_none(tmp
 
 @pytest.mark.extended
 def test_run_id_is_stable_per_directory_and_changes_with_overwrite(tmp_path, tiny):
-    cfg = make_cfg(tmp_path, tiny)
+    cfg = make_cfg(tmp_path)
     point = tmp_path / "runs" / "tracked" / "a" / "seed0"
     first = tracking.run_id(cfg, point)
     assert first == tracking.run_id(cfg, tmp_path / "runs" / "tracked" / "a" / "x" / ".." / "seed0")
     assert first != tracking.run_id(cfg, tmp_path / "runs" / "tracked" / "b" / "seed0")
     assert re.fullmatch(r"[a-z0-9-]{1,64}", first)
     # The same relative path under another results_root (a copy on a cluster) keeps its id.
-    other = make_cfg(tmp_path / "elsewhere", tiny)
+    (tmp_path / "elsewhere").mkdir()
+    other = make_cfg(tmp_path / "elsewhere")
     assert tracking.run_id(other, tmp_path / "elsewhere" / "runs" / "tracked" / "a" / "seed0") == first
+    # A run directory outside results_root is named by its absolute path: the same under either config.
+    assert tracking.run_id(cfg, tmp_path / "adhoc" / "seed0") == tracking.run_id(other, tmp_path / "adhoc" / "seed0")
     # overwrite=true moves the old run to a sibling: the new run gets a new W&B run.
     (point.parent / "seed0.old-20260101-000000").mkdir(parents=True)
     assert tracking.run_id(cfg, point) == first + "-g1"
@@ -144,7 +129,7 @@ def test_run_id_is_stable_per_directory_and_changes_with_overwrite(tmp_path, tin
 
 @pytest.mark.extended
 def test_history_per_row_summary_names_and_config_keys(tmp_path, tiny, recorded):
-    cfg = make_cfg(tmp_path, tiny)
+    cfg = make_cfg(tmp_path)
     summary = runner.run(cfg, tmp_path / "runs" / "tracked" / "p")
     (run,) = recorded
     kwargs = run.kwargs
@@ -201,7 +186,7 @@ def test_summary_headline_and_paper_values_beside_ours(tmp_path):
 
 @pytest.mark.extended
 def test_two_offline_invocations_write_one_wandb_run_id(tmp_path, tiny, isolated_wandb, monkeypatch):
-    cfg = make_cfg(tmp_path, tiny, "logger.mode=offline")
+    cfg = make_cfg(tmp_path, "logger.mode=offline")
     with open_dict(cfg):
         cfg.task.lengths = [30, 40]
     run_dir = tmp_path / "runs" / "tracked" / "offline"
@@ -215,13 +200,13 @@ def test_two_offline_invocations_write_one_wandb_run_id(tmp_path, tiny, isolated
 @pytest.mark.extended
 def test_online_without_credentials_fails_before_any_work(tmp_path, tiny, isolated_wandb, monkeypatch):
     monkeypatch.setattr(runner, "load_model", lambda cfg: pytest.fail("loaded the model"))
-    cfg = make_cfg(tmp_path, tiny, "logger.mode=online")
+    cfg = make_cfg(tmp_path, "logger.mode=online")
     run_dir = tmp_path / "runs" / "tracked" / "online"
     with pytest.raises(tracking.WandbCredentialsError, match=r"wandb login.*WANDB_API_KEY.*logger.mode=offline"):
         runner.run(cfg, run_dir)
     assert not run_dir.exists()
     with pytest.raises(ValueError, match="logger.mode 'onlne' is not valid; valid: online, offline, disabled"):
-        tracking.check(make_cfg(tmp_path, tiny, "logger.mode=onlne"))
+        tracking.check(make_cfg(tmp_path, "logger.mode=onlne"))
     monkeypatch.setenv("WANDB_API_KEY", "k" * 40)  # a key is found locally; nothing is verified over the network
     tracking.check(cfg)
     monkeypatch.delenv("WANDB_API_KEY")
