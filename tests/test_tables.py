@@ -321,6 +321,7 @@ def test_adhoc_subset_sweep_gets_a_generic_table_and_figure(adhoc):
     assert "no data yet (run: python run.py experiment=fig6_niah)" in readme
 
 
+@pytest.mark.extended  # seconds: its fixture writes a second results tree's tables and figures; make test runs it
 def test_failed_samples_and_other_models_are_marked(adhoc):
     out, _, _ = adhoc
     df = pd.read_csv(out / "summary.csv")
