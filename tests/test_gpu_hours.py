@@ -68,17 +68,12 @@ def test_hours_are_samples_times_prefill_plus_decode_over_the_speedup(tmp_path):
     assert gh.batches(rates) == [8, 16]
 
 
-def fixed_and_grouped_rates(tmp_path: Path) -> gh.Rates:
-    """HAND plus the fixed step's rates and the grouped rows' speed-up, measured at batch 16 only."""
+def test_a_fixed_step_applies_to_the_capturable_policies_and_grouped_rows_to_the_pooled_only(tmp_path):
     record = copy.deepcopy(HAND)
     record["prefill_tokens_per_s"]["fixed"] = {"value": 4000, "source": "hand"}
     record["decode_ms_per_token"]["fixed"] = {"value": 10, "source": "hand"}
     record["speedup"]["grouped"] = {"source": "hand", "16": 8}
-    return gh.load_rates(write(tmp_path / "rates.json", record))
-
-
-def test_a_fixed_step_applies_to_the_capturable_policies_and_grouped_rows_to_the_pooled_only(tmp_path):
-    rates = fixed_and_grouped_rates(tmp_path)
+    rates = gh.load_rates(write(tmp_path / "rates.json", record))
     # keydiff and sink: the fixed step, no ratio (measured on the ordinary step), grouped: 10 x (0.5 + 1 / 8)
     for policy in ("keydiff", "sink", "knorm"):
         assert gh.point_seconds(TASK, SMALL, policy, rates, 16) == pytest.approx(10 * (0.5 + 1.0 / 8))
@@ -86,11 +81,7 @@ def test_a_fixed_step_applies_to_the_capturable_policies_and_grouped_rows_to_the
     # rows decode on the ordinary step, per row: 10 x (2000 / 4000 x 2.0 + 100 x 20 ms x 1.5 / 5)
     assert gh.point_seconds(TASK, SMALL, "tova", rates, 16) == pytest.approx(10 * (1.0 + 2 * 1.5 / 5))
     assert gh.point_seconds(TASK, SMALL, "tova", rates, 1) == pytest.approx(10 * (1.0 + 1.0 * 1.5))
-
-
-@pytest.mark.extended  # seconds: composes every paper experiment's grid; make test runs it
-def test_the_batch_sizes_are_those_every_way_of_decoding_was_measured_at(tmp_path):
-    assert gh.batches(fixed_and_grouped_rates(tmp_path)) == [16]  # 'grouped' was measured at 16 only
+    assert gh.batches(rates) == [16]  # 'grouped' was measured at 16 only
 
 
 def gpu_bench_record() -> dict:
@@ -292,7 +283,6 @@ def test_model_weights_are_the_docs_memory_table():
             assert f"| {gb} GB |" in row, row
 
 
-@pytest.mark.extended  # seconds: composes every paper experiment's grid; make test runs it
 def test_the_capturable_set_is_the_policies_claim():
     from omegaconf import OmegaConf
 
