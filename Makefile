@@ -29,12 +29,15 @@ run: $(STAMP)  ## the default job: SmolLM2-135M, keydiff, budget 2k, B=128, NIAH
 	$(PY) run.py $(ARGS)
 
 test: $(STAMP)  ## the whole offline CPU test suite, every tier in parallel (what CI runs), then its 25 slowest tests
-	$(PY) -m pytest -q -n $(JOBS) --dist loadfile --durations=25 $(ARGS)
+	$(PY) -m pytest -q -n $(JOBS) --dist loadfile --no-loadscope-reorder --durations=25 $(ARGS)
 
 # The tiers (docs/testing.md): unit (no model, no subprocess), integration (the tiny model, in this process), slow
 # (the real model, subprocesses, real SLURM). JOBS: pytest-xdist workers of make test; each test file runs in one
 # worker (--dist loadfile), so the real-SLURM tests share the cluster one at a time (--dist loadgroup does not group
-# under pytest 9.2). make test-quick: unit and the core integration tests, in this process.
+# under pytest 9.2: xdist renames a grouped test's item._nodeid, which pytest 9 no longer reads). The workers take
+# the files in the order tests/conftest.py gives them, heaviest first (--no-loadscope-reorder: not xdist's order,
+# most tests first, which left the real-SLURM file for last). make test-quick: unit and the core integration tests,
+# in this process.
 JOBS ?= auto
 
 test-quick: $(STAMP)  ## after every change: unit tests and the core integration tests (tiny model, one process)

@@ -7,6 +7,7 @@ OmegaConf (no torch), so every layer may use it.
 
 from __future__ import annotations
 
+from functools import lru_cache
 from pathlib import Path
 from typing import Iterable
 
@@ -40,13 +41,20 @@ def sweep_params(cfg) -> list[str]:
 def experiment_grid(name: str, overrides: Iterable[str] = ()) -> list[list[str]]:
     """Every job of conf/experiment/<name>.yaml (plus `overrides`, as given to `run.py -m`): each the list of
     overrides that composes it (`compose("config", overrides=point)`)."""
+    return [list(point) for point in _composed_grid(name, tuple(overrides))]
+
+
+@lru_cache(maxsize=None)
+def _composed_grid(name: str, overrides: tuple[str, ...]) -> tuple[tuple[str, ...], ...]:
+    """experiment_grid's jobs, composed once per process and arguments (about 0.1 s of Hydra each; the GPU-hours
+    estimate, W&B's reports and the tests ask for the same grids). A process does not see conf/ change under it."""
     arguments = [f"experiment={name}", *overrides]
     with initialize_config_dir(str(CONF), version_base="1.3"):
         loader = GlobalHydra.instance().config_loader()
         parsed = OverridesParser.create(config_loader=loader).parse_overrides(arguments)
         fixed = [override.input_line for override in parsed if not override.is_sweep_override()]
         master = compose("config", overrides=fixed, return_hydra_config=True)
-        return sweep_points([*sweep_params(master), *arguments], loader)
+        return tuple(map(tuple, sweep_points([*sweep_params(master), *arguments], loader)))
 
 
 def grid_axes(points: list[list[str]]) -> dict[str, list[str]]:

@@ -93,6 +93,8 @@ def pytest_configure(config):
     """On a CPU, Triton kernels (keydiff.kernels: tests/test_batch_invariant.py) run on CPU tensors in Triton's
     interpreter; on a GPU (--device cuda) they must be compiled. keydiff.kernels reads TRITON_INTERPRET when it
     is imported, after this (no test module is imported yet, and nothing here imports torch or triton)."""
+    if hasattr(config, "workerinput"):  # an xdist worker: the files heaviest first (XdistOrder)
+        config.pluginmanager.register(XdistOrder(), "keydiff_xdist_order")
     device = config.getoption("--device")
     if not re.fullmatch(r"(cpu|cuda|mps|xpu)(:\d+)?", device):
         raise pytest.UsageError(f"--device {device!r} is not a device; valid: cpu, cuda, cuda:N, mps, xpu")
@@ -144,6 +146,40 @@ def pytest_collection_modifyitems(config, items):
     if problems:
         raise pytest.UsageError("tests not in exactly one tier (unit, integration, slow; tests/conftest.py):\n  "
                                 + "\n  ".join(problems[:20]) + (f"\n  ... {len(problems) - 20} more" if len(problems) > 20 else ""))
+
+
+# make test (pytest-xdist, --dist loadfile --no-loadscope-reorder) hands each worker whole files in collection
+# order. A worker holds one file and the next, so a file of minutes that comes last keeps one worker busy after the
+# other has finished: xdist's own order, most tests first, put the five real-SLURM tests (minutes of waiting) last.
+# The workers therefore collect the files heaviest first, by a rough cost per test of each tier (seconds, one CPU),
+# and keep each file's own order. A serial run keeps the order of the files on disk.
+TIER_COST_S = {"unit": 0.02, "integration": 0.3, "slow": 10.0, "slurm": 60.0}
+
+
+def cost_s(item) -> float:
+    """The rough seconds a test takes, by its tier (a real-SLURM test: its own, the longest)."""
+    if item.get_closest_marker("slurm"):
+        return TIER_COST_S["slurm"]
+    return next((TIER_COST_S[mark.name] for mark in item.own_markers if mark.name in TIERS), TIER_COST_S["unit"])
+
+
+def heaviest_files_first(items: list) -> None:
+    """Sorts `items` (in place) by their file's summed `cost_s`, most first; within a file, its own order."""
+    def file(item) -> str:
+        return item.nodeid.split("::")[0]
+
+    cost: dict[str, float] = {}
+    for item in items:
+        cost[file(item)] = cost.get(file(item), 0.0) + cost_s(item)
+    items.sort(key=lambda item: -cost[file(item)])
+
+
+class XdistOrder:
+    """In an xdist worker: the selected tests (after -m and -k), heaviest files first (`heaviest_files_first`)."""
+
+    @pytest.hookimpl(trylast=True)  # after -m / -k deselect, so the cost counts only the tests that run
+    def pytest_collection_modifyitems(self, items):
+        heaviest_files_first(items)
 
 
 @pytest.fixture(scope="session")

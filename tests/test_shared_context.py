@@ -17,7 +17,7 @@ from keydiff.run.plan import RunPlan
 from keydiff.run.samples import RunContext, run_sample
 from keydiff.run.shared import answer
 from keydiff.tasks.base import GenerationSettings, Prompt, Sample, SharedContext, Task
-from tests.conftest import char_tokenizer
+from tests.conftest import CORE_POLICIES, char_tokenizer, extended_unless
 
 pytestmark = pytest.mark.integration
 
@@ -97,7 +97,8 @@ def snapshot(state) -> tuple:
     return state.cache.get_seq_length(), [(p.clone(), v.clone()) for p, v in layers]
 
 
-@pytest.mark.parametrize("name", ["keydiff", "snapkv", "tova", "h2o", "knorm", "adakv_snapkv"])
+@pytest.mark.parametrize("name", extended_unless(["keydiff", "snapkv", "tova", "h2o", "knorm", "adakv_snapkv"],
+                                                 lambda name: name in CORE_POLICIES))
 @pytest.mark.parametrize("evict", [True, False])
 def test_multi_request_feeds_every_question_the_freshly_compressed_context(model, name, evict):
     """Before each question is fed, its state holds exactly what a fresh compression of the context holds (tokens

@@ -158,6 +158,7 @@ def test_summary_csv_holds_the_numbers(produced):
     assert df[df.policy == "snapkv"].iloc[0]["subset/flex"] == 0.5
 
 
+@pytest.mark.extended  # seconds: `produced` writes every table of a results tree; make test runs it
 def test_longbench_tables_bold_the_best_eviction_method(produced):
     out, _, written = produced
     md = out / "tables" / "table11.md"
@@ -187,6 +188,7 @@ def test_longbench_tables_bold_the_best_eviction_method(produced):
     assert value(md_cell(ablation, ("Pairwise",), "2K")) == "**21.00"
 
 
+@pytest.mark.extended  # seconds: `produced` writes every table of a results tree; make test runs it
 def test_other_tables(produced):
     out, _, written = produced
     tables = out / "tables"
@@ -237,6 +239,7 @@ def test_figures_are_byte_reproducible(produced, fake_runs):
 
 
 # ----------------------------------------------------------------------------- ours vs paper, generic tables
+@pytest.mark.extended  # seconds: `produced` writes every table of a results tree; make test runs it
 def test_same_model_cells_show_ours_paper_and_difference(produced):
     out, _, _ = produced
     md = out / "tables" / "table17_vs_paper.md"
@@ -321,6 +324,7 @@ def test_adhoc_subset_sweep_gets_a_generic_table_and_figure(adhoc):
     assert "no data yet (run: python run.py experiment=fig6_niah)" in readme
 
 
+@pytest.mark.extended  # seconds: its fixture writes a second results tree's tables and figures; make test runs it
 def test_failed_samples_and_other_models_are_marked(adhoc):
     out, _, _ = adhoc
     df = pd.read_csv(out / "summary.csv")
@@ -670,12 +674,14 @@ def test_bold_marks_only_a_best_above_the_rest(values, bold):
     assert best_mask(table, None, ["x"])["x"].tolist() == bold + [False]  # the full cache is a reference
 
 
+@pytest.mark.extended  # seconds: `produced` writes every table of a results tree; make test runs it
 def test_longbench_passage_count_score_is_no_count(produced):
     out, _, _ = produced
     md = out / "tables" / "generic" / "table11__longbench_full.md"  # lb/passage_count: a score, 10.5 + 16
     assert md_cell(md, (LLAMA3B, "128", "keydiff", "2k"), "passage_count", table=1) == "26.500"
 
 
+@pytest.mark.extended  # seconds: `produced` writes every table of a results tree; make test runs it
 def test_standard_errors_are_collected_per_score(produced):
     out, _, _ = produced
     df = pd.read_csv(out / "summary.csv", dtype={"block_size": str})

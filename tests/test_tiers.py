@@ -34,9 +34,10 @@ def collect(tmp_path: Path, *args: str, cwd: Path = ROOT) -> tuple[subprocess.Co
     listing = tmp_path / "listing.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}  # not this run's xdist worker
     env.update(PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT)]), TIER_LISTING=str(listing))
+    # --assert=plain: a collection runs no assert, and rewriting every test module's asserts was a third of its time
     result = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "tier_listing",
-                             "-p", "no:cacheprovider", *args], cwd=cwd, env=env, capture_output=True, text=True,
-                            timeout=600)
+                             "-p", "no:cacheprovider", "--assert=plain", *args], cwd=cwd, env=env,
+                            capture_output=True, text=True, timeout=600)
     return result, (json.loads(listing.read_text()) if listing.exists() else {})
 
 
@@ -89,4 +90,28 @@ def test_the_make_targets_select_by_tier_markers():
     quick = re.search(r"^test-quick:.*\n\t(.*)$", makefile, re.M).group(1)
     assert '-m "(unit or integration) and not extended"' in quick and "tests/" not in quick, quick
     full = re.search(r"^test:.*\n\t(.*)$", makefile, re.M).group(1)
-    assert "-n $(JOBS) --dist loadfile" in full and "--durations=25" in full and " -m \"" not in full, full  # every tier
+    assert "-n $(JOBS) --dist loadfile --no-loadscope-reorder" in full and "--durations=25" in full, full
+    assert " -m \"" not in full, full  # every tier
+
+
+def test_xdist_workers_take_the_heaviest_files_first_each_in_its_own_order():
+    """make test's workers run whole files in collection order (--no-loadscope-reorder); tests/conftest.py puts the
+    files with the most seconds by tier first, so the minutes of the real-SLURM file do not come last."""
+    from tests.conftest import heaviest_files_first
+
+    class Item:
+        def __init__(self, nodeid: str, *marks: str):
+            self.nodeid, self.own_markers = nodeid, [getattr(pytest.mark, mark).mark for mark in marks]
+
+        def get_closest_marker(self, name):
+            return next((mark for mark in self.own_markers if mark.name == name), None)
+
+    items = [Item("tests/test_a.py::one", "unit"), Item("tests/test_b.py::one", "slow"),
+             Item("tests/test_a.py::two", "integration"), Item("tests/test_c.py::one", "slow", "slurm"),
+             Item("tests/test_b.py::two", "unit"), Item("tests/test_d.py::one", "integration")]
+    heaviest_files_first(items)
+    assert [item.nodeid for item in items] == [
+        "tests/test_c.py::one",  # a real-SLURM test: the longest
+        "tests/test_b.py::one", "tests/test_b.py::two",  # a slow test and a unit test, in the file's order
+        "tests/test_a.py::one", "tests/test_a.py::two",  # integration + unit
+        "tests/test_d.py::one"]  # integration alone
