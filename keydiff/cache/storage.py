@@ -32,7 +32,7 @@ class Count:
     def __get__(self, storage: "Storage | None", owner: type | None = None):
         if storage is None:
             return self
-        value = int(storage._counts[self.column])
+        value = storage._counts.item(self.column)  # a Python int, no tensor or numpy scalar made
         return None if self.optional and value == NONE else value
 
     def __set__(self, storage: "Storage", value: int | None) -> None:
@@ -94,8 +94,8 @@ class Storage:
     @property
     def scratch_mark(self) -> tuple[int, int, int] | None:
         """While a scratch pass runs (see begin_scratch): (entries, seen, peak) to restore when it ends."""
-        mark = self._counts[MARK_ENTRIES : MARK_PEAK + 1]
-        return None if mark[0] == NONE else (int(mark[0]), int(mark[1]), int(mark[2]))
+        mark = self._counts[MARK_ENTRIES : MARK_PEAK + 1].tolist()
+        return None if mark[0] == NONE else tuple(mark)
 
     @scratch_mark.setter
     def scratch_mark(self, value: tuple[int, int, int] | None) -> None:
