@@ -163,11 +163,11 @@ def test_out_of_memory_with_forks_in_flight_prefills_them_again(tmp_path, tiny, 
 
 @contextlib.contextmanager
 def blocks_alive_at_the_back_off() -> Iterator[list[list[int]]]:
-    """The slots of every block alive when the back-off has built the smaller width (its warning, logged then): by
-    then nothing of the failed width may hold a block, or it stays allocated beside the new width's."""
+    """The slots of every shared arena alive when the back-off has built the smaller width (its warning, logged
+    then): by then nothing of the failed width may hold one, or it stays allocated beside the new width's."""
     import gc
 
-    from keydiff.batching.blocks import RowBlock
+    from keydiff.cache.arena import Arena
 
     alive: list[list[int]] = []
 
@@ -175,7 +175,7 @@ def blocks_alive_at_the_back_off() -> Iterator[list[list[int]]]:
         def emit(self, record: logging.LogRecord) -> None:
             if record.getMessage().startswith("out of memory at width"):
                 gc.collect()
-                alive.append([block.slots for block in gc.get_objects() if type(block) is RowBlock])
+                alive.append([a.slots for a in gc.get_objects() if type(a) is Arena and a.shared])
 
     logger, probe = logging.getLogger(scheduler.__name__), Probe(logging.WARNING)
     logger.addHandler(probe)
@@ -186,18 +186,18 @@ def blocks_alive_at_the_back_off() -> Iterator[list[list[int]]]:
 
 
 def test_the_retry_after_out_of_memory_starts_with_no_block_of_the_failed_batch_alive(tmp_path, tiny, inject_oom):
-    """A pooled sample's cache is a view of its batch's whole block (blocks.JoinPool): when the back-off builds
-    the smaller width, nothing may hold the failed width's block (no state of an abandoned job, no step, no
+    """A pooled sample's cache is a view of its batch's whole arena (blocks.JoinPool): when the back-off builds
+    the smaller width, nothing may hold the failed width's arena (no state of an abandoned job, no step, no
     traceback), or it stays allocated beside the new one, which is the memory the back-off is meant to free."""
     def pooled(active) -> bool:
-        return len([s for s in active if s.cache.stack is not None and s.cache.stack.placement is not None]) >= 2
+        return len([s for s in active if s.cache.stack is not None and s.cache.stack.handle.shared]) >= 2
 
     step = inject_oom(pooled, after=True)
     with blocks_alive_at_the_back_off() as alive:
         summary, _ = run_at(lengths_cfg(tmp_path, "oompin", "batch_size=4"))
     steps = summary["invocations"][-1]["decode_steps"]
     assert summary["complete"] and step.raised and steps["arenas"][0] == 4 and steps["slot_copies_in"] >= 2
-    assert alive == [[]], alive  # the failed batch did pool its samples (above); nothing holds its block
+    assert alive == [[]], alive  # the failed batch did pool its samples (above); nothing holds its arena
 
 
 def test_the_retry_after_out_of_memory_holds_no_fork_not_yet_taken(tmp_path, tiny, inject_oom):

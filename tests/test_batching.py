@@ -234,21 +234,21 @@ def sampled(seed: int, new_tokens: int = 12) -> dict:
 @pytest.mark.extended
 @pytest.mark.parametrize("name", ["keydiff", "knorm", "sink"])
 def test_forks_lie_side_by_side_and_decode_as_one_group_like_separate_runs(model, name):
-    """Forks of one prefill share one block, each its own slot (same bytes as a copy each); decoded together they
+    """Forks of one prefill share one arena, each its own slot (same bytes as a copy each); decoded together they
     attend and evict as one group and give the tokens and kept positions of per-row decoding and of each decoded
     alone (rows diverge: each samples with its own seed)."""
     from keydiff.batching.blocks import poolable
 
     state = prefill(model, prompts()[2], build_policy(name), BUDGET, BLOCK)
-    assert poolable(state.cache) and state.cache.stack.placement is None
+    assert poolable(state.cache) and not state.cache.stack.handle.shared
     expected = []
     for seed, fork in enumerate(state.fork(4)):
         expected.append((generate(model, fork, **sampled(seed)).token_ids[0], kept(fork.cache)))
     for group_rows in (True, False):
         forks = state.fork(4)
-        placements = [fork.cache.stack.placement for fork in forks]
-        assert all(p.block is placements[0].block and p.resident for p in placements)
-        assert [p.slot for p in placements] == [0, 1, 2, 3]
+        handles = [fork.cache.stack.handle for fork in forks]
+        assert all(h.arena is handles[0].arena and h.shared for h in handles)
+        assert [h.slot for h in handles] == [0, 1, 2, 3]
         assert all(f.cache.kv_cache_bytes == state.cache.kv_cache_bytes for f in forks)
         requests = [keydiff.Request(fork, key=seed, **sampled(seed)) for seed, fork in enumerate(forks)]
         got, decoder = decoded(model, requests, 4, group_rows=group_rows, fixed_shapes=False)
@@ -337,18 +337,18 @@ def test_a_group_scores_each_row_over_its_own_entries_only(model):
 
 @pytest.mark.extended
 def test_a_fork_that_grows_out_of_its_slot_still_counts_the_slot(model):
-    """A placed fork that outgrows its slot (decoding without eviction) gets buffers of its own, but the block keeps
-    its slot allocated until every fork is gone: the forks' kv_cache_bytes must add up to the block plus the new
-    buffers, never less (the review's reproducer: 4 forks, fork 0 decoded 30 tokens with evict=False)."""
+    """A placed fork that outgrows its slot (decoding without eviction) gets an arena of its own, but the shared
+    arena keeps its slot allocated until every fork is gone: the forks' kv_cache_bytes must add up to the shared
+    arena plus the new buffers, never less (the review's reproducer: 4 forks, fork 0 decoded 30 tokens with evict=False)."""
     ids = torch.randint(0, 256, (1, 90), generator=torch.Generator().manual_seed(7))
     forks = prefill(model, ids, "keydiff", 40, 16).fork(4)
-    block = forks[0].cache.stack.placement.block
+    arena = forks[0].cache.stack.handle.arena
     requests = [keydiff.Request(state, key=i, max_new_tokens=30 if i == 0 else 5, evict=i != 0)
                 for i, state in enumerate(forks)]
     results = dict(keydiff.generate_batch(model, requests, 4))
     grown = forks[0].cache.stack
-    assert not block.holds(grown, 0)  # it did grow out of its slot
-    held = block.keys.nbytes + block.values.nbytes + grown.keys.nbytes + grown.values.nbytes
+    assert not arena.holds(0, grown) and arena.occupant[0] is grown  # it did grow out of its slot, still kept
+    held = arena.keys.nbytes + arena.values.nbytes + grown.keys.nbytes + grown.values.nbytes
     assert sum(result.kv_cache_bytes for result in results.values()) == held
 
 
@@ -369,7 +369,7 @@ def test_between_results_the_model_runs_as_it_was(model):
 
 @pytest.mark.extended
 def test_pooled_rows_prefilled_on_their_own_group_and_decode_as_alone(model):
-    """pool_rows=True moves each joining sequence prefilled on its own into a slot of one block (blocks.JoinPool):
+    """pool_rows=True moves each joining sequence prefilled on its own into a slot of one arena (blocks.JoinPool):
     rows holding N entries then attend and evict as one group. Five prompts (one shorter than N, one under h2o,
     which never pools) through two and then three slots, so slots are reused: every sequence gives the tokens
     and kept positions it gets alone, also read after the loop (a stopped sequence's entries are copied out
@@ -398,24 +398,24 @@ def test_pooled_rows_prefilled_on_their_own_group_and_decode_as_alone(model):
 
 def test_join_pool_takes_its_slot_shape_from_a_prompt_of_n_plus_b(model):
     """A prompt shorter than N + B has a smaller capacity: it neither shapes the pool's slots (later prompts of the
-    usual N + B could then never join) nor joins. The block is allocated only when a second sequence like the
+    usual N + B could then never join) nor joins. The arena is allocated only when a second sequence like the
     first joins while the first decodes (a lone one allocates nothing); both move in. Forks never move."""
     from keydiff.batching.blocks import JoinPool
 
     short, long, other, third = (prefill(model, ids, "keydiff", BUDGET, BLOCK) for ids in prompts((23, 90, 130, 61)))
     pool = JoinPool(3)
-    assert not pool.place(short.cache) and pool.block is None
-    assert not pool.place(long.cache) and pool.block is None  # the first like it: waits for a second
-    assert pool.place(other.cache) and pool.block is not None
-    assert [(s.cache.stack.placement.block, s.cache.stack.placement.slot) for s in (long, other)] == [
-        (pool.block, 0), (pool.block, 1)]
-    assert pool.place(third.cache) and third.cache.stack.placement.slot == 2
+    assert not pool.place(short.cache) and pool.arena is None
+    assert not pool.place(long.cache) and pool.arena is None  # the first like it: waits for a second
+    assert pool.place(other.cache) and pool.arena is not None
+    assert [(s.cache.stack.handle.arena, s.cache.stack.handle.slot) for s in (long, other)] == [
+        (pool.arena, 0), (pool.arena, 1)]
+    assert pool.place(third.cache) and third.cache.stack.handle.slot == 2
     fork = long.fork(2)[0]
-    assert not pool.place(fork.cache) and fork.cache.stack.placement.block is not pool.block
+    assert not pool.place(fork.cache) and fork.cache.stack.handle.arena is not pool.arena
     lone, alone = JoinPool(3), prefill(model, prompts((90,))[0], "keydiff", BUDGET, BLOCK)
     assert not lone.place(alone.cache)
     lone.leave(alone.cache)  # it stopped before any other joined: a later one waits for a second in turn
-    assert not lone.place(fork_free(long)) and lone.block is None
+    assert not lone.place(fork_free(long)) and lone.arena is None
 
 
 def fork_free(state):
@@ -425,7 +425,7 @@ def fork_free(state):
 
 @pytest.mark.extended
 def test_neighbours_with_other_policies_never_group(model):
-    """KeyDiff beside KeyDiff with a recent window (the same buffers and policy state, so they share the block):
+    """KeyDiff beside KeyDiff with a recent window (the same buffers and policy state, so they share the arena):
     rows of different policies lie side by side but never attend or evict as one; each gives what it gets alone.
     At batch 1 nothing is pooled (nothing could group)."""
     policies = [build_policy("keydiff"), build_policy("keydiff", window_fraction=0.25), build_policy("keydiff")]
@@ -436,10 +436,10 @@ def test_neighbours_with_other_policies_never_group(model):
     expected = [(generate(model, s, max_new_tokens=10).token_ids[0], kept(s.cache)) for s in states()]
     batch = states()
     got, decoder = decoded(model, [keydiff.Request(s, max_new_tokens=10, key=i) for i, s in enumerate(batch)], 3)
-    assert all(s.cache.stack.placement is not None and s.cache.stack.placement.slot == i for i, s in enumerate(batch))
+    assert all(s.cache.stack.handle.shared and s.cache.stack.handle.slot == i for i, s in enumerate(batch))
     assert not decoder.stats.group_sizes, decoder.stats.group_sizes
     for key, (tokens, positions) in enumerate(expected):
         assert got[key].token_ids[0] == tokens and same_kept(kept(batch[key].cache), positions), key
     alone = states()[0]
     dict(keydiff.generate_batch(model, [keydiff.Request(alone, max_new_tokens=3)], 1))
-    assert alone.cache.stack.placement is None
+    assert not alone.cache.stack.handle.shared

@@ -120,7 +120,7 @@ def test_a_run_decoder_prefills_every_prompt_with_one_block_step(model, monkeypa
         state = prefill(model, ids, "keydiff", BUDGET, BLOCK, decoder=decoder)
         assert torch.equal(state.logits, reference.logits)
         assert all(torch.equal(a, b) for a, b in zip(state.kept_positions, reference.kept_positions))
-        assert state.cache.stack.placement is None  # left the slot with its entries
+        assert not state.cache.stack.handle.shared  # left the slot with its entries
         assert generate(model, state, 6, decoder=decoder).token_ids == expected
     block_steps = [w for w, q in decoder.stats.built if q == BLOCK]
     # Each prompt's own stack gets a block step of its own; the kept slot, one for all five.
@@ -230,7 +230,7 @@ def test_a_follow_up_that_outgrows_its_arena_slot_decodes_in_fixed_shapes_again(
     decoder = Decoder(model, 1)
     got = conversation(decoder)
     assert got == expected
-    assert decoder.pool.block.occupants[0] is None  # the slot it grew out of is free again
+    assert decoder.pool.arena.occupant[0] is None  # the slot it grew out of is free again
     assert decoder.stats.runs[1, 1] >= 4 + 6  # turn 1: 4 fixed passes; turn 2: all but its first (which evicts to N)
 
 
@@ -270,7 +270,7 @@ def test_a_prefill_that_fails_in_the_slot_frees_it_without_copying(model, monkey
     finally:
         hook.remove()
     assert raised and decoder.stats.arenas == [1] and decoder.stats.slot_copies_out == 0  # nothing copied out
-    assert decoder.blocks.slot.block.occupants[0] is None  # the slot is free
+    assert decoder.blocks.slot.occupant[0] is None  # the slot is free
     reference = prefill(model, prompts()[2], "keydiff", BUDGET, BLOCK, fixed_shapes=False)
     state = prefill(model, prompts()[2], "keydiff", BUDGET, BLOCK, decoder=decoder)
     assert torch.equal(state.logits, reference.logits)

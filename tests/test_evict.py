@@ -45,9 +45,9 @@ def test_the_eviction_asks_a_policy_what_to_drop_in_two_places_only():
 
 
 def block(slots: int, layers: int, heads: int, capacity: int, dim: int) -> SimpleNamespace:
-    """A block's buffers [slots, layers, kv_heads, capacity(, dim)] with random entries and H2O state."""
+    """A shared arena's buffers [slots, layers, 1, kv_heads, capacity(, dim)] with random entries and H2O state."""
     generator = torch.Generator().manual_seed(0)
-    shape = (slots, layers, heads, capacity)
+    shape = (slots, layers, 1, heads, capacity)
     return SimpleNamespace(keys=torch.randn(*shape, dim, generator=generator),
                            values=torch.randn(*shape, dim, generator=generator),
                            positions=torch.randperm(slots * layers * heads * capacity, generator=generator).view(shape),
@@ -71,7 +71,7 @@ def test_idle_rows_keep_entries_and_state_active_rows_evict_as_unmasked(q, activ
     active_slots = torch.tensor(active_slots)
     active = active_slots.repeat_interleave(layers)  # slot-major rows
     for target, mask in ((masked, active), (plain, None)):
-        evict(Rows.of_block(target, tuple(range(layers))), budget + q, budget, H2O(), Signals(attention),
+        evict(Rows.of(vars(target), tuple(range(layers)), 0, slots), budget + q, budget, H2O(), Signals(attention),
               fresh=budget, active=mask)
     for name, out, alone, before in zip(("keys", "values", "positions", "state"), buffers(masked), buffers(plain),
                                         buffers(original)):

@@ -25,7 +25,6 @@ from keydiff import build_policy, generate, prefill
 from keydiff.attention import keydiff_attention
 from keydiff.batching import static
 from keydiff.batching.static import StaticStep, eligible
-from keydiff.cache.evict import Rows
 from tests.conftest import CORE_POLICIES, extended_unless
 
 pytestmark = pytest.mark.integration
@@ -210,29 +209,29 @@ def test_a_statistic_policy_runs_in_fixed_shapes_only_where_every_layer_writes_i
 
     state = prefill(model, prompts()[1], "tova", BUDGET, BLOCK)
     before = kept(state.cache)
-    step = StaticStep(model, Rows.of_storage(state.cache.stack), state.cache.policy, BUDGET)
+    step = StaticStep(model, state.cache.stack.handle.arena.rows(), state.cache.policy, BUDGET)
     with torch.inference_mode(), pytest.raises(RuntimeError, match="keydiff_attention"):
         step.run(torch.tensor([[5]]), torch.tensor([[130]]), torch.tensor([True]))
     write = StatisticBuffer.write
     monkeypatch.setattr(StatisticBuffer, "write", lambda self, layer, s: None if layer == 1 else write(self, layer, s))
-    step = StaticStep(model, Rows.of_storage(state.cache.stack), state.cache.policy, BUDGET)
+    step = StaticStep(model, state.cache.stack.handle.arena.rows(), state.cache.policy, BUDGET)
     with torch.inference_mode(), keydiff_attention(model, None), pytest.raises(RuntimeError, match=r"layers \[1\]"):
         step.run(torch.tensor([[5]]), torch.tensor([[130]]), torch.tensor([True]))
     assert kept(state.cache) == before
 
 
 def block_of(model, name: str, width: int):
-    """`width` forks of one prefill in one block, and their caches. The forks of a policy that scores from attention
-    are never placed (keydiff.batching.blocks.poolable): here they are moved into a block by hand, to check the
+    """`width` forks of one prefill in one shared arena, and their caches. The forks of a policy that scores from attention
+    are never placed (keydiff.batching.blocks.poolable): here they are moved into an arena by hand, to check the
     step itself on W rows, idle ones included."""
-    from keydiff.batching.blocks import RowBlock
+    from keydiff.cache.arena import Arena
 
     forks = prefill(model, prompts()[1], policy(name), BUDGET, BLOCK).fork(width)
     caches = [f.cache for f in forks]
-    if caches[0].stack.placement is None:
-        block = RowBlock.like(caches[0].stack, width)
-        assert all(block.take(slot, cache.stack) for slot, cache in enumerate(caches))
-    return caches[0].stack.placement.block, caches
+    if not caches[0].stack.handle.shared:
+        arena = Arena.like(caches[0].stack, width)
+        assert all(arena.take(slot, cache.stack) for slot, cache in enumerate(caches))
+    return caches[0].stack.handle.arena, caches
 
 
 @pytest.mark.extended
@@ -247,15 +246,15 @@ def test_junk_in_idle_rows_changes_no_active_row(model, name):
         for buffer in (block.keys, block.values):
             buffer[2:].fill_(junk)
         buffers = (block.keys, block.values, block.positions, *block.state.values())
-        idle_before = [buffer[2:, :, :, :BUDGET].clone() for buffer in buffers]
-        step = StaticStep(model, Rows.of_block(block, caches[0].stack.layers), caches[0].policy, BUDGET)
+        idle_before = [buffer[2:, :, :, :, :BUDGET].clone() for buffer in buffers]
+        step = StaticStep(model, block.rows(), caches[0].policy, BUDGET)
         with torch.inference_mode(), keydiff_attention(model, None):
             logits = step.run(torch.tensor([[5], [9], [0], [0]]), torch.full((4, 1), 130),
                               torch.tensor([True, True, False, False]))
         for before, buffer in zip(idle_before, buffers):
-            assert torch.equal(before.nan_to_num(), buffer[2:, :, :, :BUDGET].nan_to_num())
-            assert torch.equal(before.isnan(), buffer[2:, :, :, :BUDGET].isnan())
-        results.append((logits[:2].clone(), *(buffer[:2, :, :, :BUDGET].clone() for buffer in buffers)))
+            assert torch.equal(before.nan_to_num(), buffer[2:, :, :, :, :BUDGET].nan_to_num())
+            assert torch.equal(before.isnan(), buffer[2:, :, :, :, :BUDGET].isnan())
+        results.append((logits[:2].clone(), *(buffer[:2, :, :, :, :BUDGET].clone() for buffer in buffers)))
     for got in results[1:]:
         assert all(torch.equal(a, b) for a, b in zip(got, results[0]))
 
@@ -293,7 +292,7 @@ def test_the_step_compiles_as_one_graph_and_never_recompiles(model, name, q):
     assert eligible(caches, q)
 
     def rows(cs):
-        return Rows.of_storage(cs[0].stack) if q > 1 else Rows.of_block(cs[0].stack.placement.block, cs[0].stack.layers)
+        return cs[0].stack.handle.arena.rows()
 
     compiled = StaticStep(model, rows(caches), caches[0].policy, BUDGET, q)
     compiled.step = torch.compile(compiled.eager, fullgraph=True, dynamic=False, backend=backend)
@@ -325,7 +324,7 @@ def test_a_block_whose_going_rows_change_policy_gets_a_step_of_that_policy(model
     expected = [(generate(model, s, n).token_ids[0], kept(s.cache)) for s, n in zip(states(), lengths)]
     batch = states()
     got, decoder = decoded(model, [keydiff.Request(s, n, key=i) for i, (s, n) in enumerate(zip(batch, lengths))], 2)
-    assert [batch[i].cache.stack.placement.slot for i in (2, 3)] == [0, 1]  # the stopped ones' slots
+    assert [batch[i].cache.stack.handle.slot for i in (2, 3)] == [0, 1]  # the stopped ones' slots
     assert decoder.stats.runs[2, 1] >= 2 + 19  # plain rows, then the windowed rows, in fixed shapes
     assert decoder.stats.built == [(2, 1), (2, 1)]  # a step for the plain rows, then one of the windowed rows' policy
     for key, (tokens, positions) in enumerate(expected):
@@ -359,7 +358,7 @@ def test_an_idle_slot_holding_more_than_n_entries_is_left_as_it_is(model, full_w
         b = prefill(model, ids[1], "keydiff", BUDGET, BLOCK, held_suffix=5)  # holds N + 5 at its first token
         requests = [keydiff.Request(a, 12, key="a"), keydiff.Request(b, 1, key="b"), keydiff.Request(c, 12, key="c")]
         out = dict(keydiff.generate_batch(model, requests, 3, fixed_shapes=fixed))
-        assert b.cache.stack.placement.slot == 1 and b.cache.stack.num_entries == BUDGET + 5  # between a and c
+        assert b.cache.stack.handle.slot == 1 and b.cache.stack.num_entries == BUDGET + 5  # between a and c
         return entries(b.cache), {key: r.token_ids for key, r in out.items()}
 
     def held_forks_waiting(fixed: bool):
@@ -419,12 +418,12 @@ def test_a_sequence_that_moves_into_a_block_leaves_its_own_buffers_free(model):
         yield keydiff.Request(a, 8, key="a")
         # h2o never pools and stops at its first token: `a` then decodes alone, in fixed shapes over its own stack
         yield keydiff.Request(prefill(model, ids[1], "h2o", BUDGET, BLOCK), 1, key="h2o")
-        left.append(weakref.ref(a.cache.stack.keys))  # what `a` decoded in alone, before `c` joins
+        left.append(weakref.ref(a.cache.stack.handle.arena.keys))  # what `a` decoded in alone, before `c` joins
         yield keydiff.Request(prefill(model, ids[2], "keydiff", BUDGET, BLOCK), 8, key="c")
 
     for key, _ in keydiff.generate_batch(model, requests(), 2):
         if key != "h2o":  # `a` and `c` share the pool's block by now
-            assert a.cache.stack.placement is not None
+            assert a.cache.stack.handle.shared
             gc.collect()
             assert left[0]() is None, key
 

@@ -91,8 +91,8 @@ def test_the_decoding_core_imports_nothing_above_it():
 
 
 def test_ownership_is_never_decided_by_comparing_data_pointers():
-    """The block manager records where a sequence's entries live (Placement); the one data_ptr left counts the bytes
-    of each allocation once in kv_cache_bytes (layers of one stack share an allocation), and decides nothing."""
+    """A sequence's handle names the arena slot its entries live in; the one data_ptr left counts the bytes of each
+    allocation once for kv_cache_bytes (layers of one stack share an allocation), and decides nothing."""
     uses = []
 
     def visit(node: ast.AST, path: str, where: str) -> None:  # where: the innermost function, or the module's body
@@ -107,4 +107,4 @@ def test_ownership_is_never_decided_by_comparing_data_pointers():
 
     for path in PACKAGE.rglob("*.py"):
         visit(ast.parse(path.read_text(encoding="utf-8")), str(path.relative_to(ROOT)), "<module>")
-    assert sorted(set(uses)) == [("keydiff/cache/cache.py", "kv_cache_bytes")]
+    assert sorted(set(uses)) == [("keydiff/cache/arena.py", "allocation_bytes")]

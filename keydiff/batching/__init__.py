@@ -6,7 +6,7 @@ scores, so attention and eviction run per sequence, and rows alike run as one gr
     scheduler.py  continuous batching: up to W sequences at once; a run's Decoder keeps its arena and steps
     step.py       the decoding step every path runs (keydiff.generate and keydiff.generate_batch alike)
     rows.py       the cache a batched forward pass runs with: each sequence's rows to its own cache
-    blocks.py     the block manager: where the stacks of sequences that decode as one group live
+    blocks.py     shared arenas: forks and joining sequences side by side, and the groups of rows that run as one
     static.py     the step in fixed shapes once every going cache is full (a CUDA graph on a GPU)
     graphs.py     the CUDA calls a capture makes, bound to the model's device, and their CPU stand-in
 

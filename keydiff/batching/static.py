@@ -51,7 +51,7 @@ def eligible(caches: list[EvictingCache], q: int = 1) -> bool:
 
 def statistic_buffer(rows: Rows, policy: Policy, keys: int) -> StatisticBuffer:
     """A float32 buffer for every layer's statistic over `keys` entries, laid out so it flattens to the R rows."""
-    kv_heads, planes = rows.base["keys"].shape[2], len(rows.planes)
+    kv_heads, planes = rows.base["keys"].shape[3], len(rows.planes)
     shape = (rows.width, planes) if rows.slot_major else (planes, rows.width)
     buffer = torch.zeros(*shape, kv_heads, keys, dtype=torch.float32, device=rows.sequence_of.device)
     return StatisticBuffer(buffer, rows.planes, rows.slot_major, policy.needs.attention_rows, policy.needs.attention_reduction)
@@ -110,7 +110,7 @@ class StepStats:
     pool_bytes: int = 0
     built: list[tuple[int, int]] = field(default_factory=list)  # (W, q) of every fixed-shape step built, in order
     runs: Counter = field(default_factory=Counter)  # (W, q) -> fixed-shape step runs
-    arenas: list[int] = field(default_factory=list)  # slots of every arena block made (join pool, prefill slot)
+    arenas: list[int] = field(default_factory=list)  # slots of every shared arena made (join pool, prefill slot)
     slot_copies_in: int = 0  # stacks copied into an arena slot
     slot_copies_out: int = 0  # stacks copied out of one (a stopped sequence's entries, a prefill leaving its slot)
     steps: int = 0  # decoding steps (forward passes of the going sequences)
@@ -156,7 +156,7 @@ class StepStats:
                 "pool_bytes": self.pool_bytes}
 
     def steps_record(self) -> dict[str, Any]:
-        """The fixed-shape steps built and run, the arena blocks made and the copies into and out of their slots."""
+        """The fixed-shape steps built and run, the shared arenas made and the copies into and out of their slots."""
         return {"built": [list(key) for key in self.built], "runs": [[*key, n] for key, n in sorted(self.runs.items())],
                 "arenas": list(self.arenas), "slot_copies_in": self.slot_copies_in,
                 "slot_copies_out": self.slot_copies_out, "steps": self.steps}

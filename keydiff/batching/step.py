@@ -12,12 +12,11 @@ import weakref
 import torch
 
 from keydiff.attention import base_implementation
-from keydiff.batching.blocks import PrefillSlot
 from keydiff.batching.graphs import calls_for
 from keydiff.batching.rows import BatchCache
 from keydiff.batching.sequence import Sequence
 from keydiff.batching.static import StaticStep, StepStats, eligible
-from keydiff.cache.evict import Rows
+from keydiff.cache.arena import Arena, layout
 from keydiff.device import sync
 from keydiff.kernels import batch_invariant
 
@@ -60,7 +59,7 @@ class Stepper:
         self.batch = BatchCache(model.config.get_text_config().num_hidden_layers, group_rows)
         self.group_rows = group_rows
         self.fixed_shapes = fixed_shapes_default(self.device) if fixed_shapes is None else bool(fixed_shapes)
-        # block or stack -> (what its step was built on: key buffer, first and stop row; the StaticStep)
+        # arena -> (the slots its step was built on, first and stop; the StaticStep)
         self.steps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         # where graphs are captured (CUDA, or a CPU under keydiff.batching.graphs.stand_in_graphs), the CUDA layout
         self.full_width = FULL_WIDTH.get(self.device.type, False) or calls_for(self.device) is not None
@@ -108,34 +107,25 @@ class Stepper:
         caches = [sequence.cache for sequence in going]
         if not eligible(caches) or (not self.group_rows and len(caches) > 1):  # group_rows=False: each on its own
             return None
-        for cache in caches:  # a sequence that moved into a block: its own stack's step holds buffers it left
-            if cache.stack.placement is not None and cache.stack.placement.resident:
-                self.steps.pop(cache.stack, None)
-        placements = [cache.stack.placement for cache in caches]
-        if all(p is not None and p.resident for p in placements) and len({id(p.block) for p in placements}) == 1:
-            block, slots = placements[0].block, [p.slot for p in placements]
-            # A CUDA graph is replayed for every slot of the block (one shape for the run); elsewhere only the
+        handles = [cache.stack.handle for cache in caches]
+        arena = handles[0].arena
+        if all(handle.arena is arena for handle in handles) and (arena.shared or len(caches) == 1):
+            slots = [handle.slot for handle in handles]
+            # A CUDA graph is replayed for every slot of a shared arena (one shape for the run); elsewhere only the
             # consecutive slots the going sequences span run (idle rows would be work for nothing).
-            first, stop = (0, block.keys.shape[0]) if self.full_width else (min(slots), max(slots) + 1)
-            owner, starts = block, [slot - first for slot in slots]
-            make = lambda: Rows.of_block(block, caches[0].stack.layers, first, stop)  # noqa: E731
-            source = (block.keys, first, stop)
-        elif len(caches) == 1 and (placements[0] is None or not placements[0].resident):  # in its own buffers
-            owner, starts = caches[0].stack, [0]
-            make = lambda: Rows.of_storage(owner)  # noqa: E731
-            source = (owner.keys, 0, owner.keys.shape[1])
+            first, stop = (0, arena.slots) if self.full_width else (min(slots), max(slots) + 1)
+            starts = [slot - first for slot in slots]
         else:
             return None
-        built, step = self.steps.get(owner, (None, None))
+        built, step = self.steps.get(arena, (None, None))
         policy, budget = caches[0].policy, caches[0].stack.budget
         # Built for these buffers and rows, this policy and N: a stack may have moved to other buffers, the going
         # sequences may span other slots, and a block's rows of another policy (a neighbour that joined its
         # slots) may be the ones going now.
-        if (step is None or built[0] is not source[0] or built[1:] != source[1:] or step.policy != policy
-                or step.budget != budget):
-            step = StaticStep(self.model, make(), policy, budget, stats=self.stats)
+        if step is None or built != (first, stop) or step.policy != policy or step.budget != budget:
+            step = StaticStep(self.model, arena.rows(first, stop), policy, budget, stats=self.stats)
             self.stats.built.append((step.rows.width, step.q))
-            self.steps[owner] = (source, step)
+            self.steps[arena] = ((first, stop), step)
         return step, starts
 
     def forward_fixed(self, going: list[Sequence], step: StaticStep, starts: list[int]) -> None:
@@ -166,7 +156,7 @@ FULL_WIDTH = {"cuda": True, "cpu": False}
 class BlockStepper:
     """A prefill's blocks in fixed shapes once its cache holds N entries (replayed as a CUDA graph on a GPU).
     keydiff.engine.prefill asks `run` per block and runs the ordinary pass where it answers None, then `finish`.
-    arena: run in a slot kept across prompts (keydiff.batching.blocks.PrefillSlot)."""
+    arena: run in a one-slot shared arena kept across prompts (`slot`)."""
 
     def __init__(self, model: torch.nn.Module, fixed_shapes: bool | None = None, arena: bool = False,
                  stats: StepStats | None = None):
@@ -174,7 +164,8 @@ class BlockStepper:
         self.stats = stats if stats is not None else StepStats()  # what its steps did (captures included)
         device = next(model.parameters()).device
         self.enabled = fixed_shapes_default(device) if fixed_shapes is None else bool(fixed_shapes)
-        self.slot = PrefillSlot(self.stats) if arena else None
+        self.keep_slot = arena
+        self.slot: Arena | None = None
         # The step over the slot (kept across prompts: one graph per run) and, for a prompt in its own buffers
         # (no slot, or one shaped unlike the slot's), the step over those (dropped when its prefill ends).
         self.kept: tuple[tuple, StaticStep] | None = None
@@ -186,17 +177,13 @@ class BlockStepper:
         if not self.enabled or q != block or not eligible([cache], q):
             return None
         stack = cache.stack
-        in_slot = self.slot is not None and self.slot.enter(stack)
-        if in_slot:
-            block = self.slot.block
-            source, make = block.keys, lambda: Rows.of_block(block, stack.layers)  # noqa: E731
-        else:
-            source, make = stack.keys, lambda: Rows.of_storage(stack)  # noqa: E731
+        in_slot = self.keep_slot and self.enter(stack)
+        source = self.slot if in_slot else stack.handle.arena
         built = (source, q, cache.policy, stack.budget)
         held = self.kept if in_slot else self.own
         # Built for these buffers (a stack can move), this block length, policy and N.
         if held is None or held[0][0] is not source or held[0][1:] != built[1:]:
-            held = (built, StaticStep(self.model, make(), cache.policy, stack.budget, q, stats=self.stats))
+            held = (built, StaticStep(self.model, source.rows(), cache.policy, stack.budget, q, stats=self.stats))
             self.stats.built.append((held[1].rows.width, q))
             if in_slot:
                 self.kept = held
@@ -209,6 +196,17 @@ class BlockStepper:
         cache.note_fixed_step(q)
         return logits
 
+    def enter(self, stack) -> bool:
+        """Move `stack` into the kept slot (it may be there already); False, nothing moved, if shaped otherwise."""
+        if self.slot is not None and self.slot.holds(0, stack):
+            return True
+        if self.slot is None:
+            self.slot = Arena.like(stack, 1, self.stats)
+        elif self.slot.layout != layout(stack):
+            return False
+        self.slot.vacate(0)  # a prefill that ended without leaving gets its entries back first
+        return self.slot.take(0, stack)
+
     @property
     def step(self) -> StaticStep | None:
         """The step over the kept slot (what a GPU replays for every prompt of the run), else the last prompt's own."""
@@ -218,8 +216,8 @@ class BlockStepper:
     def finish(self, cache, failed: bool = False) -> None:
         """The prefill of `cache` ended: leave the arena's slot (with its entries unless failed) or drop the step on its buffers."""
         self.own = None
-        if self.slot is not None and cache.stack is not None:
-            self.slot.leave(cache.stack, keep_entries=not failed)
+        if self.slot is not None and cache.stack is not None and self.slot.occupant[0] is cache.stack:
+            self.slot.vacate(0, keep=not failed)
 
 
 def decode_step(stepper: Stepper, active: list[Sequence]) -> tuple[list[Sequence], list[Sequence]]:

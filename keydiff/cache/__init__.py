@@ -3,7 +3,8 @@
     cache.py      EvictingCache: the transformers Cache over the planned layers; evicts, tells attention what to record
     plan.py       plan_memory: each layer's budget, capacity and kind, and which layers share a storage (pure)
     layer.py      EvictingLayer: one layer as transformers sees it, a view of its plane in a Storage
-    storage.py    Storage: the tensors and the entry count of one layer, or of every layer stacked
+    arena.py      Arena: the one owner of dense KV memory, every buffer and count of one or several sequences' stacks
+    storage.py    Storage: one sequence's stack of layers, written and evicted in its slot of an arena
     evict.py      the eviction: of dense rows (a storage's, a block group's, the fixed-shape step's) and of pools
     adaptive.py   head-adaptive budgets (AdaKV): a pool of per-head segments
     sliding.py    sliding-window layers of hybrid models: bounded by their window, never evicted

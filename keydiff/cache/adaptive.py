@@ -71,7 +71,6 @@ class AdaptiveStorage:
         self.layers = (layer,)
         self.stack = stack  # the shared allocation this layer's pool is a plane of, if any (see `in_stack`)
         self.in_stack = False
-        self.placement = None  # never in a block of other sequences' stacks (keydiff.batching.blocks.poolable)
         self.budget, self.capacity = budget, capacity
         self.state_names, self.entry_state = state_names, entry_state
         self.needs_output_projection = needs_output_projection  # entry_state reads it (CriticalKV)

@@ -21,6 +21,7 @@ from transformers.cache_utils import Cache
 
 from keydiff.attention import LayerBinding, StatisticSink, bound_cache
 from keydiff.cache.adaptive import AdaptiveLayer, AdaptiveStorage
+from keydiff.cache.arena import allocation_bytes
 from keydiff.cache.evict import evict_segments
 from keydiff.cache.layer import EvictingLayer
 from keydiff.cache.plan import distinct_storages, plan_memory
@@ -358,21 +359,15 @@ class EvictingCache(Cache):
 
     @property
     def kv_cache_bytes(self) -> int:
-        """Bytes the key and value buffers hold (allocated capacity, every layer; see docs/design/cache.md#memory)."""
+        """Bytes the key and value buffers hold (allocated capacity, every layer; see docs/design/cache.md#memory):
+        each stack's from its arena (a shared arena's slot: that slot only), the other layers' allocations."""
         sizes = {}
-        for storage in self._storages:  # a stack placed in a block shared with other sequences: its own slot only
-            placement = storage.placement
-            if placement is not None and storage.keys is not None:
-                sizes[("slot", id(storage))] = storage.keys.nbytes + storage.values.nbytes  # its slot, or its own buffers
-                if not placement.resident:  # grown out of its slot, which the block keeps allocated for it
-                    sizes[("left", id(placement))] = placement.slot_bytes()
+        for storage in self._storages:
+            if isinstance(storage, Storage):
+                sizes.update(storage.handle.arena.bytes_of(storage.handle.slot))
         for layer in self.layers:
-            if isinstance(layer, EvictingLayer) and layer.storage.placement is not None:
-                continue
-            for buffer in (layer.keys, layer.values):
-                if buffer is not None:
-                    allocation = buffer.untyped_storage()
-                    sizes[allocation.data_ptr()] = allocation.nbytes()
+            if not isinstance(layer, EvictingLayer) or isinstance(layer, AdaptiveLayer):
+                sizes.update(allocation_bytes(layer.keys, layer.values))
         return sum(sizes.values())
 
     @property

@@ -25,63 +25,56 @@ from keydiff.queries import QueryStatistics, rotate
 
 @dataclass(frozen=True)
 class Rows:
-    """R rows cut from base tensors (views made when used, so torch.compile sees each buffer once). base: keys,
-    values, positions, state as [outer, inner, kv_heads, capacity(, dim)]; slot_major: outer is a block's slots
-    and inner its planes, else outer is a stack's planes and inner its batch rows; first, stop: the W rows of the
-    sequence dimension; planes: each plane's layer; sequence_of: [R] each row's sequence (0..W-1)."""
+    """R rows cut from an arena's base tensors (keydiff.cache.arena; views made when used, so torch.compile sees each
+    buffer once). base: keys, values, positions, state as [slots, planes, batch, kv_heads, capacity(, dim)]; first,
+    stop: the slots; rows are slot-major, then plane, then batch; planes: each plane's layer; sequence_of: [R] each
+    row's sequence (0..W-1, W = slots x batch)."""
 
     base: dict[str, Any]
-    slot_major: bool
     first: int
     stop: int
     planes: tuple[int, ...]
     sequence_of: torch.Tensor
 
+    @classmethod
+    def of(cls, base: dict[str, Any], planes: tuple[int, ...], first: int, stop: int) -> "Rows":
+        slots, batch = stop - first, base["keys"].shape[2]
+        sequence = torch.arange(slots * batch, device=base["keys"].device).view(slots, 1, batch)
+        return cls(base, first, stop, tuple(planes), sequence.expand(slots, len(planes), batch).reshape(-1))
+
+    @property
+    def batch(self) -> int:
+        return self.base["keys"].shape[2]
+
     @property
     def width(self) -> int:
-        return self.stop - self.first
+        return (self.stop - self.first) * self.batch
+
+    @property
+    def slot_major(self) -> bool:
+        """Whether a layer's W rows are W slots (one row each), else one slot's batch rows."""
+        return self.batch == 1
 
     @property
     def layers(self) -> tuple[int, ...]:
-        """The layers a policy's view of the R rows names (LayerView.layers): a block's, slot by slot; a stack's,
-        layer-major (its rows stacked along the batch dimension)."""
-        return self.planes * self.width if self.slot_major else self.planes
+        """The layers a policy's view of the R rows names (LayerView.layers), slot by slot; a plane's batch rows
+        are stacked along the batch dimension."""
+        return self.planes * (self.stop - self.first)
 
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(keys, values) [W, kv_heads, capacity, dim] of one model layer's W rows."""
         plane = self.planes.index(layer_idx)
         keys, values = self.base["keys"], self.base["values"]
-        if self.slot_major:
-            return keys[self.first:self.stop, plane], values[self.first:self.stop, plane]
-        return keys[plane, self.first:self.stop], values[plane, self.first:self.stop]
+        return keys[self.first:self.stop, plane].flatten(0, 1), values[self.first:self.stop, plane].flatten(0, 1)
 
     def buffers(self) -> dict[str, Any]:
         """Every layer's rows as one batch [R, kv_heads, capacity(, dim)]: "keys", "values", "positions", "state"."""
         def flat(buffer: torch.Tensor) -> torch.Tensor:
-            part = buffer[self.first:self.stop] if self.slot_major else buffer[:, self.first:self.stop]
-            return part.view(-1, *buffer.shape[2:])  # a view: a block's slots are consecutive, a stack is whole
+            return buffer[self.first:self.stop].flatten(0, 2)  # a view: the slots are consecutive
 
         return {"keys": flat(self.base["keys"]), "values": flat(self.base["values"]),
                 "positions": flat(self.base["positions"]),
                 "state": {name: flat(s) for name, s in self.base["state"].items()}}
-
-    @classmethod
-    def of_storage(cls, storage: Any) -> "Rows":
-        """A storage's own buffers [layers, batch, ...] (keydiff.cache.storage.Storage): W = its batch rows, rows
-        layer-major."""
-        width = storage.keys.shape[1]
-        base = {"keys": storage.keys, "values": storage.values, "positions": storage.positions, "state": storage.state}
-        sequence_of = torch.arange(width, device=storage.keys.device).repeat(storage.count)
-        return cls(base, False, 0, width, tuple(storage.layers), sequence_of)
-
-    @classmethod
-    def of_block(cls, block: Any, layers: tuple[int, ...], first: int = 0, stop: int | None = None) -> "Rows":
-        """Slots [first, stop) of a block (keydiff.batching.blocks.RowBlock, [slots, layers, ...]; default all):
-        rows slot-major."""
-        stop = block.keys.shape[0] if stop is None else stop
-        base = {"keys": block.keys, "values": block.values, "positions": block.positions, "state": block.state}
-        sequence_of = torch.arange(stop - first, device=block.keys.device).repeat_interleave(block.keys.shape[1])
-        return cls(base, True, first, stop, tuple(layers), sequence_of)
 
 
 @dataclass(frozen=True)

@@ -1,54 +1,48 @@
-"""One owner of a bounded cache's tensors: keys, values, positions and policy state of one or several layers.
+"""A sequence's stack of one or several layers: writes, views and eviction over its slot of an arena.
 
-A `Storage` holds `count` layers as [count, batch, kv_heads, capacity(, dim)] tensors with one entry count;
-entries sit in no order and each carries its absolute position. Design: docs/design/cache.md#storages-and-the-stack
+A `Storage` sees its `count` layers as [count, batch, kv_heads, capacity(, dim)] views of the slot its handle names
+(keydiff.cache.arena owns the buffers and the entry count); entries sit in no order and each carries its absolute
+position. Design: docs/design/cache.md#storages-and-the-stack
 """
 
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
-from keydiff.cache.evict import Rows, Signals, evict, init_fresh
+from keydiff.cache.arena import (ENTRIES, FRESH, MARK_ENTRIES, MARK_PEAK, NONE, PEAK, SEEN, Arena, Handle,
+                                 empty_buffers)
+from keydiff.cache.evict import Signals, evict, init_fresh
 from keydiff.policies.base import LayerView, Policy
 from keydiff.policies.rerotation import STATE as ROTARY_STATE
 from keydiff.queries import QueryStatistics
 
-
-@dataclass(eq=False)
-class Placement:
-    """Where a storage's buffers live when they are one slot of a block shared with other sequences'
-    (keydiff.batching.blocks): the block, the slot, and whether the storage still lives there."""
-
-    block: Any
-    slot: int
-    resident: bool = True
-
-    def slot_bytes(self) -> int:
-        """Bytes of the slot's key and value buffers (what the slot keeps allocated for its sequence)."""
-        return self.block.keys[self.slot].nbytes + self.block.values[self.slot].nbytes
+# What a storage derives from its handle (re-made by `bind`, never copied).
+VIEWS = ("handle", "_counts", "keys", "values", "positions", "state", "flat", "rows", "planes")
 
 
-def empty_buffers(
-    count: int, key_states: torch.Tensor, value_states: torch.Tensor, capacity: int, state_names: tuple[str, ...],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """Keys, values, positions and state buffers [count, batch, kv_heads, capacity(, dim)], shaped like these states."""
-    batch, heads = key_states.shape[:2]
-    shape = (count, batch, heads, capacity)
-    with torch.inference_mode(False):
-        keys = key_states.new_empty(*shape, key_states.shape[-1])
-        values = value_states.new_empty(*shape, value_states.shape[-1])
-        positions = torch.empty(shape, dtype=torch.long, device=key_states.device)
-        state = {name: torch.zeros(shape, dtype=torch.float32, device=key_states.device) for name in state_names}
-    return keys, values, positions, state
+class Count:
+    """A storage attribute that is one of its slot's counts in the arena (optional: None where there is none)."""
+
+    def __init__(self, column: int, optional: bool = False):
+        self.column, self.optional = column, optional
+
+    def __get__(self, storage: "Storage | None", owner: type | None = None):
+        if storage is None:
+            return self
+        value = storage._counts.item(self.column)  # a Python int, no tensor or numpy scalar made
+        return None if self.optional and value == NONE else value
+
+    def __set__(self, storage: "Storage", value: int | None) -> None:
+        storage._counts[self.column] = NONE if value is None else value
 
 
 class Storage:
-    """The buffers of the layers `layers` (one plane each) and their one entry count. budget=None: never evicted
-    (buffers grow geometrically). capacity: first allocation (None: from the first write)."""
+    """A sequence's stack: the layers `layers` (one plane each) in one slot of an arena (`handle`), which owns their
+    buffers and their one entry count. budget=None: never evicted (buffers grow geometrically). capacity: first
+    allocation (None: from the first write)."""
 
     def __init__(
         self,
@@ -63,27 +57,49 @@ class Storage:
         self.capacity = capacity
         self.state_names = state_names
         self.entry_state = entry_state  # the policy's `entry_state`: state of newly written entries
-        self.keys: torch.Tensor | None = None  # [count, batch, kv_heads, capacity, dim]
-        self.values: torch.Tensor | None = None
-        self.positions: torch.Tensor | None = None  # [count, batch, kv_heads, capacity] long
-        self.state: dict[str, torch.Tensor] = {}  # name -> [count, batch, kv_heads, capacity] float32
-        self.planes: list[dict[str, torch.Tensor]] = []  # per plane: views "keys", "values", "positions", "state:<name>"
         # Per plane: the attention statistic of the last pass [batch, kv_heads, entries] and running query moments.
         self.attention: list[torch.Tensor | None] = [None] * len(self.layers)
         self.queries: list[QueryStatistics | None] = [None] * len(self.layers)
         # Per plane: the layer's o_proj weight, for policies with `needs_output_projection` (a reference, not a copy).
         self.output_projection: list[torch.Tensor | None] = [None] * len(self.layers)
-        self.num_entries = 0  # valid entries per layer and KV head (the same for every head and plane)
-        self.seen = 0  # tokens written into the first plane: the absolute position of the next one
-        self.max_entries = 0  # peak entries per head ever held
         self.allocations = 0  # buffer (re)allocations (1 when the capacity was right)
-        self.fresh: int | None = None  # first entry whose policy state is not set yet (see initialize_state)
-        # While a scratch pass runs (see begin_scratch): (entries, seen, peak) to restore when it ends.
-        self.scratch_mark: tuple[int, int, int] | None = None
         self.max_scratch_entries = 0  # peak entries per head during scratch passes (kept + block + scratch)
-        # Set when the buffers are a slot of a block shared with other sequences' stacks (keydiff.batching.blocks);
-        # None when they are this storage's own.
-        self.placement: Placement | None = None
+        self.bind(Handle(Arena(1, self.layers), 0))  # a private arena, its buffers allocated by the first write
+
+    def bind(self, handle: Handle) -> None:
+        """Live in `handle`'s slot from now on: the views of its buffers (keys, values, positions, state
+        [count, batch, kv_heads, capacity(, dim)], each plane's, every plane's rows) and its counts."""
+        self.handle = handle
+        arena, slot = handle.arena, handle.slot
+        self._counts = arena.host[slot]
+        if arena.keys is None:
+            self.keys = self.values = self.positions = None
+            self.state, self.planes = {}, []
+            return
+        self.keys, self.values, self.positions = arena.keys[slot], arena.values[slot], arena.positions[slot]
+        self.state = {name: s[slot] for name, s in arena.state.items()}
+        self.capacity = self.keys.shape[3]
+        # The planes seen as one layer whose batch rows are every plane's rows (layer-major, then batch).
+        self.flat = arena.rows(slot, slot + 1)
+        self.rows = self.flat.buffers()
+        self.planes = [{"keys": self.keys[i], "values": self.values[i], "positions": self.positions[i],
+                        "state": {name: s[i] for name, s in self.state.items()}} for i in range(self.count)]
+
+    # --- the counts (the arena's, for this slot) ----------------------------------------------
+    num_entries = Count(ENTRIES)  # valid entries per layer and KV head (the same for every head and plane)
+    seen = Count(SEEN)  # tokens written into the first plane: the absolute position of the next one
+    max_entries = Count(PEAK)  # peak entries per head ever held
+    fresh = Count(FRESH, optional=True)  # the first entry whose policy state is not set yet (see initialize_state)
+
+    @property
+    def scratch_mark(self) -> tuple[int, int, int] | None:
+        """While a scratch pass runs (see begin_scratch): (entries, seen, peak) to restore when it ends."""
+        mark = self._counts[MARK_ENTRIES : MARK_PEAK + 1].tolist()
+        return None if mark[0] == NONE else tuple(mark)
+
+    @scratch_mark.setter
+    def scratch_mark(self, value: tuple[int, int, int] | None) -> None:
+        self._counts[MARK_ENTRIES : MARK_PEAK + 1] = (NONE,) * 3 if value is None else value
 
     @property
     def count(self) -> int:
@@ -94,56 +110,23 @@ class Storage:
 
     # --- buffers ------------------------------------------------------------------------------
     def allocate(self, key_states: torch.Tensor, value_states: torch.Tensor, capacity: int) -> None:
-        """(Re)allocate every buffer for `capacity` entries, carrying the valid entries over."""
-        self.adopt(*self.copied_into(empty_buffers(self.count, key_states, value_states, capacity, self.state_names)))
+        """Move to a new private arena of `capacity` entries shaped like these states, carrying the valid entries
+        over (a shared arena is never reallocated: a slot grown out of stays reserved for this stack)."""
+        buffers = empty_buffers(self.count, key_states, value_states, capacity, self.state_names)
+        self.bind(Handle(self.handle.arena.moved(self.handle.slot, buffers), 0))
         self.allocations += 1
-        if self.placement is not None:
-            self.placement.resident = False  # grown out of its slot into buffers of its own
-
-    def adopt(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
-              state: dict[str, torch.Tensor]) -> None:
-        """Use these [count, batch, ...] tensors as the buffers (and cache each plane's views of them)."""
-        self.keys, self.values, self.positions, self.state = keys, values, positions, state
-        self.capacity = keys.shape[3]
-        # The planes seen as one layer whose batch rows are every plane's rows (layer-major, then batch).
-        self.flat = Rows.of_storage(self)
-        self.rows = self.flat.buffers()
-        self.planes = [{"keys": keys[i], "values": values[i], "positions": positions[i],
-                       "state": {name: s[i] for name, s in state.items()}} for i in range(self.count)]
 
     def __deepcopy__(self, memo: dict) -> "Storage":
-        """A copy owning its buffers; a storage in a shared block's slot copies only its valid entries."""
+        """A copy in a private arena of its own: a copy of a private arena's buffers, or of a shared slot's valid
+        entries."""
         cls = type(self)
         twin = cls.__new__(cls)
         memo[id(self)] = twin
-        placed = self.placement is not None and self.keys is not None
-        buffers = ("keys", "values", "positions", "state", "flat", "rows", "planes")
         for name, value in self.__dict__.items():
-            if name == "placement" or (placed and name in buffers):
-                continue
-            setattr(twin, name, copy.deepcopy(value, memo))
-        twin.placement = None
-        if placed:
-            twin.adopt(*self.compact_buffers())
+            if name not in VIEWS:
+                setattr(twin, name, copy.deepcopy(value, memo))
+        twin.bind(Handle(self.handle.arena.copied(self.handle.slot, memo), 0))
         return twin
-
-    def compact_buffers(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-        """New buffers of this storage's capacity holding copies of its valid entries (nothing else shares them)."""
-        return self.copied_into(empty_buffers(self.count, self.keys[0], self.values[0], self.capacity,
-                                              self.state_names))
-
-    def copied_into(self, buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-        """`buffers` (keys, values, positions, state) with this storage's valid entries copied to their front."""
-        keys, values, positions, state = buffers
-        n = self.num_entries
-        if n:
-            keys[..., :n, :] = self.keys[..., :n, :]
-            values[..., :n, :] = self.values[..., :n, :]
-            positions[..., :n] = self.positions[..., :n]
-            for name, buffer in state.items():
-                buffer[..., :n] = self.state[name][..., :n]
-        return buffers
 
     def fits(self, key_states: torch.Tensor, value_states: torch.Tensor) -> bool:
         """Whether the buffers can hold these states (batch, heads, head dims, dtype and device all match)."""
@@ -169,13 +152,10 @@ class Storage:
         parts = []
         for plane, layer in enumerate(self.layers):
             part = Storage((layer,), self.budget, self.capacity, self.state_names, self.entry_state)
-            if self.keys is not None:
-                part.adopt(self.keys[plane : plane + 1], self.values[plane : plane + 1], self.positions[plane : plane + 1],
-                           {name: s[plane : plane + 1] for name, s in self.state.items()})
+            part.bind(Handle(self.handle.arena.plane(self.handle.slot, plane), 0))
             part.attention, part.queries = [self.attention[plane]], [self.queries[plane]]
             part.output_projection = [self.output_projection[plane]]
-            part.num_entries, part.seen, part.max_entries = self.num_entries, self.seen, self.max_entries
-            part.allocations, part.fresh = self.allocations, self.fresh
+            part.allocations = self.allocations
             part.max_scratch_entries = self.max_scratch_entries
             parts.append(part)
         return parts

@@ -1,0 +1,223 @@
+"""The one owner of dense KV memory: the buffers of one or several sequences' stacks and each one's entry counts.
+
+An `Arena` holds keys, values, positions and policy state as [slots, planes, batch, kv_heads, capacity(, dim)]
+and each slot's counts as a CPU int64 tensor [slots, len(COUNTS)] (host memory: reading one never syncs a device).
+A sequence's `Storage` lives in one slot, through a `Handle` (arena, slot); nothing points back from a storage to
+an arena it left. A private arena (one slot, one sequence) is replaced when its storage grows; a shared one (the
+slots of forks, of a decoder's pooled sequences, of a run's prefill slot) is never reallocated, so a fixed-shape
+step built or captured over it keeps its addresses. Design: docs/design/cache.md#storages-and-the-stack
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from keydiff.cache.evict import Rows
+
+# Each slot's counts: valid entries per head, tokens seen, peak entries, the first entry whose policy state is not
+# set yet, and the (entries, seen, peak) a running scratch pass restores; NONE where there is none.
+COUNTS = ("entries", "seen", "peak", "fresh", "mark_entries", "mark_seen", "mark_peak")
+ENTRIES, SEEN, PEAK, FRESH, MARK_ENTRIES, MARK_SEEN, MARK_PEAK = range(len(COUNTS))
+NONE = -1
+EMPTY = (0, 0, 0, NONE, NONE, NONE, NONE)
+
+
+def empty_buffers(
+    count: int, key_states: torch.Tensor, value_states: torch.Tensor, capacity: int, state_names: tuple[str, ...],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """Keys, values, positions and state buffers [count, batch, kv_heads, capacity(, dim)], shaped like these states."""
+    batch, heads = key_states.shape[:2]
+    shape = (count, batch, heads, capacity)
+    with torch.inference_mode(False):
+        keys = key_states.new_empty(*shape, key_states.shape[-1])
+        values = value_states.new_empty(*shape, value_states.shape[-1])
+        positions = torch.empty(shape, dtype=torch.long, device=key_states.device)
+        state = {name: torch.zeros(shape, dtype=torch.float32, device=key_states.device) for name in state_names}
+    return keys, values, positions, state
+
+
+def allocation_bytes(*tensors: torch.Tensor | None) -> dict[int, int]:
+    """Each tensor's whole allocation in bytes, keyed by where it starts: the layers of one stack (or the parts of a
+    split one) share an allocation, counted once."""
+    sizes = {}
+    for tensor in tensors:
+        if tensor is not None:
+            allocation = tensor.untyped_storage()
+            sizes[allocation.data_ptr()] = allocation.nbytes()
+    return sizes
+
+
+def layout(storage: Any) -> tuple:
+    """What a stack must share with a shared arena's slots to live in one: budget, state, buffer shapes, dtypes,
+    device."""
+    keys, values = storage.keys, storage.values
+    return (storage.budget, tuple(storage.state), keys.shape, values.shape, keys.dtype, values.dtype, keys.device)
+
+
+@dataclass(frozen=True)
+class Handle:
+    """A sequence's rows: slot `slot` of `arena`."""
+
+    arena: "Arena"
+    slot: int
+
+    @property
+    def shared(self) -> bool:
+        """Whether the slot is one of a shared arena (beside other sequences' stacks)."""
+        return self.arena.shared
+
+
+class Arena:
+    """Buffers of `slots` stacks of the layers `layers` (None until allocated) and their counts.
+
+    shared: slots handed to several sequences (`take`, `vacate`; `occupant` names each slot's storage), never
+    reallocated. stats: a record counting the shared arenas made and the copies into and out of their slots
+    (the decoder's keydiff.batching.static.StepStats), if any."""
+
+    def __init__(self, slots: int, layers: tuple[int, ...], buffers: tuple | None = None, shared: bool = False,
+                 stats: Any = None):
+        self.layers = tuple(layers)
+        self.keys, self.values, self.positions, self.state = buffers if buffers is not None else (None, None, None, {})
+        with torch.inference_mode(False):
+            self.counts = torch.tensor([EMPTY] * slots, dtype=torch.long)
+        self.host = self.counts.numpy()  # the same memory, indexed without making tensors
+        self.shared, self.stats = shared, stats
+        self.occupant: list[Any] = [None] * slots  # a shared arena's storage in each slot (None: free)
+        # A private arena's: bytes of the shared slot its storage grew out of, which stays allocated for it until
+        # that arena vacates the slot (kv_cache_bytes counts it).
+        self.reserved = 0
+        self.layout: tuple | None = None  # a shared arena's: what a stack must share with its slots
+        if shared and stats is not None:
+            stats.arenas.append(slots)
+
+    @property
+    def slots(self) -> int:
+        return len(self.occupant)
+
+    @classmethod
+    def like(cls, storage: Any, slots: int, stats: Any = None) -> "Arena":
+        """An empty shared arena of `slots` slots, each shaped like this one-row stack's buffers."""
+        count = storage.count
+        buffers = empty_buffers(slots * count, storage.keys[0], storage.values[0], storage.capacity,
+                                storage.state_names)
+
+        def split(buffer: torch.Tensor) -> torch.Tensor:
+            return buffer.view(slots, count, *buffer.shape[1:])  # [slots, planes, 1, kv_heads, capacity(, dim)]
+
+        arena = cls(slots, storage.layers, (split(buffers[0]), split(buffers[1]), split(buffers[2]),
+                                            {name: split(s) for name, s in buffers[3].items()}), True, stats)
+        arena.layout = layout(storage)
+        return arena
+
+    def rows(self, first: int = 0, stop: int | None = None) -> Rows:
+        """Slots [first, stop) (default all) as rows: slot-major, then plane, then batch."""
+        base = {"keys": self.keys, "values": self.values, "positions": self.positions, "state": self.state}
+        return Rows.of(base, self.layers, first, self.slots if stop is None else stop)
+
+    def slot_bytes(self, slot: int) -> int:
+        """Bytes of one slot's key and value buffers."""
+        return self.keys[slot].nbytes + self.values[slot].nbytes
+
+    def bytes_of(self, slot: int) -> dict[Any, int]:
+        """What slot `slot`'s sequence holds, keyed so that nothing is counted twice: its slot of a shared arena, or
+        a private arena's allocations and the shared slot it still reserves."""
+        if self.keys is None:
+            return {}
+        if self.shared:
+            return {("slot", id(self), slot): self.slot_bytes(slot)}
+        sizes: dict[Any, int] = allocation_bytes(self.keys, self.values)
+        if self.reserved:
+            sizes[("left", id(self))] = self.reserved
+        return sizes
+
+    def settle(self, first: int, stop: int, budget: int) -> None:
+        """After slots [first, stop) were evicted as one: at most `budget` entries each, every entry's state set."""
+        self.counts[first:stop, ENTRIES].clamp_(max=budget)
+        self.counts[first:stop, FRESH] = NONE
+
+    # --- moving a stack between arenas -------------------------------------------------------------
+    def moved(self, slot: int, buffers: tuple | None = None) -> "Arena":
+        """A new private arena holding slot `slot`'s valid entries and counts, in `buffers` ([planes, batch, ...],
+        from empty_buffers; None: of this slot's shape). A shared slot the stack leaves stays reserved for it."""
+        if buffers is None:
+            buffers = empty_buffers(len(self.layers), self.keys[slot][0], self.values[slot][0], self.keys.shape[4],
+                                    tuple(self.state))
+        keys, values, positions, state = buffers
+        n = int(self.host[slot, ENTRIES])
+        if n and self.keys is not None:
+            keys[..., :n, :] = self.keys[slot][..., :n, :]
+            values[..., :n, :] = self.values[slot][..., :n, :]
+            positions[..., :n] = self.positions[slot][..., :n]
+            for name, buffer in state.items():
+                buffer[..., :n] = self.state[name][slot][..., :n]
+        arena = Arena(1, self.layers, (keys[None], values[None], positions[None],
+                                       {name: s[None] for name, s in state.items()}))
+        arena.host[0] = self.host[slot]
+        arena.reserved = self.slot_bytes(slot) if self.shared else self.reserved
+        return arena
+
+    def copied(self, slot: int, memo: dict) -> "Arena":
+        """A private arena holding a copy of slot `slot`: a shared slot's valid entries, or a private arena's
+        buffers (deep-copied through `memo`, so that views of one allocation stay views of one)."""
+        if self.shared:
+            arena = self.moved(slot)
+            arena.reserved = 0
+            return arena
+        buffers = copy.deepcopy((self.keys, self.values, self.positions, self.state), memo)
+        arena = Arena(1, self.layers, None if self.keys is None else buffers)
+        arena.host[0] = self.host[slot]
+        return arena
+
+    def plane(self, slot: int, plane: int) -> "Arena":
+        """A private arena on one plane of slot `slot` (views of the same memory), with the slot's counts."""
+        cut = (slice(slot, slot + 1), slice(plane, plane + 1))
+        buffers = None if self.keys is None else (self.keys[cut], self.values[cut], self.positions[cut],
+                                                  {name: s[cut] for name, s in self.state.items()})
+        arena = Arena(1, (self.layers[plane],), buffers)
+        arena.host[0] = self.host[slot]
+        return arena
+
+    def holds(self, slot: int, storage: Any) -> bool:
+        """Whether `storage` lives in slot `slot` of this arena (taken and not grown out since)."""
+        return self.occupant[slot] is storage and storage.handle == Handle(self, slot)
+
+    def take(self, slot: int, storage: Any) -> bool:
+        """Move a one-row stack into a free slot of this shared arena: its valid entries and counts copied, its own
+        buffers released; False (nothing moved) if it is shaped unlike the slots."""
+        if self.occupant[slot] is not None:
+            raise RuntimeError(f"slot {slot} of this arena is occupied: vacate it first")
+        if storage.keys is None or storage.keys.shape[1] != 1 or layout(storage) != self.layout:
+            return False
+        source, n = storage.handle, storage.num_entries
+        mine = (self.keys[slot], self.values[slot], self.positions[slot], {n: s[slot] for n, s in self.state.items()})
+        mine[0][..., :n, :].copy_(storage.keys[..., :n, :])
+        mine[1][..., :n, :].copy_(storage.values[..., :n, :])
+        mine[2][..., :n].copy_(storage.positions[..., :n])
+        for name, buffer in mine[3].items():
+            buffer[..., :n].copy_(storage.state[name][..., :n])
+        self.host[slot] = source.arena.host[source.slot]
+        storage.bind(Handle(self, slot))
+        self.occupant[slot] = storage
+        if self.stats is not None:
+            self.stats.slot_copies_in += 1
+        return True
+
+    def vacate(self, slot: int, keep: bool = True) -> bool:
+        """Free slot `slot`. Its occupant, if it still lives there, moves to a private arena holding its entries
+        (one copy; True); keep=False frees the slot without copying (a failed prefill's discarded entries)."""
+        occupant = self.occupant[slot]
+        self.occupant[slot] = None
+        if occupant is None or not keep:
+            return False
+        if occupant.handle != Handle(self, slot):  # it grew out of the slot: the slot no longer counts as its
+            occupant.handle.arena.reserved = 0
+            return False
+        occupant.bind(Handle(self.moved(slot), 0))
+        occupant.handle.arena.reserved = 0
+        if self.stats is not None:
+            self.stats.slot_copies_out += 1
+        return True

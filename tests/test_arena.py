@@ -1,0 +1,76 @@
+"""keydiff.cache.arena, the one owner of dense KV memory: a storage's counts are its arena slot's, moving into a
+shared arena and out again carries entries and counts, and a shared arena is never reallocated (a stack that
+outgrows its slot moves to an arena of its own, the slot stays counted for it until vacated)."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+from keydiff.cache.arena import ENTRIES, SEEN, Arena
+from keydiff.cache.storage import Storage
+
+pytestmark = pytest.mark.unit
+
+LAYERS, HEADS, DIM, BUDGET, BLOCK = (0, 1), 2, 4, 6, 3
+
+
+def filled(tokens: int, seed: int) -> Storage:
+    """A stack of two layers with `tokens` written, one pass per layer (capacity N + B)."""
+    storage = Storage(LAYERS, BUDGET, BUDGET + BLOCK)
+    generator = torch.Generator().manual_seed(seed)
+    keys = torch.randn(1, HEADS, tokens, DIM, generator=generator)
+    for plane in range(len(LAYERS)):
+        storage.write(plane, keys + plane, -keys, 0)
+    return storage
+
+
+def entries(storage: Storage) -> list[torch.Tensor]:
+    n = storage.num_entries
+    return [storage.keys[..., :n, :].clone(), storage.values[..., :n, :].clone(), storage.positions[..., :n].clone()]
+
+
+def test_a_storage_counts_are_its_slot_counts_in_the_arena():
+    storage = filled(5, 0)
+    arena, slot = storage.handle.arena, storage.handle.slot
+    assert (storage.num_entries, storage.seen) == (5, 5)
+    assert arena.counts[slot, ENTRIES].item() == 5 and arena.counts[slot, SEEN].item() == 5
+    storage.num_entries = 4
+    assert arena.counts[slot, ENTRIES].item() == 4
+
+
+def test_take_and_vacate_move_entries_and_counts_and_leave_nothing_behind():
+    one, two = filled(5, 0), filled(7, 1)
+    before = [entries(one), entries(two)]
+    arena = Arena.like(one, 3)
+    left = weakref.ref(one.handle.arena)
+    assert arena.take(2, one) and arena.take(0, two)
+    gc.collect()
+    assert left() is None  # the private arena it left is gone: nothing points back to it
+    assert one.handle.arena is arena and one.handle.slot == 2 and arena.holds(2, one)
+    assert arena.counts[:, ENTRIES].tolist() == [7, 0, 5] and arena.counts[:, SEEN].tolist() == [7, 0, 5]
+    assert all(torch.equal(a, b) for a, b in zip(entries(one), before[0]))
+    assert one.keys.data_ptr() == arena.keys[2].data_ptr()  # its views are the slot's
+    with pytest.raises(RuntimeError, match="occupied"):
+        arena.take(2, filled(5, 2))
+    assert arena.vacate(2) and arena.occupant[2] is None and not one.handle.shared
+    assert (one.num_entries, one.seen) == (5, 5) and all(torch.equal(a, b) for a, b in zip(entries(one), before[0]))
+    assert all(torch.equal(a, b) for a, b in zip(entries(two), before[1]))  # its neighbour untouched
+
+
+def test_a_shared_arena_is_never_reallocated_and_keeps_the_slot_a_stack_grew_out_of():
+    storage = filled(5, 0)
+    arena = Arena.like(storage, 2)
+    assert arena.take(1, storage)
+    buffers, before = arena.keys, entries(storage)
+    storage.reserve(BUDGET + BLOCK + 4)  # more than the slot holds
+    assert arena.keys is buffers and not storage.handle.shared and storage.capacity == BUDGET + BLOCK + 4
+    assert all(torch.equal(a, b) for a, b in zip(entries(storage), before))
+    assert arena.occupant[1] is storage and not arena.holds(1, storage)
+    own = storage.keys.nbytes + storage.values.nbytes
+    assert sum(storage.handle.arena.bytes_of(0).values()) == own + arena.slot_bytes(1)
+    assert not arena.vacate(1)  # nothing to copy: it lives elsewhere; the slot no longer counts as its
+    assert sum(storage.handle.arena.bytes_of(0).values()) == own
