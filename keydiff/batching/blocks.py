@@ -344,7 +344,7 @@ def _evict_group(block: RowBlock, first: int, members: list[EvictingCache]) -> N
     evict(rows, lead.num_entries, lead.budget, members[0].policy, fresh=fresh, where=lead.where())
     for storage in storages:
         storage.num_entries = lead.budget
-        storage.attention = [None] * lead.count
+        storage.signals.end_pass()
 
 
 def grouped_passes(groups: list[Group], caches: list[EvictingCache],

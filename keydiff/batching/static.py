@@ -21,7 +21,7 @@ from keydiff.attention import REGISTERED, STATISTIC_KWARG, StatisticBuffer, boun
 from keydiff.batching.blocks import poolable
 from keydiff.batching.graphs import CudaCalls, calls_for, stand_in_graphs, timed  # noqa: F401 - re-exported
 from keydiff.cache import EvictingCache
-from keydiff.cache.evict import Rows, Signals, evict, write_active
+from keydiff.cache.evict import Rows, evict, write_active
 from keydiff.device import out_of_memory
 from keydiff.policies.base import Policy
 
@@ -216,7 +216,7 @@ class StaticStep:
         attention = None
         if self.statistic is not None:  # [R, kv_heads, N + q], rows in the order of the buffers'
             attention = self.statistic.buffer.view(-1, *self.statistic.buffer.shape[2:])
-        evict(self.rows, stop, n, self.policy, Signals(attention), fresh=n, active=row_active,
+        evict(self.rows, stop, n, self.policy, {"attention": attention}, fresh=n, active=row_active,
               where="the fixed-shape step")
 
     def run(self, ids: torch.Tensor, positions: torch.Tensor, active: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,7 @@ from keydiff.cache.sliding import SlidingWindowLayer
 from keydiff.cache.storage import Storage
 from keydiff.config import STATISTICS_MODES
 from keydiff.policies.base import Policy, chooses_whole_pools
-from keydiff.queries import QueryStatistics, rope_frequencies
+from keydiff import signals as model_signals
 
 # How close (relative to the largest value) a pass's layer-0 values must be to the kept ones to count as the
 # same tokens fed again: they were computed with another block size, so not bit-identical; at least a few
@@ -76,7 +76,9 @@ class EvictingCache(Cache):
         self.statistics = statistics
         self.profile = profile
         self.timings = {"statistics_s": 0.0, "eviction_s": 0.0}
-        self.sink = CacheSink(self)  # where the attention function leaves statistics, queries and o_proj weights
+        self.sink = CacheSink(self)  # where the attention function leaves the model signals the policy asked for
+        asked = model_signals.asked(policy.needs)
+        self.produced = tuple(signal for signal in asked if signal.produce is not None)  # recorded through the sink
         self.attention_reduction = policy.needs.attention_reduction  # "sum" or "max" (see keydiff.attention)
         self._decoding = False  # True after start_generation
         self._scratch = False  # True inside `scratch()`
@@ -171,11 +173,9 @@ class EvictingCache(Cache):
             raise RuntimeError("a cache cannot be forked inside a scratch pass")
         if isinstance(copies, bool) or int(copies) != copies or copies < 1:
             raise ValueError(f"copies must be a positive integer, got {copies!r}")
-        shared = {id(weight): weight for storage in self._storages
-                  for weight in getattr(storage, "output_projection", []) if weight is not None}
         forks = []
         for _ in range(int(copies)):
-            cache = copy.deepcopy(self, dict(shared))
+            cache = copy.deepcopy(self)  # the model's own tensors stay shared (keydiff.signals.Recorded)
             for layer in cache.layers:
                 layer.returned_keys = None  # a copy of some earlier pass's tensor: no attention call will bring it
             forks.append(cache)
@@ -252,6 +252,7 @@ class EvictingCache(Cache):
         if isinstance(layer, SlidingWindowLayer):
             return LayerBinding(self.sink, 0, self.attention_reduction)
         storage = layer.storage
+        signals = storage.signals.wanted(layer.plane, self.produced, self._evicting) if self.produced else ()
         bounded = storage.budget is not None
         rows = needs.attention_rows
         if rows == 0 or not bounded or not self._evicting:
@@ -266,8 +267,7 @@ class EvictingCache(Cache):
         return LayerBinding(
             self.sink, rows, self.attention_reduction, self.statistics == "materialized", positions,
             storage.segments() if isinstance(storage, AdaptiveStorage) else None,  # asking marks the pass served
-            needs.queries and bounded and self._evicting,
-            needs.output_projection and bounded and storage.output_projection[layer.plane] is None)
+            signals if bounded else ())
 
     def evict(self, drop: bool = True) -> None:
         """Let the policy observe the pass just run, then shrink every over-budget layer to `budget`.
@@ -414,23 +414,17 @@ class CacheSink(StatisticSink):
         """Keep the statistic over the held entries (a scratch pass's own keys are not kept)."""
         layer = self.cache.layers[layer_idx]
         kept = layer.storage.scratch_kept
-        layer.storage.attention[layer.plane] = statistic if kept is None else statistic[..., :kept]
+        layer.storage.signals.put(layer.plane, "attention", statistic if kept is None else statistic[..., :kept])
 
-    def record_queries(self, layer_idx: int, query: torch.Tensor, config: Any) -> None:
+    def record(self, layer_idx: int, signals: tuple, module: torch.nn.Module, query: torch.Tensor,
+               key: torch.Tensor, value: torch.Tensor, output: torch.Tensor) -> None:
+        """Fold a layer's pass into what its storage keeps of `signals` (keydiff.signals.Recorded)."""
         cache = self.cache
         layer = cache.layers[layer_idx]
-        storage, plane = layer.storage, layer.plane
-        if storage.queries[plane] is None:
-            inv_freq, scaling = rope_frequencies(config, query.shape[-1])
-            first = cache.policy.needs.queries_from
-            storage.queries[plane] = QueryStatistics(inv_freq.to(query.device), scaling, first)
         # The queries were rotated for their RoPE positions: the absolute ones, or the pass's under contiguous re-rotation.
         start = cache._pass_position if cache.contiguous else layer.seen - query.shape[2]
-        storage.queries[plane].update(query, start)
-
-    def record_output_projection(self, layer_idx: int, weight: torch.Tensor) -> None:
-        layer = self.cache.layers[layer_idx]
-        layer.storage.output_projection[layer.plane] = weight
+        step = model_signals.LayerPass(module, query, key, value, output, start, cache.policy.needs)
+        layer.storage.signals.record(layer.plane, signals, step)
 
     def key_mask(self, layer_idx: int, keys: int) -> torch.Tensor | None:
         """In a scratch pass, the held keys the policy reconstructs from and the pass's own; else None (all keys)."""
