@@ -38,7 +38,7 @@ def eligible(caches: list[EvictingCache], q: int = 1) -> bool:
         return False
     statistic = policy.needs.attention_rows != 0
     for cache in caches:
-        if (not poolable(cache, statistic) or cache.policy != policy or not cache.evicts_next_pass() or cache._scratch
+        if (not poolable(cache, statistic) or cache.policy != policy or not cache.evicts_next_pass() or cache.mode.scratch
                 or cache.profile):  # a profiled run times its statistics and evictions apart: the ordinary step
             return False
         if statistic and cache.statistics != "fast":  # materialised weights: the ordinary step (see the module)
