@@ -129,7 +129,7 @@ def evict(rows: Rows, n: int, budget: int, policy: Policy, signals: dict[str, An
     layers = rows.layers
     attention = signals.get("attention")
     if fresh is not None and fresh < n:
-        entries = {name: value for name, value in signals.items() if SIGNALS[name].entries}
+        entries = {name: value for name, value in signals.items() if SIGNALS[name].entries} if signals else signals
         init_fresh(buffers, fresh, n, policy.entry_state, layers, active, entries)
     state = {name: s[:, :, :n] for name, s in buffers["state"].items()}
     if attention is not None and active is not None:
