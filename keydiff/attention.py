@@ -332,20 +332,18 @@ def grouped_attention(
 
 
 class StatisticSink:
-    """Where a layer's pass leaves what its cache's policy scores from: the attention statistic (`write`), the
-    queries and the o_proj weight. A sink that takes only statistics (`StatisticBuffer`) keeps these defaults."""
+    """Where a layer's pass leaves what its cache's policy scores from: the attention statistic (`write`) and the
+    other model signals the binding lists (`record`, keydiff.signals). A sink that takes only statistics
+    (`StatisticBuffer`) keeps these defaults."""
 
     def write(self, layer_idx: int, statistic: torch.Tensor) -> None:
         """Keep layer `layer_idx`'s attention statistic [batch, kv_heads, keys] of this pass."""
         raise NotImplementedError
 
-    def record_queries(self, layer_idx: int, query: torch.Tensor, config: Any) -> None:
-        """Add a pass's post-RoPE queries [batch, heads, q, d] to the layer's query statistics (Expected Attention)."""
-        raise NotImplementedError(f"{type(self).__name__} takes no queries")
-
-    def record_output_projection(self, layer_idx: int, weight: torch.Tensor) -> None:
-        """Keep a reference to the layer's o_proj weight [hidden, heads * head_dim] (CriticalKV)."""
-        raise NotImplementedError(f"{type(self).__name__} takes no o_proj weight")
+    def record(self, layer_idx: int, signals: tuple, module: torch.nn.Module, query: torch.Tensor,
+               key: torch.Tensor, value: torch.Tensor, output: torch.Tensor) -> None:
+        """Hand a layer's pass to the producers of `signals` (keydiff.signals.LayerPass) and keep what they make."""
+        raise NotImplementedError(f"{type(self).__name__} takes no model signals")
 
     def key_mask(self, layer_idx: int, keys: int) -> torch.Tensor | None:
         """Bool [batch, kv_heads, keys]: the keys the statistic's softmax covers (KVzip's scratch pass); None: all."""
@@ -360,18 +358,16 @@ class LayerBinding:
     """What the attention function needs for one layer's pass, asked of the cache once (`EvictingCache.for_layer`):
     rows: the last query rows to record attention for (0: none, None: all); reduction: "sum" or "max";
     materialize: statistics from eager weights; key_positions: (positions, end) of a layer evicted under a sliding
-    window; segments: a head-adaptive layer's (start, count) per [batch][head]; wants_queries and
-    wants_output_projection: hand them to the sink."""
+    window; segments: a head-adaptive layer's (start, count) per [batch][head]; signals: the model signals
+    (keydiff.signals.Signal) whose producers the pass is handed to, through the sink."""
 
-    __slots__ = ("sink", "rows", "reduction", "materialize", "key_positions", "segments", "wants_queries",
-                 "wants_output_projection")
+    __slots__ = ("sink", "rows", "reduction", "materialize", "key_positions", "segments", "signals")
 
     def __init__(self, sink: StatisticSink, rows: int | None, reduction: str, materialize: bool = False,
                  key_positions: tuple[torch.Tensor, int] | None = None, segments: list | None = None,
-                 wants_queries: bool = False, wants_output_projection: bool = False):
+                 signals: tuple = ()):
         self.sink, self.rows, self.reduction, self.materialize = sink, rows, reduction, materialize
-        self.key_positions, self.segments = key_positions, segments
-        self.wants_queries, self.wants_output_projection = wants_queries, wants_output_projection
+        self.key_positions, self.segments, self.signals = key_positions, segments, signals
 
 
 @dataclass(frozen=True, eq=False)
@@ -456,14 +452,12 @@ def make_attention_function(base: str):
         positions = binding.key_positions if kwargs.get("sliding_window") is not None else None
         rules = rules_for(kwargs, query, key, positions)
         rows = binding.rows
-        if binding.wants_queries:
-            sink.record_queries(layer_idx, query, module.config)
-        if binding.wants_output_projection:
-            sink.record_output_projection(layer_idx, module.o_proj.weight)
         materialize = base == "eager" or (rows != 0 and binding.materialize)
         if binding.segments is not None:
             output, statistic = segment_attention(base, module, query, key, value, scaling, binding.segments, rows,
                                                   materialize, rules)
+            if binding.signals:
+                sink.record(layer_idx, binding.signals, module, query, key, value, output)
             if rows != 0:
                 sink.write(layer_idx, statistic)
             return output
@@ -471,6 +465,8 @@ def make_attention_function(base: str):
             output, weights = eager_attention(module, query, key, value, scaling, rules)
         else:
             output = fused_attention(base, module, query, key, value, scaling, rules)
+        if binding.signals:
+            sink.record(layer_idx, binding.signals, module, query, key, value, output)
         if rows != 0:
             with sink.timed("statistics_s"):
                 key_mask = sink.key_mask(layer_idx, key.shape[2])

@@ -397,7 +397,7 @@ def test_the_engine_sets_no_attribute_on_the_cache(model, prompt, monkeypatch):
     original = EvictingCache.__setattr__
 
     def spy(self, name, value):
-        if "_evicting" in vars(self):  # built (the constructor sets it last)
+        if "_mode" in vars(self):  # built (the constructor sets it last)
             written.append(name)
         original(self, name, value)
 

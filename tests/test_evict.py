@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from keydiff.cache.evict import Rows, Signals, evict
+from keydiff.cache.evict import Rows, evict
 from keydiff.policies.h2o import H2O
 
 pytestmark = pytest.mark.unit
@@ -71,7 +71,7 @@ def test_idle_rows_keep_entries_and_state_active_rows_evict_as_unmasked(q, activ
     active_slots = torch.tensor(active_slots)
     active = active_slots.repeat_interleave(layers)  # slot-major rows
     for target, mask in ((masked, active), (plain, None)):
-        evict(Rows.of(vars(target), tuple(range(layers)), 0, slots), budget + q, budget, H2O(), Signals(attention),
+        evict(Rows.of(vars(target), tuple(range(layers)), 0, slots), budget + q, budget, H2O(), {"attention": attention},
               fresh=budget, active=mask)
     for name, out, alone, before in zip(("keys", "values", "positions", "state"), buffers(masked), buffers(plain),
                                         buffers(original)):

@@ -201,10 +201,11 @@ def head_choices(policy, views: list[LayerView], budget: int, model, log: dict) 
 
 def one_row(view: LayerView, row: int) -> LayerView:
     """Batch row `row` of a view (its layer: the stacked views hold layers layer-major)."""
-    cut = slice(row, row + 1)
-    return LayerView(view.keys[cut], view.values[cut], view.positions[cut], None if view.attention is None else
-                     view.attention[cut], {n: s[cut] for n, s in view.state.items()},
-                     (view.layers[row * len(view.layers) // view.positions.shape[0]],), view.queries, view.output_projection)
+    cut, rows = slice(row, row + 1), view.positions.shape[0]
+    signals = {name: value[cut] if isinstance(value, torch.Tensor) and value.shape[0] == rows and name != "output_projection"
+               else value for name, value in view.signals.items()}  # per-row signals cut (the o_proj weight is not)
+    return LayerView(view.keys[cut], view.values[cut], view.positions[cut], state={n: s[cut] for n, s in view.state.items()},
+                     layers=(view.layers[row * len(view.layers) // rows],), signals=signals)
 
 
 def recorded(policy, model) -> tuple:

@@ -214,7 +214,7 @@ def _evict_group(arena: Arena, first: int, members: list[EvictingCache]) -> None
           where=lead.where())
     arena.settle(first, stop, lead.budget)
     for storage in storages:
-        storage.attention = [None] * lead.count
+        storage.signals.end_pass()
 
 
 def grouped_passes(groups: list[Group], caches: list[EvictingCache],

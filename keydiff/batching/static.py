@@ -21,7 +21,7 @@ from keydiff.attention import REGISTERED, STATISTIC_KWARG, StatisticBuffer, boun
 from keydiff.batching.blocks import poolable
 from keydiff.batching.graphs import CudaCalls, calls_for, stand_in_graphs, timed  # noqa: F401 - re-exported
 from keydiff.cache import EvictingCache
-from keydiff.cache.evict import Rows, Signals, evict, write_active
+from keydiff.cache.evict import Rows, evict, write_active
 from keydiff.device import out_of_memory
 from keydiff.policies.base import Policy
 
@@ -38,7 +38,7 @@ def eligible(caches: list[EvictingCache], q: int = 1) -> bool:
         return False
     statistic = policy.needs.attention_rows != 0
     for cache in caches:
-        if (not poolable(cache, statistic) or cache.policy != policy or not cache.evicts_next_pass() or cache._scratch
+        if (not poolable(cache, statistic) or cache.policy != policy or not cache.evicts_next_pass() or cache.mode.scratch
                 or cache.profile):  # a profiled run times its statistics and evictions apart: the ordinary step
             return False
         if statistic and cache.statistics != "fast":  # materialised weights: the ordinary step (see the module)
@@ -216,7 +216,7 @@ class StaticStep:
         attention = None
         if self.statistic is not None:  # [R, kv_heads, N + q], rows in the order of the buffers'
             attention = self.statistic.buffer.view(-1, *self.statistic.buffer.shape[2:])
-        evict(self.rows, stop, n, self.policy, Signals(attention), fresh=n, active=row_active,
+        evict(self.rows, stop, n, self.policy, {"attention": attention}, fresh=n, active=row_active,
               where="the fixed-shape step")
 
     def run(self, ids: torch.Tensor, positions: torch.Tensor, active: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ from keydiff.cache.evict import evict_segments
 from keydiff.cache.layer import EvictingLayer, refuse_batch_change
 from keydiff.cache.storage import empty_buffers
 from keydiff.policies.base import LayerView, Policy
+from keydiff.signals import Recorded, Signal
 
 
 class PoolStack:
@@ -67,15 +68,14 @@ class AdaptiveStorage:
 
     def __init__(self, layer: int, budget: int, capacity: int | None, state_names: tuple[str, ...] = (),
                  entry_state: Callable[[LayerView], dict[str, torch.Tensor]] | None = None,
-                 needs_output_projection: bool = False, stack: PoolStack | None = None):
+                 asked: tuple[Signal, ...] = (), stack: PoolStack | None = None):
         self.layers = (layer,)
         self.stack = stack  # the shared allocation this layer's pool is a plane of, if any (see `in_stack`)
         self.in_stack = False
         self.budget, self.capacity = budget, capacity
         self.state_names, self.entry_state = state_names, entry_state
-        self.needs_output_projection = needs_output_projection  # entry_state reads it (CriticalKV)
+        self.asked = asked  # the model signals the policy asked for (keydiff.signals): entry_state may wait for some
         self.fresh = 0  # entries at the end of every segment whose policy state is not set yet (`initialize_state`)
-        self.output_projection: list[torch.Tensor | None] = [None]  # the layer's o_proj weight (CriticalKV)
         self.keys: torch.Tensor | None = None  # [batch, P, dim]
         self.values: torch.Tensor | None = None
         self.positions: torch.Tensor | None = None  # [batch, P] long
@@ -84,9 +84,8 @@ class AdaptiveStorage:
         self.starts: list[list[int]] = []  # [batch][head]: first cell of the head's segment
         self.counts: list[list[int]] = []  # [batch][head]: entries the head holds
         self.limits: list[list[int]] = []  # [batch][head]: first cell past the head's free cells
-        # The attention statistic of the last pass ([batch][head] -> [count] float32) and the query moments.
-        self.attention: list[Any] = [None]
-        self.queries: list[Any] = [None]
+        # The model signals (keydiff.signals); the attention statistic is [batch][head] -> [count] float32.
+        self.signals = Recorded(1)
         self.seen = 0
         self.max_total = 0  # peak entries held by one batch row of the layer (all heads), during a pass included
         self.allocations = 0
@@ -133,7 +132,7 @@ class AdaptiveStorage:
         return min(self.num_entries, self.budget)
 
     def pending(self) -> bool:
-        return max(self.row_totals(), default=0) > self.total_budget or self.attention[0] is not None
+        return max(self.row_totals(), default=0) > self.total_budget or self.signals.pending()
 
     # --- layout ---------------------------------------------------------------------------------
     def allocate(self, key_states: torch.Tensor, value_states: torch.Tensor, per_head: int) -> None:
@@ -223,7 +222,7 @@ class AdaptiveStorage:
         self.values.view(batch * pool, -1).index_copy_(0, cells, value_states.reshape(batch * heads * q, -1))
         self.positions.view(-1).index_copy_(0, cells, new_positions)
         if self.state:
-            if self.fresh or (self.needs_output_projection and self.output_projection[0] is None):
+            if self.fresh or self.awaits_signal():
                 self.fresh += q  # set by `initialize_state` before the entries are next viewed
             else:  # the usual case: set now, from the pass's own dense states (no gather)
                 self.set_state(cells, key_states, value_states, new_positions.view(batch, heads, q))
@@ -232,6 +231,10 @@ class AdaptiveStorage:
         self.max_total = max(self.max_total, max(self.row_totals()))
         self.served = False
         return self.keys, self.values
+
+    def awaits_signal(self) -> bool:
+        """Whether `entry_state` reads a signal the model has not handed over yet (CriticalKV's o_proj weight)."""
+        return any(signal.entries and self.signals.get(0, signal.name) is None for signal in self.asked)
 
     def segments(self) -> list[list[tuple[int, int]]]:
         """(start, count) of every head's segment, [batch][head]; asking marks the pass served (`require_served`)."""
@@ -251,9 +254,8 @@ class AdaptiveStorage:
         layer's whole o_proj weight, so `entry_state` sees them as for a uniform layer."""
         initial = {}
         if self.entry_state is not None:
-            initial = self.entry_state(LayerView(keys=keys, values=values, positions=positions, attention=None,
-                                                 state={}, layers=self.layers,
-                                                 output_projection=self.output_projection[0]))
+            initial = self.entry_state(LayerView(keys=keys, values=values, positions=positions, state={},
+                                                 layers=self.layers, signals=self.signals.for_entries()))
         for name, buffer in self.state.items():
             value = initial.get(name)
             fresh = torch.zeros(cells.shape[0], device=cells.device) if value is None else value.reshape(-1).float()
@@ -275,31 +277,17 @@ class AdaptiveStorage:
                        self.positions.view(-1).index_select(0, cells).view(shape))
 
     # --- views and eviction -----------------------------------------------------------------------
-    def head_output_projection(self, head: int) -> torch.Tensor | None:
-        """The o_proj columns of KV head `head`'s group of query heads (transformers' repeat_kv mapping)."""
-        weight = self.output_projection[0]
-        if weight is None:
-            return None
-        width = weight.shape[1] // self.heads
-        return weight[:, head * width:(head + 1) * width]
-
     def view_head(self, row: int, head: int) -> LayerView:
         """One head of one batch row as a policy sees it: batch 1, one KV head, its own entries."""
         start, count = self.starts[row][head], self.counts[row][head]
         part = slice(start, start + count)
-        attention, queries = self.attention[0], self.queries[0]
-        if queries is not None and queries.total is not None:
-            groups = queries.total.shape[1] // self.heads
-            queries = queries.heads(row, head * groups, groups)
         return LayerView(
             keys=self.keys[row, part][None, None],
             values=self.values[row, part][None, None],
             positions=self.positions[row, part][None, None],
-            attention=None if attention is None else attention[row][head][None, None],
             state={name: buffer[row, part][None, None] for name, buffer in self.state.items()},
             layers=self.layers,
-            queries=queries,
-            output_projection=self.head_output_projection(head),
+            signals=self.signals.head(row, head, self.heads),
         )
 
     def evict(self, policy: Policy, inv_freq: torch.Tensor | None = None, rotary_end: int | None = None,
@@ -380,7 +368,7 @@ class AdaptiveLayer(EvictingLayer):
     def reset(self) -> None:
         old = self.storage
         self.storage = AdaptiveStorage(old.layers[0], old.budget, old.capacity, old.state_names, old.entry_state,
-                                       old.needs_output_projection)
+                                       old.asked)
         self.seen, self.returned_keys, self.earlier_allocations, self.is_initialized = 0, None, 0, False
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from typing import Any, Iterator
 
 import torch
@@ -29,7 +30,7 @@ from keydiff.cache.sliding import SlidingWindowLayer
 from keydiff.cache.storage import Storage
 from keydiff.config import STATISTICS_MODES
 from keydiff.policies.base import Policy, chooses_whole_pools
-from keydiff.queries import QueryStatistics, rope_frequencies
+from keydiff import signals as model_signals
 
 # How close (relative to the largest value) a pass's layer-0 values must be to the kept ones to count as the
 # same tokens fed again: they were computed with another block size, so not bit-identical; at least a few
@@ -66,7 +67,6 @@ class EvictingCache(Cache):
         self.plan = plan_memory(policy, budget, num_layers, block_size, max_tokens, scratch_tokens, layer_placements,
                                 config, compressed_tokens)
         self.inv_freq, self.contiguous, self.budget = self.plan.inv_freq, self.plan.contiguous, self.plan.budget
-        self._pass_position = 0  # contiguous re-rotation: the RoPE position of the current pass's first token
         self.num_layers, self.block_size, self.max_tokens = num_layers, block_size, max_tokens
         self.scratch_tokens = scratch_tokens  # room for the longest scratch pass (KVzip's reconstruction)
         self.windows, self.sliding = list(self.plan.windows), self.plan.sliding  # each layer's window (None: none)
@@ -77,13 +77,16 @@ class EvictingCache(Cache):
         self.statistics = statistics
         self.profile = profile
         self.timings = {"statistics_s": 0.0, "eviction_s": 0.0}
-        self.sink = CacheSink(self)  # where the attention function leaves statistics, queries and o_proj weights
+        self.sink = CacheSink(self)  # where the attention function leaves the model signals the policy asked for
+        asked = model_signals.asked(policy.needs)
+        self.produced = tuple(signal for signal in asked if signal.produce is not None)  # recorded through the sink
         self.attention_reduction = policy.needs.attention_reduction  # "sum" or "max" (see keydiff.attention)
-        self._decoding = False  # True after start_generation
-        self._scratch = False  # True inside `scratch()`
-        self._chunk_start: int | None = None  # the scratch pass's `chunk_start`
-        self._evicting = True  # False after start_generation(evict=False): the generated tokens are all kept
-        self._held = False  # True after evict(drop=False): entries over the budget wait for the next evict()
+        self._mode = Mode()  # what the cache is doing (set last: the constructor is done)
+
+    @property
+    def mode(self) -> "Mode":
+        """What the cache is doing now (a value, replaced on each change)."""
+        return self._mode
 
     @property
     def storages(self) -> list[Storage]:
@@ -107,7 +110,7 @@ class EvictingCache(Cache):
         if isinstance(layer, SlidingWindowLayer):  # transformers' own sliding-window semantics
             return layer.update(key_states, value_states)
         storage = layer.storage
-        if self._scratch:  # written after the held entries, forgotten when the scratch pass ends
+        if self._mode.scratch:  # written after the held entries, forgotten when the scratch pass ends
             return layer.update(key_states, value_states)
         if self.windows[layer_idx] is not None and bound_cache() is not self:
             raise RuntimeError(
@@ -117,8 +120,8 @@ class EvictingCache(Cache):
             )
         if layer_idx == self._first_evicted:
             refuse_prompt_fed_again(layer, value_states, self.max_tokens)
-            if self.contiguous:
-                self._pass_position = self.next_position()  # before anything of this pass is written
+            if self.contiguous:  # before anything of this pass is written
+                self._mode = replace(self._mode, pass_position=self.next_position())
         if isinstance(storage, AdaptiveStorage) and bound_cache() is not self:
             raise RuntimeError(
                 f"layer {layer_idx} has head-adaptive budgets ({self.policy.name}): its heads' entries live in a pool "
@@ -132,16 +135,16 @@ class EvictingCache(Cache):
             storage = layer.storage
         # What the previous pass left to do (a plain loop never calls `evict()`): observe and evict now,
         # when the first of the storage's layers starts the next pass.
-        if self._evicting and not self._held and layer.seen == storage.seen and storage.pending():
+        if self._mode.evicts and layer.seen == storage.seen and storage.pending():
             with self.timed("eviction_s"):
-                storage.evict(self.policy, self.inv_freq, self._rotary_end())
-        return layer.update(key_states, value_states, position=self._pass_position if self.contiguous else None)
+                storage.evict(self.policy, self.inv_freq, self.next_position() if self.contiguous else None)
+        return layer.update(key_states, value_states, position=self._mode.pass_position if self.contiguous else None)
 
     def note_written(self, layer_idx: int, q: int) -> None:
         """Account for a pass of q tokens whose keys and values the caller already wrote into this layer's block slot
         (keydiff.batching.blocks.write_groups): `update` without the copy, returning nothing."""
         layer = self.layers[layer_idx]
-        if (layer_idx == self._first_evicted or self._scratch or not isinstance(layer, EvictingLayer)
+        if (layer_idx == self._first_evicted or self._mode.scratch or not isinstance(layer, EvictingLayer)
                 or layer.seen + q != layer.storage.seen):
             raise RuntimeError(f"layer {layer_idx}: a pass written by its row group must follow the pass's first "
                                "layer, written through update (every layer must see every forward pass, in order)")
@@ -162,21 +165,18 @@ class EvictingCache(Cache):
         self.layers = self.plan.build(self.policy)
         self._storages = distinct_storages(self.layers)
         self.evicted_layers = evicted_layers(self.layers)
-        self._evicting, self._decoding, self._scratch, self._held = True, False, False, False
-        self._pass_position = 0
+        self._mode = Mode()
 
     def fork(self, copies: int) -> list["EvictingCache"]:
         """`copies` independent caches holding exactly what this one holds, without re-running the prompt: each owns
         its buffers, statistics and policy object (o_proj weights stay shared). Refused inside a scratch pass."""
-        if self._scratch:
+        if self._mode.scratch:
             raise RuntimeError("a cache cannot be forked inside a scratch pass")
         if isinstance(copies, bool) or int(copies) != copies or copies < 1:
             raise ValueError(f"copies must be a positive integer, got {copies!r}")
-        shared = {id(weight): weight for storage in self._storages
-                  for weight in getattr(storage, "output_projection", []) if weight is not None}
         forks = []
         for _ in range(int(copies)):
-            cache = copy.deepcopy(self, dict(shared))
+            cache = copy.deepcopy(self)  # the model's own tensors stay shared (keydiff.signals.Recorded)
             for layer in cache.layers:
                 layer.returned_keys = None  # a copy of some earlier pass's tensor: no attention call will bring it
             forks.append(cache)
@@ -189,12 +189,8 @@ class EvictingCache(Cache):
         if not self.contiguous:
             return first.seen
         if any(layer.seen != first.seen for layer in self.layers):  # a pass is under way
-            return self._pass_position
-        return max(entries_next(layer, self._evicting and not self._held) for layer in self.layers)
-
-    def _rotary_end(self) -> int | None:
-        """Where re-rotated kept keys end (exclusive): the next token's position, or None for 0..n-1."""
-        return self.next_position() if self.contiguous else None
+            return self._mode.pass_position
+        return max(entries_next(layer, self._mode.evicts) for layer in self.layers)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """The tokens seen (the next absolute position), or `next_position()` under contiguous re-rotation."""
@@ -205,7 +201,7 @@ class EvictingCache(Cache):
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
         """Keys the next pass attends to and the offset of the first (see EvictingLayer.get_mask_sizes)."""
         layer = self.layers[layer_idx]
-        kept = entries_next(layer, self._evicting and not self._held)  # held entries (evict(drop=False)) included
+        kept = entries_next(layer, self._mode.evicts)  # held entries (evict(drop=False)) included
         return kept + query_length, (self.next_position() if self.contiguous else layer.seen) - kept
 
     # --- timings -------------------------------------------------------------------------------
@@ -218,18 +214,17 @@ class EvictingCache(Cache):
     def scratch(self, chunk_start: int | None = None) -> Iterator[None]:
         """`with cache.scratch(): model(...)` runs passes whose entries are not kept (KVzip's reconstruction);
         chunk_start: the first position of the tokens the pass reconstructs."""
-        if self._scratch:
+        if self._mode.scratch:
             raise RuntimeError("scratch passes do not nest")
-        self._chunk_start = chunk_start
         seen = [layer.seen for layer in self.evicted_layers]
         windows = [(layer, layer.snapshot()) for layer in self.layers if isinstance(layer, SlidingWindowLayer)]
         for storage in self._storages:
             storage.begin_scratch()
-        self._scratch = True
+        self._mode = replace(self._mode, scratch=True, chunk_start=chunk_start)
         try:
             yield
         finally:
-            self._scratch = False
+            self._mode = replace(self._mode, scratch=False, chunk_start=None)
             for storage in self._storages:
                 storage.end_scratch()
             for layer, tokens in zip(self.evicted_layers, seen):
@@ -253,11 +248,13 @@ class EvictingCache(Cache):
         if isinstance(layer, SlidingWindowLayer):
             return LayerBinding(self.sink, 0, self.attention_reduction)
         storage = layer.storage
+        mode = self._mode
+        signals = storage.signals.wanted(layer.plane, self.produced, mode.evicting) if self.produced else ()
         bounded = storage.budget is not None
         rows = needs.attention_rows
-        if rows == 0 or not bounded or not self._evicting:
+        if rows == 0 or not bounded or not mode.evicting:
             rows = 0
-        elif needs.reconstruction and not (self._scratch or self._decoding):
+        elif needs.reconstruction and not (mode.scratch or mode.decoding):
             rows = 0  # a prefill block's own queries: only its reconstruction pass (and decoding) scores
         elif not needs.every_pass and storage.num_entries <= storage.budget:
             rows = 0  # nothing will be evicted after this pass, so the statistic would be wasted
@@ -267,15 +264,15 @@ class EvictingCache(Cache):
         return LayerBinding(
             self.sink, rows, self.attention_reduction, self.statistics == "materialized", positions,
             storage.segments() if isinstance(storage, AdaptiveStorage) else None,  # asking marks the pass served
-            needs.queries and bounded and self._evicting,
-            needs.output_projection and bounded and storage.output_projection[layer.plane] is None)
+            signals if bounded else ())
 
     def evict(self, drop: bool = True) -> None:
         """Let the policy observe the pass just run, then shrink every over-budget layer to `budget`.
         drop=False observes only: entries over the budget are held until the next `evict()`."""
-        if self.budget is None or not self._evicting:
+        if self.budget is None or not self._mode.evicting:
             return
-        self._held = not drop
+        if self._mode.held == drop:
+            self._mode = replace(self._mode, held=not drop)
         with self.timed("eviction_s"):
             together = set()  # head-adaptive layers evicted with the rest of their pool stack, in one call
             if drop and chooses_whole_pools(self.policy) and self.policy.needs.key_rerotation is None:
@@ -287,24 +284,25 @@ class EvictingCache(Cache):
                     if group[0].stack.holds(group):
                         evict_segments(group, self.policy, buffers=group[0].stack.rows())
                         together.update(id(storage) for storage in group)
-            end = self._rotary_end()
+            end = self.next_position() if self.contiguous else None  # where re-rotated kept keys end
             for storage in self._storages:
                 if id(storage) not in together:
                     storage.evict(self.policy, self.inv_freq, end, drop=drop)
 
     def evicts_next_pass(self) -> bool:
         """Whether `evict()` would now drop the entries over the budget (bounded, evicting, no held pass)."""
-        return self.budget is not None and self._evicting and not self._held
+        return self.budget is not None and self._mode.evicts
 
     def start_generation(self, new_tokens: int, evict: bool = True) -> None:
         """Prepare to decode up to `new_tokens` tokens, making room now. evict=False keeps every generated token
         (no eviction or statistics from now on), and held entries stay for good."""
-        self._evicting, self._decoding = evict, True
+        self._mode = replace(self._mode, evicting=evict, decoding=True)
+        held = self._mode.held
         for storage in self._storages:
             if isinstance(storage, AdaptiveStorage):
-                if not evict or self._held:
+                if not evict or held:
                     storage.make_room(1 if evict else new_tokens)
-            elif storage.budget is None or not evict or self._held:
+            elif storage.budget is None or not evict or held:
                 storage.reserve(storage.num_entries + (1 if evict and storage.budget is not None else new_tokens))
         for layer in self.layers:
             layer.returned_keys = None  # may hold a released buffer
@@ -376,6 +374,27 @@ class EvictingCache(Cache):
         return sum(layer.allocations for layer in self.layers)
 
 
+@dataclass(frozen=True)
+class Mode:
+    """What an `EvictingCache` is doing, one value replaced on each change. decoding: after `start_generation`.
+    evicting: False after `start_generation(evict=False)` (the generated tokens are all kept). held: after
+    `evict(drop=False)` (entries over the budget wait for the next `evict()`). scratch: inside `scratch()`, whose
+    pass reconstructs the tokens from `chunk_start`. pass_position: under contiguous re-rotation, the RoPE position
+    of the current pass's first token."""
+
+    decoding: bool = False
+    evicting: bool = True
+    held: bool = False
+    scratch: bool = False
+    chunk_start: int | None = None
+    pass_position: int = 0
+
+    @property
+    def evicts(self) -> bool:
+        """The next pass starts by dropping the entries over the budget (evicting, nothing held)."""
+        return self.evicting and not self.held
+
+
 class _Timed:
     """The context manager `EvictingCache.timed` returns (a class: it runs per layer and step)."""
 
@@ -409,32 +428,26 @@ class CacheSink(StatisticSink):
         """Keep the statistic over the held entries (a scratch pass's own keys are not kept)."""
         layer = self.cache.layers[layer_idx]
         kept = layer.storage.scratch_kept
-        layer.storage.attention[layer.plane] = statistic if kept is None else statistic[..., :kept]
+        layer.storage.signals.put(layer.plane, "attention", statistic if kept is None else statistic[..., :kept])
 
-    def record_queries(self, layer_idx: int, query: torch.Tensor, config: Any) -> None:
+    def record(self, layer_idx: int, signals: tuple, module: torch.nn.Module, query: torch.Tensor,
+               key: torch.Tensor, value: torch.Tensor, output: torch.Tensor) -> None:
+        """Fold a layer's pass into what its storage keeps of `signals` (keydiff.signals.Recorded)."""
         cache = self.cache
         layer = cache.layers[layer_idx]
-        storage, plane = layer.storage, layer.plane
-        if storage.queries[plane] is None:
-            inv_freq, scaling = rope_frequencies(config, query.shape[-1])
-            first = cache.policy.needs.queries_from
-            storage.queries[plane] = QueryStatistics(inv_freq.to(query.device), scaling, first)
         # The queries were rotated for their RoPE positions: the absolute ones, or the pass's under contiguous re-rotation.
-        start = cache._pass_position if cache.contiguous else layer.seen - query.shape[2]
-        storage.queries[plane].update(query, start)
-
-    def record_output_projection(self, layer_idx: int, weight: torch.Tensor) -> None:
-        layer = self.cache.layers[layer_idx]
-        layer.storage.output_projection[layer.plane] = weight
+        start = cache.mode.pass_position if cache.contiguous else layer.seen - query.shape[2]
+        step = model_signals.LayerPass(module, query, key, value, output, start, cache.policy.needs)
+        layer.storage.signals.record(layer.plane, signals, step)
 
     def key_mask(self, layer_idx: int, keys: int) -> torch.Tensor | None:
         """In a scratch pass, the held keys the policy reconstructs from and the pass's own; else None (all keys)."""
         cache = self.cache
-        if not cache._scratch:
+        if not cache.mode.scratch:
             return None
         layer = cache.layers[layer_idx]
         kept = layer.storage.scratch_kept
-        chosen = cache.policy.reconstruction_keys(layer.positions[:, :, :kept], cache._chunk_start)
+        chosen = cache.policy.reconstruction_keys(layer.positions[:, :, :kept], cache.mode.chunk_start)
         if chosen is None:
             return None
         own = torch.ones(*chosen.shape[:2], keys - kept, dtype=torch.bool, device=chosen.device)

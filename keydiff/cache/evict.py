@@ -20,7 +20,8 @@ import torch
 
 from keydiff.policies.base import LayerView, Policy, PoolView
 from keydiff.policies.rerotation import STATE as ROTARY_STATE
-from keydiff.queries import QueryStatistics, rotate
+from keydiff.queries import rotate
+from keydiff.signals import SIGNALS, asked, missing_error
 
 
 @dataclass(frozen=True)
@@ -77,17 +78,7 @@ class Rows:
                 "state": {name: flat(s) for name, s in self.base["state"].items()}}
 
 
-@dataclass(frozen=True)
-class Signals:
-    """What the model gave the pass for these rows, None where nothing was recorded: the attention statistic
-    [R, kv_heads, n], the running query statistics and the o_proj weight (one layer's rows only)."""
-
-    attention: torch.Tensor | None = None
-    queries: QueryStatistics | None = None
-    output_projection: torch.Tensor | None = None
-
-
-NO_SIGNALS = Signals()
+NO_SIGNALS: dict[str, Any] = {}
 
 
 def write_active(buffer: torch.Tensor, new: torch.Tensor, active: torch.Tensor) -> None:
@@ -97,16 +88,16 @@ def write_active(buffer: torch.Tensor, new: torch.Tensor, active: torch.Tensor) 
 
 def init_fresh(buffers: dict, start: int, n: int, entry_state: Callable[[LayerView], dict] | None,
                layers: tuple[int, ...], active: torch.Tensor | None = None,
-               output_projection: torch.Tensor | None = None) -> None:
+               signals: dict[str, Any] = NO_SIGNALS) -> None:
     """Set the policy state of entries [start, n) of every row of `buffers`: the policy's `entry_state`, 0 for
-    names it leaves out (the rotary state is written with the entries). active: only these rows (bool [R])."""
+    names it leaves out (the rotary state is written with the entries). active: only these rows (bool [R]);
+    signals: what the entries' view carries (`Recorded.for_entries`)."""
     if not buffers["state"]:
         return
     initial = {}
     if entry_state is not None:
         entries = LayerView(keys=buffers["keys"][:, :, start:n], values=buffers["values"][:, :, start:n],
-                            positions=buffers["positions"][:, :, start:n], attention=None, state={}, layers=layers,
-                            output_projection=output_projection)
+                            positions=buffers["positions"][:, :, start:n], state={}, layers=layers, signals=signals)
         initial = entry_state(entries)
     for name, buffer in buffers["state"].items():
         if name == ROTARY_STATE:
@@ -119,42 +110,35 @@ def init_fresh(buffers: dict, start: int, n: int, entry_state: Callable[[LayerVi
             write_active(buffer[:, :, start:n], value, active)
 
 
-def evict(rows: Rows, n: int, budget: int, policy: Policy, signals: Signals = NO_SIGNALS, *, fresh: int | None,
+def evict(rows: Rows, n: int, budget: int, policy: Policy, signals: dict[str, Any] = NO_SIGNALS, *, fresh: int | None,
           active: torch.Tensor | None = None, drop: bool = True, inv_freq: torch.Tensor | None = None,
           rotary_end: int | None = None, where: str = "") -> None:
     """Evict the R rows of `rows`, each holding `n` entries, down to `budget`: set the state of entries [fresh, n)
     (None: none), let the policy observe the pass (when a statistic was recorded), drop (drop=False: observe only)
-    and re-rotate kept keys for a `key_rerotation` policy. active (bool [R]): rows whose eviction counts; the
-    others keep their entries and state (the fixed-shape step's idle rows). `where` names the rows in errors."""
+    and re-rotate kept keys for a `key_rerotation` policy. signals: the model signals the pass left for the rows,
+    by name (keydiff.signals). active (bool [R]): rows whose eviction counts; the others keep their entries and
+    state (the fixed-shape step's idle rows). `where` names the rows in errors."""
     buffers = rows.buffers()
     layers = rows.layers
+    attention = signals.get("attention")
     if fresh is not None and fresh < n:
-        init_fresh(buffers, fresh, n, policy.entry_state, layers, active, signals.output_projection)
+        entries = {name: value for name, value in signals.items() if SIGNALS[name].entries} if signals else signals
+        init_fresh(buffers, fresh, n, policy.entry_state, layers, active, entries)
     state = {name: s[:, :, :n] for name, s in buffers["state"].items()}
-    if signals.attention is not None and active is not None:
+    if attention is not None and active is not None:
         state = {name: s.clone() for name, s in state.items()}  # observed apart: an idle row's state stays
     view = LayerView(keys=buffers["keys"][:, :, :n], values=buffers["values"][:, :, :n],
-                     positions=buffers["positions"][:, :, :n], attention=signals.attention, state=state,
-                     layers=layers, queries=signals.queries, output_projection=signals.output_projection)
-    if signals.attention is not None:  # the policy observes the pass (H2O accumulates)
+                     positions=buffers["positions"][:, :, :n], state=state, layers=layers, signals=signals)
+    if attention is not None:  # the policy observes the pass (H2O accumulates)
         policy.observe(view)
         if active is not None:
             for name, buffer in buffers["state"].items():
                 write_active(buffer[:, :, :n], view.state[name], active)
     if not drop or n <= budget:
         return
-    if policy.needs.attention_rows != 0 and signals.attention is None:
-        raise RuntimeError(
-            f"policy {policy.name!r} needs attention statistics but none were recorded in {where}: "
-            "run the model inside `with keydiff.keydiff_attention(model, cache):` (keydiff.prefill and "
-            "keydiff.generate do this for you)"
-        )
-    if policy.needs.queries and signals.queries is None:
-        raise RuntimeError(
-            f"policy {policy.name!r} needs query statistics but none were recorded in {where}: run the "
-            "model inside `with keydiff.keydiff_attention(model, cache):` (keydiff.prefill and "
-            "keydiff.generate do)"
-        )
+    for signal in asked(policy.needs):
+        if signals.get(signal.name) is None:
+            raise missing_error(policy.name, signal, where)
     dropped = policy.evict_indices(view, budget)  # [R, kv_heads, n - budget]
     if active is not None and n - budget == 1:
         # decoding in fixed shapes: the new entry moves into the dropped place, an idle row's onto itself
@@ -224,29 +208,24 @@ def evict_segments(storages: list, policy: Policy, drop: bool = True, buffers: l
         raise RuntimeError(f"{first.where()}: key re-rotation is not supported with head-adaptive budgets")
     if buffers is None:
         if first.keys is None:
-            first.attention = [None]
+            first.signals.end_pass()
             return
         buffers = first.buffers()
     for storage in storages:
         storage.require_served()
         storage.initialize_state()
-        if storage.attention[0] is not None:
+        if storage.signals.get(0, "attention") is not None:
             for row in range(len(storage.counts)):
                 for head in range(storage.heads):
                     policy.observe(storage.view_head(row, head))
     if drop and any(total > storage.total_budget for storage in storages for total in storage.row_totals()):
         for storage in storages:
-            if policy.needs.attention_rows != 0 and storage.attention[0] is None:
-                raise RuntimeError(f"policy {policy.name!r} needs attention statistics but none were recorded in "
-                                   f"{storage.where()}: run the model inside `with keydiff.keydiff_attention(model, "
-                                   "cache):`")
-            if policy.needs.queries and storage.queries[0] is None:
-                raise RuntimeError(f"policy {policy.name!r} needs query statistics but none were recorded in "
-                                   f"{storage.where()}: run the model inside `with keydiff.keydiff_attention(model, "
-                                   "cache):`")
+            signal = storage.signals.missing(asked(policy.needs), 0)
+            if signal is not None:
+                raise missing_error(policy.name, signal, storage.where())
         drop_segments(storages, buffers, policy)
     for storage in storages:
-        storage.attention = [None]
+        storage.signals.end_pass()
 
 
 def drop_segments(storages: list, buffers: list[torch.Tensor], policy: Policy) -> None:
@@ -282,5 +261,5 @@ def drop_segments(storages: list, buffers: list[torch.Tensor], policy: Policy) -
         storage.counts, kept = kept[: len(storage.counts)], kept[len(storage.counts):]
 
 
-__all__ = ["NO_SIGNALS", "Rows", "Signals", "drop_entries", "drop_segments", "evict", "evict_segments", "init_fresh",
+__all__ = ["NO_SIGNALS", "Rows", "drop_entries", "drop_segments", "evict", "evict_segments", "init_fresh",
            "move_entries", "rerotate", "write_active"]

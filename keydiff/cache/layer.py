@@ -80,11 +80,12 @@ class EvictingLayer(CacheLayerMixin):
     @property
     def attention(self) -> torch.Tensor | None:
         """The attention statistic recorded in the last pass [batch, kv_heads, entries], until eviction uses it."""
-        return self.storage.attention[self.plane]
+        return self.storage.signals.get(self.plane, "attention")
 
     @property
     def queries(self):
-        return self.storage.queries[self.plane]
+        """The layer's running query statistics (keydiff.signals), for a policy with `needs.queries`."""
+        return self.storage.signals.get(self.plane, "queries")
 
     @property
     def budget(self) -> int | None:

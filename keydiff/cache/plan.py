@@ -21,6 +21,7 @@ from keydiff.cache.sliding import SlidingWindowLayer, layer_windows
 from keydiff.cache.storage import Storage
 from keydiff.policies.base import Policy
 from keydiff.queries import rope_frequencies
+from keydiff.signals import asked
 
 LOG = logging.getLogger(__name__)
 
@@ -55,7 +56,7 @@ class MemoryPlan:
             pools = {i: stack for stack in map(PoolStack, self.stacks) for i in stack.layers}
             for i, (b, c) in enumerate(zip(self.budgets, self.capacities)):
                 layers.append(EvictingLayer(b, c, needs.state, state, layer_idx=i) if b is None else AdaptiveLayer(
-                    AdaptiveStorage(i, b, c, needs.state, state, needs.output_projection, pools.get(i)), i))
+                    AdaptiveStorage(i, b, c, needs.state, state, asked(needs), pools.get(i)), i))
         else:
             layers = [EvictingLayer(b, c, needs.state, state, layer_idx=i)
                       for i, (b, c) in enumerate(zip(self.budgets, self.capacities))]

@@ -14,10 +14,10 @@ import torch
 
 from keydiff.cache.arena import (ENTRIES, FRESH, MARK_ENTRIES, MARK_PEAK, NONE, PEAK, SEEN, Arena, Handle,
                                  empty_buffers)
-from keydiff.cache.evict import Signals, evict, init_fresh
+from keydiff.cache.evict import evict, init_fresh
 from keydiff.policies.base import LayerView, Policy
 from keydiff.policies.rerotation import STATE as ROTARY_STATE
-from keydiff.queries import QueryStatistics
+from keydiff.signals import Recorded
 
 # What a storage derives from its handle (re-made by `bind`, never copied).
 VIEWS = ("handle", "_counts", "keys", "values", "positions", "state", "flat", "rows", "planes")
@@ -57,11 +57,7 @@ class Storage:
         self.capacity = capacity
         self.state_names = state_names
         self.entry_state = entry_state  # the policy's `entry_state`: state of newly written entries
-        # Per plane: the attention statistic of the last pass [batch, kv_heads, entries] and running query moments.
-        self.attention: list[torch.Tensor | None] = [None] * len(self.layers)
-        self.queries: list[QueryStatistics | None] = [None] * len(self.layers)
-        # Per plane: the layer's o_proj weight, for policies with `needs_output_projection` (a reference, not a copy).
-        self.output_projection: list[torch.Tensor | None] = [None] * len(self.layers)
+        self.signals = Recorded(len(self.layers))  # per plane: the model signals the policy asked for (keydiff.signals)
         self.allocations = 0  # buffer (re)allocations (1 when the capacity was right)
         self.max_scratch_entries = 0  # peak entries per head during scratch passes (kept + block + scratch)
         self.bind(Handle(Arena(1, self.layers), 0))  # a private arena, its buffers allocated by the first write
@@ -153,11 +149,11 @@ class Storage:
         for plane, layer in enumerate(self.layers):
             part = Storage((layer,), self.budget, self.capacity, self.state_names, self.entry_state)
             part.bind(Handle(self.handle.arena.plane(self.handle.slot, plane), 0))
-            part.attention, part.queries = [self.attention[plane]], [self.queries[plane]]
-            part.output_projection = [self.output_projection[plane]]
             part.allocations = self.allocations
             part.max_scratch_entries = self.max_scratch_entries
             parts.append(part)
+        for part, signals in zip(parts, self.signals.split()):
+            part.signals = signals
         return parts
 
     # --- writes -------------------------------------------------------------------------------
@@ -201,7 +197,7 @@ class Storage:
         start, self.fresh = self.fresh, None
         if start is not None and start < self.num_entries:
             init_fresh(self.rows, start, self.num_entries, self.entry_state, self.layers,
-                       output_projection=self.plane_output_projection())
+                       signals=self.signals.for_entries())
 
     # --- scratch passes ------------------------------------------------------------------------
     def begin_scratch(self) -> None:
@@ -228,59 +224,33 @@ class Storage:
         """The valid entries as a policy sees them, in buffer order: one plane's, or (None) every plane's rows."""
         self.initialize_state()
         n = self.num_entries
-        projection = self.plane_output_projection(plane)
-        if plane is None:
-            buffers, layers, queries = self.rows, self.layers, (self.queries[0] if self.count == 1 else None)
-            attention = self.attention[0] if self.count == 1 else self.stacked_attention()
-        else:
-            buffers, layers = self.planes[plane], (self.layers[plane],)
-            attention, queries = self.attention[plane], self.queries[plane]
+        buffers = self.rows if plane is None else self.planes[plane]
         return LayerView(
             keys=buffers["keys"][:, :, :n],
             values=buffers["values"][:, :, :n],
             positions=buffers["positions"][:, :, :n],
-            attention=attention,
             state={name: buffer[:, :, :n] for name, buffer in buffers["state"].items()},
-            layers=layers,
-            queries=queries,
-            output_projection=projection,
+            layers=self.layers if plane is None else (self.layers[plane],),
+            signals=dict(self.signals.view(plane, self.where())),
         )
-
-    def plane_output_projection(self, plane: int | None = None) -> torch.Tensor | None:
-        """The o_proj weight of one plane, or (None) of the storage's only plane; None for a stack's rows."""
-        if plane is None:
-            return self.output_projection[0] if self.count == 1 else None
-        return self.output_projection[plane]
-
-    def stacked_attention(self) -> torch.Tensor | None:
-        """Every plane's statistic as one [count * batch, kv_heads, entries] tensor (None if none was recorded)."""
-        recorded = [a is not None for a in self.attention]
-        if not any(recorded):
-            return None
-        if not all(recorded):
-            raise RuntimeError(f"attention statistics were recorded for only some of {self.where()}; every layer "
-                               "of a forward pass must run with keydiff_attention")
-        return torch.cat(self.attention)
 
     def pending(self) -> bool:
         """Whether the last pass left something to do: a statistic to observe or entries over the budget."""
-        return self.budget is not None and (self.num_entries > self.budget or self.attention.count(None) < self.count)
+        return self.budget is not None and (self.num_entries > self.budget or self.signals.pending())
 
     def evict(self, policy: Policy, inv_freq: torch.Tensor | None = None, rotary_end: int | None = None,
               drop: bool = True) -> None:
         """Observe the last pass's statistics, then drop entries until at most `budget` remain, in place, and
         re-rotate kept keys for a `key_rerotation` policy (keydiff.cache.evict.evict). drop=False observes only."""
         if self.budget is None or self.keys is None:
-            self.attention = [None] * self.count
+            self.signals.end_pass()
             return
-        attention = self.attention[0] if self.count == 1 else self.stacked_attention()
-        signals = Signals(attention, self.queries[0] if self.count == 1 else None, self.plane_output_projection())
         n, fresh, self.fresh = self.num_entries, self.fresh, None
-        evict(self.flat, n, self.budget, policy, signals, fresh=fresh, drop=drop, inv_freq=inv_freq,
-              rotary_end=rotary_end, where=self.where())
+        evict(self.flat, n, self.budget, policy, self.signals.view(None, self.where()), fresh=fresh, drop=drop,
+              inv_freq=inv_freq, rotary_end=rotary_end, where=self.where())
         if drop and n > self.budget:
             self.num_entries = self.budget
-        self.attention = [None] * self.count
+        self.signals.end_pass()
 
     def entries_after_eviction(self) -> int:
         if self.budget is None or self.scratch_mark is not None:  # nothing is evicted during a scratch pass

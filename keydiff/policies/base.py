@@ -11,45 +11,79 @@ import logging
 import math
 from dataclasses import dataclass, field, fields, replace
 from functools import cached_property
-from typing import Callable, ClassVar
+from typing import Any, Callable, ClassVar
 
 import torch
 
+from keydiff import signals as model_signals
 from keydiff.queries import QueryStatistics
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
 class LayerView:
-    """One layer's cache as a policy sees it: views of the valid entries, in buffer order (not position order)."""
+    """One layer's cache as a policy sees it: views of the valid entries, in buffer order (not position order).
 
-    keys: torch.Tensor  # [batch, kv_heads, n, head_dim], post-RoPE, as cached
-    values: torch.Tensor  # [batch, kv_heads, n, head_dim]
-    positions: torch.Tensor  # [batch, kv_heads, n] absolute prompt/generation positions (long)
-    # Attention statistic of the forward pass that just ran: for each entry, the attention it received,
-    # summed over the query rows the policy asked for and averaged over the query heads of its KV group.
-    attention: torch.Tensor | None  # [batch, kv_heads, n] float32, or None if the policy asked for none
-    # Per-entry policy state [batch, kv_heads, n], one view per name in the policy's `needs.state`; new
-    # entries start at 0. Update it in place (`state["h2o"].add_(...)`): it lives in the cache's buffers.
-    state: dict[str, torch.Tensor]
-    # The model layers whose rows the view holds, layer-major: one layer, or several when the cache scores
-    # them in one call (their rows stacked along the batch dimension, see `Needs.rows_alike`). An int
-    # is taken as that one layer.
-    layers: tuple[int, ...]
-    # Running mean/covariance of this layer's pre-RoPE queries (every pass so far), for policies with
-    # `needs.queries`; None otherwise.
-    queries: QueryStatistics | None = None
-    # The layer's attention output projection (o_proj.weight, [hidden, heads * head_dim], as the model holds it),
-    # for policies with `needs.output_projection` (CriticalKV); None otherwise and in stacked views.
-    output_projection: torch.Tensor | None = None
+    keys, values [batch, kv_heads, n, head_dim] (keys post-RoPE, as cached); positions [batch, kv_heads, n] absolute
+    positions (long). state: per-entry policy state [batch, kv_heads, n], one view per name in `needs.state`; new
+    entries start at 0; update it in place (`state["h2o"].add_(...)`): it lives in the cache's buffers. layers: the
+    model layers whose rows the view holds, layer-major: one layer, or several when the cache scores them in one
+    call (their rows stacked along the batch dimension, see `Needs.rows_alike`); an int is taken as that one layer.
+    signals: what the model handed the cache for the signals the policy asked for (keydiff/signals.py), by name;
+    `attention`, `queries` and `output_projection` read the built-in ones (and may be given as arguments).
+    """
 
-    def __post_init__(self):
-        if type(self.layers) is tuple:  # the cache's views: nothing to convert (cheap, it runs at every eviction)
-            return
-        if not isinstance(self.layers, int) or isinstance(self.layers, bool):
-            raise TypeError(f"LayerView.layers must be a layer index or a tuple of them, got {self.layers!r}")
-        self.layers = (self.layers,)
+    __slots__ = ("keys", "values", "positions", "state", "layers", "signals")
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+                 attention: torch.Tensor | None = None, state: dict[str, torch.Tensor] | None = None,
+                 layers: tuple[int, ...] | int = 0, queries: QueryStatistics | None = None,
+                 output_projection: torch.Tensor | None = None, signals: dict[str, Any] | None = None):
+        self.keys, self.values, self.positions = keys, values, positions
+        self.state = {} if state is None else state
+        if type(layers) is not tuple:  # the cache's views pass a tuple: nothing to convert (it runs at every eviction)
+            if not isinstance(layers, int) or isinstance(layers, bool):
+                raise TypeError(f"LayerView.layers must be a layer index or a tuple of them, got {layers!r}")
+            layers = (layers,)
+        self.layers = layers
+        if attention is not None or queries is not None or output_projection is not None:
+            signals = dict(signals or {})
+            for name, value in (("attention", attention), ("queries", queries),
+                                ("output_projection", output_projection)):
+                if value is not None:
+                    signals[name] = value
+        self.signals = {} if signals is None else signals
+
+    @property
+    def attention(self) -> torch.Tensor | None:
+        """Attention statistic of the forward pass that just ran: for each entry, the attention it received, summed
+        over the query rows the policy asked for and averaged over the query heads of its KV group; [batch,
+        kv_heads, n] float32, or None if the policy asked for none."""
+        return self.signals.get("attention")
+
+    @attention.setter
+    def attention(self, value: torch.Tensor | None) -> None:
+        self.signals["attention"] = value
+
+    @property
+    def queries(self) -> QueryStatistics | None:
+        """Running mean/covariance of this layer's pre-RoPE queries (every pass so far), for policies with
+        `needs.queries`; None otherwise."""
+        return self.signals.get("queries")
+
+    @queries.setter
+    def queries(self, value: QueryStatistics | None) -> None:
+        self.signals["queries"] = value
+
+    @property
+    def output_projection(self) -> torch.Tensor | None:
+        """The layer's attention output projection (o_proj.weight, [hidden, heads * head_dim], as the model holds
+        it), for policies with `needs.output_projection` (CriticalKV); None otherwise and in stacked views."""
+        return self.signals.get("output_projection")
+
+    @output_projection.setter
+    def output_projection(self, value: torch.Tensor | None) -> None:
+        self.signals["output_projection"] = value
 
     @property
     def layer_idx(self) -> int:
@@ -119,10 +153,20 @@ class Needs:
     # Its scores use only what keydiff.kernels.batch_invariant makes invariant (matmuls, sums, means, norms,
     # attention) or what is invariant as it is (elementwise, softmax, max, topk): read, not measured on a GPU.
     batch_invariant: bool = False
+    # Further model signals the policy reads, by name (keydiff/signals.py), delivered in LayerView.signals; such a
+    # policy scores layer by layer (not `rows_alike`).
+    signals: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        if not isinstance(self.state, tuple):
-            object.__setattr__(self, "state", tuple(self.state))
+        for name in ("state", "signals"):
+            if not isinstance(getattr(self, name), tuple):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
+        unknown = [name for name in self.signals if name not in model_signals.named()]
+        if unknown:
+            raise ValueError(f"Needs.signals names unknown model signal {unknown[0]!r}; valid: "
+                             f"{', '.join(model_signals.named()) or '(none registered)'}")
+        if self.signals and self.rows_alike:
+            raise ValueError("Needs.signals with rows_alike: a policy reading model signals scores layer by layer")
         if self.attention_reduction not in REDUCTIONS:
             raise ValueError(f"Needs.attention_reduction {self.attention_reduction!r} is not valid; valid: "
                              f"{', '.join(REDUCTIONS)}")
@@ -143,9 +187,9 @@ class Needs:
     @property
     def groupable(self) -> bool:
         """Rows of several sequences may be evicted as one (keydiff.batching.blocks.poolable's policy half): rows
-        alike, and nothing but the entries read (no attention, queries, output projection, re-rotation, segments)."""
+        alike, and nothing but the entries read (no model signal, re-rotation, segments)."""
         return (self.rows_alike and self.attention_rows == 0 and not self.queries and not self.output_projection
-                and self.key_rerotation is None and not self.head_adaptive and not self.reconstruction)
+                and not self.signals                and self.key_rerotation is None and not self.head_adaptive and not self.reconstruction)
 
 
 REDUCTIONS = ("sum", "max")
