@@ -162,12 +162,14 @@ def test_out_of_memory_with_forks_in_flight_prefills_them_again(tmp_path, tiny, 
 
 
 @contextlib.contextmanager
-def blocks_alive_at_the_back_off() -> Iterator[list[list[int]]]:
-    """The slots of every block alive when the back-off has built the smaller width (its warning, logged then): by
-    then nothing of the failed width may hold a block, or it stays allocated beside the new width's."""
+def blocks_alive_at_the_back_off() -> Iterator[list[list]]:
+    """The slots of every block, and every step plan (as "plan W=<rows>"), alive when the back-off has built the
+    smaller width (its warning, logged then): by then nothing of the failed width may hold a block or a plan (its
+    ids and rows are tensors of the failed width), or they stay allocated beside the new width's."""
     import gc
 
     from keydiff.batching.blocks import RowBlock
+    from keydiff.batching.plan import StepPlan
 
     alive: list[list[int]] = []
 
@@ -175,7 +177,9 @@ def blocks_alive_at_the_back_off() -> Iterator[list[list[int]]]:
         def emit(self, record: logging.LogRecord) -> None:
             if record.getMessage().startswith("out of memory at width"):
                 gc.collect()
-                alive.append([block.slots for block in gc.get_objects() if type(block) is RowBlock])
+                objects = gc.get_objects()
+                alive.append([block.slots for block in objects if type(block) is RowBlock]
+                             + [f"plan W={plan.ids.shape[0]}" for plan in objects if type(plan) is StepPlan])
 
     logger, probe = logging.getLogger(scheduler.__name__), Probe(logging.WARNING)
     logger.addHandler(probe)

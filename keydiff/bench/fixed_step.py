@@ -19,8 +19,8 @@ import torch
 
 from keydiff import Request, build_policy, generate_batch, prefill
 from keydiff.attention import keydiff_attention
+from keydiff.batching.scheduler import read_cache
 from keydiff.batching.static import StaticStep
-from keydiff.cache.evict import Rows
 from keydiff.bench import common, floor, runner
 
 
@@ -32,9 +32,8 @@ def compiled_form(model, state, width: int, budget: int, args, device: str) -> d
     its own stack), the step alone with its argmax (generate_batch never compiles it)."""
     forks = state.fork(width)
     cache = forks[0].cache
-    placement = cache.stack.placement
-    rows = Rows.of_block(placement.block, cache.stack.layers) if placement else Rows.of_storage(cache.stack)
-    step = StaticStep(model, rows, cache.policy, budget, compiled=True)
+    place = read_cache(cache)  # the scheduler's record: the forks' block, or the one fork's own stack
+    step = StaticStep(model, place.cut(0, place.slots), cache.policy, budget, compiled=True)
     ids = state.logits.argmax(-1, keepdim=True).expand(width, 1).to(device)  # the first token, as generate picks it
     active = torch.ones(width, dtype=torch.bool, device=device)
     position = state.prompt_length
