@@ -87,15 +87,16 @@ class Decoder:
         self._rows: tuple[StepKey, object, Rows] | None = None  # the last fixed step's rows (cut once per change)
 
     def admit(self, sequence: Sequence, active: list[Sequence]) -> None:
-        """Place a new sequence (into an arena slot where it can group) and record it; the placement may have moved
-        a neighbour's rows (the first sequence of a block), so every active sequence's place is read again."""
+        """Place a new sequence (into an arena slot where it can group) and record it. The placement may have moved
+        a neighbour into the block (the first sequence of one), so the place of every active one not in a block is
+        read again; a sequence in a block stays in its slot until it stops."""
         if self.pool is not None:
             self.pool.place(sequence.cache)
         self._rows = None  # rows may have moved: cut again
         self.records[id(sequence)] = read_cache(sequence.cache, evict=sequence.request.evict)
         for other in active:
             record = self.records[id(other)]
-            if other is not sequence:
+            if other is not sequence and record.slot is None:
                 record.move(read_cache(other.cache))
             if record.slot is not None:  # in a block: a step over its own stack holds buffers it left
                 self.runner.forget(record.handle)
@@ -266,16 +267,13 @@ class BlockScheduler:
             return None
         self._handle = record.handle
         if self.slot is not None and self.slot.enter(record.handle):
-            record = read_cache(cache, q)  # in the slot now: its rows are the slot's
-            first, stop = 0, record.slots
-        else:
-            first, stop = 0, record.slots  # its own buffers
-        key = StepKey(record.buffers, first, stop, q, record.policy, record.budget)
+            record = read_cache(cache, q)  # in the slot now: its rows are the slot's (else its own buffers')
+        key = StepKey(record.buffers, 0, record.slots, q, record.policy, record.budget)
         rows = ids.shape[0]
         positions = torch.arange(start, start + q, device=ids.device).expand(rows, q)
-        active = torch.ones(stop - first, dtype=torch.bool, device=ids.device)
+        active = torch.ones(record.slots, dtype=torch.bool, device=ids.device)
         return StepPlan("block", "fixed", q, (cache,), (rows,), (slice(0, rows),), ids, positions, active, key,
-                        record.owner, record.cut(first, stop))
+                        record.owner, record.cut(0, record.slots))
 
     def finish(self, cache: EvictingCache, failed: bool = False) -> None:
         """The prefill of `cache` ended: it leaves the slot (with its entries unless failed), and the step over its
@@ -308,7 +306,8 @@ def read_cache(cache: EvictingCache, q: int = 1, evict: bool = True) -> Sequence
     placement = stack.placement
     if placement is not None and placement.resident:
         block, layers = placement.block, stack.layers
-        record.owner, record.slot, record.slots, record.buffers = block, placement.slot, block.keys.shape[0], id(block.keys)
+        record.owner, record.slot = block, placement.slot
+        record.slots, record.buffers = block.keys.shape[0], id(block.keys)
         record.cut = lambda first, stop: Rows.of_block(block, layers, first, stop)
     else:
         record.owner, record.slots, record.buffers = stack, stack.keys.shape[1], id(stack.keys)
