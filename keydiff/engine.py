@@ -17,7 +17,8 @@ import torch
 from keydiff.attention import keydiff_attention
 from keydiff.batching import Decoder, GenerationResult, Request
 from keydiff.batching.blocks import place_forks
-from keydiff.batching.step import BlockStepper
+from keydiff.batching.scheduler import BlockScheduler
+from keydiff.batching.step import ModelRunner
 from keydiff.cache import EvictingCache
 from keydiff.cache.placement import layer_placements
 from keydiff.cache.sliding import layer_windows
@@ -193,26 +194,30 @@ def prefill(
         scratch_tokens=scratch, config=model.config, compressed_tokens=compressed,
         layer_placements=layer_placements(model, model.config.get_text_config().num_hidden_layers),
     )
-    # Full blocks in fixed shapes once the cache is full (a run's block step, or one for this prefill).
+    # Full blocks in fixed shapes once the cache is full (planned by a run's decoder, or for this prefill alone).
     decoder = options.decoder
     if decoder is not None:
         decoder.check_options(options.fixed_shapes)
-    fixed = decoder.blocks if decoder is not None else BlockStepper(model, options.fixed_shapes)
+        blocks = decoder.blocks
+    else:
+        blocks = BlockScheduler(ModelRunner(model, fixed_shapes=options.fixed_shapes))
     with keydiff_attention(model, cache):
         sync(device)
         start_time = time.perf_counter()
         try:
             for start, reconstruction in zip(range(0, compressed, step), reconstructions):
                 block_ids = context[:, start : start + step]
-                logits = fixed.run(cache, block_ids, start, step) if reconstruction is None else None
-                if logits is None:
+                plan = blocks.plan(cache, block_ids, start, step) if reconstruction is None else None
+                if plan is not None:  # a block step in fixed shapes, run by the model runner
+                    logits = blocks.runner.run(plan).logits
+                else:
                     logits = _forward(model, cache, block_ids, reconstruction)
                 if options.on_block is not None:
                     options.on_block(cache)
         except BaseException:
-            fixed.finish(cache, failed=True)  # discarded: the slot is freed without copying (OOM may unwind)
+            blocks.finish(cache, failed=True)  # discarded: the slot is freed without copying (OOM may unwind)
             raise
-        fixed.finish(cache)  # the stack leaves the run's prefill slot (if it was in one) with its entries
+        blocks.finish(cache)  # the stack leaves the run's prefill slot (if it was in one) with its entries
         if held_suffix:
             logits = _forward(model, cache, input_ids[:, compressed:], drop=False)
         sync(device)

@@ -162,11 +162,13 @@ def test_out_of_memory_with_forks_in_flight_prefills_them_again(tmp_path, tiny, 
 
 
 @contextlib.contextmanager
-def blocks_alive_at_the_back_off() -> Iterator[list[list[int]]]:
-    """The slots of every shared arena alive when the back-off has built the smaller width (its warning, logged
-    then): by then nothing of the failed width may hold one, or it stays allocated beside the new width's."""
+def blocks_alive_at_the_back_off() -> Iterator[list[list]]:
+    """The slots of every shared arena, and every step plan (as "plan W=<rows>"), alive when the back-off has built
+    the smaller width (its warning, logged then): by then nothing of the failed width may hold a shared arena or a
+    plan (its ids and rows are tensors of the failed width), or they stay allocated beside the new width's."""
     import gc
 
+    from keydiff.batching.plan import StepPlan
     from keydiff.cache.arena import Arena
 
     alive: list[list[int]] = []
@@ -175,7 +177,9 @@ def blocks_alive_at_the_back_off() -> Iterator[list[list[int]]]:
         def emit(self, record: logging.LogRecord) -> None:
             if record.getMessage().startswith("out of memory at width"):
                 gc.collect()
-                alive.append([a.slots for a in gc.get_objects() if type(a) is Arena and a.shared])
+                objects = gc.get_objects()
+                alive.append([a.slots for a in objects if type(a) is Arena and a.shared]
+                             + [f"plan W={plan.ids.shape[0]}" for plan in objects if type(plan) is StepPlan])
 
     logger, probe = logging.getLogger(scheduler.__name__), Probe(logging.WARNING)
     logger.addHandler(probe)

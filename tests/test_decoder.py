@@ -285,3 +285,45 @@ def test_a_decoder_refuses_options_it_does_not_run_with(model):
         generate(model, state, 3, batch_invariant=True, decoder=decoder)
     with pytest.raises(ValueError, match="fixed_shapes=True, but the decoder runs fixed_shapes=False"):
         prefill(model, prompts()[0], "keydiff", BUDGET, BLOCK, fixed_shapes=True, decoder=decoder)
+
+
+@pytest.mark.parametrize("case, variant", [(case, "") for case in ("adakv_keydiff", "full", "keydiff", "snapkv")]
+                         + [("keydiff", "evict=False"), ("snapkv", "evict=False"), ("keydiff", "held")])
+def test_the_scheduler_records_equal_the_caches_after_every_step(case, variant, monkeypatch):
+    """The scheduler plans every step from records read once at admission and kept by rule (entries = min(entries +
+    q, N) while evicting, entries + q otherwise; the position moves on by q; held entries go after one pass): after
+    every step of the golden batching runs (tests/test_golden_batching.py; evict=False: the generated tokens kept;
+    held: 5 prompt tokens held whole to the first generated token), each going sequence's record is what a fresh
+    reading of its cache gives, and its entries what its stack holds."""
+    import functools
+
+    import tests.test_golden_batching as golden
+    from keydiff.batching import scheduler
+    from keydiff.batching.scheduler import read_cache
+
+    real, checked, ready, held = scheduler.decode_step, [0], [0], [0]
+
+    def step_and_check(decoder, active):
+        held[0] += sum(decoder.records[id(sequence)].held for sequence in active if not sequence.done)
+        going, stopped = real(decoder, active)
+        for sequence in going:
+            record, stack = decoder.records[id(sequence)], sequence.cache.stack
+            fresh = read_cache(sequence.cache, evict=sequence.request.evict)
+            assert record.entries == (None if stack is None else stack.num_entries) == fresh.entries, case
+            assert (record.seen, record.held, record.ready, record.slot) == (fresh.seen, fresh.held, fresh.ready,
+                                                                             fresh.slot), case
+            assert record.owner is fresh.owner and record.buffers == fresh.buffers, case
+            checked[0] += record.entries is not None
+            ready[0] += record.ready
+        return going, stopped
+
+    monkeypatch.setattr(scheduler, "decode_step", step_and_check)
+    if variant == "evict=False":
+        monkeypatch.setattr(golden, "settings", lambda key, settings=golden.settings: {**settings(key), "evict": False})
+    if variant == "held":
+        monkeypatch.setattr(keydiff, "prefill", functools.partial(prefill, held_suffix=5))
+    golden.outputs(case)
+    # full and head-adaptive pools keep no single stack (never fixed): their records hold no entries
+    assert (checked[0] > 0) == (case in ("keydiff", "snapkv")), checked
+    assert (ready[0] > 0) == (variant != "evict=False" and case in ("keydiff", "snapkv")), ready
+    assert (held[0] > 0) == (variant == "held"), held

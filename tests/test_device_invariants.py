@@ -356,10 +356,8 @@ def test_one_decoder_captures_one_graph_per_step_across_its_calls(engine, device
             state = prefill(model, ids, "keydiff", sizes.budget, sizes.block, decoder=decoder)
             got = (state.logits, generate(model, state, sizes.new_tokens, decoder=decoder).token_ids)
             same += torch.equal(got[0], want[0]) and got[1] == want[1]
-            for _, step in decoder.stepper.steps.values():
-                add(decode_graphs, step.graph)
-            if decoder.blocks.step is not None:
-                add(block_graphs, decoder.blocks.step.graph)
+            for step in decoder.runner.fixed_steps():
+                add(decode_graphs if step.q == 1 else block_graphs, step.graph)
     detail = (f"3 prompts, one call each: {len(decode_graphs)} decode and {len(block_graphs)} prefill-block graph(s) "
               f"captured, {same}/3 identical to the ordinary step"
               + ("" if device.type == "cuda" else " (CUDA graphs stood in for)")

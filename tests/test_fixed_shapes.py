@@ -1,4 +1,5 @@
-"""The one decoding step and its fixed-shape form (keydiff.batching.step, keydiff.batching.static).
+"""The one decoding step and its fixed-shape form (keydiff.batching.step, keydiff.batching.static), and which
+passes the scheduler plans in fixed shapes (keydiff.batching.scheduler).
 
 What must hold on any machine, GPU or not:
   * `keydiff.generate` and `keydiff.generate_batch` run the same step function;
@@ -24,7 +25,8 @@ import keydiff
 from keydiff import build_policy, generate, prefill
 from keydiff.attention import keydiff_attention
 from keydiff.batching import static
-from keydiff.batching.static import StaticStep, eligible
+from keydiff.batching.scheduler import read_cache
+from keydiff.batching.static import StaticStep
 from tests.conftest import CORE_POLICIES, extended_unless
 
 pytestmark = pytest.mark.integration
@@ -72,6 +74,11 @@ def same_states(a: dict, b: dict, exact: bool = True) -> bool:
     return all(torch.allclose(a[key][name], b[key][name], rtol=1e-6, atol=0) for key in a for name in a[key])
 
 
+def ready(cache, q: int = 1) -> bool:
+    """Whether the scheduler would run the cache's next pass of q tokens in fixed shapes (its record at admission)."""
+    return read_cache(cache, q).ready
+
+
 def decoded(model, requests, width: int, **options) -> tuple[dict, keydiff.Decoder]:
     """generate_batch's results through a Decoder of its own, and the decoder: `stats.runs` counts its fixed-shape
     steps run, per (width, tokens per row)."""
@@ -85,9 +92,9 @@ def test_generate_and_generate_batch_run_the_one_step(model, monkeypatch):
 
     calls, original = [], scheduler.decode_step
 
-    def step(stepper, active):
+    def step(scheduler, active):
         calls.append(len(active))
-        return original(stepper, active)
+        return original(scheduler, active)
 
     monkeypatch.setattr(scheduler, "decode_step", step)
     generate(model, prefill(model, prompts()[0], "snapkv", BUDGET, BLOCK), 5)
@@ -176,7 +183,7 @@ def test_an_eager_model_takes_the_statistic_from_its_weights_in_fixed_shapes_too
 def test_rows_still_filling_materialized_statistics_and_lagkv_run_the_ordinary_step(model, monkeypatch):
     decoder = keydiff.Decoder(model, 1)
     short = prefill(model, prompts((23,))[0], "keydiff", BUDGET, BLOCK, decoder=decoder)  # holds 23 < N: filling
-    assert not eligible([short.cache])
+    assert not ready(short.cache)
     generate(model, short, 30, decoder=decoder)  # 29 passes; the cache holds N after the 17th: the last 12 fixed
     assert decoder.stats.runs == {(1, 1): 12} and decoder.stats.built == [(1, 1)]
     # keydiff.generate with no decoder makes its own with the device's default (fixed_shapes=None; CPU: fixed)
@@ -194,11 +201,11 @@ def test_rows_still_filling_materialized_statistics_and_lagkv_run_the_ordinary_s
     for name, statistics in (("snapkv", "materialized"), ("h2o", "materialized"), ("lagkv", "fast")):
         decoder = keydiff.Decoder(model, 1)
         state = prefill(model, prompts()[0], name, BUDGET, BLOCK, attention_statistics=statistics, decoder=decoder)
-        assert not eligible([state.cache]) and not decoder.stats.runs, name
+        assert not ready(state.cache) and not decoder.stats.runs, name
         generate(model, state, 5, decoder=decoder)
         assert not decoder.stats.runs and not decoder.stats.built, name
     state = prefill(model, prompts()[0], "snapkv", BUDGET, BLOCK)  # the same policy with "fast" statistics
-    assert eligible([state.cache])
+    assert ready(state.cache)
 
 
 def test_a_statistic_policy_runs_in_fixed_shapes_only_where_every_layer_writes_its_statistic(model, monkeypatch):
@@ -289,7 +296,7 @@ def test_the_step_compiles_as_one_graph_and_never_recompiles(model, name, q):
     if q > 1:  # a prefill block: one sequence alone in its own stack
         caches = [prefill(model, prompts()[1], policy(name), BUDGET, BLOCK).cache]
         eager_caches = [prefill(model, prompts()[1], policy(name), BUDGET, BLOCK).cache]
-    assert eligible(caches, q)
+    assert all(ready(cache, q) for cache in caches)
 
     def rows(cs):
         return cs[0].stack.handle.arena.rows()
@@ -327,6 +334,23 @@ def test_a_block_whose_going_rows_change_policy_gets_a_step_of_that_policy(model
     assert [batch[i].cache.stack.handle.slot for i in (2, 3)] == [0, 1]  # the stopped ones' slots
     assert decoder.stats.runs[2, 1] >= 2 + 19  # plain rows, then the windowed rows, in fixed shapes
     assert decoder.stats.built == [(2, 1), (2, 1)]  # a step for the plain rows, then one of the windowed rows' policy
+    for key, (tokens, positions) in enumerate(expected):
+        assert got[key].token_ids[0] == tokens and kept(batch[key].cache) == positions, key
+
+
+def test_rows_of_two_policies_in_one_block_never_share_a_fixed_step(model):
+    """A plain KeyDiff sequence and one in a recent window, side by side in one block and going together: the
+    scheduler plans no fixed step for both (one step evicts with one policy); each gives what it gives alone."""
+    policies = [build_policy("keydiff"), build_policy("keydiff", window_fraction=0.75)]
+
+    def states():
+        return [prefill(model, ids, p, BUDGET, BLOCK) for ids, p in zip(prompts((90, 130)), policies)]
+
+    expected = [(generate(model, s, 8).token_ids[0], kept(s.cache)) for s in states()]
+    batch = states()
+    got, decoder = decoded(model, [keydiff.Request(s, 8, key=i) for i, s in enumerate(batch)], 2)
+    assert [s.cache.stack.handle.slot for s in batch] == [0, 1] and batch[0].cache.stack.handle.shared  # one arena
+    assert (2, 1) not in decoder.stats.runs and decoder.stats.arenas == [2], decoder.stats.runs
     for key, (tokens, positions) in enumerate(expected):
         assert got[key].token_ids[0] == tokens and kept(batch[key].cache) == positions, key
 
@@ -392,14 +416,14 @@ def test_group_rows_false_runs_every_sequence_on_its_own(model):
 def test_a_device_with_no_default_runs_the_ordinary_step():
     """Only the device types FIXED_SHAPES_DEFAULT lists run the fixed step by default (mps, or anything else:
     the ordinary step, never a KeyError)."""
-    from keydiff.batching.step import FULL_WIDTH, Stepper, fixed_shapes_default
+    from keydiff.batching.step import FULL_WIDTH, ModelRunner, fixed_shapes_default
 
     assert fixed_shapes_default(torch.device("cpu")) and not fixed_shapes_default(torch.device("mps"))
     with torch.device("meta"):
         from tests.conftest import tiny_llama
         model = tiny_llama()
-    stepper = Stepper(model)
-    assert stepper.fixed_shapes is False and stepper.full_width is False and "meta" not in FULL_WIDTH
+    runner = ModelRunner(model)
+    assert runner.fixed_shapes is False and runner.full_width is False and "meta" not in FULL_WIDTH
 
 
 @pytest.mark.extended

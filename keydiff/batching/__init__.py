@@ -3,8 +3,10 @@ the same thing with one request. Only the weights are shared: padding caches to 
 scores, so attention and eviction run per sequence, and rows alike run as one group.
 
     sequence.py   a request, the token rule (greedy / sampling, stop tokens, min_new_tokens), results
-    scheduler.py  continuous batching: up to W sequences at once; a run's Decoder keeps its arena and steps
-    step.py       the decoding step every path runs (keydiff.generate and keydiff.generate_batch alike)
+    scheduler.py  continuous batching: up to W sequences at once; decides each step as a plan; a run's Decoder
+                  keeps its arena and steps
+    plan.py       what passes from the scheduler to the model runner: StepPlan in, StepOutput back
+    step.py       the model runner, and the decode step every path runs (keydiff.generate, generate_batch alike)
     rows.py       the cache a batched forward pass runs with: each sequence's rows to its own cache
     blocks.py     shared arenas: forks and joining sequences side by side, and the groups of rows that run as one
     static.py     the step in fixed shapes once every going cache is full (a CUDA graph on a GPU)

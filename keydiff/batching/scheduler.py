@@ -1,5 +1,7 @@
 """The scheduler: requests in, results out, up to W sequences decoding at once, a free place refilled as soon as a
-sequence stops (continuous batching), and the back-off when memory runs out (the width halves).
+sequence stops (continuous batching), and the back-off when memory runs out (the width halves). It decides every
+step as a plan (keydiff.batching.plan.StepPlan) for the model runner: which rows, and whether in fixed shapes, from
+records kept per sequence since its admission (`read_cache` is its one read of where entries live).
 
 Design: docs/design/decode.md#the-scheduler-schedulerpy
 """
@@ -13,10 +15,14 @@ from typing import Any, Iterable, Iterator
 import torch
 
 from keydiff.attention import keydiff_attention
-from keydiff.batching.blocks import JoinPool
+from keydiff.batching.blocks import JoinPool, poolable
+from keydiff.batching.plan import SequenceRecord, StepKey, StepPlan
 from keydiff.batching.sequence import Failure, Job, Request, Sequence, SequenceResult
 from keydiff.batching.static import StepStats
-from keydiff.batching.step import BlockStepper, Stepper, decode_step
+from keydiff.batching.step import ModelRunner, decode_step
+from keydiff.cache import EvictingCache
+from keydiff.cache.arena import Arena, layout
+from keydiff.cache.evict import Rows
 from keydiff.device import out_of_memory, release_memory
 
 LOG = logging.getLogger(__name__)
@@ -45,9 +51,9 @@ class Decoder:
     def check_options(self, fixed_shapes: bool | None = None, batch_invariant: bool = False) -> None:
         """Refuse a call's fixed_shapes / batch_invariant that the decoder does not run with (keydiff.generate and
         keydiff.prefill with `decoder=` run with the decoder's own); the calls' defaults (None, False) pass."""
-        if fixed_shapes is not None and bool(fixed_shapes) != self.stepper.fixed_shapes:
+        if fixed_shapes is not None and bool(fixed_shapes) != self.runner.fixed_shapes:
             raise ValueError(f"fixed_shapes={fixed_shapes!r}, but the decoder runs fixed_shapes="
-                             f"{self.stepper.fixed_shapes}: make the Decoder with it, or pass no decoder")
+                             f"{self.runner.fixed_shapes}: make the Decoder with it, or pass no decoder")
         if batch_invariant and not self.options[1]:
             raise ValueError("batch_invariant=True, but the decoder runs without it: make the Decoder with "
                              "batch_invariant=True, or pass no decoder")
@@ -55,25 +61,107 @@ class Decoder:
     @property
     def replays_graphs(self) -> bool:
         """Whether its fixed-shape steps are replayed as CUDA graphs over the arena (the device's arrangement)."""
-        return self.stepper.fixed_shapes and self.stepper.full_width
+        return self.runner.fixed_shapes and self.runner.full_width
 
     def reset(self) -> None:
         """Drop the arena, the slot and the steps (rebuilt empty at the same width): after a caller handled an
         error of its own call (a sample at batch 1 that ran out of memory), nothing of that sequence stays."""
-        self.stepper = self.pool = self.blocks = None
+        self._drop()
         self._build()
 
+    def _drop(self) -> None:
+        """Forget everything of the current width: the runner and its steps, the arena, the records, the rows."""
+        self.runner = self.pool = self.blocks = self.records = self._rows = None
+
     def _build(self) -> None:
-        """The stepper and the arena for the current width (again after a back-off: the old ones are dropped)."""
+        """The runner and the arena for the current width (again after a back-off: the old ones are dropped)."""
         if not self.widths or self.widths[-1] != self.width:
             self.widths.append(self.width)
-        self.stepper = Stepper(self.model, self.group_rows, *self.options, stats=self.stats)
+        self.runner = ModelRunner(self.model, self.group_rows, *self.options, stats=self.stats)
         alone = self.replays_graphs  # a replayed graph: even one sequence pools
         pooled = self.group_rows and self.pool_rows and (self.width > 1 or alone)
         self.pool = JoinPool(self.width, start_alone=alone, stats=self.stats) if pooled else None
         # The prefills' block step (keydiff.engine.prefill(..., decoder=)): in a slot kept across prompts where
         # graphs are replayed, so one graph serves every prompt of the run.
-        self.blocks = BlockStepper(self.model, self.options[0], arena=alone, stats=self.stats)
+        self.blocks = BlockScheduler(self.runner, keep_slot=alone)
+        self.records: dict[int, SequenceRecord] = {}  # per active sequence (by id), what its plans are made from
+        self._rows: tuple[StepKey, object, Rows] | None = None  # the last fixed step's rows (cut once per change)
+
+    def admit(self, sequence: Sequence, active: list[Sequence]) -> None:
+        """Place a new sequence (into an arena slot where it can group) and record it. The placement may have moved
+        a neighbour into the block (the first sequence of one), so the place of every active one not in a block is
+        read again; a sequence in a block stays in its slot until it stops."""
+        if self.pool is not None:
+            self.pool.place(sequence.cache)
+        self._rows = None  # rows may have moved: cut again
+        self.records[id(sequence)] = read_cache(sequence.cache, evict=sequence.request.evict)
+        for other in active:
+            record = self.records[id(other)]
+            if other is not sequence and record.slot is None:
+                record.move(read_cache(other.cache))  # a step over the arena it left goes with that arena
+
+    def stop(self, sequence: Sequence) -> None:
+        """The sequence stopped: its arena slot may be given to the next one; its record goes."""
+        if self.pool is not None:
+            self.pool.leave(sequence.cache)
+        self.records.pop(id(sequence), None)
+
+    def plan(self, going: list[Sequence]) -> StepPlan:
+        """The decode step of the going sequences, from their records: in fixed shapes where every one is full and
+        alike, in one block (or alone in its own stack), else through the batch cache."""
+        records = [self.records[id(sequence)] for sequence in going]
+        caches, counts = tuple(s.cache for s in going), tuple(s.row_count for s in going)
+        device = self.runner.device
+        fixed = self._fixed(records) if self.runner.fixed_shapes else None
+        if fixed is None:
+            spans, start = [], 0
+            for count in counts:
+                spans.append(slice(start, start + count))
+                start += count
+            ids = torch.tensor([[token] for sequence in going for token in sequence.last], dtype=torch.long,
+                               device=device)
+            positions = torch.tensor([[record.seen] for record, count in zip(records, counts) for _ in range(count)],
+                                     dtype=torch.long, device=device)
+            return StepPlan("decode", "general", 1, caches, counts, tuple(spans), ids, positions)
+        key, owner, rows, starts = fixed
+        width = key.stop - key.first
+        ids, positions, active = [0] * width, [0] * width, [False] * width
+        for sequence, record, start in zip(going, records, starts):
+            for row, token in enumerate(sequence.last):
+                ids[start + row], positions[start + row], active[start + row] = token, record.seen, True
+        return StepPlan("decode", "fixed", 1, caches, counts,
+                        tuple(slice(start, start + count) for start, count in zip(starts, counts)),
+                        torch.tensor(ids, device=device)[:, None], torch.tensor(positions, device=device)[:, None],
+                        torch.tensor(active, device=device), key, owner, rows)
+
+    def _fixed(self, records: list[SequenceRecord]) -> tuple[StepKey, object, Rows, list[int]] | None:
+        """The fixed-shape step the records can share (its key, owner and rows) and each one's first row in it; None
+        if they cannot (not all full and alike, or not all in one block / one sequence alone in its own stack)."""
+        lead = records[0]
+        if (not all(record.ready and record.policy == lead.policy for record in records)
+                or (not self.group_rows and len(records) > 1)):  # group_rows=False: each on its own
+            return None
+        if all(record.slot is not None for record in records) and all(r.owner is lead.owner for r in records):
+            slots = [record.slot for record in records]
+            # A CUDA graph is replayed for every slot of the block (one shape for the run); elsewhere only the
+            # consecutive slots the going sequences span run (idle rows would be work for nothing).
+            first, stop = (0, lead.slots) if self.runner.full_width else (min(slots), max(slots) + 1)
+            starts = [slot - first for slot in slots]
+        elif len(records) == 1 and lead.slot is None:  # alone, in its own buffers
+            first, stop, starts = 0, lead.slots, [0]
+        else:
+            return None
+        # Built for these buffers and rows, this policy and N: the going sequences may span other slots, and a
+        # block's rows of another policy (a neighbour that joined its slots) may be the ones going now.
+        key = StepKey(lead.buffers, first, stop, 1, lead.policy, lead.budget)
+        if self._rows is None or self._rows[0] != key or self._rows[1] is not lead.owner:
+            self._rows = (key, lead.owner, lead.cut(first, stop))
+        return key, lead.owner, self._rows[2], starts
+
+    def advance(self, going: list[Sequence], q: int) -> None:
+        """After a step: every going sequence's record moves on by rule (the test compares them to the caches)."""
+        for sequence in going:
+            self.records[id(sequence)].advance(q)
 
     @torch.inference_mode()
     def generate(self, requests: Iterable[Request | Job]) -> Iterator[tuple[Any, SequenceResult | Failure]]:
@@ -82,6 +170,7 @@ class Decoder:
         source = iter(requests)
         if self.pool is not None:
             self.pool.idle()  # one call at a time: whatever a former call left in the arena has stopped
+        self.records, self._rows = {}, None
         again: deque = deque()  # jobs abandoned by a back-off: started again before any new one
         active: list[Sequence] = []
         exhausted = False
@@ -95,16 +184,15 @@ class Decoder:
                         continue
                     sequence = self._start(item)
                     active.append(sequence)
-                    if self.pool is not None:
-                        self.pool.place(sequence.cache)
+                    self.admit(sequence, active)
                 if not active:
                     return
                 finished: list[Sequence] = []
                 # One switch of the attention function for all the steps until a sequence stops (a switch walks
                 # every module); outside it, the caller's code and the next prompts' prefills run as they were.
-                with keydiff_attention(self.model, self.stepper.batch), self.stepper.invariant():
+                with keydiff_attention(self.model, self.runner.batch), self.runner.invariant():
                     while active and not finished:
-                        active, finished = decode_step(self.stepper, active)
+                        active, finished = decode_step(self, active)
             except Exception as error:  # noqa: BLE001 - only out of memory is handled; the rest is raised
                 if not out_of_memory(error):
                     raise
@@ -122,8 +210,7 @@ class Decoder:
                 yield from failures
                 continue
             for sequence in finished:
-                if self.pool is not None:
-                    self.pool.leave(sequence.cache)
+                self.stop(sequence)
                 yield sequence.request.key, sequence.result()
 
     def _start(self, item: Request | Job) -> Sequence:
@@ -146,7 +233,7 @@ class Decoder:
             job.abandon()
         failed_width = self.width
         try:
-            self.stepper = self.pool = self.blocks = None
+            self._drop()
             release_memory()
         finally:  # even if interrupted here, the decoder stays usable
             self.width = max(1, failed_width // 2)
@@ -158,6 +245,85 @@ class Decoder:
         for job in jobs:
             LOG.warning("%s ran out of memory at width 1: given up", job.key)
         return [(job.key, Failure(job.key, "out_of_memory", message, job)) for job in jobs]
+
+
+class BlockScheduler:
+    """Plans a prefill's blocks (keydiff.engine.prefill asks `plan` per block): in fixed shapes once its cache holds
+    N entries, in a one-slot shared arena kept across prompts (keep_slot: where graphs are replayed, so one graph
+    serves every prompt of the run) or in the prompt's own buffers; None where the block runs the ordinary pass.
+    `finish` when it ends."""
+
+    def __init__(self, runner: ModelRunner, keep_slot: bool = False):
+        self.runner, self.keep_slot = runner, keep_slot
+        self.slot: Arena | None = None  # the kept slot, made like the first prompt's stack
+        self._stack = None  # the prompt's stack, once one of its blocks was planned (until `finish`)
+        self._own = None  # the arena of the prompt's own buffers, where a step was planned over them
+
+    def plan(self, cache: EvictingCache, ids: torch.Tensor, start: int, block: int) -> StepPlan | None:
+        """The block `ids` [rows, q] at `start` as a fixed-shape block step; None if it cannot run as one."""
+        q = ids.shape[1]
+        if not self.runner.fixed_shapes or q != block:
+            return None
+        record = read_cache(cache, q)
+        if not record.ready:
+            return None
+        self._stack = cache.stack
+        if self.keep_slot and self.enter(cache.stack):
+            record = read_cache(cache, q)  # in the slot now: its rows are the slot's (else its own buffers')
+        else:
+            self._own = record.owner
+        key = StepKey(record.buffers, 0, record.slots, q, record.policy, record.budget)
+        rows = ids.shape[0]
+        positions = torch.arange(start, start + q, device=ids.device).expand(rows, q)
+        active = torch.ones(record.slots, dtype=torch.bool, device=ids.device)
+        return StepPlan("block", "fixed", q, (cache,), (rows,), (slice(0, rows),), ids, positions, active, key,
+                        record.owner, record.cut(0, record.slots))
+
+    def finish(self, cache: EvictingCache, failed: bool = False) -> None:
+        """The prefill of `cache` ended: it leaves the slot (with its entries unless failed), and the step over its
+        own buffers goes."""
+        stack, own, self._stack, self._own = self._stack, self._own, None, None
+        if own is not None:
+            self.runner.forget(own)
+        if stack is not None and self.slot is not None and self.slot.occupant[0] is stack:
+            self.slot.vacate(0, keep=not failed)
+
+    def enter(self, stack) -> bool:
+        """Move `stack` into the kept slot (it may be there already); False, nothing moved, if shaped otherwise."""
+        if self.slot is not None and self.slot.holds(0, stack):
+            return True
+        if self.slot is None:
+            self.slot = Arena.like(stack, 1, self.runner.stats)
+        elif self.slot.layout != layout(stack):
+            return False
+        self.slot.vacate(0)  # a prefill that ended without leaving gets its entries back first
+        return self.slot.take(0, stack)
+
+
+def read_cache(cache: EvictingCache, q: int = 1, evict: bool = True) -> SequenceRecord:
+    """What the scheduler plans from, read from a cache and where its entries live: the decode core's one read of
+    the arena (at admission, when a neighbour joins a block, and per prefill block). q: the pass length the fixed
+    shapes need room for; evict: the request's (False: the generated tokens are all kept)."""
+    policy, stack, needs = cache.policy, cache.stack, cache.policy.needs
+    statistic = needs.attention_rows != 0
+    fixed_ok = (needs.capturable and not policy._check_every_call  # checking every call's scores reads them
+                and poolable(cache, statistic) and not cache.mode.scratch
+                and not cache.profile  # a profiled run times its statistics and evictions apart: the ordinary step
+                and (not statistic or cache.statistics == "fast")  # materialised weights: the ordinary step
+                and stack.capacity >= stack.budget + q)
+    evicting = evict and cache.budget is not None
+    held = evicting and (not cache.evicts_next_pass() or (stack is not None and stack.fresh is not None))
+    record = SequenceRecord(fixed_ok, evicting, held, None if stack is None else stack.num_entries,
+                            cache.budget if stack is None else stack.budget, cache.get_seq_length(), policy)
+    if stack is None or stack.keys is None:
+        return record
+    arena, slot = stack.handle.arena, stack.handle.slot
+    record.owner, record.buffers = arena, id(arena.keys)
+    if arena.shared:  # a slot beside other sequences' stacks
+        record.slot, record.slots, record.cut = slot, arena.slots, arena.rows
+    else:  # its own buffers: every row of its one slot
+        record.slots, record.cut = stack.keys.shape[1], lambda first, stop: arena.rows()
+    return record
 
 
 def generate_batch(

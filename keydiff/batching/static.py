@@ -1,7 +1,7 @@
 """The step in fixed shapes: once every row's bounded cache is full, a pass and its eviction touch tensors whose
 shapes never change, so the step can be compiled or captured as a CUDA graph and replayed with no host work.
 
-`eligible` says which caches and policies qualify; `StaticStep` runs, captures and replays the step.
+`StaticStep` runs, captures and replays the step (the scheduler decides when a sequence may take it).
 Design: docs/design/decode.md#fixed-shapes-staticpy
 """
 
@@ -18,35 +18,12 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from keydiff.attention import REGISTERED, STATISTIC_KWARG, StatisticBuffer, bound_to
-from keydiff.batching.blocks import poolable
 from keydiff.batching.graphs import CudaCalls, calls_for, stand_in_graphs, timed  # noqa: F401 - re-exported
-from keydiff.cache import EvictingCache
 from keydiff.cache.evict import Rows, evict, write_active
 from keydiff.device import out_of_memory
 from keydiff.policies.base import Policy
 
 LOG = logging.getLogger(__name__)
-
-
-def eligible(caches: list[EvictingCache], q: int = 1) -> bool:
-    """Whether every cache can run a pass of q tokens in fixed shapes: poolable, equal policies, exactly N entries
-    with room for N + q, evicting after the pass, nothing pending."""
-    if not caches:
-        return False
-    policy = caches[0].policy
-    if not policy.needs.capturable or policy._check_every_call:  # checking every call's scores reads them on the host
-        return False
-    statistic = policy.needs.attention_rows != 0
-    for cache in caches:
-        if (not poolable(cache, statistic) or cache.policy != policy or not cache.evicts_next_pass() or cache.mode.scratch
-                or cache.profile):  # a profiled run times its statistics and evictions apart: the ordinary step
-            return False
-        if statistic and cache.statistics != "fast":  # materialised weights: the ordinary step (see the module)
-            return False
-        stack = cache.stack
-        if stack.num_entries != stack.budget or stack.capacity < stack.budget + q or stack.fresh is not None:
-            return False
-    return True
 
 
 def statistic_buffer(rows: Rows, policy: Policy, keys: int) -> StatisticBuffer:

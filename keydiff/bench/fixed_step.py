@@ -19,6 +19,7 @@ import torch
 
 from keydiff import Request, build_policy, generate_batch, prefill
 from keydiff.attention import keydiff_attention
+from keydiff.batching.scheduler import read_cache
 from keydiff.batching.static import StaticStep
 from keydiff.bench import common, floor, runner
 
@@ -27,11 +28,12 @@ FORMS = ("ordinary", "fixed", "compiled", "model")
 
 
 def compiled_form(model, state, width: int, budget: int, args, device: str) -> dict:
-    """Per-step time of the fixed-shape step compiled by torch.compile over `width` forks (their shared arena; one
-    fork: its own), the step alone with its argmax (generate_batch never compiles it)."""
+    """Per-step time of the fixed-shape step compiled by torch.compile over `width` forks (their block; one fork:
+    its own stack), the step alone with its argmax (generate_batch never compiles it)."""
     forks = state.fork(width)
     cache = forks[0].cache
-    step = StaticStep(model, cache.stack.handle.arena.rows(), cache.policy, budget, compiled=True)
+    place = read_cache(cache)  # the scheduler's record: the forks' shared arena, or the one fork's own
+    step = StaticStep(model, place.cut(0, place.slots), cache.policy, budget, compiled=True)
     ids = state.logits.argmax(-1, keepdim=True).expand(width, 1).to(device)  # the first token, as generate picks it
     active = torch.ones(width, dtype=torch.bool, device=device)
     position = state.prompt_length

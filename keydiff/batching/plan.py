@@ -1,0 +1,102 @@
+"""What passes between the scheduler and the model runner, as plain data: a step's plan (`StepPlan`) and its
+outputs (`StepOutput`), and what the scheduler keeps per sequence to decide the plans (`SequenceRecord`). The
+scheduler decides (keydiff.batching.scheduler); the runner executes (keydiff.batching.step) and never reads where a
+sequence's entries live. Design: docs/design/decode.md
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from keydiff.cache import EvictingCache
+from keydiff.cache.evict import Rows
+
+
+@dataclass(frozen=True)
+class StepKey:
+    """Which fixed-shape step a plan runs: built over these buffers (the identity of their key tensor: a sequence
+    may move to other buffers) and rows [first, stop), for q tokens per row, this policy and N."""
+
+    buffers: int
+    first: int
+    stop: int
+    q: int
+    policy: Any
+    budget: int
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One pass for the runner: kind "decode" (q = 1, the going sequences) or "block" (a prefill block, q = B);
+    shape "fixed" (a fixed-shape step over `rows`, W rows, idle ones inactive) or "general" (the batch cache over
+    each sequence's own cache). ids, positions: [rows, q] long (fixed: [W, q]); active: [W] bool (fixed only);
+    spans: each sequence's rows in the outputs."""
+
+    kind: str
+    shape: str
+    q: int
+    caches: tuple[EvictingCache, ...]
+    row_counts: tuple[int, ...]
+    spans: tuple[slice, ...]
+    ids: torch.Tensor
+    positions: torch.Tensor
+    active: torch.Tensor | None = None
+    key: StepKey | None = None  # fixed: which step
+    owner: Any = None  # fixed: what the rows belong to (a block, or one sequence's stack): its steps live as long
+    rows: Rows | None = None  # fixed: the rows the step is built over (when the runner has none for `key`)
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What a pass gives back: next-token logits [rows, vocab] (float32) and each sequence's rows in them."""
+
+    logits: torch.Tensor
+    spans: tuple[slice, ...]
+
+
+@dataclass
+class SequenceRecord:
+    """What the scheduler knows of a sequence to plan its steps: read once when it is admitted (its place again when
+    a neighbour joins), then kept by rule after every step (entries = min(entries + q, budget) while evicting).
+
+    fixed_ok: it may take a fixed-shape step at all (policy, layout, statistics mode, room for N + q); evicting: it
+    evicts after every pass; held: its next pass runs the ordinary step (entries held over N, or new entries whose
+    state is not set yet), cleared after it; entries: per layer and head of its stack (None: no single stack);
+    seen: the next pass's position. Its place: `owner` (the arena its stack lives in), `slot` in it (None: its own
+    arena), `slots` of the owner (rows, for its own arena), `buffers` (their identity), `cut(first, stop)` -> the
+    Rows of slots [first, stop)."""
+
+    fixed_ok: bool
+    evicting: bool
+    held: bool
+    entries: int | None
+    budget: int | None
+    seen: int
+    policy: Any
+    owner: Any = None
+    slot: int | None = None
+    slots: int = 1
+    buffers: int = 0
+    cut: Callable[[int, int], Rows] | None = field(default=None, repr=False)
+
+    @property
+    def ready(self) -> bool:
+        """Whether its next pass can run in fixed shapes (with others alike): full at N, evicting, nothing pending."""
+        return self.fixed_ok and self.evicting and not self.held and self.entries == self.budget
+
+    def move(self, place: "SequenceRecord") -> None:
+        """Take the place of a fresh reading (after a neighbour's admission moved its rows)."""
+        self.owner, self.slot, self.slots, self.buffers, self.cut = (
+            place.owner, place.slot, place.slots, place.buffers, place.cut)
+
+    def advance(self, q: int) -> None:
+        """After a pass of q tokens: what the cache now holds, by rule (no read of the cache)."""
+        self.seen += q
+        if self.entries is not None:
+            evicts = self.evicting and self.budget is not None
+            self.entries = min(self.entries + q, self.budget) if evicts else self.entries + q
+        if self.evicting:
+            self.held = False
