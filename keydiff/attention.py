@@ -280,7 +280,7 @@ def decoding_segment_attention(
 
 class RowBatch:
     """What the attention functions ask of a cache over several sequences' caches (BatchCache): each sequence's
-    part of a pass and the groups that attend as one. A base class so this module imports nothing from batching."""
+    part of a pass and the groups that attend as one. A base class so this module imports nothing from keydiff.decode."""
 
     def row_passes(self, layer_idx: int, key: torch.Tensor) -> list[tuple[Any, slice, torch.Tensor, torch.Tensor]] | None:
         """Each sequence's (cache, rows, keys, values) for this layer's pass if `key` is what `update` returned; else None."""
@@ -430,12 +430,12 @@ def make_attention_function(base: str):
         target = kwargs.get(STATISTIC_KWARG)
         if target is not None:  # a fixed-shape step of a policy that scores from attention (StatisticBuffer)
             return attend(module, query, key, value, scaling, target.binding, kwargs), None
-        # A compiled forward (the fixed-shape step, keydiff.batching.static) binds nothing and runs the plain fused
+        # A compiled forward (the fixed-shape step, keydiff.decode.static) binds nothing and runs the plain fused
         # kernel; dynamo cannot read a context variable. A compiled loop over a cache whose policy needs attention
         # statistics would find none recorded and say so at its eviction (Storage.evict).
         bound = None if torch.compiler.is_compiling() else _BOUND_CACHE.get()
         passes = bound.row_passes(module.layer_idx, key) if isinstance(bound, RowBatch) else None
-        if passes is not None:  # a batch of sequences with caches of their own (keydiff.batching)
+        if passes is not None:  # a batch of sequences with caches of their own (keydiff.decode)
             groups = bound.row_groups(module.layer_idx)
             return rowwise_attention(attend, module, query, passes, scaling, kwargs, groups, base), None
         binding = None if bound is None else bound.for_layer(module.layer_idx, key)

@@ -15,10 +15,10 @@ from typing import Any, Callable, Sequence
 import torch
 
 from keydiff.attention import keydiff_attention
-from keydiff.batching import Decoder, GenerationResult, Request
-from keydiff.batching.blocks import place_forks
-from keydiff.batching.scheduler import BlockScheduler
-from keydiff.batching.step import ModelRunner
+from keydiff.decode import Decoder, GenerationResult, Request
+from keydiff.decode.blocks import place_forks
+from keydiff.decode.scheduler import BlockScheduler
+from keydiff.decode.step import ModelRunner
 from keydiff.cache import EvictingCache
 from keydiff.cache.placement import layer_placements
 from keydiff.cache.sliding import layer_windows

@@ -103,7 +103,7 @@ def run_once(
     policy: Policy, model: torch.nn.Module, ids: torch.Tensor, budget: int, block_size: int, new_tokens: int,
     decoder=None,
 ) -> dict:
-    """Prefill and decode once (through `decoder`, a keydiff.batching.Decoder, if given); what the checks compare
+    """Prefill and decode once (through `decoder`, a keydiff.decode.Decoder, if given); what the checks compare
     (kept positions, tokens, per-layer entries)."""
     state = prefill(model, ids, policy, budget=budget, block_size=block_size, decoder=decoder)
     stacked = state.cache.stack is not None
@@ -201,11 +201,11 @@ def check_policy(
 
 def run_captured(policy: Policy, model: torch.nn.Module, ids: torch.Tensor, budget: int, block_size: int,
                  new_tokens: int) -> tuple[dict, dict]:
-    """`run_once` through one Decoder with CUDA graphs stood in for on the CPU (keydiff.batching.graphs): its
+    """`run_once` through one Decoder with CUDA graphs stood in for on the CPU (keydiff.decode.graphs): its
     fixed-shape steps are captured, and a host read inside a capture fails it, as on a GPU. The run, and the
     graphs' record (captured, failed, reasons, stopped)."""
-    from keydiff.batching import Decoder
-    from keydiff.batching.graphs import stand_in_graphs
+    from keydiff.decode import Decoder
+    from keydiff.decode.graphs import stand_in_graphs
 
     decoder = Decoder(model, 1)
     with stand_in_graphs():

@@ -221,14 +221,14 @@ class Injected:
 @pytest.fixture
 def inject_oom(monkeypatch):
     """Out of memory raised inside a decoder's work through its documented seams, one fixture for every test:
-    `inject_oom(when)` wraps keydiff.batching.scheduler.decode_step (`when(active)`, the step's sequences);
+    `inject_oom(when)` wraps keydiff.decode.scheduler.decode_step (`when(active)`, the step's sequences);
     at="prefill" wraps keydiff.run.batched.prefill_sample (`when(prompt)`). after=True raises after the real call
     (memory running out once the step ran), else instead of it; `times` raises at most (None: every time `when`
     holds); `error` makes the error (default: CUDA's out of memory). Returns the `Injected` counts."""
     def inject(when, at: str = "step", after: bool = False, times: int | None = 1,
                error=out_of_memory_error) -> Injected:
         if at == "step":
-            from keydiff.batching import scheduler as owner
+            from keydiff.decode import scheduler as owner
             name = "decode_step"
         elif at == "prefill":
             from keydiff.run import batched as owner

@@ -15,7 +15,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf, open_dict
 
-from keydiff.batching import scheduler
+from keydiff.decode import scheduler
 from keydiff.device import out_of_memory
 from keydiff.run import runner
 from keydiff.run.preemption import Preempted
@@ -124,7 +124,7 @@ def test_the_one_out_of_memory_rule_reads_an_error_and_what_it_was_raised_from_o
 
 
 def test_out_of_memory_in_a_batch_step_retries_at_half_the_width(tmp_path, tiny, inject_oom):
-    """The scheduler's back-off (keydiff.batching.scheduler): memory runs out in a step of four sequences; they
+    """The scheduler's back-off (keydiff.decode.scheduler): memory runs out in a step of four sequences; they
     start again (a new prefill each) at width 2, and every row is the batch-1 row."""
     _, expected = run_at(lengths_cfg(tmp_path, "b1"))
     # the step runs, then memory "runs out" mid-batch
@@ -168,7 +168,7 @@ def blocks_alive_at_the_back_off() -> Iterator[list[list]]:
     plan (its ids and rows are tensors of the failed width), or they stay allocated beside the new width's."""
     import gc
 
-    from keydiff.batching.plan import StepPlan
+    from keydiff.decode.plan import StepPlan
     from keydiff.cache.arena import Arena
 
     alive: list[list[int]] = []

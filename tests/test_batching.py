@@ -1,5 +1,5 @@
 """Many sequences from bounded caches: forking a prefilled state, and batched continuous decoding
-(keydiff.batching), each checked against separate batch-1 runs (same tokens, same kept positions)."""
+(keydiff.decode), each checked against separate batch-1 runs (same tokens, same kept positions)."""
 
 from __future__ import annotations
 
@@ -104,7 +104,7 @@ def test_batch_of_four_equals_separate_runs(model, name, params):
     """Every policy at batch 1 and 4 keeps the positions and gives the tokens of separate runs, exactly. Exact here
     because these prompts hold no exactly tied scores: a batched matrix product may round a row's keys ~1e-7
     differently, which can flip an exact tie (K-norm over repeated tokens: RoPE keeps a key's norm), so in general
-    a row matches its separate run up to float rounding, as keydiff.batching says."""
+    a row matches its separate run up to float rounding, as keydiff.decode says."""
     all_ids = prompts() + prompts((45, 77))
     expected = {key: separate(model, name, params, ids, settings_of(key)) for key, ids in enumerate(all_ids)}
     for batch_size in (1, 4):
@@ -215,7 +215,7 @@ def test_statistics_modes_kernels_and_no_decode_eviction_batch_like_separate_run
         assert same_kept(kept(states[key].cache), positions)
 
 
-# --- rows side by side (keydiff.batching.blocks): forks of one prefill decode as one group -----------------------
+# --- rows side by side (keydiff.decode.blocks): forks of one prefill decode as one group -----------------------
 # Groups are what the ordinary step runs (fixed_shapes=False where a test counts them): where every going row is
 # full and alike, the step runs in fixed shapes instead (tests/test_fixed_shapes.py).
 
@@ -237,7 +237,7 @@ def test_forks_lie_side_by_side_and_decode_as_one_group_like_separate_runs(model
     """Forks of one prefill share one arena, each its own slot (same bytes as a copy each); decoded together they
     attend and evict as one group and give the tokens and kept positions of per-row decoding and of each decoded
     alone (rows diverge: each samples with its own seed)."""
-    from keydiff.batching.blocks import poolable
+    from keydiff.decode.blocks import poolable
 
     state = prefill(model, prompts()[2], build_policy(name), BUDGET, BLOCK)
     assert poolable(state.cache) and not state.cache.stack.handle.shared
@@ -400,7 +400,7 @@ def test_join_pool_takes_its_slot_shape_from_a_prompt_of_n_plus_b(model):
     """A prompt shorter than N + B has a smaller capacity: it neither shapes the pool's slots (later prompts of the
     usual N + B could then never join) nor joins. The arena is allocated only when a second sequence like the
     first joins while the first decodes (a lone one allocates nothing); both move in. Forks never move."""
-    from keydiff.batching.blocks import JoinPool
+    from keydiff.decode.blocks import JoinPool
 
     short, long, other, third = (prefill(model, ids, "keydiff", BUDGET, BLOCK) for ids in prompts((23, 90, 130, 61)))
     pool = JoinPool(3)

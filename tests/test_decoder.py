@@ -1,4 +1,4 @@
-"""A run's Decoder (keydiff.batching.scheduler): one width, one arena and one fixed-shape step per shape, kept
+"""A run's Decoder (keydiff.decode.scheduler): one width, one arena and one fixed-shape step per shape, kept
 across the calls of a run, so that a GPU captures its step once per run rather than once per sample.
 
 On a CPU the step runs eagerly and a sequence alone decodes in its own stack; where the device replays the
@@ -17,8 +17,8 @@ import torch
 
 import keydiff
 from keydiff import Decoder, build_policy, generate, prefill
-from keydiff.batching import step
-from keydiff.batching.static import stand_in_graphs
+from keydiff.decode import step
+from keydiff.decode.static import stand_in_graphs
 from tests.conftest import out_of_memory_error, tiny_llama
 from tests.test_batched_runs import lengths_cfg, run_at, tiny  # noqa: F401 - tiny: the runner's model fixture
 
@@ -69,7 +69,7 @@ def test_a_batch_one_run_decodes_every_sample_through_the_runs_decoder(tmp_path,
     monkeypatch.setitem(step.FULL_WIDTH, "cpu", True)
     summary, rows = run_at(lengths_cfg(tmp_path, "b1"))
     assert summary["complete"] and len(rows) == 6
-    steps = summary["invocations"][-1]["decode_steps"]  # the run's decoder (keydiff.batching.static.StepStats)
+    steps = summary["invocations"][-1]["decode_steps"]  # the run's decoder (keydiff.decode.static.StepStats)
     # block_size=16: the prefill slot's block step and the arena's decode step, each built once for the run; the
     # prompt of 47 tokens (< N + B = 64) is shaped unlike the slots and decodes apart, over its own stack (20 and 30
     # never hold N). One arena block each for the prefills and the decoding.
@@ -81,7 +81,7 @@ def test_a_run_records_its_graph_captures_and_runs_a_step_that_cannot_be_capture
     """A capture that fails for a reason other than memory (here at capture_end, as CUDA refuses a capture at its
     end) stops the run's capturing: every later step runs eagerly, the same rows, slower. The run's record says so
     (summary.json's invocation `decode_graphs`), so its timings are not read as the replayed step's. CUDA is stood
-    in for on the CPU (keydiff.batching.graphs.stand_in_graphs): the steps warm up, capture and replay as on CUDA."""
+    in for on the CPU (keydiff.decode.graphs.stand_in_graphs): the steps warm up, capture and replay as on CUDA."""
     from tests.test_batched_runs import same_rows
 
     plain, plain_rows = run_at(lengths_cfg(tmp_path, "plain"))
@@ -298,8 +298,8 @@ def test_the_scheduler_records_equal_the_caches_after_every_step(case, variant, 
     import functools
 
     import tests.test_golden_batching as golden
-    from keydiff.batching import scheduler
-    from keydiff.batching.scheduler import read_cache
+    from keydiff.decode import scheduler
+    from keydiff.decode.scheduler import read_cache
 
     real, checked, ready, held = scheduler.decode_step, [0], [0], [0]
 

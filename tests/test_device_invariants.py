@@ -18,7 +18,7 @@ import torch
 
 import keydiff
 from keydiff import available_policies, generate, prefill
-from keydiff.batching.static import stand_in_graphs
+from keydiff.decode.static import stand_in_graphs
 from keydiff.bench import common
 from keydiff.config import STATISTICS_MODES
 
@@ -305,7 +305,7 @@ def test_a_batch_of_4_decodes_what_each_decodes_alone(engine, record_property):
 
 
 def test_the_fixed_shape_step_equals_the_ordinary_step(engine, record_property):
-    """The fixed-shape step (keydiff.batching.static; on CUDA a replayed CUDA graph) against the ordinary step:
+    """The fixed-shape step (keydiff.decode.static; on CUDA a replayed CUDA graph) against the ordinary step:
     same kept positions, logits and tokens, bit for bit (the graph replays the eager step's kernels). KeyDiff:
     prefill, 4 forks together, one alone; the attention-statistic policies: prefill and one alone."""
     model, prompt, sizes = engine.model, engine.prompt, engine.sizes
@@ -337,7 +337,7 @@ def test_the_fixed_shape_step_equals_the_ordinary_step(engine, record_property):
 
 
 def test_one_decoder_captures_one_graph_per_step_across_its_calls(engine, device, record_property):
-    """A run's Decoder (keydiff.batching.scheduler) keeps its arena, its prefill slot and their fixed-shape steps
+    """A run's Decoder (keydiff.decode.scheduler) keeps its arena, its prefill slot and their fixed-shape steps
     across its calls: three prompts of different lengths, prefilled and decoded one call each through one Decoder
     of width 1 (as a run at batch 1 does its samples), replay one decode graph and one block graph between them
     and give the ordinary step's logits and tokens. Off CUDA the graphs are stood in for (stand_in_graphs)."""

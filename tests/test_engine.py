@@ -359,7 +359,7 @@ def test_prefill_result_is_a_snapshot_and_decodes_once(model, prompt):
 
 @pytest.mark.unit
 def test_top_p_zero_keeps_the_most_likely_token():
-    from keydiff.batching import next_token
+    from keydiff.decode import next_token
 
     logits = torch.tensor([[0.1, 3.0, 0.2]])
     draws = {int(next_token(logits, True, 1.0, 0.0, torch.Generator().manual_seed(s))) for s in range(20)}

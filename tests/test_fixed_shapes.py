@@ -1,5 +1,5 @@
-"""The one decoding step and its fixed-shape form (keydiff.batching.step, keydiff.batching.static), and which
-passes the scheduler plans in fixed shapes (keydiff.batching.scheduler).
+"""The one decoding step and its fixed-shape form (keydiff.decode.step, keydiff.decode.static), and which
+passes the scheduler plans in fixed shapes (keydiff.decode.scheduler).
 
 What must hold on any machine, GPU or not:
   * `keydiff.generate` and `keydiff.generate_batch` run the same step function;
@@ -24,9 +24,9 @@ import torch
 import keydiff
 from keydiff import build_policy, generate, prefill
 from keydiff.attention import keydiff_attention
-from keydiff.batching import static
-from keydiff.batching.scheduler import read_cache
-from keydiff.batching.static import StaticStep
+from keydiff.decode import static
+from keydiff.decode.scheduler import read_cache
+from keydiff.decode.static import StaticStep
 from tests.conftest import CORE_POLICIES, extended_unless
 
 pytestmark = pytest.mark.integration
@@ -88,7 +88,7 @@ def decoded(model, requests, width: int, **options) -> tuple[dict, keydiff.Decod
 
 @pytest.mark.extended
 def test_generate_and_generate_batch_run_the_one_step(model, monkeypatch):
-    import keydiff.batching.scheduler as scheduler
+    import keydiff.decode.scheduler as scheduler
 
     calls, original = [], scheduler.decode_step
 
@@ -115,7 +115,7 @@ def test_fixed_shapes_give_what_the_ordinary_step_gives(model, name, full_width,
     every step, idle ones included (what a GPU replays as one CUDA graph), here on the CPU's eager step. A policy
     that scores from attention is never placed in a block: its sequences run in fixed shapes only when one goes alone
     (the batch's last, and the sequence alone), with the statistic computed inside the step."""
-    from keydiff.batching import step
+    from keydiff.decode import step
 
     ids = prompts()[1]
     prefills = keydiff.Decoder(model, 1)  # made before the arrangement changes: it prefills over the prompt's stack
@@ -229,7 +229,7 @@ def test_a_statistic_policy_runs_in_fixed_shapes_only_where_every_layer_writes_i
 
 def block_of(model, name: str, width: int):
     """`width` forks of one prefill in one shared arena, and their caches. The forks of a policy that scores from attention
-    are never placed (keydiff.batching.blocks.poolable): here they are moved into an arena by hand, to check the
+    are never placed (keydiff.decode.blocks.poolable): here they are moved into an arena by hand, to check the
     step itself on W rows, idle ones included."""
     from keydiff.cache.arena import Arena
 
@@ -362,7 +362,7 @@ def test_an_idle_slot_holding_more_than_n_entries_is_left_as_it_is(model, full_w
     it waiting for a place, a sequence that stopped before its first pass. The fixed step of their neighbours
     writes only its active rows, so those entries (positions, keys and values, the ones beyond N included: the
     step writes its new entry at index N of every row it runs), and every token, are what the ordinary step leaves."""
-    from keydiff.batching import step
+    from keydiff.decode import step
 
     def entries(cache) -> tuple[list, list, list]:
         """Every entry the cache's stack holds, in position order: positions, keys, values (bit for bit)."""
@@ -416,7 +416,7 @@ def test_group_rows_false_runs_every_sequence_on_its_own(model):
 def test_a_device_with_no_default_runs_the_ordinary_step():
     """Only the device types FIXED_SHAPES_DEFAULT lists run the fixed step by default (mps, or anything else:
     the ordinary step, never a KeyError)."""
-    from keydiff.batching.step import FULL_WIDTH, ModelRunner, fixed_shapes_default
+    from keydiff.decode.step import FULL_WIDTH, ModelRunner, fixed_shapes_default
 
     assert fixed_shapes_default(torch.device("cpu")) and not fixed_shapes_default(torch.device("mps"))
     with torch.device("meta"):

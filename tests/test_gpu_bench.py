@@ -76,7 +76,7 @@ def test_timings_per_call_and_at_steady_state_and_graph_memory(quick):
     assert all(r["first_call_ms_per_step"] > 0 and r["ms_per_step"] > 0 for r in decode)
     prefill = [r for r in rows if r["row"] == "prefill" and r["case"].startswith("keydiff")]
     assert all(r["first_call_seconds"] > 0 and r["seconds"] > 0 for r in prefill)
-    # The CPU stands in for CUDA graphs (keydiff.batching.static.stand_in_graphs): the fixed steps capture there,
+    # The CPU stands in for CUDA graphs (keydiff.decode.static.stand_in_graphs): the fixed steps capture there,
     # and their pool's bytes are counted
     fixed = [r for r in captured if r["case"].startswith("keydiff fixed") or r["row"] == "serving"]
     assert fixed and all(r["graphs"] >= 1 and r["graph_pool_bytes"] > 0 and r["capture_s"] > 0 for r in fixed)

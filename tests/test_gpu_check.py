@@ -194,7 +194,7 @@ def test_benchmark_help_and_tiny_run(tmp_path, capsys, module, extra, columns):
 def test_each_benchmark_times_the_steady_state(tmp_path, module, extra, captures):
     """The decode and prefill benchmarks run each policy through one Decoder across warm-up and rounds: with CUDA
     graphs stood in for on the CPU, a step is captured in the untimed warm-up, not in each timed round."""
-    from keydiff.batching.static import stand_in_graphs
+    from keydiff.decode.static import stand_in_graphs
 
     with stand_in_graphs() as cuda:
         importlib.import_module(f"keydiff.bench.{module}").main(

@@ -1,4 +1,4 @@
-"""CUDA graph capture of the fixed-shape step (keydiff.batching.static, keydiff.batching.graphs), run on a CPU through
+"""CUDA graph capture of the fixed-shape step (keydiff.decode.static, keydiff.decode.graphs), run on a CPU through
 `stand_in_graphs()`: the same capture code as on CUDA against a stand-in that records what it was asked (devices,
 streams, pools, the bytes a capture allocates, record_stream) and that captures, replays and fails as CUDA does (a
 capture runs nothing; a replay runs what was recorded; a capture may fail at capture_end)."""
@@ -12,8 +12,8 @@ import torch
 
 import keydiff
 from keydiff import Decoder, generate, prefill
-from keydiff.batching import step
-from keydiff.batching.static import stand_in_graphs
+from keydiff.decode import step
+from keydiff.decode.static import stand_in_graphs
 from keydiff.policies.base import LayerView
 from keydiff.policies.keydiff import KeyDiff, cosine_to_mean, inverse_key_norms
 from tests.conftest import tiny_llama
@@ -130,7 +130,7 @@ def test_a_failed_capture_stops_the_runs_capturing_applies_each_write_once_and_l
     positions and H2O's accumulated state of a run that never captured: the step the capture did not run runs
     eagerly, once."""
     expected = eager(name)
-    with caplog.at_level(logging.WARNING, logger="keydiff.batching.static"), \
+    with caplog.at_level(logging.WARNING, logger="keydiff.decode.static"), \
             stand_in_graphs(fail=fail, fixed_allocator=False) as cuda:
         *got, decoder = through_decoder(model, name)
     assert got == expected
@@ -213,7 +213,7 @@ def test_half_precision_keys_are_scored_in_float32_slices_as_a_whole_copy_would_
 
 def test_a_stand_in_capture_refuses_a_host_read_as_cuda_does(model):
     """What makes the stand-in a check of capturability: reading a value on the host inside a capture raises."""
-    from keydiff.batching import graphs
+    from keydiff.decode import graphs
 
     with stand_in_graphs() as cuda:
         graph = cuda.graph()
@@ -241,7 +241,7 @@ def test_every_host_read_is_refused_inside_a_stand_in_capture(read):
     """A CPU tensor serves tolist, numpy and cpu without reaching the dispatcher; on CUDA each is a copy to the host
     that a capture refuses, so the stand-in refuses them too (else a step reading one passes on a CPU, then fails to
     capture on the first GPU)."""
-    from keydiff.batching import graphs
+    from keydiff.decode import graphs
 
     x = torch.arange(4.0)
     with stand_in_graphs() as cuda:
@@ -260,7 +260,7 @@ def test_the_stand_in_options_are_checked():
     with pytest.raises(ValueError, match="valid: None, 'end', 'inside'"):
         with stand_in_graphs(fail="begin"):
             pass
-    assert keydiff.batching.graphs.calls_for(torch.device("cpu")) is None  # none outside the context
+    assert keydiff.decode.graphs.calls_for(torch.device("cpu")) is None  # none outside the context
 
 
 @pytest.mark.extended

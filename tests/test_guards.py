@@ -26,7 +26,7 @@ from omegaconf import OmegaConf, open_dict
 from transformers import DynamicCache
 
 from keydiff import build_policy, generate, prefill
-from keydiff.batching import next_token
+from keydiff.decode import next_token
 from keydiff.policies import LayerView
 from keydiff.policies.h2o import H2O
 from tests.conftest import char_tokenizer, tiny_llama

@@ -16,15 +16,15 @@ from tests.test_registry import PACKAGE, ROOT, imports, module_name
 pytestmark = [pytest.mark.unit, pytest.mark.extended]
 
 # Each part of the decoding path, and the parts above it that it must never import (run.py -> runner -> engine ->
-# batching -> cache -> policies / attention -> kernels).
+# decode -> cache -> policies / attention -> kernels).
 ABOVE = {
     "keydiff.engine": ("keydiff.run",),
-    "keydiff.batching": ("keydiff.engine", "keydiff.run"),
-    "keydiff.cache": ("keydiff.batching", "keydiff.engine", "keydiff.run"),
-    "keydiff.policies": ("keydiff.cache", "keydiff.batching", "keydiff.engine", "keydiff.run"),
-    "keydiff.attention": ("keydiff.cache", "keydiff.batching", "keydiff.engine", "keydiff.run"),
+    "keydiff.decode": ("keydiff.engine", "keydiff.run"),
+    "keydiff.cache": ("keydiff.decode", "keydiff.engine", "keydiff.run"),
+    "keydiff.policies": ("keydiff.cache", "keydiff.decode", "keydiff.engine", "keydiff.run"),
+    "keydiff.attention": ("keydiff.cache", "keydiff.decode", "keydiff.engine", "keydiff.run"),
     "keydiff.paper": ("keydiff.report", "keydiff.run", "keydiff.bench"),
-    "keydiff.kernels": ("keydiff.attention", "keydiff.policies", "keydiff.cache", "keydiff.batching", "keydiff.engine",
+    "keydiff.kernels": ("keydiff.attention", "keydiff.policies", "keydiff.cache", "keydiff.decode", "keydiff.engine",
                         "keydiff.run"),
 }
 
@@ -76,7 +76,7 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_no_module_of_keydiff_is_in_an_import_circle():
     graph = import_graph()
-    assert "keydiff.batching.scheduler" in graph and "keydiff.run.runner" in graph
+    assert "keydiff.decode.scheduler" in graph and "keydiff.run.runner" in graph
     assert circles(graph) == []
     # the check sees a circle when there is one
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from keydiff import build_policy, generate, generate_batch, prefill
-from keydiff.batching import Request
+from keydiff.decode import Request
 from keydiff.policies import Chunked, Critical, HeadAdaptive, LayerBudgets, LayerView, RecentWindow
 from keydiff.policies.adakv import relative_scores
 from keydiff.policies.base import chooses_whole_pools

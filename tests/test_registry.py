@@ -153,8 +153,8 @@ def module_name(path: Path) -> str:
 
 def imports(path: Path, modules: set[str]) -> set[str]:
     """keydiff modules a file imports anywhere in it (`from keydiff.report import generic` counts as the module; a
-    relative import counts as the absolute one it names, `from ..batching import blocks` in keydiff/cache/x.py as
-    keydiff.batching.blocks)."""
+    relative import counts as the absolute one it names, `from ..decode import blocks` in keydiff/cache/x.py as
+    keydiff.decode.blocks)."""
     found = set()
     package = module_name(path).split(".")[: None if path.name == "__init__.py" else -1]
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import statistics
 
 from keydiff import build_policy, prefill
-from keydiff.batching import Request, generate_batch
+from keydiff.decode import Request, generate_batch
 from keydiff.bench import common, runner
 
 

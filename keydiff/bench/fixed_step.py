@@ -1,6 +1,6 @@
 """The decoding step of full caches, per form: ordinary, fixed-shape eager, fixed-shape under torch.compile.
 
-Decides which form a device runs by default (keydiff.batching.step.FIXED_SHAPES_DEFAULT). W forks of one
+Decides which form a device runs by default (keydiff.decode.step.FIXED_SHAPES_DEFAULT). W forks of one
 prefill decode --steps timed steps in interleaved rounds; reported: median per-step time, ratio to the ordinary
 step, warm-up wall time (a compile's cost), token agreement and time over the step's floor (keydiff.bench.floor).
 `--forms ...,model` adds the model's own forward over a transformers cache of N entries.
@@ -19,8 +19,8 @@ import torch
 
 from keydiff import Request, build_policy, generate_batch, prefill
 from keydiff.attention import keydiff_attention
-from keydiff.batching.scheduler import read_cache
-from keydiff.batching.static import StaticStep
+from keydiff.decode.scheduler import read_cache
+from keydiff.decode.static import StaticStep
 from keydiff.bench import common, floor, runner
 
 

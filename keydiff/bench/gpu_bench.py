@@ -90,19 +90,19 @@ def identity(row: dict) -> dict:
 
 
 def cpu_stand_ins(device: str, fail: str | None = None):
-    """On a CPU, keydiff.batching.static's stand-in for CUDA graph capture (the steps capture and replay there as
+    """On a CPU, keydiff.decode.static's stand-in for CUDA graph capture (the steps capture and replay there as
     on CUDA, so --quick runs the lines a GPU runs; `fail`: its captures fail so, as the tests ask); nothing on
     CUDA."""
     if device == "cuda":
         return contextlib.nullcontext()
-    from keydiff.batching.static import stand_in_graphs
+    from keydiff.decode.static import stand_in_graphs
 
     return stand_in_graphs(fail=fail)
 
 
 def graph_record(decoder: Decoder) -> dict:
     """What a decoder's captures cost: graphs captured, the seconds spent capturing and warming up for it, the
-    bytes the graph pool holds (keydiff.batching.static.StepStats' counts: on CUDA the reserved memory each capture
+    bytes the graph pool holds (keydiff.decode.static.StepStats' counts: on CUDA the reserved memory each capture
     added, under the CPU stand-in the bytes its captures allocated), and why a capture failed, if one did."""
     record = decoder.stats.record()
     return {"graphs": record["captured"], "capture_s": record["capture_s"], "warm_up_s": record["warm_up_s"],

@@ -1,4 +1,4 @@
-"""Throughput benchmark: decode tokens/s of many sequences at once (keydiff.batching), bounded vs full caches.
+"""Throughput benchmark: decode tokens/s of many sequences at once (keydiff.decode), bounded vs full caches.
 
     python -m keydiff.bench throughput                               # tokens/s at batch 1, 4, 8, 16
     python -m keydiff.bench throughput --serving --memory-gb 4       # sequences held and tokens/s in 4 GB
@@ -20,7 +20,7 @@ import sys
 import torch
 
 from keydiff import build_policy, prefill
-from keydiff.batching import Request, generate_batch
+from keydiff.decode import Request, generate_batch
 from keydiff.bench import common, runner
 
 
@@ -55,7 +55,7 @@ def keydiff_case(model, state, batch: int, args, device: str, group_rows: bool =
 def pooled_case(model, state, batch: int, args, device: str):
     """`batch` copies of the prefilled state, each in buffers of its own as a prompt prefilled alone is (untimed),
     decoded with pool_rows=True: each joins a slot of one block (one copy of its entries, timed) and the rows
-    group like forks (keydiff.batching.blocks.JoinPool)."""
+    group like forks (keydiff.decode.blocks.JoinPool)."""
     def run() -> dict:
         return batched_decode(model, [state.fork(1)[0] for _ in range(batch)], args.new_tokens, device,
                               pool_rows=True)

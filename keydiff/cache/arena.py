@@ -76,7 +76,7 @@ class Arena:
 
     shared: slots handed to several sequences (`take`, `vacate`; `occupant` names each slot's storage), never
     reallocated. stats: a record counting the shared arenas made and the copies into and out of their slots
-    (the decoder's keydiff.batching.static.StepStats), if any."""
+    (the decoder's keydiff.decode.static.StepStats), if any."""
 
     def __init__(self, slots: int, layers: tuple[int, ...], buffers: tuple | None = None, shared: bool = False,
                  stats: Any = None):

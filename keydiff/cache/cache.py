@@ -142,7 +142,7 @@ class EvictingCache(Cache):
 
     def note_written(self, layer_idx: int, q: int) -> None:
         """Account for a pass of q tokens whose keys and values the caller already wrote into this layer's block slot
-        (keydiff.batching.blocks.write_groups): `update` without the copy, returning nothing."""
+        (keydiff.decode.blocks.write_groups): `update` without the copy, returning nothing."""
         layer = self.layers[layer_idx]
         if (layer_idx == self._first_evicted or self._mode.scratch or not isinstance(layer, EvictingLayer)
                 or layer.seen + q != layer.storage.seen):
@@ -152,7 +152,7 @@ class EvictingCache(Cache):
         layer.returned_keys = None
 
     def note_fixed_step(self, q: int) -> None:
-        """Account for a pass a fixed-shape step (keydiff.batching.static) wrote and evicted itself: tokens seen, peaks."""
+        """Account for a pass a fixed-shape step (keydiff.decode.static) wrote and evicted itself: tokens seen, peaks."""
         stack = self.stack
         stack.seen += q
         stack.max_entries = max(stack.max_entries, stack.num_entries + q)

@@ -2,7 +2,7 @@
 reduction order does not depend on the number of rows, so a sequence decoded in a batch gets the bits it gets
 alone.
 
-    with batch_invariant.mode("CUDA"):          # what keydiff.batching.step does around decoding steps
+    with batch_invariant.mode("CUDA"):          # what keydiff.decode.step does around decoding steps
         logits = model(input_ids=ids, cache=cache).logits
 
 Kernels are registered through `torch.library` (nothing is patched); a CPU does not need the mode.

@@ -186,7 +186,7 @@ class Needs:
 
     @property
     def groupable(self) -> bool:
-        """Rows of several sequences may be evicted as one (keydiff.batching.blocks.poolable's policy half): rows
+        """Rows of several sequences may be evicted as one (keydiff.decode.blocks.poolable's policy half): rows
         alike, and nothing but the entries read (no model signal, re-rotation, segments)."""
         return (self.rows_alike and self.attention_rows == 0 and not self.queries and not self.output_projection
                 and not self.signals                and self.key_rerotation is None and not self.head_adaptive and not self.reconstruction)

@@ -66,7 +66,7 @@ def capturable(policy: str) -> bool:
 
 def pooled(policy: str) -> bool:
     """Capturable and Needs.groupable: the preset scores from its entries alone, so its rows pool into one block at
-    any batch (keydiff.batching.blocks.poolable), timed as KeyDiff's."""
+    any batch (keydiff.decode.blocks.poolable), timed as KeyDiff's."""
     return capturable(policy) and bool(preset_needs(policy)["groupable"])
 
 
@@ -295,7 +295,7 @@ def from_rates_file(record: dict, path: Path) -> Rates:
 def from_gpu_bench(record: dict, path: Path, base: Rates) -> Rates:
     """A `make gpu-bench` result (keydiff.bench.gpu_bench's JSON): its decode, prefill and full rows give the
     fixed and ordinary steps, the grouped speed-up and full's; 'per row' and the policy ratios, which it does
-    not measure, come from `base`. Its code pools a run's rows into one arena (keydiff.batching.Decoder)."""
+    not measure, come from `base`. Its code pools a run's rows into one arena (keydiff.decode.Decoder)."""
     sizes = record.get("sizes") or {}
     if record.get("device") != "cuda" or sizes.get("model") != MEASURED:
         raise RatesError(f"{path}: a gpu_bench result on {record.get('device')!r} with model {sizes.get('model')!r}; "

@@ -1,4 +1,4 @@
-"""A run's samples decoded `batch_size` at a time (keydiff.batching), written as each one finishes.
+"""A run's samples decoded `batch_size` at a time (keydiff.decode), written as each one finishes.
 
 Each row is the row a batch-1 run writes, plus how it was batched. Design: docs/design/runs.md#batched-decoding
 """
@@ -9,7 +9,7 @@ import logging
 from collections import deque
 from typing import Any, Iterator
 
-from keydiff.batching import Failure, Request
+from keydiff.decode import Failure, Request
 from keydiff.run.samples import (
     RunContext, decode_settings, failed_row, prefill_sample, sample_row, sample_seed, screen_sample,
 )
@@ -38,7 +38,7 @@ class SharedPrefill:
         if self.forks is None and not self.broken:
             state, self.budget = prefill_sample(self.ctx, self.prompt)
             # Every member a fork (not the prefilled state and k - 1 forks), so that all k lie side by side in one
-            # block and decode as one group where the policy allows (keydiff.batching.blocks).
+            # block and decode as one group where the policy allows (keydiff.decode.blocks).
             self.forks = dict(zip(self.members, state.fork(self.size) if self.size > 1 else [state]))
         if not self.broken and key in self.forks:
             return self.forks.pop(key), self.budget, self.size
@@ -47,7 +47,7 @@ class SharedPrefill:
 
 
 class SampleJob:
-    """One sample for the scheduler (keydiff.batching.Job): `start()` prefills it (or takes its fork of a shared
+    """One sample for the scheduler (keydiff.decode.Job): `start()` prefills it (or takes its fork of a shared
     prefill) and returns its Request; what the row needs afterwards stays here."""
 
     def __init__(self, ctx: RunContext, sample, prompt, shared: SharedPrefill):

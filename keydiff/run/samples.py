@@ -13,7 +13,7 @@ from typing import Any, Callable, TypeVar
 
 import torch
 
-from keydiff.batching import Decoder
+from keydiff.decode import Decoder
 from keydiff.device import out_of_memory, release_memory
 from keydiff.engine import generate, prefill
 from keydiff.run import memory
@@ -100,7 +100,7 @@ def sample_seed(settings, run_seed: int, sample) -> int:
 
 
 def decode_settings(ctx: RunContext, settings, seed: int) -> dict[str, Any]:
-    """keydiff.generate's arguments for a sample (keydiff.batching.Request takes the same)."""
+    """keydiff.generate's arguments for a sample (keydiff.decode.Request takes the same)."""
     return dict(max_new_tokens=settings.max_new_tokens, eos_token_ids=stop_ids_of(ctx, settings),
                 do_sample=settings.do_sample, temperature=settings.temperature, top_p=settings.top_p,
                 min_new_tokens=settings.min_new_tokens, seed=seed, evict=ctx.plan.decode_eviction)
@@ -163,7 +163,7 @@ def sample_row(ctx: RunContext, sample, prompt: Prompt, state, out, budget: int 
         "peak_memory_bytes": memory.peak_memory(device, cuda_devices(model))[0],
         # The seed of sampled decoding; null for greedy decoding, which uses none (the run's `seed` is in summary.json).
         "sampling_seed": seed if settings.do_sample else None,
-        # W, the width of the decoding step it ran in (keydiff.batching.scheduler.Decoder): batch_size, or less
+        # W, the width of the decoding step it ran in (keydiff.decode.scheduler.Decoder): batch_size, or less
         # after an out-of-memory back-off. Under batch_invariant on a GPU tokens do not depend on it (not guaranteed
         # bitwise on a CPU, whose matmuls round by row count; equal in every tested case).
         "decode_width": ctx.decoder.width,

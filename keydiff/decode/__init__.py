@@ -15,9 +15,9 @@ scores, so attention and eviction run per sequence, and rows alike run as one gr
 Design: docs/design/decode.md
 """
 
-from keydiff.batching.rows import BatchCache
-from keydiff.batching.scheduler import Decoder, generate_batch
-from keydiff.batching.sequence import Failure, GenerationResult, Job, Request, SequenceResult, next_token
+from keydiff.decode.rows import BatchCache
+from keydiff.decode.scheduler import Decoder, generate_batch
+from keydiff.decode.sequence import Failure, GenerationResult, Job, Request, SequenceResult, next_token
 
 __all__ = ["BatchCache", "Decoder", "Failure", "GenerationResult", "Job", "Request", "SequenceResult", "generate_batch",
            "next_token"]

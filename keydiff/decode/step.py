@@ -1,7 +1,7 @@
 """The model runner and the decode step. `decode_step`: every running sequence picks its next token, then one forward
 pass of those still going, which evicts, as the scheduler planned it. `ModelRunner.run(plan)` executes a plan (a
-decode step or a prefill's block step): in fixed shapes (keydiff.batching.static) or through the batch cache
-(keydiff.batching.rows). Design: docs/design/decode.md#the-step-steppy
+decode step or a prefill's block step): in fixed shapes (keydiff.decode.static) or through the batch cache
+(keydiff.decode.rows). Design: docs/design/decode.md#the-step-steppy
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ import weakref
 import torch
 
 from keydiff.attention import base_implementation
-from keydiff.batching.graphs import calls_for
-from keydiff.batching.plan import StepOutput, StepPlan
-from keydiff.batching.rows import BatchCache
-from keydiff.batching.sequence import Sequence
-from keydiff.batching.static import StaticStep, StepStats
+from keydiff.decode.graphs import calls_for
+from keydiff.decode.plan import StepOutput, StepPlan
+from keydiff.decode.rows import BatchCache
+from keydiff.decode.sequence import Sequence
+from keydiff.decode.static import StaticStep, StepStats
 from keydiff.device import sync
 from keydiff.kernels import batch_invariant
 
@@ -35,7 +35,7 @@ def choose_greedy(sequences: list[Sequence]) -> None:
 
 
 def choose_tokens(active: list[Sequence]) -> None:
-    """Every running sequence's next tokens (the token rule: keydiff.batching.sequence.Sequence)."""
+    """Every running sequence's next tokens (the token rule: keydiff.decode.sequence.Sequence)."""
     greedy = [sequence for sequence in active if not sequence.done and sequence.plain_greedy]
     choose_greedy(greedy)
     chosen = set(map(id, greedy))
@@ -62,7 +62,7 @@ class ModelRunner:
         self.fixed_shapes = fixed_shapes_default(self.device) if fixed_shapes is None else bool(fixed_shapes)
         # owner of rows (a block, or a stack) -> {q: (the StepKey it was built for, the StaticStep)}
         self.steps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        # where graphs are captured (CUDA, or a CPU under keydiff.batching.graphs.stand_in_graphs), the CUDA layout
+        # where graphs are captured (CUDA, or a CPU under keydiff.decode.graphs.stand_in_graphs), the CUDA layout
         self.full_width = FULL_WIDTH.get(self.device.type, False) or calls_for(self.device) is not None
 
     def invariant(self):
@@ -133,7 +133,7 @@ FULL_WIDTH = {"cuda": True, "cpu": False}
 
 def decode_step(scheduler, active: list[Sequence]) -> tuple[list[Sequence], list[Sequence]]:
     """One decoding step of every active sequence: choose each one's next tokens, then one forward pass of those
-    still going (which evicts), planned by `scheduler` (keydiff.batching.scheduler.Decoder) and run by its model
+    still going (which evicts), planned by `scheduler` (keydiff.decode.scheduler.Decoder) and run by its model
     runner; returns (still going, stopped)."""
     runner = scheduler.runner
     device = runner.device

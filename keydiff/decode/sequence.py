@@ -135,7 +135,7 @@ class Sequence:
     @property
     def plain_greedy(self) -> bool:
         """Whether the next tokens are the argmax of the logits as they are (greedy, no stop token masked):
-        such sequences are chosen together, one argmax over the step's logits (keydiff.batching.step)."""
+        such sequences are chosen together, one argmax over the step's logits (keydiff.decode.step)."""
         return not self.request.do_sample and not self.masking_stops
 
     def choose(self) -> None:

@@ -1,6 +1,6 @@
 """What passes between the scheduler and the model runner, as plain data: a step's plan (`StepPlan`) and its
 outputs (`StepOutput`), and what the scheduler keeps per sequence to decide the plans (`SequenceRecord`). The
-scheduler decides (keydiff.batching.scheduler); the runner executes (keydiff.batching.step) and never reads where a
+scheduler decides (keydiff.decode.scheduler); the runner executes (keydiff.decode.step) and never reads where a
 sequence's entries live. Design: docs/design/decode.md
 """
 

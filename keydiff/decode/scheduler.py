@@ -1,6 +1,6 @@
 """The scheduler: requests in, results out, up to W sequences decoding at once, a free place refilled as soon as a
 sequence stops (continuous batching), and the back-off when memory runs out (the width halves). It decides every
-step as a plan (keydiff.batching.plan.StepPlan) for the model runner: which rows, and whether in fixed shapes, from
+step as a plan (keydiff.decode.plan.StepPlan) for the model runner: which rows, and whether in fixed shapes, from
 records kept per sequence since its admission (`read_cache` is its one read of where entries live).
 
 Design: docs/design/decode.md#the-scheduler-schedulerpy
@@ -15,11 +15,11 @@ from typing import Any, Iterable, Iterator
 import torch
 
 from keydiff.attention import keydiff_attention
-from keydiff.batching.blocks import JoinPool, poolable
-from keydiff.batching.plan import SequenceRecord, StepKey, StepPlan
-from keydiff.batching.sequence import Failure, Job, Request, Sequence, SequenceResult
-from keydiff.batching.static import StepStats
-from keydiff.batching.step import ModelRunner, decode_step
+from keydiff.decode.blocks import JoinPool, poolable
+from keydiff.decode.plan import SequenceRecord, StepKey, StepPlan
+from keydiff.decode.sequence import Failure, Job, Request, Sequence, SequenceResult
+from keydiff.decode.static import StepStats
+from keydiff.decode.step import ModelRunner, decode_step
 from keydiff.cache import EvictingCache
 from keydiff.cache.arena import Arena, layout
 from keydiff.cache.evict import Rows

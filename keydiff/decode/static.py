@@ -18,7 +18,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from keydiff.attention import REGISTERED, STATISTIC_KWARG, StatisticBuffer, bound_to
-from keydiff.batching.graphs import CudaCalls, calls_for, stand_in_graphs, timed  # noqa: F401 - re-exported
+from keydiff.decode.graphs import CudaCalls, calls_for, stand_in_graphs, timed  # noqa: F401 - re-exported
 from keydiff.cache.evict import Rows, evict, write_active
 from keydiff.device import out_of_memory
 from keydiff.policies.base import Policy

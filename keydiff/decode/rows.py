@@ -12,7 +12,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from keydiff.attention import RowBatch, bound_cache, bound_to
-from keydiff.batching.blocks import evict_groups, grouped_passes, runs, write_groups
+from keydiff.decode.blocks import evict_groups, grouped_passes, runs, write_groups
 from keydiff.cache import EvictingCache
 
 
@@ -100,7 +100,7 @@ class BatchCache(Cache, RowBatch):
 
     @property
     def groups(self) -> list:
-        """The pass's groups of rows that run as one (keydiff.batching.blocks.Group), found at its first layer."""
+        """The pass's groups of rows that run as one (keydiff.decode.blocks.Group), found at its first layer."""
         return self._runs
 
     def row_passes(self, layer_idx: int, key: torch.Tensor):
@@ -116,7 +116,7 @@ class BatchCache(Cache, RowBatch):
 
     def evict(self) -> None:
         """Every sequence observes the pass and evicts, as a run of it alone does after each pass (the one-row
-        sequences of a group in one call, keydiff.batching.blocks.evict_groups)."""
+        sequences of a group in one call, keydiff.decode.blocks.evict_groups)."""
         self._passes.clear()
         self._groups.clear()
         done = evict_groups(self.caches, self.spans) if self.group_rows else set()
