@@ -47,6 +47,7 @@ class StepPlan:
     key: StepKey | None = None  # fixed: which step
     owner: Any = None  # fixed: what the rows belong to (a block, or one sequence's stack): its steps live as long
     rows: Rows | None = None  # fixed: the rows the step is built over (when the runner has none for `key`)
+    slots: tuple[tuple[Any, int], ...] = ()  # fixed: each sequence's (arena, slot), whose counts the pass advances
 
 
 @dataclass(frozen=True)
