@@ -316,6 +316,8 @@ def read_cache(cache: EvictingCache, q: int = 1, evict: bool = True) -> Sequence
     held = evicting and (not cache.evicts_next_pass() or (stack is not None and stack.fresh is not None))
     record = SequenceRecord(fixed_ok, evicting, held, None if stack is None else stack.num_entries,
                             cache.budget if stack is None else stack.budget, cache.get_seq_length(), policy)
+    if cache.contiguous and evicting:  # the next position is the kept keys' end, the largest budget once full
+        record.ceiling = max((budget for budget in cache.layer_budgets if budget is not None), default=None)
     if stack is None or stack.keys is None:
         return record
     arena, slot = stack.handle.arena, stack.handle.slot
