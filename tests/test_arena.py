@@ -24,7 +24,7 @@ def filled(tokens: int, seed: int) -> Storage:
     generator = torch.Generator().manual_seed(seed)
     keys = torch.randn(1, HEADS, tokens, DIM, generator=generator)
     for plane in range(len(LAYERS)):
-        storage.write(plane, keys + plane, -keys, 0)
+        storage.write(plane, keys + plane, -keys)
     return storage
 
 
@@ -40,6 +40,27 @@ def test_a_storage_counts_are_its_slot_counts_in_the_arena():
     assert arena.counts[slot, ENTRIES].item() == 5 and arena.counts[slot, SEEN].item() == 5
     storage.num_entries = 4
     assert arena.counts[slot, ENTRIES].item() == 4
+
+
+def test_a_pass_begins_once_and_each_plane_s_tokens_seen_follow_from_the_slot_counts():
+    """The first plane opens the pass (counts advance once); a later plane's tokens seen are the slot's less the
+    open pass until it writes, in turn; a writer out of turn is refused; the fixed step's host half closes at once."""
+    storage = filled(5, 0)
+    arena, slot = storage.handle.arena, storage.handle.slot
+    keys = torch.randn(1, HEADS, 2, DIM, generator=torch.Generator().manual_seed(3))
+    storage.write(0, keys, keys)
+    assert (storage.seen, storage.num_entries, storage.max_entries) == (7, 7, 7)
+    assert (storage.layer_seen(0), storage.layer_seen(1)) == (7, 5)
+    with pytest.raises(RuntimeError, match="in order"):
+        arena.wrote(slot, slot + 1, 0, 2)  # plane 0 wrote this pass already
+    with pytest.raises(RuntimeError, match="every layer must see every forward pass, in order"):
+        storage.write(0, keys, keys)  # a new pass before plane 1 saw this one
+    storage.write(1, keys, keys)
+    assert (storage.layer_seen(0), storage.layer_seen(1), storage.seen) == (7, 7, 7)
+    storage.num_entries = BUDGET  # as a fixed step leaves it: evicted within its pass
+    arena.begin_pass(slot, slot + 1, 1, evicted=True)
+    assert (storage.seen, storage.num_entries, storage.max_entries) == (8, BUDGET, 7)
+    assert (storage.layer_seen(0), storage.layer_seen(1)) == (8, 8)
 
 
 def test_take_and_vacate_move_entries_and_counts_and_leave_nothing_behind():

@@ -260,7 +260,7 @@ def test_stacked_cache_scores_every_layer_in_one_call_per_step(model, prompt):
     assert CountingKeyDiff.calls == evicting_blocks + 4
     # The layers' buffers are slices of one allocation.
     first = state.cache.layers[0].keys
-    assert all(layer.stacked and layer.keys.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+    assert all(layer.storage.count > 1 and layer.keys.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
                for layer in state.cache.layers)
 
 
@@ -268,7 +268,7 @@ def test_stacked_cache_scores_every_layer_in_one_call_per_step(model, prompt):
 def test_policies_that_are_not_batchable_keep_a_buffer_per_layer(model, prompt):
     for policy in ("random", keydiff.build_policy("keydiff", layer_budgets={"schedule": "pyramid", "beta": 2})):
         state = prefill(model, prompt, policy, 64, 32)
-        assert state.cache.stack is None and not any(layer.stacked for layer in state.cache.layers)
+        assert state.cache.stack is None and not any(layer.storage.count > 1 for layer in state.cache.layers)
 
 
 @pytest.mark.unit
@@ -282,7 +282,7 @@ def test_a_layer_unlike_the_first_leaves_the_stack_and_eviction_goes_layer_by_la
         cache.update(torch.randn(1, 3, 4, 16), torch.randn(1, 3, 4, 16), 1)  # other heads and head_dim
         cache.evict()
     first, second = cache.layers
-    assert cache.stack is None and not first.stacked and not second.stacked
+    assert cache.stack is None and first.storage.count == second.storage.count == 1
     assert first.allocations == 1 and second.allocations == 2  # the stack's slot, then buffers of its own
     assert first.keys.untyped_storage().data_ptr() != second.keys.untyped_storage().data_ptr()
     assert first.num_entries == second.num_entries == 8 and second.keys.shape[1:] == (3, 12, 16)
@@ -339,7 +339,7 @@ def test_decoding_without_eviction_grows_the_whole_stack_and_releases_the_old_on
     old_storage = state.cache.layers[0].keys.untyped_storage().data_ptr()
     generate(model, state, 60, evict=False)  # 59 kept tokens: more than the N + B slots
     cache = state.cache
-    assert cache.stack is not None and all(layer.stacked for layer in cache.layers)
+    assert cache.stack is not None and all(layer.storage.count > 1 for layer in cache.layers)
     assert [layer.num_entries for layer in cache.layers] == [64 + 59] * 3
     assert cache.layers[0].keys.untyped_storage().data_ptr() != old_storage
     assert cache.allocations == 6  # the first stack, then one grown stack (3 layers each)

@@ -194,15 +194,13 @@ class AdaptiveStorage:
             self.relayout(per_head)
 
     # --- writes ---------------------------------------------------------------------------------
-    def write(self, plane: int, key_states: torch.Tensor, value_states: torch.Tensor,
-              layer_seen: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def layer_seen(self, plane: int) -> int:
+        """Tokens its one layer has been given (each pass is written whole by that layer)."""
+        return self.seen
+
+    def write(self, plane: int, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Append a pass's q entries [batch, kv_heads, q, dim] to every head's segment; return the pools."""
         batch, heads, q = key_states.shape[:3]
-        if layer_seen != self.seen:
-            raise RuntimeError(
-                f"layer {self.layers[0]} was given tokens {layer_seen}..{layer_seen + q - 1} while the cache is at "
-                f"token {self.seen}: every layer must see every forward pass, in order"
-            )
         if self.keys is None:
             planned = self.capacity or q
             self.allocate(key_states, value_states, max(planned, q, self.budget + 1))
@@ -347,8 +345,7 @@ class AdaptiveLayer(EvictingLayer):
         keys = self.storage.keys
         refuse_batch_change(None if keys is None else keys.shape[0], key_states.shape[0])
         self.storage.require_served()
-        keys, values = self.storage.write(0, key_states, value_states, self.seen)
-        self.seen += key_states.shape[-2]
+        keys, values = self.storage.write(0, key_states, value_states)
         self.returned_keys = keys
         return keys, values
 
@@ -369,7 +366,7 @@ class AdaptiveLayer(EvictingLayer):
         old = self.storage
         self.storage = AdaptiveStorage(old.layers[0], old.budget, old.capacity, old.state_names, old.entry_state,
                                        old.asked)
-        self.seen, self.returned_keys, self.earlier_allocations, self.is_initialized = 0, None, 0, False
+        self.returned_keys, self.earlier_allocations, self.is_initialized = None, 0, False
 
 
 __all__ = ["AdaptiveLayer", "AdaptiveStorage", "PoolStack"]

@@ -19,11 +19,12 @@ import torch
 from keydiff.cache.evict import Rows
 
 # Each slot's counts: valid entries per head, tokens seen, peak entries, the first entry whose policy state is not
-# set yet, and the (entries, seen, peak) a running scratch pass restores; NONE where there is none.
-COUNTS = ("entries", "seen", "peak", "fresh", "mark_entries", "mark_seen", "mark_peak")
-ENTRIES, SEEN, PEAK, FRESH, MARK_ENTRIES, MARK_SEEN, MARK_PEAK = range(len(COUNTS))
+# set yet, the (entries, seen, peak) a running scratch pass restores (NONE where there is none), and the open pass:
+# its tokens (0: none open) and how many planes, in order, have written it.
+COUNTS = ("entries", "seen", "peak", "fresh", "mark_entries", "mark_seen", "mark_peak", "open", "written")
+ENTRIES, SEEN, PEAK, FRESH, MARK_ENTRIES, MARK_SEEN, MARK_PEAK, OPEN, WRITTEN = range(len(COUNTS))
 NONE = -1
-EMPTY = (0, 0, 0, NONE, NONE, NONE, NONE)
+EMPTY = (0, 0, 0, NONE, NONE, NONE, NONE, 0, 0)
 
 
 def empty_buffers(
@@ -138,6 +139,32 @@ class Arena:
         """After slots [first, stop) were evicted as one: at most `budget` entries each, every entry's state set."""
         self.counts[first:stop, ENTRIES].clamp_(max=budget)
         self.counts[first:stop, FRESH] = NONE
+
+    # --- passes: the counts advance once, by whoever writes ----------------------------------------
+    def begin_pass(self, first: int, stop: int, q: int, evicted: bool = False) -> None:
+        """Open a pass of q tokens in slots [first, stop), once per pass, by whoever starts it: tokens seen, peak,
+        entries (+q), its first plane written. evicted: its writer wrote every plane and evicted within the pass (the
+        fixed step, from the host before or after it): the entries stay and no pass is left open."""
+        counts = self.host[first:stop]
+        grown = counts[:, ENTRIES] + q
+        counts[:, SEEN] += q
+        counts[:, PEAK] = grown.clip(min=counts[:, PEAK])
+        if not evicted:
+            counts[:, ENTRIES] = grown
+            counts[:, OPEN], counts[:, WRITTEN] = (q, 1) if len(self.layers) > 1 else (0, 0)
+
+    def wrote(self, first: int, stop: int, plane: int, q: int, scratch: bool = False) -> None:
+        """Plane `plane` of slots [first, stop) is written for their open pass of q tokens: the next plane's turn,
+        the pass closed after the last. Planes write in order, each once per pass; scratch: the pass may be a
+        scratch pass (a row group's may not)."""
+        counts = self.host[first:stop]
+        if not ((counts[:, OPEN] == q) & (counts[:, WRITTEN] == plane)
+                & (scratch | (counts[:, MARK_ENTRIES] == NONE))).all():
+            raise RuntimeError(f"layer {self.layers[plane]}: a pass written by its row group must follow the pass's "
+                               "first layer, written through update (every layer must see every forward pass, in order)")
+        counts[:, WRITTEN] += 1
+        if plane + 1 == len(self.layers):
+            counts[:, OPEN], counts[:, WRITTEN] = 0, 0
 
     # --- moving a stack between arenas -------------------------------------------------------------
     def moved(self, slot: int, buffers: tuple | None = None) -> "Arena":

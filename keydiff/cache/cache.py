@@ -140,26 +140,6 @@ class EvictingCache(Cache):
                 storage.evict(self.policy, self.inv_freq, self.next_position() if self.contiguous else None)
         return layer.update(key_states, value_states, position=self._mode.pass_position if self.contiguous else None)
 
-    def note_written(self, layer_idx: int, q: int) -> None:
-        """Account for a pass of q tokens whose keys and values the caller already wrote into this layer's block slot
-        (keydiff.decode.blocks.write_groups): `update` without the copy, returning nothing."""
-        layer = self.layers[layer_idx]
-        if (layer_idx == self._first_evicted or self._mode.scratch or not isinstance(layer, EvictingLayer)
-                or layer.seen + q != layer.storage.seen):
-            raise RuntimeError(f"layer {layer_idx}: a pass written by its row group must follow the pass's first "
-                               "layer, written through update (every layer must see every forward pass, in order)")
-        layer.seen += q
-        layer.returned_keys = None
-
-    def note_fixed_step(self, q: int) -> None:
-        """Account for a pass a fixed-shape step (keydiff.decode.static) wrote and evicted itself: tokens seen, peaks."""
-        stack = self.stack
-        stack.seen += q
-        stack.max_entries = max(stack.max_entries, stack.num_entries + q)
-        for layer in self.evicted_layers:
-            layer.seen += q
-            layer.returned_keys = None
-
     def reset(self) -> None:
         """Empty the cache for a new sequence (fresh storages, as planned at construction)."""
         self.layers = self.plan.build(self.policy)
@@ -216,7 +196,6 @@ class EvictingCache(Cache):
         chunk_start: the first position of the tokens the pass reconstructs."""
         if self._mode.scratch:
             raise RuntimeError("scratch passes do not nest")
-        seen = [layer.seen for layer in self.evicted_layers]
         windows = [(layer, layer.snapshot()) for layer in self.layers if isinstance(layer, SlidingWindowLayer)]
         for storage in self._storages:
             storage.begin_scratch()
@@ -227,8 +206,8 @@ class EvictingCache(Cache):
             self._mode = replace(self._mode, scratch=False, chunk_start=None)
             for storage in self._storages:
                 storage.end_scratch()
-            for layer, tokens in zip(self.evicted_layers, seen):
-                layer.seen, layer.returned_keys = tokens, None
+            for layer in self.evicted_layers:  # their tokens seen are their storages' again
+                layer.returned_keys = None
             for layer, saved in windows:
                 layer.restore(saved)
 

@@ -1,7 +1,7 @@
 """One layer of an evicting cache as transformers sees it: a view of its plane in a `Storage`.
 
-It keeps its storage and plane, the tokens it has seen, and the key tensor it last returned from `update`
-(how the attention function recognises its buffer); counts, buffers and statistics live in the storage.
+It keeps its storage and plane and the key tensor it last returned from `update` (how the attention function
+recognises its buffer); the tokens it has seen, counts, buffers and statistics are the storage's (its arena's).
 """
 
 from __future__ import annotations
@@ -47,8 +47,9 @@ class EvictingLayer(CacheLayerMixin):
         self.storage = storage if storage is not None else Storage((layer_idx,), budget, capacity, state_names,
                                                                    entry_state)
         self.plane = plane
-        self.seen = 0  # tokens this layer has been given: the absolute position of the next one
-        self.returned_keys: torch.Tensor | None = None  # what the last `update` returned (see module docstring)
+        # What the last `update` returned (see module docstring): after a pass another party wrote (a row group, the
+        # fixed step) it is an older tensor, which no attention call brings again.
+        self.returned_keys: torch.Tensor | None = None
         self.earlier_allocations = 0  # allocations of storages this layer has left
 
     def move_to(self, storage: Storage, plane: int, new_buffers: bool) -> None:
@@ -58,6 +59,12 @@ class EvictingLayer(CacheLayerMixin):
         self.storage, self.plane = storage, plane
 
     # --- what the storage holds for this layer -------------------------------------------------
+    @property
+    def seen(self) -> int:
+        """Tokens this layer has been given (the absolute position of the next one): its storage's, less a pass
+        under way that this layer has not written yet."""
+        return self.storage.layer_seen(self.plane)
+
     @property
     def keys(self) -> torch.Tensor | None:
         """[batch, kv_heads, capacity, dim]: this layer's key buffer (valid entries first)."""
@@ -116,11 +123,6 @@ class EvictingLayer(CacheLayerMixin):
         """Buffer (re)allocations this layer went through this sequence: 1 when the capacity was right."""
         return self.earlier_allocations + self.storage.allocations
 
-    @property
-    def stacked(self) -> bool:
-        """Whether this layer shares its storage (and its entry count) with other layers."""
-        return self.storage.count > 1
-
     # --- the transformers layer interface -------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -135,8 +137,7 @@ class EvictingLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         keys = self.storage.keys
         refuse_batch_change(None if keys is None else keys.shape[1], key_states.shape[0])
-        keys, values = self.storage.write(self.plane, key_states, value_states, self.seen, position)
-        self.seen += key_states.shape[-2]
+        keys, values = self.storage.write(self.plane, key_states, value_states, position)
         self.returned_keys = keys
         return keys, values
 
@@ -194,4 +195,4 @@ class EvictingLayer(CacheLayerMixin):
         if old.count > 1:
             raise NotImplementedError("this layer shares its storage with other layers: reset the whole cache")
         self.storage = Storage(old.layers, old.budget, old.capacity, old.state_names, old.entry_state)
-        self.seen, self.returned_keys, self.earlier_allocations, self.is_initialized = 0, None, 0, False
+        self.returned_keys, self.earlier_allocations, self.is_initialized = None, 0, False

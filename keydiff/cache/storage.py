@@ -12,8 +12,8 @@ from typing import Callable
 
 import torch
 
-from keydiff.cache.arena import (ENTRIES, FRESH, MARK_ENTRIES, MARK_PEAK, NONE, PEAK, SEEN, Arena, Handle,
-                                 empty_buffers)
+from keydiff.cache.arena import (ENTRIES, FRESH, MARK_ENTRIES, MARK_PEAK, NONE, OPEN, PEAK, SEEN, WRITTEN, Arena,
+                                 Handle, empty_buffers)
 from keydiff.cache.evict import evict, init_fresh
 from keydiff.policies.base import LayerView, Policy
 from keydiff.policies.rerotation import STATE as ROTARY_STATE
@@ -149,6 +149,9 @@ class Storage:
         for plane, layer in enumerate(self.layers):
             part = Storage((layer,), self.budget, self.capacity, self.state_names, self.entry_state)
             part.bind(Handle(self.handle.arena.plane(self.handle.slot, plane), 0))
+            if plane < self._counts.item(WRITTEN):  # its layer wrote the open pass: none is open for it
+                part._counts[OPEN] = 0
+            part._counts[WRITTEN] = 0
             part.allocations = self.allocations
             part.max_scratch_entries = self.max_scratch_entries
             parts.append(part)
@@ -157,34 +160,41 @@ class Storage:
         return parts
 
     # --- writes -------------------------------------------------------------------------------
+    def layer_seen(self, plane: int) -> int:
+        """Tokens the plane's layer has been given: the slot's, less the open pass while the plane has not written it."""
+        counts = self._counts
+        open_q = counts.item(OPEN)
+        return counts.item(SEEN) - (open_q if open_q and plane >= counts.item(WRITTEN) else 0)
+
     def write(self, plane: int, key_states: torch.Tensor, value_states: torch.Tensor,
-              layer_seen: int, position: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              position: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Write one layer's pass [batch, kv_heads, q, dim] after the kept entries; return its valid entries.
-        The first layer of a pass (layer_seen == seen) makes room and writes positions for every plane."""
-        q = key_states.shape[-2]
-        if layer_seen == self.seen:
+        The first plane begins the pass (room, positions for every plane, the arena's counts); the others follow."""
+        q, seen, open_q = key_states.shape[-2], self.seen, self._counts.item(OPEN)
+        if plane == 0 and not open_q:
             start = self.num_entries
             needed = start + q
             if self.keys is None or needed > self.capacity:
                 self.allocate(key_states, value_states, self.grown_capacity(needed))
             if q == 1:  # decoding: no arange to allocate
-                self.positions[..., start].fill_(self.seen)
+                self.positions[..., start].fill_(seen)
             else:
-                self.positions[..., start:needed] = torch.arange(self.seen, self.seen + q, device=key_states.device)
+                self.positions[..., start:needed] = torch.arange(seen, seen + q, device=key_states.device)
             if ROTARY_STATE in self.state:
-                first = self.seen if position is None else position
+                first = seen if position is None else position
                 self.state[ROTARY_STATE][..., start:needed] = torch.arange(first, first + q, device=key_states.device)
             if self.state and self.fresh is None:
                 self.fresh = start  # their state is set when the storage is next viewed (once for every plane)
-            self.num_entries, self.seen = needed, self.seen + q
-            self.max_entries = max(self.max_entries, needed)
-        elif layer_seen + q == self.seen:
+            self.handle.arena.begin_pass(self.handle.slot, self.handle.slot + 1, q)
+        elif open_q == q and plane == self._counts.item(WRITTEN):
             needed = self.num_entries
             start = needed - q
+            self.handle.arena.wrote(self.handle.slot, self.handle.slot + 1, plane, q, scratch=True)
         else:
+            given = self.layer_seen(plane)
             raise RuntimeError(
-                f"layer {self.layers[plane]} was given tokens {layer_seen}..{layer_seen + q - 1} while the cache is at "
-                f"token {self.seen}: every layer must see every forward pass, in order"
+                f"layer {self.layers[plane]} was given tokens {given}..{given + q - 1} while the cache is at "
+                f"token {seen}: every layer must see every forward pass, in order"
             )
         buffers = self.planes[plane]
         keys, values = buffers["keys"], buffers["values"]
@@ -213,6 +223,7 @@ class Storage:
         self.max_scratch_entries = max(self.max_scratch_entries, self.max_entries)
         self.num_entries, self.seen, self.max_entries = entries, seen, peak
         self.fresh, self.scratch_mark = None, None
+        self._counts[OPEN] = self._counts[WRITTEN] = 0  # no pass of the scratch's is left open
 
     @property
     def scratch_kept(self) -> int | None:

@@ -162,7 +162,7 @@ def runs(caches: list[EvictingCache], spans: list[slice] | None = None) -> list[
 def write_groups(groups: list[Group], caches: list[EvictingCache], layer_idx: int,
                  key_states: torch.Tensor, value_states: torch.Tensor) -> set[int]:
     """Write one pass's keys and values [rows, kv_heads, q, dim] of layer `layer_idx` for every group in one copy;
-    return the indices of the caches written (each then accounts via `EvictingCache.note_written`)."""
+    return the indices of the caches written. The writer advances their counts in the arena (`Arena.wrote`)."""
     written: set[int] = set()
     q = key_states.shape[-2]
     for group in groups:
@@ -176,10 +176,9 @@ def write_groups(groups: list[Group], caches: list[EvictingCache], layer_idx: in
         else:
             order = torch.tensor(rows, device=key_states.device)
             keys, values = key_states.index_select(0, order), value_states.index_select(0, order)
+        group.arena.wrote(group.first, stop, plane, q)  # refused, nothing written, unless it is this plane's turn
         group.arena.keys[group.first:stop, plane, 0, :, n - q : n] = keys
         group.arena.values[group.first:stop, plane, 0, :, n - q : n] = values
-        for index in group.members:
-            caches[index].note_written(layer_idx, q)
         written.update(group.members)
     return written
 

@@ -47,6 +47,7 @@ class StepPlan:
     key: StepKey | None = None  # fixed: which step
     owner: Any = None  # fixed: what the rows belong to (a block, or one sequence's stack): its steps live as long
     rows: Rows | None = None  # fixed: the rows the step is built over (when the runner has none for `key`)
+    slots: tuple[tuple[Any, int], ...] = ()  # fixed: each sequence's (arena, slot), whose counts the pass advances
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,8 @@ class SequenceRecord:
     fixed_ok: it may take a fixed-shape step at all (policy, layout, statistics mode, room for N + q); evicting: it
     evicts after every pass; held: its next pass runs the ordinary step (entries held over N, or new entries whose
     state is not set yet), cleared after it; entries: per layer and head of its stack (None: no single stack);
-    seen: the next pass's position. Its place: `owner` (the arena its stack lives in), `slot` in it (None: its own
+    seen: the next pass's position (under contiguous key re-rotation at most `ceiling`, the largest layer budget,
+    while evicting: the kept keys' end). Its place: `owner` (the arena its stack lives in), `slot` in it (None: its own
     arena), `slots` of the owner (rows, for its own arena), `buffers` (their identity), `cut(first, stop)` -> the
     Rows of slots [first, stop)."""
 
@@ -81,6 +83,7 @@ class SequenceRecord:
     slots: int = 1
     buffers: int = 0
     cut: Callable[[int, int], Rows] | None = field(default=None, repr=False)
+    ceiling: int | None = None
 
     @property
     def ready(self) -> bool:
@@ -94,7 +97,7 @@ class SequenceRecord:
 
     def advance(self, q: int) -> None:
         """After a pass of q tokens: what the cache now holds, by rule (no read of the cache)."""
-        self.seen += q
+        self.seen = self.seen + q if self.ceiling is None or not self.evicting else min(self.seen + q, self.ceiling)
         if self.entries is not None:
             evicts = self.evicting and self.budget is not None
             self.entries = min(self.entries + q, self.budget) if evicts else self.entries + q

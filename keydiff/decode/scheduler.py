@@ -132,7 +132,8 @@ class Decoder:
         return StepPlan("decode", "fixed", 1, caches, counts,
                         tuple(slice(start, start + count) for start, count in zip(starts, counts)),
                         torch.tensor(ids, device=device)[:, None], torch.tensor(positions, device=device)[:, None],
-                        torch.tensor(active, device=device), key, owner, rows)
+                        torch.tensor(active, device=device), key, owner, rows,
+                        tuple((record.owner, record.slot or 0) for record in records))
 
     def _fixed(self, records: list[SequenceRecord]) -> tuple[StepKey, object, Rows, list[int]] | None:
         """The fixed-shape step the records can share (its key, owner and rows) and each one's first row in it; None
@@ -277,7 +278,7 @@ class BlockScheduler:
         positions = torch.arange(start, start + q, device=ids.device).expand(rows, q)
         active = torch.ones(record.slots, dtype=torch.bool, device=ids.device)
         return StepPlan("block", "fixed", q, (cache,), (rows,), (slice(0, rows),), ids, positions, active, key,
-                        record.owner, record.cut(0, record.slots))
+                        record.owner, record.cut(0, record.slots), ((record.owner, record.slot or 0),))
 
     def finish(self, cache: EvictingCache, failed: bool = False) -> None:
         """The prefill of `cache` ended: it leaves the slot (with its entries unless failed), and the step over its
@@ -315,6 +316,8 @@ def read_cache(cache: EvictingCache, q: int = 1, evict: bool = True) -> Sequence
     held = evicting and (not cache.evicts_next_pass() or (stack is not None and stack.fresh is not None))
     record = SequenceRecord(fixed_ok, evicting, held, None if stack is None else stack.num_entries,
                             cache.budget if stack is None else stack.budget, cache.get_seq_length(), policy)
+    if cache.contiguous and evicting:  # the next position is the kept keys' end, the largest budget once full
+        record.ceiling = max((budget for budget in cache.layer_budgets if budget is not None), default=None)
     if stack is None or stack.keys is None:
         return record
     arena, slot = stack.handle.arena, stack.handle.slot
