@@ -38,8 +38,7 @@ def allocated_bytes(fn, device: str) -> dict[str, int]:
     """Bytes allocated while fn() runs: every positive "[memory]" record of the profiler, per device type.
 
     The raw records (one per allocator call, nbytes > 0 for an allocation, < 0 for a free) are read
-    because key_averages()' memory columns are net (allocations minus frees) per operator.
-    """
+    because key_averages()' memory columns are net (allocations minus frees) per operator."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])

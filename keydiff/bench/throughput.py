@@ -125,8 +125,7 @@ def continuous_batching_case(model, prompt, batch: int, args, device: str):
     """transformers' own continuous batching (`model.generate_batch`, paged full caches, no eviction).
 
     Its decode runs behind a background thread, so "seconds" is the difference of a --new-tokens run and a 1-token run
-    (the decode of new_tokens - 1 tokens); "seconds_with_prefill" the long run's wall time.
-    """
+    (the decode of new_tokens - 1 tokens); "seconds_with_prefill" the long run's wall time."""
     from transformers import GenerationConfig
 
     def timed(new_tokens: int) -> float:
@@ -206,8 +205,7 @@ def serving_mode(model, names: list[str], args, device: str) -> list[dict]:
     """Per prompt length and policy: one prefill, then `held` sequences' worth of caches by forking it.
 
     `held` = --memory-gb over a sequence's cache bytes (the larger of the entry count and what a fork really allocates);
-    the measured batch is min(held, --max-batch), with its caches' bytes, their projection to `held` and the verdict.
-    """
+    the measured batch is min(held, --max-batch), with its caches' bytes, their projection to `held` and the verdict."""
     budget_bytes = args.memory_gb * (1 << 30)
     per_entry = common.kv_cache_bytes(None, model, 1)  # keys + values of one token, every layer and KV head
     rows = []

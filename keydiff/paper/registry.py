@@ -17,7 +17,6 @@ from keydiff.tasks.longbench import ALL_21, ENGLISH_16, PROMPT_LENGTH_BINS
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 
-# ----------------------------------------------------------------------------- names
 # The 21 LongBench v1 datasets in the paper's column order (Tables 11-14), with the paper's headers.
 LONGBENCH_HEADERS = {
     "narrativeqa": "NarrativeQA", "qasper": "Qasper", "multifieldqa_en": "MF-en", "multifieldqa_zh": "MF-zh",
@@ -65,7 +64,6 @@ def config_name(label: str) -> str:
     return policy_configs().get(label, label)
 
 
-# ----------------------------------------------------------------------------- the grid
 LLAMAS = ["llama-3.1-8b-instruct", "llama-3.2-3b-instruct"]
 QWENS = ["qwen2.5-7b-instruct", "qwen2.5-3b-instruct"]
 LLAMA_R1, QWEN_R1 = "deepseek-r1-distill-llama-8b", "deepseek-r1-distill-qwen-7b"
@@ -191,7 +189,6 @@ FIGURES = [
     PaperFigure("Protocol comparison: score per way of asking about a compressed context", "protocol", PROTOCOL),
 ]
 
-# ----------------------------------------------------------------------------- the comparison
 # |ours - paper| above these is "outside" (docs/design/reports.md#against-the-paper-reportagainst_paper says why each).
 TOLERANCES = {"score": 2.0, "longbench_avg": 1.0, "flex": 0.03, "exact": 0.03, "compression_ratio": 0.03,
               "accuracy": 0.2, "recall_difference": 0.1, "spearman_rho": 0.05}

@@ -161,7 +161,6 @@ def format_estimate(mean: float, se: float, n: int | float | None = None, precis
     return f"{mean:.{precision}f} ± {spread}{count}"
 
 
-# ----------------------------------------------------------------------------- numbers
 def number(value, precision: int = 2) -> str:
     """A table cell: floats with `precision` decimals, anything else (counts, text) as it is, NA if missing."""
     if missing(value):
@@ -198,7 +197,6 @@ def count(value) -> str:
     return NA if missing(value) else str(int(round(value)))
 
 
-# ----------------------------------------------------------------------------- marks and order
 SUBSET, FAILED, INCOMPLETE = "§", "†", "~"  # task.limit set; k samples failed (†k); run not complete
 NOTHING_EVICTED = "∅"  # the budget held every prompt and the cache never outgrew it: the run is the full cache
 MARKS_LEGEND = "§ subset run (task.limit), †k k samples failed, ~ run not complete"
@@ -232,7 +230,6 @@ def budget_tokens(label) -> float:
     return float(match[1]) * {"": 1, "k": 1024, "m": 1024 ** 2}[match[2]] if match else float("inf")
 
 
-# ----------------------------------------------------------------------------- Markdown and LaTeX
 TEX_SPECIAL = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_",
                "{": r"\{", "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}"}
 INTERVAL_NOTE = ("Cells: value [95 % confidence interval] over samples (Wilson score interval inside the score's "

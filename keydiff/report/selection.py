@@ -67,8 +67,7 @@ def pick(df, experiments, tasks=None, models=None, policies=None, budgets=None, 
          by_task=True, limited=False):
     """One row per (model, policy, budget, block size[, task]), seeds averaged (average_seeds), from the first listed
     experiment (then task) that has it. `limited`: subset runs count only without a whole-task run. `full` ignores
-    budget and block size; by_task=False merges views of one benchmark (longbench = longbench_full's English).
-    """
+    budget and block size; by_task=False merges views of one benchmark (longbench = longbench_full's English)."""
     runs = df[df["experiment"].isin(experiments)].copy()  # a compact copy: the CSV has hundreds of columns
     runs = runs if tasks is None else runs[runs["task"].isin(tasks)]
     runs = runs if limited else runs[runs["complete"].astype(str).eq("True") & runs["limit"].isna()]

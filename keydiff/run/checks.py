@@ -256,7 +256,6 @@ def check_protocol(query_aware: bool, task: Any, batch_size: int = 1) -> None:
                           "niah*, phonebook)")
 
 
-# --------------------------------------------------------------------------------------------- the Hub
 HUB_PROBE_SECONDS = 4.0  # how long the Hub may take to answer before it counts as unreachable
 
 
