@@ -143,9 +143,7 @@ ATTENTION_TARGETS = ("mean_received", "column_sum", "last_row")
 def keydiff_attention_spearman(
     keys: torch.Tensor, attention: torch.Tensor, anchor: str = "normalized_mean"
 ) -> torch.Tensor:
-    """Table 3's statistic for one layer: per query head, Spearman's rho between -cos(k, anchor) and attention.
-
-    keys [H_kv, n, d] (the whole prompt's keys of this layer), attention [H, n] (what each key receives from
-    query head h, e.g. `LayerCapture.received_mean`) -> [H]."""
+    """Table 3's statistic for one layer: per query head, Spearman's rho between -cos(k, anchor) and attention. keys
+    [H_kv, n, d], attention [H, n] (e.g. `LayerCapture.received_mean`) -> [H]."""
     score = expand_to_query_heads(keydiff_score(keys, anchor), attention.shape[0])
     return spearman(score, attention)

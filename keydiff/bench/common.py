@@ -90,10 +90,9 @@ def model_and_prompt(args, name: str | None = None, positions: int = 0) -> tuple
 
 
 def parse_policies(text: str | None, budget: int, default: str = DEFAULT_POLICIES) -> list[str]:
-    """Policy names from a comma list, each validated against the budget before any model is loaded.
-
-    text=None means `default`, from which policies that cannot run at this budget (SnapKV's 32-token window
-    needs N > 32) are dropped with a note; a policy asked for by name raises ValueError (one line) instead."""
+    """Policy names from a comma list, each validated against the budget before any model is loaded. text=None means
+    `default`, from which policies that cannot run at this budget (SnapKV's 32-token window needs N > 32) are dropped
+    with a note; a policy asked for by name raises ValueError (one line) instead."""
     names = [p.strip() for p in (text or default).split(",") if p.strip()]
     unknown = [p for p in names if p not in available_policies()]
     if unknown:
@@ -134,10 +133,8 @@ def prompt_record(prompt: torch.Tensor, seed: int = 0) -> dict[str, Any]:
 
 
 def run_module(module: str, arguments: list[str]) -> subprocess.CompletedProcess:
-    """`python -m module arguments` in a fresh interpreter (a clean process for memory peaks, as a user runs it).
-
-    The child imports this same keydiff (CHECKOUT first on its PYTHONPATH), not another installed copy,
-    and runs in the caller's folder, so relative paths in `arguments` mean what they meant here."""
+    """`python -m module arguments` in a fresh interpreter (a clean process for memory peaks), importing this same
+    keydiff (CHECKOUT first on its PYTHONPATH) and running in the caller's folder, so relative paths hold."""
     path = os.pathsep.join(filter(None, [str(CHECKOUT), os.environ.get("PYTHONPATH")]))
     return subprocess.run([sys.executable, "-m", module, *arguments], capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": path})

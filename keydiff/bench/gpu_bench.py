@@ -175,7 +175,6 @@ def transformers_static_ms(model, prompt, batch: int, tokens: int, device: str) 
 
 def decoder_rows(model, state, sizes: Sizes, device: str, floor_ms: float | None) -> Iterator[dict]:
     """A run's own path at batch 1: one keydiff.Decoder kept across calls, each a fresh fork of the prompt.
-
     `ms_per_step`: median of the calls after the first (everything a later sample pays); `first_call_ms_per_step`;
     `graphs` captured over all calls (1 where it replays); `capture_failures` why a capture failed, if one did."""
     decoder, seconds = Decoder(model, 1), []

@@ -67,10 +67,9 @@ def build_press(name: str, compression_ratio: float):
 
 
 def compression_ratio_for(length: int, budget: int) -> float:
-    """kvpress's r (the fraction REMOVED) for which it keeps exactly `budget` of `length` entries.
-
-    kvpress keeps int(length * (1 - r)); 1 - budget/length can round one short (0.3 * 10 = 2.9999...), so r
-    is nudged down by ulps until the product reaches the budget."""
+    """kvpress's r (the fraction REMOVED) for which it keeps exactly `budget` of `length` entries. kvpress keeps
+    int(length * (1 - r)); 1 - budget/length can round one short (0.3 * 10 = 2.9999...), so r is nudged down by ulps
+    until the product reaches the budget."""
     if not 0 < budget <= length:
         raise ValueError(f"budget {budget} must be in 1..{length} (the prompt length)")
     ratio = 1.0 - budget / length

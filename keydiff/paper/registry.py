@@ -76,9 +76,8 @@ MATH = ("table4_gen4k", "table4_gen8k", "table4_gen32k", "table4_full")
 
 
 def baseline_experiment(experiment: str) -> str:
-    """The experiment whose full-cache run is the baseline of `experiment`'s runs (Tables 5/7 pick the samples
-    whose full-cache context exceeds the budget): the Math-500 experiments share table4_full; any other
-    experiment is its own."""
+    """The experiment whose full-cache run is the baseline of `experiment`'s runs (Tables 5/7): table4_full for the
+    Math-500 experiments, else itself."""
     return MATH[-1] if experiment in MATH else experiment
 MATH_POLICIES = ["full", "keydiff_w20", "snapkv"]
 # every method x kept ratio (query-agnostic), the query-aware loop, then the full cache once

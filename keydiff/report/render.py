@@ -142,9 +142,8 @@ def format_estimate(mean: float, se: float, n: int | float | None = None, precis
                     bounds: tuple[float, float] | None = None, shown_n=SAME, measure: bool = False) -> str:
     """The value, its 95 % interval and the samples behind it: "0.864 [0.509, 0.972] (n=6)" for a bounded
     score, "9.874 ± 1.829 (n=6)" for a time, "1.000 [n too small] (n=2)" below 5 samples ("± n/a": no SE),
-    "1.000 [constant] (n=6)" for a `measure` (kept N/L, a time) that is the same for every sample.
-    `shown_n`: the n printed when it is not the interval's (samples per task beside an average over tasks;
-    None: none printed)."""
+    "1.000 [constant] (n=6)" for a `measure` the same for every sample. `shown_n`: the n printed when it is not
+    the interval's (samples per task beside an average over tasks; None: none printed)."""
     if mean is None or (isinstance(mean, float) and math.isnan(mean)):
         return NA
     shown = n if shown_n is SAME else shown_n

@@ -30,9 +30,8 @@ def whole_runs_first(df: pd.DataFrame, key: list[str]) -> tuple[pd.DataFrame, pd
 
 def average_seeds(df: pd.DataFrame, key: list[str], sums=("num_failed", "seeds")) -> pd.DataFrame:
     """One row per `key`: numeric columns averaged over the seeds, `sums` added. Seeds are repeated measures
-    of the same samples (the run seed only seeds sampling), not new samples: `samples` is the per-seed n
-    (the largest; `samples_min` the smallest, which differs when seeds scored different numbers) and each
-    standard error (se/...) the mean of the seeds' SEs (keydiff.report.render.seeds_se)."""
+    of the same samples, not new samples: `samples` is the largest per-seed n (`samples_min` the smallest) and
+    each standard error (se/...) the mean of the seeds' SEs (keydiff.report.render.seeds_se)."""
     numeric = [c for c in df.columns if c not in key and pd.api.types.is_numeric_dtype(df[c])]
     errors = [c for c in numeric if c.startswith("se/")]
     added = [c for c in numeric if c in sums]

@@ -98,9 +98,8 @@ class Task(ABC):
         """Score one raw decoded prediction (special tokens skipped, otherwise unstripped)."""
 
     def summarize(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
-        """Aggregate the per-sample result rows (each has "sample_id", "scores", "info", ...) into run metrics.
-
-        The default is the plain mean of every score name; tasks with an official aggregate override it."""
+        """Aggregate the per-sample result rows (each has "sample_id", "scores", "info", ...) into run metrics: by
+        default the plain mean of every score name; tasks with an official aggregate override it."""
         totals: dict[str, list[float]] = {}
         for row in rows:
             for key, value in row["scores"].items():
@@ -108,9 +107,8 @@ class Task(ABC):
         return {key: sum(values) / len(values) for key, values in totals.items() if values}
 
     def shard_group(self, sample: Sample) -> str:
-        """Samples of the same group stay in the same shard when a grid point is split across jobs
-        (`shard=i/n`, keydiff.run.shards): e.g. several responses to one prompt, which share its prefill.
-        By default every sample is a group of its own."""
+        """Samples of one group stay in one shard when a grid point is split across jobs (`shard=i/n`,
+        keydiff.run.shards), e.g. responses sharing a prefill. By default every sample is its own group."""
         return sample.id
 
     def data_sources(self) -> dict[str, str]:
@@ -118,9 +116,8 @@ class Task(ABC):
         return {}
 
     def hub_downloads(self) -> list[str]:
-        """What `samples()` would download from the Hugging Face Hub, each with its offline alternative
-        ("LongBench's data.zip (offline: task.data_dir=...)"); [] when the data is local or cached. The run
-        is refused in seconds when the Hub is unreachable and this is not empty (keydiff.run.checks)."""
+        """What `samples()` would download from the Hub, each with its offline alternative; [] when the data is local or
+        cached. Non-empty with the Hub unreachable: the run is refused (keydiff.run.checks)."""
         return []
 
 

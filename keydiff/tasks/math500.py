@@ -30,9 +30,8 @@ def build_user_turn(problem: str) -> str:
 
 
 def sample_seed(seed: int, sample_index: int) -> int:
-    """Seed of the k-th response of every problem: fixed per (run seed, k), stable across machines.
-
-    A hash rather than `seed + k` so that different run seeds never share a sample seed."""
+    """Seed of the k-th response of every problem: a hash of (run seed, k), stable across machines, so different run
+    seeds never share a sample seed."""
     digest = hashlib.sha256(f"math500|{seed}|{sample_index}".encode()).digest()
     return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
 

@@ -101,9 +101,8 @@ def metric_of(task: str) -> Callable[[str, list[str]], float]:
 
 
 def fit_size(measure: Callable[[int], int], target: int, low: int, high: int | None) -> int:
-    """Largest size in [low, high] with measure(size) <= target: doubling, then bisection.
-
-    ``measure`` is close to monotone (more haystack, more tokens); the result always satisfies the bound."""
+    """Largest size in [low, high] with measure(size) <= target: doubling, then bisection. ``measure`` is close to
+    monotone; the result always satisfies the bound."""
     if measure(low) > target:
         raise ValueError(f"even the smallest haystack ({low}) needs {measure(low)} tokens, above {target}")
     if high is not None and measure(high) <= target:
@@ -126,9 +125,8 @@ def fit_size(measure: Callable[[int], int], target: int, low: int, high: int | N
 
 
 def load_essay(haystack_dir: str | None, source: str = "pinned") -> tuple[tuple[str, ...], dict[str, str], str]:
-    """The essay haystack as RULER's niah uses it: its words, its files' hashes (for provenance) and its kind
-    (one loader for every task that builds essay haystacks: ruler, shared_ruler_4k). `source`: the default
-    haystack's (keydiff.tasks.haystack.HAYSTACK_SOURCES), where `haystack_dir` is None."""
+    """The essay haystack as RULER's niah uses it (one loader for ruler and shared_ruler_4k): its words, its files'
+    hashes and its kind. `source`: the default haystack's, where `haystack_dir` is None."""
     from keydiff.tasks.haystack import load_haystack
 
     haystack = load_haystack(haystack_dir, source)

@@ -297,10 +297,9 @@ class RulerShared(Task):
         return {"score": string_match_all(postprocess(prediction), list(sample.fields["answers"]))}
 
     def summarize(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
-        """The mean score over the questions (0-1; every context has k questions, so each context weighs the same),
-        the same per asking rank (`by_ask_rank`: 0 = asked first) and per the needle's depth rank (`by_depth_rank`:
-        0 = the shallowest needle), counts, k and the mode. Samples flagged short (prompt + tokens to generate
-        under 95 % of the length, as Ruler's) are left out."""
+        """The mean score over the questions (0-1; each context weighs the same), the same per asking rank
+        (`by_ask_rank`: 0 = first) and needle depth rank (`by_depth_rank`: 0 = shallowest), counts, k and the mode;
+        samples flagged short (as Ruler's) left out."""
         scored = [r for r in rows if not (r.get("info") or {}).get("short", False)]
         values = [float(r["scores"]["score"]) for r in scored]
         return {
