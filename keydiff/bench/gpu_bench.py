@@ -258,10 +258,9 @@ def peak_beyond(device: str, fn) -> tuple[float, float | None]:
 
 
 def prefill_timing(model, prompt, sizes: Sizes, block: int, fixed: bool, device: str) -> dict:
-    """A prompt's block-wise KeyDiff prefill through one Decoder, twice: `first_call_seconds` (a fresh decoder: the
-    block step's eager warm-up and capture included, what a user's first prompt pays; its peak memory beyond what
-    was allocated before is `peak_gib_beyond`), then `seconds` (the same decoder again, its step replayed: what every
-    later prompt of a run pays)."""
+    """A prompt's block-wise KeyDiff prefill through one Decoder, twice: `first_call_seconds` (fresh: warm-up and
+    capture included; `peak_gib_beyond` its peak beyond what was allocated before), then `seconds` (replayed, what later
+    prompts pay)."""
     decoder = Decoder(model, 1, fixed_shapes=fixed)
 
     def run():

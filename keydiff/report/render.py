@@ -249,10 +249,9 @@ def markdown_rows(frame: pd.DataFrame) -> list[str]:
 
 
 def best_mask(table: pd.DataFrame, groups: list[str] | None, columns, exclude_full=True) -> pd.DataFrame:
-    """True where a cell holds the maximum of its column within its group of rows and that maximum is above the
-    rest of the group: cells tied at the top are all bold, but a group whose cells all tie (every method at 0.0)
-    has no best and bolds none, nor does a group of one cell. Values within TOLERANCE (relative to max(1, |best|))
-    of each other tie. The eviction-free rows (Method "Full" / "Dense") are references, never bold."""
+    """True where a cell holds its group's maximum and that is above the rest: ties at the top are all bold; a group
+    whose cells all tie, or of one cell, bolds none. Values within TOLERANCE (relative to max(1, |best|)) tie; the
+    eviction-free rows ("Full" / "Dense") are never bold."""
     mask = pd.DataFrame(False, index=table.index, columns=table.columns)
     frame = table.reset_index()
     eligible = ~frame["Method"].isin(["Full", "Dense"]) if exclude_full and "Method" in frame else frame.index >= 0

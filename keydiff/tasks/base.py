@@ -122,9 +122,8 @@ class Task(ABC):
 
 
 def encode_user_turn(tokenizer: Any, text: str, chat: bool = True) -> list[int]:
-    """Token ids of `text` as one user turn, with the generation prompt when the tokenizer has a chat template
-    (encoded with `add_special_tokens=False`: the template holds BOS); without one (or `chat=False`) the text
-    with the tokenizer's own special tokens."""
+    """Token ids of `text` as one user turn, with the generation prompt, through the chat template (which holds BOS);
+    without one (or `chat=False`) the text with the tokenizer's own special tokens."""
     if chat and getattr(tokenizer, "chat_template", None):
         rendered = tokenizer.apply_chat_template(
             [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True

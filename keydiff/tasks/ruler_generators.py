@@ -371,9 +371,8 @@ def zeta(s: float) -> float:
 
 @dataclass
 class FrequentWords(Generator):
-    """Coded text of random 6-letter words with Zipf(`alpha`) counts; the top word is shown as "...",
-    the answer is ranks 2-4. Vocabulary size: ``(length - tokens to generate) // 50`` (RULER's default,
-    taken after RULER subtracts the 50 tokens to generate from the length)."""
+    """Coded text of random 6-letter words with Zipf(`alpha`) counts; the top word is shown as "...", the answer is
+    ranks 2-4. Vocabulary size: ``(length - tokens to generate) // 50`` (RULER's default)."""
 
     alpha: float = 2.0
     word_length: int = 6
