@@ -51,10 +51,8 @@ def installed(module: str) -> bool:
 
 
 def require(extra: str, module: str, what: str, otherwise: str = "") -> ModuleType:
-    """Import `module` (part of `extra`) for `what`, or raise MissingExtra naming the extra to install.
-
-    Only the absence of the module or of a package it needs counts as a missing extra: an installed package that
-    fails in another way raises its own error, which installing the extra again would not fix."""
+    """Import `module` (part of `extra`) for `what`, or raise MissingExtra naming the extra to install. Only a missing
+    module or package counts: an installed package failing otherwise raises its own error."""
     try:
         return importlib.import_module(module)
     except ModuleNotFoundError as error:

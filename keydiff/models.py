@@ -111,7 +111,6 @@ class ModelConfig:
             raise ValueError(f"unknown model config key(s) {unknown}; valid keys: {valid}")
         return cls(**data)
 
-    # ------------------------------------------------------------------ validation
     @property
     def is_builtin(self) -> bool:
         return isinstance(self.path, str) and self.path.startswith(BUILTIN_PREFIX)
@@ -213,7 +212,6 @@ def _looks_like_local_path(path: str) -> bool:
     return path.startswith(("/", "./", "../", "~")) or path.count("/") > 1
 
 
-# ---------------------------------------------------------------------------------------- builtin models
 def cache_root() -> Path:
     """Root of keydiff-bench's cache: $KEYDIFF_CACHE, else ~/.cache/keydiff-bench."""
     env = os.environ.get("KEYDIFF_CACHE")
@@ -371,7 +369,6 @@ def _dist_version(distribution: str) -> str | None:
         return None
 
 
-# ---------------------------------------------------------------------------------------- loading
 def _torch_dtype(name: str):
     import torch
 
@@ -411,12 +408,8 @@ def quiet_weight_loading():
 
 
 def load_model(model: "ModelConfig | str" = "smollm2-135m", **settings: Any) -> tuple[Any, Any]:
-    """Load (model, tokenizer): the model in eval mode on its device with its attn_implementation.
-
-        model, tokenizer = keydiff.load_model("meta-llama/Llama-3.1-8B-Instruct", dtype="bfloat16")
-
-    `model` is a builtin name, a Hub id, a checkpoint folder or a ModelConfig; `settings` are ModelConfig fields.
-    """
+    """Load (model, tokenizer): the model in eval mode on its device with its attn_implementation. `model` is a
+    builtin name, a Hub id, a checkpoint folder or a ModelConfig; `settings` are ModelConfig fields."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     cfg = model_config(model, **settings)
@@ -485,7 +478,6 @@ def eos_token_ids(model: Any, tokenizer: Any) -> list[int]:
     return ids
 
 
-# ---------------------------------------------------------------------------------------- provenance
 def model_provenance(cfg: ModelConfig, model: Any | None = None) -> dict[str, Any]:
     """Where the weights came from, for result files: builtin (package, GGUF and its sha256), Hub (id, requested
     revision, resolved commit when the model is given) or local folder (path, config.json's sha256, weight files)."""

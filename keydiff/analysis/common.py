@@ -97,10 +97,9 @@ def haystack_prompts(cfg: DictConfig, tokenizer) -> tuple[list[tuple[str, torch.
 
 
 def haystack_label(haystack_dir: str | None, sources: dict[str, str], kind: str = "txt_dir") -> str:
-    """The haystack named by what it is, not where it lies on this machine: the pinned pydoc prose, or the running
-    interpreter's pydoc_data.topics (its content changes between Python versions, hence the version); RULER's
-    essay file by its file name; a folder of .txt files by its own name and file count (the sha256 of every
-    file is in `sources`). `kind` is keydiff.tasks.haystack.Haystack.kind."""
+    """The haystack named by what it is, not where it lies: the pinned pydoc prose, or this interpreter's
+    pydoc_data.topics (with its Python version); RULER's essay file by name; a .txt folder by name and file count
+    (hashes in `sources`). `kind`: Haystack.kind."""
     if haystack_dir is None and kind == "pydoc_pinned":
         return "pydoc_data.topics prose (pinned, CPython 3.11.7)"
     if haystack_dir is None:

@@ -49,7 +49,6 @@ def choose_heads(cfg, num_layers: int, kv_heads: int) -> dict[str, tuple[int, in
     return chosen
 
 
-# ------------------------------------------------------------------------------------------ figures
 
 
 def figure2(captures, pairs, window: int):
@@ -189,7 +188,6 @@ def figure16(top: np.ndarray, median: np.ndarray):
     return fig
 
 
-# --------------------------------------------------------------------------------------------- main
 
 
 def median_key_query_cosine(capture) -> torch.Tensor:

@@ -68,7 +68,6 @@ def top_key_query_cosine(keys: torch.Tensor, queries: torch.Tensor, anchor: str 
     return F.cosine_similarity(top, queries.float().mean(dim=1), dim=-1, eps=1e-8)
 
 
-# ------------------------------------------------------------------------------------------------ PCA
 
 
 @dataclass
@@ -96,16 +95,13 @@ def project(points: torch.Tensor, pca: PCA) -> torch.Tensor:
     return (points.float() - pca.mean) @ pca.components.T
 
 
-# --------------------------------------------------------------------------------------- log volume
 
 
 def log_volume(keys: torch.Tensor, normalize: bool = False, ridge: float = 0.0) -> torch.Tensor:
     """log det(K K^T) of a cache K [..., n, d] (Figure 12), in float64 with slogdet; returns [...].
-
     For n > d, K K^T is singular, so ridge = 0 (the default) gives the log pseudo-determinant (log det(K^T K) when
     n >= d): the log squared volume the keys span, with no regulariser. ridge > 0 gives log det(K K^T + ridge I).
-    normalize=True uses unit keys. -inf where slogdet finds a zero or negative determinant.
-    """
+    normalize=True uses unit keys. -inf where slogdet finds a zero or negative determinant."""
     k = keys.double()
     if normalize:
         k = F.normalize(k, dim=-1, eps=1e-12)
@@ -118,7 +114,6 @@ def log_volume(keys: torch.Tensor, normalize: bool = False, ridge: float = 0.0) 
     return torch.where(sign > 0, logabs, torch.full_like(logabs, -math.inf))
 
 
-# ------------------------------------------------------------------------------------------ Spearman
 
 
 def average_ranks(x: torch.Tensor) -> torch.Tensor:
@@ -148,10 +143,7 @@ ATTENTION_TARGETS = ("mean_received", "column_sum", "last_row")
 def keydiff_attention_spearman(
     keys: torch.Tensor, attention: torch.Tensor, anchor: str = "normalized_mean"
 ) -> torch.Tensor:
-    """Table 3's statistic for one layer: per query head, Spearman's rho between -cos(k, anchor) and attention.
-
-    keys [H_kv, n, d] (the whole prompt's keys of this layer), attention [H, n] (what each key receives from
-    query head h, e.g. `LayerCapture.received_mean`) -> [H].
-    """
+    """Table 3's statistic for one layer: per query head, Spearman's rho between -cos(k, anchor) and attention. keys
+    [H_kv, n, d], attention [H, n] (e.g. `LayerCapture.received_mean`) -> [H]."""
     score = expand_to_query_heads(keydiff_score(keys, anchor), attention.shape[0])
     return spearman(score, attention)

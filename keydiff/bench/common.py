@@ -90,11 +90,9 @@ def model_and_prompt(args, name: str | None = None, positions: int = 0) -> tuple
 
 
 def parse_policies(text: str | None, budget: int, default: str = DEFAULT_POLICIES) -> list[str]:
-    """Policy names from a comma list, each validated against the budget before any model is loaded.
-
-    text=None means `default`, from which policies that cannot run at this budget (SnapKV's 32-token window
-    needs N > 32) are dropped with a note; a policy asked for by name raises ValueError (one line) instead.
-    """
+    """Policy names from a comma list, each validated against the budget before any model is loaded. text=None means
+    `default`, from which policies that cannot run at this budget (SnapKV's 32-token window needs N > 32) are dropped
+    with a note; a policy asked for by name raises ValueError (one line) instead."""
     names = [p.strip() for p in (text or default).split(",") if p.strip()]
     unknown = [p for p in names if p not in available_policies()]
     if unknown:
@@ -135,11 +133,8 @@ def prompt_record(prompt: torch.Tensor, seed: int = 0) -> dict[str, Any]:
 
 
 def run_module(module: str, arguments: list[str]) -> subprocess.CompletedProcess:
-    """`python -m module arguments` in a fresh interpreter (a clean process for memory peaks, as a user runs it).
-
-    The child imports this same keydiff (CHECKOUT first on its PYTHONPATH), not another installed copy,
-    and runs in the caller's folder, so relative paths in `arguments` mean what they meant here.
-    """
+    """`python -m module arguments` in a fresh interpreter (a clean process for memory peaks), importing this same
+    keydiff (CHECKOUT first on its PYTHONPATH) and running in the caller's folder, so relative paths hold."""
     path = os.pathsep.join(filter(None, [str(CHECKOUT), os.environ.get("PYTHONPATH")]))
     return subprocess.run([sys.executable, "-m", module, *arguments], capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": path})
@@ -199,8 +194,7 @@ def minutes(seconds: float) -> str:
 class Progress:
     """Lines on stderr saying which run of a benchmark starts and about how long is left.
 
-    Each pending run costs what the last run of its name took; a name not run yet, the mean of those timed.
-    """
+    Each pending run costs what the last run of its name took; a name not run yet, the mean of those timed."""
 
     def __init__(self, plan: str, names: int):
         self.took: dict[str, float] = {}
@@ -247,8 +241,7 @@ def head_dim(config) -> int:
 def provenance(module: str, argv: list[str] | None = None) -> dict[str, Any]:
     """What produced a benchmark's or an analysis's numbers, taken when it starts: keydiff.run.provenance's record,
     the command line as `python -m module args` and the start time (`write_json` adds the end time). Pass the entry
-    point's `__spec__.name`, which names the module however it was started.
-    """
+    point's `__spec__.name`, which names the module however it was started."""
     arguments = sys.argv[1:] if argv is None else list(argv)
     record = provenance_record([module, *arguments])
     record["command"] = shlex.join(["python", "-m", module, *arguments])

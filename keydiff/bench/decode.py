@@ -35,11 +35,8 @@ def run_once(model, prompt, name: str, budget: int | None, block: int, new_token
 
 
 def allocated_bytes(fn, device: str) -> dict[str, int]:
-    """Bytes allocated while fn() runs: every positive "[memory]" record of the profiler, per device type.
-
-    The raw records (one per allocator call, nbytes > 0 for an allocation, < 0 for a free) are read
-    because key_averages()' memory columns are net (allocations minus frees) per operator.
-    """
+    """Bytes allocated while fn() runs: every positive "[memory]" record of the profiler, per device type (the raw
+    records, as key_averages()' memory columns are net of frees per operator)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])

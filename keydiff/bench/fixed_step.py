@@ -79,10 +79,9 @@ def model_form(model, prompt, width: int, budget: int, args, device: str) -> dic
 
 
 def decoded_form(model, state, width: int, args, device: str, fixed: bool) -> dict:
-    """Per-step time of keydiff.generate_batch over `width` forks, greedy, no stop tokens, with the ordinary step
-    (fixed=False) or the fixed-shape one: the difference of a run of warm-up + steps + 1 tokens and one of
-    warm-up + 1, over the steps (so the first steps, where the fixed step warms up, are not counted; each step's
-    token choice and bookkeeping are, as a run pays them)."""
+    """Per-step time of keydiff.generate_batch over `width` greedy forks, ordinary (fixed=False) or fixed-shape step: a
+    run of warm-up + steps + 1 tokens minus one of warm-up + 1, over the steps (warm-up not counted, token choice and
+    bookkeeping counted)."""
     def decode(tokens: int) -> tuple[float, dict]:
         requests = [Request(fork, max_new_tokens=tokens, key=i) for i, fork in enumerate(state.fork(width))]
         return common.timed(device, lambda: dict(generate_batch(model, requests, width, fixed_shapes=fixed)))

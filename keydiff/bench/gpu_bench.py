@@ -121,8 +121,7 @@ def decode_seconds(model, states, tokens: int, decoder: Decoder) -> tuple[float,
 def steady(model, states_of, sizes: Sizes, fixed: bool, invariant: bool = False) -> tuple[dict, list[list[int]]]:
     """ms per step of decoding forks (`states_of()`, fresh each call) through one Decoder, after an untimed warm-up
     through another: `first_call_ms_per_step` (a fresh decoder's first call, capture included), `ms_per_step` (a
-    later call of 2 x `sizes.tokens`), `ms_per_step_steady` (its difference with a call of `sizes.tokens`).
-    """
+    later call of 2 x `sizes.tokens`), `ms_per_step_steady` (its difference with a call of `sizes.tokens`)."""
     width = len(states_of())
     options = dict(fixed_shapes=fixed, batch_invariant=invariant)
     decode_seconds(model, states_of(), 3, Decoder(model, width, **options))
@@ -176,10 +175,8 @@ def transformers_static_ms(model, prompt, batch: int, tokens: int, device: str) 
 
 def decoder_rows(model, state, sizes: Sizes, device: str, floor_ms: float | None) -> Iterator[dict]:
     """A run's own path at batch 1: one keydiff.Decoder kept across calls, each a fresh fork of the prompt.
-
     `ms_per_step`: median of the calls after the first (everything a later sample pays); `first_call_ms_per_step`;
-    `graphs` captured over all calls (1 where it replays); `capture_failures` why a capture failed, if one did.
-    """
+    `graphs` captured over all calls (1 where it replays); `capture_failures` why a capture failed, if one did."""
     decoder, seconds = Decoder(model, 1), []
     for _ in range(4):
         fork = state.fork(1)[0]
@@ -261,10 +258,9 @@ def peak_beyond(device: str, fn) -> tuple[float, float | None]:
 
 
 def prefill_timing(model, prompt, sizes: Sizes, block: int, fixed: bool, device: str) -> dict:
-    """A prompt's block-wise KeyDiff prefill through one Decoder, twice: `first_call_seconds` (a fresh decoder: the
-    block step's eager warm-up and capture included, what a user's first prompt pays; its peak memory beyond what
-    was allocated before is `peak_gib_beyond`), then `seconds` (the same decoder again, its step replayed: what every
-    later prompt of a run pays)."""
+    """A prompt's block-wise KeyDiff prefill through one Decoder, twice: `first_call_seconds` (fresh: warm-up and
+    capture included; `peak_gib_beyond` its peak beyond what was allocated before), then `seconds` (replayed, what later
+    prompts pay)."""
     decoder = Decoder(model, 1, fixed_shapes=fixed)
 
     def run():
@@ -386,8 +382,7 @@ def run_group(group: str, planned: list[dict], make_rows: Callable[[], Iterator[
               on_row: Callable[[dict], None] | None = None, deadline: Callable[[], str | None] = lambda: None) -> None:
     """Log the group's rows as they come; the first failure at its row (identity, error type and first line) and the
     later rows as skipped, as are those left when `deadline()` stops new rows. on_row sees each row before it is
-    logged; what it raises is raised in the group (the tests' way to fail or stop a group in its middle).
-    """
+    logged; what it raises is raised in the group (the tests' way to fail or stop a group in its middle)."""
     done = 0
     try:
         rows = make_rows()

@@ -89,7 +89,6 @@ PAIRS = (
 )
 
 
-# ---------------------------------------------------------------------------------------------- our presets
 def preset(name: str, conf: Path = CONF) -> tuple[str, dict[str, Any]]:
     """(policy name, parameters) of conf/policy/<name>.yaml, its `defaults` merged in first as Hydra does.
 
@@ -131,14 +130,11 @@ def budget_problem(policy: tuple[str, dict[str, Any]], budget: int) -> str | Non
     return None
 
 
-# ---------------------------------------------------------------------------------------------- comparison
 def overlap(ours: list[list[int]], theirs: list[list[int]]) -> dict[str, Any]:
     """Compare one layer's kept positions, per KV head ([head][positions]).
-
     layer: sum over heads of |ours_h ∩ theirs_h| / max(sum |ours_h|, sum |theirs_h|) (= the mean of
     |∩| / N over heads when both keep N per head; < 1 when the counts differ). head_min: the smallest
-    per-head |∩| / max(|ours_h|, |theirs_h|). identical: every head keeps the same set.
-    """
+    per-head |∩| / max(|ours_h|, |theirs_h|). identical: every head keeps the same set."""
     if len(ours) != len(theirs):
         raise ValueError(f"{len(ours)} KV heads on our side, {len(theirs)} on kvpress's")
     common_counts, per_head = [], []
@@ -181,7 +177,6 @@ def parity_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-# ---------------------------------------------------------------------------------------------- performance
 def summarize_perf(samples: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, float]]:
     """Medians over rounds of TTFT, per-token decode time and peak bytes, per case."""
     keys = ("ttft_s", "per_token_s", "peak_bytes")
@@ -228,7 +223,6 @@ def perf_table(by_length: dict[int, dict[str, dict[str, float]]]) -> str:
     return "\n".join(lines)
 
 
-# ---------------------------------------------------------------------------------------------- doc tables
 DOC_LABELS = {"kvpress_keydiff": "kvpress KeyDiffPress, pipeline call",
               "kvpress_keydiff_full_logits": "kvpress KeyDiffPress, README call",
               "keydiff_blockwise": "ours block-wise, B = {block_size}", "keydiff_one_block": "ours one block"}
@@ -318,7 +312,6 @@ def print_doc_tables(files: list[Path]) -> None:
     print(f"docs/performance.md:\n\n{doc}\n\nREADME.md:\n\n{readme}\n\nquoted in the prose:\n\n{prose_numbers(payloads)}")
 
 
-# ---------------------------------------------------------------------------------------------- processes
 def model_dir(shape: str, dtype: str, seed: int, cache_dir: Path) -> Path:
     """The shared checkpoint of `shape`: built once (random init with `seed`), saved as safetensors, reused."""
     import torch

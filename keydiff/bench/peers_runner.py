@@ -47,7 +47,6 @@ PRESSES: dict[str, tuple] = {
 KVPRESS_CALLS = ("pipeline", "readme")
 
 
-# ---------------------------------------------------------------------------------------------- shared
 def cache_argument(model, cache) -> dict[str, Any]:
     """`{keyword: cache}` for a forward call: `cache` where the model's forward takes it (transformers >= 5.24),
     else `past_key_values` (kvpress's pinned transformers, where `cache=` would vanish into **kwargs)."""
@@ -68,11 +67,9 @@ def build_press(name: str, compression_ratio: float):
 
 
 def compression_ratio_for(length: int, budget: int) -> float:
-    """kvpress's r (the fraction REMOVED) for which it keeps exactly `budget` of `length` entries.
-
-    kvpress keeps int(length * (1 - r)); 1 - budget/length can round one short (0.3 * 10 = 2.9999...), so r
-    is nudged down by ulps until the product reaches the budget.
-    """
+    """kvpress's r (the fraction REMOVED) for which it keeps exactly `budget` of `length` entries. kvpress keeps
+    int(length * (1 - r)); 1 - budget/length can round one short (0.3 * 10 = 2.9999...), so r is nudged down by ulps
+    until the product reaches the budget."""
     if not 0 < budget <= length:
         raise ValueError(f"budget {budget} must be in 1..{length} (the prompt length)")
     ratio = 1.0 - budget / length
@@ -120,14 +117,11 @@ def check_logits(model, ids: torch.Tensor) -> list[float]:
     return model(ids[:, :16]).logits[0, -1, :8].float().tolist()
 
 
-# ---------------------------------------------------------------------------------------------- kvpress
 class KeptRecorder:
     """Which prompt positions a press kept, read from the cache around kvpress's own forward hook.
-
     A hook registered BEFORE the press's hook copies each layer's full keys; one registered AFTER it reads
     what the press left: for a press that prunes, each kept key row is found (bitwise) among the copied
-    rows; for a masking press (AdaKV, CriticalAdaKV: `module.masked_key_indices`), kept = not masked.
-    """
+    rows; for a masking press (AdaKV, CriticalAdaKV: `module.masked_key_indices`), kept = not masked."""
 
     def __init__(self, layers):
         self.layers = layers
@@ -225,7 +219,6 @@ def kvpress_generate(model, ids: torch.Tensor, spec: dict[str, Any]) -> dict[str
             "prompt_logits_shape": list(prompt_out.logits.shape), "tokens": torch.cat(tokens, -1)[0].tolist()}
 
 
-# ---------------------------------------------------------------------------------------------- keydiff
 def keydiff_parity(model, ids: torch.Tensor, spec: dict[str, Any]) -> dict[str, Any]:
     from keydiff import build_policy, prefill
 
@@ -248,7 +241,6 @@ def keydiff_generate(model, ids: torch.Tensor, spec: dict[str, Any]) -> dict[str
     return {"ttft_s": state.seconds, "decode_s": result.seconds, "cache_entries": state.max_cache_entries}
 
 
-# ---------------------------------------------------------------------------------------------- main
 def run(spec: dict[str, Any]) -> dict[str, Any]:
     torch.set_num_threads(spec["threads"])
     model = load_model(spec)

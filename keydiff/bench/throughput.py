@@ -122,11 +122,9 @@ def paged_cache_config(length: int, new_tokens: int, batch: int):
 
 
 def continuous_batching_case(model, prompt, batch: int, args, device: str):
-    """transformers' own continuous batching (`model.generate_batch`, paged full caches, no eviction).
-
-    Its decode runs behind a background thread, so "seconds" is the difference of a --new-tokens run and a 1-token run
-    (the decode of new_tokens - 1 tokens); "seconds_with_prefill" the long run's wall time.
-    """
+    """transformers' own continuous batching (`model.generate_batch`, paged full caches, no eviction). Its decode runs
+    behind a background thread, so "seconds" is the difference of a --new-tokens run and a 1-token run (the decode of
+    new_tokens - 1 tokens); "seconds_with_prefill" the long run's wall time."""
     from transformers import GenerationConfig
 
     def timed(new_tokens: int) -> float:
@@ -203,11 +201,9 @@ def decode_mode(model, prompt, names: list[str], args, device: str) -> list[dict
 
 
 def serving_mode(model, names: list[str], args, device: str) -> list[dict]:
-    """Per prompt length and policy: one prefill, then `held` sequences' worth of caches by forking it.
-
-    `held` = --memory-gb over a sequence's cache bytes (the larger of the entry count and what a fork really allocates);
-    the measured batch is min(held, --max-batch), with its caches' bytes, their projection to `held` and the verdict.
-    """
+    """Per prompt length and policy: one prefill, then `held` sequences' worth of caches by forking it. `held` =
+    --memory-gb over a sequence's cache bytes (the larger of the entry count and what a fork really allocates); the
+    measured batch is min(held, --max-batch), with its caches' bytes, their projection to `held` and the verdict."""
     budget_bytes = args.memory_gb * (1 << 30)
     per_entry = common.kv_cache_bytes(None, model, 1)  # keys + values of one token, every layer and KV head
     rows = []

@@ -34,11 +34,9 @@ def _matches(field: str | None, *ours: Any) -> bool:
 def paper_values(rows: list[dict[str, str]], *, model: str, policy: str, budget_label: str | None,
                  block_size: Any, experiment_name: str, primary: str, policy_name: str | None = None) -> dict[str, float]:
     """Our summary key -> the paper's value, for the cells of `rows` that describe this grid point.
-
     The policy matches by label, else by name (Table 4's "KeyDiff" is our keydiff_w20). The "avg" column or the
     `primary` metric becomes `score`, a LongBench dataset `metrics/datasets/<dataset>`; setting columns (Table 4's
-    4K/8K/32K) match through the experiment name; anything still ambiguous is left out.
-    """
+    4K/8K/32K) match through the experiment name; anything still ambiguous is left out."""
     block = "inf" if block_size in (None, "inf") else str(block_size)
     cell = [row for row in rows if _matches(row.get("model"), model) and _matches(row.get("budget"), budget_label)
             and _matches(row.get("block_size"), block)]

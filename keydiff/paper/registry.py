@@ -17,7 +17,6 @@ from keydiff.tasks.longbench import ALL_21, ENGLISH_16, PROMPT_LENGTH_BINS
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 
-# ----------------------------------------------------------------------------- names
 # The 21 LongBench v1 datasets in the paper's column order (Tables 11-14), with the paper's headers.
 LONGBENCH_HEADERS = {
     "narrativeqa": "NarrativeQA", "qasper": "Qasper", "multifieldqa_en": "MF-en", "multifieldqa_zh": "MF-zh",
@@ -65,7 +64,6 @@ def config_name(label: str) -> str:
     return policy_configs().get(label, label)
 
 
-# ----------------------------------------------------------------------------- the grid
 LLAMAS = ["llama-3.1-8b-instruct", "llama-3.2-3b-instruct"]
 QWENS = ["qwen2.5-7b-instruct", "qwen2.5-3b-instruct"]
 LLAMA_R1, QWEN_R1 = "deepseek-r1-distill-llama-8b", "deepseek-r1-distill-qwen-7b"
@@ -78,9 +76,8 @@ MATH = ("table4_gen4k", "table4_gen8k", "table4_gen32k", "table4_full")
 
 
 def baseline_experiment(experiment: str) -> str:
-    """The experiment whose full-cache run is the baseline of `experiment`'s runs (Tables 5/7 pick the samples
-    whose full-cache context exceeds the budget): the Math-500 experiments share table4_full; any other
-    experiment is its own."""
+    """The experiment whose full-cache run is the baseline of `experiment`'s runs (Tables 5/7): table4_full for the
+    Math-500 experiments, else itself."""
     return MATH[-1] if experiment in MATH else experiment
 MATH_POLICIES = ["full", "keydiff_w20", "snapkv"]
 # every method x kept ratio (query-agnostic), the query-aware loop, then the full cache once
@@ -191,7 +188,6 @@ FIGURES = [
     PaperFigure("Protocol comparison: score per way of asking about a compressed context", "protocol", PROTOCOL),
 ]
 
-# ----------------------------------------------------------------------------- the comparison
 # |ours - paper| above these is "outside" (docs/design/reports.md#against-the-paper-reportagainst_paper says why each).
 TOLERANCES = {"score": 2.0, "longbench_avg": 1.0, "flex": 0.03, "exact": 0.03, "compression_ratio": 0.03,
               "accuracy": 0.2, "recall_difference": 0.1, "spearman_rho": 0.05}

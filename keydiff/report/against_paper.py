@@ -42,7 +42,6 @@ def paper_caption(table: int, paper_dir: Path = PAPER_DIR) -> str:
     return str(captions.set_index("table").loc[table, "caption"])
 
 
-# ----------------------------------------------------------------------------- our cells, in the paper's schema
 def selected(df, table: PaperTable, by_task=False, policies=None, budgets=False):
     """The runs the registry declares for `table` (keydiff.report.selection.select, any model: other models
     are shown for reference), every run (subset and incomplete included, then marked), with the marks kept."""
@@ -226,7 +225,6 @@ def comparisons():
     return out
 
 
-# ----------------------------------------------------------------------------- merging and writing
 def command(name: str, experiments, run: pd.Series) -> str:
     """The run.py line that fills the paper cells of one missing run (`experiments`: the registry's `fill`;
     "table4_gen" + the cell's generation length names the experiment)."""

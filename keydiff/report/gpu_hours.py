@@ -24,7 +24,6 @@ from keydiff.grids import CONF, experiment_grid
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_RATES = ROOT / "results" / "bench" / "gpu_rates_h200.json"
 
-# ---------------------------------------------------------------------------------------------- models, policies
 MEASURED = "random-llama-3.2-3b"  # the shape every rate was measured on (keydiff.bench.common)
 # bf16 weights (GB), docs/gpu.md "Memory" table (parameters x 2 bytes); the measured shape is Llama-3.2-3B's.
 WEIGHTS_GB = {
@@ -80,7 +79,6 @@ STEPS = ("ordinary", "fixed")
 KINDS = ("grouped", "per row", "full")  # how a batch's rows decode (Rates.speedup)
 
 
-# ------------------------------------------------------------------------------------------------- workloads
 @dataclass(frozen=True)
 class Task:
     name: str  # the conf/task the experiments compose
@@ -173,7 +171,6 @@ def paper_experiments() -> tuple[Experiment, ...]:
     return tuple(experiment(name) for name in PAPER_EXPERIMENTS)
 
 
-# ----------------------------------------------------------------------------------------------------- rates
 class RatesError(ValueError):
     """A rates file that cannot give a rate the table needs: the message names the file and what is missing."""
 
@@ -188,11 +185,9 @@ class Rate:
 class Rates:
     """What a GPU measured on MEASURED's shape, and where each number comes from.
 
-    prefill[step]: prompt tokens/s at B = 128; decode[step]: ms per generated token at batch 1 (steps:
-    "ordinary", and "fixed" where the code measured had the fixed-shape step). speedup[kind][batch]: tokens/s
-    at that batch over batch 1 for one way of decoding a batch: "grouped" (every row of the batch in one block,
-    one step for all: the rows of a run pooled into one arena, present only where the measured code did that),
-    "per row" (each row on its own buffers) and "full" (no eviction, each row on its own).
+    prefill[step]: prompt tokens/s at B = 128; decode[step]: ms per generated token at batch 1 (steps: "ordinary",
+    and "fixed" where measured). speedup[kind][batch]: tokens/s at that batch over batch 1, kind "grouped" (a run's
+    rows pooled into one arena, where measured), "per row" (own buffers) or "full" (no eviction, each row alone).
     ratios[phase][policy]: time against full on the ordinary step (gpu-check's TTFT and ms/token rows)."""
 
     path: Path
@@ -348,7 +343,6 @@ def load_rates(path: Path = DEFAULT_RATES, base: Path = DEFAULT_RATES) -> Rates:
     return from_rates_file(record, path)
 
 
-# ----------------------------------------------------------------------------------------------------- hours
 def point_seconds(task: Task, model: str, policy: str, rates: Rates, batch: int) -> float:
     """One grid point's seconds on one GPU (the module's formula)."""
     step, kind = rates.step(policy), rates.kind(policy)
@@ -374,7 +368,6 @@ def batches(rates: Rates) -> list[int]:
     return sorted(set.intersection(*(set(rates.speedup[kind]) for kind in kinds)))
 
 
-# ---------------------------------------------------------------------------------------------------- output
 def relative(path: Path) -> str:
     """A path inside the checkout relative to it (as the docs name it), any other as given."""
     resolved = path.resolve()

@@ -142,9 +142,8 @@ def format_estimate(mean: float, se: float, n: int | float | None = None, precis
                     bounds: tuple[float, float] | None = None, shown_n=SAME, measure: bool = False) -> str:
     """The value, its 95 % interval and the samples behind it: "0.864 [0.509, 0.972] (n=6)" for a bounded
     score, "9.874 ± 1.829 (n=6)" for a time, "1.000 [n too small] (n=2)" below 5 samples ("± n/a": no SE),
-    "1.000 [constant] (n=6)" for a `measure` (kept N/L, a time) that is the same for every sample.
-    `shown_n`: the n printed when it is not the interval's (samples per task beside an average over tasks;
-    None: none printed)."""
+    "1.000 [constant] (n=6)" for a `measure` the same for every sample. `shown_n`: the n printed when it is not
+    the interval's (samples per task beside an average over tasks; None: none printed)."""
     if mean is None or (isinstance(mean, float) and math.isnan(mean)):
         return NA
     shown = n if shown_n is SAME else shown_n
@@ -161,7 +160,6 @@ def format_estimate(mean: float, se: float, n: int | float | None = None, precis
     return f"{mean:.{precision}f} ± {spread}{count}"
 
 
-# ----------------------------------------------------------------------------- numbers
 def number(value, precision: int = 2) -> str:
     """A table cell: floats with `precision` decimals, anything else (counts, text) as it is, NA if missing."""
     if missing(value):
@@ -198,7 +196,6 @@ def count(value) -> str:
     return NA if missing(value) else str(int(round(value)))
 
 
-# ----------------------------------------------------------------------------- marks and order
 SUBSET, FAILED, INCOMPLETE = "§", "†", "~"  # task.limit set; k samples failed (†k); run not complete
 NOTHING_EVICTED = "∅"  # the budget held every prompt and the cache never outgrew it: the run is the full cache
 MARKS_LEGEND = "§ subset run (task.limit), †k k samples failed, ~ run not complete"
@@ -232,7 +229,6 @@ def budget_tokens(label) -> float:
     return float(match[1]) * {"": 1, "k": 1024, "m": 1024 ** 2}[match[2]] if match else float("inf")
 
 
-# ----------------------------------------------------------------------------- Markdown and LaTeX
 TEX_SPECIAL = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_",
                "{": r"\{", "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}"}
 INTERVAL_NOTE = ("Cells: value [95 % confidence interval] over samples (Wilson score interval inside the score's "
@@ -253,10 +249,9 @@ def markdown_rows(frame: pd.DataFrame) -> list[str]:
 
 
 def best_mask(table: pd.DataFrame, groups: list[str] | None, columns, exclude_full=True) -> pd.DataFrame:
-    """True where a cell holds the maximum of its column within its group of rows and that maximum is above the
-    rest of the group: cells tied at the top are all bold, but a group whose cells all tie (every method at 0.0)
-    has no best and bolds none, nor does a group of one cell. Values within TOLERANCE (relative to max(1, |best|))
-    of each other tie. The eviction-free rows (Method "Full" / "Dense") are references, never bold."""
+    """True where a cell holds its group's maximum and that is above the rest: ties at the top are all bold; a group
+    whose cells all tie, or of one cell, bolds none. Values within TOLERANCE (relative to max(1, |best|)) tie; the
+    eviction-free rows ("Full" / "Dense") are never bold."""
     mask = pd.DataFrame(False, index=table.index, columns=table.columns)
     frame = table.reset_index()
     eligible = ~frame["Method"].isin(["Full", "Dense"]) if exclude_full and "Method" in frame else frame.index >= 0

@@ -30,9 +30,8 @@ def whole_runs_first(df: pd.DataFrame, key: list[str]) -> tuple[pd.DataFrame, pd
 
 def average_seeds(df: pd.DataFrame, key: list[str], sums=("num_failed", "seeds")) -> pd.DataFrame:
     """One row per `key`: numeric columns averaged over the seeds, `sums` added. Seeds are repeated measures
-    of the same samples (the run seed only seeds sampling), not new samples: `samples` is the per-seed n
-    (the largest; `samples_min` the smallest, which differs when seeds scored different numbers) and each
-    standard error (se/...) the mean of the seeds' SEs (keydiff.report.render.seeds_se)."""
+    of the same samples, not new samples: `samples` is the largest per-seed n (`samples_min` the smallest) and
+    each standard error (se/...) the mean of the seeds' SEs (keydiff.report.render.seeds_se)."""
     numeric = [c for c in df.columns if c not in key and pd.api.types.is_numeric_dtype(df[c])]
     errors = [c for c in numeric if c.startswith("se/")]
     added = [c for c in numeric if c in sums]
@@ -67,8 +66,7 @@ def pick(df, experiments, tasks=None, models=None, policies=None, budgets=None, 
          by_task=True, limited=False):
     """One row per (model, policy, budget, block size[, task]), seeds averaged (average_seeds), from the first listed
     experiment (then task) that has it. `limited`: subset runs count only without a whole-task run. `full` ignores
-    budget and block size; by_task=False merges views of one benchmark (longbench = longbench_full's English).
-    """
+    budget and block size; by_task=False merges views of one benchmark (longbench = longbench_full's English)."""
     runs = df[df["experiment"].isin(experiments)].copy()  # a compact copy: the CSV has hundreds of columns
     runs = runs if tasks is None else runs[runs["task"].isin(tasks)]
     runs = runs if limited else runs[runs["complete"].astype(str).eq("True") & runs["limit"].isna()]

@@ -30,7 +30,6 @@ UNIT, PERCENT = (0.0, 1.0), (0.0, 100.0)  # the range of a score: 0-1, or LongBe
 PAPER_DIR = compare.PAPER_DIR
 
 
-# ----------------------------------------------------------------------------- the tables
 def longbench(df, out, table: PaperTable) -> bool:
     """Rows (model, [B,] method, budget), one column per dataset + their average. Written only when a
     run of a policy in `needs` (default: any policy but full) has scores for these datasets."""
@@ -127,11 +126,8 @@ def compression(df, out, table: PaperTable) -> bool:
 
 
 def prompt_lengths(df, out, table: PaperTable) -> bool:
-    """Table 8: how many prompts of each LongBench dataset fall in each token-length bin (one model's tokenizer).
-
-    Prompt lengths do not depend on the policy or budget, so any complete LongBench run of the model counts;
-    the full-cache runs are preferred.
-    """
+    """Table 8: how many prompts of each LongBench dataset fall in each token-length bin (one model's tokenizer),
+    from any complete LongBench run of the model (lengths do not depend on the policy), full-cache runs first."""
     runs = select(df, table, models=False)
     columns = [c for c in runs.columns if c.startswith("metrics/prompt_length_bins/")]
     if runs.empty or not columns:

@@ -151,9 +151,8 @@ POLICY_PRESETS = Path(__file__).resolve().parents[2] / "conf" / "policy"
 
 @functools.lru_cache(maxsize=None)
 def batch_invariant_policies() -> tuple[str, ...]:
-    """The policies whose decoding steps use only what keydiff.kernels.batch_invariant makes invariant: presets
-    declaring Needs.batch_invariant in keydiff/policies/capabilities.json (importing the policies needs torch); a
-    preset the file lacks (a policy added since) is computed, importing them."""
+    """The presets declaring Needs.batch_invariant in keydiff/policies/capabilities.json (a preset the file lacks is
+    computed, importing the policies, which needs torch)."""
     import json
 
     table = json.loads(CAPABILITIES.read_text(encoding="utf-8"))
@@ -239,9 +238,8 @@ def drop_whole_task_limit(cfg: DictConfig) -> bool:
 
 
 def check_protocol(query_aware: bool, task: Any, batch_size: int = 1) -> None:
-    """query_aware=false needs a task whose prompt splits into context and question (`Task.context_split`); a task
-    whose `mode` asks several questions over one compressed context (keydiff.run.shared) needs query_aware=false
-    (the context is compressed before any question) and runs one context at a time (batch_size=1)."""
+    """query_aware=false needs a task whose prompt splits into context and question (`Task.context_split`); a
+    shared-context `mode` (keydiff.run.shared) needs query_aware=false and batch_size=1."""
     mode = getattr(task, "mode", "independent")
     if mode != "independent" and query_aware:
         raise ConfigError(f"query_aware=true is not valid with task.mode={mode}: the context is compressed once, "
@@ -256,7 +254,6 @@ def check_protocol(query_aware: bool, task: Any, batch_size: int = 1) -> None:
                           "niah*, phonebook)")
 
 
-# --------------------------------------------------------------------------------------------- the Hub
 HUB_PROBE_SECONDS = 4.0  # how long the Hub may take to answer before it counts as unreachable
 
 

@@ -8,9 +8,8 @@ from typing import Any
 
 
 def nothing_evicted(summary: dict[str, Any]) -> bool | None:
-    """True when the budget never bound: every prompt was kept whole and no layer's cache ever exceeded the
-    smallest layer budget (a sufficient test). False when something may have been evicted; None when no budget
-    applies (the full cache) or no sample succeeded."""
+    """True when the budget never bound (every prompt kept whole, no layer's cache above the smallest layer budget);
+    False when something may have been evicted; None for the full cache or when no sample succeeded."""
     statistics = summary.get("statistics") or {}
     budgets = [b for b in statistics.get("layer_budgets") or [summary.get("budget")] if b is not None]
     full = (summary.get("config") or {}).get("policy", {}).get("name") == "full"

@@ -201,7 +201,6 @@ class ResultStore:
         return summary if isinstance(summary, dict) else None
 
 
-# ------------------------------------------------------------------------------- the one predictions reader
 # The runner (resume), the sweep (only_missing, `python -m keydiff.run.status`) and the report (collect) read
 # predictions.jsonl through these functions, so all of them agree on which rows count.
 

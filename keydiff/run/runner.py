@@ -138,8 +138,7 @@ def run_statistics(rows: list[dict[str, Any]], plan: RunPlan) -> dict[str, Any]:
 def run(cfg: DictConfig, run_dir: str | Path, *, checked: bool = False, holding_lock: bool = False,
         invocation_fields: dict[str, Any] | None = None) -> dict[str, Any]:
     """Execute (or resume) one run into `run_dir` and return its summary; raises Preempted after writing the
-    summary when a stop signal arrived. `checked`: the caller ran check_run_config; `holding_lock`: the caller
-    holds the RunLock; `invocation_fields`: added to this invocation's summary entry."""
+    summary when a stop signal arrived. `checked`/`holding_lock`: the caller ran check_run_config / holds the lock."""
     if not checked:
         check_run_config(cfg)
     plan = plan_run(cfg)

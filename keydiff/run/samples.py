@@ -194,9 +194,8 @@ def process_sample(ctx: RunContext, sample) -> dict[str, Any]:
 
 
 def unless_out_of_memory(ctx: RunContext, what: str, call: Callable[[], T]) -> tuple[T | None, str | None]:
-    """(call(), None); or, where it ran out of memory, (None, the error) once nothing of it stays in the decoder's
-    arena or steps and memory is released (outside the except block, once the traceback and the tensors it pins
-    are gone). Any other error stops the run, naming `what`."""
+    """(call(), None); or, where it ran out of memory, (None, the error) once the decoder holds nothing of it and memory
+    is released (outside the except block). Any other error stops the run, naming `what`."""
     try:
         return call(), None
     except Exception as error:  # Preempted is a BaseException and passes through

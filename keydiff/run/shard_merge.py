@@ -234,9 +234,8 @@ def stale_points(runs: Path) -> set[Path]:
 
 
 def grid_point_summaries(runs: Path, left_out: set[Path] = frozenset()) -> list[Path]:
-    """Every summary.json under `runs` that is a grid point's result: shards' own summaries are parts, not
-    results, the points in `left_out` (stale merges) are skipped, and runs moved aside by overwrite=true and
-    hidden folders are no results (keydiff.run.results.run_summaries)."""
+    """Every summary.json under `runs` that is a grid point's result: not shards' own summaries, not the stale merges in
+    `left_out`, not runs moved aside or hidden (keydiff.run.results.run_summaries)."""
     return [path for path in run_summaries(runs)  # never a run moved aside by overwrite=true (history)
             if not is_shard_dir(path.parent) and path.parent not in left_out]
 

@@ -113,7 +113,6 @@ def select(shard: Shard | None, samples: Sequence, group_of: Callable[[Any], str
     return Selection(shard, [sample for _, sample in chosen], [position for position, _ in chosen], len(samples), digest)
 
 
-# ------------------------------------------------------------------------------------- shards on disk
 
 
 def is_shard_dir(path: str | Path) -> bool:

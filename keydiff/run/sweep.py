@@ -121,9 +121,8 @@ def batched_note(run_dir: Path, rows: Iterable[dict]) -> str:
 
 
 def sharded_status(run_dir: Path, total: int | None, merged: bool) -> PointStatus:
-    """A grid point from its shards: complete when every shard of one count is (`make collect` then merges
-    them into the point's result; `merged`: it has), else partial, naming the missing shards. With shards of
-    several counts on disk, the complete count, else the one with the most rows, is shown."""
+    """A grid point from its shards: complete when every shard of one count is (`merged`: `make collect` merged them),
+    else partial, naming the missing shards; of several counts, the complete one, else the one with most rows."""
     candidates = [shards.shard_states(run_dir, count) for count in shards.shard_dirs(run_dir)]
     states = max(candidates, key=lambda states: (all(s.complete for s in states), sum(len(s.rows) for s in states)))
     rows = [row for state in states for row in state.rows.values()]
@@ -190,9 +189,8 @@ ENDED: dict[str, object] = {}  # run directory -> the JobReturn of a job that en
 
 
 class RecordEnd(Callback):
-    """`hydra.callbacks.recap`: keeps each job's JobReturn as the job ends, for the sweep's recap. A launcher that
-    runs the jobs in this process returns none of them until all have run, so a sweep stopped midway (a failed
-    job's exit, Ctrl-C) would otherwise know no job's outcome."""
+    """`hydra.callbacks.recap`: keeps each job's JobReturn as the job ends, so that a sweep stopped midway still
+    knows each job's outcome (an in-process launcher returns none until all have run)."""
 
     def on_job_end(self, config: DictConfig, job_return, **kwargs) -> None:
         ENDED[str(run_dir_of(config))] = job_return
@@ -212,9 +210,8 @@ def job_status(result) -> str:
 
 
 def recap(configs: list[DictConfig], results: list) -> list[str]:
-    """The lines that end a sweep: per job, its outcome (`results`: the launcher's JobReturns, in the jobs'
-    order; else the one RecordEnd kept; else "stopped" for the job the sweep stopped in and "not run" after it),
-    where its run stands on disk, its headline metric and its run directory."""
+    """The lines that end a sweep: per job, its outcome (the launcher's JobReturns, else the RecordEnd kept, else
+    "stopped" / "not run"), where its run stands on disk, its headline metric and run directory."""
     rows, stopped = [], False
     for index, cfg in enumerate(configs):
         run_dir = run_dir_of(cfg)

@@ -53,10 +53,8 @@ class Prompt:
 class SharedContext:
     """One context and the questions asked over it (a task whose `mode` shares the context; keydiff.run.shared).
 
-    `questions[j]` is question j's prompt as `build_prompt(..., query_aware=False)` builds it: the context ids
-    followed by the question, the end of the user turn and the answer prefix, with `context_tokens` =
-    len(context_ids). `follow_ups[j]`: the ids that put question j after an earlier answer in one conversation
-    (multi_turn: what closes the answer's turn, the next user turn, the generation prompt, the answer prefix)."""
+    `questions[j]`: question j's prompt as `build_prompt(..., query_aware=False)` builds it (`context_tokens` =
+    len(context_ids)). `follow_ups[j]`: the ids that put question j after an earlier answer (multi_turn)."""
 
     context_ids: list[int]
     questions: list[Prompt]
@@ -88,10 +86,7 @@ class Task(ABC):
     @abstractmethod
     def build_prompt(self, sample: Sample, tokenizer: Any, max_length: int | None) -> Prompt:
         """Build the model input. `max_length` is the model's context length used for truncation (None: no limit).
-
-        A task with a `context_split` also takes `query_aware=False` (the runner passes it only then): the
-        prompt as kvpress's pipeline tokenises it, the context and the rest encoded apart (`split_encode`),
-        with `Prompt.context_tokens` set."""
+        A task with a `context_split` also takes `query_aware=False`: context and rest encoded apart (`split_encode`)."""
 
     def shared_context(self, samples: list[Sample], tokenizer: Any, max_length: int | None) -> SharedContext:
         """The context that `samples` (one shard group, in order) share and their question prompts; only tasks
@@ -103,10 +98,8 @@ class Task(ABC):
         """Score one raw decoded prediction (special tokens skipped, otherwise unstripped)."""
 
     def summarize(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
-        """Aggregate the per-sample result rows (each has "sample_id", "scores", "info", ...) into run metrics.
-
-        The default is the plain mean of every score name; tasks with an official aggregate override it.
-        """
+        """Aggregate the per-sample result rows (each has "sample_id", "scores", "info", ...) into run metrics: by
+        default the plain mean of every score name; tasks with an official aggregate override it."""
         totals: dict[str, list[float]] = {}
         for row in rows:
             for key, value in row["scores"].items():
@@ -114,9 +107,8 @@ class Task(ABC):
         return {key: sum(values) / len(values) for key, values in totals.items() if values}
 
     def shard_group(self, sample: Sample) -> str:
-        """Samples of the same group stay in the same shard when a grid point is split across jobs
-        (`shard=i/n`, keydiff.run.shards): e.g. several responses to one prompt, which share its prefill.
-        By default every sample is a group of its own."""
+        """Samples of one group stay in one shard when a grid point is split across jobs (`shard=i/n`,
+        keydiff.run.shards), e.g. responses sharing a prefill. By default every sample is its own group."""
         return sample.id
 
     def data_sources(self) -> dict[str, str]:
@@ -124,16 +116,14 @@ class Task(ABC):
         return {}
 
     def hub_downloads(self) -> list[str]:
-        """What `samples()` would download from the Hugging Face Hub, each with its offline alternative
-        ("LongBench's data.zip (offline: task.data_dir=...)"); [] when the data is local or cached. The run
-        is refused in seconds when the Hub is unreachable and this is not empty (keydiff.run.checks)."""
+        """What `samples()` would download from the Hub, each with its offline alternative; [] when the data is local or
+        cached. Non-empty with the Hub unreachable: the run is refused (keydiff.run.checks)."""
         return []
 
 
 def encode_user_turn(tokenizer: Any, text: str, chat: bool = True) -> list[int]:
-    """Token ids of `text` as one user turn, with the generation prompt when the tokenizer has a chat template
-    (encoded with `add_special_tokens=False`: the template holds BOS); without one (or `chat=False`) the text
-    with the tokenizer's own special tokens."""
+    """Token ids of `text` as one user turn, with the generation prompt, through the chat template (which holds BOS);
+    without one (or `chat=False`) the text with the tokenizer's own special tokens."""
     if chat and getattr(tokenizer, "chat_template", None):
         rendered = tokenizer.apply_chat_template(
             [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
@@ -152,10 +142,8 @@ def render_user_turn(tokenizer: Any, text: str, chat: bool = True, **template_kw
 
 
 def split_encode(tokenizer: Any, rendered: str, split: int, add_special_tokens: bool) -> tuple[list[int], int]:
-    """A query-agnostic prompt as kvpress's pipeline tokenises it (`KVPressTextGenerationPipeline.preprocess`):
-    the rendered text before character `split` (the chat template's prefix and the context) and after it (the
-    question, the end of the turn, the answer prefix) encoded apart, then concatenated. Returns (ids, the
-    number of context ids). The special tokens the tokenizer adds (BOS) go with the context."""
+    """A query-agnostic prompt as kvpress's pipeline tokenises it: the text before character `split` (the context,
+    with BOS) and after it encoded apart, then concatenated. Returns (ids, the number of context ids)."""
     if not 0 < split < len(rendered):
         raise ValueError(f"cannot split a prompt of {len(rendered)} characters at {split}: both context and question "
                          "must be non-empty")

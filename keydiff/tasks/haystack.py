@@ -33,12 +33,8 @@ def _sha256_bytes(data: bytes) -> str:
 
 
 def is_prose_paragraph(lines: list[str], min_words: int = 8, min_alpha_fraction: float = 0.8) -> bool:
-    """True for a paragraph of running prose (the filter of tasks.md §5).
-
-    Every line unindented and free of code/grammar markers, at least `min_words` words, ending with
-    "." or ":", and at least `min_alpha_fraction` of the words alphabetic once surrounding punctuation is
-    stripped.
-    """
+    """True for a paragraph of running prose (the filter of tasks.md §5): unindented lines free of code/grammar
+    markers, at least `min_words` words, ending with "." or ":", at least `min_alpha_fraction` alphabetic words."""
     if not lines or any(not line.strip() or line[0].isspace() for line in lines):
         return False
     if any(marker in line for line in lines for marker in _CODE_MARKERS):

@@ -141,7 +141,6 @@ def dataset_spec(dataset: str) -> DatasetSpec:
         raise ValueError(f"unknown LongBench dataset {dataset!r}; valid datasets: {', '.join(ALL_21)}") from None
 
 
-# ------------------------------------------------------------------------------------------ scoring
 
 
 def score_sample(
@@ -239,7 +238,6 @@ def score_dataset_by_length(
     return aggregate_by_length(scores, lengths)
 
 
-# --------------------------------------------------------------------------------------------- data
 
 
 def _sha256_bytes(data: bytes) -> str:
@@ -297,7 +295,6 @@ def _download_data_zip(cache_dir: Path) -> None:
         ) from error
 
 
-# --------------------------------------------------------------------------------------------- task
 
 
 @dataclass
@@ -321,7 +318,6 @@ class LongBench(Task):
         # Hydra hands over a ListConfig; a single name is accepted as a one-item list.
         self.datasets = [self.datasets] if isinstance(self.datasets, str) else [str(d) for d in self.datasets]
 
-    # ----------------------------------------------------------------------------- configuration
 
     def valid_datasets(self) -> tuple[str, ...]:
         return LONGBENCH_E_13 if self.longbench_e else ALL_21
@@ -349,7 +345,6 @@ class LongBench(Task):
         """Package versions and the fuzzy backend behind the scores, for the run's metadata."""
         return metrics.metric_environment(self.fuzzy_backend)
 
-    # -------------------------------------------------------------------------------------- data
 
     def hub_downloads(self) -> list[str]:
         if self.data_dir is not None or (Path(self.cache_dir).expanduser() / HF_FILENAME).is_file():
@@ -440,7 +435,6 @@ class LongBench(Task):
                 self._load(source, dataset)
         return dict(sorted(self._data_sources.items()))
 
-    # ----------------------------------------------------------------------------------- prompts
 
     context_split: ClassVar[str | None] = ("per dataset template, where kvpress's question part starts "
                                            "(QUESTION_STARTS: e.g. \"Question: {input}\", gov_report's \"Now, write\")")
@@ -475,7 +469,6 @@ class LongBench(Task):
         }
         return Prompt(input_ids=input_ids, generation=generation, info=info, context_tokens=context_tokens)
 
-    # ----------------------------------------------------------------------------------- scoring
 
     def score(self, sample: Sample, prediction: str) -> dict[str, float]:
         fields = sample.fields
@@ -520,11 +513,8 @@ PROMPT_LENGTH_BINS = (("<=2K", 2048), ("2K-4K", 4096), ("4K-6K", 6144), ("6K-8K"
 
 
 def prompt_statistics(rows: list[dict[str, Any]], order: list[str]) -> dict[str, Any]:
-    """Per dataset: prompt-token histogram (Table 8, Figure 18) and mean compression ratio (Table 9).
-
-    Uses the rows' `prompt_tokens` and `kept_ratio` (Table 9's compression ratio; older rows: `compression_ratio`);
-    rows without them are skipped. The ratio "average" is the mean over datasets, as Table 9's.
-    """
+    """Per dataset: prompt-token histogram (Table 8, Figure 18) and mean `kept_ratio` (older rows:
+    `compression_ratio`; Table 9), rows without them skipped; the ratio "average" is over datasets, as Table 9's."""
     lengths: dict[str, list[int]] = {}
     ratios: dict[str, list[float]] = {}
     for row in rows:

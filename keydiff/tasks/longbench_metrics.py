@@ -33,7 +33,6 @@ _OFFICIAL_FRAMES_ZH = 4
 _OFFICIAL_RECURSION_LIMIT = 1000  # CPython's default, which the official script never changes
 
 
-# --------------------------------------------------------------------------------------------- F1
 
 
 def normalize_answer(s: str) -> str:
@@ -78,7 +77,6 @@ def qa_f1_zh_score(prediction: str, ground_truth: str, **_: Any) -> float:
     return f1_score([t for t in prediction_tokens if t], [t for t in ground_truth_tokens if t])
 
 
-# ------------------------------------------------------------------------------------------ ROUGE
 
 
 class _OfficialStackThread(threading.Thread):
@@ -140,7 +138,6 @@ def rouge_zh_score(prediction: str, ground_truth: str, **_: Any) -> float:
     return _rouge_l_f(prediction, ground_truth, _OFFICIAL_FRAMES_ZH)
 
 
-# ----------------------------------------------------------------------------- classification etc.
 
 
 def classification_score(prediction: str, ground_truth: str, *, all_classes: list[str], **_: Any) -> float:
@@ -179,7 +176,6 @@ def count_score(prediction: str, ground_truth: str, **_: Any) -> float:
     return _share_equal(re.findall(r"\d+", prediction), str(ground_truth))
 
 
-# ------------------------------------------------------------------------------- code similarity
 
 
 def _difflib_ratio(s1: str, s2: str) -> float:

@@ -30,10 +30,8 @@ def build_user_turn(problem: str) -> str:
 
 
 def sample_seed(seed: int, sample_index: int) -> int:
-    """Seed of the k-th response of every problem: fixed per (run seed, k), stable across machines.
-
-    A hash rather than `seed + k` so that different run seeds never share a sample seed.
-    """
+    """Seed of the k-th response of every problem: a hash of (run seed, k), stable across machines, so different run
+    seeds never share a sample seed."""
     digest = hashlib.sha256(f"math500|{seed}|{sample_index}".encode()).digest()
     return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
 
@@ -50,14 +48,10 @@ def sample_index(sample_id: str) -> int:
 
 @dataclass
 class Math500(Task):
-    """Math-500 task. `limit` counts problems (each still yields `num_samples` samples), so that a
-    limited run keeps the same number of samples per problem and its averages stay comparable.
+    """Math-500 task. `limit` counts problems (each still yields `num_samples` samples), so averages stay comparable.
 
-    `force_think`: append `<think>\\n` after the generation prompt when the chat template does not end
-    with it already (later DeepSeek-R1 template revisions do). Applied only with the chat template and
-    only when the tokenizer knows `<think>` as a token, so non-reasoning models are left untouched;
-    `info["think_prefix_added"]` records what happened.
-    """
+    `force_think`: append `<think>\\n` after the generation prompt where the chat template lacks it and the
+    tokenizer knows `<think>` (non-reasoning models are left untouched); `info["think_prefix_added"]` records it."""
 
     name: str = "math500"
     data_dir: str | None = None
@@ -246,10 +240,8 @@ def aggregate(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def ids_exceeding(rows: Iterable[dict[str, Any]], budget: int, unit: str = "sample") -> set[str]:
-    """Sample ids of the rows whose context (prompt_tokens + new_tokens) exceeds `budget` tokens. The paper's
-    Tables 5/7 select the subset by the full-cache run's lengths and score every method on it:
-    `aggregate(subset_by_ids(method_rows, ids_exceeding(full_rows, N)))`. The tables count problems without
-    saying which rule made one count, so `unit` picks: "sample" (default: eviction is per response),
+    """Sample ids of the rows whose context (prompt_tokens + new_tokens) exceeds `budget` tokens (Tables 5/7: the
+    full-cache run's subset, every method scored on it). `unit`: "sample" (default: eviction is per response),
     "problem_any" (every response of a problem where one exceeds) or "problem_mean" (mean length exceeds)."""
     if unit not in SUBSET_UNITS:
         raise ValueError(f"unit must be one of {list(SUBSET_UNITS)}, got {unit!r}")

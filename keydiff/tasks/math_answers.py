@@ -27,12 +27,8 @@ def answer_region(text: str) -> str:
 def last_boxed(text: str) -> str | None:
     """The last box of `text` including its command, e.g. `\\boxed{\\frac{1}{2}}`, or None.
 
-    Only the last `\\boxed` / `\\fbox` counts (as in the MATH reference scorer): if it is cut off
-    (unbalanced braces, typical of a truncated generation) there is no answer, even when an earlier
-    box is complete. Braces are matched with a depth counter, so nested groups such as
-    `\\boxed{\\left[ -1, \\frac{3}{2} \\right)}` come back whole. The brace-less form `\\boxed 5`
-    runs to the next `$` or line end (the reference scorer stops at `$` only).
-    """
+    Only the last `\\boxed` / `\\fbox` counts (as in the MATH reference scorer): cut off (unbalanced braces)
+    means no answer. Nested braces come back whole; the brace-less `\\boxed 5` runs to the next `$` or line end."""
     start = max(text.rfind(command) for command in _BOX_COMMANDS)
     if start < 0:
         return None
@@ -133,12 +129,8 @@ def _slash_to_frac(s: str) -> str:
 def normalize_answer(s: str) -> str:
     """MATH reference normalisation (Hendrycks `strip_string`), applied to both sides of Exact Match.
 
-    It removes presentation only: line breaks, `\\!`, `\\left`/`\\right`, degrees, `\\$`, a trailing
-    `\\text{ unit}`, `\\%`, spaces, a short `x =` prefix; turns `\\dfrac`/`\\tfrac` into `\\frac`,
-    `\\sqrt3`/`\\frac12` into braced form, `0.5` and integer `a/b` into `\\frac{a}{b}`, and `.5` into
-    `0.5`. It does not reorder, simplify or drop `\\text{...}` (so `\\text{(C)}` != `C`).
-    Raises `_NormalisationError` where the reference normaliser fails.
-    """
+    It removes presentation only and never reorders, simplifies or drops `\\text{...}` (so `\\text{(C)}` != `C`).
+    Raises `_NormalisationError` where the reference normaliser fails."""
     s = s.replace("\n", "").replace("\\!", "").replace("\\\\", "\\")
     s = s.replace("tfrac", "frac").replace("dfrac", "frac")
     s = s.replace("\\left", "").replace("\\right", "")
@@ -189,12 +181,8 @@ def _timeout() -> int | None:
 def math_verify_match(response: str, reference: str) -> bool:
     """math-verify equivalence of the answer region of `response` and the reference answer.
 
-    The reference is wrapped in `$...$` so it parses as LaTeX. The prediction is parsed with boxed
-    answers first (`boxed_match_priority=0`), then the last LaTeX or plain expression. `verify` is not
-    symmetric: the reference goes first, as math-verify prescribes. Note that math-verify reads boxes
-    that follow each other closely as one set (`\\boxed{1}, then \\boxed{2}` -> {1, 2}), so such a
-    response matches neither 1 nor 2 here; Flex still counts it when the last box is Exact.
-    """
+    Boxed answers are parsed first; the reference goes first in the asymmetric `verify`, as math-verify
+    prescribes. Close boxes read as one set (`\\boxed{1}, then \\boxed{2}` -> {1, 2}) and match neither."""
     timeout = _timeout()
     gold = parse(f"${reference}$", parsing_timeout=timeout)
     predicted = parse(

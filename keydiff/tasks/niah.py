@@ -114,7 +114,6 @@ class NeedleInAHaystack(Task):
         self.context_lengths = [_as_int(v) for v in self.context_lengths]
         self.depths = [_as_int(v) for v in self.depths]
 
-    # ------------------------------------------------------------------ configuration
     def validate(self) -> None:
         if not self.context_lengths:
             raise ValueError("niah.context_lengths must list at least one context length")
@@ -160,7 +159,6 @@ class NeedleInAHaystack(Task):
                 f"(e.g. task.context_lengths=[...]) or use a model with a longer context"
             )
 
-    # ------------------------------------------------------------------ data
     def haystack(self) -> Haystack:
         if self._haystack is None:
             self._haystack = load_haystack(self.haystack_dir, self.haystack_source)
@@ -193,7 +191,6 @@ class NeedleInAHaystack(Task):
         self._period_ids = period_token_ids(tokenizer)
         self._tokenizer = tokenizer
 
-    # ------------------------------------------------------------------ prompt
     def insert_needle(self, tokenizer: Any, context_length: int, depth: int) -> dict[str, Any]:
         """Token-level needle insertion (gkamradt `insert_needle`). Returns ids, text and positions."""
         self._prepare(tokenizer)
@@ -295,7 +292,6 @@ class NeedleInAHaystack(Task):
         settings = GenerationSettings(max_new_tokens=self.max_new_tokens, do_sample=False)
         return Prompt(input_ids=input_ids, generation=settings, info=info, context_tokens=context_tokens)
 
-    # ------------------------------------------------------------------ scoring
     def score(self, sample: Sample, prediction: str) -> dict[str, float]:
         recall = needle_recall(prediction, self.answer, self.recall_compat)
         rouge_f, rouge_r = rouge1_scores(prediction, self.needle)
@@ -334,7 +330,6 @@ class NeedleInAHaystack(Task):
         return summary
 
 
-# -------------------------------------------------------------------------------------- helpers
 def _as_int(value: Any) -> Any:
     if isinstance(value, float) and value.is_integer():
         return int(value)

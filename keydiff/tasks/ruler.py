@@ -79,7 +79,6 @@ PRESETS: dict[str, tuple[str, ...]] = {
 _CONTROL = re.compile(r"[\x00-\x1f]")
 
 
-# ------------------------------------------------------------------------------------------ metrics
 def postprocess(prediction: str) -> str:
     """RULER's evaluate.py: strip, control characters to newlines, strip again."""
     return _CONTROL.sub("\n", prediction.strip()).strip()
@@ -101,12 +100,9 @@ def metric_of(task: str) -> Callable[[str, list[str]], float]:
     return string_match_part if task.startswith("qa_") else string_match_all
 
 
-# ------------------------------------------------------------------------------------------ fitting
 def fit_size(measure: Callable[[int], int], target: int, low: int, high: int | None) -> int:
-    """Largest size in [low, high] with measure(size) <= target: doubling, then bisection.
-
-    ``measure`` is close to monotone (more haystack, more tokens); the result always satisfies the bound.
-    """
+    """Largest size in [low, high] with measure(size) <= target: doubling, then bisection. ``measure`` is close to
+    monotone; the result always satisfies the bound."""
     if measure(low) > target:
         raise ValueError(f"even the smallest haystack ({low}) needs {measure(low)} tokens, above {target}")
     if high is not None and measure(high) <= target:
@@ -129,9 +125,8 @@ def fit_size(measure: Callable[[int], int], target: int, low: int, high: int | N
 
 
 def load_essay(haystack_dir: str | None, source: str = "pinned") -> tuple[tuple[str, ...], dict[str, str], str]:
-    """The essay haystack as RULER's niah uses it: its words, its files' hashes (for provenance) and its kind
-    (one loader for every task that builds essay haystacks: ruler, shared_ruler_4k). `source`: the default
-    haystack's (keydiff.tasks.haystack.HAYSTACK_SOURCES), where `haystack_dir` is None."""
+    """The essay haystack as RULER's niah uses it (one loader for ruler and shared_ruler_4k): its words, its files'
+    hashes and its kind. `source`: the default haystack's, where `haystack_dir` is None."""
     from keydiff.tasks.haystack import load_haystack
 
     haystack = load_haystack(haystack_dir, source)
@@ -172,7 +167,6 @@ class Ruler(Task):
     def __post_init__(self) -> None:
         self.tasks = _as_list(self.tasks)
 
-    # ------------------------------------------------------------------ configuration
     def validate(self) -> None:
         if not isinstance(self.tasks, list) or not self.tasks:
             raise ValueError(f"task.tasks must be a preset {list(PRESETS)} or a non-empty list of {list(STANDARD_TASKS)}")
@@ -221,7 +215,6 @@ class Ruler(Task):
                 f"(ruler_4k, ruler_8k, ...) or a model with a longer context"
             )
 
-    # ------------------------------------------------------------------ data
     def _qa_data(self, dataset: str) -> QAData:
         if dataset not in self._qa:
             assert self.data_dir is not None
@@ -295,12 +288,9 @@ class Ruler(Task):
                     "answers": list(plan["answers"]),
                 })
 
-    # ------------------------------------------------------------------ prompt
     def encode(self, tokenizer: Any, user_text: str, answer_prefix: str) -> tuple[list[int], str, bool]:
         """(input ids, the rendered string, add_special_tokens) of one user turn followed by the answer prefix.
-
-        ``answer_prefix_style: kvpress`` moves the prefix's leading whitespace to the end of the user turn
-        (and, without a chat template, puts a newline between them), as kvpress's split and pipeline do."""
+        ``answer_prefix_style: kvpress`` moves the prefix's leading whitespace to the user turn's end, as kvpress."""
         if self.answer_prefix_style == "kvpress":
             stripped = answer_prefix.lstrip()
             user_text, answer_prefix = user_text + answer_prefix[: len(answer_prefix) - len(stripped)], stripped
@@ -378,16 +368,14 @@ class Ruler(Task):
         self._last = (key, prompt)
         return prompt
 
-    # ------------------------------------------------------------------ scoring
     def score(self, sample: Sample, prediction: str) -> dict[str, float]:
         task = sample.fields["task"]
         return {"score": metric_of(task)(postprocess(prediction), list(sample.fields["answers"]))}
 
     def summarize(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
-        """Per task ``round(100 * mean score, 2)`` (RULER's evaluate.py) over its samples that fill the length,
-        their mean as ``average``, counts (``n`` scored, ``short`` flagged and left out), the metric of each
-        task, whether all 13 standard tasks are in, the haystack of each task and whether the average can be
-        set beside published RULER numbers."""
+        """Per task ``round(100 * mean score, 2)`` (RULER's evaluate.py) over its samples that fill the length, their
+        mean as ``average``, counts (``n``, ``short``), each task's metric and haystack, and whether the average
+        (all 13 standard tasks in) can be set beside published RULER numbers."""
         by_task: dict[str, list[float]] = {}
         short: dict[str, int] = {}
         for row in rows:

@@ -68,7 +68,6 @@ def sub_seed(*parts: Any) -> int:
     return int.from_bytes(hashlib.sha256("|".join(map(str, parts)).encode()).digest()[:8], "big")
 
 
-# ------------------------------------------------------------------------------------------ word lists
 @lru_cache(maxsize=None)
 def wonderwords_list(name: str) -> tuple[str, ...]:
     """One of wonderwords' word lists ("nounlist.txt", "adjectivelist.txt", "verblist.txt"), lines right-stripped."""
@@ -105,7 +104,6 @@ def random_value(kind: str, rng: random.Random) -> str:
     raise ValueError(f"needle type {kind!r} is not valid; choose one of ['words', 'numbers', 'uuids']")
 
 
-# ------------------------------------------------------------------------------------------ essay text
 _SENTENCE_END = re.compile(r"[.!?][\"')\]]*(\s+)(?=[\"'(\[]?[A-Z0-9])")
 
 
@@ -125,7 +123,6 @@ def essay_words(text: str) -> list[str]:
     return re.sub(r"\s+", " ", text).strip().split(" ")
 
 
-# ------------------------------------------------------------------------------------------ generators
 class Generator:
     """Base of the task generators. `kind` names the RULER template family."""
 
@@ -374,9 +371,8 @@ def zeta(s: float) -> float:
 
 @dataclass
 class FrequentWords(Generator):
-    """Coded text of random 6-letter words with Zipf(`alpha`) counts; the top word is shown as "...",
-    the answer is ranks 2-4. Vocabulary size: ``(length - tokens to generate) // 50`` (RULER's default,
-    taken after RULER subtracts the 50 tokens to generate from the length)."""
+    """Coded text of random 6-letter words with Zipf(`alpha`) counts; the top word is shown as "...", the answer is
+    ranks 2-4. Vocabulary size: ``(length - tokens to generate) // 50`` (RULER's default)."""
 
     alpha: float = 2.0
     word_length: int = 6

@@ -68,7 +68,6 @@ class RulerShared(Task):
     context_split: ClassVar[str | None] = ("before the question, \"What is the special magic\" (RULER's niah split as "
                                            "kvpress makes it); follow-up turns (multi_turn) are held whole")
 
-    # ------------------------------------------------------------------ configuration
     def validate(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"task.mode={self.mode!r} is not valid; valid: {', '.join(MODES)}")
@@ -95,10 +94,8 @@ class RulerShared(Task):
                 raise ValueError(f"task.{key}={getattr(self, key)!r} is not valid; valid: {', '.join(VALUE_TYPES)}")
 
     def check_model(self, max_length: int | None) -> None:
-        """task.length against the model's context; in multi_turn also the conversation, without a tokenizer: the
-        fitted prompt (context + first question) is up to length - tokens to generate, and every answer adds up
-        to the tokens to generate, so it can reach length + (k - 1) x tokens to generate before counting the
-        follow-up turns (shared_context counts them exactly)."""
+        """task.length against the model's context; in multi_turn also the conversation, up to length + (k - 1) x
+        tokens to generate before the follow-up turns (which shared_context counts exactly)."""
         if max_length is None:
             return
         if self.length > max_length:
@@ -114,7 +111,6 @@ class RulerShared(Task):
                     f"{self.questions - 1} more answers x {to_generate} new tokens), over model.max_length="
                     f"{max_length}; use fewer task.questions, a shorter task.length or a larger model.max_length")
 
-    # ------------------------------------------------------------------ data
     def _essay_words(self) -> tuple[str, ...]:
         if self._essay is None:
             self._essay, self._essay_sources, self._essay_kind = load_essay(self.haystack_dir, self.haystack_source)
@@ -169,7 +165,6 @@ class RulerShared(Task):
         """A context's questions stay together (they share its prefill in the shared modes)."""
         return f"c{sample.fields['context']}"
 
-    # ------------------------------------------------------------------ prompts
     def tokens_to_generate(self) -> int:
         return self.max_new_tokens or TEMPLATES["niah"]["tokens_to_generate"]
 
@@ -268,10 +263,8 @@ class RulerShared(Task):
         return between, rendered[rendered.index(_QUESTION) + len(_QUESTION):]
 
     def shared_context(self, samples: list[Sample], tokenizer: Any, max_length: int | None) -> SharedContext:
-        """The context of `samples` (questions of one context, in asking order) and each question's prompt
-        (context + question, as build_prompt(query_aware=False)) and follow-up turn ids (multi_turn). In multi_turn,
-        the conversation at its longest (the first prompt, every later follow-up turn, k answers of the tokens to
-        generate) must fit max_length: refused in one line before any question is decoded."""
+        """The context of `samples` (one context's questions, in asking order), each question's prompt and follow-up
+        turn ids (multi_turn: the longest conversation must fit max_length, refused before any decoding)."""
         prompts = [self.build_prompt(s, tokenizer, max_length, query_aware=False) for s in samples]
         context = prompts[0].input_ids[: prompts[0].context_tokens]
         assert all(p.input_ids[: p.context_tokens] == context for p in prompts)
@@ -300,15 +293,13 @@ class RulerShared(Task):
                 f"model.max_length={max_length}; use fewer task.questions, a shorter task.length or a larger "
                 "model.max_length")
 
-    # ------------------------------------------------------------------ scoring
     def score(self, sample: Sample, prediction: str) -> dict[str, float]:
         return {"score": string_match_all(postprocess(prediction), list(sample.fields["answers"]))}
 
     def summarize(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
-        """The mean score over the questions (0-1; every context has k questions, so each context weighs the same),
-        the same per asking rank (`by_ask_rank`: 0 = asked first) and per the needle's depth rank (`by_depth_rank`:
-        0 = the shallowest needle), counts, k and the mode. Samples flagged short (prompt + tokens to generate
-        under 95 % of the length, as Ruler's) are left out."""
+        """The mean score over the questions (0-1; each context weighs the same), the same per asking rank
+        (`by_ask_rank`: 0 = first) and needle depth rank (`by_depth_rank`: 0 = shallowest), counts, k and the mode;
+        samples flagged short (as Ruler's) left out."""
         scored = [r for r in rows if not (r.get("info") or {}).get("short", False)]
         values = [float(r["scores"]["score"]) for r in scored]
         return {
