@@ -1,9 +1,8 @@
 """One layer with head-adaptive budgets (AdaKV): a pool of per-head segments that holds at most the layer's total.
 
-`PoolStack` puts every bounded pool in one allocation so a pool-scoring policy evicts all layers in one call.
-Such a layer must run under `keydiff.keydiff_attention(model, cache)`.
-Design: docs/design/cache.md#head-adaptive-budgets-adaptivepy
-"""
+`PoolStack` puts every bounded pool in one allocation so a pool-scoring policy evicts all layers in one call. Such a
+layer must run under `keydiff.keydiff_attention(model, cache)`. Design:
+docs/design/cache.md#head-adaptive-budgets-adaptivepy"""
 
 from __future__ import annotations
 
@@ -105,7 +104,6 @@ class AdaptiveStorage:
     def where(self) -> str:
         return f"layer {self.layers[0]} (head-adaptive)"
 
-    # --- sizes ----------------------------------------------------------------------------------
     @property
     def pool(self) -> int:
         return 0 if self.keys is None else self.keys.shape[1]
@@ -134,7 +132,6 @@ class AdaptiveStorage:
     def pending(self) -> bool:
         return max(self.row_totals(), default=0) > self.total_budget or self.signals.pending()
 
-    # --- layout ---------------------------------------------------------------------------------
     def allocate(self, key_states: torch.Tensor, value_states: torch.Tensor, per_head: int) -> None:
         """First buffers: `per_head` cells for every KV head, the segments at equal distances."""
         batch, heads = key_states.shape[:2]
@@ -193,7 +190,6 @@ class AdaptiveStorage:
                                          for s, c, lim in zip(sr, cr, lr)):
             self.relayout(per_head)
 
-    # --- writes ---------------------------------------------------------------------------------
     def layer_seen(self, plane: int) -> int:
         """Tokens its one layer has been given (each pass is written whole by that layer)."""
         return self.seen
@@ -274,7 +270,6 @@ class AdaptiveStorage:
                        self.values.view(batch * pool, -1).index_select(0, cells).view(*shape, -1),
                        self.positions.view(-1).index_select(0, cells).view(shape))
 
-    # --- views and eviction -----------------------------------------------------------------------
     def view_head(self, row: int, head: int) -> LayerView:
         """One head of one batch row as a policy sees it: batch 1, one KV head, its own entries."""
         start, count = self.starts[row][head], self.counts[row][head]

@@ -1,12 +1,11 @@
 """The one owner of dense KV memory: the buffers of one or several sequences' stacks and each one's entry counts.
 
-An `Arena` holds keys, values, positions and policy state as [slots, planes, batch, kv_heads, capacity(, dim)]
-and each slot's counts as a CPU int64 tensor [slots, len(COUNTS)] (host memory: reading one never syncs a device).
-A sequence's `Storage` lives in one slot, through a `Handle` (arena, slot); nothing points back from a storage to
-an arena it left. A private arena (one slot, one sequence) is replaced when its storage grows; a shared one (the
-slots of forks, of a decoder's pooled sequences, of a run's prefill slot) is never reallocated, so a fixed-shape
-step built or captured over it keeps its addresses. Design: docs/design/cache.md#storages-and-the-stack
-"""
+An `Arena` holds keys, values, positions and policy state as [slots, planes, batch, kv_heads, capacity(, dim)] and each
+slot's counts as a CPU int64 tensor [slots, len(COUNTS)] (host memory: reading one never syncs a device). A sequence's
+`Storage` lives in one slot, through a `Handle` (arena, slot); nothing points back from a storage to an arena it left. A
+private arena (one slot, one sequence) is replaced when its storage grows; a shared one (the slots of forks, of a
+decoder's pooled sequences, of a run's prefill slot) is never reallocated, so a fixed-shape step built or captured over
+it keeps its addresses. Design: docs/design/cache.md#storages-and-the-stack"""
 
 from __future__ import annotations
 
@@ -140,7 +139,6 @@ class Arena:
         self.counts[first:stop, ENTRIES].clamp_(max=budget)
         self.counts[first:stop, FRESH] = NONE
 
-    # --- passes: the counts advance once, by whoever writes ----------------------------------------
     def begin_pass(self, first: int, stop: int, q: int, evicted: bool = False) -> None:
         """Open a pass of q tokens in slots [first, stop), once per pass, by whoever starts it: tokens seen, peak,
         entries (+q), its first plane written. evicted: its writer wrote every plane and evicted within the pass (the
@@ -166,7 +164,6 @@ class Arena:
         if plane + 1 == len(self.layers):
             counts[:, OPEN], counts[:, WRITTEN] = 0, 0
 
-    # --- moving a stack between arenas -------------------------------------------------------------
     def moved(self, slot: int, buffers: tuple | None = None) -> "Arena":
         """A new private arena holding slot `slot`'s valid entries and counts, in `buffers` ([planes, batch, ...],
         from empty_buffers; None: of this slot's shape). A shared slot the stack leaves stays reserved for it."""

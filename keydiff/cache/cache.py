@@ -1,13 +1,12 @@
 """A transformers Cache whose layers stay within a fixed token budget (paper Eq. 6), in preallocated buffers.
 
-`EvictingCache` is an ordinary `transformers.Cache`, usable by any model in any decoding loop. It builds its
-layers from a memory plan (plan.py: one stack when the policy and budgets allow), evicts after each pass or when
-`evict()` is called, counts tokens seen (`get_seq_length`) apart from entries held (`entries_held`), and tells
-the attention function what to record for a layer's pass (`for_layer`). Head-adaptive layers are pools
-(adaptive.py); sliding-window layers keep transformers' semantics (sliding.py).
+`EvictingCache` is an ordinary `transformers.Cache`, usable by any model in any decoding loop. It builds its layers from
+a memory plan (plan.py: one stack when the policy and budgets allow), evicts after each pass or when `evict()` is
+called, counts tokens seen (`get_seq_length`) apart from entries held (`entries_held`), and tells the attention function
+what to record for a layer's pass (`for_layer`). Head-adaptive layers are pools (adaptive.py); sliding-window layers
+keep transformers' semantics (sliding.py).
 
-Design: docs/design/cache.md
-"""
+Design: docs/design/cache.md"""
 
 from __future__ import annotations
 
@@ -42,10 +41,9 @@ REFED_ROUNDINGS = 8
 class EvictingCache(Cache):
     """KV cache bounded to `budget` entries per layer and KV head, in buffers allocated once per sequence.
 
-    budget=None: unbounded. block_size: the largest pass (bounded layers hold budget + block_size). max_tokens:
-    the prompt's length. statistics: "fast" or "materialized". profile: synchronise around statistics and
-    eviction (kernel timings). config and layer_placements: see docs/design/cache.md#the-cache.
-    """
+    budget=None: unbounded. block_size: the largest pass (bounded layers hold budget + block_size). max_tokens: the
+    prompt's length. statistics: "fast" or "materialized". profile: synchronise around statistics and eviction (kernel
+    timings). config and layer_placements: see docs/design/cache.md#the-cache."""
 
     def __init__(
         self,
@@ -102,7 +100,6 @@ class EvictingCache(Cache):
         storage = evicted[0].storage
         return storage if storage.count == len(evicted) > 1 else None
 
-    # --- the transformers Cache interface -------------------------------------------------------
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,7 +159,6 @@ class EvictingCache(Cache):
             forks.append(cache)
         return forks
 
-    # --- positions (what changes with contiguous key re-rotation) ---------------------------------
     def next_position(self) -> int:
         """The RoPE position of the next token: tokens seen, or under contiguous re-rotation the kept keys' end."""
         first = self.layers[0]
@@ -184,12 +180,10 @@ class EvictingCache(Cache):
         kept = entries_next(layer, self._mode.evicts)  # held entries (evict(drop=False)) included
         return kept + query_length, (self.next_position() if self.contiguous else layer.seen) - kept
 
-    # --- timings -------------------------------------------------------------------------------
     def timed(self, name: str) -> "_Timed":
         """`with cache.timed("statistics_s"):` adds the block's wall time to `timings[name]`."""
         return _Timed(self, name)
 
-    # --- scratch passes --------------------------------------------------------------------------
     @contextmanager
     def scratch(self, chunk_start: int | None = None) -> Iterator[None]:
         """`with cache.scratch(): model(...)` runs passes whose entries are not kept (KVzip's reconstruction);
@@ -216,7 +210,6 @@ class EvictingCache(Cache):
         """Peak entries any layer held for one KV head during scratch passes (0 if none ran)."""
         return max((storage.max_scratch_entries for storage in self._storages), default=0)
 
-    # --- what the attention function asks ------------------------------------------------------------
     def for_layer(self, layer_idx: int, key: torch.Tensor) -> LayerBinding | None:
         """What the attention function records for this layer's pass, or None if `key` is not exactly what this
         cache's layer returned from its last `update` (the model runs with another cache: plain attention)."""
@@ -286,7 +279,6 @@ class EvictingCache(Cache):
         for layer in self.layers:
             layer.returned_keys = None  # may hold a released buffer
 
-    # --- what the cache holds --------------------------------------------------------------------
     def entries_held(self, layer_idx: int = 0) -> int:
         """Entries per KV head layer `layer_idx` holds now (not `get_seq_length()`, the tokens seen)."""
         return self.layers[layer_idx].num_entries

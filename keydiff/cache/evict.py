@@ -1,15 +1,14 @@
 """The eviction: `evict` for dense rows (a storage's, a group of block slots', the fixed-shape step's) and
 `evict_segments` for head-adaptive pools; the only places outside the policies that ask a policy what to drop.
 
-Dense rows of one or several layers and sequences are cut from base tensors (`Rows`) and seen as one batch of rows
-[R, kv_heads, capacity(, dim)]. `evict` sets the new entries' policy state (`init_fresh`), lets the policy observe
-the pass, asks it which entries to drop and moves the survivors into their places (`drop_entries`), then
-re-rotates kept keys for a `key_rerotation` policy. It reads nothing on the host and branches only on Python ints
-and None, so the fixed-shape step runs it inside a compiled / captured region; the entry counts are the caller's.
-`evict_segments` does the same for pools of per-head segments (keydiff.cache.adaptive), one move for every row.
+Dense rows of one or several layers and sequences are cut from base tensors (`Rows`) and seen as one batch of rows [R,
+kv_heads, capacity(, dim)]. `evict` sets the new entries' policy state (`init_fresh`), lets the policy observe the pass,
+asks it which entries to drop and moves the survivors into their places (`drop_entries`), then re-rotates kept keys for
+a `key_rerotation` policy. It reads nothing on the host and branches only on Python ints and None, so the fixed-shape
+step runs it inside a compiled / captured region; the entry counts are the caller's. `evict_segments` does the same for
+pools of per-head segments (keydiff.cache.adaptive), one move for every row.
 
-Design: docs/design/cache.md#eviction-evictpy
-"""
+Design: docs/design/cache.md#eviction-evictpy"""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """One layer of an evicting cache as transformers sees it: a view of its plane in a `Storage`.
 
-It keeps its storage and plane and the key tensor it last returned from `update` (how the attention function
-recognises its buffer); the tokens it has seen, counts, buffers and statistics are the storage's (its arena's).
-"""
+It keeps its storage and plane and the key tensor it last returned from `update` (how the attention function recognises
+its buffer); the tokens it has seen, counts, buffers and statistics are the storage's (its arena's)."""
 
 from __future__ import annotations
 
@@ -58,7 +57,6 @@ class EvictingLayer(CacheLayerMixin):
             self.earlier_allocations += self.storage.allocations
         self.storage, self.plane = storage, plane
 
-    # --- what the storage holds for this layer -------------------------------------------------
     @property
     def seen(self) -> int:
         """Tokens this layer has been given (the absolute position of the next one): its storage's, less a pass
@@ -123,7 +121,6 @@ class EvictingLayer(CacheLayerMixin):
         """Buffer (re)allocations this layer went through this sequence: 1 when the capacity was right."""
         return self.earlier_allocations + self.storage.allocations
 
-    # --- the transformers layer interface -------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
         self.is_initialized = True

@@ -4,8 +4,7 @@ each layer's budget, capacity and kind and which layers share one storage; `Memo
 Planning is a pure function of its arguments (no tensors are allocated: storages allocate on their first write), so
 `EvictingCache` plans once and builds fresh layers from the same plan on `reset()`.
 
-Design: docs/design/cache.md#the-cache
-"""
+Design: docs/design/cache.md#the-cache"""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 
 A `Storage` sees its `count` layers as [count, batch, kv_heads, capacity(, dim)] views of the slot its handle names
 (keydiff.cache.arena owns the buffers and the entry count); entries sit in no order and each carries its absolute
-position. Design: docs/design/cache.md#storages-and-the-stack
-"""
+position. Design: docs/design/cache.md#storages-and-the-stack"""
 
 from __future__ import annotations
 
@@ -81,7 +80,6 @@ class Storage:
         self.planes = [{"keys": self.keys[i], "values": self.values[i], "positions": self.positions[i],
                         "state": {name: s[i] for name, s in self.state.items()}} for i in range(self.count)]
 
-    # --- the counts (the arena's, for this slot) ----------------------------------------------
     num_entries = Count(ENTRIES)  # valid entries per layer and KV head (the same for every head and plane)
     seen = Count(SEEN)  # tokens written into the first plane: the absolute position of the next one
     max_entries = Count(PEAK)  # peak entries per head ever held
@@ -104,7 +102,6 @@ class Storage:
     def where(self) -> str:
         return f"layer {self.layers[0]}" if self.count == 1 else f"layers {self.layers[0]}..{self.layers[-1]} (stacked)"
 
-    # --- buffers ------------------------------------------------------------------------------
     def allocate(self, key_states: torch.Tensor, value_states: torch.Tensor, capacity: int) -> None:
         """Move to a new private arena of `capacity` entries shaped like these states, carrying the valid entries
         over (a shared arena is never reallocated: a slot grown out of stays reserved for this stack)."""
@@ -159,7 +156,6 @@ class Storage:
             part.signals = signals
         return parts
 
-    # --- writes -------------------------------------------------------------------------------
     def layer_seen(self, plane: int) -> int:
         """Tokens the plane's layer has been given: the slot's, less the open pass while the plane has not written it."""
         counts = self._counts
@@ -209,7 +205,6 @@ class Storage:
             init_fresh(self.rows, start, self.num_entries, self.entry_state, self.layers,
                        signals=self.signals.for_entries())
 
-    # --- scratch passes ------------------------------------------------------------------------
     def begin_scratch(self) -> None:
         """Start a pass whose entries are written after the held ones and forgotten by `end_scratch`."""
         if self.scratch_mark is not None:
@@ -230,7 +225,6 @@ class Storage:
         """Entries held before the running scratch pass (None when none runs)."""
         return None if self.scratch_mark is None else self.scratch_mark[0]
 
-    # --- views and eviction -------------------------------------------------------------------
     def view(self, plane: int | None = None) -> LayerView:
         """The valid entries as a policy sees them, in buffer order: one plane's, or (None) every plane's rows."""
         self.initialize_state()
