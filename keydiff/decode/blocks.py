@@ -1,9 +1,8 @@
 """Shared arenas: where the stacks of several sequences live side by side, so that rows alike decode as one.
 
-Shared arenas (keydiff.cache.arena) come from forks (`place_forks`) and from sequences joining a batch
-(`JoinPool`); a stack's handle names its slot. `runs` finds a pass's groups of side-by-side rows, which write,
-attend and evict as one. Design: docs/design/decode.md#rows-alike-run-as-one-blockspy
-"""
+Shared arenas (keydiff.cache.arena) come from forks (`place_forks`) and from sequences joining a batch (`JoinPool`); a
+stack's handle names its slot. `runs` finds a pass's groups of side-by-side rows, which write, attend and evict as one.
+Design: docs/design/decode.md#rows-alike-run-as-one-blockspy"""
 
 from __future__ import annotations
 

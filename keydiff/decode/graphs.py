@@ -1,7 +1,6 @@
-"""CUDA graph capture for the fixed-shape step (keydiff.decode.static), through a small set of CUDA calls that a
-CPU can stand in for: `CudaCalls` is torch.cuda itself; under `stand_in_graphs()` a CPU runs the same capture code
-against `StandIn`. Design: docs/design/decode.md#the-cuda-stand-in-graphspy
-"""
+"""CUDA graph capture for the fixed-shape step (keydiff.decode.static), through a small set of CUDA calls that a CPU can
+stand in for: `CudaCalls` is torch.cuda itself; under `stand_in_graphs()` a CPU runs the same capture code against
+`StandIn`. Design: docs/design/decode.md#the-cuda-stand-in-graphspy"""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
-"""What passes between the scheduler and the model runner, as plain data: a step's plan (`StepPlan`) and its
-outputs (`StepOutput`), and what the scheduler keeps per sequence to decide the plans (`SequenceRecord`). The
-scheduler decides (keydiff.decode.scheduler); the runner executes (keydiff.decode.step) and never reads where a
-sequence's entries live. Design: docs/design/decode.md
-"""
+"""What passes between the scheduler and the model runner, as plain data: a step's plan (`StepPlan`) and its outputs
+(`StepOutput`), and what the scheduler keeps per sequence to decide the plans (`SequenceRecord`). The scheduler decides
+(keydiff.decode.scheduler); the runner executes (keydiff.decode.step) and never reads where a sequence's entries live.
+Design: docs/design/decode.md"""
 
 from __future__ import annotations
 

@@ -1,10 +1,9 @@
 """The scheduler: requests in, results out, up to W sequences decoding at once, a free place refilled as soon as a
-sequence stops (continuous batching), and the back-off when memory runs out (the width halves). It decides every
-step as a plan (keydiff.decode.plan.StepPlan) for the model runner: which rows, and whether in fixed shapes, from
-records kept per sequence since its admission (`read_cache` is its one read of where entries live).
+sequence stops (continuous batching), and the back-off when memory runs out (the width halves). It decides every step as
+a plan (keydiff.decode.plan.StepPlan) for the model runner: which rows, and whether in fixed shapes, from records kept
+per sequence since its admission (`read_cache` is its one read of where entries live).
 
-Design: docs/design/decode.md#the-scheduler-schedulerpy
-"""
+Design: docs/design/decode.md#the-scheduler-schedulerpy"""
 
 from __future__ import annotations
 
@@ -31,10 +30,9 @@ LOG = logging.getLogger(__name__)
 class Decoder:
     """Decodes requests W at a time, keeping its arena and fixed-shape steps across calls.
 
-    width: W (halved on out of memory). group_rows=False: every sequence alone (the reference). pool_rows: move
-    joining sequences into arena slots. fixed_shapes: None = device default, False = never. batch_invariant:
-    width-independent kernels for the decoding steps. Outputs are the same either way.
-    """
+    width: W (halved on out of memory). group_rows=False: every sequence alone (the reference). pool_rows: move joining
+    sequences into arena slots. fixed_shapes: None = device default, False = never. batch_invariant: width-independent
+    kernels for the decoding steps. Outputs are the same either way."""
 
     def __init__(self, model: torch.nn.Module, width: int = 1, group_rows: bool = True, pool_rows: bool = True,
                  fixed_shapes: bool | None = None, batch_invariant: bool = False):

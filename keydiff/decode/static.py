@@ -1,9 +1,8 @@
-"""The step in fixed shapes: once every row's bounded cache is full, a pass and its eviction touch tensors whose
-shapes never change, so the step can be compiled or captured as a CUDA graph and replayed with no host work.
+"""The step in fixed shapes: once every row's bounded cache is full, a pass and its eviction touch tensors whose shapes
+never change, so the step can be compiled or captured as a CUDA graph and replayed with no host work.
 
-`StaticStep` runs, captures and replays the step (the scheduler decides when a sequence may take it).
-Design: docs/design/decode.md#fixed-shapes-staticpy
-"""
+`StaticStep` runs, captures and replays the step (the scheduler decides when a sequence may take it). Design:
+docs/design/decode.md#fixed-shapes-staticpy"""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """The model runner and the decode step. `decode_step`: every running sequence picks its next token, then one forward
-pass of those still going, which evicts, as the scheduler planned it. `ModelRunner.run(plan)` executes a plan (a
-decode step or a prefill's block step): in fixed shapes (keydiff.decode.static) or through the batch cache
-(keydiff.decode.rows). Design: docs/design/decode.md#the-step-steppy
-"""
+pass of those still going, which evicts, as the scheduler planned it. `ModelRunner.run(plan)` executes a plan (a decode
+step or a prefill's block step): in fixed shapes (keydiff.decode.static) or through the batch cache
+(keydiff.decode.rows). Design: docs/design/decode.md#the-step-steppy"""
 
 from __future__ import annotations
 
