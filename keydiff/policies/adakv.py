@@ -1,8 +1,6 @@
 """Head-adaptive budgets (AdaKV, Feng et al. 2024, arXiv 2407.11550): the heads of a layer share its budget.
 
-`HeadAdaptive(scorer, alpha_safeguard=0.2)` wraps any scoring policy.
-Design: docs/design/policies.md#adakv-adakvpy
-"""
+`HeadAdaptive(scorer, alpha_safeguard=0.2)` wraps any scoring policy. Design: docs/design/policies.md#adakv-adakvpy"""
 
 from __future__ import annotations
 
@@ -75,9 +73,8 @@ def adakv_keep(keys: list[torch.Tensor], protected: list[torch.Tensor | None], b
                alpha: float) -> list[torch.Tensor]:
     """Which entries each head of one batch row keeps: bool masks [n_h], one per head.
 
-    keys: per head, int64 order keys [n_h] (higher = keep). protected: per head, bool [n_h] or None. budget: N
-    (T = heads x N kept in all). Safeguard and protected first, then the highest keys of all heads.
-    """
+    keys: per head, int64 order keys [n_h] (higher = keep). protected: per head, bool [n_h] or None. budget: N (T =
+    heads x N kept in all). Safeguard and protected first, then the highest keys of all heads."""
     heads = len(keys)
     total = heads * budget
     counts = [int(k.shape[0]) for k in keys]

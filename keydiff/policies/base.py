@@ -1,9 +1,8 @@
 """What an eviction policy is: a scoring rule over the entries of one layer's cache.
 
-A policy sees one layer at a time (`LayerView`, entries in no particular order) and says which entries of each
-KV head to drop so that `budget` remain; its `needs` (a `Needs`) say what it needs from the cache and the engine.
-User guide: docs/policies.md. Design: docs/design/policies.md#what-a-policy-is-basepy
-"""
+A policy sees one layer at a time (`LayerView`, entries in no particular order) and says which entries of each KV head
+to drop so that `budget` remain; its `needs` (a `Needs`) say what it needs from the cache and the engine. User guide:
+docs/policies.md. Design: docs/design/policies.md#what-a-policy-is-basepy"""
 
 from __future__ import annotations
 
@@ -27,11 +26,10 @@ class LayerView:
     keys, values [batch, kv_heads, n, head_dim] (keys post-RoPE, as cached); positions [batch, kv_heads, n] absolute
     positions (long). state: per-entry policy state [batch, kv_heads, n], one view per name in `needs.state`; new
     entries start at 0; update it in place (`state["h2o"].add_(...)`): it lives in the cache's buffers. layers: the
-    model layers whose rows the view holds, layer-major: one layer, or several when the cache scores them in one
-    call (their rows stacked along the batch dimension, see `Needs.rows_alike`); an int is taken as that one layer.
-    signals: what the model handed the cache for the signals the policy asked for (keydiff/signals.py), by name;
-    `attention`, `queries` and `output_projection` read the built-in ones (and may be given as arguments).
-    """
+    model layers whose rows the view holds, layer-major: one layer, or several when the cache scores them in one call
+    (their rows stacked along the batch dimension, see `Needs.rows_alike`); an int is taken as that one layer. signals:
+    what the model handed the cache for the signals the policy asked for (keydiff/signals.py), by name; `attention`,
+    `queries` and `output_projection` read the built-in ones (and may be given as arguments)."""
 
     __slots__ = ("keys", "values", "positions", "state", "layers", "signals")
 
@@ -118,10 +116,9 @@ class PoolView:
 
 @dataclass(frozen=True)
 class Needs:
-    """What a policy needs from the cache, the attention function and the engine, declared once per class
-    (`needs: ClassVar[Needs] = Needs(rows_alike=True)`, or a `needs` property). Every default is the safe answer.
-    Design: docs/design/policies.md#capabilities
-    """
+    """What a policy needs from the cache, the attention function and the engine, declared once per class (`needs:
+    ClassVar[Needs] = Needs(rows_alike=True)`, or a `needs` property). Every default is the safe answer. Design:
+    docs/design/policies.md#capabilities"""
 
     # Which query rows' attention the policy reads (LayerView.attention): 0 none, k the last k rows of each pass,
     # None every row; reduced per entry by "sum" (over rows; mean over the KV group's heads) or "max".
@@ -213,8 +210,7 @@ def chooses_whole_pools(policy: "Policy") -> bool:
 class Policy:
     """Base class: keep the `budget` highest-scoring entries of every KV head, plus nothing else.
 
-    Subclasses are small dataclasses whose fields are hyper-parameters; `needs` is declared once per class.
-    """
+    Subclasses are small dataclasses whose fields are hyper-parameters; `needs` is declared once per class."""
 
     needs: ClassVar[Needs] = Needs()
 

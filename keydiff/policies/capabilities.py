@@ -3,10 +3,9 @@
     python -m keydiff.policies.capabilities --write     # rewrite the file after a policy's capabilities change
     python -m keydiff.policies.capabilities             # print it
 
-Modules that must not import torch (keydiff.run.checks, keydiff.report.gpu_hours) read it; a preset the file
-lacks (a policy added since it was written) they compute on demand, importing the policies. A test checks every
-row it holds and that it holds every preset the paper's experiments run. Design: docs/design/policies.md#capabilities
-"""
+Modules that must not import torch (keydiff.run.checks, keydiff.report.gpu_hours) read it; a preset the file lacks (a
+policy added since it was written) they compute on demand, importing the policies. A test checks every row it holds and
+that it holds every preset the paper's experiments run. Design: docs/design/policies.md#capabilities"""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """KeyDiff (paper §3.2): keep the keys least similar to the other keys of the cache.
 
 Eq. 8's anchor score, and `KeyDiffPairwise`, Eq. 7's exact O(n²) form (the same ranking with the default anchor).
-Design: docs/design/policies.md#keydiff-keydiffpy
-"""
+Design: docs/design/policies.md#keydiff-keydiffpy"""
 
 from __future__ import annotations
 
@@ -21,10 +20,9 @@ METRICS = ("cosine", "dot", "euclidean")
 def keydiff_anchor(keys: torch.Tensor, anchor: str) -> torch.Tensor:
     """Anchor vector per head [batch, kv_heads, 1, head_dim] from keys [batch, kv_heads, n, head_dim].
 
-    normalized_mean: mean of the unit-normalised keys (Eq. 8, Table 15 "KeyDiff", the default).
-    mean: mean of the raw keys (the §3.2 remark that mu(K) works as well as mu(K-hat)).
-    median: element-wise median of the unit-normalised keys (Table 15 "Median").
-    """
+    normalized_mean: mean of the unit-normalised keys (Eq. 8, Table 15 "KeyDiff", the default). mean: mean of the raw
+    keys (the §3.2 remark that mu(K) works as well as mu(K-hat)). median: element-wise median of the unit-normalised
+    keys (Table 15 "Median")."""
     if anchor == "normalized_mean":
         return F.normalize(keys, dim=-1).mean(dim=2, keepdim=True)
     if anchor == "mean":

@@ -1,9 +1,7 @@
 """KVzip (Kim et al. 2025): query-agnostic KV cache compression with context reconstruction.
 
-An entry's score is the largest attention it receives while the model repeats the context (one reconstruction
-pass per prefill block). Loops of your own must call `cache.start_generation`.
-Design: docs/design/policies.md#kvzip-kvzippy
-"""
+An entry's score is the largest attention it receives while the model repeats the context (one reconstruction pass per
+prefill block). Loops of your own must call `cache.start_generation`. Design: docs/design/policies.md#kvzip-kvzippy"""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """LagKV (Liang et al. 2025, arXiv 2504.04704): score each chunk of the cache against the chunk after it.
 
-`scoring="frozen"` (default, the authors' streaming method) or `"rescore"`.
-Design: docs/design/policies.md#lagkv-lagkvpy
-"""
+`scoring="frozen"` (default, the authors' streaming method) or `"rescore"`. Design:
+docs/design/policies.md#lagkv-lagkvpy"""
 
 from __future__ import annotations
 

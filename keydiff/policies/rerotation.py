@@ -1,9 +1,8 @@
 """Key re-rotation (as kvpress's `KeyRerotationPress`): after every eviction the kept keys of each KV head are
-re-rotated to contiguous positions, in the order of their original positions. `Rerotated(policy, mode)` only asks
-the cache (`needs.key_rerotation`), which owns the tensors.
+re-rotated to contiguous positions, in the order of their original positions. `Rerotated(policy, mode)` only asks the
+cache (`needs.key_rerotation`), which owns the tensors.
 
-Design: docs/design/policies.md#key-re-rotation-rerotationpy
-"""
+Design: docs/design/policies.md#key-re-rotation-rerotationpy"""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 
     LayerBudgets(RecentWindow(KeyDiff(), fraction=0.2), schedule={"schedule": "pyramid", "beta": 20})
 
-Design: docs/design/policies.md#building-and-composing-__init__py-wrapperspy
-"""
+Design: docs/design/policies.md#building-and-composing-__init__py-wrapperspy"""
 
 from __future__ import annotations
 
