@@ -1,13 +1,11 @@
 """The batch-invariant mode: while on, a device's matmuls, row reductions and decode attention run kernels whose
-reduction order does not depend on the number of rows, so a sequence decoded in a batch gets the bits it gets
-alone.
+reduction order does not depend on the number of rows, so a sequence decoded in a batch gets the bits it gets alone.
 
     with batch_invariant.mode("CUDA"):          # what keydiff.decode.step does around decoding steps
         logits = model(input_ids=ids, cache=cache).logits
 
-Kernels are registered through `torch.library` (nothing is patched); a CPU does not need the mode.
-Design: docs/design/decode.md#batch-invariant-kernels-keydiffkernels
-"""
+Kernels are registered through `torch.library` (nothing is patched); a CPU does not need the mode. Design:
+docs/design/decode.md#batch-invariant-kernels-keydiffkernels"""
 
 from __future__ import annotations
 
