@@ -1,13 +1,11 @@
 """Attention functions registered with transformers' `AttentionInterface` (keydiff_sdpa/_eager/_fa2).
 
-They derive the bottom-right causal mask from each layer's own key length, and compute the attention
-statistic an attention-based policy needs beside the fused kernel ("fast") or from eager weights
-("materialized"). `keydiff_attention(model, cache)` switches the model to them and binds the cache; they
-also serve head-adaptive pools, batches of per-sequence caches, sliding windows, soft caps, sinks and the
-fixed-shape step (`StatisticBuffer`).
+They derive the bottom-right causal mask from each layer's own key length, and compute the attention statistic an
+attention-based policy needs beside the fused kernel ("fast") or from eager weights ("materialized").
+`keydiff_attention(model, cache)` switches the model to them and binds the cache; they also serve head-adaptive pools,
+batches of per-sequence caches, sliding windows, soft caps, sinks and the fixed-shape step (`StatisticBuffer`).
 
-Design: docs/design/cache.md#the-attention-functions-keydiffattentionpy
-"""
+Design: docs/design/cache.md#the-attention-functions-keydiffattentionpy"""
 
 from __future__ import annotations
 
@@ -517,8 +515,7 @@ def keydiff_attention(model: torch.nn.Module, cache: Any = None) -> Iterator[Non
     """Run the model with its keydiff attention function (and `cache` bound for statistics), then restore it.
 
         with keydiff.keydiff_attention(model, cache):
-            out = model(input_ids=next_ids, cache=cache, use_cache=True)
-    """
+            out = model(input_ids=next_ids, cache=cache, use_cache=True)"""
     base = base_implementation(model)
     if base == "flash_attention_2":
         import flash_attn

@@ -4,8 +4,7 @@
   transformers' `AttentionInterface` ("keydiff_capture"): SDPA computes the output, and beside it the function
   records post-RoPE keys and queries and attention reduced on the fly (no L x L matrix kept).
 * `trace_eviction` runs `keydiff.engine.prefill` with a subclass of the policy that also records what it drops.
-Batch size 1 only; tensors are returned as float32 on the CPU.
-"""
+Batch size 1 only; tensors are returned as float32 on the CPU."""
 
 from __future__ import annotations
 
@@ -128,7 +127,6 @@ def capture_prompt(
     return [recorder.captures.get(layer) for layer in range(num_layers)]
 
 
-# ------------------------------------------------------------------------------------------ eviction
 
 
 @dataclass

@@ -1,9 +1,8 @@
 """Block prompt processing (paper §2.4, Eq. 6) and decoding with eviction after every token.
 
-`prefill` (settings: `PrefillOptions`) and `generate` (settings: the decoder's `Request`); `copy_state`, `feed`
-and `follow_up` serve several questions or turns over one compressed context. Timings cover the forward passes
-only; callers warm up. Design: docs/design/decode.md#the-engine-keydiffenginepy
-"""
+`prefill` (settings: `PrefillOptions`) and `generate` (settings: the decoder's `Request`); `copy_state`, `feed` and
+`follow_up` serve several questions or turns over one compressed context. Timings cover the forward passes only; callers
+warm up. Design: docs/design/decode.md#the-engine-keydiffenginepy"""
 
 from __future__ import annotations
 
@@ -158,9 +157,8 @@ def prefill(
 ) -> PrefillResult:
     """Process `input_ids` [batch, L] (no padding) block by block, keeping at most `budget` entries per head.
 
-    policy: a Policy or a name. budget: tokens per layer and KV head. options: a PrefillOptions (None: its
-    defaults); block_size and keywords (`held_suffix=20`, ...) replace its fields, an unknown one is refused.
-    """
+    policy: a Policy or a name. budget: tokens per layer and KV head. options: a PrefillOptions (None: its defaults);
+    block_size and keywords (`held_suffix=20`, ...) replace its fields, an unknown one is refused."""
     if options is not None and not isinstance(options, PrefillOptions):
         raise TypeError(f"options must be a keydiff.PrefillOptions, got {type(options).__name__}")
     check_settings("prefill", settings, PREFILL_SETTINGS)
@@ -283,13 +281,12 @@ def generate(
 ) -> GenerationResult:
     """Decode up to `max_new_tokens` tokens from a prefilled state, evicting after every token (B = 1).
 
-    The decode settings are a keydiff.Request's: `generate(model, Request(state, 64, ...))`, or the state and
-    keywords that build one (max_new_tokens, eos_token_ids, do_sample, temperature, top_p, min_new_tokens, seed,
-    evict, record_steps; given with a Request they replace its fields). evict=False keeps every generated token. A
-    row stops at its first `eos_token_ids` id (after `min_new_tokens`); sampling uses a CPU generator seeded with
-    `seed`. fixed_shapes, batch_invariant: as `Decoder`'s. decoder: a run's keydiff.Decoder (None: one of width
-    1). Returns a GenerationResult (`.token_ids` per row, `.finish_reasons`, `.seconds`, `.max_cache_entries`).
-    """
+    The decode settings are a keydiff.Request's: `generate(model, Request(state, 64, ...))`, or the state and keywords
+    that build one (max_new_tokens, eos_token_ids, do_sample, temperature, top_p, min_new_tokens, seed, evict,
+    record_steps; given with a Request they replace its fields). evict=False keeps every generated token. A row stops at
+    its first `eos_token_ids` id (after `min_new_tokens`); sampling uses a CPU generator seeded with `seed`.
+    fixed_shapes, batch_invariant: as `Decoder`'s. decoder: a run's keydiff.Decoder (None: one of width 1). Returns a
+    GenerationResult (`.token_ids` per row, `.finish_reasons`, `.seconds`, `.max_cache_entries`)."""
     check_settings("generate", settings, REQUEST_SETTINGS + DECODER_SETTINGS)
     if max_new_tokens is not None:
         settings["max_new_tokens"] = max_new_tokens

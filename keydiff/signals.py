@@ -1,12 +1,11 @@
-"""The model signals a policy may score from besides the cached entries, each declared once: its name, what produces
-it from a layer's attention call, how a cache keeps it, and how a view carries it (`LayerView.signals[name]`).
+"""The model signals a policy may score from besides the cached entries, each declared once: its name, what produces it
+from a layer's attention call, how a cache keeps it, and how a view carries it (`LayerView.signals[name]`).
 
 A policy asks for a signal through its `Needs` (the built-ins through their own fields: `attention_rows`, `queries`,
-`output_projection`; any other by name in `Needs.signals`). For each layer's pass the cache's binding lists the
-signals to record; the attention function hands the pass (`LayerPass`) to the binding's sink, which folds it into
-what the layer's storage keeps (`Recorded`). A new signal is one `register(Signal(...))` here.
-Design: docs/design/policies.md#model-signals
-"""
+`output_projection`; any other by name in `Needs.signals`). For each layer's pass the cache's binding lists the signals
+to record; the attention function hands the pass (`LayerPass`) to the binding's sink, which folds it into what the
+layer's storage keeps (`Recorded`). A new signal is one `register(Signal(...))` here. Design:
+docs/design/policies.md#model-signals"""
 
 from __future__ import annotations
 
@@ -87,7 +86,6 @@ def asked(needs: Any) -> tuple[Signal, ...]:
     return tuple(signal for signal in SIGNALS.values() if signal.asked_by(needs))
 
 
-# --- the built-in signals ----------------------------------------------------------------------------------------
 def query_statistics(kept: QueryStatistics | None, step: LayerPass) -> QueryStatistics:
     """Running moments of the layer's pre-RoPE queries from position `needs.queries_from` on (keydiff.queries)."""
     if kept is None:

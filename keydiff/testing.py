@@ -1,9 +1,8 @@
 """Check an eviction policy against the contract in one line: `keydiff.testing.check_policy(MyPolicy, alpha=0.3)`.
 
-Runs the policy on a tiny random Llama (no download) through block-wise prefill and a few decoding steps and
-checks its scores, the N_l + B bound, determinism and its `needs` claims. A failure raises `PolicyCheckError`
-naming the property. The contract, in full: docs/policies.md.
-"""
+Runs the policy on a tiny random Llama (no download) through block-wise prefill and a few decoding steps and checks its
+scores, the N_l + B bound, determinism and its `needs` claims. A failure raises `PolicyCheckError` naming the property.
+The contract, in full: docs/policies.md."""
 
 from __future__ import annotations
 
