@@ -1,8 +1,5 @@
-"""One layer with head-adaptive budgets (AdaKV): a pool of per-head segments that holds at most the layer's total.
-
-`PoolStack` puts every bounded pool in one allocation so a pool-scoring policy evicts all layers in one call. Such a
-layer must run under `keydiff.keydiff_attention(model, cache)`. Design:
-docs/design/cache.md#head-adaptive-budgets-adaptivepy"""
+"""One layer with head-adaptive budgets (AdaKV): a pool of per-head segments that holds at most the layer's total;
+`PoolStack` puts every bounded pool in one allocation. Design: docs/design/cache.md#head-adaptive-budgets-adaptivepy"""
 
 from __future__ import annotations
 
@@ -19,9 +16,8 @@ from keydiff.signals import Recorded, Signal
 
 
 class PoolStack:
-    """The pools of several head-adaptive layers in one allocation, [layers, batch, P, ...], so one eviction
-    scores, chooses and compacts every layer's rows at once (keydiff.cache.evict.evict_segments). Each `AdaptiveStorage` still owns its
-    segments and counts; a layer that does not fit or must grow takes buffers of its own."""
+    """The pools of several head-adaptive layers in one allocation, [layers, batch, P, ...], so one eviction scores,
+    chooses and compacts every layer's rows at once; a layer that does not fit or must grow takes buffers of its own."""
 
     def __init__(self, layers: tuple[int, ...]):
         self.layers = layers

@@ -1,11 +1,8 @@
 """The one owner of dense KV memory: the buffers of one or several sequences' stacks and each one's entry counts.
 
-An `Arena` holds keys, values, positions and policy state as [slots, planes, batch, kv_heads, capacity(, dim)] and each
-slot's counts as a CPU int64 tensor [slots, len(COUNTS)] (host memory: reading one never syncs a device). A sequence's
-`Storage` lives in one slot, through a `Handle` (arena, slot); nothing points back from a storage to an arena it left. A
-private arena (one slot, one sequence) is replaced when its storage grows; a shared one (the slots of forks, of a
-decoder's pooled sequences, of a run's prefill slot) is never reallocated, so a fixed-shape step built or captured over
-it keeps its addresses. Design: docs/design/cache.md#storages-and-the-stack"""
+An `Arena` holds [slots, planes, batch, kv_heads, capacity(, dim)] buffers and each slot's counts on the host; a
+`Storage` lives in one slot through a `Handle`. A shared arena is never reallocated, so a fixed-shape step built or
+captured over it keeps its addresses. Design: docs/design/cache.md#storages-and-the-stack"""
 
 from __future__ import annotations
 
@@ -17,9 +14,7 @@ import torch
 
 from keydiff.cache.evict import Rows
 
-# Each slot's counts: valid entries per head, tokens seen, peak entries, the first entry whose policy state is not
-# set yet, the (entries, seen, peak) a running scratch pass restores (NONE where there is none), and the open pass:
-# its tokens (0: none open) and how many planes, in order, have written it.
+# Each slot's counts: entries, seen, peak, the first unset state, a scratch pass's saved ones and the open pass.
 COUNTS = ("entries", "seen", "peak", "fresh", "mark_entries", "mark_seen", "mark_peak", "open", "written")
 ENTRIES, SEEN, PEAK, FRESH, MARK_ENTRIES, MARK_SEEN, MARK_PEAK, OPEN, WRITTEN = range(len(COUNTS))
 NONE = -1
@@ -52,8 +47,7 @@ def allocation_bytes(*tensors: torch.Tensor | None) -> dict[int, int]:
 
 
 def layout(storage: Any) -> tuple:
-    """What a stack must share with a shared arena's slots to live in one: budget, state, buffer shapes, dtypes,
-    device."""
+    """What a stack must share with a shared arena's slots to live in one: budget, state, shapes, dtypes, device."""
     keys, values = storage.keys, storage.values
     return (storage.budget, tuple(storage.state), keys.shape, values.shape, keys.dtype, values.dtype, keys.device)
 
@@ -72,11 +66,8 @@ class Handle:
 
 
 class Arena:
-    """Buffers of `slots` stacks of the layers `layers` (None until allocated) and their counts.
-
-    shared: slots handed to several sequences (`take`, `vacate`; `occupant` names each slot's storage), never
-    reallocated. stats: a record counting the shared arenas made and the copies into and out of their slots
-    (the decoder's keydiff.decode.static.StepStats), if any."""
+    """Buffers of `slots` stacks of the layers `layers` (None until allocated) and their counts. shared: slots handed to
+    several sequences, never reallocated. stats: the decoder's StepStats, if any."""
 
     def __init__(self, slots: int, layers: tuple[int, ...], buffers: tuple | None = None, shared: bool = False,
                  stats: Any = None):
@@ -87,8 +78,7 @@ class Arena:
         self.host = self.counts.numpy()  # the same memory, indexed without making tensors
         self.shared, self.stats = shared, stats
         self.occupant: list[Any] = [None] * slots  # a shared arena's storage in each slot (None: free)
-        # A private arena's: bytes of the shared slot its storage grew out of, which stays allocated for it until
-        # that arena vacates the slot (kv_cache_bytes counts it).
+        # A private arena's: bytes of the shared slot its storage grew out of, held until it vacates (kv_cache_bytes).
         self.reserved = 0
         self.layout: tuple | None = None  # a shared arena's: what a stack must share with its slots
         if shared and stats is not None:
@@ -152,9 +142,8 @@ class Arena:
             counts[:, OPEN], counts[:, WRITTEN] = (q, 1) if len(self.layers) > 1 else (0, 0)
 
     def wrote(self, first: int, stop: int, plane: int, q: int, scratch: bool = False) -> None:
-        """Plane `plane` of slots [first, stop) is written for their open pass of q tokens: the next plane's turn,
-        the pass closed after the last. Planes write in order, each once per pass; scratch: the pass may be a
-        scratch pass (a row group's may not)."""
+        """Plane `plane` of slots [first, stop) is written for their open pass of q tokens; the pass closes after the
+        last plane. Planes write in order, each once per pass (scratch: the pass may be a scratch pass)."""
         counts = self.host[first:stop]
         if not ((counts[:, OPEN] == q) & (counts[:, WRITTEN] == plane)
                 & (scratch | (counts[:, MARK_ENTRIES] == NONE))).all():

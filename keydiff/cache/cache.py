@@ -1,11 +1,7 @@
 """A transformers Cache whose layers stay within a fixed token budget (paper Eq. 6), in preallocated buffers.
 
-`EvictingCache` is an ordinary `transformers.Cache`, usable by any model in any decoding loop. It builds its layers from
-a memory plan (plan.py: one stack when the policy and budgets allow), evicts after each pass or when `evict()` is
-called, counts tokens seen (`get_seq_length`) apart from entries held (`entries_held`), and tells the attention function
-what to record for a layer's pass (`for_layer`). Head-adaptive layers are pools (adaptive.py); sliding-window layers
-keep transformers' semantics (sliding.py).
-
+`EvictingCache` is an ordinary `transformers.Cache`, usable by any model in any decoding loop; it evicts after each pass
+or on `evict()` and counts tokens seen (`get_seq_length`) apart from entries held (`entries_held`).
 Design: docs/design/cache.md"""
 
 from __future__ import annotations
@@ -31,9 +27,7 @@ from keydiff.config import STATISTICS_MODES
 from keydiff.policies.base import Policy, chooses_whole_pools
 from keydiff import signals as model_signals
 
-# How close (relative to the largest value) a pass's layer-0 values must be to the kept ones to count as the
-# same tokens fed again: they were computed with another block size, so not bit-identical; at least a few
-# roundings of the cache's dtype (bf16: 6 %), far below the difference between two tokens' values.
+# How close (relative to the largest) refed layer-0 values must be to the kept ones: a few dtype roundings.
 REFED_TOLERANCE = 1e-3
 REFED_ROUNDINGS = 8
 
@@ -130,8 +124,7 @@ class EvictingCache(Cache):
             split_stack(self.layers, layer, self.policy)
             self._storages = distinct_storages(self.layers)
             storage = layer.storage
-        # What the previous pass left to do (a plain loop never calls `evict()`): observe and evict now,
-        # when the first of the storage's layers starts the next pass.
+        # What the previous pass left to do (a plain loop never calls `evict()`), when the next pass starts.
         if self._mode.evicts and layer.seen == storage.seen and storage.pending():
             with self.timed("eviction_s"):
                 storage.evict(self.policy, self.inv_freq, self.next_position() if self.contiguous else None)
@@ -347,11 +340,8 @@ class EvictingCache(Cache):
 
 @dataclass(frozen=True)
 class Mode:
-    """What an `EvictingCache` is doing, one value replaced on each change. decoding: after `start_generation`.
-    evicting: False after `start_generation(evict=False)` (the generated tokens are all kept). held: after
-    `evict(drop=False)` (entries over the budget wait for the next `evict()`). scratch: inside `scratch()`, whose
-    pass reconstructs the tokens from `chunk_start`. pass_position: under contiguous re-rotation, the RoPE position
-    of the current pass's first token."""
+    """What an `EvictingCache` is doing, one value replaced on each change: decoding (after `start_generation`),
+    evicting, held (after `evict(drop=False)`), scratch (inside `scratch()`), pass_position (contiguous re-rotation)."""
 
     decoding: bool = False
     evicting: bool = True
@@ -449,8 +439,7 @@ def refuse_prompt_fed_again(layer: EvictingLayer, value_states: torch.Tensor, ma
 
 
 def split_stack(layers: list, leaving: EvictingLayer, policy: Policy) -> None:
-    """Give `leaving` (which does not fit its stack) a storage of its own, and every other layer of the stack its
-    plane as one."""
+    """Give `leaving` (which does not fit its stack) a storage of its own, and every other layer its own plane."""
     stack = leaving.storage
     for part, plane in zip(stack.split(), range(stack.count)):
         layer = layers[stack.layers[plane]]

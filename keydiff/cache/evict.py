@@ -1,13 +1,6 @@
-"""The eviction: `evict` for dense rows (a storage's, a group of block slots', the fixed-shape step's) and
-`evict_segments` for head-adaptive pools; the only places outside the policies that ask a policy what to drop.
-
-Dense rows of one or several layers and sequences are cut from base tensors (`Rows`) and seen as one batch of rows [R,
-kv_heads, capacity(, dim)]. `evict` sets the new entries' policy state (`init_fresh`), lets the policy observe the pass,
-asks it which entries to drop and moves the survivors into their places (`drop_entries`), then re-rotates kept keys for
-a `key_rerotation` policy. It reads nothing on the host and branches only on Python ints and None, so the fixed-shape
-step runs it inside a compiled / captured region; the entry counts are the caller's. `evict_segments` does the same for
-pools of per-head segments (keydiff.cache.adaptive), one move for every row.
-
+"""The eviction: `evict` for dense rows (cut from base tensors as `Rows`, seen as one batch [R, kv_heads, capacity(,
+dim)]) and `evict_segments` for head-adaptive pools; the only places outside the policies that ask a policy what to
+drop. Neither reads the host, so the fixed-shape step runs them compiled or captured; the entry counts are the caller's.
 Design: docs/design/cache.md#eviction-evictpy"""
 
 from __future__ import annotations
@@ -25,10 +18,8 @@ from keydiff.signals import SIGNALS, asked, missing_error
 
 @dataclass(frozen=True)
 class Rows:
-    """R rows cut from an arena's base tensors (keydiff.cache.arena; views made when used, so torch.compile sees each
-    buffer once). base: keys, values, positions, state as [slots, planes, batch, kv_heads, capacity(, dim)]; first,
-    stop: the slots; rows are slot-major, then plane, then batch; planes: each plane's layer; sequence_of: [R] each
-    row's sequence (0..W-1, W = slots x batch)."""
+    """R rows cut from an arena's base tensors [slots, planes, batch, kv_heads, capacity(, dim)], slots [first, stop),
+    slot-major, then plane, then batch (views made when used, so torch.compile sees each buffer once)."""
 
     base: dict[str, Any]
     first: int
@@ -88,9 +79,8 @@ def write_active(buffer: torch.Tensor, new: torch.Tensor, active: torch.Tensor) 
 def init_fresh(buffers: dict, start: int, n: int, entry_state: Callable[[LayerView], dict] | None,
                layers: tuple[int, ...], active: torch.Tensor | None = None,
                signals: dict[str, Any] = NO_SIGNALS) -> None:
-    """Set the policy state of entries [start, n) of every row of `buffers`: the policy's `entry_state`, 0 for
-    names it leaves out (the rotary state is written with the entries). active: only these rows (bool [R]);
-    signals: what the entries' view carries (`Recorded.for_entries`)."""
+    """Set the policy state of entries [start, n) of every row of `buffers` (active: only these rows): the policy's
+    `entry_state`, 0 for names it leaves out; signals: what the entries' view carries."""
     if not buffers["state"]:
         return
     initial = {}
@@ -112,11 +102,8 @@ def init_fresh(buffers: dict, start: int, n: int, entry_state: Callable[[LayerVi
 def evict(rows: Rows, n: int, budget: int, policy: Policy, signals: dict[str, Any] = NO_SIGNALS, *, fresh: int | None,
           active: torch.Tensor | None = None, drop: bool = True, inv_freq: torch.Tensor | None = None,
           rotary_end: int | None = None, where: str = "") -> None:
-    """Evict the R rows of `rows`, each holding `n` entries, down to `budget`: set the state of entries [fresh, n)
-    (None: none), let the policy observe the pass (when a statistic was recorded), drop (drop=False: observe only)
-    and re-rotate kept keys for a `key_rerotation` policy. signals: the model signals the pass left for the rows,
-    by name (keydiff.signals). active (bool [R]): rows whose eviction counts; the others keep their entries and
-    state (the fixed-shape step's idle rows). `where` names the rows in errors."""
+    """Evict the R rows of `rows` (`n` entries each) down to `budget`: set the state of entries [fresh, n), let the
+    policy observe the pass, drop (drop=False: observe only) and re-rotate kept keys for a `key_rerotation` policy."""
     buffers = rows.buffers()
     layers = rows.layers
     attention = signals.get("attention")
@@ -198,10 +185,8 @@ def move_entries(rows: dict, sources: torch.Tensor, targets: torch.Tensor) -> No
 
 def evict_segments(storages: list, policy: Policy, drop: bool = True, buffers: list[torch.Tensor] | None = None
                    ) -> None:
-    """Evict head-adaptive pools (keydiff.cache.adaptive.AdaptiveStorage: per-head segments, counts on the host):
-    observe each head, then keep T = kv_heads x N entries in every row over it, with one move for all rows.
-    buffers: keys, values, positions, state as [rows, P, ...] holding every storage's rows (a PoolStack's
-    layers); None: the one storage's own. drop=False observes only. Key re-rotation is refused."""
+    """Evict head-adaptive pools (keydiff.cache.adaptive): observe each head, then keep T = kv_heads x N entries in
+    every row, one move for all rows. buffers: a PoolStack's [rows, P, ...] (None: the one storage's own)."""
     first = storages[0]
     if policy.needs.key_rerotation is not None:
         raise RuntimeError(f"{first.where()}: key re-rotation is not supported with head-adaptive budgets")
@@ -228,10 +213,8 @@ def evict_segments(storages: list, policy: Policy, drop: bool = True, buffers: l
 
 
 def drop_segments(storages: list, buffers: list[torch.Tensor], policy: Policy) -> None:
-    """Drop what the policy's `drop_pool` chooses in every row (each over its total: whole pools at once, or head by
-    head with `keep_heads`) and move the kept entries past each segment's new end into its dropped cells (the k-th
-    dropped cell below the end receives the k-th kept entry past it; segments are disjoint and in head order, so
-    one flat pairing serves every row)."""
+    """Drop what the policy's `drop_pool` chooses in every row and move the kept entries past each segment's new end
+    into its dropped cells (segments are disjoint and in head order, so one flat pairing serves every row)."""
     keys, values, positions, *states = buffers
     device, (rows, pool_size) = keys.device, keys.shape[:2]
     starts = [row for storage in storages for row in storage.starts]  # [rows][heads]
@@ -239,8 +222,7 @@ def drop_segments(storages: list, buffers: list[torch.Tensor], policy: Policy) -
     cells = torch.arange(pool_size, device=device)
     first = torch.tensor(starts, device=device)
     member = (cells >= first[..., None]) & (cells < (first + counts)[..., None])  # [rows, heads, P]
-    # Segments lie in head order (`allocate` and `relayout` place them so; compaction never moves a start):
-    # a cell's head is the number of later heads whose segment starts at or before it.
+    # Segments lie in head order: a cell's head is the number of later heads whose segment starts at or before it.
     owner = (cells >= first[:, 1:, None]).sum(dim=1)  # [rows, P]
     rows_of = [(storage, row) for storage in storages for row in range(len(storage.counts))]
     view = PoolView(keys=keys, positions=positions, state=dict(zip(storages[0].state_names, states)),

@@ -46,8 +46,7 @@ class EvictingLayer(CacheLayerMixin):
         self.storage = storage if storage is not None else Storage((layer_idx,), budget, capacity, state_names,
                                                                    entry_state)
         self.plane = plane
-        # What the last `update` returned (see module docstring): after a pass another party wrote (a row group, the
-        # fixed step) it is an older tensor, which no attention call brings again.
+        # What the last `update` returned (see module docstring); older after a pass another party wrote.
         self.returned_keys: torch.Tensor | None = None
         self.earlier_allocations = 0  # allocations of storages this layer has left
 
@@ -169,8 +168,7 @@ class EvictingLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return -1 if self.budget is None else self.budget
 
-    # transformers' generate() calls these for beam search, assisted decoding and num_return_sequences; they
-    # would need every buffer (positions, policy state) reordered with the keys, so refuse instead.
+    # transformers' generate() calls these for beam search and the like: every buffer would need reordering.
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("an evicting cache cannot be cropped (no assisted decoding); use keydiff.generate")
 

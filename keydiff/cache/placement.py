@@ -1,7 +1,5 @@
-"""Where each layer's keys will live, read from the model before any pass: (device, dtype) per attention layer.
-
-An `EvictingCache` given these (`layer_placements`) stacks only layers of one placement (models across GPUs, mixed
-dtypes). Design: docs/design/cache.md#storages-and-the-stack"""
+"""Where each layer's keys will live, read from the model before any pass: (device, dtype) per attention layer, so an
+`EvictingCache` stacks only layers of one placement. Design: docs/design/cache.md#storages-and-the-stack"""
 
 from __future__ import annotations
 

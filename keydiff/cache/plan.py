@@ -1,9 +1,5 @@
-"""Where an evicting cache keeps each layer: `plan_memory` decides, from the policy, the budget and the model's layers,
-each layer's budget, capacity and kind and which layers share one storage; `MemoryPlan.build` makes the layers.
-
-Planning is a pure function of its arguments (no tensors are allocated: storages allocate on their first write), so
-`EvictingCache` plans once and builds fresh layers from the same plan on `reset()`.
-
+"""Where an evicting cache keeps each layer: `plan_memory` decides each layer's budget, capacity and kind and which
+layers share one storage (a pure function: nothing is allocated); `MemoryPlan.build` makes the layers.
 Design: docs/design/cache.md#the-cache"""
 
 from __future__ import annotations
@@ -27,10 +23,8 @@ LOG = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class MemoryPlan:
-    """The planned layers. budget: the cache's (None: unbounded, or a policy that never evicts). budgets,
-    capacities: per layer (None: unbounded / unknown until the first write). sliding: the layers a window bounds.
-    stacks: groups of layers sharing one storage (a pool stack when head_adaptive). inv_freq: RoPE frequencies
-    for key re-rotation (None: no re-rotation); contiguous: re-rotation to 0..n-1."""
+    """The planned layers: the cache's budget, per-layer budgets and capacities (None: unbounded / unknown), the sliding
+    layers, the stacks of layers sharing one storage and the RoPE frequencies for key re-rotation (if any)."""
 
     budget: int | None
     windows: tuple[int | None, ...]
@@ -90,8 +84,7 @@ def plan_memory(
     placements = list(placements) if placements is not None else [None] * num_layers
     windows = tuple(layer_windows(config, num_layers))  # each layer's sliding window (None: full attention)
     sliding = sliding_layers(policy, windows, budget, contiguous)
-    # The tokens eviction sees (a layer schedule is sized from them): the prompt, or its context only when a
-    # suffix is held (keydiff.engine.prefill's held_suffix).
+    # The tokens eviction sees (sizing a layer schedule): the prompt, or its context when a suffix is held.
     compressed = max_tokens if compressed_tokens is None else compressed_tokens
     # Each layer's own budget N_l (None: never evicted): the policy's layer schedule, uniform by default.
     budgets = [None] * num_layers if budget is None else policy.budgets(budget, num_layers, compressed)

@@ -1,7 +1,5 @@
 """Sliding-window layers of hybrid models (Gemma 2/3, gpt-oss, Mistral v0.1): bounded by their window, never evicted.
-
-`SlidingWindowLayer` is transformers' `DynamicSlidingWindowLayer` plus the figures an evicting cache reports. Design:
-docs/design/cache.md#sliding-window-layers-slidingpy"""
+Design: docs/design/cache.md#sliding-window-layers-slidingpy"""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""A sequence's stack of one or several layers: writes, views and eviction over its slot of an arena.
-
-A `Storage` sees its `count` layers as [count, batch, kv_heads, capacity(, dim)] views of the slot its handle names
-(keydiff.cache.arena owns the buffers and the entry count); entries sit in no order and each carries its absolute
-position. Design: docs/design/cache.md#storages-and-the-stack"""
+"""A sequence's stack of one or several layers: writes, views and eviction over its slot of an arena, seen as [count,
+batch, kv_heads, capacity(, dim)]. Design: docs/design/cache.md#storages-and-the-stack"""
 
 from __future__ import annotations
 
@@ -40,8 +37,7 @@ class Count:
 
 class Storage:
     """A sequence's stack: the layers `layers` (one plane each) in one slot of an arena (`handle`), which owns their
-    buffers and their one entry count. budget=None: never evicted (buffers grow geometrically). capacity: first
-    allocation (None: from the first write)."""
+    buffers and entry count. budget=None: never evicted (buffers grow geometrically)."""
 
     def __init__(
         self,
@@ -110,8 +106,7 @@ class Storage:
         self.allocations += 1
 
     def __deepcopy__(self, memo: dict) -> "Storage":
-        """A copy in a private arena of its own: a copy of a private arena's buffers, or of a shared slot's valid
-        entries."""
+        """A copy in a private arena of its own: of a private arena's buffers, or of a shared slot's valid entries."""
         cls = type(self)
         twin = cls.__new__(cls)
         memo[id(self)] = twin
