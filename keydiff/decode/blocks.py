@@ -1,8 +1,5 @@
-"""Shared arenas: where the stacks of several sequences live side by side, so that rows alike decode as one.
-
-Shared arenas (keydiff.cache.arena) come from forks (`place_forks`) and from sequences joining a batch (`JoinPool`); a
-stack's handle names its slot. `runs` finds a pass's groups of side-by-side rows, which write, attend and evict as one.
-Design: docs/design/decode.md#rows-alike-run-as-one-blockspy"""
+"""Shared arenas: where the stacks of several sequences live side by side (forks: `place_forks`; joining sequences:
+`JoinPool`), so that rows alike decode as one (`runs`). Design: docs/design/decode.md#rows-alike-run-as-one-blockspy"""
 
 from __future__ import annotations
 
@@ -48,10 +45,8 @@ def placed(stack: Storage) -> bool:
 
 
 class JoinPool:
-    """Slots for sequences prefilled on their own, so that those alike decode as one group like forks (`pool_rows`).
-
-    The shared arena is allocated when a second sequence that could share it joins (start_alone: for the first); a
-    stopped sequence keeps its slot until a new one needs it."""
+    """Slots for sequences prefilled on their own, so that those alike decode as one group like forks (`pool_rows`); the
+    shared arena is allocated when a second sequence that could share it joins."""
 
     def __init__(self, slots: int, start_alone: bool = False, stats: Any = None):
         self.slots, self.start_alone = slots, start_alone
@@ -68,14 +63,12 @@ class JoinPool:
             if arena.holds(slot, stack):
                 self.stopped.discard(slot)  # decoding again in its slot (a follow-up turn): not free
                 return True
-            # It grew out of its slot (a follow-up turn fed more than the slot holds): the slot is free, and the
-            # stack may move into one again like any other.
+            # It grew out of its slot (a follow-up turn fed more): the slot is free; the stack may move into one again.
             arena.vacate(slot)
             self.stopped.discard(slot)
         # Forks in an arena of their own move into this one (start_alone); elsewhere they stay where they are.
         movable = stack is not None and (not placed(stack) or (self.start_alone and stack.handle.shared))
-        # A one-slot pool (a run's arena at width 1) takes attention-statistic policies too: one slot never forms a
-        # group (`runs` needs two), so the ordinary step still computes each one's statistic row by row.
+        # A one-slot pool takes attention-statistic policies too: one slot never forms a group (`runs` needs two).
         if not poolable(cache, statistic=self.slots == 1) or not movable:
             return False
         if arena is None:
@@ -118,8 +111,7 @@ class JoinPool:
 
 @dataclass(frozen=True)
 class Group:
-    """One-row sequences of a pass that run as one: consecutive slots of `arena` from `first`; `members` and `rows`
-    in slot order."""
+    """One-row sequences of a pass that run as one: consecutive slots of `arena` from `first`, in slot order."""
 
     arena: Arena
     first: int
@@ -217,8 +209,7 @@ def _evict_group(arena: Arena, first: int, members: list[EvictingCache]) -> None
 
 def grouped_passes(groups: list[Group], caches: list[EvictingCache],
                    layer_idx: int) -> list[tuple[list[int], torch.Tensor, torch.Tensor]]:
-    """For the attention function: each group's rows and its layer's keys and values [rows, kv_heads, n, dim] (arena
-    views)."""
+    """For the attention function: each group's rows and its layer's keys and values (arena views)."""
     out = []
     for group in groups:
         lead = caches[group.members[0]].stack

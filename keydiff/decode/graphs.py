@@ -124,8 +124,7 @@ class StandIn(CudaCalls):
         self.recorded_streams: list[tuple[torch.Tensor, int]] = []  # record_stream calls: (tensor, stream id)
         self.replays = 0
         self.synchronized: list[str] = []
-        # graphs alive per pool given to a capture (the allocator's use count: a failed capture never gives its
-        # use back, as CUDA's does not)
+        # graphs alive per pool given to a capture (a failed capture never gives its use back, as in CUDA)
         self.pool_users: dict[Any, int] = {}
 
     def device_name(self, device: torch.device | str | None) -> str:
@@ -222,8 +221,7 @@ class StandInGraph:
         calls.captures.append(self.record)
         calls.capturing = stream
         calls.routed.append(pool)
-        # Kernels on the model's device are captured only if the capture stream is on that device; elsewhere
-        # they run at once (what a capture on another device than the tensors' does).
+        # Kernels run at once unless the capture stream is on their device (as a capture on another device does).
         self.recorder = _Recorder(calls.fail == "inside") if stream.device == calls.model_device else None
         if self.recorder is not None:
             self.recorder.__enter__()
@@ -346,8 +344,7 @@ class _Recorder(TorchDispatchMode):
         result = func(*args, **kwargs)
         leaves = _pytree.tree_leaves(result)
         fresh = []
-        # An output is new memory unless it shares an input's: a schema's alias annotation says "may alias" (to,
-        # reshape: a copy or a view), and an unannotated output may still be a view (_unsafe_view).
+        # An output is new memory unless it shares an input's: "may alias" annotated, or unannotated (_unsafe_view).
         inputs = {t.untyped_storage()._cdata for t in _pytree.tree_leaves((args, kwargs))
                   if isinstance(t, torch.Tensor)}
         for index, leaf in enumerate(leaves):

@@ -1,7 +1,5 @@
-"""What passes between the scheduler and the model runner, as plain data: a step's plan (`StepPlan`) and its outputs
-(`StepOutput`), and what the scheduler keeps per sequence to decide the plans (`SequenceRecord`). The scheduler decides
-(keydiff.decode.scheduler); the runner executes (keydiff.decode.step) and never reads where a sequence's entries live.
-Design: docs/design/decode.md"""
+"""What passes between the scheduler and the model runner, as plain data: `StepPlan`, `StepOutput` and the scheduler's
+per-sequence `SequenceRecord`. Design: docs/design/decode.md"""
 
 from __future__ import annotations
 
@@ -29,10 +27,8 @@ class StepKey:
 
 @dataclass(frozen=True)
 class StepPlan:
-    """One pass for the runner: kind "decode" (q = 1, the going sequences) or "block" (a prefill block, q = B);
-    shape "fixed" (a fixed-shape step over `rows`, W rows, idle ones inactive) or "general" (the batch cache over
-    each sequence's own cache). ids, positions: [rows, q] long (fixed: [W, q]); active: [W] bool (fixed only);
-    spans: each sequence's rows in the outputs."""
+    """One pass for the runner: kind "decode" (q = 1) or "block" (a prefill block, q = B); shape "fixed" (a fixed-shape
+    step over W rows, idle ones inactive) or "general" (the batch cache over each sequence's own cache)."""
 
     kind: str
     shape: str
@@ -59,16 +55,10 @@ class StepOutput:
 
 @dataclass
 class SequenceRecord:
-    """What the scheduler knows of a sequence to plan its steps: read once when it is admitted (its place again when
-    a neighbour joins), then kept by rule after every step (entries = min(entries + q, budget) while evicting).
-
-    fixed_ok: it may take a fixed-shape step at all (policy, layout, statistics mode, room for N + q); evicting: it
-    evicts after every pass; held: its next pass runs the ordinary step (entries held over N, or new entries whose
-    state is not set yet), cleared after it; entries: per layer and head of its stack (None: no single stack);
-    seen: the next pass's position (under contiguous key re-rotation at most `ceiling`, the largest layer budget,
-    while evicting: the kept keys' end). Its place: `owner` (the arena its stack lives in), `slot` in it (None: its own
-    arena), `slots` of the owner (rows, for its own arena), `buffers` (their identity), `cut(first, stop)` -> the
-    Rows of slots [first, stop)."""
+    """What the scheduler knows of a sequence to plan its steps: read once when it is admitted (its place again when a
+    neighbour joins), then kept by rule after every step (entries = min(entries + q, budget) while evicting). held: its
+    next pass runs the ordinary step; seen: the next pass's position; owner, slot, slots, buffers: its place in an
+    arena."""
 
     fixed_ok: bool
     evicting: bool

@@ -1,7 +1,5 @@
-"""The cache a batched forward pass runs with: the rows of several sequences, each sequence in a cache of its own.
-
-`BatchCache` hands each sequence's rows to its own `EvictingCache`; attention runs per sequence (or per group of
-side-by-side rows). It holds no entries and lives for one pass. Design: docs/design/decode.md"""
+"""The cache a batched forward pass runs with: `BatchCache` hands each sequence's rows to its own `EvictingCache` for
+one pass. Design: docs/design/decode.md"""
 
 from __future__ import annotations
 

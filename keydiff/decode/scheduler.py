@@ -1,8 +1,5 @@
-"""The scheduler: requests in, results out, up to W sequences decoding at once, a free place refilled as soon as a
-sequence stops (continuous batching), and the back-off when memory runs out (the width halves). It decides every step as
-a plan (keydiff.decode.plan.StepPlan) for the model runner: which rows, and whether in fixed shapes, from records kept
-per sequence since its admission (`read_cache` is its one read of where entries live).
-
+"""The scheduler: requests in, results out, up to W sequences decoding at once (continuous batching), the width halved
+when memory runs out. It decides every step as a plan (keydiff.decode.plan.StepPlan) for the model runner.
 Design: docs/design/decode.md#the-scheduler-schedulerpy"""
 
 from __future__ import annotations
@@ -79,16 +76,14 @@ class Decoder:
         alone = self.replays_graphs  # a replayed graph: even one sequence pools
         pooled = self.group_rows and self.pool_rows and (self.width > 1 or alone)
         self.pool = JoinPool(self.width, start_alone=alone, stats=self.stats) if pooled else None
-        # The prefills' block step (keydiff.engine.prefill(..., decoder=)): in a slot kept across prompts where
-        # graphs are replayed, so one graph serves every prompt of the run.
+        # The prefills' block step: in a slot kept across prompts, so one replayed graph serves every prompt.
         self.blocks = BlockScheduler(self.runner, keep_slot=alone)
         self.records: dict[int, SequenceRecord] = {}  # per active sequence (by id), what its plans are made from
         self._rows: tuple[StepKey, object, Rows] | None = None  # the last fixed step's rows (cut once per change)
 
     def admit(self, sequence: Sequence, active: list[Sequence]) -> None:
-        """Place a new sequence (into an arena slot where it can group) and record it. The placement may have moved
-        a neighbour into the block (the first sequence of one), so the place of every active one not in a block is
-        read again; a sequence in a block stays in its slot until it stops."""
+        """Place a new sequence (into an arena slot where it can group) and record it; a neighbour the placement moved
+        into the block is read again. A sequence in a block stays in its slot until it stops."""
         if self.pool is not None:
             self.pool.place(sequence.cache)
         self._rows = None  # rows may have moved: cut again
@@ -142,16 +137,14 @@ class Decoder:
             return None
         if all(record.slot is not None for record in records) and all(r.owner is lead.owner for r in records):
             slots = [record.slot for record in records]
-            # A CUDA graph is replayed for every slot of the block (one shape for the run); elsewhere only the
-            # consecutive slots the going sequences span run (idle rows would be work for nothing).
+            # A CUDA graph replays every slot of the block; elsewhere only the slots the going sequences span run.
             first, stop = (0, lead.slots) if self.runner.full_width else (min(slots), max(slots) + 1)
             starts = [slot - first for slot in slots]
         elif len(records) == 1 and lead.slot is None:  # alone, in its own buffers
             first, stop, starts = 0, lead.slots, [0]
         else:
             return None
-        # Built for these buffers and rows, this policy and N: the going sequences may span other slots, and a
-        # block's rows of another policy (a neighbour that joined its slots) may be the ones going now.
+        # Built for these buffers and rows, this policy and N: the going sequences may span other slots.
         key = StepKey(lead.buffers, first, stop, 1, lead.policy, lead.budget)
         if self._rows is None or self._rows[0] != key or self._rows[1] is not lead.owner:
             self._rows = (key, lead.owner, lead.cut(first, stop))
@@ -187,8 +180,7 @@ class Decoder:
                 if not active:
                     return
                 finished: list[Sequence] = []
-                # One switch of the attention function for all the steps until a sequence stops (a switch walks
-                # every module); outside it, the caller's code and the next prompts' prefills run as they were.
+                # One switch of the attention function (a walk of every module) for the steps until a sequence stops.
                 with keydiff_attention(self.model, self.runner.batch), self.runner.invariant():
                     while active and not finished:
                         active, finished = decode_step(self, active)
@@ -247,10 +239,8 @@ class Decoder:
 
 
 class BlockScheduler:
-    """Plans a prefill's blocks (keydiff.engine.prefill asks `plan` per block): in fixed shapes once its cache holds
-    N entries, in a one-slot shared arena kept across prompts (keep_slot: where graphs are replayed, so one graph
-    serves every prompt of the run) or in the prompt's own buffers; None where the block runs the ordinary pass.
-    `finish` when it ends."""
+    """Plans a prefill's blocks (`plan` per block): in fixed shapes once its cache holds N entries, in a shared one-slot
+    arena kept across prompts (`keep_slot`) or its own buffers; None: the ordinary pass. `finish` at the end."""
 
     def __init__(self, runner: ModelRunner, keep_slot: bool = False):
         self.runner, self.keep_slot = runner, keep_slot
@@ -300,9 +290,8 @@ class BlockScheduler:
 
 
 def read_cache(cache: EvictingCache, q: int = 1, evict: bool = True) -> SequenceRecord:
-    """What the scheduler plans from, read from a cache and where its entries live: the decode core's one read of
-    the arena (at admission, when a neighbour joins a block, and per prefill block). q: the pass length the fixed
-    shapes need room for; evict: the request's (False: the generated tokens are all kept)."""
+    """What the scheduler plans from, read from a cache: the decode core's one read of the arena (at admission, when a
+    neighbour joins a block, and per prefill block). q: the pass length; evict: the request's."""
     policy, stack, needs = cache.policy, cache.stack, cache.policy.needs
     statistic = needs.attention_rows != 0
     fixed_ok = (needs.capturable and not policy._check_every_call  # checking every call's scores reads them

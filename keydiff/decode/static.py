@@ -1,8 +1,6 @@
-"""The step in fixed shapes: once every row's bounded cache is full, a pass and its eviction touch tensors whose shapes
-never change, so the step can be compiled or captured as a CUDA graph and replayed with no host work.
-
-`StaticStep` runs, captures and replays the step (the scheduler decides when a sequence may take it). Design:
-docs/design/decode.md#fixed-shapes-staticpy"""
+"""The step in fixed shapes: once every row's bounded cache is full, a pass and its eviction never change shape, so
+`StaticStep` compiles or captures it as a CUDA graph and replays it. Design: docs/design/decode.md#fixed-shapes-staticpy
+"""
 
 from __future__ import annotations
 
@@ -73,9 +71,8 @@ class FixedCache(Cache):
 
 @dataclass
 class StepStats:
-    """What a run's decoding steps did (`decoder.stats`), as plain host counts: summary.json's decode_graphs
-    (`record()`) and decode_steps (`steps_record()`). After one failed capture the run stops capturing
-    (`stopped`) and runs eagerly, with the same results."""
+    """What a run's decoding steps did (`decoder.stats`), as host counts: summary.json's decode_graphs and decode_steps.
+    After one failed capture the run stops capturing and runs eagerly, with the same results."""
 
     captured: int = 0
     failed: int = 0
@@ -91,8 +88,7 @@ class StepStats:
     slot_copies_out: int = 0  # stacks copied out of one (a stopped sequence's entries, a prefill leaving its slot)
     steps: int = 0  # decoding steps (forward passes of the going sequences)
     group_sizes: Counter = field(default_factory=Counter)  # rows per group of an ordinary pass -> groups
-    # Per ordinary pass, its groups' members (batch indices, in slot order); None: not kept (set it to [] to keep
-    # them: a run's decoder would keep one list per pass).
+    # Per ordinary pass, its groups' members (batch indices, in slot order); None: not kept ([] keeps them).
     groups: list[list[list[int]]] | None = None
     _resources: dict = field(default_factory=dict, repr=False, compare=False)
     _alive: dict = field(default_factory=dict, repr=False, compare=False)  # the graphs in each pool (weakly)
@@ -139,9 +135,8 @@ class StepStats:
 
 
 class StaticStep:
-    """One pass of q tokens for the W rows of `rows` (each at N = `budget` entries) and the eviction after it, in
-    fixed shapes. `run(ids, positions, active)` -> next-token logits [W, vocab]; ids, positions: [W, q] long;
-    active: [W] bool, the rows whose results are used (the others' eviction is masked)."""
+    """One pass of q tokens for the W rows of `rows` (each at N = `budget` entries) and the eviction after it, in fixed
+    shapes. `run(ids, positions, active)` -> next-token logits [W, vocab]; inactive rows' eviction is masked."""
 
     def __init__(self, model: torch.nn.Module, rows: Rows, policy: Policy, budget: int, q: int = 1,
                  compiled: bool = False, stats: StepStats | None = None):
@@ -152,16 +147,14 @@ class StaticStep:
         self.positions = torch.zeros(rows.width, q, dtype=torch.long, device=device)
         self.active = torch.ones(rows.width, dtype=torch.bool, device=device)
         self.cache = FixedCache(rows, budget, model.config.get_text_config().num_hidden_layers, self.active)
-        # A policy that scores from attention: each layer's statistic over its N + q entries, written by the
-        # attention function into a buffer allocated once (keydiff.attention.StatisticBuffer).
+        # Attention policies: each layer's statistic over its N + q entries, in a buffer allocated once.
         self.statistic = None if policy.needs.attention_rows == 0 else statistic_buffer(rows, policy, budget + q)
         self.model_kwargs = {} if self.statistic is None else {STATISTIC_KWARG: self.statistic}
         self.logits: torch.Tensor | None = None
         self.calls = 0
         self.graph: torch.cuda.CUDAGraph | None = None
         self.device = device
-        # The CUDA calls it captures through (torch.cuda's; on a CPU, the stand-in's where one is active), bound
-        # to the model's device, not the current one.
+        # The CUDA calls it captures through (torch.cuda's, or the CPU stand-in's), bound to the model's device.
         self.cuda = calls_for(device)
         # (a compiled step is captured on CUDA; the CPU stand-in, which records through a dispatch mode that
         # torch.compile does not trace under, runs it uncaptured)

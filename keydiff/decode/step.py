@@ -1,7 +1,5 @@
-"""The model runner and the decode step. `decode_step`: every running sequence picks its next token, then one forward
-pass of those still going, which evicts, as the scheduler planned it. `ModelRunner.run(plan)` executes a plan (a decode
-step or a prefill's block step): in fixed shapes (keydiff.decode.static) or through the batch cache
-(keydiff.decode.rows). Design: docs/design/decode.md#the-step-steppy"""
+"""The model runner and the decode step: `decode_step` picks every running sequence's next token, then runs one evicting
+pass of those still going; `ModelRunner.run(plan)` executes a plan. Design: docs/design/decode.md#the-step-steppy"""
 
 from __future__ import annotations
 
@@ -44,10 +42,8 @@ def choose_tokens(active: list[Sequence]) -> None:
 
 
 class ModelRunner:
-    """Runs the plans the scheduler hands it (`run`): a fixed-shape step kept per owner of rows (a block, or one
-    sequence's stack) and replayed, or the batch cache over each sequence's own cache. It never reads where a
-    sequence's entries live: the plan says. fixed_shapes: None = device default, False = never. batch_invariant:
-    run under keydiff.kernels.batch_invariant's mode. Outputs are the same either way."""
+    """Runs the plans the scheduler hands it (`run`): a fixed-shape step kept per owner of rows and replayed, or the
+    batch cache over each sequence's own cache; the plan says where entries live. Outputs are the same either way."""
 
     def __init__(self, model: torch.nn.Module, group_rows: bool = True, fixed_shapes: bool | None = None,
                  batch_invariant: bool = False, stats: StepStats | None = None):
@@ -122,18 +118,15 @@ class ModelRunner:
         return built[1]
 
 
-# Whether the fixed-shape step runs where it can, by device type (measured: docs/performance.md); a device type
-# not listed (mps, ...) runs the ordinary step.
+# Whether the fixed-shape step runs, by device type (docs/performance.md); others (mps, ...) run the ordinary step.
 FIXED_SHAPES_DEFAULT = {"cuda": True, "cpu": True}
-# Whether a block's fixed-shape step always runs every slot (one shape for the run: what a CUDA graph replays),
-# or only the consecutive slots the going sequences span (no graph to keep: idle rows would be work for nothing).
+# Whether a block's fixed-shape step runs every slot (one shape for a CUDA graph) or only the going ones' slots.
 FULL_WIDTH = {"cuda": True, "cpu": False}
 
 
 def decode_step(scheduler, active: list[Sequence]) -> tuple[list[Sequence], list[Sequence]]:
-    """One decoding step of every active sequence: choose each one's next tokens, then one forward pass of those
-    still going (which evicts), planned by `scheduler` (keydiff.decode.scheduler.Decoder) and run by its model
-    runner; returns (still going, stopped)."""
+    """One decoding step of every active sequence: choose each one's next tokens, then one evicting forward pass of
+    those still going, planned by `scheduler` and run by its model runner; returns (still going, stopped)."""
     runner = scheduler.runner
     device = runner.device
     sync(device)
