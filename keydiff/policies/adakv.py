@@ -71,10 +71,8 @@ def check_alpha(alpha: float) -> None:
 
 def adakv_keep(keys: list[torch.Tensor], protected: list[torch.Tensor | None], budget: int,
                alpha: float) -> list[torch.Tensor]:
-    """Which entries each head of one batch row keeps: bool masks [n_h], one per head.
-
-    keys: per head, int64 order keys [n_h] (higher = keep). protected: per head, bool [n_h] or None. budget: N (T =
-    heads x N kept in all). Safeguard and protected first, then the highest keys of all heads."""
+    """Which entries each head of one batch row keeps (bool masks [n_h], one per head): safeguard and protected first,
+    then the highest order keys of all heads, T = heads x N in all."""
     heads = len(keys)
     total = heads * budget
     counts = [int(k.shape[0]) for k in keys]
@@ -83,12 +81,10 @@ def adakv_keep(keys: list[torch.Tensor], protected: list[torch.Tensor | None], b
     if excess <= 0:
         return masks
     safe = safeguard_count(alpha, budget)
-    # Each head's `excess` lowest unforced entries are the only ones that can be dropped: gather those
-    # candidates, then drop the `excess` lowest of them (a sort of at most heads x excess keys, not of all).
+    # Only each head's `excess` lowest unforced entries can be dropped: sort those candidates, not all.
     candidates, owners, indices, forced_total = [], [], [], 0
     for head, (key, protect, n) in enumerate(zip(keys, protected, counts)):
-        # A head drops only its own lowest entries, so if it cannot lose more than n - safe of them its top
-        # `safe` are kept anyway: the safeguard needs marking only where it can bind (not while decoding).
+        # A head that cannot lose more than n - safe entries keeps its top `safe` anyway: mark only where it binds.
         binding = safe and n - excess < safe
         forced = torch.zeros(n, dtype=torch.bool, device=key.device) if binding or protect is None else protect.clone()
         if binding:
@@ -107,8 +103,7 @@ def adakv_keep(keys: list[torch.Tensor], protected: list[torch.Tensor | None], b
             f"head-adaptive budgets: {forced_total} entries are protected or safeguarded, more than the layer's "
             f"total of {total} ({heads} heads x {budget}); lower alpha_safeguard or the protected windows"
         )
-    # Lowest key first; equal keys: the higher head is dropped first (the lower one kept), via a stable sort of
-    # the candidates listed from the last head to the first.
+    # Lowest key first; equal keys: the higher head drops first (a stable sort from the last head to the first).
     order = torch.sort(torch.cat(candidates[::-1]), stable=True).indices[:excess]
     dropped_heads, dropped = torch.cat(owners[::-1])[order], torch.cat(indices[::-1])[order]
     for head in range(heads):
@@ -166,10 +161,8 @@ class HeadAdaptive(PolicyWrapper):
 
     @property
     def needs(self) -> Needs:
-        """Head-adaptive, each layer a pool of its own (never stacked); whole pools are chosen on (`drop_pool`)
-        when the wrapped policy scores them (KeyDiff, alone or in a window of size 0) and the scores are raw: not
-        with a window (it protects entries) nor CriticalKV (two stages per head). Relative scores are not read for
-        the batch-invariant kernels."""
+        """Head-adaptive, each layer a pool of its own (never stacked); whole pools are chosen on (`drop_pool`) when the
+        wrapped policy's scores are raw (no window, no CriticalKV)."""
         return replace(super().needs, head_adaptive=True, rows_alike=False, batch_invariant=False,
                        segment_scores=self.scorer.needs.segment_scores and self.head_scores == "raw")
 

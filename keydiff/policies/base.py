@@ -103,8 +103,7 @@ class PoolView:
     member: torch.Tensor  # bool [rows, kv_heads, P]: cell p holds an entry of head h
     owner: torch.Tensor  # long [rows, P]: the head whose entry cell p holds (any head for a free cell)
     counts: torch.Tensor  # long [rows, kv_heads]: entries each head holds
-    # For a choice head by head (`Policy.drop_pool`'s default): each head's first cell, [rows][kv_heads], and
-    # (row, head) -> that head's entries as the cache's one-head view (batch 1, its own statistics).
+    # For a choice head by head (`drop_pool`'s default): each head's first cell and its one-head view.
     starts: list[list[int]] | None = None
     head: Callable[[int, int], LayerView] | None = None
 
@@ -117,16 +116,14 @@ class PoolView:
 @dataclass(frozen=True)
 class Needs:
     """What a policy needs from the cache, the attention function and the engine, declared once per class (`needs:
-    ClassVar[Needs] = Needs(rows_alike=True)`, or a `needs` property). Every default is the safe answer. Design:
+    ClassVar[Needs] = Needs(rows_alike=True)`). Every default is the safe answer. Design:
     docs/design/policies.md#capabilities"""
 
-    # Which query rows' attention the policy reads (LayerView.attention): 0 none, k the last k rows of each pass,
-    # None every row; reduced per entry by "sum" (over rows; mean over the KV group's heads) or "max".
+    # Query rows whose attention it reads: 0 none, k the last k of each pass, None all; reduced by "sum" or "max".
     attention_rows: int | None = 0
     attention_reduction: str = "sum"
     every_pass: bool = False  # `observe` sees every forward pass's attention, even one that evicts nothing
-    # The engine runs a reconstruction pass (`reconstruction_input`, inside `cache.scratch()`) after each prefill
-    # block (KVzip).
+    # The engine runs a reconstruction pass (inside `cache.scratch()`) after each prefill block (KVzip).
     reconstruction: bool = False
     # Reads LayerView.queries: running statistics of the layer's pre-RoPE queries, from position `queries_from` on.
     queries: bool = False
@@ -135,23 +132,18 @@ class Needs:
     state: tuple[str, ...] = ()  # names of the per-entry float32 state buffers the cache allocates (LayerView.state)
     # None, or how the cache re-applies RoPE to kept keys after eviction: "contiguous" or "absolute" (rerotation.py)
     key_rerotation: str | None = None
-    # False: `evict_indices` (and `observe`) read no value on the host and make no value-dependent shape, so a
-    # fixed-shape step may compile or capture them (`capturable`).
+    # False: `evict_indices` and `observe` read no value on the host, so a fixed step may capture them.
     host_reads: bool = True
-    # Every batch row of a view is scored alike from its own entries, so the cache may stack all layers and evict
-    # them in one call; keydiff.testing.check_policy checks the claim.
+    # Every row of a view is scored alike from its own entries, so the cache may stack all layers in one call.
     rows_alike: bool = False
     head_adaptive: bool = False  # a layer's heads share its budget (AdaKV): per-head segments, `keep_heads`
-    # Scores whole head-adaptive pools at once (`score_pool`); on a head-adaptive policy: chooses on them
-    # (`drop_pool`, see `chooses_pools`).
+    # Scores whole head-adaptive pools at once (`score_pool`); see `chooses_pools`.
     segment_scores: bool = False
     log_scores: bool = False  # `score` returns the log of a non-negative importance (Expected Attention)
     evicts: bool = True  # False only for the no-eviction baseline
-    # Its scores use only what keydiff.kernels.batch_invariant makes invariant (matmuls, sums, means, norms,
-    # attention) or what is invariant as it is (elementwise, softmax, max, topk): read, not measured on a GPU.
+    # Its scores use only what keydiff.kernels.batch_invariant makes invariant, or what is invariant as it is.
     batch_invariant: bool = False
-    # Further model signals the policy reads, by name (keydiff/signals.py), delivered in LayerView.signals; such a
-    # policy scores layer by layer (not `rows_alike`).
+    # Further model signals by name (keydiff/signals.py), in LayerView.signals; scored layer by layer.
     signals: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -274,8 +266,7 @@ class Policy:
 
     # True: check the scores at every eviction, not only at the policy object's first (keydiff.testing).
     _check_every_call: ClassVar[bool] = False
-    # The parameter name under which build_policy and the configs take a RecentWindow around this policy
-    # (KeyDiff: window_fraction, Table 14; H2O: recent_fraction). None: compose it in Python if you want one.
+    # The parameter name for a RecentWindow around it in build_policy and the configs (KeyDiff: window_fraction).
     recent_window_parameter: ClassVar[str | None] = None
 
     def validate(self, budget: int) -> None:
@@ -345,8 +336,7 @@ class Policy:
         return {"name": self.name, **{f.name: getattr(self, f.name) for f in fields(self) if f.init}, "layer_budgets": None}
 
 
-# The built-in policies by config name: each class of a module of keydiff.policies that states its own `name`
-# (keydiff.policies imports every module of its folder; its POLICIES is this, not a list kept by hand).
+# The built-in policies by config name: each class of keydiff.policies' modules that states its own `name`.
 BUILT_IN: dict[str, type[Policy]] = {}
 
 
@@ -364,10 +354,8 @@ def register(cls: type[Policy]) -> None:
 
 
 def remembered(compute):
-    """A `needs` property computed once per policy object, again after one of its attributes is set (Policy.__setattr__)
-    or, for a wrapper, once its scorer's needs change: the cache reads it per layer and pass, and a `replace` chain
-    through the wrappers would cost a Needs per level at every read. Each class's property keeps its own answer
-    (`super().needs` is another; kept by name, so a policy object still pickles)."""
+    """A `needs` property computed once per policy object, again after one of its attributes is set or its scorer's
+    needs change: the cache reads it per layer and pass. Kept by name, so a policy object still pickles."""
     key = f"{compute.__module__}.{compute.__qualname__}"
 
     def needs(self: Policy) -> Needs:

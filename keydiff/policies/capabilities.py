@@ -1,11 +1,6 @@
-"""Every policy preset's capabilities as data: keydiff/policies/capabilities.json, one row per conf/policy preset.
-
-    python -m keydiff.policies.capabilities --write     # rewrite the file after a policy's capabilities change
-    python -m keydiff.policies.capabilities             # print it
-
-Modules that must not import torch (keydiff.run.checks, keydiff.report.gpu_hours) read it; a preset the file lacks (a
-policy added since it was written) they compute on demand, importing the policies. A test checks every row it holds and
-that it holds every preset the paper's experiments run. Design: docs/design/policies.md#capabilities"""
+"""Every policy preset's capabilities as data: keydiff/policies/capabilities.json, one row per conf/policy preset, for
+modules that must not import torch. `python -m keydiff.policies.capabilities --write` rewrites it (without: prints it).
+Design: docs/design/policies.md#capabilities"""
 
 from __future__ import annotations
 
@@ -44,8 +39,7 @@ def preset_policies(presets: list[str] | None = None) -> dict[str, tuple[str, di
 
 
 def capabilities(presets: list[str] | None = None) -> dict[str, dict]:
-    """preset -> {"policy": its name, each Needs field and derived property: its value}, for `presets` (None: every
-    one)."""
+    """preset -> {"policy": its name, each Needs field and derived property: its value} (None: every preset)."""
     from keydiff.policies import build_policy
 
     table = {}

@@ -1,9 +1,6 @@
 """ChunkKV (Liu et al. 2025, arXiv 2502.00299): keep whole chunks of consecutive positions, not single entries.
 
-`Chunked(scorer, chunk_length=20)` scores each chunk of absolute positions by the sum (float64) of the wrapped scorer's
-scores, over the layer (`scope="layer"`, default) or each KV head (`"head"`), keeps the best chunks and fills the rest
-of the budget with the newest entries of the next-best chunk.
-
+`Chunked(scorer, chunk_length=20)` scores each chunk by the sum of its scorer's scores and keeps the best chunks.
 Design: docs/design/policies.md#chunkkv-chunkkvpy"""
 
 from __future__ import annotations

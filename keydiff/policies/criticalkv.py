@@ -1,7 +1,5 @@
 """CriticalKV (Feng et al. 2025, arXiv 2502.03805): rescale any scorer's scores by how much an entry can move the
-attention output. `Critical(scorer)`; W_o is per layer, so it evicts layer by layer.
-
-Design: docs/design/policies.md#criticalkv-criticalkvpy"""
+attention output (`Critical(scorer)`, layer by layer). Design: docs/design/policies.md#criticalkv-criticalkvpy"""
 
 from __future__ import annotations
 
@@ -23,10 +21,8 @@ NORM_CHUNK_ELEMENTS = 1 << 24  # float32 elements of W_o v computed at once (64 
 
 
 def output_norms(values: torch.Tensor, output_projection: torch.Tensor) -> torch.Tensor:
-    """||W_o^h v||_1 averaged over the query heads h of each KV group: float32 [batch, kv_heads, n].
-
-    values [batch, kv_heads, n, head_dim]; output_projection [hidden, heads * head_dim] (nn.Linear's weight). Computed
-    in chunks of entries so W_o v stays below NORM_CHUNK_ELEMENTS."""
+    """||W_o^h v||_1 averaged over the query heads h of each KV group: float32 [batch, kv_heads, n], computed in chunks
+    of entries so W_o v stays below NORM_CHUNK_ELEMENTS."""
     batch, kv_heads, n, dim = values.shape
     hidden = output_projection.shape[0]
     heads = output_projection.shape[1] // dim

@@ -1,7 +1,6 @@
-"""Expected Attention (Devoto, Jeblick, Jégou 2025, arXiv 2510.00636): the attention future queries will pay.
-
-Queries are modelled as Gaussian (keydiff.queries); each entry's expected attention, scaled by ||v||, is its score.
-Design: docs/design/policies.md#expected-attention-expected_attentionpy"""
+"""Expected Attention (Devoto, Jeblick, Jégou 2025, arXiv 2510.00636): the attention future queries will pay, with
+queries modelled as Gaussian (keydiff.queries). Design: docs/design/policies.md#expected-attention-expected_attentionpy
+"""
 
 from __future__ import annotations
 

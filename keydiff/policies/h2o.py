@@ -1,6 +1,4 @@
-"""H2O (Zhang et al. 2023), as the KeyDiff paper states it (§A.1): phi(A) = A_prev + A^T 1.
-
-Each pass adds its attention's column sums to every entry's accumulated score. No recent window by default;
+"""H2O (Zhang et al. 2023), as the KeyDiff paper states it (§A.1): phi(A) = A_prev + A^T 1. No recent window by default;
 `policy=h2o_recent` is the original's equal split. Design: docs/design/policies.md#h2o-h2opy"""
 
 from __future__ import annotations

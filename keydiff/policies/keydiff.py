@@ -1,7 +1,5 @@
-"""KeyDiff (paper §3.2): keep the keys least similar to the other keys of the cache.
-
-Eq. 8's anchor score, and `KeyDiffPairwise`, Eq. 7's exact O(n²) form (the same ranking with the default anchor).
-Design: docs/design/policies.md#keydiff-keydiffpy"""
+"""KeyDiff (paper §3.2): keep the keys least similar to the other keys of the cache: Eq. 8's anchor score, and
+`KeyDiffPairwise`, Eq. 7's exact O(n²) form. Design: docs/design/policies.md#keydiff-keydiffpy"""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""L2-norm eviction (Devoto et al., EMNLP 2024): keep the keys with the lowest L2 norm.
-
-`skip_layers` leaves layers 0 and 1 uncompressed as the original does (breaking the N + B bound there); the default
-compresses every layer. Design: docs/design/policies.md#l2-norm-knormpy"""
+"""L2-norm eviction (Devoto et al., EMNLP 2024): keep the keys with the lowest L2 norm (`skip_layers`: leave layers 0
+and 1 uncompressed, as the original). Design: docs/design/policies.md#l2-norm-knormpy"""
 
 from __future__ import annotations
 

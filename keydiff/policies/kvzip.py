@@ -1,7 +1,6 @@
-"""KVzip (Kim et al. 2025): query-agnostic KV cache compression with context reconstruction.
-
-An entry's score is the largest attention it receives while the model repeats the context (one reconstruction pass per
-prefill block). Loops of your own must call `cache.start_generation`. Design: docs/design/policies.md#kvzip-kvzippy"""
+"""KVzip (Kim et al. 2025): an entry's score is the largest attention it receives while the model repeats the context
+(one reconstruction pass per prefill block); loops of your own must call `cache.start_generation`. Design:
+docs/design/policies.md#kvzip-kvzippy"""
 
 from __future__ import annotations
 
@@ -53,12 +52,9 @@ class KVzip(Policy):
     n_sink: int = 4  # first positions always kept (kvpress n_sink)
     context_overlap: int = 8  # previous block's tokens quoted in a later block's prompt (kvpress prev_postfix_size)
     suffix: str | None = None  # text before the repeated tokens; None: from the chat template ("\n" without one)
-    # The softmax of the reconstruction pass runs over: "cache" every entry it attends to (the paper's
-    # definition); "chunk" the sinks + the block's entries + its own (kvpress's / the authors' chunked scoring).
+    # The reconstruction's softmax runs over "cache" (every entry, the paper's) or "chunk" (kvpress's chunks).
     scoring_keys: str = "cache"
-    # Whether the first block's reconstruction repeats the chat template's prefix (system turn, user opening)
-    # when the prompt starts with it: True (today's), or False (kvpress's: only the context after the prefix
-    # is reconstructed; the prefix's entries are still scored by the attention the pass gives them).
+    # Whether the first block's reconstruction repeats the chat template's prefix (False: kvpress's, context only).
     reconstruct_prefix: bool = True
 
     def validate(self, budget: int) -> None:

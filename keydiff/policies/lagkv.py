@@ -1,6 +1,4 @@
-"""LagKV (Liang et al. 2025, arXiv 2504.04704): score each chunk of the cache against the chunk after it.
-
-`scoring="frozen"` (default, the authors' streaming method) or `"rescore"`. Design:
+"""LagKV (Liang et al. 2025, arXiv 2504.04704): score each chunk of the cache against the chunk after it. Design:
 docs/design/policies.md#lagkv-lagkvpy"""
 
 from __future__ import annotations
@@ -42,9 +40,8 @@ class LagKV(Policy):
 
     @property
     def needs(self) -> Needs:
-        """Every reduction is per batch row (per layer and head when the cache stacks its layers): the sinks counted,
-        the partitions cut and the recency scaled within each row (keydiff.testing.check_policy verifies it). Frozen
-        scoring keeps each entry's rank within its partition (UNSCORED until it is scored)."""
+        """Every reduction is per batch row (the sinks counted, the partitions cut, the recency scaled); frozen scoring
+        keeps each entry's rank within its partition (UNSCORED until it is scored)."""
         return Needs(rows_alike=True, state=("lag_rank",) if self.scoring == "frozen" else ())
 
     def initial_state(self, keys: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -1,6 +1,4 @@
-"""How a budget N is split across layers: uniform (every layer N) or a PyramidKV schedule (Cai et al. 2024).
-
-Configured as `layer_budgets: {schedule: pyramid, beta: 20, window: 0, arithmetic: exact}`. Design:
+"""How a budget N is split across layers: uniform (every layer N) or a PyramidKV schedule (Cai et al. 2024). Design:
 docs/design/policies.md#layer-budgets-pyramidkv-layer_budgetspy"""
 
 from __future__ import annotations

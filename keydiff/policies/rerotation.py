@@ -1,7 +1,5 @@
-"""Key re-rotation (as kvpress's `KeyRerotationPress`): after every eviction the kept keys of each KV head are
-re-rotated to contiguous positions, in the order of their original positions. `Rerotated(policy, mode)` only asks the
-cache (`needs.key_rerotation`), which owns the tensors.
-
+"""Key re-rotation (as kvpress's `KeyRerotationPress`): after every eviction the kept keys are re-rotated to contiguous
+positions. `Rerotated(policy, mode)` only asks the cache, which owns the tensors (`needs.key_rerotation`).
 Design: docs/design/policies.md#key-re-rotation-rerotationpy"""
 
 from __future__ import annotations

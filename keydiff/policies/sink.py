@@ -1,7 +1,5 @@
-"""StreamingLLM ("sink attention", Xiao et al. 2024): the first tokens plus the most recent ones.
-
-Keys keep the absolute position they were rotated with (as the KeyDiff paper and KVCache-Factory do); the original
-re-rotates keys to their in-cache index, which this harness does not do."""
+"""StreamingLLM ("sink attention", Xiao et al. 2024): the first tokens plus the most recent ones. Keys keep the absolute
+position they were rotated with (as the KeyDiff paper and KVCache-Factory do), not their in-cache index."""
 
 from __future__ import annotations
 

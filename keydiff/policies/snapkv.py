@@ -1,8 +1,6 @@
-"""SnapKV (Li et al. 2024) applied block by block, as the KeyDiff paper runs it (§F.2).
-
-The last `window` queries of each block score the entries before them (attention summed over the window, averaged over
-the KV group, pooled along the cache); the window's own entries are always kept. The window is SnapKV's own parameter,
-not a RecentWindow. Design: docs/design/policies.md#snapkv-snapkvpy"""
+"""SnapKV (Li et al. 2024) applied block by block, as the KeyDiff paper runs it (§F.2): the last `window` queries of
+each block score the entries before them; the window's own entries are kept. Design:
+docs/design/policies.md#snapkv-snapkvpy"""
 
 from __future__ import annotations
 

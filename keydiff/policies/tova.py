@@ -1,7 +1,5 @@
-"""TOVA (Oren et al. 2024): keep the entries the last query attends to most (phi(A) = A_{-1,:}).
-
-`heads="group"` (default) selects per KV head; `heads="layer"` is the original's one set per layer. Design:
-docs/design/policies.md#tova-tovapy"""
+"""TOVA (Oren et al. 2024): keep the entries the last query attends to most (phi(A) = A_{-1,:}), per KV head
+(`heads="group"`) or one set per layer (`"layer"`). Design: docs/design/policies.md#tova-tovapy"""
 
 from __future__ import annotations
 

@@ -36,9 +36,8 @@ class PolicyWrapper(Policy):
 
     @property
     def needs(self) -> Needs:
-        """The wrapped policy's needs, less two it cannot vouch for: a wrapper may change the scores, so it counts
-        as reading them on the host (RecentWindow says otherwise) and scores no pools (a head-adaptive policy's
-        choice on them is kept). A subclass adds its own with `replace(super().needs, ...)`."""
+        """The wrapped policy's needs, less two it cannot vouch for: a wrapper may change the scores, so it reads them
+        on the host and scores no pools. A subclass adds its own with `replace(super().needs, ...)`."""
         inner = self.scorer.needs
         return replace(inner, host_reads=True, segment_scores=inner.segment_scores and inner.head_adaptive)
 
