@@ -1,10 +1,6 @@
 """The batch-invariant mode: while on, a device's matmuls, row reductions and decode attention run kernels whose
 reduction order does not depend on the number of rows, so a sequence decoded in a batch gets the bits it gets alone.
-
-    with batch_invariant.mode("CUDA"):          # what keydiff.decode.step does around decoding steps
-        logits = model(input_ids=ids, cache=cache).logits
-
-Kernels are registered through `torch.library` (nothing is patched); a CPU does not need the mode. Design:
+Registered through `torch.library` (`mode("CUDA")`); a CPU does not need it. Design:
 docs/design/decode.md#batch-invariant-kernels-keydiffkernels"""
 
 from __future__ import annotations
@@ -157,8 +153,7 @@ def _vector_norm(x: torch.Tensor, ord: Any = 2, dim: Any = None, keepdim: bool =
                  dtype: torch.dtype | None = None) -> torch.Tensor:
     calls["linalg_vector_norm"] += 1
     order = float(ord)
-    # Half precision summed in float32: the row-sum kernel widens each element as it reads it (exactly what a cast
-    # first gives), so no float32 copy of x is made (a CUDA graph's pool would keep it).
+    # Half precision summed in float32, widened as read: no float32 copy of x (a CUDA graph's pool would keep it).
     widened = dtype == torch.float32 and x.dtype in (torch.float16, torch.bfloat16) and order in (1.0, 2.0)
     if dtype is not None and not widened:
         x = x.to(dtype)

@@ -1,8 +1,5 @@
-"""Triton kernels whose reduction order does not depend on how many rows a call has (what
-keydiff.kernels.batch_invariant registers in place of torch's matmul, row reductions and decode attention).
-
-Only stable triton.language calls, so Triton's interpreter runs them on CPU (TRITON_INTERPRET=1). Design:
-docs/design/decode.md#batch-invariant-kernels-keydiffkernels"""
+"""Triton kernels whose reduction order does not depend on how many rows a call has, in stable triton.language only
+(TRITON_INTERPRET=1 runs them on CPU). Design: docs/design/decode.md#batch-invariant-kernels-keydiffkernels"""
 
 from __future__ import annotations
 
