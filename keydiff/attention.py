@@ -1,11 +1,8 @@
 """Attention functions registered with transformers' `AttentionInterface` (keydiff_sdpa/_eager/_fa2).
 
-They derive the bottom-right causal mask from each layer's own key length, and compute the attention statistic an
-attention-based policy needs beside the fused kernel ("fast") or from eager weights ("materialized").
-`keydiff_attention(model, cache)` switches the model to them and binds the cache; they also serve head-adaptive pools,
-batches of per-sequence caches, sliding windows, soft caps, sinks and the fixed-shape step (`StatisticBuffer`).
-
-Design: docs/design/cache.md#the-attention-functions-keydiffattentionpy"""
+They derive the bottom-right causal mask from each layer's own key length and compute the attention statistic a policy
+needs beside the fused kernel ("fast") or from eager weights ("materialized"); `keydiff_attention(model, cache)`
+switches the model to them. Design: docs/design/cache.md#the-attention-functions-keydiffattentionpy"""
 
 from __future__ import annotations
 
@@ -24,8 +21,7 @@ from transformers.integrations.sdpa_attention import repeat_kv
 from keydiff.kernels import batch_invariant
 
 BASE_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
-# Registered names. transformers treats any implementation whose name contains "flash" as a FlashAttention
-# kernel to load from the hub, so ours avoid the word.
+# Registered names: transformers loads any "flash" name as a hub kernel, so ours avoid the word.
 REGISTERED = {"sdpa": "keydiff_sdpa", "eager": "keydiff_eager", "flash_attention_2": "keydiff_fa2"}
 STATISTIC_CHUNK_ELEMENTS = 1 << 26  # ~256 MB of float32 scores per chunk
 MIN_FLASH_ATTN = (2, 1)  # bottom-right causal alignment for q_len != kv_len
@@ -194,8 +190,7 @@ def fused_attention(
     if base == "flash_attention_2":
         from flash_attn import flash_attn_func
 
-        # flash-attn >= 2.1 aligns the causal mask to the bottom-right corner when q_len != kv_len, and takes
-        # fewer KV heads than query heads (GQA) as they are. Layout in and out: [batch, seq, heads, dim].
+        # flash-attn >= 2.1: bottom-right causal mask when q_len != kv_len, GQA as is; [batch, seq, heads, dim].
         return flash_attn_func(
             query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), softmax_scale=scaling, causal=True
         )
@@ -204,8 +199,7 @@ def fused_attention(
         # SDPA's is_causal (top-left) equals bottom-right when q_len == kv_len; one query sees every key.
         output = F.scaled_dot_product_attention(query, key, value, is_causal=q_len > 1, scale=scaling, enable_gqa=gqa)
     else:
-        # Compiled (the fixed-shape prefill step's fullgraph check), the same mask as an explicit boolean one: dynamo
-        # cannot build the CausalBias tensor subclass. Eager runs and CUDA graphs keep the bias (SDPA's own kernels).
+        # Compiled, an explicit boolean mask (dynamo cannot build CausalBias); eager runs and CUDA graphs keep the bias.
         bias = (causal_mask(q_len, kv_len, query.device) if torch.compiler.is_compiling()
                 else lower_right_bias(q_len, kv_len))
         output = F.scaled_dot_product_attention(query, key, value, attn_mask=bias, scale=scaling, enable_gqa=gqa)
@@ -223,8 +217,7 @@ def segment_attention(
     segments: list[list[tuple[int, int]]], rows: int | None, materialize: bool, rules: LogitRules = LogitRules(),
 ) -> tuple[torch.Tensor, list[list[torch.Tensor]] | None]:
     """Attention of a head-adaptive layer, every KV head over its own pool segment: query [batch, H, q, d], pools
-    [batch, P, d], segments [batch][kv_head] -> (start, count). Returns the output [batch, q, H, d] and, if
-    rows != 0, the statistic per head ([batch][kv_head] -> float32 [count])."""
+    [batch, P, d]. Returns the output [batch, q, H, d] and, if rows != 0, the statistic per head."""
     kv_heads = len(segments[0])
     groups = query.shape[1] // kv_heads
     if query.shape[2] == 1:
@@ -294,9 +287,8 @@ def rowwise_attention(
     scaling: float, kwargs: dict[str, Any], groups: list[tuple[list[int], torch.Tensor, torch.Tensor]] = (),
     base: str = "sdpa",
 ) -> torch.Tensor:
-    """Attention of a batch whose sequences have caches of their own: each sequence's queries against exactly its
-    own cache's keys and values, that cache bound, never padded; `groups` attend in one call each. Output [rows, q, H, d].
-    """
+    """Attention of a batch whose sequences have caches of their own: each sequence's queries against its own cache's
+    keys and values, never padded; `groups` attend in one call each. Output [rows, q, H, d]."""
     rows = query.shape[0]
     outputs: list[torch.Tensor | None] = [None] * rows
     for members, key, value in groups:
@@ -330,9 +322,8 @@ def grouped_attention(
 
 
 class StatisticSink:
-    """Where a layer's pass leaves what its cache's policy scores from: the attention statistic (`write`) and the
-    other model signals the binding lists (`record`, keydiff.signals). A sink that takes only statistics
-    (`StatisticBuffer`) keeps these defaults."""
+    """Where a layer's pass leaves what its cache's policy scores from: the attention statistic (`write`) and the other
+    model signals the binding lists (`record`). A statistics-only sink (`StatisticBuffer`) keeps these defaults."""
 
     def write(self, layer_idx: int, statistic: torch.Tensor) -> None:
         """Keep layer `layer_idx`'s attention statistic [batch, kv_heads, keys] of this pass."""
@@ -353,11 +344,8 @@ class StatisticSink:
 
 
 class LayerBinding:
-    """What the attention function needs for one layer's pass, asked of the cache once (`EvictingCache.for_layer`):
-    rows: the last query rows to record attention for (0: none, None: all); reduction: "sum" or "max";
-    materialize: statistics from eager weights; key_positions: (positions, end) of a layer evicted under a sliding
-    window; segments: a head-adaptive layer's (start, count) per [batch][head]; signals: the model signals
-    (keydiff.signals.Signal) whose producers the pass is handed to, through the sink."""
+    """What the attention function needs for one layer's pass, asked of the cache once (`EvictingCache.for_layer`): the
+    query rows and reduction, eager or not, sliding-window positions, head-adaptive segments, the signals to record."""
 
     __slots__ = ("sink", "rows", "reduction", "materialize", "key_positions", "segments", "signals")
 
@@ -428,9 +416,7 @@ def make_attention_function(base: str):
         target = kwargs.get(STATISTIC_KWARG)
         if target is not None:  # a fixed-shape step of a policy that scores from attention (StatisticBuffer)
             return attend(module, query, key, value, scaling, target.binding, kwargs), None
-        # A compiled forward (the fixed-shape step, keydiff.decode.static) binds nothing and runs the plain fused
-        # kernel; dynamo cannot read a context variable. A compiled loop over a cache whose policy needs attention
-        # statistics would find none recorded and say so at its eviction (Storage.evict).
+        # A compiled forward binds nothing (dynamo cannot read a context variable) and runs the plain fused kernel.
         bound = None if torch.compiler.is_compiling() else _BOUND_CACHE.get()
         passes = bound.row_passes(module.layer_idx, key) if isinstance(bound, RowBatch) else None
         if passes is not None:  # a batch of sequences with caches of their own (keydiff.decode)

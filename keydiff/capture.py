@@ -1,10 +1,6 @@
-"""What the analyses look at: per-layer keys, queries and attention of a prompt, and what an eviction run kept.
-
-* `capture_prompt` runs the whole prompt without eviction under an attention function registered in
-  transformers' `AttentionInterface` ("keydiff_capture"): SDPA computes the output, and beside it the function
-  records post-RoPE keys and queries and attention reduced on the fly (no L x L matrix kept).
-* `trace_eviction` runs `keydiff.engine.prefill` with a subclass of the policy that also records what it drops.
-Batch size 1 only; tensors are returned as float32 on the CPU."""
+"""What the analyses look at: per-layer keys, queries and attention of a prompt (`capture_prompt`, without eviction,
+attention reduced on the fly under the "keydiff_capture" attention function), and what an eviction run kept
+(`trace_eviction`). Batch size 1 only; tensors are returned as float32 on the CPU."""
 
 from __future__ import annotations
 

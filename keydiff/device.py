@@ -29,8 +29,7 @@ def release_memory(device: torch.device | str | None = None) -> None:
 
 def out_of_memory(error: BaseException | None) -> bool:
     """Whether an error, or one it was raised from or while handling, is running out of memory: CUDA's OOM, a
-    MemoryError, or an allocator's RuntimeError (CPU, MPS, HIP). A capture that runs out ends in capture_end's own
-    CUDA error, with the out-of-memory error as its context."""
+    MemoryError, or an allocator's RuntimeError (CPU, MPS, HIP; a failed capture's CUDA error has it as context)."""
     while error is not None:
         if isinstance(error, (torch.cuda.OutOfMemoryError, MemoryError)):
             return True

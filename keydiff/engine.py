@@ -1,8 +1,6 @@
-"""Block prompt processing (paper §2.4, Eq. 6) and decoding with eviction after every token.
-
-`prefill` (settings: `PrefillOptions`) and `generate` (settings: the decoder's `Request`); `copy_state`, `feed` and
-`follow_up` serve several questions or turns over one compressed context. Timings cover the forward passes only; callers
-warm up. Design: docs/design/decode.md#the-engine-keydiffenginepy"""
+"""Block prompt processing (paper §2.4, Eq. 6) and decoding with eviction after every token: `prefill`, `generate`, and
+`copy_state`, `feed` and `follow_up` for several questions or turns over one compressed context. Timings cover the
+forward passes only; callers warm up. Design: docs/design/decode.md#the-engine-keydiffenginepy"""
 
 from __future__ import annotations
 
@@ -35,14 +33,12 @@ class PrefillResult:
     budget: int | None
     block_size: int | None
     seconds: float  # wall time of the prefill (time to first token's logits)
-    # Per layer, LongTensor [batch, kv_heads, kept] of the absolute prompt positions kept after prefill
-    # (a snapshot: decoding changes the cache, not this).
+    # Per layer, LongTensor [batch, kv_heads, kept]: the prompt positions kept after prefill (a snapshot).
     kept_positions: list[torch.Tensor] = field(default_factory=list)
     max_cache_entries: int = 0  # peak entries per layer and KV head during prefill
     max_scratch_entries: int = 0  # peak during reconstruction passes (KVzip: N + B + R + B), else 0
     decoded: bool = False  # set by `generate`: the logits and cache belong to one continuation only
-    # Trailing prompt tokens fed after the compressed context and held whole at the first generated token
-    # (`held_suffix`); `kept_positions` then includes them.
+    # Trailing prompt tokens held whole at the first generated token (`held_suffix`), in kept_positions.
     held_suffix: int = 0
 
     def fork(self, copies: int) -> list["PrefillResult"]:
@@ -52,8 +48,7 @@ class PrefillResult:
             raise RuntimeError("this PrefillResult was already decoded (its cache moved on); fork before generate")
         if isinstance(copies, bool) or int(copies) != copies or copies < 1:
             raise ValueError(f"copies must be a positive integer, got {copies!r}")
-        # Side by side in one block where the policy allows, made one at a time (the block manager places them:
-        # a batch then decodes the forks as one group).
+        # Side by side in one block where the policy allows (a batch then decodes the forks as one group).
         caches = place_forks(lambda: self.cache.fork(1)[0], int(copies))
         return [replace(self, logits=self.logits.clone(), cache=cache) for cache in caches]
 
@@ -83,8 +78,7 @@ class _FromOptions:
 
 _FROM_OPTIONS = _FromOptions()
 PREFILL_SETTINGS = tuple(f.name for f in fields(PrefillOptions))
-# What `generate` takes: a Request's decode settings (not its state, the caller's key or the scheduler's job), and
-# the decoder's own settings.
+# What `generate` takes: a Request's decode settings and the decoder's own settings.
 REQUEST_SETTINGS = tuple(f.name for f in fields(Request) if f.name not in ("state", "key", "job"))
 DECODER_SETTINGS = ("fixed_shapes", "batch_invariant", "decoder")
 

@@ -1,8 +1,5 @@
-"""Running statistics of a layer's queries, before RoPE, for policies that predict future attention.
-
-`QueryStatistics` undoes RoPE on each pass's post-RoPE queries (transformers' half-split layout, frequencies from the
-config via `ROPE_INIT_FUNCTIONS`, scaled variants included) and accumulates their first two moments in float64, exact
-and O(heads x head_dim²) whatever the length. Expected Attention reads them (`LayerView.queries`)."""
+"""Running statistics of a layer's queries, before RoPE, for policies that predict future attention: `QueryStatistics`
+undoes RoPE on each pass's queries and accumulates their first two moments in float64 (`LayerView.queries`)."""
 
 from __future__ import annotations
 

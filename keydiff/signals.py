@@ -1,11 +1,6 @@
 """The model signals a policy may score from besides the cached entries, each declared once: its name, what produces it
-from a layer's attention call, how a cache keeps it, and how a view carries it (`LayerView.signals[name]`).
-
-A policy asks for a signal through its `Needs` (the built-ins through their own fields: `attention_rows`, `queries`,
-`output_projection`; any other by name in `Needs.signals`). For each layer's pass the cache's binding lists the signals
-to record; the attention function hands the pass (`LayerPass`) to the binding's sink, which folds it into what the
-layer's storage keeps (`Recorded`). A new signal is one `register(Signal(...))` here. Design:
-docs/design/policies.md#model-signals"""
+from a layer's attention call, how a cache keeps it, and how a view carries it (`LayerView.signals[name]`). A new signal
+is one `register(Signal(...))` here. Design: docs/design/policies.md#model-signals"""
 
 from __future__ import annotations
 
@@ -22,10 +17,8 @@ KEEPS = ("pass", "running", "first")
 
 @dataclass(frozen=True)
 class LayerPass:
-    """What the attention function hands a signal's producer for one layer's pass: the attention module (its
-    config, o_proj, layer_idx), the post-RoPE queries [batch, heads, q, d], the keys and values attended
-    [batch, kv_heads, kv, d] (held entries, then the pass's own), the attention output [batch, q, heads, d] (before
-    o_proj), the RoPE position of the pass's first query, and the policy's needs."""
+    """What the attention function hands a signal's producer for one layer's pass: the attention module, post-RoPE
+    queries, keys and values attended, the output (before o_proj), the first query's position and the policy's needs."""
 
     module: torch.nn.Module
     query: torch.Tensor
@@ -38,14 +31,10 @@ class LayerPass:
 
 @dataclass(frozen=True)
 class Signal:
-    """One model signal. produce(kept, step) -> what to keep, from what is kept (None at first) and this pass (None:
-    the attention statistic, which the attention function computes with its output). keep: "pass" (this pass's,
-    consumed by the next eviction), "running" (folded over every pass) or "first" (the first pass's, for good).
-    entries: `entry_state`'s views carry it, and a head-adaptive layer sets new entries' state once it is there.
-    stack: one value for a stack's planes (None: stacked views carry none). head: one KV head's part of a value,
-    (value, row, head, kv_heads) -> value, for head-adaptive views (None: the value as is). asks: whether a
-    policy's Needs ask for it (None: its name is in `Needs.signals`). shared: the model's own tensor, which a
-    forked cache shares rather than copies. description: how errors name it."""
+    """One model signal. produce(kept, step) -> what to keep, from what is kept (None at first) and this pass (None: the
+    attention statistic). keep: "pass", "running" (folded over every pass) or "first". entries, stack, head: how views
+    carry it; asks: whether a policy's Needs ask for it; shared: a forked cache shares it; description: how errors name
+    it."""
 
     name: str
     description: str

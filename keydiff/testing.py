@@ -1,8 +1,6 @@
-"""Check an eviction policy against the contract in one line: `keydiff.testing.check_policy(MyPolicy, alpha=0.3)`.
-
-Runs the policy on a tiny random Llama (no download) through block-wise prefill and a few decoding steps and checks its
-scores, the N_l + B bound, determinism and its `needs` claims. A failure raises `PolicyCheckError` naming the property.
-The contract, in full: docs/policies.md."""
+"""Check an eviction policy against the contract in one line: `keydiff.testing.check_policy(MyPolicy, alpha=0.3)`, on a
+tiny random Llama (no download). A failure raises `PolicyCheckError` naming the property. The contract:
+docs/policies.md."""
 
 from __future__ import annotations
 
@@ -200,9 +198,9 @@ def check_policy(
 
 def run_captured(policy: Policy, model: torch.nn.Module, ids: torch.Tensor, budget: int, block_size: int,
                  new_tokens: int) -> tuple[dict, dict]:
-    """`run_once` through one Decoder with CUDA graphs stood in for on the CPU (keydiff.decode.graphs): its
-    fixed-shape steps are captured, and a host read inside a capture fails it, as on a GPU. The run, and the
-    graphs' record (captured, failed, reasons, stopped)."""
+    """`run_once` through one Decoder with CUDA graphs stood in for on the CPU (keydiff.decode.graphs), where a host
+    read inside a capture fails it, as on a GPU. The run, and the graphs' record (captured, failed, reasons, stopped).
+    """
     from keydiff.decode import Decoder
     from keydiff.decode.graphs import stand_in_graphs
 
