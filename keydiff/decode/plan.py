@@ -40,7 +40,7 @@ class StepPlan:
     positions: torch.Tensor
     active: torch.Tensor | None = None
     key: StepKey | None = None  # fixed: which step
-    owner: Any = None  # fixed: what the rows belong to (a block, or one sequence's stack): its steps live as long
+    owner: Any = None  # fixed: the arena the rows belong to: its steps live as long
     rows: Rows | None = None  # fixed: the rows the step is built over (when the runner has none for `key`)
     slots: tuple[tuple[Any, int], ...] = ()  # fixed: each sequence's (arena, slot), whose counts the pass advances
 

@@ -55,7 +55,7 @@ class ModelRunner:
             check_invariant_model(model, self.device)
         self.batch = BatchCache(model.config.get_text_config().num_hidden_layers, group_rows)
         self.fixed_shapes = fixed_shapes_default(self.device) if fixed_shapes is None else bool(fixed_shapes)
-        # owner of rows (a block, or a stack) -> {q: (the StepKey it was built for, the StaticStep)}
+        # owner of rows (an arena) -> {q: (the StepKey it was built for, the StaticStep)}
         self.steps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         # where graphs are captured (CUDA, or a CPU under keydiff.decode.graphs.stand_in_graphs), the CUDA layout
         self.full_width = FULL_WIDTH.get(self.device.type, False) or calls_for(self.device) is not None
@@ -68,13 +68,9 @@ class ModelRunner:
         """One forward pass of the plan's tokens, each row at its own position, then eviction."""
         return self._run_fixed(plan) if plan.shape == "fixed" else self._run_general(plan)
 
-    def forget(self, owner, q: int | None = None) -> None:
-        """Drop the fixed-shape steps built over `owner`'s rows (every q, or one): the scheduler moved its rows."""
-        held = self.steps.get(owner)
-        if held is not None and q is not None:
-            held.pop(q, None)
-        elif held is not None:
-            del self.steps[owner]
+    def forget(self, owner) -> None:
+        """Drop the fixed-shape steps built over `owner`'s rows (a prompt's own arena, once its prefill ended)."""
+        self.steps.pop(owner, None)
 
     def fixed_steps(self) -> list[StaticStep]:
         """Every fixed-shape step it keeps (what a GPU replays as CUDA graphs)."""
