@@ -1,8 +1,5 @@
-"""Head-adaptive budgets (AdaKV) together with CriticalKV, key re-rotation, KVzip and ChunkKV.
-
-The AdaKV form of CriticalKV (kvpress's `CriticalAdaKVPress`) is checked against plain loops at every eviction
-by tests/test_policy_contract.py; here its ties, a non-square o_proj, batch rows, and the combinations that are
-refused (one line when the policy is built)."""
+"""Head-adaptive budgets (AdaKV) with CriticalKV (its choices are checked at every eviction by
+tests/test_policy_contract.py): a non-square o_proj, batch rows, ties, and the combinations refused in one line."""
 
 from __future__ import annotations
 
@@ -26,9 +23,7 @@ BUDGET, BLOCK = 48, 16
 
 @pytest.mark.extended
 def test_a_non_square_output_projection_gives_each_head_its_own_columns():
-    """head_dim 8 with hidden 64: o_proj is [64, 32], so a KV head's columns are 32 / kv_heads wide (its group's
-    query heads x head_dim), not hidden / kv_heads (every other test model's o_proj is square). The contract's
-    loops recompute ||W_o v||_1 from the model's o_proj at every choice."""
+    """head_dim 8, hidden 64: o_proj is [64, 32], so a KV head's columns are 32 / kv_heads wide, not 64 / kv_heads."""
     model = tiny_llama(head_dim=8)
     assert tuple(model.model.layers[0].self_attn.o_proj.weight.shape) == (64, 32)
     for name in ("criticalkv", "adakv_criticalkv"):
@@ -37,8 +32,7 @@ def test_a_non_square_output_projection_gives_each_head_its_own_columns():
 
 @pytest.mark.extended
 def test_batch_rows_are_chosen_row_by_row_against_the_loops(model):
-    """Batch 2 (different prompts): every row's choice, and its entries' ||W_o v||_1 (set from one view of all
-    rows and heads), checked against the loops at every eviction of prefill and decoding."""
+    """Batch 2: every row's choice and ||W_o v||_1 checked against the loops in prefill and decoding."""
     policy, log = recorded(build_policy("snapkv", window=8, critical=True, head_budgets="adakv"), model)
     state = prefill(model, prompt_ids(batch=2), policy, BUDGET, BLOCK)
     prefilled, log["decoding"] = log["checked"], True
@@ -50,13 +44,8 @@ def test_batch_rows_are_chosen_row_by_row_against_the_loops(model):
 @pytest.mark.unit
 @pytest.mark.extended
 def test_scores_tied_across_heads_follow_the_adakv_tie_rule():
-    """Scores from a few values (exact ties within and across heads, at the head-budget boundary too) and norms
-    from a few values (ties in stage 2): each head's count is AdaKV's choice (equal scores: the newer position
-    first, then the lower head), the same counts plain AdaKV keeps, and the two stages follow the loops.
-
-    This is where kvpress's two presses disagree with each other: at L = 4096 the 3072nd and 3073rd raw scores of
-    one layer were equal in float32, and CriticalAdaKVPress gave the count to the lower flattened index while
-    AdaKVPress kept the higher (docs/peers.md). Here a tie is decided by one rule in both forms."""
+    """Exact ties within and across heads: AdaKV's counts (newer position, then lower head) in both forms, as loops."""
+    # kvpress's two presses break such a tie differently (docs/peers.md); here one rule decides in both forms.
     g = torch.Generator().manual_seed(0)
     heads, budget, dim = 3, 10, 4
     for trial in range(40):
@@ -116,10 +105,8 @@ def test_rerotation_composed_by_hand_around_head_budgets_fails_clearly(model):
 @pytest.mark.extended
 @pytest.mark.parametrize("name,params", [("snapkv", {"window": 8, "critical": True}), ("keydiff", {})])
 def test_check_policy_runs_head_adaptive_policies(name, params):
-    """keydiff.testing.check_policy counts head-adaptive evictions (keep_heads) and checks the layer bound."""
     from keydiff.testing import check_policy
 
     summary = check_policy(name, head_budgets="adakv", **params)
     assert summary["evictions"] > 0 and summary["layer_budgets"] == [48, 48, 48]
-    # KeyDiff's pools are chosen all layers at once, and that was compared with the head-by-head choice
-    assert summary["pools_checked"] == (name == "keydiff")
+    assert summary["pools_checked"] == (name == "keydiff")  # pools chosen all layers at once: checked head by head

@@ -18,19 +18,14 @@ pytestmark = pytest.mark.integration
 
 PYRAMID = {"schedule": "pyramid", "beta": 4, "window": 0}
 
-# Non-default settings worth checking on their own: LagKV with partitions that fit the check's budget (both
-# scorings), PyramidKV budgets (both arithmetics; uniform budgets only can be stacked), the original H2O,
-# TOVA per layer, SnapKV max-pooled, L2-norm skipping layers (those layers are never evicted).
+# Non-default settings: LagKV partitions that fit the check's budget, PyramidKV budgets (both arithmetics), the
+# original H2O, TOVA per layer, SnapKV max-pooled, K-norm skipping a layer (never evicted, so never stacked).
 VARIANTS = [
-    ("lagkv", {"lag_size": 8}),
-    ("lagkv", {"lag_size": 8, "scoring": "rescore"}),
+    ("lagkv", {"lag_size": 8}), ("lagkv", {"lag_size": 8, "scoring": "rescore"}),
     ("keydiff", {"layer_budgets": PYRAMID}),
     ("keydiff", {"layer_budgets": {**PYRAMID, "arithmetic": "kvcache_factory"}}),
-    ("snapkv", {"window": 8, "layer_budgets": {**PYRAMID, "window": 8}}),
-    ("h2o", {"recent_fraction": 0.5}),
-    ("tova", {"heads": "layer"}),
-    ("snapkv", {"pooling": "max"}),
-    ("knorm", {"skip_layers": [0]}),
+    ("snapkv", {"window": 8, "layer_budgets": {**PYRAMID, "window": 8}}), ("h2o", {"recent_fraction": 0.5}),
+    ("tova", {"heads": "layer"}), ("snapkv", {"pooling": "max"}), ("knorm", {"skip_layers": [0]}),
     ("expected_attention", {"use_covariance": False, "epsilon": 0.01}),
 ]
 
@@ -68,17 +63,6 @@ def test_builtin_variants_pass_check_policy(name, params):
 
 @pytest.mark.extended
 @pytest.mark.parametrize("name", sorted(POLICIES))
-def test_every_builtin_policy_passes_check_policy_inside_a_recent_window(name):
-    """The wrapper forwards needs.rows_alike: a policy with rows alike in a window is still run stacked and checked
-    against layer-by-layer eviction."""
-    policy = RecentWindow(scorer(name), fraction=0.25)
-    summary = check_policy(policy)
-    assert summary["policy"] == name and (summary["evictions"] > 0 or name == "full")
-    assert summary["stacked"] == POLICIES[name]().needs.rows_alike
-
-
-@pytest.mark.extended
-@pytest.mark.parametrize("name", sorted(POLICIES))
 def test_every_builtin_policy_passes_check_policy_with_pyramid_layer_budgets(name):
     policy = LayerBudgets(RecentWindow(scorer(name), fraction=0.25), schedule=PYRAMID)
     summary = check_policy(policy)
@@ -103,10 +87,7 @@ def test_wrappers_answer_every_capability_as_the_wrapped_policy(name):
 @pytest.mark.extended
 @pytest.mark.parametrize("name", sorted(POLICIES))
 def test_wrappers_change_nothing_they_do_not_add(name):
-    """A zero window and a uniform schedule around a policy keep and generate exactly what the policy keeps on its
-    own, stacked the same way: its capabilities, state and observations reach the cache through the wrappers
-    (H2O whose attention_rows or every_pass were not forwarded would see other attention; Expected Attention
-    without queries_from would count the sinks' queries)."""
+    """A zero window and a uniform schedule keep, stack and generate what the policy alone does (needs forwarded)."""
     model = tiny_model()
     ids = torch.randint(0, 256, (1, 160), generator=torch.Generator().manual_seed(1))
     alone = run_once(scorer(name), model, ids, 48, 16, 4)
@@ -114,9 +95,6 @@ def test_wrappers_change_nothing_they_do_not_add(name):
     composed = run_once(wrapped, model, ids, 48, 16, 4)
     assert composed["stacked"] == alone["stacked"] and composed["tokens"] == alone["tokens"]
     assert all(torch.equal(a, b) for a, b in zip(alone["kept"], composed["kept"]))
-
-
-# --------------------------------------------------------------------------- broken policies
 
 
 @dataclass
@@ -177,26 +155,24 @@ class ProtectedInfinity(KNorm):
         return layer.positions < 2
 
 
-@pytest.mark.parametrize("policy, message", [
-    (CrossLayer, r"layer-by-layer eviction \(it claims needs.rows_alike\) kept other positions"),
-    (NaNScores, r"NaN/inf value\(s\) for entries that are not protected"),
-    (HostRead, r"claims needs.capturable but its eviction could not be captured in a CUDA graph \(stood in for on "
+ROWS_ALIKE_BROKEN = r"layer-by-layer eviction \(it claims needs.rows_alike\) kept other positions"
+
+
+@pytest.mark.parametrize("policy, params, message", [
+    (CrossLayer, {}, ROWS_ALIKE_BROKEN),
+    pytest.param(CrossLayer, {"layer_budgets": PYRAMID}, ROWS_ALIKE_BROKEN, marks=pytest.mark.extended),  # unstacked
+    pytest.param(LayerBudgets(RecentWindow(CrossLayer(), fraction=0.25), schedule={"schedule": "uniform"}), {},
+                 ROWS_ALIKE_BROKEN, marks=pytest.mark.extended),  # a wrapper forwards the false claim
+    (NaNScores, {}, r"NaN/inf value\(s\) for entries that are not protected"),
+    (HostRead, {}, r"claims needs.capturable but its eviction could not be captured in a CUDA graph \(stood in for on "
                r"the CPU\): .*set host_reads=True"),
-    (InfiniteScores, r"'tests.test_check_policy.InfiniteScores \(knorm subclass\)': score\(\) returned 6 NaN/inf"),
-    (WrongShape, r"returned shape \[1, \d+\]; expected \[batch, kv_heads, n\]"),
-    (Unseeded, "a second run with a fresh policy object kept other positions"),
+    (InfiniteScores, {}, r"'tests.test_check_policy.InfiniteScores \(knorm subclass\)': score\(\) returned 6 NaN/inf"),
+    (WrongShape, {}, r"returned shape \[1, \d+\]; expected \[batch, kv_heads, n\]"),
+    (Unseeded, {}, "a second run with a fresh policy object kept other positions"),
 ])
-def test_broken_policies_fail_check_policy_saying_why(policy, message):
+def test_broken_policies_fail_check_policy_saying_why(policy, params, message):
     with pytest.raises(PolicyCheckError, match=message):
-        check_policy(policy)
-
-
-@pytest.mark.extended
-def test_a_wrapper_forwards_a_false_claim_and_the_check_still_catches_it():
-    wrapped = LayerBudgets(RecentWindow(CrossLayer(), fraction=0.25), schedule={"schedule": "uniform"})
-    assert wrapped.needs.rows_alike
-    with pytest.raises(PolicyCheckError, match=r"layer-by-layer eviction \(it claims needs.rows_alike\) kept other"):
-        check_policy(wrapped)
+        check_policy(policy, **params)
 
 
 @dataclass
@@ -215,13 +191,6 @@ def test_a_policy_with_its_own_evict_indices_cannot_be_wrapped():
         LayerBudgets(OwnEviction(), schedule=None)
 
 
-@pytest.mark.extended
-def test_cross_layer_policy_fails_under_pyramid_budgets_too():
-    """Pyramid budgets keep the cache from stacking; the batchable comparison must still run stacked."""
-    with pytest.raises(PolicyCheckError, match=r"layer-by-layer eviction \(it claims needs.rows_alike\)"):
-        check_policy(CrossLayer, layer_budgets=PYRAMID)
-
-
 class Undecorated(KNorm):  # no @dataclass of its own: its field is no parameter
     alpha: float = 0.5
 
@@ -234,13 +203,9 @@ def test_undecorated_class_is_refused_as_run_py_refuses_it(params):
         check_policy(Undecorated, **params)
 
 
-@pytest.mark.extended
-def test_infinite_scores_of_protected_entries_pass():
-    assert check_policy(ProtectedInfinity)["evictions"] > 0
-
-
-def test_unseeded_policy_passes_when_it_does_not_claim_determinism():
-    assert check_policy(Unseeded, deterministic=False)["evictions"] > 0
+@pytest.mark.parametrize("policy, params", [(ProtectedInfinity, {}), (Unseeded, {"deterministic": False})])
+def test_protected_infinite_scores_and_an_unseeded_policy_not_claiming_determinism_pass(policy, params):
+    assert check_policy(policy, **params)["evictions"] > 0
 
 
 def test_bad_scores_fail_on_first_use_naming_the_policy(model):

@@ -1,6 +1,5 @@
-"""CriticalKV (keydiff.policies.criticalkv.Critical): its formula (||W_o v||_1, epsilon per query row, shifted and
-log scores, stage 1 per head), parameters and errors. Every eviction of a real prefill and decoding is checked
-against plain loops by tests/test_policy_contract.py."""
+"""CriticalKV (keydiff.policies.criticalkv.Critical): its formula, parameters and errors; every eviction of a real
+prefill and decoding is checked against plain loops by tests/test_policy_contract.py."""
 
 from __future__ import annotations
 
@@ -30,9 +29,7 @@ def test_output_norms_against_loops_with_grouped_heads(chunk_elements, monkeypat
 
 
 def test_epsilon_is_added_per_query_row_as_in_kvpress():
-    """kvpress (and the paper) add epsilon to ONE query's attention: SnapKVPress averages its window's rows, our
-    statistic sums them. Critical must rank (mean + eps) x norm, i.e. score (sum + rows x eps) x norm; with eps
-    added to the sum instead, the choice changes (kvpress parity 0.93 at L = 4096, N = 1024)."""
+    """kvpress adds eps to one query's attention (a window's mean): our sums must score (sum + rows x eps) x norm."""
     g = torch.Generator().manual_seed(0)
     rows, n, kv_heads, dim = 4, 12, 2, 8
     weights = torch.softmax(torch.randn(1, kv_heads, rows, n, generator=g), dim=-1)  # each row sums to 1
@@ -80,7 +77,7 @@ def test_describe_round_trips_and_leaves_plain_policies_alone():
 
 
 def test_stage_one_with_per_head_counts_for_head_budgets():
-    """The AdaKV form picks stage 1 per KV head with that head's count: the first count_h of each head's ranking."""
+    """The AdaKV form picks stage 1 per KV head with that head's count."""
     from keydiff.policies.criticalkv import first_stage
 
     scores = torch.tensor([[[0.1, 0.9, 0.5, 0.3], [0.4, 0.2, 0.8, 0.6]]])

@@ -88,11 +88,6 @@ def test_bad_targets_fail_before_the_model_loads(tmp_path, examples_on_path, no_
     assert not (tmp_path / "run").exists()
 
 
-def test_unknown_builtin_name_points_to_custom_targets():
-    with pytest.raises(ValueError, match="keydiff, keydiff_pairwise.*dotted path"):
-        build_policy("keydif")
-
-
 def test_a_subclass_without_its_own_dataclass_decorator_is_named(tmp_path, monkeypatch):
     """is_dataclass() is true for any subclass of a dataclass: the check looks at each class's own decoration."""
     (tmp_path / "undecorated_lab.py").write_text(

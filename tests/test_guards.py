@@ -1,16 +1,6 @@
-"""Guards against plausible regressions, written against behaviour and the stable public API only.
-
-Nothing here reads the internal layout of `EvictingLayer`: the engine's choices are observed through
-`PrefillResult.kept_positions`, the `on_block` callback and `cache.layers[i].view(i)`, and positions are
-sorted before comparing (a rewrite may store entries in any order inside its buffers).
-
-Eviction is checked against an independent reference: the same tiny Llama run by stock transformers
-(eager attention with `output_attentions=True`, a plain `DynamicCache` holding exactly the entries the
-engine kept, absolute `position_ids`). For every block the reference recomputes the policy's statistic
-from the stock attention weights and checks that the engine's kept set is a top-`budget` set of those
-scores; then it adopts the engine's choice (teacher forcing), so a near-tie decided differently by float
-noise cannot make later blocks diverge.
-"""
+"""Guards against plausible engine and runner regressions, through the public API only: each block's kept set is
+checked against scores recomputed by stock transformers (eager attention weights, a DynamicCache holding the
+engine's kept entries), which then adopts the engine's choice so a float near-tie cannot make later blocks diverge."""
 
 from __future__ import annotations
 
@@ -52,9 +42,6 @@ def engine_positions(cache) -> list[torch.Tensor]:
 def kept_positions_of(policy, view: LayerView, budget: int) -> torch.Tensor:
     """The positions (sorted) a policy keeps from a hand-made view: independent of index conventions."""
     return sorted_positions(view.positions.gather(-1, policy.keep_indices(view, budget)))
-
-
-# --------------------------------------------------------------------------- the reference
 
 
 class StockReference:
@@ -182,16 +169,6 @@ def check_prefill_against_reference(engine_model, reference_model, prompt, polic
     return state, reference, evictions
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """The tiny model gains nothing from threads, and on a busy 2-core machine two threads spin-wait
-    (this file took 100 s instead of 4 s); results are the same (checked for the precision thresholds)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def engine_model():
     model = tiny_llama("sdpa")
@@ -205,70 +182,40 @@ def reference_model():
     return tiny_llama("eager")
 
 
-# --------------------------------------------------------------------------- 1. SnapKV pooling
-
-
-def snapkv_view(attention: list[float]) -> LayerView:
-    """A hand-made view: entry i sits at position 100 + i with `attention[i]`, stored in a shuffled buffer order
-    (pooling must follow positions, not buffer slots)."""
+# Hand-computed, kernel 3, window = the last 2 entries, budget 5 (the window + 3 of the prefix); entry i sits at
+# position 100 + i in a shuffled buffer (pooling follows positions). max: the peak at 2 makes 1, 2, 3 score 0.9.
+# avg (avg_pool1d, zero padding, / 3; the window is no neighbour): pooled .333 .333 .233 .200 .467 .367 .433 .367
+# .500 .367 keeps 8, 4, 6; max pooling would keep {4, 5, 6}, no pooling {0, 5, 8}, count_include_pad=False
+# {0, 8, 9}, the window as a neighbour {4, 8, 9}.
+@pytest.mark.unit
+@pytest.mark.parametrize("pooling, attention, kept", [
+    ("max", [0.0, 0.0, 0.9, 0.0, 0.0, 0.0, 0.5, 0.5, 0.5, 0.5, 0.1, 0.1], [101, 102, 103, 110, 111]),
+    ("avg", [0.7, 0.3, 0.0, 0.4, 0.2, 0.8, 0.1, 0.4, 0.6, 0.5, 0.9, 0.9], [104, 106, 108, 110, 111]),
+])
+def test_snapkv_pooling_keeps_the_hand_computed_entries(pooling, attention, kept):
     n = len(attention)
     slots = torch.randperm(n, generator=torch.Generator().manual_seed(5))  # slot s holds entry slots[s]
-    return LayerView(torch.randn(1, 1, n, 4), torch.randn(1, 1, n, 4), (100 + slots).view(1, 1, n),
+    view = LayerView(torch.randn(1, 1, n, 4), torch.randn(1, 1, n, 4), (100 + slots).view(1, 1, n),
                      torch.tensor(attention)[slots].view(1, 1, n), {}, 0)
-
-
-@pytest.mark.unit
-def test_snapkv_max_pooling_keeps_the_neighbourhood_of_a_peak():
-    # Prefix entries 0..9, window = entries 10, 11. A single peak at 2 and a plateau at 6..9.
-    view = snapkv_view([0.0, 0.0, 0.9, 0.0, 0.0, 0.0, 0.5, 0.5, 0.5, 0.5, 0.1, 0.1])
-    budget = 5  # 2 window slots + 3 chosen from the prefix
-    # max over {i-1, i, i+1}: entries 1, 2, 3 score 0.9 (the peak's neighbourhood), 5..9 score 0.5.
-    kept = kept_positions_of(build_policy("snapkv", window=2, kernel_size=3, pooling="max"), view, budget)
-    assert kept[0, 0].tolist() == [101, 102, 103, 110, 111]
-
-
-@pytest.mark.unit
-def test_snapkv_average_pooling_is_the_zero_padded_mean_over_the_prefix():
-    """SnapKV's avg_pool1d(kernel, padding=kernel // 2): sum of the neighbours inside the prefix / kernel.
-
-    Hand-computed, kernel 3 (÷ 3, zeros beyond the prefix's ends; the window is not a neighbour):
-        attention  0.7  0.3  0    0.4  0.2  0.8  0.1  0.4  0.6  0.5 | window 0.9 0.9
-        pooled     .333 .333 .233 .200 .467 .367 .433 .367 .500 .367
-    Budget 5 = the window + the top 3 of the prefix: entries 8 (.500), 4 (.467), 6 (.433); next is .367.
-    Each plausible mistake keeps another set: max pooling {4, 5, 6}, no pooling {0, 5, 8}, dividing by the
-    neighbours present (count_include_pad=False: entry 9 .550, 0 and 8 .500) {0, 8, 9}, the window as
-    entry 9's neighbour (9: .667) {4, 8, 9}, pooling in buffer order (the buffer is shuffled) another one.
-    """
-    view = snapkv_view([0.7, 0.3, 0.0, 0.4, 0.2, 0.8, 0.1, 0.4, 0.6, 0.5, 0.9, 0.9])
-    kept = kept_positions_of(build_policy("snapkv", window=2, kernel_size=3, pooling="avg"), view, 5)
-    assert kept[0, 0].tolist() == [104, 106, 108, 110, 111]
-
-
-# --------------------------------------------------------------------------- 1-3. attention policies vs stock transformers
+    policy = build_policy("snapkv", window=2, kernel_size=3, pooling=pooling)
+    assert kept_positions_of(policy, view, 5)[0, 0].tolist() == kept
 
 
 @pytest.mark.extended
 @pytest.mark.parametrize("statistics", ["fast", "materialized"])
-@pytest.mark.parametrize(
-    "name, params, scorer",
-    [
-        ("tova", {}, lambda length: tova_scores()),
-        ("snapkv", {"window": 6, "kernel_size": 5, "pooling": "max"}, lambda length: snapkv_scores(6, 5, "max")),
-        ("h2o", {"recent_fraction": 0.0}, lambda length: h2o_scores(length)),
-    ],
-    ids=["tova", "snapkv_max", "h2o"],
-)
+@pytest.mark.parametrize("name, params, scorer", [
+    ("tova", {}, lambda length: tova_scores()),
+    ("snapkv", {"window": 6, "kernel_size": 5, "pooling": "max"}, lambda length: snapkv_scores(6, 5, "max")),
+    ("h2o", {"recent_fraction": 0.0}, lambda length: h2o_scores(length)),
+], ids=["tova", "snapkv_max", "h2o"])
 def test_attention_policies_match_stock_transformers_blockwise(engine_model, reference_model, statistics, name,
                                                                params, scorer):
     """Budget 80, blocks of 20: four passes stay under budget (H2O must still accumulate them), then six evict."""
     prompt = random_prompt(200, seed=11)
-    _, _, evictions = check_prefill_against_reference(
-        engine_model, reference_model, prompt, build_policy(name, **params), 80, 20, scorer(200), statistics
-    )
+    policy = build_policy(name, **params)
+    _, _, evictions = check_prefill_against_reference(engine_model, reference_model, prompt, policy, 80, 20,
+                                                      scorer(200), statistics)
     assert evictions == 6 * LAYERS
-
-
-# --------------------------------------------------------------------------- 7. decoding positions after eviction
 
 
 @pytest.mark.extended
@@ -281,9 +228,8 @@ def test_greedy_decoding_after_eviction_matches_stock_transformers(engine_model,
     def sink_rule(layer_idx, attention, positions):
         return torch.where(positions < sinks, math.inf, positions.float())
 
-    state, reference, _ = check_prefill_against_reference(
-        engine_model, reference_model, prompt, policy, budget, block, sink_rule
-    )
+    state, reference, _ = check_prefill_against_reference(engine_model, reference_model, prompt, policy, budget, block,
+                                                          sink_rule)
     logits = state.logits.clone()  # after the prompt
     tokens = generate(engine_model, state, new_tokens).token_ids[0]
     assert len(tokens) == new_tokens
@@ -313,13 +259,10 @@ def test_greedy_decoding_after_eviction_matches_stock_transformers(engine_model,
         assert positions[0, 0, -len(fed_back):].tolist() == fed_back
 
 
-# --------------------------------------------------------------------------- 4. top-p nucleus
-
-
 @pytest.mark.unit
 @pytest.mark.parametrize("top_p, nucleus", [(0.7, {0, 1}), (0.85, {0, 1, 2}), (0.97, {0, 1, 2, 3}), (0.4, {0})])
 def test_top_p_samples_exactly_the_nucleus(top_p, nucleus):
-    """probs [0.5, 0.3, 0.15, 0.05]: the nucleus is the smallest prefix whose mass reaches top_p, crossing token included."""
+    """probs [0.5, 0.3, 0.15, 0.05]: the nucleus is the smallest prefix whose mass reaches top_p (crossing token in)."""
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
     # Row r holds the same distribution with its tokens permuted, so a wrong scatter back shows as well.
     perms = [torch.tensor(p) for p in ([0, 1, 2, 3], [3, 2, 1, 0], [2, 0, 3, 1], [1, 3, 0, 2])]
@@ -348,9 +291,6 @@ def test_top_p_one_and_greedy_are_unfiltered():
     assert int(next_token(logits, False, 1.0, 0.5, None)) == 0
 
 
-# --------------------------------------------------------------------------- 5, 6. runner rows, KV bytes, resume
-
-
 def runner_cfg(model_dir, *overrides: str, task: dict | None = None):
     from hydra import compose, initialize_config_dir
 
@@ -366,8 +306,7 @@ def runner_cfg(model_dir, *overrides: str, task: dict | None = None):
 
 @pytest.fixture
 def tiny_runner(tmp_path, monkeypatch):
-    """runner.run with the tiny model and the char tokenizer; counts model loads, samples run and prefill calls
-    (the runner's warm-up's and the samples')."""
+    """runner.run with the tiny model and char tokenizer, counting model loads, samples run and prefill calls."""
     from keydiff.run import runner, samples
 
     model = tiny_llama("sdpa")
@@ -425,12 +364,6 @@ def hand_peak_entries(length: int, budget: int, block: int, fed_back: int) -> in
     return peak
 
 
-def kv_bytes_of(row: dict) -> int:
-    present = [key for key in ("kv_cache_held_peak_bytes", "kv_cache_allocated_bytes") if key in row]
-    assert present, f"no KV byte count in the row: {sorted(row)}"
-    return row[present[0]]
-
-
 @pytest.mark.extended
 def test_runner_rows_cap_compression_and_count_keys_and_values(tmp_path, tiny_runner):
     runner, model_dir, _ = tiny_runner
@@ -447,22 +380,15 @@ def test_runner_rows_cap_compression_and_count_keys_and_values(tmp_path, tiny_ru
         assert row["kept_ratio"] == pytest.approx(min(budget / length, 1.0))  # a short prompt is not "compressed" > 1
         peak = hand_peak_entries(length, budget, block, new_tokens - 1)
         assert row["max_cache_entries"] == peak
-        assert kv_bytes_of(row) == LAYERS * peak * per_layer_entry
-    assert rows["len30"]["kept_ratio"] == 1.0
+        assert row["kv_cache_held_peak_bytes"] == LAYERS * peak * per_layer_entry
     stats = summary["statistics"]
     assert stats["mean_kept_ratio"] == pytest.approx((1.0 + budget / 100) / 2)
-    assert stats["mean_kept_ratio"] <= 1.0
 
 
 @pytest.mark.parametrize("shape", [{}, {"num_key_value_heads": 1, "head_dim": 24}], ids=["gqa", "mqa_head_dim_24"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 def test_kv_bytes_per_layer_entry_counts_keys_and_values(dtype, shape):
-    """The runner's bytes per cached token and layer equal what transformers' own cache stores per token.
-
-    Catches counting keys only, query heads instead of KV heads, hidden_size // heads instead of an explicit
-    head_dim (24 here, not 64 // 4), or the wrong element size; the expected value is measured on a stock
-    DynamicCache, not computed from the config as the function under test does.
-    """
+    """Bytes per cached token and layer equal a stock DynamicCache's (keys and values, KV heads, head_dim 24, dtype)."""
     from keydiff.run.samples import kv_bytes_per_layer_entry
 
     model = tiny_llama("sdpa", **shape).to(dtype)
@@ -491,9 +417,6 @@ def test_resume_never_reruns_finished_samples(tmp_path, tiny_runner):
     assert third["statistics"]["samples"] == 2 and third["complete"] is True
 
 
-# --------------------------------------------------------------------------- 8. low precision
-
-
 def jaccard_agreement(a_list: list[torch.Tensor], b_list: list[torch.Tensor]) -> float:
     """Mean over rows, layers and KV heads of |A ∩ B| / |A ∪ B| of the kept position sets."""
     values = []
@@ -505,36 +428,19 @@ def jaccard_agreement(a_list: list[torch.Tensor], b_list: list[torch.Tensor]) ->
     return sum(values) / len(values)
 
 
+# H2O is left out: on this near-uniform attention its kept set is the earliest positions at any precision, so its
+# accumulation is checked by test_h2o_accumulates_in_float32_in_low_precision_models instead.
 PRECISION_POLICIES = [
     ("keydiff", {}),
     ("snapkv", {"window": 8, "kernel_size": 7, "pooling": "avg"}),
     ("tova", {}),
 ]
-# H2O is not compared by kept sets: with no recent share, on this model, its kept set is positions 0..99 in
-# every layer and head, whatever the precision. Attention here is close to uniform, so an entry's column sum
-# is about sum over later rows of 1 / (entries that row sees): the earlier the position, the larger, and the
-# earliest `budget` positions win every eviction. A precision bug in its accumulation (below) leaves that set,
-# hence an agreement of 1.0, unchanged; test_h2o_accumulates_in_float32_in_low_precision_models checks the
-# accumulated sums themselves instead.
-# Four prompts of 240 tokens, budget 100, blocks of 80: two evictions per layer, and the last block's
-# logits are computed against a cache chosen in the model's own precision.
-PRECISION_SETUP = dict(budget=100, block=80, length=240, batch=4)
-# Thresholds, measured on 6 batches of 4 prompts (seeds 21-26, this one is seed 21) with torch 2.13 on CPU
-# (identical with 1 and 2 threads).
-# Mean Jaccard of the kept sets against float32: bf16 >= 0.970, fp16 >= 0.975 (seed 21: >= 0.982 / 0.991);
-# (h2o, before it was taken out of this comparison, was 1.0 everywhere, bug or no bug: see above).
-# A real precision bug, the attention statistic's softmax taken in bf16 instead of float32, drops snapkv /
-# tova to 0.78-0.81 / 0.83-0.88 in bf16 (fp16: 0.957 / 0.978). bf16 needs >= 0.90: a 0.07 margin below the
-# worst correct prompt and above the worst bug. fp16 needs >= 0.95: fp16 has 3 more mantissa bits, yet one
-# early flip cascades through later blocks, so it keeps a 0.025 margin for other CPUs' kernels; it guards
-# against fp16 breakdowns (overflow, garbage statistics) rather than that subtle bug, which bf16 catches.
-# Logits after the last block (max abs over 4 prompts, logits ~0.5 in size): measured <= 0.0105 (bf16) and
-# <= 0.0071 (fp16), bug 0.020-0.034 (bf16); the tolerances are about twice the measured maxima.
-# bf16 fast vs materialized statistics: measured >= 0.906 (seed 21: snapkv 0.923, tova 0.939), the bf16
-# softmax bug gives 0.78-0.80 / 0.84-0.875, so >= 0.88; logits measured <= 0.021, tolerance 0.04.
+PRECISION_SETUP = dict(budget=100, block=80, length=240, batch=4)  # two evictions per layer
+# Measured on seeds 21-26 (torch 2.13, CPU): correct runs agree >= 0.970 (bf16) / 0.975 (fp16) with float32 and
+# their logits differ <= 0.0105 / 0.0071; the statistic's softmax taken in bf16 drops bf16 to 0.78-0.88 (logits
+# 0.020-0.034). fp16 keeps a margin for other CPUs' kernels: it guards against breakdowns, bf16 against that bug.
 MIN_AGREEMENT = {torch.bfloat16: 0.90, torch.float16: 0.95}
 LOGITS_ATOL = {torch.bfloat16: 0.02, torch.float16: 0.015}
-MIN_FAST_MATERIALIZED_AGREEMENT, FAST_MATERIALIZED_LOGITS_ATOL = 0.88, 0.04
 
 
 @pytest.fixture(scope="module")
@@ -558,20 +464,6 @@ def test_low_precision_prefill_agrees_with_float32(engine_model, precision_promp
     assert error <= LOGITS_ATOL[dtype], f"{name} {dtype}: logits differ by {error:.4f}"
 
 
-# No h2o here either: fast and materialized statistics give it the same kept set by construction (see above).
-@pytest.mark.parametrize("name, params", PRECISION_POLICIES[1:], ids=[p[0] for p in PRECISION_POLICIES[1:]])
-def test_fast_and_materialized_statistics_agree_in_bf16(precision_prompts, name, params):
-    budget, block = PRECISION_SETUP["budget"], PRECISION_SETUP["block"]
-    model = tiny_llama("sdpa").to(torch.bfloat16)
-    fast = prefill(model, precision_prompts, build_policy(name, **params), budget, block, attention_statistics="fast")
-    materialized = prefill(model, precision_prompts, build_policy(name, **params), budget, block,
-                           attention_statistics="materialized")
-    agreement = jaccard_agreement([sorted_positions(p) for p in fast.kept_positions],
-                                  [sorted_positions(p) for p in materialized.kept_positions])
-    assert agreement >= MIN_FAST_MATERIALIZED_AGREEMENT, f"{name}: fast vs materialized agreement {agreement:.3f}"
-    assert (fast.logits - materialized.logits).abs().max().item() <= FAST_MATERIALIZED_LOGITS_ATOL
-
-
 @dataclass
 class ObservedH2O(H2O):
     """H2O that keeps a copy of every statistic it adds up, by layer (so it evicts layer by layer)."""
@@ -588,15 +480,9 @@ class ObservedH2O(H2O):
 @pytest.mark.parametrize("statistics", ["fast", "materialized"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_h2o_accumulates_in_float32_in_low_precision_models(precision_prompts, dtype, statistics):
-    """Every held entry's H2O score is the float32 sum of all the attention it received, in a bf16/fp16 model.
-
-    The sums are recomputed here in float64, by absolute position, from the statistics H2O was handed. Catches
-    accumulating in the model's precision: during decoding each step adds about 1/100 to sums of 1.4 to 6.7,
-    where half a bfloat16 ulp is 0.004 to 0.016, so those additions are rounded away (fp16: 8x finer); also
-    catches a sum that skips a pass or does not move with its entry. Measured (relative error, worst entry):
-    <= 6e-7 when correct (0 with materialized statistics); state buffers in the model's dtype 9.5e-2 (bf16) /
-    1.5e-2 (fp16); each statistic rounded to the model's dtype before adding 2.7e-3 / 3.2e-4.
-    """
+    """Every held entry's H2O score is the float32 sum (recomputed in float64) of the attention it was handed."""
+    # Decoding adds ~1/100 to sums of 1.4-6.7, below half a bf16 ulp. Measured worst relative error: <= 6e-7 when
+    # correct; 9.5e-2 / 1.5e-2 (bf16 / fp16) with the state in the model's dtype; 2.7e-3 / 3.2e-4 rounding each add.
     budget, block = PRECISION_SETUP["budget"], PRECISION_SETUP["block"]
     model, policy = tiny_llama("sdpa").to(dtype), ObservedH2O()
     state = prefill(model, precision_prompts, policy, budget, block, attention_statistics=statistics)

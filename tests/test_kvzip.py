@@ -1,15 +1,6 @@
-"""KVzip (keydiff.policies.kvzip): context-reconstruction scoring under block-wise prefill with a fixed budget.
-
-* the kept sets at every eviction equal a brute-force reference: a hand-written forward of the tiny Llama
-  (its own weights, explicit per-KV-head entry lists, explicit softmax) that runs each block, then the block's
-  reconstruction pass without keeping its entries, scores each entry by the running max of the attention it
-  received (max over rows and the group's query heads), and keeps the top N; decoding continues the same way;
-* one block (block_size=inf) equals the paper's one-shot KVzip computed with stock transformers (a
-  DynamicCache, eager attention weights of [repeat prompt + suffix + context] after the context);
-* a scratch pass leaves the cache exactly as it was (entries, positions, tokens seen, peak) and changes
-  nothing downstream; the bound N + B holds for kept entries and N + B + R + B while the scratch pass runs;
-* the max statistic beside the fused kernel equals the one read from materialised weights, in chunks too.
-"""
+"""KVzip (keydiff.policies.kvzip) under block-wise prefill: every eviction against a hand-written forward, one block
+against the paper's one-shot KVzip by stock transformers, kvpress's reconstruction prompt, the scratch pass leaving
+the cache as it was, the N + B and N + B + R + B bounds, the max statistic beside the kernel."""
 
 from __future__ import annotations
 
@@ -36,8 +27,7 @@ def prompt_ids(length: int, seed: int = 1) -> torch.Tensor:
 
 
 class ReferenceKVzip:
-    """Block-wise KVzip computed by hand: per layer and KV head, a list of (position, key, value) entries and
-    a running-max score per position. Batch of one."""
+    """Block-wise KVzip by hand, batch 1: per layer and KV head, (position, key, value) entries and running maxima."""
 
     def __init__(self, model, budget: int):
         self.model, self.budget = model, budget
@@ -50,11 +40,8 @@ class ReferenceKVzip:
         self.seen = 0
 
     def step(self, ids: torch.Tensor, keep: bool, record: bool, chunk_start: int | None = None) -> torch.Tensor:
-        """Run `ids` at positions seen.., attending to the held entries and causally to itself. keep: the pass's
-        entries join the held ones (else they are discarded, a reconstruction pass). record: every held
-        entry's running max is raised by the largest attention any row and group head gave it. chunk_start:
-        that attention is a softmax over the sinks, the entries from chunk_start on and the pass's own only
-        (kvpress's chunked scoring). Returns the last row's logits."""
+        """Run `ids` after the held entries; keep: its entries join them (else a reconstruction pass); record: raise
+        each held entry's running max (chunk_start: a softmax over the sinks and entries from there on); last logits."""
         model = self.model.model
         q_len = ids.shape[1]
         positions = torch.arange(self.seen, self.seen + q_len)
@@ -158,13 +145,12 @@ def test_reconstruction_input_is_kvpress_prompt_then_block(tokenizer):
                                              "{% if add_generation_prompt %}<a>{% endif %}")
     assert policy.reconstruction_input(ids[:, :5], ids[:, :0], templated)[0].tolist()[-5 - 7 :] == \
         encode("</u><a>") + ids[0, :5].tolist()  # the chat template's assistant opening, as kvpress derives it
+    assert torch.equal(policy.reconstruction_input(ids, ids[:, :0], None), ids)  # no tokenizer: the block alone
 
 
 @pytest.mark.unit
 def test_reconstruct_prefix_false_leaves_the_chat_templates_prefix_out_as_kvpress():
-    """kvpress reconstructs the context after the template's prefix (its prefix_length): with
-    reconstruct_prefix=False the first block's pass repeats only what follows the prefix; later blocks and a
-    prompt that does not open with the prefix are unchanged; the default repeats the whole block."""
+    """reconstruct_prefix=False repeats only what follows the chat template's prefix in the first block, as kvpress."""
     templated = char_tokenizer(chat_template="<sys>{% for m in messages %}<u>{{ m['content'] }}</u>{% endfor %}"
                                              "{% if add_generation_prompt %}<a>{% endif %}")
     encode = lambda text: torch.tensor([templated.encode(text, add_special_tokens=False)])  # noqa: E731
@@ -272,16 +258,9 @@ def test_materialized_statistics_keep_what_fast_keeps(tokenizer, scoring_keys):
     assert all(torch.equal(a, b) for a, b in zip(*kept))
 
 
-@pytest.mark.unit
-def test_without_a_tokenizer_the_pass_is_the_block_alone():
-    ids = prompt_ids(20)
-    assert torch.equal(KVzip().reconstruction_input(ids, ids[:, :0], None), ids)
-
-
 @pytest.mark.real_model
 def test_runner_passes_the_tokenizer_and_records_the_scratch_peak(tmp_path):
-    """policy=kvzip end to end: the reconstruction prompt is the tokenizer's (R = 27 for a later block with
-    SmolLM2's chat template: without the tokenizer the peak would be N + B + B), the kept bound holds."""
+    """policy=kvzip through the runner: the tokenizer's reconstruction prompt (R = 27) sets the recorded peak."""
     import json
 
     from keydiff.run import runner

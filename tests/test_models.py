@@ -50,7 +50,6 @@ def write_conversion(out: Path, gguf: Path) -> dict:
     return record
 
 
-# ------------------------------------------------------------------------------------------- validation
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
@@ -128,7 +127,6 @@ def test_model_yaml_files(path, tmp_path):
         assert (cfg.dtype, cfg.attn_implementation, cfg.max_length) == ("bfloat16", attention, 31500)
 
 
-# ------------------------------------------------------------------------------------------- builtin plumbing
 def test_cache_dir_env_override(monkeypatch, tmp_path):
     monkeypatch.setenv("KEYDIFF_CACHE", str(tmp_path))
     assert builtin_model_dir("smollm2-135m") == tmp_path / "models" / "smollm2-135m"
@@ -211,7 +209,6 @@ def test_conversion_record_checks(tmp_path):
     assert not models._conversion_is_current(folder, gguf)
 
 
-# ------------------------------------------------------------------------------------------- stop tokens
 class _FakeTokenizer:
     def __init__(self, eos, specials):
         self.eos_token_id = eos
@@ -223,20 +220,16 @@ class _FakeTokenizer:
         return self._ids[token]
 
 
-def test_eos_token_ids_llama3_style():
-    model = SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=[128001, 128009]),
-                            config=SimpleNamespace(eos_token_id=128001))
-    tok = _FakeTokenizer(128009, {"<|begin_of_text|>": 128000, "<|end_of_text|>": 128001, "<|eot_id|>": 128009})
-    assert eos_token_ids(model, tok) == [128001, 128009]
-    # A model that declares only <|end_of_text|> still stops on <|eot_id|>.
-    model = SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=128001), config=SimpleNamespace())
-    tok = _FakeTokenizer(128001, {"<|end_of_text|>": 128001, "<|eot_id|>": 128009})
-    assert eos_token_ids(model, tok) == [128001, 128009]
-
-
-def test_eos_token_ids_none_anywhere():
-    model = SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=None), config=SimpleNamespace())
-    assert eos_token_ids(model, _FakeTokenizer(None, {})) == []
+@pytest.mark.parametrize("declared, config_eos, eos, specials, expected", [
+    ([128001, 128009], 128001, 128009, {"<|begin_of_text|>": 128000, "<|end_of_text|>": 128001, "<|eot_id|>": 128009},
+     [128001, 128009]),
+    (128001, None, 128001, {"<|end_of_text|>": 128001, "<|eot_id|>": 128009}, [128001, 128009]),  # <|eot_id|> added
+    (None, None, None, {}, []),
+])
+def test_eos_token_ids(declared, config_eos, eos, specials, expected):
+    model = SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=declared),
+                            config=SimpleNamespace(eos_token_id=config_eos))
+    assert eos_token_ids(model, _FakeTokenizer(eos, specials)) == expected
 
 
 def test_provenance_hub_and_local(tmp_path):
@@ -250,7 +243,6 @@ def test_provenance_hub_and_local(tmp_path):
     assert local["weight_files"] == [{"file": "model.safetensors", "bytes": 5}]
 
 
-# ------------------------------------------------------------------------------------------- the real model
 @pytest.fixture(scope="session")
 def converted() -> dict:
     """Convert the builtin model once into the default cache folder (a no-op when already converted)."""

@@ -12,7 +12,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from keydiff import build_policy, prefill
 from keydiff.policies import LayerView
 from keydiff.policies.layer_budgets import smallest_layer_budget, split_budget
-from keydiff.queries import QueryStatistics, mean_rotation, rope_frequencies
+from keydiff.queries import QueryStatistics, rope_frequencies
 from tests.conftest import tiny_llama
 
 pytestmark = pytest.mark.unit
@@ -38,9 +38,6 @@ def model():
     return tiny_llama()
 
 
-# --------------------------------------------------------------------------- query statistics and RoPE
-
-
 @pytest.mark.integration
 def test_query_statistics_undo_rope_and_match_brute_moments(model):
     generator = torch.Generator().manual_seed(0)
@@ -56,16 +53,6 @@ def test_query_statistics_undo_rope_and_match_brute_moments(model):
     centred = kept - kept.mean(dim=2, keepdim=True)
     brute_cov = torch.einsum("bhni,bhnj->bhij", centred, centred) / 37
     assert torch.allclose(stats.covariance(), brute_cov, atol=1e-5)
-
-
-@pytest.mark.integration
-def test_mean_rotation_is_the_average_of_the_models_rope_matrices(model):
-    inv_freq, scaling = rope_frequencies(model.config, HEAD_DIM)
-    brute = sum(rope_matrix(model, t) for t in range(100, 130)) / 30
-    assert torch.allclose(mean_rotation(inv_freq, scaling, 100, 30), brute, atol=1e-6)
-
-
-# --------------------------------------------------------------------------- Expected Attention
 
 
 def expected_attention_reference(model, keys, values, positions, x, next_position, future, n_sink, epsilon=0.0):
@@ -142,9 +129,6 @@ def test_expected_attention_statistics_in_a_real_prefill_are_the_pre_rope_querie
         x = captured[idx].view(1, 90, 4, HEAD_DIM).transpose(1, 2).double()[:, :, 4:]
         assert layer.queries.count == 86 and layer.queries.next_position == 90
         assert torch.allclose(layer.queries.mean(), x.mean(dim=2), atol=1e-4)
-
-
-# --------------------------------------------------------------------------- LagKV
 
 
 def lagkv_reference(keys, values, positions, n_sink, lag):
@@ -245,9 +229,16 @@ def test_lagkv_frozen_matches_the_authors_streaming_method(budget, block, lag):
     assert kept == lagkv_streaming_reference(keys, values, budget, block, 2, lag)
 
 
+def test_lagkv_rescoring_keeps_other_entries_than_frozen_ranks():
+    generator = torch.Generator().manual_seed(9)
+    keys, values = torch.randn(200, 8, generator=generator), torch.randn(200, 8, generator=generator)
+    kept = [stream_through_cache(build_policy("lagkv", n_sink=2, lag_size=8, scoring=scoring), keys, values, 40, 10)[0]
+            for scoring in ("frozen", "rescore")]
+    assert kept[0] != kept[1]
+
+
 def test_lagkv_frozen_scores_each_head_on_its_own_raw_entries():
-    """Heads with different numbers of raw entries in one view: each scored as if it were alone (the padding
-    that lines rows up is never written), and ranks already frozen are left as they are."""
+    """Heads with different numbers of raw entries: each scored as if alone; ranks already frozen stay."""
     generator = torch.Generator().manual_seed(11)
     n, lag = 40, 6
     keys, values = torch.randn(1, 2, n, 8, generator=generator), torch.randn(1, 2, n, 8, generator=generator)
@@ -268,28 +259,8 @@ def test_lagkv_frozen_scores_each_head_on_its_own_raw_entries():
     assert int((frozen[0, 1] >= 0).sum()) == 5 * lag  # 38 raw (sinks 0, 1 aside): 6 full partitions, 5 scored
 
 
-def test_lagkv_frozen_ranks_never_change_and_differ_from_rescoring():
-    generator = torch.Generator().manual_seed(9)
-    keys, values = torch.randn(200, 8, generator=generator), torch.randn(200, 8, generator=generator)
-    kept, cache = stream_through_cache(build_policy("lagkv", n_sink=2, lag_size=8), keys, values, 40, 10)
-    layer = cache.layers[0]
-    ranks = dict(zip(layer.positions[0, 0, : layer.num_entries].tolist(), layer.state["lag_rank"][0, 0, : layer.num_entries].tolist()))
-    more_keys = torch.cat([keys, torch.randn(30, 8, generator=generator)])
-    more_values = torch.cat([values, torch.randn(30, 8, generator=generator)])
-    _, later = stream_through_cache(build_policy("lagkv", n_sink=2, lag_size=8), more_keys, more_values, 40, 10)
-    after = later.layers[0]
-    for position, rank in zip(after.positions[0, 0, : after.num_entries].tolist(), after.state["lag_rank"][0, 0, : after.num_entries].tolist()):
-        if ranks.get(position, -1.0) >= 0:
-            assert rank == ranks[position]  # scored once, then frozen
-    rescored, _ = stream_through_cache(build_policy("lagkv", n_sink=2, lag_size=8, scoring="rescore"), keys, values, 40, 10)
-    assert kept != rescored
-
-
-# --------------------------------------------------------------------------- PyramidKV layer budgets
-
-
-# Exact per-layer budgets worked out by hand from PyramidKV's definition (top layer (N - w) / beta, bottom layer
-# 2(N - w) - top, arithmetic in between, + w in every layer), rounded by largest remainders (ties: lower layer):
+# By hand from PyramidKV's definition (top (N - w) / beta, bottom 2(N - w) - top, arithmetic between, + w), rounded
+# by largest remainders (ties: the lower layer):
 # N 100, 7 layers, beta 5: 180, 153.3, 126.7, 100, 73.3, 46.7, 20 -> the two .7 round up.
 # N 64, 3 layers, beta 20: 124.8, 64, 3.2 -> 124.8 rounds up.
 # N 60, 5 layers, beta 4, w 32: 32 + (49, 38.5, 28, 17.5, 7) -> the first .5 (layer 1) rounds up.
@@ -361,36 +332,39 @@ def test_exact_arithmetic_matches_kvpress_and_keeps_the_total(prompt_length, exp
 
 @pytest.mark.integration
 @pytest.mark.extended
-@pytest.mark.parametrize("name, arithmetic", [("keydiff", "exact"), ("snapkv", "exact"), ("keydiff", "kvcache_factory")])
-def test_pyramid_budgets_and_kept_counts_in_a_real_prefill(name, arithmetic):
-    model = tiny_llama(num_hidden_layers=5)
+@pytest.mark.parametrize("name, arithmetic, expected", [  # exact: PYRAMIDS_BY_HAND; KVCache-Factory: 15 + 22 steps
+    ("keydiff", "exact", [105, 83, 60, 37, 15]), ("snapkv", "exact", [81, 71, 60, 49, 39]),
+    ("keydiff", "kvcache_factory", [105, 83, 61, 39, 17]),
+])
+def test_pyramid_budgets_and_kept_counts_in_a_real_prefill(name, arithmetic, expected):
     spec = {"schedule": "pyramid", "beta": 4, "window": 32 if name == "snapkv" else 0, "arithmetic": arithmetic}
-    policy = build_policy(name, layer_budgets=spec)
     budget, block = 60, 16
-    expected = split_budget(spec, budget, 5, prompt_length=300)
-    # By hand. exact: top (60 - w) / 4, bottom 2 (60 - w) - top, + w: w = 0: 105, 82.5, 60, 37.5, 15; w = 32:
-    # 81, 70.5, 60, 49.5, 39; largest remainders, the tie going to the lower layer, keep the total 300.
-    # KVCache-Factory: min 60 // 4 = 15, max 105, steps 90 // 4 = 22.
-    by_hand = {("keydiff", "exact"): [105, 83, 60, 37, 15], ("snapkv", "exact"): [81, 71, 60, 49, 39],
-               ("keydiff", "kvcache_factory"): [105, 83, 61, 39, 17]}
-    assert expected == by_hand[name, arithmetic]
-    assert (sum(expected) == 5 * budget) == (arithmetic == "exact") and len(set(expected)) == 5
+    assert split_budget(spec, budget, 5, prompt_length=300) == expected
     ids = torch.randint(0, 256, (1, 300), generator=torch.Generator().manual_seed(6))
-    state = prefill(model, ids, policy, budget=budget, block_size=block)  # the bound: tests/test_policy_contract.py
+    state = prefill(tiny_llama(num_hidden_layers=5), ids, build_policy(name, layer_budgets=spec), budget, block)
     assert [kept.shape[-1] for kept in state.kept_positions] == expected == state.cache.layer_budgets
     assert state.cache.layer_max_entries == [b + block for b in expected]
 
 
-def test_run_statistics_check_each_layer_against_its_own_bound():
+RUN_ROW = {"prompt_tokens": 500, "compression_ratio": 0.2, "ttft_s": 1.0, "decode_s": 1.0, "new_tokens": 3,
+           "kv_cache_peak_bytes": 1, "kv_cache_bytes": 1, "peak_memory_bytes": 1}
+
+
+@pytest.mark.parametrize("params, row, bounds, broken", [
+    ({}, {"max_cache_entries": 160, "layer_budgets": [150, 100, 50], "layer_max_cache_entries": [160, 110, 60]},
+     {"cache_bound": 160, "layer_cache_bounds": [160, 110, 60], "layer_budgets": [150, 100, 50]},
+     {"layer_max_cache_entries": [160, 110, 61]}),  # the top layer over its own N_l + B
+    ({"head_budgets": "adakv"}, {"max_cache_entries": 110, "layer_budgets": [100, 100],
+                                 "layer_max_cache_entries": [110, 110], "layer_max_total_entries": [220, 200],
+                                 "layer_kv_heads": [2, 2]},
+     {"layer_total_bounds": [220, 220], "layer_max_total_entries": [220, 200]},
+     {"layer_max_total_entries": [221, 200]}),  # one entry over kv_heads x (N + B)
+])
+def test_run_statistics_check_each_layer_against_its_own_bound(params, row, bounds, broken):
     from keydiff.run.plan import RunPlan
     from keydiff.run.runner import run_statistics
 
-    plan = RunPlan("keydiff", {}, 100, 10, "fast", True, None, None)
-    row = {"prompt_tokens": 500, "compression_ratio": 0.2, "ttft_s": 1.0, "decode_s": 1.0, "new_tokens": 3,
-           "max_cache_entries": 160, "kv_cache_peak_bytes": 1, "kv_cache_bytes": 1, "peak_memory_bytes": 1,
-           "layer_budgets": [150, 100, 50], "layer_max_cache_entries": [160, 110, 60]}
-    stats = run_statistics([row], plan)
-    assert stats["cache_bound_held"] is True and stats["cache_bound"] == 160
-    assert stats["layer_cache_bounds"] == [160, 110, 60] and stats["layer_budgets"] == [150, 100, 50]
-    broken = {**row, "layer_max_cache_entries": [160, 110, 61]}  # the top layer over its own N_l + B
-    assert run_statistics([broken], plan)["cache_bound_held"] is False
+    plan = RunPlan("keydiff", params, 100, 10, "fast", True, None, None)
+    stats = run_statistics([{**RUN_ROW, **row}], plan)
+    assert stats["cache_bound_held"] is True and {key: stats[key] for key in bounds} == bounds
+    assert run_statistics([{**RUN_ROW, **row, **broken}], plan)["cache_bound_held"] is False

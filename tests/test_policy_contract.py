@@ -1,22 +1,6 @@
-"""The contract every eviction policy keeps on every path a sequence can take: one module, not a harness per policy.
-
-Policy: every conf/policy preset, and compositions the presets do not reach (CriticalKV over other scorers, AdaKV
-over a window or a sink, chunks per head), on the tiny random Llama of tests/conftest.py. Path: the ordinary
-block-wise engine (prefill, then `generate`, one sequence), the fixed-shape step (fixed_shapes=True: taken where
-the policy allows, else the ordinary step runs) and grouped decoding (`generate_batch` of three prompts, width 3).
-Invariants, on every path:
-  * every eviction (prefill blocks and decoding steps) keeps what an independent brute-force choice keeps: plain
-    loops over the innermost scorer's own scores and protected entries that apply each wrapper's rule (recent
-    window, whole chunks, CriticalKV's two stages with ||W_o v||_1 recomputed from the model's o_proj, AdaKV's
-    shared budget and safeguard), ties to the newer position; the cache then holds that choice;
-  * the N_l + B bound in every layer (AdaKV: kv_heads x (N + B) per layer), exactly N_l held at the end;
-  * a sequence in fixed shapes or in a group gives what it gives alone (logits, tokens, kept positions);
-  * a budget N >= L evicts nothing: the model's own logits, and the tokens of `full`;
-  * the goldens (tests/golden/engine.json, recorded on the device's default step) hold on the ordinary step.
-The innermost scores (KeyDiff's Eq. 8, SnapKV's pooling, LagKV, Expected Attention, KVzip's statistic, ...) are
-checked against loops in the policies' own test files; the attention statistic against stock transformers in
-tests/test_guards.py.
-"""
+"""The contract every policy preset (and compositions no preset reaches) keeps on every path (ordinary, fixed-shape
+step, a group of three): each eviction is the brute-force choice by loops, the N_l + B bound holds, every path equals
+the ordinary one, N >= L is `full`, and the goldens hold. Each scorer's own formula is in its policy's test file."""
 
 from __future__ import annotations
 
@@ -73,23 +57,21 @@ def needs(policy, capability: str):
 NAMES = policy_presets() + list(EXTRA)
 CASES = extended_unless(NAMES, lambda name: name in CORE_POLICIES)
 
+
 def prompts(lengths=LENGTHS) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(7)
     return [torch.randint(0, 256, (1, n), generator=generator) for n in lengths]
 
 
-# --------------------------------------------------------------------------- the brute-force choice, by loops
 def loop_norms(values: torch.Tensor, weight: torch.Tensor, groups: int, kv_head: int) -> torch.Tensor:
-    """||W_o^h v||_1 of the entries `values` [n, head_dim] of KV head `kv_head`, averaged over the `groups` query
-    heads h reading it (repeat_kv order), one query head at a time: float64 [n]. weight: o_proj's [hidden, heads x head_dim]."""
+    """||W_o^h v||_1 of KV head `kv_head`'s values [n, d], averaged over its `groups` query heads: float64 [n]."""
     dim = values.shape[-1]
     return sum((values.double() @ weight[:, h * dim:(h + 1) * dim].double().T).abs().sum(-1)
                for h in range(kv_head * groups, (kv_head + 1) * groups)) / groups
 
 
 def scores_and_protected(policy, view: LayerView, budget: int) -> tuple[list, list]:
-    """Per row and head, each entry's score and whether it is protected: the innermost scorer's own, with the
-    recent window and the chunk sums of the wrappers around it applied by loops."""
+    """Per row and head, each entry's score and protection: the innermost scorer's, the wrappers' rules by loops."""
     if isinstance(policy, LayerBudgets):  # the cache hands each layer its own budget
         return scores_and_protected(policy.scorer, view, budget)
     positions = view.positions.tolist()
@@ -129,8 +111,7 @@ def choose(scores, protected, positions, counts) -> list[list[int]]:
 
 
 def critical_choice(raw, protected, positions, norms, count, first, epsilon, log_scores) -> list[int]:
-    """One head under CriticalKV: protected entries and the `first` best raw scores (protected first, ties to the
-    newer), then the best (score - min(0, min score) + epsilon) x norm (log scores: log((e^s + eps) x norm))."""
+    """One head under CriticalKV: protected and the `first` best raw scores, then the best (s - min(0, s) + eps) x n."""
     stage_one = set(best([(p, s, q) for s, p, q in zip(raw, protected, positions)], first))
     stage_one |= {i for i, p in enumerate(protected) if p}
     shift = min(0.0, min(s for s in raw if math.isfinite(s)))
@@ -141,8 +122,7 @@ def critical_choice(raw, protected, positions, norms, count, first, epsilon, log
 
 
 def adakv_counts(scores, protected, positions, budget, alpha) -> list[int]:
-    """Entries each head keeps under AdaKV: every head's protected entries and its own top floor(alpha x N) first,
-    then the best of all heads by (score, position, lower head first) until T = heads x N."""
+    """Entries each head keeps under AdaKV: its protected and top floor(alpha N), then the best of all heads to T."""
     safe = math.floor(alpha * budget + 1e-9)
     entries = []
     for h, (score, protect, pos) in enumerate(zip(scores, protected, positions)):
@@ -154,8 +134,7 @@ def adakv_counts(scores, protected, positions, budget, alpha) -> list[int]:
 
 
 def epsilon_rows(scorer, newest: int, log: dict) -> int:
-    """The query rows an attention-sum scorer's raw scores add up at this eviction: min(window, rows of the pass)
-    in a prefill block, 1 while decoding; 1 for every other scorer (CriticalKV adds epsilon per query row)."""
+    """The query rows an attention-sum scorer adds up at this eviction (CriticalKV adds epsilon per row); else 1."""
     rows = needs(scorer, "attention_rows")
     if needs(scorer, "log_scores") or not isinstance(rows, int) or rows <= 1 or needs(scorer, "attention_reduction") != "sum":
         return 1
@@ -168,8 +147,7 @@ def within_budgets(policy):
 
 
 def head_choices(policy, views: list[LayerView], budget: int, model, log: dict) -> list[list[int]]:
-    """The kept positions of each head of one batch row by loops. views: one per head (head-adaptive), or one of
-    the row's heads together (chunks and TOVA's layer mode read across heads)."""
+    """Each head's kept positions of one batch row by loops; `views`: one per head, or one of all the row's heads."""
     policy = within_budgets(policy)
     adaptive = isinstance(policy, HeadAdaptive)
     scorer = policy.scorer if adaptive else policy
@@ -209,8 +187,7 @@ def one_row(view: LayerView, row: int) -> LayerView:
 
 
 def recorded(policy, model) -> tuple:
-    """`policy` as a variant that checks every choice against the loops as it is made; (variant, log). log: per
-    layer the last choice (row 0's heads), the number of choices checked, and whether decoding has begun."""
+    """(variant, log): `policy` checking every choice against the loops; log: last choice per layer, count, decoding."""
     log = {"last": {}, "checked": 0, "decoding": False}
     check = policy.unwrapped().name not in SEEDED_DRAWS
 
@@ -237,8 +214,7 @@ def recorded(policy, model) -> tuple:
         return masks
 
     def drop_pool(self, pool, budget: int) -> torch.Tensor:
-        """Every row of the pools (layer-major, one sequence: row = layer) cut into one-head views; a head-by-head
-        choice (the default `drop_pool`) was checked by `keep_heads`."""
+        """Every pool row (layer-major: row = layer) as one-head views; head-by-head choices are keep_heads's."""
         dropped = super(type(self), self).drop_pool(pool, budget)
         if not chooses_whole_pools(self):
             return dropped
@@ -257,7 +233,6 @@ def recorded(policy, model) -> tuple:
     return variant(policy, evict_indices=evict_indices, keep_heads=keep_heads, drop_pool=drop_pool), log
 
 
-# --------------------------------------------------------------------------- the paths
 def held(positions: torch.Tensor) -> list[list[int]]:
     """Row 0's sorted held positions per head (padding -1 left out)."""
     return [sorted(p for p in head if p >= 0) for head in positions[0].tolist()]
@@ -270,8 +245,7 @@ def holds_choices(cache, log: dict) -> None:
 
 
 def check_held(cache, log: dict, policy, length: int) -> None:
-    """The cache holds the last choice of every layer, within N_l + B, and exactly N_l (T = kv_heads x N_l) once
-    the prompt is longer."""
+    """The cache holds each layer's last choice, within N_l + B, and exactly N_l (T = kv_heads x N_l) once exceeded."""
     adaptive = isinstance(within_budgets(policy), HeadAdaptive)
     holds_choices(cache, log)
     for layer, (positions, budget) in enumerate(zip(cache.kept_positions(), cache.layer_budgets)):
@@ -285,8 +259,7 @@ def check_held(cache, log: dict, policy, length: int) -> None:
 
 
 def run(model, name: str, path: str, lengths=LENGTHS) -> list[dict]:
-    """Prefill each prompt (a cache each) and decode NEW tokens on `path` (ordinary, fixed, grouped), every choice
-    checked against the loops as it is made and the cache against the bound."""
+    """Prefill each prompt and decode NEW tokens on `path`, every choice and the bound checked as they happen."""
     target, params = spec(name)
     fixed = path != "ordinary"
     runs = []
@@ -316,11 +289,9 @@ def same_run(a: dict, b: dict) -> bool:
             and all(torch.equal(x, y) for key in ("prefilled", "decoded") for x, y in zip(a[key], b[key])))
 
 
-# --------------------------------------------------------------------------- the contract
 @pytest.mark.parametrize("name", CASES)
 def test_every_choice_is_the_brute_force_one_within_the_bound_and_alone_equals_every_path(model, name):
-    """The ordinary step alone, then the fixed-shape step (where the policy takes it: elsewhere fixed_shapes=True
-    runs the ordinary step) and three sequences decoded as a group: every choice checked on each, the same results."""
+    """Ordinary step alone, fixed-shape step (where taken) and a group of three: every choice checked, same results."""
     target, params = spec(name)
     evicts = name not in SEEDED_DRAWS and name != "full"
     alone = run(model, name, "ordinary")
@@ -334,7 +305,7 @@ def test_every_choice_is_the_brute_force_one_within_the_bound_and_alone_equals_e
 
 @pytest.mark.parametrize("name", CASES)
 def test_a_budget_covering_the_prompt_is_the_full_cache(model, name):
-    """N >= L + new tokens (x 25: the pyramids' top layer too): nothing evicted, the model's own logits, `full`'s tokens."""
+    """N >= L + new tokens (x 25: the pyramids' top layer too): the model's own logits, `full`'s tokens."""
     target, params = spec(name)
     ids = prompts((97,))[0]
     state = prefill(model, ids, build_policy(target, **params), 25 * (97 + NEW), BLOCK)
