@@ -245,8 +245,7 @@ def test_forks_lie_side_by_side_and_decode_as_one_group_like_separate_runs(model
 
 @pytest.mark.extended
 def test_forks_in_any_batch_order_are_written_and_chosen_as_alone(model):
-    """Forks in batch rows 0, 1, 3, 4 holding slots 2, 0, 3, 1 beside a prompt of its own: written to the block in
-    slot order (blocks.write_groups) and chosen by one argmax (step.choose_greedy), beside a masked stop token."""
+    """Forks in rows 0, 1, 3, 4 hold slots 2, 0, 3, 1 (write_groups, choose_greedy), beside a masked stop token."""
     state = prefill(model, prompts()[2], build_policy("keydiff"), BUDGET, BLOCK)
     stop = int(state.logits.argmax())  # the first greedy token: a stop token that min_new_tokens must mask
     settings = [{"max_new_tokens": 10}, {"max_new_tokens": 12, "eos_token_ids": (stop,), "min_new_tokens": 6},
@@ -280,8 +279,7 @@ def test_between_results_the_model_runs_as_it_was(model):
 
 @pytest.mark.extended
 def test_pooled_rows_prefilled_on_their_own_group_and_decode_as_alone(model):
-    """pool_rows moves joining sequences into one arena's slots (blocks.JoinPool), reused as sequences stop, and
-    read after the loop (copied out first); h2o and the short prompt never pool; pool_rows=False groups nothing."""
+    """Joining sequences pool into reused slots (copied out when they stop); h2o and short prompts never pool."""
     policies = ["keydiff", "keydiff", "keydiff", "h2o", "keydiff"]
     settings = [sampled(1, 9), sampled(2, 14), sampled(3, 12), sampled(4, 6), sampled(5, 11)]
 
@@ -296,8 +294,7 @@ def test_pooled_rows_prefilled_on_their_own_group_and_decode_as_alone(model):
 
 
 def test_join_pool_takes_its_slot_shape_from_a_prompt_of_n_plus_b(model):
-    """A prompt shorter than N + B neither shapes the slots nor joins; the arena is made when a second like the
-    first joins while the first decodes (a lone one allocates nothing); forks never move."""
+    """Short prompts neither shape the slots nor join; the arena waits for a second joiner; forks never move."""
     from keydiff.decode.blocks import JoinPool
 
     short, long, other, third = (prefill(model, ids, "keydiff", BUDGET, BLOCK) for ids in prompts((23, 90, 130, 61)))
@@ -318,8 +315,7 @@ def test_join_pool_takes_its_slot_shape_from_a_prompt_of_n_plus_b(model):
 
 @pytest.mark.extended
 def test_neighbours_with_other_policies_never_group(model):
-    """KeyDiff rows beside one in a recent window share the arena but never group nor share a fixed step; at
-    batch 1 nothing is pooled."""
+    """Rows of another policy share the arena but never group nor share a fixed step; batch 1 pools nothing."""
     policies = [build_policy("keydiff"), build_policy("keydiff", window_fraction=0.25), build_policy("keydiff")]
 
     def states():

@@ -35,8 +35,7 @@ def prompts(lengths=(90, 130, 75, 101, 88)) -> list[torch.Tensor]:
 @pytest.mark.extended
 @pytest.mark.parametrize("name, width", [("keydiff", 1), ("keydiff", 2), ("h2o", 1), ("tova", 1), ("snapkv", 1)])
 def test_a_run_decoder_builds_one_arena_and_one_step_for_all_its_calls(model, monkeypatch, name, width):
-    """Five samples, one call each or two at a time: a decoder-less run's results, one arena and one step for all
-    (at width 1 attention-statistic policies too: one slot never forms a group)."""
+    """Five samples one or two per call: a decoder-less run's results, one arena and one step (width 1: any policy)."""
     def run(decoder) -> list:
         got = []
         for start in range(0, 5, width):

@@ -88,8 +88,7 @@ CASES = [(rope, name, mode, schedule) for rope in sorted(ROPES) for name, mode, 
 
 @pytest.mark.parametrize("rope, name, mode, schedule", extended_unless(CASES, lambda case: case[3] is None))
 def test_at_every_eviction_each_key_is_the_models_key_at_its_recorded_position(rope, name, mode, schedule):
-    """Before each eviction, old keys at their last re-rotation, new ones absolute (or following the kept keys, below
-    max N_l + B); after prefill and decoding, keys at their ranks (right-aligned below the next position)."""
+    """Before each eviction (new keys absolute or after the kept ones), after prefill and after decoding."""
     model = tiny_llama(**ROPES[rope])
     prompt = torch.randint(0, 256, (1, LENGTH), generator=torch.Generator().manual_seed(5))
     seen = []
