@@ -19,7 +19,6 @@ LAYERS, HEADS, DIM, BUDGET, BLOCK = (0, 1), 2, 4, 6, 3
 
 
 def filled(tokens: int, seed: int) -> Storage:
-    """A stack of two layers with `tokens` written, one pass per layer (capacity N + B)."""
     storage = Storage(LAYERS, BUDGET, BUDGET + BLOCK)
     generator = torch.Generator().manual_seed(seed)
     keys = torch.randn(1, HEADS, tokens, DIM, generator=generator)
@@ -43,8 +42,7 @@ def test_a_storage_counts_are_its_slot_counts_in_the_arena():
 
 
 def test_a_pass_begins_once_and_each_plane_s_tokens_seen_follow_from_the_slot_counts():
-    """The first plane opens the pass (counts advance once); a later plane's tokens seen are the slot's less the
-    open pass until it writes, in turn; a writer out of turn is refused; the fixed step's host half closes at once."""
+    """The first plane opens the pass, a later one sees it when it writes, in turn; a fixed step's closes at once."""
     storage = filled(5, 0)
     arena, slot = storage.handle.arena, storage.handle.slot
     keys = torch.randn(1, HEADS, 2, DIM, generator=torch.Generator().manual_seed(3))

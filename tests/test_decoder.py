@@ -1,11 +1,6 @@
-"""A run's Decoder (keydiff.decode.scheduler): one width, one arena and one fixed-shape step per shape, kept
-across the calls of a run, so that a GPU captures its step once per run rather than once per sample.
-
-On a CPU the step runs eagerly and a sequence alone decodes in its own stack; where the device replays the
-step as a CUDA graph (step.FULL_WIDTH), every sequence, alone or not, decodes in the arena's slots. The tests
-set FULL_WIDTH for the CPU to check that arrangement here: the same tokens as without a decoder, and one step
-object (one capture on a GPU) for every sample of the run.
-"""
+"""A run's Decoder (keydiff.decode.scheduler): one width, one arena and one fixed-shape step per shape across a run's
+calls. FULL_WIDTH set for the CPU stands for a GPU's arrangement (every sequence in the arena's slots, one graph
+replayed): the tokens of a decoder-less run, one step per shape."""
 
 from __future__ import annotations
 
@@ -38,50 +33,43 @@ def prompts(lengths=(90, 130, 75, 101, 88)) -> list[torch.Tensor]:
 
 
 @pytest.mark.extended
-@pytest.mark.parametrize("width", [1, 2])
-def test_a_run_decoder_builds_one_arena_and_one_step_for_all_its_calls(model, monkeypatch, width):
-    """Five samples, one call each (as a run at batch 1 makes them) or two at a time, through one Decoder with the
-    arena arrangement: the tokens of a decoder-less generate, one arena block and one fixed-shape step for all of
-    them (`decoder.stats`: a GPU captures one graph per step built)."""
-    expected = [generate(model, prefill(model, ids, "keydiff", BUDGET, BLOCK), 8, fixed_shapes=False).token_ids
-                for ids in prompts()]
+@pytest.mark.parametrize("name, width", [("keydiff", 1), ("keydiff", 2), ("h2o", 1), ("tova", 1), ("snapkv", 1)])
+def test_a_run_decoder_builds_one_arena_and_one_step_for_all_its_calls(model, monkeypatch, name, width):
+    """Five samples one or two per call: a decoder-less run's results, one arena and one step (width 1: any policy)."""
+    def run(decoder) -> list:
+        got = []
+        for start in range(0, 5, width):
+            states = [prefill(model, ids, name, BUDGET, BLOCK, fixed_shapes=False)
+                      for ids in prompts()[start:start + width]]
+            if decoder is None:
+                tokens = [generate(model, s, 8, fixed_shapes=False).token_ids for s in states]
+            else:
+                out = dict(decoder.generate([keydiff.Request(s, 8, key=i) for i, s in enumerate(states)]))
+                tokens = [out[i].token_ids for i in range(len(states))]
+            got += [(t, [p.tolist() for p in s.cache.kept_positions()]) for t, s in zip(tokens, states)]
+        return got
+
+    expected = run(None)
     monkeypatch.setitem(step.FULL_WIDTH, "cpu", True)
     decoder = Decoder(model, width)
-    got = []
-    for start in range(0, 5, width):
-        states = [prefill(model, ids, "keydiff", BUDGET, BLOCK, fixed_shapes=False)
-                  for ids in prompts()[start:start + width]]
-        requests = [keydiff.Request(s, 8, key=start + i) for i, s in enumerate(states)]
-        out = dict(decoder.generate(requests))
-        got += [out[key].token_ids for key in sorted(out)]
-    assert got == expected
-    # one arena of W slots, one step over it, for the whole run
-    assert decoder.stats.arenas == [width] and decoder.stats.built == [(width, 1)]
-    assert decoder.widths == [width]
+    assert run(decoder) == expected
+    assert decoder.stats.arenas == [width] and decoder.stats.built == [(width, 1)] and decoder.widths == [width]
 
 
 @pytest.mark.extended
 def test_a_batch_one_run_decodes_every_sample_through_the_runs_decoder(tmp_path, tiny, monkeypatch):
-    """The Decoder keeps its step across calls (above) only if the run hands every sample to it: a batch-1 run of six
-    prompts through keydiff.run, with the arena arrangement (what a GPU replays), builds one decode step and one
-    block step over the arena for all of them, warm-up included, not one per sample (a sample decoded with a
-    Decoder of its own gives the same rows, so only this count shows it)."""
+    """A batch-1 run hands every sample to its one decoder: one step per shape (only this count shows it)."""
     monkeypatch.setitem(step.FULL_WIDTH, "cpu", True)
     summary, rows = run_at(lengths_cfg(tmp_path, "b1"))
     assert summary["complete"] and len(rows) == 6
-    steps = summary["invocations"][-1]["decode_steps"]  # the run's decoder (keydiff.decode.static.StepStats)
-    # block_size=16: the prefill slot's block step and the arena's decode step, each built once for the run; the
-    # prompt of 47 tokens (< N + B = 64) is shaped unlike the slots and decodes apart, over its own stack (20 and 30
-    # never hold N). One arena block each for the prefills and the decoding.
+    steps = summary["invocations"][-1]["decode_steps"]
+    # The slot's block step and the arena's decode step once each; the 47-token prompt (< N + B) decodes apart.
     assert steps["built"] == [[1, BLOCK], [1, 1], [1, 1]] and steps["arenas"] == [1, 1], steps
 
 
 @pytest.mark.extended
 def test_a_run_records_its_graph_captures_and_runs_a_step_that_cannot_be_captured_eagerly(tmp_path, tiny):
-    """A capture that fails for a reason other than memory (here at capture_end, as CUDA refuses a capture at its
-    end) stops the run's capturing: every later step runs eagerly, the same rows, slower. The run's record says so
-    (summary.json's invocation `decode_graphs`), so its timings are not read as the replayed step's. CUDA is stood
-    in for on the CPU (keydiff.decode.graphs.stand_in_graphs): the steps warm up, capture and replay as on CUDA."""
+    """A capture refused at its end stops capturing (the same rows, eagerly); summary.json's `decode_graphs` says so."""
     from tests.test_batched_runs import same_rows
 
     plain, plain_rows = run_at(lengths_cfg(tmp_path, "plain"))
@@ -98,7 +86,6 @@ def test_a_run_records_its_graph_captures_and_runs_a_step_that_cannot_be_capture
         summary, rows = run_at(lengths_cfg(tmp_path, "refused"))
     same_rows(plain_rows, rows)
     graphs = summary["invocations"][-1]["decode_graphs"]
-    # the first capture fails and the run captures nothing after it (one try, one reason), replays nothing
     assert graphs["captured"] == 0 and graphs["failed"] == 1 and graphs["stopped"], graphs
     assert len(cuda.captures) == 1 and cuda.replays == 0 and cuda.clean(), cuda.captures
     assert [reason.split(": ", 1)[1] for reason in graphs["reasons"]] == [
@@ -108,9 +95,7 @@ def test_a_run_records_its_graph_captures_and_runs_a_step_that_cannot_be_capture
 @pytest.mark.extended
 @pytest.mark.parametrize("arena", [False, True], ids=["own-stack", "slot"])
 def test_a_run_decoder_prefills_every_prompt_with_one_block_step(model, monkeypatch, arena):
-    """Prefills through a run's decoder (prefill(..., decoder=d)): the logits and kept positions of a prefill of
-    its own, one block step built for all the prompts where the slot is kept across them (what a GPU captures
-    once), and each result in buffers of its own afterwards (the slot is free for the next prompt)."""
+    """A prefill's own logits and kept positions, its own buffers after it; one block step where the slot is kept."""
     monkeypatch.setitem(step.FULL_WIDTH, "cpu", arena)
     references = [prefill(model, ids, "keydiff", BUDGET, BLOCK, fixed_shapes=False) for ids in prompts()]
     tokens = [generate(model, prefill(model, ids, "keydiff", BUDGET, BLOCK), 6, fixed_shapes=False).token_ids
@@ -122,43 +107,18 @@ def test_a_run_decoder_prefills_every_prompt_with_one_block_step(model, monkeypa
         assert all(torch.equal(a, b) for a, b in zip(state.kept_positions, reference.kept_positions))
         assert not state.cache.stack.handle.shared  # left the slot with its entries
         assert generate(model, state, 6, decoder=decoder).token_ids == expected
-    block_steps = [w for w, q in decoder.stats.built if q == BLOCK]
-    # Each prompt's own stack gets a block step of its own; the kept slot, one for all five.
-    assert len(block_steps) == (1 if arena else 5)
-
-
-@pytest.mark.extended
-@pytest.mark.parametrize("name", ["h2o", "tova", "snapkv"])
-def test_attention_statistic_policies_replay_one_step_per_run_at_width_one(model, monkeypatch, name):
-    """At width 1 the arena takes attention-statistic policies too (one slot never forms a group): three prompts,
-    one call each, decode on one fixed-shape step, with the ordinary step's tokens and kept positions."""
-    expected = []
-    for ids in prompts()[:3]:
-        state = prefill(model, ids, name, BUDGET, BLOCK, fixed_shapes=False)
-        expected.append((generate(model, state, 8, fixed_shapes=False).token_ids,
-                         [p.tolist() for p in state.cache.kept_positions()]))
-    monkeypatch.setitem(step.FULL_WIDTH, "cpu", True)
-    decoder = Decoder(model, 1)
-    got = []
-    for ids in prompts()[:3]:
-        state = prefill(model, ids, name, BUDGET, BLOCK, decoder=decoder)
-        got.append((generate(model, state, 8, decoder=decoder).token_ids,
-                    [p.tolist() for p in state.cache.kept_positions()]))
-    assert got == expected
-    assert [w for w, q in decoder.stats.built if q == 1] == [1]  # one decode step for the three prompts
+    assert len([w for w, q in decoder.stats.built if q == BLOCK]) == (1 if arena else 5)
 
 
 @pytest.mark.extended
 def test_a_prompt_shaped_unlike_the_slot_leaves_the_slots_step_in_place(model, monkeypatch):
-    """A prompt of another N (as a ratio budget gives) runs its blocks on its own buffers with a step of its own,
-    dropped when its prefill ends; the slot's step, built for the run's shape, serves the prompts after it."""
+    """A prompt of another N prefills with a step of its own, freed with it; the slot's step serves the next ones."""
     monkeypatch.setitem(step.FULL_WIDTH, "cpu", True)
     decoder = Decoder(model, 1)
     for ids, budget in zip(prompts()[:3], (BUDGET, 24, BUDGET)):
         reference = prefill(model, ids, "keydiff", budget, BLOCK, fixed_shapes=False)
         state = prefill(model, ids, "keydiff", budget, BLOCK, decoder=decoder)
         assert torch.equal(state.logits, reference.logits)
-        # the other shape's step holds none of its buffers after its prefill: with the state gone, they are freed
         keys = weakref.ref(state.cache.stack.keys)
         del state
         gc.collect()
@@ -166,20 +126,9 @@ def test_a_prompt_shaped_unlike_the_slot_leaves_the_slots_step_in_place(model, m
     assert [q for _, q in decoder.stats.built] == [BLOCK, BLOCK]  # the slot's (once) and the other shape's
 
 
-def test_without_the_arena_arrangement_a_cpu_decoder_keeps_a_sequence_alone_in_its_own_stack(model, monkeypatch):
-    """The CPU default: no graph to replay, so a sequence alone is not copied into an arena (nothing gained)."""
-    monkeypatch.setitem(step.FULL_WIDTH, "cpu", False)
-    decoder = Decoder(model, 1)
-    state = prefill(model, prompts()[0], "keydiff", BUDGET, BLOCK)
-    generate(model, state, 4, decoder=decoder)
-    assert decoder.stats.arenas == [] and decoder.stats.slot_copies_in == 0  # no arena, nothing copied into one
-    assert decoder.stats.built == [(1, 1)]  # the fixed step over its own stack
-
-
 @pytest.mark.extended
 def test_a_decoder_yields_each_sequence_its_tokens_alone_across_calls_with_other_policies(model, monkeypatch):
-    """Policies of other shapes and kinds through one arena-arranged decoder, one after another: a policy it cannot
-    pool (an attention statistic) and a budget of another shape decode on their own, with their own tokens."""
+    """A policy the arena cannot pool and a budget of another shape decode on their own through one decoder."""
     monkeypatch.setitem(step.FULL_WIDTH, "cpu", True)
     decoder = Decoder(model, 2)
     cases = [("keydiff", BUDGET), ("snapkv", BUDGET), ("keydiff", 24), ("knorm", BUDGET), ("keydiff", BUDGET)]
@@ -190,16 +139,16 @@ def test_a_decoder_yields_each_sequence_its_tokens_alone_across_calls_with_other
 
 
 def test_the_width_must_be_a_positive_integer(model):
-    for bad in (0, -1, 1.5, True):
+    for bad in (0, 1.5, True):
         with pytest.raises(ValueError, match=r"the width \(batch_size\) must be a positive integer"):
             Decoder(model, bad)
+    with pytest.raises(ValueError, match="batch_size must be a positive integer"):
+        list(keydiff.generate_batch(model, [], 0))
 
 
 @pytest.mark.extended
 def test_forks_move_into_the_arena_and_decode_on_its_one_step(model, monkeypatch):
-    """Math-500's case: forks of two prompts (each prompt's forks in a block of their own) decode together through
-    an arena-arranged decoder: they move into the arena's slots, run its one fixed-shape step, and give the
-    tokens each gets alone."""
+    """Forks of two prompts (a block each) move into the arena's slots and run its one step, with their tokens alone."""
     ids = prompts()[:2]
     alone = [generate(model, prefill(model, p, "keydiff", BUDGET, BLOCK), 6, fixed_shapes=False).token_ids for p in ids]
     monkeypatch.setitem(step.FULL_WIDTH, "cpu", True)
@@ -207,17 +156,13 @@ def test_forks_move_into_the_arena_and_decode_on_its_one_step(model, monkeypatch
     decoder = Decoder(model, 4)
     out = dict(decoder.generate([keydiff.Request(f, 6, key=i) for i, f in enumerate(forks)]))
     assert [out[i].token_ids for i in range(4)] == [alone[0], alone[0], alone[1], alone[1]]
-    # one step over the 4-slot arena, the forks copied into its slots
     assert decoder.stats.built == [(4, 1)] and decoder.stats.runs[4, 1] >= 4 and decoder.stats.arenas == [4]
     assert decoder.stats.slot_copies_in == 4
 
 
 @pytest.mark.extended
 def test_a_follow_up_that_outgrows_its_arena_slot_decodes_in_fixed_shapes_again(model, monkeypatch):
-    """A second turn fed into a decoded cache that lives in the arena: more tokens than its slot holds move it
-    to buffers of its own (a larger capacity, so it cannot move back); the next call frees the slot and the
-    sequence runs the fixed step on its own buffers once it holds N again, with the tokens of the same
-    conversation decoded without a decoder."""
+    """A second turn larger than its slot moves to buffers of its own, frees the slot and runs the fixed step again."""
     def conversation(decoder) -> list:
         state = prefill(model, prompts()[0], "keydiff", BUDGET, BLOCK)
         first = generate(model, state, 5, fixed_shapes=None if decoder else False, decoder=decoder).token_ids
@@ -236,8 +181,7 @@ def test_a_follow_up_that_outgrows_its_arena_slot_decodes_in_fixed_shapes_again(
 
 @pytest.mark.extended
 def test_a_decoder_interrupted_mid_call_decodes_the_next_call_as_a_fresh_one(model, monkeypatch, inject_oom):
-    """A BaseException (a stop signal, Ctrl-C) inside a call leaves sequences in the arena; the decoder's next
-    call treats them as stopped and gives each new sequence its tokens alone."""
+    """Sequences a BaseException (Ctrl-C) left in the arena count as stopped in the next call."""
     monkeypatch.setitem(step.FULL_WIDTH, "cpu", True)
     expected = [generate(model, prefill(model, p, "keydiff", BUDGET, BLOCK), 6, fixed_shapes=False).token_ids
                 for p in prompts()[2:4]]
@@ -253,8 +197,7 @@ def test_a_decoder_interrupted_mid_call_decodes_the_next_call_as_a_fresh_one(mod
 
 
 def test_a_prefill_that_fails_in_the_slot_frees_it_without_copying(model, monkeypatch):
-    """Out of memory in a prefill's full block (in the decoder's slot): the slot is freed with no copy of the
-    discarded entries, and the next prompt's prefill gives the logits of a prefill of its own."""
+    """Out of memory in a full block in the decoder's slot frees it without a copy; the next prefill is as its own."""
     monkeypatch.setitem(step.FULL_WIDTH, "cpu", True)
     decoder, raised = Decoder(model, 1), []
 
@@ -290,11 +233,7 @@ def test_a_decoder_refuses_options_it_does_not_run_with(model):
 @pytest.mark.parametrize("case, variant", [(case, "") for case in ("adakv_keydiff", "full", "keydiff", "snapkv")]
                          + [("keydiff", "evict=False"), ("snapkv", "evict=False"), ("keydiff", "held")])
 def test_the_scheduler_records_equal_the_caches_after_every_step(case, variant, monkeypatch):
-    """The scheduler plans every step from records read once at admission and kept by rule (entries = min(entries +
-    q, N) while evicting, entries + q otherwise; the position moves on by q; held entries go after one pass): after
-    every step of the golden batching runs (tests/test_golden_batching.py; evict=False: the generated tokens kept;
-    held: 5 prompt tokens held whole to the first generated token), each going sequence's record is what a fresh
-    reading of its cache gives, and its entries what its stack holds."""
+    """After every step of the golden batching runs, each going sequence's kept record equals a fresh reading."""
     import functools
 
     import tests.test_golden_batching as golden
@@ -323,7 +262,6 @@ def test_the_scheduler_records_equal_the_caches_after_every_step(case, variant, 
     if variant == "held":
         monkeypatch.setattr(keydiff, "prefill", functools.partial(prefill, held_suffix=5))
     golden.outputs(case)
-    # full and head-adaptive pools keep no single stack (never fixed): their records hold no entries
     assert (checked[0] > 0) == (case in ("keydiff", "snapkv")), checked
     assert (ready[0] > 0) == (variant != "evict=False" and case in ("keydiff", "snapkv")), ready
     assert (held[0] > 0) == (variant == "held"), held

@@ -1,12 +1,5 @@
-"""keydiff.cache.evict, the eviction of dense rows (a storage's, a block group's, the fixed-shape step's) and of
-head-adaptive pools.
-
-What is checked: nothing else in keydiff/ asks a policy what to drop (`evict_indices`, `keep_heads`,
-`drop_pool`), outside the policies themselves and the tools that wrap them; with `active` given, idle rows keep
-their entries and their state (H2O observes on a copy, written back to active rows only) while active rows evict
-exactly as they do without a mask. Whole runs through each caller are compared in test_fixed_shapes.py and
-test_batching.py; the head-adaptive eviction in test_adakv.py and test_adakv_pools.py.
-"""
+"""keydiff.cache.evict, the one place that asks a policy what to drop (dense rows and head-adaptive pools): with
+`active` given, idle rows keep their entries and state while active rows evict as they do unmasked."""
 
 import ast
 from pathlib import Path
@@ -21,7 +14,6 @@ from keydiff.policies.h2o import H2O
 pytestmark = pytest.mark.unit
 
 KEYDIFF = Path(__file__).resolve().parents[1] / "keydiff"
-# A policy composing its own choice, check_policy's spies, the recording policy and the scoring benchmark.
 WRAPPERS = ("policies", "testing.py", "capture.py", "bench")
 
 
@@ -38,14 +30,13 @@ def choice_calls(names: tuple[str, ...]) -> list[str]:
 
 
 def test_the_eviction_asks_a_policy_what_to_drop_in_two_places_only():
-    """`evict` for dense rows, `drop_segments` for head-adaptive pools (head by head: the policy's own `drop_pool`)."""
+    """`evict` for dense rows, `drop_segments` for head-adaptive pools (outside policies and tools that wrap them)."""
     calls = choice_calls(("evict_indices", "keep_heads", "drop_pool"))
     assert [call.split(":")[0] for call in calls] == ["cache/evict.py"] * 2, calls
     assert sorted(call.split()[-1] for call in calls) == ["drop_pool", "evict_indices"], calls
 
 
 def block(slots: int, layers: int, heads: int, capacity: int, dim: int) -> SimpleNamespace:
-    """A shared arena's buffers [slots, layers, 1, kv_heads, capacity(, dim)] with random entries and H2O state."""
     generator = torch.Generator().manual_seed(0)
     shape = (slots, layers, 1, heads, capacity)
     return SimpleNamespace(keys=torch.randn(*shape, dim, generator=generator),
@@ -61,7 +52,6 @@ def buffers(of: SimpleNamespace) -> list[torch.Tensor]:
 @pytest.mark.parametrize("q, active_slots", [(1, [True, False, True]), (3, [True, True, True])],
                          ids=["decoding", "block"])
 def test_idle_rows_keep_entries_and_state_active_rows_evict_as_unmasked(q, active_slots):
-    """A decoding step masks idle rows; a block step (q > 1) runs one sequence, every row active."""
     slots, layers, heads, budget = 3, 2, 2, 5
     original = block(slots, layers, heads, budget + q, 4)
     masked, plain = (SimpleNamespace(keys=original.keys.clone(), values=original.values.clone(),

@@ -11,8 +11,7 @@ pytestmark = pytest.mark.integration
 
 
 def counted_step_flops(model, entries: int, rows: int) -> int:
-    """FLOPs torch's own counter sees in one decoding step of `rows` sequences whose cache then holds `entries`
-    entries (eager attention, so attention is matmuls the counter counts)."""
+    """FLOPs torch's counter sees in one eager decoding step of `rows` sequences over `entries` entries."""
     from torch.utils.flop_counter import FlopCounterMode
     from transformers import DynamicCache
 
@@ -28,8 +27,7 @@ def counted_step_flops(model, entries: int, rows: int) -> int:
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
 @pytest.mark.parametrize("rows", [1, 3])
 def test_step_flops_match_torch_flop_counter(tied, rows):
-    """Every weight matrix once per row (the input embedding only where it is the output layer too) and attention
-    over the entries: within RoPE's frequency product (a few FLOPs) of what torch counts."""
+    """Within RoPE's frequency product (a few FLOPs) of what torch counts; an untied input embedding is no matmul."""
     model = tiny_llama("eager", tie_word_embeddings=tied)
     entries = 40
     counted = counted_step_flops(model, entries, rows)

@@ -1,21 +1,6 @@
-"""Golden outputs of batched decoding: what `generate_batch` and `generate` give must not change when the
-decoding loop is reshaped.
-
-tests/test_golden.py pins what every policy preset keeps and generates alone (greedy). This file pins the
-batched path on the tiny random model of tests/conftest.py, for the cases a refactor of the scheduler, the
-blocks and the step can break without touching a single-sequence greedy run:
-  * sequences of different lengths, stop rules, `min_new_tokens` and seeded sampling, at batch 1 and 4, prompts
-    prefilled apart (pooled into one block where the policy allows) and forks of one prefill (one block);
-  * policies on each cache layout: a dense stack scored from its entries (keydiff), an attention statistic per
-    row (snapkv), no eviction (full), head-adaptive pools (adakv over keydiff);
-  * per sequence: its tokens, finish reason, the batch size of each of its decoding passes, the positions its
-    cache keeps afterwards and its `kv_cache_bytes`.
-Recorded values live in tests/golden/batching.json; an intended change is recorded again with
-
-    python -m tests.test_golden_batching --record
-
-and the diff of the JSON file is part of the commit that changes the output (review it).
-"""
+"""Golden batched decoding (tests/golden/batching.json): per sequence its tokens, finish reason, batch sizes, kept
+positions and bytes, for prompts apart at batch 1 and 4 and forks, on each cache layout. An intended change is
+recorded again with `python -m tests.test_golden_batching --record` (review the JSON diff in its commit)."""
 
 from __future__ import annotations
 

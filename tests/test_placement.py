@@ -1,6 +1,5 @@
-"""Layers whose keys live on other devices or in other dtypes (a model across several GPUs, device_map="auto"):
-each layer's buffers follow its keys, and stacks group layers per placement, with no slot a layer cannot use.
-On CPU the placements differ by dtype: a tiny Llama whose middle layer runs in float64."""
+"""Layers on other devices or dtypes (device_map="auto"): buffers follow each layer's keys and stacks group layers
+per placement, with no unused slot. On CPU: a tiny Llama whose middle layer runs in float64."""
 
 from __future__ import annotations
 
@@ -16,12 +15,10 @@ from keydiff.cache.placement import layer_placements
 from keydiff.testing import variant
 from tests.conftest import tiny_llama
 
-
 pytestmark = pytest.mark.integration
 
 
 def mixed_dtype_llama():
-    """Layer 1 in float64 (its input cast in, its output cast back): its keys are float64, the others' float32."""
     model = tiny_llama()
     middle = model.model.layers[1].to(torch.float64)
 
@@ -49,7 +46,7 @@ def ids():
 
 
 def slot_bytes(heads, entries, dim, itemsize):
-    return 2 * heads * entries * dim * itemsize  # keys and values of one layer (batch 1)
+    return 2 * heads * entries * dim * itemsize  # keys and values of one layer
 
 
 def test_placements_are_read_from_the_attention_modules(model):
@@ -67,10 +64,8 @@ def test_stack_groups_layers_per_dtype_without_unused_slots(model, ids):
     cache = state.cache
     assert [(s.layers, s.keys.dtype) for s in cache.storages] == [((0, 2), torch.float32), ((1,), torch.float64)]
     assert cache.layers[0].keys.dtype == torch.float32 and cache.layers[1].keys.dtype == torch.float64
-    # Exactly the slots the layers use: two float32 slots in the stack, one float64 storage, N + B entries each.
     assert cache.kv_cache_bytes == 2 * slot_bytes(2, 96, 16, 4) + slot_bytes(2, 96, 16, 8)
     assert cache.allocations == 3
-    # The same choices as layer-by-layer eviction, so grouping changes no output.
     policy = build_policy("keydiff")
     alone = prefill(model, ids, variant(policy, needs=replace(policy.needs, rows_alike=False)), 64, 32)
     assert all(torch.equal(a, b) for a, b in zip(state.kept_positions, alone.kept_positions))
@@ -78,8 +73,7 @@ def test_stack_groups_layers_per_dtype_without_unused_slots(model, ids):
 
 
 def test_without_placements_the_stack_still_splits_for_a_layer_that_does_not_fit(model, ids):
-    """A cache built without placements (one assumed) splits its stack when a layer's keys do not fit, as before:
-    the leaving layer's slot stays allocated, which is what placements avoid."""
+    """Without placements a layer that does not fit leaves the stack, whose slot for it stays allocated."""
     cache = EvictingCache(build_policy("keydiff"), 64, 3, block_size=32, max_tokens=300)
     from keydiff import keydiff_attention
 
@@ -98,7 +92,6 @@ def test_head_adaptive_pool_stacks_group_layers_per_dtype(model, ids):
     assert storages[0].stack is storages[2].stack and storages[0].stack.layers == (0, 2)
     assert storages[1].stack is None and storages[1].keys.dtype == torch.float64
     assert storages[0].in_stack and storages[2].in_stack and storages[0].stack.keys.shape[0] == 2
-    # Head by head, layer by layer (no one-call eviction of the stack): the same choices.
     alone = prefill(model, ids, variant(policy, needs=replace(policy.needs, segment_scores=False)), 64, 32)
     assert all(torch.equal(a, b) for a, b in zip(state.kept_positions, alone.kept_positions))
     assert generate(model, state, 3).token_ids == generate(model, alone, 3).token_ids

@@ -1,12 +1,10 @@
-"""Key re-rotation (keydiff.policies.rerotation, done by keydiff.cache.evict.rerotate): the kept keys
-equal the model's own keys recomputed from the pre-RoPE keys (k_proj's output, captured by a forward hook) at
-their new positions (right below the next token's under "contiguous" = true, kvpress's pipeline; 0..n-1 under
-"absolute"), and at every eviction every cached key is the model's key at the position the cache records for it
-(new tokens: following the kept keys, or absolute); without it nothing changes; with it results differ once
-something was evicted."""
+"""Key re-rotation (keydiff.policies.rerotation, done by keydiff.cache.evict.rerotate): every cached key is the
+model's own key, recomputed from the pre-RoPE keys captured on k_proj, at the position the cache records for it
+("absolute": ranks 0..n-1; "contiguous" = true, kvpress's pipeline: right below the next token)."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import replace
 
 import pytest
@@ -18,7 +16,7 @@ from keydiff.engine import generate, prefill
 from keydiff.policies import Rerotated, build_policy
 from keydiff.policies.rerotation import STATE
 from keydiff.testing import check_policy, variant
-from tests.conftest import tiny_llama
+from tests.conftest import extended_unless, tiny_llama
 
 pytestmark = pytest.mark.integration
 
@@ -32,12 +30,17 @@ ROPES = {
 }
 
 
-def capture_pre_rope_keys(model):
+@contextmanager
+def capturing(model):
     """Hooks on every layer's k_proj: the pre-RoPE keys of every pass, in order (one list per layer)."""
     captured = [[] for _ in model.model.layers]
-    handles = [layer.self_attn.k_proj.register_forward_hook(lambda module, args, out, i=i: captured[i].append(out.detach().clone()))
-               for i, layer in enumerate(model.model.layers)]
-    return captured, handles
+    handles = [layer.self_attn.k_proj.register_forward_hook(lambda module, args, out, i=i: captured[i].append(
+        out.detach().clone())) for i, layer in enumerate(model.model.layers)]
+    try:
+        yield captured
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def keys_at(model, pre_rope: torch.Tensor, layer_positions: torch.Tensor) -> torch.Tensor:
@@ -77,34 +80,17 @@ def check_cache_keys(model, cache, captured, rerotated: bool, end: int | None = 
         torch.testing.assert_close(layer.keys[:, :, :n], keys_at(model, held, target), rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("rope", sorted(ROPES))
-@pytest.mark.parametrize("name, mode", [("keydiff", "absolute"), ("snapkv", "absolute"), ("keydiff", True)])
-def test_rerotated_keys_equal_keys_recomputed_at_their_new_positions(rope, name, mode):
+CASES = [(rope, name, mode, schedule) for rope in sorted(ROPES) for name, mode, schedule in [
+    ("keydiff", "absolute", None), ("snapkv", "absolute", None),
+    ("keydiff", True, None),  # kvpress's pipeline layout: kept keys at 0..N-1, the next token at N
+    ("keydiff", "contiguous", {"schedule": "pyramid", "beta": 4, "window": 0})]]
+
+
+@pytest.mark.parametrize("rope, name, mode, schedule", extended_unless(CASES, lambda case: case[3] is None))
+def test_at_every_eviction_each_key_is_the_models_key_at_its_recorded_position(rope, name, mode, schedule):
+    """Before each eviction (new keys absolute or after the kept ones), after prefill and after decoding."""
     model = tiny_llama(**ROPES[rope])
     prompt = torch.randint(0, 256, (1, LENGTH), generator=torch.Generator().manual_seed(5))
-    captured, handles = capture_pre_rope_keys(model)
-    try:
-        state = prefill(model, prompt, build_policy(name, key_rerotation=mode), budget=BUDGET, block_size=BLOCK)
-        check_cache_keys(model, state.cache, captured, rerotated=True)  # uniform budgets: both modes end at N
-        kept = state.cache.layers[0].positions[:, :, :BUDGET]
-        assert int(kept.max()) >= BUDGET  # something far was kept: the check above moved keys, not a no-op
-        generate(model, state, NEW_TOKENS)  # an eviction (and a re-rotation) after every token
-        check_cache_keys(model, state.cache, captured, rerotated=True)
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
-@pytest.mark.extended
-@pytest.mark.parametrize("mode, schedule", [("absolute", None), ("contiguous", None),
-                                            ("contiguous", {"schedule": "pyramid", "beta": 4, "window": 0})])
-def test_at_every_eviction_each_key_is_the_models_key_at_its_recorded_position(mode, schedule):
-    """Before each eviction: old keys at the positions the last re-rotation gave them, the pass's new keys where
-    transformers rotated them (absolute under "absolute", following the kept keys under contiguous: below
-    max N_l + B, whatever the prompt length); after the prefill, each layer right-aligned below the next position."""
-    model = tiny_llama(**ROPES["llama3"])
-    prompt = torch.randint(0, 256, (1, LENGTH), generator=torch.Generator().manual_seed(7))
-    captured, handles = capture_pre_rope_keys(model)
     seen = []
 
     def evict_indices(self, layer, budget):
@@ -115,64 +101,49 @@ def test_at_every_eviction_each_key_is_the_models_key_at_its_recorded_position(m
         excess = layer.positions.shape[-1] - budget
         newest = layer.positions > int(layer.positions.max()) - excess  # entries of the last pass (it wrote >= excess)
         shift = rotary - layer.positions  # 0 under absolute; one constant per pass under contiguous
-        seen.append((i, int(rotary.max()), shift[newest].unique().tolist()))
+        seen.append((int(rotary.max()), shift[newest].unique().tolist()))
         return super(type(self), self).evict_indices(layer, budget)
 
-    policy = build_policy("keydiff", key_rerotation=mode, layer_budgets=schedule)
-    recording = variant(policy, evict_indices=evict_indices, needs=replace(policy.needs, rows_alike=False))  # one layer per view
-    try:
-        state = prefill(model, prompt, recording, budget=BUDGET, block_size=BLOCK)
-        budgets = state.cache.layer_budgets
-        end = state.cache.next_position() if mode == "contiguous" else None
-        if mode == "contiguous":
-            assert end == max(budgets) and state.cache.get_seq_length() == end
-        for i, layer in enumerate(state.cache.layers):
-            n = layer.num_entries
-            ranks = layer.positions[:, :, :n].argsort(dim=-1).argsort(dim=-1) + (0 if end is None else end - n)
-            assert torch.equal(layer.state[STATE][:, :, :n].long(), ranks)
-        generate(model, state, NEW_TOKENS)
-    finally:
-        for handle in handles:
-            handle.remove()
-    assert seen
-    if mode == "absolute":
-        assert all(shifts == [0] for _, _, shifts in seen)
-        assert max(top for _, top, _ in seen) == LENGTH + NEW_TOKENS - 2  # new tokens keep their absolute positions
-    else:
-        assert max(top for _, top, _ in seen) < max(budgets) + BLOCK  # positions stay within N + B
-        assert any(shifts != [0] for _, _, shifts in seen)
+    policy = build_policy(name, key_rerotation=mode, layer_budgets=schedule)
+    if name != "snapkv":  # else stacked (every layer re-rotated in one call): only the end states are checked
+        policy = variant(policy, evict_indices=evict_indices, needs=replace(policy.needs, rows_alike=False))
+    with capturing(model) as captured:
+        state = prefill(model, prompt, policy, budget=BUDGET, block_size=BLOCK)
+        end = state.cache.next_position() if mode != "absolute" else None
+        if mode != "absolute":
+            assert end == max(state.cache.layer_budgets) == state.cache.get_seq_length()
+        check_cache_keys(model, state.cache, captured, rerotated=True, end=end)
+        assert int(state.cache.layers[0].positions[:, :, :BUDGET].max()) >= BUDGET  # far keys moved: not a no-op
+        generate(model, state, NEW_TOKENS)  # an eviction (and a re-rotation) after every token
+        check_cache_keys(model, state.cache, captured, rerotated=True, end=state.cache.next_position() if end else None)
+    assert bool(seen) == (name != "snapkv")
+    if seen and mode == "absolute":
+        assert all(shifts == [0] for _, shifts in seen)
+        assert max(top for top, _ in seen) == LENGTH + NEW_TOKENS - 2  # new tokens keep their absolute positions
+    elif seen:
+        assert max(top for top, _ in seen) < max(state.cache.layer_budgets) + BLOCK  # positions stay within N + B
+        assert any(shifts != [0] for _, shifts in seen)
 
 
 def test_contiguous_generation_that_keeps_every_token_continues_after_the_kept_keys():
-    """generate(evict=False): no more evictions; the new tokens are rotated for N, N+1, ... (right after the kept
-    keys), so every key still sits at its rank."""
+    """generate(evict=False): the new tokens are rotated for N, N+1, ..., so every key still sits at its rank."""
     model = tiny_llama()
     prompt = torch.randint(0, 256, (1, LENGTH), generator=torch.Generator().manual_seed(5))
-    captured, handles = capture_pre_rope_keys(model)
-    try:
-        state = prefill(model, prompt, build_policy("keydiff", key_rerotation="contiguous"), budget=BUDGET, block_size=BLOCK)
+    with capturing(model) as captured:
+        state = prefill(model, prompt, build_policy("keydiff", key_rerotation="contiguous"), BUDGET, BLOCK)
         generate(model, state, NEW_TOKENS, evict=False)
-        assert state.cache.layers[0].num_entries == BUDGET + NEW_TOKENS - 1
-        assert state.cache.get_seq_length() == BUDGET + NEW_TOKENS - 1
+        assert state.cache.layers[0].num_entries == state.cache.get_seq_length() == BUDGET + NEW_TOKENS - 1
         check_cache_keys(model, state.cache, captured, rerotated=True)
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 def test_the_reference_itself_matches_the_cache_without_rerotation():
-    """The same comparison at the absolute positions holds without re-rotation (the reference is right)."""
     model = tiny_llama(**ROPES["yarn"])
     prompt = torch.randint(0, 256, (1, LENGTH), generator=torch.Generator().manual_seed(5))
-    captured, handles = capture_pre_rope_keys(model)
-    try:
+    with capturing(model) as captured:
         state = prefill(model, prompt, build_policy("keydiff"), budget=BUDGET, block_size=BLOCK)
         check_cache_keys(model, state.cache, captured, rerotated=False)
         with pytest.raises(AssertionError):
             check_cache_keys(model, state.cache, captured, rerotated=True)
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 def run(model, prompt, policy, budget=BUDGET):
@@ -195,32 +166,23 @@ def test_off_changes_nothing():
         assert all(torch.equal(a, b) for a, b in zip(kept, plain_kept))
 
 
-@pytest.mark.extended
-@pytest.mark.parametrize("mode", ["absolute", "contiguous"])
-def test_on_changes_results_once_something_was_evicted(mode):
+def test_on_changes_results_once_something_was_evicted_and_the_two_modes_differ():
     model = tiny_llama()
     prompt = torch.randint(0, 256, (1, LENGTH), generator=torch.Generator().manual_seed(6))
     plain_logits, plain_kept, _ = run(model, prompt, build_policy("knorm"))
-    logits, kept, _ = run(model, prompt, build_policy("knorm", key_rerotation=mode))
-    assert torch.equal(kept[0], plain_kept[0])  # layer 0: K-norm scores do not see the rotation, same entries...
-    assert float((logits - plain_logits).abs().max()) > 1e-3  # ... attended at other positions
-    # Nothing evicted (budget >= prompt): every key already sits at its rank, so nothing changes at all.
-    plain_logits, _, _ = run(model, prompt, build_policy("knorm"), budget=LENGTH)
-    logits, _, _ = run(model, prompt, build_policy("knorm", key_rerotation=mode), budget=LENGTH)
-    assert torch.equal(logits, plain_logits)
-
-
-def test_the_two_modes_differ():
-    model = tiny_llama()
-    prompt = torch.randint(0, 256, (1, LENGTH), generator=torch.Generator().manual_seed(6))
-    absolute, _, _ = run(model, prompt, build_policy("knorm", key_rerotation="absolute"))
-    contiguous, _, _ = run(model, prompt, build_policy("knorm", key_rerotation="contiguous"))
-    assert float((absolute - contiguous).abs().max()) > 1e-3
+    logits = {}
+    for mode in ("absolute", "contiguous"):
+        logits[mode], kept, _ = run(model, prompt, build_policy("knorm", key_rerotation=mode))
+        assert torch.equal(kept[0], plain_kept[0])  # layer 0: K-norm does not see the rotation, same entries...
+        assert float((logits[mode] - plain_logits).abs().max()) > 1e-3  # ... attended at other positions
+        # Nothing evicted (budget >= prompt): every key already sits at its rank, so nothing changes at all.
+        unevicted = run(model, prompt, build_policy("knorm", key_rerotation=mode), budget=LENGTH)[0]
+        assert torch.equal(unevicted, run(model, prompt, build_policy("knorm"), budget=LENGTH)[0])
+    assert float((logits["absolute"] - logits["contiguous"]).abs().max()) > 1e-3
 
 
 def test_contiguous_works_with_stock_attention_and_transformers_masks():
-    """An attention-free policy runs with the model's own sdpa (masks from get_mask_sizes): a plain loop over the
-    cache without keydiff_attention gives the logits keydiff.prefill gives."""
+    """A plain loop with the model's own sdpa (masks from get_mask_sizes) gives the logits keydiff.prefill gives."""
     model = tiny_llama()
     prompt = torch.randint(0, 256, (1, 64), generator=torch.Generator().manual_seed(8))
     policy = build_policy("knorm", key_rerotation="contiguous")
@@ -268,20 +230,3 @@ def test_a_cache_without_the_models_rope_or_with_a_dynamic_one_is_refused():
     dynamic = tiny_llama(rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}).config
     with pytest.raises(ValueError, match="dynamic"):
         EvictingCache(build_policy("keydiff", key_rerotation=True), 8, 3, block_size=8, config=dynamic)
-
-
-def test_true_is_kvpress_pipeline_layout_kept_keys_at_0_to_n_and_the_question_right_after():
-    """kvpress's pipeline, with a KeyRerotationPress, feeds the question and the answer at
-    context_length = cache.get_seq_length() (the kept count) + i (kvpress/pipeline.py `_forward`): with uniform
-    budgets, `key_rerotation: true` puts every layer's N kept keys at 0..N-1 and the next tokens at N, N+1..."""
-    model = tiny_llama()
-    prompt = torch.randint(0, 256, (1, LENGTH), generator=torch.Generator().manual_seed(5))
-    policy = build_policy("keydiff", key_rerotation=True)
-    assert policy.needs.key_rerotation == "contiguous"
-    state = prefill(model, prompt, policy, budget=BUDGET, block_size=BLOCK)
-    for layer in state.cache.layers:
-        ranks = layer.positions[:, :, :BUDGET].argsort(dim=-1).argsort(dim=-1)
-        assert torch.equal(layer.state[STATE][:, :, :BUDGET].long(), ranks)  # 0..N-1 in position order
-    assert state.cache.get_seq_length() == BUDGET  # the next token at N, as kvpress's context_length
-    generate(model, state, 2, evict=False)
-    assert int(state.cache.layers[0].state[STATE][:, :, :state.cache.layers[0].num_entries].max()) == BUDGET

@@ -1,10 +1,9 @@
-"""Model signals (keydiff/signals.py): a signal registered there reaches a policy's `LayerView.signals` through the
-one path every signal takes (binding, sink, storage), asking for one is checked, an eviction without it is refused
-naming it, and a forked cache shares the model's own tensors while copying what it accumulated."""
+"""Model signals (keydiff/signals.py): a registered signal reaches a policy's `LayerView.signals`, asking for one is
+checked, an eviction without it is refused naming it, and a fork shares the model's tensors and copies the rest."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import pytest
@@ -21,33 +20,33 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.fixture
-def output_rows():
-    """A signal registered for one test: each pass's attention output, the last query row's, [batch, heads, d]."""
+def last_output():
+    """A signal registered for one test (each pass's last attention output row, [batch, heads, d]), and a policy
+    that asks for it, keeps what it is handed and scores by key norm."""
     signal = model_signals.register(model_signals.Signal(
         "test_last_output", "the last attention output", lambda kept, step: step.output[:, -1].clone()))
-    yield signal
-    del model_signals.SIGNALS[signal.name]
-
-
-def test_a_registered_signal_reaches_the_policy_through_the_one_path(output_rows):
-    """A policy asking for a signal by name reads, at each eviction, what its producer made of that layer's last
-    pass: here exactly the o_proj input of the pass's last row (read with a hook on o_proj)."""
 
     @dataclass
     class LastOutput(Policy):
         needs: ClassVar[Needs] = Needs(signals=("test_last_output",))
-        seen: list = None
+        seen: list = field(default_factory=list)
 
         def score(self, layer: LayerView) -> torch.Tensor:
             self.seen.append((layer.layer_idx, layer.signals["test_last_output"]))
             return layer.keys.norm(dim=-1)
 
+    yield signal, LastOutput
+    del model_signals.SIGNALS[signal.name]
+
+
+def test_a_registered_signal_reaches_the_policy_through_the_one_path(last_output):
+    """At each eviction the policy reads its signal of that layer's last pass: here o_proj's input of the last row."""
     model = tiny_llama()
     inputs = {}
     for i, block in enumerate(model.model.layers):
         block.self_attn.o_proj.register_forward_pre_hook(
             lambda module, args, i=i: inputs.__setitem__(i, args[0][:, -1].detach().clone()))
-    policy = LastOutput(seen=[])
+    policy = last_output[1]()
     cache = EvictingCache(policy, 8, 3, block_size=12)
     ids = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad(), keydiff_attention(model, cache):
@@ -62,16 +61,9 @@ def test_a_registered_signal_reaches_the_policy_through_the_one_path(output_rows
     assert all(not storage.signals.pending() for storage in cache.storages)  # a "pass" signal is consumed
 
 
-def test_an_eviction_without_an_asked_signal_is_refused_naming_it(output_rows):
-    @dataclass
-    class LastOutput(Policy):
-        needs: ClassVar[Needs] = Needs(signals=("test_last_output",))
-
-        def score(self, layer: LayerView) -> torch.Tensor:
-            return layer.keys.norm(dim=-1)
-
+def test_an_eviction_without_an_asked_signal_is_refused_naming_it(last_output):
     model = tiny_llama()
-    cache = EvictingCache(LastOutput(), 8, 3, block_size=8)
+    cache = EvictingCache(last_output[1](), 8, 3, block_size=8)
     with torch.no_grad():  # no keydiff_attention: nobody hands the pass over
         model(input_ids=torch.arange(12)[None], cache=cache, use_cache=True)
         with pytest.raises(RuntimeError, match="needs the last attention output but none were recorded in layer 0"):
@@ -79,7 +71,7 @@ def test_an_eviction_without_an_asked_signal_is_refused_naming_it(output_rows):
 
 
 @pytest.mark.unit
-def test_needs_names_only_registered_signals_and_not_with_rows_alike(output_rows):
+def test_needs_names_only_registered_signals_and_not_with_rows_alike(last_output):
     with pytest.raises(ValueError, match="unknown model signal 'nope'; valid: (.*, )?test_last_output"):
         Needs(signals=("nope",))
     with pytest.raises(ValueError, match="scores layer by layer"):
@@ -89,7 +81,7 @@ def test_needs_names_only_registered_signals_and_not_with_rows_alike(output_rows
     assert model_signals.asked(Needs(attention_rows=1, queries=True)) == (model_signals.ATTENTION,
                                                                           model_signals.QUERIES)
     with pytest.raises(ValueError, match="already registered"):
-        model_signals.register(output_rows)
+        model_signals.register(last_output[0])
 
 
 def test_a_fork_shares_the_model_weight_and_copies_the_query_statistics():
