@@ -216,7 +216,7 @@ def segment_attention(
     base: str, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
     segments: list[list[tuple[int, int]]], rows: int | None, materialize: bool, rules: LogitRules = LogitRules(),
 ) -> tuple[torch.Tensor, list[list[torch.Tensor]] | None]:
-    """Attention of a head-adaptive layer, every KV head over its own pool segment: query [batch, H, q, d], pools
+    """Attention of a head-adaptive layer, every KV head over its own segment: query [batch, H, q, d], segment cells
     [batch, P, d]. Returns the output [batch, q, H, d] and, if rows != 0, the statistic per head."""
     kv_heads = len(segments[0])
     groups = query.shape[1] // kv_heads

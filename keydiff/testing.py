@@ -14,7 +14,7 @@ import torch
 
 from keydiff.engine import generate, prefill
 from keydiff.policies import LayerBudgets, LayerView, Policy, compose_policy, policy_class, require_own_dataclass
-from keydiff.policies.base import chooses_whole_pools
+from keydiff.policies.base import chooses_whole_segments
 
 
 class PolicyCheckError(AssertionError):
@@ -86,13 +86,13 @@ def counting(policy: Policy, rows_alike: bool, **needs: Any) -> tuple[Policy, li
         calls.append(sum(head.positions.shape[-1] for head in heads) - len(heads) * budget)
         return super(type(self), self).keep_heads(heads, budget)
 
-    def drop_pool(self: Policy, pool, budget: int) -> torch.Tensor:  # head-adaptive (head by head: keep_heads counts)
-        if chooses_whole_pools(self):  # whole pools at once
-            calls.append(int((pool.counts.sum(dim=1) - pool.counts.shape[1] * budget).clamp_min(0).sum()))
-        return super(type(self), self).drop_pool(pool, budget)
+    def drop_segments(self: Policy, segments, budget: int) -> torch.Tensor:  # head-adaptive (head by head: keep_heads counts)
+        if chooses_whole_segments(self):  # all segments of a row at once
+            calls.append(int((segments.counts.sum(dim=1) - segments.counts.shape[1] * budget).clamp_min(0).sum()))
+        return super(type(self), self).drop_segments(segments, budget)
 
     checked = variant(policy, needs=replace(policy.needs, rows_alike=rows_alike, **needs), _check_every_call=True,
-                      evict_indices=evict_indices, keep_heads=keep_heads, drop_pool=drop_pool)
+                      evict_indices=evict_indices, keep_heads=keep_heads, drop_segments=drop_segments)
     return checked, calls
 
 
@@ -185,13 +185,13 @@ def check_policy(
         if graphs["captured"]:  # none: the fixed-shape step does not take this model's cache (sliding layers)
             compare(name, "the captured fixed-shape step (it claims needs.capturable)", first, captured)
             captured_checked = True
-    pools_checked = False
-    if base.needs.chooses_pools:  # head-adaptive, all layers' pools chosen at once: as head by head (`keep_heads`)
+    segments_checked = False
+    if base.needs.chooses_segments:  # head-adaptive, all layers' segments chosen at once: as head by head (`keep_heads`)
         per_head, _ = run(base.needs.rows_alike, segment_scores=False)
-        compare(name, "head-by-head choice (it chooses on whole pools)", first, per_head)
-        pools_checked = True
+        compare(name, "head-by-head choice (it chooses on all segments at once)", first, per_head)
+        segments_checked = True
     return {"policy": name, "budget": budget, "layer_budgets": first["budgets"], "evictions": len(calls),
-            "stacked": first["stacked"], "batchable_checked": batchable_checked, "pools_checked": pools_checked,
+            "stacked": first["stacked"], "batchable_checked": batchable_checked, "segments_checked": segments_checked,
             "captured_checked": captured_checked,
             "seconds": round(time.perf_counter() - start, 2)}
 

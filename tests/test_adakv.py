@@ -131,7 +131,7 @@ def test_each_layer_holds_one_pool_the_size_of_the_uniform_buffers(model, batch)
     state = prefill(model, prompt_ids(batch), adaptive_policy("keydiff", {"window_fraction": 0.1}), BUDGET, BLOCK)
     assert len(generate(model, state, 12, seed=0).token_ids[0]) == 12
     assert all(isinstance(layer.storage, AdaptiveStorage) for layer in state.cache.layers)
-    assert all(layer.storage.pool == 2 * (BUDGET + BLOCK) for layer in state.cache.layers)
+    assert all(layer.storage.cells == 2 * (BUDGET + BLOCK) for layer in state.cache.layers)
     assert state.cache.max_entries <= BUDGET + BLOCK
     uniform = prefill(model, prompt_ids(batch), build_policy("keydiff", window_fraction=0.1), BUDGET, BLOCK)
     assert state.cache.kv_cache_bytes == uniform.cache.kv_cache_bytes
@@ -153,7 +153,7 @@ def test_keeping_every_generated_token_grows_each_pool_once_out_of_the_stack(mod
 def test_head_budget_parameters_compose_and_describe():
     policy = build_policy("snapkv", window=8, head_budgets="adakv", alpha_safeguard=0.3, head_scores="relative")
     assert policy.needs.head_adaptive and isinstance(policy, HeadAdaptive) and policy.alpha_safeguard == 0.3
-    assert policy.head_scores == "relative" and not policy.needs.chooses_pools
+    assert policy.head_scores == "relative" and not policy.needs.chooses_segments
     described = policy.describe()
     assert described["head_budgets"] == "adakv" and described["alpha_safeguard"] == 0.3
     assert build_policy(**described).describe() == described

@@ -109,4 +109,4 @@ def test_check_policy_runs_head_adaptive_policies(name, params):
 
     summary = check_policy(name, head_budgets="adakv", **params)
     assert summary["evictions"] > 0 and summary["layer_budgets"] == [48, 48, 48]
-    assert summary["pools_checked"] == (name == "keydiff")  # pools chosen all layers at once: checked head by head
+    assert summary["segments_checked"] == (name == "keydiff")  # segments chosen all layers at once: checked head by head

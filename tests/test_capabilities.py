@@ -121,10 +121,10 @@ def test_a_subclass_replaces_its_parents_needs_and_wrappers_derive_theirs():
 def test_needs_follow_a_parameter_set_after_building_even_inside_wrappers():
     """`needs` is remembered per object and computed again once an attribute of it or of a wrapped policy is set."""
     policy = build_policy("keydiff", window_fraction=0.0, head_budgets="adakv", layer_budgets={"schedule": "uniform"})
-    assert policy.needs.chooses_pools and policy.needs is policy.needs
+    assert policy.needs.chooses_segments and policy.needs is policy.needs
     policy.scorer.scorer.scorer.metric = "dot"  # LayerBudgets > HeadAdaptive > RecentWindow > KeyDiff
-    assert not policy.needs.chooses_pools
+    assert not policy.needs.chooses_segments
     policy.scorer.scorer.scorer.metric = "cosine"
-    assert policy.needs.chooses_pools
+    assert policy.needs.chooses_segments
     policy.scorer.head_scores = "relative"
-    assert not policy.needs.chooses_pools
+    assert not policy.needs.chooses_segments

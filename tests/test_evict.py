@@ -31,9 +31,9 @@ def choice_calls(names: tuple[str, ...]) -> list[str]:
 
 def test_the_eviction_asks_a_policy_what_to_drop_in_two_places_only():
     """`evict` for dense rows, `drop_segments` for head-adaptive pools (outside policies and tools that wrap them)."""
-    calls = choice_calls(("evict_indices", "keep_heads", "drop_pool"))
+    calls = choice_calls(("evict_indices", "keep_heads", "drop_segments"))
     assert [call.split(":")[0] for call in calls] == ["cache/evict.py"] * 2, calls
-    assert sorted(call.split()[-1] for call in calls) == ["drop_pool", "evict_indices"], calls
+    assert sorted(call.split()[-1] for call in calls) == ["drop_segments", "evict_indices"], calls
 
 
 def block(slots: int, layers: int, heads: int, capacity: int, dim: int) -> SimpleNamespace:

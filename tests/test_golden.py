@@ -235,11 +235,11 @@ def sensitivity(name: str, ulps: float, draws: int = 2) -> tuple[int, int]:
               lambda other: torch.tensor([all(torch.equal(a, b) for a, b in zip(chosen, other))]))
         return chosen
 
-    def drop_pool(self, pool, budget):
-        chosen = super(type(self), self).drop_pool(pool, budget)
-        if not self.chooses_pools:  # head by head: each row's choice is counted by keep_heads
+    def drop_segments(self, pool, budget):
+        chosen = super(type(self), self).drop_segments(pool, budget)
+        if not self.chooses_segments:  # head by head: each row's choice is counted by keep_heads
             return chosen
-        again(lambda: super(type(self), self).drop_pool(pool, budget), lambda other: (other == chosen).all(dim=-1))
+        again(lambda: super(type(self), self).drop_segments(pool, budget), lambda other: (other == chosen).all(dim=-1))
         return chosen
 
     def rebuilt(policy, scorer):
@@ -252,8 +252,8 @@ def sensitivity(name: str, ulps: float, draws: int = 2) -> tuple[int, int]:
     policy = build_policy(policy_name, **params)
     inner = policy.unwrapped()
     scorer = variant(inner, score=lambda self, layer: perturbed(type(inner).score(self, layer)),
-                     score_pool=lambda self, pool: perturbed(type(inner).score_pool(self, pool)))
-    choosing = variant(rebuilt(policy, scorer), evict_indices=evict_indices, keep_heads=keep_heads, drop_pool=drop_pool)
+                     score_segments=lambda self, pool: perturbed(type(inner).score_segments(self, pool)))
+    choosing = variant(rebuilt(policy, scorer), evict_indices=evict_indices, keep_heads=keep_heads, drop_segments=drop_segments)
     engine_outputs(name, choosing)
     return counts[0], counts[1]
 

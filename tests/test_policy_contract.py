@@ -13,7 +13,7 @@ from keydiff import build_policy, generate, generate_batch, prefill
 from keydiff.decode import Request
 from keydiff.policies import Chunked, Critical, HeadAdaptive, LayerBudgets, LayerView, RecentWindow
 from keydiff.policies.adakv import relative_scores
-from keydiff.policies.base import chooses_whole_pools
+from keydiff.policies.base import chooses_whole_segments
 from keydiff.policies.criticalkv import STATE
 from keydiff.testing import variant
 from tests.conftest import CORE_POLICIES, extended_unless
@@ -213,10 +213,10 @@ def recorded(policy, model) -> tuple:
         compare([sorted(v.positions[0, 0][m].tolist()) for v, m in zip(heads, masks)], heads, budget, heads[0].layers[0], 0)
         return masks
 
-    def drop_pool(self, pool, budget: int) -> torch.Tensor:
+    def drop_segments(self, pool, budget: int) -> torch.Tensor:
         """Every pool row (layer-major: row = layer) as one-head views; head-by-head choices are keep_heads's."""
-        dropped = super(type(self), self).drop_pool(pool, budget)
-        if not chooses_whole_pools(self):
+        dropped = super(type(self), self).drop_segments(pool, budget)
+        if not chooses_whole_segments(self):
             return dropped
         for row in range(pool.keys.shape[0]):
             views, got = [], []
@@ -230,7 +230,7 @@ def recorded(policy, model) -> tuple:
                 compare(got, views, budget, row, 0)
         return dropped
 
-    return variant(policy, evict_indices=evict_indices, keep_heads=keep_heads, drop_pool=drop_pool), log
+    return variant(policy, evict_indices=evict_indices, keep_heads=keep_heads, drop_segments=drop_segments), log
 
 
 def held(positions: torch.Tensor) -> list[list[int]]:

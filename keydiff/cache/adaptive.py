@@ -1,5 +1,5 @@
-"""One layer with head-adaptive budgets (AdaKV): a pool of per-head segments that holds at most the layer's total;
-`PoolStack` puts every bounded pool in one allocation. Design: docs/design/cache.md#head-adaptive-budgets-adaptivepy"""
+"""One layer with head-adaptive budgets (AdaKV): per-head segments in one buffer of P cells that holds at most the
+layer's total; `SegmentStack` puts every bounded layer's buffer in one allocation. Design: docs/design/cache.md#head-adaptive-budgets-adaptivepy"""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from keydiff.policies.base import LayerView, Policy
 from keydiff.signals import Recorded, Signal
 
 
-class PoolStack:
-    """The pools of several head-adaptive layers in one allocation, [layers, batch, P, ...], so one eviction scores,
+class SegmentStack:
+    """The segment buffers of several head-adaptive layers in one allocation, [layers, batch, P, ...], so one eviction scores,
     chooses and compacts every layer's rows at once; a layer that does not fit or must grow takes buffers of its own."""
 
     def __init__(self, layers: tuple[int, ...]):
@@ -56,16 +56,16 @@ class PoolStack:
 
 
 class AdaptiveStorage:
-    """The pool of one head-adaptive layer: per-head segments, one entry count per (batch row, KV head).
+    """The segments of one head-adaptive layer: per-head segments, one entry count per (batch row, KV head).
 
     budget: N (the layer keeps kv_heads x N). capacity: cells per KV head first allocated (None: from the first pass).
     """
 
     def __init__(self, layer: int, budget: int, capacity: int | None, state_names: tuple[str, ...] = (),
                  entry_state: Callable[[LayerView], dict[str, torch.Tensor]] | None = None,
-                 asked: tuple[Signal, ...] = (), stack: PoolStack | None = None):
+                 asked: tuple[Signal, ...] = (), stack: SegmentStack | None = None):
         self.layers = (layer,)
-        self.stack = stack  # the shared allocation this layer's pool is a plane of, if any (see `in_stack`)
+        self.stack = stack  # the shared allocation this layer's buffer is a plane of, if any (see `in_stack`)
         self.in_stack = False
         self.budget, self.capacity = budget, capacity
         self.state_names, self.entry_state = state_names, entry_state
@@ -101,7 +101,7 @@ class AdaptiveStorage:
         return f"layer {self.layers[0]} (head-adaptive)"
 
     @property
-    def pool(self) -> int:
+    def cells(self) -> int:
         return 0 if self.keys is None else self.keys.shape[1]
 
     def row_totals(self) -> list[int]:
@@ -154,10 +154,10 @@ class AdaptiveStorage:
         """Lay every row out again: each head's entries at the front of its new segment, at least `room` free cells each."""
         heads = self.heads
         needed = max(self.row_totals()) + heads * room
-        if needed > self.pool:  # grow (at least double): new buffers, the valid entries copied over
+        if needed > self.cells:  # grow (at least double): new buffers, the valid entries copied over
             old = self.buffers()
             keys, values, positions, state = empty_buffers(1, self.keys[:, None, :1], self.values[:, None, :1],
-                                                           max(needed, 2 * self.pool), self.state_names)
+                                                           max(needed, 2 * self.cells), self.state_names)
             self.keys, self.values, self.positions = keys[0, :, 0].zero_(), values[0, :, 0].zero_(), positions[0, :, 0]
             self.in_stack = False  # buffers of its own from now on
             self.state = {name: s[0, :, 0] for name, s in state.items()}
@@ -168,7 +168,7 @@ class AdaptiveStorage:
         device = self.keys.device
         for row in range(len(self.counts)):
             counts = self.counts[row]
-            share = (self.pool - sum(counts)) // heads
+            share = (self.cells - sum(counts)) // heads
             starts, limits, start = [], [], 0
             for count in counts:
                 starts.append(start)
@@ -191,7 +191,7 @@ class AdaptiveStorage:
         return self.seen
 
     def write(self, plane: int, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append a pass's q entries [batch, kv_heads, q, dim] to every head's segment; return the pools."""
+        """Append a pass's q entries [batch, kv_heads, q, dim] to every head's segment; return the buffers."""
         batch, heads, q = key_states.shape[:3]
         if self.keys is None:
             planned = self.capacity or q
@@ -199,8 +199,8 @@ class AdaptiveStorage:
         else:
             self.make_room(q)
         device = key_states.device
-        pool = self.pool
-        first = torch.tensor([[row * pool + s + c for s, c in zip(sr, cr)] for row, (sr, cr)
+        size = self.cells
+        first = torch.tensor([[row * size + s + c for s, c in zip(sr, cr)] for row, (sr, cr)
                               in enumerate(zip(self.starts, self.counts))], device=device)
         if q == 1:  # decoding: a few kernels fewer per layer and token
             cells = first.view(-1)
@@ -208,8 +208,8 @@ class AdaptiveStorage:
         else:
             cells = (first[..., None] + torch.arange(q, device=device)).reshape(-1)  # [batch * heads * q]
             new_positions = torch.arange(self.seen, self.seen + q, device=device).repeat(batch * heads)
-        self.keys.view(batch * pool, -1).index_copy_(0, cells, key_states.reshape(batch * heads * q, -1))
-        self.values.view(batch * pool, -1).index_copy_(0, cells, value_states.reshape(batch * heads * q, -1))
+        self.keys.view(batch * size, -1).index_copy_(0, cells, key_states.reshape(batch * heads * q, -1))
+        self.values.view(batch * size, -1).index_copy_(0, cells, value_states.reshape(batch * heads * q, -1))
         self.positions.view(-1).index_copy_(0, cells, new_positions)
         if self.state:
             if self.fresh or self.awaits_signal():
@@ -235,12 +235,12 @@ class AdaptiveStorage:
         if not self.served:
             raise RuntimeError(
                 f"{self.where()} was computed by an attention function other than keydiff's: head-adaptive "
-                "budgets hold each head's entries in a pool only keydiff attention reads. Run the model inside "
+                "budgets hold each head's entries in segments only keydiff attention reads. Run the model inside "
                 "`with keydiff.keydiff_attention(model, cache):` (keydiff.prefill and keydiff.generate do)"
             )
 
     def set_state(self, cells: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
-        """Set the policy state of the entries at `cells` (flat pool indices) from a dense view of them, with the
+        """Set the policy state of the entries at `cells` (flat cell indices) from a dense view of them, with the
         layer's whole o_proj weight, so `entry_state` sees them as for a uniform layer."""
         initial = {}
         if self.entry_state is not None:
@@ -256,14 +256,14 @@ class AdaptiveStorage:
         fresh, self.fresh = self.fresh, 0
         if not fresh or self.keys is None:
             return
-        batch, pool = len(self.counts), self.pool
+        batch, size = len(self.counts), self.cells
         device = self.keys.device
-        first = torch.tensor([[row * pool + s + c - fresh for s, c in zip(sr, cr)] for row, (sr, cr)
+        first = torch.tensor([[row * size + s + c - fresh for s, c in zip(sr, cr)] for row, (sr, cr)
                               in enumerate(zip(self.starts, self.counts))], device=device)
         cells = (first[..., None] + torch.arange(fresh, device=device)).reshape(-1)  # [batch * heads * fresh]
         shape = (batch, self.heads, fresh)
-        self.set_state(cells, self.keys.view(batch * pool, -1).index_select(0, cells).view(*shape, -1),
-                       self.values.view(batch * pool, -1).index_select(0, cells).view(*shape, -1),
+        self.set_state(cells, self.keys.view(batch * size, -1).index_select(0, cells).view(*shape, -1),
+                       self.values.view(batch * size, -1).index_select(0, cells).view(*shape, -1),
                        self.positions.view(-1).index_select(0, cells).view(shape))
 
     def view_head(self, row: int, head: int) -> LayerView:
@@ -302,14 +302,14 @@ class AdaptiveStorage:
 
 
 class AdaptiveLayer(EvictingLayer):
-    """A layer of an evicting cache on an `AdaptiveStorage` (its pool is `keys`/`values`: [batch, P, dim])."""
+    """A layer of an evicting cache on an `AdaptiveStorage` (its segments are in `keys`/`values`: [batch, P, dim])."""
 
     def __init__(self, storage: AdaptiveStorage, layer_idx: int):
         super().__init__(storage.budget, storage.capacity, layer_idx=layer_idx, storage=storage)
 
     @property
     def keys(self) -> torch.Tensor | None:
-        """[batch, P, dim]: the pool; head h of row b holds keys[b, start:start + count] (`storage.segments`)."""
+        """[batch, P, dim]: the segments' cells; head h of row b holds keys[b, start:start + count] (`storage.segments`)."""
         return self.storage.keys
 
     @property
@@ -318,7 +318,7 @@ class AdaptiveLayer(EvictingLayer):
 
     @property
     def positions(self) -> torch.Tensor | None:
-        """[batch, P] absolute positions of the pool's cells (valid inside the segments only)."""
+        """[batch, P] absolute positions of the cells (valid inside the segments only)."""
         return self.storage.positions
 
     @property
@@ -360,4 +360,4 @@ class AdaptiveLayer(EvictingLayer):
         self.returned_keys, self.earlier_allocations, self.is_initialized = None, 0, False
 
 
-__all__ = ["AdaptiveLayer", "AdaptiveStorage", "PoolStack"]
+__all__ = ["AdaptiveLayer", "AdaptiveStorage", "SegmentStack"]

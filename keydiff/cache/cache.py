@@ -24,7 +24,7 @@ from keydiff.cache.plan import distinct_storages, plan_memory
 from keydiff.cache.sliding import SlidingWindowLayer
 from keydiff.cache.storage import Storage
 from keydiff.config import STATISTICS_MODES
-from keydiff.policies.base import Policy, chooses_whole_pools
+from keydiff.policies.base import Policy, chooses_whole_segments
 from keydiff import signals as model_signals
 
 # How close (relative to the largest) refed layer-0 values must be to the kept ones: a few dtype roundings.
@@ -115,7 +115,7 @@ class EvictingCache(Cache):
                 self._mode = replace(self._mode, pass_position=self.next_position())
         if isinstance(storage, AdaptiveStorage) and bound_cache() is not self:
             raise RuntimeError(
-                f"layer {layer_idx} has head-adaptive budgets ({self.policy.name}): its heads' entries live in a pool "
+                f"layer {layer_idx} has head-adaptive budgets ({self.policy.name}): its heads' entries live in segments "
                 "only keydiff's attention function reads. Run the model inside `with keydiff.keydiff_attention(model, "
                 "cache):` (keydiff.prefill and keydiff.generate do)"
             )
@@ -239,8 +239,8 @@ class EvictingCache(Cache):
         if self._mode.held == drop:
             self._mode = replace(self._mode, held=not drop)
         with self.timed("eviction_s"):
-            together = set()  # head-adaptive layers evicted with the rest of their pool stack, in one call
-            if drop and chooses_whole_pools(self.policy) and self.policy.needs.key_rerotation is None:
+            together = set()  # head-adaptive layers evicted with the rest of their segment stack, in one call
+            if drop and chooses_whole_segments(self.policy) and self.policy.needs.key_rerotation is None:
                 stacks: dict[int, list[AdaptiveStorage]] = {}
                 for storage in self._storages:
                     if isinstance(storage, AdaptiveStorage) and storage.stack is not None:

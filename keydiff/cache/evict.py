@@ -1,5 +1,5 @@
 """The eviction: `evict` for dense rows (cut from base tensors as `Rows`, seen as one batch [R, kv_heads, capacity(,
-dim)]) and `evict_segments` for head-adaptive pools; the only places outside the policies that ask a policy what to
+dim)]) and `evict_segments` for head-adaptive segments; the only places outside the policies that ask a policy what to
 drop. Neither reads the host, so the fixed-shape step runs them compiled or captured; the entry counts are the caller's.
 Design: docs/design/cache.md#eviction-evictpy"""
 
@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 import torch
 
-from keydiff.policies.base import LayerView, Policy, PoolView
+from keydiff.policies.base import LayerView, Policy, SegmentView
 from keydiff.policies.rerotation import STATE as ROTARY_STATE
 from keydiff.queries import rotate
 from keydiff.signals import SIGNALS, asked, missing_error
@@ -185,8 +185,8 @@ def move_entries(rows: dict, sources: torch.Tensor, targets: torch.Tensor) -> No
 
 def evict_segments(storages: list, policy: Policy, drop: bool = True, buffers: list[torch.Tensor] | None = None
                    ) -> None:
-    """Evict head-adaptive pools (keydiff.cache.adaptive): observe each head, then keep T = kv_heads x N entries in
-    every row, one move for all rows. buffers: a PoolStack's [rows, P, ...] (None: the one storage's own)."""
+    """Evict head-adaptive segments (keydiff.cache.adaptive): observe each head, then keep T = kv_heads x N entries in
+    every row, one move for all rows. buffers: a SegmentStack's [rows, P, ...] (None: the one storage's own)."""
     first = storages[0]
     if policy.needs.key_rerotation is not None:
         raise RuntimeError(f"{first.where()}: key re-rotation is not supported with head-adaptive budgets")
@@ -207,40 +207,40 @@ def evict_segments(storages: list, policy: Policy, drop: bool = True, buffers: l
             signal = storage.signals.missing(asked(policy.needs), 0)
             if signal is not None:
                 raise missing_error(policy.name, signal, storage.where())
-        drop_segments(storages, buffers, policy)
+        compact_segments(storages, buffers, policy)
     for storage in storages:
         storage.signals.end_pass()
 
 
-def drop_segments(storages: list, buffers: list[torch.Tensor], policy: Policy) -> None:
-    """Drop what the policy's `drop_pool` chooses in every row and move the kept entries past each segment's new end
+def compact_segments(storages: list, buffers: list[torch.Tensor], policy: Policy) -> None:
+    """Drop what the policy's `drop_segments` chooses in every row and move the kept entries past each segment's new end
     into its dropped cells (segments are disjoint and in head order, so one flat pairing serves every row)."""
     keys, values, positions, *states = buffers
-    device, (rows, pool_size) = keys.device, keys.shape[:2]
+    device, (rows, size) = keys.device, keys.shape[:2]
     starts = [row for storage in storages for row in storage.starts]  # [rows][heads]
     counts = torch.tensor([row for storage in storages for row in storage.counts], device=device)
-    cells = torch.arange(pool_size, device=device)
+    cells = torch.arange(size, device=device)
     first = torch.tensor(starts, device=device)
     member = (cells >= first[..., None]) & (cells < (first + counts)[..., None])  # [rows, heads, P]
     # Segments lie in head order: a cell's head is the number of later heads whose segment starts at or before it.
     owner = (cells >= first[:, 1:, None]).sum(dim=1)  # [rows, P]
     rows_of = [(storage, row) for storage in storages for row in range(len(storage.counts))]
-    view = PoolView(keys=keys, positions=positions, state=dict(zip(storages[0].state_names, states)),
+    view = SegmentView(keys=keys, positions=positions, state=dict(zip(storages[0].state_names, states)),
                     member=member, owner=owner, counts=counts, starts=starts,
                     head=lambda row, head: rows_of[row][0].view_head(rows_of[row][1], head))
-    dropped = policy.drop_pool(view, storages[0].budget)  # bool [rows, P]
+    dropped = policy.drop_segments(view, storages[0].budget)  # bool [rows, P]
     kept_counts = counts - torch.zeros_like(counts).scatter_add_(1, owner, dropped.long())
     new_ends = (first + kept_counts).gather(1, owner)  # each cell's segment's new end
     holes = (dropped & (cells < new_ends)).view(-1).nonzero().squeeze(1)
     sources = (view.valid & ~dropped & (cells >= new_ends)).view(-1).nonzero().squeeze(1)
     if holes.numel():
         for buffer in buffers:
-            flat = buffer.view(rows * pool_size, -1) if buffer.dim() == 3 else buffer.view(-1)
+            flat = buffer.view(rows * size, -1) if buffer.dim() == 3 else buffer.view(-1)
             flat.index_copy_(0, holes, flat.index_select(0, sources))
     kept = kept_counts.tolist()
     for storage in storages:
         storage.counts, kept = kept[: len(storage.counts)], kept[len(storage.counts):]
 
 
-__all__ = ["NO_SIGNALS", "Rows", "drop_entries", "drop_segments", "evict", "evict_segments", "init_fresh",
+__all__ = ["NO_SIGNALS", "Rows", "compact_segments", "drop_entries", "evict", "evict_segments", "init_fresh",
            "move_entries", "rerotate", "write_active"]

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from keydiff.cache.adaptive import AdaptiveLayer, AdaptiveStorage, PoolStack
+from keydiff.cache.adaptive import AdaptiveLayer, AdaptiveStorage, SegmentStack
 from keydiff.cache.layer import EvictingLayer
 from keydiff.cache.sliding import SlidingWindowLayer, layer_windows
 from keydiff.cache.storage import Storage
@@ -46,10 +46,10 @@ class MemoryPlan:
         needs, state = policy.needs, policy.entry_state
         layers: list[Any] = []
         if self.head_adaptive:
-            pools = {i: stack for stack in map(PoolStack, self.stacks) for i in stack.layers}
+            stacks = {i: stack for stack in map(SegmentStack, self.stacks) for i in stack.layers}
             for i, (b, c) in enumerate(zip(self.budgets, self.capacities)):
                 layers.append(EvictingLayer(b, c, needs.state, state, layer_idx=i) if b is None else AdaptiveLayer(
-                    AdaptiveStorage(i, b, c, needs.state, state, asked(needs), pools.get(i)), i))
+                    AdaptiveStorage(i, b, c, needs.state, state, asked(needs), stacks.get(i)), i))
         else:
             layers = [EvictingLayer(b, c, needs.state, state, layer_idx=i)
                       for i, (b, c) in enumerate(zip(self.budgets, self.capacities))]
@@ -93,7 +93,7 @@ def plan_memory(
     capacities = [max_tokens if b is None else bounded_capacity(b, block_size, max_tokens) for b in budgets]
     if scratch_tokens:  # a scratch pass writes after the kept entries and the block
         capacities = [None if c is None else c + scratch_tokens for c in capacities]
-    if needs.head_adaptive:  # one pool of per-head segments per bounded layer (capacity: entries per head)
+    if needs.head_adaptive:  # one buffer of per-head segments per bounded layer (capacity: entries per head)
         shared = tuple(i for i, b in enumerate(budgets) if b is not None)
     else:
         shared = tuple(evicted) if needs.rows_alike else ()

@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from keydiff.policies.base import LayerView, Needs, Policy, PoolView, check_scores, chooses_whole_pools, score_then_position
+from keydiff.policies.base import LayerView, Needs, Policy, SegmentView, check_scores, chooses_whole_segments, score_then_position
 from keydiff.policies.chunkkv import Chunked
 from keydiff.policies.criticalkv import STATE as CRITICAL_STATE
 from keydiff.policies.criticalkv import Critical, critical_scores, first_stage
@@ -25,7 +25,7 @@ def safeguard_count(alpha: float, budget: int) -> int:
     return math.floor(alpha * budget + 1e-9)
 
 
-REROTATION_REFUSED = ("key_rerotation with head_budgets=adakv is not supported (the pool's per-head segments "
+REROTATION_REFUSED = ("key_rerotation with head_budgets=adakv is not supported (the per-head segments "
                       "would each need their own re-rotation); drop one of them")
 
 
@@ -111,12 +111,12 @@ def adakv_keep(keys: list[torch.Tensor], protected: list[torch.Tensor | None], b
     return masks
 
 
-def adakv_drop_pool(keys: torch.Tensor, pool: PoolView, budget: int, alpha: float) -> torch.Tensor:
-    """`adakv_keep` for every row of head-adaptive pools at once: bool [rows, P] of the entries dropped.
+def adakv_drop_segments(keys: torch.Tensor, segments: SegmentView, budget: int, alpha: float) -> torch.Tensor:
+    """`adakv_keep` for every row of head-adaptive segments at once: bool [rows, P] of the entries dropped.
     keys: int64 order keys [rows, P]; the same choice as `adakv_keep`, in a fixed number of kernels."""
-    member, owner, valid = pool.member, pool.owner, pool.valid
-    rows, heads = pool.counts.shape
-    counts = pool.counts.tolist()
+    member, owner, valid = segments.member, segments.owner, segments.valid
+    rows, heads = segments.counts.shape
+    counts = segments.counts.tolist()
     excess = [sum(row) - heads * budget for row in counts]
     most = max(excess, default=0)
     dropped = torch.zeros_like(valid)
@@ -161,7 +161,7 @@ class HeadAdaptive(PolicyWrapper):
 
     @property
     def needs(self) -> Needs:
-        """Head-adaptive, each layer a pool of its own (never stacked); whole pools are chosen on (`drop_pool`) when the
+        """Head-adaptive, each layer's segments a buffer of their own (never stacked); all segments of a row are chosen on (`drop_segments`) when the
         wrapped policy's scores are raw (no window, no CriticalKV)."""
         return replace(super().needs, head_adaptive=True, rows_alike=False, batch_invariant=False,
                        segment_scores=self.scorer.needs.segment_scores and self.head_scores == "raw")
@@ -189,11 +189,11 @@ class HeadAdaptive(PolicyWrapper):
             scores = scores.masked_fill(protect, float("inf"))
         return score_then_position(scores, head.positions)[0, 0], None if protect is None else protect[0, 0]
 
-    def drop_pool(self, pool: PoolView, budget: int) -> torch.Tensor:
-        if not chooses_whole_pools(self):
-            return Policy.drop_pool(self, pool, budget)  # head by head (`keep_heads`)
-        scores = self.scorer.score_pool(pool).float()
-        return adakv_drop_pool(score_then_position(scores, pool.positions), pool, budget, self.alpha_safeguard)
+    def drop_segments(self, segments: SegmentView, budget: int) -> torch.Tensor:
+        if not chooses_whole_segments(self):
+            return Policy.drop_segments(self, segments, budget)  # head by head (`keep_heads`)
+        scores = self.scorer.score_segments(segments).float()
+        return adakv_drop_segments(score_then_position(scores, segments.positions), segments, budget, self.alpha_safeguard)
 
     def keep_heads(self, heads: list[LayerView], budget: int) -> list[torch.Tensor]:
         """Bool masks of the entries each head keeps ([n_h] per head of one batch row; views of one head each)."""
@@ -239,5 +239,5 @@ class HeadAdaptive(PolicyWrapper):
                 "layer_budgets": schedule}
 
 
-__all__ = ["HEAD_BUDGETS", "HEAD_SCORES", "REROTATION_REFUSED", "HeadAdaptive", "adakv_drop_pool", "adakv_keep",
+__all__ = ["HEAD_BUDGETS", "HEAD_SCORES", "REROTATION_REFUSED", "HeadAdaptive", "adakv_drop_segments", "adakv_keep",
            "check_alpha", "check_head_scores", "refuse_unsupported", "relative_scores", "safeguard_count"]

@@ -93,8 +93,8 @@ class LayerView:
 
 
 @dataclass
-class PoolView:
-    """Rows of head-adaptive pools as a policy scores them in one call (keydiff.cache.adaptive): each row [P cells]
+class SegmentView:
+    """Rows of head-adaptive segments as a policy scores them in one call (keydiff.cache.adaptive): each row [P cells]
     holds one contiguous segment per KV head; free cells hold finite values whose scores are ignored."""
 
     keys: torch.Tensor  # [rows, P, head_dim], as cached
@@ -103,7 +103,7 @@ class PoolView:
     member: torch.Tensor  # bool [rows, kv_heads, P]: cell p holds an entry of head h
     owner: torch.Tensor  # long [rows, P]: the head whose entry cell p holds (any head for a free cell)
     counts: torch.Tensor  # long [rows, kv_heads]: entries each head holds
-    # For a choice head by head (`drop_pool`'s default): each head's first cell and its one-head view.
+    # For a choice head by head (`drop_segments`'s default): each head's first cell and its one-head view.
     starts: list[list[int]] | None = None
     head: Callable[[int, int], LayerView] | None = None
 
@@ -137,7 +137,7 @@ class Needs:
     # Every row of a view is scored alike from its own entries, so the cache may stack all layers in one call.
     rows_alike: bool = False
     head_adaptive: bool = False  # a layer's heads share its budget (AdaKV): per-head segments, `keep_heads`
-    # Scores whole head-adaptive pools at once (`score_pool`); see `chooses_pools`.
+    # Scores every head-adaptive segment of a row at once (`score_segments`); see `chooses_segments`.
     segment_scores: bool = False
     log_scores: bool = False  # `score` returns the log of a non-negative importance (Expected Attention)
     evicts: bool = True  # False only for the no-eviction baseline
@@ -169,8 +169,8 @@ class Needs:
         return not self.host_reads
 
     @property
-    def chooses_pools(self) -> bool:
-        """A head-adaptive policy that chooses on whole pools (`drop_pool`) rather than head by head."""
+    def chooses_segments(self) -> bool:
+        """A head-adaptive policy that chooses on all segments of a row at once (`drop_segments`) rather than head by head."""
         return self.head_adaptive and self.segment_scores
 
     @property
@@ -188,14 +188,14 @@ LEGACY = {"attention_rows": "attention_rows", "attention_reduction": "attention_
           "state_names": "state", "needs_queries": "queries", "first_query_position": "queries_from",
           "needs_output_projection": "output_projection", "key_rerotation": "key_rerotation",
           "log_scores": "log_scores", "layers_batchable": "rows_alike", "capturable": "host_reads=False",
-          "head_adaptive": "head_adaptive", "chooses_pools": "head_adaptive and segment_scores",
-          "scores_pools": "segment_scores"}
+          "head_adaptive": "head_adaptive", "chooses_segments": "head_adaptive and segment_scores",
+          "scores_segments": "segment_scores"}
 
 
-def chooses_whole_pools(policy: "Policy") -> bool:
-    """Whether `drop_pool` chooses on whole pools (a head-adaptive, pool-scoring policy needing no attention or query
-    statistics) rather than head by head (`keep_heads` per row, `Policy.drop_pool`'s default)."""
-    return policy.needs.chooses_pools and policy.needs.attention_rows == 0 and not policy.needs.queries
+def chooses_whole_segments(policy: "Policy") -> bool:
+    """Whether `drop_segments` chooses on all segments of a row at once (a head-adaptive, segment-scoring policy needing no attention or query
+    statistics) rather than head by head (`keep_heads` per row, `Policy.drop_segments`'s default)."""
+    return policy.needs.chooses_segments and policy.needs.attention_rows == 0 and not policy.needs.queries
 
 
 @dataclass
@@ -247,22 +247,22 @@ class Policy:
         """For a head-adaptive policy: bool masks of the entries each head of one batch row keeps."""
         raise NotImplementedError(f"policy {self.name!r} does not share a layer's budget between its heads")
 
-    def drop_pool(self, pool: PoolView, budget: int) -> torch.Tensor:
-        """For a head-adaptive policy: bool [rows, P], the entries of every row of `pool` to drop (budget: N). What
-        the cache asks; by default head by head, `keep_heads` for each row over kv_heads x N (`needs.chooses_pools`
-        policies choose on the whole pool at once)."""
-        dropped = torch.zeros_like(pool.owner, dtype=torch.bool)
-        heads = pool.counts.shape[1]
-        for row, counts in enumerate(pool.counts.tolist()):
+    def drop_segments(self, segments: SegmentView, budget: int) -> torch.Tensor:
+        """For a head-adaptive policy: bool [rows, P], the entries of every row of `segments` to drop (budget: N). What
+        the cache asks; by default head by head, `keep_heads` for each row over kv_heads x N (`needs.chooses_segments`
+        policies choose on all of a row's segments at once)."""
+        dropped = torch.zeros_like(segments.owner, dtype=torch.bool)
+        heads = segments.counts.shape[1]
+        for row, counts in enumerate(segments.counts.tolist()):
             if sum(counts) > heads * budget:
-                keep = self.keep_heads([pool.head(row, head) for head in range(heads)], budget)
-                for start, count, mask in zip(pool.starts[row], counts, keep):
+                keep = self.keep_heads([segments.head(row, head) for head in range(heads)], budget)
+                for start, count, mask in zip(segments.starts[row], counts, keep):
                     dropped[row, start:start + count] = ~mask
         return dropped
 
-    def score_pool(self, pool: PoolView) -> torch.Tensor:
-        """Scores [rows, P] float32 of every entry of `pool`, as `score` gives them on each head alone. Only with `needs.segment_scores`."""
-        raise NotImplementedError(f"policy {self.name!r} does not score head-adaptive pools")
+    def score_segments(self, segments: SegmentView) -> torch.Tensor:
+        """Scores [rows, P] float32 of every entry of `segments`, as `score` gives them on each head alone. Only with `needs.segment_scores`."""
+        raise NotImplementedError(f"policy {self.name!r} does not score head-adaptive segments")
 
     # True: check the scores at every eviction, not only at the policy object's first (keydiff.testing).
     _check_every_call: ClassVar[bool] = False
@@ -449,4 +449,4 @@ def check_fraction(name: str, value: float, budget: int | None = None) -> None:
         logger.warning("%s=%s of a %d-token budget reserves no entry (floor); the window is empty", name, value, budget)
 
 
-__all__ = ["LayerView", "Needs", "Policy", "PoolView", "check_scores", "layer_by_layer", "most_recent", "window_size", "check_fraction", "field"]
+__all__ = ["LayerView", "Needs", "Policy", "SegmentView", "check_scores", "layer_by_layer", "most_recent", "window_size", "check_fraction", "field"]

@@ -12,7 +12,7 @@ from pathlib import Path
 from keydiff.policies.base import Needs
 
 PATH = Path(__file__).resolve().with_name("capabilities.json")
-DERIVED = ("capturable", "chooses_pools", "groupable")  # Needs' properties, written for the readers without torch
+DERIVED = ("capturable", "chooses_segments", "groupable")  # Needs' properties, written for the readers without torch
 
 
 def preset_names() -> list[str]:

@@ -9,7 +9,7 @@ from typing import Callable, ClassVar
 import torch
 import torch.nn.functional as F
 
-from keydiff.policies.base import LayerView, Needs, Policy, PoolView, float32_norms
+from keydiff.policies.base import LayerView, Needs, Policy, SegmentView, float32_norms
 
 ANCHORS = ("normalized_mean", "mean", "median")
 METRICS = ("cosine", "dot", "euclidean")
@@ -77,13 +77,13 @@ def cosine_to_mean(keys: torch.Tensor, normalized: bool, inv_norms: torch.Tensor
     return dots * inv_norms / torch.linalg.vector_norm(anchor, dim=-1).clamp_min(1e-8)
 
 
-def cosine_to_segment_means(keys: torch.Tensor, pool: PoolView, normalized: bool,
+def cosine_to_segment_means(keys: torch.Tensor, segments: SegmentView, normalized: bool,
                             inv_norms: torch.Tensor) -> torch.Tensor:
-    """`cosine_to_mean` for every head of every row of head-adaptive pools at once: [rows, P] (free cells mean nothing)."""
-    weights = torch.where(pool.member, inv_norms[:, None, :], 0.0) if normalized else pool.member.to(keys.dtype)
-    anchors = (weights @ keys) / pool.counts.clamp_min(1)[..., None].to(keys.dtype)  # [rows, heads, d]
-    dots = (keys @ anchors.transpose(1, 2)).gather(2, pool.owner[..., None]).squeeze(2)  # [rows, P]
-    norms = torch.linalg.vector_norm(anchors, dim=-1).clamp_min(1e-8).gather(1, pool.owner)
+    """`cosine_to_mean` for every head of every row of head-adaptive segments at once: [rows, P] (free cells mean nothing)."""
+    weights = torch.where(segments.member, inv_norms[:, None, :], 0.0) if normalized else segments.member.to(keys.dtype)
+    anchors = (weights @ keys) / segments.counts.clamp_min(1)[..., None].to(keys.dtype)  # [rows, heads, d]
+    dots = (keys @ anchors.transpose(1, 2)).gather(2, segments.owner[..., None]).squeeze(2)  # [rows, P]
+    norms = torch.linalg.vector_norm(anchors, dim=-1).clamp_min(1e-8).gather(1, segments.owner)
     return dots * inv_norms / norms
 
 
@@ -109,13 +109,13 @@ class KeyDiff(Policy):
     @property
     def needs(self) -> Needs:
         """1/||k|| of every entry is state, computed once when the entry is written (initial_state), not at every
-        step; the cosine to a mean anchor is scored on whole head-adaptive pools (`cosine_to_segment_means`)."""
+        step; the cosine to a mean anchor is scored on all head-adaptive segments of a row at once (`cosine_to_segment_means`)."""
         return Needs(state=("inv_norm",), host_reads=False, rows_alike=True, batch_invariant=True,
                      segment_scores=self.metric == "cosine" and self.anchor in ("normalized_mean", "mean"))
 
-    def score_pool(self, pool: PoolView) -> torch.Tensor:
-        return -cosine_to_segment_means(pool.keys.float(), pool, self.anchor == "normalized_mean",
-                                        pool.state["inv_norm"])
+    def score_segments(self, segments: SegmentView) -> torch.Tensor:
+        return -cosine_to_segment_means(segments.keys.float(), segments, self.anchor == "normalized_mean",
+                                        segments.state["inv_norm"])
 
     def score(self, layer: LayerView) -> torch.Tensor:
         # in float32: half precision a slice at a time (in_float32), float32 as it is

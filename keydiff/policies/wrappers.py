@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from keydiff.policies.base import (LayerView, Needs, Policy, PoolView, check_fraction, chooses_whole_pools, most_recent,
+from keydiff.policies.base import (LayerView, Needs, Policy, SegmentView, check_fraction, chooses_whole_segments, most_recent,
                                    window_size)
 from keydiff.policies.layer_budgets import check_layer_budgets, smallest_layer_budget, split_budget
 
@@ -37,7 +37,7 @@ class PolicyWrapper(Policy):
     @property
     def needs(self) -> Needs:
         """The wrapped policy's needs, less two it cannot vouch for: a wrapper may change the scores, so it reads them
-        on the host and scores no pools. A subclass adds its own with `replace(super().needs, ...)`."""
+        on the host and scores no segments. A subclass adds its own with `replace(super().needs, ...)`."""
         inner = self.scorer.needs
         return replace(inner, host_reads=True, segment_scores=inner.segment_scores and inner.head_adaptive)
 
@@ -50,10 +50,10 @@ class PolicyWrapper(Policy):
     def keep_heads(self, heads: list[LayerView], budget: int) -> list[torch.Tensor]:
         return self.scorer.keep_heads(heads, budget)
 
-    def drop_pool(self, pool: PoolView, budget: int) -> torch.Tensor:
-        if not chooses_whole_pools(self):
-            return Policy.drop_pool(self, pool, budget)  # head by head, through this object's `keep_heads`
-        return self.scorer.drop_pool(pool, budget)
+    def drop_segments(self, segments: SegmentView, budget: int) -> torch.Tensor:
+        if not chooses_whole_segments(self):
+            return Policy.drop_segments(self, segments, budget)  # head by head, through this object's `keep_heads`
+        return self.scorer.drop_segments(segments, budget)
 
     def unwrapped(self) -> Policy:
         return self.scorer.unwrapped()
@@ -103,7 +103,7 @@ class RecentWindow(PolicyWrapper):
     @property
     def needs(self) -> Needs:
         """The wrapped policy's, capturable too (the window is a k-th value of the positions: tensors alone); with no
-        window (fraction 0, the presets' default) nothing is protected, so it scores pools as the wrapped policy does."""
+        window (fraction 0, the presets' default) nothing is protected, so it scores segments as the wrapped policy does."""
         inner = self.scorer.needs
         return replace(super().needs, host_reads=inner.host_reads,
                        segment_scores=self.fraction == 0 and inner.segment_scores)
@@ -124,8 +124,8 @@ class RecentWindow(PolicyWrapper):
         recent = most_recent(layer, count)
         return recent if inner is None else recent | inner
 
-    def score_pool(self, pool: PoolView) -> torch.Tensor:
-        return self.scorer.score_pool(pool)
+    def score_segments(self, segments: SegmentView) -> torch.Tensor:
+        return self.scorer.score_segments(segments)
 
     def describe(self) -> dict:
         """The wrapped policy's description with the fraction added before `layer_budgets`."""
