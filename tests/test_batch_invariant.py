@@ -1,19 +1,12 @@
-"""batch_invariant: kernels whose reduction order does not depend on the number of rows (keydiff.kernels), the mode
-that registers them for a dispatch key, and the key's path from the configuration to the decoding step.
-
-A CPU has no use for them (its kernels already give each row the same bits at any batch size: test_golden_batching),
-so here they run in Triton's interpreter on CPU tensors, registered for the CPU dispatch key explicitly. That checks
-what they compute (against torch in float32) and that row i of a call's result does not depend on how many rows the
-call has nor on what the other rows hold; what a GPU's compiled kernels do is checked by `make gpu-check` (tests/test_device_invariants.py, batch 16 =
-alone with batch_invariant, bf16, Llama-3.2-3B's shape). Tiny shapes only: the interpreter runs each program in Python.
-"""
+"""batch_invariant's kernels (keydiff.kernels: a reduction order independent of the row count), the mode that
+registers them, and the key's path to the step; run in Triton's interpreter on CPU tensors (tiny shapes): what they
+compute (against torch) and that row i does not depend on the call's other rows. A GPU's: `make gpu-check`."""
 
 from __future__ import annotations
 
 import os
 
-# Before triton is imported (tests/conftest.py sets it too, before any test module imports torch): @triton.jit then
-# builds interpreted kernels, which run on CPU tensors.
+# Before triton is imported (conftest.py sets it first too): @triton.jit then builds interpreted kernels.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
@@ -26,7 +19,6 @@ import keydiff  # noqa: E402
 from keydiff.kernels import batch_invariant  # noqa: E402
 from keydiff.testing import tiny_model  # noqa: E402
 
-# The Triton interpreter is slow: integration, outside make test-quick.
 pytestmark = [pytest.mark.integration, pytest.mark.extended]
 
 
@@ -44,8 +36,7 @@ def kernels():
 
 
 def rows_alone_equal(call, inputs: torch.Tensor, whole: torch.Tensor, rows=(0, 5, 15)) -> None:
-    """Row i of `whole` (the call on all rows) is bit for bit the call on row i alone, and on all rows with junk in
-    every other row."""
+    """Row i of `whole` is bit for bit the call on row i alone, and on all rows with junk in the others."""
     for i in rows:
         assert torch.equal(call(inputs[i:i + 1])[0], whole[i])
         junk = torch.randn_like(inputs) * 1e3
@@ -110,17 +101,17 @@ def test_attention_matches_sdpa_and_a_row_does_not_depend_on_the_others(kernels)
 def test_the_mode_replaces_the_operators_and_only_while_it_is_on(kernels):
     torch.manual_seed(3)
     x = torch.randn(16, 6, 40)
-    plain = {"mean": x.mean(-1, keepdim=True), "sum": x.sum(dim=(0, 2)), "norm": x.norm(dim=-1),
-             "normalize": F.normalize(x, dim=-1), "l1": torch.linalg.vector_norm(x, 1, dim=1), "count": (x > 0).sum(-1),
-             "linear": F.linear(x, x[0, :5], x[1, 0, :5]), "matmul": x @ x.transpose(1, 2), "mm": x[0] @ x[1].T}
-    before = batch_invariant.calls.copy()
-    with batch_invariant.mode("CPU"):
-        assert batch_invariant.enabled(torch.device("cpu")) and not batch_invariant.enabled(torch.device("cuda"))
-        ours = {"mean": x.mean(-1, keepdim=True), "sum": x.sum(dim=(0, 2)), "norm": x.norm(dim=-1),
+
+    def ops() -> dict[str, torch.Tensor]:
+        return {"mean": x.mean(-1, keepdim=True), "sum": x.sum(dim=(0, 2)), "norm": x.norm(dim=-1),
                 "normalize": F.normalize(x, dim=-1), "l1": torch.linalg.vector_norm(x, 1, dim=1),
                 "count": (x > 0).sum(-1), "linear": F.linear(x, x[0, :5], x[1, 0, :5]),
                 "matmul": x @ x.transpose(1, 2), "mm": x[0] @ x[1].T}
-        row = x[3:4].mean(-1, keepdim=True)
+
+    plain, before = ops(), batch_invariant.calls.copy()
+    with batch_invariant.mode("CPU"):
+        assert batch_invariant.enabled(torch.device("cpu")) and not batch_invariant.enabled(torch.device("cuda"))
+        ours, row = ops(), x[3:4].mean(-1, keepdim=True)
     used = batch_invariant.calls - before
     for name in ("mm", "addmm", "bmm", "mean", "sum", "linalg_vector_norm"):
         assert used[name] > 0, (name, used)
@@ -135,8 +126,7 @@ def test_the_mode_replaces_the_operators_and_only_while_it_is_on(kernels):
 
 
 def test_a_half_precision_norm_in_float32_gives_the_bits_of_widening_first(kernels):
-    """vector_norm(x, dtype=float32) of bf16 x (KeyDiff's inverse key norms, K-norm): the row-sum kernel widens as it
-    reads, the same bits as widening first, with no float32 copy of x."""
+    """vector_norm(bf16 x, dtype=float32) (KeyDiff's inverse key norms, K-norm): widened as read, no float32 copy."""
     torch.manual_seed(4)
     x = torch.randn(12, 3, 40).to(torch.bfloat16)
     with batch_invariant.mode("CPU"):
@@ -147,8 +137,7 @@ def test_a_half_precision_norm_in_float32_gives_the_bits_of_widening_first(kerne
 
 
 def test_the_attention_functions_route_to_the_invariant_kernel(kernels):
-    """A forward of the tiny model with keydiff's attention functions under the mode: every matmul, mean and attention
-    through the invariant kernels, logits close to the plain forward's."""
+    """The tiny model's forward under the mode: every matmul, mean and attention invariant, the plain logits."""
     model = tiny_model()
     ids = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
@@ -164,9 +153,8 @@ def test_the_attention_functions_route_to_the_invariant_kernel(kernels):
 
 @pytest.mark.parametrize("policy, budget", [("keydiff", 24), ("full", None)])
 def test_generate_batch_under_the_mode_gives_each_sequence_its_tokens_alone(kernels, monkeypatch, policy, budget):
-    """batch_invariant=True with the mode registered for the CPU key (as it is for CUDA on a GPU): three prompts of
-    different lengths decoded together give the tokens each gets alone, and the step really ran the kernels (the
-    fixed-shape step for KeyDiff once full, the ordinary one before)."""
+    """batch_invariant=True, the mode registered for the CPU key (as for CUDA on a GPU): three prompts together
+    give each its tokens alone, and the step (fixed-shape for KeyDiff once full) ran the kernels."""
     monkeypatch.setitem(batch_invariant.DEVICE_KEYS, "cpu", "CPU")
     model = tiny_model()
     prompts = [torch.randint(0, 256, (1, n), generator=torch.Generator().manual_seed(n)) for n in (30, 41, 52)]
@@ -186,7 +174,6 @@ def test_generate_batch_under_the_mode_gives_each_sequence_its_tokens_alone(kern
 
 
 def test_on_a_cpu_the_mode_is_a_no_op_and_other_devices_are_refused():
-    assert batch_invariant.DEVICE_KEYS["cpu"] is None
     with batch_invariant.for_device(torch.device("cpu")):
         assert not batch_invariant.enabled(torch.device("cpu"))
     with pytest.raises(ValueError, match=r"does not run on mps \(valid devices: cuda, cpu"):

@@ -1,7 +1,6 @@
-"""batch_invariant from the configuration to the decoding step, without triton: the key is checked (what its kernels
-do not cover is refused in one line, before any model loads), it reaches the plan and the run's identity (only when
-true, so that run directories written before the key resume), and on a CPU it changes no token (a no-op: the
-kernels themselves are tests/test_batch_invariant.py's)."""
+"""batch_invariant from the configuration to the decoding step, without triton: the key's checks (one line, before
+the model loads), its path to the plan and run identity, and on a CPU no token changed (the kernels:
+tests/test_batch_invariant.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +13,6 @@ from keydiff.run.checks import ConfigError, check_batch_invariant, check_run_con
 from keydiff.run.plan import plan_run, result_config
 from keydiff.testing import tiny_model
 from tests.test_runner import make_cfg
-
 
 pytestmark = [pytest.mark.unit, pytest.mark.extended]
 
@@ -29,7 +27,8 @@ def test_batch_invariant_is_a_checked_top_level_key():
 @pytest.mark.parametrize("overrides, message", [
     (["policy=lagkv"], r"policy=lagkv: its scores use reductions .*\(valid: full, h2o, keydiff, "),
     (["policy=expected_attention"], r"policy=expected_attention"),
-    (["policy=adakv_keydiff"], r"head-adaptive budgets \(policy.params.head_budgets=adakv\); valid: head_budgets=uniform"),
+    (["policy=adakv_keydiff"], r"head-adaptive budgets \(policy.params.head_budgets=adakv\); "
+                               r"valid: head_budgets=uniform"),
     (["policy=chunkkv"], r"policy.params.chunk_length .*valid: without it"),
 ])
 def test_combinations_its_kernels_do_not_cover_are_refused_in_one_line(overrides, message):
@@ -46,7 +45,7 @@ def test_combinations_its_kernels_do_not_cover_are_refused_in_one_line(overrides
     (dict(device_map="auto"), r"model.device_map=auto: .*valid: model.device_map=null"),
 ])
 def test_devices_and_kernels_without_an_invariant_form_are_refused(model, message):
-    """(Checked on the function: here flash_attention_2 and MPS are refused earlier, as not installed / absent.)"""
+    """On the function: through the run, flash_attention_2 and MPS are refused earlier (not installed, absent)."""
     with pytest.raises(ConfigError, match=message):
         check_batch_invariant(make_cfg("batch_invariant=true"), ModelConfig(**model))
     check_batch_invariant(make_cfg(), ModelConfig(**model))  # false: nothing to refuse

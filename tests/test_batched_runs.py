@@ -72,10 +72,9 @@ def run_at(cfg):
     return summary, by_id(summary["run_dir"])
 
 
-@pytest.mark.parametrize("policy", ["keydiff", "h2o", "full"])
-def test_batch_four_run_writes_the_rows_of_batch_one(tmp_path, tiny, policy):
-    one, rows_one = run_at(lengths_cfg(tmp_path, "b1", policy=policy))
-    four, rows_four = run_at(lengths_cfg(tmp_path, "b4", "batch_size=4", policy=policy))
+def test_batch_four_run_writes_the_rows_of_batch_one(tmp_path, tiny):
+    one, rows_one = run_at(lengths_cfg(tmp_path, "b1"))
+    four, rows_four = run_at(lengths_cfg(tmp_path, "b4", "batch_size=4"))
     same_rows(rows_one, rows_four)
     assert one["batch_size"] == 1 and four["batch_size"] == 4 and four["complete"]
     assert max(row["decode_batch_size"] for row in rows_four.values()) > 1
@@ -108,13 +107,12 @@ def raised_while_handling(first: BaseException, then: BaseException) -> BaseExce
 
 
 def test_the_one_out_of_memory_rule_reads_an_error_and_what_it_was_raised_from_or_while_handling():
-    """Every back-off and failed row asks keydiff.device.out_of_memory: CUDA's error, MemoryError, an allocator's
-    RuntimeError, or any error whose cause or context is one (a capture that ran out ends in capture_end's own
-    error); any other error is a bug, not out of memory."""
+    """An allocator's error, or one raised from or while handling one (a capture's end), is out of memory; no other."""
     assert out_of_memory(out_of_memory_error()) and out_of_memory(MemoryError())
     assert out_of_memory(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 GB"))
     assert out_of_memory(RuntimeError("MPS backend out of memory"))
-    assert out_of_memory(raised_while_handling(out_of_memory_error(), RuntimeError("CUDA error: operation failed during capture")))
+    capture = RuntimeError("CUDA error: operation failed during capture")
+    assert out_of_memory(raised_while_handling(out_of_memory_error(), capture))
     cause = RuntimeError("wrapped")
     cause.__cause__ = MemoryError()
     assert out_of_memory(cause)
@@ -124,8 +122,7 @@ def test_the_one_out_of_memory_rule_reads_an_error_and_what_it_was_raised_from_o
 
 
 def test_out_of_memory_in_a_batch_step_retries_at_half_the_width(tmp_path, tiny, inject_oom):
-    """The scheduler's back-off (keydiff.decode.scheduler): memory runs out in a step of four sequences; they
-    start again (a new prefill each) at width 2, and every row is the batch-1 row."""
+    """Memory runs out in a step of four sequences: they start again (a new prefill each) at width 2."""
     _, expected = run_at(lengths_cfg(tmp_path, "b1"))
     # the step runs, then memory "runs out" mid-batch
     injected = inject_oom(lambda active: len(active) == 4 and all(sequence.steps >= 2 for sequence in active),
@@ -140,7 +137,7 @@ def test_out_of_memory_in_a_batch_step_retries_at_half_the_width(tmp_path, tiny,
 
 
 def test_out_of_memory_in_a_prefill_retries_at_half_the_width(tmp_path, tiny, inject_oom):
-    """A prefill that runs out of memory while others decode: the job is started again after the back-off."""
+    """A prefill that runs out of memory while others decode is started again after the back-off."""
     _, expected = run_at(lengths_cfg(tmp_path, "b1"))
     # len100: the second sample, while len30 decodes
     injected = inject_oom(lambda prompt: len(prompt.input_ids) > 80, at="prefill")
@@ -150,22 +147,10 @@ def test_out_of_memory_in_a_prefill_retries_at_half_the_width(tmp_path, tiny, in
     same_rows(expected, rows)
 
 
-def test_out_of_memory_with_forks_in_flight_prefills_them_again(tmp_path, tiny, inject_oom):
-    """Math-500's responses share one prefill (forks); abandoned by a back-off, each starts with a prefill of its
-    own, and the rows are those of batch 1 (a fork and a prefill of the same prompt decode alike)."""
-    _, expected = run_at(math_cfg(tmp_path, "m1"))
-    injected = inject_oom(lambda active: len(active) >= 3, after=True)
-    summary, rows = run_at(math_cfg(tmp_path, "m3oom", "batch_size=4"))
-    assert injected.raised and summary["complete"] and summary["num_failed"] == 0
-    assert summary["invocations"][-1]["decode_widths"] == [4, 2]
-    same_rows(expected, rows)
-
-
 @contextlib.contextmanager
 def blocks_alive_at_the_back_off() -> Iterator[list[list]]:
-    """The slots of every shared arena, and every step plan (as "plan W=<rows>"), alive when the back-off has built
-    the smaller width (its warning, logged then): by then nothing of the failed width may hold a shared arena or a
-    plan (its ids and rows are tensors of the failed width), or they stay allocated beside the new width's."""
+    """The slots of every shared arena and every step plan ("plan W=<rows>") alive when the back-off has built the
+    smaller width (its warning): anything of the failed width still alive stays allocated beside the new one."""
     import gc
 
     from keydiff.decode.plan import StepPlan
@@ -190,9 +175,7 @@ def blocks_alive_at_the_back_off() -> Iterator[list[list]]:
 
 
 def test_the_retry_after_out_of_memory_starts_with_no_block_of_the_failed_batch_alive(tmp_path, tiny, inject_oom):
-    """A pooled sample's cache is a view of its batch's whole arena (blocks.JoinPool): when the back-off builds
-    the smaller width, nothing may hold the failed width's arena (no state of an abandoned job, no step, no
-    traceback), or it stays allocated beside the new one, which is the memory the back-off is meant to free."""
+    """Nothing holds the failed width's arena (no abandoned job's state, no step, no traceback) after the back-off."""
     def pooled(active) -> bool:
         return len([s for s in active if s.cache.stack is not None and s.cache.stack.handle.shared]) >= 2
 
@@ -205,9 +188,8 @@ def test_the_retry_after_out_of_memory_starts_with_no_block_of_the_failed_batch_
 
 
 def test_the_retry_after_out_of_memory_holds_no_fork_not_yet_taken(tmp_path, tiny, inject_oom):
-    """Math-500, 3 responses sharing one prefill (forks in one block of 3 slots), width 2: the third fork waits
-    while two decode. When memory runs out there, the waiting fork is dropped too (its block is part of what the
-    back-off frees), and the responses start again, each with a prefill of its own."""
+    """Math-500's 3 forks of one prefill at width 2: out of memory while the third waits drops it too (its block is
+    part of what the back-off frees) and the responses start again, each with a prefill of its own."""
     _, expected = run_at(math_cfg(tmp_path, "m1"))
     step = inject_oom(lambda active: len(active) == 2, after=True)
     with blocks_alive_at_the_back_off() as alive:

@@ -1,15 +1,11 @@
-"""The engine's invariants on the device `pytest --device` names (default cpu), per attention kernel and dtype.
-
-What `make gpu-check` runs on a new machine (`pytest -m device --device cuda`, keydiff.bench.gpu_check): on
-CUDA in bf16 on a tiny and a mid-size random Llama with sdpa, eager and flash_attention_2, then the batch
-invariance checks on Llama-3.2-3B's shape; on a CPU the tiny model in fp32 and bf16 with sdpa and eager, and
-every shape shrunk, in the normal suite. Logits are compared relative to max |reference logit| (1e-4 in fp32,
-5e-2 in bf16). Each test records one `detail` line (pytest's record_property), which gpu_check's JSON keeps.
-"""
+"""The engine's invariants on the device `pytest --device` names (default cpu), per attention kernel and dtype: what
+`make gpu-check` runs (keydiff.bench.gpu_check; settings in docs/gpu.md). Logits are compared relative to max
+|reference logit|; each test records one `detail` line (record_property), which gpu_check's JSON keeps."""
 
 from __future__ import annotations
 
 import random
+from collections import namedtuple
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -26,9 +22,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.device, pytest.mark.extended]
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
 ABSOLUTE_FP32 = 1e-5  # fp32 (CPU): also max |diff| in logits, not only relative
-# Fast vs materialized kept-set agreement required in bf16. Random weights give near-uniform attention, so
-# bf16 rounding flips many near-ties: measured on CPU, correct code agrees 0.85-1.0 (tiny and mid-size
-# models), a statistic taken over the wrong query rows 0.1-0.5.
+# Fast vs materialized kept-set agreement required in bf16: random weights give near-uniform attention, so bf16
+# rounding flips near-ties (correct code agrees 0.85-1.0, a statistic over the wrong query rows 0.1-0.5).
 AGREEMENT_THRESHOLD = 0.75
 STACKED_AGREEMENT = 0.99
 EVICTING = [name for name in available_policies() if name != "full"]
@@ -41,18 +36,15 @@ FULL_CHECK_BLOCK = 64
 FULL_CHECK_BLOCKS = (1, 5, 64, 128, None)  # None: the whole prompt as one block; B = 1 on prompts <= 512 only
 NEEDLE_SEED = 36
 
-
-@dataclass(frozen=True)
-class Sizes:
-    length: int  # prompt tokens L
-    budget: int  # N (> 32: SnapKV's window)
-    block: int  # B
-    new_tokens: int
+# prompt tokens L, N (> 32: SnapKV's window), B, tokens decoded
+Sizes = namedtuple("Sizes", "length budget block new_tokens")
+# the batch-invariance checks': `batch` prompts of `lengths` tokens (the needle: `length`), KeyDiff N = `budget`
+Shape = namedtuple("Shape", "model batch tokens lengths budget length")
+Engine = namedtuple("Engine", "model prompt sizes tol")
 
 
 @dataclass(frozen=True)
 class Setting:
-    """One model, attention kernel and dtype the engine checks run on."""
     model: str
     attn: str
     dtype: torch.dtype
@@ -61,23 +53,13 @@ class Setting:
         return f"{self.model.removeprefix('random-')}-{self.attn}-{short(self.dtype)}"
 
 
-@dataclass(frozen=True)
-class Shape:
-    """The batch-invariance checks' shape: `batch` prompts of `lengths` tokens (the needle: one of `length`
-    among batch - 1 others), `tokens` tokens, KeyDiff N = `budget`, B = 128."""
-    model: str
-    batch: int
-    tokens: int
-    lengths: tuple[int, int]
-    budget: int
-    length: int
-
-
 # On CUDA, then on any other device (a CPU: every size shrunk, the tiny model only).
 SIZES = {"cuda": {"random-tiny": Sizes(300, 64, 32, 12), "random-mid": Sizes(1024, 256, 64, 16)},
          "other": {"random-tiny": Sizes(160, 48, 32, 6)}}
 SHAPES = {"cuda": Shape("random-llama-3.2-3b", 16, 32, (1536, 3072), 512, 2048),
           "other": Shape("random-tiny", 16, 5, (96, 160), 48, 128)}
+# Eager computes both attention statistics from the same weights: they are compared where they can differ.
+ONLY = {"test_fast_statistics_keep_nearly_what_materialized_ones_keep": lambda setting: setting.attn != "eager"}
 
 
 def kind(device: torch.device) -> str:
@@ -95,34 +77,12 @@ def settings(device: torch.device) -> list[Setting]:
     return [Setting("random-tiny", attn, dtype) for dtype in (torch.float32, torch.bfloat16) for attn in ("sdpa", "eager")]
 
 
-def statistics_differ(setting: Setting) -> bool:
-    """Eager computes both statistics from the same weights: the check runs where they can differ (in fp32 they
-    must choose the same entries; in bf16 rounding flips near-ties)."""
-    return setting.attn != "eager"
-
-
 def pytest_generate_tests(metafunc):
-    """`setting` per the device's settings (a test may keep some with its `applies_to`), one model per setting."""
+    """`setting` per the device's settings (those ONLY keeps for the test), one model per setting."""
     if "setting" in metafunc.fixturenames:
-        device = torch.device(metafunc.config.getoption("--device"))
-        keep = getattr(metafunc.function, "applies_to", lambda setting: True)
-        chosen = [s for s in settings(device) if keep(s)]
+        keep = ONLY.get(metafunc.function.__name__, lambda setting: True)
+        chosen = [s for s in settings(torch.device(metafunc.config.getoption("--device"))) if keep(s)]
         metafunc.parametrize("setting", chosen, ids=[str(s) for s in chosen], scope="module")
-
-
-def applies_to(keep):
-    def mark(test):
-        test.applies_to = keep
-        return test
-    return mark
-
-
-@dataclass
-class Engine:
-    model: object
-    prompt: torch.Tensor
-    sizes: Sizes
-    tol: float
 
 
 @pytest.fixture(scope="module")
@@ -152,6 +112,10 @@ def kept_agreement(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     """Share of kept entries (per layer and KV head, compared as position sets) present in both runs."""
     shared = [(x[..., :, None] == y[..., None, :]).any(-1).float().mean() for x, y in zip(a, b)]
     return torch.stack(shared).mean().item()
+
+
+def all_equal(a, b) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b))
 
 
 def exact_in_fp32(setting: Setting, logits: torch.Tensor, reference: torch.Tensor) -> bool:
@@ -184,11 +148,9 @@ def test_every_policy_holds_n_after_each_block_and_n_plus_b_at_its_peak(engine, 
         after = []
         state = prefill(model, prompt, name, budget, block,
                         on_block=lambda cache: after.append(max(layer.num_entries for layer in cache.layers)))
-        result = generate(model, state, sizes.new_tokens)
-        peak = max(state.max_cache_entries, result.max_cache_entries)
-        peaks.append(peak)
-        if peak > budget + block or max(after) > budget:
-            failures.append(f"{name} (peak {peak}, after-block max {max(after)})")
+        peaks.append(max(state.max_cache_entries, generate(model, state, sizes.new_tokens).max_cache_entries))
+        if peaks[-1] > budget + block or max(after) > budget:
+            failures.append(f"{name} (peak {peaks[-1]}, after-block max {max(after)})")
     record_property("detail", f"{len(EVICTING)} policies, N={budget} B={block}: peak {max(peaks)} <= N+B={budget + block}")
     assert not failures, "; ".join(failures)
 
@@ -212,8 +174,7 @@ def test_a_budget_covering_the_prompt_equals_full(engine, setting, record_proper
 
 @torch.inference_mode()
 def plain_greedy_loop(model, state, new_tokens: int, position_ids: bool = False) -> list[int]:
-    """What a user writes without keydiff.generate: feed the argmax back (with its position_ids, or none), the
-    cache does the rest."""
+    """What a user writes without keydiff.generate: feed the argmax back (with its position_ids, or none)."""
     token, tokens = state.logits.argmax(-1), []
     with keydiff.keydiff_attention(model, state.cache):
         for step in range(new_tokens):
@@ -228,8 +189,7 @@ def plain_greedy_loop(model, state, new_tokens: int, position_ids: bool = False)
 
 
 def test_a_plain_loop_over_the_cache_equals_generate(engine, record_property):
-    """Every policy kind (attention-free, attention-based, seeded draws, full), with and without position_ids. Each
-    layer evicts at the start of its next pass, so between calls it holds N + 1; the cache's evict() settles it."""
+    """Every policy kind, with and without position_ids; between calls a layer holds N + 1 until evict() settles it."""
     model, prompt, sizes = engine.model, engine.prompt, engine.sizes
     mismatched = []
     for name in GREEDY_POLICIES:
@@ -258,8 +218,7 @@ def kept_state(cache) -> list[dict[str, torch.Tensor]]:
 
 
 def test_stacked_eviction_keeps_what_layer_by_layer_keeps(engine, setting, record_property):
-    """In fp32 bit for bit (kept positions after prefill and decoding, the entries' policy state, logits, tokens);
-    in bf16 a batched product may round a near-tie otherwise: nearly the same kept sets."""
+    """fp32: bit for bit (kept positions, entries' policy state, logits, tokens); bf16: nearly the same kept sets."""
     model, prompt, sizes = engine.model, engine.prompt, engine.sizes
     rates, tokens_differ, inexact = {}, [], []
     for name in STACKED_POLICIES:
@@ -271,9 +230,8 @@ def test_stacked_eviction_keeps_what_layer_by_layer_keeps(engine, setting, recor
         if generate(model, states[0], sizes.new_tokens).token_ids != generate(model, states[1], sizes.new_tokens).token_ids:
             tokens_differ.append(name)
         if setting.dtype == torch.float32 and not (
-                torch.equal(prefilled[0][0], prefilled[1][0])
-                and all(torch.equal(a, b) for a, b in zip(prefilled[0][1], prefilled[1][1]))
-                and all(torch.equal(a, b) for a, b in zip(*(s.cache.kept_positions() for s in states)))
+                torch.equal(prefilled[0][0], prefilled[1][0]) and all_equal(prefilled[0][1], prefilled[1][1])
+                and all_equal(*(s.cache.kept_positions() for s in states))
                 and all(a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
                         for a, b in zip(*(kept_state(s.cache) for s in states)))):
             inexact.append(name)
@@ -286,9 +244,8 @@ def test_stacked_eviction_keeps_what_layer_by_layer_keeps(engine, setting, recor
 
 
 def test_a_batch_of_4_decodes_what_each_decodes_alone(engine, record_property):
-    """keydiff.generate_batch at batch 4 against each sequence decoded alone: four prompts of different lengths
-    (one shorter than N) per policy, greedy. Prefills run alone and attention runs row by row, so only the
-    batched projections and MLPs can round differently from batch 1."""
+    """Four prompts of different lengths (one shorter than N) per policy, greedy: only the batched projections and
+    MLPs may round otherwise than at batch 1 (prefills run alone, attention row by row)."""
     model, prompt, sizes = engine.model, engine.prompt, engine.sizes
     lengths = [prompt.shape[1], prompt.shape[1] * 3 // 4, prompt.shape[1] // 2, max(8, sizes.budget // 2)]
     failures = []
@@ -305,12 +262,11 @@ def test_a_batch_of_4_decodes_what_each_decodes_alone(engine, record_property):
 
 
 def test_the_fixed_shape_step_equals_the_ordinary_step(engine, record_property):
-    """The fixed-shape step (keydiff.decode.static; on CUDA a replayed CUDA graph) against the ordinary step:
-    same kept positions, logits and tokens, bit for bit (the graph replays the eager step's kernels). KeyDiff:
-    prefill, 4 forks together, one alone; the attention-statistic policies: prefill and one alone."""
+    """Same kept positions, logits and tokens, bit for bit (on CUDA a replayed graph). KeyDiff: prefill, 4 forks
+    together, one alone; the attention-statistic policies: prefill and one alone."""
     model, prompt, sizes = engine.model, engine.prompt, engine.sizes
     on, off = (prefill(model, prompt, "keydiff", sizes.budget, sizes.block, fixed_shapes=f) for f in (True, False))
-    assert all(torch.equal(a, b) for a, b in zip(on.kept_positions, off.kept_positions)), "keydiff prefill: kept differ"
+    assert all_equal(on.kept_positions, off.kept_positions), "keydiff prefill: kept differ"
     assert torch.equal(on.logits, off.logits), "keydiff prefill: logits differ"
     tokens = {}
     for fixed in (True, False):
@@ -324,8 +280,7 @@ def test_the_fixed_shape_step_equals_the_ordinary_step(engine, record_property):
     differ = []
     for name in STATISTIC_FIXED:
         on, off = (prefill(model, prompt, name, sizes.budget, sizes.block, fixed_shapes=f) for f in (True, False))
-        if not (all(torch.equal(a, b) for a, b in zip(on.kept_positions, off.kept_positions))
-                and torch.equal(on.logits, off.logits)
+        if not (all_equal(on.kept_positions, off.kept_positions) and torch.equal(on.logits, off.logits)
                 and generate(model, on, sizes.new_tokens, fixed_shapes=True).token_ids
                 == generate(model, off, sizes.new_tokens, fixed_shapes=False).token_ids):
             differ.append(name)
@@ -337,16 +292,10 @@ def test_the_fixed_shape_step_equals_the_ordinary_step(engine, record_property):
 
 
 def test_one_decoder_captures_one_graph_per_step_across_its_calls(engine, device, record_property):
-    """A run's Decoder (keydiff.decode.scheduler) keeps its arena, its prefill slot and their fixed-shape steps
-    across its calls: three prompts of different lengths, prefilled and decoded one call each through one Decoder
-    of width 1 (as a run at batch 1 does its samples), replay one decode graph and one block graph between them
-    and give the ordinary step's logits and tokens. Off CUDA the graphs are stood in for (stand_in_graphs)."""
+    """Three prompts, one call each through one width-1 Decoder (as a batch-1 run), replay one decode and one block
+    graph and give the ordinary step's logits and tokens. Off CUDA the graphs are stood in for."""
     model, prompt, sizes = engine.model, engine.prompt, engine.sizes
     decode_graphs, block_graphs, same = [], [], 0
-
-    def add(graphs: list, graph) -> None:  # the graphs themselves: a freed graph's id may be reused
-        if graph is not None and all(graph is not known for known in graphs):
-            graphs.append(graph)
     with nullcontext() if device.type == "cuda" else stand_in_graphs():
         decoder = keydiff.Decoder(model, 1)
         for i in range(3):
@@ -357,7 +306,9 @@ def test_one_decoder_captures_one_graph_per_step_across_its_calls(engine, device
             got = (state.logits, generate(model, state, sizes.new_tokens, decoder=decoder).token_ids)
             same += torch.equal(got[0], want[0]) and got[1] == want[1]
             for step in decoder.runner.fixed_steps():
-                add(decode_graphs if step.q == 1 else block_graphs, step.graph)
+                graphs = decode_graphs if step.q == 1 else block_graphs
+                if step.graph is not None and all(step.graph is not known for known in graphs):  # a freed id recurs
+                    graphs.append(step.graph)
     detail = (f"3 prompts, one call each: {len(decode_graphs)} decode and {len(block_graphs)} prefill-block graph(s) "
               f"captured, {same}/3 identical to the ordinary step"
               + ("" if device.type == "cuda" else " (CUDA graphs stood in for)")
@@ -366,7 +317,6 @@ def test_one_decoder_captures_one_graph_per_step_across_its_calls(engine, device
     assert same == 3 and len(decode_graphs) == 1 and len(block_graphs) == 1, detail
 
 
-@applies_to(statistics_differ)
 def test_fast_statistics_keep_nearly_what_materialized_ones_keep(engine, setting, record_property):
     model, prompt, sizes = engine.model, engine.prompt, engine.sizes
     rates, differ, threshold = {}, [], AGREEMENT_THRESHOLD if setting.dtype == torch.bfloat16 else 1.0
@@ -374,7 +324,7 @@ def test_fast_statistics_keep_nearly_what_materialized_ones_keep(engine, setting
         states = [prefill(model, prompt, name, sizes.budget, sizes.block, attention_statistics=mode)
                   for mode in STATISTICS_MODES]
         rates[name] = kept_agreement(*(s.kept_positions for s in states))
-        if threshold == 1.0 and not (all(torch.equal(a, b) for a, b in zip(*(s.kept_positions for s in states)))
+        if threshold == 1.0 and not (all_equal(*(s.kept_positions for s in states))
                                      and exact_in_fp32(setting, states[0].logits, states[1].logits)):
             differ.append(name)  # fp32: the same entries, in the same order, and the same logits
     detail = ", ".join(f"{k} {v:.3f}" for k, v in rates.items()) + f" (threshold {threshold})"
@@ -404,8 +354,7 @@ def test_flash_attention_2_gives_sdpas_logits(device, model_name, record_propert
 
 
 def split_over(model, devices: list[torch.device]):
-    """The model's decoder layers split in contiguous halves over `devices` (embeddings with the first, the
-    final norm and head with the last), as accelerate's device_map=auto places a model too large for one GPU."""
+    """The decoder layers in contiguous halves over `devices`, as accelerate's device_map=auto places them."""
     from accelerate import dispatch_model
 
     layers = model.config.num_hidden_layers
@@ -417,8 +366,8 @@ def split_over(model, devices: list[torch.device]):
 
 
 def test_a_model_split_over_two_devices_is_exact_with_a_stack_per_device(device, record_property):
-    """On CUDA the mid-size model in bf16 over cuda:0 and cuda:1 (skipped with fewer GPUs); elsewhere the tiny
-    model in fp32 over the device twice (one placement: one stack)."""
+    """CUDA: the mid-size model in bf16 over cuda:0 and cuda:1 (needs 2 GPUs); elsewhere the tiny one in fp32 over
+    the device twice (one placement: one stack)."""
     if device.type == "cuda":
         if torch.cuda.device_count() < 2:
             pytest.skip(f"needs 2+ GPUs: {torch.cuda.device_count()} visible")
@@ -448,35 +397,29 @@ def test_a_model_split_over_two_devices_is_exact_with_a_stack_per_device(device,
 
 @pytest.mark.parametrize("dtype, batch_invariant", [(torch.float32, False), (torch.bfloat16, False),
                                                     (torch.bfloat16, True)], ids=["fp32", "bf16", "bf16-batch_invariant"])
-def test_a_batch_of_16_decodes_what_each_decodes_alone(device, dtype, batch_invariant, record_property):
-    """16 prompts decoded together against each alone (greedy; KeyDiff at N = budget, and full), on
-    Llama-3.2-3B's shape on CUDA. fp32 (TF32 off) and bf16 with `batch_invariant`: all identical. bf16 without it:
-    a count only (cuBLAS may pick other kernels for 16 rows than for 1), recorded; every sequence must decode."""
+def test_a_batch_of_16_decodes_what_each_decodes_alone(device, dtype, batch_invariant, record_property, monkeypatch):
+    """KeyDiff and full, greedy, on Llama-3.2-3B's shape on CUDA: fp32 (TF32 off) and bf16 with `batch_invariant`
+    all identical; bf16 without it a count, recorded (cuBLAS may pick other kernels for 16 rows than for 1)."""
     shape = SHAPES[kind(device)]
-    matmul_tf32 = torch.backends.cuda.matmul.allow_tf32
     if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = False
-    try:
-        model = common.build_model(shape.model, dtype, "sdpa", device)
-        low, high = shape.lengths
-        lengths = torch.linspace(low, high, shape.batch).round().long().tolist()
-        prompts = [common.random_prompt(model, n, seed=i).to(device) for i, n in enumerate(lengths)]
-        counts = {}
-        for name, budget in (("keydiff", shape.budget), ("full", None)):
-            alone = [generate(model, prefill(model, p, name, budget, 128), shape.tokens,
-                              batch_invariant=batch_invariant).token_ids for p in prompts]
-            requests = [keydiff.Request(prefill(model, p, name, budget, 128), max_new_tokens=shape.tokens, key=i)
-                        for i, p in enumerate(prompts)]
-            together = dict(keydiff.generate_batch(model, requests, batch_size=shape.batch,
-                                                   batch_invariant=batch_invariant))
-            assert sorted(together) == list(range(shape.batch))
-            assert all(len(together[i].token_ids[0]) == shape.tokens for i in range(shape.batch))
-            counts[name] = sum(together[i].token_ids == alone[i] for i in range(shape.batch))
-        del model
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = matmul_tf32
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    model = common.build_model(shape.model, dtype, "sdpa", device)
+    low, high = shape.lengths
+    lengths = torch.linspace(low, high, shape.batch).round().long().tolist()
+    prompts = [common.random_prompt(model, n, seed=i).to(device) for i, n in enumerate(lengths)]
+    counts = {}
+    for name, budget in (("keydiff", shape.budget), ("full", None)):
+        alone = [generate(model, prefill(model, p, name, budget, 128), shape.tokens,
+                          batch_invariant=batch_invariant).token_ids for p in prompts]
+        requests = [keydiff.Request(prefill(model, p, name, budget, 128), max_new_tokens=shape.tokens, key=i)
+                    for i, p in enumerate(prompts)]
+        together = dict(keydiff.generate_batch(model, requests, shape.batch, batch_invariant=batch_invariant))
+        assert sorted(together) == list(range(shape.batch))
+        assert all(len(together[i].token_ids[0]) == shape.tokens for i in range(shape.batch))
+        counts[name] = sum(together[i].token_ids == alone[i] for i in range(shape.batch))
+    del model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     detail = (f"{shape.model} {short(dtype)}: {shape.batch} prompts of {low}-{high} tokens, {shape.tokens} tokens: "
               + ", ".join(f"{name} {same}/{shape.batch} identical" for name, same in counts.items()))
     record_property("detail", detail)
@@ -485,18 +428,9 @@ def test_a_batch_of_16_decodes_what_each_decodes_alone(device, dtype, batch_inva
         assert all(same == shape.batch for same in counts.values()), detail
 
 
-def versions() -> dict:
-    """What a batch-invariance result depends on: the GPU, its driver, CUDA, torch and Triton (None on a CPU)."""
-    from keydiff.bench.gpu_check import environment
-
-    found = environment(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
-    return {k: found[k] for k in ("gpu", "driver", "cuda", "torch", "triton")}
-
-
 def needle_outputs(model, needle, others: list, position: int, shape: Shape, batch_invariant: bool):
-    """The needle's tokens decoded alone and at `position` among `others` (prefilled states, forked for each
-    decode), each greedy and sampled (temperature 1, a fixed seed: a draw near a boundary turns on the logits' last
-    bits): ([greedy, sampled] alone, [greedy, sampled] together)."""
+    """([greedy, sampled] alone, [greedy, sampled] at `position` among `others`) of the needle's tokens, each decode
+    from a fork; sampled at temperature 1 with a fixed seed (a draw near a boundary turns on the logits' last bits)."""
     def requests(states: list, sample: bool) -> list:
         return [keydiff.Request(s.fork(1)[0], max_new_tokens=shape.tokens, key=i, do_sample=sample,
                                 seed=NEEDLE_SEED if sample else None) for i, s in enumerate(states)]
@@ -512,9 +446,10 @@ def needle_outputs(model, needle, others: list, position: int, shape: Shape, bat
 
 
 def test_a_needle_decodes_alone_what_it_decodes_in_a_batch(device, record_property):
-    """Batch invariance as vLLM checks it: a needle prompt alone and at a seeded random position among 15 others
-    with batch_invariant=True (bf16 on Llama-3.2-3B's shape on CUDA), greedy and sampled: identical. The same with
-    the mode off is the negative control, recorded: if it is identical too, the check proves nothing there."""
+    """vLLM's check: a needle alone and at a seeded position among 15 others, batch_invariant=True, greedy and
+    sampled: identical. The mode off is the recorded negative control (identical too: the check proves nothing)."""
+    from keydiff.bench.gpu_check import environment
+
     shape = SHAPES[kind(device)]
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = common.build_model(shape.model, dtype, "sdpa", device)
@@ -536,7 +471,10 @@ def test_a_needle_decodes_alone_what_it_decodes_in_a_batch(device, record_proper
     control = ("differ: the check can fail and means something" if not all(same[False])
                else "identical: on this machine the check proves nothing")
     record_property("detail", f"{what}: batch_invariant {same[True]}; mode off (control) {control}")
-    for key, value in {**versions(), "seed": NEEDLE_SEED, "position": position, "identical": same[True],
-                       "identical_mode_off": same[False], "proves_nothing": all(same[False])}.items():
+    # what a batch-invariance result depends on: the GPU, its driver, CUDA, torch and Triton (None on a CPU)
+    found = environment(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    for key, value in {**{k: found[k] for k in ("gpu", "driver", "cuda", "torch", "triton")}, "seed": NEEDLE_SEED,
+                       "position": position, "identical": same[True], "identical_mode_off": same[False],
+                       "proves_nothing": all(same[False])}.items():
         record_property(key, value)
     assert all(same[True]), f"{what}: differ with batch_invariant (greedy, sampled: {same[True]})"

@@ -1,6 +1,5 @@
-"""`make sweep-local EXP=... GPUS=0,1,2,3` (issue 24 section 3): one grid point per GPU at a time, each its own
-process pinned to its GPU by CUDA_VISIBLE_DEVICES (hydra_plugins/keydiff_sweeper/gpu_launcher.py); on a
-machine without those GPUs, GPUS is refused in one line before anything runs or any directory exists."""
+"""`make sweep-local EXP=... GPUS=0,1,2,3`: one grid point per GPU at a time, each its own process pinned to its GPU
+(hydra_plugins/keydiff_sweeper/gpu_launcher.py); without those GPUs, GPUS is refused in one line."""
 
 from __future__ import annotations
 
@@ -18,22 +17,17 @@ from omegaconf import OmegaConf
 
 from hydra_plugins.keydiff_sweeper import gpu_launcher
 from hydra_plugins.keydiff_sweeper.gpu_launcher import GpuPoolLauncher, run_on_devices
-from tests.test_cluster_processes import ROOT, child_env, files_under, run_py
+from tests.test_cluster_processes import ROOT, child_env, files_under
 
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA GPUs")
-@pytest.mark.parametrize("how", ["run.py", "make"])
-def test_gpus_on_a_cpu_machine_are_refused_in_one_line_before_anything_runs(tmp_path, how):
-    if how == "run.py":
-        result = run_py("experiment=smoke", "hydra/launcher=gpus", "hydra.launcher.gpus=[0,1]",
-                        f"results_root={tmp_path / 'runs'}")
-    else:
-        result = subprocess.run(["make", "-s", "-o", ".venv/.installed", "sweep-local", "EXP=smoke", "GPUS=0,1",
-                                 f"PY={sys.executable}", f"ARGS=results_root={tmp_path / 'runs'}"], cwd=ROOT,
-                                capture_output=True, text=True, timeout=300, env=child_env())
+def test_gpus_on_a_cpu_machine_are_refused_in_one_line_before_anything_runs(tmp_path):
+    result = subprocess.run(["make", "-s", "-o", ".venv/.installed", "sweep-local", "EXP=smoke", "GPUS=0,1",
+                             f"PY={sys.executable}", f"ARGS=results_root={tmp_path / 'runs'}"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=300, env=child_env())
     assert result.returncode == 2, result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert errors == ["error: GPUS=0,1 needs CUDA GPUs; this machine has none (run without GPUS)"], result.stderr
@@ -61,7 +55,7 @@ def test_run_on_devices_runs_every_job_with_at_most_one_per_device():
 
 
 def test_each_grid_point_is_its_own_process_pinned_to_one_gpu(tmp_path, monkeypatch):
-    """The launcher's children (here a stand-in for run.py that prints what it was given) see one GPU each."""
+    """The launcher's children (a stand-in run.py printing what it was given) see one GPU each."""
     stand_in = tmp_path / "run.py"
     stand_in.write_text("import os, sys, time\nprint(os.environ['CUDA_VISIBLE_DEVICES'], *sys.argv[1:])\n"
                         "time.sleep(0.2)\nsys.exit(3 if 'policy=broken' in sys.argv else 0)\n")

@@ -1,11 +1,11 @@
 """The Triton kernels' launches (keydiff.kernels.launch): grids within CUDA's limits whatever the batch, and every
-launch bound to its tensors' device. Plain Python: no triton or GPU needed (the kernels themselves are checked in
-Triton's interpreter by tests/test_batch_invariant.py)."""
+launch bound to its tensors' device. No triton or GPU needed (the kernels: tests/test_batch_invariant.py)."""
 
 from __future__ import annotations
 
 import ast
 import contextlib
+import re
 from pathlib import Path
 
 import pytest
@@ -16,18 +16,14 @@ from keydiff.kernels import launch
 pytestmark = pytest.mark.unit
 
 KERNELS = Path(launch.__file__).with_name("triton_kernels.py")
-MATMUL_BLOCKS = (16, 32)  # triton_kernels.MATMUL_BLOCK_M, MATMUL_BLOCK_N (read from its source below: no triton)
-
-
-def test_the_tile_sizes_here_are_the_kernels():
-    source = KERNELS.read_text(encoding="utf-8")
-    assert f"MATMUL_BLOCK_M, MATMUL_BLOCK_N, MATMUL_BLOCK_K = {MATMUL_BLOCKS[0]}, {MATMUL_BLOCKS[1]}," in source
+# triton_kernels.MATMUL_BLOCK_M, MATMUL_BLOCK_N, read from its source (no triton)
+MATMUL_BLOCKS = tuple(map(int, re.search(r"MATMUL_BLOCK_M, MATMUL_BLOCK_N, MATMUL_BLOCK_K = (\d+), (\d+),",
+                                         KERNELS.read_text(encoding="utf-8")).groups()))
 
 
 @pytest.mark.parametrize("width, layers, kv_heads", [(256, 32, 8), (512, 28, 8), (1, 28, 8)])
 def test_keydiffs_batched_products_launch_within_cudas_grid_limits(width, layers, kv_heads):
-    """KeyDiff's batched products under batch_invariant have W x layers x KV heads matrices (65,536 at W = 256 on a
-    32-layer model with 8 KV heads: past the 65,535 CUDA allows on a grid's second and third axes)."""
+    """W x layers x KV heads matrices: 65,536 at W = 256, 32 layers, 8 KV heads, past CUDA's 65,535 on axes 1 and 2."""
     matrices = width * layers * kv_heads
     for rows, cols in ((1, 128), (1, 1025), (1025, 1)):  # the anchor [1, n] @ [n, d], the dots [n, d] @ [d, 1]
         grid = launch.matmul_grid(rows, cols, matrices, *MATMUL_BLOCKS)
@@ -69,8 +65,7 @@ def launches(tree: ast.AST) -> list[tuple[ast.Call, list[ast.With]]]:
 
 
 def test_every_kernel_launch_is_bound_to_its_tensors_device():
-    """A model on cuda:1 while the current device is cuda:0: Triton launches on the current device unless the launch
-    runs under that device (launch.on_device)."""
+    """Triton launches on the current device unless the launch runs under the tensors' (launch.on_device)."""
     found = launches(ast.parse(KERNELS.read_text(encoding="utf-8")))
     assert len(found) == 3  # matmul, row sums, attention
     for call, withs in found:

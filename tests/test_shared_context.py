@@ -5,7 +5,6 @@ question shared equals the independent query-agnostic run, the task's data, and 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
@@ -13,16 +12,17 @@ import torch
 
 from keydiff import build_policy, generate, prefill
 from keydiff.models import ModelConfig
+from keydiff.run import runner
 from keydiff.run.plan import RunPlan
 from keydiff.run.samples import RunContext, run_sample
 from keydiff.run.shared import answer
 from keydiff.tasks.base import GenerationSettings, Prompt, Sample, SharedContext, Task
 from tests.conftest import CORE_POLICIES, char_tokenizer, extended_unless
+from tests.test_runner import make_cfg
 
 pytestmark = pytest.mark.integration
 
 CONTEXT, BUDGET, BLOCK, NEW = 220, 64, 32, 6
-ROOT = Path(__file__).resolve().parents[1]
 
 
 class IdTokenizer:
@@ -101,9 +101,8 @@ def snapshot(state) -> tuple:
                                                  lambda name: name in CORE_POLICIES))
 @pytest.mark.parametrize("evict", [True, False])
 def test_multi_request_feeds_every_question_the_freshly_compressed_context(model, name, evict):
-    """Before each question is fed, its state holds exactly what a fresh compression of the context holds (tokens
-    seen, positions and values of every layer): no earlier question or answer is in it. Each answer, and its row's
-    numbers, equal the independent query-agnostic run of context + that question."""
+    """Each question is fed a state holding exactly a fresh compression of the context, and its row equals the
+    independent query-agnostic run of context + that question."""
     task = ToyShared()
     plan = plan_of(task, name, evict=evict)
     context_ids = task.shared_context(list(task.samples()), None, None).context_ids
@@ -132,8 +131,8 @@ def test_multi_request_feeds_every_question_the_freshly_compressed_context(model
 
 
 def test_multi_turn_keeps_earlier_questions_and_answers_when_they_fit(model):
-    """With N above the whole conversation nothing is evicted: before question j the cache holds every position of
-    the context, the earlier questions, their answers and the follow-up token, in one sequence of positions."""
+    """N above the whole conversation: before question j the cache holds every position of the context, the earlier
+    questions, their answers and the follow-up token."""
     task = ToyShared(mode="multi_turn")
     lengths = []
 
@@ -144,8 +143,7 @@ def test_multi_turn_keeps_earlier_questions_and_answers_when_they_fit(model):
             positions = layer.held_entries()[0]
             assert sorted(set(positions[0, 0].tolist())) == list(range(seen)), j
 
-    rows = run_shared(model, task, plan_of(task, "keydiff", budget=2048))
-    run_shared(model, task, plan_of(task, "keydiff", budget=2048), before)
+    rows = run_shared(model, task, plan_of(task, "keydiff", budget=2048), before)
     # question 1 comes after the context, question 0 (9 ids) and answer 0 (6 tokens, the last fed with the turn)
     assert lengths == [CONTEXT, CONTEXT + 9 + NEW - 1, CONTEXT + 9 + NEW + (1 + 23) + NEW - 1]
     assert [r["held_tokens"] for r in rows] == [9, 1 + 1 + 23, 1 + 1 + 40]  # the answer's last token + the turn
@@ -154,9 +152,8 @@ def test_multi_turn_keeps_earlier_questions_and_answers_when_they_fit(model):
 
 @pytest.mark.parametrize("name", ["keydiff", "snapkv", "h2o"])
 def test_multi_turn_stays_within_the_bound_and_differs_from_multi_request(model, name):
-    """Evicting while decoding, the conversation's cache never holds more than N + max(B, turn + 1) entries per head,
-    though it has seen the context and every turn; a later question's answer is not the multi-request one's
-    because its cache holds (what survived of) the earlier turns."""
+    """The conversation's cache holds at most N + max(B, turn + 1) entries per head though it has seen every turn,
+    and its later questions are not asked as multi_request asks them."""
     task = ToyShared(mode="multi_turn")
     peaks = []
 
@@ -176,8 +173,7 @@ def test_multi_turn_stays_within_the_bound_and_differs_from_multi_request(model,
 
 @pytest.mark.parametrize("mode", ["multi_request", "multi_turn"])
 def test_a_resumed_context_writes_only_its_missing_questions_and_the_same_answers(model, mode):
-    """Questions already written are not written again; the others get the answers a whole run gives (multi_turn
-    replays the conversation, so its later answers still follow the earlier turns)."""
+    """Only the missing questions are written, with the answers of a whole run (multi_turn replays the turns)."""
     task = ToyShared(mode=mode)
     samples = list(task.samples())
     shared = task.shared_context(samples, None, None)
@@ -228,6 +224,7 @@ def test_task_is_deterministic_and_each_answer_is_in_its_context_once(template):
     assert [s.id for s in samples] == [f"c{c}/q{j}" for c in range(3) for j in range(4)]
     for c in range(3):
         group = [s for s in samples if s.fields["context"] == c]
+        assert {task.shard_group(s) for s in group} == {f"c{c}"}  # a context's questions share its prefill
         shared = task.shared_context(group, tokenizer, None)
         assert shared == again.shared_context([s for s in again.samples() if s.fields["context"] == c], tokenizer, None)
         context = text(tokenizer, shared.context_ids)
@@ -245,6 +242,7 @@ def test_task_is_deterministic_and_each_answer_is_in_its_context_once(template):
             assert prompt.info["context_id"] == c and prompt.info["questions"] == 4
         assert task.score(group[0], f" {values[0]}.") == {"score": 1.0}
         assert task.score(group[0], f" {values[1]}.") == {"score": 0.0}
+    assert task.data_sources() == again.data_sources() and len(task.data_sources()) > 1  # summary.json's "data"
     # the first k needles of a context are the same for every k
     assert shared_task(questions=8).plan(1)["keys"][:4] == task.plan(1)["keys"]
     if template:  # a follow-up closes the answer's turn and opens the next one
@@ -256,35 +254,27 @@ def test_task_is_deterministic_and_each_answer_is_in_its_context_once(template):
 
 @pytest.mark.unit
 def test_questions_are_asked_in_a_seeded_shuffle_of_the_needles_not_in_depth_order():
-    """The needles sit in key order at ascending depths; the asking order is a shuffle from its own seeded stream,
-    the same on every build, so question 0 is not always the shallowest needle; every needle is asked once and
-    each question's key and value are its needle's."""
+    """Each needle is asked once, in the asking order (pinned in test_run_scheduling), with its own key and value;
+    the order differs by seed and context and is never the depth order."""
     orders = []
     for seed in (0, 1, 42):
-        for k in (4, 8):
-            task = shared_task(questions=k, seed=seed, num_contexts=4)
-            for c in range(4):
-                order = task.asking_order(c)
-                assert order == shared_task(questions=k, seed=seed, num_contexts=4).asking_order(c)  # deterministic
-                assert sorted(order) == list(range(k))
-                plan = task.plan(c)
-                group = [s for s in task.samples() if s.fields["context"] == c]
-                assert [s.id for s in group] == [f"c{c}/q{j}" for j in range(k)]
-                assert [s.fields["needle"] for s in group] == order
-                assert [s.fields["key"] for s in group] == [plan["keys"][n] for n in order]
-                assert [s.fields["answers"] for s in group] == [[plan["values"][n]] for n in order]
-                orders.append(order)
-    assert sum(order == sorted(order) for order in orders) == 0  # none of these 24 is the depth order
-    assert len({tuple(order) for order in orders if len(order) == 8}) == 12  # and they differ by seed and context
-    # its own stream: the placement (keys, values, depths) is what it was before the shuffle existed
+        task = shared_task(questions=8, seed=seed, num_contexts=4)
+        for c in range(4):
+            order, plan = task.asking_order(c), task.plan(c)
+            group = [s for s in task.samples() if s.fields["context"] == c]
+            assert sorted(order) == list(range(8)) and [s.id for s in group] == [f"c{c}/q{j}" for j in range(8)]
+            assert [(s.fields["needle"], s.fields["key"], s.fields["answers"]) for s in group] == [
+                (n, plan["keys"][n], [plan["values"][n]]) for n in order]
+            orders.append(tuple(order))
+    assert len(set(orders)) == 12 and tuple(range(8)) not in orders
+    # its own stream: the placement (keys, values, depths) does not move with the asking order
     assert shared_task(questions=4).plan(0) == shared_task(questions=4, mode="multi_turn").plan(0)
 
 
 @pytest.mark.unit
 @pytest.mark.parametrize("haystack", ["essay", "noise"])
 def test_every_row_records_the_needle_and_depth_it_asks_about(haystack):
-    """info's needle_index, depth_rank (0: the shallowest, from where the value sits in the context) and depth
-    (RULER's percent, essay); the first question asked is not always the shallowest needle."""
+    """info's needle_index, depth_rank (0: the shallowest value in the context) and depth (RULER's percent, essay)."""
     tokenizer = char_tokenizer(CHATML)
     task = shared_task(haystack=haystack, questions=4, num_contexts=3)
     first_ranks = []
@@ -306,33 +296,10 @@ def test_every_row_records_the_needle_and_depth_it_asks_about(haystack):
     assert first_ranks != [0, 0, 0]
 
 
-@pytest.mark.extended
-def test_a_resumed_conversation_replays_the_asking_order(model):
-    """multi_turn over the real task (char tokenizer, tiny model): the conversation goes in the shuffled order,
-    and a resumed context that only misses its last question replays the earlier turns and gives the same answer."""
-    tokenizer = char_tokenizer(CHATML)
-    task = shared_task(mode="multi_turn", max_new_tokens=4)
-    order = task.asking_order(0)
-    assert order != sorted(order)
-    samples = [s for s in task.samples() if s.fields["context"] == 0]
-    shared = task.shared_context(samples, tokenizer, None)
-    plan = plan_of(task, budget=256)
-    whole = answer(ctx_of(plan, model), samples, shared, {s.id for s in samples})
-    assert [r["info"]["needle_index"] for r in whole] == order and [r["sample_id"] for r in whole] == [
-        s.id for s in samples]
-    assert all(s.fields["key"] in text(tokenizer, f) for s, f in zip(samples[1:], shared.follow_ups[1:]))
-    last = samples[-1].id
-    missing = answer(ctx_of(plan, model), samples, shared, {last})
-    assert [r["sample_id"] for r in missing] == [last]
-    assert missing[0]["prediction"] == whole[-1]["prediction"] and missing[0]["prompt_tokens"] == whole[-1][
-        "prompt_tokens"]
-
-
 @pytest.mark.unit
 def test_a_multi_turn_conversation_over_max_length_is_refused_in_one_line():
-    """The estimate before the model loads passes (length + (k - 1) x tokens to generate fits); the exact count
-    once the turns are tokenized (first prompt + follow-up turns + k answers) is refused one token over, accepted
-    at the limit, and multi_request (each prompt fits task.length) is not refused."""
+    """The estimate before the model loads passes; the exact count once tokenized (first prompt + follow-up turns +
+    k answers) is refused one token over, accepted at the limit; multi_request is not refused."""
     tokenizer = char_tokenizer(CHATML)
     task = shared_task(mode="multi_turn")  # length 1500, k = 4, 128 tokens to generate
     task.check_model(1500 + 3 * 128)
@@ -357,14 +324,13 @@ def test_summary_averages_per_asking_rank_and_per_depth_rank():
             for c, (j, d, s) in enumerate([(0, 1, 1.0), (1, 0, 0.0), (0, 0, 1.0), (1, 1, 1.0)])]
     summary = task.summarize(rows)
     assert summary["score"] == 0.75 and summary["n"] == 4 and "by_question" not in summary
+    assert (summary["contexts"], summary["questions"], summary["mode"]) == (4, 2, task.mode)
     assert summary["by_ask_rank"] == {"0": 1.0, "1": 0.5} and summary["by_depth_rank"] == {"0": 0.5, "1": 1.0}
 
 
 # ------------------------------------------------------------------------------------------ configuration
 @pytest.fixture
 def no_model_load(monkeypatch):
-    from keydiff.run import runner
-
     monkeypatch.setattr(runner, "load_model", lambda *a, **k: (_ for _ in ()).throw(AssertionError("model loaded")))
 
 
@@ -383,9 +349,6 @@ def no_model_load(monkeypatch):
      r"a shorter task.length or a larger model.max_length"),
 ])
 def test_bad_settings_are_one_line_before_the_model_loads(no_model_load, tmp_path, overrides, message):
-    from keydiff.run import runner
-    from tests.test_runner import make_cfg
-
     cfg = make_cfg("task=shared_ruler_4k", *overrides)
     with pytest.raises(ValueError, match=message) as error:
         runner.run(cfg, tmp_path / "run")
@@ -396,11 +359,10 @@ def test_bad_settings_are_one_line_before_the_model_loads(no_model_load, tmp_pat
 @pytest.mark.extended
 @pytest.mark.parametrize("overrides", [[], ["experiment=protocol_shared"]])
 def test_the_default_multi_turn_conversation_fits_before_the_model_loads(overrides):
-    """4K, k = 8, SmolLM2-135M (max_length 8192), RULER's 128 tokens or the protocol experiments' 32: accepted."""
+    """4K, k = 8, SmolLM2-135M (max_length 8192), RULER's 128 new tokens or the protocol experiments' 32."""
     from hydra.utils import instantiate
 
     from keydiff.run.checks import check_run_config
-    from tests.test_runner import make_cfg
 
     cfg = make_cfg("task=shared_ruler_4k", *overrides, "task.questions=8", "task.mode=multi_turn", "query_aware=false")
     assert cfg.model.max_length == 8192 and cfg.task.length == 4096
@@ -428,34 +390,5 @@ def test_the_default_multi_turn_conversation_fits_the_default_model_exactly(max_
 
 @pytest.mark.unit
 def test_mode_and_k_name_the_run_directory():
-    from tests.test_runner import make_cfg
-
     cfg = make_cfg("task=shared_ruler_4k", "task.questions=8", "task.mode=multi_turn", "query_aware=false")
     assert cfg.run_subdir.startswith("shared_ruler_4k-k8-multi_turn/smollm2-135m/keydiff/2k/bs128-query-agnostic/")
-
-
-@pytest.mark.real_model
-@pytest.mark.parametrize("mode", ["multi_request", "multi_turn"])
-def test_shared_modes_run_end_to_end_on_the_default_model(tmp_path, mode):
-    """A tiny run on SmolLM2-135M: one row per question with its context, index, k and mode; the summary scores
-    per question and the bound held."""
-    import json
-
-    from keydiff.run import runner
-    from tests.test_runner import make_cfg
-
-    cfg = make_cfg("task=shared_ruler_4k", "task.length=1024", "task.questions=2", f"task.mode={mode}",
-                   "task.limit=1", "task.max_new_tokens=12", "query_aware=false", "budget.tokens=256", "block_size=64")
-    summary = runner.run(cfg, tmp_path / mode)
-    rows = [json.loads(line) for line in (tmp_path / mode / "predictions.jsonl").read_text().splitlines()]
-    assert [r["sample_id"] for r in rows] == ["c0/q0", "c0/q1"]
-    for j, row in enumerate(rows):
-        assert row["status"] == "ok" and row["context_mode"] == mode
-        assert row["info"]["context_id"] == 0 and row["info"]["question_index"] == j and row["info"]["questions"] == 2
-        assert row["context_prefill_s"] > 0 and row["kept_tokens"] <= 256
-    assert summary["complete"] and summary["metrics"]["n"] == 2 and summary["metrics"]["mode"] == mode
-    assert summary["statistics"]["cache_bound_held"] is True
-    if mode == "multi_turn":
-        assert rows[1]["prompt_tokens"] > rows[0]["prompt_tokens"] + rows[0]["new_tokens"]
-    again = runner.run(cfg, tmp_path / mode)  # resuming writes nothing new
-    assert again["num_samples"] == 2 and len((tmp_path / mode / "predictions.jsonl").read_text().splitlines()) == 2
