@@ -6,22 +6,12 @@ import hashlib
 from pathlib import Path
 
 import pytest
-import yaml
 
 from keydiff.tasks.base import Sample, encode_user_turn
 from keydiff.tasks.haystack import (PINNED, PINNED_SHA256, directory_haystack, is_prose_paragraph, load_haystack,
                                     prose_paragraphs, pydoc_haystack)
-from keydiff.tasks.niah import (
-    ANSWER,
-    NEEDLE,
-    NeedleInAHaystack,
-    needle_recall,
-    normalize_words,
-    paper_context_lengths,
-    paper_depths,
-    period_token_ids,
-    rouge1_scores,
-)
+from keydiff.tasks.niah import (ANSWER, NEEDLE, NeedleInAHaystack, needle_recall, normalize_words,
+                                paper_context_lengths, paper_depths, period_token_ids, rouge1_scores)
 
 pytestmark = pytest.mark.unit
 
@@ -46,7 +36,6 @@ def _find(haystack: list[int], needle: list[int]) -> list[int]:
     return [i for i in range(len(haystack) - len(needle) + 1) if haystack[i : i + len(needle)] == needle]
 
 
-# ------------------------------------------------------------------------------------------- configuration
 def test_paper_grid():
     assert paper_context_lengths() == [1000, 4222, 7444, 10667, 13889, 17111, 20333, 23556, 26778, 30000]
     assert paper_depths() == [0, 11, 22, 33, 44, 56, 67, 78, 89, 100]
@@ -67,8 +56,6 @@ def test_yaml_grids():
     paper.validate()
     small.validate()
     assert small.context_lengths == [3000, 4000] and small.depths == [0, 50, 100]
-    raw = yaml.safe_load((CONF / "task" / "niah.yaml").read_text())
-    assert raw["_target_"] == "keydiff.tasks.niah.NeedleInAHaystack"
 
 
 def test_samples_order_and_limit():
@@ -80,21 +67,18 @@ def test_samples_order_and_limit():
     assert next(task.samples()).fields == {"context_length": 3000, "depth": 0}
 
 
-@pytest.mark.parametrize(
-    ("changes", "message"),
-    [
-        ({"depths": [0, 101]}, r"\[0, 100\]"),
-        ({"depths": [10.5]}, r"\[0, 100\]"),
-        ({"context_lengths": [150]}, "larger than buffer"),
-        ({"context_lengths": [1000, 1000]}, "must not repeat"),
-        ({"prompt_style": "chatml"}, "storybook"),
-        ({"recall_compat": "raw"}, "kvcache-factory"),
-        ({"limit": -1}, "limit"),
-        ({"haystack_dir": "/no/such/dir"}, "not a directory"),
-        ({"context_lengths": []}, "at least one"),
-        ({"haystack_source": "python"}, r"task.haystack_source='python' is not valid; valid: pinned, interpreter"),
-    ],
-)
+@pytest.mark.parametrize(("changes", "message"), [
+    ({"depths": [0, 101]}, r"\[0, 100\]"),
+    ({"depths": [10.5]}, r"\[0, 100\]"),
+    ({"context_lengths": [150]}, "larger than buffer"),
+    ({"context_lengths": [1000, 1000]}, "must not repeat"),
+    ({"prompt_style": "chatml"}, "storybook"),
+    ({"recall_compat": "raw"}, "kvcache-factory"),
+    ({"limit": -1}, "limit"),
+    ({"haystack_dir": "/no/such/dir"}, "not a directory"),
+    ({"context_lengths": []}, "at least one"),
+    ({"haystack_source": "python"}, r"task.haystack_source='python' is not valid; valid: pinned, interpreter"),
+])
 def test_validate_rejects(changes, message):
     with pytest.raises(ValueError, match=message):
         NeedleInAHaystack(**changes).validate()
@@ -106,7 +90,6 @@ def test_validate_rejects_dir_without_txt(tmp_path):
         NeedleInAHaystack(haystack_dir=str(tmp_path)).validate()
 
 
-# ------------------------------------------------------------------------------------------- haystacks
 def test_prose_filter():
     assert is_prose_paragraph(["Assignment statements are used to bind names to values", "and to modify objects."])
     assert not is_prose_paragraph(["Too short to count."])
@@ -182,7 +165,6 @@ def test_directory_haystack(text_dir, tokenizer):
     assert made["text"].count("first river") > 40 * 2  # repeated beyond one copy
 
 
-# ------------------------------------------------------------------------------------------- insertion
 @pytest.mark.parametrize("depth", [0, 11, 33, 50, 89, 100])
 def test_insertion_at_sentence_boundary(tokenizer, periods, depth):
     length = 1500
@@ -214,7 +196,6 @@ def test_period_tokens(tokenizer, periods):
     assert tokenizer.eos_token_id not in periods
 
 
-# ------------------------------------------------------------------------------------------- prompts
 def test_storybook_prompt(tokenizer):
     task = NeedleInAHaystack(context_lengths=[2000], depths=[50])
     sample = next(task.samples())
@@ -254,22 +235,12 @@ def test_prompt_without_chat_and_gkamradt(tokenizer):
     assert tokenizer.decode(prompt.input_ids[index : index + 4]).startswith("The best")
 
 
-def test_prompt_is_deterministic(tokenizer):
-    first = NeedleInAHaystack(context_lengths=[1500], depths=[44])
-    second = NeedleInAHaystack(context_lengths=[1500], depths=[44])
-    sample = next(first.samples())
-    a = first.build_prompt(sample, tokenizer, 8192)
-    assert first.build_prompt(sample, tokenizer, 8192) == a
-    assert second.build_prompt(sample, tokenizer, 8192) == a
-
-
 def test_context_longer_than_max_length(tokenizer):
     task = NeedleInAHaystack(context_lengths=[9000], depths=[0])
     with pytest.raises(ValueError, match="max_length"):
         task.build_prompt(next(task.samples()), tokenizer, 8192)
 
 
-# ------------------------------------------------------------------------------------------- scoring
 def test_normalize_words():
     assert normalize_words("Eat a SANDWICH, in Dolores-Park… on a “sunny” day!") == [
         "eat", "a", "sandwich", "in", "dolores", "park", "on", "a", "sunny", "day"]
@@ -323,7 +294,6 @@ def test_score_and_summarize():
     assert summary["needle_recall_by_depth"] == {"0": 0.5, "100": pytest.approx(4 / 11)}
 
 
-# ------------------------------------------------------------------------------------------- end to end
 @pytest.mark.real_model
 def test_real_model_finds_the_needle_without_eviction():
     """SmolLM2-135M, full cache, plain greedy `generate`: the needle at mid depth of a ~1.5K-token prompt."""
@@ -346,13 +316,24 @@ def test_real_model_finds_the_needle_without_eviction():
     assert scores["accuracy"] == 1.0
 
 
-def test_runs_from_before_the_pinned_haystack_resume_with_the_interpreter_source():
-    """A run written before task.haystack_source existed resumes as haystack_source=interpreter, not the pinned default."""
+def test_a_run_from_before_the_pinned_haystack_resumes_with_the_interpreter_source(tmp_path):
+    """Such a run resumes as haystack_source=interpreter; the default command is refused with that hint."""
+    import json
+
     from omegaconf import OmegaConf
 
     from keydiff.run.plan import result_config
+    from keydiff.run.results import ConfigMismatchError, ResultStore
 
     old = {"seed": 0, "task": {"name": "niah_small", "haystack_dir": None, "limit": None}}
     with_source = lambda source: {**old, "task": {**old["task"], "haystack_source": source}}  # noqa: E731
     assert result_config(OmegaConf.create(with_source("interpreter"))) == old
     assert result_config(OmegaConf.create(with_source("pinned")))["task"]["haystack_source"] == "pinned"
+    (tmp_path / "run_config.json").write_text(json.dumps(old))
+    with pytest.raises(ConfigMismatchError) as refused:
+        ResultStore(tmp_path, with_source("pinned"))
+    assert "task.haystack_source: '<missing>' -> 'pinned'" in str(refused.value)
+    assert "task.haystack_source=interpreter" in str(refused.value)
+    with pytest.raises(ConfigMismatchError) as refused:
+        ResultStore(tmp_path, {**old, "seed": 1})
+    assert "haystack_source" not in str(refused.value)  # other differences get no such hint
