@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -241,39 +242,36 @@ def test_context_longer_than_max_length(tokenizer):
         task.build_prompt(next(task.samples()), tokenizer, 8192)
 
 
-def test_normalize_words():
-    assert normalize_words("Eat a SANDWICH, in Dolores-Park… on a “sunny” day!") == [
-        "eat", "a", "sandwich", "in", "dolores", "park", "on", "a", "sunny", "day"]
+ROUGE1 = partial(rouge1_scores, reference=NEEDLE)
+RAW = partial(needle_recall, compat="kvcache-factory")
 
 
-def test_needle_recall_hand_computed():
-    assert len(set(normalize_words(ANSWER))) == 11
-    assert needle_recall(NEEDLE) == 1.0
-    assert needle_recall("The best thing is to eat a sandwich and sit in Dolores Park on a sunny day") == 1.0
-    assert needle_recall("Eat a sandwich.") == pytest.approx(3 / 11)
-    assert needle_recall("I don't know.") == 0.0
-    assert needle_recall("") == 0.0
-    assert needle_recall("EAT a Sandwich, sit in dolores park on a sunny day!") == pytest.approx(10 / 11)  # no "and"
+@pytest.mark.parametrize("metric, text, expected", [
+    (normalize_words, "Eat a SANDWICH, in Dolores-Park… on a “sunny” day!",
+     ["eat", "a", "sandwich", "in", "dolores", "park", "on", "a", "sunny", "day"]),
+    (needle_recall, NEEDLE, 1.0),
+    (needle_recall, "The best thing is to eat a sandwich and sit in Dolores Park on a sunny day", 1.0),
+    (needle_recall, "Eat a sandwich.", pytest.approx(3 / 11)),  # of the answer's 11 distinct words
+    (needle_recall, "I don't know.", 0.0),
+    (needle_recall, "", 0.0),
+    (needle_recall, "EAT a Sandwich, sit in dolores park on a sunny day!", pytest.approx(10 / 11)),  # no "and"
     # KVCache-Factory's raw variant keeps punctuation: "day" does not match "day.", "Park," not "park".
-    assert needle_recall("eat a sandwich and sit in Dolores Park on a sunny day", compat="kvcache-factory") == (
-        pytest.approx(10 / 11))
-    assert needle_recall("eat a sandwich and sit in Dolores Park on a sunny day.", compat="kvcache-factory") == 1.0
-    assert needle_recall("Sit in Dolores Park, on a sunny day.", compat="kvcache-factory") == pytest.approx(7 / 11)
-
-
-def test_rouge1_hand_computed():
-    f, r = rouge1_scores("The best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day.",
-                         NEEDLE)
-    assert f == pytest.approx(1.0, abs=1e-6) and r == 1.0
-    # The needle sentence has 19 distinct case-sensitive words; "eat a sandwich" has 3, all in it.
-    f, r = rouge1_scores("eat a sandwich", NEEDLE)
-    assert r == pytest.approx(3 / 19)
-    assert f == pytest.approx(2 * (3 / 19) / (1 + 3 / 19 + 1e-8))
-    assert rouge1_scores("", NEEDLE) == (0.0, 0.0)
-    assert rouge1_scores(" ... ", NEEDLE) == (0.0, 0.0)
+    (RAW, "eat a sandwich and sit in Dolores Park on a sunny day", pytest.approx(10 / 11)),
+    (RAW, "eat a sandwich and sit in Dolores Park on a sunny day.", 1.0),
+    (RAW, "Sit in Dolores Park, on a sunny day.", pytest.approx(7 / 11)),
+    (ROUGE1, "The best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day.",
+     (pytest.approx(1.0, abs=1e-6), 1.0)),
+    # The needle sentence has 19 distinct case-sensitive words; "eat a sandwich" has 3, all in it: (F, R).
+    (ROUGE1, "eat a sandwich", (pytest.approx(2 * (3 / 19) / (1 + 3 / 19 + 1e-8)), pytest.approx(3 / 19))),
+    (ROUGE1, "", (0.0, 0.0)),
+    (ROUGE1, " ... ", (0.0, 0.0)),
+])
+def test_scores_hand_computed(metric, text, expected):
+    assert metric(text) == expected
 
 
 def test_score_and_summarize():
+    assert len(set(normalize_words(ANSWER))) == 11  # needle_recall's denominator
     task = NeedleInAHaystack(context_lengths=[1000, 2000], depths=[0, 100])
     good = task.score(Sample("L1000/d0", {}), " The best thing to do is eat a sandwich and sit in Dolores Park on a sunny day.")
     assert good["needle_recall"] == 1.0 and good["accuracy"] == 1.0 and good["rouge1"] > 0.8
