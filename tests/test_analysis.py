@@ -172,9 +172,6 @@ def test_scaled_heads_follow_the_paper():
     assert all(0 <= l < 3 and 0 <= h < 2 for l, h in scaled_heads(3, 2).values())
 
 
-# ------------------------------------------------------------------------------------------ entry points
-
-
 @pytest.fixture
 def restore_threads():
     """--threads sets torch's thread count for the whole process: put it back after the test."""
@@ -211,15 +208,23 @@ def tiny_checkpoint(tmp_path_factory):
     return folder
 
 
-def test_ruler_essay_haystack_is_named_as_such(tmp_path):
-    """RULER's PaulGrahamEssays.json is a haystack too: named by its file, not as '.txt files of a folder'."""
+def test_prompt_sources_ruler_s_essay_file_and_longbench(tmp_path):
+    """RULER's PaulGrahamEssays.json is named by its file; LongBench prompts are the task's, middle-truncated."""
     from omegaconf import OmegaConf
 
-    common = analysis_common
     (tmp_path / "PaulGrahamEssays.json").write_text(json.dumps({"text": "An essay about startups. " * 20}))
-    cfg = OmegaConf.create({"data": {"haystack_dir": str(tmp_path)}, "length": 32, "samples": 2})
-    prompts, data = common.haystack_prompts(cfg, char_tokenizer())
+    cfg = OmegaConf.create({"data": {"source": "haystack", "haystack_dir": str(tmp_path)}, "length": 32, "samples": 2})
+    prompts, data = analysis_common.prompts(cfg, char_tokenizer(), "musique")
     assert len(prompts) == 2 and data["description"] == "RULER's PaulGrahamEssays.json"
+    longbench = Path(__file__).resolve().parent.parent / "tasks" / "fixtures" / "longbench" / "data"
+    cfg = OmegaConf.create({"data": {"source": "longbench", "dataset": None, "longbench_dir": str(longbench)},
+                            "length": 80, "samples": 2})
+    prompts, data = analysis_common.prompts(cfg, char_tokenizer(), "musique")  # table3's default data set
+    assert [sid for sid, _ in prompts] == ["musique/0", "musique/1"] and data["dataset"] == "musique"
+    assert any(key.endswith("musique.jsonl") for key in data["sources"])
+    # The raw prompts hold > 2000 characters = tokens here; the char tokenizer's decode spaces tokens out, so the
+    # re-encoded prompt is longer than 80.
+    assert all(ids.numel() < 400 for _, ids in prompts)
 
 
 @pytest.mark.integration
@@ -289,22 +294,6 @@ def test_future_attention_rejects_bad_input_before_loading(monkeypatch, capsys, 
         future_attention.main(arguments)
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
-
-@pytest.mark.integration
-@pytest.mark.extended
-def test_table3_on_longbench_prompts(tmp_path, tiny_checkpoint):
-    data = Path(__file__).resolve().parent.parent / "tasks" / "fixtures" / "longbench" / "data"
-    table3.main([
-        "model=custom", f"model.path={tiny_checkpoint}", "model.dtype=float32", "model.device=cpu",
-        "data.source=longbench", f"data.longbench_dir={data}", "length=80", "samples=2", "attention=last_row",
-        f"tables_dir={tmp_path}"])
-    table = json.loads((tmp_path / "table3_spearman.json").read_text())
-    assert table["data"]["dataset"] == "musique" and [s["id"] for s in table["data"]["samples"]] == [
-        "musique/0", "musique/1"]
-    assert any(key.endswith("musique.jsonl") for key in table["data"]["sources"])
-    # Middle-truncated by the task (the raw prompts hold > 2000 characters = tokens here; the char tokenizer's
-    # decode spaces tokens out, so the re-encoded prompt is longer than 80).
-    assert all(s["tokens"] < 400 for s in table["data"]["samples"])
 
 
 def test_table3_shows_the_paper_beside_ours_with_a_caveat():

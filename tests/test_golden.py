@@ -1,28 +1,6 @@
-"""Golden outputs: what every policy preset keeps and generates must not change when the code is reshaped.
-
-A refactor changes no output. This file pins, for every preset in conf/policy/ at the last --record (those the
-paper's experiments run always; a policy added since is pinned by its own test), on a tiny random Llama
-(tests/conftest.py's, see `golden_model`):
-  * the absolute prompt positions each layer and KV head keeps after block-wise prefill,
-  * the greedy tokens generated afterwards (with eviction after every token),
-  * the positions kept after decoding and the peak entries per head,
-  * what the cache reports after decoding (`CACHE_REPORTS`: its bytes, allocations and peaks, KVzip's scratch pass).
-Recorded values live in tests/golden/engine.json. An intended change of output is recorded again with
-
-    python -m tests.test_golden --record
-
-and the diff of the JSON file is then part of the commit that changes the output (review it).
-
-The goldens must hold on every CPU, and CPUs differ in the last bit: torch's vector paths (ATEN_CPU_CAPABILITY
-default / avx2 / avx512) round its softmax, and with it everything after the first attention layer,
-differently. So the setting is one where no choice is decided by the last bit (`golden_model`), a test runs
-the goldens on every other path this CPU has, and
-
-    python -m tests.test_golden --sensitivity 1 4 16 64
-
-counts how many choices a perturbation of the scores by that many ULPs changes (docs/testing.md, "Goldens on
-every vector path").
-"""
+"""Golden outputs: what every conf/policy preset keeps and generates on a tiny random Llama (tests/golden/engine.json),
+on every CPU vector path. Record an intended change with `python -m tests.test_golden --record` (review the diff);
+`--sensitivity 1 4 16 64` counts the choices a perturbation of the scores changes (docs/testing.md)."""
 
 from __future__ import annotations
 
@@ -42,11 +20,8 @@ pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parent.parent
 GOLDEN = Path(__file__).resolve().parent / "golden" / "engine.json"
 PROMPT_LENGTH, BUDGET, BLOCK_SIZE, NEW_TOKENS = 700, 256, 64, 8  # budget > 2 LagKV partitions
-# Weights of std 0.1: transformers' default 0.02 makes attention all but uniform (logits of std ~0.03), the
-# scores of a head then lie a few hundred ULPs apart, and a perturbation of them by 1 ULP changed 10 of 3,792
-# choices (--sensitivity; none now). A vocabulary larger than the prompt, whose tokens are all different: a
-# token repeated at two positions has the same key before RoPE, so K-norm scores both copies equal up to the
-# rounding of RoPE and of the norm.
+# Weights of std 0.1 and distinct prompt tokens: no choice decided by the last bit (docs/testing.md, "Goldens on
+# every vector path").
 GOLDEN_MODEL = {"initializer_range": 0.1, "vocab_size": 1024}
 # torch's CPU vector paths (ATEN_CPU_CAPABILITY values) and, for the best one a CPU has, the others it has too.
 VECTOR_PATHS = ("default", "avx2", "avx512")
@@ -171,8 +146,7 @@ def best_vector_path() -> str:
 @pytest.mark.slow
 @pytest.mark.parametrize("path", [p for p in VECTOR_PATHS if p != torch.backends.cpu.get_cpu_capability().lower()])
 def test_the_goldens_hold_on_every_other_vector_path_this_cpu_has(path):
-    """The tests above ran on this process's path; each other path the CPU has runs them in a child process.
-    (A path the CPU lacks cannot be forced: torch would run instructions the CPU does not have.)"""
+    """Each other path this CPU has runs the goldens in a child process (a path it lacks cannot be forced)."""
     best = best_vector_path()
     if path != best and path not in PATHS_BELOW.get(best, ("default",)):
         pytest.skip(f"this CPU has no {path.upper()} path (torch's best here: {best.upper()})")
@@ -195,10 +169,8 @@ def record() -> None:
 
 
 def sensitivity(name: str, ulps: float, draws: int = 2) -> tuple[int, int]:
-    """(choices, changed): at every eviction of preset `name` on the golden setting, the choice is made again
-    `draws` times with the scores times (1 + ulps x 2^-23 x u), u uniform in [-1, 1] (about `ulps` float32 ULPs),
-    and compared with the unperturbed one, which the run goes on with. A choice is one KV head's (uniform
-    budgets; one per stacked layer) or one layer's (head-adaptive budgets)."""
+    """(choices, changed) when each choice of preset `name` is made again `draws` times with the scores times
+    (1 + ulps x 2^-23 x u), u uniform in [-1, 1]; the run goes on with the unperturbed choice (docs/testing.md)."""
     from keydiff.policies import build_policy
     from keydiff.policies.wrappers import PolicyWrapper
     from keydiff.testing import variant

@@ -57,9 +57,6 @@ def byte_ids(tok, text: str) -> list[int]:
     return tok(text, add_special_tokens=False)["input_ids"]
 
 
-# -------------------------------------------------------------------------------------- the table
-
-
 def test_dataset_table_and_presets():
     assert len(lb.ALL_21) == 21 and len(lb.ENGLISH_16) == 16 and len(lb.LONGBENCH_E_13) == 13
     chinese = {"multifieldqa_zh", "dureader", "vcsum", "lsht", "passage_retrieval_zh"}
@@ -93,9 +90,6 @@ def test_templates_verbatim_spot_checks():
     assert p["vcsum"] == "下面有一段会议记录，请你阅读后，写一段总结，总结会议的内容。\n会议记录：\n{context}\n\n会议总结："
 
 
-# ------------------------------------------------------------------------------------ validation
-
-
 @pytest.mark.parametrize("kwargs, message", [
     ({"datasets": ["narrative_qa"]}, "valid LongBench datasets: narrativeqa, qasper.*repobench-p"),
     ({"datasets": ["narrativeqa"], "longbench_e": True}, "valid LongBench-E datasets: qasper, multifieldqa_en"),
@@ -108,15 +102,6 @@ def test_templates_verbatim_spot_checks():
 def test_bad_settings_name_valid_choices(kwargs, message):
     with pytest.raises(ValueError, match=message):
         task(**kwargs).validate()
-
-
-def test_defaults_are_the_english_subset():
-    t = lb.LongBench()
-    assert t.name == "longbench" and t.datasets == list(lb.ENGLISH_16)
-    assert t.fuzzy_backend == "difflib" and t.chat_template and not t.longbench_e and t.limit is None
-
-
-# ------------------------------------------------------------------------------------------ data
 
 
 def test_samples_from_folder_ids_order_and_hashes():
@@ -144,11 +129,6 @@ def test_longbench_e_reads_e_files():
     assert [s.id for s in samples] == ["qasper/0", "qasper/1", "qasper/2", "lcc/0", "lcc/1", "lcc/2"]
     assert [s.fields["record"]["length"] for s in samples[:3]] == [3999, 4000, 8000]
     assert sorted(t.data_sources()) == ["longbench/data/lcc_e.jsonl", "longbench/data/qasper_e.jsonl"]
-
-
-def test_all_fixture_files_load():
-    assert len(list(task(datasets=list(lb.ALL_21)).samples())) == 63
-    assert len(list(task(datasets=list(lb.LONGBENCH_E_13), longbench_e=True).samples())) == 39
 
 
 def test_zip_data_dir(tmp_path):
@@ -224,9 +204,8 @@ def test_fixture_is_reproducible_and_small(tmp_path, capsys):
     for name in written:
         for record in records(name[: -len(".jsonl")]):
             assert set(record) == {"input", "context", "answers", "length", "dataset", "language", "all_classes", "_id"}
-
-
-# --------------------------------------------------------------------------------------- prompts
+    assert len(list(task(datasets=list(lb.ALL_21)).samples())) == 63  # every file loads as the task reads it
+    assert len(list(task(datasets=list(lb.LONGBENCH_E_13), longbench_e=True).samples())) == 39
 
 
 def test_chat_prompt_untruncated(tokenizer):
@@ -238,39 +217,22 @@ def test_chat_prompt_untruncated(tokenizer):
     prompt = t.build_prompt(sample, tokenizer, max_length=None)
     # BOS + bytes of "[USER]" + text + "[BOT]"
     assert prompt.input_ids == [tokenizer.bos_token_id] + byte_ids(tokenizer, "[USER]" + text + "[BOT]")
-    assert prompt.info == {
-        "dataset": "narrativeqa",
-        "truncated": False,
-        "length": record["length"],
-        "language": "en",
-        "chat_template": True,
-    }
+    assert prompt.info == {"dataset": "narrativeqa", "truncated": False, "length": record["length"], "language": "en",
+                           "chat_template": True}
     assert prompt.generation.max_new_tokens == 128 and prompt.generation.do_sample is False
     assert prompt.generation.stop_token_ids == () and prompt.generation.min_new_tokens == 0
 
 
-def test_no_chat_datasets_get_bos_and_text_only(tokenizer):
-    t = task(datasets=["trec", "lcc", "repobench-p", "triviaqa", "lsht"])
-    for sample in t.samples():
-        if not sample.id.endswith("/0"):
-            continue
-        dataset = sample.fields["dataset"]
-        text = lb.DATASET2PROMPT[dataset].format(**sample.fields["record"])
-        prompt = t.build_prompt(sample, tokenizer, max_length=None)
-        assert prompt.input_ids == [0] + byte_ids(tokenizer, text), dataset
-        assert prompt.info["chat_template"] is False
-    repobench = records("repobench-p")[0]
-    assert lb.DATASET2PROMPT["repobench-p"].format(**repobench).endswith(repobench["input"] + "Next line of code:\n")
-
-
-@pytest.mark.parametrize("dataset, switched_off", [("narrativeqa", True), ("qasper", False)],
-                         ids=["chat_template_false", "tokenizer_without_template"])
-def test_chat_template_switched_off_or_missing_gives_bos_and_text(tokenizer, dataset, switched_off):
-    t = task(datasets=[dataset], chat_template=not switched_off)
+@pytest.mark.parametrize("dataset, chat_template, template_in_tokenizer", [
+    ("trec", True, True), ("lsht", True, True), ("repobench-p", True, True),  # NO_CHAT_DATASETS
+    ("narrativeqa", False, True), ("qasper", True, False),  # switched off; a tokenizer without a template
+])
+def test_bos_and_text_without_a_chat_template(tokenizer, dataset, chat_template, template_in_tokenizer):
+    t = task(datasets=[dataset], chat_template=chat_template)
     plain = PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend_tokenizer, bos_token="<bos>", eos_token="<eos>")
     sample = sample_of(t, f"{dataset}/0")
     text = lb.DATASET2PROMPT[dataset].format(**sample.fields["record"])
-    prompt = t.build_prompt(sample, tokenizer if switched_off else plain, max_length=None)
+    prompt = t.build_prompt(sample, tokenizer if template_in_tokenizer else plain, max_length=None)
     assert prompt.input_ids == [0] + byte_ids(tokenizer, text) and prompt.info["chat_template"] is False
 
 
@@ -312,9 +274,6 @@ def test_samsum_generation_settings(tokenizer):
     assert prompt.generation.stop_token_ids == (newline_id,)
     assert prompt.generation.min_new_tokens == 1 and prompt.generation.max_new_tokens == 128
     assert prompt.info["chat_template"] is False
-
-
-# --------------------------------------------------------------------------------------- scoring
 
 
 def test_score_uses_dataset_metric_and_classes():
@@ -371,17 +330,11 @@ def test_summarize_longbench_e_buckets():
     assert buckets["0-4k"] == 100.0 and math.isnan(buckets["8k+"])
 
 
-# ---------------------------------------------------------------------------------------- config
-
-
-@pytest.mark.parametrize(
-    ("config", "expected", "is_e"),
-    [
-        ("longbench", lb.ENGLISH_16, False),
-        ("longbench_full", lb.ALL_21, False),
-        ("longbench_e", lb.LONGBENCH_E_13, True),
-    ],
-)
+@pytest.mark.parametrize(("config", "expected", "is_e"), [
+    ("longbench", lb.ENGLISH_16, False),
+    ("longbench_full", lb.ALL_21, False),
+    ("longbench_e", lb.LONGBENCH_E_13, True),
+])
 def test_hydra_configs_instantiate(config, expected, is_e):
     from hydra.utils import instantiate
     from omegaconf import OmegaConf

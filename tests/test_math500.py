@@ -10,26 +10,14 @@ from pathlib import Path
 
 import pytest
 
+from keydiff.tasks.fixture_builders import math500 as math500_fixture
 from keydiff.tasks.math500 import (
-    PROMPT_SUFFIX,
-    Math500,
-    aggregate,
-    ids_exceeding,
-    sample_seed,
-    subset_by_ids,
-    subset_exceeding,
+    PROMPT_SUFFIX, Math500, aggregate, ids_exceeding, sample_seed, subset_by_ids, subset_exceeding,
 )
 from keydiff.tasks.math_answers import (
-    answer_region,
-    exact_match,
-    extract_boxed_answer,
-    flex_match,
-    is_equiv,
-    last_boxed,
-    normalize_answer,
+    answer_region, exact_match, extract_boxed_answer, flex_match, is_equiv, last_boxed, normalize_answer,
     score_response,
 )
-from keydiff.tasks.fixture_builders import math500 as math500_fixture
 from tests.conftest import char_tokenizer
 
 pytestmark = pytest.mark.unit
@@ -48,142 +36,103 @@ TEMPLATE = (
 )
 
 
-# ---- extraction ---------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("response", "expected"),
-    [
-        ("so $x = \\boxed{\\frac{1}{2}}$.", "\\frac{1}{2}"),
-        ("\\boxed{\\left[ -1, \\frac{3}{2} \\right)}", "\\left[ -1, \\frac{3}{2} \\right)"),
-        ("\\boxed{\\{1, 2\\}}", "\\{1, 2\\}"),
-        ("first \\boxed{1}, then \\boxed{2}", "2"),
-        ("\\fbox{3}", "3"),
-        ("\\boxed{4} and finally \\fbox{\\sqrt{5}}", "\\sqrt{5}"),
-        ("$\\boxed 7$ is it", "7"),
-        ("\\boxed{\\text{Thursday}}", "\\text{Thursday}"),
-        ("no box here, the answer is 3", None),
-        ("\\boxed{1} ... \\boxed{\\frac{1}{", None),  # last box cut off: no answer
-        ("\\boxed{}", ""),
-    ],
-)
+@pytest.mark.parametrize(("response", "expected"), [
+    ("so $x = \\boxed{\\frac{1}{2}}$.", "\\frac{1}{2}"),
+    ("\\boxed{\\left[ -1, \\frac{3}{2} \\right)}", "\\left[ -1, \\frac{3}{2} \\right)"),
+    ("\\boxed{\\{1, 2\\}}", "\\{1, 2\\}"),
+    ("first \\boxed{1}, then \\boxed{2}", "2"),
+    ("\\fbox{3}", "3"),
+    ("\\boxed{4} and finally \\fbox{\\sqrt{5}}", "\\sqrt{5}"),
+    ("$\\boxed 7$ is it", "7"),
+    ("\\boxed{\\text{Thursday}}", "\\text{Thursday}"),
+    ("no box here, the answer is 3", None),
+    ("\\boxed{1} ... \\boxed{\\frac{1}{", None),  # last box cut off: no answer
+    ("\\boxed{}", ""),
+    # boxes inside the reasoning do not count once the reasoning is closed
+    ("<think>try \\boxed{5}</think>So \\boxed{7}.", "7"),
+    ("<think>try \\boxed{5}</think>The answer is 7.", None),
+    ("a</think>b \\boxed{1}</think>c \\boxed{2}", "2"),  # the last </think>
+    ("<think>so \\boxed{9} and then", "9"),  # an unfinished reasoning (truncated) is searched whole
+])
 def test_extract_boxed_answer(response, expected):
     assert extract_boxed_answer(response) == expected
 
 
-def test_last_boxed_keeps_the_command():
-    assert last_boxed("a \\boxed{\\frac{1}{2}} b") == "\\boxed{\\frac{1}{2}}"
-    assert last_boxed("nothing") is None
-
-
-def test_think_region():
+def test_last_boxed_and_the_answer_region():
+    assert last_boxed("a \\boxed{\\frac{1}{2}} b") == "\\boxed{\\frac{1}{2}}" and last_boxed("nothing") is None
     assert answer_region("<think>\nwork</think>\n\nfinal") == "\n\nfinal"
     assert answer_region("no think tags") == "no think tags"
-    # boxes inside the reasoning do not count once the reasoning is closed
-    assert extract_boxed_answer("<think>try \\boxed{5}</think>So \\boxed{7}.") == "7"
-    assert extract_boxed_answer("<think>try \\boxed{5}</think>The answer is 7.") is None
-    assert extract_boxed_answer("a</think>b \\boxed{1}</think>c \\boxed{2}") == "2"  # the last </think>
-    # an unfinished reasoning (truncated) is searched whole
-    assert extract_boxed_answer("<think>so \\boxed{9} and then") == "9"
 
 
-# ---- Exact Match normalisation ----------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("raw", "normalised"),
-    [
-        ("\\dfrac{14}{3}", "\\frac{14}{3}"),
-        ("\\tfrac12", "\\frac{1}{2}"),
-        ("\\frac1{b}", "\\frac{1}{b}"),
-        ("14/3", "\\frac{14}{3}"),
-        ("x/3", "x/3"),
-        ("0.5", "\\frac{1}{2}"),
-        (".5", "\\frac{1}{2}"),
-        ("x = 5", "5"),
-        ("90^\\circ", "90"),
-        ("90^{\\circ}", "90"),
-        ("\\sqrt3", "\\sqrt{3}"),
-        ("10\\text{ cm}", "10"),
-        ("50\\%", "50"),
-        ("\\$32,\\!348", "32,348"),
-        ("\\left( 3, \\frac{\\pi}{2} \\right)", "(3,\\frac{\\pi}{2})"),
-        ("\\text{(C)}", "\\text{(C)}"),
-        ("a\nb", "ab"),
-    ],
-)
+@pytest.mark.parametrize(("raw", "normalised"), [
+    ("\\dfrac{14}{3}", "\\frac{14}{3}"),
+    ("\\tfrac12", "\\frac{1}{2}"),
+    ("\\frac1{b}", "\\frac{1}{b}"),
+    ("14/3", "\\frac{14}{3}"),
+    ("x/3", "x/3"),
+    ("0.5", "\\frac{1}{2}"),
+    (".5", "\\frac{1}{2}"),
+    ("x = 5", "5"),
+    ("90^\\circ", "90"),
+    ("90^{\\circ}", "90"),
+    ("\\sqrt3", "\\sqrt{3}"),
+    ("10\\text{ cm}", "10"),
+    ("50\\%", "50"),
+    ("\\$32,\\!348", "32,348"),
+    ("\\left( 3, \\frac{\\pi}{2} \\right)", "(3,\\frac{\\pi}{2})"),
+    ("\\text{(C)}", "\\text{(C)}"),
+    ("a\nb", "ab"),
+])
 def test_normalize_answer(raw, normalised):
     assert normalize_answer(raw) == normalised
 
 
 def test_is_equiv():
-    assert is_equiv("\\dfrac{14}{3}", "\\frac{14}{3}")
-    assert not is_equiv("C", "\\text{(C)}")
     assert not is_equiv(None, "1")
     # several "\text{ " units: the reference normaliser gives up and raw strings are compared
     assert is_equiv("1\\text{ a}\\text{ b}", "1\\text{ a}\\text{ b}")
     assert not is_equiv("1\\text{ a}\\text{ b}", "1")
 
 
-# ---- Exact vs Flex (tasks.md 2.4 table) -------------------------------------------------------
+# Exact vs Flex: the table in docs/design/tasks.md, "Math-500"
 BOX_IN_CLOSED_REASONING = "<think>\\boxed{\\frac12}</think>I give up."  # no answer: has_answer 0, as without a box
 
 
-@pytest.mark.parametrize(
-    ("gold", "response", "exact", "flex"),
-    [
-        ("\\left( 3, \\frac{\\pi}{2} \\right)", "\\boxed{(3, \\frac{\\pi}{2})}", 1, 1),
-        ("\\frac{14}{3}", "\\boxed{\\dfrac{14}{3}}", 1, 1),
-        ("\\frac{14}{3}", "\\boxed{14/3}", 1, 1),
-        ("\\text{(C)}", "\\boxed{C}", 0, 1),
-        ("3\\sqrt{13}", "\\boxed{\\sqrt{117}}", 0, 1),
-        ("10", "the answer is 10", 0, 1),
-        ("\\$32,\\!348", "\\boxed{32348}", 0, 1),
-        ("90^\\circ", "\\boxed{90}", 1, 1),
-        ("\\frac{1}{4}", "\\boxed{0.25}", 0, 1),
-        ("\\frac{1}{2}", "\\boxed{0.5}", 1, 1),
-        ("\\frac{1}{2}", "\\boxed{\\frac{1}{3}}", 0, 0),
-        ("\\frac{1}{2}", BOX_IN_CLOSED_REASONING, 0, 0),
-        # math-verify reads close boxes as the set {1, 2}: Flex falls back on Exact's last box
-        ("2", "first \\boxed{1}, then \\boxed{2}", 1, 1),
-        ("1", "first \\boxed{1}, then \\boxed{2}", 0, 0),
-    ],
-)
+@pytest.mark.parametrize(("gold", "response", "exact", "flex"), [
+    ("\\left( 3, \\frac{\\pi}{2} \\right)", "\\boxed{(3, \\frac{\\pi}{2})}", 1, 1),
+    ("\\frac{14}{3}", "\\boxed{\\dfrac{14}{3}}", 1, 1),
+    ("\\frac{14}{3}", "\\boxed{14/3}", 1, 1),
+    ("\\text{(C)}", "\\boxed{C}", 0, 1),
+    ("3\\sqrt{13}", "\\boxed{\\sqrt{117}}", 0, 1),
+    ("10", "the answer is 10", 0, 1),
+    ("\\$32,\\!348", "\\boxed{32348}", 0, 1),
+    ("90^\\circ", "\\boxed{90}", 1, 1),
+    ("\\frac{1}{4}", "\\boxed{0.25}", 0, 1),
+    ("\\frac{1}{2}", "\\boxed{0.5}", 1, 1),
+    ("\\frac{1}{2}", "\\boxed{\\frac{1}{3}}", 0, 0),
+    ("\\frac{1}{2}", BOX_IN_CLOSED_REASONING, 0, 0),
+    # math-verify reads close boxes as the set {1, 2}: Flex falls back on Exact's last box
+    ("2", "first \\boxed{1}, then \\boxed{2}", 1, 1),
+    ("1", "first \\boxed{1}, then \\boxed{2}", 0, 0),
+])
 def test_exact_and_flex(gold, response, exact, flex):
     assert exact_match(response, gold) == bool(exact)
     assert flex_match(response, gold) == bool(flex)
     scores = score_response(response, gold)
     assert scores["exact"] == exact and scores["flex"] == flex
-    assert scores["flex"] >= scores["exact"]
     assert scores["has_answer"] == (0.0 if response in ("the answer is 10", BOX_IN_CLOSED_REASONING) else 1.0)
 
 
-# ---- samples, prompts, seeds -------------------------------------------------------------------
-
-
 def test_samples_ids_and_seeds():
-    task = Math500(data_dir=str(FIXTURE), num_samples=3)
-    task.validate()
-    samples = list(task.samples())
-    assert len(samples) == 5 * 3
-    assert [s.id for s in samples[:4]] == [
-        "fixture/algebra/1.json#0",
-        "fixture/algebra/1.json#1",
-        "fixture/algebra/1.json#2",
-        "fixture/geometry/2.json#0",
-    ]
-    assert len({s.id for s in samples}) == len(samples)
-    assert samples[0].fields["answer"] == "\\frac{1}{2}"
-    assert [s.id for s in Math500(data_dir=str(FIXTURE), num_samples=3).samples()] == [s.id for s in samples]
-
+    samples = list(Math500(data_dir=str(FIXTURE), num_samples=3).samples())
+    assert len(samples) == len({s.id for s in samples}) == 5 * 3 and samples[0].fields["answer"] == "\\frac{1}{2}"
+    assert [s.id for s in samples[:4]] == ["fixture/algebra/1.json#0", "fixture/algebra/1.json#1",
+                                           "fixture/algebra/1.json#2", "fixture/geometry/2.json#0"]
     limited = list(Math500(data_dir=str(FIXTURE), limit=2, num_samples=5).samples())
     assert len(limited) == 10 and limited[-1].id == "fixture/geometry/2.json#4"
-
     # one fixed seed per sample index, shared by all problems, distinct across indices and run seeds
     seeds = {k: sample_seed(0, k) for k in range(5)}
-    assert len(set(seeds.values())) == 5
-    assert sample_seed(0, 3) == seeds[3]
-    assert sample_seed(1, 0) not in seeds.values()
+    assert len(set(seeds.values())) == 5 and sample_seed(0, 3) == seeds[3] and sample_seed(1, 0) not in seeds.values()
     assert all(0 <= s < 2**31 for s in seeds.values())
 
 
@@ -221,15 +170,13 @@ def test_prompt_with_chat_template_and_think(opens_think, think_token, ending, a
 def test_score_uses_the_reference_answer():
     task = Math500(data_dir=str(FIXTURE))
     interval = [s for s in task.samples() if s.id.startswith("fixture/intermediate_algebra/3.json")][0]
-    assert task.score(interval, "<think>...</think>\\boxed{[-1, \\frac{3}{2})}") == {
-        "exact": 1.0,
-        "flex": 1.0,
-        "has_answer": 1.0,
-    }
+    expected = {"exact": 1.0, "flex": 1.0, "has_answer": 1.0}
+    assert task.score(interval, "<think>...</think>\\boxed{[-1, \\frac{3}{2})}") == expected
     assert task.score(interval, "<think>...</think>\\boxed{[-1, 2)}")["exact"] == 0.0
 
 
 def test_validate_and_data_sources(tmp_path):
+    Math500(data_dir=str(FIXTURE)).validate()
     with pytest.raises(ValueError, match="test.jsonl"):
         Math500(data_dir=str(tmp_path)).validate()
     with pytest.raises(ValueError, match="num_samples"):
@@ -257,9 +204,6 @@ def test_missing_datasets_message(monkeypatch):
         Math500().validate()
     with pytest.raises(ImportError, match=extra):
         list(Math500().samples())
-
-
-# ---- aggregation and the subset analysis -------------------------------------------------------
 
 
 def row(sample_id, exact, flex, has, prompt, new, reason, budget=1024, in_info=False):
@@ -311,9 +255,6 @@ def test_subset_units_and_ids():
     chosen = subset_by_ids(other_run, ids_exceeding(ROWS, 1350))
     assert [r["sample_id"] for r in chosen] == ["p1#1", "p2#0"]
     assert subset_exceeding(other_run, 1350) == []  # by its own lengths nothing exceeds
-
-
-# ---- configs -------------------------------------------------------------------------------------
 
 
 @pytest.mark.extended

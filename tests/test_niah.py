@@ -3,25 +3,16 @@
 from __future__ import annotations
 
 import hashlib
+from functools import partial
 from pathlib import Path
 
 import pytest
-import yaml
 
 from keydiff.tasks.base import Sample, encode_user_turn
 from keydiff.tasks.haystack import (PINNED, PINNED_SHA256, directory_haystack, is_prose_paragraph, load_haystack,
                                     prose_paragraphs, pydoc_haystack)
-from keydiff.tasks.niah import (
-    ANSWER,
-    NEEDLE,
-    NeedleInAHaystack,
-    needle_recall,
-    normalize_words,
-    paper_context_lengths,
-    paper_depths,
-    period_token_ids,
-    rouge1_scores,
-)
+from keydiff.tasks.niah import (ANSWER, NEEDLE, NeedleInAHaystack, needle_recall, normalize_words,
+                                paper_context_lengths, paper_depths, period_token_ids, rouge1_scores)
 
 pytestmark = pytest.mark.unit
 
@@ -46,7 +37,6 @@ def _find(haystack: list[int], needle: list[int]) -> list[int]:
     return [i for i in range(len(haystack) - len(needle) + 1) if haystack[i : i + len(needle)] == needle]
 
 
-# ------------------------------------------------------------------------------------------- configuration
 def test_paper_grid():
     assert paper_context_lengths() == [1000, 4222, 7444, 10667, 13889, 17111, 20333, 23556, 26778, 30000]
     assert paper_depths() == [0, 11, 22, 33, 44, 56, 67, 78, 89, 100]
@@ -67,8 +57,6 @@ def test_yaml_grids():
     paper.validate()
     small.validate()
     assert small.context_lengths == [3000, 4000] and small.depths == [0, 50, 100]
-    raw = yaml.safe_load((CONF / "task" / "niah.yaml").read_text())
-    assert raw["_target_"] == "keydiff.tasks.niah.NeedleInAHaystack"
 
 
 def test_samples_order_and_limit():
@@ -80,21 +68,18 @@ def test_samples_order_and_limit():
     assert next(task.samples()).fields == {"context_length": 3000, "depth": 0}
 
 
-@pytest.mark.parametrize(
-    ("changes", "message"),
-    [
-        ({"depths": [0, 101]}, r"\[0, 100\]"),
-        ({"depths": [10.5]}, r"\[0, 100\]"),
-        ({"context_lengths": [150]}, "larger than buffer"),
-        ({"context_lengths": [1000, 1000]}, "must not repeat"),
-        ({"prompt_style": "chatml"}, "storybook"),
-        ({"recall_compat": "raw"}, "kvcache-factory"),
-        ({"limit": -1}, "limit"),
-        ({"haystack_dir": "/no/such/dir"}, "not a directory"),
-        ({"context_lengths": []}, "at least one"),
-        ({"haystack_source": "python"}, r"task.haystack_source='python' is not valid; valid: pinned, interpreter"),
-    ],
-)
+@pytest.mark.parametrize(("changes", "message"), [
+    ({"depths": [0, 101]}, r"\[0, 100\]"),
+    ({"depths": [10.5]}, r"\[0, 100\]"),
+    ({"context_lengths": [150]}, "larger than buffer"),
+    ({"context_lengths": [1000, 1000]}, "must not repeat"),
+    ({"prompt_style": "chatml"}, "storybook"),
+    ({"recall_compat": "raw"}, "kvcache-factory"),
+    ({"limit": -1}, "limit"),
+    ({"haystack_dir": "/no/such/dir"}, "not a directory"),
+    ({"context_lengths": []}, "at least one"),
+    ({"haystack_source": "python"}, r"task.haystack_source='python' is not valid; valid: pinned, interpreter"),
+])
 def test_validate_rejects(changes, message):
     with pytest.raises(ValueError, match=message):
         NeedleInAHaystack(**changes).validate()
@@ -106,7 +91,6 @@ def test_validate_rejects_dir_without_txt(tmp_path):
         NeedleInAHaystack(haystack_dir=str(tmp_path)).validate()
 
 
-# ------------------------------------------------------------------------------------------- haystacks
 def test_prose_filter():
     assert is_prose_paragraph(["Assignment statements are used to bind names to values", "and to modify objects."])
     assert not is_prose_paragraph(["Too short to count."])
@@ -182,7 +166,6 @@ def test_directory_haystack(text_dir, tokenizer):
     assert made["text"].count("first river") > 40 * 2  # repeated beyond one copy
 
 
-# ------------------------------------------------------------------------------------------- insertion
 @pytest.mark.parametrize("depth", [0, 11, 33, 50, 89, 100])
 def test_insertion_at_sentence_boundary(tokenizer, periods, depth):
     length = 1500
@@ -214,7 +197,6 @@ def test_period_tokens(tokenizer, periods):
     assert tokenizer.eos_token_id not in periods
 
 
-# ------------------------------------------------------------------------------------------- prompts
 def test_storybook_prompt(tokenizer):
     task = NeedleInAHaystack(context_lengths=[2000], depths=[50])
     sample = next(task.samples())
@@ -254,55 +236,42 @@ def test_prompt_without_chat_and_gkamradt(tokenizer):
     assert tokenizer.decode(prompt.input_ids[index : index + 4]).startswith("The best")
 
 
-def test_prompt_is_deterministic(tokenizer):
-    first = NeedleInAHaystack(context_lengths=[1500], depths=[44])
-    second = NeedleInAHaystack(context_lengths=[1500], depths=[44])
-    sample = next(first.samples())
-    a = first.build_prompt(sample, tokenizer, 8192)
-    assert first.build_prompt(sample, tokenizer, 8192) == a
-    assert second.build_prompt(sample, tokenizer, 8192) == a
-
-
 def test_context_longer_than_max_length(tokenizer):
     task = NeedleInAHaystack(context_lengths=[9000], depths=[0])
     with pytest.raises(ValueError, match="max_length"):
         task.build_prompt(next(task.samples()), tokenizer, 8192)
 
 
-# ------------------------------------------------------------------------------------------- scoring
-def test_normalize_words():
-    assert normalize_words("Eat a SANDWICH, in Dolores-Park… on a “sunny” day!") == [
-        "eat", "a", "sandwich", "in", "dolores", "park", "on", "a", "sunny", "day"]
+ROUGE1 = partial(rouge1_scores, reference=NEEDLE)
+RAW = partial(needle_recall, compat="kvcache-factory")
 
 
-def test_needle_recall_hand_computed():
-    assert len(set(normalize_words(ANSWER))) == 11
-    assert needle_recall(NEEDLE) == 1.0
-    assert needle_recall("The best thing is to eat a sandwich and sit in Dolores Park on a sunny day") == 1.0
-    assert needle_recall("Eat a sandwich.") == pytest.approx(3 / 11)
-    assert needle_recall("I don't know.") == 0.0
-    assert needle_recall("") == 0.0
-    assert needle_recall("EAT a Sandwich, sit in dolores park on a sunny day!") == pytest.approx(10 / 11)  # no "and"
+@pytest.mark.parametrize("metric, text, expected", [
+    (normalize_words, "Eat a SANDWICH, in Dolores-Park… on a “sunny” day!",
+     ["eat", "a", "sandwich", "in", "dolores", "park", "on", "a", "sunny", "day"]),
+    (needle_recall, NEEDLE, 1.0),
+    (needle_recall, "The best thing is to eat a sandwich and sit in Dolores Park on a sunny day", 1.0),
+    (needle_recall, "Eat a sandwich.", pytest.approx(3 / 11)),  # of the answer's 11 distinct words
+    (needle_recall, "I don't know.", 0.0),
+    (needle_recall, "", 0.0),
+    (needle_recall, "EAT a Sandwich, sit in dolores park on a sunny day!", pytest.approx(10 / 11)),  # no "and"
     # KVCache-Factory's raw variant keeps punctuation: "day" does not match "day.", "Park," not "park".
-    assert needle_recall("eat a sandwich and sit in Dolores Park on a sunny day", compat="kvcache-factory") == (
-        pytest.approx(10 / 11))
-    assert needle_recall("eat a sandwich and sit in Dolores Park on a sunny day.", compat="kvcache-factory") == 1.0
-    assert needle_recall("Sit in Dolores Park, on a sunny day.", compat="kvcache-factory") == pytest.approx(7 / 11)
-
-
-def test_rouge1_hand_computed():
-    f, r = rouge1_scores("The best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day.",
-                         NEEDLE)
-    assert f == pytest.approx(1.0, abs=1e-6) and r == 1.0
-    # The needle sentence has 19 distinct case-sensitive words; "eat a sandwich" has 3, all in it.
-    f, r = rouge1_scores("eat a sandwich", NEEDLE)
-    assert r == pytest.approx(3 / 19)
-    assert f == pytest.approx(2 * (3 / 19) / (1 + 3 / 19 + 1e-8))
-    assert rouge1_scores("", NEEDLE) == (0.0, 0.0)
-    assert rouge1_scores(" ... ", NEEDLE) == (0.0, 0.0)
+    (RAW, "eat a sandwich and sit in Dolores Park on a sunny day", pytest.approx(10 / 11)),
+    (RAW, "eat a sandwich and sit in Dolores Park on a sunny day.", 1.0),
+    (RAW, "Sit in Dolores Park, on a sunny day.", pytest.approx(7 / 11)),
+    (ROUGE1, "The best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day.",
+     (pytest.approx(1.0, abs=1e-6), 1.0)),
+    # The needle sentence has 19 distinct case-sensitive words; "eat a sandwich" has 3, all in it: (F, R).
+    (ROUGE1, "eat a sandwich", (pytest.approx(2 * (3 / 19) / (1 + 3 / 19 + 1e-8)), pytest.approx(3 / 19))),
+    (ROUGE1, "", (0.0, 0.0)),
+    (ROUGE1, " ... ", (0.0, 0.0)),
+])
+def test_scores_hand_computed(metric, text, expected):
+    assert metric(text) == expected
 
 
 def test_score_and_summarize():
+    assert len(set(normalize_words(ANSWER))) == 11  # needle_recall's denominator
     task = NeedleInAHaystack(context_lengths=[1000, 2000], depths=[0, 100])
     good = task.score(Sample("L1000/d0", {}), " The best thing to do is eat a sandwich and sit in Dolores Park on a sunny day.")
     assert good["needle_recall"] == 1.0 and good["accuracy"] == 1.0 and good["rouge1"] > 0.8
@@ -323,7 +292,6 @@ def test_score_and_summarize():
     assert summary["needle_recall_by_depth"] == {"0": 0.5, "100": pytest.approx(4 / 11)}
 
 
-# ------------------------------------------------------------------------------------------- end to end
 @pytest.mark.real_model
 def test_real_model_finds_the_needle_without_eviction():
     """SmolLM2-135M, full cache, plain greedy `generate`: the needle at mid depth of a ~1.5K-token prompt."""
@@ -346,13 +314,24 @@ def test_real_model_finds_the_needle_without_eviction():
     assert scores["accuracy"] == 1.0
 
 
-def test_runs_from_before_the_pinned_haystack_resume_with_the_interpreter_source():
-    """A run written before task.haystack_source existed resumes as haystack_source=interpreter, not the pinned default."""
+def test_a_run_from_before_the_pinned_haystack_resumes_with_the_interpreter_source(tmp_path):
+    """Such a run resumes as haystack_source=interpreter; the default command is refused with that hint."""
+    import json
+
     from omegaconf import OmegaConf
 
     from keydiff.run.plan import result_config
+    from keydiff.run.results import ConfigMismatchError, ResultStore
 
     old = {"seed": 0, "task": {"name": "niah_small", "haystack_dir": None, "limit": None}}
     with_source = lambda source: {**old, "task": {**old["task"], "haystack_source": source}}  # noqa: E731
     assert result_config(OmegaConf.create(with_source("interpreter"))) == old
     assert result_config(OmegaConf.create(with_source("pinned")))["task"]["haystack_source"] == "pinned"
+    (tmp_path / "run_config.json").write_text(json.dumps(old))
+    with pytest.raises(ConfigMismatchError) as refused:
+        ResultStore(tmp_path, with_source("pinned"))
+    assert "task.haystack_source: '<missing>' -> 'pinned'" in str(refused.value)
+    assert "task.haystack_source=interpreter" in str(refused.value)
+    with pytest.raises(ConfigMismatchError) as refused:
+        ResultStore(tmp_path, {**old, "seed": 1})
+    assert "haystack_source" not in str(refused.value)  # other differences get no such hint

@@ -96,19 +96,16 @@ def test_build_prompt_raw_completion():
     assert task.build_prompt(sample, tokenizer, max_length=10).info["exceeds_max_length"] is True
 
 
-@pytest.mark.parametrize(
-    ("prediction", "exact", "lenient"),
-    [
-        (" 6123456789\nAlice Smith: 7000000000", 1, 1),
-        ("  6123456789 \nrest", 1, 1),  # the first line, stripped on both sides
-        ("6123456789", 1, 1),
-        ("6123456789 is the number", 0, 1),
-        ("\n6123456789", 0, 1),
-        ("61234567890", 0, 0),
-        ("7000000000", 0, 0),
-        ("", 0, 0),
-    ],
-)
+@pytest.mark.parametrize(("prediction", "exact", "lenient"), [
+    (" 6123456789\nAlice Smith: 7000000000", 1, 1),
+    ("  6123456789 \nrest", 1, 1),  # the first line, stripped on both sides
+    ("6123456789", 1, 1),
+    ("6123456789 is the number", 0, 1),
+    ("\n6123456789", 0, 1),
+    ("61234567890", 0, 0),
+    ("7000000000", 0, 0),
+    ("", 0, 0),
+])
 def test_score_first_line_exact_match(prediction, exact, lenient):
     task = small()
     sample = next(iter(task.samples()))

@@ -1,5 +1,5 @@
 """RULER against the pinned revision's texts (tests/data/ruler_pinned), stored golden prompts, brute-force checks,
-the length guard, configuration errors, the table and one run.py end to end (SmolLM2's tokenizer).
+the length guard, configuration errors and the table (SmolLM2's tokenizer).
 Regenerate the golden prompts: ``KEYDIFF_REGEN_RULER_GOLDEN=1 pytest tests/test_ruler.py``."""
 
 from __future__ import annotations
@@ -9,8 +9,6 @@ import json
 import os
 import random
 import re
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -20,32 +18,12 @@ import pytest
 from keydiff.report.render import interval
 from keydiff.tasks.fixture_builders import ruler as ruler_fixture
 from keydiff.tasks.ruler import (
-    GENERATOR_VERSION,
-    MIN_LENGTH_FRACTION,
-    PRESETS,
-    SPECS,
-    STANDARD_TASKS,
-    Ruler,
-    fit_size,
-    metric_of,
-    postprocess,
-    string_match_all,
-    string_match_part,
+    GENERATOR_VERSION, MIN_LENGTH_FRACTION, PRESETS, STANDARD_TASKS, Ruler, fit_size, metric_of, postprocess,
+    string_match_all, string_match_part,
 )
 from keydiff.tasks.ruler_generators import (
-    DEPTHS,
-    NEEDLE,
-    NOISE,
-    QUESTION_MARKERS,
-    RULER_COMMIT,
-    TEMPLATES,
-    CommonWords,
-    FrequentWords,
-    Niah,
-    VariableTracking,
-    essay_words,
-    split_sentences,
-    zeta,
+    DEPTHS, NEEDLE, NOISE, QUESTION_MARKERS, RULER_COMMIT, TEMPLATES, CommonWords, FrequentWords, Niah,
+    VariableTracking, essay_words, split_sentences, zeta,
 )
 from keydiff.tasks.ruler_qa import DOCUMENT, FIXTURE_SHA256, QA
 
@@ -71,14 +49,6 @@ def make(**overrides) -> Ruler:
     return task
 
 
-# ------------------------------------------------------------------------------------------ definitions
-def test_presets_and_their_configs():
-    assert PRESETS["all"] == STANDARD_TASKS and "qa_1" not in SYNTHETIC and len(SYNTHETIC) == 11
-    for k in (4, 8, 16, 32):
-        text = (ROOT / f"conf/task/ruler_{k}k.yaml").read_text()
-        assert f"length: {k * 1024}\n" in text and f"name: ruler_{k}k\n" in text
-
-
 def test_depths_and_zeta():
     import numpy as np
 
@@ -94,7 +64,6 @@ def test_sentence_split():
     assert split_sentences(text) == ["It works, e.g. here.", 'Then "Quoted."', "Next one!", "Done? yes.", "Last"]
 
 
-# ------------------------------------------------------------------------------------------ pinned RULER
 def pinned(name: str):
     return json.loads((PINNED / name).read_text(encoding="utf-8"))
 
@@ -181,7 +150,6 @@ def test_golden_rendered_prompt(tokenizer, name):
     assert record == json.loads(record_path.read_text(encoding="utf-8"))
 
 
-# ------------------------------------------------------------------------------------------ metrics
 def brute_contains(haystack: str, needle: str) -> bool:
     """Substring test by explicit window comparison, lowercased (reference for the metrics)."""
     h, n = haystack.lower(), needle.lower()
@@ -204,7 +172,6 @@ def test_postprocess_is_rulers():
     assert postprocess("\x1fA\x7f") == "A\x7f"  # only \x00-\x1f
 
 
-# ------------------------------------------------------------------------------------------ generators
 def rendered(task: Ruler, name: str, index: int, size: int) -> tuple[dict, str, str]:
     gen = task.generator(name)
     plan = task.plan(name, index)
@@ -308,32 +275,23 @@ def test_fixture_is_what_the_builder_writes(tmp_path):
         assert (tmp_path / name).read_bytes() == (FIXTURE / name).read_bytes()
 
 
-# ------------------------------------------------------------------------------------------ prompts
 def test_samples_are_index_major_and_limited():
     task = make(tasks=["niah_single_1", "vt"], num_samples=3, limit=2)
     assert [s.id for s in task.samples()] == ["niah_single_1/0", "vt/0", "niah_single_1/1", "vt/1"]
 
 
-def test_deterministic_per_seed_and_length(tokenizer):
-    tasks = ["niah_single_2", "niah_multikey_2", "vt", "cwe", "fwe", "qa_2"]
-    a, b = make(tasks=tasks, limit=1), make(tasks=tasks, limit=1)
-    ids_a = [a.build_prompt(s, tokenizer, None).input_ids for s in a.samples()]
-    ids_b = [b.build_prompt(s, tokenizer, None).input_ids for s in b.samples()]
-    assert ids_a == ids_b
-    other_seed = make(tasks=tasks, seed=7)
-    other_length = make(tasks=tasks, length=2100)
-    for other in (other_seed, other_length):
-        for mine, theirs in zip(a.samples(), other.samples()):
-            assert mine.id == theirs.id
-            if not mine.id.startswith("qa_"):  # qa sample i asks question i of the file, whatever the seed
-                assert mine.fields["answers"] != theirs.fields["answers"], mine.id
-    two = list(make(tasks=tasks).samples())
-    assert all(two[i].fields["answers"] != two[i + len(tasks)].fields["answers"]  # sample 0 vs 1 of a task
-               for i in range(len(tasks)) if not tasks[i].startswith("qa_"))
+def test_answers_differ_by_seed_length_and_sample():
+    """Determinism is the golden prompts' check; another seed, length or sample index draws other answers."""
+    tasks = ["niah_single_2", "niah_multikey_2", "vt", "cwe", "fwe"]  # qa sample i asks question i of the file
+    answers = lambda **settings: [s.fields["answers"] for s in make(tasks=tasks, **settings).samples()]  # noqa: E731
+    mine = answers()
+    for other in (answers(seed=7), answers(length=2100)):
+        assert all(a != b for a, b in zip(mine[: len(tasks)], other)), other
+    assert all(mine[i] != mine[i + len(tasks)] for i in range(len(tasks)))  # sample 0 vs 1 of a task
 
 
-@pytest.mark.parametrize("length", [4096])
-def test_length_fitting_is_tight(tokenizer, length):
+def test_length_fitting_is_tight(tokenizer):
+    length = 4096
     task = make(tasks=list(SYNTHETIC), length=length, num_samples=1)
     for sample in task.samples():
         prompt = task.build_prompt(sample, tokenizer, None)
@@ -350,7 +308,8 @@ def test_length_fitting_is_tight(tokenizer, length):
         assert all(answer in text for answer in sample.fields["answers"]), name
 
 
-def test_prompt_layout_chat_and_plain(tokenizer):
+def test_prompt_layout_chat_and_kvpress(tokenizer):
+    """The chat and kvpress layouts (the plain one is niah_single_1's golden prompt)."""
     sample = next(iter(make(tasks=["niah_single_1"], length=1024).samples()))
     key = sample.fields["query"]
 
@@ -359,13 +318,10 @@ def test_prompt_layout_chat_and_plain(tokenizer):
         return tokenizer.decode(task.build_prompt(sample, tokenizer, None).input_ids)
 
     prompt = make(tasks=["niah_single_1"], length=1024).build_prompt(sample, tokenizer, None)
-    assert prompt_text().endswith(
+    assert tokenizer.decode(prompt.input_ids).endswith(
         f"<|im_start|>assistant\n The special magic number for {key} mentioned in the provided text is")
     question = tokenizer.decode(prompt.input_ids[prompt.info["question_token_index"]:])
     assert question.startswith(f"What is the special magic number for {key}")
-    plain_text = prompt_text(chat_template=False)
-    assert plain_text.startswith("A special magic number is hidden") and "<|im_start|>" not in plain_text
-    assert plain_text.endswith(f"provided text? The special magic number for {key} mentioned in the provided text is")
     # kvpress's split: the prefix's leading space ends the user turn, the prefix follows the header directly
     kv_text = prompt_text(answer_prefix_style="kvpress")
     assert kv_text.endswith(f"<|im_start|>assistant\nThe special magic number for {key} mentioned in the provided text is")
@@ -408,7 +364,6 @@ def test_fit_size_reference():
         fit_size(lambda s: 100 + s, 50, 1, None)
 
 
-# ------------------------------------------------------------------------------------------ scoring
 @pytest.mark.parametrize("name", STANDARD_TASKS)
 def test_gold_scores_one_and_wrong_scores_zero(name):
     task = make(tasks=[name])
@@ -435,20 +390,18 @@ def test_summarize_rounds_per_task_then_averages():
     assert summary["n"] == {"vt": 3, "cwe": 3, "qa_1": 3} and summary["all_standard_tasks"] is False
 
 
-# ------------------------------------------------------------------------------------------ configuration
-@pytest.mark.parametrize(
-    "overrides, message",
-    [({"tasks": ["niah_single_9"]}, "valid tasks: niah_single_1"),
-     ({"tasks": "everything"}, "or a preset: all, synthetic"),
-     ({"tasks": ["vt", "vt"]}, "repeats"),
-     ({"data_dir": None}, "need task.data_dir.*download_qa_dataset.sh"),
-     ({"answer_prefix_style": "kv"}, r"answer_prefix_style='kv' is not valid; choose one of \['ruler', 'kvpress'\]"),
-     ({"data_dir": "/nonexistent/qa"}, r"expected one of \['squad.json'"),
-     ({"length": 0}, "task.length must be a positive integer"),
-     ({"limit": 0}, "task.limit"),
-     ({"haystack_dir": "/nonexistent"}, "not a folder of .txt files nor RULER's PaulGrahamEssays.json"),
-     ({"max_new_tokens": 0}, "max_new_tokens")],
-)
+@pytest.mark.parametrize("overrides, message", [
+    ({"tasks": ["niah_single_9"]}, "valid tasks: niah_single_1"),
+    ({"tasks": "everything"}, "or a preset: all, synthetic"),
+    ({"tasks": ["vt", "vt"]}, "repeats"),
+    ({"data_dir": None}, "need task.data_dir.*download_qa_dataset.sh"),
+    ({"answer_prefix_style": "kv"}, r"answer_prefix_style='kv' is not valid; choose one of \['ruler', 'kvpress'\]"),
+    ({"data_dir": "/nonexistent/qa"}, r"expected one of \['squad.json'"),
+    ({"length": 0}, "task.length must be a positive integer"),
+    ({"limit": 0}, "task.limit"),
+    ({"haystack_dir": "/nonexistent"}, "not a folder of .txt files nor RULER's PaulGrahamEssays.json"),
+    ({"max_new_tokens": 0}, "max_new_tokens"),
+])
 def test_config_errors_name_valid_choices(overrides, message):
     with pytest.raises(ValueError, match=message):
         Ruler(**{"data_dir": str(FIXTURE), **overrides}).validate()
@@ -478,17 +431,11 @@ def test_errors_come_before_the_model_loads(monkeypatch, tmp_path):
         runner.run(make_cfg("task=ruler_4k"), tmp_path / "run")
     with pytest.raises(ValueError, match="exceeds the model's max_length"):
         runner.run(make_cfg("task=ruler_16k", "task.tasks=synthetic"), tmp_path / "run")
-    with pytest.raises(ValueError, match="answer_prefix_style"):
-        runner.run(make_cfg("task=ruler_4k", "task.tasks=synthetic", "task.answer_prefix_style=bogus"),
-                   tmp_path / "run")
     assert not (tmp_path / "run").exists()
-    assert plan_run(make_cfg("task=ruler_4k", "task.tasks=synthetic",
-                             "task.answer_prefix_style=kvpress")).task.answer_prefix_style == "kvpress"
-    plan = plan_run(make_cfg("task=ruler_8k", "task.tasks=synthetic"))
-    assert plan.task.length == 8192 and len(plan.task.tasks) == 11
+    plan = plan_run(make_cfg("task=ruler_8k", "task.tasks=synthetic", "task.answer_prefix_style=kvpress"))
+    assert (plan.task.length, len(plan.task.tasks), plan.task.answer_prefix_style) == (8192, 11, "kvpress")
 
 
-# ------------------------------------------------------------------------------------------ length guard, provenance
 def test_short_sample_is_flagged_and_kept_out(tokenizer, monkeypatch):
     """QA on a data set too small for the length (capped here) gives a short sample: flagged, not scored."""
     task = make(tasks=["qa_1", "vt"], length=4096, num_samples=1)
@@ -523,6 +470,8 @@ def test_fixture_qa_fills_the_length_by_repetition_and_is_marked(tokenizer):
     assert task.not_comparable(["qa_1"]) == ["QA ran on the project's made-up fixture, not SQuAD/HotpotQA"]
     assert {hashlib.sha256((FIXTURE / n).read_bytes()).hexdigest() for n in ("squad.json", "hotpotqa.json")} \
         == FIXTURE_SHA256
+    sources = task.data_sources()  # what summary.json's "data" records
+    assert any(k.startswith("ruler/hotpotqa/") for k in sources) and any(k.startswith("wonderwords==") for k in sources)
 
 
 def test_haystack_source_in_rows_and_summary(tmp_path):
@@ -551,7 +500,6 @@ def test_haystack_source_in_rows_and_summary(tmp_path):
     assert txt.haystack_of("niah_single_2") == "essay:txt_dir" and essay_words("a  b\nc") == ["a", "b", "c"]
 
 
-# ------------------------------------------------------------------------------------------ table
 def test_ruler_table(tmp_path):
     from keydiff.report import ruler as ruler_table
 
@@ -618,32 +566,3 @@ def test_ruler_table(tmp_path):
     csv = pd.read_csv(tmp_path / "tables" / "ruler.csv")
     assert list(csv.sort_values("policy")["short"]) == [0, 3, 0]
     assert list(csv.sort_values("policy")["haystack"]) == ["ruler_json", "pydoc", "unrecorded"]
-
-
-# ------------------------------------------------------------------------------------------ end to end
-@pytest.mark.real_model
-def test_run_py_end_to_end(tmp_path):
-    """`run.py task=ruler_4k` on the real default model, shortened to 1000 tokens and 2 tasks."""
-    command = [
-        sys.executable, "run.py", "task=ruler_4k", "task.length=1000", "task.tasks=[niah_single_1,qa_2]",
-        "task.limit=1", f"task.data_dir={FIXTURE}", "task.max_new_tokens=12", "policy=keydiff", "budget.tokens=256",
-        f"results_root={tmp_path}",
-    ]
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600,
-                            env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
-    assert result.returncode == 0, result.stderr[-3000:]
-    (summary_path,) = tmp_path.rglob("summary.json")
-    summary = json.loads(summary_path.read_text())
-    rows = [json.loads(line) for line in (summary_path.parent / "predictions.jsonl").read_text().splitlines()]
-    assert [r["sample_id"] for r in rows] == ["niah_single_1/0", "qa_2/0"]
-    assert rows[0]["prompt_tokens"] + 12 <= 1000 and rows[0]["prompt_tokens"] > 256  # eviction happened
-    assert all(r["scores"]["score"] in (0.0, 1.0) for r in rows)
-    metrics = summary["metrics"]
-    assert set(metrics["tasks"]) == {"niah_single_1", "qa_2"}
-    assert metrics["average"] == round(sum(metrics["tasks"].values()) / 2, 2)
-    assert summary["statistics"]["cache_bound_held"] is True
-    assert any(key.startswith("wonderwords==") for key in summary["data"])
-    assert any(key.startswith("ruler/hotpotqa/") for key in summary["data"])
-    assert rows[1]["info"]["haystack"] == "hotpotqa:fixture" and rows[0]["info"]["haystack"] == "noise"
-    assert all(r["info"]["short"] is False for r in rows)
-    assert metrics["comparable_to_published"] is False and metrics["ruler_commit"] == RULER_COMMIT
