@@ -56,7 +56,7 @@ def test_a_pass_begins_once_and_each_plane_s_tokens_seen_follow_from_the_slot_co
     storage.write(1, keys, keys)
     assert (storage.layer_seen(0), storage.layer_seen(1), storage.seen) == (7, 7, 7)
     storage.num_entries = BUDGET  # as a fixed step leaves it: evicted within its pass
-    arena.begin_pass(slot, slot + 1, 1, evicted=True)
+    arena.begin_pass(slot, 1, evicted=True)
     assert (storage.seen, storage.num_entries, storage.max_entries) == (8, BUDGET, 7)
     assert (storage.layer_seen(0), storage.layer_seen(1)) == (8, 8)
 

@@ -129,17 +129,17 @@ class Arena:
         self.counts[first:stop, ENTRIES].clamp_(max=budget)
         self.counts[first:stop, FRESH] = NONE
 
-    def begin_pass(self, first: int, stop: int, q: int, evicted: bool = False) -> None:
-        """Open a pass of q tokens in slots [first, stop), once per pass, by whoever starts it: tokens seen, peak,
-        entries (+q), its first plane written. evicted: its writer wrote every plane and evicted within the pass (the
-        fixed step, from the host before or after it): the entries stay and no pass is left open."""
-        counts = self.host[first:stop]
-        grown = counts[:, ENTRIES] + q
-        counts[:, SEEN] += q
-        counts[:, PEAK] = grown.clip(min=counts[:, PEAK])
+    def begin_pass(self, slot: int, q: int, evicted: bool = False) -> None:
+        """Open a pass of q tokens in `slot`, once per pass, by whoever starts it: tokens seen, peak, entries (+q), its
+        first plane written. evicted: its writer wrote every plane and evicted within the pass (the fixed step, from
+        the host before or after it): the entries stay and no pass is left open. Scalars: once per layer and token."""
+        counts = self.host[slot]
+        grown = int(counts[ENTRIES]) + q
+        counts[SEEN] += q
+        counts[PEAK] = max(grown, int(counts[PEAK]))
         if not evicted:
-            counts[:, ENTRIES] = grown
-            counts[:, OPEN], counts[:, WRITTEN] = (q, 1) if len(self.layers) > 1 else (0, 0)
+            counts[ENTRIES] = grown
+            counts[OPEN], counts[WRITTEN] = (q, 1) if len(self.layers) > 1 else (0, 0)
 
     def wrote(self, first: int, stop: int, plane: int, q: int, scratch: bool = False) -> None:
         """Plane `plane` of slots [first, stop) is written for their open pass of q tokens; the pass closes after the

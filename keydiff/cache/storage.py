@@ -176,7 +176,7 @@ class Storage:
                 self.state[ROTARY_STATE][..., start:needed] = torch.arange(first, first + q, device=key_states.device)
             if self.state and self.fresh is None:
                 self.fresh = start  # their state is set when the storage is next viewed (once for every plane)
-            self.handle.arena.begin_pass(self.handle.slot, self.handle.slot + 1, q)
+            self.handle.arena.begin_pass(self.handle.slot, q)
         elif open_q == q and plane == self._counts.item(WRITTEN):
             needed = self.num_entries
             start = needed - q

@@ -96,7 +96,7 @@ class ModelRunner:
         logits = step.run(plan.ids, plan.positions, plan.active)
         self.stats.runs[step.rows.width, plan.q] += 1
         for arena, slot in plan.slots:  # the host half of the pass the step wrote and evicted
-            arena.begin_pass(slot, slot + 1, plan.q, evicted=True)
+            arena.begin_pass(slot, plan.q, evicted=True)
         return StepOutput(logits, plan.spans)
 
     def _fixed_step(self, plan: StepPlan) -> StaticStep:
