@@ -8,7 +8,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -20,9 +19,8 @@ from omegaconf import OmegaConf, open_dict
 
 from keydiff.run import runner, samples
 from keydiff.run.preemption import Preempted, StopSignals
-from keydiff.run.results import ConfigMismatchError, ResultStore, ResultWriteError
 from keydiff.run.lock import RunLock, RunLockedError
-from keydiff.run.results import run_dir_of
+from keydiff.run.results import ConfigMismatchError, ResultStore, ResultWriteError, run_dir_of
 from tests.conftest import char_tokenizer, tiny_llama
 
 pytestmark = pytest.mark.unit
@@ -79,9 +77,6 @@ def inject(monkeypatch, failures: dict[str, BaseException]):
     monkeypatch.setattr(samples, "run_sample", failing)
 
 
-# --------------------------------------------------------------------------- run identity
-
-
 @pytest.mark.integration
 @pytest.mark.extended
 def test_limited_and_full_runs_of_one_point_live_in_separate_directories(tmp_path, tiny):
@@ -109,9 +104,6 @@ def test_limited_and_full_runs_of_one_point_live_in_separate_directories(tmp_pat
     assert tiny == ["len100"] and extended["num_samples"] == 2 and extended["limit"] is None
 
 
-# --------------------------------------------------------------------------- failure rows
-
-
 @pytest.mark.integration
 @pytest.mark.extended
 def test_out_of_memory_sample_is_recorded_skipped_on_rerun_and_retried_on_request(tmp_path, tiny, monkeypatch):
@@ -130,15 +122,13 @@ def test_out_of_memory_sample_is_recorded_skipped_on_rerun_and_retried_on_reques
 
     # A re-run does not retry the recorded failure (the model is not even needed).
     tiny.clear()
+    loader = runner.load_model
     monkeypatch.setattr(runner, "load_model", lambda cfg: pytest.fail("loaded the model with nothing to do"))
     monkeypatch.setattr(runner, "_LOADED", {})
     assert runner.run(make_cfg(tmp_path), run_dir)["num_failed"] == 1 and tiny == []
-    monkeypatch.undo()
 
     # retry_failed=true runs it again; the failed row stays in the file as history, the summary uses the new row.
-    model, tokenizer = tiny_llama("sdpa"), char_tokenizer()
-    monkeypatch.setattr(runner, "load_model", lambda cfg: (model, tokenizer))
-    monkeypatch.setattr(runner, "_LOADED", {})
+    monkeypatch.setattr(runner, "load_model", loader)
     retried = runner.run(make_cfg(tmp_path, "retry_failed=true"), run_dir)
     rows = rows_of(run_dir)
     assert [r["sample_id"] for r in rows] == ["len30", "len100", "len100"] and rows[2]["status"] == "ok"
@@ -147,27 +137,19 @@ def test_out_of_memory_sample_is_recorded_skipped_on_rerun_and_retried_on_reques
 
 @pytest.mark.integration
 @pytest.mark.extended
-def test_prompt_cap_and_generic_out_of_memory_errors_become_failed_rows(tmp_path, tiny, monkeypatch):
-    summary = runner.run(make_cfg(tmp_path, "max_prompt_tokens=50"), tmp_path / "cap")
-    assert tiny == ["len30"]  # the capped sample never reaches the model
-    capped = rows_of(tmp_path / "cap")[1]
-    assert capped["failure_reason"] == "max_prompt_tokens" and capped["prompt_tokens"] == 100
-    assert summary["failures"] == {"max_prompt_tokens": 1} and summary["max_prompt_tokens"] == 50
-
-    inject(monkeypatch, {"len30": RuntimeError("CUDA error: out of memory")})
-    summary = runner.run(make_cfg(tmp_path), tmp_path / "generic")
-    assert summary["failures"] == {"out_of_memory": 1} and summary["num_samples"] == 1
-
-
-@pytest.mark.integration
-@pytest.mark.extended
-def test_a_prompt_of_exactly_max_prompt_tokens_runs_one_token_more_does_not(tmp_path, tiny):
+def test_a_prompt_of_max_prompt_tokens_runs_one_more_and_a_generic_oom_are_failed_rows(tmp_path, tiny, monkeypatch):
     at_cap = runner.run(make_cfg(tmp_path, "max_prompt_tokens=100"), tmp_path / "at")
     assert tiny == ["len30", "len100"] and at_cap["failures"] == {} and at_cap["num_samples"] == 2
     tiny.clear()
     below = runner.run(make_cfg(tmp_path, "max_prompt_tokens=99"), tmp_path / "below")
-    assert tiny == ["len30"] and below["failures"] == {"max_prompt_tokens": 1}
-    assert rows_of(tmp_path / "below")[1]["error"] == "prompt has 100 tokens > max_prompt_tokens=99"
+    assert tiny == ["len30"] and below["failures"] == {"max_prompt_tokens": 1} and below["max_prompt_tokens"] == 99
+    capped = rows_of(tmp_path / "below")[1]  # the capped sample never reaches the model
+    assert capped["failure_reason"] == "max_prompt_tokens" and capped["prompt_tokens"] == 100
+    assert capped["error"] == "prompt has 100 tokens > max_prompt_tokens=99"
+
+    inject(monkeypatch, {"len30": RuntimeError("CUDA error: out of memory")})
+    summary = runner.run(make_cfg(tmp_path), tmp_path / "generic")
+    assert summary["failures"] == {"out_of_memory": 1} and summary["num_samples"] == 1
 
 
 @pytest.mark.integration
@@ -192,9 +174,6 @@ def test_threads_come_from_the_config_or_slurm_and_are_recorded(tmp_path, tiny, 
     assert make_cfg(tmp_path).threads == 6
     monkeypatch.delenv("SLURM_CPUS_PER_TASK")
     assert make_cfg(tmp_path).threads is None
-
-
-# --------------------------------------------------------------------------- full disk
 
 
 @pytest.mark.integration
@@ -232,21 +211,13 @@ def test_full_disk_stops_without_corrupting_what_was_written(tmp_path, tiny, mon
     assert not list(run_dir.glob(".*.tmp"))
 
 
-# --------------------------------------------------------------------------- lock
-
-
-def dead_pid() -> int:
-    child = subprocess.Popen([sys.executable, "-c", "pass"])
-    child.wait()
-    return child.pid
+DEAD_PID = 2**22 + 1  # above Linux's largest pid_max: never a live process
 
 
 def test_second_writer_is_refused_naming_the_holder_and_may_wait(tmp_path):
-    """A second writer is refused naming the holder; with lock_wait it waits, leaves the live lock alone, then takes it."""
+    """Refused naming the holder; with lock_wait it waits, leaves the live lock alone, then takes it."""
 
     class WatchedLock(RunLock):
-        """A RunLock that says when it has read a live holder's record (then it is waiting, or refusing)."""
-
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self.saw_holder = threading.Event()
@@ -285,29 +256,21 @@ def test_second_writer_is_refused_naming_the_holder_and_may_wait(tmp_path):
     assert json.loads(lock.read_text()) == waiter.record  # the refused second taker left the lock alone
     waiter.release()
     assert not lock.exists()
+    # A lock from another host cannot be checked from here: refused, not stolen.
+    lock.write_text(json.dumps({"host": "node-elsewhere", "pid": DEAD_PID, "started": "earlier"}))
+    with pytest.raises(RunLockedError, match="host node-elsewhere"):
+        RunLock(tmp_path / "run").acquire()
 
 
-def test_a_lock_naming_this_pid_that_this_process_does_not_hold_is_stale(tmp_path):
-    """A lock naming this pid that this process does not hold (a restarted container) is taken over and removed."""
+@pytest.mark.parametrize("pid", [os.getpid(), DEAD_PID], ids=["this-pid-not-held", "dead"])
+def test_a_stale_lock_of_this_host_is_taken_over(tmp_path, pid):
+    """A dead pid, or this pid while this process holds no lock (a restarted container): taken over."""
     lock = tmp_path / "run" / ".lock"
     lock.parent.mkdir()
-    lock.write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "started": "before a restart"}))
+    lock.write_text(json.dumps({"host": socket.gethostname(), "pid": pid, "started": "before a restart"}))
     with RunLock(tmp_path / "run") as taken:
         assert json.loads(lock.read_text()) == taken.record
     assert not lock.exists()
-
-
-@pytest.mark.slow
-def test_stale_lock_of_a_dead_process_is_taken_over(tmp_path):
-    lock = tmp_path / "run" / ".lock"
-    lock.parent.mkdir()
-    lock.write_text(json.dumps({"host": socket.gethostname(), "pid": dead_pid(), "started": "earlier"}))
-    with RunLock(tmp_path / "run") as taken:
-        assert json.loads(lock.read_text()) == taken.record
-    # A lock from another host cannot be checked from here: refused, not stolen.
-    lock.write_text(json.dumps({"host": "node-elsewhere", "pid": dead_pid(), "started": "earlier"}))
-    with pytest.raises(RunLockedError, match="host node-elsewhere"):
-        RunLock(tmp_path / "run").acquire()
 
 
 @pytest.mark.integration
@@ -318,9 +281,6 @@ def test_run_refuses_a_directory_another_process_writes(tmp_path, tiny):
     with pytest.raises(RunLockedError, match="gpu-node-7, pid 4242"):
         runner.run(make_cfg(tmp_path), tmp_path / "run")
     assert tiny == [] and not (tmp_path / "run" / "predictions.jsonl").exists()
-
-
-# --------------------------------------------------------------------------- stop signals
 
 
 def test_a_signal_abandons_interruptible_work_and_waits_for_writes():
@@ -359,9 +319,6 @@ def test_ctrl_c_under_pythons_own_handler_exits_130_without_a_traceback():
         os.kill(os.getpid(), signal.SIGINT)  # noted, as SIGTERM is, while not interruptible
         assert signals.received == signal.SIGINT
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-
-
-# --------------------------------------------------------------------------- one reader, one grid, one record
 
 
 def test_every_reader_of_predictions_agrees_on_a_crashed_and_retried_file(tmp_path):

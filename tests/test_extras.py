@@ -1,7 +1,5 @@
-"""keydiff.extras: a feature whose optional extra is not installed ends in one line naming the extra, never in a
-traceback. Each extra of pyproject.toml is tried with its module hidden (`sys.modules[name] = None`, which makes
-importing it fail as if it were not installed): in a fresh process for the commands (run.py, python -m ...), so
-that the exit status and all of stderr are what a user gets."""
+"""keydiff.extras: a feature whose optional extra is missing ends in one line naming the extra, never a traceback; each
+extra's modules hidden (`sys.modules[name] = None`) in a fresh process, so exit status and stderr are a user's."""
 
 from __future__ import annotations
 
@@ -74,10 +72,8 @@ def test_require_lets_other_import_errors_through(tmp_path, monkeypatch):
     assert not isinstance(error.value, MissingExtra)
 
 
-# (hidden modules, entry, arguments, extra, what the line names besides); {out} is where nothing may appear.
-# Without wandb alone (wandb-workspaces imports it) the report is refused as without its whole extra. Before
-# logger=wandb was a ValueError, Hydra's callback only warned and the run went on (a sample ran, then the first
-# row's W&B log raised ModuleNotFoundError): the refusal must come before any run directory exists.
+# (hidden modules, entry, arguments, extra, what the line names besides); {out}: where nothing may appear. logger=wandb
+# must be refused before a run directory exists (Hydra's callback once only warned, and a sample ran).
 WITHOUT_EXTRA = [
     (["wandb_workspaces"], "-m keydiff.report.wandb", ["smoke", "--out", "{out}"], "report",
      "python -m keydiff.report.wandb"),
@@ -106,8 +102,7 @@ def test_a_feature_without_its_extra_is_one_line_and_writes_nothing(tmp_path, mo
 
 @pytest.mark.unit
 def test_levenshtein_backend_needs_no_extra(monkeypatch):
-    """The 'levenshtein' extra only lets the tests compare with python-Levenshtein: the backend of that name
-    computes its ratio with rapidfuzz (a core dependency), so nothing fails without the extra."""
+    """The backend named levenshtein computes with rapidfuzz (a core dependency): nothing fails without the extra."""
     from keydiff.tasks import longbench_metrics as metrics
 
     monkeypatch.setitem(sys.modules, "Levenshtein", None)
@@ -119,8 +114,7 @@ def test_levenshtein_backend_needs_no_extra(monkeypatch):
 @pytest.mark.unit
 @pytest.mark.extended
 def test_a_check_that_fails_unexpectedly_stops_the_run(tmp_path, monkeypatch):
-    """Hydra turns an exception in a callback into a warning and runs the job anyway (how logger=wandb without
-    wandb once ran a sample before failing): any error of the check stops run.py before a run directory exists."""
+    """Hydra turns an error in a callback into a warning: any error of the check must still stop run.py."""
     import runpy
 
     from keydiff.run import checks, runner

@@ -1,7 +1,5 @@
-"""The Makefile's editable install is quiet: setuptools' "Editable installation" banner (pip's BuildBackendWarning)
-is filtered by the PYTHONWARNINGS the install line sets. Checked offline by building the editable wheel of this
-project's pyproject.toml with the installed setuptools (what pip runs in its build environment), with and without
-the line's environment."""
+"""The Makefile's editable install is quiet: the PYTHONWARNINGS its install line sets filters setuptools' "Editable
+installation" banner. Checked offline by building this project's editable wheel with and without that environment."""
 
 from __future__ import annotations
 
@@ -22,7 +20,6 @@ BANNER = re.compile(r"Editable installation|BuildBackendWarning|InformationOnly"
 
 
 def install_line() -> str:
-    """The recipe line of `make install` that installs the project in editable mode."""
     lines = [line.strip() for line in (ROOT / "Makefile").read_text().splitlines() if "pip install" in line
              and " -e " in line]
     assert len(lines) == 1, lines
@@ -30,7 +27,7 @@ def install_line() -> str:
 
 
 def build_editable(tmp_path: Path, env: dict[str, str]) -> str:
-    """stderr of setuptools building this project's editable wheel (pyproject.toml, README, an empty package)."""
+    """stderr of setuptools building the editable wheel of this pyproject.toml (README, an empty package)."""
     project, out = tmp_path / "project", tmp_path / "wheel"
     (project / "keydiff").mkdir(parents=True)
     out.mkdir()

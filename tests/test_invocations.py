@@ -1,6 +1,5 @@
-"""A run's record of how its rows were computed (issue #29, section 1; keydiff.run.invocations): a re-run that
-computes nothing leaves summary.json as it was, a resumed run lists each invocation and the rows it computed,
-and compare_runs, `make status` (point_status) and collect read that list, old summaries included."""
+"""keydiff.run.invocations: a no-op re-run leaves summary.json as it was, a resume lists each invocation and its rows,
+and compare_runs, point_status and collect read that list, old summaries included."""
 
 from __future__ import annotations
 
@@ -14,7 +13,6 @@ from keydiff.run import invocations, runner
 from keydiff.run.results import ResultStore, run_dir_of
 from keydiff.run.sweep import point_status
 from tests.test_cluster import make_cfg, rows_of, tiny  # noqa: F401  (tiny: the fixture)
-
 
 pytestmark = pytest.mark.integration
 
@@ -37,8 +35,7 @@ def no_model(monkeypatch):
 
 @pytest.mark.extended
 def test_a_no_op_rerun_keeps_the_record_and_a_resume_lists_both_invocations(tmp_path, tiny, monkeypatch, capsys):
-    """The issue's sequence: a batch-1 run of 1 sample, `task.limit=1 batch_size=8` (nothing to do), then the run
-    extended to both samples at batch 2."""
+    """A batch-1 run of 1 sample, the same with batch_size=8 (nothing to do), then both samples at batch 2."""
     first_cfg = make_cfg(tmp_path, "threads=1", task={"limit": 1})
     run_dir = run_dir_of(first_cfg)
     first = runner.run(first_cfg, run_dir)
@@ -107,8 +104,7 @@ def test_a_no_op_rerun_keeps_the_record_and_a_resume_lists_both_invocations(tmp_
 
 @pytest.mark.extended
 def test_an_old_summary_is_read_as_one_invocation_and_a_resume_appends_to_it(tmp_path, tiny):
-    """Runs written before invocations were recorded: their top-level fields are one invocation (its rows carry
-    no id); resuming such a run keeps that entry and appends its own."""
+    """A summary from before invocations were recorded is one invocation; a resume keeps it and appends its own."""
     run_dir = tmp_path / "run"
     runner.run(make_cfg(tmp_path, "threads=1", task={"limit": 1}), run_dir)
     summary = summary_of(run_dir)
@@ -131,8 +127,7 @@ def test_an_old_summary_is_read_as_one_invocation_and_a_resume_appends_to_it(tmp
 
 @pytest.mark.extended
 def test_rows_of_a_process_killed_before_its_summary_are_recorded_by_the_next_invocation(tmp_path, tiny, monkeypatch):
-    """A re-run that computes nothing rewrites a summary older than the rows: the killed invocation is listed
-    from what its rows record, rather than its rows being left out of the summary."""
+    """A no-op re-run lists the killed invocation from what its rows record, not leaving its rows out."""
     run_dir = tmp_path / "run"
     first = runner.run(make_cfg(tmp_path, "threads=1", task={"limit": 1}), run_dir)
 
@@ -154,16 +149,3 @@ def test_rows_of_a_process_killed_before_its_summary_are_recorded_by_the_next_in
     assert lost["code"] == rows_of(run_dir)[1]["code"] and lost["samples_wall_s"] is None
     assert summary["complete"] and summary["num_samples"] == 2 and summary["samples_wall_s"] is None
     assert compare_runs.run_side(run_dir, summary)["wall_note"] == "1 of 2 invocations recorded no wall time (rows)"
-
-
-@pytest.mark.unit
-def test_the_runner_reads_the_cpu_peak_from_vmhwm(monkeypatch):
-    """The per-row CPU peak is keydiff.run.memory's (VmHWM), the benchmarks' reader, not ru_maxrss."""
-    import torch
-
-    from keydiff.bench import common
-    from keydiff.run import memory
-
-    assert common.peak_rss_bytes is memory.peak_rss_bytes and common.peak_memory is memory.peak_memory  # shared
-    monkeypatch.setattr(memory, "peak_rss", lambda: (12345, memory.VMHWM))
-    assert memory.peak_memory(torch.device("cpu")) == (12345, memory.VMHWM)

@@ -1,9 +1,6 @@
-"""The package's shape: no import circle anywhere in keydiff, the decoding core imports nothing above it, and which
-sequence owns which buffers is recorded state, never a comparison of data pointers.
-
-Imports count wherever they are in a file (a function-level import is still an edge: it is how the circle between
-the runner and its batched and shared paths used to be hidden), and a relative import as the module it names; a
-data_ptr counts wherever it is (a module-level lambda, a getattr by name)."""
+"""The package's shape: no import circle in keydiff (an import counts wherever it is in a file, a relative one as the
+module it names), the decoding core imports nothing above it, and ownership of buffers is recorded state, never a
+comparison of data pointers (a data_ptr counts wherever it is: a module-level lambda, a getattr by name)."""
 
 from __future__ import annotations
 
@@ -35,43 +32,18 @@ def import_graph() -> dict[str, set[str]]:
 
 
 def circles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """The strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
-    index, low, on_stack, stack, found, counter = {}, {}, set(), [], [], 0
+    """The groups of modules that reach each other through imports (more than one module each)."""
+    reach = {}
     for root in graph:
-        if root in index:
-            continue
-        work = [(root, iter(sorted(graph[root])))]
-        index[root] = low[root] = counter
-        counter += 1
-        stack.append(root)
-        on_stack.add(root)
-        while work:
-            node, edges = work[-1]
-            nxt = next(edges, None)
-            if nxt is not None:
-                if nxt not in index:
-                    index[nxt] = low[nxt] = counter
-                    counter += 1
-                    stack.append(nxt)
-                    on_stack.add(nxt)
-                    work.append((nxt, iter(sorted(graph.get(nxt, ())))))
-                elif nxt in on_stack:
-                    low[node] = min(low[node], index[nxt])
-                continue
-            work.pop()
-            if work:
-                low[work[-1][0]] = min(low[work[-1][0]], low[node])
-            if low[node] == index[node]:
-                component = []
-                while True:
-                    member = stack.pop()
-                    on_stack.discard(member)
-                    component.append(member)
-                    if member == node:
-                        break
-                if len(component) > 1:
-                    found.append(sorted(component))
-    return found
+        seen, todo = set(), [root]
+        while todo:
+            for target in graph.get(todo.pop(), ()):
+                if target not in seen:
+                    seen.add(target)
+                    todo.append(target)
+        reach[root] = seen
+    groups = {tuple(sorted(m for m in graph if m in reach[n] and n in reach[m])) for n in graph if n in reach[n]}
+    return sorted(list(group) for group in groups if len(group) > 1)
 
 
 def test_no_module_of_keydiff_is_in_an_import_circle():

@@ -1,6 +1,5 @@
-"""CPU threading (issue 29 §2): keydiff.openmp's defaults reach the OpenMP runtime only when set before torch
-loads it and never override the user's; results record what was in effect; the threading benchmark's pieces
-and the benchmarks' progress lines. No timings are asserted."""
+"""CPU threading: keydiff.openmp's defaults reach the OpenMP runtime only when set before torch loads it and never
+override the user's; results record what was in effect; the threading benchmark's pieces; no timings asserted."""
 
 from __future__ import annotations
 
@@ -22,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_defaults_fill_only_what_the_user_left_unset(monkeypatch):
+    assert {name for kind in openmp.DEFAULTS.values() for name in kind} <= set(openmp.VARIABLES)  # all recorded
     monkeypatch.setitem(openmp.DEFAULTS, "test", {"OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": "1"})
     environ = {"OMP_NUM_THREADS": "4"}
     assert openmp.prepare("test", environ) == {"OMP_WAIT_POLICY": "PASSIVE"}
@@ -30,11 +30,6 @@ def test_defaults_fill_only_what_the_user_left_unset(monkeypatch):
     assert openmp.prepare("test", spin) == {"OMP_NUM_THREADS": "1"} and "OMP_WAIT_POLICY" not in spin
     active = {"OMP_WAIT_POLICY": "ACTIVE"}
     assert openmp.prepare("test", active) == {"OMP_NUM_THREADS": "1"} and active["OMP_WAIT_POLICY"] == "ACTIVE"
-
-
-def test_every_default_is_a_variable_results_record():
-    assert {name for kind in openmp.DEFAULTS.values() for name in kind} <= set(openmp.VARIABLES)
-    assert set(openmp.DEFAULTS) == {"run", "bench", "test"}
 
 
 def test_an_unknown_kind_names_the_valid_ones():
@@ -53,8 +48,7 @@ def test_nothing_is_set_once_torch_is_loaded(monkeypatch):
 
 @pytest.mark.slow
 def test_prepare_before_torch_reaches_libgomp():
-    """What libgomp itself read (OMP_DISPLAY_ENV), in a fresh interpreter: PASSIVE is a spin count of 0; a
-    GOMP_SPINCOUNT the user set is left as it is."""
+    """What libgomp read (OMP_DISPLAY_ENV) in a fresh interpreter: PASSIVE is spin count 0; the user's is kept."""
     script = ("from keydiff import openmp; openmp.DEFAULTS['run'] = {'OMP_WAIT_POLICY': 'PASSIVE'}; "
               "openmp.prepare('run'); import torch; torch.ones(1)")
 
@@ -84,9 +78,6 @@ def test_provenance_records_the_runtime_and_its_variables(monkeypatch):
     if sys.platform == "linux":
         assert recorded["library"] and "omp" in recorded["library"]  # libgomp.so.1 with torch's pip wheels
     assert "OMP_WAIT_POLICY=PASSIVE" in openmp.describe()
-
-
-# ------------------------------------------------------------------------------ the threading benchmark
 
 
 def test_each_setting_starts_with_its_own_variables_only(monkeypatch):
@@ -146,9 +137,6 @@ def test_bad_workloads_and_neighbours_are_refused_naming_the_valid_ones(capsys):
         with pytest.raises(SystemExit) as stop:
             threads.main(argv)
         assert stop.value.code == 2 and expected in capsys.readouterr().err
-
-
-# ------------------------------------------------------------------------------ progress of a long benchmark
 
 
 @pytest.mark.extended

@@ -12,9 +12,6 @@ pytestmark = pytest.mark.unit
 PACKAGE = Path(__file__).resolve().parents[1] / "keydiff"
 PACKAGES = sorted(p.parent for p in PACKAGE.glob("*/__init__.py"))
 
-
-# keydiff/policies' convention, which its docstring states: a module defining a built-in policy is that policy,
-# named by its conf/policy file, and needs no line of the listing.
 POLICY_MODULES = "Every other module is one policy, named by its conf/policy file"
 
 
@@ -41,8 +38,7 @@ def test_the_package_docstring_names_every_module(package):
 
 
 def test_every_built_in_policy_is_named_by_its_conf_policy_file():
-    """The convention keydiff/policies' docstring states, kept true: every built-in has a conf/policy file of its
-    name, and the modules that are not policies define none."""
+    """The convention keydiff/policies' docstring states: each built-in has its conf/policy file; other modules none."""
     from keydiff.policies import POLICIES
 
     assert POLICY_MODULES in " ".join(docstring(PACKAGE / "policies").split())
@@ -52,8 +48,7 @@ def test_every_built_in_policy_is_named_by_its_conf_policy_file():
 
 
 def test_a_built_in_registers_itself_once_by_its_name():
-    """A class of keydiff.policies stating a config name two built-ins claim is refused, naming both; a class of
-    your own elsewhere is named by its dotted path and registers nothing."""
+    """A second built-in claiming a config name is refused, naming both; a class of your own registers nothing."""
     from keydiff.policies import POLICIES, Policy
     from keydiff.policies.base import BUILT_IN
 

@@ -1,6 +1,5 @@
-"""The README's `make run ARGS="..."` examples do what they say on the default task: a run with a budget evicts
-(every prompt of the samples it runs is longer than the budget, so the policies differ), checked with the real
-default tokenizer on the prompts those samples build (no model is loaded)."""
+"""The README's `make run ARGS="..."` examples evict on the default task: every prompt of the samples they run is longer
+than the budget (the real tokenizer on the prompts built, no model loaded)."""
 
 from __future__ import annotations
 

@@ -8,9 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from keydiff.bench import common
 from keydiff.run import memory
 
-pytestmark = [pytest.mark.slow, pytest.mark.extended, pytest.mark.skipif(not Path('/proc/self/status').exists(), reason='VmHWM needs Linux /proc')]
+pytestmark = [pytest.mark.slow, pytest.mark.extended,
+              pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="VmHWM needs Linux /proc")]
 
 CHECKOUT = Path(__file__).resolve().parents[1]
 RUNNER_CHILD = ("import json, resource, torch; from keydiff.run import memory; "
@@ -20,9 +22,7 @@ RUNNER_CHILD = ("import json, resource, torch; from keydiff.run import memory; "
 
 
 def test_a_run_started_by_a_parent_holding_memory_reports_its_own_cpu_peak():
-    """The issue's demonstration (parent 613 MB, child's ru_maxrss 613 MB, its VmHWM 65 MB), on the runner:
-    ru_maxrss survives execve, so the runner's CPU `peak_memory_bytes` read from it would be the parent's
-    peak; read from VmHWM it is the child's own (its imports), far below what the parent holds."""
+    """ru_maxrss survives execve (it would be the parent's peak); VmHWM, which the runner reads, is the child's own."""
     held = torch.ones(2 ** 28)  # 1 GiB, every page touched
     child = json.loads(subprocess.run([sys.executable, "-c", RUNNER_CHILD], capture_output=True, text=True,
                                       check=True, cwd=CHECKOUT).stdout)
@@ -34,10 +34,11 @@ def test_a_run_started_by_a_parent_holding_memory_reports_its_own_cpu_peak():
 
 
 @pytest.mark.unit
-def test_reset_restarts_the_peak_from_the_current_size():
+def test_reset_restarts_the_peak_from_the_current_size_and_the_benchmarks_read_the_same():
     block = torch.ones(2 ** 26)  # 256 MiB, every page touched
     with_block = memory.peak_rss_bytes()
     assert with_block >= memory.current_rss_bytes() - 2 ** 20 and with_block >= 2 ** 28
     del block
     assert memory.reset_peak_rss()
     assert memory.peak_rss_bytes() < with_block - 2 ** 27  # the freed 256 MiB no longer counts
+    assert common.peak_rss_bytes is memory.peak_rss_bytes and common.peak_memory is memory.peak_memory  # one reader

@@ -1,11 +1,6 @@
-"""How a run schedules its samples, beyond the tokens each one gets: which samples share a prefill, which shard
-takes a sample, what a resumed conversation replays, what an out-of-memory retry keeps, and in what order a
-context's questions are asked.
-
-Each test guards against a bug that leaves every prediction the tests compare alone intact, or loses samples
-only on a path they never take (issue #29, part 4). They run through `runner.run` on the tiny model (or read
-the task), so they hold across a refactor of the batching and scheduling code.
-"""
+"""How a run schedules its samples, through runner.run on the tiny model: which samples share a prefill, which shard
+takes a sample, what a resumed conversation replays, what an out-of-memory retry keeps, the order of the questions.
+Each catches a bug that leaves the tokens the other tests compare intact."""
 
 from __future__ import annotations
 
@@ -27,14 +22,9 @@ from tests.test_shared_context import ToyShared
 pytestmark = pytest.mark.integration
 
 
-# --------------------------------------------------------------------------------- shared prefills
-
-
-
 @dataclass
 class TwinLengthsTask(LengthsTask):
-    """LengthsTask whose samples come in twins: two prompts of one length with different text, one after the other
-    (where a batched run looks for samples sharing one prefill)."""
+    """Samples in twins: two prompts of one length with different text, one after the other."""
 
     def samples(self):
         for length in self.lengths[: self.limit]:
@@ -57,8 +47,7 @@ def twins_cfg(tmp_path, name: str, *overrides: str):
 
 @pytest.mark.extended
 def test_prompts_of_equal_length_but_other_tokens_never_share_a_prefill(tmp_path, tiny):
-    """Consecutive samples share one prefill only if their prompts are the same tokens: twins of one length with
-    different text are prefilled each on its own at batch 2 (`prefill_shared` 1) and write batch 1's rows."""
+    """Twins of one length but other text are prefilled each alone at batch 2 and write batch 1's rows."""
     _, one = run_at(twins_cfg(tmp_path, "twins1"))
     summary, two = run_at(twins_cfg(tmp_path, "twins2", "batch_size=2"))
     assert summary["complete"] and len(two) == 4
@@ -67,16 +56,9 @@ def test_prompts_of_equal_length_but_other_tokens_never_share_a_prefill(tmp_path
     same_rows(one, two)
 
 
-# --------------------------------------------------------------------------------- out of memory with forks
-
-
 @pytest.mark.extended
 def test_out_of_memory_with_forks_still_waiting_reruns_them_and_completes(tmp_path, tiny, inject_oom):
-    """Math-500, 3 responses per problem sharing one prefill, batch 2: memory runs out at the first step with a
-    sequence that joined after the first ones were written (here the first two finish together, so the third
-    response and the second problem's first join, its other two forks still waiting). The abandoned ones and the
-    waiting forks start again at batch 1, each with a prefill of its own, and the run ends complete with batch 1's
-    rows."""
+    """Math-500 at batch 2, memory out once a third response joins (its forks waiting): all rerun alone, complete."""
     _, expected = run_at(math_cfg(tmp_path, "m1"))
     seen = set()
 
@@ -98,13 +80,9 @@ def test_out_of_memory_with_forks_still_waiting_reruns_them_and_completes(tmp_pa
     assert sorted(shared.values()) == [1, 1, 1, 1, 3, 3], shared
 
 
-# --------------------------------------------------------------------------------- shards
-
-
 @pytest.mark.extended
 def test_a_math500_shard_run_keeps_every_problems_responses_together(tmp_path, tiny):
-    """shard=i/2 of Math-500 (2 problems x 3 responses) through the runner: each shard writes whole problems, all
-    three responses of each (one prefill serves them), and the two shards cover the six samples once."""
+    """shard=i/2 of Math-500 (2 problems x 3 responses): each shard writes whole problems, together every sample."""
     seen = []
     for index in (1, 2):
         summary, rows = run_at(math_cfg(tmp_path, "mshard", f"shard={index}/2"))
@@ -115,13 +93,9 @@ def test_a_math500_shard_run_keeps_every_problems_responses_together(tmp_path, t
     assert len(seen) == len(set(seen)) == 6
 
 
-# --------------------------------------------------------------------------------- resumed conversations
-
-
 @dataclass
 class ToyConversation(ToyShared):
-    """tests.test_shared_context.ToyShared as a run's task (query_aware=false needs a task that says where its
-    context ends)."""
+    """ToyShared as a run's task (query_aware=false needs a task that says where its context ends)."""
 
     context_split: ClassVar[str] = "the first 220 ids"
 
@@ -136,11 +110,9 @@ def toy_cfg(tmp_path, name: str):
 
 @pytest.mark.extended
 def test_a_resumed_conversation_missing_only_its_last_question_replays_the_earlier_turns(tmp_path, tiny):
-    """multi_turn (ToyConversation: a 220-token context, questions of 9, 23 and 40 tokens,
-    6-token answers) run whole, then resumed after losing its last row: the resumed run writes that row alone, from
-    the whole conversation replayed (220 + 9 + 5 + 25 + 5 + 42 = 306 prompt tokens: an answer's tokens but its last,
-    then that token, one id of the turn and the question; not the 260 of the context and the last question alone),
-    with the answer of the whole run."""
+    """multi_turn resumed after losing its last row: that row alone, from the whole conversation replayed."""
+    # 220 context + 9 + 5 + 25 + 5 + 42 = 306 prompt tokens (an answer but its last token, that token, the turn's id
+    # and the question), not 260 (the context and the last question alone)
     cfg = toy_cfg(tmp_path, "turns")
     summary, whole = run_at(cfg)
     assert summary["complete"] and [whole[f"c0/q{j}"]["prompt_tokens"] for j in range(3)] == [229, 259, 306]
@@ -154,15 +126,9 @@ def test_a_resumed_conversation_missing_only_its_last_question_replays_the_earli
     assert {k: resumed[k] for k in ("c0/q0", "c0/q1")} == {k: whole[k] for k in ("c0/q0", "c0/q1")}
 
 
-# --------------------------------------------------------------------------------- asking order
-
-
 @pytest.mark.unit
 def test_the_asking_order_of_a_few_contexts_is_pinned():
-    """The questions of a context are asked in a shuffle from a stream of its own (ruler_shared.asking_order):
-    pinned here for the default task (4K, seed 42) with 4 and 8 questions, so that drawing it from another stream
-    (the needle depths', the placement's) or reordering the draws shows up as a change of these orders, which
-    would change every multi-turn conversation and every per-rank score."""
+    """ruler_shared.asking_order pinned (4K, seed 42): another stream would change every multi-turn conversation."""
     from keydiff.tasks.ruler_shared import RulerShared
 
     assert [RulerShared(questions=4).asking_order(c) for c in range(3)] == [

@@ -1,6 +1,5 @@
-"""scripts/ (issue 24 section 6): the commands people run, each a thin entry point into keydiff: at most ~30
-lines, no sys.path edits, and each one runs (--help, which imports what it calls and parses its options). The
-one-off tools (TOOLS) are whole in their file instead of in the package, and docs/layout.md names each."""
+"""scripts/: each command is a thin entry point into keydiff (at most ~30 lines, no sys.path edits) that runs --help;
+the one-off tools (TOOLS) are whole in their file, and docs/layout.md names each."""
 
 from __future__ import annotations
 

@@ -31,8 +31,7 @@ TIMING_STATISTICS = {"mean_ttft_s", "mean_decode_s", "max_peak_memory_bytes"}
 
 @dataclass
 class SampledLengthsTask(LengthsTask):
-    """LengthsTask decoded with sampling: each sample's seed is derived from the run seed and its id, so a
-    sample's tokens must not depend on which shard (which other samples, in which order) ran it."""
+    """Sampled decoding: a sample's seed comes from the run seed and its id, whichever shard runs it."""
 
     def build_prompt(self, sample: Sample, tokenizer, max_length) -> Prompt:
         prompt = super().build_prompt(sample, tokenizer, max_length)
@@ -54,9 +53,6 @@ def run_shard(tmp_path, spec: str | None, *overrides: str, experiment: str = "sh
 
 def without(row: dict, keys) -> dict:
     return {k: v for k, v in row.items() if k not in keys}
-
-
-# --------------------------------------------------------------------------- the spec and the selection
 
 
 def test_shard_spec_is_checked_in_one_line_naming_the_valid_form():
@@ -94,25 +90,10 @@ def test_shards_take_every_nth_group_and_together_every_sample_once():
     assert [s.id for s in select(Shard(2, 3), samples[:6]).samples] == [s.id for s in by_sample[1].samples][:2]
 
 
-def test_math500_keeps_a_problems_sampled_responses_in_one_shard():
-    from keydiff.tasks.math500 import Math500
-
-    task = Math500(name="math500", data_dir=str(Path(__file__).resolve().parents[1] / "tasks/fixtures/math500"),
-                   limit=4, num_samples=5)
-    samples = list(task.samples())
-    for index in (1, 2):
-        chosen = select(Shard(index, 2), samples, task.shard_group).samples
-        problems = {s.fields["unique_id"] for s in chosen}
-        assert len(chosen) == 5 * len(problems) == 10  # whole problems only, two each
-
-
 def test_the_sweep_expands_all_n_into_one_job_per_shard():
     points = grid_points({"policy": "keydiff,tova"}, ["shard=all/3"])
     assert points == [[f"policy={p}", f"shard={i}/3"] for p in ("keydiff", "tova") for i in (1, 2, 3)]
     assert grid_points({}, ["shard=1/2,all/2"]) == [["shard=1/2"], ["shard=2/2"]]  # each job once
-
-
-# --------------------------------------------------------------------------- merge == unsharded
 
 
 @pytest.mark.integration
@@ -161,9 +142,6 @@ def test_shards_merge_to_exactly_the_unsharded_rows_and_metrics(tmp_path, tiny):
     tiny.clear()
     again = run_shard(tmp_path, None)
     assert tiny == [] and again["complete"] and again["metrics"] == whole["metrics"]
-
-
-# --------------------------------------------------------------------------- missing shards
 
 
 @pytest.mark.integration
@@ -259,9 +237,6 @@ def test_a_shard_with_no_samples_is_complete_at_once(tmp_path, tiny):
     assert point_status(Path(summary["run_dir"]), sample_ids(cfg_for(tmp_path, "shard=7/7", limit=3))).state == "complete"
 
 
-# --------------------------------------------------------------------------- make status, the sweeper
-
-
 def fake_shard(point: Path, spec: str, ids: list[str], positions: list[int], total: int, rows: list[str]) -> None:
     """A shard directory as a run leaves it: its manifest and its rows (no model needed)."""
     shard = parse_shard(spec)
@@ -273,12 +248,25 @@ def fake_shard(point: Path, spec: str, ids: list[str], positions: list[int], tot
     folder.joinpath("predictions.jsonl").write_text("".join(json.dumps({"sample_id": i, "status": "ok"}) + "\n" for i in rows))
 
 
-@pytest.mark.extended
-def test_status_shows_the_shards_of_a_grid_point_complete_and_missing(tmp_path):
+def test_status_describes_failed_partial_and_sharded_points(tmp_path):
     from keydiff.run.status import experiment_status
 
     root = tmp_path / "runs"
     point = root / "smoke/niah_small/smollm2-135m/keydiff/1k/bs128/seed0-limit2"  # samples L1500/d0, L1500/d50
+    point.mkdir(parents=True)
+    ok = {"sample_id": "L1500/d0", "status": "ok"}
+    oom = {"sample_id": "L1500/d50", "status": "failed", "failure_reason": "out_of_memory"}
+    (point / "predictions.jsonl").write_text(json.dumps(ok) + "\n" + json.dumps(oom) + "\n")
+    described = {p[0]: s.describe() for p, _, s in experiment_status("smoke", [f"results_root={root}",
+                                                                               "policy=keydiff,tova,sink"])}
+    assert described == {"policy=keydiff": "failed samples (1 of 2)", "policy=tova": "not started",
+                         "policy=sink": "not started"}
+    (point / "predictions.jsonl").write_text(json.dumps(ok) + "\n")
+    found = experiment_status("smoke", [f"results_root={root}"])
+    assert [s.describe() for _, _, s in found] == ["partial (1 of 2)", "not started"]
+    assert all(s.needs_run() for _, _, s in found)
+
+    (point / "predictions.jsonl").unlink()
     fake_shard(point, "1/2", ["L1500/d0"], [0], 2, ["L1500/d0"])
     described = {p[0]: s.describe() for p, _, s in experiment_status("smoke", [f"results_root={root}"])}
     assert described == {"policy=keydiff": "partial (1 of 2); 1 of 2 shards complete; missing: 2/2 not started",
@@ -306,26 +294,3 @@ def test_only_missing_resubmits_missing_shards_and_refuses_to_run_a_sharded_poin
     assert whole.returncode == 2 and "Traceback" not in whole.stderr
     assert whole.stderr.strip().splitlines()[-1].startswith(
         "error: grid point [policy=keydiff budget=1k block_size=128 experiment=smoke") and "is split into shards (1 of 2 shards complete; missing: 2/2 not started): re-submit with the same shard=all/<n>" in whole.stderr
-
-
-@pytest.mark.slow
-def test_a_shard_all_sweep_through_run_py_merges_into_the_unsharded_run(tmp_path):
-    """run.py -m shard=all/2 writes each shard to its directory; collect merges them into the unsharded run."""
-    from tests.conftest import char_tokenizer, tiny_llama
-    from tests.test_cluster_processes import model_args, read_rows as rows_in, run_py
-
-    model_dir = tmp_path / "tiny-checkpoint"
-    tiny_llama("sdpa").save_pretrained(model_dir)
-    char_tokenizer().save_pretrained(model_dir)
-    root = tmp_path / "runs"
-    args = [*model_args(model_dir), "task.context_lengths=[300,500]", "task.depths=[0,50,100]", f"results_root={root}"]
-    sharded = run_py("-m", "shard=all/2", "experiment_name=sharded", *args)
-    assert sharded.returncode == 0, sharded.stderr
-    whole = run_py("experiment_name=whole", *args)
-    assert whole.returncode == 0, whole.stderr
-    point = root / "sharded/niah_small/custom/keydiff/2k/bs128/seed0"
-    assert sorted(len(rows_in(point / "shards" / d)) for d in ("1of2", "2of2")) == [3, 3]
-    frame = collect(root, tmp_path / "summary.csv")
-    merged, unsharded = rows_in(point), rows_in(root / "whole/niah_small/custom/keydiff/2k/bs128/seed0")
-    assert [without(r, TIMING | {"threads"}) for r in merged] == [without(r, TIMING | {"threads"}) for r in unsharded]
-    assert len(frame) == 2 and frame["complete"].all() and frame["score"].nunique() == 1

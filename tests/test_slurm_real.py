@@ -1,13 +1,6 @@
-"""The SLURM path against a real scheduler (issue 24 section 4): a one-node cluster on this machine
-(scripts/local_slurm.py: munged, slurmctld, slurmd, partition `debug`, no accounting), started here if it is
-not running; every test is skipped, with the reason, where none can be started (no root, no slurm-wlm).
-
-Each test submits run.py sweeps of the tiny random Llama (tests/test_cluster_processes.py) through
-hydra-submitit-launcher and checks what a user would: every grid point completes and `make sweep-slurm`
-names its job; `scontrol requeue` mid-run loses and duplicates nothing; SLURM's time-limit signal (the
-launcher's --signal=USR2@signal_delay_s) stops the run after its last whole row and submitit requeues it
-to completion; only_missing resubmits only what is missing; a partition that does not exist fails before
-submitting; submitit's sacct polling stays quiet although accounting is off."""
+"""The SLURM path against a real one-node cluster (scripts/local_slurm.py, partition `debug`, no accounting), started
+here if it is not running; skipped with the reason where none can be started. Only what a real scheduler adds:
+a submitted sweep completes, SLURM's own time-limit signal requeues to completion, real partitions are read."""
 
 from __future__ import annotations
 
@@ -45,10 +38,6 @@ def complete_ids(run_dir: Path) -> list[str]:
     return [row["sample_id"] for row in read_rows(run_dir)]
 
 
-def job_logs(sweep_dir: Path) -> str:
-    return "".join(path.read_text(errors="replace") for path in sweep_dir.glob(".submitit/*/*_log.*"))
-
-
 def wait_for_rows(predictions: Path, process: subprocess.Popen, timeout: float = 300) -> None:
     deadline = time.time() + timeout
     while (not predictions.exists() or not predictions.read_text().count("\n")) and time.time() < deadline:
@@ -65,8 +54,7 @@ def finish(process: subprocess.Popen, timeout: float = 480) -> tuple[str, str]:
             process.kill()
 
 
-def test_sweep_completes_every_point_then_only_missing_resubmits_only_the_missing_one(cluster, tmp_path,
-                                                                                   tiny_model_dir):
+def test_a_submitted_sweep_completes_every_point_and_sacct_stays_quiet(cluster, tmp_path, tiny_model_dir):
     args = ["task.context_lengths=[400]", *slurm_args(tmp_path, tiny_model_dir)]
     log = tmp_path / "sweep.log"
     submitted = subprocess.run([sys.executable, "-m", "keydiff.run.submit", "smoke", "--log", str(log), *args],
@@ -83,37 +71,6 @@ def test_sweep_completes_every_point_then_only_missing_resubmits_only_the_missin
     time.sleep(3)  # the submitting process collects the results and exits
     assert "Bypassing sacct error" not in log.read_text()  # accounting is off: the harmless warning is dropped
 
-    predictions = points[1] / "predictions.jsonl"
-    first_row = predictions.read_text().splitlines(keepends=True)[0]
-    predictions.write_text(first_row)
-    before = {p.name for p in (tmp_path / "runs/smoke/.submitit").iterdir() if p.is_dir()}
-    again = run_py("experiment=smoke", *args, "only_missing=true", timeout=480)
-    assert again.returncode == 0, again.stderr
-    assert "only_missing: 1 of 2 grid points are not complete" in again.stdout
-    new = {p.name for p in (tmp_path / "runs/smoke/.submitit").iterdir() if p.is_dir()} - before
-    assert len(new) == 1 and "_" not in new.pop()  # one plain job, no array
-    ids = complete_ids(points[1])
-    assert len(ids) == len(set(ids)) == 2 and predictions.read_text().startswith(first_row)
-    assert "Bypassing sacct error" not in again.stdout + again.stderr
-
-
-def test_scontrol_requeue_mid_run_loses_and_duplicates_nothing(cluster, tmp_path, tiny_model_dir):
-    root = tmp_path / "runs"
-    process = subprocess.Popen(
-        [sys.executable, "run.py", "-m", "task.context_lengths=[400,800]", "task.depths=[0,25,50,75,100]",
-         "experiment_name=requeue", *slurm_args(tmp_path, tiny_model_dir)],
-        cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    run_dir = root / "requeue/niah_small/custom/keydiff/2k/bs128/seed0"
-    wait_for_rows(run_dir / "predictions.jsonl", process)
-    [job] = [p.name for p in (root / "requeue/.submitit").iterdir() if p.is_dir()]
-    assert subprocess.run(["scontrol", "requeue", job], capture_output=True).returncode == 0
-    stdout, stderr = finish(process)
-    assert process.returncode == 0, stderr
-    ids = complete_ids(run_dir)
-    assert len(ids) == len(set(ids)) == 10
-    shown = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True).stdout
-    assert "Restarts=1" in shown, shown
-
 
 def job_field(job: str, field: str) -> str:
     shown = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True).stdout
@@ -122,10 +79,8 @@ def job_field(job: str, field: str) -> str:
 
 def test_time_limit_signal_stops_after_the_last_whole_row_and_submitit_requeues_to_completion(
         cluster, tmp_path, tiny_model_dir):
-    """The launcher asks SLURM for USR2 signal_delay_s (here 300 s) before the time limit. Once rows are being
-    written, the job's limit is cut to 2-3 minutes from now, so SLURM's time-limit timer (every 30 s) sends
-    USR2 at once: the run stops after its last whole row and submitit requeues the job. The requeued
-    attempt gets its 10 minutes back (else it would be signalled at once too) and completes the run."""
+    # The limit is cut to 2-3 minutes from now: within signal_delay_s (300 s), so SLURM's timer (every 30 s) sends
+    # USR2 at once. The requeued attempt gets its 10 minutes back (else it would be signalled at once too).
     root = tmp_path / "runs"
     samples = 4 * 51  # enough rows to still be running when SLURM's timer fires (up to 60 s) on a fast machine
     process = subprocess.Popen(
@@ -145,7 +100,7 @@ def test_time_limit_signal_stops_after_the_last_whole_row_and_submitit_requeues_
     assert subprocess.run(["scontrol", "update", f"JobId={job}", "TimeLimit=10"]).returncode == 0
     stdout, stderr = finish(process)
     assert process.returncode == 0, stderr
-    logs = job_logs(root / "timeout")
+    logs = "".join(p.read_text(errors="replace") for p in (root / "timeout").glob(".submitit/*/*_log.*"))
     assert "stopped by SIGUSR2 after writing every finished row" in logs and f"Requeued job {job}" in logs, logs[-3000:]
     ids = complete_ids(run_dir)
     assert len(ids) == len(set(ids)) == samples
@@ -162,7 +117,7 @@ def test_a_partition_that_does_not_exist_fails_before_submitting(cluster, tmp_pa
 
 
 def test_the_local_cluster_never_touches_a_configuration_it_did_not_write(tmp_path, monkeypatch):
-    """Runs anywhere (no cluster needed): a machine with its own slurm.conf is refused in one line."""
+    """No cluster needed: a machine with its own slurm.conf is refused in one line."""
     from scripts import local_slurm
 
     foreign = tmp_path / "slurm.conf"

@@ -95,8 +95,7 @@ def test_the_make_targets_select_by_tier_markers():
 
 
 def test_xdist_workers_take_the_heaviest_files_first_each_in_its_own_order():
-    """make test's workers run whole files in collection order (--no-loadscope-reorder); tests/conftest.py puts the
-    files with the most seconds by tier first, so the minutes of the real-SLURM file do not come last."""
+    """make test's workers run whole files in collection order: the files with the most seconds by tier first."""
     from tests.conftest import heaviest_files_first
 
     class Item:

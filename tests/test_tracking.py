@@ -1,13 +1,11 @@
-"""keydiff/run/tracking.py: one W&B run per run directory (resume, no duplicates), per-sample history, consistent
-summary names, the paper's values beside ours, and a clear error for online mode without credentials.
-
-All offline: W&B runs in `offline` mode into a temp dir, or `wandb.init` is replaced by a recorder."""
+"""keydiff.run.tracking, offline (W&B in `offline` mode in a temporary directory, or a recorder for
+`wandb.init`): one W&B run per run directory, per-sample history, summary names, the paper's values beside
+ours, online mode without credentials."""
 
 from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf, open_dict
@@ -19,7 +17,6 @@ from tests.test_cluster import make_cfg as cluster_cfg, tiny  # noqa: F401  (tin
 pytestmark = pytest.mark.integration
 
 wandb = pytest.importorskip("wandb")
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
@@ -49,8 +46,6 @@ def make_cfg(tmp_path, *overrides: str):
 
 
 class RecordedRun:
-    """Stands in for a wandb run: keeps what was logged."""
-
     def __init__(self, kwargs):
         self.kwargs, self.history, self.summary, self.finished = kwargs, [], {}, False
 
@@ -73,7 +68,7 @@ def recorded(monkeypatch):
 
 
 def run_preempted_then_resume(cfg, run_dir, monkeypatch) -> None:
-    """First invocation stops at its second sample (as a preempted job would); the second one resumes."""
+    """The first invocation stops at its second sample (as a preempted job would); the second resumes."""
     real_run_sample = samples.run_sample
     calls = []
 

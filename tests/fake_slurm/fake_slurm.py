@@ -1,14 +1,6 @@
-"""Fake SLURM commands for tests: sbatch, srun, sacct, squeue, scancel, scontrol, sinfo (no cluster needed).
-
-`sbatch` records the submitted script and its array size in $FAKE_SLURM_DIR/submissions.jsonl, answers
-"Submitted batch job <id>" like the real one, and starts a detached runner that executes the array tasks
-one after another on this machine with the SLURM_* variables a real node sets (array ids, CPUs per task),
-the batch output going to the script's --output/--error files. `sacct` reports the states the runner
-records, `srun` runs its command with --output/--error redirected (and notes its pid), `scontrol requeue`
-runs a task again as SLURM does after submitit's USR2 handler asks for it, `sinfo` lists the partitions
-$FAKE_SLURM_PARTITIONS names (default: fake, gpu), $FAKE_SLURM_SBATCH_ERROR makes sbatch refuse, and the rest only log calls.
-Used by tests/test_cluster_processes.py, which puts this folder first on PATH.
-"""
+"""Fake SLURM commands for tests (tests/test_cluster_processes.py puts this folder first on PATH): sbatch records the
+submission and runs its array tasks one after another with a node's SLURM_* variables; sacct, srun, `scontrol requeue`
+and sinfo ($FAKE_SLURM_PARTITIONS) answer as SLURM would; $FAKE_SLURM_SBATCH_ERROR makes sbatch refuse; the rest log."""
 
 from __future__ import annotations
 
