@@ -175,6 +175,16 @@ def test_a_wrong_case_or_value_is_one_line_before_anything_runs(capsys):
         assert stop.value.code == 2 and err.startswith(message) and err.count("\n") == 1, err
 
 
+@pytest.mark.unit
+def test_default_policies_that_cannot_run_at_the_budget_are_dropped_with_a_note(capsys):
+    from keydiff.bench import common
+
+    assert common.parse_policies(None, 16) == ["full", "keydiff", "sink", "knorm", "tova", "h2o"]  # no snapkv
+    assert "note: snapkv skipped: snapkv window (32)" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"^snapkv: snapkv window \(32\)"):  # asked for by name: an error
+        common.parse_policies("snapkv", 16)
+
+
 @pytest.mark.slow
 def test_a_modules_own_command_runs_its_case_and_is_recorded_as_typed(tmp_path):
     """`python -m keydiff.bench.batch_steps ...` (the old command line) runs the same case, recorded as typed."""
