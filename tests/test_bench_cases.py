@@ -20,6 +20,7 @@ SMALL = ["--length", "64", "--budget", "24", "--block-size", "16", "--new-tokens
 
 def prefill(record):
     assert [r["policy"] for r in record["results"]] == ["reference", "full", "keydiff"]
+    assert len(record["data"]["sha256"]) == 64  # the prompt the numbers were measured on
     assert all(r["ttft_median_s"] > 0 for r in record["results"])
 
 
@@ -28,7 +29,7 @@ def policies_and_batches(record, policies, batches):
 
 
 def decode_rows(record):
-    assert [r["policy"] for r in record["results"]] == ["full", "keydiff"]
+    assert [r["policy"] for r in record["results"]] == ["full", "keydiff"] and len(record["data"]["sha256"]) == 64
     assert all(r["decode_ms_per_token"] > 0 and r["alloc_bytes_per_token"] > 0 for r in record["results"])
 
 
@@ -132,6 +133,7 @@ def test_each_case_runs_at_tiny_sizes(case, arguments, written, holds, tmp_path,
     holds(record)
     assert record["command"].startswith(f"python -m keydiff.bench {case} ")
     assert set(record["code"]) == {"commit", "dirty"} and record["started"] <= record["time"]
+    assert record["packages"]["torch"] == torch.__version__
     assert "Traceback" not in capsys.readouterr().err
 
 
@@ -144,8 +146,7 @@ def test_every_case_has_a_tiny_run():
 @pytest.mark.unit
 @pytest.mark.parametrize("case", runner.CASES)
 def test_each_case_takes_only_the_shared_options_it_declares(case, capsys):
-    """`--help` lists the case's options; a shared option it does not use (here --attn where a case declares none)
-    is refused in one line, as a typo is, rather than accepted and ignored."""
+    """`--help` lists the case's options; a shared option it does not declare is refused as a typo is."""
     spec = runner.load(case)
     with pytest.raises(SystemExit) as stop:
         runner.main([case, "--help"])
@@ -174,9 +175,19 @@ def test_a_wrong_case_or_value_is_one_line_before_anything_runs(capsys):
         assert stop.value.code == 2 and err.startswith(message) and err.count("\n") == 1, err
 
 
+@pytest.mark.unit
+def test_default_policies_that_cannot_run_at_the_budget_are_dropped_with_a_note(capsys):
+    from keydiff.bench import common
+
+    assert common.parse_policies(None, 16) == ["full", "keydiff", "sink", "knorm", "tova", "h2o"]  # no snapkv
+    assert "note: snapkv skipped: snapkv window (32)" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"^snapkv: snapkv window \(32\)"):  # asked for by name: an error
+        common.parse_policies("snapkv", 16)
+
+
 @pytest.mark.slow
 def test_a_modules_own_command_runs_its_case_and_is_recorded_as_typed(tmp_path):
-    """`python -m keydiff.bench.batch_steps ...` (the command lines of old) runs the same case, recorded as typed."""
+    """`python -m keydiff.bench.batch_steps ...` (the old command line) runs the same case, recorded as typed."""
     from keydiff.bench import common
 
     out = tmp_path / "steps.json"

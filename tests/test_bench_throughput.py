@@ -24,8 +24,7 @@ def tiny_args(**overrides):
 
 
 def test_transformers_anchor_records_no_autograd_graph():
-    """The DynamicCache anchor's closure runs under inference mode: with autograd on (the weights require grad),
-    every decoding step's torch.cat kept the previous cache alive, 24 GB at L=4096, batch 8 on SmolLM2-135M."""
+    """The DynamicCache anchor runs under inference mode (with autograd on, each step kept the previous cache)."""
     model = common.build_model("random-tiny", torch.float32, "sdpa", "cpu")
     assert next(model.parameters()).requires_grad  # the condition under which the leak happened
     seen = []
@@ -42,8 +41,7 @@ def test_transformers_anchor_records_no_autograd_graph():
 
 @pytest.mark.extended
 def test_transformers_anchor_memory_is_bounded_by_its_caches():
-    """Peak memory of the anchor at a size where the old leak (one cache copy kept per step) was 15 x the cache:
-    the peak stays within a few caches' worth."""
+    """The anchor's peak memory stays within a few caches' worth (a cache kept per step was 15 x)."""
     model = common.build_model("random-tiny", torch.float32, "sdpa", "cpu")
     prompt = common.random_prompt(model, 2048)
     args = tiny_args(new_tokens=16)
@@ -77,8 +75,7 @@ def test_continuous_batching_anchor_runs_on_cpu():
 
 @pytest.mark.extended
 def test_serving_counts_full_and_bounded_entries_and_records_the_caches_bytes(tmp_path):
-    """full: L + new tokens entries per sequence; bounded: N + 1 or what its cache really allocates (N + B while
-    decoding); held = budget // bytes per sequence; the measured caches' bytes, projected to `held`, fit."""
+    """full: L + new entries per sequence; bounded: N + 1 entries, N + B allocated; held = budget // bytes each."""
     out = tmp_path / "serving.json"
     length, budget, block, new = 128, 16, 16, 3
     memory_gb = 0.0002

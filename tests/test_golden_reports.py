@@ -1,17 +1,6 @@
-"""Golden reports: every table, figure and collected file built from a fixed set of run directories.
-
-tests/golden/runs/ holds run directories as the runner writes them (real SmolLM2 runs: the default job, a
-task.limit=2 run of the same point, the smoke sweep, one RULER 4K sample per task, the leaderboard smoke
-(keydiff and tova at the four kept ratios plus the full cache, 1 sample of niah_single_1 and vt); and the made-up runs of
-tests/test_tables.py for the paper tables). The report commands below turn them into results files; every
-file they write must equal tests/golden/reports/ byte for byte (PNG figures by sha256, listed in
-tests/golden/reports/figures.sha256). A reshaping of the reporting code changes none of them; an intended
-change of output is recorded again with
-
-    python -m tests.test_golden_reports --record
-
-and the diff of tests/golden/reports/ is part of the commit that changes the output (review it).
-"""
+"""Golden reports: `make collect tables figures-runs` on the fixed run directories of tests/golden/runs writes exactly
+tests/golden/reports/ (PNG figures by sha256 in figures.sha256). An intended change of output is recorded again with
+`python -m tests.test_golden_reports --record`, its diff reviewed in the commit that changes the output."""
 
 from __future__ import annotations
 
@@ -41,7 +30,7 @@ COMMANDS = [
 
 
 def build(out: Path) -> None:
-    """Copy the fixed runs next to `out` and run every report command on them (the code of this checkout)."""
+    """Copy the fixed runs next to `out` and run every report command on them."""
     runs = out.parent / "runs"
     shutil.copytree(RUNS, runs)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "MPLBACKEND": "Agg"}

@@ -1,8 +1,6 @@
 """make gpu-bench at tiny sizes on a CPU (`--quick`): every row a GPU run writes runs its code here first, with
-stand-ins for what a CPU lacks, and every row measured is kept whatever fails after it.
-
-One --quick run (a module fixture, about 20 s) feeds the checks of its rows; the failure tests run one row group.
-"""
+stand-ins for what a CPU lacks, and every row measured is kept whatever fails after it (one --quick run feeds the
+checks of its rows; the failure tests run one row group)."""
 
 from __future__ import annotations
 
@@ -58,17 +56,7 @@ def test_the_quick_json_lists_exactly_the_full_runs_rows(quick):
 
 @pytest.mark.integration
 @pytest.mark.extended
-def test_the_static_cache_anchor_gives_a_number_on_cpu(quick):
-    """The compile anchor's decode loop (a walrus in a lambda raised NameError there, on CUDA only) runs here,
-    under torch.compile's eager backend in place of reduce-overhead."""
-    static = [r for r in quick[1]["rows"] if r["case"] == gpu_bench.STATIC_CASE]
-    assert [r["batch"] for r in static] == [1, gpu_bench.QUICK.batch]
-    assert all(r["ms_per_step"] > 0 and r["compile_s"] > 0 and r["compile"] == "backend=eager" for r in static)
-
-
-@pytest.mark.integration
-@pytest.mark.extended
-def test_timings_per_call_and_at_steady_state_and_graph_memory(quick):
+def test_timings_per_call_and_at_steady_state_graph_memory_and_the_compile_anchor(quick):
     rows = quick[1]["rows"]
     captured = [r for r in rows if r["row"] in ("decode", "prefill", "serving") and r["case"].startswith("keydiff")]
     assert captured and all({"capture_s", "warm_up_s", "graph_pool_bytes", "graphs"} <= set(r) for r in captured)
@@ -80,6 +68,9 @@ def test_timings_per_call_and_at_steady_state_and_graph_memory(quick):
     # and their pool's bytes are counted
     fixed = [r for r in captured if r["case"].startswith("keydiff fixed") or r["row"] == "serving"]
     assert fixed and all(r["graphs"] >= 1 and r["graph_pool_bytes"] > 0 and r["capture_s"] > 0 for r in fixed)
+    static = [r for r in rows if r["case"] == gpu_bench.STATIC_CASE]  # the compile anchor, eager backend on CPU
+    assert [r["batch"] for r in static] == [1, gpu_bench.QUICK.batch]
+    assert all(r["ms_per_step"] > 0 and r["compile_s"] > 0 and r["compile"] == "backend=eager" for r in static)
     serving, = [r for r in rows if r["row"] == "serving"]
     assert serving["graph_bytes_per_sequence"] > 0
     assert serving["tokens_per_s"] > 0 and serving["first_call_tokens_per_s"] > 0 and serving["fits"]
@@ -91,8 +82,7 @@ def test_timings_per_call_and_at_steady_state_and_graph_memory(quick):
 @pytest.mark.integration
 @pytest.mark.extended
 def test_quick_rows_and_the_gpu_hours_reader(quick, tmp_path):
-    """make gpu-hours reads this format: the --quick rows are refused as rates, and the same rows marked as the
-    full run's give every rate it takes from them (the rows' names and keys are the ones it looks for)."""
+    """make gpu-hours refuses --quick rows as rates; the same rows marked as a full run's give every rate."""
     from keydiff.report import gpu_hours
 
     _, record, path = quick
@@ -149,8 +139,7 @@ def test_a_failure_in_a_group_keeps_the_rows_before_it_and_is_a_row(tmp_path):
 @pytest.mark.integration
 @pytest.mark.extended
 def test_a_kill_keeps_every_row_written_before_it(tmp_path):
-    """Rows are written one at a time: a run stopped in the middle of a group (as by a kill) keeps the rows
-    finished before, in the JSON."""
+    """Rows are written one at a time: a run stopped in a group keeps the rows finished before."""
     torch.set_num_threads(1)
     out = tmp_path / "bench.json"
     with pytest.raises(KeyboardInterrupt):
@@ -189,8 +178,7 @@ def test_the_deadline_skips_rows_as_rows(tmp_path):
 
 @pytest.mark.extended
 def test_the_deadline_stops_a_group_between_rows(tmp_path):
-    """A row that ends after the deadline is kept; the group's rows not started yet are written as skipped, and
-    the group's code stops there (none of its later work runs)."""
+    """A row ending past the deadline is kept; the group's later rows are written as skipped and never run."""
     planned = [{"row": "decode", "case": c} for c in ("a", "b", "c")]
     ran = []
 
@@ -217,8 +205,7 @@ def test_gpu_bench_refuses_a_machine_without_cuda_unless_quick(capsys):
 
 @pytest.mark.extended  # seconds: composes every preset / runs a whole benchmark; make test runs it
 def test_a_failed_capture_is_said_and_fails_the_run(tmp_path, capsys):
-    """A capture that fails leaves its steps eager: the same tokens, other timings. The run says so under its table
-    and exits 1, so that no fixed-step timing is read as a replayed graph's."""
+    """A capture that fails leaves its steps eager: the run says so and exits 1."""
     out = tmp_path / "bench.json"
     code = gpu_bench.main(["--quick", "--rows", "decode", "--json", str(out)], capture_fail="end")
     printed = capsys.readouterr().out

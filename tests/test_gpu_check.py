@@ -1,9 +1,5 @@
 """The GPU self-check (keydiff.bench.gpu_check: the environment, then the suite's device tests as rows) and the
-benchmarks, run tiny on CPU: a cluster user's first command must work.
-
-Entry points are imported and their main() called in this process (no interpreter start-up per run); the
-self-check's whole run starts one interpreter (it runs pytest in its process, as on a real machine).
-"""
+benchmarks' steady state, run tiny on CPU: a cluster user's first command must work."""
 
 from __future__ import annotations
 
@@ -48,8 +44,7 @@ def restore_threads():
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU run; on CUDA run make gpu-check")
 def test_the_self_check_reports_the_machine_then_runs_the_device_tests_without_hydra(tmp_path):
-    """A subset of the device tests (-k), so the run's plumbing is checked in seconds: the environment lines, one
-    row per test in the JSON (PASS with its detail, SKIP with its reason), the table, the exit status."""
+    """A -k subset of the device tests: the environment lines, one JSON row per test, the table, the exit status."""
     K = "equals_one_forward or flash_attention_2 or (bound_n_plus_b and 64-32-keydiff and not keydiff_)"
     out = tmp_path / "check.json"
     done = subprocess.run([sys.executable, "-c", NO_HYDRA, "--device", "cpu", "--threads", "1", "--json", str(out),
@@ -84,8 +79,7 @@ def report(nodeid: str, when: str, outcome: str, longrepr=None, properties=()) -
 
 @pytest.mark.unit
 def test_each_test_is_one_row_written_when_its_last_phase_is_reported(tmp_path):
-    """A failed call is a FAIL row with its error's first line, a failed teardown fails a passed test, a skip is a
-    SKIP row with its reason, a pass keeps its recorded detail; each row is in the JSON once reported."""
+    """FAIL rows carry the error's first line (a failed teardown too), SKIP its reason, PASS its recorded detail."""
     out = tmp_path / "rows.json"
     rows = gpu_check.Rows(str(out), common.provenance("keydiff.bench.gpu_check", []), {"machine": {}})
     crash = SimpleNamespace(reprcrash=SimpleNamespace(message="AssertionError: differ: keydiff\nassert 4 == 5"))
@@ -110,7 +104,7 @@ def test_each_test_is_one_row_written_when_its_last_phase_is_reported(tmp_path):
 
 @pytest.mark.unit
 def test_after_the_deadline_no_test_starts():
-    """Rows' setup hook skips every test once the deadline has passed (the run's later rows: SKIP, not started)."""
+    """Rows' setup hook skips every test once the deadline has passed (later rows: SKIP, not started)."""
     on_time = gpu_check.Rows(None, {}, {}, deadline=600)
     on_time.pytest_runtest_setup(None)
     late = gpu_check.Rows(None, {}, {}, deadline=0)
@@ -120,8 +114,7 @@ def test_after_the_deadline_no_test_starts():
 
 @pytest.mark.unit
 def test_every_file_with_device_tests_is_one_the_self_check_runs():
-    """gpu_check collects only DEVICE_TESTS (the device machine lacks the other tests' imports): a file that marks
-    a test `device` elsewhere would be left out of make gpu-check."""
+    """gpu_check collects only DEVICE_TESTS: a `device` test in another file would be left out of make gpu-check."""
     tests = common.CHECKOUT / "tests"
     marked = sorted(f"tests/{path.name}" for path in tests.glob("test_*.py")
                     if re.search(r"pytest\.mark\.device\b", path.read_text()))
@@ -152,39 +145,6 @@ def test_the_environment_names_what_the_results_depend_on():
 
 
 @pytest.mark.extended
-@pytest.mark.parametrize("module, extra, columns", [
-    ("keydiff.bench.prefill", ["--reference"],
-     ["TTFT s (median)", "x full", "x ref", "stats % (prof.)", "evict % (prof.)"]),
-    ("keydiff.bench.decode", ["--new-tokens", "4", "--profile-tokens", "3"],
-     ["ms/token (median)", "x full@N", "per round", "evict ms (prof.)", "stats ms (prof.)", "TTFT s", "alloc MiB/token",
-      "x KV"]),
-    ("keydiff.bench.decode", ["--new-tokens", "4", "--profile-tokens", "3", "--end-to-end", "--policies",
-                              "full,keydiff"],
-     ["TTFT s", "ms/token", "total s", "x full total"]),
-])
-def test_benchmark_help_and_tiny_run(tmp_path, capsys, module, extra, columns):
-    entry = importlib.import_module(module)
-    with pytest.raises(SystemExit) as exit_info:
-        entry.main(["--help"])
-    assert exit_info.value.code == 0 and "--threads" in capsys.readouterr().out
-    entry.main(TINY + ["--repeats", "1"] + extra + ["--json", str(tmp_path / "out.json")])
-    out = capsys.readouterr().out
-    first = out.splitlines()[0]
-    assert first.startswith("device=") and "threads=" in first and "dtype=" in first
-    header = next(line for line in out.splitlines() if line.startswith("policy"))
-    assert all(column in header for column in columns), header
-    written = json.loads((tmp_path / "out.json").read_text())
-    results = written["results"]
-    # What produced the numbers: the command line and the code's commit (None outside a git checkout).
-    assert written["command"].startswith(f"python -m {module} --model random-tiny") and "--json" in written["command"]
-    assert set(written["code"]) == {"commit", "dirty"} and written["started"] <= written["time"]
-    assert written["packages"]["torch"] == torch.__version__ and len(written["data"]["sha256"]) == 64
-    policies = [r["policy"] for r in results]
-    assert "full" in policies and "keydiff" in policies
-    assert all(f"\n{p} " in out for p in policies)
-
-
-@pytest.mark.extended
 @pytest.mark.parametrize("module, extra, captures", [
     # decode: KeyDiff's block step and decode step, once each in the warm-up and once each in the untimed
     # allocation pass (not per timed round: 10 captures over 3 rounds then); full captures nothing
@@ -192,8 +152,7 @@ def test_benchmark_help_and_tiny_run(tmp_path, capsys, module, extra, columns):
     ("prefill", ["--policies", "keydiff"], 1),  # KeyDiff's block step, once in the warm-up (4 over 3 rounds before)
 ])
 def test_each_benchmark_times_the_steady_state(tmp_path, module, extra, captures):
-    """The decode and prefill benchmarks run each policy through one Decoder across warm-up and rounds: with CUDA
-    graphs stood in for on the CPU, a step is captured in the untimed warm-up, not in each timed round."""
+    """One Decoder per policy across warm-up and rounds: a step is captured in the warm-up, not in each round."""
     from keydiff.decode.static import stand_in_graphs
 
     with stand_in_graphs() as cuda:

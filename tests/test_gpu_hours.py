@@ -1,9 +1,6 @@
-"""keydiff/report/gpu_hours.py (`make gpu-hours`): the GPU hours of the paper's experiments from measured GPU rates.
-
-The arithmetic on hand-made rates against a hand computation, a `make gpu-bench` JSON read (a fake in its
-format), the stored H200 rates
-against the measurements they were read from, each grid point's workload against the task it composes and the paper, and bad input
-as one `error:` line naming what is missing."""
+"""keydiff/report/gpu_hours.py (`make gpu-hours`): the arithmetic on hand-made rates against a hand computation, a
+`make gpu-bench` JSON read, the stored H200 rates against their measurements, each grid point's workload against
+its task and the paper, and bad input as one `error:` line naming what is missing."""
 
 from __future__ import annotations
 
@@ -159,52 +156,42 @@ def test_the_docs_table_is_the_commands_output(capsys):
     assert not missing, f"docs/gpu.md's GPU-hours table is not `make gpu-hours`'s output; regenerate it: {missing}"
 
 
-@pytest.mark.parametrize("change, expected", [
-    (lambda r: r["decode_ms_per_token"].pop("ordinary"), r"rates\.json: missing decode_ms_per_token\.ordinary$"),
-    (lambda r: r["speedup"].pop("full"), r"missing speedup\.full$"),
-    (lambda r: r["prefill_tokens_per_s"]["ordinary"].update(value=0), r"prefill_tokens_per_s\.ordinary\.value is 0, "),
-    (lambda r: r["speedup"]["per row"].update({"eight": 4}), r"speedup\.per row needs batch sizes > 1 as keys"),
-    (lambda r: r["policy_ratios"]["decode"].pop("keydiff"), r"missing policy_ratios\.decode\.keydiff$"),
-    (lambda r: r.update(model="llama-3.1-8b-instruct"), r"rates of model 'llama-3.1-8b-instruct'; .* random-llama-3.2-3b"),
+@pytest.mark.parametrize("source, change, expected", [
+    ("rates", lambda r: r["decode_ms_per_token"].pop("ordinary"),
+     r"rates\.json: missing decode_ms_per_token\.ordinary$"),
+    ("rates", lambda r: r["speedup"].pop("full"), r"missing speedup\.full$"),
+    ("rates", lambda r: r["prefill_tokens_per_s"]["ordinary"].update(value=0),
+     r"prefill_tokens_per_s\.ordinary\.value is 0, "),
+    ("rates", lambda r: r["speedup"]["per row"].update({"eight": 4}),
+     r"speedup\.per row needs batch sizes > 1 as keys"),
+    ("rates", lambda r: r["policy_ratios"]["decode"].pop("keydiff"), r"missing policy_ratios\.decode\.keydiff$"),
+    ("rates", lambda r: r.update(model="llama-3.1-8b-instruct"),
+     r"rates of model 'llama-3.1-8b-instruct'; .* random-llama-3.2-3b"),
+    ("bench", lambda r: r["rows"].pop(4),
+     r"no gpu_bench row with row=decode, case=keydiff fixed, batch=16 \(failed or skipped"),
+    ("bench", lambda r: r["rows"][10].update(error="OOM"),
+     r"no gpu_bench row with row=prefill, case=keydiff ordinary, L=32768, B=128"),
+    ("bench", lambda r: r["rows"][6].update(ms_per_step_steady=-0.1),
+     r"decode row 'full \(ours\)' at batch 16: ms_per_step_steady is -0.1"),
+    ("bench", lambda r: r.update(device="cpu"), r"a gpu_bench result on 'cpu' .* not --quick"),
+    ("bench", lambda r: r["sizes"].update(model="random-tiny"), r"with model 'random-tiny'; .* not --quick"),
+    ("nope", None, r"nope\.json: no such file \(a rates file such as results/bench/gpu_rates_h200\.json or a `make "
+                   r"gpu-bench` result\)"),
+    ("broken", None, r"broken\.json: not JSON \("),
 ])
-def test_a_rates_file_without_a_rate_is_one_error_line_naming_it(change, expected, tmp_path, capsys):
-    record = copy.deepcopy(HAND)
-    change(record)
-    path = write(tmp_path / "rates.json", record)
+def test_a_rates_file_without_a_rate_or_a_row_is_one_error_line_naming_it(source, change, expected, tmp_path, capsys):
+    path = tmp_path / f"{source}.json"
+    if source == "broken":
+        path.write_text("{not json")
+    elif change:
+        record = copy.deepcopy(HAND) if source == "rates" else gpu_bench_record()
+        change(record)
+        write(path, record)
     with pytest.raises(SystemExit) as stop:
         gh.main(["--rates", str(path)])
     err = capsys.readouterr().err
     assert stop.value.code == 2 and len(err.strip().splitlines()) == 1 and err.startswith("error: "), err
     assert re.search(expected, err.strip()), err
-
-
-@pytest.mark.parametrize("change, expected", [
-    (lambda r: r["rows"].pop(4), r"no gpu_bench row with row=decode, case=keydiff fixed, batch=16 \(failed or skipped"),
-    (lambda r: r["rows"][10].update(error="OOM"), r"no gpu_bench row with row=prefill, case=keydiff ordinary, L=32768, B=128"),
-    (lambda r: r["rows"][6].update(ms_per_step_steady=-0.1), r"decode row 'full \(ours\)' at batch 16: ms_per_step_steady is -0.1"),
-    (lambda r: r.update(device="cpu"), r"a gpu_bench result on 'cpu' .* not --quick"),
-    (lambda r: r["sizes"].update(model="random-tiny"), r"with model 'random-tiny'; .* not --quick"),
-])
-def test_a_gpu_bench_result_without_a_row_is_one_error_line_naming_it(change, expected, tmp_path, capsys):
-    record = gpu_bench_record()
-    change(record)
-    path = write(tmp_path / "gpu_bench.json", record)
-    with pytest.raises(SystemExit) as stop:
-        gh.main(["--rates", str(path)])
-    err = capsys.readouterr().err
-    assert stop.value.code == 2 and len(err.strip().splitlines()) == 1, err
-    assert re.search(expected, err), err
-
-
-def test_a_missing_or_broken_file_is_one_error_line(tmp_path, capsys):
-    (tmp_path / "broken.json").write_text("{not json")
-    for name, expected in (("nope.json", r"nope\.json: no such file \(a rates file such as "
-                                         r"results/bench/gpu_rates_h200\.json or a `make gpu-bench` result\)"),
-                           ("broken.json", r"broken\.json: not JSON \(")):
-        with pytest.raises(SystemExit):
-            gh.main(["--rates", str(tmp_path / name)])
-        err = capsys.readouterr().err
-        assert len(err.strip().splitlines()) == 1 and re.search(expected, err), err
 
 
 @pytest.mark.slow
@@ -215,7 +202,6 @@ def test_the_command_imports_no_torch():
     assert done.returncode == 0 and "| all |" in done.stdout, done.stderr
 
 
-# ------------------------------------------------------------------------------------ the workloads' sources
 # LongBench v1's test sets: 200 samples each but these (LONGBENCH_NOTE)
 LONGBENCH_SIZES = {"multifieldqa_en": 150, "lcc": 500, "repobench-p": 500}
 

@@ -1,10 +1,6 @@
-"""keydiff/grids.py: every conf/experiment grid, point for point, against the committed list of the jobs each
-sweep launches (tests/golden/experiment_grids.json, written by the sweep's grid before keydiff.grids existed), and
-the module imports no torch.
-
-A grid changed on purpose (an experiment file edited or added) is written anew with
-    python -c "import json; from keydiff import grids; print(json.dumps({n: grids.experiment_grid(n) for n in grids.experiments()}, indent=1))" > tests/golden/experiment_grids.json
-"""
+"""keydiff/grids.py: every conf/experiment grid against tests/golden/experiment_grids.json (the jobs each sweep
+launches), rewritten after an intended change with `python -c "import json; from keydiff import grids; print(json.dumps(
+{n: grids.experiment_grid(n) for n in grids.experiments()}, indent=1))" > tests/golden/experiment_grids.json`."""
 
 from __future__ import annotations
 

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +10,6 @@ import pytest
 
 from keydiff.paper import registry
 from keydiff.report import figures, leaderboard
-from keydiff.report.render import Z95
 from keydiff.report.ruler import TASKS
 
 pytestmark = pytest.mark.unit
@@ -21,7 +17,6 @@ pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
 RATIOS = ["r0.125", "r0.25", "r0.5", "r0.75"]
-ISSUE16 = {"adakv_keydiff", "adakv_snapkv", "adakv_expected_attention", "criticalkv", "adakv_criticalkv", "kvzip"}  # issue #16 §1-2
 
 
 def compose(overrides):
@@ -35,55 +30,32 @@ def compose(overrides):
         return hydra_compose("config", overrides=[OUTSIDE_RESULTS, *overrides], return_hydra_config=True)
 
 
-# ----------------------------------------------------------------------------- configs
 @pytest.mark.extended
-def test_leaderboard_sweeps_every_method_at_the_four_kvpress_ratios():
-    cfg = compose(["experiment=leaderboard"])
-    params = {k: str(v).split(",") for k, v in cfg.hydra.sweeper.params.items()}
-    assert cfg.experiment_name == "leaderboard" and cfg.task.name == "ruler_4k" and params["model"] == ["qwen3-8b"]
-    assert cfg.task.answer_prefix_style == "kvpress" and params["protocol"] == ["kvpress", "bounded"]
-    assert cfg.query_aware is False  # leaderboard.sh L11-21: the query-agnostic methods query-agnostic
+@pytest.mark.parametrize("name, query_aware", [("leaderboard", False), ("leaderboard_full", False),
+                                               ("leaderboard_query_aware", True)])
+def test_leaderboard_experiments_run_ruler_4k_the_kvpress_way(name, query_aware):
+    """leaderboard.sh: the query-agnostic methods query-agnostic, the query-aware loop with --query_aware."""
+    cfg = compose([f"experiment={name}"])
+    assert cfg.experiment_name == name and cfg.task.name == "ruler_4k" and cfg.task.answer_prefix_style == "kvpress"
+    assert cfg.query_aware is query_aware
+
+
+@pytest.mark.extended
+def test_leaderboard_protocols_and_ratio_budgets():
     for protocol, block, decode in (("kvpress", "inf", False), ("bounded", 128, True)):
         job = compose(["experiment=leaderboard", f"protocol={protocol}"])
         assert (str(job.block_size), job.decode_eviction) == (str(block), decode)
-    assert params["budget"] == RATIOS
     for budget in RATIOS:  # each kept ratio's kvpress compression ratio is 1 - kept
         ratio = compose([f"budget={budget}"]).budget
         assert ratio.tokens is None and ratio.label == budget and f"r = {1 - ratio.ratio:g})" in \
             (CONF / "budget" / f"{budget}.yaml").read_text()
-    policies = params["policy"]
-    assert "full" not in policies and len(policies) == len(set(policies))
-    assert ISSUE16 <= set(policies)
-    assert {"keydiff", "snapkv", "tova", "h2o", "sink", "knorm", "expected_attention", "lagkv", "snapkv_pyramid",
-            "chunkkv", "random"} <= set(policies)
-    for policy in policies:
-        assert (CONF / "policy" / f"{policy}.yaml").is_file(), policy
-
-
-@pytest.mark.extended
-def test_leaderboard_full_runs_the_full_cache_once_beside_it():
-    cfg = compose(["experiment=leaderboard_full"])
-    params = {k: str(v).split(",") for k, v in cfg.hydra.sweeper.params.items()}
-    assert cfg.experiment_name == "leaderboard_full" and cfg.task.name == "ruler_4k"
-    assert params["policy"] == ["full"] and len(params["budget"]) == 1 and params["model"] == ["qwen3-8b"]
-    assert cfg.task.answer_prefix_style == "kvpress" and cfg.budget.label == "unbounded"
-    assert params["protocol"] == ["kvpress"] and cfg.query_aware is False  # kvpress's no_press
+    assert compose(["experiment=leaderboard_full"]).budget.label == "unbounded"
     assert registry.TABLES["leaderboard"].reads == ("leaderboard", "leaderboard_query_aware", "leaderboard_full")
 
 
 @pytest.mark.extended
-def test_leaderboard_query_aware_loop_is_kvpress_s():
-    """leaderboard.sh L41-49: snapkv, adakv_snapkv and chunkkv (finch has no counterpart) with --query_aware."""
-    cfg = compose(["experiment=leaderboard_query_aware"])
-    params = {k: str(v).split(",") for k, v in cfg.hydra.sweeper.params.items()}
-    assert cfg.experiment_name == "leaderboard_query_aware" and cfg.query_aware is True
-    assert params["policy"] == ["snapkv", "adakv_snapkv", "chunkkv"] and params["budget"] == RATIOS
-    assert params["protocol"] == ["kvpress", "bounded"]
-
-
-@pytest.mark.extended
 def test_a_leaderboard_grid_with_a_subset_of_policies_composes_and_passes_the_checks():
-    """With policies given on the command line, every grid point composes, passes check_run_config, has its own directory."""
+    """Policies given on the command line: every point composes, passes check_run_config, has its own directory."""
     from hydra import initialize_config_dir
 
     from keydiff.run.checks import check_run_config
@@ -117,21 +89,8 @@ def test_qwen3_8b_config_is_the_kvpress_leaderboard_model():
     assert Qwen3Config().max_position_embeddings >= model.max_length
 
 
-@pytest.mark.slow
-def test_qwen3_8b_offline_is_the_one_line_hub_error(tmp_path):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_"))}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1")
-    result = subprocess.run([sys.executable, "run.py", "model=qwen3-8b", "task=ruler_4k", "budget=r0.25",
-                             "task.data_dir=tasks/fixtures/ruler", f"results_root={tmp_path / 'runs'}"], cwd=ROOT,
-                            capture_output=True, text=True, timeout=120, env=env)
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert result.returncode == 2 and len(lines) == 1, result.stderr
-    assert lines[0].startswith("error: the Hugging Face Hub is not reachable (HF_HUB_OFFLINE=1)")
-    assert "model.path=Qwen/Qwen3-8B" in lines[0] and not (tmp_path / "runs").exists()
-
-
 def test_ruler_renders_a_thinking_template_without_thinking():
-    """RULER passes enable_thinking=False (an empty think block before the prefix); other templates render as before."""
+    """RULER passes enable_thinking=False (an empty think block); other templates render as before."""
     from keydiff.tasks.ruler import Ruler
 
     class Tokenizer:
@@ -155,7 +114,6 @@ def test_ruler_renders_a_thinking_template_without_thinking():
     assert plain == "<u>question</u><a> Answer:"
 
 
-# ----------------------------------------------------------------------------- table and figure
 def run(policy, budget, score, se, experiment="leaderboard", samples=5, limit=np.nan, tasks=len(TASKS), model="m",
         block="128", task="ruler_4k", complete=True, query_aware=False, decode_eviction=True):
     row = {"experiment": experiment, "task": task, "model": model, "policy": policy,
@@ -227,13 +185,18 @@ def test_leaderboard_table_waits_for_runs(tmp_path):
     assert not (tmp_path / "leaderboard.md").exists()
 
 
+@pytest.fixture
+def drawn(monkeypatch):
+    """The figures figures.save is given, in order."""
+    saved = []
+    monkeypatch.setattr(figures, "save", lambda fig, out, name: saved.append(fig) or [out / f"{name}.png"])
+    return saved
+
+
 @pytest.mark.extended
-def test_leaderboard_figure_one_line_per_method_ratios_ascending_full_dashed(summary, tmp_path, monkeypatch):
-    drawn = []
-    monkeypatch.setattr(figures, "save", lambda fig, out, name: drawn.append((fig, name)) or [out / f"{name}.png"])
+def test_leaderboard_figure_one_line_per_method_ratios_ascending_full_dashed(summary, tmp_path, drawn):
     assert figures.leaderboard(summary, tmp_path) == [tmp_path / "leaderboard.png"]
-    fig, name = drawn[0]
-    ax = fig.axes[0]
+    ax = drawn[0].axes[0]
     bars = {c.get_label().split(" (")[0].rstrip(" §"): c for c in ax.containers}
     assert sorted(bars) == ["KeyDiff", "Sink", "SnapKV", "TOVA"]
     for policy, label in (("keydiff", "KeyDiff"), ("tova", "TOVA")):
@@ -254,16 +217,14 @@ def test_leaderboard_figure_one_line_per_method_ratios_ascending_full_dashed(sum
 
 
 @pytest.mark.extended
-def test_leaderboard_figure_marks_a_full_cache_over_fewer_tasks(summary, tmp_path, monkeypatch):
-    drawn = []
-    monkeypatch.setattr(figures, "save", lambda fig, out, name: drawn.append((fig, name)) or [out / f"{name}.png"])
+def test_leaderboard_figure_marks_a_full_cache_over_fewer_tasks(summary, tmp_path, drawn):
     summary = summary.copy()
     full = summary["policy"] == "full"
     for i, t in enumerate(TASKS):
         if i >= 2:
             summary.loc[full, [f"metrics/tasks/{t}", f"metrics/n/{t}"]] = np.nan
     figures.leaderboard(summary, tmp_path)
-    ax = drawn[0][0].axes[0]
+    ax = drawn[0].axes[0]
     line = next(line for line in ax.get_lines() if line.get_label().startswith("Full"))
     assert "2/13 tasks" in line.get_label() and line.get_linestyle() == ":"  # not a dashed line beside 13-task points
     assert "full cache: 2/13 tasks" in [t.get_text() for t in ax.texts]
@@ -281,7 +242,7 @@ def test_wandb_grid_names_ratio_budgets_by_their_labels():
 @pytest.mark.integration
 @pytest.mark.parametrize("policy", ["full", "keydiff", "snapkv", "expected_attention", "tova"])
 def test_the_engine_runs_qwen3s_architecture_exactly(policy):
-    """A tiny random Qwen3 (q/k norms before RoPE): N >= L prefill equals one forward; a small budget keeps N per head."""
+    """A tiny random Qwen3 (q/k norms before RoPE): N >= L equals one forward; a small budget keeps N per head."""
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -302,7 +263,7 @@ def test_the_engine_runs_qwen3s_architecture_exactly(policy):
 
 
 @pytest.mark.extended
-def test_leaderboard_says_which_protocol_and_marks_query_aware_rows(summary, tmp_path, monkeypatch):
+def test_leaderboard_says_which_protocol_and_marks_query_aware_rows(summary, tmp_path, drawn):
     """Protocols are separate groups and panels; a query-aware run is its own "(query-aware)" row, never averaged."""
     more = pd.DataFrame([run("keydiff", "r0.5", 20.0, 1.0, block="inf", decode_eviction=False),
                          run("snapkv", "r0.5", 33.0, 1.0, experiment="leaderboard_query_aware", query_aware=True),
@@ -319,8 +280,6 @@ def test_leaderboard_says_which_protocol_and_marks_query_aware_rows(summary, tmp
     assert leaderboard.write(frame, tmp_path, table)
     csv = pd.read_csv(tmp_path / "leaderboard.csv")
     assert set(csv["protocol"]) >= {BOUNDED, kvpress}
-    drawn = []
-    monkeypatch.setattr(figures, "save", lambda fig, out, name: drawn.append(fig) or [out / f"{name}.png"])
     figures.leaderboard(frame, tmp_path)
     titles = [ax.get_title() for ax in drawn[0].axes if ax.get_title()]
     assert any(kvpress in t for t in titles) and any(BOUNDED in t for t in titles)

@@ -74,7 +74,6 @@ def check_table14_repeats_table1(t1: pd.DataFrame, t14: pd.DataFrame) -> int:
     return len(shared)
 
 
-# ----------------------------------------------------------------------------- shape, schema, counts
 @pytest.mark.extended
 def test_every_table_is_there_with_its_caption_and_tidy_schema():
     captions = pd.read_csv(PAPER / "captions.csv")
@@ -121,7 +120,6 @@ def test_notes_say_why_a_cell_is_empty_recovered_or_flagged():
             assert f"| Table {n} / {cell['model']} / {cell['policy']} / {cell['budget'] or '--'} |" in readme
 
 
-# ----------------------------------------------------------------------------- LongBench rows
 @pytest.mark.parametrize("n, columns, complete",
                          [(1, ENGLISH, 41), (10, SUITE[1:], 8), (13, SUITE, 2), (14, SUITE, 16)])
 def test_longbench_row_averages(n, columns, complete):
@@ -193,7 +191,6 @@ def test_table15_16_keydiff_rows_match_each_other_and_table14():
         assert t14[(L3, "keydiff", budget, "128")]["avg"] == value
 
 
-# ----------------------------------------------------------------------------- the other tables
 def test_table3_mean_and_std():
     t3 = table(3).set_index("column")["value"]
     layers = t3[[f"layer{i}" for i in range(1, 25)]]
@@ -256,7 +253,6 @@ def test_small_grids():
     assert t19[("keydiff", "512")] == 1.00 and len(t19) == 20
 
 
-# ----------------------------------------------------------------------------- the checks can fail
 @pytest.mark.extended
 def test_the_checks_catch_a_shifted_and_a_blanked_row(tmp_path):
     """A shifted, a rotated and a blanked Table 14 row each fail a check above."""

@@ -53,7 +53,6 @@ def test_table1_report_holds_the_comparison_panels_and_the_paper_reference(tmp_p
     assert len(per_dataset) == 16 and per_dataset[1] == "qasper: score vs budget"
 
 
-# ----------------------------------------------------------------------------- panels read what tracking logs
 GOLDEN_RUNS = ROOT / "tests" / "golden" / "runs"
 
 
@@ -74,8 +73,7 @@ class RecordedRun:
 
 
 def logged(monkeypatch, tmp_path, run_dir: Path, **config) -> RecordedRun:
-    """What keydiff.tracking logs to W&B for a recorded run directory (its summary.json and predictions), with
-    `config` replacing keys of its recorded configuration (experiment_name=...) and results/paper at tmp_path."""
+    """What keydiff.tracking logs to W&B for a recorded run directory, `config` replacing recorded keys."""
     wandb = pytest.importorskip("wandb")
     from omegaconf import OmegaConf
 
@@ -124,9 +122,7 @@ def panel_reads(report) -> tuple[set, set, set]:
 
 
 def test_every_panel_reads_a_key_that_tracking_logs(tmp_path, monkeypatch):
-    """The report's panels, run-set filters and paper table name W&B keys; each must be one that
-    keydiff.tracking logs for a real run of that grid (a renamed summary, config or history key on either
-    side leaves a panel empty and fails here)."""
+    """Each W&B key a panel, run-set filter or paper table reads is one keydiff.tracking logs for a real run."""
     smoke = GOLDEN_RUNS / "smoke/niah_small/smollm2-135m/keydiff/1k/bs128/seed0-limit2"
     (tmp_path / "table1.csv").write_text("table,model,policy,budget,block_size,row,column,column_kind,metric,value,"
                                          "samples,samples_total,note\n1,smollm2-135m,keydiff,1k,128,,avg,average,score,"
@@ -160,8 +156,7 @@ def test_every_panel_reads_a_key_that_tracking_logs(tmp_path, monkeypatch):
     assert len(datasets) == 21 and datasets <= set(run.summary), datasets - set(run.summary)
 
 
-# One experiment per task family and axis shape (table10: block_size=inf; fig7: block sizes swept);
-# `make report` builds them all.
+# One experiment per task family and axis shape (table10: block_size=inf; fig7: block sizes swept).
 @pytest.mark.parametrize("stem", ["smoke", "table4_gen8k", "table10", "fig7_ttft"])
 def test_experiments_build_reports_without_paper_numbers(tmp_path, stem):
     grid = make_report.load_grid(stem)

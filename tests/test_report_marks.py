@@ -24,7 +24,6 @@ GOLDEN_RUNS = Path(__file__).resolve().parent / "golden" / "runs"
 SMOL = "smollm2-135m"
 
 
-# ------------------------------------------------------------------ the definition of a collapsed output
 @pytest.mark.parametrize("tokens, expected", [
     ([464] * 50, True),                                  # TheTheThe...: one token, the whole output
     ([1, 2] * 10, True),                                 # a bigram repeated
@@ -46,7 +45,6 @@ def test_a_real_answer_and_a_collapse_tokenized(builtin_tokenizer):
     assert is_degenerate(tokenizer("The" * 50)["input_ids"])  # what h2o at 1k generates on the default task
 
 
-# ------------------------------------------------------------------ crafted runs
 def niah_point(runs, label="keydiff", budget_label="2k", experiment="adhoc", **kw):
     return dict(runs=runs, experiment=experiment, task="niah_small", model=SMOL, label=label,
                 budget_label=budget_label, block=128, **kw)
@@ -98,8 +96,7 @@ def test_a_run_that_evicted_nothing_is_marked_in_tables_and_figures(tmp_path, mo
 
 @pytest.mark.extended
 def test_runs_of_other_generation_settings_are_told_apart_and_keep_their_policys_colour(tmp_path, monkeypatch):
-    """Each setting its own row and line, labelled "keydiff [max_new_tokens=20]" (keydiff.report.generic), never
-    averaged as seeds; each line keeps its policy's colour and printed name, the settings differ by marker or dash."""
+    """Each setting its own row and line (never averaged as seeds), in its policy's colour, told apart by marker."""
     runs = tmp_path / "runs"
     for label, new_tokens, seed, recall in [("keydiff", 50, 0, 1.0), ("keydiff", 20, 1, 0.0), ("h2o", 50, 0, 0.0)]:
         write_run(**niah_point(runs, label=label), metrics={"needle_recall": recall}, rows=niah_rows([recall]),
@@ -148,8 +145,7 @@ def test_each_policy_keeps_its_colour_whatever_else_is_drawn(tmp_path, monkeypat
 
 @pytest.mark.extended
 def test_a_subset_run_is_drawn_on_the_heatmap_of_any_experiment(tmp_path, monkeypatch):
-    """The adhoc heatmap shows a subset run (marked §) where its configuration has no whole-task run, as the smoke
-    heatmap and the tables do."""
+    """The adhoc heatmap shows a subset run (marked §) where its configuration has no whole-task run."""
     runs = tmp_path / "runs"
     cells = {"3000": {"0": 1.0, "50": 0.5}}
     write_run(**niah_point(runs), metrics={"needle_recall": 0.75, "needle_recall_by_cell": cells}, rows=niah_rows([1, 0.5]))
@@ -162,7 +158,6 @@ def test_a_subset_run_is_drawn_on_the_heatmap_of_any_experiment(tmp_path, monkey
     assert "§ subset run (task.limit)" in titles[-1]
 
 
-# ------------------------------------------------------------------ older run directories
 def rewrite_with_current_names(source: Path, target: Path) -> None:
     """`source`'s run directories with every renamed field under its current name (what this version writes)."""
     shutil.copytree(source, target)

@@ -1,6 +1,6 @@
-"""Issue 21 §1: what reaches the tables is exactly the runs that stand. A run moved aside by overwrite=true is
-history (never collected, averaged or listed); a leaderboard Avg. needs every ratio to have run; a task.limit
-at or above the task's size is the whole run; a device that is not there is refused before any directory."""
+"""What reaches the tables is exactly the runs that stand: a run moved aside by overwrite=true is history; a
+leaderboard Avg. needs every ratio to have run; a task.limit at or above the task's size is the whole run; a
+device that is not there is refused before any directory."""
 
 from __future__ import annotations
 
@@ -51,11 +51,9 @@ def point(runs: Path, policy: str, budget: str) -> Path:
     return runs / "leaderboard" / "ruler_4k" / "smollm2-135m" / policy / budget / "bs128" / "seed0-limit1"
 
 
-# ------------------------------------------------------------------------------ overwrite, then tables
 @pytest.mark.extended
 def test_overwrite_then_tables_shows_only_the_new_run(tmp_path, caplog):
-    """The issue's sequence: the leaderboard smoke, re-run with overwrite=true, then `make tables`. The old
-    run (50.00) is moved aside, and the log says where; the tables show the new run (7.69) alone, n=1."""
+    """The leaderboard smoke re-run with overwrite=true, then `make tables`: only the new run (7.69) is shown."""
     runs, out = tmp_path / "runs", tmp_path / "tables"
     old = ruler_summary("keydiff", "r0.125", {"niah_single_1": 100.0, "qa_2": 0.0})
     new = ruler_summary("keydiff", "r0.125", {"niah_single_1": 0.0, "qa_2": 15.38})
@@ -124,7 +122,6 @@ def test_two_overwrites_in_one_second_keep_both_old_runs(tmp_path):
     assert len(list(tmp_path.glob("run.old-*"))) == 2
 
 
-# ------------------------------------------------------------------------------ incomplete leaderboard row
 def board(rows: list[dict]) -> tuple[pd.DataFrame, pd.DataFrame, str]:
     frame = pd.DataFrame(rows)
     table = registry.TABLES["leaderboard"]
@@ -146,8 +143,7 @@ RATIOS = ("r0.125", "r0.25", "r0.5", "r0.75")
 
 
 def test_an_incomplete_ratio_gives_no_average_and_marks_are_not_doubled():
-    """The issue's row: TOVA's r0.25 run stopped early (~), the other ratios finished: no Avg. (was
-    `32.21 ± n/a§§~`); a method whose ratios all ran gets Avg. with one § for its subset runs."""
+    """TOVA's r0.25 run stopped early (~): no Avg.; a method whose ratios all ran gets Avg. with one § (not §§)."""
     rows = [row("keydiff", b, s) for b, s in zip(RATIOS, (10.0, 20.0, 30.0, 40.0))]
     rows += [row("tova", b, s, complete=b != "r0.25") for b, s in zip(RATIOS, (10.0, 25.0, 50.0, 44.0))]
     scores, text, _ = board(rows)
@@ -166,14 +162,13 @@ def test_ratios_on_different_tasks_or_sample_counts_give_no_average():
 
 
 def test_the_caption_counts_the_tasks_the_cells_hold():
-    """"(13 tasks …)" above 2-task cells was wrong: the legend names the tasks the runs scored."""
+    """The legend names the tasks the runs scored, not all 13."""
     _, _, two = board([row("keydiff", b, 10.0) for b in RATIOS])
     assert "13 tasks" not in two and "2 of 13" in two
     _, _, all_tasks = board([row("keydiff", b, 10.0, tasks=TASKS) for b in RATIOS])
     assert "(13 tasks; string match)" in all_tasks
 
 
-# ------------------------------------------------------------------------------ task.limit >= samples
 def run_py(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "run.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                           env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
@@ -209,8 +204,7 @@ def test_a_limit_covers_the_task_when_it_selects_every_sample(overrides, covers)
 
 @pytest.mark.slow
 def test_limit_at_or_above_the_sample_count_is_the_whole_runs_directory(tmp_path):
-    """`task.limit=99` on the 6-sample default task writes the whole run's `seed0` (a dry run says so), and a
-    sweep over limits 99 and 6 runs that point once; `make status` shows the same directory."""
+    """`task.limit=99` on the 6-sample task is `seed0` in a dry run, a sweep (limits 99 and 6: once) and status."""
     from keydiff.run.status import experiment_status
 
     whole = tmp_path / "adhoc/niah_small/smollm2-135m/keydiff/2k/bs128/seed0"
@@ -225,27 +219,10 @@ def test_limit_at_or_above_the_sample_count_is_the_whole_runs_directory(tmp_path
     assert row[1].name == "seed0"
 
 
-@pytest.mark.real_model
-def test_a_limit_above_the_sample_count_reuses_the_whole_run(tmp_path):
-    """The issue's sequence: the whole run, then the same run with task.limit=99: the same directory, nothing
-    recomputed, no `-limit99` duplicate."""
-    task = ("task.context_lengths=[700]", "task.depths=[50]", "task.max_new_tokens=4", f"results_root={tmp_path}")
-    first = run_py(*task)
-    assert first.returncode == 0, first.stderr[-2000:]
-    (predictions,) = tmp_path.rglob("predictions.jsonl")
-    before = predictions.read_text()
-    second = run_py(*task, "task.limit=99")
-    assert second.returncode == 0, second.stderr[-2000:]
-    assert [p.parent.name for p in tmp_path.rglob("predictions.jsonl")] == ["seed0"]
-    assert predictions.read_text() == before and "1 already done" in second.stdout + second.stderr
-
-
-# ------------------------------------------------------------------------------ device refused, no directory
 @pytest.mark.slow
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has CUDA: model.device=cuda is valid here")
 def test_a_missing_device_is_refused_before_any_directory_exists(tmp_path):
-    """`model.device=cuda` without a GPU: one error line, exit 2, no run directory, so the corrected command
-    (device auto) is not refused as "a different configuration"."""
+    """`model.device=cuda` without a GPU: one error line, exit 2, no run directory (the corrected command runs)."""
     result = run_py("model.device=cuda", f"results_root={tmp_path}")
     assert result.returncode == 2 and result.stderr.strip().splitlines() == [
         "error: model.device=cuda is not available on this machine (0 CUDA device(s)); valid here: auto, cpu"]

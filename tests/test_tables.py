@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import re
@@ -156,11 +155,15 @@ def test_summary_csv_holds_the_numbers(produced):
     assert (w20["subset/n_samples"], w20["subset/n_problems"], w20["subset/total_problems"]) == (2, 2, 2)
     assert (w20["subset/flex"], w20["subset/full_flex"]) == (0.5, 0.5)
     assert df[df.policy == "snapkv"].iloc[0]["subset/flex"] == 0.5
+    # standard errors per score: flex of rows 1, 1, 0, 0; 100 x SE of 0.1, 0.3; qasper has one sample
+    assert w20["se/metrics/flex"] == pytest.approx((1 / 3) ** 0.5 / 2) and w20["se/score"] == w20["se/metrics/flex"]
+    assert kd["se/lb/narrativeqa"] == pytest.approx(10.0)
+    assert kd["se/cr/narrativeqa"] == pytest.approx(0.1) and pd.isna(kd["se/lb/qasper"])
 
 
 @pytest.mark.extended  # seconds: `produced` writes every table of a results tree; make test runs it
 def test_longbench_tables_bold_the_best_eviction_method(produced):
-    out, _, written = produced
+    out, _, _ = produced
     md = out / "tables" / "table11.md"
     row = (LLAMA3B, "KeyDiff", "2K")
     assert md_cell(md, row, "NarrativeQA") == "**10.50 [n too small] (n=1)**"  # fewer than 5 samples: no interval
@@ -173,7 +176,6 @@ def test_longbench_tables_bold_the_best_eviction_method(produced):
     assert not any(r[2] == "4K" for r in md_rows(md)[1:])  # the incomplete run is left out
     tex = (out / "tables" / "table11.tex").read_text()
     assert r"\textbf{99.00 [n too small] (n=1)}" in tex and r"\textbf{50.00" not in tex and r"\toprule" in tex
-    assert "95 % confidence interval" in tex
     # Table 1 = English columns of the table11 runs; its average is over those 16 columns only.
     english = [10.5 + i for i, d in enumerate(SUITE) if d in registry.ENGLISH]
     assert value(md_cell(out / "tables" / "table1.md", row, "Avg.")) == f"{sum(english) / 16:.2f}"
@@ -186,11 +188,13 @@ def test_longbench_tables_bold_the_best_eviction_method(produced):
     ablation = out / "tables" / "table15.md"
     assert value(md_cell(ablation, ("KeyDiff",), "2K")) == "20.50"
     assert value(md_cell(ablation, ("Pairwise",), "2K")) == "**21.00"
+    generic = out / "tables" / "generic" / "table11__longbench_full.md"  # lb/passage_count: a score, 10.5 + 16
+    assert md_cell(generic, (LLAMA3B, "128", "keydiff", "2k"), "passage_count", table=1) == "26.500"
 
 
 @pytest.mark.extended  # seconds: `produced` writes every table of a results tree; make test runs it
 def test_other_tables(produced):
-    out, _, written = produced
+    out, _, _ = produced
     tables = out / "tables"
     assert value(md_cell(tables / "table17.md", ("TOVA",), "478")) == "**0.6"
     # every method at 1.0: no method is best there, none is bold
@@ -208,7 +212,6 @@ def test_other_tables(produced):
     assert md_cell(tables / "table8.md", ("NarrativeQA",), ">8K") == "1"
     assert md_cell(tables / "table8.md", ("NarrativeQA",), "Total") == "2"
     assert md_cell(tables / "table8.md", ("Qasper",), "2K-4K") == "1"
-    assert "smoke" in written
 
 
 @pytest.mark.extended
@@ -225,20 +228,6 @@ def test_tables_without_runs_say_so(produced, capsys):
     assert "no results yet" in (out / "tables2" / "table10.tex").read_text()
 
 
-@pytest.mark.extended
-def test_figures_are_byte_reproducible(produced, fake_runs):
-    out, _, _ = produced
-    first = make_figures.main(out / "summary.csv", fake_runs, out / "fig1")
-    second = make_figures.main(out / "summary.csv", fake_runs, out / "fig2")
-    names = sorted(p.name for p in first)
-    assert names == sorted(p.name for p in second)
-    assert f"niah_fig6_niah_{LLAMA3B}_6k_bs128.png" in names and f"ttft_fig7_ttft_{LLAMA3B}.pdf" in names
-    assert f"prompt_lengths_{LLAMA3B}.png" in names and "niah_small_smoke_smollm2-135m_1k_bs128.png" in names
-    for a, b in zip(sorted(first), sorted(second)):
-        assert hashlib.sha256(a.read_bytes()).digest() == hashlib.sha256(b.read_bytes()).digest(), a.name
-
-
-# ----------------------------------------------------------------------------- ours vs paper, generic tables
 @pytest.mark.extended  # seconds: `produced` writes every table of a results tree; make test runs it
 def test_same_model_cells_show_ours_paper_and_difference(produced):
     out, _, _ = produced
@@ -357,7 +346,6 @@ def test_nothing_run_yet_still_writes_every_file(tmp_path):
     assert "holds no runs yet" in (tmp_path / "README.md").read_text()
 
 
-# ----------------------------------------------------------------------------- experiment configs
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 GROUPS = ("model", "policy", "budget", "task")
 
@@ -422,7 +410,6 @@ def test_predictions_count_the_latest_successful_row_per_sample(tmp_path):
     assert (tmp_path / "predictions.jsonl").read_bytes() == before  # a reader never cuts a running job's last line
 
 
-# ----------------------------------------------------------------------------- a subset run beside the full run
 FULL_RECALLS = [1.0, 1.0, 1.0, 1.0, 0.6, 0.584]  # mean 0.864 (the default job: 6 samples)
 
 
@@ -479,18 +466,6 @@ def drawn_figures(monkeypatch, summary, runs, out) -> dict:
     monkeypatch.setattr(make_figures, "save", keep_axes)
     make_figures.main(summary, runs, out)
     return plotted
-
-
-@pytest.mark.extended
-def test_subset_runs_are_marked_on_heatmaps(produced, fake_runs, monkeypatch, tmp_path):
-    out, _, _ = produced
-    plotted = drawn_figures(monkeypatch, out / "summary.csv", fake_runs, tmp_path)
-    smoke = plotted["niah_small_smoke_smollm2-135m_1k_bs128/titles"]  # the smoke run has task.limit=2
-    assert smoke[0] == "KeyDiff § (n=1 over 2 cells)" and "§ subset run (task.limit)" in smoke[-1]
-    full = plotted[f"niah_fig6_niah_{LLAMA3B}_6k_bs128/titles"]
-    assert full[:2] == ["Full (n=1 over 4 cells)", "KeyDiff (n=1 over 4 cells)"] and not any("§" in t for t in full)
-    texts = plotted[f"niah_fig6_niah_{LLAMA3B}_6k_bs128/texts"][0]  # every cell says its value, not only a colour
-    assert texts and all(len(t) == 4 and t[1] == "." for t in texts)
 
 
 @pytest.mark.extended
@@ -674,36 +649,12 @@ def test_bold_marks_only_a_best_above_the_rest(values, bold):
     assert best_mask(table, None, ["x"])["x"].tolist() == bold + [False]  # the full cache is a reference
 
 
-@pytest.mark.extended  # seconds: `produced` writes every table of a results tree; make test runs it
-def test_longbench_passage_count_score_is_no_count(produced):
-    out, _, _ = produced
-    md = out / "tables" / "generic" / "table11__longbench_full.md"  # lb/passage_count: a score, 10.5 + 16
-    assert md_cell(md, (LLAMA3B, "128", "keydiff", "2k"), "passage_count", table=1) == "26.500"
-
-
-@pytest.mark.extended  # seconds: `produced` writes every table of a results tree; make test runs it
-def test_standard_errors_are_collected_per_score(produced):
-    out, _, _ = produced
-    df = pd.read_csv(out / "summary.csv", dtype={"block_size": str})
-    w20 = df[df.policy == "keydiff_w20"].iloc[0]  # Math-500 flex of rows 1, 1, 0, 0
-    assert w20["se/metrics/flex"] == pytest.approx((1 / 3) ** 0.5 / 2) and w20["se/score"] == w20["se/metrics/flex"]
-    kd = df[(df.experiment == "table11") & (df.policy == "keydiff") & (df.budget_label == "2k")].iloc[0]
-    assert kd["se/lb/narrativeqa"] == pytest.approx(10.0)  # 100 x SE of 0.1, 0.3
-    assert kd["se/cr/narrativeqa"] == pytest.approx(0.1) and pd.isna(kd["se/lb/qasper"])  # qasper: one sample
-
-
-def test_counts_take_the_right_number():
+def test_counts_take_the_right_number(tmp_path):
+    from keydiff.report import index
     from keydiff.report.render import plural
 
-    assert [plural(1, "configuration"), plural(2, "configuration"), plural(0, "run")] == \
-        ["1 configuration", "2 configurations", "0 runs"]
-    assert [plural(1, "policy"), plural(3, "policy"), plural(2, "day"), plural(1.0, "paper cell")] == \
-        ["1 policy", "3 policies", "2 days", "1 paper cell"]
-
-
-def test_the_results_index_counts_one_run_in_the_singular(tmp_path):
-    from keydiff.report import index
-
+    assert [plural(1, "configuration"), plural(2, "configuration"), plural(0, "run"), plural(3, "policy"),
+            plural(1.0, "paper cell")] == ["1 configuration", "2 configurations", "0 runs", "3 policies", "1 paper cell"]
     summary = tmp_path / "summary.csv"
     pd.DataFrame([{"experiment": "adhoc", "task": "niah_small", "complete": True, "limit": np.nan, "samples": 1,
                    "num_failed": 0}]).to_csv(summary, index=False)
