@@ -69,11 +69,16 @@ PLANTS = [
        "        twin.bind(self.handle if self.handle.shared\n"
        "                  else Handle(self.handle.arena.copied(self.handle.slot, memo), 0))")]),
     ("P4c", "a copy of a placed storage deep-copies its placement (the whole block with it)",
-     "keydiff/cache/storage.py: Storage.__deepcopy__ (the handle is not copied: VIEWS; twin.bind(Handle(...copied...)))",
+     "keydiff/cache/storage.py: Storage.__deepcopy__ (twin.bind(Handle(...copied...)): the handle itself is never "
+     "deep-copied, VIEWS)",
      [f"{BK} -k copy_of_a_fork"],
      [("keydiff/cache/storage.py",
        "        twin.bind(Handle(self.handle.arena.copied(self.handle.slot, memo), 0))",
-       "        twin.bind(copy.deepcopy(self.handle, memo) if self.handle.shared\n"
+       # (the neighbours' storages mapped to None in the memo: deep-copying them would recurse into the half-built
+       # arena copy and crash inside fork, before the test can look at what the copy holds)
+       "        twin.bind(copy.deepcopy(self.handle, memo | {id(o): None for o in self.handle.arena.occupant"
+       " if o is not self})\n"
+       "                  if self.handle.shared\n"
        "                  else Handle(self.handle.arena.copied(self.handle.slot, memo), 0))")]),
     ("P5", "a held suffix's capacity planned one entry short (the first decoding step reallocates)",
      "keydiff/engine.py: prefill (EvictingCache block_size=max(step, held_suffix + 1))",
