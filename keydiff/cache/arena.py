@@ -35,6 +35,16 @@ def empty_buffers(
     return keys, values, positions, state
 
 
+def copy_entries(target: tuple, source: tuple, n: int) -> None:
+    """Copy the first n entries of (keys, values, positions, {name: state}) buffers into others of the same layout."""
+    (keys, values, positions, state), (from_keys, from_values, from_positions, from_state) = target, source
+    keys[..., :n, :].copy_(from_keys[..., :n, :])
+    values[..., :n, :].copy_(from_values[..., :n, :])
+    positions[..., :n].copy_(from_positions[..., :n])
+    for name, buffer in state.items():
+        buffer[..., :n].copy_(from_state[name][..., :n])
+
+
 def allocation_bytes(*tensors: torch.Tensor | None) -> dict[int, int]:
     """Each tensor's whole allocation in bytes, keyed by where it starts: the layers of one stack (or the parts of a
     split one) share an allocation, counted once."""
@@ -108,6 +118,11 @@ class Arena:
         base = {"keys": self.keys, "values": self.values, "positions": self.positions, "state": self.state}
         return Rows.of(base, self.layers, first, self.slots if stop is None else stop)
 
+    def slot_buffers(self, slot: int) -> tuple:
+        """Slot `slot`'s keys, values, positions and {name: state} buffers [planes, batch, kv_heads, capacity(, dim)]."""
+        return (self.keys[slot], self.values[slot], self.positions[slot],
+                {name: s[slot] for name, s in self.state.items()})
+
     def slot_bytes(self, slot: int) -> int:
         """Bytes of one slot's key and value buffers."""
         return self.keys[slot].nbytes + self.values[slot].nbytes
@@ -141,17 +156,22 @@ class Arena:
             counts[ENTRIES] = grown
             counts[OPEN], counts[WRITTEN] = (q, 1) if len(self.layers) > 1 else (0, 0)
 
-    def wrote(self, first: int, stop: int, plane: int, q: int, scratch: bool = False) -> None:
-        """Plane `plane` of slots [first, stop) is written for their open pass of q tokens; the pass closes after the
-        last plane. Planes write in order, each once per pass (scratch: the pass may be a scratch pass)."""
+    def wrote(self, first: int, stop: int, plane: int, q: int) -> None:
+        """Plane `plane` of slots [first, stop) is written by their row group for their open pass of q tokens (never
+        a scratch pass); the pass closes after the last plane. Planes write in order, each once per pass."""
         counts = self.host[first:stop]
-        if not ((counts[:, OPEN] == q) & (counts[:, WRITTEN] == plane)
-                & (scratch | (counts[:, MARK_ENTRIES] == NONE))).all():
+        if not ((counts[:, OPEN] == q) & (counts[:, WRITTEN] == plane) & (counts[:, MARK_ENTRIES] == NONE)).all():
             raise RuntimeError(f"layer {self.layers[plane]}: a pass written by its row group must follow the pass's "
                                "first layer, written through update (every layer must see every forward pass, in order)")
-        counts[:, WRITTEN] += 1
+        self.count_plane(counts, plane)
+
+    def count_plane(self, counts: Any, plane: int) -> None:
+        """Count plane `plane` of the open pass written in `counts` (rows of `host`: a slot, or [first, stop)), its
+        turn already checked by the writer; the pass closes after the last plane."""
         if plane + 1 == len(self.layers):
-            counts[:, OPEN], counts[:, WRITTEN] = 0, 0
+            counts[..., OPEN], counts[..., WRITTEN] = 0, 0
+        else:
+            counts[..., WRITTEN] += 1
 
     def moved(self, slot: int, buffers: tuple | None = None) -> "Arena":
         """A new private arena holding slot `slot`'s valid entries and counts, in `buffers` ([planes, batch, ...],
@@ -162,11 +182,7 @@ class Arena:
         keys, values, positions, state = buffers
         n = int(self.host[slot, ENTRIES])
         if n and self.keys is not None:
-            keys[..., :n, :] = self.keys[slot][..., :n, :]
-            values[..., :n, :] = self.values[slot][..., :n, :]
-            positions[..., :n] = self.positions[slot][..., :n]
-            for name, buffer in state.items():
-                buffer[..., :n] = self.state[name][slot][..., :n]
+            copy_entries(buffers, self.slot_buffers(slot), n)
         arena = Arena(1, self.layers, (keys[None], values[None], positions[None],
                                        {name: s[None] for name, s in state.items()}))
         arena.host[0] = self.host[slot]
@@ -205,13 +221,9 @@ class Arena:
             raise RuntimeError(f"slot {slot} of this arena is occupied: vacate it first")
         if storage.keys is None or storage.keys.shape[1] != 1 or layout(storage) != self.layout:
             return False
-        source, n = storage.handle, storage.num_entries
-        mine = (self.keys[slot], self.values[slot], self.positions[slot], {n: s[slot] for n, s in self.state.items()})
-        mine[0][..., :n, :].copy_(storage.keys[..., :n, :])
-        mine[1][..., :n, :].copy_(storage.values[..., :n, :])
-        mine[2][..., :n].copy_(storage.positions[..., :n])
-        for name, buffer in mine[3].items():
-            buffer[..., :n].copy_(storage.state[name][..., :n])
+        source = storage.handle
+        copy_entries(self.slot_buffers(slot), (storage.keys, storage.values, storage.positions, storage.state),
+                     storage.num_entries)
         self.host[slot] = source.arena.host[source.slot]
         storage.bind(Handle(self, slot))
         self.occupant[slot] = storage

@@ -67,8 +67,7 @@ class Storage:
             self.keys = self.values = self.positions = None
             self.state, self.planes = {}, []
             return
-        self.keys, self.values, self.positions = arena.keys[slot], arena.values[slot], arena.positions[slot]
-        self.state = {name: s[slot] for name, s in arena.state.items()}
+        self.keys, self.values, self.positions, self.state = arena.slot_buffers(slot)
         self.capacity = self.keys.shape[3]
         # The planes seen as one layer whose batch rows are every plane's rows (layer-major, then batch).
         self.flat = arena.rows(slot, slot + 1)
@@ -180,7 +179,7 @@ class Storage:
         elif open_q == q and plane == self._counts.item(WRITTEN):
             needed = self.num_entries
             start = needed - q
-            self.handle.arena.wrote(self.handle.slot, self.handle.slot + 1, plane, q, scratch=True)
+            self.handle.arena.count_plane(self._counts, plane)  # its turn checked just above
         else:
             given = self.layer_seen(plane)
             raise RuntimeError(
