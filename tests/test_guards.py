@@ -39,11 +39,6 @@ def engine_positions(cache) -> list[torch.Tensor]:
     return [sorted_positions(cache.layers[i].view(i).positions) for i in range(LAYERS)]
 
 
-def kept_positions_of(policy, view: LayerView, budget: int) -> torch.Tensor:
-    """The positions (sorted) a policy keeps from a hand-made view: independent of index conventions."""
-    return sorted_positions(view.positions.gather(-1, policy.keep_indices(view, budget)))
-
-
 class StockReference:
     """Block-wise processing by stock transformers over a chosen set of cached entries per layer and KV head."""
 
@@ -198,7 +193,7 @@ def test_snapkv_pooling_keeps_the_hand_computed_entries(pooling, attention, kept
     view = LayerView(torch.randn(1, 1, n, 4), torch.randn(1, 1, n, 4), (100 + slots).view(1, 1, n),
                      torch.tensor(attention)[slots].view(1, 1, n), {}, 0)
     policy = build_policy("snapkv", window=2, kernel_size=3, pooling=pooling)
-    assert kept_positions_of(policy, view, 5)[0, 0].tolist() == kept
+    assert sorted_positions(view.positions.gather(-1, policy.keep_indices(view, 5)))[0, 0].tolist() == kept
 
 
 @pytest.mark.extended
