@@ -23,8 +23,9 @@ def kept_positions(policy, layer, budget) -> list[list[list[int]]]:
 def random_view(seed: int, batch=2, heads=3, n=97, span=400) -> LayerView:
     """Entries in shuffled buffer order, with gaps in their positions (as after earlier evictions)."""
     g = torch.Generator().manual_seed(seed)
-    positions = torch.stack([torch.stack([torch.randperm(span, generator=g)[:n] for _ in range(heads)]) for _ in range(batch)])
-    return LayerView(keys=torch.randn(batch, heads, n, 8, generator=g), values=torch.randn(batch, heads, n, 8, generator=g),
+    positions = torch.stack([torch.randperm(span, generator=g)[:n] for _ in range(batch * heads)]).view(batch, heads, n)
+    return LayerView(keys=torch.randn(batch, heads, n, 8, generator=g),
+                     values=torch.randn(batch, heads, n, 8, generator=g),
                      positions=positions, attention=torch.rand(batch, heads, n, generator=g), state={}, layers=0)
 
 
@@ -51,7 +52,8 @@ class GivenScores(Policy):
 
 def one_head_view(scores: list[float]) -> LayerView:
     n = len(scores)
-    return LayerView(keys=torch.zeros(1, 1, n, 4), values=torch.zeros(1, 1, n, 4), positions=torch.arange(n)[None, None],
+    return LayerView(keys=torch.zeros(1, 1, n, 4), values=torch.zeros(1, 1, n, 4),
+                     positions=torch.arange(n)[None, None],
                      attention=torch.tensor(scores, dtype=torch.float32)[None, None], state={}, layers=0)
 
 

@@ -48,17 +48,19 @@ def test_epsilon_is_added_per_query_row_as_in_kvpress():
     # One row (TOVA, or SnapKV while decoding): epsilon as it is.
     one = LayerView(keys=view.keys, values=values, positions=view.positions, attention=weights[:, :, 0],
                     state={STATE: norms}, layers=0, output_projection=projection)
-    torch.testing.assert_close(policy.score(one)[..., :prefix], (weights[:, :, 0, :prefix] + 0.05) * norms[..., :prefix])
+    expected = (weights[:, :, 0, :prefix] + 0.05) * norms[..., :prefix]
+    torch.testing.assert_close(policy.score(one)[..., :prefix], expected)
 
 
 def test_negative_scores_are_shifted_so_a_larger_norm_never_lowers_an_entry():
     scores = torch.tensor([[[-0.9, -0.2, 0.3]]])
-    low, high = critical_scores(scores, torch.ones(1, 1, 3), 1e-4, False), critical_scores(scores, torch.full((1, 1, 3), 2.0), 1e-4, False)
+    low, high = (critical_scores(scores, torch.full((1, 1, 3), norm), 1e-4, False) for norm in (1.0, 2.0))
     assert bool((high >= low).all())  # without the shift (-0.9 + eps) x 2 < (-0.9 + eps) x 1
     torch.testing.assert_close(low, torch.tensor([[[1e-4, 0.7 + 1e-4, 1.2 + 1e-4]]]))
     # Non-negative scores are kvpress's formula as it is.
     plain = torch.tensor([[[0.1, 0.5]]])
-    torch.testing.assert_close(critical_scores(plain, torch.tensor([[[3.0, 1.0]]]), 0.01, False), torch.tensor([[[0.33, 0.51]]]))
+    expected = torch.tensor([[[0.33, 0.51]]])
+    torch.testing.assert_close(critical_scores(plain, torch.tensor([[[3.0, 1.0]]]), 0.01, False), expected)
     # Log scores: log((exp(s) + eps) x norm).
     logs = torch.tensor([[[-5.0, -1.0]]])
     expected = torch.log((logs.exp() + 0.01) * torch.tensor([[[2.0, 0.5]]]))
