@@ -229,6 +229,7 @@ def test_pyramid_budgets_equal_the_hand_computed_ones(budget, layers, beta, wind
     spec = {"schedule": "pyramid", "beta": beta, "window": window}
     assert split_budget(spec, budget, layers) == expected
     assert sum(expected) == budget * layers  # the uniform total
+    assert split_budget(None, budget, layers) == [budget] * layers  # no schedule: uniform
     assert smallest_layer_budget(spec, budget) == window + math.floor((budget - window) / beta) <= expected[-1]
 
 
