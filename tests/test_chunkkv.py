@@ -1,5 +1,5 @@
 """ChunkKV (keydiff.policies.chunkkv.Chunked) against the brute-force loops of tests/test_policy_contract.py (which
-also checks every eviction of a real prefill): scopes, whole chunks, exact float32 sums, parameters."""
+also checks every eviction of a real prefill): scopes, whole chunks, exact float32 sums."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from keydiff.policies import Chunked, KNorm, SnapKV, build_policy
+from keydiff.policies import Chunked, KNorm, SnapKV
 from keydiff.policies.base import LayerView, Policy
 from tests.test_policy_contract import choose, scores_and_protected
 
@@ -23,29 +23,21 @@ def kept_positions(policy, layer, budget) -> list[list[list[int]]]:
 def random_view(seed: int, batch=2, heads=3, n=97, span=400) -> LayerView:
     """Entries in shuffled buffer order, with gaps in their positions (as after earlier evictions)."""
     g = torch.Generator().manual_seed(seed)
-    positions = torch.stack([torch.stack([torch.randperm(span, generator=g)[:n] for _ in range(heads)]) for _ in range(batch)])
-    return LayerView(keys=torch.randn(batch, heads, n, 8, generator=g), values=torch.randn(batch, heads, n, 8, generator=g),
+    positions = torch.stack([torch.randperm(span, generator=g)[:n] for _ in range(batch * heads)]).view(batch, heads, n)
+    return LayerView(keys=torch.randn(batch, heads, n, 8, generator=g),
+                     values=torch.randn(batch, heads, n, 8, generator=g),
                      positions=positions, attention=torch.rand(batch, heads, n, generator=g), state={}, layers=0)
 
 
-@pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("chunk_length", [1, 3, 20])
 @pytest.mark.parametrize("scorer", [KNorm(), SnapKV(window=8)], ids=["knorm", "snapkv"])
 @pytest.mark.parametrize("scope", ["layer", "head"])
-def test_random_views_keep_what_the_reference_keeps(seed, chunk_length, scorer, scope):
-    layer, budget = random_view(seed), 41
+def test_random_views_keep_what_the_reference_keeps(chunk_length, scorer, scope):
+    layer, budget = random_view(chunk_length), 41
     policy = Chunked(scorer, chunk_length=chunk_length, scope=scope)
     scores, protected = scores_and_protected(policy, layer, budget)  # the chunk sums by loops
     expected = [choose(*row, [budget] * len(row[0])) for row in zip(scores, protected, layer.positions.tolist())]
     assert kept_positions(policy, layer, budget) == expected
-
-
-def test_build_and_describe_round_trip():
-    policy = build_policy("snapkv", window=32, chunk_length=20, layer_budgets={"schedule": "pyramid", "beta": 20})
-    described = policy.describe()
-    assert described["chunk_length"] == 20 and list(described)[-3:] == ["chunk_length", "chunk_scope", "layer_budgets"]
-    assert build_policy(**described).describe() == described
-    assert policy.needs.rows_alike and policy.needs.attention_rows == 32
 
 
 @dataclass
@@ -60,7 +52,8 @@ class GivenScores(Policy):
 
 def one_head_view(scores: list[float]) -> LayerView:
     n = len(scores)
-    return LayerView(keys=torch.zeros(1, 1, n, 4), values=torch.zeros(1, 1, n, 4), positions=torch.arange(n)[None, None],
+    return LayerView(keys=torch.zeros(1, 1, n, 4), values=torch.zeros(1, 1, n, 4),
+                     positions=torch.arange(n)[None, None],
                      attention=torch.tensor(scores, dtype=torch.float32)[None, None], state={}, layers=0)
 
 

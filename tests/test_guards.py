@@ -39,11 +39,6 @@ def engine_positions(cache) -> list[torch.Tensor]:
     return [sorted_positions(cache.layers[i].view(i).positions) for i in range(LAYERS)]
 
 
-def kept_positions_of(policy, view: LayerView, budget: int) -> torch.Tensor:
-    """The positions (sorted) a policy keeps from a hand-made view: independent of index conventions."""
-    return sorted_positions(view.positions.gather(-1, policy.keep_indices(view, budget)))
-
-
 class StockReference:
     """Block-wise processing by stock transformers over a chosen set of cached entries per layer and KV head."""
 
@@ -198,7 +193,7 @@ def test_snapkv_pooling_keeps_the_hand_computed_entries(pooling, attention, kept
     view = LayerView(torch.randn(1, 1, n, 4), torch.randn(1, 1, n, 4), (100 + slots).view(1, 1, n),
                      torch.tensor(attention)[slots].view(1, 1, n), {}, 0)
     policy = build_policy("snapkv", window=2, kernel_size=3, pooling=pooling)
-    assert kept_positions_of(policy, view, 5)[0, 0].tolist() == kept
+    assert sorted_positions(view.positions.gather(-1, policy.keep_indices(view, 5)))[0, 0].tolist() == kept
 
 
 @pytest.mark.extended
@@ -283,21 +278,13 @@ def test_top_p_samples_exactly_the_nucleus(top_p, nucleus):
         assert abs(frequency - float(probs[rank]) / mass) < 0.07, (rank, frequency)
 
 
-@pytest.mark.unit
-def test_top_p_one_and_greedy_are_unfiltered():
-    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
-    drawn = {int(next_token(logits, True, 1.0, 1.0, torch.Generator().manual_seed(s))) for s in range(300)}
-    assert drawn == {0, 1, 2, 3}
-    assert int(next_token(logits, False, 1.0, 0.5, None)) == 0
-
-
 def runner_cfg(model_dir, *overrides: str, task: dict | None = None):
     from hydra import compose, initialize_config_dir
 
     with initialize_config_dir(str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=["model=custom", f"model.path={model_dir}", "model.dtype=float32",
                                            "model.device=cpu", "model.max_length=4096",
-                                           f"results_root={model_dir.parent / 'runs'}", *overrides])  # not the checkout's
+                                           f"results_root={model_dir.parent / 'runs'}", *overrides])
     with open_dict(cfg):
         cfg.task = OmegaConf.create({"_target_": "tests.conftest.LengthsTask", "name": "guard_lengths",
                                      "lengths": [30, 100], "max_new_tokens": 4, "limit": None, **(task or {})})
@@ -306,35 +293,20 @@ def runner_cfg(model_dir, *overrides: str, task: dict | None = None):
 
 @pytest.fixture
 def tiny_runner(tmp_path, monkeypatch):
-    """runner.run with the tiny model and char tokenizer, counting model loads, samples run and prefill calls."""
-    from keydiff.run import runner, samples
+    """runner.run with the tiny model and char tokenizer; (runner, model folder, model loads so far)."""
+    from keydiff.run import runner
 
     model = tiny_llama("sdpa")
     model_dir = tmp_path / "tiny-model"
     model.config.save_pretrained(model_dir)  # model=custom validates a local folder with a config.json
-    calls = {"load": 0, "prefill": 0, "sample": 0}
+    calls = {"load": 0}
 
     def load(cfg):
         calls["load"] += 1
         return model, char_tokenizer()
 
-    real_prefill = samples.prefill
-
-    def counting_prefill(*args, **kwargs):
-        calls["prefill"] += 1
-        return real_prefill(*args, **kwargs)
-
     monkeypatch.setattr(runner, "load_model", load)
     monkeypatch.setattr(runner, "_LOADED", {})
-    real_run_sample = samples.run_sample
-
-    def counting_run_sample(*args, **kwargs):
-        calls["sample"] += 1
-        return real_run_sample(*args, **kwargs)
-
-    monkeypatch.setattr(runner, "prefill", counting_prefill)
-    monkeypatch.setattr(samples, "prefill", counting_prefill)
-    monkeypatch.setattr(samples, "run_sample", counting_run_sample)
     return runner, model_dir, calls
 
 
@@ -385,83 +357,14 @@ def test_runner_rows_cap_compression_and_count_keys_and_values(tmp_path, tiny_ru
     assert stats["mean_kept_ratio"] == pytest.approx((1.0 + budget / 100) / 2)
 
 
-@pytest.mark.parametrize("shape", [{}, {"num_key_value_heads": 1, "head_dim": 24}], ids=["gqa", "mqa_head_dim_24"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("dtype, shape", [(torch.float32, {}), (torch.bfloat16, {"num_key_value_heads": 1,
+                                                                                 "head_dim": 24})])
 def test_kv_bytes_per_layer_entry_counts_keys_and_values(dtype, shape):
     """Bytes per cached token and layer equal a stock DynamicCache's (keys and values, KV heads, head_dim 24, dtype)."""
     from keydiff.run.samples import kv_bytes_per_layer_entry
 
     model = tiny_llama("sdpa", **shape).to(dtype)
     assert kv_bytes_per_layer_entry(model) * LAYERS == stock_kv_bytes_per_token(model)
-
-
-@pytest.mark.extended
-def test_resume_never_reruns_finished_samples(tmp_path, tiny_runner):
-    runner, model_dir, calls = tiny_runner
-    overrides = ("policy=tova", "budget.tokens=48", "block_size=16")
-    run_dir = tmp_path / "run"
-    first = runner.run(runner_cfg(model_dir, *overrides, task={"limit": 1}), run_dir)
-    # One sample, plus one untimed warm-up prefill per invocation that has work to do.
-    assert calls["sample"] == 1 and calls["prefill"] == 2 and first["statistics"]["samples"] == 1
-    rows_after_first = read_rows(run_dir)
-    # A larger limit resumes: only the missing sample runs, the finished row stays as written.
-    second = runner.run(runner_cfg(model_dir, *overrides), run_dir)
-    assert calls["sample"] == 2 and calls["prefill"] == 4
-    rows = read_rows(run_dir)
-    assert [row["sample_id"] for row in rows] == ["len30", "len100"] and rows[0] == rows_after_first[0]
-    assert second["complete"] is True and second["statistics"]["samples"] == 2
-    # Everything finished: no prefill, no new rows, and the summary still counts each sample once.
-    third = runner.run(runner_cfg(model_dir, *overrides), run_dir)
-    assert calls["sample"] == 2 and calls["prefill"] == 4  # no warm-up either
-    assert read_rows(run_dir) == rows
-    assert third["statistics"]["samples"] == 2 and third["complete"] is True
-
-
-def jaccard_agreement(a_list: list[torch.Tensor], b_list: list[torch.Tensor]) -> float:
-    """Mean over rows, layers and KV heads of |A ∩ B| / |A ∪ B| of the kept position sets."""
-    values = []
-    for a, b in zip(a_list, b_list):
-        for row in range(a.shape[0]):
-            for head in range(a.shape[1]):
-                sa, sb = set(a[row, head].tolist()), set(b[row, head].tolist())
-                values.append(len(sa & sb) / len(sa | sb))
-    return sum(values) / len(values)
-
-
-# H2O is left out: on this near-uniform attention its kept set is the earliest positions at any precision, so its
-# accumulation is checked by test_h2o_accumulates_in_float32_in_low_precision_models instead.
-PRECISION_POLICIES = [
-    ("keydiff", {}),
-    ("snapkv", {"window": 8, "kernel_size": 7, "pooling": "avg"}),
-    ("tova", {}),
-]
-PRECISION_SETUP = dict(budget=100, block=80, length=240, batch=4)  # two evictions per layer
-# Measured on seeds 21-26 (torch 2.13, CPU): correct runs agree >= 0.970 (bf16) / 0.975 (fp16) with float32 and
-# their logits differ <= 0.0105 / 0.0071; the statistic's softmax taken in bf16 drops bf16 to 0.78-0.88 (logits
-# 0.020-0.034). fp16 keeps a margin for other CPUs' kernels: it guards against breakdowns, bf16 against that bug.
-MIN_AGREEMENT = {torch.bfloat16: 0.90, torch.float16: 0.95}
-LOGITS_ATOL = {torch.bfloat16: 0.02, torch.float16: 0.015}
-
-
-@pytest.fixture(scope="module")
-def precision_prompts():
-    return random_prompt(PRECISION_SETUP["length"], seed=21, batch=PRECISION_SETUP["batch"])
-
-
-@pytest.mark.extended
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("name, params", PRECISION_POLICIES, ids=[p[0] for p in PRECISION_POLICIES])
-def test_low_precision_prefill_agrees_with_float32(engine_model, precision_prompts, dtype, name, params):
-    budget, block = PRECISION_SETUP["budget"], PRECISION_SETUP["block"]
-    reference = prefill(engine_model, precision_prompts, build_policy(name, **params), budget, block)
-    low = prefill(tiny_llama("sdpa").to(dtype), precision_prompts, build_policy(name, **params), budget, block)
-    assert all(p.shape[-1] == budget for p in low.kept_positions)
-    agreement = jaccard_agreement([sorted_positions(p) for p in reference.kept_positions],
-                                  [sorted_positions(p) for p in low.kept_positions])
-    assert agreement >= MIN_AGREEMENT[dtype], f"{name} {dtype}: kept-set agreement {agreement:.3f}"
-    assert low.logits.dtype == torch.float32 and torch.isfinite(low.logits).all()
-    error = (low.logits - reference.logits).abs().max().item()
-    assert error <= LOGITS_ATOL[dtype], f"{name} {dtype}: logits differ by {error:.4f}"
 
 
 @dataclass
@@ -477,19 +380,17 @@ class ObservedH2O(H2O):
 
 
 @pytest.mark.extended
-@pytest.mark.parametrize("statistics", ["fast", "materialized"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_h2o_accumulates_in_float32_in_low_precision_models(precision_prompts, dtype, statistics):
+@pytest.mark.parametrize("dtype, statistics", [(torch.bfloat16, "fast"), (torch.float16, "materialized")],
+                         ids=["bf16_fast", "fp16_materialized"])
+def test_h2o_accumulates_in_float32_in_low_precision_models(dtype, statistics):
     """Every held entry's H2O score is the float32 sum (recomputed in float64) of the attention it was handed."""
     # Decoding adds ~1/100 to sums of 1.4-6.7, below half a bf16 ulp. Measured worst relative error: <= 6e-7 when
     # correct; 9.5e-2 / 1.5e-2 (bf16 / fp16) with the state in the model's dtype; 2.7e-3 / 3.2e-4 rounding each add.
-    budget, block = PRECISION_SETUP["budget"], PRECISION_SETUP["block"]
+    budget, block, length, batch, new = 100, 80, 240, 4, 40  # two evictions per layer
     model, policy = tiny_llama("sdpa").to(dtype), ObservedH2O()
-    state = prefill(model, precision_prompts, policy, budget, block, attention_statistics=statistics)
-    generate(model, state, 40)
-    length = PRECISION_SETUP["length"] + 40
-    batch = PRECISION_SETUP["batch"]
-    sums = [torch.zeros(batch, KV_HEADS, length, dtype=torch.float64) for _ in range(LAYERS)]
+    state = prefill(model, random_prompt(length, 21, batch), policy, budget, block, attention_statistics=statistics)
+    generate(model, state, new)
+    sums = [torch.zeros(batch, KV_HEADS, length + new, dtype=torch.float64) for _ in range(LAYERS)]
     for layer_idx, positions, attention in policy.observed:
         assert attention.dtype == torch.float32
         sums[layer_idx].scatter_add_(2, positions, attention.double())
