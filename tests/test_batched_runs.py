@@ -15,11 +15,10 @@ import torch
 from omegaconf import OmegaConf, open_dict
 
 from keydiff.decode import scheduler
-from keydiff.device import out_of_memory
 from keydiff.run import runner
 from keydiff.run.preemption import Preempted
 from keydiff.run.results import run_dir_of
-from tests.conftest import char_tokenizer, out_of_memory_error, tiny_llama
+from tests.conftest import char_tokenizer, tiny_llama
 from tests.test_cluster import make_cfg, rows_of
 
 pytestmark = [pytest.mark.integration, pytest.mark.extended]
@@ -69,15 +68,6 @@ def same_rows(a: dict[str, dict], b: dict[str, dict]) -> None:
 def run_at(cfg):
     summary = runner.run(cfg, run_dir_of(cfg))
     return summary, by_id(summary["run_dir"])
-
-
-def test_the_one_out_of_memory_rule_reads_an_error_and_what_it_was_raised_from_or_while_handling():
-    """An allocator's error, or one raised from or while handling one (a capture's end), is out of memory; no other."""
-    capture, cause = RuntimeError("CUDA error: operation failed during capture"), RuntimeError("wrapped")
-    capture.__context__, cause.__cause__ = out_of_memory_error(), MemoryError()
-    assert out_of_memory(capture) and out_of_memory(cause)
-    assert out_of_memory(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 GB"))
-    assert not out_of_memory(ValueError("out of memory")) and not out_of_memory(None)  # not an allocator's error
 
 
 def test_out_of_memory_in_a_batch_step_retries_at_half_the_width(tmp_path, tiny, inject_oom):
@@ -175,8 +165,8 @@ def test_out_of_memory_with_a_plain_request_in_flight_is_raised(inject_oom):
         list(keydiff.generate_batch(model, [keydiff.Request(s, 4, key=i) for i, s in enumerate(states)], 2))
 
 
-def test_a_stop_signal_in_a_batch_writes_finished_rows_and_the_resume_finishes_the_rest(tmp_path, tiny, monkeypatch):
-    _, expected = run_at(lengths_cfg(tmp_path, "b1"))
+def test_a_stop_signal_in_a_batch_writes_the_finished_rows(tmp_path, tiny, monkeypatch):
+    """The signal passes through the batch's loop (not reported as the batch's failure), its finished rows kept."""
     real = scheduler.Decoder.generate
 
     def interrupted(self, requests):
@@ -193,17 +183,7 @@ def test_a_stop_signal_in_a_batch_writes_finished_rows_and_the_resume_finishes_t
     cfg = lengths_cfg(tmp_path, "stop", "batch_size=4")
     with pytest.raises(Preempted):
         run_at(cfg)
-    first = by_id(run_dir_of(cfg))
-    assert len(first) == 2
-    monkeypatch.setattr(scheduler.Decoder, "generate", real)
-    summary, rows = run_at(cfg)
-    assert summary["complete"]
-    same_rows(expected, rows)
-    assert all(rows[key] == first[key] for key in first)  # the rows written before the signal are kept as they were
-    stopped, resumed = summary["invocations"]  # each invocation, with the rows it wrote
-    assert (stopped["stopped_by"], stopped["rows"], resumed["stopped_by"], resumed["rows"]) == (
-        "stopped by SIGTERM", 2, None, len(LENGTHS) - 2)
-    assert {rows[key]["invocation"] for key in first} == {stopped["id"]} and summary["stopped_by"] is None
+    assert len(by_id(run_dir_of(cfg))) == 2
 
 
 @pytest.mark.unit
