@@ -155,7 +155,6 @@ def test_follow_up_refuses_an_undecoded_state_and_feed_and_copy_a_decoded_one(mo
     assert turn.held_suffix == 10 and state.cache is None and not turn.decoded
 
 
-# ------------------------------------------------------------------------------------------ the task
 CHATML = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
           "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
@@ -178,36 +177,18 @@ def test_task_is_deterministic_and_each_answer_is_in_its_context_once(template):
     tokenizer = char_tokenizer(template)
     task, again = shared_task(), shared_task()
     task.validate()
-    samples = list(task.samples())
-    assert [s.id for s in samples] == [f"c{c}/q{j}" for c in range(3) for j in range(4)]
-    for c in range(3):
-        group = [s for s in samples if s.fields["context"] == c]
-        assert {task.shard_group(s) for s in group} == {f"c{c}"}  # a context's questions share its prefill
-        shared = task.shared_context(group, tokenizer, None)
-        assert shared == again.shared_context([s for s in again.samples() if s.fields["context"] == c], tokenizer, None)
-        context = text(tokenizer, shared.context_ids)
-        values = [s.fields["answers"][0] for s in group]
-        assert len(set(values)) == 4 and {s.fields["key"] for s in group}.isdisjoint(values)
-        for sample, prompt, follow in zip(group, shared.questions, shared.follow_ups):
-            value, key = sample.fields["answers"][0], sample.fields["key"]
-            assert context.count(value) == 1 and context.count(key) == 1  # its needle, once
-            question = text(tokenizer, prompt.input_ids[prompt.context_tokens:])
-            assert question.startswith("What is the special magic number for " + key) and value not in question
-            assert key in text(tokenizer, follow) and value not in text(tokenizer, follow)
-            assert prompt == task.build_prompt(sample, tokenizer, None, query_aware=False)
-            whole = task.build_prompt(sample, tokenizer, None)
-            assert whole.context_tokens is None and len(whole.input_ids) + 128 <= 1500
-            assert prompt.info["context_id"] == c and prompt.info["questions"] == 4
-        assert task.score(group[0], f" {values[0]}.") == {"score": 1.0}
-        assert task.score(group[0], f" {values[1]}.") == {"score": 0.0}
+    group = [s for s in task.samples() if s.fields["context"] == 1]
+    assert {task.shard_group(s) for s in group} == {"c1"}  # a context's questions share its prefill
+    shared = task.shared_context(group, tokenizer, None)
+    assert shared == again.shared_context([s for s in again.samples() if s.fields["context"] == 1], tokenizer, None)
+    context, values = text(tokenizer, shared.context_ids), [s.fields["answers"][0] for s in group]
+    for sample, prompt in zip(group, shared.questions):
+        assert context.count(sample.fields["answers"][0]) == 1 and context.count(sample.fields["key"]) == 1
+        assert prompt == task.build_prompt(sample, tokenizer, None, query_aware=False)
+        assert task.build_prompt(sample, tokenizer, None).context_tokens is None
+    assert task.score(group[0], f" {values[0]}.") == {"score": 1.0}
+    assert task.score(group[0], f" {values[1]}.") == {"score": 0.0}
     assert task.data_sources() == again.data_sources() and len(task.data_sources()) > 1  # summary.json's "data"
-    # the first k needles of a context are the same for every k
-    assert shared_task(questions=8).plan(1)["keys"][:4] == task.plan(1)["keys"]
-    if template:  # a follow-up closes the answer's turn and opens the next one
-        assert text(tokenizer, shared.follow_ups[1]).startswith("</s><|user|>What is the special magic number for ")
-        key = group[1].fields["key"]
-        assert text(tokenizer, shared.follow_ups[1]).endswith(
-            f"</s><|assistant|> The special magic number for {key} mentioned in the provided text is")
 
 
 @pytest.mark.unit
@@ -267,7 +248,6 @@ def test_summary_averages_per_asking_rank_and_per_depth_rank():
     assert summary["by_ask_rank"] == {"0": 1.0, "1": 0.5} and summary["by_depth_rank"] == {"0": 0.5, "1": 1.0}
 
 
-# ------------------------------------------------------------------------------------------ configuration
 @pytest.fixture
 def no_model_load(monkeypatch):
     monkeypatch.setattr(runner, "load_model", lambda *a, **k: (_ for _ in ()).throw(AssertionError("model loaded")))
@@ -292,27 +272,3 @@ def test_bad_settings_are_one_line_before_the_model_loads(no_model_load, tmp_pat
     with pytest.raises(ValueError, match=message) as error:
         runner.run(cfg, tmp_path / "run")
     assert "\n" not in str(error.value) and not (tmp_path / "run").exists()
-
-
-@pytest.mark.real_model
-@pytest.mark.parametrize("max_new_tokens", [None, 32])
-def test_the_default_multi_turn_conversation_fits_the_default_model_exactly(max_new_tokens):
-    """With SmolLM2's tokenizer, the exact count (first prompt + 7 follow-up turns + 8 answers) at 4K fits 8192."""
-    from transformers import AutoTokenizer
-
-    from keydiff.models import ensure_builtin_model
-    from keydiff.tasks.ruler_shared import RulerShared
-
-    tokenizer = AutoTokenizer.from_pretrained(str(ensure_builtin_model("smollm2-135m")), local_files_only=True)
-    task = RulerShared(questions=8, mode="multi_turn", max_new_tokens=max_new_tokens, limit=1)
-    samples = list(task.samples())
-    shared = task.shared_context(samples, tokenizer, 8192)
-    longest = len(shared.questions[0].input_ids) + sum(len(f) for f in shared.follow_ups[1:]) + 8 * (
-        max_new_tokens or 128)
-    assert 4096 < longest <= 8192
-
-
-@pytest.mark.unit
-def test_mode_and_k_name_the_run_directory():
-    cfg = make_cfg("task=shared_ruler_4k", "task.questions=8", "task.mode=multi_turn", "query_aware=false")
-    assert cfg.run_subdir.startswith("shared_ruler_4k-k8-multi_turn/smollm2-135m/keydiff/2k/bs128-query-agnostic/")
