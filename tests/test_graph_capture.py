@@ -9,6 +9,8 @@ import torch
 import keydiff
 from keydiff import Decoder, generate, prefill
 from keydiff.decode.static import stand_in_graphs
+from keydiff.policies.base import LayerView
+from keydiff.policies.keydiff import KeyDiff, cosine_to_mean, inverse_key_norms
 from tests.conftest import tiny_llama
 
 pytestmark = pytest.mark.integration
@@ -39,6 +41,20 @@ def test_a_run_whose_graphs_were_all_released_captures_into_a_new_pool():
     assert before == 2 and record["failed"] == 0 and record["captured"] == 4 and not record["stopped"], record
     pools = [capture["pool"] for capture in cuda.captures]
     assert pools[0] == pools[1] != pools[2] == pools[3], pools
+
+
+@pytest.mark.unit
+def test_half_precision_keys_are_scored_in_float32_slices_as_a_whole_copy_would_score_them(monkeypatch):
+    """Keys in slices no larger than FLOAT_SLICE_BYTES (no float32 copy of a large cache in a graph's pool)."""
+    import keydiff.policies.keydiff as keydiff_policy
+
+    monkeypatch.setattr(keydiff_policy, "FLOAT_SLICE_BYTES", 1 << 10)  # the tiny keys in slices, as a large cache's
+    keys = torch.randn(6, 2, 41, 16, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    inv = inverse_key_norms(keys)
+    assert torch.equal(inv, torch.linalg.vector_norm(keys.float(), dim=-1).clamp_min(1e-8).reciprocal())
+    view = LayerView(keys=keys, values=keys, positions=torch.zeros(6, 2, 41, dtype=torch.long), attention=None,
+                     state={"inv_norm": inv}, layers=(0,) * 6)
+    assert torch.equal(KeyDiff().score(view), -cosine_to_mean(keys.float(), True, inv))
 
 
 @pytest.mark.unit
