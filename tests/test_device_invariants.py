@@ -35,6 +35,7 @@ STATISTIC_FIXED = ("tova", "snapkv", "h2o")  # in fixed shapes as one sequence a
 FULL_CHECK_BLOCK = 64
 FULL_CHECK_BLOCKS = (1, 5, 64, 128, None)  # None: the whole prompt as one block; B = 1 on prompts <= 512 only
 NEEDLE_SEED = 36
+NO_FLASH = "flash-attn is not installed (pip install -e '.[flash]' --no-build-isolation)"
 
 # prompt tokens L, N (> 32: SnapKV's window), B, tokens decoded
 Sizes = namedtuple("Sizes", "length budget block new_tokens")
@@ -89,8 +90,7 @@ def pytest_generate_tests(metafunc):
 def engine(setting, device) -> Engine:
     """The setting's random model on the device, with a random prompt of the device's sizes."""
     if setting.attn == "flash_attention_2":
-        pytest.importorskip("flash_attn", reason="flash-attn is not installed (pip install -e '.[flash]' "
-                                                 "--no-build-isolation)")
+        pytest.importorskip("flash_attn", reason=NO_FLASH)
     model = common.build_model(setting.model, setting.dtype, setting.attn, device)
     sizes = SIZES[kind(device)][setting.model]
     yield Engine(model, common.random_prompt(model, sizes.length).to(device), sizes, TOLERANCE[setting.dtype])
@@ -244,8 +244,7 @@ def test_stacked_eviction_keeps_what_layer_by_layer_keeps(engine, setting, recor
 
 
 def test_a_batch_of_4_decodes_what_each_decodes_alone(engine, record_property):
-    """Four prompts of different lengths (one shorter than N) per policy, greedy: only the batched projections and
-    MLPs may round otherwise than at batch 1 (prefills run alone, attention row by row)."""
+    """Four prompts of different lengths (one shorter than N) per policy, greedy."""
     model, prompt, sizes = engine.model, engine.prompt, engine.sizes
     lengths = [prompt.shape[1], prompt.shape[1] * 3 // 4, prompt.shape[1] // 2, max(8, sizes.budget // 2)]
     failures = []
@@ -262,8 +261,7 @@ def test_a_batch_of_4_decodes_what_each_decodes_alone(engine, record_property):
 
 
 def test_the_fixed_shape_step_equals_the_ordinary_step(engine, record_property):
-    """Same kept positions, logits and tokens, bit for bit (on CUDA a replayed graph). KeyDiff: prefill, 4 forks
-    together, one alone; the attention-statistic policies: prefill and one alone."""
+    """Bit for bit (on CUDA a replayed graph): KeyDiff 4 forks together and one alone, the statistic ones alone."""
     model, prompt, sizes = engine.model, engine.prompt, engine.sizes
     on, off = (prefill(model, prompt, "keydiff", sizes.budget, sizes.block, fixed_shapes=f) for f in (True, False))
     assert all_equal(on.kept_positions, off.kept_positions), "keydiff prefill: kept differ"
@@ -292,8 +290,7 @@ def test_the_fixed_shape_step_equals_the_ordinary_step(engine, record_property):
 
 
 def test_one_decoder_captures_one_graph_per_step_across_its_calls(engine, device, record_property):
-    """Three prompts, one call each through one width-1 Decoder (as a batch-1 run), replay one decode and one block
-    graph and give the ordinary step's logits and tokens. Off CUDA the graphs are stood in for."""
+    """Three prompts through one width-1 Decoder replay one decode and one block graph (stood in for off CUDA)."""
     model, prompt, sizes = engine.model, engine.prompt, engine.sizes
     decode_graphs, block_graphs, same = [], [], 0
     with nullcontext() if device.type == "cuda" else stand_in_graphs():
@@ -336,7 +333,7 @@ def test_fast_statistics_keep_nearly_what_materialized_ones_keep(engine, setting
 def test_flash_attention_2_gives_sdpas_logits(device, model_name, record_property):
     if device.type != "cuda":
         pytest.skip("flash_attention_2 runs on CUDA only")
-    pytest.importorskip("flash_attn", reason="flash-attn is not installed (pip install -e '.[flash]' --no-build-isolation)")
+    pytest.importorskip("flash_attn", reason=NO_FLASH)
     sizes = SIZES["cuda"][model_name]
     sdpa = common.build_model(model_name, torch.bfloat16, "sdpa", device)
     flash = common.build_model(model_name, torch.bfloat16, "flash_attention_2", device)
@@ -366,8 +363,7 @@ def split_over(model, devices: list[torch.device]):
 
 
 def test_a_model_split_over_two_devices_is_exact_with_a_stack_per_device(device, record_property):
-    """CUDA: the mid-size model in bf16 over cuda:0 and cuda:1 (needs 2 GPUs); elsewhere the tiny one in fp32 over
-    the device twice (one placement: one stack)."""
+    """CUDA: the mid-size model in bf16 over two GPUs; elsewhere the tiny one in fp32 over the device twice."""
     if device.type == "cuda":
         if torch.cuda.device_count() < 2:
             pytest.skip(f"needs 2+ GPUs: {torch.cuda.device_count()} visible")
@@ -398,8 +394,7 @@ def test_a_model_split_over_two_devices_is_exact_with_a_stack_per_device(device,
 @pytest.mark.parametrize("dtype, batch_invariant", [(torch.float32, False), (torch.bfloat16, False),
                                                     (torch.bfloat16, True)], ids=["fp32", "bf16", "bf16-batch_invariant"])
 def test_a_batch_of_16_decodes_what_each_decodes_alone(device, dtype, batch_invariant, record_property, monkeypatch):
-    """KeyDiff and full, greedy, on Llama-3.2-3B's shape on CUDA: fp32 (TF32 off) and bf16 with `batch_invariant`
-    all identical; bf16 without it a count, recorded (cuBLAS may pick other kernels for 16 rows than for 1)."""
+    """fp32 (TF32 off) and bf16 with `batch_invariant` all identical; bf16 without it a count, recorded."""
     shape = SHAPES[kind(device)]
     if device.type == "cuda":
         monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
@@ -429,8 +424,7 @@ def test_a_batch_of_16_decodes_what_each_decodes_alone(device, dtype, batch_inva
 
 
 def needle_outputs(model, needle, others: list, position: int, shape: Shape, batch_invariant: bool):
-    """([greedy, sampled] alone, [greedy, sampled] at `position` among `others`) of the needle's tokens, each decode
-    from a fork; sampled at temperature 1 with a fixed seed (a draw near a boundary turns on the logits' last bits)."""
+    """The needle's [greedy, sampled] tokens alone and at `position` among `others`, each from a fork."""
     def requests(states: list, sample: bool) -> list:
         return [keydiff.Request(s.fork(1)[0], max_new_tokens=shape.tokens, key=i, do_sample=sample,
                                 seed=NEEDLE_SEED if sample else None) for i, s in enumerate(states)]
@@ -446,8 +440,7 @@ def needle_outputs(model, needle, others: list, position: int, shape: Shape, bat
 
 
 def test_a_needle_decodes_alone_what_it_decodes_in_a_batch(device, record_property):
-    """vLLM's check: a needle alone and at a seeded position among 15 others, batch_invariant=True, greedy and
-    sampled: identical. The mode off is the recorded negative control (identical too: the check proves nothing)."""
+    """vLLM's check, batch_invariant=True: identical; the mode off is the recorded negative control."""
     from keydiff.bench.gpu_check import environment
 
     shape = SHAPES[kind(device)]

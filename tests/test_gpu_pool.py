@@ -5,10 +5,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import threading
-import time
-from collections import Counter
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,9 +12,8 @@ from hydra.core.utils import JobStatus
 from omegaconf import OmegaConf
 
 from hydra_plugins.keydiff_sweeper import gpu_launcher
-from hydra_plugins.keydiff_sweeper.gpu_launcher import GpuPoolLauncher, run_on_devices
+from hydra_plugins.keydiff_sweeper.gpu_launcher import GpuPoolLauncher
 from tests.test_cluster_processes import ROOT, child_env, files_under
-
 
 pytestmark = pytest.mark.slow
 
@@ -32,26 +27,6 @@ def test_gpus_on_a_cpu_machine_are_refused_in_one_line_before_anything_runs(tmp_
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert errors == ["error: GPUS=0,1 needs CUDA GPUs; this machine has none (run without GPUS)"], result.stderr
     assert "Traceback" not in result.stderr and files_under(tmp_path / "runs") == []
-
-
-@pytest.mark.unit
-def test_run_on_devices_runs_every_job_with_at_most_one_per_device():
-    busy: Counter = Counter()
-    most: Counter = Counter()
-    lock = threading.Lock()
-
-    def run(job: int, device: str) -> tuple[int, str]:
-        with lock:
-            busy[device] += 1
-            most[device] = max(most[device], busy[device])
-        time.sleep(0.02)
-        with lock:
-            busy[device] -= 1
-        return job, device
-
-    results = run_on_devices(list(range(12)), ["0", "1", "2"], run)
-    assert [job for job, _ in results] == list(range(12))
-    assert set(most) == {"0", "1", "2"} and max(most.values()) == 1
 
 
 def test_each_grid_point_is_its_own_process_pinned_to_one_gpu(tmp_path, monkeypatch):

@@ -1,6 +1,6 @@
-"""Several questions over one compressed context (keydiff.run.shared, keydiff.tasks.ruler_shared): answers never
-leak between questions (multi_request), a conversation keeps its earlier turns within the bound (multi_turn), one
-question shared equals the independent query-agnostic run, the task's data, and the one-line errors."""
+"""Several questions over one compressed context (keydiff.run.shared, keydiff.tasks.ruler_shared): each question
+of multi_request sees a fresh compression and equals the independent query-agnostic run; resumes, the task's data,
+and the one-line errors."""
 
 from __future__ import annotations
 
@@ -75,9 +75,9 @@ class ToyShared(Task):
 ADAKV = {"head_budgets": "adakv", "window": 8}  # "adakv_snapkv" below
 
 
-def plan_of(task: Task, name: str = "keydiff", budget: int | None = BUDGET, evict: bool = True, block=BLOCK) -> RunPlan:
+def plan_of(task: Task, name: str = "keydiff", evict: bool = True) -> RunPlan:
     name, params = ("snapkv", ADAKV) if name == "adakv_snapkv" else (name, {})
-    return RunPlan(name, params, budget, block, "fast", evict, task, ModelConfig(max_length=None), query_aware=False)
+    return RunPlan(name, params, BUDGET, BLOCK, "fast", evict, task, ModelConfig(max_length=None), query_aware=False)
 
 
 def ctx_of(plan: RunPlan, model) -> RunContext:
@@ -101,8 +101,7 @@ def snapshot(state) -> tuple:
                                                  lambda name: name in CORE_POLICIES))
 @pytest.mark.parametrize("evict", [True, False])
 def test_multi_request_feeds_every_question_the_freshly_compressed_context(model, name, evict):
-    """Each question is fed a state holding exactly a fresh compression of the context, and its row equals the
-    independent query-agnostic run of context + that question."""
+    """Each question is fed exactly a fresh compression of the context; its row equals the independent run's."""
     task = ToyShared()
     plan = plan_of(task, name, evict=evict)
     context_ids = task.shared_context(list(task.samples()), None, None).context_ids
@@ -128,47 +127,6 @@ def test_multi_request_feeds_every_question_the_freshly_compressed_context(model
                     "kept_ratio", "max_cache_entries", "new_tokens", "degenerate"):
             assert row[key] == alone[key], (name, sample.id, key)
         assert row["context_mode"] == "multi_request" and row["ttft_s"] <= alone["ttft_s"] + row["context_prefill_s"]
-
-
-def test_multi_turn_keeps_earlier_questions_and_answers_when_they_fit(model):
-    """N above the whole conversation: before question j the cache holds every position of the context, the earlier
-    questions, their answers and the follow-up token."""
-    task = ToyShared(mode="multi_turn")
-    lengths = []
-
-    def before(j, state):
-        seen = state.cache.get_seq_length()
-        lengths.append(seen)
-        for layer in state.cache.layers:
-            positions = layer.held_entries()[0]
-            assert sorted(set(positions[0, 0].tolist())) == list(range(seen)), j
-
-    rows = run_shared(model, task, plan_of(task, "keydiff", budget=2048), before)
-    # question 1 comes after the context, question 0 (9 ids) and answer 0 (6 tokens, the last fed with the turn)
-    assert lengths == [CONTEXT, CONTEXT + 9 + NEW - 1, CONTEXT + 9 + NEW + (1 + 23) + NEW - 1]
-    assert [r["held_tokens"] for r in rows] == [9, 1 + 1 + 23, 1 + 1 + 40]  # the answer's last token + the turn
-    assert [r["prompt_tokens"] for r in rows] == [CONTEXT + 9, lengths[1] + 25, lengths[2] + 42]
-
-
-@pytest.mark.parametrize("name", ["keydiff", "snapkv", "h2o"])
-def test_multi_turn_stays_within_the_bound_and_differs_from_multi_request(model, name):
-    """The conversation's cache holds at most N + max(B, turn + 1) entries per head though it has seen every turn,
-    and its later questions are not asked as multi_request asks them."""
-    task = ToyShared(mode="multi_turn")
-    peaks = []
-
-    def before(j, state):
-        assert all(layer.num_entries <= BUDGET for layer in state.cache.layers)  # back to N after each answer
-        peaks.append(state.cache.get_seq_length())
-
-    rows = run_shared(model, task, plan_of(task, name), before)
-    for row in rows:
-        assert row["max_cache_entries"] <= BUDGET + max(BLOCK, row["held_tokens"] + 1)
-        assert row["kept_tokens"] <= BUDGET
-    assert peaks[-1] > CONTEXT + 9 + 23  # it has seen every earlier turn
-    separate = run_shared(model, ToyShared(), plan_of(ToyShared(), name))
-    assert rows[0]["prediction"] == separate[0]["prediction"]  # the first question is asked the same way
-    assert [r["prompt_tokens"] for r in rows[1:]] != [r["prompt_tokens"] for r in separate[1:]]
 
 
 @pytest.mark.parametrize("mode", ["multi_request", "multi_turn"])
@@ -197,7 +155,6 @@ def test_follow_up_refuses_an_undecoded_state_and_feed_and_copy_a_decoded_one(mo
     assert turn.held_suffix == 10 and state.cache is None and not turn.decoded
 
 
-# ------------------------------------------------------------------------------------------ the task
 CHATML = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
           "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
@@ -215,91 +172,28 @@ def text(tokenizer, ids) -> str:
 
 @pytest.mark.unit
 @pytest.mark.extended
-@pytest.mark.parametrize("template", [None, CHATML])
-def test_task_is_deterministic_and_each_answer_is_in_its_context_once(template):
+@pytest.mark.parametrize("template, haystack", [(None, "noise"), (CHATML, "essay")])
+def test_task_is_deterministic_and_each_answer_is_in_its_context_once(template, haystack):
     tokenizer = char_tokenizer(template)
-    task, again = shared_task(), shared_task()
+    task, again = shared_task(haystack=haystack), shared_task(haystack=haystack)
     task.validate()
-    samples = list(task.samples())
-    assert [s.id for s in samples] == [f"c{c}/q{j}" for c in range(3) for j in range(4)]
-    for c in range(3):
-        group = [s for s in samples if s.fields["context"] == c]
-        assert {task.shard_group(s) for s in group} == {f"c{c}"}  # a context's questions share its prefill
-        shared = task.shared_context(group, tokenizer, None)
-        assert shared == again.shared_context([s for s in again.samples() if s.fields["context"] == c], tokenizer, None)
-        context = text(tokenizer, shared.context_ids)
-        values = [s.fields["answers"][0] for s in group]
-        assert len(set(values)) == 4 and {s.fields["key"] for s in group}.isdisjoint(values)
-        for sample, prompt, follow in zip(group, shared.questions, shared.follow_ups):
-            value, key = sample.fields["answers"][0], sample.fields["key"]
-            assert context.count(value) == 1 and context.count(key) == 1  # its needle, once
-            question = text(tokenizer, prompt.input_ids[prompt.context_tokens:])
-            assert question.startswith("What is the special magic number for " + key) and value not in question
-            assert key in text(tokenizer, follow) and value not in text(tokenizer, follow)
-            assert prompt == task.build_prompt(sample, tokenizer, None, query_aware=False)
-            whole = task.build_prompt(sample, tokenizer, None)
-            assert whole.context_tokens is None and len(whole.input_ids) + 128 <= 1500
-            assert prompt.info["context_id"] == c and prompt.info["questions"] == 4
-        assert task.score(group[0], f" {values[0]}.") == {"score": 1.0}
-        assert task.score(group[0], f" {values[1]}.") == {"score": 0.0}
+    group = [s for s in task.samples() if s.fields["context"] == 1]
+    assert {task.shard_group(s) for s in group} == {"c1"}  # a context's questions share its prefill
+    shared = task.shared_context(group, tokenizer, None)
+    assert shared == again.shared_context([s for s in again.samples() if s.fields["context"] == 1], tokenizer, None)
+    context, values = text(tokenizer, shared.context_ids), [s.fields["answers"][0] for s in group]
+    for sample, prompt in zip(group, shared.questions):
+        assert context.count(sample.fields["answers"][0]) == 1 and context.count(sample.fields["key"]) == 1
+        assert prompt == task.build_prompt(sample, tokenizer, None, query_aware=False)
+        assert task.build_prompt(sample, tokenizer, None).context_tokens is None
+    assert task.score(group[0], f" {values[0]}.") == {"score": 1.0}
+    assert task.score(group[0], f" {values[1]}.") == {"score": 0.0}
     assert task.data_sources() == again.data_sources() and len(task.data_sources()) > 1  # summary.json's "data"
-    # the first k needles of a context are the same for every k
-    assert shared_task(questions=8).plan(1)["keys"][:4] == task.plan(1)["keys"]
-    if template:  # a follow-up closes the answer's turn and opens the next one
-        assert text(tokenizer, shared.follow_ups[1]).startswith("</s><|user|>What is the special magic number for ")
-        key = group[1].fields["key"]
-        assert text(tokenizer, shared.follow_ups[1]).endswith(
-            f"</s><|assistant|> The special magic number for {key} mentioned in the provided text is")
-
-
-@pytest.mark.unit
-def test_questions_are_asked_in_a_seeded_shuffle_of_the_needles_not_in_depth_order():
-    """Each needle is asked once, in the asking order (pinned in test_run_scheduling), with its own key and value;
-    the order differs by seed and context and is never the depth order."""
-    orders = []
-    for seed in (0, 1, 42):
-        task = shared_task(questions=8, seed=seed, num_contexts=4)
-        for c in range(4):
-            order, plan = task.asking_order(c), task.plan(c)
-            group = [s for s in task.samples() if s.fields["context"] == c]
-            assert sorted(order) == list(range(8)) and [s.id for s in group] == [f"c{c}/q{j}" for j in range(8)]
-            assert [(s.fields["needle"], s.fields["key"], s.fields["answers"]) for s in group] == [
-                (n, plan["keys"][n], [plan["values"][n]]) for n in order]
-            orders.append(tuple(order))
-    assert len(set(orders)) == 12 and tuple(range(8)) not in orders
-    # its own stream: the placement (keys, values, depths) does not move with the asking order
-    assert shared_task(questions=4).plan(0) == shared_task(questions=4, mode="multi_turn").plan(0)
-
-
-@pytest.mark.unit
-@pytest.mark.parametrize("haystack", ["essay", "noise"])
-def test_every_row_records_the_needle_and_depth_it_asks_about(haystack):
-    """info's needle_index, depth_rank (0: the shallowest value in the context) and depth (RULER's percent, essay)."""
-    tokenizer = char_tokenizer(CHATML)
-    task = shared_task(haystack=haystack, questions=4, num_contexts=3)
-    first_ranks = []
-    for c in range(3):
-        group = [s for s in task.samples() if s.fields["context"] == c]
-        shared = task.shared_context(group, tokenizer, None)
-        context = text(tokenizer, shared.context_ids)
-        where = {s.fields["needle"]: context.index(s.fields["answers"][0]) for s in group}
-        for sample, prompt in zip(group, shared.questions):
-            info = prompt.info
-            assert info["needle_index"] == sample.fields["needle"]
-            assert info["question_index"] == sample.fields["question"]
-            assert info["depth_rank"] == sorted(where.values()).index(where[sample.fields["needle"]])
-            if haystack == "essay":
-                assert info["depth"] == sorted(task.plan(c)["depths"])[sample.fields["needle"]]
-            else:
-                assert info["depth"] is None
-        first_ranks.append(shared.questions[0].info["depth_rank"])
-    assert first_ranks != [0, 0, 0]
 
 
 @pytest.mark.unit
 def test_a_multi_turn_conversation_over_max_length_is_refused_in_one_line():
-    """The estimate before the model loads passes; the exact count once tokenized (first prompt + follow-up turns +
-    k answers) is refused one token over, accepted at the limit; multi_request is not refused."""
+    """The exact count once tokenized is refused one token over, accepted at the limit; multi_request never."""
     tokenizer = char_tokenizer(CHATML)
     task = shared_task(mode="multi_turn")  # length 1500, k = 4, 128 tokens to generate
     task.check_model(1500 + 3 * 128)
@@ -328,7 +222,6 @@ def test_summary_averages_per_asking_rank_and_per_depth_rank():
     assert summary["by_ask_rank"] == {"0": 1.0, "1": 0.5} and summary["by_depth_rank"] == {"0": 0.5, "1": 1.0}
 
 
-# ------------------------------------------------------------------------------------------ configuration
 @pytest.fixture
 def no_model_load(monkeypatch):
     monkeypatch.setattr(runner, "load_model", lambda *a, **k: (_ for _ in ()).throw(AssertionError("model loaded")))
@@ -353,42 +246,3 @@ def test_bad_settings_are_one_line_before_the_model_loads(no_model_load, tmp_pat
     with pytest.raises(ValueError, match=message) as error:
         runner.run(cfg, tmp_path / "run")
     assert "\n" not in str(error.value) and not (tmp_path / "run").exists()
-
-
-@pytest.mark.unit
-@pytest.mark.extended
-@pytest.mark.parametrize("overrides", [[], ["experiment=protocol_shared"]])
-def test_the_default_multi_turn_conversation_fits_before_the_model_loads(overrides):
-    """4K, k = 8, SmolLM2-135M (max_length 8192), RULER's 128 new tokens or the protocol experiments' 32."""
-    from hydra.utils import instantiate
-
-    from keydiff.run.checks import check_run_config
-
-    cfg = make_cfg("task=shared_ruler_4k", *overrides, "task.questions=8", "task.mode=multi_turn", "query_aware=false")
-    assert cfg.model.max_length == 8192 and cfg.task.length == 4096
-    check_run_config(cfg)
-    instantiate(cfg.task).check_model(8192)
-
-
-@pytest.mark.real_model
-@pytest.mark.parametrize("max_new_tokens", [None, 32])
-def test_the_default_multi_turn_conversation_fits_the_default_model_exactly(max_new_tokens):
-    """With SmolLM2's tokenizer, the exact count (first prompt + 7 follow-up turns + 8 answers) at 4K fits 8192."""
-    from transformers import AutoTokenizer
-
-    from keydiff.models import ensure_builtin_model
-    from keydiff.tasks.ruler_shared import RulerShared
-
-    tokenizer = AutoTokenizer.from_pretrained(str(ensure_builtin_model("smollm2-135m")), local_files_only=True)
-    task = RulerShared(questions=8, mode="multi_turn", max_new_tokens=max_new_tokens, limit=1)
-    samples = list(task.samples())
-    shared = task.shared_context(samples, tokenizer, 8192)
-    longest = len(shared.questions[0].input_ids) + sum(len(f) for f in shared.follow_ups[1:]) + 8 * (
-        max_new_tokens or 128)
-    assert 4096 < longest <= 8192
-
-
-@pytest.mark.unit
-def test_mode_and_k_name_the_run_directory():
-    cfg = make_cfg("task=shared_ruler_4k", "task.questions=8", "task.mode=multi_turn", "query_aware=false")
-    assert cfg.run_subdir.startswith("shared_ruler_4k-k8-multi_turn/smollm2-135m/keydiff/2k/bs128-query-agnostic/")
