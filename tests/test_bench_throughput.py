@@ -12,7 +12,6 @@ import torch
 
 from keydiff.bench import common, throughput
 from keydiff.report import compare_runs
-from keydiff.run.sweep import batched_note
 
 
 pytestmark = pytest.mark.integration
@@ -74,12 +73,3 @@ def test_compare_runs_reports_the_wall_ratio_and_each_differing_sample(tmp_path,
     write_run(tmp_path / "c8", 8, 3.0, {"p#0": "x = 4", "p#1": "the answer is 7", "p#2": "same"})
     assert compare_runs.compare(tmp_path / "b1", tmp_path / "c8")["differing"] == []
     assert compare_runs.main([str(tmp_path / "b1"), str(tmp_path / "missing")]) == 2
-
-
-@pytest.mark.unit
-def test_status_names_the_batch_size_of_a_batched_run(tmp_path):
-    write_run(tmp_path / "b8", 8, 3.0, {"p#0": "a", "p#1": "b"})
-    rows = [json.loads(line) for line in (tmp_path / "b8" / "predictions.jsonl").read_text().splitlines()]
-    assert batched_note(tmp_path / "b8", rows) == "batch_size 8 (mean 8.0 per pass, 0.5 s/token)"
-    write_run(tmp_path / "b1", 1, 3.0, {"p#0": "a"})
-    assert batched_note(tmp_path / "b1", []) == ""
