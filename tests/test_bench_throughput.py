@@ -12,63 +12,17 @@ import torch
 
 from keydiff.bench import common, throughput
 from keydiff.report import compare_runs
-from keydiff.run.sweep import batched_note
 
 
 pytestmark = pytest.mark.integration
-
-
-def tiny_args(**overrides):
-    values = dict(new_tokens=6, budget=16, block_size=16, repeats=1)
-    return types.SimpleNamespace(**{**values, **overrides})
-
-
-def test_transformers_anchor_records_no_autograd_graph():
-    """The DynamicCache anchor runs under inference mode (with autograd on, each step kept the previous cache)."""
-    model = common.build_model("random-tiny", torch.float32, "sdpa", "cpu")
-    assert next(model.parameters()).requires_grad  # the condition under which the leak happened
-    seen = []
-    hook = model.register_forward_hook(lambda module, inputs, output: seen.append(output.logits.requires_grad))
-    try:
-        anchor = throughput.transformers_prefill(model, common.random_prompt(model, 48), "cpu")
-        result = throughput.transformers_case(model, anchor, 3, tiny_args(), "cpu")()
-    finally:
-        hook.remove()
-    assert len(seen) == 6 and not any(seen)  # prefill + 5 decoding passes, none recording a graph
-    # what the 3 rows' caches hold at the end: 48 prompt tokens + 5 decoded, every layer, keys and values
-    assert result["kv_cache_bytes"] == common.kv_cache_bytes(None, model, 48 + 5, 3)
-
-
-@pytest.mark.extended
-def test_transformers_anchor_memory_is_bounded_by_its_caches():
-    """The anchor's peak memory stays within a few caches' worth (a cache kept per step was 15 x)."""
-    model = common.build_model("random-tiny", torch.float32, "sdpa", "cpu")
-    prompt = common.random_prompt(model, 2048)
-    args = tiny_args(new_tokens=16)
-    anchor = throughput.transformers_prefill(model, prompt, "cpu")
-    run = throughput.with_peak(throughput.transformers_case(model, anchor, 8, args, "cpu"), "cpu")
-    run()  # first call: lazy allocations of the kernels
-    before = common.current_rss_bytes()
-    result = run()
-    if before is None or not common.reset_peak_rss():
-        pytest.skip("no /proc peak-RSS reset on this platform (VmHWM): the bound cannot be read")
-    cache = result["kv_cache_bytes"]
-    assert result["peak_bytes"] - before < 4 * cache + (64 << 20), (result["peak_bytes"] - before, cache)
-
-
-@pytest.mark.unit
-def test_paged_cache_config_is_sized_for_the_run():
-    """transformers' continuous batching is given a cache for the run, not 90% of the host's RAM."""
-    config = throughput.paged_cache_config(1000, 24, 8)
-    pages = -(-(1000 + 24) // config.page_size)
-    assert config.num_blocks == 8 * pages + 1 and config.max_batch_tokens is None  # None: transformers' default
 
 
 @pytest.mark.extended
 def test_continuous_batching_anchor_runs_on_cpu():
     """transformers' generate_batch runs on CPU with the sized cache; decode time = long run - 1-token run."""
     model = common.build_model("random-tiny", torch.float32, "sdpa", "cpu")
-    result = throughput.continuous_batching_case(model, common.random_prompt(model, 40), 2, tiny_args(), "cpu")()
+    args = types.SimpleNamespace(new_tokens=6, budget=16, block_size=16, repeats=1)
+    result = throughput.continuous_batching_case(model, common.random_prompt(model, 40), 2, args, "cpu")()
     assert result["seconds_with_prefill"] > 0 and math.isfinite(result["seconds"])  # a difference: may be tiny
     assert throughput.continuous_batching_unavailable("cpu") is None
 
@@ -119,12 +73,3 @@ def test_compare_runs_reports_the_wall_ratio_and_each_differing_sample(tmp_path,
     write_run(tmp_path / "c8", 8, 3.0, {"p#0": "x = 4", "p#1": "the answer is 7", "p#2": "same"})
     assert compare_runs.compare(tmp_path / "b1", tmp_path / "c8")["differing"] == []
     assert compare_runs.main([str(tmp_path / "b1"), str(tmp_path / "missing")]) == 2
-
-
-@pytest.mark.unit
-def test_status_names_the_batch_size_of_a_batched_run(tmp_path):
-    write_run(tmp_path / "b8", 8, 3.0, {"p#0": "a", "p#1": "b"})
-    rows = [json.loads(line) for line in (tmp_path / "b8" / "predictions.jsonl").read_text().splitlines()]
-    assert batched_note(tmp_path / "b8", rows) == "batch_size 8 (mean 8.0 per pass, 0.5 s/token)"
-    write_run(tmp_path / "b1", 1, 3.0, {"p#0": "a"})
-    assert batched_note(tmp_path / "b1", []) == ""

@@ -1,6 +1,5 @@
 """make gpu-bench at tiny sizes on a CPU (`--quick`): every row a GPU run writes runs its code here first, with
-stand-ins for what a CPU lacks, and every row measured is kept whatever fails after it (one --quick run feeds the
-checks of its rows; the failure tests run one row group)."""
+stand-ins for what a CPU lacks, and every row measured is kept whatever fails after it."""
 
 from __future__ import annotations
 
@@ -15,77 +14,16 @@ from keydiff.bench import common, gpu_bench
 pytestmark = pytest.mark.unit
 
 
-@pytest.fixture(scope="module")
-def quick(tmp_path_factory):
-    """One `gpu_bench --quick` run: (exit code, the JSON written, its path)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    out = tmp_path_factory.mktemp("bench") / "bench.json"
-    try:
-        code = gpu_bench.main(["--quick", "--json", str(out)])
-    finally:
-        torch.set_num_threads(threads)
-    return code, json.loads(out.read_text()), out
-
-
-def roles(rows: list[dict], sizes: gpu_bench.Sizes) -> list[tuple]:
-    """Rows' identities with each size replaced by the name of the size it is (a quick and a full run compared)."""
-    lengths = dict(zip(sizes.prefill_lengths, ("sweep length", "long length")))
-    blocks = {b: f"block {i}" for i, b in enumerate(sizes.prefill_blocks)}
-    named = []
-    for row in rows:
-        values = {"batch": {1: "1", sizes.batch: "large batch"}.get(row.get("batch"), row.get("batch")),
-                  "L": "serving length" if row["row"] == "serving" else lengths.get(row.get("L"), row.get("L")),
-                  "B": blocks.get(row.get("B"), row.get("B"))}
-        named.append((row["row"], row["case"].replace(f"batch {sizes.batch}", "batch <large>"),
-                      *(f"{k}={values[k]}" for k in ("batch", "L", "B") if k in row)))
-    return named
-
-
 @pytest.mark.integration
 @pytest.mark.extended
-def test_the_quick_json_lists_exactly_the_full_runs_rows(quick):
-    code, record, _ = quick
-    rows = record["rows"]
-    assert code == 0 and not [r for r in rows if "error" in r], [r for r in rows if "error" in r]
-    assert [gpu_bench.identity(r) for r in rows] == [r for _, r in gpu_bench.planned_rows(gpu_bench.QUICK)]
-    full = [r for _, r in gpu_bench.planned_rows(gpu_bench.FULL)]
-    assert roles(rows, gpu_bench.QUICK) == roles(full, gpu_bench.FULL)
-    assert len(full) == len(rows) == 27
-
-
-@pytest.mark.integration
-@pytest.mark.extended
-def test_timings_per_call_and_at_steady_state_graph_memory_and_the_compile_anchor(quick):
-    rows = quick[1]["rows"]
-    captured = [r for r in rows if r["row"] in ("decode", "prefill", "serving") and r["case"].startswith("keydiff")]
-    assert captured and all({"capture_s", "warm_up_s", "graph_pool_bytes", "graphs"} <= set(r) for r in captured)
-    decode = [r for r in rows if r["row"] == "decode" and r["case"].startswith(("keydiff", "full"))]
-    assert all(r["first_call_ms_per_step"] > 0 and r["ms_per_step"] > 0 for r in decode)
-    prefill = [r for r in rows if r["row"] == "prefill" and r["case"].startswith("keydiff")]
-    assert all(r["first_call_seconds"] > 0 and r["seconds"] > 0 for r in prefill)
-    # The CPU stands in for CUDA graphs (keydiff.decode.static.stand_in_graphs): the fixed steps capture there,
-    # and their pool's bytes are counted
-    fixed = [r for r in captured if r["case"].startswith("keydiff fixed") or r["row"] == "serving"]
-    assert fixed and all(r["graphs"] >= 1 and r["graph_pool_bytes"] > 0 and r["capture_s"] > 0 for r in fixed)
-    static = [r for r in rows if r["case"] == gpu_bench.STATIC_CASE]  # the compile anchor, eager backend on CPU
-    assert [r["batch"] for r in static] == [1, gpu_bench.QUICK.batch]
-    assert all(r["ms_per_step"] > 0 and r["compile_s"] > 0 and r["compile"] == "backend=eager" for r in static)
-    serving, = [r for r in rows if r["row"] == "serving"]
-    assert serving["graph_bytes_per_sequence"] > 0
-    assert serving["tokens_per_s"] > 0 and serving["first_call_tokens_per_s"] > 0 and serving["fits"]
-    memory = gpu_bench.QUICK.serving_gb * (1 << 30)
-    per_sequence = serving["cache_bytes_per_sequence"] + serving["graph_bytes_per_sequence"]
-    assert serving["sequences_held"] == int(memory // per_sequence)
-
-
-@pytest.mark.integration
-@pytest.mark.extended
-def test_quick_rows_and_the_gpu_hours_reader(quick, tmp_path):
+def test_quick_rows_and_the_gpu_hours_reader(tmp_path):
     """make gpu-hours refuses --quick rows as rates; the same rows marked as a full run's give every rate."""
     from keydiff.report import gpu_hours
 
-    _, record, path = quick
+    torch.set_num_threads(1)
+    path = tmp_path / "bench.json"
+    assert gpu_bench.main(["--quick", "--json", str(path)]) == 0
+    record = json.loads(path.read_text())
     rows = record["rows"]
     exact = [r for r in rows if r["row"] == "exact"]
     assert exact and all(r["identical"] == r["of"] for r in exact)  # on CPU every row is exact
@@ -108,10 +46,6 @@ def test_quick_rows_and_the_gpu_hours_reader(quick, tmp_path):
     assert set(rates.speedup["grouped"]) == set(rates.speedup["full"]) == {record["sizes"]["batch"]}
 
 
-def prefill_planned() -> list[dict]:
-    return [r for g, r in gpu_bench.planned_rows(gpu_bench.QUICK) if g == "prefill"]
-
-
 def fail_at(case: str, error: BaseException):
     def on_row(row: dict) -> None:
         if row["case"] == case:
@@ -128,25 +62,13 @@ def test_a_failure_in_a_group_keeps_the_rows_before_it_and_is_a_row(tmp_path):
     code = gpu_bench.main(["--quick", "--rows", "prefill", "--json", str(out)], on_row=fail_at("keydiff ordinary", error))
     rows = json.loads(out.read_text())["rows"]
     assert code == 1
-    assert [gpu_bench.identity(r) for r in rows] == prefill_planned()  # every planned row, in its place
+    planned = [r for g, r in gpu_bench.planned_rows(gpu_bench.QUICK) if g == "prefill"]
+    assert [gpu_bench.identity(r) for r in rows] == planned  # every planned row, in its place
     assert all(r["seconds"] > 0 and "error" not in r for r in rows[:2])  # measured before the failure: kept
     failed = rows[2]
     assert failed["case"] == "keydiff ordinary" and failed["group"] == "prefill"
     assert failed["error"] == "ValueError: the third row broke"
     assert all(r["skipped"] and "'keydiff ordinary' failed before it" in r["error"] for r in rows[3:])
-
-
-@pytest.mark.integration
-@pytest.mark.extended
-def test_a_kill_keeps_every_row_written_before_it(tmp_path):
-    """Rows are written one at a time: a run stopped in a group keeps the rows finished before."""
-    torch.set_num_threads(1)
-    out = tmp_path / "bench.json"
-    with pytest.raises(KeyboardInterrupt):
-        gpu_bench.main(["--quick", "--rows", "prefill", "--json", str(out)],
-                       on_row=fail_at("keydiff ordinary", KeyboardInterrupt()))
-    rows = json.loads(out.read_text())["rows"]
-    assert [gpu_bench.identity(r) for r in rows] == prefill_planned()[:2] and all(r["seconds"] > 0 for r in rows)
 
 
 @pytest.mark.integration
