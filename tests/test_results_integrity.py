@@ -1,28 +1,22 @@
-"""What reaches the tables is exactly the runs that stand: a run moved aside by overwrite=true is history; a
-leaderboard Avg. needs every ratio to have run; a task.limit at or above the task's size is the whole run; a
-device that is not there is refused before any directory."""
+"""What reaches the tables is exactly the runs that stand: a run moved aside by overwrite=true is history; a device
+that is not there is refused before any directory."""
 
 from __future__ import annotations
 
-import json
 import logging
 import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 import pytest
 
-from keydiff.paper import registry
-from keydiff.report import collect, leaderboard, ruler, tables
-from keydiff.report.ruler import TASKS
+from keydiff.report import collect, ruler, tables
 from keydiff.run.results import ResultStore, is_moved_aside, run_summaries
 
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[1]
-SMOKE_TASKS = ("niah_single_1", "qa_2")  # the reduced leaderboard smoke: two tasks, task.limit=1
 
 
 def ruler_summary(policy: str, budget: str, scores: dict[str, float], limit=1, complete=True) -> dict:
@@ -122,53 +116,6 @@ def test_two_overwrites_in_one_second_keep_both_old_runs(tmp_path):
     assert len(list(tmp_path.glob("run.old-*"))) == 2
 
 
-def board(rows: list[dict]) -> tuple[pd.DataFrame, pd.DataFrame, str]:
-    frame = pd.DataFrame(rows)
-    table = registry.TABLES["leaderboard"]
-    selected = leaderboard.runs(frame, table)
-    scores, text = leaderboard.layout(selected)
-    return scores, text, leaderboard.legend(selected)
-
-
-def row(policy, budget, score, tasks=SMOKE_TASKS, complete=True, limit=1.0, per_task=1):
-    out = {"experiment": "leaderboard", "task": "ruler_4k", "model": "m", "policy": policy, "policy_name": policy,
-           "budget_label": budget, "block_size": "128", "seed": 0, "limit": limit, "complete": complete,
-           "samples": per_task * len(tasks), "num_failed": 0, "score": score, "se/score": np.nan}
-    out.update({f"metrics/tasks/{t}": score if t in tasks else np.nan for t in TASKS})
-    out.update({f"metrics/n/{t}": per_task if t in tasks else np.nan for t in TASKS})
-    return out
-
-
-RATIOS = ("r0.125", "r0.25", "r0.5", "r0.75")
-
-
-def test_an_incomplete_ratio_gives_no_average_and_marks_are_not_doubled():
-    """TOVA's r0.25 run stopped early (~): no Avg.; a method whose ratios all ran gets Avg. with one § (not §§)."""
-    rows = [row("keydiff", b, s) for b, s in zip(RATIOS, (10.0, 20.0, 30.0, 40.0))]
-    rows += [row("tova", b, s, complete=b != "r0.25") for b, s in zip(RATIOS, (10.0, 25.0, 50.0, 44.0))]
-    scores, text, _ = board(rows)
-    assert text.loc[("ruler_4k", "m", "bounded (B=128, decode eviction)", "TOVA"), "Avg."] == "--" and np.isnan(scores.loc[("ruler_4k", "m", "bounded (B=128, decode eviction)", "TOVA"), "Avg."])
-    assert text.loc[("ruler_4k", "m", "bounded (B=128, decode eviction)", "TOVA"), "0.25 (r=0.75)"] == "25.00 [n too small] (n=1)§~ (2/13)"
-    assert text.loc[("ruler_4k", "m", "bounded (B=128, decode eviction)", "KeyDiff"), "Avg."] == "25.00 [n too small]§"
-    assert list(scores.index.get_level_values("Method")) == ["KeyDiff", "TOVA"]  # TOVA unranked: no average
-
-
-def test_ratios_on_different_tasks_or_sample_counts_give_no_average():
-    rows = [row("keydiff", b, 10.0, tasks=SMOKE_TASKS if b != "r0.25" else TASKS[:5]) for b in RATIOS]
-    rows += [row("tova", b, 10.0, per_task=2 if b == "r0.5" else 1) for b in RATIOS]
-    rows += [row("snapkv", b, 10.0) for b in RATIOS[:3]]  # r0.75 never ran
-    _, text, _ = board(rows)
-    assert (text["Avg."] == "--").all()
-
-
-def test_the_caption_counts_the_tasks_the_cells_hold():
-    """The legend names the tasks the runs scored, not all 13."""
-    _, _, two = board([row("keydiff", b, 10.0) for b in RATIOS])
-    assert "13 tasks" not in two and "2 of 13" in two
-    _, _, all_tasks = board([row("keydiff", b, 10.0, tasks=TASKS) for b in RATIOS])
-    assert "(13 tasks; string match)" in all_tasks
-
-
 def run_py(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "run.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                           env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
@@ -182,41 +129,6 @@ def compose(*overrides: str):
 
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
         return hydra_compose("config", overrides=[OUTSIDE_RESULTS, *overrides])
-
-
-@pytest.mark.extended
-@pytest.mark.parametrize("overrides, covers", [
-    (["task.limit=6"], True), (["task.limit=99"], True), (["task.limit=5"], False),  # niah_small: 6 samples
-    (["task=phonebook", "task.sizes=[20]", "task.books_per_size=2", "task.limit=2"], True),
-    (["task=phonebook", "task.sizes=[20]", "task.books_per_size=2", "task.limit=1"], False),
-    (["task=ruler_4k", "task.tasks=[vt,cwe]", "task.num_samples=3", "task.limit=3"], True),  # limit: per RULER task
-    (["task=ruler_4k", "task.tasks=[vt,cwe]", "task.num_samples=3", "task.limit=4"], True),
-    (["task=ruler_4k", "task.tasks=[vt,cwe]", "task.num_samples=3", "task.limit=2"], False),
-])
-def test_a_limit_covers_the_task_when_it_selects_every_sample(overrides, covers):
-    from keydiff.run.checks import drop_whole_task_limit, limit_covers_task
-
-    cfg = compose(*overrides)
-    assert limit_covers_task(cfg) is covers
-    assert drop_whole_task_limit(cfg) is covers and (cfg.task.limit is None) is covers
-    assert str(cfg.run_subdir).endswith("seed0") is covers
-
-
-@pytest.mark.slow
-def test_limit_at_or_above_the_sample_count_is_the_whole_runs_directory(tmp_path):
-    """`task.limit=99` on the 6-sample task is `seed0` in a dry run, a sweep (limits 99 and 6: once) and status."""
-    from keydiff.run.status import experiment_status
-
-    whole = tmp_path / "adhoc/niah_small/smollm2-135m/keydiff/2k/bs128/seed0"
-    result = run_py("task.limit=99", "dry_run=true", f"results_root={tmp_path}")
-    assert result.returncode == 0, result.stderr
-    assert f"would write {whole};" in result.stdout and "covers every sample" in result.stdout + result.stderr
-    result = run_py("-m", "task.limit=99,6,2", "dry_run=true", f"results_root={tmp_path}")
-    assert result.returncode == 0, result.stderr
-    assert "2 grid point(s)" in result.stdout and result.stdout.count(f"{whole}  [") == 1 and "seed0-limit2" in result.stdout
-    assert not list(tmp_path.iterdir())  # dry runs create nothing
-    (row,) = experiment_status("smoke", ["policy=keydiff", "budget=2k", "task.limit=99", f"results_root={tmp_path}"])
-    assert row[1].name == "seed0"
 
 
 @pytest.mark.slow
