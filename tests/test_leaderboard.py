@@ -36,14 +36,16 @@ def test_qwen3_8b_config_is_the_kvpress_leaderboard_model():
     from keydiff.models import ModelConfig
 
     model = ModelConfig.from_dict(compose(["model=qwen3-8b"]).model)  # every key is a ModelConfig field
-    assert (model.name, model.path, model.dtype, model.attn_implementation) == ("qwen3-8b", "Qwen/Qwen3-8B", "bfloat16", "sdpa")
+    assert (model.name, model.path, model.dtype, model.attn_implementation) == (
+        "qwen3-8b", "Qwen/Qwen3-8B", "bfloat16", "sdpa")
     assert model.is_hub_id and not model.trust_remote_code and model.max_length <= 32768
 
 
 def run(policy, budget, score, se, experiment="leaderboard", samples=5, limit=np.nan, tasks=len(TASKS), model="m",
         block="128", task="ruler_4k", complete=True, query_aware=False, decode_eviction=True):
     row = {"experiment": experiment, "task": task, "model": model, "policy": policy,
-           "policy_name": "full" if policy == "full" else policy, "budget_label": "unbounded" if policy == "full" else budget,
+           "policy_name": "full" if policy == "full" else policy,
+           "budget_label": "unbounded" if policy == "full" else budget,
            "block_size": block, "seed": 0, "limit": limit, "complete": complete, "samples": samples * tasks,
            "num_failed": 0, "score": score, "se/score": se, "query_aware": query_aware,
            "decode_eviction": decode_eviction}  # samples: rows scored over all tasks, as collect's

@@ -49,11 +49,16 @@ def test_the_registry_decides_which_runs_fill_a_table_and_its_comparison(tmp_pat
     after = build(tmp_path)
     assert md_cell(after / "table17.md", ("TOVA",), "478").startswith("**0.6")
     comparison = (after / "table17_vs_paper.md").read_text()
-    assert "| llama-3.2-3b-instruct | llama-3.2-3b-instruct | tova | 6k | 478 | accuracy | 0.6 [n too small] | 1 |" in comparison
+    assert f"| {LLAMA3B} | {LLAMA3B} | tova | 6k | 478 | accuracy | 0.6 [n too small] | 1 |" in comparison
     assert "python run.py experiment=phonebook_rerun model=llama-3.2-3b-instruct" in comparison  # missing sizes
     entries = {(e["kind"], e["name"]): e for e in json.loads((after.parent / "tables" / "index.json").read_text())}
     assert entries[("paper", "table17")]["experiments"] == ["phonebook_rerun"]
     assert entries[("vs_paper", "table17_vs_paper")]["experiments"] == ["phonebook_rerun"]
+
+
+def methods(tables_dir: Path) -> list[str]:
+    return [row.split(" | ")[1] for row in (tables_dir / "table11.md").read_text().splitlines()
+            if row.startswith("| llama")]
 
 
 @pytest.mark.extended
@@ -63,14 +68,12 @@ def test_the_registry_decides_a_tables_policies_and_display_names(tmp_path, monk
     for label, base in [("keydiff", 10.5), ("knorm", 9.0), ("random", 1.0)]:
         write_run(runs, "table11", "longbench_full", LLAMA3B, label, "2k", 128, longbench_scores(base))
     out = build(tmp_path)
-    methods = [row.split(" | ")[1] for row in (out / "table11.md").read_text().splitlines() if row.startswith("| llama")]
-    assert methods == ["KeyDiff", "L2-norm"]  # random is not one of Table 11's policies
+    assert methods(out) == ["KeyDiff", "L2-norm"]  # random is not one of Table 11's policies
     monkeypatch.setitem(registry.TABLES, "table11", dataclasses.replace(
         registry.TABLES["table11"], policies=["keydiff", "knorm", "random"]))
     monkeypatch.setitem(registry.DISPLAY_NAMES, "random", "Random")
     out = build(tmp_path)
-    methods = [row.split(" | ")[1] for row in (out / "table11.md").read_text().splitlines() if row.startswith("| llama")]
-    assert methods == ["KeyDiff", "L2-norm", "Random"]
+    assert methods(out) == ["KeyDiff", "L2-norm", "Random"]
     assert registry.display_name("knorm") == "L2-norm" and registry.display_name("mine") == "mine"
 
 
@@ -85,7 +88,8 @@ def test_the_figures_index_and_the_wandb_report_follow_the_registry(tmp_path, mo
     (paper / "table1.csv").write_text(head + f"1,{LLAMA3B},keydiff,2k,128,,avg,average,score,41.5,,,\n")
     (paper / "table11.csv").write_text(head + f"11,{LLAMA3B},keydiff,2k,128,,avg,average,score,37.25,,,\n")
     grid = wandb_report.Grid("table1", "table1", "", "longbench", [LLAMA3B], ["keydiff"], ["keydiff"], ["2k"], ["128"])
-    assert "(Table 1;" in wandb_report.paper_table(grid, LLAMA3B, paper) and "41.5" in wandb_report.paper_table(grid, LLAMA3B, paper)
+    text = wandb_report.paper_table(grid, LLAMA3B, paper)
+    assert "(Table 1;" in text and "41.5" in text
     monkeypatch.setitem(registry.SHARED_TABLES, "1", ("11",))  # Table 1's runs compared with Table 11 instead
     text = wandb_report.paper_table(grid, LLAMA3B, paper)
     assert "(Table 11;" in text and "37.25" in text and "41.5" not in text
@@ -104,8 +108,7 @@ def module_name(path: Path) -> str:
 
 
 def imports(path: Path, modules: set[str]) -> set[str]:
-    """keydiff modules a file imports anywhere in it (`from keydiff.report import generic` counts as the module, a
-    relative import as the absolute one it names)."""
+    """keydiff modules a file imports anywhere in it (submodules by name, relative imports made absolute)."""
     found = set()
     package = module_name(path).split(".")[: None if path.name == "__init__.py" else -1]
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
@@ -140,7 +143,8 @@ def test_report_and_paper_have_no_import_cycle_and_nothing_edits_sys_path():
         return False
 
     assert [n for n in ours if reaches(n, n)] == []
-    report_tests = [ROOT / "tests" / f"test_{n}.py" for n in ("tables", "report", "paper_numbers", "tracking", "golden_reports")]
+    report_tests = [ROOT / "tests" / f"test_{n}.py"
+                    for n in ("tables", "report", "paper_numbers", "tracking", "golden_reports")]
     edits = [str(p.relative_to(ROOT)) for p in [*PACKAGE.rglob("*.py"), *report_tests]
              if "sys.path" in p.read_text(encoding="utf-8")]
     assert edits == []

@@ -25,7 +25,8 @@ PAPER_CSV = ("table,model,policy,budget,block_size,row,column,metric,value,note\
 def test_a_model_the_paper_csv_does_not_cover_gets_no_paper_table(tmp_path):
     (tmp_path / "table1.csv").write_text(PAPER_CSV)
     grid = make_report.load_grid("table1")
-    assert "| keydiff | 128 | 44.33 | – | – | 49.03 |" in make_report.paper_table(grid, "llama-3.1-8b-instruct", tmp_path)
+    shown = make_report.paper_table(grid, "llama-3.1-8b-instruct", tmp_path)
+    assert "| keydiff | 128 | 44.33 | – | – | 49.03 |" in shown
     assert make_report.paper_table(grid, "llama-3.2-3b-instruct", tmp_path) is None
 
 
@@ -82,7 +83,8 @@ def panel_reads(report) -> tuple[set, set, set]:
     summary, config, history = set(), set(), set()
     for block in (b for b in report.blocks if hasattr(b, "panels")):
         for panel in block.panels:
-            fields = [getattr(panel, f, None) for f in ("x", "y", "groupby")] + list(getattr(panel, "metrics", None) or [])
+            fields = [getattr(panel, f, None) for f in ("x", "y", "groupby")]
+            fields += list(getattr(panel, "metrics", None) or [])
             for field in fields:
                 for item in field if isinstance(field, list) else [field]:
                     kind = type(item).__name__
@@ -104,7 +106,8 @@ def test_every_panel_reads_a_key_that_tracking_logs(tmp_path, monkeypatch):
                                          "samples,samples_total,note\n1,smollm2-135m,keydiff,1k,128,,avg,average,score,"
                                          "50.0,,,\n")
     run = logged(monkeypatch, tmp_path, smoke, experiment_name="table1")  # a table1 point: paper/score logged
-    grid = make_report.Grid("table1", "table1", "", "niah_small", ["smollm2-135m"], ["keydiff"], ["keydiff"], ["1k"], ["128"])
+    grid = make_report.Grid("table1", "table1", "", "niah_small", ["smollm2-135m"], ["keydiff"], ["keydiff"], ["1k"],
+                            ["128"])
     report = make_report.build_report(grid, "", "keydiff-bench", tmp_path)
     summary, config, history = panel_reads(report)
     assert "paper/score" in summary and "running/score" in history  # the paper panels and the running panel exist
@@ -171,19 +174,21 @@ def test_make_report_writes_one_specification_per_experiment_with_runs_adhoc_inc
     assert make_report.main(["--runs", str(runs), "--out", str(out), "--paper", str(tmp_path / "absent")]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert [line.split(":")[0] for line in lines] == ["adhoc__niah_small", "adhoc__phonebook", "smoke"]  # one line each
-    assert sorted(path.name for path in out.iterdir()) == ["adhoc__niah_small.json", "adhoc__phonebook.json", "smoke.json"]
+    assert sorted(path.name for path in out.iterdir()) == [
+        "adhoc__niah_small.json", "adhoc__phonebook.json", "smoke.json"]
 
     niah = json.loads((out / "adhoc__niah_small.json").read_text())
     assert niah["runs"] == 3 and niah["title"] == "keydiff-bench: adhoc / niah_small"
     grid = niah["grid"]
-    assert (grid["policies"], grid["budgets"], grid["block_sizes"]) == (["keydiff", "tova"], ["1k", "2k", "3000"], ["128"])
+    assert (grid["policies"], grid["budgets"], grid["block_sizes"]) == (
+        ["keydiff", "tova"], ["1k", "2k", "3000"], ["128"])
     assert any("PanelGrid [keydiff, tova]: score vs budget" in line for line in niah["outline"])
     phonebook = json.loads((out / "adhoc__phonebook.json").read_text())
     assert (phonebook["grid"]["policies"], phonebook["grid"]["policy_names"]) == (["keydiff_w20"], ["keydiff"])
     assert phonebook["grid"]["block_sizes"] == ["64", "256"] and phonebook["runs"] == 2
     # The run sets of a grid read from runs select its task too (adhoc mixes tasks in one W&B group).
-    report = make_report.build_report(make_report.grids_from_runs("adhoc", make_report.recorded_configs(runs / "adhoc"))[0],
-                                      "", "keydiff-bench", tmp_path / "absent")
+    adhoc = make_report.grids_from_runs("adhoc", make_report.recorded_configs(runs / "adhoc"))[0]
+    report = make_report.build_report(adhoc, "", "keydiff-bench", tmp_path / "absent")
     main = next(block for block in report.blocks if hasattr(block, "panels"))
     filters = expr.expr_to_filters(main.runsets[0].filters).filters
     assert ("task.name", "niah_small") in {(f.key.name, f.value) for f in filters}

@@ -33,7 +33,8 @@ def collected(tmp_path):
 
 @pytest.mark.extended
 def test_collapsed_outputs_are_counted_per_run(tmp_path):
-    rows = [row | {"degenerate": flag} for row, flag in zip(niah_rows([0.0, 0.0, 1.0, 0.0]), [True, True, False, False])]
+    flags = [True, True, False, False]
+    rows = [row | {"degenerate": flag} for row, flag in zip(niah_rows([0.0, 0.0, 1.0, 0.0]), flags)]
     write_run(**niah_point(tmp_path / "runs"), metrics={"needle_recall": 0.25}, rows=rows)
     write_run(**niah_point(tmp_path / "runs", label="tova"), metrics={"needle_recall": 1.0}, rows=niah_rows([1.0]))
     md = collected(tmp_path)
@@ -54,7 +55,8 @@ def test_a_run_that_evicted_nothing_is_marked_in_tables_and_figures(tmp_path, mo
     evicted = {"statistics": {"samples": 2, "mean_kept_ratio": 0.71, "mean_ttft_s": 0.5, "mean_prompt_tokens": 2869.0,
                               "max_prompt_tokens": 2870, "max_cache_entries": 2176, "layer_budgets": [2048] * 30,
                               "cache_bound_held": True}}
-    write_run(**niah_point(runs, budget_label="4k"), metrics={"needle_recall": 1.0}, rows=niah_rows([1, 1]), extra=nothing)
+    write_run(**niah_point(runs, budget_label="4k"), metrics={"needle_recall": 1.0}, rows=niah_rows([1, 1]),
+              extra=nothing)
     write_run(**niah_point(runs), metrics={"needle_recall": 0.5}, rows=niah_rows([1, 0]), extra=evicted)
     md = collected(tmp_path)
     frame = pd.read_csv(tmp_path / "summary.csv").set_index("budget_label")
@@ -93,9 +95,10 @@ def test_a_subset_run_is_drawn_on_the_heatmap_of_any_experiment(tmp_path, monkey
     """The adhoc heatmap shows a subset run (marked §) where its configuration has no whole-task run."""
     runs = tmp_path / "runs"
     cells = {"3000": {"0": 1.0, "50": 0.5}}
-    write_run(**niah_point(runs), metrics={"needle_recall": 0.75, "needle_recall_by_cell": cells}, rows=niah_rows([1, 0.5]))
-    write_run(**niah_point(runs, label="h2o"), metrics={"needle_recall": 0.0, "needle_recall_by_cell": {"3000": {"0": 0.0}}},
-              rows=niah_rows([0.0]), limit=1)
+    write_run(**niah_point(runs), metrics={"needle_recall": 0.75, "needle_recall_by_cell": cells},
+              rows=niah_rows([1, 0.5]))
+    write_run(**niah_point(runs, label="h2o"), rows=niah_rows([0.0]), limit=1,
+              metrics={"needle_recall": 0.0, "needle_recall_by_cell": {"3000": {"0": 0.0}}})
     collect_results.collect(runs, tmp_path / "summary.csv")
     plotted = drawn_figures(monkeypatch, tmp_path / "summary.csv", runs, tmp_path / "figures")
     titles = plotted[f"niah_small_adhoc_{SMOL}_2k_bs128/titles"]

@@ -54,7 +54,8 @@ def test_overwrite_then_tables_shows_only_the_new_run(tmp_path, caplog):
     target = point(runs, "keydiff", "r0.125")
     write_run(target, old)
     for budget in ("r0.25", "r0.5", "r0.75"):
-        write_run(point(runs, "keydiff", budget), ruler_summary("keydiff", budget, {"niah_single_1": 100.0, "qa_2": 0.0}))
+        scores = {"niah_single_1": 100.0, "qa_2": 0.0}
+        write_run(point(runs, "keydiff", budget), ruler_summary("keydiff", budget, scores))
 
     with caplog.at_level(logging.WARNING, logger="keydiff.run.results"):
         store = ResultStore(target, new["config"], overwrite=True)  # what overwrite=true does to the directory
@@ -75,9 +76,11 @@ def test_overwrite_then_tables_shows_only_the_new_run(tmp_path, caplog):
     r0125 = frame[frame["budget_label"] == "r0.125"]
     assert r0125["score"].tolist() == [7.69]
     board = (out / "leaderboard.md").read_text()
-    assert "7.69 [n too small] (n=1)§" in board and "28.845" not in board and "50.00 [n too small] (n=1)§ (2/13)" in board
+    assert "7.69 [n too small] (n=1)§" in board and "28.845" not in board
+    assert "50.00 [n too small] (n=1)§ (2/13)" in board
     generic = (out / "generic" / "leaderboard__ruler_4k.md").read_text()
-    assert "28.845" not in generic and "| keydiff | 7.690 [n too small] (n=2)§ |" in generic  # n: the new run's 2 samples
+    assert "28.845" not in generic
+    assert "| keydiff | 7.690 [n too small] (n=2)§ |" in generic  # n: the new run's 2 samples
     assert "| keydiff | r0.125 | 2 | 0 | 1 | 1 |" in generic  # one seed, not the old run as a second one
     ruler_md = (out / "ruler.md").read_text()
     assert ".old-" not in ruler_md and ruler_md.count("| smollm2-135m | keydiff | r0.125 |") == 1
@@ -92,13 +95,15 @@ def test_a_summary_collected_before_the_fix_is_collected_again(tmp_path):
     pd.DataFrame({"run_dir": ["leaderboard/ruler_4k/m/keydiff/r0.5/bs128/seed0.old-20261125-172335"],
                   "score": [1.0]}).to_csv(stale, index=False)
     collect.ensure_summary(stale, runs)
-    assert pd.read_csv(stale)["run_dir"].tolist() == ["leaderboard/ruler_4k/smollm2-135m/keydiff/r0.5/bs128/seed0-limit1"]
+    assert pd.read_csv(stale)["run_dir"].tolist() == [
+        "leaderboard/ruler_4k/smollm2-135m/keydiff/r0.5/bs128/seed0-limit1"]
 
 
 def test_collect_include_old_only_lists_the_moved_aside_runs(tmp_path, capsys):
     runs = tmp_path / "runs"
     write_run(point(runs, "keydiff", "r0.5"), ruler_summary("keydiff", "r0.5", {"vt": 50.0}))
-    ResultStore(point(runs, "keydiff", "r0.5"), ruler_summary("keydiff", "r0.5", {"vt": 50.0})["config"], overwrite=True)
+    config = ruler_summary("keydiff", "r0.5", {"vt": 50.0})["config"]
+    ResultStore(point(runs, "keydiff", "r0.5"), config, overwrite=True)
     write_run(point(runs, "keydiff", "r0.5"), ruler_summary("keydiff", "r0.5", {"vt": 0.0}))
     frame = collect.main(["--runs", str(runs), "--out", str(tmp_path / "a.csv")])
     assert frame["score"].tolist() == [0.0] and "1 moved-aside run(s) left out" in capsys.readouterr().out
@@ -132,7 +137,8 @@ def compose(*overrides: str):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has CUDA: model.device=cuda is valid here")
+@pytest.mark.skipif(__import__("torch").cuda.is_available(),
+                    reason="this machine has CUDA: model.device=cuda is valid here")
 def test_a_missing_device_is_refused_before_any_directory_exists(tmp_path):
     """`model.device=cuda` without a GPU: one error line, exit 2, no run directory (the corrected command runs)."""
     result = run_py("model.device=cuda", f"results_root={tmp_path}")

@@ -29,13 +29,15 @@ def write_run(runs, experiment, task, model, label, budget_label, block, metrics
     with open(run_dir / "predictions.jsonl", "w") as handle:
         handle.writelines(json.dumps(row) + "\n" for row in rows)
     summary = {
-        "complete": complete, "metrics": metrics, "budget": tokens, "limit": limit, "block_size": None if block == "inf" else block,
+        "complete": complete, "metrics": metrics, "budget": tokens, "limit": limit,
+        "block_size": None if block == "inf" else block,
         "statistics": {"samples": max(len(rows), 1), "mean_compression_ratio": 0.5, "mean_ttft_s": ttft,
                        "mean_prompt_tokens": 1000.0, "cache_bound_held": True},
         "attention_statistics": "fast",
         "config": {"experiment_name": experiment, "seed": seed, "block_size": block,
                    "task": {"name": task, "limit": limit}, "model": {"name": model, "attn_implementation": "sdpa"},
-                   "policy": {"name": name or label, "label": label}, "budget": {"tokens": tokens, "label": budget_label}},
+                   "policy": {"name": name or label, "label": label},
+                   "budget": {"tokens": tokens, "label": budget_label}},
     }
     (run_dir / "summary.json").write_text(json.dumps(summary | (extra or {})))
 
@@ -71,8 +73,9 @@ def md_cell(path, row_start, column, table=0):
 
 
 def test_a_garbled_paper_cell_is_shown_never_compared(tmp_path):
-    ours = {"model": LLAMA3B, "policy": "keydiff_w10", "budget": "2k", "block_size": "", "row": "", "column": "dureader",
-            "metric": "score", "value": 20.0, "n": 1, "failed": 0, "subset": False, "incomplete": False}
+    ours = {"model": LLAMA3B, "policy": "keydiff_w10", "budget": "2k", "block_size": "", "row": "",
+            "column": "dureader", "metric": "score", "value": 20.0, "n": 1, "failed": 0, "subset": False,
+            "incomplete": False}
     paper_compare.write_one("table14", 14, [ours], ("table14", "table11_full"), tmp_path)
     t14 = tmp_path / "table14_vs_paper.md"
     assert md_cell(t14, (LLAMA3B, LLAMA3B, "keydiff_w10", "2k", "dureader"), "Paper") == "garbled"
@@ -147,7 +150,8 @@ def test_interval_arithmetic():
     assert seeds_se([0.3, 0.4]) == pytest.approx(0.35) and math.isnan(seeds_se([0.3, float("nan")]))  # same samples
     mean, se = grouped_mean_se([[1.0, 0.0], [1.0, 1.0, 1.0]], scale=100)  # datasets weigh equally, as averages do
     assert (mean, se) == (pytest.approx(75.0), pytest.approx(25.0))
-    assert format_estimate(0.5, 0.25, 2) == "0.500 [n too small] (n=2)" and format_estimate(0.5, float("nan")) == "0.500 ± n/a"
+    assert format_estimate(0.5, 0.25, 2) == "0.500 [n too small] (n=2)"
+    assert format_estimate(0.5, float("nan")) == "0.500 ± n/a"
     assert format_estimate(9.0, 0.5, 6) == "9.000 ± 0.980 (n=6)"  # unbounded (a time): mean ± 1.96 SE
     assert format_estimate(2.0, 0.0, 6, measure=True) == "2.000 [constant] (n=6)"  # a measure that never varied
     # Seeds of one configuration repeat the same samples: values averaged, n per seed (not summed), the SE the
