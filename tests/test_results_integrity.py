@@ -136,6 +136,14 @@ def compose(*overrides: str):
         return hydra_compose("config", overrides=[OUTSIDE_RESULTS, *overrides])
 
 
+@pytest.mark.extended
+def test_a_limit_that_covers_the_task_is_the_whole_run():
+    from keydiff.run.checks import drop_whole_task_limit
+
+    cfg = compose("task.limit=99")  # niah_small: 6 samples
+    assert drop_whole_task_limit(cfg) and cfg.task.limit is None and str(cfg.run_subdir).endswith("seed0")
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(__import__("torch").cuda.is_available(),
                     reason="this machine has CUDA: model.device=cuda is valid here")
