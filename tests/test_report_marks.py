@@ -1,9 +1,7 @@
 """What the tables and figures say beside a score: collapsed outputs, runs that evicted nothing, runs of other
-generation settings, subset runs on heatmaps, and a summary.csv collected under the old field names."""
+generation settings and subset runs on heatmaps."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -11,11 +9,10 @@ import pytest
 from keydiff.report import collect as collect_results
 from keydiff.report import figures as make_figures
 from keydiff.report import tables as make_tables
-from tests.test_tables import drawn_figures, md_cell, md_rows, niah_rows, write_run
+from tests.test_tables import drawn_figures, md_cell, niah_rows, write_run
 
 pytestmark = pytest.mark.unit
 
-GOLDEN_RUNS = Path(__file__).resolve().parent / "golden" / "runs"
 SMOL = "smollm2-135m"
 
 
@@ -104,15 +101,3 @@ def test_a_subset_run_is_drawn_on_the_heatmap_of_any_experiment(tmp_path, monkey
     titles = plotted[f"niah_small_adhoc_{SMOL}_2k_bs128/titles"]
     assert any(t.startswith("H2O §") for t in titles) and any(t.startswith("KeyDiff (") for t in titles)
     assert "§ subset run (task.limit)" in titles[-1]
-
-
-@pytest.mark.extended
-def test_a_summary_csv_collected_before_the_renames_is_read_under_the_new_names(tmp_path):
-    frame = collect_results.collect(GOLDEN_RUNS, tmp_path / "summary.csv")
-    renamed = {"mean_kept_ratio": "mean_compression_ratio", "se/mean_kept_ratio": "se/mean_compression_ratio"}
-    frame.drop(columns=["max_new_tokens", "nothing_evicted", "degenerate"]).rename(columns=renamed).to_csv(
-        tmp_path / "old.csv", index=False)
-    make_tables.main(tmp_path / "old.csv", tmp_path / "tables")
-    rows = md_rows(tmp_path / "tables" / "generic" / "adhoc__niah_small.md", 1)
-    kept = rows[0].index("kept N/L")
-    assert rows[1][kept].startswith("0.622")
