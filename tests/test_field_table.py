@@ -37,7 +37,8 @@ def test_the_field_table_lists_every_field_a_run_writes(tmp_path, tiny_runner):
     summary = runner.run(runner_cfg(model_dir, "policy=keydiff", "budget.tokens=48", "block_size=16"), tmp_path / "run")
     rows = read_rows(tmp_path / "run")
     table = documented()
-    written = {"row": {k for row in rows for k in row}, "summary": set(summary), "statistics": set(summary["statistics"])}
+    written = {"row": {k for row in rows for k in row}, "summary": set(summary),
+               "statistics": set(summary["statistics"])}
     for kind, names in written.items():
         assert names <= table[kind], f"{kind} fields missing from docs/experiments.md: {sorted(names - table[kind])}"
     # the renamed fields under their new names only

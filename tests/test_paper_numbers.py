@@ -38,8 +38,8 @@ KINDS = {1: {"dataset", "average"}, 3: {"layer", "average", "statistic"}, 4: {"g
          15: {"average"}, 16: {"average"}, 17: {"book_size"}, 18: {"context_length"}, 19: {"cache_size"}}
 
 
-def table(n: int, paper: Path = PAPER) -> pd.DataFrame:
-    return pd.read_csv(paper / f"table{n}.csv", dtype=str, keep_default_na=False).assign(
+def table(n: int) -> pd.DataFrame:
+    return pd.read_csv(PAPER / f"table{n}.csv", dtype=str, keep_default_na=False).assign(
         value=lambda f: pd.to_numeric(f["value"].replace("", np.nan)))
 
 
@@ -48,30 +48,6 @@ def rows(frame: pd.DataFrame) -> dict:
     frame = frame[frame["value"].notna()]
     groups = frame.groupby(["model", "policy", "budget", "block_size"])
     return {key: dict(zip(g["column"], g["value"])) for key, g in groups}
-
-
-def check_counts(paper: Path = PAPER) -> None:
-    for n, expected in CELLS.items():
-        assert table(n, paper)["value"].notna().sum() == expected, f"table {n}: non-empty cells"
-
-
-def check_row_averages(frame: pd.DataFrame, columns: list[str]) -> int:
-    """Every complete row's mean equals its printed average; returns how many rows were checked."""
-    checked = 0
-    for key, cells in rows(frame).items():
-        if set(cells) == set(columns) | {"avg"}:
-            assert np.mean([cells[c] for c in columns]) == pytest.approx(cells["avg"], abs=ROUNDING), key
-            checked += 1
-    return checked
-
-
-def check_table14_repeats_table1(t1: pd.DataFrame, t14: pd.DataFrame) -> int:
-    """Table 14's Sink/SnapKV/KeyDiff/full rows are Table 1's runs: equal on every English column."""
-    first, later = rows(t1), rows(t14)
-    shared = [k for k in later if k in first]
-    for key in shared:
-        assert all(later[key][c] == first[key][c] for c in ENGLISH if c in later[key]), key
-    return len(shared)
 
 
 @pytest.mark.extended
@@ -94,7 +70,8 @@ def test_every_table_is_there_with_its_caption_and_tidy_schema():
 
 @pytest.mark.extended
 def test_non_empty_cells_per_table_match_the_stated_counts():
-    check_counts()
+    for n, expected in CELLS.items():
+        assert table(n)["value"].notna().sum() == expected, f"table {n}: non-empty cells"
     readme = (PAPER / "README.md").read_text()
     for n, expected in CELLS.items():  # the README states the same counts
         line = re.search(rf"^\| {n} \| (\d+) \| (\d+) \|", readme, re.M)
@@ -114,7 +91,8 @@ def test_notes_say_why_a_cell_is_empty_recovered_or_flagged():
         kept = frame.loc[~empty, "note"]
         assert kept.str.fullmatch(r"|(dagger: [^;]*(; )?)?(recovered: .+)?|flag: .+|label: .+").all(), n
         for _, cell in frame[empty].drop_duplicates(["model", "policy", "budget"]).iterrows():
-            name = f"Table {n}" + (f" / {cell['model']} / {cell['policy']} / {cell['budget'] or '--'}" if cell["model"] else "")
+            where = f" / {cell['model']} / {cell['policy']} / {cell['budget'] or '--'}"
+            name = f"Table {n}" + (where if cell["model"] else "")
             assert name in readme, f"{name} garbled but not listed in results/paper/README.md"
         for _, cell in frame[frame["note"].str.contains("recovered:")].iterrows():
             assert f"| Table {n} / {cell['model']} / {cell['policy']} / {cell['budget'] or '--'} |" in readme
@@ -125,7 +103,10 @@ def test_notes_say_why_a_cell_is_empty_recovered_or_flagged():
 def test_longbench_row_averages(n, columns, complete):
     found = rows(table(n))
     assert all(set(cells) <= set(columns) | {"avg"} for cells in found.values())
-    assert check_row_averages(table(n), columns) == complete
+    checked = [key for key, cells in found.items() if set(cells) == set(columns) | {"avg"}]
+    for key in checked:  # every complete row's mean is its printed average
+        assert np.mean([found[key][c] for c in columns]) == pytest.approx(found[key]["avg"], abs=ROUNDING), key
+    assert len(checked) == complete
 
 
 def test_table1_shape_and_known_cells():
@@ -154,7 +135,11 @@ def test_table1_row_with_a_missing_number():
 
 
 def test_table14_repeats_table1_on_english_columns():
-    assert check_table14_repeats_table1(table(1), table(14)) == 13  # its complete full/Sink/SnapKV/KeyDiff rows
+    first, later = rows(table(1)), rows(table(14))
+    shared = [k for k in later if k in first]
+    assert len(shared) == 13  # its complete full/Sink/SnapKV/KeyDiff rows
+    for key in shared:
+        assert all(later[key][c] == first[key][c] for c in ENGLISH if c in later[key]), key
 
 
 def test_full_cache_rows_agree_across_tables():
@@ -230,7 +215,8 @@ def test_math_tables():
     for n in (4, 6):
         t = table(n)
         assert set(t["column"]) == {"4K", "8K", "32K"} and len(t) == 17 * 3
-        assert ((t.metric != "avg_gen_length") | (t.value > 1000)).all() and t[t.metric != "avg_gen_length"].value.le(1).all()
+        assert ((t.metric != "avg_gen_length") | (t.value > 1000)).all()
+        assert t[t.metric != "avg_gen_length"].value.le(1).all()
         assert (t[t.policy == "full"]["budget"] == "").all()
     for n in (5, 7):
         t = table(n)
@@ -251,36 +237,6 @@ def test_small_grids():
     assert np.allclose(t18.value * 50, np.round(t18.value * 50))  # differences of recalls in steps of 1/50
     t19 = table(19).set_index(["policy", "column"])["value"]
     assert t19[("keydiff", "512")] == 1.00 and len(t19) == 20
-
-
-@pytest.mark.extended
-def test_the_checks_catch_a_shifted_and_a_blanked_row(tmp_path):
-    """A shifted, a rotated and a blanked Table 14 row each fail a check above."""
-    t14 = table(14)
-    row = (t14["model"] == L3) & (t14["policy"] == "keydiff") & (t14["budget"] == "2k")
-    assert list(t14.loc[row, "column"]) == SUITE + ["avg"]
-    shifted = t14.copy()  # every number one column to the right, the average included
-    shifted.loc[row, "value"] = np.roll(t14.loc[row, "value"].to_numpy(), 1)
-    with pytest.raises(AssertionError):
-        check_row_averages(shifted, SUITE)
-    with pytest.raises(AssertionError):
-        check_table14_repeats_table1(table(1), shifted)
-    rotated = t14.copy()  # the datasets rotated, the average in place: the mean cannot see it, Table 1 can
-    datasets = row & (t14["column"] != "avg")
-    rotated.loc[datasets, "value"] = np.roll(t14.loc[datasets, "value"].to_numpy(), 1)
-    assert check_row_averages(rotated, SUITE) == 16
-    with pytest.raises(AssertionError):
-        check_table14_repeats_table1(table(1), rotated)
-    for n in TABLES:
-        (tmp_path / f"table{n}.csv").write_text((PAPER / f"table{n}.csv").read_text())
-    blanked = t14.copy()
-    blanked.loc[row, "value"] = np.nan
-    blanked.loc[row, "note"] = "garbled: planted"
-    blanked.to_csv(tmp_path / "table14.csv", index=False)
-    assert check_row_averages(blanked, SUITE) == 15  # the averages still pass on the remaining rows...
-    with pytest.raises(AssertionError, match="table 14"):
-        check_counts(tmp_path)  # ...the count does not
-    check_counts(PAPER)
 
 
 def test_csvs_are_what_the_transcriber_makes_from_the_text(tmp_path):

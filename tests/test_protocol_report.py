@@ -71,11 +71,6 @@ def test_table_orders_the_protocol_columns_puts_full_first_and_shows_intervals(s
     assert csv.loc[csv["samples"] < 5, "ci95_low"].isna().all()
 
 
-def test_table_waits_for_runs(tmp_path):
-    other = pd.DataFrame([{**run("keydiff", "1k", 1, "independent", False, 0.1), "task": "ruler_4k"}])
-    assert not protocol.write(other, tmp_path, TABLE) and not (tmp_path / "protocol.md").exists()
-
-
 def test_columns_name_every_mode_and_k():
     assert protocol.column_of("shared_ruler_4k-k1-independent", True)[2] == "question in prompt"
     assert protocol.column_of("shared_ruler_4k-k4-independent", False)[2] == "query-agnostic k=4"
@@ -102,15 +97,3 @@ def test_figure_one_panel_per_budget_one_line_per_method_full_dashed(summary, tm
     assert all(0 <= s[0][1] <= v <= s[1][1] <= 100 for s, v in zip(segments, y))
     full = [line for line in ax.get_lines() if line.get_label() == "Full"]
     assert len(full) == 1 and list(full[0].get_ydata()) == [90.0] * 6
-
-
-@pytest.mark.extended
-def test_experiments_run_the_shared_task_and_feed_the_table():
-    """The grids themselves are tests/golden/experiment_grids.json's (tests/test_grids.py)."""
-    from tests.test_leaderboard import compose
-
-    cfg = compose(["experiment=protocol"])
-    assert cfg.task.name == "shared_ruler_4k-k1-independent" and cfg.model.name == "smollm2-135m"
-    for name in ("protocol_full", "protocol_shared_full"):
-        assert compose([f"experiment={name}"]).budget.label == "unbounded"
-    assert set(TABLE.reads) == {"protocol", "protocol_shared", "protocol_full", "protocol_shared_full"}

@@ -22,35 +22,12 @@ PAPER_CSV = ("table,model,policy,budget,block_size,row,column,metric,value,note\
              "1,llama-3.1-8b-instruct,snapkv,2k,128,,avg,score,39.6,\n")
 
 
-def panel_titles(grid_block) -> list[str]:
-    return [panel.title for panel in grid_block.panels]
-
-
-def test_table1_report_holds_the_comparison_panels_and_the_paper_reference(tmp_path):
+def test_a_model_the_paper_csv_does_not_cover_gets_no_paper_table(tmp_path):
     (tmp_path / "table1.csv").write_text(PAPER_CSV)
     grid = make_report.load_grid("table1")
-    assert (grid.experiment, grid.task) == ("table1", "longbench")
-    assert grid.models == ["llama-3.1-8b-instruct", "llama-3.2-3b-instruct"]
-    assert grid.policies == ["keydiff", "tova", "snapkv", "sink", "h2o"] and grid.budgets == ["2k", "4k", "6k", "8k"]
-    report = make_report.build_report(grid, "someone", "keydiff-bench", tmp_path)
-    assert report.title == "keydiff-bench: table1" and report.entity == "someone"
-
-    grids = [block for block in report.blocks if hasattr(block, "panels")]
-    assert len(grids) == 4  # per model: the main grid and the per-dataset grid
-    main = grids[0]
-    assert [runset.name for runset in main.runsets] == grid.policies
-    filters = expr.expr_to_filters(main.runsets[0].filters).filters  # parses offline into config filters
-    assert {(f.key.name, f.value) for f in filters} == {("experiment_name", "table1"),
-                                                        ("model.name", "llama-3.1-8b-instruct"), ("policy.label", "keydiff")}
-    assert panel_titles(main) == ["score vs budget", "paper: score vs budget", "ours vs paper (diagonal = reproduced)",
-                                  "score and paper score, per budget", "TTFT vs block size",
-                                  "kept ratio vs budget", "running score (per written row)"]
-    # The paper's values as a table in the report; the model the CSV does not cover gets no paper panels.
-    markdown = [block.text for block in report.blocks if type(block).__name__ == "MarkdownBlock"]
-    assert any("| keydiff | 128 | 44.33 | – | – | 49.03 |" in text for text in markdown)
-    assert "paper: score vs budget" not in panel_titles(grids[2])
-    per_dataset = panel_titles(grids[1])
-    assert len(per_dataset) == 16 and per_dataset[1] == "qasper: score vs budget"
+    shown = make_report.paper_table(grid, "llama-3.1-8b-instruct", tmp_path)
+    assert "| keydiff | 128 | 44.33 | – | – | 49.03 |" in shown
+    assert make_report.paper_table(grid, "llama-3.2-3b-instruct", tmp_path) is None
 
 
 GOLDEN_RUNS = ROOT / "tests" / "golden" / "runs"
@@ -106,7 +83,8 @@ def panel_reads(report) -> tuple[set, set, set]:
     summary, config, history = set(), set(), set()
     for block in (b for b in report.blocks if hasattr(b, "panels")):
         for panel in block.panels:
-            fields = [getattr(panel, f, None) for f in ("x", "y", "groupby")] + list(getattr(panel, "metrics", None) or [])
+            fields = [getattr(panel, f, None) for f in ("x", "y", "groupby")]
+            fields += list(getattr(panel, "metrics", None) or [])
             for field in fields:
                 for item in field if isinstance(field, list) else [field]:
                     kind = type(item).__name__
@@ -128,7 +106,8 @@ def test_every_panel_reads_a_key_that_tracking_logs(tmp_path, monkeypatch):
                                          "samples,samples_total,note\n1,smollm2-135m,keydiff,1k,128,,avg,average,score,"
                                          "50.0,,,\n")
     run = logged(monkeypatch, tmp_path, smoke, experiment_name="table1")  # a table1 point: paper/score logged
-    grid = make_report.Grid("table1", "table1", "", "niah_small", ["smollm2-135m"], ["keydiff"], ["keydiff"], ["1k"], ["128"])
+    grid = make_report.Grid("table1", "table1", "", "niah_small", ["smollm2-135m"], ["keydiff"], ["keydiff"], ["1k"],
+                            ["128"])
     report = make_report.build_report(grid, "", "keydiff-bench", tmp_path)
     summary, config, history = panel_reads(report)
     assert "paper/score" in summary and "running/score" in history  # the paper panels and the running panel exist
@@ -154,19 +133,6 @@ def test_every_panel_reads_a_key_that_tracking_logs(tmp_path, monkeypatch):
     summary, _, _ = panel_reads(report)
     datasets = {key for key in summary if key.startswith("metrics/datasets/")}
     assert len(datasets) == 21 and datasets <= set(run.summary), datasets - set(run.summary)
-
-
-# One experiment per task family and axis shape (table10: block_size=inf; fig7: block sizes swept).
-@pytest.mark.parametrize("stem", ["smoke", "table4_gen8k", "table10", "fig7_ttft"])
-def test_experiments_build_reports_without_paper_numbers(tmp_path, stem):
-    grid = make_report.load_grid(stem)
-    report = make_report.build_report(grid, "", "keydiff-bench", tmp_path / "absent")
-    grids = [block for block in report.blocks if hasattr(block, "panels")]
-    assert len(grids) == len(grid.models) * (2 if grid.datasets else 1)
-    main = grids[0]
-    assert panel_titles(main) == ["score vs budget", "TTFT vs block size", "kept ratio vs budget",
-                                  "running score (per written row)"]  # no paper panels without paper numbers
-    assert [runset.name for runset in main.runsets] == grid.policies
 
 
 def test_publish_needs_an_entity_and_credentials(tmp_path, monkeypatch, capsys):
@@ -208,19 +174,21 @@ def test_make_report_writes_one_specification_per_experiment_with_runs_adhoc_inc
     assert make_report.main(["--runs", str(runs), "--out", str(out), "--paper", str(tmp_path / "absent")]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert [line.split(":")[0] for line in lines] == ["adhoc__niah_small", "adhoc__phonebook", "smoke"]  # one line each
-    assert sorted(path.name for path in out.iterdir()) == ["adhoc__niah_small.json", "adhoc__phonebook.json", "smoke.json"]
+    assert sorted(path.name for path in out.iterdir()) == [
+        "adhoc__niah_small.json", "adhoc__phonebook.json", "smoke.json"]
 
     niah = json.loads((out / "adhoc__niah_small.json").read_text())
     assert niah["runs"] == 3 and niah["title"] == "keydiff-bench: adhoc / niah_small"
     grid = niah["grid"]
-    assert (grid["policies"], grid["budgets"], grid["block_sizes"]) == (["keydiff", "tova"], ["1k", "2k", "3000"], ["128"])
+    assert (grid["policies"], grid["budgets"], grid["block_sizes"]) == (
+        ["keydiff", "tova"], ["1k", "2k", "3000"], ["128"])
     assert any("PanelGrid [keydiff, tova]: score vs budget" in line for line in niah["outline"])
     phonebook = json.loads((out / "adhoc__phonebook.json").read_text())
     assert (phonebook["grid"]["policies"], phonebook["grid"]["policy_names"]) == (["keydiff_w20"], ["keydiff"])
     assert phonebook["grid"]["block_sizes"] == ["64", "256"] and phonebook["runs"] == 2
     # The run sets of a grid read from runs select its task too (adhoc mixes tasks in one W&B group).
-    report = make_report.build_report(make_report.grids_from_runs("adhoc", make_report.recorded_configs(runs / "adhoc"))[0],
-                                      "", "keydiff-bench", tmp_path / "absent")
+    adhoc = make_report.grids_from_runs("adhoc", make_report.recorded_configs(runs / "adhoc"))[0]
+    report = make_report.build_report(adhoc, "", "keydiff-bench", tmp_path / "absent")
     main = next(block for block in report.blocks if hasattr(block, "panels"))
     filters = expr.expr_to_filters(main.runsets[0].filters).filters
     assert ("task.name", "niah_small") in {(f.key.name, f.value) for f in filters}
