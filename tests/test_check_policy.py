@@ -8,11 +8,10 @@ from typing import ClassVar
 import pytest
 import torch
 
-from keydiff import build_policy, prefill
+from keydiff import build_policy
 from keydiff.policies import POLICIES, LayerBudgets, LayerView, Needs, Policy, RecentWindow
 from keydiff.policies.knorm import KNorm
-from keydiff.testing import PolicyCheckError, check_policy, run_once, tiny_model
-from tests.conftest import tiny_llama
+from keydiff.testing import PolicyCheckError, check_policy
 
 pytestmark = pytest.mark.integration
 
@@ -40,18 +39,6 @@ def scorer(name: str) -> Policy:
 
 
 @pytest.mark.extended
-@pytest.mark.parametrize("name", sorted(POLICIES))
-def test_every_builtin_policy_passes_check_policy(name):
-    policy = build_policy(name)
-    summary = check_policy(POLICIES[name])
-    assert summary["policy"] == name
-    assert summary["evictions"] > 0 or not policy.needs.evicts
-    # A policy that claims needs.rows_alike was really run stacked (and compared with layer-by-layer).
-    assert summary["stacked"] == summary["batchable_checked"] == policy.needs.rows_alike
-    assert summary["captured_checked"] == (policy.needs.capturable and summary["stacked"])
-
-
-@pytest.mark.extended
 @pytest.mark.parametrize("name, params", VARIANTS, ids=[f"{n}-{'-'.join(map(str, p))}" for n, p in VARIANTS])
 def test_builtin_variants_pass_check_policy(name, params):
     summary = check_policy(name, **params)
@@ -68,33 +55,6 @@ def test_every_builtin_policy_passes_check_policy_with_pyramid_layer_budgets(nam
     summary = check_policy(policy)
     assert summary["layer_budgets"] == ([None] * 3 if name == "full" else PYRAMID_BUDGETS)
     assert not summary["stacked"]  # layers with budgets of their own are never stacked
-
-
-CAPABILITIES = ("attention_rows", "every_pass", "evicts", "state", "queries", "queries_from", "rows_alike")
-UNUSUAL = {"snapkv": {"window": 5}, "expected_attention": {"n_sink": 6}, "lagkv": {"scoring": "rescore"}}
-
-
-@pytest.mark.unit
-@pytest.mark.parametrize("name", sorted(POLICIES))
-def test_wrappers_answer_every_capability_as_the_wrapped_policy(name):
-    plain = POLICIES[name](**UNUSUAL.get(name, {}))
-    wrapped = LayerBudgets(RecentWindow(plain, fraction=0.3), schedule=PYRAMID)
-    assert wrapped.name == plain.name
-    assert {c: getattr(wrapped.needs, c) for c in CAPABILITIES} == {c: getattr(plain.needs, c) for c in CAPABILITIES}
-    assert wrapped.unwrapped() is plain
-
-
-@pytest.mark.extended
-@pytest.mark.parametrize("name", sorted(POLICIES))
-def test_wrappers_change_nothing_they_do_not_add(name):
-    """A zero window and a uniform schedule keep, stack and generate what the policy alone does (needs forwarded)."""
-    model = tiny_model()
-    ids = torch.randint(0, 256, (1, 160), generator=torch.Generator().manual_seed(1))
-    alone = run_once(scorer(name), model, ids, 48, 16, 4)
-    wrapped = LayerBudgets(RecentWindow(scorer(name), fraction=0.0), schedule={"schedule": "uniform"})
-    composed = run_once(wrapped, model, ids, 48, 16, 4)
-    assert composed["stacked"] == alone["stacked"] and composed["tokens"] == alone["tokens"]
-    assert all(torch.equal(a, b) for a, b in zip(alone["kept"], composed["kept"]))
 
 
 @dataclass
@@ -144,17 +104,6 @@ class Unseeded(Policy):
         return torch.rand(layer.positions.shape)
 
 
-@dataclass
-class ProtectedInfinity(KNorm):
-    """-inf only for protected entries (as Expected Attention's sinks): allowed, they are kept anyway."""
-
-    def score(self, layer: LayerView) -> torch.Tensor:
-        return super().score(layer).masked_fill(layer.positions < 2, float("-inf"))
-
-    def protected(self, layer: LayerView, budget: int) -> torch.Tensor | None:
-        return layer.positions < 2
-
-
 ROWS_ALIKE_BROKEN = r"layer-by-layer eviction \(it claims needs.rows_alike\) kept other positions"
 
 
@@ -189,34 +138,6 @@ def test_a_policy_with_its_own_evict_indices_cannot_be_wrapped():
         RecentWindow(OwnEviction(), fraction=0.2)
     with pytest.raises(TypeError, match="LayerBudgets cannot wrap OwnEviction"):
         LayerBudgets(OwnEviction(), schedule=None)
-
-
-class Undecorated(KNorm):  # no @dataclass of its own: its field is no parameter
-    alpha: float = 0.5
-
-
-@pytest.mark.unit
-@pytest.mark.parametrize("params", [{}, {"alpha": 0.3}])
-def test_undecorated_class_is_refused_as_run_py_refuses_it(params):
-    with pytest.raises(ValueError, match=r"policy class tests.test_check_policy.Undecorated: Undecorated must be "
-                                         r"decorated with @dataclass"):
-        check_policy(Undecorated, **params)
-
-
-@pytest.mark.parametrize("policy, params", [(ProtectedInfinity, {}), (Unseeded, {"deterministic": False})])
-def test_protected_infinite_scores_and_an_unseeded_policy_not_claiming_determinism_pass(policy, params):
-    assert check_policy(policy, **params)["evictions"] > 0
-
-
-def test_bad_scores_fail_on_first_use_naming_the_policy(model):
-    """Outside check_policy too: the first eviction checks the scores (a run fails instead of ordering NaN)."""
-    ids = torch.randint(0, 256, (1, 100), generator=torch.Generator().manual_seed(0))
-    nan = r"policy 'tests.test_check_policy.NaNScores \(knorm subclass\)': score\(\) returned \d+ NaN"
-    with pytest.raises(RuntimeError, match=nan):
-        prefill(model, ids, NaNScores(), budget=40, block_size=20)
-    with pytest.raises(RuntimeError, match=r"policy 'tests.test_check_policy.WrongShape': score\(\) returned shape"):
-        prefill(model, ids, WrongShape(), budget=40, block_size=20)
-    assert prefill(model, ids, build_policy("knorm"), budget=40, block_size=20).max_cache_entries == 60
 
 
 @pytest.mark.unit
