@@ -10,7 +10,7 @@ from typing import ClassVar
 import pytest
 import torch
 
-from keydiff.policies import POLICIES, LayerBudgets, LayerView, Needs, Policy, RecentWindow, build_policy
+from keydiff.policies import LayerBudgets, LayerView, Needs, Policy, RecentWindow, build_policy
 from keydiff.policies import capabilities
 
 pytestmark = pytest.mark.unit
@@ -65,12 +65,6 @@ def test_a_preset_the_file_lacks_is_computed_on_demand(a_file_lacking):
     assert {"knorm", "tova"} <= set(batch_invariant_policies())
 
 
-def test_the_batch_invariant_policies_are_the_presets_claim():
-    from keydiff.run.checks import batch_invariant_policies
-
-    assert all(POLICIES[name]().needs.batch_invariant == (name in batch_invariant_policies()) for name in POLICIES)
-
-
 @pytest.mark.parametrize("legacy, field", [
     ("layers_batchable", "rows_alike"), ("attention_rows", "attention_rows"), ("state_names", "state"),
     ("capturable", "host_reads=False"), ("observes_every_step", "every_pass")])
@@ -116,15 +110,3 @@ def test_a_subclass_replaces_its_parents_needs_and_wrappers_derive_theirs():
     assert kvzip.needs.reconstruction and kvzip.needs.state == ("kvzip",) and not kvzip.needs.groupable
     rerotated = build_policy("keydiff", key_rerotation=True, critical=True)
     assert rerotated.needs.state == ("inv_norm", "wov_l1", "rotary_position") and not rerotated.needs.rows_alike
-
-
-def test_needs_follow_a_parameter_set_after_building_even_inside_wrappers():
-    """`needs` is remembered per object and computed again once an attribute of it or of a wrapped policy is set."""
-    policy = build_policy("keydiff", window_fraction=0.0, head_budgets="adakv", layer_budgets={"schedule": "uniform"})
-    assert policy.needs.chooses_segments and policy.needs is policy.needs
-    policy.scorer.scorer.scorer.metric = "dot"  # LayerBudgets > HeadAdaptive > RecentWindow > KeyDiff
-    assert not policy.needs.chooses_segments
-    policy.scorer.scorer.scorer.metric = "cosine"
-    assert policy.needs.chooses_segments
-    policy.scorer.head_scores = "relative"
-    assert not policy.needs.chooses_segments
