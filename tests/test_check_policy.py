@@ -8,7 +8,6 @@ from typing import ClassVar
 import pytest
 import torch
 
-from keydiff import build_policy
 from keydiff.policies import POLICIES, LayerBudgets, LayerView, Needs, Policy, RecentWindow
 from keydiff.policies.knorm import KNorm
 from keydiff.testing import PolicyCheckError, check_policy
@@ -17,41 +16,15 @@ pytestmark = pytest.mark.integration
 
 PYRAMID = {"schedule": "pyramid", "beta": 4, "window": 0}
 
-# Non-default settings: LagKV partitions that fit the check's budget, PyramidKV budgets (both arithmetics), the
-# original H2O, TOVA per layer, SnapKV max-pooled, K-norm skipping a layer (never evicted, so never stacked).
-VARIANTS = [
-    ("lagkv", {"lag_size": 8}), ("lagkv", {"lag_size": 8, "scoring": "rescore"}),
-    ("keydiff", {"layer_budgets": PYRAMID}),
-    ("keydiff", {"layer_budgets": {**PYRAMID, "arithmetic": "kvcache_factory"}}),
-    ("snapkv", {"window": 8, "layer_budgets": {**PYRAMID, "window": 8}}), ("h2o", {"recent_fraction": 0.5}),
-    ("tova", {"heads": "layer"}), ("snapkv", {"pooling": "max"}), ("knorm", {"skip_layers": [0]}),
-    ("expected_attention", {"use_covariance": False, "epsilon": 0.01}),
-]
-
-
 # Parameters that fit each built-in into the smallest layer budget of PYRAMID in the check (48 tokens: 12).
 FITS_A_PYRAMID = {"snapkv": {"window": 8}, "lagkv": {"lag_size": 4}}
 PYRAMID_BUDGETS = [84, 48, 12]  # by hand: top 48 / 4 = 12, bottom 2 x 48 - 12 = 84, the middle halfway
 
 
-def scorer(name: str) -> Policy:
-    return POLICIES[name](**FITS_A_PYRAMID.get(name, {}))
-
-
-@pytest.mark.extended
-@pytest.mark.parametrize("name, params", VARIANTS, ids=[f"{n}-{'-'.join(map(str, p))}" for n, p in VARIANTS])
-def test_builtin_variants_pass_check_policy(name, params):
-    summary = check_policy(name, **params)
-    assert summary["evictions"] > 0
-    # pyramid budgets never stack; the rows_alike comparison then runs stacked with uniform budgets
-    never_stacks = name == "knorm" and params.get("skip_layers")  # a layer never evicted: no stack at all
-    assert summary["batchable_checked"] == (build_policy(name, **params).needs.rows_alike and not never_stacks)
-
-
 @pytest.mark.extended
 @pytest.mark.parametrize("name", sorted(POLICIES))
 def test_every_builtin_policy_passes_check_policy_with_pyramid_layer_budgets(name):
-    policy = LayerBudgets(RecentWindow(scorer(name), fraction=0.25), schedule=PYRAMID)
+    policy = LayerBudgets(RecentWindow(POLICIES[name](**FITS_A_PYRAMID.get(name, {})), fraction=0.25), schedule=PYRAMID)
     summary = check_policy(policy)
     assert summary["layer_budgets"] == ([None] * 3 if name == "full" else PYRAMID_BUDGETS)
     assert not summary["stacked"]  # layers with budgets of their own are never stacked
@@ -138,6 +111,17 @@ def test_a_policy_with_its_own_evict_indices_cannot_be_wrapped():
         RecentWindow(OwnEviction(), fraction=0.2)
     with pytest.raises(TypeError, match="LayerBudgets cannot wrap OwnEviction"):
         LayerBudgets(OwnEviction(), schedule=None)
+
+
+class Undecorated(KNorm):  # no @dataclass of its own: its field is no parameter
+    alpha: float = 0.5
+
+
+@pytest.mark.unit
+def test_undecorated_class_is_refused_as_run_py_refuses_it():
+    with pytest.raises(ValueError, match=r"policy class tests.test_check_policy.Undecorated: Undecorated must be "
+                                         r"decorated with @dataclass"):
+        check_policy(Undecorated)
 
 
 @pytest.mark.unit

@@ -237,20 +237,3 @@ def test_score_then_position_orders_by_score_then_position():
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 CONF_POLICIES = sorted(p.stem for p in (CONF / "policy").glob("*.yaml") if p.stem != "custom")
-
-
-@pytest.mark.extended
-@pytest.mark.parametrize("config", CONF_POLICIES)
-def test_every_policy_config_builds_its_policy_with_its_params(config):
-    """Each conf/policy/*.yaml composes (defaults merged) into a policy whose parameters are the file's."""
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
-
-    from keydiff.run.plan import policy_target
-
-    with initialize_config_dir(str(CONF), version_base="1.3"):
-        cfg = compose("config", overrides=[f"policy={config}"])
-    params = OmegaConf.to_container(cfg.policy.params, resolve=True)
-    policy = build_policy(policy_target(cfg.policy), **params)
-    policy.check(2048)
-    assert {k: policy.describe()[k] for k in params} == params

@@ -3,12 +3,12 @@ random Gemma 2, Gemma 3 (text), gpt-oss and an every-layer-sliding Mistral (keyd
 
 from __future__ import annotations
 
-import contextlib
+import logging
 
 import pytest
 import torch
 
-from keydiff import build_policy, generate, keydiff_attention, prefill
+from keydiff import build_policy, generate, prefill
 from keydiff.cache import EvictingCache
 from keydiff.testing import HYBRID_ARCHITECTURES, tiny_hybrid_model
 
@@ -33,10 +33,10 @@ def stock_logits(model, ids):
         return model(ids).logits[:, -1].float()
 
 
-def loop_tokens(model, state, steps, bound=True):
-    """A plain greedy loop through model(...) on the state's cache, with keydiff's attention or the model's own."""
+def loop_tokens(model, state, steps):
+    """A plain greedy loop of model(...), with the model's own attention, on the state's cache."""
     cache, logits, tokens = state.cache, state.logits, []
-    with torch.no_grad(), (keydiff_attention(model, cache) if bound else contextlib.nullcontext()):
+    with torch.no_grad():
         for _ in range(steps):
             token = logits.argmax(-1)
             tokens.append(int(token))
@@ -44,37 +44,32 @@ def loop_tokens(model, state, steps, bound=True):
     return tokens
 
 
-def stock_tokens(model, ids, new_tokens):
-    """Greedy decoding with transformers' own cache and attention."""
-    with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, min_new_tokens=new_tokens)
-    return out[0, ids.shape[1]:].tolist()
+def test_a_hybrid_model_bounds_each_layer_kind_and_a_plain_loop_decodes_as_generate(models, ids):
+    """Gemma 3: sliding layers hold the window less one, evicted ones N; a loop of model(...) with its own attention
+    (keydiff chooses without attention weights) gives generate's tokens."""
+    model = models["gemma3"]
+    state = prefill(model, ids, "keydiff", 64, 32)
+    assert state.cache.layer_budgets == [WINDOW - 1, 64] * 2
+    assert state.cache.layer_max_total_entries == [2 * (WINDOW - 1 + 32), 2 * (64 + 32)] * 2  # 2 KV heads
+    expected = generate(model, prefill(model, ids, "keydiff", 64, 32), 6).token_ids[0]
+    assert loop_tokens(model, state, 6) == expected
 
 
-@pytest.mark.extended
-@pytest.mark.parametrize("architecture", HYBRID)
-@pytest.mark.parametrize("policy, bound", [("keydiff", True), ("snapkv", True), ("keydiff", False)])
-def test_plain_decoding_loop_equals_generate(models, ids, architecture, policy, bound):
-    """A plain greedy loop gives generate's tokens, with keydiff's attention or (attention-free policy) without it."""
-    model = models[architecture]
-    expected = generate(model, prefill(model, ids, policy, 64, 32), 6).token_ids[0]
-    assert loop_tokens(model, prefill(model, ids, policy, 64, 32), 6, bound=bound) == expected
+def test_all_sliding_model_evicts_only_below_the_window(models, ids, caplog):
+    """N >= window: the window bounds the cache, nothing evicts; N < window < L: masked by position and window."""
+    model = models["mistral_sliding"]
+    with caplog.at_level(logging.WARNING, logger="keydiff.cache.cache"):
+        bounded = prefill(model, ids, "keydiff", 64, 32)
+    assert "already bounds" in caplog.text and bounded.cache.layer_kinds == ["sliding"] * 4
+    assert torch.allclose(bounded.logits, stock_logits(model, ids), atol=1e-5)
+    short = prefill(model, ids[:, :150], "keydiff", 40, 16)
+    assert short.cache.layer_kinds == ["evicted"] * 4 and short.max_cache_entries == 56
 
 
-@pytest.mark.extended
-@pytest.mark.parametrize("statistics", ["fast", "materialized"])
-def test_gpt_oss_sinks_and_head_adaptive_layers(models, ids, statistics):
-    """gpt-oss sinks with AdaKV pools, both statistics: N >= L is the stock model; under a budget both paths agree."""
-    model = models["gpt_oss"]
-    assert any(float(layer.self_attn.sinks.detach().abs().max()) > 0.1 for layer in model.model.layers)
-    adaptive = build_policy("snapkv", head_budgets="adakv")
-    state = prefill(model, ids, adaptive, 200, 32, attention_statistics=statistics)
-    assert torch.allclose(state.logits, stock_logits(model, ids), atol=1e-5)
-    assert generate(model, state, 5).token_ids[0] == stock_tokens(model, ids, 5)
-    kept = [prefill(model, ids, policy, 64, 32, attention_statistics=mode).kept_positions
-            for mode in ("fast", "materialized") for policy in [build_policy("snapkv", head_budgets="adakv")]]
+def test_gpt_oss_sinks_under_head_adaptive_budgets_keep_the_same_on_both_statistics(models, ids):
+    kept = [prefill(models["gpt_oss"], ids, build_policy("snapkv", head_budgets="adakv"), 64, 32,
+                    attention_statistics=mode).kept_positions for mode in ("fast", "materialized")]
     assert all(torch.equal(a, b) for a, b in zip(*kept))
-    assert generate(model, prefill(model, ids, adaptive, 64, 32, attention_statistics=statistics), 3).token_ids[0]
 
 
 def test_evicted_window_layers_refuse_stock_attention(models, ids):
@@ -102,40 +97,6 @@ def test_scratch_passes_leave_sliding_layers_as_they_were(models, ids):
     layer = state.cache.layers[0]
     assert layer.seen == ids.shape[1] and layer.num_entries == WINDOW - 1
     assert generate(model, state, 3).token_ids[0]
-
-
-@pytest.mark.extended
-def test_run_py_on_a_saved_random_gemma3(tmp_path, monkeypatch):
-    """run.py on a saved tiny Gemma 3: the summary records each layer's bound (window less one, or N), held."""
-    import json
-    import runpy
-    import sys
-    from pathlib import Path
-
-    from keydiff.run import runner
-    from tests.conftest import char_tokenizer
-
-    model_dir = tmp_path / "tiny-gemma3"
-    tiny_hybrid_model("gemma3", window=WINDOW).save_pretrained(model_dir)
-    char_tokenizer().save_pretrained(model_dir)
-    monkeypatch.setattr(runner, "_LOADED", {})
-    arguments = ["model=custom", f"model.path={model_dir}", "model.dtype=float32", "model.device=cpu",
-                 "model.max_length=4096", "policy=keydiff", "budget=r0.25", "block_size=32", "task=niah_small",
-                 "task.context_lengths=[300]", "task.depths=[50]", f"results_root={tmp_path / 'runs'}",
-                 "hydra/hydra_logging=none", "hydra/job_logging=none"]
-    monkeypatch.setattr(sys, "argv", ["run.py", *arguments])
-    runpy.run_path(str(Path(__file__).parents[1] / "run.py"), run_name="__main__")
-    summaries = list((tmp_path / "runs").rglob("summary.json"))
-    assert len(summaries) == 1
-    summary = json.loads(summaries[0].read_text())
-    statistics = summary.get("statistics", summary)
-    budget = statistics["layer_budgets"][1]
-    assert budget == -(-statistics["max_prompt_tokens"] // 4)  # r0.25
-    assert statistics["layer_budgets"] == [WINDOW - 1, budget] * 2 and statistics["cache_bound_held"] is True
-    assert statistics["layer_cache_bounds"] == [WINDOW - 1 + 32, budget + 32] * 2
-    assert statistics["layer_max_cache_entries"] == statistics["layer_cache_bounds"]
-    rows = [json.loads(line) for line in (summaries[0].parent / "predictions.jsonl").read_text().splitlines()]
-    assert [row["kept_tokens"] for row in rows] == [budget]  # the full-attention layers' entries, not the window's
 
 
 @pytest.mark.unit
