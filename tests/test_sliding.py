@@ -10,17 +10,16 @@ import torch
 
 from keydiff import build_policy, generate, prefill
 from keydiff.cache import EvictingCache
-from keydiff.testing import HYBRID_ARCHITECTURES, tiny_hybrid_model
+from keydiff.testing import tiny_hybrid_model
 
 pytestmark = pytest.mark.integration
 
 WINDOW = 48
-HYBRID = ("gemma2", "gemma3", "gpt_oss")
 
 
 @pytest.fixture(scope="module")
 def models():
-    return {name: tiny_hybrid_model(name, window=WINDOW) for name in HYBRID_ARCHITECTURES}
+    return {name: tiny_hybrid_model(name, window=WINDOW) for name in ("gemma3", "gpt_oss", "mistral_sliding")}
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +44,7 @@ def loop_tokens(model, state, steps):
 
 
 def test_a_hybrid_model_bounds_each_layer_kind_and_a_plain_loop_decodes_as_generate(models, ids):
-    """Gemma 3: sliding layers hold the window less one, evicted ones N; a loop of model(...) with its own attention
-    (keydiff chooses without attention weights) gives generate's tokens."""
+    """Gemma 3: sliding layers hold the window less one, evicted ones N; a model(...) loop decodes as generate."""
     model = models["gemma3"]
     state = prefill(model, ids, "keydiff", 64, 32)
     assert state.cache.layer_budgets == [WINDOW - 1, 64] * 2
