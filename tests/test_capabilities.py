@@ -1,16 +1,13 @@
-"""A policy's needs (keydiff.policies.base.Needs), derived through wrappers, and keydiff/policies/capabilities.json,
-the presets' needs for torch-free readers: fresh, complete for the experiments, computed on demand otherwise."""
+"""A policy's needs (keydiff.policies.base.Needs) declared right, and keydiff/policies/capabilities.json, the presets'
+needs for torch-free readers: fresh, and computed on demand for a preset it lacks."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
-from typing import ClassVar
 
 import pytest
-import torch
 
-from keydiff.policies import POLICIES, LayerBudgets, LayerView, Needs, Policy, RecentWindow, build_policy
+from keydiff.policies import Needs, Policy
 from keydiff.policies import capabilities
 
 pytestmark = pytest.mark.unit
@@ -21,17 +18,6 @@ def test_every_row_of_capabilities_json_is_fresh():
     """After a policy's needs change: `python -m keydiff.policies.capabilities --write`."""
     text = capabilities.PATH.read_text(encoding="utf-8")
     assert capabilities.render(capabilities.capabilities(list(json.loads(text)))) == text
-
-
-@pytest.mark.extended  # seconds: composes every preset / runs a whole benchmark; make test runs it
-def test_capabilities_json_holds_every_preset_the_experiments_run():
-    """Those the paper's experiments run are read from it without torch; others are computed on demand."""
-    from tests.test_golden import experiment_presets
-
-    table = json.loads(capabilities.PATH.read_text(encoding="utf-8"))
-    assert {"keydiff", "snapkv", "adakv_criticalkv"} <= experiment_presets()
-    assert not sorted(experiment_presets() - set(table)), "python -m keydiff.policies.capabilities --write"
-    assert set(table) <= set(capabilities.preset_names())
 
 
 @pytest.fixture
@@ -65,12 +51,6 @@ def test_a_preset_the_file_lacks_is_computed_on_demand(a_file_lacking):
     assert {"knorm", "tova"} <= set(batch_invariant_policies())
 
 
-def test_the_batch_invariant_policies_are_the_presets_claim():
-    from keydiff.run.checks import batch_invariant_policies
-
-    assert all(POLICIES[name]().needs.batch_invariant == (name in batch_invariant_policies()) for name in POLICIES)
-
-
 @pytest.mark.parametrize("legacy, field", [
     ("layers_batchable", "rows_alike"), ("attention_rows", "attention_rows"), ("state_names", "state"),
     ("capturable", "host_reads=False"), ("observes_every_step", "every_pass")])
@@ -93,38 +73,3 @@ def test_needs_must_be_a_needs_and_its_values_valid():
         Needs(attention_rows=-1)
     assert Needs(state=["a"]).state == ("a",)  # a list is kept as a tuple: Needs stays hashable
 
-
-@dataclass
-class Alike(Policy):
-    needs: ClassVar[Needs] = Needs(rows_alike=True, host_reads=False)
-
-    def score(self, layer: LayerView) -> torch.Tensor:
-        return layer.positions.float()
-
-
-@dataclass
-class NotAlike(Alike):
-    needs: ClassVar[Needs] = replace(Alike.needs, rows_alike=False)
-
-
-def test_a_subclass_replaces_its_parents_needs_and_wrappers_derive_theirs():
-    assert NotAlike().needs == Needs(host_reads=False) and Alike().needs.groupable
-    window = RecentWindow(Alike(), fraction=0.2)
-    assert window.needs == Alike.needs  # a window is capturable when the wrapped policy is
-    assert LayerBudgets(window, schedule=None).needs == replace(Alike.needs, host_reads=True)
-    kvzip = LayerBudgets(build_policy("kvzip"), schedule=None)
-    assert kvzip.needs.reconstruction and kvzip.needs.state == ("kvzip",) and not kvzip.needs.groupable
-    rerotated = build_policy("keydiff", key_rerotation=True, critical=True)
-    assert rerotated.needs.state == ("inv_norm", "wov_l1", "rotary_position") and not rerotated.needs.rows_alike
-
-
-def test_needs_follow_a_parameter_set_after_building_even_inside_wrappers():
-    """`needs` is remembered per object and computed again once an attribute of it or of a wrapped policy is set."""
-    policy = build_policy("keydiff", window_fraction=0.0, head_budgets="adakv", layer_budgets={"schedule": "uniform"})
-    assert policy.needs.chooses_segments and policy.needs is policy.needs
-    policy.scorer.scorer.scorer.metric = "dot"  # LayerBudgets > HeadAdaptive > RecentWindow > KeyDiff
-    assert not policy.needs.chooses_segments
-    policy.scorer.scorer.scorer.metric = "cosine"
-    assert policy.needs.chooses_segments
-    policy.scorer.head_scores = "relative"
-    assert not policy.needs.chooses_segments

@@ -35,7 +35,8 @@ def test_example_policy_runs_end_to_end_through_run_py_from_outside_the_package(
                "budget.tokens=128", "block_size=64", f"results_root={tmp_path / 'runs'}"]
     result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    run_dir = tmp_path / "runs" / "adhoc" / "niah_small" / "smollm2-135m" / "MyPolicy-alpha0.3" / "128" / "bs64" / "seed0-limit1"  # 1 of 2 samples: a subset run, its own directory
+    # 1 of 2 samples: a subset run, its own directory
+    run_dir = tmp_path / "runs/adhoc/niah_small/smollm2-135m/MyPolicy-alpha0.3/128/bs64/seed0-limit1"
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["policy"] == {"name": "my_policy.MyPolicy", "alpha": 0.3, "sinks": 4, "layer_budgets": None}
     assert summary["statistics"]["samples"] == 1 and summary["statistics"]["cache_bound_held"] is True
@@ -77,7 +78,9 @@ def test_label_is_derived_from_class_and_parameters():
         (["policy.target=no_such_lab.policies.MyPolicy"], "cannot import module 'no_such_lab.policies'"),
         (["policy.target=my_policy.NoSuchPolicy"], "module 'my_policy' has no attribute 'NoSuchPolicy'"),
         (["policy.target=collections.OrderedDict"], "is not a subclass of keydiff.policies.Policy"),
-        (["policy.target=my_policy.MyPolicy", "+policy.params.beta=1"], r"no parameter\(s\) beta; valid: alpha, sinks, chunk_length, chunk_scope, critical, critical_epsilon, first_stage_ratio, head_budgets, alpha_safeguard, head_scores, key_rerotation, layer_budgets"),
+        (["policy.target=my_policy.MyPolicy", "+policy.params.beta=1"],
+         r"no parameter\(s\) beta; valid: alpha, sinks, chunk_length, chunk_scope, critical, critical_epsilon, "
+         "first_stage_ratio, head_budgets, alpha_safeguard, head_scores, key_rerotation, layer_budgets"),
         (["policy.target=my_policy.MyPolicy", "+policy.params.sinks=4096"], r"sinks \(4096\) must be in"),
         ([], "policy=custom needs policy.target"),
     ],
@@ -88,30 +91,8 @@ def test_bad_targets_fail_before_the_model_loads(tmp_path, examples_on_path, no_
     assert not (tmp_path / "run").exists()
 
 
-def test_a_subclass_without_its_own_dataclass_decorator_is_named(tmp_path, monkeypatch):
-    """is_dataclass() is true for any subclass of a dataclass: the check looks at each class's own decoration."""
-    (tmp_path / "undecorated_lab.py").write_text(
-        "from dataclasses import dataclass\n"
-        "from keydiff.policies import KeyDiff\n"
-        "from my_policy import MyPolicy\n\n"
-        "class Plain(MyPolicy):\n    beta: float = 1.0\n\n"
-        "@dataclass\nclass Decorated(MyPolicy):\n    beta: float = 1.0\n\n"
-        "@dataclass\nclass OwnKeyDiff(KeyDiff):\n    gamma: int = 2\n"
-    )
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.syspath_prepend(str(EXAMPLES))
-    with pytest.raises(ValueError, match=r"'undecorated_lab.Plain': Plain must be decorated with @dataclass"):
-        build_policy("undecorated_lab.Plain", beta=2.0)
-    assert build_policy("undecorated_lab.Decorated", beta=2.0).describe() == {
-        "name": "undecorated_lab.Decorated", "alpha": 0.3, "sinks": 4, "beta": 2.0, "layer_budgets": None}
-    own = build_policy("undecorated_lab.OwnKeyDiff", gamma=3, window_fraction=0.1)  # KeyDiff's window, inherited
-    assert own.unwrapped().gamma == 3 and own.fraction == 0.1
-    assert own.describe() == {"name": "keydiff", "anchor": "normalized_mean", "metric": "cosine", "gamma": 3,
-                              "window_fraction": 0.1, "layer_budgets": None}
-
-
 @pytest.mark.integration
-def test_example_policy_passes_check_policy_as_the_readme_shows(examples_on_path):
+def test_example_policy_passes_check_policy_as_the_docs_show(examples_on_path):
     from my_policy import MyPolicy
 
     from keydiff.testing import check_policy
@@ -137,6 +118,9 @@ def test_example_policy_passes_check_policy_as_the_readme_shows(examples_on_path
     (["policy=custom", "policy.target=my_policy.MyPolicy", "policy.params.beta=1"],
      "policy.params.beta is not a parameter of policy my_policy.MyPolicy; valid: alpha, sinks, chunk_length,"),
     (["model.device_map=auto"], "(a key no config file lists is added with +: +model.device_map=auto)"),
+    # a typo gets no hint
+    (["model.devicemap=auto"], "model.devicemap is not a key of model; valid: attn_implementation,"),
+    (["policy.parms.alpha=1"], "policy.parms is not a key of policy; valid: label, name, params"),
 ])
 def test_an_unlisted_key_is_told_to_use_plus(examples_on_path, capsys, argv, expected):
     from keydiff.run.checks import check_command_line
@@ -145,16 +129,4 @@ def test_an_unlisted_key_is_told_to_use_plus(examples_on_path, capsys, argv, exp
         check_command_line(argv, ROOT / "conf")
     err = capsys.readouterr().err
     assert stop.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1 and expected in err, err
-    if "beta" in expected:
-        assert "+policy.params.beta" not in err
-
-
-@pytest.mark.extended
-def test_a_typo_gets_no_plus_hint(capsys):
-    from keydiff.run.checks import check_command_line
-
-    for argv in (["model.devicemap=auto"], ["policy.parms.alpha=1"]):
-        with pytest.raises(SystemExit):
-            check_command_line(argv, ROOT / "conf")
-        err = capsys.readouterr().err
-        assert "is not a key of" in err and "+" not in err, err
+    assert ("added with +" in err) == ("added with +" in expected), err

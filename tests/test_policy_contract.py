@@ -25,17 +25,16 @@ BUDGET, BLOCK, NEW = 64, 16, 5
 LENGTHS = (150, 97, 40)  # the last one below N: never evicted
 EXTRA = {  # compositions no preset reaches: (policy, parameters)
     "criticalkv_keydiff_window": ("keydiff", {"critical": True, "window_fraction": 0.2}),  # negative scores, a window
-    "keydiff_window_half": ("keydiff", {"window_fraction": 0.5}),  # presets: 0.1, 0.2
-    "criticalkv_tova": ("tova", {"critical": True, "critical_epsilon": 0.01, "first_stage_ratio": 0.25}),
     "criticalkv_snapkv_epsilon": ("snapkv", {"window": 8, "critical": True, "critical_epsilon": 0.05}),  # x rows
     "criticalkv_keydiff_pyramid": ("keydiff", {"critical": True, "layer_budgets": {"schedule": "pyramid", "beta": 4}}),
     "chunkkv_keydiff_window_pyramid": ("keydiff", {"window_fraction": 0.2, "chunk_length": 5,
                                                   "layer_budgets": {"schedule": "pyramid", "beta": 4}}),
     "criticalkv_expected_attention": ("expected_attention", {"critical": True, "use_vnorm": False}),  # log scores
-    "adakv_criticalkv_h2o": ("h2o", {"recent_fraction": 0.25, "critical": True, "head_budgets": "adakv"}),
     "adakv_criticalkv_keydiff": ("keydiff", {"critical": True, "head_budgets": "adakv"}),
-    "adakv_criticalkv_alpha": ("snapkv", {"window": 8, "critical": True, "head_budgets": "adakv", "alpha_safeguard": 0.6}),
-    "adakv_snapkv_pyramid": ("snapkv", {"window": 8, "head_budgets": "adakv", "layer_budgets": {"schedule": "pyramid", "beta": 4}}),
+    "adakv_criticalkv_alpha": ("snapkv", {"window": 8, "critical": True, "head_budgets": "adakv",
+                                          "alpha_safeguard": 0.6}),
+    "adakv_snapkv_pyramid": ("snapkv", {"window": 8, "head_budgets": "adakv",
+                                        "layer_budgets": {"schedule": "pyramid", "beta": 4}}),
     "adakv_keydiff_window": ("keydiff", {"window_fraction": 0.25, "head_budgets": "adakv"}),
     "adakv_sink": ("sink", {"sinks": 4, "head_budgets": "adakv", "alpha_safeguard": 0.0}),
     "chunkkv_head_pyramid": ("knorm", {"chunk_length": 7, "chunk_scope": "head",
@@ -47,11 +46,6 @@ SEEDED_DRAWS = ("random",)  # scores drawn afresh at every call: a second call (
 
 def spec(name: str) -> tuple[str, dict]:
     return EXTRA[name] if name in EXTRA else preset(name)
-
-
-def needs(policy, capability: str):
-    """The one place these tests read a policy's capability (attention_rows, log_scores, capturable, ...)."""
-    return getattr(policy.needs, capability)
 
 
 NAMES = policy_presets() + list(EXTRA)
@@ -89,8 +83,8 @@ def scores_and_protected(policy, view: LayerView, budget: int) -> tuple[list, li
             sums = [{} for _ in heads]
             for h, pos in enumerate(heads):
                 for q, s in zip(pos, scores[row][h]):
-                    owner = sums[h] if policy.scope == "head" else sums[0]
-                    owner[q // policy.chunk_length] = owner.get(q // policy.chunk_length, 0.0) + (s if math.isfinite(s) else 0.0)
+                    owner, chunk = sums[h] if policy.scope == "head" else sums[0], q // policy.chunk_length
+                    owner[chunk] = owner.get(chunk, 0.0) + (s if math.isfinite(s) else 0.0)
             for h, pos in enumerate(heads):  # ranked as float32 sums
                 own = sums[h] if policy.scope == "head" else sums[0]
                 scores[row][h] = [float(torch.tensor(own[q // policy.chunk_length]).float()) for q in pos]
@@ -135,8 +129,8 @@ def adakv_counts(scores, protected, positions, budget, alpha) -> list[int]:
 
 def epsilon_rows(scorer, newest: int, log: dict) -> int:
     """The query rows an attention-sum scorer adds up at this eviction (CriticalKV adds epsilon per row); else 1."""
-    rows = needs(scorer, "attention_rows")
-    if needs(scorer, "log_scores") or not isinstance(rows, int) or rows <= 1 or needs(scorer, "attention_reduction") != "sum":
+    rows, needs = scorer.needs.attention_rows, scorer.needs
+    if needs.log_scores or not isinstance(rows, int) or rows <= 1 or needs.attention_reduction != "sum":
         return 1
     return 1 if log["decoding"] else min(rows, newest % BLOCK + 1)
 
@@ -158,7 +152,7 @@ def head_choices(policy, views: list[LayerView], budget: int, model, log: dict) 
     positions = [h for view in views for h in view.positions[0].tolist()]
     counts = [budget] * len(scores)
     if adaptive:
-        ranked = [relative_scores(torch.tensor([s]), needs(inner, "log_scores"))[0].tolist() for s in scores] \
+        ranked = [relative_scores(torch.tensor([s]), inner.needs.log_scores)[0].tolist() for s in scores] \
             if policy.head_scores == "relative" else scores
         counts = adakv_counts(ranked, protected, positions, budget, policy.alpha_safeguard)
     if not critical:
@@ -173,16 +167,18 @@ def head_choices(policy, views: list[LayerView], budget: int, model, log: dict) 
     epsilon = scorer.epsilon * epsilon_rows(inner, max(max(pos) for pos in positions), log)
     safe = math.floor(policy.alpha_safeguard * budget + 1e-9) if adaptive else 0
     return [critical_choice(s, p, q, n.tolist(), c, max(math.floor(scorer.first_stage_ratio * c + 1e-9), safe), epsilon,
-                            needs(inner, "log_scores")) if c < len(q) else sorted(q)
+                            inner.needs.log_scores) if c < len(q) else sorted(q)
             for s, p, q, n, c in zip(scores, protected, positions, norms, counts)]
 
 
 def one_row(view: LayerView, row: int) -> LayerView:
     """Batch row `row` of a view (its layer: the stacked views hold layers layer-major)."""
     cut, rows = slice(row, row + 1), view.positions.shape[0]
-    signals = {name: value[cut] if isinstance(value, torch.Tensor) and value.shape[0] == rows and name != "output_projection"
-               else value for name, value in view.signals.items()}  # per-row signals cut (the o_proj weight is not)
-    return LayerView(view.keys[cut], view.values[cut], view.positions[cut], state={n: s[cut] for n, s in view.state.items()},
+    signals = {name: value[cut] if isinstance(value, torch.Tensor) and value.shape[0] == rows
+               and name != "output_projection" else value  # per-row signals cut (the o_proj weight is not)
+               for name, value in view.signals.items()}
+    return LayerView(view.keys[cut], view.values[cut], view.positions[cut],
+                     state={n: s[cut] for n, s in view.state.items()},
                      layers=(view.layers[row * len(view.layers) // rows],), signals=signals)
 
 
@@ -210,7 +206,8 @@ def recorded(policy, model) -> tuple:
 
     def keep_heads(self, heads: list[LayerView], budget: int) -> list[torch.Tensor]:
         masks = super(type(self), self).keep_heads(heads, budget)
-        compare([sorted(v.positions[0, 0][m].tolist()) for v, m in zip(heads, masks)], heads, budget, heads[0].layers[0], 0)
+        got = [sorted(v.positions[0, 0][m].tolist()) for v, m in zip(heads, masks)]
+        compare(got, heads, budget, heads[0].layers[0], 0)
         return masks
 
     def drop_segments(self, pool, budget: int) -> torch.Tensor:
@@ -265,12 +262,14 @@ def run(model, name: str, path: str, lengths=LENGTHS) -> list[dict]:
     runs = []
     for ids in prompts(lengths):
         policy, log = recorded(build_policy(target, **params), model)
-        state = prefill(model, ids, policy, BUDGET, BLOCK, fixed_shapes=fixed, on_block=lambda c, log=log: holds_choices(c, log))
+        state = prefill(model, ids, policy, BUDGET, BLOCK, fixed_shapes=fixed,
+                        on_block=lambda c, log=log: holds_choices(c, log))
         check_held(state.cache, log, policy, ids.shape[1])
         log["decoding"] = True
         runs.append((state, log, policy, [p.clone() for p in state.kept_positions]))
     if path == "grouped":
-        out = dict(generate_batch(model, [Request(s, NEW, key=i) for i, (s, *_) in enumerate(runs)], 3, fixed_shapes=True))
+        requests = [Request(s, NEW, key=i) for i, (s, *_) in enumerate(runs)]
+        out = dict(generate_batch(model, requests, 3, fixed_shapes=True))
         tokens = [out[i].token_ids for i in range(len(runs))]
         assert max(max(out[i].batch_sizes) for i in out) == 3
     else:
@@ -296,7 +295,7 @@ def test_every_choice_is_the_brute_force_one_within_the_bound_and_alone_equals_e
     evicts = name not in SEEDED_DRAWS and name != "full"
     alone = run(model, name, "ordinary")
     assert not evicts or alone[0]["checked"] >= 3 * (LENGTHS[0] - BUDGET) // BLOCK
-    for path in ("fixed", "grouped") if needs(build_policy(target, **params), "capturable") else ("grouped",):
+    for path in ("fixed", "grouped") if build_policy(target, **params).needs.capturable else ("grouped",):
         got = run(model, name, path)
         assert not evicts or got[0]["checked"], f"{name}: no choice checked on the {path} path"
         for index, (a, b) in enumerate(zip(alone, got)):
@@ -325,7 +324,8 @@ def test_the_golden_holds_on_the_ordinary_step(name):
     target, params = preset(name)
     model, expected = golden_model(), goldens()[name]
     torch.manual_seed(0)
-    state = prefill(model, golden_prompt(), build_policy(target, **params), GOLDEN_BUDGET, BLOCK_SIZE, fixed_shapes=False)
+    policy = build_policy(target, **params)
+    state = prefill(model, golden_prompt(), policy, GOLDEN_BUDGET, BLOCK_SIZE, fixed_shapes=False)
     assert [p.sort(dim=-1).values.tolist() for p in state.kept_positions] == expected["kept_after_prefill"]
     assert generate(model, state, NEW_TOKENS, seed=0, fixed_shapes=False).token_ids == expected["tokens"]
     assert [p.tolist() for p in state.cache.kept_positions()] == expected["kept_after_decoding"]
