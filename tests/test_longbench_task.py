@@ -202,6 +202,25 @@ def test_summarize_longbench_e_buckets():
     assert buckets["0-4k"] == 100.0 and math.isnan(buckets["8k+"])
 
 
+def test_summarize_prompt_length_bins_and_compression_ratio():
+    t = task(datasets=["narrativeqa", "trec"])
+    rows = _rows(t, lambda s: "x")
+    # Prompt lengths and ratios as the runner writes them (budget N = 2048, ratio = min(N / L, 1)).
+    lengths = {"narrativeqa/0": 2048, "narrativeqa/1": 2049, "narrativeqa/2": 9000,
+               "trec/0": 100, "trec/1": 6144, "trec/2": 8192}
+    for row in rows:
+        row["prompt_tokens"] = lengths[row["sample_id"]]
+        row["compression_ratio"] = min(2048 / row["prompt_tokens"], 1.0)
+    summary = t.summarize(rows)
+    assert summary["prompt_length_bins"]["narrativeqa"] == {"<=2K": 1, "2K-4K": 1, "4K-6K": 0, "6K-8K": 0, ">8K": 1}
+    assert summary["prompt_length_bins"]["trec"] == {"<=2K": 1, "2K-4K": 0, "4K-6K": 1, "6K-8K": 1, ">8K": 0}
+    narrative = (1 + 2048 / 2049 + 2048 / 9000) / 3
+    trec = (1 + 2048 / 6144 + 2048 / 8192) / 3
+    assert summary["compression_ratio"]["narrativeqa"] == pytest.approx(narrative)
+    assert summary["compression_ratio"]["average"] == pytest.approx((narrative + trec) / 2)
+    assert summary["mean_prompt_tokens"]["trec"] == pytest.approx((100 + 6144 + 8192) / 3)
+
+
 def test_failed_download_names_the_offline_alternative(tmp_path, monkeypatch):
     import huggingface_hub
 
