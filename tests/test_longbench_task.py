@@ -1,5 +1,5 @@
-"""The LongBench task: templates, prompts (truncation, chat), data loading, summaries. The byte-level tokenizer
-made here (one token per UTF-8 byte, BOS prepended) makes every token count a byte count plus one."""
+"""The LongBench task: templates, truncation, data loading, summaries. The byte-level tokenizer made here (one token
+per UTF-8 byte, BOS prepended) makes every token count a byte count plus one."""
 
 from __future__ import annotations
 
@@ -57,36 +57,16 @@ def byte_ids(tok, text: str) -> list[int]:
     return tok(text, add_special_tokens=False)["input_ids"]
 
 
-def test_dataset_table_and_presets():
-    assert len(lb.ALL_21) == 21 and len(lb.ENGLISH_16) == 16 and len(lb.LONGBENCH_E_13) == 13
-    chinese = {"multifieldqa_zh", "dureader", "vcsum", "lsht", "passage_retrieval_zh"}
-    assert set(lb.ALL_21) - set(lb.ENGLISH_16) == chinese
-    assert set(lb.LONGBENCH_E_13) <= set(lb.ALL_21)
-    assert lb.ENGLISH_16[:3] == ("narrativeqa", "qasper", "multifieldqa_en") and lb.ENGLISH_16[-1] == "repobench-p"
-    assert lb.NO_CHAT_DATASETS == {"trec", "triviaqa", "samsum", "lsht", "lcc", "repobench-p"}
-    assert lb.FIRST_LINE_DATASETS == {"trec", "triviaqa", "samsum", "lsht"}
-    assert lb.DATASET2MAXLEN["gov_report"] == 512 and lb.DATASET2MAXLEN["hotpotqa"] == 32
-    assert lb.DATASET2MAXLEN["narrativeqa"] == 128 and lb.DATASET2MAXLEN["lcc"] == 64
-    assert lb.DATASETS["vcsum"].metric.__name__ == "rouge_zh_score"
-    assert lb.DATASETS["repobench-p"].metric.__name__ == "code_sim_score"
-    assert set(lb.DATASET2PROMPT) == set(lb.ALL_21)
-
-
 def test_templates_verbatim_spot_checks():
     p = lb.DATASET2PROMPT
     assert p["narrativeqa"].count("asconcisely") == 2
     assert p["narrativeqa"].endswith("Do not provide any explanation.\n\nQuestion: {input}\n\nAnswer:")
-    assert "Article: {context}\n\n Answer the question based on the above article" in p["qasper"]
-    assert "Write a one-page summary of all news. \n\nNews:\n{context}" in p["multi_news"]
     assert p["lcc"] == "Please complete the code given below. \n{context}Next line of code:\n"
     assert p["repobench-p"] == "Please complete the code given below. \n{context}{input}Next line of code:\n"
-    assert p["passage_count"].endswith("The final answer is: ")
     assert p["passage_retrieval_en"].endswith('"Paragraph 1", "Paragraph 2", etc.\n\nThe answer is: ')
     assert p["trec"].endswith("Here are some examples of questions.\n\n{context}\n{input}")
-    assert p["triviaqa"].endswith("The following are some examples.\n\n{context}\n\n{input}")
     assert p["lsht"] == "请判断给定新闻的类别，下面是一些例子。\n\n{context}\n{input}"
     assert '答案格式必须是"段落1"，"段落2"等格式' in p["passage_retrieval_zh"]
-    assert p["multifieldqa_zh"].endswith("问题：{input}\n回答：")
     assert p["vcsum"] == "下面有一段会议记录，请你阅读后，写一段总结，总结会议的内容。\n会议记录：\n{context}\n\n会议总结："
 
 
@@ -104,47 +84,14 @@ def test_bad_settings_name_valid_choices(kwargs, message):
         task(**kwargs).validate()
 
 
-def test_samples_from_folder_ids_order_and_hashes():
-    t = task(datasets=["trec", "narrativeqa"])
-    samples = list(t.samples())
-    assert [s.id for s in samples] == ["trec/0", "trec/1", "trec/2", "narrativeqa/0", "narrativeqa/1", "narrativeqa/2"]
-    assert samples[3].fields["record"] == records("narrativeqa")[0]
-    assert samples[0].fields["all_classes"] == records("trec")[-1]["all_classes"]  # eval.py: the last line's
-    expected = {
-        f"longbench/data/{name}.jsonl": hashlib.sha256((FIXTURE / "data" / f"{name}.jsonl").read_bytes()).hexdigest()
-        for name in ("trec", "narrativeqa")
-    }
-    assert t.data_sources() == expected
-
-
-def test_limit_and_bare_jsonl_folder():
-    t = task(datasets=["lcc", "samsum"], limit=1, data_dir=str(FIXTURE / "data"))  # <dir>/<name>.jsonl
-    assert [s.id for s in t.samples()] == ["lcc/0", "samsum/0"]
-    assert sorted(t.data_sources()) == ["longbench/lcc.jsonl", "longbench/samsum.jsonl"]
-
-
-def test_longbench_e_reads_e_files():
-    t = task(datasets=["qasper", "lcc"], longbench_e=True)
-    samples = list(t.samples())
-    assert [s.id for s in samples] == ["qasper/0", "qasper/1", "qasper/2", "lcc/0", "lcc/1", "lcc/2"]
-    assert [s.fields["record"]["length"] for s in samples[:3]] == [3999, 4000, 8000]
-    assert sorted(t.data_sources()) == ["longbench/data/lcc_e.jsonl", "longbench/data/qasper_e.jsonl"]
-
-
 def test_zip_data_dir(tmp_path):
     zip_path = fixture_builder.write_zip(FIXTURE, tmp_path / "data.zip")
-    from_zip = task(datasets=["lsht"], data_dir=str(zip_path))
+    from_zip = task(datasets=["lsht"], data_dir=str(tmp_path))  # a folder holding only data.zip
     from_folder = task(datasets=["lsht"])
     assert [s.fields for s in from_zip.samples()] == [s.fields for s in from_folder.samples()]
     sources = from_zip.data_sources()
     assert sources["longbench/data/lsht.jsonl"] == from_folder.data_sources()["longbench/data/lsht.jsonl"]
     assert sources["longbench/data.zip"] == hashlib.sha256(zip_path.read_bytes()).hexdigest()
-    # A folder holding only data.zip works too; a wrong pinned hash is refused.
-    assert len(list(task(datasets=["lsht"], data_dir=str(tmp_path)).samples())) == 3
-    with pytest.raises(ValueError, match="configured sha256"):
-        list(task(datasets=["lsht"], data_dir=str(zip_path), sha256="0" * 64).samples())
-    # LongBench-E reads the `_e` members of the same zip.
-    assert [s.id for s in task(datasets=["lcc"], data_dir=str(zip_path), longbench_e=True).samples()][-1] == "lcc/2"
 
 
 def test_missing_file_names_the_paths(tmp_path):
@@ -208,34 +155,6 @@ def test_fixture_is_reproducible_and_small(tmp_path, capsys):
     assert len(list(task(datasets=list(lb.LONGBENCH_E_13), longbench_e=True).samples())) == 39
 
 
-def test_chat_prompt_untruncated(tokenizer):
-    t = task(datasets=["narrativeqa"])
-    sample = sample_of(t, "narrativeqa/0")
-    record = records("narrativeqa")[0]
-    text = lb.DATASET2PROMPT["narrativeqa"].format(**record)
-    assert text.startswith("You are given a story") and record["context"] in text and record["input"] in text
-    prompt = t.build_prompt(sample, tokenizer, max_length=None)
-    # BOS + bytes of "[USER]" + text + "[BOT]"
-    assert prompt.input_ids == [tokenizer.bos_token_id] + byte_ids(tokenizer, "[USER]" + text + "[BOT]")
-    assert prompt.info == {"dataset": "narrativeqa", "truncated": False, "length": record["length"], "language": "en",
-                           "chat_template": True}
-    assert prompt.generation.max_new_tokens == 128 and prompt.generation.do_sample is False
-    assert prompt.generation.stop_token_ids == () and prompt.generation.min_new_tokens == 0
-
-
-@pytest.mark.parametrize("dataset, chat_template, template_in_tokenizer", [
-    ("trec", True, True), ("lsht", True, True), ("repobench-p", True, True),  # NO_CHAT_DATASETS
-    ("narrativeqa", False, True), ("qasper", True, False),  # switched off; a tokenizer without a template
-])
-def test_bos_and_text_without_a_chat_template(tokenizer, dataset, chat_template, template_in_tokenizer):
-    t = task(datasets=[dataset], chat_template=chat_template)
-    plain = PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend_tokenizer, bos_token="<bos>", eos_token="<eos>")
-    sample = sample_of(t, f"{dataset}/0")
-    text = lb.DATASET2PROMPT[dataset].format(**sample.fields["record"])
-    prompt = t.build_prompt(sample, tokenizer if template_in_tokenizer else plain, max_length=None)
-    assert prompt.input_ids == [0] + byte_ids(tokenizer, text) and prompt.info["chat_template"] is False
-
-
 def test_middle_truncation_counts_bos_then_chat(tokenizer):
     t = task(datasets=["narrativeqa"])
     sample = sample_of(t, "narrativeqa/1")  # the long record
@@ -256,35 +175,6 @@ def test_middle_truncation_counts_bos_then_chat(tokenizer):
     assert lb.truncate_middle(text, tokenizer, n - 1) == (text[: half - 1] + text[-half:], True)
 
 
-def test_truncation_of_no_chat_dataset(tokenizer):
-    t = task(datasets=["lcc"])
-    sample = sample_of(t, "lcc/1")
-    text = lb.DATASET2PROMPT["lcc"].format(**sample.fields["record"])
-    prompt = t.build_prompt(sample, tokenizer, max_length=64)
-    # half = 32: BOS + 31 chars, then the last 32 chars; re-encoded with BOS.
-    assert prompt.input_ids == [0] + byte_ids(tokenizer, text[:31] + text[-32:])
-    assert prompt.info["truncated"] is True and prompt.generation.max_new_tokens == 64
-
-
-def test_samsum_generation_settings(tokenizer):
-    t = task(datasets=["samsum"])
-    prompt = t.build_prompt(sample_of(t, "samsum/0"), tokenizer, max_length=None)
-    newline_id = tokenizer.encode("\n", add_special_tokens=False)[-1]
-    assert newline_id == tokenizer.convert_tokens_to_ids("Ċ")  # byte 0x0A
-    assert prompt.generation.stop_token_ids == (newline_id,)
-    assert prompt.generation.min_new_tokens == 1 and prompt.generation.max_new_tokens == 128
-    assert prompt.info["chat_template"] is False
-
-
-def test_score_uses_dataset_metric_and_classes():
-    t = task(datasets=["trec", "passage_retrieval_zh", "lcc"])
-    samples = {s.id: s for s in t.samples()}
-    assert t.score(samples["trec/0"], "City\nType: Date") == {"score": 1.0}  # first line only
-    assert t.score(samples["passage_retrieval_zh/0"], "段落3") == {"score": 1.0}
-    gold = samples["lcc/0"].fields["record"]["answers"][0]
-    assert t.score(samples["lcc/0"], "\n" + gold + "\nmore") == {"score": 1.0}
-
-
 def _rows(t: lb.LongBench, predict) -> list[dict]:
     rows = []
     for sample in t.samples():
@@ -292,24 +182,6 @@ def _rows(t: lb.LongBench, predict) -> list[dict]:
         info = {"dataset": sample.fields["dataset"], "length": record["length"]}
         rows.append({"sample_id": sample.id, "scores": t.score(sample, predict(sample)), "info": info})
     return rows
-
-
-def test_summarize_official_scores_and_average():
-    t = task(datasets=["narrativeqa", "passage_count", "trec"])
-
-    def predict(sample):  # right except index 2 of narrativeqa and trec
-        right = sample.fields["record"]["answers"][0]
-        return "zzz" if sample.id in ("narrativeqa/2", "trec/2") else right
-
-    rows = _rows(t, predict)
-    summary = t.summarize(list(reversed(rows)))  # row order does not matter
-    # narrativeqa and trec: 2 of 3 -> round(100*2/3, 2) = 66.67; passage_count 3 of 3 -> 100.0
-    assert summary["datasets"] == {"narrativeqa": 66.67, "passage_count": 100.0, "trec": 66.67}
-    assert list(summary["datasets"]) == ["narrativeqa", "passage_count", "trec"]  # configured order
-    assert summary["average"] == pytest.approx((66.67 + 100.0 + 66.67) / 3)
-    assert summary["num_samples"] == {"narrativeqa": 3, "passage_count": 3, "trec": 3}
-    assert summary["metric_environment"]["fuzzy_backend"] == "difflib"
-    assert "length_buckets" not in summary
 
 
 def test_summarize_longbench_e_buckets():
@@ -328,24 +200,6 @@ def test_summarize_longbench_e_buckets():
     t2 = task(datasets=["qasper"], longbench_e=True, limit=2)
     buckets = t2.summarize(_rows(t2, lambda s: s.fields["record"]["answers"][0]))["length_buckets"]["qasper"]
     assert buckets["0-4k"] == 100.0 and math.isnan(buckets["8k+"])
-
-
-@pytest.mark.parametrize(("config", "expected", "is_e"), [
-    ("longbench", lb.ENGLISH_16, False),
-    ("longbench_full", lb.ALL_21, False),
-    ("longbench_e", lb.LONGBENCH_E_13, True),
-])
-def test_hydra_configs_instantiate(config, expected, is_e):
-    from hydra.utils import instantiate
-    from omegaconf import OmegaConf
-
-    cfg = OmegaConf.load(ROOT / "conf" / "task" / f"{config}.yaml")
-    assert "name" in cfg and "limit" in cfg and cfg.name == config
-    cfg.data_dir = str(FIXTURE)
-    t = instantiate(cfg)
-    assert isinstance(t, lb.LongBench) and type(t.datasets) is list
-    assert tuple(t.datasets) == expected and t.longbench_e is is_e
-    t.validate()
 
 
 def test_summarize_prompt_length_bins_and_compression_ratio():

@@ -1,22 +1,17 @@
-"""Math-500: answer extraction, Exact/Flex scoring, prompts, sample seeds and aggregation (offline)."""
+"""Math-500: answer extraction, Exact/Flex scoring, prompts, subsets and configuration errors (offline)."""
 
 from __future__ import annotations
 
 import hashlib
 import importlib.util
-import math
-import shutil
 from pathlib import Path
 
 import pytest
 
 from keydiff.tasks.fixture_builders import math500 as math500_fixture
-from keydiff.tasks.math500 import (
-    PROMPT_SUFFIX, Math500, aggregate, ids_exceeding, sample_seed, subset_by_ids, subset_exceeding,
-)
+from keydiff.tasks.math500 import PROMPT_SUFFIX, Math500, ids_exceeding, subset_by_ids, subset_exceeding
 from keydiff.tasks.math_answers import (
-    answer_region, exact_match, extract_boxed_answer, flex_match, is_equiv, last_boxed, normalize_answer,
-    score_response,
+    exact_match, extract_boxed_answer, flex_match, is_equiv, normalize_answer, score_response,
 )
 from tests.conftest import char_tokenizer
 
@@ -39,12 +34,9 @@ TEMPLATE = (
 @pytest.mark.parametrize(("response", "expected"), [
     ("so $x = \\boxed{\\frac{1}{2}}$.", "\\frac{1}{2}"),
     ("\\boxed{\\left[ -1, \\frac{3}{2} \\right)}", "\\left[ -1, \\frac{3}{2} \\right)"),
-    ("\\boxed{\\{1, 2\\}}", "\\{1, 2\\}"),
     ("first \\boxed{1}, then \\boxed{2}", "2"),
-    ("\\fbox{3}", "3"),
     ("\\boxed{4} and finally \\fbox{\\sqrt{5}}", "\\sqrt{5}"),
     ("$\\boxed 7$ is it", "7"),
-    ("\\boxed{\\text{Thursday}}", "\\text{Thursday}"),
     ("no box here, the answer is 3", None),
     ("\\boxed{1} ... \\boxed{\\frac{1}{", None),  # last box cut off: no answer
     ("\\boxed{}", ""),
@@ -58,12 +50,6 @@ def test_extract_boxed_answer(response, expected):
     assert extract_boxed_answer(response) == expected
 
 
-def test_last_boxed_and_the_answer_region():
-    assert last_boxed("a \\boxed{\\frac{1}{2}} b") == "\\boxed{\\frac{1}{2}}" and last_boxed("nothing") is None
-    assert answer_region("<think>\nwork</think>\n\nfinal") == "\n\nfinal"
-    assert answer_region("no think tags") == "no think tags"
-
-
 @pytest.mark.parametrize(("raw", "normalised"), [
     ("\\dfrac{14}{3}", "\\frac{14}{3}"),
     ("\\tfrac12", "\\frac{1}{2}"),
@@ -74,14 +60,11 @@ def test_last_boxed_and_the_answer_region():
     (".5", "\\frac{1}{2}"),
     ("x = 5", "5"),
     ("90^\\circ", "90"),
-    ("90^{\\circ}", "90"),
     ("\\sqrt3", "\\sqrt{3}"),
     ("10\\text{ cm}", "10"),
     ("50\\%", "50"),
     ("\\$32,\\!348", "32,348"),
     ("\\left( 3, \\frac{\\pi}{2} \\right)", "(3,\\frac{\\pi}{2})"),
-    ("\\text{(C)}", "\\text{(C)}"),
-    ("a\nb", "ab"),
 ])
 def test_normalize_answer(raw, normalised):
     assert normalize_answer(raw) == normalised
@@ -123,34 +106,6 @@ def test_exact_and_flex(gold, response, exact, flex):
     assert scores["has_answer"] == (0.0 if response in ("the answer is 10", BOX_IN_CLOSED_REASONING) else 1.0)
 
 
-def test_samples_ids_and_seeds():
-    samples = list(Math500(data_dir=str(FIXTURE), num_samples=3).samples())
-    assert len(samples) == len({s.id for s in samples}) == 5 * 3 and samples[0].fields["answer"] == "\\frac{1}{2}"
-    assert [s.id for s in samples[:4]] == ["fixture/algebra/1.json#0", "fixture/algebra/1.json#1",
-                                           "fixture/algebra/1.json#2", "fixture/geometry/2.json#0"]
-    limited = list(Math500(data_dir=str(FIXTURE), limit=2, num_samples=5).samples())
-    assert len(limited) == 10 and limited[-1].id == "fixture/geometry/2.json#4"
-    # one fixed seed per sample index, shared by all problems, distinct across indices and run seeds
-    seeds = {k: sample_seed(0, k) for k in range(5)}
-    assert len(set(seeds.values())) == 5 and sample_seed(0, 3) == seeds[3] and sample_seed(1, 0) not in seeds.values()
-    assert all(0 <= s < 2**31 for s in seeds.values())
-
-
-def test_prompt_without_chat_template():
-    task = Math500(data_dir=str(FIXTURE), chat_template=False, max_new_tokens=123, seed=7)
-    sample = next(iter(task.samples()))
-    tokenizer = char_tokenizer()
-    prompt = task.build_prompt(sample, tokenizer, max_length=None)
-    instruction = "Please reason step by step, and put your final answer within \\boxed{}."
-    assert PROMPT_SUFFIX == "\n" + instruction
-    assert text_of(tokenizer, prompt.input_ids) == "<s>" + sample.fields["problem"] + "\n" + instruction
-    settings = prompt.generation
-    assert settings.do_sample and settings.temperature == 0.95 and settings.top_p == 0.95
-    assert settings.max_new_tokens == 123 and settings.seed == sample_seed(7, 0)
-    assert prompt.info["think_prefix_added"] is False
-    assert prompt.info["unique_id"] == "fixture/algebra/1.json" and prompt.info["sample_index"] == 0
-
-
 @pytest.mark.parametrize("opens_think, think_token, ending, added", [
     (False, True, "<think>\n", True),
     (True, True, "<think>\n", False),  # a template that already opens the reasoning gets no second <think>
@@ -162,17 +117,9 @@ def test_prompt_with_chat_template_and_think(opens_think, think_token, ending, a
     template = TEMPLATE.replace("<|assistant|>", "<|assistant|><think>\n") if opens_think else TEMPLATE
     tokenizer = char_tokenizer(template, ("<|user|>", "<|assistant|>") + (("<think>",) if think_token else ()))
     prompt = task.build_prompt(sample, tokenizer, max_length=None)
-    assert text_of(tokenizer, prompt.input_ids) == f"<|user|>{sample.fields['problem'] + PROMPT_SUFFIX}<|assistant|>{ending}"
+    expected = f"<|user|>{sample.fields['problem'] + PROMPT_SUFFIX}<|assistant|>{ending}"
+    assert text_of(tokenizer, prompt.input_ids) == expected
     assert prompt.info["think_prefix_added"] is added
-
-
-@pytest.mark.extended
-def test_score_uses_the_reference_answer():
-    task = Math500(data_dir=str(FIXTURE))
-    interval = [s for s in task.samples() if s.id.startswith("fixture/intermediate_algebra/3.json")][0]
-    expected = {"exact": 1.0, "flex": 1.0, "has_answer": 1.0}
-    assert task.score(interval, "<think>...</think>\\boxed{[-1, \\frac{3}{2})}") == expected
-    assert task.score(interval, "<think>...</think>\\boxed{[-1, 2)}")["exact"] == 0.0
 
 
 def test_validate_and_data_sources(tmp_path):
@@ -197,7 +144,8 @@ def test_missing_datasets_message(monkeypatch):
     import sys
 
     real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "datasets" else real_find_spec(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "datasets" else real_find_spec(name, *a))
     monkeypatch.setitem(sys.modules, "datasets", None)  # `import datasets` raises ImportError
     extra = r"needs the 'datasets' extra \(no module datasets\): pip install -e '\.\[datasets\]'; or task\.data_dir="
     with pytest.raises(ValueError, match=extra):  # a configuration error: one line before any model loads
@@ -220,28 +168,6 @@ ROWS = [
 ]
 
 
-def test_aggregate():
-    result = aggregate(ROWS)
-    assert result["n_samples"] == 4 and result["n_problems"] == 2
-    assert result["exact"] == 0.5 and result["flex"] == 0.75
-    # per-index accuracy: exact 0.5 / 0.5, flex 0.5 / 1.0
-    assert result["exact_std"] == 0.0
-    assert math.isclose(result["flex_std"], math.sqrt(0.125))
-    assert result["no_answer_rate"] == 0.25
-    assert result["avg_new_tokens"] == (900 + 1500 + 2048 + 700) / 4
-    assert result["truncation_rate"] == 0.25
-
-
-def test_summarize_adds_the_own_budget_subset():
-    summary = Math500(data_dir=str(FIXTURE)).summarize(ROWS)
-    assert summary["exact"] == 0.5
-    subset = summary["exceeding_budget"]  # p1#1 and p2#0 exceed 1024
-    assert subset["budget"] == 1024 and subset["n_samples"] == 2
-    assert subset["exact"] == 0.0 and subset["flex"] == 0.5
-    full_cache = [row(r["sample_id"], 1, 1, 1, 10, 10, "stop", budget=None) for r in ROWS]
-    assert "exceeding_budget" not in Math500(data_dir=str(FIXTURE)).summarize(full_cache)
-
-
 def test_subset_units_and_ids():
     assert ids_exceeding(ROWS, 1350) == {"p1#1", "p2#0"}
     assert ids_exceeding(ROWS, 1350, unit="problem_any") == {"p1#0", "p1#1", "p2#0", "p2#1"}
@@ -257,18 +183,3 @@ def test_subset_units_and_ids():
     assert subset_exceeding(other_run, 1350) == []  # by its own lengths nothing exceeds
 
 
-@pytest.mark.extended
-def test_configs_compose(tmp_path):
-    from hydra import compose, initialize_config_dir
-    from hydra.utils import instantiate
-
-    shutil.copytree(ROOT / "conf" / "task", tmp_path / "task")
-    (tmp_path / "config.yaml").write_text("defaults:\n  - task: math500\n  - _self_\n")
-    with initialize_config_dir(config_dir=str(tmp_path), version_base="1.3"):
-        expected = {"math500": 4096, "math500_8k": 8192, "math500_32k": 32768}
-        for preset, max_new_tokens in expected.items():
-            cfg = compose(config_name="config", overrides=[f"task={preset}", f"task.data_dir={FIXTURE}"])
-            task = instantiate(cfg.task)
-            assert isinstance(task, Math500) and task.name == preset
-            assert task.max_new_tokens == max_new_tokens and task.num_samples == 5 and task.limit is None
-            task.validate()
