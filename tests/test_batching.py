@@ -8,7 +8,6 @@ import torch
 
 import keydiff
 from keydiff import available_policies, build_policy, generate, prefill
-from keydiff.testing import variant
 from tests.conftest import CORE_POLICIES, extended_unless
 
 pytestmark = pytest.mark.integration
@@ -57,8 +56,7 @@ def alone(model, states, settings) -> list[tuple]:
 
 
 def together(model, expected, states, settings, width: int, decoder=None, **options):
-    """Fresh `states()` decoded together through a Decoder of `width`: each gives what it gives `alone`. Returns
-    the batch's states and the decoder."""
+    """Fresh `states()` decoded together through a Decoder of `width`, each as `expected`: (states, decoder)."""
     batch = states()
     decoder = keydiff.Decoder(model, width, **options) if decoder is None else decoder
     got = dict(decoder.generate([keydiff.Request(s, key=i, **kw) for i, (s, kw) in enumerate(zip(batch, settings))]))
@@ -66,22 +64,6 @@ def together(model, expected, states, settings, width: int, decoder=None, **opti
         assert got[key].token_ids[0] == tokens, (width, options, key)
         assert same_kept(kept(batch[key].cache), positions), (width, options, key)
     return batch, decoder
-
-
-@pytest.mark.extended
-@pytest.mark.parametrize("name,params", CASES)
-def test_fork_equals_separate_runs(model, name, params):
-    ids = prompts()[0]
-    state = prefill(model, ids, build_policy(name, **params), BUDGET, BLOCK)
-    forks = state.fork(3)
-    assert all(f.cache is not state.cache and f.cache.kv_cache_bytes == state.cache.kv_cache_bytes for f in forks)
-    for seed, fork in zip((1, 2, 3), forks):
-        alone = prefill(model, ids, build_policy(name, **params), BUDGET, BLOCK)
-        expected = generate(model, alone, 12, do_sample=True, temperature=0.8, seed=seed)
-        assert generate(model, fork, 12, do_sample=True, temperature=0.8, seed=seed).token_ids == expected.token_ids
-        assert same_kept(kept(fork.cache), kept(alone.cache))
-    alone = prefill(model, ids, build_policy(name, **params), BUDGET, BLOCK)  # the forked-from state is untouched
-    assert generate(model, state, 12).token_ids == generate(model, alone, 12).token_ids
 
 
 def test_fork_refuses_a_decoded_state(model):
@@ -117,63 +99,6 @@ def test_batch_of_four_equals_separate_runs(model, name, params):
         for key, (tokens, positions) in expected.items():
             assert got[key][0] == tokens and same_kept(got[key][1], positions), (batch_size, key)
     assert max(max(out.batch_sizes, default=0) for _, _, out in got.values()) == 4
-
-
-def logged(name: str, log: list):
-    """Policy `name` whose every eviction logs the positions and attention statistic it scored."""
-    policy = build_policy(name)
-
-    def evict_indices(self, layer, budget):
-        log.append((layer.positions.clone(), None if layer.attention is None else layer.attention.clone()))
-        return type(policy).evict_indices(self, layer, budget)
-
-    return variant(policy, evict_indices=evict_indices)
-
-
-@pytest.mark.extended
-@pytest.mark.parametrize("name", ["h2o", "keydiff"])
-def test_no_row_ever_scores_an_entry_of_another_row_or_padding(model, name):
-    """Each eviction in a batch sees what it sees alone: its own positions, once each, and the same attention."""
-    all_ids = prompts()
-    settings = {"max_new_tokens": 30, "eos_token_ids": ()}  # 23 + 30 > N: the short row evicts while decoding
-    alone_logs, batch_logs = [], []
-    for ids in all_ids:
-        alone_logs.append([])
-        generate(model, prefill(model, ids, logged(name, alone_logs[-1]), BUDGET, BLOCK), **settings)
-
-    def requests():
-        for key, ids in enumerate(all_ids):
-            batch_logs.append([])
-            yield keydiff.Request(prefill(model, ids, logged(name, batch_logs[-1]), BUDGET, BLOCK), key=key, **settings)
-
-    list(keydiff.generate_batch(model, requests(), 4))
-    for ids, alone, batch in zip(all_ids, alone_logs, batch_logs):
-        assert len(batch) == len(alone) > 0
-        for (positions, attention), (expected, expected_attention) in zip(batch, alone):
-            assert torch.equal(positions, expected)
-            assert int(positions.min()) >= 0 and int(positions.max()) < ids.shape[1] + settings["max_new_tokens"]
-            assert all(len(set(head.tolist())) == len(head) for head in positions.reshape(-1, positions.shape[-1]))
-            if expected_attention is not None:
-                torch.testing.assert_close(attention, expected_attention, rtol=1e-5, atol=1e-6)
-
-
-@pytest.mark.extended
-def test_a_group_scores_each_row_over_its_own_entries_only(model):
-    """The grouped eviction's one call sees each fork's own positions alone, concatenated in slot order."""
-    log: list = []
-    state = prefill(model, prompts()[2], logged("keydiff", log), BUDGET, BLOCK)
-    alone = []
-    for seed, fork in enumerate(state.fork(3)):
-        log.clear()
-        generate(model, fork, **sampled(seed, 8), fixed_shapes=False)
-        alone.append([positions for positions, _ in log])
-    log.clear()
-    forks = state.fork(3)
-    list(keydiff.generate_batch(model, [keydiff.Request(f, key=s, **sampled(s, 8)) for s, f in enumerate(forks)], 3,
-                                fixed_shapes=False))
-    assert len(log) == len(alone[0]) > 0
-    for step, (positions, attention) in enumerate(log):
-        assert attention is None and torch.equal(positions, torch.cat([own[step] for own in alone]))
 
 
 def test_batch_cache_refuses_the_models_own_attention(model):
@@ -263,20 +188,6 @@ def test_forks_in_any_batch_order_are_written_and_chosen_as_alone(model):
     assert [1, 4, 0, 3] in decoder.stats.groups[0]  # slots 0..3 are rows 1, 4, 0, 3: one group, out of batch order
 
 
-def test_between_results_the_model_runs_as_it_was(model):
-    """While the caller holds a result, the model has its own attention implementation and runs with any cache."""
-    original = model.config._attn_implementation
-    state = prefill(model, prompts()[0], "keydiff", BUDGET, BLOCK)
-    requests = [keydiff.Request(fork, max_new_tokens=3 + 2 * i, key=i) for i, fork in enumerate(state.fork(3))]
-    seen = []
-    for key, _ in keydiff.generate_batch(model, requests, 3):
-        assert model.config._attn_implementation == original, key
-        with torch.inference_mode():
-            model(input_ids=prompts()[1])  # a plain forward with a fresh cache of its own
-        seen.append(key)
-    assert seen == [0, 1, 2]
-
-
 @pytest.mark.extended
 def test_pooled_rows_prefilled_on_their_own_group_and_decode_as_alone(model):
     """Joining sequences pool into reused slots (copied out when they stop); h2o and short prompts never pool."""
@@ -292,40 +203,3 @@ def test_pooled_rows_prefilled_on_their_own_group_and_decode_as_alone(model):
         sizes = decoder.stats.group_sizes
         assert (sizes and max(sizes) >= 2) if pool_rows else not sizes, (batch_size, sizes)
 
-
-def test_join_pool_takes_its_slot_shape_from_a_prompt_of_n_plus_b(model):
-    """Short prompts neither shape the slots nor join; the arena waits for a second joiner; forks never move."""
-    from keydiff.decode.blocks import JoinPool
-
-    short, long, other, third = (prefill(model, ids, "keydiff", BUDGET, BLOCK) for ids in prompts((23, 90, 130, 61)))
-    pool = JoinPool(3)
-    assert not pool.place(short.cache) and pool.arena is None
-    assert not pool.place(long.cache) and pool.arena is None  # the first like it: waits for a second
-    assert pool.place(other.cache) and pool.arena is not None
-    assert [(s.cache.stack.handle.arena, s.cache.stack.handle.slot) for s in (long, other)] == [
-        (pool.arena, 0), (pool.arena, 1)]
-    assert pool.place(third.cache) and third.cache.stack.handle.slot == 2
-    fork = long.fork(2)[0]
-    assert not pool.place(fork.cache) and fork.cache.stack.handle.arena is not pool.arena
-    lone, alone = JoinPool(3), prefill(model, prompts((90,))[0], "keydiff", BUDGET, BLOCK)
-    assert not lone.place(alone.cache)
-    lone.leave(alone.cache)  # it stopped before any other joined: a later one waits for a second in turn
-    assert not lone.place(long.fork(1)[0].cache) and lone.arena is None
-
-
-@pytest.mark.extended
-def test_neighbours_with_other_policies_never_group(model):
-    """Rows of another policy share the arena but never group nor share a fixed step; batch 1 pools nothing."""
-    policies = [build_policy("keydiff"), build_policy("keydiff", window_fraction=0.25), build_policy("keydiff")]
-
-    def states():
-        return [prefill(model, ids, policy, BUDGET, BLOCK) for ids, policy in zip(prompts((90, 130, 75)), policies)]
-
-    settings = [{"max_new_tokens": 10}] * 3
-    batch, decoder = together(model, alone(model, states, settings), states, settings, 3)
-    assert all(s.cache.stack.handle.shared and s.cache.stack.handle.slot == i for i, s in enumerate(batch))
-    assert not decoder.stats.group_sizes and decoder.stats.arenas == [3], decoder.stats
-    assert not any(width > 1 for width, _ in decoder.stats.runs), decoder.stats.runs
-    single = states()[0]
-    dict(keydiff.generate_batch(model, [keydiff.Request(single, max_new_tokens=3)], 1))
-    assert not single.cache.stack.handle.shared
