@@ -18,8 +18,9 @@ keydiff.openmp.VARIABLES removed from the inherited environment first; the child
     blocks of B (TTFT, after an untimed warm-up), then its fork into `batch` caches decodes --new-tokens tokens
     together (keydiff.generate_batch: aggregate decode tokens/s). Under a minute per cell on a quiet 2-core CPU
     (an estimate from docs/performance.md's TTFT and tokens/s; several times that beside a neighbour).
-  * tests: `python -m pytest -q <--tests>` (default: tests/test_bookkeeping.py, the batching bookkeeping tests):
-    the wall time a developer waits, interpreter start and imports included.
+  * tests: `python -m pytest -q <--tests>` (default: the 23 tests of test_batching.py's
+    test_fork_equals_separate_runs, about 10 s quiet at 1 thread): the wall time a developer waits, interpreter
+    start and imports included.
 Cells run setting by setting within each neighbour (so drift spreads over the settings); a cell over --timeout
 is recorded as timed out. The table gives the median over --repeats; the JSON (--json, by default a new
 timestamped file under results/bench/) every cell, each child's own thread settings, and the provenance; a
@@ -215,8 +216,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--block-size", type=int, default=128, help="model workload: prompt tokens per forward, B")
     parser.add_argument("--batch", type=int, default=8, help="model workload: sequences decoding together")
     parser.add_argument("--new-tokens", type=int, default=16, help="model workload: tokens per sequence (>= 2)")
-    parser.add_argument("--tests", default="tests/test_bookkeeping.py",
-                        help="tests workload: pytest paths or node ids, comma list (default: the bookkeeping tests)")
+    parser.add_argument("--tests", default="tests/test_batching.py::test_fork_equals_separate_runs",
+                        help="tests workload: pytest paths or node ids, comma list (default: 23 batching tests)")
     parser.add_argument("--quick", action="store_true",
                         help="tiny sizes (random-tiny, L=512, batch 2, 4 tokens, one small test file): checks the "
                              "script end to end; its numbers mean nothing (no JSON unless --json)")

@@ -8,6 +8,7 @@ import torch
 
 import keydiff
 from keydiff import available_policies, build_policy, generate, prefill
+from keydiff.testing import variant
 from tests.conftest import CORE_POLICIES, extended_unless
 
 pytestmark = pytest.mark.integration
@@ -66,6 +67,22 @@ def together(model, expected, states, settings, width: int, decoder=None, **opti
     return batch, decoder
 
 
+@pytest.mark.extended
+@pytest.mark.parametrize("name,params", CASES)
+def test_fork_equals_separate_runs(model, name, params):
+    ids = prompts()[0]
+    state = prefill(model, ids, build_policy(name, **params), BUDGET, BLOCK)
+    forks = state.fork(3)
+    assert all(f.cache is not state.cache and f.cache.kv_cache_bytes == state.cache.kv_cache_bytes for f in forks)
+    for seed, fork in zip((1, 2, 3), forks):
+        alone = prefill(model, ids, build_policy(name, **params), BUDGET, BLOCK)
+        expected = generate(model, alone, 12, do_sample=True, temperature=0.8, seed=seed)
+        assert generate(model, fork, 12, do_sample=True, temperature=0.8, seed=seed).token_ids == expected.token_ids
+        assert same_kept(kept(fork.cache), kept(alone.cache))
+    alone = prefill(model, ids, build_policy(name, **params), BUDGET, BLOCK)  # the forked-from state is untouched
+    assert generate(model, state, 12).token_ids == generate(model, alone, 12).token_ids
+
+
 def test_fork_refuses_a_decoded_state(model):
     state = prefill(model, prompts()[0], "keydiff", BUDGET, BLOCK)
     generate(model, state, 2)
@@ -99,6 +116,44 @@ def test_batch_of_four_equals_separate_runs(model, name, params):
         for key, (tokens, positions) in expected.items():
             assert got[key][0] == tokens and same_kept(got[key][1], positions), (batch_size, key)
     assert max(max(out.batch_sizes, default=0) for _, _, out in got.values()) == 4
+
+
+def logged(name: str, log: list):
+    """Policy `name` whose every eviction logs the positions and attention statistic it scored."""
+    policy = build_policy(name)
+
+    def evict_indices(self, layer, budget):
+        log.append((layer.positions.clone(), None if layer.attention is None else layer.attention.clone()))
+        return type(policy).evict_indices(self, layer, budget)
+
+    return variant(policy, evict_indices=evict_indices)
+
+
+@pytest.mark.extended
+@pytest.mark.parametrize("name", ["h2o", "keydiff"])
+def test_no_row_ever_scores_an_entry_of_another_row_or_padding(model, name):
+    """Each eviction in a batch sees what it sees alone: its own positions, once each, and the same attention."""
+    all_ids = prompts()
+    settings = {"max_new_tokens": 30, "eos_token_ids": ()}  # 23 + 30 > N: the short row evicts while decoding
+    alone_logs, batch_logs = [], []
+    for ids in all_ids:
+        alone_logs.append([])
+        generate(model, prefill(model, ids, logged(name, alone_logs[-1]), BUDGET, BLOCK), **settings)
+
+    def requests():
+        for key, ids in enumerate(all_ids):
+            batch_logs.append([])
+            yield keydiff.Request(prefill(model, ids, logged(name, batch_logs[-1]), BUDGET, BLOCK), key=key, **settings)
+
+    list(keydiff.generate_batch(model, requests(), 4))
+    for ids, alone, batch in zip(all_ids, alone_logs, batch_logs):
+        assert len(batch) == len(alone) > 0
+        for (positions, attention), (expected, expected_attention) in zip(batch, alone):
+            assert torch.equal(positions, expected)
+            assert int(positions.min()) >= 0 and int(positions.max()) < ids.shape[1] + settings["max_new_tokens"]
+            assert all(len(set(head.tolist())) == len(head) for head in positions.reshape(-1, positions.shape[-1]))
+            if expected_attention is not None:
+                torch.testing.assert_close(attention, expected_attention, rtol=1e-5, atol=1e-6)
 
 
 def test_batch_cache_refuses_the_models_own_attention(model):

@@ -1,4 +1,4 @@
-"""The preallocated cache as a library object: plain decoding loops, model.generate, in-place eviction."""
+"""The preallocated cache as a library object: plain decoding loops, model.generate, buffers allocated once."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import keydiff
-from keydiff import prefill
+from keydiff import generate, prefill
 from tests.conftest import tiny_llama
 
 pytestmark = pytest.mark.integration
@@ -30,6 +30,23 @@ def test_transformers_generate_refusals_say_why(model, prompt, end, beams, messa
     state = prefill(model, prompt[:, :end], "keydiff", 64, 32)
     with torch.no_grad(), pytest.raises(RuntimeError, match=message):
         model.generate(prompt, cache=state.cache, max_new_tokens=3, num_beams=beams, do_sample=False)
+
+
+@pytest.mark.parametrize("name", ["keydiff", "sink", "tova", "snapkv", "h2o"])
+def test_buffers_are_allocated_once_and_reused_through_prefill_and_decoding(model, prompt, name):
+    storages = []
+
+    def record(cache):
+        storages.append([(layer.keys.data_ptr(), layer.values.data_ptr(), layer.positions.data_ptr())
+                         for layer in cache.layers])
+
+    state = prefill(model, prompt, name, 64, 32, on_block=record)
+    generate(model, state, 10)
+    record(state.cache)
+    assert all(snapshot == storages[0] for snapshot in storages)  # same storage after every block and token
+    assert [layer.allocations for layer in state.cache.layers] == [1, 1, 1]
+    assert [layer.capacity for layer in state.cache.layers] == [64 + 32] * 3
+    assert state.cache.kv_cache_bytes == 2 * 3 * 2 * (64 + 32) * 16 * 4
 
 
 @pytest.mark.unit
