@@ -149,23 +149,6 @@ def test_a_follow_up_that_outgrows_its_arena_slot_decodes_in_fixed_shapes_again(
     assert decoder.stats.runs[1, 1] >= 4 + 6  # turn 1: 4 fixed passes; turn 2: all but its first (which evicts to N)
 
 
-@pytest.mark.extended
-def test_a_decoder_interrupted_mid_call_decodes_the_next_call_as_a_fresh_one(model, monkeypatch, inject_oom):
-    """Sequences a BaseException (Ctrl-C) left in the arena count as stopped in the next call."""
-    monkeypatch.setitem(step.FULL_WIDTH, "cpu", True)
-    expected = [generate(model, prefill(model, p, "keydiff", BUDGET, BLOCK), 6, fixed_shapes=False).token_ids
-                for p in prompts()[2:4]]
-    decoder = Decoder(model, 2)
-    interrupt = inject_oom(lambda active: interrupt.calls == 3, error=KeyboardInterrupt)  # once, at the third step
-    states = [prefill(model, p, "keydiff", BUDGET, BLOCK) for p in prompts()[:2]]
-    with pytest.raises(KeyboardInterrupt):
-        list(decoder.generate([keydiff.Request(s, 6, key=i) for i, s in enumerate(states)]))
-    assert interrupt.raised == 1
-    states = [prefill(model, p, "keydiff", BUDGET, BLOCK) for p in prompts()[2:4]]
-    out = dict(decoder.generate([keydiff.Request(s, 6, key=i) for i, s in enumerate(states)]))
-    assert [out[0].token_ids, out[1].token_ids] == expected
-
-
 def test_a_prefill_that_fails_in_the_slot_frees_it_without_copying(model, monkeypatch):
     """Out of memory in a full block in the decoder's slot frees it without a copy; the next prefill is as its own."""
     monkeypatch.setitem(step.FULL_WIDTH, "cpu", True)

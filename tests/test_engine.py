@@ -1,4 +1,4 @@
-"""The engine on a tiny random Llama: the N + B bound, low-precision scoring, its refusals, other model layouts."""
+"""The engine on a tiny random Llama: the N + B bound, low-precision scoring, its refusals, the flash-attention path."""
 
 from __future__ import annotations
 
@@ -158,23 +158,6 @@ def test_an_unknown_setting_is_refused_in_one_line_naming_the_valid_ones():
         generate(None, None, eos_token_ids=[2])
 
 
-def tiny_qwen2(**overrides):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    return Qwen2ForCausalLM(Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, **overrides)).eval()
-
-
-@pytest.mark.extended
-def test_qwen2_sliding_window_layers_keep_their_window(prompt):
-    """Qwen2 with use_sliding_window: its top layer slides (keydiff.cache.sliding), the other is evicted."""
-    model = tiny_qwen2(use_sliding_window=True, sliding_window=64, max_window_layers=1)
-    assert torch.allclose(prefill(model, prompt, "full", None, 32).logits, reference_logits(model, prompt), atol=1e-5)
-    state = prefill(model, prompt, "keydiff", 64, 32)
-    assert state.cache.layer_kinds == ["evicted", "sliding"] and state.cache.layer_max_entries == [96, 63 + 32]
-
-
 @pytest.mark.unit
 @pytest.mark.extended
 def test_linear_attention_models_are_refused(prompt):
@@ -214,16 +197,6 @@ def test_flash_attention_2_path_runs_through_flash_attn_func(monkeypatch, prompt
     assert torch.allclose(state.logits, reference, atol=1e-5)
     evicted = prefill(model, prompt, "snapkv", 64, 32)
     assert evicted.max_cache_entries == 96 and generate(model, evicted, 3).token_ids[0]
-
-
-@pytest.mark.unit
-def test_top_p_zero_keeps_the_most_likely_token():
-    from keydiff.decode import next_token
-
-    logits = torch.tensor([[0.1, 3.0, 0.2]])
-    draws = {int(next_token(logits, True, 1.0, 0.0, torch.Generator().manual_seed(s))) for s in range(20)}
-    assert draws == {1}
-
 
 
 def test_generate_takes_a_request_whose_fields_keywords_replace_and_decodes_a_state_once(model, prompt):
