@@ -13,7 +13,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from keydiff.cache import EvictingCache
 from keydiff.engine import generate, prefill
-from keydiff.policies import build_policy
+from keydiff.policies import Rerotated, build_policy
 from keydiff.policies.rerotation import STATE
 from keydiff.testing import variant
 from tests.conftest import extended_unless, tiny_llama
@@ -117,6 +117,16 @@ def test_at_every_eviction_each_key_is_the_models_key_at_its_recorded_position(r
     elif seen:
         assert max(top for top, _ in seen) < max(state.cache.layer_budgets) + BLOCK  # positions stay within N + B
         assert any(shifts != [0] for _, shifts in seen)
+
+
+@pytest.mark.unit
+def test_describe_only_when_set_and_round_trips():
+    policy = build_policy("keydiff", key_rerotation=True, layer_budgets={"schedule": "pyramid", "beta": 4, "window": 0})
+    described = policy.describe()
+    assert described["key_rerotation"] == "contiguous" and list(described)[-2:] == ["key_rerotation", "layer_budgets"]
+    assert build_policy(**described).describe() == described
+    assert isinstance(build_policy("snapkv", key_rerotation="absolute"), Rerotated)
+    assert build_policy("snapkv", key_rerotation="absolute").describe()["key_rerotation"] == "absolute"
 
 
 @pytest.mark.unit
