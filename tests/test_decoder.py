@@ -14,7 +14,7 @@ import keydiff
 from keydiff import Decoder, generate, prefill
 from keydiff.decode import step
 from keydiff.decode.static import stand_in_graphs
-from tests.conftest import out_of_memory_error, tiny_llama
+from tests.conftest import tiny_llama
 from tests.test_batched_runs import lengths_cfg, run_at, tiny  # noqa: F401 - tiny: the runner's model fixture
 
 pytestmark = pytest.mark.integration
@@ -147,29 +147,6 @@ def test_a_follow_up_that_outgrows_its_arena_slot_decodes_in_fixed_shapes_again(
     assert got == expected
     assert decoder.pool.arena.occupant[0] is None  # the slot it grew out of is free again
     assert decoder.stats.runs[1, 1] >= 4 + 6  # turn 1: 4 fixed passes; turn 2: all but its first (which evicts to N)
-
-
-def test_a_prefill_that_fails_in_the_slot_frees_it_without_copying(model, monkeypatch):
-    """Out of memory in a full block in the decoder's slot frees it without a copy; the next prefill is as its own."""
-    monkeypatch.setitem(step.FULL_WIDTH, "cpu", True)
-    decoder, raised = Decoder(model, 1), []
-
-    def failing(module, args):  # the model's first pass once the stack is in the slot: its full block's
-        if decoder.stats.slot_copies_in == 1 and not raised:
-            raised.append(True)
-            raise out_of_memory_error()
-
-    hook = model.register_forward_pre_hook(failing)
-    try:
-        with pytest.raises(torch.cuda.OutOfMemoryError):
-            prefill(model, prompts()[1], "keydiff", BUDGET, BLOCK, decoder=decoder)
-    finally:
-        hook.remove()
-    assert raised and decoder.stats.arenas == [1] and decoder.stats.slot_copies_out == 0  # nothing copied out
-    assert decoder.blocks.slot.occupant[0] is None  # the slot is free
-    reference = prefill(model, prompts()[2], "keydiff", BUDGET, BLOCK, fixed_shapes=False)
-    state = prefill(model, prompts()[2], "keydiff", BUDGET, BLOCK, decoder=decoder)
-    assert torch.equal(state.logits, reference.logits)
 
 
 def test_a_decoder_refuses_options_it_does_not_run_with(model):
