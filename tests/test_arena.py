@@ -32,15 +32,6 @@ def entries(storage: Storage) -> list[torch.Tensor]:
     return [storage.keys[..., :n, :].clone(), storage.values[..., :n, :].clone(), storage.positions[..., :n].clone()]
 
 
-def test_a_storage_counts_are_its_slot_counts_in_the_arena():
-    storage = filled(5, 0)
-    arena, slot = storage.handle.arena, storage.handle.slot
-    assert (storage.num_entries, storage.seen) == (5, 5)
-    assert arena.counts[slot, ENTRIES].item() == 5 and arena.counts[slot, SEEN].item() == 5
-    storage.num_entries = 4
-    assert arena.counts[slot, ENTRIES].item() == 4
-
-
 def test_a_pass_begins_once_and_each_plane_s_tokens_seen_follow_from_the_slot_counts():
     """The first plane opens the pass, a later one sees it when it writes, in turn; a fixed step's closes at once."""
     storage = filled(5, 0)

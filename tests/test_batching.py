@@ -57,8 +57,7 @@ def alone(model, states, settings) -> list[tuple]:
 
 
 def together(model, expected, states, settings, width: int, decoder=None, **options):
-    """Fresh `states()` decoded together through a Decoder of `width`: each gives what it gives `alone`. Returns
-    the batch's states and the decoder."""
+    """Fresh `states()` decoded together through a Decoder of `width`, each as `expected`: (states, decoder)."""
     batch = states()
     decoder = keydiff.Decoder(model, width, **options) if decoder is None else decoder
     got = dict(decoder.generate([keydiff.Request(s, key=i, **kw) for i, (s, kw) in enumerate(zip(batch, settings))]))
@@ -157,25 +156,6 @@ def test_no_row_ever_scores_an_entry_of_another_row_or_padding(model, name):
                 torch.testing.assert_close(attention, expected_attention, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.extended
-def test_a_group_scores_each_row_over_its_own_entries_only(model):
-    """The grouped eviction's one call sees each fork's own positions alone, concatenated in slot order."""
-    log: list = []
-    state = prefill(model, prompts()[2], logged("keydiff", log), BUDGET, BLOCK)
-    alone = []
-    for seed, fork in enumerate(state.fork(3)):
-        log.clear()
-        generate(model, fork, **sampled(seed, 8), fixed_shapes=False)
-        alone.append([positions for positions, _ in log])
-    log.clear()
-    forks = state.fork(3)
-    list(keydiff.generate_batch(model, [keydiff.Request(f, key=s, **sampled(s, 8)) for s, f in enumerate(forks)], 3,
-                                fixed_shapes=False))
-    assert len(log) == len(alone[0]) > 0
-    for step, (positions, attention) in enumerate(log):
-        assert attention is None and torch.equal(positions, torch.cat([own[step] for own in alone]))
-
-
 def test_batch_cache_refuses_the_models_own_attention(model):
     batch = keydiff.BatchCache(3)
     batch.bind([prefill(model, prompts()[0], "keydiff", BUDGET, BLOCK).cache], [1])
@@ -263,20 +243,6 @@ def test_forks_in_any_batch_order_are_written_and_chosen_as_alone(model):
     assert [1, 4, 0, 3] in decoder.stats.groups[0]  # slots 0..3 are rows 1, 4, 0, 3: one group, out of batch order
 
 
-def test_between_results_the_model_runs_as_it_was(model):
-    """While the caller holds a result, the model has its own attention implementation and runs with any cache."""
-    original = model.config._attn_implementation
-    state = prefill(model, prompts()[0], "keydiff", BUDGET, BLOCK)
-    requests = [keydiff.Request(fork, max_new_tokens=3 + 2 * i, key=i) for i, fork in enumerate(state.fork(3))]
-    seen = []
-    for key, _ in keydiff.generate_batch(model, requests, 3):
-        assert model.config._attn_implementation == original, key
-        with torch.inference_mode():
-            model(input_ids=prompts()[1])  # a plain forward with a fresh cache of its own
-        seen.append(key)
-    assert seen == [0, 1, 2]
-
-
 @pytest.mark.extended
 def test_pooled_rows_prefilled_on_their_own_group_and_decode_as_alone(model):
     """Joining sequences pool into reused slots (copied out when they stop); h2o and short prompts never pool."""
@@ -292,40 +258,3 @@ def test_pooled_rows_prefilled_on_their_own_group_and_decode_as_alone(model):
         sizes = decoder.stats.group_sizes
         assert (sizes and max(sizes) >= 2) if pool_rows else not sizes, (batch_size, sizes)
 
-
-def test_join_pool_takes_its_slot_shape_from_a_prompt_of_n_plus_b(model):
-    """Short prompts neither shape the slots nor join; the arena waits for a second joiner; forks never move."""
-    from keydiff.decode.blocks import JoinPool
-
-    short, long, other, third = (prefill(model, ids, "keydiff", BUDGET, BLOCK) for ids in prompts((23, 90, 130, 61)))
-    pool = JoinPool(3)
-    assert not pool.place(short.cache) and pool.arena is None
-    assert not pool.place(long.cache) and pool.arena is None  # the first like it: waits for a second
-    assert pool.place(other.cache) and pool.arena is not None
-    assert [(s.cache.stack.handle.arena, s.cache.stack.handle.slot) for s in (long, other)] == [
-        (pool.arena, 0), (pool.arena, 1)]
-    assert pool.place(third.cache) and third.cache.stack.handle.slot == 2
-    fork = long.fork(2)[0]
-    assert not pool.place(fork.cache) and fork.cache.stack.handle.arena is not pool.arena
-    lone, alone = JoinPool(3), prefill(model, prompts((90,))[0], "keydiff", BUDGET, BLOCK)
-    assert not lone.place(alone.cache)
-    lone.leave(alone.cache)  # it stopped before any other joined: a later one waits for a second in turn
-    assert not lone.place(long.fork(1)[0].cache) and lone.arena is None
-
-
-@pytest.mark.extended
-def test_neighbours_with_other_policies_never_group(model):
-    """Rows of another policy share the arena but never group nor share a fixed step; batch 1 pools nothing."""
-    policies = [build_policy("keydiff"), build_policy("keydiff", window_fraction=0.25), build_policy("keydiff")]
-
-    def states():
-        return [prefill(model, ids, policy, BUDGET, BLOCK) for ids, policy in zip(prompts((90, 130, 75)), policies)]
-
-    settings = [{"max_new_tokens": 10}] * 3
-    batch, decoder = together(model, alone(model, states, settings), states, settings, 3)
-    assert all(s.cache.stack.handle.shared and s.cache.stack.handle.slot == i for i, s in enumerate(batch))
-    assert not decoder.stats.group_sizes and decoder.stats.arenas == [3], decoder.stats
-    assert not any(width > 1 for width, _ in decoder.stats.runs), decoder.stats.runs
-    single = states()[0]
-    dict(keydiff.generate_batch(model, [keydiff.Request(single, max_new_tokens=3)], 1))
-    assert not single.cache.stack.handle.shared

@@ -114,13 +114,8 @@ def test_a_freed_join_pool_slot_is_reused_so_later_prompts_group(model):
     expected = [generate(model, prefill(model, ids, "keydiff", BUDGET, BLOCK), 5).token_ids[0]
                 for ids in prompts(lengths)]
     states = [prefill(model, ids, "keydiff", BUDGET, BLOCK) for ids in prompts(lengths)]
-    seen = {}
-
-    def requests():
-        for key, state in enumerate(states):
-            yield keydiff.Request(state, max_new_tokens=5, key=key)
-
-    for key, out in keydiff.generate_batch(model, requests(), 2):
+    requests, seen = [keydiff.Request(state, max_new_tokens=5, key=key) for key, state in enumerate(states)], {}
+    for key, out in keydiff.generate_batch(model, requests, 2):
         seen[key] = allocation(states[key].cache)  # before the next prompt may take its slot
         assert out.token_ids[0] == expected[key], key
     assert seen[0] == seen[1] and seen[2] == seen[3]  # each pair in one allocation: they grouped

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import keydiff
-from keydiff import Decoder, build_policy, generate, prefill
+from keydiff import Decoder, generate, prefill
 from keydiff.decode import step
 from keydiff.decode.static import stand_in_graphs
-from tests.conftest import out_of_memory_error, tiny_llama
+from tests.conftest import tiny_llama
 from tests.test_batched_runs import lengths_cfg, run_at, tiny  # noqa: F401 - tiny: the runner's model fixture
 
 pytestmark = pytest.mark.integration
@@ -93,24 +93,6 @@ def test_a_run_records_its_graph_captures_and_runs_a_step_that_cannot_be_capture
 
 
 @pytest.mark.extended
-@pytest.mark.parametrize("arena", [False, True], ids=["own-stack", "slot"])
-def test_a_run_decoder_prefills_every_prompt_with_one_block_step(model, monkeypatch, arena):
-    """A prefill's own logits and kept positions, its own buffers after it; one block step where the slot is kept."""
-    monkeypatch.setitem(step.FULL_WIDTH, "cpu", arena)
-    references = [prefill(model, ids, "keydiff", BUDGET, BLOCK, fixed_shapes=False) for ids in prompts()]
-    tokens = [generate(model, prefill(model, ids, "keydiff", BUDGET, BLOCK), 6, fixed_shapes=False).token_ids
-              for ids in prompts()]
-    decoder = Decoder(model, 1)
-    for ids, reference, expected in zip(prompts(), references, tokens):
-        state = prefill(model, ids, "keydiff", BUDGET, BLOCK, decoder=decoder)
-        assert torch.equal(state.logits, reference.logits)
-        assert all(torch.equal(a, b) for a, b in zip(state.kept_positions, reference.kept_positions))
-        assert not state.cache.stack.handle.shared  # left the slot with its entries
-        assert generate(model, state, 6, decoder=decoder).token_ids == expected
-    assert len([w for w, q in decoder.stats.built if q == BLOCK]) == (1 if arena else 5)
-
-
-@pytest.mark.extended
 def test_a_prompt_shaped_unlike_the_slot_leaves_the_slots_step_in_place(model, monkeypatch):
     """A prompt of another N prefills with a step of its own, freed with it; the slot's step serves the next ones."""
     monkeypatch.setitem(step.FULL_WIDTH, "cpu", True)
@@ -124,18 +106,6 @@ def test_a_prompt_shaped_unlike_the_slot_leaves_the_slots_step_in_place(model, m
         gc.collect()
         assert keys() is None, budget
     assert [q for _, q in decoder.stats.built] == [BLOCK, BLOCK]  # the slot's (once) and the other shape's
-
-
-@pytest.mark.extended
-def test_a_decoder_yields_each_sequence_its_tokens_alone_across_calls_with_other_policies(model, monkeypatch):
-    """A policy the arena cannot pool and a budget of another shape decode on their own through one decoder."""
-    monkeypatch.setitem(step.FULL_WIDTH, "cpu", True)
-    decoder = Decoder(model, 2)
-    cases = [("keydiff", BUDGET), ("snapkv", BUDGET), ("keydiff", 24), ("knorm", BUDGET), ("keydiff", BUDGET)]
-    for (name, budget), ids in zip(cases, prompts()):
-        alone = generate(model, prefill(model, ids, build_policy(name), budget, BLOCK), 7, fixed_shapes=False)
-        state = prefill(model, ids, build_policy(name), budget, BLOCK)
-        assert generate(model, state, 7, decoder=decoder).token_ids == alone.token_ids, (name, budget)
 
 
 def test_the_width_must_be_a_positive_integer(model):
@@ -179,46 +149,6 @@ def test_a_follow_up_that_outgrows_its_arena_slot_decodes_in_fixed_shapes_again(
     assert decoder.stats.runs[1, 1] >= 4 + 6  # turn 1: 4 fixed passes; turn 2: all but its first (which evicts to N)
 
 
-@pytest.mark.extended
-def test_a_decoder_interrupted_mid_call_decodes_the_next_call_as_a_fresh_one(model, monkeypatch, inject_oom):
-    """Sequences a BaseException (Ctrl-C) left in the arena count as stopped in the next call."""
-    monkeypatch.setitem(step.FULL_WIDTH, "cpu", True)
-    expected = [generate(model, prefill(model, p, "keydiff", BUDGET, BLOCK), 6, fixed_shapes=False).token_ids
-                for p in prompts()[2:4]]
-    decoder = Decoder(model, 2)
-    interrupt = inject_oom(lambda active: interrupt.calls == 3, error=KeyboardInterrupt)  # once, at the third step
-    states = [prefill(model, p, "keydiff", BUDGET, BLOCK) for p in prompts()[:2]]
-    with pytest.raises(KeyboardInterrupt):
-        list(decoder.generate([keydiff.Request(s, 6, key=i) for i, s in enumerate(states)]))
-    assert interrupt.raised == 1
-    states = [prefill(model, p, "keydiff", BUDGET, BLOCK) for p in prompts()[2:4]]
-    out = dict(decoder.generate([keydiff.Request(s, 6, key=i) for i, s in enumerate(states)]))
-    assert [out[0].token_ids, out[1].token_ids] == expected
-
-
-def test_a_prefill_that_fails_in_the_slot_frees_it_without_copying(model, monkeypatch):
-    """Out of memory in a full block in the decoder's slot frees it without a copy; the next prefill is as its own."""
-    monkeypatch.setitem(step.FULL_WIDTH, "cpu", True)
-    decoder, raised = Decoder(model, 1), []
-
-    def failing(module, args):  # the model's first pass once the stack is in the slot: its full block's
-        if decoder.stats.slot_copies_in == 1 and not raised:
-            raised.append(True)
-            raise out_of_memory_error()
-
-    hook = model.register_forward_pre_hook(failing)
-    try:
-        with pytest.raises(torch.cuda.OutOfMemoryError):
-            prefill(model, prompts()[1], "keydiff", BUDGET, BLOCK, decoder=decoder)
-    finally:
-        hook.remove()
-    assert raised and decoder.stats.arenas == [1] and decoder.stats.slot_copies_out == 0  # nothing copied out
-    assert decoder.blocks.slot.occupant[0] is None  # the slot is free
-    reference = prefill(model, prompts()[2], "keydiff", BUDGET, BLOCK, fixed_shapes=False)
-    state = prefill(model, prompts()[2], "keydiff", BUDGET, BLOCK, decoder=decoder)
-    assert torch.equal(state.logits, reference.logits)
-
-
 def test_a_decoder_refuses_options_it_does_not_run_with(model):
     decoder = Decoder(model, 1, fixed_shapes=False)
     state = prefill(model, prompts()[0], "keydiff", BUDGET, BLOCK)
@@ -229,39 +159,3 @@ def test_a_decoder_refuses_options_it_does_not_run_with(model):
     with pytest.raises(ValueError, match="fixed_shapes=True, but the decoder runs fixed_shapes=False"):
         prefill(model, prompts()[0], "keydiff", BUDGET, BLOCK, fixed_shapes=True, decoder=decoder)
 
-
-@pytest.mark.parametrize("case, variant", [(case, "") for case in ("adakv_keydiff", "full", "keydiff", "snapkv")]
-                         + [("keydiff", "evict=False"), ("snapkv", "evict=False"), ("keydiff", "held")])
-def test_the_scheduler_records_equal_the_caches_after_every_step(case, variant, monkeypatch):
-    """After every step of the golden batching runs, each going sequence's kept record equals a fresh reading."""
-    import functools
-
-    import tests.test_golden_batching as golden
-    from keydiff.decode import scheduler
-    from keydiff.decode.scheduler import read_cache
-
-    real, checked, ready, held = scheduler.decode_step, [0], [0], [0]
-
-    def step_and_check(decoder, active):
-        held[0] += sum(decoder.records[id(sequence)].held for sequence in active if not sequence.done)
-        going, stopped = real(decoder, active)
-        for sequence in going:
-            record, stack = decoder.records[id(sequence)], sequence.cache.stack
-            fresh = read_cache(sequence.cache, evict=sequence.request.evict)
-            assert record.entries == (None if stack is None else stack.num_entries) == fresh.entries, case
-            assert (record.seen, record.held, record.ready, record.slot) == (fresh.seen, fresh.held, fresh.ready,
-                                                                             fresh.slot), case
-            assert record.owner is fresh.owner and record.buffers == fresh.buffers, case
-            checked[0] += record.entries is not None
-            ready[0] += record.ready
-        return going, stopped
-
-    monkeypatch.setattr(scheduler, "decode_step", step_and_check)
-    if variant == "evict=False":
-        monkeypatch.setattr(golden, "settings", lambda key, settings=golden.settings: {**settings(key), "evict": False})
-    if variant == "held":
-        monkeypatch.setattr(keydiff, "prefill", functools.partial(prefill, held_suffix=5))
-    golden.outputs(case)
-    assert (checked[0] > 0) == (case in ("keydiff", "snapkv")), checked
-    assert (ready[0] > 0) == (variant != "evict=False" and case in ("keydiff", "snapkv")), ready
-    assert (held[0] > 0) == (variant == "held"), held

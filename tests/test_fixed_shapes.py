@@ -11,7 +11,6 @@ import torch
 import keydiff
 from keydiff import build_policy, generate, prefill
 from keydiff.attention import keydiff_attention
-from keydiff.decode import static
 from keydiff.decode.scheduler import read_cache
 from keydiff.decode.static import StaticStep
 from tests.conftest import CORE_POLICIES, extended_unless
@@ -260,24 +259,6 @@ def test_the_step_compiles_as_one_graph_and_never_recompiles(model, name, q):
 
 
 @pytest.mark.extended
-def test_a_block_whose_going_rows_change_policy_gets_a_step_of_that_policy(model):
-    """Windowed sequences in two plain ones' slots get a step of their own policy; each gives what it does alone."""
-    from tests.test_batching import alone, together
-
-    window = build_policy("keydiff", window_fraction=0.75)
-    policies = [build_policy("keydiff"), build_policy("keydiff"), window, window]
-    settings = [{"max_new_tokens": n} for n in (3, 3, 20, 20)]
-
-    def states():
-        return [prefill(model, ids, p, BUDGET, BLOCK) for ids, p in zip(prompts((90, 75, 130, 61)), policies)]
-
-    batch, decoder = together(model, alone(model, states, settings), states, settings, 2)
-    assert [batch[i].cache.stack.handle.slot for i in (2, 3)] == [0, 1]  # the stopped ones' slots
-    assert decoder.stats.runs[2, 1] >= 2 + 19  # plain rows, then the windowed rows, in fixed shapes
-    assert decoder.stats.built == [(2, 1), (2, 1)]  # a step for the plain rows, then one of the windowed rows' policy
-
-
-@pytest.mark.extended
 @pytest.mark.parametrize("full_width", [False, True], ids=["span", "full-width"])
 def test_an_idle_slot_holding_more_than_n_entries_is_left_as_it_is(model, full_width, monkeypatch):
     """Entries beyond N in an idle slot (a held suffix, forks waiting, an early stop) are left as they are."""
@@ -316,27 +297,6 @@ def test_an_idle_slot_holding_more_than_n_entries_is_left_as_it_is(model, full_w
 
     for scenario in (stopped_in_the_middle, held_forks_waiting):
         assert scenario(True) == scenario(False), scenario.__name__
-
-
-@pytest.mark.extended
-def test_group_rows_false_runs_every_sequence_on_its_own(model):
-    forks = prefill(model, prompts()[1], "keydiff", BUDGET, BLOCK).fork(3)
-    requests = [keydiff.Request(f, 4 + 3 * i, key=i) for i, f in enumerate(forks)]
-    _, decoder = decoded(model, requests, 3, group_rows=False)
-    runs = decoder.stats.runs
-    assert runs and {width for width, _ in runs} == {1}, runs
-
-
-@pytest.mark.unit
-def test_a_device_with_no_default_runs_the_ordinary_step():
-    from keydiff.decode.step import FULL_WIDTH, ModelRunner, fixed_shapes_default
-
-    assert fixed_shapes_default(torch.device("cpu")) and not fixed_shapes_default(torch.device("mps"))
-    with torch.device("meta"):
-        from tests.conftest import tiny_llama
-        model = tiny_llama()
-    runner = ModelRunner(model)
-    assert runner.fixed_shapes is False and runner.full_width is False and "meta" not in FULL_WIDTH
 
 
 @pytest.mark.extended

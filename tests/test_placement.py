@@ -1,18 +1,14 @@
-"""Layers on other devices or dtypes (device_map="auto"): buffers follow each layer's keys and stacks group layers
-per placement, with no unused slot. On CPU: a tiny Llama whose middle layer runs in float64."""
+"""Layers on other devices or dtypes (device_map="auto"): placements come from the attention modules, and a layer
+that does not fit leaves the stack. On CPU: a tiny Llama whose middle layer runs in float64."""
 
 from __future__ import annotations
-
-from dataclasses import replace
 
 import pytest
 import torch
 
-from keydiff import build_policy, generate, prefill
+from keydiff import build_policy, keydiff_attention
 from keydiff.cache import EvictingCache
-from keydiff.cache.adaptive import AdaptiveStorage
 from keydiff.cache.placement import layer_placements
-from keydiff.testing import variant
 from tests.conftest import tiny_llama
 
 pytestmark = pytest.mark.integration
@@ -55,46 +51,13 @@ def test_placements_are_read_from_the_attention_modules(model):
     assert layer_placements(model, 4) is None  # not every layer found: one placement, as before
 
 
-@pytest.mark.extended
-def test_stack_groups_layers_per_dtype_without_unused_slots(model, ids):
-    with torch.no_grad():
-        reference = model(ids).logits[:, -1].float()
-    assert torch.allclose(prefill(model, ids, "full", None, 64).logits, reference, atol=1e-5)
-    state = prefill(model, ids, "keydiff", 64, 32)
-    cache = state.cache
-    assert [(s.layers, s.keys.dtype) for s in cache.storages] == [((0, 2), torch.float32), ((1,), torch.float64)]
-    assert cache.layers[0].keys.dtype == torch.float32 and cache.layers[1].keys.dtype == torch.float64
-    assert cache.kv_cache_bytes == 2 * slot_bytes(2, 96, 16, 4) + slot_bytes(2, 96, 16, 8)
-    assert cache.allocations == 3
-    policy = build_policy("keydiff")
-    alone = prefill(model, ids, variant(policy, needs=replace(policy.needs, rows_alike=False)), 64, 32)
-    assert all(torch.equal(a, b) for a, b in zip(state.kept_positions, alone.kept_positions))
-    assert generate(model, state, 4).token_ids == generate(model, alone, 4).token_ids
-
-
 def test_without_placements_the_stack_still_splits_for_a_layer_that_does_not_fit(model, ids):
-    """Without placements a layer that does not fit leaves the stack, whose slot for it stays allocated."""
+    """A layer that does not fit leaves the stack, whose slot for it stays allocated."""
     cache = EvictingCache(build_policy("keydiff"), 64, 3, block_size=32, max_tokens=300)
-    from keydiff import keydiff_attention
-
     with torch.no_grad(), keydiff_attention(model, cache):
         model(input_ids=ids[:, :32], cache=cache)
     assert [s.keys.dtype for s in cache.storages] == [torch.float32, torch.float64, torch.float32]
     assert cache.kv_cache_bytes == 3 * slot_bytes(2, 96, 16, 4) + slot_bytes(2, 96, 16, 8)
-
-
-@pytest.mark.extended
-def test_head_adaptive_pool_stacks_group_layers_per_dtype(model, ids):
-    policy = build_policy("keydiff", head_budgets="adakv")
-    state = prefill(model, ids, policy, 64, 32)
-    storages = [layer.storage for layer in state.cache.layers]
-    assert all(isinstance(s, AdaptiveStorage) for s in storages)
-    assert storages[0].stack is storages[2].stack and storages[0].stack.layers == (0, 2)
-    assert storages[1].stack is None and storages[1].keys.dtype == torch.float64
-    assert storages[0].in_stack and storages[2].in_stack and storages[0].stack.keys.shape[0] == 2
-    alone = prefill(model, ids, variant(policy, needs=replace(policy.needs, segment_scores=False)), 64, 32)
-    assert all(torch.equal(a, b) for a, b in zip(state.kept_positions, alone.kept_positions))
-    assert generate(model, state, 3).token_ids == generate(model, alone, 3).token_ids
 
 
 @pytest.mark.unit

@@ -15,7 +15,7 @@ from keydiff.cache import EvictingCache
 from keydiff.engine import generate, prefill
 from keydiff.policies import Rerotated, build_policy
 from keydiff.policies.rerotation import STATE
-from keydiff.testing import check_policy, variant
+from keydiff.testing import variant
 from tests.conftest import extended_unless, tiny_llama
 
 pytestmark = pytest.mark.integration
@@ -44,8 +44,7 @@ def capturing(model):
 
 
 def keys_at(model, pre_rope: torch.Tensor, layer_positions: torch.Tensor) -> torch.Tensor:
-    """The model's own post-RoPE keys [batch, kv_heads, n, d] for the pre-RoPE keys `pre_rope` [batch, kv_heads, n, d]
-    rotated for positions `layer_positions` [batch, kv_heads, n] (its rotary embedding, scaling included)."""
+    """The model's own keys (its rotary embedding, scaling included) for `pre_rope` rotated for `layer_positions`."""
     batch, heads, n, dim = pre_rope.shape
     out = torch.empty_like(pre_rope)
     for b in range(batch):
@@ -63,21 +62,16 @@ def pre_rope_keys(model, captured: list[torch.Tensor], positions: torch.Tensor) 
     return pre.gather(2, positions[..., None].expand(-1, -1, -1, dim))
 
 
-def check_cache_keys(model, cache, captured, rerotated: bool, end: int | None = None) -> None:
-    """Every layer's keys are the model's keys at their ranks (0..n-1, or end-n..end-1), or at their absolute
-    positions (rerotated False)."""
+def check_cache_keys(model, cache, captured, end: int | None = None) -> None:
+    """Every layer's keys are the model's keys at their ranks (0..n-1, or end-n..end-1)."""
     for i, layer in enumerate(cache.layers):
         n = layer.num_entries
         positions = layer.positions[:, :, :n]
-        if rerotated:
-            ranks = positions.argsort(dim=-1).argsort(dim=-1) + (0 if end is None else end - n)
-            if STATE in layer.state:
-                assert torch.equal(layer.state[STATE][:, :, :n].long(), ranks)
-            target = ranks
-        else:
-            target = positions
+        ranks = positions.argsort(dim=-1).argsort(dim=-1) + (0 if end is None else end - n)
+        if STATE in layer.state:
+            assert torch.equal(layer.state[STATE][:, :, :n].long(), ranks)
         held = pre_rope_keys(model, captured[i], positions)
-        torch.testing.assert_close(layer.keys[:, :, :n], keys_at(model, held, target), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(layer.keys[:, :, :n], keys_at(model, held, ranks), rtol=1e-4, atol=1e-4)
 
 
 CASES = [(rope, name, mode, schedule) for rope in sorted(ROPES) for name, mode, schedule in [
@@ -112,10 +106,10 @@ def test_at_every_eviction_each_key_is_the_models_key_at_its_recorded_position(r
         end = state.cache.next_position() if mode != "absolute" else None
         if mode != "absolute":
             assert end == max(state.cache.layer_budgets) == state.cache.get_seq_length()
-        check_cache_keys(model, state.cache, captured, rerotated=True, end=end)
+        check_cache_keys(model, state.cache, captured, end=end)
         assert int(state.cache.layers[0].positions[:, :, :BUDGET].max()) >= BUDGET  # far keys moved: not a no-op
         generate(model, state, NEW_TOKENS)  # an eviction (and a re-rotation) after every token
-        check_cache_keys(model, state.cache, captured, rerotated=True, end=state.cache.next_position() if end else None)
+        check_cache_keys(model, state.cache, captured, end=state.cache.next_position() if end else None)
     assert bool(seen) == (name != "snapkv")
     if seen and mode == "absolute":
         assert all(shifts == [0] for _, shifts in seen)
@@ -123,94 +117,6 @@ def test_at_every_eviction_each_key_is_the_models_key_at_its_recorded_position(r
     elif seen:
         assert max(top for top, _ in seen) < max(state.cache.layer_budgets) + BLOCK  # positions stay within N + B
         assert any(shifts != [0] for _, shifts in seen)
-
-
-def test_contiguous_generation_that_keeps_every_token_continues_after_the_kept_keys():
-    """generate(evict=False): the new tokens are rotated for N, N+1, ..., so every key still sits at its rank."""
-    model = tiny_llama()
-    prompt = torch.randint(0, 256, (1, LENGTH), generator=torch.Generator().manual_seed(5))
-    with capturing(model) as captured:
-        state = prefill(model, prompt, build_policy("keydiff", key_rerotation="contiguous"), BUDGET, BLOCK)
-        generate(model, state, NEW_TOKENS, evict=False)
-        assert state.cache.layers[0].num_entries == state.cache.get_seq_length() == BUDGET + NEW_TOKENS - 1
-        check_cache_keys(model, state.cache, captured, rerotated=True)
-
-
-def test_the_reference_itself_matches_the_cache_without_rerotation():
-    model = tiny_llama(**ROPES["yarn"])
-    prompt = torch.randint(0, 256, (1, LENGTH), generator=torch.Generator().manual_seed(5))
-    with capturing(model) as captured:
-        state = prefill(model, prompt, build_policy("keydiff"), budget=BUDGET, block_size=BLOCK)
-        check_cache_keys(model, state.cache, captured, rerotated=False)
-        with pytest.raises(AssertionError):
-            check_cache_keys(model, state.cache, captured, rerotated=True)
-
-
-def run(model, prompt, policy, budget=BUDGET):
-    state = prefill(model, prompt, policy, budget=budget, block_size=BLOCK)
-    logits, kept = state.logits.clone(), [k.clone() for k in state.kept_positions]
-    return logits, kept, generate(model, state, NEW_TOKENS).token_ids
-
-
-@pytest.mark.extended
-def test_off_changes_nothing():
-    model = tiny_llama()
-    prompt = torch.randint(0, 256, (1, LENGTH), generator=torch.Generator().manual_seed(6))
-    for name in ("keydiff", "snapkv", "expected_attention"):
-        off = build_policy(name, key_rerotation=False)
-        assert off.needs.key_rerotation is None and off.describe() == build_policy(name).describe()
-        assert STATE not in off.needs.state
-        plain_logits, plain_kept, plain_tokens = run(model, prompt, build_policy(name))
-        logits, kept, tokens = run(model, prompt, off)
-        assert torch.equal(logits, plain_logits) and tokens == plain_tokens
-        assert all(torch.equal(a, b) for a, b in zip(kept, plain_kept))
-
-
-def test_on_changes_results_once_something_was_evicted_and_the_two_modes_differ():
-    model = tiny_llama()
-    prompt = torch.randint(0, 256, (1, LENGTH), generator=torch.Generator().manual_seed(6))
-    plain_logits, plain_kept, _ = run(model, prompt, build_policy("knorm"))
-    logits = {}
-    for mode in ("absolute", "contiguous"):
-        logits[mode], kept, _ = run(model, prompt, build_policy("knorm", key_rerotation=mode))
-        assert torch.equal(kept[0], plain_kept[0])  # layer 0: K-norm does not see the rotation, same entries...
-        assert float((logits[mode] - plain_logits).abs().max()) > 1e-3  # ... attended at other positions
-        # Nothing evicted (budget >= prompt): every key already sits at its rank, so nothing changes at all.
-        unevicted = run(model, prompt, build_policy("knorm", key_rerotation=mode), budget=LENGTH)[0]
-        assert torch.equal(unevicted, run(model, prompt, build_policy("knorm"), budget=LENGTH)[0])
-    assert float((logits["absolute"] - logits["contiguous"]).abs().max()) > 1e-3
-
-
-def test_contiguous_works_with_stock_attention_and_transformers_masks():
-    """A plain loop with the model's own sdpa (masks from get_mask_sizes) gives the logits keydiff.prefill gives."""
-    model = tiny_llama()
-    prompt = torch.randint(0, 256, (1, 64), generator=torch.Generator().manual_seed(8))
-    policy = build_policy("knorm", key_rerotation="contiguous")
-    expected = prefill(model, prompt, policy, budget=20, block_size=16).logits
-    cache = EvictingCache(build_policy("knorm", key_rerotation="contiguous"), 20, 3, block_size=16, max_tokens=64,
-                          config=model.config)
-    with torch.no_grad():
-        for start in range(0, 64, 16):  # no evict() calls: the cache evicts when the next pass arrives
-            out = model(input_ids=prompt[:, start:start + 16], cache=cache, use_cache=True)
-    torch.testing.assert_close(out.logits[:, -1].float(), expected, rtol=1e-5, atol=1e-5)
-    # 36 held until the next pass evicts, which will then follow the 20 kept keys; 64 tokens seen.
-    assert cache.get_seq_length() == 20 and cache.layers[0].num_entries == 36 and cache.layers[0].seen == 64
-
-
-@pytest.mark.extended
-@pytest.mark.parametrize("mode", ["absolute", "contiguous"])
-@pytest.mark.parametrize("name, params", [
-    ("keydiff", {}),  # stacked: every layer re-rotated in one call, compared with layer by layer
-    ("snapkv", {"critical": True}),
-    ("expected_attention", {}),
-    ("keydiff", {"layer_budgets": {"schedule": "pyramid", "beta": 4, "window": 0}}),
-    ("knorm", {"skip_layers": [0]}),  # a layer never evicted: contiguous positions stay the tokens seen
-])
-def test_check_policy_passes(name, params, mode):
-    summary = check_policy(name, key_rerotation=mode, **params)
-    assert summary["evictions"] > 0
-    if name == "keydiff" and not params:
-        assert summary["stacked"] and summary["batchable_checked"]
 
 
 @pytest.mark.unit

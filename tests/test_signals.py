@@ -1,76 +1,24 @@
-"""Model signals (keydiff/signals.py): a registered signal reaches a policy's `LayerView.signals`, asking for one is
-checked, an eviction without it is refused naming it, and a fork shares the model's tensors and copies the rest."""
+"""Model signals (keydiff/signals.py): a policy may ask only for a registered one, and not with rows_alike."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import ClassVar
-
 import pytest
-import torch
 
 from keydiff import signals as model_signals
-from keydiff.attention import keydiff_attention
-from keydiff.cache import EvictingCache
-from keydiff.policies import build_policy
-from keydiff.policies.base import LayerView, Needs, Policy
-from tests.conftest import tiny_llama
+from keydiff.policies.base import Needs
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.unit
 
 
 @pytest.fixture
 def last_output():
-    """A signal registered for one test (each pass's last attention output row, [batch, heads, d]), and a policy
-    that asks for it, keeps what it is handed and scores by key norm."""
+    """A signal registered for one test: each pass's last attention output row."""
     signal = model_signals.register(model_signals.Signal(
         "test_last_output", "the last attention output", lambda kept, step: step.output[:, -1].clone()))
-
-    @dataclass
-    class LastOutput(Policy):
-        needs: ClassVar[Needs] = Needs(signals=("test_last_output",))
-        seen: list = field(default_factory=list)
-
-        def score(self, layer: LayerView) -> torch.Tensor:
-            self.seen.append((layer.layer_idx, layer.signals["test_last_output"]))
-            return layer.keys.norm(dim=-1)
-
-    yield signal, LastOutput
+    yield signal
     del model_signals.SIGNALS[signal.name]
 
 
-def test_a_registered_signal_reaches_the_policy_through_the_one_path(last_output):
-    """At each eviction the policy reads its signal of that layer's last pass: here o_proj's input of the last row."""
-    model = tiny_llama()
-    inputs = {}
-    for i, block in enumerate(model.model.layers):
-        block.self_attn.o_proj.register_forward_pre_hook(
-            lambda module, args, i=i: inputs.__setitem__(i, args[0][:, -1].detach().clone()))
-    policy = last_output[1]()
-    cache = EvictingCache(policy, 8, 3, block_size=12)
-    ids = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad(), keydiff_attention(model, cache):
-        for start in (0, 12):
-            policy.seen.clear()
-            model(input_ids=ids[:, start:start + 12], cache=cache, use_cache=True)
-            cache.evict()
-            assert [layer for layer, _ in policy.seen] == [0, 1, 2]
-            for layer, signal in policy.seen:
-                assert signal.shape == (1, 4, 16)
-                torch.testing.assert_close(signal.flatten(1), inputs[layer])
-    assert all(not storage.signals.pending() for storage in cache.storages)  # a "pass" signal is consumed
-
-
-def test_an_eviction_without_an_asked_signal_is_refused_naming_it(last_output):
-    model = tiny_llama()
-    cache = EvictingCache(last_output[1](), 8, 3, block_size=8)
-    with torch.no_grad():  # no keydiff_attention: nobody hands the pass over
-        model(input_ids=torch.arange(12)[None], cache=cache, use_cache=True)
-        with pytest.raises(RuntimeError, match="needs the last attention output but none were recorded in layer 0"):
-            cache.evict()
-
-
-@pytest.mark.unit
 def test_needs_names_only_registered_signals_and_not_with_rows_alike(last_output):
     with pytest.raises(ValueError, match="unknown model signal 'nope'; valid: (.*, )?test_last_output"):
         Needs(signals=("nope",))
@@ -81,25 +29,4 @@ def test_needs_names_only_registered_signals_and_not_with_rows_alike(last_output
     assert model_signals.asked(Needs(attention_rows=1, queries=True)) == (model_signals.ATTENTION,
                                                                           model_signals.QUERIES)
     with pytest.raises(ValueError, match="already registered"):
-        model_signals.register(last_output[0])
-
-
-def test_a_fork_shares_the_model_weight_and_copies_the_query_statistics():
-    model = tiny_llama()
-    ids = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(1))
-    caches = {}
-    for name, params in (("knorm", {"critical": True}), ("expected_attention", {"n_sink": 0})):
-        cache = EvictingCache(build_policy(name, **params), 8, 3, block_size=8, config=model.config)
-        with torch.no_grad(), keydiff_attention(model, cache):
-            model(input_ids=ids, cache=cache, use_cache=True)
-            cache.evict()
-        caches[name] = (cache, cache.fork(1)[0])
-    cache, fork = caches["knorm"]
-    for layer, copied in zip(cache.layers, fork.layers):
-        weight = layer.storage.signals.get(layer.plane, "output_projection")
-        assert weight is model.model.layers[layer.layer_idx].self_attn.o_proj.weight
-        assert copied.storage.signals.get(copied.plane, "output_projection") is weight
-    cache, fork = caches["expected_attention"]
-    for layer, copied in zip(cache.layers, fork.layers):
-        assert copied.queries is not layer.queries and copied.queries.count == layer.queries.count == 24
-        torch.testing.assert_close(copied.queries.total, layer.queries.total)
+        model_signals.register(last_output)
