@@ -7,7 +7,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 import types
 from pathlib import Path
 
@@ -80,18 +79,6 @@ def test_provenance_records_the_runtime_and_its_variables(monkeypatch):
     assert "OMP_WAIT_POLICY=PASSIVE" in openmp.describe()
 
 
-def test_each_setting_starts_with_its_own_variables_only(monkeypatch):
-    from scripts import bench_threads as threads
-
-    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")  # this process's own default must not leak into a setting
-    monkeypatch.setenv("KMP_BLOCKTIME", "0")
-    compared = threads.settings(4)
-    assert list(compared) == ["4 threads, libgomp default", "4 threads, PASSIVE", "4 threads, spin 10k", "1 thread"]
-    env = threads.child_environment(compared["4 threads, libgomp default"])
-    assert {k: env[k] for k in openmp.VARIABLES if k in env} == {"OMP_NUM_THREADS": "4", "GOMP_SPINCOUNT": "300000"}
-    assert env["PYTHONPATH"].split(os.pathsep)[0] == str(ROOT)
-
-
 @pytest.mark.integration
 def test_the_model_workload_times_a_prefill_and_a_batched_decode():
     from scripts import bench_threads as threads
@@ -102,30 +89,6 @@ def test_the_model_workload_times_a_prefill_and_a_batched_decode():
     assert result["ttft_s"] > 0 and result["decode_s"] > 0
     assert result["decode_tokens_per_s"] == pytest.approx(2 * 2 / result["decode_s"])
     assert result["threads"] >= 1 and "variables" in result["openmp"]
-
-
-@pytest.mark.slow
-def test_a_busy_neighbour_runs_until_stopped():
-    from scripts import bench_threads as threads
-
-    neighbour = threads.start_neighbour("busy", [], dict(os.environ), timeout=10)
-    try:
-        time.sleep(0.2)
-        assert neighbour.poll() is None
-    finally:
-        threads.stop(neighbour)
-    assert neighbour.poll() is not None
-    assert threads.start_neighbour("none", [], {}, timeout=1) is None
-
-
-def test_medians_per_setting_and_neighbour_and_a_timed_out_cell():
-    from scripts import bench_threads as threads
-
-    cells = [{"workload": "tests", "setting": "1 thread", "neighbour": "none", "result": {"wall_s": s}}
-             for s in (3.0, 1.0, 2.0)]
-    cells.append({"workload": "tests", "setting": "1 thread", "neighbour": "busy", "result": {"timed_out": True}})
-    rows = threads.medians(cells, "tests")
-    assert [(r["neighbour"], r["wall_s"], r["repeats"]) for r in rows] == [("none", 2.0, 3), ("busy", None, 1)]
 
 
 def test_bad_workloads_and_neighbours_are_refused_naming_the_valid_ones(capsys):
