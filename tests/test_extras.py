@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
 
-from keydiff import extras
 from keydiff.extras import MissingExtra, install_command, installed, require
 
 pytestmark = pytest.mark.slow
@@ -39,16 +37,6 @@ def one_line(result: subprocess.CompletedProcess, extra: str) -> str:
 
 
 @pytest.mark.unit
-def test_every_extra_of_pyproject_is_described_with_its_install_command():
-    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    assert set(extras.EXTRAS) == set(declared) - {"dev"}  # dev: the test suite's, it covers the others
-    assert install_command("report") == "pip install -e '.[report]'"
-    assert install_command("flash") == "pip install -e '.[flash]' --no-build-isolation"
-    with pytest.raises(ValueError, match="unknown extra 'wandbb'; valid: report, wandb"):
-        install_command("wandbb")
-
-
-@pytest.mark.unit
 def test_require_names_the_extra_and_the_module_that_is_missing(monkeypatch):
     assert require("report", "json", "anything").dumps([]) == "[]"  # present: the module itself
     monkeypatch.setitem(sys.modules, "wandb_workspaces", None)
@@ -60,6 +48,8 @@ def test_require_names_the_extra_and_the_module_that_is_missing(monkeypatch):
     assert str(error.value) == ("the report needs the 'report' extra (no module wandb_workspaces.reports): "
                                 "pip install -e '.[report]'; or nothing else")
     assert not installed("wandb_workspaces") and not installed("wandb_workspaces.reports") and installed("json")
+    with pytest.raises(ValueError, match="unknown extra 'wandbb'; valid: report, wandb"):
+        install_command("wandbb")
 
 
 # (hidden modules, entry, arguments, extra, what the line names besides); {out}: where nothing may appear. logger=wandb

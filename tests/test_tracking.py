@@ -8,9 +8,9 @@ import json
 import pytest
 from omegaconf import OmegaConf
 
-from keydiff.run import runner, samples, tracking
+from keydiff.run import runner, tracking
 from keydiff.paper.reference import paper_values, read_tables, table_numbers
-from tests.test_cluster import make_cfg as cluster_cfg, tiny  # noqa: F401  (tiny: the fixture)
+from tests.test_cluster import inject, make_cfg as cluster_cfg, tiny  # noqa: F401  (tiny: the fixture)
 
 pytestmark = pytest.mark.integration
 
@@ -65,29 +65,14 @@ def recorded(monkeypatch):
     return runs
 
 
-def run_preempted_then_resume(cfg, run_dir, monkeypatch) -> None:
-    """The first invocation stops at its second sample (as a preempted job would); the second resumes."""
-    real_run_sample = samples.run_sample
-    calls = []
-
-    def preempted_on_second(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 2:
-            raise RuntimeError("preempted")
-        return real_run_sample(*args, **kwargs)
-
-    monkeypatch.setattr(samples, "run_sample", preempted_on_second)
-    with pytest.raises(RuntimeError, match="preempted"):
-        runner.run(cfg, run_dir)
-    monkeypatch.setattr(samples, "run_sample", real_run_sample)
-    runner.run(cfg, run_dir)
-
-
 @pytest.mark.extended
 def test_resumed_run_continues_one_wandb_run_and_a_finished_rerun_opens_none(tmp_path, tiny, recorded, monkeypatch):
     cfg = make_cfg(tmp_path)
     run_dir = tmp_path / "runs" / "tracked" / "point"
-    run_preempted_then_resume(cfg, run_dir, monkeypatch)  # rows 0, then 1 and 2
+    inject(monkeypatch, {"len40": RuntimeError("preempted")})  # the first invocation stops at its second sample
+    with pytest.raises(RuntimeError, match="preempted"):
+        runner.run(cfg, run_dir)
+    runner.run(cfg, run_dir)  # resumed: rows 1 and 2
     runner.run(cfg, run_dir)  # nothing to do: W&B must not be opened
 
     assert len(recorded) == 2, "a no-op re-run of a finished run opened W&B"
