@@ -1,4 +1,4 @@
-"""Sweeps that survive a cluster (tiny random model): a limit extended, failure rows, full disk, lock, signals, grid."""
+"""Sweeps that survive a cluster (tiny random model): a subset run refused, failure rows, full disk, lock, signals."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from omegaconf import OmegaConf, open_dict
 from keydiff.run import runner, samples
 from keydiff.run.preemption import Preempted, StopSignals
 from keydiff.run.lock import RunLock, RunLockedError
-from keydiff.run.results import ConfigMismatchError, ResultStore, ResultWriteError, run_dir_of
+from keydiff.run.results import ConfigMismatchError, ResultStore, ResultWriteError
 from tests.conftest import char_tokenizer, tiny_llama
 
 pytestmark = pytest.mark.unit
@@ -78,11 +78,12 @@ def inject(monkeypatch, failures: dict[str, BaseException]):
 
 @pytest.mark.integration
 @pytest.mark.extended
-def test_a_larger_limit_extends_a_run_running_only_the_missing_sample(tmp_path, tiny):
-    runner.run(make_cfg(tmp_path, task={"limit": 1}), tmp_path / "run")
-    tiny.clear()
-    extended = runner.run(make_cfg(tmp_path), tmp_path / "run")
-    assert tiny == ["len100"] and extended["num_samples"] == 2 and extended["limit"] is None
+def test_a_subset_run_is_refused_in_the_full_runs_directory(tmp_path, tiny):
+    runner.run(make_cfg(tmp_path), tmp_path / "run")
+    rows = rows_of(tmp_path / "run")
+    with pytest.raises(ConfigMismatchError, match="task.limit=None"):  # it would rewrite the full run's summary
+        runner.run(make_cfg(tmp_path, task={"limit": 1}), tmp_path / "run")
+    assert rows_of(tmp_path / "run") == rows
 
 
 @pytest.mark.integration
@@ -206,6 +207,10 @@ def test_second_writer_is_refused_naming_the_holder_and_may_wait(tmp_path):
     assert json.loads(lock.read_text()) == waiter.record  # the refused second taker left the lock alone
     waiter.release()
     assert not lock.exists()
+    # A lock from another host cannot be checked from here: refused, not stolen.
+    lock.write_text(json.dumps({"host": "node-elsewhere", "pid": DEAD_PID, "started": "earlier"}))
+    with pytest.raises(RunLockedError, match="host node-elsewhere"):
+        RunLock(tmp_path / "run").acquire()
 
 
 @pytest.mark.parametrize("pid", [os.getpid(), DEAD_PID], ids=["this-pid-not-held", "dead"])
@@ -219,13 +224,18 @@ def test_a_stale_lock_of_this_host_is_taken_over(tmp_path, pid):
     assert not lock.exists()
 
 
-def test_a_signal_abandons_interruptible_work_and_handlers_are_restored():
+def test_a_signal_abandons_interruptible_work_and_waits_for_writes():
     with StopSignals() as signals:
         with pytest.raises(Preempted) as stopped:
             with signals.interruptible():
                 os.kill(os.getpid(), signal.SIGUSR1)
                 time.sleep(5)  # interrupted at once
         assert stopped.value.signum == signal.SIGUSR1
+    with StopSignals() as signals:
+        os.kill(os.getpid(), signal.SIGUSR2)  # e.g. while a row is written: only noted
+        assert signals.received == signal.SIGUSR2
+        with pytest.raises(Preempted):
+            signals.check()
     assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL  # handlers restored
 
 
@@ -233,6 +243,10 @@ def test_ctrl_c_under_pythons_own_handler_exits_130_without_a_traceback():
     with pytest.raises(SystemExit) as exited:
         Preempted(signal.SIGINT, signal.default_int_handler).deliver()
     assert exited.value.code == 130
+    seen = []  # another handler (submitit's) is handed the signal
+    with pytest.raises(SystemExit):
+        Preempted(signal.SIGINT, lambda signum, frame: seen.append(signum)).deliver()
+    assert seen == [signal.SIGINT]
 
 
 def test_a_crashed_and_retried_file_is_read_up_to_its_last_whole_line(tmp_path):
