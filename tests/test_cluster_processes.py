@@ -91,7 +91,6 @@ def test_config_errors_are_one_line_exit_2_before_work_and_leave_no_directory(tm
 
 def test_a_second_writer_is_refused_and_a_stop_then_a_rerun_loses_and_duplicates_nothing(tmp_path, tiny_model_dir):
     """A second writer is refused naming the holder; SIGTERM after a row keeps every row and says how to resume."""
-    name = "SIGTERM"
     args = [*model_args(tiny_model_dir), "task.context_lengths=[400,800]", "task.depths=[0,25,50,75,100]",
             f"results_root={tmp_path / 'runs'}", "experiment_name=sig"]
     run_dir = tmp_path / "runs/sig/niah_small/custom/keydiff/2k/bs128/seed0"
@@ -115,11 +114,11 @@ def test_a_second_writer_is_refused_and_a_stop_then_a_rerun_loses_and_duplicates
     assert "Traceback" not in stderr + stdout and "KeyboardInterrupt" not in stderr + stdout
     written = read_rows(run_dir)  # every line parses: no partial row
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert 1 <= len(written) < 10 and summary["stopped_by"] == f"stopped by {name}" and not summary["complete"]
+    assert 1 <= len(written) < 10 and summary["stopped_by"] == "stopped by SIGTERM" and not summary["complete"]
     assert summary["num_samples"] == len(written) and not (run_dir / ".lock").exists()
-    lines = [line for line in stdout.splitlines() if f"stopped by {name}" in line]  # Hydra logs to stdout
+    lines = [line for line in stdout.splitlines() if "stopped by SIGTERM" in line]  # Hydra logs to stdout
     assert len(lines) == 1 and lines[0].endswith(
-        f"stopped by {name} after writing every finished row ({len(written)} of 10 samples done, summary.json "
+        f"stopped by SIGTERM after writing every finished row ({len(written)} of 10 samples done, summary.json "
         "written); re-run the same command to resume")
 
     resumed = run_py(*args)
