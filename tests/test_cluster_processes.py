@@ -1,5 +1,5 @@
-"""run.py as child processes on a tiny checkpoint: one-line config errors, dry run, lock, stop and resume, and
-SLURM through submitit against the fake executables of tests/fake_slurm (sweep, only_missing, USR2 requeue)."""
+"""run.py as child processes on a tiny checkpoint: one-line config errors, lock, stop and resume, and SLURM through
+submitit against the fake executables of tests/fake_slurm (sweep, only_missing, USR2 requeue)."""
 
 from __future__ import annotations
 
@@ -66,17 +66,11 @@ def wait_for_a_row(run_dir: Path, deadline: float) -> None:
 
 
 @pytest.mark.parametrize("args, expected", [
-    (["-m", "policy=keydiff,keydif"], ["policy=keydif is not valid; valid: adakv_criticalkv, adakv_expected_attention, "
-                                       "adakv_keydiff, adakv_snapkv, adakv_snapkv_relative, chunkkv"]),
     (["-m", "budget=2k", "block_size=64,0"], ["block_size=0 is not valid"]),
     (["-m", "experiment=smoke", "hydra/launcher=slurm", "hydra.launcher.partition=null"],
      ["hydra/launcher=slurm needs a partition"]),
-    (["budget=5k"], ["budget=5k is not valid", "3k", "8k"]),
-    (["task=longbenchh"], ["task=longbenchh is not valid", "niah", "phonebook"]),
-    (["model=llama-9"], ["model=llama-9 is not valid", "smollm2-135m", "llama-3.1-8b-instruct"]),
-    (["polcy=tova"], ["polcy is not a config group or key; valid groups: budget, experiment, logger, model, policy, "
-                      "protocol, task; valid keys: attention_statistics, batch_invariant, batch_size, block_size,"]),
-    (["-m", "polcy=a,b"], ["polcy is not a config group or key;"]),  # a swept typo, before any grid point
+    (["-m", "polcy=a,b"], ["polcy is not a config group or key; valid groups: budget, experiment, logger, model, "
+                           "policy, protocol, task; valid keys: attention_statistics, batch_invariant, batch_size,"]),
     (["model.nme=x"], ["model.nme is not a key of model; valid: attn_implementation, device, dtype,"]),
     (["budget=r0.3"], ["budget=r0.3 is not valid; valid: 1k, 2k, 3k, 4k, 6k, 8k, r0.1, r0.125, r0.25, r0.5, r0.75, "
                        "or any ratio: budget=r0.25 budget.ratio=0.3"]),
@@ -95,26 +89,8 @@ def test_config_errors_are_one_line_exit_2_before_work_and_leave_no_directory(tm
     assert not any((tmp_path / "runs").rglob("*"))
 
 
-def test_dry_run_prints_the_grid_and_the_slurm_job_script_without_submitting(tmp_path, tiny_model_dir):
-    result = run_py("experiment=smoke", *model_args(tiny_model_dir), "hydra/launcher=slurm",
-                    "hydra.launcher.partition=gpu", f"results_root={tmp_path / 'runs'}", "dry_run=true",
-                    env=fake_slurm_env(tmp_path / "slurm"))
-    assert result.returncode == 0, result.stderr
-    out = result.stdout
-    assert "dry run: 2 grid point(s)" in out and "SLURM array size: 2" in out
-    assert "#SBATCH --array=0-1%2" in out and "#SBATCH --partition=gpu" in out and "#SBATCH --cpus-per-task=8" in out
-    for policy in ("keydiff", "tova"):
-        assert f"{tmp_path / 'runs'}/smoke/niah_small/custom/{policy}/1k/bs128/seed0-limit2  [not started]" in out
-    assert not (tmp_path / "slurm" / "submissions.jsonl").exists() and files_under(tmp_path / "runs") == []
-
-
-@pytest.mark.parametrize("signum, status", [(signal.SIGTERM, -signal.SIGTERM), (signal.SIGINT, 130)],
-                         ids=["SIGTERM", "SIGINT"])
-def test_a_second_writer_is_refused_and_a_stop_then_a_rerun_loses_and_duplicates_nothing(tmp_path, tiny_model_dir,
-                                                                                        signum, status):
-    """A second writer is refused naming the holder; a stop after the first row keeps rows and summary, says in one
-    line how to resume (SIGTERM re-raised with its default action, SIGINT exit 130); the re-run loses nothing."""
-    name = signal.Signals(signum).name
+def test_a_second_writer_is_refused_and_a_stop_then_a_rerun_loses_and_duplicates_nothing(tmp_path, tiny_model_dir):
+    """A second writer is refused naming the holder; SIGTERM after a row keeps every row and says how to resume."""
     args = [*model_args(tiny_model_dir), "task.context_lengths=[400,800]", "task.depths=[0,25,50,75,100]",
             f"results_root={tmp_path / 'runs'}", "experiment_name=sig"]
     run_dir = tmp_path / "runs/sig/niah_small/custom/keydiff/2k/bs128/seed0"
@@ -129,20 +105,20 @@ def test_a_second_writer_is_refused_and_a_stop_then_a_rerun_loses_and_duplicates
         assert f"host {socket.gethostname()}, pid {first.pid}" in second.stderr.splitlines()[-1]
 
         wait_for_a_row(run_dir, deadline)
-        first.send_signal(signum)
+        first.send_signal(signal.SIGTERM)
         stdout, stderr = first.communicate(timeout=120)
     finally:
         if first.poll() is None:
             first.kill()
-    assert first.returncode == status, stderr
+    assert first.returncode == -signal.SIGTERM, stderr
     assert "Traceback" not in stderr + stdout and "KeyboardInterrupt" not in stderr + stdout
     written = read_rows(run_dir)  # every line parses: no partial row
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert 1 <= len(written) < 10 and summary["stopped_by"] == f"stopped by {name}" and not summary["complete"]
+    assert 1 <= len(written) < 10 and summary["stopped_by"] == "stopped by SIGTERM" and not summary["complete"]
     assert summary["num_samples"] == len(written) and not (run_dir / ".lock").exists()
-    lines = [line for line in stdout.splitlines() if f"stopped by {name}" in line]  # Hydra logs to stdout
+    lines = [line for line in stdout.splitlines() if "stopped by SIGTERM" in line]  # Hydra logs to stdout
     assert len(lines) == 1 and lines[0].endswith(
-        f"stopped by {name} after writing every finished row ({len(written)} of 10 samples done, summary.json "
+        f"stopped by SIGTERM after writing every finished row ({len(written)} of 10 samples done, summary.json "
         "written); re-run the same command to resume")
 
     resumed = run_py(*args)

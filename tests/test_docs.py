@@ -197,30 +197,3 @@ def test_every_module_and_make_target_the_docs_name_exists():
             if not (ROOT / "scripts" / script).is_file():
                 problems.append(f"{page.relative_to(ROOT)}: scripts/{script}: no such script")
     assert not problems, "\n".join(problems)
-
-
-@pytest.mark.parametrize("line, expected", [
-    ("make run", []),
-    ("make tabels", ["make tabels: no such target in the Makefile"]),
-    ("make sweep-local EXP=table99", ["EXP=table99: no conf/experiment/table99.yaml"]),
-    ('make run ARGS="policy=snapkv,keydif"', ["policy=snapkv,keydif: no conf/policy/keydif.yaml"]),
-    ("python run.py policy=keydiff budget=8k", []),
-    ("python nowhere.py", ["nowhere.py: no such file"]),
-    ("python -m keydiff.no_such_module", ["python -m keydiff.no_such_module: no such module in the package"]),
-    ("pip install keydiff", ["not a make target, a python module or a script: pip install keydiff"]),
-])
-def test_command_check_catches_what_does_not_exist(line, expected):
-    assert command_problems(line) == expected
-
-
-def test_link_check_catches_a_broken_link_and_a_wrong_anchor(tmp_path):
-    (tmp_path / "a.md").write_text("# Title\n\n## Two words\n\n[ok](b.md) [ok](#two-words) [gone](c.md) "
-                                   "[bad](b.md#nowhere) `[code](x.md)` [web](https://example.org)\n")
-    (tmp_path / "b.md").write_text("# B\n")
-    page = tmp_path / "a.md"
-    found = links(page)
-    assert found == ["b.md", "#two-words", "c.md", "b.md#nowhere", "https://example.org"]
-    assert anchors(page) == {"title", "two-words"}
-    missing = [t for t in found if (r := resolve(page, t))[0] is not None
-               and (not r[0].exists() or (r[1] and r[1] not in anchors(r[0])))]
-    assert missing == ["c.md", "b.md#nowhere"]

@@ -103,29 +103,6 @@ def test_a_no_op_rerun_keeps_the_record_and_a_resume_lists_both_invocations(tmp_
 
 
 @pytest.mark.extended
-def test_an_old_summary_is_read_as_one_invocation_and_a_resume_appends_to_it(tmp_path, tiny):
-    """A summary from before invocations were recorded is one invocation; a resume keeps it and appends its own."""
-    run_dir = tmp_path / "run"
-    runner.run(make_cfg(tmp_path, "threads=1", task={"limit": 1}), run_dir)
-    summary = summary_of(run_dir)
-    old = {key: value for key, value in summary.items() if key != "invocations"}
-    (run_dir / "summary.json").write_text(json.dumps(old))
-    rows = [{key: value for key, value in row.items() if key != "invocation"} for row in rows_of(run_dir)]
-    (run_dir / "predictions.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-
-    (legacy,) = invocations.recorded(old)
-    assert legacy["source"] == invocations.SUMMARY_FIELDS and legacy["id"] is None
-    assert (legacy["batch_size"], legacy["threads"], legacy["samples_wall_s"]) == (1, 1, old["samples_wall_s"])
-    assert invocations.batch_size({"samples_wall_s": 3.0}) == 1  # from before batching: batch 1
-    assert collect.run_record(run_dir / "summary.json", tmp_path)["invocations"] is None  # not recorded: unknown
-
-    extended = runner.run(make_cfg(tmp_path, "threads=1", "batch_size=2"), run_dir)
-    first, second = extended["invocations"]
-    assert first == {**legacy, "rows": 1} and second["source"] == invocations.ITSELF and second["rows"] == 1
-    assert [row.get("invocation") for row in rows_of(run_dir)] == [None, second["id"]]
-
-
-@pytest.mark.extended
 def test_rows_of_a_process_killed_before_its_summary_are_recorded_by_the_next_invocation(tmp_path, tiny, monkeypatch):
     """A no-op re-run lists the killed invocation from what its rows record, not leaving its rows out."""
     run_dir = tmp_path / "run"

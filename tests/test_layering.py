@@ -63,8 +63,7 @@ def test_the_decoding_core_imports_nothing_above_it():
 
 
 def test_ownership_is_never_decided_by_comparing_data_pointers():
-    """A sequence's handle names the arena slot its entries live in; the one data_ptr left counts the bytes of each
-    allocation once for kv_cache_bytes (layers of one stack share an allocation), and decides nothing."""
+    # the one data_ptr left counts each allocation's bytes once for kv_cache_bytes, and decides nothing
     uses = []
 
     def visit(node: ast.AST, path: str, where: str) -> None:  # where: the innermost function, or the module's body

@@ -1,9 +1,8 @@
 """Make targets run for real (-o keeps the install stamp; PY is this interpreter): a user's mistake is one `error:`
-line and exit status 2; `make report` reads runs of every preset; `make clean` and `make help` reach everything."""
+line and exit status 2; `make report` reads runs of every preset; `make help` lists every target."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -69,69 +68,3 @@ def test_status_without_an_experiment_or_with_a_typo_is_one_line(capsys, tmp_pat
     assert status.main(["smoke", f"results_root={tmp_path}"]) == 0
     out = capsys.readouterr().out
     assert "experiment smoke: 2 grid point(s)" in out and "total: 2 not started" in out, out
-
-
-def recorded_config(experiment: str, policy: str, budget: str) -> dict:
-    """run_config.json as the runner writes it: the config Hydra composes for the point, resolved."""
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
-
-    import keydiff  # noqa: F401  resolvers
-
-    overrides = [f"policy={policy}", f"budget={budget}", f"experiment_name={experiment}"]
-    if policy == "custom":
-        overrides.append("policy.target=my_lab.policies.Mine")
-    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
-        return OmegaConf.to_container(compose("config", overrides=overrides), resolve=True)
-
-
-@pytest.mark.unit
-@pytest.mark.extended
-def test_make_report_with_runs_of_every_preset(tmp_path, capsys):
-    """Runs of every preset (some hold only `defaults:` and a label), in a conf/experiment grid and adhoc."""
-    pytest.importorskip("wandb_workspaces", reason="make report needs the wandb-workspaces package (.[dev])")
-    from keydiff.report import wandb as make_report
-
-    presets = sorted(path.stem for path in (ROOT / "conf" / "policy").glob("*.yaml"))
-    runs = tmp_path / "runs"
-    for experiment, budget in (("leaderboard", "r0.25"), ("adhoc", "2k")):
-        for policy in presets:
-            config = recorded_config(experiment, policy, budget)
-            run_dir = runs / experiment / str(config["run_subdir"])
-            run_dir.mkdir(parents=True)
-            (run_dir / "run_config.json").write_text(json.dumps(config))
-    out = tmp_path / "reports"
-    assert make_report.main(["--runs", str(runs), "--out", str(out), "--paper", str(tmp_path / "absent")]) == 0
-    printed = capsys.readouterr().out
-    assert "adhoc__niah_small:" in printed and "leaderboard:" in printed
-    adhoc = json.loads((out / "adhoc__niah_small.json").read_text())["grid"]
-    assert adhoc["policies"] == sorted(recorded_config("adhoc", p, "2k")["policy"]["label"] for p in presets)
-    board = json.loads((out / "leaderboard.json").read_text())["grid"]
-    named = dict(zip(board["policies"], board["policy_names"]))  # composed presets: the base policy's name
-    assert named["adakv_keydiff"] == "keydiff" and named["snapkv_pyramid"] == "snapkv" and named["adakv_snapkv"] == "snapkv"
-    assert board["budgets"] == ["r0.125", "r0.25", "r0.5", "r0.75"]
-
-
-@needs_make
-def test_make_clean_reaches_every_pycache_and_nothing_hidden(tmp_path):
-    for folder in ("keydiff/bench/__pycache__", "keydiff/__pycache__", "tests/__pycache__", ".venv/lib/__pycache__",
-                   ".pytest_cache"):
-        (tmp_path / folder).mkdir(parents=True)
-        (tmp_path / folder / "x.pyc").write_text("")
-    (tmp_path / "results").mkdir()
-    (tmp_path / "results" / "summary.csv").write_text("kept")
-    result = subprocess.run(["make", "-s", "-f", str(ROOT / "Makefile"), "-C", str(tmp_path), "clean"],
-                            capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0, result.stderr
-    left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_dir())
-    assert not [p for p in left if p.endswith("__pycache__") and not p.startswith(".venv")]
-    assert (tmp_path / ".venv/lib/__pycache__").is_dir() and not (tmp_path / ".pytest_cache").exists()
-    assert (tmp_path / "results" / "summary.csv").read_text() == "kept"
-
-
-@needs_make
-def test_make_help_lists_every_target():
-    phony = re.search(r"^\.PHONY:(.*)$", (ROOT / "Makefile").read_text(), re.M)[1].split()
-    result = subprocess.run(["make", "-s", "help"], cwd=ROOT, capture_output=True, text=True, timeout=60)
-    listed = {line.split("\t")[0] for line in result.stdout.splitlines()}
-    assert "paper-assets" in listed and set(phony) <= listed, set(phony) - listed

@@ -16,8 +16,8 @@ from hydra.core.utils import JobReturn, JobStatus
 from omegaconf import OmegaConf
 
 import run
-from keydiff.run import invocations, logfile, sweep
-from keydiff.run.progress import Progress, sample_line
+from keydiff.run import logfile, sweep
+from keydiff.run.progress import Progress
 from keydiff.run.results import move_aside
 from tests.test_cluster_processes import model_args, run_py, tiny_model_dir  # noqa: F401  (fixture)
 
@@ -106,39 +106,12 @@ def test_recap_reports_failed_stopped_and_not_run_jobs(tmp_path, monkeypatch):
     assert cells[3][:3] == ["#3", "not", "run"] and lines[-1].endswith(str(tmp_path / "x" / "p3"))
 
 
-def test_no_effect_names_only_the_settings_that_differ():
-    summary = {"max_prompt_tokens": None, "invocations": [{"batch_size": 1, "threads": 2}, {"batch_size": 8, "threads": 2}]}
-    assert invocations.no_effect(summary, {"batch_size": 1, "threads": 2, "max_prompt_tokens": None}) == (
-        "every sample is already done, so batch_size=1 had no effect (the rows were computed with batch_size "
-        "mixed: 1, 8); to compare, run the same command with another results_root=<folder>")
-    only = {"max_prompt_tokens": None, "invocations": [{"batch_size": 1, "threads": 2}]}
-    assert invocations.no_effect(only, {"batch_size": 1, "threads": None, "max_prompt_tokens": None}) is None
-    assert "threads=4 and max_prompt_tokens=900" in invocations.no_effect(
-        only, {"batch_size": 1, "threads": 4, "max_prompt_tokens": 900})
-    assert invocations.no_effect(None, {"batch_size": 4}) is None  # nothing recorded: nothing to compare with
-
-
 def test_metrics_table_has_four_significant_digits():
     text = run.format_metrics({"needle_recall": 0.833333333333, "n": 6, "by_length": {"400": 1.0, "800": 2 / 3},
                                "by_cell": {"400": {"0": 0.5}}, "tokens": 12345.678})
     assert text.splitlines() == ["  needle_recall  0.8333", "  n              6", "  by_length      400: 1, 800: 0.6667",
                                  "  by_cell        400: {0: 0.5}", "  tokens         12,346"]
     assert run.rounded({"a": [0.123456, 3], "b": 2.0}) == {"a": [0.1235, 3], "b": 2.0}
-
-
-def test_progress_off_a_terminal_is_one_log_line_per_sample(caplog, capsys):
-    rows = [{"sample_id": "L400/d0", "scores": {"needle_recall": 1.0}, "prompt_tokens": 547, "kept_ratio": 0.25,
-             "ttft_s": 0.0123456, "new_tokens": 50},
-            {"sample_id": "L400/d50", "status": "failed", "failure_reason": "out_of_memory", "prompt_tokens": 547}]
-    with caplog.at_level(logging.INFO, logger="keydiff.run.progress"):
-        with Progress(2, "niah/keydiff", "needle_recall", terminal=False) as progress:
-            for row in rows:
-                progress.done(row)
-    assert [r.getMessage() for r in caplog.records] == [
-        "sample 1/2 L400/d0: needle_recall 1, 547 prompt tokens, kept 0.25, TTFT 0.01235 s, 50 new tokens",
-        "sample 2/2 L400/d50: failed (out_of_memory, 547 prompt tokens)"]
-    assert "\r" not in capsys.readouterr().err
-    assert sample_line(rows[0], 1, 1, "exact").startswith("sample 1/1 L400/d0: 547 prompt tokens")
 
 
 def test_run_log_opens_after_the_old_run_moved_aside(tmp_path):

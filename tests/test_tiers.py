@@ -1,6 +1,5 @@
-"""The suite's tiers (tests/conftest.py, docs/testing.md): every collected test is in exactly one of unit,
-integration and slow, a real-model or real-SLURM test is slow, a device test runs in this process, and the make
-targets select by these markers, not by lists of files."""
+"""The suite's tiers (tests/conftest.py, docs/testing.md): every test is in exactly one of unit, integration and slow,
+real-model and real-SLURM tests are slow, and the make targets select by these markers, not by lists of files."""
 
 from __future__ import annotations
 
@@ -92,25 +91,3 @@ def test_the_make_targets_select_by_tier_markers():
     full = re.search(r"^test:.*\n\t(.*)$", makefile, re.M).group(1)
     assert "-n $(JOBS) --dist loadfile --no-loadscope-reorder" in full and "--durations=25" in full, full
     assert " -m \"" not in full, full  # every tier
-
-
-def test_xdist_workers_take_the_heaviest_files_first_each_in_its_own_order():
-    """make test's workers run whole files in collection order: the files with the most seconds by tier first."""
-    from tests.conftest import heaviest_files_first
-
-    class Item:
-        def __init__(self, nodeid: str, *marks: str):
-            self.nodeid, self.own_markers = nodeid, [getattr(pytest.mark, mark).mark for mark in marks]
-
-        def get_closest_marker(self, name):
-            return next((mark for mark in self.own_markers if mark.name == name), None)
-
-    items = [Item("tests/test_a.py::one", "unit"), Item("tests/test_b.py::one", "slow"),
-             Item("tests/test_a.py::two", "integration"), Item("tests/test_c.py::one", "slow", "slurm"),
-             Item("tests/test_b.py::two", "unit"), Item("tests/test_d.py::one", "integration")]
-    heaviest_files_first(items)
-    assert [item.nodeid for item in items] == [
-        "tests/test_c.py::one",  # a real-SLURM test: the longest
-        "tests/test_b.py::one", "tests/test_b.py::two",  # a slow test and a unit test, in the file's order
-        "tests/test_a.py::one", "tests/test_a.py::two",  # integration + unit
-        "tests/test_d.py::one"]  # integration alone
