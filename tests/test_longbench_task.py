@@ -61,12 +61,17 @@ def test_templates_verbatim_spot_checks():
     p = lb.DATASET2PROMPT
     assert p["narrativeqa"].count("asconcisely") == 2
     assert p["narrativeqa"].endswith("Do not provide any explanation.\n\nQuestion: {input}\n\nAnswer:")
+    assert "Article: {context}\n\n Answer the question based on the above article" in p["qasper"]
+    assert "Write a one-page summary of all news. \n\nNews:\n{context}" in p["multi_news"]
     assert p["lcc"] == "Please complete the code given below. \n{context}Next line of code:\n"
     assert p["repobench-p"] == "Please complete the code given below. \n{context}{input}Next line of code:\n"
+    assert p["passage_count"].endswith("The final answer is: ")
     assert p["passage_retrieval_en"].endswith('"Paragraph 1", "Paragraph 2", etc.\n\nThe answer is: ')
     assert p["trec"].endswith("Here are some examples of questions.\n\n{context}\n{input}")
+    assert p["triviaqa"].endswith("The following are some examples.\n\n{context}\n\n{input}")
     assert p["lsht"] == "请判断给定新闻的类别，下面是一些例子。\n\n{context}\n{input}"
     assert '答案格式必须是"段落1"，"段落2"等格式' in p["passage_retrieval_zh"]
+    assert p["multifieldqa_zh"].endswith("问题：{input}\n回答：")
     assert p["vcsum"] == "下面有一段会议记录，请你阅读后，写一段总结，总结会议的内容。\n会议记录：\n{context}\n\n会议总结："
 
 
@@ -86,12 +91,13 @@ def test_bad_settings_name_valid_choices(kwargs, message):
 
 def test_zip_data_dir(tmp_path):
     zip_path = fixture_builder.write_zip(FIXTURE, tmp_path / "data.zip")
-    from_zip = task(datasets=["lsht"], data_dir=str(tmp_path))  # a folder holding only data.zip
+    from_zip = task(datasets=["lsht"], data_dir=str(zip_path))
     from_folder = task(datasets=["lsht"])
     assert [s.fields for s in from_zip.samples()] == [s.fields for s in from_folder.samples()]
     sources = from_zip.data_sources()
     assert sources["longbench/data/lsht.jsonl"] == from_folder.data_sources()["longbench/data/lsht.jsonl"]
     assert sources["longbench/data.zip"] == hashlib.sha256(zip_path.read_bytes()).hexdigest()
+    assert len(list(task(datasets=["lsht"], data_dir=str(tmp_path)).samples())) == 3  # a folder holding only data.zip
 
 
 def test_missing_file_names_the_paths(tmp_path):

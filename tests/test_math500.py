@@ -34,9 +34,12 @@ TEMPLATE = (
 @pytest.mark.parametrize(("response", "expected"), [
     ("so $x = \\boxed{\\frac{1}{2}}$.", "\\frac{1}{2}"),
     ("\\boxed{\\left[ -1, \\frac{3}{2} \\right)}", "\\left[ -1, \\frac{3}{2} \\right)"),
+    ("\\boxed{\\{1, 2\\}}", "\\{1, 2\\}"),
     ("first \\boxed{1}, then \\boxed{2}", "2"),
+    ("\\fbox{3}", "3"),
     ("\\boxed{4} and finally \\fbox{\\sqrt{5}}", "\\sqrt{5}"),
     ("$\\boxed 7$ is it", "7"),
+    ("\\boxed{\\text{Thursday}}", "\\text{Thursday}"),
     ("no box here, the answer is 3", None),
     ("\\boxed{1} ... \\boxed{\\frac{1}{", None),  # last box cut off: no answer
     ("\\boxed{}", ""),
@@ -60,11 +63,14 @@ def test_extract_boxed_answer(response, expected):
     (".5", "\\frac{1}{2}"),
     ("x = 5", "5"),
     ("90^\\circ", "90"),
+    ("90^{\\circ}", "90"),
     ("\\sqrt3", "\\sqrt{3}"),
     ("10\\text{ cm}", "10"),
     ("50\\%", "50"),
     ("\\$32,\\!348", "32,348"),
     ("\\left( 3, \\frac{\\pi}{2} \\right)", "(3,\\frac{\\pi}{2})"),
+    ("\\text{(C)}", "\\text{(C)}"),
+    ("a\nb", "ab"),
 ])
 def test_normalize_answer(raw, normalised):
     assert normalize_answer(raw) == normalised

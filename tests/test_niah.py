@@ -25,7 +25,8 @@ def test_paper_grid():
     assert paper_context_lengths() == [1000, 4222, 7444, 10667, 13889, 17111, 20333, 23556, 26778, 30000]
     assert paper_depths() == [0, 11, 22, 33, 44, 56, 67, 78, 89, 100]
     task = NeedleInAHaystack()
-    assert (task.context_lengths, task.depths) == (paper_context_lengths(), paper_depths())
+    assert (task.name, task.context_lengths, task.depths) == ("niah", paper_context_lengths(), paper_depths())
+    assert (task.max_new_tokens, task.buffer, task.prompt_style) == (50, 200, "storybook")
 
 
 @pytest.mark.parametrize(("changes", "message"), [
@@ -111,10 +112,18 @@ RAW = partial(needle_recall, compat="kvcache-factory")
 @pytest.mark.parametrize("metric, text, expected", [
     (normalize_words, "Eat a SANDWICH, in Dolores-Park… on a “sunny” day!",
      ["eat", "a", "sandwich", "in", "dolores", "park", "on", "a", "sunny", "day"]),
+    (needle_recall, NEEDLE, 1.0),
+    (needle_recall, "The best thing is to eat a sandwich and sit in Dolores Park on a sunny day", 1.0),
     (needle_recall, "Eat a sandwich.", pytest.approx(3 / 11)),  # of the answer's 11 distinct words
+    (needle_recall, "I don't know.", 0.0),
+    (needle_recall, "", 0.0),
     (needle_recall, "EAT a Sandwich, sit in dolores park on a sunny day!", pytest.approx(10 / 11)),  # no "and"
-    # KVCache-Factory's raw variant keeps punctuation: "Park," does not match "park".
+    # KVCache-Factory's raw variant keeps punctuation: "day" does not match "day.", "Park," not "park".
+    (RAW, "eat a sandwich and sit in Dolores Park on a sunny day", pytest.approx(10 / 11)),
+    (RAW, "eat a sandwich and sit in Dolores Park on a sunny day.", 1.0),
     (RAW, "Sit in Dolores Park, on a sunny day.", pytest.approx(7 / 11)),
+    (ROUGE1, "The best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day.",
+     (pytest.approx(1.0, abs=1e-6), 1.0)),
     # The needle sentence has 19 distinct case-sensitive words; "eat a sandwich" has 3, all in it: (F, R).
     (ROUGE1, "eat a sandwich", (pytest.approx(2 * (3 / 19) / (1 + 3 / 19 + 1e-8)), pytest.approx(3 / 19))),
     (ROUGE1, "", (0.0, 0.0)),

@@ -186,9 +186,10 @@ def test_summarize_boundary_of_the_guard():
             for i, (s, short) in enumerate([(1.0, False), (0.0, True), (0.0, False)])]
     summary = make(tasks=["vt"]).summarize(rows)
     assert summary["tasks"] == {"vt": 50.0} and summary["short"] == {"vt": 1}
+    assert make(tasks=["vt"]).summarize(rows[:2])["tasks"] == {"vt": 100.0}
 
 
-@pytest.mark.parametrize("name", ["vt", "qa_1"])  # string_match_all, string_match_part
+@pytest.mark.parametrize("name", STANDARD_TASKS)
 def test_gold_scores_one_and_wrong_scores_zero(name):
     task = make(tasks=[name])
     sample = next(iter(task.samples()))
