@@ -194,6 +194,8 @@ def test_a_stop_signal_in_a_batch_writes_finished_rows_and_the_resume_finishes_t
     stopped, resumed = summary["invocations"]  # each invocation, with the rows it wrote
     assert (stopped["stopped_by"], stopped["rows"], resumed["stopped_by"], resumed["rows"]) == (
         "stopped by SIGTERM", 2, None, len(LENGTHS) - 2)
+    assert {rows[key]["invocation"] for key in first} == {stopped["id"]}
+    assert summary["stopped_by"] is None
 
 
 @pytest.mark.unit
