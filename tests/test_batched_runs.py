@@ -165,8 +165,9 @@ def test_out_of_memory_with_a_plain_request_in_flight_is_raised(inject_oom):
         list(keydiff.generate_batch(model, [keydiff.Request(s, 4, key=i) for i, s in enumerate(states)], 2))
 
 
-def test_a_stop_signal_in_a_batch_writes_the_finished_rows(tmp_path, tiny, monkeypatch):
+def test_a_stop_signal_in_a_batch_writes_finished_rows_and_the_resume_finishes_the_rest(tmp_path, tiny, monkeypatch):
     """The signal passes through the batch's loop (not reported as the batch's failure), its finished rows kept."""
+    _, expected = run_at(lengths_cfg(tmp_path, "b1"))
     real = scheduler.Decoder.generate
 
     def interrupted(self, requests):
@@ -183,7 +184,18 @@ def test_a_stop_signal_in_a_batch_writes_the_finished_rows(tmp_path, tiny, monke
     cfg = lengths_cfg(tmp_path, "stop", "batch_size=4")
     with pytest.raises(Preempted):
         run_at(cfg)
-    assert len(by_id(run_dir_of(cfg))) == 2
+    first = by_id(run_dir_of(cfg))
+    assert len(first) == 2
+    monkeypatch.setattr(scheduler.Decoder, "generate", real)
+    summary, rows = run_at(cfg)
+    assert summary["complete"]
+    same_rows(expected, rows)
+    assert all(rows[key] == first[key] for key in first)  # the rows written before the signal are kept as they were
+    stopped, resumed = summary["invocations"]  # each invocation, with the rows it wrote
+    assert (stopped["stopped_by"], stopped["rows"], resumed["stopped_by"], resumed["rows"]) == (
+        "stopped by SIGTERM", 2, None, len(LENGTHS) - 2)
+    assert {rows[key]["invocation"] for key in first} == {stopped["id"]}
+    assert summary["stopped_by"] is None
 
 
 @pytest.mark.unit

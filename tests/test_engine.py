@@ -199,6 +199,18 @@ def test_flash_attention_2_path_runs_through_flash_attn_func(monkeypatch, prompt
     assert evicted.max_cache_entries == 96 and generate(model, evicted, 3).token_ids[0]
 
 
+def test_prefill_options_equal_the_keywords_and_explicit_keywords_replace_their_fields(model, prompt):
+    settings = dict(held_suffix=10, attention_statistics="materialized")
+    by_keywords = prefill(model, prompt, "keydiff", 40, 16, **settings)
+    by_options = prefill(model, prompt, "keydiff", 40, options=keydiff.PrefillOptions(block_size=16, **settings))
+    replaced = prefill(model, prompt, "keydiff", 40, 16, options=keydiff.PrefillOptions(block_size=99, held_suffix=3),
+                       **settings)
+    for state in (by_options, replaced):
+        assert (state.block_size, state.held_suffix) == (16, 10)
+        assert torch.equal(state.logits, by_keywords.logits)
+        assert all(torch.equal(a, b) for a, b in zip(state.kept_positions, by_keywords.kept_positions))
+
+
 def test_generate_takes_a_request_whose_fields_keywords_replace_and_decodes_a_state_once(model, prompt):
     expected = generate(model, prefill(model, prompt, "keydiff", 40, 16), 6, do_sample=True, seed=3).token_ids
     state = prefill(model, prompt, "keydiff", 40, 16)

@@ -10,7 +10,7 @@ import torch
 
 from keydiff import build_policy, generate, prefill
 from keydiff.cache import EvictingCache
-from keydiff.testing import tiny_hybrid_model
+from keydiff.testing import HYBRID_ARCHITECTURES, tiny_hybrid_model
 
 pytestmark = pytest.mark.integration
 
@@ -19,7 +19,7 @@ WINDOW = 48
 
 @pytest.fixture(scope="module")
 def models():
-    return {name: tiny_hybrid_model(name, window=WINDOW) for name in ("gemma3", "gpt_oss", "mistral_sliding")}
+    return {name: tiny_hybrid_model(name, window=WINDOW) for name in HYBRID_ARCHITECTURES}
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +43,31 @@ def loop_tokens(model, state, steps):
     return tokens
 
 
+def stock_tokens(model, ids, new_tokens):
+    """Greedy decoding with transformers' own cache and attention."""
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, min_new_tokens=new_tokens)
+    return out[0, ids.shape[1]:].tolist()
+
+
+@pytest.mark.parametrize("architecture, window, policy, budget, block_size, statistics", [
+    ("gemma2", WINDOW, "keydiff", 200, 32, "fast"),  # soft cap; 32-token blocks cross the window's edge
+    ("gemma3", WINDOW, "full", None, 200, "fast"),
+    ("gemma3", WINDOW, "snapkv", 500, 32, "materialized"),
+    ("gpt_oss", WINDOW, "adakv", 200, 32, "fast"),  # sinks, head-adaptive pools
+    ("gpt_oss", WINDOW, "adakv", 200, 32, "materialized"),
+    ("mistral_sliding", 300, "keydiff", 250, 32, "fast"),  # N < window: evicting layers masked by position
+])
+def test_budget_at_least_the_prompt_equals_the_stock_model(models, ids, architecture, window, policy, budget,
+                                                           block_size, statistics):
+    model = models[architecture] if window == WINDOW else tiny_hybrid_model(architecture, window=window)
+    if policy == "adakv":
+        policy = build_policy("snapkv", head_budgets="adakv")
+    state = prefill(model, ids, policy, budget, block_size, attention_statistics=statistics)
+    assert torch.allclose(state.logits, stock_logits(model, ids), atol=1e-5)
+    assert generate(model, state, 6).token_ids[0] == stock_tokens(model, ids, 6)
+
+
 def test_a_hybrid_model_bounds_each_layer_kind_and_a_plain_loop_decodes_as_generate(models, ids):
     """Gemma 3: sliding layers hold the window less one, evicted ones N; a model(...) loop decodes as generate."""
     model = models["gemma3"]
@@ -58,13 +83,18 @@ def test_all_sliding_model_evicts_only_below_the_window(models, ids, caplog):
     model = models["mistral_sliding"]
     with caplog.at_level(logging.WARNING, logger="keydiff.cache.cache"):
         bounded = prefill(model, ids, "keydiff", 64, 32)
-    assert "already bounds" in caplog.text and bounded.cache.layer_kinds == ["sliding"] * 4
+    assert "already bounds" in caplog.text
+    assert bounded.cache.layer_kinds == ["sliding"] * 4
     assert torch.allclose(bounded.logits, stock_logits(model, ids), atol=1e-5)
     short = prefill(model, ids[:, :150], "keydiff", 40, 16)
-    assert short.cache.layer_kinds == ["evicted"] * 4 and short.max_cache_entries == 56
+    assert short.cache.layer_kinds == ["evicted"] * 4
+    assert short.max_cache_entries == 56
+    for positions in short.kept_positions:
+        assert positions.shape[-1] == 40
 
 
 def test_gpt_oss_sinks_under_head_adaptive_budgets_keep_the_same_on_both_statistics(models, ids):
+    assert any(float(layer.self_attn.sinks.detach().abs().max()) > 0.1 for layer in models["gpt_oss"].model.layers)
     kept = [prefill(models["gpt_oss"], ids, build_policy("snapkv", head_budgets="adakv"), 64, 32,
                     attention_statistics=mode).kept_positions for mode in ("fast", "materialized")]
     assert all(torch.equal(a, b) for a, b in zip(*kept))
