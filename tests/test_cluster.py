@@ -78,12 +78,17 @@ def inject(monkeypatch, failures: dict[str, BaseException]):
 
 @pytest.mark.integration
 @pytest.mark.extended
-def test_a_subset_run_is_refused_in_the_full_runs_directory(tmp_path, tiny):
+def test_a_subset_run_is_refused_in_the_full_runs_directory_and_a_larger_limit_extends(tmp_path, tiny):
     runner.run(make_cfg(tmp_path), tmp_path / "run")
     rows = rows_of(tmp_path / "run")
     with pytest.raises(ConfigMismatchError, match="task.limit=None"):  # it would rewrite the full run's summary
         runner.run(make_cfg(tmp_path, task={"limit": 1}), tmp_path / "run")
     assert rows_of(tmp_path / "run") == rows
+    runner.run(make_cfg(tmp_path, task={"limit": 1}), tmp_path / "subset")
+    tiny.clear()
+    extended = runner.run(make_cfg(tmp_path), tmp_path / "subset")  # a larger limit extends: the missing sample runs
+    assert tiny == ["len100"]
+    assert extended["num_samples"] == 2 and extended["limit"] is None
 
 
 @pytest.mark.integration
@@ -247,6 +252,10 @@ def test_ctrl_c_under_pythons_own_handler_exits_130_without_a_traceback():
     with pytest.raises(SystemExit):
         Preempted(signal.SIGINT, lambda signum, frame: seen.append(signum)).deliver()
     assert seen == [signal.SIGINT]
+    with StopSignals() as signals:
+        os.kill(os.getpid(), signal.SIGINT)  # noted, as SIGTERM is, while not interruptible
+        assert signals.received == signal.SIGINT
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 def test_a_crashed_and_retried_file_is_read_up_to_its_last_whole_line(tmp_path):

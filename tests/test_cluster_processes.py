@@ -66,7 +66,11 @@ def wait_for_a_row(run_dir: Path, deadline: float) -> None:
 
 
 @pytest.mark.parametrize("args, expected", [
+    (["-m", "policy=keydiff,keydif"], ["policy=keydif is not valid; valid: adakv_criticalkv, adakv_expected_attention, "
+                                       "adakv_keydiff, adakv_snapkv, adakv_snapkv_relative, chunkkv"]),  # a grid point
     (["-m", "budget=2k", "block_size=64,0"], ["block_size=0 is not valid"]),
+    (["budget=5k"], ["budget=5k is not valid", "3k", "8k"]),
+    (["model=llama-9"], ["model=llama-9 is not valid", "smollm2-135m", "llama-3.1-8b-instruct"]),
     (["-m", "experiment=smoke", "hydra/launcher=slurm", "hydra.launcher.partition=null"],
      ["hydra/launcher=slurm needs a partition"]),
     (["-m", "polcy=a,b"], ["polcy is not a config group or key; valid groups: budget, experiment, logger, model, "
@@ -89,8 +93,12 @@ def test_config_errors_are_one_line_exit_2_before_work_and_leave_no_directory(tm
     assert not any((tmp_path / "runs").rglob("*"))
 
 
-def test_a_second_writer_is_refused_and_a_stop_then_a_rerun_loses_and_duplicates_nothing(tmp_path, tiny_model_dir):
-    """A second writer is refused naming the holder; SIGTERM after a row keeps every row and says how to resume."""
+@pytest.mark.parametrize("signum, status", [(signal.SIGTERM, -signal.SIGTERM), (signal.SIGINT, 130)],
+                         ids=["SIGTERM", "SIGINT"])
+def test_a_second_writer_is_refused_and_a_stop_then_a_rerun_loses_and_duplicates_nothing(tmp_path, tiny_model_dir,
+                                                                                        signum, status):
+    """A second writer is refused naming the holder; a stop after a row keeps every row and says how to resume."""
+    name = signal.Signals(signum).name
     args = [*model_args(tiny_model_dir), "task.context_lengths=[400,800]", "task.depths=[0,25,50,75,100]",
             f"results_root={tmp_path / 'runs'}", "experiment_name=sig"]
     run_dir = tmp_path / "runs/sig/niah_small/custom/keydiff/2k/bs128/seed0"
@@ -105,20 +113,20 @@ def test_a_second_writer_is_refused_and_a_stop_then_a_rerun_loses_and_duplicates
         assert f"host {socket.gethostname()}, pid {first.pid}" in second.stderr.splitlines()[-1]
 
         wait_for_a_row(run_dir, deadline)
-        first.send_signal(signal.SIGTERM)
+        first.send_signal(signum)
         stdout, stderr = first.communicate(timeout=120)
     finally:
         if first.poll() is None:
             first.kill()
-    assert first.returncode == -signal.SIGTERM, stderr
+    assert first.returncode == status, stderr
     assert "Traceback" not in stderr + stdout and "KeyboardInterrupt" not in stderr + stdout
     written = read_rows(run_dir)  # every line parses: no partial row
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert 1 <= len(written) < 10 and summary["stopped_by"] == "stopped by SIGTERM" and not summary["complete"]
+    assert 1 <= len(written) < 10 and summary["stopped_by"] == f"stopped by {name}" and not summary["complete"]
     assert summary["num_samples"] == len(written) and not (run_dir / ".lock").exists()
-    lines = [line for line in stdout.splitlines() if "stopped by SIGTERM" in line]  # Hydra logs to stdout
+    lines = [line for line in stdout.splitlines() if f"stopped by {name}" in line]  # Hydra logs to stdout
     assert len(lines) == 1 and lines[0].endswith(
-        f"stopped by SIGTERM after writing every finished row ({len(written)} of 10 samples done, summary.json "
+        f"stopped by {name} after writing every finished row ({len(written)} of 10 samples done, summary.json "
         "written); re-run the same command to resume")
 
     resumed = run_py(*args)

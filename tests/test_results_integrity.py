@@ -1,5 +1,5 @@
-"""What reaches the tables is exactly the runs that stand: a run moved aside by overwrite=true is history; a device
-that is not there is refused before any directory."""
+"""What reaches the tables is exactly the runs that stand: a run moved aside by overwrite=true is history; a
+task.limit at or above the task's size is the whole run; a device that is not there is refused before any directory."""
 
 from __future__ import annotations
 
@@ -137,11 +137,20 @@ def compose(*overrides: str):
 
 
 @pytest.mark.extended
-def test_a_limit_that_covers_the_task_is_the_whole_run():
-    from keydiff.run.checks import drop_whole_task_limit
+@pytest.mark.parametrize("overrides, covers", [
+    (["task.limit=6"], True), (["task.limit=99"], True), (["task.limit=5"], False),  # niah_small: 6 samples
+    (["task=ruler_4k", "task.tasks=[vt,cwe]", "task.num_samples=3", "task.limit=3"], True),  # limit: per RULER task
+    (["task=ruler_4k", "task.tasks=[vt,cwe]", "task.num_samples=3", "task.limit=4"], True),
+    (["task=ruler_4k", "task.tasks=[vt,cwe]", "task.num_samples=3", "task.limit=2"], False),
+])
+def test_a_limit_that_covers_the_task_is_the_whole_run(overrides, covers):
+    from keydiff.run.checks import drop_whole_task_limit, limit_covers_task
 
-    cfg = compose("task.limit=99")  # niah_small: 6 samples
-    assert drop_whole_task_limit(cfg) and cfg.task.limit is None and str(cfg.run_subdir).endswith("seed0")
+    cfg = compose(*overrides)
+    assert limit_covers_task(cfg) is covers
+    assert drop_whole_task_limit(cfg) is covers
+    assert (cfg.task.limit is None) is covers
+    assert str(cfg.run_subdir).endswith("seed0") is covers
 
 
 @pytest.mark.slow

@@ -35,7 +35,10 @@ def no_model_load(monkeypatch):
 @pytest.mark.parametrize(
     "overrides, message",
     [
+        (["policy=sink", "budget.tokens=4"], "sink count .4. must be smaller than the budget"),
         (["+policy.params.bogus=1"], "valid: anchor, metric, window_fraction"),
+        (["model.dtype=float8"], "model.dtype='float8' is not valid"),
+        (["task.depths=[150]"], r"depths entries must be integers in \[0, 100\], got 150"),
         (["task=niah"], r"exceed the model's max_length \(8192\)"),
     ],
 )
