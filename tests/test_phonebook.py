@@ -43,3 +43,27 @@ def test_validate():
         small(sizes=[2, 8]).validate()
     with pytest.raises(ValueError, match="en_US"):
         small(locale="xx_XX").validate()
+
+
+@pytest.mark.parametrize("prediction, exact, lenient", [
+    ("  6123456789 \nrest", 1, 1),  # the first line, stripped on both sides
+    ("6123456789 is the number", 0, 1),
+    ("\n6123456789", 0, 1),
+    ("61234567890", 0, 0),
+    ("", 0, 0),
+])
+def test_score_first_line_exact_match(prediction, exact, lenient):
+    task = small()
+    sample = next(iter(task.samples()))
+    sample.fields["answer"] = "6123456789"
+    assert task.score(sample, prediction) == {"exact": exact, "lenient": lenient}
+
+
+def test_limit_covers_sizes_first_and_data_sources_name_the_generator():
+    import faker
+
+    limited = list(small(queries_per_book=1, limit=3).samples())
+    assert [s.id for s in limited] == ["n5/b0/q0", "n8/b0/q0", "n5/b1/q0"]
+    [(label, digest)] = small().data_sources().items()
+    assert faker.VERSION in label and "seed 0" in label and len(digest) == 64
+    assert list(small(seed=1).data_sources().values()) != [digest]

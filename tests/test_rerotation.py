@@ -15,7 +15,7 @@ from keydiff.cache import EvictingCache
 from keydiff.engine import generate, prefill
 from keydiff.policies import Rerotated, build_policy
 from keydiff.policies.rerotation import STATE
-from keydiff.testing import variant
+from keydiff.testing import check_policy, variant
 from tests.conftest import extended_unless, tiny_llama
 
 pytestmark = pytest.mark.integration
@@ -136,3 +136,10 @@ def test_a_cache_without_the_models_rope_or_with_a_dynamic_one_is_refused():
     dynamic = tiny_llama(rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}).config
     with pytest.raises(ValueError, match="dynamic"):
         EvictingCache(build_policy("keydiff", key_rerotation=True), 8, 3, block_size=8, config=dynamic)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("name, params", [("keydiff", {}), ("knorm", {"skip_layers": [0]})])
+def test_check_policy_passes_with_re_rotated_keys(name, params):
+    summary = check_policy(name, key_rerotation="contiguous", **params)
+    assert summary["evictions"] > 0

@@ -137,3 +137,12 @@ def test_interval_arithmetic():
     assert generic_tables.sample_count(row) == "6"
     row = selection.average_seeds(seeds.assign(samples=[5, 6]), ["policy"]).iloc[0]
     assert generic_tables.sample_count(row) == "5–6"  # seeds that scored different numbers say so
+
+
+def test_the_summary_line_names_unmatched_failed_subset_and_incomplete_cells():
+    stats = {"cells": 0, "paper_cells": 4, "reference": 0, "n_min": float("nan"), "unmatched": 1, "failed_cells": 1,
+             "failed": 2, "subset_cells": 2, "incomplete_cells": 1, "garbled": 0}
+    assert paper_compare.summary_line("table1", stats, []).split("; ") == [
+        "0 of 4 paper cells compared (same model, complete whole-task runs)", "1 of our cells has no paper value",
+        "† 1 cell with failed samples (up to 2)", "§ 2 cells from subset runs (task.limit), shown but not counted",
+        "~ 1 cell from runs not complete, shown but not counted."]
