@@ -125,11 +125,23 @@ def test_out_of_memory_sample_is_recorded_skipped_on_rerun_and_retried_on_reques
 @pytest.mark.integration
 @pytest.mark.extended
 def test_a_prompt_over_max_prompt_tokens_is_a_failed_row_that_never_reaches_the_model(tmp_path, tiny):
+    at_cap = runner.run(make_cfg(tmp_path, "max_prompt_tokens=100"), tmp_path / "at")
+    assert tiny == ["len30", "len100"] and at_cap["failures"] == {} and at_cap["num_samples"] == 2
+    tiny.clear()
     below = runner.run(make_cfg(tmp_path, "max_prompt_tokens=99"), tmp_path / "below")
     assert tiny == ["len30"] and below["failures"] == {"max_prompt_tokens": 1} and below["max_prompt_tokens"] == 99
     capped = rows_of(tmp_path / "below")[1]
     assert capped["failure_reason"] == "max_prompt_tokens" and capped["prompt_tokens"] == 100
     assert capped["error"] == "prompt has 100 tokens > max_prompt_tokens=99"
+
+
+@pytest.mark.integration
+@pytest.mark.extended
+def test_any_other_error_stops_the_run_naming_the_sample(tmp_path, tiny, monkeypatch):
+    inject(monkeypatch, {"len100": IndexError("index 7 is out of bounds")})
+    with pytest.raises(RuntimeError, match="sample 'len100' failed with IndexError: index 7"):
+        runner.run(make_cfg(tmp_path), tmp_path / "run")
+    assert [r["sample_id"] for r in rows_of(tmp_path / "run")] == ["len30"]  # written rows are kept
 
 
 @pytest.mark.integration

@@ -50,7 +50,7 @@ def run_shard(tmp_path, spec: str | None, *overrides: str, limit: int | None = N
 
 def test_shard_spec_is_checked_in_one_line_naming_the_valid_form(tmp_path):
     assert parse_shard(None) is None and parse_shard("2/8") == Shard(2, 8) and parse_shard("1/1") == Shard(1, 1)
-    for bad in ("2of8", 2, "all/8"):
+    for bad in ("0/8", "2of8", "02/8", 2, "all/8", " 2/8", "2/0"):
         with pytest.raises(ValueError) as error:
             parse_shard(bad)
         message = str(error.value)
