@@ -86,7 +86,7 @@ def counting(policy: Policy, rows_alike: bool, **needs: Any) -> tuple[Policy, li
         calls.append(sum(head.positions.shape[-1] for head in heads) - len(heads) * budget)
         return super(type(self), self).keep_heads(heads, budget)
 
-    def drop_segments(self: Policy, segments, budget: int) -> torch.Tensor:  # head-adaptive (head by head: keep_heads counts)
+    def drop_segments(self: Policy, segments, budget: int) -> torch.Tensor:  # head by head: keep_heads counts
         if chooses_whole_segments(self):  # all segments of a row at once
             calls.append(int((segments.counts.sum(dim=1) - segments.counts.shape[1] * budget).clamp_min(0).sum()))
         return super(type(self), self).drop_segments(segments, budget)
@@ -186,7 +186,7 @@ def check_policy(
             compare(name, "the captured fixed-shape step (it claims needs.capturable)", first, captured)
             captured_checked = True
     segments_checked = False
-    if base.needs.chooses_segments:  # head-adaptive, all layers' segments chosen at once: as head by head (`keep_heads`)
+    if base.needs.chooses_segments:  # head-adaptive, all layers' segments chosen at once: as head by head
         per_head, _ = run(base.needs.rows_alike, segment_scores=False)
         compare(name, "head-by-head choice (it chooses on all segments at once)", first, per_head)
         segments_checked = True

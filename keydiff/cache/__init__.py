@@ -5,7 +5,7 @@
     layer.py      EvictingLayer: one layer as transformers sees it, a view of its plane in a Storage
     arena.py      Arena: the one owner of dense KV memory, every buffer and count of one or several sequences' stacks
     storage.py    Storage: one sequence's stack of layers, written and evicted in its slot of an arena
-    evict.py      the eviction: of dense rows (a storage's, a block group's, the fixed-shape step's) and of head-adaptive segments
+    evict.py      the eviction: of dense rows (a storage's, a block group's, the fixed step's) and of AdaKV's segments
     adaptive.py   head-adaptive budgets (AdaKV): per-head segments in one buffer
     sliding.py    sliding-window layers of hybrid models: bounded by their window, never evicted
     placement.py  where each layer's keys will live (device, dtype)

@@ -1,5 +1,6 @@
 """One layer with head-adaptive budgets (AdaKV): per-head segments in one buffer of P cells that holds at most the
-layer's total; `SegmentStack` puts every bounded layer's buffer in one allocation. Design: docs/design/cache.md#head-adaptive-budgets-adaptivepy"""
+layer's total; `SegmentStack` puts every bounded layer's buffer in one allocation.
+Design: docs/design/cache.md#head-adaptive-budgets-adaptivepy"""
 
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ from keydiff.signals import Recorded, Signal
 
 
 class SegmentStack:
-    """The segment buffers of several head-adaptive layers in one allocation, [layers, batch, P, ...], so one eviction scores,
-    chooses and compacts every layer's rows at once; a layer that does not fit or must grow takes buffers of its own."""
+    """The segment buffers of several head-adaptive layers in one allocation, [layers, batch, P, ...], so one eviction
+    scores, chooses and compacts every layer's rows at once; a layer that does not fit or must grow takes buffers of its
+    own."""
 
     def __init__(self, layers: tuple[int, ...]):
         self.layers = layers
@@ -309,7 +311,8 @@ class AdaptiveLayer(EvictingLayer):
 
     @property
     def keys(self) -> torch.Tensor | None:
-        """[batch, P, dim]: the segments' cells; head h of row b holds keys[b, start:start + count] (`storage.segments`)."""
+        """[batch, P, dim]: the segments' cells; head h of row b holds keys[b, start:start + count]
+        (`storage.segments`)."""
         return self.storage.keys
 
     @property

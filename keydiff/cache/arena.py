@@ -119,7 +119,8 @@ class Arena:
         return Rows.of(base, self.layers, first, self.slots if stop is None else stop)
 
     def slot_buffers(self, slot: int) -> tuple:
-        """Slot `slot`'s keys, values, positions and {name: state} buffers [planes, batch, kv_heads, capacity(, dim)]."""
+        """Slot `slot`'s keys, values, positions and {name: state} buffers, each
+        [planes, batch, kv_heads, capacity(, dim)]."""
         return (self.keys[slot], self.values[slot], self.positions[slot],
                 {name: s[slot] for name, s in self.state.items()})
 

@@ -9,7 +9,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from keydiff.policies.base import LayerView, Needs, Policy, SegmentView, check_scores, chooses_whole_segments, score_then_position
+from keydiff.policies.base import (LayerView, Needs, Policy, SegmentView, check_scores, chooses_whole_segments,
+                                   score_then_position)
 from keydiff.policies.chunkkv import Chunked
 from keydiff.policies.criticalkv import STATE as CRITICAL_STATE
 from keydiff.policies.criticalkv import Critical, critical_scores, first_stage
@@ -161,8 +162,8 @@ class HeadAdaptive(PolicyWrapper):
 
     @property
     def needs(self) -> Needs:
-        """Head-adaptive, each layer's segments a buffer of their own (never stacked); all segments of a row are chosen on (`drop_segments`) when the
-        wrapped policy's scores are raw (no window, no CriticalKV)."""
+        """Head-adaptive, each layer's segments a buffer of their own (never stacked); all segments of a row are chosen
+        on at once (`drop_segments`) when the wrapped policy's scores are raw (no window, no CriticalKV)."""
         return replace(super().needs, head_adaptive=True, rows_alike=False, batch_invariant=False,
                        segment_scores=self.scorer.needs.segment_scores and self.head_scores == "raw")
 
@@ -193,7 +194,8 @@ class HeadAdaptive(PolicyWrapper):
         if not chooses_whole_segments(self):
             return Policy.drop_segments(self, segments, budget)  # head by head (`keep_heads`)
         scores = self.scorer.score_segments(segments).float()
-        return adakv_drop_segments(score_then_position(scores, segments.positions), segments, budget, self.alpha_safeguard)
+        return adakv_drop_segments(score_then_position(scores, segments.positions), segments, budget,
+                                   self.alpha_safeguard)
 
     def keep_heads(self, heads: list[LayerView], budget: int) -> list[torch.Tensor]:
         """Bool masks of the entries each head keeps ([n_h] per head of one batch row; views of one head each)."""

@@ -170,7 +170,7 @@ class Needs:
 
     @property
     def chooses_segments(self) -> bool:
-        """A head-adaptive policy that chooses on all segments of a row at once (`drop_segments`) rather than head by head."""
+        """A head-adaptive policy that chooses on all segments of a row at once (`drop_segments`), not head by head."""
         return self.head_adaptive and self.segment_scores
 
     @property
@@ -193,8 +193,9 @@ LEGACY = {"attention_rows": "attention_rows", "attention_reduction": "attention_
 
 
 def chooses_whole_segments(policy: "Policy") -> bool:
-    """Whether `drop_segments` chooses on all segments of a row at once (a head-adaptive, segment-scoring policy needing no attention or query
-    statistics) rather than head by head (`keep_heads` per row, `Policy.drop_segments`'s default)."""
+    """Whether `drop_segments` chooses on all segments of a row at once (a head-adaptive, segment-scoring policy needing
+    no attention or query statistics) rather than head by head (`keep_heads` per row, `Policy.drop_segments`'s
+    default)."""
     return policy.needs.chooses_segments and policy.needs.attention_rows == 0 and not policy.needs.queries
 
 
@@ -261,7 +262,8 @@ class Policy:
         return dropped
 
     def score_segments(self, segments: SegmentView) -> torch.Tensor:
-        """Scores [rows, P] float32 of every entry of `segments`, as `score` gives them on each head alone. Only with `needs.segment_scores`."""
+        """Scores [rows, P] float32 of every entry of `segments`, as `score` gives them on each head alone. Only with
+        `needs.segment_scores`."""
         raise NotImplementedError(f"policy {self.name!r} does not score head-adaptive segments")
 
     # True: check the scores at every eviction, not only at the policy object's first (keydiff.testing).
@@ -449,4 +451,5 @@ def check_fraction(name: str, value: float, budget: int | None = None) -> None:
         logger.warning("%s=%s of a %d-token budget reserves no entry (floor); the window is empty", name, value, budget)
 
 
-__all__ = ["LayerView", "Needs", "Policy", "SegmentView", "check_scores", "layer_by_layer", "most_recent", "window_size", "check_fraction", "field"]
+__all__ = ["LayerView", "Needs", "Policy", "SegmentView", "check_scores", "layer_by_layer", "most_recent",
+           "window_size", "check_fraction", "field"]

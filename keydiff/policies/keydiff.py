@@ -79,7 +79,8 @@ def cosine_to_mean(keys: torch.Tensor, normalized: bool, inv_norms: torch.Tensor
 
 def cosine_to_segment_means(keys: torch.Tensor, segments: SegmentView, normalized: bool,
                             inv_norms: torch.Tensor) -> torch.Tensor:
-    """`cosine_to_mean` for every head of every row of head-adaptive segments at once: [rows, P] (free cells mean nothing)."""
+    """`cosine_to_mean` for every head of every row of head-adaptive segments at once: [rows, P] (free cells mean
+    nothing)."""
     weights = torch.where(segments.member, inv_norms[:, None, :], 0.0) if normalized else segments.member.to(keys.dtype)
     anchors = (weights @ keys) / segments.counts.clamp_min(1)[..., None].to(keys.dtype)  # [rows, heads, d]
     dots = (keys @ anchors.transpose(1, 2)).gather(2, segments.owner[..., None]).squeeze(2)  # [rows, P]
@@ -109,7 +110,8 @@ class KeyDiff(Policy):
     @property
     def needs(self) -> Needs:
         """1/||k|| of every entry is state, computed once when the entry is written (initial_state), not at every
-        step; the cosine to a mean anchor is scored on all head-adaptive segments of a row at once (`cosine_to_segment_means`)."""
+        step; the cosine to a mean anchor is scored on all head-adaptive segments of a row at once
+        (`cosine_to_segment_means`)."""
         return Needs(state=("inv_norm",), host_reads=False, rows_alike=True, batch_invariant=True,
                      segment_scores=self.metric == "cosine" and self.anchor in ("normalized_mean", "mean"))
 

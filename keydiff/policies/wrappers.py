@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from keydiff.policies.base import (LayerView, Needs, Policy, SegmentView, check_fraction, chooses_whole_segments, most_recent,
-                                   window_size)
+from keydiff.policies.base import (LayerView, Needs, Policy, SegmentView, check_fraction, chooses_whole_segments,
+                                   most_recent, window_size)
 from keydiff.policies.layer_budgets import check_layer_budgets, smallest_layer_budget, split_budget
 
 
@@ -103,7 +103,8 @@ class RecentWindow(PolicyWrapper):
     @property
     def needs(self) -> Needs:
         """The wrapped policy's, capturable too (the window is a k-th value of the positions: tensors alone); with no
-        window (fraction 0, the presets' default) nothing is protected, so it scores segments as the wrapped policy does."""
+        window (fraction 0, the presets' default) nothing is protected, so it scores segments as the wrapped policy
+        does."""
         inner = self.scorer.needs
         return replace(super().needs, host_reads=inner.host_reads,
                        segment_scores=self.fraction == 0 and inner.segment_scores)
